@@ -1,0 +1,62 @@
+# vramguard — the two commands a new machine needs:
+#   make run    install what is missing, build, start `vramguard serve` on the embedded default
+#   make test   install what is missing, then run every check CI runs
+#
+# ONNX Runtime comes from the pinned PyPI wheel (the only place it can be fetched here) and is
+# installed into the git-ignored .deps/ folder; vramguard finds it there on its own.
+
+ORT_VERSION := 1.31.1
+ORT_DIR     := .deps/onnxruntime
+ORT_LIB     := $(ORT_DIR)/onnxruntime/capi/libonnxruntime.so.$(ORT_VERSION)
+PYTHON      ?= python3
+CARGO       ?= cargo
+SUDO        := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+APT_STAMP   := .deps/.apt-updated
+
+.PHONY: run test deps tools build release check-fmt clippy unit alert-tests bench clean-deps
+
+run: deps release
+	./target/release/vramguard serve $(ARGS)
+
+test: deps tools check-fmt clippy unit alert-tests
+	@echo "make test: all checks passed"
+
+deps: $(ORT_LIB)
+
+$(ORT_LIB):
+	@command -v $(PYTHON) >/dev/null || { echo "error: $(PYTHON) is needed to fetch the onnxruntime wheel"; exit 1; }
+	$(PYTHON) -m pip install --quiet --disable-pip-version-check --no-deps --target $(ORT_DIR) onnxruntime==$(ORT_VERSION)
+	@test -f $@ || { echo "error: the onnxruntime $(ORT_VERSION) wheel did not contain $@"; exit 1; }
+
+# promtool (Debian package `prometheus`) runs the alert-rule unit tests.
+tools:
+	@command -v promtool >/dev/null || { \
+		mkdir -p .deps; \
+		[ -f $(APT_STAMP) ] || { $(SUDO) apt-get update -qq && touch $(APT_STAMP); }; \
+		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends prometheus >/dev/null; }
+	@promtool --version | head -1
+
+build:
+	$(CARGO) build
+
+release:
+	$(CARGO) build --release
+
+check-fmt:
+	$(CARGO) fmt --check
+
+clippy:
+	$(CARGO) clippy --all-targets -- -D warnings
+
+unit:
+	$(CARGO) test
+
+alert-tests:
+	promtool check rules alerts/*.rules.yaml
+	promtool test rules alerts/tests/*.yaml
+
+bench: deps
+	$(CARGO) bench --bench overhead
+
+clean-deps:
+	rm -rf .deps

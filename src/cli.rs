@@ -1,0 +1,174 @@
+//! The command line (`vramguard …`). Each command validates its input fully before doing work;
+//! a bad config exits with status 64 before any port is bound.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use clap::{Parser, Subcommand};
+
+use crate::config::{self, Config};
+use crate::engine::Engine;
+use crate::http::{self, AppState};
+use crate::logging::{self, LogFormat};
+
+/// Exit status for a configuration the user must fix (EX_USAGE from sysexits.h).
+pub const EXIT_CONFIG: u8 = 64;
+
+/// vramguard: accelerator-memory exporter, admission policy and ONNX Runtime worker pools.
+#[derive(Debug, Parser)]
+#[command(name = "vramguard", version, about)]
+pub struct Cli {
+    /// Log format.
+    #[arg(long, global = true, value_enum, default_value = "human")]
+    pub log_format: LogFormat,
+    /// What to do.
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// Commands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Run the daemon: HTTP API, metrics and worker pools.
+    Serve {
+        /// Config file; without it the embedded default runs (`vramguard config default`).
+        #[arg(long)]
+        config: Option<PathBuf>,
+        /// Override `server.listen`, e.g. `127.0.0.1:9000`.
+        #[arg(long)]
+        listen: Option<std::net::SocketAddr>,
+    },
+    /// Validate or print configuration.
+    Config {
+        /// What to do with configuration.
+        #[command(subcommand)]
+        command: ConfigCommand,
+    },
+}
+
+/// `vramguard config …`
+#[derive(Debug, Subcommand)]
+pub enum ConfigCommand {
+    /// Validate a config file: schema, values, cross-references, model files and signatures.
+    Check {
+        /// The file.
+        file: PathBuf,
+    },
+    /// Print the embedded default config (as it would run on this machine).
+    Default,
+}
+
+/// Run the parsed command line.
+pub fn run(cli: Cli) -> ExitCode {
+    logging::init(cli.log_format);
+    match cli.command {
+        Command::Serve { config, listen } => serve(config, listen),
+        Command::Config {
+            command: ConfigCommand::Check { file },
+        } => config_check(&file),
+        Command::Config {
+            command: ConfigCommand::Default,
+        } => {
+            print!(
+                "# vramguard embedded default ({})\n{}",
+                if crate::device::nvidia_gpu_present() {
+                    "NVIDIA GPU found: the `gpu` pool uses CUDA"
+                } else {
+                    "no NVIDIA GPU: the `gpu` pool is a SIMULATED accelerator"
+                },
+                config::to_yaml(&config::embedded_raw(crate::device::nvidia_gpu_present()))
+            );
+            ExitCode::SUCCESS
+        }
+    }
+}
+
+fn fail(message: impl std::fmt::Display, code: u8) -> ExitCode {
+    eprintln!("error: {message}");
+    ExitCode::from(code)
+}
+
+fn load_config(path: Option<&PathBuf>) -> Result<Config, ExitCode> {
+    match path {
+        Some(p) => Config::load(p).map_err(|e| fail(e, EXIT_CONFIG)),
+        None => Ok(Config::embedded(crate::device::nvidia_gpu_present())),
+    }
+}
+
+fn config_check(file: &PathBuf) -> ExitCode {
+    let config = match load_config(Some(file)) {
+        Ok(c) => c,
+        Err(code) => return code,
+    };
+    // Loading the models proves the files, signatures and context axes, not just the YAML.
+    match Engine::start(config) {
+        Ok(engine) => {
+            engine.shutdown(std::time::Duration::from_secs(1));
+            println!(
+                "{}: ok ({} models, {} pools)",
+                file.display(),
+                engine.models.len(),
+                engine.pools.len()
+            );
+            ExitCode::SUCCESS
+        }
+        Err(e) => fail(e, EXIT_CONFIG),
+    }
+}
+
+fn serve(config_path: Option<PathBuf>, listen: Option<std::net::SocketAddr>) -> ExitCode {
+    let mut config = match load_config(config_path.as_ref()) {
+        Ok(c) => c,
+        Err(code) => return code,
+    };
+    if let Some(addr) = listen {
+        config.server.listen = addr;
+    }
+    let addr = config.server.listen;
+    let engine = match Engine::start(config) {
+        Ok(e) => Arc::new(e),
+        Err(e) => return fail(e, EXIT_CONFIG),
+    };
+    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => return fail(format!("cannot start the async runtime: {e}"), 1),
+    };
+    let result = runtime.block_on(async move {
+        let listener = tokio::net::TcpListener::bind(addr)
+            .await
+            .map_err(|e| format!("cannot listen on {addr}: {e}"))?;
+        tracing::info!(address = %listener.local_addr().map_err(|e| e.to_string())?, "vramguard serving");
+        http::serve(AppState::new(engine), listener, shutdown_signal())
+            .await
+            .map_err(|e| e.to_string())
+    });
+    match result {
+        Ok(()) => {
+            tracing::info!("stopped");
+            ExitCode::SUCCESS
+        }
+        Err(e) => fail(e, 1),
+    }
+}
+
+/// Resolves on SIGINT or SIGTERM.
+async fn shutdown_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(s) => s,
+            Err(_) => {
+                let _ = ctrl_c.await;
+                return;
+            }
+        };
+        tokio::select! {
+            _ = ctrl_c => {}
+            _ = term.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = ctrl_c.await;
+}

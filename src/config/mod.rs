@@ -1,0 +1,902 @@
+//! Configuration: parse YAML into raw structs (unknown keys are errors), then validate into
+//! typed structs. Everything here runs before any port is bound, and every error names the file
+//! and the key path.
+
+mod units;
+
+use std::collections::HashSet;
+use std::fmt;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+pub use units::{ByteSize, HumanDuration, format_duration, format_size, parse_duration, parse_size};
+
+use crate::model::BuiltinModel;
+
+/// The embedded default configuration (simulated accelerator flavour); see [`Config::embedded`].
+pub const DEFAULT_CONFIG_YAML: &str = include_str!("../../config/default.yaml");
+
+/// What went wrong loading a configuration, always naming the file and, when known, the key.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The file could not be read.
+    #[error("{file}: cannot read: {source}")]
+    Read {
+        /// The file.
+        file: String,
+        /// The I/O error.
+        source: std::io::Error,
+    },
+    /// The YAML did not match the schema (the message carries key path, line and column).
+    #[error("{file}: {message}")]
+    Parse {
+        /// The file.
+        file: String,
+        /// serde_yaml's message: key path, what was expected, line and column.
+        message: String,
+    },
+    /// A value parsed but is impossible.
+    #[error("{file}: {key}: {message}")]
+    Invalid {
+        /// The file.
+        file: String,
+        /// Dotted key path, e.g. `pools[1].queue.capacity`.
+        key: String,
+        /// What was expected.
+        message: String,
+    },
+}
+
+// ---------------------------------------------------------------------------------------------
+// Raw, serde-facing structs. They mirror the YAML exactly; `config default` serializes them.
+// ---------------------------------------------------------------------------------------------
+
+/// The YAML document as written by the operator.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawConfig {
+    /// HTTP server settings.
+    #[serde(default)]
+    pub server: RawServer,
+    /// Where ONNX Runtime comes from.
+    #[serde(default)]
+    pub onnxruntime: RawOnnxRuntime,
+    /// Accelerator devices (NVIDIA GPUs found through NVML, or simulated ones).
+    #[serde(default)]
+    pub devices: Vec<RawDevice>,
+    /// Models to serve.
+    pub models: Vec<RawModel>,
+    /// Worker pools, each bound to an execution provider and a device.
+    pub pools: Vec<RawPool>,
+    /// Host memory protection.
+    #[serde(default)]
+    pub host: RawHost,
+}
+
+/// `server:`
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RawServer {
+    /// Listen address, e.g. `127.0.0.1:8080`.
+    pub listen: String,
+    /// Largest accepted request body.
+    pub body_limit: ByteSize,
+    /// Name of the environment variable holding the admin bearer token.
+    pub admin_token_env: Option<String>,
+    /// How long in-flight work may take to finish on shutdown.
+    pub shutdown_grace: HumanDuration,
+}
+
+impl Default for RawServer {
+    fn default() -> Self {
+        Self {
+            listen: "127.0.0.1:8080".into(),
+            body_limit: ByteSize(64 << 20),
+            admin_token_env: None,
+            shutdown_grace: HumanDuration(Duration::from_secs(10)),
+        }
+    }
+}
+
+/// `onnxruntime:`
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RawOnnxRuntime {
+    /// Path to `libonnxruntime.so*`; when absent `ORT_DYLIB_PATH`, then the project-local install.
+    pub library: Option<PathBuf>,
+}
+
+/// One entry of `devices:`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawDevice {
+    /// Name used by pools and in metric labels.
+    pub name: String,
+    /// `nvidia` or `simulated`.
+    pub kind: String,
+    /// NVIDIA device index (kind `nvidia`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub index: Option<u32>,
+    /// Memory capacity (kind `simulated`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub capacity: Option<ByteSize>,
+}
+
+/// One entry of `models:`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawModel {
+    /// Name in URLs (`/v2/models/{name}`).
+    pub name: String,
+    /// A file path (relative to the config file) or `builtin:<name>`.
+    pub path: String,
+    /// The axis whose length is the context length, if the model has one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub context: Option<RawContext>,
+}
+
+/// `models[].context:`
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawContext {
+    /// Input tensor name.
+    pub input: String,
+    /// Axis index of the context dimension.
+    pub axis: usize,
+    /// Which end to keep when the context is shrunk: `start` or `end`.
+    #[serde(default = "default_keep")]
+    pub keep: String,
+}
+
+fn default_keep() -> String {
+    "end".into()
+}
+
+/// One entry of `pools:`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawPool {
+    /// Pool name (metric label, `x-vramguard-pool`).
+    pub name: String,
+    /// `cpu`, `cuda` or `simulated`.
+    pub provider: String,
+    /// Device name from `devices:` (required for `cuda` and `simulated`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device: Option<String>,
+    /// Names from `models:` this pool serves.
+    pub models: Vec<String>,
+    /// Worker threads, each with its own session per model.
+    #[serde(default = "one")]
+    pub workers: usize,
+    /// ONNX Runtime intra-op threads per session.
+    #[serde(default = "one")]
+    pub intra_threads: usize,
+    /// The bounded queue in front of the workers.
+    #[serde(default)]
+    pub queue: RawQueue,
+    /// CUDA execution provider options (provider `cuda`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cuda: Option<RawCuda>,
+}
+
+fn one() -> usize {
+    1
+}
+
+/// `pools[].queue:`
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RawQueue {
+    /// Most requests waiting; beyond it new requests get 503.
+    pub capacity: usize,
+    /// Longest a request may wait before it is answered 503.
+    pub max_wait: HumanDuration,
+}
+
+impl Default for RawQueue {
+    fn default() -> Self {
+        Self {
+            capacity: 64,
+            max_wait: HumanDuration(Duration::from_secs(30)),
+        }
+    }
+}
+
+/// `pools[].cuda:`
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RawCuda {
+    /// CUDA arena limit (`gpu_mem_limit`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub gpu_mem_limit: Option<ByteSize>,
+    /// `next_power_of_two` or `same_as_requested`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub arena_extend_strategy: Option<String>,
+}
+
+/// `host:`
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RawHost {
+    /// Host memory kept free for the system; the CPU path never plans into it.
+    pub reserve: ByteSize,
+}
+
+impl Default for RawHost {
+    fn default() -> Self {
+        Self {
+            reserve: ByteSize(2 << 30),
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Validated configuration.
+// ---------------------------------------------------------------------------------------------
+
+/// A validated configuration: every cross-reference resolved, every value possible.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// Where it came from (a path or `<embedded default>`), for messages.
+    pub source: String,
+    /// HTTP server.
+    pub server: ServerConfig,
+    /// Explicit ONNX Runtime library path, if configured.
+    pub onnxruntime_library: Option<PathBuf>,
+    /// Devices.
+    pub devices: Vec<DeviceConfig>,
+    /// Models.
+    pub models: Vec<ModelConfig>,
+    /// Pools.
+    pub pools: Vec<PoolConfig>,
+    /// Host memory reserve in bytes.
+    pub host_reserve: u64,
+}
+
+/// Validated `server:`.
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    /// Listen address.
+    pub listen: SocketAddr,
+    /// Largest accepted body in bytes.
+    pub body_limit: usize,
+    /// Environment variable with the admin token.
+    pub admin_token_env: Option<String>,
+    /// Shutdown grace period.
+    pub shutdown_grace: Duration,
+}
+
+/// A device and what kind it is.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DeviceConfig {
+    /// Name.
+    pub name: String,
+    /// Kind and its parameters.
+    pub kind: DeviceKind,
+}
+
+/// Device kinds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeviceKind {
+    /// An NVIDIA GPU found through NVML.
+    Nvidia {
+        /// NVML / CUDA device index.
+        index: u32,
+    },
+    /// A simulated accelerator whose ONNX Runtime arena is capped at `capacity` bytes.
+    Simulated {
+        /// Capacity in bytes.
+        capacity: u64,
+    },
+}
+
+impl DeviceKind {
+    /// The metric label value (`nvml` or `simulated`).
+    pub fn label(&self) -> &'static str {
+        match self {
+            DeviceKind::Nvidia { .. } => "nvml",
+            DeviceKind::Simulated { .. } => "simulated",
+        }
+    }
+}
+
+/// A model entry.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModelConfig {
+    /// Name.
+    pub name: String,
+    /// Where the bytes come from.
+    pub source: ModelSource,
+    /// The context axis, if the model has one.
+    pub context: Option<ContextAxis>,
+}
+
+/// Where a model's bytes come from.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ModelSource {
+    /// Embedded in the binary.
+    Builtin(BuiltinModel),
+    /// A file on disk (resolved against the config file's folder).
+    File(PathBuf),
+}
+
+impl fmt::Display for ModelSource {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ModelSource::Builtin(m) => write!(f, "builtin:{}", m.name()),
+            ModelSource::File(p) => write!(f, "{}", p.display()),
+        }
+    }
+}
+
+/// Which end of the context survives a shrink.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Keep {
+    /// Keep the first tokens.
+    Start,
+    /// Keep the most recent tokens.
+    End,
+}
+
+/// The axis of one input whose length is the context length.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ContextAxis {
+    /// Input tensor name.
+    pub input: String,
+    /// Axis index.
+    pub axis: usize,
+    /// Which end to keep.
+    pub keep: Keep,
+}
+
+/// Execution provider of a pool.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Provider {
+    /// ONNX Runtime's CPU provider with its own (uncapped) arena.
+    Cpu,
+    /// The CUDA provider on an NVIDIA device.
+    Cuda(CudaOptions),
+    /// CPU provider whose allocations come from the simulated device's capped arena.
+    Simulated,
+}
+
+impl Provider {
+    /// Label value: `cpu`, `cuda` or `simulated`.
+    pub fn label(&self) -> &'static str {
+        match self {
+            Provider::Cpu => "cpu",
+            Provider::Cuda(_) => "cuda",
+            Provider::Simulated => "simulated",
+        }
+    }
+}
+
+/// CUDA provider options.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CudaOptions {
+    /// `gpu_mem_limit` in bytes.
+    pub gpu_mem_limit: Option<u64>,
+    /// Extend the arena by exactly what is requested (instead of powers of two).
+    pub same_as_requested: bool,
+}
+
+/// A validated pool.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PoolConfig {
+    /// Name.
+    pub name: String,
+    /// Provider.
+    pub provider: Provider,
+    /// Device name (`host` for CPU pools).
+    pub device: String,
+    /// Served model names.
+    pub models: Vec<String>,
+    /// Worker threads.
+    pub workers: usize,
+    /// Intra-op threads per session.
+    pub intra_threads: usize,
+    /// Queue capacity.
+    pub queue_capacity: usize,
+    /// Longest queue wait.
+    pub max_wait: Duration,
+}
+
+/// The device name CPU pools report.
+pub const HOST_DEVICE: &str = "host";
+
+impl Config {
+    /// Load and validate a config file.
+    pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        let file = path.display().to_string();
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            file: file.clone(),
+            source,
+        })?;
+        let raw: RawConfig = parse_yaml(&text, &file)?;
+        let base = path.parent().unwrap_or(Path::new("."));
+        raw.validate(&file, base)
+    }
+
+    /// The embedded default; on a machine where NVML sees a GPU its accelerator is a CUDA pool.
+    pub fn embedded(nvidia_gpu: bool) -> Config {
+        embedded_raw(nvidia_gpu)
+            .validate("<embedded default>", Path::new("."))
+            .expect("the embedded default config is valid (checked by tests)")
+    }
+}
+
+/// The embedded default as raw YAML structs, adapted to the machine.
+pub fn embedded_raw(nvidia_gpu: bool) -> RawConfig {
+    let mut raw: RawConfig = parse_yaml(DEFAULT_CONFIG_YAML, "<embedded default>")
+        .expect("the embedded default config parses (checked by tests)");
+    if nvidia_gpu {
+        // Same names, so policies written for `gpu` work on both kinds of machine.
+        for device in raw.devices.iter_mut().filter(|d| d.kind == "simulated") {
+            device.kind = "nvidia".into();
+            device.capacity = None;
+            device.index = Some(0);
+        }
+        for pool in raw.pools.iter_mut().filter(|p| p.provider == "simulated") {
+            pool.provider = "cuda".into();
+            pool.cuda = Some(RawCuda {
+                gpu_mem_limit: None,
+                arena_extend_strategy: Some("same_as_requested".into()),
+            });
+        }
+    }
+    raw
+}
+
+/// The one place YAML is parsed (serde_yaml is deprecated upstream; swapping it touches only this).
+pub fn parse_yaml<T: serde::de::DeserializeOwned>(text: &str, file: &str) -> Result<T, ConfigError> {
+    serde_yaml::from_str(text).map_err(|e| ConfigError::Parse {
+        file: file.to_string(),
+        message: e.to_string(),
+    })
+}
+
+/// Serialize to YAML (used by `config default`).
+pub fn to_yaml<T: Serialize>(value: &T) -> String {
+    serde_yaml::to_string(value).expect("config structs always serialize")
+}
+
+struct Checker<'a> {
+    file: &'a str,
+}
+
+impl Checker<'_> {
+    fn err(&self, key: impl Into<String>, message: impl Into<String>) -> ConfigError {
+        ConfigError::Invalid {
+            file: self.file.to_string(),
+            key: key.into(),
+            message: message.into(),
+        }
+    }
+
+    fn unique_name<'n>(&self, seen: &mut HashSet<&'n str>, name: &'n str, key: String) -> Result<(), ConfigError> {
+        if name.is_empty() || !name.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c)) {
+            return Err(self.err(
+                key,
+                format!("expected a non-empty name of letters, digits, `-`, `_` or `.`, got `{name}`"),
+            ));
+        }
+        if !seen.insert(name) {
+            return Err(self.err(key, format!("`{name}` is defined twice")));
+        }
+        Ok(())
+    }
+}
+
+impl RawConfig {
+    /// Validate into a [`Config`]; `base` resolves relative model paths.
+    pub fn validate(&self, file: &str, base: &Path) -> Result<Config, ConfigError> {
+        let c = Checker { file };
+
+        let listen: SocketAddr = self.server.listen.parse().map_err(|_| {
+            c.err(
+                "server.listen",
+                format!(
+                    "expected an address like `127.0.0.1:8080`, got `{}`",
+                    self.server.listen
+                ),
+            )
+        })?;
+        if self.server.body_limit.bytes() < 1024 {
+            return Err(c.err("server.body_limit", "must be at least 1KiB"));
+        }
+        if let Some(var) = &self.server.admin_token_env
+            && var.trim().is_empty()
+        {
+            return Err(c.err("server.admin_token_env", "expected an environment variable name"));
+        }
+
+        let mut names = HashSet::new();
+        let mut devices = Vec::new();
+        for (i, d) in self.devices.iter().enumerate() {
+            let key = format!("devices[{i}]");
+            c.unique_name(&mut names, &d.name, format!("{key}.name"))?;
+            if d.name == HOST_DEVICE {
+                return Err(c.err(format!("{key}.name"), "`host` is reserved for CPU pools"));
+            }
+            let kind = match d.kind.as_str() {
+                "nvidia" => {
+                    if d.capacity.is_some() {
+                        return Err(c.err(
+                            format!("{key}.capacity"),
+                            "only simulated devices take a capacity; an NVIDIA device reports its own",
+                        ));
+                    }
+                    DeviceKind::Nvidia {
+                        index: d.index.unwrap_or(0),
+                    }
+                }
+                "simulated" => {
+                    if d.index.is_some() {
+                        return Err(c.err(format!("{key}.index"), "simulated devices take no index"));
+                    }
+                    let capacity = d.capacity.map(ByteSize::bytes).ok_or_else(|| {
+                        c.err(
+                            format!("{key}.capacity"),
+                            "a simulated device needs a capacity, e.g. `1GiB`",
+                        )
+                    })?;
+                    if capacity < (1 << 20) {
+                        return Err(c.err(format!("{key}.capacity"), "must be at least 1MiB"));
+                    }
+                    DeviceKind::Simulated { capacity }
+                }
+                other => {
+                    return Err(c.err(
+                        format!("{key}.kind"),
+                        format!("expected `nvidia` or `simulated`, got `{other}`"),
+                    ));
+                }
+            };
+            devices.push(DeviceConfig {
+                name: d.name.clone(),
+                kind,
+            });
+        }
+        // ONNX Runtime allows one environment allocator per memory kind, and the simulated arena
+        // is that allocator, so a process can host one simulated device.
+        if devices
+            .iter()
+            .filter(|d| matches!(d.kind, DeviceKind::Simulated { .. }))
+            .count()
+            > 1
+        {
+            return Err(c.err(
+                "devices",
+                "at most one simulated device per process (it is ONNX Runtime's shared CPU arena)",
+            ));
+        }
+
+        if self.models.is_empty() {
+            return Err(c.err("models", "at least one model is needed"));
+        }
+        let mut model_names = HashSet::new();
+        let mut models = Vec::new();
+        for (i, m) in self.models.iter().enumerate() {
+            let key = format!("models[{i}]");
+            c.unique_name(&mut model_names, &m.name, format!("{key}.name"))?;
+            let source = if let Some(builtin) = m.path.strip_prefix("builtin:") {
+                ModelSource::Builtin(BuiltinModel::from_name(builtin).ok_or_else(|| {
+                    c.err(
+                        format!("{key}.path"),
+                        format!(
+                            "no builtin model `{builtin}`; builtin models are: {}",
+                            BuiltinModel::ALL.map(|b| b.name()).join(", ")
+                        ),
+                    )
+                })?)
+            } else {
+                let path = base.join(&m.path);
+                if !path.is_file() {
+                    return Err(c.err(
+                        format!("{key}.path"),
+                        format!("model file `{}` does not exist", path.display()),
+                    ));
+                }
+                ModelSource::File(path)
+            };
+            let context = match &m.context {
+                None => None,
+                Some(ctx) => Some(ContextAxis {
+                    input: ctx.input.clone(),
+                    axis: ctx.axis,
+                    keep: match ctx.keep.as_str() {
+                        "start" => Keep::Start,
+                        "end" => Keep::End,
+                        other => {
+                            return Err(c.err(
+                                format!("{key}.context.keep"),
+                                format!("expected `start` or `end`, got `{other}`"),
+                            ));
+                        }
+                    },
+                }),
+            };
+            models.push(ModelConfig {
+                name: m.name.clone(),
+                source,
+                context,
+            });
+        }
+
+        if self.pools.is_empty() {
+            return Err(c.err("pools", "at least one pool is needed"));
+        }
+        let mut pool_names = HashSet::new();
+        let mut pools = Vec::new();
+        for (i, p) in self.pools.iter().enumerate() {
+            let key = format!("pools[{i}]");
+            c.unique_name(&mut pool_names, &p.name, format!("{key}.name"))?;
+            let device_kind = |want: &str| -> Result<(String, DeviceKind), ConfigError> {
+                let name = p.device.as_deref().ok_or_else(|| {
+                    c.err(
+                        format!("{key}.device"),
+                        format!("a `{}` pool needs a {want} device", p.provider),
+                    )
+                })?;
+                let device = devices.iter().find(|d| d.name == name).ok_or_else(|| {
+                    c.err(
+                        format!("{key}.device"),
+                        format!("no device named `{name}` in `devices`"),
+                    )
+                })?;
+                Ok((name.to_string(), device.kind))
+            };
+            if p.cuda.is_some() && p.provider != "cuda" {
+                return Err(c.err(format!("{key}.cuda"), "only `cuda` pools take CUDA options"));
+            }
+            let (provider, device) = match p.provider.as_str() {
+                "cpu" => {
+                    if let Some(d) = p.device.as_deref().filter(|d| *d != HOST_DEVICE) {
+                        return Err(c.err(
+                            format!("{key}.device"),
+                            format!("a `cpu` pool runs on `host`, not `{d}`"),
+                        ));
+                    }
+                    (Provider::Cpu, HOST_DEVICE.to_string())
+                }
+                "cuda" => {
+                    let (name, kind) = device_kind("nvidia")?;
+                    if !matches!(kind, DeviceKind::Nvidia { .. }) {
+                        return Err(c.err(format!("{key}.device"), format!("`{name}` is not an `nvidia` device")));
+                    }
+                    let raw = p.cuda.clone().unwrap_or_default();
+                    let same_as_requested = match raw.arena_extend_strategy.as_deref() {
+                        None | Some("next_power_of_two") => false,
+                        Some("same_as_requested") => true,
+                        Some(other) => {
+                            return Err(c.err(
+                                format!("{key}.cuda.arena_extend_strategy"),
+                                format!("expected `next_power_of_two` or `same_as_requested`, got `{other}`"),
+                            ));
+                        }
+                    };
+                    (
+                        Provider::Cuda(CudaOptions {
+                            gpu_mem_limit: raw.gpu_mem_limit.map(ByteSize::bytes),
+                            same_as_requested,
+                        }),
+                        name,
+                    )
+                }
+                "simulated" => {
+                    let (name, kind) = device_kind("simulated")?;
+                    if !matches!(kind, DeviceKind::Simulated { .. }) {
+                        return Err(c.err(format!("{key}.device"), format!("`{name}` is not a `simulated` device")));
+                    }
+                    (Provider::Simulated, name)
+                }
+                other => {
+                    return Err(c.err(
+                        format!("{key}.provider"),
+                        format!("expected `cpu`, `cuda` or `simulated`, got `{other}`"),
+                    ));
+                }
+            };
+            if p.models.is_empty() {
+                return Err(c.err(format!("{key}.models"), "a pool must serve at least one model"));
+            }
+            for (j, m) in p.models.iter().enumerate() {
+                if !model_names.contains(m.as_str()) {
+                    return Err(c.err(
+                        format!("{key}.models[{j}]"),
+                        format!("no model named `{m}` in `models`"),
+                    ));
+                }
+            }
+            if !(1..=256).contains(&p.workers) {
+                return Err(c.err(
+                    format!("{key}.workers"),
+                    format!("expected 1 to 256, got {}", p.workers),
+                ));
+            }
+            if !(1..=256).contains(&p.intra_threads) {
+                return Err(c.err(
+                    format!("{key}.intra_threads"),
+                    format!("expected 1 to 256, got {}", p.intra_threads),
+                ));
+            }
+            if !(1..=1_000_000).contains(&p.queue.capacity) {
+                return Err(c.err(
+                    format!("{key}.queue.capacity"),
+                    format!("expected 1 to 1000000, got {}", p.queue.capacity),
+                ));
+            }
+            if p.queue.max_wait.get().is_zero() {
+                return Err(c.err(format!("{key}.queue.max_wait"), "must be longer than 0"));
+            }
+            pools.push(PoolConfig {
+                name: p.name.clone(),
+                provider,
+                device,
+                models: p.models.clone(),
+                workers: p.workers,
+                intra_threads: p.intra_threads,
+                queue_capacity: p.queue.capacity,
+                max_wait: p.queue.max_wait.get(),
+            });
+        }
+        for m in &models {
+            if !pools.iter().any(|p| p.models.contains(&m.name)) {
+                let i = models.iter().position(|x| x.name == m.name).unwrap_or(0);
+                return Err(c.err(
+                    format!("models[{i}]"),
+                    format!("model `{}` is served by no pool", m.name),
+                ));
+            }
+        }
+
+        Ok(Config {
+            source: file.to_string(),
+            server: ServerConfig {
+                listen,
+                body_limit: usize::try_from(self.server.body_limit.bytes()).unwrap_or(usize::MAX),
+                admin_token_env: self.server.admin_token_env.clone(),
+                shutdown_grace: self.server.shutdown_grace.get(),
+            },
+            onnxruntime_library: self.onnxruntime.library.as_ref().map(|p| base.join(p)),
+            devices,
+            models,
+            pools,
+            host_reserve: self.host.reserve.bytes(),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn check(yaml: &str) -> Result<Config, ConfigError> {
+        parse_yaml::<RawConfig>(yaml, "test.yaml")?.validate("test.yaml", Path::new("."))
+    }
+
+    const BASE: &str = "
+models:
+  - name: enc
+    path: builtin:encoder
+pools:
+  - name: cpu
+    provider: cpu
+    models: [enc]
+";
+
+    #[test]
+    fn embedded_default_is_valid_on_both_kinds_of_machine() {
+        let sim = Config::embedded(false);
+        assert!(sim.pools.iter().any(|p| p.provider == Provider::Simulated));
+        let gpu = Config::embedded(true);
+        assert!(gpu.pools.iter().any(|p| matches!(p.provider, Provider::Cuda(_))));
+        assert!(gpu.pools.iter().all(|p| p.provider != Provider::Simulated));
+        assert_eq!(
+            sim.pools.iter().map(|p| &p.name).collect::<Vec<_>>(),
+            gpu.pools.iter().map(|p| &p.name).collect::<Vec<_>>()
+        );
+    }
+
+    #[test]
+    fn the_example_config_validates_and_uses_every_section() {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("config/example.yaml");
+        let cfg = Config::load(&path).unwrap();
+        assert_eq!(cfg.devices.len(), 2);
+        assert_eq!(cfg.server.admin_token_env.as_deref(), Some("VRAMGUARD_ADMIN_TOKEN"));
+        let providers: Vec<&str> = cfg.pools.iter().map(|p| p.provider.label()).collect();
+        assert_eq!(providers, ["cuda", "simulated", "cpu"]);
+        assert_eq!(
+            cfg.models[0].context,
+            Some(ContextAxis {
+                input: "input".into(),
+                axis: 1,
+                keep: Keep::End
+            })
+        );
+    }
+
+    #[test]
+    fn minimal_config_gets_defaults() {
+        let cfg = check(BASE).unwrap();
+        assert_eq!(cfg.server.listen.to_string(), "127.0.0.1:8080");
+        assert_eq!(cfg.pools[0].device, HOST_DEVICE);
+        assert_eq!(cfg.pools[0].queue_capacity, 64);
+    }
+
+    #[test]
+    fn unknown_keys_are_refused_with_their_path_and_line() {
+        let err = check(&format!("{BASE}    wrokers: 2\n")).unwrap_err().to_string();
+        assert!(err.starts_with("test.yaml: pools[0]: unknown field `wrokers`"), "{err}");
+        assert!(err.contains("line 9"), "{err}");
+    }
+
+    #[test]
+    fn impossible_values_name_the_key() {
+        let err = check(&format!("{BASE}    queue: {{capacity: 0}}\n"))
+            .unwrap_err()
+            .to_string();
+        assert_eq!(err, "test.yaml: pools[0].queue.capacity: expected 1 to 1000000, got 0");
+        let err = check(&BASE.replace("[enc]", "[nope]")).unwrap_err().to_string();
+        assert_eq!(err, "test.yaml: pools[0].models[0]: no model named `nope` in `models`");
+        let err = check(&BASE.replace("builtin:encoder", "builtin:bert"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.starts_with("test.yaml: models[0].path: no builtin model `bert`"),
+            "{err}"
+        );
+        let err = check(&BASE.replace("builtin:encoder", "missing.onnx"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("models[0].path: model file `./missing.onnx` does not exist"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn sizes_and_durations_in_the_wrong_shape_are_explained() {
+        let err = check(&format!("server:\n  body_limit: huge\n{BASE}"))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("server.body_limit") && err.contains("`huge`"), "{err}");
+        let err = check(&format!("{BASE}    queue: {{max_wait: soon}}\n"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("pools[0].queue.max_wait") && err.contains("`soon`"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn pools_must_match_their_device_kind() {
+        let yaml = "
+devices:
+  - {name: sim0, kind: simulated, capacity: 64MiB}
+models:
+  - {name: enc, path: 'builtin:encoder'}
+pools:
+  - {name: gpu, provider: cuda, device: sim0, models: [enc]}
+";
+        let err = check(yaml).unwrap_err().to_string();
+        assert_eq!(err, "test.yaml: pools[0].device: `sim0` is not an `nvidia` device");
+        let err = check(&yaml.replace("capacity: 64MiB", "capacity: 1KiB"))
+            .unwrap_err()
+            .to_string();
+        assert_eq!(err, "test.yaml: devices[0].capacity: must be at least 1MiB");
+    }
+
+    #[test]
+    fn duplicate_names_are_refused() {
+        let err = check(&format!("{BASE}  - name: cpu\n    provider: cpu\n    models: [enc]\n"))
+            .unwrap_err()
+            .to_string();
+        assert_eq!(err, "test.yaml: pools[1].name: `cpu` is defined twice");
+    }
+}

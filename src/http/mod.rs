@@ -1,0 +1,651 @@
+//! The HTTP API: Open Inference Protocol (KServe v2) endpoints, `/status` and `/metrics`.
+//! [`app`] builds the router so tests can drive it without a socket; [`serve`] runs it with a
+//! bounded graceful shutdown.
+
+pub mod infer;
+
+use std::future::Future;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{DefaultBodyLimit, Path, State};
+use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde_json::{Map, Value, json};
+use tokio::net::TcpListener;
+
+use crate::engine::Engine;
+use crate::metrics::{AllocFailureLabels, ModelPoolLabels, Outcome, RequestLabels};
+use crate::onnx::BackendError;
+use crate::pool::{Availability, InferJob, Pool, PoolError};
+
+/// Request id header, kept end to end.
+pub const REQUEST_ID: &str = "x-request-id";
+/// Header naming the pool that served the request.
+pub const POOL_HEADER: &str = "x-vramguard-pool";
+/// Header naming the admission decision.
+pub const DECISION_HEADER: &str = "x-vramguard-decision";
+/// Client deadline in milliseconds from arrival.
+pub const DEADLINE_HEADER: &str = "x-vramguard-deadline-ms";
+/// Binary extension header: length of the JSON part.
+pub const HEADER_LENGTH: &str = "inference-header-content-length";
+
+/// Shared state of the HTTP layer.
+pub struct AppState {
+    /// The running service.
+    pub engine: Arc<Engine>,
+    /// Set once shutdown starts: readiness turns false.
+    pub shutting_down: AtomicBool,
+    /// Wall-clock start, for `/status`.
+    pub started: SystemTime,
+}
+
+impl AppState {
+    /// Wrap an engine.
+    pub fn new(engine: Arc<Engine>) -> Arc<AppState> {
+        Arc::new(AppState {
+            engine,
+            shutting_down: AtomicBool::new(false),
+            started: SystemTime::now(),
+        })
+    }
+}
+
+/// An error answered as `{"error": "..."}` with a status and optional `Retry-After`.
+#[derive(Debug)]
+pub struct ApiError {
+    status: StatusCode,
+    message: String,
+    retry_after: Option<u64>,
+}
+
+impl ApiError {
+    fn new(status: StatusCode, message: impl Into<String>) -> Self {
+        Self {
+            status,
+            message: message.into(),
+            retry_after: None,
+        }
+    }
+
+    fn retry_after(mut self, seconds: u64) -> Self {
+        self.retry_after = Some(seconds.max(1));
+        self
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let mut response = (self.status, Json(json!({ "error": self.message }))).into_response();
+        if let Some(s) = self.retry_after {
+            response.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(s));
+        }
+        response
+    }
+}
+
+/// Build the router.
+pub fn app(state: Arc<AppState>) -> Router {
+    let body_limit = state.engine.config.server.body_limit;
+    Router::new()
+        .route("/v2", get(server_metadata))
+        .route("/v2/health/live", get(live))
+        .route("/v2/health/ready", get(ready))
+        .route("/v2/models/{model}", get(model_metadata))
+        .route("/v2/models/{model}/versions/{version}", get(model_metadata_versioned))
+        .route("/v2/models/{model}/ready", get(model_ready))
+        .route(
+            "/v2/models/{model}/versions/{version}/ready",
+            get(model_ready_versioned),
+        )
+        .route("/v2/models/{model}/infer", post(infer))
+        .route("/v2/models/{model}/versions/{version}/infer", post(infer_versioned))
+        .route("/status", get(status))
+        .route("/metrics", get(metrics))
+        .fallback(|| async { ApiError::new(StatusCode::NOT_FOUND, "no such endpoint") })
+        .layer(DefaultBodyLimit::max(body_limit))
+        .with_state(state)
+}
+
+/// Serve until `shutdown` resolves, then stop accepting, answer queued work with 503, let running
+/// work finish within the configured grace period, and return.
+pub async fn serve(
+    state: Arc<AppState>,
+    listener: TcpListener,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    let token = tokio_util::sync::CancellationToken::new();
+    let server = axum::serve(listener, app(Arc::clone(&state))).with_graceful_shutdown(token.clone().cancelled_owned());
+    let mut server = tokio::spawn(async move { server.await });
+    tokio::select! {
+        result = &mut server => return result.map_err(std::io::Error::other)?,
+        () = shutdown => {}
+    }
+    tracing::info!("shutting down: no new connections; queued requests are answered 503");
+    state.shutting_down.store(true, Ordering::SeqCst);
+    token.cancel();
+    let grace = state.engine.config.server.shutdown_grace;
+    let engine = Arc::clone(&state.engine);
+    let _ = tokio::task::spawn_blocking(move || engine.shutdown(grace)).await;
+    match tokio::time::timeout(grace, &mut server).await {
+        Ok(result) => result.map_err(std::io::Error::other)?,
+        Err(_) => {
+            tracing::warn!("connections still open after the grace period; closing them");
+            server.abort();
+            Ok(())
+        }
+    }
+}
+
+async fn server_metadata(State(state): State<Arc<AppState>>) -> Json<Value> {
+    Json(json!({
+        "name": "vramguard",
+        "version": env!("CARGO_PKG_VERSION"),
+        "extensions": ["binary_tensor_data"],
+        "onnxruntime": state.engine.onnxruntime_version,
+    }))
+}
+
+async fn live() -> StatusCode {
+    StatusCode::OK
+}
+
+async fn ready(State(state): State<Arc<AppState>>) -> Result<StatusCode, ApiError> {
+    if state.shutting_down.load(Ordering::SeqCst) {
+        return Err(ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "shutting down"));
+    }
+    if state.engine.ready() {
+        Ok(StatusCode::OK)
+    } else {
+        Err(ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "no pool can take work"))
+    }
+}
+
+fn check_version(version: &str) -> Result<(), ApiError> {
+    if version == "1" {
+        Ok(())
+    } else {
+        Err(ApiError::new(
+            StatusCode::NOT_FOUND,
+            format!("unknown model version `{version}`; the only version is `1`"),
+        ))
+    }
+}
+
+fn unknown_model(state: &AppState, model: &str) -> ApiError {
+    let names: Vec<&str> = state.engine.models.iter().map(|m| m.config.name.as_str()).collect();
+    ApiError::new(
+        StatusCode::NOT_FOUND,
+        format!("unknown model `{model}`; models: {}", names.join(", ")),
+    )
+}
+
+async fn model_metadata(
+    State(state): State<Arc<AppState>>,
+    Path(model): Path<String>,
+) -> Result<Json<Value>, ApiError> {
+    let entry = state
+        .engine
+        .model(&model)
+        .ok_or_else(|| unknown_model(&state, &model))?;
+    let tensors = |specs: &[crate::onnx::TensorSpec]| {
+        specs
+            .iter()
+            .map(|s| json!({"name": s.name, "datatype": s.datatype.name(), "shape": s.shape}))
+            .collect::<Vec<_>>()
+    };
+    let pools: Vec<Value> = state
+        .engine
+        .pools
+        .iter()
+        .filter(|p| p.serves(&model))
+        .map(|p| json!({"name": p.name(), "provider": p.provider().label(), "device": p.config.device, "ready": p.is_ready()}))
+        .collect();
+    let context = entry
+        .config
+        .context
+        .as_ref()
+        .map(|c| json!({"input": c.input, "axis": c.axis, "keep": c.keep}));
+    Ok(Json(json!({
+        "name": entry.config.name,
+        "versions": ["1"],
+        "platform": "onnxruntime_onnx",
+        "inputs": tensors(&entry.signature.inputs),
+        "outputs": tensors(&entry.signature.outputs),
+        "parameters": {"source": entry.config.source.to_string(), "context": context, "pools": pools},
+    })))
+}
+
+async fn model_metadata_versioned(
+    state: State<Arc<AppState>>,
+    Path((model, version)): Path<(String, String)>,
+) -> Result<Json<Value>, ApiError> {
+    check_version(&version)?;
+    model_metadata(state, Path(model)).await
+}
+
+async fn model_ready(State(state): State<Arc<AppState>>, Path(model): Path<String>) -> Result<StatusCode, ApiError> {
+    state
+        .engine
+        .model(&model)
+        .ok_or_else(|| unknown_model(&state, &model))?;
+    if state.engine.pools.iter().any(|p| p.serves(&model) && p.is_ready()) {
+        Ok(StatusCode::OK)
+    } else {
+        Err(ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("no ready pool serves `{model}`"),
+        ))
+    }
+}
+
+async fn model_ready_versioned(
+    state: State<Arc<AppState>>,
+    Path((model, version)): Path<(String, String)>,
+) -> Result<StatusCode, ApiError> {
+    check_version(&version)?;
+    model_ready(state, Path(model)).await
+}
+
+async fn infer_versioned(
+    state: State<Arc<AppState>>,
+    Path((model, version)): Path<(String, String)>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    if let Err(e) = check_version(&version) {
+        return with_request_id(e.into_response(), &request_id(&headers));
+    }
+    infer(state, Path(model), headers, body).await
+}
+
+fn request_id(headers: &HeaderMap) -> String {
+    headers
+        .get(REQUEST_ID)
+        .and_then(|v| v.to_str().ok())
+        .filter(|v| !v.is_empty() && v.len() <= 256)
+        .map(str::to_string)
+        .unwrap_or_else(|| uuid::Uuid::new_v4().to_string())
+}
+
+fn with_request_id(mut response: Response, id: &str) -> Response {
+    if let Ok(v) = HeaderValue::from_str(id) {
+        response.headers_mut().insert(HeaderName::from_static(REQUEST_ID), v);
+    }
+    response
+}
+
+async fn infer(
+    State(state): State<Arc<AppState>>,
+    Path(model): Path<String>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    let id = request_id(&headers);
+    let started = Instant::now();
+    let (pool, result) = match run_inference(&state, &model, &id, &headers, body, started).await {
+        Ok((pool, response)) => (Some(pool), Ok(response)),
+        Err((pool, outcome, error)) => (pool, Err((outcome, error))),
+    };
+    let pool_name = pool.as_ref().map(|p| p.name().to_string()).unwrap_or_default();
+    let outcome = match &result {
+        Ok(_) => Outcome::ok,
+        Err((outcome, _)) => *outcome,
+    };
+    if state.engine.model(&model).is_some() {
+        let metrics = &state.engine.metrics;
+        metrics
+            .requests
+            .get_or_create(&RequestLabels {
+                model: model.clone(),
+                pool: pool_name.clone(),
+                outcome,
+            })
+            .inc();
+        if !pool_name.is_empty() {
+            metrics
+                .request_duration
+                .get_or_create(&ModelPoolLabels {
+                    model: model.clone(),
+                    pool: pool_name.clone(),
+                })
+                .observe(started.elapsed().as_secs_f64());
+        }
+    }
+    let mut response = match result {
+        Ok(response) => response,
+        Err((_, error)) => {
+            tracing::debug!(request_id = %id, model = %model, pool = %pool_name, status = %error.status, error = %error.message, "request refused");
+            error.into_response()
+        }
+    };
+    if let Ok(v) = HeaderValue::from_str(&pool_name)
+        && !pool_name.is_empty()
+    {
+        response.headers_mut().insert(HeaderName::from_static(POOL_HEADER), v);
+    }
+    with_request_id(response, &id)
+}
+
+type InferFailure = (Option<Arc<Pool>>, Outcome, ApiError);
+
+async fn run_inference(
+    state: &AppState,
+    model: &str,
+    id: &str,
+    headers: &HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+    started: Instant,
+) -> Result<(Arc<Pool>, Response), InferFailure> {
+    let client_error =
+        |status: StatusCode, message: String| (None, Outcome::client_error, ApiError::new(status, message));
+    let engine = &state.engine;
+    let entry = engine
+        .model(model)
+        .ok_or_else(|| (None, Outcome::client_error, unknown_model(state, model)))?;
+    let body = body.map_err(|rejection| {
+        let status = rejection.status();
+        let message = if status == StatusCode::PAYLOAD_TOO_LARGE {
+            format!(
+                "request body exceeds the {} byte limit (server.body_limit)",
+                engine.config.server.body_limit
+            )
+        } else {
+            format!("cannot read request body: {}", rejection.body_text())
+        };
+        client_error(status, message)
+    })?;
+    let header_len = match headers.get(HEADER_LENGTH) {
+        None => None,
+        Some(v) => Some(
+            v.to_str()
+                .ok()
+                .and_then(|s| s.trim().parse::<usize>().ok())
+                .ok_or_else(|| {
+                    client_error(
+                        StatusCode::BAD_REQUEST,
+                        "Inference-Header-Content-Length must be a number of bytes".into(),
+                    )
+                })?,
+        ),
+    };
+    let deadline = match headers.get(DEADLINE_HEADER) {
+        None => None,
+        Some(v) => {
+            let ms = v
+                .to_str()
+                .ok()
+                .and_then(|s| s.trim().parse::<u64>().ok())
+                .ok_or_else(|| {
+                    client_error(
+                        StatusCode::BAD_REQUEST,
+                        format!("{DEADLINE_HEADER} must be a number of milliseconds"),
+                    )
+                })?;
+            Some(started + Duration::from_millis(ms))
+        }
+    };
+    let request =
+        infer::decode(&body, header_len, &entry.signature).map_err(|e| client_error(StatusCode::BAD_REQUEST, e))?;
+    drop(body);
+
+    let pool = engine
+        .pools
+        .iter()
+        .find(|p| p.serves(model) && p.is_ready())
+        .cloned()
+        .ok_or_else(|| {
+            let reasons: Vec<String> = engine
+                .pools
+                .iter()
+                .filter(|p| p.serves(model))
+                .map(|p| match p.availability() {
+                    Availability::Unavailable(reason) => format!("{}: {reason}", p.name()),
+                    Availability::Ready => format!("{}: shutting down", p.name()),
+                })
+                .collect();
+            (
+                None,
+                Outcome::rejected,
+                ApiError::new(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    format!("no pool can take `{model}` ({})", reasons.join("; ")),
+                )
+                .retry_after(5),
+            )
+        })?;
+    let job = InferJob {
+        request_id: id.to_string(),
+        model: model.to_string(),
+        inputs: request.inputs.clone(),
+        outputs: request.outputs.iter().map(|o| o.name.clone()).collect(),
+        deadline,
+    };
+    let fail = |pool: &Arc<Pool>, error: PoolError| {
+        let (outcome, api) = pool_error(state, pool, error);
+        (Some(Arc::clone(pool)), outcome, api)
+    };
+    let rx = pool.submit(job).map_err(|e| fail(&pool, e))?;
+    let reply = match deadline {
+        Some(d) => match tokio::time::timeout_at(d.into(), rx).await {
+            Ok(reply) => reply,
+            Err(_) => {
+                return Err(fail(
+                    &pool,
+                    PoolError::DeadlineExceeded {
+                        pool: pool.name().to_string(),
+                    },
+                ));
+            }
+        },
+        None => rx.await,
+    };
+    let outputs = reply
+        .unwrap_or_else(|_| {
+            Err(PoolError::ShuttingDown {
+                pool: pool.name().to_string(),
+            })
+        })
+        .map_err(|e| fail(&pool, e))?;
+
+    let mut parameters = Map::new();
+    parameters.insert("pool".into(), json!(pool.name()));
+    parameters.insert("provider".into(), json!(pool.provider().label()));
+    parameters.insert("device".into(), json!(pool.config.device));
+    parameters.insert("simulated".into(), json!(pool.device_kind == "simulated"));
+    parameters.insert("decision".into(), json!("admit"));
+    parameters.insert("request_id".into(), json!(id));
+    let encoded = infer::encode(model, request.id.as_deref(), &parameters, &outputs, &request);
+    let mut response = encoded.body.into_response();
+    let headers = response.headers_mut();
+    headers.insert(
+        HeaderName::from_static(DECISION_HEADER),
+        HeaderValue::from_static("admit"),
+    );
+    match encoded.header_len {
+        Some(len) => {
+            headers.insert(
+                header::CONTENT_TYPE,
+                HeaderValue::from_static("application/octet-stream"),
+            );
+            headers.insert(HeaderName::from_static(HEADER_LENGTH), HeaderValue::from(len));
+        }
+        None => {
+            headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+        }
+    }
+    Ok((pool, response))
+}
+
+/// Map a pool failure to an outcome and a client-facing error (the one place this happens).
+fn pool_error(state: &AppState, pool: &Pool, error: PoolError) -> (Outcome, ApiError) {
+    let retry = pool.estimated_delay().as_secs().max(1);
+    match error {
+        PoolError::QueueFull { .. } | PoolError::ShuttingDown { .. } | PoolError::Unavailable { .. } => (
+            Outcome::rejected,
+            ApiError::new(StatusCode::SERVICE_UNAVAILABLE, error.to_string()).retry_after(retry),
+        ),
+        PoolError::QueueTimeout { .. } => (
+            Outcome::deferred_timeout,
+            ApiError::new(StatusCode::SERVICE_UNAVAILABLE, error.to_string()).retry_after(retry),
+        ),
+        PoolError::DeadlineExceeded { .. } => (
+            Outcome::cancelled,
+            ApiError::new(
+                StatusCode::GATEWAY_TIMEOUT,
+                "the deadline (x-vramguard-deadline-ms) cannot be met",
+            ),
+        ),
+        PoolError::Backend(BackendError::Allocation { kind, message }) => {
+            state
+                .engine
+                .metrics
+                .allocator_failures
+                .get_or_create(&AllocFailureLabels {
+                    pool: pool.name().to_string(),
+                    device: pool.config.device.clone(),
+                    kind: kind.label().to_string(),
+                })
+                .inc();
+            let simulated = if pool.device_kind == "simulated" {
+                " (simulated)"
+            } else {
+                ""
+            };
+            (
+                Outcome::rejected,
+                ApiError::new(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    format!(
+                        "allocator failure ({kind}) on pool `{}`, device `{}`{simulated}: the request does not fit in accelerator memory; {}",
+                        pool.name(),
+                        pool.config.device,
+                        first_line(&message)
+                    ),
+                )
+                .retry_after(retry),
+            )
+        }
+        PoolError::Backend(BackendError::InvalidInput(message)) => (
+            Outcome::client_error,
+            ApiError::new(StatusCode::BAD_REQUEST, first_line(&message)),
+        ),
+        PoolError::Backend(BackendError::Runtime(message)) => {
+            tracing::error!(pool = pool.name(), error = %message, "inference failed");
+            (
+                Outcome::failed,
+                ApiError::new(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    format!(
+                        "inference failed on pool `{}`; the server log has the details",
+                        pool.name()
+                    ),
+                ),
+            )
+        }
+    }
+}
+
+/// ONNX Runtime messages carry a source path and function before the useful part.
+fn first_line(message: &str) -> String {
+    let line = message.lines().next().unwrap_or(message);
+    match line.find("Status Message: ") {
+        Some(i) => {
+            let rest = &line[i + "Status Message: ".len()..];
+            // "/onnxruntime_src/...cc:360 void* onnxruntime::BFCArena::... Available memory of ..."
+            match rest.find("Available memory") {
+                Some(j) => rest[j..].trim().to_string(),
+                None => rest.trim().to_string(),
+            }
+        }
+        None => line.trim().to_string(),
+    }
+}
+
+async fn status(State(state): State<Arc<AppState>>) -> Json<Value> {
+    let engine = &state.engine;
+    let pools: Vec<Value> = engine
+        .pools
+        .iter()
+        .map(|p| {
+            let load = p.load();
+            let (state_name, reason) = match p.availability() {
+                Availability::Ready if p.is_ready() => ("ready", None),
+                Availability::Ready => ("stopping", None),
+                Availability::Unavailable(r) => ("unavailable", Some(r.clone())),
+            };
+            let arena = p.arena_stats().map(|s| {
+                json!({"reserved_bytes": s.reserved_bytes, "active_bytes": s.active_bytes,
+                       "peak_active_bytes": s.peak_active_bytes, "limit_bytes": s.limit_bytes})
+            });
+            json!({
+                "name": p.name(),
+                "provider": p.provider().label(),
+                "device": p.config.device,
+                "device_kind": p.device_kind,
+                "simulated": p.device_kind == "simulated",
+                "state": state_name,
+                "reason": reason,
+                "breaker": "closed",
+                "models": p.config.models,
+                "workers": p.config.workers,
+                "queue_depth": load.queue_depth,
+                "queue_capacity": p.config.queue_capacity,
+                "queue_oldest_age_ms": load.oldest_age.as_millis() as u64,
+                "inflight": load.inflight,
+                "estimated_delay_ms": p.estimated_delay().as_millis() as u64,
+                "arena": arena,
+            })
+        })
+        .collect();
+    let started = state
+        .started
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
+    Json(json!({
+        "version": env!("CARGO_PKG_VERSION"),
+        "onnxruntime": engine.onnxruntime_version,
+        "config": engine.config.source,
+        "started_unix": started,
+        "shutting_down": state.shutting_down.load(Ordering::SeqCst),
+        "degraded": {"active": false, "reason": null, "since": null},
+        "pools": pools,
+        "policy": null,
+    }))
+}
+
+async fn metrics(State(state): State<Arc<AppState>>) -> Response {
+    state.engine.refresh_gauges();
+    let text = crate::metrics::encode(&state.engine.registry);
+    (
+        [(
+            header::CONTENT_TYPE,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
+        text,
+    )
+        .into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn onnx_runtime_messages_are_trimmed_to_the_useful_part() {
+        let msg = "Non-zero status code returned while running FusedMatMul node. Name:'scores' Status Message: \
+                   /onnxruntime_src/onnxruntime/core/framework/bfc_arena.cc:360 void* onnxruntime::BFCArena::AllocateRawInternal(size_t, bool, onnxruntime::Stream*) \
+                   Available memory of 45416192 is smaller than requested bytes of 67108864\n";
+        assert_eq!(
+            first_line(msg),
+            "Available memory of 45416192 is smaller than requested bytes of 67108864"
+        );
+        assert_eq!(first_line("plain"), "plain");
+    }
+}

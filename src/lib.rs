@@ -1,0 +1,20 @@
+//! vramguard: accelerator-memory exporter, scripted admission policy and ONNX Runtime worker
+//! pools with CPU failover. The binary (`src/main.rs`) only parses the command line; everything
+//! else lives here so integration tests and benches use the real code.
+//!
+//! The one module allowed `unsafe` is [`onnx::arena`], which calls ONNX Runtime's C API for what
+//! the `ort` crate does not wrap.
+#![deny(unsafe_code)]
+#![warn(missing_docs)]
+
+pub mod cli;
+pub mod config;
+pub mod device;
+pub mod engine;
+pub mod http;
+pub mod logging;
+pub mod metrics;
+pub mod model;
+pub mod onnx;
+pub mod pool;
+pub mod tensor;

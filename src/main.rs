@@ -1,0 +1,8 @@
+//! The `vramguard` binary: parse the command line and hand over to the library.
+#![forbid(unsafe_code)]
+
+use clap::Parser;
+
+fn main() -> std::process::ExitCode {
+    vramguard::cli::run(vramguard::cli::Cli::parse())
+}

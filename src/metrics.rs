@@ -1,0 +1,257 @@
+//! Every metric vramguard exports, as one struct of cheap handles. Names follow
+//! `shared/CONTRACT.md`: prefix `vramguard_`, base units, `_total` counters.
+
+use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::{Registry, Unit};
+
+/// Request outcomes, as the `outcome` label.
+#[derive(Debug, Clone, Copy, Hash, PartialEq, Eq, EncodeLabelValue)]
+#[allow(non_camel_case_types)]
+pub enum Outcome {
+    /// Served.
+    ok,
+    /// The client's mistake (4xx other than 429).
+    client_error,
+    /// Refused: no pool could take it, queue full, allocator failure.
+    rejected,
+    /// Waited past the bound (queue max wait, deferral bound).
+    deferred_timeout,
+    /// Server-side failure.
+    failed,
+    /// The client went away or the deadline passed.
+    cancelled,
+}
+
+/// `{version, onnxruntime}`
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct BuildLabels {
+    /// vramguard version.
+    pub version: String,
+    /// ONNX Runtime version.
+    pub onnxruntime: String,
+}
+
+/// `{model, pool, outcome}`
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RequestLabels {
+    /// Model name.
+    pub model: String,
+    /// Pool that handled (or refused) it; empty when none was chosen.
+    pub pool: String,
+    /// Outcome.
+    pub outcome: Outcome,
+}
+
+/// `{model, pool}`
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ModelPoolLabels {
+    /// Model name.
+    pub model: String,
+    /// Pool name.
+    pub pool: String,
+}
+
+/// `{pool}`
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PoolLabels {
+    /// Pool name.
+    pub pool: String,
+}
+
+/// `{pool, device}`
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PoolDeviceLabels {
+    /// Pool name.
+    pub pool: String,
+    /// Device name.
+    pub device: String,
+}
+
+/// `{pool, device, kind}`
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct AllocFailureLabels {
+    /// Pool name.
+    pub pool: String,
+    /// Device name.
+    pub device: String,
+    /// `oom` or `driver`.
+    pub kind: String,
+}
+
+/// The metric handles. Clone-free: share it behind an `Arc`.
+#[derive(Debug)]
+pub struct Metrics {
+    /// `vramguard_build_info`
+    pub build_info: Family<BuildLabels, Gauge>,
+    /// `vramguard_requests_total`
+    pub requests: Family<RequestLabels, Counter>,
+    /// `vramguard_request_duration_seconds`
+    pub request_duration: Family<ModelPoolLabels, Histogram>,
+    /// `vramguard_allocator_failures_total`
+    pub allocator_failures: Family<AllocFailureLabels, Counter>,
+    /// `vramguard_allocator_reserved_bytes`
+    pub allocator_reserved: Family<PoolDeviceLabels, Gauge>,
+    /// `vramguard_allocator_active_bytes`
+    pub allocator_active: Family<PoolDeviceLabels, Gauge>,
+    /// `vramguard_allocator_peak_active_bytes`
+    pub allocator_peak_active: Family<PoolDeviceLabels, Gauge>,
+    /// `vramguard_queue_depth`
+    pub queue_depth: Family<PoolLabels, Gauge>,
+    /// `vramguard_queue_oldest_age_seconds`
+    pub queue_oldest_age: Family<PoolLabels, Gauge<f64, std::sync::atomic::AtomicU64>>,
+    /// `vramguard_inflight_requests`
+    pub inflight: Family<PoolLabels, Gauge>,
+}
+
+fn latency_histogram() -> Histogram {
+    // 1ms .. ~65s: covers a GPU request and a slow CPU fallback.
+    Histogram::new(exponential_buckets(0.001, 2.0, 17))
+}
+
+impl Metrics {
+    /// Create the handles and register them in a fresh registry.
+    pub fn new(onnxruntime_version: &str) -> (Metrics, Registry) {
+        let mut registry = Registry::with_prefix("vramguard");
+        let metrics = Metrics {
+            build_info: Family::default(),
+            requests: Family::default(),
+            request_duration: Family::new_with_constructor(latency_histogram),
+            allocator_failures: Family::default(),
+            allocator_reserved: Family::default(),
+            allocator_active: Family::default(),
+            allocator_peak_active: Family::default(),
+            queue_depth: Family::default(),
+            queue_oldest_age: Family::default(),
+            inflight: Family::default(),
+        };
+        metrics
+            .build_info
+            .get_or_create(&BuildLabels {
+                version: env!("CARGO_PKG_VERSION").to_string(),
+                onnxruntime: onnxruntime_version.to_string(),
+            })
+            .set(1);
+        registry.register(
+            "build_info",
+            "vramguard and ONNX Runtime versions (always 1)",
+            metrics.build_info.clone(),
+        );
+        registry.register(
+            "requests",
+            "Inference requests by model, pool and outcome",
+            metrics.requests.clone(),
+        );
+        registry.register_with_unit(
+            "request_duration",
+            "Time from accepting an inference request to its response",
+            Unit::Seconds,
+            metrics.request_duration.clone(),
+        );
+        registry.register(
+            "allocator_failures",
+            "Allocation failures reported by ONNX Runtime, by kind (oom, driver)",
+            metrics.allocator_failures.clone(),
+        );
+        registry.register_with_unit(
+            "allocator_reserved",
+            "ONNX Runtime arena bytes reserved from the device (TotalAllocated)",
+            Unit::Bytes,
+            metrics.allocator_reserved.clone(),
+        );
+        registry.register_with_unit(
+            "allocator_active",
+            "ONNX Runtime arena bytes held by live tensors (InUse)",
+            Unit::Bytes,
+            metrics.allocator_active.clone(),
+        );
+        registry.register_with_unit(
+            "allocator_peak_active",
+            "Peak of ONNX Runtime arena bytes in use (MaxInUse)",
+            Unit::Bytes,
+            metrics.allocator_peak_active.clone(),
+        );
+        registry.register(
+            "queue_depth",
+            "Requests waiting in the pool's queue",
+            metrics.queue_depth.clone(),
+        );
+        registry.register_with_unit(
+            "queue_oldest_age",
+            "Age of the oldest request waiting in the pool's queue",
+            Unit::Seconds,
+            metrics.queue_oldest_age.clone(),
+        );
+        registry.register(
+            "inflight_requests",
+            "Requests being run by the pool's workers",
+            metrics.inflight.clone(),
+        );
+        (metrics, registry)
+    }
+}
+
+/// Encode a registry as OpenMetrics text.
+pub fn encode(registry: &Registry) -> String {
+    let mut out = String::with_capacity(8 * 1024);
+    prometheus_client::encoding::text::encode(&mut out, registry).expect("writing to a String cannot fail");
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exposition_uses_contract_names_and_units() {
+        let (metrics, registry) = Metrics::new("1.31.1");
+        metrics
+            .requests
+            .get_or_create(&RequestLabels {
+                model: "encoder".into(),
+                pool: "cpu".into(),
+                outcome: Outcome::ok,
+            })
+            .inc();
+        metrics
+            .allocator_failures
+            .get_or_create(&AllocFailureLabels {
+                pool: "gpu".into(),
+                device: "gpu0".into(),
+                kind: "oom".into(),
+            })
+            .inc();
+        metrics
+            .request_duration
+            .get_or_create(&ModelPoolLabels {
+                model: "encoder".into(),
+                pool: "cpu".into(),
+            })
+            .observe(0.003);
+        let text = encode(&registry);
+        assert!(
+            text.contains("vramguard_build_info{version=\"0.1.0\",onnxruntime=\"1.31.1\"} 1\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("vramguard_requests_total{model=\"encoder\",pool=\"cpu\",outcome=\"ok\"} 1\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("vramguard_allocator_failures_total{pool=\"gpu\",device=\"gpu0\",kind=\"oom\"} 1\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("# TYPE vramguard_request_duration_seconds histogram\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("vramguard_request_duration_seconds_bucket{le=\"0.004\",model=\"encoder\",pool=\"cpu\"} 1\n"),
+            "{text}"
+        );
+        assert!(text.ends_with("# EOF\n"));
+    }
+}

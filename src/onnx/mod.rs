@@ -1,0 +1,559 @@
+//! ONNX Runtime: locating and loading the library, building sessions per provider, converting
+//! tensors, and classifying runtime failures into [`BackendError`] (the one place that does it).
+
+pub mod arena;
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Mutex, OnceLock};
+
+use ort::environment::Environment;
+use ort::ep;
+use ort::memory::{AllocationDevice, Allocator, AllocatorType, MemoryInfo, MemoryType};
+use ort::session::Session;
+use ort::session::builder::GraphOptimizationLevel;
+use ort::value::{DynValue, TensorElementType, ValueType};
+
+use crate::config::{CudaOptions, Provider};
+use crate::tensor::{DataType, Tensor, TensorData, each_variant};
+
+/// The ONNX Runtime release `make` installs into the project.
+pub const PINNED_VERSION: &str = "1.31.1";
+
+/// Where `make` installs the library, relative to the project root.
+pub const PROJECT_LOCAL_LIBRARY: &str = ".deps/onnxruntime/onnxruntime/capi/libonnxruntime.so.1.31.1";
+
+/// Why ONNX Runtime could not be brought up.
+#[derive(Debug, thiserror::Error)]
+pub enum RuntimeError {
+    /// No library at any of the places looked at.
+    #[error(
+        "ONNX Runtime library not found; looked at {tried}. Run `make deps` (installs onnxruntime=={PINNED_VERSION} into .deps/), set ORT_DYLIB_PATH, or set `onnxruntime.library` in the config"
+    )]
+    NotFound {
+        /// Every path tried, in order.
+        tried: String,
+    },
+    /// The library exists but could not be loaded or initialised.
+    #[error("cannot load ONNX Runtime from {path}: {message}")]
+    Load {
+        /// The library path.
+        path: PathBuf,
+        /// What went wrong.
+        message: String,
+    },
+    /// A second simulated capacity was requested in the same process.
+    #[error("{0}")]
+    Arena(String),
+}
+
+/// The loaded runtime: one per process, since ONNX Runtime's environment is process-global.
+#[derive(Debug)]
+pub struct OnnxRuntime {
+    env: Environment,
+    /// Library path it was loaded from.
+    pub library: PathBuf,
+    /// Version, e.g. `1.31.1`.
+    pub version: String,
+    simulated_arena: Mutex<Option<u64>>,
+}
+
+static RUNTIME: OnceLock<OnnxRuntime> = OnceLock::new();
+static INIT: Mutex<()> = Mutex::new(());
+
+/// Find the library: config key, then `ORT_DYLIB_PATH`, then the project-local install (next to
+/// the working directory, the executable's project, or the source tree it was built from).
+pub fn locate_library(configured: Option<&Path>) -> Result<PathBuf, RuntimeError> {
+    let mut candidates: Vec<(String, PathBuf)> = Vec::new();
+    if let Some(p) = configured {
+        candidates.push(("onnxruntime.library".into(), p.to_path_buf()));
+    }
+    if let Some(p) = std::env::var_os("ORT_DYLIB_PATH").filter(|p| !p.is_empty()) {
+        candidates.push(("ORT_DYLIB_PATH".into(), PathBuf::from(p)));
+    }
+    let mut roots = vec![PathBuf::from(".")];
+    if let Ok(exe) = std::env::current_exe() {
+        // target/{debug,release}/vramguard (or target/*/deps/test-binary) → project root
+        roots.extend(exe.ancestors().skip(2).take(3).map(Path::to_path_buf));
+    }
+    roots.push(PathBuf::from(env!("CARGO_MANIFEST_DIR")));
+    for root in roots {
+        candidates.push(("project-local install".into(), root.join(PROJECT_LOCAL_LIBRARY)));
+    }
+    // An explicit choice that is wrong must not be papered over by a fallback.
+    if let Some((source, path)) = candidates.first()
+        && source != "project-local install"
+    {
+        return if path.is_file() {
+            Ok(path.clone())
+        } else {
+            Err(RuntimeError::NotFound {
+                tried: format!("{} (from {source}), which does not exist", path.display()),
+            })
+        };
+    }
+    candidates
+        .iter()
+        .find(|(_, p)| p.is_file())
+        .map(|(_, p)| p.clone())
+        .ok_or_else(|| RuntimeError::NotFound {
+            tried: candidates
+                .iter()
+                .map(|(_, p)| p.display().to_string())
+                .collect::<Vec<_>>()
+                .join(", "),
+        })
+}
+
+/// Load ONNX Runtime once per process (later calls return the same runtime).
+pub fn runtime(configured: Option<&Path>) -> Result<&'static OnnxRuntime, RuntimeError> {
+    if let Some(rt) = RUNTIME.get() {
+        return Ok(rt);
+    }
+    let _guard = INIT.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(rt) = RUNTIME.get() {
+        return Ok(rt);
+    }
+    let library = locate_library(configured)?;
+    let load_err = |message: String| RuntimeError::Load {
+        path: library.clone(),
+        message,
+    };
+    let env = ort::init_from(&library)
+        .map_err(|e| load_err(e.to_string()))?
+        .with_name("vramguard")
+        .with_telemetry(false)
+        .build()
+        .map_err(|e| load_err(e.to_string()))?;
+    let version = version_from_build_info(ort::info())
+        .or_else(|| version_from_file_name(&library))
+        .unwrap_or_else(|| "unknown".into());
+    tracing::info!(library = %library.display(), %version, "ONNX Runtime loaded");
+    Ok(RUNTIME.get_or_init(|| OnnxRuntime {
+        env,
+        library,
+        version,
+        simulated_arena: Mutex::new(None),
+    }))
+}
+
+fn version_from_build_info(info: &str) -> Option<String> {
+    // "ORT Build Info: git-branch=rel-1.31.1, git-commit-id=…"
+    let branch = info.split("git-branch=").nth(1)?;
+    let branch = branch.split([',', ' ']).next()?;
+    let version = branch.strip_prefix("rel-")?;
+    version.chars().next()?.is_ascii_digit().then(|| version.to_string())
+}
+
+fn version_from_file_name(path: &Path) -> Option<String> {
+    let name = path.file_name()?.to_str()?;
+    let version = name.split(".so.").nth(1)?;
+    (!version.is_empty()).then(|| version.to_string())
+}
+
+impl OnnxRuntime {
+    /// The environment sessions are created under.
+    pub fn env(&self) -> &Environment {
+        &self.env
+    }
+
+    /// Make sure the simulated device's capped arena is registered with `capacity` bytes.
+    /// ONNX Runtime holds one such allocator per process, so a different capacity is an error.
+    pub fn ensure_simulated_arena(&self, capacity: u64) -> Result<(), RuntimeError> {
+        let mut current = self.simulated_arena.lock().unwrap_or_else(|e| e.into_inner());
+        match *current {
+            Some(existing) if existing == capacity => Ok(()),
+            Some(existing) => Err(RuntimeError::Arena(format!(
+                "this process already has a simulated arena of {existing} bytes; ONNX Runtime allows one, so a second capacity ({capacity} bytes) cannot be set"
+            ))),
+            None => {
+                arena::register_capped_cpu_arena(&self.env, capacity).map_err(RuntimeError::Arena)?;
+                *current = Some(capacity);
+                Ok(())
+            }
+        }
+    }
+}
+
+/// A failure running a model, classified so callers match on variants, never on strings.
+#[derive(Debug, Clone, thiserror::Error, PartialEq)]
+pub enum BackendError {
+    /// The allocator could not provide memory (arena cap, CUDA out of memory) or the device failed.
+    #[error("{kind} allocation failure: {message}")]
+    Allocation {
+        /// `oom` or `driver`.
+        kind: AllocFailureKind,
+        /// ONNX Runtime's message.
+        message: String,
+    },
+    /// ONNX Runtime refused the inputs (a user mistake the HTTP layer did not catch).
+    #[error("invalid input: {0}")]
+    InvalidInput(String),
+    /// Anything else ONNX Runtime reported.
+    #[error("runtime error: {0}")]
+    Runtime(String),
+}
+
+/// Kinds of allocation failure, as the `kind` label of `vramguard_allocator_failures_total`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum AllocFailureKind {
+    /// Not enough memory.
+    Oom,
+    /// The device or driver failed (reset, lost, unknown CUDA error).
+    Driver,
+}
+
+impl AllocFailureKind {
+    /// Label value.
+    pub fn label(self) -> &'static str {
+        match self {
+            AllocFailureKind::Oom => "oom",
+            AllocFailureKind::Driver => "driver",
+        }
+    }
+}
+
+impl std::fmt::Display for AllocFailureKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.label())
+    }
+}
+
+/// Classify an ONNX Runtime failure. ONNX Runtime reports allocator and CUDA failures only as
+/// text (its error codes say `Fail`/`RuntimeException`), so the patterns live here and nowhere else.
+pub fn classify(message: &str) -> BackendError {
+    const OOM: &[&str] = &[
+        "BFCArena::AllocateRawInternal",
+        "Failed to allocate memory",
+        "out of memory",
+        "cudaErrorMemoryAllocation",
+        "CUDA_ERROR_OUT_OF_MEMORY",
+        "bad_alloc",
+    ];
+    const DRIVER: &[&str] = &[
+        "cudaErrorDevicesUnavailable",
+        "cudaErrorLaunchFailure",
+        "cudaErrorIllegalAddress",
+        "cudaErrorUnknown",
+        "cudaErrorNoDevice",
+        "CUDA_ERROR_LAUNCH_FAILED",
+        "driver shutting down",
+        "GPU is lost",
+        "device-side assert",
+    ];
+    let message = message.to_string();
+    if OOM.iter().any(|p| message.contains(p)) {
+        BackendError::Allocation {
+            kind: AllocFailureKind::Oom,
+            message,
+        }
+    } else if DRIVER.iter().any(|p| message.contains(p)) {
+        BackendError::Allocation {
+            kind: AllocFailureKind::Driver,
+            message,
+        }
+    } else if message.contains("Invalid rank")
+        || message.contains("Got invalid dimensions")
+        || message.contains("Unexpected input data type")
+    {
+        BackendError::InvalidInput(message)
+    } else {
+        BackendError::Runtime(message)
+    }
+}
+
+/// One input or output as the model declares it (`-1` for a dynamic axis).
+#[derive(Debug, Clone, PartialEq)]
+pub struct TensorSpec {
+    /// Name.
+    pub name: String,
+    /// Datatype.
+    pub datatype: DataType,
+    /// Dimensions, `-1` where dynamic.
+    pub shape: Vec<i64>,
+}
+
+/// A model's signature, read from its session.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModelSignature {
+    /// Inputs in declaration order.
+    pub inputs: Vec<TensorSpec>,
+    /// Outputs in declaration order.
+    pub outputs: Vec<TensorSpec>,
+}
+
+fn datatype_of(t: TensorElementType) -> Option<DataType> {
+    Some(match t {
+        TensorElementType::Bool => DataType::Bool,
+        TensorElementType::Uint8 => DataType::Uint8,
+        TensorElementType::Int8 => DataType::Int8,
+        TensorElementType::Int16 => DataType::Int16,
+        TensorElementType::Int32 => DataType::Int32,
+        TensorElementType::Int64 => DataType::Int64,
+        TensorElementType::Float16 => DataType::Fp16,
+        TensorElementType::Float32 => DataType::Fp32,
+        TensorElementType::Float64 => DataType::Fp64,
+        _ => return None,
+    })
+}
+
+fn spec(name: &str, ty: &ValueType) -> Result<TensorSpec, String> {
+    match ty {
+        ValueType::Tensor { ty, shape, .. } => Ok(TensorSpec {
+            name: name.to_string(),
+            datatype: datatype_of(*ty).ok_or_else(|| format!("`{name}` has unsupported element type {ty:?}"))?,
+            shape: shape.iter().copied().collect(),
+        }),
+        other => Err(format!("`{name}` is not a tensor ({other:?})")),
+    }
+}
+
+/// How a session should be built for a pool.
+#[derive(Debug, Clone)]
+pub struct SessionOptions {
+    /// Provider (and its options).
+    pub provider: Provider,
+    /// CUDA device index for `cuda` pools.
+    pub device_index: u32,
+    /// Intra-op threads.
+    pub intra_threads: usize,
+}
+
+/// Build a session for `model` under `options`. CUDA registration failure is an error, never a
+/// silent fallback to the CPU provider.
+pub fn build_session(rt: &OnnxRuntime, model: &[u8], options: &SessionOptions) -> Result<Session, String> {
+    // The builder's error type carries the builder back; only its message matters here.
+    fn msg<T>(e: ort::Error<T>) -> String {
+        e.to_string()
+    }
+    let mut builder = Session::builder(rt.env())
+        .map_err(msg)?
+        .with_optimization_level(GraphOptimizationLevel::Level3)
+        .map_err(msg)?
+        .with_intra_threads(options.intra_threads)
+        .map_err(msg)?
+        .with_inter_threads(1)
+        .map_err(msg)?;
+    builder = match &options.provider {
+        Provider::Cpu => builder
+            .with_execution_providers([ep::CPU::default().with_arena_allocator(true).build()])
+            .map_err(msg)?,
+        Provider::Simulated => builder
+            .with_execution_providers([ep::CPU::default().with_arena_allocator(true).build()])
+            .map_err(msg)?
+            .with_env_allocators()
+            .map_err(msg)?,
+        Provider::Cuda(cuda) => builder
+            .with_execution_providers([cuda_provider(cuda, options.device_index)])
+            .map_err(|e| format!("CUDA execution provider unavailable: {e}"))?,
+    };
+    builder.commit_from_memory(model).map_err(msg)
+}
+
+fn cuda_provider(cuda: &CudaOptions, device_index: u32) -> ep::ExecutionProviderDispatch {
+    let mut provider = ep::CUDA::default()
+        .with_device_id(device_index as i32)
+        .with_arena_extend_strategy(if cuda.same_as_requested {
+            ep::ArenaExtendStrategy::SameAsRequested
+        } else {
+            ep::ArenaExtendStrategy::NextPowerOfTwo
+        });
+    if let Some(limit) = cuda.gpu_mem_limit {
+        provider = provider.with_memory_limit(usize::try_from(limit).unwrap_or(usize::MAX));
+    }
+    provider.build().error_on_failure()
+}
+
+/// Read a session's signature.
+pub fn signature(session: &Session) -> Result<ModelSignature, String> {
+    Ok(ModelSignature {
+        inputs: session
+            .inputs()
+            .iter()
+            .map(|o| spec(o.name(), o.dtype()))
+            .collect::<Result<_, _>>()?,
+        outputs: session
+            .outputs()
+            .iter()
+            .map(|o| spec(o.name(), o.dtype()))
+            .collect::<Result<_, _>>()?,
+    })
+}
+
+fn to_value(tensor: Tensor) -> ort::Result<DynValue> {
+    let shape = tensor.shape;
+    Ok(each_variant!(tensor.data, v => ort::value::Tensor::from_array((shape, v))?.into_dyn()))
+}
+
+fn from_value(name: &str, value: &DynValue) -> Result<Tensor, String> {
+    macro_rules! extract {
+        ($t:ty, $variant:ident) => {{
+            let (shape, data) = value.try_extract_tensor::<$t>().map_err(|e| e.to_string())?;
+            (shape.iter().copied().collect(), TensorData::$variant(data.to_vec()))
+        }};
+    }
+    let dtype = value
+        .dtype()
+        .tensor_type()
+        .and_then(datatype_of)
+        .ok_or_else(|| format!("output `{name}` has an unsupported type {:?}", value.dtype()))?;
+    let (shape, data) = match dtype {
+        DataType::Bool => extract!(bool, Bool),
+        DataType::Uint8 => extract!(u8, Uint8),
+        DataType::Int8 => extract!(i8, Int8),
+        DataType::Int16 => extract!(i16, Int16),
+        DataType::Int32 => extract!(i32, Int32),
+        DataType::Int64 => extract!(i64, Int64),
+        DataType::Fp16 => extract!(half::f16, Fp16),
+        DataType::Fp32 => extract!(f32, Fp32),
+        DataType::Fp64 => extract!(f64, Fp64),
+    };
+    Ok(Tensor {
+        name: name.to_string(),
+        shape,
+        data,
+    })
+}
+
+/// Run `session` on `inputs`, returning the outputs named in `wanted` (all when empty), in the
+/// order asked for.
+pub fn run(session: &mut Session, inputs: Vec<Tensor>, wanted: &[String]) -> Result<Vec<Tensor>, BackendError> {
+    let values = inputs
+        .into_iter()
+        .map(|t| {
+            let name = t.name.clone();
+            to_value(t).map(|v| (name, v))
+        })
+        .collect::<ort::Result<Vec<_>>>()
+        .map_err(|e| classify(&e.to_string()))?;
+    let outputs = session.run(values).map_err(|e| classify(&e.to_string()))?;
+    let mut result = Vec::new();
+    if wanted.is_empty() {
+        for (name, value) in outputs.iter() {
+            result.push(from_value(name, &value).map_err(BackendError::Runtime)?);
+        }
+    } else {
+        for name in wanted {
+            let value = outputs
+                .get(name)
+                .ok_or_else(|| BackendError::Runtime(format!("model produced no output `{name}`")))?;
+            result.push(from_value(name, value).map_err(BackendError::Runtime)?);
+        }
+    }
+    Ok(result)
+}
+
+/// The production [`Backend`](crate::pool::Backend): one session per model, owned by one worker.
+pub struct OrtBackend {
+    sessions: HashMap<String, (Session, Option<Allocator>)>,
+    last_stats: Option<arena::ArenaStats>,
+}
+
+impl OrtBackend {
+    /// Build sessions for every `(name, bytes)` under `options`.
+    pub fn load(rt: &OnnxRuntime, models: &[(String, &[u8])], options: &SessionOptions) -> Result<OrtBackend, String> {
+        let mut sessions = HashMap::new();
+        for (name, bytes) in models {
+            let session = build_session(rt, bytes, options).map_err(|e| format!("model `{name}`: {e}"))?;
+            // The arena the session allocates from: the capped shared one for simulated pools,
+            // its own for CPU and CUDA pools. Stats are optional: a provider without an arena
+            // simply reports none.
+            let info = match &options.provider {
+                Provider::Cuda(_) => MemoryInfo::new(
+                    AllocationDevice::CUDA,
+                    options.device_index as i32,
+                    AllocatorType::Arena,
+                    MemoryType::Default,
+                ),
+                _ => MemoryInfo::new(AllocationDevice::CPU, 0, AllocatorType::Arena, MemoryType::Default),
+            };
+            let allocator = info.and_then(|info| Allocator::new(&session, info)).ok();
+            sessions.insert(name.clone(), (session, allocator));
+        }
+        Ok(OrtBackend {
+            sessions,
+            last_stats: None,
+        })
+    }
+}
+
+impl crate::pool::Backend for OrtBackend {
+    fn run(&mut self, model: &str, inputs: Vec<Tensor>, outputs: &[String]) -> Result<Vec<Tensor>, BackendError> {
+        let (session, allocator) = self
+            .sessions
+            .get_mut(model)
+            .ok_or_else(|| BackendError::Runtime(format!("this worker has no session for `{model}`")))?;
+        let result = run(session, inputs, outputs);
+        if let Some(allocator) = allocator {
+            self.last_stats = arena::allocator_stats(allocator).ok();
+        }
+        result
+    }
+
+    fn arena_stats(&self) -> Option<arena::ArenaStats> {
+        self.last_stats
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn arena_and_cuda_failures_are_allocation_errors() {
+        let bfc = "Non-zero status code returned while running MatMul node. Name:'n' Status Message: \
+                   BFCArena::AllocateRawInternal Available memory of 1024 is smaller than requested bytes of 4096";
+        assert!(matches!(
+            classify(bfc),
+            BackendError::Allocation {
+                kind: AllocFailureKind::Oom,
+                ..
+            }
+        ));
+        let cuda = "CUDA failure 2: out of memory ; GPU=0";
+        assert!(matches!(
+            classify(cuda),
+            BackendError::Allocation {
+                kind: AllocFailureKind::Oom,
+                ..
+            }
+        ));
+        let reset = "CUDA error cudaErrorDevicesUnavailable: all CUDA-capable devices are busy";
+        assert!(matches!(
+            classify(reset),
+            BackendError::Allocation {
+                kind: AllocFailureKind::Driver,
+                ..
+            }
+        ));
+        assert!(matches!(
+            classify("Invalid rank for input: x"),
+            BackendError::InvalidInput(_)
+        ));
+        assert!(matches!(classify("something else"), BackendError::Runtime(_)));
+    }
+
+    #[test]
+    fn version_comes_from_build_info_or_file_name() {
+        assert_eq!(
+            version_from_build_info("ORT Build Info: git-branch=rel-1.31.1, git-commit-id=abc").as_deref(),
+            Some("1.31.1")
+        );
+        assert_eq!(version_from_build_info("ORT Build Info: git-branch=main"), None);
+        assert_eq!(
+            version_from_file_name(Path::new("/x/libonnxruntime.so.1.31.1")).as_deref(),
+            Some("1.31.1")
+        );
+    }
+
+    #[test]
+    fn an_explicit_library_path_that_is_missing_is_reported_not_replaced() {
+        let err = locate_library(Some(Path::new("/nonexistent/libonnxruntime.so"))).unwrap_err();
+        let text = err.to_string();
+        assert!(
+            text.contains("/nonexistent/libonnxruntime.so (from onnxruntime.library)"),
+            "{text}"
+        );
+        assert!(text.contains("make deps"), "{text}");
+    }
+}

@@ -1,0 +1,508 @@
+//! Worker pools: a bounded queue in front of dedicated worker threads, each owning an inference
+//! [`Backend`] (ONNX Runtime sessions in production, a fake in tests). Inference never runs on the
+//! async runtime; callers await a oneshot reply.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use tokio::sync::oneshot;
+
+use crate::config::{PoolConfig, Provider};
+use crate::onnx::BackendError;
+use crate::onnx::arena::ArenaStats;
+use crate::tensor::Tensor;
+
+/// Runs models; one instance per worker thread, so it may hold non-shareable sessions.
+pub trait Backend: Send {
+    /// Run `model` on `inputs`, returning the `outputs` asked for (all when empty).
+    fn run(&mut self, model: &str, inputs: Vec<Tensor>, outputs: &[String]) -> Result<Vec<Tensor>, BackendError>;
+    /// Allocator statistics after the last run, when the backend has an arena.
+    fn arena_stats(&self) -> Option<ArenaStats>;
+}
+
+/// One unit of work for a pool.
+#[derive(Debug)]
+pub struct InferJob {
+    /// Request id (kept end to end, for logs).
+    pub request_id: String,
+    /// Model name.
+    pub model: String,
+    /// Validated inputs.
+    pub inputs: Vec<Tensor>,
+    /// Outputs asked for, empty for all.
+    pub outputs: Vec<String>,
+    /// When the client stops caring.
+    pub deadline: Option<Instant>,
+}
+
+/// Why a job produced no outputs.
+#[derive(Debug, Clone, thiserror::Error, PartialEq)]
+pub enum PoolError {
+    /// The queue is at capacity.
+    #[error("pool `{pool}` queue is full ({capacity} waiting)")]
+    QueueFull {
+        /// Pool name.
+        pool: String,
+        /// Its capacity.
+        capacity: usize,
+    },
+    /// The request waited longer than the pool's `max_wait`.
+    #[error("pool `{pool}` did not start the request within {}ms", waited.as_millis())]
+    QueueTimeout {
+        /// Pool name.
+        pool: String,
+        /// How long it waited.
+        waited: Duration,
+    },
+    /// The client's deadline passed before the work could finish.
+    #[error("deadline exceeded in pool `{pool}`")]
+    DeadlineExceeded {
+        /// Pool name.
+        pool: String,
+    },
+    /// The pool is not taking work (shutting down).
+    #[error("pool `{pool}` is shutting down")]
+    ShuttingDown {
+        /// Pool name.
+        pool: String,
+    },
+    /// The pool could not be started (e.g. no CUDA provider); the reason says why.
+    #[error("pool `{pool}` is unavailable: {reason}")]
+    Unavailable {
+        /// Pool name.
+        pool: String,
+        /// Why.
+        reason: String,
+    },
+    /// The backend failed.
+    #[error(transparent)]
+    Backend(#[from] BackendError),
+}
+
+/// What a finished job sends back.
+pub type JobResult = Result<Vec<Tensor>, PoolError>;
+
+struct Queued {
+    job: InferJob,
+    enqueued: Instant,
+    reply: oneshot::Sender<JobResult>,
+}
+
+#[derive(Default)]
+struct QueueState {
+    jobs: VecDeque<Queued>,
+    closed: bool,
+    inflight: usize,
+}
+
+/// A snapshot of a pool's load.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct PoolLoad {
+    /// Waiting requests.
+    pub queue_depth: usize,
+    /// Age of the oldest waiting request.
+    pub oldest_age: Duration,
+    /// Requests being run.
+    pub inflight: usize,
+}
+
+/// Whether a pool can take work.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Availability {
+    /// Workers are running.
+    Ready,
+    /// It could not start; the reason is shown in `/status` and logs.
+    Unavailable(String),
+}
+
+/// A pool of workers behind a bounded queue.
+pub struct Pool {
+    /// Validated configuration.
+    pub config: PoolConfig,
+    /// Device kind label (`nvml`, `simulated`, or `host` for CPU pools).
+    pub device_kind: &'static str,
+    availability: Availability,
+    state: Mutex<QueueState>,
+    wake: Condvar,
+    arena: Mutex<Option<ArenaStats>>,
+    /// Exponentially weighted mean run time in microseconds, for the delay estimate.
+    mean_run_us: AtomicU64,
+    workers: Mutex<Vec<JoinHandle<()>>>,
+}
+
+impl std::fmt::Debug for Pool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Pool")
+            .field("name", &self.config.name)
+            .field("availability", &self.availability)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Pool {
+    /// Start a pool with one worker thread per backend.
+    pub fn start(config: PoolConfig, device_kind: &'static str, backends: Vec<Box<dyn Backend>>) -> Arc<Pool> {
+        let pool = Arc::new(Self::new(config, device_kind, Availability::Ready));
+        let mut handles = Vec::new();
+        for (i, backend) in backends.into_iter().enumerate() {
+            let worker_pool = Arc::clone(&pool);
+            let handle = std::thread::Builder::new()
+                .name(format!("{}-worker-{i}", pool.config.name))
+                .spawn(move || worker_pool.work(backend))
+                .expect("spawning a worker thread");
+            handles.push(handle);
+        }
+        *pool.workers.lock().unwrap_or_else(|e| e.into_inner()) = handles;
+        pool
+    }
+
+    /// A pool that could not start; every submission is answered with the reason.
+    pub fn unavailable(config: PoolConfig, device_kind: &'static str, reason: String) -> Arc<Pool> {
+        Arc::new(Self::new(config, device_kind, Availability::Unavailable(reason)))
+    }
+
+    fn new(config: PoolConfig, device_kind: &'static str, availability: Availability) -> Pool {
+        Pool {
+            config,
+            device_kind,
+            availability,
+            state: Mutex::new(QueueState::default()),
+            wake: Condvar::new(),
+            arena: Mutex::new(None),
+            mean_run_us: AtomicU64::new(0),
+            workers: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// Pool name.
+    pub fn name(&self) -> &str {
+        &self.config.name
+    }
+
+    /// Provider.
+    pub fn provider(&self) -> &Provider {
+        &self.config.provider
+    }
+
+    /// Whether it runs.
+    pub fn availability(&self) -> &Availability {
+        &self.availability
+    }
+
+    /// True when it runs and is not shutting down.
+    pub fn is_ready(&self) -> bool {
+        self.availability == Availability::Ready && !self.lock().closed
+    }
+
+    /// True when this pool serves `model`.
+    pub fn serves(&self, model: &str) -> bool {
+        self.config.models.iter().any(|m| m == model)
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, QueueState> {
+        // A worker that panicked mid-run must not take the queue down with it.
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Current queue depth, oldest age and in-flight count.
+    pub fn load(&self) -> PoolLoad {
+        let state = self.lock();
+        PoolLoad {
+            queue_depth: state.jobs.len(),
+            oldest_age: state.jobs.front().map(|q| q.enqueued.elapsed()).unwrap_or_default(),
+            inflight: state.inflight,
+        }
+    }
+
+    /// Latest allocator statistics reported by a worker.
+    pub fn arena_stats(&self) -> Option<ArenaStats> {
+        *self.arena.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Estimated wait before a new request would finish: the queue ahead of it and the work in
+    /// flight, spread over the workers, times the mean run time.
+    pub fn estimated_delay(&self) -> Duration {
+        let load = self.load();
+        let mean = Duration::from_micros(self.mean_run_us.load(Ordering::Relaxed));
+        let ahead = (load.queue_depth + load.inflight + 1) as u32;
+        mean * ahead.div_ceil(self.config.workers.max(1) as u32)
+    }
+
+    /// Queue a job; the receiver yields its result. Refused at once when the pool is
+    /// unavailable, shutting down or full.
+    pub fn submit(&self, job: InferJob) -> Result<oneshot::Receiver<JobResult>, PoolError> {
+        if let Availability::Unavailable(reason) = &self.availability {
+            return Err(PoolError::Unavailable {
+                pool: self.name().to_string(),
+                reason: reason.clone(),
+            });
+        }
+        let (reply, rx) = oneshot::channel();
+        let mut state = self.lock();
+        if state.closed {
+            return Err(PoolError::ShuttingDown {
+                pool: self.name().to_string(),
+            });
+        }
+        if state.jobs.len() >= self.config.queue_capacity {
+            return Err(PoolError::QueueFull {
+                pool: self.name().to_string(),
+                capacity: self.config.queue_capacity,
+            });
+        }
+        state.jobs.push_back(Queued {
+            job,
+            enqueued: Instant::now(),
+            reply,
+        });
+        drop(state);
+        self.wake.notify_one();
+        Ok(rx)
+    }
+
+    /// Stop taking work: queued jobs are answered `ShuttingDown` now, running ones finish. Then
+    /// wait up to `grace` for the workers; returns false if some were still running.
+    pub fn shutdown(&self, grace: Duration) -> bool {
+        let drained: Vec<Queued> = {
+            let mut state = self.lock();
+            state.closed = true;
+            state.jobs.drain(..).collect()
+        };
+        self.wake.notify_all();
+        for queued in drained {
+            let _ = queued.reply.send(Err(PoolError::ShuttingDown {
+                pool: self.name().to_string(),
+            }));
+        }
+        let handles: Vec<JoinHandle<()>> = std::mem::take(&mut *self.workers.lock().unwrap_or_else(|e| e.into_inner()));
+        let until = Instant::now() + grace;
+        let mut all_done = true;
+        for handle in handles {
+            while !handle.is_finished() && Instant::now() < until {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            if handle.is_finished() {
+                let _ = handle.join();
+            } else {
+                all_done = false;
+            }
+        }
+        all_done
+    }
+
+    fn next_job(&self) -> Option<Queued> {
+        let mut state = self.lock();
+        loop {
+            if let Some(job) = state.jobs.pop_front() {
+                state.inflight += 1;
+                return Some(job);
+            }
+            if state.closed {
+                return None;
+            }
+            state = self.wake.wait(state).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+
+    fn work(&self, mut backend: Box<dyn Backend>) {
+        while let Some(Queued { job, enqueued, reply }) = self.next_job() {
+            let waited = enqueued.elapsed();
+            let result = if reply.is_closed() {
+                // The client went away while queued: do not spend the device on it.
+                tracing::debug!(request_id = %job.request_id, pool = self.name(), "client gone before start; skipped");
+                None
+            } else if waited > self.config.max_wait {
+                Some(Err(PoolError::QueueTimeout {
+                    pool: self.name().to_string(),
+                    waited,
+                }))
+            } else if job.deadline.is_some_and(|d| Instant::now() >= d) {
+                Some(Err(PoolError::DeadlineExceeded {
+                    pool: self.name().to_string(),
+                }))
+            } else {
+                let started = Instant::now();
+                let result = backend.run(&job.model, job.inputs, &job.outputs);
+                self.record_run(started.elapsed());
+                if let Some(stats) = backend.arena_stats() {
+                    *self.arena.lock().unwrap_or_else(|e| e.into_inner()) = Some(stats);
+                }
+                if let Err(e) = &result {
+                    tracing::warn!(request_id = %job.request_id, pool = self.name(), model = %job.model, error = %e, "inference failed");
+                }
+                Some(result.map_err(PoolError::from))
+            };
+            self.lock().inflight -= 1;
+            if let Some(result) = result {
+                let _ = reply.send(result);
+            }
+        }
+    }
+
+    fn record_run(&self, took: Duration) {
+        let sample = took.as_micros().min(u64::MAX as u128) as u64;
+        let old = self.mean_run_us.load(Ordering::Relaxed);
+        let new = if old == 0 { sample } else { (old * 7 + sample) / 8 };
+        self.mean_run_us.store(new, Ordering::Relaxed);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tensor::TensorData;
+    use std::sync::mpsc;
+
+    /// A backend that echoes its inputs, optionally blocking until released.
+    struct Echo {
+        gate: Option<Arc<Mutex<mpsc::Receiver<()>>>>,
+    }
+
+    impl Backend for Echo {
+        fn run(&mut self, _: &str, inputs: Vec<Tensor>, _: &[String]) -> Result<Vec<Tensor>, BackendError> {
+            if let Some(gate) = &self.gate {
+                gate.lock().unwrap().recv().unwrap();
+            }
+            Ok(inputs)
+        }
+        fn arena_stats(&self) -> Option<ArenaStats> {
+            None
+        }
+    }
+
+    fn config(capacity: usize) -> PoolConfig {
+        PoolConfig {
+            name: "p".into(),
+            provider: Provider::Cpu,
+            device: "host".into(),
+            models: vec!["m".into()],
+            workers: 1,
+            intra_threads: 1,
+            queue_capacity: capacity,
+            max_wait: Duration::from_secs(60),
+        }
+    }
+
+    fn job(v: f32) -> InferJob {
+        InferJob {
+            request_id: "r".into(),
+            model: "m".into(),
+            inputs: vec![Tensor {
+                name: "x".into(),
+                shape: vec![1],
+                data: TensorData::Fp32(vec![v]),
+            }],
+            outputs: vec![],
+            deadline: None,
+        }
+    }
+
+    fn gated(capacity: usize) -> (Arc<Pool>, mpsc::Sender<()>) {
+        let (tx, rx) = mpsc::channel();
+        let gate = Arc::new(Mutex::new(rx));
+        let pool = Pool::start(config(capacity), "host", vec![Box::new(Echo { gate: Some(gate) })]);
+        (pool, tx)
+    }
+
+    fn wait_until(mut f: impl FnMut() -> bool) {
+        for _ in 0..2000 {
+            if f() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        panic!("condition not reached");
+    }
+
+    #[test]
+    fn a_full_queue_refuses_and_accepted_work_completes() {
+        let (pool, release) = gated(1);
+        let first = pool.submit(job(1.0)).unwrap();
+        wait_until(|| pool.load().inflight == 1);
+        let second = pool.submit(job(2.0)).unwrap();
+        assert_eq!(pool.load().queue_depth, 1);
+        assert_eq!(
+            pool.submit(job(3.0)).unwrap_err(),
+            PoolError::QueueFull {
+                pool: "p".into(),
+                capacity: 1
+            }
+        );
+        release.send(()).unwrap();
+        release.send(()).unwrap();
+        assert_eq!(
+            first.blocking_recv().unwrap().unwrap()[0].data,
+            TensorData::Fp32(vec![1.0])
+        );
+        assert_eq!(
+            second.blocking_recv().unwrap().unwrap()[0].data,
+            TensorData::Fp32(vec![2.0])
+        );
+        assert!(pool.shutdown(Duration::from_secs(1)));
+    }
+
+    #[test]
+    fn shutdown_answers_queued_work_and_lets_running_work_finish() {
+        let (pool, release) = gated(4);
+        let running = pool.submit(job(1.0)).unwrap();
+        wait_until(|| pool.load().inflight == 1);
+        let queued = pool.submit(job(2.0)).unwrap();
+        let closer = {
+            let pool = Arc::clone(&pool);
+            std::thread::spawn(move || pool.shutdown(Duration::from_secs(5)))
+        };
+        wait_until(|| !pool.is_ready());
+        assert_eq!(
+            queued.blocking_recv().unwrap().unwrap_err(),
+            PoolError::ShuttingDown { pool: "p".into() }
+        );
+        assert!(matches!(pool.submit(job(3.0)), Err(PoolError::ShuttingDown { .. })));
+        release.send(()).unwrap();
+        assert!(running.blocking_recv().unwrap().is_ok());
+        assert!(closer.join().unwrap());
+    }
+
+    #[test]
+    fn a_request_whose_client_left_is_not_run() {
+        let (pool, release) = gated(4);
+        let running = pool.submit(job(1.0)).unwrap();
+        wait_until(|| pool.load().inflight == 1);
+        drop(pool.submit(job(2.0)).unwrap());
+        let third = pool.submit(job(3.0)).unwrap();
+        release.send(()).unwrap();
+        // Only one more release: if the abandoned job ran, the third would never finish.
+        release.send(()).unwrap();
+        assert!(running.blocking_recv().unwrap().is_ok());
+        assert_eq!(
+            third.blocking_recv().unwrap().unwrap()[0].data,
+            TensorData::Fp32(vec![3.0])
+        );
+        pool.shutdown(Duration::from_secs(1));
+    }
+
+    #[test]
+    fn an_expired_deadline_is_reported_without_running() {
+        let pool = Pool::start(config(4), "host", vec![Box::new(Echo { gate: None })]);
+        let mut j = job(1.0);
+        j.deadline = Some(Instant::now());
+        let rx = pool.submit(j).unwrap();
+        assert_eq!(
+            rx.blocking_recv().unwrap().unwrap_err(),
+            PoolError::DeadlineExceeded { pool: "p".into() }
+        );
+        pool.shutdown(Duration::from_secs(1));
+    }
+
+    #[test]
+    fn an_unavailable_pool_says_why() {
+        let pool = Pool::unavailable(config(4), "nvml", "no NVIDIA driver".into());
+        assert!(!pool.is_ready());
+        assert_eq!(
+            pool.submit(job(1.0)).unwrap_err().to_string(),
+            "pool `p` is unavailable: no NVIDIA driver"
+        );
+    }
+}
