@@ -1,0 +1,172 @@
+//! The `vramguard` binary: config commands, refusal of bad configs before binding, and graceful
+//! shutdown on SIGTERM.
+
+use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+
+const BIN: &str = env!("CARGO_BIN_EXE_vramguard");
+
+fn temp_file(name: &str, contents: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("vramguard-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join(name);
+    std::fs::write(&path, contents).unwrap();
+    path
+}
+
+#[test]
+fn config_check_names_the_file_and_key_and_exits_64() {
+    let path = temp_file(
+        "bad.yaml",
+        "models: [{name: m, path: 'builtin:classifier'}]\npools: [{name: cpu, provider: cpu, models: [m], workers: 0}]\n",
+    );
+    let out = Command::new(BIN).args(["config", "check"]).arg(&path).output().unwrap();
+    assert_eq!(out.status.code(), Some(64));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains(&format!(
+            "error: {}: pools[0].workers: expected 1 to 256, got 0",
+            path.display()
+        )),
+        "{stderr}"
+    );
+
+    let path = temp_file(
+        "ctx.yaml",
+        "models: [{name: m, path: 'builtin:encoder', context: {input: tokens, axis: 1}}]\npools: [{name: cpu, provider: cpu, models: [m]}]\n",
+    );
+    let out = Command::new(BIN).args(["config", "check"]).arg(&path).output().unwrap();
+    assert_eq!(out.status.code(), Some(64));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("models[0].context.input: model `m` has no input `tokens`; its inputs are: input"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn the_example_config_checks_and_the_default_round_trips() {
+    let example = concat!(env!("CARGO_MANIFEST_DIR"), "/config/example.yaml");
+    let out = Command::new(BIN).args(["config", "check", example]).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("ok (2 models, 3 pools)"));
+
+    let out = Command::new(BIN).args(["config", "default"]).output().unwrap();
+    assert!(out.status.success());
+    let text = String::from_utf8(out.stdout).unwrap();
+    if !vramguard::device::nvidia_gpu_present() {
+        assert!(
+            text.starts_with("# vramguard embedded default (no NVIDIA GPU: the `gpu` pool is a SIMULATED accelerator)")
+        );
+    }
+    let path = temp_file("default.yaml", &text);
+    let out = Command::new(BIN).args(["config", "check"]).arg(&path).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+}
+
+#[test]
+fn serve_refuses_a_bad_config_before_binding() {
+    let path = temp_file("typo.yaml", "server: {listne: 1}\nmodels: []\npools: []\n");
+    let out = Command::new(BIN)
+        .args(["serve", "--config"])
+        .arg(&path)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(64));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("server: unknown field `listne`"), "{stderr}");
+}
+
+fn encoder_body(seq: usize) -> (String, Vec<u8>) {
+    let header = json!({
+        "inputs": [{"name": "input", "shape": [1, seq, 64], "datatype": "FP32",
+                    "parameters": {"binary_data_size": seq * 64 * 4}}],
+        "outputs": [{"name": "pooled"}]
+    })
+    .to_string();
+    let mut body = header.clone().into_bytes();
+    body.extend(std::iter::repeat_n(0.01f32.to_le_bytes(), seq * 64).flatten());
+    (header, body)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_finishes_running_work_answers_queued_work_and_exits_0() {
+    let config = temp_file(
+        "serve.yaml",
+        "server: {listen: '127.0.0.1:0', shutdown_grace: 30s}\n\
+         models: [{name: encoder, path: 'builtin:encoder'}]\n\
+         pools: [{name: cpu, provider: cpu, models: [encoder], workers: 1}]\n",
+    );
+    let mut child = Command::new(BIN)
+        .args(["--log-format", "json", "serve", "--config"])
+        .arg(&config)
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
+    let addr = loop {
+        let line = lines.next().expect("server exited before serving").unwrap();
+        let log: Value = serde_json::from_str(&line).unwrap_or(Value::Null);
+        if log["message"] == "vramguard serving" {
+            break log["address"].as_str().unwrap().to_string();
+        }
+    };
+    // Keep draining the log so the child never blocks on a full pipe.
+    std::thread::spawn(move || for _ in lines {});
+    let url = |p: &str| format!("http://{addr}{p}");
+    let client = reqwest::Client::new();
+    let send = |seq: usize| {
+        let (header, body) = encoder_body(seq);
+        client
+            .post(url("/v2/models/encoder/infer"))
+            .header("Inference-Header-Content-Length", header.len())
+            .body(body)
+            .send()
+    };
+    let status = || async {
+        reqwest::get(url("/status"))
+            .await
+            .unwrap()
+            .json::<Value>()
+            .await
+            .unwrap()
+    };
+
+    let running = tokio::spawn(send(3072));
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while status().await["pools"][0]["inflight"] != 1 {
+        assert!(Instant::now() < deadline, "the long request never started");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let queued = tokio::spawn(send(8));
+    while status().await["pools"][0]["queue_depth"] != 1 {
+        assert!(Instant::now() < deadline, "the second request never queued");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert!(
+        Command::new("kill")
+            .args(["-TERM", &child.id().to_string()])
+            .status()
+            .unwrap()
+            .success()
+    );
+
+    let queued = queued.await.unwrap().unwrap();
+    assert_eq!(queued.status(), reqwest::StatusCode::SERVICE_UNAVAILABLE);
+    let error: Value = queued.json().await.unwrap();
+    assert_eq!(error["error"], "pool `cpu` is shutting down");
+    let running = running.await.unwrap().unwrap();
+    assert_eq!(
+        running.status(),
+        reqwest::StatusCode::OK,
+        "the running request finishes"
+    );
+    let exit = tokio::task::spawn_blocking(move || child.wait().unwrap())
+        .await
+        .unwrap();
+    assert_eq!(exit.code(), Some(0));
+}

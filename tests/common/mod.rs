@@ -1,0 +1,90 @@
+//! Shared harness: a real server on 127.0.0.1:0 with real ONNX Runtime sessions.
+#![allow(dead_code)]
+
+use std::net::SocketAddr;
+use std::path::Path;
+use std::sync::Arc;
+
+use serde_json::Value;
+use tokio::sync::oneshot;
+use vramguard::config::{Config, RawConfig, parse_yaml};
+use vramguard::engine::Engine;
+use vramguard::http::{self, AppState};
+
+/// A running server; dropping it does not stop it, call [`TestServer::stop`].
+pub struct TestServer {
+    pub addr: SocketAddr,
+    pub state: Arc<AppState>,
+    stop: Option<oneshot::Sender<()>>,
+    task: tokio::task::JoinHandle<std::io::Result<()>>,
+}
+
+impl TestServer {
+    /// Start from YAML (model paths relative to the project root).
+    pub async fn start(yaml: &str) -> TestServer {
+        let raw: RawConfig = parse_yaml(yaml, "test.yaml").expect("test config parses");
+        let config: Config = raw
+            .validate("test.yaml", Path::new(env!("CARGO_MANIFEST_DIR")))
+            .expect("test config validates");
+        let engine = tokio::task::spawn_blocking(move || Engine::start(config))
+            .await
+            .unwrap()
+            .expect("engine starts");
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let state = AppState::new(Arc::new(engine));
+        let (stop, stopped) = oneshot::channel::<()>();
+        let task = tokio::spawn(http::serve(Arc::clone(&state), listener, async {
+            let _ = stopped.await;
+        }));
+        TestServer {
+            addr,
+            state,
+            stop: Some(stop),
+            task,
+        }
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("http://{}{path}", self.addr)
+    }
+
+    pub async fn stop(mut self) {
+        let _ = self.stop.take().unwrap().send(());
+        self.task.await.unwrap().unwrap();
+    }
+
+    pub async fn metrics(&self) -> String {
+        reqwest::get(self.url("/metrics")).await.unwrap().text().await.unwrap()
+    }
+}
+
+/// The committed reference cases of a bundled model (`models/reference.json`).
+pub fn reference_cases(model: &str) -> Vec<Value> {
+    let text = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("models/reference.json")).unwrap();
+    let all: Value = serde_json::from_str(&text).unwrap();
+    all[model].as_array().unwrap().clone()
+}
+
+/// Build an infer request body from a reference case's inputs.
+pub fn request_from_case(case: &Value) -> Value {
+    let inputs: Vec<Value> = case["inputs"]
+        .as_object()
+        .unwrap()
+        .iter()
+        .map(|(name, t)| serde_json::json!({"name": name, "shape": t["shape"], "datatype": t["datatype"], "data": t["data"]}))
+        .collect();
+    serde_json::json!({ "inputs": inputs })
+}
+
+/// Assert two float arrays agree within `tol`.
+pub fn assert_close(got: &[f64], want: &[f64], tol: f64, what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        assert!((g - w).abs() <= tol, "{what}[{i}]: got {g}, want {w}");
+    }
+}
+
+pub fn floats(v: &Value) -> Vec<f64> {
+    v.as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect()
+}
