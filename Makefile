@@ -12,13 +12,14 @@ PYTHON      ?= python3
 CARGO       ?= cargo
 SUDO        := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 APT_STAMP   := .deps/.apt-updated
+PYCLIENTS   := .deps/pyclients/.installed
 
-.PHONY: run test deps tools build release check-fmt clippy unit alert-tests bench clean-deps
+.PHONY: run test deps tools build release check-fmt clippy unit client-compat alert-tests bench clean-deps
 
 run: deps release
 	./target/release/vramguard serve $(ARGS)
 
-test: deps tools check-fmt clippy unit alert-tests
+test: deps tools check-fmt clippy unit client-compat alert-tests
 	@echo "make test: all checks passed"
 
 deps: $(ORT_LIB)
@@ -36,6 +37,11 @@ tools:
 		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends prometheus >/dev/null; }
 	@promtool --version | head -1
 
+# Triton's stock HTTP client, for the protocol compatibility check (never imported by vramguard).
+$(PYCLIENTS):
+	$(PYTHON) -m pip install --quiet --disable-pip-version-check --target .deps/pyclients 'tritonclient[http]==2.73.0' numpy
+	@touch $@
+
 build:
 	$(CARGO) build
 
@@ -50,6 +56,10 @@ clippy:
 
 unit:
 	$(CARGO) test
+
+client-compat: $(PYCLIENTS)
+	$(CARGO) build
+	$(PYTHON) tests/clients/triton_http.py target/debug/vramguard
 
 alert-tests:
 	promtool check rules alerts/*.rules.yaml

@@ -390,7 +390,7 @@ async fn run_inference(
             Some(started + Duration::from_millis(ms))
         }
     };
-    let request =
+    let mut request =
         infer::decode(&body, header_len, &entry.signature).map_err(|e| client_error(StatusCode::BAD_REQUEST, e))?;
     drop(body);
 
@@ -422,7 +422,7 @@ async fn run_inference(
     let job = InferJob {
         request_id: id.to_string(),
         model: model.to_string(),
-        inputs: request.inputs.clone(),
+        inputs: std::mem::take(&mut request.inputs),
         outputs: request.outputs.iter().map(|o| o.name.clone()).collect(),
         deadline,
     };

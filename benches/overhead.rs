@@ -1,0 +1,223 @@
+//! Server overhead: the bundled encoder (seq 128, batch 1) run in-process on ONNX Runtime versus
+//! the same request through vramguard's HTTP API on 127.0.0.1, in one run.
+//!
+//! `cargo bench --bench overhead [-- --seconds N]` prints median/p99 latency and saturated
+//! throughput for both, the added latency per request and the throughput ratio. One inference
+//! thread on both sides (one worker, one intra-op thread), so the comparison is like for like
+//! and the second core is left to the HTTP stack and the client.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use serde_json::json;
+use vramguard::config::{Config, Provider, RawConfig, parse_yaml};
+use vramguard::engine::Engine;
+use vramguard::http::{self, AppState};
+use vramguard::model::BuiltinModel;
+use vramguard::onnx::{self, SessionOptions};
+use vramguard::tensor::{Tensor, TensorData};
+
+const SEQ: usize = 128;
+const DIM: usize = 64;
+
+fn input() -> Vec<f32> {
+    (0..SEQ * DIM).map(|i| ((i % 13) as f32 - 6.0) * 0.05).collect()
+}
+
+fn percentile(sorted: &[Duration], p: f64) -> Duration {
+    sorted[((sorted.len() - 1) as f64 * p).round() as usize]
+}
+
+struct Stats {
+    median: Duration,
+    p99: Duration,
+    per_second: f64,
+}
+
+fn summarize(mut samples: Vec<Duration>, throughput: f64) -> Stats {
+    samples.sort();
+    Stats {
+        median: percentile(&samples, 0.5),
+        p99: percentile(&samples, 0.99),
+        per_second: throughput,
+    }
+}
+
+fn in_process(seconds: f64) -> Stats {
+    let rt = onnx::runtime(None).expect("ONNX Runtime (run `make deps`)");
+    let options = SessionOptions {
+        provider: Provider::Cpu,
+        device_index: 0,
+        intra_threads: 1,
+    };
+    let mut session = onnx::build_session(rt, BuiltinModel::Encoder.bytes(), &options).unwrap();
+    let data = input();
+    let make = || Tensor {
+        name: "input".into(),
+        shape: vec![1, SEQ as i64, DIM as i64],
+        data: TensorData::Fp32(data.clone()),
+    };
+    let wanted = vec!["pooled".to_string()];
+    for _ in 0..50 {
+        onnx::run(&mut session, vec![make()], &wanted).unwrap();
+    }
+    let mut samples = Vec::new();
+    let started = Instant::now();
+    while started.elapsed().as_secs_f64() < seconds {
+        let t = Instant::now();
+        onnx::run(&mut session, vec![make()], &wanted).unwrap();
+        samples.push(t.elapsed());
+    }
+    let throughput = samples.len() as f64 / started.elapsed().as_secs_f64();
+    summarize(samples, throughput)
+}
+
+fn binary_body() -> (String, Vec<u8>) {
+    let header = json!({
+        "inputs": [{"name": "input", "shape": [1, SEQ, DIM], "datatype": "FP32",
+                    "parameters": {"binary_data_size": SEQ * DIM * 4}}],
+        "outputs": [{"name": "pooled", "parameters": {"binary_data": true}}]
+    })
+    .to_string();
+    let mut body = header.clone().into_bytes();
+    input().iter().for_each(|v| body.extend_from_slice(&v.to_le_bytes()));
+    (header, body)
+}
+
+fn json_body() -> Vec<u8> {
+    json!({"inputs": [{"name": "input", "shape": [1, SEQ, DIM], "datatype": "FP32", "data": input()}],
+           "outputs": [{"name": "pooled"}]})
+    .to_string()
+    .into_bytes()
+}
+
+async fn send(client: reqwest::Client, url: Arc<str>, header_len: Option<usize>, body: bytes::Bytes) {
+    let mut request = client.post(&*url).body(body);
+    if let Some(len) = header_len {
+        request = request.header("Inference-Header-Content-Length", len);
+    }
+    let response = request.send().await.unwrap();
+    assert!(response.status().is_success(), "{}", response.status());
+    response.bytes().await.unwrap();
+}
+
+async fn over_http(url: &str, header_len: Option<usize>, body: Vec<u8>, seconds: f64, concurrency: usize) -> Stats {
+    let client = reqwest::Client::builder()
+        .pool_max_idle_per_host(concurrency)
+        .build()
+        .unwrap();
+    let body = bytes::Bytes::from(body);
+    let url: Arc<str> = Arc::from(url);
+    for _ in 0..50 {
+        send(client.clone(), url.clone(), header_len, body.clone()).await;
+    }
+    let started = Instant::now();
+    let mut tasks = Vec::new();
+    for _ in 0..concurrency {
+        let (client, url, body) = (client.clone(), url.clone(), body.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut samples = Vec::new();
+            while started.elapsed().as_secs_f64() < seconds {
+                let t = Instant::now();
+                send(client.clone(), url.clone(), header_len, body.clone()).await;
+                samples.push(t.elapsed());
+            }
+            samples
+        }));
+    }
+    let mut samples = Vec::new();
+    for task in tasks {
+        samples.extend(task.await.unwrap());
+    }
+    let throughput = samples.len() as f64 / started.elapsed().as_secs_f64();
+    summarize(samples, throughput)
+}
+
+fn print(label: &str, s: &Stats) {
+    println!(
+        "{label:<34} median {:>8.1} µs   p99 {:>8.1} µs   {:>8.0} req/s",
+        s.median.as_secs_f64() * 1e6,
+        s.p99.as_secs_f64() * 1e6,
+        s.per_second
+    );
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let seconds: f64 = args
+        .iter()
+        .position(|a| a == "--seconds")
+        .and_then(|i| args.get(i + 1))
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(5.0);
+    println!("encoder seq {SEQ} batch 1, one inference thread each side, {seconds}s per measurement");
+
+    let local = in_process(seconds);
+    print("in-process ONNX Runtime", &local);
+
+    let raw: RawConfig = parse_yaml(
+        "models: [{name: encoder, path: 'builtin:encoder'}]\n\
+         pools: [{name: cpu, provider: cpu, models: [encoder], workers: 1, intra_threads: 1, queue: {capacity: 256}}]\n",
+        "bench.yaml",
+    )
+    .unwrap();
+    let config: Config = raw.validate("bench.yaml", Path::new(".")).unwrap();
+    let engine = Arc::new(Engine::start(config).unwrap());
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    runtime.block_on(async {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}/v2/models/encoder/infer", listener.local_addr().unwrap());
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let server = tokio::spawn(http::serve(AppState::new(engine), listener, async {
+            let _ = stopped.await;
+        }));
+        let health = url.replace("/v2/models/encoder/infer", "/v2/health/live");
+        let client = reqwest::Client::new();
+        let mut floor = Vec::new();
+        for i in 0..3000 {
+            let t = Instant::now();
+            client.get(&health).send().await.unwrap().bytes().await.unwrap();
+            if i >= 100 {
+                floor.push(t.elapsed());
+            }
+        }
+        let floor = summarize(floor, 0.0);
+        println!(
+            "{:<34} median {:>8.1} µs   (client + loopback TCP + routing, no work)",
+            "HTTP floor: GET /v2/health/live",
+            floor.median.as_secs_f64() * 1e6
+        );
+        let (header, body) = binary_body();
+        let binary = over_http(&url, Some(header.len()), body.clone(), seconds, 1).await;
+        print("HTTP, binary tensors, 1 client", &binary);
+        let json = over_http(&url, None, json_body(), seconds, 1).await;
+        print("HTTP, JSON tensors, 1 client", &json);
+        let saturated = over_http(&url, Some(header.len()), body, seconds, 4).await;
+        print("HTTP, binary tensors, 4 clients", &saturated);
+
+        let added = |s: &Stats| (s.median.as_secs_f64() - local.median.as_secs_f64()) * 1e6;
+        println!();
+        println!(
+            "added median latency, binary: {:>7.1} µs (target ≤ 100 µs)",
+            added(&binary)
+        );
+        println!("added median latency, JSON:   {:>7.1} µs", added(&json));
+        println!(
+            "server-side overhead, binary:  {:>7.1} µs (added latency minus the HTTP floor of the client and loopback)",
+            added(&binary) - floor.median.as_secs_f64() * 1e6
+        );
+        println!(
+            "saturated throughput: {:.0} req/s = {:.1}% of in-process {:.0} req/s (target ≥ 90%)",
+            saturated.per_second,
+            100.0 * saturated.per_second / local.per_second,
+            local.per_second
+        );
+        let _ = stop.send(());
+        server.await.unwrap().unwrap();
+    });
+}
