@@ -17,4 +17,5 @@ pub mod metrics;
 pub mod model;
 pub mod onnx;
 pub mod pool;
+pub mod snapshot;
 pub mod tensor;

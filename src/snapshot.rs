@@ -1,0 +1,183 @@
+//! Plain data shared by the exporter and the policy engine: one [`Snapshot`] of memory and load
+//! (what `/metrics` exports and what a policy script sees as `state`), a [`RequestInfo`] (the
+//! script's `req`) and the [`Decision`] a policy returns. No behaviour lives here.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+/// Everything known about memory and load at one instant.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Snapshot {
+    /// Accelerator devices by name.
+    pub devices: BTreeMap<String, DeviceState>,
+    /// Worker pools by name.
+    pub pools: BTreeMap<String, PoolState>,
+    /// Host memory.
+    pub host: HostState,
+    /// Processes holding accelerator memory (every device).
+    pub processes: Vec<ProcessState>,
+    /// True while the service runs in degraded mode (e.g. the GPU pool's breaker is open).
+    pub degraded: bool,
+}
+
+/// One device's memory.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DeviceState {
+    /// `nvml` or `simulated`.
+    pub kind: String,
+    /// Capacity.
+    pub total_bytes: u64,
+    /// In use by every process (driver's view; for simulated devices: our arena plus pressure).
+    pub used_bytes: u64,
+    /// `total - used`.
+    pub free_bytes: u64,
+    /// Reserved by vramguard's ONNX Runtime arenas on this device.
+    pub reserved_bytes: u64,
+    /// Held by live tensors in those arenas.
+    pub active_bytes: u64,
+    /// What a new request of ours can still get: free memory plus our reserved-but-idle arena
+    /// bytes (`free + reserved - active`), which the arena reuses before asking the device.
+    pub headroom_bytes: u64,
+}
+
+/// One pool's state.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct PoolState {
+    /// `cpu`, `cuda` or `simulated`.
+    pub provider: String,
+    /// Device name (`host` for CPU pools).
+    pub device: String,
+    /// `closed`, `half_open` or `open`.
+    pub breaker: String,
+    /// Requests waiting.
+    pub queue_depth: u64,
+    /// Age of the oldest waiting request.
+    pub queue_oldest_age_ms: u64,
+    /// Requests running.
+    pub inflight: u64,
+    /// Worker count (requests it can run at once).
+    pub concurrency: u64,
+    /// Allocator failures in the recent window.
+    pub alloc_failures_recent: u64,
+    /// Estimated time until a new request would finish.
+    pub est_delay_ms: u64,
+    /// Longest context this pool accepts (0: no limit).
+    pub max_context: u64,
+}
+
+/// Host memory.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct HostState {
+    /// `MemAvailable`.
+    pub mem_available_bytes: u64,
+    /// `MemTotal`.
+    pub mem_total_bytes: u64,
+    /// Configured reserve the CPU path must not plan into.
+    pub reserve_bytes: u64,
+}
+
+/// A process holding accelerator memory.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ProcessState {
+    /// Process id.
+    pub pid: u32,
+    /// Executable name.
+    pub name: String,
+    /// Service label from the attribution rules (`other` when none matched).
+    pub service: String,
+    /// Device name.
+    pub device: String,
+    /// Device memory it uses.
+    pub used_bytes: u64,
+}
+
+/// What a request is expected to need, in bytes.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Estimate {
+    /// Model weights (already resident when the model is loaded on the pool).
+    pub weights_bytes: u64,
+    /// Working memory that grows with the context length (and batch).
+    pub context_bytes: u64,
+    /// Fixed per-run workspace.
+    pub workspace_bytes: u64,
+    /// Sum of the above.
+    pub total_bytes: u64,
+}
+
+/// The request as a policy sees it.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RequestInfo {
+    /// Request id (`x-request-id`).
+    pub id: String,
+    /// Model name.
+    pub model: String,
+    /// The pool the router would use (the first ready pool serving the model).
+    pub pool: String,
+    /// Length of the model's context axis in this request (0 without one).
+    pub context_tokens: u64,
+    /// Tokens to generate (0 for tensor models).
+    pub max_new_tokens: u64,
+    /// Batch size (first axis of the context input; 1 when unknown).
+    pub batch: u64,
+    /// `x-vramguard-priority` (0 by default; higher is more important).
+    pub priority: i64,
+    /// False when `x-vramguard-replayable: false` was sent.
+    pub replayable: bool,
+    /// `x-vramguard-deadline-ms`, 0 when absent.
+    pub deadline_ms: u64,
+    /// What it is expected to need.
+    pub estimate: Estimate,
+}
+
+/// A policy's decision.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "action", rename_all = "snake_case", deny_unknown_fields)]
+pub enum Decision {
+    /// Queue it, on `pool` or (when `None`) on the request's pool.
+    Admit {
+        /// Pool to use instead of the request's pool.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        pool: Option<String>,
+    },
+    /// Wait `ms` without holding a worker, then decide again.
+    Defer {
+        /// Milliseconds to wait.
+        ms: u64,
+    },
+    /// Cut the context axis to `tokens`, then admit.
+    ShrinkContext {
+        /// New context length.
+        tokens: u64,
+    },
+    /// Run on another pool.
+    Redirect {
+        /// Pool name.
+        pool: String,
+    },
+    /// Refuse with 503 and the reason.
+    Reject {
+        /// Why.
+        reason: String,
+    },
+}
+
+impl Decision {
+    /// The `action` label value: `admit`, `defer`, `shrink_context`, `redirect` or `reject`.
+    pub fn action(&self) -> &'static str {
+        match self {
+            Decision::Admit { .. } => "admit",
+            Decision::Defer { .. } => "defer",
+            Decision::ShrinkContext { .. } => "shrink_context",
+            Decision::Redirect { .. } => "redirect",
+            Decision::Reject { .. } => "reject",
+        }
+    }
+}
