@@ -50,6 +50,7 @@ fn in_process(seconds: f64) -> Stats {
         provider: Provider::Cpu,
         device_index: 0,
         intra_threads: 1,
+        arena_shrinkage: false,
     };
     let mut session = onnx::build_session(rt, BuiltinModel::Encoder.bytes(), &options).unwrap();
     let data = input();
@@ -60,13 +61,13 @@ fn in_process(seconds: f64) -> Stats {
     };
     let wanted = vec!["pooled".to_string()];
     for _ in 0..50 {
-        onnx::run(&mut session, vec![make()], &wanted).unwrap();
+        onnx::run(&mut session, vec![make()], &wanted, None).unwrap();
     }
     let mut samples = Vec::new();
     let started = Instant::now();
     while started.elapsed().as_secs_f64() < seconds {
         let t = Instant::now();
-        onnx::run(&mut session, vec![make()], &wanted).unwrap();
+        onnx::run(&mut session, vec![make()], &wanted, None).unwrap();
         samples.push(t.elapsed());
     }
     let throughput = samples.len() as f64 / started.elapsed().as_secs_f64();
@@ -173,7 +174,7 @@ fn main() {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let url = format!("http://{}/v2/models/encoder/infer", listener.local_addr().unwrap());
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        let server = tokio::spawn(http::serve(AppState::new(engine), listener, async {
+        let server = tokio::spawn(http::serve(AppState::new(engine).unwrap(), listener, async {
             let _ = stopped.await;
         }));
         let health = url.replace("/v2/models/encoder/infer", "/v2/health/live");

@@ -39,6 +39,16 @@ pub enum Command {
         #[arg(long)]
         listen: Option<std::net::SocketAddr>,
     },
+    /// Monitoring only: device, per-process and host memory on /metrics; no pools, no ONNX
+    /// Runtime. For accelerators shared with other runtimes (Ollama, llama.cpp, vLLM, PyTorch).
+    Exporter {
+        /// Config file (its `devices` and `exporter` sections are used).
+        #[arg(long)]
+        config: Option<PathBuf>,
+        /// Override `exporter.listen` (default 127.0.0.1:9842).
+        #[arg(long)]
+        listen: Option<std::net::SocketAddr>,
+    },
     /// Validate or print configuration.
     Config {
         /// What to do with configuration.
@@ -64,6 +74,7 @@ pub fn run(cli: Cli) -> ExitCode {
     logging::init(cli.log_format);
     match cli.command {
         Command::Serve { config, listen } => serve(config, listen),
+        Command::Exporter { config, listen } => exporter(config, listen),
         Command::Config {
             command: ConfigCommand::Check { file },
         } => config_check(&file),
@@ -130,6 +141,10 @@ fn serve(config_path: Option<PathBuf>, listen: Option<std::net::SocketAddr>) -> 
         Ok(e) => Arc::new(e),
         Err(e) => return fail(e, EXIT_CONFIG),
     };
+    let state = match AppState::new(engine) {
+        Ok(state) => state,
+        Err(e) => return fail(e, EXIT_CONFIG),
+    };
     let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(rt) => rt,
         Err(e) => return fail(format!("cannot start the async runtime: {e}"), 1),
@@ -139,7 +154,7 @@ fn serve(config_path: Option<PathBuf>, listen: Option<std::net::SocketAddr>) -> 
             .await
             .map_err(|e| format!("cannot listen on {addr}: {e}"))?;
         tracing::info!(address = %listener.local_addr().map_err(|e| e.to_string())?, "vramguard serving");
-        http::serve(AppState::new(engine), listener, shutdown_signal())
+        http::serve(state, listener, shutdown_signal())
             .await
             .map_err(|e| e.to_string())
     });
@@ -148,6 +163,47 @@ fn serve(config_path: Option<PathBuf>, listen: Option<std::net::SocketAddr>) -> 
             tracing::info!("stopped");
             ExitCode::SUCCESS
         }
+        Err(e) => fail(e, 1),
+    }
+}
+
+fn exporter(config_path: Option<PathBuf>, listen: Option<std::net::SocketAddr>) -> ExitCode {
+    let config = match &config_path {
+        Some(p) => match Config::load_for(p, config::Mode::Exporter) {
+            Ok(c) => c,
+            Err(e) => return fail(e, EXIT_CONFIG),
+        },
+        None => {
+            let raw: config::RawConfig =
+                config::parse_yaml("devices: []\n", "<exporter default>").expect("the exporter default parses");
+            raw.validate_for("<exporter default>", std::path::Path::new("."), config::Mode::Exporter)
+                .expect("the exporter default is valid")
+        }
+    };
+    let addr = listen.unwrap_or(config.exporter.listen);
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => return fail(format!("cannot start the async runtime: {e}"), 1),
+    };
+    let result = runtime.block_on(async move {
+        let exporter = tokio::task::spawn_blocking(move || crate::exporter::standalone::Exporter::start(config))
+            .await
+            .map_err(|e| e.to_string())?;
+        let listener = tokio::net::TcpListener::bind(addr)
+            .await
+            .map_err(|e| format!("cannot listen on {addr}: {e}"))?;
+        tracing::info!(address = %listener.local_addr().map_err(|e| e.to_string())?, "vramguard exporter serving");
+        exporter
+            .serve(listener, shutdown_signal())
+            .await
+            .map_err(|e| e.to_string())
+    });
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
         Err(e) => fail(e, 1),
     }
 }

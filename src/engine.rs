@@ -1,16 +1,23 @@
 //! The running service: ONNX Runtime, models with their signatures, pools and metrics, built
 //! from a validated [`Config`] before any port is bound.
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use prometheus_client::registry::Registry;
 
+use crate::clock::SystemClock;
 use crate::config::{Config, ConfigError, DeviceKind, ModelConfig, Provider};
-use crate::metrics::{Metrics, PoolDeviceLabels, PoolLabels};
+use crate::device::MemorySource;
+use crate::device::host::HostSource;
+use crate::device::nvml::NvmlSource;
+use crate::device::simulated::{SimulatedDevice, SimulatedSource};
+use crate::exporter::{LiveCollector, Sampler, SnapshotStore};
+use crate::metrics::Metrics;
 use crate::model;
 use crate::onnx::{self, ModelSignature, OnnxRuntime, OrtBackend, RuntimeError, SessionOptions};
-use crate::pool::{Backend, Pool};
+use crate::pool::{Backend, Pool, PoolContext};
 
 /// A model with the signature read from ONNX Runtime.
 #[derive(Debug, Clone)]
@@ -42,10 +49,17 @@ pub struct Engine {
     pub models: Vec<ModelEntry>,
     /// Pools in config order (routing prefers earlier pools).
     pub pools: Vec<Arc<Pool>>,
+    /// Simulated devices (at most one per process).
+    pub simulated: Vec<Arc<SimulatedDevice>>,
     /// Metric handles.
-    pub metrics: Metrics,
-    /// The registry they are registered in.
+    pub metrics: Arc<Metrics>,
+    /// The registry they are registered in (with the live collector).
     pub registry: Registry,
+    /// The latest memory snapshot.
+    pub store: Arc<SnapshotStore>,
+    /// Notified to take a sample now (e.g. after simulated pressure changed).
+    pub resample: Arc<tokio::sync::Notify>,
+    sampler: Mutex<Option<Sampler>>,
 }
 
 impl std::fmt::Debug for Engine {
@@ -62,19 +76,84 @@ impl Engine {
     pub fn start(config: Config) -> Result<Engine, StartError> {
         let rt = onnx::runtime(config.onnxruntime_library.as_deref())?;
         let models = load_models(rt, &config)?;
+        let (metrics, mut registry) = Metrics::new(&rt.version);
+        let metrics = Arc::new(metrics);
+        let mut simulated = Vec::new();
+        for device in &config.devices {
+            if let DeviceKind::Simulated { capacity } = device.kind {
+                let opened =
+                    SimulatedDevice::open(rt, &device.name, capacity).map_err(|message| ConfigError::Invalid {
+                        file: config.source.clone(),
+                        key: format!("devices.{}", device.name),
+                        message,
+                    })?;
+                tracing::info!(device = %device.name, capacity, "SIMULATED accelerator ready");
+                simulated.push(Arc::new(opened));
+            }
+        }
         let mut pools = Vec::new();
         for pool_config in &config.pools {
-            pools.push(start_pool(rt, &config, &models, pool_config)?);
+            let context = PoolContext {
+                clock: Arc::new(SystemClock),
+                metrics: metrics.pool_metrics(&pool_config.name, &pool_config.device),
+            };
+            pools.push(start_pool(rt, &config, &models, pool_config, context)?);
         }
-        let (metrics, registry) = Metrics::new(&rt.version);
+        let store = Arc::new(SnapshotStore::default());
+        let mut sources = device_sources(&config);
+        sources.extend(
+            simulated
+                .iter()
+                .map(|d| Box::new(SimulatedSource::new(Arc::clone(d))) as Box<dyn MemorySource>),
+        );
+        let mut sampler = Sampler::new(
+            sources,
+            config.exporter.services.clone(),
+            config.host_reserve,
+            Arc::clone(&metrics),
+            Arc::clone(&store),
+        )
+        .with_pools(pools.clone(), simulated.clone());
+        // One sample before serving, so the first scrape and the first decision see real numbers.
+        sampler.sample();
+        registry.register_collector(Box::new(LiveCollector::new(
+            Arc::clone(&store),
+            pools.clone(),
+            simulated.clone(),
+        )));
         Ok(Engine {
             onnxruntime_version: rt.version.clone(),
             config,
             models,
             pools,
+            simulated,
             metrics,
             registry,
+            store,
+            resample: Arc::new(tokio::sync::Notify::new()),
+            sampler: Mutex::new(Some(sampler)),
         })
+    }
+
+    /// The sampler, for the server to run in the background (taken once).
+    pub fn take_sampler(&self) -> Option<Sampler> {
+        self.sampler.lock().unwrap_or_else(|e| e.into_inner()).take()
+    }
+
+    /// Ask the background sampler for a sample now and wait (up to a second) until it is
+    /// published, so a change just made is visible to the next reader.
+    pub async fn resample_now(&self) {
+        let before = self.store.latest().generation;
+        self.resample.notify_one();
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(1);
+        while self.store.latest().generation == before && tokio::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+    }
+
+    /// Look a simulated device up by name.
+    pub fn simulated_device(&self, name: &str) -> Option<&Arc<SimulatedDevice>> {
+        self.simulated.iter().find(|d| d.name == name)
     }
 
     /// Look a model up by name.
@@ -92,44 +171,6 @@ impl Engine {
         self.pools.iter().any(|p| p.is_ready())
     }
 
-    /// Refresh the gauges that are read from live state, just before a scrape.
-    pub fn refresh_gauges(&self) {
-        for pool in &self.pools {
-            let labels = PoolLabels {
-                pool: pool.name().to_string(),
-            };
-            let load = pool.load();
-            self.metrics
-                .queue_depth
-                .get_or_create(&labels)
-                .set(load.queue_depth as i64);
-            self.metrics
-                .queue_oldest_age
-                .get_or_create(&labels)
-                .set(load.oldest_age.as_secs_f64());
-            self.metrics.inflight.get_or_create(&labels).set(load.inflight as i64);
-            if let Some(stats) = pool.arena_stats() {
-                let labels = PoolDeviceLabels {
-                    pool: pool.name().to_string(),
-                    device: pool.config.device.clone(),
-                };
-                let gauge = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
-                self.metrics
-                    .allocator_reserved
-                    .get_or_create(&labels)
-                    .set(gauge(stats.reserved_bytes));
-                self.metrics
-                    .allocator_active
-                    .get_or_create(&labels)
-                    .set(gauge(stats.active_bytes));
-                self.metrics
-                    .allocator_peak_active
-                    .get_or_create(&labels)
-                    .set(gauge(stats.peak_active_bytes));
-            }
-        }
-    }
-
     /// Stop every pool: queued work is answered, running work gets `grace` to finish.
     pub fn shutdown(&self, grace: Duration) {
         for pool in &self.pools {
@@ -138,6 +179,25 @@ impl Engine {
             }
         }
     }
+}
+
+/// The host source, plus NVML when an NVIDIA driver answers. Without one, NVML is reported
+/// absent once here, not as an error on every sample.
+pub fn device_sources(config: &Config) -> Vec<Box<dyn MemorySource>> {
+    let mut sources: Vec<Box<dyn MemorySource>> = vec![Box::new(HostSource)];
+    let names: HashMap<u32, String> = config
+        .devices
+        .iter()
+        .filter_map(|d| match d.kind {
+            DeviceKind::Nvidia { index } => Some((index, d.name.clone())),
+            DeviceKind::Simulated { .. } => None,
+        })
+        .collect();
+    match NvmlSource::open(names) {
+        Ok(source) => sources.push(Box::new(source)),
+        Err(reason) => tracing::info!(%reason, "no NVIDIA devices will be reported"),
+    }
+    sources
 }
 
 fn load_models(rt: &OnnxRuntime, config: &Config) -> Result<Vec<ModelEntry>, ConfigError> {
@@ -150,6 +210,7 @@ fn load_models(rt: &OnnxRuntime, config: &Config) -> Result<Vec<ModelEntry>, Con
         provider: Provider::Cpu,
         device_index: 0,
         intra_threads: 1,
+        arena_shrinkage: false,
     };
     let mut entries = Vec::new();
     for (i, m) in config.models.iter().enumerate() {
@@ -218,6 +279,7 @@ fn start_pool(
     config: &Config,
     models: &[ModelEntry],
     pool: &crate::config::PoolConfig,
+    context: PoolContext,
 ) -> Result<Arc<Pool>, StartError> {
     let device_kind = config.devices.iter().find(|d| d.name == pool.device).map(|d| d.kind);
     let kind_label = device_kind.map(|k| k.label()).unwrap_or("host");
@@ -231,11 +293,11 @@ fn start_pool(
                 Ok(n) => {
                     let reason = format!("NVIDIA device {index} does not exist (NVML sees {n})");
                     tracing::error!(pool = %pool.name, %reason, "pool unavailable");
-                    return Ok(Pool::unavailable(pool.clone(), kind_label, reason));
+                    return Ok(Pool::unavailable(pool.clone(), kind_label, reason, context));
                 }
                 Err(reason) => {
                     tracing::error!(pool = %pool.name, %reason, "pool unavailable");
-                    return Ok(Pool::unavailable(pool.clone(), kind_label, reason));
+                    return Ok(Pool::unavailable(pool.clone(), kind_label, reason, context));
                 }
             }
         }
@@ -259,6 +321,7 @@ fn start_pool(
         provider: pool.provider.clone(),
         device_index,
         intra_threads: pool.intra_threads,
+        arena_shrinkage: pool.arena_shrinkage,
     };
     let mut backends: Vec<Box<dyn Backend>> = Vec::new();
     for _ in 0..pool.workers {
@@ -267,7 +330,7 @@ fn start_pool(
             Err(reason) => {
                 // Never fall back to the CPU silently: the pool is unavailable and says why.
                 tracing::error!(pool = %pool.name, provider = pool.provider.label(), %reason, "pool unavailable");
-                return Ok(Pool::unavailable(pool.clone(), kind_label, reason));
+                return Ok(Pool::unavailable(pool.clone(), kind_label, reason, context));
             }
         }
     }
@@ -279,5 +342,5 @@ fn start_pool(
         workers = pool.workers,
         "pool ready"
     );
-    Ok(Pool::start(pool.clone(), kind_label, backends))
+    Ok(Pool::start(pool.clone(), kind_label, backends, context))
 }

@@ -8,9 +8,11 @@
 #![warn(missing_docs)]
 
 pub mod cli;
+pub mod clock;
 pub mod config;
 pub mod device;
 pub mod engine;
+pub mod exporter;
 pub mod http;
 pub mod logging;
 pub mod metrics;

@@ -62,13 +62,11 @@ pub struct PoolLabels {
     pub pool: String,
 }
 
-/// `{pool, device}`
+/// `{source}`
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct PoolDeviceLabels {
-    /// Pool name.
-    pub pool: String,
-    /// Device name.
-    pub device: String,
+pub struct SourceLabels {
+    /// Memory source: `nvml`, `simulated` or `host`.
+    pub source: String,
 }
 
 /// `{pool, device, kind}`
@@ -82,7 +80,8 @@ pub struct AllocFailureLabels {
     pub kind: String,
 }
 
-/// The metric handles. Clone-free: share it behind an `Arc`.
+/// The metric handles vramguard updates as things happen; gauges read from live state are
+/// encoded by [`crate::exporter::LiveCollector`] at scrape time instead.
 #[derive(Debug)]
 pub struct Metrics {
     /// `vramguard_build_info`
@@ -93,23 +92,22 @@ pub struct Metrics {
     pub request_duration: Family<ModelPoolLabels, Histogram>,
     /// `vramguard_allocator_failures_total`
     pub allocator_failures: Family<AllocFailureLabels, Counter>,
-    /// `vramguard_allocator_reserved_bytes`
-    pub allocator_reserved: Family<PoolDeviceLabels, Gauge>,
-    /// `vramguard_allocator_active_bytes`
-    pub allocator_active: Family<PoolDeviceLabels, Gauge>,
-    /// `vramguard_allocator_peak_active_bytes`
-    pub allocator_peak_active: Family<PoolDeviceLabels, Gauge>,
-    /// `vramguard_queue_depth`
-    pub queue_depth: Family<PoolLabels, Gauge>,
-    /// `vramguard_queue_oldest_age_seconds`
-    pub queue_oldest_age: Family<PoolLabels, Gauge<f64, std::sync::atomic::AtomicU64>>,
-    /// `vramguard_inflight_requests`
-    pub inflight: Family<PoolLabels, Gauge>,
+    /// `vramguard_queue_wait_seconds`
+    pub queue_wait: Family<PoolLabels, Histogram>,
+    /// `vramguard_exporter_sample_duration_seconds`
+    pub exporter_sample_duration: Family<SourceLabels, Histogram>,
+    /// `vramguard_exporter_errors_total`
+    pub exporter_errors: Family<SourceLabels, Counter>,
 }
 
 fn latency_histogram() -> Histogram {
     // 1ms .. ~65s: covers a GPU request and a slow CPU fallback.
     Histogram::new(exponential_buckets(0.001, 2.0, 17))
+}
+
+fn sample_histogram() -> Histogram {
+    // 10µs .. ~1.3s: procfs reads take microseconds, a struggling driver call can take a second.
+    Histogram::new(exponential_buckets(0.00001, 4.0, 10))
 }
 
 impl Metrics {
@@ -121,12 +119,9 @@ impl Metrics {
             requests: Family::default(),
             request_duration: Family::new_with_constructor(latency_histogram),
             allocator_failures: Family::default(),
-            allocator_reserved: Family::default(),
-            allocator_active: Family::default(),
-            allocator_peak_active: Family::default(),
-            queue_depth: Family::default(),
-            queue_oldest_age: Family::default(),
-            inflight: Family::default(),
+            queue_wait: Family::new_with_constructor(latency_histogram),
+            exporter_sample_duration: Family::new_with_constructor(sample_histogram),
+            exporter_errors: Family::default(),
         };
         metrics
             .build_info
@@ -157,40 +152,43 @@ impl Metrics {
             metrics.allocator_failures.clone(),
         );
         registry.register_with_unit(
-            "allocator_reserved",
-            "ONNX Runtime arena bytes reserved from the device (TotalAllocated)",
-            Unit::Bytes,
-            metrics.allocator_reserved.clone(),
-        );
-        registry.register_with_unit(
-            "allocator_active",
-            "ONNX Runtime arena bytes held by live tensors (InUse)",
-            Unit::Bytes,
-            metrics.allocator_active.clone(),
-        );
-        registry.register_with_unit(
-            "allocator_peak_active",
-            "Peak of ONNX Runtime arena bytes in use (MaxInUse)",
-            Unit::Bytes,
-            metrics.allocator_peak_active.clone(),
-        );
-        registry.register(
-            "queue_depth",
-            "Requests waiting in the pool's queue",
-            metrics.queue_depth.clone(),
-        );
-        registry.register_with_unit(
-            "queue_oldest_age",
-            "Age of the oldest request waiting in the pool's queue",
+            "queue_wait",
+            "Time requests waited in the pool's queue before a worker took them",
             Unit::Seconds,
-            metrics.queue_oldest_age.clone(),
+            metrics.queue_wait.clone(),
+        );
+        registry.register_with_unit(
+            "exporter_sample_duration",
+            "Time one memory source took to sample",
+            Unit::Seconds,
+            metrics.exporter_sample_duration.clone(),
         );
         registry.register(
-            "inflight_requests",
-            "Requests being run by the pool's workers",
-            metrics.inflight.clone(),
+            "exporter_errors",
+            "Failed samples by memory source",
+            metrics.exporter_errors.clone(),
         );
         (metrics, registry)
+    }
+}
+
+impl Metrics {
+    /// The handles a pool's workers record into.
+    pub fn pool_metrics(&self, pool: &str, device: &str) -> crate::pool::PoolMetrics {
+        let failures = |kind: &str| {
+            self.allocator_failures.get_or_create_owned(&AllocFailureLabels {
+                pool: pool.to_string(),
+                device: device.to_string(),
+                kind: kind.to_string(),
+            })
+        };
+        crate::pool::PoolMetrics {
+            queue_wait: self
+                .queue_wait
+                .get_or_create_owned(&PoolLabels { pool: pool.to_string() }),
+            oom_failures: failures("oom"),
+            driver_failures: failures("driver"),
+        }
     }
 }
 
@@ -198,6 +196,14 @@ impl Metrics {
 pub fn encode(registry: &Registry) -> String {
     let mut out = String::with_capacity(8 * 1024);
     prometheus_client::encoding::text::encode(&mut out, registry).expect("writing to a String cannot fail");
+    out
+}
+
+/// Encode a registry in the Prometheus text format 0.0.4 (what `promtool check metrics` and
+/// clients that do not ask for OpenMetrics read).
+pub fn encode_prometheus_text(registry: &Registry) -> String {
+    let mut out = String::with_capacity(8 * 1024);
+    prometheus_client::encoding::prometheus_text::encode(&mut out, registry).expect("writing to a String cannot fail");
     out
 }
 

@@ -10,10 +10,57 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::oneshot;
 
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::histogram::Histogram;
+
+use crate::clock::{Clock, SystemClock};
 use crate::config::{PoolConfig, Provider};
-use crate::onnx::BackendError;
 use crate::onnx::arena::ArenaStats;
+use crate::onnx::{AllocFailureKind, BackendError};
 use crate::tensor::Tensor;
+
+/// How far back `alloc_failures_recent` looks.
+pub const RECENT_FAILURE_WINDOW: Duration = Duration::from_secs(60);
+
+/// Metric handles a pool records into from its worker threads.
+#[derive(Debug, Clone)]
+pub struct PoolMetrics {
+    /// `vramguard_queue_wait_seconds{pool}`
+    pub queue_wait: Histogram,
+    /// `vramguard_allocator_failures_total{pool, device, kind="oom"}`
+    pub oom_failures: Counter,
+    /// `vramguard_allocator_failures_total{pool, device, kind="driver"}`
+    pub driver_failures: Counter,
+}
+
+impl PoolMetrics {
+    /// Handles registered nowhere (tests, benches).
+    pub fn detached() -> Self {
+        Self {
+            queue_wait: Histogram::new([0.001, 0.01, 0.1, 1.0, 10.0]),
+            oom_failures: Counter::default(),
+            driver_failures: Counter::default(),
+        }
+    }
+}
+
+/// What a pool needs from its surroundings besides its config and backends.
+#[derive(Debug, Clone)]
+pub struct PoolContext {
+    /// Time source for queue stamps and ages.
+    pub clock: Arc<dyn Clock>,
+    /// Metric handles.
+    pub metrics: PoolMetrics,
+}
+
+impl Default for PoolContext {
+    fn default() -> Self {
+        Self {
+            clock: Arc::new(SystemClock),
+            metrics: PoolMetrics::detached(),
+        }
+    }
+}
 
 /// Runs models; one instance per worker thread, so it may hold non-shareable sessions.
 pub trait Backend: Send {
@@ -128,6 +175,8 @@ pub struct Pool {
     state: Mutex<QueueState>,
     wake: Condvar,
     arena: Mutex<Option<ArenaStats>>,
+    recent_failures: Mutex<VecDeque<Instant>>,
+    context: PoolContext,
     /// Exponentially weighted mean run time in microseconds, for the delay estimate.
     mean_run_us: AtomicU64,
     workers: Mutex<Vec<JoinHandle<()>>>,
@@ -144,8 +193,13 @@ impl std::fmt::Debug for Pool {
 
 impl Pool {
     /// Start a pool with one worker thread per backend.
-    pub fn start(config: PoolConfig, device_kind: &'static str, backends: Vec<Box<dyn Backend>>) -> Arc<Pool> {
-        let pool = Arc::new(Self::new(config, device_kind, Availability::Ready));
+    pub fn start(
+        config: PoolConfig,
+        device_kind: &'static str,
+        backends: Vec<Box<dyn Backend>>,
+        context: PoolContext,
+    ) -> Arc<Pool> {
+        let pool = Arc::new(Self::new(config, device_kind, Availability::Ready, context));
         let mut handles = Vec::new();
         for (i, backend) in backends.into_iter().enumerate() {
             let worker_pool = Arc::clone(&pool);
@@ -160,11 +214,21 @@ impl Pool {
     }
 
     /// A pool that could not start; every submission is answered with the reason.
-    pub fn unavailable(config: PoolConfig, device_kind: &'static str, reason: String) -> Arc<Pool> {
-        Arc::new(Self::new(config, device_kind, Availability::Unavailable(reason)))
+    pub fn unavailable(
+        config: PoolConfig,
+        device_kind: &'static str,
+        reason: String,
+        context: PoolContext,
+    ) -> Arc<Pool> {
+        Arc::new(Self::new(
+            config,
+            device_kind,
+            Availability::Unavailable(reason),
+            context,
+        ))
     }
 
-    fn new(config: PoolConfig, device_kind: &'static str, availability: Availability) -> Pool {
+    fn new(config: PoolConfig, device_kind: &'static str, availability: Availability, context: PoolContext) -> Pool {
         Pool {
             config,
             device_kind,
@@ -172,6 +236,8 @@ impl Pool {
             state: Mutex::new(QueueState::default()),
             wake: Condvar::new(),
             arena: Mutex::new(None),
+            recent_failures: Mutex::new(VecDeque::new()),
+            context,
             mean_run_us: AtomicU64::new(0),
             workers: Mutex::new(Vec::new()),
         }
@@ -209,10 +275,17 @@ impl Pool {
 
     /// Current queue depth, oldest age and in-flight count.
     pub fn load(&self) -> PoolLoad {
+        let now = self.context.clock.now();
         let state = self.lock();
         PoolLoad {
             queue_depth: state.jobs.len(),
-            oldest_age: state.jobs.front().map(|q| q.enqueued.elapsed()).unwrap_or_default(),
+            // Computed when asked, so a request stuck in the queue shows its growing age even
+            // while nothing is dequeued.
+            oldest_age: state
+                .jobs
+                .front()
+                .map(|q| now.saturating_duration_since(q.enqueued))
+                .unwrap_or_default(),
             inflight: state.inflight,
         }
     }
@@ -220,6 +293,31 @@ impl Pool {
     /// Latest allocator statistics reported by a worker.
     pub fn arena_stats(&self) -> Option<ArenaStats> {
         *self.arena.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Allocator failures within [`RECENT_FAILURE_WINDOW`].
+    pub fn alloc_failures_recent(&self) -> u64 {
+        let now = self.context.clock.now();
+        let mut recent = self.recent_failures.lock().unwrap_or_else(|e| e.into_inner());
+        while recent
+            .front()
+            .is_some_and(|t| now.saturating_duration_since(*t) > RECENT_FAILURE_WINDOW)
+        {
+            recent.pop_front();
+        }
+        recent.len() as u64
+    }
+
+    fn record_failure(&self, kind: AllocFailureKind) {
+        match kind {
+            AllocFailureKind::Oom => self.context.metrics.oom_failures.inc(),
+            AllocFailureKind::Driver => self.context.metrics.driver_failures.inc(),
+        };
+        let now = self.context.clock.now();
+        self.recent_failures
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push_back(now);
     }
 
     /// Estimated wait before a new request would finish: the queue ahead of it and the work in
@@ -255,7 +353,7 @@ impl Pool {
         }
         state.jobs.push_back(Queued {
             job,
-            enqueued: Instant::now(),
+            enqueued: self.context.clock.now(),
             reply,
         });
         drop(state);
@@ -308,8 +406,12 @@ impl Pool {
     }
 
     fn work(&self, mut backend: Box<dyn Backend>) {
+        if let Some(stats) = backend.arena_stats() {
+            *self.arena.lock().unwrap_or_else(|e| e.into_inner()) = Some(stats);
+        }
         while let Some(Queued { job, enqueued, reply }) = self.next_job() {
-            let waited = enqueued.elapsed();
+            let waited = self.context.clock.now().saturating_duration_since(enqueued);
+            self.context.metrics.queue_wait.observe(waited.as_secs_f64());
             let result = if reply.is_closed() {
                 // The client went away while queued: do not spend the device on it.
                 tracing::debug!(request_id = %job.request_id, pool = self.name(), "client gone before start; skipped");
@@ -319,7 +421,7 @@ impl Pool {
                     pool: self.name().to_string(),
                     waited,
                 }))
-            } else if job.deadline.is_some_and(|d| Instant::now() >= d) {
+            } else if job.deadline.is_some_and(|d| self.context.clock.now() >= d) {
                 Some(Err(PoolError::DeadlineExceeded {
                     pool: self.name().to_string(),
                 }))
@@ -329,6 +431,9 @@ impl Pool {
                 self.record_run(started.elapsed());
                 if let Some(stats) = backend.arena_stats() {
                     *self.arena.lock().unwrap_or_else(|e| e.into_inner()) = Some(stats);
+                }
+                if let Err(BackendError::Allocation { kind, .. }) = &result {
+                    self.record_failure(*kind);
                 }
                 if let Err(e) = &result {
                     tracing::warn!(request_id = %job.request_id, pool = self.name(), model = %job.model, error = %e, "inference failed");
@@ -383,6 +488,7 @@ mod tests {
             intra_threads: 1,
             queue_capacity: capacity,
             max_wait: Duration::from_secs(60),
+            arena_shrinkage: false,
         }
     }
 
@@ -403,7 +509,12 @@ mod tests {
     fn gated(capacity: usize) -> (Arc<Pool>, mpsc::Sender<()>) {
         let (tx, rx) = mpsc::channel();
         let gate = Arc::new(Mutex::new(rx));
-        let pool = Pool::start(config(capacity), "host", vec![Box::new(Echo { gate: Some(gate) })]);
+        let pool = Pool::start(
+            config(capacity),
+            "host",
+            vec![Box::new(Echo { gate: Some(gate) })],
+            PoolContext::default(),
+        );
         (pool, tx)
     }
 
@@ -485,7 +596,12 @@ mod tests {
 
     #[test]
     fn an_expired_deadline_is_reported_without_running() {
-        let pool = Pool::start(config(4), "host", vec![Box::new(Echo { gate: None })]);
+        let pool = Pool::start(
+            config(4),
+            "host",
+            vec![Box::new(Echo { gate: None })],
+            PoolContext::default(),
+        );
         let mut j = job(1.0);
         j.deadline = Some(Instant::now());
         let rx = pool.submit(j).unwrap();
@@ -497,8 +613,81 @@ mod tests {
     }
 
     #[test]
+    fn queue_age_grows_while_a_request_waits_and_the_wait_is_recorded() {
+        let clock = Arc::new(crate::clock::ManualClock::default());
+        let metrics = PoolMetrics::detached();
+        let (tx, rx) = mpsc::channel();
+        let gate = Arc::new(Mutex::new(rx));
+        let context = PoolContext {
+            clock: clock.clone(),
+            metrics: metrics.clone(),
+        };
+        let pool = Pool::start(config(4), "host", vec![Box::new(Echo { gate: Some(gate) })], context);
+        let running = pool.submit(job(1.0)).unwrap();
+        wait_until(|| pool.load().inflight == 1);
+        let waiting = pool.submit(job(2.0)).unwrap();
+        assert_eq!(pool.load().oldest_age, Duration::ZERO);
+        clock.advance(Duration::from_secs(7));
+        assert_eq!(pool.load().oldest_age, Duration::from_secs(7));
+        clock.advance(Duration::from_secs(5));
+        assert_eq!(pool.load().oldest_age, Duration::from_secs(12));
+        tx.send(()).unwrap();
+        tx.send(()).unwrap();
+        running.blocking_recv().unwrap().unwrap();
+        waiting.blocking_recv().unwrap().unwrap();
+        assert_eq!(pool.load().oldest_age, Duration::ZERO);
+        let mut registry = prometheus_client::registry::Registry::default();
+        registry.register("wait", "", metrics.queue_wait.clone());
+        let text = crate::metrics::encode(&registry);
+        assert!(
+            text.contains("wait_count 2\n") && text.contains("wait_sum 12.0\n"),
+            "{text}"
+        );
+        pool.shutdown(Duration::from_secs(1));
+    }
+
+    /// Fails every run with an arena failure.
+    struct Full;
+
+    impl Backend for Full {
+        fn run(&mut self, _: &str, _: Vec<Tensor>, _: &[String]) -> Result<Vec<Tensor>, BackendError> {
+            Err(BackendError::Allocation {
+                kind: AllocFailureKind::Oom,
+                message: "BFCArena::AllocateRawInternal".into(),
+            })
+        }
+        fn arena_stats(&self) -> Option<ArenaStats> {
+            None
+        }
+    }
+
+    #[test]
+    fn allocator_failures_are_counted_and_age_out_of_the_recent_window() {
+        let clock = Arc::new(crate::clock::ManualClock::default());
+        let metrics = PoolMetrics::detached();
+        let context = PoolContext {
+            clock: clock.clone(),
+            metrics: metrics.clone(),
+        };
+        let pool = Pool::start(config(4), "host", vec![Box::new(Full)], context);
+        for _ in 0..2 {
+            let result = pool.submit(job(1.0)).unwrap().blocking_recv().unwrap();
+            assert!(matches!(
+                result,
+                Err(PoolError::Backend(BackendError::Allocation { .. }))
+            ));
+        }
+        assert_eq!(metrics.oom_failures.get(), 2);
+        assert_eq!(metrics.driver_failures.get(), 0);
+        assert_eq!(pool.alloc_failures_recent(), 2);
+        clock.advance(RECENT_FAILURE_WINDOW + Duration::from_secs(1));
+        assert_eq!(pool.alloc_failures_recent(), 0);
+        pool.shutdown(Duration::from_secs(1));
+    }
+
+    #[test]
     fn an_unavailable_pool_says_why() {
-        let pool = Pool::unavailable(config(4), "nvml", "no NVIDIA driver".into());
+        let pool = Pool::unavailable(config(4), "nvml", "no NVIDIA driver".into(), PoolContext::default());
         assert!(!pool.is_ready());
         assert_eq!(
             pool.submit(job(1.0)).unwrap_err().to_string(),

@@ -170,3 +170,46 @@ async fn sigterm_finishes_running_work_answers_queued_work_and_exits_0() {
         .unwrap();
     assert_eq!(exit.code(), Some(0));
 }
+
+#[test]
+fn the_exporter_serves_host_metrics_without_a_gpu_or_onnx_runtime() {
+    let mut child = Command::new(BIN)
+        .args(["--log-format", "json", "exporter", "--listen", "127.0.0.1:0"])
+        // Monitoring mode must not need ONNX Runtime at all.
+        .env("ORT_DYLIB_PATH", "/nonexistent/libonnxruntime.so")
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
+    let addr = loop {
+        let line = lines.next().expect("exporter exited before serving").unwrap();
+        let log: Value = serde_json::from_str(&line).unwrap_or(Value::Null);
+        if log["message"] == "vramguard exporter serving" {
+            break log["address"].as_str().unwrap().to_string();
+        }
+    };
+    std::thread::spawn(move || for _ in lines {});
+    let body = std::process::Command::new("curl")
+        .args(["-s", &format!("http://{addr}/metrics")])
+        .output()
+        .unwrap();
+    let text = String::from_utf8(body.stdout).unwrap();
+    assert!(text.contains("vramguard_host_memory_total_bytes "), "{text}");
+    assert!(text.contains("vramguard_host_memory_available_bytes "), "{text}");
+    assert!(text.contains("vramguard_process_resident_memory_bytes "), "{text}");
+    assert!(
+        text.contains("vramguard_build_info{version=\"0.1.0\",onnxruntime=\"none\"} 1"),
+        "{text}"
+    );
+    if !vramguard::device::nvidia_gpu_present() {
+        assert!(!text.contains("vramguard_device_memory_total_bytes"), "{text}");
+    }
+    assert!(
+        Command::new("kill")
+            .args(["-TERM", &child.id().to_string()])
+            .status()
+            .unwrap()
+            .success()
+    );
+    assert_eq!(child.wait().unwrap().code(), Some(0));
+}

@@ -39,11 +39,20 @@ async fn encoder(server: &TestServer, seq: usize) -> reqwest::Response {
 async fn a_request_that_does_not_fit_gets_an_allocator_failure_and_the_next_one_is_served() {
     let server = TestServer::start(CONFIG).await;
 
+    let before: Value = reqwest::get(server.url("/status")).await.unwrap().json().await.unwrap();
+    let reserved_before = before["pools"][0]["arena"]["reserved_bytes"].as_u64().unwrap();
     let small = encoder(&server, 64).await;
     assert_eq!(small.status(), StatusCode::OK);
     let body: Value = small.json().await.unwrap();
     assert_eq!(body["parameters"]["simulated"], true);
     assert_eq!(body["parameters"]["provider"], "simulated");
+    let after: Value = reqwest::get(server.url("/status")).await.unwrap().json().await.unwrap();
+    let arena = &after["pools"][0]["arena"];
+    assert!(
+        arena["reserved_bytes"].as_u64().unwrap() > reserved_before,
+        "a run reserves arena memory: {arena}"
+    );
+    assert!(arena["peak_active_bytes"].as_u64().unwrap() > arena["active_bytes"].as_u64().unwrap());
 
     // 4 heads × 4096² FP32 attention scores alone are 256 MiB: twice the simulated capacity.
     let big = encoder(&server, 4096).await;
@@ -81,5 +90,134 @@ async fn a_request_that_does_not_fit_gets_an_allocator_failure_and_the_next_one_
     assert_eq!(pool["arena"]["limit_bytes"], 128 << 20);
     assert!(pool["arena"]["reserved_bytes"].as_u64().unwrap() > 0);
     assert!(pool["arena"]["reserved_bytes"].as_u64().unwrap() <= 128 << 20);
+    // External pressure is a real hold in the arena: used/free move, and a request that needs
+    // more than what is left fails inside ONNX Runtime until the pressure is released. (Only
+    // small runs came before, so the arena has cached little memory of its own.)
+    let set = reqwest::Client::new()
+        .post(server.url("/admin/sim/gpu0"))
+        .json(&json!({"pressure": "100MiB"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(set.status(), StatusCode::OK);
+    let set: Value = set.json().await.unwrap();
+    assert_eq!(set["pressure_bytes"], 100 << 20);
+    let metrics = server.metrics().await;
+    let value = |name: &str| -> u64 {
+        let prefix = format!("{name}{{device=\"gpu0\",kind=\"simulated\"}} ");
+        let line = metrics
+            .lines()
+            .find(|l| l.starts_with(&prefix))
+            .unwrap_or_else(|| panic!("{prefix} in {metrics}"));
+        line[prefix.len()..].parse().unwrap()
+    };
+    assert!(value("vramguard_device_memory_used_bytes") >= 100 << 20);
+    assert!(value("vramguard_device_memory_free_bytes") <= 28 << 20);
+    assert_eq!(value("vramguard_device_memory_total_bytes"), 128 << 20);
+    assert!(
+        metrics.contains("process=\"simulated-pressure\",service=\"simulated\"} 104857600\n"),
+        "{metrics}"
+    );
+    // 4 × 1536² FP32 scores are 36 MiB in one block: more than the 28 MiB the pressure leaves.
+    let squeezed = encoder(&server, 1536).await;
+    assert_eq!(squeezed.status(), StatusCode::SERVICE_UNAVAILABLE);
+    let release = reqwest::Client::new()
+        .post(server.url("/admin/sim/gpu0"))
+        .json(&json!({"pressure": 0}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(release.status(), StatusCode::OK);
+    assert_eq!(encoder(&server, 1536).await.status(), StatusCode::OK);
+    let metrics = server.metrics().await;
+    assert!(
+        !metrics.contains("simulated-pressure"),
+        "a released hold leaves no series: {metrics}"
+    );
+
+    // Bad admin input is refused with a reason.
+    let bad = reqwest::Client::new()
+        .post(server.url("/admin/sim/gpu0"))
+        .json(&json!({"pressure": "lots"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(bad.status(), StatusCode::BAD_REQUEST);
+    let too_much = reqwest::Client::new()
+        .post(server.url("/admin/sim/gpu0"))
+        .json(&json!({"pressure": "1GiB"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(too_much.status(), StatusCode::CONFLICT);
+    let unknown = reqwest::Client::new()
+        .post(server.url("/admin/sim/gpu9"))
+        .json(&json!({"pressure": 1}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(unknown.status(), StatusCode::NOT_FOUND);
+    server.stop().await;
+}
+
+/// `promtool check metrics` must report nothing for a live exposition with traffic on it, and
+/// Prometheus (which asks for OpenMetrics) gets OpenMetrics.
+#[tokio::test]
+async fn the_live_exposition_passes_promtool_and_negotiates_openmetrics() {
+    let server = TestServer::start(CONFIG).await;
+    assert_eq!(encoder(&server, 32).await.status(), StatusCode::OK);
+    let text = reqwest::get(server.url("/metrics")).await.unwrap();
+    assert_eq!(
+        text.headers()["content-type"],
+        "text/plain; version=0.0.4; charset=utf-8"
+    );
+    let text = text.text().await.unwrap();
+    for name in [
+        "vramguard_build_info",
+        "vramguard_device_memory_total_bytes",
+        "vramguard_allocator_reserved_bytes",
+        "vramguard_queue_oldest_age_seconds",
+        "vramguard_queue_wait_seconds_bucket",
+        "vramguard_host_memory_available_bytes",
+        "vramguard_exporter_sample_duration_seconds_count",
+    ] {
+        assert!(text.contains(name), "{name} missing from:\n{text}");
+    }
+    let mut promtool = std::process::Command::new("promtool")
+        .args(["check", "metrics"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("promtool is needed for this test: run `make tools` (Debian package `prometheus`)");
+    use std::io::Write;
+    promtool.stdin.take().unwrap().write_all(text.as_bytes()).unwrap();
+    let out = promtool.wait_with_output().unwrap();
+    let findings = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        out.status.success() && findings.trim().is_empty(),
+        "promtool: {findings}"
+    );
+
+    let open = reqwest::Client::new()
+        .get(server.url("/metrics"))
+        .header(
+            "accept",
+            "application/openmetrics-text;version=1.0.0,text/plain;version=0.0.4;q=0.5",
+        )
+        .send()
+        .await
+        .unwrap();
+    assert!(
+        open.headers()["content-type"]
+            .to_str()
+            .unwrap()
+            .starts_with("application/openmetrics-text")
+    );
+    assert!(open.text().await.unwrap().ends_with("# EOF\n"));
     server.stop().await;
 }

@@ -67,13 +67,58 @@ pub struct RawConfig {
     /// Accelerator devices (NVIDIA GPUs found through NVML, or simulated ones).
     #[serde(default)]
     pub devices: Vec<RawDevice>,
-    /// Models to serve.
+    /// Models to serve (`serve` needs at least one; `exporter` ignores them).
+    #[serde(default)]
     pub models: Vec<RawModel>,
     /// Worker pools, each bound to an execution provider and a device.
+    #[serde(default)]
     pub pools: Vec<RawPool>,
     /// Host memory protection.
     #[serde(default)]
     pub host: RawHost,
+    /// The memory sampler and `vramguard exporter`.
+    #[serde(default)]
+    pub exporter: RawExporter,
+}
+
+/// `exporter:`
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RawExporter {
+    /// Listen address of `vramguard exporter` (monitoring-only mode).
+    pub listen: String,
+    /// How often devices, processes and host memory are sampled.
+    pub sample_interval: HumanDuration,
+    /// Rules mapping processes to a `service` label; the first match wins.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub services: Vec<RawServiceRule>,
+}
+
+impl Default for RawExporter {
+    fn default() -> Self {
+        Self {
+            listen: "127.0.0.1:9842".into(),
+            sample_interval: HumanDuration(Duration::from_secs(1)),
+            services: Vec::new(),
+        }
+    }
+}
+
+/// One entry of `exporter.services:`; exactly one matcher.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawServiceRule {
+    /// The `service` label value.
+    pub service: String,
+    /// Exact process name (`comm`, as `ps -o comm` shows it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub process_name: Option<String>,
+    /// Regular expression searched in the full command line.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cmdline: Option<String>,
+    /// Regular expression searched in the cgroup path (e.g. a systemd unit or container id).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cgroup: Option<String>,
 }
 
 /// `server:`
@@ -180,6 +225,18 @@ pub struct RawPool {
     /// CUDA execution provider options (provider `cuda`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cuda: Option<RawCuda>,
+    /// Arena behaviour.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory: Option<RawPoolMemory>,
+}
+
+/// `pools[].memory:`
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RawPoolMemory {
+    /// Return the arena's free regions to the device after every run
+    /// (`memory.enable_memory_arena_shrinkage`): lower reserved bytes, slower runs.
+    pub arena_shrinkage: bool,
 }
 
 fn one() -> usize {
@@ -254,6 +311,39 @@ pub struct Config {
     pub pools: Vec<PoolConfig>,
     /// Host memory reserve in bytes.
     pub host_reserve: u64,
+    /// The sampler and exporter mode.
+    pub exporter: ExporterConfig,
+}
+
+/// Validated `exporter:`.
+#[derive(Debug, Clone)]
+pub struct ExporterConfig {
+    /// Listen address of `vramguard exporter`.
+    pub listen: SocketAddr,
+    /// Sampling period.
+    pub sample_interval: Duration,
+    /// Attribution rules in order.
+    pub services: Vec<ServiceRule>,
+}
+
+/// How a rule recognises a process.
+#[derive(Debug, Clone)]
+pub enum ServiceMatch {
+    /// Exact `comm`.
+    ProcessName(String),
+    /// Regex on the command line.
+    Cmdline(regex::Regex),
+    /// Regex on the cgroup path.
+    Cgroup(regex::Regex),
+}
+
+/// A validated attribution rule.
+#[derive(Debug, Clone)]
+pub struct ServiceRule {
+    /// Label value.
+    pub service: String,
+    /// Matcher.
+    pub matcher: ServiceMatch,
 }
 
 /// Validated `server:`.
@@ -403,14 +493,30 @@ pub struct PoolConfig {
     pub queue_capacity: usize,
     /// Longest queue wait.
     pub max_wait: Duration,
+    /// Shrink the arena after every run.
+    pub arena_shrinkage: bool,
 }
 
 /// The device name CPU pools report.
 pub const HOST_DEVICE: &str = "host";
 
+/// Which command a config is for: `serve` needs models and pools, `exporter` only devices.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// `vramguard serve`
+    Serve,
+    /// `vramguard exporter`
+    Exporter,
+}
+
 impl Config {
-    /// Load and validate a config file.
+    /// Load and validate a config file for `serve`.
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        Self::load_for(path, Mode::Serve)
+    }
+
+    /// Load and validate a config file for `mode`.
+    pub fn load_for(path: &Path, mode: Mode) -> Result<Config, ConfigError> {
         let file = path.display().to_string();
         let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
             file: file.clone(),
@@ -418,7 +524,7 @@ impl Config {
         })?;
         let raw: RawConfig = parse_yaml(&text, &file)?;
         let base = path.parent().unwrap_or(Path::new("."));
-        raw.validate(&file, base)
+        raw.validate_for(&file, base, mode)
     }
 
     /// The embedded default; on a machine where NVML sees a GPU its accelerator is a CUDA pool.
@@ -492,9 +598,15 @@ impl Checker<'_> {
 }
 
 impl RawConfig {
-    /// Validate into a [`Config`]; `base` resolves relative model paths.
+    /// Validate into a [`Config`] for `serve`; `base` resolves relative model paths.
     pub fn validate(&self, file: &str, base: &Path) -> Result<Config, ConfigError> {
+        self.validate_for(file, base, Mode::Serve)
+    }
+
+    /// Validate into a [`Config`] for `mode`.
+    pub fn validate_for(&self, file: &str, base: &Path, mode: Mode) -> Result<Config, ConfigError> {
         let c = Checker { file };
+        let exporter = self.validate_exporter(&c)?;
 
         let listen: SocketAddr = self.server.listen.parse().map_err(|_| {
             c.err(
@@ -575,7 +687,7 @@ impl RawConfig {
             ));
         }
 
-        if self.models.is_empty() {
+        if self.models.is_empty() && mode == Mode::Serve {
             return Err(c.err("models", "at least one model is needed"));
         }
         let mut model_names = HashSet::new();
@@ -627,7 +739,7 @@ impl RawConfig {
             });
         }
 
-        if self.pools.is_empty() {
+        if self.pools.is_empty() && mode == Mode::Serve {
             return Err(c.err("pools", "at least one pool is needed"));
         }
         let mut pool_names = HashSet::new();
@@ -742,6 +854,7 @@ impl RawConfig {
                 intra_threads: p.intra_threads,
                 queue_capacity: p.queue.capacity,
                 max_wait: p.queue.max_wait.get(),
+                arena_shrinkage: p.memory.as_ref().is_some_and(|m| m.arena_shrinkage),
             });
         }
         for m in &models {
@@ -767,6 +880,49 @@ impl RawConfig {
             models,
             pools,
             host_reserve: self.host.reserve.bytes(),
+            exporter,
+        })
+    }
+
+    fn validate_exporter(&self, c: &Checker) -> Result<ExporterConfig, ConfigError> {
+        let e = &self.exporter;
+        let listen: SocketAddr = e.listen.parse().map_err(|_| {
+            c.err(
+                "exporter.listen",
+                format!("expected an address like `127.0.0.1:9842`, got `{}`", e.listen),
+            )
+        })?;
+        let interval = e.sample_interval.get();
+        if interval < Duration::from_millis(100) || interval > Duration::from_secs(3600) {
+            return Err(c.err("exporter.sample_interval", "expected 100ms to 1h"));
+        }
+        let mut services = Vec::new();
+        for (i, rule) in e.services.iter().enumerate() {
+            let key = format!("exporter.services[{i}]");
+            if rule.service.trim().is_empty() {
+                return Err(c.err(format!("{key}.service"), "expected a service name"));
+            }
+            let regex = |field: &str, pattern: &str| {
+                regex::Regex::new(pattern)
+                    .map_err(|e| c.err(format!("{key}.{field}"), format!("invalid regular expression: {e}")))
+            };
+            let matcher = match (&rule.process_name, &rule.cmdline, &rule.cgroup) {
+                (Some(name), None, None) => ServiceMatch::ProcessName(name.clone()),
+                (None, Some(pattern), None) => ServiceMatch::Cmdline(regex("cmdline", pattern)?),
+                (None, None, Some(pattern)) => ServiceMatch::Cgroup(regex("cgroup", pattern)?),
+                _ => {
+                    return Err(c.err(key, "give exactly one of `process_name`, `cmdline` or `cgroup`"));
+                }
+            };
+            services.push(ServiceRule {
+                service: rule.service.clone(),
+                matcher,
+            });
+        }
+        Ok(ExporterConfig {
+            listen,
+            sample_interval: interval,
+            services,
         })
     }
 }
@@ -890,6 +1046,34 @@ pools:
             .unwrap_err()
             .to_string();
         assert_eq!(err, "test.yaml: devices[0].capacity: must be at least 1MiB");
+    }
+
+    #[test]
+    fn service_rules_need_exactly_one_valid_matcher() {
+        let err = check(&format!("exporter:\n  services: [{{service: x}}]\n{BASE}"))
+            .unwrap_err()
+            .to_string();
+        assert_eq!(
+            err,
+            "test.yaml: exporter.services[0]: give exactly one of `process_name`, `cmdline` or `cgroup`"
+        );
+        let err = check(&format!(
+            "exporter:\n  services: [{{service: x, cmdline: '('}}]\n{BASE}"
+        ))
+        .unwrap_err()
+        .to_string();
+        assert!(
+            err.starts_with("test.yaml: exporter.services[0].cmdline: invalid regular expression"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn exporter_mode_needs_no_models_or_pools() {
+        let raw: RawConfig = parse_yaml("devices: []\n", "e.yaml").unwrap();
+        assert!(raw.validate_for("e.yaml", Path::new("."), Mode::Exporter).is_ok());
+        let err = raw.validate("e.yaml", Path::new(".")).unwrap_err().to_string();
+        assert_eq!(err, "e.yaml: models: at least one model is needed");
     }
 
     #[test]

@@ -5,13 +5,14 @@
 pub mod infer;
 
 use std::future::Future;
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use axum::body::Bytes;
-use axum::extract::rejection::BytesRejection;
-use axum::extract::{DefaultBodyLimit, Path, State};
+use axum::extract::rejection::{BytesRejection, JsonRejection};
+use axum::extract::{ConnectInfo, DefaultBodyLimit, Path, State};
 use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -20,7 +21,7 @@ use serde_json::{Map, Value, json};
 use tokio::net::TcpListener;
 
 use crate::engine::Engine;
-use crate::metrics::{AllocFailureLabels, ModelPoolLabels, Outcome, RequestLabels};
+use crate::metrics::{ModelPoolLabels, Outcome, RequestLabels};
 use crate::onnx::BackendError;
 use crate::pool::{Availability, InferJob, Pool, PoolError};
 
@@ -43,16 +44,32 @@ pub struct AppState {
     pub shutting_down: AtomicBool,
     /// Wall-clock start, for `/status`.
     pub started: SystemTime,
+    /// Bearer token for `/admin` (from the env var `server.admin_token_env` names).
+    pub admin_token: Option<String>,
 }
 
 impl AppState {
-    /// Wrap an engine.
-    pub fn new(engine: Arc<Engine>) -> Arc<AppState> {
-        Arc::new(AppState {
+    /// Wrap an engine. The admin token is read from the environment variable the config names;
+    /// a named variable that is unset or empty is an error (the operator meant to set a token).
+    pub fn new(engine: Arc<Engine>) -> Result<Arc<AppState>, String> {
+        let admin_token = match &engine.config.server.admin_token_env {
+            None => None,
+            Some(var) => match std::env::var(var) {
+                Ok(token) if !token.trim().is_empty() => Some(token),
+                _ => {
+                    return Err(format!(
+                        "{}: server.admin_token_env names `{var}`, which is not set (or empty) in the environment",
+                        engine.config.source
+                    ));
+                }
+            },
+        };
+        Ok(Arc::new(AppState {
             engine,
             shutting_down: AtomicBool::new(false),
             started: SystemTime::now(),
-        })
+            admin_token,
+        }))
     }
 }
 
@@ -106,6 +123,7 @@ pub fn app(state: Arc<AppState>) -> Router {
         .route("/v2/models/{model}/infer", post(infer))
         .route("/v2/models/{model}/versions/{version}/infer", post(infer_versioned))
         .route("/status", get(status))
+        .route("/admin/sim/{device}", post(admin_sim))
         .route("/metrics", get(metrics))
         .fallback(|| async { ApiError::new(StatusCode::NOT_FOUND, "no such endpoint") })
         .layer(DefaultBodyLimit::max(body_limit))
@@ -120,7 +138,18 @@ pub async fn serve(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
     let token = tokio_util::sync::CancellationToken::new();
-    let server = axum::serve(listener, app(Arc::clone(&state))).with_graceful_shutdown(token.clone().cancelled_owned());
+    if let Some(sampler) = state.engine.take_sampler() {
+        tokio::spawn(sampler.run(
+            state.engine.config.exporter.sample_interval,
+            token.clone(),
+            Arc::clone(&state.engine.resample),
+        ));
+    }
+    let server = axum::serve(
+        listener,
+        app(Arc::clone(&state)).into_make_service_with_connect_info::<SocketAddr>(),
+    )
+    .with_graceful_shutdown(token.clone().cancelled_owned());
     let mut server = tokio::spawn(async move { server.await });
     tokio::select! {
         result = &mut server => return result.map_err(std::io::Error::other)?,
@@ -427,7 +456,7 @@ async fn run_inference(
         deadline,
     };
     let fail = |pool: &Arc<Pool>, error: PoolError| {
-        let (outcome, api) = pool_error(state, pool, error);
+        let (outcome, api) = pool_error(pool, error);
         (Some(Arc::clone(pool)), outcome, api)
     };
     let rx = pool.submit(job).map_err(|e| fail(&pool, e))?;
@@ -483,7 +512,7 @@ async fn run_inference(
 }
 
 /// Map a pool failure to an outcome and a client-facing error (the one place this happens).
-fn pool_error(state: &AppState, pool: &Pool, error: PoolError) -> (Outcome, ApiError) {
+fn pool_error(pool: &Pool, error: PoolError) -> (Outcome, ApiError) {
     let retry = pool.estimated_delay().as_secs().max(1);
     match error {
         PoolError::QueueFull { .. } | PoolError::ShuttingDown { .. } | PoolError::Unavailable { .. } => (
@@ -502,16 +531,7 @@ fn pool_error(state: &AppState, pool: &Pool, error: PoolError) -> (Outcome, ApiE
             ),
         ),
         PoolError::Backend(BackendError::Allocation { kind, message }) => {
-            state
-                .engine
-                .metrics
-                .allocator_failures
-                .get_or_create(&AllocFailureLabels {
-                    pool: pool.name().to_string(),
-                    device: pool.config.device.clone(),
-                    kind: kind.label().to_string(),
-                })
-                .inc();
+            // Counted by the pool's worker (vramguard_allocator_failures_total), not here.
             let simulated = if pool.device_kind == "simulated" {
                 " (simulated)"
             } else {
@@ -569,6 +589,7 @@ fn first_line(message: &str) -> String {
 
 async fn status(State(state): State<Arc<AppState>>) -> Json<Value> {
     let engine = &state.engine;
+    let sample = engine.store.latest();
     let pools: Vec<Value> = engine
         .pools
         .iter()
@@ -579,9 +600,10 @@ async fn status(State(state): State<Arc<AppState>>) -> Json<Value> {
                 Availability::Ready => ("stopping", None),
                 Availability::Unavailable(r) => ("unavailable", Some(r.clone())),
             };
-            let arena = p.arena_stats().map(|s| {
+            let arena = crate::exporter::pool_arena(p, &engine.simulated).map(|s| {
                 json!({"reserved_bytes": s.reserved_bytes, "active_bytes": s.active_bytes,
-                       "peak_active_bytes": s.peak_active_bytes, "limit_bytes": s.limit_bytes})
+                       "peak_active_bytes": s.peak_active_bytes, "limit_bytes": s.limit_bytes,
+                       "extensions": s.extensions, "shrinkages": s.shrinkages})
             });
             json!({
                 "name": p.name(),
@@ -599,8 +621,22 @@ async fn status(State(state): State<Arc<AppState>>) -> Json<Value> {
                 "queue_oldest_age_ms": load.oldest_age.as_millis() as u64,
                 "inflight": load.inflight,
                 "estimated_delay_ms": p.estimated_delay().as_millis() as u64,
+                "alloc_failures_recent": p.alloc_failures_recent(),
                 "arena": arena,
             })
+        })
+        .collect();
+    let devices: Map<String, Value> = sample
+        .snapshot
+        .devices
+        .iter()
+        .map(|(name, d)| {
+            let mut value = json!(d);
+            if let Some(sim) = engine.simulated_device(name) {
+                value["simulated"] = json!(true);
+                value["pressure_bytes"] = json!(sim.pressure());
+            }
+            (name.clone(), value)
         })
         .collect();
     let started = state
@@ -616,21 +652,113 @@ async fn status(State(state): State<Arc<AppState>>) -> Json<Value> {
         "shutting_down": state.shutting_down.load(Ordering::SeqCst),
         "degraded": {"active": false, "reason": null, "since": null},
         "pools": pools,
+        "devices": devices,
+        "host": sample.snapshot.host,
+        "processes": sample.snapshot.processes,
+        "sample_age_ms": sample.taken_at.map(|t| t.elapsed().as_millis() as u64),
         "policy": null,
     }))
 }
 
-async fn metrics(State(state): State<Arc<AppState>>) -> Response {
-    state.engine.refresh_gauges();
-    let text = crate::metrics::encode(&state.engine.registry);
-    (
-        [(
-            header::CONTENT_TYPE,
-            "application/openmetrics-text; version=1.0.0; charset=utf-8",
-        )],
-        text,
-    )
-        .into_response()
+/// Body of `POST /admin/sim/{device}`.
+#[derive(Debug, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SimCommand {
+    /// External pressure to hold on the device: bytes or a size like `300MiB` (0 releases).
+    pressure: Option<crate::config::ByteSize>,
+}
+
+fn authorize(state: &AppState, peer: SocketAddr, headers: &HeaderMap) -> Result<(), ApiError> {
+    match &state.admin_token {
+        Some(token) => {
+            let given = headers
+                .get(header::AUTHORIZATION)
+                .and_then(|v| v.to_str().ok())
+                .and_then(|v| v.strip_prefix("Bearer "));
+            if given == Some(token.as_str()) {
+                Ok(())
+            } else {
+                Err(ApiError::new(
+                    StatusCode::UNAUTHORIZED,
+                    "admin endpoints need `Authorization: Bearer <token>`",
+                ))
+            }
+        }
+        None if peer.ip().is_loopback() => Ok(()),
+        None => Err(ApiError::new(
+            StatusCode::FORBIDDEN,
+            "admin endpoints are loopback-only unless server.admin_token_env names a token",
+        )),
+    }
+}
+
+async fn admin_sim(
+    State(state): State<Arc<AppState>>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    Path(device): Path<String>,
+    headers: HeaderMap,
+    body: Result<Json<SimCommand>, JsonRejection>,
+) -> Result<Json<Value>, ApiError> {
+    authorize(&state, peer, &headers)?;
+    let engine = &state.engine;
+    let sim = engine.simulated_device(&device).cloned().ok_or_else(|| {
+        let simulated: Vec<&str> = engine.simulated.iter().map(|d| d.name.as_str()).collect();
+        ApiError::new(
+            StatusCode::NOT_FOUND,
+            format!(
+                "`{device}` is not a simulated device (simulated devices: {})",
+                simulated.join(", ")
+            ),
+        )
+    })?;
+    let Json(command) = body.map_err(|e| ApiError::new(StatusCode::BAD_REQUEST, e.body_text()))?;
+    let Some(pressure) = command.pressure else {
+        return Err(ApiError::new(StatusCode::BAD_REQUEST, "nothing to do: give `pressure`"));
+    };
+    let bytes = pressure.bytes();
+    tokio::task::spawn_blocking(move || sim.set_pressure(bytes))
+        .await
+        .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?
+        .map_err(|e| ApiError::new(StatusCode::CONFLICT, e))?;
+    tracing::info!(device = %device, pressure_bytes = bytes, "simulated external pressure set");
+    engine.resample_now().await;
+    let snapshot = engine.store.latest().snapshot;
+    Ok(Json(json!({
+        "device": device,
+        "simulated": true,
+        "pressure_bytes": bytes,
+        "memory": snapshot.devices.get(&device),
+    })))
+}
+
+async fn metrics(State(state): State<Arc<AppState>>, headers: HeaderMap) -> Response {
+    metrics_response(&state.engine.registry, &headers)
+}
+
+/// `/metrics`: OpenMetrics for clients that ask for it (Prometheus does), the Prometheus text
+/// format 0.0.4 otherwise (curl, `promtool check metrics`).
+pub fn metrics_response(registry: &prometheus_client::registry::Registry, headers: &HeaderMap) -> Response {
+    let wants_openmetrics = headers
+        .get_all(header::ACCEPT)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .any(|v| v.contains("application/openmetrics-text"));
+    if wants_openmetrics {
+        (
+            [(
+                header::CONTENT_TYPE,
+                "application/openmetrics-text; version=1.0.0; charset=utf-8",
+            )],
+            crate::metrics::encode(registry),
+        )
+            .into_response()
+    } else {
+        (
+            [(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")],
+            crate::metrics::encode_prometheus_text(registry),
+        )
+            .into_response()
+    }
 }
 
 #[cfg(test)]

@@ -148,3 +148,78 @@ pub fn allocator_stats(allocator: &ort::memory::Allocator) -> Result<ArenaStats,
     }
     Ok(stats)
 }
+
+/// Bytes held in an arena on behalf of a workload outside vramguard (the simulated device's
+/// external pressure). It is a real allocation from the arena, so runs that no longer fit fail
+/// inside ONNX Runtime, exactly as when another process takes GPU memory.
+pub struct ArenaHold {
+    allocator: ort::memory::Allocator,
+    block: Option<(std::ptr::NonNull<std::ffi::c_void>, u64)>,
+}
+
+// SAFETY: the block pointer is owned by this value and only used through `&mut self` (callers
+// keep it behind a Mutex); ONNX Runtime allocators are thread-safe and `Allocator` is Send.
+unsafe impl Send for ArenaHold {}
+
+impl std::fmt::Debug for ArenaHold {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ArenaHold").field("bytes", &self.bytes()).finish()
+    }
+}
+
+impl ArenaHold {
+    /// Hold nothing yet, allocating from `allocator` when asked.
+    pub fn new(allocator: ort::memory::Allocator) -> Self {
+        Self { allocator, block: None }
+    }
+
+    /// Bytes currently held.
+    pub fn bytes(&self) -> u64 {
+        self.block.map_or(0, |(_, n)| n)
+    }
+
+    /// Statistics of the arena this hold allocates from.
+    pub fn stats(&self) -> Result<ArenaStats, String> {
+        allocator_stats(&self.allocator)
+    }
+
+    fn release(&mut self) {
+        if let Some((ptr, _)) = self.block.take() {
+            // SAFETY: `ptr` came from `self.allocator.alloc` and is freed exactly once.
+            unsafe { self.allocator.free(ptr.as_ptr()) };
+        }
+    }
+
+    fn hold(&mut self, bytes: u64) -> Result<(), String> {
+        if bytes == 0 {
+            return Ok(());
+        }
+        let len = usize::try_from(bytes).map_err(|_| format!("{bytes} bytes is too large"))?;
+        let block = self.allocator.alloc::<u8>(len).map_err(|e| e.to_string())?;
+        let ptr = std::ptr::NonNull::new(block.into_raw()).ok_or("the arena returned a null block")?;
+        self.block = Some((ptr, bytes));
+        Ok(())
+    }
+
+    /// Hold exactly `bytes` (0 releases). If the arena cannot give that much, the previous hold
+    /// is restored when possible and the arena's own message is returned.
+    pub fn set(&mut self, bytes: u64) -> Result<(), String> {
+        let previous = self.bytes();
+        self.release();
+        match self.hold(bytes) {
+            Ok(()) => Ok(()),
+            Err(e) => {
+                if self.hold(previous).is_err() {
+                    self.block = None;
+                }
+                Err(e)
+            }
+        }
+    }
+}
+
+impl Drop for ArenaHold {
+    fn drop(&mut self) {
+        self.release();
+    }
+}

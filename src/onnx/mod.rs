@@ -10,8 +10,8 @@ use std::sync::{Mutex, OnceLock};
 use ort::environment::Environment;
 use ort::ep;
 use ort::memory::{AllocationDevice, Allocator, AllocatorType, MemoryInfo, MemoryType};
-use ort::session::Session;
 use ort::session::builder::GraphOptimizationLevel;
+use ort::session::{RunOptions, Session};
 use ort::value::{DynValue, TensorElementType, ValueType};
 
 use crate::config::{CudaOptions, Provider};
@@ -317,6 +317,8 @@ pub struct SessionOptions {
     pub device_index: u32,
     /// Intra-op threads.
     pub intra_threads: usize,
+    /// Shrink the arena after every run (`memory.enable_memory_arena_shrinkage`).
+    pub arena_shrinkage: bool,
 }
 
 /// Build a session for `model` under `options`. CUDA registration failure is an error, never a
@@ -417,7 +419,12 @@ fn from_value(name: &str, value: &DynValue) -> Result<Tensor, String> {
 
 /// Run `session` on `inputs`, returning the outputs named in `wanted` (all when empty), in the
 /// order asked for.
-pub fn run(session: &mut Session, inputs: Vec<Tensor>, wanted: &[String]) -> Result<Vec<Tensor>, BackendError> {
+pub fn run(
+    session: &mut Session,
+    inputs: Vec<Tensor>,
+    wanted: &[String],
+    options: Option<&RunOptions>,
+) -> Result<Vec<Tensor>, BackendError> {
     let values = inputs
         .into_iter()
         .map(|t| {
@@ -426,7 +433,11 @@ pub fn run(session: &mut Session, inputs: Vec<Tensor>, wanted: &[String]) -> Res
         })
         .collect::<ort::Result<Vec<_>>>()
         .map_err(|e| classify(&e.to_string()))?;
-    let outputs = session.run(values).map_err(|e| classify(&e.to_string()))?;
+    let outputs = match options {
+        Some(options) => session.run_with_options(values, options),
+        None => session.run(values),
+    }
+    .map_err(|e| classify(&e.to_string()))?;
     let mut result = Vec::new();
     if wanted.is_empty() {
         for (name, value) in outputs.iter() {
@@ -447,6 +458,7 @@ pub fn run(session: &mut Session, inputs: Vec<Tensor>, wanted: &[String]) -> Res
 pub struct OrtBackend {
     sessions: HashMap<String, (Session, Option<Allocator>)>,
     last_stats: Option<arena::ArenaStats>,
+    run_options: Option<RunOptions>,
 }
 
 impl OrtBackend {
@@ -470,9 +482,28 @@ impl OrtBackend {
             let allocator = info.and_then(|info| Allocator::new(&session, info)).ok();
             sessions.insert(name.clone(), (session, allocator));
         }
+        let run_options = if options.arena_shrinkage {
+            let mut run_options = RunOptions::new().map_err(|e| e.to_string())?;
+            let arena = match &options.provider {
+                Provider::Cuda(_) => format!("gpu:{}", options.device_index),
+                _ => "cpu:0".to_string(),
+            };
+            run_options
+                .set("memory.enable_memory_arena_shrinkage", &arena)
+                .map_err(|e| e.to_string())?;
+            Some(run_options)
+        } else {
+            None
+        };
+        // Statistics before the first run show what loading the weights reserved.
+        let last_stats = sessions
+            .values()
+            .find_map(|(_, a)| a.as_ref())
+            .and_then(|a| arena::allocator_stats(a).ok());
         Ok(OrtBackend {
             sessions,
-            last_stats: None,
+            last_stats,
+            run_options,
         })
     }
 }
@@ -483,7 +514,7 @@ impl crate::pool::Backend for OrtBackend {
             .sessions
             .get_mut(model)
             .ok_or_else(|| BackendError::Runtime(format!("this worker has no session for `{model}`")))?;
-        let result = run(session, inputs, outputs);
+        let result = run(session, inputs, outputs, self.run_options.as_ref());
         if let Some(allocator) = allocator {
             self.last_stats = arena::allocator_stats(allocator).ok();
         }

@@ -32,7 +32,7 @@ impl TestServer {
             .expect("engine starts");
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
-        let state = AppState::new(Arc::new(engine));
+        let state = AppState::new(Arc::new(engine)).expect("state");
         let (stop, stopped) = oneshot::channel::<()>();
         let task = tokio::spawn(http::serve(Arc::clone(&state), listener, async {
             let _ = stopped.await;

@@ -1,0 +1,156 @@
+//! The simulated accelerator: a capacity enforced by ONNX Runtime's capped arena (shared by every
+//! simulated pool in the process), external pressure held as a real allocation in that arena,
+//! and a memory source reporting both, labelled `simulated`.
+
+use std::sync::{Arc, Mutex};
+
+use ort::memory::{AllocationDevice, Allocator, AllocatorType, MemoryInfo, MemoryType};
+use ort::session::Session;
+
+use super::procinfo::ProcessInspector;
+use super::{DeviceMemory, DeviceProcess, MemorySource, Reading};
+use crate::config::Provider;
+use crate::model::BuiltinModel;
+use crate::onnx::arena::{ArenaHold, ArenaStats};
+use crate::onnx::{self, OnnxRuntime, SessionOptions};
+
+/// Name of the pseudo-process that stands for external pressure in process listings.
+pub const PRESSURE_PROCESS: &str = "simulated-pressure";
+
+/// A simulated device.
+#[derive(Debug)]
+pub struct SimulatedDevice {
+    /// Device name.
+    pub name: String,
+    /// Capacity in bytes (the arena's cap).
+    pub capacity: u64,
+    hold: Mutex<ArenaHold>,
+    // Keeps the allocator's session alive; the allocator belongs to it.
+    _session: Session,
+}
+
+impl SimulatedDevice {
+    /// Register the capped arena (once per process) and open a handle on it for pressure and
+    /// statistics.
+    pub fn open(rt: &OnnxRuntime, name: &str, capacity: u64) -> Result<SimulatedDevice, String> {
+        rt.ensure_simulated_arena(capacity).map_err(|e| e.to_string())?;
+        // Any session using the environment's allocators hands out the shared arena; the
+        // smallest bundled model costs a few kilobytes of it.
+        let options = SessionOptions {
+            provider: Provider::Simulated,
+            device_index: 0,
+            intra_threads: 1,
+            arena_shrinkage: false,
+        };
+        let session = onnx::build_session(rt, BuiltinModel::Classifier.bytes(), &options)?;
+        let info = MemoryInfo::new(AllocationDevice::CPU, 0, AllocatorType::Arena, MemoryType::Default)
+            .map_err(|e| e.to_string())?;
+        let allocator = Allocator::new(&session, info).map_err(|e| e.to_string())?;
+        Ok(SimulatedDevice {
+            name: name.to_string(),
+            capacity,
+            hold: Mutex::new(ArenaHold::new(allocator)),
+            _session: session,
+        })
+    }
+
+    fn hold(&self) -> std::sync::MutexGuard<'_, ArenaHold> {
+        self.hold.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Bytes held by the simulated external workload.
+    pub fn pressure(&self) -> u64 {
+        self.hold().bytes()
+    }
+
+    /// Set the external workload's bytes (0 releases them).
+    pub fn set_pressure(&self, bytes: u64) -> Result<(), String> {
+        if bytes > self.capacity {
+            return Err(format!(
+                "pressure of {bytes} bytes exceeds the simulated capacity of {} bytes",
+                self.capacity
+            ));
+        }
+        self.hold().set(bytes).map_err(|e| {
+            format!("the simulated arena cannot hold {bytes} bytes now (vramguard's own tensors use part of it): {e}")
+        })
+    }
+
+    /// The shared arena's statistics (pressure included).
+    pub fn arena_stats(&self) -> Result<ArenaStats, String> {
+        self.hold().stats()
+    }
+
+    /// The arena's statistics with the pressure taken out: what vramguard's pools hold.
+    pub fn pool_stats(&self) -> Result<ArenaStats, String> {
+        let hold = self.hold();
+        let pressure = hold.bytes();
+        let stats = hold.stats()?;
+        Ok(ArenaStats {
+            reserved_bytes: stats.reserved_bytes.saturating_sub(pressure),
+            active_bytes: stats.active_bytes.saturating_sub(pressure),
+            peak_active_bytes: stats.peak_active_bytes,
+            ..stats
+        })
+    }
+}
+
+/// Reports a simulated device: used = the arena's reserved bytes (ours and the pressure).
+#[derive(Debug)]
+pub struct SimulatedSource {
+    device: Arc<SimulatedDevice>,
+    inspector: ProcessInspector,
+}
+
+impl SimulatedSource {
+    /// A source for `device`.
+    pub fn new(device: Arc<SimulatedDevice>) -> Self {
+        Self {
+            device,
+            inspector: ProcessInspector::default(),
+        }
+    }
+}
+
+impl MemorySource for SimulatedSource {
+    fn label(&self) -> &'static str {
+        "simulated"
+    }
+
+    fn sample(&mut self, reading: &mut Reading) -> Result<(), String> {
+        let device = &self.device;
+        let pressure = device.pressure();
+        let stats = device.arena_stats()?;
+        let used = stats.reserved_bytes.max(pressure).min(device.capacity);
+        reading.devices.insert(
+            device.name.clone(),
+            DeviceMemory {
+                kind: "simulated",
+                total_bytes: device.capacity,
+                used_bytes: used,
+            },
+        );
+        let me = std::process::id();
+        let identity = self.inspector.identify(me).unwrap_or_default();
+        reading.processes.push(DeviceProcess {
+            pid: me,
+            device: device.name.clone(),
+            used_bytes: used.saturating_sub(pressure),
+            name: identity.name,
+            cmdline: identity.cmdline,
+            cgroup: identity.cgroup,
+            service: Some("vramguard".into()),
+        });
+        if pressure > 0 {
+            reading.processes.push(DeviceProcess {
+                pid: 0,
+                device: device.name.clone(),
+                used_bytes: pressure,
+                name: PRESSURE_PROCESS.into(),
+                service: Some("simulated".into()),
+                ..DeviceProcess::default()
+            });
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,735 @@
+//! The exporter: one background sampler asks every memory source for a reading, attributes
+//! processes to services, adds the pools' state, and publishes one [`Snapshot`] that `/metrics`,
+//! `/status` and the policy engine all read. A scrape never waits on a driver call: it encodes
+//! the latest snapshot plus the pools' live queues through [`LiveCollector`].
+
+pub mod standalone;
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, RwLock};
+use std::time::{Duration, Instant};
+
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
+use prometheus_client::metrics::TypedMetric;
+use prometheus_client::metrics::counter::ConstCounter;
+use prometheus_client::metrics::gauge::ConstGauge;
+use prometheus_client::registry::Unit;
+use tokio_util::sync::CancellationToken;
+
+use crate::config::{Provider, ServiceMatch, ServiceRule};
+use crate::device::simulated::SimulatedDevice;
+use crate::device::{DeviceProcess, MemorySource, Reading};
+use crate::metrics::{Metrics, SourceLabels};
+use crate::onnx::arena::ArenaStats;
+use crate::pool::Pool;
+use crate::snapshot::{DeviceState, HostState, PoolState, ProcessState, Snapshot};
+
+/// The service label of processes no rule matches.
+pub const UNMATCHED_SERVICE: &str = "other";
+
+/// The service a process belongs to: what its source says (vramguard itself, simulated
+/// pressure), else the first matching rule, else `other`.
+pub fn attribute(rules: &[ServiceRule], process: &DeviceProcess) -> String {
+    if let Some(service) = &process.service {
+        return service.clone();
+    }
+    rules
+        .iter()
+        .find(|rule| match &rule.matcher {
+            ServiceMatch::ProcessName(name) => &process.name == name,
+            ServiceMatch::Cmdline(re) => re.is_match(&process.cmdline),
+            ServiceMatch::Cgroup(re) => re.is_match(&process.cgroup),
+        })
+        .map_or_else(|| UNMATCHED_SERVICE.to_string(), |rule| rule.service.clone())
+}
+
+/// The latest sample.
+#[derive(Debug, Clone, Default)]
+pub struct Sample {
+    /// Devices, pools, host and processes.
+    pub snapshot: Arc<Snapshot>,
+    /// vramguard's own resident memory.
+    pub self_resident_bytes: u64,
+    /// Increases with every sample (lets readers cache what they derive from a snapshot).
+    pub generation: u64,
+    /// When it was taken.
+    pub taken_at: Option<Instant>,
+}
+
+/// Where the sampler publishes and everyone else reads.
+#[derive(Debug, Default)]
+pub struct SnapshotStore {
+    current: RwLock<Sample>,
+}
+
+impl SnapshotStore {
+    /// The latest sample (cheap: clones an `Arc`).
+    pub fn latest(&self) -> Sample {
+        self.current.read().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    fn publish(&self, mut sample: Sample) {
+        let mut current = self.current.write().unwrap_or_else(|e| e.into_inner());
+        sample.generation = current.generation + 1;
+        *current = sample;
+    }
+}
+
+/// Arena statistics of a pool as vramguard's share: simulated pools share the device's arena,
+/// whose pressure hold is not theirs.
+pub fn pool_arena(pool: &Pool, simulated: &[Arc<SimulatedDevice>]) -> Option<ArenaStats> {
+    if *pool.provider() == Provider::Simulated {
+        simulated
+            .iter()
+            .find(|d| d.name == pool.config.device)
+            .and_then(|d| d.pool_stats().ok())
+    } else {
+        pool.arena_stats()
+    }
+}
+
+/// Samples sources into snapshots.
+pub struct Sampler {
+    sources: Vec<Box<dyn MemorySource>>,
+    rules: Vec<ServiceRule>,
+    host_reserve: u64,
+    pools: Vec<Arc<Pool>>,
+    simulated: Vec<Arc<SimulatedDevice>>,
+    metrics: Arc<Metrics>,
+    store: Arc<SnapshotStore>,
+}
+
+impl std::fmt::Debug for Sampler {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Sampler")
+            .field("sources", &self.sources.iter().map(|s| s.label()).collect::<Vec<_>>())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Sampler {
+    /// A sampler over `sources`, publishing into `store`.
+    pub fn new(
+        sources: Vec<Box<dyn MemorySource>>,
+        rules: Vec<ServiceRule>,
+        host_reserve: u64,
+        metrics: Arc<Metrics>,
+        store: Arc<SnapshotStore>,
+    ) -> Self {
+        Self {
+            sources,
+            rules,
+            host_reserve,
+            pools: Vec::new(),
+            simulated: Vec::new(),
+            metrics,
+            store,
+        }
+    }
+
+    /// Include these pools (and the simulated devices they may run on) in every snapshot.
+    pub fn with_pools(mut self, pools: Vec<Arc<Pool>>, simulated: Vec<Arc<SimulatedDevice>>) -> Self {
+        self.pools = pools;
+        self.simulated = simulated;
+        self
+    }
+
+    /// Take one sample and publish it. Blocking: run it off the async runtime.
+    pub fn sample(&mut self) {
+        let started = Instant::now();
+        let mut reading = Reading::default();
+        for source in &mut self.sources {
+            let t = Instant::now();
+            let labels = SourceLabels {
+                source: source.label().to_string(),
+            };
+            if let Err(e) = source.sample(&mut reading) {
+                tracing::warn!(source = source.label(), error = %e, "memory source failed");
+                self.metrics.exporter_errors.get_or_create(&labels).inc();
+            }
+            self.metrics
+                .exporter_sample_duration
+                .get_or_create(&labels)
+                .observe(t.elapsed().as_secs_f64());
+        }
+        let self_resident_bytes = reading.host.map_or(0, |h| h.self_resident_bytes);
+        let snapshot = self.build(reading);
+        self.store.publish(Sample {
+            snapshot: Arc::new(snapshot),
+            self_resident_bytes,
+            generation: 0,
+            taken_at: Some(started),
+        });
+    }
+
+    fn build(&self, reading: Reading) -> Snapshot {
+        let mut devices: BTreeMap<String, DeviceState> = reading
+            .devices
+            .iter()
+            .map(|(name, m)| {
+                let used = m.used_bytes.min(m.total_bytes);
+                (
+                    name.clone(),
+                    DeviceState {
+                        kind: m.kind.to_string(),
+                        total_bytes: m.total_bytes,
+                        used_bytes: used,
+                        free_bytes: m.total_bytes - used,
+                        ..DeviceState::default()
+                    },
+                )
+            })
+            .collect();
+        let mut pools = BTreeMap::new();
+        for pool in &self.pools {
+            let load = pool.load();
+            if let Some(stats) = pool_arena(pool, &self.simulated)
+                && let Some(device) = devices.get_mut(&pool.config.device)
+            {
+                if *pool.provider() == Provider::Simulated {
+                    // Every simulated pool reports the one shared arena: count it once.
+                    device.reserved_bytes = stats.reserved_bytes;
+                    device.active_bytes = stats.active_bytes;
+                } else {
+                    device.reserved_bytes += stats.reserved_bytes;
+                    device.active_bytes += stats.active_bytes;
+                }
+            }
+            pools.insert(
+                pool.name().to_string(),
+                PoolState {
+                    provider: pool.provider().label().to_string(),
+                    device: pool.config.device.clone(),
+                    breaker: "closed".into(),
+                    queue_depth: load.queue_depth as u64,
+                    queue_oldest_age_ms: load.oldest_age.as_millis() as u64,
+                    inflight: load.inflight as u64,
+                    concurrency: pool.config.workers as u64,
+                    alloc_failures_recent: pool.alloc_failures_recent(),
+                    est_delay_ms: pool.estimated_delay().as_millis() as u64,
+                    max_context: 0,
+                },
+            );
+        }
+        for device in devices.values_mut() {
+            device.headroom_bytes = device.free_bytes + device.reserved_bytes.saturating_sub(device.active_bytes);
+        }
+        let processes = reading
+            .processes
+            .iter()
+            .map(|p| ProcessState {
+                pid: p.pid,
+                name: p.name.clone(),
+                service: attribute(&self.rules, p),
+                device: p.device.clone(),
+                used_bytes: p.used_bytes,
+            })
+            .collect();
+        let host = reading.host.map_or_else(
+            || HostState {
+                reserve_bytes: self.host_reserve,
+                ..HostState::default()
+            },
+            |h| HostState {
+                mem_available_bytes: h.available_bytes,
+                mem_total_bytes: h.total_bytes,
+                reserve_bytes: self.host_reserve,
+            },
+        );
+        Snapshot {
+            devices,
+            pools,
+            host,
+            processes,
+            degraded: false,
+        }
+    }
+
+    /// Sample every `interval`, and at once when `wake` is notified, until `cancel` fires; the
+    /// sampling itself runs off the async runtime.
+    pub async fn run(mut self, interval: Duration, cancel: CancellationToken, wake: Arc<tokio::sync::Notify>) {
+        let mut ticker = tokio::time::interval(interval);
+        ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = cancel.cancelled() => return,
+                _ = ticker.tick() => {}
+                _ = wake.notified() => {}
+            }
+            match tokio::task::spawn_blocking(move || {
+                self.sample();
+                self
+            })
+            .await
+            {
+                Ok(sampler) => self = sampler,
+                Err(e) => {
+                    tracing::error!(error = %e, "the sampler panicked; memory metrics stop updating");
+                    return;
+                }
+            }
+        }
+    }
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct DeviceLabels {
+    device: String,
+    kind: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ProcessLabels {
+    device: String,
+    pid: u32,
+    process: String,
+    service: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct PoolDevice {
+    pool: String,
+    device: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct PoolOnly {
+    pool: String,
+}
+
+/// Encodes, on every scrape, the latest snapshot and the pools' live queues. Reading at scrape
+/// time means an exited process or a drained queue can never leave a stale series behind.
+pub struct LiveCollector {
+    store: Arc<SnapshotStore>,
+    pools: Vec<Arc<Pool>>,
+    simulated: Vec<Arc<SimulatedDevice>>,
+}
+
+impl std::fmt::Debug for LiveCollector {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LiveCollector").finish_non_exhaustive()
+    }
+}
+
+impl LiveCollector {
+    /// A collector over `store` and `pools`.
+    pub fn new(store: Arc<SnapshotStore>, pools: Vec<Arc<Pool>>, simulated: Vec<Arc<SimulatedDevice>>) -> Self {
+        Self {
+            store,
+            pools,
+            simulated,
+        }
+    }
+}
+
+/// Encode one family of constant metrics; an empty family is left out entirely.
+fn family<L: EncodeLabelSet, M: EncodeMetric + TypedMetric>(
+    encoder: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    unit: Option<&Unit>,
+    rows: impl IntoIterator<Item = (L, M)>,
+) -> Result<(), std::fmt::Error> {
+    let mut rows = rows.into_iter().peekable();
+    if rows.peek().is_none() {
+        return Ok(());
+    }
+    let mut family = encoder.encode_descriptor(name, help, unit, M::TYPE)?;
+    for (labels, metric) in rows {
+        metric.encode(family.encode_family(&labels)?)?;
+    }
+    Ok(())
+}
+
+/// [`family`] of gauges.
+fn gauge_family<L: EncodeLabelSet, V: prometheus_client::encoding::EncodeGaugeValue>(
+    encoder: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    unit: Option<&Unit>,
+    rows: impl IntoIterator<Item = (L, V)>,
+) -> Result<(), std::fmt::Error> {
+    family(
+        encoder,
+        name,
+        help,
+        unit,
+        rows.into_iter().map(|(l, v)| (l, ConstGauge::new(v))),
+    )
+}
+
+/// The label set of a metric without labels.
+const NO_LABELS: [(&str, &str); 0] = [];
+
+fn saturating_i64(v: u64) -> i64 {
+    i64::try_from(v).unwrap_or(i64::MAX)
+}
+
+impl Collector for LiveCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let sample = self.store.latest();
+        let snapshot = &sample.snapshot;
+        let device_rows = |field: fn(&DeviceState) -> u64| {
+            snapshot.devices.iter().map(move |(name, d)| {
+                (
+                    DeviceLabels {
+                        device: name.clone(),
+                        kind: d.kind.clone(),
+                    },
+                    saturating_i64(field(d)),
+                )
+            })
+        };
+        let bytes = Some(&Unit::Bytes);
+        gauge_family(
+            &mut encoder,
+            "device_memory_total",
+            "Device memory capacity",
+            bytes,
+            device_rows(|d| d.total_bytes),
+        )?;
+        gauge_family(
+            &mut encoder,
+            "device_memory_used",
+            "Device memory in use by every process",
+            bytes,
+            device_rows(|d| d.used_bytes),
+        )?;
+        gauge_family(
+            &mut encoder,
+            "device_memory_free",
+            "Device memory not in use",
+            bytes,
+            device_rows(|d| d.free_bytes),
+        )?;
+        gauge_family(
+            &mut encoder,
+            "process_device_memory",
+            "Device memory used by each process, attributed to a service",
+            bytes,
+            snapshot.processes.iter().map(|p| {
+                (
+                    ProcessLabels {
+                        device: p.device.clone(),
+                        pid: p.pid,
+                        process: p.name.clone(),
+                        service: p.service.clone(),
+                    },
+                    saturating_i64(p.used_bytes),
+                )
+            }),
+        )?;
+
+        let arenas: Vec<(PoolDevice, ArenaStats)> = self
+            .pools
+            .iter()
+            .filter_map(|p| {
+                pool_arena(p, &self.simulated).map(|s| {
+                    (
+                        PoolDevice {
+                            pool: p.name().to_string(),
+                            device: p.config.device.clone(),
+                        },
+                        s,
+                    )
+                })
+            })
+            .collect();
+        gauge_family(
+            &mut encoder,
+            "allocator_reserved",
+            "ONNX Runtime arena bytes reserved from the device (TotalAllocated)",
+            bytes,
+            arenas
+                .iter()
+                .map(|(l, s)| (l.clone(), saturating_i64(s.reserved_bytes))),
+        )?;
+        gauge_family(
+            &mut encoder,
+            "allocator_active",
+            "ONNX Runtime arena bytes held by live tensors (InUse)",
+            bytes,
+            arenas.iter().map(|(l, s)| (l.clone(), saturating_i64(s.active_bytes))),
+        )?;
+        gauge_family(
+            &mut encoder,
+            "allocator_peak_active",
+            "Peak of ONNX Runtime arena bytes in use (MaxInUse)",
+            bytes,
+            arenas
+                .iter()
+                .map(|(l, s)| (l.clone(), saturating_i64(s.peak_active_bytes))),
+        )?;
+        family(
+            &mut encoder,
+            "allocator_arena_extensions",
+            "Times the ONNX Runtime arena grew (NumArenaExtensions)",
+            None,
+            arenas.iter().map(|(l, s)| (l.clone(), ConstCounter::new(s.extensions))),
+        )?;
+        family(
+            &mut encoder,
+            "allocator_arena_shrinkages",
+            "Times the ONNX Runtime arena returned memory to the device (NumArenaShrinkages)",
+            None,
+            arenas.iter().map(|(l, s)| (l.clone(), ConstCounter::new(s.shrinkages))),
+        )?;
+
+        let loads: Vec<(PoolOnly, crate::pool::PoolLoad)> = self
+            .pools
+            .iter()
+            .map(|p| {
+                (
+                    PoolOnly {
+                        pool: p.name().to_string(),
+                    },
+                    p.load(),
+                )
+            })
+            .collect();
+        gauge_family(
+            &mut encoder,
+            "queue_depth",
+            "Requests waiting in the pool's queue",
+            None,
+            loads.iter().map(|(l, load)| (l.clone(), load.queue_depth as i64)),
+        )?;
+        gauge_family(
+            &mut encoder,
+            "queue_oldest_age",
+            "Age of the oldest request waiting in the pool's queue",
+            Some(&Unit::Seconds),
+            loads.iter().map(|(l, load)| (l.clone(), load.oldest_age.as_secs_f64())),
+        )?;
+        gauge_family(
+            &mut encoder,
+            "inflight_requests",
+            "Requests being run by the pool's workers",
+            None,
+            loads.iter().map(|(l, load)| (l.clone(), load.inflight as i64)),
+        )?;
+
+        if sample.taken_at.is_some() && snapshot.host.mem_total_bytes > 0 {
+            let host = &snapshot.host;
+            gauge_family(
+                &mut encoder,
+                "host_memory_available",
+                "Host memory available for new work (MemAvailable)",
+                bytes,
+                [(NO_LABELS, saturating_i64(host.mem_available_bytes))],
+            )?;
+            gauge_family(
+                &mut encoder,
+                "host_memory_total",
+                "Host memory (MemTotal)",
+                bytes,
+                [(NO_LABELS, saturating_i64(host.mem_total_bytes))],
+            )?;
+            gauge_family(
+                &mut encoder,
+                "process_resident_memory",
+                "Resident memory of vramguard itself",
+                bytes,
+                [(NO_LABELS, saturating_i64(sample.self_resident_bytes))],
+            )?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::device::{DeviceMemory, HostMemory};
+
+    /// An NVML-like source whose devices and processes the test sets.
+    struct Fake(Arc<std::sync::Mutex<Reading>>);
+
+    impl MemorySource for Fake {
+        fn label(&self) -> &'static str {
+            "nvml"
+        }
+        fn sample(&mut self, reading: &mut Reading) -> Result<(), String> {
+            let fixed = self.0.lock().unwrap().clone();
+            reading.devices.extend(fixed.devices);
+            reading.processes.extend(fixed.processes);
+            reading.host = fixed.host;
+            Ok(())
+        }
+    }
+
+    fn process(pid: u32, name: &str, cmdline: &str, cgroup: &str, used: u64) -> DeviceProcess {
+        DeviceProcess {
+            pid,
+            device: "gpu0".into(),
+            used_bytes: used,
+            name: name.into(),
+            cmdline: cmdline.into(),
+            cgroup: cgroup.into(),
+            service: None,
+        }
+    }
+
+    fn rules() -> Vec<ServiceRule> {
+        vec![
+            ServiceRule {
+                service: "ollama".into(),
+                matcher: ServiceMatch::ProcessName("ollama".into()),
+            },
+            ServiceRule {
+                service: "comfyui".into(),
+                matcher: ServiceMatch::Cmdline(regex::Regex::new(r"ComfyUI/main\.py").unwrap()),
+            },
+            ServiceRule {
+                service: "whisper".into(),
+                matcher: ServiceMatch::Cgroup(regex::Regex::new(r"whisper\.service").unwrap()),
+            },
+        ]
+    }
+
+    #[test]
+    fn fake_devices_and_processes_become_exact_exposition_lines() {
+        let fixed = Arc::new(std::sync::Mutex::new(Reading {
+            devices: BTreeMap::from([(
+                "gpu0".to_string(),
+                DeviceMemory {
+                    kind: "nvml",
+                    total_bytes: 24 << 30,
+                    used_bytes: 20 << 30,
+                },
+            )]),
+            processes: vec![
+                process(
+                    101,
+                    "ollama",
+                    "/usr/bin/ollama serve",
+                    "/system.slice/ollama.service",
+                    12 << 30,
+                ),
+                process(
+                    202,
+                    "python3",
+                    "python3 /opt/ComfyUI/main.py --listen",
+                    "/user.slice",
+                    6 << 30,
+                ),
+                process(
+                    303,
+                    "python3",
+                    "python3 -m whisper_server",
+                    "/system.slice/whisper.service",
+                    1 << 30,
+                ),
+                process(404, "blender", "blender -b scene.blend", "/user.slice", 512 << 20),
+            ],
+            host: Some(HostMemory {
+                total_bytes: 64 << 30,
+                available_bytes: 40 << 30,
+                self_resident_bytes: 100 << 20,
+            }),
+        }));
+        let (metrics, mut registry) = Metrics::new("1.31.1");
+        let metrics = Arc::new(metrics);
+        let store = Arc::new(SnapshotStore::default());
+        registry.register_collector(Box::new(LiveCollector::new(store.clone(), Vec::new(), Vec::new())));
+        let mut sampler = Sampler::new(
+            vec![Box::new(Fake(fixed.clone()))],
+            rules(),
+            2 << 30,
+            metrics,
+            store.clone(),
+        );
+        sampler.sample();
+        let text = crate::metrics::encode(&registry);
+        for line in [
+            "vramguard_device_memory_total_bytes{device=\"gpu0\",kind=\"nvml\"} 25769803776",
+            "vramguard_device_memory_used_bytes{device=\"gpu0\",kind=\"nvml\"} 21474836480",
+            "vramguard_device_memory_free_bytes{device=\"gpu0\",kind=\"nvml\"} 4294967296",
+            "vramguard_process_device_memory_bytes{device=\"gpu0\",pid=\"101\",process=\"ollama\",service=\"ollama\"} 12884901888",
+            "vramguard_process_device_memory_bytes{device=\"gpu0\",pid=\"202\",process=\"python3\",service=\"comfyui\"} 6442450944",
+            "vramguard_process_device_memory_bytes{device=\"gpu0\",pid=\"303\",process=\"python3\",service=\"whisper\"} 1073741824",
+            "vramguard_process_device_memory_bytes{device=\"gpu0\",pid=\"404\",process=\"blender\",service=\"other\"} 536870912",
+            "vramguard_host_memory_available_bytes 42949672960",
+            "vramguard_host_memory_total_bytes 68719476736",
+            "vramguard_process_resident_memory_bytes 104857600",
+            "# TYPE vramguard_process_device_memory_bytes gauge",
+            "# UNIT vramguard_process_device_memory_bytes bytes",
+        ] {
+            assert!(text.contains(&format!("{line}\n")), "missing `{line}` in:\n{text}");
+        }
+        assert!(
+            text.contains("vramguard_exporter_sample_duration_seconds_count{source=\"nvml\"} 1\n"),
+            "{text}"
+        );
+
+        // Blender exits: its series is gone at the next sample, nothing stale remains.
+        fixed.lock().unwrap().processes.retain(|p| p.pid != 404);
+        sampler.sample();
+        let text = crate::metrics::encode(&registry);
+        assert!(!text.contains("pid=\"404\""), "{text}");
+        assert!(text.contains("pid=\"101\""));
+        assert_eq!(store.latest().generation, 2);
+        assert_eq!(store.latest().snapshot.processes.len(), 3);
+    }
+
+    #[test]
+    fn headroom_counts_free_memory_plus_idle_arena_bytes() {
+        let fixed = Arc::new(std::sync::Mutex::new(Reading {
+            devices: BTreeMap::from([(
+                "gpu0".to_string(),
+                DeviceMemory {
+                    kind: "nvml",
+                    total_bytes: 1000,
+                    used_bytes: 1200,
+                },
+            )]),
+            ..Reading::default()
+        }));
+        let (metrics, _registry) = Metrics::new("x");
+        let store = Arc::new(SnapshotStore::default());
+        let mut sampler = Sampler::new(
+            vec![Box::new(Fake(fixed))],
+            Vec::new(),
+            0,
+            Arc::new(metrics),
+            store.clone(),
+        );
+        sampler.sample();
+        let device = store.latest().snapshot.devices["gpu0"].clone();
+        // A driver reading above capacity is clamped, never an underflow.
+        assert_eq!(
+            (device.used_bytes, device.free_bytes, device.headroom_bytes),
+            (1000, 0, 0)
+        );
+    }
+
+    #[test]
+    fn a_failing_source_is_counted_and_the_rest_still_sampled() {
+        struct Broken;
+        impl MemorySource for Broken {
+            fn label(&self) -> &'static str {
+                "nvml"
+            }
+            fn sample(&mut self, _: &mut Reading) -> Result<(), String> {
+                Err("GPU is lost".into())
+            }
+        }
+        let (metrics, registry) = Metrics::new("x");
+        let store = Arc::new(SnapshotStore::default());
+        let mut sampler = Sampler::new(
+            vec![Box::new(Broken), Box::new(crate::device::host::HostSource)],
+            Vec::new(),
+            0,
+            Arc::new(metrics),
+            store.clone(),
+        );
+        sampler.sample();
+        assert!(store.latest().snapshot.host.mem_total_bytes > 0);
+        let text = crate::metrics::encode(&registry);
+        assert!(
+            text.contains("vramguard_exporter_errors_total{source=\"nvml\"} 1\n"),
+            "{text}"
+        );
+    }
+}
