@@ -66,7 +66,7 @@ alert-tests:
 	promtool test rules alerts/tests/*.yaml
 
 bench: deps
-	$(CARGO) bench --bench overhead
+	$(CARGO) bench
 
 clean-deps:
 	rm -rf .deps

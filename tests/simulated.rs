@@ -183,6 +183,23 @@ async fn the_live_exposition_passes_promtool_and_negotiates_openmetrics() {
     ] {
         assert!(text.contains(name), "{name} missing from:\n{text}");
     }
+    // Every metric the shipped alert rules use must be exported (a renamed metric would silently
+    // disable an alert otherwise).
+    let metric_name = regex::Regex::new(r"vramguard_[a-z_]+").unwrap();
+    for entry in std::fs::read_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/alerts")).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_some_and(|e| e == "yaml") {
+            let rules = std::fs::read_to_string(&path).unwrap();
+            for name in metric_name.find_iter(&rules) {
+                assert!(
+                    text.contains(&format!("\n{}", name.as_str())),
+                    "{} uses {}, which is not exported",
+                    path.display(),
+                    name.as_str()
+                );
+            }
+        }
+    }
     let mut promtool = std::process::Command::new("promtool")
         .args(["check", "metrics"])
         .stdin(std::process::Stdio::piped())

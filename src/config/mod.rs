@@ -966,6 +966,8 @@ pools:
         assert_eq!(cfg.server.admin_token_env.as_deref(), Some("VRAMGUARD_ADMIN_TOKEN"));
         let providers: Vec<&str> = cfg.pools.iter().map(|p| p.provider.label()).collect();
         assert_eq!(providers, ["cuda", "simulated", "cpu"]);
+        assert_eq!(cfg.exporter.services.len(), 3);
+        assert_eq!(cfg.exporter.sample_interval, Duration::from_secs(1));
         assert_eq!(
             cfg.models[0].context,
             Some(ContextAxis {
