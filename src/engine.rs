@@ -15,6 +15,7 @@ use crate::device::nvml::NvmlSource;
 use crate::device::simulated::{SimulatedDevice, SimulatedSource};
 use crate::exporter::{LiveCollector, Sampler, SnapshotStore};
 use crate::metrics::Metrics;
+use crate::estimate::{self, MemoryProfile, ProfileSource};
 use crate::model;
 use crate::onnx::{self, ModelSignature, OnnxRuntime, OrtBackend, RuntimeError, SessionOptions};
 use crate::pool::{Backend, Pool, PoolContext};
@@ -26,6 +27,38 @@ pub struct ModelEntry {
     pub config: ModelConfig,
     /// Inputs and outputs.
     pub signature: ModelSignature,
+    /// What its runs need, for request estimates.
+    pub profile: MemoryProfile,
+}
+
+impl ModelEntry {
+    /// Context length and batch of a request's inputs: the context axis' length (0 without
+    /// one) and the first axis of the context input (or of the first input).
+    pub fn shape_of(&self, inputs: &[crate::tensor::Tensor]) -> (u64, u64) {
+        let dim = |name: &str, axis: usize| {
+            inputs
+                .iter()
+                .find(|t| t.name == name)
+                .and_then(|t| t.shape.get(axis))
+                .map_or(0, |d| (*d).max(0) as u64)
+        };
+        match &self.config.context {
+            Some(ctx) => {
+                let batch = if ctx.axis == 0 { 1 } else { dim(&ctx.input, 0) };
+                (dim(&ctx.input, ctx.axis), batch.max(1))
+            }
+            None => {
+                let first = self.signature.inputs.first().map(|s| s.name.as_str()).unwrap_or("");
+                (0, dim(first, 0).max(1))
+            }
+        }
+    }
+
+    /// The estimate for a request's inputs.
+    pub fn estimate(&self, inputs: &[crate::tensor::Tensor]) -> crate::snapshot::Estimate {
+        let (tokens, batch) = self.shape_of(inputs);
+        self.profile.estimate(tokens, batch)
+    }
 }
 
 /// Why the service could not start.
@@ -216,7 +249,7 @@ fn load_models(rt: &OnnxRuntime, config: &Config) -> Result<Vec<ModelEntry>, Con
     for (i, m) in config.models.iter().enumerate() {
         let bytes = model::load_bytes(&m.source).map_err(|e| invalid(format!("models[{i}].path"), e))?;
         // A CPU session reads the signature even when every accelerator pool is unavailable.
-        let session = onnx::build_session(rt, &bytes, &probe_options).map_err(|e| {
+        let mut session = onnx::build_session(rt, &bytes, &probe_options).map_err(|e| {
             invalid(
                 format!("models[{i}].path"),
                 format!("ONNX Runtime cannot load `{}`: {e}", m.source),
@@ -266,9 +299,58 @@ fn load_models(rt: &OnnxRuntime, config: &Config) -> Result<Vec<ModelEntry>, Con
                 ));
             }
         }
+        let profile = match &m.profile {
+            Some(p) => MemoryProfile {
+                weights_bytes: p.weights_bytes.unwrap_or(bytes.len() as u64),
+                workspace_bytes: p.workspace_bytes as f64,
+                per_token_bytes: p.per_token_bytes,
+                per_token_squared_bytes: p.per_token_squared_bytes,
+                source: ProfileSource::Config,
+            },
+            None => {
+                let info = ort::memory::MemoryInfo::new(
+                    ort::memory::AllocationDevice::CPU,
+                    0,
+                    ort::memory::AllocatorType::Arena,
+                    ort::memory::MemoryType::Default,
+                );
+                match info.and_then(|info| ort::memory::Allocator::new(&session, info)) {
+                    Ok(allocator) => estimate::measure(
+                        &mut session,
+                        &allocator,
+                        &signature,
+                        m.context.as_ref(),
+                        bytes.len() as u64,
+                    ),
+                    Err(e) => MemoryProfile {
+                        weights_bytes: bytes.len() as u64,
+                        workspace_bytes: 0.0,
+                        per_token_bytes: 0.0,
+                        per_token_squared_bytes: 0.0,
+                        source: ProfileSource::Unmeasured { reason: e.to_string() },
+                    },
+                }
+            }
+        };
+        match &profile.source {
+            ProfileSource::Unmeasured { reason } => tracing::warn!(
+                model = %m.name,
+                %reason,
+                "memory profile not measured; estimates count weights only (set models[].memory_profile)"
+            ),
+            _ => tracing::info!(
+                model = %m.name,
+                weights_bytes = profile.weights_bytes,
+                workspace_bytes = profile.workspace_bytes,
+                per_token_bytes = profile.per_token_bytes,
+                per_token_squared_bytes = profile.per_token_squared_bytes,
+                "memory profile"
+            ),
+        }
         entries.push(ModelEntry {
             config: m.clone(),
             signature,
+            profile,
         });
     }
     Ok(entries)

@@ -12,6 +12,7 @@ pub mod clock;
 pub mod config;
 pub mod device;
 pub mod engine;
+pub mod estimate;
 pub mod exporter;
 pub mod http;
 pub mod logging;

@@ -150,6 +150,21 @@ impl TensorData {
         self.len() == 0
     }
 
+    /// `len` zeros (false for BOOL) of `dtype`.
+    pub fn zeros(dtype: DataType, len: usize) -> TensorData {
+        match dtype {
+            DataType::Bool => TensorData::Bool(vec![false; len]),
+            DataType::Uint8 => TensorData::Uint8(vec![0; len]),
+            DataType::Int8 => TensorData::Int8(vec![0; len]),
+            DataType::Int16 => TensorData::Int16(vec![0; len]),
+            DataType::Int32 => TensorData::Int32(vec![0; len]),
+            DataType::Int64 => TensorData::Int64(vec![0; len]),
+            DataType::Fp16 => TensorData::Fp16(vec![f16::ZERO; len]),
+            DataType::Fp32 => TensorData::Fp32(vec![0.0; len]),
+            DataType::Fp64 => TensorData::Fp64(vec![0.0; len]),
+        }
+    }
+
     /// Decode JSON `data` (flat or nested arrays) as `dtype`.
     pub fn from_json(dtype: DataType, json: &str) -> Result<TensorData, String> {
         fn parse<T: Element>(json: &str) -> Result<Vec<T>, String> {

@@ -181,6 +181,27 @@ pub struct RawModel {
     /// The axis whose length is the context length, if the model has one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub context: Option<RawContext>,
+    /// Memory profile; when absent it is measured at start-up.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory_profile: Option<RawProfile>,
+}
+
+/// `models[].memory_profile:` bytes = weights + workspace + batch × (per_token·n + per_token_squared·n²)
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawProfile {
+    /// Resident weights; measured at load when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub weights: Option<ByteSize>,
+    /// Fixed bytes per run.
+    #[serde(default)]
+    pub workspace: ByteSize,
+    /// Bytes per context token per batch item (per batch item without a context axis).
+    #[serde(default)]
+    pub per_token_bytes: f64,
+    /// Bytes per squared context token per batch item.
+    #[serde(default)]
+    pub per_token_squared_bytes: f64,
 }
 
 /// `models[].context:`
@@ -402,6 +423,21 @@ pub struct ModelConfig {
     pub source: ModelSource,
     /// The context axis, if the model has one.
     pub context: Option<ContextAxis>,
+    /// A configured memory profile (measured at start-up otherwise).
+    pub profile: Option<ConfiguredProfile>,
+}
+
+/// A memory profile from the config.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ConfiguredProfile {
+    /// Resident weights, if given.
+    pub weights_bytes: Option<u64>,
+    /// Fixed bytes per run.
+    pub workspace_bytes: u64,
+    /// Bytes per token (per batch item).
+    pub per_token_bytes: f64,
+    /// Bytes per squared token (per batch item).
+    pub per_token_squared_bytes: f64,
 }
 
 /// Where a model's bytes come from.
@@ -732,10 +768,33 @@ impl RawConfig {
                     },
                 }),
             };
+            let profile = match &m.memory_profile {
+                None => None,
+                Some(p) => {
+                    for (field, v) in [
+                        ("per_token_bytes", p.per_token_bytes),
+                        ("per_token_squared_bytes", p.per_token_squared_bytes),
+                    ] {
+                        if !v.is_finite() || v < 0.0 {
+                            return Err(c.err(
+                                format!("{key}.memory_profile.{field}"),
+                                format!("expected a non-negative number of bytes, got {v}"),
+                            ));
+                        }
+                    }
+                    Some(ConfiguredProfile {
+                        weights_bytes: p.weights.map(ByteSize::bytes),
+                        workspace_bytes: p.workspace.bytes(),
+                        per_token_bytes: p.per_token_bytes,
+                        per_token_squared_bytes: p.per_token_squared_bytes,
+                    })
+                }
+            };
             models.push(ModelConfig {
                 name: m.name.clone(),
                 source,
                 context,
+                profile,
             });
         }
 

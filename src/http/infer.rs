@@ -336,17 +336,20 @@ mod tests {
                 name: "x".into(),
                 datatype: DataType::Fp32,
                 shape: vec![-1, 2],
+                symbols: vec![],
             }],
             outputs: vec![
                 TensorSpec {
                     name: "y".into(),
                     datatype: DataType::Fp32,
                     shape: vec![-1, 2],
+                    symbols: vec![],
                 },
                 TensorSpec {
                     name: "z".into(),
                     datatype: DataType::Int64,
                     shape: vec![-1],
+                    symbols: vec![],
                 },
             ],
         }

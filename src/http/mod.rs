@@ -246,7 +246,8 @@ async fn model_metadata(
         "platform": "onnxruntime_onnx",
         "inputs": tensors(&entry.signature.inputs),
         "outputs": tensors(&entry.signature.outputs),
-        "parameters": {"source": entry.config.source.to_string(), "context": context, "pools": pools},
+        "parameters": {"source": entry.config.source.to_string(), "context": context, "pools": pools,
+                       "memory_profile": entry.profile},
     })))
 }
 

@@ -271,6 +271,8 @@ pub struct TensorSpec {
     pub datatype: DataType,
     /// Dimensions, `-1` where dynamic.
     pub shape: Vec<i64>,
+    /// Symbolic names of the dimensions (empty where the model gives none).
+    pub symbols: Vec<String>,
 }
 
 /// A model's signature, read from its session.
@@ -299,10 +301,15 @@ fn datatype_of(t: TensorElementType) -> Option<DataType> {
 
 fn spec(name: &str, ty: &ValueType) -> Result<TensorSpec, String> {
     match ty {
-        ValueType::Tensor { ty, shape, .. } => Ok(TensorSpec {
+        ValueType::Tensor {
+            ty,
+            shape,
+            dimension_symbols,
+        } => Ok(TensorSpec {
             name: name.to_string(),
             datatype: datatype_of(*ty).ok_or_else(|| format!("`{name}` has unsupported element type {ty:?}"))?,
             shape: shape.iter().copied().collect(),
+            symbols: dimension_symbols.iter().map(|s| s.to_string()).collect(),
         }),
         other => Err(format!("`{name}` is not a tensor ({other:?})")),
     }
