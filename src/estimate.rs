@@ -96,7 +96,11 @@ pub fn measure(
             .filter(|sym| !sym.is_empty())
             .cloned()
     });
-    let xs: &[u64] = if context.is_some() { &MEASURE_TOKENS } else { &MEASURE_BATCHES };
+    let xs: &[u64] = if context.is_some() {
+        &MEASURE_TOKENS
+    } else {
+        &MEASURE_BATCHES
+    };
     let mut points = Vec::new();
     for &x in xs {
         let inputs = signature
@@ -109,7 +113,9 @@ pub fn measure(
                     .enumerate()
                     .map(|(axis, &dim)| {
                         let is_context = context.is_some_and(|c| c.input == spec.name && c.axis == axis)
-                            || context_symbol.as_ref().is_some_and(|sym| spec.symbols.get(axis) == Some(sym));
+                            || context_symbol
+                                .as_ref()
+                                .is_some_and(|sym| spec.symbols.get(axis) == Some(sym));
                         match (dim, is_context) {
                             (_, true) => x as i64,
                             (-1, false) if context.is_none() && axis == 0 => x as i64,
@@ -137,7 +143,9 @@ pub fn measure(
                 },
             };
         }
-        let peak = arena::allocator_stats(allocator).map(|s| s.peak_active_bytes).unwrap_or(0);
+        let peak = arena::allocator_stats(allocator)
+            .map(|s| s.peak_active_bytes)
+            .unwrap_or(0);
         points.push((x, peak.saturating_sub(baseline)));
     }
     let (a, b, c) = fit(&points, context.is_some());
@@ -201,11 +209,12 @@ fn solve_least_squares(xs: &[f64], ys: &[f64], terms: usize) -> Option<Vec<f64>>
             return None;
         }
         m.swap(col, pivot);
-        for r in 0..terms {
+        let pivot_row = m[col].clone();
+        for (r, row) in m.iter_mut().enumerate() {
             if r != col {
-                let factor = m[r][col] / m[col][col];
-                for c in col..=terms {
-                    m[r][c] -= factor * m[col][c];
+                let factor = row[col] / pivot_row[col];
+                for (value, p) in row.iter_mut().zip(&pivot_row).skip(col) {
+                    *value -= factor * p;
                 }
             }
         }
@@ -224,7 +233,10 @@ mod tests {
             .map(|&n| (n, 4096 + 512 * n + 16 * n * n))
             .collect();
         let (a, b, c) = fit(&points, true);
-        assert!((a - 4096.0).abs() < 1.0 && (b - 512.0).abs() < 0.01 && (c - 16.0).abs() < 1e-4, "{a} {b} {c}");
+        assert!(
+            (a - 4096.0).abs() < 1.0 && (b - 512.0).abs() < 0.01 && (c - 16.0).abs() < 1e-4,
+            "{a} {b} {c}"
+        );
     }
 
     #[test]

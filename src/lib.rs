@@ -20,5 +20,6 @@ pub mod metrics;
 pub mod model;
 pub mod onnx;
 pub mod pool;
+pub mod router;
 pub mod snapshot;
 pub mod tensor;

@@ -1,12 +1,13 @@
 //! The `vramguard` binary: config commands, refusal of bad configs before binding, and graceful
 //! shutdown on SIGTERM.
 
-use std::io::{BufRead, BufReader};
+mod common;
+
 use std::path::PathBuf;
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
-use serde_json::{Value, json};
+use serde_json::Value;
 
 const BIN: &str = env!("CARGO_BIN_EXE_vramguard");
 
@@ -81,18 +82,6 @@ fn serve_refuses_a_bad_config_before_binding() {
     assert!(stderr.contains("server: unknown field `listne`"), "{stderr}");
 }
 
-fn encoder_body(seq: usize) -> (String, Vec<u8>) {
-    let header = json!({
-        "inputs": [{"name": "input", "shape": [1, seq, 64], "datatype": "FP32",
-                    "parameters": {"binary_data_size": seq * 64 * 4}}],
-        "outputs": [{"name": "pooled"}]
-    })
-    .to_string();
-    let mut body = header.clone().into_bytes();
-    body.extend(std::iter::repeat_n(0.01f32.to_le_bytes(), seq * 64).flatten());
-    (header, body)
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_finishes_running_work_answers_queued_work_and_exits_0() {
     let config = temp_file(
@@ -101,26 +90,15 @@ async fn sigterm_finishes_running_work_answers_queued_work_and_exits_0() {
          models: [{name: encoder, path: 'builtin:encoder'}]\n\
          pools: [{name: cpu, provider: cpu, models: [encoder], workers: 1}]\n",
     );
-    let mut child = Command::new(BIN)
-        .args(["--log-format", "json", "serve", "--config"])
-        .arg(&config)
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
-    let addr = loop {
-        let line = lines.next().expect("server exited before serving").unwrap();
-        let log: Value = serde_json::from_str(&line).unwrap_or(Value::Null);
-        if log["message"] == "vramguard serving" {
-            break log["address"].as_str().unwrap().to_string();
-        }
-    };
-    // Keep draining the log so the child never blocks on a full pipe.
-    std::thread::spawn(move || for _ in lines {});
+    let (mut child, addr) = common::spawn_serving(
+        &["serve", "--config", config.to_str().unwrap()],
+        &[],
+        "vramguard serving",
+    );
     let url = |p: &str| format!("http://{addr}{p}");
     let client = reqwest::Client::new();
     let send = |seq: usize| {
-        let (header, body) = encoder_body(seq);
+        let (header, body) = common::encoder_binary_request(seq);
         client
             .post(url("/v2/models/encoder/infer"))
             .header("Inference-Header-Content-Length", header.len())
@@ -173,22 +151,12 @@ async fn sigterm_finishes_running_work_answers_queued_work_and_exits_0() {
 
 #[test]
 fn the_exporter_serves_host_metrics_without_a_gpu_or_onnx_runtime() {
-    let mut child = Command::new(BIN)
-        .args(["--log-format", "json", "exporter", "--listen", "127.0.0.1:0"])
-        // Monitoring mode must not need ONNX Runtime at all.
-        .env("ORT_DYLIB_PATH", "/nonexistent/libonnxruntime.so")
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
-    let addr = loop {
-        let line = lines.next().expect("exporter exited before serving").unwrap();
-        let log: Value = serde_json::from_str(&line).unwrap_or(Value::Null);
-        if log["message"] == "vramguard exporter serving" {
-            break log["address"].as_str().unwrap().to_string();
-        }
-    };
-    std::thread::spawn(move || for _ in lines {});
+    // Monitoring mode must not need ONNX Runtime at all.
+    let (mut child, addr) = common::spawn_serving(
+        &["exporter", "--listen", "127.0.0.1:0"],
+        &[("ORT_DYLIB_PATH", "/nonexistent/libonnxruntime.so")],
+        "vramguard exporter serving",
+    );
     let body = std::process::Command::new("curl")
         .args(["-s", &format!("http://{addr}/metrics")])
         .output()

@@ -16,16 +16,7 @@ pools: [{name: gpu, provider: simulated, device: gpu0, models: [encoder]}]
 
 /// An encoder request of `seq` tokens, sent as binary tensor data.
 async fn encoder(server: &TestServer, seq: usize) -> reqwest::Response {
-    let header = json!({
-        "inputs": [{"name": "input", "shape": [1, seq, 64], "datatype": "FP32",
-                    "parameters": {"binary_data_size": seq * 64 * 4}}],
-        "outputs": [{"name": "pooled"}]
-    })
-    .to_string();
-    let mut body = header.clone().into_bytes();
-    for i in 0..seq * 64 {
-        body.extend_from_slice(&((i % 7) as f32 * 0.01).to_le_bytes());
-    }
+    let (header, body) = common::encoder_binary_request(seq);
     reqwest::Client::new()
         .post(server.url("/v2/models/encoder/infer"))
         .header("Inference-Header-Content-Length", header.len())

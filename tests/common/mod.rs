@@ -88,3 +88,41 @@ pub fn assert_close(got: &[f64], want: &[f64], tol: f64, what: &str) {
 pub fn floats(v: &Value) -> Vec<f64> {
     v.as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect()
 }
+
+/// An encoder request of `seq` tokens as binary tensor data: `(json header, whole body)`.
+pub fn encoder_binary_request(seq: usize) -> (String, Vec<u8>) {
+    let header = serde_json::json!({
+        "inputs": [{"name": "input", "shape": [1, seq, 64], "datatype": "FP32",
+                    "parameters": {"binary_data_size": seq * 64 * 4}}],
+        "outputs": [{"name": "pooled"}]
+    })
+    .to_string();
+    let mut body = header.clone().into_bytes();
+    for i in 0..seq * 64 {
+        body.extend_from_slice(&((i % 7) as f32 * 0.01).to_le_bytes());
+    }
+    (header, body)
+}
+
+/// Run the vramguard binary with JSON logs and wait for the log line `message`; returns the
+/// child and the `address` it logged. The log keeps being drained so the child never blocks.
+pub fn spawn_serving(args: &[&str], env: &[(&str, &str)], message: &str) -> (std::process::Child, String) {
+    use std::io::BufRead;
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_vramguard"))
+        .args(["--log-format", "json"])
+        .args(args)
+        .envs(env.iter().copied())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = std::io::BufReader::new(child.stderr.take().unwrap()).lines();
+    let addr = loop {
+        let line = lines.next().expect("vramguard exited before serving").unwrap();
+        let log: Value = serde_json::from_str(&line).unwrap_or(Value::Null);
+        if log["message"] == message {
+            break log["address"].as_str().unwrap().to_string();
+        }
+    };
+    std::thread::spawn(move || for _ in lines {});
+    (child, addr)
+}

@@ -1,0 +1,235 @@
+//! Turning a policy [`Decision`] into what the request path does: which pool runs the request,
+//! whether its context is cut first, how long to wait before asking again, or why it is refused.
+//! Pure: plain data in, a [`Plan`] out, tested without pools, sockets or sleeps.
+
+use std::time::Duration;
+
+use crate::snapshot::{Decision, RequestInfo};
+
+/// What the router knows about one pool when planning.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PoolView<'a> {
+    /// Name.
+    pub name: &'a str,
+    /// Serves the request's model.
+    pub serves: bool,
+    /// Can take work now; otherwise why not.
+    pub ready: Result<(), String>,
+}
+
+/// How the request proceeds.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Plan {
+    /// Queue it on `pool`, after cutting the context axis to `shrink_to` tokens if set.
+    Run {
+        /// Target pool.
+        pool: String,
+        /// New context length.
+        shrink_to: Option<u64>,
+    },
+    /// Wait this long without holding a worker, then decide again.
+    Wait(Duration),
+    /// Answer 429 + `Retry-After`: deferring longer would pass the pool's max wait.
+    DeferredTooLong {
+        /// Total deferral it would have reached.
+        total: Duration,
+        /// The bound.
+        bound: Duration,
+    },
+    /// Answer 503 + `Retry-After` with this reason.
+    Refuse(String),
+    /// The decision cannot be carried out as written (unknown pool, zero tokens): the
+    /// configured fallback applies and it counts as a `bad_return` policy error.
+    Invalid(String),
+}
+
+/// Plan `decision` for `req`. `deferred` is how long this request already waited on `defer`
+/// decisions; `max_defer` bounds the total.
+pub fn plan(
+    decision: &Decision,
+    req: &RequestInfo,
+    has_context_axis: bool,
+    pools: &[PoolView<'_>],
+    deferred: Duration,
+    max_defer: Duration,
+) -> Plan {
+    let target = |name: &str| -> Plan {
+        match pools.iter().find(|p| p.name == name) {
+            None => Plan::Invalid(format!("the policy chose pool `{name}`, which does not exist")),
+            Some(p) if !p.serves => Plan::Invalid(format!(
+                "the policy chose pool `{name}`, which does not serve model `{}`",
+                req.model
+            )),
+            Some(p) => match &p.ready {
+                Ok(()) => Plan::Run {
+                    pool: name.to_string(),
+                    shrink_to: None,
+                },
+                Err(why) => Plan::Refuse(format!("pool `{name}` cannot take work: {why}")),
+            },
+        }
+    };
+    match decision {
+        Decision::Admit { pool: None } => target(&req.pool),
+        Decision::Admit { pool: Some(pool) } | Decision::Redirect { pool } => target(pool),
+        Decision::ShrinkContext { tokens } => {
+            if !has_context_axis {
+                return Plan::Refuse(format!(
+                    "the policy asked to shrink the context, but model `{}` has no context axis",
+                    req.model
+                ));
+            }
+            if *tokens == 0 {
+                return Plan::Invalid("shrink_context(0) would leave no context".into());
+            }
+            match target(&req.pool) {
+                Plan::Run { pool, .. } => Plan::Run {
+                    pool,
+                    shrink_to: (*tokens < req.context_tokens).then_some(*tokens),
+                },
+                other => other,
+            }
+        }
+        Decision::Defer { ms } => {
+            let total = deferred + Duration::from_millis(*ms);
+            if total > max_defer {
+                Plan::DeferredTooLong {
+                    total,
+                    bound: max_defer,
+                }
+            } else {
+                Plan::Wait(Duration::from_millis((*ms).max(1)))
+            }
+        }
+        Decision::Reject { reason } => Plan::Refuse(format!("rejected by policy: {reason}")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn req() -> RequestInfo {
+        RequestInfo {
+            model: "encoder".into(),
+            pool: "gpu".into(),
+            context_tokens: 1000,
+            ..RequestInfo::default()
+        }
+    }
+
+    fn pools() -> Vec<PoolView<'static>> {
+        vec![
+            PoolView {
+                name: "gpu",
+                serves: true,
+                ready: Ok(()),
+            },
+            PoolView {
+                name: "cpu",
+                serves: true,
+                ready: Ok(()),
+            },
+            PoolView {
+                name: "other",
+                serves: false,
+                ready: Ok(()),
+            },
+            PoolView {
+                name: "down",
+                serves: true,
+                ready: Err("no NVIDIA driver".into()),
+            },
+        ]
+    }
+
+    fn run(pool: &str, shrink_to: Option<u64>) -> Plan {
+        Plan::Run {
+            pool: pool.into(),
+            shrink_to,
+        }
+    }
+
+    fn p(decision: Decision) -> Plan {
+        plan(
+            &decision,
+            &req(),
+            true,
+            &pools(),
+            Duration::ZERO,
+            Duration::from_secs(1),
+        )
+    }
+
+    #[test]
+    fn admit_and_redirect_pick_their_pool() {
+        assert_eq!(p(Decision::Admit { pool: None }), run("gpu", None));
+        assert_eq!(
+            p(Decision::Admit {
+                pool: Some("cpu".into())
+            }),
+            run("cpu", None)
+        );
+        assert_eq!(p(Decision::Redirect { pool: "cpu".into() }), run("cpu", None));
+    }
+
+    #[test]
+    fn impossible_targets_are_invalid_and_unready_ones_refused() {
+        assert!(
+            matches!(p(Decision::Redirect { pool: "nope".into() }), Plan::Invalid(m) if m.contains("does not exist"))
+        );
+        assert!(
+            matches!(p(Decision::Redirect { pool: "other".into() }), Plan::Invalid(m) if m.contains("does not serve"))
+        );
+        assert_eq!(
+            p(Decision::Redirect { pool: "down".into() }),
+            Plan::Refuse("pool `down` cannot take work: no NVIDIA driver".into())
+        );
+    }
+
+    #[test]
+    fn shrink_cuts_only_when_shorter_and_only_with_a_context_axis() {
+        assert_eq!(p(Decision::ShrinkContext { tokens: 512 }), run("gpu", Some(512)));
+        assert_eq!(p(Decision::ShrinkContext { tokens: 4096 }), run("gpu", None));
+        assert!(matches!(p(Decision::ShrinkContext { tokens: 0 }), Plan::Invalid(_)));
+        let no_axis = plan(
+            &Decision::ShrinkContext { tokens: 10 },
+            &req(),
+            false,
+            &pools(),
+            Duration::ZERO,
+            Duration::from_secs(1),
+        );
+        assert!(matches!(no_axis, Plan::Refuse(m) if m.contains("has no context axis")));
+    }
+
+    #[test]
+    fn deferral_is_bounded_in_total() {
+        assert_eq!(p(Decision::Defer { ms: 250 }), Plan::Wait(Duration::from_millis(250)));
+        let later = plan(
+            &Decision::Defer { ms: 250 },
+            &req(),
+            true,
+            &pools(),
+            Duration::from_millis(900),
+            Duration::from_secs(1),
+        );
+        assert_eq!(
+            later,
+            Plan::DeferredTooLong {
+                total: Duration::from_millis(1150),
+                bound: Duration::from_secs(1)
+            }
+        );
+    }
+
+    #[test]
+    fn reject_carries_the_reason() {
+        assert_eq!(
+            p(Decision::Reject {
+                reason: "host memory low".into()
+            }),
+            Plan::Refuse("rejected by policy: host memory low".into())
+        );
+    }
+}
