@@ -16,6 +16,7 @@ use axum::extract::{ConnectInfo, DefaultBodyLimit, Path, State};
 use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
+use axum::serve::ListenerExt;
 use axum::{Json, Router};
 use serde_json::{Map, Value, json};
 use tokio::net::TcpListener;
@@ -145,6 +146,12 @@ pub async fn serve(
             Arc::clone(&state.engine.resample),
         ));
     }
+    // Responses are small and latency matters: never let Nagle hold back the last segment.
+    let listener = listener.tap_io(|tcp| {
+        if let Err(e) = tcp.set_nodelay(true) {
+            tracing::debug!(error = %e, "cannot set TCP_NODELAY");
+        }
+    });
     let server = axum::serve(
         listener,
         app(Arc::clone(&state)).into_make_service_with_connect_info::<SocketAddr>(),
