@@ -16,6 +16,7 @@ pub mod logging;
 pub mod metrics;
 pub mod model;
 pub mod onnx;
+pub mod policy;
 pub mod pool;
 pub mod snapshot;
 pub mod tensor;
