@@ -25,7 +25,7 @@ use serde::Deserialize;
 use super::engine::{Evaluation, PolicyEngine, PolicyError, PolicySettings};
 use super::handle::{LoadError, load_engine};
 use super::values::Params;
-use crate::config::{ConfigError, parse_yaml};
+use crate::config::{ConfigError, read_yaml};
 use crate::snapshot::{Decision, RequestInfo, Snapshot};
 
 /// A test-case file.
@@ -83,11 +83,7 @@ impl CaseFile {
     /// Read and check a case file: every case has a name (unique) and an expected decision.
     pub fn load(path: &Path) -> Result<Self, CaseFileError> {
         let file = path.display().to_string();
-        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
-            file: file.clone(),
-            source,
-        })?;
-        let parsed: CaseFile = parse_yaml(&text, &file)?;
+        let parsed: CaseFile = read_yaml(path)?;
         let invalid = |message: String| CaseFileError::Invalid {
             file: file.clone(),
             message,

@@ -15,7 +15,7 @@ use super::cases::{self, Case, CaseResult};
 use super::engine::PolicySettings;
 use super::handle::load_engine;
 use crate::cli::EXIT_CONFIG;
-use crate::config::parse_yaml;
+use crate::config::read_yaml;
 use crate::snapshot::Decision;
 
 /// Evaluations timed by `policy eval`; it reports their median, since a single cold run mostly
@@ -133,13 +133,10 @@ pub fn eval(file: &Path, input: &Path, json: bool) -> ExitCode {
 
 /// [`eval`] writing the report to `out` and load errors to `err`.
 pub fn eval_to(file: &Path, input: &Path, json: bool, out: &mut dyn Write, err: &mut dyn Write) -> ExitCode {
-    let case = match std::fs::read_to_string(input)
-        .map_err(|e| format!("{}: cannot read: {e}", input.display()))
-        .and_then(|text| parse_yaml::<Case>(&text, &input.display().to_string()).map_err(|e| e.to_string()))
-    {
+    let case: Case = match read_yaml(input) {
         Ok(case) => case,
-        Err(message) => {
-            let _ = writeln!(err, "error: {message}");
+        Err(error) => {
+            let _ = writeln!(err, "error: {error}");
             return ExitCode::from(EXIT_CONFIG);
         }
     };

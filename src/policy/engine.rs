@@ -205,7 +205,8 @@ impl PolicyEngine {
         self.evaluate(Instant::now(), req, view)
     }
 
-    fn evaluate(&self, started: Instant, req: &RequestInfo, view: &StateView) -> Evaluation {
+    /// Evaluate, timing from `started` (callers that prepared the view count that in too).
+    pub(super) fn evaluate(&self, started: Instant, req: &RequestInfo, view: &StateView) -> Evaluation {
         // Rhai reports errors as values, but a panic inside it must still not take the request
         // down with it: the engine and AST are only read here, so unwinding leaves them intact.
         let outcome = catch_unwind(AssertUnwindSafe(|| self.run(req, view))).unwrap_or_else(|panic| {
@@ -245,7 +246,7 @@ impl PolicyEngine {
 
     fn to_decision(&self, value: Dynamic, view: &StateView) -> Result<Decision, PolicyError> {
         let value = value.flatten();
-        let Some(decision) = value.clone().try_cast::<Decision>() else {
+        if !value.is::<Decision>() {
             let type_name = sandbox().map_type_name(value.type_name());
             let mut shown = value.to_string();
             if shown.len() > 80 {
@@ -261,7 +262,8 @@ impl PolicyEngine {
                      shrink_context(tokens), redirect(pool) or reject(reason)"
                 ),
             ));
-        };
+        }
+        let decision = value.cast::<Decision>();
         if let Decision::Admit { pool: Some(pool) } | Decision::Redirect { pool } = &decision
             && !view.has_pool(pool)
         {
@@ -367,11 +369,11 @@ fn lint(ast: &AST, source: &str, origin: &str) -> Result<(), PolicyError> {
     let position = source
         .lines()
         .enumerate()
-        .find_map(|(i, line)| {
-            line.find("fn decide")
-                .map(|col| Position::new(i as u16 + 1, col as u16 + 1))
-        })
-        .unwrap_or(Position::NONE);
+        .find_map(|(i, line)| line.find("fn decide").map(|col| (i + 1, col + 1)))
+        .map_or(Position::NONE, |(line, col)| {
+            let clamp = |n: usize| u16::try_from(n).unwrap_or(u16::MAX);
+            Position::new(clamp(line), clamp(col))
+        });
     let message = match arities.first() {
         None => "the script must define `fn decide(req, state)`".to_string(),
         Some(n) => format!("`decide` must take exactly 2 parameters (req, state), it takes {n}"),

@@ -95,7 +95,7 @@ pub struct PolicyHandle {
     reloading: Mutex<()>,
     /// The script's `state` for the latest snapshot seen, keyed by the snapshot's allocation:
     /// while the server hands out the same `Arc<Snapshot>`, the conversion is reused.
-    view: Mutex<Option<(Arc<Snapshot>, StateView)>>,
+    view: Mutex<Option<(Arc<Snapshot>, Arc<StateView>)>>,
 }
 
 impl PolicyHandle {
@@ -129,24 +129,22 @@ impl PolicyHandle {
     pub fn decide(&self, req: &RequestInfo, snapshot: &Arc<Snapshot>) -> Evaluation {
         let started = Instant::now();
         let view = self.view_of(snapshot);
-        let mut evaluation = self.current().engine.decide_view(req, &view);
-        evaluation.duration = started.elapsed();
-        evaluation
+        self.current().engine.evaluate(started, req, &view)
     }
 
-    fn view_of(&self, snapshot: &Arc<Snapshot>) -> StateView {
+    fn view_of(&self, snapshot: &Arc<Snapshot>) -> Arc<StateView> {
         {
             let cached = self.view.lock().unwrap_or_else(PoisonError::into_inner);
             if let Some((seen, view)) = cached.as_ref()
                 && Arc::ptr_eq(seen, snapshot)
             {
-                return view.clone();
+                return Arc::clone(view);
             }
         }
         // Built outside the lock so evaluations against the cached view are not held up. Holding
         // the `Arc` in the cache keeps its address from being reused by a different snapshot.
-        let view = StateView::new(snapshot);
-        *self.view.lock().unwrap_or_else(PoisonError::into_inner) = Some((Arc::clone(snapshot), view.clone()));
+        let view = Arc::new(StateView::new(snapshot));
+        *self.view.lock().unwrap_or_else(PoisonError::into_inner) = Some((Arc::clone(snapshot), Arc::clone(&view)));
         view
     }
 
