@@ -19,6 +19,7 @@ pub mod logging;
 pub mod metrics;
 pub mod model;
 pub mod onnx;
+pub mod policy;
 pub mod pool;
 pub mod router;
 pub mod snapshot;

@@ -62,6 +62,38 @@ pub struct PoolLabels {
     pub pool: String,
 }
 
+/// `{action, pool}`
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct DecisionLabels {
+    /// `admit`, `defer`, `shrink_context`, `redirect` or `reject`.
+    pub action: String,
+    /// The pool the decision sends the request to (the request's pool for defer/reject).
+    pub pool: String,
+}
+
+/// `{kind}`
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct KindLabels {
+    /// Kind of policy failure: `compile`, `runtime`, `limit` or `bad_return`.
+    pub kind: String,
+}
+
+/// `{result}`
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ResultLabels {
+    /// `ok` or `error`.
+    pub result: String,
+}
+
+/// `{path, sha256}`
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PolicyInfoLabels {
+    /// Policy file.
+    pub path: String,
+    /// SHA-256 of the script serving now.
+    pub sha256: String,
+}
+
 /// `{source}`
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct SourceLabels {
@@ -98,6 +130,16 @@ pub struct Metrics {
     pub exporter_sample_duration: Family<SourceLabels, Histogram>,
     /// `vramguard_exporter_errors_total`
     pub exporter_errors: Family<SourceLabels, Counter>,
+    /// `vramguard_policy_decisions_total`
+    pub policy_decisions: Family<DecisionLabels, Counter>,
+    /// `vramguard_policy_eval_duration_seconds`
+    pub policy_eval_duration: Histogram,
+    /// `vramguard_policy_errors_total`
+    pub policy_errors: Family<KindLabels, Counter>,
+    /// `vramguard_policy_reloads_total`
+    pub policy_reloads: Family<ResultLabels, Counter>,
+    /// `vramguard_policy_info` (one series: the script serving now)
+    pub policy_info: Family<PolicyInfoLabels, Gauge>,
 }
 
 fn latency_histogram() -> Histogram {
@@ -122,6 +164,12 @@ impl Metrics {
             queue_wait: Family::new_with_constructor(latency_histogram),
             exporter_sample_duration: Family::new_with_constructor(sample_histogram),
             exporter_errors: Family::default(),
+            policy_decisions: Family::default(),
+            // 0.5µs .. ~2ms: a healthy policy takes microseconds; the tail shows a slow script.
+            policy_eval_duration: Histogram::new(exponential_buckets(0.0000005, 2.0, 13)),
+            policy_errors: Family::default(),
+            policy_reloads: Family::default(),
+            policy_info: Family::default(),
         };
         metrics
             .build_info
@@ -168,6 +216,38 @@ impl Metrics {
             "Failed samples by memory source",
             metrics.exporter_errors.clone(),
         );
+        registry.register(
+            "policy_decisions",
+            "Admission decisions by action and target pool",
+            metrics.policy_decisions.clone(),
+        );
+        registry.register_with_unit(
+            "policy_eval_duration",
+            "Time to evaluate the policy for one request, building its inputs included",
+            Unit::Seconds,
+            metrics.policy_eval_duration.clone(),
+        );
+        registry.register(
+            "policy_errors",
+            "Policy evaluations that fell back (compile, runtime, limit, bad_return)",
+            metrics.policy_errors.clone(),
+        );
+        registry.register(
+            "policy_reloads",
+            "Policy reloads by result (ok, error)",
+            metrics.policy_reloads.clone(),
+        );
+        registry.register(
+            "policy_info",
+            "The policy script serving now (always 1)",
+            metrics.policy_info.clone(),
+        );
+        for kind in ["compile", "runtime", "limit", "bad_return"] {
+            metrics.policy_errors.get_or_create_owned(&KindLabels { kind: kind.into() });
+        }
+        for result in ["ok", "error"] {
+            metrics.policy_reloads.get_or_create_owned(&ResultLabels { result: result.into() });
+        }
         (metrics, registry)
     }
 }

@@ -3,6 +3,7 @@
 //! script's `req`) and the [`Decision`] a policy returns. No behaviour lives here.
 
 use std::collections::BTreeMap;
+use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
@@ -178,6 +179,21 @@ impl Decision {
             Decision::ShrinkContext { .. } => "shrink_context",
             Decision::Redirect { .. } => "redirect",
             Decision::Reject { .. } => "reject",
+        }
+    }
+}
+
+/// Written the way a policy script would produce it: `admit()`, `admit("cpu")`, `defer(50)`,
+/// `shrink_context(256)`, `redirect("cpu")`, `reject("reason")`; used in logs and test reports.
+impl fmt::Display for Decision {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Decision::Admit { pool: None } => f.write_str("admit()"),
+            Decision::Admit { pool: Some(pool) } => write!(f, "admit({pool:?})"),
+            Decision::Defer { ms } => write!(f, "defer({ms})"),
+            Decision::ShrinkContext { tokens } => write!(f, "shrink_context({tokens})"),
+            Decision::Redirect { pool } => write!(f, "redirect({pool:?})"),
+            Decision::Reject { reason } => write!(f, "reject({reason:?})"),
         }
     }
 }

@@ -553,14 +553,9 @@ impl Config {
 
     /// Load and validate a config file for `mode`.
     pub fn load_for(path: &Path, mode: Mode) -> Result<Config, ConfigError> {
-        let file = path.display().to_string();
-        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
-            file: file.clone(),
-            source,
-        })?;
-        let raw: RawConfig = parse_yaml(&text, &file)?;
+        let raw: RawConfig = read_yaml(path)?;
         let base = path.parent().unwrap_or(Path::new("."));
-        raw.validate_for(&file, base, mode)
+        raw.validate_for(&path.display().to_string(), base, mode)
     }
 
     /// The embedded default; on a machine where NVML sees a GPU its accelerator is a CUDA pool.
@@ -599,6 +594,16 @@ pub fn parse_yaml<T: serde::de::DeserializeOwned>(text: &str, file: &str) -> Res
         file: file.to_string(),
         message: e.to_string(),
     })
+}
+
+/// Read a YAML file into `T`; errors name the file (and, for schema errors, the key).
+pub fn read_yaml<T: serde::de::DeserializeOwned>(path: &Path) -> Result<T, ConfigError> {
+    let file = path.display().to_string();
+    let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+        file: file.clone(),
+        source,
+    })?;
+    parse_yaml(&text, &file)
 }
 
 /// Serialize to YAML (used by `config default`).

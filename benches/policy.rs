@@ -1,0 +1,297 @@
+//! Policy evaluation cost: `policies/default.rhai` deciding for one request against a realistic
+//! snapshot (2 devices, 3 pools, 20 processes), building the script's inputs included, versus
+//! the same decision written as a plain Rust function, in one run.
+//!
+//! `cargo bench --bench policy` prints criterion's estimates, then per scenario: criterion's
+//! median, the median and p99 of 100 000 individually timed evaluations, the Rust baseline's
+//! median and the ratio. Scenarios:
+//! - `admit`: the common case (the request fits), through [`PolicyHandle::decide`] with the
+//!   snapshot's script view cached (the request path while the snapshot is unchanged);
+//! - `redirect`: the longest path through the script (no fit, no deferral, no shrink, CPU);
+//! - `admit_fresh_snapshot`: the same admit with the snapshot converted for this call only
+//!   (what every call would cost without the cache, i.e. right after each sampler tick).
+
+use std::collections::BTreeMap;
+use std::hint::black_box;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use criterion::Criterion;
+use vramguard::policy::{Params, PolicyHandle, PolicySettings};
+use vramguard::snapshot::{Decision, DeviceState, Estimate, HostState, PoolState, ProcessState, RequestInfo, Snapshot};
+
+const GIB: u64 = 1 << 30;
+const MIB: u64 = 1 << 20;
+const TIMED_EVALUATIONS: usize = 100_000;
+
+fn params() -> Params {
+    let mut p = Params::new();
+    p.insert("cpu_pool".into(), "cpu".into());
+    p.insert("reserve_bytes".into(), (512 * MIB).into());
+    p.insert("min_context_tokens".into(), 64.into());
+    p.insert("defer_ms".into(), 50.into());
+    p.insert("defer_max_queue".into(), 2.into());
+    p
+}
+
+fn snapshot() -> Snapshot {
+    let device = |used: u64, reserved: u64, active: u64| DeviceState {
+        kind: "nvml".into(),
+        total_bytes: 80 * GIB,
+        used_bytes: used,
+        free_bytes: 80 * GIB - used,
+        reserved_bytes: reserved,
+        active_bytes: active,
+        headroom_bytes: 80 * GIB - used + reserved - active,
+    };
+    let pool = |provider: &str, device: &str, breaker: &str, queue: u64, delay: u64| PoolState {
+        provider: provider.into(),
+        device: device.into(),
+        breaker: breaker.into(),
+        queue_depth: queue,
+        queue_oldest_age_ms: queue * 40,
+        inflight: 1,
+        concurrency: 2,
+        alloc_failures_recent: 0,
+        est_delay_ms: delay,
+        max_context: 0,
+    };
+    let services = ["ollama", "comfyui", "whisper", "vramguard", "other"];
+    Snapshot {
+        devices: BTreeMap::from([
+            ("gpu0".into(), device(70 * GIB, 6 * GIB, 5 * GIB)),
+            ("gpu1".into(), device(40 * GIB, 2 * GIB, GIB)),
+        ]),
+        pools: BTreeMap::from([
+            ("gpu".into(), pool("cuda", "gpu0", "closed", 1, 120)),
+            ("gpu-b".into(), pool("cuda", "gpu1", "closed", 0, 80)),
+            ("cpu".into(), pool("cpu", "host", "closed", 3, 4000)),
+        ]),
+        host: HostState {
+            mem_available_bytes: 48 * GIB,
+            mem_total_bytes: 128 * GIB,
+            reserve_bytes: 8 * GIB,
+        },
+        processes: (0..20u32)
+            .map(|i| ProcessState {
+                pid: 4000 + i,
+                name: format!("worker-{i}"),
+                service: services[i as usize % services.len()].into(),
+                device: if i % 2 == 0 { "gpu0" } else { "gpu1" }.into(),
+                used_bytes: (1 + u64::from(i % 7)) * GIB,
+            })
+            .collect(),
+        degraded: false,
+    }
+}
+
+fn request(context_tokens: u64, context_bytes: u64) -> RequestInfo {
+    RequestInfo {
+        id: "0b6f3c1e-2f4d-4b7a-9a51-6d2c8e0f1a77".into(),
+        model: "encoder".into(),
+        pool: "gpu".into(),
+        context_tokens,
+        max_new_tokens: 0,
+        batch: 1,
+        priority: 0,
+        replayable: true,
+        deadline_ms: 30_000,
+        estimate: Estimate {
+            weights_bytes: 4 * GIB,
+            context_bytes,
+            workspace_bytes: 256 * MIB,
+            total_bytes: 4 * GIB + context_bytes + 256 * MIB,
+        },
+    }
+}
+
+/// Fits the 11 GiB headroom of `gpu0` less its reserve: the admit path.
+fn admit_request() -> RequestInfo {
+    request(4096, 2 * GIB)
+}
+
+/// Needs 20 GiB: more than `gpu0` has even once its in-flight work finishes, and the context
+/// that would fit (51 tokens) is under the 64-token floor, so the script walks every branch
+/// before redirecting to the CPU pool, which has 40 GiB above the host reserve.
+fn redirect_request() -> RequestInfo {
+    request(100, 20 * GIB)
+}
+
+/// `default.rhai`'s decision, written in Rust against the same data: the baseline.
+fn rust_default(
+    req: &RequestInfo,
+    state: &Snapshot,
+    reserve: u64,
+    min_tokens: u64,
+    defer_ms: u64,
+    max_queue: u64,
+) -> Decision {
+    let cpu_can_take = |cpu: &PoolState, need: u64| {
+        cpu.breaker != "open"
+            && need as i128 <= state.host.mem_available_bytes as i128 - state.host.reserve_bytes as i128
+            && (cpu.max_context == 0 || req.context_tokens <= cpu.max_context)
+            && (req.deadline_ms == 0 || cpu.est_delay_ms <= req.deadline_ms)
+    };
+    let Some(pool) = state.pools.get(&req.pool) else {
+        return Decision::Reject {
+            reason: "unknown pool".into(),
+        };
+    };
+    let need = req.estimate.context_bytes + req.estimate.workspace_bytes;
+    if pool.provider == "cpu" {
+        return if cpu_can_take(pool, need) {
+            Decision::Admit { pool: None }
+        } else {
+            Decision::Reject {
+                reason: "the CPU pool cannot take it".into(),
+            }
+        };
+    }
+    let device = &state.devices[&pool.device];
+    let room = device.headroom_bytes as i128 - reserve as i128;
+    if pool.breaker != "open" {
+        if need as i128 <= room && (pool.max_context == 0 || req.context_tokens <= pool.max_context) {
+            return Decision::Admit { pool: None };
+        }
+        if pool.inflight > 0
+            && pool.queue_depth <= max_queue
+            && need as i128 <= room + device.active_bytes as i128
+            && (req.deadline_ms == 0 || defer_ms < req.deadline_ms)
+        {
+            return Decision::Defer { ms: defer_ms };
+        }
+        let n = req.context_tokens as i128;
+        let for_context = room - req.estimate.workspace_bytes as i128;
+        if n > 0 && req.estimate.context_bytes > 0 && for_context > 0 {
+            let mut tokens = for_context * n / req.estimate.context_bytes as i128;
+            if pool.max_context > 0 {
+                tokens = tokens.min(pool.max_context as i128);
+            }
+            if tokens < n && tokens >= min_tokens as i128 {
+                return Decision::ShrinkContext { tokens: tokens as u64 };
+            }
+        }
+    }
+    match state.pools.get("cpu") {
+        Some(cpu) if cpu_can_take(cpu, need) => Decision::Redirect { pool: "cpu".into() },
+        _ => Decision::Reject {
+            reason: format!("needs {need} bytes"),
+        },
+    }
+}
+
+fn percentile(sorted: &[Duration], p: f64) -> Duration {
+    sorted[((sorted.len() - 1) as f64 * p).round() as usize]
+}
+
+/// Median and p99 of individually timed calls (the timer's own cost, ~20 ns, included).
+fn sampled(mut f: impl FnMut()) -> (Duration, Duration) {
+    for _ in 0..1000 {
+        f();
+    }
+    let mut samples = Vec::with_capacity(TIMED_EVALUATIONS);
+    for _ in 0..TIMED_EVALUATIONS {
+        let started = Instant::now();
+        f();
+        samples.push(started.elapsed());
+    }
+    samples.sort();
+    (percentile(&samples, 0.5), percentile(&samples, 0.99))
+}
+
+/// Criterion's median for `policy/<name>`, read back from the estimates it just wrote.
+fn criterion_median(dir: &Path, name: &str) -> Option<Duration> {
+    let text = std::fs::read_to_string(dir.join("policy").join(name).join("new/estimates.json")).ok()?;
+    let value: serde_json::Value = serde_json::from_str(&text).ok()?;
+    let nanos = value.get("median")?.get("point_estimate")?.as_f64()?;
+    Some(Duration::from_secs_f64(nanos / 1e9))
+}
+
+fn micros(d: Duration) -> String {
+    format!("{:.2} µs", d.as_secs_f64() * 1e6)
+}
+
+fn main() {
+    let settings = PolicySettings {
+        fallback: Decision::Reject {
+            reason: "policy failed".into(),
+        },
+        params: params(),
+    };
+    // Loading runs the policy's own test cases, exactly as the server does.
+    let handle = PolicyHandle::load("policies/default.rhai", settings).expect("policies/default.rhai loads");
+    let engine = handle.current().engine.clone();
+    let snapshot = Arc::new(snapshot());
+    let (admit, redirect) = (admit_request(), redirect_request());
+    let baseline = |req: &RequestInfo| rust_default(req, &snapshot, 512 * MIB, 64, 50, 2);
+
+    assert_eq!(
+        handle.decide(&admit, &snapshot).decision,
+        Decision::Admit { pool: None }
+    );
+    assert_eq!(
+        handle.decide(&redirect, &snapshot).decision,
+        Decision::Redirect { pool: "cpu".into() }
+    );
+    assert_eq!(baseline(&admit), handle.decide(&admit, &snapshot).decision);
+    assert_eq!(baseline(&redirect), handle.decide(&redirect, &snapshot).decision);
+    assert!(handle.decide(&admit, &snapshot).error.is_none());
+
+    let output = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("criterion");
+    let mut c = Criterion::default()
+        .output_directory(&output)
+        .warm_up_time(Duration::from_secs(1))
+        .measurement_time(Duration::from_secs(3))
+        .configure_from_args();
+    {
+        let mut group = c.benchmark_group("policy");
+        group.bench_function("admit", |b| {
+            b.iter(|| handle.decide(black_box(&admit), black_box(&snapshot)))
+        });
+        group.bench_function("redirect", |b| {
+            b.iter(|| handle.decide(black_box(&redirect), black_box(&snapshot)))
+        });
+        group.bench_function("admit_fresh_snapshot", |b| {
+            b.iter(|| engine.decide(black_box(&admit), black_box(&snapshot)))
+        });
+        group.bench_function("rust_admit", |b| b.iter(|| baseline(black_box(&admit))));
+        group.bench_function("rust_redirect", |b| b.iter(|| baseline(black_box(&redirect))));
+        group.finish();
+    }
+    c.final_summary();
+
+    println!();
+    println!(
+        "{:<22} {:>16} {:>14} {:>14} {:>16} {:>8}",
+        "scenario", "criterion median", "median", "p99", "rust baseline", "ratio"
+    );
+    let rows: [(&str, &RequestInfo, bool); 3] = [
+        ("admit", &admit, true),
+        ("redirect", &redirect, true),
+        ("admit_fresh_snapshot", &admit, false),
+    ];
+    for (name, req, cached) in rows {
+        let (median, p99) = if cached {
+            sampled(|| {
+                black_box(handle.decide(black_box(req), black_box(&snapshot)));
+            })
+        } else {
+            sampled(|| {
+                black_box(engine.decide(black_box(req), black_box(&snapshot)));
+            })
+        };
+        let (rust_median, _) = sampled(|| {
+            black_box(baseline(black_box(req)));
+        });
+        let criterion = criterion_median(&output, name).map_or("n/a".to_string(), micros);
+        println!(
+            "{name:<22} {criterion:>16} {:>14} {:>14} {:>16} {:>7.0}x",
+            micros(median),
+            micros(p99),
+            micros(rust_median),
+            median.as_secs_f64() / rust_median.as_secs_f64().max(1e-12)
+        );
+    }
+    println!("targets (issue 4): median ≤ 3 µs, p99 ≤ 10 µs for `admit` (inputs included)");
+}

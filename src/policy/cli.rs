@@ -1,0 +1,195 @@
+//! `vramguard policy check|test|eval`. Each command has a `*_to` twin writing to any output, so
+//! tests read exactly what a user would see.
+//!
+//! Exit status: 0 when everything passed; 1 when a test case failed or an evaluation fell back
+//! or did not match; 64 ([`EXIT_CONFIG`]) when a file is unreadable or a script does not compile.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::time::Duration;
+
+use serde::Serialize;
+
+use super::cases::{self, Case, CaseResult};
+use super::engine::PolicySettings;
+use super::handle::load_engine;
+use crate::cli::EXIT_CONFIG;
+use crate::config::read_yaml;
+use crate::snapshot::Decision;
+
+/// Evaluations timed by `policy eval`; it reports their median, since a single cold run mostly
+/// measures cache misses.
+const EVAL_RUNS: usize = 101;
+
+/// Exit status of a command that found failing cases or a mismatched decision.
+const EXIT_FAILED: u8 = 1;
+
+/// `policy check FILE...`: compile and lint each script; errors read `file:line:col: message`.
+pub fn check(files: &[PathBuf]) -> ExitCode {
+    check_to(files, &mut std::io::stdout(), &mut std::io::stderr())
+}
+
+/// [`check`] writing to `out` (one `file: ok` per good script) and `err` (one line per error).
+pub fn check_to(files: &[PathBuf], out: &mut dyn Write, err: &mut dyn Write) -> ExitCode {
+    if files.is_empty() {
+        let _ = writeln!(err, "error: name at least one policy file");
+        return ExitCode::from(EXIT_CONFIG);
+    }
+    let mut failed = false;
+    for file in files {
+        match load_engine(file, &PolicySettings::default()) {
+            Ok(_) => {
+                let _ = writeln!(out, "{}: ok", file.display());
+            }
+            Err(error) => {
+                failed = true;
+                let _ = writeln!(err, "{error}");
+            }
+        }
+    }
+    if failed {
+        ExitCode::from(EXIT_CONFIG)
+    } else {
+        ExitCode::SUCCESS
+    }
+}
+
+/// `policy test [PATH...]`: run the case files (folders expanded; `policies/tests/` by default),
+/// print `PASS file: case` / `FAIL file: case: expected …, got …` and `N passed, N failed`.
+pub fn test(paths: &[PathBuf]) -> ExitCode {
+    test_to(paths, &mut std::io::stdout())
+}
+
+/// [`test`] writing to `out`. A file that cannot be loaded counts as one failure.
+pub fn test_to(paths: &[PathBuf], out: &mut dyn Write) -> ExitCode {
+    let files = match cases::discover(paths) {
+        Ok(files) => files,
+        Err(error) => {
+            let _ = writeln!(out, "FAIL {error}");
+            let _ = writeln!(out, "0 passed, 1 failed");
+            return ExitCode::from(EXIT_FAILED);
+        }
+    };
+    let (mut passed, mut failed) = (0, 0);
+    for file in &files {
+        match cases::run_file(file) {
+            Ok(results) => {
+                for result in results {
+                    if result.passed() {
+                        passed += 1;
+                        let _ = writeln!(out, "PASS {}: {}", file.display(), result.name);
+                    } else {
+                        failed += 1;
+                        let _ = writeln!(out, "FAIL {}: {}: {}", file.display(), result.name, result.describe());
+                    }
+                }
+            }
+            Err(error) => {
+                failed += 1;
+                let _ = writeln!(out, "FAIL {}: {error}", file.display());
+            }
+        }
+    }
+    let _ = writeln!(out, "{passed} passed, {failed} failed");
+    if failed == 0 && passed > 0 {
+        ExitCode::SUCCESS
+    } else {
+        if passed == 0 && failed == 0 {
+            let _ = writeln!(out, "no test cases found");
+        }
+        ExitCode::from(EXIT_FAILED)
+    }
+}
+
+/// What `policy eval` prints, as YAML or JSON.
+#[derive(Debug, Serialize)]
+struct EvalReport {
+    /// The decision (the fallback when `error` is set).
+    decision: Decision,
+    /// `script` or `fallback`.
+    source: &'static str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    error: Option<ErrorReport>,
+    /// Median of [`EVAL_RUNS`] evaluations, in microseconds.
+    eval_time_us: f64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    expected: Option<Decision>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    matched: Option<bool>,
+}
+
+#[derive(Debug, Serialize)]
+struct ErrorReport {
+    kind: &'static str,
+    message: String,
+}
+
+/// `policy eval FILE --input CASE.yaml [--json]`: one dry-run decision with its eval time and,
+/// when the case has `expect`, whether it matched.
+pub fn eval(file: &Path, input: &Path, json: bool) -> ExitCode {
+    eval_to(file, input, json, &mut std::io::stdout(), &mut std::io::stderr())
+}
+
+/// [`eval`] writing the report to `out` and load errors to `err`.
+pub fn eval_to(file: &Path, input: &Path, json: bool, out: &mut dyn Write, err: &mut dyn Write) -> ExitCode {
+    let case: Case = match read_yaml(input) {
+        Ok(case) => case,
+        Err(error) => {
+            let _ = writeln!(err, "error: {error}");
+            return ExitCode::from(EXIT_CONFIG);
+        }
+    };
+    let engine = match load_engine(file, &PolicySettings::default()) {
+        Ok((engine, _)) => engine,
+        Err(error) => {
+            let _ = writeln!(err, "{error}");
+            return ExitCode::from(EXIT_CONFIG);
+        }
+    };
+    let mut results: Vec<CaseResult> = (0..EVAL_RUNS)
+        .map(|_| cases::run_case(&engine, &Default::default(), &case))
+        .collect();
+    let mut times: Vec<Duration> = results
+        .iter()
+        .filter_map(|r| r.outcome.as_ref().ok().map(|e| e.duration))
+        .collect();
+    times.sort();
+    let result = results.swap_remove(0);
+    let evaluation = match &result.outcome {
+        Ok(evaluation) => evaluation,
+        Err(error) => {
+            let _ = writeln!(err, "{error}");
+            return ExitCode::from(EXIT_CONFIG);
+        }
+    };
+    let matched = result.expected.as_ref().map(|_| result.passed());
+    let report = EvalReport {
+        decision: evaluation.decision.clone(),
+        source: if evaluation.used_fallback() {
+            "fallback"
+        } else {
+            "script"
+        },
+        error: evaluation.error.as_ref().map(|e| ErrorReport {
+            kind: e.kind.label(),
+            message: e.to_string(),
+        }),
+        eval_time_us: times.get(times.len() / 2).map_or(0.0, |d| d.as_secs_f64() * 1e6),
+        expected: result.expected.clone(),
+        matched,
+    };
+    let text = if json {
+        serde_json::to_string_pretty(&report)
+            .map(|s| s + "\n")
+            .unwrap_or_default()
+    } else {
+        crate::config::to_yaml(&report)
+    };
+    let _ = out.write_all(text.as_bytes());
+    if evaluation.used_fallback() || matched == Some(false) {
+        ExitCode::from(EXIT_FAILED)
+    } else {
+        ExitCode::SUCCESS
+    }
+}

@@ -1,0 +1,219 @@
+//! [`PolicyHandle`]: the policy the server runs, and hot reload.
+//!
+//! A reload reads the file, compiles it and runs the policy's own test cases (the case files in
+//! `tests/` beside it whose `policy:` is this file) against the new script; only when all of
+//! that succeeds does the new script replace the old one. Otherwise the last good script keeps
+//! serving and the error is kept for `/status`.
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, PoisonError, RwLock};
+use std::time::{Instant, SystemTime};
+
+use sha2::{Digest, Sha256};
+
+use super::cases::{self, CaseFileError};
+use super::engine::{Evaluation, PolicyEngine, PolicyError, PolicySettings};
+use super::values::StateView;
+use crate::snapshot::{RequestInfo, Snapshot};
+
+/// Why a policy could not be (re)loaded.
+#[derive(Debug, thiserror::Error)]
+pub enum LoadError {
+    /// The script file could not be read.
+    #[error("{path}: cannot read: {source}")]
+    Read {
+        /// The file.
+        path: String,
+        /// The I/O error.
+        source: std::io::Error,
+    },
+    /// The script does not compile or fails the lint (`kind` is always `compile`).
+    #[error(transparent)]
+    Compile(#[from] PolicyError),
+    /// A test-case file for this policy could not be read or is malformed.
+    #[error(transparent)]
+    CaseFile(#[from] CaseFileError),
+    /// The script compiled but failed some of its own test cases.
+    #[error("{path}: {failed} of {total} test cases failed, first: {first}")]
+    TestsFailed {
+        /// The script.
+        path: String,
+        /// How many failed.
+        failed: usize,
+        /// How many ran.
+        total: usize,
+        /// The first failure, as `file: case: expected …, got …`.
+        first: String,
+    },
+}
+
+/// Read and compile a policy file; its path is the origin in error messages.
+pub fn load_engine(path: &Path, settings: &PolicySettings) -> Result<(PolicyEngine, String), LoadError> {
+    let source = std::fs::read_to_string(path).map_err(|source| LoadError::Read {
+        path: path.display().to_string(),
+        source,
+    })?;
+    let engine = PolicyEngine::compile(&source, &path.display().to_string(), settings)?;
+    Ok((engine, source))
+}
+
+/// One loaded version of the policy.
+#[derive(Debug)]
+pub struct LoadedPolicy {
+    /// The compiled script.
+    pub engine: PolicyEngine,
+    /// Hex SHA-256 of the script's source (`vramguard_policy_info{sha256}`, `/status`).
+    pub sha256: String,
+    /// When it was loaded.
+    pub loaded_at: SystemTime,
+    /// How many of its test cases ran (and passed) before it was accepted.
+    pub cases: usize,
+}
+
+/// What `/status` shows about the policy.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PolicyStatus {
+    /// The script's path.
+    pub path: PathBuf,
+    /// Hex SHA-256 of the script now serving.
+    pub sha256: String,
+    /// When the script now serving was loaded.
+    pub loaded_at: SystemTime,
+    /// Why the latest reload failed, while the previous script keeps serving; cleared by the
+    /// next successful reload.
+    pub last_error: Option<String>,
+}
+
+/// The policy the server runs: the current script, reloadable while requests are evaluated.
+#[derive(Debug)]
+pub struct PolicyHandle {
+    path: PathBuf,
+    settings: PolicySettings,
+    current: RwLock<Arc<LoadedPolicy>>,
+    last_error: Mutex<Option<String>>,
+    /// Serializes reloads (file watcher and admin endpoint), so the newest file read wins.
+    reloading: Mutex<()>,
+    /// The script's `state` for the latest snapshot seen, keyed by the snapshot's allocation:
+    /// while the server hands out the same `Arc<Snapshot>`, the conversion is reused.
+    view: Mutex<Option<(Arc<Snapshot>, Arc<StateView>)>>,
+}
+
+impl PolicyHandle {
+    /// Load the policy at `path` (compile, then run its test cases); fails like a reload would,
+    /// so a server refuses to start on a script that would be refused on reload.
+    pub fn load(path: impl Into<PathBuf>, settings: PolicySettings) -> Result<Self, LoadError> {
+        let path = path.into();
+        let loaded = prepare(&path, &settings)?;
+        Ok(PolicyHandle {
+            path,
+            settings,
+            current: RwLock::new(Arc::new(loaded)),
+            last_error: Mutex::new(None),
+            reloading: Mutex::new(()),
+            view: Mutex::new(None),
+        })
+    }
+
+    /// The script's path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The version now serving.
+    pub fn current(&self) -> Arc<LoadedPolicy> {
+        Arc::clone(&self.current.read().unwrap_or_else(PoisonError::into_inner))
+    }
+
+    /// Decide for one request with the current script. Pass the same `Arc<Snapshot>` for as long
+    /// as the snapshot is unchanged: the script's view of it is then built only once.
+    pub fn decide(&self, req: &RequestInfo, snapshot: &Arc<Snapshot>) -> Evaluation {
+        let started = Instant::now();
+        let view = self.view_of(snapshot);
+        self.current().engine.evaluate(started, req, &view)
+    }
+
+    fn view_of(&self, snapshot: &Arc<Snapshot>) -> Arc<StateView> {
+        {
+            let cached = self.view.lock().unwrap_or_else(PoisonError::into_inner);
+            if let Some((seen, view)) = cached.as_ref()
+                && Arc::ptr_eq(seen, snapshot)
+            {
+                return Arc::clone(view);
+            }
+        }
+        // Built outside the lock so evaluations against the cached view are not held up. Holding
+        // the `Arc` in the cache keeps its address from being reused by a different snapshot.
+        let view = Arc::new(StateView::new(snapshot));
+        *self.view.lock().unwrap_or_else(PoisonError::into_inner) = Some((Arc::clone(snapshot), Arc::clone(&view)));
+        view
+    }
+
+    /// Read, compile and test the file again; swap it in only if all of that succeeds. On error
+    /// the previous script keeps serving and the error is kept for [`PolicyHandle::status`].
+    /// Count the result as `vramguard_policy_reloads_total{result="ok"|"error"}`.
+    pub fn reload(&self) -> Result<Arc<LoadedPolicy>, LoadError> {
+        let _one_at_a_time = self.reloading.lock().unwrap_or_else(PoisonError::into_inner);
+        match prepare(&self.path, &self.settings) {
+            Ok(loaded) => {
+                let loaded = Arc::new(loaded);
+                *self.current.write().unwrap_or_else(PoisonError::into_inner) = Arc::clone(&loaded);
+                *self.last_error.lock().unwrap_or_else(PoisonError::into_inner) = None;
+                tracing::info!(path = %self.path.display(), sha256 = %loaded.sha256, cases = loaded.cases, "policy reloaded");
+                Ok(loaded)
+            }
+            Err(error) => {
+                tracing::warn!(path = %self.path.display(), %error, "policy reload refused; the previous script keeps serving");
+                *self.last_error.lock().unwrap_or_else(PoisonError::into_inner) = Some(error.to_string());
+                Err(error)
+            }
+        }
+    }
+
+    /// Path, hash and load time of the script now serving, and the last reload error.
+    pub fn status(&self) -> PolicyStatus {
+        let current = self.current();
+        PolicyStatus {
+            path: self.path.clone(),
+            sha256: current.sha256.clone(),
+            loaded_at: current.loaded_at,
+            last_error: self.last_error.lock().unwrap_or_else(PoisonError::into_inner).clone(),
+        }
+    }
+}
+
+/// Everything a script must pass before it serves: read, compile, its own test cases.
+fn prepare(path: &Path, settings: &PolicySettings) -> Result<LoadedPolicy, LoadError> {
+    let (engine, source) = load_engine(path, settings)?;
+    let mut total = 0;
+    let mut failures = Vec::new();
+    for (case_path, file) in cases::files_for_policy(path)? {
+        for result in cases::run_cases(&engine, &file) {
+            total += 1;
+            if !result.passed() {
+                failures.push(format!(
+                    "{}: {}: {}",
+                    case_path.display(),
+                    result.name,
+                    result.describe()
+                ));
+            }
+        }
+    }
+    if total == 0 {
+        tracing::warn!(path = %path.display(), "policy has no test cases in tests/ beside it; loading it untested");
+    }
+    if let Some(first) = failures.first() {
+        return Err(LoadError::TestsFailed {
+            path: path.display().to_string(),
+            failed: failures.len(),
+            total,
+            first: first.clone(),
+        });
+    }
+    Ok(LoadedPolicy {
+        engine,
+        sha256: format!("{:x}", Sha256::digest(source.as_bytes())),
+        loaded_at: SystemTime::now(),
+        cases: total,
+    })
+}

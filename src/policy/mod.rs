@@ -1,0 +1,28 @@
+//! The admission policy: a Rhai script (`policies/*.rhai`) that looks at one request and the
+//! latest [`Snapshot`](crate::snapshot::Snapshot) and returns a
+//! [`Decision`](crate::snapshot::Decision): admit, defer, shrink the context, redirect or reject.
+//!
+//! - [`PolicyEngine`] compiles a script once and evaluates it per request in a sandbox; any
+//!   failure yields the configured fallback decision and a [`PolicyError`] of a known kind.
+//! - [`StateView`] is the script's `state`, converted once per snapshot (see `values.rs` for why
+//!   that matters: it is most of the cost of an evaluation otherwise).
+//! - [`PolicyHandle`] is what the server holds: the current engine, hot reload that refuses a
+//!   script failing to compile or failing its own test cases, and what `/status` shows.
+//! - [`cases`] runs the test cases kept beside the policies (`policies/tests/*.yaml`);
+//!   [`cli`] implements `vramguard policy check|test|eval`.
+
+pub mod cases;
+pub mod cli;
+mod engine;
+mod handle;
+mod values;
+
+pub use engine::{
+    Evaluation, MAX_ARRAY_SIZE, MAX_CALL_DEPTH, MAX_EXPR_DEPTH, MAX_FUNCTIONS, MAX_MAP_SIZE, MAX_OPERATIONS,
+    MAX_STRING_SIZE, MAX_VARIABLES, PolicyEngine, PolicyError, PolicyErrorKind, PolicySettings,
+};
+pub use handle::{LoadError, LoadedPolicy, PolicyHandle, PolicyStatus, load_engine};
+pub use values::{List, Params, StateView, Table};
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,772 @@
+//! Policy engine, hot reload, test-case runner and CLI: plain data in, plain data out; no GPU,
+//! no ONNX Runtime, no sleeps.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use super::*;
+use crate::cli::EXIT_CONFIG;
+use crate::snapshot::{Decision, DeviceState, Estimate, HostState, PoolState, ProcessState, RequestInfo, Snapshot};
+
+const FALLBACK: &str = "policy fallback";
+
+fn settings(params: &[(&str, serde_json::Value)]) -> PolicySettings {
+    PolicySettings {
+        fallback: Decision::Reject {
+            reason: FALLBACK.into(),
+        },
+        params: params.iter().map(|(k, v)| (k.to_string(), v.clone())).collect(),
+    }
+}
+
+fn engine(source: &str) -> PolicyEngine {
+    PolicyEngine::compile(source, "test.rhai", &settings(&[])).expect("compiles")
+}
+
+fn compile_error(source: &str) -> PolicyError {
+    PolicyEngine::compile(source, "test.rhai", &settings(&[])).expect_err("must not compile")
+}
+
+fn request() -> RequestInfo {
+    RequestInfo {
+        id: "req-1".into(),
+        model: "encoder".into(),
+        pool: "gpu".into(),
+        context_tokens: 128,
+        max_new_tokens: 16,
+        batch: 2,
+        priority: -3,
+        replayable: true,
+        deadline_ms: 250,
+        estimate: Estimate {
+            weights_bytes: 1000,
+            context_bytes: 200,
+            workspace_bytes: 30,
+            total_bytes: 1230,
+        },
+    }
+}
+
+fn snapshot() -> Snapshot {
+    Snapshot {
+        devices: BTreeMap::from([(
+            "gpu0".to_string(),
+            DeviceState {
+                kind: "simulated".into(),
+                total_bytes: 512,
+                used_bytes: 300,
+                free_bytes: 212,
+                reserved_bytes: 100,
+                active_bytes: 40,
+                headroom_bytes: 272,
+            },
+        )]),
+        pools: BTreeMap::from([
+            (
+                "gpu".to_string(),
+                PoolState {
+                    provider: "simulated".into(),
+                    device: "gpu0".into(),
+                    breaker: "closed".into(),
+                    queue_depth: 3,
+                    queue_oldest_age_ms: 40,
+                    inflight: 1,
+                    concurrency: 1,
+                    alloc_failures_recent: 2,
+                    est_delay_ms: 90,
+                    max_context: 512,
+                },
+            ),
+            (
+                "cpu".to_string(),
+                PoolState {
+                    provider: "cpu".into(),
+                    device: "host".into(),
+                    breaker: "open".into(),
+                    ..PoolState::default()
+                },
+            ),
+        ]),
+        host: HostState {
+            mem_available_bytes: 7000,
+            mem_total_bytes: 16000,
+            reserve_bytes: 2000,
+        },
+        processes: vec![
+            ProcessState {
+                pid: 11,
+                name: "ollama".into(),
+                service: "llm".into(),
+                device: "gpu0".into(),
+                used_bytes: 100,
+            },
+            ProcessState {
+                pid: 12,
+                name: "python3".into(),
+                service: "other".into(),
+                device: "gpu0".into(),
+                used_bytes: 50,
+            },
+        ],
+        degraded: true,
+    }
+}
+
+fn decide(source: &str) -> Evaluation {
+    engine(source).decide(&request(), &snapshot())
+}
+
+fn assert_fallback(evaluation: &Evaluation, kind: PolicyErrorKind) -> &PolicyError {
+    assert_eq!(
+        evaluation.decision,
+        Decision::Reject {
+            reason: FALLBACK.into()
+        },
+        "the configured fallback is used"
+    );
+    let error = evaluation.error.as_ref().expect("an error is reported");
+    assert_eq!(error.kind, kind, "{error}");
+    error
+}
+
+// ─── decisions ────────────────────────────────────────────────────────────────────────────
+
+#[test]
+fn every_constructor_yields_its_decision() {
+    let cases = [
+        ("admit()", Decision::Admit { pool: None }),
+        (
+            "admit(\"cpu\")",
+            Decision::Admit {
+                pool: Some("cpu".into()),
+            },
+        ),
+        ("defer(25)", Decision::Defer { ms: 25 }),
+        ("defer(12.9)", Decision::Defer { ms: 12 }),
+        ("shrink_context(64)", Decision::ShrinkContext { tokens: 64 }),
+        (
+            "shrink_context(req.context_tokens / 2)",
+            Decision::ShrinkContext { tokens: 64 },
+        ),
+        ("redirect(\"cpu\")", Decision::Redirect { pool: "cpu".into() }),
+        ("reject(\"full\")", Decision::Reject { reason: "full".into() }),
+    ];
+    for (call, expected) in cases {
+        let evaluation = decide(&format!("fn decide(req, state) {{ {call} }}"));
+        assert_eq!(evaluation.error, None, "{call}");
+        assert_eq!(evaluation.decision, expected, "{call}");
+        assert!(!evaluation.used_fallback());
+    }
+}
+
+#[test]
+fn impossible_decision_values_are_bad_returns_at_the_call() {
+    for (call, needle) in [
+        ("defer(-5)", "ms must be ≥ 0, got -5"),
+        ("defer(-0.5)", "ms must be a finite number ≥ 0"),
+        ("shrink_context(-1)", "tokens must be ≥ 0"),
+        ("shrink_context(0)", "tokens must be ≥ 1"),
+        ("redirect(\"\")", "the pool name is empty"),
+        ("admit(\" \")", "the pool name is empty"),
+        ("reject(\"\")", "give the client a reason"),
+    ] {
+        let evaluation = decide(&format!("fn decide(req, state) {{\n    {call}\n}}"));
+        let error = assert_fallback(&evaluation, PolicyErrorKind::BadReturn);
+        assert_eq!(error.location, "test.rhai:2:5", "{call}");
+        assert!(error.message.contains(needle), "{call}: {error}");
+    }
+}
+
+#[test]
+fn a_pool_missing_from_the_snapshot_is_a_bad_return() {
+    for call in ["redirect(\"cpuu\")", "admit(\"gpu2\")"] {
+        let evaluation = decide(&format!("fn decide(req, state) {{ {call} }}"));
+        let error = assert_fallback(&evaluation, PolicyErrorKind::BadReturn);
+        assert!(error.message.contains("unknown pool"), "{error}");
+        assert!(error.message.contains("cpu, gpu"), "lists the known pools: {error}");
+    }
+}
+
+#[test]
+fn returning_something_else_is_a_bad_return() {
+    for (body, shown) in [("42", "i64 `42`"), ("\"admit\"", "string `admit`"), ("()", "()")] {
+        let evaluation = decide(&format!("fn decide(req, state) {{ {body} }}"));
+        let error = assert_fallback(&evaluation, PolicyErrorKind::BadReturn);
+        assert!(error.message.contains(shown), "{error}");
+        assert!(error.message.contains("expected a decision"), "{error}");
+    }
+}
+
+// ─── sandbox limits ───────────────────────────────────────────────────────────────────────
+
+#[test]
+fn an_endless_loop_hits_the_operations_limit() {
+    let evaluation = decide("fn decide(req, state) { loop { } }");
+    let error = assert_fallback(&evaluation, PolicyErrorKind::Limit);
+    assert!(error.message.contains("too many operations"), "{error}");
+}
+
+#[test]
+fn a_huge_string_hits_the_size_limit() {
+    let evaluation = decide("fn decide(req, state) { let s = \"x\"; loop { s += s; } }");
+    let error = assert_fallback(&evaluation, PolicyErrorKind::Limit);
+    assert!(error.message.contains("string"), "{error}");
+}
+
+#[test]
+fn huge_arrays_and_maps_hit_the_size_limits() {
+    let array = decide("fn decide(req, state) { let a = []; for i in 0..2000 { a.push(i); } admit() }");
+    assert_fallback(&array, PolicyErrorKind::Limit);
+    // Rhai checks a map's size when it is combined or passed on, not on each `m[k] = v`.
+    let map =
+        decide("fn decide(req, state) { let m = #{}; for i in 0..300 { m[`k${i}`] = i; } m += #{z: 1}; admit() }");
+    assert_fallback(&map, PolicyErrorKind::Limit);
+}
+
+#[test]
+fn deep_recursion_hits_the_call_depth_limit() {
+    let evaluation = decide("fn down(n) { down(n + 1) }\nfn decide(req, state) { down(0) }");
+    let error = assert_fallback(&evaluation, PolicyErrorKind::Limit);
+    assert!(error.message.contains("call depth"), "{error}");
+}
+
+#[test]
+fn run_time_errors_fall_back_with_the_script_position() {
+    let evaluation = decide("fn decide(req, state) {\n    let x = 1;\n    x / 0\n}");
+    let error = assert_fallback(&evaluation, PolicyErrorKind::Runtime);
+    assert_eq!(error.location, "test.rhai:3:7");
+    assert!(error.message.contains("Division by zero"), "{error}");
+    assert_eq!(error.to_string(), format!("test.rhai:3:7: {}", error.message));
+
+    // Inside a helper, the innermost position is reported.
+    let nested = decide("fn helper(s) {\n  s.pools.gpu.no_such_field\n}\nfn decide(req, state) { helper(state) }");
+    let error = assert_fallback(&nested, PolicyErrorKind::Runtime);
+    assert!(error.location.starts_with("test.rhai:2:"), "{error}");
+    assert!(error.message.contains("no_such_field"), "{error}");
+
+    let thrown = decide("fn decide(req, state) { throw \"no\" }");
+    assert_fallback(&thrown, PolicyErrorKind::Runtime);
+}
+
+#[test]
+fn a_misspelt_property_is_an_error_not_unit() {
+    let evaluation = decide("fn decide(req, state) { if req.estimate.total_byte > 0 { admit() } else { defer(1) } }");
+    let error = assert_fallback(&evaluation, PolicyErrorKind::Runtime);
+    assert!(error.message.contains("total_byte"), "{error}");
+}
+
+// ─── compile-time checks ──────────────────────────────────────────────────────────────────
+
+#[test]
+fn an_undefined_variable_is_a_compile_error() {
+    let error = compile_error("fn decide(req, state) {\n    if reqq.pool == \"gpu\" { admit() } else { defer(1) }\n}");
+    assert_eq!(error.kind, PolicyErrorKind::Compile);
+    assert_eq!(error.location, "test.rhai:2:8");
+    assert!(error.message.contains("reqq"), "{error}");
+}
+
+#[test]
+fn syntax_errors_name_file_line_and_column() {
+    let error = compile_error("fn decide(req, state) {\n    admit(\n}");
+    assert_eq!(error.kind, PolicyErrorKind::Compile);
+    assert!(error.location.starts_with("test.rhai:3:"), "{error}");
+}
+
+#[test]
+fn decide_must_exist_with_two_parameters() {
+    let missing = compile_error("fn choose(req, state) { admit() }");
+    assert_eq!(missing.location, "test.rhai");
+    assert!(
+        missing.message.contains("must define `fn decide(req, state)`"),
+        "{missing}"
+    );
+
+    let wrong = compile_error("// policy\nfn decide(req) { admit() }");
+    assert_eq!(wrong.location, "test.rhai:2:1");
+    assert!(wrong.message.contains("takes 1"), "{wrong}");
+
+    // An extra overload is fine as long as the two-parameter one exists.
+    engine("fn decide(req) { admit() }\nfn decide(req, state) { decide(req) }");
+}
+
+#[test]
+fn eval_and_import_are_not_available() {
+    let eval = compile_error("fn decide(req, state) { eval(\"admit()\") }");
+    assert!(eval.message.contains("eval"), "{eval}");
+    let import = compile_error("import \"other\" as other;\nfn decide(req, state) { admit() }");
+    assert!(import.message.contains("import"), "{import}");
+}
+
+#[test]
+fn print_and_debug_do_not_fail_the_script() {
+    let evaluation = decide("fn decide(req, state) { print(`pool ${req.pool}`); debug(state.pools.gpu); admit() }");
+    assert_eq!(evaluation.error, None);
+}
+
+// ─── inputs ───────────────────────────────────────────────────────────────────────────────
+
+#[test]
+fn req_carries_every_contract_field() {
+    let evaluation = decide(
+        r#"fn decide(req, state) {
+            let e = req.estimate;
+            let ok = req.id == "req-1" && req.model == "encoder" && req.pool == "gpu"
+                && req.context_tokens == 128 && req.max_new_tokens == 16 && req.batch == 2
+                && req.priority == -3 && req.replayable && req.deadline_ms == 250
+                && e.weights_bytes == 1000 && e.context_bytes == 200 && e.workspace_bytes == 30
+                && e.total_bytes == 1230 && req.len() == 10 && e.len() == 4;
+            if ok { admit() } else { reject(`req was ${req}`) }
+        }"#,
+    );
+    assert_eq!(evaluation.error, None);
+    assert_eq!(evaluation.decision, Decision::Admit { pool: None });
+}
+
+#[test]
+fn state_carries_every_contract_field() {
+    let evaluation = decide_with_params(
+        r#"fn decide(req, state) {
+            let d = state.devices["gpu0"];
+            let p = state.pools.gpu;
+            let h = state.host;
+            let devices_ok = d.kind == "simulated" && d.total_bytes == 512 && d.used_bytes == 300
+                && d.free_bytes == 212 && d.reserved_bytes == 100 && d.active_bytes == 40
+                && d.headroom_bytes == 272 && d.len() == 7;
+            let pools_ok = p.provider == "simulated" && p.device == "gpu0" && p.breaker == "closed"
+                && p.queue_depth == 3 && p.queue_oldest_age_ms == 40 && p.inflight == 1
+                && p.concurrency == 1 && p.alloc_failures_recent == 2 && p.est_delay_ms == 90
+                && p.max_context == 512 && p.len() == 10 && state.pools.cpu.breaker == "open";
+            let host_ok = h.mem_available_bytes == 7000 && h.mem_total_bytes == 16000
+                && h.reserve_bytes == 2000;
+            let used = 0;
+            for proc in state.processes { used += proc.used_bytes; }
+            let last = state.processes[-1];
+            let processes_ok = used == 150 && state.processes.len() == 2 && last.pid == 12
+                && last.name == "python3" && last.service == "other" && last.device == "gpu0"
+                && state.processes.to_array().filter(|p| p.service == "llm").len() == 1;
+            let tables_ok = "gpu" in state.pools && !("tpu" in state.pools)
+                && state.pools.keys() == ["cpu", "gpu"] && state.devices.len() == 1
+                && state.pools.get("tpu") == () && state.pools.values().len() == 2;
+            let params_ok = state.params.cpu_pool == "cpu" && state.params.reserve_bytes == 67108864
+                && state.params.defer_ms == 2000 && (state.params.get("missing") ?? true);
+            if devices_ok && pools_ok && host_ok && processes_ok && tables_ok && params_ok && state.degraded {
+                admit()
+            } else {
+                reject(`${devices_ok} ${pools_ok} ${host_ok} ${processes_ok} ${tables_ok} ${params_ok}`)
+            }
+        }"#,
+    );
+    assert_eq!(evaluation.error, None);
+    assert_eq!(evaluation.decision, Decision::Admit { pool: None });
+}
+
+/// Evaluate with params of every kind the config may give: strings, sizes, durations, null.
+fn decide_with_params(source: &str) -> Evaluation {
+    let settings = settings(&[
+        ("cpu_pool", "cpu".into()),
+        ("reserve_bytes", "64MiB".into()),
+        ("defer_ms", "2s".into()),
+        ("missing_ms", serde_json::Value::Null),
+    ]);
+    PolicyEngine::compile(source, "test.rhai", &settings)
+        .expect("compiles")
+        .decide(&request(), &snapshot())
+}
+
+#[test]
+fn params_accept_sizes_and_durations_and_reject_nonsense() {
+    let evaluation = decide_with_params(
+        "fn decide(req, state) { if state.params.reserve_bytes == 67108864 && state.params.defer_ms == 2000 \
+         && state.params.missing_ms == () { admit() } else { reject(`${state.params}`) } }",
+    );
+    assert_eq!(evaluation.error, None, "{evaluation:?}");
+    assert_eq!(evaluation.decision, Decision::Admit { pool: None });
+
+    let bad = PolicyEngine::compile(
+        "fn decide(req, state) { admit() }",
+        "test.rhai",
+        &settings(&[("reserve_bytes", "lots".into())]),
+    )
+    .expect_err("an unparseable size is refused");
+    assert!(bad.message.contains("params.reserve_bytes"), "{bad}");
+}
+
+#[test]
+fn a_script_cannot_change_what_the_next_evaluation_sees() {
+    let engine = engine(
+        "fn decide(req, state) { let seen = state.degraded; state.degraded = false; state.params.x = 1; \
+         req.pool = \"cpu\"; if seen { admit() } else { reject(\"changed\") } }",
+    );
+    let snapshot = snapshot();
+    let view = StateView::new(&snapshot);
+    for _ in 0..3 {
+        let evaluation = engine.decide_view(&request(), &view);
+        assert_eq!(evaluation.decision, Decision::Admit { pool: None }, "{evaluation:?}");
+    }
+}
+
+// ─── the handle: decisions and hot reload ─────────────────────────────────────────────────
+
+/// A scratch folder holding `policy.rhai` and `tests/`, removed on drop.
+struct Scratch(PathBuf);
+
+impl Scratch {
+    fn new() -> Self {
+        static NEXT: AtomicUsize = AtomicUsize::new(0);
+        let dir = std::env::temp_dir().join(format!(
+            "vramguard-policy-{}-{}",
+            std::process::id(),
+            NEXT.fetch_add(1, Ordering::Relaxed)
+        ));
+        std::fs::create_dir_all(dir.join("tests")).expect("scratch folder");
+        Scratch(dir)
+    }
+
+    fn write(&self, name: &str, text: &str) -> PathBuf {
+        let path = self.0.join(name);
+        std::fs::write(&path, text).expect("write scratch file");
+        path
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+const DEFER_WHEN_QUEUED: &str = "fn decide(req, state) { if state.pools[req.pool].queue_depth > state.params.max_queue { defer(10) } else { admit() } }";
+const DEFER_CASES: &str = r#"
+policy: policy.rhai
+params: {max_queue: 2}
+cases:
+  - name: short queue admits
+    request: {pool: gpu}
+    state: {pools: {gpu: {queue_depth: 2}}}
+    expect: {action: admit}
+  - name: long queue defers
+    request: {pool: gpu}
+    state: {pools: {gpu: {queue_depth: 3}}}
+    expect: {action: defer, ms: 10}
+"#;
+
+fn handle_in(scratch: &Scratch) -> PolicyHandle {
+    scratch.write("tests/policy.yaml", DEFER_CASES);
+    let path = scratch.write("policy.rhai", DEFER_WHEN_QUEUED);
+    PolicyHandle::load(path, settings(&[("max_queue", 5.into())])).expect("loads")
+}
+
+fn queue_of(depth: u64) -> Arc<Snapshot> {
+    let mut snapshot = snapshot();
+    snapshot.pools.get_mut("gpu").expect("gpu pool").queue_depth = depth;
+    Arc::new(snapshot)
+}
+
+#[test]
+fn the_handle_uses_config_params_and_tracks_snapshot_changes() {
+    let scratch = Scratch::new();
+    let handle = handle_in(&scratch);
+    assert_eq!(handle.current().cases, 2, "its test cases ran at load");
+    // Config params (max_queue 5), not the test file's (2), govern real decisions.
+    let snapshot = queue_of(4);
+    assert_eq!(
+        handle.decide(&request(), &snapshot).decision,
+        Decision::Admit { pool: None }
+    );
+    assert_eq!(
+        handle.decide(&request(), &snapshot).decision,
+        Decision::Admit { pool: None }
+    );
+    // A new snapshot is seen at once, although the previous one's view was cached.
+    let busier = queue_of(6);
+    assert_eq!(handle.decide(&request(), &busier).decision, Decision::Defer { ms: 10 });
+}
+
+#[test]
+fn a_reload_with_bad_syntax_keeps_the_last_good_script() {
+    let scratch = Scratch::new();
+    let handle = handle_in(&scratch);
+    let before = handle.status();
+    scratch.write("policy.rhai", "fn decide(req, state) {\n  admit(\n}");
+    let error = handle.reload().expect_err("bad syntax is refused");
+    assert!(
+        matches!(&error, LoadError::Compile(e) if e.kind == PolicyErrorKind::Compile),
+        "{error}"
+    );
+    assert!(error.to_string().contains("policy.rhai:3:"), "{error}");
+    let after = handle.status();
+    assert_eq!(after.sha256, before.sha256);
+    assert_eq!(after.loaded_at, before.loaded_at);
+    assert_eq!(after.last_error, Some(error.to_string()));
+    assert_eq!(
+        handle.decide(&request(), &queue_of(6)).decision,
+        Decision::Defer { ms: 10 }
+    );
+}
+
+#[test]
+fn a_reload_failing_its_own_test_cases_keeps_the_last_good_script() {
+    let scratch = Scratch::new();
+    let handle = handle_in(&scratch);
+    let before = handle.status();
+    // Compiles, but never defers: the "long queue defers" case fails.
+    scratch.write("policy.rhai", "fn decide(req, state) { admit() }");
+    let error = handle.reload().expect_err("a failing case is refused");
+    match &error {
+        LoadError::TestsFailed {
+            failed, total, first, ..
+        } => {
+            assert_eq!((*failed, *total), (1, 2));
+            assert!(
+                first.contains("long queue defers: expected defer(10), got admit()"),
+                "{first}"
+            );
+        }
+        other => panic!("expected TestsFailed, got {other}"),
+    }
+    assert_eq!(handle.status().sha256, before.sha256);
+    assert!(handle.status().last_error.is_some());
+    assert_eq!(
+        handle.decide(&request(), &queue_of(6)).decision,
+        Decision::Defer { ms: 10 }
+    );
+}
+
+#[test]
+fn a_good_reload_swaps_and_clears_the_last_error() {
+    let scratch = Scratch::new();
+    let handle = handle_in(&scratch);
+    let before = handle.status();
+    scratch.write("policy.rhai", "fn decide(req, state) {\n  admit(\n}");
+    assert!(handle.reload().is_err());
+
+    // Same decisions as the test cases demand, but with a longer deferral for queues over 8.
+    let script = "fn decide(req, state) { let q = state.pools[req.pool].queue_depth; \
+                  if q > 8 { defer(99) } else if q > state.params.max_queue { defer(10) } else { admit() } }";
+    scratch.write("policy.rhai", script);
+    let loaded = handle.reload().expect("a good script swaps in");
+    let status = handle.status();
+    assert_eq!(status.sha256, loaded.sha256);
+    assert_ne!(status.sha256, before.sha256);
+    assert_eq!(status.last_error, None);
+    assert_eq!(status.path, scratch.0.join("policy.rhai"));
+    assert_eq!(
+        handle.decide(&request(), &queue_of(9)).decision,
+        Decision::Defer { ms: 99 }
+    );
+}
+
+#[test]
+fn loading_refuses_a_script_that_fails_its_test_cases() {
+    let scratch = Scratch::new();
+    scratch.write("tests/policy.yaml", DEFER_CASES);
+    let path = scratch.write("policy.rhai", "fn decide(req, state) { defer(10) }");
+    let error = PolicyHandle::load(path, settings(&[])).expect_err("refused");
+    assert!(
+        matches!(
+            error,
+            LoadError::TestsFailed {
+                failed: 1,
+                total: 2,
+                ..
+            }
+        ),
+        "{error}"
+    );
+}
+
+#[test]
+fn case_files_for_other_policies_do_not_apply() {
+    let scratch = Scratch::new();
+    scratch.write(
+        "tests/other.yaml",
+        "policy: other.rhai\ncases:\n  - {name: x, expect: {action: admit}}\n",
+    );
+    let path = scratch.write("policy.rhai", "fn decide(req, state) { defer(1) }");
+    let handle = PolicyHandle::load(path, settings(&[])).expect("no case applies");
+    assert_eq!(handle.current().cases, 0);
+}
+
+// ─── test-case files and the CLI ──────────────────────────────────────────────────────────
+
+fn run_test(paths: &[PathBuf]) -> (ExitCode, String) {
+    let mut out = Vec::new();
+    let code = cli::test_to(paths, &mut out);
+    (code, String::from_utf8(out).expect("utf-8"))
+}
+
+#[test]
+fn the_shipped_policies_pass_their_test_cases() {
+    let (code, out) = run_test(&[PathBuf::from("policies/tests")]);
+    assert_eq!(code, ExitCode::SUCCESS, "{out}");
+    let summary = out.lines().last().expect("a summary line");
+    assert!(summary.ends_with(" passed, 0 failed"), "{summary}");
+    assert!(!out.contains("FAIL"), "{out}");
+}
+
+#[test]
+fn each_shipped_policy_has_cases_for_every_action_it_takes() {
+    let required: [(&str, &[&str]); 3] = [
+        ("default", &["admit", "defer", "shrink_context", "redirect", "reject"]),
+        ("latency-first", &["admit", "defer", "shrink_context", "reject"]),
+        (
+            "availability-first",
+            &["admit", "defer", "shrink_context", "redirect", "reject"],
+        ),
+    ];
+    for (name, actions) in required {
+        let path = PathBuf::from(format!("policies/tests/{name}.yaml"));
+        let file = cases::CaseFile::load(&path).expect("case file loads");
+        assert_eq!(file.policy, format!("{name}.rhai"));
+        assert!(file.cases.len() >= 8, "{name}: {} cases", file.cases.len());
+        for action in actions {
+            let covered = file
+                .cases
+                .iter()
+                .filter_map(|c| c.expect.as_ref())
+                .filter(|d| d.action() == *action);
+            assert!(covered.count() >= 1, "{name} has no case expecting {action}");
+        }
+        // Every shipped policy compiles and is checked by `policy check`.
+        let script = file.policy_path(&path);
+        assert_eq!(script, PathBuf::from(format!("policies/{name}.rhai")));
+        assert!(load_engine(&script, &PolicySettings::default()).is_ok());
+    }
+}
+
+#[test]
+fn a_failing_case_prints_what_was_expected_and_what_came() {
+    let scratch = Scratch::new();
+    scratch.write(
+        "policy.rhai",
+        "fn decide(req, state) { if req.batch > 1 { admit() } else { state.nope } }",
+    );
+    let cases = scratch.write(
+        "tests/policy.yaml",
+        r#"policy: policy.rhai
+cases:
+  - {name: batch admits, request: {batch: 2}, expect: {action: admit}}
+  - {name: wrong expectation, request: {batch: 2}, expect: {action: defer, ms: 5}}
+  - {name: script error, request: {batch: 1}, expect: {action: admit}}
+"#,
+    );
+    let (code, out) = run_test(&[scratch.0.join("tests")]);
+    assert_eq!(code, ExitCode::from(1));
+    let lines: Vec<&str> = out.lines().collect();
+    let file = cases.display();
+    assert_eq!(lines[0], format!("PASS {file}: batch admits"));
+    assert_eq!(
+        lines[1],
+        format!("FAIL {file}: wrong expectation: expected defer(5), got admit()")
+    );
+    assert!(
+        lines[2].starts_with(&format!(
+            "FAIL {file}: script error: expected admit(), got fallback admit() after a runtime error: "
+        )),
+        "a fallback never passes, even when it equals the expectation: {}",
+        lines[2]
+    );
+    assert_eq!(lines[3], "1 passed, 2 failed");
+}
+
+#[test]
+fn an_unusable_case_file_counts_as_a_failure() {
+    let scratch = Scratch::new();
+    let bad = scratch.write(
+        "tests/bad.yaml",
+        "policy: policy.rhai\ncases:\n  - {name: x, expect: {action: nap}}\n",
+    );
+    let (code, out) = run_test(std::slice::from_ref(&bad));
+    assert_eq!(code, ExitCode::from(1));
+    assert!(out.starts_with(&format!("FAIL {}: ", bad.display())), "{out}");
+    assert!(out.ends_with("0 passed, 1 failed\n"), "{out}");
+
+    let unnamed = scratch.write(
+        "tests/unnamed.yaml",
+        "policy: policy.rhai\ncases:\n  - {expect: {action: admit}}\n",
+    );
+    let error = cases::CaseFile::load(&unnamed).expect_err("a case needs a name");
+    assert!(error.to_string().contains("cases[0]: `name` is missing"), "{error}");
+}
+
+#[test]
+fn check_reports_file_line_and_column() {
+    let scratch = Scratch::new();
+    let good = scratch.write("good.rhai", "fn decide(req, state) { admit() }");
+    let bad = scratch.write("bad.rhai", "fn decide(req, state) {\n    admit(missing)\n}");
+    let (mut out, mut err) = (Vec::new(), Vec::new());
+    let code = cli::check_to(&[good.clone(), bad.clone()], &mut out, &mut err);
+    assert_eq!(code, ExitCode::from(EXIT_CONFIG));
+    assert_eq!(String::from_utf8_lossy(&out), format!("{}: ok\n", good.display()));
+    let err = String::from_utf8_lossy(&err);
+    assert!(err.starts_with(&format!("{}:2:11: ", bad.display())), "{err}");
+    assert!(err.contains("missing"), "{err}");
+}
+
+#[test]
+fn eval_prints_the_decision_the_time_and_whether_it_matched() {
+    let scratch = Scratch::new();
+    let policy = scratch.write("policy.rhai", DEFER_WHEN_QUEUED);
+    let input = scratch.write(
+        "case.yaml",
+        "request: {pool: gpu}\nstate: {pools: {gpu: {queue_depth: 3}}}\nparams: {max_queue: 2}\nexpect: {action: defer, ms: 10}\n",
+    );
+    let (mut out, mut err) = (Vec::new(), Vec::new());
+    assert_eq!(
+        cli::eval_to(&policy, &input, false, &mut out, &mut err),
+        ExitCode::SUCCESS
+    );
+    let yaml: serde_yaml::Value = serde_yaml::from_slice(&out).expect("YAML output");
+    assert_eq!(yaml["decision"]["action"], "defer");
+    assert_eq!(yaml["decision"]["ms"], 10);
+    assert_eq!(yaml["source"], "script");
+    assert_eq!(yaml["matched"], true);
+    assert!(yaml["eval_time_us"].as_f64().is_some_and(|t| t > 0.0));
+
+    // JSON, and a mismatch exits 1.
+    let mismatch = scratch.write(
+        "mismatch.yaml",
+        "request: {pool: gpu}\nstate: {pools: {gpu: {queue_depth: 1}}}\nparams: {max_queue: 2}\nexpect: {action: defer, ms: 10}\n",
+    );
+    let mut out = Vec::new();
+    assert_eq!(
+        cli::eval_to(&policy, &mismatch, true, &mut out, &mut err),
+        ExitCode::from(1)
+    );
+    let json: serde_json::Value = serde_json::from_slice(&out).expect("JSON output");
+    assert_eq!(json["decision"], serde_json::json!({"action": "admit"}));
+    assert_eq!(json["matched"], false);
+
+    // A script failure reports the fallback and the error.
+    let no_params = scratch.write("no-params.yaml", "request: {pool: gpu}\nstate: {pools: {gpu: {}}}\n");
+    let mut out = Vec::new();
+    assert_eq!(
+        cli::eval_to(&policy, &no_params, true, &mut out, &mut err),
+        ExitCode::from(1)
+    );
+    let json: serde_json::Value = serde_json::from_slice(&out).expect("JSON output");
+    assert_eq!(json["source"], "fallback");
+    assert_eq!(json["error"]["kind"], "runtime");
+    assert!(json.get("matched").is_none());
+}
+
+#[test]
+fn a_case_file_path_resolves_beside_its_folder() {
+    let file = cases::CaseFile {
+        policy: "default.rhai".into(),
+        params: Params::new(),
+        cases: Vec::new(),
+    };
+    assert_eq!(
+        file.policy_path(Path::new("policies/tests/x.yaml")),
+        PathBuf::from("policies/default.rhai")
+    );
+    assert_eq!(
+        file.policy_path(Path::new("tests/x.yaml")),
+        PathBuf::from("default.rhai")
+    );
+    assert_eq!(file.policy_path(Path::new("x.yaml")), PathBuf::from("../default.rhai"));
+}

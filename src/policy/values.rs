@@ -1,0 +1,367 @@
+//! What a script sees: `req` and `state` as Rhai values, built from [`RequestInfo`] and
+//! [`Snapshot`].
+//!
+//! Cost is the design constraint here. The policy runs once per request, before it is queued, and
+//! a Rhai object map is a `BTreeMap` that Rhai deep-copies whenever it is passed to a script
+//! function. Copying a whole snapshot (2 devices, 3 pools, 20 processes: ~200 values in ~30 maps)
+//! costs several microseconds, more than the script itself. So:
+//!
+//! - `req` is a plain object map, built per request (it is small and changes every time) by
+//!   filling in a copy of a map that already has the keys;
+//! - `state` is a plain object map of six entries, but its collections (`devices`, `pools`,
+//!   `processes`) are read-only views ([`Table`], [`List`]) over data built once per snapshot
+//!   and shared by reference count. Passing one to the script is a pointer copy; a script pays
+//!   for a device or pool record only when it reads it (`state.pools[name]` hands out a copy of
+//!   that one record as an ordinary object map);
+//! - `state.params` is an ordinary object map: it is small, and a property read on a map costs
+//!   half of an indexer call on a view, which matters for the constants a policy reads most.
+//!
+//! Rhai's own shared values (`Dynamic::into_shared`) would avoid the copy too, but Rhai takes a
+//! write lock to read through them and gives up (10 ms sleeps, then an error) when another thread
+//! holds it, so they must never be shared between concurrent evaluations.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::sync::{Arc, OnceLock};
+
+use rhai::{Array, Dynamic, EvalAltResult, ImmutableString, Map, Position};
+
+use crate::snapshot::{DeviceState, HostState, PoolState, ProcessState, RequestInfo, Snapshot};
+
+/// Operator constants from the config, visible to the script as `state.params`.
+pub type Params = BTreeMap<String, serde_json::Value>;
+
+/// A read-only name → value collection (`state.devices`, `state.pools`).
+///
+/// Scripts use it like an object map: `t[name]`, `t.name`, `name in t`, `t.get(name)` (`()` when
+/// absent), `t.keys()`, `t.values()`, `t.len()`, `t.is_empty()`. Reading an entry returns a copy.
+#[derive(Debug, Clone, Default)]
+pub struct Table(Arc<BTreeMap<ImmutableString, Dynamic>>);
+
+impl Table {
+    fn from_entries(entries: impl IntoIterator<Item = (ImmutableString, Dynamic)>) -> Self {
+        Table(Arc::new(entries.into_iter().collect()))
+    }
+
+    /// Whether `name` is an entry.
+    pub fn contains(&self, name: &str) -> bool {
+        self.0.contains_key(name)
+    }
+
+    /// The entry names, sorted.
+    pub fn names(&self) -> impl Iterator<Item = &str> {
+        self.0.keys().map(|k| k.as_str())
+    }
+
+    /// `t[name]`: the entry, or the same error Rhai raises for a missing object-map property
+    /// (the engine runs with `fail_on_invalid_map_property`, so a typo fails loudly).
+    pub(crate) fn index(&mut self, name: &str) -> Result<Dynamic, Box<EvalAltResult>> {
+        self.0
+            .get(name)
+            .cloned()
+            .ok_or_else(|| EvalAltResult::ErrorPropertyNotFound(name.to_string(), Position::NONE).into())
+    }
+
+    /// `t.get(name)`: the entry or `()`, for optional entries (`state.params.get("x") ?? 5`).
+    pub(crate) fn get(&mut self, name: &str) -> Dynamic {
+        self.0.get(name).cloned().unwrap_or(Dynamic::UNIT)
+    }
+
+    pub(crate) fn keys(&mut self) -> Array {
+        self.0.keys().map(|k| Dynamic::from(k.clone())).collect()
+    }
+
+    pub(crate) fn values(&mut self) -> Array {
+        self.0.values().cloned().collect()
+    }
+
+    pub(crate) fn len(&mut self) -> i64 {
+        to_int(self.0.len() as u64)
+    }
+
+    pub(crate) fn is_empty(&mut self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// Rendered like an object map, so `print(state.pools)` shows the data.
+    pub(crate) fn render(&mut self) -> String {
+        let mut out = String::from("#{");
+        for (i, (k, v)) in self.0.iter().enumerate() {
+            let sep = if i == 0 { "" } else { ", " };
+            let _ = write!(out, "{sep}{k:?}: {v}");
+        }
+        out.push('}');
+        out
+    }
+}
+
+/// A read-only array (`state.processes`).
+///
+/// Scripts use it like an array for reading: `l[i]` (negative counts from the end), `l.len()`,
+/// `l.is_empty()`, `for x in l`, and `l.to_array()` for a copy that has every array method
+/// (`filter`, `map`, `reduce`, `sort`…). Reading an element returns a copy.
+#[derive(Debug, Clone, Default)]
+pub struct List(Arc<[Dynamic]>);
+
+impl List {
+    pub(crate) fn index(&mut self, index: i64) -> Result<Dynamic, Box<EvalAltResult>> {
+        let len = self.0.len();
+        let position = if index < 0 {
+            usize::try_from(index.unsigned_abs())
+                .ok()
+                .and_then(|back| len.checked_sub(back))
+        } else {
+            usize::try_from(index).ok()
+        };
+        position
+            .and_then(|i| self.0.get(i))
+            .cloned()
+            .ok_or_else(|| EvalAltResult::ErrorArrayBounds(len, index, Position::NONE).into())
+    }
+
+    pub(crate) fn len(&mut self) -> i64 {
+        to_int(self.0.len() as u64)
+    }
+
+    pub(crate) fn is_empty(&mut self) -> bool {
+        self.0.is_empty()
+    }
+
+    pub(crate) fn copy_to_array(&mut self) -> Array {
+        self.0.to_vec()
+    }
+
+    pub(crate) fn render(&mut self) -> String {
+        let items: Vec<String> = self.0.iter().map(|v| v.to_string()).collect();
+        format!("[{}]", items.join(", "))
+    }
+}
+
+/// `for x in list` walks the shared elements, copying one at a time.
+pub struct ListIter {
+    items: Arc<[Dynamic]>,
+    next: usize,
+}
+
+impl Iterator for ListIter {
+    type Item = Dynamic;
+
+    fn next(&mut self) -> Option<Dynamic> {
+        let item = self.items.get(self.next).cloned();
+        self.next += 1;
+        item
+    }
+}
+
+impl IntoIterator for List {
+    type Item = Dynamic;
+    type IntoIter = ListIter;
+
+    fn into_iter(self) -> ListIter {
+        ListIter { items: self.0, next: 0 }
+    }
+}
+
+/// The script's `state` without `params`, built once per [`Snapshot`] and reused for every
+/// request evaluated against that snapshot (cloning it is a few reference-count increments).
+///
+/// Build a new one whenever the snapshot changes; [`crate::policy::PolicyHandle::decide`] does
+/// that for you, keyed on the `Arc<Snapshot>` it is given.
+#[derive(Debug, Clone)]
+pub struct StateView {
+    /// The `state` map, complete but for `params`, which belongs to the engine.
+    map: Map,
+    pools: Table,
+}
+
+impl StateView {
+    /// Convert a snapshot into the script's representation.
+    pub fn new(snapshot: &Snapshot) -> Self {
+        let devices = Table::from_entries(snapshot.devices.iter().map(|(name, d)| (name.into(), device(d))));
+        let pools = Table::from_entries(snapshot.pools.iter().map(|(name, p)| (name.into(), pool(p))));
+        let processes = List(snapshot.processes.iter().map(process).collect());
+        let map = [
+            ("devices", Dynamic::from(devices)),
+            ("pools", Dynamic::from(pools.clone())),
+            ("host", host(&snapshot.host)),
+            ("processes", Dynamic::from(processes)),
+            ("degraded", Dynamic::from_bool(snapshot.degraded)),
+            ("params", Dynamic::UNIT),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.into(), v))
+        .collect();
+        StateView { map, pools }
+    }
+
+    /// Whether the snapshot has a pool called `name` (decisions naming another pool are refused).
+    pub fn has_pool(&self, name: &str) -> bool {
+        self.pools.contains(name)
+    }
+
+    /// The pool names, for error messages.
+    pub fn pool_names(&self) -> impl Iterator<Item = &str> {
+        self.pools.names()
+    }
+
+    /// The `state` argument for one evaluation.
+    pub(crate) fn to_dynamic(&self, params: &Dynamic) -> Dynamic {
+        let mut state = self.map.clone();
+        if let Some(slot) = state.get_mut("params") {
+            *slot = params.clone();
+        }
+        Dynamic::from_map(state)
+    }
+}
+
+/// The `req` argument for one evaluation.
+///
+/// Cloning a map that already has every key and then filling in the values costs less than half
+/// of inserting ten keys into a fresh map (each insert searches and may split a node).
+pub(crate) fn request(req: &RequestInfo) -> Dynamic {
+    static TEMPLATE: OnceLock<(Map, Map)> = OnceLock::new();
+    let (request_keys, estimate_keys) = TEMPLATE.get_or_init(|| {
+        let keys = |names: &[&str]| names.iter().map(|k| ((*k).into(), Dynamic::UNIT)).collect::<Map>();
+        (
+            keys(&[
+                "id",
+                "model",
+                "pool",
+                "context_tokens",
+                "max_new_tokens",
+                "batch",
+                "priority",
+                "replayable",
+                "deadline_ms",
+                "estimate",
+            ]),
+            keys(&["weights_bytes", "context_bytes", "workspace_bytes", "total_bytes"]),
+        )
+    });
+    let mut estimate = estimate_keys.clone();
+    for (key, slot) in estimate.iter_mut() {
+        *slot = int(match key.as_str() {
+            "weights_bytes" => req.estimate.weights_bytes,
+            "context_bytes" => req.estimate.context_bytes,
+            "workspace_bytes" => req.estimate.workspace_bytes,
+            _ => req.estimate.total_bytes,
+        });
+    }
+    let mut map = request_keys.clone();
+    let mut estimate = Some(estimate);
+    for (key, slot) in map.iter_mut() {
+        *slot = match key.as_str() {
+            "id" => string(&req.id),
+            "model" => string(&req.model),
+            "pool" => string(&req.pool),
+            "context_tokens" => int(req.context_tokens),
+            "max_new_tokens" => int(req.max_new_tokens),
+            "batch" => int(req.batch),
+            "priority" => Dynamic::from_int(req.priority),
+            "replayable" => Dynamic::from_bool(req.replayable),
+            "deadline_ms" => int(req.deadline_ms),
+            _ => estimate.take().map_or(Dynamic::UNIT, Dynamic::from_map),
+        };
+    }
+    Dynamic::from_map(map)
+}
+
+/// Convert operator constants; `_bytes` keys accept sizes (`64MiB`) and `_ms` keys durations
+/// (`2s`), so the config reads like the rest of it while scripts always get integers.
+pub(crate) fn params(params: &Params) -> Result<Dynamic, String> {
+    let mut entries = Vec::with_capacity(params.len());
+    for (key, value) in params {
+        let converted = match value {
+            serde_json::Value::String(text) if key.ends_with("_bytes") => {
+                let bytes = crate::config::parse_size(text).map_err(|e| format!("params.{key}: {e}"))?;
+                int(bytes)
+            }
+            serde_json::Value::String(text) if key.ends_with("_ms") => {
+                let duration = crate::config::parse_duration(text).map_err(|e| format!("params.{key}: {e}"))?;
+                int(u64::try_from(duration.as_millis()).unwrap_or(u64::MAX))
+            }
+            other => json(other),
+        };
+        entries.push((key.as_str().into(), converted));
+    }
+    Ok(Dynamic::from_map(entries.into_iter().collect()))
+}
+
+fn json(value: &serde_json::Value) -> Dynamic {
+    match value {
+        serde_json::Value::Null => Dynamic::UNIT,
+        serde_json::Value::Bool(b) => Dynamic::from_bool(*b),
+        serde_json::Value::Number(n) => match n.as_i64() {
+            Some(i) => Dynamic::from_int(i),
+            // Beyond i64 (or fractional): scripts compare floats with integers fine.
+            None => Dynamic::from_float(n.as_f64().unwrap_or(f64::MAX)),
+        },
+        serde_json::Value::String(s) => string(s),
+        serde_json::Value::Array(items) => Dynamic::from_array(items.iter().map(json).collect()),
+        serde_json::Value::Object(entries) => {
+            Dynamic::from_map(entries.iter().map(|(k, v)| (k.as_str().into(), json(v))).collect())
+        }
+    }
+}
+
+fn device(d: &DeviceState) -> Dynamic {
+    record([
+        ("kind", string(&d.kind)),
+        ("total_bytes", int(d.total_bytes)),
+        ("used_bytes", int(d.used_bytes)),
+        ("free_bytes", int(d.free_bytes)),
+        ("reserved_bytes", int(d.reserved_bytes)),
+        ("active_bytes", int(d.active_bytes)),
+        ("headroom_bytes", int(d.headroom_bytes)),
+    ])
+}
+
+fn pool(p: &PoolState) -> Dynamic {
+    record([
+        ("provider", string(&p.provider)),
+        ("device", string(&p.device)),
+        ("breaker", string(&p.breaker)),
+        ("queue_depth", int(p.queue_depth)),
+        ("queue_oldest_age_ms", int(p.queue_oldest_age_ms)),
+        ("inflight", int(p.inflight)),
+        ("concurrency", int(p.concurrency)),
+        ("alloc_failures_recent", int(p.alloc_failures_recent)),
+        ("est_delay_ms", int(p.est_delay_ms)),
+        ("max_context", int(p.max_context)),
+    ])
+}
+
+fn host(h: &HostState) -> Dynamic {
+    record([
+        ("mem_available_bytes", int(h.mem_available_bytes)),
+        ("mem_total_bytes", int(h.mem_total_bytes)),
+        ("reserve_bytes", int(h.reserve_bytes)),
+    ])
+}
+
+fn process(p: &ProcessState) -> Dynamic {
+    record([
+        ("pid", int(u64::from(p.pid))),
+        ("name", string(&p.name)),
+        ("service", string(&p.service)),
+        ("device", string(&p.device)),
+        ("used_bytes", int(p.used_bytes)),
+    ])
+}
+
+fn record<const N: usize>(fields: [(&str, Dynamic); N]) -> Dynamic {
+    Dynamic::from_map(fields.into_iter().map(|(k, v)| (k.into(), v)).collect())
+}
+
+fn string(s: &str) -> Dynamic {
+    Dynamic::from(ImmutableString::from(s))
+}
+
+fn int(v: u64) -> Dynamic {
+    Dynamic::from_int(to_int(v))
+}
+
+/// Rhai integers are `i64`; byte counts past 8 EiB do not occur, so saturate rather than wrap.
+fn to_int(v: u64) -> i64 {
+    i64::try_from(v).unwrap_or(i64::MAX)
+}
