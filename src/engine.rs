@@ -8,17 +8,19 @@ use std::time::Duration;
 use prometheus_client::registry::Registry;
 
 use crate::clock::SystemClock;
-use crate::config::{Config, ConfigError, DeviceKind, ModelConfig, Provider};
+use crate::config::{Config, ConfigError, DeviceKind, ModelConfig, PolicySource, Provider};
 use crate::device::MemorySource;
 use crate::device::host::HostSource;
 use crate::device::nvml::NvmlSource;
 use crate::device::simulated::{SimulatedDevice, SimulatedSource};
 use crate::estimate::{self, MemoryProfile, ProfileSource};
 use crate::exporter::{LiveCollector, Sampler, SnapshotStore};
-use crate::metrics::Metrics;
+use crate::metrics::{Metrics, PolicyInfoLabels, ResultLabels};
+use crate::policy::{PolicyHandle, PolicySettings};
+use crate::snapshot::{RequestInfo, Snapshot};
 use crate::model;
 use crate::onnx::{self, ModelSignature, OnnxRuntime, OrtBackend, RuntimeError, SessionOptions};
-use crate::pool::{Backend, Pool, PoolContext};
+use crate::pool::{Backend, Pool, PoolContext, PoolLoad};
 
 /// A model with the signature read from ONNX Runtime.
 #[derive(Debug, Clone)]
@@ -70,6 +72,9 @@ pub enum StartError {
     /// A model in the config cannot be served (names the file and key).
     #[error(transparent)]
     Config(#[from] ConfigError),
+    /// The policy does not compile, fails its own test cases, or fails on this config.
+    #[error("{0}")]
+    Policy(String),
 }
 
 /// Everything the HTTP layer serves from.
@@ -93,6 +98,18 @@ pub struct Engine {
     /// Notified to take a sample now (e.g. after simulated pressure changed).
     pub resample: Arc<tokio::sync::Notify>,
     sampler: Mutex<Option<Sampler>>,
+    /// The admission policy.
+    pub policy: Arc<PolicyHandle>,
+    /// The snapshot policies see: the latest sample with the pools' live load, rebuilt only when
+    /// one of them changed (so the policy's cached view of it is reused between requests).
+    policy_state: Mutex<Option<(PolicyStateKey, Arc<Snapshot>)>>,
+}
+
+/// What makes the policy's snapshot stale: a new sample, or a pool's load moving.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct PolicyStateKey {
+    generation: u64,
+    pools: Vec<[u64; 5]>,
 }
 
 impl std::fmt::Debug for Engine {
@@ -149,6 +166,15 @@ impl Engine {
         .with_pools(pools.clone(), simulated.clone());
         // One sample before serving, so the first scrape and the first decision see real numbers.
         sampler.sample();
+        let policy = Arc::new(load_policy(&config, &models, &store.latest().snapshot)?);
+        let status = policy.status();
+        metrics
+            .policy_info
+            .get_or_create(&PolicyInfoLabels {
+                path: status.path.display().to_string(),
+                sha256: status.sha256,
+            })
+            .set(1);
         registry.register_collector(Box::new(LiveCollector::new(
             Arc::clone(&store),
             pools.clone(),
@@ -165,7 +191,82 @@ impl Engine {
             store,
             resample: Arc::new(tokio::sync::Notify::new()),
             sampler: Mutex::new(Some(sampler)),
+            policy,
+            policy_state: Mutex::new(None),
         })
+    }
+
+    /// The snapshot to decide on: the latest sample with every pool's live queue, in-flight
+    /// count, recent failures and delay estimate. The same `Arc` comes back while nothing
+    /// changed, which lets the policy reuse its view of it.
+    pub fn policy_snapshot(&self) -> Arc<Snapshot> {
+        let sample = self.store.latest();
+        let live: Vec<(PoolLoad, u64, u64)> = self
+            .pools
+            .iter()
+            .map(|p| (p.load(), p.alloc_failures_recent(), p.estimated_delay().as_millis() as u64))
+            .collect();
+        let key = PolicyStateKey {
+            generation: sample.generation,
+            // Ages and delays are quantised so a waiting request does not force a rebuild on
+            // every decision while nothing else moves.
+            pools: live
+                .iter()
+                .map(|(load, failures, delay)| {
+                    [
+                        load.queue_depth as u64,
+                        load.inflight as u64,
+                        load.oldest_age.as_millis() as u64 / 100,
+                        *failures,
+                        delay / 10,
+                    ]
+                })
+                .collect(),
+        };
+        let mut cached = self.policy_state.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((seen, snapshot)) = cached.as_ref()
+            && *seen == key
+        {
+            return Arc::clone(snapshot);
+        }
+        let mut snapshot = (*sample.snapshot).clone();
+        for (pool, (load, failures, delay)) in self.pools.iter().zip(&live) {
+            if let Some(state) = snapshot.pools.get_mut(pool.name()) {
+                state.queue_depth = load.queue_depth as u64;
+                state.inflight = load.inflight as u64;
+                state.queue_oldest_age_ms = load.oldest_age.as_millis() as u64;
+                state.alloc_failures_recent = *failures;
+                state.est_delay_ms = *delay;
+            }
+        }
+        let snapshot = Arc::new(snapshot);
+        *cached = Some((key, Arc::clone(&snapshot)));
+        snapshot
+    }
+
+    /// Reload the policy (admin endpoint, file watcher) and account for it in the metrics.
+    pub fn reload_policy(&self) -> Result<crate::policy::PolicyStatus, String> {
+        let result = self.policy.reload();
+        let label = if result.is_ok() { "ok" } else { "error" };
+        self.metrics
+            .policy_reloads
+            .get_or_create(&ResultLabels { result: label.into() })
+            .inc();
+        match result {
+            Ok(_) => {
+                let status = self.policy.status();
+                self.metrics.policy_info.clear();
+                self.metrics
+                    .policy_info
+                    .get_or_create(&PolicyInfoLabels {
+                        path: status.path.display().to_string(),
+                        sha256: status.sha256.clone(),
+                    })
+                    .set(1);
+                Ok(status)
+            }
+            Err(e) => Err(e.to_string()),
+        }
     }
 
     /// The sampler, for the server to run in the background (taken once).
@@ -231,6 +332,52 @@ pub fn device_sources(config: &Config) -> Vec<Box<dyn MemorySource>> {
         Err(reason) => tracing::info!(%reason, "no NVIDIA devices will be reported"),
     }
     sources
+}
+
+/// Load the configured policy (a builtin one is written to a private folder first so it loads,
+/// and is tested, like a file), then try it once per model and pool on the first snapshot: a
+/// script that fails on this config's params is refused before any port is bound.
+fn load_policy(config: &Config, models: &[ModelEntry], snapshot: &Snapshot) -> Result<PolicyHandle, StartError> {
+    let path = match &config.policy.source {
+        PolicySource::File(path) => path.clone(),
+        PolicySource::Builtin(name) => {
+            let dir = std::env::temp_dir().join(format!("vramguard-{}-policies", std::process::id()));
+            crate::policy::builtin::materialize(name, &dir)
+                .map_err(|e| StartError::Policy(format!("cannot write builtin policy `{name}` to {}: {e}", dir.display())))?
+        }
+    };
+    let settings = PolicySettings {
+        fallback: config.policy.fallback.clone(),
+        params: config.policy.params.clone(),
+    };
+    let handle = PolicyHandle::load(&path, settings).map_err(|e| StartError::Policy(e.to_string()))?;
+    let snapshot = Arc::new(snapshot.clone());
+    for model in models {
+        for pool in config.pools.iter().filter(|p| p.models.contains(&model.config.name)) {
+            let tokens = if model.config.context.is_some() { 128 } else { 0 };
+            let req = RequestInfo {
+                id: "startup-check".into(),
+                model: model.config.name.clone(),
+                pool: pool.name.clone(),
+                context_tokens: tokens,
+                batch: 1,
+                replayable: true,
+                estimate: model.profile.estimate(tokens, 1),
+                ..RequestInfo::default()
+            };
+            if let Some(error) = handle.decide(&req, &snapshot).error {
+                return Err(StartError::Policy(format!(
+                    "{}: policy `{}` fails for model `{}` on pool `{}` with this config (check policy.params): {error}",
+                    config.source,
+                    path.display(),
+                    model.config.name,
+                    pool.name
+                )));
+            }
+        }
+    }
+    tracing::info!(policy = %path.display(), sha256 = %handle.status().sha256, "policy loaded");
+    Ok(handle)
 }
 
 fn load_models(rt: &OnnxRuntime, config: &Config) -> Result<Vec<ModelEntry>, ConfigError> {

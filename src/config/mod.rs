@@ -4,7 +4,7 @@
 
 mod units;
 
-use std::collections::HashSet;
+use std::collections::{BTreeMap, HashSet};
 use std::fmt;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -15,6 +15,7 @@ use serde::{Deserialize, Serialize};
 pub use units::{ByteSize, HumanDuration, format_duration, format_size, parse_duration, parse_size};
 
 use crate::model::BuiltinModel;
+use crate::snapshot::Decision;
 
 /// The embedded default configuration (simulated accelerator flavour); see [`Config::embedded`].
 pub const DEFAULT_CONFIG_YAML: &str = include_str!("../../config/default.yaml");
@@ -79,6 +80,35 @@ pub struct RawConfig {
     /// The memory sampler and `vramguard exporter`.
     #[serde(default)]
     pub exporter: RawExporter,
+    /// The admission policy.
+    #[serde(default)]
+    pub policy: RawPolicy,
+}
+
+/// `policy:`
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RawPolicy {
+    /// The Rhai script: a path (relative to the config file) or `builtin:<name>`.
+    pub path: String,
+    /// The decision used when the script fails (`{action: admit}`, `{action: reject, reason: …}`, …).
+    pub fallback: Decision,
+    /// How often the script file is checked for changes (`0` turns watching off).
+    pub watch_interval: HumanDuration,
+    /// Operator constants, visible to the script as `state.params`.
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub params: BTreeMap<String, serde_json::Value>,
+}
+
+impl Default for RawPolicy {
+    fn default() -> Self {
+        Self {
+            path: "builtin:default".into(),
+            fallback: Decision::Admit { pool: None },
+            watch_interval: HumanDuration(Duration::from_secs(2)),
+            params: BTreeMap::new(),
+        }
+    }
 }
 
 /// `exporter:`
@@ -334,6 +364,30 @@ pub struct Config {
     pub host_reserve: u64,
     /// The sampler and exporter mode.
     pub exporter: ExporterConfig,
+    /// The admission policy.
+    pub policy: PolicyConfig,
+}
+
+/// Where the policy script comes from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PolicySource {
+    /// A file the operator edits (watched and reloadable).
+    File(PathBuf),
+    /// A policy shipped inside the binary (`builtin:default`, …).
+    Builtin(String),
+}
+
+/// Validated `policy:`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PolicyConfig {
+    /// The script.
+    pub source: PolicySource,
+    /// Decision when the script fails.
+    pub fallback: Decision,
+    /// File-watch period (`None`: not watched).
+    pub watch_interval: Option<Duration>,
+    /// `state.params`.
+    pub params: BTreeMap<String, serde_json::Value>,
 }
 
 /// Validated `exporter:`.
@@ -945,6 +999,64 @@ impl RawConfig {
             pools,
             host_reserve: self.host.reserve.bytes(),
             exporter,
+            policy: self.validate_policy(&c, base)?,
+        })
+    }
+
+    fn validate_policy(&self, c: &Checker, base: &Path) -> Result<PolicyConfig, ConfigError> {
+        let p = &self.policy;
+        let source = match p.path.strip_prefix("builtin:") {
+            Some(name) => {
+                if !crate::policy::builtin::NAMES.contains(&name) {
+                    return Err(c.err(
+                        "policy.path",
+                        format!(
+                            "no builtin policy `{name}`; builtin policies are: {}",
+                            crate::policy::builtin::NAMES.join(", ")
+                        ),
+                    ));
+                }
+                PolicySource::Builtin(name.to_string())
+            }
+            None => {
+                let path = base.join(&p.path);
+                if !path.is_file() {
+                    return Err(c.err(
+                        "policy.path",
+                        format!("policy file `{}` does not exist", path.display()),
+                    ));
+                }
+                PolicySource::File(path)
+            }
+        };
+        match &p.fallback {
+            Decision::Defer { ms } if *ms == 0 => {
+                return Err(c.err("policy.fallback.ms", "a fallback deferral must wait longer than 0"));
+            }
+            Decision::ShrinkContext { tokens } if *tokens == 0 => {
+                return Err(c.err("policy.fallback.tokens", "a fallback shrink must keep at least one token"));
+            }
+            Decision::Admit { pool: Some(pool) } | Decision::Redirect { pool } => {
+                if !self.pools.iter().any(|x| &x.name == pool) {
+                    return Err(c.err("policy.fallback.pool", format!("no pool named `{pool}` in `pools`")));
+                }
+            }
+            _ => {}
+        }
+        for (key, value) in &p.params {
+            if !(value.is_number() || value.is_boolean() || value.is_string()) {
+                return Err(c.err(
+                    format!("policy.params.{key}"),
+                    "expected a number, a boolean or a string",
+                ));
+            }
+        }
+        let interval = p.watch_interval.get();
+        Ok(PolicyConfig {
+            source,
+            fallback: p.fallback.clone(),
+            watch_interval: (!interval.is_zero()).then_some(interval),
+            params: p.params.clone(),
         })
     }
 

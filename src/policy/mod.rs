@@ -11,6 +11,7 @@
 //! - [`cases`] runs the test cases kept beside the policies (`policies/tests/*.yaml`);
 //!   [`cli`] implements `vramguard policy check|test|eval`.
 
+pub mod builtin;
 pub mod cases;
 pub mod cli;
 mod engine;
