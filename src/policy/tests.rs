@@ -770,3 +770,12 @@ fn a_case_file_path_resolves_beside_its_folder() {
     );
     assert_eq!(file.policy_path(Path::new("x.yaml")), PathBuf::from("../default.rhai"));
 }
+
+#[test]
+fn the_handle_can_be_shared_across_request_tasks() {
+    fn shareable<T: Send + Sync>() {}
+    shareable::<PolicyHandle>();
+    shareable::<PolicyEngine>();
+    shareable::<Evaluation>();
+    shareable::<LoadError>();
+}
