@@ -14,12 +14,12 @@ SUDO        := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 APT_STAMP   := .deps/.apt-updated
 PYCLIENTS   := .deps/pyclients/.installed
 
-.PHONY: run test deps tools build release check-fmt clippy unit client-compat alert-tests bench clean-deps
+.PHONY: run test deps tools build release check-fmt clippy unit policy-tests client-compat alert-tests bench clean-deps
 
 run: deps release
 	./target/release/vramguard serve $(ARGS)
 
-test: deps tools check-fmt clippy unit client-compat alert-tests
+test: deps tools check-fmt clippy unit policy-tests client-compat alert-tests
 	@echo "make test: all checks passed"
 
 deps: $(ORT_LIB)
@@ -56,6 +56,12 @@ clippy:
 
 unit:
 	$(CARGO) test
+
+# The shipped policies must compile and pass their own test cases (policies/tests/).
+policy-tests:
+	$(CARGO) build
+	./target/debug/vramguard policy check policies/*.rhai
+	./target/debug/vramguard policy test policies/tests
 
 client-compat: $(PYCLIENTS)
 	$(CARGO) build

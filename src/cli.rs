@@ -49,11 +49,44 @@ pub enum Command {
         #[arg(long)]
         listen: Option<std::net::SocketAddr>,
     },
+    /// Compile, test or try admission policies.
+    Policy {
+        /// What to do with policies.
+        #[command(subcommand)]
+        command: PolicyCommand,
+    },
     /// Validate or print configuration.
     Config {
         /// What to do with configuration.
         #[command(subcommand)]
         command: ConfigCommand,
+    },
+}
+
+/// `vramguard policy …`
+#[derive(Debug, Subcommand)]
+pub enum PolicyCommand {
+    /// Compile and lint scripts; exits non-zero with file:line:col on error.
+    Check {
+        /// Policy scripts.
+        #[arg(required = true)]
+        files: Vec<PathBuf>,
+    },
+    /// Run policy test cases (default `policies/tests/`); prints each case and `N passed, N failed`.
+    Test {
+        /// Case files or folders of them.
+        paths: Vec<PathBuf>,
+    },
+    /// One dry-run decision for a request and state, with the evaluation time.
+    Eval {
+        /// Policy script.
+        file: PathBuf,
+        /// A case file: request, state, params (expect is optional).
+        #[arg(long)]
+        input: PathBuf,
+        /// Print JSON instead of YAML.
+        #[arg(long)]
+        json: bool,
     },
 }
 
@@ -75,6 +108,11 @@ pub fn run(cli: Cli) -> ExitCode {
     match cli.command {
         Command::Serve { config, listen } => serve(config, listen),
         Command::Exporter { config, listen } => exporter(config, listen),
+        Command::Policy { command } => match command {
+            PolicyCommand::Check { files } => crate::policy::cli::check(&files),
+            PolicyCommand::Test { paths } => crate::policy::cli::test(&paths),
+            PolicyCommand::Eval { file, input, json } => crate::policy::cli::eval(&file, &input, json),
+        },
         Command::Config {
             command: ConfigCommand::Check { file },
         } => config_check(&file),

@@ -16,11 +16,11 @@ use crate::device::simulated::{SimulatedDevice, SimulatedSource};
 use crate::estimate::{self, MemoryProfile, ProfileSource};
 use crate::exporter::{LiveCollector, Sampler, SnapshotStore};
 use crate::metrics::{Metrics, PolicyInfoLabels, ResultLabels};
-use crate::policy::{PolicyHandle, PolicySettings};
-use crate::snapshot::{RequestInfo, Snapshot};
 use crate::model;
 use crate::onnx::{self, ModelSignature, OnnxRuntime, OrtBackend, RuntimeError, SessionOptions};
+use crate::policy::{PolicyHandle, PolicySettings};
 use crate::pool::{Backend, Pool, PoolContext, PoolLoad};
+use crate::snapshot::{RequestInfo, Snapshot};
 
 /// A model with the signature read from ONNX Runtime.
 #[derive(Debug, Clone)]
@@ -166,7 +166,8 @@ impl Engine {
         .with_pools(pools.clone(), simulated.clone());
         // One sample before serving, so the first scrape and the first decision see real numbers.
         sampler.sample();
-        let policy = Arc::new(load_policy(&config, &models, &store.latest().snapshot)?);
+        let ready: Vec<&str> = pools.iter().filter(|p| p.is_ready()).map(|p| p.name()).collect();
+        let policy = Arc::new(load_policy(&config, &models, &ready, &store.latest().snapshot)?);
         let status = policy.status();
         metrics
             .policy_info
@@ -204,7 +205,13 @@ impl Engine {
         let live: Vec<(PoolLoad, u64, u64)> = self
             .pools
             .iter()
-            .map(|p| (p.load(), p.alloc_failures_recent(), p.estimated_delay().as_millis() as u64))
+            .map(|p| {
+                (
+                    p.load(),
+                    p.alloc_failures_recent(),
+                    p.estimated_delay().as_millis() as u64,
+                )
+            })
             .collect();
         let key = PolicyStateKey {
             generation: sample.generation,
@@ -335,25 +342,44 @@ pub fn device_sources(config: &Config) -> Vec<Box<dyn MemorySource>> {
 }
 
 /// Load the configured policy (a builtin one is written to a private folder first so it loads,
-/// and is tested, like a file), then try it once per model and pool on the first snapshot: a
-/// script that fails on this config's params is refused before any port is bound.
-fn load_policy(config: &Config, models: &[ModelEntry], snapshot: &Snapshot) -> Result<PolicyHandle, StartError> {
+/// and is tested, like a file), then try it once per model and ready pool on the first
+/// snapshot: a script that fails on this config's params is refused before any port is bound.
+fn load_policy(
+    config: &Config,
+    models: &[ModelEntry],
+    ready_pools: &[&str],
+    snapshot: &Snapshot,
+) -> Result<PolicyHandle, StartError> {
     let path = match &config.policy.source {
         PolicySource::File(path) => path.clone(),
         PolicySource::Builtin(name) => {
             let dir = std::env::temp_dir().join(format!("vramguard-{}-policies", std::process::id()));
-            crate::policy::builtin::materialize(name, &dir)
-                .map_err(|e| StartError::Policy(format!("cannot write builtin policy `{name}` to {}: {e}", dir.display())))?
+            crate::policy::builtin::materialize(name, &dir).map_err(|e| {
+                StartError::Policy(format!(
+                    "cannot write builtin policy `{name}` to {}: {e}",
+                    dir.display()
+                ))
+            })?
         }
     };
+    let mut params = match &config.policy.source {
+        PolicySource::Builtin(name) => crate::policy::builtin::default_params(name),
+        PolicySource::File(_) => crate::policy::Params::new(),
+    };
+    params.extend(config.policy.params.clone());
     let settings = PolicySettings {
         fallback: config.policy.fallback.clone(),
-        params: config.policy.params.clone(),
+        params,
     };
     let handle = PolicyHandle::load(&path, settings).map_err(|e| StartError::Policy(e.to_string()))?;
     let snapshot = Arc::new(snapshot.clone());
     for model in models {
-        for pool in config.pools.iter().filter(|p| p.models.contains(&model.config.name)) {
+        // Pools that could not start (no CUDA here) never reach the policy; they are not tried.
+        for pool in config
+            .pools
+            .iter()
+            .filter(|p| p.models.contains(&model.config.name) && ready_pools.contains(&p.name.as_str()))
+        {
             let tokens = if model.config.context.is_some() { 128 } else { 0 };
             let req = RequestInfo {
                 id: "startup-check".into(),

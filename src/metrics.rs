@@ -243,10 +243,14 @@ impl Metrics {
             metrics.policy_info.clone(),
         );
         for kind in ["compile", "runtime", "limit", "bad_return"] {
-            metrics.policy_errors.get_or_create_owned(&KindLabels { kind: kind.into() });
+            metrics
+                .policy_errors
+                .get_or_create_owned(&KindLabels { kind: kind.into() });
         }
         for result in ["ok", "error"] {
-            metrics.policy_reloads.get_or_create_owned(&ResultLabels { result: result.into() });
+            metrics
+                .policy_reloads
+                .get_or_create_owned(&ResultLabels { result: result.into() });
         }
         (metrics, registry)
     }

@@ -83,6 +83,9 @@ pub struct InferJob {
     pub outputs: Vec<String>,
     /// When the client stops caring.
     pub deadline: Option<Instant>,
+    /// The admission estimate of the run's working memory (context + workspace), checked
+    /// against what the arena actually needed.
+    pub estimate_bytes: Option<u64>,
 }
 
 /// Why a job produced no outputs.
@@ -427,11 +430,14 @@ impl Pool {
                 }))
             } else {
                 let started = Instant::now();
+                let before = backend.arena_stats();
                 let result = backend.run(&job.model, job.inputs, &job.outputs);
                 self.record_run(started.elapsed());
-                if let Some(stats) = backend.arena_stats() {
+                let after = backend.arena_stats();
+                if let Some(stats) = after {
                     *self.arena.lock().unwrap_or_else(|e| e.into_inner()) = Some(stats);
                 }
+                check_estimate(&job.request_id, job.estimate_bytes, before, after, &result);
                 if let Err(BackendError::Allocation { kind, .. }) = &result {
                     self.record_failure(*kind);
                 }
@@ -452,6 +458,36 @@ impl Pool {
         let old = self.mean_run_us.load(Ordering::Relaxed);
         let new = if old == 0 { sample } else { (old * 7 + sample) / 8 };
         self.mean_run_us.store(new, Ordering::Relaxed);
+    }
+}
+
+/// Log when an admission estimate turned out too low for a real run, with both numbers. The
+/// arena's all-time peak moves only when a run needs more than any before it; that run's need
+/// is the new peak minus what was already in use.
+fn check_estimate(
+    request_id: &str,
+    estimate: Option<u64>,
+    before: Option<ArenaStats>,
+    after: Option<ArenaStats>,
+    result: &Result<Vec<Tensor>, BackendError>,
+) {
+    let Some(estimate) = estimate else { return };
+    if let Err(BackendError::Allocation { message, .. }) = result {
+        tracing::warn!(request_id, estimate_bytes = estimate, onnxruntime = %message, "memory estimate too low: the run did not fit");
+        return;
+    }
+    if let (Some(before), Some(after)) = (before, after)
+        && after.peak_active_bytes > before.peak_active_bytes
+    {
+        let needed = after.peak_active_bytes.saturating_sub(before.active_bytes);
+        if needed > estimate {
+            tracing::warn!(
+                request_id,
+                estimate_bytes = estimate,
+                measured_bytes = needed,
+                "memory estimate too low"
+            );
+        }
     }
 }
 
@@ -503,6 +539,7 @@ mod tests {
             }],
             outputs: vec![],
             deadline: None,
+            estimate_bytes: None,
         }
     }
 

@@ -1034,12 +1034,15 @@ impl RawConfig {
                 return Err(c.err("policy.fallback.ms", "a fallback deferral must wait longer than 0"));
             }
             Decision::ShrinkContext { tokens } if *tokens == 0 => {
-                return Err(c.err("policy.fallback.tokens", "a fallback shrink must keep at least one token"));
+                return Err(c.err(
+                    "policy.fallback.tokens",
+                    "a fallback shrink must keep at least one token",
+                ));
             }
-            Decision::Admit { pool: Some(pool) } | Decision::Redirect { pool } => {
-                if !self.pools.iter().any(|x| &x.name == pool) {
-                    return Err(c.err("policy.fallback.pool", format!("no pool named `{pool}` in `pools`")));
-                }
+            Decision::Admit { pool: Some(pool) } | Decision::Redirect { pool }
+                if !self.pools.iter().any(|x| &x.name == pool) =>
+            {
+                return Err(c.err("policy.fallback.pool", format!("no pool named `{pool}` in `pools`")));
             }
             _ => {}
         }

@@ -21,10 +21,13 @@ use axum::{Json, Router};
 use serde_json::{Map, Value, json};
 use tokio::net::TcpListener;
 
+use crate::config::Keep;
 use crate::engine::Engine;
-use crate::metrics::{ModelPoolLabels, Outcome, RequestLabels};
+use crate::metrics::{DecisionLabels, KindLabels, ModelPoolLabels, Outcome, RequestLabels};
 use crate::onnx::BackendError;
 use crate::pool::{Availability, InferJob, Pool, PoolError};
+use crate::router::{self, Plan, PoolView};
+use crate::snapshot::RequestInfo;
 
 /// Request id header, kept end to end.
 pub const REQUEST_ID: &str = "x-request-id";
@@ -34,6 +37,12 @@ pub const POOL_HEADER: &str = "x-vramguard-pool";
 pub const DECISION_HEADER: &str = "x-vramguard-decision";
 /// Client deadline in milliseconds from arrival.
 pub const DEADLINE_HEADER: &str = "x-vramguard-deadline-ms";
+/// Client priority (integer, higher is more important).
+pub const PRIORITY_HEADER: &str = "x-vramguard-priority";
+/// `false` when the request must never be retried automatically once started.
+pub const REPLAYABLE_HEADER: &str = "x-vramguard-replayable";
+/// `FROM->TO` tokens when the context was shrunk.
+pub const CONTEXT_HEADER: &str = "x-vramguard-context";
 /// Binary extension header: length of the JSON part.
 pub const HEADER_LENGTH: &str = "inference-header-content-length";
 
@@ -125,6 +134,7 @@ pub fn app(state: Arc<AppState>) -> Router {
         .route("/v2/models/{model}/versions/{version}/infer", post(infer_versioned))
         .route("/status", get(status))
         .route("/admin/sim/{device}", post(admin_sim))
+        .route("/admin/policy/reload", post(admin_policy_reload))
         .route("/metrics", get(metrics))
         .fallback(|| async { ApiError::new(StatusCode::NOT_FOUND, "no such endpoint") })
         .layer(DefaultBodyLimit::max(body_limit))
@@ -144,6 +154,17 @@ pub async fn serve(
             state.engine.config.exporter.sample_interval,
             token.clone(),
             Arc::clone(&state.engine.resample),
+        ));
+    }
+    if let (crate::config::PolicySource::File(path), Some(interval)) = (
+        &state.engine.config.policy.source,
+        state.engine.config.policy.watch_interval,
+    ) {
+        tokio::spawn(watch_policy(
+            Arc::clone(&state.engine),
+            path.clone(),
+            interval,
+            token.clone(),
         ));
     }
     // Responses are small and latency matters: never let Nagle hold back the last segment.
@@ -174,6 +195,34 @@ pub async fn serve(
             tracing::warn!("connections still open after the grace period; closing them");
             server.abort();
             Ok(())
+        }
+    }
+}
+
+/// Reload the policy when its file changes (checked every `interval`; editors that replace the
+/// file count as a change too).
+async fn watch_policy(
+    engine: Arc<Engine>,
+    path: std::path::PathBuf,
+    interval: Duration,
+    cancel: tokio_util::sync::CancellationToken,
+) {
+    let stamp = |path: &std::path::Path| std::fs::metadata(path).and_then(|m| m.modified()).ok();
+    let mut seen = stamp(&path);
+    let mut ticker = tokio::time::interval(interval);
+    loop {
+        tokio::select! {
+            _ = cancel.cancelled() => return,
+            _ = ticker.tick() => {}
+        }
+        let now = stamp(&path);
+        if now.is_none() || now == seen {
+            continue;
+        }
+        seen = now;
+        let engine = Arc::clone(&engine);
+        if let Ok(Err(e)) = tokio::task::spawn_blocking(move || engine.reload_policy()).await {
+            tracing::warn!(error = %e, "policy file changed but the new script was refused");
         }
     }
 }
@@ -431,37 +480,15 @@ async fn run_inference(
         infer::decode(&body, header_len, &entry.signature).map_err(|e| client_error(StatusCode::BAD_REQUEST, e))?;
     drop(body);
 
-    let pool = engine
-        .pools
-        .iter()
-        .find(|p| p.serves(model) && p.is_ready())
-        .cloned()
-        .ok_or_else(|| {
-            let reasons: Vec<String> = engine
-                .pools
-                .iter()
-                .filter(|p| p.serves(model))
-                .map(|p| match p.availability() {
-                    Availability::Unavailable(reason) => format!("{}: {reason}", p.name()),
-                    Availability::Ready => format!("{}: shutting down", p.name()),
-                })
-                .collect();
-            (
-                None,
-                Outcome::rejected,
-                ApiError::new(
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    format!("no pool can take `{model}` ({})", reasons.join("; ")),
-                )
-                .retry_after(5),
-            )
-        })?;
+    let admitted = admit(state, entry, id, headers, &mut request, deadline).await?;
+    let pool = admitted.pool;
     let job = InferJob {
         request_id: id.to_string(),
         model: model.to_string(),
         inputs: std::mem::take(&mut request.inputs),
         outputs: request.outputs.iter().map(|o| o.name.clone()).collect(),
         deadline,
+        estimate_bytes: Some(admitted.estimate.context_bytes + admitted.estimate.workspace_bytes),
     };
     let fail = |pool: &Arc<Pool>, error: PoolError| {
         let (outcome, api) = pool_error(pool, error);
@@ -495,15 +522,22 @@ async fn run_inference(
     parameters.insert("provider".into(), json!(pool.provider().label()));
     parameters.insert("device".into(), json!(pool.config.device));
     parameters.insert("simulated".into(), json!(pool.device_kind == "simulated"));
-    parameters.insert("decision".into(), json!("admit"));
+    parameters.insert("decision".into(), json!(admitted.action));
     parameters.insert("request_id".into(), json!(id));
+    let context = admitted.context.map(|(from, to)| format!("{from}->{to}"));
+    if let Some(context) = &context {
+        parameters.insert("context".into(), json!(context));
+    }
     let encoded = infer::encode(model, request.id.as_deref(), &parameters, &outputs, &request);
     let mut response = encoded.body.into_response();
     let headers = response.headers_mut();
     headers.insert(
         HeaderName::from_static(DECISION_HEADER),
-        HeaderValue::from_static("admit"),
+        HeaderValue::from_static(admitted.action),
     );
+    if let Some(context) = context.and_then(|c| HeaderValue::from_str(&c).ok()) {
+        headers.insert(HeaderName::from_static(CONTEXT_HEADER), context);
+    }
     match encoded.header_len {
         Some(len) => {
             headers.insert(
@@ -517,6 +551,229 @@ async fn run_inference(
         }
     }
     Ok((pool, response))
+}
+
+/// Where the policy sent a request.
+struct Admitted {
+    pool: Arc<Pool>,
+    /// The decision that placed it: `admit`, `redirect` or `shrink_context`.
+    action: &'static str,
+    /// `(from, to)` tokens when the context was shrunk.
+    context: Option<(u64, u64)>,
+    /// The estimate for what actually runs (after any shrink).
+    estimate: crate::snapshot::Estimate,
+}
+
+fn header_value<T: std::str::FromStr>(headers: &HeaderMap, name: &str, expected: &str) -> Result<Option<T>, String> {
+    match headers.get(name) {
+        None => Ok(None),
+        Some(v) => v
+            .to_str()
+            .ok()
+            .and_then(|s| s.trim().parse().ok())
+            .map(Some)
+            .ok_or_else(|| format!("{name} must be {expected}")),
+    }
+}
+
+/// Ask the policy what to do with the request and carry it out until it is placed on a pool
+/// (possibly after deferring, without holding a worker) or refused.
+async fn admit(
+    state: &AppState,
+    entry: &crate::engine::ModelEntry,
+    id: &str,
+    headers: &HeaderMap,
+    request: &mut infer::DecodedRequest,
+    deadline: Option<Instant>,
+) -> Result<Admitted, InferFailure> {
+    let engine = &state.engine;
+    let model = entry.config.name.as_str();
+    let refuse = |outcome: Outcome, error: ApiError| (None, outcome, error);
+    let client_error = |message: String| refuse(Outcome::client_error, ApiError::new(StatusCode::BAD_REQUEST, message));
+    let priority = header_value::<i64>(headers, PRIORITY_HEADER, "an integer")
+        .map_err(client_error)?
+        .unwrap_or(0);
+    let replayable = header_value::<bool>(headers, REPLAYABLE_HEADER, "`true` or `false`")
+        .map_err(client_error)?
+        .unwrap_or(true);
+    // The router's choice: the first ready pool serving the model. The policy may move it.
+    let routed = engine
+        .pools
+        .iter()
+        .find(|p| p.serves(model) && p.is_ready())
+        .cloned()
+        .ok_or_else(|| {
+            let reasons: Vec<String> = engine
+                .pools
+                .iter()
+                .filter(|p| p.serves(model))
+                .map(|p| match p.availability() {
+                    Availability::Unavailable(reason) => format!("{}: {reason}", p.name()),
+                    Availability::Ready => format!("{}: shutting down", p.name()),
+                })
+                .collect();
+            refuse(
+                Outcome::rejected,
+                ApiError::new(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    format!("no pool can take `{model}` ({})", reasons.join("; ")),
+                )
+                .retry_after(5),
+            )
+        })?;
+    let (tokens, batch) = entry.shape_of(&request.inputs);
+    let mut info = RequestInfo {
+        id: id.to_string(),
+        model: model.to_string(),
+        pool: routed.name().to_string(),
+        context_tokens: tokens,
+        max_new_tokens: 0,
+        batch,
+        priority,
+        replayable,
+        deadline_ms: 0,
+        estimate: entry.estimate(&request.inputs),
+    };
+    let has_context = entry.config.context.is_some();
+    let max_defer = routed.config.max_wait;
+    let mut deferred = Duration::ZERO;
+    let metrics = &engine.metrics;
+    loop {
+        if let Some(deadline) = deadline {
+            // The policy sees the time left, not the time the client first gave.
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(refuse(
+                    Outcome::cancelled,
+                    ApiError::new(
+                        StatusCode::GATEWAY_TIMEOUT,
+                        "the deadline (x-vramguard-deadline-ms) passed while deferred",
+                    ),
+                ));
+            }
+            info.deadline_ms = (left.as_millis() as u64).max(1);
+        }
+        let views: Vec<PoolView<'_>> = engine
+            .pools
+            .iter()
+            .map(|p| PoolView {
+                name: p.name(),
+                serves: p.serves(model),
+                ready: match p.availability() {
+                    Availability::Unavailable(reason) => Err(reason.clone()),
+                    Availability::Ready if p.is_ready() => Ok(()),
+                    Availability::Ready => Err("shutting down".into()),
+                },
+            })
+            .collect();
+        let snapshot = engine.policy_snapshot();
+        let evaluation = engine.policy.decide(&info, &snapshot);
+        metrics.policy_eval_duration.observe(evaluation.duration.as_secs_f64());
+        let mut decision = evaluation.decision;
+        if let Some(error) = &evaluation.error {
+            metrics
+                .policy_errors
+                .get_or_create(&KindLabels {
+                    kind: error.kind.label().into(),
+                })
+                .inc();
+            tracing::warn!(request_id = %id, %error, fallback = %decision, "policy failed; using the fallback decision");
+        }
+        let mut plan = router::plan(&decision, &info, has_context, &views, deferred, max_defer);
+        if let Plan::Invalid(why) = &plan {
+            metrics
+                .policy_errors
+                .get_or_create(&KindLabels {
+                    kind: "bad_return".into(),
+                })
+                .inc();
+            tracing::warn!(request_id = %id, decision = %decision, reason = %why, "policy decision cannot be carried out; using the fallback");
+            decision = engine.policy.current().engine.fallback().clone();
+            plan = match router::plan(&decision, &info, has_context, &views, deferred, max_defer) {
+                Plan::Invalid(why) => Plan::Refuse(format!(
+                    "neither the policy's decision nor the fallback can be carried out: {why}"
+                )),
+                other => other,
+            };
+        }
+        let target = match &plan {
+            Plan::Run { pool, .. } => pool.as_str(),
+            _ => info.pool.as_str(),
+        };
+        metrics
+            .policy_decisions
+            .get_or_create(&DecisionLabels {
+                action: decision.action().into(),
+                pool: target.into(),
+            })
+            .inc();
+        tracing::debug!(
+            request_id = %id,
+            model,
+            action = decision.action(),
+            decision = %decision,
+            pool = target,
+            eval_us = evaluation.duration.as_micros() as u64,
+            estimate_bytes = info.estimate.total_bytes,
+            "policy decision"
+        );
+        match plan {
+            Plan::Run { pool, shrink_to } => {
+                let pool = engine.pool(&pool).cloned().expect("plan only names existing pools");
+                let mut context = None;
+                let mut estimate = info.estimate;
+                if let (Some(to), Some(axis)) = (shrink_to, &entry.config.context) {
+                    if let Some(tensor) = request.inputs.iter_mut().find(|t| t.name == axis.input) {
+                        tensor.truncate_axis(axis.axis, to as usize, axis.keep == Keep::End);
+                    }
+                    context = Some((info.context_tokens, to));
+                    estimate = entry.estimate(&request.inputs);
+                }
+                return Ok(Admitted {
+                    pool,
+                    action: decision.action(),
+                    context,
+                    estimate,
+                });
+            }
+            Plan::Wait(wait) => {
+                if deadline.is_some_and(|d| Instant::now() + wait >= d) {
+                    return Err(refuse(
+                        Outcome::cancelled,
+                        ApiError::new(
+                            StatusCode::GATEWAY_TIMEOUT,
+                            "the deadline (x-vramguard-deadline-ms) cannot be met: the policy defers this request",
+                        ),
+                    ));
+                }
+                tokio::time::sleep(wait).await;
+                deferred += wait;
+            }
+            Plan::DeferredTooLong { total, bound } => {
+                return Err(refuse(
+                    Outcome::deferred_timeout,
+                    ApiError::new(
+                        StatusCode::TOO_MANY_REQUESTS,
+                        format!(
+                            "deferred by the policy for {}ms; deferring again would pass pool `{}`'s max wait of {}ms",
+                            deferred.as_millis(),
+                            routed.name(),
+                            bound.as_millis()
+                        ),
+                    )
+                    .retry_after(total.as_secs().max(1)),
+                ));
+            }
+            Plan::Refuse(reason) => {
+                return Err(refuse(
+                    Outcome::rejected,
+                    ApiError::new(StatusCode::SERVICE_UNAVAILABLE, reason)
+                        .retry_after(routed.estimated_delay().as_secs().max(1)),
+                ));
+            }
+            Plan::Invalid(_) => unreachable!("replaced by the fallback above"),
+        }
+    }
 }
 
 /// Map a pool failure to an outcome and a client-facing error (the one place this happens).
@@ -664,8 +921,47 @@ async fn status(State(state): State<Arc<AppState>>) -> Json<Value> {
         "host": sample.snapshot.host,
         "processes": sample.snapshot.processes,
         "sample_age_ms": sample.taken_at.map(|t| t.elapsed().as_millis() as u64),
-        "policy": null,
+        "policy": policy_status(engine),
     }))
+}
+
+fn unix_seconds(t: SystemTime) -> u64 {
+    t.duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
+}
+
+fn policy_status(engine: &crate::engine::Engine) -> Value {
+    let status = engine.policy.status();
+    json!({
+        "path": status.path.display().to_string(),
+        "source": match &engine.config.policy.source {
+            crate::config::PolicySource::File(_) => "file".to_string(),
+            crate::config::PolicySource::Builtin(name) => format!("builtin:{name}"),
+        },
+        "sha256": status.sha256,
+        "loaded_at_unix": unix_seconds(status.loaded_at),
+        "cases": engine.policy.current().cases,
+        "last_error": status.last_error,
+        "fallback": engine.config.policy.fallback,
+    })
+}
+
+async fn admin_policy_reload(
+    State(state): State<Arc<AppState>>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    headers: HeaderMap,
+) -> Result<Json<Value>, ApiError> {
+    authorize(&state, peer, &headers)?;
+    let engine = Arc::clone(&state.engine);
+    let result = tokio::task::spawn_blocking(move || engine.reload_policy())
+        .await
+        .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?;
+    match result {
+        Ok(_) => Ok(Json(json!({"reloaded": true, "policy": policy_status(&state.engine)}))),
+        Err(e) => Err(ApiError::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            format!("reload refused; the previous policy keeps serving: {e}"),
+        )),
+    }
 }
 
 /// Body of `POST /admin/sim/{device}`.

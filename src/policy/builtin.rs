@@ -24,6 +24,27 @@ const FILES: [(&str, &str, &str); 3] = [
     ),
 ];
 
+/// Params a builtin policy gets unless the config sets them (`policy.params` overrides each):
+/// a config that names no policy, or only `path: builtin:…`, still runs.
+pub fn default_params(name: &str) -> super::Params {
+    let mut params = super::Params::new();
+    let mut set = |k: &str, v: serde_json::Value| {
+        params.insert(k.to_string(), v);
+    };
+    set("reserve_bytes", "32MiB".into());
+    set("min_context_tokens", 16.into());
+    set("defer_ms", 25.into());
+    set("defer_max_queue", 4.into());
+    if name != "latency-first" {
+        set("cpu_pool", "cpu".into());
+    }
+    if name == "availability-first" {
+        set("pressure_bytes", "64MiB".into());
+        set("max_gpu_queue", 2.into());
+    }
+    params
+}
+
 /// Write the builtin policy `name` and its test cases under `dir` (`<dir>/<name>.rhai`,
 /// `<dir>/tests/<name>.yaml`) so it loads, and is tested, exactly like a policy file. Returns
 /// the script's path.

@@ -126,3 +126,13 @@ pub fn spawn_serving(args: &[&str], env: &[(&str, &str)], message: &str) -> (std
     std::thread::spawn(move || for _ in lines {});
     (child, addr)
 }
+
+/// A policy file that admits everything, for tests about what happens after admission. Returns
+/// the `policy:` config section that uses it.
+pub fn admit_all_policy() -> String {
+    let dir = std::env::temp_dir().join(format!("vramguard-admit-all-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("admit-all.rhai");
+    std::fs::write(&path, "fn decide(req, state) { admit() }\n").unwrap();
+    format!("policy: {{path: '{}', watch_interval: 0}}\n", path.display())
+}
