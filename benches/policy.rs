@@ -5,6 +5,8 @@
 //! `cargo bench --bench policy` prints criterion's estimates, then per scenario: criterion's
 //! median, the median and p99 of 100 000 individually timed evaluations (timer included), the
 //! Rust baseline's criterion median and the ratio of the two criterion medians. Scenarios:
+//! - `admit_pools_moved`: the same with only the pools re-converted (a queue moved since the
+//!   last request, the common case under load), through [`StateView::with_pools`].
 //! - `admit`: the common case (the request fits), through [`PolicyHandle::decide`] with the
 //!   snapshot's script view cached (the request path while the snapshot is unchanged);
 //! - `redirect`: the longest path through the script (no fit, no deferral, no shrink, CPU);
@@ -18,7 +20,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use criterion::Criterion;
-use vramguard::policy::{Params, PolicyHandle, PolicySettings};
+use vramguard::policy::{Params, PolicyHandle, PolicySettings, StateView};
 use vramguard::snapshot::{Decision, DeviceState, Estimate, HostState, PoolState, ProcessState, RequestInfo, Snapshot};
 
 const GIB: u64 = 1 << 30;
@@ -255,6 +257,13 @@ fn main() {
         group.bench_function("admit_fresh_snapshot", |b| {
             b.iter(|| engine.decide(black_box(&admit), black_box(&snapshot)))
         });
+        let base = StateView::new(&snapshot);
+        group.bench_function("admit_pools_moved", |b| {
+            b.iter(|| {
+                let view = base.with_pools(black_box(&snapshot.pools));
+                engine.decide_view(black_box(&admit), &view)
+            })
+        });
         group.bench_function("rust_admit", |b| b.iter(|| baseline(black_box(&admit))));
         group.bench_function("rust_redirect", |b| b.iter(|| baseline(black_box(&redirect))));
         group.finish();
@@ -268,20 +277,25 @@ fn main() {
         "{:<22} {:>16} {:>14} {:>14} {:>22} {:>8}",
         "scenario", "criterion median", "median", "p99", "Rust baseline (crit.)", "ratio"
     );
-    let rows: [(&str, &str, &RequestInfo, bool); 3] = [
-        ("admit", "rust_admit", &admit, true),
-        ("redirect", "rust_redirect", &redirect, true),
-        ("admit_fresh_snapshot", "rust_admit", &admit, false),
+    let base = StateView::new(&snapshot);
+    let rows: [(&str, &str, &RequestInfo, u8); 4] = [
+        ("admit", "rust_admit", &admit, 0),
+        ("redirect", "rust_redirect", &redirect, 0),
+        ("admit_pools_moved", "rust_admit", &admit, 1),
+        ("admit_fresh_snapshot", "rust_admit", &admit, 2),
     ];
-    for (name, rust_name, req, cached) in rows {
-        let (median, p99) = if cached {
-            sampled(|| {
+    for (name, rust_name, req, view) in rows {
+        let (median, p99) = match view {
+            0 => sampled(|| {
                 black_box(handle.decide(black_box(req), black_box(&snapshot)));
-            })
-        } else {
-            sampled(|| {
+            }),
+            1 => sampled(|| {
+                let view = base.with_pools(black_box(&snapshot.pools));
+                black_box(engine.decide_view(black_box(req), &view));
+            }),
+            _ => sampled(|| {
                 black_box(engine.decide(black_box(req), black_box(&snapshot)));
-            })
+            }),
         };
         let script = criterion_median(&output, name);
         let rust = criterion_median(&output, rust_name);

@@ -18,7 +18,7 @@ use crate::exporter::{LiveCollector, Sampler, SnapshotStore};
 use crate::metrics::{Metrics, PolicyInfoLabels, ResultLabels};
 use crate::model;
 use crate::onnx::{self, ModelSignature, OnnxRuntime, OrtBackend, RuntimeError, SessionOptions};
-use crate::policy::{PolicyHandle, PolicySettings};
+use crate::policy::{PolicyHandle, PolicySettings, StateView};
 use crate::pool::{Backend, Pool, PoolContext, PoolLoad};
 use crate::snapshot::{RequestInfo, Snapshot};
 
@@ -100,16 +100,18 @@ pub struct Engine {
     sampler: Mutex<Option<Sampler>>,
     /// The admission policy.
     pub policy: Arc<PolicyHandle>,
-    /// The snapshot policies see: the latest sample with the pools' live load, rebuilt only when
-    /// one of them changed (so the policy's cached view of it is reused between requests).
-    policy_state: Mutex<Option<(PolicyStateKey, Arc<Snapshot>)>>,
+    /// The policy's cached view of the latest sample and the pools' live load.
+    policy_state: Mutex<Option<PolicyState>>,
 }
 
-/// What makes the policy's snapshot stale: a new sample, or a pool's load moving.
-#[derive(Debug, Clone, PartialEq, Eq)]
-struct PolicyStateKey {
+/// A cached policy view and what it was built from.
+struct PolicyState {
     generation: u64,
-    pools: Vec<[u64; 5]>,
+    loads: Vec<[u64; 5]>,
+    /// The sample's view as sampled (devices, host, processes are shared from it).
+    base: StateView,
+    /// `base` with the pools' live load.
+    view: StateView,
 }
 
 impl std::fmt::Debug for Engine {
@@ -197,10 +199,11 @@ impl Engine {
         })
     }
 
-    /// The snapshot to decide on: the latest sample with every pool's live queue, in-flight
-    /// count, recent failures and delay estimate. The same `Arc` comes back while nothing
-    /// changed, which lets the policy reuse its view of it.
-    pub fn policy_snapshot(&self) -> Arc<Snapshot> {
+    /// The policy's view of the world: the latest sample with every pool's live queue, in-flight
+    /// count, recent failures and delay estimate. Converting a snapshot for the script is most
+    /// of an evaluation's cost, so the view is cached: a new sample rebuilds it, a pool's load
+    /// moving rebuilds only its pools.
+    pub fn policy_view(&self) -> StateView {
         let sample = self.store.latest();
         let live: Vec<(PoolLoad, u64, u64)> = self
             .pools
@@ -213,32 +216,30 @@ impl Engine {
                 )
             })
             .collect();
-        let key = PolicyStateKey {
-            generation: sample.generation,
-            // Ages and delays are quantised so a waiting request does not force a rebuild on
-            // every decision while nothing else moves.
-            pools: live
-                .iter()
-                .map(|(load, failures, delay)| {
-                    [
-                        load.queue_depth as u64,
-                        load.inflight as u64,
-                        load.oldest_age.as_millis() as u64 / 100,
-                        *failures,
-                        delay / 10,
-                    ]
-                })
-                .collect(),
-        };
+        // Ages and delays are quantised so a waiting request does not force a rebuild on every
+        // decision while nothing else moves.
+        let loads: Vec<[u64; 5]> = live
+            .iter()
+            .map(|(load, failures, delay)| {
+                [
+                    load.queue_depth as u64,
+                    load.inflight as u64,
+                    load.oldest_age.as_millis() as u64 / 100,
+                    *failures,
+                    delay / 10,
+                ]
+            })
+            .collect();
         let mut cached = self.policy_state.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some((seen, snapshot)) = cached.as_ref()
-            && *seen == key
+        if let Some(state) = cached.as_ref()
+            && state.generation == sample.generation
+            && state.loads == loads
         {
-            return Arc::clone(snapshot);
+            return state.view.clone();
         }
-        let mut snapshot = (*sample.snapshot).clone();
+        let mut pools = sample.snapshot.pools.clone();
         for (pool, (load, failures, delay)) in self.pools.iter().zip(&live) {
-            if let Some(state) = snapshot.pools.get_mut(pool.name()) {
+            if let Some(state) = pools.get_mut(pool.name()) {
                 state.queue_depth = load.queue_depth as u64;
                 state.inflight = load.inflight as u64;
                 state.queue_oldest_age_ms = load.oldest_age.as_millis() as u64;
@@ -246,9 +247,18 @@ impl Engine {
                 state.est_delay_ms = *delay;
             }
         }
-        let snapshot = Arc::new(snapshot);
-        *cached = Some((key, Arc::clone(&snapshot)));
-        snapshot
+        let base = match cached.take() {
+            Some(state) if state.generation == sample.generation => state.base,
+            _ => StateView::new(&sample.snapshot),
+        };
+        let view = base.with_pools(&pools);
+        *cached = Some(PolicyState {
+            generation: sample.generation,
+            loads,
+            base,
+            view: view.clone(),
+        });
+        view
     }
 
     /// Reload the policy (admin endpoint, file watcher) and account for it in the metrics.

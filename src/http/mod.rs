@@ -666,9 +666,12 @@ async fn admit(
                 },
             })
             .collect();
-        let snapshot = engine.policy_snapshot();
-        let evaluation = engine.policy.decide(&info, &snapshot);
-        metrics.policy_eval_duration.observe(evaluation.duration.as_secs_f64());
+        let eval_started = Instant::now();
+        let view = engine.policy_view();
+        let evaluation = engine.policy.current().engine.decide_view(&info, &view);
+        // Building the script's inputs counts: the view is part of what every request pays.
+        let eval_time = eval_started.elapsed();
+        metrics.policy_eval_duration.observe(eval_time.as_secs_f64());
         let mut decision = evaluation.decision;
         if let Some(error) = &evaluation.error {
             metrics
@@ -713,7 +716,7 @@ async fn admit(
             action = decision.action(),
             decision = %decision,
             pool = target,
-            eval_us = evaluation.duration.as_micros() as u64,
+            eval_us = eval_time.as_micros() as u64,
             estimate_bytes = info.estimate.total_bytes,
             "policy decision"
         );

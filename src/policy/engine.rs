@@ -455,6 +455,7 @@ fn sandbox() -> &'static rhai::Engine {
 
 fn build_sandbox() -> rhai::Engine {
     let mut engine = rhai::Engine::new();
+    engine.set_optimization_level(rhai::OptimizationLevel::Full);
 
     // No way out: no `eval` (code from strings), no modules, no I/O. `print`/`debug` are the only
     // output and go to the log at debug level.

@@ -194,6 +194,17 @@ impl StateView {
         StateView { map, pools }
     }
 
+    /// The same view with `pools` replaced: when only the pools' live load moved, devices, host
+    /// and processes (most of the conversion) are shared, not rebuilt.
+    pub fn with_pools(&self, pools: &BTreeMap<String, PoolState>) -> Self {
+        let pools = Table::from_entries(pools.iter().map(|(name, p)| (name.into(), pool(p))));
+        let mut map = self.map.clone();
+        if let Some(slot) = map.get_mut("pools") {
+            *slot = Dynamic::from(pools.clone());
+        }
+        StateView { map, pools }
+    }
+
     /// Whether the snapshot has a pool called `name` (decisions naming another pool are refused).
     pub fn has_pool(&self, name: &str) -> bool {
         self.pools.contains(name)
