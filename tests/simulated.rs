@@ -8,23 +8,7 @@ use common::TestServer;
 use reqwest::StatusCode;
 use serde_json::{Value, json};
 
-const CONFIG: &str = "
-devices: [{name: gpu0, kind: simulated, capacity: 128MiB}]
-models: [{name: encoder, path: 'builtin:encoder', context: {input: input, axis: 1}}]
-pools: [{name: gpu, provider: simulated, device: gpu0, models: [encoder]}]
-";
-
-/// An encoder request of `seq` tokens, sent as binary tensor data.
-async fn encoder(server: &TestServer, seq: usize) -> reqwest::Response {
-    let (header, body) = common::encoder_binary_request(seq);
-    reqwest::Client::new()
-        .post(server.url("/v2/models/encoder/infer"))
-        .header("Inference-Header-Content-Length", header.len())
-        .body(body)
-        .send()
-        .await
-        .unwrap()
-}
+const CONFIG: &str = common::SIMULATED_CONFIG;
 
 #[tokio::test]
 async fn a_request_that_does_not_fit_gets_an_allocator_failure_and_the_next_one_is_served() {
@@ -33,7 +17,7 @@ async fn a_request_that_does_not_fit_gets_an_allocator_failure_and_the_next_one_
 
     let before: Value = reqwest::get(server.url("/status")).await.unwrap().json().await.unwrap();
     let reserved_before = before["pools"][0]["arena"]["reserved_bytes"].as_u64().unwrap();
-    let small = encoder(&server, 64).await;
+    let small = server.encoder(64).await;
     assert_eq!(small.status(), StatusCode::OK);
     let body: Value = small.json().await.unwrap();
     assert_eq!(body["parameters"]["simulated"], true);
@@ -47,7 +31,7 @@ async fn a_request_that_does_not_fit_gets_an_allocator_failure_and_the_next_one_
     assert!(arena["peak_active_bytes"].as_u64().unwrap() > arena["active_bytes"].as_u64().unwrap());
 
     // 4 heads × 4096² FP32 attention scores alone are 256 MiB: twice the simulated capacity.
-    let big = encoder(&server, 4096).await;
+    let big = server.encoder(4096).await;
     assert_eq!(big.status(), StatusCode::SERVICE_UNAVAILABLE);
     assert!(big.headers().contains_key("retry-after"));
     assert_eq!(big.headers()["x-vramguard-pool"], "gpu");
@@ -64,7 +48,7 @@ async fn a_request_that_does_not_fit_gets_an_allocator_failure_and_the_next_one_
         reqwest::get(server.url("/v2/health/ready")).await.unwrap().status(),
         StatusCode::OK
     );
-    let again = encoder(&server, 256).await;
+    let again = server.encoder(256).await;
     assert_eq!(again.status(), StatusCode::OK);
 
     let metrics = server.metrics().await;
@@ -111,7 +95,7 @@ async fn a_request_that_does_not_fit_gets_an_allocator_failure_and_the_next_one_
         "{metrics}"
     );
     // 4 × 1536² FP32 scores are 36 MiB in one block: more than the 28 MiB the pressure leaves.
-    let squeezed = encoder(&server, 1536).await;
+    let squeezed = server.encoder(1536).await;
     assert_eq!(squeezed.status(), StatusCode::SERVICE_UNAVAILABLE);
     let release = reqwest::Client::new()
         .post(server.url("/admin/sim/gpu0"))
@@ -120,7 +104,7 @@ async fn a_request_that_does_not_fit_gets_an_allocator_failure_and_the_next_one_
         .await
         .unwrap();
     assert_eq!(release.status(), StatusCode::OK);
-    assert_eq!(encoder(&server, 1536).await.status(), StatusCode::OK);
+    assert_eq!(server.encoder(1536).await.status(), StatusCode::OK);
     let metrics = server.metrics().await;
     assert!(
         !metrics.contains("simulated-pressure"),
@@ -157,7 +141,7 @@ async fn a_request_that_does_not_fit_gets_an_allocator_failure_and_the_next_one_
 #[tokio::test]
 async fn the_live_exposition_passes_promtool_and_negotiates_openmetrics() {
     let server = TestServer::start(CONFIG).await;
-    assert_eq!(encoder(&server, 32).await.status(), StatusCode::OK);
+    assert_eq!(server.encoder(32).await.status(), StatusCode::OK);
     let text = reqwest::get(server.url("/metrics")).await.unwrap();
     assert_eq!(
         text.headers()["content-type"],

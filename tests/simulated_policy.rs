@@ -6,29 +6,14 @@ mod common;
 use common::TestServer;
 use reqwest::StatusCode;
 
-const CONFIG: &str = "
-devices: [{name: gpu0, kind: simulated, capacity: 128MiB}]
-models: [{name: encoder, path: 'builtin:encoder', context: {input: input, axis: 1}}]
-pools: [{name: gpu, provider: simulated, device: gpu0, models: [encoder]}]
-";
-
-async fn encoder(server: &TestServer, seq: usize) -> reqwest::Response {
-    let (header, body) = common::encoder_binary_request(seq);
-    reqwest::Client::new()
-        .post(server.url("/v2/models/encoder/infer"))
-        .header("Inference-Header-Content-Length", header.len())
-        .body(body)
-        .send()
-        .await
-        .unwrap()
-}
+const CONFIG: &str = common::SIMULATED_CONFIG;
 
 /// The default policy sees the same request coming and shrinks its context to what fits, so
 /// no allocation fails at all.
 #[tokio::test]
 async fn the_default_policy_shrinks_a_request_that_would_not_fit() {
     let server = TestServer::start(CONFIG).await;
-    let response = encoder(&server, 4096).await;
+    let response = server.encoder(4096).await;
     assert_eq!(response.status(), StatusCode::OK);
     assert_eq!(response.headers()["x-vramguard-decision"], "shrink_context");
     let context = response.headers()["x-vramguard-context"].to_str().unwrap().to_string();

@@ -89,6 +89,27 @@ pub fn floats(v: &Value) -> Vec<f64> {
     v.as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect()
 }
 
+/// One simulated device of 128 MiB with the encoder on it.
+pub const SIMULATED_CONFIG: &str = "
+devices: [{name: gpu0, kind: simulated, capacity: 128MiB}]
+models: [{name: encoder, path: 'builtin:encoder', context: {input: input, axis: 1}}]
+pools: [{name: gpu, provider: simulated, device: gpu0, models: [encoder]}]
+";
+
+impl TestServer {
+    /// Send an encoder request of `seq` tokens as binary tensor data.
+    pub async fn encoder(&self, seq: usize) -> reqwest::Response {
+        let (header, body) = encoder_binary_request(seq);
+        reqwest::Client::new()
+            .post(self.url("/v2/models/encoder/infer"))
+            .header("Inference-Header-Content-Length", header.len())
+            .body(body)
+            .send()
+            .await
+            .unwrap()
+    }
+}
+
 /// An encoder request of `seq` tokens as binary tensor data: `(json header, whole body)`.
 pub fn encoder_binary_request(seq: usize) -> (String, Vec<u8>) {
     let header = serde_json::json!({
