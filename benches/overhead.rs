@@ -44,7 +44,9 @@ fn summarize(mut samples: Vec<Duration>, throughput: f64) -> Stats {
     }
 }
 
-fn in_process(seconds: f64) -> Stats {
+/// In-process runs; `gap` idles between runs the way a server waits for its next request
+/// (caches and the ONNX Runtime thread go cold), so the two baselines bracket the truth.
+fn in_process(seconds: f64, gap: Duration) -> Stats {
     let rt = onnx::runtime(None).expect("ONNX Runtime (run `make deps`)");
     let options = SessionOptions {
         provider: Provider::Cpu,
@@ -66,6 +68,9 @@ fn in_process(seconds: f64) -> Stats {
     let mut samples = Vec::new();
     let started = Instant::now();
     while started.elapsed().as_secs_f64() < seconds {
+        if !gap.is_zero() {
+            std::thread::sleep(gap);
+        }
         let t = Instant::now();
         onnx::run(&mut session, vec![make()], &wanted, None).unwrap();
         samples.push(t.elapsed());
@@ -204,8 +209,10 @@ fn main() {
         .unwrap_or(5.0);
     println!("encoder seq {SEQ} batch 1, one inference thread each side, {seconds}s per measurement");
 
-    let local = in_process(seconds);
+    let local = in_process(seconds, Duration::ZERO);
     print("in-process ONNX Runtime", &local);
+    let idle = in_process(seconds.min(2.0), Duration::from_micros(200));
+    print("in-process, 200 µs idle between runs", &idle);
 
     let raw: RawConfig = parse_yaml(
         "models: [{name: encoder, path: 'builtin:encoder'}]\n\
@@ -268,6 +275,10 @@ fn main() {
             added(&raw)
         );
         println!("added median latency, binary, reqwest:    {:>7.1} µs", added(&binary));
+        println!(
+            "added median latency, binary, raw client, against the idle-gap baseline: {:>7.1} µs",
+            (raw.median.as_secs_f64() - idle.median.as_secs_f64()) * 1e6
+        );
         println!("added median latency, JSON, reqwest:      {:>7.1} µs", added(&json));
         println!(
             "saturated throughput: {:.0} req/s = {:.1}% of in-process {:.0} req/s (target ≥ 90%)",
