@@ -222,19 +222,24 @@ fn main() {
     .unwrap();
     let config: Config = raw.validate("bench.yaml", Path::new(".")).unwrap();
     let engine = Arc::new(Engine::start(config).unwrap());
-    let runtime = tokio::runtime::Builder::new_multi_thread()
+    // The server gets the runtime `vramguard serve` would have; the clients run on their own
+    // single thread, so they do not borrow the server's workers.
+    let server_runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()
         .unwrap();
-    runtime.block_on(async {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let listener_addr = listener.local_addr().unwrap();
+    let listener = server_runtime
+        .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
+        .unwrap();
+    let listener_addr = listener.local_addr().unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let server = server_runtime.spawn(http::serve(AppState::new(engine).unwrap(), listener, async {
+        let _ = stopped.await;
+    }));
+    let client_runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    client_runtime.block_on(async {
         let url = format!("http://{listener_addr}/v2/models/encoder/infer");
-        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        let server = tokio::spawn(http::serve(AppState::new(engine).unwrap(), listener, async {
-            let _ = stopped.await;
-        }));
         let health = url.replace("/v2/models/encoder/infer", "/v2/health/live");
         let client = reqwest::Client::new();
         let mut floor = Vec::new();
@@ -286,7 +291,7 @@ fn main() {
             100.0 * saturated.per_second / local.per_second,
             local.per_second
         );
-        let _ = stop.send(());
-        server.await.unwrap().unwrap();
     });
+    let _ = stop.send(());
+    server_runtime.block_on(server).unwrap().unwrap();
 }
