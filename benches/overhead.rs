@@ -237,7 +237,10 @@ fn main() {
     let server = server_runtime.spawn(http::serve(AppState::new(engine).unwrap(), listener, async {
         let _ = stopped.await;
     }));
-    let client_runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let client_runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
     client_runtime.block_on(async {
         let url = format!("http://{listener_addr}/v2/models/encoder/infer");
         let health = url.replace("/v2/models/encoder/infer", "/v2/health/live");
