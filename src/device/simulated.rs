@@ -72,7 +72,10 @@ impl SimulatedDevice {
             ));
         }
         self.hold().set(bytes).map_err(|e| {
-            format!("the simulated arena cannot hold {bytes} bytes now (vramguard's own tensors use part of it): {e}")
+            format!(
+                "the simulated arena cannot hold {bytes} bytes now (vramguard's arena keeps part of it reserved): {}",
+                crate::onnx::concise(&e)
+            )
         })
     }
 

@@ -813,7 +813,7 @@ fn pool_error(pool: &Pool, error: PoolError) -> (Outcome, ApiError) {
                         "allocator failure ({kind}) on pool `{}`, device `{}`{simulated}: the request does not fit in accelerator memory; {}",
                         pool.name(),
                         pool.config.device,
-                        first_line(&message)
+                        crate::onnx::concise(&message)
                     ),
                 )
                 .retry_after(retry),
@@ -821,7 +821,7 @@ fn pool_error(pool: &Pool, error: PoolError) -> (Outcome, ApiError) {
         }
         PoolError::Backend(BackendError::InvalidInput(message)) => (
             Outcome::client_error,
-            ApiError::new(StatusCode::BAD_REQUEST, first_line(&message)),
+            ApiError::new(StatusCode::BAD_REQUEST, crate::onnx::concise(&message)),
         ),
         PoolError::Backend(BackendError::Runtime(message)) => {
             tracing::error!(pool = pool.name(), error = %message, "inference failed");
@@ -836,22 +836,6 @@ fn pool_error(pool: &Pool, error: PoolError) -> (Outcome, ApiError) {
                 ),
             )
         }
-    }
-}
-
-/// ONNX Runtime messages carry a source path and function before the useful part.
-fn first_line(message: &str) -> String {
-    let line = message.lines().next().unwrap_or(message);
-    match line.find("Status Message: ") {
-        Some(i) => {
-            let rest = &line[i + "Status Message: ".len()..];
-            // "/onnxruntime_src/...cc:360 void* onnxruntime::BFCArena::... Available memory of ..."
-            match rest.find("Available memory") {
-                Some(j) => rest[j..].trim().to_string(),
-                None => rest.trim().to_string(),
-            }
-        }
-        None => line.trim().to_string(),
     }
 }
 
@@ -1065,22 +1049,5 @@ pub fn metrics_response(registry: &prometheus_client::registry::Registry, header
             crate::metrics::encode_prometheus_text(registry),
         )
             .into_response()
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn onnx_runtime_messages_are_trimmed_to_the_useful_part() {
-        let msg = "Non-zero status code returned while running FusedMatMul node. Name:'scores' Status Message: \
-                   /onnxruntime_src/onnxruntime/core/framework/bfc_arena.cc:360 void* onnxruntime::BFCArena::AllocateRawInternal(size_t, bool, onnxruntime::Stream*) \
-                   Available memory of 45416192 is smaller than requested bytes of 67108864\n";
-        assert_eq!(
-            first_line(msg),
-            "Available memory of 45416192 is smaller than requested bytes of 67108864"
-        );
-        assert_eq!(first_line("plain"), "plain");
     }
 }

@@ -262,6 +262,20 @@ pub fn classify(message: &str) -> BackendError {
     }
 }
 
+/// The useful part of an ONNX Runtime message for a client or operator: its first line, without
+/// the node preamble and the source file and function that precede an arena failure.
+pub fn concise(message: &str) -> String {
+    let line = message.lines().next().unwrap_or(message);
+    let line = line
+        .find("Status Message: ")
+        .map_or(line, |i| &line[i + "Status Message: ".len()..]);
+    // "/onnxruntime_src/…/bfc_arena.cc:360 void* onnxruntime::BFCArena::… Available memory of …"
+    match line.find("Available memory") {
+        Some(i) => line[i..].trim().to_string(),
+        None => line.trim().to_string(),
+    }
+}
+
 /// One input or output as the model declares it (`-1` for a dynamic axis).
 #[derive(Debug, Clone, PartialEq)]
 pub struct TensorSpec {
@@ -569,6 +583,23 @@ mod tests {
             BackendError::InvalidInput(_)
         ));
         assert!(matches!(classify("something else"), BackendError::Runtime(_)));
+    }
+
+    #[test]
+    fn messages_are_trimmed_to_the_useful_part() {
+        let msg = "Non-zero status code returned while running FusedMatMul node. Name:'scores' Status Message: \
+                   /onnxruntime_src/onnxruntime/core/framework/bfc_arena.cc:360 void* onnxruntime::BFCArena::AllocateRawInternal(size_t, bool, onnxruntime::Stream*) \
+                   Available memory of 45416192 is smaller than requested bytes of 67108864\n";
+        assert_eq!(
+            concise(msg),
+            "Available memory of 45416192 is smaller than requested bytes of 67108864"
+        );
+        let alloc = "/onnxruntime_src/onnxruntime/core/framework/bfc_arena.cc:360 void* f() Available memory of 1 is smaller than requested bytes of 2";
+        assert_eq!(
+            concise(alloc),
+            "Available memory of 1 is smaller than requested bytes of 2"
+        );
+        assert_eq!(concise("plain\nsecond"), "plain");
     }
 
     #[test]
