@@ -31,6 +31,18 @@ pub struct ModelEntry {
     pub signature: ModelSignature,
     /// What its runs need, for request estimates.
     pub profile: MemoryProfile,
+    /// The ONNX bytes, read once and shared by every pool's sessions.
+    pub bytes: ModelBytes,
+}
+
+/// A model's serialized bytes (borrowed for builtin models); `Debug` shows only the size.
+#[derive(Clone)]
+pub struct ModelBytes(pub std::borrow::Cow<'static, [u8]>);
+
+impl std::fmt::Debug for ModelBytes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "ModelBytes({} bytes)", self.0.len())
+    }
 }
 
 impl ModelEntry {
@@ -205,28 +217,22 @@ impl Engine {
     /// moving rebuilds only its pools.
     pub fn policy_view(&self) -> StateView {
         let sample = self.store.latest();
-        let live: Vec<(PoolLoad, u64, u64)> = self
+        let live: Vec<(PoolLoad, u64)> = self
             .pools
             .iter()
-            .map(|p| {
-                (
-                    p.load(),
-                    p.alloc_failures_recent(),
-                    p.estimated_delay().as_millis() as u64,
-                )
-            })
+            .map(|p| (p.load(), p.alloc_failures_recent()))
             .collect();
         // Ages and delays are quantised so a waiting request does not force a rebuild on every
         // decision while nothing else moves.
         let loads: Vec<[u64; 5]> = live
             .iter()
-            .map(|(load, failures, delay)| {
+            .map(|(load, failures)| {
                 [
                     load.queue_depth as u64,
                     load.inflight as u64,
                     load.oldest_age.as_millis() as u64 / 100,
                     *failures,
-                    delay / 10,
+                    load.estimated_delay.as_millis() as u64 / 10,
                 ]
             })
             .collect();
@@ -238,13 +244,13 @@ impl Engine {
             return state.view.clone();
         }
         let mut pools = sample.snapshot.pools.clone();
-        for (pool, (load, failures, delay)) in self.pools.iter().zip(&live) {
+        for (pool, (load, failures)) in self.pools.iter().zip(&live) {
             if let Some(state) = pools.get_mut(pool.name()) {
                 state.queue_depth = load.queue_depth as u64;
                 state.inflight = load.inflight as u64;
                 state.queue_oldest_age_ms = load.oldest_age.as_millis() as u64;
                 state.alloc_failures_recent = *failures;
-                state.est_delay_ms = *delay;
+                state.est_delay_ms = load.estimated_delay.as_millis() as u64;
             }
         }
         let base = match cached.take() {
@@ -534,6 +540,7 @@ fn load_models(rt: &OnnxRuntime, config: &Config) -> Result<Vec<ModelEntry>, Con
             config: m.clone(),
             signature,
             profile,
+            bytes: ModelBytes(bytes),
         });
     }
     Ok(entries)
@@ -549,39 +556,23 @@ fn start_pool(
     let device_kind = config.devices.iter().find(|d| d.name == pool.device).map(|d| d.kind);
     let kind_label = device_kind.map(|k| k.label()).unwrap_or("host");
     let mut device_index = 0;
-    match (&pool.provider, device_kind) {
-        (Provider::Simulated, Some(DeviceKind::Simulated { capacity })) => rt.ensure_simulated_arena(capacity)?,
-        (Provider::Cuda(_), Some(DeviceKind::Nvidia { index })) => {
-            device_index = index;
-            match crate::device::nvidia_device_count() {
-                Ok(n) if index < n => {}
-                Ok(n) => {
-                    let reason = format!("NVIDIA device {index} does not exist (NVML sees {n})");
-                    tracing::error!(pool = %pool.name, %reason, "pool unavailable");
-                    return Ok(Pool::unavailable(pool.clone(), kind_label, reason, context));
-                }
-                Err(reason) => {
-                    tracing::error!(pool = %pool.name, %reason, "pool unavailable");
-                    return Ok(Pool::unavailable(pool.clone(), kind_label, reason, context));
-                }
-            }
+    if let (Provider::Cuda(_), Some(DeviceKind::Nvidia { index })) = (&pool.provider, device_kind) {
+        device_index = index;
+        let missing = match crate::device::nvidia_device_count() {
+            Ok(n) if index < n => None,
+            Ok(n) => Some(format!("NVIDIA device {index} does not exist (NVML sees {n})")),
+            Err(reason) => Some(reason),
+        };
+        if let Some(reason) = missing {
+            tracing::error!(pool = %pool.name, %reason, "pool unavailable");
+            return Ok(Pool::unavailable(pool.clone(), kind_label, reason, context));
         }
-        _ => {}
     }
-    let sources: Vec<(String, std::borrow::Cow<'static, [u8]>)> = models
+    let borrowed: Vec<(String, &[u8])> = models
         .iter()
         .filter(|m| pool.models.contains(&m.config.name))
-        .map(|m| {
-            model::load_bytes(&m.config.source)
-                .map(|b| (m.config.name.clone(), b))
-                .map_err(|e| ConfigError::Invalid {
-                    file: config.source.clone(),
-                    key: format!("pools.{}.models", pool.name),
-                    message: e,
-                })
-        })
-        .collect::<Result<_, _>>()?;
-    let borrowed: Vec<(String, &[u8])> = sources.iter().map(|(n, b)| (n.clone(), b.as_ref())).collect();
+        .map(|m| (m.config.name.clone(), m.bytes.0.as_ref()))
+        .collect();
     let options = SessionOptions {
         provider: pool.provider.clone(),
         device_index,

@@ -157,6 +157,9 @@ pub struct PoolLoad {
     pub oldest_age: Duration,
     /// Requests being run.
     pub inflight: usize,
+    /// Estimated wait before a new request would finish: the queue ahead of it and the work in
+    /// flight, spread over the workers, times the mean run time.
+    pub estimated_delay: Duration,
 }
 
 /// Whether a pool can take work.
@@ -276,11 +279,14 @@ impl Pool {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Current queue depth, oldest age and in-flight count.
+    /// Current queue depth, oldest age, in-flight count and delay estimate, read under one lock.
     pub fn load(&self) -> PoolLoad {
         let now = self.context.clock.now();
+        let mean = Duration::from_micros(self.mean_run_us.load(Ordering::Relaxed));
         let state = self.lock();
+        let ahead = (state.jobs.len() + state.inflight + 1) as u32;
         PoolLoad {
+            estimated_delay: mean * ahead.div_ceil(self.config.workers.max(1) as u32),
             queue_depth: state.jobs.len(),
             // Computed when asked, so a request stuck in the queue shows its growing age even
             // while nothing is dequeued.
@@ -321,15 +327,6 @@ impl Pool {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .push_back(now);
-    }
-
-    /// Estimated wait before a new request would finish: the queue ahead of it and the work in
-    /// flight, spread over the workers, times the mean run time.
-    pub fn estimated_delay(&self) -> Duration {
-        let load = self.load();
-        let mean = Duration::from_micros(self.mean_run_us.load(Ordering::Relaxed));
-        let ahead = (load.queue_depth + load.inflight + 1) as u32;
-        mean * ahead.div_ceil(self.config.workers.max(1) as u32)
     }
 
     /// Queue a job; the receiver yields its result. Refused at once when the pool is

@@ -207,7 +207,7 @@ impl Sampler {
                     inflight: load.inflight as u64,
                     concurrency: pool.config.workers as u64,
                     alloc_failures_recent: pool.alloc_failures_recent(),
-                    est_delay_ms: pool.estimated_delay().as_millis() as u64,
+                    est_delay_ms: load.estimated_delay.as_millis() as u64,
                     max_context: 0,
                 },
             );
@@ -249,7 +249,8 @@ impl Sampler {
     /// Sample every `interval`, and at once when `wake` is notified, until `cancel` fires; the
     /// sampling itself runs off the async runtime.
     pub async fn run(mut self, interval: Duration, cancel: CancellationToken, wake: Arc<tokio::sync::Notify>) {
-        let mut ticker = tokio::time::interval(interval);
+        // The first tick of an interval fires at once; the owner sampled before serving.
+        let mut ticker = tokio::time::interval_at(tokio::time::Instant::now() + interval, interval);
         ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tokio::select! {

@@ -771,7 +771,7 @@ async fn admit(
                 return Err(refuse(
                     Outcome::rejected,
                     ApiError::new(StatusCode::SERVICE_UNAVAILABLE, reason)
-                        .retry_after(routed.estimated_delay().as_secs().max(1)),
+                        .retry_after(routed.load().estimated_delay.as_secs().max(1)),
                 ));
             }
             Plan::Invalid(_) => unreachable!("replaced by the fallback above"),
@@ -781,7 +781,7 @@ async fn admit(
 
 /// Map a pool failure to an outcome and a client-facing error (the one place this happens).
 fn pool_error(pool: &Pool, error: PoolError) -> (Outcome, ApiError) {
-    let retry = pool.estimated_delay().as_secs().max(1);
+    let retry = pool.load().estimated_delay.as_secs().max(1);
     match error {
         PoolError::QueueFull { .. } | PoolError::ShuttingDown { .. } | PoolError::Unavailable { .. } => (
             Outcome::rejected,
@@ -872,7 +872,7 @@ async fn status(State(state): State<Arc<AppState>>) -> Json<Value> {
                 "queue_capacity": p.config.queue_capacity,
                 "queue_oldest_age_ms": load.oldest_age.as_millis() as u64,
                 "inflight": load.inflight,
-                "estimated_delay_ms": p.estimated_delay().as_millis() as u64,
+                "estimated_delay_ms": load.estimated_delay.as_millis() as u64,
                 "alloc_failures_recent": p.alloc_failures_recent(),
                 "arena": arena,
             })
