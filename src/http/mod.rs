@@ -668,7 +668,7 @@ async fn admit(
             .collect();
         let eval_started = Instant::now();
         let view = engine.policy_view();
-        let evaluation = engine.policy.current().engine.decide_view(&info, &view);
+        let evaluation = engine.policy.decide_view(&info, &view);
         // Building the script's inputs counts: the view is part of what every request pays.
         let eval_time = eval_started.elapsed();
         metrics.policy_eval_duration.observe(eval_time.as_secs_f64());

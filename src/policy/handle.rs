@@ -93,9 +93,6 @@ pub struct PolicyHandle {
     last_error: Mutex<Option<String>>,
     /// Serializes reloads (file watcher and admin endpoint), so the newest file read wins.
     reloading: Mutex<()>,
-    /// The script's `state` for the latest snapshot seen, keyed by the snapshot's allocation:
-    /// while the server hands out the same `Arc<Snapshot>`, the conversion is reused.
-    view: Mutex<Option<(Arc<Snapshot>, Arc<StateView>)>>,
 }
 
 impl PolicyHandle {
@@ -110,7 +107,6 @@ impl PolicyHandle {
             current: RwLock::new(Arc::new(loaded)),
             last_error: Mutex::new(None),
             reloading: Mutex::new(()),
-            view: Mutex::new(None),
         })
     }
 
@@ -124,28 +120,18 @@ impl PolicyHandle {
         Arc::clone(&self.current.read().unwrap_or_else(PoisonError::into_inner))
     }
 
-    /// Decide for one request with the current script. Pass the same `Arc<Snapshot>` for as long
-    /// as the snapshot is unchanged: the script's view of it is then built only once.
-    pub fn decide(&self, req: &RequestInfo, snapshot: &Arc<Snapshot>) -> Evaluation {
+    /// Decide for one request with the current script, converting `snapshot` for it. The server
+    /// keeps its converted view between requests and calls [`PolicyHandle::decide_view`] instead
+    /// (see `Engine::policy_view`); this is for one-off decisions.
+    pub fn decide(&self, req: &RequestInfo, snapshot: &Snapshot) -> Evaluation {
         let started = Instant::now();
-        let view = self.view_of(snapshot);
+        let view = StateView::new(snapshot);
         self.current().engine.evaluate(started, req, &view)
     }
 
-    fn view_of(&self, snapshot: &Arc<Snapshot>) -> Arc<StateView> {
-        {
-            let cached = self.view.lock().unwrap_or_else(PoisonError::into_inner);
-            if let Some((seen, view)) = cached.as_ref()
-                && Arc::ptr_eq(seen, snapshot)
-            {
-                return Arc::clone(view);
-            }
-        }
-        // Built outside the lock so evaluations against the cached view are not held up. Holding
-        // the `Arc` in the cache keeps its address from being reused by a different snapshot.
-        let view = Arc::new(StateView::new(snapshot));
-        *self.view.lock().unwrap_or_else(PoisonError::into_inner) = Some((Arc::clone(snapshot), Arc::clone(&view)));
-        view
+    /// Decide for one request with the current script against a prepared view.
+    pub fn decide_view(&self, req: &RequestInfo, view: &StateView) -> Evaluation {
+        self.current().engine.decide_view(req, view)
     }
 
     /// Read, compile and test the file again; swap it in only if all of that succeeds. On error
