@@ -19,15 +19,24 @@ fn temp_file(name: &str, contents: &str) -> PathBuf {
     path
 }
 
+/// `vramguard config check` on `yaml` written to `name`: exit code, stderr and the file's path.
+fn config_check(name: &str, yaml: &str) -> (Option<i32>, String, PathBuf) {
+    let path = temp_file(name, yaml);
+    let out = Command::new(BIN).args(["config", "check"]).arg(&path).output().unwrap();
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+        path,
+    )
+}
+
 #[test]
 fn config_check_names_the_file_and_key_and_exits_64() {
-    let path = temp_file(
+    let (code, stderr, path) = config_check(
         "bad.yaml",
         "models: [{name: m, path: 'builtin:classifier'}]\npools: [{name: cpu, provider: cpu, models: [m], workers: 0}]\n",
     );
-    let out = Command::new(BIN).args(["config", "check"]).arg(&path).output().unwrap();
-    assert_eq!(out.status.code(), Some(64));
-    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(code, Some(64));
     assert!(
         stderr.contains(&format!(
             "error: {}: pools[0].workers: expected 1 to 256, got 0",
@@ -36,13 +45,11 @@ fn config_check_names_the_file_and_key_and_exits_64() {
         "{stderr}"
     );
 
-    let path = temp_file(
+    let (code, stderr, _) = config_check(
         "ctx.yaml",
         "models: [{name: m, path: 'builtin:encoder', context: {input: tokens, axis: 1}}]\npools: [{name: cpu, provider: cpu, models: [m]}]\n",
     );
-    let out = Command::new(BIN).args(["config", "check"]).arg(&path).output().unwrap();
-    assert_eq!(out.status.code(), Some(64));
-    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(code, Some(64));
     assert!(
         stderr.contains("models[0].context.input: model `m` has no input `tokens`; its inputs are: input"),
         "{stderr}"
@@ -64,9 +71,8 @@ fn the_example_config_checks_and_the_default_round_trips() {
             text.starts_with("# vramguard embedded default (no NVIDIA GPU: the `gpu` pool is a SIMULATED accelerator)")
         );
     }
-    let path = temp_file("default.yaml", &text);
-    let out = Command::new(BIN).args(["config", "check"]).arg(&path).output().unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let (code, stderr, _) = config_check("default.yaml", &text);
+    assert_eq!(code, Some(0), "{stderr}");
 }
 
 #[test]

@@ -69,12 +69,9 @@ async fn a_request_that_does_not_fit_gets_an_allocator_failure_and_the_next_one_
     // External pressure is a real hold in the arena: used/free move, and a request that needs
     // more than what is left fails inside ONNX Runtime until the pressure is released. (Only
     // small runs came before, so the arena has cached little memory of its own.)
-    let set = reqwest::Client::new()
-        .post(server.url("/admin/sim/gpu0"))
-        .json(&json!({"pressure": "100MiB"}))
-        .send()
-        .await
-        .unwrap();
+    let set = server
+        .post_json("/admin/sim/gpu0", &json!({"pressure": "100MiB"}))
+        .await;
     assert_eq!(set.status(), StatusCode::OK);
     let set: Value = set.json().await.unwrap();
     assert_eq!(set["pressure_bytes"], 100 << 20);
@@ -97,12 +94,7 @@ async fn a_request_that_does_not_fit_gets_an_allocator_failure_and_the_next_one_
     // 4 × 1536² FP32 scores are 36 MiB in one block: more than the 28 MiB the pressure leaves.
     let squeezed = server.encoder(1536).await;
     assert_eq!(squeezed.status(), StatusCode::SERVICE_UNAVAILABLE);
-    let release = reqwest::Client::new()
-        .post(server.url("/admin/sim/gpu0"))
-        .json(&json!({"pressure": 0}))
-        .send()
-        .await
-        .unwrap();
+    let release = server.post_json("/admin/sim/gpu0", &json!({"pressure": 0})).await;
     assert_eq!(release.status(), StatusCode::OK);
     assert_eq!(server.encoder(1536).await.status(), StatusCode::OK);
     let metrics = server.metrics().await;
@@ -112,26 +104,11 @@ async fn a_request_that_does_not_fit_gets_an_allocator_failure_and_the_next_one_
     );
 
     // Bad admin input is refused with a reason.
-    let bad = reqwest::Client::new()
-        .post(server.url("/admin/sim/gpu0"))
-        .json(&json!({"pressure": "lots"}))
-        .send()
-        .await
-        .unwrap();
+    let bad = server.post_json("/admin/sim/gpu0", &json!({"pressure": "lots"})).await;
     assert_eq!(bad.status(), StatusCode::BAD_REQUEST);
-    let too_much = reqwest::Client::new()
-        .post(server.url("/admin/sim/gpu0"))
-        .json(&json!({"pressure": "1GiB"}))
-        .send()
-        .await
-        .unwrap();
+    let too_much = server.post_json("/admin/sim/gpu0", &json!({"pressure": "1GiB"})).await;
     assert_eq!(too_much.status(), StatusCode::CONFLICT);
-    let unknown = reqwest::Client::new()
-        .post(server.url("/admin/sim/gpu9"))
-        .json(&json!({"pressure": 1}))
-        .send()
-        .await
-        .unwrap();
+    let unknown = server.post_json("/admin/sim/gpu9", &json!({"pressure": 1})).await;
     assert_eq!(unknown.status(), StatusCode::NOT_FOUND);
     server.stop().await;
 }

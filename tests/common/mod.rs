@@ -97,6 +97,16 @@ pools: [{name: gpu, provider: simulated, device: gpu0, models: [encoder]}]
 ";
 
 impl TestServer {
+    /// POST a JSON body.
+    pub async fn post_json(&self, path: &str, body: &Value) -> reqwest::Response {
+        reqwest::Client::new()
+            .post(self.url(path))
+            .json(body)
+            .send()
+            .await
+            .unwrap()
+    }
+
     /// Send an encoder request of `seq` tokens as binary tensor data.
     pub async fn encoder(&self, seq: usize) -> reqwest::Response {
         let (header, body) = encoder_binary_request(seq);
