@@ -17,15 +17,6 @@ pools:
   - {name: cpu, provider: cpu, models: [encoder, classifier, dtypes], workers: 2}
 ";
 
-async fn post(server: &TestServer, path: &str, body: &Value) -> reqwest::Response {
-    reqwest::Client::new()
-        .post(server.url(path))
-        .json(body)
-        .send()
-        .await
-        .unwrap()
-}
-
 async fn error_of(response: reqwest::Response) -> (StatusCode, String) {
     let status = response.status();
     let body: Value = response.json().await.unwrap();
@@ -37,7 +28,9 @@ async fn bundled_models_match_the_committed_reference_outputs() {
     let server = TestServer::start(CONFIG).await;
     for model in ["encoder", "classifier"] {
         for case in reference_cases(model) {
-            let response = post(&server, &format!("/v2/models/{model}/infer"), &request_from_case(&case)).await;
+            let response = server
+                .post_json(&format!("/v2/models/{model}/infer"), &request_from_case(&case))
+                .await;
             assert_eq!(response.status(), StatusCode::OK, "{model} {}", case["name"]);
             let body: Value = response.json().await.unwrap();
             for out in body["outputs"].as_array().unwrap() {
@@ -126,7 +119,9 @@ async fn every_supported_datatype_round_trips_in_json_and_binary() {
         .iter()
         .map(|(dt, data)| json!({"name": format!("in_{}", dt.to_lowercase()), "shape": [2], "datatype": dt, "data": data}))
         .collect();
-    let response = post(&server, "/v2/models/dtypes/infer", &json!({ "inputs": inputs })).await;
+    let response = server
+        .post_json("/v2/models/dtypes/infer", &json!({ "inputs": inputs }))
+        .await;
     assert_eq!(response.status(), StatusCode::OK);
     let body: Value = response.json().await.unwrap();
     for out in body["outputs"].as_array().unwrap() {
@@ -136,12 +131,12 @@ async fn every_supported_datatype_round_trips_in_json_and_binary() {
     }
 
     // The same through binary: every output requested as bytes.
-    let response = post(
-        &server,
-        "/v2/models/dtypes/infer",
-        &json!({ "inputs": inputs, "parameters": {"binary_data_output": true} }),
-    )
-    .await;
+    let response = server
+        .post_json(
+            "/v2/models/dtypes/infer",
+            &json!({ "inputs": inputs, "parameters": {"binary_data_output": true} }),
+        )
+        .await;
     assert_eq!(response.status(), StatusCode::OK);
     let json_len: usize = response.headers()["inference-header-content-length"]
         .to_str()
@@ -214,13 +209,13 @@ async fn bad_requests_get_the_documented_status_and_message() {
         ),
     ];
     for (body, status, message) in cases {
-        let (got_status, got) = error_of(post(&server, "/v2/models/classifier/infer", &body).await).await;
+        let (got_status, got) = error_of(server.post_json("/v2/models/classifier/infer", &body).await).await;
         assert_eq!(got_status, status, "{body}");
         assert!(got.starts_with(message), "got `{got}`, want `{message}`");
     }
     let mut with_outputs = features(json!([1, 16]), "FP32", json!(sixteen));
     with_outputs["outputs"] = json!([{"name": "nope"}]);
-    let (status, message) = error_of(post(&server, "/v2/models/classifier/infer", &with_outputs).await).await;
+    let (status, message) = error_of(server.post_json("/v2/models/classifier/infer", &with_outputs).await).await;
     assert_eq!(status, StatusCode::BAD_REQUEST);
     assert!(message.starts_with("unknown output `nope`"), "{message}");
 
@@ -234,15 +229,20 @@ async fn bad_requests_get_the_documented_status_and_message() {
     assert_eq!(status, StatusCode::BAD_REQUEST);
     assert!(message.starts_with("malformed request JSON"), "{message}");
 
-    let (status, message) = error_of(post(&server, "/v2/models/gpt/infer", &json!({})).await).await;
+    let (status, message) = error_of(server.post_json("/v2/models/gpt/infer", &json!({})).await).await;
     assert_eq!(status, StatusCode::NOT_FOUND);
     assert_eq!(message, "unknown model `gpt`; models: encoder, classifier, dtypes");
-    let (status, _) = error_of(post(&server, "/v2/models/classifier/versions/7/infer", &json!({})).await).await;
+    let (status, _) = error_of(
+        server
+            .post_json("/v2/models/classifier/versions/7/infer", &json!({}))
+            .await,
+    )
+    .await;
     assert_eq!(status, StatusCode::NOT_FOUND);
 
     // 64 KiB limit: an encoder request of 1×256×64 floats is far larger as JSON.
     let big = json!({"inputs": [{"name": "input", "shape": [1, 256, 64], "datatype": "FP32", "data": vec![0.123456; 256 * 64]}]});
-    let (status, message) = error_of(post(&server, "/v2/models/encoder/infer", &big).await).await;
+    let (status, message) = error_of(server.post_json("/v2/models/encoder/infer", &big).await).await;
     assert_eq!(status, StatusCode::PAYLOAD_TOO_LARGE);
     assert!(message.contains("65536 byte limit"), "{message}");
 
@@ -294,7 +294,9 @@ async fn request_identity_and_metadata_follow_the_protocol() {
     assert_eq!(out["outputs"][0]["name"], "probabilities");
 
     // Without x-request-id one is generated and returned.
-    let response = post(&server, "/v2/models/classifier/infer", &request_from_case(case)).await;
+    let response = server
+        .post_json("/v2/models/classifier/infer", &request_from_case(case))
+        .await;
     assert_eq!(response.headers()["x-request-id"].len(), 36);
 
     let meta: Value = reqwest::get(server.url("/v2/models/encoder"))
@@ -381,12 +383,12 @@ pools: [{name: gpu, provider: cuda, device: gpu0, models: [classifier]}]
         reqwest::get(server.url("/v2/health/ready")).await.unwrap().status(),
         StatusCode::SERVICE_UNAVAILABLE
     );
-    let response = post(
-        &server,
-        "/v2/models/classifier/infer",
-        &request_from_case(&reference_cases("classifier")[0]),
-    )
-    .await;
+    let response = server
+        .post_json(
+            "/v2/models/classifier/infer",
+            &request_from_case(&reference_cases("classifier")[0]),
+        )
+        .await;
     assert_eq!(response.headers()["retry-after"], "5");
     let (status, message) = error_of(response).await;
     assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
@@ -410,7 +412,7 @@ pools:
     let seq = 512;
     let request = json!({"inputs": [{"name": "input", "shape": [1, seq, 64], "datatype": "FP32", "data": vec![0.01; seq * 64]}],
                          "outputs": [{"name": "pooled"}]});
-    let response = post(&server, "/v2/models/encoder/infer", &request).await;
+    let response = server.post_json("/v2/models/encoder/infer", &request).await;
     assert_eq!(response.headers()["x-vramguard-pool"], "lean");
     let status: Value = reqwest::get(server.url("/status")).await.unwrap().json().await.unwrap();
     let lean = &status["pools"][0]["arena"];

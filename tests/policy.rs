@@ -104,15 +104,13 @@ async fn every_decision_is_enacted_on_the_request_path() {
     assert_eq!(shrunk["outputs"][0]["shape"], json!([1, 8, 64]));
     assert_eq!(shrunk["parameters"]["context"], "32->8");
     let last8: Vec<f32> = tokens(32)[24 * 64..].to_vec();
-    let direct: Value = reqwest::Client::new()
-        .post(server.url("/v2/models/encoder/infer"))
-        .json(
+    let direct: Value = server
+        .post_json(
+            "/v2/models/encoder/infer",
             &json!({"inputs": [{"name": "input", "shape": [1, 8, 64], "datatype": "FP32", "data": last8}],
                       "outputs": [{"name": "hidden"}]}),
         )
-        .send()
         .await
-        .unwrap()
         .json()
         .await
         .unwrap();
