@@ -7,15 +7,15 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use vramguard::backend::{ArenaStats, Backend, BackendError};
 use vramguard::config::{PoolConfig, Provider, ServiceMatch, ServiceRule};
 use vramguard::device::host::HostSource;
 use vramguard::device::simulated::{SimulatedDevice, SimulatedSource};
 use vramguard::device::{DeviceMemory, DeviceProcess, MemorySource, Reading};
 use vramguard::exporter::{LiveCollector, Sampler, SnapshotStore};
 use vramguard::metrics::{Metrics, ModelPoolLabels, Outcome, RequestLabels};
-use vramguard::onnx::BackendError;
-use vramguard::onnx::arena::ArenaStats;
-use vramguard::pool::{Backend, Pool, PoolContext};
+use vramguard::pool::{Pool, PoolContext};
+use vramguard::snapshot::DeviceClass;
 use vramguard::tensor::Tensor;
 
 /// Eight GPUs with 64 processes each.
@@ -104,7 +104,13 @@ fn main() {
             metrics: metrics.pool_metrics(&name, &device),
             ..PoolContext::default()
         };
-        pools.push(Pool::start(config, "nvml", vec![Box::new(Idle)], context));
+        pools.push(Pool::start(
+            config,
+            DeviceClass::Nvml,
+            vec![Box::new(Idle)],
+            None,
+            context,
+        ));
         for model in ["encoder", "classifier"] {
             for outcome in [Outcome::ok, Outcome::rejected, Outcome::client_error] {
                 metrics

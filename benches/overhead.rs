@@ -12,10 +12,10 @@ use std::time::{Duration, Instant};
 
 use serde_json::json;
 use vramguard::config::{Config, Provider, RawConfig, parse_yaml};
-use vramguard::engine::Engine;
 use vramguard::http::{self, AppState};
 use vramguard::model::BuiltinModel;
 use vramguard::onnx::{self, SessionOptions};
+use vramguard::service::Service;
 use vramguard::tensor::{Tensor, TensorData};
 
 const SEQ: usize = 128;
@@ -221,7 +221,7 @@ fn main() {
     )
     .unwrap();
     let config: Config = raw.validate("bench.yaml", Path::new(".")).unwrap();
-    let engine = Arc::new(Engine::start(config).unwrap());
+    let service = Arc::new(Service::start(config).unwrap());
     // The server gets the runtime `vramguard serve` would have; the clients run on their own
     // single thread, so they do not borrow the server's workers.
     let server_runtime = tokio::runtime::Builder::new_multi_thread()
@@ -234,7 +234,7 @@ fn main() {
         .unwrap();
     let listener_addr = listener.local_addr().unwrap();
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let server = server_runtime.spawn(http::serve(AppState::new(engine).unwrap(), listener, async {
+    let server = server_runtime.spawn(http::serve(AppState::new(service).unwrap(), listener, async {
         let _ = stopped.await;
     }));
     let client_runtime = tokio::runtime::Builder::new_current_thread()

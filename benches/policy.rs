@@ -8,7 +8,7 @@
 //! - `admit_pools_moved`: the same with only the pools re-converted (a queue moved since the
 //!   last request, the common case under load), through [`StateView::with_pools`].
 //! - `admit`: the common case (the request fits), through [`PolicyHandle::decide_view`] with the
-//!   snapshot's script view cached and cloned per call, as `Engine::policy_view` hands it out
+//!   snapshot's script view cached and cloned per call, as `Service::policy_view` hands it out
 //!   while nothing moved;
 //! - `redirect`: the longest path through the script (no fit, no deferral, no shrink, CPU);
 //! - `admit_fresh_snapshot`: the same admit with the snapshot converted for this call only

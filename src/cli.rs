@@ -8,9 +8,9 @@ use std::sync::Arc;
 use clap::{Parser, Subcommand};
 
 use crate::config::{self, Config};
-use crate::engine::Engine;
 use crate::http::{self, AppState};
 use crate::logging::{self, LogFormat};
+use crate::service::Service;
 
 /// Exit status for a configuration the user must fix (EX_USAGE from sysexits.h).
 pub const EXIT_CONFIG: u8 = 64;
@@ -151,14 +151,14 @@ fn config_check(file: &PathBuf) -> ExitCode {
         Err(code) => return code,
     };
     // Loading the models proves the files, signatures and context axes, not just the YAML.
-    match Engine::start(config) {
-        Ok(engine) => {
-            engine.shutdown(std::time::Duration::from_secs(1));
+    match Service::start(config) {
+        Ok(service) => {
+            service.shutdown(std::time::Instant::now() + std::time::Duration::from_secs(1));
             println!(
                 "{}: ok ({} models, {} pools)",
                 file.display(),
-                engine.models.len(),
-                engine.pools.len()
+                service.models.len(),
+                service.pools.len()
             );
             ExitCode::SUCCESS
         }
@@ -175,11 +175,11 @@ fn serve(config_path: Option<PathBuf>, listen: Option<std::net::SocketAddr>) -> 
         config.server.listen = addr;
     }
     let addr = config.server.listen;
-    let engine = match Engine::start(config) {
+    let service = match Service::start(config) {
         Ok(e) => Arc::new(e),
         Err(e) => return fail(e, EXIT_CONFIG),
     };
-    let state = match AppState::new(engine) {
+    let state = match AppState::new(service) {
         Ok(state) => state,
         Err(e) => return fail(e, EXIT_CONFIG),
     };

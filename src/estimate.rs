@@ -63,7 +63,10 @@ impl MemoryProfile {
             weights_bytes: self.weights_bytes,
             context_bytes,
             workspace_bytes,
-            total_bytes: self.weights_bytes + context_bytes + workspace_bytes,
+            total_bytes: self
+                .weights_bytes
+                .saturating_add(context_bytes)
+                .saturating_add(workspace_bytes),
         }
     }
 }

@@ -7,14 +7,15 @@
 #![deny(unsafe_code)]
 #![warn(missing_docs)]
 
+pub mod backend;
 pub mod cli;
 pub mod clock;
 pub mod config;
 pub mod device;
-pub mod engine;
 pub mod estimate;
 pub mod exporter;
 pub mod http;
+pub mod lifecycle;
 pub mod logging;
 pub mod metrics;
 pub mod model;
@@ -22,5 +23,6 @@ pub mod onnx;
 pub mod policy;
 pub mod pool;
 pub mod router;
+pub mod service;
 pub mod snapshot;
 pub mod tensor;

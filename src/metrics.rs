@@ -65,8 +65,8 @@ pub struct PoolLabels {
 /// `{action, pool}`
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct DecisionLabels {
-    /// `admit`, `defer`, `shrink_context`, `redirect` or `reject`.
-    pub action: String,
+    /// The decision's kind.
+    pub action: crate::snapshot::Action,
     /// The pool the decision sends the request to (the request's pool for defer/reject).
     pub pool: String,
 }
@@ -109,7 +109,7 @@ pub struct AllocFailureLabels {
     /// Device name.
     pub device: String,
     /// `oom` or `driver`.
-    pub kind: String,
+    pub kind: crate::backend::AllocFailureKind,
 }
 
 /// The metric handles vramguard updates as things happen; gauges read from live state are
@@ -153,8 +153,20 @@ fn sample_histogram() -> Histogram {
 }
 
 impl Metrics {
-    /// Create the handles and register them in a fresh registry.
+    /// Create the handles and register them in a fresh registry (`vramguard serve`).
     pub fn new(onnxruntime_version: &str) -> (Metrics, Registry) {
+        let (metrics, mut registry) = Self::sampling(onnxruntime_version);
+        metrics.register_serving(&mut registry);
+        (metrics, registry)
+    }
+
+    /// Only what the sampler measures registered (`vramguard exporter`: no requests, no
+    /// policy, no pools, so none of their series that could never move).
+    pub fn exporter() -> (Metrics, Registry) {
+        Self::sampling("none")
+    }
+
+    fn sampling(onnxruntime_version: &str) -> (Metrics, Registry) {
         let mut registry = Registry::with_prefix("vramguard");
         let metrics = Metrics {
             build_info: Family::default(),
@@ -183,6 +195,22 @@ impl Metrics {
             "vramguard and ONNX Runtime versions (always 1)",
             metrics.build_info.clone(),
         );
+        registry.register_with_unit(
+            "exporter_sample_duration",
+            "Time one memory source took to sample",
+            Unit::Seconds,
+            metrics.exporter_sample_duration.clone(),
+        );
+        registry.register(
+            "exporter_errors",
+            "Failed samples by memory source",
+            metrics.exporter_errors.clone(),
+        );
+        (metrics, registry)
+    }
+
+    fn register_serving(&self, registry: &mut Registry) {
+        let metrics = self;
         registry.register(
             "requests",
             "Inference requests by model, pool and outcome",
@@ -204,17 +232,6 @@ impl Metrics {
             "Time requests waited in the pool's queue before a worker took them",
             Unit::Seconds,
             metrics.queue_wait.clone(),
-        );
-        registry.register_with_unit(
-            "exporter_sample_duration",
-            "Time one memory source took to sample",
-            Unit::Seconds,
-            metrics.exporter_sample_duration.clone(),
-        );
-        registry.register(
-            "exporter_errors",
-            "Failed samples by memory source",
-            metrics.exporter_errors.clone(),
         );
         registry.register(
             "policy_decisions",
@@ -252,26 +269,25 @@ impl Metrics {
                 .policy_reloads
                 .get_or_create_owned(&ResultLabels { result: result.into() });
         }
-        (metrics, registry)
     }
 }
 
 impl Metrics {
     /// The handles a pool's workers record into.
     pub fn pool_metrics(&self, pool: &str, device: &str) -> crate::pool::PoolMetrics {
-        let failures = |kind: &str| {
+        let failures = |kind| {
             self.allocator_failures.get_or_create_owned(&AllocFailureLabels {
                 pool: pool.to_string(),
                 device: device.to_string(),
-                kind: kind.to_string(),
+                kind,
             })
         };
         crate::pool::PoolMetrics {
             queue_wait: self
                 .queue_wait
                 .get_or_create_owned(&PoolLabels { pool: pool.to_string() }),
-            oom_failures: failures("oom"),
-            driver_failures: failures("driver"),
+            oom_failures: failures(crate::backend::AllocFailureKind::Oom),
+            driver_failures: failures(crate::backend::AllocFailureKind::Driver),
         }
     }
 }
@@ -311,7 +327,7 @@ mod tests {
             .get_or_create(&AllocFailureLabels {
                 pool: "gpu".into(),
                 device: "gpu0".into(),
-                kind: "oom".into(),
+                kind: crate::backend::AllocFailureKind::Oom,
             })
             .inc();
         metrics

@@ -3,8 +3,9 @@
 //! async runtime; callers await a oneshot reply.
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+use std::panic::AssertUnwindSafe;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, PoisonError, RwLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -13,10 +14,10 @@ use tokio::sync::oneshot;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::histogram::Histogram;
 
+use crate::backend::{AllocFailureKind, ArenaStats, Backend, BackendError};
 use crate::clock::{Clock, SystemClock};
 use crate::config::{PoolConfig, Provider};
-use crate::onnx::arena::ArenaStats;
-use crate::onnx::{AllocFailureKind, BackendError};
+use crate::snapshot::DeviceClass;
 use crate::tensor::Tensor;
 
 /// How far back `alloc_failures_recent` looks.
@@ -62,13 +63,8 @@ impl Default for PoolContext {
     }
 }
 
-/// Runs models; one instance per worker thread, so it may hold non-shareable sessions.
-pub trait Backend: Send {
-    /// Run `model` on `inputs`, returning the `outputs` asked for (all when empty).
-    fn run(&mut self, model: &str, inputs: Vec<Tensor>, outputs: &[String]) -> Result<Vec<Tensor>, BackendError>;
-    /// Allocator statistics after the last run, when the backend has an arena.
-    fn arena_stats(&self) -> Option<ArenaStats>;
-}
+/// Builds a fresh backend for a worker whose backend panicked (its state cannot be trusted).
+pub type Respawn = Arc<dyn Fn() -> Result<Box<dyn Backend>, String> + Send + Sync>;
 
 /// One unit of work for a pool.
 #[derive(Debug)]
@@ -175,9 +171,17 @@ pub enum Availability {
 pub struct Pool {
     /// Validated configuration.
     pub config: PoolConfig,
-    /// Device kind label (`nvml`, `simulated`, or `host` for CPU pools).
-    pub device_kind: &'static str,
-    availability: Availability,
+    /// What kind of device it runs on.
+    pub device_kind: DeviceClass,
+    availability: RwLock<Availability>,
+    /// Workers still running; when the last one is lost the pool becomes unavailable.
+    live_workers: AtomicUsize,
+    respawn: Option<Respawn>,
+    /// Set by the sampler: the next finished run refreshes the arena statistics.
+    stats_wanted: AtomicBool,
+    /// Largest working-memory estimate run so far: a run above it may set a new arena peak, so
+    /// its statistics are read to check the estimate.
+    largest_estimate: AtomicU64,
     state: Mutex<QueueState>,
     wake: Condvar,
     arena: Mutex<Option<ArenaStats>>,
@@ -199,13 +203,19 @@ impl std::fmt::Debug for Pool {
 
 impl Pool {
     /// Start a pool with one worker thread per backend.
+    /// A worker whose backend panics answers that request with an error and continues with a
+    /// backend from `respawn`; without one (or when it fails) that worker stops.
     pub fn start(
         config: PoolConfig,
-        device_kind: &'static str,
+        device_kind: DeviceClass,
         backends: Vec<Box<dyn Backend>>,
+        respawn: Option<Respawn>,
         context: PoolContext,
     ) -> Arc<Pool> {
-        let pool = Arc::new(Self::new(config, device_kind, Availability::Ready, context));
+        let mut pool = Self::new(config, device_kind, Availability::Ready, context);
+        pool.live_workers = AtomicUsize::new(backends.len());
+        pool.respawn = respawn;
+        let pool = Arc::new(pool);
         let mut handles = Vec::new();
         for (i, backend) in backends.into_iter().enumerate() {
             let worker_pool = Arc::clone(&pool);
@@ -222,7 +232,7 @@ impl Pool {
     /// A pool that could not start; every submission is answered with the reason.
     pub fn unavailable(
         config: PoolConfig,
-        device_kind: &'static str,
+        device_kind: DeviceClass,
         reason: String,
         context: PoolContext,
     ) -> Arc<Pool> {
@@ -234,11 +244,15 @@ impl Pool {
         ))
     }
 
-    fn new(config: PoolConfig, device_kind: &'static str, availability: Availability, context: PoolContext) -> Pool {
+    fn new(config: PoolConfig, device_kind: DeviceClass, availability: Availability, context: PoolContext) -> Pool {
         Pool {
             config,
             device_kind,
-            availability,
+            availability: RwLock::new(availability),
+            live_workers: AtomicUsize::new(0),
+            respawn: None,
+            stats_wanted: AtomicBool::new(true),
+            largest_estimate: AtomicU64::new(0),
             state: Mutex::new(QueueState::default()),
             wake: Condvar::new(),
             arena: Mutex::new(None),
@@ -260,13 +274,31 @@ impl Pool {
     }
 
     /// Whether it runs.
-    pub fn availability(&self) -> &Availability {
-        &self.availability
+    pub fn availability(&self) -> Availability {
+        self.availability.read().unwrap_or_else(PoisonError::into_inner).clone()
     }
 
     /// True when it runs and is not shutting down.
     pub fn is_ready(&self) -> bool {
-        self.availability == Availability::Ready && !self.lock().closed
+        matches!(
+            *self.availability.read().unwrap_or_else(PoisonError::into_inner),
+            Availability::Ready
+        ) && !self.lock().closed
+    }
+
+    /// Why it cannot take work now, or `None` when it can.
+    pub fn unready_reason(&self) -> Option<String> {
+        match self.availability() {
+            Availability::Unavailable(reason) => Some(reason),
+            Availability::Ready if self.lock().closed => Some("shutting down".into()),
+            Availability::Ready => None,
+        }
+    }
+
+    /// Ask the workers to read their allocator statistics after their next run (the sampler
+    /// calls this; reading them after every run would cost every request a C API call).
+    pub fn want_arena_stats(&self) {
+        self.stats_wanted.store(true, Ordering::Relaxed);
     }
 
     /// True when this pool serves `model`.
@@ -332,10 +364,10 @@ impl Pool {
     /// Queue a job; the receiver yields its result. Refused at once when the pool is
     /// unavailable, shutting down or full.
     pub fn submit(&self, job: InferJob) -> Result<oneshot::Receiver<JobResult>, PoolError> {
-        if let Availability::Unavailable(reason) = &self.availability {
+        if let Availability::Unavailable(reason) = self.availability() {
             return Err(PoolError::Unavailable {
                 pool: self.name().to_string(),
-                reason: reason.clone(),
+                reason,
             });
         }
         let (reply, rx) = oneshot::channel();
@@ -361,9 +393,8 @@ impl Pool {
         Ok(rx)
     }
 
-    /// Stop taking work: queued jobs are answered `ShuttingDown` now, running ones finish. Then
-    /// wait up to `grace` for the workers; returns false if some were still running.
-    pub fn shutdown(&self, grace: Duration) -> bool {
+    /// Stop taking work: queued jobs are answered `ShuttingDown` now; running ones go on.
+    pub fn close(&self) {
         let drained: Vec<Queued> = {
             let mut state = self.lock();
             state.closed = true;
@@ -375,12 +406,17 @@ impl Pool {
                 pool: self.name().to_string(),
             }));
         }
-        let handles: Vec<JoinHandle<()>> = std::mem::take(&mut *self.workers.lock().unwrap_or_else(|e| e.into_inner()));
-        let until = Instant::now() + grace;
+    }
+
+    /// Wait until `until` for the workers to finish their running jobs; false if some were still
+    /// running then (they are left to finish on their own threads).
+    pub fn join_until(&self, until: Instant) -> bool {
+        let handles: Vec<JoinHandle<()>> =
+            std::mem::take(&mut *self.workers.lock().unwrap_or_else(PoisonError::into_inner));
         let mut all_done = true;
         for handle in handles {
             while !handle.is_finished() && Instant::now() < until {
-                std::thread::sleep(Duration::from_millis(5));
+                std::thread::sleep(Duration::from_millis(2));
             }
             if handle.is_finished() {
                 let _ = handle.join();
@@ -389,6 +425,12 @@ impl Pool {
             }
         }
         all_done
+    }
+
+    /// [`Pool::close`], then [`Pool::join_until`] `grace` from now.
+    pub fn shutdown(&self, grace: Duration) -> bool {
+        self.close();
+        self.join_until(Instant::now() + grace)
     }
 
     fn next_job(&self) -> Option<Queued> {
@@ -406,9 +448,8 @@ impl Pool {
     }
 
     fn work(&self, mut backend: Box<dyn Backend>) {
-        if let Some(stats) = backend.arena_stats() {
-            *self.arena.lock().unwrap_or_else(|e| e.into_inner()) = Some(stats);
-        }
+        backend.refresh_arena_stats();
+        self.publish_stats(backend.as_ref());
         while let Some(Queued { job, enqueued, reply }) = self.next_job() {
             let waited = self.context.clock.now().saturating_duration_since(enqueued);
             self.context.metrics.queue_wait.observe(waited.as_secs_f64());
@@ -426,20 +467,17 @@ impl Pool {
                     pool: self.name().to_string(),
                 }))
             } else {
-                let started = Instant::now();
-                let before = backend.arena_stats();
-                let result = backend.run(&job.model, job.inputs, &job.outputs);
-                self.record_run(started.elapsed());
-                let after = backend.arena_stats();
-                if let Some(stats) = after {
-                    *self.arena.lock().unwrap_or_else(|e| e.into_inner()) = Some(stats);
-                }
-                check_estimate(&job.request_id, job.estimate_bytes, before, after, &result);
-                if let Err(BackendError::Allocation { kind, .. }) = &result {
-                    self.record_failure(*kind);
-                }
-                if let Err(e) = &result {
-                    tracing::warn!(request_id = %job.request_id, pool = self.name(), model = %job.model, error = %e, "inference failed");
+                let (result, replacement) = self.run_one(&mut backend, job);
+                if let Some(replacement) = replacement {
+                    match replacement {
+                        Ok(fresh) => backend = fresh,
+                        Err(reason) => {
+                            self.lock().inflight -= 1;
+                            let _ = reply.send(result.map_err(PoolError::from));
+                            self.lose_worker(reason);
+                            return;
+                        }
+                    }
                 }
                 Some(result.map_err(PoolError::from))
             };
@@ -450,12 +488,99 @@ impl Pool {
         }
     }
 
+    /// Run one job. A panicking backend is caught here: the request gets
+    /// [`BackendError::Panicked`] and the worker a fresh backend (second value), since the
+    /// old one may hold half-updated state.
+    #[allow(clippy::type_complexity)]
+    fn run_one(
+        &self,
+        backend: &mut Box<dyn Backend>,
+        job: InferJob,
+    ) -> (
+        Result<Vec<Tensor>, BackendError>,
+        Option<Result<Box<dyn Backend>, String>>,
+    ) {
+        let started = Instant::now();
+        let before = backend.arena_stats();
+        let estimate = job.estimate_bytes.unwrap_or(0);
+        let run = std::panic::catch_unwind(AssertUnwindSafe(|| backend.run(&job.model, job.inputs, &job.outputs)));
+        self.record_run(started.elapsed());
+        let result = match run {
+            Ok(result) => result,
+            Err(panic) => {
+                let message = panic_message(panic.as_ref());
+                tracing::error!(request_id = %job.request_id, pool = self.name(), model = %job.model, panic = %message, "the backend panicked; replacing this worker's backend");
+                let replacement = match &self.respawn {
+                    Some(respawn) => respawn(),
+                    None => Err("this pool cannot rebuild a backend".into()),
+                };
+                return (Err(BackendError::Panicked(message)), Some(replacement));
+            }
+        };
+        // Statistics cost a C API call: read them when the sampler asked, after a failure, or
+        // when this run may have set a new peak (its estimate is the largest yet) so the
+        // estimate can be checked against what the arena really needed.
+        let new_largest = estimate > self.largest_estimate.fetch_max(estimate, Ordering::Relaxed);
+        if self.stats_wanted.swap(false, Ordering::Relaxed) || new_largest || result.is_err() {
+            backend.refresh_arena_stats();
+            self.publish_stats(backend.as_ref());
+            if new_largest {
+                check_estimate(
+                    &job.request_id,
+                    job.estimate_bytes,
+                    before,
+                    backend.arena_stats(),
+                    &result,
+                );
+            }
+        }
+        if let Err(BackendError::Allocation { kind, .. }) = &result {
+            self.record_failure(*kind);
+        }
+        if let Err(e) = &result {
+            tracing::warn!(request_id = %job.request_id, pool = self.name(), model = %job.model, error = %e, "inference failed");
+        }
+        (result, None)
+    }
+
+    fn publish_stats(&self, backend: &dyn Backend) {
+        if let Some(stats) = backend.arena_stats() {
+            *self.arena.lock().unwrap_or_else(PoisonError::into_inner) = Some(stats);
+        }
+    }
+
+    /// A worker could not get a new backend and stops. The last one to stop makes the pool
+    /// unavailable and answers what is still queued, so nothing waits for a worker that is gone.
+    fn lose_worker(&self, reason: String) {
+        tracing::error!(pool = self.name(), %reason, "a worker stopped: no backend");
+        if self.live_workers.fetch_sub(1, Ordering::SeqCst) > 1 {
+            return;
+        }
+        let reason = format!("every worker lost its backend: {reason}");
+        *self.availability.write().unwrap_or_else(PoisonError::into_inner) = Availability::Unavailable(reason.clone());
+        let drained: Vec<Queued> = self.lock().jobs.drain(..).collect();
+        for queued in drained {
+            let _ = queued.reply.send(Err(PoolError::Unavailable {
+                pool: self.name().to_string(),
+                reason: reason.clone(),
+            }));
+        }
+    }
+
     fn record_run(&self, took: Duration) {
         let sample = took.as_micros().min(u64::MAX as u128) as u64;
         let old = self.mean_run_us.load(Ordering::Relaxed);
         let new = if old == 0 { sample } else { (old * 7 + sample) / 8 };
         self.mean_run_us.store(new, Ordering::Relaxed);
     }
+}
+
+fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+    panic
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "(no message)".into())
 }
 
 /// Log when an admission estimate turned out too low for a real run, with both numbers. The
@@ -545,8 +670,9 @@ mod tests {
         let gate = Arc::new(Mutex::new(rx));
         let pool = Pool::start(
             config(capacity),
-            "host",
+            DeviceClass::Host,
             vec![Box::new(Echo { gate: Some(gate) })],
+            None,
             PoolContext::default(),
         );
         (pool, tx)
@@ -632,8 +758,9 @@ mod tests {
     fn an_expired_deadline_is_reported_without_running() {
         let pool = Pool::start(
             config(4),
-            "host",
+            DeviceClass::Host,
             vec![Box::new(Echo { gate: None })],
+            None,
             PoolContext::default(),
         );
         let mut j = job(1.0);
@@ -656,7 +783,13 @@ mod tests {
             clock: clock.clone(),
             metrics: metrics.clone(),
         };
-        let pool = Pool::start(config(4), "host", vec![Box::new(Echo { gate: Some(gate) })], context);
+        let pool = Pool::start(
+            config(4),
+            DeviceClass::Host,
+            vec![Box::new(Echo { gate: Some(gate) })],
+            None,
+            context,
+        );
         let running = pool.submit(job(1.0)).unwrap();
         wait_until(|| pool.load().inflight == 1);
         let waiting = pool.submit(job(2.0)).unwrap();
@@ -703,7 +836,7 @@ mod tests {
             clock: clock.clone(),
             metrics: metrics.clone(),
         };
-        let pool = Pool::start(config(4), "host", vec![Box::new(Full)], context);
+        let pool = Pool::start(config(4), DeviceClass::Host, vec![Box::new(Full)], None, context);
         for _ in 0..2 {
             let result = pool.submit(job(1.0)).unwrap().blocking_recv().unwrap();
             assert!(matches!(
@@ -721,7 +854,12 @@ mod tests {
 
     #[test]
     fn an_unavailable_pool_says_why() {
-        let pool = Pool::unavailable(config(4), "nvml", "no NVIDIA driver".into(), PoolContext::default());
+        let pool = Pool::unavailable(
+            config(4),
+            DeviceClass::Nvml,
+            "no NVIDIA driver".into(),
+            PoolContext::default(),
+        );
         assert!(!pool.is_ready());
         assert_eq!(
             pool.submit(job(1.0)).unwrap_err().to_string(),

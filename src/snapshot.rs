@@ -5,6 +5,7 @@
 use std::collections::BTreeMap;
 use std::fmt;
 
+use prometheus_client::encoding::{EncodeLabelValue, LabelValueEncoder};
 use serde::{Deserialize, Serialize};
 
 /// Everything known about memory and load at one instant.
@@ -171,15 +172,93 @@ pub enum Decision {
 }
 
 impl Decision {
-    /// The `action` label value: `admit`, `defer`, `shrink_context`, `redirect` or `reject`.
-    pub fn action(&self) -> &'static str {
+    /// What kind of decision it is.
+    pub fn action(&self) -> Action {
         match self {
-            Decision::Admit { .. } => "admit",
-            Decision::Defer { .. } => "defer",
-            Decision::ShrinkContext { .. } => "shrink_context",
-            Decision::Redirect { .. } => "redirect",
-            Decision::Reject { .. } => "reject",
+            Decision::Admit { .. } => Action::Admit,
+            Decision::Defer { .. } => Action::Defer,
+            Decision::ShrinkContext { .. } => Action::ShrinkContext,
+            Decision::Redirect { .. } => Action::Redirect,
+            Decision::Reject { .. } => Action::Reject,
         }
+    }
+}
+
+/// The kind of a [`Decision`], as the `action` label, `x-vramguard-decision` and
+/// `parameters.decision`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Action {
+    /// `admit`
+    Admit,
+    /// `defer`
+    Defer,
+    /// `shrink_context`
+    ShrinkContext,
+    /// `redirect`
+    Redirect,
+    /// `reject`
+    Reject,
+}
+
+impl Action {
+    /// The label value: `admit`, `defer`, `shrink_context`, `redirect` or `reject`.
+    pub fn label(self) -> &'static str {
+        match self {
+            Action::Admit => "admit",
+            Action::Defer => "defer",
+            Action::ShrinkContext => "shrink_context",
+            Action::Redirect => "redirect",
+            Action::Reject => "reject",
+        }
+    }
+}
+
+impl EncodeLabelValue for Action {
+    fn encode(&self, encoder: &mut LabelValueEncoder<'_>) -> fmt::Result {
+        fmt::Write::write_str(encoder, self.label())
+    }
+}
+
+impl fmt::Display for Action {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.label())
+    }
+}
+
+/// What kind of device memory a pool or reading lives on: the `kind` label of device metrics
+/// (`nvml`, `simulated`) and `host` for CPU pools.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DeviceClass {
+    /// An NVIDIA device read through NVML.
+    Nvml,
+    /// The simulated accelerator.
+    Simulated,
+    /// Host memory (CPU pools).
+    Host,
+}
+
+impl DeviceClass {
+    /// The label value.
+    pub fn label(self) -> &'static str {
+        match self {
+            DeviceClass::Nvml => "nvml",
+            DeviceClass::Simulated => "simulated",
+            DeviceClass::Host => "host",
+        }
+    }
+}
+
+impl EncodeLabelValue for DeviceClass {
+    fn encode(&self, encoder: &mut LabelValueEncoder<'_>) -> fmt::Result {
+        fmt::Write::write_str(encoder, self.label())
+    }
+}
+
+impl fmt::Display for DeviceClass {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.label())
     }
 }
 

@@ -183,6 +183,9 @@ impl Sampler {
             .collect();
         let mut pools = BTreeMap::new();
         for pool in &self.pools {
+            // Workers refresh their arena statistics after their next run (the next sample
+            // shows them), instead of every run paying for the C API call.
+            pool.want_arena_stats();
             let load = pool.load();
             if let Some(stats) = pool_arena(pool, &self.simulated)
                 && let Some(device) = devices.get_mut(&pool.config.device)
@@ -201,7 +204,9 @@ impl Sampler {
                 PoolState {
                     provider: pool.provider().label().to_string(),
                     device: pool.config.device.clone(),
-                    breaker: "closed".into(),
+                    // No circuit breaker yet: a pool that cannot take work reads as open, one
+                    // that can as closed.
+                    breaker: if pool.is_ready() { "closed" } else { "open" }.into(),
                     queue_depth: load.queue_depth as u64,
                     queue_oldest_age_ms: load.oldest_age.as_millis() as u64,
                     inflight: load.inflight as u64,

@@ -44,10 +44,10 @@ impl Exporter {
                 );
             }
         }
-        let (metrics, mut registry) = Metrics::new("none");
+        let (metrics, mut registry) = Metrics::exporter();
         let store = Arc::new(SnapshotStore::default());
         let mut sampler = Sampler::new(
-            crate::engine::device_sources(&config),
+            crate::device::sources(&config),
             config.exporter.services.clone(),
             config.host_reserve,
             Arc::new(metrics),

@@ -8,7 +8,7 @@ use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use axum::body::Bytes;
 use axum::extract::rejection::{BytesRejection, JsonRejection};
@@ -21,13 +21,10 @@ use axum::{Json, Router};
 use serde_json::{Map, Value, json};
 use tokio::net::TcpListener;
 
-use crate::config::Keep;
-use crate::engine::Engine;
-use crate::metrics::{DecisionLabels, KindLabels, ModelPoolLabels, Outcome, RequestLabels};
-use crate::onnx::BackendError;
-use crate::pool::{Availability, InferJob, Pool, PoolError};
-use crate::router::{self, Plan, PoolView};
-use crate::snapshot::RequestInfo;
+use crate::lifecycle::{self, RequestError};
+use crate::pool::Availability;
+use crate::service::Service;
+use crate::snapshot::DeviceClass;
 
 /// Request id header, kept end to end.
 pub const REQUEST_ID: &str = "x-request-id";
@@ -49,7 +46,7 @@ pub const HEADER_LENGTH: &str = "inference-header-content-length";
 /// Shared state of the HTTP layer.
 pub struct AppState {
     /// The running service.
-    pub engine: Arc<Engine>,
+    pub service: Arc<Service>,
     /// Set once shutdown starts: readiness turns false.
     pub shutting_down: AtomicBool,
     /// Wall-clock start, for `/status`.
@@ -59,23 +56,23 @@ pub struct AppState {
 }
 
 impl AppState {
-    /// Wrap an engine. The admin token is read from the environment variable the config names;
+    /// Wrap an service. The admin token is read from the environment variable the config names;
     /// a named variable that is unset or empty is an error (the operator meant to set a token).
-    pub fn new(engine: Arc<Engine>) -> Result<Arc<AppState>, String> {
-        let admin_token = match &engine.config.server.admin_token_env {
+    pub fn new(service: Arc<Service>) -> Result<Arc<AppState>, String> {
+        let admin_token = match &service.config.server.admin_token_env {
             None => None,
             Some(var) => match std::env::var(var) {
                 Ok(token) if !token.trim().is_empty() => Some(token),
                 _ => {
                     return Err(format!(
                         "{}: server.admin_token_env names `{var}`, which is not set (or empty) in the environment",
-                        engine.config.source
+                        service.config.source
                     ));
                 }
             },
         };
         Ok(Arc::new(AppState {
-            engine,
+            service,
             shutting_down: AtomicBool::new(false),
             started: SystemTime::now(),
             admin_token,
@@ -118,7 +115,7 @@ impl IntoResponse for ApiError {
 
 /// Build the router.
 pub fn app(state: Arc<AppState>) -> Router {
-    let body_limit = state.engine.config.server.body_limit;
+    let body_limit = state.service.config.server.body_limit;
     Router::new()
         .route("/v2", get(server_metadata))
         .route("/v2/health/live", get(live))
@@ -141,32 +138,36 @@ pub fn app(state: Arc<AppState>) -> Router {
         .with_state(state)
 }
 
-/// Serve until `shutdown` resolves, then stop accepting, answer queued work with 503, let running
-/// work finish within the configured grace period, and return.
+/// Serve until `shutdown` resolves, then stop accepting, answer queued work with 503, and let
+/// running work and open connections finish until one deadline, `server.shutdown_grace` after
+/// the signal, for everything. Background tasks (sampler, policy watcher) are tracked and
+/// awaited before returning.
 pub async fn serve(
     state: Arc<AppState>,
     listener: TcpListener,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
     let token = tokio_util::sync::CancellationToken::new();
-    if let Some(sampler) = state.engine.take_sampler() {
-        tokio::spawn(sampler.run(
-            state.engine.config.exporter.sample_interval,
+    let tasks = tokio_util::task::TaskTracker::new();
+    if let Some(sampler) = state.service.take_sampler() {
+        tasks.spawn(sampler.run(
+            state.service.config.exporter.sample_interval,
             token.clone(),
-            Arc::clone(&state.engine.resample),
+            Arc::clone(&state.service.resample),
         ));
     }
     if let (crate::config::PolicySource::File(path), Some(interval)) = (
-        &state.engine.config.policy.source,
-        state.engine.config.policy.watch_interval,
+        &state.service.config.policy.source,
+        state.service.config.policy.watch_interval,
     ) {
-        tokio::spawn(watch_policy(
-            Arc::clone(&state.engine),
+        tasks.spawn(watch_policy(
+            Arc::clone(&state.service),
             path.clone(),
             interval,
             token.clone(),
         ));
     }
+    tasks.close();
     // Responses are small and latency matters: never let Nagle hold back the last segment.
     let listener = listener.tap_io(|tcp| {
         if let Err(e) = tcp.set_nodelay(true) {
@@ -180,29 +181,36 @@ pub async fn serve(
     .with_graceful_shutdown(token.clone().cancelled_owned());
     let mut server = tokio::spawn(async move { server.await });
     tokio::select! {
-        result = &mut server => return result.map_err(std::io::Error::other)?,
+        result = &mut server => {
+            token.cancel();
+            tasks.wait().await;
+            return result.map_err(std::io::Error::other)?;
+        }
         () = shutdown => {}
     }
+    let deadline = tokio::time::Instant::now() + state.service.config.server.shutdown_grace;
     tracing::info!("shutting down: no new connections; queued requests are answered 503");
     state.shutting_down.store(true, Ordering::SeqCst);
     token.cancel();
-    let grace = state.engine.config.server.shutdown_grace;
-    let engine = Arc::clone(&state.engine);
-    let _ = tokio::task::spawn_blocking(move || engine.shutdown(grace)).await;
-    match tokio::time::timeout(grace, &mut server).await {
+    let service = Arc::clone(&state.service);
+    let pools_deadline = deadline.into_std();
+    let _ = tokio::task::spawn_blocking(move || service.shutdown(pools_deadline)).await;
+    let result = match tokio::time::timeout_at(deadline, &mut server).await {
         Ok(result) => result.map_err(std::io::Error::other)?,
         Err(_) => {
-            tracing::warn!("connections still open after the grace period; closing them");
+            tracing::warn!("connections still open at the shutdown deadline; closing them");
             server.abort();
             Ok(())
         }
-    }
+    };
+    tasks.wait().await;
+    result
 }
 
 /// Reload the policy when its file changes (checked every `interval`; editors that replace the
 /// file count as a change too).
 async fn watch_policy(
-    engine: Arc<Engine>,
+    service: Arc<Service>,
     path: std::path::PathBuf,
     interval: Duration,
     cancel: tokio_util::sync::CancellationToken,
@@ -220,8 +228,8 @@ async fn watch_policy(
             continue;
         }
         seen = now;
-        let engine = Arc::clone(&engine);
-        if let Ok(Err(e)) = tokio::task::spawn_blocking(move || engine.reload_policy()).await {
+        let service = Arc::clone(&service);
+        if let Ok(Err(e)) = tokio::task::spawn_blocking(move || service.reload_policy()).await {
             tracing::warn!(error = %e, "policy file changed but the new script was refused");
         }
     }
@@ -232,7 +240,7 @@ async fn server_metadata(State(state): State<Arc<AppState>>) -> Json<Value> {
         "name": "vramguard",
         "version": env!("CARGO_PKG_VERSION"),
         "extensions": ["binary_tensor_data"],
-        "onnxruntime": state.engine.onnxruntime_version,
+        "onnxruntime": state.service.runtime_version,
     }))
 }
 
@@ -244,7 +252,7 @@ async fn ready(State(state): State<Arc<AppState>>) -> Result<StatusCode, ApiErro
     if state.shutting_down.load(Ordering::SeqCst) {
         return Err(ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "shutting down"));
     }
-    if state.engine.ready() {
+    if state.service.ready() {
         Ok(StatusCode::OK)
     } else {
         Err(ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "no pool can take work"))
@@ -263,7 +271,7 @@ fn check_version(version: &str) -> Result<(), ApiError> {
 }
 
 fn unknown_model(state: &AppState, model: &str) -> ApiError {
-    let names: Vec<&str> = state.engine.models.iter().map(|m| m.config.name.as_str()).collect();
+    let names: Vec<&str> = state.service.models.iter().map(|m| m.config.name.as_str()).collect();
     ApiError::new(
         StatusCode::NOT_FOUND,
         format!("unknown model `{model}`; models: {}", names.join(", ")),
@@ -275,7 +283,7 @@ async fn model_metadata(
     Path(model): Path<String>,
 ) -> Result<Json<Value>, ApiError> {
     let entry = state
-        .engine
+        .service
         .model(&model)
         .ok_or_else(|| unknown_model(&state, &model))?;
     let tensors = |specs: &[crate::onnx::TensorSpec]| {
@@ -285,7 +293,7 @@ async fn model_metadata(
             .collect::<Vec<_>>()
     };
     let pools: Vec<Value> = state
-        .engine
+        .service
         .pools
         .iter()
         .filter(|p| p.serves(&model))
@@ -317,10 +325,10 @@ async fn model_metadata_versioned(
 
 async fn model_ready(State(state): State<Arc<AppState>>, Path(model): Path<String>) -> Result<StatusCode, ApiError> {
     state
-        .engine
+        .service
         .model(&model)
         .ok_or_else(|| unknown_model(&state, &model))?;
-    if state.engine.pools.iter().any(|p| p.serves(&model) && p.is_ready()) {
+    if state.service.pools.iter().any(|p| p.serves(&model) && p.is_ready()) {
         Ok(StatusCode::OK)
     } else {
         Err(ApiError::new(
@@ -366,6 +374,8 @@ fn with_request_id(mut response: Response, id: &str) -> Response {
     response
 }
 
+/// `POST /v2/models/{model}/infer`: decode, hand the request to the lifecycle, encode what
+/// came back.
 async fn infer(
     State(state): State<Arc<AppState>>,
     Path(model): Path<String>,
@@ -373,168 +383,109 @@ async fn infer(
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
     let id = request_id(&headers);
-    let started = Instant::now();
-    let (pool, result) = match run_inference(&state, &model, &id, &headers, body, started).await {
-        Ok((pool, response)) => (Some(pool), Ok(response)),
-        Err((pool, outcome, error)) => (pool, Err((outcome, error))),
-    };
-    let pool_name = pool.as_ref().map(|p| p.name().to_string()).unwrap_or_default();
-    let outcome = match &result {
-        Ok(_) => Outcome::ok,
-        Err((outcome, _)) => *outcome,
-    };
-    if state.engine.model(&model).is_some() {
-        let metrics = &state.engine.metrics;
-        metrics
-            .requests
-            .get_or_create(&RequestLabels {
-                model: model.clone(),
-                pool: pool_name.clone(),
-                outcome,
-            })
-            .inc();
-        if !pool_name.is_empty() {
-            metrics
-                .request_duration
-                .get_or_create(&ModelPoolLabels {
-                    model: model.clone(),
-                    pool: pool_name.clone(),
-                })
-                .observe(started.elapsed().as_secs_f64());
-        }
-    }
-    let mut response = match result {
-        Ok(response) => response,
-        Err((_, error)) => {
-            tracing::debug!(request_id = %id, model = %model, pool = %pool_name, status = %error.status, error = %error.message, "request refused");
-            error.into_response()
+    let received = tokio::time::Instant::now();
+    let service = &state.service;
+    let (request, decoded) = match decode(service, &model, &id, &headers, body, received) {
+        Ok(decoded) => decoded,
+        Err(error) => {
+            let refused = lifecycle::reject(service, &model, error, received);
+            return with_request_id(refused_response(refused), &id);
         }
     };
-    if let Ok(v) = HeaderValue::from_str(&pool_name)
-        && !pool_name.is_empty()
-    {
-        response.headers_mut().insert(HeaderName::from_static(POOL_HEADER), v);
-    }
+    let response = match lifecycle::infer(service, request).await {
+        Ok(served) => served_response(&model, &id, &served, &decoded),
+        Err(refused) => refused_response(refused),
+    };
     with_request_id(response, &id)
 }
 
-type InferFailure = (Option<Arc<Pool>>, Outcome, ApiError);
-
-async fn run_inference(
-    state: &AppState,
+/// Decode the protocol's request and headers into a [`lifecycle::Request`]; the decoded form is
+/// kept for encoding the response (which outputs, binary or JSON).
+fn decode(
+    service: &Service,
     model: &str,
     id: &str,
     headers: &HeaderMap,
     body: Result<Bytes, BytesRejection>,
-    started: Instant,
-) -> Result<(Arc<Pool>, Response), InferFailure> {
-    let client_error =
-        |status: StatusCode, message: String| (None, Outcome::client_error, ApiError::new(status, message));
-    let engine = &state.engine;
-    let entry = engine
-        .model(model)
-        .ok_or_else(|| (None, Outcome::client_error, unknown_model(state, model)))?;
-    let body = body.map_err(|rejection| {
-        let status = rejection.status();
-        let message = if status == StatusCode::PAYLOAD_TOO_LARGE {
-            format!(
-                "request body exceeds the {} byte limit (server.body_limit)",
-                engine.config.server.body_limit
-            )
-        } else {
-            format!("cannot read request body: {}", rejection.body_text())
-        };
-        client_error(status, message)
-    })?;
-    let header_len = match headers.get(HEADER_LENGTH) {
-        None => None,
-        Some(v) => Some(
-            v.to_str()
-                .ok()
-                .and_then(|s| s.trim().parse::<usize>().ok())
-                .ok_or_else(|| {
-                    client_error(
-                        StatusCode::BAD_REQUEST,
-                        "Inference-Header-Content-Length must be a number of bytes".into(),
-                    )
-                })?,
-        ),
-    };
-    let deadline = match headers.get(DEADLINE_HEADER) {
-        None => None,
-        Some(v) => {
-            let ms = v
-                .to_str()
-                .ok()
-                .and_then(|s| s.trim().parse::<u64>().ok())
-                .ok_or_else(|| {
-                    client_error(
-                        StatusCode::BAD_REQUEST,
-                        format!("{DEADLINE_HEADER} must be a number of milliseconds"),
-                    )
-                })?;
-            Some(started + Duration::from_millis(ms))
-        }
-    };
-    let mut request =
-        infer::decode(&body, header_len, &entry.signature).map_err(|e| client_error(StatusCode::BAD_REQUEST, e))?;
-    drop(body);
-
-    let admitted = admit(state, entry, id, headers, &mut request, deadline).await?;
-    let pool = admitted.pool;
-    let job = InferJob {
-        request_id: id.to_string(),
+    received: tokio::time::Instant,
+) -> Result<(lifecycle::Request, infer::DecodedRequest), RequestError> {
+    let entry = service.model(model).ok_or_else(|| RequestError::UnknownModel {
         model: model.to_string(),
-        inputs: std::mem::take(&mut request.inputs),
-        outputs: request.outputs.iter().map(|o| o.name.clone()).collect(),
-        deadline,
-        estimate_bytes: Some(admitted.estimate.context_bytes + admitted.estimate.workspace_bytes),
-    };
-    let fail = |pool: &Arc<Pool>, error: PoolError| {
-        let (outcome, api) = pool_error(pool, error);
-        (Some(Arc::clone(pool)), outcome, api)
-    };
-    let rx = pool.submit(job).map_err(|e| fail(&pool, e))?;
-    let reply = match deadline {
-        Some(d) => match tokio::time::timeout_at(d.into(), rx).await {
-            Ok(reply) => reply,
-            Err(_) => {
-                return Err(fail(
-                    &pool,
-                    PoolError::DeadlineExceeded {
-                        pool: pool.name().to_string(),
-                    },
-                ));
+        known: service
+            .models
+            .iter()
+            .map(|m| m.config.name.as_str())
+            .collect::<Vec<_>>()
+            .join(", "),
+    })?;
+    let body = body.map_err(|rejection| {
+        if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
+            RequestError::BodyTooLarge {
+                limit: service.config.server.body_limit,
             }
-        },
-        None => rx.await,
+        } else {
+            RequestError::BadInput(format!("cannot read request body: {}", rejection.body_text()))
+        }
+    })?;
+    let header_len = header_value::<usize>(headers, HEADER_LENGTH, "a number of bytes")?;
+    let deadline = header_value::<u64>(headers, DEADLINE_HEADER, "a number of milliseconds")?
+        .map(|ms| received + Duration::from_millis(ms));
+    let priority = header_value::<i64>(headers, PRIORITY_HEADER, "an integer")?.unwrap_or(0);
+    let replayable = header_value::<bool>(headers, REPLAYABLE_HEADER, "`true` or `false`")?.unwrap_or(true);
+    let mut decoded = infer::decode(&body, header_len, &entry.signature).map_err(RequestError::BadInput)?;
+    drop(body);
+    let request = lifecycle::Request {
+        id: id.to_string(),
+        model: model.to_string(),
+        inputs: std::mem::take(&mut decoded.inputs),
+        outputs: decoded.outputs.iter().map(|o| o.name.clone()).collect(),
+        priority,
+        replayable,
+        deadline,
+        received,
     };
-    let outputs = reply
-        .unwrap_or_else(|_| {
-            Err(PoolError::ShuttingDown {
-                pool: pool.name().to_string(),
-            })
-        })
-        .map_err(|e| fail(&pool, e))?;
+    Ok((request, decoded))
+}
 
+fn header_value<T: std::str::FromStr>(
+    headers: &HeaderMap,
+    name: &str,
+    expected: &str,
+) -> Result<Option<T>, RequestError> {
+    match headers.get(name) {
+        None => Ok(None),
+        Some(v) => v
+            .to_str()
+            .ok()
+            .and_then(|s| s.trim().parse().ok())
+            .map(Some)
+            .ok_or_else(|| RequestError::BadInput(format!("{name} must be {expected}"))),
+    }
+}
+
+fn served_response(model: &str, id: &str, served: &lifecycle::Served, decoded: &infer::DecodedRequest) -> Response {
+    let pool = &served.pool;
     let mut parameters = Map::new();
     parameters.insert("pool".into(), json!(pool.name()));
     parameters.insert("provider".into(), json!(pool.provider().label()));
     parameters.insert("device".into(), json!(pool.config.device));
-    parameters.insert("simulated".into(), json!(pool.device_kind == "simulated"));
-    parameters.insert("decision".into(), json!(admitted.action));
+    parameters.insert("simulated".into(), json!(pool.device_kind == DeviceClass::Simulated));
+    parameters.insert("decision".into(), json!(served.action));
     parameters.insert("request_id".into(), json!(id));
-    let context = admitted.context.map(|(from, to)| format!("{from}->{to}"));
+    let context = served.context.map(|(from, to)| format!("{from}->{to}"));
     if let Some(context) = &context {
         parameters.insert("context".into(), json!(context));
     }
-    let encoded = infer::encode(model, request.id.as_deref(), &parameters, &outputs, &request);
+    let encoded = infer::encode(model, decoded.id.as_deref(), &parameters, &served.outputs, decoded);
     let mut response = encoded.body.into_response();
     let headers = response.headers_mut();
     headers.insert(
         HeaderName::from_static(DECISION_HEADER),
-        HeaderValue::from_static(admitted.action),
+        HeaderValue::from_static(served.action.label()),
     );
+    if let Ok(v) = HeaderValue::from_str(pool.name()) {
+        headers.insert(HeaderName::from_static(POOL_HEADER), v);
+    }
     if let Some(context) = context.and_then(|c| HeaderValue::from_str(&c).ok()) {
         headers.insert(HeaderName::from_static(CONTEXT_HEADER), context);
     }
@@ -550,299 +501,31 @@ async fn run_inference(
             headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
         }
     }
-    Ok((pool, response))
+    response
 }
 
-/// Where the policy sent a request.
-struct Admitted {
-    pool: Arc<Pool>,
-    /// The decision that placed it: `admit`, `redirect` or `shrink_context`.
-    action: &'static str,
-    /// `(from, to)` tokens when the context was shrunk.
-    context: Option<(u64, u64)>,
-    /// The estimate for what actually runs (after any shrink).
-    estimate: crate::snapshot::Estimate,
-}
-
-fn header_value<T: std::str::FromStr>(headers: &HeaderMap, name: &str, expected: &str) -> Result<Option<T>, String> {
-    match headers.get(name) {
-        None => Ok(None),
-        Some(v) => v
-            .to_str()
-            .ok()
-            .and_then(|s| s.trim().parse().ok())
-            .map(Some)
-            .ok_or_else(|| format!("{name} must be {expected}")),
+fn refused_response(refused: lifecycle::Refused) -> Response {
+    let error = &refused.error;
+    if error.status().is_server_error() && error.outcome() == crate::metrics::Outcome::failed {
+        tracing::error!(pool = refused.pool.as_ref().map(|p| p.name()), error = %error, "request failed");
     }
-}
-
-/// Ask the policy what to do with the request and carry it out until it is placed on a pool
-/// (possibly after deferring, without holding a worker) or refused.
-async fn admit(
-    state: &AppState,
-    entry: &crate::engine::ModelEntry,
-    id: &str,
-    headers: &HeaderMap,
-    request: &mut infer::DecodedRequest,
-    deadline: Option<Instant>,
-) -> Result<Admitted, InferFailure> {
-    let engine = &state.engine;
-    let model = entry.config.name.as_str();
-    let refuse = |outcome: Outcome, error: ApiError| (None, outcome, error);
-    let client_error = |message: String| refuse(Outcome::client_error, ApiError::new(StatusCode::BAD_REQUEST, message));
-    let priority = header_value::<i64>(headers, PRIORITY_HEADER, "an integer")
-        .map_err(client_error)?
-        .unwrap_or(0);
-    let replayable = header_value::<bool>(headers, REPLAYABLE_HEADER, "`true` or `false`")
-        .map_err(client_error)?
-        .unwrap_or(true);
-    // The router's choice: the first ready pool serving the model. The policy may move it.
-    let routed = engine
-        .pools
-        .iter()
-        .find(|p| p.serves(model) && p.is_ready())
-        .cloned()
-        .ok_or_else(|| {
-            let reasons: Vec<String> = engine
-                .pools
-                .iter()
-                .filter(|p| p.serves(model))
-                .map(|p| match p.availability() {
-                    Availability::Unavailable(reason) => format!("{}: {reason}", p.name()),
-                    Availability::Ready => format!("{}: shutting down", p.name()),
-                })
-                .collect();
-            refuse(
-                Outcome::rejected,
-                ApiError::new(
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    format!("no pool can take `{model}` ({})", reasons.join("; ")),
-                )
-                .retry_after(5),
-            )
-        })?;
-    let (tokens, batch) = entry.shape_of(&request.inputs);
-    let mut info = RequestInfo {
-        id: id.to_string(),
-        model: model.to_string(),
-        pool: routed.name().to_string(),
-        context_tokens: tokens,
-        max_new_tokens: 0,
-        batch,
-        priority,
-        replayable,
-        deadline_ms: 0,
-        estimate: entry.estimate(&request.inputs),
-    };
-    let has_context = entry.config.context.is_some();
-    let max_defer = routed.config.max_wait;
-    let mut deferred = Duration::ZERO;
-    let metrics = &engine.metrics;
-    loop {
-        if let Some(deadline) = deadline {
-            // The policy sees the time left, not the time the client first gave.
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                return Err(refuse(
-                    Outcome::cancelled,
-                    ApiError::new(
-                        StatusCode::GATEWAY_TIMEOUT,
-                        "the deadline (x-vramguard-deadline-ms) passed while deferred",
-                    ),
-                ));
-            }
-            info.deadline_ms = (left.as_millis() as u64).max(1);
-        }
-        let views: Vec<PoolView<'_>> = engine
-            .pools
-            .iter()
-            .map(|p| PoolView {
-                name: p.name(),
-                serves: p.serves(model),
-                ready: match p.availability() {
-                    Availability::Unavailable(reason) => Err(reason.clone()),
-                    Availability::Ready if p.is_ready() => Ok(()),
-                    Availability::Ready => Err("shutting down".into()),
-                },
-            })
-            .collect();
-        let eval_started = Instant::now();
-        let view = engine.policy_view();
-        let evaluation = engine.policy.decide_view(&info, &view);
-        // Building the script's inputs counts: the view is part of what every request pays.
-        let eval_time = eval_started.elapsed();
-        metrics.policy_eval_duration.observe(eval_time.as_secs_f64());
-        let mut decision = evaluation.decision;
-        if let Some(error) = &evaluation.error {
-            metrics
-                .policy_errors
-                .get_or_create(&KindLabels {
-                    kind: error.kind.label().into(),
-                })
-                .inc();
-            tracing::warn!(request_id = %id, %error, fallback = %decision, "policy failed; using the fallback decision");
-        }
-        let mut plan = router::plan(&decision, &info, has_context, &views, deferred, max_defer);
-        if let Plan::Invalid(why) = &plan {
-            metrics
-                .policy_errors
-                .get_or_create(&KindLabels {
-                    kind: "bad_return".into(),
-                })
-                .inc();
-            tracing::warn!(request_id = %id, decision = %decision, reason = %why, "policy decision cannot be carried out; using the fallback");
-            decision = engine.policy.current().engine.fallback().clone();
-            plan = match router::plan(&decision, &info, has_context, &views, deferred, max_defer) {
-                Plan::Invalid(why) => Plan::Refuse(format!(
-                    "neither the policy's decision nor the fallback can be carried out: {why}"
-                )),
-                other => other,
-            };
-        }
-        let target = match &plan {
-            Plan::Run { pool, .. } => pool.as_str(),
-            _ => info.pool.as_str(),
-        };
-        metrics
-            .policy_decisions
-            .get_or_create(&DecisionLabels {
-                action: decision.action().into(),
-                pool: target.into(),
-            })
-            .inc();
-        tracing::debug!(
-            request_id = %id,
-            model,
-            action = decision.action(),
-            decision = %decision,
-            pool = target,
-            eval_us = eval_time.as_micros() as u64,
-            estimate_bytes = info.estimate.total_bytes,
-            "policy decision"
-        );
-        match plan {
-            Plan::Run { pool, shrink_to } => {
-                let pool = engine.pool(&pool).cloned().expect("plan only names existing pools");
-                let mut context = None;
-                let mut estimate = info.estimate;
-                if let (Some(to), Some(axis)) = (shrink_to, &entry.config.context) {
-                    if let Some(tensor) = request.inputs.iter_mut().find(|t| t.name == axis.input) {
-                        tensor.truncate_axis(axis.axis, to as usize, axis.keep == Keep::End);
-                    }
-                    context = Some((info.context_tokens, to));
-                    estimate = entry.estimate(&request.inputs);
-                }
-                return Ok(Admitted {
-                    pool,
-                    action: decision.action(),
-                    context,
-                    estimate,
-                });
-            }
-            Plan::Wait(wait) => {
-                if deadline.is_some_and(|d| Instant::now() + wait >= d) {
-                    return Err(refuse(
-                        Outcome::cancelled,
-                        ApiError::new(
-                            StatusCode::GATEWAY_TIMEOUT,
-                            "the deadline (x-vramguard-deadline-ms) cannot be met: the policy defers this request",
-                        ),
-                    ));
-                }
-                tokio::time::sleep(wait).await;
-                deferred += wait;
-            }
-            Plan::DeferredTooLong { total, bound } => {
-                return Err(refuse(
-                    Outcome::deferred_timeout,
-                    ApiError::new(
-                        StatusCode::TOO_MANY_REQUESTS,
-                        format!(
-                            "deferred by the policy for {}ms; deferring again would pass pool `{}`'s max wait of {}ms",
-                            deferred.as_millis(),
-                            routed.name(),
-                            bound.as_millis()
-                        ),
-                    )
-                    .retry_after(total.as_secs().max(1)),
-                ));
-            }
-            Plan::Refuse(reason) => {
-                return Err(refuse(
-                    Outcome::rejected,
-                    ApiError::new(StatusCode::SERVICE_UNAVAILABLE, reason)
-                        .retry_after(routed.load().estimated_delay.as_secs().max(1)),
-                ));
-            }
-            Plan::Invalid(_) => unreachable!("replaced by the fallback above"),
-        }
+    let mut api = ApiError::new(error.status(), error.to_string());
+    if let Some(seconds) = error.retry_after_secs() {
+        api = api.retry_after(seconds);
     }
-}
-
-/// Map a pool failure to an outcome and a client-facing error (the one place this happens).
-fn pool_error(pool: &Pool, error: PoolError) -> (Outcome, ApiError) {
-    let retry = pool.load().estimated_delay.as_secs().max(1);
-    match error {
-        PoolError::QueueFull { .. } | PoolError::ShuttingDown { .. } | PoolError::Unavailable { .. } => (
-            Outcome::rejected,
-            ApiError::new(StatusCode::SERVICE_UNAVAILABLE, error.to_string()).retry_after(retry),
-        ),
-        PoolError::QueueTimeout { .. } => (
-            Outcome::deferred_timeout,
-            ApiError::new(StatusCode::SERVICE_UNAVAILABLE, error.to_string()).retry_after(retry),
-        ),
-        PoolError::DeadlineExceeded { .. } => (
-            Outcome::cancelled,
-            ApiError::new(
-                StatusCode::GATEWAY_TIMEOUT,
-                "the deadline (x-vramguard-deadline-ms) cannot be met",
-            ),
-        ),
-        PoolError::Backend(BackendError::Allocation { kind, message }) => {
-            // Counted by the pool's worker (vramguard_allocator_failures_total), not here.
-            let simulated = if pool.device_kind == "simulated" {
-                " (simulated)"
-            } else {
-                ""
-            };
-            (
-                Outcome::rejected,
-                ApiError::new(
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    format!(
-                        "allocator failure ({kind}) on pool `{}`, device `{}`{simulated}: the request does not fit in accelerator memory; {}",
-                        pool.name(),
-                        pool.config.device,
-                        crate::onnx::concise(&message)
-                    ),
-                )
-                .retry_after(retry),
-            )
-        }
-        PoolError::Backend(BackendError::InvalidInput(message)) => (
-            Outcome::client_error,
-            ApiError::new(StatusCode::BAD_REQUEST, crate::onnx::concise(&message)),
-        ),
-        PoolError::Backend(BackendError::Runtime(message)) => {
-            tracing::error!(pool = pool.name(), error = %message, "inference failed");
-            (
-                Outcome::failed,
-                ApiError::new(
-                    StatusCode::INTERNAL_SERVER_ERROR,
-                    format!(
-                        "inference failed on pool `{}`; the server log has the details",
-                        pool.name()
-                    ),
-                ),
-            )
-        }
+    let mut response = api.into_response();
+    if let Some(pool) = refused.pool.as_ref().and_then(|p| HeaderValue::from_str(p.name()).ok()) {
+        response
+            .headers_mut()
+            .insert(HeaderName::from_static(POOL_HEADER), pool);
     }
+    response
 }
 
 async fn status(State(state): State<Arc<AppState>>) -> Json<Value> {
-    let engine = &state.engine;
-    let sample = engine.store.latest();
-    let pools: Vec<Value> = engine
+    let service = &state.service;
+    let sample = service.store.latest();
+    let pools: Vec<Value> = service
         .pools
         .iter()
         .map(|p| {
@@ -850,9 +533,9 @@ async fn status(State(state): State<Arc<AppState>>) -> Json<Value> {
             let (state_name, reason) = match p.availability() {
                 Availability::Ready if p.is_ready() => ("ready", None),
                 Availability::Ready => ("stopping", None),
-                Availability::Unavailable(r) => ("unavailable", Some(r.clone())),
+                Availability::Unavailable(r) => ("unavailable", Some(r)),
             };
-            let arena = crate::exporter::pool_arena(p, &engine.simulated).map(|s| {
+            let arena = crate::exporter::pool_arena(p, &service.simulated).map(|s| {
                 json!({"reserved_bytes": s.reserved_bytes, "active_bytes": s.active_bytes,
                        "peak_active_bytes": s.peak_active_bytes, "limit_bytes": s.limit_bytes,
                        "extensions": s.extensions, "shrinkages": s.shrinkages})
@@ -862,10 +545,9 @@ async fn status(State(state): State<Arc<AppState>>) -> Json<Value> {
                 "provider": p.provider().label(),
                 "device": p.config.device,
                 "device_kind": p.device_kind,
-                "simulated": p.device_kind == "simulated",
+                "simulated": p.device_kind == DeviceClass::Simulated,
                 "state": state_name,
                 "reason": reason,
-                "breaker": "closed",
                 "models": p.config.models,
                 "workers": p.config.workers,
                 "queue_depth": load.queue_depth,
@@ -884,7 +566,7 @@ async fn status(State(state): State<Arc<AppState>>) -> Json<Value> {
         .iter()
         .map(|(name, d)| {
             let mut value = json!(d);
-            if let Some(sim) = engine.simulated_device(name) {
+            if let Some(sim) = service.simulated_device(name) {
                 value["simulated"] = json!(true);
                 value["pressure_bytes"] = json!(sim.pressure());
             }
@@ -898,17 +580,16 @@ async fn status(State(state): State<Arc<AppState>>) -> Json<Value> {
         .unwrap_or(0);
     Json(json!({
         "version": env!("CARGO_PKG_VERSION"),
-        "onnxruntime": engine.onnxruntime_version,
-        "config": engine.config.source,
+        "onnxruntime": service.runtime_version,
+        "config": service.config.source,
         "started_unix": started,
         "shutting_down": state.shutting_down.load(Ordering::SeqCst),
-        "degraded": {"active": false, "reason": null, "since": null},
         "pools": pools,
         "devices": devices,
         "host": sample.snapshot.host,
         "processes": sample.snapshot.processes,
         "sample_age_ms": sample.taken_at.map(|t| t.elapsed().as_millis() as u64),
-        "policy": policy_status(engine),
+        "policy": policy_status(service),
     }))
 }
 
@@ -916,19 +597,19 @@ fn unix_seconds(t: SystemTime) -> u64 {
     t.duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
 }
 
-fn policy_status(engine: &crate::engine::Engine) -> Value {
-    let status = engine.policy.status();
+fn policy_status(service: &Service) -> Value {
+    let status = service.policy.status();
     json!({
         "path": status.path.display().to_string(),
-        "source": match &engine.config.policy.source {
+        "source": match &service.config.policy.source {
             crate::config::PolicySource::File(_) => "file".to_string(),
             crate::config::PolicySource::Builtin(name) => format!("builtin:{name}"),
         },
         "sha256": status.sha256,
         "loaded_at_unix": unix_seconds(status.loaded_at),
-        "cases": engine.policy.current().cases,
+        "cases": service.policy.current().cases,
         "last_error": status.last_error,
-        "fallback": engine.config.policy.fallback,
+        "fallback": service.config.policy.fallback,
     })
 }
 
@@ -938,12 +619,12 @@ async fn admin_policy_reload(
     headers: HeaderMap,
 ) -> Result<Json<Value>, ApiError> {
     authorize(&state, peer, &headers)?;
-    let engine = Arc::clone(&state.engine);
-    let result = tokio::task::spawn_blocking(move || engine.reload_policy())
+    let service = Arc::clone(&state.service);
+    let result = tokio::task::spawn_blocking(move || service.reload_policy())
         .await
         .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?;
     match result {
-        Ok(_) => Ok(Json(json!({"reloaded": true, "policy": policy_status(&state.engine)}))),
+        Ok(_) => Ok(Json(json!({"reloaded": true, "policy": policy_status(&state.service)}))),
         Err(e) => Err(ApiError::new(
             StatusCode::UNPROCESSABLE_ENTITY,
             format!("reload refused; the previous policy keeps serving: {e}"),
@@ -991,9 +672,9 @@ async fn admin_sim(
     body: Result<Json<SimCommand>, JsonRejection>,
 ) -> Result<Json<Value>, ApiError> {
     authorize(&state, peer, &headers)?;
-    let engine = &state.engine;
-    let sim = engine.simulated_device(&device).cloned().ok_or_else(|| {
-        let simulated: Vec<&str> = engine.simulated.iter().map(|d| d.name.as_str()).collect();
+    let service = &state.service;
+    let sim = service.simulated_device(&device).cloned().ok_or_else(|| {
+        let simulated: Vec<&str> = service.simulated.iter().map(|d| d.name.as_str()).collect();
         ApiError::new(
             StatusCode::NOT_FOUND,
             format!(
@@ -1012,8 +693,8 @@ async fn admin_sim(
         .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?
         .map_err(|e| ApiError::new(StatusCode::CONFLICT, e))?;
     tracing::info!(device = %device, pressure_bytes = bytes, "simulated external pressure set");
-    engine.resample_now().await;
-    let snapshot = engine.store.latest().snapshot;
+    service.resample_now().await;
+    let snapshot = service.store.latest().snapshot;
     Ok(Json(json!({
         "device": device,
         "simulated": true,
@@ -1023,7 +704,7 @@ async fn admin_sim(
 }
 
 async fn metrics(State(state): State<Arc<AppState>>, headers: HeaderMap) -> Response {
-    metrics_response(&state.engine.registry, &headers)
+    metrics_response(&state.service.registry, &headers)
 }
 
 /// `/metrics`: OpenMetrics for clients that ask for it (Prometheus does), the Prometheus text

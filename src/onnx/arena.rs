@@ -13,26 +13,7 @@ use ort::AsPointer;
 use ort::environment::Environment;
 use ort::sys::{OrtAllocator, OrtAllocatorType, OrtMemType, OrtMemoryInfo, OrtStatusPtr};
 
-/// Statistics of one ONNX Runtime allocator, as `AllocatorGetStats` reports them.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct ArenaStats {
-    /// `TotalAllocated`: bytes the arena has reserved from the device.
-    pub reserved_bytes: u64,
-    /// `InUse`: bytes held by live tensors.
-    pub active_bytes: u64,
-    /// `MaxInUse`: peak of `InUse`.
-    pub peak_active_bytes: u64,
-    /// `NumAllocs`.
-    pub allocations: u64,
-    /// `NumReserves`.
-    pub reserves: u64,
-    /// `NumArenaExtensions`.
-    pub extensions: u64,
-    /// `NumArenaShrinkages`.
-    pub shrinkages: u64,
-    /// `Limit`: the arena's cap, when it has one (0 means none).
-    pub limit_bytes: Option<u64>,
-}
+pub use crate::backend::ArenaStats;
 
 /// Turn an `OrtStatus` into a `Result`, releasing it.
 fn check(status: OrtStatusPtr, what: &str) -> Result<(), String> {

@@ -14,6 +14,7 @@ use ort::session::builder::GraphOptimizationLevel;
 use ort::session::{RunOptions, Session};
 use ort::value::{DynValue, TensorElementType, ValueType};
 
+use crate::backend::{AllocFailureKind, Backend, BackendError};
 use crate::config::{CudaOptions, Provider};
 use crate::tensor::{DataType, Tensor, TensorData, each_variant};
 
@@ -172,50 +173,6 @@ impl OnnxRuntime {
                 Ok(())
             }
         }
-    }
-}
-
-/// A failure running a model, classified so callers match on variants, never on strings.
-#[derive(Debug, Clone, thiserror::Error, PartialEq)]
-pub enum BackendError {
-    /// The allocator could not provide memory (arena cap, CUDA out of memory) or the device failed.
-    #[error("{kind} allocation failure: {message}")]
-    Allocation {
-        /// `oom` or `driver`.
-        kind: AllocFailureKind,
-        /// ONNX Runtime's message.
-        message: String,
-    },
-    /// ONNX Runtime refused the inputs (a user mistake the HTTP layer did not catch).
-    #[error("invalid input: {0}")]
-    InvalidInput(String),
-    /// Anything else ONNX Runtime reported.
-    #[error("runtime error: {0}")]
-    Runtime(String),
-}
-
-/// Kinds of allocation failure, as the `kind` label of `vramguard_allocator_failures_total`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum AllocFailureKind {
-    /// Not enough memory.
-    Oom,
-    /// The device or driver failed (reset, lost, unknown CUDA error).
-    Driver,
-}
-
-impl AllocFailureKind {
-    /// Label value.
-    pub fn label(self) -> &'static str {
-        match self {
-            AllocFailureKind::Oom => "oom",
-            AllocFailureKind::Driver => "driver",
-        }
-    }
-}
-
-impl std::fmt::Display for AllocFailureKind {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.label())
     }
 }
 
@@ -475,10 +432,11 @@ pub fn run(
     Ok(result)
 }
 
-/// The production [`Backend`](crate::pool::Backend): one session per model, owned by one worker.
+/// The production [`Backend`]: one session per model, owned by one worker.
 pub struct OrtBackend {
     sessions: HashMap<String, (Session, Option<Allocator>)>,
     last_stats: Option<arena::ArenaStats>,
+    last_model: Option<String>,
     run_options: Option<RunOptions>,
 }
 
@@ -524,26 +482,36 @@ impl OrtBackend {
         Ok(OrtBackend {
             sessions,
             last_stats,
+            last_model: None,
             run_options,
         })
     }
 }
 
-impl crate::pool::Backend for OrtBackend {
+impl Backend for OrtBackend {
     fn run(&mut self, model: &str, inputs: Vec<Tensor>, outputs: &[String]) -> Result<Vec<Tensor>, BackendError> {
-        let (session, allocator) = self
+        let (session, _) = self
             .sessions
             .get_mut(model)
             .ok_or_else(|| BackendError::Runtime(format!("this worker has no session for `{model}`")))?;
-        let result = run(session, inputs, outputs, self.run_options.as_ref());
-        if let Some(allocator) = allocator {
-            self.last_stats = arena::allocator_stats(allocator).ok();
-        }
-        result
+        self.last_model = Some(model.to_string());
+        run(session, inputs, outputs, self.run_options.as_ref())
     }
 
     fn arena_stats(&self) -> Option<arena::ArenaStats> {
         self.last_stats
+    }
+
+    fn refresh_arena_stats(&mut self) {
+        // The arena of the model that ran last: on CPU pools each session has its own, on
+        // simulated pools they are all the one shared arena.
+        let allocator = match &self.last_model {
+            Some(model) => self.sessions.get(model).and_then(|(_, a)| a.as_ref()),
+            None => self.sessions.values().find_map(|(_, a)| a.as_ref()),
+        };
+        if let Some(allocator) = allocator {
+            self.last_stats = arena::allocator_stats(allocator).ok();
+        }
     }
 }
 

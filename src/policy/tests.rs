@@ -627,7 +627,7 @@ fn each_shipped_policy_has_cases_for_every_action_it_takes() {
                 .cases
                 .iter()
                 .filter_map(|c| c.expect.as_ref())
-                .filter(|d| d.action() == *action);
+                .filter(|d| d.action().label() == *action);
             assert!(covered.count() >= 1, "{name} has no case expecting {action}");
         }
         // Every shipped policy compiles and is checked by `policy check`.

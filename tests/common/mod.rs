@@ -8,8 +8,8 @@ use std::sync::Arc;
 use serde_json::Value;
 use tokio::sync::oneshot;
 use vramguard::config::{Config, RawConfig, parse_yaml};
-use vramguard::engine::Engine;
 use vramguard::http::{self, AppState};
+use vramguard::service::Service;
 
 /// A running server; dropping it does not stop it, call [`TestServer::stop`].
 pub struct TestServer {
@@ -26,13 +26,13 @@ impl TestServer {
         let config: Config = raw
             .validate("test.yaml", Path::new(env!("CARGO_MANIFEST_DIR")))
             .expect("test config validates");
-        let engine = tokio::task::spawn_blocking(move || Engine::start(config))
+        let service = tokio::task::spawn_blocking(move || Service::start(config))
             .await
             .unwrap()
-            .expect("engine starts");
+            .expect("service starts");
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
-        let state = AppState::new(Arc::new(engine)).expect("state");
+        let state = AppState::new(Arc::new(service)).expect("state");
         let (stop, stopped) = oneshot::channel::<()>();
         let task = tokio::spawn(http::serve(Arc::clone(&state), listener, async {
             let _ = stopped.await;

@@ -1,28 +1,99 @@
-//! The running service: ONNX Runtime, models with their signatures, pools and metrics, built
-//! from a validated [`Config`] before any port is bound.
+//! The running service, assembled from its [`Parts`] before any port is bound: models with their
+//! signatures and memory profiles, pools with their workers, metrics, the memory sampler and the
+//! admission policy. Production parts come from ONNX Runtime and the machine
+//! ([`Parts::onnxruntime`]); tests pass a fake [`BackendFactory`], no memory sources and a clock
+//! they control, so the whole request lifecycle runs without ONNX Runtime.
 
-use std::collections::HashMap;
+mod onnxruntime;
+
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use prometheus_client::registry::Registry;
 
-use crate::clock::SystemClock;
-use crate::config::{Config, ConfigError, DeviceKind, ModelConfig, PolicySource, Provider};
+use crate::backend::Backend;
+use crate::clock::{Clock, SystemClock};
+use crate::config::{Config, ConfigError, DeviceKind, ModelConfig, PolicySource, PoolConfig};
 use crate::device::MemorySource;
-use crate::device::host::HostSource;
-use crate::device::nvml::NvmlSource;
 use crate::device::simulated::{SimulatedDevice, SimulatedSource};
-use crate::estimate::{self, MemoryProfile, ProfileSource};
+use crate::estimate::{MemoryProfile, ProfileSource};
 use crate::exporter::{LiveCollector, Sampler, SnapshotStore};
 use crate::metrics::{Metrics, PolicyInfoLabels, ResultLabels};
-use crate::model;
-use crate::onnx::{self, ModelSignature, OnnxRuntime, OrtBackend, RuntimeError, SessionOptions};
+use crate::onnx::{ModelSignature, RuntimeError};
 use crate::policy::{PolicyHandle, PolicySettings, StateView};
-use crate::pool::{Backend, Pool, PoolContext, PoolLoad};
-use crate::snapshot::{RequestInfo, Snapshot};
+use crate::pool::{Pool, PoolContext, PoolLoad, Respawn};
+use crate::snapshot::{DeviceClass, RequestInfo, Snapshot};
 
-/// A model with the signature read from ONNX Runtime.
+pub use onnxruntime::OrtFactory;
+
+/// Builds what runs models: the seam between the service and ONNX Runtime.
+pub trait BackendFactory: Send + Sync {
+    /// The runtime's version, for `/v2` and `vramguard_build_info`.
+    fn runtime_version(&self) -> String;
+    /// Read a model's inputs and outputs.
+    fn signature(&self, model: &ModelConfig, bytes: &[u8]) -> Result<ModelSignature, String>;
+    /// Measure what the model's runs need (called only when the config gives no profile).
+    fn measure_profile(&self, model: &ModelConfig, bytes: &[u8], signature: &ModelSignature) -> MemoryProfile;
+    /// Build one worker's backend for `pool`, holding `models` (name and bytes). An error makes
+    /// the pool unavailable with that reason; it never falls back to another provider.
+    fn backend(&self, pool: &PoolConfig, models: &[(String, &[u8])]) -> Result<Box<dyn Backend>, String>;
+}
+
+/// What a service is assembled from.
+pub struct Parts {
+    /// Builds backends and reads model signatures.
+    pub backends: Arc<dyn BackendFactory>,
+    /// Memory sources the sampler reads (host, NVML, simulated devices).
+    pub sources: Vec<Box<dyn MemorySource>>,
+    /// Simulated devices (their arenas back the `simulated` pools).
+    pub simulated: Vec<Arc<SimulatedDevice>>,
+    /// Time source for queue stamps and ages.
+    pub clock: Arc<dyn Clock>,
+}
+
+impl std::fmt::Debug for Parts {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Parts")
+            .field("sources", &self.sources.iter().map(|s| s.label()).collect::<Vec<_>>())
+            .field("simulated", &self.simulated)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Parts {
+    /// Production parts: ONNX Runtime (loaded from the configured library), the simulated
+    /// devices the config declares, the host and NVML memory sources, the system clock.
+    pub fn onnxruntime(config: &Config) -> Result<Parts, StartError> {
+        let rt = crate::onnx::runtime(config.onnxruntime_library.as_deref())?;
+        let mut simulated = Vec::new();
+        for device in &config.devices {
+            if let DeviceKind::Simulated { capacity } = device.kind {
+                let opened =
+                    SimulatedDevice::open(rt, &device.name, capacity).map_err(|message| ConfigError::Invalid {
+                        file: config.source.clone(),
+                        key: format!("devices.{}", device.name),
+                        message,
+                    })?;
+                tracing::info!(device = %device.name, capacity = %crate::logging::human_bytes(capacity), "SIMULATED accelerator ready");
+                simulated.push(Arc::new(opened));
+            }
+        }
+        let mut sources = crate::device::sources(config);
+        sources.extend(
+            simulated
+                .iter()
+                .map(|d| Box::new(SimulatedSource::new(Arc::clone(d))) as Box<dyn MemorySource>),
+        );
+        Ok(Parts {
+            backends: Arc::new(OrtFactory::new(rt, config)),
+            sources,
+            simulated,
+            clock: Arc::new(SystemClock),
+        })
+    }
+}
+
+/// A model with its signature and memory profile.
 #[derive(Debug, Clone)]
 pub struct ModelEntry {
     /// Its configuration.
@@ -35,9 +106,17 @@ pub struct ModelEntry {
     pub bytes: ModelBytes,
 }
 
-/// A model's serialized bytes (borrowed for builtin models); `Debug` shows only the size.
+/// A model's serialized bytes (borrowed for builtin models), shared by every pool's workers and
+/// kept for rebuilding a worker's backend; `Debug` shows only the size.
 #[derive(Clone)]
-pub struct ModelBytes(pub std::borrow::Cow<'static, [u8]>);
+pub struct ModelBytes(Arc<std::borrow::Cow<'static, [u8]>>);
+
+impl ModelBytes {
+    /// The bytes.
+    pub fn as_slice(&self) -> &[u8] {
+        &self.0
+    }
+}
 
 impl std::fmt::Debug for ModelBytes {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -89,12 +168,12 @@ pub enum StartError {
     Policy(String),
 }
 
-/// Everything the HTTP layer serves from.
-pub struct Engine {
+/// Everything a request is served from.
+pub struct Service {
     /// The configuration it was built from.
     pub config: Config,
-    /// ONNX Runtime version.
-    pub onnxruntime_version: String,
+    /// The inference runtime's version (ONNX Runtime's in production).
+    pub runtime_version: String,
     /// Models in config order.
     pub models: Vec<ModelEntry>,
     /// Pools in config order (routing prefers earlier pools).
@@ -114,6 +193,8 @@ pub struct Engine {
     pub policy: Arc<PolicyHandle>,
     /// The policy's cached view of the latest sample and the pools' live load.
     policy_state: Mutex<Option<PolicyState>>,
+    /// Time source shared with the pools.
+    pub clock: Arc<dyn Clock>,
 }
 
 /// A cached policy view and what it was built from.
@@ -126,50 +207,43 @@ struct PolicyState {
     view: StateView,
 }
 
-impl std::fmt::Debug for Engine {
+impl std::fmt::Debug for Service {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Engine")
+        f.debug_struct("Service")
             .field("pools", &self.pools)
             .finish_non_exhaustive()
     }
 }
 
-impl Engine {
-    /// Load ONNX Runtime, every model and every pool. A pool whose provider cannot start (no
-    /// NVIDIA driver, no CUDA provider library) is kept as *unavailable* with the reason.
-    pub fn start(config: Config) -> Result<Engine, StartError> {
-        let rt = onnx::runtime(config.onnxruntime_library.as_deref())?;
-        let models = load_models(rt, &config)?;
-        let (metrics, mut registry) = Metrics::new(&rt.version);
+impl Service {
+    /// Assemble the production service: [`Parts::onnxruntime`], then [`Service::assemble`].
+    pub fn start(config: Config) -> Result<Service, StartError> {
+        let parts = Parts::onnxruntime(&config)?;
+        Service::assemble(config, parts)
+    }
+
+    /// Build every model and pool from `parts`. A pool whose backend cannot be built (no NVIDIA
+    /// driver, no CUDA provider library) is kept as *unavailable* with the reason.
+    pub fn assemble(config: Config, parts: Parts) -> Result<Service, StartError> {
+        let Parts {
+            backends,
+            sources,
+            simulated,
+            clock,
+        } = parts;
+        let runtime_version = backends.runtime_version();
+        let models = load_models(backends.as_ref(), &config)?;
+        let (metrics, mut registry) = Metrics::new(&runtime_version);
         let metrics = Arc::new(metrics);
-        let mut simulated = Vec::new();
-        for device in &config.devices {
-            if let DeviceKind::Simulated { capacity } = device.kind {
-                let opened =
-                    SimulatedDevice::open(rt, &device.name, capacity).map_err(|message| ConfigError::Invalid {
-                        file: config.source.clone(),
-                        key: format!("devices.{}", device.name),
-                        message,
-                    })?;
-                tracing::info!(device = %device.name, capacity, "SIMULATED accelerator ready");
-                simulated.push(Arc::new(opened));
-            }
-        }
         let mut pools = Vec::new();
         for pool_config in &config.pools {
             let context = PoolContext {
-                clock: Arc::new(SystemClock),
+                clock: Arc::clone(&clock),
                 metrics: metrics.pool_metrics(&pool_config.name, &pool_config.device),
             };
-            pools.push(start_pool(rt, &config, &models, pool_config, context)?);
+            pools.push(start_pool(&backends, &config, &models, pool_config, context));
         }
         let store = Arc::new(SnapshotStore::default());
-        let mut sources = device_sources(&config);
-        sources.extend(
-            simulated
-                .iter()
-                .map(|d| Box::new(SimulatedSource::new(Arc::clone(d))) as Box<dyn MemorySource>),
-        );
         let mut sampler = Sampler::new(
             sources,
             config.exporter.services.clone(),
@@ -195,8 +269,8 @@ impl Engine {
             pools.clone(),
             simulated.clone(),
         )));
-        Ok(Engine {
-            onnxruntime_version: rt.version.clone(),
+        Ok(Service {
+            runtime_version,
             config,
             models,
             pools,
@@ -208,6 +282,7 @@ impl Engine {
             sampler: Mutex::new(Some(sampler)),
             policy,
             policy_state: Mutex::new(None),
+            clock,
         })
     }
 
@@ -328,33 +403,18 @@ impl Engine {
         self.pools.iter().any(|p| p.is_ready())
     }
 
-    /// Stop every pool: queued work is answered, running work gets `grace` to finish.
-    pub fn shutdown(&self, grace: Duration) {
+    /// Stop every pool: queued work is answered at once, running work has until `deadline`
+    /// (the server's one shutdown deadline) to finish. Blocking: run it off the async runtime.
+    pub fn shutdown(&self, deadline: Instant) {
         for pool in &self.pools {
-            if !pool.shutdown(grace) {
-                tracing::warn!(pool = pool.name(), "workers still running after the grace period");
+            pool.close();
+        }
+        for pool in &self.pools {
+            if !pool.join_until(deadline) {
+                tracing::warn!(pool = pool.name(), "workers still running at the shutdown deadline");
             }
         }
     }
-}
-
-/// The host source, plus NVML when an NVIDIA driver answers. Without one, NVML is reported
-/// absent once here, not as an error on every sample.
-pub fn device_sources(config: &Config) -> Vec<Box<dyn MemorySource>> {
-    let mut sources: Vec<Box<dyn MemorySource>> = vec![Box::new(HostSource)];
-    let names: HashMap<u32, String> = config
-        .devices
-        .iter()
-        .filter_map(|d| match d.kind {
-            DeviceKind::Nvidia { index } => Some((index, d.name.clone())),
-            DeviceKind::Simulated { .. } => None,
-        })
-        .collect();
-    match NvmlSource::open(names) {
-        Ok(source) => sources.push(Box::new(source)),
-        Err(reason) => tracing::info!(%reason, "no NVIDIA devices will be reported"),
-    }
-    sources
 }
 
 /// Load the configured policy (a builtin one is written to a private folder first so it loads,
@@ -422,29 +482,16 @@ fn load_policy(
     Ok(handle)
 }
 
-fn load_models(rt: &OnnxRuntime, config: &Config) -> Result<Vec<ModelEntry>, ConfigError> {
+fn load_models(backends: &dyn BackendFactory, config: &Config) -> Result<Vec<ModelEntry>, ConfigError> {
     let invalid = |key: String, message: String| ConfigError::Invalid {
         file: config.source.clone(),
         key,
         message,
     };
-    let probe_options = SessionOptions {
-        provider: Provider::Cpu,
-        device_index: 0,
-        intra_threads: 1,
-        arena_shrinkage: false,
-    };
     let mut entries = Vec::new();
     for (i, m) in config.models.iter().enumerate() {
-        let bytes = model::load_bytes(&m.source).map_err(|e| invalid(format!("models[{i}].path"), e))?;
-        // A CPU session reads the signature even when every accelerator pool is unavailable.
-        let mut session = onnx::build_session(rt, &bytes, &probe_options).map_err(|e| {
-            invalid(
-                format!("models[{i}].path"),
-                format!("ONNX Runtime cannot load `{}`: {e}", m.source),
-            )
-        })?;
-        let signature = onnx::signature(&session).map_err(|e| {
+        let bytes = crate::model::load_bytes(&m.source).map_err(|e| invalid(format!("models[{i}].path"), e))?;
+        let signature = backends.signature(m, &bytes).map_err(|e| {
             invalid(
                 format!("models[{i}].path"),
                 format!("`{}` cannot be served: {e}", m.source),
@@ -496,30 +543,7 @@ fn load_models(rt: &OnnxRuntime, config: &Config) -> Result<Vec<ModelEntry>, Con
                 per_token_squared_bytes: p.per_token_squared_bytes,
                 source: ProfileSource::Config,
             },
-            None => {
-                let info = ort::memory::MemoryInfo::new(
-                    ort::memory::AllocationDevice::CPU,
-                    0,
-                    ort::memory::AllocatorType::Arena,
-                    ort::memory::MemoryType::Default,
-                );
-                match info.and_then(|info| ort::memory::Allocator::new(&session, info)) {
-                    Ok(allocator) => estimate::measure(
-                        &mut session,
-                        &allocator,
-                        &signature,
-                        m.context.as_ref(),
-                        bytes.len() as u64,
-                    ),
-                    Err(e) => MemoryProfile {
-                        weights_bytes: bytes.len() as u64,
-                        workspace_bytes: 0.0,
-                        per_token_bytes: 0.0,
-                        per_token_squared_bytes: 0.0,
-                        source: ProfileSource::Unmeasured { reason: e.to_string() },
-                    },
-                }
-            }
+            None => backends.measure_profile(m, &bytes, &signature),
         };
         match &profile.source {
             ProfileSource::Unmeasured { reason } => tracing::warn!(
@@ -529,10 +553,10 @@ fn load_models(rt: &OnnxRuntime, config: &Config) -> Result<Vec<ModelEntry>, Con
             ),
             _ => tracing::info!(
                 model = %m.name,
-                weights_bytes = profile.weights_bytes,
-                workspace_bytes = profile.workspace_bytes,
-                per_token_bytes = profile.per_token_bytes,
-                per_token_squared_bytes = profile.per_token_squared_bytes,
+                weights = %crate::logging::human_bytes(profile.weights_bytes),
+                workspace = %crate::logging::human_bytes(profile.workspace_bytes.round() as u64),
+                per_token_bytes = format_args!("{:.1}", profile.per_token_bytes),
+                per_token_squared_bytes = format_args!("{:.1}", profile.per_token_squared_bytes),
                 "memory profile"
             ),
         }
@@ -540,53 +564,47 @@ fn load_models(rt: &OnnxRuntime, config: &Config) -> Result<Vec<ModelEntry>, Con
             config: m.clone(),
             signature,
             profile,
-            bytes: ModelBytes(bytes),
+            bytes: ModelBytes(Arc::new(bytes)),
         });
     }
     Ok(entries)
 }
 
+/// Start `pool` with one backend per worker. The same factory rebuilds a worker's backend after
+/// a panic, from the same model bytes.
 fn start_pool(
-    rt: &OnnxRuntime,
+    backends: &Arc<dyn BackendFactory>,
     config: &Config,
     models: &[ModelEntry],
-    pool: &crate::config::PoolConfig,
+    pool: &PoolConfig,
     context: PoolContext,
-) -> Result<Arc<Pool>, StartError> {
-    let device_kind = config.devices.iter().find(|d| d.name == pool.device).map(|d| d.kind);
-    let kind_label = device_kind.map(|k| k.label()).unwrap_or("host");
-    let mut device_index = 0;
-    if let (Provider::Cuda(_), Some(DeviceKind::Nvidia { index })) = (&pool.provider, device_kind) {
-        device_index = index;
-        let missing = match crate::device::nvidia_device_count() {
-            Ok(n) if index < n => None,
-            Ok(n) => Some(format!("NVIDIA device {index} does not exist (NVML sees {n})")),
-            Err(reason) => Some(reason),
-        };
-        if let Some(reason) = missing {
-            tracing::error!(pool = %pool.name, %reason, "pool unavailable");
-            return Ok(Pool::unavailable(pool.clone(), kind_label, reason, context));
-        }
-    }
-    let borrowed: Vec<(String, &[u8])> = models
+) -> Arc<Pool> {
+    let device_kind = match config.devices.iter().find(|d| d.name == pool.device).map(|d| d.kind) {
+        Some(DeviceKind::Nvidia { .. }) => DeviceClass::Nvml,
+        Some(DeviceKind::Simulated { .. }) => DeviceClass::Simulated,
+        None => DeviceClass::Host,
+    };
+    let owned: Vec<(String, ModelBytes)> = models
         .iter()
         .filter(|m| pool.models.contains(&m.config.name))
-        .map(|m| (m.config.name.clone(), m.bytes.0.as_ref()))
+        .map(|m| (m.config.name.clone(), m.bytes.clone()))
         .collect();
-    let options = SessionOptions {
-        provider: pool.provider.clone(),
-        device_index,
-        intra_threads: pool.intra_threads,
-        arena_shrinkage: pool.arena_shrinkage,
+    let build = {
+        let backends = Arc::clone(backends);
+        let pool = pool.clone();
+        move || {
+            let borrowed: Vec<(String, &[u8])> = owned.iter().map(|(n, b)| (n.clone(), b.as_slice())).collect();
+            backends.backend(&pool, &borrowed)
+        }
     };
-    let mut backends: Vec<Box<dyn Backend>> = Vec::new();
+    let mut workers: Vec<Box<dyn Backend>> = Vec::new();
     for _ in 0..pool.workers {
-        match OrtBackend::load(rt, &borrowed, &options) {
-            Ok(b) => backends.push(Box::new(b)),
+        match build() {
+            Ok(b) => workers.push(b),
             Err(reason) => {
                 // Never fall back to the CPU silently: the pool is unavailable and says why.
                 tracing::error!(pool = %pool.name, provider = pool.provider.label(), %reason, "pool unavailable");
-                return Ok(Pool::unavailable(pool.clone(), kind_label, reason, context));
+                return Pool::unavailable(pool.clone(), device_kind, reason, context);
             }
         }
     }
@@ -594,9 +612,10 @@ fn start_pool(
         pool = %pool.name,
         provider = pool.provider.label(),
         device = %pool.device,
-        simulated = kind_label == "simulated",
+        simulated = device_kind == DeviceClass::Simulated,
         workers = pool.workers,
         "pool ready"
     );
-    Ok(Pool::start(pool.clone(), kind_label, backends, context))
+    let respawn: Respawn = Arc::new(build);
+    Pool::start(pool.clone(), device_kind, workers, Some(respawn), context)
 }

@@ -1,0 +1,90 @@
+//! The seam between the request path and whatever runs models: the [`Backend`] trait (ONNX
+//! Runtime sessions in production, fakes in tests), the errors a run can end with, and the
+//! allocator statistics a backend may report. Plain types only, so pools, the lifecycle and the
+//! ONNX Runtime code all depend on this module and never on each other.
+
+use crate::tensor::Tensor;
+
+/// Runs models; one instance per worker thread, so it may hold non-shareable sessions.
+pub trait Backend: Send {
+    /// Run `model` on `inputs`, returning the `outputs` asked for (all when empty).
+    fn run(&mut self, model: &str, inputs: Vec<Tensor>, outputs: &[String]) -> Result<Vec<Tensor>, BackendError>;
+    /// Allocator statistics as of the last refresh, when the backend has an arena.
+    fn arena_stats(&self) -> Option<ArenaStats>;
+    /// Read the allocator statistics again (costs a C API call, ~10 µs: callers decide when).
+    fn refresh_arena_stats(&mut self) {}
+}
+
+/// A failure running a model, classified so callers match on variants, never on strings.
+#[derive(Debug, Clone, thiserror::Error, PartialEq)]
+pub enum BackendError {
+    /// The allocator could not provide memory (arena cap, CUDA out of memory) or the device failed.
+    #[error("{kind} allocation failure: {message}")]
+    Allocation {
+        /// `oom` or `driver`.
+        kind: AllocFailureKind,
+        /// ONNX Runtime's message.
+        message: String,
+    },
+    /// ONNX Runtime refused the inputs (a user mistake the HTTP layer did not catch).
+    #[error("invalid input: {0}")]
+    InvalidInput(String),
+    /// Anything else ONNX Runtime reported.
+    #[error("runtime error: {0}")]
+    Runtime(String),
+    /// The backend panicked; the worker replaced it.
+    #[error("the backend panicked: {0}")]
+    Panicked(String),
+}
+
+/// Kinds of allocation failure, as the `kind` label of `vramguard_allocator_failures_total`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum AllocFailureKind {
+    /// Not enough memory.
+    Oom,
+    /// The device or driver failed (reset, lost, unknown CUDA error).
+    Driver,
+}
+
+impl AllocFailureKind {
+    /// Label value.
+    pub fn label(self) -> &'static str {
+        match self {
+            AllocFailureKind::Oom => "oom",
+            AllocFailureKind::Driver => "driver",
+        }
+    }
+}
+
+impl prometheus_client::encoding::EncodeLabelValue for AllocFailureKind {
+    fn encode(&self, encoder: &mut prometheus_client::encoding::LabelValueEncoder<'_>) -> std::fmt::Result {
+        std::fmt::Write::write_str(encoder, self.label())
+    }
+}
+
+impl std::fmt::Display for AllocFailureKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.label())
+    }
+}
+
+/// Statistics of one ONNX Runtime allocator, as `AllocatorGetStats` reports them.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ArenaStats {
+    /// `TotalAllocated`: bytes the arena has reserved from the device.
+    pub reserved_bytes: u64,
+    /// `InUse`: bytes held by live tensors.
+    pub active_bytes: u64,
+    /// `MaxInUse`: peak of `InUse`.
+    pub peak_active_bytes: u64,
+    /// `NumAllocs`.
+    pub allocations: u64,
+    /// `NumReserves`.
+    pub reserves: u64,
+    /// `NumArenaExtensions`.
+    pub extensions: u64,
+    /// `NumArenaShrinkages`.
+    pub shrinkages: u64,
+    /// `Limit`: the arena's cap, when it has one (0 means none).
+    pub limit_bytes: Option<u64>,
+}

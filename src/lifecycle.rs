@@ -1,0 +1,583 @@
+//! One request's life below any protocol: placement, admission, the run and its outcome.
+//!
+//! [`infer`] takes a decoded [`Request`] and returns what happened to it: the router's first
+//! choice of pool, the policy's decision (or the configured fallback when the script fails or
+//! asks for something that cannot be done), deferral bounded by the pool's `max_wait`, a shrunk
+//! context, a redirect, the queue, the deadline, and the request metrics. The HTTP handlers (and
+//! any other protocol) only decode, call [`infer`], and encode. [`RequestError`] is the one place
+//! where a failure becomes an HTTP status, a metric outcome and a `Retry-After`.
+//!
+//! Time is tokio's, so tests run deferrals and deadlines with paused time.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::http::StatusCode;
+use tokio::time::Instant;
+
+use crate::backend::{AllocFailureKind, BackendError};
+use crate::config::Keep;
+use crate::metrics::{DecisionLabels, KindLabels, ModelPoolLabels, Outcome, RequestLabels};
+use crate::pool::{InferJob, Pool, PoolError};
+use crate::router::{self, Plan, PoolView};
+use crate::service::{ModelEntry, Service};
+use crate::snapshot::{Action, DeviceClass, Estimate, RequestInfo};
+use crate::tensor::Tensor;
+
+/// A decoded inference request, whatever protocol it came in by.
+#[derive(Debug, Clone)]
+pub struct Request {
+    /// Request id, kept end to end (the caller generates one when the client sent none).
+    pub id: String,
+    /// Model name.
+    pub model: String,
+    /// Validated inputs.
+    pub inputs: Vec<Tensor>,
+    /// Outputs asked for (all when empty).
+    pub outputs: Vec<String>,
+    /// Client priority (higher is more important; 0 by default).
+    pub priority: i64,
+    /// False when the request must never be retried automatically once started.
+    pub replayable: bool,
+    /// When the client stops caring.
+    pub deadline: Option<Instant>,
+    /// When it arrived (request duration is measured from here).
+    pub received: Instant,
+}
+
+/// A request that ran.
+#[derive(Debug)]
+pub struct Served {
+    /// The pool that ran it.
+    pub pool: Arc<Pool>,
+    /// The decision that placed it: admit, redirect or shrink_context.
+    pub action: Action,
+    /// `(from, to)` context tokens when it was shrunk.
+    pub context: Option<(u64, u64)>,
+    /// The outputs asked for.
+    pub outputs: Vec<Tensor>,
+}
+
+/// A request that did not run, with the pool that refused or failed it when one was chosen.
+#[derive(Debug)]
+pub struct Refused {
+    /// The pool involved, if the request got that far.
+    pub pool: Option<Arc<Pool>>,
+    /// What went wrong.
+    pub error: RequestError,
+}
+
+/// Why a request did not run. Each variant knows its HTTP status, metric outcome and
+/// `Retry-After`; nothing else maps failures.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum RequestError {
+    /// No such model.
+    #[error("unknown model `{model}`; models: {known}")]
+    UnknownModel {
+        /// What was asked for.
+        model: String,
+        /// What exists, comma-separated.
+        known: String,
+    },
+    /// The request is malformed; the message names the tensor or field and the reason.
+    #[error("{0}")]
+    BadInput(String),
+    /// The body is larger than `server.body_limit`.
+    #[error("request body exceeds the {limit} byte limit (server.body_limit)")]
+    BodyTooLarge {
+        /// The limit in bytes.
+        limit: usize,
+    },
+    /// No pool serving the model can take work.
+    #[error("no pool can take `{model}` ({reasons})")]
+    NoPool {
+        /// The model.
+        model: String,
+        /// Each serving pool and why it cannot take work.
+        reasons: String,
+    },
+    /// The policy rejected it, or its decision cannot be carried out.
+    #[error("{reason}")]
+    Refused {
+        /// Why.
+        reason: String,
+        /// When to try again.
+        retry_after: Duration,
+    },
+    /// The policy kept deferring it past the pool's `max_wait`.
+    #[error(
+        "deferred by the policy for {}ms; deferring again would pass pool `{pool}`'s max wait of {}ms",
+        deferred.as_millis(),
+        bound.as_millis()
+    )]
+    DeferredTooLong {
+        /// The pool.
+        pool: String,
+        /// How long it was deferred.
+        deferred: Duration,
+        /// The pool's `max_wait`.
+        bound: Duration,
+        /// What the next deferral would have brought the total to.
+        retry_after: Duration,
+    },
+    /// The pool's queue is at capacity.
+    #[error("pool `{pool}` queue is full ({capacity} waiting)")]
+    QueueFull {
+        /// The pool.
+        pool: String,
+        /// Its queue capacity.
+        capacity: usize,
+        /// The pool's delay estimate.
+        retry_after: Duration,
+    },
+    /// The request waited in the queue past the pool's `max_wait`.
+    #[error("pool `{pool}` did not start the request within {}ms", waited.as_millis())]
+    QueueTimeout {
+        /// The pool.
+        pool: String,
+        /// How long it waited.
+        waited: Duration,
+        /// The pool's delay estimate.
+        retry_after: Duration,
+    },
+    /// The pool is shutting down.
+    #[error("pool `{pool}` is shutting down")]
+    ShuttingDown {
+        /// The pool.
+        pool: String,
+    },
+    /// The pool could not start or lost every worker.
+    #[error("pool `{pool}` is unavailable: {reason}")]
+    Unavailable {
+        /// The pool.
+        pool: String,
+        /// Why.
+        reason: String,
+    },
+    /// The client's deadline cannot be met.
+    #[error("the deadline (x-vramguard-deadline-ms) {0}")]
+    Deadline(DeadlineMiss),
+    /// The accelerator's allocator could not fit the run.
+    #[error(
+        "allocator failure ({kind}) on pool `{pool}`, device `{device}`{}: the request does not fit in accelerator memory; {message}",
+        if *simulated { " (simulated)" } else { "" }
+    )]
+    Allocation {
+        /// `oom` or `driver`.
+        kind: AllocFailureKind,
+        /// The pool.
+        pool: String,
+        /// Its device.
+        device: String,
+        /// Whether the device is simulated.
+        simulated: bool,
+        /// ONNX Runtime's message, trimmed to the useful part.
+        message: String,
+        /// The pool's delay estimate.
+        retry_after: Duration,
+    },
+    /// The run failed on the server's side; the log has the details.
+    #[error("inference failed on pool `{pool}`; the server log has the details")]
+    Failed {
+        /// The pool.
+        pool: String,
+    },
+}
+
+/// When a deadline was found to be out of reach.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeadlineMiss {
+    /// It passed while the policy deferred the request.
+    WhileDeferred,
+    /// The policy's next deferral would pass it.
+    ByDeferral,
+    /// It passed while the request was queued or running.
+    InPool,
+}
+
+impl std::fmt::Display for DeadlineMiss {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            DeadlineMiss::WhileDeferred => "passed while the policy deferred the request",
+            DeadlineMiss::ByDeferral => "cannot be met: the policy defers this request past it",
+            DeadlineMiss::InPool => "cannot be met: it passed before the run finished",
+        })
+    }
+}
+
+impl RequestError {
+    /// The HTTP status it is answered with.
+    pub fn status(&self) -> StatusCode {
+        match self {
+            RequestError::UnknownModel { .. } => StatusCode::NOT_FOUND,
+            RequestError::BadInput(_) => StatusCode::BAD_REQUEST,
+            RequestError::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            RequestError::DeferredTooLong { .. } => StatusCode::TOO_MANY_REQUESTS,
+            RequestError::Deadline(_) => StatusCode::GATEWAY_TIMEOUT,
+            RequestError::Failed { .. } => StatusCode::INTERNAL_SERVER_ERROR,
+            RequestError::NoPool { .. }
+            | RequestError::Refused { .. }
+            | RequestError::QueueFull { .. }
+            | RequestError::QueueTimeout { .. }
+            | RequestError::ShuttingDown { .. }
+            | RequestError::Unavailable { .. }
+            | RequestError::Allocation { .. } => StatusCode::SERVICE_UNAVAILABLE,
+        }
+    }
+
+    /// The `outcome` label of `vramguard_requests_total`.
+    pub fn outcome(&self) -> Outcome {
+        match self {
+            RequestError::UnknownModel { .. } | RequestError::BadInput(_) | RequestError::BodyTooLarge { .. } => {
+                Outcome::client_error
+            }
+            RequestError::DeferredTooLong { .. } | RequestError::QueueTimeout { .. } => Outcome::deferred_timeout,
+            RequestError::Deadline(_) => Outcome::cancelled,
+            RequestError::Failed { .. } => Outcome::failed,
+            RequestError::NoPool { .. }
+            | RequestError::Refused { .. }
+            | RequestError::QueueFull { .. }
+            | RequestError::ShuttingDown { .. }
+            | RequestError::Unavailable { .. }
+            | RequestError::Allocation { .. } => Outcome::rejected,
+        }
+    }
+
+    /// Seconds for `Retry-After` (at least 1), for the errors worth retrying.
+    pub fn retry_after_secs(&self) -> Option<u64> {
+        let after = match self {
+            RequestError::NoPool { .. } | RequestError::Unavailable { .. } | RequestError::ShuttingDown { .. } => {
+                Duration::from_secs(5)
+            }
+            RequestError::Refused { retry_after, .. }
+            | RequestError::DeferredTooLong { retry_after, .. }
+            | RequestError::QueueFull { retry_after, .. }
+            | RequestError::QueueTimeout { retry_after, .. }
+            | RequestError::Allocation { retry_after, .. } => *retry_after,
+            RequestError::UnknownModel { .. }
+            | RequestError::BadInput(_)
+            | RequestError::BodyTooLarge { .. }
+            | RequestError::Deadline(_)
+            | RequestError::Failed { .. } => return None,
+        };
+        Some(after.as_secs().max(1))
+    }
+
+    /// What a pool's failure means for the client (the one place pool errors are mapped).
+    fn from_pool(pool: &Pool, error: PoolError) -> RequestError {
+        let retry_after = pool.load().estimated_delay;
+        let name = pool.name().to_string();
+        match error {
+            PoolError::QueueFull { capacity, .. } => RequestError::QueueFull {
+                pool: name,
+                capacity,
+                retry_after,
+            },
+            PoolError::QueueTimeout { waited, .. } => RequestError::QueueTimeout {
+                pool: name,
+                waited,
+                retry_after,
+            },
+            PoolError::ShuttingDown { .. } => RequestError::ShuttingDown { pool: name },
+            PoolError::Unavailable { reason, .. } => RequestError::Unavailable { pool: name, reason },
+            PoolError::DeadlineExceeded { .. } => RequestError::Deadline(DeadlineMiss::InPool),
+            // Counted by the pool's worker (vramguard_allocator_failures_total), not here.
+            PoolError::Backend(BackendError::Allocation { kind, message }) => RequestError::Allocation {
+                kind,
+                pool: name,
+                device: pool.config.device.clone(),
+                simulated: pool.device_kind == DeviceClass::Simulated,
+                message: crate::onnx::concise(&message),
+                retry_after,
+            },
+            PoolError::Backend(BackendError::InvalidInput(message)) => {
+                RequestError::BadInput(crate::onnx::concise(&message))
+            }
+            PoolError::Backend(BackendError::Runtime(_) | BackendError::Panicked(_)) => {
+                RequestError::Failed { pool: name }
+            }
+        }
+    }
+}
+
+/// Run `request` to its end: place it, ask the policy, carry the decision out, run it, and
+/// count the outcome.
+pub async fn infer(service: &Service, request: Request) -> Result<Served, Refused> {
+    let model = request.model.clone();
+    let received = request.received;
+    let result = run(service, request).await;
+    let (pool, outcome) = match &result {
+        Ok(served) => (Some(&served.pool), Outcome::ok),
+        Err(refused) => (refused.pool.as_ref(), refused.error.outcome()),
+    };
+    record(service, &model, pool.map(|p| p.name()), outcome, received);
+    if let Err(refused) = &result {
+        tracing::debug!(model = %model, pool = pool.map(|p| p.name()), status = %refused.error.status(), error = %refused.error, "request refused");
+    }
+    result
+}
+
+/// Refuse a request before it reaches [`infer`] (it could not be decoded, say), counting it
+/// like any other outcome.
+pub fn reject(service: &Service, model: &str, error: RequestError, received: Instant) -> Refused {
+    record(service, model, None, error.outcome(), received);
+    Refused { pool: None, error }
+}
+
+/// Count a request's outcome. Requests for unknown models are not counted: their names would
+/// be unbounded label values.
+fn record(service: &Service, model: &str, pool: Option<&str>, outcome: Outcome, received: Instant) {
+    if service.model(model).is_none() {
+        return;
+    }
+    let metrics = &service.metrics;
+    metrics
+        .requests
+        .get_or_create(&RequestLabels {
+            model: model.to_string(),
+            pool: pool.unwrap_or_default().to_string(),
+            outcome,
+        })
+        .inc();
+    if let Some(pool) = pool {
+        metrics
+            .request_duration
+            .get_or_create(&ModelPoolLabels {
+                model: model.to_string(),
+                pool: pool.to_string(),
+            })
+            .observe(received.elapsed().as_secs_f64());
+    }
+}
+
+async fn run(service: &Service, mut request: Request) -> Result<Served, Refused> {
+    let refuse = |pool: Option<&Arc<Pool>>, error: RequestError| Refused {
+        pool: pool.cloned(),
+        error,
+    };
+    let entry = service.model(&request.model).ok_or_else(|| {
+        refuse(
+            None,
+            RequestError::UnknownModel {
+                model: request.model.clone(),
+                known: service
+                    .models
+                    .iter()
+                    .map(|m| m.config.name.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", "),
+            },
+        )
+    })?;
+    let admitted = admit(service, entry, &mut request).await?;
+    let pool = admitted.pool;
+    let job = InferJob {
+        request_id: request.id.clone(),
+        model: request.model.clone(),
+        inputs: std::mem::take(&mut request.inputs),
+        outputs: std::mem::take(&mut request.outputs),
+        deadline: request.deadline.map(Instant::into_std),
+        estimate_bytes: Some(
+            admitted
+                .estimate
+                .context_bytes
+                .saturating_add(admitted.estimate.workspace_bytes),
+        ),
+    };
+    let fail = |error: PoolError| refuse(Some(&pool), RequestError::from_pool(&pool, error));
+    let reply = pool.submit(job).map_err(fail)?;
+    let reply = match request.deadline {
+        Some(deadline) => match tokio::time::timeout_at(deadline, reply).await {
+            Ok(reply) => reply,
+            // The worker sees the closed reply and skips the job if it has not started.
+            Err(_) => return Err(refuse(Some(&pool), RequestError::Deadline(DeadlineMiss::InPool))),
+        },
+        None => reply.await,
+    };
+    let outputs = reply
+        .unwrap_or_else(|_| {
+            Err(PoolError::ShuttingDown {
+                pool: pool.name().to_string(),
+            })
+        })
+        .map_err(fail)?;
+    Ok(Served {
+        pool,
+        action: admitted.action,
+        context: admitted.context,
+        outputs,
+    })
+}
+
+/// Where the policy sent a request.
+struct Admitted {
+    pool: Arc<Pool>,
+    action: Action,
+    context: Option<(u64, u64)>,
+    /// The estimate for what actually runs (after any shrink).
+    estimate: Estimate,
+}
+
+/// The router's choice: the first ready pool serving the model (config order). The policy may
+/// move the request elsewhere.
+fn routed_pool(service: &Service, model: &str) -> Result<Arc<Pool>, RequestError> {
+    if let Some(pool) = service.pools.iter().find(|p| p.serves(model) && p.is_ready()) {
+        return Ok(Arc::clone(pool));
+    }
+    let reasons: Vec<String> = service
+        .pools
+        .iter()
+        .filter(|p| p.serves(model))
+        .map(|p| {
+            format!(
+                "{}: {}",
+                p.name(),
+                p.unready_reason().unwrap_or_else(|| "not ready".into())
+            )
+        })
+        .collect();
+    Err(RequestError::NoPool {
+        model: model.to_string(),
+        reasons: reasons.join("; "),
+    })
+}
+
+/// Ask the policy what to do with the request and carry it out until it is placed on a pool
+/// (possibly after deferring, without holding a worker) or refused.
+async fn admit(service: &Service, entry: &ModelEntry, request: &mut Request) -> Result<Admitted, Refused> {
+    let model = entry.config.name.as_str();
+    let refuse = |error: RequestError| Refused { pool: None, error };
+    let routed = routed_pool(service, model).map_err(refuse)?;
+    let (tokens, batch) = entry.shape_of(&request.inputs);
+    let mut info = RequestInfo {
+        id: request.id.clone(),
+        model: model.to_string(),
+        pool: routed.name().to_string(),
+        context_tokens: tokens,
+        max_new_tokens: 0,
+        batch,
+        priority: request.priority,
+        replayable: request.replayable,
+        deadline_ms: 0,
+        estimate: entry.estimate(&request.inputs),
+    };
+    let has_context = entry.config.context.is_some();
+    let max_defer = routed.config.max_wait;
+    let mut deferred = Duration::ZERO;
+    let metrics = &service.metrics;
+    loop {
+        if let Some(deadline) = request.deadline {
+            // The policy sees the time left, not the time the client first gave.
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(refuse(RequestError::Deadline(DeadlineMiss::WhileDeferred)));
+            }
+            info.deadline_ms = (left.as_millis() as u64).max(1);
+        }
+        let views: Vec<PoolView<'_>> = service
+            .pools
+            .iter()
+            .map(|p| PoolView {
+                name: p.name(),
+                serves: p.serves(model),
+                ready: p.unready_reason().map_or(Ok(()), Err),
+            })
+            .collect();
+        let eval_started = std::time::Instant::now();
+        let view = service.policy_view();
+        let evaluation = service.policy.decide_view(&info, &view);
+        // Building the script's inputs counts: the view is part of what every request pays.
+        let eval_time = eval_started.elapsed();
+        metrics.policy_eval_duration.observe(eval_time.as_secs_f64());
+        let mut decision = evaluation.decision;
+        if let Some(error) = &evaluation.error {
+            metrics
+                .policy_errors
+                .get_or_create(&KindLabels {
+                    kind: error.kind.label().into(),
+                })
+                .inc();
+            tracing::warn!(request_id = %info.id, %error, fallback = %decision, "policy failed; using the fallback decision");
+        }
+        let mut plan = router::plan(&decision, &info, has_context, &views, deferred, max_defer);
+        if let Plan::Invalid(why) = &plan {
+            metrics
+                .policy_errors
+                .get_or_create(&KindLabels {
+                    kind: "bad_return".into(),
+                })
+                .inc();
+            tracing::warn!(request_id = %info.id, decision = %decision, reason = %why, "policy decision cannot be carried out; using the fallback");
+            decision = service.policy.current().engine.fallback().clone();
+            plan = match router::plan(&decision, &info, has_context, &views, deferred, max_defer) {
+                Plan::Invalid(why) => Plan::Refuse(format!(
+                    "neither the policy's decision nor the fallback can be carried out: {why}"
+                )),
+                other => other,
+            };
+        }
+        let target = match &plan {
+            Plan::Run { pool, .. } => pool.as_str(),
+            _ => info.pool.as_str(),
+        };
+        metrics
+            .policy_decisions
+            .get_or_create(&DecisionLabels {
+                action: decision.action(),
+                pool: target.into(),
+            })
+            .inc();
+        tracing::debug!(
+            request_id = %info.id,
+            model,
+            action = %decision.action(),
+            decision = %decision,
+            pool = target,
+            eval_us = eval_time.as_micros() as u64,
+            estimate_bytes = info.estimate.total_bytes,
+            "policy decision"
+        );
+        match plan {
+            Plan::Run { pool, shrink_to } => {
+                let pool = service.pool(&pool).cloned().expect("plan only names existing pools");
+                let mut context = None;
+                let mut estimate = info.estimate;
+                if let (Some(to), Some(axis)) = (shrink_to, &entry.config.context) {
+                    if let Some(tensor) = request.inputs.iter_mut().find(|t| t.name == axis.input) {
+                        tensor.truncate_axis(axis.axis, to as usize, axis.keep == Keep::End);
+                    }
+                    context = Some((info.context_tokens, to));
+                    estimate = entry.estimate(&request.inputs);
+                }
+                return Ok(Admitted {
+                    pool,
+                    action: decision.action(),
+                    context,
+                    estimate,
+                });
+            }
+            Plan::Wait(wait) => {
+                if request.deadline.is_some_and(|d| Instant::now() + wait >= d) {
+                    return Err(refuse(RequestError::Deadline(DeadlineMiss::ByDeferral)));
+                }
+                tokio::time::sleep(wait).await;
+                deferred += wait;
+            }
+            Plan::DeferredTooLong { total, bound } => {
+                return Err(refuse(RequestError::DeferredTooLong {
+                    pool: routed.name().to_string(),
+                    deferred,
+                    bound,
+                    retry_after: total,
+                }));
+            }
+            Plan::Refuse(reason) => {
+                return Err(refuse(RequestError::Refused {
+                    reason,
+                    retry_after: routed.load().estimated_delay,
+                }));
+            }
+            Plan::Invalid(_) => unreachable!("replaced by the fallback above"),
+        }
+    }
+}

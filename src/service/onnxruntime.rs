@@ -1,0 +1,106 @@
+//! The production [`BackendFactory`]: ONNX Runtime sessions on the configured execution
+//! provider, model signatures read from a CPU session, memory profiles measured from ONNX
+//! Runtime's own arena peaks.
+
+use crate::backend::Backend;
+use crate::config::{Config, DeviceKind, ModelConfig, PoolConfig, Provider};
+use crate::estimate::{self, MemoryProfile, ProfileSource};
+use crate::onnx::{self, ModelSignature, OnnxRuntime, OrtBackend, SessionOptions};
+
+use super::BackendFactory;
+
+/// Builds ONNX Runtime backends.
+#[derive(Debug)]
+pub struct OrtFactory {
+    rt: &'static OnnxRuntime,
+    /// NVIDIA device index per configured device name.
+    nvidia: Vec<(String, u32)>,
+}
+
+impl OrtFactory {
+    /// A factory over a loaded ONNX Runtime, for the devices `config` declares.
+    pub fn new(rt: &'static OnnxRuntime, config: &Config) -> OrtFactory {
+        let nvidia = config
+            .devices
+            .iter()
+            .filter_map(|d| match d.kind {
+                DeviceKind::Nvidia { index } => Some((d.name.clone(), index)),
+                DeviceKind::Simulated { .. } => None,
+            })
+            .collect();
+        OrtFactory { rt, nvidia }
+    }
+
+    /// A CPU session: signatures and profiles are read on the CPU, so they are known even when
+    /// every accelerator pool is unavailable.
+    fn probe(&self, bytes: &[u8]) -> Result<ort::session::Session, String> {
+        let options = SessionOptions {
+            provider: Provider::Cpu,
+            device_index: 0,
+            intra_threads: 1,
+            arena_shrinkage: false,
+        };
+        onnx::build_session(self.rt, bytes, &options).map_err(|e| format!("ONNX Runtime cannot load it: {e}"))
+    }
+}
+
+impl BackendFactory for OrtFactory {
+    fn runtime_version(&self) -> String {
+        self.rt.version.clone()
+    }
+
+    fn signature(&self, _model: &ModelConfig, bytes: &[u8]) -> Result<ModelSignature, String> {
+        onnx::signature(&self.probe(bytes)?)
+    }
+
+    fn measure_profile(&self, model: &ModelConfig, bytes: &[u8], signature: &ModelSignature) -> MemoryProfile {
+        let unmeasured = |reason: String| MemoryProfile {
+            weights_bytes: bytes.len() as u64,
+            workspace_bytes: 0.0,
+            per_token_bytes: 0.0,
+            per_token_squared_bytes: 0.0,
+            source: ProfileSource::Unmeasured { reason },
+        };
+        let mut session = match self.probe(bytes) {
+            Ok(session) => session,
+            Err(reason) => return unmeasured(reason),
+        };
+        let info = ort::memory::MemoryInfo::new(
+            ort::memory::AllocationDevice::CPU,
+            0,
+            ort::memory::AllocatorType::Arena,
+            ort::memory::MemoryType::Default,
+        );
+        match info.and_then(|info| ort::memory::Allocator::new(&session, info)) {
+            Ok(allocator) => estimate::measure(
+                &mut session,
+                &allocator,
+                signature,
+                model.context.as_ref(),
+                bytes.len() as u64,
+            ),
+            Err(e) => unmeasured(e.to_string()),
+        }
+    }
+
+    fn backend(&self, pool: &PoolConfig, models: &[(String, &[u8])]) -> Result<Box<dyn Backend>, String> {
+        let mut device_index = 0;
+        if let Provider::Cuda(_) = &pool.provider
+            && let Some((_, index)) = self.nvidia.iter().find(|(name, _)| *name == pool.device)
+        {
+            device_index = *index;
+            match crate::device::nvidia_device_count() {
+                Ok(n) if device_index < n => {}
+                Ok(n) => return Err(format!("NVIDIA device {device_index} does not exist (NVML sees {n})")),
+                Err(reason) => return Err(reason),
+            }
+        }
+        let options = SessionOptions {
+            provider: pool.provider.clone(),
+            device_index,
+            intra_threads: pool.intra_threads,
+            arena_shrinkage: pool.arena_shrinkage,
+        };
+        Ok(Box::new(OrtBackend::load(self.rt, models, &options)?))
+    }
+}
