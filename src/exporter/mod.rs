@@ -89,6 +89,37 @@ pub fn pool_arena(pool: &Pool, simulated: &[Arc<SimulatedDevice>]) -> Option<Are
     }
 }
 
+/// `/metrics`: OpenMetrics for clients that ask for it (Prometheus does), the Prometheus text
+/// format 0.0.4 otherwise (curl, `promtool check metrics`).
+pub fn metrics_response(
+    registry: &prometheus_client::registry::Registry,
+    headers: &axum::http::HeaderMap,
+) -> axum::response::Response {
+    use axum::http::header;
+    use axum::response::IntoResponse;
+    let wants_openmetrics = headers
+        .get_all(header::ACCEPT)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .any(|v| v.contains("application/openmetrics-text"));
+    if wants_openmetrics {
+        (
+            [(
+                header::CONTENT_TYPE,
+                "application/openmetrics-text; version=1.0.0; charset=utf-8",
+            )],
+            crate::metrics::encode(registry),
+        )
+            .into_response()
+    } else {
+        (
+            [(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")],
+            crate::metrics::encode_prometheus_text(registry),
+        )
+            .into_response()
+    }
+}
+
 /// Samples sources into snapshots.
 pub struct Sampler {
     sources: Vec<Box<dyn MemorySource>>,

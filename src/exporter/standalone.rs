@@ -103,7 +103,7 @@ struct Served {
 }
 
 async fn metrics(State(exporter): State<Arc<Served>>, headers: HeaderMap) -> Response {
-    crate::http::metrics_response(&exporter.registry, &headers)
+    super::metrics_response(&exporter.registry, &headers)
 }
 
 async fn status(State(exporter): State<Arc<Served>>) -> Response {

@@ -704,31 +704,5 @@ async fn admin_sim(
 }
 
 async fn metrics(State(state): State<Arc<AppState>>, headers: HeaderMap) -> Response {
-    metrics_response(&state.service.registry, &headers)
-}
-
-/// `/metrics`: OpenMetrics for clients that ask for it (Prometheus does), the Prometheus text
-/// format 0.0.4 otherwise (curl, `promtool check metrics`).
-pub fn metrics_response(registry: &prometheus_client::registry::Registry, headers: &HeaderMap) -> Response {
-    let wants_openmetrics = headers
-        .get_all(header::ACCEPT)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .any(|v| v.contains("application/openmetrics-text"));
-    if wants_openmetrics {
-        (
-            [(
-                header::CONTENT_TYPE,
-                "application/openmetrics-text; version=1.0.0; charset=utf-8",
-            )],
-            crate::metrics::encode(registry),
-        )
-            .into_response()
-    } else {
-        (
-            [(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")],
-            crate::metrics::encode_prometheus_text(registry),
-        )
-            .into_response()
-    }
+    crate::exporter::metrics_response(&state.service.registry, &headers)
 }

@@ -1,0 +1,458 @@
+//! The request lifecycle without ONNX Runtime: a service assembled from a fake backend factory,
+//! driven through `lifecycle::infer` with tokio's paused clock, so deferrals and deadlines take
+//! no real time and nothing here depends on how fast the machine is.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, mpsc};
+use std::time::Duration;
+
+use axum::http::StatusCode;
+use tokio::time::Instant;
+use vramguard::backend::{ArenaStats, Backend, BackendError};
+use vramguard::clock::SystemClock;
+use vramguard::config::{ModelConfig, PoolConfig, RawConfig, parse_yaml};
+use vramguard::estimate::{MemoryProfile, ProfileSource};
+use vramguard::lifecycle::{self, DeadlineMiss, Refused, Request, RequestError, Served};
+use vramguard::metrics::Outcome;
+use vramguard::onnx::{ModelSignature, TensorSpec};
+use vramguard::service::{BackendFactory, Parts, Service};
+use vramguard::snapshot::Action;
+use vramguard::tensor::{DataType, Tensor, TensorData};
+
+/// What the fake backend does with a run, chosen by the first input value.
+const PANIC: f32 = -1.0;
+const WAIT_FOR_GATE: f32 = -2.0;
+
+/// Echoes its input as `pooled`; panics or waits for the gate when the first value says so.
+struct FakeBackend {
+    gate: Arc<Mutex<mpsc::Receiver<()>>>,
+}
+
+impl Backend for FakeBackend {
+    fn run(&mut self, _model: &str, inputs: Vec<Tensor>, _outputs: &[String]) -> Result<Vec<Tensor>, BackendError> {
+        let input = inputs.into_iter().next().expect("one input");
+        let first = match &input.data {
+            TensorData::Fp32(v) => v.first().copied().unwrap_or(0.0),
+            _ => 0.0,
+        };
+        if first == PANIC {
+            panic!("the fake backend was told to panic");
+        }
+        if first == WAIT_FOR_GATE {
+            let _ = self.gate.lock().unwrap().recv();
+        }
+        Ok(vec![Tensor {
+            name: "pooled".into(),
+            ..input
+        }])
+    }
+
+    fn arena_stats(&self) -> Option<ArenaStats> {
+        None
+    }
+}
+
+/// Builds fake backends; counts how many, and refuses pools named in `broken`.
+struct FakeFactory {
+    built: AtomicUsize,
+    broken: Vec<String>,
+    gate: Arc<Mutex<mpsc::Receiver<()>>>,
+}
+
+impl BackendFactory for FakeFactory {
+    fn runtime_version(&self) -> String {
+        "fake".into()
+    }
+
+    fn signature(&self, _model: &ModelConfig, _bytes: &[u8]) -> Result<ModelSignature, String> {
+        let spec = |name: &str| TensorSpec {
+            name: name.into(),
+            datatype: DataType::Fp32,
+            shape: vec![-1, -1, 4],
+            symbols: vec![],
+        };
+        Ok(ModelSignature {
+            inputs: vec![spec("input")],
+            outputs: vec![spec("pooled")],
+        })
+    }
+
+    fn measure_profile(&self, _model: &ModelConfig, bytes: &[u8], _signature: &ModelSignature) -> MemoryProfile {
+        MemoryProfile {
+            weights_bytes: bytes.len() as u64,
+            workspace_bytes: 1024.0,
+            per_token_bytes: 1024.0,
+            per_token_squared_bytes: 0.0,
+            source: ProfileSource::Config,
+        }
+    }
+
+    fn backend(&self, pool: &PoolConfig, _models: &[(String, &[u8])]) -> Result<Box<dyn Backend>, String> {
+        if self.broken.contains(&pool.name) {
+            return Err(format!("no device for `{}` (fake)", pool.name));
+        }
+        self.built.fetch_add(1, Ordering::SeqCst);
+        Ok(Box::new(FakeBackend {
+            gate: Arc::clone(&self.gate),
+        }))
+    }
+}
+
+/// A policy script in a folder of its own (tests run in parallel in one process).
+struct Script(PathBuf);
+
+impl Script {
+    fn new(source: &str) -> Script {
+        static NEXT: AtomicUsize = AtomicUsize::new(0);
+        let dir = std::env::temp_dir().join(format!(
+            "vramguard-lifecycle-{}-{}",
+            std::process::id(),
+            NEXT.fetch_add(1, Ordering::SeqCst)
+        ));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("policy.rhai");
+        std::fs::write(&path, source).unwrap();
+        Script(path)
+    }
+}
+
+impl Drop for Script {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(self.0.parent().unwrap());
+    }
+}
+
+struct Harness {
+    service: Arc<Service>,
+    factory: Arc<FakeFactory>,
+    release: mpsc::Sender<()>,
+    _script: Script,
+}
+
+/// A service with pools `gpu` (tried first) and `cpu`, both serving `encoder`, one worker each.
+fn harness(policy: &str, broken: &[&str], gpu_queue: &str) -> Harness {
+    let script = Script::new(policy);
+    let yaml = format!(
+        "models: [{{name: encoder, path: 'builtin:encoder', context: {{input: input, axis: 1, keep: end}}}}]\n\
+         pools:\n\
+         - {{name: gpu, provider: cpu, models: [encoder], workers: 1, queue: {gpu_queue}}}\n\
+         - {{name: cpu, provider: cpu, models: [encoder], workers: 1}}\n\
+         policy: {{path: '{}', watch_interval: 0s}}\n",
+        script.0.display()
+    );
+    let raw: RawConfig = parse_yaml(&yaml, "lifecycle.yaml").expect("test config parses");
+    let config = raw
+        .validate("lifecycle.yaml", Path::new(env!("CARGO_MANIFEST_DIR")))
+        .expect("test config validates");
+    let (release, gate) = mpsc::channel();
+    let factory = Arc::new(FakeFactory {
+        built: AtomicUsize::new(0),
+        broken: broken.iter().map(|s| s.to_string()).collect(),
+        gate: Arc::new(Mutex::new(gate)),
+    });
+    let parts = Parts {
+        backends: factory.clone(),
+        sources: Vec::new(),
+        simulated: Vec::new(),
+        clock: Arc::new(SystemClock),
+    };
+    let service = Arc::new(Service::assemble(config, parts).expect("service assembles"));
+    Harness {
+        service,
+        factory,
+        release,
+        _script: script,
+    }
+}
+
+fn simple(policy: &str) -> Harness {
+    harness(policy, &[], "{capacity: 8, max_wait: 1s}")
+}
+
+/// An encoder request of `seq` tokens whose values all equal `value`.
+fn request(seq: usize, value: f32) -> Request {
+    Request {
+        id: "req-1".into(),
+        model: "encoder".into(),
+        inputs: vec![Tensor {
+            name: "input".into(),
+            shape: vec![1, seq as i64, 4],
+            data: TensorData::Fp32(vec![value; seq * 4]),
+        }],
+        outputs: vec![],
+        priority: 0,
+        replayable: true,
+        deadline: None,
+        received: Instant::now(),
+    }
+}
+
+async fn served(h: &Harness, request: Request) -> Served {
+    match lifecycle::infer(&h.service, request).await {
+        Ok(served) => served,
+        Err(refused) => panic!("refused: {}", refused.error),
+    }
+}
+
+async fn refused(h: &Harness, request: Request) -> Refused {
+    match lifecycle::infer(&h.service, request).await {
+        Ok(served) => panic!("served on {} ({})", served.pool.name(), served.action),
+        Err(refused) => refused,
+    }
+}
+
+fn counter(h: &Harness, needle: &str) -> f64 {
+    let text = vramguard::metrics::encode(&h.service.registry);
+    text.lines()
+        .find(|l| l.starts_with(needle))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0.0)
+}
+
+#[tokio::test(start_paused = true)]
+async fn admit_runs_on_the_first_ready_pool_and_counts_ok() {
+    let h = simple("fn decide(req, state) { admit() }");
+    let s = served(&h, request(8, 0.5)).await;
+    assert_eq!(s.pool.name(), "gpu");
+    assert_eq!(s.action, Action::Admit);
+    assert_eq!(s.context, None);
+    assert_eq!(s.outputs[0].shape, vec![1, 8, 4]);
+    assert_eq!(
+        counter(
+            &h,
+            "vramguard_requests_total{model=\"encoder\",pool=\"gpu\",outcome=\"ok\"}"
+        ),
+        1.0
+    );
+    assert_eq!(
+        counter(&h, "vramguard_policy_decisions_total{action=\"admit\",pool=\"gpu\"}"),
+        1.0
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn redirect_runs_on_the_named_pool() {
+    let h = simple(r#"fn decide(req, state) { redirect("cpu") }"#);
+    let s = served(&h, request(8, 0.5)).await;
+    assert_eq!((s.pool.name(), s.action), ("cpu", Action::Redirect));
+}
+
+#[tokio::test(start_paused = true)]
+async fn shrink_cuts_the_context_axis_keeping_the_configured_end() {
+    let h = simple("fn decide(req, state) { shrink_context(3) }");
+    let mut req = request(8, 0.0);
+    req.inputs[0].data = TensorData::Fp32((0..32).map(|i| i as f32).collect());
+    let s = served(&h, req).await;
+    assert_eq!(s.action, Action::ShrinkContext);
+    assert_eq!(s.context, Some((8, 3)));
+    assert_eq!(s.outputs[0].shape, vec![1, 3, 4]);
+    // keep: end — the last three tokens survive.
+    assert_eq!(
+        s.outputs[0].data,
+        TensorData::Fp32((20..32).map(|i| i as f32).collect())
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_decision_that_cannot_be_carried_out_takes_the_fallback() {
+    let h = simple(r#"fn decide(req, state) { if req.priority == 7 { redirect("nowhere") } else { admit() } }"#);
+    let mut req = request(4, 0.5);
+    req.priority = 7;
+    let s = served(&h, req).await;
+    // The configured fallback is admit: the router's pool runs it.
+    assert_eq!((s.pool.name(), s.action), ("gpu", Action::Admit));
+    assert_eq!(counter(&h, "vramguard_policy_errors_total{kind=\"bad_return\"}"), 1.0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_script_that_fails_at_run_time_takes_the_fallback() {
+    let h = simple(r#"fn decide(req, state) { if req.priority == 7 { throw "broken"; } admit() }"#);
+    let mut req = request(4, 0.5);
+    req.priority = 7;
+    let s = served(&h, req).await;
+    assert_eq!((s.pool.name(), s.action), ("gpu", Action::Admit));
+    assert_eq!(counter(&h, "vramguard_policy_errors_total{kind=\"runtime\"}"), 1.0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn reject_answers_503_with_the_reason_and_retry_after() {
+    let h = simple(r#"fn decide(req, state) { if req.priority == 7 { reject("host memory low") } else { admit() } }"#);
+    let mut req = request(4, 0.5);
+    req.priority = 7;
+    let r = refused(&h, req).await;
+    assert_eq!(r.error.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(r.error.outcome(), Outcome::rejected);
+    assert!(r.error.to_string().contains("host memory low"), "{}", r.error);
+    assert_eq!(r.error.retry_after_secs(), Some(1));
+}
+
+#[tokio::test(start_paused = true)]
+async fn deferral_is_bounded_by_the_pools_max_wait() {
+    let h = simple("fn decide(req, state) { if req.priority == 7 { defer(300) } else { admit() } }");
+    let mut req = request(4, 0.5);
+    req.priority = 7;
+    let started = Instant::now();
+    let r = refused(&h, req).await;
+    // max_wait 1s: three deferrals of 300ms fit, the fourth would pass it.
+    assert_eq!(started.elapsed(), Duration::from_millis(900));
+    assert_eq!(r.error.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(r.error.outcome(), Outcome::deferred_timeout);
+    assert_eq!(r.error.retry_after_secs(), Some(1));
+    assert!(
+        matches!(&r.error, RequestError::DeferredTooLong { deferred, bound, .. }
+            if *deferred == Duration::from_millis(900) && *bound == Duration::from_secs(1)),
+        "{:?}",
+        r.error
+    );
+    assert_eq!(
+        counter(
+            &h,
+            "vramguard_requests_total{model=\"encoder\",pool=\"\",outcome=\"deferred_timeout\"}"
+        ),
+        1.0
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_deferred_request_holds_no_worker_and_runs_once_the_pool_frees() {
+    let h = harness(
+        r#"fn decide(req, state) { if req.priority == 7 && state.pools["gpu"].inflight > 0 { defer(50) } else { admit() } }"#,
+        &[],
+        "{capacity: 8, max_wait: 1h}",
+    );
+    let blocker = tokio::spawn({
+        let req = request(4, WAIT_FOR_GATE);
+        let service = Arc::clone(&h.service);
+        async move { lifecycle::infer(&service, req).await.map(|s| s.pool.name().to_string()) }
+    });
+    while h.service.pool("gpu").unwrap().load().inflight == 0 {
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    let mut deferred = request(4, 0.5);
+    deferred.priority = 7;
+    let waiting = tokio::spawn({
+        let service = Arc::clone(&h.service);
+        async move {
+            lifecycle::infer(&service, deferred)
+                .await
+                .map(|s| s.pool.name().to_string())
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    // Deferred, not queued: the pool's queue is empty while the first request runs.
+    assert_eq!(h.service.pool("gpu").unwrap().load().queue_depth, 0);
+    assert!(!waiting.is_finished());
+    h.release.send(()).unwrap();
+    assert_eq!(blocker.await.unwrap().unwrap(), "gpu");
+    assert_eq!(waiting.await.unwrap().unwrap(), "gpu");
+    assert!(counter(&h, "vramguard_policy_decisions_total{action=\"defer\",pool=\"gpu\"}") >= 1.0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_deadline_the_deferral_would_pass_is_a_504() {
+    let h = simple("fn decide(req, state) { if req.priority == 7 { defer(100) } else { admit() } }");
+    let mut req = request(4, 0.5);
+    req.priority = 7;
+    req.deadline = Some(Instant::now() + Duration::from_millis(250));
+    let r = refused(&h, req).await;
+    assert_eq!(r.error, RequestError::Deadline(DeadlineMiss::ByDeferral));
+    assert_eq!(r.error.status(), StatusCode::GATEWAY_TIMEOUT);
+    assert_eq!(r.error.outcome(), Outcome::cancelled);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_deadline_that_passes_during_the_run_is_a_504_and_the_pool_recovers() {
+    let h = simple("fn decide(req, state) { admit() }");
+    let mut req = request(4, WAIT_FOR_GATE);
+    req.deadline = Some(Instant::now() + Duration::from_secs(2));
+    let r = refused(&h, req).await;
+    assert_eq!(r.error, RequestError::Deadline(DeadlineMiss::InPool));
+    assert_eq!(r.pool.as_ref().map(|p| p.name()), Some("gpu"));
+    h.release.send(()).unwrap();
+    let s = served(&h, request(4, 0.5)).await;
+    assert_eq!(s.pool.name(), "gpu");
+    assert_eq!(h.service.pool("gpu").unwrap().load().inflight, 0);
+    assert_eq!(
+        counter(
+            &h,
+            "vramguard_requests_total{model=\"encoder\",pool=\"gpu\",outcome=\"cancelled\"}"
+        ),
+        1.0
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_panicking_backend_fails_only_its_request_and_the_worker_is_replaced() {
+    let h = simple("fn decide(req, state) { admit() }");
+    let built = h.factory.built.load(Ordering::SeqCst);
+    let r = refused(&h, request(4, PANIC)).await;
+    assert_eq!(r.error, RequestError::Failed { pool: "gpu".into() });
+    assert_eq!(r.error.status(), StatusCode::INTERNAL_SERVER_ERROR);
+    assert_eq!(r.error.outcome(), Outcome::failed);
+    // The same single worker serves the next request, on a fresh backend.
+    let s = served(&h, request(4, 0.5)).await;
+    assert_eq!(s.pool.name(), "gpu");
+    assert_eq!(h.factory.built.load(Ordering::SeqCst), built + 1);
+    let load = h.service.pool("gpu").unwrap().load();
+    assert_eq!((load.inflight, load.queue_depth), (0, 0));
+    assert!(h.service.pool("gpu").unwrap().is_ready());
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_unavailable_pool_is_skipped_and_no_pool_at_all_is_a_503() {
+    let h = harness("fn decide(req, state) { admit() }", &["gpu"], "{capacity: 8}");
+    let s = served(&h, request(4, 0.5)).await;
+    assert_eq!(s.pool.name(), "cpu");
+
+    let none = harness("fn decide(req, state) { admit() }", &["gpu", "cpu"], "{capacity: 8}");
+    let r = refused(&none, request(4, 0.5)).await;
+    assert_eq!(r.error.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(r.error.retry_after_secs(), Some(5));
+    let text = r.error.to_string();
+    assert!(
+        text.contains("no pool can take `encoder`") && text.contains("gpu: no device for `gpu` (fake)"),
+        "{text}"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_full_queue_is_a_503_and_accepted_work_still_completes() {
+    let h = harness("fn decide(req, state) { admit() }", &[], "{capacity: 1}");
+    let running = tokio::spawn({
+        let service = Arc::clone(&h.service);
+        async move { lifecycle::infer(&service, request(4, WAIT_FOR_GATE)).await.is_ok() }
+    });
+    while h.service.pool("gpu").unwrap().load().inflight == 0 {
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    let queued = tokio::spawn({
+        let service = Arc::clone(&h.service);
+        async move { lifecycle::infer(&service, request(4, 0.5)).await.is_ok() }
+    });
+    while h.service.pool("gpu").unwrap().load().queue_depth == 0 {
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    let r = refused(&h, request(4, 0.5)).await;
+    assert!(
+        matches!(r.error, RequestError::QueueFull { capacity: 1, .. }),
+        "{:?}",
+        r.error
+    );
+    assert_eq!(r.error.status(), StatusCode::SERVICE_UNAVAILABLE);
+    h.release.send(()).unwrap();
+    assert!(running.await.unwrap());
+    assert!(queued.await.unwrap());
+}
+
+#[tokio::test(start_paused = true)]
+async fn unknown_models_are_404_and_not_counted() {
+    let h = simple("fn decide(req, state) { admit() }");
+    let mut req = request(4, 0.5);
+    req.model = "nope".into();
+    let r = refused(&h, req).await;
+    assert_eq!(r.error.status(), StatusCode::NOT_FOUND);
+    assert!(r.error.to_string().contains("models: encoder"), "{}", r.error);
+    assert!(!vramguard::metrics::encode(&h.service.registry).contains("model=\"nope\""));
+}
