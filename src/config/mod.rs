@@ -5,13 +5,15 @@
 mod units;
 
 use std::collections::{BTreeMap, HashSet};
-use std::fmt;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
+// `config` depends on `model`, never the other way round: `ModelSource` lives beside the models it
+// names and is re-exported here, where the validated config uses it.
+pub use crate::model::ModelSource;
 pub use units::{ByteSize, HumanDuration, format_duration, format_size, parse_duration, parse_size};
 
 use crate::model::BuiltinModel;
@@ -492,24 +494,6 @@ pub struct ConfiguredProfile {
     pub per_token_bytes: f64,
     /// Bytes per squared token (per batch item).
     pub per_token_squared_bytes: f64,
-}
-
-/// Where a model's bytes come from.
-#[derive(Debug, Clone, PartialEq)]
-pub enum ModelSource {
-    /// Embedded in the binary.
-    Builtin(BuiltinModel),
-    /// A file on disk (resolved against the config file's folder).
-    File(PathBuf),
-}
-
-impl fmt::Display for ModelSource {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            ModelSource::Builtin(m) => write!(f, "builtin:{}", m.name()),
-            ModelSource::File(p) => write!(f, "{}", p.display()),
-        }
-    }
 }
 
 /// Which end of the context survives a shrink.
