@@ -193,13 +193,23 @@ pub struct RawDevice {
     /// Name used by pools and in metric labels.
     pub name: String,
     /// `nvidia` or `simulated`.
-    pub kind: String,
+    pub kind: RawDeviceKind,
     /// NVIDIA device index (kind `nvidia`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub index: Option<u32>,
     /// Memory capacity (kind `simulated`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub capacity: Option<ByteSize>,
+}
+
+/// `devices[].kind:` as written; [`DeviceKind`] is the validated form with its parameters.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RawDeviceKind {
+    /// An NVIDIA GPU found through NVML.
+    Nvidia,
+    /// A simulated accelerator.
+    Simulated,
 }
 
 /// One entry of `models:`.
@@ -244,13 +254,13 @@ pub struct RawContext {
     pub input: String,
     /// Axis index of the context dimension.
     pub axis: usize,
-    /// Which end to keep when the context is shrunk: `start` or `end`.
+    /// Which end to keep when the context is shrunk: `start` or `end` (the default).
     #[serde(default = "default_keep")]
-    pub keep: String,
+    pub keep: Keep,
 }
 
-fn default_keep() -> String {
-    "end".into()
+fn default_keep() -> Keep {
+    Keep::End
 }
 
 /// One entry of `pools:`.
@@ -260,7 +270,7 @@ pub struct RawPool {
     /// Pool name (metric label, `x-vramguard-pool`).
     pub name: String,
     /// `cpu`, `cuda` or `simulated`.
-    pub provider: String,
+    pub provider: RawProvider,
     /// Device name from `devices:` (required for `cuda` and `simulated`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub device: Option<String>,
@@ -281,6 +291,18 @@ pub struct RawPool {
     /// Arena behaviour.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub memory: Option<RawPoolMemory>,
+}
+
+/// `pools[].provider:` as written; [`Provider`] is the validated form with its options.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RawProvider {
+    /// ONNX Runtime's CPU provider.
+    Cpu,
+    /// The CUDA provider on an NVIDIA device.
+    Cuda,
+    /// The CPU provider on the simulated device's capped arena.
+    Simulated,
 }
 
 /// `pools[].memory:`
@@ -322,9 +344,19 @@ pub struct RawCuda {
     /// CUDA arena limit (`gpu_mem_limit`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub gpu_mem_limit: Option<ByteSize>,
-    /// `next_power_of_two` or `same_as_requested`.
+    /// `next_power_of_two` (ONNX Runtime's default) or `same_as_requested`.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub arena_extend_strategy: Option<String>,
+    pub arena_extend_strategy: Option<RawArenaExtendStrategy>,
+}
+
+/// `pools[].cuda.arena_extend_strategy:`, ONNX Runtime's names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RawArenaExtendStrategy {
+    /// Grow the arena in powers of two.
+    NextPowerOfTwo,
+    /// Grow the arena by exactly what is requested.
+    SameAsRequested,
 }
 
 /// `host:`
@@ -497,7 +529,7 @@ pub struct ConfiguredProfile {
 }
 
 /// Which end of the context survives a shrink.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Keep {
     /// Keep the first tokens.
@@ -610,16 +642,16 @@ pub fn embedded_raw(nvidia_gpu: bool) -> RawConfig {
         .expect("the embedded default config parses (checked by tests)");
     if nvidia_gpu {
         // Same names, so policies written for `gpu` work on both kinds of machine.
-        for device in raw.devices.iter_mut().filter(|d| d.kind == "simulated") {
-            device.kind = "nvidia".into();
+        for device in raw.devices.iter_mut().filter(|d| d.kind == RawDeviceKind::Simulated) {
+            device.kind = RawDeviceKind::Nvidia;
             device.capacity = None;
             device.index = Some(0);
         }
-        for pool in raw.pools.iter_mut().filter(|p| p.provider == "simulated") {
-            pool.provider = "cuda".into();
+        for pool in raw.pools.iter_mut().filter(|p| p.provider == RawProvider::Simulated) {
+            pool.provider = RawProvider::Cuda;
             pool.cuda = Some(RawCuda {
                 gpu_mem_limit: None,
-                arena_extend_strategy: Some("same_as_requested".into()),
+                arena_extend_strategy: Some(RawArenaExtendStrategy::SameAsRequested),
             });
         }
     }
@@ -713,8 +745,8 @@ impl RawConfig {
             if d.name == HOST_DEVICE {
                 return Err(c.err(format!("{key}.name"), "`host` is reserved for CPU pools"));
             }
-            let kind = match d.kind.as_str() {
-                "nvidia" => {
+            let kind = match d.kind {
+                RawDeviceKind::Nvidia => {
                     if d.capacity.is_some() {
                         return Err(c.err(
                             format!("{key}.capacity"),
@@ -725,7 +757,7 @@ impl RawConfig {
                         index: d.index.unwrap_or(0),
                     }
                 }
-                "simulated" => {
+                RawDeviceKind::Simulated => {
                     if d.index.is_some() {
                         return Err(c.err(format!("{key}.index"), "simulated devices take no index"));
                     }
@@ -739,12 +771,6 @@ impl RawConfig {
                         return Err(c.err(format!("{key}.capacity"), "must be at least 1MiB"));
                     }
                     DeviceKind::Simulated { capacity }
-                }
-                other => {
-                    return Err(c.err(
-                        format!("{key}.kind"),
-                        format!("expected `nvidia` or `simulated`, got `{other}`"),
-                    ));
                 }
             };
             devices.push(DeviceConfig {
@@ -794,23 +820,11 @@ impl RawConfig {
                 }
                 ModelSource::File(path)
             };
-            let context = match &m.context {
-                None => None,
-                Some(ctx) => Some(ContextAxis {
-                    input: ctx.input.clone(),
-                    axis: ctx.axis,
-                    keep: match ctx.keep.as_str() {
-                        "start" => Keep::Start,
-                        "end" => Keep::End,
-                        other => {
-                            return Err(c.err(
-                                format!("{key}.context.keep"),
-                                format!("expected `start` or `end`, got `{other}`"),
-                            ));
-                        }
-                    },
-                }),
-            };
+            let context = m.context.as_ref().map(|ctx| ContextAxis {
+                input: ctx.input.clone(),
+                axis: ctx.axis,
+                keep: ctx.keep,
+            });
             let profile = match &m.memory_profile {
                 None => None,
                 Some(p) => {
@@ -849,11 +863,11 @@ impl RawConfig {
         for (i, p) in self.pools.iter().enumerate() {
             let key = format!("pools[{i}]");
             c.unique_name(&mut pool_names, &p.name, format!("{key}.name"))?;
-            let device_kind = |want: &str| -> Result<(String, DeviceKind), ConfigError> {
+            let device_kind = |provider: &str, want: &str| -> Result<(String, DeviceKind), ConfigError> {
                 let name = p.device.as_deref().ok_or_else(|| {
                     c.err(
                         format!("{key}.device"),
-                        format!("a `{}` pool needs a {want} device", p.provider),
+                        format!("a `{provider}` pool needs a {want} device"),
                     )
                 })?;
                 let device = devices.iter().find(|d| d.name == name).ok_or_else(|| {
@@ -864,11 +878,11 @@ impl RawConfig {
                 })?;
                 Ok((name.to_string(), device.kind))
             };
-            if p.cuda.is_some() && p.provider != "cuda" {
+            if p.cuda.is_some() && p.provider != RawProvider::Cuda {
                 return Err(c.err(format!("{key}.cuda"), "only `cuda` pools take CUDA options"));
             }
-            let (provider, device) = match p.provider.as_str() {
-                "cpu" => {
+            let (provider, device) = match p.provider {
+                RawProvider::Cpu => {
                     if let Some(d) = p.device.as_deref().filter(|d| *d != HOST_DEVICE) {
                         return Err(c.err(
                             format!("{key}.device"),
@@ -877,42 +891,27 @@ impl RawConfig {
                     }
                     (Provider::Cpu, HOST_DEVICE.to_string())
                 }
-                "cuda" => {
-                    let (name, kind) = device_kind("nvidia")?;
+                RawProvider::Cuda => {
+                    let (name, kind) = device_kind("cuda", "nvidia")?;
                     if !matches!(kind, DeviceKind::Nvidia { .. }) {
                         return Err(c.err(format!("{key}.device"), format!("`{name}` is not an `nvidia` device")));
                     }
                     let raw = p.cuda.clone().unwrap_or_default();
-                    let same_as_requested = match raw.arena_extend_strategy.as_deref() {
-                        None | Some("next_power_of_two") => false,
-                        Some("same_as_requested") => true,
-                        Some(other) => {
-                            return Err(c.err(
-                                format!("{key}.cuda.arena_extend_strategy"),
-                                format!("expected `next_power_of_two` or `same_as_requested`, got `{other}`"),
-                            ));
-                        }
-                    };
                     (
                         Provider::Cuda(CudaOptions {
                             gpu_mem_limit: raw.gpu_mem_limit.map(ByteSize::bytes),
-                            same_as_requested,
+                            same_as_requested: raw.arena_extend_strategy
+                                == Some(RawArenaExtendStrategy::SameAsRequested),
                         }),
                         name,
                     )
                 }
-                "simulated" => {
-                    let (name, kind) = device_kind("simulated")?;
+                RawProvider::Simulated => {
+                    let (name, kind) = device_kind("simulated", "simulated")?;
                     if !matches!(kind, DeviceKind::Simulated { .. }) {
                         return Err(c.err(format!("{key}.device"), format!("`{name}` is not a `simulated` device")));
                     }
                     (Provider::Simulated, name)
-                }
-                other => {
-                    return Err(c.err(
-                        format!("{key}.provider"),
-                        format!("expected `cpu`, `cuda` or `simulated`, got `{other}`"),
-                    ));
                 }
             };
             if p.models.is_empty() {
@@ -1191,6 +1190,58 @@ pools:
             .to_string();
         assert!(
             err.contains("pools[0].queue.max_wait") && err.contains("`soon`"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn words_from_a_closed_set_are_refused_with_the_accepted_ones_and_the_line() {
+        let err = check(&BASE.replace("provider: cpu", "provider: gpu"))
+            .unwrap_err()
+            .to_string();
+        assert_eq!(
+            err,
+            "test.yaml: pools[0].provider: unknown variant `gpu`, expected one of `cpu`, `cuda`, `simulated` \
+             at line 7 column 15"
+        );
+        let err = check(&format!("devices: [{{name: d, kind: amd}}]\n{BASE}"))
+            .unwrap_err()
+            .to_string();
+        assert_eq!(
+            err,
+            "test.yaml: devices[0].kind: unknown variant `amd`, expected `nvidia` or `simulated` at line 1 column 27"
+        );
+        let err = check(&BASE.replace(
+            "builtin:encoder",
+            "builtin:encoder\n    context: {input: input, axis: 1, keep: End}",
+        ))
+        .unwrap_err()
+        .to_string();
+        assert!(
+            err.starts_with(
+                "test.yaml: models[0].context.keep: unknown variant `End`, expected `start` or `end` at line 5"
+            ),
+            "{err}"
+        );
+        let cuda = BASE.replace(
+            "provider: cpu",
+            "provider: cuda\n    device: g\n    cuda: {arena_extend_strategy: lots}",
+        );
+        let err = check(&format!("devices: [{{name: g, kind: nvidia}}]\n{cuda}"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.starts_with(
+                "test.yaml: pools[0].cuda.arena_extend_strategy: unknown variant `lots`, \
+                 expected `next_power_of_two` or `same_as_requested`"
+            ),
+            "{err}"
+        );
+        let err = check(&format!("policy: {{fallback: {{action: admitt}}}}\n{BASE}"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.starts_with("test.yaml: policy.fallback.action: unknown variant `admitt`, expected one of `admit`"),
             "{err}"
         );
     }
