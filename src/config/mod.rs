@@ -628,6 +628,15 @@ impl Config {
         raw.validate_for(&path.display().to_string(), base, mode)
     }
 
+    /// The `kind` label of the device named `device`: `nvml` or `simulated` ([`DeviceKind::label`]),
+    /// and `host` for the device CPU pools run on.
+    pub fn device_kind_label(&self, device: &str) -> &'static str {
+        self.devices
+            .iter()
+            .find(|d| d.name == device)
+            .map_or(HOST_DEVICE, |d| d.kind.label())
+    }
+
     /// The embedded default; on a machine where NVML sees a GPU its accelerator is a CUDA pool.
     pub fn embedded(nvidia_gpu: bool) -> Config {
         embedded_raw(nvidia_gpu)
@@ -1128,6 +1137,8 @@ pools:
         assert_eq!(cfg.server.admin_token_env.as_deref(), Some("VRAMGUARD_ADMIN_TOKEN"));
         let providers: Vec<&str> = cfg.pools.iter().map(|p| p.provider.label()).collect();
         assert_eq!(providers, ["cuda", "simulated", "cpu"]);
+        let kinds: Vec<&str> = cfg.pools.iter().map(|p| cfg.device_kind_label(&p.device)).collect();
+        assert_eq!(kinds, ["nvml", "simulated", "host"]);
         assert_eq!(cfg.exporter.services.len(), 3);
         assert_eq!(cfg.exporter.sample_interval, Duration::from_secs(1));
         assert_eq!(
