@@ -276,6 +276,9 @@ pub struct RawPool {
     pub device: Option<String>,
     /// Names from `models:` this pool serves.
     pub models: Vec<String>,
+    /// Longest context, in tokens, the pool accepts; absent means no limit.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_context: Option<u64>,
     /// Worker threads, each with its own session per model.
     #[serde(default = "one")]
     pub workers: usize,
@@ -601,6 +604,8 @@ pub struct PoolConfig {
     pub max_wait: Duration,
     /// Shrink the arena after every run.
     pub arena_shrinkage: bool,
+    /// Longest context in tokens the pool accepts (`None`: no limit).
+    pub max_context: Option<u64>,
 }
 
 /// The device name CPU pools report.
@@ -955,6 +960,12 @@ impl RawConfig {
             if p.queue.max_wait.get().is_zero() {
                 return Err(c.err(format!("{key}.queue.max_wait"), "must be longer than 0"));
             }
+            if p.max_context == Some(0) {
+                return Err(c.err(
+                    format!("{key}.max_context"),
+                    "expected at least 1 token; leave it out for no limit",
+                ));
+            }
             pools.push(PoolConfig {
                 name: p.name.clone(),
                 provider,
@@ -965,6 +976,7 @@ impl RawConfig {
                 queue_capacity: p.queue.capacity,
                 max_wait: p.queue.max_wait.get(),
                 arena_shrinkage: p.memory.as_ref().is_some_and(|m| m.arena_shrinkage),
+                max_context: p.max_context,
             });
         }
         for m in &models {
@@ -1139,6 +1151,8 @@ pools:
         assert_eq!(providers, ["cuda", "simulated", "cpu"]);
         let kinds: Vec<&str> = cfg.pools.iter().map(|p| cfg.device_kind_label(&p.device)).collect();
         assert_eq!(kinds, ["nvml", "simulated", "host"]);
+        let limits: Vec<Option<u64>> = cfg.pools.iter().map(|p| p.max_context).collect();
+        assert_eq!(limits, [Some(4096), None, None]);
         assert_eq!(cfg.exporter.services.len(), 3);
         assert_eq!(cfg.exporter.sample_interval, Duration::from_secs(1));
         assert_eq!(
@@ -1157,6 +1171,7 @@ pools:
         assert_eq!(cfg.server.listen.to_string(), "127.0.0.1:8080");
         assert_eq!(cfg.pools[0].device, HOST_DEVICE);
         assert_eq!(cfg.pools[0].queue_capacity, 64);
+        assert_eq!(cfg.pools[0].max_context, None);
     }
 
     #[test]
@@ -1186,6 +1201,22 @@ pools:
             .to_string();
         assert!(
             err.contains("models[0].path: model file `./missing.onnx` does not exist"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn max_context_is_a_positive_number_of_tokens() {
+        let cfg = check(&format!("{BASE}    max_context: 2048\n")).unwrap();
+        assert_eq!(cfg.pools[0].max_context, Some(2048));
+        let err = check(&format!("{BASE}    max_context: 0\n")).unwrap_err().to_string();
+        assert_eq!(
+            err,
+            "test.yaml: pools[0].max_context: expected at least 1 token; leave it out for no limit"
+        );
+        let err = check(&format!("{BASE}    max_context: -1\n")).unwrap_err().to_string();
+        assert!(
+            err.starts_with("test.yaml: pools[0].max_context: invalid type: integer `-1`, expected u64 at line 9"),
             "{err}"
         );
     }
