@@ -99,6 +99,7 @@ fn main() {
             queue_capacity: 64,
             max_wait: Duration::from_secs(30),
             arena_shrinkage: false,
+            max_context: None,
         };
         let context = PoolContext {
             metrics: metrics.pool_metrics(&name, &device),

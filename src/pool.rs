@@ -647,6 +647,7 @@ mod tests {
             queue_capacity: capacity,
             max_wait: Duration::from_secs(60),
             arena_shrinkage: false,
+            max_context: None,
         }
     }
 

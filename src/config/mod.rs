@@ -5,13 +5,15 @@
 mod units;
 
 use std::collections::{BTreeMap, HashSet};
-use std::fmt;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
+// `config` depends on `model`, never the other way round: `ModelSource` lives beside the models it
+// names and is re-exported here, where the validated config uses it.
+pub use crate::model::ModelSource;
 pub use units::{ByteSize, HumanDuration, format_duration, format_size, parse_duration, parse_size};
 
 use crate::model::BuiltinModel;
@@ -191,13 +193,23 @@ pub struct RawDevice {
     /// Name used by pools and in metric labels.
     pub name: String,
     /// `nvidia` or `simulated`.
-    pub kind: String,
+    pub kind: RawDeviceKind,
     /// NVIDIA device index (kind `nvidia`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub index: Option<u32>,
     /// Memory capacity (kind `simulated`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub capacity: Option<ByteSize>,
+}
+
+/// `devices[].kind:` as written; [`DeviceKind`] is the validated form with its parameters.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RawDeviceKind {
+    /// An NVIDIA GPU found through NVML.
+    Nvidia,
+    /// A simulated accelerator.
+    Simulated,
 }
 
 /// One entry of `models:`.
@@ -242,13 +254,13 @@ pub struct RawContext {
     pub input: String,
     /// Axis index of the context dimension.
     pub axis: usize,
-    /// Which end to keep when the context is shrunk: `start` or `end`.
+    /// Which end to keep when the context is shrunk: `start` or `end` (the default).
     #[serde(default = "default_keep")]
-    pub keep: String,
+    pub keep: Keep,
 }
 
-fn default_keep() -> String {
-    "end".into()
+fn default_keep() -> Keep {
+    Keep::End
 }
 
 /// One entry of `pools:`.
@@ -258,12 +270,15 @@ pub struct RawPool {
     /// Pool name (metric label, `x-vramguard-pool`).
     pub name: String,
     /// `cpu`, `cuda` or `simulated`.
-    pub provider: String,
+    pub provider: RawProvider,
     /// Device name from `devices:` (required for `cuda` and `simulated`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub device: Option<String>,
     /// Names from `models:` this pool serves.
     pub models: Vec<String>,
+    /// Longest context, in tokens, the pool accepts; absent means no limit.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_context: Option<u64>,
     /// Worker threads, each with its own session per model.
     #[serde(default = "one")]
     pub workers: usize,
@@ -279,6 +294,18 @@ pub struct RawPool {
     /// Arena behaviour.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub memory: Option<RawPoolMemory>,
+}
+
+/// `pools[].provider:` as written; [`Provider`] is the validated form with its options.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RawProvider {
+    /// ONNX Runtime's CPU provider.
+    Cpu,
+    /// The CUDA provider on an NVIDIA device.
+    Cuda,
+    /// The CPU provider on the simulated device's capped arena.
+    Simulated,
 }
 
 /// `pools[].memory:`
@@ -320,9 +347,19 @@ pub struct RawCuda {
     /// CUDA arena limit (`gpu_mem_limit`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub gpu_mem_limit: Option<ByteSize>,
-    /// `next_power_of_two` or `same_as_requested`.
+    /// `next_power_of_two` (ONNX Runtime's default) or `same_as_requested`.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub arena_extend_strategy: Option<String>,
+    pub arena_extend_strategy: Option<RawArenaExtendStrategy>,
+}
+
+/// `pools[].cuda.arena_extend_strategy:`, ONNX Runtime's names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RawArenaExtendStrategy {
+    /// Grow the arena in powers of two.
+    NextPowerOfTwo,
+    /// Grow the arena by exactly what is requested.
+    SameAsRequested,
 }
 
 /// `host:`
@@ -494,26 +531,8 @@ pub struct ConfiguredProfile {
     pub per_token_squared_bytes: f64,
 }
 
-/// Where a model's bytes come from.
-#[derive(Debug, Clone, PartialEq)]
-pub enum ModelSource {
-    /// Embedded in the binary.
-    Builtin(BuiltinModel),
-    /// A file on disk (resolved against the config file's folder).
-    File(PathBuf),
-}
-
-impl fmt::Display for ModelSource {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            ModelSource::Builtin(m) => write!(f, "builtin:{}", m.name()),
-            ModelSource::File(p) => write!(f, "{}", p.display()),
-        }
-    }
-}
-
 /// Which end of the context survives a shrink.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Keep {
     /// Keep the first tokens.
@@ -585,6 +604,8 @@ pub struct PoolConfig {
     pub max_wait: Duration,
     /// Shrink the arena after every run.
     pub arena_shrinkage: bool,
+    /// Longest context in tokens the pool accepts (`None`: no limit).
+    pub max_context: Option<u64>,
 }
 
 /// The device name CPU pools report.
@@ -612,6 +633,15 @@ impl Config {
         raw.validate_for(&path.display().to_string(), base, mode)
     }
 
+    /// The `kind` label of the device named `device`: `nvml` or `simulated` ([`DeviceKind::label`]),
+    /// and `host` for the device CPU pools run on.
+    pub fn device_kind_label(&self, device: &str) -> &'static str {
+        self.devices
+            .iter()
+            .find(|d| d.name == device)
+            .map_or(HOST_DEVICE, |d| d.kind.label())
+    }
+
     /// The embedded default; on a machine where NVML sees a GPU its accelerator is a CUDA pool.
     pub fn embedded(nvidia_gpu: bool) -> Config {
         embedded_raw(nvidia_gpu)
@@ -626,16 +656,16 @@ pub fn embedded_raw(nvidia_gpu: bool) -> RawConfig {
         .expect("the embedded default config parses (checked by tests)");
     if nvidia_gpu {
         // Same names, so policies written for `gpu` work on both kinds of machine.
-        for device in raw.devices.iter_mut().filter(|d| d.kind == "simulated") {
-            device.kind = "nvidia".into();
+        for device in raw.devices.iter_mut().filter(|d| d.kind == RawDeviceKind::Simulated) {
+            device.kind = RawDeviceKind::Nvidia;
             device.capacity = None;
             device.index = Some(0);
         }
-        for pool in raw.pools.iter_mut().filter(|p| p.provider == "simulated") {
-            pool.provider = "cuda".into();
+        for pool in raw.pools.iter_mut().filter(|p| p.provider == RawProvider::Simulated) {
+            pool.provider = RawProvider::Cuda;
             pool.cuda = Some(RawCuda {
                 gpu_mem_limit: None,
-                arena_extend_strategy: Some("same_as_requested".into()),
+                arena_extend_strategy: Some(RawArenaExtendStrategy::SameAsRequested),
             });
         }
     }
@@ -729,8 +759,8 @@ impl RawConfig {
             if d.name == HOST_DEVICE {
                 return Err(c.err(format!("{key}.name"), "`host` is reserved for CPU pools"));
             }
-            let kind = match d.kind.as_str() {
-                "nvidia" => {
+            let kind = match d.kind {
+                RawDeviceKind::Nvidia => {
                     if d.capacity.is_some() {
                         return Err(c.err(
                             format!("{key}.capacity"),
@@ -741,7 +771,7 @@ impl RawConfig {
                         index: d.index.unwrap_or(0),
                     }
                 }
-                "simulated" => {
+                RawDeviceKind::Simulated => {
                     if d.index.is_some() {
                         return Err(c.err(format!("{key}.index"), "simulated devices take no index"));
                     }
@@ -755,12 +785,6 @@ impl RawConfig {
                         return Err(c.err(format!("{key}.capacity"), "must be at least 1MiB"));
                     }
                     DeviceKind::Simulated { capacity }
-                }
-                other => {
-                    return Err(c.err(
-                        format!("{key}.kind"),
-                        format!("expected `nvidia` or `simulated`, got `{other}`"),
-                    ));
                 }
             };
             devices.push(DeviceConfig {
@@ -810,23 +834,11 @@ impl RawConfig {
                 }
                 ModelSource::File(path)
             };
-            let context = match &m.context {
-                None => None,
-                Some(ctx) => Some(ContextAxis {
-                    input: ctx.input.clone(),
-                    axis: ctx.axis,
-                    keep: match ctx.keep.as_str() {
-                        "start" => Keep::Start,
-                        "end" => Keep::End,
-                        other => {
-                            return Err(c.err(
-                                format!("{key}.context.keep"),
-                                format!("expected `start` or `end`, got `{other}`"),
-                            ));
-                        }
-                    },
-                }),
-            };
+            let context = m.context.as_ref().map(|ctx| ContextAxis {
+                input: ctx.input.clone(),
+                axis: ctx.axis,
+                keep: ctx.keep,
+            });
             let profile = match &m.memory_profile {
                 None => None,
                 Some(p) => {
@@ -865,11 +877,11 @@ impl RawConfig {
         for (i, p) in self.pools.iter().enumerate() {
             let key = format!("pools[{i}]");
             c.unique_name(&mut pool_names, &p.name, format!("{key}.name"))?;
-            let device_kind = |want: &str| -> Result<(String, DeviceKind), ConfigError> {
+            let device_kind = |provider: &str, want: &str| -> Result<(String, DeviceKind), ConfigError> {
                 let name = p.device.as_deref().ok_or_else(|| {
                     c.err(
                         format!("{key}.device"),
-                        format!("a `{}` pool needs a {want} device", p.provider),
+                        format!("a `{provider}` pool needs a {want} device"),
                     )
                 })?;
                 let device = devices.iter().find(|d| d.name == name).ok_or_else(|| {
@@ -880,11 +892,11 @@ impl RawConfig {
                 })?;
                 Ok((name.to_string(), device.kind))
             };
-            if p.cuda.is_some() && p.provider != "cuda" {
+            if p.cuda.is_some() && p.provider != RawProvider::Cuda {
                 return Err(c.err(format!("{key}.cuda"), "only `cuda` pools take CUDA options"));
             }
-            let (provider, device) = match p.provider.as_str() {
-                "cpu" => {
+            let (provider, device) = match p.provider {
+                RawProvider::Cpu => {
                     if let Some(d) = p.device.as_deref().filter(|d| *d != HOST_DEVICE) {
                         return Err(c.err(
                             format!("{key}.device"),
@@ -893,42 +905,27 @@ impl RawConfig {
                     }
                     (Provider::Cpu, HOST_DEVICE.to_string())
                 }
-                "cuda" => {
-                    let (name, kind) = device_kind("nvidia")?;
+                RawProvider::Cuda => {
+                    let (name, kind) = device_kind("cuda", "nvidia")?;
                     if !matches!(kind, DeviceKind::Nvidia { .. }) {
                         return Err(c.err(format!("{key}.device"), format!("`{name}` is not an `nvidia` device")));
                     }
                     let raw = p.cuda.clone().unwrap_or_default();
-                    let same_as_requested = match raw.arena_extend_strategy.as_deref() {
-                        None | Some("next_power_of_two") => false,
-                        Some("same_as_requested") => true,
-                        Some(other) => {
-                            return Err(c.err(
-                                format!("{key}.cuda.arena_extend_strategy"),
-                                format!("expected `next_power_of_two` or `same_as_requested`, got `{other}`"),
-                            ));
-                        }
-                    };
                     (
                         Provider::Cuda(CudaOptions {
                             gpu_mem_limit: raw.gpu_mem_limit.map(ByteSize::bytes),
-                            same_as_requested,
+                            same_as_requested: raw.arena_extend_strategy
+                                == Some(RawArenaExtendStrategy::SameAsRequested),
                         }),
                         name,
                     )
                 }
-                "simulated" => {
-                    let (name, kind) = device_kind("simulated")?;
+                RawProvider::Simulated => {
+                    let (name, kind) = device_kind("simulated", "simulated")?;
                     if !matches!(kind, DeviceKind::Simulated { .. }) {
                         return Err(c.err(format!("{key}.device"), format!("`{name}` is not a `simulated` device")));
                     }
                     (Provider::Simulated, name)
-                }
-                other => {
-                    return Err(c.err(
-                        format!("{key}.provider"),
-                        format!("expected `cpu`, `cuda` or `simulated`, got `{other}`"),
-                    ));
                 }
             };
             if p.models.is_empty() {
@@ -963,6 +960,12 @@ impl RawConfig {
             if p.queue.max_wait.get().is_zero() {
                 return Err(c.err(format!("{key}.queue.max_wait"), "must be longer than 0"));
             }
+            if p.max_context == Some(0) {
+                return Err(c.err(
+                    format!("{key}.max_context"),
+                    "expected at least 1 token; leave it out for no limit",
+                ));
+            }
             pools.push(PoolConfig {
                 name: p.name.clone(),
                 provider,
@@ -973,6 +976,7 @@ impl RawConfig {
                 queue_capacity: p.queue.capacity,
                 max_wait: p.queue.max_wait.get(),
                 arena_shrinkage: p.memory.as_ref().is_some_and(|m| m.arena_shrinkage),
+                max_context: p.max_context,
             });
         }
         for m in &models {
@@ -1145,6 +1149,10 @@ pools:
         assert_eq!(cfg.server.admin_token_env.as_deref(), Some("VRAMGUARD_ADMIN_TOKEN"));
         let providers: Vec<&str> = cfg.pools.iter().map(|p| p.provider.label()).collect();
         assert_eq!(providers, ["cuda", "simulated", "cpu"]);
+        let kinds: Vec<&str> = cfg.pools.iter().map(|p| cfg.device_kind_label(&p.device)).collect();
+        assert_eq!(kinds, ["nvml", "simulated", "host"]);
+        let limits: Vec<Option<u64>> = cfg.pools.iter().map(|p| p.max_context).collect();
+        assert_eq!(limits, [Some(4096), None, None]);
         assert_eq!(cfg.exporter.services.len(), 3);
         assert_eq!(cfg.exporter.sample_interval, Duration::from_secs(1));
         assert_eq!(
@@ -1163,6 +1171,7 @@ pools:
         assert_eq!(cfg.server.listen.to_string(), "127.0.0.1:8080");
         assert_eq!(cfg.pools[0].device, HOST_DEVICE);
         assert_eq!(cfg.pools[0].queue_capacity, 64);
+        assert_eq!(cfg.pools[0].max_context, None);
     }
 
     #[test]
@@ -1197,6 +1206,22 @@ pools:
     }
 
     #[test]
+    fn max_context_is_a_positive_number_of_tokens() {
+        let cfg = check(&format!("{BASE}    max_context: 2048\n")).unwrap();
+        assert_eq!(cfg.pools[0].max_context, Some(2048));
+        let err = check(&format!("{BASE}    max_context: 0\n")).unwrap_err().to_string();
+        assert_eq!(
+            err,
+            "test.yaml: pools[0].max_context: expected at least 1 token; leave it out for no limit"
+        );
+        let err = check(&format!("{BASE}    max_context: -1\n")).unwrap_err().to_string();
+        assert!(
+            err.starts_with("test.yaml: pools[0].max_context: invalid type: integer `-1`, expected u64 at line 9"),
+            "{err}"
+        );
+    }
+
+    #[test]
     fn sizes_and_durations_in_the_wrong_shape_are_explained() {
         let err = check(&format!("server:\n  body_limit: huge\n{BASE}"))
             .unwrap_err()
@@ -1207,6 +1232,58 @@ pools:
             .to_string();
         assert!(
             err.contains("pools[0].queue.max_wait") && err.contains("`soon`"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn words_from_a_closed_set_are_refused_with_the_accepted_ones_and_the_line() {
+        let err = check(&BASE.replace("provider: cpu", "provider: gpu"))
+            .unwrap_err()
+            .to_string();
+        assert_eq!(
+            err,
+            "test.yaml: pools[0].provider: unknown variant `gpu`, expected one of `cpu`, `cuda`, `simulated` \
+             at line 7 column 15"
+        );
+        let err = check(&format!("devices: [{{name: d, kind: amd}}]\n{BASE}"))
+            .unwrap_err()
+            .to_string();
+        assert_eq!(
+            err,
+            "test.yaml: devices[0].kind: unknown variant `amd`, expected `nvidia` or `simulated` at line 1 column 27"
+        );
+        let err = check(&BASE.replace(
+            "builtin:encoder",
+            "builtin:encoder\n    context: {input: input, axis: 1, keep: End}",
+        ))
+        .unwrap_err()
+        .to_string();
+        assert!(
+            err.starts_with(
+                "test.yaml: models[0].context.keep: unknown variant `End`, expected `start` or `end` at line 5"
+            ),
+            "{err}"
+        );
+        let cuda = BASE.replace(
+            "provider: cpu",
+            "provider: cuda\n    device: g\n    cuda: {arena_extend_strategy: lots}",
+        );
+        let err = check(&format!("devices: [{{name: g, kind: nvidia}}]\n{cuda}"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.starts_with(
+                "test.yaml: pools[0].cuda.arena_extend_strategy: unknown variant `lots`, \
+                 expected `next_power_of_two` or `same_as_requested`"
+            ),
+            "{err}"
+        );
+        let err = check(&format!("policy: {{fallback: {{action: admitt}}}}\n{BASE}"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.starts_with("test.yaml: policy.fallback.action: unknown variant `admitt`, expected one of `admit`"),
             "{err}"
         );
     }

@@ -2,6 +2,14 @@
 //!
 //! Both deserialize from either a YAML number (bytes / milliseconds) or a string with a unit, so
 //! operators can write what reads best and the error names what was expected.
+//!
+//! Hand-written on purpose: `bytesize` 2.7 and `humantime` 2.4 were evaluated and each would turn
+//! input refused today into a value the operator may not have meant. `bytesize` reads `2g`,
+//! `512M` and `512mb` as decimal (Docker reads `2g` as 2GiB), saturates `20000000TiB` to
+//! `u64::MAX` instead of refusing it, and rejects `" 8 KiB "`. `humantime` reads `1M` as a month
+//! (beside `1m`, a minute) and refuses the bare milliseconds (`"100"`) that config values and
+//! policy `_ms` params accept. Guarding both would take as much code as these two parsers, and
+//! neither crate's errors (`expected number at 0`) say more than ours.
 
 use std::fmt;
 use std::time::Duration;
@@ -203,6 +211,16 @@ mod tests {
         assert_eq!(parse_size(" 8 KiB "), Ok(8192));
         assert!(parse_size("lots").unwrap_err().contains("`lots`"));
         assert!(parse_size("-1MiB").unwrap_err().contains("negative"));
+    }
+
+    #[test]
+    fn units_that_could_mean_two_things_are_refused_not_guessed() {
+        // Decimal or binary? Bytes or bits? Minute or month? An error beats a guess.
+        for ambiguous in ["512M", "2g", "1G", "512mb"] {
+            assert!(parse_size(ambiguous).is_err(), "{ambiguous}");
+        }
+        assert!(parse_size("20000000TiB").unwrap_err().contains("too large"));
+        assert!(parse_duration("1M").is_err());
     }
 
     #[test]
