@@ -481,6 +481,7 @@ async fn admit(service: &Service, entry: &ModelEntry, request: &mut Request) -> 
                 name: p.name(),
                 serves: p.serves(model),
                 ready: p.unready_reason().map_or(Ok(()), Err),
+                max_context: p.config.max_context,
             })
             .collect();
         let eval_started = std::time::Instant::now();

@@ -15,6 +15,8 @@ pub struct PoolView<'a> {
     pub serves: bool,
     /// Can take work now; otherwise why not.
     pub ready: Result<(), String>,
+    /// Longest context it accepts (`pools[].max_context`), when limited.
+    pub max_context: Option<u64>,
 }
 
 /// How the request proceeds.
@@ -69,7 +71,22 @@ pub fn plan(
             },
         }
     };
-    match decision {
+    // A pool's context limit holds whatever the policy decided: a request over it is refused
+    // there, never run and never cut without the policy saying so.
+    let within_limit = |plan: Plan| -> Plan {
+        if let Plan::Run { pool, shrink_to } = &plan {
+            let tokens = shrink_to.unwrap_or(req.context_tokens);
+            if let Some(limit) = pools.iter().find(|p| p.name == pool).and_then(|p| p.max_context)
+                && tokens > limit
+            {
+                return Plan::Refuse(format!(
+                    "pool `{pool}` accepts at most {limit} tokens of context (pools[].max_context); this request has {tokens}"
+                ));
+            }
+        }
+        plan
+    };
+    let plan = match decision {
         Decision::Admit { pool: None } => target(&req.pool),
         Decision::Admit { pool: Some(pool) } | Decision::Redirect { pool } => target(pool),
         Decision::ShrinkContext { tokens } => {
@@ -102,7 +119,8 @@ pub fn plan(
             }
         }
         Decision::Reject { reason } => Plan::Refuse(format!("rejected by policy: {reason}")),
-    }
+    };
+    within_limit(plan)
 }
 
 #[cfg(test)]
@@ -124,21 +142,25 @@ mod tests {
                 name: "gpu",
                 serves: true,
                 ready: Ok(()),
+                max_context: None,
             },
             PoolView {
                 name: "cpu",
                 serves: true,
                 ready: Ok(()),
+                max_context: Some(512),
             },
             PoolView {
                 name: "other",
                 serves: false,
                 ready: Ok(()),
+                max_context: None,
             },
             PoolView {
                 name: "down",
                 serves: true,
                 ready: Err("no NVIDIA driver".into()),
+                max_context: None,
             },
         ]
     }
@@ -162,15 +184,33 @@ mod tests {
     }
 
     #[test]
+    fn a_pools_context_limit_refuses_longer_requests() {
+        // req() has 1000 tokens; `cpu` accepts 512.
+        assert_eq!(
+            p(Decision::Redirect { pool: "cpu".into() }),
+            Plan::Refuse(
+                "pool `cpu` accepts at most 512 tokens of context (pools[].max_context); this request has 1000".into()
+            )
+        );
+        let short = RequestInfo {
+            context_tokens: 512,
+            ..req()
+        };
+        let fits = plan(
+            &Decision::Redirect { pool: "cpu".into() },
+            &short,
+            true,
+            &pools(),
+            Duration::ZERO,
+            Duration::from_secs(1),
+        );
+        assert_eq!(fits, run("cpu", None));
+    }
+
+    #[test]
     fn admit_and_redirect_pick_their_pool() {
         assert_eq!(p(Decision::Admit { pool: None }), run("gpu", None));
-        assert_eq!(
-            p(Decision::Admit {
-                pool: Some("cpu".into())
-            }),
-            run("cpu", None)
-        );
-        assert_eq!(p(Decision::Redirect { pool: "cpu".into() }), run("cpu", None));
+        assert_eq!(p(Decision::Redirect { pool: "gpu".into() }), run("gpu", None));
     }
 
     #[test]

@@ -633,13 +633,15 @@ impl Config {
         raw.validate_for(&path.display().to_string(), base, mode)
     }
 
-    /// The `kind` label of the device named `device`: `nvml` or `simulated` ([`DeviceKind::label`]),
-    /// and `host` for the device CPU pools run on.
-    pub fn device_kind_label(&self, device: &str) -> &'static str {
-        self.devices
-            .iter()
-            .find(|d| d.name == device)
-            .map_or(HOST_DEVICE, |d| d.kind.label())
+    /// What kind of device `device` is: an NVIDIA device, the simulated one, or the host that
+    /// CPU pools run on.
+    pub fn device_class(&self, device: &str) -> crate::snapshot::DeviceClass {
+        use crate::snapshot::DeviceClass;
+        match self.devices.iter().find(|d| d.name == device).map(|d| d.kind) {
+            Some(DeviceKind::Nvidia { .. }) => DeviceClass::Nvml,
+            Some(DeviceKind::Simulated { .. }) => DeviceClass::Simulated,
+            None => DeviceClass::Host,
+        }
     }
 
     /// The embedded default; on a machine where NVML sees a GPU its accelerator is a CUDA pool.
@@ -1149,7 +1151,7 @@ pools:
         assert_eq!(cfg.server.admin_token_env.as_deref(), Some("VRAMGUARD_ADMIN_TOKEN"));
         let providers: Vec<&str> = cfg.pools.iter().map(|p| p.provider.label()).collect();
         assert_eq!(providers, ["cuda", "simulated", "cpu"]);
-        let kinds: Vec<&str> = cfg.pools.iter().map(|p| cfg.device_kind_label(&p.device)).collect();
+        let kinds: Vec<&str> = cfg.pools.iter().map(|p| cfg.device_class(&p.device).label()).collect();
         assert_eq!(kinds, ["nvml", "simulated", "host"]);
         let limits: Vec<Option<u64>> = cfg.pools.iter().map(|p| p.max_context).collect();
         assert_eq!(limits, [Some(4096), None, None]);

@@ -244,7 +244,7 @@ impl Sampler {
                     concurrency: pool.config.workers as u64,
                     alloc_failures_recent: pool.alloc_failures_recent(),
                     est_delay_ms: load.estimated_delay.as_millis() as u64,
-                    max_context: 0,
+                    max_context: pool.config.max_context.unwrap_or(0),
                 },
             );
         }

@@ -579,11 +579,7 @@ fn start_pool(
     pool: &PoolConfig,
     context: PoolContext,
 ) -> Arc<Pool> {
-    let device_kind = match config.devices.iter().find(|d| d.name == pool.device).map(|d| d.kind) {
-        Some(DeviceKind::Nvidia { .. }) => DeviceClass::Nvml,
-        Some(DeviceKind::Simulated { .. }) => DeviceClass::Simulated,
-        None => DeviceClass::Host,
-    };
+    let device_kind = config.device_class(&pool.device);
     let owned: Vec<(String, ModelBytes)> = models
         .iter()
         .filter(|m| pool.models.contains(&m.config.name))
