@@ -9,11 +9,9 @@ use clap::{Parser, Subcommand};
 
 use crate::config::{self, Config};
 use crate::engine::Engine;
+use crate::exit::EXIT_CONFIG;
 use crate::http::{self, AppState};
 use crate::logging::{self, LogFormat};
-
-/// Exit status for a configuration the user must fix (EX_USAGE from sysexits.h).
-pub const EXIT_CONFIG: u8 = 64;
 
 /// vramguard: accelerator-memory exporter, admission policy and ONNX Runtime worker pools.
 #[derive(Debug, Parser)]

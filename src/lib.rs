@@ -13,6 +13,7 @@ pub mod config;
 pub mod device;
 pub mod engine;
 pub mod estimate;
+pub mod exit;
 pub mod exporter;
 pub mod http;
 pub mod logging;

@@ -14,16 +14,13 @@ use serde::Serialize;
 use super::cases::{self, Case, CaseResult};
 use super::engine::PolicySettings;
 use super::handle::load_engine;
-use crate::cli::EXIT_CONFIG;
 use crate::config::read_yaml;
+use crate::exit::{EXIT_CONFIG, EXIT_FAILED};
 use crate::snapshot::Decision;
 
 /// Evaluations timed by `policy eval`; it reports their median, since a single cold run mostly
 /// measures cache misses.
 const EVAL_RUNS: usize = 101;
-
-/// Exit status of a command that found failing cases or a mismatched decision.
-const EXIT_FAILED: u8 = 1;
 
 /// `policy check FILE...`: compile and lint each script; errors read `file:line:col: message`.
 pub fn check(files: &[PathBuf]) -> ExitCode {

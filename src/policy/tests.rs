@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use super::*;
-use crate::cli::EXIT_CONFIG;
+use crate::exit::EXIT_CONFIG;
 use crate::snapshot::{Decision, DeviceState, Estimate, HostState, PoolState, ProcessState, RequestInfo, Snapshot};
 
 const FALLBACK: &str = "policy fallback";
