@@ -691,7 +691,7 @@ async fn admit(
                 })
                 .inc();
             tracing::warn!(request_id = %id, decision = %decision, reason = %why, "policy decision cannot be carried out; using the fallback");
-            decision = engine.policy.current().engine.fallback().clone();
+            decision = engine.policy.current().script.fallback().clone();
             plan = match router::plan(&decision, &info, has_context, &views, deferred, max_defer) {
                 Plan::Invalid(why) => Plan::Refuse(format!(
                     "neither the policy's decision nor the fallback can be carried out: {why}"

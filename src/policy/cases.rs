@@ -22,8 +22,8 @@ use std::path::{Component, Path, PathBuf};
 
 use serde::Deserialize;
 
-use super::engine::{Evaluation, PolicyEngine, PolicyError, PolicySettings};
-use super::handle::{LoadError, load_engine};
+use super::handle::{LoadError, load_script};
+use super::script::{Evaluation, PolicyError, PolicySettings, Script};
 use super::values::Params;
 use crate::config::{ConfigError, read_yaml};
 use crate::snapshot::{Decision, RequestInfo, Snapshot};
@@ -172,32 +172,32 @@ impl CaseResult {
     }
 }
 
-/// Evaluate one case with `engine`'s script and the given params (file params, then the case's).
-pub fn run_case(engine: &PolicyEngine, base_params: &Params, case: &Case) -> CaseResult {
+/// Evaluate one case with `script` and the given params (file params, then the case's).
+pub fn run_case(script: &Script, base_params: &Params, case: &Case) -> CaseResult {
     let mut params = base_params.clone();
     params.extend(case.params.iter().map(|(k, v)| (k.clone(), v.clone())));
     CaseResult {
         name: case.name.clone(),
         expected: case.expect.clone(),
-        outcome: engine
+        outcome: script
             .with_params(&params)
-            .map(|engine| engine.decide(&case.request, &case.state)),
+            .map(|script| script.decide(&case.request, &case.state)),
     }
 }
 
-/// Run every case of `file` against `engine`'s script.
-pub fn run_cases(engine: &PolicyEngine, file: &CaseFile) -> Vec<CaseResult> {
+/// Run every case of `file` against `script`.
+pub fn run_cases(script: &Script, file: &CaseFile) -> Vec<CaseResult> {
     file.cases
         .iter()
-        .map(|case| run_case(engine, &file.params, case))
+        .map(|case| run_case(script, &file.params, case))
         .collect()
 }
 
 /// Load a case file and the policy it names, and run every case.
 pub fn run_file(path: &Path) -> Result<Vec<CaseResult>, LoadError> {
     let file = CaseFile::load(path)?;
-    let (engine, _) = load_engine(&file.policy_path(path), &PolicySettings::default())?;
-    Ok(run_cases(&engine, &file))
+    let (script, _) = load_script(&file.policy_path(path), &PolicySettings::default())?;
+    Ok(run_cases(&script, &file))
 }
 
 /// The case files in `tests/` beside `policy` that test it, sorted by path. No folder, no cases.

@@ -12,8 +12,8 @@ use std::time::Duration;
 use serde::Serialize;
 
 use super::cases::{self, Case, CaseResult};
-use super::engine::PolicySettings;
-use super::handle::load_engine;
+use super::handle::load_script;
+use super::script::PolicySettings;
 use crate::config::read_yaml;
 use crate::exit::{EXIT_CONFIG, EXIT_FAILED};
 use crate::snapshot::Decision;
@@ -35,7 +35,7 @@ pub fn check_to(files: &[PathBuf], out: &mut dyn Write, err: &mut dyn Write) -> 
     }
     let mut failed = false;
     for file in files {
-        match load_engine(file, &PolicySettings::default()) {
+        match load_script(file, &PolicySettings::default()) {
             Ok(_) => {
                 let _ = writeln!(out, "{}: ok", file.display());
             }
@@ -137,15 +137,15 @@ pub fn eval_to(file: &Path, input: &Path, json: bool, out: &mut dyn Write, err: 
             return ExitCode::from(EXIT_CONFIG);
         }
     };
-    let engine = match load_engine(file, &PolicySettings::default()) {
-        Ok((engine, _)) => engine,
+    let script = match load_script(file, &PolicySettings::default()) {
+        Ok((script, _)) => script,
         Err(error) => {
             let _ = writeln!(err, "{error}");
             return ExitCode::from(EXIT_CONFIG);
         }
     };
     let mut results: Vec<CaseResult> = (0..EVAL_RUNS)
-        .map(|_| cases::run_case(&engine, &Default::default(), &case))
+        .map(|_| cases::run_case(&script, &Default::default(), &case))
         .collect();
     let mut times: Vec<Duration> = results
         .iter()

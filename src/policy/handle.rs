@@ -12,7 +12,7 @@ use std::time::{Instant, SystemTime};
 use sha2::{Digest, Sha256};
 
 use super::cases::{self, CaseFileError};
-use super::engine::{Evaluation, PolicyEngine, PolicyError, PolicySettings};
+use super::script::{Evaluation, PolicyError, PolicySettings, Script};
 use super::values::StateView;
 use crate::snapshot::{RequestInfo, Snapshot};
 
@@ -48,20 +48,20 @@ pub enum LoadError {
 }
 
 /// Read and compile a policy file; its path is the origin in error messages.
-pub fn load_engine(path: &Path, settings: &PolicySettings) -> Result<(PolicyEngine, String), LoadError> {
+pub fn load_script(path: &Path, settings: &PolicySettings) -> Result<(Script, String), LoadError> {
     let source = std::fs::read_to_string(path).map_err(|source| LoadError::Read {
         path: path.display().to_string(),
         source,
     })?;
-    let engine = PolicyEngine::compile(&source, &path.display().to_string(), settings)?;
-    Ok((engine, source))
+    let script = Script::compile(&source, &path.display().to_string(), settings)?;
+    Ok((script, source))
 }
 
 /// One loaded version of the policy.
 #[derive(Debug)]
 pub struct LoadedPolicy {
     /// The compiled script.
-    pub engine: PolicyEngine,
+    pub script: Script,
     /// Hex SHA-256 of the script's source (`vramguard_policy_info{sha256}`, `/status`).
     pub sha256: String,
     /// When it was loaded.
@@ -126,12 +126,12 @@ impl PolicyHandle {
     pub fn decide(&self, req: &RequestInfo, snapshot: &Snapshot) -> Evaluation {
         let started = Instant::now();
         let view = StateView::new(snapshot);
-        self.current().engine.evaluate(started, req, &view)
+        self.current().script.evaluate(started, req, &view)
     }
 
     /// Decide for one request with the current script against a prepared view.
     pub fn decide_view(&self, req: &RequestInfo, view: &StateView) -> Evaluation {
-        self.current().engine.decide_view(req, view)
+        self.current().script.decide_view(req, view)
     }
 
     /// Read, compile and test the file again; swap it in only if all of that succeeds. On error
@@ -169,11 +169,11 @@ impl PolicyHandle {
 
 /// Everything a script must pass before it serves: read, compile, its own test cases.
 fn prepare(path: &Path, settings: &PolicySettings) -> Result<LoadedPolicy, LoadError> {
-    let (engine, source) = load_engine(path, settings)?;
+    let (script, source) = load_script(path, settings)?;
     let mut total = 0;
     let mut failures = Vec::new();
     for (case_path, file) in cases::files_for_policy(path)? {
-        for result in cases::run_cases(&engine, &file) {
+        for result in cases::run_cases(&script, &file) {
             total += 1;
             if !result.passed() {
                 failures.push(format!(
@@ -197,7 +197,7 @@ fn prepare(path: &Path, settings: &PolicySettings) -> Result<LoadedPolicy, LoadE
         });
     }
     Ok(LoadedPolicy {
-        engine,
+        script,
         sha256: format!("{:x}", Sha256::digest(source.as_bytes())),
         loaded_at: SystemTime::now(),
         cases: total,

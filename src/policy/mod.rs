@@ -2,11 +2,11 @@
 //! latest [`Snapshot`](crate::snapshot::Snapshot) and returns a
 //! [`Decision`](crate::snapshot::Decision): admit, defer, shrink the context, redirect or reject.
 //!
-//! - [`PolicyEngine`] compiles a script once and evaluates it per request in a sandbox; any
+//! - [`Script`] compiles a script once and evaluates it per request in a sandbox; any
 //!   failure yields the configured fallback decision and a [`PolicyError`] of a known kind.
 //! - [`StateView`] is the script's `state`, converted once per snapshot (see `values.rs` for why
 //!   that matters: it is most of the cost of an evaluation otherwise).
-//! - [`PolicyHandle`] is what the server holds: the current engine, hot reload that refuses a
+//! - [`PolicyHandle`] is what the server holds: the current script, hot reload that refuses a
 //!   script failing to compile or failing its own test cases, and what `/status` shows.
 //! - [`cases`] runs the test cases kept beside the policies (`policies/tests/*.yaml`);
 //!   [`cli`] implements `vramguard policy check|test|eval`.
@@ -14,15 +14,15 @@
 pub mod builtin;
 pub mod cases;
 pub mod cli;
-mod engine;
 mod handle;
+mod script;
 mod values;
 
-pub use engine::{
+pub use handle::{LoadError, LoadedPolicy, PolicyHandle, PolicyStatus, load_script};
+pub use script::{
     Evaluation, MAX_ARRAY_SIZE, MAX_CALL_DEPTH, MAX_EXPR_DEPTH, MAX_FUNCTIONS, MAX_MAP_SIZE, MAX_OPERATIONS,
-    MAX_STRING_SIZE, MAX_VARIABLES, PolicyEngine, PolicyError, PolicyErrorKind, PolicySettings,
+    MAX_STRING_SIZE, MAX_VARIABLES, PolicyError, PolicyErrorKind, PolicySettings, Script,
 };
-pub use handle::{LoadError, LoadedPolicy, PolicyHandle, PolicyStatus, load_engine};
 pub use values::{List, Params, StateView, Table};
 
 #[cfg(test)]

@@ -1,4 +1,4 @@
-//! Policy engine, hot reload, test-case runner and CLI: plain data in, plain data out; no GPU,
+//! Policy scripts, hot reload, test-case runner and CLI: plain data in, plain data out; no GPU,
 //! no ONNX Runtime, no sleeps.
 
 use std::collections::BTreeMap;
@@ -22,12 +22,12 @@ fn settings(params: &[(&str, serde_json::Value)]) -> PolicySettings {
     }
 }
 
-fn engine(source: &str) -> PolicyEngine {
-    PolicyEngine::compile(source, "test.rhai", &settings(&[])).expect("compiles")
+fn script(source: &str) -> Script {
+    Script::compile(source, "test.rhai", &settings(&[])).expect("compiles")
 }
 
 fn compile_error(source: &str) -> PolicyError {
-    PolicyEngine::compile(source, "test.rhai", &settings(&[])).expect_err("must not compile")
+    Script::compile(source, "test.rhai", &settings(&[])).expect_err("must not compile")
 }
 
 fn request() -> RequestInfo {
@@ -116,7 +116,7 @@ fn snapshot() -> Snapshot {
 }
 
 fn decide(source: &str) -> Evaluation {
-    engine(source).decide(&request(), &snapshot())
+    script(source).decide(&request(), &snapshot())
 }
 
 fn assert_fallback(evaluation: &Evaluation, kind: PolicyErrorKind) -> &PolicyError {
@@ -289,7 +289,7 @@ fn decide_must_exist_with_two_parameters() {
     assert!(wrong.message.contains("takes 1"), "{wrong}");
 
     // An extra overload is fine as long as the two-parameter one exists.
-    engine("fn decide(req) { admit() }\nfn decide(req, state) { decide(req) }");
+    script("fn decide(req) { admit() }\nfn decide(req, state) { decide(req) }");
 }
 
 #[test]
@@ -371,7 +371,7 @@ fn decide_with_params(source: &str) -> Evaluation {
         ("defer_ms", "2s".into()),
         ("missing_ms", serde_json::Value::Null),
     ]);
-    PolicyEngine::compile(source, "test.rhai", &settings)
+    Script::compile(source, "test.rhai", &settings)
         .expect("compiles")
         .decide(&request(), &snapshot())
 }
@@ -385,7 +385,7 @@ fn params_accept_sizes_and_durations_and_reject_nonsense() {
     assert_eq!(evaluation.error, None, "{evaluation:?}");
     assert_eq!(evaluation.decision, Decision::Admit { pool: None });
 
-    let bad = PolicyEngine::compile(
+    let bad = Script::compile(
         "fn decide(req, state) { admit() }",
         "test.rhai",
         &settings(&[("reserve_bytes", "lots".into())]),
@@ -396,14 +396,14 @@ fn params_accept_sizes_and_durations_and_reject_nonsense() {
 
 #[test]
 fn a_script_cannot_change_what_the_next_evaluation_sees() {
-    let engine = engine(
+    let compiled = script(
         "fn decide(req, state) { let seen = state.degraded; state.degraded = false; state.params.x = 1; \
          req.pool = \"cpu\"; if seen { admit() } else { reject(\"changed\") } }",
     );
     let snapshot = snapshot();
     let view = StateView::new(&snapshot);
     for _ in 0..3 {
-        let evaluation = engine.decide_view(&request(), &view);
+        let evaluation = compiled.decide_view(&request(), &view);
         assert_eq!(evaluation.decision, Decision::Admit { pool: None }, "{evaluation:?}");
     }
 }
@@ -633,7 +633,7 @@ fn each_shipped_policy_has_cases_for_every_action_it_takes() {
         // Every shipped policy compiles and is checked by `policy check`.
         let script = file.policy_path(&path);
         assert_eq!(script, PathBuf::from(format!("policies/{name}.rhai")));
-        assert!(load_engine(&script, &PolicySettings::default()).is_ok());
+        assert!(load_script(&script, &PolicySettings::default()).is_ok());
     }
 }
 
@@ -775,7 +775,7 @@ fn a_case_file_path_resolves_beside_its_folder() {
 fn the_handle_can_be_shared_across_request_tasks() {
     fn shareable<T: Send + Sync>() {}
     shareable::<PolicyHandle>();
-    shareable::<PolicyEngine>();
+    shareable::<Script>();
     shareable::<Evaluation>();
     shareable::<LoadError>();
 }
