@@ -21,6 +21,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use criterion::Criterion;
+use vramguard::config::PolicySource;
 use vramguard::policy::{Params, PolicyHandle, PolicySettings, StateView};
 use vramguard::snapshot::{Decision, DeviceState, Estimate, HostState, PoolState, ProcessState, RequestInfo, Snapshot};
 
@@ -223,7 +224,8 @@ fn main() {
         params: params(),
     };
     // Loading runs the policy's own test cases, exactly as the server does.
-    let handle = PolicyHandle::load("policies/default.rhai", settings).expect("policies/default.rhai loads");
+    let handle = PolicyHandle::load(PolicySource::File("policies/default.rhai".into()), settings)
+        .expect("policies/default.rhai loads");
     let script = handle.current().script.clone();
     let snapshot = Arc::new(snapshot());
     let (admit, redirect) = (admit_request(), redirect_request());

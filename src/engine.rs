@@ -186,7 +186,7 @@ impl Engine {
         metrics
             .policy_info
             .get_or_create(&PolicyInfoLabels {
-                path: status.path.display().to_string(),
+                path: status.origin,
                 sha256: status.sha256,
             })
             .set(1);
@@ -282,7 +282,7 @@ impl Engine {
                 self.metrics
                     .policy_info
                     .get_or_create(&PolicyInfoLabels {
-                        path: status.path.display().to_string(),
+                        path: status.origin.clone(),
                         sha256: status.sha256.clone(),
                     })
                     .set(1);
@@ -357,8 +357,7 @@ pub fn device_sources(config: &Config) -> Vec<Box<dyn MemorySource>> {
     sources
 }
 
-/// Load the configured policy (a builtin one is written to a private folder first so it loads,
-/// and is tested, like a file), then try it once per model and ready pool on the first
+/// Load the configured policy (a file, or a builtin one from the binary), then try it once per model and ready pool on the first
 /// snapshot: a script that fails on this config's params is refused before any port is bound.
 fn load_policy(
     config: &Config,
@@ -366,18 +365,6 @@ fn load_policy(
     ready_pools: &[&str],
     snapshot: &Snapshot,
 ) -> Result<PolicyHandle, StartError> {
-    let path = match &config.policy.source {
-        PolicySource::File(path) => path.clone(),
-        PolicySource::Builtin(name) => {
-            let dir = std::env::temp_dir().join(format!("vramguard-{}-policies", std::process::id()));
-            crate::policy::builtin::materialize(name, &dir).map_err(|e| {
-                StartError::Policy(format!(
-                    "cannot write builtin policy `{name}` to {}: {e}",
-                    dir.display()
-                ))
-            })?
-        }
-    };
     let mut params = match &config.policy.source {
         PolicySource::Builtin(name) => crate::policy::builtin::default_params(name),
         PolicySource::File(_) => crate::policy::Params::new(),
@@ -387,7 +374,8 @@ fn load_policy(
         fallback: config.policy.fallback.clone(),
         params,
     };
-    let handle = PolicyHandle::load(&path, settings).map_err(|e| StartError::Policy(e.to_string()))?;
+    let handle =
+        PolicyHandle::load(config.policy.source.clone(), settings).map_err(|e| StartError::Policy(e.to_string()))?;
     let snapshot = Arc::new(snapshot.clone());
     for model in models {
         // Pools that could not start (no CUDA here) never reach the policy; they are not tried.
@@ -411,14 +399,14 @@ fn load_policy(
                 return Err(StartError::Policy(format!(
                     "{}: policy `{}` fails for model `{}` on pool `{}` with this config (check policy.params): {error}",
                     config.source,
-                    path.display(),
+                    handle.origin(),
                     model.config.name,
                     pool.name
                 )));
             }
         }
     }
-    tracing::info!(policy = %path.display(), sha256 = %handle.status().sha256, "policy loaded");
+    tracing::info!(policy = %handle.origin(), sha256 = %handle.status().sha256, "policy loaded");
     Ok(handle)
 }
 

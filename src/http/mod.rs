@@ -919,7 +919,7 @@ fn unix_seconds(t: SystemTime) -> u64 {
 fn policy_status(engine: &crate::engine::Engine) -> Value {
     let status = engine.policy.status();
     json!({
-        "path": status.path.display().to_string(),
+        "path": status.origin,
         "source": match &engine.config.policy.source {
             crate::config::PolicySource::File(_) => "file".to_string(),
             crate::config::PolicySource::Builtin(name) => format!("builtin:{name}"),

@@ -11,10 +11,10 @@ use std::time::Duration;
 
 use serde::Serialize;
 
-use super::cases::{self, Case, CaseResult};
-use super::handle::load_script;
+use super::cases::{self, Case, CaseFile, CaseResult};
 use super::script::PolicySettings;
-use crate::config::read_yaml;
+use super::source::{LoadError, load_script};
+use crate::config::{PolicySource, read_yaml};
 use crate::exit::{EXIT_CONFIG, EXIT_FAILED};
 use crate::snapshot::Decision;
 
@@ -35,7 +35,7 @@ pub fn check_to(files: &[PathBuf], out: &mut dyn Write, err: &mut dyn Write) -> 
     }
     let mut failed = false;
     for file in files {
-        match load_script(file, &PolicySettings::default()) {
+        match load_script(&PolicySource::File(file.clone()), &PolicySettings::default()) {
             Ok(_) => {
                 let _ = writeln!(out, "{}: ok", file.display());
             }
@@ -70,7 +70,7 @@ pub fn test_to(paths: &[PathBuf], out: &mut dyn Write) -> ExitCode {
     };
     let (mut passed, mut failed) = (0, 0);
     for file in &files {
-        match cases::run_file(file) {
+        match run_file(file) {
             Ok(results) => {
                 for result in results {
                     if result.passed() {
@@ -97,6 +97,14 @@ pub fn test_to(paths: &[PathBuf], out: &mut dyn Write) -> ExitCode {
         }
         ExitCode::from(EXIT_FAILED)
     }
+}
+
+/// Load a case file and the policy it names, and run every case.
+fn run_file(path: &Path) -> Result<Vec<CaseResult>, LoadError> {
+    let file = CaseFile::load(path)?;
+    let policy = PolicySource::File(file.policy_path(path));
+    let (script, _) = load_script(&policy, &PolicySettings::default())?;
+    Ok(cases::run_cases(&script, &file))
 }
 
 /// What `policy eval` prints, as YAML or JSON.
@@ -137,7 +145,7 @@ pub fn eval_to(file: &Path, input: &Path, json: bool, out: &mut dyn Write, err: 
             return ExitCode::from(EXIT_CONFIG);
         }
     };
-    let script = match load_script(file, &PolicySettings::default()) {
+    let script = match load_script(&PolicySource::File(file.to_path_buf()), &PolicySettings::default()) {
         Ok((script, _)) => script,
         Err(error) => {
             let _ = writeln!(err, "{error}");

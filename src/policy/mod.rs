@@ -7,7 +7,9 @@
 //! - [`StateView`] is the script's `state`, converted once per snapshot (see `values.rs` for why
 //!   that matters: it is most of the cost of an evaluation otherwise).
 //! - [`PolicyHandle`] is what the server holds: the current script, hot reload that refuses a
-//!   script failing to compile or failing its own test cases, and what `/status` shows.
+//!   script failing to compile or failing its own test cases, and what `/status` shows. It loads
+//!   from a [`PolicySource`](crate::config::PolicySource): a file, or a builtin policy read from
+//!   the binary (see `source.rs`, [`load_script`]).
 //! - [`cases`] runs the test cases kept beside the policies (`policies/tests/*.yaml`);
 //!   [`cli`] implements `vramguard policy check|test|eval`.
 
@@ -16,13 +18,15 @@ pub mod cases;
 pub mod cli;
 mod handle;
 mod script;
+mod source;
 mod values;
 
-pub use handle::{LoadError, LoadedPolicy, PolicyHandle, PolicyStatus, load_script};
+pub use handle::{LoadedPolicy, PolicyHandle, PolicyStatus};
 pub use script::{
     Evaluation, MAX_ARRAY_SIZE, MAX_CALL_DEPTH, MAX_EXPR_DEPTH, MAX_FUNCTIONS, MAX_MAP_SIZE, MAX_OPERATIONS,
     MAX_STRING_SIZE, MAX_VARIABLES, PolicyError, PolicyErrorKind, PolicySettings, Script,
 };
+pub use source::{LoadError, load_script};
 pub use values::{List, Params, StateView, Table};
 
 #[cfg(test)]

@@ -8,6 +8,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use super::*;
+use crate::config::PolicySource;
 use crate::exit::EXIT_CONFIG;
 use crate::snapshot::{Decision, DeviceState, Estimate, HostState, PoolState, ProcessState, RequestInfo, Snapshot};
 
@@ -456,7 +457,7 @@ cases:
 fn handle_in(scratch: &Scratch) -> PolicyHandle {
     scratch.write("tests/policy.yaml", DEFER_CASES);
     let path = scratch.write("policy.rhai", DEFER_WHEN_QUEUED);
-    PolicyHandle::load(path, settings(&[("max_queue", 5.into())])).expect("loads")
+    PolicyHandle::load(PolicySource::File(path), settings(&[("max_queue", 5.into())])).expect("loads")
 }
 
 fn queue_of(depth: u64) -> Arc<Snapshot> {
@@ -552,7 +553,7 @@ fn a_good_reload_swaps_and_clears_the_last_error() {
     assert_eq!(status.sha256, loaded.sha256);
     assert_ne!(status.sha256, before.sha256);
     assert_eq!(status.last_error, None);
-    assert_eq!(status.path, scratch.0.join("policy.rhai"));
+    assert_eq!(status.origin, scratch.0.join("policy.rhai").display().to_string());
     assert_eq!(
         handle.decide(&request(), &queue_of(9)).decision,
         Decision::Defer { ms: 99 }
@@ -564,7 +565,7 @@ fn loading_refuses_a_script_that_fails_its_test_cases() {
     let scratch = Scratch::new();
     scratch.write("tests/policy.yaml", DEFER_CASES);
     let path = scratch.write("policy.rhai", "fn decide(req, state) { defer(10) }");
-    let error = PolicyHandle::load(path, settings(&[])).expect_err("refused");
+    let error = PolicyHandle::load(PolicySource::File(path), settings(&[])).expect_err("refused");
     assert!(
         matches!(
             error,
@@ -586,8 +587,57 @@ fn case_files_for_other_policies_do_not_apply() {
         "policy: other.rhai\ncases:\n  - {name: x, expect: {action: admit}}\n",
     );
     let path = scratch.write("policy.rhai", "fn decide(req, state) { defer(1) }");
-    let handle = PolicyHandle::load(path, settings(&[])).expect("no case applies");
+    let handle = PolicyHandle::load(PolicySource::File(path), settings(&[])).expect("no case applies");
     assert_eq!(handle.current().cases, 0);
+}
+
+#[test]
+fn every_builtin_policy_loads_from_memory_and_passes_its_own_cases() {
+    for name in builtin::NAMES {
+        let settings = PolicySettings {
+            params: builtin::default_params(name),
+            ..PolicySettings::default()
+        };
+        let handle = PolicyHandle::load(PolicySource::Builtin(name.into()), settings)
+            .unwrap_or_else(|e| panic!("builtin:{name}: {e}"));
+        assert!(handle.current().cases >= 8, "builtin:{name} has too few cases");
+        // Named for what it is wherever it shows (/status, vramguard_policy_info), never a path.
+        assert_eq!(handle.status().origin, format!("builtin:{name}"));
+        let before = handle.status();
+        handle
+            .reload()
+            .unwrap_or_else(|e| panic!("builtin:{name} reloads: {e}"));
+        assert_eq!(handle.status().sha256, before.sha256, "the same text, checked again");
+    }
+}
+
+#[test]
+fn a_builtin_policy_is_named_in_errors_and_an_unknown_one_is_refused() {
+    let error =
+        PolicyHandle::load(PolicySource::Builtin("fastest".into()), settings(&[])).expect_err("no such builtin");
+    assert!(
+        matches!(&error, LoadError::UnknownBuiltin { name } if name == "fastest"),
+        "{error}"
+    );
+    assert!(
+        error
+            .to_string()
+            .starts_with("builtin:fastest: no such builtin policy (there are: default,"),
+        "{error}"
+    );
+    // A builtin's runtime errors are located as builtin:<name>:line:col. Without the params it
+    // reads, the default policy fails on the first one it needs.
+    let (script, _) = load_script(&PolicySource::Builtin("default".into()), &settings(&[])).expect("compiles");
+    let error = script
+        .decide(&request(), &snapshot())
+        .error
+        .expect("fails without params");
+    assert!(error.location.starts_with("builtin:default:"), "{error}");
+    assert_eq!(
+        error.location.split(':').count(),
+        4,
+        "builtin:default:line:col, got {error}"
+    );
 }
 
 // ─── test-case files and the CLI ──────────────────────────────────────────────────────────
@@ -633,7 +683,7 @@ fn each_shipped_policy_has_cases_for_every_action_it_takes() {
         // Every shipped policy compiles and is checked by `policy check`.
         let script = file.policy_path(&path);
         assert_eq!(script, PathBuf::from(format!("policies/{name}.rhai")));
-        assert!(load_script(&script, &PolicySettings::default()).is_ok());
+        assert!(load_script(&PolicySource::File(script), &PolicySettings::default()).is_ok());
     }
 }
 
