@@ -20,7 +20,7 @@ use crate::model;
 use crate::onnx::{self, ModelSignature, OnnxRuntime, OrtBackend, RuntimeError, SessionOptions};
 use crate::policy::{PolicyHandle, PolicySettings, StateView};
 use crate::pool::{Backend, Pool, PoolContext, PoolLoad};
-use crate::snapshot::{RequestInfo, Snapshot};
+use crate::snapshot::Snapshot;
 
 /// A model with the signature read from ONNX Runtime.
 #[derive(Debug, Clone)]
@@ -357,8 +357,9 @@ pub fn device_sources(config: &Config) -> Vec<Box<dyn MemorySource>> {
     sources
 }
 
-/// Load the configured policy (a file, or a builtin one from the binary), then try it once per model and ready pool on the first
-/// snapshot: a script that fails on this config's params is refused before any port is bound.
+/// Load the configured policy (a file, or a builtin one from the binary), then try it once per
+/// model and ready pool on the first snapshot: a script that fails on this config's params is
+/// refused before any port is bound.
 fn load_policy(
     config: &Config,
     models: &[ModelEntry],
@@ -376,36 +377,22 @@ fn load_policy(
     };
     let handle =
         PolicyHandle::load(config.policy.source.clone(), settings).map_err(|e| StartError::Policy(e.to_string()))?;
-    let snapshot = Arc::new(snapshot.clone());
-    for model in models {
-        // Pools that could not start (no CUDA here) never reach the policy; they are not tried.
-        for pool in config
-            .pools
-            .iter()
-            .filter(|p| p.models.contains(&model.config.name) && ready_pools.contains(&p.name.as_str()))
-        {
-            let tokens = if model.config.context.is_some() { 128 } else { 0 };
-            let req = RequestInfo {
-                id: "startup-check".into(),
-                model: model.config.name.clone(),
-                pool: pool.name.clone(),
-                context_tokens: tokens,
-                batch: 1,
-                replayable: true,
-                estimate: model.profile.estimate(tokens, 1),
-                ..RequestInfo::default()
-            };
-            if let Some(error) = handle.decide(&req, &snapshot).error {
-                return Err(StartError::Policy(format!(
-                    "{}: policy `{}` fails for model `{}` on pool `{}` with this config (check policy.params): {error}",
-                    config.source,
-                    handle.origin(),
-                    model.config.name,
-                    pool.name
-                )));
-            }
-        }
-    }
+    // Pools that could not start (no CUDA here) never reach the policy; they are not tried.
+    let requests = crate::policy::smoke_requests(
+        config,
+        |pool| ready_pools.contains(&pool.name.as_str()),
+        |model, tokens| {
+            let entry = models.iter().find(|m| m.config.name == model.name);
+            entry.map(|m| m.profile.estimate(tokens, 1)).unwrap_or_default()
+        },
+    );
+    crate::policy::smoke_test(&handle.current().script, &requests, snapshot).map_err(|e| {
+        StartError::Policy(format!(
+            "{}: policy `{}` fails with this config (check policy.params): {e}",
+            config.source,
+            handle.origin()
+        ))
+    })?;
     tracing::info!(policy = %handle.origin(), sha256 = %handle.status().sha256, "policy loaded");
     Ok(handle)
 }

@@ -10,6 +10,8 @@
 //!   script failing to compile or failing its own test cases, and what `/status` shows. It loads
 //!   from a [`PolicySource`](crate::config::PolicySource): a file, or a builtin policy read from
 //!   the binary (see `source.rs`, [`load_script`]).
+//! - [`smoke_test`] evaluates a script once per model and pool before it is trusted (`serve`
+//!   at start, `policy check`), since a misspelt property only fails at run time.
 //! - [`cases`] runs the test cases kept beside the policies (`policies/tests/*.yaml`);
 //!   [`cli`] implements `vramguard policy check|test|eval`.
 
@@ -18,6 +20,7 @@ pub mod cases;
 pub mod cli;
 mod handle;
 mod script;
+mod smoke;
 mod source;
 mod values;
 
@@ -26,6 +29,7 @@ pub use script::{
     Evaluation, MAX_ARRAY_SIZE, MAX_CALL_DEPTH, MAX_EXPR_DEPTH, MAX_FUNCTIONS, MAX_MAP_SIZE, MAX_OPERATIONS,
     MAX_STRING_SIZE, MAX_VARIABLES, PolicyError, PolicyErrorKind, PolicySettings, Script,
 };
+pub use smoke::{SmokeError, smoke_requests, smoke_test};
 pub use source::{LoadError, load_script};
 pub use values::{List, Params, StateView, Table};
 

@@ -748,12 +748,93 @@ fn check_reports_file_line_and_column() {
     let good = scratch.write("good.rhai", "fn decide(req, state) { admit() }");
     let bad = scratch.write("bad.rhai", "fn decide(req, state) {\n    admit(missing)\n}");
     let (mut out, mut err) = (Vec::new(), Vec::new());
-    let code = cli::check_to(&[good.clone(), bad.clone()], &mut out, &mut err);
+    let code = cli::check_to(&[good.clone(), bad.clone()], None, &mut out, &mut err);
     assert_eq!(code, ExitCode::from(EXIT_CONFIG));
     assert_eq!(String::from_utf8_lossy(&out), format!("{}: ok\n", good.display()));
     let err = String::from_utf8_lossy(&err);
     assert!(err.starts_with(&format!("{}:2:11: ", bad.display())), "{err}");
     assert!(err.contains("missing"), "{err}");
+}
+
+#[test]
+fn check_runs_the_script_and_reports_where_it_fails_at_run_time() {
+    let scratch = Scratch::new();
+    // Compiles: a misspelt property is only found when decide runs, on every request.
+    let typo = scratch.write(
+        "typo.rhai",
+        "fn decide(req, state) {\n    if req.priorty > 0 { return admit(); }\n    admit()\n}",
+    );
+    let (mut out, mut err) = (Vec::new(), Vec::new());
+    let code = cli::check_to(std::slice::from_ref(&typo), None, &mut out, &mut err);
+    assert_eq!(code, ExitCode::from(EXIT_CONFIG));
+    assert!(out.is_empty(), "{}", String::from_utf8_lossy(&out));
+    let err = String::from_utf8_lossy(&err);
+    assert!(err.starts_with(&format!("{}:2:12: ", typo.display())), "{err}");
+    assert!(err.contains("priorty"), "{err}");
+    assert!(err.contains("for model `encoder` on pool `gpu`"), "{err}");
+
+    // A param neither the builtin defaults nor the config define fails the same way.
+    let param = scratch.write("param.rhai", "fn decide(req, state) { defer(state.params.nap_ms) }");
+    let (mut out, mut err) = (Vec::new(), Vec::new());
+    assert_eq!(
+        cli::check_to(&[param], None, &mut out, &mut err),
+        ExitCode::from(EXIT_CONFIG)
+    );
+    assert!(String::from_utf8_lossy(&err).contains("nap_ms"));
+}
+
+#[test]
+fn check_tries_the_shipped_policies_on_the_default_and_example_configs() {
+    let shipped: Vec<PathBuf> = builtin::NAMES
+        .iter()
+        .map(|name| PathBuf::from(format!("policies/{name}.rhai")))
+        .collect();
+    for config in [None, Some(Path::new("config/example.yaml"))] {
+        let (mut out, mut err) = (Vec::new(), Vec::new());
+        let code = cli::check_to(&shipped, config, &mut out, &mut err);
+        assert_eq!(code, ExitCode::SUCCESS, "{config:?}: {}", String::from_utf8_lossy(&err));
+        assert_eq!(String::from_utf8_lossy(&out).lines().count(), shipped.len());
+    }
+}
+
+#[test]
+fn smoke_inputs_come_from_the_config_without_onnx_runtime() {
+    let config = crate::config::Config::embedded(false);
+    let requests = smoke::smoke_requests(&config, |_| true, smoke::configured_estimate);
+    let pairs: Vec<(&str, &str, u64)> = requests
+        .iter()
+        .map(|r| (r.model.as_str(), r.pool.as_str(), r.context_tokens))
+        .collect();
+    assert_eq!(
+        pairs,
+        [
+            ("encoder", "gpu", 128),
+            ("encoder", "cpu", 128),
+            ("classifier", "gpu", 0),
+            ("classifier", "cpu", 0)
+        ]
+    );
+    assert!(
+        requests
+            .iter()
+            .all(|r| r.batch == 1 && r.replayable && r.estimate.total_bytes > 0)
+    );
+
+    let snapshot = smoke::configured_snapshot(&config);
+    let gpu0 = &snapshot.devices["gpu0"];
+    assert_eq!((gpu0.kind.as_str(), gpu0.total_bytes), ("simulated", 512 << 20));
+    assert_eq!(gpu0.used_bytes + gpu0.free_bytes, gpu0.total_bytes);
+    let gpu = &snapshot.pools["gpu"];
+    assert_eq!(
+        (
+            gpu.provider.as_str(),
+            gpu.device.as_str(),
+            gpu.breaker.as_str(),
+            gpu.concurrency
+        ),
+        ("simulated", "gpu0", "closed", 1)
+    );
+    assert_eq!(snapshot.host.reserve_bytes, config.host_reserve);
 }
 
 #[test]
