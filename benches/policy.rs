@@ -21,6 +21,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use criterion::Criterion;
+use vramguard::config::PolicySource;
 use vramguard::policy::{Params, PolicyHandle, PolicySettings, StateView};
 use vramguard::snapshot::{Decision, DeviceState, Estimate, HostState, PoolState, ProcessState, RequestInfo, Snapshot};
 
@@ -223,8 +224,9 @@ fn main() {
         params: params(),
     };
     // Loading runs the policy's own test cases, exactly as the server does.
-    let handle = PolicyHandle::load("policies/default.rhai", settings).expect("policies/default.rhai loads");
-    let engine = handle.current().engine.clone();
+    let handle = PolicyHandle::load(PolicySource::File("policies/default.rhai".into()), settings)
+        .expect("policies/default.rhai loads");
+    let script = handle.current().script.clone();
     let snapshot = Arc::new(snapshot());
     let (admit, redirect) = (admit_request(), redirect_request());
     let baseline = |req: &RequestInfo| rust_default(req, &snapshot, 512 * MIB, 64, 50, 2);
@@ -258,13 +260,13 @@ fn main() {
             b.iter(|| handle.decide_view(black_box(&redirect), &black_box(&cached).clone()))
         });
         group.bench_function("admit_fresh_snapshot", |b| {
-            b.iter(|| engine.decide(black_box(&admit), black_box(&snapshot)))
+            b.iter(|| script.decide(black_box(&admit), black_box(&snapshot)))
         });
         let base = StateView::new(&snapshot);
         group.bench_function("admit_pools_moved", |b| {
             b.iter(|| {
                 let view = base.with_pools(black_box(&snapshot.pools));
-                engine.decide_view(black_box(&admit), &view)
+                script.decide_view(black_box(&admit), &view)
             })
         });
         group.bench_function("rust_admit", |b| b.iter(|| baseline(black_box(&admit))));
@@ -294,10 +296,10 @@ fn main() {
             }),
             1 => sampled(|| {
                 let view = base.with_pools(black_box(&snapshot.pools));
-                black_box(engine.decide_view(black_box(req), &view));
+                black_box(script.decide_view(black_box(req), &view));
             }),
             _ => sampled(|| {
-                black_box(engine.decide(black_box(req), black_box(&snapshot)));
+                black_box(script.decide(black_box(req), black_box(&snapshot)));
             }),
         };
         let script = criterion_median(&output, name);

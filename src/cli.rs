@@ -8,12 +8,10 @@ use std::sync::Arc;
 use clap::{Parser, Subcommand};
 
 use crate::config::{self, Config};
+use crate::exit::EXIT_CONFIG;
 use crate::http::{self, AppState};
 use crate::logging::{self, LogFormat};
 use crate::service::Service;
-
-/// Exit status for a configuration the user must fix (EX_USAGE from sysexits.h).
-pub const EXIT_CONFIG: u8 = 64;
 
 /// vramguard: accelerator-memory exporter, admission policy and ONNX Runtime worker pools.
 #[derive(Debug, Parser)]
@@ -66,11 +64,16 @@ pub enum Command {
 /// `vramguard policy …`
 #[derive(Debug, Subcommand)]
 pub enum PolicyCommand {
-    /// Compile and lint scripts; exits non-zero with file:line:col on error.
+    /// Compile and lint scripts, then evaluate each once per model and pool of a config (as
+    /// `serve` does at start); exits non-zero with file:line:col on error.
     Check {
         /// Policy scripts.
         #[arg(required = true)]
         files: Vec<PathBuf>,
+        /// Config whose models, pools, devices and `policy.params` the scripts are tried
+        /// against; the embedded default without it.
+        #[arg(long)]
+        config: Option<PathBuf>,
     },
     /// Run policy test cases (default `policies/tests/`); prints each case and `N passed, N failed`.
     Test {
@@ -109,7 +112,7 @@ pub fn run(cli: Cli) -> ExitCode {
         Command::Serve { config, listen } => serve(config, listen),
         Command::Exporter { config, listen } => exporter(config, listen),
         Command::Policy { command } => match command {
-            PolicyCommand::Check { files } => crate::policy::cli::check(&files),
+            PolicyCommand::Check { files, config } => crate::policy::cli::check(&files, config.as_deref()),
             PolicyCommand::Test { paths } => crate::policy::cli::test(&paths),
             PolicyCommand::Eval { file, input, json } => crate::policy::cli::eval(&file, &input, json),
         },

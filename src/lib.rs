@@ -13,6 +13,7 @@ pub mod clock;
 pub mod config;
 pub mod device;
 pub mod estimate;
+pub mod exit;
 pub mod exporter;
 pub mod http;
 pub mod lifecycle;

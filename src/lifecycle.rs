@@ -509,7 +509,7 @@ async fn admit(service: &Service, entry: &ModelEntry, request: &mut Request) -> 
                 })
                 .inc();
             tracing::warn!(request_id = %info.id, decision = %decision, reason = %why, "policy decision cannot be carried out; using the fallback");
-            decision = service.policy.current().engine.fallback().clone();
+            decision = service.policy.current().script.fallback().clone();
             plan = match router::plan(&decision, &info, has_context, &views, deferred, max_defer) {
                 Plan::Invalid(why) => Plan::Refuse(format!(
                     "neither the policy's decision nor the fallback can be carried out: {why}"

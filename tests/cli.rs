@@ -1,5 +1,5 @@
-//! The `vramguard` binary: config commands, refusal of bad configs before binding, and graceful
-//! shutdown on SIGTERM.
+//! The `vramguard` binary: config commands, `policy check`, refusal of bad configs before binding,
+//! and graceful shutdown on SIGTERM.
 
 mod common;
 
@@ -73,6 +73,53 @@ fn the_example_config_checks_and_the_default_round_trips() {
     }
     let (code, stderr, _) = config_check("default.yaml", &text);
     assert_eq!(code, Some(0), "{stderr}");
+}
+
+/// `vramguard policy check ARGS...` run from the repository root: exit code, stdout, stderr.
+fn policy_check(args: &[&str]) -> (Option<i32>, String, String) {
+    let out = Command::new(BIN)
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .args(["policy", "check"])
+        .args(args)
+        .output()
+        .unwrap();
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn policy_check_runs_the_script_and_names_where_it_fails() {
+    // Compiles, but fails on every request: check must say so, not `ok`.
+    let typo = temp_file(
+        "typo.rhai",
+        "fn decide(req, state) {\n    if req.priorty > 0 { return admit(); }\n    admit()\n}\n",
+    );
+    let (code, stdout, stderr) = policy_check(&[typo.to_str().unwrap()]);
+    assert_eq!(code, Some(64), "{stdout}");
+    assert!(
+        stderr.starts_with(&format!("{}:2:12: Property not found: priorty", typo.display())),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn policy_check_passes_the_shipped_policies_on_the_default_and_example_configs() {
+    let shipped = [
+        "policies/default.rhai",
+        "policies/latency-first.rhai",
+        "policies/availability-first.rhai",
+    ];
+    let with_example: Vec<&str> = ["--config", "config/example.yaml"].into_iter().chain(shipped).collect();
+    for args in [&shipped[..], &with_example[..]] {
+        let (code, stdout, stderr) = policy_check(args);
+        assert_eq!(code, Some(0), "{args:?}: {stderr}");
+        for policy in shipped {
+            assert!(stdout.contains(&format!("{policy}: ok\n")), "{args:?}: {stdout}");
+        }
+    }
 }
 
 #[test]

@@ -276,3 +276,34 @@ async fn an_edited_policy_file_is_picked_up_by_the_watcher() {
     server.stop().await;
     let _ = std::fs::remove_dir_all(dir);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn builtin_policies_load_from_the_binary_and_show_as_builtin() {
+    // Servers in one process start on builtin policies at the same time: they share no files.
+    let yaml = |name: &str| {
+        format!(
+            "models: [{{name: encoder, path: 'builtin:encoder', context: {{input: input, axis: 1, keep: end}}}}]\n\
+             pools: [{{name: cpu, provider: cpu, models: [encoder]}}]\n\
+             policy: {{path: 'builtin:{name}'}}\n"
+        )
+    };
+    let (default, latency_first) = (yaml("default"), yaml("latency-first"));
+    let (a, b, c) = tokio::join!(
+        TestServer::start(&default),
+        TestServer::start(&default),
+        TestServer::start(&latency_first),
+    );
+    for (server, name) in [(a, "default"), (b, "default"), (c, "latency-first")] {
+        let origin = format!("builtin:{name}");
+        let status = policy_status(&server).await;
+        assert_eq!(status["path"], origin.as_str(), "{status}");
+        assert!(status["cases"].as_u64().unwrap() >= 8, "{status}");
+        let info = format!("vramguard_policy_info{{path=\"{origin}\",");
+        assert!(server.metrics().await.contains(&info), "{info}");
+        // Reloading a builtin checks the same text again.
+        let (code, body) = reload(&server).await;
+        assert_eq!(code, StatusCode::OK, "{body}");
+        assert_eq!(policy_status(&server).await["sha256"], status["sha256"]);
+        server.stop().await;
+    }
+}

@@ -600,7 +600,7 @@ fn unix_seconds(t: SystemTime) -> u64 {
 fn policy_status(service: &Service) -> Value {
     let status = service.policy.status();
     json!({
-        "path": status.path.display().to_string(),
+        "path": status.origin,
         "source": match &service.config.policy.source {
             crate::config::PolicySource::File(_) => "file".to_string(),
             crate::config::PolicySource::Builtin(name) => format!("builtin:{name}"),

@@ -1,10 +1,27 @@
 //! The policies shipped inside the binary (`policy.path: builtin:<name>`), with their test
-//! cases, so the embedded default config needs no file on disk.
-
-use std::path::{Path, PathBuf};
+//! cases, so the embedded default config needs no file on disk. They are loaded and tested
+//! from memory (see `source.rs`), never written out.
 
 /// Names accepted after `builtin:`.
 pub const NAMES: [&str; 3] = ["default", "latency-first", "availability-first"];
+
+/// A policy shipped in the binary: its script and its test cases, as the text of
+/// `policies/<name>.rhai` and `policies/tests/<name>.yaml` at build time.
+#[derive(Debug, Clone, Copy)]
+pub struct Builtin {
+    /// The Rhai script.
+    pub script: &'static str,
+    /// The YAML test cases.
+    pub cases: &'static str,
+}
+
+/// The builtin policy `name`, if there is one.
+pub fn get(name: &str) -> Option<Builtin> {
+    FILES
+        .iter()
+        .find(|(n, _, _)| *n == name)
+        .map(|&(_, script, cases)| Builtin { script, cases })
+}
 
 const FILES: [(&str, &str, &str); 3] = [
     (
@@ -43,36 +60,4 @@ pub fn default_params(name: &str) -> super::Params {
         set("max_gpu_queue", 2.into());
     }
     params
-}
-
-/// Write the builtin policy `name` and its test cases under `dir` (`<dir>/<name>.rhai`,
-/// `<dir>/tests/<name>.yaml`) so it loads, and is tested, exactly like a policy file. Returns
-/// the script's path.
-pub fn materialize(name: &str, dir: &Path) -> std::io::Result<PathBuf> {
-    let (_, script, cases) = FILES
-        .iter()
-        .find(|(n, _, _)| *n == name)
-        .ok_or_else(|| std::io::Error::new(std::io::ErrorKind::NotFound, format!("no builtin policy `{name}`")))?;
-    std::fs::create_dir_all(dir.join("tests"))?;
-    let path = dir.join(format!("{name}.rhai"));
-    std::fs::write(&path, script)?;
-    std::fs::write(dir.join("tests").join(format!("{name}.yaml")), cases)?;
-    Ok(path)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn every_builtin_policy_loads_and_passes_its_own_cases() {
-        let dir = std::env::temp_dir().join(format!("vramguard-builtin-test-{}", std::process::id()));
-        for name in NAMES {
-            let path = materialize(name, &dir).unwrap();
-            let handle = super::super::PolicyHandle::load(&path, super::super::PolicySettings::default())
-                .unwrap_or_else(|e| panic!("builtin:{name}: {e}"));
-            assert!(handle.current().cases >= 8, "builtin:{name} has too few cases");
-        }
-        let _ = std::fs::remove_dir_all(dir);
-    }
 }

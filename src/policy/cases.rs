@@ -22,10 +22,9 @@ use std::path::{Component, Path, PathBuf};
 
 use serde::Deserialize;
 
-use super::engine::{Evaluation, PolicyEngine, PolicyError, PolicySettings};
-use super::handle::{LoadError, load_engine};
+use super::script::{Evaluation, PolicyError, Script};
 use super::values::Params;
-use crate::config::{ConfigError, read_yaml};
+use crate::config::{ConfigError, parse_yaml, read_yaml};
 use crate::snapshot::{Decision, RequestInfo, Snapshot};
 
 /// A test-case file.
@@ -80,19 +79,27 @@ pub enum CaseFileError {
 }
 
 impl CaseFile {
-    /// Read and check a case file: every case has a name (unique) and an expected decision.
+    /// Read and check a case file.
     pub fn load(path: &Path) -> Result<Self, CaseFileError> {
-        let file = path.display().to_string();
-        let parsed: CaseFile = read_yaml(path)?;
+        read_yaml::<CaseFile>(path)?.checked(&path.display().to_string())
+    }
+
+    /// Parse and check case-file text; `file` names it in errors.
+    pub fn parse(text: &str, file: &str) -> Result<Self, CaseFileError> {
+        parse_yaml::<CaseFile>(text, file)?.checked(file)
+    }
+
+    /// Every case has a name (unique) and an expected decision.
+    fn checked(self, file: &str) -> Result<Self, CaseFileError> {
         let invalid = |message: String| CaseFileError::Invalid {
-            file: file.clone(),
+            file: file.to_string(),
             message,
         };
-        if parsed.cases.is_empty() {
+        if self.cases.is_empty() {
             return Err(invalid("`cases` is empty".into()));
         }
         let mut seen = std::collections::HashSet::new();
-        for (i, case) in parsed.cases.iter().enumerate() {
+        for (i, case) in self.cases.iter().enumerate() {
             if case.name.trim().is_empty() {
                 return Err(invalid(format!("cases[{i}]: `name` is missing")));
             }
@@ -103,7 +110,7 @@ impl CaseFile {
                 return Err(invalid(format!("cases[{i}] ({}): `expect` is missing", case.name)));
             }
         }
-        Ok(parsed)
+        Ok(self)
     }
 
     /// Where the policy under test is, for a case file at `path`.
@@ -172,32 +179,25 @@ impl CaseResult {
     }
 }
 
-/// Evaluate one case with `engine`'s script and the given params (file params, then the case's).
-pub fn run_case(engine: &PolicyEngine, base_params: &Params, case: &Case) -> CaseResult {
+/// Evaluate one case with `script` and the given params (file params, then the case's).
+pub fn run_case(script: &Script, base_params: &Params, case: &Case) -> CaseResult {
     let mut params = base_params.clone();
     params.extend(case.params.iter().map(|(k, v)| (k.clone(), v.clone())));
     CaseResult {
         name: case.name.clone(),
         expected: case.expect.clone(),
-        outcome: engine
+        outcome: script
             .with_params(&params)
-            .map(|engine| engine.decide(&case.request, &case.state)),
+            .map(|script| script.decide(&case.request, &case.state)),
     }
 }
 
-/// Run every case of `file` against `engine`'s script.
-pub fn run_cases(engine: &PolicyEngine, file: &CaseFile) -> Vec<CaseResult> {
+/// Run every case of `file` against `script`.
+pub fn run_cases(script: &Script, file: &CaseFile) -> Vec<CaseResult> {
     file.cases
         .iter()
-        .map(|case| run_case(engine, &file.params, case))
+        .map(|case| run_case(script, &file.params, case))
         .collect()
-}
-
-/// Load a case file and the policy it names, and run every case.
-pub fn run_file(path: &Path) -> Result<Vec<CaseResult>, LoadError> {
-    let file = CaseFile::load(path)?;
-    let (engine, _) = load_engine(&file.policy_path(path), &PolicySettings::default())?;
-    Ok(run_cases(&engine, &file))
 }
 
 /// The case files in `tests/` beside `policy` that test it, sorted by path. No folder, no cases.

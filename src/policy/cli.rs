@@ -2,7 +2,8 @@
 //! tests read exactly what a user would see.
 //!
 //! Exit status: 0 when everything passed; 1 when a test case failed or an evaluation fell back
-//! or did not match; 64 ([`EXIT_CONFIG`]) when a file is unreadable or a script does not compile.
+//! or did not match; 64 ([`EXIT_CONFIG`]) when a file is unreadable, a script does not compile
+//! or (`check`) fails on a representative request.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -11,35 +12,63 @@ use std::time::Duration;
 
 use serde::Serialize;
 
-use super::cases::{self, Case, CaseResult};
-use super::engine::PolicySettings;
-use super::handle::load_engine;
-use crate::cli::EXIT_CONFIG;
-use crate::config::read_yaml;
+use super::builtin;
+use super::cases::{self, Case, CaseFile, CaseResult};
+use super::script::PolicySettings;
+use super::smoke::{configured_estimate, configured_snapshot, smoke_requests, smoke_test};
+use super::source::{LoadError, load_script};
+use crate::config::{Config, PolicySource, read_yaml};
+use crate::exit::{EXIT_CONFIG, EXIT_FAILED};
 use crate::snapshot::Decision;
 
 /// Evaluations timed by `policy eval`; it reports their median, since a single cold run mostly
 /// measures cache misses.
 const EVAL_RUNS: usize = 101;
 
-/// Exit status of a command that found failing cases or a mismatched decision.
-const EXIT_FAILED: u8 = 1;
-
-/// `policy check FILE...`: compile and lint each script; errors read `file:line:col: message`.
-pub fn check(files: &[PathBuf]) -> ExitCode {
-    check_to(files, &mut std::io::stdout(), &mut std::io::stderr())
+/// `policy check [--config FILE] FILE...`: compile and lint each script, then evaluate it once
+/// per model and pool of the config (the embedded default without `--config`), as `serve` does
+/// before it starts; errors read `file:line:col: message`.
+pub fn check(files: &[PathBuf], config: Option<&Path>) -> ExitCode {
+    check_to(files, config, &mut std::io::stdout(), &mut std::io::stderr())
 }
 
 /// [`check`] writing to `out` (one `file: ok` per good script) and `err` (one line per error).
-pub fn check_to(files: &[PathBuf], out: &mut dyn Write, err: &mut dyn Write) -> ExitCode {
+///
+/// The representative requests and state come from the config without ONNX Runtime (see
+/// `smoke.rs`). A script's params are the builtin defaults for a policy of its file name
+/// (`availability-first.rhai` gets builtin:availability-first's; any other name builtin:default's),
+/// overridden by the config's `policy.params`.
+pub fn check_to(files: &[PathBuf], config: Option<&Path>, out: &mut dyn Write, err: &mut dyn Write) -> ExitCode {
     if files.is_empty() {
         let _ = writeln!(err, "error: name at least one policy file");
         return ExitCode::from(EXIT_CONFIG);
     }
+    let config = match config {
+        Some(path) => match Config::load(path) {
+            Ok(config) => config,
+            Err(error) => {
+                let _ = writeln!(err, "error: {error}");
+                return ExitCode::from(EXIT_CONFIG);
+            }
+        },
+        None => Config::embedded(crate::device::nvidia_gpu_present()),
+    };
+    let requests = smoke_requests(&config, |_| true, configured_estimate);
+    let snapshot = configured_snapshot(&config);
     let mut failed = false;
     for file in files {
-        match load_engine(file, &PolicySettings::default()) {
-            Ok(_) => {
+        let name = file.file_stem().and_then(|s| s.to_str()).unwrap_or_default();
+        let mut params = builtin::default_params(name);
+        params.extend(config.policy.params.clone());
+        let settings = PolicySettings {
+            params,
+            ..PolicySettings::default()
+        };
+        let checked = load_script(&PolicySource::File(file.clone()), &settings)
+            .map_err(|e| e.to_string())
+            .and_then(|(script, _)| smoke_test(&script, &requests, &snapshot).map_err(|e| e.to_string()));
+        match checked {
+            Ok(()) => {
                 let _ = writeln!(out, "{}: ok", file.display());
             }
             Err(error) => {
@@ -73,7 +102,7 @@ pub fn test_to(paths: &[PathBuf], out: &mut dyn Write) -> ExitCode {
     };
     let (mut passed, mut failed) = (0, 0);
     for file in &files {
-        match cases::run_file(file) {
+        match run_file(file) {
             Ok(results) => {
                 for result in results {
                     if result.passed() {
@@ -100,6 +129,14 @@ pub fn test_to(paths: &[PathBuf], out: &mut dyn Write) -> ExitCode {
         }
         ExitCode::from(EXIT_FAILED)
     }
+}
+
+/// Load a case file and the policy it names, and run every case.
+fn run_file(path: &Path) -> Result<Vec<CaseResult>, LoadError> {
+    let file = CaseFile::load(path)?;
+    let policy = PolicySource::File(file.policy_path(path));
+    let (script, _) = load_script(&policy, &PolicySettings::default())?;
+    Ok(cases::run_cases(&script, &file))
 }
 
 /// What `policy eval` prints, as YAML or JSON.
@@ -140,15 +177,15 @@ pub fn eval_to(file: &Path, input: &Path, json: bool, out: &mut dyn Write, err: 
             return ExitCode::from(EXIT_CONFIG);
         }
     };
-    let engine = match load_engine(file, &PolicySettings::default()) {
-        Ok((engine, _)) => engine,
+    let script = match load_script(&PolicySource::File(file.to_path_buf()), &PolicySettings::default()) {
+        Ok((script, _)) => script,
         Err(error) => {
             let _ = writeln!(err, "{error}");
             return ExitCode::from(EXIT_CONFIG);
         }
     };
     let mut results: Vec<CaseResult> = (0..EVAL_RUNS)
-        .map(|_| cases::run_case(&engine, &Default::default(), &case))
+        .map(|_| cases::run_case(&script, &Default::default(), &case))
         .collect();
     let mut times: Vec<Duration> = results
         .iter()

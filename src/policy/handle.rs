@@ -1,67 +1,27 @@
 //! [`PolicyHandle`]: the policy the server runs, and hot reload.
 //!
-//! A reload reads the file, compiles it and runs the policy's own test cases (the case files in
-//! `tests/` beside it whose `policy:` is this file) against the new script; only when all of
-//! that succeeds does the new script replace the old one. Otherwise the last good script keeps
-//! serving and the error is kept for `/status`.
+//! A reload reads the script again (from its file, or the binary for a builtin), compiles it and
+//! runs the policy's own test cases against it (see `source.rs` for where both come from); only
+//! when all of that succeeds does the new script replace the old one. Otherwise the last good
+//! script keeps serving and the error is kept for `/status`.
 
-use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, PoisonError, RwLock};
 use std::time::{Instant, SystemTime};
 
 use sha2::{Digest, Sha256};
 
-use super::cases::{self, CaseFileError};
-use super::engine::{Evaluation, PolicyEngine, PolicyError, PolicySettings};
+use super::cases;
+use super::script::{Evaluation, PolicySettings, Script};
+use super::source::{self, LoadError};
 use super::values::StateView;
+use crate::config::PolicySource;
 use crate::snapshot::{RequestInfo, Snapshot};
-
-/// Why a policy could not be (re)loaded.
-#[derive(Debug, thiserror::Error)]
-pub enum LoadError {
-    /// The script file could not be read.
-    #[error("{path}: cannot read: {source}")]
-    Read {
-        /// The file.
-        path: String,
-        /// The I/O error.
-        source: std::io::Error,
-    },
-    /// The script does not compile or fails the lint (`kind` is always `compile`).
-    #[error(transparent)]
-    Compile(#[from] PolicyError),
-    /// A test-case file for this policy could not be read or is malformed.
-    #[error(transparent)]
-    CaseFile(#[from] CaseFileError),
-    /// The script compiled but failed some of its own test cases.
-    #[error("{path}: {failed} of {total} test cases failed, first: {first}")]
-    TestsFailed {
-        /// The script.
-        path: String,
-        /// How many failed.
-        failed: usize,
-        /// How many ran.
-        total: usize,
-        /// The first failure, as `file: case: expected …, got …`.
-        first: String,
-    },
-}
-
-/// Read and compile a policy file; its path is the origin in error messages.
-pub fn load_engine(path: &Path, settings: &PolicySettings) -> Result<(PolicyEngine, String), LoadError> {
-    let source = std::fs::read_to_string(path).map_err(|source| LoadError::Read {
-        path: path.display().to_string(),
-        source,
-    })?;
-    let engine = PolicyEngine::compile(&source, &path.display().to_string(), settings)?;
-    Ok((engine, source))
-}
 
 /// One loaded version of the policy.
 #[derive(Debug)]
 pub struct LoadedPolicy {
     /// The compiled script.
-    pub engine: PolicyEngine,
+    pub script: Script,
     /// Hex SHA-256 of the script's source (`vramguard_policy_info{sha256}`, `/status`).
     pub sha256: String,
     /// When it was loaded.
@@ -73,8 +33,8 @@ pub struct LoadedPolicy {
 /// What `/status` shows about the policy.
 #[derive(Debug, Clone, PartialEq)]
 pub struct PolicyStatus {
-    /// The script's path.
-    pub path: PathBuf,
+    /// The script's path, or `builtin:<name>` (`/status` `path`, `vramguard_policy_info{path}`).
+    pub origin: String,
     /// Hex SHA-256 of the script now serving.
     pub sha256: String,
     /// When the script now serving was loaded.
@@ -87,7 +47,8 @@ pub struct PolicyStatus {
 /// The policy the server runs: the current script, reloadable while requests are evaluated.
 #[derive(Debug)]
 pub struct PolicyHandle {
-    path: PathBuf,
+    source: PolicySource,
+    origin: String,
     settings: PolicySettings,
     current: RwLock<Arc<LoadedPolicy>>,
     last_error: Mutex<Option<String>>,
@@ -96,13 +57,13 @@ pub struct PolicyHandle {
 }
 
 impl PolicyHandle {
-    /// Load the policy at `path` (compile, then run its test cases); fails like a reload would,
-    /// so a server refuses to start on a script that would be refused on reload.
-    pub fn load(path: impl Into<PathBuf>, settings: PolicySettings) -> Result<Self, LoadError> {
-        let path = path.into();
-        let loaded = prepare(&path, &settings)?;
+    /// Load the policy from `source` (read, compile, then run its test cases); fails like a
+    /// reload would, so a server refuses to start on a script that would be refused on reload.
+    pub fn load(source: PolicySource, settings: PolicySettings) -> Result<Self, LoadError> {
+        let loaded = prepare(&source, &settings)?;
         Ok(PolicyHandle {
-            path,
+            origin: source::origin(&source),
+            source,
             settings,
             current: RwLock::new(Arc::new(loaded)),
             last_error: Mutex::new(None),
@@ -110,9 +71,14 @@ impl PolicyHandle {
         })
     }
 
-    /// The script's path.
-    pub fn path(&self) -> &Path {
-        &self.path
+    /// Where the script comes from.
+    pub fn source(&self) -> &PolicySource {
+        &self.source
+    }
+
+    /// The script's path, or `builtin:<name>`: how errors, logs and `/status` name it.
+    pub fn origin(&self) -> &str {
+        &self.origin
     }
 
     /// The version now serving.
@@ -126,40 +92,40 @@ impl PolicyHandle {
     pub fn decide(&self, req: &RequestInfo, snapshot: &Snapshot) -> Evaluation {
         let started = Instant::now();
         let view = StateView::new(snapshot);
-        self.current().engine.evaluate(started, req, &view)
+        self.current().script.evaluate(started, req, &view)
     }
 
     /// Decide for one request with the current script against a prepared view.
     pub fn decide_view(&self, req: &RequestInfo, view: &StateView) -> Evaluation {
-        self.current().engine.decide_view(req, view)
+        self.current().script.decide_view(req, view)
     }
 
-    /// Read, compile and test the file again; swap it in only if all of that succeeds. On error
-    /// the previous script keeps serving and the error is kept for [`PolicyHandle::status`].
+    /// Read, compile and test the script again (a builtin's text is the same, but its check is
+    /// too); swap it in only if all of that succeeds. On error the previous script keeps serving and the error is kept for [`PolicyHandle::status`].
     /// Count the result as `vramguard_policy_reloads_total{result="ok"|"error"}`.
     pub fn reload(&self) -> Result<Arc<LoadedPolicy>, LoadError> {
         let _one_at_a_time = self.reloading.lock().unwrap_or_else(PoisonError::into_inner);
-        match prepare(&self.path, &self.settings) {
+        match prepare(&self.source, &self.settings) {
             Ok(loaded) => {
                 let loaded = Arc::new(loaded);
                 *self.current.write().unwrap_or_else(PoisonError::into_inner) = Arc::clone(&loaded);
                 *self.last_error.lock().unwrap_or_else(PoisonError::into_inner) = None;
-                tracing::info!(path = %self.path.display(), sha256 = %loaded.sha256, cases = loaded.cases, "policy reloaded");
+                tracing::info!(policy = %self.origin, sha256 = %loaded.sha256, cases = loaded.cases, "policy reloaded");
                 Ok(loaded)
             }
             Err(error) => {
-                tracing::warn!(path = %self.path.display(), %error, "policy reload refused; the previous script keeps serving");
+                tracing::warn!(policy = %self.origin, %error, "policy reload refused; the previous script keeps serving");
                 *self.last_error.lock().unwrap_or_else(PoisonError::into_inner) = Some(error.to_string());
                 Err(error)
             }
         }
     }
 
-    /// Path, hash and load time of the script now serving, and the last reload error.
+    /// Origin, hash and load time of the script now serving, and the last reload error.
     pub fn status(&self) -> PolicyStatus {
         let current = self.current();
         PolicyStatus {
-            path: self.path.clone(),
+            origin: self.origin.clone(),
             sha256: current.sha256.clone(),
             loaded_at: current.loaded_at,
             last_error: self.last_error.lock().unwrap_or_else(PoisonError::into_inner).clone(),
@@ -168,37 +134,32 @@ impl PolicyHandle {
 }
 
 /// Everything a script must pass before it serves: read, compile, its own test cases.
-fn prepare(path: &Path, settings: &PolicySettings) -> Result<LoadedPolicy, LoadError> {
-    let (engine, source) = load_engine(path, settings)?;
+fn prepare(source: &PolicySource, settings: &PolicySettings) -> Result<LoadedPolicy, LoadError> {
+    let (script, text) = source::load_script(source, settings)?;
     let mut total = 0;
     let mut failures = Vec::new();
-    for (case_path, file) in cases::files_for_policy(path)? {
-        for result in cases::run_cases(&engine, &file) {
+    for (case_file, file) in source::test_cases(source)? {
+        for result in cases::run_cases(&script, &file) {
             total += 1;
             if !result.passed() {
-                failures.push(format!(
-                    "{}: {}: {}",
-                    case_path.display(),
-                    result.name,
-                    result.describe()
-                ));
+                failures.push(format!("{case_file}: {}: {}", result.name, result.describe()));
             }
         }
     }
     if total == 0 {
-        tracing::warn!(path = %path.display(), "policy has no test cases in tests/ beside it; loading it untested");
+        tracing::warn!(policy = %script.origin(), "policy has no test cases in tests/ beside it; loading it untested");
     }
     if let Some(first) = failures.first() {
         return Err(LoadError::TestsFailed {
-            path: path.display().to_string(),
+            path: script.origin().to_string(),
             failed: failures.len(),
             total,
             first: first.clone(),
         });
     }
     Ok(LoadedPolicy {
-        engine,
-        sha256: format!("{:x}", Sha256::digest(source.as_bytes())),
+        script,
+        sha256: format!("{:x}", Sha256::digest(text.as_bytes())),
         loaded_at: SystemTime::now(),
         cases: total,
     })

@@ -2,27 +2,35 @@
 //! latest [`Snapshot`](crate::snapshot::Snapshot) and returns a
 //! [`Decision`](crate::snapshot::Decision): admit, defer, shrink the context, redirect or reject.
 //!
-//! - [`PolicyEngine`] compiles a script once and evaluates it per request in a sandbox; any
+//! - [`Script`] compiles a script once and evaluates it per request in a sandbox; any
 //!   failure yields the configured fallback decision and a [`PolicyError`] of a known kind.
 //! - [`StateView`] is the script's `state`, converted once per snapshot (see `values.rs` for why
 //!   that matters: it is most of the cost of an evaluation otherwise).
-//! - [`PolicyHandle`] is what the server holds: the current engine, hot reload that refuses a
-//!   script failing to compile or failing its own test cases, and what `/status` shows.
+//! - [`PolicyHandle`] is what the server holds: the current script, hot reload that refuses a
+//!   script failing to compile or failing its own test cases, and what `/status` shows. It loads
+//!   from a [`PolicySource`](crate::config::PolicySource): a file, or a builtin policy read from
+//!   the binary (see `source.rs`, [`load_script`]).
+//! - [`smoke_test`] evaluates a script once per model and pool before it is trusted (`serve`
+//!   at start, `policy check`), since a misspelt property only fails at run time.
 //! - [`cases`] runs the test cases kept beside the policies (`policies/tests/*.yaml`);
 //!   [`cli`] implements `vramguard policy check|test|eval`.
 
 pub mod builtin;
 pub mod cases;
 pub mod cli;
-mod engine;
 mod handle;
+mod script;
+mod smoke;
+mod source;
 mod values;
 
-pub use engine::{
+pub use handle::{LoadedPolicy, PolicyHandle, PolicyStatus};
+pub use script::{
     Evaluation, MAX_ARRAY_SIZE, MAX_CALL_DEPTH, MAX_EXPR_DEPTH, MAX_FUNCTIONS, MAX_MAP_SIZE, MAX_OPERATIONS,
-    MAX_STRING_SIZE, MAX_VARIABLES, PolicyEngine, PolicyError, PolicyErrorKind, PolicySettings,
+    MAX_STRING_SIZE, MAX_VARIABLES, PolicyError, PolicyErrorKind, PolicySettings, Script,
 };
-pub use handle::{LoadError, LoadedPolicy, PolicyHandle, PolicyStatus, load_engine};
+pub use smoke::{SmokeError, smoke_requests, smoke_test};
+pub use source::{LoadError, load_script};
 pub use values::{List, Params, StateView, Table};
 
 #[cfg(test)]

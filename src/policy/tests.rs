@@ -1,4 +1,4 @@
-//! Policy engine, hot reload, test-case runner and CLI: plain data in, plain data out; no GPU,
+//! Policy scripts, hot reload, test-case runner and CLI: plain data in, plain data out; no GPU,
 //! no ONNX Runtime, no sleeps.
 
 use std::collections::BTreeMap;
@@ -8,7 +8,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use super::*;
-use crate::cli::EXIT_CONFIG;
+use crate::config::PolicySource;
+use crate::exit::EXIT_CONFIG;
 use crate::snapshot::{Decision, DeviceState, Estimate, HostState, PoolState, ProcessState, RequestInfo, Snapshot};
 
 const FALLBACK: &str = "policy fallback";
@@ -22,12 +23,12 @@ fn settings(params: &[(&str, serde_json::Value)]) -> PolicySettings {
     }
 }
 
-fn engine(source: &str) -> PolicyEngine {
-    PolicyEngine::compile(source, "test.rhai", &settings(&[])).expect("compiles")
+fn script(source: &str) -> Script {
+    Script::compile(source, "test.rhai", &settings(&[])).expect("compiles")
 }
 
 fn compile_error(source: &str) -> PolicyError {
-    PolicyEngine::compile(source, "test.rhai", &settings(&[])).expect_err("must not compile")
+    Script::compile(source, "test.rhai", &settings(&[])).expect_err("must not compile")
 }
 
 fn request() -> RequestInfo {
@@ -116,7 +117,7 @@ fn snapshot() -> Snapshot {
 }
 
 fn decide(source: &str) -> Evaluation {
-    engine(source).decide(&request(), &snapshot())
+    script(source).decide(&request(), &snapshot())
 }
 
 fn assert_fallback(evaluation: &Evaluation, kind: PolicyErrorKind) -> &PolicyError {
@@ -289,7 +290,7 @@ fn decide_must_exist_with_two_parameters() {
     assert!(wrong.message.contains("takes 1"), "{wrong}");
 
     // An extra overload is fine as long as the two-parameter one exists.
-    engine("fn decide(req) { admit() }\nfn decide(req, state) { decide(req) }");
+    script("fn decide(req) { admit() }\nfn decide(req, state) { decide(req) }");
 }
 
 #[test]
@@ -371,7 +372,7 @@ fn decide_with_params(source: &str) -> Evaluation {
         ("defer_ms", "2s".into()),
         ("missing_ms", serde_json::Value::Null),
     ]);
-    PolicyEngine::compile(source, "test.rhai", &settings)
+    Script::compile(source, "test.rhai", &settings)
         .expect("compiles")
         .decide(&request(), &snapshot())
 }
@@ -385,7 +386,7 @@ fn params_accept_sizes_and_durations_and_reject_nonsense() {
     assert_eq!(evaluation.error, None, "{evaluation:?}");
     assert_eq!(evaluation.decision, Decision::Admit { pool: None });
 
-    let bad = PolicyEngine::compile(
+    let bad = Script::compile(
         "fn decide(req, state) { admit() }",
         "test.rhai",
         &settings(&[("reserve_bytes", "lots".into())]),
@@ -396,14 +397,14 @@ fn params_accept_sizes_and_durations_and_reject_nonsense() {
 
 #[test]
 fn a_script_cannot_change_what_the_next_evaluation_sees() {
-    let engine = engine(
+    let compiled = script(
         "fn decide(req, state) { let seen = state.degraded; state.degraded = false; state.params.x = 1; \
          req.pool = \"cpu\"; if seen { admit() } else { reject(\"changed\") } }",
     );
     let snapshot = snapshot();
     let view = StateView::new(&snapshot);
     for _ in 0..3 {
-        let evaluation = engine.decide_view(&request(), &view);
+        let evaluation = compiled.decide_view(&request(), &view);
         assert_eq!(evaluation.decision, Decision::Admit { pool: None }, "{evaluation:?}");
     }
 }
@@ -456,7 +457,7 @@ cases:
 fn handle_in(scratch: &Scratch) -> PolicyHandle {
     scratch.write("tests/policy.yaml", DEFER_CASES);
     let path = scratch.write("policy.rhai", DEFER_WHEN_QUEUED);
-    PolicyHandle::load(path, settings(&[("max_queue", 5.into())])).expect("loads")
+    PolicyHandle::load(PolicySource::File(path), settings(&[("max_queue", 5.into())])).expect("loads")
 }
 
 fn queue_of(depth: u64) -> Arc<Snapshot> {
@@ -552,7 +553,7 @@ fn a_good_reload_swaps_and_clears_the_last_error() {
     assert_eq!(status.sha256, loaded.sha256);
     assert_ne!(status.sha256, before.sha256);
     assert_eq!(status.last_error, None);
-    assert_eq!(status.path, scratch.0.join("policy.rhai"));
+    assert_eq!(status.origin, scratch.0.join("policy.rhai").display().to_string());
     assert_eq!(
         handle.decide(&request(), &queue_of(9)).decision,
         Decision::Defer { ms: 99 }
@@ -564,7 +565,7 @@ fn loading_refuses_a_script_that_fails_its_test_cases() {
     let scratch = Scratch::new();
     scratch.write("tests/policy.yaml", DEFER_CASES);
     let path = scratch.write("policy.rhai", "fn decide(req, state) { defer(10) }");
-    let error = PolicyHandle::load(path, settings(&[])).expect_err("refused");
+    let error = PolicyHandle::load(PolicySource::File(path), settings(&[])).expect_err("refused");
     assert!(
         matches!(
             error,
@@ -586,8 +587,57 @@ fn case_files_for_other_policies_do_not_apply() {
         "policy: other.rhai\ncases:\n  - {name: x, expect: {action: admit}}\n",
     );
     let path = scratch.write("policy.rhai", "fn decide(req, state) { defer(1) }");
-    let handle = PolicyHandle::load(path, settings(&[])).expect("no case applies");
+    let handle = PolicyHandle::load(PolicySource::File(path), settings(&[])).expect("no case applies");
     assert_eq!(handle.current().cases, 0);
+}
+
+#[test]
+fn every_builtin_policy_loads_from_memory_and_passes_its_own_cases() {
+    for name in builtin::NAMES {
+        let settings = PolicySettings {
+            params: builtin::default_params(name),
+            ..PolicySettings::default()
+        };
+        let handle = PolicyHandle::load(PolicySource::Builtin(name.into()), settings)
+            .unwrap_or_else(|e| panic!("builtin:{name}: {e}"));
+        assert!(handle.current().cases >= 8, "builtin:{name} has too few cases");
+        // Named for what it is wherever it shows (/status, vramguard_policy_info), never a path.
+        assert_eq!(handle.status().origin, format!("builtin:{name}"));
+        let before = handle.status();
+        handle
+            .reload()
+            .unwrap_or_else(|e| panic!("builtin:{name} reloads: {e}"));
+        assert_eq!(handle.status().sha256, before.sha256, "the same text, checked again");
+    }
+}
+
+#[test]
+fn a_builtin_policy_is_named_in_errors_and_an_unknown_one_is_refused() {
+    let error =
+        PolicyHandle::load(PolicySource::Builtin("fastest".into()), settings(&[])).expect_err("no such builtin");
+    assert!(
+        matches!(&error, LoadError::UnknownBuiltin { name } if name == "fastest"),
+        "{error}"
+    );
+    assert!(
+        error
+            .to_string()
+            .starts_with("builtin:fastest: no such builtin policy (there are: default,"),
+        "{error}"
+    );
+    // A builtin's runtime errors are located as builtin:<name>:line:col. Without the params it
+    // reads, the default policy fails on the first one it needs.
+    let (script, _) = load_script(&PolicySource::Builtin("default".into()), &settings(&[])).expect("compiles");
+    let error = script
+        .decide(&request(), &snapshot())
+        .error
+        .expect("fails without params");
+    assert!(error.location.starts_with("builtin:default:"), "{error}");
+    assert_eq!(
+        error.location.split(':').count(),
+        4,
+        "builtin:default:line:col, got {error}"
+    );
 }
 
 // ─── test-case files and the CLI ──────────────────────────────────────────────────────────
@@ -633,7 +683,7 @@ fn each_shipped_policy_has_cases_for_every_action_it_takes() {
         // Every shipped policy compiles and is checked by `policy check`.
         let script = file.policy_path(&path);
         assert_eq!(script, PathBuf::from(format!("policies/{name}.rhai")));
-        assert!(load_engine(&script, &PolicySettings::default()).is_ok());
+        assert!(load_script(&PolicySource::File(script), &PolicySettings::default()).is_ok());
     }
 }
 
@@ -698,12 +748,93 @@ fn check_reports_file_line_and_column() {
     let good = scratch.write("good.rhai", "fn decide(req, state) { admit() }");
     let bad = scratch.write("bad.rhai", "fn decide(req, state) {\n    admit(missing)\n}");
     let (mut out, mut err) = (Vec::new(), Vec::new());
-    let code = cli::check_to(&[good.clone(), bad.clone()], &mut out, &mut err);
+    let code = cli::check_to(&[good.clone(), bad.clone()], None, &mut out, &mut err);
     assert_eq!(code, ExitCode::from(EXIT_CONFIG));
     assert_eq!(String::from_utf8_lossy(&out), format!("{}: ok\n", good.display()));
     let err = String::from_utf8_lossy(&err);
     assert!(err.starts_with(&format!("{}:2:11: ", bad.display())), "{err}");
     assert!(err.contains("missing"), "{err}");
+}
+
+#[test]
+fn check_runs_the_script_and_reports_where_it_fails_at_run_time() {
+    let scratch = Scratch::new();
+    // Compiles: a misspelt property is only found when decide runs, on every request.
+    let typo = scratch.write(
+        "typo.rhai",
+        "fn decide(req, state) {\n    if req.priorty > 0 { return admit(); }\n    admit()\n}",
+    );
+    let (mut out, mut err) = (Vec::new(), Vec::new());
+    let code = cli::check_to(std::slice::from_ref(&typo), None, &mut out, &mut err);
+    assert_eq!(code, ExitCode::from(EXIT_CONFIG));
+    assert!(out.is_empty(), "{}", String::from_utf8_lossy(&out));
+    let err = String::from_utf8_lossy(&err);
+    assert!(err.starts_with(&format!("{}:2:12: ", typo.display())), "{err}");
+    assert!(err.contains("priorty"), "{err}");
+    assert!(err.contains("for model `encoder` on pool `gpu`"), "{err}");
+
+    // A param neither the builtin defaults nor the config define fails the same way.
+    let param = scratch.write("param.rhai", "fn decide(req, state) { defer(state.params.nap_ms) }");
+    let (mut out, mut err) = (Vec::new(), Vec::new());
+    assert_eq!(
+        cli::check_to(&[param], None, &mut out, &mut err),
+        ExitCode::from(EXIT_CONFIG)
+    );
+    assert!(String::from_utf8_lossy(&err).contains("nap_ms"));
+}
+
+#[test]
+fn check_tries_the_shipped_policies_on_the_default_and_example_configs() {
+    let shipped: Vec<PathBuf> = builtin::NAMES
+        .iter()
+        .map(|name| PathBuf::from(format!("policies/{name}.rhai")))
+        .collect();
+    for config in [None, Some(Path::new("config/example.yaml"))] {
+        let (mut out, mut err) = (Vec::new(), Vec::new());
+        let code = cli::check_to(&shipped, config, &mut out, &mut err);
+        assert_eq!(code, ExitCode::SUCCESS, "{config:?}: {}", String::from_utf8_lossy(&err));
+        assert_eq!(String::from_utf8_lossy(&out).lines().count(), shipped.len());
+    }
+}
+
+#[test]
+fn smoke_inputs_come_from_the_config_without_onnx_runtime() {
+    let config = crate::config::Config::embedded(false);
+    let requests = smoke::smoke_requests(&config, |_| true, smoke::configured_estimate);
+    let pairs: Vec<(&str, &str, u64)> = requests
+        .iter()
+        .map(|r| (r.model.as_str(), r.pool.as_str(), r.context_tokens))
+        .collect();
+    assert_eq!(
+        pairs,
+        [
+            ("encoder", "gpu", 128),
+            ("encoder", "cpu", 128),
+            ("classifier", "gpu", 0),
+            ("classifier", "cpu", 0)
+        ]
+    );
+    assert!(
+        requests
+            .iter()
+            .all(|r| r.batch == 1 && r.replayable && r.estimate.total_bytes > 0)
+    );
+
+    let snapshot = smoke::configured_snapshot(&config);
+    let gpu0 = &snapshot.devices["gpu0"];
+    assert_eq!((gpu0.kind.as_str(), gpu0.total_bytes), ("simulated", 512 << 20));
+    assert_eq!(gpu0.used_bytes + gpu0.free_bytes, gpu0.total_bytes);
+    let gpu = &snapshot.pools["gpu"];
+    assert_eq!(
+        (
+            gpu.provider.as_str(),
+            gpu.device.as_str(),
+            gpu.breaker.as_str(),
+            gpu.concurrency
+        ),
+        ("simulated", "gpu0", "closed", 1)
+    );
+    assert_eq!(snapshot.host.reserve_bytes, config.host_reserve);
 }
 
 #[test]
@@ -775,7 +906,7 @@ fn a_case_file_path_resolves_beside_its_folder() {
 fn the_handle_can_be_shared_across_request_tasks() {
     fn shareable<T: Send + Sync>() {}
     shareable::<PolicyHandle>();
-    shareable::<PolicyEngine>();
+    shareable::<Script>();
     shareable::<Evaluation>();
     shareable::<LoadError>();
 }

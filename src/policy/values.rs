@@ -169,7 +169,7 @@ impl IntoIterator for List {
 /// that for you, keyed on the `Arc<Snapshot>` it is given.
 #[derive(Debug, Clone)]
 pub struct StateView {
-    /// The `state` map, complete but for `params`, which belongs to the engine.
+    /// The `state` map, complete but for `params`, which belongs to the [`Script`](super::Script).
     map: Map,
     pools: Table,
 }

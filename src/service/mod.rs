@@ -22,7 +22,7 @@ use crate::metrics::{Metrics, PolicyInfoLabels, ResultLabels};
 use crate::onnx::{ModelSignature, RuntimeError};
 use crate::policy::{PolicyHandle, PolicySettings, StateView};
 use crate::pool::{Pool, PoolContext, PoolLoad, Respawn};
-use crate::snapshot::{DeviceClass, RequestInfo, Snapshot};
+use crate::snapshot::{DeviceClass, Snapshot};
 
 pub use onnxruntime::OrtFactory;
 
@@ -260,7 +260,7 @@ impl Service {
         metrics
             .policy_info
             .get_or_create(&PolicyInfoLabels {
-                path: status.path.display().to_string(),
+                path: status.origin,
                 sha256: status.sha256,
             })
             .set(1);
@@ -357,7 +357,7 @@ impl Service {
                 self.metrics
                     .policy_info
                     .get_or_create(&PolicyInfoLabels {
-                        path: status.path.display().to_string(),
+                        path: status.origin.clone(),
                         sha256: status.sha256.clone(),
                     })
                     .set(1);
@@ -417,27 +417,15 @@ impl Service {
     }
 }
 
-/// Load the configured policy (a builtin one is written to a private folder first so it loads,
-/// and is tested, like a file), then try it once per model and ready pool on the first
-/// snapshot: a script that fails on this config's params is refused before any port is bound.
+/// Load the configured policy (a file, or a builtin one from the binary), then try it once per
+/// model and ready pool on the first snapshot: a script that fails on this config's params is
+/// refused before any port is bound.
 fn load_policy(
     config: &Config,
     models: &[ModelEntry],
     ready_pools: &[&str],
     snapshot: &Snapshot,
 ) -> Result<PolicyHandle, StartError> {
-    let path = match &config.policy.source {
-        PolicySource::File(path) => path.clone(),
-        PolicySource::Builtin(name) => {
-            let dir = std::env::temp_dir().join(format!("vramguard-{}-policies", std::process::id()));
-            crate::policy::builtin::materialize(name, &dir).map_err(|e| {
-                StartError::Policy(format!(
-                    "cannot write builtin policy `{name}` to {}: {e}",
-                    dir.display()
-                ))
-            })?
-        }
-    };
     let mut params = match &config.policy.source {
         PolicySource::Builtin(name) => crate::policy::builtin::default_params(name),
         PolicySource::File(_) => crate::policy::Params::new(),
@@ -447,38 +435,25 @@ fn load_policy(
         fallback: config.policy.fallback.clone(),
         params,
     };
-    let handle = PolicyHandle::load(&path, settings).map_err(|e| StartError::Policy(e.to_string()))?;
-    let snapshot = Arc::new(snapshot.clone());
-    for model in models {
-        // Pools that could not start (no CUDA here) never reach the policy; they are not tried.
-        for pool in config
-            .pools
-            .iter()
-            .filter(|p| p.models.contains(&model.config.name) && ready_pools.contains(&p.name.as_str()))
-        {
-            let tokens = if model.config.context.is_some() { 128 } else { 0 };
-            let req = RequestInfo {
-                id: "startup-check".into(),
-                model: model.config.name.clone(),
-                pool: pool.name.clone(),
-                context_tokens: tokens,
-                batch: 1,
-                replayable: true,
-                estimate: model.profile.estimate(tokens, 1),
-                ..RequestInfo::default()
-            };
-            if let Some(error) = handle.decide(&req, &snapshot).error {
-                return Err(StartError::Policy(format!(
-                    "{}: policy `{}` fails for model `{}` on pool `{}` with this config (check policy.params): {error}",
-                    config.source,
-                    path.display(),
-                    model.config.name,
-                    pool.name
-                )));
-            }
-        }
-    }
-    tracing::info!(policy = %path.display(), sha256 = %handle.status().sha256, "policy loaded");
+    let handle =
+        PolicyHandle::load(config.policy.source.clone(), settings).map_err(|e| StartError::Policy(e.to_string()))?;
+    // Pools that could not start (no CUDA here) never reach the policy; they are not tried.
+    let requests = crate::policy::smoke_requests(
+        config,
+        |pool| ready_pools.contains(&pool.name.as_str()),
+        |model, tokens| {
+            let entry = models.iter().find(|m| m.config.name == model.name);
+            entry.map(|m| m.profile.estimate(tokens, 1)).unwrap_or_default()
+        },
+    );
+    crate::policy::smoke_test(&handle.current().script, &requests, snapshot).map_err(|e| {
+        StartError::Policy(format!(
+            "{}: policy `{}` fails with this config (check policy.params): {e}",
+            config.source,
+            handle.origin()
+        ))
+    })?;
+    tracing::info!(policy = %handle.origin(), sha256 = %handle.status().sha256, "policy loaded");
     Ok(handle)
 }
 

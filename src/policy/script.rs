@@ -1,4 +1,4 @@
-//! [`PolicyEngine`]: one compiled policy script and the sandbox it runs in.
+//! [`Script`]: one compiled policy script and the sandbox it runs in.
 //!
 //! The script is compiled once; each request is one call of its `decide(req, state)` function.
 //! Whatever goes wrong inside (a run-time error, a sandbox limit, a value that is not a decision)
@@ -137,20 +137,21 @@ impl Evaluation {
 /// Cheap to share (`Arc`) and to evaluate from many threads at once: evaluation takes `&self`
 /// and every evaluation gets its own copies of the inputs.
 #[derive(Debug, Clone)]
-pub struct PolicyEngine {
-    script: Arc<Script>,
+pub struct Script {
+    program: Arc<Program>,
     /// `state.params`, converted once.
     params: Dynamic,
     fallback: Decision,
 }
 
+/// What compiling produced; shared by every copy of a [`Script`] whatever its params.
 #[derive(Debug)]
-struct Script {
+struct Program {
     ast: AST,
     origin: String,
 }
 
-impl PolicyEngine {
+impl Script {
     /// Compile `source` (named `origin` in errors, normally its path) and check it defines
     /// `fn decide(req, state)`.
     pub fn compile(source: &str, origin: &str, settings: &PolicySettings) -> Result<Self, PolicyError> {
@@ -159,8 +160,8 @@ impl PolicyEngine {
         ast.set_source(origin);
         let params = values::params(&settings.params)
             .map_err(|message| PolicyError::new(PolicyErrorKind::Compile, origin, Position::NONE, message))?;
-        Ok(PolicyEngine {
-            script: Arc::new(Script {
+        Ok(Script {
+            program: Arc::new(Program {
                 ast,
                 origin: origin.to_string(),
             }),
@@ -172,10 +173,10 @@ impl PolicyEngine {
     /// The same compiled script with other params (a test case's own); the AST is shared.
     pub fn with_params(&self, params: &Params) -> Result<Self, PolicyError> {
         let params = values::params(params).map_err(|message| {
-            PolicyError::new(PolicyErrorKind::Compile, &self.script.origin, Position::NONE, message)
+            PolicyError::new(PolicyErrorKind::Compile, &self.program.origin, Position::NONE, message)
         })?;
-        Ok(PolicyEngine {
-            script: Arc::clone(&self.script),
+        Ok(Script {
+            program: Arc::clone(&self.program),
             params,
             fallback: self.fallback.clone(),
         })
@@ -183,7 +184,7 @@ impl PolicyEngine {
 
     /// The name used in errors (normally the script's path).
     pub fn origin(&self) -> &str {
-        &self.script.origin
+        &self.program.origin
     }
 
     /// The decision used when the script fails.
@@ -192,7 +193,7 @@ impl PolicyEngine {
     }
 
     /// Decide for one request against a snapshot, converting the snapshot for this call only.
-    /// On the request path prefer [`PolicyEngine::decide_view`] with a [`StateView`] built once per
+    /// On the request path prefer [`Script::decide_view`] with a [`StateView`] built once per
     /// snapshot (or [`crate::policy::PolicyHandle::decide`], which caches it).
     pub fn decide(&self, req: &RequestInfo, state: &Snapshot) -> Evaluation {
         let started = Instant::now();
@@ -208,7 +209,7 @@ impl PolicyEngine {
     /// Evaluate, timing from `started` (callers that prepared the view count that in too).
     pub(super) fn evaluate(&self, started: Instant, req: &RequestInfo, view: &StateView) -> Evaluation {
         // Rhai reports errors as values, but a panic inside it must still not take the request
-        // down with it: the engine and AST are only read here, so unwinding leaves them intact.
+        // down with it: the sandbox and the AST are only read here, so unwinding leaves them intact.
         let outcome = catch_unwind(AssertUnwindSafe(|| self.run(req, view))).unwrap_or_else(|panic| {
             let what = panic
                 .downcast_ref::<&str>()
@@ -239,7 +240,7 @@ impl PolicyEngine {
         // call costs just the call (and a script cannot keep state between requests).
         let options = CallFnOptions::new().eval_ast(false).rewind_scope(true);
         let value = sandbox()
-            .call_fn_with_options::<Dynamic>(options, &mut scope, &self.script.ast, "decide", args)
+            .call_fn_with_options::<Dynamic>(options, &mut scope, &self.program.ast, "decide", args)
             .map_err(|e| self.runtime_error(&e))?;
         self.to_decision(value, view)
     }
@@ -282,7 +283,7 @@ impl PolicyEngine {
     }
 
     fn error(&self, kind: PolicyErrorKind, position: Position, message: impl Into<String>) -> PolicyError {
-        PolicyError::new(kind, &self.script.origin, position, message)
+        PolicyError::new(kind, &self.program.origin, position, message)
     }
 
     fn runtime_error(&self, err: &EvalAltResult) -> PolicyError {

@@ -1,0 +1,97 @@
+//! Where a policy's script and its test cases come from, read and compiled.
+//!
+//! A [`PolicySource::File`] is read from disk on every load and reload, and its cases are the
+//! files in `tests/` beside it whose `policy:` names it. A [`PolicySource::Builtin`] is text
+//! compiled into the binary, cases included: nothing is written to or read from disk, so any
+//! number of servers (or tests) in one process load it without sharing a path.
+//!
+//! This module depends on [`cases`](super::cases) and [`Script`], never the other way round;
+//! [`PolicyHandle`](super::PolicyHandle) builds on it.
+
+use crate::config::PolicySource;
+
+use super::builtin;
+use super::cases::{self, CaseFile, CaseFileError};
+use super::script::{PolicyError, PolicySettings, Script};
+
+/// Why a policy could not be (re)loaded.
+#[derive(Debug, thiserror::Error)]
+pub enum LoadError {
+    /// The script file could not be read.
+    #[error("{path}: cannot read: {source}")]
+    Read {
+        /// The file.
+        path: String,
+        /// The I/O error.
+        source: std::io::Error,
+    },
+    /// `builtin:<name>` names no policy shipped in the binary.
+    #[error("builtin:{name}: no such builtin policy (there are: {})", builtin::NAMES.join(", "))]
+    UnknownBuiltin {
+        /// The name after `builtin:`.
+        name: String,
+    },
+    /// The script does not compile or fails the lint (`kind` is always `compile`).
+    #[error(transparent)]
+    Compile(#[from] PolicyError),
+    /// A test-case file for this policy could not be read or is malformed.
+    #[error(transparent)]
+    CaseFile(#[from] CaseFileError),
+    /// The script compiled but failed some of its own test cases.
+    #[error("{path}: {failed} of {total} test cases failed, first: {first}")]
+    TestsFailed {
+        /// The script's origin (see [`origin`]).
+        path: String,
+        /// How many failed.
+        failed: usize,
+        /// How many ran.
+        total: usize,
+        /// The first failure, as `file: case: expected …, got …`.
+        first: String,
+    },
+}
+
+/// How `source` is named in errors, logs, `/status` and `vramguard_policy_info{path}`: the
+/// file's path, or `builtin:<name>`.
+pub fn origin(source: &PolicySource) -> String {
+    match source {
+        PolicySource::File(path) => path.display().to_string(),
+        PolicySource::Builtin(name) => format!("builtin:{name}"),
+    }
+}
+
+/// Read (from disk or the binary) and compile a policy; errors are located as
+/// `origin:line:col`. Returns the script and its text (hashed for `/status`).
+pub fn load_script(source: &PolicySource, settings: &PolicySettings) -> Result<(Script, String), LoadError> {
+    let text = match source {
+        PolicySource::File(path) => std::fs::read_to_string(path).map_err(|e| LoadError::Read {
+            path: path.display().to_string(),
+            source: e,
+        })?,
+        PolicySource::Builtin(name) => builtin_policy(name)?.script.to_string(),
+    };
+    let script = Script::compile(&text, &origin(source), settings)?;
+    Ok((script, text))
+}
+
+/// The policy's own test cases, each file with the name its cases are reported under: for a
+/// file, the case files in `tests/` beside it that name it; for a builtin, the ones shipped
+/// with it.
+pub fn test_cases(source: &PolicySource) -> Result<Vec<(String, CaseFile)>, LoadError> {
+    match source {
+        PolicySource::File(path) => Ok(cases::files_for_policy(path)?
+            .into_iter()
+            .map(|(path, file)| (path.display().to_string(), file))
+            .collect()),
+        PolicySource::Builtin(name) => {
+            let shipped = builtin_policy(name)?;
+            let file_name = format!("builtin:tests/{name}.yaml");
+            let file = CaseFile::parse(shipped.cases, &file_name)?;
+            Ok(vec![(file_name, file)])
+        }
+    }
+}
+
+fn builtin_policy(name: &str) -> Result<builtin::Builtin, LoadError> {
+    builtin::get(name).ok_or_else(|| LoadError::UnknownBuiltin { name: name.to_string() })
+}
