@@ -405,6 +405,10 @@ pub struct Config {
     pub policy: PolicyConfig,
 }
 
+/// Names accepted after `builtin:` in `policy.path`: the policies shipped in the binary
+/// (`crate::policy::builtin` holds their text, and a test there keeps the two in step).
+pub const BUILTIN_POLICIES: [&str; 3] = ["default", "latency-first", "availability-first"];
+
 /// Where the policy script comes from.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum PolicySource {
@@ -1013,12 +1017,12 @@ impl RawConfig {
         let p = &self.policy;
         let source = match p.path.strip_prefix("builtin:") {
             Some(name) => {
-                if !crate::policy::builtin::NAMES.contains(&name) {
+                if !BUILTIN_POLICIES.contains(&name) {
                     return Err(c.err(
                         "policy.path",
                         format!(
                             "no builtin policy `{name}`; builtin policies are: {}",
-                            crate::policy::builtin::NAMES.join(", ")
+                            BUILTIN_POLICIES.join(", ")
                         ),
                     ));
                 }

@@ -2,8 +2,8 @@
 //! cases, so the embedded default config needs no file on disk. They are loaded and tested
 //! from memory (see `source.rs`), never written out.
 
-/// Names accepted after `builtin:`.
-pub const NAMES: [&str; 3] = ["default", "latency-first", "availability-first"];
+/// Names accepted after `builtin:` (the config validates `policy.path` against them).
+pub use crate::config::BUILTIN_POLICIES as NAMES;
 
 /// A policy shipped in the binary: its script and its test cases, as the text of
 /// `policies/<name>.rhai` and `policies/tests/<name>.yaml` at build time.
