@@ -94,7 +94,14 @@ async fn a_request_that_does_not_fit_gets_an_allocator_failure_and_the_next_one_
     // 4 × 1536² FP32 scores are 36 MiB in one block: more than the 28 MiB the pressure leaves.
     let squeezed = server.encoder(1536).await;
     assert_eq!(squeezed.status(), StatusCode::SERVICE_UNAVAILABLE);
-    let release = server.post_json("/admin/sim/gpu0", &json!({"pressure": 0})).await;
+    // Sent the way `curl -d` sends it (form content type): JSON is read all the same.
+    let release = reqwest::Client::new()
+        .post(server.url("/admin/sim/gpu0"))
+        .header("content-type", "application/x-www-form-urlencoded")
+        .body(r#"{"pressure": 0}"#)
+        .send()
+        .await
+        .unwrap();
     assert_eq!(release.status(), StatusCode::OK);
     assert_eq!(server.encoder(1536).await.status(), StatusCode::OK);
     let metrics = server.metrics().await;

@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use axum::body::Bytes;
-use axum::extract::rejection::{BytesRejection, JsonRejection};
+use axum::extract::rejection::BytesRejection;
 use axum::extract::{ConnectInfo, DefaultBodyLimit, Path, State};
 use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
@@ -669,7 +669,7 @@ async fn admin_sim(
     ConnectInfo(peer): ConnectInfo<SocketAddr>,
     Path(device): Path<String>,
     headers: HeaderMap,
-    body: Result<Json<SimCommand>, JsonRejection>,
+    body: Result<Bytes, BytesRejection>,
 ) -> Result<Json<Value>, ApiError> {
     authorize(&state, peer, &headers)?;
     let service = &state.service;
@@ -683,7 +683,15 @@ async fn admin_sim(
             ),
         )
     })?;
-    let Json(command) = body.map_err(|e| ApiError::new(StatusCode::BAD_REQUEST, e.body_text()))?;
+    // JSON whatever the Content-Type says, as `/infer` reads it: `curl -d` sends
+    // application/x-www-form-urlencoded, and refusing that helps nobody.
+    let body = body.map_err(|e| ApiError::new(e.status(), e.body_text()))?;
+    let command: SimCommand = serde_json::from_slice(&body).map_err(|e| {
+        ApiError::new(
+            StatusCode::BAD_REQUEST,
+            format!("the body must be a JSON object like {{\"pressure\": \"300MiB\"}}: {e}"),
+        )
+    })?;
     let Some(pressure) = command.pressure else {
         return Err(ApiError::new(StatusCode::BAD_REQUEST, "nothing to do: give `pressure`"));
     };
