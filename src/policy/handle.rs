@@ -88,7 +88,7 @@ impl PolicyHandle {
 
     /// Decide for one request with the current script, converting `snapshot` for it. The server
     /// keeps its converted view between requests and calls [`PolicyHandle::decide_view`] instead
-    /// (see `Engine::policy_view`); this is for one-off decisions.
+    /// (see `Service::policy_view`); this is for one-off decisions.
     pub fn decide(&self, req: &RequestInfo, snapshot: &Snapshot) -> Evaluation {
         let started = Instant::now();
         let view = StateView::new(snapshot);

@@ -31,7 +31,7 @@ pub use script::{
 };
 pub use smoke::{SmokeError, smoke_requests, smoke_test};
 pub use source::{LoadError, load_script};
-pub use values::{List, Params, StateView, Table};
+pub use values::{List, LiveLoad, Params, PoolLoadNow, StateView, Table};
 
 #[cfg(test)]
 mod tests;

@@ -910,3 +910,47 @@ fn the_handle_can_be_shared_across_request_tasks() {
     shareable::<Evaluation>();
     shareable::<LoadError>();
 }
+
+/// Queues that move between samples are read live: the view is built once per sample.
+#[test]
+fn pools_read_their_load_live_from_a_view_built_once() {
+    #[derive(Debug)]
+    struct Moving(std::sync::atomic::AtomicU64);
+    impl LiveLoad for Moving {
+        fn pool_load(&self, pool: &str) -> Option<PoolLoadNow> {
+            (pool == "gpu").then(|| PoolLoadNow {
+                queue_depth: self.0.load(Ordering::SeqCst),
+                inflight: 1,
+                ..PoolLoadNow::default()
+            })
+        }
+    }
+    let moving = Arc::new(Moving(std::sync::atomic::AtomicU64::new(0)));
+    let view = StateView::new(&snapshot()).with_live_load(moving.clone());
+    let script = script(
+        r#"fn decide(req, state) {
+            let gpu = state.pools["gpu"];
+            if gpu.queue_depth > 3 && gpu.inflight == 1 { defer(10) } else { admit() }
+        }"#,
+    );
+    assert_eq!(
+        script.decide_view(&request(), &view).decision,
+        Decision::Admit { pool: None }
+    );
+    moving.0.store(5, Ordering::SeqCst);
+    assert_eq!(
+        script.decide_view(&request(), &view).decision,
+        Decision::Defer { ms: 10 }
+    );
+    // A pool the live source does not know keeps its sampled numbers.
+    let cpu = script_value(&view, r#"state.pools["cpu"].queue_depth"#);
+    assert_eq!(cpu, snapshot().pools["cpu"].queue_depth as i64);
+}
+
+fn script_value(view: &StateView, expression: &str) -> i64 {
+    let source = format!("fn decide(req, state) {{ reject(`${{{expression}}}`) }}");
+    match script(&source).decide_view(&request(), view).decision {
+        Decision::Reject { reason } => reason.parse().unwrap(),
+        other => panic!("{other:?}"),
+    }
+}

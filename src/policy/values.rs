@@ -36,59 +36,110 @@ pub type Params = BTreeMap<String, serde_json::Value>;
 /// Scripts use it like an object map: `t[name]`, `t.name`, `name in t`, `t.get(name)` (`()` when
 /// absent), `t.keys()`, `t.values()`, `t.len()`, `t.is_empty()`. Reading an entry returns a copy.
 #[derive(Debug, Clone, Default)]
-pub struct Table(Arc<BTreeMap<ImmutableString, Dynamic>>);
+pub struct Table {
+    entries: Arc<BTreeMap<ImmutableString, Dynamic>>,
+    /// For `state.pools`: where an entry's load fields are read when the script reads it.
+    live: Option<Arc<dyn LiveLoad>>,
+}
+
+/// A pool's load as it is now, not as it was at the last sample.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PoolLoadNow {
+    /// Requests waiting.
+    pub queue_depth: u64,
+    /// Age of the oldest waiting request.
+    pub queue_oldest_age_ms: u64,
+    /// Requests running.
+    pub inflight: u64,
+    /// Allocator failures in the recent window.
+    pub alloc_failures_recent: u64,
+    /// Estimated time until a new request would finish.
+    pub est_delay_ms: u64,
+}
+
+/// Where live pool load comes from (the server's pools). Reading it when a script reads a pool
+/// keeps `state` current while the rest of the view is built once per sample: queues move with
+/// every request, and rebuilding the view for each one was most of an evaluation's cost.
+pub trait LiveLoad: Send + Sync + std::fmt::Debug {
+    /// The load of `pool` now, or `None` when it is not known here.
+    fn pool_load(&self, pool: &str) -> Option<PoolLoadNow>;
+}
 
 impl Table {
     fn from_entries(entries: impl IntoIterator<Item = (ImmutableString, Dynamic)>) -> Self {
-        Table(Arc::new(entries.into_iter().collect()))
+        Table {
+            entries: Arc::new(entries.into_iter().collect()),
+            live: None,
+        }
     }
 
     /// Whether `name` is an entry.
     pub fn contains(&self, name: &str) -> bool {
-        self.0.contains_key(name)
+        self.entries.contains_key(name)
     }
 
     /// The entry names, sorted.
     pub fn names(&self) -> impl Iterator<Item = &str> {
-        self.0.keys().map(|k| k.as_str())
+        self.entries.keys().map(|k| k.as_str())
+    }
+
+    /// A copy of entry `name` for the script, with the live fields filled in now.
+    fn read(&self, name: &str, value: &Dynamic) -> Dynamic {
+        let mut value = value.clone();
+        if let Some(now) = self.live.as_ref().and_then(|live| live.pool_load(name))
+            && let Some(mut map) = value.write_lock::<Map>()
+        {
+            for (key, v) in [
+                ("queue_depth", now.queue_depth),
+                ("queue_oldest_age_ms", now.queue_oldest_age_ms),
+                ("inflight", now.inflight),
+                ("alloc_failures_recent", now.alloc_failures_recent),
+                ("est_delay_ms", now.est_delay_ms),
+            ] {
+                if let Some(slot) = map.get_mut(key) {
+                    *slot = int(v);
+                }
+            }
+        }
+        value
     }
 
     /// `t[name]`: the entry, or the same error Rhai raises for a missing object-map property
     /// (the engine runs with `fail_on_invalid_map_property`, so a typo fails loudly).
     pub(crate) fn index(&mut self, name: &str) -> Result<Dynamic, Box<EvalAltResult>> {
-        self.0
+        self.entries
             .get(name)
-            .cloned()
+            .map(|v| self.read(name, v))
             .ok_or_else(|| EvalAltResult::ErrorPropertyNotFound(name.to_string(), Position::NONE).into())
     }
 
     /// `t.get(name)`: the entry or `()`, for optional entries (`state.params.get("x") ?? 5`).
     pub(crate) fn get(&mut self, name: &str) -> Dynamic {
-        self.0.get(name).cloned().unwrap_or(Dynamic::UNIT)
+        self.entries.get(name).map_or(Dynamic::UNIT, |v| self.read(name, v))
     }
 
     pub(crate) fn keys(&mut self) -> Array {
-        self.0.keys().map(|k| Dynamic::from(k.clone())).collect()
+        self.entries.keys().map(|k| Dynamic::from(k.clone())).collect()
     }
 
     pub(crate) fn values(&mut self) -> Array {
-        self.0.values().cloned().collect()
+        self.entries.iter().map(|(k, v)| self.read(k, v)).collect()
     }
 
     pub(crate) fn len(&mut self) -> i64 {
-        to_int(self.0.len() as u64)
+        to_int(self.entries.len() as u64)
     }
 
     pub(crate) fn is_empty(&mut self) -> bool {
-        self.0.is_empty()
+        self.entries.is_empty()
     }
 
     /// Rendered like an object map, so `print(state.pools)` shows the data.
     pub(crate) fn render(&mut self) -> String {
         let mut out = String::from("#{");
-        for (i, (k, v)) in self.0.iter().enumerate() {
+        for (i, (k, v)) in self.entries.iter().enumerate() {
             let sep = if i == 0 { "" } else { ", " };
-            let _ = write!(out, "{sep}{k:?}: {v}");
+            let _ = write!(out, "{sep}{k:?}: {}", self.read(k, v));
         }
         out.push('}');
         out
@@ -194,15 +245,14 @@ impl StateView {
         StateView { map, pools }
     }
 
-    /// The same view with `pools` replaced: when only the pools' live load moved, devices, host
-    /// and processes (most of the conversion) are shared, not rebuilt.
-    pub fn with_pools(&self, pools: &BTreeMap<String, PoolState>) -> Self {
-        let pools = Table::from_entries(pools.iter().map(|(name, p)| (name.into(), pool(p))));
-        let mut map = self.map.clone();
-        if let Some(slot) = map.get_mut("pools") {
-            *slot = Dynamic::from(pools.clone());
+    /// The same view whose pools read their load from `live` whenever a script reads them, so
+    /// one view per sample serves every request until the next sample.
+    pub fn with_live_load(mut self, live: Arc<dyn LiveLoad>) -> Self {
+        self.pools.live = Some(live);
+        if let Some(slot) = self.map.get_mut("pools") {
+            *slot = Dynamic::from(self.pools.clone());
         }
-        StateView { map, pools }
+        self
     }
 
     /// Whether the snapshot has a pool called `name` (decisions naming another pool are refused).

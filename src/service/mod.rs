@@ -21,7 +21,7 @@ use crate::exporter::{LiveCollector, Sampler, SnapshotStore};
 use crate::metrics::{Metrics, PolicyInfoLabels, ResultLabels};
 use crate::onnx::{ModelSignature, RuntimeError};
 use crate::policy::{PolicyHandle, PolicySettings, StateView};
-use crate::pool::{Pool, PoolContext, PoolLoad, Respawn};
+use crate::pool::{Pool, PoolContext, Respawn};
 use crate::snapshot::{DeviceClass, Snapshot};
 
 pub use onnxruntime::OrtFactory;
@@ -197,14 +197,28 @@ pub struct Service {
     pub clock: Arc<dyn Clock>,
 }
 
-/// A cached policy view and what it was built from.
+/// The policy's view of one sample: built once per sample, shared by every evaluation.
 struct PolicyState {
     generation: u64,
-    loads: Vec<[u64; 5]>,
-    /// The sample's view as sampled (devices, host, processes are shared from it).
-    base: StateView,
-    /// `base` with the pools' live load.
-    view: StateView,
+    view: Arc<StateView>,
+}
+
+/// The pools' load as the policy reads it, live, when a script reads `state.pools[name]`.
+#[derive(Debug)]
+struct PoolsNow(Vec<Arc<Pool>>);
+
+impl crate::policy::LiveLoad for PoolsNow {
+    fn pool_load(&self, name: &str) -> Option<crate::policy::PoolLoadNow> {
+        let pool = self.0.iter().find(|p| p.name() == name)?;
+        let load = pool.load();
+        Some(crate::policy::PoolLoadNow {
+            queue_depth: load.queue_depth as u64,
+            queue_oldest_age_ms: load.oldest_age.as_millis() as u64,
+            inflight: load.inflight as u64,
+            alloc_failures_recent: pool.alloc_failures_recent(),
+            est_delay_ms: load.estimated_delay.as_millis() as u64,
+        })
+    }
 }
 
 impl std::fmt::Debug for Service {
@@ -286,58 +300,22 @@ impl Service {
         })
     }
 
-    /// The policy's view of the world: the latest sample with every pool's live queue, in-flight
-    /// count, recent failures and delay estimate. Converting a snapshot for the script is most
-    /// of an evaluation's cost, so the view is cached: a new sample rebuilds it, a pool's load
-    /// moving rebuilds only its pools.
-    pub fn policy_view(&self) -> StateView {
+    /// The policy's view of the world: the latest sample, converted for the script once per
+    /// sample, whose pools read their queue, in-flight count, recent failures and delay
+    /// estimate live when the script looks at them.
+    pub fn policy_view(&self) -> Arc<StateView> {
         let sample = self.store.latest();
-        let live: Vec<(PoolLoad, u64)> = self
-            .pools
-            .iter()
-            .map(|p| (p.load(), p.alloc_failures_recent()))
-            .collect();
-        // Ages and delays are quantised so a waiting request does not force a rebuild on every
-        // decision while nothing else moves.
-        let loads: Vec<[u64; 5]> = live
-            .iter()
-            .map(|(load, failures)| {
-                [
-                    load.queue_depth as u64,
-                    load.inflight as u64,
-                    load.oldest_age.as_millis() as u64 / 100,
-                    *failures,
-                    load.estimated_delay.as_millis() as u64 / 10,
-                ]
-            })
-            .collect();
         let mut cached = self.policy_state.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(state) = cached.as_ref()
             && state.generation == sample.generation
-            && state.loads == loads
         {
-            return state.view.clone();
+            return Arc::clone(&state.view);
         }
-        let mut pools = sample.snapshot.pools.clone();
-        for (pool, (load, failures)) in self.pools.iter().zip(&live) {
-            if let Some(state) = pools.get_mut(pool.name()) {
-                state.queue_depth = load.queue_depth as u64;
-                state.inflight = load.inflight as u64;
-                state.queue_oldest_age_ms = load.oldest_age.as_millis() as u64;
-                state.alloc_failures_recent = *failures;
-                state.est_delay_ms = load.estimated_delay.as_millis() as u64;
-            }
-        }
-        let base = match cached.take() {
-            Some(state) if state.generation == sample.generation => state.base,
-            _ => StateView::new(&sample.snapshot),
-        };
-        let view = base.with_pools(&pools);
+        let live: Arc<dyn crate::policy::LiveLoad> = Arc::new(PoolsNow(self.pools.clone()));
+        let view = Arc::new(StateView::new(&sample.snapshot).with_live_load(live));
         *cached = Some(PolicyState {
             generation: sample.generation,
-            loads,
-            base,
-            view: view.clone(),
+            view: Arc::clone(&view),
         });
         view
     }
