@@ -57,7 +57,7 @@ fn big_box() -> Reading {
         reading.devices.insert(
             device.clone(),
             DeviceMemory {
-                kind: "nvml",
+                kind: DeviceClass::Nvml,
                 total_bytes: 80 << 30,
                 used_bytes: 61 << 30,
             },

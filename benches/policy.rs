@@ -24,7 +24,10 @@ use std::time::{Duration, Instant};
 use criterion::Criterion;
 use vramguard::config::PolicySource;
 use vramguard::policy::{LiveLoad, Params, PolicyHandle, PolicySettings, PoolLoadNow, StateView};
-use vramguard::snapshot::{Decision, DeviceState, Estimate, HostState, PoolState, ProcessState, RequestInfo, Snapshot};
+use vramguard::snapshot::{
+    BreakerState, Decision, DeviceClass, DeviceState, Estimate, HostState, PoolState, ProcessState, ProviderKind,
+    RequestInfo, Snapshot,
+};
 
 const GIB: u64 = 1 << 30;
 const MIB: u64 = 1 << 20;
@@ -42,7 +45,7 @@ fn params() -> Params {
 
 fn snapshot() -> Snapshot {
     let device = |used: u64, reserved: u64, active: u64| DeviceState {
-        kind: "nvml".into(),
+        kind: DeviceClass::Nvml,
         total_bytes: 80 * GIB,
         used_bytes: used,
         free_bytes: 80 * GIB - used,
@@ -50,10 +53,10 @@ fn snapshot() -> Snapshot {
         active_bytes: active,
         headroom_bytes: 80 * GIB - used + reserved - active,
     };
-    let pool = |provider: &str, device: &str, breaker: &str, queue: u64, delay: u64| PoolState {
-        provider: provider.into(),
+    let pool = |provider: ProviderKind, device: &str, breaker: BreakerState, queue: u64, delay: u64| PoolState {
+        provider,
         device: device.into(),
-        breaker: breaker.into(),
+        breaker,
         queue_depth: queue,
         queue_oldest_age_ms: queue * 40,
         inflight: 1,
@@ -69,9 +72,18 @@ fn snapshot() -> Snapshot {
             ("gpu1".into(), device(40 * GIB, 2 * GIB, GIB)),
         ]),
         pools: BTreeMap::from([
-            ("gpu".into(), pool("cuda", "gpu0", "closed", 1, 120)),
-            ("gpu-b".into(), pool("cuda", "gpu1", "closed", 0, 80)),
-            ("cpu".into(), pool("cpu", "host", "closed", 3, 4000)),
+            (
+                "gpu".into(),
+                pool(ProviderKind::Cuda, "gpu0", BreakerState::Closed, 1, 120),
+            ),
+            (
+                "gpu-b".into(),
+                pool(ProviderKind::Cuda, "gpu1", BreakerState::Closed, 0, 80),
+            ),
+            (
+                "cpu".into(),
+                pool(ProviderKind::Cpu, "host", BreakerState::Closed, 3, 4000),
+            ),
         ]),
         host: HostState {
             mem_available_bytes: 48 * GIB,
@@ -133,7 +145,7 @@ fn rust_default(
     max_queue: u64,
 ) -> Decision {
     let cpu_can_take = |cpu: &PoolState, need: u64| {
-        cpu.breaker != "open"
+        cpu.breaker != BreakerState::Open
             && need as i128 <= state.host.mem_available_bytes as i128 - state.host.reserve_bytes as i128
             && (cpu.max_context == 0 || req.context_tokens <= cpu.max_context)
             && (req.deadline_ms == 0 || cpu.est_delay_ms <= req.deadline_ms)
@@ -144,7 +156,7 @@ fn rust_default(
         };
     };
     let need = req.estimate.context_bytes + req.estimate.workspace_bytes;
-    if pool.provider == "cpu" {
+    if pool.provider == ProviderKind::Cpu {
         return if cpu_can_take(pool, need) {
             Decision::Admit { pool: None }
         } else {
@@ -155,7 +167,7 @@ fn rust_default(
     }
     let device = &state.devices[&pool.device];
     let room = device.headroom_bytes as i128 - reserve as i128;
-    if pool.breaker != "open" {
+    if pool.breaker != BreakerState::Open {
         if need as i128 <= room && (pool.max_context == 0 || req.context_tokens <= pool.max_context) {
             return Decision::Admit { pool: None };
         }

@@ -18,6 +18,7 @@ use tokio::time::Instant;
 use crate::backend::{AllocFailureKind, BackendError};
 use crate::config::Keep;
 use crate::metrics::{DecisionLabels, KindLabels, ModelPoolLabels, Outcome, RequestLabels};
+use crate::policy::PolicyErrorKind;
 use crate::pool::{InferJob, Pool, PoolError};
 use crate::router::{self, Plan, PoolView};
 use crate::service::{ModelEntry, Service};
@@ -494,9 +495,7 @@ async fn admit(service: &Service, entry: &ModelEntry, request: &mut Request) -> 
         if let Some(error) = &evaluation.error {
             metrics
                 .policy_errors
-                .get_or_create(&KindLabels {
-                    kind: error.kind.label().into(),
-                })
+                .get_or_create(&KindLabels { kind: error.kind })
                 .inc();
             tracing::warn!(request_id = %info.id, %error, fallback = %decision, "policy failed; using the fallback decision");
         }
@@ -505,7 +504,7 @@ async fn admit(service: &Service, entry: &ModelEntry, request: &mut Request) -> 
             metrics
                 .policy_errors
                 .get_or_create(&KindLabels {
-                    kind: "bad_return".into(),
+                    kind: PolicyErrorKind::BadReturn,
                 })
                 .inc();
             tracing::warn!(request_id = %info.id, decision = %decision, reason = %why, "policy decision cannot be carried out; using the fallback");

@@ -75,14 +75,24 @@ pub struct DecisionLabels {
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct KindLabels {
     /// Kind of policy failure: `compile`, `runtime`, `limit` or `bad_return`.
-    pub kind: String,
+    pub kind: crate::policy::PolicyErrorKind,
 }
 
 /// `{result}`
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ResultLabels {
     /// `ok` or `error`.
-    pub result: String,
+    pub result: ReloadResult,
+}
+
+/// How a policy reload ended, as the `result` label.
+#[derive(Debug, Clone, Copy, Hash, PartialEq, Eq, EncodeLabelValue)]
+#[allow(non_camel_case_types)]
+pub enum ReloadResult {
+    /// The new script serves.
+    ok,
+    /// It was refused; the previous script keeps serving.
+    error,
 }
 
 /// `{path, sha256}`
@@ -259,15 +269,17 @@ impl Metrics {
             "The policy script serving now (always 1)",
             metrics.policy_info.clone(),
         );
-        for kind in ["compile", "runtime", "limit", "bad_return"] {
-            metrics
-                .policy_errors
-                .get_or_create_owned(&KindLabels { kind: kind.into() });
+        use crate::policy::PolicyErrorKind;
+        for kind in [
+            PolicyErrorKind::Compile,
+            PolicyErrorKind::Runtime,
+            PolicyErrorKind::Limit,
+            PolicyErrorKind::BadReturn,
+        ] {
+            metrics.policy_errors.get_or_create_owned(&KindLabels { kind });
         }
-        for result in ["ok", "error"] {
-            metrics
-                .policy_reloads
-                .get_or_create_owned(&ResultLabels { result: result.into() });
+        for result in [ReloadResult::ok, ReloadResult::error] {
+            metrics.policy_reloads.get_or_create_owned(&ResultLabels { result });
         }
     }
 }

@@ -29,7 +29,7 @@ pub struct Snapshot {
 #[serde(deny_unknown_fields, default)]
 pub struct DeviceState {
     /// `nvml` or `simulated`.
-    pub kind: String,
+    pub kind: DeviceClass,
     /// Capacity.
     pub total_bytes: u64,
     /// In use by every process (driver's view; for simulated devices: our arena plus pressure).
@@ -50,11 +50,11 @@ pub struct DeviceState {
 #[serde(deny_unknown_fields, default)]
 pub struct PoolState {
     /// `cpu`, `cuda` or `simulated`.
-    pub provider: String,
+    pub provider: ProviderKind,
     /// Device name (`host` for CPU pools).
     pub device: String,
     /// `closed`, `half_open` or `open`.
-    pub breaker: String,
+    pub breaker: BreakerState,
     /// Requests waiting.
     pub queue_depth: u64,
     /// Age of the oldest waiting request.
@@ -226,12 +226,62 @@ impl fmt::Display for Action {
     }
 }
 
+/// The execution provider a pool runs on.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ProviderKind {
+    /// ONNX Runtime's CPU execution provider.
+    #[default]
+    Cpu,
+    /// ONNX Runtime's CUDA execution provider.
+    Cuda,
+    /// The CPU provider on the simulated accelerator's capped arena.
+    Simulated,
+}
+
+impl ProviderKind {
+    /// The label value: `cpu`, `cuda` or `simulated`.
+    pub fn label(self) -> &'static str {
+        match self {
+            ProviderKind::Cpu => "cpu",
+            ProviderKind::Cuda => "cuda",
+            ProviderKind::Simulated => "simulated",
+        }
+    }
+}
+
+/// Whether a pool takes work, as the policy sees it: `closed` (it does), `half_open` (trying
+/// again after failures), `open` (it does not).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum BreakerState {
+    /// Takes work.
+    #[default]
+    Closed,
+    /// Takes a trial request.
+    HalfOpen,
+    /// Takes no work.
+    Open,
+}
+
+impl BreakerState {
+    /// The label value.
+    pub fn label(self) -> &'static str {
+        match self {
+            BreakerState::Closed => "closed",
+            BreakerState::HalfOpen => "half_open",
+            BreakerState::Open => "open",
+        }
+    }
+}
+
 /// What kind of device memory a pool or reading lives on: the `kind` label of device metrics
 /// (`nvml`, `simulated`) and `host` for CPU pools.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum DeviceClass {
     /// An NVIDIA device read through NVML.
+    #[default]
     Nvml,
     /// The simulated accelerator.
     Simulated,

@@ -568,13 +568,19 @@ pub enum Provider {
 }
 
 impl Provider {
+    /// Which provider, without its options.
+    pub fn kind(&self) -> crate::snapshot::ProviderKind {
+        use crate::snapshot::ProviderKind;
+        match self {
+            Provider::Cpu => ProviderKind::Cpu,
+            Provider::Cuda(_) => ProviderKind::Cuda,
+            Provider::Simulated => ProviderKind::Simulated,
+        }
+    }
+
     /// Label value: `cpu`, `cuda` or `simulated`.
     pub fn label(&self) -> &'static str {
-        match self {
-            Provider::Cpu => "cpu",
-            Provider::Cuda(_) => "cuda",
-            Provider::Simulated => "simulated",
-        }
+        self.kind().label()
     }
 }
 

@@ -13,7 +13,7 @@ use std::collections::BTreeMap;
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct DeviceMemory {
     /// `nvml` or `simulated` (the metric label).
-    pub kind: &'static str,
+    pub kind: crate::snapshot::DeviceClass,
     /// Capacity in bytes.
     pub total_bytes: u64,
     /// Used by every process, in bytes.

@@ -61,7 +61,7 @@ impl MemorySource for NvmlSource {
             reading.devices.insert(
                 name.clone(),
                 DeviceMemory {
-                    kind: "nvml",
+                    kind: crate::snapshot::DeviceClass::Nvml,
                     total_bytes: memory.total,
                     used_bytes: memory.used,
                 },

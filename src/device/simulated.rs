@@ -128,7 +128,7 @@ impl MemorySource for SimulatedSource {
         reading.devices.insert(
             device.name.clone(),
             DeviceMemory {
-                kind: "simulated",
+                kind: crate::snapshot::DeviceClass::Simulated,
                 total_bytes: device.capacity,
                 used_bytes: used,
             },

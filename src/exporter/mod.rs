@@ -23,7 +23,7 @@ use crate::device::{DeviceProcess, MemorySource, Reading};
 use crate::metrics::{Metrics, SourceLabels};
 use crate::onnx::arena::ArenaStats;
 use crate::pool::Pool;
-use crate::snapshot::{DeviceState, HostState, PoolState, ProcessState, Snapshot};
+use crate::snapshot::{BreakerState, DeviceClass, DeviceState, HostState, PoolState, ProcessState, Snapshot};
 
 /// The service label of processes no rule matches.
 pub const UNMATCHED_SERVICE: &str = "other";
@@ -203,7 +203,7 @@ impl Sampler {
                 (
                     name.clone(),
                     DeviceState {
-                        kind: m.kind.to_string(),
+                        kind: m.kind,
                         total_bytes: m.total_bytes,
                         used_bytes: used,
                         free_bytes: m.total_bytes - used,
@@ -233,11 +233,15 @@ impl Sampler {
             pools.insert(
                 pool.name().to_string(),
                 PoolState {
-                    provider: pool.provider().label().to_string(),
+                    provider: pool.provider().kind(),
                     device: pool.config.device.clone(),
                     // No circuit breaker yet: a pool that cannot take work reads as open, one
                     // that can as closed.
-                    breaker: if pool.is_ready() { "closed" } else { "open" }.into(),
+                    breaker: if pool.is_ready() {
+                        BreakerState::Closed
+                    } else {
+                        BreakerState::Open
+                    },
                     queue_depth: load.queue_depth as u64,
                     queue_oldest_age_ms: load.oldest_age.as_millis() as u64,
                     inflight: load.inflight as u64,
@@ -313,7 +317,7 @@ impl Sampler {
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct DeviceLabels {
     device: String,
-    kind: String,
+    kind: DeviceClass,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -412,7 +416,7 @@ impl Collector for LiveCollector {
                 (
                     DeviceLabels {
                         device: name.clone(),
-                        kind: d.kind.clone(),
+                        kind: d.kind,
                     },
                     saturating_i64(field(d)),
                 )
@@ -631,7 +635,7 @@ mod tests {
             devices: BTreeMap::from([(
                 "gpu0".to_string(),
                 DeviceMemory {
-                    kind: "nvml",
+                    kind: DeviceClass::Nvml,
                     total_bytes: 24 << 30,
                     used_bytes: 20 << 30,
                 },
@@ -716,7 +720,7 @@ mod tests {
             devices: BTreeMap::from([(
                 "gpu0".to_string(),
                 DeviceMemory {
-                    kind: "nvml",
+                    kind: DeviceClass::Nvml,
                     total_bytes: 1000,
                     used_bytes: 1200,
                 },

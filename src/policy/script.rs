@@ -61,6 +61,12 @@ impl PolicyErrorKind {
     }
 }
 
+impl prometheus_client::encoding::EncodeLabelValue for PolicyErrorKind {
+    fn encode(&self, encoder: &mut prometheus_client::encoding::LabelValueEncoder<'_>) -> fmt::Result {
+        fmt::Write::write_str(encoder, self.label())
+    }
+}
+
 impl fmt::Display for PolicyErrorKind {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.label())

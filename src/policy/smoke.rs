@@ -117,7 +117,10 @@ pub fn configured_snapshot(config: &Config) -> Snapshot {
             };
             let (used, reserved, active) = (total / 2, total / 4, total / 8);
             let state = DeviceState {
-                kind: d.kind.label().into(),
+                kind: match d.kind {
+                    DeviceKind::Simulated { .. } => crate::snapshot::DeviceClass::Simulated,
+                    DeviceKind::Nvidia { .. } => crate::snapshot::DeviceClass::Nvml,
+                },
                 total_bytes: total,
                 used_bytes: used,
                 free_bytes: total - used,
@@ -133,9 +136,9 @@ pub fn configured_snapshot(config: &Config) -> Snapshot {
         .iter()
         .map(|p| {
             let state = PoolState {
-                provider: p.provider.label().into(),
+                provider: p.provider.kind(),
                 device: p.device.clone(),
-                breaker: "closed".into(),
+                breaker: crate::snapshot::BreakerState::Closed,
                 concurrency: p.workers as u64,
                 ..PoolState::default()
             };

@@ -10,7 +10,10 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use super::*;
 use crate::config::PolicySource;
 use crate::exit::EXIT_CONFIG;
-use crate::snapshot::{Decision, DeviceState, Estimate, HostState, PoolState, ProcessState, RequestInfo, Snapshot};
+use crate::snapshot::{
+    BreakerState, Decision, DeviceClass, DeviceState, Estimate, HostState, PoolState, ProcessState, ProviderKind,
+    RequestInfo, Snapshot,
+};
 
 const FALLBACK: &str = "policy fallback";
 
@@ -56,7 +59,7 @@ fn snapshot() -> Snapshot {
         devices: BTreeMap::from([(
             "gpu0".to_string(),
             DeviceState {
-                kind: "simulated".into(),
+                kind: DeviceClass::Simulated,
                 total_bytes: 512,
                 used_bytes: 300,
                 free_bytes: 212,
@@ -69,9 +72,9 @@ fn snapshot() -> Snapshot {
             (
                 "gpu".to_string(),
                 PoolState {
-                    provider: "simulated".into(),
+                    provider: ProviderKind::Simulated,
                     device: "gpu0".into(),
-                    breaker: "closed".into(),
+                    breaker: BreakerState::Closed,
                     queue_depth: 3,
                     queue_oldest_age_ms: 40,
                     inflight: 1,
@@ -84,9 +87,9 @@ fn snapshot() -> Snapshot {
             (
                 "cpu".to_string(),
                 PoolState {
-                    provider: "cpu".into(),
+                    provider: ProviderKind::Cpu,
                     device: "host".into(),
-                    breaker: "open".into(),
+                    breaker: BreakerState::Open,
                     ..PoolState::default()
                 },
             ),
@@ -822,17 +825,12 @@ fn smoke_inputs_come_from_the_config_without_onnx_runtime() {
 
     let snapshot = smoke::configured_snapshot(&config);
     let gpu0 = &snapshot.devices["gpu0"];
-    assert_eq!((gpu0.kind.as_str(), gpu0.total_bytes), ("simulated", 512 << 20));
+    assert_eq!((gpu0.kind, gpu0.total_bytes), (DeviceClass::Simulated, 512 << 20));
     assert_eq!(gpu0.used_bytes + gpu0.free_bytes, gpu0.total_bytes);
     let gpu = &snapshot.pools["gpu"];
     assert_eq!(
-        (
-            gpu.provider.as_str(),
-            gpu.device.as_str(),
-            gpu.breaker.as_str(),
-            gpu.concurrency
-        ),
-        ("simulated", "gpu0", "closed", 1)
+        (gpu.provider, gpu.device.as_str(), gpu.breaker, gpu.concurrency),
+        (ProviderKind::Simulated, "gpu0", BreakerState::Closed, 1)
     );
     assert_eq!(snapshot.host.reserve_bytes, config.host_reserve);
 }

@@ -367,7 +367,7 @@ fn json(value: &serde_json::Value) -> Dynamic {
 
 fn device(d: &DeviceState) -> Dynamic {
     record([
-        ("kind", string(&d.kind)),
+        ("kind", string(d.kind.label())),
         ("total_bytes", int(d.total_bytes)),
         ("used_bytes", int(d.used_bytes)),
         ("free_bytes", int(d.free_bytes)),
@@ -379,9 +379,9 @@ fn device(d: &DeviceState) -> Dynamic {
 
 fn pool(p: &PoolState) -> Dynamic {
     record([
-        ("provider", string(&p.provider)),
+        ("provider", string(p.provider.label())),
         ("device", string(&p.device)),
-        ("breaker", string(&p.breaker)),
+        ("breaker", string(p.breaker.label())),
         ("queue_depth", int(p.queue_depth)),
         ("queue_oldest_age_ms", int(p.queue_oldest_age_ms)),
         ("inflight", int(p.inflight)),

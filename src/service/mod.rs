@@ -18,7 +18,7 @@ use crate::device::MemorySource;
 use crate::device::simulated::{SimulatedDevice, SimulatedSource};
 use crate::estimate::{MemoryProfile, ProfileSource};
 use crate::exporter::{LiveCollector, Sampler, SnapshotStore};
-use crate::metrics::{Metrics, PolicyInfoLabels, ResultLabels};
+use crate::metrics::{Metrics, PolicyInfoLabels, ReloadResult, ResultLabels};
 use crate::onnx::{ModelSignature, RuntimeError};
 use crate::policy::{PolicyHandle, PolicySettings, StateView};
 use crate::pool::{Pool, PoolContext, Respawn};
@@ -323,10 +323,14 @@ impl Service {
     /// Reload the policy (admin endpoint, file watcher) and account for it in the metrics.
     pub fn reload_policy(&self) -> Result<crate::policy::PolicyStatus, String> {
         let result = self.policy.reload();
-        let label = if result.is_ok() { "ok" } else { "error" };
+        let label = if result.is_ok() {
+            ReloadResult::ok
+        } else {
+            ReloadResult::error
+        };
         self.metrics
             .policy_reloads
-            .get_or_create(&ResultLabels { result: label.into() })
+            .get_or_create(&ResultLabels { result: label })
             .inc();
         match result {
             Ok(_) => {
