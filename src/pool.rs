@@ -142,6 +142,9 @@ struct QueueState {
     jobs: VecDeque<Queued>,
     closed: bool,
     inflight: usize,
+    /// Backends no one is running: a worker thread takes one with each queued job, and a caller
+    /// that finds the queue empty may take one to run its job on its own thread.
+    idle: Vec<Box<dyn Backend>>,
 }
 
 /// A snapshot of a pool's load.
@@ -174,8 +177,8 @@ pub struct Pool {
     /// What kind of device it runs on.
     pub device_kind: DeviceClass,
     availability: RwLock<Availability>,
-    /// Workers still running; when the last one is lost the pool becomes unavailable.
-    live_workers: AtomicUsize,
+    /// Backends still usable; when the last one is lost the pool becomes unavailable.
+    live_backends: AtomicUsize,
     respawn: Option<Respawn>,
     /// Set by the sampler: the next finished run refreshes the arena statistics.
     stats_wanted: AtomicBool,
@@ -213,15 +216,23 @@ impl Pool {
         context: PoolContext,
     ) -> Arc<Pool> {
         let mut pool = Self::new(config, device_kind, Availability::Ready, context);
-        pool.live_workers = AtomicUsize::new(backends.len());
+        pool.live_backends = AtomicUsize::new(backends.len());
         pool.respawn = respawn;
+        let mut backends = backends;
+        for backend in &mut backends {
+            // Statistics before the first run show what loading the weights reserved.
+            backend.refresh_arena_stats();
+            pool.publish_stats(backend.as_ref());
+        }
+        let workers = backends.len();
+        pool.lock().idle = backends;
         let pool = Arc::new(pool);
         let mut handles = Vec::new();
-        for (i, backend) in backends.into_iter().enumerate() {
+        for i in 0..workers {
             let worker_pool = Arc::clone(&pool);
             let handle = std::thread::Builder::new()
                 .name(format!("{}-worker-{i}", pool.config.name))
-                .spawn(move || worker_pool.work(backend))
+                .spawn(move || worker_pool.work())
                 .expect("spawning a worker thread");
             handles.push(handle);
         }
@@ -249,7 +260,7 @@ impl Pool {
             config,
             device_kind,
             availability: RwLock::new(availability),
-            live_workers: AtomicUsize::new(0),
+            live_backends: AtomicUsize::new(0),
             respawn: None,
             stats_wanted: AtomicBool::new(true),
             largest_estimate: AtomicU64::new(0),
@@ -433,12 +444,16 @@ impl Pool {
         self.join_until(Instant::now() + grace)
     }
 
-    fn next_job(&self) -> Option<Queued> {
+    /// The next queued job and an idle backend to run it on, waiting for both.
+    fn next_job(&self) -> Option<(Queued, Box<dyn Backend>)> {
         let mut state = self.lock();
         loop {
-            if let Some(job) = state.jobs.pop_front() {
+            if !state.jobs.is_empty()
+                && let Some(backend) = state.idle.pop()
+            {
+                let job = state.jobs.pop_front().expect("checked non-empty");
                 state.inflight += 1;
-                return Some(job);
+                return Some((job, backend));
             }
             if state.closed {
                 return None;
@@ -447,10 +462,8 @@ impl Pool {
         }
     }
 
-    fn work(&self, mut backend: Box<dyn Backend>) {
-        backend.refresh_arena_stats();
-        self.publish_stats(backend.as_ref());
-        while let Some(Queued { job, enqueued, reply }) = self.next_job() {
+    fn work(&self) {
+        while let Some((Queued { job, enqueued, reply }, mut backend)) = self.next_job() {
             let waited = self.context.clock.now().saturating_duration_since(enqueued);
             self.context.metrics.queue_wait.observe(waited.as_secs_f64());
             let result = if reply.is_closed() {
@@ -467,39 +480,59 @@ impl Pool {
                     pool: self.name().to_string(),
                 }))
             } else {
-                let (result, replacement) = self.run_one(&mut backend, job);
-                if let Some(replacement) = replacement {
-                    match replacement {
-                        Ok(fresh) => backend = fresh,
-                        Err(reason) => {
-                            self.lock().inflight -= 1;
-                            let _ = reply.send(result.map_err(PoolError::from));
-                            self.lose_worker(reason);
-                            return;
-                        }
+                let (result, kept) = self.run_one(backend, job);
+                backend = match kept {
+                    Some(backend) => backend,
+                    None => {
+                        self.finish(None);
+                        let _ = reply.send(result);
+                        continue;
                     }
-                }
-                Some(result.map_err(PoolError::from))
+                };
+                Some(result)
             };
-            self.lock().inflight -= 1;
+            self.finish(Some(backend));
             if let Some(result) = result {
                 let _ = reply.send(result);
             }
         }
     }
 
+    /// A run is over: its backend (unless it was lost) is idle again, and a worker is woken if
+    /// work is waiting for it.
+    fn finish(&self, backend: Option<Box<dyn Backend>>) {
+        let mut state = self.lock();
+        state.inflight -= 1;
+        let waiting = !state.jobs.is_empty();
+        if let Some(backend) = backend {
+            state.idle.push(backend);
+        }
+        drop(state);
+        if waiting {
+            self.wake.notify_one();
+        }
+    }
+
+    /// Take an idle backend to run a job on the calling thread, when nothing is queued ahead of
+    /// it: a request that finds the pool idle then costs no thread hand-off either way (the
+    /// caller must be allowed to block; see [`Checkout::run`]).
+    pub fn checkout(&self) -> Option<Checkout<'_>> {
+        let mut state = self.lock();
+        if state.closed || !state.jobs.is_empty() || !matches!(self.availability(), Availability::Ready) {
+            return None;
+        }
+        let backend = state.idle.pop()?;
+        state.inflight += 1;
+        Some(Checkout {
+            pool: self,
+            backend: Some(backend),
+        })
+    }
+
     /// Run one job. A panicking backend is caught here: the request gets
-    /// [`BackendError::Panicked`] and the worker a fresh backend (second value), since the
-    /// old one may hold half-updated state.
-    #[allow(clippy::type_complexity)]
-    fn run_one(
-        &self,
-        backend: &mut Box<dyn Backend>,
-        job: InferJob,
-    ) -> (
-        Result<Vec<Tensor>, BackendError>,
-        Option<Result<Box<dyn Backend>, String>>,
-    ) {
+    /// [`BackendError::Panicked`] and the backend is replaced by a fresh one, since the old one
+    /// may hold half-updated state; `None` comes back when no replacement could be built.
+    fn run_one(&self, mut backend: Box<dyn Backend>, job: InferJob) -> (JobResult, Option<Box<dyn Backend>>) {
         let started = Instant::now();
         let before = backend.arena_stats();
         let estimate = job.estimate_bytes.unwrap_or(0);
@@ -509,12 +542,20 @@ impl Pool {
             Ok(result) => result,
             Err(panic) => {
                 let message = panic_message(panic.as_ref());
-                tracing::error!(request_id = %job.request_id, pool = self.name(), model = %job.model, panic = %message, "the backend panicked; replacing this worker's backend");
+                tracing::error!(request_id = %job.request_id, pool = self.name(), model = %job.model, panic = %message, "the backend panicked; replacing it");
+                drop(backend);
                 let replacement = match &self.respawn {
                     Some(respawn) => respawn(),
                     None => Err("this pool cannot rebuild a backend".into()),
                 };
-                return (Err(BackendError::Panicked(message)), Some(replacement));
+                let kept = match replacement {
+                    Ok(fresh) => Some(fresh),
+                    Err(reason) => {
+                        self.lose_backend(reason);
+                        None
+                    }
+                };
+                return (Err(PoolError::Backend(BackendError::Panicked(message))), kept);
             }
         };
         // Statistics cost a C API call: read them when the sampler asked, after a failure, or
@@ -540,7 +581,7 @@ impl Pool {
         if let Err(e) = &result {
             tracing::warn!(request_id = %job.request_id, pool = self.name(), model = %job.model, error = %e, "inference failed");
         }
-        (result, None)
+        (result.map_err(PoolError::from), Some(backend))
     }
 
     fn publish_stats(&self, backend: &dyn Backend) {
@@ -549,14 +590,14 @@ impl Pool {
         }
     }
 
-    /// A worker could not get a new backend and stops. The last one to stop makes the pool
-    /// unavailable and answers what is still queued, so nothing waits for a worker that is gone.
-    fn lose_worker(&self, reason: String) {
-        tracing::error!(pool = self.name(), %reason, "a worker stopped: no backend");
-        if self.live_workers.fetch_sub(1, Ordering::SeqCst) > 1 {
+    /// A backend could not be replaced. When the last one is gone the pool becomes unavailable
+    /// and answers what is still queued, so nothing waits for a backend that will not come.
+    fn lose_backend(&self, reason: String) {
+        tracing::error!(pool = self.name(), %reason, "a backend is lost: it panicked and could not be rebuilt");
+        if self.live_backends.fetch_sub(1, Ordering::SeqCst) > 1 {
             return;
         }
-        let reason = format!("every worker lost its backend: {reason}");
+        let reason = format!("every backend is lost: {reason}");
         *self.availability.write().unwrap_or_else(PoisonError::into_inner) = Availability::Unavailable(reason.clone());
         let drained: Vec<Queued> = self.lock().jobs.drain(..).collect();
         for queued in drained {
@@ -572,6 +613,36 @@ impl Pool {
         let old = self.mean_run_us.load(Ordering::Relaxed);
         let new = if old == 0 { sample } else { (old * 7 + sample) / 8 };
         self.mean_run_us.store(new, Ordering::Relaxed);
+    }
+}
+
+/// An idle backend taken by a caller to run one job on its own thread ([`Pool::checkout`]).
+pub struct Checkout<'a> {
+    pool: &'a Pool,
+    backend: Option<Box<dyn Backend>>,
+}
+
+impl std::fmt::Debug for Checkout<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Checkout").field("pool", &self.pool.name()).finish()
+    }
+}
+
+impl Checkout<'_> {
+    /// Run `job` now, on this thread (blocking: from async code, inside
+    /// `tokio::task::block_in_place`). It counts as a run with no queue wait.
+    pub fn run(mut self, job: InferJob) -> JobResult {
+        self.pool.context.metrics.queue_wait.observe(0.0);
+        let backend = self.backend.take().expect("a checkout runs once");
+        let (result, kept) = self.pool.run_one(backend, job);
+        self.backend = kept;
+        result
+    }
+}
+
+impl Drop for Checkout<'_> {
+    fn drop(&mut self) {
+        self.pool.finish(self.backend.take());
     }
 }
 
