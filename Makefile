@@ -80,7 +80,10 @@ bench-tools:
 		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends wrk >/dev/null; }
 	@wrk --version 2>&1 | head -1
 
-bench: deps bench-tools release
+# `cargo bench` builds the release binary the overhead bench spawns (CARGO_BIN_EXE_vramguard);
+# a `cargo build --release` first would build it a second time, since the benches' dev-dependencies
+# change the features of shared crates (tokio, serde, …).
+bench: deps bench-tools
 	$(CARGO) bench
 
 clean-deps:
