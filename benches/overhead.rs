@@ -14,6 +14,7 @@
 //! Only the bundled model and ONNX Runtime session functions of the library are used here
 //! (`in_process`); the server is driven through its command line and HTTP API alone.
 
+use std::collections::BTreeMap;
 use std::fs::File;
 use std::io::{Read, Write};
 use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream};
@@ -207,6 +208,7 @@ impl Server {
             policy_eval: Histogram::parse(&text, "vramguard_policy_eval_duration_seconds"),
             request: Histogram::parse(&text, "vramguard_request_duration_seconds"),
             queue_wait: Histogram::parse(&text, "vramguard_queue_wait_seconds"),
+            threads: thread_cpu(self.child.id()),
         }
     }
 }
@@ -434,6 +436,8 @@ struct ServerView {
     policy_eval: Histogram,
     request: Histogram,
     queue_wait: Histogram,
+    /// CPU seconds by thread name, from /proc (empty where there is none).
+    threads: BTreeMap<String, f64>,
 }
 
 impl ServerView {
@@ -442,8 +446,52 @@ impl ServerView {
             policy_eval: self.policy_eval.since(&earlier.policy_eval),
             request: self.request.since(&earlier.request),
             queue_wait: self.queue_wait.since(&earlier.queue_wait),
+            threads: self
+                .threads
+                .iter()
+                .map(|(name, cpu)| (name.clone(), cpu - earlier.threads.get(name).unwrap_or(&0.0)))
+                .collect(),
         }
     }
+}
+
+/// Linux reports CPU times in /proc in units of USER_HZ, 100 per second on every architecture.
+const USER_HZ: f64 = 100.0;
+
+/// CPU seconds from a /proc `stat` file: the user field numbered as in proc(5) plus the system
+/// field after it (14 for the task's own, 16 for its waited-for children's). `None` without /proc.
+fn cpu_seconds(stat: &Path, user_field: usize) -> Option<f64> {
+    let text = std::fs::read_to_string(stat).ok()?;
+    // The command name (field 2) is parenthesised and may hold spaces; field 3 follows it.
+    let fields: Vec<&str> = text.rsplit_once(')')?.1.split_whitespace().collect();
+    let ticks = |n: usize| fields.get(n - 3)?.parse::<i64>().ok();
+    Some((ticks(user_field)? + ticks(user_field + 1)?) as f64 / USER_HZ)
+}
+
+/// CPU seconds of the server's threads by name without its number (`cpu-worker-0` and
+/// `cpu-worker-1` count as `cpu-worker`), so the reader sees where the server's time goes.
+fn thread_cpu(pid: u32) -> BTreeMap<String, f64> {
+    let mut by_name = BTreeMap::new();
+    for task in std::fs::read_dir(format!("/proc/{pid}/task"))
+        .into_iter()
+        .flatten()
+        .flatten()
+    {
+        let (Ok(comm), Some(cpu)) = (
+            std::fs::read_to_string(task.path().join("comm")),
+            cpu_seconds(&task.path().join("stat"), 14),
+        ) else {
+            continue;
+        };
+        let name = comm.trim().trim_end_matches(|c: char| c.is_ascii_digit() || c == '-');
+        *by_name.entry(name.to_string()).or_insert(0.0) += cpu;
+    }
+    by_name
+}
+
+/// CPU seconds of this process's finished children: wrk's, once `wrk` has waited for it.
+fn children_cpu() -> Option<f64> {
+    cpu_seconds(Path::new("/proc/self/stat"), 16)
 }
 
 fn us(d: Duration) -> f64 {
@@ -482,6 +530,11 @@ fn main() {
     };
     let version = String::from_utf8_lossy(&version.stdout);
     let version = version.split_whitespace().nth(1).unwrap_or("?").to_string();
+    // Other work on the machine skews every figure here; the table says how busy it was.
+    let load = std::fs::read_to_string("/proc/loadavg")
+        .ok()
+        .and_then(|l| l.split_whitespace().next().map(str::to_string))
+        .unwrap_or_else(|| "?".into());
 
     let local = in_process(seconds, Duration::ZERO);
     let idle = in_process(seconds.min(2.0), Duration::from_micros(200));
@@ -529,15 +582,20 @@ fn main() {
     let url = format!("http://{}{INFER_PATH}", server.addr);
     // Warm-up: connection, worker thread, allocator and policy caches.
     wrk(&url, &script, 1, 1);
-    let start = server.scrape();
+    let (start, wrk_cpu_start) = (server.scrape(), children_cpu());
     let single = wrk(&url, &script, 1, wrk_seconds);
-    let after_single = server.scrape();
+    let (after_single, wrk_cpu_single) = (server.scrape(), children_cpu());
     let saturated = wrk(&url, &script, SATURATING_CONNECTIONS, wrk_seconds);
-    let after_saturated = server.scrape();
+    let (after_saturated, wrk_cpu_saturated) = (server.scrape(), children_cpu());
     let pid = server.child.id();
     drop(server);
     let single_view = after_single.since(&start);
     let saturated_view = after_saturated.since(&after_single);
+    let wrk_cpu = |before: Option<f64>, after: Option<f64>| Some(after? - before?);
+    let phases = [
+        ("-c1", &single_view, wrk_cpu(wrk_cpu_start, wrk_cpu_single)),
+        ("saturated", &saturated_view, wrk_cpu(wrk_cpu_single, wrk_cpu_saturated)),
+    ];
 
     println!();
     println!(
@@ -549,6 +607,10 @@ fn main() {
         env!("CARGO_BIN_EXE_vramguard")
     );
     println!("client: wrk {version}, 1 thread, a separate process");
+    println!(
+        "machine: {} cores, load average {load} when the bench started",
+        std::thread::available_parallelism().map_or(0, |n| n.get())
+    );
     println!();
     println!("  {:<40} {:>12} {:>12} {:>11}", "", "median", "p99", "throughput");
     row("in-process ONNX Runtime", &local);
@@ -587,11 +649,25 @@ fn main() {
         "  policy eval mean, saturated                    {:>8.2} µs",
         saturated_view.policy_eval.mean() * 1e6
     );
-    for (label, view) in [("-c1", &single_view), ("saturated", &saturated_view)] {
+    for (label, view, _) in &phases {
         println!(
             "  server request duration mean, {label:<10}       {:>8.1} µs   (queue wait mean {:.1} µs)",
             view.request.mean() * 1e6,
             view.queue_wait.mean() * 1e6
         );
+    }
+    // Where the CPU goes, per request: the server's threads by name, and wrk's.
+    for (label, view, wrk_cpu) in &phases {
+        let per_request = |cpu: f64| cpu / view.request.count * 1e6;
+        let mut parts: Vec<String> = view
+            .threads
+            .iter()
+            .filter(|(_, cpu)| **cpu > 0.0)
+            .map(|(name, cpu)| format!("{name} {:.0}", per_request(*cpu)))
+            .collect();
+        if let Some(cpu) = wrk_cpu {
+            parts.push(format!("wrk {:.0}", per_request(*cpu)));
+        }
+        println!("  CPU µs per request, {label:<10} {}", parts.join(", "));
     }
 }
