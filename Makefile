@@ -14,7 +14,7 @@ SUDO        := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 APT_STAMP   := .deps/.apt-updated
 PYCLIENTS   := .deps/pyclients/.installed
 
-.PHONY: run test deps tools build release check-fmt clippy unit policy-tests client-compat alert-tests bench clean-deps
+.PHONY: run test deps tools build release check-fmt clippy unit policy-tests client-compat alert-tests bench bench-tools clean-deps
 
 run: deps release
 	./target/release/vramguard serve $(ARGS)
@@ -71,7 +71,19 @@ alert-tests:
 	promtool check rules alerts/*.rules.yaml
 	promtool test rules alerts/tests/*.yaml
 
-bench: deps
+# The overhead bench drives the real `vramguard serve` from a separate process, as users' clients
+# do: wrk (Debian package `wrk`) is that load generator. Not part of `make test`.
+bench-tools:
+	@command -v wrk >/dev/null || { \
+		mkdir -p .deps; \
+		[ -f $(APT_STAMP) ] || { $(SUDO) apt-get update -qq && touch $(APT_STAMP); }; \
+		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends wrk >/dev/null; }
+	@wrk --version 2>&1 | head -1
+
+# `cargo bench` builds the release binary the overhead bench spawns (CARGO_BIN_EXE_vramguard);
+# a `cargo build --release` first would build it a second time, since the benches' dev-dependencies
+# change the features of shared crates (tokio, serde, …).
+bench: deps bench-tools
 	$(CARGO) bench
 
 clean-deps:
