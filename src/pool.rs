@@ -1,6 +1,11 @@
-//! Worker pools: a bounded queue in front of dedicated worker threads, each owning an inference
-//! [`Backend`] (ONNX Runtime sessions in production, a fake in tests). Inference never runs on the
-//! async runtime; callers await a oneshot reply.
+//! Worker pools: a bounded queue in front of dedicated worker threads and a set of inference
+//! [`Backend`]s (ONNX Runtime sessions in production, fakes in tests), one per worker.
+//!
+//! A queued job is taken by a worker thread together with an idle backend, and its caller awaits
+//! a oneshot reply. A caller that finds the queue empty and a backend idle may instead
+//! [`Pool::checkout`] that backend and run its job on its own thread, saving the two thread
+//! hand-offs; async callers do that only inside `block_in_place`, so inference never blocks
+//! the async runtime's other tasks.
 
 use std::collections::VecDeque;
 use std::panic::AssertUnwindSafe;

@@ -1,4 +1,4 @@
-//! Plain data shared by the exporter and the policy engine: one [`Snapshot`] of memory and load
+//! Plain data shared by the exporter and the policy: one [`Snapshot`] of memory and load
 //! (what `/metrics` exports and what a policy script sees as `state`), a [`RequestInfo`] (the
 //! script's `req`) and the [`Decision`] a policy returns. No behaviour lives here.
 

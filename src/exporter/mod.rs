@@ -1,6 +1,6 @@
 //! The exporter: one background sampler asks every memory source for a reading, attributes
 //! processes to services, adds the pools' state, and publishes one [`Snapshot`] that `/metrics`,
-//! `/status` and the policy engine all read. A scrape never waits on a driver call: it encodes
+//! `/status` and the policy all read. A scrape never waits on a driver call: it encodes
 //! the latest snapshot plus the pools' live queues through [`LiveCollector`].
 
 pub mod standalone;

@@ -200,7 +200,7 @@ impl Script {
 
     /// Decide for one request against a snapshot, converting the snapshot for this call only.
     /// On the request path prefer [`Script::decide_view`] with a [`StateView`] built once per
-    /// snapshot (or [`crate::policy::PolicyHandle::decide`], which caches it).
+    /// snapshot (the server's `Service::policy_view` keeps one per sample).
     pub fn decide(&self, req: &RequestInfo, state: &Snapshot) -> Evaluation {
         let started = Instant::now();
         let view = StateView::new(state);

@@ -216,8 +216,9 @@ impl IntoIterator for List {
 /// The script's `state` without `params`, built once per [`Snapshot`] and reused for every
 /// request evaluated against that snapshot (cloning it is a few reference-count increments).
 ///
-/// Build a new one whenever the snapshot changes; [`crate::policy::PolicyHandle::decide`] does
-/// that for you, keyed on the `Arc<Snapshot>` it is given.
+/// Build a new one whenever the snapshot changes (the server's `Service::policy_view` keeps one
+/// per sample, keyed on the sample's generation); with [`StateView::with_live_load`] its pools
+/// stay current between samples.
 #[derive(Debug, Clone)]
 pub struct StateView {
     /// The `state` map, complete but for `params`, which belongs to the [`Script`](super::Script).

@@ -191,7 +191,7 @@ pub struct Service {
     sampler: Mutex<Option<Sampler>>,
     /// The admission policy.
     pub policy: Arc<PolicyHandle>,
-    /// The policy's cached view of the latest sample and the pools' live load.
+    /// The policy's view of the latest sample (its pools read their load live).
     policy_state: Mutex<Option<PolicyState>>,
     /// Time source shared with the pools.
     pub clock: Arc<dyn Clock>,
