@@ -386,23 +386,6 @@ async fn run(service: &Service, mut request: Request) -> Result<Served, Refused>
         ),
     };
     let fail = |error: PoolError| refuse(Some(&pool), RequestError::from_pool(&pool, error));
-    // An idle pool runs the request right here: handing it to a worker thread and the result
-    // back costs two thread wake-ups (~35 µs each on a small VM), a large part of what the
-    // server adds to a run. Only where blocking is allowed (a multi-threaded runtime, whose
-    // other tasks move to another thread meanwhile) and only without a deadline, which a run
-    // on this thread could not stop waiting for.
-    if request.deadline.is_none()
-        && can_block_in_place()
-        && let Some(checkout) = pool.checkout()
-    {
-        let outputs = tokio::task::block_in_place(|| checkout.run(job)).map_err(fail)?;
-        return Ok(Served {
-            pool: Arc::clone(&pool),
-            action: admitted.action,
-            context: admitted.context,
-            outputs,
-        });
-    }
     let reply = pool.submit(job).map_err(fail)?;
     let reply = match request.deadline {
         Some(deadline) => match tokio::time::timeout_at(deadline, reply).await {
@@ -425,12 +408,6 @@ async fn run(service: &Service, mut request: Request) -> Result<Served, Refused>
         context: admitted.context,
         outputs,
     })
-}
-
-/// `block_in_place` is allowed only on a multi-threaded runtime (it panics elsewhere).
-fn can_block_in_place() -> bool {
-    tokio::runtime::Handle::try_current()
-        .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread)
 }
 
 /// Where the policy sent a request.

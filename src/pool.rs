@@ -1,11 +1,7 @@
 //! Worker pools: a bounded queue in front of dedicated worker threads and a set of inference
-//! [`Backend`]s (ONNX Runtime sessions in production, fakes in tests), one per worker.
-//!
-//! A queued job is taken by a worker thread together with an idle backend, and its caller awaits
-//! a oneshot reply. A caller that finds the queue empty and a backend idle may instead
-//! [`Pool::checkout`] that backend and run its job on its own thread, saving the two thread
-//! hand-offs; async callers do that only inside `block_in_place`, so inference never blocks
-//! the async runtime's other tasks.
+//! [`Backend`]s (ONNX Runtime sessions in production, fakes in tests), one per worker. A queued
+//! job is taken by a worker thread together with an idle backend; inference never runs on the
+//! async runtime, whose callers await a oneshot reply. A backend that panics is replaced.
 
 use std::collections::VecDeque;
 use std::panic::AssertUnwindSafe;
@@ -147,8 +143,7 @@ struct QueueState {
     jobs: VecDeque<Queued>,
     closed: bool,
     inflight: usize,
-    /// Backends no one is running: a worker thread takes one with each queued job, and a caller
-    /// that finds the queue empty may take one to run its job on its own thread.
+    /// Backends no one is running: a worker thread takes one with each queued job.
     idle: Vec<Box<dyn Backend>>,
 }
 
@@ -518,22 +513,6 @@ impl Pool {
         }
     }
 
-    /// Take an idle backend to run a job on the calling thread, when nothing is queued ahead of
-    /// it: a request that finds the pool idle then costs no thread hand-off either way (the
-    /// caller must be allowed to block; see [`Checkout::run`]).
-    pub fn checkout(&self) -> Option<Checkout<'_>> {
-        let mut state = self.lock();
-        if state.closed || !state.jobs.is_empty() || !matches!(self.availability(), Availability::Ready) {
-            return None;
-        }
-        let backend = state.idle.pop()?;
-        state.inflight += 1;
-        Some(Checkout {
-            pool: self,
-            backend: Some(backend),
-        })
-    }
-
     /// Run one job. A panicking backend is caught here: the request gets
     /// [`BackendError::Panicked`] and the backend is replaced by a fresh one, since the old one
     /// may hold half-updated state; `None` comes back when no replacement could be built.
@@ -618,36 +597,6 @@ impl Pool {
         let old = self.mean_run_us.load(Ordering::Relaxed);
         let new = if old == 0 { sample } else { (old * 7 + sample) / 8 };
         self.mean_run_us.store(new, Ordering::Relaxed);
-    }
-}
-
-/// An idle backend taken by a caller to run one job on its own thread ([`Pool::checkout`]).
-pub struct Checkout<'a> {
-    pool: &'a Pool,
-    backend: Option<Box<dyn Backend>>,
-}
-
-impl std::fmt::Debug for Checkout<'_> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Checkout").field("pool", &self.pool.name()).finish()
-    }
-}
-
-impl Checkout<'_> {
-    /// Run `job` now, on this thread (blocking: from async code, inside
-    /// `tokio::task::block_in_place`). It counts as a run with no queue wait.
-    pub fn run(mut self, job: InferJob) -> JobResult {
-        self.pool.context.metrics.queue_wait.observe(0.0);
-        let backend = self.backend.take().expect("a checkout runs once");
-        let (result, kept) = self.pool.run_one(backend, job);
-        self.backend = kept;
-        result
-    }
-}
-
-impl Drop for Checkout<'_> {
-    fn drop(&mut self) {
-        self.pool.finish(self.backend.take());
     }
 }
 

@@ -27,7 +27,6 @@ const WAIT_FOR_GATE: f32 = -2.0;
 /// Echoes its input as `pooled`; panics or waits for the gate when the first value says so.
 struct FakeBackend {
     gate: Arc<Mutex<mpsc::Receiver<()>>>,
-    threads: Arc<Mutex<Vec<String>>>,
 }
 
 impl Backend for FakeBackend {
@@ -37,8 +36,6 @@ impl Backend for FakeBackend {
             TensorData::Fp32(v) => v.first().copied().unwrap_or(0.0),
             _ => 0.0,
         };
-        let thread = std::thread::current().name().unwrap_or("unnamed").to_string();
-        self.threads.lock().unwrap().push(thread);
         if first == PANIC {
             panic!("the fake backend was told to panic");
         }
@@ -59,8 +56,6 @@ impl Backend for FakeBackend {
 /// Builds fake backends; counts how many, and refuses pools named in `broken`.
 struct FakeFactory {
     built: AtomicUsize,
-    /// The name of the thread each run happened on.
-    threads: Arc<Mutex<Vec<String>>>,
     broken: Vec<String>,
     gate: Arc<Mutex<mpsc::Receiver<()>>>,
 }
@@ -100,7 +95,6 @@ impl BackendFactory for FakeFactory {
         self.built.fetch_add(1, Ordering::SeqCst);
         Ok(Box::new(FakeBackend {
             gate: Arc::clone(&self.gate),
-            threads: Arc::clone(&self.threads),
         }))
     }
 }
@@ -154,7 +148,6 @@ fn harness(policy: &str, broken: &[&str], gpu_queue: &str) -> Harness {
     let (release, gate) = mpsc::channel();
     let factory = Arc::new(FakeFactory {
         built: AtomicUsize::new(0),
-        threads: Arc::default(),
         broken: broken.iter().map(|s| s.to_string()).collect(),
         gate: Arc::new(Mutex::new(gate)),
     });
@@ -462,60 +455,4 @@ async fn unknown_models_are_404_and_not_counted() {
     assert_eq!(r.error.status(), StatusCode::NOT_FOUND);
     assert!(r.error.to_string().contains("models: encoder"), "{}", r.error);
     assert!(!vramguard::metrics::encode(&h.service.registry).contains("model=\"nope\""));
-}
-
-/// On the server's multi-threaded runtime an idle pool runs a request on the caller's thread
-/// (no hand-off to a worker and back); a request with a deadline, or one that finds the
-/// backend busy, goes through the queue to the pool's worker thread.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_idle_pool_runs_the_request_on_the_callers_thread() {
-    let h = simple("fn decide(req, state) { admit() }");
-    served(&h, request(4, 0.5)).await;
-    let mut with_deadline = request(4, 0.5);
-    with_deadline.deadline = Some(Instant::now() + Duration::from_secs(60));
-    served(&h, with_deadline).await;
-    let threads = h.factory.threads.lock().unwrap().clone();
-    assert_eq!(threads.len(), 2);
-    assert_ne!(threads[0], "gpu-worker-0", "ran inline: {threads:?}");
-    assert_eq!(threads[1], "gpu-worker-0", "went through the queue: {threads:?}");
-
-    // While a caller holds the only backend, the next request queues for the worker.
-    let blocker = tokio::spawn({
-        let service = Arc::clone(&h.service);
-        async move { lifecycle::infer(&service, request(4, WAIT_FOR_GATE)).await.is_ok() }
-    });
-    while h.service.pool("gpu").unwrap().load().inflight == 0 {
-        tokio::time::sleep(Duration::from_millis(1)).await;
-    }
-    let queued = tokio::spawn({
-        let service = Arc::clone(&h.service);
-        async move {
-            lifecycle::infer(&service, request(4, 0.5))
-                .await
-                .map(|s| s.pool.name().to_string())
-        }
-    });
-    while h.service.pool("gpu").unwrap().load().queue_depth == 0 {
-        tokio::time::sleep(Duration::from_millis(1)).await;
-    }
-    h.release.send(()).unwrap();
-    assert!(blocker.await.unwrap());
-    assert_eq!(queued.await.unwrap().unwrap(), "gpu");
-    let threads = h.factory.threads.lock().unwrap().clone();
-    assert_eq!(threads.last().map(String::as_str), Some("gpu-worker-0"), "{threads:?}");
-    let load = h.service.pool("gpu").unwrap().load();
-    assert_eq!((load.inflight, load.queue_depth), (0, 0));
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_backend_that_panics_on_the_callers_thread_is_replaced_too() {
-    let h = simple("fn decide(req, state) { admit() }");
-    let built = h.factory.built.load(Ordering::SeqCst);
-    let r = refused(&h, request(4, PANIC)).await;
-    assert_eq!(r.error, RequestError::Failed { pool: "gpu".into() });
-    assert_eq!(served(&h, request(4, 0.5)).await.pool.name(), "gpu");
-    assert_eq!(h.factory.built.load(Ordering::SeqCst), built + 1);
-    let threads = h.factory.threads.lock().unwrap().clone();
-    assert!(threads.iter().all(|t| t != "gpu-worker-0"), "{threads:?}");
-    assert_eq!(h.service.pool("gpu").unwrap().load().inflight, 0);
 }
