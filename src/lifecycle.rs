@@ -361,12 +361,7 @@ async fn run(service: &Service, mut request: Request) -> Result<Served, Refused>
             None,
             RequestError::UnknownModel {
                 model: request.model.clone(),
-                known: service
-                    .models
-                    .iter()
-                    .map(|m| m.config.name.as_str())
-                    .collect::<Vec<_>>()
-                    .join(", "),
+                known: service.model_names(),
             },
         )
     })?;

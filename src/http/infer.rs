@@ -89,12 +89,7 @@ pub fn decode(body: &[u8], header_len: Option<usize>, signature: &ModelSignature
         let index = signature.inputs.iter().position(|s| &s.name == name).ok_or_else(|| {
             format!(
                 "unknown input `{name}`; the model's inputs are: {}",
-                signature
-                    .inputs
-                    .iter()
-                    .map(|s| s.name.as_str())
-                    .collect::<Vec<_>>()
-                    .join(", ")
+                signature.input_names()
             )
         })?;
         if inputs[index].is_some() {

@@ -271,11 +271,11 @@ fn check_version(version: &str) -> Result<(), ApiError> {
 }
 
 fn unknown_model(state: &AppState, model: &str) -> ApiError {
-    let names: Vec<&str> = state.service.models.iter().map(|m| m.config.name.as_str()).collect();
-    ApiError::new(
-        StatusCode::NOT_FOUND,
-        format!("unknown model `{model}`; models: {}", names.join(", ")),
-    )
+    let error = RequestError::UnknownModel {
+        model: model.to_string(),
+        known: state.service.model_names(),
+    };
+    ApiError::new(error.status(), error.to_string())
 }
 
 async fn model_metadata(
@@ -411,12 +411,7 @@ fn decode(
 ) -> Result<(lifecycle::Request, infer::DecodedRequest), RequestError> {
     let entry = service.model(model).ok_or_else(|| RequestError::UnknownModel {
         model: model.to_string(),
-        known: service
-            .models
-            .iter()
-            .map(|m| m.config.name.as_str())
-            .collect::<Vec<_>>()
-            .join(", "),
+        known: service.model_names(),
     })?;
     let body = body.map_err(|rejection| {
         if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {

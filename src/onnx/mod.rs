@@ -255,6 +255,17 @@ pub struct ModelSignature {
     pub outputs: Vec<TensorSpec>,
 }
 
+impl ModelSignature {
+    /// The input names, comma-separated, for messages that list what exists.
+    pub fn input_names(&self) -> String {
+        self.inputs
+            .iter()
+            .map(|s| s.name.as_str())
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+}
+
 fn datatype_of(t: TensorElementType) -> Option<DataType> {
     Some(match t {
         TensorElementType::Bool => DataType::Bool,

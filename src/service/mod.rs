@@ -375,6 +375,15 @@ impl Service {
         self.models.iter().find(|m| m.config.name == name)
     }
 
+    /// The model names, comma-separated, for messages that list what exists.
+    pub fn model_names(&self) -> String {
+        self.models
+            .iter()
+            .map(|m| m.config.name.as_str())
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+
     /// Look a pool up by name.
     pub fn pool(&self, name: &str) -> Option<&Arc<Pool>> {
         self.pools.iter().find(|p| p.name() == name)
@@ -462,12 +471,7 @@ fn load_models(backends: &dyn BackendFactory, config: &Config) -> Result<Vec<Mod
                         "model `{}` has no input `{}`; its inputs are: {}",
                         m.name,
                         ctx.input,
-                        signature
-                            .inputs
-                            .iter()
-                            .map(|s| s.name.as_str())
-                            .collect::<Vec<_>>()
-                            .join(", ")
+                        signature.input_names()
                     ),
                 )
             })?;
