@@ -100,6 +100,8 @@ fn main() {
             max_wait: Duration::from_secs(30),
             arena_shrinkage: false,
             max_context: None,
+            breaker: vramguard::breaker::BreakerConfig::default(),
+            fallback: None,
         };
         let context = PoolContext {
             metrics: metrics.pool_metrics(&name, &device),

@@ -237,6 +237,7 @@ impl LiveLoad for SampledLoad {
             inflight: p.inflight,
             alloc_failures_recent: p.alloc_failures_recent,
             est_delay_ms: p.est_delay_ms,
+            breaker: p.breaker,
         })
     }
 }

@@ -8,9 +8,11 @@
 #![warn(missing_docs)]
 
 pub mod backend;
+pub mod breaker;
 pub mod cli;
 pub mod clock;
 pub mod config;
+pub mod degraded;
 pub mod device;
 pub mod estimate;
 pub mod exit;

@@ -17,12 +17,14 @@ use tokio::time::Instant;
 
 use crate::backend::{AllocFailureKind, BackendError};
 use crate::config::Keep;
-use crate::metrics::{DecisionLabels, KindLabels, ModelPoolLabels, Outcome, RequestLabels};
+use crate::metrics::{
+    DecisionLabels, FailoverReason, KindLabels, ModelPoolLabels, Outcome, RequestLabels, RetryLabels, RetryResult,
+};
 use crate::policy::PolicyErrorKind;
 use crate::pool::{InferJob, Pool, PoolError};
 use crate::router::{self, Plan, PoolView};
 use crate::service::{ModelEntry, Service};
-use crate::snapshot::{Action, DeviceClass, Estimate, RequestInfo};
+use crate::snapshot::{Action, DeviceClass, Estimate, ProviderKind, RequestInfo};
 use crate::tensor::Tensor;
 
 /// A decoded inference request, whatever protocol it came in by.
@@ -55,8 +57,31 @@ pub struct Served {
     pub action: Action,
     /// `(from, to)` context tokens when it was shrunk.
     pub context: Option<(u64, u64)>,
+    /// Set when it ran here as the one retry after an allocator failure on its first pool.
+    pub retried: Option<FailoverReason>,
     /// The outputs asked for.
     pub outputs: Vec<Tensor>,
+}
+
+/// Why a request that hit an allocator failure was not retried on the fallback pool.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum NotRetried {
+    /// The client sent `x-vramguard-replayable: false`.
+    NotReplayable,
+    /// The fallback pool could not take it; the reason says why.
+    NoFallback(String),
+}
+
+impl std::fmt::Display for NotRetried {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            NotRetried::NotReplayable => f.write_str(
+                "it was not retried because it is not replayable (x-vramguard-replayable: false); \
+                 nothing of it ran to completion, so sending it again is safe",
+            ),
+            NotRetried::NoFallback(why) => write!(f, "it was not retried: {why}"),
+        }
+    }
 }
 
 /// A request that did not run, with the pool that refused or failed it when one was chosen.
@@ -147,6 +172,16 @@ pub enum RequestError {
         /// The pool.
         pool: String,
     },
+    /// The pool's circuit breaker is open.
+    #[error("pool `{pool}` is not taking work: its circuit breaker is open after {why}")]
+    BreakerOpen {
+        /// The pool.
+        pool: String,
+        /// Why it opened.
+        why: String,
+        /// Its cooldown.
+        retry_after: Duration,
+    },
     /// The pool could not start or lost every worker.
     #[error("pool `{pool}` is unavailable: {reason}")]
     Unavailable {
@@ -160,8 +195,9 @@ pub enum RequestError {
     Deadline(DeadlineMiss),
     /// The accelerator's allocator could not fit the run.
     #[error(
-        "allocator failure ({kind}) on pool `{pool}`, device `{device}`{}: the request does not fit in accelerator memory; {message}",
-        if *simulated { " (simulated)" } else { "" }
+        "allocator failure ({kind}) on pool `{pool}`, device `{device}`{}: the request does not fit in accelerator memory; {message}{}",
+        if *simulated { " (simulated)" } else { "" },
+        not_retried.as_ref().map(|n| format!("; {n}")).unwrap_or_default()
     )]
     Allocation {
         /// `oom` or `driver`.
@@ -176,6 +212,8 @@ pub enum RequestError {
         message: String,
         /// The pool's delay estimate.
         retry_after: Duration,
+        /// Why it was not retried on the fallback pool, when one is configured.
+        not_retried: Option<NotRetried>,
     },
     /// The run failed on the server's side; the log has the details.
     #[error("inference failed on pool `{pool}`; the server log has the details")]
@@ -222,6 +260,7 @@ impl RequestError {
             | RequestError::QueueTimeout { .. }
             | RequestError::ShuttingDown { .. }
             | RequestError::Unavailable { .. }
+            | RequestError::BreakerOpen { .. }
             | RequestError::Allocation { .. } => StatusCode::SERVICE_UNAVAILABLE,
         }
     }
@@ -240,6 +279,7 @@ impl RequestError {
             | RequestError::QueueFull { .. }
             | RequestError::ShuttingDown { .. }
             | RequestError::Unavailable { .. }
+            | RequestError::BreakerOpen { .. }
             | RequestError::Allocation { .. } => Outcome::rejected,
         }
     }
@@ -254,6 +294,7 @@ impl RequestError {
             | RequestError::DeferredTooLong { retry_after, .. }
             | RequestError::QueueFull { retry_after, .. }
             | RequestError::QueueTimeout { retry_after, .. }
+            | RequestError::BreakerOpen { retry_after, .. }
             | RequestError::Allocation { retry_after, .. } => *retry_after,
             RequestError::UnknownModel { .. }
             | RequestError::BadInput(_)
@@ -281,6 +322,11 @@ impl RequestError {
             },
             PoolError::ShuttingDown { .. } => RequestError::ShuttingDown { pool: name },
             PoolError::Unavailable { reason, .. } => RequestError::Unavailable { pool: name, reason },
+            PoolError::BreakerOpen { why, .. } => RequestError::BreakerOpen {
+                pool: name,
+                why,
+                retry_after: pool.config.breaker.cooldown,
+            },
             PoolError::DeadlineExceeded { .. } => RequestError::Deadline(DeadlineMiss::InPool),
             // Counted by the pool's worker (vramguard_allocator_failures_total), not here.
             PoolError::Backend(BackendError::Allocation { kind, message }) => RequestError::Allocation {
@@ -290,6 +336,7 @@ impl RequestError {
                 simulated: pool.device_kind == DeviceClass::Simulated,
                 message: crate::onnx::concise(&message),
                 retry_after,
+                not_retried: None,
             },
             PoolError::Backend(BackendError::InvalidInput(message)) => {
                 RequestError::BadInput(crate::onnx::concise(&message))
@@ -367,41 +414,163 @@ async fn run(service: &Service, mut request: Request) -> Result<Served, Refused>
     })?;
     let admitted = admit(service, entry, &mut request).await?;
     let pool = admitted.pool;
+    let estimate_bytes = admitted
+        .estimate
+        .context_bytes
+        .saturating_add(admitted.estimate.workspace_bytes);
+    // A replayable request on an accelerator pool with a fallback may be retried once after an
+    // allocator failure: keep a copy of its inputs for that (ONNX Runtime consumes the first).
+    let fallback = pool
+        .config
+        .fallback
+        .as_deref()
+        .filter(|_| is_accelerator(&pool))
+        .and_then(|name| service.pool(name))
+        .cloned();
+    let spare = (fallback.is_some() && request.replayable).then(|| request.inputs.clone());
+    let inputs = std::mem::take(&mut request.inputs);
+    let first = run_on(&pool, &request, inputs, estimate_bytes).await;
+    let error = match first {
+        Ok(outputs) => {
+            return Ok(Served {
+                pool,
+                action: admitted.action,
+                context: admitted.context,
+                retried: None,
+                outputs,
+            });
+        }
+        Err(error) => error,
+    };
+    let kind = match &error {
+        PoolError::Backend(BackendError::Allocation { kind, .. }) => *kind,
+        _ => return Err(refuse(Some(&pool), RequestError::from_pool(&pool, error))),
+    };
+    let Some(fallback) = fallback else {
+        return Err(refuse(Some(&pool), RequestError::from_pool(&pool, error)));
+    };
+    let retries = |result: RetryResult| {
+        service
+            .metrics
+            .retries
+            .get_or_create(&RetryLabels {
+                pool: pool.name().to_string(),
+                result,
+            })
+            .inc();
+    };
+    let Some(inputs) = spare else {
+        // Never replayed behind the client's back: it gets a resumable error with its id.
+        retries(RetryResult::not_replayable);
+        let mut refused = RequestError::from_pool(&pool, error);
+        if let RequestError::Allocation { not_retried, .. } = &mut refused {
+            *not_retried = Some(NotRetried::NotReplayable);
+        }
+        return Err(refuse(Some(&pool), refused));
+    };
+    if let Err(why) = can_take_retry(service, &fallback, admitted.estimate.total_bytes) {
+        retries(RetryResult::no_fallback);
+        let mut refused = RequestError::from_pool(&pool, error);
+        if let RequestError::Allocation { not_retried, .. } = &mut refused {
+            *not_retried = Some(NotRetried::NoFallback(why));
+        }
+        return Err(refuse(Some(&pool), refused));
+    }
+    let reason = match kind {
+        AllocFailureKind::Oom => FailoverReason::oom_retry,
+        AllocFailureKind::Driver => FailoverReason::driver_retry,
+    };
+    service.failover(&pool, &fallback, reason);
+    tracing::info!(request_id = %request.id, from = pool.name(), to = fallback.name(), reason = ?reason, "allocator failure: retrying once on the fallback pool");
+    match run_on(&fallback, &request, inputs, estimate_bytes).await {
+        Ok(outputs) => {
+            retries(RetryResult::ok);
+            Ok(Served {
+                pool: fallback,
+                action: Action::Redirect,
+                context: admitted.context,
+                retried: Some(reason),
+                outputs,
+            })
+        }
+        Err(error) => {
+            retries(RetryResult::failed);
+            Err(refuse(Some(&fallback), RequestError::from_pool(&fallback, error)))
+        }
+    }
+}
+
+/// Whether a pool runs on an accelerator (CUDA or the simulated device).
+fn is_accelerator(pool: &Pool) -> bool {
+    pool.provider().kind() != ProviderKind::Cpu
+}
+
+/// Whether the fallback pool can take a retry now: it runs, its breaker lets work through, and
+/// when it is on the host, the host keeps its reserve after the request (the CPU path must
+/// not take the machine down).
+fn can_take_retry(service: &Service, fallback: &Pool, need_bytes: u64) -> Result<(), String> {
+    if let Some(why) = fallback.unready_reason() {
+        return Err(format!("fallback pool `{}` cannot take work: {why}", fallback.name()));
+    }
+    if !fallback.breaker_allows() {
+        return Err(format!(
+            "fallback pool `{}` has its circuit breaker open",
+            fallback.name()
+        ));
+    }
+    if !is_accelerator(fallback) {
+        let host = service.store.latest().snapshot.host.clone();
+        if host.mem_total_bytes > 0 && host.mem_available_bytes.saturating_sub(need_bytes) < host.reserve_bytes {
+            return Err(format!(
+                "the host would drop below its memory reserve ({} available, {} needed, {} reserved)",
+                crate::logging::human_bytes(host.mem_available_bytes),
+                crate::logging::human_bytes(need_bytes),
+                crate::logging::human_bytes(host.reserve_bytes)
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Queue one run of `request` with `inputs` on `pool` and wait for it (or the deadline). Takes
+/// the breaker's permission first; a half-open breaker's probe is settled by its outcome.
+async fn run_on(
+    pool: &Arc<Pool>,
+    request: &Request,
+    inputs: Vec<Tensor>,
+    estimate_bytes: u64,
+) -> Result<Vec<Tensor>, PoolError> {
+    let probe = pool.breaker_permit()?;
     let job = InferJob {
         request_id: request.id.clone(),
         model: request.model.clone(),
-        inputs: std::mem::take(&mut request.inputs),
-        outputs: std::mem::take(&mut request.outputs),
+        inputs,
+        outputs: request.outputs.clone(),
         deadline: request.deadline.map(Instant::into_std),
-        estimate_bytes: Some(
-            admitted
-                .estimate
-                .context_bytes
-                .saturating_add(admitted.estimate.workspace_bytes),
-        ),
+        estimate_bytes: Some(estimate_bytes),
+        probe,
     };
-    let fail = |error: PoolError| refuse(Some(&pool), RequestError::from_pool(&pool, error));
-    let reply = pool.submit(job).map_err(fail)?;
+    let reply = pool.submit(job).inspect_err(|_| {
+        if probe {
+            pool.probe_unused();
+        }
+    })?;
     let reply = match request.deadline {
         Some(deadline) => match tokio::time::timeout_at(deadline, reply).await {
             Ok(reply) => reply,
             // The worker sees the closed reply and skips the job if it has not started.
-            Err(_) => return Err(refuse(Some(&pool), RequestError::Deadline(DeadlineMiss::InPool))),
+            Err(_) => {
+                return Err(PoolError::DeadlineExceeded {
+                    pool: pool.name().to_string(),
+                });
+            }
         },
         None => reply.await,
     };
-    let outputs = reply
-        .unwrap_or_else(|_| {
-            Err(PoolError::ShuttingDown {
-                pool: pool.name().to_string(),
-            })
+    reply.unwrap_or_else(|_| {
+        Err(PoolError::ShuttingDown {
+            pool: pool.name().to_string(),
         })
-        .map_err(fail)?;
-    Ok(Served {
-        pool,
-        action: admitted.action,
-        context: admitted.context,
-        outputs,
     })
 }
 
@@ -417,8 +586,24 @@ struct Admitted {
 /// The router's choice: the first ready pool serving the model (config order). The policy may
 /// move the request elsewhere.
 fn routed_pool(service: &Service, model: &str) -> Result<Arc<Pool>, RequestError> {
-    if let Some(pool) = service.pools.iter().find(|p| p.serves(model) && p.is_ready()) {
+    let mut skipped: Option<&Arc<Pool>> = None;
+    for pool in service.pools.iter().filter(|p| p.serves(model) && p.is_ready()) {
+        if !pool.breaker_allows() {
+            // Its breaker is open: the next pool takes new work, and says where it came from.
+            skipped.get_or_insert(pool);
+            continue;
+        }
+        if let Some(from) = skipped {
+            service.failover(from, pool, FailoverReason::breaker_open);
+        }
         return Ok(Arc::clone(pool));
+    }
+    if let Some(pool) = skipped {
+        return Err(RequestError::BreakerOpen {
+            pool: pool.name().to_string(),
+            why: pool.breaker_tripped().unwrap_or_default(),
+            retry_after: pool.config.breaker.cooldown,
+        });
     }
     let reasons: Vec<String> = service
         .pools
@@ -476,7 +661,14 @@ async fn admit(service: &Service, entry: &ModelEntry, request: &mut Request) -> 
             .map(|p| PoolView {
                 name: p.name(),
                 serves: p.serves(model),
-                ready: p.unready_reason().map_or(Ok(()), Err),
+                ready: match p.unready_reason() {
+                    Some(why) => Err(why),
+                    None if !p.breaker_allows() => Err(format!(
+                        "its circuit breaker is open after {}",
+                        p.breaker_tripped().unwrap_or_default()
+                    )),
+                    None => Ok(()),
+                },
                 max_context: p.config.max_context,
             })
             .collect();
@@ -535,6 +727,9 @@ async fn admit(service: &Service, entry: &ModelEntry, request: &mut Request) -> 
         match plan {
             Plan::Run { pool, shrink_to } => {
                 let pool = service.pool(&pool).cloned().expect("plan only names existing pools");
+                if pool.name() != routed.name() && is_accelerator(&routed) {
+                    service.failover(&routed, &pool, FailoverReason::policy_redirect);
+                }
                 let mut context = None;
                 let mut estimate = info.estimate;
                 if let (Some(to), Some(axis)) = (shrink_to, &entry.config.context) {

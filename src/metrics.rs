@@ -150,6 +150,60 @@ pub struct Metrics {
     pub policy_reloads: Family<ResultLabels, Counter>,
     /// `vramguard_policy_info` (one series: the script serving now)
     pub policy_info: Family<PolicyInfoLabels, Gauge>,
+    /// `vramguard_breaker_recovery_seconds{pool}`
+    pub breaker_recovery: Family<PoolLabels, Histogram>,
+    /// `vramguard_retries_total{pool, result}`
+    pub retries: Family<RetryLabels, Counter>,
+    /// `vramguard_failovers_total{from, to, reason}`
+    pub failovers: Family<FailoverLabels, Counter>,
+}
+
+/// `{pool, result}`: a retry after an allocator failure on `pool`.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RetryLabels {
+    /// The pool whose run failed.
+    pub pool: String,
+    /// How the retry went.
+    pub result: RetryResult,
+}
+
+/// How a retry after an allocator failure went, as the `result` label.
+#[derive(Debug, Clone, Copy, Hash, PartialEq, Eq, EncodeLabelValue)]
+#[allow(non_camel_case_types)]
+pub enum RetryResult {
+    /// The retry was served.
+    ok,
+    /// The retry ran or was queued and failed too.
+    failed,
+    /// Not retried: the client marked the request non-replayable; it got a resumable 503.
+    not_replayable,
+    /// Not retried: the fallback pool could not take it (unavailable, breaker, host memory).
+    no_fallback,
+}
+
+/// `{from, to, reason}`: work moved from one pool to another.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct FailoverLabels {
+    /// The pool the request was meant for.
+    pub from: String,
+    /// The pool that took it.
+    pub to: String,
+    /// Why it moved.
+    pub reason: FailoverReason,
+}
+
+/// Why work moved to another pool, as the `reason` label.
+#[derive(Debug, Clone, Copy, Hash, PartialEq, Eq, EncodeLabelValue)]
+#[allow(non_camel_case_types)]
+pub enum FailoverReason {
+    /// Retried after an out-of-memory allocator failure.
+    oom_retry,
+    /// Retried after a driver-class failure.
+    driver_retry,
+    /// The first pool's circuit breaker was open.
+    breaker_open,
+    /// The policy redirected it before it ran.
+    policy_redirect,
 }
 
 fn latency_histogram() -> Histogram {
@@ -192,6 +246,12 @@ impl Metrics {
             policy_errors: Family::default(),
             policy_reloads: Family::default(),
             policy_info: Family::default(),
+            breaker_recovery: Family::new_with_constructor(|| {
+                // 1 s .. ~17 min: a restore takes seconds, a cooldown tens of seconds.
+                Histogram::new(exponential_buckets(1.0, 2.0, 11))
+            }),
+            retries: Family::default(),
+            failovers: Family::default(),
         };
         metrics
             .build_info
@@ -269,6 +329,22 @@ impl Metrics {
             "The policy script serving now (always 1)",
             metrics.policy_info.clone(),
         );
+        registry.register_with_unit(
+            "breaker_recovery",
+            "Time from a pool's circuit breaker opening to closing again",
+            Unit::Seconds,
+            metrics.breaker_recovery.clone(),
+        );
+        registry.register(
+            "retries",
+            "Retries after an allocator failure, by the failing pool and how the retry went",
+            metrics.retries.clone(),
+        );
+        registry.register(
+            "failovers",
+            "Requests moved from one pool to another, by reason",
+            metrics.failovers.clone(),
+        );
         use crate::policy::PolicyErrorKind;
         for kind in [
             PolicyErrorKind::Compile,
@@ -295,6 +371,9 @@ impl Metrics {
             })
         };
         crate::pool::PoolMetrics {
+            breaker_recovery: self
+                .breaker_recovery
+                .get_or_create_owned(&PoolLabels { pool: pool.to_string() }),
             queue_wait: self
                 .queue_wait
                 .get_or_create_owned(&PoolLabels { pool: pool.to_string() }),

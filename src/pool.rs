@@ -16,9 +16,10 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::histogram::Histogram;
 
 use crate::backend::{AllocFailureKind, ArenaStats, Backend, BackendError};
+use crate::breaker::{Breaker, Permit};
 use crate::clock::{Clock, SystemClock};
 use crate::config::{PoolConfig, Provider};
-use crate::snapshot::DeviceClass;
+use crate::snapshot::{BreakerState, DeviceClass};
 use crate::tensor::Tensor;
 
 /// How far back `alloc_failures_recent` looks.
@@ -33,6 +34,8 @@ pub struct PoolMetrics {
     pub oom_failures: Counter,
     /// `vramguard_allocator_failures_total{pool, device, kind="driver"}`
     pub driver_failures: Counter,
+    /// `vramguard_breaker_recovery_seconds{pool}`: from the breaker opening to closing again.
+    pub breaker_recovery: Histogram,
 }
 
 impl PoolMetrics {
@@ -42,6 +45,7 @@ impl PoolMetrics {
             queue_wait: Histogram::new([0.001, 0.01, 0.1, 1.0, 10.0]),
             oom_failures: Counter::default(),
             driver_failures: Counter::default(),
+            breaker_recovery: Histogram::new([1.0, 10.0, 60.0, 600.0]),
         }
     }
 }
@@ -83,6 +87,8 @@ pub struct InferJob {
     /// The admission estimate of the run's working memory (context + workspace), checked
     /// against what the arena actually needed.
     pub estimate_bytes: Option<u64>,
+    /// The breaker's half-open probe: its outcome closes or re-opens the breaker.
+    pub probe: bool,
 }
 
 /// Why a job produced no outputs.
@@ -115,6 +121,14 @@ pub enum PoolError {
     ShuttingDown {
         /// Pool name.
         pool: String,
+    },
+    /// The pool's circuit breaker is open (or its one probe is out).
+    #[error("pool `{pool}` is not taking work: its circuit breaker is open after {why}")]
+    BreakerOpen {
+        /// Pool name.
+        pool: String,
+        /// Why it opened.
+        why: String,
     },
     /// The pool could not be started (e.g. no CUDA provider); the reason says why.
     #[error("pool `{pool}` is unavailable: {reason}")]
@@ -193,6 +207,7 @@ pub struct Pool {
     /// Exponentially weighted mean run time in microseconds, for the delay estimate.
     mean_run_us: AtomicU64,
     workers: Mutex<Vec<JoinHandle<()>>>,
+    breaker: Mutex<Breaker>,
 }
 
 impl std::fmt::Debug for Pool {
@@ -256,6 +271,7 @@ impl Pool {
     }
 
     fn new(config: PoolConfig, device_kind: DeviceClass, availability: Availability, context: PoolContext) -> Pool {
+        let breaker = Mutex::new(Breaker::new(config.breaker));
         Pool {
             config,
             device_kind,
@@ -270,6 +286,7 @@ impl Pool {
             recent_failures: Mutex::new(VecDeque::new()),
             context,
             mean_run_us: AtomicU64::new(0),
+            breaker,
             workers: Mutex::new(Vec::new()),
         }
     }
@@ -295,6 +312,11 @@ impl Pool {
             *self.availability.read().unwrap_or_else(PoisonError::into_inner),
             Availability::Ready
         ) && !self.lock().closed
+    }
+
+    /// True once shutdown has started.
+    pub fn is_shutting_down(&self) -> bool {
+        self.lock().closed
     }
 
     /// Why it cannot take work now, or `None` when it can.
@@ -370,6 +392,107 @@ impl Pool {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .push_back(now);
+        let mut breaker = self.breaker();
+        if breaker.failure(kind, now) {
+            let why = breaker.tripped().map(|w| w.to_string()).unwrap_or_default();
+            tracing::warn!(pool = self.name(), %why, cooldown_s = self.config.breaker.cooldown.as_secs(), "circuit breaker opened: new work goes to other pools");
+        }
+    }
+
+    fn breaker(&self) -> std::sync::MutexGuard<'_, Breaker> {
+        self.breaker.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The circuit breaker's state now.
+    pub fn breaker_state(&self) -> BreakerState {
+        self.breaker().state(self.context.clock.now())
+    }
+
+    /// Why the breaker is not closed, when it is not.
+    pub fn breaker_tripped(&self) -> Option<String> {
+        let mut breaker = self.breaker();
+        breaker.state(self.context.clock.now());
+        breaker.tripped().map(|w| w.to_string())
+    }
+
+    /// Whether the breaker would let a request through now (without taking the probe).
+    pub fn breaker_allows(&self) -> bool {
+        self.breaker().would_permit(self.context.clock.now())
+    }
+
+    /// Take the breaker's permission for one request: `Ok(true)` when it is the half-open
+    /// probe (mark the job so its outcome settles the breaker).
+    pub fn breaker_permit(&self) -> Result<bool, PoolError> {
+        let mut breaker = self.breaker();
+        match breaker.permit(self.context.clock.now()) {
+            Permit::Run => Ok(false),
+            Permit::Probe => Ok(true),
+            Permit::Denied => Err(PoolError::BreakerOpen {
+                pool: self.name().to_string(),
+                why: breaker.tripped().map(|w| w.to_string()).unwrap_or_default(),
+            }),
+        }
+    }
+
+    /// Rebuild the pool's backends (an operator's restore after a driver reset): the breaker
+    /// opens, every idle backend is replaced by a fresh one from the factory (one still running
+    /// finishes its run and is kept), a pool that had lost its backends becomes ready again,
+    /// and the next request is the breaker's probe. Blocking: run it off the async runtime.
+    /// Returns how many backends were built.
+    pub fn restore(&self) -> Result<usize, String> {
+        let respawn = self
+            .respawn
+            .clone()
+            .ok_or_else(|| format!("pool `{}` cannot rebuild its backends", self.name()))?;
+        self.breaker().force_open(self.context.clock.now());
+        let mut fresh = Vec::with_capacity(self.config.workers);
+        for _ in 0..self.config.workers {
+            match respawn() {
+                Ok(mut backend) => {
+                    backend.refresh_arena_stats();
+                    fresh.push(backend);
+                }
+                Err(reason) => {
+                    tracing::error!(pool = self.name(), %reason, "restore failed: the breaker stays open");
+                    return Err(reason);
+                }
+            }
+        }
+        let old = {
+            let mut state = self.lock();
+            fresh.truncate(self.config.workers.saturating_sub(state.inflight));
+            self.live_backends.store(fresh.len() + state.inflight, Ordering::SeqCst);
+            std::mem::replace(&mut state.idle, fresh)
+        };
+        drop(old);
+        *self.availability.write().unwrap_or_else(PoisonError::into_inner) = Availability::Ready;
+        self.breaker().restored();
+        self.wake.notify_all();
+        let built = self.lock().idle.len();
+        tracing::info!(
+            pool = self.name(),
+            built,
+            "pool restored: the next request is the breaker's probe"
+        );
+        Ok(built)
+    }
+
+    /// A probe that will not run after all (it was refused before reaching the queue).
+    pub fn probe_unused(&self) {
+        self.breaker().probe_unused();
+    }
+
+    /// A run finished without an allocator failure: a half-open breaker closes.
+    fn record_success(&self) {
+        let recovered = self.breaker().success(self.context.clock.now());
+        if let Some(took) = recovered {
+            self.context.metrics.breaker_recovery.observe(took.as_secs_f64());
+            tracing::info!(
+                pool = self.name(),
+                open_for_s = took.as_secs_f64(),
+                "circuit breaker closed: the probe succeeded"
+            );
+        }
     }
 
     /// Queue a job; the receiver yields its result. Refused at once when the pool is
@@ -466,19 +589,27 @@ impl Pool {
         while let Some((Queued { job, enqueued, reply }, mut backend)) = self.next_job() {
             let waited = self.context.clock.now().saturating_duration_since(enqueued);
             self.context.metrics.queue_wait.observe(waited.as_secs_f64());
-            let result = if reply.is_closed() {
+            let skip = if reply.is_closed() {
                 // The client went away while queued: do not spend the device on it.
                 tracing::debug!(request_id = %job.request_id, pool = self.name(), "client gone before start; skipped");
-                None
+                Some(None)
             } else if waited > self.config.max_wait {
-                Some(Err(PoolError::QueueTimeout {
+                Some(Some(Err(PoolError::QueueTimeout {
                     pool: self.name().to_string(),
                     waited,
-                }))
+                })))
             } else if job.deadline.is_some_and(|d| self.context.clock.now() >= d) {
-                Some(Err(PoolError::DeadlineExceeded {
+                Some(Some(Err(PoolError::DeadlineExceeded {
                     pool: self.name().to_string(),
-                }))
+                })))
+            } else {
+                None
+            };
+            let result = if let Some(skipped) = skip {
+                if job.probe {
+                    self.probe_unused();
+                }
+                skipped
             } else {
                 let (result, kept) = self.run_one(backend, job);
                 backend = match kept {
@@ -520,6 +651,7 @@ impl Pool {
         let started = Instant::now();
         let before = backend.arena_stats();
         let estimate = job.estimate_bytes.unwrap_or(0);
+        let job_probe = job.probe;
         let run = std::panic::catch_unwind(AssertUnwindSafe(|| backend.run(&job.model, job.inputs, &job.outputs)));
         self.record_run(started.elapsed());
         let result = match run {
@@ -559,8 +691,13 @@ impl Pool {
                 );
             }
         }
-        if let Err(BackendError::Allocation { kind, .. }) = &result {
-            self.record_failure(*kind);
+        match &result {
+            Err(BackendError::Allocation { kind, .. }) => self.record_failure(*kind),
+            Ok(_) => self.record_success(),
+            // Not the device's fault (bad input, a model error): the breaker does not move,
+            // but a probe that ended this way hands the turn on.
+            Err(_) if job_probe => self.probe_unused(),
+            Err(_) => {}
         }
         if let Err(e) = &result {
             tracing::warn!(request_id = %job.request_id, pool = self.name(), model = %job.model, error = %e, "inference failed");
@@ -673,6 +810,8 @@ mod tests {
             max_wait: Duration::from_secs(60),
             arena_shrinkage: false,
             max_context: None,
+            breaker: crate::breaker::BreakerConfig::default(),
+            fallback: None,
         }
     }
 
@@ -688,6 +827,7 @@ mod tests {
             outputs: vec![],
             deadline: None,
             estimate_bytes: None,
+            probe: false,
         }
     }
 

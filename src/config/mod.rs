@@ -294,6 +294,36 @@ pub struct RawPool {
     /// Arena behaviour.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub memory: Option<RawPoolMemory>,
+    /// When the circuit breaker opens and how long it stays open.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub breaker: Option<RawBreaker>,
+    /// The pool a replayable request is retried on, once, after an allocator failure here.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fallback: Option<String>,
+}
+
+/// `pools[].breaker:`
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RawBreaker {
+    /// Allocator failures within `window` that open the breaker (a driver-class failure opens
+    /// it at once).
+    pub failures: u32,
+    /// How far back failures count.
+    pub window: HumanDuration,
+    /// How long it stays open before one probe request may go through.
+    pub cooldown: HumanDuration,
+}
+
+impl Default for RawBreaker {
+    fn default() -> Self {
+        let d = crate::breaker::BreakerConfig::default();
+        Self {
+            failures: d.failures,
+            window: HumanDuration(d.window),
+            cooldown: HumanDuration(d.cooldown),
+        }
+    }
 }
 
 /// `pools[].provider:` as written; [`Provider`] is the validated form with its options.
@@ -616,6 +646,10 @@ pub struct PoolConfig {
     pub arena_shrinkage: bool,
     /// Longest context in tokens the pool accepts (`None`: no limit).
     pub max_context: Option<u64>,
+    /// Its circuit breaker.
+    pub breaker: crate::breaker::BreakerConfig,
+    /// Where a replayable request goes, once, after an allocator failure here.
+    pub fallback: Option<String>,
 }
 
 /// The device name CPU pools report.
@@ -978,6 +1012,16 @@ impl RawConfig {
                     "expected at least 1 token; leave it out for no limit",
                 ));
             }
+            let raw_breaker = p.breaker.clone().unwrap_or_default();
+            if raw_breaker.failures == 0 {
+                return Err(c.err(
+                    format!("{key}.breaker.failures"),
+                    "expected at least 1 failure to open the breaker",
+                ));
+            }
+            if raw_breaker.window.get().is_zero() {
+                return Err(c.err(format!("{key}.breaker.window"), "must be longer than 0"));
+            }
             pools.push(PoolConfig {
                 name: p.name.clone(),
                 provider,
@@ -989,7 +1033,32 @@ impl RawConfig {
                 max_wait: p.queue.max_wait.get(),
                 arena_shrinkage: p.memory.as_ref().is_some_and(|m| m.arena_shrinkage),
                 max_context: p.max_context,
+                breaker: crate::breaker::BreakerConfig {
+                    failures: raw_breaker.failures,
+                    window: raw_breaker.window.get(),
+                    cooldown: raw_breaker.cooldown.get(),
+                },
+                fallback: p.fallback.clone(),
             });
+        }
+        // A fallback must be another pool that serves everything this one does, so a retry
+        // never lands where the model is missing.
+        for (i, p) in pools.iter().enumerate() {
+            let Some(name) = &p.fallback else { continue };
+            let key = format!("pools[{i}].fallback");
+            let target = pools
+                .iter()
+                .find(|q| &q.name == name)
+                .ok_or_else(|| c.err(key.clone(), format!("no pool named `{name}` in `pools`")))?;
+            if target.name == p.name {
+                return Err(c.err(key, "a pool cannot be its own fallback"));
+            }
+            if let Some(m) = p.models.iter().find(|m| !target.models.contains(m)) {
+                return Err(c.err(
+                    key,
+                    format!("pool `{name}` does not serve model `{m}`, which `{}` serves", p.name),
+                ));
+            }
         }
         for m in &models {
             if !pools.iter().any(|p| p.models.contains(&m.name)) {

@@ -2,6 +2,7 @@
 //! simulated pool in the process), external pressure held as a real allocation in that arena,
 //! and a memory source reporting both, labelled `simulated`.
 
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use ort::memory::{AllocationDevice, Allocator, AllocatorType, MemoryInfo, MemoryType};
@@ -9,10 +10,12 @@ use ort::session::Session;
 
 use super::procinfo::ProcessInspector;
 use super::{DeviceMemory, DeviceProcess, MemorySource, Reading};
+use crate::backend::{AllocFailureKind, Backend, BackendError};
 use crate::config::Provider;
 use crate::model::BuiltinModel;
 use crate::onnx::arena::{ArenaHold, ArenaStats};
 use crate::onnx::{self, OnnxRuntime, SessionOptions};
+use crate::tensor::Tensor;
 
 /// Name of the pseudo-process that stands for external pressure in process listings.
 pub const PRESSURE_PROCESS: &str = "simulated-pressure";
@@ -25,6 +28,10 @@ pub struct SimulatedDevice {
     /// Capacity in bytes (the arena's cap).
     pub capacity: u64,
     hold: Mutex<ArenaHold>,
+    /// Injected faults: the next N runs fail with an allocator failure.
+    fail_next: AtomicU64,
+    /// Injected fault: every run fails with a driver-class error until cleared (or restored).
+    driver_reset: AtomicBool,
     // Keeps the allocator's session alive; the allocator belongs to it.
     _session: Session,
 }
@@ -50,6 +57,8 @@ impl SimulatedDevice {
             name: name.to_string(),
             capacity,
             hold: Mutex::new(ArenaHold::new(allocator)),
+            fail_next: AtomicU64::new(0),
+            driver_reset: AtomicBool::new(false),
             _session: session,
         })
     }
@@ -79,6 +88,50 @@ impl SimulatedDevice {
         })
     }
 
+    /// Make the next `n` runs on this device fail with an allocator failure (0 clears).
+    pub fn fail_next(&self, n: u64) {
+        self.fail_next.store(n, Ordering::SeqCst);
+    }
+
+    /// Runs still to fail from [`SimulatedDevice::fail_next`].
+    pub fn failures_pending(&self) -> u64 {
+        self.fail_next.load(Ordering::SeqCst)
+    }
+
+    /// Simulate a driver reset: every run fails with a driver-class error until cleared.
+    pub fn set_driver_reset(&self, reset: bool) {
+        self.driver_reset.store(reset, Ordering::SeqCst);
+    }
+
+    /// Whether a simulated driver reset is in effect.
+    pub fn driver_reset(&self) -> bool {
+        self.driver_reset.load(Ordering::SeqCst)
+    }
+
+    /// The injected failure the next run gets, if any (consumes one `fail_next`).
+    fn injected_failure(&self) -> Option<BackendError> {
+        if self.driver_reset() {
+            return Some(BackendError::Allocation {
+                kind: AllocFailureKind::Driver,
+                message: format!(
+                    "simulated driver reset on device `{}` (fault injection; cleared by a restore)",
+                    self.name
+                ),
+            });
+        }
+        let took = self
+            .fail_next
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+            .is_ok();
+        took.then(|| BackendError::Allocation {
+            kind: AllocFailureKind::Oom,
+            message: format!(
+                "simulated allocator failure on device `{}` (fault injection: fail_next)",
+                self.name
+            ),
+        })
+    }
+
     /// The shared arena's statistics (pressure included).
     pub fn arena_stats(&self) -> Result<ArenaStats, String> {
         self.hold().stats()
@@ -95,6 +148,37 @@ impl SimulatedDevice {
             peak_active_bytes: stats.peak_active_bytes,
             ..stats
         })
+    }
+}
+
+/// A simulated pool's backend: runs on the capped arena, and fails when a fault is injected
+/// into its device (`POST /admin/sim/{device}` with `fail_next` or `driver_reset`).
+pub struct FaultInjecting {
+    inner: Box<dyn Backend>,
+    device: Arc<SimulatedDevice>,
+}
+
+impl FaultInjecting {
+    /// Wrap `inner`, which runs on `device`.
+    pub fn new(inner: Box<dyn Backend>, device: Arc<SimulatedDevice>) -> Self {
+        Self { inner, device }
+    }
+}
+
+impl Backend for FaultInjecting {
+    fn run(&mut self, model: &str, inputs: Vec<Tensor>, outputs: &[String]) -> Result<Vec<Tensor>, BackendError> {
+        match self.device.injected_failure() {
+            Some(error) => Err(error),
+            None => self.inner.run(model, inputs, outputs),
+        }
+    }
+
+    fn arena_stats(&self) -> Option<ArenaStats> {
+        self.inner.arena_stats()
+    }
+
+    fn refresh_arena_stats(&mut self) {
+        self.inner.refresh_arena_stats();
     }
 }
 

@@ -18,6 +18,7 @@ use prometheus_client::registry::Unit;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::{Provider, ServiceMatch, ServiceRule};
+use crate::degraded::Degraded;
 use crate::device::simulated::SimulatedDevice;
 use crate::device::{DeviceProcess, MemorySource, Reading};
 use crate::metrics::{Metrics, SourceLabels};
@@ -129,6 +130,7 @@ pub struct Sampler {
     simulated: Vec<Arc<SimulatedDevice>>,
     metrics: Arc<Metrics>,
     store: Arc<SnapshotStore>,
+    degraded: Option<Arc<Degraded>>,
 }
 
 impl std::fmt::Debug for Sampler {
@@ -156,7 +158,14 @@ impl Sampler {
             simulated: Vec::new(),
             metrics,
             store,
+            degraded: None,
         }
+    }
+
+    /// Put degraded mode into every snapshot (`state.degraded` for the policy).
+    pub fn with_degraded(mut self, degraded: Arc<Degraded>) -> Self {
+        self.degraded = Some(degraded);
+        self
     }
 
     /// Include these pools (and the simulated devices they may run on) in every snapshot.
@@ -237,8 +246,9 @@ impl Sampler {
                     device: pool.config.device.clone(),
                     // No circuit breaker yet: a pool that cannot take work reads as open, one
                     // that can as closed.
+                    // A pool that cannot take work at all reads as open, like a tripped breaker.
                     breaker: if pool.is_ready() {
-                        BreakerState::Closed
+                        pool.breaker_state()
                     } else {
                         BreakerState::Open
                     },
@@ -282,7 +292,7 @@ impl Sampler {
             pools,
             host,
             processes,
-            degraded: false,
+            degraded: self.degraded.as_ref().is_some_and(|d| d.now().is_some()),
         }
     }
 
@@ -339,12 +349,21 @@ struct PoolOnly {
     pool: String,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct NoLabels {}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ReasonLabels {
+    reason: String,
+}
+
 /// Encodes, on every scrape, the latest snapshot and the pools' live queues. Reading at scrape
 /// time means an exited process or a drained queue can never leave a stale series behind.
 pub struct LiveCollector {
     store: Arc<SnapshotStore>,
     pools: Vec<Arc<Pool>>,
     simulated: Vec<Arc<SimulatedDevice>>,
+    degraded: Option<Arc<Degraded>>,
 }
 
 impl std::fmt::Debug for LiveCollector {
@@ -360,7 +379,14 @@ impl LiveCollector {
             store,
             pools,
             simulated,
+            degraded: None,
         }
+    }
+
+    /// Also export degraded mode (`vramguard serve`; the exporter alone serves nothing).
+    pub fn with_degraded(mut self, degraded: Arc<Degraded>) -> Self {
+        self.degraded = Some(degraded);
+        self
     }
 }
 
@@ -550,6 +576,49 @@ impl Collector for LiveCollector {
             None,
             loads.iter().map(|(l, load)| (l.clone(), load.inflight as i64)),
         )?;
+        gauge_family(
+            &mut encoder,
+            "breaker_state",
+            "The pool's circuit breaker: 0 closed, 1 half-open, 2 open",
+            None,
+            self.pools.iter().map(|p| {
+                let state = match p.breaker_state() {
+                    BreakerState::Closed => 0,
+                    BreakerState::HalfOpen => 1,
+                    BreakerState::Open => 2,
+                };
+                (
+                    PoolOnly {
+                        pool: p.name().to_string(),
+                    },
+                    state,
+                )
+            }),
+        )?;
+        if let Some(degraded) = &self.degraded {
+            let now = degraded.now();
+            gauge_family(
+                &mut encoder,
+                "degraded_mode",
+                "1 while the service serves below its normal level (an accelerator pool unavailable or its breaker open, or work moved off it for memory)",
+                None,
+                std::iter::once((NoLabels {}, i64::from(now.is_some()))),
+            )?;
+            gauge_family(
+                &mut encoder,
+                "degraded_info",
+                "Why the service is degraded (always 1; absent while it is not)",
+                None,
+                now.iter().map(|n| {
+                    (
+                        ReasonLabels {
+                            reason: n.cause.label().to_string(),
+                        },
+                        1,
+                    )
+                }),
+            )?;
+        }
 
         if sample.taken_at.is_some() && snapshot.host.mem_total_bytes > 0 {
             let host = &snapshot.host;

@@ -38,6 +38,8 @@ pub const DEADLINE_HEADER: &str = "x-vramguard-deadline-ms";
 pub const PRIORITY_HEADER: &str = "x-vramguard-priority";
 /// `false` when the request must never be retried automatically once started.
 pub const REPLAYABLE_HEADER: &str = "x-vramguard-replayable";
+/// Why the service is degraded, on every response while it is.
+pub const DEGRADED_HEADER: &str = "x-vramguard-degraded";
 /// `FROM->TO` tokens when the context was shrunk.
 pub const CONTEXT_HEADER: &str = "x-vramguard-context";
 /// Binary extension header: length of the JSON part.
@@ -86,6 +88,8 @@ pub struct ApiError {
     status: StatusCode,
     message: String,
     retry_after: Option<u64>,
+    /// Fields beside `error` (the request id and reason of a resumable failure).
+    extra: Map<String, Value>,
 }
 
 impl ApiError {
@@ -94,6 +98,7 @@ impl ApiError {
             status,
             message: message.into(),
             retry_after: None,
+            extra: Map::new(),
         }
     }
 
@@ -105,7 +110,9 @@ impl ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        let mut response = (self.status, Json(json!({ "error": self.message }))).into_response();
+        let mut body = self.extra;
+        body.insert("error".into(), Value::String(self.message));
+        let mut response = (self.status, Json(Value::Object(body))).into_response();
         if let Some(s) = self.retry_after {
             response.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(s));
         }
@@ -132,6 +139,7 @@ pub fn app(state: Arc<AppState>) -> Router {
         .route("/status", get(status))
         .route("/admin/sim/{device}", post(admin_sim))
         .route("/admin/policy/reload", post(admin_policy_reload))
+        .route("/admin/pools/{pool}/restore", post(admin_pool_restore))
         .route("/metrics", get(metrics))
         .fallback(|| async { ApiError::new(StatusCode::NOT_FOUND, "no such endpoint") })
         .layer(DefaultBodyLimit::max(body_limit))
@@ -389,12 +397,15 @@ async fn infer(
         Ok(decoded) => decoded,
         Err(error) => {
             let refused = lifecycle::reject(service, &model, error, received);
-            return with_request_id(refused_response(refused), &id);
+            return with_request_id(refused_response(refused, &id, None), &id);
         }
     };
-    let response = match lifecycle::infer(service, request).await {
-        Ok(served) => served_response(&model, &id, &served, &decoded),
-        Err(refused) => refused_response(refused),
+    let result = lifecycle::infer(service, request).await;
+    // Degraded mode as it is when the answer goes out, on every response served meanwhile.
+    let degraded = service.degraded.now();
+    let response = match result {
+        Ok(served) => served_response(&model, &id, &served, &decoded, degraded.as_ref()),
+        Err(refused) => refused_response(refused, &id, degraded.as_ref()),
     };
     with_request_id(response, &id)
 }
@@ -458,9 +469,21 @@ fn header_value<T: std::str::FromStr>(
     }
 }
 
-fn served_response(model: &str, id: &str, served: &lifecycle::Served, decoded: &infer::DecodedRequest) -> Response {
+fn served_response(
+    model: &str,
+    id: &str,
+    served: &lifecycle::Served,
+    decoded: &infer::DecodedRequest,
+    degraded: Option<&crate::degraded::Now>,
+) -> Response {
     let pool = &served.pool;
     let mut parameters = Map::new();
+    if let Some(reason) = served.retried {
+        parameters.insert("reason".into(), json!(format!("{reason:?}")));
+    }
+    if let Some(degraded) = degraded {
+        parameters.insert("degraded".into(), json!(degraded.reason));
+    }
     parameters.insert("pool".into(), json!(pool.name()));
     parameters.insert("provider".into(), json!(pool.provider().label()));
     parameters.insert("device".into(), json!(pool.config.device));
@@ -481,6 +504,9 @@ fn served_response(model: &str, id: &str, served: &lifecycle::Served, decoded: &
     if let Ok(v) = HeaderValue::from_str(pool.name()) {
         headers.insert(HeaderName::from_static(POOL_HEADER), v);
     }
+    if let Some(v) = degraded.and_then(|d| HeaderValue::from_str(&d.reason).ok()) {
+        headers.insert(HeaderName::from_static(DEGRADED_HEADER), v);
+    }
     if let Some(context) = context.and_then(|c| HeaderValue::from_str(&c).ok()) {
         headers.insert(HeaderName::from_static(CONTEXT_HEADER), context);
     }
@@ -499,7 +525,7 @@ fn served_response(model: &str, id: &str, served: &lifecycle::Served, decoded: &
     response
 }
 
-fn refused_response(refused: lifecycle::Refused) -> Response {
+fn refused_response(refused: lifecycle::Refused, id: &str, degraded: Option<&crate::degraded::Now>) -> Response {
     let error = &refused.error;
     if error.status().is_server_error() && error.outcome() == crate::metrics::Outcome::failed {
         tracing::error!(pool = refused.pool.as_ref().map(|p| p.name()), error = %error, "request failed");
@@ -508,11 +534,29 @@ fn refused_response(refused: lifecycle::Refused) -> Response {
     if let Some(seconds) = error.retry_after_secs() {
         api = api.retry_after(seconds);
     }
+    // Every error names its request, so a client can match a resumable failure to what it sent.
+    api.extra.insert("request_id".into(), json!(id));
+    if let RequestError::Allocation { kind, not_retried, .. } = error {
+        api.extra
+            .insert("reason".into(), json!(format!("allocator_failure_{kind}")));
+        api.extra.insert("retried".into(), json!(false));
+        if let Some(why) = not_retried {
+            api.extra.insert("not_retried".into(), json!(why.to_string()));
+        }
+    }
+    if let Some(degraded) = degraded {
+        api.extra.insert("degraded".into(), json!(degraded.reason));
+    }
     let mut response = api.into_response();
     if let Some(pool) = refused.pool.as_ref().and_then(|p| HeaderValue::from_str(p.name()).ok()) {
         response
             .headers_mut()
             .insert(HeaderName::from_static(POOL_HEADER), pool);
+    }
+    if let Some(v) = degraded.and_then(|d| HeaderValue::from_str(&d.reason).ok()) {
+        response
+            .headers_mut()
+            .insert(HeaderName::from_static(DEGRADED_HEADER), v);
     }
     response
 }
@@ -550,6 +594,10 @@ async fn status(State(state): State<Arc<AppState>>) -> Json<Value> {
                 "queue_oldest_age_ms": load.oldest_age.as_millis() as u64,
                 "inflight": load.inflight,
                 "estimated_delay_ms": load.estimated_delay.as_millis() as u64,
+                "breaker": p.breaker_state().label(),
+                "breaker_reason": p.breaker_tripped(),
+                "max_context": p.config.max_context,
+                "fallback": p.config.fallback,
                 "alloc_failures_recent": p.alloc_failures_recent(),
                 "arena": arena,
             })
@@ -579,6 +627,11 @@ async fn status(State(state): State<Arc<AppState>>) -> Json<Value> {
         "config": service.config.source,
         "started_unix": started,
         "shutting_down": state.shutting_down.load(Ordering::SeqCst),
+        "degraded": match service.degraded.now() {
+            Some(now) => json!({"active": true, "reason": now.reason, "cause": now.cause.label(),
+                                "since_unix": unix_seconds(now.since)}),
+            None => json!({"active": false, "reason": null, "cause": null, "since_unix": null}),
+        },
         "pools": pools,
         "devices": devices,
         "host": sample.snapshot.host,
@@ -627,12 +680,16 @@ async fn admin_policy_reload(
     }
 }
 
-/// Body of `POST /admin/sim/{device}`.
+/// Body of `POST /admin/sim/{device}`: one or more faults to set.
 #[derive(Debug, serde::Deserialize)]
 #[serde(deny_unknown_fields)]
 struct SimCommand {
     /// External pressure to hold on the device: bytes or a size like `300MiB` (0 releases).
     pressure: Option<crate::config::ByteSize>,
+    /// The next N runs on the device fail with an allocator failure (0 clears).
+    fail_next: Option<u64>,
+    /// Runs fail with a driver-class error until `false` or a restore of the pool.
+    driver_reset: Option<bool>,
 }
 
 fn authorize(state: &AppState, peer: SocketAddr, headers: &HeaderMap) -> Result<(), ApiError> {
@@ -684,25 +741,79 @@ async fn admin_sim(
     let command: SimCommand = serde_json::from_slice(&body).map_err(|e| {
         ApiError::new(
             StatusCode::BAD_REQUEST,
-            format!("the body must be a JSON object like {{\"pressure\": \"300MiB\"}}: {e}"),
+            format!(
+                "the body must be a JSON object with `pressure` (\"300MiB\"), `fail_next` (N) and/or `driver_reset` (true|false): {e}"
+            ),
         )
     })?;
-    let Some(pressure) = command.pressure else {
-        return Err(ApiError::new(StatusCode::BAD_REQUEST, "nothing to do: give `pressure`"));
-    };
-    let bytes = pressure.bytes();
-    tokio::task::spawn_blocking(move || sim.set_pressure(bytes))
-        .await
-        .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?
-        .map_err(|e| ApiError::new(StatusCode::CONFLICT, e))?;
-    tracing::info!(device = %device, pressure_bytes = bytes, "simulated external pressure set");
+    if command.pressure.is_none() && command.fail_next.is_none() && command.driver_reset.is_none() {
+        return Err(ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "nothing to do: give `pressure`, `fail_next` or `driver_reset`",
+        ));
+    }
+    if let Some(pressure) = command.pressure {
+        let bytes = pressure.bytes();
+        let held = Arc::clone(&sim);
+        tokio::task::spawn_blocking(move || held.set_pressure(bytes))
+            .await
+            .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?
+            .map_err(|e| ApiError::new(StatusCode::CONFLICT, e))?;
+        tracing::info!(device = %device, pressure_bytes = bytes, "simulated external pressure set");
+    }
+    if let Some(n) = command.fail_next {
+        sim.fail_next(n);
+        tracing::warn!(device = %device, runs = n, "fault injection: the next runs fail with an allocator failure");
+    }
+    if let Some(reset) = command.driver_reset {
+        sim.set_driver_reset(reset);
+        tracing::warn!(device = %device, reset, "fault injection: simulated driver reset");
+    }
     service.resample_now().await;
     let snapshot = service.store.latest().snapshot;
     Ok(Json(json!({
         "device": device,
         "simulated": true,
-        "pressure_bytes": bytes,
+        "pressure_bytes": sim.pressure(),
+        "fail_next": sim.failures_pending(),
+        "driver_reset": sim.driver_reset(),
         "memory": snapshot.devices.get(&device),
+    })))
+}
+
+/// `POST /admin/pools/{pool}/restore`: rebuild the pool's backends in the background of the
+/// request path (other pools keep serving), clearing a simulated driver reset on its device.
+async fn admin_pool_restore(
+    State(state): State<Arc<AppState>>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    Path(pool): Path<String>,
+    headers: HeaderMap,
+) -> Result<Json<Value>, ApiError> {
+    authorize(&state, peer, &headers)?;
+    let service = &state.service;
+    let target = service.pool(&pool).cloned().ok_or_else(|| {
+        let names: Vec<&str> = service.pools.iter().map(|p| p.name()).collect();
+        ApiError::new(
+            StatusCode::NOT_FOUND,
+            format!("no pool `{pool}` (pools: {})", names.join(", ")),
+        )
+    })?;
+    if let Some(sim) = service.simulated_device(&target.config.device) {
+        sim.set_driver_reset(false);
+    }
+    let started = std::time::Instant::now();
+    let rebuilding = Arc::clone(&target);
+    let built = tokio::task::spawn_blocking(move || rebuilding.restore())
+        .await
+        .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?
+        .map_err(|e| ApiError::new(StatusCode::SERVICE_UNAVAILABLE, format!("restore failed: {e}")))?;
+    service.resample_now().await;
+    Ok(Json(json!({
+        "pool": pool,
+        "rebuilt_backends": built,
+        "took_ms": started.elapsed().as_millis() as u64,
+        "breaker": target.breaker_state().label(),
+        "state": if target.is_ready() { "ready" } else { "unavailable" },
     })))
 }
 

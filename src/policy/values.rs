@@ -55,6 +55,8 @@ pub struct PoolLoadNow {
     pub alloc_failures_recent: u64,
     /// Estimated time until a new request would finish.
     pub est_delay_ms: u64,
+    /// The circuit breaker now.
+    pub breaker: crate::snapshot::BreakerState,
 }
 
 /// Where live pool load comes from (the server's pools). Reading it when a script reads a pool
@@ -99,6 +101,9 @@ impl Table {
                 if let Some(slot) = map.get_mut(key) {
                     *slot = int(v);
                 }
+            }
+            if let Some(slot) = map.get_mut("breaker") {
+                *slot = string(now.breaker.label());
             }
         }
         value

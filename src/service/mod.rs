@@ -14,6 +14,7 @@ use prometheus_client::registry::Registry;
 use crate::backend::Backend;
 use crate::clock::{Clock, SystemClock};
 use crate::config::{Config, ConfigError, DeviceKind, ModelConfig, PolicySource, PoolConfig};
+use crate::degraded::Degraded;
 use crate::device::MemorySource;
 use crate::device::simulated::{SimulatedDevice, SimulatedSource};
 use crate::estimate::{MemoryProfile, ProfileSource};
@@ -85,7 +86,7 @@ impl Parts {
                 .map(|d| Box::new(SimulatedSource::new(Arc::clone(d))) as Box<dyn MemorySource>),
         );
         Ok(Parts {
-            backends: Arc::new(OrtFactory::new(rt, config)),
+            backends: Arc::new(OrtFactory::new(rt, config, simulated.clone())),
             sources,
             simulated,
             clock: Arc::new(SystemClock),
@@ -195,6 +196,8 @@ pub struct Service {
     policy_state: Mutex<Option<PolicyState>>,
     /// Time source shared with the pools.
     pub clock: Arc<dyn Clock>,
+    /// Degraded mode, computed from the pools when asked.
+    pub degraded: Arc<Degraded>,
 }
 
 /// The policy's view of one sample: built once per sample, shared by every evaluation.
@@ -217,6 +220,11 @@ impl crate::policy::LiveLoad for PoolsNow {
             inflight: load.inflight as u64,
             alloc_failures_recent: pool.alloc_failures_recent(),
             est_delay_ms: load.estimated_delay.as_millis() as u64,
+            breaker: if pool.is_ready() {
+                pool.breaker_state()
+            } else {
+                crate::snapshot::BreakerState::Open
+            },
         })
     }
 }
@@ -257,6 +265,7 @@ impl Service {
             };
             pools.push(start_pool(&backends, &config, &models, pool_config, context));
         }
+        let degraded = Arc::new(Degraded::new(pools.clone(), Arc::clone(&clock)));
         let store = Arc::new(SnapshotStore::default());
         let mut sampler = Sampler::new(
             sources,
@@ -265,7 +274,8 @@ impl Service {
             Arc::clone(&metrics),
             Arc::clone(&store),
         )
-        .with_pools(pools.clone(), simulated.clone());
+        .with_pools(pools.clone(), simulated.clone())
+        .with_degraded(Arc::clone(&degraded));
         // One sample before serving, so the first scrape and the first decision see real numbers.
         sampler.sample();
         let ready: Vec<&str> = pools.iter().filter(|p| p.is_ready()).map(|p| p.name()).collect();
@@ -278,11 +288,10 @@ impl Service {
                 sha256: status.sha256,
             })
             .set(1);
-        registry.register_collector(Box::new(LiveCollector::new(
-            Arc::clone(&store),
-            pools.clone(),
-            simulated.clone(),
-        )));
+        registry.register_collector(Box::new(
+            LiveCollector::new(Arc::clone(&store), pools.clone(), simulated.clone())
+                .with_degraded(Arc::clone(&degraded)),
+        ));
         Ok(Service {
             runtime_version,
             config,
@@ -297,6 +306,7 @@ impl Service {
             policy,
             policy_state: Mutex::new(None),
             clock,
+            degraded,
         })
     }
 
@@ -362,6 +372,26 @@ impl Service {
         let deadline = tokio::time::Instant::now() + Duration::from_secs(1);
         while self.store.latest().generation == before && tokio::time::Instant::now() < deadline {
             tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+    }
+
+    /// Count a request moved from `from` to `to`; moving work off an accelerator for memory
+    /// (a retry after an allocator failure, a policy redirect) also marks degraded mode.
+    pub fn failover(&self, from: &Pool, to: &Pool, reason: crate::metrics::FailoverReason) {
+        use crate::metrics::{FailoverLabels, FailoverReason};
+        self.metrics
+            .failovers
+            .get_or_create(&FailoverLabels {
+                from: from.name().to_string(),
+                to: to.name().to_string(),
+                reason,
+            })
+            .inc();
+        if matches!(
+            reason,
+            FailoverReason::oom_retry | FailoverReason::driver_retry | FailoverReason::policy_redirect
+        ) {
+            self.degraded.memory_redirect(from.name(), to.name());
         }
     }
 

@@ -2,8 +2,11 @@
 //! provider, model signatures read from a CPU session, memory profiles measured from ONNX
 //! Runtime's own arena peaks.
 
+use std::sync::Arc;
+
 use crate::backend::Backend;
 use crate::config::{Config, DeviceKind, ModelConfig, PoolConfig, Provider};
+use crate::device::simulated::{FaultInjecting, SimulatedDevice};
 use crate::estimate::{self, MemoryProfile, ProfileSource};
 use crate::onnx::{self, ModelSignature, OnnxRuntime, OrtBackend, SessionOptions};
 
@@ -15,11 +18,13 @@ pub struct OrtFactory {
     rt: &'static OnnxRuntime,
     /// NVIDIA device index per configured device name.
     nvidia: Vec<(String, u32)>,
+    /// Simulated devices, whose injected faults their pools' backends honour.
+    simulated: Vec<Arc<SimulatedDevice>>,
 }
 
 impl OrtFactory {
     /// A factory over a loaded ONNX Runtime, for the devices `config` declares.
-    pub fn new(rt: &'static OnnxRuntime, config: &Config) -> OrtFactory {
+    pub fn new(rt: &'static OnnxRuntime, config: &Config, simulated: Vec<Arc<SimulatedDevice>>) -> OrtFactory {
         let nvidia = config
             .devices
             .iter()
@@ -28,7 +33,7 @@ impl OrtFactory {
                 DeviceKind::Simulated { .. } => None,
             })
             .collect();
-        OrtFactory { rt, nvidia }
+        OrtFactory { rt, nvidia, simulated }
     }
 
     /// A CPU session: signatures and profiles are read on the CPU, so they are known even when
@@ -101,6 +106,12 @@ impl BackendFactory for OrtFactory {
             intra_threads: pool.intra_threads,
             arena_shrinkage: pool.arena_shrinkage,
         };
-        Ok(Box::new(OrtBackend::load(self.rt, models, &options)?))
+        let backend: Box<dyn Backend> = Box::new(OrtBackend::load(self.rt, models, &options)?);
+        match self.simulated.iter().find(|d| d.name == pool.device) {
+            Some(device) if pool.provider == Provider::Simulated => {
+                Ok(Box::new(FaultInjecting::new(backend, Arc::clone(device))))
+            }
+            _ => Ok(backend),
+        }
     }
 }

@@ -161,7 +161,13 @@ pub fn spawn_serving(args: &[&str], env: &[(&str, &str)], message: &str) -> (std
 /// A policy file that admits everything, for tests about what happens after admission. Returns
 /// the `policy:` config section that uses it.
 pub fn admit_all_policy() -> String {
-    let dir = std::env::temp_dir().join(format!("vramguard-admit-all-{}", std::process::id()));
+    // A folder per call: tests in one process must not rewrite a file another is reading.
+    static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let dir = std::env::temp_dir().join(format!(
+        "vramguard-admit-all-{}-{}",
+        std::process::id(),
+        NEXT.fetch_add(1, std::sync::atomic::Ordering::SeqCst)
+    ));
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join("admit-all.rhai");
     std::fs::write(&path, "fn decide(req, state) { admit() }\n").unwrap();
