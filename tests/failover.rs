@@ -1,0 +1,238 @@
+//! Failover over real HTTP and real ONNX Runtime sessions on the simulated accelerator:
+//! injected allocator failures are retried once on the CPU pool, a non-replayable request gets
+//! a resumable error, repeated failures open the breaker (new work goes to the CPU pool, the
+//! service reads as degraded), and a restore lets a probe close it again.
+
+mod common;
+
+use common::TestServer;
+use reqwest::StatusCode;
+use serde_json::{Value, json};
+
+/// A simulated `gpu` pool falling back on a `cpu` pool, breaker opening after two failures.
+fn config() -> String {
+    format!(
+        "devices: [{{name: gpu0, kind: simulated, capacity: 128MiB}}]\n\
+         models: [{{name: encoder, path: 'builtin:encoder', context: {{input: input, axis: 1}}}}]\n\
+         pools:\n\
+         - {{name: gpu, provider: simulated, device: gpu0, models: [encoder], fallback: cpu,\n\
+             breaker: {{failures: 2, window: 60s, cooldown: 1h}}}}\n\
+         - {{name: cpu, provider: cpu, models: [encoder]}}\n\
+         host: {{reserve: 64MiB}}\n{}",
+        common::admit_all_policy()
+    )
+}
+
+async fn inject(server: &TestServer, body: Value) -> Value {
+    let response = server.post_json("/admin/sim/gpu0", &body).await;
+    assert_eq!(response.status(), StatusCode::OK);
+    response.json().await.unwrap()
+}
+
+async fn encoder_request(server: &TestServer, headers: &[(&str, &str)]) -> reqwest::Response {
+    let (header, body) = common::encoder_binary_request(64);
+    let mut request = reqwest::Client::new()
+        .post(server.url("/v2/models/encoder/infer"))
+        .header("Inference-Header-Content-Length", header.len());
+    for (name, value) in headers {
+        request = request.header(*name, *value);
+    }
+    request.body(body).send().await.unwrap()
+}
+
+fn metric(text: &str, series: &str) -> f64 {
+    text.lines()
+        .find(|l| l.starts_with(series))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0.0)
+}
+
+#[tokio::test]
+async fn an_allocator_failure_is_retried_once_on_the_cpu_pool_under_the_same_id() {
+    let server = TestServer::start(&config()).await;
+    let state = inject(&server, json!({"fail_next": 1})).await;
+    assert_eq!(state["fail_next"], 1);
+
+    let response = encoder_request(&server, &[("x-request-id", "retry-me")]).await;
+    assert_eq!(response.status(), StatusCode::OK);
+    assert_eq!(response.headers()["x-request-id"], "retry-me");
+    assert_eq!(response.headers()["x-vramguard-pool"], "cpu");
+    assert_eq!(response.headers()["x-vramguard-decision"], "redirect");
+    let degraded = response.headers()["x-vramguard-degraded"].to_str().unwrap().to_string();
+    assert!(degraded.contains("from pool `gpu` to `cpu`"), "{degraded}");
+
+    let metrics = server.metrics().await;
+    assert_eq!(
+        metric(&metrics, "vramguard_retries_total{pool=\"gpu\",result=\"ok\"}"),
+        1.0
+    );
+    assert_eq!(
+        metric(
+            &metrics,
+            "vramguard_failovers_total{from=\"gpu\",to=\"cpu\",reason=\"oom_retry\"}"
+        ),
+        1.0
+    );
+    assert_eq!(
+        metric(
+            &metrics,
+            "vramguard_allocator_failures_total{pool=\"gpu\",device=\"gpu0\",kind=\"oom\"}"
+        ),
+        1.0
+    );
+    assert_eq!(metric(&metrics, "vramguard_degraded_mode "), 1.0);
+    assert_eq!(
+        metric(&metrics, "vramguard_degraded_info{reason=\"memory_redirect\"}"),
+        1.0
+    );
+    // One failure is below the breaker's threshold: the next request runs on the accelerator.
+    let next = encoder_request(&server, &[]).await;
+    assert_eq!(next.headers()["x-vramguard-pool"], "gpu");
+    assert_eq!(next.headers()["x-vramguard-decision"], "admit");
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn a_non_replayable_request_gets_a_resumable_error_not_a_silent_replay() {
+    let server = TestServer::start(&config()).await;
+    inject(&server, json!({"fail_next": 1})).await;
+    let response = encoder_request(
+        &server,
+        &[("x-request-id", "once-only"), ("x-vramguard-replayable", "false")],
+    )
+    .await;
+    assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert!(response.headers().contains_key("retry-after"));
+    assert_eq!(response.headers()["x-vramguard-pool"], "gpu");
+    let body: Value = response.json().await.unwrap();
+    assert_eq!(body["request_id"], "once-only");
+    assert_eq!(body["reason"], "allocator_failure_oom");
+    assert_eq!(body["retried"], false);
+    assert!(
+        body["not_retried"].as_str().unwrap().contains("not replayable"),
+        "{body}"
+    );
+    let metrics = server.metrics().await;
+    assert_eq!(
+        metric(
+            &metrics,
+            "vramguard_retries_total{pool=\"gpu\",result=\"not_replayable\"}"
+        ),
+        1.0
+    );
+    assert_eq!(
+        metric(&metrics, "vramguard_failovers_total{from=\"gpu\""),
+        0.0,
+        "nothing moved: {metrics}"
+    );
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn repeated_failures_open_the_breaker_and_a_restore_closes_it_through_a_probe() {
+    let server = TestServer::start(&config()).await;
+    inject(&server, json!({"fail_next": 2})).await;
+    for _ in 0..2 {
+        let retried = encoder_request(&server, &[]).await;
+        assert_eq!(retried.status(), StatusCode::OK);
+        assert_eq!(retried.headers()["x-vramguard-pool"], "cpu");
+    }
+    // Two failures within the window: open. New work goes straight to the CPU pool.
+    let status: Value = reqwest::get(server.url("/status")).await.unwrap().json().await.unwrap();
+    let gpu = &status["pools"][0];
+    assert_eq!(gpu["breaker"], "open", "{gpu}");
+    assert_eq!(status["degraded"]["active"], true);
+    assert_eq!(status["degraded"]["cause"], "breaker_open");
+    let routed = encoder_request(&server, &[]).await;
+    assert_eq!(routed.status(), StatusCode::OK);
+    assert_eq!(routed.headers()["x-vramguard-pool"], "cpu");
+    assert!(
+        routed.headers()["x-vramguard-degraded"]
+            .to_str()
+            .unwrap()
+            .contains("circuit breaker is open")
+    );
+    let metrics = server.metrics().await;
+    assert_eq!(metric(&metrics, "vramguard_breaker_state{pool=\"gpu\"}"), 2.0);
+    assert_eq!(
+        metric(
+            &metrics,
+            "vramguard_failovers_total{from=\"gpu\",to=\"cpu\",reason=\"breaker_open\"}"
+        ),
+        1.0
+    );
+
+    // The operator restores the pool: its backends are rebuilt and the next request probes.
+    let restored = server.post_json("/admin/pools/gpu/restore", &json!({})).await;
+    assert_eq!(restored.status(), StatusCode::OK);
+    let restored: Value = restored.json().await.unwrap();
+    assert_eq!(restored["breaker"], "half_open", "{restored}");
+    assert_eq!(restored["rebuilt_backends"], 1);
+    let probe = encoder_request(&server, &[]).await;
+    assert_eq!(probe.status(), StatusCode::OK);
+    assert_eq!(probe.headers()["x-vramguard-pool"], "gpu");
+    let metrics = server.metrics().await;
+    assert_eq!(metric(&metrics, "vramguard_breaker_state{pool=\"gpu\"}"), 0.0);
+    assert_eq!(
+        metric(&metrics, "vramguard_breaker_recovery_seconds_count{pool=\"gpu\"}"),
+        1.0
+    );
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn a_driver_reset_opens_the_breaker_at_once_while_the_cpu_pool_keeps_serving() {
+    let server = TestServer::start(&config()).await;
+    let state = inject(&server, json!({"driver_reset": true})).await;
+    assert_eq!(state["driver_reset"], true);
+    let first = encoder_request(&server, &[]).await;
+    assert_eq!(first.status(), StatusCode::OK, "retried on the CPU pool");
+    assert_eq!(first.headers()["x-vramguard-pool"], "cpu");
+    let metrics = server.metrics().await;
+    assert_eq!(
+        metric(
+            &metrics,
+            "vramguard_failovers_total{from=\"gpu\",to=\"cpu\",reason=\"driver_retry\"}"
+        ),
+        1.0
+    );
+    assert_eq!(metric(&metrics, "vramguard_breaker_state{pool=\"gpu\"}"), 2.0);
+    assert_eq!(
+        metric(
+            &metrics,
+            "vramguard_allocator_failures_total{pool=\"gpu\",device=\"gpu0\",kind=\"driver\"}"
+        ),
+        1.0
+    );
+
+    // While the accelerator is down, requests keep being served by the CPU pool; restoring the
+    // accelerator does not interrupt them.
+    let in_flight: Vec<_> = (0..4)
+        .map(|_| {
+            let url = server.url("/v2/models/encoder/infer");
+            tokio::spawn(async move {
+                let (header, body) = common::encoder_binary_request(64);
+                reqwest::Client::new()
+                    .post(url)
+                    .header("Inference-Header-Content-Length", header.len())
+                    .body(body)
+                    .send()
+                    .await
+                    .unwrap()
+            })
+        })
+        .collect();
+    let restored = server.post_json("/admin/pools/gpu/restore", &json!({})).await;
+    assert_eq!(restored.status(), StatusCode::OK);
+    for request in in_flight {
+        let response = request.await.unwrap();
+        assert_eq!(response.status(), StatusCode::OK);
+    }
+    let state = inject(&server, json!({"fail_next": 0})).await;
+    assert_eq!(state["driver_reset"], false, "a restore clears the simulated reset");
+    let back = encoder_request(&server, &[]).await;
+    assert_eq!(back.status(), StatusCode::OK);
+    assert_eq!(back.headers()["x-vramguard-pool"], "gpu");
+    server.stop().await;
+}
