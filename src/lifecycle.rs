@@ -232,6 +232,9 @@ pub enum DeadlineMiss {
     ByDeferral,
     /// It passed while the request was queued or running.
     InPool,
+    /// The pool's queue and recent run times would finish it after the deadline: answered at
+    /// once instead of after waiting.
+    Estimated,
 }
 
 impl std::fmt::Display for DeadlineMiss {
@@ -240,6 +243,9 @@ impl std::fmt::Display for DeadlineMiss {
             DeadlineMiss::WhileDeferred => "passed while the policy deferred the request",
             DeadlineMiss::ByDeferral => "cannot be met: the policy defers this request past it",
             DeadlineMiss::InPool => "cannot be met: it passed before the run finished",
+            DeadlineMiss::Estimated => {
+                "cannot be met: the pool's queue and recent run times would finish it after the deadline"
+            }
         })
     }
 }
@@ -428,6 +434,9 @@ async fn run(service: &Service, mut request: Request) -> Result<Served, Refused>
         .and_then(|name| service.pool(name))
         .cloned();
     let spare = (fallback.is_some() && request.replayable).then(|| request.inputs.clone());
+    if !deadline_reachable(&pool, &request) {
+        return Err(refuse(Some(&pool), RequestError::Deadline(DeadlineMiss::Estimated)));
+    }
     let inputs = std::mem::take(&mut request.inputs);
     let first = run_on(&pool, &request, inputs, estimate_bytes).await;
     let error = match first {
@@ -498,6 +507,16 @@ async fn run(service: &Service, mut request: Request) -> Result<Served, Refused>
             Err(refuse(Some(&fallback), RequestError::from_pool(&fallback, error)))
         }
     }
+}
+
+/// Whether `pool` can finish the request before its deadline, going by its queue and recent
+/// run times (no estimate yet: assume it can).
+fn deadline_reachable(pool: &Pool, request: &Request) -> bool {
+    let Some(deadline) = request.deadline else {
+        return true;
+    };
+    let estimate = pool.load().estimated_delay;
+    estimate.is_zero() || Instant::now() + estimate <= deadline
 }
 
 /// Whether a pool runs on an accelerator (CUDA or the simulated device).

@@ -23,6 +23,7 @@ use vramguard::tensor::{DataType, Tensor, TensorData};
 /// What the fake backend does with a run, chosen by the first input value.
 const PANIC: f32 = -1.0;
 const WAIT_FOR_GATE: f32 = -2.0;
+const SLOW: f32 = -3.0;
 
 /// Echoes its input as `pooled`; panics or waits for the gate when the first value says so.
 struct FakeBackend {
@@ -38,6 +39,9 @@ impl Backend for FakeBackend {
         };
         if first == PANIC {
             panic!("the fake backend was told to panic");
+        }
+        if first == SLOW {
+            std::thread::sleep(Duration::from_millis(50));
         }
         if first == WAIT_FOR_GATE {
             let _ = self.gate.lock().unwrap().recv();
@@ -455,4 +459,24 @@ async fn unknown_models_are_404_and_not_counted() {
     assert_eq!(r.error.status(), StatusCode::NOT_FOUND);
     assert!(r.error.to_string().contains("models: encoder"), "{}", r.error);
     assert!(!vramguard::metrics::encode(&h.service.registry).contains("model=\"nope\""));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_deadline_the_queue_cannot_meet_is_answered_at_once() {
+    let h = simple("fn decide(req, state) { admit() }");
+    // One 50 ms run teaches the pool its service time.
+    served(&h, request(4, SLOW)).await;
+    let mut req = request(4, 0.5);
+    req.deadline = Some(Instant::now() + Duration::from_millis(10));
+    let r = refused(&h, req).await;
+    assert_eq!(r.error, RequestError::Deadline(DeadlineMiss::Estimated));
+    assert_eq!(r.error.status(), StatusCode::GATEWAY_TIMEOUT);
+    assert_eq!(h.service.pool("gpu").unwrap().load().queue_depth, 0, "never queued");
+    assert_eq!(
+        counter(
+            &h,
+            "vramguard_requests_total{model=\"encoder\",pool=\"gpu\",outcome=\"cancelled\"}"
+        ),
+        1.0
+    );
 }

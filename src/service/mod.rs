@@ -419,9 +419,13 @@ impl Service {
         self.pools.iter().find(|p| p.name() == name)
     }
 
-    /// True when some pool can take work.
+    /// True while every model can be served by some pool. An open breaker does not count
+    /// against it: readiness feeds load balancers, and the CPU path still serves (degraded
+    /// mode says the rest).
     pub fn ready(&self) -> bool {
-        self.pools.iter().any(|p| p.is_ready())
+        self.models
+            .iter()
+            .all(|m| self.pools.iter().any(|p| p.serves(&m.config.name) && p.is_ready()))
     }
 
     /// Stop every pool: queued work is answered at once, running work has until `deadline`
