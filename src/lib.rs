@@ -18,6 +18,7 @@ pub mod estimate;
 pub mod exit;
 pub mod exporter;
 pub mod http;
+pub mod idempotency;
 pub mod lifecycle;
 pub mod logging;
 pub mod metrics;

@@ -165,6 +165,8 @@ pub struct RawServer {
     pub admin_token_env: Option<String>,
     /// How long in-flight work may take to finish on shutdown.
     pub shutdown_grace: HumanDuration,
+    /// Responses remembered for `idempotency-key` requests.
+    pub idempotency: RawIdempotency,
 }
 
 impl Default for RawServer {
@@ -174,6 +176,27 @@ impl Default for RawServer {
             body_limit: ByteSize(64 << 20),
             admin_token_env: None,
             shutdown_grace: HumanDuration(Duration::from_secs(10)),
+            idempotency: RawIdempotency::default(),
+        }
+    }
+}
+
+/// `server.idempotency:`
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RawIdempotency {
+    /// Most keys held at once, running and stored; beyond it the oldest stored response is
+    /// dropped, and when all are running a new key gets 503.
+    pub max_entries: usize,
+    /// How long after completion a key's response is replayed.
+    pub ttl: HumanDuration,
+}
+
+impl Default for RawIdempotency {
+    fn default() -> Self {
+        Self {
+            max_entries: 10_000,
+            ttl: HumanDuration(Duration::from_secs(600)),
         }
     }
 }
@@ -503,6 +526,17 @@ pub struct ServerConfig {
     pub admin_token_env: Option<String>,
     /// Shutdown grace period.
     pub shutdown_grace: Duration,
+    /// The `idempotency-key` response cache.
+    pub idempotency: IdempotencyConfig,
+}
+
+/// Validated `server.idempotency:`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct IdempotencyConfig {
+    /// Most keys held at once, running and stored.
+    pub max_entries: usize,
+    /// How long after completion a key's response is replayed.
+    pub ttl: Duration,
 }
 
 /// A device and what kind it is.
@@ -796,6 +830,21 @@ impl RawConfig {
         {
             return Err(c.err("server.admin_token_env", "expected an environment variable name"));
         }
+        let idempotency = &self.server.idempotency;
+        if !(1..=1_000_000).contains(&idempotency.max_entries) {
+            return Err(c.err(
+                "server.idempotency.max_entries",
+                format!("expected 1 to 1000000, got {}", idempotency.max_entries),
+            ));
+        }
+        // Clients retry within minutes; a day covers any sane retry schedule, and past it a
+        // key that still replays is more likely a client reusing keys by mistake.
+        if !(Duration::from_secs(1)..=Duration::from_secs(24 * 3600)).contains(&idempotency.ttl.get()) {
+            return Err(c.err(
+                "server.idempotency.ttl",
+                format!("expected 1s to 24h, got {}", idempotency.ttl),
+            ));
+        }
 
         let mut names = HashSet::new();
         let mut devices = Vec::new();
@@ -1077,6 +1126,10 @@ impl RawConfig {
                 body_limit: usize::try_from(self.server.body_limit.bytes()).unwrap_or(usize::MAX),
                 admin_token_env: self.server.admin_token_env.clone(),
                 shutdown_grace: self.server.shutdown_grace.get(),
+                idempotency: IdempotencyConfig {
+                    max_entries: idempotency.max_entries,
+                    ttl: idempotency.ttl.get(),
+                },
             },
             onnxruntime_library: self.onnxruntime.library.as_ref().map(|p| base.join(p)),
             devices,
@@ -1228,6 +1281,7 @@ pools:
         let cfg = Config::load(&path).unwrap();
         assert_eq!(cfg.devices.len(), 2);
         assert_eq!(cfg.server.admin_token_env.as_deref(), Some("VRAMGUARD_ADMIN_TOKEN"));
+        assert_eq!(cfg.server.idempotency.ttl, Duration::from_secs(600));
         let providers: Vec<&str> = cfg.pools.iter().map(|p| p.provider.label()).collect();
         assert_eq!(providers, ["cuda", "simulated", "cpu"]);
         let kinds: Vec<&str> = cfg.pools.iter().map(|p| cfg.device_class(&p.device).label()).collect();
@@ -1253,6 +1307,45 @@ pools:
         assert_eq!(cfg.pools[0].device, HOST_DEVICE);
         assert_eq!(cfg.pools[0].queue_capacity, 64);
         assert_eq!(cfg.pools[0].max_context, None);
+        assert_eq!(
+            cfg.server.idempotency,
+            IdempotencyConfig {
+                max_entries: 10_000,
+                ttl: Duration::from_secs(600)
+            }
+        );
+    }
+
+    #[test]
+    fn idempotency_bounds_are_checked_with_their_key() {
+        let cfg = check(&format!(
+            "server:\n  idempotency: {{max_entries: 50, ttl: 30s}}\n{BASE}"
+        ))
+        .unwrap();
+        assert_eq!(cfg.server.idempotency.max_entries, 50);
+        assert_eq!(cfg.server.idempotency.ttl, Duration::from_secs(30));
+        let err = check(&format!("server:\n  idempotency: {{max_entries: 0}}\n{BASE}"))
+            .unwrap_err()
+            .to_string();
+        assert_eq!(
+            err,
+            "test.yaml: server.idempotency.max_entries: expected 1 to 1000000, got 0"
+        );
+        let err = check(&format!("server:\n  idempotency: {{ttl: 2d}}\n{BASE}"))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("server.idempotency.ttl") && err.contains("`2d`"), "{err}");
+        let err = check(&format!("server:\n  idempotency: {{ttl: 25h}}\n{BASE}"))
+            .unwrap_err()
+            .to_string();
+        assert_eq!(err, "test.yaml: server.idempotency.ttl: expected 1s to 24h, got 25h");
+        let err = check(&format!("server:\n  idempotency: {{max_entires: 5}}\n{BASE}"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.starts_with("test.yaml: server.idempotency: unknown field `max_entires`"),
+            "{err}"
+        );
     }
 
     #[test]
