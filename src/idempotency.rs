@@ -43,6 +43,18 @@ use tokio::time::Instant;
 /// be computed (the config allows far less).
 const MAX_TTL: Duration = Duration::from_secs(365 * 24 * 3600);
 
+/// A response as it went out, kept to answer a duplicate with exactly the same thing:
+/// protocol-neutral (status code, headers, body bytes), so every endpoint can store its own.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StoredResponse {
+    /// Status code.
+    pub status: u16,
+    /// Headers (names lower-case).
+    pub headers: Vec<(String, Vec<u8>)>,
+    /// Body.
+    pub body: bytes::Bytes,
+}
+
 /// SHA-256 over `parts`, each prefixed with its length so that moving bytes from one part to the
 /// next (`"ab", "c"` against `"a", "bc"`) changes the fingerprint.
 ///

@@ -21,6 +21,7 @@ use axum::{Json, Router};
 use serde_json::{Map, Value, json};
 use tokio::net::TcpListener;
 
+use crate::idempotency::{Claim, StoredResponse};
 use crate::lifecycle::{self, RequestError};
 use crate::pool::Availability;
 use crate::service::Service;
@@ -38,6 +39,8 @@ pub const DEADLINE_HEADER: &str = "x-vramguard-deadline-ms";
 pub const PRIORITY_HEADER: &str = "x-vramguard-priority";
 /// `false` when the request must never be retried automatically once started.
 pub const REPLAYABLE_HEADER: &str = "x-vramguard-replayable";
+/// A client's key for executing a request at most once.
+pub const IDEMPOTENCY_KEY: &str = "idempotency-key";
 /// Why the service is degraded, on every response while it is.
 pub const DEGRADED_HEADER: &str = "x-vramguard-degraded";
 /// `FROM->TO` tokens when the context was shrunk.
@@ -391,23 +394,145 @@ async fn infer(
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
     let id = request_id(&headers);
+    let key = headers.get(IDEMPOTENCY_KEY).cloned();
+    let response = match (key, body) {
+        (Some(key), Ok(body)) if state.service.model(&model).is_some() => {
+            idempotent(state, model, id.clone(), headers, body, key).await
+        }
+        (_, body) => respond(&state, &model, &id, &headers, body).await.0,
+    };
+    with_request_id(response, &id)
+}
+
+/// Decode, run and encode one request; also says whether it executed (its response is then
+/// what a duplicate with the same idempotency key must get).
+async fn respond(
+    state: &AppState,
+    model: &str,
+    id: &str,
+    headers: &HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> (Response, bool) {
     let received = tokio::time::Instant::now();
     let service = &state.service;
-    let (request, decoded) = match decode(service, &model, &id, &headers, body, received) {
+    let (request, decoded) = match decode(service, model, id, headers, body, received) {
         Ok(decoded) => decoded,
         Err(error) => {
-            let refused = lifecycle::reject(service, &model, error, received);
-            return with_request_id(refused_response(refused, &id, None), &id);
+            let refused = lifecycle::reject(service, model, error, received);
+            return (refused_response(refused, id, None), true);
         }
     };
     let result = lifecycle::infer(service, request).await;
     // Degraded mode as it is when the answer goes out, on every response served meanwhile.
     let degraded = service.degraded.now();
-    let response = match result {
-        Ok(served) => served_response(&model, &id, &served, &decoded, degraded.as_ref()),
-        Err(refused) => refused_response(refused, &id, degraded.as_ref()),
+    match result {
+        Ok(served) => (served_response(model, id, &served, &decoded, degraded.as_ref()), true),
+        Err(refused) => {
+            // Refused before anything ran (queue full, breaker, deadline…): a retry with the
+            // same key must be allowed to run.
+            let executed =
+                refused.error.retry_after_secs().is_none() && !matches!(refused.error, RequestError::Deadline(_));
+            (refused_response(refused, id, degraded.as_ref()), executed)
+        }
+    }
+}
+
+/// An `idempotency-key` request executes at most once: the first runs, duplicates in flight
+/// wait for it, later ones get its stored response, and the same key with another request is
+/// refused with 422 (IETF Idempotency-Key draft).
+async fn idempotent(
+    state: Arc<AppState>,
+    model: String,
+    id: String,
+    headers: HeaderMap,
+    body: Bytes,
+    key: HeaderValue,
+) -> Response {
+    let Some(key) = key
+        .to_str()
+        .ok()
+        .filter(|k| !k.is_empty() && k.len() <= 255)
+        .map(str::to_string)
+    else {
+        return ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "idempotency-key must be 1 to 255 visible ASCII characters",
+        )
+        .into_response();
     };
-    with_request_id(response, &id)
+    let header = |name: &str| headers.get(name).map_or(&[][..], |v| v.as_bytes());
+    // What changes the request's meaning; the request id and the deadline may differ on a retry.
+    let fingerprint = crate::idempotency::fingerprint(&[
+        model.as_bytes(),
+        &body,
+        header(HEADER_LENGTH),
+        header(PRIORITY_HEADER),
+        header(REPLAYABLE_HEADER),
+        header("x-vramguard-allow-shrink"),
+    ]);
+    let cache = state.service.idempotency.clone();
+    match cache.claim(&model, &key, fingerprint).await {
+        Claim::Done(stored) => stored_response(&stored),
+        Claim::Conflict => ApiError::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            format!("idempotency-key `{key}` was already used for a different request to model `{model}`"),
+        )
+        .into_response(),
+        Claim::Busy => ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "too many idempotent requests are running (server.idempotency.max_entries)",
+        )
+        .retry_after(1)
+        .into_response(),
+        Claim::Run(ticket) => {
+            // The run owns the ticket, not the connection: a client that disconnects must not
+            // release the key while its request still executes.
+            let run = tokio::spawn(async move {
+                let (response, executed) = respond(&state, &model, &id, &headers, Ok(body)).await;
+                let stored = store(response).await;
+                if executed {
+                    ticket.complete(stored.clone());
+                } else {
+                    ticket.abandon();
+                }
+                stored
+            });
+            match run.await {
+                Ok(stored) => stored_response(&stored),
+                Err(e) => ApiError::new(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    format!("the request task failed: {e}"),
+                )
+                .into_response(),
+            }
+        }
+    }
+}
+
+/// Buffer a response so it can be kept and sent again.
+async fn store(response: Response) -> StoredResponse {
+    let (parts, body) = response.into_parts();
+    let body = axum::body::to_bytes(body, usize::MAX).await.unwrap_or_default();
+    StoredResponse {
+        status: parts.status.as_u16(),
+        headers: parts
+            .headers
+            .iter()
+            .map(|(name, value)| (name.as_str().to_string(), value.as_bytes().to_vec()))
+            .collect(),
+        body,
+    }
+}
+
+fn stored_response(stored: &StoredResponse) -> Response {
+    let mut response = Response::new(axum::body::Body::from(stored.body.clone()));
+    *response.status_mut() = StatusCode::from_u16(stored.status).unwrap_or(StatusCode::OK);
+    for (name, value) in &stored.headers {
+        if let (Ok(name), Ok(value)) = (HeaderName::from_bytes(name.as_bytes()), HeaderValue::from_bytes(value)) {
+            response.headers_mut().append(name, value);
+        }
+    }
+    response
 }
 
 /// Decode the protocol's request and headers into a [`lifecycle::Request`]; the decoded form is

@@ -19,6 +19,7 @@ use crate::device::MemorySource;
 use crate::device::simulated::{SimulatedDevice, SimulatedSource};
 use crate::estimate::{MemoryProfile, ProfileSource};
 use crate::exporter::{LiveCollector, Sampler, SnapshotStore};
+use crate::idempotency::{IdempotencyCache, StoredResponse};
 use crate::metrics::{Metrics, PolicyInfoLabels, ReloadResult, ResultLabels};
 use crate::onnx::{ModelSignature, RuntimeError};
 use crate::policy::{PolicyHandle, PolicySettings, StateView};
@@ -198,6 +199,8 @@ pub struct Service {
     pub clock: Arc<dyn Clock>,
     /// Degraded mode, computed from the pools when asked.
     pub degraded: Arc<Degraded>,
+    /// Responses of `idempotency-key` requests, so each key executes at most once.
+    pub idempotency: IdempotencyCache<StoredResponse>,
 }
 
 /// The policy's view of one sample: built once per sample, shared by every evaluation.
@@ -266,6 +269,8 @@ impl Service {
             pools.push(start_pool(&backends, &config, &models, pool_config, context));
         }
         let degraded = Arc::new(Degraded::new(pools.clone(), Arc::clone(&clock)));
+        let idempotency = IdempotencyCache::new(config.server.idempotency.max_entries, config.server.idempotency.ttl);
+        idempotency.metrics().register(&mut registry);
         let store = Arc::new(SnapshotStore::default());
         let mut sampler = Sampler::new(
             sources,
@@ -307,6 +312,7 @@ impl Service {
             policy_state: Mutex::new(None),
             clock,
             degraded,
+            idempotency,
         })
     }
 
