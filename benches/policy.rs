@@ -113,6 +113,7 @@ fn request(context_tokens: u64, context_bytes: u64) -> RequestInfo {
         batch: 1,
         priority: 0,
         replayable: true,
+        allow_shrink: true,
         deadline_ms: 30_000,
         estimate: Estimate {
             weights_bytes: 4 * GIB,

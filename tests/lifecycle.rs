@@ -183,6 +183,7 @@ fn request(seq: usize, value: f32) -> Request {
         outputs: vec![],
         priority: 0,
         replayable: true,
+        allow_shrink: false,
         deadline: None,
         received: Instant::now(),
     }

@@ -38,6 +38,8 @@ pub const DEADLINE_HEADER: &str = "x-vramguard-deadline-ms";
 pub const PRIORITY_HEADER: &str = "x-vramguard-priority";
 /// `false` when the request must never be retried automatically once started.
 pub const REPLAYABLE_HEADER: &str = "x-vramguard-replayable";
+/// `true` when the client allows its context to be cut (overrides `parameters.allow_shrink`).
+pub const ALLOW_SHRINK_HEADER: &str = "x-vramguard-allow-shrink";
 /// `FROM->TO` tokens when the context was shrunk.
 pub const CONTEXT_HEADER: &str = "x-vramguard-context";
 /// Binary extension header: length of the JSON part.
@@ -427,8 +429,13 @@ fn decode(
         .map(|ms| received + Duration::from_millis(ms));
     let priority = header_value::<i64>(headers, PRIORITY_HEADER, "an integer")?.unwrap_or(0);
     let replayable = header_value::<bool>(headers, REPLAYABLE_HEADER, "`true` or `false`")?.unwrap_or(true);
+    let allow_shrink_header = header_value::<bool>(headers, ALLOW_SHRINK_HEADER, "`true` or `false`")?;
     let mut decoded = infer::decode(&body, header_len, &entry.signature).map_err(RequestError::BadInput)?;
     drop(body);
+    // The header wins over the request's parameter, which wins over the model's default.
+    let allow_shrink = allow_shrink_header
+        .or(decoded.allow_shrink)
+        .unwrap_or(entry.config.allow_shrink);
     let request = lifecycle::Request {
         id: id.to_string(),
         model: model.to_string(),
@@ -436,6 +443,7 @@ fn decode(
         outputs: decoded.outputs.iter().map(|o| o.name.clone()).collect(),
         priority,
         replayable,
+        allow_shrink,
         deadline,
         received,
     };

@@ -161,9 +161,15 @@ pub fn spawn_serving(args: &[&str], env: &[(&str, &str)], message: &str) -> (std
 /// A policy file that admits everything, for tests about what happens after admission. Returns
 /// the `policy:` config section that uses it.
 pub fn admit_all_policy() -> String {
-    let dir = std::env::temp_dir().join(format!("vramguard-admit-all-{}", std::process::id()));
+    policy_file("admit-all", "fn decide(req, state) { admit() }\n")
+}
+
+/// Write `source` as the policy `name` in a scratch folder of this test process; returns the
+/// `policy:` config section that uses it.
+pub fn policy_file(name: &str, source: &str) -> String {
+    let dir = std::env::temp_dir().join(format!("vramguard-{name}-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join("admit-all.rhai");
-    std::fs::write(&path, "fn decide(req, state) { admit() }\n").unwrap();
+    let path = dir.join(format!("{name}.rhai"));
+    std::fs::write(&path, source).unwrap();
     format!("policy: {{path: '{}', watch_interval: 0}}\n", path.display())
 }
