@@ -186,7 +186,7 @@ fn rust_default(
             if pool.max_context > 0 {
                 tokens = tokens.min(pool.max_context as i128);
             }
-            if tokens < n && tokens >= min_tokens as i128 {
+            if tokens < n && tokens >= min_tokens as i128 && req.allow_shrink {
                 return Decision::ShrinkContext { tokens: tokens as u64 };
             }
         }

@@ -109,14 +109,19 @@ impl TestServer {
 
     /// Send an encoder request of `seq` tokens as binary tensor data.
     pub async fn encoder(&self, seq: usize) -> reqwest::Response {
+        self.encoder_with_headers(seq, &[]).await
+    }
+
+    /// [`TestServer::encoder`] with extra request headers.
+    pub async fn encoder_with_headers(&self, seq: usize, headers: &[(&str, &str)]) -> reqwest::Response {
         let (header, body) = encoder_binary_request(seq);
-        reqwest::Client::new()
+        let mut request = reqwest::Client::new()
             .post(self.url("/v2/models/encoder/infer"))
-            .header("Inference-Header-Content-Length", header.len())
-            .body(body)
-            .send()
-            .await
-            .unwrap()
+            .header("Inference-Header-Content-Length", header.len());
+        for (name, value) in headers {
+            request = request.header(*name, *value);
+        }
+        request.body(body).send().await.unwrap()
     }
 }
 
