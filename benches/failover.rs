@@ -141,6 +141,7 @@ fn main() {
         outputs: vec![],
         priority: 0,
         replayable: true,
+        allow_shrink: false,
         deadline: None,
         received: tokio::time::Instant::now(),
     };

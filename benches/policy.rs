@@ -113,6 +113,7 @@ fn request(context_tokens: u64, context_bytes: u64) -> RequestInfo {
         batch: 1,
         priority: 0,
         replayable: true,
+        allow_shrink: true,
         deadline_ms: 30_000,
         estimate: Estimate {
             weights_bytes: 4 * GIB,
@@ -185,7 +186,7 @@ fn rust_default(
             if pool.max_context > 0 {
                 tokens = tokens.min(pool.max_context as i128);
             }
-            if tokens < n && tokens >= min_tokens as i128 {
+            if tokens < n && tokens >= min_tokens as i128 && req.allow_shrink {
                 return Decision::ShrinkContext { tokens: tokens as u64 };
             }
         }

@@ -42,6 +42,8 @@ pub struct Request {
     pub priority: i64,
     /// False when the request must never be retried automatically once started.
     pub replayable: bool,
+    /// True when the client allows its context to be cut (a shrink changes the answer).
+    pub allow_shrink: bool,
     /// When the client stops caring.
     pub deadline: Option<Instant>,
     /// When it arrived (request duration is measured from here).
@@ -658,6 +660,7 @@ async fn admit(service: &Service, entry: &ModelEntry, request: &mut Request) -> 
         batch,
         priority: request.priority,
         replayable: request.replayable,
+        allow_shrink: request.allow_shrink,
         deadline_ms: 0,
         estimate: entry.estimate(&request.inputs),
     };

@@ -40,8 +40,9 @@ pub enum Plan {
     },
     /// Answer 503 + `Retry-After` with this reason.
     Refuse(String),
-    /// The decision cannot be carried out as written (unknown pool, zero tokens): the
-    /// configured fallback applies and it counts as a `bad_return` policy error.
+    /// The decision cannot be carried out as written (unknown pool, zero tokens, a shrink the
+    /// client did not allow): the configured fallback applies and it counts as a `bad_return`
+    /// policy error.
     Invalid(String),
 }
 
@@ -90,6 +91,14 @@ pub fn plan(
         Decision::Admit { pool: None } => target(&req.pool),
         Decision::Admit { pool: Some(pool) } | Decision::Redirect { pool } => target(pool),
         Decision::ShrinkContext { tokens } => {
+            // Cutting a context changes the answer: only the client may allow it, whatever the
+            // script says, so a custom script can never cut one silently.
+            if !req.allow_shrink {
+                return Plan::Invalid(
+                    "the policy asked to shrink the context, but the client did not allow it (x-vramguard-allow-shrink)"
+                        .into(),
+                );
+            }
             if !has_context_axis {
                 return Plan::Refuse(format!(
                     "the policy asked to shrink the context, but model `{}` has no context axis",
@@ -172,15 +181,20 @@ mod tests {
         }
     }
 
+    /// `req()` from a client that allows its context to be cut.
+    fn shrinkable() -> RequestInfo {
+        RequestInfo {
+            allow_shrink: true,
+            ..req()
+        }
+    }
+
     fn p(decision: Decision) -> Plan {
-        plan(
-            &decision,
-            &req(),
-            true,
-            &pools(),
-            Duration::ZERO,
-            Duration::from_secs(1),
-        )
+        p_for(&req(), decision)
+    }
+
+    fn p_for(req: &RequestInfo, decision: Decision) -> Plan {
+        plan(&decision, req, true, &pools(), Duration::ZERO, Duration::from_secs(1))
     }
 
     #[test]
@@ -229,9 +243,30 @@ mod tests {
 
     #[test]
     fn shrink_cuts_only_when_shorter_and_only_with_a_context_axis() {
-        assert_eq!(p(Decision::ShrinkContext { tokens: 512 }), run("gpu", Some(512)));
-        assert_eq!(p(Decision::ShrinkContext { tokens: 4096 }), run("gpu", None));
-        assert!(matches!(p(Decision::ShrinkContext { tokens: 0 }), Plan::Invalid(_)));
+        let shrink = |tokens| p_for(&shrinkable(), Decision::ShrinkContext { tokens });
+        assert_eq!(shrink(512), run("gpu", Some(512)));
+        assert_eq!(shrink(4096), run("gpu", None));
+        assert!(matches!(shrink(0), Plan::Invalid(_)));
+        let no_axis = plan(
+            &Decision::ShrinkContext { tokens: 10 },
+            &shrinkable(),
+            false,
+            &pools(),
+            Duration::ZERO,
+            Duration::from_secs(1),
+        );
+        assert!(matches!(no_axis, Plan::Refuse(m) if m.contains("has no context axis")));
+    }
+
+    #[test]
+    fn a_shrink_the_client_did_not_allow_is_invalid_whatever_the_script_says() {
+        let invalid = Plan::Invalid(
+            "the policy asked to shrink the context, but the client did not allow it (x-vramguard-allow-shrink)".into(),
+        );
+        // Even a shrink that would not cut anything, or one on a model without a context axis:
+        // the script asked for something the client never agreed to.
+        assert_eq!(p(Decision::ShrinkContext { tokens: 512 }), invalid);
+        assert_eq!(p(Decision::ShrinkContext { tokens: 4096 }), invalid);
         let no_axis = plan(
             &Decision::ShrinkContext { tokens: 10 },
             &req(),
@@ -240,7 +275,9 @@ mod tests {
             Duration::ZERO,
             Duration::from_secs(1),
         );
-        assert!(matches!(no_axis, Plan::Refuse(m) if m.contains("has no context axis")));
+        assert_eq!(no_axis, invalid);
+        // Other decisions do not need the client's consent.
+        assert_eq!(p(Decision::Admit { pool: None }), run("gpu", None));
     }
 
     #[test]

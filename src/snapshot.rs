@@ -133,6 +133,10 @@ pub struct RequestInfo {
     pub priority: i64,
     /// False when `x-vramguard-replayable: false` was sent.
     pub replayable: bool,
+    /// True when the client allows its context to be cut (`x-vramguard-allow-shrink: true`,
+    /// `parameters.allow_shrink`, or the model's `allow_shrink` default). Cutting a context
+    /// changes the answer, so without it a `shrink_context` decision is not carried out.
+    pub allow_shrink: bool,
     /// `x-vramguard-deadline-ms`, 0 when absent.
     pub deadline_ms: u64,
     /// What it is expected to need.

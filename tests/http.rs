@@ -429,3 +429,67 @@ pools:
     );
     server.stop().await;
 }
+
+#[tokio::test]
+async fn allow_shrink_comes_from_the_header_then_the_parameter_then_the_model() {
+    // The policy answers with what it was given, so the 503's reason shows req.allow_shrink.
+    let policy = common::policy_file(
+        "echo-allow-shrink",
+        "fn decide(req, state) { reject(`allow_shrink=${req.allow_shrink}`) }\n",
+    );
+    let server = TestServer::start(&format!(
+        "
+models:
+  - {{name: encoder, path: 'builtin:encoder', context: {{input: input, axis: 1}}, allow_shrink: true}}
+  - {{name: classifier, path: 'builtin:classifier'}}
+pools:
+  - {{name: cpu, provider: cpu, models: [encoder, classifier]}}
+{policy}"
+    ))
+    .await;
+    let send = |model: &str, parameter: Option<Value>, header: Option<&str>| {
+        let mut body = match model {
+            "classifier" => {
+                json!({"inputs": [{"name": "features", "shape": [1, 16], "datatype": "FP32", "data": vec![0.5; 16]}]})
+            }
+            _ => {
+                json!({"inputs": [{"name": "input", "shape": [1, 2, 64], "datatype": "FP32", "data": vec![0.5; 128]}]})
+            }
+        };
+        if let Some(allow) = parameter {
+            body["parameters"] = json!({"allow_shrink": allow});
+        }
+        let mut request = reqwest::Client::new()
+            .post(server.url(&format!("/v2/models/{model}/infer")))
+            .json(&body);
+        if let Some(value) = header {
+            request = request.header("x-vramguard-allow-shrink", value);
+        }
+        async move { error_of(request.send().await.unwrap()).await }
+    };
+    // (model, parameters.allow_shrink, header, what the policy sees); only `encoder` allows it
+    // by default.
+    let cases = [
+        ("classifier", None, None, false),
+        ("classifier", Some(true), None, true),
+        ("classifier", Some(true), Some("false"), false),
+        ("classifier", None, Some("true"), true),
+        ("encoder", None, None, true),
+        ("encoder", Some(false), None, false),
+        ("encoder", Some(false), Some("true"), true),
+    ];
+    for (model, parameter, header, want) in cases {
+        let what = format!("{model}, parameter {parameter:?}, header {header:?}");
+        let (status, message) = send(model, parameter.map(Value::Bool), header).await;
+        assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{what}: {message}");
+        assert_eq!(message, format!("rejected by policy: allow_shrink={want}"), "{what}");
+    }
+
+    let (status, message) = send("classifier", None, Some("maybe")).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    assert_eq!(message, "x-vramguard-allow-shrink must be `true` or `false`");
+    let (status, message) = send("classifier", Some(json!("yes")), None).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    assert_eq!(message, "parameter `allow_shrink` must be true or false, got \"yes\"");
+    server.stop().await;
+}

@@ -187,6 +187,7 @@ fn request(seq: usize, value: f32) -> Request {
         outputs: vec![],
         priority: 0,
         replayable: true,
+        allow_shrink: false,
         deadline: None,
         received: Instant::now(),
     }
@@ -247,6 +248,7 @@ async fn redirect_runs_on_the_named_pool() {
 async fn shrink_cuts_the_context_axis_keeping_the_configured_end() {
     let h = simple("fn decide(req, state) { shrink_context(3) }");
     let mut req = request(8, 0.0);
+    req.allow_shrink = true;
     req.inputs[0].data = TensorData::Fp32((0..32).map(|i| i as f32).collect());
     let s = served(&h, req).await;
     assert_eq!(s.action, Action::ShrinkContext);
@@ -257,6 +259,16 @@ async fn shrink_cuts_the_context_axis_keeping_the_configured_end() {
         s.outputs[0].data,
         TensorData::Fp32((20..32).map(|i| i as f32).collect())
     );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_shrink_the_client_did_not_allow_takes_the_fallback_with_the_whole_context() {
+    let h = simple("fn decide(req, state) { shrink_context(3) }");
+    let s = served(&h, request(8, 0.5)).await;
+    // The configured fallback is admit: the request runs whole on the router's pool.
+    assert_eq!((s.pool.name(), s.action, s.context), ("gpu", Action::Admit, None));
+    assert_eq!(s.outputs[0].shape, vec![1, 8, 4]);
+    assert_eq!(counter(&h, "vramguard_policy_errors_total{kind=\"bad_return\"}"), 1.0);
 }
 
 #[tokio::test(start_paused = true)]

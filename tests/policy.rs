@@ -54,10 +54,18 @@ fn tokens(seq: usize) -> Vec<f32> {
 }
 
 async fn infer(server: &TestServer, seq: usize, priority: i64) -> reqwest::Response {
+    infer_with(server, seq, priority, &[]).await
+}
+
+async fn infer_with(server: &TestServer, seq: usize, priority: i64, headers: &[(&str, &str)]) -> reqwest::Response {
     let data = tokens(seq);
-    reqwest::Client::new()
+    let mut request = reqwest::Client::new()
         .post(server.url("/v2/models/encoder/infer"))
-        .header("x-vramguard-priority", priority)
+        .header("x-vramguard-priority", priority);
+    for (name, value) in headers {
+        request = request.header(*name, *value);
+    }
+    request
         .json(
             &json!({"inputs": [{"name": "input", "shape": [1, seq, 64], "datatype": "FP32", "data": data}],
                       "outputs": [{"name": "hidden"}]}),
@@ -94,9 +102,18 @@ async fn every_decision_is_enacted_on_the_request_path() {
     let body: Value = redirected.json().await.unwrap();
     assert_eq!(body["parameters"]["pool"], "slow");
 
-    // shrink_context(8): the last 8 of 32 tokens run (keep: end), and the output is what those
-    // 8 tokens give on their own.
-    let shrunk = infer(&server, 32, 2).await;
+    // shrink_context(8) from a client that did not allow it: not carried out; the fallback
+    // (admit) runs the whole context and it counts as a bad return.
+    let whole = infer(&server, 32, 2).await;
+    assert_eq!(whole.status(), StatusCode::OK);
+    assert_eq!(whole.headers()["x-vramguard-decision"], "admit");
+    assert!(!whole.headers().contains_key("x-vramguard-context"));
+    let whole: Value = whole.json().await.unwrap();
+    assert_eq!(whole["outputs"][0]["shape"], json!([1, 32, 64]));
+
+    // shrink_context(8) from a client that allows it: the last 8 of 32 tokens run (keep: end),
+    // and the output is what those 8 tokens give on their own.
+    let shrunk = infer_with(&server, 32, 2, &[("x-vramguard-allow-shrink", "true")]).await;
     assert_eq!(shrunk.status(), StatusCode::OK);
     assert_eq!(shrunk.headers()["x-vramguard-context"], "32->8");
     assert_eq!(shrunk.headers()["x-vramguard-decision"], "shrink_context");
@@ -148,7 +165,7 @@ async fn every_decision_is_enacted_on_the_request_path() {
 
     let metrics = server.metrics().await;
     for (series, want) in [
-        ("vramguard_policy_decisions_total{action=\"admit\",pool=\"fast\"}", 5.0),
+        ("vramguard_policy_decisions_total{action=\"admit\",pool=\"fast\"}", 6.0),
         (
             "vramguard_policy_decisions_total{action=\"redirect\",pool=\"slow\"}",
             1.0,
@@ -159,7 +176,7 @@ async fn every_decision_is_enacted_on_the_request_path() {
         ),
         ("vramguard_policy_decisions_total{action=\"defer\",pool=\"fast\"}", 3.0),
         ("vramguard_policy_decisions_total{action=\"reject\",pool=\"fast\"}", 1.0),
-        ("vramguard_policy_errors_total{kind=\"bad_return\"}", 2.0),
+        ("vramguard_policy_errors_total{kind=\"bad_return\"}", 3.0),
         ("vramguard_policy_errors_total{kind=\"limit\"}", 1.0),
         (
             "vramguard_requests_total{model=\"encoder\",pool=\"\",outcome=\"deferred_timeout\"}",
@@ -172,7 +189,7 @@ async fn every_decision_is_enacted_on_the_request_path() {
     ] {
         assert_eq!(counter(&metrics, series), want, "{series} in\n{metrics}");
     }
-    assert_eq!(counter(&metrics, "vramguard_policy_eval_duration_seconds_count"), 11.0);
+    assert_eq!(counter(&metrics, "vramguard_policy_eval_duration_seconds_count"), 12.0);
     server.stop().await;
     let _ = std::fs::remove_dir_all(dir);
 }

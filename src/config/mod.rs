@@ -246,6 +246,11 @@ pub struct RawModel {
     /// The axis whose length is the context length, if the model has one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub context: Option<RawContext>,
+    /// Whether a request that does not say (no `x-vramguard-allow-shrink` header, no
+    /// `parameters.allow_shrink`) allows its context to be cut. Off by default: a shrink
+    /// changes the answer.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub allow_shrink: bool,
     /// Memory profile; when absent it is measured at start-up.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub memory_profile: Option<RawProfile>,
@@ -582,6 +587,8 @@ pub struct ModelConfig {
     pub source: ModelSource,
     /// The context axis, if the model has one.
     pub context: Option<ContextAxis>,
+    /// Whether requests allow their context to be cut unless they say otherwise.
+    pub allow_shrink: bool,
     /// A configured memory profile (measured at start-up otherwise).
     pub profile: Option<ConfiguredProfile>,
 }
@@ -960,6 +967,7 @@ impl RawConfig {
                 name: m.name.clone(),
                 source,
                 context,
+                allow_shrink: m.allow_shrink,
                 profile,
             });
         }
@@ -1273,6 +1281,8 @@ pools:
             sim.pools.iter().map(|p| &p.name).collect::<Vec<_>>(),
             gpu.pools.iter().map(|p| &p.name).collect::<Vec<_>>()
         );
+        // Lossless first: out of the box no request's context is cut unless the client asks.
+        assert!(sim.models.iter().all(|m| !m.allow_shrink));
     }
 
     #[test]
@@ -1298,6 +1308,8 @@ pools:
                 keep: Keep::End
             })
         );
+        let allow_shrink: Vec<bool> = cfg.models.iter().map(|m| m.allow_shrink).collect();
+        assert_eq!(allow_shrink, [false, false]);
     }
 
     #[test]
@@ -1314,6 +1326,9 @@ pools:
                 ttl: Duration::from_secs(600)
             }
         );
+        assert!(!cfg.models[0].allow_shrink);
+        let allowed = BASE.replace("builtin:encoder", "builtin:encoder\n    allow_shrink: true");
+        assert!(check(&allowed).unwrap().models[0].allow_shrink);
     }
 
     #[test]

@@ -30,6 +30,8 @@ pub struct DecodedRequest {
     pub outputs: Vec<RequestedOutput>,
     /// `binary_data_output`: default encoding for outputs not listed.
     pub binary_by_default: bool,
+    /// `parameters.allow_shrink`: whether the client allows its context to be cut, when it said.
+    pub allow_shrink: Option<bool>,
 }
 
 #[derive(Deserialize)]
@@ -62,12 +64,17 @@ struct OutputRequestJson {
     parameters: Map<String, Value>,
 }
 
-fn flag(params: &Map<String, Value>, key: &str) -> Result<bool, String> {
+/// A boolean parameter: `None` when absent (or null).
+fn optional_flag(params: &Map<String, Value>, key: &str) -> Result<Option<bool>, String> {
     match params.get(key) {
-        None | Some(Value::Null) => Ok(false),
-        Some(Value::Bool(b)) => Ok(*b),
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::Bool(b)) => Ok(Some(*b)),
         Some(other) => Err(format!("parameter `{key}` must be true or false, got {other}")),
     }
+}
+
+fn flag(params: &Map<String, Value>, key: &str) -> Result<bool, String> {
+    Ok(optional_flag(params, key)?.unwrap_or(false))
 }
 
 /// Decode a request body. `header_len` is the `Inference-Header-Content-Length` header: the
@@ -196,6 +203,7 @@ pub fn decode(body: &[u8], header_len: Option<usize>, signature: &ModelSignature
     }
 
     let binary_by_default = flag(&request.parameters, "binary_data_output")?;
+    let allow_shrink = optional_flag(&request.parameters, "allow_shrink")?;
     let mut outputs = Vec::new();
     for out in request.outputs.unwrap_or_default() {
         if !signature.outputs.iter().any(|s| s.name == out.name) {
@@ -228,6 +236,7 @@ pub fn decode(body: &[u8], header_len: Option<usize>, signature: &ModelSignature
             .collect(),
         outputs,
         binary_by_default,
+        allow_shrink,
     })
 }
 
@@ -410,6 +419,23 @@ mod tests {
         assert!(
             err(r#"{"inputs":[{"name":"x","shape":[1,2],"datatype":"FP32","data":[1,2]}],"outputs":[{"name":"q"}]}"#)
                 .starts_with("unknown output `q`")
+        );
+    }
+
+    #[test]
+    fn allow_shrink_is_read_from_the_request_parameters_when_given() {
+        let with = |parameters: &str| {
+            let body =
+                format!(r#"{{"inputs":[{{"name":"x","shape":[1,2],"datatype":"FP32","data":[1,2]}}]{parameters}}}"#);
+            decode(body.as_bytes(), None, &signature()).map(|r| r.allow_shrink)
+        };
+        assert_eq!(with(""), Ok(None));
+        assert_eq!(with(r#","parameters":{"allow_shrink":null}"#), Ok(None));
+        assert_eq!(with(r#","parameters":{"allow_shrink":true}"#), Ok(Some(true)));
+        assert_eq!(with(r#","parameters":{"allow_shrink":false}"#), Ok(Some(false)));
+        assert_eq!(
+            with(r#","parameters":{"allow_shrink":"yes"}"#),
+            Err("parameter `allow_shrink` must be true or false, got \"yes\"".into())
         );
     }
 

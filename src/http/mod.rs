@@ -43,6 +43,8 @@ pub const REPLAYABLE_HEADER: &str = "x-vramguard-replayable";
 pub const IDEMPOTENCY_KEY: &str = "idempotency-key";
 /// Why the service is degraded, on every response while it is.
 pub const DEGRADED_HEADER: &str = "x-vramguard-degraded";
+/// `true` when the client allows its context to be cut (overrides `parameters.allow_shrink`).
+pub const ALLOW_SHRINK_HEADER: &str = "x-vramguard-allow-shrink";
 /// `FROM->TO` tokens when the context was shrunk.
 pub const CONTEXT_HEADER: &str = "x-vramguard-context";
 /// Binary extension header: length of the JSON part.
@@ -468,7 +470,7 @@ async fn idempotent(
         header(HEADER_LENGTH),
         header(PRIORITY_HEADER),
         header(REPLAYABLE_HEADER),
-        header("x-vramguard-allow-shrink"),
+        header(ALLOW_SHRINK_HEADER),
     ]);
     let cache = state.service.idempotency.clone();
     match cache.claim(&model, &key, fingerprint).await {
@@ -563,8 +565,13 @@ fn decode(
         .map(|ms| received + Duration::from_millis(ms));
     let priority = header_value::<i64>(headers, PRIORITY_HEADER, "an integer")?.unwrap_or(0);
     let replayable = header_value::<bool>(headers, REPLAYABLE_HEADER, "`true` or `false`")?.unwrap_or(true);
+    let allow_shrink_header = header_value::<bool>(headers, ALLOW_SHRINK_HEADER, "`true` or `false`")?;
     let mut decoded = infer::decode(&body, header_len, &entry.signature).map_err(RequestError::BadInput)?;
     drop(body);
+    // The header wins over the request's parameter, which wins over the model's default.
+    let allow_shrink = allow_shrink_header
+        .or(decoded.allow_shrink)
+        .unwrap_or(entry.config.allow_shrink);
     let request = lifecycle::Request {
         id: id.to_string(),
         model: model.to_string(),
@@ -572,6 +579,7 @@ fn decode(
         outputs: decoded.outputs.iter().map(|o| o.name.clone()).collect(),
         priority,
         replayable,
+        allow_shrink,
         deadline,
         received,
     };

@@ -44,6 +44,7 @@ fn request() -> RequestInfo {
         batch: 2,
         priority: -3,
         replayable: true,
+        allow_shrink: true,
         deadline_ms: 250,
         estimate: Estimate {
             weights_bytes: 1000,
@@ -319,9 +320,9 @@ fn req_carries_every_contract_field() {
             let e = req.estimate;
             let ok = req.id == "req-1" && req.model == "encoder" && req.pool == "gpu"
                 && req.context_tokens == 128 && req.max_new_tokens == 16 && req.batch == 2
-                && req.priority == -3 && req.replayable && req.deadline_ms == 250
+                && req.priority == -3 && req.replayable && req.allow_shrink && req.deadline_ms == 250
                 && e.weights_bytes == 1000 && e.context_bytes == 200 && e.workspace_bytes == 30
-                && e.total_bytes == 1230 && req.len() == 10 && e.len() == 4;
+                && e.total_bytes == 1230 && req.len() == 11 && e.len() == 4;
             if ok { admit() } else { reject(`req was ${req}`) }
         }"#,
     );

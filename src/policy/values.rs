@@ -284,7 +284,7 @@ impl StateView {
 /// The `req` argument for one evaluation.
 ///
 /// Cloning a map that already has every key and then filling in the values costs less than half
-/// of inserting ten keys into a fresh map (each insert searches and may split a node).
+/// of inserting eleven keys into a fresh map (each insert searches and may split a node).
 pub(crate) fn request(req: &RequestInfo) -> Dynamic {
     static TEMPLATE: OnceLock<(Map, Map)> = OnceLock::new();
     let (request_keys, estimate_keys) = TEMPLATE.get_or_init(|| {
@@ -299,6 +299,7 @@ pub(crate) fn request(req: &RequestInfo) -> Dynamic {
                 "batch",
                 "priority",
                 "replayable",
+                "allow_shrink",
                 "deadline_ms",
                 "estimate",
             ]),
@@ -326,6 +327,7 @@ pub(crate) fn request(req: &RequestInfo) -> Dynamic {
             "batch" => int(req.batch),
             "priority" => Dynamic::from_int(req.priority),
             "replayable" => Dynamic::from_bool(req.replayable),
+            "allow_shrink" => Dynamic::from_bool(req.allow_shrink),
             "deadline_ms" => int(req.deadline_ms),
             _ => estimate.take().map_or(Dynamic::UNIT, Dynamic::from_map),
         };

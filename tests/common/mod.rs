@@ -109,14 +109,19 @@ impl TestServer {
 
     /// Send an encoder request of `seq` tokens as binary tensor data.
     pub async fn encoder(&self, seq: usize) -> reqwest::Response {
+        self.encoder_with_headers(seq, &[]).await
+    }
+
+    /// [`TestServer::encoder`] with extra request headers.
+    pub async fn encoder_with_headers(&self, seq: usize, headers: &[(&str, &str)]) -> reqwest::Response {
         let (header, body) = encoder_binary_request(seq);
-        reqwest::Client::new()
+        let mut request = reqwest::Client::new()
             .post(self.url("/v2/models/encoder/infer"))
-            .header("Inference-Header-Content-Length", header.len())
-            .body(body)
-            .send()
-            .await
-            .unwrap()
+            .header("Inference-Header-Content-Length", header.len());
+        for (name, value) in headers {
+            request = request.header(*name, *value);
+        }
+        request.body(body).send().await.unwrap()
     }
 }
 
@@ -161,15 +166,21 @@ pub fn spawn_serving(args: &[&str], env: &[(&str, &str)], message: &str) -> (std
 /// A policy file that admits everything, for tests about what happens after admission. Returns
 /// the `policy:` config section that uses it.
 pub fn admit_all_policy() -> String {
-    // A folder per call: tests in one process must not rewrite a file another is reading.
+    policy_file("admit-all", "fn decide(req, state) { admit() }\n")
+}
+
+/// Write `source` as the policy `name` in a scratch folder of its own (a folder per call: tests
+/// in one process must not rewrite a file another is reading); returns the `policy:` config
+/// section that uses it.
+pub fn policy_file(name: &str, source: &str) -> String {
     static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
     let dir = std::env::temp_dir().join(format!(
-        "vramguard-admit-all-{}-{}",
+        "vramguard-{name}-{}-{}",
         std::process::id(),
         NEXT.fetch_add(1, std::sync::atomic::Ordering::SeqCst)
     ));
     std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join("admit-all.rhai");
-    std::fs::write(&path, "fn decide(req, state) { admit() }\n").unwrap();
+    let path = dir.join(format!("{name}.rhai"));
+    std::fs::write(&path, source).unwrap();
     format!("policy: {{path: '{}', watch_interval: 0}}\n", path.display())
 }
