@@ -236,3 +236,87 @@ async fn a_driver_reset_opens_the_breaker_at_once_while_the_cpu_pool_keeps_servi
     assert_eq!(back.headers()["x-vramguard-pool"], "gpu");
     server.stop().await;
 }
+
+fn ok_count(metrics: &str) -> f64 {
+    metrics
+        .lines()
+        .filter(|l| l.starts_with("vramguard_requests_total{") && l.contains("outcome=\"ok\""))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+#[tokio::test]
+async fn an_idempotency_key_executes_at_most_once() {
+    let server = TestServer::start(&config()).await;
+    let first = encoder_request(&server, &[("idempotency-key", "k1"), ("x-request-id", "a")]).await;
+    assert_eq!(first.status(), StatusCode::OK);
+    let first_body = first.bytes().await.unwrap();
+    let again = encoder_request(&server, &[("idempotency-key", "k1"), ("x-request-id", "b")]).await;
+    assert_eq!(again.status(), StatusCode::OK);
+    assert_eq!(again.headers()["x-request-id"], "b", "each response names its own request");
+    assert_eq!(again.bytes().await.unwrap(), first_body, "the stored response, not a new run");
+    assert_eq!(ok_count(&server.metrics().await), 1.0, "executed once");
+
+    // The same key with another request is refused.
+    let (header, body) = common::encoder_binary_request(32);
+    let other = reqwest::Client::new()
+        .post(server.url("/v2/models/encoder/infer"))
+        .header("Inference-Header-Content-Length", header.len())
+        .header("idempotency-key", "k1")
+        .body(body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(other.status(), StatusCode::UNPROCESSABLE_ENTITY);
+    let error: Value = other.json().await.unwrap();
+    assert!(error["error"].as_str().unwrap().contains("`k1`"), "{error}");
+
+    // Concurrent duplicates wait for the first and get its response: one more execution.
+    let duplicates: Vec<_> = (0..6)
+        .map(|_| {
+            let url = server.url("/v2/models/encoder/infer");
+            tokio::spawn(async move {
+                let (header, body) = common::encoder_binary_request(64);
+                let response = reqwest::Client::new()
+                    .post(url)
+                    .header("Inference-Header-Content-Length", header.len())
+                    .header("idempotency-key", "k2")
+                    .body(body)
+                    .send()
+                    .await
+                    .unwrap();
+                (response.status(), response.bytes().await.unwrap())
+            })
+        })
+        .collect();
+    let mut bodies = Vec::new();
+    for d in duplicates {
+        let (status, body) = d.await.unwrap();
+        assert_eq!(status, StatusCode::OK);
+        bodies.push(body);
+    }
+    assert!(bodies.windows(2).all(|w| w[0] == w[1]));
+    assert_eq!(ok_count(&server.metrics().await), 2.0);
+    let metrics = server.metrics().await;
+    assert!(metric(&metrics, "vramguard_idempotency_hits_total") >= 6.0, "{metrics}");
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn a_key_whose_request_did_not_run_may_run_on_retry() {
+    let server = TestServer::start(&config()).await;
+    inject(&server, json!({"fail_next": 1})).await;
+    let refused = encoder_request(
+        &server,
+        &[("idempotency-key", "k3"), ("x-vramguard-replayable", "false")],
+    )
+    .await;
+    assert_eq!(refused.status(), StatusCode::SERVICE_UNAVAILABLE);
+    let retried = encoder_request(
+        &server,
+        &[("idempotency-key", "k3"), ("x-vramguard-replayable", "false")],
+    )
+    .await;
+    assert_eq!(retried.status(), StatusCode::OK, "an allocator failure stored nothing");
+    server.stop().await;
+}
