@@ -361,7 +361,16 @@ impl RequestError {
 pub async fn infer(service: &Service, request: Request) -> Result<Served, Refused> {
     let model = request.model.clone();
     let received = request.received;
+    // A client that goes away drops this future: the guard counts that as `cancelled` (a job
+    // still queued is then skipped by the pool, one already running finishes unobserved).
+    let mut gone = ClientGone {
+        service,
+        model: &model,
+        received,
+        armed: true,
+    };
     let result = run(service, request).await;
+    gone.armed = false;
     let (pool, outcome) = match &result {
         Ok(served) => (Some(&served.pool), Outcome::ok),
         Err(refused) => (refused.pool.as_ref(), refused.error.outcome()),
@@ -371,6 +380,23 @@ pub async fn infer(service: &Service, request: Request) -> Result<Served, Refuse
         tracing::debug!(model = %model, pool = pool.map(|p| p.name()), status = %refused.error.status(), error = %refused.error, "request refused");
     }
     result
+}
+
+/// Counts a request whose client went away before it was answered.
+struct ClientGone<'a> {
+    service: &'a Service,
+    model: &'a str,
+    received: Instant,
+    armed: bool,
+}
+
+impl Drop for ClientGone<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            tracing::debug!(model = self.model, "the client went away before the answer");
+            record(self.service, self.model, None, Outcome::cancelled, self.received);
+        }
+    }
 }
 
 /// Refuse a request before it reaches [`infer`] (it could not be decoded, say), counting it

@@ -253,8 +253,16 @@ async fn an_idempotency_key_executes_at_most_once() {
     let first_body = first.bytes().await.unwrap();
     let again = encoder_request(&server, &[("idempotency-key", "k1"), ("x-request-id", "b")]).await;
     assert_eq!(again.status(), StatusCode::OK);
-    assert_eq!(again.headers()["x-request-id"], "b", "each response names its own request");
-    assert_eq!(again.bytes().await.unwrap(), first_body, "the stored response, not a new run");
+    assert_eq!(
+        again.headers()["x-request-id"],
+        "b",
+        "each response names its own request"
+    );
+    assert_eq!(
+        again.bytes().await.unwrap(),
+        first_body,
+        "the stored response, not a new run"
+    );
     assert_eq!(ok_count(&server.metrics().await), 1.0, "executed once");
 
     // The same key with another request is refused.

@@ -492,3 +492,37 @@ async fn a_deadline_the_queue_cannot_meet_is_answered_at_once() {
         1.0
     );
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_client_that_goes_away_is_counted_cancelled_and_its_queued_job_never_runs() {
+    let h = simple("fn decide(req, state) { admit() }");
+    let blocker = tokio::spawn({
+        let service = Arc::clone(&h.service);
+        async move { lifecycle::infer(&service, request(4, WAIT_FOR_GATE)).await.is_ok() }
+    });
+    while h.service.pool("gpu").unwrap().load().inflight == 0 {
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    let built = h.factory.built.load(Ordering::SeqCst);
+    let leaving = tokio::spawn({
+        let service = Arc::clone(&h.service);
+        async move { lifecycle::infer(&service, request(4, PANIC)).await.is_ok() }
+    });
+    while h.service.pool("gpu").unwrap().load().queue_depth == 0 {
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    leaving.abort();
+    assert!(leaving.await.unwrap_err().is_cancelled());
+    h.release.send(()).unwrap();
+    assert!(blocker.await.unwrap());
+    // The abandoned job was skipped: had it run, its backend would have panicked and been rebuilt.
+    served(&h, request(4, 0.5)).await;
+    assert_eq!(h.factory.built.load(Ordering::SeqCst), built);
+    assert_eq!(
+        counter(
+            &h,
+            "vramguard_requests_total{model=\"encoder\",pool=\"\",outcome=\"cancelled\"}"
+        ),
+        1.0
+    );
+}
