@@ -174,6 +174,16 @@ pub enum RequestError {
         /// The pool.
         pool: String,
     },
+    /// A host pool cannot take it without eating into the host's memory reserve.
+    #[error("pool `{pool}` cannot take it now: {reason}")]
+    HostMemory {
+        /// The pool.
+        pool: String,
+        /// The numbers.
+        reason: String,
+        /// The pool's delay estimate (running work frees memory as it finishes).
+        retry_after: Duration,
+    },
     /// The pool's circuit breaker is open.
     #[error("pool `{pool}` is not taking work: its circuit breaker is open after {why}")]
     BreakerOpen {
@@ -269,6 +279,7 @@ impl RequestError {
             | RequestError::ShuttingDown { .. }
             | RequestError::Unavailable { .. }
             | RequestError::BreakerOpen { .. }
+            | RequestError::HostMemory { .. }
             | RequestError::Allocation { .. } => StatusCode::SERVICE_UNAVAILABLE,
         }
     }
@@ -288,6 +299,7 @@ impl RequestError {
             | RequestError::ShuttingDown { .. }
             | RequestError::Unavailable { .. }
             | RequestError::BreakerOpen { .. }
+            | RequestError::HostMemory { .. }
             | RequestError::Allocation { .. } => Outcome::rejected,
         }
     }
@@ -303,6 +315,7 @@ impl RequestError {
             | RequestError::QueueFull { retry_after, .. }
             | RequestError::QueueTimeout { retry_after, .. }
             | RequestError::BreakerOpen { retry_after, .. }
+            | RequestError::HostMemory { retry_after, .. }
             | RequestError::Allocation { retry_after, .. } => *retry_after,
             RequestError::UnknownModel { .. }
             | RequestError::BadInput(_)
@@ -465,8 +478,18 @@ async fn run(service: &Service, mut request: Request) -> Result<Served, Refused>
     if !deadline_reachable(&pool, &request) {
         return Err(refuse(Some(&pool), RequestError::Deadline(DeadlineMiss::Estimated)));
     }
+    if let Err(reason) = host_keeps_reserve(service, &pool, estimate_bytes) {
+        return Err(refuse(
+            Some(&pool),
+            RequestError::HostMemory {
+                pool: pool.name().to_string(),
+                reason,
+                retry_after: pool.load().estimated_delay,
+            },
+        ));
+    }
     let inputs = std::mem::take(&mut request.inputs);
-    let first = run_on(&pool, &request, inputs, estimate_bytes).await;
+    let first = run_on(service, &pool, &request, inputs, estimate_bytes).await;
     let error = match first {
         Ok(outputs) => {
             return Ok(Served {
@@ -505,7 +528,7 @@ async fn run(service: &Service, mut request: Request) -> Result<Served, Refused>
         }
         return Err(refuse(Some(&pool), refused));
     };
-    if let Err(why) = can_take_retry(service, &fallback, admitted.estimate.total_bytes) {
+    if let Err(why) = can_take_retry(service, &fallback, estimate_bytes) {
         retries(RetryResult::no_fallback);
         let mut refused = RequestError::from_pool(&pool, error);
         if let RequestError::Allocation { not_retried, .. } = &mut refused {
@@ -519,7 +542,7 @@ async fn run(service: &Service, mut request: Request) -> Result<Served, Refused>
     };
     service.failover(&pool, &fallback, reason);
     tracing::info!(request_id = %request.id, from = pool.name(), to = fallback.name(), reason = ?reason, "allocator failure: retrying once on the fallback pool");
-    match run_on(&fallback, &request, inputs, estimate_bytes).await {
+    match run_on(service, &fallback, &request, inputs, estimate_bytes).await {
         Ok(outputs) => {
             retries(RetryResult::ok);
             Ok(Served {
@@ -565,16 +588,33 @@ fn can_take_retry(service: &Service, fallback: &Pool, need_bytes: u64) -> Result
             fallback.name()
         ));
     }
-    if !is_accelerator(fallback) {
-        let host = service.store.latest().snapshot.host.clone();
-        if host.mem_total_bytes > 0 && host.mem_available_bytes.saturating_sub(need_bytes) < host.reserve_bytes {
-            return Err(format!(
-                "the host would drop below its memory reserve ({} available, {} needed, {} reserved)",
-                crate::logging::human_bytes(host.mem_available_bytes),
-                crate::logging::human_bytes(need_bytes),
-                crate::logging::human_bytes(host.reserve_bytes)
-            ));
-        }
+    host_keeps_reserve(service, fallback, need_bytes)
+}
+
+/// The host-RAM guard: a run on a host (CPU) pool is admitted only if available host memory,
+/// less what runs already admitted to host pools are expected to need, less this run's
+/// estimate, stays above `host.reserve`, so CPU work cannot take the machine down.
+fn host_keeps_reserve(service: &Service, pool: &Pool, need_bytes: u64) -> Result<(), String> {
+    if is_accelerator(pool) {
+        return Ok(());
+    }
+    let host = service.store.latest().snapshot.host.clone();
+    if host.mem_total_bytes == 0 {
+        return Ok(()); // no host reading (no procfs): nothing to judge by
+    }
+    let committed = service.host_committed();
+    let left = host
+        .mem_available_bytes
+        .saturating_sub(committed)
+        .saturating_sub(need_bytes);
+    if left < host.reserve_bytes {
+        return Err(format!(
+            "the host would drop below its memory reserve ({} available, {} promised to running CPU work, {} needed, {} reserved)",
+            crate::logging::human_bytes(host.mem_available_bytes),
+            crate::logging::human_bytes(committed),
+            crate::logging::human_bytes(need_bytes),
+            crate::logging::human_bytes(host.reserve_bytes)
+        ));
     }
     Ok(())
 }
@@ -582,11 +622,15 @@ fn can_take_retry(service: &Service, fallback: &Pool, need_bytes: u64) -> Result
 /// Queue one run of `request` with `inputs` on `pool` and wait for it (or the deadline). Takes
 /// the breaker's permission first; a half-open breaker's probe is settled by its outcome.
 async fn run_on(
+    service: &Service,
     pool: &Arc<Pool>,
     request: &Request,
     inputs: Vec<Tensor>,
     estimate_bytes: u64,
 ) -> Result<Vec<Tensor>, PoolError> {
+    // What a host pool's run is expected to take stays promised until it ends (or the client
+    // goes away), so concurrent admissions see each other before the next memory sample does.
+    let _promised = (!is_accelerator(pool)).then(|| service.promise_host_memory(estimate_bytes));
     let probe = pool.breaker_permit()?;
     let job = InferJob {
         request_id: request.id.clone(),

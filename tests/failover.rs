@@ -415,3 +415,23 @@ async fn under_pressure_faults_and_a_reset_nothing_accepted_is_lost_or_run_twice
     assert_eq!(back.headers()["x-vramguard-pool"], "gpu");
     server.stop().await;
 }
+
+#[tokio::test]
+async fn cpu_work_that_would_eat_into_the_host_reserve_is_refused_and_not_retried_there() {
+    // A reserve no machine has: every host-pool run would breach it.
+    let config = config().replace("host: {reserve: 64MiB}", "host: {reserve: 1000TiB}");
+    let server = TestServer::start(&config).await;
+    inject(&server, json!({"fail_next": 1})).await;
+    let response = encoder_request(&server, &[("x-request-id", "no-room")]).await;
+    assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert!(response.headers().contains_key("retry-after"));
+    let body: Value = response.json().await.unwrap();
+    let why = body["not_retried"].as_str().unwrap();
+    assert!(why.contains("memory reserve"), "{body}");
+    let metrics = server.metrics().await;
+    assert_eq!(
+        metric(&metrics, "vramguard_retries_total{pool=\"gpu\",result=\"no_fallback\"}"),
+        1.0
+    );
+    server.stop().await;
+}

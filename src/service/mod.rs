@@ -201,6 +201,21 @@ pub struct Service {
     pub degraded: Arc<Degraded>,
     /// Responses of `idempotency-key` requests, so each key executes at most once.
     pub idempotency: IdempotencyCache<StoredResponse>,
+    /// Bytes promised to runs admitted to host pools and not finished yet.
+    host_promised: Arc<std::sync::atomic::AtomicU64>,
+}
+
+/// Host memory promised to one run; given back when dropped.
+#[derive(Debug)]
+pub struct HostPromise {
+    bytes: u64,
+    promised: Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl Drop for HostPromise {
+    fn drop(&mut self) {
+        self.promised.fetch_sub(self.bytes, std::sync::atomic::Ordering::SeqCst);
+    }
 }
 
 /// The policy's view of one sample: built once per sample, shared by every evaluation.
@@ -313,6 +328,7 @@ impl Service {
             clock,
             degraded,
             idempotency,
+            host_promised: Arc::default(),
         })
     }
 
@@ -378,6 +394,20 @@ impl Service {
         let deadline = tokio::time::Instant::now() + Duration::from_secs(1);
         while self.store.latest().generation == before && tokio::time::Instant::now() < deadline {
             tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+    }
+
+    /// Bytes promised to host-pool runs that have not finished.
+    pub fn host_committed(&self) -> u64 {
+        self.host_promised.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// Promise `bytes` of host memory to a run until the returned guard is dropped.
+    pub fn promise_host_memory(&self, bytes: u64) -> HostPromise {
+        self.host_promised.fetch_add(bytes, std::sync::atomic::Ordering::SeqCst);
+        HostPromise {
+            bytes,
+            promised: Arc::clone(&self.host_promised),
         }
     }
 
