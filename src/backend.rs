@@ -13,7 +13,15 @@ pub trait Backend: Send {
     fn arena_stats(&self) -> Option<ArenaStats>;
     /// Read the allocator statistics again (costs a C API call, ~10 µs: callers decide when).
     fn refresh_arena_stats(&mut self) {}
+    /// A handle that stops this backend's run in progress from another thread (the run then
+    /// ends with [`BackendError::Cancelled`]); `None` when runs cannot be stopped.
+    fn interrupt_handle(&self) -> Option<Interrupt> {
+        None
+    }
 }
+
+/// Stops a backend's run in progress; safe to call from any thread, at any time.
+pub type Interrupt = std::sync::Arc<dyn Fn() + Send + Sync>;
 
 /// A failure running a model, classified so callers match on variants, never on strings.
 #[derive(Debug, Clone, thiserror::Error, PartialEq)]
@@ -32,6 +40,9 @@ pub enum BackendError {
     /// Anything else ONNX Runtime reported.
     #[error("runtime error: {0}")]
     Runtime(String),
+    /// The run was stopped through its interrupt handle (its client went away).
+    #[error("the run was stopped: its client went away")]
+    Cancelled,
     /// The backend panicked; the worker replaced it.
     #[error("the backend panicked: {0}")]
     Panicked(String),

@@ -21,7 +21,7 @@ use crate::metrics::{
     DecisionLabels, FailoverReason, KindLabels, ModelPoolLabels, Outcome, RequestLabels, RetryLabels, RetryResult,
 };
 use crate::policy::PolicyErrorKind;
-use crate::pool::{InferJob, Pool, PoolError};
+use crate::pool::{InferJob, Pool, PoolError, RunCancel};
 use crate::router::{self, Plan, PoolView};
 use crate::service::{ModelEntry, Service};
 use crate::snapshot::{Action, DeviceClass, Estimate, ProviderKind, RequestInfo};
@@ -362,6 +362,8 @@ impl RequestError {
             PoolError::Backend(BackendError::InvalidInput(message)) => {
                 RequestError::BadInput(crate::onnx::concise(&message))
             }
+            // Only a caller that went away cancels, so no client reads this answer.
+            PoolError::Backend(BackendError::Cancelled) => RequestError::Deadline(DeadlineMiss::InPool),
             PoolError::Backend(BackendError::Runtime(_) | BackendError::Panicked(_)) => {
                 RequestError::Failed { pool: name }
             }
@@ -632,6 +634,7 @@ async fn run_on(
     // goes away), so concurrent admissions see each other before the next memory sample does.
     let _promised = (!is_accelerator(pool)).then(|| service.promise_host_memory(estimate_bytes));
     let probe = pool.breaker_permit()?;
+    let cancel = RunCancel::default();
     let job = InferJob {
         request_id: request.id.clone(),
         model: request.model.clone(),
@@ -640,7 +643,11 @@ async fn run_on(
         deadline: request.deadline.map(Instant::into_std),
         estimate_bytes: Some(estimate_bytes),
         probe,
+        cancel: cancel.clone(),
     };
+    // Until the answer is in: a client that goes away (this future dropped) or a deadline that
+    // passes stops the job, queued or running, so the device is not spent on it.
+    let mut stop = StopOnDrop(Some(cancel));
     let reply = pool.submit(job).inspect_err(|_| {
         if probe {
             pool.probe_unused();
@@ -658,11 +665,23 @@ async fn run_on(
         },
         None => reply.await,
     };
+    stop.0 = None;
     reply.unwrap_or_else(|_| {
         Err(PoolError::ShuttingDown {
             pool: pool.name().to_string(),
         })
     })
+}
+
+/// Cancels its job when dropped while still armed.
+struct StopOnDrop(Option<RunCancel>);
+
+impl Drop for StopOnDrop {
+    fn drop(&mut self) {
+        if let Some(cancel) = self.0.take() {
+            cancel.cancel();
+        }
+    }
 }
 
 /// Where the policy sent a request.

@@ -15,7 +15,7 @@ use tokio::sync::oneshot;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::histogram::Histogram;
 
-use crate::backend::{AllocFailureKind, ArenaStats, Backend, BackendError};
+use crate::backend::{AllocFailureKind, ArenaStats, Backend, BackendError, Interrupt};
 use crate::breaker::{Breaker, Permit};
 use crate::clock::{Clock, SystemClock};
 use crate::config::{PoolConfig, Provider};
@@ -89,6 +89,58 @@ pub struct InferJob {
     pub estimate_bytes: Option<u64>,
     /// The breaker's half-open probe: its outcome closes or re-opens the breaker.
     pub probe: bool,
+    /// Lets the caller stop the job: skipped if still queued, interrupted if running.
+    pub cancel: RunCancel,
+}
+
+/// A caller's handle to stop its job: before it starts the worker skips it, while it runs the
+/// backend's run is interrupted (ONNX Runtime's terminate flag), after it ends nothing happens.
+#[derive(Clone, Default)]
+pub struct RunCancel(Arc<Mutex<CancelState>>);
+
+#[derive(Default)]
+struct CancelState {
+    cancelled: bool,
+    interrupt: Option<Interrupt>,
+}
+
+impl std::fmt::Debug for RunCancel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RunCancel")
+            .field("cancelled", &self.lock().cancelled)
+            .finish()
+    }
+}
+
+impl RunCancel {
+    fn lock(&self) -> std::sync::MutexGuard<'_, CancelState> {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Stop the job. The interrupt is called under the lock the worker takes to end the run,
+    /// so it can never reach a later run of the same backend.
+    pub fn cancel(&self) {
+        let mut state = self.lock();
+        state.cancelled = true;
+        if let Some(interrupt) = state.interrupt.take() {
+            interrupt();
+        }
+    }
+
+    /// The run starts with `interrupt`; false if the job was cancelled already.
+    fn start(&self, interrupt: Option<Interrupt>) -> bool {
+        let mut state = self.lock();
+        if state.cancelled {
+            return false;
+        }
+        state.interrupt = interrupt;
+        true
+    }
+
+    /// The run ended: nothing may interrupt this backend on this job's behalf any more.
+    fn end(&self) {
+        self.lock().interrupt = None;
+    }
 }
 
 /// Why a job produced no outputs.
@@ -602,6 +654,11 @@ impl Pool {
                 Some(Some(Err(PoolError::DeadlineExceeded {
                     pool: self.name().to_string(),
                 })))
+            } else if !job.cancel.start(backend.interrupt_handle()) {
+                // Cancelled while queued. Registered last, so only a job that runs holds the
+                // backend's interrupt (and `run_one` always ends it).
+                tracing::debug!(request_id = %job.request_id, pool = self.name(), "cancelled before start; skipped");
+                Some(None)
             } else {
                 None
             };
@@ -653,6 +710,7 @@ impl Pool {
         let estimate = job.estimate_bytes.unwrap_or(0);
         let job_probe = job.probe;
         let run = std::panic::catch_unwind(AssertUnwindSafe(|| backend.run(&job.model, job.inputs, &job.outputs)));
+        job.cancel.end();
         self.record_run(started.elapsed());
         let result = match run {
             Ok(result) => result,
@@ -699,8 +757,14 @@ impl Pool {
             Err(_) if job_probe => self.probe_unused(),
             Err(_) => {}
         }
-        if let Err(e) = &result {
-            tracing::warn!(request_id = %job.request_id, pool = self.name(), model = %job.model, error = %e, "inference failed");
+        match &result {
+            Err(BackendError::Cancelled) => {
+                tracing::debug!(request_id = %job.request_id, pool = self.name(), "run stopped: the client went away")
+            }
+            Err(e) => {
+                tracing::warn!(request_id = %job.request_id, pool = self.name(), model = %job.model, error = %e, "inference failed")
+            }
+            Ok(_) => {}
         }
         (result.map_err(PoolError::from), Some(backend))
     }
@@ -828,6 +892,7 @@ mod tests {
             deadline: None,
             estimate_bytes: None,
             probe: false,
+            cancel: RunCancel::default(),
         }
     }
 

@@ -24,10 +24,13 @@ use vramguard::tensor::{DataType, Tensor, TensorData};
 const PANIC: f32 = -1.0;
 const WAIT_FOR_GATE: f32 = -2.0;
 const SLOW: f32 = -3.0;
+const SPIN: f32 = -4.0;
 
 /// Echoes its input as `pooled`; panics or waits for the gate when the first value says so.
 struct FakeBackend {
     gate: Arc<Mutex<mpsc::Receiver<()>>>,
+    /// Set by the interrupt handle; a `SPIN` run ends when it is.
+    interrupted: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl Backend for FakeBackend {
@@ -39,6 +42,15 @@ impl Backend for FakeBackend {
         };
         if first == PANIC {
             panic!("the fake backend was told to panic");
+        }
+        if first == SPIN {
+            self.interrupted.store(false, Ordering::SeqCst);
+            let until = std::time::Instant::now() + Duration::from_secs(10);
+            while !self.interrupted.load(Ordering::SeqCst) {
+                assert!(std::time::Instant::now() < until, "never interrupted");
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            return Err(BackendError::Cancelled);
         }
         if first == SLOW {
             std::thread::sleep(Duration::from_millis(50));
@@ -54,6 +66,11 @@ impl Backend for FakeBackend {
 
     fn arena_stats(&self) -> Option<ArenaStats> {
         None
+    }
+
+    fn interrupt_handle(&self) -> Option<vramguard::backend::Interrupt> {
+        let interrupted = Arc::clone(&self.interrupted);
+        Some(Arc::new(move || interrupted.store(true, Ordering::SeqCst)))
     }
 }
 
@@ -99,6 +116,7 @@ impl BackendFactory for FakeFactory {
         self.built.fetch_add(1, Ordering::SeqCst);
         Ok(Box::new(FakeBackend {
             gate: Arc::clone(&self.gate),
+            interrupted: Arc::default(),
         }))
     }
 }
@@ -525,4 +543,36 @@ async fn a_client_that_goes_away_is_counted_cancelled_and_its_queued_job_never_r
         ),
         1.0
     );
+}
+
+/// A client that goes away while its request runs stops the run (ONNX Runtime's terminate flag
+/// in production): the device is not spent on an answer nobody reads.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_whose_client_went_away_is_interrupted() {
+    let h = simple("fn decide(req, state) { admit() }");
+    let leaving = tokio::spawn({
+        let service = Arc::clone(&h.service);
+        async move { lifecycle::infer(&service, request(4, SPIN)).await.is_ok() }
+    });
+    let pool = h.service.pool("gpu").unwrap();
+    let until = std::time::Instant::now() + Duration::from_secs(5);
+    while pool.load().inflight == 0 {
+        assert!(std::time::Instant::now() < until, "the run never started");
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    leaving.abort();
+    assert!(leaving.await.unwrap_err().is_cancelled());
+    while pool.load().inflight > 0 {
+        assert!(std::time::Instant::now() < until, "the run was not interrupted");
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    assert_eq!(
+        counter(
+            &h,
+            "vramguard_requests_total{model=\"encoder\",pool=\"\",outcome=\"cancelled\"}"
+        ),
+        1.0
+    );
+    // The backend serves the next request normally.
+    assert_eq!(served(&h, request(4, 0.5)).await.pool.name(), "gpu");
 }

@@ -199,7 +199,9 @@ pub fn classify(message: &str) -> BackendError {
         "device-side assert",
     ];
     let message = message.to_string();
-    if OOM.iter().any(|p| message.contains(p)) {
+    if message.contains("terminate flag") {
+        BackendError::Cancelled
+    } else if OOM.iter().any(|p| message.contains(p)) {
         BackendError::Allocation {
             kind: AllocFailureKind::Oom,
             message,
@@ -448,7 +450,9 @@ pub struct OrtBackend {
     sessions: HashMap<String, (Session, Option<Allocator>)>,
     last_stats: Option<arena::ArenaStats>,
     last_model: Option<String>,
-    run_options: Option<RunOptions>,
+    /// One run at a time per backend, so one set of options: its terminate flag stops the run
+    /// in progress (see [`Backend::interrupt_handle`]).
+    run_options: std::sync::Arc<RunOptions>,
 }
 
 impl OrtBackend {
@@ -472,8 +476,8 @@ impl OrtBackend {
             let allocator = info.and_then(|info| Allocator::new(&session, info)).ok();
             sessions.insert(name.clone(), (session, allocator));
         }
-        let run_options = if options.arena_shrinkage {
-            let mut run_options = RunOptions::new().map_err(|e| e.to_string())?;
+        let mut run_options = RunOptions::new().map_err(|e| e.to_string())?;
+        if options.arena_shrinkage {
             let arena = match &options.provider {
                 Provider::Cuda(_) => format!("gpu:{}", options.device_index),
                 _ => "cpu:0".to_string(),
@@ -481,10 +485,8 @@ impl OrtBackend {
             run_options
                 .set("memory.enable_memory_arena_shrinkage", &arena)
                 .map_err(|e| e.to_string())?;
-            Some(run_options)
-        } else {
-            None
-        };
+        }
+        let run_options = std::sync::Arc::new(run_options);
         // Statistics before the first run show what loading the weights reserved.
         let last_stats = sessions
             .values()
@@ -506,7 +508,18 @@ impl Backend for OrtBackend {
             .get_mut(model)
             .ok_or_else(|| BackendError::Runtime(format!("this worker has no session for `{model}`")))?;
         self.last_model = Some(model.to_string());
-        run(session, inputs, outputs, self.run_options.as_ref())
+        // A stop meant for an earlier run must not end this one.
+        self.run_options
+            .unterminate()
+            .map_err(|e| BackendError::Runtime(e.to_string()))?;
+        run(session, inputs, outputs, Some(&self.run_options))
+    }
+
+    fn interrupt_handle(&self) -> Option<crate::backend::Interrupt> {
+        let run_options = std::sync::Arc::clone(&self.run_options);
+        Some(std::sync::Arc::new(move || {
+            let _ = run_options.terminate();
+        }))
     }
 
     fn arena_stats(&self) -> Option<arena::ArenaStats> {
