@@ -126,6 +126,12 @@ async fn a_request_that_does_not_fit_gets_an_allocator_failure_and_the_next_one_
 async fn the_live_exposition_passes_promtool_and_negotiates_openmetrics() {
     let server = TestServer::start(CONFIG).await;
     assert_eq!(server.encoder(32).await.status(), StatusCode::OK);
+    // A driver reset opens the breaker: degraded mode, so every series the alerts use exists.
+    let reset = server
+        .post_json("/admin/sim/gpu0", &json!({"driver_reset": true}))
+        .await;
+    assert_eq!(reset.status(), StatusCode::OK);
+    assert_eq!(server.encoder(32).await.status(), StatusCode::SERVICE_UNAVAILABLE);
     let text = reqwest::get(server.url("/metrics")).await.unwrap();
     assert_eq!(
         text.headers()["content-type"],
@@ -140,6 +146,9 @@ async fn the_live_exposition_passes_promtool_and_negotiates_openmetrics() {
         "vramguard_queue_wait_seconds_bucket",
         "vramguard_host_memory_available_bytes",
         "vramguard_exporter_sample_duration_seconds_count",
+        "vramguard_breaker_state{pool=\"gpu\"} 2",
+        "vramguard_degraded_mode 1",
+        "vramguard_degraded_info{reason=\"breaker_open\"} 1",
     ] {
         assert!(text.contains(name), "{name} missing from:\n{text}");
     }
