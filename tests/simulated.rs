@@ -207,3 +207,46 @@ async fn the_live_exposition_passes_promtool_and_negotiates_openmetrics() {
     assert!(open.text().await.unwrap().ends_with("# EOF\n"));
     server.stop().await;
 }
+
+/// `GET /` is a page for people: HTML from the binary that polls `/status` and labels the
+/// simulated accelerator as such.
+#[tokio::test]
+async fn the_status_page_is_served_and_reads_status() {
+    let server = TestServer::start(CONFIG).await;
+    let page = reqwest::get(server.url("/")).await.unwrap();
+    assert_eq!(page.status(), StatusCode::OK);
+    assert_eq!(page.headers()["content-type"], "text/html; charset=utf-8");
+    let html = page.text().await.unwrap();
+    for needle in [
+        "<title>vramguard</title>",
+        "fetch(\"/status\"",
+        "SIMULATED",
+        "Degraded since",
+    ] {
+        assert!(html.contains(needle), "{needle} missing");
+    }
+    // Every field the page reads is in /status.
+    let status: Value = reqwest::get(server.url("/status")).await.unwrap().json().await.unwrap();
+    for key in [
+        "version",
+        "onnxruntime",
+        "config",
+        "degraded",
+        "pools",
+        "devices",
+        "host",
+        "policy",
+    ] {
+        assert!(!status[key].is_null(), "/status lacks {key}");
+    }
+    for key in [
+        "breaker",
+        "queue_capacity",
+        "estimated_delay_ms",
+        "simulated",
+        "fallback",
+    ] {
+        assert!(status["pools"][0].get(key).is_some(), "/status pools lack {key}");
+    }
+    server.stop().await;
+}

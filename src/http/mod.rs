@@ -142,6 +142,7 @@ pub fn app(state: Arc<AppState>) -> Router {
         .route("/v2/models/{model}/infer", post(infer))
         .route("/v2/models/{model}/versions/{version}/infer", post(infer_versioned))
         .route("/status", get(status))
+        .route("/", get(status_page))
         .route("/admin/sim/{device}", post(admin_sim))
         .route("/admin/policy/reload", post(admin_policy_reload))
         .route("/admin/pools/{pool}/restore", post(admin_pool_restore))
@@ -692,6 +693,14 @@ fn refused_response(refused: lifecycle::Refused, id: &str, degraded: Option<&cra
             .insert(HeaderName::from_static(DEGRADED_HEADER), v);
     }
     response
+}
+
+/// `GET /`: a status page for people, served from the binary; it polls `/status`.
+async fn status_page() -> impl IntoResponse {
+    (
+        [(header::CONTENT_TYPE, "text/html; charset=utf-8")],
+        include_str!("status.html"),
+    )
 }
 
 async fn status(State(state): State<Arc<AppState>>) -> Json<Value> {
