@@ -326,6 +326,23 @@ impl RequestError {
         Some(after.as_secs().max(1))
     }
 
+    /// `model` is not served here; the message lists what is.
+    pub fn unknown_model(service: &Service, model: &str) -> RequestError {
+        RequestError::UnknownModel {
+            model: model.to_string(),
+            known: service.model_names(),
+        }
+    }
+
+    /// `pool`'s circuit breaker is open; come back after its cooldown.
+    fn breaker_open(pool: &Pool) -> RequestError {
+        RequestError::BreakerOpen {
+            pool: pool.name().to_string(),
+            why: pool.breaker_tripped().unwrap_or_default(),
+            retry_after: pool.config.breaker.cooldown,
+        }
+    }
+
     /// What a pool's failure means for the client (the one place pool errors are mapped).
     fn from_pool(pool: &Pool, error: PoolError) -> RequestError {
         let retry_after = pool.load().estimated_delay;
@@ -343,11 +360,7 @@ impl RequestError {
             },
             PoolError::ShuttingDown { .. } => RequestError::ShuttingDown { pool: name },
             PoolError::Unavailable { reason, .. } => RequestError::Unavailable { pool: name, reason },
-            PoolError::BreakerOpen { why, .. } => RequestError::BreakerOpen {
-                pool: name,
-                why,
-                retry_after: pool.config.breaker.cooldown,
-            },
+            PoolError::BreakerOpen { .. } => RequestError::breaker_open(pool),
             PoolError::DeadlineExceeded { .. } => RequestError::Deadline(DeadlineMiss::InPool),
             // Counted by the pool's worker (vramguard_allocator_failures_total), not here.
             PoolError::Backend(BackendError::Allocation { kind, message }) => RequestError::Allocation {
@@ -452,15 +465,9 @@ async fn run(service: &Service, mut request: Request) -> Result<Served, Refused>
         pool: pool.cloned(),
         error,
     };
-    let entry = service.model(&request.model).ok_or_else(|| {
-        refuse(
-            None,
-            RequestError::UnknownModel {
-                model: request.model.clone(),
-                known: service.model_names(),
-            },
-        )
-    })?;
+    let entry = service
+        .model(&request.model)
+        .ok_or_else(|| refuse(None, RequestError::unknown_model(service, &request.model)))?;
     let admitted = admit(service, entry, &mut request).await?;
     let pool = admitted.pool;
     let estimate_bytes = admitted
@@ -581,14 +588,8 @@ fn is_accelerator(pool: &Pool) -> bool {
 /// when it is on the host, the host keeps its reserve after the request (the CPU path must
 /// not take the machine down).
 fn can_take_retry(service: &Service, fallback: &Pool, need_bytes: u64) -> Result<(), String> {
-    if let Some(why) = fallback.unready_reason() {
+    if let Some(why) = fallback.refusal() {
         return Err(format!("fallback pool `{}` cannot take work: {why}", fallback.name()));
-    }
-    if !fallback.breaker_allows() {
-        return Err(format!(
-            "fallback pool `{}` has its circuit breaker open",
-            fallback.name()
-        ));
     }
     host_keeps_reserve(service, fallback, need_bytes)
 }
@@ -709,11 +710,7 @@ fn routed_pool(service: &Service, model: &str) -> Result<Arc<Pool>, RequestError
         return Ok(Arc::clone(pool));
     }
     if let Some(pool) = skipped {
-        return Err(RequestError::BreakerOpen {
-            pool: pool.name().to_string(),
-            why: pool.breaker_tripped().unwrap_or_default(),
-            retry_after: pool.config.breaker.cooldown,
-        });
+        return Err(RequestError::breaker_open(pool));
     }
     let reasons: Vec<String> = service
         .pools
@@ -772,14 +769,7 @@ async fn admit(service: &Service, entry: &ModelEntry, request: &mut Request) -> 
             .map(|p| PoolView {
                 name: p.name(),
                 serves: p.serves(model),
-                ready: match p.unready_reason() {
-                    Some(why) => Err(why),
-                    None if !p.breaker_allows() => Err(format!(
-                        "its circuit breaker is open after {}",
-                        p.breaker_tripped().unwrap_or_default()
-                    )),
-                    None => Ok(()),
-                },
+                ready: p.refusal().map_or(Ok(()), Err),
                 max_context: p.config.max_context,
             })
             .collect();

@@ -467,6 +467,29 @@ impl Pool {
         breaker.tripped().map(|w| w.to_string())
     }
 
+    /// The breaker as the policy sees it: a pool that cannot take work at all reads as open.
+    pub fn breaker_view(&self) -> BreakerState {
+        if self.is_ready() {
+            self.breaker_state()
+        } else {
+            BreakerState::Open
+        }
+    }
+
+    /// Why a request could not be placed here now (unavailable, shutting down, breaker open),
+    /// or `None` when it could.
+    pub fn refusal(&self) -> Option<String> {
+        if let Some(why) = self.unready_reason() {
+            return Some(why);
+        }
+        (!self.breaker_allows()).then(|| {
+            format!(
+                "its circuit breaker is open after {}",
+                self.breaker_tripped().unwrap_or_default()
+            )
+        })
+    }
+
     /// Whether the breaker would let a request through now (without taking the probe).
     pub fn breaker_allows(&self) -> bool {
         self.breaker().would_permit(self.context.clock.now())

@@ -30,12 +30,19 @@ async fn inject(server: &TestServer, body: Value) -> Value {
 }
 
 async fn encoder_request(server: &TestServer, headers: &[(&str, &str)]) -> reqwest::Response {
-    let (header, body) = common::encoder_binary_request(64);
+    let headers = headers.iter().map(|(n, v)| (n.to_string(), v.to_string())).collect();
+    post_encoder(server.url("/v2/models/encoder/infer"), 64, headers).await
+}
+
+/// An encoder request of `seq` tokens (binary tensors) to `url`, owning everything it needs so
+/// it can run in a spawned task.
+async fn post_encoder(url: String, seq: usize, headers: Vec<(String, String)>) -> reqwest::Response {
+    let (header, body) = common::encoder_binary_request(seq);
     let mut request = reqwest::Client::new()
-        .post(server.url("/v2/models/encoder/infer"))
+        .post(url)
         .header("Inference-Header-Content-Length", header.len());
     for (name, value) in headers {
-        request = request.header(*name, *value);
+        request = request.header(name, value);
     }
     request.body(body).send().await.unwrap()
 }
@@ -209,19 +216,7 @@ async fn a_driver_reset_opens_the_breaker_at_once_while_the_cpu_pool_keeps_servi
     // While the accelerator is down, requests keep being served by the CPU pool; restoring the
     // accelerator does not interrupt them.
     let in_flight: Vec<_> = (0..4)
-        .map(|_| {
-            let url = server.url("/v2/models/encoder/infer");
-            tokio::spawn(async move {
-                let (header, body) = common::encoder_binary_request(64);
-                reqwest::Client::new()
-                    .post(url)
-                    .header("Inference-Header-Content-Length", header.len())
-                    .body(body)
-                    .send()
-                    .await
-                    .unwrap()
-            })
-        })
+        .map(|_| tokio::spawn(post_encoder(server.url("/v2/models/encoder/infer"), 64, Vec::new())))
         .collect();
     let restored = server.post_json("/admin/pools/gpu/restore", &json!({})).await;
     assert_eq!(restored.status(), StatusCode::OK);
@@ -266,15 +261,8 @@ async fn an_idempotency_key_executes_at_most_once() {
     assert_eq!(ok_count(&server.metrics().await), 1.0, "executed once");
 
     // The same key with another request is refused.
-    let (header, body) = common::encoder_binary_request(32);
-    let other = reqwest::Client::new()
-        .post(server.url("/v2/models/encoder/infer"))
-        .header("Inference-Header-Content-Length", header.len())
-        .header("idempotency-key", "k1")
-        .body(body)
-        .send()
-        .await
-        .unwrap();
+    let key = vec![("idempotency-key".to_string(), "k1".to_string())];
+    let other = post_encoder(server.url("/v2/models/encoder/infer"), 32, key).await;
     assert_eq!(other.status(), StatusCode::UNPROCESSABLE_ENTITY);
     let error: Value = other.json().await.unwrap();
     assert!(error["error"].as_str().unwrap().contains("`k1`"), "{error}");
@@ -284,15 +272,8 @@ async fn an_idempotency_key_executes_at_most_once() {
         .map(|_| {
             let url = server.url("/v2/models/encoder/infer");
             tokio::spawn(async move {
-                let (header, body) = common::encoder_binary_request(64);
-                let response = reqwest::Client::new()
-                    .post(url)
-                    .header("Inference-Header-Content-Length", header.len())
-                    .header("idempotency-key", "k2")
-                    .body(body)
-                    .send()
-                    .await
-                    .unwrap();
+                let key = vec![("idempotency-key".to_string(), "k2".to_string())];
+                let response = post_encoder(url, 64, key).await;
                 (response.status(), response.bytes().await.unwrap())
             })
         })
@@ -345,17 +326,13 @@ async fn under_pressure_faults_and_a_reset_nothing_accepted_is_lost_or_run_twice
             // plain, of three sizes.
             let keyed = (i % 20 == 0 || i % 20 == 7 || i % 20 == 13).then(|| format!("key-{}", i % 10));
             let seq = if keyed.is_some() { 64 } else { [32, 128, 512][i % 3] };
-            let (header, body) = common::encoder_binary_request(seq);
-            let mut request = reqwest::Client::new()
-                .post(url)
-                .header("Inference-Header-Content-Length", header.len())
-                .header("x-request-id", format!("r{i}"));
+            let mut headers = vec![("x-request-id".to_string(), format!("r{i}"))];
             if let Some(key) = &keyed {
-                request = request.header("idempotency-key", key.as_str());
+                headers.push(("idempotency-key".into(), key.clone()));
             } else if i % 4 == 1 {
-                request = request.header("x-vramguard-replayable", "false");
+                headers.push(("x-vramguard-replayable".into(), "false".into()));
             }
-            let response = request.body(body).send().await.unwrap();
+            let response = post_encoder(url, seq, headers).await;
             let status = response.status();
             let body: Value = if status == StatusCode::OK {
                 Value::Null

@@ -244,14 +244,7 @@ impl Sampler {
                 PoolState {
                     provider: pool.provider().kind(),
                     device: pool.config.device.clone(),
-                    // No circuit breaker yet: a pool that cannot take work reads as open, one
-                    // that can as closed.
-                    // A pool that cannot take work at all reads as open, like a tripped breaker.
-                    breaker: if pool.is_ready() {
-                        pool.breaker_state()
-                    } else {
-                        BreakerState::Open
-                    },
+                    breaker: pool.breaker_view(),
                     queue_depth: load.queue_depth as u64,
                     queue_oldest_age_ms: load.oldest_age.as_millis() as u64,
                     inflight: load.inflight as u64,

@@ -285,10 +285,7 @@ fn check_version(version: &str) -> Result<(), ApiError> {
 }
 
 fn unknown_model(state: &AppState, model: &str) -> ApiError {
-    let error = RequestError::UnknownModel {
-        model: model.to_string(),
-        known: state.service.model_names(),
-    };
+    let error = RequestError::unknown_model(&state.service, model);
     ApiError::new(error.status(), error.to_string())
 }
 
@@ -548,10 +545,9 @@ fn decode(
     body: Result<Bytes, BytesRejection>,
     received: tokio::time::Instant,
 ) -> Result<(lifecycle::Request, infer::DecodedRequest), RequestError> {
-    let entry = service.model(model).ok_or_else(|| RequestError::UnknownModel {
-        model: model.to_string(),
-        known: service.model_names(),
-    })?;
+    let entry = service
+        .model(model)
+        .ok_or_else(|| RequestError::unknown_model(service, model))?;
     let body = body.map_err(|rejection| {
         if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
             RequestError::BodyTooLarge {

@@ -238,11 +238,7 @@ impl crate::policy::LiveLoad for PoolsNow {
             inflight: load.inflight as u64,
             alloc_failures_recent: pool.alloc_failures_recent(),
             est_delay_ms: load.estimated_delay.as_millis() as u64,
-            breaker: if pool.is_ready() {
-                pool.breaker_state()
-            } else {
-                crate::snapshot::BreakerState::Open
-            },
+            breaker: pool.breaker_view(),
         })
     }
 }
