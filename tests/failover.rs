@@ -8,6 +8,9 @@ mod common;
 use common::TestServer;
 use reqwest::StatusCode;
 use serde_json::{Value, json};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
 
 /// A simulated `gpu` pool falling back on a `cpu` pool, breaker opening after two failures.
 fn config() -> String {
@@ -218,6 +221,15 @@ async fn a_driver_reset_opens_the_breaker_at_once_while_the_cpu_pool_keeps_servi
     let in_flight: Vec<_> = (0..4)
         .map(|_| tokio::spawn(post_encoder(server.url("/v2/models/encoder/infer"), 64, Vec::new())))
         .collect();
+    // `/status` says where the work goes meanwhile and what it meets there.
+    let status: Value = reqwest::get(server.url("/status")).await.unwrap().json().await.unwrap();
+    assert_eq!(status["degraded"]["active"], true, "{status}");
+    let fallback = &status["degraded"]["fallbacks"][0];
+    assert_eq!(fallback["from"], "gpu", "{status}");
+    assert_eq!(fallback["pool"], "cpu", "{status}");
+    assert!(fallback["concurrency"].as_u64().unwrap() >= 1, "{status}");
+    assert!(fallback["queue_position"].as_u64().unwrap() >= 1, "{status}");
+    assert!(fallback["estimated_delay_ms"].is_u64(), "{status}");
     let restored = server.post_json("/admin/pools/gpu/restore", &json!({})).await;
     assert_eq!(restored.status(), StatusCode::OK);
     for request in in_flight {
@@ -245,6 +257,7 @@ async fn an_idempotency_key_executes_at_most_once() {
     let server = TestServer::start(&config()).await;
     let first = encoder_request(&server, &[("idempotency-key", "k1"), ("x-request-id", "a")]).await;
     assert_eq!(first.status(), StatusCode::OK);
+    assert!(!first.headers().contains_key("idempotent-replayed"));
     let first_body = first.bytes().await.unwrap();
     let again = encoder_request(&server, &[("idempotency-key", "k1"), ("x-request-id", "b")]).await;
     assert_eq!(again.status(), StatusCode::OK);
@@ -253,6 +266,7 @@ async fn an_idempotency_key_executes_at_most_once() {
         "b",
         "each response names its own request"
     );
+    assert_eq!(again.headers()["idempotent-replayed"], "true");
     assert_eq!(
         again.bytes().await.unwrap(),
         first_body,
@@ -310,21 +324,57 @@ async fn a_key_whose_request_did_not_run_may_run_on_retry() {
     server.stop().await;
 }
 
+/// Available host memory as the kernel reports it (`MemAvailable`), in bytes.
+fn host_available() -> u64 {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap();
+    let line = meminfo.lines().find(|l| l.starts_with("MemAvailable:")).unwrap();
+    let kib: u64 = line.split_whitespace().nth(1).unwrap().parse().unwrap();
+    kib * 1024
+}
+
+/// What a client saw of its request.
+#[derive(Debug)]
+enum Seen {
+    /// An answer; `replayed` when it was the stored answer of an earlier request with its key.
+    Ok { replayed: bool },
+    Error {
+        status: StatusCode,
+        body: Value,
+        replayed: bool,
+    },
+    /// The client hung up before the answer came.
+    Gone,
+}
+
 /// 200 concurrent requests of mixed sizes while pressure steps up, allocator failures are
 /// injected and the driver is reset and restored; some requests are non-replayable, some share
-/// idempotency keys. Every request ends in success or a documented error, no key runs twice,
-/// and what clients saw reconciles exactly with `vramguard_requests_total`.
+/// idempotency keys, some clients hang up early. Every request ends in success or a documented
+/// error, no key runs twice, host memory stays above the reserve, and what clients saw
+/// reconciles exactly with `vramguard_requests_total`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn under_pressure_faults_and_a_reset_nothing_accepted_is_lost_or_run_twice() {
     let server = TestServer::start(&config()).await;
     let url = server.url("/v2/models/encoder/infer");
+    let sampling = Arc::new(AtomicBool::new(true));
+    let lowest = tokio::spawn({
+        let sampling = sampling.clone();
+        async move {
+            let mut lowest = u64::MAX;
+            while sampling.load(Ordering::Relaxed) {
+                lowest = lowest.min(host_available());
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            lowest
+        }
+    });
     let mut tasks = Vec::new();
     for i in 0..200usize {
         let url = url.clone();
         tasks.push(tokio::spawn(async move {
-            // 30 keyed requests over 10 keys (same body per key); 50 non-replayable; the rest
-            // plain, of three sizes.
+            // 30 keyed requests over 10 keys (same body per key); 50 non-replayable; 20 whose
+            // client hangs up after a few milliseconds; the rest plain, of three sizes.
             let keyed = (i % 20 == 0 || i % 20 == 7 || i % 20 == 13).then(|| format!("key-{}", i % 10));
+            let hangs_up = keyed.is_none() && i % 10 == 3;
             let seq = if keyed.is_some() { 64 } else { [32, 128, 512][i % 3] };
             let mut headers = vec![("x-request-id".to_string(), format!("r{i}"))];
             if let Some(key) = &keyed {
@@ -332,14 +382,26 @@ async fn under_pressure_faults_and_a_reset_nothing_accepted_is_lost_or_run_twice
             } else if i % 4 == 1 {
                 headers.push(("x-vramguard-replayable".into(), "false".into()));
             }
-            let response = post_encoder(url, seq, headers).await;
-            let status = response.status();
-            let body: Value = if status == StatusCode::OK {
-                Value::Null
-            } else {
-                response.json().await.unwrap()
+            let seen = async {
+                let response = post_encoder(url, seq, headers).await;
+                let replayed = response.headers().contains_key("idempotent-replayed");
+                match response.status() {
+                    StatusCode::OK => Seen::Ok { replayed },
+                    status => Seen::Error {
+                        status,
+                        body: response.json().await.unwrap(),
+                        replayed,
+                    },
+                }
             };
-            (i, keyed.is_some(), status, body)
+            let seen = if hangs_up {
+                // From before its request is read to while it waits in a queue or runs.
+                let patience = Duration::from_millis(5 + 10 * (i % 19) as u64);
+                tokio::time::timeout(patience, seen).await.unwrap_or(Seen::Gone)
+            } else {
+                seen.await
+            };
+            (i, keyed.is_some(), seen)
         }));
         if i == 40 {
             inject(&server, json!({"pressure": "40MiB", "fail_next": 3})).await;
@@ -355,42 +417,86 @@ async fn under_pressure_faults_and_a_reset_nothing_accepted_is_lost_or_run_twice
             assert_eq!(restored.status(), StatusCode::OK);
         }
     }
-    let mut ok_unkeyed = 0.0;
+    // What clients saw of the runs (answers replayed from the idempotency cache are not runs).
+    let (mut ok, mut errors, mut replayed, mut gone) = (0.0, 0.0, 0.0, 0.0);
+    let mut keyed_ok = 0.0;
     for task in tasks {
-        let (i, keyed, status, body) = task.await.unwrap();
-        match status {
-            StatusCode::OK => {
-                if !keyed {
-                    ok_unkeyed += 1.0;
+        let (i, keyed, seen) = task.await.unwrap();
+        match seen {
+            Seen::Ok { replayed: true } | Seen::Error { replayed: true, .. } => replayed += 1.0,
+            Seen::Ok { .. } => {
+                ok += 1.0;
+                if keyed {
+                    keyed_ok += 1.0;
                 }
             }
-            StatusCode::TOO_MANY_REQUESTS | StatusCode::SERVICE_UNAVAILABLE | StatusCode::GATEWAY_TIMEOUT => {
+            Seen::Error {
+                status: StatusCode::TOO_MANY_REQUESTS | StatusCode::SERVICE_UNAVAILABLE | StatusCode::GATEWAY_TIMEOUT,
+                body,
+                ..
+            } => {
                 assert!(body["error"].is_string(), "r{i}: {body}");
-                if !keyed {
-                    assert_eq!(body["request_id"], format!("r{i}"), "{body}");
-                }
+                assert_eq!(body["request_id"], format!("r{i}"), "{body}");
+                errors += 1.0;
             }
-            other => panic!("r{i}: undocumented status {other}: {body}"),
+            Seen::Error { status, body, .. } => panic!("r{i}: undocumented status {status}: {body}"),
+            Seen::Gone => gone += 1.0,
         }
     }
-    let metrics = server.metrics().await;
-    let total: f64 = metrics
-        .lines()
-        .filter(|l| l.starts_with("vramguard_requests_total{"))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum();
-    let hits = metric(&metrics, "vramguard_idempotency_hits_total");
-    // Every request reached the lifecycle exactly once, except duplicates answered from the
-    // idempotency cache.
-    assert_eq!(total, 200.0 - hits, "{metrics}");
-    // Keyed requests that ran to success: at most one per key.
-    let keyed_ok = ok_count(&metrics) - ok_unkeyed;
+    sampling.store(false, Ordering::Relaxed);
+    let lowest = lowest.await.unwrap();
+    assert!(
+        lowest > 64 << 20,
+        "host memory fell to {lowest} bytes, under the 64 MiB reserve"
+    );
     assert!(keyed_ok <= 10.0, "a key ran twice: {keyed_ok} successful keyed runs");
+
+    // A server notices a hang-up when it next touches the connection: wait until the counts
+    // settle.
+    let mut metrics = server.metrics().await;
+    for _ in 0..20 {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let now = server.metrics().await;
+        let settled = outcome_total(&now, |_| true) == outcome_total(&metrics, |_| true);
+        metrics = now;
+        if settled {
+            break;
+        }
+    }
+    assert_eq!(metric(&metrics, "vramguard_idempotency_hits_total"), replayed);
+    // Clients that stayed saw exactly what the server counted. Each one that hung up was counted
+    // `cancelled`, or as what it would have got a moment later, or not at all when it left
+    // before its request had been read (never accepted).
+    let counted_ok = outcome_total(&metrics, |o| o == "ok");
+    let cancelled = outcome_total(&metrics, |o| o == "cancelled");
+    let counted_errors = outcome_total(&metrics, |o| o != "ok" && o != "cancelled");
+    let late = (counted_ok - ok) + (counted_errors - errors);
+    assert!(counted_ok >= ok && counted_errors >= errors, "{metrics}");
+    assert!(cancelled > 0.0, "no hang-up was seen as a cancellation: {metrics}");
+    // Nothing was counted twice, and nothing that left was counted as anything but the above.
+    let never_read = gone - late - cancelled;
+    assert!(
+        never_read >= 0.0,
+        "hang-ups: {gone}, late: {late}, cancelled: {cancelled}"
+    );
     // The accelerator is back and serves.
     let back = encoder_request(&server, &[]).await;
     assert_eq!(back.status(), StatusCode::OK);
     assert_eq!(back.headers()["x-vramguard-pool"], "gpu");
     server.stop().await;
+}
+
+/// The sum of `vramguard_requests_total` over the outcomes `select` accepts.
+fn outcome_total(metrics: &str, select: impl Fn(&str) -> bool) -> f64 {
+    metrics
+        .lines()
+        .filter(|l| l.starts_with("vramguard_requests_total{"))
+        .filter(|l| {
+            let outcome = l.split("outcome=\"").nth(1).and_then(|r| r.split('"').next());
+            outcome.is_some_and(&select)
+        })
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
 }
 
 #[tokio::test]

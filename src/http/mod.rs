@@ -41,6 +41,8 @@ pub const PRIORITY_HEADER: &str = "x-vramguard-priority";
 pub const REPLAYABLE_HEADER: &str = "x-vramguard-replayable";
 /// A client's key for executing a request at most once.
 pub const IDEMPOTENCY_KEY: &str = "idempotency-key";
+/// Set on a response that is the stored answer of an earlier request with the same key.
+pub const IDEMPOTENT_REPLAYED: &str = "idempotent-replayed";
 /// Why the service is degraded, on every response while it is.
 pub const DEGRADED_HEADER: &str = "x-vramguard-degraded";
 /// `true` when the client allows its context to be cut (overrides `parameters.allow_shrink`).
@@ -472,7 +474,15 @@ async fn idempotent(
     ]);
     let cache = state.service.idempotency.clone();
     match cache.claim(&model, &key, fingerprint).await {
-        Claim::Done(stored) => stored_response(&stored),
+        Claim::Done(stored) => {
+            // Stripe's header name: the client can tell an answer it got again from a new run.
+            let mut response = stored_response(&stored);
+            response.headers_mut().insert(
+                HeaderName::from_static(IDEMPOTENT_REPLAYED),
+                HeaderValue::from_static("true"),
+            );
+            response
+        }
         Claim::Conflict => ApiError::new(
             StatusCode::UNPROCESSABLE_ENTITY,
             format!("idempotency-key `{key}` was already used for a different request to model `{model}`"),
@@ -767,8 +777,10 @@ async fn status(State(state): State<Arc<AppState>>) -> Json<Value> {
         "shutting_down": state.shutting_down.load(Ordering::SeqCst),
         "degraded": match service.degraded.now() {
             Some(now) => json!({"active": true, "reason": now.reason, "cause": now.cause.label(),
-                                "since_unix": unix_seconds(now.since)}),
-            None => json!({"active": false, "reason": null, "cause": null, "since_unix": null}),
+                                "since_unix": unix_seconds(now.since),
+                                "fallbacks": fallbacks(service)}),
+            None => json!({"active": false, "reason": null, "cause": null, "since_unix": null,
+                           "fallbacks": []}),
         },
         "pools": pools,
         "devices": devices,
@@ -777,6 +789,31 @@ async fn status(State(state): State<Arc<AppState>>) -> Json<Value> {
         "sample_age_ms": sample.taken_at.map(|t| t.elapsed().as_millis() as u64),
         "policy": policy_status(service),
     }))
+}
+
+/// Where work goes while degraded: each configured `fallback`, with the limits a redirected
+/// request meets there and the delay a new one should expect (queue position × recent run time).
+fn fallbacks(service: &Service) -> Vec<Value> {
+    service
+        .pools
+        .iter()
+        .filter_map(|from| {
+            let to = service
+                .pools
+                .iter()
+                .find(|p| Some(p.name()) == from.config.fallback.as_deref())?;
+            let load = to.load();
+            Some(json!({
+                "from": from.name(),
+                "pool": to.name(),
+                "max_context": to.config.max_context,
+                "concurrency": to.config.workers,
+                "queue_capacity": to.config.queue_capacity,
+                "queue_position": load.queue_depth + load.inflight + 1,
+                "estimated_delay_ms": load.estimated_delay.as_millis() as u64,
+            }))
+        })
+        .collect()
 }
 
 fn unix_seconds(t: SystemTime) -> u64 {
