@@ -631,6 +631,13 @@ impl Collector for LiveCollector {
             )?;
             gauge_family(
                 &mut encoder,
+                "host_memory_reserve",
+                "Host memory the CPU path keeps free (host.reserve): work that would leave less available is not run",
+                bytes,
+                [(NO_LABELS, saturating_i64(host.reserve_bytes))],
+            )?;
+            gauge_family(
+                &mut encoder,
                 "process_resident_memory",
                 "Resident memory of vramguard itself",
                 bytes,
@@ -755,6 +762,7 @@ mod tests {
             "vramguard_process_device_memory_bytes{device=\"gpu0\",pid=\"404\",process=\"blender\",service=\"other\"} 536870912",
             "vramguard_host_memory_available_bytes 42949672960",
             "vramguard_host_memory_total_bytes 68719476736",
+            "vramguard_host_memory_reserve_bytes 2147483648",
             "vramguard_process_resident_memory_bytes 104857600",
             "# TYPE vramguard_process_device_memory_bytes gauge",
             "# UNIT vramguard_process_device_memory_bytes bytes",
