@@ -29,13 +29,20 @@ $(ORT_LIB):
 	$(PYTHON) -m pip install --quiet --disable-pip-version-check --no-deps --target $(ORT_DIR) onnxruntime==$(ORT_VERSION)
 	@test -f $@ || { echo "error: the onnxruntime $(ORT_VERSION) wheel did not contain $@"; exit 1; }
 
-# promtool (Debian package `prometheus`) runs the alert-rule unit tests.
+# promtool and the Prometheus server (Debian package `prometheus`) run the alert-rule unit tests
+# and the end-to-end test (tests/prometheus.rs); amtool (`prometheus-alertmanager`) checks the
+# example Alertmanager routing.
 tools:
-	@command -v promtool >/dev/null || { \
+	@command -v promtool >/dev/null && command -v prometheus >/dev/null || { \
 		mkdir -p .deps; \
 		[ -f $(APT_STAMP) ] || { $(SUDO) apt-get update -qq && touch $(APT_STAMP); }; \
 		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends prometheus >/dev/null; }
+	@command -v amtool >/dev/null || { \
+		mkdir -p .deps; \
+		[ -f $(APT_STAMP) ] || { $(SUDO) apt-get update -qq && touch $(APT_STAMP); }; \
+		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends prometheus-alertmanager >/dev/null; }
 	@promtool --version | head -1
+	@amtool --version 2>&1 | head -1
 
 # Triton's stock HTTP client, for the protocol compatibility check (never imported by vramguard).
 $(PYCLIENTS):
@@ -67,9 +74,16 @@ client-compat: $(PYCLIENTS)
 	$(CARGO) build
 	$(PYTHON) tests/clients/triton_http.py target/debug/vramguard
 
+# Rules parse and behave (promtool); the example routing parses and pages on degraded mode and a
+# down vramguard, while a warning goes to chat (amtool exits non-zero on another receiver).
+AM_EXAMPLE := alerts/alertmanager.example.yaml
 alert-tests:
 	promtool check rules alerts/*.rules.yaml
 	promtool test rules alerts/tests/*.yaml
+	amtool check-config $(AM_EXAMPLE)
+	amtool config routes test --config.file=$(AM_EXAMPLE) --verify.receivers=on-call alertname=VramguardDegraded reason=breaker_open 2>/dev/null
+	amtool config routes test --config.file=$(AM_EXAMPLE) --verify.receivers=on-call alertname=VramguardDown 2>/dev/null
+	amtool config routes test --config.file=$(AM_EXAMPLE) --verify.receivers=team-chat alertname=VramguardBreakerOpen 2>/dev/null
 
 # The overhead bench drives the real `vramguard serve` from a separate process, as users' clients
 # do: wrk (Debian package `wrk`) is that load generator. Not part of `make test`.
