@@ -31,7 +31,8 @@ $(ORT_LIB):
 
 # promtool and the Prometheus server (Debian package `prometheus`) run the alert-rule unit tests
 # and the end-to-end test (tests/prometheus.rs); amtool (`prometheus-alertmanager`) checks the
-# example Alertmanager routing.
+# example Alertmanager routing; headless Chromium (`chromium`) renders the status page in
+# tests/status_page.rs.
 tools:
 	@command -v promtool >/dev/null && command -v prometheus >/dev/null || { \
 		mkdir -p .deps; \
@@ -41,8 +42,13 @@ tools:
 		mkdir -p .deps; \
 		[ -f $(APT_STAMP) ] || { $(SUDO) apt-get update -qq && touch $(APT_STAMP); }; \
 		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends prometheus-alertmanager >/dev/null; }
+	@command -v chromium >/dev/null || { \
+		mkdir -p .deps; \
+		[ -f $(APT_STAMP) ] || { $(SUDO) apt-get update -qq && touch $(APT_STAMP); }; \
+		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends chromium >/dev/null; }
 	@promtool --version | head -1
 	@amtool --version 2>&1 | head -1
+	@chromium --version
 
 # Triton's stock HTTP client, for the protocol compatibility check (never imported by vramguard).
 $(PYCLIENTS):

@@ -26,6 +26,7 @@ pub mod model;
 pub mod onnx;
 pub mod policy;
 pub mod pool;
+pub mod recent;
 pub mod router;
 pub mod service;
 pub mod snapshot;

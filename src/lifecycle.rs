@@ -780,6 +780,7 @@ async fn admit(service: &Service, entry: &ModelEntry, request: &mut Request) -> 
         let eval_time = eval_started.elapsed();
         metrics.policy_eval_duration.observe(eval_time.as_secs_f64());
         let mut decision = evaluation.decision;
+        let mut fell_back = evaluation.error.is_some();
         if let Some(error) = &evaluation.error {
             metrics
                 .policy_errors
@@ -797,6 +798,7 @@ async fn admit(service: &Service, entry: &ModelEntry, request: &mut Request) -> 
                 .inc();
             tracing::warn!(request_id = %info.id, decision = %decision, reason = %why, "policy decision cannot be carried out; using the fallback");
             decision = service.policy.current().script.fallback().clone();
+            fell_back = true;
             plan = match router::plan(&decision, &info, has_context, &views, deferred, max_defer) {
                 Plan::Invalid(why) => Plan::Refuse(format!(
                     "neither the policy's decision nor the fallback can be carried out: {why}"
@@ -815,6 +817,7 @@ async fn admit(service: &Service, entry: &ModelEntry, request: &mut Request) -> 
                 pool: target.into(),
             })
             .inc();
+        service.decisions.record(&info.id, model, &decision, target, fell_back);
         tracing::debug!(
             request_id = %info.id,
             model,

@@ -236,6 +236,8 @@ async fn the_status_page_is_served_and_reads_status() {
         "devices",
         "host",
         "policy",
+        "processes",
+        "recent_decisions",
     ] {
         assert!(!status[key].is_null(), "/status lacks {key}");
     }
@@ -245,6 +247,7 @@ async fn the_status_page_is_served_and_reads_status() {
         "estimated_delay_ms",
         "simulated",
         "fallback",
+        "arena",
     ] {
         assert!(status["pools"][0].get(key).is_some(), "/status pools lack {key}");
     }

@@ -788,6 +788,7 @@ async fn status(State(state): State<Arc<AppState>>) -> Json<Value> {
         "processes": sample.snapshot.processes,
         "sample_age_ms": sample.taken_at.map(|t| t.elapsed().as_millis() as u64),
         "policy": policy_status(service),
+        "recent_decisions": service.decisions.list(),
     }))
 }
 

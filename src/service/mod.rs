@@ -203,6 +203,8 @@ pub struct Service {
     pub idempotency: IdempotencyCache<StoredResponse>,
     /// Bytes promised to runs admitted to host pools and not finished yet.
     host_promised: Arc<std::sync::atomic::AtomicU64>,
+    /// The policy's last decisions, for `/status`.
+    pub decisions: crate::recent::RecentDecisions,
 }
 
 /// Host memory promised to one run; given back when dropped.
@@ -325,6 +327,7 @@ impl Service {
             degraded,
             idempotency,
             host_promised: Arc::default(),
+            decisions: Default::default(),
         })
     }
 
