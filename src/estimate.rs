@@ -47,6 +47,19 @@ pub struct MemoryProfile {
     pub source: ProfileSource,
 }
 
+/// No part of an estimate exceeds 8 PiB (2^53 bytes, also the largest integer an `f64` holds
+/// exactly): no accelerator or host comes near it, and sums of a few parts stay far from the
+/// 64-bit limits a policy script's integers have, so no script overflows on an absurd request.
+pub const ESTIMATE_CEILING: u64 = 1 << 53;
+
+/// Bytes from a fitted value: rounded up, never negative, at most [`ESTIMATE_CEILING`].
+fn clamp_bytes(bytes: f64) -> u64 {
+    if bytes.is_nan() {
+        return ESTIMATE_CEILING;
+    }
+    (bytes.max(0.0).ceil() as u64).min(ESTIMATE_CEILING)
+}
+
 impl MemoryProfile {
     /// The estimate for a run of `context_tokens` (0 without a context axis) and `batch`.
     pub fn estimate(&self, context_tokens: u64, batch: u64) -> Estimate {
@@ -57,16 +70,14 @@ impl MemoryProfile {
         } else {
             self.per_token_bytes * n + self.per_token_squared_bytes * n * n
         };
-        let context_bytes = (batch * per_item).max(0.0).ceil() as u64;
-        let workspace_bytes = self.workspace_bytes.max(0.0).ceil() as u64;
+        let context_bytes = clamp_bytes(batch * per_item);
+        let workspace_bytes = clamp_bytes(self.workspace_bytes);
+        let weights_bytes = self.weights_bytes.min(ESTIMATE_CEILING);
         Estimate {
-            weights_bytes: self.weights_bytes,
+            weights_bytes,
             context_bytes,
             workspace_bytes,
-            total_bytes: self
-                .weights_bytes
-                .saturating_add(context_bytes)
-                .saturating_add(workspace_bytes),
+            total_bytes: weights_bytes + context_bytes + workspace_bytes,
         }
     }
 }
@@ -273,6 +284,23 @@ mod tests {
         assert_eq!(e.total_bytes, 1000 + 400 + 100);
         // Without a context axis the per-item term is per batch item.
         assert_eq!(profile.estimate(0, 3).context_bytes, 30);
+    }
+
+    #[test]
+    fn absurd_contexts_saturate_at_the_ceiling_so_sums_cannot_overflow() {
+        let profile = MemoryProfile {
+            weights_bytes: u64::MAX,
+            workspace_bytes: f64::INFINITY,
+            per_token_bytes: 1e12,
+            per_token_squared_bytes: 1e12,
+            source: ProfileSource::Config,
+        };
+        let e = profile.estimate(u64::MAX, u64::MAX);
+        assert_eq!(e.weights_bytes, ESTIMATE_CEILING);
+        assert_eq!(e.context_bytes, ESTIMATE_CEILING);
+        assert_eq!(e.workspace_bytes, ESTIMATE_CEILING);
+        assert_eq!(e.total_bytes, 3 * ESTIMATE_CEILING);
+        assert!(i64::try_from(e.total_bytes + e.context_bytes + e.workspace_bytes).is_ok());
     }
 
     #[test]

@@ -238,6 +238,9 @@ pub enum RequestError {
 /// When a deadline was found to be out of reach.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DeadlineMiss {
+    /// It had passed before the policy was asked (a deadline of 0, or one shorter than reading
+    /// the request took).
+    OnArrival,
     /// It passed while the policy deferred the request.
     WhileDeferred,
     /// The policy's next deferral would pass it.
@@ -252,6 +255,7 @@ pub enum DeadlineMiss {
 impl std::fmt::Display for DeadlineMiss {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(match self {
+            DeadlineMiss::OnArrival => "had passed before the request could be admitted",
             DeadlineMiss::WhileDeferred => "passed while the policy deferred the request",
             DeadlineMiss::ByDeferral => "cannot be met: the policy defers this request past it",
             DeadlineMiss::InPool => "cannot be met: it passed before the run finished",
@@ -329,7 +333,8 @@ impl RequestError {
     /// `model` is not served here; the message lists what is.
     pub fn unknown_model(service: &Service, model: &str) -> RequestError {
         RequestError::UnknownModel {
-            model: model.to_string(),
+            // The name comes from the client.
+            model: crate::logging::clipped(model, 64),
             known: service.model_names(),
         }
     }
@@ -759,7 +764,12 @@ async fn admit(service: &Service, entry: &ModelEntry, request: &mut Request) -> 
             // The policy sees the time left, not the time the client first gave.
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
-                return Err(refuse(RequestError::Deadline(DeadlineMiss::WhileDeferred)));
+                let miss = if deferred.is_zero() {
+                    DeadlineMiss::OnArrival
+                } else {
+                    DeadlineMiss::WhileDeferred
+                };
+                return Err(refuse(RequestError::Deadline(miss)));
             }
             info.deadline_ms = (left.as_millis() as u64).max(1);
         }

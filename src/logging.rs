@@ -26,6 +26,14 @@ pub fn init(format: LogFormat) {
     let _ = result;
 }
 
+/// At most `max` characters of a client-given `text`, marked when cut, for echoing it in an
+/// error without letting the client choose the size of our answers and logs.
+pub fn clipped(text: &str, max: usize) -> String {
+    match text.char_indices().nth(max) {
+        Some((cut, _)) => format!("{}… ({} bytes)", &text[..cut], text.len()),
+        None => text.to_string(),
+    }
+}
 /// A size the way a person reads it: `512 MiB`, `1.5 GiB`, `812 B`.
 pub fn human_bytes(bytes: u64) -> String {
     const UNITS: [&str; 5] = ["KiB", "MiB", "GiB", "TiB", "PiB"];

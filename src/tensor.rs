@@ -233,6 +233,23 @@ impl TensorData {
         })
     }
 
+    /// The first NaN or infinity of a floating-point tensor, with its element index: JSON has
+    /// no way to write it.
+    pub fn first_non_finite(&self) -> Option<(usize, f64)> {
+        fn find<T: Copy + Into<f64>>(v: &[T]) -> Option<(usize, f64)> {
+            v.iter()
+                .map(|x| (*x).into())
+                .enumerate()
+                .find(|(_, x): &(usize, f64)| !x.is_finite())
+        }
+        match self {
+            TensorData::Fp16(v) => v.iter().map(|x| x.to_f64()).enumerate().find(|(_, x)| !x.is_finite()),
+            TensorData::Fp32(v) => find(v),
+            TensorData::Fp64(v) => find(v),
+            _ => None,
+        }
+    }
+
     /// Append the little-endian bytes of every element to `out`.
     pub fn write_le_bytes(&self, out: &mut Vec<u8>) {
         out.reserve(self.len() * self.datatype().size());
@@ -351,20 +368,25 @@ macro_rules! float_element {
         impl Element for $t {
             const NAME: &'static str = $name;
             fn from_u64(v: u64) -> Option<Self> {
-                Some($from(v as f64))
+                $from(v as f64)
             }
             fn from_i64(v: i64) -> Option<Self> {
-                Some($from(v as f64))
+                $from(v as f64)
             }
             fn from_f64(v: f64) -> Option<Self> {
-                Some($from(v))
+                $from(v)
             }
         }
     };
 }
-float_element!(f32, "FP32", |v: f64| v as f32);
-float_element!(f64, "FP64", |v: f64| v);
-float_element!(f16, "FP16", f16::from_f64);
+/// A JSON number in the type's range (JSON has no infinities, so an infinite result means the
+/// number was too large for the type, e.g. `1e39` for FP32).
+fn finite<T>(v: T, is_finite: impl Fn(&T) -> bool) -> Option<T> {
+    is_finite(&v).then_some(v)
+}
+float_element!(f32, "FP32", |v: f64| finite(v as f32, |x| x.is_finite()));
+float_element!(f64, "FP64", |v: f64| finite(v, |x| x.is_finite()));
+float_element!(f16, "FP16", |v: f64| finite(f16::from_f64(v), |x| x.is_finite()));
 
 impl Element for bool {
     const NAME: &'static str = "BOOL";
@@ -428,7 +450,8 @@ impl<'de, T: Element> Visitor<'de> for Flatten<'_, T> {
         self.push(T::from_i64(v), v)
     }
     fn visit_f64<E: de::Error>(self, v: f64) -> Result<(), E> {
-        self.push(T::from_f64(v), v)
+        // Debug writes `1e39`, not forty digits.
+        self.push(T::from_f64(v), format_args!("{v:?}"))
     }
     fn visit_bool<E: de::Error>(self, v: bool) -> Result<(), E> {
         self.push(T::from_bool(v), v)

@@ -102,7 +102,8 @@ pub fn metrics_response(
         .get_all(header::ACCEPT)
         .iter()
         .filter_map(|v| v.to_str().ok())
-        .any(|v| v.contains("application/openmetrics-text"));
+        .flat_map(|v| v.split(','))
+        .any(accepts_openmetrics);
     if wants_openmetrics {
         (
             [(
@@ -119,6 +120,22 @@ pub fn metrics_response(
         )
             .into_response()
     }
+}
+
+/// Whether one media range of an `Accept` header asks for OpenMetrics: the type matches and its
+/// quality is not 0 (`q=0` means "not acceptable", RFC 9110 §12.4.2).
+fn accepts_openmetrics(range: &str) -> bool {
+    let mut parts = range.split(';').map(str::trim);
+    if !parts
+        .next()
+        .is_some_and(|t| t.eq_ignore_ascii_case("application/openmetrics-text"))
+    {
+        return false;
+    }
+    parts
+        .filter_map(|p| p.split_once('='))
+        .find(|(k, _)| k.trim().eq_ignore_ascii_case("q"))
+        .is_none_or(|(_, q)| q.trim().parse::<f32>().is_ok_and(|q| q > 0.0))
 }
 
 /// Samples sources into snapshots.
@@ -652,6 +669,18 @@ impl Collector for LiveCollector {
 mod tests {
     use super::*;
     use crate::device::{DeviceMemory, HostMemory};
+
+    #[test]
+    fn openmetrics_is_chosen_only_when_acceptable() {
+        assert!(accepts_openmetrics("application/openmetrics-text;version=1.0.0"));
+        assert!(accepts_openmetrics(
+            " application/openmetrics-text; version=1.0.0; q=0.5"
+        ));
+        assert!(!accepts_openmetrics("application/openmetrics-text;q=0"));
+        assert!(!accepts_openmetrics("application/openmetrics-text; q=0.0"));
+        assert!(!accepts_openmetrics("text/plain;version=0.0.4"));
+        assert!(!accepts_openmetrics("application/openmetrics-textile"));
+    }
 
     /// An NVML-like source whose devices and processes the test sets.
     struct Fake(Arc<std::sync::Mutex<Reading>>);

@@ -128,6 +128,15 @@ pub fn decode(body: &[u8], header_len: Option<usize>, signature: &ModelSignature
             if got < 0 {
                 return Err(format!("input `{name}`: dimension {axis} is negative ({got})"));
             }
+            // Every element takes at least a byte of the body, so no real axis is longer; a
+            // zero-element tensor could otherwise claim any length and reach the estimate.
+            if got as u64 > body.len() as u64 {
+                return Err(format!(
+                    "input `{name}`: dimension {axis} is {got}, longer than a {}-byte request can carry (shape {:?})",
+                    body.len(),
+                    input.shape
+                ));
+            }
             if want >= 0 && got != want {
                 return Err(format!(
                     "input `{name}`: dimension {axis} is {got} but the model requires {want} (shape {:?})",
@@ -277,7 +286,7 @@ pub fn encode(
     parameters: &Map<String, Value>,
     outputs: &[Tensor],
     request: &DecodedRequest,
-) -> EncodedResponse {
+) -> Result<EncodedResponse, String> {
     let binary_for = |name: &str| {
         request
             .outputs
@@ -285,6 +294,17 @@ pub fn encode(
             .find(|o| o.name == name)
             .map_or(request.binary_by_default, |o| o.binary)
     };
+    // JSON has no NaN or infinity (serde would write `null`, which reads as a different
+    // answer): the client is told and can ask for the output as binary data.
+    for t in outputs.iter().filter(|t| !binary_for(&t.name)) {
+        if let Some((index, value)) = t.data.first_non_finite() {
+            return Err(format!(
+                "output `{}` has a non-finite value ({value} at element {index}), which JSON cannot carry; \
+                 ask for it as binary data (`\"parameters\": {{\"binary_data\": true}}` on the output)",
+                t.name
+            ));
+        }
+    }
     let mut blob = Vec::new();
     let json_outputs = outputs
         .iter()
@@ -319,14 +339,14 @@ pub fn encode(
     };
     let mut body = serde_json::to_vec(&response).expect("response JSON always serializes");
     if blob.is_empty() && !outputs.iter().any(|t| binary_for(&t.name)) {
-        return EncodedResponse { body, header_len: None };
+        return Ok(EncodedResponse { body, header_len: None });
     }
     let header_len = body.len();
     body.extend_from_slice(&blob);
-    EncodedResponse {
+    Ok(EncodedResponse {
         body,
         header_len: Some(header_len),
-    }
+    })
 }
 
 #[cfg(test)]
@@ -410,6 +430,18 @@ mod tests {
             input("[-1,2]", "FP32", "[1,2]"),
             "input `x`: dimension 0 is negative (-1)"
         );
+        // A zero-element tensor claiming an absurd axis (issue 10): refused before any estimate.
+        assert!(
+            input("[4611686018427387904,0]", "FP32", "[]")
+                .starts_with("input `x`: dimension 0 is 4611686018427387904, longer than a 85-byte request can carry"),
+            "{}",
+            input("[4611686018427387904,0]", "FP32", "[]")
+        );
+        // FP32 cannot hold 1e39: refused, not turned into infinity.
+        assert_eq!(
+            input("[1,2]", "FP32", "[1,1e39]"),
+            "input `x`: value 1e39 is not a valid FP32 element (element 1)"
+        );
         assert!(
             err(r#"{"inputs":[{"name":"w","shape":[1],"datatype":"FP32","data":[1]}]}"#)
                 .starts_with("unknown input `w`")
@@ -455,7 +487,7 @@ mod tests {
             shape: vec![1, 2],
             data: TensorData::Fp32(vec![1.5, -2.0]),
         };
-        let encoded = encode("m", None, &Map::new(), &[out], &req);
+        let encoded = encode("m", None, &Map::new(), &[out], &req).unwrap();
         let header_len = encoded.header_len.unwrap();
         let header: Value = serde_json::from_slice(&encoded.body[..header_len]).unwrap();
         assert_eq!(header["outputs"][0]["parameters"]["binary_data_size"], 8);
@@ -468,5 +500,34 @@ mod tests {
         );
         let no_header = decode(json.as_bytes(), None, &signature()).unwrap_err();
         assert!(no_header.contains("no Inference-Header-Content-Length"), "{no_header}");
+    }
+
+    #[test]
+    fn non_finite_outputs_are_refused_in_json_and_carried_in_binary() {
+        let nan = Tensor {
+            name: "y".into(),
+            shape: vec![1, 3],
+            data: TensorData::Fp32(vec![1.0, f32::NAN, f32::INFINITY]),
+        };
+        let json_req = decode(
+            br#"{"inputs":[{"name":"x","shape":[1,2],"datatype":"FP32","data":[1,2]}]}"#,
+            None,
+            &signature(),
+        )
+        .unwrap();
+        let err = encode("m", None, &Map::new(), std::slice::from_ref(&nan), &json_req).unwrap_err();
+        assert!(
+            err.starts_with("output `y` has a non-finite value (NaN at element 1), which JSON cannot carry"),
+            "{err}"
+        );
+        let binary_req = decode(
+            br#"{"inputs":[{"name":"x","shape":[1,2],"datatype":"FP32","data":[1,2]}],"parameters":{"binary_data_output":true}}"#,
+            None,
+            &signature(),
+        )
+        .unwrap();
+        let encoded = encode("m", None, &Map::new(), &[nan], &binary_req).unwrap();
+        let blob = &encoded.body[encoded.header_len.unwrap()..];
+        assert!(f32::from_le_bytes(blob[4..8].try_into().unwrap()).is_nan());
     }
 }

@@ -150,6 +150,12 @@ pub fn app(state: Arc<AppState>) -> Router {
         .route("/admin/pools/{pool}/restore", post(admin_pool_restore))
         .route("/metrics", get(metrics))
         .fallback(|| async { ApiError::new(StatusCode::NOT_FOUND, "no such endpoint") })
+        .method_not_allowed_fallback(|method: axum::http::Method| async move {
+            ApiError::new(
+                StatusCode::METHOD_NOT_ALLOWED,
+                format!("method {method} is not allowed on this endpoint"),
+            )
+        })
         .layer(DefaultBodyLimit::max(body_limit))
         .with_state(state)
 }
@@ -281,7 +287,10 @@ fn check_version(version: &str) -> Result<(), ApiError> {
     } else {
         Err(ApiError::new(
             StatusCode::NOT_FOUND,
-            format!("unknown model version `{version}`; the only version is `1`"),
+            format!(
+                "unknown model version `{}`; the only version is `1`",
+                crate::logging::clipped(version, 64)
+            ),
         ))
     }
 }
@@ -598,8 +607,12 @@ fn header_value<T: std::str::FromStr>(
     name: &str,
     expected: &str,
 ) -> Result<Option<T>, RequestError> {
-    match headers.get(name) {
+    let mut values = headers.get_all(name).iter();
+    match values.next() {
         None => Ok(None),
+        Some(_) if values.next().is_some() => Err(RequestError::BadInput(format!(
+            "{name} is given more than once; send it once"
+        ))),
         Some(v) => v
             .to_str()
             .ok()
@@ -634,7 +647,14 @@ fn served_response(
     if let Some(context) = &context {
         parameters.insert("context".into(), json!(context));
     }
-    let encoded = infer::encode(model, decoded.id.as_deref(), &parameters, &served.outputs, decoded);
+    let encoded = match infer::encode(model, decoded.id.as_deref(), &parameters, &served.outputs, decoded) {
+        Ok(encoded) => encoded,
+        Err(message) => {
+            let mut api = ApiError::new(StatusCode::BAD_REQUEST, message);
+            api.extra.insert("request_id".into(), json!(id));
+            return api.into_response();
+        }
+    };
     let mut response = encoded.body.into_response();
     let headers = response.headers_mut();
     headers.insert(

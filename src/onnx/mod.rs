@@ -198,6 +198,16 @@ pub fn classify(message: &str) -> BackendError {
         "GPU is lost",
         "device-side assert",
     ];
+    // Shape and type errors that the inputs' values cause (the model itself ran on other inputs
+    // at start-up): the client's to fix, answered 400, not counted as failures.
+    const INVALID_INPUT: &[&str] = &[
+        "Invalid rank",
+        "Got invalid dimensions",
+        "Unexpected input data type",
+        "cannot be reshaped",
+        "Invalid input shape",
+        "Attempting to broadcast an axis by a dimension other than 1",
+    ];
     let message = message.to_string();
     if message.contains("terminate flag") {
         BackendError::Cancelled
@@ -211,10 +221,7 @@ pub fn classify(message: &str) -> BackendError {
             kind: AllocFailureKind::Driver,
             message,
         }
-    } else if message.contains("Invalid rank")
-        || message.contains("Got invalid dimensions")
-        || message.contains("Unexpected input data type")
-    {
+    } else if INVALID_INPUT.iter().any(|p| message.contains(p)) {
         BackendError::InvalidInput(message)
     } else {
         BackendError::Runtime(message)
@@ -574,6 +581,12 @@ mod tests {
             classify("Invalid rank for input: x"),
             BackendError::InvalidInput(_)
         ));
+        let reshape = "Non-zero status code returned while running Reshape node. Name:'r' Status Message: \
+                       The input tensor cannot be reshaped to the requested shape. Input shape:{0,4}, requested shape:{-1,0}";
+        assert!(matches!(classify(reshape), BackendError::InvalidInput(_)));
+        let broadcast = "Non-zero status code returned while running Add node. Name:'a' Status Message: \
+                         Attempting to broadcast an axis by a dimension other than 1. 3 by 5";
+        assert!(matches!(classify(broadcast), BackendError::InvalidInput(_)));
         assert!(matches!(classify("something else"), BackendError::Runtime(_)));
     }
 

@@ -1,0 +1,172 @@
+//! The defects found by probing the server as an attacker on loopback would (issue 10), one
+//! test each, over real HTTP and real ONNX Runtime: user input never gets a 5xx, every refusal
+//! names the tensor or header and the reason, and nothing a client sends chooses the size of
+//! the answer.
+
+mod common;
+
+use common::{SIMULATED_CONFIG, TestServer};
+use reqwest::StatusCode;
+use serde_json::{Value, json};
+
+async fn error_of(response: reqwest::Response) -> (StatusCode, String) {
+    let status = response.status();
+    let body: Value = response.json().await.unwrap();
+    (status, body["error"].as_str().unwrap_or_default().to_string())
+}
+
+fn outcome(metrics: &str, outcome: &str) -> f64 {
+    metrics
+        .lines()
+        .filter(|l| l.starts_with("vramguard_requests_total{") && l.contains(&format!("outcome=\"{outcome}\"")))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+#[tokio::test]
+async fn a_zero_element_tensor_claiming_a_huge_axis_is_a_400_naming_the_tensor() {
+    let server = TestServer::start(SIMULATED_CONFIG).await;
+    for shape in [json!([0, 1u64 << 62, 64]), json!([1u64 << 62, 0, 64])] {
+        let body = json!({"inputs": [{"name": "input", "shape": shape, "datatype": "FP32", "data": []}]});
+        let (status, error) = error_of(server.post_json("/v2/models/encoder/infer", &body).await).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{shape}: {error}");
+        assert!(error.starts_with("input `input`: dimension"), "{error}");
+        assert!(error.contains("4611686018427387904"), "{error}");
+    }
+    let metrics = server.metrics().await;
+    assert_eq!(outcome(&metrics, "failed"), 0.0, "{metrics}");
+    assert_eq!(outcome(&metrics, "client_error"), 2.0, "{metrics}");
+    // A zero-element tensor of a sane shape is served (an empty batch is not an error).
+    let empty = json!({"inputs": [{"name": "input", "shape": [0, 16, 64], "datatype": "FP32", "data": []}]});
+    assert_eq!(
+        server.post_json("/v2/models/encoder/infer", &empty).await.status(),
+        StatusCode::OK
+    );
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn numbers_outside_the_type_and_non_finite_outputs_are_400s_not_silent_changes() {
+    let server = TestServer::start(SIMULATED_CONFIG).await;
+    // 1e39 does not fit FP32: refused, not turned into infinity.
+    let mut data = vec![json!(0.5); 64];
+    data[3] = json!(1e39);
+    let body = json!({"inputs": [{"name": "input", "shape": [1, 1, 64], "datatype": "FP32", "data": data}]});
+    let (status, error) = error_of(server.post_json("/v2/models/encoder/infer", &body).await).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    assert_eq!(
+        error,
+        "input `input`: value 1e39 is not a valid FP32 element (element 3)"
+    );
+
+    // A NaN input (binary data can carry one) gives NaN outputs: JSON cannot carry them, so the
+    // client is told which output and how to get it; asked as binary, it gets the exact bits.
+    let send = |binary_output: bool| {
+        let header = json!({
+            "inputs": [{"name": "input", "shape": [1, 1, 64], "datatype": "FP32",
+                        "parameters": {"binary_data_size": 256}}],
+            "parameters": {"binary_data_output": binary_output}
+        })
+        .to_string();
+        let mut body = header.clone().into_bytes();
+        for _ in 0..64 {
+            body.extend_from_slice(&f32::NAN.to_le_bytes());
+        }
+        reqwest::Client::new()
+            .post(server.url("/v2/models/encoder/infer"))
+            .header("Inference-Header-Content-Length", header.len())
+            .body(body)
+            .send()
+    };
+    let response = send(false).await.unwrap();
+    let (status, error) = error_of(response).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    assert!(
+        error.starts_with("output `hidden` has a non-finite value (NaN at element 0)"),
+        "{error}"
+    );
+    assert!(error.contains("binary_data"), "{error}");
+    let binary = send(true).await.unwrap();
+    assert_eq!(binary.status(), StatusCode::OK);
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn a_repeated_header_length_is_refused_rather_than_the_first_used() {
+    let server = TestServer::start(SIMULATED_CONFIG).await;
+    let (header, body) = common::encoder_binary_request(16);
+    let response = reqwest::Client::new()
+        .post(server.url("/v2/models/encoder/infer"))
+        .header("Inference-Header-Content-Length", header.len())
+        .header("Inference-Header-Content-Length", header.len() + 1)
+        .body(body)
+        .send()
+        .await
+        .unwrap();
+    let (status, error) = error_of(response).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    assert_eq!(
+        error,
+        "inference-header-content-length is given more than once; send it once"
+    );
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn a_wrong_method_gets_a_json_405() {
+    let server = TestServer::start(SIMULATED_CONFIG).await;
+    let response = reqwest::Client::new()
+        .delete(server.url("/v2/models/encoder/infer"))
+        .send()
+        .await
+        .unwrap();
+    let (status, error) = error_of(response).await;
+    assert_eq!(status, StatusCode::METHOD_NOT_ALLOWED);
+    assert_eq!(error, "method DELETE is not allowed on this endpoint");
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn openmetrics_refused_with_q_0_gets_the_text_format() {
+    let server = TestServer::start(SIMULATED_CONFIG).await;
+    let response = reqwest::Client::new()
+        .get(server.url("/metrics"))
+        .header("accept", "application/openmetrics-text;q=0, text/plain;version=0.0.4")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(
+        response.headers()["content-type"],
+        "text/plain; version=0.0.4; charset=utf-8"
+    );
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn a_deadline_of_zero_does_not_blame_a_deferral_that_never_happened() {
+    let server = TestServer::start(SIMULATED_CONFIG).await;
+    let response = server
+        .encoder_with_headers(16, &[("x-vramguard-deadline-ms", "0")])
+        .await;
+    let (status, error) = error_of(response).await;
+    assert_eq!(status, StatusCode::GATEWAY_TIMEOUT);
+    assert_eq!(
+        error,
+        "the deadline (x-vramguard-deadline-ms) had passed before the request could be admitted"
+    );
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn an_unknown_model_name_is_echoed_clipped() {
+    let server = TestServer::start(SIMULATED_CONFIG).await;
+    let name = "m".repeat(5000);
+    let response = server
+        .post_json(&format!("/v2/models/{name}/infer"), &json!({"inputs": []}))
+        .await;
+    let (status, error) = error_of(response).await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+    assert!(error.len() < 300, "{} bytes: {error}", error.len());
+    assert!(error.contains("… (5000 bytes)"), "{error}");
+    server.stop().await;
+}
