@@ -19,7 +19,7 @@ PYCLIENTS   := .deps/pyclients/.installed
 run: deps release
 	./target/release/vramguard serve $(ARGS)
 
-test: deps tools check-fmt clippy unit policy-tests client-compat alert-tests
+test: deps tools check-fmt clippy unit policy-tests client-compat alert-tests dashboard-check
 	@echo "make test: all checks passed"
 
 deps: $(ORT_LIB)
@@ -90,6 +90,17 @@ alert-tests:
 	amtool config routes test --config.file=$(AM_EXAMPLE) --verify.receivers=on-call alertname=VramguardDegraded reason=breaker_open 2>/dev/null
 	amtool config routes test --config.file=$(AM_EXAMPLE) --verify.receivers=on-call alertname=VramguardDown 2>/dev/null
 	amtool config routes test --config.file=$(AM_EXAMPLE) --verify.receivers=team-chat alertname=VramguardBreakerOpen 2>/dev/null
+
+# Dashboards against the JSON schema derived from Grafana's @grafana/schema (committed under
+# tests/dashboards/schema/, so no npm here), plus the house rules (units, descriptions, datasource).
+DASHCHECK := .deps/dashcheck/.installed
+
+$(DASHCHECK):
+	$(PYTHON) -m pip install --quiet --disable-pip-version-check --target .deps/dashcheck 'jsonschema==4.26.0'
+	@touch $@
+
+dashboard-check: $(DASHCHECK)
+	PYTHONPATH=.deps/dashcheck $(PYTHON) tests/dashboards/check.py dashboards/*.json
 
 # The overhead bench drives the real `vramguard serve` from a separate process, as users' clients
 # do: wrk (Debian package `wrk`) is that load generator. Not part of `make test`.
