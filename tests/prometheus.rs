@@ -344,8 +344,17 @@ async fn run() {
             )
         })
         .collect();
-    for (path, dashboard) in dashboards() {
-        for expr in dashboard_exprs(&dashboard) {
+    let shipped = dashboards();
+    assert!(!shipped.is_empty(), "no dashboard under dashboards/");
+    for (path, dashboard) in shipped {
+        let found = dashboard_exprs(&dashboard);
+        assert!(
+            found.len() >= 20,
+            "{}: only {} expressions found",
+            path.display(),
+            found.len()
+        );
+        for expr in found {
             exprs.push((path.display().to_string(), expr));
         }
     }
