@@ -170,7 +170,7 @@ impl Sampler {
         // Every source's error counter exists from the start, at 0, so a rate over it means
         // something before the first failure.
         for source in &sources {
-            metrics.exporter_errors.get_or_create(&SourceLabels {
+            let _created = metrics.exporter_errors.get_or_create(&SourceLabels {
                 source: source.label().to_string(),
             });
         }
