@@ -210,20 +210,16 @@ pub struct Options {
     pub json: bool,
 }
 
-/// `vramguard doctor`: print the report; exit 0 when no check failed, [`EXIT_FAILED`] otherwise.
+/// `vramguard doctor`: print the report (text, or JSON with `--json`) on stdout; exit 0 when no
+/// check failed, [`EXIT_FAILED`] otherwise.
 pub fn run(options: &Options) -> ExitCode {
-    run_to(options, &mut std::io::stdout())
-}
-
-/// [`run`] writing to `out`.
-pub fn run_to(options: &Options, out: &mut dyn Write) -> ExitCode {
     let report = diagnose(options);
     let text = if options.json {
-        serde_json::to_string_pretty(&report).map_or_else(|e| format!("{{\"error\": \"{e}\"}}\n"), |s| s + "\n")
+        serde_json::to_string_pretty(&report).expect("a report is plain data with string keys") + "\n"
     } else {
         report.to_text()
     };
-    let _ = out.write_all(text.as_bytes());
+    let _ = std::io::stdout().write_all(text.as_bytes());
     if report.passed() {
         ExitCode::SUCCESS
     } else {
@@ -573,36 +569,35 @@ pub fn check_nvml(
                     format!("driver {}, {count} device(s)", inventory.driver_version),
                 )
             };
-            let mut processes = Vec::new();
+            let usage = nvml_usage(reading, rules);
             for device in &inventory.devices {
-                let memory = reading.devices.get(&device.name);
-                let on_it: Vec<&crate::device::DeviceProcess> =
-                    reading.processes.iter().filter(|p| p.device == device.name).collect();
+                let Some(on_it) = usage.iter().find(|u| u.name == device.name) else {
+                    continue;
+                };
                 check = check.detail(format!(
                     "{} (index {}, {}): {} of {} used, {} process(es)",
                     device.name,
                     device.index,
                     device.product,
-                    human_bytes(memory.map_or(0, |m| m.used_bytes)),
-                    human_bytes(memory.map_or(0, |m| m.total_bytes)),
-                    on_it.len()
+                    human_bytes(on_it.used_bytes),
+                    human_bytes(on_it.total_bytes),
+                    on_it.processes.len()
                 ));
-                for p in on_it {
-                    let service = crate::exporter::attribute(rules, p);
+                for p in &on_it.processes {
                     let name = if p.name.is_empty() {
                         "(not visible from here: another PID namespace?)"
                     } else {
                         p.name.as_str()
                     };
                     check = check.detail(format!(
-                        "  pid {} {name}: {} (service {service})",
+                        "  pid {} {name}: {} (service {})",
                         p.pid,
-                        human_bytes(p.used_bytes)
+                        human_bytes(p.used_bytes),
+                        p.service
                     ));
-                    processes.push(json!({"pid": p.pid, "name": p.name, "service": service,
-                                          "device": p.device, "used_bytes": p.used_bytes}));
                 }
             }
+            let processes: Vec<&ProcessState> = usage.iter().flat_map(|u| &u.processes).collect();
             let devices: Vec<Value> = inventory
                 .devices
                 .iter()

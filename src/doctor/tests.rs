@@ -319,7 +319,9 @@ fn nvml_lists_devices_and_processes_and_attribution_uses_the_service_rules() {
     assert_eq!(attribution.status, Status::Ok);
     assert_eq!(
         attribution.details,
-        ["gpu0 (NVIDIA, from NVML): 10 GiB used = 9 GiB held by 2 process(es) (chat 8 GiB, other 1 GiB) + 1 GiB unattributed"]
+        [
+            "gpu0 (NVIDIA, from NVML): 10 GiB used = 9 GiB held by 2 process(es) (chat 8 GiB, other 1 GiB) + 1 GiB unattributed"
+        ]
     );
 }
 
@@ -330,5 +332,8 @@ fn a_configured_nvidia_index_nvml_does_not_report_fails() {
     let config = raw.validate("<test>", std::path::Path::new(".")).unwrap();
     let check = check_nvml(&Ok(nvml_reading()), Some(&config), &[]);
     assert_eq!(check.status, Status::Fail);
-    assert_eq!(check.summary, "the config names `gpu0` (index 1) but NVML sees 1 device(s)");
+    assert_eq!(
+        check.summary,
+        "the config names `gpu0` (index 1) but NVML sees 1 device(s)"
+    );
 }
