@@ -13,13 +13,17 @@ CARGO       ?= cargo
 SUDO        := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 APT_STAMP   := .deps/.apt-updated
 PYCLIENTS   := .deps/pyclients/.installed
+SYSTEMD_UNIT := deploy/systemd/vramguard.service
+# The most `systemd-analyze security` exposure the unit may have, in tenths (20: 2.0 of 10), so
+# removing a hardening directive fails the check.
+SYSTEMD_EXPOSURE_MAX := 20
 
-.PHONY: run test deps tools build release check-fmt clippy unit policy-tests client-compat alert-tests bench bench-tools clean-deps
+.PHONY: run test deps tools systemd-tools build release check-fmt clippy unit policy-tests client-compat alert-tests dashboard-check systemd-check bench bench-tools clean-deps
 
 run: deps release
 	./target/release/vramguard serve $(ARGS)
 
-test: deps tools check-fmt clippy unit policy-tests client-compat alert-tests dashboard-check
+test: deps tools check-fmt clippy unit policy-tests client-compat alert-tests dashboard-check systemd-check
 	@echo "make test: all checks passed"
 
 deps: $(ORT_LIB)
@@ -49,6 +53,14 @@ tools:
 	@promtool --version | head -1
 	@amtool --version 2>&1 | head -1
 	@chromium --version
+
+# systemd-analyze (Debian package `systemd`) checks the unit; it works where systemd is not PID 1.
+systemd-tools:
+	@command -v systemd-analyze >/dev/null || { \
+		mkdir -p .deps; \
+		[ -f $(APT_STAMP) ] || { $(SUDO) apt-get update -qq && touch $(APT_STAMP); }; \
+		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends systemd >/dev/null; }
+	@systemd-analyze --version | head -1
 
 # Triton's stock HTTP client, for the protocol compatibility check (never imported by vramguard).
 $(PYCLIENTS):
@@ -101,6 +113,23 @@ $(DASHCHECK):
 
 dashboard-check: $(DASHCHECK)
 	PYTHONPATH=.deps/dashcheck $(PYTHON) tests/dashboards/check.py dashboards/*.json
+
+# `systemd-analyze verify` also checks that ExecStart's binary exists, and /usr/local/bin/vramguard
+# does not on a build machine: so it verifies a copy of the unit, in a scratch folder, whose
+# ExecStart names the binary just built. verify exits 0 on an unknown key or a bad value (it only
+# prints them), so any message about the unit fails the check too. Then the unit's exposure score
+# must stay within SYSTEMD_EXPOSURE_MAX.
+systemd-check: systemd-tools build
+	@set -e; tmp=$$(mktemp -d); trap 'rm -rf "$$tmp"' EXIT; unit="$$tmp/vramguard.service"; \
+	sed 's|^ExecStart=/usr/local/bin/vramguard |ExecStart=$(CURDIR)/target/debug/vramguard |' $(SYSTEMD_UNIT) >"$$unit"; \
+	grep -q '^ExecStart=$(CURDIR)/target/debug/vramguard ' "$$unit" || { \
+		echo "error: $(SYSTEMD_UNIT) must start /usr/local/bin/vramguard (ExecStart=/usr/local/bin/vramguard serve …)"; exit 1; }; \
+	if ! out=$$(systemd-analyze verify "$$unit" 2>&1) || printf '%s\n' "$$out" | grep -q 'vramguard\.service'; then \
+		printf '%s\n' "$$out" | sed 's|'"$$unit"'|$(SYSTEMD_UNIT)|'; echo "error: systemd-analyze verify rejects $(SYSTEMD_UNIT)"; exit 1; fi; \
+	if ! systemd-analyze security --offline=true --threshold=$(SYSTEMD_EXPOSURE_MAX) --no-pager "$$unit" >"$$tmp/security" 2>&1; then \
+		grep -E '^(✗|→)' "$$tmp/security" || cat "$$tmp/security"; \
+		echo "error: $(SYSTEMD_UNIT) is less hardened than allowed: its exposure must stay at or below $(SYSTEMD_EXPOSURE_MAX) tenths (the ✗ lines above say what is missing)"; exit 1; fi; \
+	echo "$(SYSTEMD_UNIT): verify ok, $$(grep -o 'Overall exposure level.*' "$$tmp/security")"
 
 # The overhead bench drives the real `vramguard serve` from a separate process, as users' clients
 # do: wrk (Debian package `wrk`) is that load generator. Not part of `make test`.

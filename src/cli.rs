@@ -53,6 +53,22 @@ pub enum Command {
         #[command(subcommand)]
         command: PolicyCommand,
     },
+    /// Check this installation and say what is wrong, with a fix for each problem: the config
+    /// and its policy, ONNX Runtime and its CUDA provider, NVML and who holds each device's
+    /// memory, a running server's readiness and admin access, host memory against the reserve.
+    /// Exits 1 when a check fails. Put its output (`--json`) in bug reports.
+    Doctor {
+        /// Config file; without it the embedded default.
+        #[arg(long)]
+        config: Option<PathBuf>,
+        /// The running server to ask, e.g. `http://127.0.0.1:8080` (default: the config's
+        /// `server.listen`).
+        #[arg(long)]
+        url: Option<String>,
+        /// Print JSON (every check with its facts) instead of lines.
+        #[arg(long)]
+        json: bool,
+    },
     /// Validate or print configuration.
     Config {
         /// What to do with configuration.
@@ -116,6 +132,7 @@ pub fn run(cli: Cli) -> ExitCode {
             PolicyCommand::Test { paths } => crate::policy::cli::test(&paths),
             PolicyCommand::Eval { file, input, json } => crate::policy::cli::eval(&file, &input, json),
         },
+        Command::Doctor { config, url, json } => crate::doctor::run(&crate::doctor::Options { config, url, json }),
         Command::Config {
             command: ConfigCommand::Check { file },
         } => config_check(&file),

@@ -6,5 +6,6 @@
 /// compile or fails on representative input (EX_USAGE from sysexits.h).
 pub const EXIT_CONFIG: u8 = 64;
 
-/// The command ran but found failures: a failing test case, a decision that did not match.
+/// The command ran but found failures: a failing test case, a decision that did not match, a
+/// `doctor` check that failed.
 pub const EXIT_FAILED: u8 = 1;

@@ -14,6 +14,7 @@ pub mod clock;
 pub mod config;
 pub mod degraded;
 pub mod device;
+pub mod doctor;
 pub mod estimate;
 pub mod exit;
 pub mod exporter;

@@ -1,4 +1,4 @@
-//! The `vramguard` binary: config commands, `policy check`, refusal of bad configs before binding,
+//! The `vramguard` binary: config commands, `policy check`, `doctor`, refusal of bad configs before binding,
 //! and graceful shutdown on SIGTERM.
 
 mod common;
@@ -225,6 +225,188 @@ fn the_exporter_serves_host_metrics_without_a_gpu_or_onnx_runtime() {
     if !vramguard::device::nvidia_gpu_present() {
         assert!(!text.contains("vramguard_device_memory_total_bytes"), "{text}");
     }
+    assert!(
+        Command::new("kill")
+            .args(["-TERM", &child.id().to_string()])
+            .status()
+            .unwrap()
+            .success()
+    );
+    assert_eq!(child.wait().unwrap().code(), Some(0));
+}
+
+/// `vramguard doctor ARGS...` with extra environment: exit code and stdout.
+fn doctor(args: &[&str], env: &[(&str, &str)]) -> (Option<i32>, String) {
+    let out = Command::new(BIN)
+        .arg("doctor")
+        .args(args)
+        .envs(env.iter().copied())
+        .output()
+        .unwrap();
+    (out.status.code(), String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// A URL where nothing listens, so no server another test (or person) runs is asked.
+fn nobody_listening() -> String {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    format!("http://127.0.0.1:{port}")
+}
+
+#[test]
+fn doctor_passes_on_the_embedded_default_and_says_what_is_simulated() {
+    let (code, out) = doctor(&["--url", &nobody_listening()], &[]);
+    assert!(
+        out.contains("ok    config       <embedded default>: valid (2 models, 2 pools, 1 device)"),
+        "{out}"
+    );
+    assert!(out.contains("ok    onnxruntime  1.31.1 from /"), "{out}");
+    assert!(
+        out.contains("ok    policy       builtin:default: compiles, passes its"),
+        "{out}"
+    );
+    assert!(
+        out.contains("warn  server       nothing answers at http://127.0.0.1:"),
+        "{out}"
+    );
+    // The default reserves 2 GiB of host memory; a machine with less available fails, and says so.
+    let host_ok = out.contains("ok    host_memory  ");
+    assert!(host_ok || out.contains("below host.reserve of 2 GiB"), "{out}");
+    if !vramguard::device::nvidia_gpu_present() {
+        assert_eq!(code, Some(if host_ok { 0 } else { 1 }), "{out}");
+        assert!(
+            out.contains("info  nvml         no NVIDIA device: NVML unavailable"),
+            "{out}"
+        );
+        assert!(
+            out.contains("gpu0: SIMULATED accelerator of 512 MiB (from the config; no driver involved)"),
+            "{out}"
+        );
+        assert!(
+            out.contains("info  cuda         this ONNX Runtime is a CPU-only build"),
+            "{out}"
+        );
+    }
+}
+
+#[test]
+fn doctor_fails_on_a_broken_config_and_names_the_key() {
+    let path = temp_file(
+        "doctor-bad.yaml",
+        "models: [{name: m, path: 'builtin:classifier'}]\npools: [{name: cpu, provider: cpu, models: [m], workers: 0}]\n",
+    );
+    let (code, out) = doctor(&["--config", path.to_str().unwrap(), "--url", &nobody_listening()], &[]);
+    assert_eq!(code, Some(1), "{out}");
+    assert!(
+        out.contains(&format!(
+            "fail  config       {}: pools[0].workers: expected 1 to 256, got 0\n",
+            path.display()
+        )),
+        "{out}"
+    );
+    assert!(out.contains("fix: correct that key"), "{out}");
+    // The rest is still checked, so one run shows everything that is wrong.
+    assert!(out.contains("ok    onnxruntime  "), "{out}");
+    assert!(
+        out.contains("warn  policy       not checked: the config is invalid"),
+        "{out}"
+    );
+    assert!(out.contains("1 failed\n"), "{out}");
+}
+
+#[test]
+fn doctor_json_has_every_check_with_its_facts() {
+    let (code, out) = doctor(&["--json", "--url", &nobody_listening()], &[]);
+    let report: Value = serde_json::from_str(&out).unwrap_or_else(|e| panic!("{e}: {out}"));
+    let names: Vec<&str> = report["checks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        names,
+        [
+            "config",
+            "onnxruntime",
+            "cuda",
+            "nvml",
+            "attribution",
+            "policy",
+            "server",
+            "host_memory"
+        ]
+    );
+    for check in report["checks"].as_array().unwrap() {
+        assert!(
+            ["ok", "info", "warn", "fail"].contains(&check["status"].as_str().unwrap()),
+            "{check}"
+        );
+        assert!(!check["summary"].as_str().unwrap().is_empty(), "{check}");
+    }
+    assert_eq!(report["vramguard"], env!("CARGO_PKG_VERSION"));
+    assert_eq!(report["checks"][1]["data"]["version"], "1.31.1");
+    assert!(report["checks"][7]["data"]["available_bytes"].as_u64().unwrap() > 0);
+    let failed = report["counts"]["fail"].as_u64().unwrap();
+    assert_eq!(code, Some(if failed == 0 { 0 } else { 1 }));
+}
+
+#[test]
+fn doctor_asks_a_running_server_with_the_admin_token_and_attributes_its_simulated_device() {
+    let config = temp_file(
+        "doctor-serve.yaml",
+        "server: {listen: '127.0.0.1:0', admin_token_env: VG_DOCTOR_TOKEN}\n\
+         devices: [{name: gpu0, kind: simulated, capacity: 128MiB}]\n\
+         models: [{name: encoder, path: 'builtin:encoder'}]\n\
+         pools: [{name: gpu, provider: simulated, device: gpu0, models: [encoder]}]\n",
+    );
+    let config = config.to_str().unwrap();
+    let token = [("VG_DOCTOR_TOKEN", "s3cret")];
+    let (mut child, addr) = common::spawn_serving(&["serve", "--config", config], &token, "vramguard serving");
+    let url = format!("http://{addr}");
+    let pressure = Command::new("curl")
+        .args([
+            "-sf",
+            "-XPOST",
+            &format!("{url}/admin/sim/gpu0"),
+            "-H",
+            "authorization: Bearer s3cret",
+        ])
+        .args(["-d", r#"{"pressure": "32MiB"}"#])
+        .output()
+        .unwrap();
+    assert!(pressure.status.success(), "{pressure:?}");
+
+    let (_, out) = doctor(&["--config", config, "--url", &url], &token);
+    assert!(
+        out.contains(&format!(
+            "ok    server       vramguard at {url} is ready, admin reachable"
+        )),
+        "{out}"
+    );
+    assert!(
+        out.contains("admin endpoints accept this client (with the bearer token from $VG_DOCTOR_TOKEN)"),
+        "{out}"
+    );
+    assert!(out.contains("gpu0 (SIMULATED, from the running server): "), "{out}");
+    assert!(out.contains("(simulated 32 MiB, vramguard "), "{out}");
+    assert!(!out.contains("fail  server") && !out.contains("fail  policy"), "{out}");
+
+    let (code, out) = doctor(&["--config", config, "--url", &url], &[]);
+    assert_eq!(code, Some(1), "{out}");
+    assert!(out.contains("fail  server       "), "{out}");
+    assert!(
+        out.contains("admin needs a bearer token, and $VG_DOCTOR_TOKEN is not set here"),
+        "{out}"
+    );
+    assert!(
+        out.contains("fix: export VG_DOCTOR_TOKEN=<the server's token>"),
+        "{out}"
+    );
+
     assert!(
         Command::new("kill")
             .args(["-TERM", &child.id().to_string()])

@@ -84,19 +84,23 @@ pub fn nvidia_gpu_present() -> bool {
     matches!(nvidia_device_count(), Ok(n) if n > 0)
 }
 
-/// The host source, plus NVML when an NVIDIA driver answers (devices named as `config` names
-/// them). Without one, NVML is reported absent once here, not as an error on every sample.
-pub fn sources(config: &crate::config::Config) -> Vec<Box<dyn MemorySource>> {
-    let mut sources: Vec<Box<dyn MemorySource>> = vec![Box::new(host::HostSource)];
-    let names: std::collections::HashMap<u32, String> = config
+/// The names `config` gives NVIDIA devices, by NVML index (unnamed ones are `gpu{index}`).
+pub fn nvidia_names(config: &crate::config::Config) -> std::collections::HashMap<u32, String> {
+    config
         .devices
         .iter()
         .filter_map(|d| match d.kind {
             crate::config::DeviceKind::Nvidia { index } => Some((index, d.name.clone())),
             crate::config::DeviceKind::Simulated { .. } => None,
         })
-        .collect();
-    match nvml::NvmlSource::open(names) {
+        .collect()
+}
+
+/// The host source, plus NVML when an NVIDIA driver answers (devices named as `config` names
+/// them). Without one, NVML is reported absent once here, not as an error on every sample.
+pub fn sources(config: &crate::config::Config) -> Vec<Box<dyn MemorySource>> {
+    let mut sources: Vec<Box<dyn MemorySource>> = vec![Box::new(host::HostSource)];
+    match nvml::NvmlSource::open(nvidia_names(config)) {
         Ok(source) => sources.push(Box::new(source)),
         Err(reason) => tracing::info!(%reason, "no NVIDIA devices will be reported"),
     }

@@ -41,6 +41,53 @@ impl NvmlSource {
     pub fn device_name(&self, index: u32) -> String {
         self.names.get(&index).cloned().unwrap_or_else(|| format!("gpu{index}"))
     }
+
+    /// The driver version and every device NVML reports, for `vramguard doctor`.
+    pub fn inventory(&self) -> Result<Inventory, String> {
+        let driver_version = self
+            .nvml
+            .sys_driver_version()
+            .map_err(|e| format!("driver version: {e}"))?;
+        let count = self.nvml.device_count().map_err(|e| format!("device count: {e}"))?;
+        let devices = (0..count)
+            .map(|index| {
+                let product = self
+                    .nvml
+                    .device_by_index(index)
+                    .and_then(|d| d.name())
+                    .map_err(|e| format!("device {index}: {e}"))?;
+                Ok(NvidiaDevice {
+                    index,
+                    name: self.device_name(index),
+                    product,
+                })
+            })
+            .collect::<Result<_, String>>()?;
+        Ok(Inventory {
+            driver_version,
+            devices,
+        })
+    }
+}
+
+/// What NVML says is installed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Inventory {
+    /// The kernel driver's version, e.g. `550.54.15`.
+    pub driver_version: String,
+    /// Every device, by index.
+    pub devices: Vec<NvidiaDevice>,
+}
+
+/// One NVIDIA device.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NvidiaDevice {
+    /// NVML index.
+    pub index: u32,
+    /// The name vramguard gives it (the config's, else `gpu{index}`).
+    pub name: String,
+    /// Product name, e.g. `NVIDIA H200`.
+    pub product: String,
 }
 
 impl MemorySource for NvmlSource {

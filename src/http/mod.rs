@@ -145,6 +145,7 @@ pub fn app(state: Arc<AppState>) -> Router {
         .route("/v2/models/{model}/versions/{version}/infer", post(infer_versioned))
         .route("/status", get(status))
         .route("/", get(status_page))
+        .route("/admin", get(admin_index))
         .route("/admin/sim/{device}", post(admin_sim))
         .route("/admin/policy/reload", post(admin_policy_reload))
         .route("/admin/pools/{pool}/restore", post(admin_pool_restore))
@@ -910,6 +911,23 @@ fn authorize(state: &AppState, peer: SocketAddr, headers: &HeaderMap) -> Result<
             "admin endpoints are loopback-only unless server.admin_token_env names a token",
         )),
     }
+}
+
+/// `GET /admin`: whether this client may use the admin endpoints, and which there are. It
+/// changes nothing, so `vramguard doctor` asks it to check the token without side effects.
+async fn admin_index(
+    State(state): State<Arc<AppState>>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    headers: HeaderMap,
+) -> Result<Json<Value>, ApiError> {
+    authorize(&state, peer, &headers)?;
+    let simulated: Vec<&str> = state.service.simulated.iter().map(|d| d.name.as_str()).collect();
+    Ok(Json(json!({
+        "authorized": true,
+        "auth": if state.admin_token.is_some() { "bearer" } else { "loopback" },
+        "endpoints": ["POST /admin/policy/reload", "POST /admin/pools/{pool}/restore", "POST /admin/sim/{device}"],
+        "simulated_devices": simulated,
+    })))
 }
 
 async fn admin_sim(

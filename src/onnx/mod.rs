@@ -54,6 +54,8 @@ pub struct OnnxRuntime {
     env: Environment,
     /// Library path it was loaded from.
     pub library: PathBuf,
+    /// How that path was chosen: `onnxruntime.library`, `ORT_DYLIB_PATH` or `project-local install`.
+    pub library_origin: &'static str,
     /// Version, e.g. `1.31.1`.
     pub version: String,
     simulated_arena: Mutex<Option<u64>>,
@@ -62,15 +64,25 @@ pub struct OnnxRuntime {
 static RUNTIME: OnceLock<OnnxRuntime> = OnceLock::new();
 static INIT: Mutex<()> = Mutex::new(());
 
+/// Where the library was found, and how that place was chosen.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LibraryLocation {
+    /// The library file.
+    pub path: PathBuf,
+    /// `onnxruntime.library`, `ORT_DYLIB_PATH` or `project-local install`.
+    pub origin: &'static str,
+}
+
 /// Find the library: config key, then `ORT_DYLIB_PATH`, then the project-local install (next to
 /// the working directory, the executable's project, or the source tree it was built from).
-pub fn locate_library(configured: Option<&Path>) -> Result<PathBuf, RuntimeError> {
-    let mut candidates: Vec<(String, PathBuf)> = Vec::new();
+pub fn locate_library(configured: Option<&Path>) -> Result<LibraryLocation, RuntimeError> {
+    const PROJECT_LOCAL: &str = "project-local install";
+    let mut candidates: Vec<(&'static str, PathBuf)> = Vec::new();
     if let Some(p) = configured {
-        candidates.push(("onnxruntime.library".into(), p.to_path_buf()));
+        candidates.push(("onnxruntime.library", p.to_path_buf()));
     }
     if let Some(p) = std::env::var_os("ORT_DYLIB_PATH").filter(|p| !p.is_empty()) {
-        candidates.push(("ORT_DYLIB_PATH".into(), PathBuf::from(p)));
+        candidates.push(("ORT_DYLIB_PATH", PathBuf::from(p)));
     }
     let mut roots = vec![PathBuf::from(".")];
     if let Ok(exe) = std::env::current_exe() {
@@ -79,24 +91,30 @@ pub fn locate_library(configured: Option<&Path>) -> Result<PathBuf, RuntimeError
     }
     roots.push(PathBuf::from(env!("CARGO_MANIFEST_DIR")));
     for root in roots {
-        candidates.push(("project-local install".into(), root.join(PROJECT_LOCAL_LIBRARY)));
+        candidates.push((PROJECT_LOCAL, root.join(PROJECT_LOCAL_LIBRARY)));
     }
     // An explicit choice that is wrong must not be papered over by a fallback.
-    if let Some((source, path)) = candidates.first()
-        && source != "project-local install"
+    if let Some(&(origin, ref path)) = candidates.first()
+        && origin != PROJECT_LOCAL
     {
         return if path.is_file() {
-            Ok(path.clone())
+            Ok(LibraryLocation {
+                path: path.clone(),
+                origin,
+            })
         } else {
             Err(RuntimeError::NotFound {
-                tried: format!("{} (from {source}), which does not exist", path.display()),
+                tried: format!("{} (from {origin}), which does not exist", path.display()),
             })
         };
     }
     candidates
         .iter()
         .find(|(_, p)| p.is_file())
-        .map(|(_, p)| p.clone())
+        .map(|&(origin, ref path)| LibraryLocation {
+            path: path.clone(),
+            origin,
+        })
         .ok_or_else(|| RuntimeError::NotFound {
             tried: candidates
                 .iter()
@@ -115,7 +133,10 @@ pub fn runtime(configured: Option<&Path>) -> Result<&'static OnnxRuntime, Runtim
     if let Some(rt) = RUNTIME.get() {
         return Ok(rt);
     }
-    let library = locate_library(configured)?;
+    let LibraryLocation {
+        path: library,
+        origin: library_origin,
+    } = locate_library(configured)?;
     let load_err = |message: String| RuntimeError::Load {
         path: library.clone(),
         message,
@@ -133,6 +154,7 @@ pub fn runtime(configured: Option<&Path>) -> Result<&'static OnnxRuntime, Runtim
     Ok(RUNTIME.get_or_init(|| OnnxRuntime {
         env,
         library,
+        library_origin,
         version,
         simulated_arena: Mutex::new(None),
     }))
@@ -348,6 +370,30 @@ pub fn build_session(rt: &OnnxRuntime, model: &[u8], options: &SessionOptions) -
             .map_err(|e| format!("CUDA execution provider unavailable: {e}"))?,
     };
     builder.commit_from_memory(model).map_err(msg)
+}
+
+/// Whether this ONNX Runtime build has the CUDA execution provider compiled in: the CPU-only
+/// `onnxruntime` wheel has not, `onnxruntime-gpu` has. Compiled in is not yet loadable (its
+/// CUDA and cuDNN libraries may be missing): [`probe_cuda`] tells.
+pub fn cuda_compiled_in(_rt: &OnnxRuntime) -> Result<bool, String> {
+    use ort::ep::ExecutionProvider;
+    ep::CUDA::is_available().map_err(|e| e.to_string())
+}
+
+/// Open a session of the smallest bundled model with the CUDA provider on `device_index`, as a
+/// `cuda` pool would: proves that the provider library, CUDA and cuDNN load and that the device
+/// takes a session. The session (and its CUDA context) is dropped at once.
+pub fn probe_cuda(rt: &OnnxRuntime, device_index: u32) -> Result<(), String> {
+    let options = SessionOptions {
+        provider: Provider::Cuda(CudaOptions {
+            gpu_mem_limit: None,
+            same_as_requested: true,
+        }),
+        device_index,
+        intra_threads: 1,
+        arena_shrinkage: false,
+    };
+    build_session(rt, crate::model::BuiltinModel::Classifier.bytes(), &options).map(drop)
 }
 
 fn cuda_provider(cuda: &CudaOptions, device_index: u32) -> ep::ExecutionProviderDispatch {

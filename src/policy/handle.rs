@@ -14,7 +14,7 @@ use super::cases;
 use super::script::{Evaluation, PolicySettings, Script};
 use super::source::{self, LoadError};
 use super::values::StateView;
-use crate::config::PolicySource;
+use crate::config::{Config, PolicySource};
 use crate::snapshot::{RequestInfo, Snapshot};
 
 /// One loaded version of the policy.
@@ -130,6 +130,20 @@ impl PolicyHandle {
             loaded_at: current.loaded_at,
             last_error: self.last_error.lock().unwrap_or_else(PoisonError::into_inner).clone(),
         }
+    }
+}
+
+/// What `serve` gives the configured policy: `policy.fallback`, and `policy.params` over a
+/// builtin policy's default params (a file policy gets only the config's).
+pub fn settings_for(config: &Config) -> PolicySettings {
+    let mut params = match &config.policy.source {
+        PolicySource::Builtin(name) => super::builtin::default_params(name),
+        PolicySource::File(_) => super::Params::new(),
+    };
+    params.extend(config.policy.params.clone());
+    PolicySettings {
+        fallback: config.policy.fallback.clone(),
+        params,
     }
 }
 

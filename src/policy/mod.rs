@@ -24,13 +24,13 @@ mod smoke;
 mod source;
 mod values;
 
-pub use handle::{LoadedPolicy, PolicyHandle, PolicyStatus};
+pub use handle::{LoadedPolicy, PolicyHandle, PolicyStatus, settings_for};
 pub use script::{
     Evaluation, MAX_ARRAY_SIZE, MAX_CALL_DEPTH, MAX_EXPR_DEPTH, MAX_FUNCTIONS, MAX_MAP_SIZE, MAX_OPERATIONS,
     MAX_STRING_SIZE, MAX_VARIABLES, PolicyError, PolicyErrorKind, PolicySettings, Script,
 };
-pub use smoke::{SmokeError, smoke_requests, smoke_test};
-pub use source::{LoadError, load_script};
+pub use smoke::{SmokeError, configured_estimate, configured_snapshot, smoke_requests, smoke_test};
+pub use source::{LoadError, load_script, origin};
 pub use values::{List, LiveLoad, Params, PoolLoadNow, StateView, Table};
 
 #[cfg(test)]

@@ -13,7 +13,7 @@ use prometheus_client::registry::Registry;
 
 use crate::backend::Backend;
 use crate::clock::{Clock, SystemClock};
-use crate::config::{Config, ConfigError, DeviceKind, ModelConfig, PolicySource, PoolConfig};
+use crate::config::{Config, ConfigError, DeviceKind, ModelConfig, PoolConfig};
 use crate::degraded::Degraded;
 use crate::device::MemorySource;
 use crate::device::simulated::{SimulatedDevice, SimulatedSource};
@@ -22,7 +22,7 @@ use crate::exporter::{LiveCollector, Sampler, SnapshotStore};
 use crate::idempotency::{IdempotencyCache, StoredResponse};
 use crate::metrics::{Metrics, PolicyInfoLabels, ReloadResult, ResultLabels};
 use crate::onnx::{ModelSignature, RuntimeError};
-use crate::policy::{PolicyHandle, PolicySettings, StateView};
+use crate::policy::{PolicyHandle, StateView};
 use crate::pool::{Pool, PoolContext, Respawn};
 use crate::snapshot::{DeviceClass, Snapshot};
 
@@ -486,17 +486,8 @@ fn load_policy(
     ready_pools: &[&str],
     snapshot: &Snapshot,
 ) -> Result<PolicyHandle, StartError> {
-    let mut params = match &config.policy.source {
-        PolicySource::Builtin(name) => crate::policy::builtin::default_params(name),
-        PolicySource::File(_) => crate::policy::Params::new(),
-    };
-    params.extend(config.policy.params.clone());
-    let settings = PolicySettings {
-        fallback: config.policy.fallback.clone(),
-        params,
-    };
-    let handle =
-        PolicyHandle::load(config.policy.source.clone(), settings).map_err(|e| StartError::Policy(e.to_string()))?;
+    let handle = PolicyHandle::load(config.policy.source.clone(), crate::policy::settings_for(config))
+        .map_err(|e| StartError::Policy(e.to_string()))?;
     // Pools that could not start (no CUDA here) never reach the policy; they are not tried.
     let requests = crate::policy::smoke_requests(
         config,
