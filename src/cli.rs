@@ -125,8 +125,14 @@ pub enum ConfigCommand {
 pub fn run(cli: Cli) -> ExitCode {
     logging::init(cli.log_format);
     match cli.command {
-        Command::Serve { config, listen } => serve(config, listen),
-        Command::Exporter { config, listen } => exporter(config, listen),
+        Command::Serve { config, listen } => {
+            crate::heap::return_freed_memory();
+            serve(config, listen)
+        }
+        Command::Exporter { config, listen } => {
+            crate::heap::return_freed_memory();
+            exporter(config, listen)
+        }
         Command::Policy { command } => match command {
             PolicyCommand::Check { files, config } => crate::policy::cli::check(&files, config.as_deref()),
             PolicyCommand::Test { paths } => crate::policy::cli::test(&paths),

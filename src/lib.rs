@@ -18,6 +18,7 @@ pub mod doctor;
 pub mod estimate;
 pub mod exit;
 pub mod exporter;
+pub mod heap;
 pub mod http;
 pub mod idempotency;
 pub mod lifecycle;

@@ -371,8 +371,11 @@ pub enum RawProvider {
 #[serde(deny_unknown_fields, default)]
 pub struct RawPoolMemory {
     /// Return the arena's free regions to the device after every run
-    /// (`memory.enable_memory_arena_shrinkage`): lower reserved bytes, slower runs.
-    pub arena_shrinkage: bool,
+    /// (`memory.enable_memory_arena_shrinkage`): lower reserved bytes, slightly slower runs.
+    /// Default: on for `cpu` pools (host memory is what the host-RAM guard protects, and a
+    /// burst of large requests would otherwise stay resident for good), off for accelerator
+    /// pools (their arena is theirs to keep, and reserved vs active shows it).
+    pub arena_shrinkage: Option<bool>,
 }
 
 fn one() -> usize {
@@ -1079,6 +1082,11 @@ impl RawConfig {
             if raw_breaker.window.get().is_zero() {
                 return Err(c.err(format!("{key}.breaker.window"), "must be longer than 0"));
             }
+            let shrink = p
+                .memory
+                .as_ref()
+                .and_then(|m| m.arena_shrinkage)
+                .unwrap_or(matches!(provider, Provider::Cpu));
             pools.push(PoolConfig {
                 name: p.name.clone(),
                 provider,
@@ -1088,7 +1096,7 @@ impl RawConfig {
                 intra_threads: p.intra_threads,
                 queue_capacity: p.queue.capacity,
                 max_wait: p.queue.max_wait.get(),
-                arena_shrinkage: p.memory.as_ref().is_some_and(|m| m.arena_shrinkage),
+                arena_shrinkage: shrink,
                 max_context: p.max_context,
                 breaker: crate::breaker::BreakerConfig {
                     failures: raw_breaker.failures,

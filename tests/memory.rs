@@ -1,0 +1,177 @@
+//! Host memory is returned after a burst (issue 10): the real `vramguard serve` binary takes
+//! four concurrent large requests with large JSON answers, its resident memory climbs by
+//! hundreds of MiB, and `vramguard_process_resident_memory_bytes` then comes back near where it
+//! started instead of staying at the peak.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use reqwest::StatusCode;
+use serde_json::json;
+
+const MIB: u64 = 1 << 20;
+
+/// A `vramguard serve` process, killed when dropped.
+struct Server {
+    child: Child,
+    url: String,
+    dir: std::path::PathBuf,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+impl Server {
+    /// Start the binary on a free loopback port with a CPU pool of two workers (the default
+    /// arena settings) and wait until it is ready.
+    fn start() -> Server {
+        let dir = std::env::temp_dir().join(format!("vramguard-memory-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let config = dir.join("config.yaml");
+        std::fs::write(
+            &config,
+            "models: [{name: encoder, path: 'builtin:encoder', context: {input: input, axis: 1}}]\n\
+             pools: [{name: cpu, provider: cpu, models: [encoder], workers: 2}]\n\
+             host: {reserve: 256MiB}\n",
+        )
+        .unwrap();
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let mut child = Command::new(env!("CARGO_BIN_EXE_vramguard"))
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .args(["serve", "--config"])
+            .arg(&config)
+            .args(["--listen", &format!("127.0.0.1:{port}")])
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        // Keep reading its log so it never blocks on a full pipe.
+        let stderr = child.stderr.take().unwrap();
+        std::thread::spawn(move || for _ in BufReader::new(stderr).lines() {});
+        Server {
+            child,
+            url: format!("http://127.0.0.1:{port}"),
+            dir,
+        }
+    }
+
+    fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    async fn wait_ready(&mut self) {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            assert!(self.child.try_wait().unwrap().is_none(), "vramguard exited");
+            if let Ok(r) = reqwest::get(format!("{}/v2/health/ready", self.url)).await
+                && r.status() == StatusCode::OK
+            {
+                return;
+            }
+            assert!(Instant::now() < deadline, "vramguard not ready within 60 s");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// `vramguard_process_resident_memory_bytes` as exported.
+    async fn exported_resident(&self) -> u64 {
+        let text = reqwest::get(format!("{}/metrics", self.url))
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        text.lines()
+            .find_map(|l| l.strip_prefix("vramguard_process_resident_memory_bytes "))
+            .and_then(|v| v.trim().parse::<f64>().ok())
+            .expect("resident memory is exported") as u64
+    }
+}
+
+/// Resident memory of `pid` as the kernel reports it.
+fn resident(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let line = status.lines().find(|l| l.starts_with("VmRSS:")).unwrap();
+    line.split_whitespace().nth(1).unwrap().parse::<u64>().unwrap() * 1024
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn resident_memory_returns_near_its_baseline_after_a_burst() {
+    let mut server = Server::start();
+    server.wait_ready().await;
+    // Settle: one small request, then the baseline.
+    let small = json!({"inputs": [{"name": "input", "shape": [1, 8, 64], "datatype": "FP32", "data": vec![0.5; 512]}]});
+    let client = reqwest::Client::new();
+    let infer = format!("{}/v2/models/encoder/infer", server.url);
+    assert_eq!(
+        client.post(&infer).json(&small).send().await.unwrap().status(),
+        StatusCode::OK
+    );
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let baseline = server.exported_resident().await;
+
+    // Four concurrent requests of 16×1024×64 FP32 (4 MiB of binary input each) whose answers
+    // are asked for as JSON (tens of MB each), the CPU arena growing to hundreds of MiB.
+    let header = json!({
+        "inputs": [{"name": "input", "shape": [16, 1024, 64], "datatype": "FP32",
+                    "parameters": {"binary_data_size": 16 * 1024 * 64 * 4}}]
+    })
+    .to_string();
+    let mut body = header.clone().into_bytes();
+    body.resize(header.len() + 16 * 1024 * 64 * 4, 0);
+    let burst: Vec<_> = (0..4)
+        .map(|_| {
+            let request = client
+                .post(&infer)
+                .header("Inference-Header-Content-Length", header.len())
+                .body(body.clone());
+            tokio::spawn(async move {
+                let response = request.send().await.unwrap();
+                let status = response.status();
+                let _ = response.bytes().await.unwrap();
+                status
+            })
+        })
+        .collect();
+    let pid = server.pid();
+    let mut peak = 0;
+    while !burst.iter().all(|t| t.is_finished()) {
+        peak = peak.max(resident(pid));
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    for task in burst {
+        assert_eq!(task.await.unwrap(), StatusCode::OK);
+    }
+    assert!(
+        peak > baseline + 200 * MIB,
+        "the burst must grow the process for this test to mean anything: baseline {} MiB, peak {} MiB",
+        baseline / MIB,
+        peak / MIB
+    );
+
+    // Within 15 s (the exporter samples every second), the exported figure is back within
+    // 64 MiB of the baseline.
+    let deadline = Instant::now() + Duration::from_secs(15);
+    let mut after = server.exported_resident().await;
+    while after > baseline + 64 * MIB && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(250)).await;
+        after = server.exported_resident().await;
+    }
+    assert!(
+        after <= baseline + 64 * MIB,
+        "resident memory stayed up: baseline {} MiB, peak {} MiB, after {} MiB",
+        baseline / MIB,
+        peak / MIB,
+        after / MIB
+    );
+}
