@@ -217,10 +217,43 @@ fn serve(config_path: Option<PathBuf>, listen: Option<std::net::SocketAddr>) -> 
         let listener = tokio::net::TcpListener::bind(addr)
             .await
             .map_err(|e| format!("cannot listen on {addr}: {e}"))?;
-        tracing::info!(address = %listener.local_addr().map_err(|e| e.to_string())?, "vramguard serving");
-        http::serve(state, listener, shutdown_signal())
-            .await
-            .map_err(|e| e.to_string())
+        let address = listener.local_addr().map_err(|e| e.to_string())?;
+        // The admin socket lives as long as the server, and goes with it.
+        let stop_admin = tokio_util::sync::CancellationToken::new();
+        let socket = match &state.service.config.server.admin_socket {
+            config::AdminSocket::Off => None,
+            config::AdminSocket::At(path) => Some((http::admin::bind(path)?, path.clone())),
+            config::AdminSocket::Default(path) => match http::admin::bind(path) {
+                Ok(socket) => Some((socket, path.clone())),
+                Err(e) => {
+                    tracing::warn!(error = %e, "running without an admin socket; set server.admin_socket to give this instance its own");
+                    None
+                }
+            },
+        };
+        let admin = socket.map(|(socket, path)| {
+            tracing::info!(socket = %path.display(), "admin API on its Unix socket (owner only)");
+            tokio::spawn(http::admin::serve_socket(
+                Arc::clone(&state),
+                socket,
+                path,
+                stop_admin.clone(),
+            ))
+        });
+        tracing::info!(address = %address, "vramguard serving");
+        let shutdown = {
+            let stop_admin = stop_admin.clone();
+            async move {
+                shutdown_signal().await;
+                stop_admin.cancel();
+            }
+        };
+        let served = http::serve(state, listener, shutdown).await.map_err(|e| e.to_string());
+        stop_admin.cancel();
+        if let Some(admin) = admin {
+            let _ = admin.await;
+        }
+        served
     });
     match result {
         Ok(()) => {

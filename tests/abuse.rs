@@ -170,3 +170,49 @@ async fn an_unknown_model_name_is_echoed_clipped() {
     assert!(error.contains("… (5000 bytes)"), "{error}");
     server.stop().await;
 }
+
+#[tokio::test]
+async fn admin_checks_the_token_before_reading_the_body_and_reads_the_scheme_in_any_case() {
+    let server = TestServer::start(SIMULATED_CONFIG).await;
+    let client = reqwest::Client::new();
+    let lower = client
+        .get(server.url("/admin"))
+        .header("authorization", format!("bearer {}", common::ADMIN_TOKEN))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(lower.status(), StatusCode::OK);
+    let body: Value = lower.json().await.unwrap();
+    assert_eq!(body["auth"], "bearer");
+    let wrong = client
+        .get(server.url("/admin"))
+        .header("authorization", "Bearer not-the-token")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(wrong.status(), StatusCode::UNAUTHORIZED);
+    assert_eq!(wrong.headers()["www-authenticate"], "Bearer");
+
+    // A client announcing 60 MiB and sending none of it is answered at once.
+    let addr = server.addr;
+    let head = tokio::task::spawn_blocking(move || {
+        use std::io::{Read, Write};
+        let mut stream = std::net::TcpStream::connect(addr).unwrap();
+        stream
+            .set_read_timeout(Some(std::time::Duration::from_secs(10)))
+            .unwrap();
+        stream
+            .write_all(
+                b"POST /admin/sim/gpu0 HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer nope\r\n\
+                  Content-Length: 62914560\r\n\r\n",
+            )
+            .unwrap();
+        let mut answer = vec![0u8; 1024];
+        let n = stream.read(&mut answer).expect("answered without waiting for the body");
+        String::from_utf8_lossy(&answer[..n]).into_owned()
+    })
+    .await
+    .unwrap();
+    assert!(head.starts_with("HTTP/1.1 401"), "{head}");
+    server.stop().await;
+}

@@ -139,7 +139,7 @@ fn serve_refuses_a_bad_config_before_binding() {
 async fn sigterm_finishes_running_work_answers_queued_work_and_exits_0() {
     let config = temp_file(
         "serve.yaml",
-        "server: {listen: '127.0.0.1:0', shutdown_grace: 30s}\n\
+        "server: {listen: '127.0.0.1:0', shutdown_grace: 30s, admin_socket: 'off'}\n\
          models: [{name: encoder, path: 'builtin:encoder'}]\n\
          pools: [{name: cpu, provider: cpu, models: [encoder], workers: 1}]\n",
     );
@@ -358,7 +358,7 @@ fn doctor_json_has_every_check_with_its_facts() {
 fn doctor_asks_a_running_server_with_the_admin_token_and_attributes_its_simulated_device() {
     let config = temp_file(
         "doctor-serve.yaml",
-        "server: {listen: '127.0.0.1:0', admin_token_env: VG_DOCTOR_TOKEN}\n\
+        "server: {listen: '127.0.0.1:0', admin_token_env: VG_DOCTOR_TOKEN, admin_socket: 'off'}\n\
          devices: [{name: gpu0, kind: simulated, capacity: 128MiB}]\n\
          models: [{name: encoder, path: 'builtin:encoder'}]\n\
          pools: [{name: gpu, provider: simulated, device: gpu0, models: [encoder]}]\n",
@@ -415,4 +415,85 @@ fn doctor_asks_a_running_server_with_the_admin_token_and_attributes_its_simulate
             .success()
     );
     assert_eq!(child.wait().unwrap().code(), Some(0));
+}
+
+/// Admin by default: on an owner-only Unix socket, with TCP refusing admin without a token and
+/// pointing at the socket; doctor goes through the socket; the socket goes with the server.
+#[test]
+fn admin_lives_on_an_owner_only_socket_and_tcp_admin_needs_a_token() {
+    use std::os::unix::fs::PermissionsExt;
+    let socket = std::env::temp_dir()
+        .join(format!("vramguard-cli-{}", std::process::id()))
+        .join("run/admin.sock");
+    let config = temp_file(
+        "admin-socket.yaml",
+        &format!(
+            "server: {{listen: '127.0.0.1:0', admin_socket: '{}'}}\n\
+             devices: [{{name: gpu0, kind: simulated, capacity: 128MiB}}]\n\
+             models: [{{name: encoder, path: 'builtin:encoder'}}]\n\
+             pools: [{{name: gpu, provider: simulated, device: gpu0, models: [encoder]}}]\n",
+            socket.display()
+        ),
+    );
+    let config = config.to_str().unwrap();
+    let (child, addr) = common::spawn_serving(&["serve", "--config", config], &[], "vramguard serving");
+    // Killed if an assertion fails, so no server outlives the test.
+    struct Running(std::process::Child);
+    impl Drop for Running {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let mut child = Running(child);
+    let mode = std::fs::metadata(&socket).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode, 0o600, "owner-only socket");
+
+    // Over TCP, even from loopback: refused before the body is read, with the way in.
+    let tcp = Command::new("curl")
+        .args([
+            "-s",
+            "-w",
+            "\n%{http_code}",
+            "-XPOST",
+            &format!("http://{addr}/admin/sim/gpu0"),
+        ])
+        .args(["-d", r#"{"pressure": "32MiB"}"#])
+        .output()
+        .unwrap();
+    let tcp = String::from_utf8_lossy(&tcp.stdout).to_string();
+    assert!(tcp.ends_with("\n403"), "{tcp}");
+    assert!(tcp.contains("--unix-socket"), "{tcp}");
+
+    // On the socket: allowed.
+    let sim = Command::new("curl")
+        .args(["-sf", "--unix-socket"])
+        .arg(&socket)
+        .args([
+            "-XPOST",
+            "http://localhost/admin/sim/gpu0",
+            "-d",
+            r#"{"pressure": "32MiB"}"#,
+        ])
+        .output()
+        .unwrap();
+    assert!(sim.status.success(), "{sim:?}");
+    let state: serde_json::Value = serde_json::from_slice(&sim.stdout).unwrap();
+    assert_eq!(state["pressure_bytes"], 32 << 20);
+
+    let (_, out) = doctor(&["--config", config, "--url", &format!("http://{addr}")], &[]);
+    assert!(
+        out.contains("admin endpoints accept this client (through the admin socket)"),
+        "{out}"
+    );
+
+    assert!(
+        Command::new("kill")
+            .args(["-TERM", &child.0.id().to_string()])
+            .status()
+            .unwrap()
+            .success()
+    );
+    assert_eq!(child.0.wait().unwrap().code(), Some(0));
+    assert!(!socket.exists(), "the socket is removed on exit");
 }

@@ -38,7 +38,8 @@ impl Server {
             &config,
             "models: [{name: encoder, path: 'builtin:encoder', context: {input: input, axis: 1}}]\n\
              pools: [{name: cpu, provider: cpu, models: [encoder], workers: 2}]\n\
-             host: {reserve: 256MiB}\n",
+             host: {reserve: 256MiB}\n\
+             server: {admin_socket: 'off'}\n",
         )
         .unwrap();
         let port = std::net::TcpListener::bind("127.0.0.1:0")

@@ -206,6 +206,7 @@ cases:
 async fn reload(server: &TestServer) -> (StatusCode, Value) {
     let response = reqwest::Client::new()
         .post(server.url("/admin/policy/reload"))
+        .bearer_auth(common::ADMIN_TOKEN)
         .send()
         .await
         .unwrap();

@@ -97,6 +97,7 @@ async fn a_request_that_does_not_fit_gets_an_allocator_failure_and_the_next_one_
     // Sent the way `curl -d` sends it (form content type): JSON is read all the same.
     let release = reqwest::Client::new()
         .post(server.url("/admin/sim/gpu0"))
+        .bearer_auth(common::ADMIN_TOKEN)
         .header("content-type", "application/x-www-form-urlencoded")
         .body(r#"{"pressure": 0}"#)
         .send()

@@ -161,8 +161,13 @@ pub struct RawServer {
     pub listen: String,
     /// Largest accepted request body.
     pub body_limit: ByteSize,
-    /// Name of the environment variable holding the admin bearer token.
+    /// Name of the environment variable holding the admin bearer token (admin over TCP).
     pub admin_token_env: Option<String>,
+    /// The admin API's Unix socket (owner-only): a path, `off`, or absent for the default
+    /// (`$RUNTIME_DIRECTORY/admin.sock` under systemd, else `$XDG_RUNTIME_DIR/vramguard/admin.sock`,
+    /// else `/tmp/vramguard-$UID/admin.sock`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub admin_socket: Option<String>,
     /// How long in-flight work may take to finish on shutdown.
     pub shutdown_grace: HumanDuration,
     /// Responses remembered for `idempotency-key` requests.
@@ -175,6 +180,7 @@ impl Default for RawServer {
             listen: "127.0.0.1:8080".into(),
             body_limit: ByteSize(64 << 20),
             admin_token_env: None,
+            admin_socket: None,
             shutdown_grace: HumanDuration(Duration::from_secs(10)),
             idempotency: RawIdempotency::default(),
         }
@@ -532,10 +538,34 @@ pub struct ServerConfig {
     pub body_limit: usize,
     /// Environment variable with the admin token.
     pub admin_token_env: Option<String>,
+    /// The admin API's Unix socket.
+    pub admin_socket: AdminSocket,
     /// Shutdown grace period.
     pub shutdown_grace: Duration,
     /// The `idempotency-key` response cache.
     pub idempotency: IdempotencyConfig,
+}
+
+/// Where the admin API's Unix socket is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum AdminSocket {
+    /// `server.admin_socket: off`.
+    Off,
+    /// Not configured: [`default_admin_socket`]. When another vramguard already serves there,
+    /// this one runs without an admin socket (with a warning) rather than not at all.
+    Default(PathBuf),
+    /// Configured: binding it must succeed.
+    At(PathBuf),
+}
+
+impl AdminSocket {
+    /// The socket's path, unless it is off.
+    pub fn path(&self) -> Option<&Path> {
+        match self {
+            AdminSocket::Off => None,
+            AdminSocket::Default(p) | AdminSocket::At(p) => Some(p),
+        }
+    }
 }
 
 /// Validated `server.idempotency:`.
@@ -770,6 +800,24 @@ pub fn parse_yaml<T: serde::de::DeserializeOwned>(text: &str, file: &str) -> Res
     })
 }
 
+/// Where the admin socket goes when the config does not say: systemd's runtime directory for
+/// the unit (`RuntimeDirectory=`), else the user's runtime directory, else a folder of the
+/// user's own under /tmp (created owner-only when the socket is bound).
+pub fn default_admin_socket() -> PathBuf {
+    use std::os::unix::fs::MetadataExt;
+    let env = |name: &str| std::env::var_os(name).filter(|v| !v.is_empty()).map(PathBuf::from);
+    if let Some(dir) = env("RUNTIME_DIRECTORY") {
+        // systemd may list several folders, separated by `:`; the first is ours.
+        let first = dir.to_string_lossy().split(':').next().unwrap_or_default().to_string();
+        return PathBuf::from(first).join("admin.sock");
+    }
+    if let Some(dir) = env("XDG_RUNTIME_DIR") {
+        return dir.join("vramguard/admin.sock");
+    }
+    let uid = std::fs::metadata("/proc/self").map(|m| m.uid()).unwrap_or(0);
+    PathBuf::from(format!("/tmp/vramguard-{uid}/admin.sock"))
+}
+
 /// Read a YAML file into `T`; errors name the file (and, for schema errors, the key).
 pub fn read_yaml<T: serde::de::DeserializeOwned>(path: &Path) -> Result<T, ConfigError> {
     let file = path.display().to_string();
@@ -835,6 +883,12 @@ impl RawConfig {
         if self.server.body_limit.bytes() < 1024 {
             return Err(c.err("server.body_limit", "must be at least 1KiB"));
         }
+        let admin_socket = match self.server.admin_socket.as_deref().map(str::trim) {
+            None => AdminSocket::Default(default_admin_socket()),
+            Some("off") => AdminSocket::Off,
+            Some("") => return Err(c.err("server.admin_socket", "expected a path, or `off`")),
+            Some(path) => AdminSocket::At(PathBuf::from(path)),
+        };
         if let Some(var) = &self.server.admin_token_env
             && var.trim().is_empty()
         {
@@ -1141,6 +1195,7 @@ impl RawConfig {
                 listen,
                 body_limit: usize::try_from(self.server.body_limit.bytes()).unwrap_or(usize::MAX),
                 admin_token_env: self.server.admin_token_env.clone(),
+                admin_socket,
                 shutdown_grace: self.server.shutdown_grace.get(),
                 idempotency: IdempotencyConfig {
                     max_entries: idempotency.max_entries,

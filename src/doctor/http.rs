@@ -89,23 +89,54 @@ pub fn get(target: &Target, path: &str, bearer: Option<&str>) -> Result<Response
     Err(last)
 }
 
-fn exchange(mut stream: TcpStream, target: &Target, path: &str, bearer: Option<&str>) -> Result<Response, Failure> {
+fn exchange(stream: TcpStream, target: &Target, path: &str, bearer: Option<&str>) -> Result<Response, Failure> {
     let io = |e: std::io::Error| Failure::Other(format!("{}: {e}", target.url(path)));
     stream.set_read_timeout(Some(TIMEOUT)).map_err(io)?;
     stream.set_write_timeout(Some(TIMEOUT)).map_err(io)?;
+    request(stream, &target.authority, path, bearer, &target.url(path))
+}
+
+/// `GET path` on the admin Unix socket at `socket`.
+pub fn get_unix(socket: &std::path::Path, path: &str) -> Result<Response, Failure> {
+    let shown = format!("{}:{path}", socket.display());
+    let stream = match std::os::unix::net::UnixStream::connect(socket) {
+        Ok(stream) => stream,
+        Err(e)
+            if matches!(
+                e.kind(),
+                std::io::ErrorKind::ConnectionRefused | std::io::ErrorKind::NotFound
+            ) =>
+        {
+            return Err(Failure::NotListening(format!("{}: {e}", socket.display())));
+        }
+        Err(e) => return Err(Failure::Other(format!("{}: {e}", socket.display()))),
+    };
+    let io = |e: std::io::Error| Failure::Other(format!("{shown}: {e}"));
+    stream.set_read_timeout(Some(TIMEOUT)).map_err(io)?;
+    stream.set_write_timeout(Some(TIMEOUT)).map_err(io)?;
+    request(stream, "localhost", path, None, &shown)
+}
+
+/// Send one HTTP/1.0 GET on `stream` and read the whole answer; `shown` names it in errors.
+fn request<S: Read + Write>(
+    mut stream: S,
+    host: &str,
+    path: &str,
+    bearer: Option<&str>,
+    shown: &str,
+) -> Result<Response, Failure> {
+    let io = |e: std::io::Error| Failure::Other(format!("{shown}: {e}"));
     let auth = bearer.map_or(String::new(), |token| format!("Authorization: Bearer {token}\r\n"));
     write!(
         stream,
-        "GET {path} HTTP/1.0\r\nHost: {}\r\nUser-Agent: vramguard-doctor\r\n{auth}\r\n",
-        target.authority
+        "GET {path} HTTP/1.0\r\nHost: {host}\r\nUser-Agent: vramguard-doctor\r\n{auth}\r\n"
     )
     .map_err(io)?;
     let mut raw = Vec::new();
     stream.take(MAX_RESPONSE).read_to_end(&mut raw).map_err(io)?;
     parse(&raw).ok_or_else(|| {
         Failure::Other(format!(
-            "{}: the answer is not HTTP (is something else listening there?)",
-            target.url(path)
+            "{shown}: the answer is not HTTP (is something else listening there?)"
         ))
     })
 }

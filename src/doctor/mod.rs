@@ -833,7 +833,7 @@ fn policy_fix(config: &Config) -> String {
 /// Whether doctor has the admin token the config names.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Token {
-    /// The config names no `server.admin_token_env`: admin is loopback-only.
+    /// The config names no `server.admin_token_env`: admin is on the socket only.
     NotConfigured,
     /// The config names this variable, but it is unset or empty here.
     Unset(String),
@@ -921,10 +921,16 @@ fn probe_server(url: Option<&str>, config: Option<&Config>) -> ServerProbe {
         Token::Set(_, value) => Some(value.as_str()),
         _ => None,
     };
+    // The admin socket when this host has it (the default way in), else TCP with the token.
+    let socket = config.and_then(|c| c.server.admin_socket.path().map(std::path::Path::to_path_buf));
+    let admin = match socket.filter(|s| s.exists()) {
+        Some(socket) => http::get_unix(&socket, "/admin"),
+        None => http::get(&target, "/admin", bearer),
+    };
     ServerProbe::Answered {
         url,
         ready,
-        admin: http::get(&target, "/admin", bearer),
+        admin,
         status: http::get(&target, "/status", None),
         token,
     }
@@ -1025,9 +1031,13 @@ pub fn check_server(probe: &ServerProbe) -> Check {
     }
     let admin_result = match admin {
         Ok(r) if r.status == 200 => {
-            let how = match token {
-                Token::Set(var, _) => format!("with the bearer token from ${var}"),
-                _ => "from loopback, no token".to_string(),
+            let via = serde_json::from_str::<Value>(&r.body)
+                .ok()
+                .and_then(|v| v["auth"].as_str().map(str::to_string));
+            let how = match (via.as_deref(), token) {
+                (Some("socket"), _) => "through the admin socket".to_string(),
+                (_, Token::Set(var, _)) => format!("with the bearer token from ${var}"),
+                (via, _) => format!("as `{}`", via.unwrap_or("unknown")),
             };
             lines.push(format!("admin endpoints accept this client ({how})"));
             "authorized"

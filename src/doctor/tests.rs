@@ -173,7 +173,11 @@ fn nothing_listening_is_a_warning_and_a_refused_token_a_failure() {
         },
         admin: Ok(http::Response {
             status: admin,
-            body: r#"{"error": "admin endpoints need `Authorization: Bearer <token>`"}"#.into(),
+            body: if admin == 200 {
+                r#"{"authorized": true, "auth": "socket"}"#.into()
+            } else {
+                r#"{"error": "admin endpoints need `Authorization: Bearer <token>`"}"#.into()
+            },
         }),
         status: Ok(http::Response {
             status: 200,
@@ -202,7 +206,8 @@ fn nothing_listening_is_a_warning_and_a_refused_token_a_failure() {
     );
     assert!(
         ok.details
-            .contains(&"admin endpoints accept this client (from loopback, no token)".to_string())
+            .contains(&"admin endpoints accept this client (through the admin socket)".to_string()),
+        "{ok:?}"
     );
 
     let unset = check_server(&answered(401, Token::Unset("VG_TOKEN".into())));

@@ -2,6 +2,7 @@
 //! [`app`] builds the router so tests can drive it without a socket; [`serve`] runs it with a
 //! bounded graceful shutdown.
 
+pub mod admin;
 pub mod infer;
 
 use std::future::Future;
@@ -12,7 +13,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
-use axum::extract::{ConnectInfo, DefaultBodyLimit, Path, State};
+use axum::extract::{DefaultBodyLimit, Path, State};
 use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -80,12 +81,17 @@ impl AppState {
                 }
             },
         };
-        Ok(Arc::new(AppState {
+        Ok(AppState::with_admin_token(service, admin_token))
+    }
+
+    /// Wrap a service with the admin token given (`None`: no admin over TCP).
+    pub fn with_admin_token(service: Arc<Service>, admin_token: Option<String>) -> Arc<AppState> {
+        Arc::new(AppState {
             service,
             shutting_down: AtomicBool::new(false),
             started: SystemTime::now(),
             admin_token,
-        }))
+        })
     }
 }
 
@@ -145,10 +151,7 @@ pub fn app(state: Arc<AppState>) -> Router {
         .route("/v2/models/{model}/versions/{version}/infer", post(infer_versioned))
         .route("/status", get(status))
         .route("/", get(status_page))
-        .route("/admin", get(admin_index))
-        .route("/admin/sim/{device}", post(admin_sim))
-        .route("/admin/policy/reload", post(admin_policy_reload))
-        .route("/admin/pools/{pool}/restore", post(admin_pool_restore))
+        .merge(admin::tcp_routes(&state))
         .route("/metrics", get(metrics))
         .fallback(|| async { ApiError::new(StatusCode::NOT_FOUND, "no such endpoint") })
         .method_not_allowed_fallback(|method: axum::http::Method| async move {
@@ -856,179 +859,6 @@ fn policy_status(service: &Service) -> Value {
         "last_error": status.last_error,
         "fallback": service.config.policy.fallback,
     })
-}
-
-async fn admin_policy_reload(
-    State(state): State<Arc<AppState>>,
-    ConnectInfo(peer): ConnectInfo<SocketAddr>,
-    headers: HeaderMap,
-) -> Result<Json<Value>, ApiError> {
-    authorize(&state, peer, &headers)?;
-    let service = Arc::clone(&state.service);
-    let result = tokio::task::spawn_blocking(move || service.reload_policy())
-        .await
-        .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?;
-    match result {
-        Ok(_) => Ok(Json(json!({"reloaded": true, "policy": policy_status(&state.service)}))),
-        Err(e) => Err(ApiError::new(
-            StatusCode::UNPROCESSABLE_ENTITY,
-            format!("reload refused; the previous policy keeps serving: {e}"),
-        )),
-    }
-}
-
-/// Body of `POST /admin/sim/{device}`: one or more faults to set.
-#[derive(Debug, serde::Deserialize)]
-#[serde(deny_unknown_fields)]
-struct SimCommand {
-    /// External pressure to hold on the device: bytes or a size like `300MiB` (0 releases).
-    pressure: Option<crate::config::ByteSize>,
-    /// The next N runs on the device fail with an allocator failure (0 clears).
-    fail_next: Option<u64>,
-    /// Runs fail with a driver-class error until `false` or a restore of the pool.
-    driver_reset: Option<bool>,
-}
-
-fn authorize(state: &AppState, peer: SocketAddr, headers: &HeaderMap) -> Result<(), ApiError> {
-    match &state.admin_token {
-        Some(token) => {
-            let given = headers
-                .get(header::AUTHORIZATION)
-                .and_then(|v| v.to_str().ok())
-                .and_then(|v| v.strip_prefix("Bearer "));
-            if given == Some(token.as_str()) {
-                Ok(())
-            } else {
-                Err(ApiError::new(
-                    StatusCode::UNAUTHORIZED,
-                    "admin endpoints need `Authorization: Bearer <token>`",
-                ))
-            }
-        }
-        None if peer.ip().is_loopback() => Ok(()),
-        None => Err(ApiError::new(
-            StatusCode::FORBIDDEN,
-            "admin endpoints are loopback-only unless server.admin_token_env names a token",
-        )),
-    }
-}
-
-/// `GET /admin`: whether this client may use the admin endpoints, and which there are. It
-/// changes nothing, so `vramguard doctor` asks it to check the token without side effects.
-async fn admin_index(
-    State(state): State<Arc<AppState>>,
-    ConnectInfo(peer): ConnectInfo<SocketAddr>,
-    headers: HeaderMap,
-) -> Result<Json<Value>, ApiError> {
-    authorize(&state, peer, &headers)?;
-    let simulated: Vec<&str> = state.service.simulated.iter().map(|d| d.name.as_str()).collect();
-    Ok(Json(json!({
-        "authorized": true,
-        "auth": if state.admin_token.is_some() { "bearer" } else { "loopback" },
-        "endpoints": ["POST /admin/policy/reload", "POST /admin/pools/{pool}/restore", "POST /admin/sim/{device}"],
-        "simulated_devices": simulated,
-    })))
-}
-
-async fn admin_sim(
-    State(state): State<Arc<AppState>>,
-    ConnectInfo(peer): ConnectInfo<SocketAddr>,
-    Path(device): Path<String>,
-    headers: HeaderMap,
-    body: Result<Bytes, BytesRejection>,
-) -> Result<Json<Value>, ApiError> {
-    authorize(&state, peer, &headers)?;
-    let service = &state.service;
-    let sim = service.simulated_device(&device).cloned().ok_or_else(|| {
-        let simulated: Vec<&str> = service.simulated.iter().map(|d| d.name.as_str()).collect();
-        ApiError::new(
-            StatusCode::NOT_FOUND,
-            format!(
-                "`{device}` is not a simulated device (simulated devices: {})",
-                simulated.join(", ")
-            ),
-        )
-    })?;
-    // JSON whatever the Content-Type says, as `/infer` reads it: `curl -d` sends
-    // application/x-www-form-urlencoded, and refusing that helps nobody.
-    let body = body.map_err(|e| ApiError::new(e.status(), e.body_text()))?;
-    let command: SimCommand = serde_json::from_slice(&body).map_err(|e| {
-        ApiError::new(
-            StatusCode::BAD_REQUEST,
-            format!(
-                "the body must be a JSON object with `pressure` (\"300MiB\"), `fail_next` (N) and/or `driver_reset` (true|false): {e}"
-            ),
-        )
-    })?;
-    if command.pressure.is_none() && command.fail_next.is_none() && command.driver_reset.is_none() {
-        return Err(ApiError::new(
-            StatusCode::BAD_REQUEST,
-            "nothing to do: give `pressure`, `fail_next` or `driver_reset`",
-        ));
-    }
-    if let Some(pressure) = command.pressure {
-        let bytes = pressure.bytes();
-        let held = Arc::clone(&sim);
-        tokio::task::spawn_blocking(move || held.set_pressure(bytes))
-            .await
-            .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?
-            .map_err(|e| ApiError::new(StatusCode::CONFLICT, e))?;
-        tracing::info!(device = %device, pressure_bytes = bytes, "simulated external pressure set");
-    }
-    if let Some(n) = command.fail_next {
-        sim.fail_next(n);
-        tracing::warn!(device = %device, runs = n, "fault injection: the next runs fail with an allocator failure");
-    }
-    if let Some(reset) = command.driver_reset {
-        sim.set_driver_reset(reset);
-        tracing::warn!(device = %device, reset, "fault injection: simulated driver reset");
-    }
-    service.resample_now().await;
-    let snapshot = service.store.latest().snapshot;
-    Ok(Json(json!({
-        "device": device,
-        "simulated": true,
-        "pressure_bytes": sim.pressure(),
-        "fail_next": sim.failures_pending(),
-        "driver_reset": sim.driver_reset(),
-        "memory": snapshot.devices.get(&device),
-    })))
-}
-
-/// `POST /admin/pools/{pool}/restore`: rebuild the pool's backends in the background of the
-/// request path (other pools keep serving), clearing a simulated driver reset on its device.
-async fn admin_pool_restore(
-    State(state): State<Arc<AppState>>,
-    ConnectInfo(peer): ConnectInfo<SocketAddr>,
-    Path(pool): Path<String>,
-    headers: HeaderMap,
-) -> Result<Json<Value>, ApiError> {
-    authorize(&state, peer, &headers)?;
-    let service = &state.service;
-    let target = service.pool(&pool).cloned().ok_or_else(|| {
-        let names: Vec<&str> = service.pools.iter().map(|p| p.name()).collect();
-        ApiError::new(
-            StatusCode::NOT_FOUND,
-            format!("no pool `{pool}` (pools: {})", names.join(", ")),
-        )
-    })?;
-    if let Some(sim) = service.simulated_device(&target.config.device) {
-        sim.set_driver_reset(false);
-    }
-    let started = std::time::Instant::now();
-    let rebuilding = Arc::clone(&target);
-    let built = tokio::task::spawn_blocking(move || rebuilding.restore())
-        .await
-        .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?
-        .map_err(|e| ApiError::new(StatusCode::SERVICE_UNAVAILABLE, format!("restore failed: {e}")))?;
-    service.resample_now().await;
-    Ok(Json(json!({
-        "pool": pool,
-        "rebuilt_backends": built,
-        "took_ms": started.elapsed().as_millis() as u64,
-        "breaker": target.breaker_state().label(),
-        "state": if target.is_ready() { "ready" } else { "unavailable" },
-    })))
 }
 
 async fn metrics(State(state): State<Arc<AppState>>, headers: HeaderMap) -> Response {

@@ -11,6 +11,9 @@ use vramguard::config::{Config, RawConfig, parse_yaml};
 use vramguard::http::{self, AppState};
 use vramguard::service::Service;
 
+/// The admin token test servers accept over TCP (the admin socket is not bound in tests).
+pub const ADMIN_TOKEN: &str = "test-admin-token";
+
 /// A running server; dropping it does not stop it, call [`TestServer::stop`].
 pub struct TestServer {
     pub addr: SocketAddr,
@@ -32,7 +35,7 @@ impl TestServer {
             .expect("service starts");
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
-        let state = AppState::new(Arc::new(service)).expect("state");
+        let state = AppState::with_admin_token(Arc::new(service), Some(ADMIN_TOKEN.to_string()));
         let (stop, stopped) = oneshot::channel::<()>();
         let task = tokio::spawn(http::serve(Arc::clone(&state), listener, async {
             let _ = stopped.await;
@@ -97,10 +100,11 @@ pools: [{name: gpu, provider: simulated, device: gpu0, models: [encoder]}]
 ";
 
 impl TestServer {
-    /// POST a JSON body.
+    /// POST a JSON body (with the admin token, which non-admin endpoints ignore).
     pub async fn post_json(&self, path: &str, body: &Value) -> reqwest::Response {
         reqwest::Client::new()
             .post(self.url(path))
+            .bearer_auth(ADMIN_TOKEN)
             .json(body)
             .send()
             .await

@@ -1,0 +1,355 @@
+//! The admin API: policy reload, pool restore and fault injection on simulated devices.
+//!
+//! It is reachable two ways (CONTRACT: admin):
+//! - on a Unix socket with owner-only permissions (`server.admin_socket`, on by default), where
+//!   the file's permissions are the authorization, as for container runtimes' sockets and
+//!   HAProxy's runtime API;
+//! - over TCP only with `Authorization: Bearer <token>`, the token read from the environment
+//!   variable `server.admin_token_env` names. Without a token, TCP admin is refused, loopback
+//!   included: any reverse proxy on the same host would otherwise expose it.
+//!
+//! Authorization is checked before the body is read, and the token is compared in constant time.
+
+use std::path::{Path as FsPath, PathBuf};
+use std::sync::Arc;
+
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{Path, Request, State};
+use axum::http::{StatusCode, header};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Extension, Json, Router};
+use serde_json::{Value, json};
+use sha2::{Digest, Sha256};
+use tokio::net::UnixListener;
+
+use super::{ApiError, AppState, policy_status};
+
+/// How an admin request was let in, shown by `GET /admin`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Via {
+    /// The owner-only Unix socket.
+    Socket,
+    /// TCP with the bearer token.
+    Bearer,
+}
+
+impl Via {
+    fn label(self) -> &'static str {
+        match self {
+            Via::Socket => "socket",
+            Via::Bearer => "bearer",
+        }
+    }
+}
+
+/// The admin routes, without any guard.
+fn routes() -> Router<Arc<AppState>> {
+    Router::new()
+        .route("/admin", get(admin_index))
+        .route("/admin/sim/{device}", post(admin_sim))
+        .route("/admin/policy/reload", post(admin_policy_reload))
+        .route("/admin/pools/{pool}/restore", post(admin_pool_restore))
+}
+
+/// The admin routes for the TCP listener: each request must carry the bearer token, checked
+/// before anything of it is read.
+pub fn tcp_routes(state: &Arc<AppState>) -> Router<Arc<AppState>> {
+    routes().route_layer(axum::middleware::from_fn_with_state(Arc::clone(state), require_token))
+}
+
+/// The router served on the admin socket.
+pub fn socket_app(state: Arc<AppState>) -> Router {
+    routes()
+        .layer(Extension(Via::Socket))
+        .fallback(|| async { ApiError::new(StatusCode::NOT_FOUND, "the admin socket serves /admin only") })
+        .with_state(state)
+}
+
+async fn require_token(State(state): State<Arc<AppState>>, mut request: Request, next: Next) -> Response {
+    let Some(token) = &state.admin_token else {
+        let socket = match state.service.config.server.admin_socket.path() {
+            Some(path) => format!(
+                "locally, use the admin socket: `curl --unix-socket {} http://localhost/admin`",
+                path.display()
+            ),
+            None => "the admin socket is off (server.admin_socket)".to_string(),
+        };
+        return ApiError::new(
+            StatusCode::FORBIDDEN,
+            format!("admin over TCP needs a token (server.admin_token_env); {socket}"),
+        )
+        .into_response();
+    };
+    let given = request
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(bearer);
+    if !given.is_some_and(|given| same_secret(given, token)) {
+        let mut response = ApiError::new(
+            StatusCode::UNAUTHORIZED,
+            "admin endpoints need `Authorization: Bearer <token>`",
+        )
+        .into_response();
+        response
+            .headers_mut()
+            .insert(header::WWW_AUTHENTICATE, axum::http::HeaderValue::from_static("Bearer"));
+        return response;
+    }
+    request.extensions_mut().insert(Via::Bearer);
+    next.run(request).await
+}
+
+/// The token of an `Authorization` value using the Bearer scheme, whose name is
+/// case-insensitive (RFC 7235 §2.1).
+fn bearer(value: &str) -> Option<&str> {
+    let (scheme, token) = value.trim().split_once(' ')?;
+    scheme.eq_ignore_ascii_case("bearer").then(|| token.trim())
+}
+
+/// Compare two secrets in time independent of where they differ (and of their lengths):
+/// their SHA-256 digests are compared byte by byte without stopping early.
+fn same_secret(given: &str, expected: &str) -> bool {
+    let (a, b) = (Sha256::digest(given.as_bytes()), Sha256::digest(expected.as_bytes()));
+    a.iter().zip(b.iter()).fold(0u8, |diff, (x, y)| diff | (x ^ y)) == 0
+}
+
+/// Bind the admin socket at `path` with owner-only permissions. Its folder is created (owner
+/// only) when missing; a stale socket left by a crash is replaced, but one another process
+/// still answers on is an error.
+pub fn bind(path: &FsPath) -> Result<UnixListener, String> {
+    use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+    let shown = path.display();
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        if !dir.exists() {
+            std::fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o700)
+                .create(dir)
+                .map_err(|e| format!("server.admin_socket: cannot create {}: {e}", dir.display()))?;
+        }
+        // A folder someone else owns or may write to (a shared /tmp) could swap the socket.
+        use std::os::unix::fs::MetadataExt;
+        let folder = std::fs::metadata(dir).map_err(|e| format!("server.admin_socket: {}: {e}", dir.display()))?;
+        let me = std::fs::metadata("/proc/self").map(|m| m.uid()).unwrap_or(u32::MAX);
+        if folder.uid() != me || folder.mode() & 0o022 != 0 {
+            return Err(format!(
+                "server.admin_socket: {} must be owned by this user (uid {me}) and writable by no one else (it is uid {}, mode {:o})",
+                dir.display(),
+                folder.uid(),
+                folder.mode() & 0o777
+            ));
+        }
+    }
+    if path.exists() {
+        if std::os::unix::net::UnixStream::connect(path).is_ok() {
+            return Err(format!(
+                "server.admin_socket: another process is serving on {shown} (another vramguard?)"
+            ));
+        }
+        std::fs::remove_file(path).map_err(|e| format!("server.admin_socket: cannot replace stale {shown}: {e}"))?;
+    }
+    let listener = UnixListener::bind(path).map_err(|e| format!("server.admin_socket: cannot bind {shown}: {e}"))?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
+        .map_err(|e| format!("server.admin_socket: cannot make {shown} owner-only: {e}"))?;
+    Ok(listener)
+}
+
+/// Serve the admin API on `listener` until `stop` is cancelled, then remove the socket file.
+pub async fn serve_socket(
+    state: Arc<AppState>,
+    listener: UnixListener,
+    path: PathBuf,
+    stop: tokio_util::sync::CancellationToken,
+) -> std::io::Result<()> {
+    let result = axum::serve(listener, socket_app(state))
+        .with_graceful_shutdown(async move { stop.cancelled().await })
+        .await;
+    let _ = std::fs::remove_file(&path);
+    result
+}
+
+async fn admin_policy_reload(State(state): State<Arc<AppState>>) -> Result<Json<Value>, ApiError> {
+    let service = Arc::clone(&state.service);
+    let result = tokio::task::spawn_blocking(move || service.reload_policy())
+        .await
+        .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?;
+    match result {
+        Ok(_) => Ok(Json(json!({"reloaded": true, "policy": policy_status(&state.service)}))),
+        Err(e) => Err(ApiError::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            format!("reload refused; the previous policy keeps serving: {e}"),
+        )),
+    }
+}
+
+/// Body of `POST /admin/sim/{device}`: one or more faults to set.
+#[derive(Debug, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SimCommand {
+    /// External pressure to hold on the device: bytes or a size like `300MiB` (0 releases).
+    pressure: Option<crate::config::ByteSize>,
+    /// The next N runs on the device fail with an allocator failure (0 clears).
+    fail_next: Option<u64>,
+    /// Runs fail with a driver-class error until `false` or a restore of the pool.
+    driver_reset: Option<bool>,
+}
+
+/// `GET /admin`: whether this client may use the admin endpoints, and which there are. It
+/// changes nothing, so `vramguard doctor` asks it to check the token without side effects.
+async fn admin_index(
+    State(state): State<Arc<AppState>>,
+    Extension(via): Extension<Via>,
+) -> Result<Json<Value>, ApiError> {
+    let simulated: Vec<&str> = state.service.simulated.iter().map(|d| d.name.as_str()).collect();
+    Ok(Json(json!({
+        "authorized": true,
+        "auth": via.label(),
+        "endpoints": ["POST /admin/policy/reload", "POST /admin/pools/{pool}/restore", "POST /admin/sim/{device}"],
+        "simulated_devices": simulated,
+    })))
+}
+
+async fn admin_sim(
+    State(state): State<Arc<AppState>>,
+    Path(device): Path<String>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Json<Value>, ApiError> {
+    let service = &state.service;
+    let sim = service.simulated_device(&device).cloned().ok_or_else(|| {
+        let simulated: Vec<&str> = service.simulated.iter().map(|d| d.name.as_str()).collect();
+        ApiError::new(
+            StatusCode::NOT_FOUND,
+            format!(
+                "`{device}` is not a simulated device (simulated devices: {})",
+                simulated.join(", ")
+            ),
+        )
+    })?;
+    // JSON whatever the Content-Type says, as `/infer` reads it: `curl -d` sends
+    // application/x-www-form-urlencoded, and refusing that helps nobody.
+    let body = body.map_err(|e| ApiError::new(e.status(), e.body_text()))?;
+    let command: SimCommand = serde_json::from_slice(&body).map_err(|e| {
+        ApiError::new(
+            StatusCode::BAD_REQUEST,
+            format!(
+                "the body must be a JSON object with `pressure` (\"300MiB\"), `fail_next` (N) and/or `driver_reset` (true|false): {e}"
+            ),
+        )
+    })?;
+    if command.pressure.is_none() && command.fail_next.is_none() && command.driver_reset.is_none() {
+        return Err(ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "nothing to do: give `pressure`, `fail_next` or `driver_reset`",
+        ));
+    }
+    if let Some(pressure) = command.pressure {
+        let bytes = pressure.bytes();
+        let held = Arc::clone(&sim);
+        tokio::task::spawn_blocking(move || held.set_pressure(bytes))
+            .await
+            .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?
+            .map_err(|e| ApiError::new(StatusCode::CONFLICT, e))?;
+        tracing::info!(device = %device, pressure_bytes = bytes, "simulated external pressure set");
+    }
+    if let Some(n) = command.fail_next {
+        sim.fail_next(n);
+        tracing::warn!(device = %device, runs = n, "fault injection: the next runs fail with an allocator failure");
+    }
+    if let Some(reset) = command.driver_reset {
+        sim.set_driver_reset(reset);
+        tracing::warn!(device = %device, reset, "fault injection: simulated driver reset");
+    }
+    service.resample_now().await;
+    let snapshot = service.store.latest().snapshot;
+    Ok(Json(json!({
+        "device": device,
+        "simulated": true,
+        "pressure_bytes": sim.pressure(),
+        "fail_next": sim.failures_pending(),
+        "driver_reset": sim.driver_reset(),
+        "memory": snapshot.devices.get(&device),
+    })))
+}
+
+/// `POST /admin/pools/{pool}/restore`: rebuild the pool's backends in the background of the
+/// request path (other pools keep serving), clearing a simulated driver reset on its device.
+async fn admin_pool_restore(
+    State(state): State<Arc<AppState>>,
+    Path(pool): Path<String>,
+) -> Result<Json<Value>, ApiError> {
+    let service = &state.service;
+    let target = service.pool(&pool).cloned().ok_or_else(|| {
+        let names: Vec<&str> = service.pools.iter().map(|p| p.name()).collect();
+        ApiError::new(
+            StatusCode::NOT_FOUND,
+            format!("no pool `{pool}` (pools: {})", names.join(", ")),
+        )
+    })?;
+    if let Some(sim) = service.simulated_device(&target.config.device) {
+        sim.set_driver_reset(false);
+    }
+    let started = std::time::Instant::now();
+    let rebuilding = Arc::clone(&target);
+    let built = tokio::task::spawn_blocking(move || rebuilding.restore())
+        .await
+        .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?
+        .map_err(|e| ApiError::new(StatusCode::SERVICE_UNAVAILABLE, format!("restore failed: {e}")))?;
+    service.resample_now().await;
+    Ok(Json(json!({
+        "pool": pool,
+        "rebuilt_backends": built,
+        "took_ms": started.elapsed().as_millis() as u64,
+        "breaker": target.breaker_state().label(),
+        "state": if target.is_ready() { "ready" } else { "unavailable" },
+    })))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_bearer_scheme_is_case_insensitive() {
+        assert_eq!(bearer("Bearer abc"), Some("abc"));
+        assert_eq!(bearer("bearer abc"), Some("abc"));
+        assert_eq!(bearer("BEARER  abc "), Some("abc"));
+        assert_eq!(bearer("Basic abc"), None);
+        assert_eq!(bearer("Bearerabc"), None);
+    }
+
+    #[test]
+    fn secrets_compare_equal_only_when_equal() {
+        assert!(same_secret("s3cret", "s3cret"));
+        assert!(!same_secret("s3cret", "s3creT"));
+        assert!(!same_secret("s3cre", "s3cret"));
+        assert!(!same_secret("", "s3cret"));
+    }
+
+    #[test]
+    fn the_socket_is_owner_only_and_a_live_one_is_not_stolen() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = std::env::temp_dir().join(format!("vramguard-admin-{}", std::process::id()));
+        let path = dir.join("sub/admin.sock");
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        runtime.block_on(async {
+            let listener = bind(&path).unwrap();
+            let mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o777;
+            assert_eq!(mode, 0o600);
+            let dir_mode = std::fs::metadata(path.parent().unwrap()).unwrap().permissions().mode() & 0o777;
+            assert_eq!(dir_mode, 0o700);
+            let again = bind(&path).unwrap_err();
+            assert!(again.contains("another process is serving"), "{again}");
+            drop(listener);
+            // The file left behind by a listener that is gone is stale: replaced.
+            bind(&path).unwrap();
+        });
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
