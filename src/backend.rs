@@ -18,6 +18,10 @@ pub trait Backend: Send {
     fn interrupt_handle(&self) -> Option<Interrupt> {
         None
     }
+    /// Forget a stop meant for an earlier run. Called before the handle is given out for the
+    /// next run, never at the start of `run`: a stop that arrives between the two must end that
+    /// run, not be wiped by it.
+    fn clear_interrupt(&mut self) {}
 }
 
 /// Stops a backend's run in progress; safe to call from any thread, at any time.

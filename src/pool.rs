@@ -677,7 +677,10 @@ impl Pool {
                 Some(Some(Err(PoolError::DeadlineExceeded {
                     pool: self.name().to_string(),
                 })))
-            } else if !job.cancel.start(backend.interrupt_handle()) {
+            } else if !{
+                backend.clear_interrupt();
+                job.cancel.start(backend.interrupt_handle())
+            } {
                 // Cancelled while queued. Registered last, so only a job that runs holds the
                 // backend's interrupt (and `run_one` always ends it).
                 tracing::debug!(request_id = %job.request_id, pool = self.name(), "cancelled before start; skipped");

@@ -44,7 +44,6 @@ impl Backend for FakeBackend {
             panic!("the fake backend was told to panic");
         }
         if first == SPIN {
-            self.interrupted.store(false, Ordering::SeqCst);
             let until = std::time::Instant::now() + Duration::from_secs(10);
             while !self.interrupted.load(Ordering::SeqCst) {
                 assert!(std::time::Instant::now() < until, "never interrupted");
@@ -71,6 +70,10 @@ impl Backend for FakeBackend {
     fn interrupt_handle(&self) -> Option<vramguard::backend::Interrupt> {
         let interrupted = Arc::clone(&self.interrupted);
         Some(Arc::new(move || interrupted.store(true, Ordering::SeqCst)))
+    }
+
+    fn clear_interrupt(&mut self) {
+        self.interrupted.store(false, Ordering::SeqCst);
     }
 }
 

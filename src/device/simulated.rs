@@ -180,6 +180,14 @@ impl Backend for FaultInjecting {
     fn refresh_arena_stats(&mut self) {
         self.inner.refresh_arena_stats();
     }
+
+    fn interrupt_handle(&self) -> Option<crate::backend::Interrupt> {
+        self.inner.interrupt_handle()
+    }
+
+    fn clear_interrupt(&mut self) {
+        self.inner.clear_interrupt();
+    }
 }
 
 /// Reports a simulated device: used = the arena's reserved bytes (ours and the pressure).

@@ -561,11 +561,13 @@ impl Backend for OrtBackend {
             .get_mut(model)
             .ok_or_else(|| BackendError::Runtime(format!("this worker has no session for `{model}`")))?;
         self.last_model = Some(model.to_string());
-        // A stop meant for an earlier run must not end this one.
-        self.run_options
-            .unterminate()
-            .map_err(|e| BackendError::Runtime(e.to_string()))?;
         run(session, inputs, outputs, Some(&self.run_options))
+    }
+
+    fn clear_interrupt(&mut self) {
+        if let Err(e) = self.run_options.unterminate() {
+            tracing::warn!(error = %e, "cannot clear the run options' terminate flag");
+        }
     }
 
     fn interrupt_handle(&self) -> Option<crate::backend::Interrupt> {
