@@ -216,3 +216,25 @@ async fn admin_checks_the_token_before_reading_the_body_and_reads_the_scheme_in_
     assert!(head.starts_with("HTTP/1.1 401"), "{head}");
     server.stop().await;
 }
+
+#[tokio::test]
+async fn an_answer_over_max_response_bytes_is_refused_with_the_way_out() {
+    let config = format!("server: {{max_response_bytes: 64KiB}}\n{SIMULATED_CONFIG}");
+    let server = TestServer::start(&config).await;
+    // 1×256×64 FP32 `hidden` is 64 KiB binary, ~200 KB as JSON.
+    let body = json!({"inputs": [{"name": "input", "shape": [1, 256, 64], "datatype": "FP32",
+                                  "data": vec![0.25; 256 * 64]}]});
+    let (status, error) = error_of(server.post_json("/v2/models/encoder/infer", &body).await).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    assert!(
+        error.contains("more than server.max_response_bytes (64 KiB)"),
+        "{error}"
+    );
+    // Asking only for the small output fits.
+    let pooled = json!({"inputs": body["inputs"], "outputs": [{"name": "pooled"}]});
+    assert_eq!(
+        server.post_json("/v2/models/encoder/infer", &pooled).await.status(),
+        StatusCode::OK
+    );
+    server.stop().await;
+}

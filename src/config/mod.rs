@@ -161,6 +161,9 @@ pub struct RawServer {
     pub listen: String,
     /// Largest accepted request body.
     pub body_limit: ByteSize,
+    /// Largest answer encoded (JSON text or binary tensors): with one answer per running
+    /// request, at most (workers of all pools) × this is held in answers at once.
+    pub max_response_bytes: ByteSize,
     /// Name of the environment variable holding the admin bearer token (admin over TCP).
     pub admin_token_env: Option<String>,
     /// The admin API's Unix socket (owner-only): a path, `off`, or absent for the default
@@ -179,6 +182,7 @@ impl Default for RawServer {
         Self {
             listen: "127.0.0.1:8080".into(),
             body_limit: ByteSize(64 << 20),
+            max_response_bytes: ByteSize(256 << 20),
             admin_token_env: None,
             admin_socket: None,
             shutdown_grace: HumanDuration(Duration::from_secs(10)),
@@ -536,6 +540,8 @@ pub struct ServerConfig {
     pub listen: SocketAddr,
     /// Largest accepted body in bytes.
     pub body_limit: usize,
+    /// Largest answer in bytes.
+    pub max_response_bytes: usize,
     /// Environment variable with the admin token.
     pub admin_token_env: Option<String>,
     /// The admin API's Unix socket.
@@ -883,6 +889,9 @@ impl RawConfig {
         if self.server.body_limit.bytes() < 1024 {
             return Err(c.err("server.body_limit", "must be at least 1KiB"));
         }
+        if self.server.max_response_bytes.bytes() < 1024 {
+            return Err(c.err("server.max_response_bytes", "must be at least 1KiB"));
+        }
         let admin_socket = match self.server.admin_socket.as_deref().map(str::trim) {
             None => AdminSocket::Default(default_admin_socket()),
             Some("off") => AdminSocket::Off,
@@ -1194,6 +1203,7 @@ impl RawConfig {
             server: ServerConfig {
                 listen,
                 body_limit: usize::try_from(self.server.body_limit.bytes()).unwrap_or(usize::MAX),
+                max_response_bytes: usize::try_from(self.server.max_response_bytes.bytes()).unwrap_or(usize::MAX),
                 admin_token_env: self.server.admin_token_env.clone(),
                 admin_socket,
                 shutdown_grace: self.server.shutdown_grace.get(),

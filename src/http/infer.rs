@@ -286,6 +286,7 @@ pub fn encode(
     parameters: &Map<String, Value>,
     outputs: &[Tensor],
     request: &DecodedRequest,
+    max_bytes: usize,
 ) -> Result<EncodedResponse, String> {
     let binary_for = |name: &str| {
         request
@@ -344,7 +345,18 @@ pub fn encode(
         .filter(|t| !binary_for(&t.name))
         .map(|t| t.data.len().saturating_mul(json_bytes_per_element(t.data.datatype())))
         .fold(512, usize::saturating_add);
-    let mut body = Vec::with_capacity(json_guess.saturating_add(blob.len()));
+    let size = json_guess.saturating_add(blob.len());
+    if size > max_bytes {
+        return Err(format!(
+            "the answer would take about {} ({} as JSON, {} binary), more than server.max_response_bytes ({}); \
+             ask for fewer outputs (`outputs`), for binary data (`binary_data_output`), or for a smaller batch",
+            crate::logging::human_bytes(size as u64),
+            crate::logging::human_bytes(json_guess as u64),
+            crate::logging::human_bytes(blob.len() as u64),
+            crate::logging::human_bytes(max_bytes as u64)
+        ));
+    }
+    let mut body = Vec::with_capacity(size);
     serde_json::to_writer(&mut body, &response).expect("response JSON always serializes");
     if blob.is_empty() && !outputs.iter().any(|t| binary_for(&t.name)) {
         return Ok(EncodedResponse { body, header_len: None });
@@ -507,7 +519,7 @@ mod tests {
             shape: vec![1, 2],
             data: TensorData::Fp32(vec![1.5, -2.0]),
         };
-        let encoded = encode("m", None, &Map::new(), &[out], &req).unwrap();
+        let encoded = encode("m", None, &Map::new(), &[out], &req, usize::MAX).unwrap();
         let header_len = encoded.header_len.unwrap();
         let header: Value = serde_json::from_slice(&encoded.body[..header_len]).unwrap();
         assert_eq!(header["outputs"][0]["parameters"]["binary_data_size"], 8);
@@ -535,7 +547,15 @@ mod tests {
             &signature(),
         )
         .unwrap();
-        let err = encode("m", None, &Map::new(), std::slice::from_ref(&nan), &json_req).unwrap_err();
+        let err = encode(
+            "m",
+            None,
+            &Map::new(),
+            std::slice::from_ref(&nan),
+            &json_req,
+            usize::MAX,
+        )
+        .unwrap_err();
         assert!(
             err.starts_with("output `y` has a non-finite value (NaN at element 1), which JSON cannot carry"),
             "{err}"
@@ -546,7 +566,7 @@ mod tests {
             &signature(),
         )
         .unwrap();
-        let encoded = encode("m", None, &Map::new(), &[nan], &binary_req).unwrap();
+        let encoded = encode("m", None, &Map::new(), &[nan], &binary_req, usize::MAX).unwrap();
         let blob = &encoded.body[encoded.header_len.unwrap()..];
         assert!(f32::from_le_bytes(blob[4..8].try_into().unwrap()).is_nan());
     }

@@ -441,7 +441,13 @@ async fn respond(
     // Degraded mode as it is when the answer goes out, on every response served meanwhile.
     let degraded = service.degraded.now();
     match result {
-        Ok(served) => (served_response(model, id, &served, &decoded, degraded.as_ref()), true),
+        Ok(served) => {
+            let max_bytes = service.config.server.max_response_bytes;
+            (
+                served_response(model, id, &served, &decoded, degraded.as_ref(), max_bytes),
+                true,
+            )
+        }
         Err(refused) => {
             // Refused before anything ran (queue full, breaker, deadline…): a retry with the
             // same key must be allowed to run.
@@ -632,6 +638,7 @@ fn served_response(
     served: &lifecycle::Served,
     decoded: &infer::DecodedRequest,
     degraded: Option<&crate::degraded::Now>,
+    max_bytes: usize,
 ) -> Response {
     let pool = &served.pool;
     let mut parameters = Map::new();
@@ -651,7 +658,14 @@ fn served_response(
     if let Some(context) = &context {
         parameters.insert("context".into(), json!(context));
     }
-    let encoded = match infer::encode(model, decoded.id.as_deref(), &parameters, &served.outputs, decoded) {
+    let encoded = match infer::encode(
+        model,
+        decoded.id.as_deref(),
+        &parameters,
+        &served.outputs,
+        decoded,
+        max_bytes,
+    ) {
         Ok(encoded) => encoded,
         Err(message) => {
             let mut api = ApiError::new(StatusCode::BAD_REQUEST, message);
