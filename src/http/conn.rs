@@ -41,7 +41,7 @@ use hyper_util::rt::TokioIo;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::gauge::Gauge;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
-use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::{Instant, Sleep};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -247,7 +247,8 @@ const IDLE: u8 = 2;
 
 /// What one connection is doing, shared by its socket, its service and its watchdog. All three
 /// run in the connection's task, so relaxed atomics suffice; they are atomics only because the
-/// service must be `Send`.
+/// service must be `Send`. A phase change does not wake the watchdog (see [`Watch::expired`]),
+/// so a request costs it nothing.
 #[derive(Debug)]
 struct Watch {
     peer: String,
@@ -255,8 +256,6 @@ struct Watch {
     phase: AtomicU8,
     /// When the current phase's clock started, in nanoseconds since `start`.
     since: AtomicU64,
-    /// Wakes the watchdog when the phase changes (its deadline may move earlier).
-    changed: Notify,
     /// A limit met while the handler read the body (0: none, else the limit's index + 1).
     body_refused: AtomicU8,
     /// The last response refused a body it did not read.
@@ -270,7 +269,6 @@ impl Watch {
             start: Instant::now(),
             phase: AtomicU8::new(HEAD),
             since: AtomicU64::new(0),
-            changed: Notify::new(),
             body_refused: AtomicU8::new(0),
             linger: AtomicBool::new(false),
         }
@@ -283,7 +281,6 @@ impl Watch {
     fn enter(&self, phase: u8) {
         self.since.store(self.now(), Ordering::Relaxed);
         self.phase.store(phase, Ordering::Relaxed);
-        self.changed.notify_one();
     }
 
     /// Bytes came in: on an idle connection they start a request's head.
@@ -312,23 +309,21 @@ impl Watch {
     }
 
     /// Resolves when the connection has spent too long in its current phase.
+    ///
+    /// It looks again at the phase's deadline or after the shorter of the header and idle
+    /// timeouts, whichever comes first. Any phase that starts after a look ends no sooner than
+    /// that (a clock that starts later and runs at least that long), so no deadline is missed
+    /// and phase changes need not wake it: a busy connection costs one look per period.
     async fn expired(&self, t: Timeouts) -> HttpLimit {
+        let period = t.header_read.min(t.idle);
         loop {
-            let changed = self.changed.notified();
-            match self.deadline(&t) {
-                None => changed.await,
-                Some((at, limit)) => {
-                    tokio::select! {
-                        () = changed => {}
-                        () = tokio::time::sleep_until(at) => {
-                            // Written bytes may have moved the clock meanwhile.
-                            if self.deadline(&t).is_some_and(|(at, _)| at <= Instant::now()) {
-                                return limit;
-                            }
-                        }
-                    }
-                }
-            }
+            let now = Instant::now();
+            let next = match self.deadline(&t) {
+                Some((at, limit)) if at <= now => return limit,
+                Some((at, _)) => at.min(now + period),
+                None => now + period,
+            };
+            tokio::time::sleep_until(next).await;
         }
     }
 
@@ -690,37 +685,51 @@ mod tests {
         }
     }
 
+    const T: Timeouts = Timeouts {
+        header_read: Duration::from_secs(10),
+        body_read: Duration::from_secs(30),
+        idle: Duration::from_secs(75),
+    };
+
+    /// A watchdog on `watch`, watched from now on; resolves with the limit and when it hit.
+    fn watchdog(watch: &Arc<Watch>) -> tokio::task::JoinHandle<(HttpLimit, Instant)> {
+        let watch = Arc::clone(watch);
+        tokio::spawn(async move { (watch.expired(T).await, Instant::now()) })
+    }
+
     #[tokio::test(start_paused = true)]
     async fn the_header_clock_starts_at_the_first_byte_after_idle_not_at_idle() {
-        let t = Timeouts {
-            header_read: Duration::from_secs(10),
-            body_read: Duration::from_secs(30),
-            idle: Duration::from_secs(75),
-        };
-        let watch = Watch::new("peer".into());
-        let start = Instant::now();
-        assert_eq!(
-            watch.deadline(&t),
-            Some((start + t.header_read, HttpLimit::header_timeout))
-        );
+        let watch = Arc::new(Watch::new("peer".into()));
+        let expired = watchdog(&watch);
+        tokio::time::sleep(Duration::from_secs(5)).await;
         watch.enter(BUSY);
-        assert_eq!(watch.deadline(&t), None);
-        tokio::time::advance(Duration::from_secs(5)).await;
+        // However long the request takes, the connection is not slow.
+        tokio::time::sleep(Duration::from_secs(3600)).await;
         watch.enter(IDLE);
-        let idle_since = Instant::now();
-        assert_eq!(watch.deadline(&t), Some((idle_since + t.idle, HttpLimit::idle_timeout)));
-        // Idle longer than the header timeout: still idle, not a slow header.
-        tokio::time::advance(Duration::from_secs(20)).await;
-        watch.wrote_some();
-        assert_eq!(watch.deadline(&t).map(|(_, l)| l), Some(HttpLimit::idle_timeout));
+        // Idle for longer than the header timeout: still only idle.
+        tokio::time::sleep(Duration::from_secs(20)).await;
+        assert!(!expired.is_finished());
+        // A byte of the next request starts its header clock, and the watchdog, never woken by
+        // the phase changes, still acts on time.
         watch.read_some();
-        assert_eq!(
-            watch.deadline(&t),
-            Some((Instant::now() + t.header_read, HttpLimit::header_timeout))
-        );
-        let expired = tokio::spawn(async move { (watch.expired(t).await, Instant::now()) });
+        let head_started = Instant::now();
         let (limit, at) = expired.await.unwrap();
         assert_eq!(limit, HttpLimit::header_timeout);
-        assert_eq!(at, idle_since + Duration::from_secs(20) + t.header_read);
+        assert_eq!(at, head_started + T.header_read);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_idle_connection_expires_after_the_last_byte_it_wrote() {
+        let watch = Arc::new(Watch::new("peer".into()));
+        let expired = watchdog(&watch);
+        watch.enter(BUSY);
+        watch.enter(IDLE);
+        // A large response still leaving is activity.
+        tokio::time::sleep(Duration::from_secs(50)).await;
+        watch.wrote_some();
+        let last_write = Instant::now();
+        let (limit, at) = expired.await.unwrap();
+        assert_eq!(limit, HttpLimit::idle_timeout);
+        assert_eq!(at, last_write + T.idle);
     }
 }
