@@ -40,7 +40,8 @@ pub enum Command {
     /// Monitoring only: device, per-process and host memory on /metrics; no pools, no ONNX
     /// Runtime. For accelerators shared with other runtimes (Ollama, llama.cpp, vLLM, PyTorch).
     Exporter {
-        /// Config file (its `devices` and `exporter` sections are used).
+        /// Config file (its `devices` and `exporter` sections are used, and `server.timeouts` and
+        /// `server.max_connections` for its HTTP connections).
         #[arg(long)]
         config: Option<PathBuf>,
         /// Override `exporter.listen` (default 127.0.0.1:9842).

@@ -122,6 +122,43 @@ pub struct AllocFailureLabels {
     pub kind: crate::backend::AllocFailureKind,
 }
 
+/// A limit the HTTP server enforced on a client, as the `limit` label.
+#[derive(Debug, Clone, Copy, Hash, PartialEq, Eq, EncodeLabelValue)]
+#[allow(non_camel_case_types)]
+pub enum HttpLimit {
+    /// Request headers not complete within `server.timeouts.header_read`; closed.
+    header_timeout,
+    /// A request body brought no byte for `server.timeouts.body_read`; 408 and closed.
+    body_timeout,
+    /// A keep-alive connection idle for `server.timeouts.idle`; closed.
+    idle_timeout,
+    /// A connection had to wait for a slot (`server.max_connections`).
+    max_connections,
+    /// Bodies being received were at `server.max_receiving_bytes`; 503.
+    body_bytes,
+    /// A body over `server.body_limit`; 413.
+    body_limit,
+}
+
+impl HttpLimit {
+    /// Every limit, for pre-creating their series.
+    pub const ALL: [HttpLimit; 6] = [
+        HttpLimit::header_timeout,
+        HttpLimit::body_timeout,
+        HttpLimit::idle_timeout,
+        HttpLimit::max_connections,
+        HttpLimit::body_bytes,
+        HttpLimit::body_limit,
+    ];
+}
+
+/// `{limit}`
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct HttpLimitLabels {
+    /// Which limit.
+    pub limit: HttpLimit,
+}
+
 /// The metric handles vramguard updates as things happen; gauges read from live state are
 /// encoded by [`crate::exporter::LiveCollector`] at scrape time instead.
 #[derive(Debug)]
@@ -156,6 +193,10 @@ pub struct Metrics {
     pub retries: Family<RetryLabels, Counter>,
     /// `vramguard_failovers_total{from, to, reason}`
     pub failovers: Family<FailoverLabels, Counter>,
+    /// `vramguard_http_limit_hits_total{limit}`
+    pub http_limit_hits: Family<HttpLimitLabels, Counter>,
+    /// `vramguard_http_connections`: connections being served now.
+    pub http_connections: Gauge,
 }
 
 /// `{pool, result}`: a retry after an allocator failure on `pool`.
@@ -252,6 +293,8 @@ impl Metrics {
             }),
             retries: Family::default(),
             failovers: Family::default(),
+            http_limit_hits: Family::default(),
+            http_connections: Gauge::default(),
         };
         metrics
             .build_info
@@ -276,6 +319,21 @@ impl Metrics {
             "Failed samples by memory source",
             metrics.exporter_errors.clone(),
         );
+        // Both `serve` and `exporter` answer HTTP behind the same connection limits.
+        registry.register(
+            "http_limit_hits",
+            "Times a client met an HTTP server limit (timeouts, connection cap, body size and bytes)",
+            metrics.http_limit_hits.clone(),
+        );
+        registry.register(
+            "http_connections",
+            "HTTP connections being served now",
+            metrics.http_connections.clone(),
+        );
+        // Every limit has its series from the start, so alerts and dashboards can rely on it.
+        for limit in HttpLimit::ALL {
+            metrics.http_limit_hits.get_or_create_owned(&HttpLimitLabels { limit });
+        }
         (metrics, registry)
     }
 
@@ -450,5 +508,29 @@ mod tests {
             "{text}"
         );
         assert!(text.ends_with("# EOF\n"));
+    }
+
+    #[test]
+    fn every_http_limit_and_the_connection_gauge_are_exported_from_the_start() {
+        for (_, registry) in [Metrics::new("1.31.1"), Metrics::exporter()] {
+            let text = encode(&registry);
+            for limit in [
+                "header_timeout",
+                "body_timeout",
+                "idle_timeout",
+                "max_connections",
+                "body_bytes",
+                "body_limit",
+            ] {
+                assert!(
+                    text.contains(&format!("vramguard_http_limit_hits_total{{limit=\"{limit}\"}} 0\n")),
+                    "{limit}: {text}"
+                );
+            }
+            assert!(
+                text.contains("# TYPE vramguard_http_connections gauge\nvramguard_http_connections 0\n"),
+                "{text}"
+            );
+        }
     }
 }

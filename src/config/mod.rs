@@ -175,6 +175,12 @@ pub struct RawServer {
     pub shutdown_grace: HumanDuration,
     /// Responses remembered for `idempotency-key` requests.
     pub idempotency: RawIdempotency,
+    /// How long a client may take at each stage of a connection.
+    pub timeouts: RawTimeouts,
+    /// Most connections served at once; further ones wait in the listen backlog.
+    pub max_connections: usize,
+    /// Most bytes of request bodies being received at once, all connections together.
+    pub max_receiving_bytes: ByteSize,
 }
 
 impl Default for RawServer {
@@ -187,6 +193,41 @@ impl Default for RawServer {
             admin_socket: None,
             shutdown_grace: HumanDuration(Duration::from_secs(10)),
             idempotency: RawIdempotency::default(),
+            timeouts: RawTimeouts::default(),
+            // Below the 1024 open files a process gets by default (systemd's and most shells'
+            // soft limit), leaving room for model files, logs and the sockets of the sampler.
+            max_connections: 512,
+            // Four bodies of the default `body_limit` at once.
+            max_receiving_bytes: ByteSize(256 << 20),
+        }
+    }
+}
+
+/// `server.timeouts:`
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RawTimeouts {
+    /// From the connection's start (or the first byte of a later request) to the end of the
+    /// request headers.
+    pub header_read: HumanDuration,
+    /// Longest a request body may stall: no byte arriving while the server waits for one.
+    pub body_read: HumanDuration,
+    /// Longest a keep-alive connection may sit between requests.
+    pub idle: HumanDuration,
+}
+
+impl Default for RawTimeouts {
+    fn default() -> Self {
+        // nginx waits 60 s for headers, 60 s between two reads of a body and 75 s on an idle
+        // keep-alive connection. A client's headers leave in one write milliseconds after it
+        // connects, so 20 s covers any congested link while cutting a slowloris's hold by three;
+        // a body that brings no byte for 30 s is stuck, not slow (TCP retransmits sooner). Idle
+        // stays at nginx's 75 s: clients' pools are tuned to it, and closing sooner only widens
+        // the race where a client reuses a connection the server is closing.
+        Self {
+            header_read: HumanDuration(Duration::from_secs(20)),
+            body_read: HumanDuration(Duration::from_secs(30)),
+            idle: HumanDuration(Duration::from_secs(75)),
         }
     }
 }
@@ -550,6 +591,23 @@ pub struct ServerConfig {
     pub shutdown_grace: Duration,
     /// The `idempotency-key` response cache.
     pub idempotency: IdempotencyConfig,
+    /// Connection timeouts.
+    pub timeouts: Timeouts,
+    /// Most connections served at once.
+    pub max_connections: usize,
+    /// Most bytes of request bodies being received at once.
+    pub max_receiving_bytes: u64,
+}
+
+/// Validated `server.timeouts:`; each is more than zero.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Timeouts {
+    /// From the connection's start (or a later request's first byte) to the end of its headers.
+    pub header_read: Duration,
+    /// Longest a request body may bring no byte.
+    pub body_read: Duration,
+    /// Longest a keep-alive connection may sit between requests.
+    pub idle: Duration,
 }
 
 /// Where the admin API's Unix socket is.
@@ -919,6 +977,31 @@ impl RawConfig {
             ));
         }
 
+        let timeouts = self.validate_timeouts(&c)?;
+        let max_connections = self.server.max_connections;
+        if !(1..=1_000_000).contains(&max_connections) {
+            return Err(c.err(
+                "server.max_connections",
+                format!("expected 1 to 1000000, got {max_connections}"),
+            ));
+        }
+        let receiving = self.server.max_receiving_bytes;
+        if receiving < self.server.body_limit {
+            return Err(c.err(
+                "server.max_receiving_bytes",
+                format!(
+                    "must be at least server.body_limit ({}), or a body of the largest allowed size could never be received; got {receiving}",
+                    self.server.body_limit
+                ),
+            ));
+        }
+        if receiving.bytes() > 1 << 40 {
+            return Err(c.err(
+                "server.max_receiving_bytes",
+                format!("expected at most 1TiB, got {receiving}"),
+            ));
+        }
+
         let mut names = HashSet::new();
         let mut devices = Vec::new();
         for (i, d) in self.devices.iter().enumerate() {
@@ -1211,6 +1294,9 @@ impl RawConfig {
                     max_entries: idempotency.max_entries,
                     ttl: idempotency.ttl.get(),
                 },
+                timeouts,
+                max_connections,
+                max_receiving_bytes: receiving.bytes(),
             },
             onnxruntime_library: self.onnxruntime.library.as_ref().map(|p| base.join(p)),
             devices,
@@ -1219,6 +1305,27 @@ impl RawConfig {
             host_reserve: self.host.reserve.bytes(),
             exporter,
             policy: self.validate_policy(&c, base)?,
+        })
+    }
+
+    fn validate_timeouts(&self, c: &Checker) -> Result<Timeouts, ConfigError> {
+        let t = &self.server.timeouts;
+        // Zero would close every connection at once; past a day a timeout no longer bounds
+        // anything an operator would wait for.
+        let check = |key: &str, d: HumanDuration| {
+            if (Duration::from_millis(1)..=Duration::from_secs(24 * 3600)).contains(&d.get()) {
+                Ok(d.get())
+            } else {
+                Err(c.err(
+                    format!("server.timeouts.{key}"),
+                    format!("expected 1ms to 24h, got {d}"),
+                ))
+            }
+        };
+        Ok(Timeouts {
+            header_read: check("header_read", t.header_read)?,
+            body_read: check("body_read", t.body_read)?,
+            idle: check("idle", t.idle)?,
         })
     }
 
@@ -1365,6 +1472,11 @@ pools:
         assert_eq!(cfg.devices.len(), 2);
         assert_eq!(cfg.server.admin_token_env.as_deref(), Some("VRAMGUARD_ADMIN_TOKEN"));
         assert_eq!(cfg.server.idempotency.ttl, Duration::from_secs(600));
+        // The example shows the connection limits' defaults, so its comments explain them.
+        let defaults = check(BASE).unwrap().server;
+        assert_eq!(cfg.server.timeouts, defaults.timeouts);
+        assert_eq!(cfg.server.max_connections, defaults.max_connections);
+        assert_eq!(cfg.server.max_receiving_bytes, defaults.max_receiving_bytes);
         let providers: Vec<&str> = cfg.pools.iter().map(|p| p.provider.label()).collect();
         assert_eq!(providers, ["cuda", "simulated", "cpu"]);
         let kinds: Vec<&str> = cfg.pools.iter().map(|p| cfg.device_class(&p.device).label()).collect();
@@ -1432,6 +1544,60 @@ pools:
             .to_string();
         assert!(
             err.starts_with("test.yaml: server.idempotency: unknown field `max_entires`"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn connection_limits_default_near_nginx_and_refuse_zero_with_their_key() {
+        let server = check(BASE).unwrap().server;
+        assert_eq!(
+            server.timeouts,
+            Timeouts {
+                header_read: Duration::from_secs(20),
+                body_read: Duration::from_secs(30),
+                idle: Duration::from_secs(75),
+            }
+        );
+        assert_eq!(server.max_connections, 512);
+        assert_eq!(server.max_receiving_bytes, 256 << 20);
+        let cfg = check(&format!(
+            "server:\n  timeouts: {{header_read: 500ms, idle: 2m}}\n  max_connections: 8\n{BASE}"
+        ))
+        .unwrap();
+        assert_eq!(cfg.server.timeouts.header_read, Duration::from_millis(500));
+        assert_eq!(cfg.server.timeouts.body_read, Duration::from_secs(30));
+        assert_eq!(cfg.server.timeouts.idle, Duration::from_secs(120));
+        assert_eq!(cfg.server.max_connections, 8);
+        for key in ["header_read", "body_read", "idle"] {
+            let err = check(&format!("server:\n  timeouts: {{{key}: 0}}\n{BASE}"))
+                .unwrap_err()
+                .to_string();
+            assert_eq!(
+                err,
+                format!("test.yaml: server.timeouts.{key}: expected 1ms to 24h, got 0ms")
+            );
+        }
+        let err = check(&format!("server:\n  timeouts: {{idle: 48h}}\n{BASE}"))
+            .unwrap_err()
+            .to_string();
+        assert_eq!(err, "test.yaml: server.timeouts.idle: expected 1ms to 24h, got 48h");
+        let err = check(&format!("server:\n  max_connections: 0\n{BASE}"))
+            .unwrap_err()
+            .to_string();
+        assert_eq!(err, "test.yaml: server.max_connections: expected 1 to 1000000, got 0");
+        let err = check(&format!("server:\n  max_receiving_bytes: 1MiB\n{BASE}"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.starts_with("test.yaml: server.max_receiving_bytes: must be at least server.body_limit (64MiB)"),
+            "{err}"
+        );
+        let err = check(&format!("server:\n  timeouts: {{header: 5s}}\n{BASE}"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.starts_with("test.yaml: server.timeouts: unknown field `header`"),
             "{err}"
         );
     }

@@ -22,6 +22,7 @@ use crate::metrics::Metrics;
 /// A running exporter.
 pub struct Exporter {
     config: Config,
+    metrics: Arc<Metrics>,
     registry: Registry,
     store: Arc<SnapshotStore>,
     sampler: Option<Sampler>,
@@ -45,25 +46,29 @@ impl Exporter {
             }
         }
         let (metrics, mut registry) = Metrics::exporter();
+        let metrics = Arc::new(metrics);
         let store = Arc::new(SnapshotStore::default());
         let mut sampler = Sampler::new(
             crate::device::sources(&config),
             config.exporter.services.clone(),
             config.host_reserve,
-            Arc::new(metrics),
+            Arc::clone(&metrics),
             Arc::clone(&store),
         );
         sampler.sample();
         registry.register_collector(Box::new(LiveCollector::new(Arc::clone(&store), Vec::new(), Vec::new())));
         Exporter {
             config,
+            metrics,
             registry,
             store,
             sampler: Some(sampler),
         }
     }
 
-    /// Serve `/metrics` and `/status` until `shutdown` resolves.
+    /// Serve `/metrics` and `/status` until `shutdown` resolves, behind the same connection
+    /// limits as `serve` (`server.timeouts`, `server.max_connections`): the exporter faces the
+    /// same slow clients.
     pub async fn serve(
         mut self,
         listener: TcpListener,
@@ -86,13 +91,11 @@ impl Exporter {
             .route("/status", get(status))
             .route("/", get(|| async { "vramguard exporter: see /metrics and /status\n" }))
             .with_state(state);
-        let stop = cancel.clone();
-        axum::serve(listener, app)
-            .with_graceful_shutdown(async move {
-                shutdown.await;
-                stop.cancel();
-            })
-            .await
+        let limits = crate::http::conn::Limits::new(&self.config.server, &self.metrics);
+        let server = tokio::spawn(crate::http::conn::serve(listener, app, limits, cancel.clone()));
+        shutdown.await;
+        cancel.cancel();
+        server.await.map_err(std::io::Error::other)
     }
 }
 

@@ -3,10 +3,10 @@
 //! bounded graceful shutdown.
 
 pub mod admin;
+pub mod conn;
 pub mod infer;
 
 use std::future::Future;
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -200,17 +200,13 @@ pub async fn serve(
             tracing::debug!(error = %e, "cannot set TCP_NODELAY");
         }
     });
-    let server = axum::serve(
-        listener,
-        app(Arc::clone(&state)).into_make_service_with_connect_info::<SocketAddr>(),
-    )
-    .with_graceful_shutdown(token.clone().cancelled_owned());
-    let mut server = tokio::spawn(async move { server.await });
+    let limits = conn::Limits::new(&state.service.config.server, &state.service.metrics);
+    let mut server = tokio::spawn(conn::serve(listener, app(Arc::clone(&state)), limits, token.clone()));
     tokio::select! {
         result = &mut server => {
             token.cancel();
             tasks.wait().await;
-            return result.map_err(std::io::Error::other)?;
+            return result.map_err(std::io::Error::other);
         }
         () = shutdown => {}
     }
@@ -222,7 +218,7 @@ pub async fn serve(
     let pools_deadline = deadline.into_std();
     let _ = tokio::task::spawn_blocking(move || service.shutdown(pools_deadline)).await;
     let result = match tokio::time::timeout_at(deadline, &mut server).await {
-        Ok(result) => result.map_err(std::io::Error::other)?,
+        Ok(result) => result.map_err(std::io::Error::other),
         Err(_) => {
             tracing::warn!("connections still open at the shutdown deadline; closing them");
             server.abort();

@@ -1,0 +1,285 @@
+//! Slow, idle and greedy clients against a real server: each connection limit closes or refuses
+//! the client it is meant for, within its timeout, while other clients are served meanwhile.
+//!
+//! The misbehaving clients are raw TCP streams: an HTTP client library does not stall on
+//! purpose. Time is bounded from below exactly (nothing closes before its timeout: a loaded
+//! machine is late, never early) and from above with a generous margin.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::{TestServer, encoder_binary_request};
+use reqwest::StatusCode;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+/// How late a limit may act on a loaded machine and still pass.
+const MARGIN: Duration = Duration::from_secs(20);
+
+fn config(server: &str) -> String {
+    format!(
+        "server:\n{server}\
+         models: [{{name: encoder, path: 'builtin:encoder', context: {{input: input, axis: 1}}}}]\n\
+         pools: [{{name: cpu, provider: cpu, models: [encoder], workers: 1}}]\n"
+    )
+}
+
+async fn connect(server: &TestServer) -> TcpStream {
+    TcpStream::connect(server.addr).await.unwrap()
+}
+
+/// Everything the server sends until it closes the connection (a reset counts as closed), and
+/// when it closed; fails if it is still open after `within`.
+async fn read_until_closed(stream: &mut TcpStream, within: Duration) -> (String, Instant) {
+    let mut received = Vec::new();
+    let mut chunk = [0u8; 4096];
+    let deadline = tokio::time::Instant::now() + within;
+    loop {
+        match tokio::time::timeout_at(deadline, stream.read(&mut chunk)).await {
+            Err(_) => panic!(
+                "still open after {within:?}; received: {}",
+                String::from_utf8_lossy(&received)
+            ),
+            Ok(Ok(0)) | Ok(Err(_)) => return (String::from_utf8_lossy(&received).into_owned(), Instant::now()),
+            Ok(Ok(n)) => received.extend_from_slice(&chunk[..n]),
+        }
+    }
+}
+
+/// One response (head and `content-length` body), leaving the connection open.
+async fn read_response(stream: &mut TcpStream) -> String {
+    let mut received = Vec::new();
+    let mut chunk = [0u8; 4096];
+    loop {
+        let text = String::from_utf8_lossy(&received).into_owned();
+        if let Some(end) = text.find("\r\n\r\n") {
+            let length: usize = text[..end]
+                .lines()
+                .find_map(|l| {
+                    l.to_ascii_lowercase()
+                        .strip_prefix("content-length:")
+                        .map(|v| v.trim().parse().unwrap())
+                })
+                .unwrap_or(0);
+            if received.len() >= end + 4 + length {
+                return text;
+            }
+        }
+        let n = tokio::time::timeout(MARGIN, stream.read(&mut chunk))
+            .await
+            .expect("a response in time")
+            .unwrap();
+        assert!(n > 0, "closed mid-response: {text}");
+        received.extend_from_slice(&chunk[..n]);
+    }
+}
+
+fn get(path: &str) -> String {
+    format!("GET {path} HTTP/1.1\r\nHost: vramguard\r\n\r\n")
+}
+
+fn limit_hits(metrics: &str, limit: &str) -> u64 {
+    let series = format!("vramguard_http_limit_hits_total{{limit=\"{limit}\"}} ");
+    metrics
+        .lines()
+        .find_map(|l| l.strip_prefix(&series))
+        .unwrap_or_else(|| panic!("no {series}in:\n{metrics}"))
+        .parse()
+        .unwrap()
+}
+
+fn gauge(metrics: &str, name: &str) -> u64 {
+    metrics
+        .lines()
+        .find_map(|l| l.strip_prefix(&format!("{name} ")))
+        .unwrap_or_else(|| panic!("no {name} in:\n{metrics}"))
+        .parse()
+        .unwrap()
+}
+
+/// Other clients get their answers: an inference and a health check, each on a new connection.
+async fn others_are_served(server: &TestServer) {
+    let response = server.encoder(16).await;
+    assert_eq!(response.status(), StatusCode::OK, "{:?}", response.text().await);
+    let live = reqwest::get(server.url("/v2/health/live")).await.unwrap();
+    assert_eq!(live.status(), StatusCode::OK);
+}
+
+#[tokio::test]
+async fn a_stalled_header_and_a_stalled_body_are_closed_while_others_are_served() {
+    let timeout = Duration::from_secs(1);
+    let server = TestServer::start(&config("  timeouts: {header_read: 1s, body_read: 1s, idle: 60s}\n")).await;
+
+    let head_started = Instant::now();
+    let mut head = connect(&server).await;
+    head.write_all(b"POST /v2/models/encoder/infer HTTP/1.1\r\nHost: vramguard\r\nContent-Le")
+        .await
+        .unwrap();
+    let mut body = connect(&server).await;
+    body.write_all(
+        b"POST /v2/models/encoder/infer HTTP/1.1\r\nHost: vramguard\r\nx-request-id: stalled-body\r\n\
+          Content-Length: 1000\r\n\r\n{\"inputs\": [",
+    )
+    .await
+    .unwrap();
+    let body_stalled = Instant::now();
+
+    for _ in 0..3 {
+        others_are_served(&server).await;
+    }
+
+    let (answer, closed) = read_until_closed(&mut head, timeout + MARGIN).await;
+    assert_eq!(answer, "", "a header that never completes gets no answer");
+    assert!(
+        closed - head_started >= timeout,
+        "closed after {:?}",
+        closed - head_started
+    );
+
+    let (answer, closed) = read_until_closed(&mut body, timeout + MARGIN).await;
+    assert!(answer.starts_with("HTTP/1.1 408 "), "{answer}");
+    assert!(answer.contains("\r\nconnection: close\r\n"), "{answer}");
+    assert!(answer.contains("\r\nx-request-id: stalled-body\r\n"), "{answer}");
+    assert!(answer.contains("server.timeouts.body_read (1s)"), "{answer}");
+    assert!(
+        closed - body_stalled >= timeout,
+        "closed after {:?}",
+        closed - body_stalled
+    );
+
+    others_are_served(&server).await;
+    let metrics = server.metrics().await;
+    assert_eq!(limit_hits(&metrics, "header_timeout"), 1);
+    assert_eq!(limit_hits(&metrics, "body_timeout"), 1);
+    assert_eq!(limit_hits(&metrics, "idle_timeout"), 0);
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn an_idle_connection_outlives_the_header_timeout_and_closes_at_the_idle_timeout() {
+    let idle = Duration::from_secs(6);
+    let server = TestServer::start(&config("  timeouts: {header_read: 1s, idle: 6s}\n")).await;
+    let mut client = connect(&server).await;
+    client.write_all(get("/v2/health/live").as_bytes()).await.unwrap();
+    assert!(read_response(&mut client).await.starts_with("HTTP/1.1 200 "));
+
+    // Idle for longer than the header timeout: the header clock only starts with a request.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    client.write_all(get("/v2/health/live").as_bytes()).await.unwrap();
+    assert!(read_response(&mut client).await.starts_with("HTTP/1.1 200 "));
+    let answered = Instant::now();
+
+    let (rest, closed) = read_until_closed(&mut client, idle + MARGIN).await;
+    assert_eq!(rest, "", "an idle connection is closed without a word");
+    // The server's idle clock starts as its answer leaves, a moment before it arrives here.
+    assert!(closed - answered >= idle / 2, "closed after {:?}", closed - answered);
+
+    let metrics = server.metrics().await;
+    assert_eq!(limit_hits(&metrics, "idle_timeout"), 1);
+    assert_eq!(limit_hits(&metrics, "header_timeout"), 0);
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn connections_over_the_cap_wait_for_a_slot_and_are_served_once_one_closes() {
+    let server = TestServer::start(&config(
+        "  max_connections: 2\n  timeouts: {header_read: 60s, idle: 60s}\n",
+    ))
+    .await;
+    let mut first = connect(&server).await;
+    let mut second = connect(&server).await;
+    for client in [&mut first, &mut second] {
+        client.write_all(get("/v2/health/live").as_bytes()).await.unwrap();
+        assert!(read_response(client).await.starts_with("HTTP/1.1 200 "));
+    }
+
+    let mut third = connect(&server).await;
+    third.write_all(get("/v2/health/live").as_bytes()).await.unwrap();
+    let mut byte = [0u8; 1];
+    assert!(
+        tokio::time::timeout(Duration::from_millis(500), third.read(&mut byte))
+            .await
+            .is_err(),
+        "a third connection is not served while two are open"
+    );
+
+    drop(first);
+    assert!(read_response(&mut third).await.starts_with("HTTP/1.1 200 "));
+    drop(third);
+
+    let metrics = server.metrics().await;
+    assert!(limit_hits(&metrics, "max_connections") >= 1, "{metrics}");
+    // `second` and the scrape's own connection: the cap holds.
+    assert_eq!(gauge(&metrics, "vramguard_http_connections"), 2);
+    drop(second);
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn a_declared_length_over_the_body_limit_gets_413_before_any_body_is_sent() {
+    let server = TestServer::start(&config("  body_limit: 64KiB\n  timeouts: {body_read: 60s}\n")).await;
+    // With `Expect: 100-continue` (curl sends it for large bodies) the client learns it need
+    // not send the body at all: no 100 comes first.
+    for expect in ["", "Expect: 100-continue\r\n"] {
+        let mut client = connect(&server).await;
+        client
+            .write_all(
+                format!(
+                    "POST /v2/models/encoder/infer HTTP/1.1\r\nHost: vramguard\r\n{expect}\
+                     Content-Length: 10000000\r\n\r\n"
+                )
+                .as_bytes(),
+            )
+            .await
+            .unwrap();
+        // The body never comes and body_read is a minute: an answer now did not wait for it.
+        let (answer, _) = read_until_closed(&mut client, MARGIN).await;
+        assert!(answer.starts_with("HTTP/1.1 413 "), "{expect:?}: {answer}");
+        assert!(answer.contains("\r\nconnection: close\r\n"), "{answer}");
+        assert!(
+            answer.contains("request body exceeds the 65536 byte limit (server.body_limit)"),
+            "{answer}"
+        );
+    }
+    assert_eq!(limit_hits(&server.metrics().await, "body_limit"), 2);
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn bodies_beyond_the_receiving_budget_get_503_with_retry_after_until_it_frees() {
+    let server = TestServer::start(&config(
+        "  body_limit: 64KiB\n  max_receiving_bytes: 64KiB\n  timeouts: {body_read: 60s}\n",
+    ))
+    .await;
+    // 38 KiB each: one fits in the 64 KiB being received at once, two do not.
+    let (header, body) = encoder_binary_request(150);
+    let head = format!(
+        "POST /v2/models/encoder/infer HTTP/1.1\r\nHost: vramguard\r\nContent-Length: {}\r\n\
+         Inference-Header-Content-Length: {}\r\nExpect: 100-continue\r\n\r\n",
+        body.len(),
+        header.len()
+    );
+
+    // The 100 Continue says the server is reading this body: its bytes are reserved.
+    let mut slow = connect(&server).await;
+    slow.write_all(head.as_bytes()).await.unwrap();
+    assert!(read_response(&mut slow).await.starts_with("HTTP/1.1 100 "));
+    slow.write_all(&body[..body.len() / 2]).await.unwrap();
+
+    let mut refused = connect(&server).await;
+    refused.write_all(head.as_bytes()).await.unwrap();
+    let (answer, _) = read_until_closed(&mut refused, MARGIN).await;
+    assert!(answer.starts_with("HTTP/1.1 503 "), "{answer}");
+    assert!(answer.contains("\r\nretry-after: 1\r\n"), "{answer}");
+    assert!(answer.contains("server.max_receiving_bytes (64KiB)"), "{answer}");
+
+    slow.write_all(&body[body.len() / 2..]).await.unwrap();
+    assert!(read_response(&mut slow).await.starts_with("HTTP/1.1 200 "));
+    // Received in full, its reservation is free again.
+    let response = server.encoder(150).await;
+    assert_eq!(response.status(), StatusCode::OK);
+
+    assert_eq!(limit_hits(&server.metrics().await, "body_bytes"), 1);
+    server.stop().await;
+}
