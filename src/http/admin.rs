@@ -159,17 +159,17 @@ pub fn bind(path: &FsPath) -> Result<UnixListener, String> {
 }
 
 /// Serve the admin API on `listener` until `stop` is cancelled, then remove the socket file.
+/// Its connections live under the same timeouts and caps as the TCP listener's.
 pub async fn serve_socket(
     state: Arc<AppState>,
     listener: UnixListener,
     path: PathBuf,
     stop: tokio_util::sync::CancellationToken,
 ) -> std::io::Result<()> {
-    let result = axum::serve(listener, socket_app(state))
-        .with_graceful_shutdown(async move { stop.cancelled().await })
-        .await;
+    let limits = super::conn::Limits::new(&state.service.config.server, &state.service.metrics);
+    super::conn::serve(listener, socket_app(state), limits, stop).await;
     let _ = std::fs::remove_file(&path);
-    result
+    Ok(())
 }
 
 async fn admin_policy_reload(State(state): State<Arc<AppState>>) -> Result<Json<Value>, ApiError> {
