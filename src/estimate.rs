@@ -23,6 +23,17 @@ pub enum ProfileSource {
     },
     /// Given in the config (`models[].memory_profile`).
     Config,
+    /// A decoder's KV cache, read from its graph: bytes per token of context.
+    KvCache {
+        /// Transformer layers.
+        layers: usize,
+        /// Key/value heads per layer.
+        kv_heads: u64,
+        /// Elements per head.
+        head_size: u64,
+        /// Key and value bytes per token, every layer.
+        kv_bytes_per_token: u64,
+    },
     /// Could not be measured (the reason is logged); only weights are known.
     Unmeasured {
         /// Why.

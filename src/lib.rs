@@ -12,6 +12,7 @@ pub mod breaker;
 pub mod cli;
 pub mod clock;
 pub mod config;
+pub mod decoder;
 pub mod degraded;
 pub mod device;
 pub mod doctor;

@@ -106,6 +106,8 @@ pub struct ModelEntry {
     pub profile: MemoryProfile,
     /// The ONNX bytes, read once and shared by every pool's sessions.
     pub bytes: ModelBytes,
+    /// Its KV-cache layout, when it is a decoder with past key values.
+    pub decoder: Option<crate::decoder::DecoderLayout>,
 }
 
 /// A model's serialized bytes (borrowed for builtin models), shared by every pool's workers and
@@ -137,6 +139,10 @@ impl ModelEntry {
                 .and_then(|t| t.shape.get(axis))
                 .map_or(0, |d| (*d).max(0) as u64)
         };
+        if self.decoder.is_some() {
+            // The cache holds every position the attention mask covers: past and new tokens.
+            return (dim("attention_mask", 1), dim("input_ids", 0).max(1));
+        }
         match &self.config.context {
             Some(ctx) => {
                 let batch = if ctx.axis == 0 { 1 } else { dim(&ctx.input, 0) };
@@ -556,15 +562,39 @@ fn load_models(backends: &dyn BackendFactory, config: &Config) -> Result<Vec<Mod
                 ));
             }
         }
-        let profile = match &m.profile {
-            Some(p) => MemoryProfile {
-                weights_bytes: p.weights_bytes.unwrap_or(bytes.len() as u64),
-                workspace_bytes: p.workspace_bytes as f64,
-                per_token_bytes: p.per_token_bytes,
-                per_token_squared_bytes: p.per_token_squared_bytes,
-                source: ProfileSource::Config,
+        let decoder = crate::decoder::DecoderLayout::detect(&signature)
+            .transpose()
+            .map_err(|e| invalid(format!("models[{i}].path"), format!("`{}`: {e}", m.source)))?;
+        if decoder.is_some() && m.context.is_some() {
+            return Err(invalid(
+                format!("models[{i}].context"),
+                "a decoder's context is its attention mask, read from the graph; remove `context`".to_string(),
+            ));
+        }
+        let profile = match (&m.profile, decoder) {
+            (None, Some(layout)) => MemoryProfile {
+                weights_bytes: bytes.len() as u64,
+                workspace_bytes: 0.0,
+                // The cache for every position, and the logits of a prompt's positions.
+                per_token_bytes: (layout.kv_bytes_per_token() + layout.logits_bytes_per_token()) as f64,
+                per_token_squared_bytes: 0.0,
+                source: ProfileSource::KvCache {
+                    layers: layout.layers,
+                    kv_heads: layout.kv_heads,
+                    head_size: layout.head_size,
+                    kv_bytes_per_token: layout.kv_bytes_per_token(),
+                },
             },
-            None => backends.measure_profile(m, &bytes, &signature),
+            _ => match &m.profile {
+                Some(p) => MemoryProfile {
+                    weights_bytes: p.weights_bytes.unwrap_or(bytes.len() as u64),
+                    workspace_bytes: p.workspace_bytes as f64,
+                    per_token_bytes: p.per_token_bytes,
+                    per_token_squared_bytes: p.per_token_squared_bytes,
+                    source: ProfileSource::Config,
+                },
+                None => backends.measure_profile(m, &bytes, &signature),
+            },
         };
         match &profile.source {
             ProfileSource::Unmeasured { reason } => tracing::warn!(
@@ -586,6 +616,7 @@ fn load_models(backends: &dyn BackendFactory, config: &Config) -> Result<Vec<Mod
             signature,
             profile,
             bytes: ModelBytes(Arc::new(bytes)),
+            decoder,
         });
     }
     Ok(entries)
