@@ -353,6 +353,20 @@ def write(files: dict[Path, bytes]) -> None:
         print(f"wrote {_rel(path)} ({len(data)} bytes, sha256 {hashlib.sha256(data).hexdigest()})")
 
 
+def import_onnxruntime(ort_path: Path | None):
+    """Import onnxruntime for --check: from ``ort_path`` if given, else from the first of
+    DEFAULT_ORT_PATHS that holds it, else from the normal ``sys.path``."""
+    candidates = [ort_path] if ort_path is not None else DEFAULT_ORT_PATHS
+    for candidate in candidates:
+        if (candidate / "onnxruntime" / "__init__.py").is_file():
+            sys.path.insert(0, str(candidate))
+            break
+    import onnxruntime as ort  # noqa: E402  (only needed for --check)
+
+    print(f"onnxruntime {ort.__version__} from {Path(ort.__file__).parent}")
+    return ort
+
+
 def check(files: dict[Path, bytes], ort_path: Path | None) -> int:
     failures = 0
 
@@ -370,14 +384,7 @@ def check(files: dict[Path, bytes], ort_path: Path | None) -> int:
         return failures
 
     # 2. ONNX Runtime's outputs must match the independent numpy references.
-    candidates = [ort_path] if ort_path is not None else DEFAULT_ORT_PATHS
-    for candidate in candidates:
-        if (candidate / "onnxruntime" / "__init__.py").is_file():
-            sys.path.insert(0, str(candidate))
-            break
-    import onnxruntime as ort  # noqa: E402  (only needed for --check)
-
-    print(f"onnxruntime {ort.__version__} from {Path(ort.__file__).parent}")
+    ort = import_onnxruntime(ort_path)
     reference = json.loads(files[MODELS_DIR / "reference.json"])
     overall_max = 0.0
     for model_name in ("encoder", "classifier"):
