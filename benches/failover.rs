@@ -142,6 +142,7 @@ fn main() {
         priority: 0,
         replayable: true,
         allow_shrink: false,
+        max_new_tokens: 0,
         deadline: None,
         received: tokio::time::Instant::now(),
     };

@@ -19,6 +19,7 @@ pub mod doctor;
 pub mod estimate;
 pub mod exit;
 pub mod exporter;
+pub mod generate;
 pub mod heap;
 pub mod http;
 pub mod idempotency;

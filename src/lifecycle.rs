@@ -44,6 +44,9 @@ pub struct Request {
     pub replayable: bool,
     /// True when the client allows its context to be cut (a shrink changes the answer).
     pub allow_shrink: bool,
+    /// Tokens a generation may still add (0 for a single run): the estimate covers the KV
+    /// cache they will take, and the policy sees it as `req.max_new_tokens`.
+    pub max_new_tokens: u64,
     /// When the client stops caring.
     pub deadline: Option<Instant>,
     /// When it arrived (request duration is measured from here).
@@ -394,25 +397,47 @@ impl RequestError {
 pub async fn infer(service: &Service, request: Request) -> Result<Served, Refused> {
     let model = request.model.clone();
     let received = request.received;
+    counted(service, &model, received, async move {
+        let served = run(service, request).await?;
+        let pool = Arc::clone(&served.pool);
+        Ok((served, pool))
+    })
+    .await
+}
+
+/// Place and run a request like [`infer`], without counting it: for work made of several runs
+/// (a generation), counted once around all of them by [`counted`].
+pub async fn place(service: &Service, request: Request) -> Result<Served, Refused> {
+    run(service, request).await
+}
+
+/// Do `work` as one request for `model`: counted once in the request metrics with the outcome
+/// it ends with (on the pool it ended on), or `cancelled` when its client goes away first.
+pub async fn counted<T>(
+    service: &Service,
+    model: &str,
+    received: Instant,
+    work: impl std::future::Future<Output = Result<(T, Arc<Pool>), Refused>>,
+) -> Result<T, Refused> {
     // A client that goes away drops this future: the guard counts that as `cancelled` (a job
-    // still queued is then skipped by the pool, one already running finishes unobserved).
+    // still queued is then skipped by the pool, one already running is stopped).
     let mut gone = ClientGone {
         service,
-        model: &model,
+        model,
         received,
         armed: true,
     };
-    let result = run(service, request).await;
+    let result = work.await;
     gone.armed = false;
     let (pool, outcome) = match &result {
-        Ok(served) => (Some(&served.pool), Outcome::ok),
+        Ok((_, pool)) => (Some(pool), Outcome::ok),
         Err(refused) => (refused.pool.as_ref(), refused.error.outcome()),
     };
-    record(service, &model, pool.map(|p| p.name()), outcome, received);
+    record(service, model, pool.map(|p| p.name()), outcome, received);
     if let Err(refused) = &result {
         tracing::debug!(model = %model, pool = pool.map(|p| p.name()), status = %refused.error.status(), error = %refused.error, "request refused");
     }
-    result
+    result.map(|(value, _)| value)
 }
 
 /// Counts a request whose client went away before it was answered.
@@ -570,6 +595,79 @@ async fn run(service: &Service, mut request: Request) -> Result<Served, Refused>
         Err(error) => {
             retries(RetryResult::failed);
             Err(refuse(Some(&fallback), RequestError::from_pool(&fallback, error)))
+        }
+    }
+}
+
+/// One more run of a request already admitted to `pool`: a generation's next step. It is not
+/// asked of the policy again and not counted as a request of its own. An allocator failure on
+/// an accelerator pool moves it, and the runs after it, to the pool's fallback when the request
+/// is replayable: a step is a pure function of its inputs (the KV cache travels with them), so
+/// the tokens are the ones it would have had. Returns the pool that ran it.
+pub async fn step(
+    service: &Service,
+    pool: &Arc<Pool>,
+    request: &Request,
+    inputs: Vec<Tensor>,
+    estimate_bytes: u64,
+) -> Result<(Arc<Pool>, Vec<Tensor>), RequestError> {
+    let fallback = pool
+        .config
+        .fallback
+        .as_deref()
+        .filter(|_| is_accelerator(pool) && request.replayable)
+        .and_then(|name| service.pool(name))
+        .cloned();
+    let spare = fallback.as_ref().map(|_| inputs.clone());
+    let error = match run_on(service, pool, request, inputs, estimate_bytes).await {
+        Ok(outputs) => return Ok((Arc::clone(pool), outputs)),
+        Err(error) => error,
+    };
+    let (kind, Some(fallback), Some(inputs)) = (
+        match &error {
+            PoolError::Backend(BackendError::Allocation { kind, .. }) => Some(*kind),
+            _ => None,
+        },
+        fallback,
+        spare,
+    ) else {
+        return Err(RequestError::from_pool(pool, error));
+    };
+    let Some(kind) = kind else {
+        return Err(RequestError::from_pool(pool, error));
+    };
+    let retries = |pool: &Pool, result: RetryResult| {
+        service
+            .metrics
+            .retries
+            .get_or_create(&RetryLabels {
+                pool: pool.name().to_string(),
+                result,
+            })
+            .inc();
+    };
+    if let Err(why) = can_take_retry(service, &fallback, estimate_bytes) {
+        retries(pool, RetryResult::no_fallback);
+        let mut refused = RequestError::from_pool(pool, error);
+        if let RequestError::Allocation { not_retried, .. } = &mut refused {
+            *not_retried = Some(NotRetried::NoFallback(why));
+        }
+        return Err(refused);
+    }
+    let reason = match kind {
+        AllocFailureKind::Oom => FailoverReason::oom_retry,
+        AllocFailureKind::Driver => FailoverReason::driver_retry,
+    };
+    service.failover(pool, &fallback, reason);
+    tracing::info!(request_id = %request.id, from = pool.name(), to = fallback.name(), reason = ?reason, "allocator failure during generation: the step and the rest move to the fallback pool");
+    match run_on(service, &fallback, request, inputs, estimate_bytes).await {
+        Ok(outputs) => {
+            retries(pool, RetryResult::ok);
+            Ok((fallback, outputs))
+        }
+        Err(error) => {
+            retries(pool, RetryResult::failed);
+            Err(RequestError::from_pool(&fallback, error))
         }
     }
 }
@@ -747,13 +845,15 @@ async fn admit(service: &Service, entry: &ModelEntry, request: &mut Request) -> 
         model: model.to_string(),
         pool: routed.name().to_string(),
         context_tokens: tokens,
-        max_new_tokens: 0,
+        max_new_tokens: request.max_new_tokens,
         batch,
         priority: request.priority,
         replayable: request.replayable,
         allow_shrink: request.allow_shrink,
         deadline_ms: 0,
-        estimate: entry.estimate(&request.inputs),
+        estimate: entry
+            .profile
+            .estimate(tokens.saturating_add(request.max_new_tokens), batch),
     };
     let has_context = entry.config.context.is_some();
     let max_defer = routed.config.max_wait;

@@ -209,6 +209,7 @@ fn request(seq: usize, value: f32) -> Request {
         priority: 0,
         replayable: true,
         allow_shrink: false,
+        max_new_tokens: 0,
         deadline: None,
         received: Instant::now(),
     }

@@ -305,6 +305,10 @@ pub struct RawModel {
     /// Memory profile; when absent it is measured at start-up.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub memory_profile: Option<RawProfile>,
+    /// A decoder's `tokenizer.json` (Hugging Face tokenizers format, relative to the config
+    /// file): with it, the model serves text generation on `/v1/completions`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokenizer: Option<String>,
 }
 
 /// `models[].memory_profile:` bytes = weights + workspace + batch × (per_token·n + per_token_squared·n²)
@@ -688,6 +692,8 @@ pub struct ModelConfig {
     pub allow_shrink: bool,
     /// A configured memory profile (measured at start-up otherwise).
     pub profile: Option<ConfiguredProfile>,
+    /// The tokenizer file of a decoder that serves text generation.
+    pub tokenizer: Option<PathBuf>,
 }
 
 /// A memory profile from the config.
@@ -1112,12 +1118,26 @@ impl RawConfig {
                     })
                 }
             };
+            let tokenizer = match &m.tokenizer {
+                None => None,
+                Some(file) => {
+                    let path = base.join(file);
+                    if !path.is_file() {
+                        return Err(c.err(
+                            format!("{key}.tokenizer"),
+                            format!("tokenizer file `{}` does not exist", path.display()),
+                        ));
+                    }
+                    Some(path)
+                }
+            };
             models.push(ModelConfig {
                 name: m.name.clone(),
                 source,
                 context,
                 allow_shrink: m.allow_shrink,
                 profile,
+                tokenizer,
             });
         }
 

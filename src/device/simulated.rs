@@ -30,6 +30,8 @@ pub struct SimulatedDevice {
     hold: Mutex<ArenaHold>,
     /// Injected faults: the next N runs fail with an allocator failure.
     fail_next: AtomicU64,
+    /// Runs that pass before the `fail_next` ones fail (places a failure mid-generation).
+    pass_first: AtomicU64,
     /// Injected fault: every run fails with a driver-class error until cleared (or restored).
     driver_reset: AtomicBool,
     // Keeps the allocator's session alive; the allocator belongs to it.
@@ -58,6 +60,7 @@ impl SimulatedDevice {
             capacity,
             hold: Mutex::new(ArenaHold::new(allocator)),
             fail_next: AtomicU64::new(0),
+            pass_first: AtomicU64::new(0),
             driver_reset: AtomicBool::new(false),
             _session: session,
         })
@@ -93,6 +96,16 @@ impl SimulatedDevice {
         self.fail_next.store(n, Ordering::SeqCst);
     }
 
+    /// Let the next `n` runs pass before the [`SimulatedDevice::fail_next`] ones fail.
+    pub fn pass_first(&self, n: u64) {
+        self.pass_first.store(n, Ordering::SeqCst);
+    }
+
+    /// Runs still to pass before injected failures start.
+    pub fn passes_pending(&self) -> u64 {
+        self.pass_first.load(Ordering::SeqCst)
+    }
+
     /// Runs still to fail from [`SimulatedDevice::fail_next`].
     pub fn failures_pending(&self) -> u64 {
         self.fail_next.load(Ordering::SeqCst)
@@ -118,6 +131,14 @@ impl SimulatedDevice {
                     self.name
                 ),
             });
+        }
+        if self.fail_next.load(Ordering::SeqCst) > 0
+            && self
+                .pass_first
+                .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+                .is_ok()
+        {
+            return None;
         }
         let took = self
             .fail_next

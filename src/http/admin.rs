@@ -194,6 +194,9 @@ struct SimCommand {
     pressure: Option<crate::config::ByteSize>,
     /// The next N runs on the device fail with an allocator failure (0 clears).
     fail_next: Option<u64>,
+    /// With `fail_next`: let this many runs pass first (a failure in the middle of a
+    /// generation).
+    pass_first: Option<u64>,
     /// Runs fail with a driver-class error until `false` or a restore of the pool.
     driver_reset: Option<bool>,
 }
@@ -240,6 +243,12 @@ async fn admin_sim(
             ),
         )
     })?;
+    if command.pass_first.is_some() && command.fail_next.is_none() {
+        return Err(ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "`pass_first` goes with `fail_next`: it says how many runs pass before those fail",
+        ));
+    }
     if command.pressure.is_none() && command.fail_next.is_none() && command.driver_reset.is_none() {
         return Err(ApiError::new(
             StatusCode::BAD_REQUEST,
@@ -254,6 +263,9 @@ async fn admin_sim(
             .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?
             .map_err(|e| ApiError::new(StatusCode::CONFLICT, e))?;
         tracing::info!(device = %device, pressure_bytes = bytes, "simulated external pressure set");
+    }
+    if let Some(n) = command.pass_first {
+        sim.pass_first(n);
     }
     if let Some(n) = command.fail_next {
         sim.fail_next(n);
@@ -270,6 +282,7 @@ async fn admin_sim(
         "simulated": true,
         "pressure_bytes": sim.pressure(),
         "fail_next": sim.failures_pending(),
+        "pass_first": sim.passes_pending(),
         "driver_reset": sim.driver_reset(),
         "memory": snapshot.devices.get(&device),
     })))

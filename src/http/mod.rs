@@ -5,6 +5,7 @@
 pub mod admin;
 pub mod conn;
 pub mod infer;
+pub mod openai;
 
 use std::future::Future;
 use std::sync::Arc;
@@ -151,6 +152,8 @@ pub fn app(state: Arc<AppState>) -> Router {
         .route("/v2/models/{model}/versions/{version}/infer", post(infer_versioned))
         .route("/status", get(status))
         .route("/", get(status_page))
+        .route("/v1/models", get(openai::models))
+        .route("/v1/completions", post(openai::completions))
         .merge(admin::tcp_routes(&state))
         .route("/metrics", get(metrics))
         .fallback(|| async { ApiError::new(StatusCode::NOT_FOUND, "no such endpoint") })
@@ -602,10 +605,41 @@ fn decode(
         priority,
         replayable,
         allow_shrink,
+        max_new_tokens: 0,
         deadline,
         received,
     };
     Ok((request, decoded))
+}
+
+/// A request with no inputs yet, from the headers every protocol shares: request id,
+/// deadline, priority and replayability (a generation endpoint builds the inputs itself).
+fn decode_headers(
+    service: &Service,
+    model: &str,
+    id: &str,
+    headers: &HeaderMap,
+    received: tokio::time::Instant,
+) -> Result<lifecycle::Request, RequestError> {
+    service
+        .model(model)
+        .ok_or_else(|| RequestError::unknown_model(service, model))?;
+    let deadline = header_value::<u64>(headers, DEADLINE_HEADER, "a number of milliseconds")?
+        .map(|ms| received + Duration::from_millis(ms));
+    let priority = header_value::<i64>(headers, PRIORITY_HEADER, "an integer")?.unwrap_or(0);
+    let replayable = header_value::<bool>(headers, REPLAYABLE_HEADER, "`true` or `false`")?.unwrap_or(true);
+    Ok(lifecycle::Request {
+        id: id.to_string(),
+        model: model.to_string(),
+        inputs: Vec::new(),
+        outputs: Vec::new(),
+        priority,
+        replayable,
+        allow_shrink: false,
+        max_new_tokens: 0,
+        deadline,
+        received,
+    })
 }
 
 fn header_value<T: std::str::FromStr>(

@@ -108,6 +108,8 @@ pub struct ModelEntry {
     pub bytes: ModelBytes,
     /// Its KV-cache layout, when it is a decoder with past key values.
     pub decoder: Option<crate::decoder::DecoderLayout>,
+    /// Its tokenizer, when it is a decoder that serves text generation.
+    pub tokenizer: Option<Arc<tokenizers::Tokenizer>>,
 }
 
 /// A model's serialized bytes (borrowed for builtin models), shared by every pool's workers and
@@ -611,12 +613,31 @@ fn load_models(backends: &dyn BackendFactory, config: &Config) -> Result<Vec<Mod
                 "memory profile"
             ),
         }
+        let tokenizer = match (&m.tokenizer, decoder) {
+            (None, _) => None,
+            (Some(_), None) => {
+                return Err(invalid(
+                    format!("models[{i}].tokenizer"),
+                    format!(
+                        "`{}` is not a decoder with past key values (inputs `input_ids`, `attention_mask`, `past_key_values.N.key/value`), so it cannot generate text",
+                        m.source
+                    ),
+                ));
+            }
+            (Some(path), Some(_)) => Some(Arc::new(tokenizers::Tokenizer::from_file(path).map_err(|e| {
+                invalid(
+                    format!("models[{i}].tokenizer"),
+                    format!("cannot read `{}`: {e}", path.display()),
+                )
+            })?)),
+        };
         entries.push(ModelEntry {
             config: m.clone(),
             signature,
             profile,
             bytes: ModelBytes(Arc::new(bytes)),
             decoder,
+            tokenizer,
         });
     }
     Ok(entries)

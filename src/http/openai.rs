@@ -1,0 +1,302 @@
+//! OpenAI-compatible text generation: `GET /v1/models` and `POST /v1/completions`, with
+//! errors in OpenAI's shape (`{"error": {"message", "type", "param", "code"}}`), so clients
+//! built on the `openai` package work unchanged. Generation itself is [`crate::generate`].
+//!
+//! Not yet: `stream: true` and `/v1/chat/completions` (refused with a clear error rather than
+//! answered wrongly).
+
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::extract::rejection::BytesRejection;
+use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use serde::Deserialize;
+use serde_json::{Value, json};
+use tokio::time::Instant;
+
+use super::{AppState, DECISION_HEADER, DEGRADED_HEADER, POOL_HEADER};
+use crate::generate::{self, Params};
+use crate::lifecycle::RequestError;
+
+/// An error as OpenAI's API writes it.
+pub struct OpenAiError {
+    status: StatusCode,
+    message: String,
+    kind: &'static str,
+    param: Option<&'static str>,
+    retry_after: Option<u64>,
+    request_id: Option<String>,
+}
+
+impl OpenAiError {
+    fn invalid(message: impl Into<String>, param: Option<&'static str>) -> OpenAiError {
+        OpenAiError {
+            status: StatusCode::BAD_REQUEST,
+            message: message.into(),
+            kind: "invalid_request_error",
+            param,
+            retry_after: None,
+            request_id: None,
+        }
+    }
+
+    fn from_request(error: &RequestError, id: &str) -> OpenAiError {
+        let status = error.status();
+        OpenAiError {
+            status,
+            message: error.to_string(),
+            kind: match status.as_u16() {
+                404 => "not_found_error",
+                429 => "rate_limit_error",
+                400..=499 => "invalid_request_error",
+                503 | 504 => "service_unavailable_error",
+                _ => "server_error",
+            },
+            param: None,
+            retry_after: error.retry_after_secs(),
+            request_id: Some(id.to_string()),
+        }
+    }
+}
+
+impl IntoResponse for OpenAiError {
+    fn into_response(self) -> Response {
+        let mut error = json!({"message": self.message, "type": self.kind, "param": self.param, "code": null});
+        if let Some(id) = &self.request_id {
+            error["request_id"] = json!(id);
+        }
+        let mut response = (self.status, axum::Json(json!({"error": error}))).into_response();
+        if let Some(s) = self.retry_after {
+            response.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(s));
+        }
+        response
+    }
+}
+
+/// `GET /v1/models`: the models that generate text (decoders with a tokenizer).
+pub async fn models(State(state): State<Arc<AppState>>) -> axum::Json<Value> {
+    let data: Vec<Value> = state
+        .service
+        .models
+        .iter()
+        .filter(|m| m.tokenizer.is_some())
+        .map(|m| json!({"id": m.config.name, "object": "model", "created": 0, "owned_by": "vramguard"}))
+        .collect();
+    axum::Json(json!({"object": "list", "data": data}))
+}
+
+/// `stop`: one string or up to four.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum Stop {
+    One(String),
+    Many(Vec<String>),
+}
+
+/// The body of `POST /v1/completions` (fields OpenAI documents that change the answer and
+/// that are not supported are refused, never ignored).
+#[derive(Debug, Deserialize)]
+struct CompletionRequest {
+    model: String,
+    prompt: Value,
+    #[serde(default)]
+    max_tokens: Option<u32>,
+    #[serde(default)]
+    temperature: Option<f32>,
+    #[serde(default)]
+    top_p: Option<f32>,
+    #[serde(default)]
+    top_k: Option<u32>,
+    #[serde(default)]
+    seed: Option<u64>,
+    #[serde(default)]
+    stop: Option<Stop>,
+    #[serde(default)]
+    stream: Option<bool>,
+    #[serde(default)]
+    n: Option<u32>,
+    #[serde(default)]
+    echo: Option<bool>,
+    #[serde(default)]
+    logprobs: Option<Value>,
+    #[serde(default)]
+    best_of: Option<u32>,
+    #[serde(default)]
+    suffix: Option<String>,
+    /// Accepted and ignored, as OpenAI does: they do not change the answer here.
+    #[serde(default)]
+    user: Option<String>,
+}
+
+/// `POST /v1/completions`.
+pub async fn completions(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    let received = Instant::now();
+    let id = super::request_id(&headers);
+    let response = match complete(&state, &headers, body, &id, received).await {
+        Ok(response) => response,
+        Err(error) => error.into_response(),
+    };
+    super::with_request_id(response, &id)
+}
+
+async fn complete(
+    state: &AppState,
+    headers: &HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+    id: &str,
+    received: Instant,
+) -> Result<Response, OpenAiError> {
+    let service = &state.service;
+    let body = body.map_err(|e| OpenAiError {
+        status: e.status(),
+        message: e.body_text(),
+        kind: "invalid_request_error",
+        param: None,
+        retry_after: None,
+        request_id: Some(id.to_string()),
+    })?;
+    let request: CompletionRequest = serde_json::from_slice(&body)
+        .map_err(|e| OpenAiError::invalid(format!("the body is not a completion request: {e}"), None))?;
+    let _ = &request.user;
+    let entry = service.model(&request.model).ok_or_else(|| {
+        let error = RequestError::unknown_model(service, &request.model);
+        OpenAiError {
+            param: Some("model"),
+            ..OpenAiError::from_request(&error, id)
+        }
+    })?;
+    let (Some(layout), Some(tokenizer)) = (entry.decoder, entry.tokenizer.clone()) else {
+        return Err(OpenAiError::invalid(
+            format!(
+                "model `{}` does not generate text (it needs a decoder with past key values and `models[].tokenizer`)",
+                request.model
+            ),
+            Some("model"),
+        ));
+    };
+    let prompt = match &request.prompt {
+        Value::String(text) => text.clone(),
+        Value::Array(items) if items.len() == 1 && items[0].is_string() => {
+            items[0].as_str().unwrap_or_default().to_string()
+        }
+        _ => return Err(OpenAiError::invalid("`prompt` must be one string", Some("prompt"))),
+    };
+    if request.stream == Some(true) {
+        return Err(OpenAiError::invalid(
+            "`stream: true` is not supported yet",
+            Some("stream"),
+        ));
+    }
+    for (given, name) in [
+        (request.n.is_some_and(|n| n != 1), "n"),
+        (request.best_of.is_some_and(|n| n != 1), "best_of"),
+        (request.echo == Some(true), "echo"),
+        (request.logprobs.as_ref().is_some_and(|v| !v.is_null()), "logprobs"),
+        (request.suffix.is_some(), "suffix"),
+    ] {
+        if given {
+            return Err(OpenAiError::invalid(format!("`{name}` is not supported"), None));
+        }
+    }
+    let max_tokens = request.max_tokens.unwrap_or(16);
+    if max_tokens == 0 {
+        return Err(OpenAiError::invalid(
+            "`max_tokens` must be at least 1",
+            Some("max_tokens"),
+        ));
+    }
+    let temperature = request.temperature.unwrap_or(1.0);
+    if !(0.0..=2.0).contains(&temperature) {
+        return Err(OpenAiError::invalid(
+            "`temperature` must be between 0 and 2",
+            Some("temperature"),
+        ));
+    }
+    let top_p = request.top_p.unwrap_or(1.0);
+    if !(top_p > 0.0 && top_p <= 1.0) {
+        return Err(OpenAiError::invalid(
+            "`top_p` must be greater than 0 and at most 1",
+            Some("top_p"),
+        ));
+    }
+    let stop = match request.stop {
+        None => Vec::new(),
+        Some(Stop::One(s)) => vec![s],
+        Some(Stop::Many(v)) if v.len() <= 4 => v,
+        Some(Stop::Many(_)) => return Err(OpenAiError::invalid("`stop` takes at most 4 strings", Some("stop"))),
+    };
+    if stop.iter().any(String::is_empty) {
+        return Err(OpenAiError::invalid("`stop` strings must not be empty", Some("stop")));
+    }
+    let encoding = tokenizer
+        .encode(prompt.as_str(), false)
+        .map_err(|e| OpenAiError::invalid(format!("the prompt cannot be tokenized: {e}"), Some("prompt")))?;
+    let prompt_ids = encoding.get_ids().to_vec();
+    if prompt_ids.is_empty() {
+        return Err(OpenAiError::invalid("`prompt` is empty", Some("prompt")));
+    }
+    let params = Params {
+        max_tokens,
+        temperature,
+        top_p,
+        top_k: request.top_k.unwrap_or(0),
+        // Without a seed, one from the request id: still the same tokens if it is retried.
+        seed: request.seed.unwrap_or_else(|| {
+            id.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+                (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
+            })
+        }),
+        stop,
+    };
+    let base = super::decode_headers(service, &request.model, id, headers, received)
+        .map_err(|e| OpenAiError::from_request(&e, id))?;
+    let generated = generate::generate(service, entry, &layout, &tokenizer, prompt_ids, &params, base)
+        .await
+        .map_err(|refused| {
+            let degraded = service.degraded.now();
+            let mut error = OpenAiError::from_request(&refused.error, id);
+            if let Some(d) = degraded {
+                error.message = format!("{} (degraded: {})", error.message, d.reason);
+            }
+            error
+        })?;
+    let created = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
+    let completion = generated.tokens.len();
+    let mut response = axum::Json(json!({
+        "id": format!("cmpl-{id}"),
+        "object": "text_completion",
+        "created": created,
+        "model": request.model,
+        "choices": [{"text": generated.text, "index": 0, "logprobs": null,
+                     "finish_reason": generated.finish.label()}],
+        "usage": {"prompt_tokens": generated.prompt_tokens, "completion_tokens": completion,
+                  "total_tokens": generated.prompt_tokens + completion},
+    }))
+    .into_response();
+    let out = response.headers_mut();
+    out.insert(
+        HeaderName::from_static(DECISION_HEADER),
+        HeaderValue::from_static(generated.action.label()),
+    );
+    if let Ok(v) = HeaderValue::from_str(generated.pool.name()) {
+        out.insert(HeaderName::from_static(POOL_HEADER), v);
+    }
+    if let Some(v) = service
+        .degraded
+        .now()
+        .and_then(|d| HeaderValue::from_str(&d.reason).ok())
+    {
+        out.insert(HeaderName::from_static(DEGRADED_HEADER), v);
+    }
+    Ok(response)
+}

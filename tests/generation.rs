@@ -1,0 +1,217 @@
+//! Text generation over `/v1/completions` with real ONNX Runtime on the tiny decoder fixture
+//! (`models/decoder/`, Optimum's past-key-values layout, a trained BPE tokenizer): greedy
+//! tokens equal the references computed independently in numpy; the same seeded request gives
+//! the same tokens on the simulated accelerator and on the CPU; an allocator failure before the
+//! first token, or in the middle of a generation, moves it to the CPU pool with the tokens it
+//! would have had; errors come in OpenAI's shape.
+
+mod common;
+
+use common::TestServer;
+use reqwest::StatusCode;
+use serde_json::{Value, json};
+
+const CONFIG: &str = "\
+devices: [{name: gpu0, kind: simulated, capacity: 256MiB}]
+models: [{name: tiny, path: models/decoder/model.onnx, tokenizer: models/decoder/tokenizer.json},
+         {name: encoder, path: 'builtin:encoder'}]
+pools:
+- {name: gpu, provider: simulated, device: gpu0, models: [tiny, encoder], fallback: cpu,
+   breaker: {failures: 100, window: 60s, cooldown: 1h}}
+- {name: cpu, provider: cpu, models: [tiny, encoder]}
+";
+
+fn reference() -> Value {
+    let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/models/decoder/reference.json")).unwrap();
+    serde_json::from_str(&text).unwrap()
+}
+
+fn case(name: &str) -> Value {
+    reference()["cases"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["name"] == name)
+        .unwrap()
+        .clone()
+}
+
+async fn complete(server: &TestServer, body: Value) -> (StatusCode, reqwest::header::HeaderMap, Value) {
+    let response = server.post_json("/v1/completions", &body).await;
+    let status = response.status();
+    let headers = response.headers().clone();
+    (status, headers, response.json().await.unwrap())
+}
+
+/// The tokens of a completion's text, by the fixture's own tokenizer (what a client sees).
+fn greedy_request(name: &str, max_tokens: u64) -> Value {
+    json!({"model": "tiny", "prompt": case(name)["prompt"], "max_tokens": max_tokens, "temperature": 0})
+}
+
+#[tokio::test]
+async fn greedy_completions_match_the_independent_references() {
+    let server = TestServer::start(CONFIG).await;
+    for name in ["short", "long", "chat"] {
+        let expected = case(name);
+        let (status, headers, body) = complete(&server, greedy_request(name, 16)).await;
+        assert_eq!(status, StatusCode::OK, "{name}: {body}");
+        assert_eq!(body["object"], "text_completion");
+        assert_eq!(body["choices"][0]["text"], expected["text"], "{name}: {body}");
+        assert_eq!(body["choices"][0]["finish_reason"], "length");
+        let prompt_tokens = expected["prompt_ids"].as_array().unwrap().len() as u64;
+        assert_eq!(body["usage"]["prompt_tokens"], prompt_tokens);
+        assert_eq!(body["usage"]["completion_tokens"], 16);
+        assert_eq!(headers["x-vramguard-pool"], "gpu");
+    }
+    // A stop string ends the text before it.
+    let stop = case("stop");
+    let mut request = greedy_request("stop", 16);
+    request["stop"] = stop["stop"].clone();
+    let (_, _, body) = complete(&server, request).await;
+    assert_eq!(body["choices"][0]["text"], stop["stop_text"], "{body}");
+    assert_eq!(body["choices"][0]["finish_reason"], "stop");
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn a_seeded_request_gives_the_same_tokens_on_the_accelerator_and_on_the_cpu() {
+    let server = TestServer::start(CONFIG).await;
+    let request = json!({"model": "tiny", "prompt": case("long")["prompt"], "max_tokens": 12,
+                         "temperature": 0.9, "top_p": 0.95, "top_k": 40, "seed": 1234});
+    let (status, headers, on_gpu) = complete(&server, request.clone()).await;
+    assert_eq!(status, StatusCode::OK, "{on_gpu}");
+    assert_eq!(headers["x-vramguard-pool"], "gpu");
+    // The accelerator is reset: the same request runs on the CPU pool.
+    let reset = server
+        .post_json("/admin/sim/gpu0", &json!({"driver_reset": true}))
+        .await;
+    assert_eq!(reset.status(), StatusCode::OK);
+    let (status, headers, on_cpu) = complete(&server, request.clone()).await;
+    assert_eq!(status, StatusCode::OK, "{on_cpu}");
+    assert_eq!(headers["x-vramguard-pool"], "cpu");
+    assert_eq!(on_gpu["choices"][0]["text"], on_cpu["choices"][0]["text"]);
+    // Another seed, another text (the sampler really samples).
+    let mut other = request;
+    other["seed"] = json!(99);
+    let (_, _, different) = complete(&server, other).await;
+    assert_ne!(different["choices"][0]["text"], on_cpu["choices"][0]["text"]);
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn allocator_failures_before_or_during_generation_move_it_to_the_cpu_with_the_same_tokens() {
+    let server = TestServer::start(CONFIG).await;
+    let expected = case("short")["text"].clone();
+    // The prompt's run fails: retried once on the CPU pool.
+    let injected = server.post_json("/admin/sim/gpu0", &json!({"fail_next": 1})).await;
+    assert_eq!(injected.status(), StatusCode::OK);
+    let (status, headers, body) = complete(&server, greedy_request("short", 16)).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert_eq!(headers["x-vramguard-pool"], "cpu");
+    assert_eq!(headers["x-vramguard-decision"], "redirect");
+    assert_eq!(body["choices"][0]["text"], expected);
+
+    // The 6th run fails: the prompt's run and four tokens' runs pass on the accelerator, then
+    // that step and the rest move to the CPU pool, with the same tokens.
+    let injected = server
+        .post_json("/admin/sim/gpu0", &json!({"pass_first": 5, "fail_next": 1}))
+        .await;
+    assert_eq!(injected.status(), StatusCode::OK);
+    let state: Value = injected.json().await.unwrap();
+    assert_eq!(
+        (state["pass_first"].as_u64(), state["fail_next"].as_u64()),
+        (Some(5), Some(1))
+    );
+    let (status, headers, body) = complete(&server, greedy_request("short", 16)).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert_eq!(headers["x-vramguard-pool"], "cpu", "it ended on the fallback");
+    assert_eq!(body["choices"][0]["text"], expected, "the tokens it would have had");
+    let metrics = server.metrics().await;
+    let failovers: f64 = metrics
+        .lines()
+        .filter(|l| l.starts_with("vramguard_failovers_total{from=\"gpu\",to=\"cpu\",reason=\"oom_retry\"}"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum();
+    assert_eq!(
+        failovers, 2.0,
+        "one before the first token, one in the middle: {metrics}"
+    );
+    // Counted once each, as requests that succeeded.
+    let ok: f64 = metrics
+        .lines()
+        .filter(|l| l.starts_with("vramguard_requests_total{model=\"tiny\"") && l.contains("outcome=\"ok\""))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum();
+    assert_eq!(ok, 2.0, "{metrics}");
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn models_are_listed_and_errors_come_in_openais_shape() {
+    let server = TestServer::start(CONFIG).await;
+    let models: Value = reqwest::get(server.url("/v1/models"))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(models["object"], "list");
+    let ids: Vec<&str> = models["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids, ["tiny"], "only models that generate text");
+
+    for (body, status, param) in [
+        (
+            json!({"model": "nope", "prompt": "x"}),
+            StatusCode::NOT_FOUND,
+            json!("model"),
+        ),
+        (
+            json!({"model": "encoder", "prompt": "x"}),
+            StatusCode::BAD_REQUEST,
+            json!("model"),
+        ),
+        (
+            json!({"model": "tiny", "prompt": "x", "stream": true}),
+            StatusCode::BAD_REQUEST,
+            json!("stream"),
+        ),
+        (
+            json!({"model": "tiny", "prompt": "x", "temperature": 3}),
+            StatusCode::BAD_REQUEST,
+            json!("temperature"),
+        ),
+        (
+            json!({"model": "tiny", "prompt": 5}),
+            StatusCode::BAD_REQUEST,
+            json!("prompt"),
+        ),
+    ] {
+        let (got, _, error) = complete(&server, body.clone()).await;
+        assert_eq!(got, status, "{body}: {error}");
+        assert!(
+            error["error"]["message"].as_str().is_some_and(|m| !m.is_empty()),
+            "{error}"
+        );
+        assert!(error["error"]["type"].is_string(), "{error}");
+        assert_eq!(error["error"]["param"], param, "{error}");
+    }
+    // The decoder's estimate comes from its graph's KV cache.
+    let metadata: Value = reqwest::get(server.url("/v2/models/tiny"))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let profile = &metadata["parameters"]["memory_profile"];
+    assert_eq!(profile["source"], "kv_cache", "{metadata}");
+    assert_eq!(
+        profile["kv_bytes_per_token"],
+        reference()["model"]["kv_bytes_per_token"]
+    );
+    server.stop().await;
+}
