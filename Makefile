@@ -12,18 +12,19 @@ PYTHON      ?= python3
 CARGO       ?= cargo
 SUDO        := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 APT_STAMP   := .deps/.apt-updated
-PYCLIENTS   := .deps/pyclients/.installed
+PYCLIENTS   := .deps/pyclients/.installed-2
+MODELGEN    := .deps/modelgen/.installed
 SYSTEMD_UNIT := deploy/systemd/vramguard.service
 # The most `systemd-analyze security` exposure the unit may have, in tenths (20: 2.0 of 10), so
 # removing a hardening directive fails the check.
 SYSTEMD_EXPOSURE_MAX := 20
 
-.PHONY: run test deps tools systemd-tools build release check-fmt clippy unit policy-tests client-compat alert-tests dashboard-check systemd-check bench bench-tools clean-deps
+.PHONY: run test deps tools systemd-tools build release check-fmt clippy unit policy-tests model-check client-compat alert-tests dashboard-check systemd-check bench bench-tools clean-deps
 
 run: deps release
 	./target/release/vramguard serve $(ARGS)
 
-test: deps tools check-fmt clippy unit policy-tests client-compat alert-tests dashboard-check systemd-check
+test: deps tools check-fmt clippy unit policy-tests model-check client-compat alert-tests dashboard-check systemd-check
 	@echo "make test: all checks passed"
 
 deps: $(ORT_LIB)
@@ -62,9 +63,10 @@ systemd-tools:
 		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends systemd >/dev/null; }
 	@systemd-analyze --version | head -1
 
-# Triton's stock HTTP client, for the protocol compatibility check (never imported by vramguard).
+# Triton's stock HTTP client and OpenAI's Python client, for the protocol compatibility checks
+# (never imported by vramguard).
 $(PYCLIENTS):
-	$(PYTHON) -m pip install --quiet --disable-pip-version-check --target .deps/pyclients 'tritonclient[http]==2.73.0' numpy
+	$(PYTHON) -m pip install --quiet --disable-pip-version-check --target .deps/pyclients 'tritonclient[http]==2.73.0' numpy openai==3.57.0
 	@touch $@
 
 build:
@@ -88,9 +90,20 @@ policy-tests:
 	./target/debug/vramguard policy check policies/*.rhai
 	./target/debug/vramguard policy test policies/tests
 
+# The bundled models and the decoder fixture are what their generators make, byte for byte, and
+# ONNX Runtime agrees with the generators' independent numpy references.
+$(MODELGEN):
+	$(PYTHON) -m pip install --quiet --disable-pip-version-check --target .deps/modelgen numpy==2.4.6 onnx==1.23.2 tokenizers==0.23.2
+	@touch $@
+
+model-check: deps $(MODELGEN)
+	PYTHONPATH=.deps/modelgen $(PYTHON) models/generate.py --check
+	PYTHONPATH=.deps/modelgen $(PYTHON) models/generate_decoder.py --check
+
 client-compat: $(PYCLIENTS)
 	$(CARGO) build
 	$(PYTHON) tests/clients/triton_http.py target/debug/vramguard
+	$(PYTHON) tests/clients/openai_client.py target/debug/vramguard
 
 # Rules parse and behave (promtool); the example routing parses and pages on degraded mode and a
 # down vramguard, while a warning goes to chat (amtool exits non-zero on another receiver).

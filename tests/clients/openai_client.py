@@ -1,0 +1,129 @@
+#!/usr/bin/env python3
+"""Compatibility check with OpenAI's own Python client (the `openai` package), unchanged.
+
+Starts `vramguard serve` (path in argv[1]) with the decoder fixture (models/decoder/) at
+127.0.0.1:0, then drives it with the stock client: model listing, a greedy completion whose
+text must equal the fixture's reference (computed without ONNX Runtime), seeded sampling that
+repeats, and errors surfaced as the client's own exception types.
+
+Run by `make test` (which installs openai into .deps/pyclients); prints 'N passed, N failed'
+and exits non-zero on any failure.
+"""
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import traceback
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, ".deps", "pyclients"))
+
+import openai  # noqa: E402
+
+CONFIG = """
+server: {admin_socket: 'off'}
+models:
+  - {name: tiny, path: %(root)s/models/decoder/model.onnx, tokenizer: %(root)s/models/decoder/tokenizer.json}
+pools:
+  - {name: cpu, provider: cpu, models: [tiny]}
+"""
+
+
+def start(binary, config):
+    proc = subprocess.Popen(
+        [binary, "--log-format", "json", "serve", "--config", config, "--listen", "127.0.0.1:0"],
+        stderr=subprocess.PIPE, text=True, cwd=ROOT,
+    )
+    for line in proc.stderr:
+        try:
+            log = json.loads(line)
+        except ValueError:
+            continue
+        if log.get("message") == "vramguard serving":
+            return proc, log["address"]
+    raise RuntimeError("vramguard exited before serving")
+
+
+def main():
+    with tempfile.TemporaryDirectory() as tmp:
+        config = os.path.join(tmp, "openai.yaml")
+        with open(config, "w") as f:
+            f.write(CONFIG % {"root": ROOT})
+        proc, address = start(sys.argv[1], config)
+        try:
+            return run(address)
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+
+
+def run(address):
+    client = openai.OpenAI(base_url=f"http://{address}/v1", api_key="unused", max_retries=0, timeout=60)
+    ref = json.load(open(os.path.join(ROOT, "models", "decoder", "reference.json")))
+    cases = {c["name"]: c for c in ref["cases"]}
+    checks = []
+
+    def check(name):
+        def wrap(fn):
+            checks.append((name, fn))
+            return fn
+        return wrap
+
+    @check("models.list names the decoder")
+    def _():
+        assert [m.id for m in client.models.list()] == ["tiny"]
+
+    @check("a greedy completion equals the reference")
+    def _():
+        for name in ("short", "chat"):
+            case = cases[name]
+            done = client.completions.create(model="tiny", prompt=case["prompt"], max_tokens=16, temperature=0)
+            assert done.choices[0].text == case["text"], (name, done.choices[0].text)
+            assert done.choices[0].finish_reason == "length"
+            assert done.usage.prompt_tokens == len(case["prompt_ids"])
+            assert done.usage.completion_tokens == 16
+
+    @check("stop strings end the text")
+    def _():
+        case = cases["stop"]
+        done = client.completions.create(model="tiny", prompt=case["prompt"], max_tokens=16, temperature=0,
+                                         stop=case["stop"])
+        assert done.choices[0].text == case["stop_text"], done.choices[0].text
+        assert done.choices[0].finish_reason == "stop"
+
+    @check("the same seed gives the same text")
+    def _():
+        ask = lambda seed: client.completions.create(model="tiny", prompt="The GPU", max_tokens=12,
+                                                      temperature=0.9, seed=seed).choices[0].text
+        assert ask(5) == ask(5)
+
+    @check("errors are the client's exception types")
+    def _():
+        try:
+            client.completions.create(model="nope", prompt="x")
+            raise AssertionError("an unknown model was accepted")
+        except openai.NotFoundError as e:
+            assert "nope" in e.message, e.message
+        try:
+            client.completions.create(model="tiny", prompt="x", temperature=5)
+            raise AssertionError("temperature 5 was accepted")
+        except openai.BadRequestError as e:
+            assert e.body["param"] == "temperature", e.body
+
+    passed = failed = 0
+    for name, fn in checks:
+        try:
+            fn()
+            print(f"PASS {name}")
+            passed += 1
+        except Exception:
+            print(f"FAIL {name}")
+            traceback.print_exc()
+            failed += 1
+    print(f"{passed} passed, {failed} failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
