@@ -215,3 +215,17 @@ async fn models_are_listed_and_errors_come_in_openais_shape() {
     );
     server.stop().await;
 }
+
+#[tokio::test]
+async fn running_past_the_models_positions_is_the_clients_error_not_a_500() {
+    let server = TestServer::start(CONFIG).await;
+    // Four times a 140-token prompt is past the fixture's 512 positions.
+    let prompt = case("long")["prompt"].as_str().unwrap().repeat(4);
+    let request = json!({"model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0});
+    let (status, _, error) = complete(&server, request).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{error}");
+    assert_eq!(error["error"]["type"], "invalid_request_error", "{error}");
+    let metrics = server.metrics().await;
+    assert!(!metrics.contains("outcome=\"failed\""), "{metrics}");
+    server.stop().await;
+}

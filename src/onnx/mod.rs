@@ -229,6 +229,8 @@ pub fn classify(message: &str) -> BackendError {
         "cannot be reshaped",
         "Invalid input shape",
         "Attempting to broadcast an axis by a dimension other than 1",
+        // A position past what the model embeds (a prompt plus max_tokens too long for it).
+        "out of data bounds",
     ];
     let message = message.to_string();
     if message.contains("terminate flag") {
