@@ -279,6 +279,16 @@ async fn run(
         )
     };
     let (mut logits, mut cache) = read_outputs(outputs).map_err(|e| internal(&pool, e))?;
+    let labels = |pool: &Pool| crate::metrics::ModelPoolLabels {
+        model: entry.config.name.clone(),
+        pool: pool.name().to_string(),
+    };
+    let metrics = &service.metrics;
+    metrics
+        .time_to_first_token
+        .get_or_create(&labels(&pool))
+        .observe(template.received.elapsed().as_secs_f64());
+    let mut last_token = tokio::time::Instant::now();
     let mut rng = Rng::new(params.seed);
     let mut tokens: Vec<u32> = Vec::new();
     let estimate = entry
@@ -310,7 +320,16 @@ async fn run(
             pool = ran_on;
         }
         (logits, cache) = read_outputs(outputs).map_err(|e| internal(&pool, e))?;
+        metrics
+            .inter_token
+            .get_or_create(&labels(&pool))
+            .observe(last_token.elapsed().as_secs_f64());
+        last_token = tokio::time::Instant::now();
     };
+    metrics
+        .generated_tokens
+        .get_or_create(&labels(&pool))
+        .inc_by(tokens.len() as u64);
     let mut text = tokenizer
         .decode(&tokens, true)
         .map_err(|e| internal(&pool, format!("cannot decode the tokens: {e}")))?;

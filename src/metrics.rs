@@ -169,6 +169,12 @@ pub struct Metrics {
     pub requests: Family<RequestLabels, Counter>,
     /// `vramguard_request_duration_seconds`
     pub request_duration: Family<ModelPoolLabels, Histogram>,
+    /// `vramguard_generated_tokens_total`
+    pub generated_tokens: Family<ModelPoolLabels, Counter>,
+    /// `vramguard_time_to_first_token_seconds`
+    pub time_to_first_token: Family<ModelPoolLabels, Histogram>,
+    /// `vramguard_inter_token_seconds`
+    pub inter_token: Family<ModelPoolLabels, Histogram>,
     /// `vramguard_allocator_failures_total`
     pub allocator_failures: Family<AllocFailureLabels, Counter>,
     /// `vramguard_queue_wait_seconds`
@@ -277,6 +283,10 @@ impl Metrics {
             build_info: Family::default(),
             requests: Family::default(),
             request_duration: Family::new_with_constructor(latency_histogram),
+            generated_tokens: Family::default(),
+            time_to_first_token: Family::new_with_constructor(latency_histogram),
+            // 100µs .. ~6.5s: a token on a GPU takes milliseconds, on a CPU fallback much longer.
+            inter_token: Family::new_with_constructor(|| Histogram::new(exponential_buckets(0.0001, 2.0, 17))),
             allocator_failures: Family::default(),
             queue_wait: Family::new_with_constructor(latency_histogram),
             exporter_sample_duration: Family::new_with_constructor(sample_histogram),
@@ -349,6 +359,23 @@ impl Metrics {
             "Time from accepting an inference request to its response",
             Unit::Seconds,
             metrics.request_duration.clone(),
+        );
+        registry.register(
+            "generated_tokens",
+            "Tokens generated, by model and the pool that ran the last of a request's runs",
+            metrics.generated_tokens.clone(),
+        );
+        registry.register_with_unit(
+            "time_to_first_token",
+            "Time from accepting a generation request to its first token",
+            Unit::Seconds,
+            metrics.time_to_first_token.clone(),
+        );
+        registry.register_with_unit(
+            "inter_token",
+            "Time between consecutive tokens of a generation",
+            Unit::Seconds,
+            metrics.inter_token.clone(),
         );
         registry.register(
             "allocator_failures",

@@ -70,6 +70,16 @@ async fn greedy_completions_match_the_independent_references() {
     let (_, _, body) = complete(&server, request).await;
     assert_eq!(body["choices"][0]["text"], stop["stop_text"], "{body}");
     assert_eq!(body["choices"][0]["finish_reason"], "stop");
+    // 3 × 16 tokens and the 14 before the stop string; one first token per request, and a
+    // gap between each of the others.
+    let metrics = server.metrics().await;
+    for line in [
+        "vramguard_generated_tokens_total{model=\"tiny\",pool=\"gpu\"} 62",
+        "vramguard_time_to_first_token_seconds_count{model=\"tiny\",pool=\"gpu\"} 4",
+        "vramguard_inter_token_seconds_count{model=\"tiny\",pool=\"gpu\"} 58",
+    ] {
+        assert!(metrics.contains(line), "{line} missing: {metrics}");
+    }
     server.stop().await;
 }
 
