@@ -16,6 +16,9 @@ use crate::service::{ModelEntry, Service};
 use crate::snapshot::Action;
 use crate::tensor::{DataType, Tensor, TensorData};
 
+/// Where a streamed generation sends each token as it is picked.
+pub type Sink = tokio::sync::mpsc::Sender<u32>;
+
 /// How to pick tokens and when to stop.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Params {
@@ -217,12 +220,22 @@ fn read_outputs(outputs: Vec<Tensor>) -> Result<(Vec<f32>, Vec<Tensor>), String>
 pub async fn generate(
     service: &Service,
     entry: &ModelEntry,
-    layout: &DecoderLayout,
-    tokenizer: &tokenizers::Tokenizer,
     prompt: Vec<u32>,
     params: &Params,
     mut request: Request,
+    sink: Option<Sink>,
 ) -> Result<Generated, Refused> {
+    let (Some(layout), Some(tokenizer)) = (&entry.decoder, &entry.tokenizer) else {
+        return Err(lifecycle::reject(
+            service,
+            &entry.config.name,
+            RequestError::BadInput(format!(
+                "model `{}` does not generate text (it needs a decoder with past key values and `models[].tokenizer`)",
+                entry.config.name
+            )),
+            request.received,
+        ));
+    };
     let prompt_tokens = prompt.len();
     let eos = ["<|endoftext|>", "</s>", "<eos>"]
         .iter()
@@ -233,7 +246,18 @@ pub async fn generate(
     let model = request.model.clone();
     let received = request.received;
     lifecycle::counted(service, &model, received, async move {
-        let generated = run(service, entry, layout, tokenizer, prompt_tokens, eos, params, request).await?;
+        let generated = run(
+            service,
+            entry,
+            layout,
+            tokenizer,
+            prompt_tokens,
+            eos,
+            params,
+            request,
+            sink,
+        )
+        .await?;
         let pool = Arc::clone(&generated.pool);
         Ok((generated, pool))
     })
@@ -251,6 +275,7 @@ async fn run(
     eos: Option<u32>,
     params: &Params,
     request: Request,
+    sink: Option<Sink>,
 ) -> Result<Generated, Refused> {
     let template = Request {
         inputs: Vec::new(),
@@ -301,6 +326,12 @@ async fn run(
             break Finish::Stop;
         }
         tokens.push(next);
+        if let Some(sink) = &sink
+            && sink.send(next).await.is_err()
+        {
+            // The stream's reader is gone: stop here; the KV cache goes with this future.
+            return Err(failed(&pool, RequestError::ClientGone));
+        }
         if !params.stop.is_empty() {
             let text = tokenizer.decode(&tokens, true).unwrap_or_default();
             if params.stop.iter().any(|s| text.contains(s.as_str())) {

@@ -230,6 +230,10 @@ pub enum RequestError {
         /// Why it was not retried on the fallback pool, when one is configured.
         not_retried: Option<NotRetried>,
     },
+    /// The client went away in the middle of work made of several runs (a streamed
+    /// generation): the rest is not run. Nobody reads the answer; 499 as nginx logs it.
+    #[error("the client went away")]
+    ClientGone,
     /// The run failed on the server's side; the log has the details.
     #[error("inference failed on pool `{pool}`; the server log has the details")]
     Failed {
@@ -278,6 +282,7 @@ impl RequestError {
             RequestError::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             RequestError::DeferredTooLong { .. } => StatusCode::TOO_MANY_REQUESTS,
             RequestError::Deadline(_) => StatusCode::GATEWAY_TIMEOUT,
+            RequestError::ClientGone => StatusCode::from_u16(499).expect("499 is a valid status code"),
             RequestError::Failed { .. } => StatusCode::INTERNAL_SERVER_ERROR,
             RequestError::NoPool { .. }
             | RequestError::Refused { .. }
@@ -298,7 +303,7 @@ impl RequestError {
                 Outcome::client_error
             }
             RequestError::DeferredTooLong { .. } | RequestError::QueueTimeout { .. } => Outcome::deferred_timeout,
-            RequestError::Deadline(_) => Outcome::cancelled,
+            RequestError::Deadline(_) | RequestError::ClientGone => Outcome::cancelled,
             RequestError::Failed { .. } => Outcome::failed,
             RequestError::NoPool { .. }
             | RequestError::Refused { .. }
@@ -328,6 +333,7 @@ impl RequestError {
             | RequestError::BadInput(_)
             | RequestError::BodyTooLarge { .. }
             | RequestError::Deadline(_)
+            | RequestError::ClientGone
             | RequestError::Failed { .. } => return None,
         };
         Some(after.as_secs().max(1))

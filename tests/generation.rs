@@ -186,9 +186,9 @@ async fn models_are_listed_and_errors_come_in_openais_shape() {
             json!("model"),
         ),
         (
-            json!({"model": "tiny", "prompt": "x", "stream": true}),
+            json!({"model": "tiny", "prompt": "x", "n": 2}),
             StatusCode::BAD_REQUEST,
-            json!("stream"),
+            json!(null),
         ),
         (
             json!({"model": "tiny", "prompt": "x", "temperature": 3}),
@@ -237,5 +237,131 @@ async fn running_past_the_models_positions_is_the_clients_error_not_a_500() {
     assert_eq!(error["error"]["type"], "invalid_request_error", "{error}");
     let metrics = server.metrics().await;
     assert!(!metrics.contains("outcome=\"failed\""), "{metrics}");
+    server.stop().await;
+}
+
+/// The `data:` payloads of a server-sent event stream, up to `[DONE]`.
+async fn events(response: reqwest::Response) -> Vec<Value> {
+    assert_eq!(response.headers()["content-type"], "text/event-stream");
+    let text = response.text().await.unwrap();
+    let mut out = Vec::new();
+    for block in text.split("\n\n").filter(|b| !b.trim().is_empty()) {
+        let data = block
+            .strip_prefix("data: ")
+            .unwrap_or_else(|| panic!("not an SSE data event: {block:?}"));
+        if data == "[DONE]" {
+            return out;
+        }
+        out.push(serde_json::from_str(data).unwrap());
+    }
+    panic!("the stream did not end with [DONE]: {text}");
+}
+
+#[tokio::test]
+async fn a_streamed_completion_sends_the_same_text_in_pieces_and_usage_at_the_end() {
+    let server = TestServer::start(CONFIG).await;
+    let mut request = greedy_request("short", 16);
+    request["stream"] = json!(true);
+    let chunks = events(server.post_json("/v1/completions", &request).await).await;
+    assert!(chunks.len() >= 4, "{chunks:?}");
+    let text: String = chunks
+        .iter()
+        .map(|c| c["choices"][0]["text"].as_str().unwrap())
+        .collect();
+    assert_eq!(text, case("short")["text"].as_str().unwrap());
+    let last = chunks.last().unwrap();
+    assert_eq!(last["choices"][0]["finish_reason"], "length");
+    assert_eq!(last["usage"]["completion_tokens"], 16);
+    assert!(
+        chunks[..chunks.len() - 1]
+            .iter()
+            .all(|c| c["choices"][0]["finish_reason"].is_null())
+    );
+
+    // A stop string never leaks into the stream, not even in part.
+    let stop = case("stop");
+    let mut request = greedy_request("stop", 16);
+    request["stream"] = json!(true);
+    request["stop"] = stop["stop"].clone();
+    let chunks = events(server.post_json("/v1/completions", &request).await).await;
+    let text: String = chunks
+        .iter()
+        .map(|c| c["choices"][0]["text"].as_str().unwrap())
+        .collect();
+    assert_eq!(text, stop["stop_text"].as_str().unwrap());
+    assert_eq!(chunks.last().unwrap()["choices"][0]["finish_reason"], "stop");
+
+    // Refused before the first token: an ordinary error response, not a stream.
+    let mut unknown = request.clone();
+    unknown["model"] = json!("nope");
+    let response = server.post_json("/v1/completions", &unknown).await;
+    assert_eq!(response.status(), StatusCode::NOT_FOUND);
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn a_failure_after_tokens_were_streamed_ends_with_an_error_event_not_a_replay() {
+    let server = TestServer::start(CONFIG).await;
+    // Non-replayable: its runs are never moved; the 6th run fails after 5 tokens were sent.
+    let injected = server
+        .post_json("/admin/sim/gpu0", &json!({"pass_first": 5, "fail_next": 1}))
+        .await;
+    assert_eq!(injected.status(), StatusCode::OK);
+    let mut request = greedy_request("short", 16);
+    request["stream"] = json!(true);
+    let response = reqwest::Client::new()
+        .post(server.url("/v1/completions"))
+        .header("x-request-id", "stream-1")
+        .header("x-vramguard-replayable", "false")
+        .json(&request)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(
+        response.status(),
+        StatusCode::OK,
+        "the stream had started: {:?}",
+        response.text().await
+    );
+    let chunks = events(response).await;
+    let error = &chunks.last().unwrap()["error"];
+    assert_eq!(error["request_id"], "stream-1", "{chunks:?}");
+    assert_eq!(error["tokens_sent"], 5, "{chunks:?}");
+    assert!(
+        error["resume"].as_str().unwrap().contains("text received so far"),
+        "{error}"
+    );
+    let text: String = chunks[..chunks.len() - 1]
+        .iter()
+        .map(|c| c["choices"][0]["text"].as_str().unwrap())
+        .collect();
+    assert!(case("short")["text"].as_str().unwrap().starts_with(&text), "{text:?}");
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn a_reader_that_goes_away_stops_the_generation_and_it_counts_as_cancelled() {
+    let server = TestServer::start(CONFIG).await;
+    // Greedy from this prompt, the end-of-text token comes after 188 tokens: long after the
+    // reader has gone.
+    let request = json!({"model": "tiny", "prompt": case("long")["prompt"], "max_tokens": 300,
+                         "temperature": 0, "stream": true});
+    let mut response = server.post_json("/v1/completions", &request).await;
+    assert_eq!(response.status(), StatusCode::OK);
+    let first = response.chunk().await.unwrap().unwrap();
+    assert!(first.starts_with(b"data: "));
+    drop(response);
+    let mut metrics = server.metrics().await;
+    for _ in 0..100 {
+        if metrics.contains("vramguard_requests_total{model=\"tiny\",pool=\"gpu\",outcome=\"cancelled\"} 1") {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        metrics = server.metrics().await;
+    }
+    assert!(
+        metrics.contains("vramguard_requests_total{model=\"tiny\",pool=\"gpu\",outcome=\"cancelled\"} 1"),
+        "{metrics}"
+    );
     server.stop().await;
 }

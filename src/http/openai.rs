@@ -2,8 +2,10 @@
 //! errors in OpenAI's shape (`{"error": {"message", "type", "param", "code"}}`), so clients
 //! built on the `openai` package work unchanged. Generation itself is [`crate::generate`].
 //!
-//! Not yet: `stream: true` and `/v1/chat/completions` (refused with a clear error rather than
-//! answered wrongly).
+//! `stream: true` answers with server-sent events: one chunk per piece of text, the last with
+//! `finish_reason` and `usage`, then `data: [DONE]`. An error before the first token is an
+//! ordinary error response; after it, a final `error` event with the request id, the tokens
+//! already sent and how to resume, never a silent replay. Not yet: `/v1/chat/completions`.
 
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -172,7 +174,7 @@ async fn complete(
             ..OpenAiError::from_request(&error, id)
         }
     })?;
-    let (Some(layout), Some(tokenizer)) = (entry.decoder, entry.tokenizer.clone()) else {
+    let (Some(_), Some(tokenizer)) = (entry.decoder, entry.tokenizer.clone()) else {
         return Err(OpenAiError::invalid(
             format!(
                 "model `{}` does not generate text (it needs a decoder with past key values and `models[].tokenizer`)",
@@ -188,12 +190,7 @@ async fn complete(
         }
         _ => return Err(OpenAiError::invalid("`prompt` must be one string", Some("prompt"))),
     };
-    if request.stream == Some(true) {
-        return Err(OpenAiError::invalid(
-            "`stream: true` is not supported yet",
-            Some("stream"),
-        ));
-    }
+    let stream = request.stream == Some(true);
     for (given, name) in [
         (request.n.is_some_and(|n| n != 1), "n"),
         (request.best_of.is_some_and(|n| n != 1), "best_of"),
@@ -257,7 +254,10 @@ async fn complete(
     };
     let base = super::decode_headers(service, &request.model, id, headers, received)
         .map_err(|e| OpenAiError::from_request(&e, id))?;
-    let generated = generate::generate(service, entry, &layout, &tokenizer, prompt_ids, &params, base)
+    if stream {
+        return streamed(state, &request.model, id, prompt_ids, params, base).await;
+    }
+    let generated = generate::generate(service, entry, prompt_ids, &params, base, None)
         .await
         .map_err(|refused| {
             let degraded = service.degraded.now();
@@ -299,4 +299,219 @@ async fn complete(
         out.insert(HeaderName::from_static(DEGRADED_HEADER), v);
     }
     Ok(response)
+}
+
+/// One server-sent event carrying `value` as JSON.
+fn event(value: &Value) -> Bytes {
+    Bytes::from(format!("data: {value}\n\n"))
+}
+
+/// Text that can be sent now: all of `text` but an unfinished UTF-8 sequence at its end and
+/// any tail that could still become one of the stop strings.
+fn sendable<'a>(text: &'a str, stop: &[String]) -> &'a str {
+    let mut end = text.trim_end_matches('\u{FFFD}').len();
+    // Nothing from a stop string on: the text ends before it.
+    if let Some(at) = stop.iter().filter_map(|s| text.find(s.as_str())).min() {
+        end = end.min(at);
+    }
+    for s in stop {
+        // The longest end of the text that is a beginning of the stop string waits.
+        for k in (1..s.len().min(end + 1)).rev() {
+            if text.is_char_boundary(end - k) && s.starts_with(&text[end - k..end]) {
+                end -= k;
+                break;
+            }
+        }
+    }
+    &text[..end]
+}
+
+/// A generation running in its own task: its tokens as they come, and its end.
+type Running = (
+    tokio::sync::mpsc::Receiver<u32>,
+    tokio::task::JoinHandle<Result<generate::Generated, crate::lifecycle::Refused>>,
+);
+
+/// `stream: true`: run the prompt first, so a refusal before the first token is an ordinary
+/// error response; then stream each piece of text as it is generated. A reader that goes away
+/// drops the stream and with it the channel: the generation stops at its next token and is
+/// counted `cancelled`.
+async fn streamed(
+    state: &AppState,
+    model: &str,
+    id: &str,
+    prompt: Vec<u32>,
+    params: Params,
+    base: crate::lifecycle::Request,
+) -> Result<Response, OpenAiError> {
+    let service = Arc::clone(&state.service);
+    let (tx, mut rx) = tokio::sync::mpsc::channel::<u32>(64);
+    let task = tokio::spawn({
+        let service = Arc::clone(&service);
+        let model = model.to_string();
+        let params = params.clone();
+        async move {
+            let entry = service.model(&model).expect("checked before");
+            generate::generate(&service, entry, prompt, &params, base, Some(tx)).await
+        }
+    });
+    let stream = Stream {
+        tokens: Vec::new(),
+        sent: 0,
+        running: None,
+        finished: None,
+        done: false,
+        params,
+        id: id.to_string(),
+        model: model.to_string(),
+        created: SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.as_secs())
+            .unwrap_or(0),
+        service,
+    };
+    // Until the first token, a failure is an ordinary error response. The channel closes
+    // without a token only when the generation ended before sending one.
+    match rx.recv().await {
+        Some(first) => Ok(sse(Stream {
+            tokens: vec![first],
+            running: Some((rx, task)),
+            ..stream
+        })),
+        None => match task.await {
+            Ok(Err(refused)) => Err(OpenAiError::from_request(&refused.error, id)),
+            // Ended before any token (the end-of-text token came first): only the last chunk.
+            Ok(Ok(generated)) => Ok(sse(Stream {
+                finished: Some(Ok(generated)),
+                ..stream
+            })),
+            Err(e) => Err(OpenAiError {
+                status: StatusCode::INTERNAL_SERVER_ERROR,
+                message: format!("the generation task failed: {e}"),
+                kind: "server_error",
+                param: None,
+                retry_after: None,
+                request_id: Some(id.to_string()),
+            }),
+        },
+    }
+}
+
+/// The state of a streamed completion.
+struct Stream {
+    tokens: Vec<u32>,
+    /// Bytes of text already sent.
+    sent: usize,
+    running: Option<Running>,
+    finished: Option<Result<generate::Generated, crate::lifecycle::Refused>>,
+    done: bool,
+    params: Params,
+    id: String,
+    model: String,
+    created: u64,
+    service: Arc<crate::service::Service>,
+}
+
+impl Stream {
+    fn chunk(&self, text: &str, finish: Option<&str>, usage: Option<Value>) -> Bytes {
+        let mut value = json!({
+            "id": format!("cmpl-{}", self.id), "object": "text_completion", "created": self.created,
+            "model": self.model,
+            "choices": [{"text": text, "index": 0, "logprobs": null, "finish_reason": finish}],
+        });
+        if let Some(usage) = usage {
+            value["usage"] = usage;
+        }
+        event(&value)
+    }
+
+    /// The next bytes to send, or `None` when the stream is over.
+    async fn next(&mut self) -> Option<Bytes> {
+        if self.done {
+            return None;
+        }
+        let tokenizer = self.service.model(&self.model)?.tokenizer.clone()?;
+        loop {
+            if self.finished.is_none() {
+                let text = tokenizer.decode(&self.tokens, true).unwrap_or_default();
+                let ready = sendable(&text, &self.params.stop);
+                if ready.len() > self.sent {
+                    let piece = ready[self.sent..].to_string();
+                    self.sent = ready.len();
+                    return Some(self.chunk(&piece, None, None));
+                }
+            }
+            if let Some(result) = self.finished.take() {
+                self.done = true;
+                let mut out = match result {
+                    Ok(generated) => {
+                        let rest = generated.text.get(self.sent..).unwrap_or_default().to_string();
+                        let usage = json!({"prompt_tokens": generated.prompt_tokens,
+                                           "completion_tokens": generated.tokens.len(),
+                                           "total_tokens": generated.prompt_tokens + generated.tokens.len()});
+                        self.chunk(&rest, Some(generated.finish.label()), Some(usage)).to_vec()
+                    }
+                    Err(refused) => {
+                        let error = OpenAiError::from_request(&refused.error, &self.id);
+                        event(&json!({"error": {
+                            "message": format!("{}; {} tokens had been sent, and nothing was replayed", error.message, self.tokens.len()),
+                            "type": error.kind, "param": null, "code": null,
+                            "request_id": self.id,
+                            "tokens_sent": self.tokens.len(),
+                            "resume": "send the prompt followed by the text received so far, with max_tokens reduced by tokens_sent",
+                        }}))
+                        .to_vec()
+                    }
+                };
+                out.extend_from_slice(b"data: [DONE]\n\n");
+                return Some(Bytes::from(out));
+            }
+            let (rx, task) = self.running.as_mut()?;
+            match rx.recv().await {
+                Some(token) => self.tokens.push(token),
+                None => {
+                    let result = match task.await {
+                        Ok(result) => result,
+                        Err(e) => {
+                            tracing::warn!(request_id = %self.id, error = %e, "the generation task failed");
+                            Err(crate::lifecycle::Refused {
+                                pool: None,
+                                error: RequestError::Failed { pool: String::new() },
+                            })
+                        }
+                    };
+                    self.finished = Some(result);
+                    self.running = None;
+                }
+            }
+        }
+    }
+}
+
+fn sse(stream: Stream) -> Response {
+    let body = futures_util::stream::unfold(stream, |mut stream| async move {
+        let bytes = stream.next().await?;
+        Some((Ok::<_, std::convert::Infallible>(bytes), stream))
+    });
+    let mut response = axum::body::Body::from_stream(body).into_response();
+    let headers = response.headers_mut();
+    headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
+    headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+    response
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn text_that_may_become_a_stop_string_or_is_an_unfinished_character_waits() {
+        let stop = vec![" GPU".to_string()];
+        assert_eq!(sendable("hello", &stop), "hello");
+        assert_eq!(sendable("hello G", &stop), "hello");
+        assert_eq!(sendable("hello GP", &stop), "hello");
+        assert_eq!(sendable("hello Gx", &stop), "hello Gx");
+        assert_eq!(sendable("hello GPUs", &stop), "hello");
+        assert_eq!(sendable("caf\u{FFFD}", &[]), "caf");
+    }
 }

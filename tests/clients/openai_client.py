@@ -98,6 +98,19 @@ def run(address):
                                                       temperature=0.9, seed=seed).choices[0].text
         assert ask(5) == ask(5)
 
+    @check("a streamed completion sends the same text in pieces")
+    def _():
+        case = cases["short"]
+        pieces = []
+        finish = None
+        for chunk in client.completions.create(model="tiny", prompt=case["prompt"], max_tokens=16,
+                                               temperature=0, stream=True):
+            pieces.append(chunk.choices[0].text)
+            finish = chunk.choices[0].finish_reason or finish
+        assert len(pieces) > 1, pieces
+        assert "".join(pieces) == case["text"], pieces
+        assert finish == "length", finish
+
     @check("errors are the client's exception types")
     def _():
         try:
