@@ -554,16 +554,7 @@ async fn run(service: &Service, mut request: Request) -> Result<Served, Refused>
     let Some(fallback) = fallback else {
         return Err(refuse(Some(&pool), RequestError::from_pool(&pool, error)));
     };
-    let retries = |result: RetryResult| {
-        service
-            .metrics
-            .retries
-            .get_or_create(&RetryLabels {
-                pool: pool.name().to_string(),
-                result,
-            })
-            .inc();
-    };
+    let retries = |result: RetryResult| count_retry(service, &pool, result);
     let Some(inputs) = spare else {
         // Never replayed behind the client's back: it gets a resumable error with its id.
         retries(RetryResult::not_replayable);
@@ -581,10 +572,7 @@ async fn run(service: &Service, mut request: Request) -> Result<Served, Refused>
         }
         return Err(refuse(Some(&pool), refused));
     }
-    let reason = match kind {
-        AllocFailureKind::Oom => FailoverReason::oom_retry,
-        AllocFailureKind::Driver => FailoverReason::driver_retry,
-    };
+    let reason = retry_reason(kind);
     service.failover(&pool, &fallback, reason);
     tracing::info!(request_id = %request.id, from = pool.name(), to = fallback.name(), reason = ?reason, "allocator failure: retrying once on the fallback pool");
     match run_on(service, &fallback, &request, inputs, estimate_bytes).await {
@@ -642,16 +630,7 @@ pub async fn step(
     let Some(kind) = kind else {
         return Err(RequestError::from_pool(pool, error));
     };
-    let retries = |pool: &Pool, result: RetryResult| {
-        service
-            .metrics
-            .retries
-            .get_or_create(&RetryLabels {
-                pool: pool.name().to_string(),
-                result,
-            })
-            .inc();
-    };
+    let retries = |pool: &Pool, result: RetryResult| count_retry(service, pool, result);
     if let Err(why) = can_take_retry(service, &fallback, estimate_bytes) {
         retries(pool, RetryResult::no_fallback);
         let mut refused = RequestError::from_pool(pool, error);
@@ -660,10 +639,7 @@ pub async fn step(
         }
         return Err(refused);
     }
-    let reason = match kind {
-        AllocFailureKind::Oom => FailoverReason::oom_retry,
-        AllocFailureKind::Driver => FailoverReason::driver_retry,
-    };
+    let reason = retry_reason(kind);
     service.failover(pool, &fallback, reason);
     tracing::info!(request_id = %request.id, from = pool.name(), to = fallback.name(), reason = ?reason, "allocator failure during generation: the step and the rest move to the fallback pool");
     match run_on(service, &fallback, request, inputs, estimate_bytes).await {
@@ -675,6 +651,26 @@ pub async fn step(
             retries(pool, RetryResult::failed);
             Err(RequestError::from_pool(&fallback, error))
         }
+    }
+}
+
+/// Count one retry decision for a failure on `pool`.
+fn count_retry(service: &Service, pool: &Pool, result: RetryResult) {
+    service
+        .metrics
+        .retries
+        .get_or_create(&RetryLabels {
+            pool: pool.name().to_string(),
+            result,
+        })
+        .inc();
+}
+
+/// The failover reason of a retry after an allocator failure of `kind`.
+fn retry_reason(kind: AllocFailureKind) -> FailoverReason {
+    match kind {
+        AllocFailureKind::Oom => FailoverReason::oom_retry,
+        AllocFailureKind::Driver => FailoverReason::driver_retry,
     }
 }
 
