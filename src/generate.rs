@@ -343,14 +343,12 @@ async fn run(
         }
         let past = prompt_tokens + tokens.len() - 1;
         let inputs = step_inputs(layout, &[next], past, std::mem::take(&mut cache));
-        let (ran_on, outputs) = lifecycle::step(service, &pool, &template, inputs, estimate_bytes)
+        let stepped = lifecycle::step(service, &pool, &template, inputs, estimate_bytes)
             .await
             .map_err(|e| failed(&pool, e))?;
-        if ran_on.name() != pool.name() {
-            retried = Some(FailoverReason::oom_retry);
-            pool = ran_on;
-        }
-        (logits, cache) = read_outputs(outputs).map_err(|e| internal(&pool, e))?;
+        pool = stepped.pool;
+        retried = stepped.moved.or(retried);
+        (logits, cache) = read_outputs(stepped.outputs).map_err(|e| internal(&pool, e))?;
         metrics
             .inter_token
             .get_or_create(&labels(&pool))

@@ -404,17 +404,11 @@ pub async fn infer(service: &Service, request: Request) -> Result<Served, Refuse
     let model = request.model.clone();
     let received = request.received;
     counted(service, &model, received, async move {
-        let served = run(service, request).await?;
+        let served = place(service, request).await?;
         let pool = Arc::clone(&served.pool);
         Ok((served, pool))
     })
     .await
-}
-
-/// Place and run a request like [`infer`], without counting it: for work made of several runs
-/// (a generation), counted once around all of them by [`counted`].
-pub async fn place(service: &Service, request: Request) -> Result<Served, Refused> {
-    run(service, request).await
 }
 
 /// Do `work` as one request for `model`: counted once in the request metrics with the outcome
@@ -496,7 +490,9 @@ fn record(service: &Service, model: &str, pool: Option<&str>, outcome: Outcome, 
     }
 }
 
-async fn run(service: &Service, mut request: Request) -> Result<Served, Refused> {
+/// Place and run a request like [`infer`], without counting it: for work made of several runs
+/// (a generation), counted once around all of them by [`counted`].
+pub async fn place(service: &Service, mut request: Request) -> Result<Served, Refused> {
     let refuse = |pool: Option<&Arc<Pool>>, error: RequestError| Refused {
         pool: pool.cloned(),
         error,
@@ -593,18 +589,29 @@ async fn run(service: &Service, mut request: Request) -> Result<Served, Refused>
     }
 }
 
+/// A step that ran: where, whether it moved there after a failure, and its outputs.
+#[derive(Debug)]
+pub struct Stepped {
+    /// The pool that ran it (the next steps go there too).
+    pub pool: Arc<Pool>,
+    /// Set when it moved to the fallback pool after an allocator failure.
+    pub moved: Option<FailoverReason>,
+    /// Its outputs.
+    pub outputs: Vec<Tensor>,
+}
+
 /// One more run of a request already admitted to `pool`: a generation's next step. It is not
 /// asked of the policy again and not counted as a request of its own. An allocator failure on
 /// an accelerator pool moves it, and the runs after it, to the pool's fallback when the request
 /// is replayable: a step is a pure function of its inputs (the KV cache travels with them), so
-/// the tokens are the ones it would have had. Returns the pool that ran it.
+/// the tokens are the ones it would have had.
 pub async fn step(
     service: &Service,
     pool: &Arc<Pool>,
     request: &Request,
     inputs: Vec<Tensor>,
     estimate_bytes: u64,
-) -> Result<(Arc<Pool>, Vec<Tensor>), RequestError> {
+) -> Result<Stepped, RequestError> {
     let fallback = pool
         .config
         .fallback
@@ -614,7 +621,13 @@ pub async fn step(
         .cloned();
     let spare = fallback.as_ref().map(|_| inputs.clone());
     let error = match run_on(service, pool, request, inputs, estimate_bytes).await {
-        Ok(outputs) => return Ok((Arc::clone(pool), outputs)),
+        Ok(outputs) => {
+            return Ok(Stepped {
+                pool: Arc::clone(pool),
+                moved: None,
+                outputs,
+            });
+        }
         Err(error) => error,
     };
     let (kind, Some(fallback), Some(inputs)) = (
@@ -645,7 +658,11 @@ pub async fn step(
     match run_on(service, &fallback, request, inputs, estimate_bytes).await {
         Ok(outputs) => {
             retries(pool, RetryResult::ok);
-            Ok((fallback, outputs))
+            Ok(Stepped {
+                pool: fallback,
+                moved: Some(reason),
+                outputs,
+            })
         }
         Err(error) => {
             retries(pool, RetryResult::failed);

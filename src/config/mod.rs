@@ -870,11 +870,16 @@ pub fn parse_yaml<T: serde::de::DeserializeOwned>(text: &str, file: &str) -> Res
     })
 }
 
+/// This process's user id (the owner of `/proc/self`), without a C call.
+pub fn current_uid() -> Option<u32> {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata("/proc/self").map(|m| m.uid()).ok()
+}
+
 /// Where the admin socket goes when the config does not say: systemd's runtime directory for
 /// the unit (`RuntimeDirectory=`), else the user's runtime directory, else a folder of the
 /// user's own under /tmp (created owner-only when the socket is bound).
 pub fn default_admin_socket() -> PathBuf {
-    use std::os::unix::fs::MetadataExt;
     let env = |name: &str| std::env::var_os(name).filter(|v| !v.is_empty()).map(PathBuf::from);
     if let Some(dir) = env("RUNTIME_DIRECTORY") {
         // systemd may list several folders, separated by `:`; the first is ours.
@@ -884,7 +889,7 @@ pub fn default_admin_socket() -> PathBuf {
     if let Some(dir) = env("XDG_RUNTIME_DIR") {
         return dir.join("vramguard/admin.sock");
     }
-    let uid = std::fs::metadata("/proc/self").map(|m| m.uid()).unwrap_or(0);
+    let uid = current_uid().unwrap_or(0);
     PathBuf::from(format!("/tmp/vramguard-{uid}/admin.sock"))
 }
 

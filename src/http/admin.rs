@@ -134,7 +134,8 @@ pub fn bind(path: &FsPath) -> Result<UnixListener, String> {
         // A folder someone else owns or may write to (a shared /tmp) could swap the socket.
         use std::os::unix::fs::MetadataExt;
         let folder = std::fs::metadata(dir).map_err(|e| format!("server.admin_socket: {}: {e}", dir.display()))?;
-        let me = std::fs::metadata("/proc/self").map(|m| m.uid()).unwrap_or(u32::MAX);
+        // Unknown: no folder matches, so the socket is refused rather than trusted.
+        let me = crate::config::current_uid().unwrap_or(u32::MAX);
         if folder.uid() != me || folder.mode() & 0o022 != 0 {
             return Err(format!(
                 "server.admin_socket: {} must be owned by this user (uid {me}) and writable by no one else (it is uid {}, mode {:o})",

@@ -573,9 +573,8 @@ fn decode(
     body: Result<Bytes, BytesRejection>,
     received: tokio::time::Instant,
 ) -> Result<(lifecycle::Request, infer::DecodedRequest), RequestError> {
-    let entry = service
-        .model(model)
-        .ok_or_else(|| RequestError::unknown_model(service, model))?;
+    let mut request = decode_headers(service, model, id, headers, received)?;
+    let entry = service.model(model).expect("decode_headers checked the model");
     let body = body.map_err(|rejection| {
         if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
             RequestError::BodyTooLarge {
@@ -586,34 +585,21 @@ fn decode(
         }
     })?;
     let header_len = header_value::<usize>(headers, HEADER_LENGTH, "a number of bytes")?;
-    let deadline = header_value::<u64>(headers, DEADLINE_HEADER, "a number of milliseconds")?
-        .map(|ms| received + Duration::from_millis(ms));
-    let priority = header_value::<i64>(headers, PRIORITY_HEADER, "an integer")?.unwrap_or(0);
-    let replayable = header_value::<bool>(headers, REPLAYABLE_HEADER, "`true` or `false`")?.unwrap_or(true);
     let allow_shrink_header = header_value::<bool>(headers, ALLOW_SHRINK_HEADER, "`true` or `false`")?;
     let mut decoded = infer::decode(&body, header_len, &entry.signature).map_err(RequestError::BadInput)?;
     drop(body);
     // The header wins over the request's parameter, which wins over the model's default.
-    let allow_shrink = allow_shrink_header
+    request.allow_shrink = allow_shrink_header
         .or(decoded.allow_shrink)
         .unwrap_or(entry.config.allow_shrink);
-    let request = lifecycle::Request {
-        id: id.to_string(),
-        model: model.to_string(),
-        inputs: std::mem::take(&mut decoded.inputs),
-        outputs: decoded.outputs.iter().map(|o| o.name.clone()).collect(),
-        priority,
-        replayable,
-        allow_shrink,
-        max_new_tokens: 0,
-        deadline,
-        received,
-    };
+    request.inputs = std::mem::take(&mut decoded.inputs);
+    request.outputs = decoded.outputs.iter().map(|o| o.name.clone()).collect();
     Ok((request, decoded))
 }
 
 /// A request with no inputs yet, from the headers every protocol shares: request id,
-/// deadline, priority and replayability (a generation endpoint builds the inputs itself).
+/// deadline, priority and replayability. [`decode`] adds the tensors; a generation endpoint
+/// builds its inputs itself.
 fn decode_headers(
     service: &Service,
     model: &str,

@@ -255,7 +255,7 @@ async fn complete(
     let base = super::decode_headers(service, &request.model, id, headers, received)
         .map_err(|e| OpenAiError::from_request(&e, id))?;
     if stream {
-        return streamed(state, &request.model, id, prompt_ids, params, base).await;
+        return streamed(state, &request.model, id, prompt_ids, params, base, tokenizer).await;
     }
     let generated = generate::generate(service, entry, prompt_ids, &params, base, None)
         .await
@@ -343,6 +343,7 @@ async fn streamed(
     prompt: Vec<u32>,
     params: Params,
     base: crate::lifecycle::Request,
+    tokenizer: Arc<tokenizers::Tokenizer>,
 ) -> Result<Response, OpenAiError> {
     let service = Arc::clone(&state.service);
     let (tx, mut rx) = tokio::sync::mpsc::channel::<u32>(64);
@@ -368,7 +369,7 @@ async fn streamed(
             .duration_since(UNIX_EPOCH)
             .map(|d| d.as_secs())
             .unwrap_or(0),
-        service,
+        tokenizer,
     };
     // Until the first token, a failure is an ordinary error response. The channel closes
     // without a token only when the generation ended before sending one.
@@ -409,7 +410,7 @@ struct Stream {
     id: String,
     model: String,
     created: u64,
-    service: Arc<crate::service::Service>,
+    tokenizer: Arc<tokenizers::Tokenizer>,
 }
 
 impl Stream {
@@ -430,10 +431,9 @@ impl Stream {
         if self.done {
             return None;
         }
-        let tokenizer = self.service.model(&self.model)?.tokenizer.clone()?;
         loop {
             if self.finished.is_none() {
-                let text = tokenizer.decode(&self.tokens, true).unwrap_or_default();
+                let text = self.tokenizer.decode(&self.tokens, true).unwrap_or_default();
                 let ready = sendable(&text, &self.params.stop);
                 if ready.len() > self.sent {
                     let piece = ready[self.sent..].to_string();
