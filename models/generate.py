@@ -367,19 +367,25 @@ def import_onnxruntime(ort_path: Path | None):
     return ort
 
 
-def check(files: dict[Path, bytes], ort_path: Path | None) -> int:
+def files_up_to_date(files: dict[Path, bytes], script: str) -> int:
+    """Compare the files on disk with what `script` generates; print one line each and return
+    how many are missing or differ."""
     failures = 0
-
-    # 1. Files on disk must be exactly what this script generates.
     for path, data in files.items():
         if not path.exists():
-            print(f"FAIL {_rel(path)}: missing (run models/generate.py)")
+            print(f"FAIL {_rel(path)}: missing (run {script})")
             failures += 1
         elif path.read_bytes() != data:
-            print(f"FAIL {_rel(path)}: differs from generated output (run models/generate.py)")
+            print(f"FAIL {_rel(path)}: differs from generated output (run {script})")
             failures += 1
         else:
             print(f"ok   {_rel(path)}: up to date")
+    return failures
+
+
+def check(files: dict[Path, bytes], ort_path: Path | None) -> int:
+    # 1. Files on disk must be exactly what this script generates.
+    failures = files_up_to_date(files, "models/generate.py")
     if failures:
         return failures
 

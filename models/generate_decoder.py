@@ -58,7 +58,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from generate import IR_VERSION, OPSET, PRODUCER_NAME, PRODUCER_VERSION, import_onnxruntime
+from generate import IR_VERSION, OPSET, PRODUCER_NAME, PRODUCER_VERSION, files_up_to_date, import_onnxruntime
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 OUT_DIR = REPO_ROOT / "models" / "decoder"
@@ -613,16 +613,7 @@ def ort_greedy_batched(dec: OrtDecoder, batched: dict, n: int) -> tuple[list[lis
 
 def check(files: dict[Path, bytes], reference: dict, step_logits: dict[str, list[np.ndarray]],
           ort_path: Path | None) -> int:
-    failures = 0
-    for path, data in files.items():
-        if not path.exists():
-            print(f"FAIL {_rel(path)}: missing (run models/generate_decoder.py)")
-            failures += 1
-        elif path.read_bytes() != data:
-            print(f"FAIL {_rel(path)}: differs from generated output (run models/generate_decoder.py)")
-            failures += 1
-        else:
-            print(f"ok   {_rel(path)}: up to date")
+    failures = files_up_to_date(files, "models/generate_decoder.py")
     if failures:
         return failures
 

@@ -16,11 +16,7 @@ async fn error_of(response: reqwest::Response) -> (StatusCode, String) {
 }
 
 fn outcome(metrics: &str, outcome: &str) -> f64 {
-    metrics
-        .lines()
-        .filter(|l| l.starts_with("vramguard_requests_total{") && l.contains(&format!("outcome=\"{outcome}\"")))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
+    common::requests_with(metrics, |o| o == outcome)
 }
 
 #[tokio::test]

@@ -178,13 +178,7 @@ async fn sigterm_finishes_running_work_answers_queued_work_and_exits_0() {
         assert!(Instant::now() < deadline, "the second request never queued");
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    assert!(
-        Command::new("kill")
-            .args(["-TERM", &child.id().to_string()])
-            .status()
-            .unwrap()
-            .success()
-    );
+    sigterm(&child);
 
     let queued = queued.await.unwrap().unwrap();
     assert_eq!(queued.status(), reqwest::StatusCode::SERVICE_UNAVAILABLE);
@@ -225,14 +219,17 @@ fn the_exporter_serves_host_metrics_without_a_gpu_or_onnx_runtime() {
     if !vramguard::device::nvidia_gpu_present() {
         assert!(!text.contains("vramguard_device_memory_total_bytes"), "{text}");
     }
-    assert!(
-        Command::new("kill")
-            .args(["-TERM", &child.id().to_string()])
-            .status()
-            .unwrap()
-            .success()
-    );
+    sigterm(&child);
     assert_eq!(child.wait().unwrap().code(), Some(0));
+}
+
+/// Send SIGTERM to `child` (a graceful stop, as systemd and Kubernetes ask).
+fn sigterm(child: &std::process::Child) {
+    let sent = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(sent.success(), "kill -TERM {}", child.id());
 }
 
 /// `vramguard doctor ARGS...` with extra environment: exit code and stdout.
@@ -407,13 +404,7 @@ fn doctor_asks_a_running_server_with_the_admin_token_and_attributes_its_simulate
         "{out}"
     );
 
-    assert!(
-        Command::new("kill")
-            .args(["-TERM", &child.id().to_string()])
-            .status()
-            .unwrap()
-            .success()
-    );
+    sigterm(&child);
     assert_eq!(child.wait().unwrap().code(), Some(0));
 }
 
@@ -487,13 +478,7 @@ fn admin_lives_on_an_owner_only_socket_and_tcp_admin_needs_a_token() {
         "{out}"
     );
 
-    assert!(
-        Command::new("kill")
-            .args(["-TERM", &child.0.id().to_string()])
-            .status()
-            .unwrap()
-            .success()
-    );
+    sigterm(&child.0);
     assert_eq!(child.0.wait().unwrap().code(), Some(0));
     assert!(!socket.exists(), "the socket is removed on exit");
 }

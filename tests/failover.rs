@@ -50,6 +50,10 @@ async fn post_encoder(url: String, seq: usize, headers: Vec<(String, String)>) -
     request.body(body).send().await.unwrap()
 }
 
+fn requests_ok(metrics: &str) -> f64 {
+    common::requests_with(metrics, |o| o == "ok")
+}
+
 fn metric(text: &str, series: &str) -> f64 {
     text.lines()
         .find(|l| l.starts_with(series))
@@ -244,14 +248,6 @@ async fn a_driver_reset_opens_the_breaker_at_once_while_the_cpu_pool_keeps_servi
     server.stop().await;
 }
 
-fn ok_count(metrics: &str) -> f64 {
-    metrics
-        .lines()
-        .filter(|l| l.starts_with("vramguard_requests_total{") && l.contains("outcome=\"ok\""))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
-}
-
 #[tokio::test]
 async fn an_idempotency_key_executes_at_most_once() {
     let server = TestServer::start(&config()).await;
@@ -272,7 +268,7 @@ async fn an_idempotency_key_executes_at_most_once() {
         first_body,
         "the stored response, not a new run"
     );
-    assert_eq!(ok_count(&server.metrics().await), 1.0, "executed once");
+    assert_eq!(requests_ok(&server.metrics().await), 1.0, "executed once");
 
     // The same key with another request is refused.
     let key = vec![("idempotency-key".to_string(), "k1".to_string())];
@@ -299,7 +295,7 @@ async fn an_idempotency_key_executes_at_most_once() {
         bodies.push(body);
     }
     assert!(bodies.windows(2).all(|w| w[0] == w[1]));
-    assert_eq!(ok_count(&server.metrics().await), 2.0);
+    assert_eq!(requests_ok(&server.metrics().await), 2.0);
     let metrics = server.metrics().await;
     assert!(metric(&metrics, "vramguard_idempotency_hits_total") >= 6.0, "{metrics}");
     server.stop().await;
@@ -457,7 +453,7 @@ async fn under_pressure_faults_and_a_reset_nothing_accepted_is_lost_or_run_twice
     for _ in 0..20 {
         tokio::time::sleep(Duration::from_millis(50)).await;
         let now = server.metrics().await;
-        let settled = outcome_total(&now, |_| true) == outcome_total(&metrics, |_| true);
+        let settled = common::requests_with(&now, |_| true) == common::requests_with(&metrics, |_| true);
         metrics = now;
         if settled {
             break;
@@ -467,9 +463,9 @@ async fn under_pressure_faults_and_a_reset_nothing_accepted_is_lost_or_run_twice
     // Clients that stayed saw exactly what the server counted. Each one that hung up was counted
     // `cancelled`, or as what it would have got a moment later, or not at all when it left
     // before its request had been read (never accepted).
-    let counted_ok = outcome_total(&metrics, |o| o == "ok");
-    let cancelled = outcome_total(&metrics, |o| o == "cancelled");
-    let counted_errors = outcome_total(&metrics, |o| o != "ok" && o != "cancelled");
+    let counted_ok = common::requests_with(&metrics, |o| o == "ok");
+    let cancelled = common::requests_with(&metrics, |o| o == "cancelled");
+    let counted_errors = common::requests_with(&metrics, |o| o != "ok" && o != "cancelled");
     let late = (counted_ok - ok) + (counted_errors - errors);
     assert!(counted_ok >= ok && counted_errors >= errors, "{metrics}");
     // Nothing was counted twice, and nothing that left was counted as anything but the above.
@@ -483,19 +479,6 @@ async fn under_pressure_faults_and_a_reset_nothing_accepted_is_lost_or_run_twice
     assert_eq!(back.status(), StatusCode::OK);
     assert_eq!(back.headers()["x-vramguard-pool"], "gpu");
     server.stop().await;
-}
-
-/// The sum of `vramguard_requests_total` over the outcomes `select` accepts.
-fn outcome_total(metrics: &str, select: impl Fn(&str) -> bool) -> f64 {
-    metrics
-        .lines()
-        .filter(|l| l.starts_with("vramguard_requests_total{"))
-        .filter(|l| {
-            let outcome = l.split("outcome=\"").nth(1).and_then(|r| r.split('"').next());
-            outcome.is_some_and(&select)
-        })
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
 }
 
 #[tokio::test]

@@ -137,21 +137,15 @@ async fn allocator_failures_before_or_during_generation_move_it_to_the_cpu_with_
     assert_eq!(headers["x-vramguard-pool"], "cpu", "it ended on the fallback");
     assert_eq!(body["choices"][0]["text"], expected, "the tokens it would have had");
     let metrics = server.metrics().await;
-    let failovers: f64 = metrics
-        .lines()
-        .filter(|l| l.starts_with("vramguard_failovers_total{from=\"gpu\",to=\"cpu\",reason=\"oom_retry\"}"))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum();
+    let failovers = common::sum_samples(&metrics, |l| {
+        l.starts_with("vramguard_failovers_total{from=\"gpu\",to=\"cpu\",reason=\"oom_retry\"}")
+    });
     assert_eq!(
         failovers, 2.0,
         "one before the first token, one in the middle: {metrics}"
     );
     // Counted once each, as requests that succeeded.
-    let ok: f64 = metrics
-        .lines()
-        .filter(|l| l.starts_with("vramguard_requests_total{model=\"tiny\"") && l.contains("outcome=\"ok\""))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum();
+    let ok = common::requests_with(&metrics, |o| o == "ok");
     assert_eq!(ok, 2.0, "{metrics}");
     server.stop().await;
 }
@@ -187,6 +181,11 @@ async fn models_are_listed_and_errors_come_in_openais_shape() {
         ),
         (
             json!({"model": "tiny", "prompt": "x", "n": 2}),
+            StatusCode::BAD_REQUEST,
+            json!(null),
+        ),
+        (
+            json!({"model": "tiny", "prompt": "x", "frequency_penalty": 0.5}),
             StatusCode::BAD_REQUEST,
             json!(null),
         ),

@@ -22,39 +22,24 @@ use serde_json::{Value, json};
 
 const ROOT: &str = env!("CARGO_MANIFEST_DIR");
 
-/// A simulated accelerator whose breaker opens on a driver reset, with a CPU fallback.
-const CONFIG: &str = "\
-devices: [{name: gpu0, kind: simulated, capacity: 128MiB}]
-models: [{name: encoder, path: 'builtin:encoder', context: {input: input, axis: 1}}]
-pools:
-- {name: gpu, provider: simulated, device: gpu0, models: [encoder], fallback: cpu,
-   breaker: {failures: 2, window: 60s, cooldown: 1h}}
-- {name: cpu, provider: cpu, models: [encoder]}
-";
-
 /// A Prometheus server in its own folder; killed and cleaned up when dropped.
 struct Prometheus {
     child: Child,
-    dir: PathBuf,
     url: String,
+    /// Config, rules, data and log; removed after the process is gone (fields drop in order).
+    _dir: common::ScratchDir,
 }
 
 impl Prometheus {
     /// Start Prometheus scraping `target` every second as job `vramguard`, with `rules` loaded
     /// and evaluated every second; waits until it is ready.
     async fn start(target: &str, rules: &str) -> Prometheus {
-        let dir = std::env::temp_dir().join(format!(
-            "vramguard-prometheus-{}-{}",
-            std::process::id(),
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .unwrap()
-                .as_nanos()
-        ));
-        std::fs::create_dir_all(dir.join("data")).unwrap();
-        std::fs::write(dir.join("rules.yaml"), rules).unwrap();
+        let dir = common::ScratchDir::new("prometheus");
+        let at = |name: &str| dir.path().join(name);
+        std::fs::create_dir_all(at("data")).unwrap();
+        std::fs::write(at("rules.yaml"), rules).unwrap();
         std::fs::write(
-            dir.join("prometheus.yml"),
+            at("prometheus.yml"),
             format!(
                 "global: {{scrape_interval: 1s, evaluation_interval: 1s}}\n\
                  rule_files: [rules.yaml]\n\
@@ -72,45 +57,24 @@ impl Prometheus {
                 .local_addr()
                 .unwrap()
                 .port();
-            let child = Command::new("prometheus")
-                .arg(format!("--config.file={}", dir.join("prometheus.yml").display()))
-                .arg(format!("--storage.tsdb.path={}", dir.join("data").display()))
+            let mut child = Command::new("prometheus")
+                .arg(format!("--config.file={}", at("prometheus.yml").display()))
+                .arg(format!("--storage.tsdb.path={}", at("data").display()))
                 .arg(format!("--web.listen-address=127.0.0.1:{port}"))
                 .arg("--log.level=warn")
                 .stdout(Stdio::null())
-                .stderr(Stdio::from(std::fs::File::create(dir.join("log")).unwrap()))
+                .stderr(Stdio::from(std::fs::File::create(at("log")).unwrap()))
                 .spawn()
                 .expect("prometheus is needed for this test: run `make tools` (Debian package `prometheus`)");
-            let mut prometheus = Prometheus {
-                child,
-                dir: dir.clone(),
-                url: format!("http://127.0.0.1:{port}"),
-            };
-            if prometheus.ready().await {
-                return prometheus;
+            let url = format!("http://127.0.0.1:{port}");
+            if ready(&mut child, &url).await {
+                return Prometheus { child, url, _dir: dir };
             }
-            let _ = prometheus.child.kill();
-            let _ = prometheus.child.wait();
-            std::mem::forget(prometheus); // keep the folder for the next attempt
+            let _ = child.kill();
+            let _ = child.wait();
         }
-        let log = std::fs::read_to_string(dir.join("log")).unwrap_or_default();
+        let log = std::fs::read_to_string(at("log")).unwrap_or_default();
         panic!("prometheus did not start:\n{log}");
-    }
-
-    async fn ready(&mut self) -> bool {
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while Instant::now() < deadline {
-            if self.child.try_wait().unwrap().is_some() {
-                return false;
-            }
-            if let Ok(r) = reqwest::get(format!("{}/-/ready", self.url)).await
-                && r.status() == StatusCode::OK
-            {
-                return true;
-            }
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-        false
     }
 
     async fn api(&self, path: &str, query: &[(&str, &str)]) -> Value {
@@ -156,8 +120,24 @@ impl Drop for Prometheus {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
-        let _ = std::fs::remove_dir_all(&self.dir);
     }
+}
+
+/// Whether the Prometheus `child` answers ready at `url` within 30 s (false once it exits).
+async fn ready(child: &mut Child, url: &str) -> bool {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while Instant::now() < deadline {
+        if child.try_wait().unwrap().is_some() {
+            return false;
+        }
+        if let Ok(r) = reqwest::get(format!("{url}/-/ready")).await
+            && r.status() == StatusCode::OK
+        {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    false
 }
 
 /// The shipped rules, as parsed YAML.
@@ -322,7 +302,7 @@ async fn alerts_and_dashboards_work_in_a_real_prometheus() {
 }
 
 async fn run() {
-    let server = TestServer::start(CONFIG).await;
+    let server = TestServer::start(common::FAILOVER_CONFIG).await;
     let prometheus = Prometheus::start(&server.addr.to_string(), &fast_rules()).await;
 
     // Traffic that makes every family exist: requests on both pools, an allocator failure

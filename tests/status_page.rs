@@ -6,22 +6,13 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::TestServer;
 use reqwest::StatusCode;
 use serde_json::json;
-
-const CONFIG: &str = "\
-devices: [{name: gpu0, kind: simulated, capacity: 128MiB}]
-models: [{name: encoder, path: 'builtin:encoder', context: {input: input, axis: 1}}]
-pools:
-- {name: gpu, provider: simulated, device: gpu0, models: [encoder], fallback: cpu,
-   breaker: {failures: 2, window: 60s, cooldown: 1h}}
-- {name: cpu, provider: cpu, models: [encoder]}
-";
 
 /// Run headless Chromium on `url` with `args`, killed after 60 s; returns its stdout.
 fn chromium(url: &str, args: &[&str], profile: &Path) -> String {
@@ -63,33 +54,9 @@ fn chromium(url: &str, args: &[&str], profile: &Path) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
-/// A fresh Chromium profile folder, removed when dropped.
-struct Profile(PathBuf);
-
-impl Profile {
-    fn new() -> Profile {
-        let dir = std::env::temp_dir().join(format!(
-            "vramguard-chromium-{}-{}",
-            std::process::id(),
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .unwrap()
-                .as_nanos()
-        ));
-        std::fs::create_dir_all(&dir).unwrap();
-        Profile(dir)
-    }
-}
-
-impl Drop for Profile {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_browser_shows_who_holds_the_accelerator_and_the_degraded_banner() {
-    let server = TestServer::start(CONFIG).await;
+    let server = TestServer::start(common::FAILOVER_CONFIG).await;
     let page = server.url("/");
 
     // Another process (the simulated pressure) takes 40 MiB; a request runs on the accelerator.
@@ -98,9 +65,11 @@ async fn a_browser_shows_who_holds_the_accelerator_and_the_degraded_banner() {
     assert_eq!(server.encoder(32).await.status(), StatusCode::OK);
     let dom = {
         let page = page.clone();
-        tokio::task::spawn_blocking(move || chromium(&page, &["--dump-dom"], &Profile::new().0))
-            .await
-            .unwrap()
+        tokio::task::spawn_blocking(move || {
+            chromium(&page, &["--dump-dom"], common::ScratchDir::new("chromium").path())
+        })
+        .await
+        .unwrap()
     };
     assert!(dom.contains("Serving normally"), "{dom}");
     assert!(
@@ -122,15 +91,15 @@ async fn a_browser_shows_who_holds_the_accelerator_and_the_degraded_banner() {
         let page = page.clone();
         let screenshot = screenshot.clone();
         tokio::task::spawn_blocking(move || {
-            let profile = Profile::new();
-            let dom = chromium(&page, &["--dump-dom"], &profile.0);
+            let profile = common::ScratchDir::new("chromium");
+            let dom = chromium(&page, &["--dump-dom"], profile.path());
             chromium(
                 &page,
                 &[
                     &format!("--screenshot={}", screenshot.display()),
                     "--window-size=1280,1100",
                 ],
-                &profile.0,
+                profile.path(),
             );
             dom
         })

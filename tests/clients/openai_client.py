@@ -11,15 +11,16 @@ and exits non-zero on any failure.
 """
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import traceback
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, ".deps", "pyclients"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import openai  # noqa: E402
+from serving import start  # noqa: E402
 
 CONFIG = """
 server: {admin_socket: 'off'}
@@ -30,27 +31,12 @@ pools:
 """
 
 
-def start(binary, config):
-    proc = subprocess.Popen(
-        [binary, "--log-format", "json", "serve", "--config", config, "--listen", "127.0.0.1:0"],
-        stderr=subprocess.PIPE, text=True, cwd=ROOT,
-    )
-    for line in proc.stderr:
-        try:
-            log = json.loads(line)
-        except ValueError:
-            continue
-        if log.get("message") == "vramguard serving":
-            return proc, log["address"]
-    raise RuntimeError("vramguard exited before serving")
-
-
 def main():
     with tempfile.TemporaryDirectory() as tmp:
         config = os.path.join(tmp, "openai.yaml")
         with open(config, "w") as f:
             f.write(CONFIG % {"root": ROOT})
-        proc, address = start(sys.argv[1], config)
+        proc, address = start(sys.argv[1], "--config", config)
         try:
             return run(address)
         finally:

@@ -11,31 +11,17 @@ Run by `make test` (which installs tritonclient into .deps/pyclients); prints
 """
 import json
 import os
-import subprocess
 import sys
 import traceback
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, ".deps", "pyclients"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import numpy as np  # noqa: E402
 import tritonclient.http as http  # noqa: E402
 from tritonclient.utils import InferenceServerException  # noqa: E402
-
-
-def start(binary):
-    proc = subprocess.Popen(
-        [binary, "--log-format", "json", "serve", "--listen", "127.0.0.1:0"],
-        stderr=subprocess.PIPE, text=True, cwd=ROOT,
-    )
-    for line in proc.stderr:
-        try:
-            log = json.loads(line)
-        except ValueError:
-            continue
-        if log.get("message") == "vramguard serving":
-            return proc, log["address"]
-    raise RuntimeError("vramguard exited before serving")
+from serving import start  # noqa: E402
 
 
 def main():

@@ -188,3 +188,64 @@ pub fn policy_file(name: &str, source: &str) -> String {
     std::fs::write(&path, source).unwrap();
     format!("policy: {{path: '{}', watch_interval: 0}}\n", path.display())
 }
+
+/// The sum of the samples in `metrics` (exposition text) on the lines `select` accepts.
+pub fn sum_samples(metrics: &str, select: impl Fn(&str) -> bool) -> f64 {
+    metrics
+        .lines()
+        .filter(|l| !l.starts_with('#') && select(l))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// `vramguard_requests_total` summed over the outcomes `select` accepts.
+pub fn requests_with(metrics: &str, select: impl Fn(&str) -> bool) -> f64 {
+    sum_samples(metrics, |l| {
+        l.starts_with("vramguard_requests_total{")
+            && l.split("outcome=\"")
+                .nth(1)
+                .and_then(|r| r.split('"').next())
+                .is_some_and(&select)
+    })
+}
+
+/// A simulated `gpu` pool whose breaker opens at once on a driver reset (and after two
+/// allocator failures), falling back on a `cpu` pool.
+pub const FAILOVER_CONFIG: &str = "\
+devices: [{name: gpu0, kind: simulated, capacity: 128MiB}]
+models: [{name: encoder, path: 'builtin:encoder', context: {input: input, axis: 1}}]
+pools:
+- {name: gpu, provider: simulated, device: gpu0, models: [encoder], fallback: cpu,
+   breaker: {failures: 2, window: 60s, cooldown: 1h}}
+- {name: cpu, provider: cpu, models: [encoder]}
+";
+
+/// A folder of its own under the temporary directory (tests run in parallel, and test binaries
+/// too), removed with everything in it when dropped.
+pub struct ScratchDir(std::path::PathBuf);
+
+impl ScratchDir {
+    /// A new empty folder whose name starts with `vramguard-{what}-`.
+    pub fn new(what: &str) -> ScratchDir {
+        static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let dir = std::env::temp_dir().join(format!(
+            "vramguard-{what}-{}-{}",
+            std::process::id(),
+            NEXT.fetch_add(1, std::sync::atomic::Ordering::SeqCst)
+        ));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        ScratchDir(dir)
+    }
+
+    /// Its path.
+    pub fn path(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for ScratchDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
