@@ -508,13 +508,7 @@ pub async fn place(service: &Service, mut request: Request) -> Result<Served, Re
         .saturating_add(admitted.estimate.workspace_bytes);
     // A replayable request on an accelerator pool with a fallback may be retried once after an
     // allocator failure: keep a copy of its inputs for that (ONNX Runtime consumes the first).
-    let fallback = pool
-        .config
-        .fallback
-        .as_deref()
-        .filter(|_| is_accelerator(&pool))
-        .and_then(|name| service.pool(name))
-        .cloned();
+    let fallback = fallback_of(service, &pool);
     let spare = (fallback.is_some() && request.replayable).then(|| request.inputs.clone());
     if !deadline_reachable(&pool, &request) {
         return Err(refuse(Some(&pool), RequestError::Deadline(DeadlineMiss::Estimated)));
@@ -612,13 +606,7 @@ pub async fn step(
     inputs: Vec<Tensor>,
     estimate_bytes: u64,
 ) -> Result<Stepped, RequestError> {
-    let fallback = pool
-        .config
-        .fallback
-        .as_deref()
-        .filter(|_| is_accelerator(pool) && request.replayable)
-        .and_then(|name| service.pool(name))
-        .cloned();
+    let fallback = fallback_of(service, pool).filter(|_| request.replayable);
     let spare = fallback.as_ref().map(|_| inputs.clone());
     let error = match run_on(service, pool, request, inputs, estimate_bytes).await {
         Ok(outputs) => {
@@ -630,17 +618,11 @@ pub async fn step(
         }
         Err(error) => error,
     };
-    let (kind, Some(fallback), Some(inputs)) = (
-        match &error {
-            PoolError::Backend(BackendError::Allocation { kind, .. }) => Some(*kind),
-            _ => None,
-        },
-        fallback,
-        spare,
-    ) else {
-        return Err(RequestError::from_pool(pool, error));
+    let kind = match &error {
+        PoolError::Backend(BackendError::Allocation { kind, .. }) => *kind,
+        _ => return Err(RequestError::from_pool(pool, error)),
     };
-    let Some(kind) = kind else {
+    let (Some(fallback), Some(inputs)) = (fallback, spare) else {
         return Err(RequestError::from_pool(pool, error));
     };
     let retries = |pool: &Pool, result: RetryResult| count_retry(service, pool, result);
@@ -669,6 +651,17 @@ pub async fn step(
             Err(RequestError::from_pool(&fallback, error))
         }
     }
+}
+
+/// Where a run that fails on `pool` with an allocator failure may go once: its configured
+/// fallback, for accelerator pools.
+fn fallback_of(service: &Service, pool: &Pool) -> Option<Arc<Pool>> {
+    pool.config
+        .fallback
+        .as_deref()
+        .filter(|_| is_accelerator(pool))
+        .and_then(|name| service.pool(name))
+        .cloned()
 }
 
 /// Count one retry decision for a failure on `pool`.

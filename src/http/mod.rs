@@ -853,10 +853,7 @@ fn fallbacks(service: &Service) -> Vec<Value> {
         .pools
         .iter()
         .filter_map(|from| {
-            let to = service
-                .pools
-                .iter()
-                .find(|p| Some(p.name()) == from.config.fallback.as_deref())?;
+            let to = service.pool(from.config.fallback.as_deref()?)?;
             let load = to.load();
             Some(json!({
                 "from": from.name(),

@@ -98,8 +98,8 @@ enum Stop {
     Many(Vec<String>),
 }
 
-/// The body of `POST /v1/completions` (fields OpenAI documents that change the answer and
-/// that are not supported are refused, never ignored).
+/// The body of `POST /v1/completions`. The fields OpenAI documents that would change the
+/// answer and that are not supported are refused by name, never ignored.
 #[derive(Debug, Deserialize)]
 struct CompletionRequest {
     model: String,
@@ -128,9 +128,13 @@ struct CompletionRequest {
     best_of: Option<u32>,
     #[serde(default)]
     suffix: Option<String>,
-    /// Accepted and ignored, as OpenAI does: they do not change the answer here.
     #[serde(default)]
-    user: Option<String>,
+    presence_penalty: Option<f32>,
+    #[serde(default)]
+    frequency_penalty: Option<f32>,
+    #[serde(default)]
+    logit_bias: Option<serde_json::Map<String, Value>>,
+    // Other fields (`user`, `stream_options`) do not change the answer and are ignored.
 }
 
 /// `POST /v1/completions`.
@@ -166,7 +170,6 @@ async fn complete(
     })?;
     let request: CompletionRequest = serde_json::from_slice(&body)
         .map_err(|e| OpenAiError::invalid(format!("the body is not a completion request: {e}"), None))?;
-    let _ = &request.user;
     let entry = service.model(&request.model).ok_or_else(|| {
         let error = RequestError::unknown_model(service, &request.model);
         OpenAiError {
@@ -197,6 +200,9 @@ async fn complete(
         (request.echo == Some(true), "echo"),
         (request.logprobs.as_ref().is_some_and(|v| !v.is_null()), "logprobs"),
         (request.suffix.is_some(), "suffix"),
+        (request.presence_penalty.is_some_and(|p| p != 0.0), "presence_penalty"),
+        (request.frequency_penalty.is_some_and(|p| p != 0.0), "frequency_penalty"),
+        (request.logit_bias.as_ref().is_some_and(|b| !b.is_empty()), "logit_bias"),
     ] {
         if given {
             return Err(OpenAiError::invalid(format!("`{name}` is not supported"), None));
