@@ -9,7 +9,7 @@
 use std::sync::Arc;
 
 use crate::decoder::DecoderLayout;
-use crate::lifecycle::{self, Refused, Request, RequestError, Served};
+use crate::lifecycle::{self, NotRetried, Refused, Request, RequestError, Served};
 use crate::metrics::FailoverReason;
 use crate::pool::Pool;
 use crate::service::{ModelEntry, Service};
@@ -17,7 +17,27 @@ use crate::snapshot::Action;
 use crate::tensor::{DataType, Tensor, TensorData};
 
 /// Where a streamed generation sends each token as it is picked.
-pub type Sink = tokio::sync::mpsc::Sender<u32>;
+pub type Sink = tokio::sync::mpsc::Sender<Token>;
+
+/// A token as it is picked, with the pool whose run produced it (it changes after a failover).
+#[derive(Debug, Clone)]
+pub struct Token {
+    /// The token id.
+    pub id: u32,
+    /// The pool that ran it.
+    pub pool: Arc<Pool>,
+}
+
+/// Tokens that end a turn, by the names model families give them.
+const END_TOKENS: [&str; 7] = [
+    "<|endoftext|>",
+    "</s>",
+    "<eos>",
+    "<|im_end|>",
+    "<|eot_id|>",
+    "<|end_of_text|>",
+    "<|end|>",
+];
 
 /// How to pick tokens and when to stop.
 #[derive(Debug, Clone, PartialEq)]
@@ -34,6 +54,9 @@ pub struct Params {
     pub seed: u64,
     /// Strings that end the text (not included).
     pub stop: Vec<String>,
+    /// The request offers tools: once its first token is picked it is never run again, on
+    /// any pool, since a tool call it makes may already have acted on the client's side.
+    pub tools: bool,
 }
 
 /// Why generation ended.
@@ -237,9 +260,7 @@ pub async fn generate(
         ));
     };
     let prompt_tokens = prompt.len();
-    let eos = ["<|endoftext|>", "</s>", "<eos>"]
-        .iter()
-        .find_map(|t| tokenizer.token_to_id(t));
+    let eos: Vec<u32> = END_TOKENS.iter().filter_map(|t| tokenizer.token_to_id(t)).collect();
     request.inputs = step_inputs(layout, &prompt, 0, Vec::new());
     request.outputs = Vec::new();
     request.max_new_tokens = u64::from(params.max_tokens);
@@ -272,12 +293,12 @@ async fn run(
     layout: &DecoderLayout,
     tokenizer: &tokenizers::Tokenizer,
     prompt_tokens: usize,
-    eos: Option<u32>,
+    eos: Vec<u32>,
     params: &Params,
     request: Request,
     sink: Option<Sink>,
 ) -> Result<Generated, Refused> {
-    let template = Request {
+    let mut template = Request {
         inputs: Vec::new(),
         ..request.clone()
     };
@@ -320,14 +341,23 @@ async fn run(
         .profile
         .estimate((prompt_tokens as u64).saturating_add(u64::from(params.max_tokens)), 1);
     let estimate_bytes = estimate.context_bytes.saturating_add(estimate.workspace_bytes);
+    if params.tools {
+        template.replayable = false;
+    }
     let finish = loop {
         let next = pick(&logits, params, &mut rng);
-        if Some(next) == eos {
+        if eos.contains(&next) {
             break Finish::Stop;
         }
         tokens.push(next);
         if let Some(sink) = &sink
-            && sink.send(next).await.is_err()
+            && sink
+                .send(Token {
+                    id: next,
+                    pool: Arc::clone(&pool),
+                })
+                .await
+                .is_err()
         {
             // The stream's reader is gone: stop here; the KV cache goes with this future.
             return Err(failed(&pool, RequestError::ClientGone));
@@ -345,7 +375,15 @@ async fn run(
         let inputs = step_inputs(layout, &[next], past, std::mem::take(&mut cache));
         let stepped = lifecycle::step(service, &pool, &template, inputs, estimate_bytes)
             .await
-            .map_err(|e| failed(&pool, e))?;
+            .map_err(|mut e| {
+                if params.tools
+                    && let RequestError::Allocation { not_retried, .. } = &mut e
+                    && not_retried.is_none()
+                {
+                    *not_retried = Some(NotRetried::ToolsStarted);
+                }
+                failed(&pool, e)
+            })?;
         pool = stepped.pool;
         retried = stepped.moved.or(retried);
         (logits, cache) = read_outputs(stepped.outputs).map_err(|e| internal(&pool, e))?;
@@ -388,6 +426,7 @@ mod tests {
             top_k,
             seed: 7,
             stop: vec![],
+            tools: false,
         }
     }
 

@@ -9,6 +9,7 @@
 
 pub mod backend;
 pub mod breaker;
+pub mod chat;
 pub mod cli;
 pub mod clock;
 pub mod config;

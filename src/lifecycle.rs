@@ -75,6 +75,8 @@ pub enum NotRetried {
     NotReplayable,
     /// The fallback pool could not take it; the reason says why.
     NoFallback(String),
+    /// A generation offering tools had started: a tool call may already have acted.
+    ToolsStarted,
 }
 
 impl std::fmt::Display for NotRetried {
@@ -85,6 +87,10 @@ impl std::fmt::Display for NotRetried {
                  nothing of it ran to completion, so sending it again is safe",
             ),
             NotRetried::NoFallback(why) => write!(f, "it was not retried: {why}"),
+            NotRetried::ToolsStarted => f.write_str(
+                "it was not retried because it offers tools and its generation had started \
+                 (a tool call may already have acted on the client's side); nothing was run twice",
+            ),
         }
     }
 }

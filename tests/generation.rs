@@ -3,7 +3,9 @@
 //! tokens equal the references computed independently in numpy; the same seeded request gives
 //! the same tokens on the simulated accelerator and on the CPU; an allocator failure before the
 //! first token, or in the middle of a generation, moves it to the CPU pool with the tokens it
-//! would have had; errors come in OpenAI's shape.
+//! would have had; errors come in OpenAI's shape. Chat renders its template (ChatML here) and
+//! answers as the completion of that prompt would; a chat offering tools is never run twice
+//! once its first token is picked.
 
 mod common;
 
@@ -13,7 +15,8 @@ use serde_json::{Value, json};
 
 const CONFIG: &str = "\
 devices: [{name: gpu0, kind: simulated, capacity: 256MiB}]
-models: [{name: tiny, path: models/decoder/model.onnx, tokenizer: models/decoder/tokenizer.json},
+models: [{name: tiny, path: models/decoder/model.onnx, tokenizer: models/decoder/tokenizer.json,
+          chat_template: 'builtin:chatml'},
          {name: encoder, path: 'builtin:encoder'}]
 pools:
 - {name: gpu, provider: simulated, device: gpu0, models: [tiny, encoder], fallback: cpu,
@@ -182,12 +185,12 @@ async fn models_are_listed_and_errors_come_in_openais_shape() {
         (
             json!({"model": "tiny", "prompt": "x", "n": 2}),
             StatusCode::BAD_REQUEST,
-            json!(null),
+            json!("n"),
         ),
         (
             json!({"model": "tiny", "prompt": "x", "frequency_penalty": 0.5}),
             StatusCode::BAD_REQUEST,
-            json!(null),
+            json!("frequency_penalty"),
         ),
         (
             json!({"model": "tiny", "prompt": "x", "temperature": 3}),
@@ -362,5 +365,181 @@ async fn a_reader_that_goes_away_stops_the_generation_and_it_counts_as_cancelled
         metrics.contains("vramguard_requests_total{model=\"tiny\",pool=\"gpu\",outcome=\"cancelled\"} 1"),
         "{metrics}"
     );
+    server.stop().await;
+}
+
+/// The ChatML prompt of `system` and `user`, written out by hand (what the template must make).
+fn chatml(system: &str, user: &str) -> String {
+    format!("<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n")
+}
+
+async fn chat(server: &TestServer, body: &Value) -> (StatusCode, reqwest::header::HeaderMap, Value) {
+    let response = server.post_json("/v1/chat/completions", body).await;
+    let status = response.status();
+    let headers = response.headers().clone();
+    (status, headers, response.json().await.unwrap())
+}
+
+const TOOLS: &str = r#"[{"type": "function", "function": {"name": "free_vram", "description": "Free memory of a GPU",
+    "parameters": {"type": "object", "properties": {"gpu": {"type": "integer"}}}}}]"#;
+
+#[tokio::test]
+async fn a_chat_answers_as_the_completion_of_its_rendered_template_streamed_or_not() {
+    let server = TestServer::start(CONFIG).await;
+    let (system, user) = ("You watch GPUs.", case("short")["prompt"].as_str().unwrap().to_string());
+    let request = json!({"model": "tiny", "temperature": 0, "max_tokens": 12,
+                         "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}]});
+    let (status, headers, body) = chat(&server, &request).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert_eq!(headers["x-vramguard-pool"], "gpu");
+    assert!(headers.get("x-vramguard-pool-limits").is_none(), "only while degraded");
+    assert_eq!(body["object"], "chat.completion");
+    let message = &body["choices"][0]["message"];
+    assert_eq!(message["role"], "assistant");
+    assert!(message.get("tool_calls").is_none(), "{body}");
+    let (_, _, plain) = complete(
+        &server,
+        json!({"model": "tiny", "prompt": chatml(system, &user), "max_tokens": 12, "temperature": 0,
+               "stop": ["<|im_end|>"]}),
+    )
+    .await;
+    assert_eq!(message["content"], plain["choices"][0]["text"], "{body} vs {plain}");
+    assert_eq!(
+        body["choices"][0]["finish_reason"],
+        plain["choices"][0]["finish_reason"]
+    );
+    assert_eq!(body["usage"], plain["usage"]);
+
+    // Streamed: the role first (with the serving pool), then the same text in pieces.
+    let mut streamed = request.clone();
+    streamed["stream"] = json!(true);
+    let chunks = events(server.post_json("/v1/chat/completions", &streamed).await).await;
+    assert_eq!(chunks[0]["object"], "chat.completion.chunk");
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    assert_eq!(chunks[0]["vramguard"]["pool"], "gpu", "{:?}", chunks[0]);
+    assert!(chunks[0]["vramguard"].get("degraded").is_none());
+    let text: String = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
+        .collect();
+    assert_eq!(json!(text), message["content"]);
+    let last = chunks.last().unwrap();
+    assert_eq!(last["choices"][0]["finish_reason"], body["choices"][0]["finish_reason"]);
+    assert_eq!(last["usage"], body["usage"]);
+
+    // A model without a template, and messages that are not a conversation, are refused by name.
+    let mut encoder = request.clone();
+    encoder["model"] = json!("encoder");
+    let (status, _, error) = chat(&server, &encoder).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{error}");
+    for (messages, needle) in [
+        (json!([{"role": "robot", "content": "x"}]), "messages[0].role `robot`"),
+        (json!([]), "at least one message"),
+        (
+            json!([{"role": "user", "content": [{"type": "image_url"}]}]),
+            "image_url",
+        ),
+    ] {
+        let mut bad = request.clone();
+        bad["messages"] = messages;
+        let (status, _, error) = chat(&server, &bad).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{error}");
+        assert_eq!(error["error"]["param"], "messages", "{error}");
+        assert!(error["error"]["message"].as_str().unwrap().contains(needle), "{error}");
+    }
+    let mut forced = request.clone();
+    forced["tools"] = serde_json::from_str(TOOLS).unwrap();
+    forced["tool_choice"] = json!("required");
+    let (status, _, error) = chat(&server, &forced).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{error}");
+    assert_eq!(error["error"]["param"], "tool_choice", "{error}");
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn a_chat_offering_tools_is_replayed_before_its_first_token_and_never_after() {
+    let server = TestServer::start(CONFIG).await;
+    let request = json!({"model": "tiny", "temperature": 0, "max_tokens": 10,
+                         "tools": serde_json::from_str::<Value>(TOOLS).unwrap(),
+                         "messages": [{"role": "user", "content": case("short")["prompt"]}]});
+    let (status, _, undisturbed) = chat(&server, &request).await;
+    assert_eq!(status, StatusCode::OK, "{undisturbed}");
+
+    // Before the first token nothing can have acted: the prompt's run is retried on the CPU.
+    server.post_json("/admin/sim/gpu0", &json!({"fail_next": 1})).await;
+    let (status, headers, replayed) = chat(&server, &request).await;
+    assert_eq!(status, StatusCode::OK, "{replayed}");
+    assert_eq!(headers["x-vramguard-pool"], "cpu");
+    assert_eq!(replayed["choices"], undisturbed["choices"], "the same answer");
+
+    // After it: the failure is the answer, and nothing runs on the CPU pool.
+    let before = server.metrics().await;
+    let cpu_runs = |m: &str| {
+        common::sum_samples(m, |l| {
+            l.starts_with("vramguard_requests_total{model=\"tiny\",pool=\"cpu\"")
+        })
+    };
+    server
+        .post_json("/admin/sim/gpu0", &json!({"pass_first": 3, "fail_next": 1}))
+        .await;
+    let (status, _, error) = chat(&server, &request).await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{error}");
+    let message = error["error"]["message"].as_str().unwrap();
+    assert!(message.contains("offers tools"), "{message}");
+    let after = server.metrics().await;
+    assert_eq!(cpu_runs(&after), cpu_runs(&before), "{after}");
+    let moved = |m: &str| common::sum_samples(m, |l| l.starts_with("vramguard_failovers_total{"));
+    assert_eq!(moved(&after), moved(&before), "no step moved: {after}");
+
+    // Streamed, the same failure ends the stream with an error event after the tokens sent.
+    server
+        .post_json("/admin/sim/gpu0", &json!({"pass_first": 3, "fail_next": 1}))
+        .await;
+    let mut streamed = request.clone();
+    streamed["stream"] = json!(true);
+    let chunks = events(server.post_json("/v1/chat/completions", &streamed).await).await;
+    let error = &chunks.last().unwrap()["error"];
+    assert_eq!(error["tokens_sent"], 3, "{chunks:?}");
+    assert!(error["message"].as_str().unwrap().contains("offers tools"), "{error}");
+    assert_eq!(cpu_runs(&server.metrics().await), cpu_runs(&before));
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn while_degraded_a_generation_says_where_it_runs_its_limits_and_delay() {
+    let server = TestServer::start(CONFIG).await;
+    let reset = server
+        .post_json("/admin/sim/gpu0", &json!({"driver_reset": true}))
+        .await;
+    assert_eq!(reset.status(), StatusCode::OK);
+    let request = json!({"model": "tiny", "temperature": 0, "max_tokens": 4,
+                         "messages": [{"role": "user", "content": "hello"}]});
+    let (status, headers, body) = chat(&server, &request).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert_eq!(headers["x-vramguard-pool"], "cpu");
+    assert!(headers.get("x-vramguard-degraded").is_some(), "{headers:?}");
+    let limits = headers["x-vramguard-pool-limits"].to_str().unwrap();
+    assert!(
+        limits.starts_with("max_context=none; concurrency=1; queue_capacity="),
+        "{limits}"
+    );
+    assert!(
+        headers["x-vramguard-estimated-delay-ms"]
+            .to_str()
+            .unwrap()
+            .parse::<u64>()
+            .is_ok()
+    );
+
+    let mut streamed = request.clone();
+    streamed["stream"] = json!(true);
+    let response = server.post_json("/v1/chat/completions", &streamed).await;
+    assert!(response.headers().get("x-vramguard-degraded").is_some());
+    let chunks = events(response).await;
+    let facts = &chunks[0]["vramguard"];
+    assert_eq!(facts["pool"], "cpu", "{facts}");
+    assert!(facts["degraded"].as_str().is_some_and(|r| !r.is_empty()), "{facts}");
+    assert_eq!(facts["limits"]["concurrency"], 1, "{facts}");
+    assert!(facts["estimated_delay_ms"].is_u64(), "{facts}");
     server.stop().await;
 }

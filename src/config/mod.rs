@@ -309,6 +309,11 @@ pub struct RawModel {
     /// file): with it, the model serves text generation on `/v1/completions`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tokenizer: Option<String>,
+    /// The chat template behind `/v1/chat/completions`: `builtin:chatml`, a Jinja file, or a
+    /// `tokenizer_config.json` holding `chat_template` (relative to the config file). Without
+    /// it, the `tokenizer_config.json` next to the tokenizer, when it has one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub chat_template: Option<String>,
 }
 
 /// `models[].memory_profile:` bytes = weights + workspace + batch × (per_token·n + per_token_squared·n²)
@@ -694,6 +699,27 @@ pub struct ModelConfig {
     pub profile: Option<ConfiguredProfile>,
     /// The tokenizer file of a decoder that serves text generation.
     pub tokenizer: Option<PathBuf>,
+    /// Where its chat template comes from, when it serves chat.
+    pub chat_template: Option<ChatTemplateSource>,
+}
+
+/// Where a model's chat template comes from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ChatTemplateSource {
+    /// `builtin:<name>`.
+    Builtin(String),
+    /// A Jinja file or a `tokenizer_config.json`.
+    File(PathBuf),
+}
+
+impl ChatTemplateSource {
+    /// As the chat module loads it.
+    pub fn spec(&self) -> String {
+        match self {
+            ChatTemplateSource::Builtin(name) => format!("builtin:{name}"),
+            ChatTemplateSource::File(path) => path.display().to_string(),
+        }
+    }
 }
 
 /// A memory profile from the config.
@@ -1136,6 +1162,36 @@ impl RawConfig {
                     Some(path)
                 }
             };
+            let chat_template = match &m.chat_template {
+                None => None,
+                Some(spec) => {
+                    if tokenizer.is_none() {
+                        return Err(c.err(
+                            format!("{key}.chat_template"),
+                            "a chat template needs `tokenizer` too: chat is text generation",
+                        ));
+                    }
+                    Some(match spec.strip_prefix("builtin:") {
+                        Some("chatml") => ChatTemplateSource::Builtin("chatml".into()),
+                        Some(other) => {
+                            return Err(c.err(
+                                format!("{key}.chat_template"),
+                                format!("unknown builtin chat template `{other}`; builtin: chatml"),
+                            ));
+                        }
+                        None => {
+                            let path = base.join(spec);
+                            if !path.is_file() {
+                                return Err(c.err(
+                                    format!("{key}.chat_template"),
+                                    format!("chat template file `{}` does not exist", path.display()),
+                                ));
+                            }
+                            ChatTemplateSource::File(path)
+                        }
+                    })
+                }
+            };
             models.push(ModelConfig {
                 name: m.name.clone(),
                 source,
@@ -1143,6 +1199,7 @@ impl RawConfig {
                 allow_shrink: m.allow_shrink,
                 profile,
                 tokenizer,
+                chat_template,
             });
         }
 

@@ -25,7 +25,7 @@ use tokio::net::TcpListener;
 
 use crate::idempotency::{Claim, StoredResponse};
 use crate::lifecycle::{self, RequestError};
-use crate::pool::Availability;
+use crate::pool::{Availability, Pool};
 use crate::service::Service;
 use crate::snapshot::DeviceClass;
 
@@ -49,6 +49,10 @@ pub const IDEMPOTENT_REPLAYED: &str = "idempotent-replayed";
 pub const DEGRADED_HEADER: &str = "x-vramguard-degraded";
 /// `true` when the client allows its context to be cut (overrides `parameters.allow_shrink`).
 pub const ALLOW_SHRINK_HEADER: &str = "x-vramguard-allow-shrink";
+/// While degraded: the serving pool's limits, `max_context=N; concurrency=N; queue_capacity=N`.
+pub const POOL_LIMITS_HEADER: &str = "x-vramguard-pool-limits";
+/// While degraded: the serving pool's current delay estimate for a new request, milliseconds.
+pub const ESTIMATED_DELAY_HEADER: &str = "x-vramguard-estimated-delay-ms";
 /// `FROM->TO` tokens when the context was shrunk.
 pub const CONTEXT_HEADER: &str = "x-vramguard-context";
 /// Binary extension header: length of the JSON part.
@@ -154,6 +158,7 @@ pub fn app(state: Arc<AppState>) -> Router {
         .route("/", get(status_page))
         .route("/v1/models", get(openai::models))
         .route("/v1/completions", post(openai::completions))
+        .route("/v1/chat/completions", post(openai::chat_completions))
         .merge(admin::tcp_routes(&state))
         .route("/metrics", get(metrics))
         .fallback(|| async { ApiError::new(StatusCode::NOT_FOUND, "no such endpoint") })
@@ -648,6 +653,52 @@ fn header_value<T: std::str::FromStr>(
     }
 }
 
+/// What a client is told about the pool serving it: its name and, while degraded, why, its
+/// limits and the delay a new request there should expect (a stream's first chunk).
+fn pool_facts(pool: &Pool, degraded: Option<&crate::degraded::Now>) -> Value {
+    let mut facts = json!({
+        "pool": pool.name(),
+        "provider": pool.provider().label(),
+        "simulated": pool.device_kind == DeviceClass::Simulated,
+    });
+    if let Some(degraded) = degraded {
+        facts["degraded"] = json!(degraded.reason);
+        facts["limits"] = json!({"max_context": pool.config.max_context,
+                                 "concurrency": pool.config.workers,
+                                 "queue_capacity": pool.config.queue_capacity});
+        facts["estimated_delay_ms"] = json!(pool.load().estimated_delay.as_millis() as u64);
+    }
+    facts
+}
+
+/// The same facts as [`pool_facts`], as response headers.
+fn pool_headers(headers: &mut HeaderMap, pool: &Pool, degraded: Option<&crate::degraded::Now>) {
+    if let Ok(v) = HeaderValue::from_str(pool.name()) {
+        headers.insert(HeaderName::from_static(POOL_HEADER), v);
+    }
+    let Some(degraded) = degraded else {
+        return;
+    };
+    if let Ok(v) = HeaderValue::from_str(&degraded.reason) {
+        headers.insert(HeaderName::from_static(DEGRADED_HEADER), v);
+    }
+    let max_context = pool
+        .config
+        .max_context
+        .map_or_else(|| "none".to_string(), |n| n.to_string());
+    let limits = format!(
+        "max_context={max_context}; concurrency={}; queue_capacity={}",
+        pool.config.workers, pool.config.queue_capacity
+    );
+    if let Ok(v) = HeaderValue::from_str(&limits) {
+        headers.insert(HeaderName::from_static(POOL_LIMITS_HEADER), v);
+    }
+    headers.insert(
+        HeaderName::from_static(ESTIMATED_DELAY_HEADER),
+        HeaderValue::from(pool.load().estimated_delay.as_millis() as u64),
+    );
+}
+
 fn served_response(
     model: &str,
     id: &str,
@@ -695,12 +746,7 @@ fn served_response(
         HeaderName::from_static(DECISION_HEADER),
         HeaderValue::from_static(served.action.label()),
     );
-    if let Ok(v) = HeaderValue::from_str(pool.name()) {
-        headers.insert(HeaderName::from_static(POOL_HEADER), v);
-    }
-    if let Some(v) = degraded.and_then(|d| HeaderValue::from_str(&d.reason).ok()) {
-        headers.insert(HeaderName::from_static(DEGRADED_HEADER), v);
-    }
+    pool_headers(headers, pool, degraded);
     if let Some(context) = context.and_then(|c| HeaderValue::from_str(&c).ok()) {
         headers.insert(HeaderName::from_static(CONTEXT_HEADER), context);
     }

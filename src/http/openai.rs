@@ -1,11 +1,16 @@
-//! OpenAI-compatible text generation: `GET /v1/models` and `POST /v1/completions`, with
-//! errors in OpenAI's shape (`{"error": {"message", "type", "param", "code"}}`), so clients
-//! built on the `openai` package work unchanged. Generation itself is [`crate::generate`].
+//! OpenAI-compatible text generation: `GET /v1/models`, `POST /v1/completions` and
+//! `POST /v1/chat/completions`, with errors in OpenAI's shape (`{"error": {"message", "type",
+//! "param", "code"}}`), so clients built on the `openai` package work unchanged. Generation
+//! itself is [`crate::generate`]; chat templates and tool calls are [`crate::chat`].
 //!
 //! `stream: true` answers with server-sent events: one chunk per piece of text, the last with
-//! `finish_reason` and `usage`, then `data: [DONE]`. An error before the first token is an
-//! ordinary error response; after it, a final `error` event with the request id, the tokens
-//! already sent and how to resume, never a silent replay. Not yet: `/v1/chat/completions`.
+//! `finish_reason` and `usage`, then `data: [DONE]`. The first chunk carries a `vramguard`
+//! object naming the pool that serves the request and, while degraded, why, that pool's limits
+//! and its estimated delay (the same facts a non-streamed answer has in `x-vramguard-*`
+//! headers). An error before the first token is an ordinary error response; after it, a final
+//! `error` event with the request id, the tokens already sent and how to resume, never a
+//! silent replay. A chat request offering tools is never run twice once its first token is
+//! picked, streamed or not: a tool call may already have acted on the client's side.
 
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -19,9 +24,12 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 use tokio::time::Instant;
 
-use super::{AppState, DECISION_HEADER, DEGRADED_HEADER, POOL_HEADER};
+use futures_util::StreamExt;
+
+use super::{AppState, DECISION_HEADER};
 use crate::generate::{self, Params};
 use crate::lifecycle::RequestError;
+use crate::pool::Pool;
 
 /// An error as OpenAI's API writes it.
 pub struct OpenAiError {
@@ -98,12 +106,12 @@ enum Stop {
     Many(Vec<String>),
 }
 
-/// The body of `POST /v1/completions`. The fields OpenAI documents that would change the
-/// answer and that are not supported are refused by name, never ignored.
+/// What completions and chat share: how to pick tokens and when to stop. The fields OpenAI
+/// documents that would change the answer and that are not supported are refused by name,
+/// never ignored.
 #[derive(Debug, Deserialize)]
-struct CompletionRequest {
+struct Sampling {
     model: String,
-    prompt: Value,
     #[serde(default)]
     max_tokens: Option<u32>,
     #[serde(default)]
@@ -121,6 +129,22 @@ struct CompletionRequest {
     #[serde(default)]
     n: Option<u32>,
     #[serde(default)]
+    presence_penalty: Option<f32>,
+    #[serde(default)]
+    frequency_penalty: Option<f32>,
+    #[serde(default)]
+    logit_bias: Option<serde_json::Map<String, Value>>,
+    // Other fields (`user`, `stream_options`, `parallel_tool_calls`) do not change the answer
+    // and are ignored.
+}
+
+/// The body of `POST /v1/completions`.
+#[derive(Debug, Deserialize)]
+struct CompletionRequest {
+    #[serde(flatten)]
+    sampling: Sampling,
+    prompt: Value,
+    #[serde(default)]
     echo: Option<bool>,
     #[serde(default)]
     logprobs: Option<Value>,
@@ -128,13 +152,46 @@ struct CompletionRequest {
     best_of: Option<u32>,
     #[serde(default)]
     suffix: Option<String>,
+}
+
+/// The body of `POST /v1/chat/completions`.
+#[derive(Debug, Deserialize)]
+struct ChatRequest {
+    #[serde(flatten)]
+    sampling: Sampling,
+    messages: Vec<Value>,
     #[serde(default)]
-    presence_penalty: Option<f32>,
+    tools: Option<Vec<Value>>,
     #[serde(default)]
-    frequency_penalty: Option<f32>,
+    tool_choice: Option<Value>,
+    /// OpenAI's newer name for `max_tokens`.
     #[serde(default)]
-    logit_bias: Option<serde_json::Map<String, Value>>,
-    // Other fields (`user`, `stream_options`) do not change the answer and are ignored.
+    max_completion_tokens: Option<u32>,
+    #[serde(default)]
+    logprobs: Option<bool>,
+    #[serde(default)]
+    top_logprobs: Option<u32>,
+    #[serde(default)]
+    response_format: Option<Value>,
+}
+
+/// Which API a generation answers.
+#[derive(Debug, Clone)]
+enum Api {
+    Completion,
+    /// Chat, with the names of the tools offered (empty: none, or `tool_choice: "none"`).
+    Chat {
+        tools: Vec<String>,
+    },
+}
+
+/// A checked generation request: the model, its prompt's tokens and how to generate.
+struct Job {
+    model: String,
+    api: Api,
+    prompt: Vec<u32>,
+    params: Params,
+    stream: bool,
 }
 
 /// `POST /v1/completions`.
@@ -143,22 +200,34 @@ pub async fn completions(
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
+    serve(&state, &headers, body, false).await
+}
+
+/// `POST /v1/chat/completions`.
+pub async fn chat_completions(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    serve(&state, &headers, body, true).await
+}
+
+async fn serve(state: &AppState, headers: &HeaderMap, body: Result<Bytes, BytesRejection>, chat: bool) -> Response {
     let received = Instant::now();
-    let id = super::request_id(&headers);
-    let response = match complete(&state, &headers, body, &id, received).await {
+    let id = super::request_id(headers);
+    let result = match read_job(state, body, &id, chat) {
+        Ok(job) => run(state, headers, job, &id, received).await,
+        Err(error) => Err(error),
+    };
+    let response = match result {
         Ok(response) => response,
         Err(error) => error.into_response(),
     };
     super::with_request_id(response, &id)
 }
 
-async fn complete(
-    state: &AppState,
-    headers: &HeaderMap,
-    body: Result<Bytes, BytesRejection>,
-    id: &str,
-    received: Instant,
-) -> Result<Response, OpenAiError> {
+/// Decode and check the body into a [`Job`].
+fn read_job(state: &AppState, body: Result<Bytes, BytesRejection>, id: &str, chat: bool) -> Result<Job, OpenAiError> {
     let service = &state.service;
     let body = body.map_err(|e| OpenAiError {
         status: e.status(),
@@ -168,102 +237,234 @@ async fn complete(
         retry_after: None,
         request_id: Some(id.to_string()),
     })?;
-    let request: CompletionRequest = serde_json::from_slice(&body)
-        .map_err(|e| OpenAiError::invalid(format!("the body is not a completion request: {e}"), None))?;
-    let entry = service.model(&request.model).ok_or_else(|| {
-        let error = RequestError::unknown_model(service, &request.model);
-        OpenAiError {
-            param: Some("model"),
-            ..OpenAiError::from_request(&error, id)
-        }
-    })?;
-    let (Some(_), Some(tokenizer)) = (entry.decoder, entry.tokenizer.clone()) else {
-        return Err(OpenAiError::invalid(
-            format!(
-                "model `{}` does not generate text (it needs a decoder with past key values and `models[].tokenizer`)",
-                request.model
+    let (sampling, text, api, max_tokens) = if chat {
+        let request: ChatRequest = serde_json::from_slice(&body)
+            .map_err(|e| OpenAiError::invalid(format!("the body is not a chat completion request: {e}"), None))?;
+        for (given, name) in [
+            (request.logprobs == Some(true), "logprobs"),
+            (request.top_logprobs.is_some(), "top_logprobs"),
+            (
+                request
+                    .response_format
+                    .as_ref()
+                    .is_some_and(|f| !f.is_null() && f["type"] != "text"),
+                "response_format",
             ),
-            Some("model"),
-        ));
-    };
-    let prompt = match &request.prompt {
-        Value::String(text) => text.clone(),
-        Value::Array(items) if items.len() == 1 && items[0].is_string() => {
-            items[0].as_str().unwrap_or_default().to_string()
+        ] {
+            if given {
+                return Err(OpenAiError::invalid(format!("`{name}` is not supported"), Some(name)));
+            }
         }
-        _ => return Err(OpenAiError::invalid("`prompt` must be one string", Some("prompt"))),
+        let entry = text_model(state, &request.sampling.model, id)?;
+        let template = entry.chat.clone().ok_or_else(|| {
+            OpenAiError::invalid(
+                format!(
+                    "model `{}` has no chat template (set `models[].chat_template`, or put a tokenizer_config.json with `chat_template` beside its tokenizer); /v1/completions takes plain prompts",
+                    request.sampling.model
+                ),
+                Some("model"),
+            )
+        })?;
+        let messages =
+            crate::chat::template_messages(&request.messages).map_err(|e| OpenAiError::invalid(e, Some("messages")))?;
+        let tools = request.tools.unwrap_or_default();
+        crate::chat::check_tools(&tools).map_err(|e| OpenAiError::invalid(e, Some("tools")))?;
+        // Without constrained decoding a call cannot be forced: `required` or a named function
+        // is refused rather than answered with text the client did not ask for.
+        let offered = match &request.tool_choice {
+            None | Some(Value::Null) => !tools.is_empty(),
+            Some(Value::String(c)) if c == "auto" => !tools.is_empty(),
+            Some(Value::String(c)) if c == "none" => false,
+            Some(_) => {
+                return Err(OpenAiError::invalid(
+                    "`tool_choice` may be \"auto\" or \"none\": forcing a call is not supported",
+                    Some("tool_choice"),
+                ));
+            }
+        };
+        let prompt = template
+            .render(&messages, offered.then_some(tools.as_slice()))
+            .map_err(|e| OpenAiError::invalid(e, Some("messages")))?;
+        let names = if offered {
+            tools
+                .iter()
+                .filter_map(|t| t["function"]["name"].as_str().map(str::to_string))
+                .collect()
+        } else {
+            Vec::new()
+        };
+        let max_tokens = request.max_completion_tokens.or(request.sampling.max_tokens);
+        let mut sampling = request.sampling;
+        // The end of the assistant's turn ends the answer even where it is not a single token.
+        let end = template.end_of_turn.clone();
+        sampling.stop = Some(match sampling.stop.take() {
+            None => Stop::Many(vec![end]),
+            Some(Stop::One(s)) => Stop::Many(vec![s, end]),
+            Some(Stop::Many(mut v)) => {
+                if v.len() > 4 {
+                    return Err(OpenAiError::invalid("`stop` takes at most 4 strings", Some("stop")));
+                }
+                v.push(end);
+                Stop::Many(v)
+            }
+        });
+        (sampling, prompt, Api::Chat { tools: names }, max_tokens)
+    } else {
+        let request: CompletionRequest = serde_json::from_slice(&body)
+            .map_err(|e| OpenAiError::invalid(format!("the body is not a completion request: {e}"), None))?;
+        for (given, name) in [
+            (request.best_of.is_some_and(|n| n != 1), "best_of"),
+            (request.echo == Some(true), "echo"),
+            (request.logprobs.as_ref().is_some_and(|v| !v.is_null()), "logprobs"),
+            (request.suffix.is_some(), "suffix"),
+        ] {
+            if given {
+                return Err(OpenAiError::invalid(format!("`{name}` is not supported"), Some(name)));
+            }
+        }
+        text_model(state, &request.sampling.model, id)?;
+        let prompt = match &request.prompt {
+            Value::String(text) => text.clone(),
+            Value::Array(items) if items.len() == 1 && items[0].is_string() => {
+                items[0].as_str().unwrap_or_default().to_string()
+            }
+            _ => return Err(OpenAiError::invalid("`prompt` must be one string", Some("prompt"))),
+        };
+        // Chat adds its end-of-turn string to `stop`; a completion's own stays within 4.
+        if let Some(Stop::Many(v)) = &request.sampling.stop
+            && v.len() > 4
+        {
+            return Err(OpenAiError::invalid("`stop` takes at most 4 strings", Some("stop")));
+        }
+        let max_tokens = request.sampling.max_tokens;
+        (request.sampling, prompt, Api::Completion, max_tokens)
     };
-    let stream = request.stream == Some(true);
+    let stream = sampling.stream == Some(true);
     for (given, name) in [
-        (request.n.is_some_and(|n| n != 1), "n"),
-        (request.best_of.is_some_and(|n| n != 1), "best_of"),
-        (request.echo == Some(true), "echo"),
-        (request.logprobs.as_ref().is_some_and(|v| !v.is_null()), "logprobs"),
-        (request.suffix.is_some(), "suffix"),
-        (request.presence_penalty.is_some_and(|p| p != 0.0), "presence_penalty"),
-        (request.frequency_penalty.is_some_and(|p| p != 0.0), "frequency_penalty"),
-        (request.logit_bias.as_ref().is_some_and(|b| !b.is_empty()), "logit_bias"),
+        (sampling.n.is_some_and(|n| n != 1), "n"),
+        (sampling.presence_penalty.is_some_and(|p| p != 0.0), "presence_penalty"),
+        (
+            sampling.frequency_penalty.is_some_and(|p| p != 0.0),
+            "frequency_penalty",
+        ),
+        (
+            sampling.logit_bias.as_ref().is_some_and(|b| !b.is_empty()),
+            "logit_bias",
+        ),
     ] {
         if given {
-            return Err(OpenAiError::invalid(format!("`{name}` is not supported"), None));
+            return Err(OpenAiError::invalid(format!("`{name}` is not supported"), Some(name)));
         }
     }
-    let max_tokens = request.max_tokens.unwrap_or(16);
+    let max_tokens = max_tokens.unwrap_or(16);
     if max_tokens == 0 {
         return Err(OpenAiError::invalid(
             "`max_tokens` must be at least 1",
             Some("max_tokens"),
         ));
     }
-    let temperature = request.temperature.unwrap_or(1.0);
+    let temperature = sampling.temperature.unwrap_or(1.0);
     if !(0.0..=2.0).contains(&temperature) {
         return Err(OpenAiError::invalid(
             "`temperature` must be between 0 and 2",
             Some("temperature"),
         ));
     }
-    let top_p = request.top_p.unwrap_or(1.0);
+    let top_p = sampling.top_p.unwrap_or(1.0);
     if !(top_p > 0.0 && top_p <= 1.0) {
         return Err(OpenAiError::invalid(
             "`top_p` must be greater than 0 and at most 1",
             Some("top_p"),
         ));
     }
-    let stop = match request.stop {
+    let stop = match sampling.stop {
         None => Vec::new(),
         Some(Stop::One(s)) => vec![s],
-        Some(Stop::Many(v)) if v.len() <= 4 => v,
-        Some(Stop::Many(_)) => return Err(OpenAiError::invalid("`stop` takes at most 4 strings", Some("stop"))),
+        Some(Stop::Many(v)) => v,
     };
     if stop.iter().any(String::is_empty) {
         return Err(OpenAiError::invalid("`stop` strings must not be empty", Some("stop")));
     }
+    let entry = service.model(&sampling.model).expect("checked by text_model");
+    let tokenizer = entry.tokenizer.as_ref().expect("checked by text_model");
     let encoding = tokenizer
-        .encode(prompt.as_str(), false)
+        .encode(text.as_str(), false)
         .map_err(|e| OpenAiError::invalid(format!("the prompt cannot be tokenized: {e}"), Some("prompt")))?;
-    let prompt_ids = encoding.get_ids().to_vec();
-    if prompt_ids.is_empty() {
-        return Err(OpenAiError::invalid("`prompt` is empty", Some("prompt")));
+    let prompt = encoding.get_ids().to_vec();
+    if prompt.is_empty() {
+        return Err(OpenAiError::invalid(
+            "the prompt is empty",
+            Some(if chat { "messages" } else { "prompt" }),
+        ));
     }
     let params = Params {
         max_tokens,
         temperature,
         top_p,
-        top_k: request.top_k.unwrap_or(0),
+        top_k: sampling.top_k.unwrap_or(0),
         // Without a seed, one from the request id: still the same tokens if it is retried.
-        seed: request.seed.unwrap_or_else(|| {
+        seed: sampling.seed.unwrap_or_else(|| {
             id.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
                 (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
             })
         }),
         stop,
+        tools: matches!(&api, Api::Chat { tools } if !tools.is_empty()),
     };
-    let base = super::decode_headers(service, &request.model, id, headers, received)
-        .map_err(|e| OpenAiError::from_request(&e, id))?;
-    if stream {
-        return streamed(state, &request.model, id, prompt_ids, params, base, tokenizer).await;
+    Ok(Job {
+        model: sampling.model,
+        api,
+        prompt,
+        params,
+        stream,
+    })
+}
+
+/// The model named, if it generates text.
+fn text_model<'a>(state: &'a AppState, model: &str, id: &str) -> Result<&'a crate::service::ModelEntry, OpenAiError> {
+    let service = &state.service;
+    let entry = service.model(model).ok_or_else(|| {
+        let error = RequestError::unknown_model(service, model);
+        OpenAiError {
+            param: Some("model"),
+            ..OpenAiError::from_request(&error, id)
+        }
+    })?;
+    if entry.decoder.is_none() || entry.tokenizer.is_none() {
+        return Err(OpenAiError::invalid(
+            format!(
+                "model `{model}` does not generate text (it needs a decoder with past key values and `models[].tokenizer`)"
+            ),
+            Some("model"),
+        ));
     }
-    let generated = generate::generate(service, entry, prompt_ids, &params, base, None)
+    Ok(entry)
+}
+
+fn unix_now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+/// Run a checked job and answer it, streamed or whole.
+async fn run(
+    state: &AppState,
+    headers: &HeaderMap,
+    job: Job,
+    id: &str,
+    received: Instant,
+) -> Result<Response, OpenAiError> {
+    let service = &state.service;
+    let base = super::decode_headers(service, &job.model, id, headers, received)
+        .map_err(|e| OpenAiError::from_request(&e, id))?;
+    let entry = service.model(&job.model).expect("checked by text_model");
+    let tokenizer = Arc::clone(entry.tokenizer.as_ref().expect("checked by text_model"));
+    if job.stream {
+        return streamed(state, job, id, base, tokenizer).await;
+    }
+    let generated = generate::generate(service, entry, job.prompt, &job.params, base, None)
         .await
         .map_err(|refused| {
             let degraded = service.degraded.now();
@@ -273,38 +474,63 @@ async fn complete(
             }
             error
         })?;
-    let created = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0);
     let completion = generated.tokens.len();
-    let mut response = axum::Json(json!({
-        "id": format!("cmpl-{id}"),
-        "object": "text_completion",
-        "created": created,
-        "model": request.model,
-        "choices": [{"text": generated.text, "index": 0, "logprobs": null,
-                     "finish_reason": generated.finish.label()}],
-        "usage": {"prompt_tokens": generated.prompt_tokens, "completion_tokens": completion,
-                  "total_tokens": generated.prompt_tokens + completion},
-    }))
-    .into_response();
+    let usage = json!({"prompt_tokens": generated.prompt_tokens, "completion_tokens": completion,
+                       "total_tokens": generated.prompt_tokens + completion});
+    let body = match &job.api {
+        Api::Completion => json!({
+            "id": format!("cmpl-{id}"),
+            "object": "text_completion",
+            "created": unix_now(),
+            "model": job.model,
+            "choices": [{"text": generated.text, "index": 0, "logprobs": null,
+                         "finish_reason": generated.finish.label()}],
+            "usage": usage,
+        }),
+        Api::Chat { tools } => {
+            let offered: Vec<&str> = tools.iter().map(String::as_str).collect();
+            let (prose, calls) = crate::chat::split_tool_calls(&generated.text, &offered);
+            let mut message = json!({"role": "assistant", "content": prose});
+            let finish = if calls.is_empty() {
+                generated.finish.label()
+            } else {
+                let prose = prose.trim();
+                message["content"] = if prose.is_empty() { Value::Null } else { json!(prose) };
+                message["tool_calls"] = tool_calls_json(&calls, id);
+                "tool_calls"
+            };
+            json!({
+                "id": format!("chatcmpl-{id}"),
+                "object": "chat.completion",
+                "created": unix_now(),
+                "model": job.model,
+                "choices": [{"index": 0, "message": message, "logprobs": null, "finish_reason": finish}],
+                "usage": usage,
+            })
+        }
+    };
+    let mut response = axum::Json(body).into_response();
     let out = response.headers_mut();
     out.insert(
         HeaderName::from_static(DECISION_HEADER),
         HeaderValue::from_static(generated.action.label()),
     );
-    if let Ok(v) = HeaderValue::from_str(generated.pool.name()) {
-        out.insert(HeaderName::from_static(POOL_HEADER), v);
-    }
-    if let Some(v) = service
-        .degraded
-        .now()
-        .and_then(|d| HeaderValue::from_str(&d.reason).ok())
-    {
-        out.insert(HeaderName::from_static(DEGRADED_HEADER), v);
-    }
+    super::pool_headers(out, &generated.pool, service.degraded.now().as_ref());
     Ok(response)
+}
+
+/// OpenAI's `tool_calls`, each with an id unique to the request.
+fn tool_calls_json(calls: &[crate::chat::ToolCall], id: &str) -> Value {
+    Value::Array(
+        calls
+            .iter()
+            .enumerate()
+            .map(|(i, c)| {
+                json!({"id": format!("call_{i}_{id}"), "type": "function",
+                       "function": {"name": c.name, "arguments": c.arguments}})
+            })
+            .collect(),
+    )
 }
 
 /// One server-sent event carrying `value` as JSON.
@@ -334,7 +560,7 @@ fn sendable<'a>(text: &'a str, stop: &[String]) -> &'a str {
 
 /// A generation running in its own task: its tokens as they come, and its end.
 type Running = (
-    tokio::sync::mpsc::Receiver<u32>,
+    tokio::sync::mpsc::Receiver<generate::Token>,
     tokio::task::JoinHandle<Result<generate::Generated, crate::lifecycle::Refused>>,
 );
 
@@ -344,54 +570,68 @@ type Running = (
 /// counted `cancelled`.
 async fn streamed(
     state: &AppState,
-    model: &str,
+    job: Job,
     id: &str,
-    prompt: Vec<u32>,
-    params: Params,
     base: crate::lifecycle::Request,
     tokenizer: Arc<tokenizers::Tokenizer>,
 ) -> Result<Response, OpenAiError> {
     let service = Arc::clone(&state.service);
-    let (tx, mut rx) = tokio::sync::mpsc::channel::<u32>(64);
+    let (tx, mut rx) = tokio::sync::mpsc::channel::<generate::Token>(64);
     let task = tokio::spawn({
         let service = Arc::clone(&service);
-        let model = model.to_string();
-        let params = params.clone();
+        let model = job.model.clone();
+        let params = job.params.clone();
+        let prompt = job.prompt;
         async move {
             let entry = service.model(&model).expect("checked before");
             generate::generate(&service, entry, prompt, &params, base, Some(tx)).await
         }
     });
+    // Text from a tool call's start on waits for the end, when the calls are read back.
+    let mut held = job.params.stop.clone();
+    if matches!(&job.api, Api::Chat { tools } if !tools.is_empty()) {
+        held.push(crate::chat::TOOL_CALL_OPEN.to_string());
+    }
     let stream = Stream {
         tokens: Vec::new(),
         sent: 0,
         running: None,
         finished: None,
         done: false,
-        params,
+        pool: None,
+        held,
+        api: job.api,
         id: id.to_string(),
-        model: model.to_string(),
-        created: SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map(|d| d.as_secs())
-            .unwrap_or(0),
+        model: job.model,
+        created: unix_now(),
         tokenizer,
+        service,
     };
     // Until the first token, a failure is an ordinary error response. The channel closes
     // without a token only when the generation ended before sending one.
     match rx.recv().await {
-        Some(first) => Ok(sse(Stream {
-            tokens: vec![first],
-            running: Some((rx, task)),
-            ..stream
-        })),
+        Some(first) => {
+            let pool = Arc::clone(&first.pool);
+            let mut stream = Stream {
+                tokens: vec![first.id],
+                running: Some((rx, task)),
+                ..stream
+            };
+            let opening = stream.opening(&pool);
+            Ok(sse(stream, opening, &pool))
+        }
         None => match task.await {
             Ok(Err(refused)) => Err(OpenAiError::from_request(&refused.error, id)),
             // Ended before any token (the end-of-text token came first): only the last chunk.
-            Ok(Ok(generated)) => Ok(sse(Stream {
-                finished: Some(Ok(generated)),
-                ..stream
-            })),
+            Ok(Ok(generated)) => {
+                let pool = Arc::clone(&generated.pool);
+                let mut stream = Stream {
+                    finished: Some(Ok(generated)),
+                    ..stream
+                };
+                let opening = stream.opening(&pool);
+                Ok(sse(stream, opening, &pool))
+            }
             Err(e) => Err(OpenAiError {
                 status: StatusCode::INTERNAL_SERVER_ERROR,
                 message: format!("the generation task failed: {e}"),
@@ -412,24 +652,56 @@ struct Stream {
     running: Option<Running>,
     finished: Option<Result<generate::Generated, crate::lifecycle::Refused>>,
     done: bool,
-    params: Params,
+    /// The pool the last token came from, once the first chunk has named it.
+    pool: Option<String>,
+    /// Strings whose text waits: the stop strings, and a tool call's opening tag.
+    held: Vec<String>,
+    api: Api,
     id: String,
     model: String,
     created: u64,
     tokenizer: Arc<tokenizers::Tokenizer>,
+    service: Arc<crate::service::Service>,
 }
 
 impl Stream {
-    fn chunk(&self, text: &str, finish: Option<&str>, usage: Option<Value>) -> Bytes {
-        let mut value = json!({
-            "id": format!("cmpl-{}", self.id), "object": "text_completion", "created": self.created,
-            "model": self.model,
-            "choices": [{"text": text, "index": 0, "logprobs": null, "finish_reason": finish}],
-        });
+    /// One chunk: `text` (chat: the delta's `content`), and at the end why and the usage.
+    fn chunk(&self, delta: Value, finish: Option<&str>, usage: Option<Value>) -> Value {
+        let mut value = match &self.api {
+            Api::Completion => json!({
+                "id": format!("cmpl-{}", self.id), "object": "text_completion", "created": self.created,
+                "model": self.model,
+                "choices": [{"text": delta, "index": 0, "logprobs": null, "finish_reason": finish}],
+            }),
+            Api::Chat { .. } => json!({
+                "id": format!("chatcmpl-{}", self.id), "object": "chat.completion.chunk",
+                "created": self.created, "model": self.model,
+                "choices": [{"index": 0, "delta": if delta.is_object() { delta } else { json!({"content": delta}) },
+                             "logprobs": null, "finish_reason": finish}],
+            }),
+        };
         if let Some(usage) = usage {
             value["usage"] = usage;
         }
+        value
+    }
+
+    /// The first chunk: chat's assistant role (completions: empty text), with the serving
+    /// pool's facts.
+    fn opening(&mut self, pool: &Arc<Pool>) -> Bytes {
+        let delta = match self.api {
+            Api::Completion => json!(""),
+            Api::Chat { .. } => json!({"role": "assistant", "content": ""}),
+        };
+        let mut value = self.chunk(delta, None, None);
+        value["vramguard"] = self.facts(pool);
         event(&value)
+    }
+
+    /// Which pool serves the stream and, while degraded, why, its limits and expected delay.
+    fn facts(&mut self, pool: &Arc<Pool>) -> Value {
+        self.pool = Some(pool.name().to_string());
+        super::pool_facts(pool, self.service.degraded.now().as_ref())
     }
 
     /// The next bytes to send, or `None` when the stream is over.
@@ -440,23 +712,17 @@ impl Stream {
         loop {
             if self.finished.is_none() {
                 let text = self.tokenizer.decode(&self.tokens, true).unwrap_or_default();
-                let ready = sendable(&text, &self.params.stop);
+                let ready = sendable(&text, &self.held);
                 if ready.len() > self.sent {
                     let piece = ready[self.sent..].to_string();
                     self.sent = ready.len();
-                    return Some(self.chunk(&piece, None, None));
+                    return Some(event(&self.chunk(json!(piece), None, None)));
                 }
             }
             if let Some(result) = self.finished.take() {
                 self.done = true;
                 let mut out = match result {
-                    Ok(generated) => {
-                        let rest = generated.text.get(self.sent..).unwrap_or_default().to_string();
-                        let usage = json!({"prompt_tokens": generated.prompt_tokens,
-                                           "completion_tokens": generated.tokens.len(),
-                                           "total_tokens": generated.prompt_tokens + generated.tokens.len()});
-                        self.chunk(&rest, Some(generated.finish.label()), Some(usage)).to_vec()
-                    }
+                    Ok(generated) => self.last(&generated),
                     Err(refused) => {
                         let error = OpenAiError::from_request(&refused.error, &self.id);
                         event(&json!({"error": {
@@ -474,7 +740,19 @@ impl Stream {
             }
             let (rx, task) = self.running.as_mut()?;
             match rx.recv().await {
-                Some(token) => self.tokens.push(token),
+                Some(token) => {
+                    self.tokens.push(token.id);
+                    // Moved to another pool (a failover mid-stream): say so in the next chunk.
+                    if self.pool.as_deref() != Some(token.pool.name()) {
+                        let text = self.tokenizer.decode(&self.tokens, true).unwrap_or_default();
+                        let ready = sendable(&text, &self.held);
+                        let piece = ready.get(self.sent..).unwrap_or_default().to_string();
+                        self.sent = self.sent.max(ready.len());
+                        let mut value = self.chunk(json!(piece), None, None);
+                        value["vramguard"] = self.facts(&token.pool);
+                        return Some(event(&value));
+                    }
+                }
                 None => {
                     let result = match task.await {
                         Ok(result) => result,
@@ -492,17 +770,51 @@ impl Stream {
             }
         }
     }
+
+    /// The rest of the text, chat's tool calls, why it ended and the usage.
+    fn last(&self, generated: &generate::Generated) -> Vec<u8> {
+        let usage = json!({"prompt_tokens": generated.prompt_tokens,
+                           "completion_tokens": generated.tokens.len(),
+                           "total_tokens": generated.prompt_tokens + generated.tokens.len()});
+        let offered: Vec<&str> = match &self.api {
+            Api::Chat { tools } => tools.iter().map(String::as_str).collect(),
+            Api::Completion => Vec::new(),
+        };
+        let (prose, calls) = if offered.is_empty() {
+            (generated.text.clone(), Vec::new())
+        } else {
+            crate::chat::split_tool_calls(&generated.text, &offered)
+        };
+        let rest = prose.get(self.sent..).unwrap_or_default();
+        if calls.is_empty() {
+            return event(&self.chunk(json!(rest), Some(generated.finish.label()), Some(usage))).to_vec();
+        }
+        let mut out = Vec::new();
+        if !rest.trim().is_empty() {
+            out.extend_from_slice(&event(&self.chunk(json!(rest.trim_end()), None, None)));
+        }
+        let mut calls = tool_calls_json(&calls, &self.id);
+        for (i, call) in calls.as_array_mut().into_iter().flatten().enumerate() {
+            call["index"] = json!(i);
+        }
+        out.extend_from_slice(&event(&self.chunk(json!({"tool_calls": calls}), None, None)));
+        out.extend_from_slice(&event(&self.chunk(json!({}), Some("tool_calls"), Some(usage))));
+        out
+    }
 }
 
-fn sse(stream: Stream) -> Response {
-    let body = futures_util::stream::unfold(stream, |mut stream| async move {
+fn sse(stream: Stream, opening: Bytes, pool: &Pool) -> Response {
+    let degraded = stream.service.degraded.now();
+    let rest = futures_util::stream::unfold(stream, |mut stream| async move {
         let bytes = stream.next().await?;
         Some((Ok::<_, std::convert::Infallible>(bytes), stream))
     });
-    let mut response = axum::body::Body::from_stream(body).into_response();
+    let first = futures_util::stream::once(async move { Ok::<_, std::convert::Infallible>(opening) });
+    let mut response = axum::body::Body::from_stream(first.chain(rest)).into_response();
     let headers = response.headers_mut();
     headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
     headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+    super::pool_headers(headers, pool, degraded.as_ref());
     response
 }
 
@@ -519,5 +831,13 @@ mod tests {
         assert_eq!(sendable("hello Gx", &stop), "hello Gx");
         assert_eq!(sendable("hello GPUs", &stop), "hello");
         assert_eq!(sendable("caf\u{FFFD}", &[]), "caf");
+    }
+
+    #[test]
+    fn a_tool_call_waits_from_its_opening_tag_on() {
+        let held = vec![crate::chat::TOOL_CALL_OPEN.to_string()];
+        assert_eq!(sendable("Let me check. <tool", &held), "Let me check. ");
+        assert_eq!(sendable("Let me check. <tool_call>{\"name\"", &held), "Let me check. ");
+        assert_eq!(sendable("a <b>", &held), "a <b>");
     }
 }

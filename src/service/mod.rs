@@ -110,6 +110,8 @@ pub struct ModelEntry {
     pub decoder: Option<crate::decoder::DecoderLayout>,
     /// Its tokenizer, when it is a decoder that serves text generation.
     pub tokenizer: Option<Arc<tokenizers::Tokenizer>>,
+    /// Its chat template, when it serves `/v1/chat/completions`.
+    pub chat: Option<Arc<crate::chat::ChatTemplate>>,
 }
 
 /// A model's serialized bytes (borrowed for builtin models), shared by every pool's workers and
@@ -631,6 +633,7 @@ fn load_models(backends: &dyn BackendFactory, config: &Config) -> Result<Vec<Mod
                 )
             })?)),
         };
+        let chat = chat_template(m).map_err(|e| invalid(format!("models[{i}].chat_template"), e))?;
         entries.push(ModelEntry {
             config: m.clone(),
             signature,
@@ -638,9 +641,33 @@ fn load_models(backends: &dyn BackendFactory, config: &Config) -> Result<Vec<Mod
             bytes: ModelBytes(Arc::new(bytes)),
             decoder,
             tokenizer,
+            chat,
         });
     }
     Ok(entries)
+}
+
+/// The chat template of model `m`: the configured one, else the `chat_template` of the
+/// `tokenizer_config.json` beside its tokenizer (how Hugging Face ships models), else none.
+fn chat_template(m: &ModelConfig) -> Result<Option<Arc<crate::chat::ChatTemplate>>, String> {
+    use crate::chat::ChatTemplate;
+    let Some(tokenizer) = &m.tokenizer else {
+        return Ok(None);
+    };
+    let template = match &m.chat_template {
+        Some(source) => Some(ChatTemplate::load(&source.spec(), std::path::Path::new("."))?),
+        None => {
+            let beside = tokenizer.with_file_name("tokenizer_config.json");
+            match std::fs::read_to_string(&beside) {
+                Ok(text) => ChatTemplate::from_tokenizer_config(&text, &beside.display().to_string())?,
+                Err(_) => None,
+            }
+        }
+    };
+    if let Some(t) = &template {
+        tracing::info!(model = %m.name, template = %t.origin, "chat template");
+    }
+    Ok(template.map(Arc::new))
 }
 
 /// Start `pool` with one backend per worker. The same factory rebuilds a worker's backend after

@@ -4,7 +4,8 @@
 Starts `vramguard serve` (path in argv[1]) with the decoder fixture (models/decoder/) at
 127.0.0.1:0, then drives it with the stock client: model listing, a greedy completion whose
 text must equal the fixture's reference (computed without ONNX Runtime), seeded sampling that
-repeats, and errors surfaced as the client's own exception types.
+repeats, streaming, chat (whole, streamed, with tools) answering as the completion of its
+ChatML prompt, and errors surfaced as the client's own exception types.
 
 Run by `make test` (which installs openai into .deps/pyclients); prints 'N passed, N failed'
 and exits non-zero on any failure.
@@ -25,7 +26,8 @@ from serving import start  # noqa: E402
 CONFIG = """
 server: {admin_socket: 'off'}
 models:
-  - {name: tiny, path: %(root)s/models/decoder/model.onnx, tokenizer: %(root)s/models/decoder/tokenizer.json}
+  - {name: tiny, path: %(root)s/models/decoder/model.onnx, tokenizer: %(root)s/models/decoder/tokenizer.json,
+     chat_template: 'builtin:chatml'}
 pools:
   - {name: cpu, provider: cpu, models: [tiny]}
 """
@@ -96,6 +98,52 @@ def run(address):
         assert len(pieces) > 1, pieces
         assert "".join(pieces) == case["text"], pieces
         assert finish == "length", finish
+
+    def chatml(user):
+        return f"<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
+
+    @check("a chat answers as the completion of its ChatML prompt, whole and streamed")
+    def _():
+        user = cases["short"]["prompt"]
+        done = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": user}],
+                                              max_tokens=12, temperature=0)
+        plain = client.completions.create(model="tiny", prompt=chatml(user), max_tokens=12, temperature=0,
+                                          stop=["<|im_end|>"])
+        message = done.choices[0].message
+        assert message.role == "assistant"
+        assert message.content == plain.choices[0].text, (message.content, plain.choices[0].text)
+        assert done.usage.prompt_tokens == plain.usage.prompt_tokens
+        pieces, finish, role = [], None, None
+        for chunk in client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": user}],
+                                                    max_tokens=12, temperature=0, stream=True):
+            if not chunk.choices:
+                continue
+            delta = chunk.choices[0].delta
+            role = role or delta.role
+            pieces.append(delta.content or "")
+            finish = chunk.choices[0].finish_reason or finish
+        assert role == "assistant", role
+        assert "".join(pieces) == message.content, pieces
+        assert finish == done.choices[0].finish_reason, finish
+
+    @check("a chat offering tools is accepted and answered")
+    def _():
+        # Short: the fixture has 512 positions, and its small BPE spends many on JSON.
+        tools = [{"type": "function", "function": {"name": "free_vram"}}]
+        done = client.chat.completions.create(
+            model="tiny", tools=tools, max_tokens=4, temperature=0,
+            messages=[{"role": "user", "content": "How much VRAM is free?"},
+                      {"role": "assistant", "content": None, "tool_calls": [
+                          {"id": "call_1", "type": "function",
+                           "function": {"name": "free_vram", "arguments": "{\"gpu\": 0}"}}]},
+                      {"role": "tool", "tool_call_id": "call_1", "content": "12 GiB"}])
+        assert done.choices[0].finish_reason in ("stop", "length", "tool_calls"), done
+        try:
+            client.chat.completions.create(model="tiny", tools=tools, tool_choice="required",
+                                           messages=[{"role": "user", "content": "x"}])
+            raise AssertionError("a forced tool call was accepted")
+        except openai.BadRequestError as e:
+            assert e.body["param"] == "tool_choice", e.body
 
     @check("errors are the client's exception types")
     def _():
