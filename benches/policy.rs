@@ -64,6 +64,9 @@ fn snapshot() -> Snapshot {
         alloc_failures_recent: 0,
         est_delay_ms: delay,
         max_context: 0,
+        sequences_waiting: 0,
+        sequences_running: 1,
+        kv_cache_bytes: 64 << 20,
     };
     let services = ["ollama", "comfyui", "whisper", "vramguard", "other"];
     Snapshot {
@@ -239,6 +242,9 @@ impl LiveLoad for SampledLoad {
             alloc_failures_recent: p.alloc_failures_recent,
             est_delay_ms: p.est_delay_ms,
             breaker: p.breaker,
+            sequences_waiting: p.sequences_waiting,
+            sequences_running: p.sequences_running,
+            kv_cache_bytes: p.kv_cache_bytes,
         })
     }
 }

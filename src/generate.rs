@@ -12,6 +12,7 @@ use crate::decoder::DecoderLayout;
 use crate::lifecycle::{self, NotRetried, Refused, Request, RequestError, Served};
 use crate::metrics::FailoverReason;
 use crate::pool::Pool;
+use crate::sequences::Running;
 use crate::service::{ModelEntry, Service};
 use crate::snapshot::Action;
 use crate::tensor::{DataType, Tensor, TensorData};
@@ -325,6 +326,10 @@ async fn run(
         )
     };
     let (mut logits, mut cache) = read_outputs(outputs).map_err(|e| internal(&pool, e))?;
+    // The cache this generation holds between runs, on the pool that holds it; given back when
+    // this function returns or its future is dropped (a reader gone, a deadline).
+    let kv_per_token = layout.kv_bytes_per_token();
+    let mut held = Running::on(&pool, kv_per_token.saturating_mul(prompt_tokens as u64));
     let labels = |pool: &Pool| crate::metrics::ModelPoolLabels {
         model: entry.config.name.clone(),
         pool: pool.name().to_string(),
@@ -387,6 +392,7 @@ async fn run(
         pool = stepped.pool;
         retried = stepped.moved.or(retried);
         (logits, cache) = read_outputs(stepped.outputs).map_err(|e| internal(&pool, e))?;
+        held.update(&pool, kv_per_token.saturating_mul((past + 1) as u64));
         metrics
             .inter_token
             .get_or_create(&labels(&pool))

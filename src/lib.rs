@@ -33,6 +33,7 @@ pub mod policy;
 pub mod pool;
 pub mod recent;
 pub mod router;
+pub mod sequences;
 pub mod service;
 pub mod snapshot;
 pub mod tensor;

@@ -23,6 +23,7 @@ use crate::metrics::{
 use crate::policy::PolicyErrorKind;
 use crate::pool::{InferJob, Pool, PoolError, RunCancel};
 use crate::router::{self, Plan, PoolView};
+use crate::sequences::Waiting;
 use crate::service::{ModelEntry, Service};
 use crate::snapshot::{Action, DeviceClass, Estimate, ProviderKind, RequestInfo};
 use crate::tensor::Tensor;
@@ -530,7 +531,11 @@ pub async fn place(service: &Service, mut request: Request) -> Result<Served, Re
         ));
     }
     let inputs = std::mem::take(&mut request.inputs);
+    // A generation's prompt counts as waiting on its pool until its run is over.
+    let generation = request.max_new_tokens > 0;
+    let waiting = generation.then(|| Waiting::on(&pool));
     let first = run_on(service, &pool, &request, inputs, estimate_bytes).await;
+    drop(waiting);
     let error = match first {
         Ok(outputs) => {
             return Ok(Served {
@@ -571,6 +576,7 @@ pub async fn place(service: &Service, mut request: Request) -> Result<Served, Re
     let reason = retry_reason(kind);
     service.failover(&pool, &fallback, reason);
     tracing::info!(request_id = %request.id, from = pool.name(), to = fallback.name(), reason = ?reason, "allocator failure: retrying once on the fallback pool");
+    let _waiting = generation.then(|| Waiting::on(&fallback));
     match run_on(service, &fallback, &request, inputs, estimate_bytes).await {
         Ok(outputs) => {
             retries(RetryResult::ok);

@@ -260,6 +260,8 @@ pub struct Pool {
     mean_run_us: AtomicU64,
     workers: Mutex<Vec<JoinHandle<()>>>,
     breaker: Mutex<Breaker>,
+    /// Text generations on this pool and the KV cache they hold.
+    pub sequences: crate::sequences::Sequences,
 }
 
 impl std::fmt::Debug for Pool {
@@ -340,6 +342,7 @@ impl Pool {
             mean_run_us: AtomicU64::new(0),
             breaker,
             workers: Mutex::new(Vec::new()),
+            sequences: crate::sequences::Sequences::default(),
         }
     }
 

@@ -69,6 +69,12 @@ pub struct PoolState {
     pub est_delay_ms: u64,
     /// Longest context this pool accepts (0: no limit).
     pub max_context: u64,
+    /// Text generations waiting for their prompt's run.
+    pub sequences_waiting: u64,
+    /// Text generations past their prompt, holding a KV cache here.
+    pub sequences_running: u64,
+    /// Bytes of those KV caches.
+    pub kv_cache_bytes: u64,
 }
 
 /// Host memory.

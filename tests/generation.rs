@@ -352,6 +352,13 @@ async fn a_reader_that_goes_away_stops_the_generation_and_it_counts_as_cancelled
     assert_eq!(response.status(), StatusCode::OK);
     let first = response.chunk().await.unwrap().unwrap();
     assert!(first.starts_with(b"data: "));
+    // While it runs, its KV cache is held on the pool: whole positions of the model's layout.
+    let gauge = |m: &str, name: &str| common::sum_samples(m, |l| l.starts_with(&format!("{name}{{pool=\"gpu\"}}")));
+    let metrics = server.metrics().await;
+    assert_eq!(gauge(&metrics, "vramguard_sequences_running"), 1.0, "{metrics}");
+    let kv = gauge(&metrics, "vramguard_kv_cache_bytes");
+    let per_token = reference()["model"]["kv_bytes_per_token"].as_f64().unwrap();
+    assert!(kv >= 140.0 * per_token && kv % per_token == 0.0, "{kv} {metrics}");
     drop(response);
     let mut metrics = server.metrics().await;
     for _ in 0..100 {
@@ -365,6 +372,10 @@ async fn a_reader_that_goes_away_stops_the_generation_and_it_counts_as_cancelled
         metrics.contains("vramguard_requests_total{model=\"tiny\",pool=\"gpu\",outcome=\"cancelled\"} 1"),
         "{metrics}"
     );
+    // Counted cancelled once its future is dropped, which gave the cache back.
+    assert_eq!(gauge(&metrics, "vramguard_sequences_running"), 0.0, "{metrics}");
+    assert_eq!(gauge(&metrics, "vramguard_kv_cache_bytes"), 0.0, "{metrics}");
+    assert_eq!(gauge(&metrics, "vramguard_sequences_waiting"), 0.0, "{metrics}");
     server.stop().await;
 }
 

@@ -251,6 +251,7 @@ impl Sampler {
             // shows them), instead of every run paying for the C API call.
             pool.want_arena_stats();
             let load = pool.load();
+            let sequences = pool.sequences.now();
             if let Some(stats) = pool_arena(pool, &self.simulated)
                 && let Some(device) = devices.get_mut(&pool.config.device)
             {
@@ -276,6 +277,9 @@ impl Sampler {
                     alloc_failures_recent: pool.alloc_failures_recent(),
                     est_delay_ms: load.estimated_delay.as_millis() as u64,
                     max_context: pool.config.max_context.unwrap_or(0),
+                    sequences_waiting: sequences.waiting,
+                    sequences_running: sequences.running,
+                    kv_cache_bytes: sequences.kv_bytes,
                 },
             );
         }
@@ -592,6 +596,39 @@ impl Collector for LiveCollector {
             "Requests being run by the pool's workers",
             None,
             loads.iter().map(|(l, load)| (l.clone(), load.inflight as i64)),
+        )?;
+        let sequences: Vec<(PoolOnly, crate::sequences::SequencesNow)> = self
+            .pools
+            .iter()
+            .map(|p| {
+                (
+                    PoolOnly {
+                        pool: p.name().to_string(),
+                    },
+                    p.sequences.now(),
+                )
+            })
+            .collect();
+        gauge_family(
+            &mut encoder,
+            "sequences_waiting",
+            "Text generations accepted for the pool whose prompt's run has not finished",
+            None,
+            sequences.iter().map(|(l, s)| (l.clone(), saturating_i64(s.waiting))),
+        )?;
+        gauge_family(
+            &mut encoder,
+            "sequences_running",
+            "Text generations past their prompt, holding a KV cache on the pool",
+            None,
+            sequences.iter().map(|(l, s)| (l.clone(), saturating_i64(s.running))),
+        )?;
+        gauge_family(
+            &mut encoder,
+            "kv_cache",
+            "Bytes of the KV caches the pool's running generations hold between runs",
+            Some(&Unit::Bytes),
+            sequences.iter().map(|(l, s)| (l.clone(), saturating_i64(s.kv_bytes))),
         )?;
         gauge_family(
             &mut encoder,

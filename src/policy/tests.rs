@@ -83,6 +83,9 @@ fn snapshot() -> Snapshot {
                     alloc_failures_recent: 2,
                     est_delay_ms: 90,
                     max_context: 512,
+                    sequences_waiting: 1,
+                    sequences_running: 2,
+                    kv_cache_bytes: 4096,
                 },
             ),
             (
@@ -343,7 +346,8 @@ fn state_carries_every_contract_field() {
             let pools_ok = p.provider == "simulated" && p.device == "gpu0" && p.breaker == "closed"
                 && p.queue_depth == 3 && p.queue_oldest_age_ms == 40 && p.inflight == 1
                 && p.concurrency == 1 && p.alloc_failures_recent == 2 && p.est_delay_ms == 90
-                && p.max_context == 512 && p.len() == 10 && state.pools.cpu.breaker == "open";
+                && p.max_context == 512 && p.sequences_waiting == 1 && p.sequences_running == 2
+                && p.kv_cache_bytes == 4096 && p.len() == 13 && state.pools.cpu.breaker == "open";
             let host_ok = h.mem_available_bytes == 7000 && h.mem_total_bytes == 16000
                 && h.reserve_bytes == 2000;
             let used = 0;

@@ -57,6 +57,12 @@ pub struct PoolLoadNow {
     pub est_delay_ms: u64,
     /// The circuit breaker now.
     pub breaker: crate::snapshot::BreakerState,
+    /// Text generations waiting for their prompt's run.
+    pub sequences_waiting: u64,
+    /// Text generations past their prompt, holding a KV cache.
+    pub sequences_running: u64,
+    /// Bytes of those KV caches.
+    pub kv_cache_bytes: u64,
 }
 
 /// Where live pool load comes from (the server's pools). Reading it when a script reads a pool
@@ -97,6 +103,9 @@ impl Table {
                 ("inflight", now.inflight),
                 ("alloc_failures_recent", now.alloc_failures_recent),
                 ("est_delay_ms", now.est_delay_ms),
+                ("sequences_waiting", now.sequences_waiting),
+                ("sequences_running", now.sequences_running),
+                ("kv_cache_bytes", now.kv_cache_bytes),
             ] {
                 if let Some(slot) = map.get_mut(key) {
                     *slot = int(v);
@@ -397,6 +406,9 @@ fn pool(p: &PoolState) -> Dynamic {
         ("alloc_failures_recent", int(p.alloc_failures_recent)),
         ("est_delay_ms", int(p.est_delay_ms)),
         ("max_context", int(p.max_context)),
+        ("sequences_waiting", int(p.sequences_waiting)),
+        ("sequences_running", int(p.sequences_running)),
+        ("kv_cache_bytes", int(p.kv_cache_bytes)),
     ])
 }
 

@@ -244,6 +244,7 @@ impl crate::policy::LiveLoad for PoolsNow {
     fn pool_load(&self, name: &str) -> Option<crate::policy::PoolLoadNow> {
         let pool = self.0.iter().find(|p| p.name() == name)?;
         let load = pool.load();
+        let sequences = pool.sequences.now();
         Some(crate::policy::PoolLoadNow {
             queue_depth: load.queue_depth as u64,
             queue_oldest_age_ms: load.oldest_age.as_millis() as u64,
@@ -251,6 +252,9 @@ impl crate::policy::LiveLoad for PoolsNow {
             alloc_failures_recent: pool.alloc_failures_recent(),
             est_delay_ms: load.estimated_delay.as_millis() as u64,
             breaker: pool.breaker_view(),
+            sequences_waiting: sequences.waiting,
+            sequences_running: sequences.running,
+            kv_cache_bytes: sequences.kv_bytes,
         })
     }
 }
