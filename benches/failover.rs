@@ -144,6 +144,7 @@ fn main() {
         allow_shrink: false,
         max_new_tokens: 0,
         deadline: None,
+        shrinker: None,
         received: tokio::time::Instant::now(),
     };
     // Back to back (threads stay hot), then with idle gaps like a lightly loaded server, whose

@@ -27,6 +27,8 @@ pub struct Token {
     pub id: u32,
     /// The pool that ran it.
     pub pool: Arc<Pool>,
+    /// `(from, to)` prompt tokens and what was left out, when the context was shrunk.
+    pub shrunk: Option<Arc<(u64, u64, String)>>,
 }
 
 /// Tokens that end a turn, by the names model families give them.
@@ -39,6 +41,38 @@ const END_TOKENS: [&str; 7] = [
     "<|end_of_text|>",
     "<|end|>",
 ];
+
+/// Shortens a prompt to at most the given tokens: the new token ids and what was left out.
+pub type Shorten = Arc<dyn Fn(u64) -> Result<(Vec<u32>, String), String> + Send + Sync>;
+
+/// A prompt's tokens, and how to shorten it when the policy shrinks the context (used only when
+/// the client allowed it).
+#[derive(Clone)]
+pub struct Prompt {
+    /// Token ids.
+    pub tokens: Vec<u32>,
+    /// How to cut it.
+    pub shorten: Option<Shorten>,
+}
+
+impl From<Vec<u32>> for Prompt {
+    /// A prompt that is cut, if at all, from its start: its most recent tokens are kept.
+    fn from(tokens: Vec<u32>) -> Prompt {
+        let all = tokens.clone();
+        let shorten: Shorten = Arc::new(move |to: u64| {
+            let keep = (to as usize).min(all.len());
+            let cut = all.len() - keep;
+            Ok((
+                all[cut..].to_vec(),
+                format!("the first {cut} of the prompt's {} tokens", all.len()),
+            ))
+        });
+        Prompt {
+            tokens,
+            shorten: Some(shorten),
+        }
+    }
+}
 
 /// How to pick tokens and when to stop.
 #[derive(Debug, Clone, PartialEq)]
@@ -88,8 +122,10 @@ pub struct Generated {
     pub action: Action,
     /// Set when a run moved to the fallback pool after an allocator failure.
     pub retried: Option<FailoverReason>,
-    /// Tokens of the prompt.
+    /// Tokens of the prompt (after any shrink).
     pub prompt_tokens: usize,
+    /// `(from, to)` prompt tokens and what was left out, when the context was shrunk.
+    pub shrunk: Option<(u64, u64, String)>,
     /// Tokens generated.
     pub tokens: Vec<u32>,
     /// Their text, cut before a stop string.
@@ -244,7 +280,7 @@ fn read_outputs(outputs: Vec<Tensor>) -> Result<(Vec<f32>, Vec<Tensor>), String>
 pub async fn generate(
     service: &Service,
     entry: &ModelEntry,
-    prompt: Vec<u32>,
+    prompt: Prompt,
     params: &Params,
     mut request: Request,
     sink: Option<Sink>,
@@ -260,9 +296,25 @@ pub async fn generate(
             request.received,
         ));
     };
-    let prompt_tokens = prompt.len();
+    let prompt_tokens = prompt.tokens.len();
+    if request.allow_shrink
+        && let Some(shorten) = prompt.shorten
+    {
+        let layout = *layout;
+        request.shrinker = Some(lifecycle::Shrinker(Arc::new(move |to| {
+            let (tokens, cut) = shorten(to)?;
+            if tokens.is_empty() {
+                return Err("nothing of the prompt would be left".into());
+            }
+            Ok(lifecycle::Shrunk {
+                inputs: step_inputs(&layout, &tokens, 0, Vec::new()),
+                tokens: tokens.len() as u64,
+                cut,
+            })
+        })));
+    }
     let eos: Vec<u32> = END_TOKENS.iter().filter_map(|t| tokenizer.token_to_id(t)).collect();
-    request.inputs = step_inputs(layout, &prompt, 0, Vec::new());
+    request.inputs = step_inputs(layout, &prompt.tokens, 0, Vec::new());
     request.outputs = Vec::new();
     request.max_new_tokens = u64::from(params.max_tokens);
     let model = request.model.clone();
@@ -308,8 +360,13 @@ async fn run(
         action,
         retried,
         outputs,
-        ..
+        context,
+        context_cut,
     } = lifecycle::place(service, request).await?;
+    // A shrink shortened the prompt: positions count from its new length.
+    let shrunk = context.map(|(from, to)| (from, to, context_cut.unwrap_or_default()));
+    let prompt_tokens = shrunk.as_ref().map_or(prompt_tokens, |s| s.1 as usize);
+    let shrunk_shared = shrunk.clone().map(Arc::new);
     let mut pool = pool;
     let mut retried = retried;
     let failed = |pool: &Arc<Pool>, error: RequestError| Refused {
@@ -360,6 +417,7 @@ async fn run(
                 .send(Token {
                     id: next,
                     pool: Arc::clone(&pool),
+                    shrunk: shrunk_shared.clone(),
                 })
                 .await
                 .is_err()
@@ -414,6 +472,7 @@ async fn run(
         action: if retried.is_some() { Action::Redirect } else { action },
         retried,
         prompt_tokens,
+        shrunk,
         tokens,
         text,
         finish,

@@ -52,6 +52,30 @@ pub struct Request {
     pub deadline: Option<Instant>,
     /// When it arrived (request duration is measured from here).
     pub received: Instant,
+    /// How to shorten a generation's prompt when the policy shrinks its context and the
+    /// client allowed it (models with a context axis are cut along it instead).
+    pub shrinker: Option<Shrinker>,
+}
+
+/// A generation's prompt, shortened: its new inputs, their length and what was cut.
+#[derive(Debug)]
+pub struct Shrunk {
+    /// The inputs of the shorter prompt's run.
+    pub inputs: Vec<Tensor>,
+    /// Its tokens.
+    pub tokens: u64,
+    /// What was left out, for the client (`x-vramguard-context-cut`).
+    pub cut: String,
+}
+
+/// Shortens a prompt to at most the given tokens, or says why it cannot.
+#[derive(Clone)]
+pub struct Shrinker(pub Arc<dyn Fn(u64) -> Result<Shrunk, String> + Send + Sync>);
+
+impl std::fmt::Debug for Shrinker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Shrinker")
+    }
 }
 
 /// A request that ran.
@@ -63,6 +87,8 @@ pub struct Served {
     pub action: Action,
     /// `(from, to)` context tokens when it was shrunk.
     pub context: Option<(u64, u64)>,
+    /// What a shrink of a generation's prompt left out.
+    pub context_cut: Option<String>,
     /// Set when it ran here as the one retry after an allocator failure on its first pool.
     pub retried: Option<FailoverReason>,
     /// The outputs asked for.
@@ -542,6 +568,7 @@ pub async fn place(service: &Service, mut request: Request) -> Result<Served, Re
                 pool,
                 action: admitted.action,
                 context: admitted.context,
+                context_cut: admitted.context_cut.clone(),
                 retried: None,
                 outputs,
             });
@@ -584,6 +611,7 @@ pub async fn place(service: &Service, mut request: Request) -> Result<Served, Re
                 pool: fallback,
                 action: Action::Redirect,
                 context: admitted.context,
+                context_cut: admitted.context_cut,
                 retried: Some(reason),
                 outputs,
             })
@@ -817,6 +845,7 @@ struct Admitted {
     pool: Arc<Pool>,
     action: Action,
     context: Option<(u64, u64)>,
+    context_cut: Option<String>,
     /// The estimate for what actually runs (after any shrink).
     estimate: Estimate,
 }
@@ -879,7 +908,7 @@ async fn admit(service: &Service, entry: &ModelEntry, request: &mut Request) -> 
             .profile
             .estimate(tokens.saturating_add(request.max_new_tokens), batch),
     };
-    let has_context = entry.config.context.is_some();
+    let has_context = entry.config.context.is_some() || request.shrinker.is_some();
     let max_defer = routed.config.max_wait;
     let mut deferred = Duration::ZERO;
     let metrics = &service.metrics;
@@ -969,6 +998,7 @@ async fn admit(service: &Service, entry: &ModelEntry, request: &mut Request) -> 
                     service.failover(&routed, &pool, FailoverReason::policy_redirect);
                 }
                 let mut context = None;
+                let mut context_cut = None;
                 let mut estimate = info.estimate;
                 if let (Some(to), Some(axis)) = (shrink_to, &entry.config.context) {
                     if let Some(tensor) = request.inputs.iter_mut().find(|t| t.name == axis.input) {
@@ -976,11 +1006,25 @@ async fn admit(service: &Service, entry: &ModelEntry, request: &mut Request) -> 
                     }
                     context = Some((info.context_tokens, to));
                     estimate = entry.estimate(&request.inputs);
+                } else if let (Some(to), Some(shrinker)) = (shrink_to, &request.shrinker) {
+                    let shrunk = (shrinker.0)(to).map_err(|why| {
+                        refuse(RequestError::Refused {
+                            reason: format!("the policy asked to shrink the context to {to} tokens, but {why}"),
+                            retry_after: pool.load().estimated_delay,
+                        })
+                    })?;
+                    context = Some((info.context_tokens, shrunk.tokens));
+                    context_cut = Some(shrunk.cut);
+                    request.inputs = shrunk.inputs;
+                    estimate = entry
+                        .profile
+                        .estimate(shrunk.tokens.saturating_add(request.max_new_tokens), 1);
                 }
                 return Ok(Admitted {
                     pool,
                     action: decision.action(),
                     context,
+                    context_cut,
                     estimate,
                 });
             }

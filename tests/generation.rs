@@ -554,3 +554,80 @@ async fn while_degraded_a_generation_says_where_it_runs_its_limits_and_delay() {
     assert!(facts["estimated_delay_ms"].is_u64(), "{facts}");
     server.stop().await;
 }
+
+#[tokio::test]
+async fn a_shrink_keeps_the_system_prompt_and_latest_turns_only_when_the_client_allows_it() {
+    let dir = common::ScratchDir::new("shrink");
+    let policy = dir.path().join("shrink.rhai");
+    std::fs::write(
+        &policy,
+        "fn decide(req, state) { if req.context_tokens > 80 { shrink_context(80) } else { admit() } }",
+    )
+    .unwrap();
+    let config = format!(
+        "{CONFIG}policy: {{path: '{}', fallback: {{action: admit}}}}\n",
+        policy.display()
+    );
+    let server = TestServer::start(&config).await;
+    let turn = |role: &str, text: &str| json!({"role": role, "content": text});
+    let request = json!({"model": "tiny", "temperature": 0, "max_tokens": 6, "messages": [
+        turn("system", "Be brief."),
+        turn("user", "The GPU ran out of memory while the queue was long and the model was large."),
+        turn("assistant", "Then the work moved to the CPU pool."),
+        turn("user", "Why?"),
+    ]});
+    let send = |allow: bool| {
+        let client = reqwest::Client::new()
+            .post(server.url("/v1/chat/completions"))
+            .header("x-vramguard-allow-shrink", if allow { "true" } else { "false" })
+            .json(&request);
+        async move { client.send().await.unwrap() }
+    };
+
+    // Allowed: the first turn goes, the system prompt and the latest turn stay.
+    let response = send(true).await;
+    assert_eq!(response.status(), StatusCode::OK, "{:?}", response.text().await);
+    let context = response.headers()["x-vramguard-context"].to_str().unwrap().to_string();
+    let cut = response.headers()["x-vramguard-context-cut"]
+        .to_str()
+        .unwrap()
+        .to_string();
+    let body: Value = response.json().await.unwrap();
+    let (from, to) = context.split_once("->").unwrap();
+    let (from, to): (u64, u64) = (from.parse().unwrap(), to.parse().unwrap());
+    assert!(from > 80 && to <= 80, "{context}");
+    assert_eq!(cut, "2 of 4 messages: the oldest turns after the system prompt");
+    assert_eq!(body["usage"]["prompt_tokens"], to, "{body}");
+    let (_, _, plain) = complete(
+        &server,
+        json!({"model": "tiny", "prompt": chatml("Be brief.", "Why?"), "max_tokens": 6, "temperature": 0,
+               "stop": ["<|im_end|>"]}),
+    )
+    .await;
+    assert_eq!(plain["usage"]["prompt_tokens"], to, "{plain}");
+    assert_eq!(body["choices"][0]["message"]["content"], plain["choices"][0]["text"]);
+
+    // Not allowed: the policy's shrink is not carried out (its fallback admits it whole).
+    let response = send(false).await;
+    assert_eq!(response.status(), StatusCode::OK);
+    assert!(response.headers().get("x-vramguard-context").is_none());
+    let body: Value = response.json().await.unwrap();
+    assert_eq!(body["usage"]["prompt_tokens"], from, "{body}");
+
+    // A completion is cut from its start, and a stream's first chunk says so.
+    let long = json!({"model": "tiny", "prompt": case("long")["prompt"], "max_tokens": 4, "temperature": 0,
+                      "stream": true});
+    let response = reqwest::Client::new()
+        .post(server.url("/v1/completions"))
+        .header("x-vramguard-allow-shrink", "true")
+        .json(&long)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.headers()["x-vramguard-context"], "140->80");
+    let chunks = events(response).await;
+    let context = &chunks[0]["vramguard"]["context"];
+    assert_eq!(context["cut"], "the first 60 of the prompt's 140 tokens", "{context}");
+    assert_eq!(chunks.last().unwrap()["usage"]["prompt_tokens"], 80);
+    server.stop().await;
+}

@@ -211,6 +211,7 @@ fn request(seq: usize, value: f32) -> Request {
         allow_shrink: false,
         max_new_tokens: 0,
         deadline: None,
+        shrinker: None,
         received: Instant::now(),
     }
 }

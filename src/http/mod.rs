@@ -53,6 +53,8 @@ pub const ALLOW_SHRINK_HEADER: &str = "x-vramguard-allow-shrink";
 pub const POOL_LIMITS_HEADER: &str = "x-vramguard-pool-limits";
 /// While degraded: the serving pool's current delay estimate for a new request, milliseconds.
 pub const ESTIMATED_DELAY_HEADER: &str = "x-vramguard-estimated-delay-ms";
+/// What a shrink of a generation's prompt left out (`x-vramguard-context` has the counts).
+pub const CONTEXT_CUT_HEADER: &str = "x-vramguard-context-cut";
 /// `FROM->TO` tokens when the context was shrunk.
 pub const CONTEXT_HEADER: &str = "x-vramguard-context";
 /// Binary extension header: length of the JSON part.
@@ -630,6 +632,7 @@ fn decode_headers(
         max_new_tokens: 0,
         deadline,
         received,
+        shrinker: None,
     })
 }
 

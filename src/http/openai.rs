@@ -189,7 +189,7 @@ enum Api {
 struct Job {
     model: String,
     api: Api,
-    prompt: Vec<u32>,
+    prompt: generate::Prompt,
     params: Params,
     stream: bool,
 }
@@ -237,7 +237,7 @@ fn read_job(state: &AppState, body: Result<Bytes, BytesRejection>, id: &str, cha
         retry_after: None,
         request_id: Some(id.to_string()),
     })?;
-    let (sampling, text, api, max_tokens) = if chat {
+    let (sampling, text, api, max_tokens, shorten) = if chat {
         let request: ChatRequest = serde_json::from_slice(&body)
             .map_err(|e| OpenAiError::invalid(format!("the body is not a chat completion request: {e}"), None))?;
         for (given, name) in [
@@ -282,9 +282,17 @@ fn read_job(state: &AppState, body: Result<Bytes, BytesRejection>, id: &str, cha
                 ));
             }
         };
+        let offered_tools = offered.then_some(tools.as_slice());
         let prompt = template
-            .render(&messages, offered.then_some(tools.as_slice()))
+            .render(&messages, offered_tools)
             .map_err(|e| OpenAiError::invalid(e, Some("messages")))?;
+        let tokenizer = Arc::clone(entry.tokenizer.as_ref().expect("checked by text_model"));
+        let shorten = shorten_chat(
+            Arc::clone(&template),
+            tokenizer,
+            messages,
+            offered_tools.map(<[Value]>::to_vec),
+        );
         let names = if offered {
             tools
                 .iter()
@@ -308,7 +316,7 @@ fn read_job(state: &AppState, body: Result<Bytes, BytesRejection>, id: &str, cha
                 Stop::Many(v)
             }
         });
-        (sampling, prompt, Api::Chat { tools: names }, max_tokens)
+        (sampling, prompt, Api::Chat { tools: names }, max_tokens, Some(shorten))
     } else {
         let request: CompletionRequest = serde_json::from_slice(&body)
             .map_err(|e| OpenAiError::invalid(format!("the body is not a completion request: {e}"), None))?;
@@ -337,7 +345,7 @@ fn read_job(state: &AppState, body: Result<Bytes, BytesRejection>, id: &str, cha
             return Err(OpenAiError::invalid("`stop` takes at most 4 strings", Some("stop")));
         }
         let max_tokens = request.sampling.max_tokens;
-        (request.sampling, prompt, Api::Completion, max_tokens)
+        (request.sampling, prompt, Api::Completion, max_tokens, None)
     };
     let stream = sampling.stream == Some(true);
     for (given, name) in [
@@ -390,8 +398,8 @@ fn read_job(state: &AppState, body: Result<Bytes, BytesRejection>, id: &str, cha
     let encoding = tokenizer
         .encode(text.as_str(), false)
         .map_err(|e| OpenAiError::invalid(format!("the prompt cannot be tokenized: {e}"), Some("prompt")))?;
-    let prompt = encoding.get_ids().to_vec();
-    if prompt.is_empty() {
+    let tokens = encoding.get_ids().to_vec();
+    if tokens.is_empty() {
         return Err(OpenAiError::invalid(
             "the prompt is empty",
             Some(if chat { "messages" } else { "prompt" }),
@@ -411,12 +419,56 @@ fn read_job(state: &AppState, body: Result<Bytes, BytesRejection>, id: &str, cha
         stop,
         tools: matches!(&api, Api::Chat { tools } if !tools.is_empty()),
     };
+    // A completion is cut from its start; a chat by whole turns.
+    let mut prompt = generate::Prompt::from(tokens);
+    if shorten.is_some() {
+        prompt.shorten = shorten;
+    }
     Ok(Job {
         model: sampling.model,
         api,
         prompt,
         params,
         stream,
+    })
+}
+
+/// How a chat is shortened: the system messages stay, and the oldest turns after them go,
+/// whole (a turn starts at a user message), until the prompt fits; the latest turn always stays.
+fn shorten_chat(
+    template: Arc<crate::chat::ChatTemplate>,
+    tokenizer: Arc<tokenizers::Tokenizer>,
+    messages: Vec<Value>,
+    tools: Option<Vec<Value>>,
+) -> generate::Shorten {
+    Arc::new(move |to: u64| {
+        let system = messages.iter().take_while(|m| m["role"] == "system").count();
+        let starts: Vec<usize> = (system + 1..messages.len())
+            .filter(|&i| messages[i]["role"] == "user")
+            .collect();
+        let mut shortest = None;
+        for start in starts {
+            let kept: Vec<Value> = messages[..system].iter().chain(&messages[start..]).cloned().collect();
+            let text = template.render(&kept, tools.as_deref())?;
+            let ids = tokenizer
+                .encode(text.as_str(), false)
+                .map_err(|e| format!("the shortened chat cannot be tokenized: {e}"))?
+                .get_ids()
+                .to_vec();
+            if ids.len() as u64 <= to {
+                let cut = format!(
+                    "{} of {} messages: the oldest turns after the system prompt",
+                    start - system,
+                    messages.len()
+                );
+                return Ok((ids, cut));
+            }
+            shortest = Some(ids.len());
+        }
+        Err(match shortest {
+            Some(n) => format!("the system prompt and the latest turn alone take {n} tokens"),
+            None => "the chat has a single turn, and turns are cut whole".to_string(),
+        })
     })
 }
 
@@ -457,9 +509,13 @@ async fn run(
     received: Instant,
 ) -> Result<Response, OpenAiError> {
     let service = &state.service;
-    let base = super::decode_headers(service, &job.model, id, headers, received)
+    let mut base = super::decode_headers(service, &job.model, id, headers, received)
         .map_err(|e| OpenAiError::from_request(&e, id))?;
     let entry = service.model(&job.model).expect("checked by text_model");
+    // Cutting a prompt changes the answer: only when the client (or the model's config) allows.
+    base.allow_shrink = super::header_value::<bool>(headers, super::ALLOW_SHRINK_HEADER, "`true` or `false`")
+        .map_err(|e| OpenAiError::from_request(&e, id))?
+        .unwrap_or(entry.config.allow_shrink);
     let tokenizer = Arc::clone(entry.tokenizer.as_ref().expect("checked by text_model"));
     if job.stream {
         return streamed(state, job, id, base, tokenizer).await;
@@ -516,7 +572,20 @@ async fn run(
         HeaderValue::from_static(generated.action.label()),
     );
     super::pool_headers(out, &generated.pool, service.degraded.now().as_ref());
+    if let Some((from, to, cut)) = &generated.shrunk {
+        shrink_headers(out, *from, *to, cut);
+    }
     Ok(response)
+}
+
+/// Says that the prompt was cut from `from` to `to` tokens, and what went.
+fn shrink_headers(headers: &mut HeaderMap, from: u64, to: u64, cut: &str) {
+    if let Ok(v) = HeaderValue::from_str(&format!("{from}->{to}")) {
+        headers.insert(HeaderName::from_static(super::CONTEXT_HEADER), v);
+    }
+    if let Ok(v) = HeaderValue::from_str(cut) {
+        headers.insert(HeaderName::from_static(super::CONTEXT_CUT_HEADER), v);
+    }
 }
 
 /// OpenAI's `tool_calls`, each with an id unique to the request.
@@ -617,20 +686,21 @@ async fn streamed(
                 running: Some((rx, task)),
                 ..stream
             };
-            let opening = stream.opening(&pool);
-            Ok(sse(stream, opening, &pool))
+            let opening = stream.opening(&pool, first.shrunk.as_deref());
+            Ok(sse(stream, opening, &pool, first.shrunk.as_deref()))
         }
         None => match task.await {
             Ok(Err(refused)) => Err(OpenAiError::from_request(&refused.error, id)),
             // Ended before any token (the end-of-text token came first): only the last chunk.
             Ok(Ok(generated)) => {
                 let pool = Arc::clone(&generated.pool);
+                let shrunk = generated.shrunk.clone();
                 let mut stream = Stream {
                     finished: Some(Ok(generated)),
                     ..stream
                 };
-                let opening = stream.opening(&pool);
-                Ok(sse(stream, opening, &pool))
+                let opening = stream.opening(&pool, shrunk.as_ref());
+                Ok(sse(stream, opening, &pool, shrunk.as_ref()))
             }
             Err(e) => Err(OpenAiError {
                 status: StatusCode::INTERNAL_SERVER_ERROR,
@@ -688,13 +758,16 @@ impl Stream {
 
     /// The first chunk: chat's assistant role (completions: empty text), with the serving
     /// pool's facts.
-    fn opening(&mut self, pool: &Arc<Pool>) -> Bytes {
+    fn opening(&mut self, pool: &Arc<Pool>, shrunk: Option<&(u64, u64, String)>) -> Bytes {
         let delta = match self.api {
             Api::Completion => json!(""),
             Api::Chat { .. } => json!({"role": "assistant", "content": ""}),
         };
         let mut value = self.chunk(delta, None, None);
         value["vramguard"] = self.facts(pool);
+        if let Some((from, to, cut)) = shrunk {
+            value["vramguard"]["context"] = json!({"from": from, "to": to, "cut": cut});
+        }
         event(&value)
     }
 
@@ -803,7 +876,7 @@ impl Stream {
     }
 }
 
-fn sse(stream: Stream, opening: Bytes, pool: &Pool) -> Response {
+fn sse(stream: Stream, opening: Bytes, pool: &Pool, shrunk: Option<&(u64, u64, String)>) -> Response {
     let degraded = stream.service.degraded.now();
     let rest = futures_util::stream::unfold(stream, |mut stream| async move {
         let bytes = stream.next().await?;
@@ -815,6 +888,9 @@ fn sse(stream: Stream, opening: Bytes, pool: &Pool) -> Response {
     headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
     headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
     super::pool_headers(headers, pool, degraded.as_ref());
+    if let Some((from, to, cut)) = shrunk {
+        shrink_headers(headers, *from, *to, cut);
+    }
     response
 }
 
