@@ -19,12 +19,12 @@ SYSTEMD_UNIT := deploy/systemd/vramguard.service
 # removing a hardening directive fails the check.
 SYSTEMD_EXPOSURE_MAX := 20
 
-.PHONY: run test deps tools systemd-tools build release check-fmt clippy unit policy-tests model-check client-compat alert-tests dashboard-check systemd-check bench bench-tools clean-deps
+.PHONY: run test deps tools systemd-tools build release check-fmt clippy unit policy-tests model-check client-compat alert-tests dashboard-check systemd-check drill bench bench-tools clean-deps
 
 run: deps release
 	./target/release/vramguard serve $(ARGS)
 
-test: deps tools check-fmt clippy unit policy-tests model-check client-compat alert-tests dashboard-check systemd-check
+test: deps tools check-fmt clippy unit policy-tests model-check client-compat alert-tests dashboard-check systemd-check drill
 	@echo "make test: all checks passed"
 
 deps: $(ORT_LIB)
@@ -143,6 +143,11 @@ systemd-check: systemd-tools build
 		grep -E '^(✗|→)' "$$tmp/security" || cat "$$tmp/security"; \
 		echo "error: $(SYSTEMD_UNIT) is less hardened than allowed: its exposure must stay at or below $(SYSTEMD_EXPOSURE_MAX) tenths (the ✗ lines above say what is missing)"; exit 1; fi; \
 	echo "$(SYSTEMD_UNIT): verify ok, $$(grep -o 'Overall exposure level.*' "$$tmp/security")"
+
+# The acceptance drill, quick, on its own server (a squeezed simulated accelerator): exits 1
+# naming any failed criterion; the full record is kept in target/drill.json.
+drill: build
+	./target/debug/vramguard drill --quick --json target/drill.json
 
 # The overhead bench drives the real `vramguard serve` from a separate process, as users' clients
 # do: wrk (Debian package `wrk`) is that load generator. Not part of `make test`.

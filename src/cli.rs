@@ -70,6 +70,27 @@ pub enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// The acceptance drill: squeeze a simulated accelerator while sending real requests
+    /// (baseline, pre-admission redirect, rising pressure, an injected allocator failure, a
+    /// driver reset and restore, cancellations in the CPU queue, streams failing before and
+    /// after their first token, non-replayable requests and a chat with tools, idempotent
+    /// retries), then check the mission's pass criteria. Exits 1 naming each failed criterion.
+    Drill {
+        /// A running server started with the drill's config (`--print-config`), e.g.
+        /// `http://127.0.0.1:8090`; its admin token comes from VRAMGUARD_ADMIN_TOKEN. Without
+        /// it the drill serves itself on loopback.
+        #[arg(long)]
+        target: Option<String>,
+        /// Write the full record (every request, every phase, every criterion) as JSON.
+        #[arg(long)]
+        json: Option<PathBuf>,
+        /// Fewer requests per phase: done in under a minute (what `make test` runs).
+        #[arg(long)]
+        quick: bool,
+        /// Print the config of the drill's own server and exit.
+        #[arg(long)]
+        print_config: bool,
+    },
     /// Validate or print configuration.
     Config {
         /// What to do with configuration.
@@ -124,7 +145,12 @@ pub enum ConfigCommand {
 
 /// Run the parsed command line.
 pub fn run(cli: Cli) -> ExitCode {
-    logging::init(cli.log_format);
+    if let Command::Drill { .. } = &cli.command {
+        // The drill's own server logs only what goes wrong: the report is the output.
+        logging::init_with(cli.log_format, "error,ort=off");
+    } else {
+        logging::init(cli.log_format);
+    }
     match cli.command {
         Command::Serve { config, listen } => {
             crate::heap::return_freed_memory();
@@ -140,6 +166,23 @@ pub fn run(cli: Cli) -> ExitCode {
             PolicyCommand::Eval { file, input, json } => crate::policy::cli::eval(&file, &input, json),
         },
         Command::Doctor { config, url, json } => crate::doctor::run(&crate::doctor::Options { config, url, json }),
+        Command::Drill {
+            target,
+            json,
+            quick,
+            print_config,
+        } => {
+            if print_config {
+                print!("{}", crate::drill::print_config());
+                return ExitCode::SUCCESS;
+            }
+            drill(crate::drill::Options {
+                target,
+                admin_token: std::env::var("VRAMGUARD_ADMIN_TOKEN").ok(),
+                json,
+                quick,
+            })
+        }
         Command::Config {
             command: ConfigCommand::Check { file },
         } => config_check(&file),
@@ -157,6 +200,20 @@ pub fn run(cli: Cli) -> ExitCode {
             );
             ExitCode::SUCCESS
         }
+    }
+}
+
+fn drill(options: crate::drill::Options) -> ExitCode {
+    match crate::drill::run(&options) {
+        Ok(report) => {
+            print!("{}", report.table());
+            if report.passed {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::from(crate::exit::EXIT_FAILED)
+            }
+        }
+        Err(e) => fail(format!("the drill could not run: {e}"), crate::exit::EXIT_FAILED),
     }
 }
 

@@ -17,6 +17,7 @@ pub mod decoder;
 pub mod degraded;
 pub mod device;
 pub mod doctor;
+pub mod drill;
 pub mod estimate;
 pub mod exit;
 pub mod exporter;

@@ -14,7 +14,12 @@ pub enum LogFormat {
 
 /// Install the global subscriber (logs go to stderr; stdout stays for command output).
 pub fn init(format: LogFormat) {
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info,ort=warn"));
+    init_with(format, "info,ort=warn");
+}
+
+/// [`init`] with another filter when `RUST_LOG` is not set.
+pub fn init_with(format: LogFormat, default_filter: &str) {
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default_filter));
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr);

@@ -1,0 +1,341 @@
+//! The drill's verdict: a table per phase and the mission's pass criteria.
+
+use std::fmt::Write as _;
+use std::time::Duration;
+
+use serde::Serialize;
+
+use super::{Facts, Record, Samples, by_phase, percentile};
+use crate::logging::human_bytes;
+
+/// One phase, summed up.
+#[derive(Debug, Clone, Serialize)]
+pub struct PhaseSummary {
+    /// Its name.
+    pub phase: &'static str,
+    /// Requests sent.
+    pub requests: usize,
+    /// Answered 200.
+    pub succeeded: usize,
+    /// Met the phase's expectation (a documented 503 can be what was expected).
+    pub as_expected: usize,
+    /// Median latency, ms.
+    pub p50_ms: f64,
+    /// 95th percentile latency, ms.
+    pub p95_ms: f64,
+    /// Largest queue age seen in any pool, ms.
+    pub max_queue_age_ms: u64,
+    /// Lowest host `MemAvailable` seen.
+    pub min_host_available_bytes: Option<u64>,
+}
+
+/// A pass criterion of the mission.
+#[derive(Debug, Clone, Serialize)]
+pub struct Criterion {
+    /// What it checks.
+    pub name: &'static str,
+    /// What was measured.
+    pub measured: String,
+    /// Whether it passed.
+    pub passed: bool,
+}
+
+/// The whole drill.
+#[derive(Debug, Clone, Serialize)]
+pub struct Report {
+    /// Whether every criterion passed.
+    pub passed: bool,
+    /// Seconds it took.
+    pub seconds: f64,
+    /// The host memory reserve it was held to.
+    pub host_reserve_bytes: u64,
+    /// Per phase.
+    pub phases: Vec<PhaseSummary>,
+    /// The criteria.
+    pub criteria: Vec<Criterion>,
+    /// Facts measured beside the requests.
+    pub facts: Facts,
+    /// Every request.
+    pub records: Vec<Record>,
+}
+
+impl Report {
+    /// Sum up the records and judge them against the mission's criteria.
+    pub(super) fn judge(
+        phases: &[&'static str],
+        records: Vec<Record>,
+        samples: Vec<Samples>,
+        facts: Facts,
+        host_reserve: u64,
+        took: Duration,
+    ) -> Report {
+        let grouped = by_phase(&records);
+        let summaries: Vec<PhaseSummary> = phases
+            .iter()
+            .enumerate()
+            .map(|(i, &phase)| {
+                let rs = grouped.get(phase).cloned().unwrap_or_default();
+                let latencies: Vec<f64> = rs.iter().filter(|r| r.status.is_some()).map(|r| r.latency_ms).collect();
+                PhaseSummary {
+                    phase,
+                    requests: rs.len(),
+                    succeeded: rs.iter().filter(|r| r.status == Some(200)).count(),
+                    as_expected: rs.iter().filter(|r| r.as_expected).count(),
+                    p50_ms: percentile(&latencies, 50.0),
+                    p95_ms: percentile(&latencies, 95.0),
+                    max_queue_age_ms: samples.get(i).map_or(0, |s| s.max_queue_age_ms),
+                    min_host_available_bytes: samples.get(i).and_then(|s| s.min_host_available),
+                }
+            })
+            .collect();
+
+        let mut criteria = Vec::new();
+        let unexpected: Vec<&str> = records
+            .iter()
+            .filter(|r| !r.as_expected)
+            .map(|r| r.id.as_str())
+            .collect();
+        criteria.push(Criterion {
+            name: "every request as its phase expects",
+            measured: if unexpected.is_empty() {
+                format!("{} of {}", records.len(), records.len())
+            } else {
+                format!(
+                    "{} of {}; not: {}",
+                    records.len() - unexpected.len(),
+                    records.len(),
+                    unexpected.join(", ")
+                )
+            },
+            passed: unexpected.is_empty() && !records.is_empty(),
+        });
+        // A non-replayable request that was served by the fallback ran twice.
+        let moved = records
+            .iter()
+            .filter(|r| r.phase == "non_replayable" && r.pool.as_deref() == Some(super::CPU))
+            .count() as u64;
+        let duplicates = facts.duplicate_runs + moved;
+        criteria.push(Criterion {
+            name: "duplicate executions",
+            measured: duplicates.to_string(),
+            passed: duplicates == 0,
+        });
+        let lost: Vec<&str> = records
+            .iter()
+            .filter(|r| r.connection_held && r.status.is_none())
+            .map(|r| r.id.as_str())
+            .collect();
+        criteria.push(Criterion {
+            name: "accepted but lost",
+            measured: if lost.is_empty() {
+                format!(
+                    "0 ({} clients hung up on purpose, {} counted cancelled by the server)",
+                    facts.hung_up, facts.cancelled_counted
+                )
+            } else {
+                format!("{}: {}", lost.len(), lost.join(", "))
+            },
+            passed: lost.is_empty(),
+        });
+        let equal = facts.token_equivalence.iter().filter(|(_, same)| *same).count();
+        criteria.push(Criterion {
+            name: "replayed generations token-equivalent",
+            measured: format!("{equal} of {}", facts.token_equivalence.len()),
+            passed: !facts.token_equivalence.is_empty() && equal == facts.token_equivalence.len(),
+        });
+        criteria.push(Criterion {
+            name: "breaker recovery after restore",
+            measured: facts
+                .breaker_recovery_ms
+                .map_or_else(|| "did not recover within 60 s".to_string(), |ms| format!("{ms:.0} ms")),
+            passed: facts.breaker_recovery_ms.is_some(),
+        });
+        let redirected: Vec<&Record> = records
+            .iter()
+            .filter(|r| r.status == Some(200) && r.decision.as_deref() == Some("redirect"))
+            .collect();
+        let flagged = redirected.iter().filter(|r| r.degraded.is_some()).count();
+        criteria.push(Criterion {
+            name: "redirected answers carrying x-vramguard-degraded",
+            measured: format!(
+                "{flagged} of {} ({:.0}%)",
+                redirected.len(),
+                100.0 * flagged as f64 / redirected.len().max(1) as f64
+            ),
+            passed: !redirected.is_empty() && flagged == redirected.len(),
+        });
+        let lowest = summaries.iter().filter_map(|s| s.min_host_available_bytes).min();
+        criteria.push(Criterion {
+            name: "host memory stays above its reserve",
+            measured: match lowest {
+                Some(low) => format!(
+                    "lowest {} available, reserve {}",
+                    human_bytes(low),
+                    human_bytes(host_reserve)
+                ),
+                None => "never sampled".to_string(),
+            },
+            passed: lowest.is_some_and(|low| low > host_reserve),
+        });
+        Report {
+            passed: criteria.iter().all(|c| c.passed),
+            seconds: took.as_secs_f64(),
+            host_reserve_bytes: host_reserve,
+            phases: summaries,
+            criteria,
+            facts,
+            records,
+        }
+    }
+
+    /// The criteria that failed, by name.
+    pub fn failed(&self) -> Vec<&'static str> {
+        self.criteria.iter().filter(|c| !c.passed).map(|c| c.name).collect()
+    }
+
+    /// The report as people read it.
+    pub fn table(&self) -> String {
+        let mut out = String::new();
+        let _ = writeln!(
+            out,
+            "vramguard drill: SIMULATED accelerator `{}`, {:.1} s\n",
+            super::DEVICE,
+            self.seconds
+        );
+        let _ = writeln!(
+            out,
+            "{:<16} {:>8} {:>8} {:>9} {:>9} {:>9} {:>14} {:>14}",
+            "phase", "requests", "ok", "expected", "p50 ms", "p95 ms", "max queue ms", "min host avail"
+        );
+        for p in &self.phases {
+            let rate = |n: usize| {
+                if p.requests == 0 {
+                    "-".to_string()
+                } else {
+                    format!("{:.0}%", 100.0 * n as f64 / p.requests as f64)
+                }
+            };
+            let _ = writeln!(
+                out,
+                "{:<16} {:>8} {:>8} {:>9} {:>9.1} {:>9.1} {:>14} {:>14}",
+                p.phase,
+                p.requests,
+                rate(p.succeeded),
+                rate(p.as_expected),
+                p.p50_ms,
+                p.p95_ms,
+                p.max_queue_age_ms,
+                p.min_host_available_bytes.map_or_else(|| "-".to_string(), human_bytes)
+            );
+        }
+        let _ = writeln!(out);
+        for c in &self.criteria {
+            let _ = writeln!(
+                out,
+                "{:<4} {:<52} {}",
+                if c.passed { "ok" } else { "FAIL" },
+                c.name,
+                c.measured
+            );
+        }
+        let _ = writeln!(
+            out,
+            "\n{}",
+            if self.passed {
+                "PASS: every criterion met".to_string()
+            } else {
+                format!("FAIL: {}", self.failed().join("; "))
+            }
+        );
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record(phase: &'static str, id: &str, pool: &str) -> Record {
+        Record {
+            phase,
+            id: id.into(),
+            kind: "encoder seq 32".into(),
+            expect: "ok",
+            sent_ms: 0.0,
+            latency_ms: 3.0,
+            status: Some(200),
+            pool: Some(pool.into()),
+            decision: Some("admit".into()),
+            retry: None,
+            first_failure: None,
+            degraded: None,
+            replayed: false,
+            connection_held: true,
+            text: None,
+            as_expected: true,
+        }
+    }
+
+    #[test]
+    fn a_failed_criterion_is_named_and_fails_the_drill() {
+        let facts = Facts {
+            breaker_recovery_ms: Some(100.0),
+            token_equivalence: vec![("replayed".into(), true)],
+            ..Facts::default()
+        };
+        let samples = vec![
+            Samples {
+                max_queue_age_ms: 5,
+                min_host_available: Some(8 << 30),
+            };
+            2
+        ];
+        let mut redirected = record("redirect", "r1", "cpu");
+        redirected.decision = Some("redirect".into());
+        redirected.degraded = Some("memory".into());
+        let good = vec![record("baseline", "b1", "gpu"), redirected.clone()];
+        let report = Report::judge(
+            &["baseline", "redirect"],
+            good.clone(),
+            samples.clone(),
+            facts.clone(),
+            1 << 30,
+            Duration::from_secs(1),
+        );
+        assert!(report.passed, "{}", report.table());
+
+        // A non-replayable request served by the fallback ran twice; a redirect without the
+        // degraded header; a client that waited and got nothing.
+        let mut moved = record("non_replayable", "n1", "cpu");
+        moved.status = Some(200);
+        let mut silent = redirected;
+        silent.degraded = None;
+        let mut lost = record("baseline", "b2", "gpu");
+        lost.status = None;
+        let bad = [good, vec![moved, silent, lost]].concat();
+        let report = Report::judge(
+            &["baseline", "redirect", "non_replayable"],
+            bad,
+            samples,
+            facts,
+            1 << 30,
+            Duration::from_secs(1),
+        );
+        assert!(!report.passed);
+        assert_eq!(
+            report.failed(),
+            [
+                "duplicate executions",
+                "accepted but lost",
+                "redirected answers carrying x-vramguard-degraded"
+            ]
+        );
+        assert!(
+            report
+                .table()
+                .contains("FAIL: duplicate executions; accepted but lost;"),
+            "{}",
+            report.table()
+        );
+    }
+}
