@@ -145,6 +145,7 @@ fn main() {
         max_new_tokens: 0,
         deadline: None,
         received: tokio::time::Instant::now(),
+        progress: Default::default(),
     };
     // Back to back (threads stay hot), then with idle gaps like a lightly loaded server, whose
     // threads park between requests and must be woken.

@@ -625,6 +625,7 @@ fn decode_headers(
         max_new_tokens: 0,
         deadline,
         received,
+        progress: Default::default(),
     })
 }
 
