@@ -19,12 +19,12 @@ SYSTEMD_UNIT := deploy/systemd/vramguard.service
 # removing a hardening directive fails the check.
 SYSTEMD_EXPOSURE_MAX := 20
 
-.PHONY: run test deps tools systemd-tools build release check-fmt clippy unit policy-tests model-check client-compat alert-tests dashboard-check systemd-check drill bench bench-tools clean-deps
+.PHONY: run test deps tools systemd-tools build release check-fmt clippy unit policy-tests model-check client-compat alert-tests dashboard-check systemd-check k8s-check drill bench bench-tools clean-deps
 
 run: deps release
 	./target/release/vramguard serve $(ARGS)
 
-test: deps tools check-fmt clippy unit policy-tests model-check client-compat alert-tests dashboard-check systemd-check drill
+test: deps tools check-fmt clippy unit policy-tests model-check client-compat alert-tests dashboard-check systemd-check k8s-check drill
 	@echo "make test: all checks passed"
 
 deps: $(ORT_LIB)
@@ -126,6 +126,21 @@ $(DASHCHECK):
 
 dashboard-check: $(DASHCHECK)
 	PYTHONPATH=.deps/dashcheck $(PYTHON) tests/dashboards/check.py dashboards/*.json
+
+# The Kubernetes manifests (deploy/kubernetes/), offline: each against the JSON schema of its kind
+# with check-jsonschema (schemas extracted from the Kubernetes API and the CRDs by
+# deploy/kubernetes/schemas/extract.py, committed; unknown keys are refused), the PrometheusRule
+# regenerated from alerts/vramguard.rules.yaml and compared, its rules through promtool, and the
+# selectors, ports, probes and engine label checked against each other (tests/kubernetes/check.py).
+# tests/picker.rs (in `unit`) checks the endpoint picker's metric names against a live /metrics.
+K8SCHECK := .deps/k8scheck/.installed
+
+$(K8SCHECK):
+	$(PYTHON) -m pip install --quiet --disable-pip-version-check --target .deps/k8scheck 'check-jsonschema==0.39.0'
+	@touch $@
+
+k8s-check: $(K8SCHECK)
+	PYTHONPATH=.deps/k8scheck $(PYTHON) tests/kubernetes/check.py
 
 # `systemd-analyze verify` also checks that ExecStart's binary exists, and /usr/local/bin/vramguard
 # does not on a build machine: so it verifies a copy of the unit, in a scratch folder, whose

@@ -146,6 +146,7 @@ fn main() {
         deadline: None,
         shrinker: None,
         received: tokio::time::Instant::now(),
+        progress: Default::default(),
     };
     // Back to back (threads stay hot), then with idle gaps like a lightly loaded server, whose
     // threads park between requests and must be woken.

@@ -7,6 +7,7 @@
 #![deny(unsafe_code)]
 #![warn(missing_docs)]
 
+pub mod activity;
 pub mod backend;
 pub mod breaker;
 pub mod chat;

@@ -15,6 +15,7 @@ use std::time::Duration;
 use axum::http::StatusCode;
 use tokio::time::Instant;
 
+use crate::activity::Progress;
 use crate::backend::{AllocFailureKind, BackendError};
 use crate::config::Keep;
 use crate::metrics::{
@@ -55,6 +56,9 @@ pub struct Request {
     /// How to shorten a generation's prompt when the policy shrinks its context and the
     /// client allowed it (models with a context axis are cut along it instead).
     pub shrinker: Option<Shrinker>,
+    /// Its place in the service's waiting and running counts ([`infer`] and a generation
+    /// accept it there; the default counts nothing).
+    pub progress: Progress,
 }
 
 /// A generation's prompt, shortened: its new inputs, their length and what was cut.
@@ -433,7 +437,8 @@ impl RequestError {
 
 /// Run `request` to its end: place it, ask the policy, carry the decision out, run it, and
 /// count the outcome.
-pub async fn infer(service: &Service, request: Request) -> Result<Served, Refused> {
+pub async fn infer(service: &Service, mut request: Request) -> Result<Served, Refused> {
+    request.progress = service.activity.accept();
     let model = request.model.clone();
     let received = request.received;
     counted(service, &model, received, async move {
@@ -790,7 +795,7 @@ async fn run_on(
     // goes away), so concurrent admissions see each other before the next memory sample does.
     let _promised = (!is_accelerator(pool)).then(|| service.promise_host_memory(estimate_bytes));
     let probe = pool.breaker_permit()?;
-    let cancel = RunCancel::default();
+    let cancel = RunCancel::for_request(request.progress.clone());
     let job = InferJob {
         request_id: request.id.clone(),
         model: request.model.clone(),

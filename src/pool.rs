@@ -15,6 +15,7 @@ use tokio::sync::oneshot;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::histogram::Histogram;
 
+use crate::activity::Progress;
 use crate::backend::{AllocFailureKind, ArenaStats, Backend, BackendError, Interrupt};
 use crate::breaker::{Breaker, Permit};
 use crate::clock::{Clock, SystemClock};
@@ -102,6 +103,8 @@ pub struct RunCancel(Arc<Mutex<CancelState>>);
 struct CancelState {
     cancelled: bool,
     interrupt: Option<Interrupt>,
+    /// The request the job belongs to: running from its first run's start.
+    progress: Progress,
 }
 
 impl std::fmt::Debug for RunCancel {
@@ -113,6 +116,14 @@ impl std::fmt::Debug for RunCancel {
 }
 
 impl RunCancel {
+    /// A handle for a job of the request whose progress is `progress`.
+    pub fn for_request(progress: Progress) -> Self {
+        RunCancel(Arc::new(Mutex::new(CancelState {
+            progress,
+            ..CancelState::default()
+        })))
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, CancelState> {
         self.0.lock().unwrap_or_else(PoisonError::into_inner)
     }
@@ -134,6 +145,7 @@ impl RunCancel {
             return false;
         }
         state.interrupt = interrupt;
+        state.progress.started();
         true
     }
 

@@ -213,6 +213,7 @@ fn request(seq: usize, value: f32) -> Request {
         deadline: None,
         shrinker: None,
         received: Instant::now(),
+        progress: Default::default(),
     }
 }
 
@@ -387,6 +388,55 @@ async fn a_deferred_request_holds_no_worker_and_runs_once_the_pool_frees() {
     assert_eq!(blocker.await.unwrap().unwrap(), "gpu");
     assert_eq!(waiting.await.unwrap().unwrap(), "gpu");
     assert!(counter(&h, "vramguard_policy_decisions_total{action=\"defer\",pool=\"gpu\"}") >= 1.0);
+}
+
+/// `vramguard_requests_waiting` and `vramguard_requests_running`, what the endpoint picker reads.
+fn picker_load(h: &Harness) -> (f64, f64) {
+    (
+        counter(h, "vramguard_requests_waiting "),
+        counter(h, "vramguard_requests_running "),
+    )
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_pickers_gauges_count_deferred_and_queued_requests_as_waiting_until_they_run() {
+    let h = harness(
+        r#"fn decide(req, state) { if req.priority == 7 && state.pools["gpu"].inflight > 0 { defer(50) } else { admit() } }"#,
+        &[],
+        "{capacity: 8, max_wait: 1h}",
+    );
+    assert_eq!(picker_load(&h), (0.0, 0.0));
+    let spawn = |req: Request| {
+        let service = Arc::clone(&h.service);
+        tokio::spawn(async move { lifecycle::infer(&service, req).await.is_ok() })
+    };
+    // One runs on the only worker, one queues behind it, one is deferred by the policy.
+    let running = spawn(request(4, WAIT_FOR_GATE));
+    while h.service.pool("gpu").unwrap().load().inflight == 0 {
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    let queued = spawn(request(4, WAIT_FOR_GATE));
+    while h.service.pool("gpu").unwrap().load().queue_depth == 0 {
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    let mut req = request(4, 0.5);
+    req.priority = 7;
+    let deferred = spawn(req);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(picker_load(&h), (2.0, 1.0));
+
+    // The first ends, the queued one starts; the deferred one still waits behind it.
+    h.release.send(()).unwrap();
+    assert!(running.await.unwrap());
+    while h.service.pool("gpu").unwrap().load().inflight == 0 {
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    assert_eq!(picker_load(&h), (1.0, 1.0));
+
+    h.release.send(()).unwrap();
+    assert!(queued.await.unwrap());
+    assert!(deferred.await.unwrap());
+    assert_eq!(picker_load(&h), (0.0, 0.0));
 }
 
 #[tokio::test(start_paused = true)]

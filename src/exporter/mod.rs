@@ -17,6 +17,7 @@ use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::registry::Unit;
 use tokio_util::sync::CancellationToken;
 
+use crate::activity::Activity;
 use crate::config::{Provider, ServiceMatch, ServiceRule};
 use crate::degraded::Degraded;
 use crate::device::simulated::SimulatedDevice;
@@ -24,7 +25,9 @@ use crate::device::{DeviceProcess, MemorySource, Reading};
 use crate::metrics::{Metrics, SourceLabels};
 use crate::onnx::arena::ArenaStats;
 use crate::pool::Pool;
-use crate::snapshot::{BreakerState, DeviceClass, DeviceState, HostState, PoolState, ProcessState, Snapshot};
+use crate::snapshot::{
+    BreakerState, DeviceClass, DeviceState, HostState, PoolState, ProcessState, ProviderKind, Snapshot,
+};
 
 /// The service label of processes no rule matches.
 pub const UNMATCHED_SERVICE: &str = "other";
@@ -384,7 +387,13 @@ pub struct LiveCollector {
     store: Arc<SnapshotStore>,
     pools: Vec<Arc<Pool>>,
     simulated: Vec<Arc<SimulatedDevice>>,
-    degraded: Option<Arc<Degraded>>,
+    serving: Option<Serving>,
+}
+
+/// What only `vramguard serve` has to export: degraded mode and the requests it holds.
+struct Serving {
+    degraded: Arc<Degraded>,
+    activity: Arc<Activity>,
 }
 
 impl std::fmt::Debug for LiveCollector {
@@ -400,15 +409,43 @@ impl LiveCollector {
             store,
             pools,
             simulated,
-            degraded: None,
+            serving: None,
         }
     }
 
-    /// Also export degraded mode (`vramguard serve`; the exporter alone serves nothing).
-    pub fn with_degraded(mut self, degraded: Arc<Degraded>) -> Self {
-        self.degraded = Some(degraded);
+    /// Also export degraded mode and the endpoint picker's gauges: requests waiting and
+    /// running, accelerator memory usage (`vramguard serve`; the exporter alone serves nothing).
+    pub fn serving(mut self, degraded: Arc<Degraded>, activity: Arc<Activity>) -> Self {
+        self.serving = Some(Serving { degraded, activity });
         self
     }
+
+    /// Whether no accelerator pool can take new work: there is at least one, and each is
+    /// unavailable, shutting down or behind an open breaker.
+    fn accelerators_closed(&self) -> bool {
+        let mut accelerators = self
+            .pools
+            .iter()
+            .filter(|p| p.provider().kind() != ProviderKind::Cpu)
+            .peekable();
+        accelerators.peek().is_some() && accelerators.all(|p| p.breaker_view() == BreakerState::Open)
+    }
+}
+
+/// `vramguard_accelerator_memory_usage_ratio`: the fullest accelerator's memory in use (by every
+/// process, vramguard's arena and external pressure alike, as NVML or the simulated device
+/// reports it) over its capacity, 0 to 1; 0 with no accelerator. Exactly 1 while `saturated`
+/// (degraded, or no accelerator pool can take work), so an endpoint picker that prefers emptier
+/// replicas sends new work elsewhere while this one still serves what it has on its CPU path.
+pub fn accelerator_usage_ratio<'a>(devices: impl IntoIterator<Item = &'a DeviceState>, saturated: bool) -> f64 {
+    if saturated {
+        return 1.0;
+    }
+    devices
+        .into_iter()
+        .filter(|d| d.kind != DeviceClass::Host && d.total_bytes > 0)
+        .map(|d| (d.used_bytes as f64 / d.total_bytes as f64).clamp(0.0, 1.0))
+        .fold(0.0, f64::max)
 }
 
 /// Encode one family of constant metrics; an empty family is left out entirely.
@@ -649,7 +686,7 @@ impl Collector for LiveCollector {
                 )
             }),
         )?;
-        if let Some(degraded) = &self.degraded {
+        if let Some(Serving { degraded, activity }) = &self.serving {
             let now = degraded.now();
             gauge_family(
                 &mut encoder,
@@ -671,6 +708,28 @@ impl Collector for LiveCollector {
                         1,
                     )
                 }),
+            )?;
+            gauge_family(
+                &mut encoder,
+                "requests_waiting",
+                "Requests accepted whose first run has not started (deferred by the policy or queued, all pools)",
+                None,
+                [(NO_LABELS, saturating_i64(activity.waiting()))],
+            )?;
+            gauge_family(
+                &mut encoder,
+                "requests_running",
+                "Requests whose first run has started and that are not answered yet (all pools; a generation from its first step to its last)",
+                None,
+                [(NO_LABELS, saturating_i64(activity.running()))],
+            )?;
+            let saturated = now.is_some() || self.accelerators_closed();
+            gauge_family(
+                &mut encoder,
+                "accelerator_memory_usage_ratio",
+                "Memory in use over capacity of the fullest accelerator, 0 to 1; 1 while degraded or no accelerator pool can take work",
+                None,
+                [(NO_LABELS, accelerator_usage_ratio(snapshot.devices.values(), saturated))],
             )?;
         }
 
@@ -885,6 +944,35 @@ mod tests {
         assert_eq!(
             (device.used_bytes, device.free_bytes, device.headroom_bytes),
             (1000, 0, 0)
+        );
+    }
+
+    #[test]
+    fn usage_ratio_is_the_fullest_accelerator_and_full_while_saturated() {
+        let device = |kind, total_bytes, used_bytes| DeviceState {
+            kind,
+            total_bytes,
+            used_bytes,
+            ..DeviceState::default()
+        };
+        let devices = [
+            device(DeviceClass::Nvml, 1000, 250),
+            device(DeviceClass::Simulated, 400, 300),
+            // Host memory is not an accelerator's, however full.
+            device(DeviceClass::Host, 100, 100),
+            // A device that reports no capacity says nothing.
+            device(DeviceClass::Nvml, 0, 10),
+        ];
+        assert_eq!(accelerator_usage_ratio(&devices, false), 0.75);
+        assert_eq!(accelerator_usage_ratio(&devices, true), 1.0);
+        assert_eq!(accelerator_usage_ratio(&devices[..1], false), 0.25);
+        // Nothing to fill: a CPU-only replica.
+        assert_eq!(accelerator_usage_ratio(&devices[2..], false), 0.0);
+        assert_eq!(accelerator_usage_ratio([], true), 1.0);
+        // A driver reading above capacity is clamped.
+        assert_eq!(
+            accelerator_usage_ratio(&[device(DeviceClass::Nvml, 10, 12)], false),
+            1.0
         );
     }
 

@@ -633,6 +633,7 @@ fn decode_headers(
         deadline,
         received,
         shrinker: None,
+        progress: Default::default(),
     })
 }
 

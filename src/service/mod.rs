@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 
 use prometheus_client::registry::Registry;
 
+use crate::activity::Activity;
 use crate::backend::Backend;
 use crate::clock::{Clock, SystemClock};
 use crate::config::{Config, ConfigError, DeviceKind, ModelConfig, PoolConfig};
@@ -215,6 +216,8 @@ pub struct Service {
     host_promised: Arc<std::sync::atomic::AtomicU64>,
     /// The policy's last decisions, for `/status`.
     pub decisions: crate::recent::RecentDecisions,
+    /// Requests accepted and not answered, waiting or running.
+    pub activity: Arc<Activity>,
 }
 
 /// Host memory promised to one run; given back when dropped.
@@ -296,6 +299,7 @@ impl Service {
             pools.push(start_pool(&backends, &config, &models, pool_config, context));
         }
         let degraded = Arc::new(Degraded::new(pools.clone(), Arc::clone(&clock)));
+        let activity = Arc::new(Activity::default());
         let idempotency = IdempotencyCache::new(config.server.idempotency.max_entries, config.server.idempotency.ttl);
         idempotency.metrics().register(&mut registry);
         let store = Arc::new(SnapshotStore::default());
@@ -322,7 +326,7 @@ impl Service {
             .set(1);
         registry.register_collector(Box::new(
             LiveCollector::new(Arc::clone(&store), pools.clone(), simulated.clone())
-                .with_degraded(Arc::clone(&degraded)),
+                .serving(Arc::clone(&degraded), Arc::clone(&activity)),
         ));
         Ok(Service {
             runtime_version,
@@ -342,6 +346,7 @@ impl Service {
             idempotency,
             host_promised: Arc::default(),
             decisions: Default::default(),
+            activity,
         })
     }
 

@@ -1,0 +1,114 @@
+//! Requests accepted and not yet answered, split by whether their work has started: what
+//! `vramguard_requests_waiting` and `vramguard_requests_running` export for the Kubernetes
+//! inference gateway's endpoint picker (and any load balancer that wants a replica's load).
+//!
+//! Counted per request, not per run: a generation is one request running from its first token
+//! to its last, even while its next step waits for a worker, as an inference engine counts its
+//! running sequences; the pools' `vramguard_queue_depth` and `vramguard_inflight_requests` count
+//! runs.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
+
+/// The counts of one service.
+#[derive(Debug, Default)]
+pub struct Activity {
+    waiting: AtomicI64,
+    running: AtomicI64,
+}
+
+impl Activity {
+    /// A request was accepted: it waits (for the policy, a deferral or a queue) until its
+    /// [`Progress`] says its first run started, and counts until the last clone is dropped.
+    pub fn accept(self: &Arc<Self>) -> Progress {
+        self.waiting.fetch_add(1, Ordering::Relaxed);
+        Progress(Some(Arc::new(Tracked {
+            activity: Arc::clone(self),
+            started: AtomicBool::new(false),
+        })))
+    }
+
+    /// Requests accepted whose first run has not started.
+    pub fn waiting(&self) -> u64 {
+        // A request moving from waiting to running is subtracted from one before it is added to
+        // the other; a reader in between may see one less, never a negative count.
+        self.waiting.load(Ordering::Relaxed).max(0) as u64
+    }
+
+    /// Requests whose first run has started and that are not answered yet.
+    pub fn running(&self) -> u64 {
+        self.running.load(Ordering::Relaxed).max(0) as u64
+    }
+}
+
+/// One accepted request's place in [`Activity`]; clones share it (the request, and the job a
+/// worker holds). [`Progress::default`] is untracked, for requests no service counts.
+#[derive(Debug, Clone, Default)]
+pub struct Progress(Option<Arc<Tracked>>);
+
+#[derive(Debug)]
+struct Tracked {
+    activity: Arc<Activity>,
+    started: AtomicBool,
+}
+
+impl Progress {
+    /// A worker started one of the request's runs: it is running from now on (later runs and a
+    /// retry change nothing).
+    pub fn started(&self) {
+        if let Some(tracked) = &self.0
+            && !tracked.started.swap(true, Ordering::Relaxed)
+        {
+            tracked.activity.waiting.fetch_sub(1, Ordering::Relaxed);
+            tracked.activity.running.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+}
+
+impl Drop for Tracked {
+    fn drop(&mut self) {
+        let count = if *self.started.get_mut() {
+            &self.activity.running
+        } else {
+            &self.activity.waiting
+        };
+        count.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_request_waits_until_its_first_run_and_runs_until_its_last_handle_goes() {
+        let activity = Arc::new(Activity::default());
+        let first = activity.accept();
+        let second = activity.accept();
+        assert_eq!((activity.waiting(), activity.running()), (2, 0));
+
+        // The worker's copy starts the run; a second run (a generation's next step, a retry)
+        // does not count the request twice.
+        let worker_copy = first.clone();
+        worker_copy.started();
+        worker_copy.started();
+        assert_eq!((activity.waiting(), activity.running()), (1, 1));
+
+        // The run is over but the request is not answered: still running.
+        drop(worker_copy);
+        assert_eq!((activity.waiting(), activity.running()), (1, 1));
+        drop(first);
+        assert_eq!((activity.waiting(), activity.running()), (1, 0));
+
+        // Refused or cancelled before any run: it leaves the waiting count.
+        drop(second);
+        assert_eq!((activity.waiting(), activity.running()), (0, 0));
+    }
+
+    #[test]
+    fn untracked_progress_counts_nothing() {
+        let progress = Progress::default();
+        progress.started();
+        drop(progress);
+    }
+}
