@@ -40,6 +40,8 @@ struct Model {
     label: &'static str,
     dir: PathBuf,
     max_tokens: u32,
+    /// The shortest measurement: long enough for several generations.
+    min_seconds: u64,
 }
 
 fn models() -> Vec<Model> {
@@ -47,13 +49,15 @@ fn models() -> Vec<Model> {
         label: "fixture",
         dir: Path::new(env!("CARGO_MANIFEST_DIR")).join("models/decoder"),
         max_tokens: 128,
+        min_seconds: 1,
     }];
     let large = common::out_dir().join("decoder-large");
     if large.join("model.onnx").exists() {
         out.push(Model {
             label: "large",
             dir: large,
-            max_tokens: 32,
+            max_tokens: 16,
+            min_seconds: 4,
         });
     } else {
         eprintln!(
@@ -237,6 +241,7 @@ fn ttft(server: &Server, concurrency: usize, seconds: f64, body: &Path) -> Vec<f
 }
 
 fn measure(model: &Model, scratch: &Scratch, runs: usize, seconds: u64) -> Vec<Figure> {
+    let seconds = seconds.max(model.min_seconds);
     let local = InProcess::new(model);
     let (text, tokens) = local.generate();
     assert_eq!(
