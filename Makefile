@@ -13,6 +13,7 @@ CARGO       ?= cargo
 SUDO        := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 APT_STAMP   := .deps/.apt-updated
 PYCLIENTS   := .deps/pyclients/.installed-2
+PEER        := .deps/peer/.installed
 MODELGEN    := .deps/modelgen/.installed
 SYSTEMD_UNIT := deploy/systemd/vramguard.service
 # The most `systemd-analyze security` exposure the unit may have, in tenths (20: 2.0 of 10), so
@@ -164,8 +165,8 @@ systemd-check: systemd-tools build
 drill: build
 	./target/debug/vramguard drill --quick --json target/drill.json
 
-# The overhead bench drives the real `vramguard serve` from a separate process, as users' clients
-# do: wrk (Debian package `wrk`) is that load generator. Not part of `make test`.
+# The overhead and generation benches drive the real `vramguard serve` from a separate process, as
+# users' clients do: wrk (Debian package `wrk`) is that load generator. Not part of `make test`.
 bench-tools:
 	@command -v wrk >/dev/null || { \
 		mkdir -p .deps; \
@@ -173,11 +174,26 @@ bench-tools:
 		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends wrk >/dev/null; }
 	@wrk --version 2>&1 | head -1
 
-# `cargo bench` builds the release binary the overhead bench spawns (CARGO_BIN_EXE_vramguard);
-# a `cargo build --release` first would build it a second time, since the benches' dev-dependencies
-# change the features of shared crates (tokio, serde, …).
-bench: deps bench-tools
-	$(CARGO) bench
+# The overhead bench's peer (benches/peer/server.py): the same model behind FastAPI and uvicorn on
+# the onnxruntime wheel of $(ORT_DIR), as a home-server user would serve it.
+$(PEER):
+	$(PYTHON) -m pip install --quiet --disable-pip-version-check --target .deps/peer fastapi==0.163.2 starlette==1.10.0 pydantic==2.14.4 uvicorn==0.54.0 numpy==2.4.6
+	@touch $@
+
+# `make bench`: every bench once, then one table (target/bench/results.json and results.md; the
+# README's Performance section shows the latest). Each bench also runs alone:
+# `cargo bench --bench overhead`, then `cargo bench --bench report` for the table.
+# `cargo bench --no-run` builds the release binary the server benches spawn
+# (CARGO_BIN_EXE_vramguard); a `cargo build --release` first would build it a second time, since
+# the benches' dev-dependencies change the features of shared crates (tokio, serde, …).
+# The larger decoder of the generation bench is made once into target/bench/ (not committed).
+BENCHES := policy exporter failover overhead generation
+bench: deps bench-tools $(PEER) $(MODELGEN)
+	PYTHONPATH=.deps/modelgen $(PYTHON) benches/larger_decoder.py target/bench/decoder-large
+	$(CARGO) bench --no-run
+	rm -f $(foreach b,$(BENCHES),target/bench/$(b).json)
+	@set -e; for b in $(BENCHES); do echo "== cargo bench --bench $$b"; $(CARGO) bench --quiet --bench $$b; done
+	$(CARGO) bench --quiet --bench report
 
 clean-deps:
 	rm -rf .deps

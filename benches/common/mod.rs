@@ -1,0 +1,228 @@
+//! Shared by the benches: a figure with its median and spread, written as JSON under
+//! `target/bench/` for `benches/report.rs` to gather into one table; and (in `server`) real
+//! server processes driven by a load generator in another process.
+// Each bench uses a part of this module.
+#![allow(dead_code)]
+
+pub mod server;
+
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+
+/// What a figure must be to meet its target.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Target {
+    /// At most this (latencies).
+    AtMost(f64),
+    /// At least this (throughputs, ratios).
+    AtLeast(f64),
+}
+
+impl Target {
+    pub fn met(self, value: f64) -> bool {
+        match self {
+            Target::AtMost(t) => value <= t,
+            Target::AtLeast(t) => value >= t,
+        }
+    }
+}
+
+/// One line of the table: a median and the spread around it.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Figure {
+    /// What was measured, as the table shows it.
+    pub name: String,
+    pub unit: String,
+    pub median: f64,
+    /// The spread's low and high ends.
+    pub low: f64,
+    pub high: f64,
+    /// What the spread is: `p5–p95 of 1000 samples`, `min–max of 5 runs`, ….
+    pub spread: String,
+    pub target: Option<Target>,
+    /// Anything a reader needs to read the figure right.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub note: String,
+}
+
+impl Figure {
+    /// The median and p5–p95 of individually timed samples.
+    pub fn of_samples(name: impl Into<String>, unit: &str, samples: &[f64]) -> Figure {
+        let mut sorted = samples.to_vec();
+        sorted.sort_by(f64::total_cmp);
+        Figure {
+            name: name.into(),
+            unit: unit.into(),
+            median: quantile(&sorted, 0.5),
+            low: quantile(&sorted, 0.05),
+            high: quantile(&sorted, 0.95),
+            spread: format!("p5–p95 of {} samples", sorted.len()),
+            target: None,
+            note: String::new(),
+        }
+    }
+
+    /// The median and min–max of one value per repeated run.
+    pub fn of_runs(name: impl Into<String>, unit: &str, runs: &[f64]) -> Figure {
+        let mut sorted = runs.to_vec();
+        sorted.sort_by(f64::total_cmp);
+        Figure {
+            name: name.into(),
+            unit: unit.into(),
+            median: quantile(&sorted, 0.5),
+            low: sorted[0],
+            high: sorted[sorted.len() - 1],
+            spread: format!("min–max of {} runs", sorted.len()),
+            target: None,
+            note: String::new(),
+        }
+    }
+
+    pub fn target(self, target: Target) -> Figure {
+        Figure {
+            target: Some(target),
+            ..self
+        }
+    }
+
+    pub fn note(self, note: impl Into<String>) -> Figure {
+        Figure {
+            note: note.into(),
+            ..self
+        }
+    }
+
+    /// `MET`, `MISSED`, or empty without a target.
+    pub fn verdict(&self) -> &'static str {
+        match self.target {
+            Some(t) if t.met(self.median) => "MET",
+            Some(_) => "MISSED",
+            None => "",
+        }
+    }
+}
+
+/// The `q` quantile of sorted values, the nearest rank (the median of an even count is the
+/// mean of the two middle values).
+pub fn quantile(sorted: &[f64], q: f64) -> f64 {
+    let at = (sorted.len() - 1) as f64 * q;
+    let (lo, hi) = (at.floor() as usize, at.ceil() as usize);
+    if q == 0.5 {
+        (sorted[lo] + sorted[hi]) / 2.0
+    } else {
+        sorted[at.round() as usize]
+    }
+}
+
+/// `target/bench/`, where each bench writes its figures and the report its table.
+pub fn out_dir() -> PathBuf {
+    let tmp = PathBuf::from(env!("CARGO_TARGET_TMPDIR"));
+    tmp.parent().map_or(tmp.clone(), |t| t.join("bench"))
+}
+
+/// The machine as the table's header states it, read when the bench starts.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Machine {
+    pub cpu: String,
+    pub cores: usize,
+    /// The 1-minute load average: above 0.5 or so, something else was running.
+    pub load_average: f64,
+}
+
+impl Machine {
+    pub fn now() -> Machine {
+        let cpu = std::fs::read_to_string("/proc/cpuinfo")
+            .ok()
+            .and_then(|t| {
+                t.lines().find_map(|l| {
+                    l.strip_prefix("model name")?
+                        .split_once(':')
+                        .map(|(_, v)| v.trim().to_string())
+                })
+            })
+            .unwrap_or_else(|| "unknown".into());
+        Machine {
+            cpu,
+            cores: std::thread::available_parallelism().map_or(0, |n| n.get()),
+            load_average: load_average(),
+        }
+    }
+}
+
+pub fn load_average() -> f64 {
+    std::fs::read_to_string("/proc/loadavg")
+        .ok()
+        .and_then(|l| l.split_whitespace().next()?.parse().ok())
+        .unwrap_or(f64::NAN)
+}
+
+/// What one bench wrote.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct BenchFile {
+    pub bench: String,
+    pub machine: Machine,
+    /// The load average when it ended.
+    pub load_average_after: f64,
+    pub seconds: f64,
+    pub figures: Vec<Figure>,
+}
+
+/// Write `figures` to `target/bench/BENCH.json` and print them, so a bench run alone shows the
+/// same lines as the report.
+pub fn record(bench: &str, machine: Machine, started: std::time::Instant, figures: Vec<Figure>) {
+    let file = BenchFile {
+        bench: bench.into(),
+        machine,
+        load_average_after: load_average(),
+        seconds: started.elapsed().as_secs_f64(),
+        figures,
+    };
+    println!();
+    print_table(&file.figures);
+    let dir = out_dir();
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join(format!("{bench}.json"));
+    std::fs::write(&path, serde_json::to_string_pretty(&file).unwrap()).unwrap();
+    println!("written to {}", path.display());
+}
+
+/// A number with the precision its size warrants.
+pub fn number(v: f64) -> String {
+    let a = v.abs();
+    if a >= 1000.0 || v == v.trunc() && a >= 10.0 {
+        format!("{v:.0}")
+    } else if a >= 100.0 {
+        format!("{v:.1}")
+    } else if a >= 1.0 {
+        format!("{v:.2}")
+    } else {
+        format!("{v:.3}")
+    }
+}
+
+/// The table the report and each bench print: figure, median, spread, target, verdict.
+pub fn print_table(figures: &[Figure]) {
+    let width = figures.iter().map(|f| f.name.chars().count()).max().unwrap_or(6).max(6);
+    println!(
+        "{:<width$}  {:>10} {:<6} {:<44} {:<12} result",
+        "figure", "median", "unit", "spread", "target"
+    );
+    for f in figures {
+        let target = match f.target {
+            Some(Target::AtMost(t)) => format!("≤ {}", number(t)),
+            Some(Target::AtLeast(t)) => format!("≥ {}", number(t)),
+            None => String::new(),
+        };
+        println!(
+            "{:<width$}  {:>10} {:<6} {:<44} {:<12} {}",
+            f.name,
+            number(f.median),
+            f.unit,
+            format!("{}–{} ({})", number(f.low), number(f.high), f.spread),
+            target,
+            f.verdict()
+        );
+    }
+}
