@@ -11,7 +11,7 @@ use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use vramguard::backend::{AllocFailureKind, ArenaStats, Backend, BackendError};
+use vramguard::backend::{AllocFailureKind, ArenaStats, Backend, BackendError, RunMeta};
 use vramguard::clock::SystemClock;
 use vramguard::config::{ModelConfig, PoolConfig, RawConfig, parse_yaml};
 use vramguard::estimate::{MemoryProfile, ProfileSource};
@@ -34,7 +34,7 @@ struct Timed {
 }
 
 impl Backend for Timed {
-    fn run(&mut self, _: &str, inputs: Vec<Tensor>, _: &[String]) -> Result<Vec<Tensor>, BackendError> {
+    fn run(&mut self, _: &str, inputs: Vec<Tensor>, _: &[String], _: &RunMeta) -> Result<Vec<Tensor>, BackendError> {
         if self.fails {
             self.marks.lock().unwrap().failed_at = Some(Instant::now());
             return Err(BackendError::Allocation {
@@ -144,6 +144,7 @@ fn main() {
         allow_shrink: false,
         max_new_tokens: 0,
         deadline: None,
+        idempotency_key: None,
         received: tokio::time::Instant::now(),
     };
     // Back to back (threads stay hot), then with idle gaps like a lightly loaded server, whose

@@ -7,8 +7,15 @@ use crate::tensor::Tensor;
 
 /// Runs models; one instance per worker thread, so it may hold non-shareable sessions.
 pub trait Backend: Send {
-    /// Run `model` on `inputs`, returning the `outputs` asked for (all when empty).
-    fn run(&mut self, model: &str, inputs: Vec<Tensor>, outputs: &[String]) -> Result<Vec<Tensor>, BackendError>;
+    /// Run `model` on `inputs`, returning the `outputs` asked for (all when empty). `meta` is
+    /// the request's identity and limits, for a backend that hands the request on.
+    fn run(
+        &mut self,
+        model: &str,
+        inputs: Vec<Tensor>,
+        outputs: &[String],
+        meta: &RunMeta,
+    ) -> Result<Vec<Tensor>, BackendError>;
     /// Allocator statistics as of the last refresh, when the backend has an arena.
     fn arena_stats(&self) -> Option<ArenaStats>;
     /// Read the allocator statistics again (costs a C API call, ~10 µs: callers decide when).
@@ -22,6 +29,25 @@ pub trait Backend: Send {
     /// next run, never at the start of `run`: a stop that arrives between the two must end that
     /// run, not be wiped by it.
     fn clear_interrupt(&mut self) {}
+}
+
+/// What a run carries besides its tensors: the request's identity and limits. A backend that
+/// hands the request on to another server (a remote pool) sends them with it; local backends
+/// ignore them.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct RunMeta {
+    /// Request id (`x-request-id`), kept end to end.
+    pub request_id: String,
+    /// When the client stops caring.
+    pub deadline: Option<std::time::Instant>,
+    /// The client's `idempotency-key`, when it sent one.
+    pub idempotency_key: Option<String>,
+    /// Client priority (`x-vramguard-priority`).
+    pub priority: i64,
+    /// False when the request must never be retried automatically once started.
+    pub replayable: bool,
+    /// True when the client allows its context to be cut.
+    pub allow_shrink: bool,
 }
 
 /// Stops a backend's run in progress; safe to call from any thread, at any time.

@@ -15,7 +15,7 @@ use std::time::Duration;
 use axum::http::StatusCode;
 use tokio::time::Instant;
 
-use crate::backend::{AllocFailureKind, BackendError};
+use crate::backend::{AllocFailureKind, BackendError, RunMeta};
 use crate::config::Keep;
 use crate::metrics::{
     DecisionLabels, FailoverReason, KindLabels, ModelPoolLabels, Outcome, RequestLabels, RetryLabels, RetryResult,
@@ -49,6 +49,9 @@ pub struct Request {
     pub max_new_tokens: u64,
     /// When the client stops caring.
     pub deadline: Option<Instant>,
+    /// The client's `idempotency-key`: passed on when the request is forwarded to a remote
+    /// pool, so the remote server executes it at most once too.
+    pub idempotency_key: Option<String>,
     /// When it arrived (request duration is measured from here).
     pub received: Instant,
 }
@@ -752,11 +755,17 @@ async fn run_on(
     let probe = pool.breaker_permit()?;
     let cancel = RunCancel::default();
     let job = InferJob {
-        request_id: request.id.clone(),
+        meta: RunMeta {
+            request_id: request.id.clone(),
+            deadline: request.deadline.map(Instant::into_std),
+            idempotency_key: request.idempotency_key.clone(),
+            priority: request.priority,
+            replayable: request.replayable,
+            allow_shrink: request.allow_shrink,
+        },
         model: request.model.clone(),
         inputs,
         outputs: request.outputs.clone(),
-        deadline: request.deadline.map(Instant::into_std),
         estimate_bytes: Some(estimate_bytes),
         probe,
         cancel: cancel.clone(),

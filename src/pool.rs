@@ -15,7 +15,7 @@ use tokio::sync::oneshot;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::histogram::Histogram;
 
-use crate::backend::{AllocFailureKind, ArenaStats, Backend, BackendError, Interrupt};
+use crate::backend::{AllocFailureKind, ArenaStats, Backend, BackendError, Interrupt, RunMeta};
 use crate::breaker::{Breaker, Permit};
 use crate::clock::{Clock, SystemClock};
 use crate::config::{PoolConfig, Provider};
@@ -74,16 +74,14 @@ pub type Respawn = Arc<dyn Fn() -> Result<Box<dyn Backend>, String> + Send + Syn
 /// One unit of work for a pool.
 #[derive(Debug)]
 pub struct InferJob {
-    /// Request id (kept end to end, for logs).
-    pub request_id: String,
+    /// The request's identity and limits (its id for logs, its deadline).
+    pub meta: RunMeta,
     /// Model name.
     pub model: String,
     /// Validated inputs.
     pub inputs: Vec<Tensor>,
     /// Outputs asked for, empty for all.
     pub outputs: Vec<String>,
-    /// When the client stops caring.
-    pub deadline: Option<Instant>,
     /// The admission estimate of the run's working memory (context + workspace), checked
     /// against what the arena actually needed.
     pub estimate_bytes: Option<u64>,
@@ -666,14 +664,14 @@ impl Pool {
             self.context.metrics.queue_wait.observe(waited.as_secs_f64());
             let skip = if reply.is_closed() {
                 // The client went away while queued: do not spend the device on it.
-                tracing::debug!(request_id = %job.request_id, pool = self.name(), "client gone before start; skipped");
+                tracing::debug!(request_id = %job.meta.request_id, pool = self.name(), "client gone before start; skipped");
                 Some(None)
             } else if waited > self.config.max_wait {
                 Some(Some(Err(PoolError::QueueTimeout {
                     pool: self.name().to_string(),
                     waited,
                 })))
-            } else if job.deadline.is_some_and(|d| self.context.clock.now() >= d) {
+            } else if job.meta.deadline.is_some_and(|d| self.context.clock.now() >= d) {
                 Some(Some(Err(PoolError::DeadlineExceeded {
                     pool: self.name().to_string(),
                 })))
@@ -683,7 +681,7 @@ impl Pool {
             } {
                 // Cancelled while queued. Registered last, so only a job that runs holds the
                 // backend's interrupt (and `run_one` always ends it).
-                tracing::debug!(request_id = %job.request_id, pool = self.name(), "cancelled before start; skipped");
+                tracing::debug!(request_id = %job.meta.request_id, pool = self.name(), "cancelled before start; skipped");
                 Some(None)
             } else {
                 None
@@ -735,14 +733,16 @@ impl Pool {
         let before = backend.arena_stats();
         let estimate = job.estimate_bytes.unwrap_or(0);
         let job_probe = job.probe;
-        let run = std::panic::catch_unwind(AssertUnwindSafe(|| backend.run(&job.model, job.inputs, &job.outputs)));
+        let run = std::panic::catch_unwind(AssertUnwindSafe(|| {
+            backend.run(&job.model, job.inputs, &job.outputs, &job.meta)
+        }));
         job.cancel.end();
         self.record_run(started.elapsed());
         let result = match run {
             Ok(result) => result,
             Err(panic) => {
                 let message = panic_message(panic.as_ref());
-                tracing::error!(request_id = %job.request_id, pool = self.name(), model = %job.model, panic = %message, "the backend panicked; replacing it");
+                tracing::error!(request_id = %job.meta.request_id, pool = self.name(), model = %job.model, panic = %message, "the backend panicked; replacing it");
                 drop(backend);
                 let replacement = match &self.respawn {
                     Some(respawn) => respawn(),
@@ -767,7 +767,7 @@ impl Pool {
             self.publish_stats(backend.as_ref());
             if new_largest {
                 check_estimate(
-                    &job.request_id,
+                    &job.meta.request_id,
                     job.estimate_bytes,
                     before,
                     backend.arena_stats(),
@@ -785,10 +785,10 @@ impl Pool {
         }
         match &result {
             Err(BackendError::Cancelled) => {
-                tracing::debug!(request_id = %job.request_id, pool = self.name(), "run stopped: the client went away")
+                tracing::debug!(request_id = %job.meta.request_id, pool = self.name(), "run stopped: the client went away")
             }
             Err(e) => {
-                tracing::warn!(request_id = %job.request_id, pool = self.name(), model = %job.model, error = %e, "inference failed")
+                tracing::warn!(request_id = %job.meta.request_id, pool = self.name(), model = %job.model, error = %e, "inference failed")
             }
             Ok(_) => {}
         }
@@ -877,7 +877,13 @@ mod tests {
     }
 
     impl Backend for Echo {
-        fn run(&mut self, _: &str, inputs: Vec<Tensor>, _: &[String]) -> Result<Vec<Tensor>, BackendError> {
+        fn run(
+            &mut self,
+            _: &str,
+            inputs: Vec<Tensor>,
+            _: &[String],
+            _: &RunMeta,
+        ) -> Result<Vec<Tensor>, BackendError> {
             if let Some(gate) = &self.gate {
                 gate.lock().unwrap().recv().unwrap();
             }
@@ -907,7 +913,7 @@ mod tests {
 
     fn job(v: f32) -> InferJob {
         InferJob {
-            request_id: "r".into(),
+            meta: RunMeta::default(),
             model: "m".into(),
             inputs: vec![Tensor {
                 name: "x".into(),
@@ -915,7 +921,6 @@ mod tests {
                 data: TensorData::Fp32(vec![v]),
             }],
             outputs: vec![],
-            deadline: None,
             estimate_bytes: None,
             probe: false,
             cancel: RunCancel::default(),
@@ -1021,7 +1026,7 @@ mod tests {
             PoolContext::default(),
         );
         let mut j = job(1.0);
-        j.deadline = Some(Instant::now());
+        j.meta.deadline = Some(Instant::now());
         let rx = pool.submit(j).unwrap();
         assert_eq!(
             rx.blocking_recv().unwrap().unwrap_err(),
@@ -1074,7 +1079,7 @@ mod tests {
     struct Full;
 
     impl Backend for Full {
-        fn run(&mut self, _: &str, _: Vec<Tensor>, _: &[String]) -> Result<Vec<Tensor>, BackendError> {
+        fn run(&mut self, _: &str, _: Vec<Tensor>, _: &[String], _: &RunMeta) -> Result<Vec<Tensor>, BackendError> {
             Err(BackendError::Allocation {
                 kind: AllocFailureKind::Oom,
                 message: "BFCArena::AllocateRawInternal".into(),

@@ -624,6 +624,11 @@ fn decode_headers(
         allow_shrink: false,
         max_new_tokens: 0,
         deadline,
+        // Checked by `idempotent` before the request runs; kept to pass on to remote pools.
+        idempotency_key: headers
+            .get(IDEMPOTENCY_KEY)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_string),
         received,
     })
 }

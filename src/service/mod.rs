@@ -652,7 +652,7 @@ fn start_pool(
     pool: &PoolConfig,
     context: PoolContext,
 ) -> Arc<Pool> {
-    let device_kind = config.device_class(&pool.device);
+    let device_kind = config.pool_class(pool);
     let owned: Vec<(String, ModelBytes)> = models
         .iter()
         .filter(|m| pool.models.contains(&m.config.name))
