@@ -16,7 +16,7 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::histogram::Histogram;
 
 use crate::backend::{AllocFailureKind, ArenaStats, Backend, BackendError, Interrupt, RunMeta};
-use crate::breaker::{Breaker, Permit};
+use crate::breaker::{Breaker, Failure, Permit};
 use crate::clock::{Clock, SystemClock};
 use crate::config::{PoolConfig, Provider};
 use crate::snapshot::{BreakerState, DeviceClass};
@@ -449,6 +449,38 @@ impl Pool {
         }
     }
 
+    /// A remote pool's server failed (`why`): it counts against the breaker like an allocator
+    /// failure, but not as one (`alloc_failures_recent` is about memory).
+    fn record_remote_failure(&self, why: &str) {
+        let mut breaker = self.breaker();
+        if breaker.failure(Failure::Remote(why.to_string()), self.context.clock.now()) {
+            let why = breaker.tripped().map(|w| w.to_string()).unwrap_or_default();
+            tracing::warn!(pool = self.name(), %why, cooldown_s = self.config.breaker.cooldown.as_secs(), "circuit breaker opened: new work goes to other pools");
+        }
+    }
+
+    /// Whether a health check of the remote server is worth making now, and whether it is the
+    /// breaker's probe: `None` while the breaker is open (only its cooldown ends that) or its
+    /// probe is out, `Some(true)` when the check is the probe, so a healthy remote closes the
+    /// breaker without a client's request being the test.
+    pub fn health_check_permit(&self) -> Option<bool> {
+        match self.breaker().permit(self.context.clock.now()) {
+            Permit::Run => Some(false),
+            Permit::Probe => Some(true),
+            Permit::Denied => None,
+        }
+    }
+
+    /// The outcome of a health check taken with [`Pool::health_check_permit`]: a failure counts
+    /// against the breaker (re-opening it when the check was the probe), a success as the
+    /// probe closes it.
+    pub fn health_checked(&self, result: Result<(), String>) {
+        match result {
+            Ok(()) => self.record_success(),
+            Err(why) => self.record_remote_failure(&format!("health check: {why}")),
+        }
+    }
+
     fn breaker(&self) -> std::sync::MutexGuard<'_, Breaker> {
         self.breaker.lock().unwrap_or_else(PoisonError::into_inner)
     }
@@ -777,6 +809,7 @@ impl Pool {
         }
         match &result {
             Err(BackendError::Allocation { kind, .. }) => self.record_failure(*kind),
+            Err(BackendError::Remote { kind, message }) => self.record_remote_failure(&format!("{kind}: {message}")),
             Ok(_) => self.record_success(),
             // Not the device's fault (bad input, a model error): the breaker does not move,
             // but a probe that ended this way hands the turn on.

@@ -1833,7 +1833,7 @@ pools:
             .to_string();
         assert_eq!(
             err,
-            "test.yaml: pools[0].provider: unknown variant `gpu`, expected one of `cpu`, `cuda`, `simulated` \
+            "test.yaml: pools[0].provider: unknown variant `gpu`, expected one of `cpu`, `cuda`, `simulated`, `remote` \
              at line 7 column 15"
         );
         let err = check(&format!("devices: [{{name: d, kind: amd}}]\n{BASE}"))
@@ -1894,6 +1894,51 @@ pools:
             .unwrap_err()
             .to_string();
         assert_eq!(err, "test.yaml: devices[0].capacity: must be at least 1MiB");
+    }
+
+    #[test]
+    fn a_remote_pool_needs_a_plain_http_url_and_no_onnxruntime_settings() {
+        let pool = |extra: &str| {
+            check(&format!(
+                "models: [{{name: enc, path: 'builtin:encoder'}}]\npools:\n  - {{name: far, provider: remote, models: [enc]{extra}}}\n"
+            ))
+        };
+        let err = |extra: &str| pool(extra).unwrap_err().to_string();
+        let ok = pool(", url: 'http://10.0.0.2:8080/kserve/', remote: {timeout: 5s}").unwrap();
+        let far = &ok.pools[0];
+        assert_eq!(far.device, "10.0.0.2:8080");
+        assert_eq!(ok.pool_class(far), crate::snapshot::DeviceClass::Remote);
+        let Provider::Remote(options) = &far.provider else {
+            panic!("{:?}", far.provider)
+        };
+        assert_eq!(options.url, "http://10.0.0.2:8080/kserve");
+        assert_eq!(options.timeout, Duration::from_secs(5));
+        assert_eq!(options.health_interval, Duration::from_secs(1));
+        assert_eq!(
+            err(""),
+            "test.yaml: pools[0].url: a `remote` pool needs the url of the server it forwards to (http://host:port)"
+        );
+        assert!(err(", url: 'https://h:1'").starts_with("test.yaml: pools[0].url: `https://h:1` uses https"));
+        assert!(err(", url: 'ftp://h:1'").starts_with("test.yaml: pools[0].url: `ftp://h:1` is not an http:// URL"));
+        assert!(err(", url: 'http://u:p@h:1'").contains("carries credentials"));
+        let device = err(", url: 'http://h:1', device: sim0");
+        assert!(
+            device.starts_with("test.yaml: pools[0].device: a `remote` pool runs on the remote server"),
+            "{device}"
+        );
+        assert!(err(", url: 'http://h:1', intra_threads: 2").starts_with("test.yaml: pools[0].intra_threads: "));
+        assert!(
+            err(", url: 'http://h:1', memory: {arena_shrinkage: true}").starts_with("test.yaml: pools[0].memory: ")
+        );
+        assert_eq!(
+            err(", url: 'http://h:1', remote: {health_interval: 0}"),
+            "test.yaml: pools[0].remote.health_interval: must be longer than 0"
+        );
+        let local = BASE.replace("provider: cpu", "provider: cpu\n    url: 'http://h:1'");
+        assert_eq!(
+            check(&local).unwrap_err().to_string(),
+            "test.yaml: pools[0].url: only `remote` pools take a url"
+        );
     }
 
     #[test]
