@@ -1640,11 +1640,11 @@ pools:
         assert_eq!(cfg.server.max_connections, defaults.max_connections);
         assert_eq!(cfg.server.max_receiving_bytes, defaults.max_receiving_bytes);
         let providers: Vec<&str> = cfg.pools.iter().map(|p| p.provider.label()).collect();
-        assert_eq!(providers, ["cuda", "simulated", "cpu"]);
-        let kinds: Vec<&str> = cfg.pools.iter().map(|p| cfg.device_class(&p.device).label()).collect();
-        assert_eq!(kinds, ["nvml", "simulated", "host"]);
+        assert_eq!(providers, ["cuda", "simulated", "cpu", "remote"]);
+        let kinds: Vec<&str> = cfg.pools.iter().map(|p| cfg.pool_class(p).label()).collect();
+        assert_eq!(kinds, ["nvml", "simulated", "host", "remote"]);
         let limits: Vec<Option<u64>> = cfg.pools.iter().map(|p| p.max_context).collect();
-        assert_eq!(limits, [Some(4096), None, None]);
+        assert_eq!(limits, [Some(4096), None, None, None]);
         assert_eq!(cfg.exporter.services.len(), 3);
         assert_eq!(cfg.exporter.sample_interval, Duration::from_secs(1));
         assert_eq!(
