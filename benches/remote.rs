@@ -176,6 +176,18 @@ fn outputs(answer: &Answer) -> &[u8] {
     &answer.body[values.byte_offset()..]
 }
 
+/// The mean of a histogram in `/metrics` text (its `_sum` over its `_count`), in µs.
+fn mean_us(metrics: &str, series: &str) -> f64 {
+    let value = |suffix: &str| {
+        metrics
+            .lines()
+            .find(|l| l.starts_with(&format!("{series}_{suffix}")))
+            .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .unwrap_or(f64::NAN)
+    };
+    value("sum") / value("count") * 1e6
+}
+
 fn percentile(sorted: &[Duration], p: f64) -> Duration {
     sorted[((sorted.len() - 1) as f64 * p).round() as usize]
 }
@@ -259,5 +271,26 @@ fn main() {
         us(added),
         TARGET.as_micros(),
         if added <= TARGET { "MET" } else { "MISSED" }
+    );
+    // Where A's share goes: its whole handling of a request against the forwarded exchange
+    // alone (sent to answer decoded, on A's worker), as A's own histograms have them (means).
+    let mut metrics = Connection::open(&local.addr);
+    let stream = metrics.stream.get_mut();
+    write!(
+        stream,
+        "GET /metrics HTTP/1.1\r\nhost: {}\r\nconnection: close\r\n\r\n",
+        local.addr
+    )
+    .unwrap();
+    let mut text = String::new();
+    metrics.stream.read_to_string(&mut text).unwrap();
+    println!(
+        "  in A (means): request {:.1} µs, of which the forwarded exchange {:.1} µs",
+        mean_us(&text, "vramguard_request_duration_seconds"),
+        mean_us(&text, "vramguard_remote_request_duration_seconds")
+    );
+    println!(
+        "  machine load while measuring: {}",
+        std::fs::read_to_string("/proc/loadavg").unwrap_or_default().trim()
     );
 }
