@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::{Figure, Machine, Target, record};
-use vramguard::backend::{ArenaStats, Backend, BackendError};
+use vramguard::backend::{ArenaStats, Backend, BackendError, RunMeta};
 use vramguard::config::{PoolConfig, Provider, ServiceMatch, ServiceRule};
 use vramguard::device::host::HostSource;
 use vramguard::device::simulated::{SimulatedDevice, SimulatedSource};
@@ -40,7 +40,7 @@ impl MemorySource for BigBox {
 struct Idle;
 
 impl Backend for Idle {
-    fn run(&mut self, _: &str, _: Vec<Tensor>, _: &[String]) -> Result<Vec<Tensor>, BackendError> {
+    fn run(&mut self, _: &str, _: Vec<Tensor>, _: &[String], _: &RunMeta) -> Result<Vec<Tensor>, BackendError> {
         Err(BackendError::Runtime("idle".into()))
     }
     fn arena_stats(&self) -> Option<ArenaStats> {

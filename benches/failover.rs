@@ -14,7 +14,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use common::{Figure, Machine, Target, record};
-use vramguard::backend::{AllocFailureKind, ArenaStats, Backend, BackendError};
+use vramguard::backend::{AllocFailureKind, ArenaStats, Backend, BackendError, RunMeta};
 use vramguard::clock::SystemClock;
 use vramguard::config::{ModelConfig, PoolConfig, RawConfig, parse_yaml};
 use vramguard::estimate::{MemoryProfile, ProfileSource};
@@ -37,7 +37,7 @@ struct Timed {
 }
 
 impl Backend for Timed {
-    fn run(&mut self, _: &str, inputs: Vec<Tensor>, _: &[String]) -> Result<Vec<Tensor>, BackendError> {
+    fn run(&mut self, _: &str, inputs: Vec<Tensor>, _: &[String], _: &RunMeta) -> Result<Vec<Tensor>, BackendError> {
         if self.fails {
             self.marks.lock().unwrap().failed_at = Some(Instant::now());
             return Err(BackendError::Allocation {
@@ -149,6 +149,7 @@ fn main() {
         max_new_tokens: 0,
         deadline: None,
         shrinker: None,
+        idempotency_key: None,
         received: tokio::time::Instant::now(),
         progress: Default::default(),
     };

@@ -141,6 +141,7 @@ impl InProcess {
             received: tokio::time::Instant::now(),
             shrinker: None,
             progress: Default::default(),
+            idempotency_key: None,
         };
         let generated = self
             .runtime

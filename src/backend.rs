@@ -7,8 +7,15 @@ use crate::tensor::Tensor;
 
 /// Runs models; one instance per worker thread, so it may hold non-shareable sessions.
 pub trait Backend: Send {
-    /// Run `model` on `inputs`, returning the `outputs` asked for (all when empty).
-    fn run(&mut self, model: &str, inputs: Vec<Tensor>, outputs: &[String]) -> Result<Vec<Tensor>, BackendError>;
+    /// Run `model` on `inputs`, returning the `outputs` asked for (all when empty). `meta` is
+    /// the request's identity and limits, for a backend that hands the request on.
+    fn run(
+        &mut self,
+        model: &str,
+        inputs: Vec<Tensor>,
+        outputs: &[String],
+        meta: &RunMeta,
+    ) -> Result<Vec<Tensor>, BackendError>;
     /// Allocator statistics as of the last refresh, when the backend has an arena.
     fn arena_stats(&self) -> Option<ArenaStats>;
     /// Read the allocator statistics again (costs a C API call, ~10 µs: callers decide when).
@@ -22,6 +29,25 @@ pub trait Backend: Send {
     /// next run, never at the start of `run`: a stop that arrives between the two must end that
     /// run, not be wiped by it.
     fn clear_interrupt(&mut self) {}
+}
+
+/// What a run carries besides its tensors: the request's identity and limits. A backend that
+/// hands the request on to another server (a remote pool) sends them with it; local backends
+/// ignore them.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct RunMeta {
+    /// Request id (`x-request-id`), kept end to end.
+    pub request_id: String,
+    /// When the client stops caring.
+    pub deadline: Option<std::time::Instant>,
+    /// The client's `idempotency-key`, when it sent one.
+    pub idempotency_key: Option<String>,
+    /// Client priority (`x-vramguard-priority`).
+    pub priority: i64,
+    /// False when the request must never be retried automatically once started.
+    pub replayable: bool,
+    /// True when the client allows its context to be cut.
+    pub allow_shrink: bool,
 }
 
 /// Stops a backend's run in progress; safe to call from any thread, at any time.
@@ -50,6 +76,76 @@ pub enum BackendError {
     /// The backend panicked; the worker replaced it.
     #[error("the backend panicked: {0}")]
     Panicked(String),
+    /// A remote pool's server did not answer as it should: the pool's fault, counted by its
+    /// breaker, and a replayable request may move to the fallback pool.
+    #[error("remote server failed ({kind}): {message}")]
+    Remote {
+        /// How.
+        kind: RemoteFailure,
+        /// What happened, for the client and the log.
+        message: String,
+    },
+    /// A remote pool's server refused the request as the client's mistake (a 4xx): passed on
+    /// with its status and message.
+    #[error("remote server refused the request ({status}): {message}")]
+    RemoteRefused {
+        /// The remote's status code.
+        status: u16,
+        /// The remote's message.
+        message: String,
+    },
+    /// The request's deadline passed before a remote pool's server answered (the client's
+    /// limit, not the remote's fault).
+    #[error("the deadline passed before the remote server answered")]
+    DeadlineExceeded,
+}
+
+/// How a remote pool's server failed, as the `kind` label of `vramguard_remote_errors_total`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum RemoteFailure {
+    /// No connection could be made (refused, unreachable, connect timeout): nothing was sent.
+    Connect,
+    /// No answer within the pool's `remote.timeout`.
+    Timeout,
+    /// It refused the request before running it (429, or 503 other than an allocator failure).
+    Overloaded,
+    /// A 5xx, a model it does not serve (404), or the connection broke before the answer.
+    ServerError,
+    /// An answer that is not a valid inference response.
+    Protocol,
+    /// Its `/v2/health/ready` did not answer 200 (not a request's failure).
+    Health,
+}
+
+impl RemoteFailure {
+    /// Label value.
+    pub fn label(self) -> &'static str {
+        match self {
+            RemoteFailure::Connect => "connect",
+            RemoteFailure::Timeout => "timeout",
+            RemoteFailure::Overloaded => "overloaded",
+            RemoteFailure::ServerError => "server_error",
+            RemoteFailure::Protocol => "protocol",
+            RemoteFailure::Health => "health",
+        }
+    }
+
+    /// Whether the remote refused or never got the request: nothing of it ran there.
+    pub fn nothing_ran(self) -> bool {
+        matches!(self, RemoteFailure::Connect | RemoteFailure::Overloaded)
+    }
+}
+
+impl prometheus_client::encoding::EncodeLabelValue for RemoteFailure {
+    fn encode(&self, encoder: &mut prometheus_client::encoding::LabelValueEncoder<'_>) -> std::fmt::Result {
+        std::fmt::Write::write_str(encoder, self.label())
+    }
+}
+
+impl std::fmt::Display for RemoteFailure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.label())
+    }
 }
 
 /// Kinds of allocation failure, as the `kind` label of `vramguard_allocator_failures_total`.

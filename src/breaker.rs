@@ -2,8 +2,9 @@
 //! they happened, a [`Permit`] comes out. No clock of its own, no threads: tested with plain
 //! instants.
 //!
-//! - **Closed**: requests flow. `failures` allocator failures within `window` open it; one
-//!   driver-class failure opens it at once (a reset device fails everything after it).
+//! - **Closed**: requests flow. `failures` failures within `window` (allocator failures, or a
+//!   remote pool's server failing to answer) open it; one driver-class failure opens it at once
+//!   (a reset device fails everything after it).
 //! - **Open**: no requests until `cooldown` has passed since it opened.
 //! - **Half-open**: exactly one request (the probe) goes through. Its success closes the breaker,
 //!   its failure opens it again for another cooldown; a probe that never ran hands the turn on.
@@ -35,6 +36,22 @@ impl Default for BreakerConfig {
     }
 }
 
+/// A failure that counts against a pool.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Failure {
+    /// An allocator failure of this kind.
+    Alloc(AllocFailureKind),
+    /// A remote pool's server did not answer as it should (unreachable, 5xx, timeout, a failed
+    /// health check); says how.
+    Remote(String),
+}
+
+impl From<AllocFailureKind> for Failure {
+    fn from(kind: AllocFailureKind) -> Self {
+        Failure::Alloc(kind)
+    }
+}
+
 /// Whether a request may run on the pool now.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Permit {
@@ -51,6 +68,8 @@ pub enum Permit {
 pub enum Tripped {
     /// Too many allocator failures within the window.
     Failures(u32),
+    /// Too many failures within the window, the last of them a remote server's (how it failed).
+    RemoteFailures(u32, String),
     /// A driver-class failure.
     Driver,
     /// An operator opened it (a restore is rebuilding the pool).
@@ -61,6 +80,7 @@ impl std::fmt::Display for Tripped {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             Tripped::Failures(n) => write!(f, "{n} allocator failures"),
+            Tripped::RemoteFailures(n, last) => write!(f, "{n} failures of the remote server (last: {last})"),
             Tripped::Driver => f.write_str("a driver-class failure"),
             Tripped::Restoring => f.write_str("restoring"),
         }
@@ -150,21 +170,23 @@ impl Breaker {
         None
     }
 
-    /// A run failed with an allocator failure of `kind`. Returns true when this opened it.
-    pub fn failure(&mut self, kind: AllocFailureKind, now: Instant) -> bool {
+    /// A run failed (`kind` says how). Returns true when this opened it.
+    pub fn failure(&mut self, kind: impl Into<Failure>, now: Instant) -> bool {
+        let kind = kind.into();
         self.advance(now);
+        let driver = kind == Failure::Alloc(AllocFailureKind::Driver);
         match &self.state {
             State::HalfOpen { why, .. } => {
-                let why = if kind == AllocFailureKind::Driver {
-                    Tripped::Driver
-                } else {
-                    why.clone()
+                let why = match kind {
+                    _ if driver => Tripped::Driver,
+                    Failure::Remote(last) => Tripped::RemoteFailures(1, last),
+                    Failure::Alloc(_) => why.clone(),
                 };
                 self.open(now, why);
                 true
             }
             State::Open { .. } => false,
-            State::Closed if kind == AllocFailureKind::Driver => {
+            State::Closed if driver => {
                 self.open(now, Tripped::Driver);
                 true
             }
@@ -173,7 +195,11 @@ impl Breaker {
                 self.forget_old(now);
                 if self.recent.len() as u32 >= self.config.failures.max(1) {
                     let n = self.recent.len() as u32;
-                    self.open(now, Tripped::Failures(n));
+                    let why = match kind {
+                        Failure::Remote(last) => Tripped::RemoteFailures(n, last),
+                        Failure::Alloc(_) => Tripped::Failures(n),
+                    };
+                    self.open(now, why);
                     true
                 } else {
                     false
@@ -319,6 +345,24 @@ mod tests {
         b.restored();
         assert_eq!(b.permit(t + s(1)), Permit::Probe);
         assert_eq!(b.success(t + s(2)), Some(s(2)));
+    }
+
+    #[test]
+    fn remote_failures_count_in_the_same_window_and_name_the_last_one() {
+        let (mut b, t) = breaker();
+        let refused = || Failure::Remote("connect: connection refused".into());
+        assert!(!b.failure(OOM, t));
+        assert!(!b.failure(refused(), t + s(1)));
+        assert!(b.failure(refused(), t + s(2)));
+        assert_eq!(
+            b.tripped().map(ToString::to_string).as_deref(),
+            Some("3 failures of the remote server (last: connect: connection refused)")
+        );
+        // A failed probe (a health check after the cooldown) opens it again for another one.
+        assert_eq!(b.permit(t + s(32)), Permit::Probe);
+        assert!(b.failure(refused(), t + s(32)));
+        assert_eq!(b.permit(t + s(61)), Permit::Denied);
+        assert_eq!(b.permit(t + s(62)), Permit::Probe);
     }
 
     #[test]

@@ -34,6 +34,7 @@ pub mod onnx;
 pub mod policy;
 pub mod pool;
 pub mod recent;
+pub mod remote;
 pub mod router;
 pub mod sequences;
 pub mod service;

@@ -16,7 +16,7 @@ use axum::http::StatusCode;
 use tokio::time::Instant;
 
 use crate::activity::Progress;
-use crate::backend::{AllocFailureKind, BackendError};
+use crate::backend::{AllocFailureKind, BackendError, RemoteFailure, RunMeta};
 use crate::config::Keep;
 use crate::metrics::{
     DecisionLabels, FailoverReason, KindLabels, ModelPoolLabels, Outcome, RequestLabels, RetryLabels, RetryResult,
@@ -51,6 +51,9 @@ pub struct Request {
     pub max_new_tokens: u64,
     /// When the client stops caring.
     pub deadline: Option<Instant>,
+    /// The client's `idempotency-key`: passed on when the request is forwarded to a remote
+    /// pool, so the remote server executes it at most once too.
+    pub idempotency_key: Option<String>,
     /// When it arrived (request duration is measured from here).
     pub received: Instant,
     /// How to shorten a generation's prompt when the policy shrinks its context and the
@@ -267,6 +270,35 @@ pub enum RequestError {
         /// Why it was not retried on the fallback pool, when one is configured.
         not_retried: Option<NotRetried>,
     },
+    /// A remote pool's server failed to answer (unreachable, 5xx, timeout, overloaded, a
+    /// broken answer).
+    #[error(
+        "remote pool `{pool}` got no answer from its server ({kind}): {message}{}",
+        not_retried.as_ref().map(|n| format!("; {n}")).unwrap_or_default()
+    )]
+    Remote {
+        /// The pool.
+        pool: String,
+        /// How its server failed.
+        kind: RemoteFailure,
+        /// What happened.
+        message: String,
+        /// The pool's breaker cooldown: the remote is unlikely to be back sooner.
+        retry_after: Duration,
+        /// Why it was not retried on the fallback pool, when one is configured.
+        not_retried: Option<NotRetried>,
+    },
+    /// A remote pool's server refused the request as the client's mistake: its status and
+    /// message are passed on.
+    #[error("remote pool `{pool}`: {message}")]
+    RemoteRefused {
+        /// The pool.
+        pool: String,
+        /// The remote's 4xx status.
+        status: u16,
+        /// The remote's message.
+        message: String,
+    },
     /// The client went away in the middle of work made of several runs (a streamed
     /// generation): the rest is not run. Nobody reads the answer; 499 as nginx logs it.
     #[error("the client went away")]
@@ -320,6 +352,9 @@ impl RequestError {
             RequestError::DeferredTooLong { .. } => StatusCode::TOO_MANY_REQUESTS,
             RequestError::Deadline(_) => StatusCode::GATEWAY_TIMEOUT,
             RequestError::ClientGone => StatusCode::from_u16(499).expect("499 is a valid status code"),
+            RequestError::RemoteRefused { status, .. } => {
+                StatusCode::from_u16(*status).unwrap_or(StatusCode::BAD_REQUEST)
+            }
             RequestError::Failed { .. } => StatusCode::INTERNAL_SERVER_ERROR,
             RequestError::NoPool { .. }
             | RequestError::Refused { .. }
@@ -329,16 +364,21 @@ impl RequestError {
             | RequestError::Unavailable { .. }
             | RequestError::BreakerOpen { .. }
             | RequestError::HostMemory { .. }
-            | RequestError::Allocation { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            | RequestError::Allocation { .. }
+            | RequestError::Remote { .. } => StatusCode::SERVICE_UNAVAILABLE,
         }
     }
 
     /// The `outcome` label of `vramguard_requests_total`.
     pub fn outcome(&self) -> Outcome {
         match self {
-            RequestError::UnknownModel { .. } | RequestError::BadInput(_) | RequestError::BodyTooLarge { .. } => {
-                Outcome::client_error
-            }
+            RequestError::UnknownModel { .. }
+            | RequestError::BadInput(_)
+            | RequestError::BodyTooLarge { .. }
+            | RequestError::RemoteRefused { .. } => Outcome::client_error,
+            // Refused or never received there: nothing ran, as with a full queue.
+            RequestError::Remote { kind, .. } if kind.nothing_ran() => Outcome::rejected,
+            RequestError::Remote { .. } => Outcome::failed,
             RequestError::DeferredTooLong { .. } | RequestError::QueueTimeout { .. } => Outcome::deferred_timeout,
             RequestError::Deadline(_) | RequestError::ClientGone => Outcome::cancelled,
             RequestError::Failed { .. } => Outcome::failed,
@@ -365,15 +405,25 @@ impl RequestError {
             | RequestError::QueueTimeout { retry_after, .. }
             | RequestError::BreakerOpen { retry_after, .. }
             | RequestError::HostMemory { retry_after, .. }
-            | RequestError::Allocation { retry_after, .. } => *retry_after,
+            | RequestError::Allocation { retry_after, .. }
+            | RequestError::Remote { retry_after, .. } => *retry_after,
             RequestError::UnknownModel { .. }
             | RequestError::BadInput(_)
             | RequestError::BodyTooLarge { .. }
             | RequestError::Deadline(_)
             | RequestError::ClientGone
+            | RequestError::RemoteRefused { .. }
             | RequestError::Failed { .. } => return None,
         };
         Some(after.as_secs().max(1))
+    }
+
+    /// Say why a failure that could have moved to the fallback pool did not.
+    fn not_retried(mut self, why: NotRetried) -> RequestError {
+        if let RequestError::Allocation { not_retried, .. } | RequestError::Remote { not_retried, .. } = &mut self {
+            *not_retried = Some(why);
+        }
+        self
     }
 
     /// `model` is not served here; the message lists what is.
@@ -427,7 +477,21 @@ impl RequestError {
                 RequestError::BadInput(crate::onnx::concise(&message))
             }
             // Only a caller that went away cancels, so no client reads this answer.
-            PoolError::Backend(BackendError::Cancelled) => RequestError::Deadline(DeadlineMiss::InPool),
+            PoolError::Backend(BackendError::Cancelled | BackendError::DeadlineExceeded) => {
+                RequestError::Deadline(DeadlineMiss::InPool)
+            }
+            PoolError::Backend(BackendError::Remote { kind, message }) => RequestError::Remote {
+                pool: name,
+                kind,
+                message,
+                retry_after: pool.config.breaker.cooldown.min(Duration::from_secs(30)),
+                not_retried: None,
+            },
+            PoolError::Backend(BackendError::RemoteRefused { status, message }) => RequestError::RemoteRefused {
+                pool: name,
+                status,
+                message,
+            },
             PoolError::Backend(BackendError::Runtime(_) | BackendError::Panicked(_)) => {
                 RequestError::Failed { pool: name }
             }
@@ -580,9 +644,8 @@ pub async fn place(service: &Service, mut request: Request) -> Result<Served, Re
         }
         Err(error) => error,
     };
-    let kind = match &error {
-        PoolError::Backend(BackendError::Allocation { kind, .. }) => *kind,
-        _ => return Err(refuse(Some(&pool), RequestError::from_pool(&pool, error))),
+    let Some(reason) = retry_reason(&error) else {
+        return Err(refuse(Some(&pool), RequestError::from_pool(&pool, error)));
     };
     let Some(fallback) = fallback else {
         return Err(refuse(Some(&pool), RequestError::from_pool(&pool, error)));
@@ -591,23 +654,16 @@ pub async fn place(service: &Service, mut request: Request) -> Result<Served, Re
     let Some(inputs) = spare else {
         // Never replayed behind the client's back: it gets a resumable error with its id.
         retries(RetryResult::not_replayable);
-        let mut refused = RequestError::from_pool(&pool, error);
-        if let RequestError::Allocation { not_retried, .. } = &mut refused {
-            *not_retried = Some(NotRetried::NotReplayable);
-        }
+        let refused = RequestError::from_pool(&pool, error).not_retried(NotRetried::NotReplayable);
         return Err(refuse(Some(&pool), refused));
     };
     if let Err(why) = can_take_retry(service, &fallback, estimate_bytes) {
         retries(RetryResult::no_fallback);
-        let mut refused = RequestError::from_pool(&pool, error);
-        if let RequestError::Allocation { not_retried, .. } = &mut refused {
-            *not_retried = Some(NotRetried::NoFallback(why));
-        }
+        let refused = RequestError::from_pool(&pool, error).not_retried(NotRetried::NoFallback(why));
         return Err(refuse(Some(&pool), refused));
     }
-    let reason = retry_reason(kind);
     service.failover(&pool, &fallback, reason);
-    tracing::info!(request_id = %request.id, from = pool.name(), to = fallback.name(), reason = ?reason, "allocator failure: retrying once on the fallback pool");
+    tracing::info!(request_id = %request.id, from = pool.name(), to = fallback.name(), reason = ?reason, "retrying once on the fallback pool");
     let _waiting = generation.then(|| Waiting::on(&fallback));
     match run_on(service, &fallback, &request, inputs, estimate_bytes).await {
         Ok(outputs) => {
@@ -663,9 +719,8 @@ pub async fn step(
         }
         Err(error) => error,
     };
-    let kind = match &error {
-        PoolError::Backend(BackendError::Allocation { kind, .. }) => *kind,
-        _ => return Err(RequestError::from_pool(pool, error)),
+    let Some(reason) = retry_reason(&error) else {
+        return Err(RequestError::from_pool(pool, error));
     };
     let (Some(fallback), Some(inputs)) = (fallback, spare) else {
         return Err(RequestError::from_pool(pool, error));
@@ -673,15 +728,10 @@ pub async fn step(
     let retries = |pool: &Pool, result: RetryResult| count_retry(service, pool, result);
     if let Err(why) = can_take_retry(service, &fallback, estimate_bytes) {
         retries(pool, RetryResult::no_fallback);
-        let mut refused = RequestError::from_pool(pool, error);
-        if let RequestError::Allocation { not_retried, .. } = &mut refused {
-            *not_retried = Some(NotRetried::NoFallback(why));
-        }
-        return Err(refused);
+        return Err(RequestError::from_pool(pool, error).not_retried(NotRetried::NoFallback(why)));
     }
-    let reason = retry_reason(kind);
     service.failover(pool, &fallback, reason);
-    tracing::info!(request_id = %request.id, from = pool.name(), to = fallback.name(), reason = ?reason, "allocator failure during generation: the step and the rest move to the fallback pool");
+    tracing::info!(request_id = %request.id, from = pool.name(), to = fallback.name(), reason = ?reason, "the step and the rest move to the fallback pool");
     match run_on(service, &fallback, request, inputs, estimate_bytes).await {
         Ok(outputs) => {
             retries(pool, RetryResult::ok);
@@ -698,8 +748,8 @@ pub async fn step(
     }
 }
 
-/// Where a run that fails on `pool` with an allocator failure may go once: its configured
-/// fallback, for accelerator pools.
+/// Where a run that fails on `pool` with an allocator failure (or its remote server failing)
+/// may go once: its configured fallback, for pools off the host.
 fn fallback_of(service: &Service, pool: &Pool) -> Option<Arc<Pool>> {
     pool.config
         .fallback
@@ -721,11 +771,21 @@ fn count_retry(service: &Service, pool: &Pool, result: RetryResult) {
         .inc();
 }
 
-/// The failover reason of a retry after an allocator failure of `kind`.
-fn retry_reason(kind: AllocFailureKind) -> FailoverReason {
-    match kind {
-        AllocFailureKind::Oom => FailoverReason::oom_retry,
-        AllocFailureKind::Driver => FailoverReason::driver_retry,
+/// Whether a run that failed with `error` may be retried once on the fallback pool, and the
+/// failover reason if so: an allocator failure, or a remote pool's server failing. Anything
+/// else (the client's mistake, its deadline, a model error) would fail the same way there.
+fn retry_reason(error: &PoolError) -> Option<FailoverReason> {
+    match error {
+        PoolError::Backend(BackendError::Allocation {
+            kind: AllocFailureKind::Oom,
+            ..
+        }) => Some(FailoverReason::oom_retry),
+        PoolError::Backend(BackendError::Allocation {
+            kind: AllocFailureKind::Driver,
+            ..
+        }) => Some(FailoverReason::driver_retry),
+        PoolError::Backend(BackendError::Remote { .. }) => Some(FailoverReason::remote_retry),
+        _ => None,
     }
 }
 
@@ -739,7 +799,8 @@ fn deadline_reachable(pool: &Pool, request: &Request) -> bool {
     estimate.is_zero() || Instant::now() + estimate <= deadline
 }
 
-/// Whether a pool runs on an accelerator (CUDA or the simulated device).
+/// Whether a pool runs off the host: on an accelerator (CUDA, the simulated device) or on a
+/// remote server. Such a pool may have a fallback, and its runs take no host memory.
 fn is_accelerator(pool: &Pool) -> bool {
     pool.provider().kind() != ProviderKind::Cpu
 }
@@ -797,11 +858,17 @@ async fn run_on(
     let probe = pool.breaker_permit()?;
     let cancel = RunCancel::for_request(request.progress.clone());
     let job = InferJob {
-        request_id: request.id.clone(),
+        meta: RunMeta {
+            request_id: request.id.clone(),
+            deadline: request.deadline.map(Instant::into_std),
+            idempotency_key: request.idempotency_key.clone(),
+            priority: request.priority,
+            replayable: request.replayable,
+            allow_shrink: request.allow_shrink,
+        },
         model: request.model.clone(),
         inputs,
         outputs: request.outputs.clone(),
-        deadline: request.deadline.map(Instant::into_std),
         estimate_bytes: Some(estimate_bytes),
         probe,
         cancel: cancel.clone(),

@@ -16,8 +16,8 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::histogram::Histogram;
 
 use crate::activity::Progress;
-use crate::backend::{AllocFailureKind, ArenaStats, Backend, BackendError, Interrupt};
-use crate::breaker::{Breaker, Permit};
+use crate::backend::{AllocFailureKind, ArenaStats, Backend, BackendError, Interrupt, RunMeta};
+use crate::breaker::{Breaker, Failure, Permit};
 use crate::clock::{Clock, SystemClock};
 use crate::config::{PoolConfig, Provider};
 use crate::snapshot::{BreakerState, DeviceClass};
@@ -75,16 +75,14 @@ pub type Respawn = Arc<dyn Fn() -> Result<Box<dyn Backend>, String> + Send + Syn
 /// One unit of work for a pool.
 #[derive(Debug)]
 pub struct InferJob {
-    /// Request id (kept end to end, for logs).
-    pub request_id: String,
+    /// The request's identity and limits (its id for logs, its deadline).
+    pub meta: RunMeta,
     /// Model name.
     pub model: String,
     /// Validated inputs.
     pub inputs: Vec<Tensor>,
     /// Outputs asked for, empty for all.
     pub outputs: Vec<String>,
-    /// When the client stops caring.
-    pub deadline: Option<Instant>,
     /// The admission estimate of the run's working memory (context + workspace), checked
     /// against what the arena actually needed.
     pub estimate_bytes: Option<u64>,
@@ -466,6 +464,38 @@ impl Pool {
         }
     }
 
+    /// A remote pool's server failed (`why`): it counts against the breaker like an allocator
+    /// failure, but not as one (`alloc_failures_recent` is about memory).
+    fn record_remote_failure(&self, why: &str) {
+        let mut breaker = self.breaker();
+        if breaker.failure(Failure::Remote(why.to_string()), self.context.clock.now()) {
+            let why = breaker.tripped().map(|w| w.to_string()).unwrap_or_default();
+            tracing::warn!(pool = self.name(), %why, cooldown_s = self.config.breaker.cooldown.as_secs(), "circuit breaker opened: new work goes to other pools");
+        }
+    }
+
+    /// Whether a health check of the remote server is worth making now, and whether it is the
+    /// breaker's probe: `None` while the breaker is open (only its cooldown ends that) or its
+    /// probe is out, `Some(true)` when the check is the probe, so a healthy remote closes the
+    /// breaker without a client's request being the test.
+    pub fn health_check_permit(&self) -> Option<bool> {
+        match self.breaker().permit(self.context.clock.now()) {
+            Permit::Run => Some(false),
+            Permit::Probe => Some(true),
+            Permit::Denied => None,
+        }
+    }
+
+    /// The outcome of a health check taken with [`Pool::health_check_permit`]: a failure counts
+    /// against the breaker (re-opening it when the check was the probe), a success as the
+    /// probe closes it.
+    pub fn health_checked(&self, result: Result<(), String>) {
+        match result {
+            Ok(()) => self.record_success(),
+            Err(why) => self.record_remote_failure(&format!("health check: {why}")),
+        }
+    }
+
     fn breaker(&self) -> std::sync::MutexGuard<'_, Breaker> {
         self.breaker.lock().unwrap_or_else(PoisonError::into_inner)
     }
@@ -681,14 +711,14 @@ impl Pool {
             self.context.metrics.queue_wait.observe(waited.as_secs_f64());
             let skip = if reply.is_closed() {
                 // The client went away while queued: do not spend the device on it.
-                tracing::debug!(request_id = %job.request_id, pool = self.name(), "client gone before start; skipped");
+                tracing::debug!(request_id = %job.meta.request_id, pool = self.name(), "client gone before start; skipped");
                 Some(None)
             } else if waited > self.config.max_wait {
                 Some(Some(Err(PoolError::QueueTimeout {
                     pool: self.name().to_string(),
                     waited,
                 })))
-            } else if job.deadline.is_some_and(|d| self.context.clock.now() >= d) {
+            } else if job.meta.deadline.is_some_and(|d| self.context.clock.now() >= d) {
                 Some(Some(Err(PoolError::DeadlineExceeded {
                     pool: self.name().to_string(),
                 })))
@@ -698,7 +728,7 @@ impl Pool {
             } {
                 // Cancelled while queued. Registered last, so only a job that runs holds the
                 // backend's interrupt (and `run_one` always ends it).
-                tracing::debug!(request_id = %job.request_id, pool = self.name(), "cancelled before start; skipped");
+                tracing::debug!(request_id = %job.meta.request_id, pool = self.name(), "cancelled before start; skipped");
                 Some(None)
             } else {
                 None
@@ -750,14 +780,16 @@ impl Pool {
         let before = backend.arena_stats();
         let estimate = job.estimate_bytes.unwrap_or(0);
         let job_probe = job.probe;
-        let run = std::panic::catch_unwind(AssertUnwindSafe(|| backend.run(&job.model, job.inputs, &job.outputs)));
+        let run = std::panic::catch_unwind(AssertUnwindSafe(|| {
+            backend.run(&job.model, job.inputs, &job.outputs, &job.meta)
+        }));
         job.cancel.end();
         self.record_run(started.elapsed());
         let result = match run {
             Ok(result) => result,
             Err(panic) => {
                 let message = panic_message(panic.as_ref());
-                tracing::error!(request_id = %job.request_id, pool = self.name(), model = %job.model, panic = %message, "the backend panicked; replacing it");
+                tracing::error!(request_id = %job.meta.request_id, pool = self.name(), model = %job.model, panic = %message, "the backend panicked; replacing it");
                 drop(backend);
                 let replacement = match &self.respawn {
                     Some(respawn) => respawn(),
@@ -782,7 +814,7 @@ impl Pool {
             self.publish_stats(backend.as_ref());
             if new_largest {
                 check_estimate(
-                    &job.request_id,
+                    &job.meta.request_id,
                     job.estimate_bytes,
                     before,
                     backend.arena_stats(),
@@ -792,6 +824,7 @@ impl Pool {
         }
         match &result {
             Err(BackendError::Allocation { kind, .. }) => self.record_failure(*kind),
+            Err(BackendError::Remote { kind, message }) => self.record_remote_failure(&format!("{kind}: {message}")),
             Ok(_) => self.record_success(),
             // Not the device's fault (bad input, a model error): the breaker does not move,
             // but a probe that ended this way hands the turn on.
@@ -800,10 +833,10 @@ impl Pool {
         }
         match &result {
             Err(BackendError::Cancelled) => {
-                tracing::debug!(request_id = %job.request_id, pool = self.name(), "run stopped: the client went away")
+                tracing::debug!(request_id = %job.meta.request_id, pool = self.name(), "run stopped: the client went away")
             }
             Err(e) => {
-                tracing::warn!(request_id = %job.request_id, pool = self.name(), model = %job.model, error = %e, "inference failed")
+                tracing::warn!(request_id = %job.meta.request_id, pool = self.name(), model = %job.model, error = %e, "inference failed")
             }
             Ok(_) => {}
         }
@@ -892,7 +925,13 @@ mod tests {
     }
 
     impl Backend for Echo {
-        fn run(&mut self, _: &str, inputs: Vec<Tensor>, _: &[String]) -> Result<Vec<Tensor>, BackendError> {
+        fn run(
+            &mut self,
+            _: &str,
+            inputs: Vec<Tensor>,
+            _: &[String],
+            _: &RunMeta,
+        ) -> Result<Vec<Tensor>, BackendError> {
             if let Some(gate) = &self.gate {
                 gate.lock().unwrap().recv().unwrap();
             }
@@ -922,7 +961,7 @@ mod tests {
 
     fn job(v: f32) -> InferJob {
         InferJob {
-            request_id: "r".into(),
+            meta: RunMeta::default(),
             model: "m".into(),
             inputs: vec![Tensor {
                 name: "x".into(),
@@ -930,7 +969,6 @@ mod tests {
                 data: TensorData::Fp32(vec![v]),
             }],
             outputs: vec![],
-            deadline: None,
             estimate_bytes: None,
             probe: false,
             cancel: RunCancel::default(),
@@ -1036,7 +1074,7 @@ mod tests {
             PoolContext::default(),
         );
         let mut j = job(1.0);
-        j.deadline = Some(Instant::now());
+        j.meta.deadline = Some(Instant::now());
         let rx = pool.submit(j).unwrap();
         assert_eq!(
             rx.blocking_recv().unwrap().unwrap_err(),
@@ -1089,7 +1127,7 @@ mod tests {
     struct Full;
 
     impl Backend for Full {
-        fn run(&mut self, _: &str, _: Vec<Tensor>, _: &[String]) -> Result<Vec<Tensor>, BackendError> {
+        fn run(&mut self, _: &str, _: Vec<Tensor>, _: &[String], _: &RunMeta) -> Result<Vec<Tensor>, BackendError> {
             Err(BackendError::Allocation {
                 kind: AllocFailureKind::Oom,
                 message: "BFCArena::AllocateRawInternal".into(),

@@ -247,15 +247,18 @@ pub enum ProviderKind {
     Cuda,
     /// The CPU provider on the simulated accelerator's capped arena.
     Simulated,
+    /// Another Open Inference Protocol server, over HTTP.
+    Remote,
 }
 
 impl ProviderKind {
-    /// The label value: `cpu`, `cuda` or `simulated`.
+    /// The label value: `cpu`, `cuda`, `simulated` or `remote`.
     pub fn label(self) -> &'static str {
         match self {
             ProviderKind::Cpu => "cpu",
             ProviderKind::Cuda => "cuda",
             ProviderKind::Simulated => "simulated",
+            ProviderKind::Remote => "remote",
         }
     }
 }
@@ -297,6 +300,8 @@ pub enum DeviceClass {
     Simulated,
     /// Host memory (CPU pools).
     Host,
+    /// Another server's (remote pools): nothing of it is sampled here.
+    Remote,
 }
 
 impl DeviceClass {
@@ -306,6 +311,7 @@ impl DeviceClass {
             DeviceClass::Nvml => "nvml",
             DeviceClass::Simulated => "simulated",
             DeviceClass::Host => "host",
+            DeviceClass::Remote => "remote",
         }
     }
 }

@@ -61,7 +61,7 @@ fn the_example_config_checks_and_the_default_round_trips() {
     let example = concat!(env!("CARGO_MANIFEST_DIR"), "/config/example.yaml");
     let out = Command::new(BIN).args(["config", "check", example]).output().unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    assert!(String::from_utf8_lossy(&out.stdout).contains("ok (2 models, 3 pools)"));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("ok (2 models, 4 pools)"));
 
     let out = Command::new(BIN).args(["config", "default"]).output().unwrap();
     assert!(out.status.success());

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use axum::http::StatusCode;
 use tokio::time::Instant;
-use vramguard::backend::{ArenaStats, Backend, BackendError};
+use vramguard::backend::{ArenaStats, Backend, BackendError, RunMeta};
 use vramguard::clock::SystemClock;
 use vramguard::config::{ModelConfig, PoolConfig, RawConfig, parse_yaml};
 use vramguard::estimate::{MemoryProfile, ProfileSource};
@@ -34,7 +34,13 @@ struct FakeBackend {
 }
 
 impl Backend for FakeBackend {
-    fn run(&mut self, _model: &str, inputs: Vec<Tensor>, _outputs: &[String]) -> Result<Vec<Tensor>, BackendError> {
+    fn run(
+        &mut self,
+        _model: &str,
+        inputs: Vec<Tensor>,
+        _outputs: &[String],
+        _: &RunMeta,
+    ) -> Result<Vec<Tensor>, BackendError> {
         let input = inputs.into_iter().next().expect("one input");
         let first = match &input.data {
             TensorData::Fp32(v) => v.first().copied().unwrap_or(0.0),
@@ -212,6 +218,7 @@ fn request(seq: usize, value: f32) -> Request {
         max_new_tokens: 0,
         deadline: None,
         shrinker: None,
+        idempotency_key: None,
         received: Instant::now(),
         progress: Default::default(),
     }

@@ -357,8 +357,15 @@ fn default_keep() -> Keep {
 pub struct RawPool {
     /// Pool name (metric label, `x-vramguard-pool`).
     pub name: String,
-    /// `cpu`, `cuda` or `simulated`.
+    /// `cpu`, `cuda`, `simulated` or `remote`.
     pub provider: RawProvider,
+    /// Base URL of the Open Inference Protocol server a `remote` pool forwards to
+    /// (`http://host:port`, optionally with a path prefix).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub url: Option<String>,
+    /// Timeouts and health checks of a `remote` pool.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub remote: Option<RawRemote>,
     /// Device name from `devices:` (required for `cuda` and `simulated`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub device: Option<String>,
@@ -370,9 +377,9 @@ pub struct RawPool {
     /// Worker threads, each with its own session per model.
     #[serde(default = "one")]
     pub workers: usize,
-    /// ONNX Runtime intra-op threads per session.
-    #[serde(default = "one")]
-    pub intra_threads: usize,
+    /// ONNX Runtime intra-op threads per session (1 when absent).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub intra_threads: Option<usize>,
     /// The bounded queue in front of the workers.
     #[serde(default)]
     pub queue: RawQueue,
@@ -388,6 +395,31 @@ pub struct RawPool {
     /// The pool a replayable request is retried on, once, after an allocator failure here.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub fallback: Option<String>,
+}
+
+/// `pools[].remote:`
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RawRemote {
+    /// Longest one forwarded request may take when its client gave no deadline.
+    pub timeout: HumanDuration,
+    /// Longest a new connection to the remote may take.
+    pub connect_timeout: HumanDuration,
+    /// How often the remote's `/v2/health/ready` is asked.
+    pub health_interval: HumanDuration,
+    /// Longest one health check may take.
+    pub health_timeout: HumanDuration,
+}
+
+impl Default for RawRemote {
+    fn default() -> Self {
+        Self {
+            timeout: HumanDuration(Duration::from_secs(60)),
+            connect_timeout: HumanDuration(Duration::from_secs(1)),
+            health_interval: HumanDuration(Duration::from_secs(1)),
+            health_timeout: HumanDuration(Duration::from_secs(1)),
+        }
+    }
 }
 
 /// `pools[].breaker:`
@@ -424,6 +456,8 @@ pub enum RawProvider {
     Cuda,
     /// The CPU provider on the simulated device's capped arena.
     Simulated,
+    /// Another Open Inference Protocol server (vramguard, Triton, KServe) over HTTP.
+    Remote,
 }
 
 /// `pools[].memory:`
@@ -765,6 +799,8 @@ pub enum Provider {
     Cuda(CudaOptions),
     /// CPU provider whose allocations come from the simulated device's capped arena.
     Simulated,
+    /// Requests forwarded to another Open Inference Protocol server.
+    Remote(RemoteOptions),
 }
 
 impl Provider {
@@ -775,10 +811,11 @@ impl Provider {
             Provider::Cpu => ProviderKind::Cpu,
             Provider::Cuda(_) => ProviderKind::Cuda,
             Provider::Simulated => ProviderKind::Simulated,
+            Provider::Remote(_) => ProviderKind::Remote,
         }
     }
 
-    /// Label value: `cpu`, `cuda` or `simulated`.
+    /// Label value: `cpu`, `cuda`, `simulated` or `remote`.
     pub fn label(&self) -> &'static str {
         self.kind().label()
     }
@@ -793,6 +830,21 @@ pub struct CudaOptions {
     pub same_as_requested: bool,
 }
 
+/// Where and how a `remote` pool forwards its requests.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RemoteOptions {
+    /// Base URL without a trailing slash: `http://host:port` or `http://host:port/prefix`.
+    pub url: String,
+    /// Longest one forwarded request may take when its client gave no deadline.
+    pub timeout: Duration,
+    /// Longest a new connection may take.
+    pub connect_timeout: Duration,
+    /// How often `/v2/health/ready` is asked.
+    pub health_interval: Duration,
+    /// Longest one health check may take.
+    pub health_timeout: Duration,
+}
+
 /// A validated pool.
 #[derive(Debug, Clone, PartialEq)]
 pub struct PoolConfig {
@@ -800,7 +852,7 @@ pub struct PoolConfig {
     pub name: String,
     /// Provider.
     pub provider: Provider,
-    /// Device name (`host` for CPU pools).
+    /// Device name (`host` for CPU pools, the server's `host:port` for remote pools).
     pub device: String,
     /// Served model names.
     pub models: Vec<String>,
@@ -855,6 +907,15 @@ impl Config {
             Some(DeviceKind::Nvidia { .. }) => DeviceClass::Nvml,
             Some(DeviceKind::Simulated { .. }) => DeviceClass::Simulated,
             None => DeviceClass::Host,
+        }
+    }
+
+    /// What kind of device `pool` runs on: a remote pool's is another server's, whatever its
+    /// `device` names.
+    pub fn pool_class(&self, pool: &PoolConfig) -> crate::snapshot::DeviceClass {
+        match pool.provider {
+            Provider::Remote(_) => crate::snapshot::DeviceClass::Remote,
+            _ => self.device_class(&pool.device),
         }
     }
 
@@ -1229,6 +1290,14 @@ impl RawConfig {
             if p.cuda.is_some() && p.provider != RawProvider::Cuda {
                 return Err(c.err(format!("{key}.cuda"), "only `cuda` pools take CUDA options"));
             }
+            if p.provider != RawProvider::Remote {
+                if p.url.is_some() {
+                    return Err(c.err(format!("{key}.url"), "only `remote` pools take a url"));
+                }
+                if p.remote.is_some() {
+                    return Err(c.err(format!("{key}.remote"), "only `remote` pools take remote options"));
+                }
+            }
             let (provider, device) = match p.provider {
                 RawProvider::Cpu => {
                     if let Some(d) = p.device.as_deref().filter(|d| *d != HOST_DEVICE) {
@@ -1261,6 +1330,7 @@ impl RawConfig {
                     }
                     (Provider::Simulated, name)
                 }
+                RawProvider::Remote => self.validate_remote(&c, &key, p)?,
             };
             if p.models.is_empty() {
                 return Err(c.err(format!("{key}.models"), "a pool must serve at least one model"));
@@ -1279,10 +1349,11 @@ impl RawConfig {
                     format!("expected 1 to 256, got {}", p.workers),
                 ));
             }
-            if !(1..=256).contains(&p.intra_threads) {
+            let intra_threads = p.intra_threads.unwrap_or(1);
+            if !(1..=256).contains(&intra_threads) {
                 return Err(c.err(
                     format!("{key}.intra_threads"),
-                    format!("expected 1 to 256, got {}", p.intra_threads),
+                    format!("expected 1 to 256, got {intra_threads}"),
                 ));
             }
             if !(1..=1_000_000).contains(&p.queue.capacity) {
@@ -1321,7 +1392,7 @@ impl RawConfig {
                 device,
                 models: p.models.clone(),
                 workers: p.workers,
-                intra_threads: p.intra_threads,
+                intra_threads,
                 queue_capacity: p.queue.capacity,
                 max_wait: p.queue.max_wait.get(),
                 arena_shrinkage: shrink,
@@ -1388,6 +1459,72 @@ impl RawConfig {
             exporter,
             policy: self.validate_policy(&c, base)?,
         })
+    }
+
+    /// A `remote` pool: a plain-HTTP base URL, no device, no ONNX Runtime settings (the remote
+    /// server has its own), timeouts that bound something.
+    fn validate_remote(&self, c: &Checker, key: &str, p: &RawPool) -> Result<(Provider, String), ConfigError> {
+        let onnxruntime_only = [
+            ("device", p.device.is_some()),
+            ("intra_threads", p.intra_threads.is_some()),
+            ("memory", p.memory.is_some()),
+        ];
+        if let Some((field, _)) = onnxruntime_only.iter().find(|(_, given)| *given) {
+            return Err(c.err(
+                format!("{key}.{field}"),
+                "a `remote` pool runs on the remote server, which has its own devices and ONNX Runtime settings; remove it",
+            ));
+        }
+        let raw = p.url.as_deref().ok_or_else(|| {
+            c.err(
+                format!("{key}.url"),
+                "a `remote` pool needs the url of the server it forwards to (http://host:port)",
+            )
+        })?;
+        let bad = |why: &str| c.err(format!("{key}.url"), format!("`{raw}` {why}"));
+        let uri: axum::http::Uri = raw
+            .parse()
+            .map_err(|_| bad("is not a URL; expected http://host:port"))?;
+        match uri.scheme_str() {
+            Some("http") => {}
+            Some("https") => {
+                return Err(bad(
+                    "uses https, which remote pools do not speak; put them on a private network or a TLS-terminating sidecar and use http",
+                ));
+            }
+            _ => return Err(bad("is not an http:// URL")),
+        }
+        let authority = uri.authority().ok_or_else(|| bad("has no host"))?;
+        if authority.as_str().contains('@') {
+            return Err(bad("carries credentials, which would end up in logs and metrics"));
+        }
+        if uri.query().is_some() {
+            return Err(bad(
+                "has a query; the base URL is the server's, requests go to <url>/v2/...",
+            ));
+        }
+        let options = p.remote.clone().unwrap_or_default();
+        for (field, d) in [
+            ("timeout", options.timeout),
+            ("connect_timeout", options.connect_timeout),
+            ("health_interval", options.health_interval),
+            ("health_timeout", options.health_timeout),
+        ] {
+            if d.get().is_zero() {
+                return Err(c.err(format!("{key}.remote.{field}"), "must be longer than 0"));
+            }
+        }
+        let url = format!("http://{authority}{}", uri.path().trim_end_matches('/'));
+        Ok((
+            Provider::Remote(RemoteOptions {
+                url,
+                timeout: options.timeout.get(),
+                connect_timeout: options.connect_timeout.get(),
+                health_interval: options.health_interval.get(),
+                health_timeout: options.health_timeout.get(),
+            }),
+            authority.to_string(),
+        ))
     }
 
     fn validate_timeouts(&self, c: &Checker) -> Result<Timeouts, ConfigError> {
@@ -1560,11 +1697,11 @@ pools:
         assert_eq!(cfg.server.max_connections, defaults.max_connections);
         assert_eq!(cfg.server.max_receiving_bytes, defaults.max_receiving_bytes);
         let providers: Vec<&str> = cfg.pools.iter().map(|p| p.provider.label()).collect();
-        assert_eq!(providers, ["cuda", "simulated", "cpu"]);
-        let kinds: Vec<&str> = cfg.pools.iter().map(|p| cfg.device_class(&p.device).label()).collect();
-        assert_eq!(kinds, ["nvml", "simulated", "host"]);
+        assert_eq!(providers, ["cuda", "simulated", "cpu", "remote"]);
+        let kinds: Vec<&str> = cfg.pools.iter().map(|p| cfg.pool_class(p).label()).collect();
+        assert_eq!(kinds, ["nvml", "simulated", "host", "remote"]);
         let limits: Vec<Option<u64>> = cfg.pools.iter().map(|p| p.max_context).collect();
-        assert_eq!(limits, [Some(4096), None, None]);
+        assert_eq!(limits, [Some(4096), None, None, None]);
         assert_eq!(cfg.exporter.services.len(), 3);
         assert_eq!(cfg.exporter.sample_interval, Duration::from_secs(1));
         assert_eq!(
@@ -1753,7 +1890,7 @@ pools:
             .to_string();
         assert_eq!(
             err,
-            "test.yaml: pools[0].provider: unknown variant `gpu`, expected one of `cpu`, `cuda`, `simulated` \
+            "test.yaml: pools[0].provider: unknown variant `gpu`, expected one of `cpu`, `cuda`, `simulated`, `remote` \
              at line 7 column 15"
         );
         let err = check(&format!("devices: [{{name: d, kind: amd}}]\n{BASE}"))
@@ -1814,6 +1951,51 @@ pools:
             .unwrap_err()
             .to_string();
         assert_eq!(err, "test.yaml: devices[0].capacity: must be at least 1MiB");
+    }
+
+    #[test]
+    fn a_remote_pool_needs_a_plain_http_url_and_no_onnxruntime_settings() {
+        let pool = |extra: &str| {
+            check(&format!(
+                "models: [{{name: enc, path: 'builtin:encoder'}}]\npools:\n  - {{name: far, provider: remote, models: [enc]{extra}}}\n"
+            ))
+        };
+        let err = |extra: &str| pool(extra).unwrap_err().to_string();
+        let ok = pool(", url: 'http://10.0.0.2:8080/kserve/', remote: {timeout: 5s}").unwrap();
+        let far = &ok.pools[0];
+        assert_eq!(far.device, "10.0.0.2:8080");
+        assert_eq!(ok.pool_class(far), crate::snapshot::DeviceClass::Remote);
+        let Provider::Remote(options) = &far.provider else {
+            panic!("{:?}", far.provider)
+        };
+        assert_eq!(options.url, "http://10.0.0.2:8080/kserve");
+        assert_eq!(options.timeout, Duration::from_secs(5));
+        assert_eq!(options.health_interval, Duration::from_secs(1));
+        assert_eq!(
+            err(""),
+            "test.yaml: pools[0].url: a `remote` pool needs the url of the server it forwards to (http://host:port)"
+        );
+        assert!(err(", url: 'https://h:1'").starts_with("test.yaml: pools[0].url: `https://h:1` uses https"));
+        assert!(err(", url: 'ftp://h:1'").starts_with("test.yaml: pools[0].url: `ftp://h:1` is not an http:// URL"));
+        assert!(err(", url: 'http://u:p@h:1'").contains("carries credentials"));
+        let device = err(", url: 'http://h:1', device: sim0");
+        assert!(
+            device.starts_with("test.yaml: pools[0].device: a `remote` pool runs on the remote server"),
+            "{device}"
+        );
+        assert!(err(", url: 'http://h:1', intra_threads: 2").starts_with("test.yaml: pools[0].intra_threads: "));
+        assert!(
+            err(", url: 'http://h:1', memory: {arena_shrinkage: true}").starts_with("test.yaml: pools[0].memory: ")
+        );
+        assert_eq!(
+            err(", url: 'http://h:1', remote: {health_interval: 0}"),
+            "test.yaml: pools[0].remote.health_interval: must be longer than 0"
+        );
+        let local = BASE.replace("provider: cpu", "provider: cpu\n    url: 'http://h:1'");
+        assert_eq!(
+            check(&local).unwrap_err().to_string(),
+            "test.yaml: pools[0].url: only `remote` pools take a url"
+        );
     }
 
     #[test]

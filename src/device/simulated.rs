@@ -10,7 +10,7 @@ use ort::session::Session;
 
 use super::procinfo::ProcessInspector;
 use super::{DeviceMemory, DeviceProcess, MemorySource, Reading};
-use crate::backend::{AllocFailureKind, Backend, BackendError};
+use crate::backend::{AllocFailureKind, Backend, BackendError, RunMeta};
 use crate::config::Provider;
 use crate::model::BuiltinModel;
 use crate::onnx::arena::{ArenaHold, ArenaStats};
@@ -187,10 +187,16 @@ impl FaultInjecting {
 }
 
 impl Backend for FaultInjecting {
-    fn run(&mut self, model: &str, inputs: Vec<Tensor>, outputs: &[String]) -> Result<Vec<Tensor>, BackendError> {
+    fn run(
+        &mut self,
+        model: &str,
+        inputs: Vec<Tensor>,
+        outputs: &[String],
+        meta: &RunMeta,
+    ) -> Result<Vec<Tensor>, BackendError> {
         match self.device.injected_failure() {
             Some(error) => Err(error),
-            None => self.inner.run(model, inputs, outputs),
+            None => self.inner.run(model, inputs, outputs, meta),
         }
     }
 

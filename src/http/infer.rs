@@ -369,6 +369,131 @@ pub fn encode(
     })
 }
 
+/// A request as a client of the protocol sends it (what a remote pool forwards): every input
+/// as binary tensor data after the JSON header, every output asked for as binary data, `id`
+/// set to the request id. Returns the body and the JSON header's length (the value of
+/// `Inference-Header-Content-Length`).
+pub fn encode_request(id: &str, inputs: &[Tensor], outputs: &[String]) -> (Vec<u8>, usize) {
+    let blob_len: usize = inputs.iter().map(|t| t.data.len() * t.data.datatype().size()).sum();
+    let json_inputs: Vec<Value> = inputs
+        .iter()
+        .map(|t| {
+            serde_json::json!({
+                "name": t.name,
+                "shape": t.shape,
+                "datatype": t.data.datatype().name(),
+                "parameters": {"binary_data_size": t.data.len() * t.data.datatype().size()},
+            })
+        })
+        .collect();
+    let mut header = serde_json::json!({
+        "id": id,
+        "inputs": json_inputs,
+        "parameters": {"binary_data_output": true},
+    });
+    if !outputs.is_empty() {
+        header["outputs"] = outputs
+            .iter()
+            .map(|name| serde_json::json!({"name": name, "parameters": {"binary_data": true}}))
+            .collect();
+    }
+    let mut body = serde_json::to_vec(&header).expect("request JSON always serializes");
+    let header_len = body.len();
+    body.reserve_exact(blob_len);
+    for t in inputs {
+        t.data.write_le_bytes(&mut body);
+    }
+    (body, header_len)
+}
+
+#[derive(Deserialize)]
+struct ResponseIn<'a> {
+    #[serde(borrow)]
+    outputs: Vec<OutputIn<'a>>,
+}
+
+#[derive(Deserialize)]
+struct OutputIn<'a> {
+    name: String,
+    shape: Vec<i64>,
+    datatype: String,
+    #[serde(default)]
+    parameters: Map<String, Value>,
+    #[serde(default, borrow)]
+    data: Option<&'a RawValue>,
+}
+
+/// Decode an inference response from another server of the protocol (JSON or binary outputs).
+/// `asked` are the outputs the request named: they come back in that order, and one missing is
+/// an error; when empty, every output in the server's order. The message says what is wrong
+/// with the answer (the server's fault, not the client's).
+pub fn decode_response(body: &[u8], header_len: Option<usize>, asked: &[String]) -> Result<Vec<Tensor>, String> {
+    let json_len = header_len.unwrap_or(body.len());
+    if json_len > body.len() {
+        return Err(format!(
+            "Inference-Header-Content-Length is {json_len} but the answer has only {} bytes",
+            body.len()
+        ));
+    }
+    let (json, mut binary) = body.split_at(json_len);
+    let response: ResponseIn = serde_json::from_slice(json).map_err(|e| format!("malformed response JSON: {e}"))?;
+    let mut tensors = Vec::with_capacity(response.outputs.len());
+    for out in response.outputs {
+        let name = &out.name;
+        let datatype = DataType::from_name(&out.datatype)
+            .ok_or_else(|| format!("output `{name}`: datatype `{}` is not supported", out.datatype))?;
+        let expected = Tensor::element_count(&out.shape)
+            .filter(|_| out.shape.iter().all(|&d| d >= 0))
+            .ok_or_else(|| format!("output `{name}`: shape {:?} is not a tensor shape", out.shape))?;
+        let data = match (out.parameters.get("binary_data_size"), out.data) {
+            (Some(size), _) => {
+                let size = size
+                    .as_u64()
+                    .and_then(|n| usize::try_from(n).ok())
+                    .filter(|n| *n <= binary.len())
+                    .ok_or_else(|| {
+                        format!(
+                            "output `{name}`: binary_data_size {size} is not within the {} bytes of binary data left",
+                            binary.len()
+                        )
+                    })?;
+                let (bytes, rest) = binary.split_at(size);
+                binary = rest;
+                TensorData::from_le_bytes(datatype, bytes).map_err(|e| format!("output `{name}`: {e}"))?
+            }
+            (None, Some(raw)) => {
+                TensorData::from_json(datatype, raw.get()).map_err(|e| format!("output `{name}`: {e}"))?
+            }
+            (None, None) => return Err(format!("output `{name}`: has no data and no binary_data_size")),
+        };
+        if data.len() != expected {
+            return Err(format!(
+                "output `{name}`: shape {:?} needs {expected} elements but {} came",
+                out.shape,
+                data.len()
+            ));
+        }
+        tensors.push(Tensor {
+            name: out.name,
+            shape: out.shape,
+            data,
+        });
+    }
+    if asked.is_empty() {
+        return Ok(tensors);
+    }
+    asked
+        .iter()
+        .map(|name| {
+            let at = tensors
+                .iter()
+                .position(|t| &t.name == name)
+                .ok_or_else(|| format!("output `{name}` was asked for but not returned"))?;
+            Ok(tensors.swap_remove(at))
+        })
+        .collect()
+}
+
 /// About how many bytes one element takes written as JSON, with its comma.
 fn json_bytes_per_element(datatype: DataType) -> usize {
     match datatype {
@@ -532,6 +657,76 @@ mod tests {
         );
         let no_header = decode(json.as_bytes(), None, &signature()).unwrap_err();
         assert!(no_header.contains("no Inference-Header-Content-Length"), "{no_header}");
+    }
+
+    #[test]
+    fn a_forwarded_request_decodes_as_sent_and_its_binary_answer_decodes_back() {
+        let x = Tensor {
+            name: "x".into(),
+            shape: vec![2, 2],
+            data: TensorData::Fp32(vec![1.0, -2.5, f32::MAX, 0.0]),
+        };
+        let (body, header_len) = encode_request("req-7", std::slice::from_ref(&x), &["z".into(), "y".into()]);
+        let req = decode(&body, Some(header_len), &signature()).unwrap();
+        assert_eq!(req.id.as_deref(), Some("req-7"));
+        assert_eq!(req.inputs, vec![x.clone()]);
+        assert_eq!(
+            req.outputs
+                .iter()
+                .map(|o| (o.name.as_str(), o.binary))
+                .collect::<Vec<_>>(),
+            [("z", true), ("y", true)]
+        );
+        // The server answers in its own order; the outputs come back in the order asked.
+        let z = Tensor {
+            name: "z".into(),
+            shape: vec![3],
+            data: TensorData::Int64(vec![1, -2, 3]),
+        };
+        let encoded = encode(
+            "m",
+            req.id.as_deref(),
+            &Map::new(),
+            &[x.clone(), z.clone()],
+            &req,
+            usize::MAX,
+        )
+        .unwrap();
+        let asked = ["z".to_string(), "x".to_string()];
+        let back = decode_response(&encoded.body, encoded.header_len, &asked).unwrap();
+        assert_eq!(back, vec![z.clone(), x.clone()]);
+        // JSON answers (KServe's default) decode too.
+        let json = br#"{"outputs":[{"name":"z","shape":[3],"datatype":"INT64","data":[1,-2,3]}]}"#;
+        assert_eq!(decode_response(json, None, &[]).unwrap(), vec![z]);
+    }
+
+    #[test]
+    fn a_broken_answer_is_named_not_trusted() {
+        let bad =
+            |body: &[u8], header_len: Option<usize>| decode_response(body, header_len, &["y".into()]).unwrap_err();
+        assert!(bad(b"<html>", None).starts_with("malformed response JSON"));
+        let header =
+            r#"{"outputs":[{"name":"y","shape":[1,2],"datatype":"FP32","parameters":{"binary_data_size":8}}]}"#;
+        let mut body = header.as_bytes().to_vec();
+        body.extend_from_slice(&[0; 4]);
+        assert_eq!(
+            bad(&body, Some(header.len())),
+            "output `y`: binary_data_size 8 is not within the 4 bytes of binary data left"
+        );
+        assert_eq!(
+            bad(
+                br#"{"outputs":[{"name":"y","shape":[1,3],"datatype":"FP32","data":[1,2]}]}"#,
+                None
+            ),
+            "output `y`: shape [1, 3] needs 3 elements but 2 came"
+        );
+        assert_eq!(
+            bad(
+                br#"{"outputs":[{"name":"q","shape":[1],"datatype":"FP32","data":[1]}]}"#,
+                None
+            ),
+            "output `y` was asked for but not returned"
+        );
     }
 
     #[test]

@@ -203,6 +203,16 @@ pub async fn serve(
             token.clone(),
         ));
     }
+    for pool in &state.service.pools {
+        if let crate::config::Provider::Remote(options) = pool.provider() {
+            tasks.spawn(crate::remote::watch_health(
+                Arc::clone(pool),
+                options.clone(),
+                state.service.metrics.remote_metrics(pool.name()),
+                token.clone(),
+            ));
+        }
+    }
     tasks.close();
     // Responses are small and latency matters: never let Nagle hold back the last segment.
     let listener = listener.tap_io(|tcp| {
@@ -631,6 +641,11 @@ fn decode_headers(
         allow_shrink: false,
         max_new_tokens: 0,
         deadline,
+        // Checked by `idempotent` before the request runs; kept to pass on to remote pools.
+        idempotency_key: headers
+            .get(IDEMPOTENCY_KEY)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_string),
         received,
         shrinker: None,
         progress: Default::default(),
@@ -780,9 +795,13 @@ fn refused_response(refused: lifecycle::Refused, id: &str, degraded: Option<&cra
     }
     // Every error names its request, so a client can match a resumable failure to what it sent.
     api.extra.insert("request_id".into(), json!(id));
-    if let RequestError::Allocation { kind, not_retried, .. } = error {
-        api.extra
-            .insert("reason".into(), json!(format!("allocator_failure_{kind}")));
+    let movable = match error {
+        RequestError::Allocation { kind, not_retried, .. } => Some((format!("allocator_failure_{kind}"), not_retried)),
+        RequestError::Remote { kind, not_retried, .. } => Some((format!("remote_{kind}"), not_retried)),
+        _ => None,
+    };
+    if let Some((reason, not_retried)) = movable {
+        api.extra.insert("reason".into(), json!(reason));
         api.extra.insert("retried".into(), json!(false));
         if let Some(why) = not_retried {
             api.extra.insert("not_retried".into(), json!(why.to_string()));

@@ -14,7 +14,7 @@ use ort::session::builder::GraphOptimizationLevel;
 use ort::session::{RunOptions, Session};
 use ort::value::{DynValue, TensorElementType, ValueType};
 
-use crate::backend::{AllocFailureKind, Backend, BackendError};
+use crate::backend::{AllocFailureKind, Backend, BackendError, RunMeta};
 use crate::config::{CudaOptions, Provider};
 use crate::tensor::{DataType, Tensor, TensorData, each_variant};
 
@@ -370,6 +370,7 @@ pub fn build_session(rt: &OnnxRuntime, model: &[u8], options: &SessionOptions) -
         Provider::Cuda(cuda) => builder
             .with_execution_providers([cuda_provider(cuda, options.device_index)])
             .map_err(|e| format!("CUDA execution provider unavailable: {e}"))?,
+        Provider::Remote(_) => return Err("a remote pool runs its models on the remote server".into()),
     };
     builder.commit_from_memory(model).map_err(msg)
 }
@@ -557,7 +558,13 @@ impl OrtBackend {
 }
 
 impl Backend for OrtBackend {
-    fn run(&mut self, model: &str, inputs: Vec<Tensor>, outputs: &[String]) -> Result<Vec<Tensor>, BackendError> {
+    fn run(
+        &mut self,
+        model: &str,
+        inputs: Vec<Tensor>,
+        outputs: &[String],
+        _: &RunMeta,
+    ) -> Result<Vec<Tensor>, BackendError> {
         let (session, _) = self
             .sessions
             .get_mut(model)

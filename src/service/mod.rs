@@ -14,7 +14,7 @@ use prometheus_client::registry::Registry;
 use crate::activity::Activity;
 use crate::backend::Backend;
 use crate::clock::{Clock, SystemClock};
-use crate::config::{Config, ConfigError, DeviceKind, ModelConfig, PoolConfig};
+use crate::config::{Config, ConfigError, DeviceKind, ModelConfig, PoolConfig, Provider};
 use crate::degraded::Degraded;
 use crate::device::MemorySource;
 use crate::device::simulated::{SimulatedDevice, SimulatedSource};
@@ -25,6 +25,7 @@ use crate::metrics::{Metrics, PolicyInfoLabels, ReloadResult, ResultLabels};
 use crate::onnx::{ModelSignature, RuntimeError};
 use crate::policy::{PolicyHandle, StateView};
 use crate::pool::{Pool, PoolContext, Respawn};
+use crate::remote::RemoteBackend;
 use crate::snapshot::{DeviceClass, Snapshot};
 
 pub use onnxruntime::OrtFactory;
@@ -296,7 +297,7 @@ impl Service {
                 clock: Arc::clone(&clock),
                 metrics: metrics.pool_metrics(&pool_config.name, &pool_config.device),
             };
-            pools.push(start_pool(&backends, &config, &models, pool_config, context));
+            pools.push(start_pool(&backends, &config, &models, pool_config, context, &metrics));
         }
         let degraded = Arc::new(Degraded::new(pools.clone(), Arc::clone(&clock)));
         let activity = Arc::new(Activity::default());
@@ -687,19 +688,32 @@ fn start_pool(
     models: &[ModelEntry],
     pool: &PoolConfig,
     context: PoolContext,
+    metrics: &Metrics,
 ) -> Arc<Pool> {
-    let device_kind = config.device_class(&pool.device);
-    let owned: Vec<(String, ModelBytes)> = models
-        .iter()
-        .filter(|m| pool.models.contains(&m.config.name))
-        .map(|m| (m.config.name.clone(), m.bytes.clone()))
-        .collect();
-    let build = {
-        let backends = Arc::clone(backends);
-        let pool = pool.clone();
-        move || {
-            let borrowed: Vec<(String, &[u8])> = owned.iter().map(|(n, b)| (n.clone(), b.as_slice())).collect();
-            backends.backend(&pool, &borrowed)
+    let device_kind = config.pool_class(pool);
+    let build: Respawn = match &pool.provider {
+        // Its workers forward to the remote server: no sessions, no model bytes.
+        Provider::Remote(options) => {
+            let options = options.clone();
+            let metrics = metrics.remote_metrics(&pool.name);
+            let max_response_bytes = config.server.max_response_bytes;
+            Arc::new(move || {
+                RemoteBackend::new(options.clone(), metrics.clone(), max_response_bytes)
+                    .map(|b| Box::new(b) as Box<dyn Backend>)
+            })
+        }
+        _ => {
+            let owned: Vec<(String, ModelBytes)> = models
+                .iter()
+                .filter(|m| pool.models.contains(&m.config.name))
+                .map(|m| (m.config.name.clone(), m.bytes.clone()))
+                .collect();
+            let backends = Arc::clone(backends);
+            let pool = pool.clone();
+            Arc::new(move || {
+                let borrowed: Vec<(String, &[u8])> = owned.iter().map(|(n, b)| (n.clone(), b.as_slice())).collect();
+                backends.backend(&pool, &borrowed)
+            })
         }
     };
     let mut workers: Vec<Box<dyn Backend>> = Vec::new();
@@ -721,6 +735,5 @@ fn start_pool(
         workers = pool.workers,
         "pool ready"
     );
-    let respawn: Respawn = Arc::new(build);
-    Pool::start(pool.clone(), device_kind, workers, Some(respawn), context)
+    Pool::start(pool.clone(), device_kind, workers, Some(build), context)
 }
