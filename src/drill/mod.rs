@@ -120,6 +120,8 @@ pub struct Record {
     pub degraded: Option<String>,
     /// The answer was the stored one of an earlier request with its idempotency key.
     pub replayed: bool,
+    /// The answer carried the request id it was sent with (`x-request-id`).
+    pub id_kept: bool,
     /// The client kept its connection until the answer ended (false: it hung up on purpose).
     pub connection_held: bool,
     /// A generation's text, for token equivalence.
@@ -846,6 +848,7 @@ impl Drill {
             first_failure: None,
             degraded: None,
             replayed: false,
+            id_kept: false,
             connection_held: true,
             text: None,
             as_expected: false,
@@ -1039,6 +1042,7 @@ impl Drill {
 
 fn read_headers(record: &mut Record, headers: &reqwest::header::HeaderMap) {
     let get = |name: &str| headers.get(name).and_then(|v| v.to_str().ok()).map(str::to_string);
+    record.id_kept = get("x-request-id").as_deref() == Some(record.id.as_str());
     record.pool = get("x-vramguard-pool");
     record.decision = get("x-vramguard-decision");
     record.degraded = get("x-vramguard-degraded");

@@ -137,6 +137,17 @@ impl Report {
             },
             passed: lost.is_empty(),
         });
+        let answered: Vec<&Record> = records.iter().filter(|r| r.status.is_some()).collect();
+        let changed: Vec<&str> = answered.iter().filter(|r| !r.id_kept).map(|r| r.id.as_str()).collect();
+        criteria.push(Criterion {
+            name: "request identity kept (x-request-id)",
+            measured: if changed.is_empty() {
+                format!("{} of {}", answered.len(), answered.len())
+            } else {
+                format!("not on: {}", changed.join(", "))
+            },
+            passed: changed.is_empty() && !answered.is_empty(),
+        });
         let equal = facts.token_equivalence.iter().filter(|(_, same)| *same).count();
         criteria.push(Criterion {
             name: "replayed generations token-equivalent",
@@ -270,6 +281,7 @@ mod tests {
             first_failure: None,
             degraded: None,
             replayed: false,
+            id_kept: true,
             connection_held: true,
             text: None,
             as_expected: true,
