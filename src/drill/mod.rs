@@ -199,10 +199,20 @@ async fn run_async(options: &Options) -> Result<Report, String> {
         .timeout(Duration::from_secs(120))
         .build()
         .map_err(|e| format!("cannot build an HTTP client: {e}"))?;
-    let status = get_json(&client, &format!("{base}/status"))
+    let mut status = get_json(&client, &format!("{base}/status"))
         .await
         .map_err(|e| format!("{base} does not answer /status: {e}"))?;
     check_target(&status)?;
+    // A server that has just started may not have sampled its devices yet, and its policy then
+    // has no memory to go by: wait for the first sample (at most 30 s).
+    let waiting_since = Instant::now();
+    while status["sample_age_ms"].is_null() {
+        if waiting_since.elapsed() > Duration::from_secs(30) {
+            return Err(format!("{base} has not sampled its devices within 30 s"));
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        status = get_json(&client, &format!("{base}/status")).await?;
+    }
     let host_reserve = status["host"]["reserve_bytes"].as_u64().unwrap_or(0);
     let drill = Arc::new(Drill {
         client,

@@ -90,10 +90,24 @@ impl Report {
             .collect();
 
         let mut criteria = Vec::new();
-        let unexpected: Vec<&str> = records
+        // Each with what happened instead, so a failed run explains itself.
+        let unexpected: Vec<String> = records
             .iter()
             .filter(|r| !r.as_expected)
-            .map(|r| r.id.as_str())
+            .map(|r| {
+                format!(
+                    "{} (expected {}; got {} on {}{}{})",
+                    r.id,
+                    r.expect,
+                    r.status.map_or_else(|| "no answer".to_string(), |s| s.to_string()),
+                    r.pool.as_deref().unwrap_or("no pool"),
+                    r.retry.as_deref().map(|x| format!(", retry {x}")).unwrap_or_default(),
+                    r.first_failure
+                        .as_deref()
+                        .map(|f| format!(", {}", crate::logging::clipped(f, 160)))
+                        .unwrap_or_default()
+                )
+            })
             .collect();
         criteria.push(Criterion {
             name: "every request as its phase expects",
@@ -104,7 +118,7 @@ impl Report {
                     "{} of {}; not: {}",
                     records.len() - unexpected.len(),
                     records.len(),
-                    unexpected.join(", ")
+                    unexpected.join("; ")
                 )
             },
             passed: unexpected.is_empty() && !records.is_empty(),
