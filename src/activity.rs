@@ -25,6 +25,7 @@ impl Activity {
         Progress(Some(Arc::new(Tracked {
             activity: Arc::clone(self),
             started: AtomicBool::new(false),
+            last_started: std::sync::Mutex::new(None),
         })))
     }
 
@@ -50,18 +51,28 @@ pub struct Progress(Option<Arc<Tracked>>);
 struct Tracked {
     activity: Arc<Activity>,
     started: AtomicBool,
+    /// When a worker last started one of its runs (a retry's run on the fallback is the last).
+    last_started: std::sync::Mutex<Option<std::time::Instant>>,
 }
 
 impl Progress {
     /// A worker started one of the request's runs: it is running from now on (later runs and a
     /// retry change nothing).
     pub fn started(&self) {
-        if let Some(tracked) = &self.0
-            && !tracked.started.swap(true, Ordering::Relaxed)
-        {
+        let Some(tracked) = &self.0 else {
+            return;
+        };
+        *tracked.last_started.lock().unwrap_or_else(|e| e.into_inner()) = Some(std::time::Instant::now());
+        if !tracked.started.swap(true, Ordering::Relaxed) {
             tracked.activity.waiting.fetch_sub(1, Ordering::Relaxed);
             tracked.activity.running.fetch_add(1, Ordering::Relaxed);
         }
+    }
+
+    /// When a worker last started one of the request's runs (untracked: never).
+    pub fn last_started(&self) -> Option<std::time::Instant> {
+        let tracked = self.0.as_ref()?;
+        *tracked.last_started.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
 

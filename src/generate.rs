@@ -363,6 +363,7 @@ async fn run(
         outputs,
         context,
         context_cut,
+        ..
     } = lifecycle::place(service, request).await?;
     // A shrink shortened the prompt: positions count from its new length.
     let shrunk = context.map(|(from, to)| (from, to, context_cut.unwrap_or_default()));

@@ -96,6 +96,8 @@ pub struct Served {
     pub context: Option<(u64, u64)>,
     /// What a shrink of a generation's prompt left out.
     pub context_cut: Option<String>,
+    /// For the one retry: from the request's arrival to its run starting on the fallback.
+    pub retry_started: Option<Duration>,
     /// Set when it ran here as the one retry after an allocator failure on its first pool.
     pub retried: Option<FailoverReason>,
     /// The outputs asked for.
@@ -602,12 +604,24 @@ pub async fn place(service: &Service, mut request: Request) -> Result<Served, Re
     let entry = service
         .model(&request.model)
         .ok_or_else(|| refuse(None, RequestError::unknown_model(service, &request.model)))?;
-    let admitted = admit(service, entry, &mut request).await?;
-    let pool = admitted.pool;
+    let mut admitted = admit(service, entry, &mut request).await?;
     let estimate_bytes = admitted
         .estimate
         .context_bytes
         .saturating_add(admitted.estimate.workspace_bytes);
+    // The pool's breaker may have opened since the request was routed (a concurrent run met a
+    // driver failure while the policy decided): nothing of it has run, so it goes to the
+    // fallback, as a request routed a moment later would, instead of being refused.
+    if !admitted.pool.breaker_allows()
+        && let Some(fallback) = fallback_of(service, &admitted.pool)
+        && fallback.breaker_allows()
+        && can_take_retry(service, &fallback, estimate_bytes).is_ok()
+    {
+        service.failover(&admitted.pool, &fallback, FailoverReason::breaker_open);
+        admitted.pool = fallback;
+        admitted.action = Action::Redirect;
+    }
+    let pool = Arc::clone(&admitted.pool);
     // A replayable request on an accelerator pool with a fallback may be retried once after an
     // allocator failure: keep a copy of its inputs for that (ONNX Runtime consumes the first).
     let fallback = fallback_of(service, &pool);
@@ -638,6 +652,7 @@ pub async fn place(service: &Service, mut request: Request) -> Result<Served, Re
                 action: admitted.action,
                 context: admitted.context,
                 context_cut: admitted.context_cut.clone(),
+                retry_started: None,
                 retried: None,
                 outputs,
             });
@@ -668,11 +683,16 @@ pub async fn place(service: &Service, mut request: Request) -> Result<Served, Re
     match run_on(service, &fallback, &request, inputs, estimate_bytes).await {
         Ok(outputs) => {
             retries(RetryResult::ok);
+            let retry_started = request
+                .progress
+                .last_started()
+                .map(|at| at.saturating_duration_since(request.received.into_std()));
             Ok(Served {
                 pool: fallback,
                 action: Action::Redirect,
                 context: admitted.context,
                 context_cut: admitted.context_cut,
+                retry_started,
                 retried: Some(reason),
                 outputs,
             })

@@ -75,6 +75,16 @@ async fn an_allocator_failure_is_retried_once_on_the_cpu_pool_under_the_same_id(
     assert_eq!(response.headers()["x-vramguard-decision"], "redirect");
     let degraded = response.headers()["x-vramguard-degraded"].to_str().unwrap().to_string();
     assert!(degraded.contains("from pool `gpu` to `cpu`"), "{degraded}");
+    // The answer says why it was retried and when its run started on the CPU pool.
+    let json_len: usize = match response.headers().get("inference-header-content-length") {
+        Some(v) => v.to_str().unwrap().parse().unwrap(),
+        None => usize::MAX,
+    };
+    let body = response.bytes().await.unwrap();
+    let head: Value = serde_json::from_slice(&body[..json_len.min(body.len())]).unwrap();
+    assert_eq!(head["parameters"]["reason"], "oom_retry", "{head}");
+    let started = head["parameters"]["retry_started_ms"].as_f64().unwrap();
+    assert!(started > 0.0 && started < 60_000.0, "{head}");
 
     let metrics = server.metrics().await;
     assert_eq!(

@@ -114,6 +114,9 @@ pub struct Record {
     pub decision: Option<String>,
     /// Why it was retried on the fallback (`parameters.reason`), if it was.
     pub retry: Option<String>,
+    /// When the retry's run started on the CPU pool, ms after the server received the request
+    /// (`parameters.retry_started_ms`).
+    pub cpu_started_ms: Option<f64>,
     /// The first failure it met: an error message, or a stream's error event.
     pub first_failure: Option<String>,
     /// `x-vramguard-degraded`, when it was served degraded.
@@ -366,7 +369,12 @@ async fn phases(drill: &Arc<Drill>) -> Result<Facts, String> {
         drill
             .encoder("alloc_failure", &format!("alloc-{i}"), 32, &[], None, "retried on cpu")
             .await
-            .judge(|r| r.status == Some(200) && r.pool.as_deref() == Some(CPU) && r.retry.is_some())
+            .judge(|r| {
+                r.status == Some(200)
+                    && r.pool.as_deref() == Some(CPU)
+                    && r.retry.is_some()
+                    && r.cpu_started_ms.is_some()
+            })
             .keep(drill);
     }
 
@@ -855,6 +863,7 @@ impl Drill {
             pool: None,
             decision: None,
             retry: None,
+            cpu_started_ms: None,
             first_failure: None,
             degraded: None,
             replayed: false,
@@ -932,6 +941,7 @@ impl Drill {
                 let head: Value = serde_json::from_slice(&bytes[..json_len.min(bytes.len())]).unwrap_or(Value::Null);
                 if status == 200 {
                     record.retry = head["parameters"]["reason"].as_str().map(str::to_string);
+                    record.cpu_started_ms = head["parameters"]["retry_started_ms"].as_f64();
                 } else {
                     record.first_failure = head["error"].as_str().map(str::to_string);
                 }

@@ -253,6 +253,16 @@ impl Report {
                 p.min_host_available_bytes.map_or_else(|| "-".to_string(), human_bytes)
             );
         }
+        let starts: Vec<f64> = self.records.iter().filter_map(|r| r.cpu_started_ms).collect();
+        if !starts.is_empty() {
+            let _ = writeln!(
+                out,
+                "\n{} requests retried on the CPU pool after an allocator failure: their CPU run started {:.1} ms (median; max {:.1}) after the server received them",
+                starts.len(),
+                percentile(&starts, 50.0),
+                percentile(&starts, 100.0)
+            );
+        }
         let _ = writeln!(out);
         for c in &self.criteria {
             let _ = writeln!(
@@ -292,6 +302,7 @@ mod tests {
             pool: Some(pool.into()),
             decision: Some("admit".into()),
             retry: None,
+            cpu_started_ms: None,
             first_failure: None,
             degraded: None,
             replayed: false,

@@ -731,6 +731,10 @@ fn served_response(
     if let Some(reason) = served.retried {
         parameters.insert("reason".into(), json!(format!("{reason:?}")));
     }
+    if let Some(started) = served.retry_started {
+        // When the retry's run started on the fallback, from the request's arrival.
+        parameters.insert("retry_started_ms".into(), json!(started.as_secs_f64() * 1000.0));
+    }
     if let Some(degraded) = degraded {
         parameters.insert("degraded".into(), json!(degraded.reason));
     }
