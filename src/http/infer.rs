@@ -146,44 +146,22 @@ pub fn decode(body: &[u8], header_len: Option<usize>, signature: &ModelSignature
         }
         let expected = Tensor::element_count(&input.shape)
             .ok_or_else(|| format!("input `{name}`: shape {:?} is too large", input.shape))?;
-        let binary_size = match input.parameters.get("binary_data_size") {
-            None => None,
-            Some(v) => Some(
-                v.as_u64()
-                    .and_then(|n| usize::try_from(n).ok())
-                    .ok_or_else(|| format!("input `{name}`: binary_data_size must be a non-negative integer"))?,
-            ),
-        };
-        let data = match (binary_size, input.data) {
-            (Some(_), Some(_)) => {
+        let what = format!("input `{name}`");
+        let binary_size = binary_data_size(&input.parameters, &what)?;
+        if binary_size.is_some() {
+            if input.data.is_some() {
+                return Err(format!("{what}: has both `data` and binary_data_size; send one"));
+            }
+            if header_len.is_none() {
                 return Err(format!(
-                    "input `{name}`: has both `data` and binary_data_size; send one"
+                    "{what}: binary_data_size is set but the request has no Inference-Header-Content-Length header"
                 ));
             }
-            (Some(size), None) => {
-                if header_len.is_none() {
-                    return Err(format!(
-                        "input `{name}`: binary_data_size is set but the request has no Inference-Header-Content-Length header"
-                    ));
-                }
-                if size > binary.len() {
-                    return Err(format!(
-                        "input `{name}`: binary_data_size is {size} but only {} bytes of binary data remain",
-                        binary.len()
-                    ));
-                }
-                let (bytes, rest) = binary.split_at(size);
-                binary = rest;
-                TensorData::from_le_bytes(datatype, bytes).map_err(|e| format!("input `{name}`: {e}"))?
-            }
-            (None, Some(raw)) => {
-                TensorData::from_json(datatype, raw.get()).map_err(|e| format!("input `{name}`: {e}"))?
-            }
-            (None, None) => return Err(format!("input `{name}`: has no `data` and no binary_data_size")),
-        };
+        }
+        let data = tensor_data(&what, datatype, binary_size, input.data, &mut binary)?;
         if data.len() != expected {
             return Err(format!(
-                "input `{name}`: shape {:?} needs {expected} elements but {} were given",
+                "{what}: shape {:?} needs {expected} elements but {} were given",
                 input.shape,
                 data.len()
             ));
@@ -406,6 +384,44 @@ pub fn encode_request(id: &str, inputs: &[Tensor], outputs: &[String]) -> (Vec<u
     (body, header_len)
 }
 
+/// A tensor's `parameters.binary_data_size`, if it has one; `what` names the tensor.
+fn binary_data_size(parameters: &Map<String, Value>, what: &str) -> Result<Option<usize>, String> {
+    parameters
+        .get("binary_data_size")
+        .map(|v| {
+            v.as_u64()
+                .and_then(|n| usize::try_from(n).ok())
+                .ok_or_else(|| format!("{what}: binary_data_size must be a non-negative integer"))
+        })
+        .transpose()
+}
+
+/// A tensor's elements, requests and responses alike: its `binary_data_size` bytes taken off the
+/// front of `binary`, or its JSON `data`; `what` names the tensor in the message.
+fn tensor_data(
+    what: &str,
+    datatype: DataType,
+    binary_size: Option<usize>,
+    raw: Option<&RawValue>,
+    binary: &mut &[u8],
+) -> Result<TensorData, String> {
+    match (binary_size, raw) {
+        (Some(size), _) => {
+            if size > binary.len() {
+                return Err(format!(
+                    "{what}: binary_data_size is {size} but only {} bytes of binary data remain",
+                    binary.len()
+                ));
+            }
+            let (bytes, rest) = binary.split_at(size);
+            *binary = rest;
+            TensorData::from_le_bytes(datatype, bytes).map_err(|e| format!("{what}: {e}"))
+        }
+        (None, Some(raw)) => TensorData::from_json(datatype, raw.get()).map_err(|e| format!("{what}: {e}")),
+        (None, None) => Err(format!("{what}: has no `data` and no binary_data_size")),
+    }
+}
+
 #[derive(Deserialize)]
 struct ResponseIn<'a> {
     #[serde(borrow)]
@@ -445,30 +461,14 @@ pub fn decode_response(body: &[u8], header_len: Option<usize>, asked: &[String])
         let expected = Tensor::element_count(&out.shape)
             .filter(|_| out.shape.iter().all(|&d| d >= 0))
             .ok_or_else(|| format!("output `{name}`: shape {:?} is not a tensor shape", out.shape))?;
-        let data = match (out.parameters.get("binary_data_size"), out.data) {
-            (Some(size), _) => {
-                let size = size
-                    .as_u64()
-                    .and_then(|n| usize::try_from(n).ok())
-                    .filter(|n| *n <= binary.len())
-                    .ok_or_else(|| {
-                        format!(
-                            "output `{name}`: binary_data_size {size} is not within the {} bytes of binary data left",
-                            binary.len()
-                        )
-                    })?;
-                let (bytes, rest) = binary.split_at(size);
-                binary = rest;
-                TensorData::from_le_bytes(datatype, bytes).map_err(|e| format!("output `{name}`: {e}"))?
-            }
-            (None, Some(raw)) => {
-                TensorData::from_json(datatype, raw.get()).map_err(|e| format!("output `{name}`: {e}"))?
-            }
-            (None, None) => return Err(format!("output `{name}`: has no data and no binary_data_size")),
-        };
+        let what = format!("output `{name}`");
+        let binary_size = binary_data_size(&out.parameters, &what)?;
+        // A server that sends both: its binary data is what it means.
+        let raw = if binary_size.is_some() { None } else { out.data };
+        let data = tensor_data(&what, datatype, binary_size, raw, &mut binary)?;
         if data.len() != expected {
             return Err(format!(
-                "output `{name}`: shape {:?} needs {expected} elements but {} came",
+                "{what}: shape {:?} needs {expected} elements but {} came",
                 out.shape,
                 data.len()
             ));
@@ -711,7 +711,7 @@ mod tests {
         body.extend_from_slice(&[0; 4]);
         assert_eq!(
             bad(&body, Some(header.len())),
-            "output `y`: binary_data_size 8 is not within the 4 bytes of binary data left"
+            "output `y`: binary_data_size is 8 but only 4 bytes of binary data remain"
         );
         assert_eq!(
             bad(
