@@ -537,7 +537,7 @@ async fn phases(drill: &Arc<Drill>) -> Result<Facts, String> {
     // 8. Non-replayable requests: an encoder request and a chat offering tools (a tool call may
     // have acted), each failing after it started; neither may run on the CPU pool.
     drill.begin(7, 2);
-    let cpu_runs = cpu_generations(drill).await;
+    let cpu_runs = cpu_requests(drill).await;
     drill.admin(json!({"fail_next": 1})).await?;
     drill
         .encoder(
@@ -566,7 +566,7 @@ async fn phases(drill: &Arc<Drill>) -> Result<Facts, String> {
         .judge(|r| r.status == Some(503) && r.first_failure.as_deref().is_some_and(|f| f.contains("tools")))
         .keep(drill);
     drill.admin(json!({"fail_next": 0, "pass_first": 0})).await?;
-    facts.duplicate_runs += cpu_generations(drill).await.saturating_sub(cpu_runs);
+    facts.duplicate_runs += cpu_requests(drill).await.saturating_sub(cpu_runs);
 
     drill.settle().await?;
 
@@ -619,26 +619,25 @@ async fn get_json(client: &reqwest::Client, url: &str) -> Result<Value, String> 
     response.json().await.map_err(|e| e.to_string())
 }
 
-/// `vramguard_requests_total{outcome="cancelled"}`, all models and pools.
-async fn cancelled(drill: &Drill) -> f64 {
-    let metrics = drill.client.get(format!("{}/metrics", drill.base)).send().await.ok();
-    let Some(response) = metrics else { return 0.0 };
-    let text = response.text().await.unwrap_or_default();
-    sum(&text, |l| {
-        l.starts_with("vramguard_requests_total{") && l.contains("outcome=\"cancelled\"")
-    })
-}
-
-/// Runs on the CPU pool of the decoder and the encoder (`vramguard_requests_total` there, all
-/// outcomes but a refusal before running).
-async fn cpu_generations(drill: &Drill) -> u64 {
+/// `vramguard_requests_total` summed over the series carrying `label` (e.g.
+/// `outcome="cancelled"`), as the target's `/metrics` says now (0 when it cannot be read).
+async fn requests_counted(drill: &Drill, label: &str) -> f64 {
     let Ok(response) = drill.client.get(format!("{}/metrics", drill.base)).send().await else {
-        return 0;
+        return 0.0;
     };
     let text = response.text().await.unwrap_or_default();
     sum(&text, |l| {
-        l.starts_with("vramguard_requests_total{") && l.contains(&format!("pool=\"{CPU}\""))
-    }) as u64
+        l.starts_with("vramguard_requests_total{") && l.contains(label)
+    })
+}
+
+async fn cancelled(drill: &Drill) -> f64 {
+    requests_counted(drill, "outcome=\"cancelled\"").await
+}
+
+/// Requests the CPU pool has counted, whatever their outcome.
+async fn cpu_requests(drill: &Drill) -> u64 {
+    requests_counted(drill, &format!("pool=\"{CPU}\"")).await as u64
 }
 
 /// A server notices a hang-up when it next touches the connection or the request: wait (at
@@ -896,20 +895,21 @@ impl Drill {
         patience: Option<Duration>,
         expect: &'static str,
     ) -> Record {
-        let header = json!({
-            "inputs": [{"name": "input", "shape": [1, seq, 64], "datatype": "FP32",
-                        "parameters": {"binary_data_size": seq * 64 * 4}}],
-            "outputs": [{"name": "pooled"}]
-        })
-        .to_string();
-        let mut body = header.clone().into_bytes();
-        for i in 0..seq * 64 {
-            body.extend_from_slice(&((i % 7) as f32 * 0.01).to_le_bytes());
-        }
+        let input = crate::tensor::Tensor {
+            name: "input".into(),
+            shape: vec![1, seq as i64, 64],
+            data: crate::tensor::TensorData::Fp32((0..seq * 64).map(|i| (i % 7) as f32 * 0.01).collect()),
+        };
+        // A client's retry of a keyed request sends the same body: the protocol's `id` is the key.
+        let body_id = headers
+            .iter()
+            .find(|(name, _)| *name == "idempotency-key")
+            .map_or(id, |(_, key)| *key);
+        let (body, header_len) = crate::http::infer::encode_request(body_id, &[input], &["pooled".to_string()]);
         let mut request = self
             .client
             .post(format!("{}/v2/models/{ENCODER}/infer", self.base))
-            .header("inference-header-content-length", header.len())
+            .header("inference-header-content-length", header_len)
             .header("x-request-id", id);
         for (name, value) in headers {
             request = request.header(*name, *value);
