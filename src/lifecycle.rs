@@ -609,41 +609,55 @@ pub async fn place(service: &Service, mut request: Request) -> Result<Served, Re
         .estimate
         .context_bytes
         .saturating_add(admitted.estimate.workspace_bytes);
-    // The pool's breaker may have opened since the request was routed (a concurrent run met a
-    // driver failure while the policy decided): nothing of it has run, so it goes to the
-    // fallback, as a request routed a moment later would, instead of being refused.
-    if !admitted.pool.breaker_allows()
-        && let Some(fallback) = fallback_of(service, &admitted.pool)
-        && fallback.breaker_allows()
-        && can_take_retry(service, &fallback, estimate_bytes).is_ok()
-    {
-        service.failover(&admitted.pool, &fallback, FailoverReason::breaker_open);
-        admitted.pool = fallback;
-        admitted.action = Action::Redirect;
-    }
+    // The breaker's permission for the run, taken once here. It may have opened since the
+    // request was routed (a concurrent run met a driver failure while the policy decided):
+    // nothing of it has run, so the fallback takes it, as it would a request routed a moment
+    // later, instead of refusing it.
+    let probe = match admitted.pool.breaker_permit() {
+        Ok(probe) => probe,
+        Err(closed) => {
+            let from = Arc::clone(&admitted.pool);
+            let Some(fallback) =
+                fallback_of(service, &from).filter(|f| can_take_retry(service, f, estimate_bytes).is_ok())
+            else {
+                return Err(refuse(Some(&from), RequestError::from_pool(&from, closed)));
+            };
+            let probe = fallback
+                .breaker_permit()
+                .map_err(|e| refuse(Some(&fallback), RequestError::from_pool(&fallback, e)))?;
+            service.failover(&from, &fallback, FailoverReason::breaker_open);
+            admitted.pool = fallback;
+            admitted.action = Action::Redirect;
+            probe
+        }
+    };
     let pool = Arc::clone(&admitted.pool);
+    // Refused before its run: a probe it took goes to the next request.
+    let refuse_unrun = |error: RequestError| {
+        if probe {
+            pool.probe_unused();
+        }
+        refuse(Some(&pool), error)
+    };
     // A replayable request on an accelerator pool with a fallback may be retried once after an
     // allocator failure: keep a copy of its inputs for that (ONNX Runtime consumes the first).
     let fallback = fallback_of(service, &pool);
     let spare = (fallback.is_some() && request.replayable).then(|| request.inputs.clone());
     if !deadline_reachable(&pool, &request) {
-        return Err(refuse(Some(&pool), RequestError::Deadline(DeadlineMiss::Estimated)));
+        return Err(refuse_unrun(RequestError::Deadline(DeadlineMiss::Estimated)));
     }
     if let Err(reason) = host_keeps_reserve(service, &pool, estimate_bytes) {
-        return Err(refuse(
-            Some(&pool),
-            RequestError::HostMemory {
-                pool: pool.name().to_string(),
-                reason,
-                retry_after: pool.load().estimated_delay,
-            },
-        ));
+        return Err(refuse_unrun(RequestError::HostMemory {
+            pool: pool.name().to_string(),
+            reason,
+            retry_after: pool.load().estimated_delay,
+        }));
     }
     let inputs = std::mem::take(&mut request.inputs);
     // A generation's prompt counts as waiting on its pool until its run is over.
     let generation = request.max_new_tokens > 0;
     let waiting = generation.then(|| Waiting::on(&pool));
-    let first = run_on(service, &pool, &request, inputs, estimate_bytes).await;
+    let first = run_permitted(service, &pool, &request, inputs, estimate_bytes, probe).await;
     drop(waiting);
     let error = match first {
         Ok(outputs) => {
@@ -872,10 +886,22 @@ async fn run_on(
     inputs: Vec<Tensor>,
     estimate_bytes: u64,
 ) -> Result<Vec<Tensor>, PoolError> {
+    let probe = pool.breaker_permit()?;
+    run_permitted(service, pool, request, inputs, estimate_bytes, probe).await
+}
+
+/// [`run_on`] with the breaker's permission already taken (`probe`: it is the half-open probe).
+async fn run_permitted(
+    service: &Service,
+    pool: &Arc<Pool>,
+    request: &Request,
+    inputs: Vec<Tensor>,
+    estimate_bytes: u64,
+    probe: bool,
+) -> Result<Vec<Tensor>, PoolError> {
     // What a host pool's run is expected to take stays promised until it ends (or the client
     // goes away), so concurrent admissions see each other before the next memory sample does.
     let _promised = (!is_accelerator(pool)).then(|| service.promise_host_memory(estimate_bytes));
-    let probe = pool.breaker_permit()?;
     let cancel = RunCancel::for_request(request.progress.clone());
     let job = InferJob {
         meta: RunMeta {
