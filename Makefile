@@ -181,7 +181,7 @@ $(PEER):
 	@touch $@
 
 # `make bench`: every bench once, then one table (target/bench/results.json and results.md; the
-# README's Performance section shows the latest). Each bench also runs alone:
+# docs/performance.md shows the latest). Each bench also runs alone:
 # `cargo bench --bench overhead`, then `cargo bench --bench report` for the table.
 # `cargo bench --no-run` builds the release binary the server benches spawn
 # (CARGO_BIN_EXE_vramguard); a `cargo build --release` first would build it a second time, since

@@ -11,16 +11,16 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::{Figure, Machine, Target, record};
-use vramguard::backend::{ArenaStats, Backend, BackendError, RunMeta};
 use vramguard::config::{PoolConfig, Provider, ServiceMatch, ServiceRule};
+use vramguard::core::backend::{ArenaStats, Backend, BackendError, RunMeta};
+use vramguard::core::snapshot::DeviceClass;
+use vramguard::core::tensor::Tensor;
 use vramguard::device::host::HostSource;
 use vramguard::device::simulated::{SimulatedDevice, SimulatedSource};
 use vramguard::device::{DeviceMemory, DeviceProcess, MemorySource, Reading};
-use vramguard::exporter::{LiveCollector, Sampler, SnapshotStore};
-use vramguard::metrics::{Metrics, ModelPoolLabels, Outcome, RequestLabels};
 use vramguard::pool::{Pool, PoolContext};
-use vramguard::snapshot::DeviceClass;
-use vramguard::tensor::Tensor;
+use vramguard::telemetry::exporter::{LiveCollector, Sampler, SnapshotStore};
+use vramguard::telemetry::metrics::{Metrics, ModelPoolLabels, Outcome, RequestLabels};
 
 /// Eight GPUs with 64 processes each.
 struct BigBox(Reading);
@@ -106,7 +106,7 @@ fn main() {
             max_wait: Duration::from_secs(30),
             arena_shrinkage: false,
             max_context: None,
-            breaker: vramguard::breaker::BreakerConfig::default(),
+            breaker: vramguard::core::breaker::BreakerConfig::default(),
             fallback: None,
         };
         let context = PoolContext {
@@ -164,7 +164,7 @@ fn main() {
         Vec::new(),
     )));
 
-    let text = vramguard::metrics::encode_prometheus_text(&registry);
+    let text = vramguard::telemetry::metrics::encode_prometheus_text(&registry);
     println!(
         "exposition: {} lines, {} KiB (8 devices × 64 processes, 16 pools)",
         text.lines().count(),
@@ -173,9 +173,9 @@ fn main() {
     for (label, encode) in [
         (
             "Prometheus text",
-            vramguard::metrics::encode_prometheus_text as fn(&_) -> String,
+            vramguard::telemetry::metrics::encode_prometheus_text as fn(&_) -> String,
         ),
-        ("OpenMetrics", vramguard::metrics::encode as fn(&_) -> String),
+        ("OpenMetrics", vramguard::telemetry::metrics::encode as fn(&_) -> String),
     ] {
         for _ in 0..50 {
             std::hint::black_box(encode(&registry));
@@ -216,7 +216,7 @@ fn main() {
     );
 
     // The sampler as `serve` runs it on this machine: simulated device + host, at 1 Hz.
-    let rt = vramguard::onnx::runtime(None).expect("ONNX Runtime (run `make deps`)");
+    let rt = vramguard::runtime::onnx::runtime(None).expect("ONNX Runtime (run `make deps`)");
     let device = Arc::new(SimulatedDevice::open(rt, "gpu0", 512 << 20).unwrap());
     let store = Arc::new(SnapshotStore::default());
     let mut sampler = Sampler::new(

@@ -14,14 +14,14 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use common::{Figure, Machine, Target, record};
-use vramguard::backend::{AllocFailureKind, ArenaStats, Backend, BackendError, RunMeta};
-use vramguard::clock::SystemClock;
 use vramguard::config::{ModelConfig, PoolConfig, RawConfig, parse_yaml};
-use vramguard::estimate::{MemoryProfile, ProfileSource};
-use vramguard::lifecycle::{self, Request};
-use vramguard::onnx::{ModelSignature, TensorSpec};
-use vramguard::service::{BackendFactory, Parts, Service};
-use vramguard::tensor::{DataType, Tensor, TensorData};
+use vramguard::core::backend::{AllocFailureKind, ArenaStats, Backend, BackendError, RunMeta};
+use vramguard::core::clock::SystemClock;
+use vramguard::core::tensor::{DataType, Tensor, TensorData};
+use vramguard::runtime::estimate::{MemoryProfile, ProfileSource};
+use vramguard::runtime::onnx::{ModelSignature, TensorSpec};
+use vramguard::serve::lifecycle::{self, Request};
+use vramguard::serve::service::{BackendFactory, Parts, Service};
 
 /// When the last failure was returned and when the last retry started.
 #[derive(Default)]

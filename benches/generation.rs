@@ -1,6 +1,6 @@
 //! Text generation: tokens per second through a real `vramguard serve` process
 //! (`POST /v1/completions` over loopback HTTP, wrk as the client) against the same generation
-//! loop in this process (`vramguard::generate::generate` on a service assembled from the same
+//! loop in this process (`vramguard::serve::generate::generate` on a service assembled from the same
 //! config: policy, lifecycle and pool, no HTTP), and time to first token of streamed completions
 //! at concurrency 1 and 8, measured by a client in another process (this binary, started again
 //! with `--ttft-client`).
@@ -27,9 +27,9 @@ use common::server::{self, Scratch, Server, http, wrk};
 use common::{Figure, Machine, Target, record};
 use serde_json::{Value, json};
 use vramguard::config::{RawConfig, parse_yaml};
-use vramguard::generate::{self, Params};
-use vramguard::lifecycle::Request;
-use vramguard::service::Service;
+use vramguard::serve::generate::{self, Params};
+use vramguard::serve::lifecycle::Request;
+use vramguard::serve::service::Service;
 
 const PROMPT: &str = "A home server runs a chat model, an embedding model and a speech model on one GPU. When a long prompt arrives, the server";
 /// Concurrencies of the time-to-first-token figures.

@@ -29,9 +29,9 @@ use common::server::{self, Histogram, Scratch, Server, Stats, header, http, wrk}
 use common::{Figure, Machine, Target, record};
 use serde_json::{Value, json};
 use vramguard::config::Provider;
-use vramguard::model::BuiltinModel;
-use vramguard::onnx::{self, SessionOptions};
-use vramguard::tensor::{Tensor, TensorData};
+use vramguard::core::model::BuiltinModel;
+use vramguard::core::tensor::{Tensor, TensorData};
+use vramguard::runtime::onnx::{self, SessionOptions};
 
 const SEQS: [usize; 2] = [128, 1024];
 const DIM: usize = 64;

@@ -28,11 +28,11 @@ use std::time::{Duration, Instant};
 use common::{Figure, Machine, Target, record};
 use criterion::Criterion;
 use vramguard::config::PolicySource;
-use vramguard::policy::{LiveLoad, Params, PolicyHandle, PolicySettings, PoolLoadNow, StateView};
-use vramguard::snapshot::{
+use vramguard::core::snapshot::{
     BreakerState, Decision, DeviceClass, DeviceState, Estimate, HostState, PoolState, ProcessState, ProviderKind,
     RequestInfo, Snapshot,
 };
+use vramguard::policy::{LiveLoad, Params, PolicyHandle, PolicySettings, PoolLoadNow, StateView};
 
 const GIB: u64 = 1 << 30;
 const MIB: u64 = 1 << 20;

@@ -1,6 +1,6 @@
 //! The one table of `make bench`: gathers what the other benches wrote under `target/bench/`
 //! (each also runs alone), prints it, and writes it as `target/bench/results.json` and as the
-//! Markdown table the README's Performance section shows (`target/bench/results.md`).
+//! Markdown table docs/performance.md shows (`target/bench/results.md`).
 //!
 //! `cargo bench --bench report` (`make bench` runs it last).
 

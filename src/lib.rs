@@ -2,41 +2,50 @@
 //! pools with CPU failover. The binary (`src/main.rs`) only parses the command line; everything
 //! else lives here so integration tests and benches use the real code.
 //!
-//! The one module allowed `unsafe` is [`onnx::arena`], which calls ONNX Runtime's C API for what
+//! The one module allowed `unsafe` is [`runtime::onnx::arena`], which calls ONNX Runtime's C API for what
 //! the `ort` crate does not wrap.
 #![deny(unsafe_code)]
 #![warn(missing_docs)]
 
-pub mod activity;
-pub mod backend;
-pub mod breaker;
-pub mod chat;
-pub mod cli;
-pub mod clock;
+// The layers, lowest first (one per paragraph, so that rustfmt keeps their order): a module
+// imports only from its own layer and the ones before it, checked by `tests/it/layering.rs`.
+
+/// Plain data and the seams everything shares: backends, breaker, clock, models, snapshot, tensors.
+pub mod core;
+
+/// The configuration: YAML read into raw structs, validated into types.
 pub mod config;
-pub mod decoder;
-pub mod degraded;
+
+/// ONNX Runtime sessions and arena, decoders, chat templates, memory estimates.
+pub mod runtime;
+
+/// Memory sources: NVML, the simulated accelerator, the host, process identity.
 pub mod device;
-pub mod doctor;
-pub mod drill;
-pub mod estimate;
-pub mod exit;
-pub mod exporter;
-pub mod generate;
-pub mod heap;
-pub mod http;
-pub mod idempotency;
-pub mod lifecycle;
-pub mod logging;
-pub mod metrics;
-pub mod model;
-pub mod onnx;
+
+/// The Rhai admission policy: sandbox, state view, test cases, hot reload.
 pub mod policy;
+
+/// Worker pools: bounded queues, worker threads, generations, degraded mode.
 pub mod pool;
-pub mod recent;
-pub mod remote;
-pub mod router;
-pub mod sequences;
-pub mod service;
-pub mod snapshot;
-pub mod tensor;
+
+/// Metrics, the sampler and scrape-time collector, logging, allocator settings.
+pub mod telemetry;
+
+/// The Open Inference Protocol codec and the header names.
+pub mod protocol;
+
+/// A request's life below any protocol: service, lifecycle, router, generation, remote pools.
+pub mod serve;
+
+/// The connection layer under every listener: timeouts, caps, its own refusals.
+pub mod net;
+
+/// The HTTP API: Open Inference Protocol, OpenAI, admin, status.
+pub mod http;
+
+/// The commands: command line, exit statuses, exporter, policy, doctor, drill.
+pub mod cmd;
+
+/// Scaffolding for tests and benches (the `test-util` feature): scratch folders, fakes, builders.
+#[cfg(any(test, feature = "test-util"))]
+pub mod testing;

@@ -4,5 +4,5 @@
 use clap::Parser;
 
 fn main() -> std::process::ExitCode {
-    vramguard::cli::run(vramguard::cli::Cli::parse())
+    vramguard::cmd::cli::run(vramguard::cmd::cli::Cli::parse())
 }

@@ -7,11 +7,11 @@ use std::sync::Arc;
 
 use clap::{Parser, Subcommand};
 
+use crate::cmd::exit::EXIT_CONFIG;
 use crate::config::{self, Config};
-use crate::exit::EXIT_CONFIG;
 use crate::http::{self, AppState};
-use crate::logging::{self, LogFormat};
-use crate::service::Service;
+use crate::serve::service::Service;
+use crate::telemetry::logging::{self, LogFormat};
 
 /// vramguard: accelerator-memory exporter, admission policy and ONNX Runtime worker pools.
 #[derive(Debug, Parser)]
@@ -74,7 +74,7 @@ pub enum Command {
     /// (baseline, pre-admission redirect, rising pressure, an injected allocator failure, a
     /// driver reset and restore, cancellations in the CPU queue, streams failing before and
     /// after their first token, non-replayable requests and a chat with tools, idempotent
-    /// retries), then check the mission's pass criteria. Exits 1 naming each failed criterion.
+    /// retries), then check the drill's pass criteria. Exits 1 naming each failed criterion.
     Drill {
         /// A running server started with the drill's config (`--print-config`), e.g.
         /// `http://127.0.0.1:8090`; its admin token comes from VRAMGUARD_ADMIN_TOKEN. Without
@@ -153,19 +153,21 @@ pub fn run(cli: Cli) -> ExitCode {
     }
     match cli.command {
         Command::Serve { config, listen } => {
-            crate::heap::return_freed_memory();
+            crate::telemetry::malloc::return_freed_memory();
             serve(config, listen)
         }
         Command::Exporter { config, listen } => {
-            crate::heap::return_freed_memory();
+            crate::telemetry::malloc::return_freed_memory();
             exporter(config, listen)
         }
         Command::Policy { command } => match command {
-            PolicyCommand::Check { files, config } => crate::policy::cli::check(&files, config.as_deref()),
-            PolicyCommand::Test { paths } => crate::policy::cli::test(&paths),
-            PolicyCommand::Eval { file, input, json } => crate::policy::cli::eval(&file, &input, json),
+            PolicyCommand::Check { files, config } => crate::cmd::policy::check(&files, config.as_deref()),
+            PolicyCommand::Test { paths } => crate::cmd::policy::test(&paths),
+            PolicyCommand::Eval { file, input, json } => crate::cmd::policy::eval(&file, &input, json),
         },
-        Command::Doctor { config, url, json } => crate::doctor::run(&crate::doctor::Options { config, url, json }),
+        Command::Doctor { config, url, json } => {
+            crate::cmd::doctor::run(&crate::cmd::doctor::Options { config, url, json })
+        }
         Command::Drill {
             target,
             json,
@@ -173,10 +175,10 @@ pub fn run(cli: Cli) -> ExitCode {
             print_config,
         } => {
             if print_config {
-                print!("{}", crate::drill::print_config());
+                print!("{}", crate::cmd::drill::print_config());
                 return ExitCode::SUCCESS;
             }
-            drill(crate::drill::Options {
+            drill(crate::cmd::drill::Options {
                 target,
                 admin_token: std::env::var("VRAMGUARD_ADMIN_TOKEN").ok(),
                 json,
@@ -203,17 +205,17 @@ pub fn run(cli: Cli) -> ExitCode {
     }
 }
 
-fn drill(options: crate::drill::Options) -> ExitCode {
-    match crate::drill::run(&options) {
+fn drill(options: crate::cmd::drill::Options) -> ExitCode {
+    match crate::cmd::drill::run(&options) {
         Ok(report) => {
             print!("{}", report.table());
             if report.passed {
                 ExitCode::SUCCESS
             } else {
-                ExitCode::from(crate::exit::EXIT_FAILED)
+                ExitCode::from(crate::cmd::exit::EXIT_FAILED)
             }
         }
-        Err(e) => fail(format!("the drill could not run: {e}"), crate::exit::EXIT_FAILED),
+        Err(e) => fail(format!("the drill could not run: {e}"), crate::cmd::exit::EXIT_FAILED),
     }
 }
 
@@ -345,7 +347,7 @@ fn exporter(config_path: Option<PathBuf>, listen: Option<std::net::SocketAddr>) 
         Err(e) => return fail(format!("cannot start the async runtime: {e}"), 1),
     };
     let result = runtime.block_on(async move {
-        let exporter = tokio::task::spawn_blocking(move || crate::exporter::standalone::Exporter::start(config))
+        let exporter = tokio::task::spawn_blocking(move || crate::cmd::exporter::Exporter::start(config))
             .await
             .map_err(|e| e.to_string())?;
         let listener = tokio::net::TcpListener::bind(addr)

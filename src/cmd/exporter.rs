@@ -15,9 +15,9 @@ use serde_json::json;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
-use super::{LiveCollector, Sampler, SnapshotStore};
 use crate::config::{Config, DeviceKind};
-use crate::metrics::Metrics;
+use crate::telemetry::exporter::{LiveCollector, Sampler, SnapshotStore, metrics_response};
+use crate::telemetry::metrics::Metrics;
 
 /// A running exporter.
 pub struct Exporter {
@@ -91,8 +91,8 @@ impl Exporter {
             .route("/status", get(status))
             .route("/", get(|| async { "vramguard exporter: see /metrics and /status\n" }))
             .with_state(state);
-        let limits = crate::http::conn::Limits::new(&self.config.server, &self.metrics);
-        let server = tokio::spawn(crate::http::conn::serve(listener, app, limits, cancel.clone()));
+        let limits = crate::net::conn::Limits::new(&self.config.server, &self.metrics);
+        let server = tokio::spawn(crate::net::conn::serve(listener, app, limits, cancel.clone()));
         shutdown.await;
         cancel.cancel();
         server.await.map_err(std::io::Error::other)
@@ -106,7 +106,7 @@ struct Served {
 }
 
 async fn metrics(State(exporter): State<Arc<Served>>, headers: HeaderMap) -> Response {
-    super::metrics_response(&exporter.registry, &headers)
+    metrics_response(&exporter.registry, &headers)
 }
 
 async fn status(State(exporter): State<Arc<Served>>) -> Response {

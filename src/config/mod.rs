@@ -13,11 +13,11 @@ use serde::{Deserialize, Serialize};
 
 // `config` depends on `model`, never the other way round: `ModelSource` lives beside the models it
 // names and is re-exported here, where the validated config uses it.
-pub use crate::model::ModelSource;
+pub use crate::core::model::ModelSource;
 pub use units::{ByteSize, HumanDuration, format_duration, format_size, parse_duration, parse_size};
 
-use crate::model::BuiltinModel;
-use crate::snapshot::Decision;
+use crate::core::model::BuiltinModel;
+use crate::core::snapshot::Decision;
 
 /// The embedded default configuration (simulated accelerator flavour); see [`Config::embedded`].
 pub const DEFAULT_CONFIG_YAML: &str = include_str!("../../config/default.yaml");
@@ -437,7 +437,7 @@ pub struct RawBreaker {
 
 impl Default for RawBreaker {
     fn default() -> Self {
-        let d = crate::breaker::BreakerConfig::default();
+        let d = crate::core::breaker::BreakerConfig::default();
         Self {
             failures: d.failures,
             window: HumanDuration(d.window),
@@ -805,8 +805,8 @@ pub enum Provider {
 
 impl Provider {
     /// Which provider, without its options.
-    pub fn kind(&self) -> crate::snapshot::ProviderKind {
-        use crate::snapshot::ProviderKind;
+    pub fn kind(&self) -> crate::core::snapshot::ProviderKind {
+        use crate::core::snapshot::ProviderKind;
         match self {
             Provider::Cpu => ProviderKind::Cpu,
             Provider::Cuda(_) => ProviderKind::Cuda,
@@ -869,7 +869,7 @@ pub struct PoolConfig {
     /// Longest context in tokens the pool accepts (`None`: no limit).
     pub max_context: Option<u64>,
     /// Its circuit breaker.
-    pub breaker: crate::breaker::BreakerConfig,
+    pub breaker: crate::core::breaker::BreakerConfig,
     /// Where a replayable request goes, once, after an allocator failure here.
     pub fallback: Option<String>,
 }
@@ -901,8 +901,8 @@ impl Config {
 
     /// What kind of device `device` is: an NVIDIA device, the simulated one, or the host that
     /// CPU pools run on.
-    pub fn device_class(&self, device: &str) -> crate::snapshot::DeviceClass {
-        use crate::snapshot::DeviceClass;
+    pub fn device_class(&self, device: &str) -> crate::core::snapshot::DeviceClass {
+        use crate::core::snapshot::DeviceClass;
         match self.devices.iter().find(|d| d.name == device).map(|d| d.kind) {
             Some(DeviceKind::Nvidia { .. }) => DeviceClass::Nvml,
             Some(DeviceKind::Simulated { .. }) => DeviceClass::Simulated,
@@ -912,9 +912,9 @@ impl Config {
 
     /// What kind of device `pool` runs on: a remote pool's is another server's, whatever its
     /// `device` names.
-    pub fn pool_class(&self, pool: &PoolConfig) -> crate::snapshot::DeviceClass {
+    pub fn pool_class(&self, pool: &PoolConfig) -> crate::core::snapshot::DeviceClass {
         match pool.provider {
-            Provider::Remote(_) => crate::snapshot::DeviceClass::Remote,
+            Provider::Remote(_) => crate::core::snapshot::DeviceClass::Remote,
             _ => self.device_class(&pool.device),
         }
     }
@@ -1397,7 +1397,7 @@ impl RawConfig {
                 max_wait: p.queue.max_wait.get(),
                 arena_shrinkage: shrink,
                 max_context: p.max_context,
-                breaker: crate::breaker::BreakerConfig {
+                breaker: crate::core::breaker::BreakerConfig {
                     failures: raw_breaker.failures,
                     window: raw_breaker.window.get(),
                     cooldown: raw_breaker.cooldown.get(),
@@ -1964,7 +1964,7 @@ pools:
         let ok = pool(", url: 'http://10.0.0.2:8080/kserve/', remote: {timeout: 5s}").unwrap();
         let far = &ok.pools[0];
         assert_eq!(far.device, "10.0.0.2:8080");
-        assert_eq!(ok.pool_class(far), crate::snapshot::DeviceClass::Remote);
+        assert_eq!(ok.pool_class(far), crate::core::snapshot::DeviceClass::Remote);
         let Provider::Remote(options) = &far.provider else {
             panic!("{:?}", far.provider)
         };

@@ -3,7 +3,7 @@
 //! allocator statistics a backend may report. Plain types only, so pools, the lifecycle and the
 //! ONNX Runtime code all depend on this module and never on each other.
 
-use crate::tensor::Tensor;
+use crate::core::tensor::Tensor;
 
 /// Runs models; one instance per worker thread, so it may hold non-shareable sessions.
 pub trait Backend: Send {

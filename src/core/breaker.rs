@@ -12,8 +12,8 @@
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
-use crate::backend::AllocFailureKind;
-use crate::snapshot::BreakerState;
+use crate::core::backend::AllocFailureKind;
+use crate::core::snapshot::BreakerState;
 
 /// When a breaker opens and how long it stays open.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

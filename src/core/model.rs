@@ -34,8 +34,8 @@ impl BuiltinModel {
     /// The ONNX bytes.
     pub fn bytes(self) -> &'static [u8] {
         match self {
-            BuiltinModel::Encoder => include_bytes!("../models/encoder.onnx"),
-            BuiltinModel::Classifier => include_bytes!("../models/classifier.onnx"),
+            BuiltinModel::Encoder => include_bytes!("../../models/encoder.onnx"),
+            BuiltinModel::Classifier => include_bytes!("../../models/classifier.onnx"),
         }
     }
 }

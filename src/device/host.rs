@@ -3,7 +3,7 @@
 use procfs::Current;
 use procfs::process::Process;
 
-use super::{HostMemory, MemorySource, Reading};
+use super::reading::{HostMemory, MemorySource, Reading};
 
 /// Reads `/proc/meminfo` and `/proc/self/statm`.
 #[derive(Debug, Default)]

@@ -7,7 +7,7 @@ use nvml_wrapper::Nvml;
 use nvml_wrapper::enums::device::UsedGpuMemory;
 
 use super::procinfo::ProcessInspector;
-use super::{DeviceMemory, DeviceProcess, MemorySource, Reading};
+use super::reading::{DeviceMemory, DeviceProcess, MemorySource, Reading};
 
 /// Samples every NVIDIA device NVML reports.
 pub struct NvmlSource {
@@ -108,7 +108,7 @@ impl MemorySource for NvmlSource {
             reading.devices.insert(
                 name.clone(),
                 DeviceMemory {
-                    kind: crate::snapshot::DeviceClass::Nvml,
+                    kind: crate::core::snapshot::DeviceClass::Nvml,
                     total_bytes: memory.total,
                     used_bytes: memory.used,
                 },

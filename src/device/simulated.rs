@@ -9,13 +9,13 @@ use ort::memory::{AllocationDevice, Allocator, AllocatorType, MemoryInfo, Memory
 use ort::session::Session;
 
 use super::procinfo::ProcessInspector;
-use super::{DeviceMemory, DeviceProcess, MemorySource, Reading};
-use crate::backend::{AllocFailureKind, Backend, BackendError, RunMeta};
+use super::reading::{DeviceMemory, DeviceProcess, MemorySource, Reading};
 use crate::config::Provider;
-use crate::model::BuiltinModel;
-use crate::onnx::arena::{ArenaHold, ArenaStats};
-use crate::onnx::{self, OnnxRuntime, SessionOptions};
-use crate::tensor::Tensor;
+use crate::core::backend::{AllocFailureKind, Backend, BackendError, RunMeta};
+use crate::core::model::BuiltinModel;
+use crate::core::tensor::Tensor;
+use crate::runtime::onnx::arena::{ArenaHold, ArenaStats};
+use crate::runtime::onnx::{self, OnnxRuntime, SessionOptions};
 
 /// Name of the pseudo-process that stands for external pressure in process listings.
 pub const PRESSURE_PROCESS: &str = "simulated-pressure";
@@ -86,7 +86,7 @@ impl SimulatedDevice {
         self.hold().set(bytes).map_err(|e| {
             format!(
                 "the simulated arena cannot hold {bytes} bytes now (vramguard's arena keeps part of it reserved): {}",
-                crate::onnx::concise(&e)
+                crate::runtime::onnx::concise(&e)
             )
         })
     }
@@ -208,7 +208,7 @@ impl Backend for FaultInjecting {
         self.inner.refresh_arena_stats();
     }
 
-    fn interrupt_handle(&self) -> Option<crate::backend::Interrupt> {
+    fn interrupt_handle(&self) -> Option<crate::core::backend::Interrupt> {
         self.inner.interrupt_handle()
     }
 
@@ -247,7 +247,7 @@ impl MemorySource for SimulatedSource {
         reading.devices.insert(
             device.name.clone(),
             DeviceMemory {
-                kind: crate::snapshot::DeviceClass::Simulated,
+                kind: crate::core::snapshot::DeviceClass::Simulated,
                 total_bytes: device.capacity,
                 used_bytes: used,
             },

@@ -1,6 +1,6 @@
 //! The admin API: policy reload, pool restore and fault injection on simulated devices.
 //!
-//! It is reachable two ways (CONTRACT: admin):
+//! It is reachable two ways (docs/http-api.md, Admin access):
 //! - on a Unix socket with owner-only permissions (`server.admin_socket`, on by default), where
 //!   the file's permissions are the authorization, as for container runtimes' sockets and
 //!   HAProxy's runtime API;
@@ -25,7 +25,9 @@ use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
 use tokio::net::UnixListener;
 
-use super::{ApiError, AppState, policy_status};
+use super::error::ApiError;
+use super::state::AppState;
+use super::status::policy_status;
 
 /// How an admin request was let in, shown by `GET /admin`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -167,8 +169,8 @@ pub async fn serve_socket(
     path: PathBuf,
     stop: tokio_util::sync::CancellationToken,
 ) -> std::io::Result<()> {
-    let limits = super::conn::Limits::new(&state.service.config.server, &state.service.metrics);
-    super::conn::serve(listener, socket_app(state), limits, stop).await;
+    let limits = crate::net::conn::Limits::new(&state.service.config.server, &state.service.metrics);
+    crate::net::conn::serve(listener, socket_app(state), limits, stop).await;
     let _ = std::fs::remove_file(&path);
     Ok(())
 }

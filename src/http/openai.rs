@@ -1,7 +1,7 @@
 //! OpenAI-compatible text generation: `GET /v1/models`, `POST /v1/completions` and
 //! `POST /v1/chat/completions`, with errors in OpenAI's shape (`{"error": {"message", "type",
 //! "param", "code"}}`), so clients built on the `openai` package work unchanged. Generation
-//! itself is [`crate::generate`]; chat templates and tool calls are [`crate::chat`].
+//! itself is [`crate::serve::generate`]; chat templates and tool calls are [`crate::runtime::chat`].
 //!
 //! `stream: true` answers with server-sent events: one chunk per piece of text, the last with
 //! `finish_reason` and `usage`, then `data: [DONE]`. The first chunk carries a `vramguard`
@@ -26,10 +26,13 @@ use tokio::time::Instant;
 
 use futures_util::StreamExt;
 
-use super::{AppState, DECISION_HEADER};
-use crate::generate::{self, Params};
-use crate::lifecycle::RequestError;
+use super::error::status_of;
+use super::headers::{decode_headers, header_value, pool_facts, pool_headers, request_id, with_request_id};
+use super::state::AppState;
 use crate::pool::Pool;
+use crate::protocol::headers::{ALLOW_SHRINK_HEADER, CONTEXT_CUT_HEADER, CONTEXT_HEADER, DECISION_HEADER};
+use crate::serve::generate::{self, Params};
+use crate::serve::lifecycle::RequestError;
 
 /// An error as OpenAI's API writes it.
 pub struct OpenAiError {
@@ -54,7 +57,7 @@ impl OpenAiError {
     }
 
     fn from_request(error: &RequestError, id: &str) -> OpenAiError {
-        let status = error.status();
+        let status = status_of(error);
         OpenAiError {
             status,
             message: error.to_string(),
@@ -214,7 +217,7 @@ pub async fn chat_completions(
 
 async fn serve(state: &AppState, headers: &HeaderMap, body: Result<Bytes, BytesRejection>, chat: bool) -> Response {
     let received = Instant::now();
-    let id = super::request_id(headers);
+    let id = request_id(headers);
     let result = match read_job(state, body, &id, chat) {
         Ok(job) => run(state, headers, job, &id, received).await,
         Err(error) => Err(error),
@@ -223,7 +226,7 @@ async fn serve(state: &AppState, headers: &HeaderMap, body: Result<Bytes, BytesR
         Ok(response) => response,
         Err(error) => error.into_response(),
     };
-    super::with_request_id(response, &id)
+    with_request_id(response, &id)
 }
 
 /// Decode and check the body into a [`Job`].
@@ -265,10 +268,10 @@ fn read_job(state: &AppState, body: Result<Bytes, BytesRejection>, id: &str, cha
                 Some("model"),
             )
         })?;
-        let messages =
-            crate::chat::template_messages(&request.messages).map_err(|e| OpenAiError::invalid(e, Some("messages")))?;
+        let messages = crate::runtime::chat::template_messages(&request.messages)
+            .map_err(|e| OpenAiError::invalid(e, Some("messages")))?;
         let tools = request.tools.unwrap_or_default();
-        crate::chat::check_tools(&tools).map_err(|e| OpenAiError::invalid(e, Some("tools")))?;
+        crate::runtime::chat::check_tools(&tools).map_err(|e| OpenAiError::invalid(e, Some("tools")))?;
         // Without constrained decoding a call cannot be forced: `required` or a named function
         // is refused rather than answered with text the client did not ask for.
         let offered = match &request.tool_choice {
@@ -436,7 +439,7 @@ fn read_job(state: &AppState, body: Result<Bytes, BytesRejection>, id: &str, cha
 /// How a chat is shortened: the system messages stay, and the oldest turns after them go,
 /// whole (a turn starts at a user message), until the prompt fits; the latest turn always stays.
 fn shorten_chat(
-    template: Arc<crate::chat::ChatTemplate>,
+    template: Arc<crate::runtime::chat::ChatTemplate>,
     tokenizer: Arc<tokenizers::Tokenizer>,
     messages: Vec<Value>,
     tools: Option<Vec<Value>>,
@@ -473,7 +476,11 @@ fn shorten_chat(
 }
 
 /// The model named, if it generates text.
-fn text_model<'a>(state: &'a AppState, model: &str, id: &str) -> Result<&'a crate::service::ModelEntry, OpenAiError> {
+fn text_model<'a>(
+    state: &'a AppState,
+    model: &str,
+    id: &str,
+) -> Result<&'a crate::serve::service::ModelEntry, OpenAiError> {
     let service = &state.service;
     let entry = service.model(model).ok_or_else(|| {
         let error = RequestError::unknown_model(service, model);
@@ -509,11 +516,11 @@ async fn run(
     received: Instant,
 ) -> Result<Response, OpenAiError> {
     let service = &state.service;
-    let mut base = super::decode_headers(service, &job.model, id, headers, received)
-        .map_err(|e| OpenAiError::from_request(&e, id))?;
+    let mut base =
+        decode_headers(service, &job.model, id, headers, received).map_err(|e| OpenAiError::from_request(&e, id))?;
     let entry = service.model(&job.model).expect("checked by text_model");
     // Cutting a prompt changes the answer: only when the client (or the model's config) allows.
-    base.allow_shrink = super::header_value::<bool>(headers, super::ALLOW_SHRINK_HEADER, "`true` or `false`")
+    base.allow_shrink = header_value::<bool>(headers, ALLOW_SHRINK_HEADER, "`true` or `false`")
         .map_err(|e| OpenAiError::from_request(&e, id))?
         .unwrap_or(entry.config.allow_shrink);
     let tokenizer = Arc::clone(entry.tokenizer.as_ref().expect("checked by text_model"));
@@ -545,7 +552,7 @@ async fn run(
         }),
         Api::Chat { tools } => {
             let offered: Vec<&str> = tools.iter().map(String::as_str).collect();
-            let (prose, calls) = crate::chat::split_tool_calls(&generated.text, &offered);
+            let (prose, calls) = crate::runtime::chat::split_tool_calls(&generated.text, &offered);
             let mut message = json!({"role": "assistant", "content": prose});
             let finish = if calls.is_empty() {
                 generated.finish.label()
@@ -571,7 +578,7 @@ async fn run(
         HeaderName::from_static(DECISION_HEADER),
         HeaderValue::from_static(generated.action.label()),
     );
-    super::pool_headers(out, &generated.pool, service.degraded.now().as_ref());
+    pool_headers(out, &generated.pool, service.degraded.now().as_ref());
     if let Some((from, to, cut)) = &generated.shrunk {
         shrink_headers(out, *from, *to, cut);
     }
@@ -581,15 +588,15 @@ async fn run(
 /// Says that the prompt was cut from `from` to `to` tokens, and what went.
 fn shrink_headers(headers: &mut HeaderMap, from: u64, to: u64, cut: &str) {
     if let Ok(v) = HeaderValue::from_str(&format!("{from}->{to}")) {
-        headers.insert(HeaderName::from_static(super::CONTEXT_HEADER), v);
+        headers.insert(HeaderName::from_static(CONTEXT_HEADER), v);
     }
     if let Ok(v) = HeaderValue::from_str(cut) {
-        headers.insert(HeaderName::from_static(super::CONTEXT_CUT_HEADER), v);
+        headers.insert(HeaderName::from_static(CONTEXT_CUT_HEADER), v);
     }
 }
 
 /// OpenAI's `tool_calls`, each with an id unique to the request.
-fn tool_calls_json(calls: &[crate::chat::ToolCall], id: &str) -> Value {
+fn tool_calls_json(calls: &[crate::runtime::chat::ToolCall], id: &str) -> Value {
     Value::Array(
         calls
             .iter()
@@ -630,7 +637,7 @@ fn sendable<'a>(text: &'a str, stop: &[String]) -> &'a str {
 /// A generation running in its own task: its tokens as they come, and its end.
 type Running = (
     tokio::sync::mpsc::Receiver<generate::Token>,
-    tokio::task::JoinHandle<Result<generate::Generated, crate::lifecycle::Refused>>,
+    tokio::task::JoinHandle<Result<generate::Generated, crate::serve::lifecycle::Refused>>,
 );
 
 /// `stream: true`: run the prompt first, so a refusal before the first token is an ordinary
@@ -641,7 +648,7 @@ async fn streamed(
     state: &AppState,
     job: Job,
     id: &str,
-    base: crate::lifecycle::Request,
+    base: crate::serve::lifecycle::Request,
     tokenizer: Arc<tokenizers::Tokenizer>,
 ) -> Result<Response, OpenAiError> {
     let service = Arc::clone(&state.service);
@@ -659,7 +666,7 @@ async fn streamed(
     // Text from a tool call's start on waits for the end, when the calls are read back.
     let mut held = job.params.stop.clone();
     if matches!(&job.api, Api::Chat { tools } if !tools.is_empty()) {
-        held.push(crate::chat::TOOL_CALL_OPEN.to_string());
+        held.push(crate::runtime::chat::TOOL_CALL_OPEN.to_string());
     }
     let stream = Stream {
         tokens: Vec::new(),
@@ -720,7 +727,7 @@ struct Stream {
     /// Bytes of text already sent.
     sent: usize,
     running: Option<Running>,
-    finished: Option<Result<generate::Generated, crate::lifecycle::Refused>>,
+    finished: Option<Result<generate::Generated, crate::serve::lifecycle::Refused>>,
     done: bool,
     /// The pool the last token came from, once the first chunk has named it.
     pool: Option<String>,
@@ -731,7 +738,7 @@ struct Stream {
     model: String,
     created: u64,
     tokenizer: Arc<tokenizers::Tokenizer>,
-    service: Arc<crate::service::Service>,
+    service: Arc<crate::serve::service::Service>,
 }
 
 impl Stream {
@@ -774,7 +781,7 @@ impl Stream {
     /// Which pool serves the stream and, while degraded, why, its limits and expected delay.
     fn facts(&mut self, pool: &Arc<Pool>) -> Value {
         self.pool = Some(pool.name().to_string());
-        super::pool_facts(pool, self.service.degraded.now().as_ref())
+        pool_facts(pool, self.service.degraded.now().as_ref())
     }
 
     /// The next bytes to send, or `None` when the stream is over.
@@ -831,7 +838,7 @@ impl Stream {
                         Ok(result) => result,
                         Err(e) => {
                             tracing::warn!(request_id = %self.id, error = %e, "the generation task failed");
-                            Err(crate::lifecycle::Refused {
+                            Err(crate::serve::lifecycle::Refused {
                                 pool: None,
                                 error: RequestError::Failed { pool: String::new() },
                             })
@@ -856,7 +863,7 @@ impl Stream {
         let (prose, calls) = if offered.is_empty() {
             (generated.text.clone(), Vec::new())
         } else {
-            crate::chat::split_tool_calls(&generated.text, &offered)
+            crate::runtime::chat::split_tool_calls(&generated.text, &offered)
         };
         let rest = prose.get(self.sent..).unwrap_or_default();
         if calls.is_empty() {
@@ -887,7 +894,7 @@ fn sse(stream: Stream, opening: Bytes, pool: &Pool, shrunk: Option<&(u64, u64, S
     let headers = response.headers_mut();
     headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
     headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
-    super::pool_headers(headers, pool, degraded.as_ref());
+    pool_headers(headers, pool, degraded.as_ref());
     if let Some((from, to, cut)) = shrunk {
         shrink_headers(headers, *from, *to, cut);
     }
@@ -911,7 +918,7 @@ mod tests {
 
     #[test]
     fn a_tool_call_waits_from_its_opening_tag_on() {
-        let held = vec![crate::chat::TOOL_CALL_OPEN.to_string()];
+        let held = vec![crate::runtime::chat::TOOL_CALL_OPEN.to_string()];
         assert_eq!(sendable("Let me check. <tool", &held), "Let me check. ");
         assert_eq!(sendable("Let me check. <tool_call>{\"name\"", &held), "Let me check. ");
         assert_eq!(sendable("a <b>", &held), "a <b>");

@@ -47,9 +47,52 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tower_service::Service as _;
 
-use super::{ApiError, REQUEST_ID};
 use crate::config::{ServerConfig, Timeouts, format_duration, format_size};
-use crate::metrics::{HttpLimit, HttpLimitLabels, Metrics};
+use crate::protocol::headers::REQUEST_ID;
+use crate::telemetry::metrics::{HttpLimit, HttpLimitLabels, Metrics};
+
+/// The message of a 413 for a body over `server.body_limit` of `limit` bytes, the same whether
+/// the connection layer refused its declared length or the router found it too long.
+pub fn body_too_large(limit: u64) -> String {
+    format!("request body exceeds the {limit} byte limit (server.body_limit)")
+}
+
+/// A request the connection layer answers itself, before any handler sees it: the API's error
+/// body (`{"error": "..."}`), with `Retry-After` when waiting helps.
+#[derive(Debug)]
+struct Refusal {
+    status: StatusCode,
+    message: String,
+    retry_after: Option<u64>,
+}
+
+impl Refusal {
+    fn new(status: StatusCode, message: impl Into<String>) -> Self {
+        Self {
+            status,
+            message: message.into(),
+            retry_after: None,
+        }
+    }
+
+    fn retry_after(mut self, seconds: u64) -> Self {
+        self.retry_after = Some(seconds.max(1));
+        self
+    }
+}
+
+impl IntoResponse for Refusal {
+    fn into_response(self) -> axum::response::Response {
+        let body = serde_json::json!({ "error": self.message });
+        let mut response = (self.status, axum::Json(body)).into_response();
+        if let Some(seconds) = self.retry_after {
+            response
+                .headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from(seconds));
+        }
+        response
+    }
+}
 
 /// After refusing a body it did not read, the server closes its side and reads what the client
 /// still sends, for at most this long, before closing the socket: closing with unread data makes
@@ -158,14 +201,8 @@ impl Limits {
     /// it (the rest of the body is not read), lingering so the client can read it.
     fn refusal(&self, limit: HttpLimit, watch: &Watch) -> Response<Body> {
         let error = match limit {
-            HttpLimit::body_limit => ApiError::new(
-                StatusCode::PAYLOAD_TOO_LARGE,
-                crate::lifecycle::RequestError::BodyTooLarge {
-                    limit: usize::try_from(self.body_limit).unwrap_or(usize::MAX),
-                }
-                .to_string(),
-            ),
-            HttpLimit::body_bytes => ApiError::new(
+            HttpLimit::body_limit => Refusal::new(StatusCode::PAYLOAD_TOO_LARGE, body_too_large(self.body_limit)),
+            HttpLimit::body_bytes => Refusal::new(
                 StatusCode::SERVICE_UNAVAILABLE,
                 format!(
                     "request bodies being received are at server.max_receiving_bytes ({}); retry shortly",
@@ -174,7 +211,7 @@ impl Limits {
             )
             .retry_after(1),
             // `body_timeout`; the other limits close a connection without an answer.
-            _ => ApiError::new(
+            _ => Refusal::new(
                 StatusCode::REQUEST_TIMEOUT,
                 format!(
                     "the request body brought no data for server.timeouts.body_read ({})",

@@ -25,7 +25,7 @@ use serde::Deserialize;
 use super::script::{Evaluation, PolicyError, Script};
 use super::values::Params;
 use crate::config::{ConfigError, parse_yaml, read_yaml};
-use crate::snapshot::{Decision, RequestInfo, Snapshot};
+use crate::core::snapshot::{Decision, RequestInfo, Snapshot};
 
 /// A test-case file.
 #[derive(Debug, Clone, Deserialize)]

@@ -15,7 +15,7 @@ use super::script::{Evaluation, PolicySettings, Script};
 use super::source::{self, LoadError};
 use super::values::StateView;
 use crate::config::{Config, PolicySource};
-use crate::snapshot::{RequestInfo, Snapshot};
+use crate::core::snapshot::{RequestInfo, Snapshot};
 
 /// One loaded version of the policy.
 #[derive(Debug)]

@@ -1,6 +1,6 @@
 //! The admission policy: a Rhai script (`policies/*.rhai`) that looks at one request and the
-//! latest [`Snapshot`](crate::snapshot::Snapshot) and returns a
-//! [`Decision`](crate::snapshot::Decision): admit, defer, shrink the context, redirect or reject.
+//! latest [`Snapshot`](crate::core::snapshot::Snapshot) and returns a
+//! [`Decision`](crate::core::snapshot::Decision): admit, defer, shrink the context, redirect or reject.
 //!
 //! - [`Script`] compiles a script once and evaluates it per request in a sandbox; any
 //!   failure yields the configured fallback decision and a [`PolicyError`] of a known kind.
@@ -17,8 +17,8 @@
 
 pub mod builtin;
 pub mod cases;
-pub mod cli;
 mod handle;
+pub mod recent;
 mod script;
 mod smoke;
 mod source;

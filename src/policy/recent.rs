@@ -7,7 +7,7 @@ use std::time::SystemTime;
 
 use serde::Serialize;
 
-use crate::snapshot::{Action, Decision};
+use crate::core::snapshot::{Action, Decision};
 
 /// How many decisions are kept.
 pub const KEPT: usize = 20;

@@ -14,7 +14,7 @@ use rhai::{AST, CallFnOptions, Dynamic, EvalAltResult, ImmutableString, ParseErr
 
 use super::values::{self, List, Params, StateView, Table};
 
-use crate::snapshot::{Decision, RequestInfo, Snapshot};
+use crate::core::snapshot::{Decision, RequestInfo, Snapshot};
 
 /// Most operations (roughly: expressions evaluated) one evaluation may take. A realistic policy
 /// takes a few hundred; this stops a runaway loop in well under a millisecond.

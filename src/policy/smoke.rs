@@ -5,8 +5,8 @@
 //! the script once per model and pool serving it, with [`smoke_test`].
 
 use crate::config::{Config, DeviceKind, ModelConfig, PoolConfig};
-use crate::estimate::{MemoryProfile, ProfileSource};
-use crate::snapshot::{DeviceState, Estimate, HostState, PoolState, RequestInfo, Snapshot};
+use crate::core::snapshot::{DeviceState, Estimate, HostState, PoolState, RequestInfo, Snapshot};
+use crate::runtime::estimate::{MemoryProfile, ProfileSource};
 
 use super::script::{PolicyError, Script};
 use super::values::StateView;
@@ -118,8 +118,8 @@ pub fn configured_snapshot(config: &Config) -> Snapshot {
             let (used, reserved, active) = (total / 2, total / 4, total / 8);
             let state = DeviceState {
                 kind: match d.kind {
-                    DeviceKind::Simulated { .. } => crate::snapshot::DeviceClass::Simulated,
-                    DeviceKind::Nvidia { .. } => crate::snapshot::DeviceClass::Nvml,
+                    DeviceKind::Simulated { .. } => crate::core::snapshot::DeviceClass::Simulated,
+                    DeviceKind::Nvidia { .. } => crate::core::snapshot::DeviceClass::Nvml,
                 },
                 total_bytes: total,
                 used_bytes: used,
@@ -138,7 +138,7 @@ pub fn configured_snapshot(config: &Config) -> Snapshot {
             let state = PoolState {
                 provider: p.provider.kind(),
                 device: p.device.clone(),
-                breaker: crate::snapshot::BreakerState::Closed,
+                breaker: crate::core::snapshot::BreakerState::Closed,
                 concurrency: p.workers as u64,
                 ..PoolState::default()
             };

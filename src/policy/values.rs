@@ -26,7 +26,7 @@ use std::sync::{Arc, OnceLock};
 
 use rhai::{Array, Dynamic, EvalAltResult, ImmutableString, Map, Position};
 
-use crate::snapshot::{DeviceState, HostState, PoolState, ProcessState, RequestInfo, Snapshot};
+use crate::core::snapshot::{DeviceState, HostState, PoolState, ProcessState, RequestInfo, Snapshot};
 
 /// Operator constants from the config, visible to the script as `state.params`.
 pub type Params = BTreeMap<String, serde_json::Value>;
@@ -56,7 +56,7 @@ pub struct PoolLoadNow {
     /// Estimated time until a new request would finish.
     pub est_delay_ms: u64,
     /// The circuit breaker now.
-    pub breaker: crate::snapshot::BreakerState,
+    pub breaker: crate::core::snapshot::BreakerState,
     /// Text generations waiting for their prompt's run.
     pub sequences_waiting: u64,
     /// Text generations past their prompt, holding a KV cache.

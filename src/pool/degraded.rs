@@ -7,9 +7,9 @@
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant, SystemTime};
 
-use crate::clock::Clock;
+use crate::core::clock::Clock;
+use crate::core::snapshot::{BreakerState, ProviderKind};
 use crate::pool::Pool;
-use crate::snapshot::{BreakerState, ProviderKind};
 
 /// How long after the last memory redirect the service still reads as degraded.
 pub const MEMORY_REDIRECT_WINDOW: Duration = Duration::from_secs(30);

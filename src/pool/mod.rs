@@ -3,6 +3,10 @@
 //! job is taken by a worker thread together with an idle backend; inference never runs on the
 //! async runtime, whose callers await a oneshot reply. A backend that panics is replaced.
 
+pub mod activity;
+pub mod degraded;
+pub mod sequences;
+
 use std::collections::VecDeque;
 use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -15,13 +19,13 @@ use tokio::sync::oneshot;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::histogram::Histogram;
 
-use crate::activity::Progress;
-use crate::backend::{AllocFailureKind, ArenaStats, Backend, BackendError, Interrupt, RunMeta};
-use crate::breaker::{Breaker, Failure, Permit};
-use crate::clock::{Clock, SystemClock};
 use crate::config::{PoolConfig, Provider};
-use crate::snapshot::{BreakerState, DeviceClass};
-use crate::tensor::Tensor;
+use crate::core::backend::{AllocFailureKind, ArenaStats, Backend, BackendError, Interrupt, RunMeta};
+use crate::core::breaker::{Breaker, Failure, Permit};
+use crate::core::clock::{Clock, SystemClock};
+use crate::core::snapshot::{BreakerState, DeviceClass};
+use crate::core::tensor::Tensor;
+use crate::pool::activity::Progress;
 
 /// How far back `alloc_failures_recent` looks.
 pub const RECENT_FAILURE_WINDOW: Duration = Duration::from_secs(60);
@@ -271,7 +275,7 @@ pub struct Pool {
     workers: Mutex<Vec<JoinHandle<()>>>,
     breaker: Mutex<Breaker>,
     /// Text generations on this pool and the KV cache they hold.
-    pub sequences: crate::sequences::Sequences,
+    pub sequences: Arc<sequences::Sequences>,
 }
 
 impl std::fmt::Debug for Pool {
@@ -352,7 +356,7 @@ impl Pool {
             mean_run_us: AtomicU64::new(0),
             breaker,
             workers: Mutex::new(Vec::new()),
-            sequences: crate::sequences::Sequences::default(),
+            sequences: Arc::default(),
         }
     }
 
@@ -916,7 +920,7 @@ fn check_estimate(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::tensor::TensorData;
+    use crate::core::tensor::TensorData;
     use std::sync::mpsc;
 
     /// A backend that echoes its inputs, optionally blocking until released.
@@ -954,7 +958,7 @@ mod tests {
             max_wait: Duration::from_secs(60),
             arena_shrinkage: false,
             max_context: None,
-            breaker: crate::breaker::BreakerConfig::default(),
+            breaker: crate::core::breaker::BreakerConfig::default(),
             fallback: None,
         }
     }
@@ -1085,7 +1089,7 @@ mod tests {
 
     #[test]
     fn queue_age_grows_while_a_request_waits_and_the_wait_is_recorded() {
-        let clock = Arc::new(crate::clock::ManualClock::default());
+        let clock = Arc::new(crate::core::clock::ManualClock::default());
         let metrics = PoolMetrics::detached();
         let (tx, rx) = mpsc::channel();
         let gate = Arc::new(Mutex::new(rx));
@@ -1115,7 +1119,8 @@ mod tests {
         assert_eq!(pool.load().oldest_age, Duration::ZERO);
         let mut registry = prometheus_client::registry::Registry::default();
         registry.register("wait", "", metrics.queue_wait.clone());
-        let text = crate::metrics::encode(&registry);
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
         assert!(
             text.contains("wait_count 2\n") && text.contains("wait_sum 12.0\n"),
             "{text}"
@@ -1140,7 +1145,7 @@ mod tests {
 
     #[test]
     fn allocator_failures_are_counted_and_age_out_of_the_recent_window() {
-        let clock = Arc::new(crate::clock::ManualClock::default());
+        let clock = Arc::new(crate::core::clock::ManualClock::default());
         let metrics = PoolMetrics::detached();
         let context = PoolContext {
             clock: clock.clone(),

@@ -9,8 +9,6 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use crate::pool::Pool;
-
 /// One pool's generations.
 #[derive(Debug, Default)]
 pub struct Sequences {
@@ -41,49 +39,51 @@ impl Sequences {
     }
 }
 
-/// A generation waiting on `pool` for its prompt's run, until dropped.
+/// A generation waiting for its prompt's run, counted in a pool's [`Sequences`] until dropped.
 #[derive(Debug)]
-pub struct Waiting(Arc<Pool>);
+pub struct Waiting(Arc<Sequences>);
 
 impl Waiting {
-    /// Count one more waiting generation on `pool`.
-    pub fn on(pool: &Arc<Pool>) -> Waiting {
-        pool.sequences.waiting.fetch_add(1, Ordering::Relaxed);
-        Waiting(Arc::clone(pool))
+    /// Count one more waiting generation in `sequences` (a pool's).
+    pub fn on(sequences: &Arc<Sequences>) -> Waiting {
+        sequences.waiting.fetch_add(1, Ordering::Relaxed);
+        Waiting(Arc::clone(sequences))
     }
 }
 
 impl Drop for Waiting {
     fn drop(&mut self) {
-        self.0.sequences.waiting.fetch_sub(1, Ordering::Relaxed);
+        self.0.waiting.fetch_sub(1, Ordering::Relaxed);
     }
 }
 
-/// A running generation and the KV cache it holds on a pool, until dropped.
+/// A running generation and the KV cache it holds on a pool, counted in that pool's
+/// [`Sequences`] until dropped.
 #[derive(Debug)]
 pub struct Running {
-    pool: Arc<Pool>,
+    sequences: Arc<Sequences>,
     kv_bytes: u64,
 }
 
 impl Running {
-    /// Count a generation running on `pool` with `kv_bytes` of cache.
-    pub fn on(pool: &Arc<Pool>, kv_bytes: u64) -> Running {
-        pool.sequences.running.fetch_add(1, Ordering::Relaxed);
-        pool.sequences.kv_bytes.fetch_add(kv_bytes, Ordering::Relaxed);
+    /// Count a generation running with `kv_bytes` of cache in `sequences` (a pool's).
+    pub fn on(sequences: &Arc<Sequences>, kv_bytes: u64) -> Running {
+        sequences.running.fetch_add(1, Ordering::Relaxed);
+        sequences.kv_bytes.fetch_add(kv_bytes, Ordering::Relaxed);
         Running {
-            pool: Arc::clone(pool),
+            sequences: Arc::clone(sequences),
             kv_bytes,
         }
     }
 
-    /// Its cache is now `kv_bytes`, on `pool` (the same pool, or the one it moved to).
-    pub fn update(&mut self, pool: &Arc<Pool>, kv_bytes: u64) {
-        if !Arc::ptr_eq(&self.pool, pool) {
-            *self = Running::on(pool, kv_bytes);
+    /// Its cache is now `kv_bytes`, counted in `sequences` (the same pool's, or those of the
+    /// pool it moved to).
+    pub fn update(&mut self, sequences: &Arc<Sequences>, kv_bytes: u64) {
+        if !Arc::ptr_eq(&self.sequences, sequences) {
+            *self = Running::on(sequences, kv_bytes);
             return;
         }
-        let counter = &self.pool.sequences.kv_bytes;
+        let counter = &self.sequences.kv_bytes;
         if kv_bytes >= self.kv_bytes {
             counter.fetch_add(kv_bytes - self.kv_bytes, Ordering::Relaxed);
         } else {
@@ -95,7 +95,7 @@ impl Running {
 
 impl Drop for Running {
     fn drop(&mut self) {
-        let sequences = &self.pool.sequences;
+        let sequences = &self.sequences;
         sequences.running.fetch_sub(1, Ordering::Relaxed);
         sequences.kv_bytes.fetch_sub(self.kv_bytes, Ordering::Relaxed);
     }
@@ -104,39 +104,18 @@ impl Drop for Running {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::{PoolConfig, Provider};
-    use crate::pool::PoolContext;
-    use crate::snapshot::DeviceClass;
-
-    fn pool(name: &str) -> Arc<Pool> {
-        let config = PoolConfig {
-            name: name.into(),
-            provider: Provider::Cpu,
-            device: "host".into(),
-            models: vec!["m".into()],
-            workers: 1,
-            intra_threads: 1,
-            queue_capacity: 1,
-            max_wait: std::time::Duration::from_secs(1),
-            arena_shrinkage: false,
-            max_context: None,
-            breaker: crate::breaker::BreakerConfig::default(),
-            fallback: None,
-        };
-        Pool::unavailable(config, DeviceClass::Host, "a test pool".into(), PoolContext::default())
-    }
 
     #[test]
     fn guards_give_back_what_they_hold_also_when_a_generation_moves() {
-        let gpu = pool("gpu");
-        let cpu = pool("cpu");
+        let gpu = Arc::new(Sequences::default());
+        let cpu = Arc::new(Sequences::default());
         let waiting = Waiting::on(&gpu);
-        assert_eq!(gpu.sequences.now().waiting, 1);
+        assert_eq!(gpu.now().waiting, 1);
         drop(waiting);
         let mut running = Running::on(&gpu, 100);
         running.update(&gpu, 160);
         assert_eq!(
-            gpu.sequences.now(),
+            gpu.now(),
             SequencesNow {
                 waiting: 0,
                 running: 1,
@@ -144,13 +123,13 @@ mod tests {
             }
         );
         running.update(&gpu, 120);
-        assert_eq!(gpu.sequences.now().kv_bytes, 120);
+        assert_eq!(gpu.now().kv_bytes, 120);
         // A failover: the cache now lives on the CPU pool.
         running.update(&cpu, 180);
-        assert_eq!(gpu.sequences.now(), SequencesNow::default());
-        assert_eq!(cpu.sequences.now().running, 1);
-        assert_eq!(cpu.sequences.now().kv_bytes, 180);
+        assert_eq!(gpu.now(), SequencesNow::default());
+        assert_eq!(cpu.now().running, 1);
+        assert_eq!(cpu.now().kv_bytes, 180);
         drop(running);
-        assert_eq!(cpu.sequences.now(), SequencesNow::default());
+        assert_eq!(cpu.now(), SequencesNow::default());
     }
 }

@@ -5,8 +5,8 @@ use serde::{Deserialize, Serialize};
 use serde_json::value::RawValue;
 use serde_json::{Map, Value};
 
-use crate::onnx::ModelSignature;
-use crate::tensor::{DataType, Tensor, TensorData};
+use crate::core::tensor::{DataType, Tensor, TensorData};
+use crate::runtime::onnx::ModelSignature;
 
 /// An output the client asked for.
 #[derive(Debug, Clone, PartialEq)]
@@ -328,10 +328,10 @@ pub fn encode(
         return Err(format!(
             "the answer would take about {} ({} as JSON, {} binary), more than server.max_response_bytes ({}); \
              ask for fewer outputs (`outputs`), for binary data (`binary_data_output`), or for a smaller batch",
-            crate::logging::human_bytes(size as u64),
-            crate::logging::human_bytes(json_guess as u64),
-            crate::logging::human_bytes(blob.len() as u64),
-            crate::logging::human_bytes(max_bytes as u64)
+            crate::telemetry::logging::human_bytes(size as u64),
+            crate::telemetry::logging::human_bytes(json_guess as u64),
+            crate::telemetry::logging::human_bytes(blob.len() as u64),
+            crate::telemetry::logging::human_bytes(max_bytes as u64)
         ));
     }
     let mut body = Vec::with_capacity(size);
@@ -509,7 +509,7 @@ fn json_bytes_per_element(datatype: DataType) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::onnx::TensorSpec;
+    use crate::runtime::onnx::TensorSpec;
 
     fn signature() -> ModelSignature {
         ModelSignature {
@@ -772,7 +772,7 @@ mod tests {
 #[cfg(test)]
 mod properties {
     use super::*;
-    use crate::onnx::TensorSpec;
+    use crate::runtime::onnx::TensorSpec;
     use proptest::prelude::*;
     use serde_json::json;
 

@@ -4,8 +4,8 @@
 //! `.value`. Everything admission needs about the KV cache is read from the graph: the number
 //! of layers, KV heads, head size and element type, so no one configures it by hand.
 
-use crate::onnx::{ModelSignature, TensorSpec};
-use crate::tensor::DataType;
+use crate::core::tensor::DataType;
+use crate::runtime::onnx::{ModelSignature, TensorSpec};
 
 /// What the graph says about a decoder's KV cache.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

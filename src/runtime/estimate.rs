@@ -8,9 +8,9 @@ use ort::session::Session;
 use serde::Serialize;
 
 use crate::config::ContextAxis;
-use crate::onnx::{self, ModelSignature, arena};
-use crate::snapshot::Estimate;
-use crate::tensor::{Tensor, TensorData};
+use crate::core::snapshot::Estimate;
+use crate::core::tensor::{Tensor, TensorData};
+use crate::runtime::onnx::{self, ModelSignature, arena};
 
 /// Where a profile came from.
 #[derive(Debug, Clone, PartialEq, Serialize)]

@@ -1,4 +1,4 @@
-//! Text generation on a decoder with past key values (see [`crate::decoder`]), below any
+//! Text generation on a decoder with past key values (see [`crate::runtime::decoder`]), below any
 //! protocol. The prompt's run goes through the request lifecycle like any request (policy,
 //! breaker, one retry on the fallback pool, deadline, cancellation), with the estimate covering
 //! the KV cache of the prompt and every token it may add. Each following token is one more run
@@ -8,14 +8,14 @@
 
 use std::sync::Arc;
 
-use crate::decoder::DecoderLayout;
-use crate::lifecycle::{self, NotRetried, Refused, Request, RequestError, Served};
-use crate::metrics::FailoverReason;
+use crate::core::snapshot::Action;
+use crate::core::tensor::{DataType, Tensor, TensorData};
 use crate::pool::Pool;
-use crate::sequences::Running;
-use crate::service::{ModelEntry, Service};
-use crate::snapshot::Action;
-use crate::tensor::{DataType, Tensor, TensorData};
+use crate::pool::sequences::Running;
+use crate::runtime::decoder::DecoderLayout;
+use crate::serve::lifecycle::{self, NotRetried, Refused, Request, RequestError, Served};
+use crate::serve::service::{ModelEntry, Service};
+use crate::telemetry::metrics::FailoverReason;
 
 /// Where a streamed generation sends each token as it is picked.
 pub type Sink = tokio::sync::mpsc::Sender<Token>;
@@ -388,8 +388,8 @@ async fn run(
     // The cache this generation holds between runs, on the pool that holds it; given back when
     // this function returns or its future is dropped (a reader gone, a deadline).
     let kv_per_token = layout.kv_bytes_per_token();
-    let mut held = Running::on(&pool, kv_per_token.saturating_mul(prompt_tokens as u64));
-    let labels = |pool: &Pool| crate::metrics::ModelPoolLabels {
+    let mut held = Running::on(&pool.sequences, kv_per_token.saturating_mul(prompt_tokens as u64));
+    let labels = |pool: &Pool| crate::telemetry::metrics::ModelPoolLabels {
         model: entry.config.name.clone(),
         pool: pool.name().to_string(),
     };
@@ -452,7 +452,7 @@ async fn run(
         pool = stepped.pool;
         retried = stepped.moved.or(retried);
         (logits, cache) = read_outputs(stepped.outputs).map_err(|e| internal(&pool, e))?;
-        held.update(&pool, kv_per_token.saturating_mul((past + 1) as u64));
+        held.update(&pool.sequences, kv_per_token.saturating_mul((past + 1) as u64));
         metrics
             .inter_token
             .get_or_create(&labels(&pool))

@@ -432,7 +432,7 @@ mod tests {
     fn exposition(cache: &IdempotencyCache<String>) -> String {
         let mut registry = Registry::with_prefix("vramguard");
         cache.metrics().register(&mut registry);
-        crate::metrics::encode(&registry)
+        crate::telemetry::metrics::encode(&registry)
     }
 
     /// Claim, count a run, take `work` of (paused) time, complete with `value`; what came back.

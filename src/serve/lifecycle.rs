@@ -12,22 +12,21 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::http::StatusCode;
 use tokio::time::Instant;
 
-use crate::activity::Progress;
-use crate::backend::{AllocFailureKind, BackendError, RemoteFailure, RunMeta};
 use crate::config::Keep;
-use crate::metrics::{
+use crate::core::backend::{AllocFailureKind, BackendError, RemoteFailure, RunMeta};
+use crate::core::snapshot::{Action, DeviceClass, Estimate, ProviderKind, RequestInfo};
+use crate::core::tensor::Tensor;
+use crate::policy::PolicyErrorKind;
+use crate::pool::activity::Progress;
+use crate::pool::sequences::Waiting;
+use crate::pool::{InferJob, Pool, PoolError, RunCancel};
+use crate::serve::router::{self, Plan, PoolView};
+use crate::serve::service::{ModelEntry, Service};
+use crate::telemetry::metrics::{
     DecisionLabels, FailoverReason, KindLabels, ModelPoolLabels, Outcome, RequestLabels, RetryLabels, RetryResult,
 };
-use crate::policy::PolicyErrorKind;
-use crate::pool::{InferJob, Pool, PoolError, RunCancel};
-use crate::router::{self, Plan, PoolView};
-use crate::sequences::Waiting;
-use crate::service::{ModelEntry, Service};
-use crate::snapshot::{Action, DeviceClass, Estimate, ProviderKind, RequestInfo};
-use crate::tensor::Tensor;
 
 /// A decoded inference request, whatever protocol it came in by.
 #[derive(Debug, Clone)]
@@ -155,12 +154,10 @@ pub enum RequestError {
     /// The request is malformed; the message names the tensor or field and the reason.
     #[error("{0}")]
     BadInput(String),
-    /// The body is larger than `server.body_limit`.
-    #[error("request body exceeds the {limit} byte limit (server.body_limit)")]
-    BodyTooLarge {
-        /// The limit in bytes.
-        limit: usize,
-    },
+    /// The body is larger than `server.body_limit`; the message says so (the connection
+    /// layer words it, since it refuses such bodies too).
+    #[error("{0}")]
+    BodyTooLarge(String),
     /// No pool serving the model can take work.
     #[error("no pool can take `{model}` ({reasons})")]
     NoPool {
@@ -345,38 +342,12 @@ impl std::fmt::Display for DeadlineMiss {
 }
 
 impl RequestError {
-    /// The HTTP status it is answered with.
-    pub fn status(&self) -> StatusCode {
-        match self {
-            RequestError::UnknownModel { .. } => StatusCode::NOT_FOUND,
-            RequestError::BadInput(_) => StatusCode::BAD_REQUEST,
-            RequestError::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
-            RequestError::DeferredTooLong { .. } => StatusCode::TOO_MANY_REQUESTS,
-            RequestError::Deadline(_) => StatusCode::GATEWAY_TIMEOUT,
-            RequestError::ClientGone => StatusCode::from_u16(499).expect("499 is a valid status code"),
-            RequestError::RemoteRefused { status, .. } => {
-                StatusCode::from_u16(*status).unwrap_or(StatusCode::BAD_REQUEST)
-            }
-            RequestError::Failed { .. } => StatusCode::INTERNAL_SERVER_ERROR,
-            RequestError::NoPool { .. }
-            | RequestError::Refused { .. }
-            | RequestError::QueueFull { .. }
-            | RequestError::QueueTimeout { .. }
-            | RequestError::ShuttingDown { .. }
-            | RequestError::Unavailable { .. }
-            | RequestError::BreakerOpen { .. }
-            | RequestError::HostMemory { .. }
-            | RequestError::Allocation { .. }
-            | RequestError::Remote { .. } => StatusCode::SERVICE_UNAVAILABLE,
-        }
-    }
-
     /// The `outcome` label of `vramguard_requests_total`.
     pub fn outcome(&self) -> Outcome {
         match self {
             RequestError::UnknownModel { .. }
             | RequestError::BadInput(_)
-            | RequestError::BodyTooLarge { .. }
+            | RequestError::BodyTooLarge(_)
             | RequestError::RemoteRefused { .. } => Outcome::client_error,
             // Refused or never received there: nothing ran, as with a full queue.
             RequestError::Remote { kind, .. } if kind.nothing_ran() => Outcome::rejected,
@@ -411,7 +382,7 @@ impl RequestError {
             | RequestError::Remote { retry_after, .. } => *retry_after,
             RequestError::UnknownModel { .. }
             | RequestError::BadInput(_)
-            | RequestError::BodyTooLarge { .. }
+            | RequestError::BodyTooLarge(_)
             | RequestError::Deadline(_)
             | RequestError::ClientGone
             | RequestError::RemoteRefused { .. }
@@ -432,7 +403,7 @@ impl RequestError {
     pub fn unknown_model(service: &Service, model: &str) -> RequestError {
         RequestError::UnknownModel {
             // The name comes from the client.
-            model: crate::logging::clipped(model, 64),
+            model: crate::telemetry::logging::clipped(model, 64),
             known: service.model_names(),
         }
     }
@@ -471,12 +442,12 @@ impl RequestError {
                 pool: name,
                 device: pool.config.device.clone(),
                 simulated: pool.device_kind == DeviceClass::Simulated,
-                message: crate::onnx::concise(&message),
+                message: crate::runtime::onnx::concise(&message),
                 retry_after,
                 not_retried: None,
             },
             PoolError::Backend(BackendError::InvalidInput(message)) => {
-                RequestError::BadInput(crate::onnx::concise(&message))
+                RequestError::BadInput(crate::runtime::onnx::concise(&message))
             }
             // Only a caller that went away cancels, so no client reads this answer.
             PoolError::Backend(BackendError::Cancelled | BackendError::DeadlineExceeded) => {
@@ -539,7 +510,7 @@ pub async fn counted<T>(
     };
     record(service, model, pool.map(|p| p.name()), outcome, received);
     if let Err(refused) = &result {
-        tracing::debug!(model = %model, pool = pool.map(|p| p.name()), status = %refused.error.status(), error = %refused.error, "request refused");
+        tracing::debug!(model = %model, pool = pool.map(|p| p.name()), outcome = ?refused.error.outcome(), error = %refused.error, "request refused");
     }
     result.map(|(value, _)| value)
 }
@@ -656,7 +627,7 @@ pub async fn place(service: &Service, mut request: Request) -> Result<Served, Re
     let inputs = std::mem::take(&mut request.inputs);
     // A generation's prompt counts as waiting on its pool until its run is over.
     let generation = request.max_new_tokens > 0;
-    let waiting = generation.then(|| Waiting::on(&pool));
+    let waiting = generation.then(|| Waiting::on(&pool.sequences));
     let first = run_permitted(service, &pool, &request, inputs, estimate_bytes, probe).await;
     drop(waiting);
     let error = match first {
@@ -693,7 +664,7 @@ pub async fn place(service: &Service, mut request: Request) -> Result<Served, Re
     }
     service.failover(&pool, &fallback, reason);
     tracing::info!(request_id = %request.id, from = pool.name(), to = fallback.name(), reason = ?reason, "retrying once on the fallback pool");
-    let _waiting = generation.then(|| Waiting::on(&fallback));
+    let _waiting = generation.then(|| Waiting::on(&fallback.sequences));
     match run_on(service, &fallback, &request, inputs, estimate_bytes).await {
         Ok(outputs) => {
             retries(RetryResult::ok);
@@ -868,10 +839,10 @@ fn host_keeps_reserve(service: &Service, pool: &Pool, need_bytes: u64) -> Result
     if left < host.reserve_bytes {
         return Err(format!(
             "the host would drop below its memory reserve ({} available, {} promised to running CPU work, {} needed, {} reserved)",
-            crate::logging::human_bytes(host.mem_available_bytes),
-            crate::logging::human_bytes(committed),
-            crate::logging::human_bytes(need_bytes),
-            crate::logging::human_bytes(host.reserve_bytes)
+            crate::telemetry::logging::human_bytes(host.mem_available_bytes),
+            crate::telemetry::logging::human_bytes(committed),
+            crate::telemetry::logging::human_bytes(need_bytes),
+            crate::telemetry::logging::human_bytes(host.reserve_bytes)
         ));
     }
     Ok(())

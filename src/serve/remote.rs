@@ -23,15 +23,15 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::{TokioExecutor, TokioTimer};
 use tokio::sync::Notify;
 
-use crate::backend::{AllocFailureKind, ArenaStats, Backend, BackendError, Interrupt, RemoteFailure, RunMeta};
 use crate::config::RemoteOptions;
-use crate::http::{
+use crate::core::backend::{AllocFailureKind, ArenaStats, Backend, BackendError, Interrupt, RemoteFailure, RunMeta};
+use crate::core::tensor::Tensor;
+use crate::pool::Pool;
+use crate::protocol::headers::{
     ALLOW_SHRINK_HEADER, DEADLINE_HEADER, HEADER_LENGTH, IDEMPOTENCY_KEY, PRIORITY_HEADER, REPLAYABLE_HEADER,
     REQUEST_ID,
 };
-use crate::metrics::RemoteMetrics;
-use crate::pool::Pool;
-use crate::tensor::Tensor;
+use crate::telemetry::metrics::RemoteMetrics;
 
 /// How long an idle connection is kept for the next request. Below the keep-alive of the
 /// servers it talks to (uvicorn, under KServe, closes after 5 s; nginx and vramguard after
@@ -114,7 +114,7 @@ impl RemoteBackend {
             None => (self.options.timeout, None),
         };
         let by_deadline = left.is_some_and(|left| left <= self.options.timeout);
-        let (body, header_len) = crate::http::infer::encode_request(&meta.request_id, &inputs, outputs);
+        let (body, header_len) = crate::protocol::oip::encode_request(&meta.request_id, &inputs, outputs);
         drop(inputs);
         let request = build_request(&self.options.url, model, body, header_len, meta, left)?;
         let client = self.client.clone();
@@ -325,7 +325,7 @@ pub fn answer(
                 )
             })?),
         };
-        return crate::http::infer::decode_response(body, header_len, asked)
+        return crate::protocol::oip::decode_response(body, header_len, asked)
             .map_err(|e| failed(RemoteFailure::Protocol, e));
     }
     let (message, reason) = error_body(body);
@@ -372,7 +372,10 @@ fn error_body(body: &[u8]) -> (String, Option<String>) {
     match serde_json::from_slice::<ErrorJson>(body) {
         Ok(e) => (e.error, e.reason),
         Err(_) if body.is_empty() => ("(no message)".into(), None),
-        Err(_) => (crate::logging::clipped(&String::from_utf8_lossy(body), 200), None),
+        Err(_) => (
+            crate::telemetry::logging::clipped(&String::from_utf8_lossy(body), 200),
+            None,
+        ),
     }
 }
 
@@ -435,7 +438,7 @@ async fn check(client: &Client<HttpConnector, Body>, url: &str, timeout: Duratio
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::tensor::TensorData;
+    use crate::core::tensor::TensorData;
 
     fn fails(status: u16, body: &str, deadline_sent: bool) -> BackendError {
         answer(status, None, body.as_bytes(), &[], deadline_sent).unwrap_err()

@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use crate::snapshot::{Decision, RequestInfo};
+use crate::core::snapshot::{Decision, RequestInfo};
 
 /// What the router knows about one pool when planning.
 #[derive(Debug, Clone, PartialEq)]

@@ -3,8 +3,6 @@
 //! `/status` and the policy all read. A scrape never waits on a driver call: it encodes
 //! the latest snapshot plus the pools' live queues through [`LiveCollector`].
 
-pub mod standalone;
-
 use std::collections::BTreeMap;
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
@@ -17,17 +15,17 @@ use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::registry::Unit;
 use tokio_util::sync::CancellationToken;
 
-use crate::activity::Activity;
 use crate::config::{Provider, ServiceMatch, ServiceRule};
-use crate::degraded::Degraded;
-use crate::device::simulated::SimulatedDevice;
-use crate::device::{DeviceProcess, MemorySource, Reading};
-use crate::metrics::{Metrics, SourceLabels};
-use crate::onnx::arena::ArenaStats;
-use crate::pool::Pool;
-use crate::snapshot::{
+use crate::core::snapshot::{
     BreakerState, DeviceClass, DeviceState, HostState, PoolState, ProcessState, ProviderKind, Snapshot,
 };
+use crate::device::simulated::SimulatedDevice;
+use crate::device::{DeviceProcess, MemorySource, Reading};
+use crate::pool::Pool;
+use crate::pool::activity::Activity;
+use crate::pool::degraded::Degraded;
+use crate::runtime::onnx::arena::ArenaStats;
+use crate::telemetry::metrics::{Metrics, SourceLabels};
 
 /// The service label of processes no rule matches.
 pub const UNMATCHED_SERVICE: &str = "other";
@@ -113,13 +111,13 @@ pub fn metrics_response(
                 header::CONTENT_TYPE,
                 "application/openmetrics-text; version=1.0.0; charset=utf-8",
             )],
-            crate::metrics::encode(registry),
+            crate::telemetry::metrics::encode(registry),
         )
             .into_response()
     } else {
         (
             [(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")],
-            crate::metrics::encode_prometheus_text(registry),
+            crate::telemetry::metrics::encode_prometheus_text(registry),
         )
             .into_response()
     }
@@ -634,7 +632,7 @@ impl Collector for LiveCollector {
             None,
             loads.iter().map(|(l, load)| (l.clone(), load.inflight as i64)),
         )?;
-        let sequences: Vec<(PoolOnly, crate::sequences::SequencesNow)> = self
+        let sequences: Vec<(PoolOnly, crate::pool::sequences::SequencesNow)> = self
             .pools
             .iter()
             .map(|p| {
@@ -883,7 +881,7 @@ mod tests {
             store.clone(),
         );
         sampler.sample();
-        let text = crate::metrics::encode(&registry);
+        let text = crate::telemetry::metrics::encode(&registry);
         for line in [
             "vramguard_device_memory_total_bytes{device=\"gpu0\",kind=\"nvml\"} 25769803776",
             "vramguard_device_memory_used_bytes{device=\"gpu0\",kind=\"nvml\"} 21474836480",
@@ -909,7 +907,7 @@ mod tests {
         // Blender exits: its series is gone at the next sample, nothing stale remains.
         fixed.lock().unwrap().processes.retain(|p| p.pid != 404);
         sampler.sample();
-        let text = crate::metrics::encode(&registry);
+        let text = crate::telemetry::metrics::encode(&registry);
         assert!(!text.contains("pid=\"404\""), "{text}");
         assert!(text.contains("pid=\"101\""));
         assert_eq!(store.latest().generation, 2);
@@ -998,7 +996,7 @@ mod tests {
         );
         sampler.sample();
         assert!(store.latest().snapshot.host.mem_total_bytes > 0);
-        let text = crate::metrics::encode(&registry);
+        let text = crate::telemetry::metrics::encode(&registry);
         assert!(
             text.contains("vramguard_exporter_errors_total{source=\"nvml\"} 1\n"),
             "{text}"

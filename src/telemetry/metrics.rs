@@ -1,5 +1,5 @@
 //! Every metric vramguard exports, as one struct of cheap handles. Names follow
-//! `shared/CONTRACT.md`: prefix `vramguard_`, base units, `_total` counters.
+//! the documented conventions (docs/metrics.md): prefix `vramguard_`, base units, `_total` counters.
 
 use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue};
 use prometheus_client::metrics::counter::Counter;
@@ -66,7 +66,7 @@ pub struct PoolLabels {
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct DecisionLabels {
     /// The decision's kind.
-    pub action: crate::snapshot::Action,
+    pub action: crate::core::snapshot::Action,
     /// The pool the decision sends the request to (the request's pool for defer/reject).
     pub pool: String,
 }
@@ -119,7 +119,7 @@ pub struct AllocFailureLabels {
     /// Device name.
     pub device: String,
     /// `oom` or `driver`.
-    pub kind: crate::backend::AllocFailureKind,
+    pub kind: crate::core::backend::AllocFailureKind,
 }
 
 /// A limit the HTTP server enforced on a client, as the `limit` label.
@@ -160,7 +160,7 @@ pub struct HttpLimitLabels {
 }
 
 /// The metric handles vramguard updates as things happen; gauges read from live state are
-/// encoded by [`crate::exporter::LiveCollector`] at scrape time instead.
+/// encoded by [`crate::telemetry::exporter::LiveCollector`] at scrape time instead.
 #[derive(Debug)]
 pub struct Metrics {
     /// `vramguard_build_info`
@@ -265,7 +265,7 @@ pub struct RemoteErrorLabels {
     /// The remote pool.
     pub pool: String,
     /// How its server failed.
-    pub kind: crate::backend::RemoteFailure,
+    pub kind: crate::core::backend::RemoteFailure,
 }
 
 /// The handles a remote pool records into: its server's failures and the time each forwarded
@@ -290,7 +290,7 @@ impl RemoteMetrics {
     }
 
     /// Count one failure of the remote server.
-    pub fn failed(&self, kind: crate::backend::RemoteFailure) {
+    pub fn failed(&self, kind: crate::core::backend::RemoteFailure) {
         self.errors
             .get_or_create(&RemoteErrorLabels {
                 pool: self.pool.clone(),
@@ -300,7 +300,7 @@ impl RemoteMetrics {
     }
 
     /// `vramguard_remote_errors_total{pool, kind}` so far (tests).
-    pub fn failures(&self, kind: crate::backend::RemoteFailure) -> u64 {
+    pub fn failures(&self, kind: crate::core::backend::RemoteFailure) -> u64 {
         self.errors
             .get_or_create(&RemoteErrorLabels {
                 pool: self.pool.clone(),
@@ -524,7 +524,7 @@ impl Metrics {
     /// The handles a remote pool records into (its series exist from the start, so a rate
     /// over them is defined before the first failure).
     pub fn remote_metrics(&self, pool: &str) -> RemoteMetrics {
-        use crate::backend::RemoteFailure;
+        use crate::core::backend::RemoteFailure;
         let labels = |kind| RemoteErrorLabels {
             pool: pool.to_string(),
             kind,
@@ -564,8 +564,8 @@ impl Metrics {
             queue_wait: self
                 .queue_wait
                 .get_or_create_owned(&PoolLabels { pool: pool.to_string() }),
-            oom_failures: failures(crate::backend::AllocFailureKind::Oom),
-            driver_failures: failures(crate::backend::AllocFailureKind::Driver),
+            oom_failures: failures(crate::core::backend::AllocFailureKind::Oom),
+            driver_failures: failures(crate::core::backend::AllocFailureKind::Driver),
         }
     }
 }
@@ -605,7 +605,7 @@ mod tests {
             .get_or_create(&AllocFailureLabels {
                 pool: "gpu".into(),
                 device: "gpu0".into(),
-                kind: crate::backend::AllocFailureKind::Oom,
+                kind: crate::core::backend::AllocFailureKind::Oom,
             })
             .inc();
         metrics

@@ -3,9 +3,7 @@
 //! names the tensor or header and the reason, and nothing a client sends chooses the size of
 //! the answer.
 
-mod common;
-
-use common::{SIMULATED_CONFIG, TestServer};
+use crate::common::{SIMULATED_CONFIG, TestServer};
 use reqwest::StatusCode;
 use serde_json::{Value, json};
 
@@ -16,11 +14,14 @@ async fn error_of(response: reqwest::Response) -> (StatusCode, String) {
 }
 
 fn outcome(metrics: &str, outcome: &str) -> f64 {
-    common::requests_with(metrics, |o| o == outcome)
+    crate::common::requests_with(metrics, |o| o == outcome)
 }
 
 #[tokio::test]
 async fn a_zero_element_tensor_claiming_a_huge_axis_is_a_400_naming_the_tensor() {
+    if crate::common::ran_in_own_process() {
+        return;
+    }
     let server = TestServer::start(SIMULATED_CONFIG).await;
     for shape in [json!([0, 1u64 << 62, 64]), json!([1u64 << 62, 0, 64])] {
         let body = json!({"inputs": [{"name": "input", "shape": shape, "datatype": "FP32", "data": []}]});
@@ -43,6 +44,9 @@ async fn a_zero_element_tensor_claiming_a_huge_axis_is_a_400_naming_the_tensor()
 
 #[tokio::test]
 async fn numbers_outside_the_type_and_non_finite_outputs_are_400s_not_silent_changes() {
+    if crate::common::ran_in_own_process() {
+        return;
+    }
     let server = TestServer::start(SIMULATED_CONFIG).await;
     // 1e39 does not fit FP32: refused, not turned into infinity.
     let mut data = vec![json!(0.5); 64];
@@ -89,8 +93,11 @@ async fn numbers_outside_the_type_and_non_finite_outputs_are_400s_not_silent_cha
 
 #[tokio::test]
 async fn a_repeated_header_length_is_refused_rather_than_the_first_used() {
+    if crate::common::ran_in_own_process() {
+        return;
+    }
     let server = TestServer::start(SIMULATED_CONFIG).await;
-    let (header, body) = common::encoder_binary_request(16);
+    let (header, body) = crate::common::encoder_binary_request(16);
     let response = reqwest::Client::new()
         .post(server.url("/v2/models/encoder/infer"))
         .header("Inference-Header-Content-Length", header.len())
@@ -110,6 +117,9 @@ async fn a_repeated_header_length_is_refused_rather_than_the_first_used() {
 
 #[tokio::test]
 async fn a_wrong_method_gets_a_json_405() {
+    if crate::common::ran_in_own_process() {
+        return;
+    }
     let server = TestServer::start(SIMULATED_CONFIG).await;
     let response = reqwest::Client::new()
         .delete(server.url("/v2/models/encoder/infer"))
@@ -124,6 +134,9 @@ async fn a_wrong_method_gets_a_json_405() {
 
 #[tokio::test]
 async fn openmetrics_refused_with_q_0_gets_the_text_format() {
+    if crate::common::ran_in_own_process() {
+        return;
+    }
     let server = TestServer::start(SIMULATED_CONFIG).await;
     let response = reqwest::Client::new()
         .get(server.url("/metrics"))
@@ -140,6 +153,9 @@ async fn openmetrics_refused_with_q_0_gets_the_text_format() {
 
 #[tokio::test]
 async fn a_deadline_of_zero_does_not_blame_a_deferral_that_never_happened() {
+    if crate::common::ran_in_own_process() {
+        return;
+    }
     let server = TestServer::start(SIMULATED_CONFIG).await;
     let response = server
         .encoder_with_headers(16, &[("x-vramguard-deadline-ms", "0")])
@@ -155,6 +171,9 @@ async fn a_deadline_of_zero_does_not_blame_a_deferral_that_never_happened() {
 
 #[tokio::test]
 async fn an_unknown_model_name_is_echoed_clipped() {
+    if crate::common::ran_in_own_process() {
+        return;
+    }
     let server = TestServer::start(SIMULATED_CONFIG).await;
     let name = "m".repeat(5000);
     let response = server
@@ -169,11 +188,14 @@ async fn an_unknown_model_name_is_echoed_clipped() {
 
 #[tokio::test]
 async fn admin_checks_the_token_before_reading_the_body_and_reads_the_scheme_in_any_case() {
+    if crate::common::ran_in_own_process() {
+        return;
+    }
     let server = TestServer::start(SIMULATED_CONFIG).await;
     let client = reqwest::Client::new();
     let lower = client
         .get(server.url("/admin"))
-        .header("authorization", format!("bearer {}", common::ADMIN_TOKEN))
+        .header("authorization", format!("bearer {}", crate::common::ADMIN_TOKEN))
         .send()
         .await
         .unwrap();
@@ -215,6 +237,9 @@ async fn admin_checks_the_token_before_reading_the_body_and_reads_the_scheme_in_
 
 #[tokio::test]
 async fn an_answer_over_max_response_bytes_is_refused_with_the_way_out() {
+    if crate::common::ran_in_own_process() {
+        return;
+    }
     let config = format!("server: {{max_response_bytes: 64KiB}}\n{SIMULATED_CONFIG}");
     let server = TestServer::start(&config).await;
     // 1×256×64 FP32 `hidden` is 64 KiB binary, ~200 KB as JSON.

@@ -1,8 +1,6 @@
 //! The `vramguard` binary: config commands, `policy check`, `doctor`, refusal of bad configs before binding,
 //! and graceful shutdown on SIGTERM.
 
-mod common;
-
 use std::path::PathBuf;
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -143,7 +141,7 @@ async fn sigterm_finishes_running_work_answers_queued_work_and_exits_0() {
          models: [{name: encoder, path: 'builtin:encoder'}]\n\
          pools: [{name: cpu, provider: cpu, models: [encoder], workers: 1}]\n",
     );
-    let (mut child, addr) = common::spawn_serving(
+    let (mut child, addr) = crate::common::spawn_serving(
         &["serve", "--config", config.to_str().unwrap()],
         &[],
         "vramguard serving",
@@ -151,7 +149,7 @@ async fn sigterm_finishes_running_work_answers_queued_work_and_exits_0() {
     let url = |p: &str| format!("http://{addr}{p}");
     let client = reqwest::Client::new();
     let send = |seq: usize| {
-        let (header, body) = common::encoder_binary_request(seq);
+        let (header, body) = crate::common::encoder_binary_request(seq);
         client
             .post(url("/v2/models/encoder/infer"))
             .header("Inference-Header-Content-Length", header.len())
@@ -199,7 +197,7 @@ async fn sigterm_finishes_running_work_answers_queued_work_and_exits_0() {
 #[test]
 fn the_exporter_serves_host_metrics_without_a_gpu_or_onnx_runtime() {
     // Monitoring mode must not need ONNX Runtime at all.
-    let (mut child, addr) = common::spawn_serving(
+    let (mut child, addr) = crate::common::spawn_serving(
         &["exporter", "--listen", "127.0.0.1:0"],
         &[("ORT_DYLIB_PATH", "/nonexistent/libonnxruntime.so")],
         "vramguard exporter serving",
@@ -362,7 +360,7 @@ fn doctor_asks_a_running_server_with_the_admin_token_and_attributes_its_simulate
     );
     let config = config.to_str().unwrap();
     let token = [("VG_DOCTOR_TOKEN", "s3cret")];
-    let (mut child, addr) = common::spawn_serving(&["serve", "--config", config], &token, "vramguard serving");
+    let (mut child, addr) = crate::common::spawn_serving(&["serve", "--config", config], &token, "vramguard serving");
     let url = format!("http://{addr}");
     let pressure = Command::new("curl")
         .args([
@@ -427,7 +425,7 @@ fn admin_lives_on_an_owner_only_socket_and_tcp_admin_needs_a_token() {
         ),
     );
     let config = config.to_str().unwrap();
-    let (child, addr) = common::spawn_serving(&["serve", "--config", config], &[], "vramguard serving");
+    let (child, addr) = crate::common::spawn_serving(&["serve", "--config", config], &[], "vramguard serving");
     // Killed if an assertion fails, so no server outlives the test.
     struct Running(std::process::Child);
     impl Drop for Running {

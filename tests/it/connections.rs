@@ -5,11 +5,9 @@
 //! purpose. Time is bounded from below exactly (nothing closes before its timeout: a loaded
 //! machine is late, never early) and from above with a generous margin.
 
-mod common;
-
 use std::time::{Duration, Instant};
 
-use common::{TestServer, encoder_binary_request};
+use crate::common::{TestServer, encoder_binary_request};
 use reqwest::StatusCode;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
@@ -108,6 +106,9 @@ async fn others_are_served(server: &TestServer) {
 
 #[tokio::test]
 async fn a_stalled_header_and_a_stalled_body_are_closed_while_others_are_served() {
+    if crate::common::ran_in_own_process() {
+        return;
+    }
     let timeout = Duration::from_secs(1);
     let server = TestServer::start(&config("  timeouts: {header_read: 1s, body_read: 1s, idle: 60s}\n")).await;
 
@@ -158,6 +159,9 @@ async fn a_stalled_header_and_a_stalled_body_are_closed_while_others_are_served(
 
 #[tokio::test]
 async fn an_idle_connection_outlives_the_header_timeout_and_closes_at_the_idle_timeout() {
+    if crate::common::ran_in_own_process() {
+        return;
+    }
     let idle = Duration::from_secs(6);
     let server = TestServer::start(&config("  timeouts: {header_read: 1s, idle: 6s}\n")).await;
     let mut client = connect(&server).await;
@@ -183,6 +187,9 @@ async fn an_idle_connection_outlives_the_header_timeout_and_closes_at_the_idle_t
 
 #[tokio::test]
 async fn connections_over_the_cap_wait_for_a_slot_and_are_served_once_one_closes() {
+    if crate::common::ran_in_own_process() {
+        return;
+    }
     let server = TestServer::start(&config(
         "  max_connections: 2\n  timeouts: {header_read: 60s, idle: 60s}\n",
     ))
@@ -218,6 +225,9 @@ async fn connections_over_the_cap_wait_for_a_slot_and_are_served_once_one_closes
 
 #[tokio::test]
 async fn a_declared_length_over_the_body_limit_gets_413_before_any_body_is_sent() {
+    if crate::common::ran_in_own_process() {
+        return;
+    }
     let server = TestServer::start(&config("  body_limit: 64KiB\n  timeouts: {body_read: 60s}\n")).await;
     // With `Expect: 100-continue` (curl sends it for large bodies) the client learns it need
     // not send the body at all: no 100 comes first.
@@ -248,6 +258,9 @@ async fn a_declared_length_over_the_body_limit_gets_413_before_any_body_is_sent(
 
 #[tokio::test]
 async fn bodies_beyond_the_receiving_budget_get_503_with_retry_after_until_it_frees() {
+    if crate::common::ran_in_own_process() {
+        return;
+    }
     let server = TestServer::start(&config(
         "  body_limit: 64KiB\n  max_receiving_bytes: 64KiB\n  timeouts: {body_read: 60s}\n",
     ))

@@ -2,8 +2,6 @@
 //! deployment: the quick drill passes and writes its record; a server it cannot squeeze is
 //! refused by name. (The drill's own server is what `make test`'s `drill` target runs.)
 
-mod common;
-
 use std::process::Command;
 
 use serde_json::Value;
@@ -30,7 +28,7 @@ fn stop(mut child: std::process::Child) {
 
 #[test]
 fn the_quick_drill_passes_against_a_server_started_with_its_config() {
-    let dir = common::ScratchDir::new("drill");
+    let dir = crate::common::ScratchDir::new("drill");
     let (code, printed, _) = drill(&["--print-config"], "");
     assert_eq!(code, Some(0));
     let root = env!("CARGO_MANIFEST_DIR");
@@ -40,7 +38,7 @@ fn the_quick_drill_passes_against_a_server_started_with_its_config() {
     let path = dir.path().join("drill.yaml");
     std::fs::write(&path, config).unwrap();
     let token = "drill-token";
-    let (child, addr) = common::spawn_serving(
+    let (child, addr) = crate::common::spawn_serving(
         &["serve", "--config", path.to_str().unwrap()],
         &[("VRAMGUARD_ADMIN_TOKEN", token)],
         "vramguard serving",
@@ -107,7 +105,7 @@ fn the_quick_drill_passes_against_a_server_started_with_its_config() {
 
 #[test]
 fn a_target_without_a_simulated_device_is_refused_by_name() {
-    let dir = common::ScratchDir::new("drill-cpu");
+    let dir = crate::common::ScratchDir::new("drill-cpu");
     let path = dir.path().join("cpu.yaml");
     std::fs::write(
         &path,
@@ -116,7 +114,7 @@ fn a_target_without_a_simulated_device_is_refused_by_name() {
          pools: [{name: cpu, provider: cpu, models: [encoder]}]\n",
     )
     .unwrap();
-    let (child, addr) = common::spawn_serving(
+    let (child, addr) = crate::common::spawn_serving(
         &["serve", "--config", path.to_str().unwrap()],
         &[("VRAMGUARD_ADMIN_TOKEN", "t")],
         "vramguard serving",

@@ -3,9 +3,7 @@
 //! a resumable error, repeated failures open the breaker (new work goes to the CPU pool, the
 //! service reads as degraded), and a restore lets a probe close it again.
 
-mod common;
-
-use common::TestServer;
+use crate::common::TestServer;
 use reqwest::StatusCode;
 use serde_json::{Value, json};
 use std::sync::Arc;
@@ -22,7 +20,7 @@ fn config() -> String {
              breaker: {{failures: 2, window: 60s, cooldown: 1h}}}}\n\
          - {{name: cpu, provider: cpu, models: [encoder]}}\n\
          host: {{reserve: 64MiB}}\n{}",
-        common::admit_all_policy()
+        crate::common::admit_all_policy()
     )
 }
 
@@ -40,7 +38,7 @@ async fn encoder_request(server: &TestServer, headers: &[(&str, &str)]) -> reqwe
 /// An encoder request of `seq` tokens (binary tensors) to `url`, owning everything it needs so
 /// it can run in a spawned task.
 async fn post_encoder(url: String, seq: usize, headers: Vec<(String, String)>) -> reqwest::Response {
-    let (header, body) = common::encoder_binary_request(seq);
+    let (header, body) = crate::common::encoder_binary_request(seq);
     let mut request = reqwest::Client::new()
         .post(url)
         .header("Inference-Header-Content-Length", header.len());
@@ -51,7 +49,7 @@ async fn post_encoder(url: String, seq: usize, headers: Vec<(String, String)>) -
 }
 
 fn requests_ok(metrics: &str) -> f64 {
-    common::requests_with(metrics, |o| o == "ok")
+    crate::common::requests_with(metrics, |o| o == "ok")
 }
 
 fn metric(text: &str, series: &str) -> f64 {
@@ -64,6 +62,9 @@ fn metric(text: &str, series: &str) -> f64 {
 
 #[tokio::test]
 async fn an_allocator_failure_is_retried_once_on_the_cpu_pool_under_the_same_id() {
+    if crate::common::ran_in_own_process() {
+        return;
+    }
     let server = TestServer::start(&config()).await;
     let state = inject(&server, json!({"fail_next": 1})).await;
     assert_eq!(state["fail_next"], 1);
@@ -119,6 +120,9 @@ async fn an_allocator_failure_is_retried_once_on_the_cpu_pool_under_the_same_id(
 
 #[tokio::test]
 async fn a_non_replayable_request_gets_a_resumable_error_not_a_silent_replay() {
+    if crate::common::ran_in_own_process() {
+        return;
+    }
     let server = TestServer::start(&config()).await;
     inject(&server, json!({"fail_next": 1})).await;
     let response = encoder_request(
@@ -155,6 +159,9 @@ async fn a_non_replayable_request_gets_a_resumable_error_not_a_silent_replay() {
 
 #[tokio::test]
 async fn repeated_failures_open_the_breaker_and_a_restore_closes_it_through_a_probe() {
+    if crate::common::ran_in_own_process() {
+        return;
+    }
     let server = TestServer::start(&config()).await;
     inject(&server, json!({"fail_next": 2})).await;
     for _ in 0..2 {
@@ -207,6 +214,9 @@ async fn repeated_failures_open_the_breaker_and_a_restore_closes_it_through_a_pr
 
 #[tokio::test]
 async fn a_driver_reset_opens_the_breaker_at_once_while_the_cpu_pool_keeps_serving() {
+    if crate::common::ran_in_own_process() {
+        return;
+    }
     let server = TestServer::start(&config()).await;
     let state = inject(&server, json!({"driver_reset": true})).await;
     assert_eq!(state["driver_reset"], true);
@@ -260,6 +270,9 @@ async fn a_driver_reset_opens_the_breaker_at_once_while_the_cpu_pool_keeps_servi
 
 #[tokio::test]
 async fn an_idempotency_key_executes_at_most_once() {
+    if crate::common::ran_in_own_process() {
+        return;
+    }
     let server = TestServer::start(&config()).await;
     let first = encoder_request(&server, &[("idempotency-key", "k1"), ("x-request-id", "a")]).await;
     assert_eq!(first.status(), StatusCode::OK);
@@ -313,6 +326,9 @@ async fn an_idempotency_key_executes_at_most_once() {
 
 #[tokio::test]
 async fn a_key_whose_request_did_not_run_may_run_on_retry() {
+    if crate::common::ran_in_own_process() {
+        return;
+    }
     let server = TestServer::start(&config()).await;
     inject(&server, json!({"fail_next": 1})).await;
     let refused = encoder_request(
@@ -359,6 +375,9 @@ enum Seen {
 /// reconciles exactly with `vramguard_requests_total`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn under_pressure_faults_and_a_reset_nothing_accepted_is_lost_or_run_twice() {
+    if crate::common::ran_in_own_process() {
+        return;
+    }
     let server = TestServer::start(&config()).await;
     let url = server.url("/v2/models/encoder/infer");
     let sampling = Arc::new(AtomicBool::new(true));
@@ -463,7 +482,7 @@ async fn under_pressure_faults_and_a_reset_nothing_accepted_is_lost_or_run_twice
     for _ in 0..20 {
         tokio::time::sleep(Duration::from_millis(50)).await;
         let now = server.metrics().await;
-        let settled = common::requests_with(&now, |_| true) == common::requests_with(&metrics, |_| true);
+        let settled = crate::common::requests_with(&now, |_| true) == crate::common::requests_with(&metrics, |_| true);
         metrics = now;
         if settled {
             break;
@@ -473,9 +492,9 @@ async fn under_pressure_faults_and_a_reset_nothing_accepted_is_lost_or_run_twice
     // Clients that stayed saw exactly what the server counted. Each one that hung up was counted
     // `cancelled`, or as what it would have got a moment later, or not at all when it left
     // before its request had been read (never accepted).
-    let counted_ok = common::requests_with(&metrics, |o| o == "ok");
-    let cancelled = common::requests_with(&metrics, |o| o == "cancelled");
-    let counted_errors = common::requests_with(&metrics, |o| o != "ok" && o != "cancelled");
+    let counted_ok = crate::common::requests_with(&metrics, |o| o == "ok");
+    let cancelled = crate::common::requests_with(&metrics, |o| o == "cancelled");
+    let counted_errors = crate::common::requests_with(&metrics, |o| o != "ok" && o != "cancelled");
     let late = (counted_ok - ok) + (counted_errors - errors);
     assert!(counted_ok >= ok && counted_errors >= errors, "{metrics}");
     // Nothing was counted twice, and nothing that left was counted as anything but the above.
@@ -493,6 +512,9 @@ async fn under_pressure_faults_and_a_reset_nothing_accepted_is_lost_or_run_twice
 
 #[tokio::test]
 async fn cpu_work_that_would_eat_into_the_host_reserve_is_refused_and_not_retried_there() {
+    if crate::common::ran_in_own_process() {
+        return;
+    }
     // A reserve no machine has: every host-pool run would breach it.
     let config = config().replace("host: {reserve: 64MiB}", "host: {reserve: 1000TiB}");
     let server = TestServer::start(&config).await;

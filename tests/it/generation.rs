@@ -7,9 +7,7 @@
 //! answers as the completion of that prompt would; a chat offering tools is never run twice
 //! once its first token is picked.
 
-mod common;
-
-use common::TestServer;
+use crate::common::TestServer;
 use reqwest::StatusCode;
 use serde_json::{Value, json};
 
@@ -53,6 +51,9 @@ fn greedy_request(name: &str, max_tokens: u64) -> Value {
 
 #[tokio::test]
 async fn greedy_completions_match_the_independent_references() {
+    if crate::common::ran_in_own_process() {
+        return;
+    }
     let server = TestServer::start(CONFIG).await;
     for name in ["short", "long", "chat"] {
         let expected = case(name);
@@ -88,6 +89,9 @@ async fn greedy_completions_match_the_independent_references() {
 
 #[tokio::test]
 async fn a_seeded_request_gives_the_same_tokens_on_the_accelerator_and_on_the_cpu() {
+    if crate::common::ran_in_own_process() {
+        return;
+    }
     let server = TestServer::start(CONFIG).await;
     let request = json!({"model": "tiny", "prompt": case("long")["prompt"], "max_tokens": 12,
                          "temperature": 0.9, "top_p": 0.95, "top_k": 40, "seed": 1234});
@@ -113,6 +117,9 @@ async fn a_seeded_request_gives_the_same_tokens_on_the_accelerator_and_on_the_cp
 
 #[tokio::test]
 async fn allocator_failures_before_or_during_generation_move_it_to_the_cpu_with_the_same_tokens() {
+    if crate::common::ran_in_own_process() {
+        return;
+    }
     let server = TestServer::start(CONFIG).await;
     let expected = case("short")["text"].clone();
     // The prompt's run fails: retried once on the CPU pool.
@@ -140,7 +147,7 @@ async fn allocator_failures_before_or_during_generation_move_it_to_the_cpu_with_
     assert_eq!(headers["x-vramguard-pool"], "cpu", "it ended on the fallback");
     assert_eq!(body["choices"][0]["text"], expected, "the tokens it would have had");
     let metrics = server.metrics().await;
-    let failovers = common::sum_samples(&metrics, |l| {
+    let failovers = crate::common::sum_samples(&metrics, |l| {
         l.starts_with("vramguard_failovers_total{from=\"gpu\",to=\"cpu\",reason=\"oom_retry\"}")
     });
     assert_eq!(
@@ -148,13 +155,16 @@ async fn allocator_failures_before_or_during_generation_move_it_to_the_cpu_with_
         "one before the first token, one in the middle: {metrics}"
     );
     // Counted once each, as requests that succeeded.
-    let ok = common::requests_with(&metrics, |o| o == "ok");
+    let ok = crate::common::requests_with(&metrics, |o| o == "ok");
     assert_eq!(ok, 2.0, "{metrics}");
     server.stop().await;
 }
 
 #[tokio::test]
 async fn models_are_listed_and_errors_come_in_openais_shape() {
+    if crate::common::ran_in_own_process() {
+        return;
+    }
     let server = TestServer::start(CONFIG).await;
     let models: Value = reqwest::get(server.url("/v1/models"))
         .await
@@ -230,6 +240,9 @@ async fn models_are_listed_and_errors_come_in_openais_shape() {
 
 #[tokio::test]
 async fn running_past_the_models_positions_is_the_clients_error_not_a_500() {
+    if crate::common::ran_in_own_process() {
+        return;
+    }
     let server = TestServer::start(CONFIG).await;
     // Four times a 140-token prompt is past the fixture's 512 positions.
     let prompt = case("long")["prompt"].as_str().unwrap().repeat(4);
@@ -261,6 +274,9 @@ async fn events(response: reqwest::Response) -> Vec<Value> {
 
 #[tokio::test]
 async fn a_streamed_completion_sends_the_same_text_in_pieces_and_usage_at_the_end() {
+    if crate::common::ran_in_own_process() {
+        return;
+    }
     let server = TestServer::start(CONFIG).await;
     let mut request = greedy_request("short", 16);
     request["stream"] = json!(true);
@@ -303,6 +319,9 @@ async fn a_streamed_completion_sends_the_same_text_in_pieces_and_usage_at_the_en
 
 #[tokio::test]
 async fn a_failure_after_tokens_were_streamed_ends_with_an_error_event_not_a_replay() {
+    if crate::common::ran_in_own_process() {
+        return;
+    }
     let server = TestServer::start(CONFIG).await;
     // Non-replayable: its runs are never moved; the 6th run fails after 5 tokens were sent.
     let injected = server
@@ -343,6 +362,9 @@ async fn a_failure_after_tokens_were_streamed_ends_with_an_error_event_not_a_rep
 
 #[tokio::test]
 async fn a_reader_that_goes_away_stops_the_generation_and_it_counts_as_cancelled() {
+    if crate::common::ran_in_own_process() {
+        return;
+    }
     let server = TestServer::start(CONFIG).await;
     // Greedy from this prompt, the end-of-text token comes after 188 tokens: long after the
     // reader has gone.
@@ -353,7 +375,8 @@ async fn a_reader_that_goes_away_stops_the_generation_and_it_counts_as_cancelled
     let first = response.chunk().await.unwrap().unwrap();
     assert!(first.starts_with(b"data: "));
     // While it runs, its KV cache is held on the pool: whole positions of the model's layout.
-    let gauge = |m: &str, name: &str| common::sum_samples(m, |l| l.starts_with(&format!("{name}{{pool=\"gpu\"}}")));
+    let gauge =
+        |m: &str, name: &str| crate::common::sum_samples(m, |l| l.starts_with(&format!("{name}{{pool=\"gpu\"}}")));
     let metrics = server.metrics().await;
     assert_eq!(gauge(&metrics, "vramguard_sequences_running"), 1.0, "{metrics}");
     let kv = gauge(&metrics, "vramguard_kv_cache_bytes");
@@ -396,6 +419,9 @@ const TOOLS: &str = r#"[{"type": "function", "function": {"name": "free_vram", "
 
 #[tokio::test]
 async fn a_chat_answers_as_the_completion_of_its_rendered_template_streamed_or_not() {
+    if crate::common::ran_in_own_process() {
+        return;
+    }
     let server = TestServer::start(CONFIG).await;
     let (system, user) = ("You watch GPUs.", case("short")["prompt"].as_str().unwrap().to_string());
     let request = json!({"model": "tiny", "temperature": 0, "max_tokens": 12,
@@ -469,6 +495,9 @@ async fn a_chat_answers_as_the_completion_of_its_rendered_template_streamed_or_n
 
 #[tokio::test]
 async fn a_chat_offering_tools_is_replayed_before_its_first_token_and_never_after() {
+    if crate::common::ran_in_own_process() {
+        return;
+    }
     let server = TestServer::start(CONFIG).await;
     let request = json!({"model": "tiny", "temperature": 0, "max_tokens": 10,
                          "tools": serde_json::from_str::<Value>(TOOLS).unwrap(),
@@ -486,7 +515,7 @@ async fn a_chat_offering_tools_is_replayed_before_its_first_token_and_never_afte
     // After it: the failure is the answer, and nothing runs on the CPU pool.
     let before = server.metrics().await;
     let cpu_runs = |m: &str| {
-        common::sum_samples(m, |l| {
+        crate::common::sum_samples(m, |l| {
             l.starts_with("vramguard_requests_total{model=\"tiny\",pool=\"cpu\"")
         })
     };
@@ -499,7 +528,7 @@ async fn a_chat_offering_tools_is_replayed_before_its_first_token_and_never_afte
     assert!(message.contains("offers tools"), "{message}");
     let after = server.metrics().await;
     assert_eq!(cpu_runs(&after), cpu_runs(&before), "{after}");
-    let moved = |m: &str| common::sum_samples(m, |l| l.starts_with("vramguard_failovers_total{"));
+    let moved = |m: &str| crate::common::sum_samples(m, |l| l.starts_with("vramguard_failovers_total{"));
     assert_eq!(moved(&after), moved(&before), "no step moved: {after}");
 
     // Streamed, the same failure ends the stream with an error event after the tokens sent.
@@ -518,6 +547,9 @@ async fn a_chat_offering_tools_is_replayed_before_its_first_token_and_never_afte
 
 #[tokio::test]
 async fn while_degraded_a_generation_says_where_it_runs_its_limits_and_delay() {
+    if crate::common::ran_in_own_process() {
+        return;
+    }
     let server = TestServer::start(CONFIG).await;
     let reset = server
         .post_json("/admin/sim/gpu0", &json!({"driver_reset": true}))
@@ -557,7 +589,10 @@ async fn while_degraded_a_generation_says_where_it_runs_its_limits_and_delay() {
 
 #[tokio::test]
 async fn a_shrink_keeps_the_system_prompt_and_latest_turns_only_when_the_client_allows_it() {
-    let dir = common::ScratchDir::new("shrink");
+    if crate::common::ran_in_own_process() {
+        return;
+    }
+    let dir = crate::common::ScratchDir::new("shrink");
     let policy = dir.path().join("shrink.rhai");
     std::fs::write(
         &policy,

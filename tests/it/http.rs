@@ -1,8 +1,6 @@
 //! The HTTP API over real sockets against real ONNX Runtime sessions (CPU pools).
 
-mod common;
-
-use common::{TestServer, assert_close, floats, reference_cases, request_from_case};
+use crate::common::{TestServer, assert_close, floats, reference_cases, request_from_case};
 use reqwest::StatusCode;
 use serde_json::{Value, json};
 
@@ -25,6 +23,9 @@ async fn error_of(response: reqwest::Response) -> (StatusCode, String) {
 
 #[tokio::test]
 async fn bundled_models_match_the_committed_reference_outputs() {
+    if crate::common::ran_in_own_process() {
+        return;
+    }
     let server = TestServer::start(CONFIG).await;
     for model in ["encoder", "classifier"] {
         for case in reference_cases(model) {
@@ -52,6 +53,9 @@ async fn bundled_models_match_the_committed_reference_outputs() {
 
 #[tokio::test]
 async fn binary_tensor_extension_round_trips_like_tritons_client() {
+    if crate::common::ran_in_own_process() {
+        return;
+    }
     let server = TestServer::start(CONFIG).await;
     let case = &reference_cases("classifier")[1];
     let data: Vec<f32> = floats(&case["inputs"]["features"]["data"])
@@ -107,6 +111,9 @@ async fn binary_tensor_extension_round_trips_like_tritons_client() {
 
 #[tokio::test]
 async fn every_supported_datatype_round_trips_in_json_and_binary() {
+    if crate::common::ran_in_own_process() {
+        return;
+    }
     let server = TestServer::start(CONFIG).await;
     let values = json!({
         "FP32": [1.5, -2.25], "FP64": [1e300, -0.5], "FP16": [0.5, -3.0], "INT8": [-128, 127],
@@ -163,6 +170,9 @@ async fn every_supported_datatype_round_trips_in_json_and_binary() {
 
 #[tokio::test]
 async fn bad_requests_get_the_documented_status_and_message() {
+    if crate::common::ran_in_own_process() {
+        return;
+    }
     let server = TestServer::start(CONFIG).await;
     let features = |shape: Value, datatype: &str, data: Value| json!({"inputs": [{"name": "features", "shape": shape, "datatype": datatype, "data": data}]});
     let sixteen: Vec<f32> = vec![0.5; 16];
@@ -269,6 +279,9 @@ async fn bad_requests_get_the_documented_status_and_message() {
 
 #[tokio::test]
 async fn request_identity_and_metadata_follow_the_protocol() {
+    if crate::common::ran_in_own_process() {
+        return;
+    }
     let server = TestServer::start(CONFIG).await;
     let case = &reference_cases("classifier")[0];
     let mut body = request_from_case(case);
@@ -361,6 +374,9 @@ async fn request_identity_and_metadata_follow_the_protocol() {
 
 #[tokio::test]
 async fn an_unavailable_cuda_pool_is_reported_and_never_runs_on_the_cpu() {
+    if crate::common::ran_in_own_process() {
+        return;
+    }
     // No NVIDIA driver here (and CI has none): the cuda pool must be unavailable with a reason.
     if vramguard::device::nvidia_gpu_present() {
         return;
@@ -401,6 +417,9 @@ pools: [{name: gpu, provider: cuda, device: gpu0, models: [classifier]}]
 
 #[tokio::test]
 async fn arena_shrinkage_returns_memory_after_each_run_and_shows_in_metrics() {
+    if crate::common::ran_in_own_process() {
+        return;
+    }
     let server = TestServer::start(
         "
 models: [{name: encoder, path: 'builtin:encoder'}]
@@ -432,8 +451,11 @@ pools:
 
 #[tokio::test]
 async fn allow_shrink_comes_from_the_header_then_the_parameter_then_the_model() {
+    if crate::common::ran_in_own_process() {
+        return;
+    }
     // The policy answers with what it was given, so the 503's reason shows req.allow_shrink.
-    let policy = common::policy_file(
+    let policy = crate::common::policy_file(
         "echo-allow-shrink",
         "fn decide(req, state) { reject(`allow_shrink=${req.allow_shrink}`) }\n",
     );

@@ -9,16 +9,17 @@ use std::time::Duration;
 
 use axum::http::StatusCode;
 use tokio::time::Instant;
-use vramguard::backend::{ArenaStats, Backend, BackendError, RunMeta};
-use vramguard::clock::SystemClock;
 use vramguard::config::{ModelConfig, PoolConfig, RawConfig, parse_yaml};
-use vramguard::estimate::{MemoryProfile, ProfileSource};
-use vramguard::lifecycle::{self, DeadlineMiss, Refused, Request, RequestError, Served};
-use vramguard::metrics::Outcome;
-use vramguard::onnx::{ModelSignature, TensorSpec};
-use vramguard::service::{BackendFactory, Parts, Service};
-use vramguard::snapshot::Action;
-use vramguard::tensor::{DataType, Tensor, TensorData};
+use vramguard::core::backend::{ArenaStats, Backend, BackendError, RunMeta};
+use vramguard::core::clock::SystemClock;
+use vramguard::core::snapshot::Action;
+use vramguard::core::tensor::{DataType, Tensor, TensorData};
+use vramguard::http::status_of;
+use vramguard::runtime::estimate::{MemoryProfile, ProfileSource};
+use vramguard::runtime::onnx::{ModelSignature, TensorSpec};
+use vramguard::serve::lifecycle::{self, DeadlineMiss, Refused, Request, RequestError, Served};
+use vramguard::serve::service::{BackendFactory, Parts, Service};
+use vramguard::telemetry::metrics::Outcome;
 
 /// What the fake backend does with a run, chosen by the first input value.
 const PANIC: f32 = -1.0;
@@ -73,7 +74,7 @@ impl Backend for FakeBackend {
         None
     }
 
-    fn interrupt_handle(&self) -> Option<vramguard::backend::Interrupt> {
+    fn interrupt_handle(&self) -> Option<vramguard::core::backend::Interrupt> {
         let interrupted = Arc::clone(&self.interrupted);
         Some(Arc::new(move || interrupted.store(true, Ordering::SeqCst)))
     }
@@ -239,7 +240,7 @@ async fn refused(h: &Harness, request: Request) -> Refused {
 }
 
 fn counter(h: &Harness, needle: &str) -> f64 {
-    let text = vramguard::metrics::encode(&h.service.registry);
+    let text = vramguard::telemetry::metrics::encode(&h.service.registry);
     text.lines()
         .find(|l| l.starts_with(needle))
         .and_then(|l| l.rsplit(' ').next())
@@ -329,7 +330,7 @@ async fn reject_answers_503_with_the_reason_and_retry_after() {
     let mut req = request(4, 0.5);
     req.priority = 7;
     let r = refused(&h, req).await;
-    assert_eq!(r.error.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(status_of(&r.error), StatusCode::SERVICE_UNAVAILABLE);
     assert_eq!(r.error.outcome(), Outcome::rejected);
     assert!(r.error.to_string().contains("host memory low"), "{}", r.error);
     assert_eq!(r.error.retry_after_secs(), Some(1));
@@ -344,7 +345,7 @@ async fn deferral_is_bounded_by_the_pools_max_wait() {
     let r = refused(&h, req).await;
     // max_wait 1s: three deferrals of 300ms fit, the fourth would pass it.
     assert_eq!(started.elapsed(), Duration::from_millis(900));
-    assert_eq!(r.error.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(status_of(&r.error), StatusCode::TOO_MANY_REQUESTS);
     assert_eq!(r.error.outcome(), Outcome::deferred_timeout);
     assert_eq!(r.error.retry_after_secs(), Some(1));
     assert!(
@@ -454,7 +455,7 @@ async fn a_deadline_the_deferral_would_pass_is_a_504() {
     req.deadline = Some(Instant::now() + Duration::from_millis(250));
     let r = refused(&h, req).await;
     assert_eq!(r.error, RequestError::Deadline(DeadlineMiss::ByDeferral));
-    assert_eq!(r.error.status(), StatusCode::GATEWAY_TIMEOUT);
+    assert_eq!(status_of(&r.error), StatusCode::GATEWAY_TIMEOUT);
     assert_eq!(r.error.outcome(), Outcome::cancelled);
 }
 
@@ -485,7 +486,7 @@ async fn a_panicking_backend_fails_only_its_request_and_the_worker_is_replaced()
     let built = h.factory.built.load(Ordering::SeqCst);
     let r = refused(&h, request(4, PANIC)).await;
     assert_eq!(r.error, RequestError::Failed { pool: "gpu".into() });
-    assert_eq!(r.error.status(), StatusCode::INTERNAL_SERVER_ERROR);
+    assert_eq!(status_of(&r.error), StatusCode::INTERNAL_SERVER_ERROR);
     assert_eq!(r.error.outcome(), Outcome::failed);
     // The same single worker serves the next request, on a fresh backend.
     let s = served(&h, request(4, 0.5)).await;
@@ -504,7 +505,7 @@ async fn an_unavailable_pool_is_skipped_and_no_pool_at_all_is_a_503() {
 
     let none = harness("fn decide(req, state) { admit() }", &["gpu", "cpu"], "{capacity: 8}");
     let r = refused(&none, request(4, 0.5)).await;
-    assert_eq!(r.error.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(status_of(&r.error), StatusCode::SERVICE_UNAVAILABLE);
     assert_eq!(r.error.retry_after_secs(), Some(5));
     let text = r.error.to_string();
     assert!(
@@ -536,7 +537,7 @@ async fn a_full_queue_is_a_503_and_accepted_work_still_completes() {
         "{:?}",
         r.error
     );
-    assert_eq!(r.error.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(status_of(&r.error), StatusCode::SERVICE_UNAVAILABLE);
     h.release.send(()).unwrap();
     assert!(running.await.unwrap());
     assert!(queued.await.unwrap());
@@ -548,9 +549,9 @@ async fn unknown_models_are_404_and_not_counted() {
     let mut req = request(4, 0.5);
     req.model = "nope".into();
     let r = refused(&h, req).await;
-    assert_eq!(r.error.status(), StatusCode::NOT_FOUND);
+    assert_eq!(status_of(&r.error), StatusCode::NOT_FOUND);
     assert!(r.error.to_string().contains("models: encoder"), "{}", r.error);
-    assert!(!vramguard::metrics::encode(&h.service.registry).contains("model=\"nope\""));
+    assert!(!vramguard::telemetry::metrics::encode(&h.service.registry).contains("model=\"nope\""));
 }
 
 #[tokio::test(start_paused = true)]
@@ -562,7 +563,7 @@ async fn a_deadline_the_queue_cannot_meet_is_answered_at_once() {
     req.deadline = Some(Instant::now() + Duration::from_millis(10));
     let r = refused(&h, req).await;
     assert_eq!(r.error, RequestError::Deadline(DeadlineMiss::Estimated));
-    assert_eq!(r.error.status(), StatusCode::GATEWAY_TIMEOUT);
+    assert_eq!(status_of(&r.error), StatusCode::GATEWAY_TIMEOUT);
     assert_eq!(h.service.pool("gpu").unwrap().load().queue_depth, 0, "never queued");
     assert_eq!(
         counter(

@@ -5,9 +5,7 @@
 //!   after a driver reset (the breaker open, work on the CPU path) and while the service stays
 //!   degraded after it.
 
-mod common;
-
-use common::{FAILOVER_CONFIG, TestServer};
+use crate::common::{FAILOVER_CONFIG, TestServer};
 use reqwest::StatusCode;
 use serde_json::{Value, json};
 
@@ -60,6 +58,9 @@ fn gauge(metrics: &str, name: &str) -> f64 {
 
 #[tokio::test]
 async fn every_metric_the_picker_config_names_is_a_gauge_vramguard_exports() {
+    if crate::common::ran_in_own_process() {
+        return;
+    }
     let server = TestServer::start(FAILOVER_CONFIG).await;
     let served = server.encoder(16).await;
     assert_eq!(served.status(), StatusCode::OK);
@@ -82,6 +83,9 @@ async fn every_metric_the_picker_config_names_is_a_gauge_vramguard_exports() {
 
 #[tokio::test]
 async fn the_usage_ratio_follows_device_memory_and_reads_full_while_the_accelerator_is_down() {
+    if crate::common::ran_in_own_process() {
+        return;
+    }
     let server = TestServer::start(FAILOVER_CONFIG).await;
     let sim = |body: Value| {
         let server = &server;
@@ -97,7 +101,7 @@ async fn the_usage_ratio_follows_device_memory_and_reads_full_while_the_accelera
     sim(json!({"pressure": "96MiB"})).await;
     let metrics = server.metrics().await;
     let pressed = gauge(&metrics, RATIO);
-    let used = common::sum_samples(&metrics, |l| l.starts_with("vramguard_device_memory_used_bytes{"));
+    let used = crate::common::sum_samples(&metrics, |l| l.starts_with("vramguard_device_memory_used_bytes{"));
     assert!((0.75..1.0).contains(&pressed), "{pressed}");
     assert_eq!(pressed, used / f64::from(128 << 20));
     sim(json!({"pressure": 0})).await;
@@ -122,7 +126,7 @@ async fn the_usage_ratio_follows_device_memory_and_reads_full_while_the_accelera
     assert_eq!(probe.headers()["x-vramguard-pool"], "gpu");
     let metrics = server.metrics().await;
     assert_eq!(
-        common::sum_samples(&metrics, |l| l.starts_with("vramguard_breaker_state{pool=\"gpu\"}")),
+        crate::common::sum_samples(&metrics, |l| l.starts_with("vramguard_breaker_state{pool=\"gpu\"}")),
         0.0
     );
     assert!(

@@ -1,12 +1,10 @@
 //! Every policy decision enacted over real HTTP, the fallback on a failing script, and hot
 //! reload through the admin endpoint and the file watcher.
 
-mod common;
-
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use common::TestServer;
+use crate::common::TestServer;
 use reqwest::StatusCode;
 use serde_json::{Value, json};
 
@@ -85,6 +83,9 @@ fn counter(metrics: &str, series: &str) -> f64 {
 
 #[tokio::test]
 async fn every_decision_is_enacted_on_the_request_path() {
+    if crate::common::ran_in_own_process() {
+        return;
+    }
     let dir = policy_dir("actions", SCRIPT);
     let server = TestServer::start(&config(&dir, "0")).await;
 
@@ -206,7 +207,7 @@ cases:
 async fn reload(server: &TestServer) -> (StatusCode, Value) {
     let response = reqwest::Client::new()
         .post(server.url("/admin/policy/reload"))
-        .bearer_auth(common::ADMIN_TOKEN)
+        .bearer_auth(crate::common::ADMIN_TOKEN)
         .send()
         .await
         .unwrap();
@@ -220,6 +221,9 @@ async fn policy_status(server: &TestServer) -> Value {
 
 #[tokio::test]
 async fn a_reload_swaps_only_a_script_that_compiles_and_passes_its_cases() {
+    if crate::common::ran_in_own_process() {
+        return;
+    }
     let dir = policy_dir("reload", "fn decide(req, state) { admit() }");
     std::fs::write(dir.join("tests/p.yaml"), CASES).unwrap();
     let server = TestServer::start(&config(&dir, "0")).await;
@@ -279,6 +283,9 @@ async fn a_reload_swaps_only_a_script_that_compiles_and_passes_its_cases() {
 
 #[tokio::test]
 async fn an_edited_policy_file_is_picked_up_by_the_watcher() {
+    if crate::common::ran_in_own_process() {
+        return;
+    }
     let dir = policy_dir("watch", "fn decide(req, state) { admit() }");
     let server = TestServer::start(&config(&dir, "50ms")).await;
     let before = policy_status(&server).await["sha256"].clone();
@@ -297,6 +304,9 @@ async fn an_edited_policy_file_is_picked_up_by_the_watcher() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn builtin_policies_load_from_the_binary_and_show_as_builtin() {
+    if crate::common::ran_in_own_process() {
+        return;
+    }
     // Servers in one process start on builtin policies at the same time: they share no files.
     let yaml = |name: &str| {
         format!(

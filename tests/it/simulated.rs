@@ -2,18 +2,19 @@
 //! genuine ONNX Runtime allocator failure, answered 503, and the next request that fits succeeds.
 //! (One ONNX Runtime process holds one simulated arena, so these tests share one capacity.)
 
-mod common;
-
-use common::TestServer;
+use crate::common::TestServer;
 use reqwest::StatusCode;
 use serde_json::{Value, json};
 
-const CONFIG: &str = common::SIMULATED_CONFIG;
+const CONFIG: &str = crate::common::SIMULATED_CONFIG;
 
 #[tokio::test]
 async fn a_request_that_does_not_fit_gets_an_allocator_failure_and_the_next_one_is_served() {
+    if crate::common::ran_in_own_process() {
+        return;
+    }
     // Admit everything: this is about what ONNX Runtime does when a request does not fit.
-    let server = TestServer::start(&format!("{CONFIG}{}", common::admit_all_policy())).await;
+    let server = TestServer::start(&format!("{CONFIG}{}", crate::common::admit_all_policy())).await;
 
     let before: Value = reqwest::get(server.url("/status")).await.unwrap().json().await.unwrap();
     let reserved_before = before["pools"][0]["arena"]["reserved_bytes"].as_u64().unwrap();
@@ -97,7 +98,7 @@ async fn a_request_that_does_not_fit_gets_an_allocator_failure_and_the_next_one_
     // Sent the way `curl -d` sends it (form content type): JSON is read all the same.
     let release = reqwest::Client::new()
         .post(server.url("/admin/sim/gpu0"))
-        .bearer_auth(common::ADMIN_TOKEN)
+        .bearer_auth(crate::common::ADMIN_TOKEN)
         .header("content-type", "application/x-www-form-urlencoded")
         .body(r#"{"pressure": 0}"#)
         .send()
@@ -125,6 +126,9 @@ async fn a_request_that_does_not_fit_gets_an_allocator_failure_and_the_next_one_
 /// Prometheus (which asks for OpenMetrics) gets OpenMetrics.
 #[tokio::test]
 async fn the_live_exposition_passes_promtool_and_negotiates_openmetrics() {
+    if crate::common::ran_in_own_process() {
+        return;
+    }
     let server = TestServer::start(CONFIG).await;
     assert_eq!(server.encoder(32).await.status(), StatusCode::OK);
     // A driver reset opens the breaker: degraded mode, so every series the alerts use exists.
@@ -215,6 +219,9 @@ async fn the_live_exposition_passes_promtool_and_negotiates_openmetrics() {
 /// simulated accelerator as such.
 #[tokio::test]
 async fn the_status_page_is_served_and_reads_status() {
+    if crate::common::ran_in_own_process() {
+        return;
+    }
     let server = TestServer::start(CONFIG).await;
     let page = reqwest::get(server.url("/")).await.unwrap();
     assert_eq!(page.status(), StatusCode::OK);

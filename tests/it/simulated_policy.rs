@@ -1,9 +1,7 @@
 //! The default policy on the simulated accelerator. (Its own test binary: the simulated arena is
 //! per process, and the other simulated tests need it nearly empty.)
 
-mod common;
-
-use common::TestServer;
+use crate::common::TestServer;
 use reqwest::StatusCode;
 
 /// The simulated accelerator of 128 MiB and a CPU pool beside it. The host reserve is small so
@@ -23,6 +21,9 @@ host: {reserve: 64MiB}
 /// way no allocation fails.
 #[tokio::test]
 async fn the_default_policy_redirects_a_long_request_and_shrinks_it_only_when_allowed() {
+    if crate::common::ran_in_own_process() {
+        return;
+    }
     let server = TestServer::start(CONFIG).await;
 
     let whole = server.encoder(4096).await;

@@ -4,13 +4,11 @@
 //! the device, the degraded banner and the policy's decisions. A screenshot is saved to
 //! `target/status-page.png` (the README shows a copy, `docs/status-page.png`).
 
-mod common;
-
 use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::TestServer;
+use crate::common::TestServer;
 use reqwest::StatusCode;
 use serde_json::json;
 
@@ -56,7 +54,10 @@ fn chromium(url: &str, args: &[&str], profile: &Path) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_browser_shows_who_holds_the_accelerator_and_the_degraded_banner() {
-    let server = TestServer::start(common::FAILOVER_CONFIG).await;
+    if crate::common::ran_in_own_process() {
+        return;
+    }
+    let server = TestServer::start(crate::common::FAILOVER_CONFIG).await;
     let page = server.url("/");
 
     // Another process (the simulated pressure) takes 40 MiB; a request runs on the accelerator.
@@ -66,7 +67,11 @@ async fn a_browser_shows_who_holds_the_accelerator_and_the_degraded_banner() {
     let dom = {
         let page = page.clone();
         tokio::task::spawn_blocking(move || {
-            chromium(&page, &["--dump-dom"], common::ScratchDir::new("chromium").path())
+            chromium(
+                &page,
+                &["--dump-dom"],
+                crate::common::ScratchDir::new("chromium").path(),
+            )
         })
         .await
         .unwrap()
@@ -91,7 +96,7 @@ async fn a_browser_shows_who_holds_the_accelerator_and_the_degraded_banner() {
         let page = page.clone();
         let screenshot = screenshot.clone();
         tokio::task::spawn_blocking(move || {
-            let profile = common::ScratchDir::new("chromium");
+            let profile = crate::common::ScratchDir::new("chromium");
             let dom = chromium(&page, &["--dump-dom"], profile.path());
             chromium(
                 &page,

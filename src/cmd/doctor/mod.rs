@@ -30,14 +30,14 @@ use std::process::ExitCode;
 use serde::Serialize;
 use serde_json::{Value, json};
 
+use crate::cmd::exit::EXIT_FAILED;
 use crate::config::{Config, ConfigError, DeviceKind, Provider, ServiceRule};
+use crate::core::snapshot::{DeviceClass, ProcessState};
 use crate::device::host::HostSource;
 use crate::device::nvml::{Inventory, NvmlSource};
 use crate::device::{HostMemory, MemorySource, Reading};
-use crate::exit::EXIT_FAILED;
-use crate::logging::human_bytes;
-use crate::onnx::{OnnxRuntime, PINNED_VERSION, RuntimeError};
-use crate::snapshot::{DeviceClass, ProcessState};
+use crate::runtime::onnx::{OnnxRuntime, PINNED_VERSION, RuntimeError};
+use crate::telemetry::logging::human_bytes;
 
 const GIB: u64 = 1 << 30;
 
@@ -238,7 +238,7 @@ pub fn diagnose(options: &Options) -> Report {
     };
     let valid = config.as_ref().ok();
 
-    let runtime = crate::onnx::runtime(valid.and_then(|c| c.onnxruntime_library.as_deref()));
+    let runtime = crate::runtime::onnx::runtime(valid.and_then(|c| c.onnxruntime_library.as_deref()));
     let nvml = probe_nvml(valid);
     let nvidia_count = nvml.as_ref().map_or(0, |(inventory, _)| inventory.devices.len() as u32);
     let cuda = probe_cuda(runtime.as_ref().ok().copied(), valid, nvidia_count);
@@ -372,7 +372,7 @@ fn probe_cuda(runtime: Option<&OnnxRuntime>, config: Option<&Config>, nvidia_dev
                 .collect()
         })
         .unwrap_or_default();
-    let compiled_in = runtime.map(crate::onnx::cuda_compiled_in);
+    let compiled_in = runtime.map(crate::runtime::onnx::cuda_compiled_in);
     let probe = match (runtime, &compiled_in) {
         (Some(rt), Some(Ok(true))) if nvidia_devices > 0 => {
             // The device the first CUDA pool uses, as `serve` would open it.
@@ -385,7 +385,7 @@ fn probe_cuda(runtime: Option<&OnnxRuntime>, config: Option<&Config>, nvidia_dev
                     })
                 })
                 .unwrap_or(0);
-            Some((index, crate::onnx::probe_cuda(rt, index)))
+            Some((index, crate::runtime::onnx::probe_cuda(rt, index)))
         }
         _ => None,
     };
@@ -651,7 +651,7 @@ fn nvml_usage(reading: &Reading, rules: &[ServiceRule]) -> Vec<DeviceUsage> {
                 .map(|p| ProcessState {
                     pid: p.pid,
                     name: p.name.clone(),
-                    service: crate::exporter::attribute(rules, p),
+                    service: crate::telemetry::exporter::attribute(rules, p),
                     device: p.device.clone(),
                     used_bytes: p.used_bytes,
                 })

@@ -1,7 +1,7 @@
 //! The verdicts, from plain probed facts: no GPU, no ONNX Runtime, no server.
 
 use super::*;
-use crate::snapshot::DeviceClass;
+use crate::core::snapshot::DeviceClass;
 
 const MIB: u64 = 1 << 20;
 

@@ -1,11 +1,11 @@
-//! `vramguard drill`: the acceptance drill of the mission, as a command anyone can run.
+//! `vramguard drill`: the acceptance drill, as a command anyone can run.
 //!
 //! It squeezes a simulated accelerator while sending real requests over HTTP, phase by phase
 //! (a baseline, a pre-admission redirect, rising external pressure, an injected allocator
 //! failure, a driver reset and restore with CPU work in flight, cancellations in the CPU queue,
 //! streamed generations failing before and after their first token, non-replayable requests
 //! and a chat offering tools, idempotent client retries), records what happened to every
-//! request, and checks the mission's pass criteria: nothing run twice, nothing accepted lost,
+//! request, and checks the pass criteria: nothing run twice, nothing accepted lost,
 //! replayed generations token for token the same, the breaker recovering, every redirected
 //! answer saying it was degraded, and host memory never under its reserve.
 //!
@@ -29,8 +29,8 @@ use serde_json::{Value, json};
 pub use report::{Criterion, PhaseSummary, Report};
 
 /// The decoder fixture, carried in the binary so the drill runs anywhere.
-const DECODER_MODEL: &[u8] = include_bytes!("../../models/decoder/model.onnx");
-const DECODER_TOKENIZER: &[u8] = include_bytes!("../../models/decoder/tokenizer.json");
+const DECODER_MODEL: &[u8] = include_bytes!("../../../models/decoder/model.onnx");
+const DECODER_TOKENIZER: &[u8] = include_bytes!("../../../models/decoder/tokenizer.json");
 
 /// Names in the drill's config, which a `--target` must serve too.
 const DEVICE: &str = "sim0";
@@ -895,17 +895,17 @@ impl Drill {
         patience: Option<Duration>,
         expect: &'static str,
     ) -> Record {
-        let input = crate::tensor::Tensor {
+        let input = crate::core::tensor::Tensor {
             name: "input".into(),
             shape: vec![1, seq as i64, 64],
-            data: crate::tensor::TensorData::Fp32((0..seq * 64).map(|i| (i % 7) as f32 * 0.01).collect()),
+            data: crate::core::tensor::TensorData::Fp32((0..seq * 64).map(|i| (i % 7) as f32 * 0.01).collect()),
         };
         // A client's retry of a keyed request sends the same body: the protocol's `id` is the key.
         let body_id = headers
             .iter()
             .find(|(name, _)| *name == "idempotency-key")
             .map_or(id, |(_, key)| *key);
-        let (body, header_len) = crate::http::infer::encode_request(body_id, &[input], &["pooled".to_string()]);
+        let (body, header_len) = crate::protocol::oip::encode_request(body_id, &[input], &["pooled".to_string()]);
         let mut request = self
             .client
             .post(format!("{}/v2/models/{ENCODER}/infer", self.base))
@@ -1088,7 +1088,7 @@ impl OwnServer {
         let raw: crate::config::RawConfig =
             crate::config::parse_yaml(&yaml, "drill.yaml").map_err(|e| e.to_string())?;
         let config = raw.validate("drill.yaml", &dir.0).map_err(|e| e.to_string())?;
-        let service = tokio::task::spawn_blocking(move || crate::service::Service::start(config))
+        let service = tokio::task::spawn_blocking(move || crate::serve::service::Service::start(config))
             .await
             .map_err(|e| e.to_string())?
             .map_err(|e| format!("the drill's server did not start: {e}"))?;

@@ -1,4 +1,4 @@
-//! The drill's verdict: a table per phase and the mission's pass criteria.
+//! The drill's verdict: a table per phase and the drill's pass criteria.
 
 use std::fmt::Write as _;
 use std::time::Duration;
@@ -6,7 +6,7 @@ use std::time::Duration;
 use serde::Serialize;
 
 use super::{Facts, Record, Samples, by_phase, percentile};
-use crate::logging::human_bytes;
+use crate::telemetry::logging::human_bytes;
 
 /// One phase, summed up.
 #[derive(Debug, Clone, Serialize)]
@@ -29,7 +29,7 @@ pub struct PhaseSummary {
     pub min_host_available_bytes: Option<u64>,
 }
 
-/// A pass criterion of the mission.
+/// A pass criterion of the drill.
 #[derive(Debug, Clone, Serialize)]
 pub struct Criterion {
     /// What it checks.
@@ -60,7 +60,7 @@ pub struct Report {
 }
 
 impl Report {
-    /// Sum up the records and judge them against the mission's criteria.
+    /// Sum up the records and judge them against the drill's criteria.
     pub(super) fn judge(
         phases: &[&'static str],
         records: Vec<Record>,
@@ -104,7 +104,7 @@ impl Report {
                     r.retry.as_deref().map(|x| format!(", retry {x}")).unwrap_or_default(),
                     r.first_failure
                         .as_deref()
-                        .map(|f| format!(", {}", crate::logging::clipped(f, 160)))
+                        .map(|f| format!(", {}", crate::telemetry::logging::clipped(f, 160)))
                         .unwrap_or_default()
                 )
             })

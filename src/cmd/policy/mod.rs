@@ -12,14 +12,14 @@ use std::time::Duration;
 
 use serde::Serialize;
 
-use super::builtin;
-use super::cases::{self, Case, CaseFile, CaseResult};
-use super::script::PolicySettings;
-use super::smoke::{configured_estimate, configured_snapshot, smoke_requests, smoke_test};
-use super::source::{LoadError, load_script};
+use crate::cmd::exit::{EXIT_CONFIG, EXIT_FAILED};
 use crate::config::{Config, PolicySource, read_yaml};
-use crate::exit::{EXIT_CONFIG, EXIT_FAILED};
-use crate::snapshot::Decision;
+use crate::core::snapshot::Decision;
+use crate::policy::builtin;
+use crate::policy::cases::{self, Case, CaseFile, CaseResult};
+use crate::policy::{
+    LoadError, PolicySettings, configured_estimate, configured_snapshot, load_script, smoke_requests, smoke_test,
+};
 
 /// Evaluations timed by `policy eval`; it reports their median, since a single cold run mostly
 /// measures cache misses.
@@ -230,3 +230,6 @@ pub fn eval_to(file: &Path, input: &Path, json: bool, out: &mut dyn Write, err: 
         ExitCode::SUCCESS
     }
 }
+
+#[cfg(test)]
+mod tests;

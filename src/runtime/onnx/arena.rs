@@ -13,7 +13,7 @@ use ort::AsPointer;
 use ort::environment::Environment;
 use ort::sys::{OrtAllocator, OrtAllocatorType, OrtMemType, OrtMemoryInfo, OrtStatusPtr};
 
-pub use crate::backend::ArenaStats;
+pub use crate::core::backend::ArenaStats;
 
 /// Turn an `OrtStatus` into a `Result`, releasing it.
 fn check(status: OrtStatusPtr, what: &str) -> Result<(), String> {

@@ -14,9 +14,9 @@ use ort::session::builder::GraphOptimizationLevel;
 use ort::session::{RunOptions, Session};
 use ort::value::{DynValue, TensorElementType, ValueType};
 
-use crate::backend::{AllocFailureKind, Backend, BackendError, RunMeta};
 use crate::config::{CudaOptions, Provider};
-use crate::tensor::{DataType, Tensor, TensorData, each_variant};
+use crate::core::backend::{AllocFailureKind, Backend, BackendError, RunMeta};
+use crate::core::tensor::{DataType, Tensor, TensorData, each_variant};
 
 /// The ONNX Runtime release `make` installs into the project.
 pub const PINNED_VERSION: &str = "1.31.1";
@@ -396,7 +396,7 @@ pub fn probe_cuda(rt: &OnnxRuntime, device_index: u32) -> Result<(), String> {
         intra_threads: 1,
         arena_shrinkage: false,
     };
-    build_session(rt, crate::model::BuiltinModel::Classifier.bytes(), &options).map(drop)
+    build_session(rt, crate::core::model::BuiltinModel::Classifier.bytes(), &options).map(drop)
 }
 
 fn cuda_provider(cuda: &CudaOptions, device_index: u32) -> ep::ExecutionProviderDispatch {
@@ -579,7 +579,7 @@ impl Backend for OrtBackend {
         }
     }
 
-    fn interrupt_handle(&self) -> Option<crate::backend::Interrupt> {
+    fn interrupt_handle(&self) -> Option<crate::core::backend::Interrupt> {
         let run_options = std::sync::Arc::clone(&self.run_options);
         Some(std::sync::Arc::new(move || {
             let _ = run_options.terminate();

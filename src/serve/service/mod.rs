@@ -11,22 +11,22 @@ use std::time::{Duration, Instant};
 
 use prometheus_client::registry::Registry;
 
-use crate::activity::Activity;
-use crate::backend::Backend;
-use crate::clock::{Clock, SystemClock};
 use crate::config::{Config, ConfigError, DeviceKind, ModelConfig, PoolConfig, Provider};
-use crate::degraded::Degraded;
+use crate::core::backend::Backend;
+use crate::core::clock::{Clock, SystemClock};
+use crate::core::snapshot::{DeviceClass, Snapshot};
 use crate::device::MemorySource;
 use crate::device::simulated::{SimulatedDevice, SimulatedSource};
-use crate::estimate::{MemoryProfile, ProfileSource};
-use crate::exporter::{LiveCollector, Sampler, SnapshotStore};
-use crate::idempotency::{IdempotencyCache, StoredResponse};
-use crate::metrics::{Metrics, PolicyInfoLabels, ReloadResult, ResultLabels};
-use crate::onnx::{ModelSignature, RuntimeError};
 use crate::policy::{PolicyHandle, StateView};
+use crate::pool::activity::Activity;
+use crate::pool::degraded::Degraded;
 use crate::pool::{Pool, PoolContext, Respawn};
-use crate::remote::RemoteBackend;
-use crate::snapshot::{DeviceClass, Snapshot};
+use crate::runtime::estimate::{MemoryProfile, ProfileSource};
+use crate::runtime::onnx::{ModelSignature, RuntimeError};
+use crate::serve::idempotency::{IdempotencyCache, StoredResponse};
+use crate::serve::remote::RemoteBackend;
+use crate::telemetry::exporter::{LiveCollector, Sampler, SnapshotStore};
+use crate::telemetry::metrics::{Metrics, PolicyInfoLabels, ReloadResult, ResultLabels};
 
 pub use onnxruntime::OrtFactory;
 
@@ -68,7 +68,7 @@ impl Parts {
     /// Production parts: ONNX Runtime (loaded from the configured library), the simulated
     /// devices the config declares, the host and NVML memory sources, the system clock.
     pub fn onnxruntime(config: &Config) -> Result<Parts, StartError> {
-        let rt = crate::onnx::runtime(config.onnxruntime_library.as_deref())?;
+        let rt = crate::runtime::onnx::runtime(config.onnxruntime_library.as_deref())?;
         let mut simulated = Vec::new();
         for device in &config.devices {
             if let DeviceKind::Simulated { capacity } = device.kind {
@@ -78,7 +78,7 @@ impl Parts {
                         key: format!("devices.{}", device.name),
                         message,
                     })?;
-                tracing::info!(device = %device.name, capacity = %crate::logging::human_bytes(capacity), "SIMULATED accelerator ready");
+                tracing::info!(device = %device.name, capacity = %crate::telemetry::logging::human_bytes(capacity), "SIMULATED accelerator ready");
                 simulated.push(Arc::new(opened));
             }
         }
@@ -109,11 +109,11 @@ pub struct ModelEntry {
     /// The ONNX bytes, read once and shared by every pool's sessions.
     pub bytes: ModelBytes,
     /// Its KV-cache layout, when it is a decoder with past key values.
-    pub decoder: Option<crate::decoder::DecoderLayout>,
+    pub decoder: Option<crate::runtime::decoder::DecoderLayout>,
     /// Its tokenizer, when it is a decoder that serves text generation.
     pub tokenizer: Option<Arc<tokenizers::Tokenizer>>,
     /// Its chat template, when it serves `/v1/chat/completions`.
-    pub chat: Option<Arc<crate::chat::ChatTemplate>>,
+    pub chat: Option<Arc<crate::runtime::chat::ChatTemplate>>,
 }
 
 /// A model's serialized bytes (borrowed for builtin models), shared by every pool's workers and
@@ -137,7 +137,7 @@ impl std::fmt::Debug for ModelBytes {
 impl ModelEntry {
     /// Context length and batch of a request's inputs: the context axis' length (0 without
     /// one) and the first axis of the context input (or of the first input).
-    pub fn shape_of(&self, inputs: &[crate::tensor::Tensor]) -> (u64, u64) {
+    pub fn shape_of(&self, inputs: &[crate::core::tensor::Tensor]) -> (u64, u64) {
         let dim = |name: &str, axis: usize| {
             inputs
                 .iter()
@@ -162,7 +162,7 @@ impl ModelEntry {
     }
 
     /// The estimate for a request's inputs.
-    pub fn estimate(&self, inputs: &[crate::tensor::Tensor]) -> crate::snapshot::Estimate {
+    pub fn estimate(&self, inputs: &[crate::core::tensor::Tensor]) -> crate::core::snapshot::Estimate {
         let (tokens, batch) = self.shape_of(inputs);
         self.profile.estimate(tokens, batch)
     }
@@ -216,7 +216,7 @@ pub struct Service {
     /// Bytes promised to runs admitted to host pools and not finished yet.
     host_promised: Arc<std::sync::atomic::AtomicU64>,
     /// The policy's last decisions, for `/status`.
-    pub decisions: crate::recent::RecentDecisions,
+    pub decisions: crate::policy::recent::RecentDecisions,
     /// Requests accepted and not answered, waiting or running.
     pub activity: Arc<Activity>,
 }
@@ -432,8 +432,8 @@ impl Service {
 
     /// Count a request moved from `from` to `to`; moving work off an accelerator for memory
     /// (a retry after an allocator failure, a policy redirect) also marks degraded mode.
-    pub fn failover(&self, from: &Pool, to: &Pool, reason: crate::metrics::FailoverReason) {
-        use crate::metrics::{FailoverLabels, FailoverReason};
+    pub fn failover(&self, from: &Pool, to: &Pool, reason: crate::telemetry::metrics::FailoverReason) {
+        use crate::telemetry::metrics::{FailoverLabels, FailoverReason};
         self.metrics
             .failovers
             .get_or_create(&FailoverLabels {
@@ -536,7 +536,7 @@ fn load_models(backends: &dyn BackendFactory, config: &Config) -> Result<Vec<Mod
     };
     let mut entries = Vec::new();
     for (i, m) in config.models.iter().enumerate() {
-        let bytes = crate::model::load_bytes(&m.source).map_err(|e| invalid(format!("models[{i}].path"), e))?;
+        let bytes = crate::core::model::load_bytes(&m.source).map_err(|e| invalid(format!("models[{i}].path"), e))?;
         let signature = backends.signature(m, &bytes).map_err(|e| {
             invalid(
                 format!("models[{i}].path"),
@@ -576,7 +576,7 @@ fn load_models(backends: &dyn BackendFactory, config: &Config) -> Result<Vec<Mod
                 ));
             }
         }
-        let decoder = crate::decoder::DecoderLayout::detect(&signature)
+        let decoder = crate::runtime::decoder::DecoderLayout::detect(&signature)
             .transpose()
             .map_err(|e| invalid(format!("models[{i}].path"), format!("`{}`: {e}", m.source)))?;
         if decoder.is_some() && m.context.is_some() {
@@ -618,8 +618,8 @@ fn load_models(backends: &dyn BackendFactory, config: &Config) -> Result<Vec<Mod
             ),
             _ => tracing::info!(
                 model = %m.name,
-                weights = %crate::logging::human_bytes(profile.weights_bytes),
-                workspace = %crate::logging::human_bytes(profile.workspace_bytes.round() as u64),
+                weights = %crate::telemetry::logging::human_bytes(profile.weights_bytes),
+                workspace = %crate::telemetry::logging::human_bytes(profile.workspace_bytes.round() as u64),
                 per_token_bytes = format_args!("{:.1}", profile.per_token_bytes),
                 per_token_squared_bytes = format_args!("{:.1}", profile.per_token_squared_bytes),
                 "memory profile"
@@ -659,8 +659,8 @@ fn load_models(backends: &dyn BackendFactory, config: &Config) -> Result<Vec<Mod
 
 /// The chat template of model `m`: the configured one, else the `chat_template` of the
 /// `tokenizer_config.json` beside its tokenizer (how Hugging Face ships models), else none.
-fn chat_template(m: &ModelConfig) -> Result<Option<Arc<crate::chat::ChatTemplate>>, String> {
-    use crate::chat::ChatTemplate;
+fn chat_template(m: &ModelConfig) -> Result<Option<Arc<crate::runtime::chat::ChatTemplate>>, String> {
+    use crate::runtime::chat::ChatTemplate;
     let Some(tokenizer) = &m.tokenizer else {
         return Ok(None);
     };

@@ -4,11 +4,11 @@
 
 use std::sync::Arc;
 
-use crate::backend::Backend;
 use crate::config::{Config, DeviceKind, ModelConfig, PoolConfig, Provider};
+use crate::core::backend::Backend;
 use crate::device::simulated::{FaultInjecting, SimulatedDevice};
-use crate::estimate::{self, MemoryProfile, ProfileSource};
-use crate::onnx::{self, ModelSignature, OnnxRuntime, OrtBackend, SessionOptions};
+use crate::runtime::estimate::{self, MemoryProfile, ProfileSource};
+use crate::runtime::onnx::{self, ModelSignature, OnnxRuntime, OrtBackend, SessionOptions};
 
 use super::BackendFactory;
 

@@ -1,5 +1,4 @@
 //! Shared harness: a real server on 127.0.0.1:0 with real ONNX Runtime sessions.
-#![allow(dead_code)]
 
 use std::net::SocketAddr;
 use std::path::Path;
@@ -9,7 +8,7 @@ use serde_json::Value;
 use tokio::sync::oneshot;
 use vramguard::config::{Config, RawConfig, parse_yaml};
 use vramguard::http::{self, AppState};
-use vramguard::service::Service;
+use vramguard::serve::service::Service;
 
 /// The admin token test servers accept over TCP (the admin socket is not bound in tests).
 pub const ADMIN_TOKEN: &str = "test-admin-token";
@@ -17,7 +16,6 @@ pub const ADMIN_TOKEN: &str = "test-admin-token";
 /// A running server; dropping it does not stop it, call [`TestServer::stop`].
 pub struct TestServer {
     pub addr: SocketAddr,
-    pub state: Arc<AppState>,
     stop: Option<oneshot::Sender<()>>,
     task: tokio::task::JoinHandle<std::io::Result<()>>,
 }
@@ -37,12 +35,11 @@ impl TestServer {
         let addr = listener.local_addr().unwrap();
         let state = AppState::with_admin_token(Arc::new(service), Some(ADMIN_TOKEN.to_string()));
         let (stop, stopped) = oneshot::channel::<()>();
-        let task = tokio::spawn(http::serve(Arc::clone(&state), listener, async {
+        let task = tokio::spawn(http::serve(state, listener, async {
             let _ = stopped.await;
         }));
         TestServer {
             addr,
-            state,
             stop: Some(stop),
             task,
         }
@@ -248,4 +245,39 @@ impl Drop for ScratchDir {
     fn drop(&mut self) {
         let _ = std::fs::remove_dir_all(&self.0);
     }
+}
+
+/// The variable that tells a child process of this binary which test it runs.
+const OWN_PROCESS_TEST: &str = "VRAMGUARD_IT_OWN_PROCESS";
+
+/// Run the calling test in a process of its own, once: `true` when it has already run there
+/// (the caller returns at once), `false` in that process (the caller goes on).
+///
+/// ONNX Runtime allows one simulated arena per process, of one capacity, and its allocator
+/// counts what every session in the process holds. Each test that serves from the simulated
+/// accelerator in this process would otherwise see the others' memory and pressure. Under
+/// `cargo nextest`, which starts every test in a process of its own, this is a no-op.
+pub fn ran_in_own_process() -> bool {
+    if std::env::var_os("NEXTEST").is_some() || std::env::var_os(OWN_PROCESS_TEST).is_some() {
+        return false;
+    }
+    // libtest names each test's thread after the test; tokio's test runtimes poll the test's
+    // body on that thread.
+    let name = std::thread::current()
+        .name()
+        .expect("libtest names the thread of a test")
+        .to_string();
+    let exe = std::env::current_exe().expect("the test binary");
+    let out = std::process::Command::new(exe)
+        .args([name.as_str(), "--exact", "--test-threads=1", "--nocapture"])
+        .env(OWN_PROCESS_TEST, &name)
+        .output()
+        .expect("the test binary starts again");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success() && stdout.contains("1 passed"),
+        "{name}, in a process of its own, failed:\n{stdout}\n{stderr}"
+    );
+    true
 }

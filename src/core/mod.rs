@@ -1,0 +1,9 @@
+//! The bottom layer: plain data and the seams everything above shares. Nothing here knows about
+//! configuration files, ONNX Runtime, HTTP or the policy language.
+
+pub mod backend;
+pub mod breaker;
+pub mod clock;
+pub mod model;
+pub mod snapshot;
+pub mod tensor;

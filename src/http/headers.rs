@@ -1,0 +1,132 @@
+//! vramguard's request and response headers: the request id kept end to end, the request
+//! headers a lifecycle request is built from, and the serving pool's facts on the answer.
+
+use crate::core::snapshot::DeviceClass;
+use crate::pool::Pool;
+use crate::protocol::headers::*;
+use crate::serve::lifecycle::{self, RequestError};
+use crate::serve::service::Service;
+use axum::http::{HeaderMap, HeaderName, HeaderValue};
+use axum::response::Response;
+use serde_json::{Value, json};
+use std::time::Duration;
+
+pub(super) fn request_id(headers: &HeaderMap) -> String {
+    headers
+        .get(REQUEST_ID)
+        .and_then(|v| v.to_str().ok())
+        .filter(|v| !v.is_empty() && v.len() <= 256)
+        .map(str::to_string)
+        .unwrap_or_else(|| uuid::Uuid::new_v4().to_string())
+}
+
+pub(super) fn with_request_id(mut response: Response, id: &str) -> Response {
+    if let Ok(v) = HeaderValue::from_str(id) {
+        response.headers_mut().insert(HeaderName::from_static(REQUEST_ID), v);
+    }
+    response
+}
+
+/// A request with no inputs yet, from the headers every protocol shares: request id,
+/// deadline, priority and replayability. [`decode`] adds the tensors; a generation endpoint
+/// builds its inputs itself.
+pub(super) fn decode_headers(
+    service: &Service,
+    model: &str,
+    id: &str,
+    headers: &HeaderMap,
+    received: tokio::time::Instant,
+) -> Result<lifecycle::Request, RequestError> {
+    service
+        .model(model)
+        .ok_or_else(|| RequestError::unknown_model(service, model))?;
+    let deadline = header_value::<u64>(headers, DEADLINE_HEADER, "a number of milliseconds")?
+        .map(|ms| received + Duration::from_millis(ms));
+    let priority = header_value::<i64>(headers, PRIORITY_HEADER, "an integer")?.unwrap_or(0);
+    let replayable = header_value::<bool>(headers, REPLAYABLE_HEADER, "`true` or `false`")?.unwrap_or(true);
+    Ok(lifecycle::Request {
+        id: id.to_string(),
+        model: model.to_string(),
+        inputs: Vec::new(),
+        outputs: Vec::new(),
+        priority,
+        replayable,
+        allow_shrink: false,
+        max_new_tokens: 0,
+        deadline,
+        // Checked by `idempotent` before the request runs; kept to pass on to remote pools.
+        idempotency_key: headers
+            .get(IDEMPOTENCY_KEY)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_string),
+        received,
+        shrinker: None,
+        progress: Default::default(),
+    })
+}
+
+pub(super) fn header_value<T: std::str::FromStr>(
+    headers: &HeaderMap,
+    name: &str,
+    expected: &str,
+) -> Result<Option<T>, RequestError> {
+    let mut values = headers.get_all(name).iter();
+    match values.next() {
+        None => Ok(None),
+        Some(_) if values.next().is_some() => Err(RequestError::BadInput(format!(
+            "{name} is given more than once; send it once"
+        ))),
+        Some(v) => v
+            .to_str()
+            .ok()
+            .and_then(|s| s.trim().parse().ok())
+            .map(Some)
+            .ok_or_else(|| RequestError::BadInput(format!("{name} must be {expected}"))),
+    }
+}
+
+/// What a client is told about the pool serving it: its name and, while degraded, why, its
+/// limits and the delay a new request there should expect (a stream's first chunk).
+pub(super) fn pool_facts(pool: &Pool, degraded: Option<&crate::pool::degraded::Now>) -> Value {
+    let mut facts = json!({
+        "pool": pool.name(),
+        "provider": pool.provider().label(),
+        "simulated": pool.device_kind == DeviceClass::Simulated,
+    });
+    if let Some(degraded) = degraded {
+        facts["degraded"] = json!(degraded.reason);
+        facts["limits"] = json!({"max_context": pool.config.max_context,
+                                 "concurrency": pool.config.workers,
+                                 "queue_capacity": pool.config.queue_capacity});
+        facts["estimated_delay_ms"] = json!(pool.load().estimated_delay.as_millis() as u64);
+    }
+    facts
+}
+
+/// The same facts as [`pool_facts`], as response headers.
+pub(super) fn pool_headers(headers: &mut HeaderMap, pool: &Pool, degraded: Option<&crate::pool::degraded::Now>) {
+    if let Ok(v) = HeaderValue::from_str(pool.name()) {
+        headers.insert(HeaderName::from_static(POOL_HEADER), v);
+    }
+    let Some(degraded) = degraded else {
+        return;
+    };
+    if let Ok(v) = HeaderValue::from_str(&degraded.reason) {
+        headers.insert(HeaderName::from_static(DEGRADED_HEADER), v);
+    }
+    let max_context = pool
+        .config
+        .max_context
+        .map_or_else(|| "none".to_string(), |n| n.to_string());
+    let limits = format!(
+        "max_context={max_context}; concurrency={}; queue_capacity={}",
+        pool.config.workers, pool.config.queue_capacity
+    );
+    if let Ok(v) = HeaderValue::from_str(&limits) {
+        headers.insert(HeaderName::from_static(POOL_LIMITS_HEADER), v);
+    }
+    headers.insert(
+        HeaderName::from_static(ESTIMATED_DELAY_HEADER),
+        HeaderValue::from(pool.load().estimated_delay.as_millis() as u64),
+    );
+}

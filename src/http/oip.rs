@@ -1,0 +1,459 @@
+//! The Open Inference Protocol (KServe v2) endpoints: server and model metadata, readiness,
+//! and `infer` (decode with [`crate::protocol::oip`], run through the lifecycle, encode; an
+//! `idempotency-key` answers a duplicate with the first answer).
+
+use super::error::{ApiError, status_of};
+use super::headers::*;
+use super::state::AppState;
+use crate::core::snapshot::DeviceClass;
+use crate::net::conn;
+use crate::protocol::headers::*;
+use crate::protocol::oip as infer;
+use crate::serve::idempotency::{Claim, StoredResponse};
+use crate::serve::lifecycle::{self, RequestError};
+use crate::serve::service::Service;
+use axum::Json;
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{Path, State};
+use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use serde_json::{Map, Value, json};
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+pub(super) async fn server_metadata(State(state): State<Arc<AppState>>) -> Json<Value> {
+    Json(json!({
+        "name": "vramguard",
+        "version": env!("CARGO_PKG_VERSION"),
+        "extensions": ["binary_tensor_data"],
+        "onnxruntime": state.service.runtime_version,
+    }))
+}
+
+pub(super) async fn live() -> StatusCode {
+    StatusCode::OK
+}
+
+pub(super) async fn ready(State(state): State<Arc<AppState>>) -> Result<StatusCode, ApiError> {
+    if state.shutting_down.load(Ordering::SeqCst) {
+        return Err(ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "shutting down"));
+    }
+    if state.service.ready() {
+        Ok(StatusCode::OK)
+    } else {
+        Err(ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "no pool can take work"))
+    }
+}
+
+pub(super) fn check_version(version: &str) -> Result<(), ApiError> {
+    if version == "1" {
+        Ok(())
+    } else {
+        Err(ApiError::new(
+            StatusCode::NOT_FOUND,
+            format!(
+                "unknown model version `{}`; the only version is `1`",
+                crate::telemetry::logging::clipped(version, 64)
+            ),
+        ))
+    }
+}
+
+pub(super) fn unknown_model(state: &AppState, model: &str) -> ApiError {
+    let error = RequestError::unknown_model(&state.service, model);
+    ApiError::new(status_of(&error), error.to_string())
+}
+
+pub(super) async fn model_metadata(
+    State(state): State<Arc<AppState>>,
+    Path(model): Path<String>,
+) -> Result<Json<Value>, ApiError> {
+    let entry = state
+        .service
+        .model(&model)
+        .ok_or_else(|| unknown_model(&state, &model))?;
+    let tensors = |specs: &[crate::runtime::onnx::TensorSpec]| {
+        specs
+            .iter()
+            .map(|s| json!({"name": s.name, "datatype": s.datatype.name(), "shape": s.shape}))
+            .collect::<Vec<_>>()
+    };
+    let pools: Vec<Value> = state
+        .service
+        .pools
+        .iter()
+        .filter(|p| p.serves(&model))
+        .map(|p| json!({"name": p.name(), "provider": p.provider().label(), "device": p.config.device, "ready": p.is_ready()}))
+        .collect();
+    let context = entry
+        .config
+        .context
+        .as_ref()
+        .map(|c| json!({"input": c.input, "axis": c.axis, "keep": c.keep}));
+    Ok(Json(json!({
+        "name": entry.config.name,
+        "versions": ["1"],
+        "platform": "onnxruntime_onnx",
+        "inputs": tensors(&entry.signature.inputs),
+        "outputs": tensors(&entry.signature.outputs),
+        "parameters": {"source": entry.config.source.to_string(), "context": context, "pools": pools,
+                       "memory_profile": entry.profile},
+    })))
+}
+
+pub(super) async fn model_metadata_versioned(
+    state: State<Arc<AppState>>,
+    Path((model, version)): Path<(String, String)>,
+) -> Result<Json<Value>, ApiError> {
+    check_version(&version)?;
+    model_metadata(state, Path(model)).await
+}
+
+pub(super) async fn model_ready(
+    State(state): State<Arc<AppState>>,
+    Path(model): Path<String>,
+) -> Result<StatusCode, ApiError> {
+    state
+        .service
+        .model(&model)
+        .ok_or_else(|| unknown_model(&state, &model))?;
+    if state.service.pools.iter().any(|p| p.serves(&model) && p.is_ready()) {
+        Ok(StatusCode::OK)
+    } else {
+        Err(ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("no ready pool serves `{model}`"),
+        ))
+    }
+}
+
+pub(super) async fn model_ready_versioned(
+    state: State<Arc<AppState>>,
+    Path((model, version)): Path<(String, String)>,
+) -> Result<StatusCode, ApiError> {
+    check_version(&version)?;
+    model_ready(state, Path(model)).await
+}
+
+pub(super) async fn infer_versioned(
+    state: State<Arc<AppState>>,
+    Path((model, version)): Path<(String, String)>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    if let Err(e) = check_version(&version) {
+        return with_request_id(e.into_response(), &request_id(&headers));
+    }
+    infer(state, Path(model), headers, body).await
+}
+
+/// `POST /v2/models/{model}/infer`: decode, hand the request to the lifecycle, encode what
+/// came back.
+pub(super) async fn infer(
+    State(state): State<Arc<AppState>>,
+    Path(model): Path<String>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    let id = request_id(&headers);
+    let key = headers.get(IDEMPOTENCY_KEY).cloned();
+    let response = match (key, body) {
+        (Some(key), Ok(body)) if state.service.model(&model).is_some() => {
+            idempotent(state, model, id.clone(), headers, body, key).await
+        }
+        (_, body) => respond(&state, &model, &id, &headers, body).await.0,
+    };
+    with_request_id(response, &id)
+}
+
+/// Decode, run and encode one request; also says whether it executed (its response is then
+/// what a duplicate with the same idempotency key must get).
+pub(super) async fn respond(
+    state: &AppState,
+    model: &str,
+    id: &str,
+    headers: &HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> (Response, bool) {
+    let received = tokio::time::Instant::now();
+    let service = &state.service;
+    let (request, decoded) = match decode(service, model, id, headers, body, received) {
+        Ok(decoded) => decoded,
+        Err(error) => {
+            let refused = lifecycle::reject(service, model, error, received);
+            return (refused_response(refused, id, None), true);
+        }
+    };
+    let result = lifecycle::infer(service, request).await;
+    // Degraded mode as it is when the answer goes out, on every response served meanwhile.
+    let degraded = service.degraded.now();
+    match result {
+        Ok(served) => {
+            let max_bytes = service.config.server.max_response_bytes;
+            (
+                served_response(model, id, &served, &decoded, degraded.as_ref(), max_bytes),
+                true,
+            )
+        }
+        Err(refused) => {
+            // Refused before anything ran (queue full, breaker, deadline…): a retry with the
+            // same key must be allowed to run.
+            let executed =
+                refused.error.retry_after_secs().is_none() && !matches!(refused.error, RequestError::Deadline(_));
+            (refused_response(refused, id, degraded.as_ref()), executed)
+        }
+    }
+}
+
+/// An `idempotency-key` request executes at most once: the first runs, duplicates in flight
+/// wait for it, later ones get its stored response, and the same key with another request is
+/// refused with 422 (IETF Idempotency-Key draft).
+pub(super) async fn idempotent(
+    state: Arc<AppState>,
+    model: String,
+    id: String,
+    headers: HeaderMap,
+    body: Bytes,
+    key: HeaderValue,
+) -> Response {
+    let Some(key) = key
+        .to_str()
+        .ok()
+        .filter(|k| !k.is_empty() && k.len() <= 255)
+        .map(str::to_string)
+    else {
+        return ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "idempotency-key must be 1 to 255 visible ASCII characters",
+        )
+        .into_response();
+    };
+    let header = |name: &str| headers.get(name).map_or(&[][..], |v| v.as_bytes());
+    // What changes the request's meaning; the request id and the deadline may differ on a retry.
+    let fingerprint = crate::serve::idempotency::fingerprint(&[
+        model.as_bytes(),
+        &body,
+        header(HEADER_LENGTH),
+        header(PRIORITY_HEADER),
+        header(REPLAYABLE_HEADER),
+        header(ALLOW_SHRINK_HEADER),
+    ]);
+    let cache = state.service.idempotency.clone();
+    match cache.claim(&model, &key, fingerprint).await {
+        Claim::Done(stored) => {
+            // Stripe's header name: the client can tell an answer it got again from a new run.
+            let mut response = stored_response(&stored);
+            response.headers_mut().insert(
+                HeaderName::from_static(IDEMPOTENT_REPLAYED),
+                HeaderValue::from_static("true"),
+            );
+            response
+        }
+        Claim::Conflict => ApiError::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            format!("idempotency-key `{key}` was already used for a different request to model `{model}`"),
+        )
+        .into_response(),
+        Claim::Busy => ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "too many idempotent requests are running (server.idempotency.max_entries)",
+        )
+        .retry_after(1)
+        .into_response(),
+        Claim::Run(ticket) => {
+            // The run owns the ticket, not the connection: a client that disconnects must not
+            // release the key while its request still executes.
+            let run = tokio::spawn(async move {
+                let (response, executed) = respond(&state, &model, &id, &headers, Ok(body)).await;
+                let stored = store(response).await;
+                if executed {
+                    ticket.complete(stored.clone());
+                } else {
+                    ticket.abandon();
+                }
+                stored
+            });
+            match run.await {
+                Ok(stored) => stored_response(&stored),
+                Err(e) => ApiError::new(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    format!("the request task failed: {e}"),
+                )
+                .into_response(),
+            }
+        }
+    }
+}
+
+/// Buffer a response so it can be kept and sent again.
+pub(super) async fn store(response: Response) -> StoredResponse {
+    let (parts, body) = response.into_parts();
+    let body = axum::body::to_bytes(body, usize::MAX).await.unwrap_or_default();
+    StoredResponse {
+        status: parts.status.as_u16(),
+        headers: parts
+            .headers
+            .iter()
+            .map(|(name, value)| (name.as_str().to_string(), value.as_bytes().to_vec()))
+            .collect(),
+        body,
+    }
+}
+
+pub(super) fn stored_response(stored: &StoredResponse) -> Response {
+    let mut response = Response::new(axum::body::Body::from(stored.body.clone()));
+    *response.status_mut() = StatusCode::from_u16(stored.status).unwrap_or(StatusCode::OK);
+    for (name, value) in &stored.headers {
+        if let (Ok(name), Ok(value)) = (HeaderName::from_bytes(name.as_bytes()), HeaderValue::from_bytes(value)) {
+            response.headers_mut().append(name, value);
+        }
+    }
+    response
+}
+
+/// Decode the protocol's request and headers into a [`lifecycle::Request`]; the decoded form is
+/// kept for encoding the response (which outputs, binary or JSON).
+pub(super) fn decode(
+    service: &Service,
+    model: &str,
+    id: &str,
+    headers: &HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+    received: tokio::time::Instant,
+) -> Result<(lifecycle::Request, infer::DecodedRequest), RequestError> {
+    let mut request = decode_headers(service, model, id, headers, received)?;
+    let entry = service.model(model).expect("decode_headers checked the model");
+    let body = body.map_err(|rejection| {
+        if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
+            RequestError::BodyTooLarge(conn::body_too_large(service.config.server.body_limit as u64))
+        } else {
+            RequestError::BadInput(format!("cannot read request body: {}", rejection.body_text()))
+        }
+    })?;
+    let header_len = header_value::<usize>(headers, HEADER_LENGTH, "a number of bytes")?;
+    let allow_shrink_header = header_value::<bool>(headers, ALLOW_SHRINK_HEADER, "`true` or `false`")?;
+    let mut decoded = infer::decode(&body, header_len, &entry.signature).map_err(RequestError::BadInput)?;
+    drop(body);
+    // The header wins over the request's parameter, which wins over the model's default.
+    request.allow_shrink = allow_shrink_header
+        .or(decoded.allow_shrink)
+        .unwrap_or(entry.config.allow_shrink);
+    request.inputs = std::mem::take(&mut decoded.inputs);
+    request.outputs = decoded.outputs.iter().map(|o| o.name.clone()).collect();
+    Ok((request, decoded))
+}
+
+pub(super) fn served_response(
+    model: &str,
+    id: &str,
+    served: &lifecycle::Served,
+    decoded: &infer::DecodedRequest,
+    degraded: Option<&crate::pool::degraded::Now>,
+    max_bytes: usize,
+) -> Response {
+    let pool = &served.pool;
+    let mut parameters = Map::new();
+    if let Some(reason) = served.retried {
+        parameters.insert("reason".into(), json!(format!("{reason:?}")));
+    }
+    if let Some(started) = served.retry_started {
+        // When the retry's run started on the fallback, from the request's arrival.
+        parameters.insert("retry_started_ms".into(), json!(started.as_secs_f64() * 1000.0));
+    }
+    if let Some(degraded) = degraded {
+        parameters.insert("degraded".into(), json!(degraded.reason));
+    }
+    parameters.insert("pool".into(), json!(pool.name()));
+    parameters.insert("provider".into(), json!(pool.provider().label()));
+    parameters.insert("device".into(), json!(pool.config.device));
+    parameters.insert("simulated".into(), json!(pool.device_kind == DeviceClass::Simulated));
+    parameters.insert("decision".into(), json!(served.action));
+    parameters.insert("request_id".into(), json!(id));
+    let context = served.context.map(|(from, to)| format!("{from}->{to}"));
+    if let Some(context) = &context {
+        parameters.insert("context".into(), json!(context));
+    }
+    let encoded = match infer::encode(
+        model,
+        decoded.id.as_deref(),
+        &parameters,
+        &served.outputs,
+        decoded,
+        max_bytes,
+    ) {
+        Ok(encoded) => encoded,
+        Err(message) => {
+            let mut api = ApiError::new(StatusCode::BAD_REQUEST, message);
+            api = api.with("request_id", json!(id));
+            return api.into_response();
+        }
+    };
+    let mut response = encoded.body.into_response();
+    let headers = response.headers_mut();
+    headers.insert(
+        HeaderName::from_static(DECISION_HEADER),
+        HeaderValue::from_static(served.action.label()),
+    );
+    pool_headers(headers, pool, degraded);
+    if let Some(context) = context.and_then(|c| HeaderValue::from_str(&c).ok()) {
+        headers.insert(HeaderName::from_static(CONTEXT_HEADER), context);
+    }
+    match encoded.header_len {
+        Some(len) => {
+            headers.insert(
+                header::CONTENT_TYPE,
+                HeaderValue::from_static("application/octet-stream"),
+            );
+            headers.insert(HeaderName::from_static(HEADER_LENGTH), HeaderValue::from(len));
+        }
+        None => {
+            headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+        }
+    }
+    response
+}
+
+pub(super) fn refused_response(
+    refused: lifecycle::Refused,
+    id: &str,
+    degraded: Option<&crate::pool::degraded::Now>,
+) -> Response {
+    let error = &refused.error;
+    if status_of(error).is_server_error() && error.outcome() == crate::telemetry::metrics::Outcome::failed {
+        tracing::error!(pool = refused.pool.as_ref().map(|p| p.name()), error = %error, "request failed");
+    }
+    let mut api = ApiError::new(status_of(error), error.to_string());
+    if let Some(seconds) = error.retry_after_secs() {
+        api = api.retry_after(seconds);
+    }
+    // Every error names its request, so a client can match a resumable failure to what it sent.
+    api = api.with("request_id", json!(id));
+    let movable = match error {
+        RequestError::Allocation { kind, not_retried, .. } => Some((format!("allocator_failure_{kind}"), not_retried)),
+        RequestError::Remote { kind, not_retried, .. } => Some((format!("remote_{kind}"), not_retried)),
+        _ => None,
+    };
+    if let Some((reason, not_retried)) = movable {
+        api = api.with("reason", json!(reason));
+        api = api.with("retried", json!(false));
+        if let Some(why) = not_retried {
+            api = api.with("not_retried", json!(why.to_string()));
+        }
+    }
+    if let Some(degraded) = degraded {
+        api = api.with("degraded", json!(degraded.reason));
+    }
+    let mut response = api.into_response();
+    if let Some(pool) = refused.pool.as_ref().and_then(|p| HeaderValue::from_str(p.name()).ok()) {
+        response
+            .headers_mut()
+            .insert(HeaderName::from_static(POOL_HEADER), pool);
+    }
+    if let Some(v) = degraded.and_then(|d| HeaderValue::from_str(&d.reason).ok()) {
+        response
+            .headers_mut()
+            .insert(HeaderName::from_static(DEGRADED_HEADER), v);
+    }
+    response
+}

@@ -1,0 +1,8 @@
+//! Running models: ONNX Runtime sessions and their arena, decoders with past key values, chat
+//! templates, and what a request will need in memory. Above `core` and `config`; below devices,
+//! pools and everything that serves requests.
+
+pub mod chat;
+pub mod decoder;
+pub mod estimate;
+pub mod onnx;

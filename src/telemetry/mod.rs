@@ -1,0 +1,8 @@
+//! What vramguard tells operators: metric handles and label types, the sampler and the
+//! scrape-time collector, log helpers, and the allocator settings that keep its own memory
+//! bounded. Above pools (the collector reads their live state); below the request path.
+
+pub mod exporter;
+pub mod logging;
+pub mod malloc;
+pub mod metrics;

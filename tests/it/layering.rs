@@ -1,0 +1,433 @@
+//! The source tree keeps its layers: `src/lib.rs` lists the layers lowest first, and a module may
+//! name only its own layer or one listed before it. Within the crate, the modules of the second
+//! level (`serve::lifecycle`, `pool::sequences`, a layer's own `mod.rs`) form no cycle. Test code
+//! keeps the same rule, except that it may use `testing`, the shared scaffolding.
+//!
+//! Paths are read from the text (`crate::…`, `super::…`, grouped `use` trees), comments removed,
+//! so the check needs nothing but the files. A failure names the file, the line and the path.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+
+const SRC: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/src");
+
+/// The scaffolding module, allowed to test code of any layer.
+const TESTING: &str = "testing";
+
+/// One reference from a module to a path of the crate.
+#[derive(Debug, Clone)]
+struct Reference {
+    file: String,
+    line: usize,
+    /// The module the file is (`serve::lifecycle`).
+    from: Vec<String>,
+    /// The path named, made absolute (`pool::sequences::Waiting`).
+    to: Vec<String>,
+    /// Whether it is in test code (a `tests.rs` file or a `#[cfg(test)] mod tests` block).
+    in_test: bool,
+}
+
+/// The layers in `src/lib.rs`'s order, lowest first.
+fn layers(src: &Path) -> Vec<String> {
+    let lib = std::fs::read_to_string(src.join("lib.rs")).expect("src/lib.rs");
+    lib.lines()
+        .filter_map(|l| l.trim().strip_prefix("pub mod "))
+        .map(|l| l.trim_end_matches(';').to_string())
+        .collect()
+}
+
+/// The module path of a source file: `src/serve/service/mod.rs` is `serve::service`.
+fn module_of(src: &Path, file: &Path) -> Vec<String> {
+    let relative = file.strip_prefix(src).expect("under src");
+    let mut parts: Vec<String> = relative.iter().map(|p| p.to_string_lossy().into_owned()).collect();
+    let last = parts.pop().expect("a file name");
+    let stem = last.trim_end_matches(".rs");
+    if !matches!(stem, "mod" | "lib" | "main") {
+        parts.push(stem.to_string());
+    }
+    parts
+}
+
+fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
+    for entry in std::fs::read_dir(dir).expect("read src") {
+        let path = entry.expect("entry").path();
+        if path.is_dir() {
+            rust_files(&path, out);
+        } else if path.extension().is_some_and(|e| e == "rs") {
+            out.push(path);
+        }
+    }
+}
+
+/// The text with comments blanked (line structure kept), and string literals blanked so that a
+/// message mentioning `crate::` is not read as a path.
+fn code_only(text: &str) -> String {
+    let bytes = text.as_bytes();
+    let mut out = String::with_capacity(text.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let rest = &text[i..];
+        if rest.starts_with("//") {
+            let end = rest.find('\n').unwrap_or(rest.len());
+            out.push_str(&" ".repeat(end));
+            i += end;
+        } else if rest.starts_with("/*") {
+            let end = rest.find("*/").map_or(rest.len(), |e| e + 2);
+            out.extend(rest[..end].chars().map(|c| if c == '\n' { '\n' } else { ' ' }));
+            i += end;
+        } else if let Some(raw) = raw_string_len(rest) {
+            out.extend(rest[..raw].chars().map(|c| if c == '\n' { '\n' } else { ' ' }));
+            i += raw;
+        } else if rest.starts_with('"') {
+            let mut j = 1;
+            while j < rest.len() {
+                match rest.as_bytes()[j] {
+                    b'\\' => j += 2,
+                    b'"' => break,
+                    _ => j += 1,
+                }
+            }
+            let end = (j + 1).min(rest.len());
+            out.extend(rest[..end].chars().map(|c| if c == '\n' { '\n' } else { ' ' }));
+            i += end;
+        } else if rest.starts_with('\'') && rest.len() > 2 && rest.as_bytes()[1] == b'"' {
+            // The character literal '"', which would otherwise open a string.
+            out.push_str("   ");
+            i += 3;
+        } else {
+            let c = rest.chars().next().expect("a char");
+            out.push(c);
+            i += c.len_utf8();
+        }
+    }
+    out
+}
+
+/// The length of a raw string literal (`r"…"`, `r#"…"#`) at the start of `text`.
+fn raw_string_len(text: &str) -> Option<usize> {
+    let after_r = text.strip_prefix('r')?;
+    let hashes = after_r.len() - after_r.trim_start_matches('#').len();
+    let body = after_r[hashes..].strip_prefix('"')?;
+    let close = format!("\"{}", "#".repeat(hashes));
+    let end = body.find(&close)?;
+    Some(1 + hashes + 1 + end + close.len())
+}
+
+fn is_ident(c: char) -> bool {
+    c.is_ascii_alphanumeric() || c == '_'
+}
+
+/// Read a path tree at `text[i..]` (after `crate::` or `super::`): `a::b`, `a::{b, c::d}`,
+/// `{a, b}`. Each complete path is pushed, relative to where reading started.
+fn read_tree(text: &str, mut i: usize, prefix: Vec<String>, out: &mut Vec<Vec<String>>) -> usize {
+    let bytes = text.as_bytes();
+    let mut path = prefix;
+    loop {
+        while i < bytes.len() && bytes[i].is_ascii_whitespace() {
+            i += 1;
+        }
+        if i < bytes.len() && bytes[i] == b'{' {
+            i += 1;
+            loop {
+                i = read_tree(text, i, path.clone(), out);
+                while i < bytes.len() && (bytes[i].is_ascii_whitespace() || bytes[i] == b',') {
+                    i += 1;
+                }
+                if i >= bytes.len() || bytes[i] == b'}' {
+                    return i + 1;
+                }
+            }
+        }
+        let start = i;
+        while i < bytes.len() && is_ident(bytes[i] as char) {
+            i += 1;
+        }
+        if start == i {
+            out.push(path);
+            return i;
+        }
+        path.push(text[start..i].to_string());
+        if text[i..].starts_with("::") {
+            i += 2;
+        } else {
+            out.push(path);
+            return i;
+        }
+    }
+}
+
+/// Every `crate::` and `super::` path in one file, made absolute.
+fn references(src: &Path, file: &Path) -> Vec<Reference> {
+    let text = code_only(&std::fs::read_to_string(file).expect("read source"));
+    let module = module_of(src, file);
+    let name = file
+        .strip_prefix(src.parent().expect("the project"))
+        .expect("in the project");
+    let whole_file_is_test = file.file_name().is_some_and(|n| n == "tests.rs");
+    let test_block = text.find("#[cfg(test)]\nmod tests").unwrap_or(text.len());
+    let mut found = Vec::new();
+    for (at, _) in text.match_indices("crate::").chain(text.match_indices("super::")) {
+        if at > 0 && (is_ident(text[..at].chars().last().expect("a char")) || text[..at].ends_with("::")) {
+            continue; // `$crate::`, `vramguard_crate::`, or the middle of `super::super::`
+        }
+        let mut base: Vec<String> = Vec::new();
+        let mut i = at;
+        if text[at..].starts_with("crate::") {
+            i += "crate::".len();
+        } else {
+            base = module.clone();
+            // A `tests.rs` file or an inline `mod tests` is one level below its file's module.
+            let in_tests_module = whole_file_is_test || at > test_block;
+            if !in_tests_module || whole_file_is_test {
+                base.pop();
+            }
+            i += "super::".len();
+            while text[i..].starts_with("super::") {
+                base.pop();
+                i += "super::".len();
+            }
+        }
+        let mut paths = Vec::new();
+        read_tree(&text, i, base, &mut paths);
+        found.extend(paths.into_iter().filter(|p| !p.is_empty()).map(|to| Reference {
+            file: name.display().to_string(),
+            line: line_of(&text, at),
+            from: module.clone(),
+            to,
+            in_test: whole_file_is_test || at > test_block,
+        }));
+    }
+    // A parent names its children without `crate::` (`openai::chat`); a `pub use` of a child is
+    // the folder's facade, not a use.
+    for child in declared_children(&text) {
+        let needle = format!("{child}::");
+        for (at, _) in text.match_indices(&needle) {
+            let before = &text[..at];
+            let line_start = before.rfind('\n').map_or(0, |n| n + 1);
+            if before.chars().last().is_some_and(|c| is_ident(c) || c == ':')
+                || text[line_start..].trim_start().starts_with("pub use")
+            {
+                continue;
+            }
+            let mut paths = Vec::new();
+            read_tree(&text, at, module.clone(), &mut paths);
+            found.extend(paths.into_iter().map(|to| Reference {
+                file: name.display().to_string(),
+                line: line_of(&text, at),
+                from: module.clone(),
+                to,
+                in_test: whole_file_is_test || at > test_block,
+            }));
+        }
+    }
+    found
+}
+
+fn line_of(text: &str, at: usize) -> usize {
+    text[..at].matches('\n').count() + 1
+}
+
+/// The modules a file declares (`mod x;`, `pub mod x;`), tests excepted.
+fn declared_children(text: &str) -> Vec<String> {
+    text.lines()
+        .filter_map(|l| {
+            let l = l.trim();
+            let rest = l.strip_prefix("pub mod ").or_else(|| l.strip_prefix("mod "))?;
+            let name = rest.strip_suffix(';')?;
+            (name != "tests").then(|| name.to_string())
+        })
+        .collect()
+}
+
+fn all_references() -> (Vec<String>, Vec<Reference>, BTreeSet<Vec<String>>) {
+    let src = Path::new(SRC);
+    let mut files = Vec::new();
+    rust_files(src, &mut files);
+    files.sort();
+    let modules: BTreeSet<Vec<String>> = files.iter().map(|f| module_of(src, f)).collect();
+    let refs = files
+        .iter()
+        .filter(|f| !module_of(src, f).is_empty())
+        .flat_map(|f| references(src, f))
+        .collect();
+    (layers(src), refs, modules)
+}
+
+/// What a reference breaks, if anything: naming a layer above its own.
+fn upward(layers: &[String], r: &Reference) -> Option<String> {
+    let rank = |name: &str| layers.iter().position(|l| l == name);
+    let (from, to) = (r.from.first()?, r.to.first()?);
+    if r.in_test && to == TESTING {
+        return None;
+    }
+    let (Some(from_rank), Some(to_rank)) = (rank(from), rank(to)) else {
+        return Some(format!(
+            "{}:{}: `{}` is not a layer of src/lib.rs",
+            r.file,
+            r.line,
+            r.to.join("::")
+        ));
+    };
+    (to_rank > from_rank).then(|| {
+        format!(
+            "{}:{}: `{from}` uses `crate::{}`, from the layer `{to}` above it",
+            r.file,
+            r.line,
+            r.to.join("::")
+        )
+    })
+}
+
+/// The second-level module a path belongs to: `serve::lifecycle::Request` is `serve::lifecycle`,
+/// `pool::Pool` is `pool` (the layer's `mod.rs`).
+fn unit(modules: &BTreeSet<Vec<String>>, path: &[String]) -> String {
+    let two = &path[..path.len().min(2)];
+    if two.len() == 2 && modules.iter().any(|m| m.starts_with(two)) {
+        two.join("::")
+    } else {
+        path[0].clone()
+    }
+}
+
+fn describe(r: &Reference) -> String {
+    format!(
+        "{}:{}: `{}` uses `crate::{}`",
+        r.file,
+        r.line,
+        r.from.join("::"),
+        r.to.join("::")
+    )
+}
+
+/// A cycle in the graph of second-level modules, as the references that close it.
+fn find_cycle(edges: &BTreeMap<String, BTreeMap<String, &Reference>>) -> Option<Vec<String>> {
+    fn visit<'a>(
+        node: &'a str,
+        edges: &'a BTreeMap<String, BTreeMap<String, &Reference>>,
+        state: &mut BTreeMap<&'a str, bool>,
+        stack: &mut Vec<&'a str>,
+    ) -> Option<Vec<String>> {
+        state.insert(node, false);
+        stack.push(node);
+        for (next, reference) in edges.get(node).into_iter().flatten() {
+            match state.get(next.as_str()) {
+                Some(false) => {
+                    let start = stack.iter().position(|n| n == next).expect("on the stack");
+                    let mut cycle: Vec<String> =
+                        stack[start..].windows(2).map(|w| describe(edges[w[0]][w[1]])).collect();
+                    cycle.push(describe(reference));
+                    return Some(cycle);
+                }
+                Some(true) => {}
+                None => {
+                    if let Some(cycle) = visit(next, edges, state, stack) {
+                        return Some(cycle);
+                    }
+                }
+            }
+        }
+        stack.pop();
+        state.insert(node, true);
+        None
+    }
+    fn describe(r: &Reference) -> String {
+        format!(
+            "{}:{}: `{}` uses `crate::{}`",
+            r.file,
+            r.line,
+            r.from.join("::"),
+            r.to.join("::")
+        )
+    }
+    let mut state = BTreeMap::new();
+    for node in edges.keys() {
+        if !state.contains_key(node.as_str()) {
+            let mut stack = Vec::new();
+            if let Some(cycle) = visit(node, edges, &mut state, &mut stack) {
+                return Some(cycle);
+            }
+        }
+    }
+    None
+}
+
+#[test]
+fn no_module_uses_a_layer_above_its_own() {
+    let (layers, refs, _) = all_references();
+    assert!(layers.len() >= 8, "src/lib.rs lists the layers, got {layers:?}");
+    let broken: Vec<String> = refs.iter().filter_map(|r| upward(&layers, r)).collect();
+    assert!(
+        broken.is_empty(),
+        "layers, lowest first: {}\n{}",
+        layers.join(" < "),
+        broken.join("\n")
+    );
+}
+
+#[test]
+fn the_modules_form_no_import_cycle() {
+    let (_, refs, modules) = all_references();
+    let mut edges: BTreeMap<String, BTreeMap<String, &Reference>> = BTreeMap::new();
+    for r in refs.iter().filter(|r| !r.in_test) {
+        let (from, to) = (unit(&modules, &r.from), unit(&modules, &r.to));
+        if from != to {
+            edges.entry(from).or_default().entry(to).or_insert(r);
+        }
+    }
+    let mut cycles = Vec::new();
+    while let Some(cycle) = find_cycle(&edges) {
+        // Report each cycle once: drop its last edge and look again.
+        let last = cycle.last().expect("an edge").clone();
+        cycles.push(cycle.join("\n"));
+        for targets in edges.values_mut() {
+            targets.retain(|_, r| describe(r) != last);
+        }
+    }
+    assert!(cycles.is_empty(), "import cycles:\n{}", cycles.join("\n\n"));
+}
+
+/// The check itself finds what it must: an upward `use`, one in a group, and a cycle.
+#[test]
+fn the_check_catches_a_planted_upward_import_and_cycle() {
+    let layers: Vec<String> = ["core", "pool", "http"].map(String::from).into();
+    let dir = std::env::temp_dir().join(format!("vramguard-layering-{}", std::process::id()));
+    let src = dir.join("src");
+    std::fs::create_dir_all(src.join("core")).unwrap();
+    std::fs::create_dir_all(src.join("pool")).unwrap();
+    let planted = src.join("core/clock.rs");
+    std::fs::write(
+        &planted,
+        "//! crate::http in a comment is not a use\nuse crate::{pool::Pool, core::x};\nconst S: &str = \"crate::http\";\nfn f() { super::clock::now(); }\n",
+    )
+    .unwrap();
+    let found = references(&src, &planted);
+    let broken: Vec<String> = found.iter().filter_map(|r| upward(&layers, r)).collect();
+    assert_eq!(
+        broken,
+        ["src/core/clock.rs:2: `core` uses `crate::pool::Pool`, from the layer `pool` above it"]
+    );
+    assert!(found.iter().any(|r| r.to == ["core", "clock", "now"]), "{found:?}");
+
+    let a = src.join("pool/mod.rs");
+    let b = src.join("pool/sequences.rs");
+    std::fs::write(&a, "use crate::pool::sequences::Sequences;\n").unwrap();
+    std::fs::write(&b, "use super::Pool;\n").unwrap();
+    let refs: Vec<Reference> = [a, b].iter().flat_map(|f| references(&src, f)).collect();
+    let modules: BTreeSet<Vec<String>> = [vec!["pool".to_string()], vec!["pool".into(), "sequences".into()]].into();
+    let mut edges: BTreeMap<String, BTreeMap<String, &Reference>> = BTreeMap::new();
+    for r in &refs {
+        edges
+            .entry(unit(&modules, &r.from))
+            .or_default()
+            .insert(unit(&modules, &r.to), r);
+    }
+    let cycle = find_cycle(&edges).expect("a cycle");
+    assert_eq!(
+        cycle,
+        [
+            "src/pool/mod.rs:1: `pool` uses `crate::pool::sequences::Sequences`",
+            "src/pool/sequences.rs:1: `pool::sequences` uses `crate::pool::Pool`"
+        ]
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -1,0 +1,22 @@
+//! The integration tests, one binary (linked once, not once per file): real servers on
+//! 127.0.0.1:0, real ONNX Runtime sessions, the real `vramguard` binary, and checks of the source
+//! tree itself. `common` is the harness they share.
+
+mod abuse;
+mod cli;
+mod common;
+mod connections;
+mod drill;
+mod failover;
+mod generation;
+mod http;
+mod layering;
+mod lifecycle;
+mod memory;
+mod picker;
+mod policy;
+mod prometheus;
+mod remote;
+mod simulated;
+mod simulated_policy;
+mod status_page;
