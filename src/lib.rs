@@ -2,8 +2,17 @@
 //! pools with CPU failover. The binary (`src/main.rs`) only parses the command line; everything
 //! else lives here so integration tests and benches use the real code.
 //!
-//! The one module allowed `unsafe` is [`runtime::onnx::arena`], which calls ONNX Runtime's C API for what
-//! the `ort` crate does not wrap.
+//! The modules are layers, declared below lowest first. A request passes through them from the
+//! top down: [`net`] accepts the connection and enforces its limits, [`http`] decodes it with
+//! [`protocol`], [`serve`] runs its lifecycle (the [`policy`] decides on a memory estimate from
+//! [`runtime`] and the latest snapshot, the router picks a pool, one retry on the fallback), a
+//! [`pool`] runs it on a worker through a [`core`] backend into ONNX Runtime ([`runtime`]), and
+//! the answer goes back up the same way. Beside it, [`telemetry`] samples [`device`] memory into
+//! the snapshot that `/metrics`, `/status` and the policy read. [`config`] is validated before
+//! any of this starts; [`cmd`] holds the commands.
+//!
+//! The one module allowed `unsafe` is [`runtime::onnx::arena`], which calls ONNX Runtime's C API
+//! for what the `ort` crate does not wrap.
 #![deny(unsafe_code)]
 #![warn(missing_docs)]
 
