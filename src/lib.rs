@@ -19,40 +19,40 @@
 // The layers, lowest first (one per paragraph, so that rustfmt keeps their order): a module
 // imports only from its own layer and the ones before it, checked by `tests/it/layering.rs`.
 
-/// Plain data and the seams everything shares: backends, breaker, clock, models, snapshot, tensors.
+// Plain data and the seams everything shares: backends, breaker, clock, models, snapshot, tensors.
 pub mod core;
 
-/// The configuration: YAML read into raw structs, validated into types.
+// The configuration: YAML read into raw structs, validated into types.
 pub mod config;
 
-/// ONNX Runtime sessions and arena, decoders, chat templates, memory estimates.
+// ONNX Runtime sessions and arena, decoders, chat templates, memory estimates.
 pub mod runtime;
 
-/// Memory sources: NVML, the simulated accelerator, the host, process identity.
+// Memory sources: NVML, the simulated accelerator, the host, process identity.
 pub mod device;
 
-/// The Rhai admission policy: sandbox, state view, test cases, hot reload.
+// The Rhai admission policy: sandbox, state view, test cases, hot reload.
 pub mod policy;
 
-/// Worker pools: bounded queues, worker threads, generations, degraded mode.
+// Worker pools: bounded queues, worker threads, generations, degraded mode.
 pub mod pool;
 
-/// Metrics, the sampler and scrape-time collector, logging, allocator settings.
+// Metrics, the sampler and scrape-time collector, logging, allocator settings.
 pub mod telemetry;
 
-/// The Open Inference Protocol codec and the header names.
+// The Open Inference Protocol codec and the header names.
 pub mod protocol;
 
-/// A request's life below any protocol: service, lifecycle, router, generation, remote pools.
+// A request's life below any protocol: service, lifecycle, router, generation, remote pools.
 pub mod serve;
 
-/// The connection layer under every listener: timeouts, caps, its own refusals.
+// The connection layer under every listener: timeouts, caps, its own refusals.
 pub mod net;
 
-/// The HTTP API: Open Inference Protocol, OpenAI, admin, status.
+// The HTTP API: Open Inference Protocol, OpenAI, admin, status.
 pub mod http;
 
-/// The commands: command line, exit statuses, exporter, policy, doctor, drill.
+// The commands: command line, exit statuses, exporter, policy, doctor, drill.
 pub mod cmd;
 
 /// Scaffolding for tests and benches (the `test-util` feature): scratch folders, fakes, builders.

@@ -13,7 +13,7 @@
 //! - [`smoke_test`] evaluates a script once per model and pool before it is trusted (`serve`
 //!   at start, `policy check`), since a misspelt property only fails at run time.
 //! - [`cases`] runs the test cases kept beside the policies (`policies/tests/*.yaml`);
-//!   [`cli`] implements `vramguard policy check|test|eval`.
+//!   the `vramguard policy check|test|eval` command (`cmd::policy`) is built on them.
 
 pub mod builtin;
 pub mod cases;
