@@ -2,9 +2,11 @@
 //! typed structs. Everything here runs before any port is bound, and every error names the file
 //! and the key path.
 
+mod builtin;
 mod units;
 
 use std::collections::{BTreeMap, HashSet};
+use std::fmt;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -14,6 +16,7 @@ use serde::{Deserialize, Serialize};
 // `config` depends on `model`, never the other way round: `ModelSource` lives beside the models it
 // names and is re-exported here, where the validated config uses it.
 pub use crate::core::model::ModelSource;
+pub use builtin::{BuiltinChatTemplate, BuiltinPolicy};
 pub use units::{ByteSize, HumanDuration, format_duration, format_size, parse_duration, parse_size};
 
 use crate::core::model::BuiltinModel;
@@ -560,17 +563,13 @@ pub struct Config {
     pub policy: PolicyConfig,
 }
 
-/// Names accepted after `builtin:` in `policy.path`: the policies shipped in the binary
-/// (`crate::policy::builtin` holds their text, and a test there keeps the two in step).
-pub const BUILTIN_POLICIES: [&str; 3] = ["default", "latency-first", "availability-first"];
-
 /// Where the policy script comes from.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum PolicySource {
     /// A file the operator edits (watched and reloadable).
     File(PathBuf),
     /// A policy shipped inside the binary (`builtin:default`, …).
-    Builtin(String),
+    Builtin(BuiltinPolicy),
 }
 
 /// Validated `policy:`.
@@ -741,17 +740,17 @@ pub struct ModelConfig {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ChatTemplateSource {
     /// `builtin:<name>`.
-    Builtin(String),
+    Builtin(BuiltinChatTemplate),
     /// A Jinja file or a `tokenizer_config.json`.
     File(PathBuf),
 }
 
-impl ChatTemplateSource {
-    /// As the chat module loads it.
-    pub fn spec(&self) -> String {
+/// As the config names it, which is how messages and the log name a loaded template.
+impl fmt::Display for ChatTemplateSource {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            ChatTemplateSource::Builtin(name) => format!("builtin:{name}"),
-            ChatTemplateSource::File(path) => path.display().to_string(),
+            ChatTemplateSource::Builtin(template) => write!(f, "builtin:{template}"),
+            ChatTemplateSource::File(path) => write!(f, "{}", path.display()),
         }
     }
 }
@@ -1233,12 +1232,16 @@ impl RawConfig {
                         ));
                     }
                     Some(match spec.strip_prefix("builtin:") {
-                        Some("chatml") => ChatTemplateSource::Builtin("chatml".into()),
-                        Some(other) => {
-                            return Err(c.err(
-                                format!("{key}.chat_template"),
-                                format!("unknown builtin chat template `{other}`; builtin: chatml"),
-                            ));
+                        Some(name) => {
+                            ChatTemplateSource::Builtin(BuiltinChatTemplate::from_name(name).ok_or_else(|| {
+                                c.err(
+                                    format!("{key}.chat_template"),
+                                    format!(
+                                        "unknown builtin chat template `{name}`; builtin: {}",
+                                        BuiltinChatTemplate::ALL.map(|t| t.name()).join(", ")
+                                    ),
+                                )
+                            })?)
                         }
                         None => {
                             let path = base.join(spec);
@@ -1551,18 +1554,15 @@ impl RawConfig {
     fn validate_policy(&self, c: &Checker, base: &Path) -> Result<PolicyConfig, ConfigError> {
         let p = &self.policy;
         let source = match p.path.strip_prefix("builtin:") {
-            Some(name) => {
-                if !BUILTIN_POLICIES.contains(&name) {
-                    return Err(c.err(
-                        "policy.path",
-                        format!(
-                            "no builtin policy `{name}`; builtin policies are: {}",
-                            BUILTIN_POLICIES.join(", ")
-                        ),
-                    ));
-                }
-                PolicySource::Builtin(name.to_string())
-            }
+            Some(name) => PolicySource::Builtin(BuiltinPolicy::from_name(name).ok_or_else(|| {
+                c.err(
+                    "policy.path",
+                    format!(
+                        "no builtin policy `{name}`; builtin policies are: {}",
+                        BuiltinPolicy::ALL.map(BuiltinPolicy::name).join(", ")
+                    ),
+                )
+            })?),
             None => {
                 let path = base.join(&p.path);
                 if !path.is_file() {
@@ -2032,5 +2032,36 @@ pools:
             .unwrap_err()
             .to_string();
         assert_eq!(err, "test.yaml: pools[1].name: `cpu` is defined twice");
+    }
+
+    #[test]
+    fn builtin_names_are_checked_against_what_the_binary_ships() {
+        let cfg = check(&format!("policy: {{path: 'builtin:latency-first'}}\n{BASE}")).unwrap();
+        assert_eq!(cfg.policy.source, PolicySource::Builtin(BuiltinPolicy::LatencyFirst));
+        let err = check(&format!("policy: {{path: 'builtin:fastest'}}\n{BASE}"))
+            .unwrap_err()
+            .to_string();
+        assert_eq!(
+            err,
+            "test.yaml: policy.path: no builtin policy `fastest`; builtin policies are: default, latency-first, availability-first"
+        );
+        let tokenizer = Path::new(env!("CARGO_MANIFEST_DIR")).join("Cargo.toml");
+        let chat = |template: &str| {
+            check(&BASE.replace(
+                "builtin:encoder",
+                &format!(
+                    "builtin:encoder\n    tokenizer: '{}'\n    chat_template: '{template}'",
+                    tokenizer.display()
+                ),
+            ))
+        };
+        let cfg = chat("builtin:chatml").unwrap();
+        let template = cfg.models[0].chat_template.as_ref().expect("a chat template");
+        assert_eq!(template, &ChatTemplateSource::Builtin(BuiltinChatTemplate::Chatml));
+        assert_eq!(template.to_string(), "builtin:chatml");
+        assert_eq!(
+            chat("builtin:llama").unwrap_err().to_string(),
+            "test.yaml: models[0].chat_template: unknown builtin chat template `llama`; builtin: chatml"
+        );
     }
 }
