@@ -200,6 +200,7 @@ impl<'de> Deserialize<'de> for HumanDuration {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::yaml::parse_yaml;
 
     #[test]
     fn sizes_parse_binary_and_decimal_units() {
@@ -244,13 +245,13 @@ mod tests {
 
     #[test]
     fn yaml_accepts_numbers_and_strings() {
-        let s: ByteSize = serde_yaml::from_str("\"64MiB\"").unwrap();
+        let s: ByteSize = parse_yaml("\"64MiB\"", "t.yaml").unwrap();
         assert_eq!(s.bytes(), 64 << 20);
-        let s: ByteSize = serde_yaml::from_str("100").unwrap();
+        let s: ByteSize = parse_yaml("100", "t.yaml").unwrap();
         assert_eq!(s.bytes(), 100);
-        let d: HumanDuration = serde_yaml::from_str("5s").unwrap();
+        let d: HumanDuration = parse_yaml("5s", "t.yaml").unwrap();
         assert_eq!(d.get(), Duration::from_secs(5));
-        let err = serde_yaml::from_str::<ByteSize>("big").unwrap_err().to_string();
+        let err = parse_yaml::<ByteSize>("big", "t.yaml").unwrap_err().to_string();
         assert!(err.contains("`big`"), "{err}");
     }
 }

@@ -137,7 +137,7 @@ impl PolicyHandle {
 /// builtin policy's default params (a file policy gets only the config's).
 pub fn settings_for(config: &Config) -> PolicySettings {
     let mut params = match &config.policy.source {
-        PolicySource::Builtin(name) => super::builtin::default_params(name),
+        PolicySource::Builtin(policy) => super::builtin::default_params(*policy),
         PolicySource::File(_) => super::Params::new(),
     };
     params.extend(config.policy.params.clone());

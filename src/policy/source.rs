@@ -25,12 +25,6 @@ pub enum LoadError {
         /// The I/O error.
         source: std::io::Error,
     },
-    /// `builtin:<name>` names no policy shipped in the binary.
-    #[error("builtin:{name}: no such builtin policy (there are: {})", builtin::NAMES.join(", "))]
-    UnknownBuiltin {
-        /// The name after `builtin:`.
-        name: String,
-    },
     /// The script does not compile or fails the lint (`kind` is always `compile`).
     #[error(transparent)]
     Compile(#[from] PolicyError),
@@ -56,7 +50,7 @@ pub enum LoadError {
 pub fn origin(source: &PolicySource) -> String {
     match source {
         PolicySource::File(path) => path.display().to_string(),
-        PolicySource::Builtin(name) => format!("builtin:{name}"),
+        PolicySource::Builtin(policy) => format!("builtin:{policy}"),
     }
 }
 
@@ -68,7 +62,7 @@ pub fn load_script(source: &PolicySource, settings: &PolicySettings) -> Result<(
             path: path.display().to_string(),
             source: e,
         })?,
-        PolicySource::Builtin(name) => builtin_policy(name)?.script.to_string(),
+        PolicySource::Builtin(policy) => builtin::get(*policy).script.to_string(),
     };
     let script = Script::compile(&text, &origin(source), settings)?;
     Ok((script, text))
@@ -83,15 +77,10 @@ pub fn test_cases(source: &PolicySource) -> Result<Vec<(String, CaseFile)>, Load
             .into_iter()
             .map(|(path, file)| (path.display().to_string(), file))
             .collect()),
-        PolicySource::Builtin(name) => {
-            let shipped = builtin_policy(name)?;
-            let file_name = format!("builtin:tests/{name}.yaml");
-            let file = CaseFile::parse(shipped.cases, &file_name)?;
+        PolicySource::Builtin(policy) => {
+            let file_name = format!("builtin:tests/{policy}.yaml");
+            let file = CaseFile::parse(builtin::get(*policy).cases, &file_name)?;
             Ok(vec![(file_name, file)])
         }
     }
-}
-
-fn builtin_policy(name: &str) -> Result<builtin::Builtin, LoadError> {
-    builtin::get(name).ok_or_else(|| LoadError::UnknownBuiltin { name: name.to_string() })
 }

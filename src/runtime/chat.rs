@@ -9,10 +9,10 @@
 //! Hermes convention, which is also how tool calls are read back: `<tool_call>{"name": …,
 //! "arguments": {…}}</tool_call>`.
 
-use std::path::Path;
-
 use minijinja::{Environment, ErrorKind};
 use serde_json::{Value, json};
+
+use crate::config::{BuiltinChatTemplate, ChatTemplateSource};
 
 /// The bundled ChatML template.
 const CHATML: &str = include_str!("chatml.jinja");
@@ -51,16 +51,22 @@ fn special_token(config: &Value, name: &str) -> String {
 }
 
 impl ChatTemplate {
-    /// Load `spec`: `builtin:chatml`, a Jinja file, or a `tokenizer_config.json` holding one.
-    pub fn load(spec: &str, base: &Path) -> Result<ChatTemplate, String> {
-        if let Some(name) = spec.strip_prefix("builtin:") {
-            return match name {
-                "chatml" => ChatTemplate::new(CHATML.to_string(), None, String::new(), String::new(), spec),
-                other => Err(format!("unknown builtin chat template `{other}`; builtin: chatml")),
-            };
-        }
-        let path = base.join(spec);
-        let text = std::fs::read_to_string(&path).map_err(|e| format!("cannot read `{}`: {e}", path.display()))?;
+    /// Load the configured template: a builtin, a Jinja file, or a `tokenizer_config.json`
+    /// holding one (the config resolved the path and checked the builtin's name).
+    pub fn load(source: &ChatTemplateSource) -> Result<ChatTemplate, String> {
+        let path = match source {
+            ChatTemplateSource::Builtin(BuiltinChatTemplate::Chatml) => {
+                return ChatTemplate::new(
+                    CHATML.to_string(),
+                    None,
+                    String::new(),
+                    String::new(),
+                    &source.to_string(),
+                );
+            }
+            ChatTemplateSource::File(path) => path,
+        };
+        let text = std::fs::read_to_string(path).map_err(|e| format!("cannot read `{}`: {e}", path.display()))?;
         if path.extension().is_some_and(|e| e == "json") {
             ChatTemplate::from_tokenizer_config(&text, &path.display().to_string())?
                 .ok_or_else(|| format!("`{}` has no `chat_template`", path.display()))
@@ -360,7 +366,7 @@ mod tests {
     use super::*;
 
     fn chatml() -> ChatTemplate {
-        ChatTemplate::load("builtin:chatml", Path::new(".")).expect("builtin")
+        ChatTemplate::load(&ChatTemplateSource::Builtin(BuiltinChatTemplate::Chatml)).expect("builtin")
     }
 
     #[test]

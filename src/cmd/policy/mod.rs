@@ -13,7 +13,7 @@ use std::time::Duration;
 use serde::Serialize;
 
 use crate::cmd::exit::{EXIT_CONFIG, EXIT_FAILED};
-use crate::config::{Config, PolicySource, read_yaml};
+use crate::config::{BuiltinPolicy, Config, PolicySource, read_yaml};
 use crate::core::snapshot::Decision;
 use crate::policy::builtin;
 use crate::policy::cases::{self, Case, CaseFile, CaseResult};
@@ -58,7 +58,7 @@ pub fn check_to(files: &[PathBuf], config: Option<&Path>, out: &mut dyn Write, e
     let mut failed = false;
     for file in files {
         let name = file.file_stem().and_then(|s| s.to_str()).unwrap_or_default();
-        let mut params = builtin::default_params(name);
+        let mut params = builtin::default_params(BuiltinPolicy::from_name(name).unwrap_or(BuiltinPolicy::Default));
         params.extend(config.policy.params.clone());
         let settings = PolicySettings {
             params,

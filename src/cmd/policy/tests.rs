@@ -6,9 +6,9 @@ use std::process::ExitCode;
 
 use super as cli;
 use crate::cmd::exit::EXIT_CONFIG;
-use crate::config::PolicySource;
+use crate::config::{BuiltinPolicy, PolicySource};
+use crate::policy::cases;
 use crate::policy::{PolicySettings, load_script};
-use crate::policy::{builtin, cases};
 use crate::testing::{DEFER_WHEN_QUEUED, Scratch};
 
 // ─── test-case files and the CLI ──────────────────────────────────────────────────────────
@@ -156,7 +156,7 @@ fn check_runs_the_script_and_reports_where_it_fails_at_run_time() {
 
 #[test]
 fn check_tries_the_shipped_policies_on_the_default_and_example_configs() {
-    let shipped: Vec<PathBuf> = builtin::NAMES
+    let shipped: Vec<PathBuf> = BuiltinPolicy::ALL
         .iter()
         .map(|name| PathBuf::from(format!("policies/{name}.rhai")))
         .collect();

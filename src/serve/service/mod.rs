@@ -665,7 +665,7 @@ fn chat_template(m: &ModelConfig) -> Result<Option<Arc<crate::runtime::chat::Cha
         return Ok(None);
     };
     let template = match &m.chat_template {
-        Some(source) => Some(ChatTemplate::load(&source.spec(), std::path::Path::new("."))?),
+        Some(source) => Some(ChatTemplate::load(source)?),
         None => {
             let beside = tokenizer.with_file_name("tokenizer_config.json");
             match std::fs::read_to_string(&beside) {

@@ -1,0 +1,415 @@
+//! The configuration as operators meet it: the shipped configs validate, defaults are what the
+//! docs say, and each mistake is refused with the file, the key and what was expected.
+
+use std::path::Path;
+use std::time::Duration;
+
+use super::*;
+
+fn check(yaml: &str) -> Result<Config, ConfigError> {
+    parse_yaml::<RawConfig>(yaml, "test.yaml")?.validate("test.yaml", Path::new("."))
+}
+
+const BASE: &str = "
+models:
+  - name: enc
+    path: builtin:encoder
+pools:
+  - name: cpu
+    provider: cpu
+    models: [enc]
+";
+
+#[test]
+fn embedded_default_is_valid_on_both_kinds_of_machine() {
+    let sim = Config::embedded(false);
+    assert!(sim.pools.iter().any(|p| p.provider == Provider::Simulated));
+    let gpu = Config::embedded(true);
+    assert!(gpu.pools.iter().any(|p| matches!(p.provider, Provider::Cuda(_))));
+    assert!(gpu.pools.iter().all(|p| p.provider != Provider::Simulated));
+    assert_eq!(
+        sim.pools.iter().map(|p| &p.name).collect::<Vec<_>>(),
+        gpu.pools.iter().map(|p| &p.name).collect::<Vec<_>>()
+    );
+    // Lossless first: out of the box no request's context is cut unless the client asks.
+    assert!(sim.models.iter().all(|m| !m.allow_shrink));
+}
+
+#[test]
+fn the_example_config_validates_and_uses_every_section() {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("config/example.yaml");
+    let cfg = Config::load(&path).unwrap();
+    assert_eq!(cfg.devices.len(), 2);
+    assert_eq!(cfg.server.admin_token_env.as_deref(), Some("VRAMGUARD_ADMIN_TOKEN"));
+    assert_eq!(cfg.server.idempotency.ttl, Duration::from_secs(600));
+    // The example shows the connection limits' defaults, so its comments explain them.
+    let defaults = check(BASE).unwrap().server;
+    assert_eq!(cfg.server.timeouts, defaults.timeouts);
+    assert_eq!(cfg.server.max_connections, defaults.max_connections);
+    assert_eq!(cfg.server.max_receiving_bytes, defaults.max_receiving_bytes);
+    let providers: Vec<&str> = cfg.pools.iter().map(|p| p.provider.label()).collect();
+    assert_eq!(providers, ["cuda", "simulated", "cpu", "remote"]);
+    let kinds: Vec<&str> = cfg.pools.iter().map(|p| cfg.pool_class(p).label()).collect();
+    assert_eq!(kinds, ["nvml", "simulated", "host", "remote"]);
+    let limits: Vec<Option<u64>> = cfg.pools.iter().map(|p| p.max_context).collect();
+    assert_eq!(limits, [Some(4096), None, None, None]);
+    assert_eq!(cfg.exporter.services.len(), 3);
+    assert_eq!(cfg.exporter.sample_interval, Duration::from_secs(1));
+    assert_eq!(
+        cfg.models[0].context,
+        Some(ContextAxis {
+            input: "input".into(),
+            axis: 1,
+            keep: Keep::End
+        })
+    );
+    let allow_shrink: Vec<bool> = cfg.models.iter().map(|m| m.allow_shrink).collect();
+    assert_eq!(allow_shrink, [false, false]);
+}
+
+#[test]
+fn minimal_config_gets_defaults() {
+    let cfg = check(BASE).unwrap();
+    assert_eq!(cfg.server.listen.to_string(), "127.0.0.1:8080");
+    assert_eq!(cfg.pools[0].device, HOST_DEVICE);
+    assert_eq!(cfg.pools[0].queue_capacity, 64);
+    assert_eq!(cfg.pools[0].max_context, None);
+    assert_eq!(
+        cfg.server.idempotency,
+        IdempotencyConfig {
+            max_entries: 10_000,
+            ttl: Duration::from_secs(600)
+        }
+    );
+    assert!(!cfg.models[0].allow_shrink);
+    let allowed = BASE.replace("builtin:encoder", "builtin:encoder\n    allow_shrink: true");
+    assert!(check(&allowed).unwrap().models[0].allow_shrink);
+}
+
+#[test]
+fn idempotency_bounds_are_checked_with_their_key() {
+    let cfg = check(&format!(
+        "server:\n  idempotency: {{max_entries: 50, ttl: 30s}}\n{BASE}"
+    ))
+    .unwrap();
+    assert_eq!(cfg.server.idempotency.max_entries, 50);
+    assert_eq!(cfg.server.idempotency.ttl, Duration::from_secs(30));
+    let err = check(&format!("server:\n  idempotency: {{max_entries: 0}}\n{BASE}"))
+        .unwrap_err()
+        .to_string();
+    assert_eq!(
+        err,
+        "test.yaml: server.idempotency.max_entries: expected 1 to 1000000, got 0"
+    );
+    let err = check(&format!("server:\n  idempotency: {{ttl: 2d}}\n{BASE}"))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("server.idempotency.ttl") && err.contains("`2d`"), "{err}");
+    let err = check(&format!("server:\n  idempotency: {{ttl: 25h}}\n{BASE}"))
+        .unwrap_err()
+        .to_string();
+    assert_eq!(err, "test.yaml: server.idempotency.ttl: expected 1s to 24h, got 25h");
+    let err = check(&format!("server:\n  idempotency: {{max_entires: 5}}\n{BASE}"))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.starts_with("test.yaml: server.idempotency: unknown field `max_entires`"),
+        "{err}"
+    );
+}
+
+#[test]
+fn connection_limits_default_near_nginx_and_refuse_zero_with_their_key() {
+    let server = check(BASE).unwrap().server;
+    assert_eq!(
+        server.timeouts,
+        Timeouts {
+            header_read: Duration::from_secs(20),
+            body_read: Duration::from_secs(30),
+            idle: Duration::from_secs(75),
+        }
+    );
+    assert_eq!(server.max_connections, 512);
+    assert_eq!(server.max_receiving_bytes, 256 << 20);
+    let cfg = check(&format!(
+        "server:\n  timeouts: {{header_read: 500ms, idle: 2m}}\n  max_connections: 8\n{BASE}"
+    ))
+    .unwrap();
+    assert_eq!(cfg.server.timeouts.header_read, Duration::from_millis(500));
+    assert_eq!(cfg.server.timeouts.body_read, Duration::from_secs(30));
+    assert_eq!(cfg.server.timeouts.idle, Duration::from_secs(120));
+    assert_eq!(cfg.server.max_connections, 8);
+    for key in ["header_read", "body_read", "idle"] {
+        let err = check(&format!("server:\n  timeouts: {{{key}: 0}}\n{BASE}"))
+            .unwrap_err()
+            .to_string();
+        assert_eq!(
+            err,
+            format!("test.yaml: server.timeouts.{key}: expected 1ms to 24h, got 0ms")
+        );
+    }
+    let err = check(&format!("server:\n  timeouts: {{idle: 48h}}\n{BASE}"))
+        .unwrap_err()
+        .to_string();
+    assert_eq!(err, "test.yaml: server.timeouts.idle: expected 1ms to 24h, got 48h");
+    let err = check(&format!("server:\n  max_connections: 0\n{BASE}"))
+        .unwrap_err()
+        .to_string();
+    assert_eq!(err, "test.yaml: server.max_connections: expected 1 to 1000000, got 0");
+    let err = check(&format!("server:\n  max_receiving_bytes: 1MiB\n{BASE}"))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.starts_with("test.yaml: server.max_receiving_bytes: must be at least server.body_limit (64MiB)"),
+        "{err}"
+    );
+    let err = check(&format!("server:\n  timeouts: {{header: 5s}}\n{BASE}"))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.starts_with("test.yaml: server.timeouts: unknown field `header`"),
+        "{err}"
+    );
+}
+
+#[test]
+fn unknown_keys_are_refused_with_their_path_and_line() {
+    let err = check(&format!("{BASE}    wrokers: 2\n")).unwrap_err().to_string();
+    assert!(err.starts_with("test.yaml: pools[0]: unknown field `wrokers`"), "{err}");
+    assert!(err.contains("line 9"), "{err}");
+}
+
+#[test]
+fn impossible_values_name_the_key() {
+    let err = check(&format!("{BASE}    queue: {{capacity: 0}}\n"))
+        .unwrap_err()
+        .to_string();
+    assert_eq!(err, "test.yaml: pools[0].queue.capacity: expected 1 to 1000000, got 0");
+    let err = check(&BASE.replace("[enc]", "[nope]")).unwrap_err().to_string();
+    assert_eq!(err, "test.yaml: pools[0].models[0]: no model named `nope` in `models`");
+    let err = check(&BASE.replace("builtin:encoder", "builtin:bert"))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.starts_with("test.yaml: models[0].path: no builtin model `bert`"),
+        "{err}"
+    );
+    let err = check(&BASE.replace("builtin:encoder", "missing.onnx"))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("models[0].path: model file `./missing.onnx` does not exist"),
+        "{err}"
+    );
+}
+
+#[test]
+fn max_context_is_a_positive_number_of_tokens() {
+    let cfg = check(&format!("{BASE}    max_context: 2048\n")).unwrap();
+    assert_eq!(cfg.pools[0].max_context, Some(2048));
+    let err = check(&format!("{BASE}    max_context: 0\n")).unwrap_err().to_string();
+    assert_eq!(
+        err,
+        "test.yaml: pools[0].max_context: expected at least 1 token; leave it out for no limit"
+    );
+    let err = check(&format!("{BASE}    max_context: -1\n")).unwrap_err().to_string();
+    assert!(
+        err.starts_with("test.yaml: pools[0].max_context: invalid type: integer `-1`, expected u64 at line 9"),
+        "{err}"
+    );
+}
+
+#[test]
+fn sizes_and_durations_in_the_wrong_shape_are_explained() {
+    let err = check(&format!("server:\n  body_limit: huge\n{BASE}"))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("server.body_limit") && err.contains("`huge`"), "{err}");
+    let err = check(&format!("{BASE}    queue: {{max_wait: soon}}\n"))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("pools[0].queue.max_wait") && err.contains("`soon`"),
+        "{err}"
+    );
+}
+
+#[test]
+fn words_from_a_closed_set_are_refused_with_the_accepted_ones_and_the_line() {
+    let err = check(&BASE.replace("provider: cpu", "provider: gpu"))
+        .unwrap_err()
+        .to_string();
+    assert_eq!(
+        err,
+        "test.yaml: pools[0].provider: unknown variant `gpu`, expected one of `cpu`, `cuda`, `simulated`, `remote` \
+             at line 7 column 15"
+    );
+    let err = check(&format!("devices: [{{name: d, kind: amd}}]\n{BASE}"))
+        .unwrap_err()
+        .to_string();
+    assert_eq!(
+        err,
+        "test.yaml: devices[0].kind: unknown variant `amd`, expected `nvidia` or `simulated` at line 1 column 27"
+    );
+    let err = check(&BASE.replace(
+        "builtin:encoder",
+        "builtin:encoder\n    context: {input: input, axis: 1, keep: End}",
+    ))
+    .unwrap_err()
+    .to_string();
+    assert!(
+        err.starts_with(
+            "test.yaml: models[0].context.keep: unknown variant `End`, expected `start` or `end` at line 5"
+        ),
+        "{err}"
+    );
+    let cuda = BASE.replace(
+        "provider: cpu",
+        "provider: cuda\n    device: g\n    cuda: {arena_extend_strategy: lots}",
+    );
+    let err = check(&format!("devices: [{{name: g, kind: nvidia}}]\n{cuda}"))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.starts_with(
+            "test.yaml: pools[0].cuda.arena_extend_strategy: unknown variant `lots`, \
+                 expected `next_power_of_two` or `same_as_requested`"
+        ),
+        "{err}"
+    );
+    let err = check(&format!("policy: {{fallback: {{action: admitt}}}}\n{BASE}"))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.starts_with("test.yaml: policy.fallback.action: unknown variant `admitt`, expected one of `admit`"),
+        "{err}"
+    );
+}
+
+#[test]
+fn pools_must_match_their_device_kind() {
+    let yaml = "
+devices:
+  - {name: sim0, kind: simulated, capacity: 64MiB}
+models:
+  - {name: enc, path: 'builtin:encoder'}
+pools:
+  - {name: gpu, provider: cuda, device: sim0, models: [enc]}
+";
+    let err = check(yaml).unwrap_err().to_string();
+    assert_eq!(err, "test.yaml: pools[0].device: `sim0` is not an `nvidia` device");
+    let err = check(&yaml.replace("capacity: 64MiB", "capacity: 1KiB"))
+        .unwrap_err()
+        .to_string();
+    assert_eq!(err, "test.yaml: devices[0].capacity: must be at least 1MiB");
+}
+
+#[test]
+fn a_remote_pool_needs_a_plain_http_url_and_no_onnxruntime_settings() {
+    let pool = |extra: &str| {
+        check(&format!(
+            "models: [{{name: enc, path: 'builtin:encoder'}}]\npools:\n  - {{name: far, provider: remote, models: [enc]{extra}}}\n"
+        ))
+    };
+    let err = |extra: &str| pool(extra).unwrap_err().to_string();
+    let ok = pool(", url: 'http://10.0.0.2:8080/kserve/', remote: {timeout: 5s}").unwrap();
+    let far = &ok.pools[0];
+    assert_eq!(far.device, "10.0.0.2:8080");
+    assert_eq!(ok.pool_class(far), crate::core::snapshot::DeviceClass::Remote);
+    let Provider::Remote(options) = &far.provider else {
+        panic!("{:?}", far.provider)
+    };
+    assert_eq!(options.url, "http://10.0.0.2:8080/kserve");
+    assert_eq!(options.timeout, Duration::from_secs(5));
+    assert_eq!(options.health_interval, Duration::from_secs(1));
+    assert_eq!(
+        err(""),
+        "test.yaml: pools[0].url: a `remote` pool needs the url of the server it forwards to (http://host:port)"
+    );
+    assert!(err(", url: 'https://h:1'").starts_with("test.yaml: pools[0].url: `https://h:1` uses https"));
+    assert!(err(", url: 'ftp://h:1'").starts_with("test.yaml: pools[0].url: `ftp://h:1` is not an http:// URL"));
+    assert!(err(", url: 'http://u:p@h:1'").contains("carries credentials"));
+    let device = err(", url: 'http://h:1', device: sim0");
+    assert!(
+        device.starts_with("test.yaml: pools[0].device: a `remote` pool runs on the remote server"),
+        "{device}"
+    );
+    assert!(err(", url: 'http://h:1', intra_threads: 2").starts_with("test.yaml: pools[0].intra_threads: "));
+    assert!(err(", url: 'http://h:1', memory: {arena_shrinkage: true}").starts_with("test.yaml: pools[0].memory: "));
+    assert_eq!(
+        err(", url: 'http://h:1', remote: {health_interval: 0}"),
+        "test.yaml: pools[0].remote.health_interval: must be longer than 0"
+    );
+    let local = BASE.replace("provider: cpu", "provider: cpu\n    url: 'http://h:1'");
+    assert_eq!(
+        check(&local).unwrap_err().to_string(),
+        "test.yaml: pools[0].url: only `remote` pools take a url"
+    );
+}
+
+#[test]
+fn service_rules_need_exactly_one_valid_matcher() {
+    let err = check(&format!("exporter:\n  services: [{{service: x}}]\n{BASE}"))
+        .unwrap_err()
+        .to_string();
+    assert_eq!(
+        err,
+        "test.yaml: exporter.services[0]: give exactly one of `process_name`, `cmdline` or `cgroup`"
+    );
+    let err = check(&format!(
+        "exporter:\n  services: [{{service: x, cmdline: '('}}]\n{BASE}"
+    ))
+    .unwrap_err()
+    .to_string();
+    assert!(
+        err.starts_with("test.yaml: exporter.services[0].cmdline: invalid regular expression"),
+        "{err}"
+    );
+}
+
+#[test]
+fn exporter_mode_needs_no_models_or_pools() {
+    let raw: RawConfig = parse_yaml("devices: []\n", "e.yaml").unwrap();
+    assert!(raw.validate_for("e.yaml", Path::new("."), Mode::Exporter).is_ok());
+    let err = raw.validate("e.yaml", Path::new(".")).unwrap_err().to_string();
+    assert_eq!(err, "e.yaml: models: at least one model is needed");
+}
+
+#[test]
+fn duplicate_names_are_refused() {
+    let err = check(&format!("{BASE}  - name: cpu\n    provider: cpu\n    models: [enc]\n"))
+        .unwrap_err()
+        .to_string();
+    assert_eq!(err, "test.yaml: pools[1].name: `cpu` is defined twice");
+}
+
+#[test]
+fn builtin_names_are_checked_against_what_the_binary_ships() {
+    let cfg = check(&format!("policy: {{path: 'builtin:latency-first'}}\n{BASE}")).unwrap();
+    assert_eq!(cfg.policy.source, PolicySource::Builtin(BuiltinPolicy::LatencyFirst));
+    let err = check(&format!("policy: {{path: 'builtin:fastest'}}\n{BASE}"))
+        .unwrap_err()
+        .to_string();
+    assert_eq!(
+        err,
+        "test.yaml: policy.path: no builtin policy `fastest`; builtin policies are: default, latency-first, availability-first"
+    );
+    let tokenizer = Path::new(env!("CARGO_MANIFEST_DIR")).join("Cargo.toml");
+    let chat = |template: &str| {
+        check(&BASE.replace(
+            "builtin:encoder",
+            &format!(
+                "builtin:encoder\n    tokenizer: '{}'\n    chat_template: '{template}'",
+                tokenizer.display()
+            ),
+        ))
+    };
+    let cfg = chat("builtin:chatml").unwrap();
+    let template = cfg.models[0].chat_template.as_ref().expect("a chat template");
+    assert_eq!(template, &ChatTemplateSource::Builtin(BuiltinChatTemplate::Chatml));
+    assert_eq!(template.to_string(), "builtin:chatml");
+    assert_eq!(
+        chat("builtin:llama").unwrap_err().to_string(),
+        "test.yaml: models[0].chat_template: unknown builtin chat template `llama`; builtin: chatml"
+    );
+}

@@ -1,0 +1,110 @@
+//! `models:`: what is served, where its bytes come from, and what serves text generation.
+
+use std::collections::HashSet;
+use std::path::PathBuf;
+
+use super::{Checker, Spec};
+use crate::config::builtin::BuiltinChatTemplate;
+use crate::config::error::ConfigError;
+use crate::config::raw::{RawModel, RawProfile};
+use crate::config::types::{ChatTemplateSource, ConfiguredProfile, ContextAxis, Mode, ModelConfig};
+use crate::core::model::{BuiltinModel, ModelSource};
+
+/// `models:`, each named once; `serve` needs at least one.
+pub(super) fn models(c: &Checker, raw: &[RawModel], mode: Mode) -> Result<Vec<ModelConfig>, ConfigError> {
+    if raw.is_empty() && mode == Mode::Serve {
+        return Err(c.err("models", "at least one model is needed"));
+    }
+    let mut names = HashSet::new();
+    let mut models = Vec::new();
+    for (i, m) in raw.iter().enumerate() {
+        let key = format!("models[{i}]");
+        c.unique_name(&mut names, &m.name, format!("{key}.name"))?;
+        models.push(model(c, &key, m)?);
+    }
+    Ok(models)
+}
+
+fn model(c: &Checker, key: &str, m: &RawModel) -> Result<ModelConfig, ConfigError> {
+    let source = match c.builtin_or_file(&format!("{key}.path"), &m.path, "model", |name| {
+        BuiltinModel::from_name(name).ok_or_else(|| {
+            format!(
+                "no builtin model `{name}`; builtin models are: {}",
+                BuiltinModel::ALL.map(|b| b.name()).join(", ")
+            )
+        })
+    })? {
+        Spec::Builtin(model) => ModelSource::Builtin(model),
+        Spec::File(path) => ModelSource::File(path),
+    };
+    let context = m.context.as_ref().map(|ctx| ContextAxis {
+        input: ctx.input.clone(),
+        axis: ctx.axis,
+        keep: ctx.keep,
+    });
+    let profile = m.memory_profile.as_ref().map(|p| profile(c, key, p)).transpose()?;
+    let tokenizer = m
+        .tokenizer
+        .as_deref()
+        .map(|file| c.existing_file(&format!("{key}.tokenizer"), file, "tokenizer"))
+        .transpose()?;
+    let chat_template = m
+        .chat_template
+        .as_deref()
+        .map(|spec| chat_template(c, key, spec, tokenizer.as_ref()))
+        .transpose()?;
+    Ok(ModelConfig {
+        name: m.name.clone(),
+        source,
+        context,
+        allow_shrink: m.allow_shrink,
+        profile,
+        tokenizer,
+        chat_template,
+    })
+}
+
+fn profile(c: &Checker, key: &str, p: &RawProfile) -> Result<ConfiguredProfile, ConfigError> {
+    for (field, v) in [
+        ("per_token_bytes", p.per_token_bytes),
+        ("per_token_squared_bytes", p.per_token_squared_bytes),
+    ] {
+        if !v.is_finite() || v < 0.0 {
+            return Err(c.err(
+                format!("{key}.memory_profile.{field}"),
+                format!("expected a non-negative number of bytes, got {v}"),
+            ));
+        }
+    }
+    Ok(ConfiguredProfile {
+        weights_bytes: p.weights.map(|w| w.bytes()),
+        workspace_bytes: p.workspace.bytes(),
+        per_token_bytes: p.per_token_bytes,
+        per_token_squared_bytes: p.per_token_squared_bytes,
+    })
+}
+
+/// A chat template renders a conversation into a prompt for the tokenizer, so it needs one.
+fn chat_template(
+    c: &Checker,
+    key: &str,
+    spec: &str,
+    tokenizer: Option<&PathBuf>,
+) -> Result<ChatTemplateSource, ConfigError> {
+    let key = format!("{key}.chat_template");
+    if tokenizer.is_none() {
+        return Err(c.err(key, "a chat template needs `tokenizer` too: chat is text generation"));
+    }
+    let source = c.builtin_or_file(&key, spec, "chat template", |name| {
+        BuiltinChatTemplate::from_name(name).ok_or_else(|| {
+            format!(
+                "unknown builtin chat template `{name}`; builtin: {}",
+                BuiltinChatTemplate::ALL.map(|t| t.name()).join(", ")
+            )
+        })
+    })?;
+    Ok(match source {
+        Spec::Builtin(template) => ChatTemplateSource::Builtin(template),
+        Spec::File(path) => ChatTemplateSource::File(path),
+    })
+}
