@@ -130,3 +130,13 @@ pub(super) fn pool_headers(headers: &mut HeaderMap, pool: &Pool, degraded: Optio
         HeaderValue::from(pool.load().estimated_delay.as_millis() as u64),
     );
 }
+
+/// Says that the prompt was cut from `from` to `to` tokens, and what went.
+pub(super) fn shrink_headers(headers: &mut HeaderMap, from: u64, to: u64, cut: &str) {
+    if let Ok(v) = HeaderValue::from_str(&format!("{from}->{to}")) {
+        headers.insert(HeaderName::from_static(CONTEXT_HEADER), v);
+    }
+    if let Ok(v) = HeaderValue::from_str(cut) {
+        headers.insert(HeaderName::from_static(CONTEXT_CUT_HEADER), v);
+    }
+}
