@@ -31,7 +31,8 @@ pub(super) struct Receiving {
     waiting: bool,
 }
 
-/// Why a body read failed; the handler sees it as a failed read and the connection's request handler answers for it.
+/// Why a body read failed. The handler sees only a failed read; the connection, told by the
+/// [`Watch`], answers with the limit's refusal.
 #[derive(Debug, thiserror::Error)]
 #[error("request body refused ({0:?})")]
 struct Refused(HttpLimit);

@@ -14,7 +14,7 @@ use crate::config::Timeouts;
 use crate::telemetry::metrics::HttpLimit;
 
 /// A connection's phase, as [`Watch::phase`] holds it.
-pub(super) const HEAD: u8 = 0;
+const HEAD: u8 = 0;
 pub(super) const BUSY: u8 = 1;
 pub(super) const IDLE: u8 = 2;
 
