@@ -12,8 +12,8 @@
 //! silent replay. A chat request offering tools is never run twice once its first token is
 //! picked, streamed or not: a tool call may already have acted on the client's side.
 //!
-//! A request is read and checked into a job ([`job`], with chat's part in [`chat`]), then run and
-//! answered whole ([`answer`]) or streamed ([`stream`]).
+//! A request is read and checked into a job (`job`, with chat's part in `chat`), then run and
+//! answered whole (`answer`) or streamed (`stream`).
 
 mod answer;
 mod chat;
