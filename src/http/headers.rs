@@ -11,6 +11,8 @@ use axum::response::Response;
 use serde_json::{Value, json};
 use std::time::Duration;
 
+/// The client's `x-request-id` when it is usable (1 to 256 visible characters), else a new
+/// one: every answer and log line names its request.
 pub(super) fn request_id(headers: &HeaderMap) -> String {
     headers
         .get(REQUEST_ID)
@@ -20,6 +22,7 @@ pub(super) fn request_id(headers: &HeaderMap) -> String {
         .unwrap_or_else(|| uuid::Uuid::new_v4().to_string())
 }
 
+/// `response` with the request id header set.
 pub(super) fn with_request_id(mut response: Response, id: &str) -> Response {
     if let Ok(v) = HeaderValue::from_str(id) {
         response.headers_mut().insert(HeaderName::from_static(REQUEST_ID), v);
@@ -28,7 +31,7 @@ pub(super) fn with_request_id(mut response: Response, id: &str) -> Response {
 }
 
 /// A request with no inputs yet, from the headers every protocol shares: request id,
-/// deadline, priority and replayability. [`decode`] adds the tensors; a generation endpoint
+/// deadline, priority and replayability. The Open Inference Protocol adds the tensors; a generation endpoint
 /// builds its inputs itself.
 pub(super) fn decode_headers(
     service: &Service,
@@ -65,6 +68,8 @@ pub(super) fn decode_headers(
     })
 }
 
+/// A header parsed as `T`: absent is `None`, given twice or unparsable is a 400 saying it must
+/// be `expected`.
 pub(super) fn header_value<T: std::str::FromStr>(
     headers: &HeaderMap,
     name: &str,
@@ -129,4 +134,14 @@ pub(super) fn pool_headers(headers: &mut HeaderMap, pool: &Pool, degraded: Optio
         HeaderName::from_static(ESTIMATED_DELAY_HEADER),
         HeaderValue::from(pool.load().estimated_delay.as_millis() as u64),
     );
+}
+
+/// Says that the prompt was cut from `from` to `to` tokens, and what went.
+pub(super) fn shrink_headers(headers: &mut HeaderMap, from: u64, to: u64, cut: &str) {
+    if let Ok(v) = HeaderValue::from_str(&format!("{from}->{to}")) {
+        headers.insert(HeaderName::from_static(CONTEXT_HEADER), v);
+    }
+    if let Ok(v) = HeaderValue::from_str(cut) {
+        headers.insert(HeaderName::from_static(CONTEXT_CUT_HEADER), v);
+    }
 }

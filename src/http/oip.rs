@@ -22,6 +22,7 @@ use serde_json::{Map, Value, json};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
+/// `GET /v2`: the server's name, version and extensions.
 pub(super) async fn server_metadata(State(state): State<Arc<AppState>>) -> Json<Value> {
     Json(json!({
         "name": "vramguard",
@@ -31,10 +32,12 @@ pub(super) async fn server_metadata(State(state): State<Arc<AppState>>) -> Json<
     }))
 }
 
+/// `GET /v2/health/live`: the process answers.
 pub(super) async fn live() -> StatusCode {
     StatusCode::OK
 }
 
+/// `GET /v2/health/ready`: not shutting down, and some pool can take work.
 pub(super) async fn ready(State(state): State<Arc<AppState>>) -> Result<StatusCode, ApiError> {
     if state.shutting_down.load(Ordering::SeqCst) {
         return Err(ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "shutting down"));
@@ -46,7 +49,8 @@ pub(super) async fn ready(State(state): State<Arc<AppState>>) -> Result<StatusCo
     }
 }
 
-pub(super) fn check_version(version: &str) -> Result<(), ApiError> {
+/// Models have one version, `1`; any other is a 404.
+fn check_version(version: &str) -> Result<(), ApiError> {
     if version == "1" {
         Ok(())
     } else {
@@ -60,11 +64,13 @@ pub(super) fn check_version(version: &str) -> Result<(), ApiError> {
     }
 }
 
-pub(super) fn unknown_model(state: &AppState, model: &str) -> ApiError {
+/// The 404 for a model that is not configured, with the status a lifecycle refusal would get.
+fn unknown_model(state: &AppState, model: &str) -> ApiError {
     let error = RequestError::unknown_model(&state.service, model);
     ApiError::new(status_of(&error), error.to_string())
 }
 
+/// `GET /v2/models/{model}`: its tensors, the pools serving it and its memory profile.
 pub(super) async fn model_metadata(
     State(state): State<Arc<AppState>>,
     Path(model): Path<String>,
@@ -102,6 +108,7 @@ pub(super) async fn model_metadata(
     })))
 }
 
+/// `GET /v2/models/{model}/versions/{version}`.
 pub(super) async fn model_metadata_versioned(
     state: State<Arc<AppState>>,
     Path((model, version)): Path<(String, String)>,
@@ -110,6 +117,7 @@ pub(super) async fn model_metadata_versioned(
     model_metadata(state, Path(model)).await
 }
 
+/// `GET /v2/models/{model}/ready`: some ready pool serves it.
 pub(super) async fn model_ready(
     State(state): State<Arc<AppState>>,
     Path(model): Path<String>,
@@ -128,6 +136,7 @@ pub(super) async fn model_ready(
     }
 }
 
+/// `GET /v2/models/{model}/versions/{version}/ready`.
 pub(super) async fn model_ready_versioned(
     state: State<Arc<AppState>>,
     Path((model, version)): Path<(String, String)>,
@@ -136,6 +145,7 @@ pub(super) async fn model_ready_versioned(
     model_ready(state, Path(model)).await
 }
 
+/// `POST /v2/models/{model}/versions/{version}/infer`.
 pub(super) async fn infer_versioned(
     state: State<Arc<AppState>>,
     Path((model, version)): Path<(String, String)>,
@@ -169,7 +179,7 @@ pub(super) async fn infer(
 
 /// Decode, run and encode one request; also says whether it executed (its response is then
 /// what a duplicate with the same idempotency key must get).
-pub(super) async fn respond(
+async fn respond(
     state: &AppState,
     model: &str,
     id: &str,
@@ -209,7 +219,7 @@ pub(super) async fn respond(
 /// An `idempotency-key` request executes at most once: the first runs, duplicates in flight
 /// wait for it, later ones get its stored response, and the same key with another request is
 /// refused with 422 (IETF Idempotency-Key draft).
-pub(super) async fn idempotent(
+async fn idempotent(
     state: Arc<AppState>,
     model: String,
     id: String,
@@ -287,7 +297,7 @@ pub(super) async fn idempotent(
 }
 
 /// Buffer a response so it can be kept and sent again.
-pub(super) async fn store(response: Response) -> StoredResponse {
+async fn store(response: Response) -> StoredResponse {
     let (parts, body) = response.into_parts();
     let body = axum::body::to_bytes(body, usize::MAX).await.unwrap_or_default();
     StoredResponse {
@@ -301,7 +311,8 @@ pub(super) async fn store(response: Response) -> StoredResponse {
     }
 }
 
-pub(super) fn stored_response(stored: &StoredResponse) -> Response {
+/// A stored response, sent again.
+fn stored_response(stored: &StoredResponse) -> Response {
     let mut response = Response::new(axum::body::Body::from(stored.body.clone()));
     *response.status_mut() = StatusCode::from_u16(stored.status).unwrap_or(StatusCode::OK);
     for (name, value) in &stored.headers {
@@ -314,7 +325,7 @@ pub(super) fn stored_response(stored: &StoredResponse) -> Response {
 
 /// Decode the protocol's request and headers into a [`lifecycle::Request`]; the decoded form is
 /// kept for encoding the response (which outputs, binary or JSON).
-pub(super) fn decode(
+fn decode(
     service: &Service,
     model: &str,
     id: &str,
@@ -344,7 +355,9 @@ pub(super) fn decode(
     Ok((request, decoded))
 }
 
-pub(super) fn served_response(
+/// The answer to a request that ran: the encoded outputs, with the serving pool's facts in
+/// `parameters` and in headers.
+fn served_response(
     model: &str,
     id: &str,
     served: &lifecycle::Served,
@@ -414,11 +427,9 @@ pub(super) fn served_response(
     response
 }
 
-pub(super) fn refused_response(
-    refused: lifecycle::Refused,
-    id: &str,
-    degraded: Option<&crate::pool::degraded::Now>,
-) -> Response {
+/// The answer to a refused or failed request: its status, why, whether waiting helps, and
+/// the pool and degraded mode it met.
+fn refused_response(refused: lifecycle::Refused, id: &str, degraded: Option<&crate::pool::degraded::Now>) -> Response {
     let error = &refused.error;
     if status_of(error).is_server_error() && error.outcome() == crate::telemetry::metrics::Outcome::failed {
         tracing::error!(pool = refused.pool.as_ref().map(|p| p.name()), error = %error, "request failed");

@@ -1,0 +1,110 @@
+//! Running a checked [`Job`] and answering it: whole, as one completion object with the serving
+//! pool's facts in `x-vramguard-*` headers, or streamed ([`super::stream`]).
+
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use axum::http::{HeaderMap, HeaderName, HeaderValue};
+use axum::response::{IntoResponse, Response};
+use serde_json::{Value, json};
+use tokio::time::Instant;
+
+use super::chat::tool_calls_json;
+use super::error::OpenAiError;
+use super::job::{Api, Job};
+use super::stream::streamed;
+use crate::http::headers::{decode_headers, header_value, pool_headers, shrink_headers};
+use crate::http::state::AppState;
+use crate::protocol::headers::{ALLOW_SHRINK_HEADER, DECISION_HEADER};
+use crate::serve::generate;
+
+/// Seconds since the epoch, for a completion's `created`.
+pub(super) fn unix_now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+/// Run a checked job and answer it, streamed or whole.
+pub(super) async fn run(
+    state: &AppState,
+    headers: &HeaderMap,
+    job: Job,
+    id: &str,
+    received: Instant,
+) -> Result<Response, OpenAiError> {
+    let service = &state.service;
+    let mut base =
+        decode_headers(service, &job.model, id, headers, received).map_err(|e| OpenAiError::from_request(&e, id))?;
+    let entry = service.model(&job.model).expect("checked by text_model");
+    // Cutting a prompt changes the answer: only when the client (or the model's config) allows.
+    base.allow_shrink = header_value::<bool>(headers, ALLOW_SHRINK_HEADER, "`true` or `false`")
+        .map_err(|e| OpenAiError::from_request(&e, id))?
+        .unwrap_or(entry.config.allow_shrink);
+    let tokenizer = Arc::clone(entry.tokenizer.as_ref().expect("checked by text_model"));
+    if job.stream {
+        return streamed(state, job, id, base, tokenizer).await;
+    }
+    let generated = generate::generate(service, entry, job.prompt, &job.params, base, None)
+        .await
+        .map_err(|refused| {
+            let degraded = service.degraded.now();
+            let mut error = OpenAiError::from_request(&refused.error, id);
+            if let Some(d) = degraded {
+                error.message = format!("{} (degraded: {})", error.message, d.reason);
+            }
+            error
+        })?;
+    let body = whole(&job.api, &job.model, &generated, id);
+    let mut response = axum::Json(body).into_response();
+    let out = response.headers_mut();
+    out.insert(
+        HeaderName::from_static(DECISION_HEADER),
+        HeaderValue::from_static(generated.action.label()),
+    );
+    pool_headers(out, &generated.pool, service.degraded.now().as_ref());
+    if let Some((from, to, cut)) = &generated.shrunk {
+        shrink_headers(out, *from, *to, cut);
+    }
+    Ok(response)
+}
+
+/// A whole answer's body: the completion object, with chat's tool calls read back.
+fn whole(api: &Api, model: &str, generated: &generate::Generated, id: &str) -> Value {
+    let completion = generated.tokens.len();
+    let usage = json!({"prompt_tokens": generated.prompt_tokens, "completion_tokens": completion,
+                       "total_tokens": generated.prompt_tokens + completion});
+    match api {
+        Api::Completion => json!({
+            "id": format!("cmpl-{id}"),
+            "object": "text_completion",
+            "created": unix_now(),
+            "model": model,
+            "choices": [{"text": generated.text, "index": 0, "logprobs": null,
+                         "finish_reason": generated.finish.label()}],
+            "usage": usage,
+        }),
+        Api::Chat { tools } => {
+            let offered: Vec<&str> = tools.iter().map(String::as_str).collect();
+            let (prose, calls) = crate::runtime::chat::split_tool_calls(&generated.text, &offered);
+            let mut message = json!({"role": "assistant", "content": prose});
+            let finish = if calls.is_empty() {
+                generated.finish.label()
+            } else {
+                let prose = prose.trim();
+                message["content"] = if prose.is_empty() { Value::Null } else { json!(prose) };
+                message["tool_calls"] = tool_calls_json(&calls, id);
+                "tool_calls"
+            };
+            json!({
+                "id": format!("chatcmpl-{id}"),
+                "object": "chat.completion",
+                "created": unix_now(),
+                "model": model,
+                "choices": [{"index": 0, "message": message, "logprobs": null, "finish_reason": finish}],
+                "usage": usage,
+            })
+        }
+    }
+}

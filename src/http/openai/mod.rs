@@ -1,0 +1,82 @@
+//! OpenAI-compatible text generation: `GET /v1/models`, `POST /v1/completions` and
+//! `POST /v1/chat/completions`, with errors in OpenAI's shape (`{"error": {"message", "type",
+//! "param", "code"}}`), so clients built on the `openai` package work unchanged. Generation
+//! itself is [`crate::serve::generate`]; chat templates and tool calls are [`crate::runtime::chat`].
+//!
+//! `stream: true` answers with server-sent events: one chunk per piece of text, the last with
+//! `finish_reason` and `usage`, then `data: [DONE]`. The first chunk carries a `vramguard`
+//! object naming the pool that serves the request and, while degraded, why, that pool's limits
+//! and its estimated delay (the same facts a non-streamed answer has in `x-vramguard-*`
+//! headers). An error before the first token is an ordinary error response; after it, a final
+//! `error` event with the request id, the tokens already sent and how to resume, never a
+//! silent replay. A chat request offering tools is never run twice once its first token is
+//! picked, streamed or not: a tool call may already have acted on the client's side.
+//!
+//! A request is read and checked into a job (`job`, with chat's part in `chat`), then run and
+//! answered whole (`answer`) or streamed (`stream`).
+
+mod answer;
+mod chat;
+mod error;
+mod job;
+mod stream;
+
+pub use error::OpenAiError;
+
+use std::sync::Arc;
+
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::extract::rejection::BytesRejection;
+use axum::http::HeaderMap;
+use axum::response::{IntoResponse, Response};
+use serde_json::{Value, json};
+use tokio::time::Instant;
+
+use super::headers::{request_id, with_request_id};
+use super::state::AppState;
+
+/// `GET /v1/models`: the models that generate text (decoders with a tokenizer).
+pub async fn models(State(state): State<Arc<AppState>>) -> axum::Json<Value> {
+    let data: Vec<Value> = state
+        .service
+        .models
+        .iter()
+        .filter(|m| m.tokenizer.is_some())
+        .map(|m| json!({"id": m.config.name, "object": "model", "created": 0, "owned_by": "vramguard"}))
+        .collect();
+    axum::Json(json!({"object": "list", "data": data}))
+}
+
+/// `POST /v1/completions`.
+pub async fn completions(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    serve(&state, &headers, body, false).await
+}
+
+/// `POST /v1/chat/completions`.
+pub async fn chat_completions(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    serve(&state, &headers, body, true).await
+}
+
+/// Read, run and answer one request, the request id on every answer.
+async fn serve(state: &AppState, headers: &HeaderMap, body: Result<Bytes, BytesRejection>, chat: bool) -> Response {
+    let received = Instant::now();
+    let id = request_id(headers);
+    let result = match job::read_job(state, body, &id, chat) {
+        Ok(job) => answer::run(state, headers, job, &id, received).await,
+        Err(error) => Err(error),
+    };
+    let response = match result {
+        Ok(response) => response,
+        Err(error) => error.into_response(),
+    };
+    with_request_id(response, &id)
+}

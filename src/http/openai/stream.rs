@@ -1,0 +1,330 @@
+//! `stream: true`: the answer as server-sent events, one chunk per piece of text, the last with
+//! `finish_reason` and `usage`, then `data: [DONE]`. The first chunk names the serving pool; an
+//! error after it is a final `error` event saying what was sent and how to resume.
+
+use std::sync::Arc;
+
+use axum::body::Bytes;
+use axum::http::{HeaderValue, header};
+use axum::response::{IntoResponse, Response};
+use futures_util::StreamExt;
+use serde_json::{Value, json};
+
+use super::answer::unix_now;
+use super::chat::tool_calls_json;
+use super::error::OpenAiError;
+use super::job::{Api, Job};
+use crate::http::headers::{pool_facts, pool_headers, shrink_headers};
+use crate::http::state::AppState;
+use crate::pool::Pool;
+use crate::serve::generate;
+use crate::serve::lifecycle::RequestError;
+
+/// One server-sent event carrying `value` as JSON.
+fn event(value: &Value) -> Bytes {
+    Bytes::from(format!("data: {value}\n\n"))
+}
+
+/// Text that can be sent now: all of `text` but an unfinished UTF-8 sequence at its end and
+/// any tail that could still become one of the stop strings.
+fn sendable<'a>(text: &'a str, stop: &[String]) -> &'a str {
+    let mut end = text.trim_end_matches('\u{FFFD}').len();
+    // Nothing from a stop string on: the text ends before it.
+    if let Some(at) = stop.iter().filter_map(|s| text.find(s.as_str())).min() {
+        end = end.min(at);
+    }
+    for s in stop {
+        // The longest end of the text that is a beginning of the stop string waits.
+        for k in (1..s.len().min(end + 1)).rev() {
+            if text.is_char_boundary(end - k) && s.starts_with(&text[end - k..end]) {
+                end -= k;
+                break;
+            }
+        }
+    }
+    &text[..end]
+}
+
+/// A generation running in its own task: its tokens as they come, and its end.
+type Running = (
+    tokio::sync::mpsc::Receiver<generate::Token>,
+    tokio::task::JoinHandle<Result<generate::Generated, crate::serve::lifecycle::Refused>>,
+);
+
+/// `stream: true`: run the prompt first, so a refusal before the first token is an ordinary
+/// error response; then stream each piece of text as it is generated. A reader that goes away
+/// drops the stream and with it the channel: the generation stops at its next token and is
+/// counted `cancelled`.
+pub(super) async fn streamed(
+    state: &AppState,
+    job: Job,
+    id: &str,
+    base: crate::serve::lifecycle::Request,
+    tokenizer: Arc<tokenizers::Tokenizer>,
+) -> Result<Response, OpenAiError> {
+    let service = Arc::clone(&state.service);
+    let (tx, mut rx) = tokio::sync::mpsc::channel::<generate::Token>(64);
+    let task = tokio::spawn({
+        let service = Arc::clone(&service);
+        let model = job.model.clone();
+        let params = job.params.clone();
+        let prompt = job.prompt;
+        async move {
+            let entry = service.model(&model).expect("checked before");
+            generate::generate(&service, entry, prompt, &params, base, Some(tx)).await
+        }
+    });
+    // Text from a tool call's start on waits for the end, when the calls are read back.
+    let mut held = job.params.stop.clone();
+    if matches!(&job.api, Api::Chat { tools } if !tools.is_empty()) {
+        held.push(crate::runtime::chat::TOOL_CALL_OPEN.to_string());
+    }
+    let stream = Stream {
+        tokens: Vec::new(),
+        sent: 0,
+        running: None,
+        finished: None,
+        done: false,
+        pool: None,
+        held,
+        api: job.api,
+        id: id.to_string(),
+        model: job.model,
+        created: unix_now(),
+        tokenizer,
+        service,
+    };
+    // Until the first token, a failure is an ordinary error response. The channel closes
+    // without a token only when the generation ended before sending one.
+    match rx.recv().await {
+        Some(first) => {
+            let pool = Arc::clone(&first.pool);
+            let mut stream = Stream {
+                tokens: vec![first.id],
+                running: Some((rx, task)),
+                ..stream
+            };
+            let opening = stream.opening(&pool, first.shrunk.as_deref());
+            Ok(sse(stream, opening, &pool, first.shrunk.as_deref()))
+        }
+        None => match task.await {
+            Ok(Err(refused)) => Err(OpenAiError::from_request(&refused.error, id)),
+            // Ended before any token (the end-of-text token came first): only the last chunk.
+            Ok(Ok(generated)) => {
+                let pool = Arc::clone(&generated.pool);
+                let shrunk = generated.shrunk.clone();
+                let mut stream = Stream {
+                    finished: Some(Ok(generated)),
+                    ..stream
+                };
+                let opening = stream.opening(&pool, shrunk.as_ref());
+                Ok(sse(stream, opening, &pool, shrunk.as_ref()))
+            }
+            Err(e) => Err(OpenAiError::internal(format!("the generation task failed: {e}"), id)),
+        },
+    }
+}
+
+/// The state of a streamed completion.
+struct Stream {
+    tokens: Vec<u32>,
+    /// Bytes of text already sent.
+    sent: usize,
+    running: Option<Running>,
+    finished: Option<Result<generate::Generated, crate::serve::lifecycle::Refused>>,
+    done: bool,
+    /// The pool the last token came from, once the first chunk has named it.
+    pool: Option<String>,
+    /// Strings whose text waits: the stop strings, and a tool call's opening tag.
+    held: Vec<String>,
+    api: Api,
+    id: String,
+    model: String,
+    created: u64,
+    tokenizer: Arc<tokenizers::Tokenizer>,
+    service: Arc<crate::serve::service::Service>,
+}
+
+impl Stream {
+    /// One chunk: `text` (chat: the delta's `content`), and at the end why and the usage.
+    fn chunk(&self, delta: Value, finish: Option<&str>, usage: Option<Value>) -> Value {
+        let mut value = match &self.api {
+            Api::Completion => json!({
+                "id": format!("cmpl-{}", self.id), "object": "text_completion", "created": self.created,
+                "model": self.model,
+                "choices": [{"text": delta, "index": 0, "logprobs": null, "finish_reason": finish}],
+            }),
+            Api::Chat { .. } => json!({
+                "id": format!("chatcmpl-{}", self.id), "object": "chat.completion.chunk",
+                "created": self.created, "model": self.model,
+                "choices": [{"index": 0, "delta": if delta.is_object() { delta } else { json!({"content": delta}) },
+                             "logprobs": null, "finish_reason": finish}],
+            }),
+        };
+        if let Some(usage) = usage {
+            value["usage"] = usage;
+        }
+        value
+    }
+
+    /// The first chunk: chat's assistant role (completions: empty text), with the serving
+    /// pool's facts.
+    fn opening(&mut self, pool: &Arc<Pool>, shrunk: Option<&(u64, u64, String)>) -> Bytes {
+        let delta = match self.api {
+            Api::Completion => json!(""),
+            Api::Chat { .. } => json!({"role": "assistant", "content": ""}),
+        };
+        let mut value = self.chunk(delta, None, None);
+        value["vramguard"] = self.facts(pool);
+        if let Some((from, to, cut)) = shrunk {
+            value["vramguard"]["context"] = json!({"from": from, "to": to, "cut": cut});
+        }
+        event(&value)
+    }
+
+    /// Which pool serves the stream and, while degraded, why, its limits and expected delay.
+    fn facts(&mut self, pool: &Arc<Pool>) -> Value {
+        self.pool = Some(pool.name().to_string());
+        pool_facts(pool, self.service.degraded.now().as_ref())
+    }
+
+    /// The next bytes to send, or `None` when the stream is over.
+    async fn next(&mut self) -> Option<Bytes> {
+        if self.done {
+            return None;
+        }
+        loop {
+            if self.finished.is_none() {
+                let text = self.tokenizer.decode(&self.tokens, true).unwrap_or_default();
+                let ready = sendable(&text, &self.held);
+                if ready.len() > self.sent {
+                    let piece = ready[self.sent..].to_string();
+                    self.sent = ready.len();
+                    return Some(event(&self.chunk(json!(piece), None, None)));
+                }
+            }
+            if let Some(result) = self.finished.take() {
+                self.done = true;
+                let mut out = match result {
+                    Ok(generated) => self.last(&generated),
+                    Err(refused) => {
+                        let error = OpenAiError::from_request(&refused.error, &self.id);
+                        event(&json!({"error": {
+                            "message": format!("{}; {} tokens had been sent, and nothing was replayed", error.message, self.tokens.len()),
+                            "type": error.kind, "param": null, "code": null,
+                            "request_id": self.id,
+                            "tokens_sent": self.tokens.len(),
+                            "resume": "send the prompt followed by the text received so far, with max_tokens reduced by tokens_sent",
+                        }}))
+                        .to_vec()
+                    }
+                };
+                out.extend_from_slice(b"data: [DONE]\n\n");
+                return Some(Bytes::from(out));
+            }
+            let (rx, task) = self.running.as_mut()?;
+            match rx.recv().await {
+                Some(token) => {
+                    self.tokens.push(token.id);
+                    // Moved to another pool (a failover mid-stream): say so in the next chunk.
+                    if self.pool.as_deref() != Some(token.pool.name()) {
+                        let text = self.tokenizer.decode(&self.tokens, true).unwrap_or_default();
+                        let ready = sendable(&text, &self.held);
+                        let piece = ready.get(self.sent..).unwrap_or_default().to_string();
+                        self.sent = self.sent.max(ready.len());
+                        let mut value = self.chunk(json!(piece), None, None);
+                        value["vramguard"] = self.facts(&token.pool);
+                        return Some(event(&value));
+                    }
+                }
+                None => {
+                    let result = match task.await {
+                        Ok(result) => result,
+                        Err(e) => {
+                            tracing::warn!(request_id = %self.id, error = %e, "the generation task failed");
+                            Err(crate::serve::lifecycle::Refused {
+                                pool: None,
+                                error: RequestError::Failed { pool: String::new() },
+                            })
+                        }
+                    };
+                    self.finished = Some(result);
+                    self.running = None;
+                }
+            }
+        }
+    }
+
+    /// The rest of the text, chat's tool calls, why it ended and the usage.
+    fn last(&self, generated: &generate::Generated) -> Vec<u8> {
+        let usage = json!({"prompt_tokens": generated.prompt_tokens,
+                           "completion_tokens": generated.tokens.len(),
+                           "total_tokens": generated.prompt_tokens + generated.tokens.len()});
+        let offered: Vec<&str> = match &self.api {
+            Api::Chat { tools } => tools.iter().map(String::as_str).collect(),
+            Api::Completion => Vec::new(),
+        };
+        let (prose, calls) = if offered.is_empty() {
+            (generated.text.clone(), Vec::new())
+        } else {
+            crate::runtime::chat::split_tool_calls(&generated.text, &offered)
+        };
+        let rest = prose.get(self.sent..).unwrap_or_default();
+        if calls.is_empty() {
+            return event(&self.chunk(json!(rest), Some(generated.finish.label()), Some(usage))).to_vec();
+        }
+        let mut out = Vec::new();
+        if !rest.trim().is_empty() {
+            out.extend_from_slice(&event(&self.chunk(json!(rest.trim_end()), None, None)));
+        }
+        let mut calls = tool_calls_json(&calls, &self.id);
+        for (i, call) in calls.as_array_mut().into_iter().flatten().enumerate() {
+            call["index"] = json!(i);
+        }
+        out.extend_from_slice(&event(&self.chunk(json!({"tool_calls": calls}), None, None)));
+        out.extend_from_slice(&event(&self.chunk(json!({}), Some("tool_calls"), Some(usage))));
+        out
+    }
+}
+
+fn sse(stream: Stream, opening: Bytes, pool: &Pool, shrunk: Option<&(u64, u64, String)>) -> Response {
+    let degraded = stream.service.degraded.now();
+    let rest = futures_util::stream::unfold(stream, |mut stream| async move {
+        let bytes = stream.next().await?;
+        Some((Ok::<_, std::convert::Infallible>(bytes), stream))
+    });
+    let first = futures_util::stream::once(async move { Ok::<_, std::convert::Infallible>(opening) });
+    let mut response = axum::body::Body::from_stream(first.chain(rest)).into_response();
+    let headers = response.headers_mut();
+    headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
+    headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+    pool_headers(headers, pool, degraded.as_ref());
+    if let Some((from, to, cut)) = shrunk {
+        shrink_headers(headers, *from, *to, cut);
+    }
+    response
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn text_that_may_become_a_stop_string_or_is_an_unfinished_character_waits() {
+        let stop = vec![" GPU".to_string()];
+        assert_eq!(sendable("hello", &stop), "hello");
+        assert_eq!(sendable("hello G", &stop), "hello");
+        assert_eq!(sendable("hello GP", &stop), "hello");
+        assert_eq!(sendable("hello Gx", &stop), "hello Gx");
+        assert_eq!(sendable("hello GPUs", &stop), "hello");
+        assert_eq!(sendable("caf\u{FFFD}", &[]), "caf");
+    }
+
+    #[test]
+    fn a_tool_call_waits_from_its_opening_tag_on() {
+        let held = vec![crate::runtime::chat::TOOL_CALL_OPEN.to_string()];
+        assert_eq!(sendable("Let me check. <tool", &held), "Let me check. ");
+        assert_eq!(sendable("Let me check. <tool_call>{\"name\"", &held), "Let me check. ");
+        assert_eq!(sendable("a <b>", &held), "a <b>");
+    }
+}
