@@ -120,6 +120,7 @@ impl Sampler {
         });
     }
 
+    /// The snapshot of `reading` and the pools now.
     fn build(&self, reading: Reading) -> Snapshot {
         let mut devices: BTreeMap<String, DeviceState> = reading
             .devices
@@ -138,6 +139,43 @@ impl Sampler {
                 )
             })
             .collect();
+        let pools = self.pool_states(&mut devices);
+        for device in devices.values_mut() {
+            device.headroom_bytes = device.free_bytes + device.reserved_bytes.saturating_sub(device.active_bytes);
+        }
+        let processes = reading
+            .processes
+            .iter()
+            .map(|p| ProcessState {
+                pid: p.pid,
+                name: p.name.clone(),
+                service: attribute(&self.rules, p),
+                device: p.device.clone(),
+                used_bytes: p.used_bytes,
+            })
+            .collect();
+        let host = reading.host.map_or_else(
+            || HostState {
+                reserve_bytes: self.host_reserve,
+                ..HostState::default()
+            },
+            |h| HostState {
+                mem_available_bytes: h.available_bytes,
+                mem_total_bytes: h.total_bytes,
+                reserve_bytes: self.host_reserve,
+            },
+        );
+        Snapshot {
+            devices,
+            pools,
+            host,
+            processes,
+            degraded: self.degraded.as_ref().is_some_and(|d| d.now().is_some()),
+        }
+    }
+
+    /// Each pool's state now, its arena statistics added to its device's.
+    fn pool_states(&self, devices: &mut BTreeMap<String, DeviceState>) -> BTreeMap<String, PoolState> {
         let mut pools = BTreeMap::new();
         for pool in &self.pools {
             // Workers refresh their arena statistics after their next run (the next sample
@@ -176,38 +214,7 @@ impl Sampler {
                 },
             );
         }
-        for device in devices.values_mut() {
-            device.headroom_bytes = device.free_bytes + device.reserved_bytes.saturating_sub(device.active_bytes);
-        }
-        let processes = reading
-            .processes
-            .iter()
-            .map(|p| ProcessState {
-                pid: p.pid,
-                name: p.name.clone(),
-                service: attribute(&self.rules, p),
-                device: p.device.clone(),
-                used_bytes: p.used_bytes,
-            })
-            .collect();
-        let host = reading.host.map_or_else(
-            || HostState {
-                reserve_bytes: self.host_reserve,
-                ..HostState::default()
-            },
-            |h| HostState {
-                mem_available_bytes: h.available_bytes,
-                mem_total_bytes: h.total_bytes,
-                reserve_bytes: self.host_reserve,
-            },
-        );
-        Snapshot {
-            devices,
-            pools,
-            host,
-            processes,
-            degraded: self.degraded.as_ref().is_some_and(|d| d.now().is_some()),
-        }
+        pools
     }
 
     /// Sample every `interval`, and at once when `wake` is notified, until `cancel` fires; the
