@@ -5,10 +5,10 @@
 //! backend that panics is replaced.
 //!
 //! This file is the pool's public API: starting, submitting, restoring, shutting down. The
-//! [`Pool`] itself is in `shared.rs`, used by this file and by the worker threads (`worker.rs`);
-//! `queue.rs` is the bounded queue and its idle backends, `load.rs` the load and delay estimate,
-//! `health.rs` the breaker and recent failures, `arena.rs` the allocator statistics, `job.rs`
-//! a job and its errors, `context.rs` what a pool is given.
+//! [`Pool`](crate::pool::Pool) itself is in `shared.rs`, used by this file and by the worker
+//! threads (`worker.rs`); `queue.rs` is the bounded queue and its idle backends, `load.rs` the
+//! load and delay estimate, `health.rs` the breaker and recent failures, `arena.rs` the
+//! allocator statistics, `job.rs` a job and its errors, `context.rs` what a pool is given.
 
 pub mod activity;
 mod arena;
