@@ -163,7 +163,9 @@ fn references(src: &Path, file: &Path) -> Vec<Reference> {
     let name = file
         .strip_prefix(src.parent().expect("the project"))
         .expect("in the project");
-    let whole_file_is_test = file.file_name().is_some_and(|n| n == "tests.rs");
+    // `tests.rs`, or a file in a `tests/` folder under `src/` (a split test module).
+    let whole_file_is_test = file.file_name().is_some_and(|n| n == "tests.rs")
+        || file.strip_prefix(src).is_ok_and(|p| p.iter().any(|c| c == "tests"));
     let test_block = text.find("#[cfg(test)]\nmod tests").unwrap_or(text.len());
     let mut found = Vec::new();
     for (at, _) in text.match_indices("crate::").chain(text.match_indices("super::")) {

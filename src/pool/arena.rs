@@ -1,0 +1,83 @@
+//! The allocator statistics a pool publishes for the sampler, read only when worth a C API call,
+//! and the check of a run's admission estimate against what the arena really needed.
+
+use std::sync::PoisonError;
+use std::sync::atomic::Ordering;
+
+use crate::core::backend::{ArenaStats, Backend, BackendError};
+use crate::core::tensor::Tensor;
+use crate::pool::shared::Pool;
+
+impl Pool {
+    /// Ask the workers to read their allocator statistics after their next run (the sampler
+    /// calls this; reading them after every run would cost every request a C API call).
+    pub fn want_arena_stats(&self) {
+        self.stats_wanted.store(true, Ordering::Relaxed);
+    }
+
+    /// Latest allocator statistics reported by a worker.
+    pub fn arena_stats(&self) -> Option<ArenaStats> {
+        *self.arena.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Make `backend`'s statistics the pool's latest, when it has any.
+    pub(super) fn publish_stats(&self, backend: &dyn Backend) {
+        if let Some(stats) = backend.arena_stats() {
+            *self.arena.lock().unwrap_or_else(PoisonError::into_inner) = Some(stats);
+        }
+    }
+
+    /// After a run of request `request_id` whose estimate was `estimate` and which started with
+    /// the arena at `before`: refresh and publish the statistics when they are worth reading.
+    pub(super) fn stats_after_run(
+        &self,
+        backend: &mut dyn Backend,
+        request_id: &str,
+        estimate: Option<u64>,
+        before: Option<ArenaStats>,
+        result: &Result<Vec<Tensor>, BackendError>,
+    ) {
+        // Statistics cost a C API call: read them when the sampler asked, after a failure, or
+        // when this run may have set a new peak (its estimate is the largest yet) so the
+        // estimate can be checked against what the arena really needed.
+        let largest = estimate.unwrap_or(0);
+        let new_largest = largest > self.largest_estimate.fetch_max(largest, Ordering::Relaxed);
+        if self.stats_wanted.swap(false, Ordering::Relaxed) || new_largest || result.is_err() {
+            backend.refresh_arena_stats();
+            self.publish_stats(backend);
+            if new_largest {
+                check_estimate(request_id, estimate, before, backend.arena_stats(), result);
+            }
+        }
+    }
+}
+
+/// Log when an admission estimate turned out too low for a real run, with both numbers. The
+/// arena's all-time peak moves only when a run needs more than any before it; that run's need
+/// is the new peak minus what was already in use.
+fn check_estimate(
+    request_id: &str,
+    estimate: Option<u64>,
+    before: Option<ArenaStats>,
+    after: Option<ArenaStats>,
+    result: &Result<Vec<Tensor>, BackendError>,
+) {
+    let Some(estimate) = estimate else { return };
+    if let Err(BackendError::Allocation { message, .. }) = result {
+        tracing::warn!(request_id, estimate_bytes = estimate, onnxruntime = %message, "memory estimate too low: the run did not fit");
+        return;
+    }
+    if let (Some(before), Some(after)) = (before, after)
+        && after.peak_active_bytes > before.peak_active_bytes
+    {
+        let needed = after.peak_active_bytes.saturating_sub(before.active_bytes);
+        if needed > estimate {
+            tracing::warn!(
+                request_id,
+                estimate_bytes = estimate,
+                measured_bytes = needed,
+                "memory estimate too low"
+            );
+        }
+    }
+}

@@ -1,0 +1,56 @@
+//! What a pool needs from its surroundings besides its config and backends: a clock, metric
+//! handles, and a factory for replacement backends.
+
+use std::sync::Arc;
+
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::histogram::Histogram;
+
+use crate::core::backend::Backend;
+use crate::core::clock::{Clock, SystemClock};
+
+/// Metric handles a pool records into from its worker threads.
+#[derive(Debug, Clone)]
+pub struct PoolMetrics {
+    /// `vramguard_queue_wait_seconds{pool}`
+    pub queue_wait: Histogram,
+    /// `vramguard_allocator_failures_total{pool, device, kind="oom"}`
+    pub oom_failures: Counter,
+    /// `vramguard_allocator_failures_total{pool, device, kind="driver"}`
+    pub driver_failures: Counter,
+    /// `vramguard_breaker_recovery_seconds{pool}`: from the breaker opening to closing again.
+    pub breaker_recovery: Histogram,
+}
+
+impl PoolMetrics {
+    /// Handles registered nowhere (tests, benches).
+    pub fn detached() -> Self {
+        Self {
+            queue_wait: Histogram::new([0.001, 0.01, 0.1, 1.0, 10.0]),
+            oom_failures: Counter::default(),
+            driver_failures: Counter::default(),
+            breaker_recovery: Histogram::new([1.0, 10.0, 60.0, 600.0]),
+        }
+    }
+}
+
+/// What a pool needs from its surroundings besides its config and backends.
+#[derive(Debug, Clone)]
+pub struct PoolContext {
+    /// Time source for queue stamps and ages.
+    pub clock: Arc<dyn Clock>,
+    /// Metric handles.
+    pub metrics: PoolMetrics,
+}
+
+impl Default for PoolContext {
+    fn default() -> Self {
+        Self {
+            clock: Arc::new(SystemClock),
+            metrics: PoolMetrics::detached(),
+        }
+    }
+}
+
+/// Builds a fresh backend for a worker whose backend panicked (its state cannot be trusted).
+pub type Respawn = Arc<dyn Fn() -> Result<Box<dyn Backend>, String> + Send + Sync>;

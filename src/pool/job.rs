@@ -1,0 +1,144 @@
+//! One unit of work for a pool, the caller's handle to stop it, and why it may produce nothing.
+
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use crate::core::backend::{BackendError, Interrupt, RunMeta};
+use crate::core::tensor::Tensor;
+use crate::pool::activity::Progress;
+
+/// One unit of work for a pool.
+#[derive(Debug)]
+pub struct InferJob {
+    /// The request's identity and limits (its id for logs, its deadline).
+    pub meta: RunMeta,
+    /// Model name.
+    pub model: String,
+    /// Validated inputs.
+    pub inputs: Vec<Tensor>,
+    /// Outputs asked for, empty for all.
+    pub outputs: Vec<String>,
+    /// The admission estimate of the run's working memory (context + workspace), checked
+    /// against what the arena actually needed.
+    pub estimate_bytes: Option<u64>,
+    /// The breaker's half-open probe: its outcome closes or re-opens the breaker.
+    pub probe: bool,
+    /// Lets the caller stop the job: skipped if still queued, interrupted if running.
+    pub cancel: RunCancel,
+}
+
+/// A caller's handle to stop its job: before it starts the worker skips it, while it runs the
+/// backend's run is interrupted (ONNX Runtime's terminate flag), after it ends nothing happens.
+#[derive(Clone, Default)]
+pub struct RunCancel(Arc<Mutex<CancelState>>);
+
+#[derive(Default)]
+struct CancelState {
+    cancelled: bool,
+    interrupt: Option<Interrupt>,
+    /// The request the job belongs to: running from its first run's start.
+    progress: Progress,
+}
+
+impl std::fmt::Debug for RunCancel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RunCancel")
+            .field("cancelled", &self.lock().cancelled)
+            .finish()
+    }
+}
+
+impl RunCancel {
+    /// A handle for a job of the request whose progress is `progress`.
+    pub fn for_request(progress: Progress) -> Self {
+        RunCancel(Arc::new(Mutex::new(CancelState {
+            progress,
+            ..CancelState::default()
+        })))
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, CancelState> {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Stop the job. The interrupt is called under the lock the worker takes to end the run,
+    /// so it can never reach a later run of the same backend.
+    pub fn cancel(&self) {
+        let mut state = self.lock();
+        state.cancelled = true;
+        if let Some(interrupt) = state.interrupt.take() {
+            interrupt();
+        }
+    }
+
+    /// The run starts with `interrupt`; false if the job was cancelled already.
+    pub(super) fn start(&self, interrupt: Option<Interrupt>) -> bool {
+        let mut state = self.lock();
+        if state.cancelled {
+            return false;
+        }
+        state.interrupt = interrupt;
+        state.progress.started();
+        true
+    }
+
+    /// The run ended: nothing may interrupt this backend on this job's behalf any more.
+    pub(super) fn end(&self) {
+        self.lock().interrupt = None;
+    }
+}
+
+/// Why a job produced no outputs.
+#[derive(Debug, Clone, thiserror::Error, PartialEq)]
+pub enum PoolError {
+    /// The queue is at capacity.
+    #[error("pool `{pool}` queue is full ({capacity} waiting)")]
+    QueueFull {
+        /// Pool name.
+        pool: String,
+        /// Its capacity.
+        capacity: usize,
+    },
+    /// The request waited longer than the pool's `max_wait`.
+    #[error("pool `{pool}` did not start the request within {}ms", waited.as_millis())]
+    QueueTimeout {
+        /// Pool name.
+        pool: String,
+        /// How long it waited.
+        waited: Duration,
+    },
+    /// The client's deadline passed before the work could finish.
+    #[error("deadline exceeded in pool `{pool}`")]
+    DeadlineExceeded {
+        /// Pool name.
+        pool: String,
+    },
+    /// The pool is not taking work (shutting down).
+    #[error("pool `{pool}` is shutting down")]
+    ShuttingDown {
+        /// Pool name.
+        pool: String,
+    },
+    /// The pool's circuit breaker is open (or its one probe is out).
+    #[error("pool `{pool}` is not taking work: its circuit breaker is open after {why}")]
+    BreakerOpen {
+        /// Pool name.
+        pool: String,
+        /// Why it opened.
+        why: String,
+    },
+    /// The pool could not be started (e.g. no CUDA provider); the reason says why.
+    #[error("pool `{pool}` is unavailable: {reason}")]
+    Unavailable {
+        /// Pool name.
+        pool: String,
+        /// Why.
+        reason: String,
+    },
+    /// The backend failed.
+    #[error(transparent)]
+    Backend(#[from] BackendError),
+}
+
+/// What a finished job sends back.
+pub type JobResult = Result<Vec<Tensor>, PoolError>;

@@ -1,0 +1,260 @@
+//! The pool with fake backends: capacity, shutdown, abandoned and expired requests, queue age,
+//! allocator failures, an unavailable pool.
+
+use super::*;
+use crate::core::backend::{AllocFailureKind, ArenaStats, BackendError, RunMeta};
+use crate::core::tensor::{Tensor, TensorData};
+use std::sync::{Mutex, mpsc};
+
+/// A backend that echoes its inputs, optionally blocking until released.
+struct Echo {
+    gate: Option<Arc<Mutex<mpsc::Receiver<()>>>>,
+}
+
+impl Backend for Echo {
+    fn run(&mut self, _: &str, inputs: Vec<Tensor>, _: &[String], _: &RunMeta) -> Result<Vec<Tensor>, BackendError> {
+        if let Some(gate) = &self.gate {
+            gate.lock().unwrap().recv().unwrap();
+        }
+        Ok(inputs)
+    }
+    fn arena_stats(&self) -> Option<ArenaStats> {
+        None
+    }
+}
+
+fn config(capacity: usize) -> PoolConfig {
+    PoolConfig {
+        name: "p".into(),
+        provider: Provider::Cpu,
+        device: "host".into(),
+        models: vec!["m".into()],
+        workers: 1,
+        intra_threads: 1,
+        queue_capacity: capacity,
+        max_wait: Duration::from_secs(60),
+        arena_shrinkage: false,
+        max_context: None,
+        breaker: crate::core::breaker::BreakerConfig::default(),
+        fallback: None,
+    }
+}
+
+fn job(v: f32) -> InferJob {
+    InferJob {
+        meta: RunMeta::default(),
+        model: "m".into(),
+        inputs: vec![Tensor {
+            name: "x".into(),
+            shape: vec![1],
+            data: TensorData::Fp32(vec![v]),
+        }],
+        outputs: vec![],
+        estimate_bytes: None,
+        probe: false,
+        cancel: RunCancel::default(),
+    }
+}
+
+fn gated(capacity: usize) -> (Arc<Pool>, mpsc::Sender<()>) {
+    let (tx, rx) = mpsc::channel();
+    let gate = Arc::new(Mutex::new(rx));
+    let pool = Pool::start(
+        config(capacity),
+        DeviceClass::Host,
+        vec![Box::new(Echo { gate: Some(gate) })],
+        None,
+        PoolContext::default(),
+    );
+    (pool, tx)
+}
+
+fn wait_until(mut f: impl FnMut() -> bool) {
+    for _ in 0..2000 {
+        if f() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    panic!("condition not reached");
+}
+
+#[test]
+fn a_full_queue_refuses_and_accepted_work_completes() {
+    let (pool, release) = gated(1);
+    let first = pool.submit(job(1.0)).unwrap();
+    wait_until(|| pool.load().inflight == 1);
+    let second = pool.submit(job(2.0)).unwrap();
+    assert_eq!(pool.load().queue_depth, 1);
+    assert_eq!(
+        pool.submit(job(3.0)).unwrap_err(),
+        PoolError::QueueFull {
+            pool: "p".into(),
+            capacity: 1
+        }
+    );
+    release.send(()).unwrap();
+    release.send(()).unwrap();
+    assert_eq!(
+        first.blocking_recv().unwrap().unwrap()[0].data,
+        TensorData::Fp32(vec![1.0])
+    );
+    assert_eq!(
+        second.blocking_recv().unwrap().unwrap()[0].data,
+        TensorData::Fp32(vec![2.0])
+    );
+    assert!(pool.shutdown(Duration::from_secs(1)));
+}
+
+#[test]
+fn shutdown_answers_queued_work_and_lets_running_work_finish() {
+    let (pool, release) = gated(4);
+    let running = pool.submit(job(1.0)).unwrap();
+    wait_until(|| pool.load().inflight == 1);
+    let queued = pool.submit(job(2.0)).unwrap();
+    let closer = {
+        let pool = Arc::clone(&pool);
+        std::thread::spawn(move || pool.shutdown(Duration::from_secs(5)))
+    };
+    wait_until(|| !pool.is_ready());
+    assert_eq!(
+        queued.blocking_recv().unwrap().unwrap_err(),
+        PoolError::ShuttingDown { pool: "p".into() }
+    );
+    assert!(matches!(pool.submit(job(3.0)), Err(PoolError::ShuttingDown { .. })));
+    release.send(()).unwrap();
+    assert!(running.blocking_recv().unwrap().is_ok());
+    assert!(closer.join().unwrap());
+}
+
+#[test]
+fn a_request_whose_client_left_is_not_run() {
+    let (pool, release) = gated(4);
+    let running = pool.submit(job(1.0)).unwrap();
+    wait_until(|| pool.load().inflight == 1);
+    drop(pool.submit(job(2.0)).unwrap());
+    let third = pool.submit(job(3.0)).unwrap();
+    release.send(()).unwrap();
+    // Only one more release: if the abandoned job ran, the third would never finish.
+    release.send(()).unwrap();
+    assert!(running.blocking_recv().unwrap().is_ok());
+    assert_eq!(
+        third.blocking_recv().unwrap().unwrap()[0].data,
+        TensorData::Fp32(vec![3.0])
+    );
+    pool.shutdown(Duration::from_secs(1));
+}
+
+#[test]
+fn an_expired_deadline_is_reported_without_running() {
+    let pool = Pool::start(
+        config(4),
+        DeviceClass::Host,
+        vec![Box::new(Echo { gate: None })],
+        None,
+        PoolContext::default(),
+    );
+    let mut j = job(1.0);
+    j.meta.deadline = Some(Instant::now());
+    let rx = pool.submit(j).unwrap();
+    assert_eq!(
+        rx.blocking_recv().unwrap().unwrap_err(),
+        PoolError::DeadlineExceeded { pool: "p".into() }
+    );
+    pool.shutdown(Duration::from_secs(1));
+}
+
+#[test]
+fn queue_age_grows_while_a_request_waits_and_the_wait_is_recorded() {
+    let clock = Arc::new(crate::core::clock::ManualClock::default());
+    let metrics = PoolMetrics::detached();
+    let (tx, rx) = mpsc::channel();
+    let gate = Arc::new(Mutex::new(rx));
+    let context = PoolContext {
+        clock: clock.clone(),
+        metrics: metrics.clone(),
+    };
+    let pool = Pool::start(
+        config(4),
+        DeviceClass::Host,
+        vec![Box::new(Echo { gate: Some(gate) })],
+        None,
+        context,
+    );
+    let running = pool.submit(job(1.0)).unwrap();
+    wait_until(|| pool.load().inflight == 1);
+    let waiting = pool.submit(job(2.0)).unwrap();
+    assert_eq!(pool.load().oldest_age, Duration::ZERO);
+    clock.advance(Duration::from_secs(7));
+    assert_eq!(pool.load().oldest_age, Duration::from_secs(7));
+    clock.advance(Duration::from_secs(5));
+    assert_eq!(pool.load().oldest_age, Duration::from_secs(12));
+    tx.send(()).unwrap();
+    tx.send(()).unwrap();
+    running.blocking_recv().unwrap().unwrap();
+    waiting.blocking_recv().unwrap().unwrap();
+    assert_eq!(pool.load().oldest_age, Duration::ZERO);
+    let mut registry = prometheus_client::registry::Registry::default();
+    registry.register("wait", "", metrics.queue_wait.clone());
+    let mut text = String::new();
+    prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
+    assert!(
+        text.contains("wait_count 2\n") && text.contains("wait_sum 12.0\n"),
+        "{text}"
+    );
+    pool.shutdown(Duration::from_secs(1));
+}
+
+/// Fails every run with an arena failure.
+struct Full;
+
+impl Backend for Full {
+    fn run(&mut self, _: &str, _: Vec<Tensor>, _: &[String], _: &RunMeta) -> Result<Vec<Tensor>, BackendError> {
+        Err(BackendError::Allocation {
+            kind: AllocFailureKind::Oom,
+            message: "BFCArena::AllocateRawInternal".into(),
+        })
+    }
+    fn arena_stats(&self) -> Option<ArenaStats> {
+        None
+    }
+}
+
+#[test]
+fn allocator_failures_are_counted_and_age_out_of_the_recent_window() {
+    let clock = Arc::new(crate::core::clock::ManualClock::default());
+    let metrics = PoolMetrics::detached();
+    let context = PoolContext {
+        clock: clock.clone(),
+        metrics: metrics.clone(),
+    };
+    let pool = Pool::start(config(4), DeviceClass::Host, vec![Box::new(Full)], None, context);
+    for _ in 0..2 {
+        let result = pool.submit(job(1.0)).unwrap().blocking_recv().unwrap();
+        assert!(matches!(
+            result,
+            Err(PoolError::Backend(BackendError::Allocation { .. }))
+        ));
+    }
+    assert_eq!(metrics.oom_failures.get(), 2);
+    assert_eq!(metrics.driver_failures.get(), 0);
+    assert_eq!(pool.alloc_failures_recent(), 2);
+    clock.advance(RECENT_FAILURE_WINDOW + Duration::from_secs(1));
+    assert_eq!(pool.alloc_failures_recent(), 0);
+    pool.shutdown(Duration::from_secs(1));
+}
+
+#[test]
+fn an_unavailable_pool_says_why() {
+    let pool = Pool::unavailable(
+        config(4),
+        DeviceClass::Nvml,
+        "no NVIDIA driver".into(),
+        PoolContext::default(),
+    );
+    assert!(!pool.is_ready());
+    assert_eq!(
+        pool.submit(job(1.0)).unwrap_err().to_string(),
+        "pool `p` is unavailable: no NVIDIA driver"
+    );
+}

@@ -1,0 +1,167 @@
+//! The worker threads: each takes a queued job with an idle backend, skips what no longer needs
+//! running, runs the rest with panics caught, and replaces a backend that panicked (or gives the
+//! pool up once none is left).
+
+use std::panic::AssertUnwindSafe;
+use std::sync::{Arc, PoisonError};
+use std::time::Instant;
+
+use crate::core::backend::{Backend, BackendError};
+use crate::pool::job::{InferJob, JobResult, PoolError};
+use crate::pool::queue::Queued;
+use crate::pool::shared::{Availability, Pool};
+
+impl Pool {
+    /// Start `count` worker threads, named after the pool.
+    pub(super) fn spawn_workers(self: &Arc<Self>, count: usize) {
+        let mut handles = Vec::new();
+        for i in 0..count {
+            let worker_pool = Arc::clone(self);
+            let handle = std::thread::Builder::new()
+                .name(format!("{}-worker-{i}", self.config.name))
+                .spawn(move || worker_pool.work())
+                .expect("spawning a worker thread");
+            handles.push(handle);
+        }
+        *self.workers.lock().unwrap_or_else(|e| e.into_inner()) = handles;
+    }
+
+    /// One worker thread's loop, until the queue closes.
+    fn work(&self) {
+        while let Some((Queued { job, enqueued, reply }, mut backend)) = self.queue.next() {
+            let waited = self.context.clock.now().saturating_duration_since(enqueued);
+            self.context.metrics.queue_wait.observe(waited.as_secs_f64());
+            let skip = if reply.is_closed() {
+                // The client went away while queued: do not spend the device on it.
+                tracing::debug!(request_id = %job.meta.request_id, pool = self.name(), "client gone before start; skipped");
+                Some(None)
+            } else if waited > self.config.max_wait {
+                Some(Some(Err(PoolError::QueueTimeout {
+                    pool: self.name().to_string(),
+                    waited,
+                })))
+            } else if job.meta.deadline.is_some_and(|d| self.context.clock.now() >= d) {
+                Some(Some(Err(PoolError::DeadlineExceeded {
+                    pool: self.name().to_string(),
+                })))
+            } else if !{
+                backend.clear_interrupt();
+                job.cancel.start(backend.interrupt_handle())
+            } {
+                // Cancelled while queued. Registered last, so only a job that runs holds the
+                // backend's interrupt (and `run_one` always ends it).
+                tracing::debug!(request_id = %job.meta.request_id, pool = self.name(), "cancelled before start; skipped");
+                Some(None)
+            } else {
+                None
+            };
+            let result = if let Some(skipped) = skip {
+                if job.probe {
+                    self.probe_unused();
+                }
+                skipped
+            } else {
+                let (result, kept) = self.run_one(backend, job);
+                backend = match kept {
+                    Some(backend) => backend,
+                    None => {
+                        self.queue.finish(None);
+                        let _ = reply.send(result);
+                        continue;
+                    }
+                };
+                Some(result)
+            };
+            self.queue.finish(Some(backend));
+            if let Some(result) = result {
+                let _ = reply.send(result);
+            }
+        }
+    }
+
+    /// Run one job. A panicking backend is caught here: the request gets
+    /// [`BackendError::Panicked`] and the backend is replaced by a fresh one, since the old one
+    /// may hold half-updated state; `None` comes back when no replacement could be built.
+    fn run_one(&self, mut backend: Box<dyn Backend>, job: InferJob) -> (JobResult, Option<Box<dyn Backend>>) {
+        let started = Instant::now();
+        let before = backend.arena_stats();
+        let job_probe = job.probe;
+        let run = std::panic::catch_unwind(AssertUnwindSafe(|| {
+            backend.run(&job.model, job.inputs, &job.outputs, &job.meta)
+        }));
+        job.cancel.end();
+        self.runs.record(started.elapsed());
+        let result = match run {
+            Ok(result) => result,
+            Err(panic) => {
+                let message = panic_message(panic.as_ref());
+                tracing::error!(request_id = %job.meta.request_id, pool = self.name(), model = %job.model, panic = %message, "the backend panicked; replacing it");
+                drop(backend);
+                let replacement = match &self.respawn {
+                    Some(respawn) => respawn(),
+                    None => Err("this pool cannot rebuild a backend".into()),
+                };
+                let kept = match replacement {
+                    Ok(fresh) => Some(fresh),
+                    Err(reason) => {
+                        self.lose_backend(reason);
+                        None
+                    }
+                };
+                return (Err(PoolError::Backend(BackendError::Panicked(message))), kept);
+            }
+        };
+        self.stats_after_run(
+            backend.as_mut(),
+            &job.meta.request_id,
+            job.estimate_bytes,
+            before,
+            &result,
+        );
+        match &result {
+            Err(BackendError::Allocation { kind, .. }) => self.record_failure(*kind),
+            Err(BackendError::Remote { kind, message }) => self.record_remote_failure(&format!("{kind}: {message}")),
+            Ok(_) => self.record_success(),
+            // Not the device's fault (bad input, a model error): the breaker does not move,
+            // but a probe that ended this way hands the turn on.
+            Err(_) if job_probe => self.probe_unused(),
+            Err(_) => {}
+        }
+        match &result {
+            Err(BackendError::Cancelled) => {
+                tracing::debug!(request_id = %job.meta.request_id, pool = self.name(), "run stopped: the client went away")
+            }
+            Err(e) => {
+                tracing::warn!(request_id = %job.meta.request_id, pool = self.name(), model = %job.model, error = %e, "inference failed")
+            }
+            Ok(_) => {}
+        }
+        (result.map_err(PoolError::from), Some(backend))
+    }
+
+    /// A backend could not be replaced. When the last one is gone the pool becomes unavailable
+    /// and answers what is still queued, so nothing waits for a backend that will not come.
+    fn lose_backend(&self, reason: String) {
+        tracing::error!(pool = self.name(), %reason, "a backend is lost: it panicked and could not be rebuilt");
+        if !self.queue.lose_backend() {
+            return;
+        }
+        let reason = format!("every backend is lost: {reason}");
+        *self.availability.write().unwrap_or_else(PoisonError::into_inner) = Availability::Unavailable(reason.clone());
+        let drained: Vec<Queued> = self.queue.drain();
+        for queued in drained {
+            let _ = queued.reply.send(Err(PoolError::Unavailable {
+                pool: self.name().to_string(),
+                reason: reason.clone(),
+            }));
+        }
+    }
+}
+
+fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+    panic
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "(no message)".into())
+}
