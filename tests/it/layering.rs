@@ -168,7 +168,8 @@ fn references(src: &Path, file: &Path) -> Vec<Reference> {
         || file.strip_prefix(src).is_ok_and(|p| p.iter().any(|c| c == "tests"));
     let test_block = text.find("#[cfg(test)]\nmod tests").unwrap_or(text.len());
     let mut found = Vec::new();
-    for (at, _) in text.match_indices("crate::").chain(text.match_indices("super::")) {
+    let starts = ["crate::", "super::", "self::"].map(|s| text.match_indices(s));
+    for (at, _) in starts.into_iter().flatten() {
         if at > 0 && (is_ident(text[..at].chars().last().expect("a char")) || text[..at].ends_with("::")) {
             continue; // `$crate::`, `vramguard_crate::`, or the middle of `super::super::`
         }
@@ -176,6 +177,9 @@ fn references(src: &Path, file: &Path) -> Vec<Reference> {
         let mut i = at;
         if text[at..].starts_with("crate::") {
             i += "crate::".len();
+        } else if text[at..].starts_with("self::") {
+            base = module.clone();
+            i += "self::".len();
         } else {
             base = module.clone();
             // A `tests.rs` file or an inline `mod tests` is one level below its file's module.
@@ -291,6 +295,22 @@ fn unit(modules: &BTreeSet<Vec<String>>, path: &[String]) -> String {
     }
 }
 
+/// The graph of second-level modules that the non-test references draw: for each module, the
+/// modules it uses, each with the first reference that does.
+fn graph<'a>(
+    refs: &'a [Reference],
+    modules: &BTreeSet<Vec<String>>,
+) -> BTreeMap<String, BTreeMap<String, &'a Reference>> {
+    let mut edges: BTreeMap<String, BTreeMap<String, &Reference>> = BTreeMap::new();
+    for r in refs.iter().filter(|r| !r.in_test) {
+        let (from, to) = (unit(modules, &r.from), unit(modules, &r.to));
+        if from != to {
+            edges.entry(from).or_default().entry(to).or_insert(r);
+        }
+    }
+    edges
+}
+
 fn describe(r: &Reference) -> String {
     format!(
         "{}:{}: `{}` uses `crate::{}`",
@@ -369,13 +389,7 @@ fn no_module_uses_a_layer_above_its_own() {
 #[test]
 fn the_modules_form_no_import_cycle() {
     let (_, refs, modules) = all_references();
-    let mut edges: BTreeMap<String, BTreeMap<String, &Reference>> = BTreeMap::new();
-    for r in refs.iter().filter(|r| !r.in_test) {
-        let (from, to) = (unit(&modules, &r.from), unit(&modules, &r.to));
-        if from != to {
-            edges.entry(from).or_default().entry(to).or_insert(r);
-        }
-    }
+    let mut edges = graph(&refs, &modules);
     let mut cycles = Vec::new();
     while let Some(cycle) = find_cycle(&edges) {
         // Report each cycle once: drop its last edge and look again.
@@ -399,7 +413,7 @@ fn the_check_catches_a_planted_upward_import_and_cycle() {
     let planted = src.join("core/clock.rs");
     std::fs::write(
         &planted,
-        "//! crate::http in a comment is not a use\nuse crate::{pool::Pool, core::x};\nconst S: &str = \"crate::http\";\nfn f() { super::clock::now(); }\n",
+        "//! crate::http in a comment is not a use\nuse crate::{pool::Pool, core::x};\nconst S: &str = \"crate::http\";\nfn f() { super::clock::now(); self::g(); }\n",
     )
     .unwrap();
     let found = references(&src, &planted);
@@ -409,6 +423,7 @@ fn the_check_catches_a_planted_upward_import_and_cycle() {
         ["src/core/clock.rs:2: `core` uses `crate::pool::Pool`, from the layer `pool` above it"]
     );
     assert!(found.iter().any(|r| r.to == ["core", "clock", "now"]), "{found:?}");
+    assert!(found.iter().any(|r| r.to == ["core", "clock", "g"]), "{found:?}");
 
     let a = src.join("pool/mod.rs");
     let b = src.join("pool/sequences.rs");
@@ -416,14 +431,7 @@ fn the_check_catches_a_planted_upward_import_and_cycle() {
     std::fs::write(&b, "use super::Pool;\n").unwrap();
     let refs: Vec<Reference> = [a, b].iter().flat_map(|f| references(&src, f)).collect();
     let modules: BTreeSet<Vec<String>> = [vec!["pool".to_string()], vec!["pool".into(), "sequences".into()]].into();
-    let mut edges: BTreeMap<String, BTreeMap<String, &Reference>> = BTreeMap::new();
-    for r in &refs {
-        edges
-            .entry(unit(&modules, &r.from))
-            .or_default()
-            .insert(unit(&modules, &r.to), r);
-    }
-    let cycle = find_cycle(&edges).expect("a cycle");
+    let cycle = find_cycle(&graph(&refs, &modules)).expect("a cycle");
     assert_eq!(
         cycle,
         [
