@@ -19,6 +19,10 @@
 //! function of what was probed, so the verdicts are unit-tested without a GPU or a server. The
 //! only thing doctor changes is a CUDA session it opens and drops when the CUDA provider can be
 //! tried; it never loads the config's models (`vramguard config check` does).
+//!
+//! `checks` holds the checks of the installation (config, ONNX Runtime, CUDA, policy, host),
+//! `devices` those of NVIDIA devices and attribution, `server` the running server's, and
+//! `client` the few GETs that ask it.
 
 mod checks;
 mod client;

@@ -13,6 +13,9 @@
 //! the bundled encoder and decoder fixture); `--target` drives a running one started with the
 //! drill's config (`vramguard drill --print-config`), with `VRAMGUARD_ADMIN_TOKEN` for its admin
 //! API. The drill only ever talks to the target it was given.
+//!
+//! `phases` says what each phase sends and expects, `client` sends it, `record` keeps what came
+//! back, `report` judges it; `server` is the drill's own server and `progress` its terminal line.
 
 mod client;
 mod phases;

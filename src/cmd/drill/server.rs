@@ -5,9 +5,9 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 /// The decoder fixture, carried in the binary so the drill runs anywhere.
-pub(super) const DECODER_MODEL: &[u8] = include_bytes!("../../../models/decoder/model.onnx");
+const DECODER_MODEL: &[u8] = include_bytes!("../../../models/decoder/model.onnx");
 /// The decoder fixture's tokenizer.
-pub(super) const DECODER_TOKENIZER: &[u8] = include_bytes!("../../../models/decoder/tokenizer.json");
+const DECODER_TOKENIZER: &[u8] = include_bytes!("../../../models/decoder/tokenizer.json");
 
 /// A running server of the drill's config.
 pub(super) struct OwnServer {
@@ -54,10 +54,10 @@ impl OwnServer {
 }
 
 /// A folder of its own, removed when dropped.
-pub(super) struct TempDir(PathBuf);
+struct TempDir(PathBuf);
 
 impl TempDir {
-    pub(super) fn new() -> Result<TempDir, String> {
+    fn new() -> Result<TempDir, String> {
         let dir = std::env::temp_dir().join(format!(
             "vramguard-drill-{}-{}",
             std::process::id(),
