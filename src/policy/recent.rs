@@ -5,7 +5,7 @@ use std::collections::VecDeque;
 use std::sync::Mutex;
 use std::time::SystemTime;
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::core::snapshot::{Action, Decision};
 
@@ -13,7 +13,7 @@ use crate::core::snapshot::{Action, Decision};
 pub const KEPT: usize = 20;
 
 /// One decision as shown.
-#[derive(Debug, Clone, Serialize, PartialEq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct RecentDecision {
     /// When it was taken (milliseconds since the Unix epoch).
     pub unix_ms: u64,

@@ -1,7 +1,11 @@
 //! The verdicts, from plain probed facts: no GPU, no ONNX Runtime, no server.
 
+use super::server::client_url;
 use super::*;
-use crate::core::snapshot::DeviceClass;
+use crate::config::ServiceRule;
+use crate::core::snapshot::{DeviceClass, ProcessState};
+use crate::device::nvml::Inventory;
+use crate::device::{HostMemory, Reading};
 
 const MIB: u64 = 1 << 20;
 
@@ -156,22 +160,36 @@ fn no_nvidia_driver_is_information_on_a_simulated_config_and_a_failure_on_an_nvi
     assert!(check.fix.unwrap().contains("NVIDIA driver"));
 }
 
+/// A `/status` of a server degraded by its `gpu` pool, its `cpu` pool serving.
+fn degraded_status() -> crate::protocol::status::StatusReport {
+    use crate::core::snapshot::BreakerState;
+    use crate::protocol::status::PoolAvailability;
+    let mut status = crate::protocol::status::tests::report();
+    status.config = "x.yaml".into();
+    status.degraded.reason = Some("pool `gpu` is unavailable".into());
+    status.pools.retain(|p| p.name == "gpu" || p.name == "cpu");
+    let gpu = &mut status.pools[0];
+    (gpu.breaker, gpu.state) = (BreakerState::Open, PoolAvailability::Unavailable);
+    status.policy.last_error = None;
+    status
+}
+
 #[test]
 fn nothing_listening_is_a_warning_and_a_refused_token_a_failure() {
     let not_running = check_server(&ServerProbe::Unreachable {
         url: "http://127.0.0.1:8080".into(),
-        failure: http::Failure::NotListening("connection refused".into()),
+        failure: Failure::NotListening("connection refused".into()),
     });
     assert_eq!(not_running.status, Status::Warn);
     assert!(not_running.summary.contains("not running there"));
 
     let answered = |admin: u16, token: Token| ServerProbe::Answered {
         url: "http://127.0.0.1:8080".into(),
-        ready: http::Response {
+        ready: Response {
             status: 200,
             body: String::new(),
         },
-        admin: Ok(http::Response {
+        admin: Ok(Response {
             status: admin,
             body: if admin == 200 {
                 r#"{"authorized": true, "auth": "socket"}"#.into()
@@ -179,14 +197,9 @@ fn nothing_listening_is_a_warning_and_a_refused_token_a_failure() {
                 r#"{"error": "admin endpoints need `Authorization: Bearer <token>`"}"#.into()
             },
         }),
-        status: Ok(http::Response {
+        status: Ok(Response {
             status: 200,
-            body: r#"{"version": "0.1.0", "config": "x.yaml", "onnxruntime": "1.31.1",
-                      "degraded": {"active": true, "reason": "pool `gpu` is unavailable"},
-                      "pools": [{"name": "gpu", "breaker": "open", "state": "unavailable"},
-                                {"name": "cpu", "breaker": "closed", "state": "ready"}],
-                      "policy": {"last_error": null}}"#
-                .into(),
+            body: serde_json::to_string(&degraded_status()).unwrap(),
         }),
         token,
     };

@@ -1,18 +1,20 @@
 //! The drill's verdict: a table per phase and the drill's pass criteria.
 
+use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::time::Duration;
 
 use serde::Serialize;
 
-use super::{Facts, Record, Samples, by_phase, percentile};
+use super::{Facts, Phase, Record, Samples};
+use crate::core::snapshot::Action;
 use crate::telemetry::logging::human_bytes;
 
 /// One phase, summed up.
 #[derive(Debug, Clone, Serialize)]
 pub struct PhaseSummary {
-    /// Its name.
-    pub phase: &'static str,
+    /// Which phase.
+    pub phase: Phase,
     /// Requests sent.
     pub requests: usize,
     /// Answered 200.
@@ -62,146 +64,24 @@ pub struct Report {
 impl Report {
     /// Sum up the records and judge them against the drill's criteria.
     pub(super) fn judge(
-        phases: &[&'static str],
+        phases: &[Phase],
         records: Vec<Record>,
-        samples: Vec<Samples>,
+        samples: BTreeMap<Phase, Samples>,
         facts: Facts,
         host_reserve: u64,
         took: Duration,
     ) -> Report {
-        let grouped = by_phase(&records);
-        let summaries: Vec<PhaseSummary> = phases
-            .iter()
-            .enumerate()
-            .map(|(i, &phase)| {
-                let rs = grouped.get(phase).cloned().unwrap_or_default();
-                let latencies: Vec<f64> = rs.iter().filter(|r| r.status.is_some()).map(|r| r.latency_ms).collect();
-                PhaseSummary {
-                    phase,
-                    requests: rs.len(),
-                    succeeded: rs.iter().filter(|r| r.status == Some(200)).count(),
-                    as_expected: rs.iter().filter(|r| r.as_expected).count(),
-                    p50_ms: percentile(&latencies, 50.0),
-                    p95_ms: percentile(&latencies, 95.0),
-                    max_queue_age_ms: samples.get(i).map_or(0, |s| s.max_queue_age_ms),
-                    min_host_available_bytes: samples.get(i).and_then(|s| s.min_host_available),
-                }
-            })
-            .collect();
-
-        let mut criteria = Vec::new();
-        // Each with what happened instead, so a failed run explains itself.
-        let unexpected: Vec<String> = records
-            .iter()
-            .filter(|r| !r.as_expected)
-            .map(|r| {
-                format!(
-                    "{} (expected {}; got {} on {}{}{})",
-                    r.id,
-                    r.expect,
-                    r.status.map_or_else(|| "no answer".to_string(), |s| s.to_string()),
-                    r.pool.as_deref().unwrap_or("no pool"),
-                    r.retry.as_deref().map(|x| format!(", retry {x}")).unwrap_or_default(),
-                    r.first_failure
-                        .as_deref()
-                        .map(|f| format!(", {}", crate::telemetry::logging::clipped(f, 160)))
-                        .unwrap_or_default()
-                )
-            })
-            .collect();
-        criteria.push(Criterion {
-            name: "every request as its phase expects",
-            measured: if unexpected.is_empty() {
-                format!("{} of {}", records.len(), records.len())
-            } else {
-                format!(
-                    "{} of {}; not: {}",
-                    records.len() - unexpected.len(),
-                    records.len(),
-                    unexpected.join("; ")
-                )
-            },
-            passed: unexpected.is_empty() && !records.is_empty(),
-        });
-        // A non-replayable request that was served by the fallback ran twice.
-        let moved = records
-            .iter()
-            .filter(|r| r.phase == "non_replayable" && r.pool.as_deref() == Some(super::CPU))
-            .count() as u64;
-        let duplicates = facts.duplicate_runs + moved;
-        criteria.push(Criterion {
-            name: "duplicate executions",
-            measured: duplicates.to_string(),
-            passed: duplicates == 0,
-        });
-        let lost: Vec<&str> = records
-            .iter()
-            .filter(|r| r.connection_held && r.status.is_none())
-            .map(|r| r.id.as_str())
-            .collect();
-        criteria.push(Criterion {
-            name: "accepted but lost",
-            measured: if lost.is_empty() {
-                format!(
-                    "0 ({} clients hung up on purpose, {} counted cancelled by the server)",
-                    facts.hung_up, facts.cancelled_counted
-                )
-            } else {
-                format!("{}: {}", lost.len(), lost.join(", "))
-            },
-            passed: lost.is_empty(),
-        });
-        let answered: Vec<&Record> = records.iter().filter(|r| r.status.is_some()).collect();
-        let changed: Vec<&str> = answered.iter().filter(|r| !r.id_kept).map(|r| r.id.as_str()).collect();
-        criteria.push(Criterion {
-            name: "request identity kept (x-request-id)",
-            measured: if changed.is_empty() {
-                format!("{} of {}", answered.len(), answered.len())
-            } else {
-                format!("not on: {}", changed.join(", "))
-            },
-            passed: changed.is_empty() && !answered.is_empty(),
-        });
-        let equal = facts.token_equivalence.iter().filter(|(_, same)| *same).count();
-        criteria.push(Criterion {
-            name: "replayed generations token-equivalent",
-            measured: format!("{equal} of {}", facts.token_equivalence.len()),
-            passed: !facts.token_equivalence.is_empty() && equal == facts.token_equivalence.len(),
-        });
-        criteria.push(Criterion {
-            name: "breaker recovery after restore",
-            measured: facts
-                .breaker_recovery_ms
-                .map_or_else(|| "did not recover within 60 s".to_string(), |ms| format!("{ms:.0} ms")),
-            passed: facts.breaker_recovery_ms.is_some(),
-        });
-        let redirected: Vec<&Record> = records
-            .iter()
-            .filter(|r| r.status == Some(200) && r.decision.as_deref() == Some("redirect"))
-            .collect();
-        let flagged = redirected.iter().filter(|r| r.degraded.is_some()).count();
-        criteria.push(Criterion {
-            name: "redirected answers carrying x-vramguard-degraded",
-            measured: format!(
-                "{flagged} of {} ({:.0}%)",
-                redirected.len(),
-                100.0 * flagged as f64 / redirected.len().max(1) as f64
-            ),
-            passed: !redirected.is_empty() && flagged == redirected.len(),
-        });
-        let lowest = summaries.iter().filter_map(|s| s.min_host_available_bytes).min();
-        criteria.push(Criterion {
-            name: "host memory stays above its reserve",
-            measured: match lowest {
-                Some(low) => format!(
-                    "lowest {} available, reserve {}",
-                    human_bytes(low),
-                    human_bytes(host_reserve)
-                ),
-                None => "never sampled".to_string(),
-            },
-            passed: lowest.is_some_and(|low| low > host_reserve),
-        });
+        let summaries = summarise(phases, &records, &samples);
+        let criteria = vec![
+            as_expected(&records),
+            duplicates(&records, &facts),
+            lost(&records, &facts),
+            identity(&records),
+            token_equivalence(&facts),
+            recovery(&facts),
+            redirects_flagged(&records),
+            host_reserve_kept(&summaries, host_reserve),
+        ];
         Report {
             passed: criteria.iter().all(|c| c.passed),
             seconds: took.as_secs_f64(),
@@ -243,7 +123,7 @@ impl Report {
             let _ = writeln!(
                 out,
                 "{:<16} {:>8} {:>8} {:>9} {:>9.1} {:>9.1} {:>14} {:>14}",
-                p.phase,
+                p.phase.label(),
                 p.requests,
                 rate(p.succeeded),
                 rate(p.as_expected),
@@ -286,30 +166,214 @@ impl Report {
     }
 }
 
+/// Each phase's requests, latencies and samples.
+fn summarise(phases: &[Phase], records: &[Record], samples: &BTreeMap<Phase, Samples>) -> Vec<PhaseSummary> {
+    let grouped = by_phase(records);
+    phases
+        .iter()
+        .map(|&phase| {
+            let rs = grouped.get(&phase).cloned().unwrap_or_default();
+            let seen = samples.get(&phase);
+            let latencies: Vec<f64> = rs.iter().filter(|r| r.status.is_some()).map(|r| r.latency_ms).collect();
+            PhaseSummary {
+                phase,
+                requests: rs.len(),
+                succeeded: rs.iter().filter(|r| r.status == Some(200)).count(),
+                as_expected: rs.iter().filter(|r| r.as_expected).count(),
+                p50_ms: percentile(&latencies, 50.0),
+                p95_ms: percentile(&latencies, 95.0),
+                max_queue_age_ms: seen.map_or(0, |s| s.max_queue_age_ms),
+                min_host_available_bytes: seen.and_then(|s| s.min_host_available),
+            }
+        })
+        .collect()
+}
+
+/// Every request met its phase's expectation; each that did not is named with what happened
+/// instead, so a failed run explains itself.
+fn as_expected(records: &[Record]) -> Criterion {
+    let unexpected: Vec<String> = records
+        .iter()
+        .filter(|r| !r.as_expected)
+        .map(|r| {
+            format!(
+                "{} (expected {}; got {} on {}{}{})",
+                r.id,
+                r.expect,
+                r.status.map_or_else(|| "no answer".to_string(), |s| s.to_string()),
+                r.pool.as_deref().unwrap_or("no pool"),
+                r.retry.as_deref().map(|x| format!(", retry {x}")).unwrap_or_default(),
+                r.first_failure
+                    .as_ref()
+                    .map(|f| format!(", {}", crate::telemetry::logging::clipped(&f.to_string(), 160)))
+                    .unwrap_or_default()
+            )
+        })
+        .collect();
+    Criterion {
+        name: "every request as its phase expects",
+        measured: if unexpected.is_empty() {
+            format!("{} of {}", records.len(), records.len())
+        } else {
+            format!(
+                "{} of {}; not: {}",
+                records.len() - unexpected.len(),
+                records.len(),
+                unexpected.join("; ")
+            )
+        },
+        passed: unexpected.is_empty() && !records.is_empty(),
+    }
+}
+
+/// Nothing ran twice: no duplicate runs counted, and no non-replayable request served by the
+/// fallback (it would have run twice).
+fn duplicates(records: &[Record], facts: &Facts) -> Criterion {
+    let moved = records
+        .iter()
+        .filter(|r| r.phase == Phase::NonReplayable && r.pool.as_deref() == Some(super::CPU))
+        .count() as u64;
+    let duplicates = facts.duplicate_runs + moved;
+    Criterion {
+        name: "duplicate executions",
+        measured: duplicates.to_string(),
+        passed: duplicates == 0,
+    }
+}
+
+/// No client that kept its connection went without an answer.
+fn lost(records: &[Record], facts: &Facts) -> Criterion {
+    let lost: Vec<&str> = records
+        .iter()
+        .filter(|r| r.connection_held && r.status.is_none())
+        .map(|r| r.id.as_str())
+        .collect();
+    Criterion {
+        name: "accepted but lost",
+        measured: if lost.is_empty() {
+            format!(
+                "0 ({} clients hung up on purpose, {} counted cancelled by the server)",
+                facts.hung_up, facts.cancelled_counted
+            )
+        } else {
+            format!("{}: {}", lost.len(), lost.join(", "))
+        },
+        passed: lost.is_empty(),
+    }
+}
+
+/// Every answer carried the request id it was sent with.
+fn identity(records: &[Record]) -> Criterion {
+    let answered: Vec<&Record> = records.iter().filter(|r| r.status.is_some()).collect();
+    let changed: Vec<&str> = answered.iter().filter(|r| !r.id_kept).map(|r| r.id.as_str()).collect();
+    Criterion {
+        name: "request identity kept (x-request-id)",
+        measured: if changed.is_empty() {
+            format!("{} of {}", answered.len(), answered.len())
+        } else {
+            format!("not on: {}", changed.join(", "))
+        },
+        passed: changed.is_empty() && !answered.is_empty(),
+    }
+}
+
+/// Every replayed or moved generation gave the reference's text.
+fn token_equivalence(facts: &Facts) -> Criterion {
+    let equal = facts.token_equivalence.iter().filter(|(_, same)| *same).count();
+    Criterion {
+        name: "replayed generations token-equivalent",
+        measured: format!("{equal} of {}", facts.token_equivalence.len()),
+        passed: !facts.token_equivalence.is_empty() && equal == facts.token_equivalence.len(),
+    }
+}
+
+/// The accelerator pool served again after the restore.
+fn recovery(facts: &Facts) -> Criterion {
+    Criterion {
+        name: "breaker recovery after restore",
+        measured: facts
+            .breaker_recovery_ms
+            .map_or_else(|| "did not recover within 60 s".to_string(), |ms| format!("{ms:.0} ms")),
+        passed: facts.breaker_recovery_ms.is_some(),
+    }
+}
+
+/// Every answer redirected by the policy said it was degraded.
+fn redirects_flagged(records: &[Record]) -> Criterion {
+    let redirected: Vec<&Record> = records
+        .iter()
+        .filter(|r| r.status == Some(200) && r.decision == Some(Action::Redirect))
+        .collect();
+    let flagged = redirected.iter().filter(|r| r.degraded.is_some()).count();
+    Criterion {
+        name: "redirected answers carrying x-vramguard-degraded",
+        measured: format!(
+            "{flagged} of {} ({:.0}%)",
+            redirected.len(),
+            100.0 * flagged as f64 / redirected.len().max(1) as f64
+        ),
+        passed: !redirected.is_empty() && flagged == redirected.len(),
+    }
+}
+
+/// Host memory never went under its reserve in any sample.
+fn host_reserve_kept(summaries: &[PhaseSummary], host_reserve: u64) -> Criterion {
+    let lowest = summaries.iter().filter_map(|s| s.min_host_available_bytes).min();
+    Criterion {
+        name: "host memory stays above its reserve",
+        measured: match lowest {
+            Some(low) => format!(
+                "lowest {} available, reserve {}",
+                human_bytes(low),
+                human_bytes(host_reserve)
+            ),
+            None => "never sampled".to_string(),
+        },
+        passed: lowest.is_some_and(|low| low > host_reserve),
+    }
+}
+
+/// Percentile `p` (0–100) of `values` (nearest rank); 0 for none.
+fn percentile(values: &[f64], p: f64) -> f64 {
+    if values.is_empty() {
+        return 0.0;
+    }
+    let mut sorted = values.to_vec();
+    sorted.sort_by(f64::total_cmp);
+    let rank = ((p / 100.0) * sorted.len() as f64).ceil().max(1.0) as usize;
+    sorted[rank.min(sorted.len()) - 1]
+}
+
+/// Records by phase, in phase order.
+fn by_phase(records: &[Record]) -> BTreeMap<Phase, Vec<&Record>> {
+    let mut out: BTreeMap<Phase, Vec<&Record>> = BTreeMap::new();
+    for r in records {
+        out.entry(r.phase).or_default().push(r);
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    fn record(phase: &'static str, id: &str, pool: &str) -> Record {
+    #[test]
+    fn percentiles_are_nearest_rank() {
+        let v = [5.0, 1.0, 3.0, 2.0, 4.0];
+        assert_eq!(percentile(&v, 50.0), 3.0);
+        assert_eq!(percentile(&v, 95.0), 5.0);
+        assert_eq!(percentile(&[], 50.0), 0.0);
+    }
+
+    fn record(phase: Phase, id: &str, pool: &str) -> Record {
         Record {
-            phase,
-            id: id.into(),
-            kind: "encoder seq 32".into(),
-            expect: "ok",
-            sent_ms: 0.0,
             latency_ms: 3.0,
             status: Some(200),
             pool: Some(pool.into()),
-            decision: Some("admit".into()),
-            retry: None,
-            cpu_started_ms: None,
-            first_failure: None,
-            degraded: None,
-            replayed: false,
+            decision: Some(Action::Admit),
             id_kept: true,
-            connection_held: true,
-            text: None,
             as_expected: true,
+            ..Record::new(phase, id, "encoder seq 32".into(), "ok", 0.0)
         }
     }
 
@@ -320,19 +384,17 @@ mod tests {
             token_equivalence: vec![("replayed".into(), true)],
             ..Facts::default()
         };
-        let samples = vec![
-            Samples {
-                max_queue_age_ms: 5,
-                min_host_available: Some(8 << 30),
-            };
-            2
-        ];
-        let mut redirected = record("redirect", "r1", "cpu");
-        redirected.decision = Some("redirect".into());
+        let sampled = Samples {
+            max_queue_age_ms: 5,
+            min_host_available: Some(8 << 30),
+        };
+        let samples = BTreeMap::from([(Phase::Baseline, sampled.clone()), (Phase::Redirect, sampled)]);
+        let mut redirected = record(Phase::Redirect, "r1", "cpu");
+        redirected.decision = Some(Action::Redirect);
         redirected.degraded = Some("memory".into());
-        let good = vec![record("baseline", "b1", "gpu"), redirected.clone()];
+        let good = vec![record(Phase::Baseline, "b1", "gpu"), redirected.clone()];
         let report = Report::judge(
-            &["baseline", "redirect"],
+            &[Phase::Baseline, Phase::Redirect],
             good.clone(),
             samples.clone(),
             facts.clone(),
@@ -343,15 +405,15 @@ mod tests {
 
         // A non-replayable request served by the fallback ran twice; a redirect without the
         // degraded header; a client that waited and got nothing.
-        let mut moved = record("non_replayable", "n1", "cpu");
+        let mut moved = record(Phase::NonReplayable, "n1", "cpu");
         moved.status = Some(200);
         let mut silent = redirected;
         silent.degraded = None;
-        let mut lost = record("baseline", "b2", "gpu");
+        let mut lost = record(Phase::Baseline, "b2", "gpu");
         lost.status = None;
         let bad = [good, vec![moved, silent, lost]].concat();
         let report = Report::judge(
-            &["baseline", "redirect", "non_replayable"],
+            &[Phase::Baseline, Phase::Redirect, Phase::NonReplayable],
             bad,
             samples,
             facts,

@@ -1,0 +1,102 @@
+//! The drill's own server, for a drill without `--target`: in this process, on a loopback
+//! port, with the decoder fixture written to a folder of its own and a random admin token.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+/// The decoder fixture, carried in the binary so the drill runs anywhere.
+const DECODER_MODEL: &[u8] = include_bytes!("../../../models/decoder/model.onnx");
+/// The decoder fixture's tokenizer.
+const DECODER_TOKENIZER: &[u8] = include_bytes!("../../../models/decoder/tokenizer.json");
+
+/// A running server of the drill's config.
+pub(super) struct OwnServer {
+    pub(super) addr: std::net::SocketAddr,
+    pub(super) token: String,
+    stop: tokio::sync::oneshot::Sender<()>,
+    task: tokio::task::JoinHandle<std::io::Result<()>>,
+    _dir: TempDir,
+}
+
+impl OwnServer {
+    /// Write the fixture, validate the config, start the service and listen.
+    pub(super) async fn start() -> Result<OwnServer, String> {
+        let dir = TempDir::new()?;
+        let config = dir.config()?;
+        let service = tokio::task::spawn_blocking(move || crate::serve::service::Service::start(config))
+            .await
+            .map_err(|e| e.to_string())?
+            .map_err(|e| format!("the drill's server did not start: {e}"))?;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .map_err(|e| format!("cannot listen on loopback: {e}"))?;
+        let addr = listener.local_addr().map_err(|e| e.to_string())?;
+        let token = uuid::Uuid::new_v4().to_string();
+        let state = crate::http::AppState::with_admin_token(Arc::new(service), Some(token.clone()));
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let task = tokio::spawn(crate::http::serve(state, listener, async {
+            let _ = stopped.await;
+        }));
+        Ok(OwnServer {
+            addr,
+            token,
+            stop,
+            task,
+            _dir: dir,
+        })
+    }
+
+    /// Stop it and wait until it has.
+    pub(super) async fn stop(self) {
+        let _ = self.stop.send(());
+        let _ = self.task.await;
+    }
+}
+
+/// A folder of its own, removed when dropped.
+struct TempDir(PathBuf);
+
+impl TempDir {
+    fn new() -> Result<TempDir, String> {
+        let dir = std::env::temp_dir().join(format!(
+            "vramguard-drill-{}-{}",
+            std::process::id(),
+            uuid::Uuid::new_v4()
+        ));
+        std::fs::create_dir_all(&dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+        Ok(TempDir(dir))
+    }
+
+    /// The drill's config, validated, with the decoder fixture written here.
+    pub(super) fn config(&self) -> Result<crate::config::Config, String> {
+        std::fs::write(self.0.join("decoder.onnx"), DECODER_MODEL).map_err(|e| e.to_string())?;
+        std::fs::write(self.0.join("tokenizer.json"), DECODER_TOKENIZER).map_err(|e| e.to_string())?;
+        let path = |file: &str| self.0.join(file).display().to_string();
+        let yaml = super::config_yaml(&path("decoder.onnx"), &path("tokenizer.json"));
+        let raw: crate::config::RawConfig =
+            crate::config::parse_yaml(&yaml, "drill.yaml").map_err(|e| e.to_string())?;
+        raw.validate("drill.yaml", &self.0).map_err(|e| e.to_string())
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::path::Path;
+
+    #[test]
+    fn the_printed_config_is_a_valid_config() {
+        TempDir::new().unwrap().config().unwrap();
+        // The printed one, from the top of the repository.
+        let raw: crate::config::RawConfig =
+            crate::config::parse_yaml(&super::super::print_config(), "drill.yaml").unwrap();
+        raw.validate("drill.yaml", Path::new(env!("CARGO_MANIFEST_DIR")))
+            .unwrap();
+    }
+}

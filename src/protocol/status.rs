@@ -1,0 +1,391 @@
+//! The `/status` document: what a running server says about itself, for tools (`drill`,
+//! `doctor`, scripts) and the status page. The server builds a [`StatusReport`] and serialises
+//! it; clients deserialise the same type, so a field renamed on one side cannot go unnoticed on
+//! the other. The JSON is the contract: every `Option` below that is `null` on the wire is
+//! serialised as `null`, and only the device fields of a simulated accelerator are left out
+//! where they do not apply.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+use crate::core::backend::ArenaStats;
+use crate::core::snapshot::{BreakerState, Decision, DeviceClass, DeviceState, HostState, ProcessState, ProviderKind};
+use crate::policy::recent::RecentDecision;
+
+/// `GET /status`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StatusReport {
+    /// vramguard's version.
+    pub version: String,
+    /// The ONNX Runtime version loaded.
+    pub onnxruntime: String,
+    /// Where the config came from (its path, or `<embedded default>`).
+    pub config: String,
+    /// When the server started, seconds since the Unix epoch.
+    pub started_unix: u64,
+    /// True once a shutdown has begun (the server is draining).
+    pub shutting_down: bool,
+    /// Degraded mode, and where work goes meanwhile.
+    pub degraded: DegradedStatus,
+    /// Every pool, in config order.
+    pub pools: Vec<PoolStatus>,
+    /// Device memory by device name, as last sampled.
+    pub devices: BTreeMap<String, DeviceStatus>,
+    /// Host memory, as last sampled.
+    pub host: HostState,
+    /// Processes holding accelerator memory, as last sampled.
+    pub processes: Vec<ProcessState>,
+    /// How old the last sample is; `null` before the first one (a policy then has no memory
+    /// figures to go by).
+    pub sample_age_ms: Option<u64>,
+    /// The admission policy serving now.
+    pub policy: ServingPolicy,
+    /// The policy's last decisions, newest first.
+    pub recent_decisions: Vec<RecentDecision>,
+}
+
+impl StatusReport {
+    /// The pool called `name`.
+    pub fn pool(&self, name: &str) -> Option<&PoolStatus> {
+        self.pools.iter().find(|p| p.name == name)
+    }
+}
+
+/// Whether the service is degraded. Every field but `active` and `fallbacks` is `null` while it
+/// is not, so a reader finds the same keys either way.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct DegradedStatus {
+    /// Degraded now.
+    pub active: bool,
+    /// For people: which pool and why.
+    pub reason: Option<String>,
+    /// The cause, as the `reason` label of `vramguard_degraded_info` (`breaker_open`, …).
+    pub cause: Option<String>,
+    /// Since when, seconds since the Unix epoch.
+    pub since_unix: Option<u64>,
+    /// Where work goes while degraded; empty while not.
+    pub fallbacks: Vec<FallbackStatus>,
+}
+
+/// A configured `fallback` while degraded: the limits a redirected request meets there and the
+/// delay a new one should expect.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct FallbackStatus {
+    /// The pool whose work moves.
+    pub from: String,
+    /// The pool it moves to.
+    pub pool: String,
+    /// That pool's longest context (`null`: no limit).
+    pub max_context: Option<u64>,
+    /// Its workers.
+    pub concurrency: usize,
+    /// Its queue capacity.
+    pub queue_capacity: usize,
+    /// Where a new request would stand: queued and running requests ahead of it, plus one.
+    pub queue_position: usize,
+    /// Its delay estimate for a new request (queue position × recent run time).
+    pub estimated_delay_ms: u64,
+}
+
+/// Whether a pool takes work, as `/status` and the status page name it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PoolAvailability {
+    /// Its workers run and it takes work.
+    Ready,
+    /// It started, but takes no new work: the server is shutting down.
+    Stopping,
+    /// It could not start, or lost every backend; `reason` says why.
+    Unavailable,
+}
+
+/// One pool.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PoolStatus {
+    /// Its name.
+    pub name: String,
+    /// The execution provider (`cpu`, `cuda`, `simulated`, `remote`).
+    pub provider: ProviderKind,
+    /// Its device (`host` for CPU pools, `host:port` for remote ones).
+    pub device: String,
+    /// What kind of memory that device is.
+    pub device_kind: DeviceClass,
+    /// True on the simulated accelerator, so no reader mistakes it for a GPU.
+    pub simulated: bool,
+    /// Whether it takes work.
+    pub state: PoolAvailability,
+    /// Why it is unavailable; `null` otherwise.
+    pub reason: Option<String>,
+    /// The models it serves.
+    pub models: Vec<String>,
+    /// Worker count.
+    pub workers: usize,
+    /// Requests waiting.
+    pub queue_depth: usize,
+    /// The queue's capacity.
+    pub queue_capacity: usize,
+    /// Age of the oldest waiting request.
+    pub queue_oldest_age_ms: u64,
+    /// Requests running.
+    pub inflight: usize,
+    /// Estimated time until a new request would finish.
+    pub estimated_delay_ms: u64,
+    /// Its circuit breaker.
+    pub breaker: BreakerState,
+    /// What opened the breaker, while it is not closed; `null` otherwise.
+    pub breaker_reason: Option<String>,
+    /// Longest context it accepts (`null`: no limit).
+    pub max_context: Option<u64>,
+    /// Where a replayable request goes after an allocator failure here; `null` for none.
+    pub fallback: Option<String>,
+    /// Allocator failures in the breaker's window.
+    pub alloc_failures_recent: u64,
+    /// Its ONNX Runtime arena; `null` where there is none to read (remote pools, a pool that
+    /// did not start).
+    pub arena: Option<ArenaStatus>,
+}
+
+/// A pool's arena, as ONNX Runtime's allocator reports it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ArenaStatus {
+    /// Bytes reserved from the device.
+    pub reserved_bytes: u64,
+    /// Bytes held by live tensors.
+    pub active_bytes: u64,
+    /// Peak of `active_bytes`.
+    pub peak_active_bytes: u64,
+    /// The arena's cap; `null` when it has none.
+    pub limit_bytes: Option<u64>,
+    /// Times it grew.
+    pub extensions: u64,
+    /// Times it shrank.
+    pub shrinkages: u64,
+}
+
+impl From<ArenaStats> for ArenaStatus {
+    fn from(s: ArenaStats) -> ArenaStatus {
+        ArenaStatus {
+            reserved_bytes: s.reserved_bytes,
+            active_bytes: s.active_bytes,
+            peak_active_bytes: s.peak_active_bytes,
+            limit_bytes: s.limit_bytes,
+            extensions: s.extensions,
+            shrinkages: s.shrinkages,
+        }
+    }
+}
+
+/// One device's memory: the sampled figures and, on the simulated accelerator only, the
+/// external pressure applied to it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DeviceStatus {
+    /// The sampled figures, at the top level of the device's object.
+    #[serde(flatten)]
+    pub memory: DeviceState,
+    /// True on the simulated accelerator; the key is absent on any other device.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub simulated: bool,
+    /// The simulated accelerator's external pressure; absent on any other device.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pressure_bytes: Option<u64>,
+}
+
+/// The policy serving now (also the `policy` of `POST /admin/policy/reload`'s answer).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ServingPolicy {
+    /// The script's path, or `builtin:<name>`.
+    pub path: String,
+    /// `file`, or `builtin:<name>`.
+    pub source: String,
+    /// Hex SHA-256 of the script now serving.
+    pub sha256: String,
+    /// When it was loaded, seconds since the Unix epoch.
+    pub loaded_at_unix: u64,
+    /// How many of its test cases passed before it was accepted.
+    pub cases: usize,
+    /// Why the latest reload was refused (the previous script keeps serving); `null` after a
+    /// good one.
+    pub last_error: Option<String>,
+    /// The decision taken when the script fails.
+    pub fallback: Decision,
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+    use crate::core::snapshot::Action;
+
+    /// A report with every shape `/status` can take: degraded with a fallback, a simulated
+    /// and an NVIDIA device, a pool with an arena and one without, an unavailable pool.
+    pub(crate) fn report() -> StatusReport {
+        let pool = |name: &str, kind: DeviceClass| PoolStatus {
+            name: name.into(),
+            provider: if kind == DeviceClass::Simulated {
+                ProviderKind::Simulated
+            } else {
+                ProviderKind::Cpu
+            },
+            device: if kind == DeviceClass::Simulated { "sim0" } else { "host" }.into(),
+            device_kind: kind,
+            simulated: kind == DeviceClass::Simulated,
+            state: PoolAvailability::Ready,
+            reason: None,
+            models: vec!["encoder".into()],
+            workers: 2,
+            queue_depth: 1,
+            queue_capacity: 64,
+            queue_oldest_age_ms: 12,
+            inflight: 2,
+            estimated_delay_ms: 40,
+            breaker: BreakerState::Closed,
+            breaker_reason: None,
+            max_context: None,
+            fallback: None,
+            alloc_failures_recent: 0,
+            arena: None,
+        };
+        let gpu = PoolStatus {
+            breaker: BreakerState::Open,
+            breaker_reason: Some("a driver-class failure".into()),
+            fallback: Some("cpu".into()),
+            alloc_failures_recent: 1,
+            arena: Some(ArenaStatus {
+                reserved_bytes: 1 << 20,
+                active_bytes: 1 << 19,
+                peak_active_bytes: 1 << 21,
+                limit_bytes: Some(96 << 20),
+                extensions: 1,
+                shrinkages: 0,
+            }),
+            ..pool("gpu", DeviceClass::Simulated)
+        };
+        let down = PoolStatus {
+            state: PoolAvailability::Unavailable,
+            reason: Some("no CUDA".into()),
+            max_context: Some(2048),
+            ..pool("cuda", DeviceClass::Nvml)
+        };
+        let memory = |kind| DeviceState {
+            kind,
+            total_bytes: 96 << 20,
+            used_bytes: 10 << 20,
+            free_bytes: 86 << 20,
+            reserved_bytes: 1 << 20,
+            active_bytes: 1 << 19,
+            headroom_bytes: 87 << 20,
+        };
+        StatusReport {
+            version: "0.1.0".into(),
+            onnxruntime: "1.31.1".into(),
+            config: "drill.yaml".into(),
+            started_unix: 1_796_110_640,
+            shutting_down: false,
+            degraded: DegradedStatus {
+                active: true,
+                reason: Some("pool `gpu` circuit breaker is open".into()),
+                cause: Some("breaker_open".into()),
+                since_unix: Some(1_796_110_649),
+                fallbacks: vec![FallbackStatus {
+                    from: "gpu".into(),
+                    pool: "cpu".into(),
+                    max_context: None,
+                    concurrency: 1,
+                    queue_capacity: 64,
+                    queue_position: 1,
+                    estimated_delay_ms: 0,
+                }],
+            },
+            pools: vec![gpu, pool("cpu", DeviceClass::Host), down],
+            devices: BTreeMap::from([
+                (
+                    "sim0".to_string(),
+                    DeviceStatus {
+                        memory: memory(DeviceClass::Simulated),
+                        simulated: true,
+                        pressure_bytes: Some(8 << 20),
+                    },
+                ),
+                (
+                    "gpu0".to_string(),
+                    DeviceStatus {
+                        memory: memory(DeviceClass::Nvml),
+                        simulated: false,
+                        pressure_bytes: None,
+                    },
+                ),
+            ]),
+            host: HostState {
+                mem_available_bytes: 8 << 30,
+                mem_total_bytes: 16 << 30,
+                reserve_bytes: 1 << 30,
+            },
+            processes: vec![ProcessState {
+                pid: 42,
+                name: "vramguard".into(),
+                service: "vramguard".into(),
+                device: "sim0".into(),
+                used_bytes: 1 << 20,
+            }],
+            sample_age_ms: None,
+            policy: ServingPolicy {
+                path: "builtin:default".into(),
+                source: "builtin:default".into(),
+                sha256: "8beb".into(),
+                loaded_at_unix: 1_796_110_640,
+                cases: 29,
+                last_error: None,
+                fallback: Decision::Admit { pool: None },
+            },
+            recent_decisions: vec![RecentDecision {
+                unix_ms: 1_796_110_649_520,
+                request_id: "r1".into(),
+                model: "encoder".into(),
+                action: Action::Redirect,
+                decision: "redirect(\"cpu\")".into(),
+                pool: "cpu".into(),
+                fallback: false,
+            }],
+        }
+    }
+
+    #[test]
+    fn a_built_report_round_trips() {
+        let report = report();
+        let json = serde_json::to_value(&report).unwrap();
+        let back: StatusReport = serde_json::from_value(json.clone()).unwrap();
+        assert_eq!(back, report);
+        assert_eq!(serde_json::to_value(&back).unwrap(), json);
+    }
+
+    #[test]
+    fn the_json_keeps_the_documented_shapes() {
+        let json = serde_json::to_value(report()).unwrap();
+        // Simulated-only device keys are absent elsewhere; the figures sit beside them.
+        assert_eq!(json["devices"]["sim0"]["simulated"], true);
+        assert_eq!(json["devices"]["sim0"]["pressure_bytes"], 8 << 20);
+        assert_eq!(json["devices"]["sim0"]["kind"], "simulated");
+        assert_eq!(json["devices"]["sim0"]["total_bytes"], 96 << 20);
+        let gpu0 = json["devices"]["gpu0"].as_object().unwrap();
+        assert!(!gpu0.contains_key("simulated") && !gpu0.contains_key("pressure_bytes"));
+        // Absent facts are null, not missing.
+        assert!(json["sample_age_ms"].is_null() && json.as_object().unwrap().contains_key("sample_age_ms"));
+        let cpu = json["pools"][1].as_object().unwrap();
+        for key in ["reason", "breaker_reason", "max_context", "fallback", "arena"] {
+            assert!(cpu[key].is_null(), "{key}: {}", cpu[key]);
+        }
+        assert_eq!(json["pools"][0]["breaker"], "open");
+        assert_eq!(json["pools"][0]["provider"], "simulated");
+        assert_eq!(json["pools"][2]["state"], "unavailable");
+        assert!(json["pools"][0]["arena"]["limit_bytes"].is_u64());
+        assert_eq!(json["policy"]["fallback"], serde_json::json!({"action": "admit"}));
+        assert!(json["policy"]["last_error"].is_null());
+        assert_eq!(json["recent_decisions"][0]["action"], "redirect");
+        // Not degraded: the same keys, null.
+        let calm = serde_json::to_value(DegradedStatus::default()).unwrap();
+        assert_eq!(
+            calm,
+            serde_json::json!({"active": false, "reason": null, "cause": null, "since_unix": null, "fallbacks": []})
+        );
+    }
+}
