@@ -297,7 +297,7 @@ pub async fn generate(
         ));
     };
     let prompt_tokens = prompt.tokens.len();
-    if request.allow_shrink
+    if request.meta.allow_shrink
         && let Some(shorten) = prompt.shorten
     {
         let layout = *layout;
@@ -406,7 +406,7 @@ async fn run(
         .estimate((prompt_tokens as u64).saturating_add(u64::from(params.max_tokens)), 1);
     let estimate_bytes = estimate.context_bytes.saturating_add(estimate.workspace_bytes);
     if params.tools {
-        template.replayable = false;
+        template.meta.replayable = false;
     }
     let finish = loop {
         let next = pick(&logits, params, &mut rng);
@@ -450,7 +450,7 @@ async fn run(
                 failed(&pool, e)
             })?;
         pool = stepped.pool;
-        retried = stepped.moved.or(retried);
+        retried = stepped.retried.or(retried);
         (logits, cache) = read_outputs(stepped.outputs).map_err(|e| internal(&pool, e))?;
         held.update(&pool.sequences, kv_per_token.saturating_mul((past + 1) as u64));
         metrics
