@@ -2,7 +2,8 @@
 //! would not (an allocator failure, a driver failure, the remote server failing) runs once more
 //! there, when the request may be replayed and the fallback can take it. A request's placed run
 //! and a generation's steps both go through [`run_with_retry`], so what is retried, what is
-//! counted and what the client is told are decided in one place.
+//! counted and what the client is told are decided in one place. (A breaker that opened before
+//! anything ran is not a retry: `place` sends such a request to the fallback itself.)
 
 use std::sync::Arc;
 
@@ -23,8 +24,9 @@ pub(super) enum Run {
     /// on its pool while it runs). A request that may not be replayed is counted as such
     /// (`result="not_replayable"`) and told why it was not retried.
     Placed,
-    /// A generation's next token. One that may not be replayed does not consider the fallback
-    /// at all: its caller knows why (the client said so, or it offers tools) and says it.
+    /// A generation's next token. One that may not be replayed (the client said so, or it
+    /// offers tools) does not consider the fallback and counts no retry decision; for tools,
+    /// the generation tells the client why ([`NotRetried::ToolsStarted`]).
     Step,
 }
 
@@ -156,4 +158,53 @@ pub(super) fn can_take_retry(service: &Service, fallback: &Pool, need_bytes: u64
         return Err(format!("fallback pool `{}` cannot take work: {why}", fallback.name()));
     }
     host_keeps_reserve(service, fallback, need_bytes)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::backend::RemoteFailure;
+
+    fn backend(error: BackendError) -> PoolError {
+        PoolError::Backend(error)
+    }
+
+    #[test]
+    fn only_failures_the_fallback_would_not_share_are_retried() {
+        let allocation = |kind| {
+            backend(BackendError::Allocation {
+                kind,
+                message: "no memory".into(),
+            })
+        };
+        assert_eq!(
+            retry_reason(&allocation(AllocFailureKind::Oom)),
+            Some(FailoverReason::oom_retry)
+        );
+        assert_eq!(
+            retry_reason(&allocation(AllocFailureKind::Driver)),
+            Some(FailoverReason::driver_retry)
+        );
+        let remote = backend(BackendError::Remote {
+            kind: RemoteFailure::ServerError,
+            message: "502".into(),
+        });
+        assert_eq!(retry_reason(&remote), Some(FailoverReason::remote_retry));
+        // The client's mistake, its deadline, a full queue or an open breaker would be the same
+        // on the fallback, or are not failures of the run at all.
+        for error in [
+            backend(BackendError::InvalidInput("bad shape".into())),
+            backend(BackendError::DeadlineExceeded),
+            PoolError::QueueFull {
+                pool: "gpu".into(),
+                capacity: 1,
+            },
+            PoolError::BreakerOpen {
+                pool: "gpu".into(),
+                why: "driver failures".into(),
+            },
+        ] {
+            assert_eq!(retry_reason(&error), None, "{error}");
+        }
+    }
 }
