@@ -135,7 +135,11 @@ fn main() {
         .build()
         .unwrap();
     let request = || Request {
-        id: "bench".into(),
+        meta: RunMeta {
+            request_id: "bench".into(),
+            replayable: true,
+            ..RunMeta::default()
+        },
         model: "encoder".into(),
         inputs: vec![Tensor {
             name: "input".into(),
@@ -143,13 +147,8 @@ fn main() {
             data: TensorData::Fp32(vec![0.5; 512]),
         }],
         outputs: vec![],
-        priority: 0,
-        replayable: true,
-        allow_shrink: false,
         max_new_tokens: 0,
-        deadline: None,
         shrinker: None,
-        idempotency_key: None,
         received: tokio::time::Instant::now(),
         progress: Default::default(),
     };

@@ -27,6 +27,7 @@ use common::server::{self, Scratch, Server, http, wrk};
 use common::{Figure, Machine, Target, record};
 use serde_json::{Value, json};
 use vramguard::config::{RawConfig, parse_yaml};
+use vramguard::core::backend::RunMeta;
 use vramguard::serve::generate::{self, Params};
 use vramguard::serve::lifecycle::Request;
 use vramguard::serve::service::Service;
@@ -129,19 +130,18 @@ impl InProcess {
     fn generate(&self) -> (String, usize) {
         let entry = self.service.model("lm").unwrap();
         let request = Request {
-            id: "bench".into(),
+            meta: RunMeta {
+                request_id: "bench".into(),
+                replayable: true,
+                ..RunMeta::default()
+            },
             model: "lm".into(),
             inputs: Vec::new(),
             outputs: Vec::new(),
-            priority: 0,
-            replayable: true,
-            allow_shrink: false,
             max_new_tokens: 0,
-            deadline: None,
             received: tokio::time::Instant::now(),
             shrinker: None,
             progress: Default::default(),
-            idempotency_key: None,
         };
         let generated = self
             .runtime

@@ -1,6 +1,7 @@
 //! vramguard's request and response headers: the request id kept end to end, the request
 //! headers a lifecycle request is built from, and the serving pool's facts on the answer.
 
+use crate::core::backend::RunMeta;
 use crate::core::snapshot::DeviceClass;
 use crate::pool::Pool;
 use crate::protocol::headers::*;
@@ -44,24 +45,26 @@ pub(super) fn decode_headers(
         .model(model)
         .ok_or_else(|| RequestError::unknown_model(service, model))?;
     let deadline = header_value::<u64>(headers, DEADLINE_HEADER, "a number of milliseconds")?
-        .map(|ms| received + Duration::from_millis(ms));
+        .map(|ms| (received + Duration::from_millis(ms)).into_std());
     let priority = header_value::<i64>(headers, PRIORITY_HEADER, "an integer")?.unwrap_or(0);
     let replayable = header_value::<bool>(headers, REPLAYABLE_HEADER, "`true` or `false`")?.unwrap_or(true);
     Ok(lifecycle::Request {
-        id: id.to_string(),
+        meta: RunMeta {
+            request_id: id.to_string(),
+            deadline,
+            // Checked by `idempotent` before the request runs; kept to pass on to remote pools.
+            idempotency_key: headers
+                .get(IDEMPOTENCY_KEY)
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_string),
+            priority,
+            replayable,
+            allow_shrink: false,
+        },
         model: model.to_string(),
         inputs: Vec::new(),
         outputs: Vec::new(),
-        priority,
-        replayable,
-        allow_shrink: false,
         max_new_tokens: 0,
-        deadline,
-        // Checked by `idempotent` before the request runs; kept to pass on to remote pools.
-        idempotency_key: headers
-            .get(IDEMPOTENCY_KEY)
-            .and_then(|v| v.to_str().ok())
-            .map(str::to_string),
         received,
         shrinker: None,
         progress: Default::default(),

@@ -347,7 +347,7 @@ fn decode(
     let mut decoded = infer::decode(&body, header_len, &entry.signature).map_err(RequestError::BadInput)?;
     drop(body);
     // The header wins over the request's parameter, which wins over the model's default.
-    request.allow_shrink = allow_shrink_header
+    request.meta.allow_shrink = allow_shrink_header
         .or(decoded.allow_shrink)
         .unwrap_or(entry.config.allow_shrink);
     request.inputs = std::mem::take(&mut decoded.inputs);

@@ -275,6 +275,39 @@ fn read_outputs(outputs: Vec<Tensor>) -> Result<(Vec<f32>, Vec<Tensor>), String>
     Ok((last, cache))
 }
 
+/// Whether the text of `tokens` contains one of the `stop` strings.
+fn stop_reached(tokenizer: &tokenizers::Tokenizer, tokens: &[u32], stop: &[String]) -> bool {
+    if stop.is_empty() {
+        return false; // decoding every token's text costs; nothing to look for
+    }
+    let text = tokenizer.decode(tokens, true).unwrap_or_default();
+    stop.iter().any(|s| text.contains(s.as_str()))
+}
+
+/// The text of `tokens`, cut before the first `stop` string.
+fn text_of(tokenizer: &tokenizers::Tokenizer, tokens: &[u32], stop: &[String]) -> Result<String, String> {
+    let mut text = tokenizer
+        .decode(tokens, true)
+        .map_err(|e| format!("cannot decode the tokens: {e}"))?;
+    if let Some(cut) = stop.iter().filter_map(|s| text.find(s.as_str())).min() {
+        text.truncate(cut);
+    }
+    Ok(text)
+}
+
+/// A step of a generation offering tools failed on an allocator: it was not retried since a
+/// tool call may already have acted, and the client is told so (unless the error already says
+/// why it was not retried).
+fn tools_not_retried(mut error: RequestError, tools: bool) -> RequestError {
+    if tools
+        && let RequestError::Allocation { not_retried, .. } = &mut error
+        && not_retried.is_none()
+    {
+        *not_retried = Some(NotRetried::ToolsStarted);
+    }
+    error
+}
+
 /// Generate from `prompt` (token ids) under `params`. `request` carries the id, deadline,
 /// priority and replayability; its inputs are built here.
 pub async fn generate(
@@ -297,7 +330,7 @@ pub async fn generate(
         ));
     };
     let prompt_tokens = prompt.tokens.len();
-    if request.allow_shrink
+    if request.meta.allow_shrink
         && let Some(shorten) = prompt.shorten
     {
         let layout = *layout;
@@ -339,6 +372,18 @@ pub async fn generate(
     .await
 }
 
+/// A generation that failed on the server's side (its model's outputs are not what a decoder
+/// gives): logged with the detail, the client told only where.
+fn internal(model: &str, pool: &Arc<Pool>, error: String) -> Refused {
+    tracing::warn!(model = %model, %error, "generation failed");
+    Refused {
+        pool: Some(Arc::clone(pool)),
+        error: RequestError::Failed {
+            pool: pool.name().to_string(),
+        },
+    }
+}
+
 /// [`generate`]'s runs, uncounted.
 #[allow(clippy::too_many_arguments)]
 async fn run(
@@ -356,10 +401,12 @@ async fn run(
         inputs: Vec::new(),
         ..request.clone()
     };
+    // Once its first token is picked, a generation offering tools is never run again.
+    template.meta.replayable &= !params.tools;
     let Served {
-        pool,
+        mut pool,
         action,
-        retried,
+        mut retried,
         outputs,
         context,
         context_cut,
@@ -369,21 +416,11 @@ async fn run(
     let shrunk = context.map(|(from, to)| (from, to, context_cut.unwrap_or_default()));
     let prompt_tokens = shrunk.as_ref().map_or(prompt_tokens, |s| s.1 as usize);
     let shrunk_shared = shrunk.clone().map(Arc::new);
-    let mut pool = pool;
-    let mut retried = retried;
     let failed = |pool: &Arc<Pool>, error: RequestError| Refused {
         pool: Some(Arc::clone(pool)),
         error,
     };
-    let internal = |pool: &Arc<Pool>, e: String| {
-        tracing::warn!(model = %entry.config.name, error = %e, "generation failed");
-        failed(
-            pool,
-            RequestError::Failed {
-                pool: pool.name().to_string(),
-            },
-        )
-    };
+    let internal = |pool: &Arc<Pool>, e: String| internal(&entry.config.name, pool, e);
     let (mut logits, mut cache) = read_outputs(outputs).map_err(|e| internal(&pool, e))?;
     // The cache this generation holds between runs, on the pool that holds it; given back when
     // this function returns or its future is dropped (a reader gone, a deadline).
@@ -405,9 +442,6 @@ async fn run(
         .profile
         .estimate((prompt_tokens as u64).saturating_add(u64::from(params.max_tokens)), 1);
     let estimate_bytes = estimate.context_bytes.saturating_add(estimate.workspace_bytes);
-    if params.tools {
-        template.replayable = false;
-    }
     let finish = loop {
         let next = pick(&logits, params, &mut rng);
         if eos.contains(&next) {
@@ -427,11 +461,8 @@ async fn run(
             // The stream's reader is gone: stop here; the KV cache goes with this future.
             return Err(failed(&pool, RequestError::ClientGone));
         }
-        if !params.stop.is_empty() {
-            let text = tokenizer.decode(&tokens, true).unwrap_or_default();
-            if params.stop.iter().any(|s| text.contains(s.as_str())) {
-                break Finish::Stop;
-            }
+        if stop_reached(tokenizer, &tokens, &params.stop) {
+            break Finish::Stop;
         }
         if tokens.len() >= params.max_tokens as usize {
             break Finish::Length;
@@ -440,17 +471,9 @@ async fn run(
         let inputs = step_inputs(layout, &[next], past, std::mem::take(&mut cache));
         let stepped = lifecycle::step(service, &pool, &template, inputs, estimate_bytes)
             .await
-            .map_err(|mut e| {
-                if params.tools
-                    && let RequestError::Allocation { not_retried, .. } = &mut e
-                    && not_retried.is_none()
-                {
-                    *not_retried = Some(NotRetried::ToolsStarted);
-                }
-                failed(&pool, e)
-            })?;
+            .map_err(|e| failed(&pool, tools_not_retried(e, params.tools)))?;
         pool = stepped.pool;
-        retried = stepped.moved.or(retried);
+        retried = stepped.retried.or(retried);
         (logits, cache) = read_outputs(stepped.outputs).map_err(|e| internal(&pool, e))?;
         held.update(&pool.sequences, kv_per_token.saturating_mul((past + 1) as u64));
         metrics
@@ -463,12 +486,7 @@ async fn run(
         .generated_tokens
         .get_or_create(&labels(&pool))
         .inc_by(tokens.len() as u64);
-    let mut text = tokenizer
-        .decode(&tokens, true)
-        .map_err(|e| internal(&pool, format!("cannot decode the tokens: {e}")))?;
-    if let Some(cut) = params.stop.iter().filter_map(|s| text.find(s.as_str())).min() {
-        text.truncate(cut);
-    }
+    let text = text_of(tokenizer, &tokens, &params.stop).map_err(|e| internal(&pool, e))?;
     Ok(Generated {
         pool,
         action: if retried.is_some() { Action::Redirect } else { action },

@@ -205,7 +205,11 @@ fn simple(policy: &str) -> Harness {
 /// An encoder request of `seq` tokens whose values all equal `value`.
 fn request(seq: usize, value: f32) -> Request {
     Request {
-        id: "req-1".into(),
+        meta: RunMeta {
+            request_id: "req-1".into(),
+            replayable: true,
+            ..RunMeta::default()
+        },
         model: "encoder".into(),
         inputs: vec![Tensor {
             name: "input".into(),
@@ -213,13 +217,8 @@ fn request(seq: usize, value: f32) -> Request {
             data: TensorData::Fp32(vec![value; seq * 4]),
         }],
         outputs: vec![],
-        priority: 0,
-        replayable: true,
-        allow_shrink: false,
         max_new_tokens: 0,
-        deadline: None,
         shrinker: None,
-        idempotency_key: None,
         received: Instant::now(),
         progress: Default::default(),
     }
@@ -280,7 +279,7 @@ async fn redirect_runs_on_the_named_pool() {
 async fn shrink_cuts_the_context_axis_keeping_the_configured_end() {
     let h = simple("fn decide(req, state) { shrink_context(3) }");
     let mut req = request(8, 0.0);
-    req.allow_shrink = true;
+    req.meta.allow_shrink = true;
     req.inputs[0].data = TensorData::Fp32((0..32).map(|i| i as f32).collect());
     let s = served(&h, req).await;
     assert_eq!(s.action, Action::ShrinkContext);
@@ -307,7 +306,7 @@ async fn a_shrink_the_client_did_not_allow_takes_the_fallback_with_the_whole_con
 async fn a_decision_that_cannot_be_carried_out_takes_the_fallback() {
     let h = simple(r#"fn decide(req, state) { if req.priority == 7 { redirect("nowhere") } else { admit() } }"#);
     let mut req = request(4, 0.5);
-    req.priority = 7;
+    req.meta.priority = 7;
     let s = served(&h, req).await;
     // The configured fallback is admit: the router's pool runs it.
     assert_eq!((s.pool.name(), s.action), ("gpu", Action::Admit));
@@ -318,7 +317,7 @@ async fn a_decision_that_cannot_be_carried_out_takes_the_fallback() {
 async fn a_script_that_fails_at_run_time_takes_the_fallback() {
     let h = simple(r#"fn decide(req, state) { if req.priority == 7 { throw "broken"; } admit() }"#);
     let mut req = request(4, 0.5);
-    req.priority = 7;
+    req.meta.priority = 7;
     let s = served(&h, req).await;
     assert_eq!((s.pool.name(), s.action), ("gpu", Action::Admit));
     assert_eq!(counter(&h, "vramguard_policy_errors_total{kind=\"runtime\"}"), 1.0);
@@ -328,7 +327,7 @@ async fn a_script_that_fails_at_run_time_takes_the_fallback() {
 async fn reject_answers_503_with_the_reason_and_retry_after() {
     let h = simple(r#"fn decide(req, state) { if req.priority == 7 { reject("host memory low") } else { admit() } }"#);
     let mut req = request(4, 0.5);
-    req.priority = 7;
+    req.meta.priority = 7;
     let r = refused(&h, req).await;
     assert_eq!(status_of(&r.error), StatusCode::SERVICE_UNAVAILABLE);
     assert_eq!(r.error.outcome(), Outcome::rejected);
@@ -340,7 +339,7 @@ async fn reject_answers_503_with_the_reason_and_retry_after() {
 async fn deferral_is_bounded_by_the_pools_max_wait() {
     let h = simple("fn decide(req, state) { if req.priority == 7 { defer(300) } else { admit() } }");
     let mut req = request(4, 0.5);
-    req.priority = 7;
+    req.meta.priority = 7;
     let started = Instant::now();
     let r = refused(&h, req).await;
     // max_wait 1s: three deferrals of 300ms fit, the fourth would pass it.
@@ -379,7 +378,7 @@ async fn a_deferred_request_holds_no_worker_and_runs_once_the_pool_frees() {
         tokio::time::sleep(Duration::from_millis(1)).await;
     }
     let mut deferred = request(4, 0.5);
-    deferred.priority = 7;
+    deferred.meta.priority = 7;
     let waiting = tokio::spawn({
         let service = Arc::clone(&h.service);
         async move {
@@ -428,7 +427,7 @@ async fn the_pickers_gauges_count_deferred_and_queued_requests_as_waiting_until_
         tokio::time::sleep(Duration::from_millis(1)).await;
     }
     let mut req = request(4, 0.5);
-    req.priority = 7;
+    req.meta.priority = 7;
     let deferred = spawn(req);
     tokio::time::sleep(Duration::from_millis(200)).await;
     assert_eq!(picker_load(&h), (2.0, 1.0));
@@ -451,8 +450,8 @@ async fn the_pickers_gauges_count_deferred_and_queued_requests_as_waiting_until_
 async fn a_deadline_the_deferral_would_pass_is_a_504() {
     let h = simple("fn decide(req, state) { if req.priority == 7 { defer(100) } else { admit() } }");
     let mut req = request(4, 0.5);
-    req.priority = 7;
-    req.deadline = Some(Instant::now() + Duration::from_millis(250));
+    req.meta.priority = 7;
+    req.meta.deadline = Some((Instant::now() + Duration::from_millis(250)).into_std());
     let r = refused(&h, req).await;
     assert_eq!(r.error, RequestError::Deadline(DeadlineMiss::ByDeferral));
     assert_eq!(status_of(&r.error), StatusCode::GATEWAY_TIMEOUT);
@@ -463,7 +462,7 @@ async fn a_deadline_the_deferral_would_pass_is_a_504() {
 async fn a_deadline_that_passes_during_the_run_is_a_504_and_the_pool_recovers() {
     let h = simple("fn decide(req, state) { admit() }");
     let mut req = request(4, WAIT_FOR_GATE);
-    req.deadline = Some(Instant::now() + Duration::from_secs(2));
+    req.meta.deadline = Some((Instant::now() + Duration::from_secs(2)).into_std());
     let r = refused(&h, req).await;
     assert_eq!(r.error, RequestError::Deadline(DeadlineMiss::InPool));
     assert_eq!(r.pool.as_ref().map(|p| p.name()), Some("gpu"));
@@ -560,7 +559,7 @@ async fn a_deadline_the_queue_cannot_meet_is_answered_at_once() {
     // One 50 ms run teaches the pool its service time.
     served(&h, request(4, SLOW)).await;
     let mut req = request(4, 0.5);
-    req.deadline = Some(Instant::now() + Duration::from_millis(10));
+    req.meta.deadline = Some((Instant::now() + Duration::from_millis(10)).into_std());
     let r = refused(&h, req).await;
     assert_eq!(r.error, RequestError::Deadline(DeadlineMiss::Estimated));
     assert_eq!(status_of(&r.error), StatusCode::GATEWAY_TIMEOUT);

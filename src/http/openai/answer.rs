@@ -39,7 +39,7 @@ pub(super) async fn run(
         decode_headers(service, &job.model, id, headers, received).map_err(|e| OpenAiError::from_request(&e, id))?;
     let entry = service.model(&job.model).expect("checked by text_model");
     // Cutting a prompt changes the answer: only when the client (or the model's config) allows.
-    base.allow_shrink = header_value::<bool>(headers, ALLOW_SHRINK_HEADER, "`true` or `false`")
+    base.meta.allow_shrink = header_value::<bool>(headers, ALLOW_SHRINK_HEADER, "`true` or `false`")
         .map_err(|e| OpenAiError::from_request(&e, id))?
         .unwrap_or(entry.config.allow_shrink);
     let tokenizer = Arc::clone(entry.tokenizer.as_ref().expect("checked by text_model"));

@@ -1,0 +1,92 @@
+//! Counting a request once in the request metrics (`vramguard_requests_total`, its duration),
+//! with the outcome it ends with, whether it ran, was refused before it reached a pool, or
+//! lost its client on the way.
+
+use std::sync::Arc;
+
+use tokio::time::Instant;
+
+use crate::pool::Pool;
+use crate::serve::service::Service;
+use crate::telemetry::metrics::{ModelPoolLabels, Outcome, RequestLabels};
+
+use super::{Refused, RequestError};
+
+/// Do `work` as one request for `model`: counted once in the request metrics with the outcome
+/// it ends with (on the pool it ended on), or `cancelled` when its client goes away first.
+pub async fn counted<T>(
+    service: &Service,
+    model: &str,
+    received: Instant,
+    work: impl std::future::Future<Output = Result<(T, Arc<Pool>), Refused>>,
+) -> Result<T, Refused> {
+    // A client that goes away drops this future: the guard counts that as `cancelled` (a job
+    // still queued is then skipped by the pool, one already running is stopped).
+    let mut gone = ClientGone {
+        service,
+        model,
+        received,
+        armed: true,
+    };
+    let result = work.await;
+    gone.armed = false;
+    let (pool, outcome) = match &result {
+        Ok((_, pool)) => (Some(pool), Outcome::ok),
+        Err(refused) => (refused.pool.as_ref(), refused.error.outcome()),
+    };
+    record(service, model, pool.map(|p| p.name()), outcome, received);
+    if let Err(refused) = &result {
+        tracing::debug!(model = %model, pool = pool.map(|p| p.name()), outcome = ?refused.error.outcome(), error = %refused.error, "request refused");
+    }
+    result.map(|(value, _)| value)
+}
+
+/// Counts a request whose client went away before it was answered.
+struct ClientGone<'a> {
+    service: &'a Service,
+    model: &'a str,
+    received: Instant,
+    armed: bool,
+}
+
+impl Drop for ClientGone<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            tracing::debug!(model = self.model, "the client went away before the answer");
+            record(self.service, self.model, None, Outcome::cancelled, self.received);
+        }
+    }
+}
+
+/// Refuse a request before it reaches [`infer`](super::infer) (it could not be decoded, say),
+/// counting it like any other outcome.
+pub fn reject(service: &Service, model: &str, error: RequestError, received: Instant) -> Refused {
+    record(service, model, None, error.outcome(), received);
+    Refused { pool: None, error }
+}
+
+/// Count a request's outcome. Requests for unknown models are not counted: their names would
+/// be unbounded label values.
+fn record(service: &Service, model: &str, pool: Option<&str>, outcome: Outcome, received: Instant) {
+    if service.model(model).is_none() {
+        return;
+    }
+    let metrics = &service.metrics;
+    metrics
+        .requests
+        .get_or_create(&RequestLabels {
+            model: model.to_string(),
+            pool: pool.unwrap_or_default().to_string(),
+            outcome,
+        })
+        .inc();
+    if let Some(pool) = pool {
+        metrics
+            .request_duration
+            .get_or_create(&ModelPoolLabels {
+                model: model.to_string(),
+                pool: pool.to_string(),
+            })
+            .observe(received.elapsed().as_secs_f64());
+    }
+}

@@ -1,0 +1,155 @@
+//! One request's life below any protocol: placement, admission, the run and its outcome.
+//!
+//! [`infer`] takes a decoded [`Request`] and returns what happened to it: the router's first
+//! choice of pool, the policy's decision (or the configured fallback when the script fails or
+//! asks for something that cannot be done), deferral bounded by the pool's `max_wait`, a shrunk
+//! context, a redirect, the queue, the deadline, the one retry on the fallback pool, and the
+//! request metrics. The HTTP handlers (and any other protocol) only decode, call [`infer`], and
+//! encode. [`RequestError`] is the one place where a failure becomes a metric outcome and a
+//! `Retry-After`; `http` gives each variant its status.
+//!
+//! The files follow the request: `admit` (router and policy), `place` (the checks before the
+//! placed run), `run` (one run on a pool), `retry` (the one retry, shared with a generation's
+//! steps), `count` (the request metrics) and `error` (what a client is told).
+//!
+//! Time is tokio's, so tests run deferrals and deadlines with paused time.
+
+mod admit;
+mod count;
+mod error;
+mod place;
+mod retry;
+mod run;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use crate::core::backend::RunMeta;
+use crate::core::snapshot::Action;
+use crate::core::tensor::Tensor;
+use crate::pool::Pool;
+use crate::pool::activity::Progress;
+use crate::serve::service::Service;
+use crate::telemetry::metrics::FailoverReason;
+
+pub use count::{counted, reject};
+pub use error::{DeadlineMiss, NotRetried, Refused, RequestError};
+pub use place::place;
+
+/// A decoded inference request, whatever protocol it came in by.
+#[derive(Debug, Clone)]
+pub struct Request {
+    /// Its identity and limits (id, deadline, priority, replayability, shrink permission,
+    /// idempotency key): what every run of it carries to its pool's backend as it is.
+    pub meta: RunMeta,
+    /// Model name.
+    pub model: String,
+    /// Validated inputs.
+    pub inputs: Vec<Tensor>,
+    /// Outputs asked for (all when empty).
+    pub outputs: Vec<String>,
+    /// Tokens a generation may still add (0 for a single run): the estimate covers the KV
+    /// cache they will take, and the policy sees it as `req.max_new_tokens`.
+    pub max_new_tokens: u64,
+    /// When it arrived (request duration is measured from here).
+    pub received: Instant,
+    /// How to shorten a generation's prompt when the policy shrinks its context and the
+    /// client allowed it (models with a context axis are cut along it instead).
+    pub shrinker: Option<Shrinker>,
+    /// Its place in the service's waiting and running counts ([`infer`] and a generation
+    /// accept it there; the default counts nothing).
+    pub progress: Progress,
+}
+
+impl Request {
+    /// When the client stops caring, on tokio's clock: the lifecycle waits and compares on it,
+    /// so paused time in tests moves deadlines too.
+    fn deadline(&self) -> Option<Instant> {
+        self.meta.deadline.map(Instant::from_std)
+    }
+}
+
+/// A generation's prompt, shortened: its new inputs, their length and what was cut.
+#[derive(Debug)]
+pub struct Shrunk {
+    /// The inputs of the shorter prompt's run.
+    pub inputs: Vec<Tensor>,
+    /// Its tokens.
+    pub tokens: u64,
+    /// What was left out, for the client (`x-vramguard-context-cut`).
+    pub cut: String,
+}
+
+/// Shortens a prompt to at most the given tokens, or says why it cannot.
+#[derive(Clone)]
+pub struct Shrinker(pub Arc<dyn Fn(u64) -> Result<Shrunk, String> + Send + Sync>);
+
+impl std::fmt::Debug for Shrinker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Shrinker")
+    }
+}
+
+/// A request that ran.
+#[derive(Debug)]
+pub struct Served {
+    /// The pool that ran it.
+    pub pool: Arc<Pool>,
+    /// The decision that placed it: admit, redirect or shrink_context.
+    pub action: Action,
+    /// `(from, to)` context tokens when it was shrunk.
+    pub context: Option<(u64, u64)>,
+    /// What a shrink of a generation's prompt left out.
+    pub context_cut: Option<String>,
+    /// For the one retry: from the request's arrival to its run starting on the fallback.
+    pub retry_started: Option<Duration>,
+    /// Set when it ran here as the one retry after an allocator failure on its first pool.
+    pub retried: Option<FailoverReason>,
+    /// The outputs asked for.
+    pub outputs: Vec<Tensor>,
+}
+
+/// A run that answered, after the one retry if it needed it.
+#[derive(Debug)]
+pub struct Ran {
+    /// The pool that ran it (a generation's next steps go there too).
+    pub pool: Arc<Pool>,
+    /// Set when it ran there as the one retry, after a failure on the pool it was sent to.
+    pub retried: Option<FailoverReason>,
+    /// Its outputs.
+    pub outputs: Vec<Tensor>,
+}
+
+/// Run `request` to its end: place it, ask the policy, carry the decision out, run it, and
+/// count the outcome.
+pub async fn infer(service: &Service, mut request: Request) -> Result<Served, Refused> {
+    request.progress = service.activity.accept();
+    let model = request.model.clone();
+    let received = request.received;
+    counted(service, &model, received, async move {
+        let served = place(service, request).await?;
+        let pool = Arc::clone(&served.pool);
+        Ok((served, pool))
+    })
+    .await
+}
+
+/// One more run of a request already admitted to `pool`: a generation's next step. It is not
+/// asked of the policy again and not counted as a request of its own. An allocator failure on
+/// an accelerator pool moves it, and the runs after it, to the pool's fallback when the request
+/// is replayable: a step is a pure function of its inputs (the KV cache travels with them), so
+/// the tokens are the ones it would have had.
+pub async fn step(
+    service: &Service,
+    pool: &Arc<Pool>,
+    request: &Request,
+    inputs: Vec<Tensor>,
+    estimate_bytes: u64,
+) -> Result<Ran, RequestError> {
+    let probe = pool.breaker_permit().map_err(|e| RequestError::from_pool(pool, e))?;
+    retry::run_with_retry(service, pool, request, inputs, estimate_bytes, probe, retry::Run::Step)
+        .await
+        .map_err(|refused| refused.error)
+}

@@ -1,0 +1,112 @@
+//! A request's placed run: after the policy's decision, the breaker's permission (or the
+//! fallback, when the breaker opened since routing), the deadline and host-memory checks, then
+//! the run with its one retry.
+
+use std::sync::Arc;
+
+use tokio::time::Instant;
+
+use crate::core::snapshot::Action;
+use crate::pool::{Pool, PoolError};
+use crate::serve::service::Service;
+use crate::telemetry::metrics::FailoverReason;
+
+use super::admit::{Admitted, admit};
+use super::retry::{Run, can_take_retry, fallback_of, run_with_retry};
+use super::run::host_keeps_reserve;
+use super::{DeadlineMiss, Refused, Request, RequestError, Served};
+
+/// Place and run a request like [`infer`](super::infer), without counting it: for work made of
+/// several runs (a generation), counted once around all of them by
+/// [`counted`](super::counted).
+pub async fn place(service: &Service, mut request: Request) -> Result<Served, Refused> {
+    let entry = service.model(&request.model).ok_or_else(|| Refused {
+        pool: None,
+        error: RequestError::unknown_model(service, &request.model),
+    })?;
+    let mut admitted = admit(service, entry, &mut request).await?;
+    let estimate_bytes = admitted
+        .estimate
+        .context_bytes
+        .saturating_add(admitted.estimate.workspace_bytes);
+    let probe = permit_or_fallback(service, &mut admitted, estimate_bytes).map_err(|(pool, error)| Refused {
+        error: RequestError::from_pool(&pool, error),
+        pool: Some(pool),
+    })?;
+    let pool = Arc::clone(&admitted.pool);
+    // Refused before its run: a probe it took goes to the next request.
+    let refuse_unrun = |error: RequestError| {
+        if probe {
+            pool.probe_unused();
+        }
+        Refused {
+            pool: Some(Arc::clone(&pool)),
+            error,
+        }
+    };
+    if !deadline_reachable(&pool, &request) {
+        return Err(refuse_unrun(RequestError::Deadline(DeadlineMiss::Estimated)));
+    }
+    if let Err(reason) = host_keeps_reserve(service, &pool, estimate_bytes) {
+        return Err(refuse_unrun(RequestError::HostMemory {
+            pool: pool.name().to_string(),
+            reason,
+            retry_after: pool.load().estimated_delay,
+        }));
+    }
+    let inputs = std::mem::take(&mut request.inputs);
+    let ran = run_with_retry(service, &pool, &request, inputs, estimate_bytes, probe, Run::Placed).await?;
+    // For the one retry: the run that answered is the request's last one started.
+    let retry_started = ran
+        .retried
+        .and(request.progress.last_started())
+        .map(|at| at.saturating_duration_since(request.received.into_std()));
+    Ok(Served {
+        pool: ran.pool,
+        action: if ran.retried.is_some() {
+            Action::Redirect
+        } else {
+            admitted.action
+        },
+        context: admitted.context,
+        context_cut: admitted.context_cut,
+        retry_started,
+        retried: ran.retried,
+        outputs: ran.outputs,
+    })
+}
+
+/// The breaker's permission for the run (true: it is the half-open probe), taken once here. It
+/// may have opened since the request was routed (a concurrent run met a driver failure while
+/// the policy decided): nothing of it has run, so the fallback takes it, as it would a request
+/// routed a moment later, instead of refusing it. A refusal names the pool that refused.
+fn permit_or_fallback(
+    service: &Service,
+    admitted: &mut Admitted,
+    estimate_bytes: u64,
+) -> Result<bool, (Arc<Pool>, PoolError)> {
+    let from = Arc::clone(&admitted.pool);
+    let closed = match from.breaker_permit() {
+        Ok(probe) => return Ok(probe),
+        Err(closed) => closed,
+    };
+    let Some(fallback) = fallback_of(service, &from).filter(|f| can_take_retry(service, f, estimate_bytes).is_ok())
+    else {
+        return Err((from, closed));
+    };
+    let probe = fallback.breaker_permit().map_err(|e| (Arc::clone(&fallback), e))?;
+    service.failover(&from, &fallback, FailoverReason::breaker_open);
+    admitted.pool = fallback;
+    admitted.action = Action::Redirect;
+    Ok(probe)
+}
+
+/// Whether `pool` can finish the request before its deadline, going by its queue and recent
+/// run times (no estimate yet: assume it can).
+fn deadline_reachable(pool: &Pool, request: &Request) -> bool {
+    let Some(deadline) = request.deadline() else {
+        return true;
+    };
+    let estimate = pool.load().estimated_delay;
+    estimate.is_zero() || Instant::now() + estimate <= deadline
+}

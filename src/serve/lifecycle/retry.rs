@@ -1,0 +1,210 @@
+//! The one retry: a run that fails on an accelerator (or remote) pool in a way its fallback pool
+//! would not (an allocator failure, a driver failure, the remote server failing) runs once more
+//! there, when the request may be replayed and the fallback can take it. A request's placed run
+//! and a generation's steps both go through [`run_with_retry`], so what is retried, what is
+//! counted and what the client is told are decided in one place. (A breaker that opened before
+//! anything ran is not a retry: `place` sends such a request to the fallback itself.)
+
+use std::sync::Arc;
+
+use crate::core::backend::{AllocFailureKind, BackendError};
+use crate::core::tensor::Tensor;
+use crate::pool::sequences::Waiting;
+use crate::pool::{Pool, PoolError};
+use crate::serve::service::Service;
+use crate::telemetry::metrics::{FailoverReason, RetryLabels, RetryResult};
+
+use super::run::{host_keeps_reserve, is_accelerator, run_on, run_permitted};
+use super::{NotRetried, Ran, Refused, Request, RequestError};
+
+/// Which of a request's runs is tried: they differ in what a failure may still do.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Run {
+    /// The run the policy placed: a single run, or a generation's prompt (counted as waiting
+    /// on its pool while it runs). A request that may not be replayed is counted as such
+    /// (`result="not_replayable"`) and told why it was not retried.
+    Placed,
+    /// A generation's next token. One that may not be replayed (the client said so, or it
+    /// offers tools) does not consider the fallback and counts no retry decision; for tools,
+    /// the generation tells the client why ([`NotRetried::ToolsStarted`]).
+    Step,
+}
+
+/// Run `inputs` of `request` on `pool`, the breaker's permission already taken (`probe`: it is
+/// the half-open probe), and once more on the pool's fallback if that run fails in a way the
+/// fallback would not. The failover is counted and marks degraded mode
+/// ([`Service::failover`]); the retry's decision is counted for `pool`
+/// (`vramguard_retries_total`); a failure that is not retried says why when that is news to
+/// the client ([`NotRetried`]).
+pub(super) async fn run_with_retry(
+    service: &Service,
+    pool: &Arc<Pool>,
+    request: &Request,
+    inputs: Vec<Tensor>,
+    estimate_bytes: u64,
+    probe: bool,
+    run: Run,
+) -> Result<Ran, Refused> {
+    // A generation's prompt counts as waiting on its pool until its run is over.
+    let waits = run == Run::Placed && request.max_new_tokens > 0;
+    let refuse = |pool: &Arc<Pool>, error: RequestError| Refused {
+        pool: Some(Arc::clone(pool)),
+        error,
+    };
+    // ONNX Runtime consumes the inputs of the first run: keep a copy for the retry.
+    let fallback = fallback_of(service, pool);
+    let spare = (fallback.is_some() && request.meta.replayable).then(|| inputs.clone());
+    let waiting = waits.then(|| Waiting::on(&pool.sequences));
+    let first = run_permitted(service, pool, request, inputs, estimate_bytes, probe).await;
+    drop(waiting);
+    let error = match first {
+        Ok(outputs) => {
+            return Ok(Ran {
+                pool: Arc::clone(pool),
+                retried: None,
+                outputs,
+            });
+        }
+        Err(error) => error,
+    };
+    let (Some(reason), Some(fallback)) = (retry_reason(&error), fallback) else {
+        return Err(refuse(pool, RequestError::from_pool(pool, error)));
+    };
+    let retries = |result: RetryResult| count_retry(service, pool, result);
+    let inputs = match (spare, run) {
+        (Some(inputs), _) => inputs,
+        (None, Run::Step) => return Err(refuse(pool, RequestError::from_pool(pool, error))),
+        (None, Run::Placed) => {
+            // Never replayed behind the client's back: it gets a resumable error with its id.
+            retries(RetryResult::not_replayable);
+            let refused = RequestError::from_pool(pool, error).not_retried(NotRetried::NotReplayable);
+            return Err(refuse(pool, refused));
+        }
+    };
+    if let Err(why) = can_take_retry(service, &fallback, estimate_bytes) {
+        retries(RetryResult::no_fallback);
+        let refused = RequestError::from_pool(pool, error).not_retried(NotRetried::NoFallback(why));
+        return Err(refuse(pool, refused));
+    }
+    service.failover(pool, &fallback, reason);
+    let moving = match run {
+        Run::Placed => "retrying once on the fallback pool",
+        Run::Step => "the step and the rest move to the fallback pool",
+    };
+    tracing::info!(request_id = %request.meta.request_id, from = pool.name(), to = fallback.name(), reason = ?reason, "{moving}");
+    let _waiting = waits.then(|| Waiting::on(&fallback.sequences));
+    match run_on(service, &fallback, request, inputs, estimate_bytes).await {
+        Ok(outputs) => {
+            retries(RetryResult::ok);
+            Ok(Ran {
+                pool: fallback,
+                retried: Some(reason),
+                outputs,
+            })
+        }
+        Err(error) => {
+            retries(RetryResult::failed);
+            Err(refuse(&fallback, RequestError::from_pool(&fallback, error)))
+        }
+    }
+}
+
+/// Where a run that fails on `pool` with an allocator failure (or its remote server failing)
+/// may go once: its configured fallback, for pools off the host.
+pub(super) fn fallback_of(service: &Service, pool: &Pool) -> Option<Arc<Pool>> {
+    pool.config
+        .fallback
+        .as_deref()
+        .filter(|_| is_accelerator(pool))
+        .and_then(|name| service.pool(name))
+        .cloned()
+}
+
+/// Count one retry decision for a failure on `pool`.
+fn count_retry(service: &Service, pool: &Pool, result: RetryResult) {
+    service
+        .metrics
+        .retries
+        .get_or_create(&RetryLabels {
+            pool: pool.name().to_string(),
+            result,
+        })
+        .inc();
+}
+
+/// Whether a run that failed with `error` may be retried once on the fallback pool, and the
+/// failover reason if so: an allocator failure, or a remote pool's server failing. Anything
+/// else (the client's mistake, its deadline, a model error) would fail the same way there.
+fn retry_reason(error: &PoolError) -> Option<FailoverReason> {
+    match error {
+        PoolError::Backend(BackendError::Allocation {
+            kind: AllocFailureKind::Oom,
+            ..
+        }) => Some(FailoverReason::oom_retry),
+        PoolError::Backend(BackendError::Allocation {
+            kind: AllocFailureKind::Driver,
+            ..
+        }) => Some(FailoverReason::driver_retry),
+        PoolError::Backend(BackendError::Remote { .. }) => Some(FailoverReason::remote_retry),
+        _ => None,
+    }
+}
+
+/// Whether the fallback pool can take a retry now: it runs, its breaker lets work through, and
+/// when it is on the host, the host keeps its reserve after the request (the CPU path must
+/// not take the machine down).
+pub(super) fn can_take_retry(service: &Service, fallback: &Pool, need_bytes: u64) -> Result<(), String> {
+    if let Some(why) = fallback.refusal() {
+        return Err(format!("fallback pool `{}` cannot take work: {why}", fallback.name()));
+    }
+    host_keeps_reserve(service, fallback, need_bytes)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::backend::RemoteFailure;
+
+    fn backend(error: BackendError) -> PoolError {
+        PoolError::Backend(error)
+    }
+
+    #[test]
+    fn only_failures_the_fallback_would_not_share_are_retried() {
+        let allocation = |kind| {
+            backend(BackendError::Allocation {
+                kind,
+                message: "no memory".into(),
+            })
+        };
+        assert_eq!(
+            retry_reason(&allocation(AllocFailureKind::Oom)),
+            Some(FailoverReason::oom_retry)
+        );
+        assert_eq!(
+            retry_reason(&allocation(AllocFailureKind::Driver)),
+            Some(FailoverReason::driver_retry)
+        );
+        let remote = backend(BackendError::Remote {
+            kind: RemoteFailure::ServerError,
+            message: "502".into(),
+        });
+        assert_eq!(retry_reason(&remote), Some(FailoverReason::remote_retry));
+        // The client's mistake, its deadline, a full queue or an open breaker would be the same
+        // on the fallback, or are not failures of the run at all.
+        for error in [
+            backend(BackendError::InvalidInput("bad shape".into())),
+            backend(BackendError::DeadlineExceeded),
+            PoolError::QueueFull {
+                pool: "gpu".into(),
+                capacity: 1,
+            },
+            PoolError::BreakerOpen {
+                pool: "gpu".into(),
+                why: "driver failures".into(),
+            },
+        ] {
+            assert_eq!(retry_reason(&error), None, "{error}");
+        }
+    }
+}

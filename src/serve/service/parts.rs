@@ -1,0 +1,81 @@
+//! What a service is assembled from: the [`BackendFactory`] seam between the service and ONNX
+//! Runtime, the memory sources, the simulated devices and the clock.
+
+use std::sync::Arc;
+
+use crate::config::{Config, ConfigError, DeviceKind, ModelConfig, PoolConfig};
+use crate::core::backend::Backend;
+use crate::core::clock::{Clock, SystemClock};
+use crate::device::MemorySource;
+use crate::device::simulated::{SimulatedDevice, SimulatedSource};
+use crate::runtime::estimate::MemoryProfile;
+use crate::runtime::onnx::ModelSignature;
+
+use super::{OrtFactory, StartError};
+
+/// Builds what runs models: the seam between the service and ONNX Runtime.
+pub trait BackendFactory: Send + Sync {
+    /// The runtime's version, for `/v2` and `vramguard_build_info`.
+    fn runtime_version(&self) -> String;
+    /// Read a model's inputs and outputs.
+    fn signature(&self, model: &ModelConfig, bytes: &[u8]) -> Result<ModelSignature, String>;
+    /// Measure what the model's runs need (called only when the config gives no profile).
+    fn measure_profile(&self, model: &ModelConfig, bytes: &[u8], signature: &ModelSignature) -> MemoryProfile;
+    /// Build one worker's backend for `pool`, holding `models` (name and bytes). An error makes
+    /// the pool unavailable with that reason; it never falls back to another provider.
+    fn backend(&self, pool: &PoolConfig, models: &[(String, &[u8])]) -> Result<Box<dyn Backend>, String>;
+}
+
+/// What a service is assembled from.
+pub struct Parts {
+    /// Builds backends and reads model signatures.
+    pub backends: Arc<dyn BackendFactory>,
+    /// Memory sources the sampler reads (host, NVML, simulated devices).
+    pub sources: Vec<Box<dyn MemorySource>>,
+    /// Simulated devices (their arenas back the `simulated` pools).
+    pub simulated: Vec<Arc<SimulatedDevice>>,
+    /// Time source for queue stamps and ages.
+    pub clock: Arc<dyn Clock>,
+}
+
+impl std::fmt::Debug for Parts {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Parts")
+            .field("sources", &self.sources.iter().map(|s| s.label()).collect::<Vec<_>>())
+            .field("simulated", &self.simulated)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Parts {
+    /// Production parts: ONNX Runtime (loaded from the configured library), the simulated
+    /// devices the config declares, the host and NVML memory sources, the system clock.
+    pub fn onnxruntime(config: &Config) -> Result<Parts, StartError> {
+        let rt = crate::runtime::onnx::runtime(config.onnxruntime_library.as_deref())?;
+        let mut simulated = Vec::new();
+        for device in &config.devices {
+            if let DeviceKind::Simulated { capacity } = device.kind {
+                let opened =
+                    SimulatedDevice::open(rt, &device.name, capacity).map_err(|message| ConfigError::Invalid {
+                        file: config.source.clone(),
+                        key: format!("devices.{}", device.name),
+                        message,
+                    })?;
+                tracing::info!(device = %device.name, capacity = %crate::telemetry::logging::human_bytes(capacity), "SIMULATED accelerator ready");
+                simulated.push(Arc::new(opened));
+            }
+        }
+        let mut sources = crate::device::sources(config);
+        sources.extend(
+            simulated
+                .iter()
+                .map(|d| Box::new(SimulatedSource::new(Arc::clone(d))) as Box<dyn MemorySource>),
+        );
+        Ok(Parts {
+            backends: Arc::new(OrtFactory::new(rt, config, simulated.clone())),
+            sources,
+            simulated,
+            clock: Arc::new(SystemClock),
+        })
+    }
+}

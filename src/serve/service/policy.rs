@@ -1,0 +1,130 @@
+//! The service's admission policy: loaded and tried on the config before any port is bound,
+//! shown the latest sample (converted once per sample, with the pools' load read live) and
+//! reloaded on request.
+
+use std::sync::Arc;
+
+use crate::config::Config;
+use crate::core::snapshot::Snapshot;
+use crate::policy::PolicyStatus;
+use crate::policy::{PolicyHandle, StateView};
+use crate::pool::Pool;
+use crate::telemetry::metrics::{Metrics, PolicyInfoLabels, ReloadResult, ResultLabels};
+
+use super::{ModelEntry, Service, StartError};
+
+/// The policy's view of one sample: built once per sample, shared by every evaluation.
+pub(super) struct PolicyState {
+    generation: u64,
+    view: Arc<StateView>,
+}
+
+/// The pools' load as the policy reads it, live, when a script reads `state.pools[name]`.
+#[derive(Debug)]
+struct PoolsNow(Vec<Arc<Pool>>);
+
+impl crate::policy::LiveLoad for PoolsNow {
+    fn pool_load(&self, name: &str) -> Option<crate::policy::PoolLoadNow> {
+        let pool = self.0.iter().find(|p| p.name() == name)?;
+        let load = pool.load();
+        let sequences = pool.sequences.now();
+        Some(crate::policy::PoolLoadNow {
+            queue_depth: load.queue_depth as u64,
+            queue_oldest_age_ms: load.oldest_age.as_millis() as u64,
+            inflight: load.inflight as u64,
+            alloc_failures_recent: pool.alloc_failures_recent(),
+            est_delay_ms: load.estimated_delay.as_millis() as u64,
+            breaker: pool.breaker_view(),
+            sequences_waiting: sequences.waiting,
+            sequences_running: sequences.running,
+            kv_cache_bytes: sequences.kv_bytes,
+        })
+    }
+}
+
+impl Service {
+    /// The policy's view of the world: the latest sample, converted for the script once per
+    /// sample, whose pools read their queue, in-flight count, recent failures and delay
+    /// estimate live when the script looks at them.
+    pub fn policy_view(&self) -> Arc<StateView> {
+        let sample = self.store.latest();
+        let mut cached = self.policy_state.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(state) = cached.as_ref()
+            && state.generation == sample.generation
+        {
+            return Arc::clone(&state.view);
+        }
+        let live: Arc<dyn crate::policy::LiveLoad> = Arc::new(PoolsNow(self.pools.clone()));
+        let view = Arc::new(StateView::new(&sample.snapshot).with_live_load(live));
+        *cached = Some(PolicyState {
+            generation: sample.generation,
+            view: Arc::clone(&view),
+        });
+        view
+    }
+
+    /// Reload the policy (admin endpoint, file watcher) and account for it in the metrics.
+    pub fn reload_policy(&self) -> Result<PolicyStatus, String> {
+        let result = self.policy.reload();
+        let label = if result.is_ok() {
+            ReloadResult::ok
+        } else {
+            ReloadResult::error
+        };
+        self.metrics
+            .policy_reloads
+            .get_or_create(&ResultLabels { result: label })
+            .inc();
+        match result {
+            Ok(_) => {
+                let status = self.policy.status();
+                show_policy(&self.metrics, &status);
+                Ok(status)
+            }
+            Err(e) => Err(e.to_string()),
+        }
+    }
+}
+
+/// Load the configured policy (a file, or a builtin one from the binary), then try it once per
+/// model and ready pool on the first snapshot: a script that fails on this config's params is
+/// refused before any port is bound.
+pub(super) fn load_policy(
+    config: &Config,
+    models: &[ModelEntry],
+    ready_pools: &[&str],
+    snapshot: &Snapshot,
+) -> Result<PolicyHandle, StartError> {
+    let handle = PolicyHandle::load(config.policy.source.clone(), crate::policy::settings_for(config))
+        .map_err(|e| StartError::Policy(e.to_string()))?;
+    // Pools that could not start (no CUDA here) never reach the policy; they are not tried.
+    let requests = crate::policy::smoke_requests(
+        config,
+        |pool| ready_pools.contains(&pool.name.as_str()),
+        |model, tokens| {
+            let entry = models.iter().find(|m| m.config.name == model.name);
+            entry.map(|m| m.profile.estimate(tokens, 1)).unwrap_or_default()
+        },
+    );
+    crate::policy::smoke_test(&handle.current().script, &requests, snapshot).map_err(|e| {
+        StartError::Policy(format!(
+            "{}: policy `{}` fails with this config (check policy.params): {e}",
+            config.source,
+            handle.origin()
+        ))
+    })?;
+    tracing::info!(policy = %handle.origin(), sha256 = %handle.status().sha256, "policy loaded");
+    Ok(handle)
+}
+
+/// Show the policy now serving, and only it, as `vramguard_policy_info{path,sha256} 1`.
+pub(super) fn show_policy(metrics: &Metrics, status: &PolicyStatus) {
+    metrics.policy_info.clear();
+    metrics
+        .policy_info
+        .get_or_create(&PolicyInfoLabels {
+            path: status.origin.clone(),
+            sha256: status.sha256.clone(),
+        })
+        .set(1);
+}

@@ -1,0 +1,71 @@
+//! Starting a configured pool: its workers' backends (ONNX Runtime sessions, or a remote
+//! server's client), or the pool kept as unavailable with the reason.
+
+use std::sync::Arc;
+
+use crate::config::{Config, PoolConfig, Provider};
+use crate::core::backend::Backend;
+use crate::core::snapshot::DeviceClass;
+use crate::pool::{Pool, PoolContext, Respawn};
+use crate::serve::remote::RemoteBackend;
+use crate::telemetry::metrics::Metrics;
+
+use super::{BackendFactory, ModelBytes, ModelEntry};
+
+/// Start `pool` with one backend per worker. The same factory rebuilds a worker's backend after
+/// a panic, from the same model bytes.
+pub(super) fn start_pool(
+    backends: &Arc<dyn BackendFactory>,
+    config: &Config,
+    models: &[ModelEntry],
+    pool: &PoolConfig,
+    context: PoolContext,
+    metrics: &Metrics,
+) -> Arc<Pool> {
+    let device_kind = config.pool_class(pool);
+    let build: Respawn = match &pool.provider {
+        // Its workers forward to the remote server: no sessions, no model bytes.
+        Provider::Remote(options) => {
+            let options = options.clone();
+            let metrics = metrics.remote_metrics(&pool.name);
+            let max_response_bytes = config.server.max_response_bytes;
+            Arc::new(move || {
+                RemoteBackend::new(options.clone(), metrics.clone(), max_response_bytes)
+                    .map(|b| Box::new(b) as Box<dyn Backend>)
+            })
+        }
+        _ => {
+            let owned: Vec<(String, ModelBytes)> = models
+                .iter()
+                .filter(|m| pool.models.contains(&m.config.name))
+                .map(|m| (m.config.name.clone(), m.bytes.clone()))
+                .collect();
+            let backends = Arc::clone(backends);
+            let pool = pool.clone();
+            Arc::new(move || {
+                let borrowed: Vec<(String, &[u8])> = owned.iter().map(|(n, b)| (n.clone(), b.as_slice())).collect();
+                backends.backend(&pool, &borrowed)
+            })
+        }
+    };
+    let mut workers: Vec<Box<dyn Backend>> = Vec::new();
+    for _ in 0..pool.workers {
+        match build() {
+            Ok(b) => workers.push(b),
+            Err(reason) => {
+                // Never fall back to the CPU silently: the pool is unavailable and says why.
+                tracing::error!(pool = %pool.name, provider = pool.provider.label(), %reason, "pool unavailable");
+                return Pool::unavailable(pool.clone(), device_kind, reason, context);
+            }
+        }
+    }
+    tracing::info!(
+        pool = %pool.name,
+        provider = pool.provider.label(),
+        device = %pool.device,
+        simulated = device_kind == DeviceClass::Simulated,
+        workers = pool.workers,
+        "pool ready"
+    );
+    Pool::start(pool.clone(), device_kind, workers, Some(build), context)
+}
