@@ -216,6 +216,8 @@ pub(crate) mod tests {
     use super::*;
     use crate::core::snapshot::Action;
 
+    // Long: one literal of every shape `/status` can take, kept whole so that it reads as the
+    // document it stands for.
     /// A report with every shape `/status` can take: degraded with a fallback, a simulated
     /// and an NVIDIA device, a pool with an arena and one without, an unavailable pool.
     pub(crate) fn report() -> StatusReport {

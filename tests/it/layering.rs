@@ -48,7 +48,7 @@ fn module_of(src: &Path, file: &Path) -> Vec<String> {
     parts
 }
 
-fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
+pub(crate) fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
     for entry in std::fs::read_dir(dir).expect("read src") {
         let path = entry.expect("entry").path();
         if path.is_dir() {
@@ -61,7 +61,7 @@ fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
 
 /// The text with comments blanked (line structure kept), and string literals blanked so that a
 /// message mentioning `crate::` is not read as a path.
-fn code_only(text: &str) -> String {
+pub(crate) fn code_only(text: &str) -> String {
     let bytes = text.as_bytes();
     let mut out = String::with_capacity(text.len());
     let mut i = 0;
@@ -166,7 +166,11 @@ fn references(src: &Path, file: &Path) -> Vec<Reference> {
     // `tests.rs`, or a file in a `tests/` folder under `src/` (a split test module).
     let whole_file_is_test = file.file_name().is_some_and(|n| n == "tests.rs")
         || file.strip_prefix(src).is_ok_and(|p| p.iter().any(|c| c == "tests"));
-    let test_block = text.find("#[cfg(test)]\nmod tests").unwrap_or(text.len());
+    let test_block = ["#[cfg(test)]\nmod tests", "#[cfg(test)]\npub(crate) mod tests"]
+        .iter()
+        .filter_map(|start| text.find(start))
+        .min()
+        .unwrap_or(text.len());
     let mut found = Vec::new();
     let starts = ["crate::", "super::", "self::"].map(|s| text.match_indices(s));
     for (at, _) in starts.into_iter().flatten() {

@@ -19,4 +19,5 @@ mod prometheus;
 mod remote;
 mod simulated;
 mod simulated_policy;
+mod sizes;
 mod status_page;

@@ -1,0 +1,130 @@
+//! No file in `src/` a person has to scroll for minutes, and no function they cannot hold in
+//! their head: at most 700 lines a file and 120 a function. Where one concern really needs more,
+//! a `// Long: …` comment says why (in a file's first lines, or right above the function), and
+//! the check lets it be.
+
+use std::path::Path;
+
+use super::layering::{code_only, rust_files};
+
+const SRC: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/src");
+const MAX_FILE_LINES: usize = 700;
+const MAX_FN_LINES: usize = 120;
+/// How a comment that justifies a long file or function starts.
+const WHY: &str = "// Long:";
+
+/// Each function in `code` (comments and strings already blanked): its name, first line (from 1)
+/// and length in lines, from its `fn` line to its closing brace.
+fn functions(code: &str) -> Vec<(String, usize, usize)> {
+    let lines: Vec<&str> = code.lines().collect();
+    let mut found = Vec::new();
+    for (start, line) in lines.iter().enumerate() {
+        let Some(at) = fn_keyword(line) else { continue };
+        let name: String = line[at + 3..]
+            .chars()
+            .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+            .collect();
+        let mut depth = 0i64;
+        let mut opened = false;
+        'body: for (offset, text) in lines[start..].iter().enumerate() {
+            let text = if offset == 0 { &text[at..] } else { text };
+            for c in text.chars() {
+                match c {
+                    '{' => {
+                        depth += 1;
+                        opened = true;
+                    }
+                    '}' => depth -= 1,
+                    // A declaration without a body (a trait method, an extern fn).
+                    ';' if !opened => break 'body,
+                    _ => {}
+                }
+                if opened && depth == 0 {
+                    found.push((name.clone(), start + 1, offset + 1));
+                    break 'body;
+                }
+            }
+        }
+    }
+    found
+}
+
+/// Where `fn ` starts a function on this line, if it does (not `fn` inside a type like `Fn(`).
+fn fn_keyword(line: &str) -> Option<usize> {
+    let at = line.find("fn ")?;
+    let before = line[..at].trim();
+    let item_prefix = before
+        .split_whitespace()
+        .all(|w| matches!(w, "pub" | "async" | "const" | "unsafe" | "extern" | "\"C\"") || w.starts_with("pub("));
+    item_prefix.then_some(at)
+}
+
+/// Whether the lines just above `line` (from 1) carry a `// Long:` comment.
+fn justified(text: &[&str], line: usize) -> bool {
+    text[..line - 1]
+        .iter()
+        .rev()
+        .take_while(|l| {
+            let l = l.trim_start();
+            l.starts_with("//") || l.starts_with("#[")
+        })
+        .any(|l| l.trim_start().starts_with(WHY))
+}
+
+fn offenders(src: &Path) -> Vec<String> {
+    let mut files = Vec::new();
+    rust_files(src, &mut files);
+    files.sort();
+    let mut found = Vec::new();
+    for file in files {
+        let text = std::fs::read_to_string(&file).expect("read source");
+        let lines: Vec<&str> = text.lines().collect();
+        let name = file
+            .strip_prefix(src.parent().expect("the project"))
+            .expect("in the project");
+        let file_justified = lines.iter().take(30).any(|l| l.trim_start().starts_with(WHY));
+        if lines.len() > MAX_FILE_LINES && !file_justified {
+            found.push(format!(
+                "{}: {} lines (at most {MAX_FILE_LINES})",
+                name.display(),
+                lines.len()
+            ));
+        }
+        for (function, line, length) in functions(&code_only(&text)) {
+            if length > MAX_FN_LINES && !justified(&lines, line) {
+                found.push(format!(
+                    "{}:{line}: fn {function} is {length} lines (at most {MAX_FN_LINES})",
+                    name.display()
+                ));
+            }
+        }
+    }
+    found
+}
+
+#[test]
+fn no_file_or_function_is_longer_than_a_person_can_hold() {
+    let found = offenders(Path::new(SRC));
+    assert!(
+        found.is_empty(),
+        "split these, or say why in a `{WHY}` comment:\n{}",
+        found.join("\n")
+    );
+}
+
+#[test]
+fn the_check_measures_functions_and_honours_a_reason() {
+    let body = "    let x = 1;\n".repeat(MAX_FN_LINES);
+    let source = format!(
+        "/// Short.\npub fn short() -> u8 {{ 1 }}\n\nfn long() {{\n{body}}}\n\n// Long: one table.\nfn table() {{\n{body}}}\n\ntrait T {{\n    fn declared(&self);\n}}\nfn takes(f: impl Fn(u8) -> u8) {{ let _ = \"{{\"; }}\n"
+    );
+    let code = code_only(&source);
+    let found: Vec<(String, usize, usize)> = functions(&code);
+    let names: Vec<&str> = found.iter().map(|(n, _, _)| n.as_str()).collect();
+    assert_eq!(names, ["short", "long", "table", "takes"]);
+    assert_eq!(found[0].2, 1);
+    assert_eq!(found[1].2, MAX_FN_LINES + 2);
+    let lines: Vec<&str> = source.lines().collect();
+    assert!(!justified(&lines, found[1].1));
+    assert!(justified(&lines, found[2].1));
+}
