@@ -36,9 +36,9 @@ $(ORT_LIB):
 	@test -f $@ || { echo "error: the onnxruntime $(ORT_VERSION) wheel did not contain $@"; exit 1; }
 
 # promtool and the Prometheus server (Debian package `prometheus`) run the alert-rule unit tests
-# and the end-to-end test (tests/prometheus.rs); amtool (`prometheus-alertmanager`) checks the
+# and the end-to-end test (tests/it/prometheus.rs); amtool (`prometheus-alertmanager`) checks the
 # example Alertmanager routing; headless Chromium (`chromium`) renders the status page in
-# tests/status_page.rs.
+# tests/it/status_page.rs.
 tools:
 	@command -v promtool >/dev/null && command -v prometheus >/dev/null || { \
 		mkdir -p .deps; \
@@ -133,7 +133,7 @@ dashboard-check: $(DASHCHECK)
 # deploy/kubernetes/schemas/extract.py, committed; unknown keys are refused), the PrometheusRule
 # regenerated from alerts/vramguard.rules.yaml and compared, its rules through promtool, and the
 # selectors, ports, probes and engine label checked against each other (tests/kubernetes/check.py).
-# tests/picker.rs (in `unit`) checks the endpoint picker's metric names against a live /metrics.
+# tests/it/picker.rs (in `unit`) checks the endpoint picker's metric names against a live /metrics.
 K8SCHECK := .deps/k8scheck/.installed
 
 $(K8SCHECK):

@@ -41,7 +41,7 @@ MANIFESTS = {
 # Files that are not Kubernetes objects, and what checks them instead.
 NOT_OBJECTS = {
     # The endpoint picker's own config file (no CRD): its metric names are checked against a
-    # live exposition by tests/picker.rs, its engine name here.
+    # live exposition by tests/it/picker.rs, its engine name here.
     "inference-gateway/endpoint-picker-config.yaml",
 }
 ENGINE_LABEL = "inference.networking.k8s.io/engine-type"
