@@ -6,20 +6,14 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
+use vramguard::testing::Scratch;
 
-const BIN: &str = env!("CARGO_BIN_EXE_vramguard");
-
-fn temp_file(name: &str, contents: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("vramguard-cli-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join(name);
-    std::fs::write(&path, contents).unwrap();
-    path
-}
+use crate::common::BIN;
 
 /// `vramguard config check` on `yaml` written to `name`: exit code, stderr and the file's path.
 fn config_check(name: &str, yaml: &str) -> (Option<i32>, String, PathBuf) {
-    let path = temp_file(name, yaml);
+    let scratch = Scratch::new();
+    let path = scratch.write(name, yaml);
     let out = Command::new(BIN).args(["config", "check"]).arg(&path).output().unwrap();
     (
         out.status.code(),
@@ -90,8 +84,9 @@ fn policy_check(args: &[&str]) -> (Option<i32>, String, String) {
 
 #[test]
 fn policy_check_runs_the_script_and_names_where_it_fails() {
+    let scratch = Scratch::new();
     // Compiles, but fails on every request: check must say so, not `ok`.
-    let typo = temp_file(
+    let typo = scratch.write(
         "typo.rhai",
         "fn decide(req, state) {\n    if req.priorty > 0 { return admit(); }\n    admit()\n}\n",
     );
@@ -122,7 +117,8 @@ fn policy_check_passes_the_shipped_policies_on_the_default_and_example_configs()
 
 #[test]
 fn serve_refuses_a_bad_config_before_binding() {
-    let path = temp_file("typo.yaml", "server: {listne: 1}\nmodels: []\npools: []\n");
+    let scratch = Scratch::new();
+    let path = scratch.write("typo.yaml", "server: {listne: 1}\nmodels: []\npools: []\n");
     let out = Command::new(BIN)
         .args(["serve", "--config"])
         .arg(&path)
@@ -135,7 +131,8 @@ fn serve_refuses_a_bad_config_before_binding() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_finishes_running_work_answers_queued_work_and_exits_0() {
-    let config = temp_file(
+    let scratch = Scratch::new();
+    let config = scratch.write(
         "serve.yaml",
         "server: {listen: '127.0.0.1:0', shutdown_grace: 30s, admin_socket: 'off'}\n\
          models: [{name: encoder, path: 'builtin:encoder'}]\n\
@@ -289,7 +286,8 @@ fn doctor_passes_on_the_embedded_default_and_says_what_is_simulated() {
 
 #[test]
 fn doctor_fails_on_a_broken_config_and_names_the_key() {
-    let path = temp_file(
+    let scratch = Scratch::new();
+    let path = scratch.write(
         "doctor-bad.yaml",
         "models: [{name: m, path: 'builtin:classifier'}]\npools: [{name: cpu, provider: cpu, models: [m], workers: 0}]\n",
     );
@@ -351,7 +349,8 @@ fn doctor_json_has_every_check_with_its_facts() {
 
 #[test]
 fn doctor_asks_a_running_server_with_the_admin_token_and_attributes_its_simulated_device() {
-    let config = temp_file(
+    let scratch = Scratch::new();
+    let config = scratch.write(
         "doctor-serve.yaml",
         "server: {listen: '127.0.0.1:0', admin_token_env: VG_DOCTOR_TOKEN, admin_socket: 'off'}\n\
          devices: [{name: gpu0, kind: simulated, capacity: 128MiB}]\n\
@@ -411,10 +410,9 @@ fn doctor_asks_a_running_server_with_the_admin_token_and_attributes_its_simulate
 #[test]
 fn admin_lives_on_an_owner_only_socket_and_tcp_admin_needs_a_token() {
     use std::os::unix::fs::PermissionsExt;
-    let socket = std::env::temp_dir()
-        .join(format!("vramguard-cli-{}", std::process::id()))
-        .join("run/admin.sock");
-    let config = temp_file(
+    let scratch = Scratch::new();
+    let socket = scratch.path().join("run/admin.sock");
+    let config = scratch.write(
         "admin-socket.yaml",
         &format!(
             "server: {{listen: '127.0.0.1:0', admin_socket: '{}'}}\n\

@@ -28,7 +28,7 @@ fn stop(mut child: std::process::Child) {
 
 #[test]
 fn the_quick_drill_passes_against_a_server_started_with_its_config() {
-    let dir = crate::common::ScratchDir::new("drill");
+    let dir = vramguard::testing::Scratch::new();
     let (code, printed, _) = drill(&["--print-config"], "");
     assert_eq!(code, Some(0));
     let root = env!("CARGO_MANIFEST_DIR");
@@ -105,7 +105,7 @@ fn the_quick_drill_passes_against_a_server_started_with_its_config() {
 
 #[test]
 fn a_target_without_a_simulated_device_is_refused_by_name() {
-    let dir = crate::common::ScratchDir::new("drill-cpu");
+    let dir = vramguard::testing::Scratch::new();
     let path = dir.path().join("cpu.yaml");
     std::fs::write(
         &path,

@@ -16,14 +16,14 @@ const MIB: u64 = 1 << 20;
 struct Server {
     child: Child,
     url: String,
-    dir: std::path::PathBuf,
+    /// Its config; removed after the process is gone (`drop` runs before the fields drop).
+    _dir: vramguard::testing::Scratch,
 }
 
 impl Drop for Server {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
-        let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
 
@@ -31,17 +31,14 @@ impl Server {
     /// Start the binary on a free loopback port with a CPU pool of two workers (the default
     /// arena settings) and wait until it is ready.
     fn start() -> Server {
-        let dir = std::env::temp_dir().join(format!("vramguard-memory-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let config = dir.join("config.yaml");
-        std::fs::write(
-            &config,
+        let dir = vramguard::testing::Scratch::new();
+        let config = dir.write(
+            "config.yaml",
             "models: [{name: encoder, path: 'builtin:encoder', context: {input: input, axis: 1}}]\n\
              pools: [{name: cpu, provider: cpu, models: [encoder], workers: 2}]\n\
              host: {reserve: 256MiB}\n\
              server: {admin_socket: 'off'}\n",
-        )
-        .unwrap();
+        );
         let port = std::net::TcpListener::bind("127.0.0.1:0")
             .unwrap()
             .local_addr()
@@ -62,7 +59,7 @@ impl Server {
         Server {
             child,
             url: format!("http://127.0.0.1:{port}"),
-            dir,
+            _dir: dir,
         }
     }
 

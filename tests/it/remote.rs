@@ -25,7 +25,7 @@ impl Drop for Server {
     }
 }
 
-fn serve(dir: &crate::common::ScratchDir, name: &str, yaml: &str, env: &[(&str, &str)]) -> Server {
+fn serve(dir: &vramguard::testing::Scratch, name: &str, yaml: &str, env: &[(&str, &str)]) -> Server {
     let path = dir.path().join(format!("{name}.yaml"));
     std::fs::write(&path, yaml).unwrap();
     let (child, addr) =
@@ -130,7 +130,7 @@ async fn a_squeezed_accelerator_moves_work_to_the_remote_server_and_its_outage_o
     if crate::common::ran_in_own_process() {
         return;
     }
-    let dir = crate::common::ScratchDir::new("remote");
+    let dir = vramguard::testing::Scratch::new();
     let remote = serve(&dir, "remote", &remote_config(), &[]);
     let local = serve(
         &dir,
