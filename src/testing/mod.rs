@@ -3,6 +3,7 @@
 //! figures, written once. Compiled for tests and with the `test-util` feature (which the crate's
 //! own dev-dependency on itself switches on), never into a release binary.
 
+pub mod bench;
 pub mod config;
 pub mod fakes;
 pub mod process;
