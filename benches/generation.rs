@@ -156,6 +156,9 @@ fn ttft_client(addr: SocketAddr, concurrency: usize, seconds: f64, body: &Path) 
     let body = std::fs::read(body).unwrap();
     let url = format!("http://{addr}/v1/completions");
     // No idle connections kept: each request pays for its connection, as a new client's does.
+    // reqwest's blocking client measures this figure (0.4 to 1.5 ms here) as a raw socket client
+    // did: in a comparison on a loaded 2-core machine their medians differed by less than one
+    // raw client's run from the next (±0.17 ms), in both directions.
     let client = reqwest::blocking::Client::builder()
         .pool_max_idle_per_host(0)
         .build()
