@@ -256,7 +256,7 @@ fn measure(model: &Model, scratch: &Scratch, runs: usize, seconds: u64) -> Vec<F
         &body,
         &[("Content-Type", "application/json".into())],
     );
-    let streamed = scratch.write(&format!("{}-stream.json", model.label), &completion(model, true));
+    let streamed = scratch.write(&format!("{}-stream.json", model.label), completion(model, true));
     let url = server.url("/v1/completions");
     wrk(&url, &script, 1, 1);
     let (mut in_process, mut served, mut ratio) = (Vec::new(), Vec::new(), Vec::new());

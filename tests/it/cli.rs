@@ -414,7 +414,7 @@ fn admin_lives_on_an_owner_only_socket_and_tcp_admin_needs_a_token() {
     let socket = scratch.path().join("run/admin.sock");
     let config = scratch.write(
         "admin-socket.yaml",
-        &format!(
+        format!(
             "server: {{listen: '127.0.0.1:0', admin_socket: '{}'}}\n\
              devices: [{{name: gpu0, kind: simulated, capacity: 128MiB}}]\n\
              models: [{{name: encoder, path: 'builtin:encoder'}}]\n\
