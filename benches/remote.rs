@@ -10,13 +10,12 @@
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
-use std::process::Child;
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
 use vramguard::testing::Scratch;
 use vramguard::testing::bench::{arg, encoder_binary_body};
-use vramguard::testing::process::spawn_serving;
+use vramguard::testing::process::{Serving, spawn_serving};
 
 const SEQ: usize = 128;
 /// Target for the added latency of a hop on loopback (median).
@@ -46,31 +45,16 @@ policy:
     )
 }
 
-/// A running `vramguard serve`, stopped when dropped (also while a panic unwinds).
-struct Server {
-    child: Child,
-    addr: String,
-}
-
-impl Server {
-    /// Start the release binary on a port the kernel picks (it says which in its log).
-    fn start(scratch: &Scratch, name: &str, yaml: &str) -> Server {
-        let path = scratch.write(&format!("{name}.yaml"), yaml);
-        let (child, addr) = spawn_serving(
-            env!("CARGO_BIN_EXE_vramguard"),
-            &["serve", "--config", path.to_str().unwrap()],
-            &[],
-            "vramguard serving",
-        );
-        Server { child, addr }
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
+/// The release binary serving `yaml` on a port the kernel picks (it says which in its log),
+/// stopped when dropped (also while a panic unwinds).
+fn start(scratch: &Scratch, name: &str, yaml: &str) -> Serving {
+    let path = scratch.write(&format!("{name}.yaml"), yaml);
+    spawn_serving(
+        env!("CARGO_BIN_EXE_vramguard"),
+        &["serve", "--config", path.to_str().unwrap()],
+        &[],
+        "vramguard serving",
+    )
 }
 
 /// One keep-alive HTTP/1.1 connection, one request at a time (answers with Content-Length,
@@ -167,8 +151,8 @@ fn us(d: Duration) -> f64 {
 fn main() {
     let samples: usize = arg("--samples", 2000);
     let scratch = Scratch::new();
-    let remote = Server::start(&scratch, "b", REMOTE);
-    let local = Server::start(&scratch, "a", &forwarding(&remote.addr));
+    let remote = start(&scratch, "b", REMOTE);
+    let local = start(&scratch, "a", &forwarding(&remote.addr));
     let (header_len, body) = encoder_binary_body(SEQ);
     let mut direct = Connection::open(&remote.addr);
     let mut hop = Connection::open(&local.addr);

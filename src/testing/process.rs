@@ -7,11 +7,27 @@ use std::process::{Child, Command, Stdio};
 
 use serde_json::Value;
 
+/// A `vramguard` process that said where it listens. Dropping it kills and reaps the process,
+/// also while a failed assertion unwinds, so no server outlives its test; a test that stops it
+/// itself (SIGTERM, then `child.wait()`) loses nothing, as a reaped child is not signalled.
+pub struct Serving {
+    /// The process.
+    pub child: Child,
+    /// The `host:port` it logged.
+    pub addr: String,
+}
+
+impl Drop for Serving {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
 /// Run `bin` with JSON logs and `args` from the project root, and wait for the log line
-/// `message`; the child and the `address` that line names (a server on port 0 says where it
-/// listens only there). The log keeps being drained afterwards, so the child never blocks on a
-/// full pipe.
-pub fn spawn_serving(bin: &str, args: &[&str], env: &[(&str, &str)], message: &str) -> (Child, String) {
+/// `message`, whose `address` says where it listens (a server on port 0 says so only there).
+/// The log keeps being drained afterwards, so the child never blocks on a full pipe.
+pub fn spawn_serving(bin: &str, args: &[&str], env: &[(&str, &str)], message: &str) -> Serving {
     let mut child = Command::new(bin)
         .current_dir(env!("CARGO_MANIFEST_DIR"))
         .args(["--log-format", "json"])
@@ -33,5 +49,5 @@ pub fn spawn_serving(bin: &str, args: &[&str], env: &[(&str, &str)], message: &s
         }
     };
     std::thread::spawn(move || for _ in lines {});
-    (child, addr)
+    Serving { child, addr }
 }

@@ -138,11 +138,12 @@ async fn sigterm_finishes_running_work_answers_queued_work_and_exits_0() {
          models: [{name: encoder, path: 'builtin:encoder'}]\n\
          pools: [{name: cpu, provider: cpu, models: [encoder], workers: 1}]\n",
     );
-    let (mut child, addr) = crate::common::spawn_serving(
+    let mut server = crate::common::spawn_serving(
         &["serve", "--config", config.to_str().unwrap()],
         &[],
         "vramguard serving",
     );
+    let addr = server.addr.clone();
     let url = |p: &str| format!("http://{addr}{p}");
     let client = reqwest::Client::new();
     let send = |seq: usize| {
@@ -173,7 +174,7 @@ async fn sigterm_finishes_running_work_answers_queued_work_and_exits_0() {
         assert!(Instant::now() < deadline, "the second request never queued");
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    sigterm(&child);
+    sigterm(&server.child);
 
     let queued = queued.await.unwrap().unwrap();
     assert_eq!(queued.status(), reqwest::StatusCode::SERVICE_UNAVAILABLE);
@@ -185,7 +186,7 @@ async fn sigterm_finishes_running_work_answers_queued_work_and_exits_0() {
         reqwest::StatusCode::OK,
         "the running request finishes"
     );
-    let exit = tokio::task::spawn_blocking(move || child.wait().unwrap())
+    let exit = tokio::task::spawn_blocking(move || server.child.wait().unwrap())
         .await
         .unwrap();
     assert_eq!(exit.code(), Some(0));
@@ -194,13 +195,13 @@ async fn sigterm_finishes_running_work_answers_queued_work_and_exits_0() {
 #[test]
 fn the_exporter_serves_host_metrics_without_a_gpu_or_onnx_runtime() {
     // Monitoring mode must not need ONNX Runtime at all.
-    let (mut child, addr) = crate::common::spawn_serving(
+    let mut exporter = crate::common::spawn_serving(
         &["exporter", "--listen", "127.0.0.1:0"],
         &[("ORT_DYLIB_PATH", "/nonexistent/libonnxruntime.so")],
         "vramguard exporter serving",
     );
     let body = std::process::Command::new("curl")
-        .args(["-s", &format!("http://{addr}/metrics")])
+        .args(["-s", &format!("http://{}/metrics", exporter.addr)])
         .output()
         .unwrap();
     let text = String::from_utf8(body.stdout).unwrap();
@@ -214,8 +215,8 @@ fn the_exporter_serves_host_metrics_without_a_gpu_or_onnx_runtime() {
     if !vramguard::device::nvidia_gpu_present() {
         assert!(!text.contains("vramguard_device_memory_total_bytes"), "{text}");
     }
-    sigterm(&child);
-    assert_eq!(child.wait().unwrap().code(), Some(0));
+    sigterm(&exporter.child);
+    assert_eq!(exporter.child.wait().unwrap().code(), Some(0));
 }
 
 /// Send SIGTERM to `child` (a graceful stop, as systemd and Kubernetes ask).
@@ -359,8 +360,8 @@ fn doctor_asks_a_running_server_with_the_admin_token_and_attributes_its_simulate
     );
     let config = config.to_str().unwrap();
     let token = [("VG_DOCTOR_TOKEN", "s3cret")];
-    let (mut child, addr) = crate::common::spawn_serving(&["serve", "--config", config], &token, "vramguard serving");
-    let url = format!("http://{addr}");
+    let mut server = crate::common::spawn_serving(&["serve", "--config", config], &token, "vramguard serving");
+    let url = format!("http://{}", server.addr);
     let pressure = Command::new("curl")
         .args([
             "-sf",
@@ -401,8 +402,8 @@ fn doctor_asks_a_running_server_with_the_admin_token_and_attributes_its_simulate
         "{out}"
     );
 
-    sigterm(&child);
-    assert_eq!(child.wait().unwrap().code(), Some(0));
+    sigterm(&server.child);
+    assert_eq!(server.child.wait().unwrap().code(), Some(0));
 }
 
 /// Admin by default: on an owner-only Unix socket, with TCP refusing admin without a token and
@@ -423,16 +424,9 @@ fn admin_lives_on_an_owner_only_socket_and_tcp_admin_needs_a_token() {
         ),
     );
     let config = config.to_str().unwrap();
-    let (child, addr) = crate::common::spawn_serving(&["serve", "--config", config], &[], "vramguard serving");
     // Killed if an assertion fails, so no server outlives the test.
-    struct Running(std::process::Child);
-    impl Drop for Running {
-        fn drop(&mut self) {
-            let _ = self.0.kill();
-            let _ = self.0.wait();
-        }
-    }
-    let mut child = Running(child);
+    let mut server = crate::common::spawn_serving(&["serve", "--config", config], &[], "vramguard serving");
+    let addr = server.addr.clone();
     let mode = std::fs::metadata(&socket).unwrap().permissions().mode() & 0o777;
     assert_eq!(mode, 0o600, "owner-only socket");
 
@@ -474,7 +468,7 @@ fn admin_lives_on_an_owner_only_socket_and_tcp_admin_needs_a_token() {
         "{out}"
     );
 
-    sigterm(&child.0);
-    assert_eq!(child.0.wait().unwrap().code(), Some(0));
+    sigterm(&server.child);
+    assert_eq!(server.child.wait().unwrap().code(), Some(0));
     assert!(!socket.exists(), "the socket is removed on exit");
 }

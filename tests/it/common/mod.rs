@@ -157,7 +157,7 @@ pub fn encoder_binary_request(seq: usize) -> (String, Vec<u8>) {
 pub const BIN: &str = env!("CARGO_BIN_EXE_vramguard");
 
 /// [`vramguard::testing::process::spawn_serving`] on [`BIN`].
-pub fn spawn_serving(args: &[&str], env: &[(&str, &str)], message: &str) -> (std::process::Child, String) {
+pub fn spawn_serving(args: &[&str], env: &[(&str, &str)], message: &str) -> vramguard::testing::process::Serving {
     vramguard::testing::process::spawn_serving(BIN, args, env, message)
 }
 
