@@ -5,13 +5,10 @@
 //! and the sampler's CPU cost at 1 Hz as a share of one core; the figures go to
 //! `target/bench/exporter.json`.
 
-mod common;
-
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::{Figure, Machine, Target, record};
-use vramguard::config::{PoolConfig, Provider, ServiceMatch, ServiceRule};
+use vramguard::config::{ServiceMatch, ServiceRule};
 use vramguard::core::backend::{ArenaStats, Backend, BackendError, RunMeta};
 use vramguard::core::snapshot::DeviceClass;
 use vramguard::core::tensor::Tensor;
@@ -21,6 +18,7 @@ use vramguard::device::{DeviceMemory, DeviceProcess, MemorySource, Reading};
 use vramguard::pool::{Pool, PoolContext};
 use vramguard::telemetry::exporter::{LiveCollector, Sampler, SnapshotStore};
 use vramguard::telemetry::metrics::{Metrics, ModelPoolLabels, Outcome, RequestLabels};
+use vramguard::testing::bench::{Figure, Machine, Target, record};
 
 /// Eight GPUs with 64 processes each.
 struct BigBox(Reading);
@@ -95,20 +93,7 @@ fn main() {
     for i in 0..16 {
         let name = format!("pool{i}");
         let device = format!("gpu{}", i % 8);
-        let config = PoolConfig {
-            name: name.clone(),
-            provider: Provider::Cpu,
-            device: device.clone(),
-            models: vec!["encoder".into(), "classifier".into()],
-            workers: 1,
-            intra_threads: 1,
-            queue_capacity: 64,
-            max_wait: Duration::from_secs(30),
-            arena_shrinkage: false,
-            max_context: None,
-            breaker: vramguard::core::breaker::BreakerConfig::default(),
-            fallback: None,
-        };
+        let config = vramguard::testing::config::pool(&name, &device, &["encoder", "classifier"]);
         let context = PoolContext {
             metrics: metrics.pool_metrics(&name, &device),
             ..PoolContext::default()

@@ -7,21 +7,15 @@
 //! `cargo bench --bench failover [-- --runs N]` prints the median, p95 and p99 against the
 //! issue's target (median ≤ 2 ms); the figures go to `target/bench/failover.json`.
 
-mod common;
-
-use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use common::{Figure, Machine, Target, record};
-use vramguard::config::{ModelConfig, PoolConfig, RawConfig, parse_yaml};
 use vramguard::core::backend::{AllocFailureKind, ArenaStats, Backend, BackendError, RunMeta};
-use vramguard::core::clock::SystemClock;
-use vramguard::core::tensor::{DataType, Tensor, TensorData};
-use vramguard::runtime::estimate::{MemoryProfile, ProfileSource};
-use vramguard::runtime::onnx::{ModelSignature, TensorSpec};
-use vramguard::serve::lifecycle::{self, Request};
-use vramguard::serve::service::{BackendFactory, Parts, Service};
+use vramguard::core::tensor::Tensor;
+use vramguard::serve::lifecycle;
+use vramguard::testing::bench::{Figure, Machine, Target, arg, record};
+use vramguard::testing::fakes::{FakeFactory, encoder_request, service};
+use vramguard::testing::{ADMIT_ALL, Scratch, config};
 
 /// When the last failure was returned and when the last retry started.
 #[derive(Default)]
@@ -54,57 +48,10 @@ impl Backend for Timed {
     }
 }
 
-struct Factory(Arc<Mutex<Marks>>);
-
-impl BackendFactory for Factory {
-    fn runtime_version(&self) -> String {
-        "bench".into()
-    }
-
-    fn signature(&self, _: &ModelConfig, _: &[u8]) -> Result<ModelSignature, String> {
-        let spec = TensorSpec {
-            name: "input".into(),
-            datatype: DataType::Fp32,
-            shape: vec![-1, -1, 4],
-            symbols: vec![],
-        };
-        Ok(ModelSignature {
-            inputs: vec![spec.clone()],
-            outputs: vec![spec],
-        })
-    }
-
-    fn measure_profile(&self, _: &ModelConfig, bytes: &[u8], _: &ModelSignature) -> MemoryProfile {
-        MemoryProfile {
-            weights_bytes: bytes.len() as u64,
-            workspace_bytes: 0.0,
-            per_token_bytes: 64.0,
-            per_token_squared_bytes: 0.0,
-            source: ProfileSource::Config,
-        }
-    }
-
-    fn backend(&self, pool: &PoolConfig, _: &[(String, &[u8])]) -> Result<Box<dyn Backend>, String> {
-        Ok(Box::new(Timed {
-            fails: pool.name == "gpu",
-            marks: Arc::clone(&self.0),
-        }))
-    }
-}
-
 fn main() {
     let (started, machine) = (Instant::now(), Machine::now());
-    let args: Vec<String> = std::env::args().collect();
-    let runs: usize = args
-        .iter()
-        .position(|a| a == "--runs")
-        .and_then(|i| args.get(i + 1))
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(2000);
-    let dir = std::env::temp_dir().join(format!("vramguard-failover-bench-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let policy = dir.join("admit.rhai");
-    std::fs::write(&policy, "fn decide(req, state) { admit() }\n").unwrap();
+    let runs: usize = arg("--runs", 2000);
+    let scratch = Scratch::new();
     // The breaker never opens here: every run is a fresh failure and retry.
     let yaml = format!(
         "devices: [{{name: gpu0, kind: simulated, capacity: 1GiB}}]\n\
@@ -113,45 +60,25 @@ fn main() {
          - {{name: gpu, provider: simulated, device: gpu0, models: [encoder], fallback: cpu,\n\
              breaker: {{failures: 1000000, window: 1s, cooldown: 1s}}}}\n\
          - {{name: cpu, provider: cpu, models: [encoder]}}\n\
-         host: {{reserve: 0}}\n\
-         policy: {{path: '{}', watch_interval: 0s}}\n",
-        policy.display()
+         host: {{reserve: 0}}\n{}",
+        scratch.policy(ADMIT_ALL)
     );
-    let raw: RawConfig = parse_yaml(&yaml, "bench.yaml").unwrap();
-    let config = raw
-        .validate("bench.yaml", Path::new(env!("CARGO_MANIFEST_DIR")))
-        .unwrap();
     let marks = Arc::new(Mutex::new(Marks::default()));
-    let parts = Parts {
-        backends: Arc::new(Factory(Arc::clone(&marks))),
-        sources: Vec::new(),
-        simulated: Vec::new(),
-        clock: Arc::new(SystemClock),
+    let backends = {
+        let marks = Arc::clone(&marks);
+        FakeFactory::new(move |pool| {
+            Ok(Box::new(Timed {
+                fails: pool.name == "gpu",
+                marks: Arc::clone(&marks),
+            }) as Box<dyn Backend>)
+        })
     };
-    let service = Service::assemble(config, parts).unwrap();
+    let service = service(config::validated(&yaml), Arc::new(backends));
     // The runtime `vramguard serve` would have.
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
         .unwrap();
-    let request = || Request {
-        meta: RunMeta {
-            request_id: "bench".into(),
-            replayable: true,
-            ..RunMeta::default()
-        },
-        model: "encoder".into(),
-        inputs: vec![Tensor {
-            name: "input".into(),
-            shape: vec![1, 128, 4],
-            data: TensorData::Fp32(vec![0.5; 512]),
-        }],
-        outputs: vec![],
-        max_new_tokens: 0,
-        shrinker: None,
-        received: tokio::time::Instant::now(),
-        progress: Default::default(),
-    };
     // Back to back (threads stay hot), then with idle gaps like a lightly loaded server, whose
     // threads park between requests and must be woken.
     let mut results = Vec::new();
@@ -162,7 +89,9 @@ fn main() {
                 if !gap.is_zero() {
                     tokio::time::sleep(gap).await;
                 }
-                let served = lifecycle::infer(&service, request()).await.expect("retried on cpu");
+                let served = lifecycle::infer(&service, encoder_request(128, 0.5))
+                    .await
+                    .expect("retried on cpu");
                 assert_eq!(served.pool.name(), "cpu");
                 let m = marks.lock().unwrap();
                 let took = m.retry_started_at.unwrap() - m.failed_at.unwrap();
@@ -175,7 +104,6 @@ fn main() {
         added.sort();
         results.push((gap, added));
     }
-    let _ = std::fs::remove_dir_all(dir);
     let micros = |d: Duration| format!("{:.1} µs", d.as_secs_f64() * 1e6);
     println!("failover: allocator failure on `gpu` → retry starts on `cpu` ({runs} runs each, both runs excluded)");
     let mut worst_median = Duration::ZERO;

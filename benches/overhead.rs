@@ -21,20 +21,21 @@
 //! its `vramguard_policy_eval_duration_seconds` histogram (interpolated within a bucket, as
 //! Prometheus' `histogram_quantile` does).
 
-mod common;
-
 use std::time::{Duration, Instant};
 
-use common::server::{self, Histogram, Scratch, Server, Stats, header, http, wrk};
-use common::{Figure, Machine, Target, record};
-use serde_json::{Value, json};
+use reqwest::StatusCode;
+use serde_json::Value;
 use vramguard::config::Provider;
 use vramguard::core::model::BuiltinModel;
 use vramguard::core::tensor::{Tensor, TensorData};
 use vramguard::runtime::onnx::{self, SessionOptions};
+use vramguard::testing::Scratch;
+use vramguard::testing::bench::server::{self, Histogram, Server, Stats, wrk, wrk_script};
+use vramguard::testing::bench::{
+    ENCODER_DIM, Figure, Machine, Target, arg, encoder_binary_body, encoder_input, record,
+};
 
 const SEQS: [usize; 2] = [128, 1024];
-const DIM: usize = 64;
 /// Connections of the saturated runs: enough to keep the one worker's queue from ever running
 /// dry.
 const SATURATING_CONNECTIONS: usize = 4;
@@ -60,30 +61,12 @@ policy:
   params: {cpu_pool: cpu, reserve_bytes: 32MiB, min_context_tokens: 16, defer_ms: 25, defer_max_queue: 4}
 ";
 
-fn input(seq: usize) -> Vec<f32> {
-    (0..seq * DIM).map(|i| ((i % 13) as f32 - 6.0) * 0.05).collect()
-}
-
-/// The request body of the binary data extension: the JSON header, then the tensor's bytes.
-/// Returns the header's length (the `Inference-Header-Content-Length` value) and the body.
-fn binary_body(seq: usize) -> (usize, Vec<u8>) {
-    let header = json!({
-        "inputs": [{"name": "input", "shape": [1, seq, DIM], "datatype": "FP32",
-                    "parameters": {"binary_data_size": seq * DIM * 4}}],
-        "outputs": [{"name": "pooled", "parameters": {"binary_data": true}}]
-    })
-    .to_string();
-    let mut body = header.clone().into_bytes();
-    input(seq).iter().for_each(|v| body.extend_from_slice(&v.to_le_bytes()));
-    (header.len(), body)
-}
-
 /// The same request with JSON tensors. Each number is written as the shortest text that reads
 /// back as the same `f32` (`-0.3`), as a client holding `f32` values writes them.
 fn json_body(seq: usize) -> Vec<u8> {
-    let data: Vec<String> = input(seq).iter().map(f32::to_string).collect();
+    let data: Vec<String> = encoder_input(seq).iter().map(f32::to_string).collect();
     format!(
-        "{{\"inputs\": [{{\"name\": \"input\", \"shape\": [1, {seq}, {DIM}], \"datatype\": \"FP32\", \"data\": [{}]}}], \
+        "{{\"inputs\": [{{\"name\": \"input\", \"shape\": [1, {seq}, {ENCODER_DIM}], \"datatype\": \"FP32\", \"data\": [{}]}}], \
          \"outputs\": [{{\"name\": \"pooled\"}}]}}",
         data.join(", ")
     )
@@ -109,7 +92,7 @@ impl InProcess {
         let session = onnx::build_session(rt, BuiltinModel::Encoder.bytes(), &options).unwrap();
         let mut local = InProcess {
             session,
-            data: input(seq),
+            data: encoder_input(seq),
             seq,
         };
         local.measure(0.5);
@@ -124,7 +107,7 @@ impl InProcess {
         while started.elapsed().as_secs_f64() < seconds {
             let tensor = Tensor {
                 name: "input".into(),
-                shape: vec![1, self.seq as i64, DIM as i64],
+                shape: vec![1, self.seq as i64, ENCODER_DIM as i64],
                 data: TensorData::Fp32(self.data.clone()),
             };
             let t = Instant::now();
@@ -143,16 +126,14 @@ impl InProcess {
 
 /// The `pooled` output of a JSON response, after checking it succeeded.
 fn json_pooled(server: &Server, body: &[u8], what: &str) -> Vec<f64> {
-    let (status, head, response) = http(
-        server.addr,
-        "POST",
-        INFER_PATH,
-        &[("content-type", "application/json".into())],
-        body,
-    )
-    .unwrap();
-    let text = String::from_utf8_lossy(&response);
-    assert_eq!(status, 200, "{what}: a checked JSON request:\n{head}\n{text}");
+    let response = server.post(INFER_PATH, "application/json", &[], body.to_vec());
+    let (status, head) = (response.status(), format!("{:?}", response.headers()));
+    let text = response.text().unwrap();
+    assert_eq!(
+        status,
+        StatusCode::OK,
+        "{what}: a checked JSON request:\n{head}\n{text}"
+    );
     let value: Value = serde_json::from_str(&text).unwrap();
     value["outputs"][0]["data"]
         .as_array()
@@ -172,29 +153,26 @@ struct Workload {
 
 impl Workload {
     fn new(seq: usize, scratch: &Scratch, vramguard: &Server, peer: &Server) -> Workload {
-        let (header_length, body) = binary_body(seq);
-        let (status, head, _) = http(
-            vramguard.addr,
-            "POST",
+        let (header_length, body) = encoder_binary_body(seq);
+        let response = vramguard.post(
             INFER_PATH,
-            &[
-                ("content-type", "application/octet-stream".into()),
-                ("inference-header-content-length", header_length.to_string()),
-            ],
-            &body,
-        )
-        .unwrap();
-        assert_eq!(status, 200, "a checked binary request:\n{head}");
+            "application/octet-stream",
+            &[("inference-header-content-length", header_length.to_string())],
+            body.clone(),
+        );
+        let head = response.headers();
+        assert_eq!(response.status(), StatusCode::OK, "a checked binary request:\n{head:?}");
         assert!(
-            header(&head, "inference-header-content-length").is_some(),
-            "the response is not in the binary data format:\n{head}"
+            head.contains_key("inference-header-content-length"),
+            "the response is not in the binary data format:\n{head:?}"
         );
         assert_eq!(
-            header(&head, "x-vramguard-decision"),
+            head.get("x-vramguard-decision").and_then(|v| v.to_str().ok()),
             Some("admit"),
-            "the default policy admits it:\n{head}"
+            "the default policy admits it:\n{head:?}"
         );
-        let binary = scratch.wrk_script(
+        let binary = wrk_script(
+            scratch,
             &format!("binary-{seq}"),
             &body,
             &[
@@ -213,7 +191,8 @@ impl Workload {
             ours.iter().zip(&theirs).all(|(a, b)| (a - b).abs() <= 1e-5),
             "vramguard and the peer disagree: {ours:?} / {theirs:?}"
         );
-        let json = scratch.wrk_script(
+        let json = wrk_script(
+            scratch,
             &format!("json-{seq}"),
             &json,
             &[("Content-Type", "application/json".into())],
@@ -310,23 +289,14 @@ fn figures(seq: usize, runs: &[Run]) -> Vec<Figure> {
 
 fn main() {
     let (started, machine) = (Instant::now(), Machine::now());
-    // `cargo bench` passes `--bench`; other arguments than these are ignored.
-    let args: Vec<String> = std::env::args().collect();
-    let arg = |name: &str, default: f64| {
-        args.iter()
-            .position(|a| a == name)
-            .and_then(|i| args.get(i + 1))
-            .and_then(|s| s.parse().ok())
-            .unwrap_or(default)
-    };
-    let (runs, seconds) = (arg("--runs", 5.0) as usize, arg("--seconds", 2.0).max(1.0) as u64);
+    let (runs, seconds) = (arg("--runs", 5usize), arg("--seconds", 2.0f64).max(1.0) as u64);
     let version = server::wrk_version().unwrap_or_else(|e| {
         eprintln!("error: {e}");
         std::process::exit(2);
     });
 
-    let scratch = Scratch::new("overhead");
-    let vramguard = Server::vramguard(&scratch, "vramguard", CONFIG);
+    let scratch = Scratch::new();
+    let vramguard = Server::vramguard(env!("CARGO_BIN_EXE_vramguard"), &scratch, "vramguard", CONFIG);
     let peer = Server::peer(&scratch);
     let mut workloads: Vec<Workload> = SEQS
         .iter()

@@ -17,15 +17,12 @@
 //! - `admit_fresh_snapshot`: the same admit with the snapshot converted for this call only
 //!   (what every call would cost without the cache, i.e. right after each sampler tick).
 
-mod common;
-
 use std::collections::BTreeMap;
 use std::hint::black_box;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::{Figure, Machine, Target, record};
 use criterion::Criterion;
 use vramguard::config::PolicySource;
 use vramguard::core::snapshot::{
@@ -33,6 +30,7 @@ use vramguard::core::snapshot::{
     RequestInfo, Snapshot,
 };
 use vramguard::policy::{LiveLoad, Params, PolicyHandle, PolicySettings, PoolLoadNow, StateView};
+use vramguard::testing::bench::{Figure, Machine, Target, record};
 
 const GIB: u64 = 1 << 30;
 const MIB: u64 = 1 << 20;
@@ -234,7 +232,7 @@ fn scenario_figures(name: &str, samples: &[Duration]) -> Vec<Figure> {
         .map(|block| {
             let mut block = block.to_vec();
             block.sort_by(f64::total_cmp);
-            common::quantile(&block, 0.99)
+            vramguard::testing::bench::quantile(&block, 0.99)
         })
         .collect();
     vec![

@@ -10,13 +10,14 @@
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use serde_json::{Value, json};
+use serde_json::Value;
+use vramguard::testing::Scratch;
+use vramguard::testing::bench::{arg, encoder_binary_body};
+use vramguard::testing::process::{Serving, spawn_serving};
 
 const SEQ: usize = 128;
-const DIM: usize = 64;
 /// Target for the added latency of a hop on loopback (median).
 const TARGET: Duration = Duration::from_micros(300);
 
@@ -44,58 +45,24 @@ policy:
     )
 }
 
-/// A running `vramguard serve`, stopped when dropped (also while a panic unwinds).
-struct Server {
-    child: Child,
-    addr: String,
-    config: std::path::PathBuf,
-}
-
-impl Server {
-    /// Start the release binary on a port the kernel picks, and read it from the log line
-    /// that says it is serving.
-    fn start(name: &str, yaml: &str) -> Server {
-        let path = std::env::temp_dir().join(format!("vramguard-remote-bench-{}-{name}.yaml", std::process::id()));
-        std::fs::write(&path, yaml).unwrap();
-        let mut child = Command::new(env!("CARGO_BIN_EXE_vramguard"))
-            .current_dir(env!("CARGO_MANIFEST_DIR"))
-            .args(["--log-format", "json", "serve", "--config"])
-            .arg(&path)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("start the release vramguard");
-        let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
-        let addr = loop {
-            let line = lines
-                .next()
-                .unwrap_or_else(|| panic!("vramguard ({name}) exited before serving"))
-                .unwrap();
-            let log: Value = serde_json::from_str(&line).unwrap_or(Value::Null);
-            if log["message"] == "vramguard serving" {
-                break log["address"].as_str().unwrap().to_string();
-            }
-        };
-        std::thread::spawn(move || for _ in lines {});
-        Server {
-            child,
-            addr,
-            config: path,
-        }
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        let _ = std::fs::remove_file(&self.config);
-    }
+/// The release binary serving `yaml` on a port the kernel picks (it says which in its log),
+/// stopped when dropped (also while a panic unwinds).
+fn start(scratch: &Scratch, name: &str, yaml: &str) -> Serving {
+    let path = scratch.write(&format!("{name}.yaml"), yaml);
+    spawn_serving(
+        env!("CARGO_BIN_EXE_vramguard"),
+        &["serve", "--config", path.to_str().unwrap()],
+        &[],
+        "vramguard serving",
+    )
 }
 
 /// One keep-alive HTTP/1.1 connection, one request at a time (answers with Content-Length,
-/// as vramguard sends them).
+/// as vramguard sends them). Written by hand rather than through reqwest, the client every
+/// other request of the benches uses, because this one is timed to the microsecond: on a
+/// 2-core machine reqwest's blocking client (a hop to its runtime thread and back per request)
+/// put 45–110 µs on the ~170 µs median of client → B and moved the hop's figure from
+/// 135–153 µs to 159–197 µs, against a 300 µs target (two alternating runs of 1000 pairs each).
 struct Connection {
     stream: BufReader<TcpStream>,
     addr: String,
@@ -154,21 +121,6 @@ impl Connection {
     }
 }
 
-/// The binary request: the JSON header, then the tensor's bytes.
-fn request() -> (usize, Vec<u8>) {
-    let header = json!({
-        "inputs": [{"name": "input", "shape": [1, SEQ, DIM], "datatype": "FP32",
-                    "parameters": {"binary_data_size": SEQ * DIM * 4}}],
-        "outputs": [{"name": "pooled", "parameters": {"binary_data": true}}]
-    })
-    .to_string();
-    let mut body = header.clone().into_bytes();
-    for i in 0..SEQ * DIM {
-        body.extend_from_slice(&(((i % 13) as f32 - 6.0) * 0.05).to_le_bytes());
-    }
-    (header.len(), body)
-}
-
 /// The answer's binary outputs (what follows its JSON header).
 fn outputs(answer: &Answer) -> &[u8] {
     let mut values = serde_json::Deserializer::from_slice(&answer.body).into_iter::<Value>();
@@ -197,16 +149,11 @@ fn us(d: Duration) -> f64 {
 }
 
 fn main() {
-    let args: Vec<String> = std::env::args().collect();
-    let samples: usize = args
-        .iter()
-        .position(|a| a == "--samples")
-        .and_then(|i| args.get(i + 1))
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(2000);
-    let remote = Server::start("b", REMOTE);
-    let local = Server::start("a", &forwarding(&remote.addr));
-    let (header_len, body) = request();
+    let samples: usize = arg("--samples", 2000);
+    let scratch = Scratch::new();
+    let remote = start(&scratch, "b", REMOTE);
+    let local = start(&scratch, "a", &forwarding(&remote.addr));
+    let (header_len, body) = encoder_binary_body(SEQ);
     let mut direct = Connection::open(&remote.addr);
     let mut hop = Connection::open(&local.addr);
 
@@ -274,16 +221,9 @@ fn main() {
     );
     // Where A's share goes: its whole handling of a request against the forwarded exchange
     // alone (sent to answer decoded, on A's worker), as A's own histograms have them (means).
-    let mut metrics = Connection::open(&local.addr);
-    let stream = metrics.stream.get_mut();
-    write!(
-        stream,
-        "GET /metrics HTTP/1.1\r\nhost: {}\r\nconnection: close\r\n\r\n",
-        local.addr
-    )
-    .unwrap();
-    let mut text = String::new();
-    metrics.stream.read_to_string(&mut text).unwrap();
+    let text = reqwest::blocking::get(format!("http://{}/metrics", local.addr))
+        .and_then(|r| r.text())
+        .expect("A's /metrics");
     println!(
         "  in A (means): request {:.1} µs, of which the forwarded exchange {:.1} µs",
         mean_us(&text, "vramguard_request_duration_seconds"),

@@ -4,13 +4,11 @@
 //!
 //! `cargo bench --bench report` (`make bench` runs it last).
 
-mod common;
-
 use std::fmt::Write as _;
 use std::process::Command;
 
-use common::{BenchFile, Figure, Target, number, out_dir, print_table};
 use serde_json::json;
+use vramguard::testing::bench::{BenchFile, Figure, Target, number, out_dir, print_table};
 
 /// The benches, in the order the table shows them.
 const BENCHES: [&str; 5] = ["policy", "exporter", "failover", "overhead", "generation"];

@@ -6,20 +6,14 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
+use vramguard::testing::Scratch;
 
-const BIN: &str = env!("CARGO_BIN_EXE_vramguard");
-
-fn temp_file(name: &str, contents: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("vramguard-cli-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join(name);
-    std::fs::write(&path, contents).unwrap();
-    path
-}
+use crate::common::BIN;
 
 /// `vramguard config check` on `yaml` written to `name`: exit code, stderr and the file's path.
 fn config_check(name: &str, yaml: &str) -> (Option<i32>, String, PathBuf) {
-    let path = temp_file(name, yaml);
+    let scratch = Scratch::new();
+    let path = scratch.write(name, yaml);
     let out = Command::new(BIN).args(["config", "check"]).arg(&path).output().unwrap();
     (
         out.status.code(),
@@ -90,8 +84,9 @@ fn policy_check(args: &[&str]) -> (Option<i32>, String, String) {
 
 #[test]
 fn policy_check_runs_the_script_and_names_where_it_fails() {
+    let scratch = Scratch::new();
     // Compiles, but fails on every request: check must say so, not `ok`.
-    let typo = temp_file(
+    let typo = scratch.write(
         "typo.rhai",
         "fn decide(req, state) {\n    if req.priorty > 0 { return admit(); }\n    admit()\n}\n",
     );
@@ -122,7 +117,8 @@ fn policy_check_passes_the_shipped_policies_on_the_default_and_example_configs()
 
 #[test]
 fn serve_refuses_a_bad_config_before_binding() {
-    let path = temp_file("typo.yaml", "server: {listne: 1}\nmodels: []\npools: []\n");
+    let scratch = Scratch::new();
+    let path = scratch.write("typo.yaml", "server: {listne: 1}\nmodels: []\npools: []\n");
     let out = Command::new(BIN)
         .args(["serve", "--config"])
         .arg(&path)
@@ -135,17 +131,19 @@ fn serve_refuses_a_bad_config_before_binding() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_finishes_running_work_answers_queued_work_and_exits_0() {
-    let config = temp_file(
+    let scratch = Scratch::new();
+    let config = scratch.write(
         "serve.yaml",
         "server: {listen: '127.0.0.1:0', shutdown_grace: 30s, admin_socket: 'off'}\n\
          models: [{name: encoder, path: 'builtin:encoder'}]\n\
          pools: [{name: cpu, provider: cpu, models: [encoder], workers: 1}]\n",
     );
-    let (mut child, addr) = crate::common::spawn_serving(
+    let mut server = crate::common::spawn_serving(
         &["serve", "--config", config.to_str().unwrap()],
         &[],
         "vramguard serving",
     );
+    let addr = server.addr.clone();
     let url = |p: &str| format!("http://{addr}{p}");
     let client = reqwest::Client::new();
     let send = |seq: usize| {
@@ -176,7 +174,7 @@ async fn sigterm_finishes_running_work_answers_queued_work_and_exits_0() {
         assert!(Instant::now() < deadline, "the second request never queued");
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    sigterm(&child);
+    sigterm(&server.child);
 
     let queued = queued.await.unwrap().unwrap();
     assert_eq!(queued.status(), reqwest::StatusCode::SERVICE_UNAVAILABLE);
@@ -188,7 +186,7 @@ async fn sigterm_finishes_running_work_answers_queued_work_and_exits_0() {
         reqwest::StatusCode::OK,
         "the running request finishes"
     );
-    let exit = tokio::task::spawn_blocking(move || child.wait().unwrap())
+    let exit = tokio::task::spawn_blocking(move || server.child.wait().unwrap())
         .await
         .unwrap();
     assert_eq!(exit.code(), Some(0));
@@ -197,13 +195,13 @@ async fn sigterm_finishes_running_work_answers_queued_work_and_exits_0() {
 #[test]
 fn the_exporter_serves_host_metrics_without_a_gpu_or_onnx_runtime() {
     // Monitoring mode must not need ONNX Runtime at all.
-    let (mut child, addr) = crate::common::spawn_serving(
+    let mut exporter = crate::common::spawn_serving(
         &["exporter", "--listen", "127.0.0.1:0"],
         &[("ORT_DYLIB_PATH", "/nonexistent/libonnxruntime.so")],
         "vramguard exporter serving",
     );
     let body = std::process::Command::new("curl")
-        .args(["-s", &format!("http://{addr}/metrics")])
+        .args(["-s", &format!("http://{}/metrics", exporter.addr)])
         .output()
         .unwrap();
     let text = String::from_utf8(body.stdout).unwrap();
@@ -217,8 +215,8 @@ fn the_exporter_serves_host_metrics_without_a_gpu_or_onnx_runtime() {
     if !vramguard::device::nvidia_gpu_present() {
         assert!(!text.contains("vramguard_device_memory_total_bytes"), "{text}");
     }
-    sigterm(&child);
-    assert_eq!(child.wait().unwrap().code(), Some(0));
+    sigterm(&exporter.child);
+    assert_eq!(exporter.child.wait().unwrap().code(), Some(0));
 }
 
 /// Send SIGTERM to `child` (a graceful stop, as systemd and Kubernetes ask).
@@ -289,7 +287,8 @@ fn doctor_passes_on_the_embedded_default_and_says_what_is_simulated() {
 
 #[test]
 fn doctor_fails_on_a_broken_config_and_names_the_key() {
-    let path = temp_file(
+    let scratch = Scratch::new();
+    let path = scratch.write(
         "doctor-bad.yaml",
         "models: [{name: m, path: 'builtin:classifier'}]\npools: [{name: cpu, provider: cpu, models: [m], workers: 0}]\n",
     );
@@ -351,7 +350,8 @@ fn doctor_json_has_every_check_with_its_facts() {
 
 #[test]
 fn doctor_asks_a_running_server_with_the_admin_token_and_attributes_its_simulated_device() {
-    let config = temp_file(
+    let scratch = Scratch::new();
+    let config = scratch.write(
         "doctor-serve.yaml",
         "server: {listen: '127.0.0.1:0', admin_token_env: VG_DOCTOR_TOKEN, admin_socket: 'off'}\n\
          devices: [{name: gpu0, kind: simulated, capacity: 128MiB}]\n\
@@ -360,8 +360,8 @@ fn doctor_asks_a_running_server_with_the_admin_token_and_attributes_its_simulate
     );
     let config = config.to_str().unwrap();
     let token = [("VG_DOCTOR_TOKEN", "s3cret")];
-    let (mut child, addr) = crate::common::spawn_serving(&["serve", "--config", config], &token, "vramguard serving");
-    let url = format!("http://{addr}");
+    let mut server = crate::common::spawn_serving(&["serve", "--config", config], &token, "vramguard serving");
+    let url = format!("http://{}", server.addr);
     let pressure = Command::new("curl")
         .args([
             "-sf",
@@ -402,8 +402,8 @@ fn doctor_asks_a_running_server_with_the_admin_token_and_attributes_its_simulate
         "{out}"
     );
 
-    sigterm(&child);
-    assert_eq!(child.wait().unwrap().code(), Some(0));
+    sigterm(&server.child);
+    assert_eq!(server.child.wait().unwrap().code(), Some(0));
 }
 
 /// Admin by default: on an owner-only Unix socket, with TCP refusing admin without a token and
@@ -411,12 +411,11 @@ fn doctor_asks_a_running_server_with_the_admin_token_and_attributes_its_simulate
 #[test]
 fn admin_lives_on_an_owner_only_socket_and_tcp_admin_needs_a_token() {
     use std::os::unix::fs::PermissionsExt;
-    let socket = std::env::temp_dir()
-        .join(format!("vramguard-cli-{}", std::process::id()))
-        .join("run/admin.sock");
-    let config = temp_file(
+    let scratch = Scratch::new();
+    let socket = scratch.path().join("run/admin.sock");
+    let config = scratch.write(
         "admin-socket.yaml",
-        &format!(
+        format!(
             "server: {{listen: '127.0.0.1:0', admin_socket: '{}'}}\n\
              devices: [{{name: gpu0, kind: simulated, capacity: 128MiB}}]\n\
              models: [{{name: encoder, path: 'builtin:encoder'}}]\n\
@@ -425,16 +424,9 @@ fn admin_lives_on_an_owner_only_socket_and_tcp_admin_needs_a_token() {
         ),
     );
     let config = config.to_str().unwrap();
-    let (child, addr) = crate::common::spawn_serving(&["serve", "--config", config], &[], "vramguard serving");
     // Killed if an assertion fails, so no server outlives the test.
-    struct Running(std::process::Child);
-    impl Drop for Running {
-        fn drop(&mut self) {
-            let _ = self.0.kill();
-            let _ = self.0.wait();
-        }
-    }
-    let mut child = Running(child);
+    let mut server = crate::common::spawn_serving(&["serve", "--config", config], &[], "vramguard serving");
+    let addr = server.addr.clone();
     let mode = std::fs::metadata(&socket).unwrap().permissions().mode() & 0o777;
     assert_eq!(mode, 0o600, "owner-only socket");
 
@@ -476,7 +468,7 @@ fn admin_lives_on_an_owner_only_socket_and_tcp_admin_needs_a_token() {
         "{out}"
     );
 
-    sigterm(&child.0);
-    assert_eq!(child.0.wait().unwrap().code(), Some(0));
+    sigterm(&server.child);
+    assert_eq!(server.child.wait().unwrap().code(), Some(0));
     assert!(!socket.exists(), "the socket is removed on exit");
 }

@@ -21,14 +21,9 @@ fn drill(args: &[&str], token: &str) -> (Option<i32>, String, String) {
     )
 }
 
-fn stop(mut child: std::process::Child) {
-    let _ = child.kill();
-    let _ = child.wait();
-}
-
 #[test]
 fn the_quick_drill_passes_against_a_server_started_with_its_config() {
-    let dir = crate::common::ScratchDir::new("drill");
+    let dir = vramguard::testing::Scratch::new();
     let (code, printed, _) = drill(&["--print-config"], "");
     assert_eq!(code, Some(0));
     let root = env!("CARGO_MANIFEST_DIR");
@@ -38,7 +33,7 @@ fn the_quick_drill_passes_against_a_server_started_with_its_config() {
     let path = dir.path().join("drill.yaml");
     std::fs::write(&path, config).unwrap();
     let token = "drill-token";
-    let (child, addr) = crate::common::spawn_serving(
+    let server = crate::common::spawn_serving(
         &["serve", "--config", path.to_str().unwrap()],
         &[("VRAMGUARD_ADMIN_TOKEN", token)],
         "vramguard serving",
@@ -48,13 +43,13 @@ fn the_quick_drill_passes_against_a_server_started_with_its_config() {
         &[
             "--quick",
             "--target",
-            &format!("http://{addr}"),
+            &format!("http://{}", server.addr),
             "--json",
             record.to_str().unwrap(),
         ],
         token,
     );
-    stop(child);
+    drop(server);
     assert_eq!(code, Some(0), "{out}\n{err}");
     assert!(out.contains("PASS: every criterion met"), "{out}");
     let report: Value = serde_json::from_str(&std::fs::read_to_string(&record).unwrap()).unwrap();
@@ -105,7 +100,7 @@ fn the_quick_drill_passes_against_a_server_started_with_its_config() {
 
 #[test]
 fn a_target_without_a_simulated_device_is_refused_by_name() {
-    let dir = crate::common::ScratchDir::new("drill-cpu");
+    let dir = vramguard::testing::Scratch::new();
     let path = dir.path().join("cpu.yaml");
     std::fs::write(
         &path,
@@ -114,13 +109,13 @@ fn a_target_without_a_simulated_device_is_refused_by_name() {
          pools: [{name: cpu, provider: cpu, models: [encoder]}]\n",
     )
     .unwrap();
-    let (child, addr) = crate::common::spawn_serving(
+    let server = crate::common::spawn_serving(
         &["serve", "--config", path.to_str().unwrap()],
         &[("VRAMGUARD_ADMIN_TOKEN", "t")],
         "vramguard serving",
     );
-    let (code, out, err) = drill(&["--quick", "--target", &format!("http://{addr}")], "t");
-    stop(child);
+    let (code, out, err) = drill(&["--quick", "--target", &format!("http://{}", server.addr)], "t");
+    drop(server);
     assert_eq!(code, Some(1), "{out}\n{err}");
     assert!(err.contains("no simulated device `sim0` to squeeze"), "{err}");
     assert!(err.contains("vramguard drill --print-config"), "{err}");

@@ -9,20 +9,18 @@ use serde_json::{Value, json};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
+use vramguard::testing::ADMIT_ALL;
 
-/// A simulated `gpu` pool falling back on a `cpu` pool, breaker opening after two failures.
-fn config() -> String {
-    format!(
-        "devices: [{{name: gpu0, kind: simulated, capacity: 128MiB}}]\n\
-         models: [{{name: encoder, path: 'builtin:encoder', context: {{input: input, axis: 1}}}}]\n\
-         pools:\n\
-         - {{name: gpu, provider: simulated, device: gpu0, models: [encoder], fallback: cpu,\n\
-             breaker: {{failures: 2, window: 60s, cooldown: 1h}}}}\n\
-         - {{name: cpu, provider: cpu, models: [encoder]}}\n\
-         host: {{reserve: 64MiB}}\n{}",
-        crate::common::admit_all_policy()
-    )
-}
+/// A simulated `gpu` pool falling back on a `cpu` pool, breaker opening after two failures
+/// (started with [`ADMIT_ALL`]: these tests are about what happens after admission).
+const CONFIG: &str = "devices: [{name: gpu0, kind: simulated, capacity: 128MiB}]
+models: [{name: encoder, path: 'builtin:encoder', context: {input: input, axis: 1}}]
+pools:
+- {name: gpu, provider: simulated, device: gpu0, models: [encoder], fallback: cpu,
+   breaker: {failures: 2, window: 60s, cooldown: 1h}}
+- {name: cpu, provider: cpu, models: [encoder]}
+host: {reserve: 64MiB}
+";
 
 async fn inject(server: &TestServer, body: Value) -> Value {
     let response = server.post_json("/admin/sim/gpu0", &body).await;
@@ -65,7 +63,7 @@ async fn an_allocator_failure_is_retried_once_on_the_cpu_pool_under_the_same_id(
     if crate::common::ran_in_own_process() {
         return;
     }
-    let server = TestServer::start(&config()).await;
+    let server = TestServer::with_policy(CONFIG, ADMIT_ALL).await;
     let state = inject(&server, json!({"fail_next": 1})).await;
     assert_eq!(state["fail_next"], 1);
 
@@ -123,7 +121,7 @@ async fn a_non_replayable_request_gets_a_resumable_error_not_a_silent_replay() {
     if crate::common::ran_in_own_process() {
         return;
     }
-    let server = TestServer::start(&config()).await;
+    let server = TestServer::with_policy(CONFIG, ADMIT_ALL).await;
     inject(&server, json!({"fail_next": 1})).await;
     let response = encoder_request(
         &server,
@@ -162,7 +160,7 @@ async fn repeated_failures_open_the_breaker_and_a_restore_closes_it_through_a_pr
     if crate::common::ran_in_own_process() {
         return;
     }
-    let server = TestServer::start(&config()).await;
+    let server = TestServer::with_policy(CONFIG, ADMIT_ALL).await;
     inject(&server, json!({"fail_next": 2})).await;
     for _ in 0..2 {
         let retried = encoder_request(&server, &[]).await;
@@ -217,7 +215,7 @@ async fn a_driver_reset_opens_the_breaker_at_once_while_the_cpu_pool_keeps_servi
     if crate::common::ran_in_own_process() {
         return;
     }
-    let server = TestServer::start(&config()).await;
+    let server = TestServer::with_policy(CONFIG, ADMIT_ALL).await;
     let state = inject(&server, json!({"driver_reset": true})).await;
     assert_eq!(state["driver_reset"], true);
     let first = encoder_request(&server, &[]).await;
@@ -273,7 +271,7 @@ async fn an_idempotency_key_executes_at_most_once() {
     if crate::common::ran_in_own_process() {
         return;
     }
-    let server = TestServer::start(&config()).await;
+    let server = TestServer::with_policy(CONFIG, ADMIT_ALL).await;
     let first = encoder_request(&server, &[("idempotency-key", "k1"), ("x-request-id", "a")]).await;
     assert_eq!(first.status(), StatusCode::OK);
     assert!(!first.headers().contains_key("idempotent-replayed"));
@@ -329,7 +327,7 @@ async fn a_key_whose_request_did_not_run_may_run_on_retry() {
     if crate::common::ran_in_own_process() {
         return;
     }
-    let server = TestServer::start(&config()).await;
+    let server = TestServer::with_policy(CONFIG, ADMIT_ALL).await;
     inject(&server, json!({"fail_next": 1})).await;
     let refused = encoder_request(
         &server,
@@ -378,7 +376,7 @@ async fn under_pressure_faults_and_a_reset_nothing_accepted_is_lost_or_run_twice
     if crate::common::ran_in_own_process() {
         return;
     }
-    let server = TestServer::start(&config()).await;
+    let server = TestServer::with_policy(CONFIG, ADMIT_ALL).await;
     let url = server.url("/v2/models/encoder/infer");
     let sampling = Arc::new(AtomicBool::new(true));
     let lowest = tokio::spawn({
@@ -516,8 +514,8 @@ async fn cpu_work_that_would_eat_into_the_host_reserve_is_refused_and_not_retrie
         return;
     }
     // A reserve no machine has: every host-pool run would breach it.
-    let config = config().replace("host: {reserve: 64MiB}", "host: {reserve: 1000TiB}");
-    let server = TestServer::start(&config).await;
+    let config = CONFIG.replace("host: {reserve: 64MiB}", "host: {reserve: 1000TiB}");
+    let server = TestServer::with_policy(&config, ADMIT_ALL).await;
     inject(&server, json!({"fail_next": 1})).await;
     let response = encoder_request(&server, &[("x-request-id", "no-room")]).await;
     assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);

@@ -592,7 +592,7 @@ async fn a_shrink_keeps_the_system_prompt_and_latest_turns_only_when_the_client_
     if crate::common::ran_in_own_process() {
         return;
     }
-    let dir = crate::common::ScratchDir::new("shrink");
+    let dir = vramguard::testing::Scratch::new();
     let policy = dir.path().join("shrink.rhai");
     std::fs::write(
         &policy,

@@ -455,19 +455,16 @@ async fn allow_shrink_comes_from_the_header_then_the_parameter_then_the_model() 
         return;
     }
     // The policy answers with what it was given, so the 503's reason shows req.allow_shrink.
-    let policy = crate::common::policy_file(
-        "echo-allow-shrink",
-        "fn decide(req, state) { reject(`allow_shrink=${req.allow_shrink}`) }\n",
-    );
-    let server = TestServer::start(&format!(
+    let server = TestServer::with_policy(
         "
 models:
-  - {{name: encoder, path: 'builtin:encoder', context: {{input: input, axis: 1}}, allow_shrink: true}}
-  - {{name: classifier, path: 'builtin:classifier'}}
+  - {name: encoder, path: 'builtin:encoder', context: {input: input, axis: 1}, allow_shrink: true}
+  - {name: classifier, path: 'builtin:classifier'}
 pools:
-  - {{name: cpu, provider: cpu, models: [encoder, classifier]}}
-{policy}"
-    ))
+  - {name: cpu, provider: cpu, models: [encoder, classifier]}
+",
+        "fn decide(req, state) { reject(`allow_shrink=${req.allow_shrink}`) }\n",
+    )
     .await;
     let send = |model: &str, parameter: Option<Value>, header: Option<&str>| {
         let mut body = match model {

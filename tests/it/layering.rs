@@ -410,8 +410,8 @@ fn the_modules_form_no_import_cycle() {
 #[test]
 fn the_check_catches_a_planted_upward_import_and_cycle() {
     let layers: Vec<String> = ["core", "pool", "http"].map(String::from).into();
-    let dir = std::env::temp_dir().join(format!("vramguard-layering-{}", std::process::id()));
-    let src = dir.join("src");
+    let dir = vramguard::testing::Scratch::new();
+    let src = dir.path().join("src");
     std::fs::create_dir_all(src.join("core")).unwrap();
     std::fs::create_dir_all(src.join("pool")).unwrap();
     let planted = src.join("core/clock.rs");
@@ -443,5 +443,4 @@ fn the_check_catches_a_planted_upward_import_and_cycle() {
             "src/pool/sequences.rs:1: `pool::sequences` uses `crate::pool::Pool`"
         ]
     );
-    std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -2,24 +2,21 @@
 //! driven through `lifecycle::infer` with tokio's paused clock, so deferrals and deadlines take
 //! no real time and nothing here depends on how fast the machine is.
 
-use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, mpsc};
 use std::time::Duration;
 
 use axum::http::StatusCode;
 use tokio::time::Instant;
-use vramguard::config::{ModelConfig, PoolConfig, RawConfig, parse_yaml};
 use vramguard::core::backend::{ArenaStats, Backend, BackendError, RunMeta};
-use vramguard::core::clock::SystemClock;
 use vramguard::core::snapshot::Action;
-use vramguard::core::tensor::{DataType, Tensor, TensorData};
+use vramguard::core::tensor::{Tensor, TensorData};
 use vramguard::http::status_of;
-use vramguard::runtime::estimate::{MemoryProfile, ProfileSource};
-use vramguard::runtime::onnx::{ModelSignature, TensorSpec};
 use vramguard::serve::lifecycle::{self, DeadlineMiss, Refused, Request, RequestError, Served};
-use vramguard::serve::service::{BackendFactory, Parts, Service};
+use vramguard::serve::service::Service;
 use vramguard::telemetry::metrics::Outcome;
+use vramguard::testing::fakes::{self, FakeFactory, encoder_request};
+use vramguard::testing::{Scratch, config};
 
 /// What the fake backend does with a run, chosen by the first input value.
 const PANIC: f32 = -1.0;
@@ -84,112 +81,37 @@ impl Backend for FakeBackend {
     }
 }
 
-/// Builds fake backends; counts how many, and refuses pools named in `broken`.
-struct FakeFactory {
-    built: AtomicUsize,
-    broken: Vec<String>,
-    gate: Arc<Mutex<mpsc::Receiver<()>>>,
-}
-
-impl BackendFactory for FakeFactory {
-    fn runtime_version(&self) -> String {
-        "fake".into()
-    }
-
-    fn signature(&self, _model: &ModelConfig, _bytes: &[u8]) -> Result<ModelSignature, String> {
-        let spec = |name: &str| TensorSpec {
-            name: name.into(),
-            datatype: DataType::Fp32,
-            shape: vec![-1, -1, 4],
-            symbols: vec![],
-        };
-        Ok(ModelSignature {
-            inputs: vec![spec("input")],
-            outputs: vec![spec("pooled")],
-        })
-    }
-
-    fn measure_profile(&self, _model: &ModelConfig, bytes: &[u8], _signature: &ModelSignature) -> MemoryProfile {
-        MemoryProfile {
-            weights_bytes: bytes.len() as u64,
-            workspace_bytes: 1024.0,
-            per_token_bytes: 1024.0,
-            per_token_squared_bytes: 0.0,
-            source: ProfileSource::Config,
-        }
-    }
-
-    fn backend(&self, pool: &PoolConfig, _models: &[(String, &[u8])]) -> Result<Box<dyn Backend>, String> {
-        if self.broken.contains(&pool.name) {
-            return Err(format!("no device for `{}` (fake)", pool.name));
-        }
-        self.built.fetch_add(1, Ordering::SeqCst);
-        Ok(Box::new(FakeBackend {
-            gate: Arc::clone(&self.gate),
-            interrupted: Arc::default(),
-        }))
-    }
-}
-
-/// A policy script in a folder of its own (tests run in parallel in one process).
-struct Script(PathBuf);
-
-impl Script {
-    fn new(source: &str) -> Script {
-        static NEXT: AtomicUsize = AtomicUsize::new(0);
-        let dir = std::env::temp_dir().join(format!(
-            "vramguard-lifecycle-{}-{}",
-            std::process::id(),
-            NEXT.fetch_add(1, Ordering::SeqCst)
-        ));
-        std::fs::create_dir_all(&dir).unwrap();
-        let path = dir.join("policy.rhai");
-        std::fs::write(&path, source).unwrap();
-        Script(path)
-    }
-}
-
-impl Drop for Script {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(self.0.parent().unwrap());
-    }
-}
-
 struct Harness {
     service: Arc<Service>,
     factory: Arc<FakeFactory>,
     release: mpsc::Sender<()>,
-    _script: Script,
+    _script: Scratch,
 }
 
-/// A service with pools `gpu` (tried first) and `cpu`, both serving `encoder`, one worker each.
+/// A service with pools `gpu` (tried first) and `cpu`, both serving `encoder`, one worker each;
+/// the pools named in `broken` get no backend.
 fn harness(policy: &str, broken: &[&str], gpu_queue: &str) -> Harness {
-    let script = Script::new(policy);
+    let script = Scratch::new();
     let yaml = format!(
         "models: [{{name: encoder, path: 'builtin:encoder', context: {{input: input, axis: 1, keep: end}}}}]\n\
          pools:\n\
          - {{name: gpu, provider: cpu, models: [encoder], workers: 1, queue: {gpu_queue}}}\n\
-         - {{name: cpu, provider: cpu, models: [encoder], workers: 1}}\n\
-         policy: {{path: '{}', watch_interval: 0s}}\n",
-        script.0.display()
+         - {{name: cpu, provider: cpu, models: [encoder], workers: 1}}\n{}",
+        script.policy(policy)
     );
-    let raw: RawConfig = parse_yaml(&yaml, "lifecycle.yaml").expect("test config parses");
-    let config = raw
-        .validate("lifecycle.yaml", Path::new(env!("CARGO_MANIFEST_DIR")))
-        .expect("test config validates");
     let (release, gate) = mpsc::channel();
-    let factory = Arc::new(FakeFactory {
-        built: AtomicUsize::new(0),
-        broken: broken.iter().map(|s| s.to_string()).collect(),
-        gate: Arc::new(Mutex::new(gate)),
-    });
-    let parts = Parts {
-        backends: factory.clone(),
-        sources: Vec::new(),
-        simulated: Vec::new(),
-        clock: Arc::new(SystemClock),
-    };
-    let service = Arc::new(Service::assemble(config, parts).expect("service assembles"));
+    let gate = Arc::new(Mutex::new(gate));
+    let broken: Vec<String> = broken.iter().map(|s| s.to_string()).collect();
+    let factory = Arc::new(FakeFactory::new(move |pool| {
+        if broken.contains(&pool.name) {
+            return Err(format!("no device for `{}` (fake)", pool.name));
+        }
+        Ok(Box::new(FakeBackend {
+            gate: Arc::clone(&gate),
+            interrupted: Arc::default(),
+        }))
+    }));
+    let service = Arc::new(fakes::service(config::validated(&yaml), factory.clone()));
     Harness {
         service,
         factory,
@@ -200,28 +122,6 @@ fn harness(policy: &str, broken: &[&str], gpu_queue: &str) -> Harness {
 
 fn simple(policy: &str) -> Harness {
     harness(policy, &[], "{capacity: 8, max_wait: 1s}")
-}
-
-/// An encoder request of `seq` tokens whose values all equal `value`.
-fn request(seq: usize, value: f32) -> Request {
-    Request {
-        meta: RunMeta {
-            request_id: "req-1".into(),
-            replayable: true,
-            ..RunMeta::default()
-        },
-        model: "encoder".into(),
-        inputs: vec![Tensor {
-            name: "input".into(),
-            shape: vec![1, seq as i64, 4],
-            data: TensorData::Fp32(vec![value; seq * 4]),
-        }],
-        outputs: vec![],
-        max_new_tokens: 0,
-        shrinker: None,
-        received: Instant::now(),
-        progress: Default::default(),
-    }
 }
 
 async fn served(h: &Harness, request: Request) -> Served {
@@ -250,7 +150,7 @@ fn counter(h: &Harness, needle: &str) -> f64 {
 #[tokio::test(start_paused = true)]
 async fn admit_runs_on_the_first_ready_pool_and_counts_ok() {
     let h = simple("fn decide(req, state) { admit() }");
-    let s = served(&h, request(8, 0.5)).await;
+    let s = served(&h, encoder_request(8, 0.5)).await;
     assert_eq!(s.pool.name(), "gpu");
     assert_eq!(s.action, Action::Admit);
     assert_eq!(s.context, None);
@@ -271,14 +171,14 @@ async fn admit_runs_on_the_first_ready_pool_and_counts_ok() {
 #[tokio::test(start_paused = true)]
 async fn redirect_runs_on_the_named_pool() {
     let h = simple(r#"fn decide(req, state) { redirect("cpu") }"#);
-    let s = served(&h, request(8, 0.5)).await;
+    let s = served(&h, encoder_request(8, 0.5)).await;
     assert_eq!((s.pool.name(), s.action), ("cpu", Action::Redirect));
 }
 
 #[tokio::test(start_paused = true)]
 async fn shrink_cuts_the_context_axis_keeping_the_configured_end() {
     let h = simple("fn decide(req, state) { shrink_context(3) }");
-    let mut req = request(8, 0.0);
+    let mut req = encoder_request(8, 0.0);
     req.meta.allow_shrink = true;
     req.inputs[0].data = TensorData::Fp32((0..32).map(|i| i as f32).collect());
     let s = served(&h, req).await;
@@ -295,7 +195,7 @@ async fn shrink_cuts_the_context_axis_keeping_the_configured_end() {
 #[tokio::test(start_paused = true)]
 async fn a_shrink_the_client_did_not_allow_takes_the_fallback_with_the_whole_context() {
     let h = simple("fn decide(req, state) { shrink_context(3) }");
-    let s = served(&h, request(8, 0.5)).await;
+    let s = served(&h, encoder_request(8, 0.5)).await;
     // The configured fallback is admit: the request runs whole on the router's pool.
     assert_eq!((s.pool.name(), s.action, s.context), ("gpu", Action::Admit, None));
     assert_eq!(s.outputs[0].shape, vec![1, 8, 4]);
@@ -305,7 +205,7 @@ async fn a_shrink_the_client_did_not_allow_takes_the_fallback_with_the_whole_con
 #[tokio::test(start_paused = true)]
 async fn a_decision_that_cannot_be_carried_out_takes_the_fallback() {
     let h = simple(r#"fn decide(req, state) { if req.priority == 7 { redirect("nowhere") } else { admit() } }"#);
-    let mut req = request(4, 0.5);
+    let mut req = encoder_request(4, 0.5);
     req.meta.priority = 7;
     let s = served(&h, req).await;
     // The configured fallback is admit: the router's pool runs it.
@@ -316,7 +216,7 @@ async fn a_decision_that_cannot_be_carried_out_takes_the_fallback() {
 #[tokio::test(start_paused = true)]
 async fn a_script_that_fails_at_run_time_takes_the_fallback() {
     let h = simple(r#"fn decide(req, state) { if req.priority == 7 { throw "broken"; } admit() }"#);
-    let mut req = request(4, 0.5);
+    let mut req = encoder_request(4, 0.5);
     req.meta.priority = 7;
     let s = served(&h, req).await;
     assert_eq!((s.pool.name(), s.action), ("gpu", Action::Admit));
@@ -326,7 +226,7 @@ async fn a_script_that_fails_at_run_time_takes_the_fallback() {
 #[tokio::test(start_paused = true)]
 async fn reject_answers_503_with_the_reason_and_retry_after() {
     let h = simple(r#"fn decide(req, state) { if req.priority == 7 { reject("host memory low") } else { admit() } }"#);
-    let mut req = request(4, 0.5);
+    let mut req = encoder_request(4, 0.5);
     req.meta.priority = 7;
     let r = refused(&h, req).await;
     assert_eq!(status_of(&r.error), StatusCode::SERVICE_UNAVAILABLE);
@@ -338,7 +238,7 @@ async fn reject_answers_503_with_the_reason_and_retry_after() {
 #[tokio::test(start_paused = true)]
 async fn deferral_is_bounded_by_the_pools_max_wait() {
     let h = simple("fn decide(req, state) { if req.priority == 7 { defer(300) } else { admit() } }");
-    let mut req = request(4, 0.5);
+    let mut req = encoder_request(4, 0.5);
     req.meta.priority = 7;
     let started = Instant::now();
     let r = refused(&h, req).await;
@@ -370,14 +270,14 @@ async fn a_deferred_request_holds_no_worker_and_runs_once_the_pool_frees() {
         "{capacity: 8, max_wait: 1h}",
     );
     let blocker = tokio::spawn({
-        let req = request(4, WAIT_FOR_GATE);
+        let req = encoder_request(4, WAIT_FOR_GATE);
         let service = Arc::clone(&h.service);
         async move { lifecycle::infer(&service, req).await.map(|s| s.pool.name().to_string()) }
     });
     while h.service.pool("gpu").unwrap().load().inflight == 0 {
         tokio::time::sleep(Duration::from_millis(1)).await;
     }
-    let mut deferred = request(4, 0.5);
+    let mut deferred = encoder_request(4, 0.5);
     deferred.meta.priority = 7;
     let waiting = tokio::spawn({
         let service = Arc::clone(&h.service);
@@ -418,15 +318,15 @@ async fn the_pickers_gauges_count_deferred_and_queued_requests_as_waiting_until_
         tokio::spawn(async move { lifecycle::infer(&service, req).await.is_ok() })
     };
     // One runs on the only worker, one queues behind it, one is deferred by the policy.
-    let running = spawn(request(4, WAIT_FOR_GATE));
+    let running = spawn(encoder_request(4, WAIT_FOR_GATE));
     while h.service.pool("gpu").unwrap().load().inflight == 0 {
         tokio::time::sleep(Duration::from_millis(1)).await;
     }
-    let queued = spawn(request(4, WAIT_FOR_GATE));
+    let queued = spawn(encoder_request(4, WAIT_FOR_GATE));
     while h.service.pool("gpu").unwrap().load().queue_depth == 0 {
         tokio::time::sleep(Duration::from_millis(1)).await;
     }
-    let mut req = request(4, 0.5);
+    let mut req = encoder_request(4, 0.5);
     req.meta.priority = 7;
     let deferred = spawn(req);
     tokio::time::sleep(Duration::from_millis(200)).await;
@@ -449,7 +349,7 @@ async fn the_pickers_gauges_count_deferred_and_queued_requests_as_waiting_until_
 #[tokio::test(start_paused = true)]
 async fn a_deadline_the_deferral_would_pass_is_a_504() {
     let h = simple("fn decide(req, state) { if req.priority == 7 { defer(100) } else { admit() } }");
-    let mut req = request(4, 0.5);
+    let mut req = encoder_request(4, 0.5);
     req.meta.priority = 7;
     req.meta.deadline = Some((Instant::now() + Duration::from_millis(250)).into_std());
     let r = refused(&h, req).await;
@@ -461,13 +361,13 @@ async fn a_deadline_the_deferral_would_pass_is_a_504() {
 #[tokio::test(start_paused = true)]
 async fn a_deadline_that_passes_during_the_run_is_a_504_and_the_pool_recovers() {
     let h = simple("fn decide(req, state) { admit() }");
-    let mut req = request(4, WAIT_FOR_GATE);
+    let mut req = encoder_request(4, WAIT_FOR_GATE);
     req.meta.deadline = Some((Instant::now() + Duration::from_secs(2)).into_std());
     let r = refused(&h, req).await;
     assert_eq!(r.error, RequestError::Deadline(DeadlineMiss::InPool));
     assert_eq!(r.pool.as_ref().map(|p| p.name()), Some("gpu"));
     h.release.send(()).unwrap();
-    let s = served(&h, request(4, 0.5)).await;
+    let s = served(&h, encoder_request(4, 0.5)).await;
     assert_eq!(s.pool.name(), "gpu");
     assert_eq!(h.service.pool("gpu").unwrap().load().inflight, 0);
     assert_eq!(
@@ -482,15 +382,15 @@ async fn a_deadline_that_passes_during_the_run_is_a_504_and_the_pool_recovers() 
 #[tokio::test(start_paused = true)]
 async fn a_panicking_backend_fails_only_its_request_and_the_worker_is_replaced() {
     let h = simple("fn decide(req, state) { admit() }");
-    let built = h.factory.built.load(Ordering::SeqCst);
-    let r = refused(&h, request(4, PANIC)).await;
+    let built = h.factory.built();
+    let r = refused(&h, encoder_request(4, PANIC)).await;
     assert_eq!(r.error, RequestError::Failed { pool: "gpu".into() });
     assert_eq!(status_of(&r.error), StatusCode::INTERNAL_SERVER_ERROR);
     assert_eq!(r.error.outcome(), Outcome::failed);
     // The same single worker serves the next request, on a fresh backend.
-    let s = served(&h, request(4, 0.5)).await;
+    let s = served(&h, encoder_request(4, 0.5)).await;
     assert_eq!(s.pool.name(), "gpu");
-    assert_eq!(h.factory.built.load(Ordering::SeqCst), built + 1);
+    assert_eq!(h.factory.built(), built + 1);
     let load = h.service.pool("gpu").unwrap().load();
     assert_eq!((load.inflight, load.queue_depth), (0, 0));
     assert!(h.service.pool("gpu").unwrap().is_ready());
@@ -499,11 +399,11 @@ async fn a_panicking_backend_fails_only_its_request_and_the_worker_is_replaced()
 #[tokio::test(start_paused = true)]
 async fn an_unavailable_pool_is_skipped_and_no_pool_at_all_is_a_503() {
     let h = harness("fn decide(req, state) { admit() }", &["gpu"], "{capacity: 8}");
-    let s = served(&h, request(4, 0.5)).await;
+    let s = served(&h, encoder_request(4, 0.5)).await;
     assert_eq!(s.pool.name(), "cpu");
 
     let none = harness("fn decide(req, state) { admit() }", &["gpu", "cpu"], "{capacity: 8}");
-    let r = refused(&none, request(4, 0.5)).await;
+    let r = refused(&none, encoder_request(4, 0.5)).await;
     assert_eq!(status_of(&r.error), StatusCode::SERVICE_UNAVAILABLE);
     assert_eq!(r.error.retry_after_secs(), Some(5));
     let text = r.error.to_string();
@@ -518,19 +418,23 @@ async fn a_full_queue_is_a_503_and_accepted_work_still_completes() {
     let h = harness("fn decide(req, state) { admit() }", &[], "{capacity: 1}");
     let running = tokio::spawn({
         let service = Arc::clone(&h.service);
-        async move { lifecycle::infer(&service, request(4, WAIT_FOR_GATE)).await.is_ok() }
+        async move {
+            lifecycle::infer(&service, encoder_request(4, WAIT_FOR_GATE))
+                .await
+                .is_ok()
+        }
     });
     while h.service.pool("gpu").unwrap().load().inflight == 0 {
         tokio::time::sleep(Duration::from_millis(1)).await;
     }
     let queued = tokio::spawn({
         let service = Arc::clone(&h.service);
-        async move { lifecycle::infer(&service, request(4, 0.5)).await.is_ok() }
+        async move { lifecycle::infer(&service, encoder_request(4, 0.5)).await.is_ok() }
     });
     while h.service.pool("gpu").unwrap().load().queue_depth == 0 {
         tokio::time::sleep(Duration::from_millis(1)).await;
     }
-    let r = refused(&h, request(4, 0.5)).await;
+    let r = refused(&h, encoder_request(4, 0.5)).await;
     assert!(
         matches!(r.error, RequestError::QueueFull { capacity: 1, .. }),
         "{:?}",
@@ -545,7 +449,7 @@ async fn a_full_queue_is_a_503_and_accepted_work_still_completes() {
 #[tokio::test(start_paused = true)]
 async fn unknown_models_are_404_and_not_counted() {
     let h = simple("fn decide(req, state) { admit() }");
-    let mut req = request(4, 0.5);
+    let mut req = encoder_request(4, 0.5);
     req.model = "nope".into();
     let r = refused(&h, req).await;
     assert_eq!(status_of(&r.error), StatusCode::NOT_FOUND);
@@ -557,8 +461,8 @@ async fn unknown_models_are_404_and_not_counted() {
 async fn a_deadline_the_queue_cannot_meet_is_answered_at_once() {
     let h = simple("fn decide(req, state) { admit() }");
     // One 50 ms run teaches the pool its service time.
-    served(&h, request(4, SLOW)).await;
-    let mut req = request(4, 0.5);
+    served(&h, encoder_request(4, SLOW)).await;
+    let mut req = encoder_request(4, 0.5);
     req.meta.deadline = Some((Instant::now() + Duration::from_millis(10)).into_std());
     let r = refused(&h, req).await;
     assert_eq!(r.error, RequestError::Deadline(DeadlineMiss::Estimated));
@@ -578,15 +482,19 @@ async fn a_client_that_goes_away_is_counted_cancelled_and_its_queued_job_never_r
     let h = simple("fn decide(req, state) { admit() }");
     let blocker = tokio::spawn({
         let service = Arc::clone(&h.service);
-        async move { lifecycle::infer(&service, request(4, WAIT_FOR_GATE)).await.is_ok() }
+        async move {
+            lifecycle::infer(&service, encoder_request(4, WAIT_FOR_GATE))
+                .await
+                .is_ok()
+        }
     });
     while h.service.pool("gpu").unwrap().load().inflight == 0 {
         tokio::time::sleep(Duration::from_millis(1)).await;
     }
-    let built = h.factory.built.load(Ordering::SeqCst);
+    let built = h.factory.built();
     let leaving = tokio::spawn({
         let service = Arc::clone(&h.service);
-        async move { lifecycle::infer(&service, request(4, PANIC)).await.is_ok() }
+        async move { lifecycle::infer(&service, encoder_request(4, PANIC)).await.is_ok() }
     });
     while h.service.pool("gpu").unwrap().load().queue_depth == 0 {
         tokio::time::sleep(Duration::from_millis(1)).await;
@@ -596,8 +504,8 @@ async fn a_client_that_goes_away_is_counted_cancelled_and_its_queued_job_never_r
     h.release.send(()).unwrap();
     assert!(blocker.await.unwrap());
     // The abandoned job was skipped: had it run, its backend would have panicked and been rebuilt.
-    served(&h, request(4, 0.5)).await;
-    assert_eq!(h.factory.built.load(Ordering::SeqCst), built);
+    served(&h, encoder_request(4, 0.5)).await;
+    assert_eq!(h.factory.built(), built);
     assert_eq!(
         counter(
             &h,
@@ -614,7 +522,7 @@ async fn a_run_whose_client_went_away_is_interrupted() {
     let h = simple("fn decide(req, state) { admit() }");
     let leaving = tokio::spawn({
         let service = Arc::clone(&h.service);
-        async move { lifecycle::infer(&service, request(4, SPIN)).await.is_ok() }
+        async move { lifecycle::infer(&service, encoder_request(4, SPIN)).await.is_ok() }
     });
     let pool = h.service.pool("gpu").unwrap();
     let until = std::time::Instant::now() + Duration::from_secs(5);
@@ -636,5 +544,5 @@ async fn a_run_whose_client_went_away_is_interrupted() {
         1.0
     );
     // The backend serves the next request normally.
-    assert_eq!(served(&h, request(4, 0.5)).await.pool.name(), "gpu");
+    assert_eq!(served(&h, encoder_request(4, 0.5)).await.pool.name(), "gpu");
 }

@@ -3,77 +3,55 @@
 //! hundreds of MiB, and `vramguard_process_resident_memory_bytes` then comes back near where it
 //! started instead of staying at the peak.
 
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use reqwest::StatusCode;
 use serde_json::json;
+use vramguard::testing::Scratch;
+use vramguard::testing::process::Serving;
 
 const MIB: u64 = 1 << 20;
 
 /// A `vramguard serve` process, killed when dropped.
 struct Server {
-    child: Child,
+    process: Serving,
     url: String,
-    dir: std::path::PathBuf,
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
+    /// Its config; removed after the process is gone (fields drop in order).
+    _dir: Scratch,
 }
 
 impl Server {
-    /// Start the binary on a free loopback port with a CPU pool of two workers (the default
-    /// arena settings) and wait until it is ready.
+    /// Start the binary on a loopback port the kernel picks with a CPU pool of two workers (the
+    /// default arena settings); [`Server::wait_ready`] waits until it is ready.
     fn start() -> Server {
-        let dir = std::env::temp_dir().join(format!("vramguard-memory-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let config = dir.join("config.yaml");
-        std::fs::write(
-            &config,
+        let dir = Scratch::new();
+        let config = dir.write(
+            "config.yaml",
             "models: [{name: encoder, path: 'builtin:encoder', context: {input: input, axis: 1}}]\n\
              pools: [{name: cpu, provider: cpu, models: [encoder], workers: 2}]\n\
              host: {reserve: 256MiB}\n\
              server: {admin_socket: 'off'}\n",
-        )
-        .unwrap();
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        let mut child = Command::new(env!("CARGO_BIN_EXE_vramguard"))
-            .current_dir(env!("CARGO_MANIFEST_DIR"))
-            .args(["serve", "--config"])
-            .arg(&config)
-            .args(["--listen", &format!("127.0.0.1:{port}")])
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
-        // Keep reading its log so it never blocks on a full pipe.
-        let stderr = child.stderr.take().unwrap();
-        std::thread::spawn(move || for _ in BufReader::new(stderr).lines() {});
+        );
+        let process = crate::common::spawn_serving(
+            &["serve", "--config", config.to_str().unwrap(), "--listen", "127.0.0.1:0"],
+            &[],
+            "vramguard serving",
+        );
         Server {
-            child,
-            url: format!("http://127.0.0.1:{port}"),
-            dir,
+            url: format!("http://{}", process.addr),
+            process,
+            _dir: dir,
         }
     }
 
     fn pid(&self) -> u32 {
-        self.child.id()
+        self.process.child.id()
     }
 
     async fn wait_ready(&mut self) {
         let deadline = Instant::now() + Duration::from_secs(60);
         loop {
-            assert!(self.child.try_wait().unwrap().is_none(), "vramguard exited");
+            assert!(self.process.child.try_wait().unwrap().is_none(), "vramguard exited");
             if let Ok(r) = reqwest::get(format!("{}/v2/health/ready", self.url)).await
                 && r.status() == StatusCode::OK
             {

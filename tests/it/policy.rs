@@ -1,12 +1,12 @@
 //! Every policy decision enacted over real HTTP, the fallback on a failing script, and hot
 //! reload through the admin endpoint and the file watcher.
 
-use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use crate::common::TestServer;
 use reqwest::StatusCode;
 use serde_json::{Value, json};
+use vramguard::testing::Scratch;
 
 /// A script whose decision the test picks with `x-vramguard-priority`.
 const SCRIPT: &str = r#"
@@ -22,10 +22,11 @@ fn decide(req, state) {
 }
 "#;
 
-fn policy_dir(name: &str, script: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("vramguard-policy-{}-{name}", std::process::id()));
-    std::fs::create_dir_all(dir.join("tests")).unwrap();
-    std::fs::write(dir.join("p.rhai"), script).unwrap();
+/// A folder with the policy `p.rhai` and its (empty) `tests/`.
+fn policy_dir(script: &str) -> Scratch {
+    let dir = Scratch::new();
+    std::fs::create_dir_all(dir.path().join("tests")).unwrap();
+    dir.write("p.rhai", script);
     dir
 }
 
@@ -86,8 +87,8 @@ async fn every_decision_is_enacted_on_the_request_path() {
     if crate::common::ran_in_own_process() {
         return;
     }
-    let dir = policy_dir("actions", SCRIPT);
-    let server = TestServer::start(&config(&dir, "0")).await;
+    let dir = policy_dir(SCRIPT);
+    let server = TestServer::start(&config(dir.path(), "0")).await;
 
     // admit(): the router's pool.
     let admitted = infer(&server, 16, 0).await;
@@ -192,7 +193,6 @@ async fn every_decision_is_enacted_on_the_request_path() {
     }
     assert_eq!(counter(&metrics, "vramguard_policy_eval_duration_seconds_count"), 12.0);
     server.stop().await;
-    let _ = std::fs::remove_dir_all(dir);
 }
 
 const CASES: &str = "
@@ -224,14 +224,14 @@ async fn a_reload_swaps_only_a_script_that_compiles_and_passes_its_cases() {
     if crate::common::ran_in_own_process() {
         return;
     }
-    let dir = policy_dir("reload", "fn decide(req, state) { admit() }");
-    std::fs::write(dir.join("tests/p.yaml"), CASES).unwrap();
-    let server = TestServer::start(&config(&dir, "0")).await;
+    let dir = policy_dir("fn decide(req, state) { admit() }");
+    std::fs::write(dir.path().join("tests/p.yaml"), CASES).unwrap();
+    let server = TestServer::start(&config(dir.path(), "0")).await;
     let first = policy_status(&server).await;
     assert_eq!(first["cases"], 1);
 
     // Bad syntax: refused with file:line:col, the old script keeps serving.
-    std::fs::write(dir.join("p.rhai"), "fn decide(req, state) {\n  admit(\n}\n").unwrap();
+    std::fs::write(dir.path().join("p.rhai"), "fn decide(req, state) {\n  admit(\n}\n").unwrap();
     let (status, body) = reload(&server).await;
     assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY);
     let message = body["error"].as_str().unwrap();
@@ -242,7 +242,7 @@ async fn a_reload_swaps_only_a_script_that_compiles_and_passes_its_cases() {
     assert_eq!(infer(&server, 16, 0).await.status(), StatusCode::OK);
 
     // Compiles, but fails its own test case: refused too.
-    std::fs::write(dir.join("p.rhai"), "fn decide(req, state) { reject(\"no\") }").unwrap();
+    std::fs::write(dir.path().join("p.rhai"), "fn decide(req, state) { reject(\"no\") }").unwrap();
     let (status, body) = reload(&server).await;
     assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY);
     assert!(
@@ -253,7 +253,7 @@ async fn a_reload_swaps_only_a_script_that_compiles_and_passes_its_cases() {
 
     // A good script: swapped in, visible in /status and vramguard_policy_info.
     std::fs::write(
-        dir.join("p.rhai"),
+        dir.path().join("p.rhai"),
         "fn decide(req, state) { if req.context_tokens > 100 { return redirect(\"slow\"); } admit() }",
     )
     .unwrap();
@@ -278,7 +278,6 @@ async fn a_reload_swaps_only_a_script_that_compiles_and_passes_its_cases() {
         "only the serving script: {metrics}"
     );
     server.stop().await;
-    let _ = std::fs::remove_dir_all(dir);
 }
 
 #[tokio::test]
@@ -286,12 +285,16 @@ async fn an_edited_policy_file_is_picked_up_by_the_watcher() {
     if crate::common::ran_in_own_process() {
         return;
     }
-    let dir = policy_dir("watch", "fn decide(req, state) { admit() }");
-    let server = TestServer::start(&config(&dir, "50ms")).await;
+    let dir = policy_dir("fn decide(req, state) { admit() }");
+    let server = TestServer::start(&config(dir.path(), "50ms")).await;
     let before = policy_status(&server).await["sha256"].clone();
     // Make sure the modification time moves even on coarse-grained file systems.
     tokio::time::sleep(Duration::from_millis(20)).await;
-    std::fs::write(dir.join("p.rhai"), "fn decide(req, state) { redirect(\"slow\") }").unwrap();
+    std::fs::write(
+        dir.path().join("p.rhai"),
+        "fn decide(req, state) { redirect(\"slow\") }",
+    )
+    .unwrap();
     let deadline = Instant::now() + Duration::from_secs(10);
     while policy_status(&server).await["sha256"] == before {
         assert!(Instant::now() < deadline, "the watcher never reloaded the policy");
@@ -299,7 +302,6 @@ async fn an_edited_policy_file_is_picked_up_by_the_watcher() {
     }
     assert_eq!(infer(&server, 16, 0).await.headers()["x-vramguard-pool"], "slow");
     server.stop().await;
-    let _ = std::fs::remove_dir_all(dir);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

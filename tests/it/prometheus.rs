@@ -25,14 +25,14 @@ struct Prometheus {
     child: Child,
     url: String,
     /// Config, rules, data and log; removed after the process is gone (fields drop in order).
-    _dir: crate::common::ScratchDir,
+    _dir: vramguard::testing::Scratch,
 }
 
 impl Prometheus {
     /// Start Prometheus scraping `target` every second as job `vramguard`, with `rules` loaded
     /// and evaluated every second; waits until it is ready.
     async fn start(target: &str, rules: &str) -> Prometheus {
-        let dir = crate::common::ScratchDir::new("prometheus");
+        let dir = vramguard::testing::Scratch::new();
         let at = |name: &str| dir.path().join(name);
         std::fs::create_dir_all(at("data")).unwrap();
         std::fs::write(at("rules.yaml"), rules).unwrap();

@@ -4,35 +4,28 @@
 //! and idempotency key kept; then the second one goes away, and the first one's breaker for it
 //! opens, shows in /status and metrics, and requests get a local retry or a clear error.
 
-use std::process::Child;
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
+use vramguard::testing::Scratch;
+use vramguard::testing::process::Serving;
 
 /// The admin token of the first server (admin over TCP, for the simulated pressure).
 const TOKEN: &str = "remote-test-token";
 
-/// Kills its server when dropped, so a failing assertion leaves no process behind.
+/// A server and its base URL; dropping it stops the server.
 struct Server {
-    child: Child,
+    _process: Serving,
     url: String,
 }
 
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn serve(dir: &crate::common::ScratchDir, name: &str, yaml: &str, env: &[(&str, &str)]) -> Server {
-    let path = dir.path().join(format!("{name}.yaml"));
-    std::fs::write(&path, yaml).unwrap();
-    let (child, addr) =
+fn serve(dir: &Scratch, name: &str, yaml: &str, env: &[(&str, &str)]) -> Server {
+    let path = dir.write(&format!("{name}.yaml"), yaml);
+    let process =
         crate::common::spawn_serving(&["serve", "--config", path.to_str().unwrap()], env, "vramguard serving");
     Server {
-        child,
-        url: format!("http://{addr}"),
+        url: format!("http://{}", process.addr),
+        _process: process,
     }
 }
 
@@ -130,7 +123,7 @@ async fn a_squeezed_accelerator_moves_work_to_the_remote_server_and_its_outage_o
     if crate::common::ran_in_own_process() {
         return;
     }
-    let dir = crate::common::ScratchDir::new("remote");
+    let dir = Scratch::new();
     let remote = serve(&dir, "remote", &remote_config(), &[]);
     let local = serve(
         &dir,

@@ -14,7 +14,7 @@ async fn a_request_that_does_not_fit_gets_an_allocator_failure_and_the_next_one_
         return;
     }
     // Admit everything: this is about what ONNX Runtime does when a request does not fit.
-    let server = TestServer::start(&format!("{CONFIG}{}", crate::common::admit_all_policy())).await;
+    let server = TestServer::with_policy(CONFIG, vramguard::testing::ADMIT_ALL).await;
 
     let before: Value = reqwest::get(server.url("/status")).await.unwrap().json().await.unwrap();
     let reserved_before = before["pools"][0]["arena"]["reserved_bytes"].as_u64().unwrap();

@@ -66,15 +66,9 @@ async fn a_browser_shows_who_holds_the_accelerator_and_the_degraded_banner() {
     assert_eq!(server.encoder(32).await.status(), StatusCode::OK);
     let dom = {
         let page = page.clone();
-        tokio::task::spawn_blocking(move || {
-            chromium(
-                &page,
-                &["--dump-dom"],
-                crate::common::ScratchDir::new("chromium").path(),
-            )
-        })
-        .await
-        .unwrap()
+        tokio::task::spawn_blocking(move || chromium(&page, &["--dump-dom"], vramguard::testing::Scratch::new().path()))
+            .await
+            .unwrap()
     };
     assert!(dom.contains("Serving normally"), "{dom}");
     assert!(
@@ -96,7 +90,7 @@ async fn a_browser_shows_who_holds_the_accelerator_and_the_degraded_banner() {
         let page = page.clone();
         let screenshot = screenshot.clone();
         tokio::task::spawn_blocking(move || {
-            let profile = crate::common::ScratchDir::new("chromium");
+            let profile = vramguard::testing::Scratch::new();
             let dom = chromium(&page, &["--dump-dom"], profile.path());
             chromium(
                 &page,

@@ -1,4 +1,5 @@
-//! Shared harness: a real server on 127.0.0.1:0 with real ONNX Runtime sessions.
+//! Shared harness: a real server on 127.0.0.1:0 with real ONNX Runtime sessions, and what
+//! only these tests ask of one. What benches share with them is in `vramguard::testing`.
 
 use std::net::SocketAddr;
 use std::path::Path;
@@ -6,9 +7,9 @@ use std::sync::Arc;
 
 use serde_json::Value;
 use tokio::sync::oneshot;
-use vramguard::config::{Config, RawConfig, parse_yaml};
 use vramguard::http::{self, AppState};
 use vramguard::serve::service::Service;
+use vramguard::testing::Scratch;
 
 /// The admin token test servers accept over TCP (the admin socket is not bound in tests).
 pub const ADMIN_TOKEN: &str = "test-admin-token";
@@ -18,15 +19,14 @@ pub struct TestServer {
     pub addr: SocketAddr,
     stop: Option<oneshot::Sender<()>>,
     task: tokio::task::JoinHandle<std::io::Result<()>>,
+    /// The folder of its policy file, kept while it serves.
+    _policy: Option<Scratch>,
 }
 
 impl TestServer {
     /// Start from YAML (model paths relative to the project root).
     pub async fn start(yaml: &str) -> TestServer {
-        let raw: RawConfig = parse_yaml(yaml, "test.yaml").expect("test config parses");
-        let config: Config = raw
-            .validate("test.yaml", Path::new(env!("CARGO_MANIFEST_DIR")))
-            .expect("test config validates");
+        let config = vramguard::testing::config::validated(yaml);
         let service = tokio::task::spawn_blocking(move || Service::start(config))
             .await
             .unwrap()
@@ -42,6 +42,18 @@ impl TestServer {
             addr,
             stop: Some(stop),
             task,
+            _policy: None,
+        }
+    }
+
+    /// Start from YAML with the policy `source`, in a scratch folder of the server's own (a
+    /// folder per server: tests in one process must not rewrite a file another is reading).
+    pub async fn with_policy(yaml: &str, source: &str) -> TestServer {
+        let scratch = Scratch::new();
+        let server = TestServer::start(&format!("{yaml}{}", scratch.policy(source))).await;
+        TestServer {
+            _policy: Some(scratch),
+            ..server
         }
     }
 
@@ -141,49 +153,12 @@ pub fn encoder_binary_request(seq: usize) -> (String, Vec<u8>) {
     (header, body)
 }
 
-/// Run the vramguard binary with JSON logs and wait for the log line `message`; returns the
-/// child and the `address` it logged. The log keeps being drained so the child never blocks.
-pub fn spawn_serving(args: &[&str], env: &[(&str, &str)], message: &str) -> (std::process::Child, String) {
-    use std::io::BufRead;
-    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_vramguard"))
-        .args(["--log-format", "json"])
-        .args(args)
-        .envs(env.iter().copied())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut lines = std::io::BufReader::new(child.stderr.take().unwrap()).lines();
-    let addr = loop {
-        let line = lines.next().expect("vramguard exited before serving").unwrap();
-        let log: Value = serde_json::from_str(&line).unwrap_or(Value::Null);
-        if log["message"] == message {
-            break log["address"].as_str().unwrap().to_string();
-        }
-    };
-    std::thread::spawn(move || for _ in lines {});
-    (child, addr)
-}
+/// The binary under test, built by Cargo for these tests.
+pub const BIN: &str = env!("CARGO_BIN_EXE_vramguard");
 
-/// A policy file that admits everything, for tests about what happens after admission. Returns
-/// the `policy:` config section that uses it.
-pub fn admit_all_policy() -> String {
-    policy_file("admit-all", "fn decide(req, state) { admit() }\n")
-}
-
-/// Write `source` as the policy `name` in a scratch folder of its own (a folder per call: tests
-/// in one process must not rewrite a file another is reading); returns the `policy:` config
-/// section that uses it.
-pub fn policy_file(name: &str, source: &str) -> String {
-    static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-    let dir = std::env::temp_dir().join(format!(
-        "vramguard-{name}-{}-{}",
-        std::process::id(),
-        NEXT.fetch_add(1, std::sync::atomic::Ordering::SeqCst)
-    ));
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join(format!("{name}.rhai"));
-    std::fs::write(&path, source).unwrap();
-    format!("policy: {{path: '{}', watch_interval: 0}}\n", path.display())
+/// [`vramguard::testing::process::spawn_serving`] on [`BIN`].
+pub fn spawn_serving(args: &[&str], env: &[(&str, &str)], message: &str) -> vramguard::testing::process::Serving {
+    vramguard::testing::process::spawn_serving(BIN, args, env, message)
 }
 
 /// The sum of the samples in `metrics` (exposition text) on the lines `select` accepts.
@@ -216,36 +191,6 @@ pools:
    breaker: {failures: 2, window: 60s, cooldown: 1h}}
 - {name: cpu, provider: cpu, models: [encoder]}
 ";
-
-/// A folder of its own under the temporary directory (tests run in parallel, and test binaries
-/// too), removed with everything in it when dropped.
-pub struct ScratchDir(std::path::PathBuf);
-
-impl ScratchDir {
-    /// A new empty folder whose name starts with `vramguard-{what}-`.
-    pub fn new(what: &str) -> ScratchDir {
-        static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-        let dir = std::env::temp_dir().join(format!(
-            "vramguard-{what}-{}-{}",
-            std::process::id(),
-            NEXT.fetch_add(1, std::sync::atomic::Ordering::SeqCst)
-        ));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        ScratchDir(dir)
-    }
-
-    /// Its path.
-    pub fn path(&self) -> &Path {
-        &self.0
-    }
-}
-
-impl Drop for ScratchDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
 
 /// The variable that tells a child process of this binary which test it runs.
 const OWN_PROCESS_TEST: &str = "VRAMGUARD_IT_OWN_PROCESS";

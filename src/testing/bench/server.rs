@@ -1,66 +1,51 @@
 //! Real servers in their own processes, and wrk, the load generator, in another: the client
 //! shares neither a server's async runtime nor its threads, the way Triton's perf_analyzer
-//! measures and users' clients run.
+//! measures and users' clients run. The few requests a bench makes itself (readiness, a
+//! checked inference, `/metrics`) go through reqwest's blocking client; none of them is timed.
 
 use std::collections::BTreeMap;
 use std::fs::File;
-use std::io::{Read, Write};
-use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream};
+use std::net::{Ipv4Addr, SocketAddr, TcpListener};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use reqwest::StatusCode;
+
+use crate::testing::Scratch;
+
 /// Latency and throughput of one wrk run.
 #[derive(Debug, Clone, Copy)]
 pub struct Stats {
+    /// The median latency.
     pub median: Duration,
+    /// The 99th percentile latency.
     pub p99: Duration,
+    /// Requests answered per second.
     pub per_second: f64,
 }
 
-/// A folder for one bench's files (configs, wrk scripts, bodies, server logs), removed when
-/// dropped.
-pub struct Scratch(pub PathBuf);
-
-impl Scratch {
-    pub fn new(bench: &str) -> Scratch {
-        let dir = std::env::temp_dir().join(format!("vramguard-{bench}-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        Scratch(dir)
+/// A wrk script in `scratch` that sends `body` (read from a file: Lua strings are byte strings,
+/// so it goes out exactly as written) with `headers`, by POST.
+pub fn wrk_script(scratch: &Scratch, name: &str, body: &[u8], headers: &[(&str, String)]) -> PathBuf {
+    let body_file = scratch.write(&format!("{name}.body"), body);
+    let mut script = format!(
+        "local f = assert(io.open([==[{}]==], \"rb\"))\nwrk.body = f:read(\"*a\")\nf:close()\nwrk.method = \"POST\"\n",
+        body_file.display()
+    );
+    for (header, value) in headers {
+        script.push_str(&format!("wrk.headers[\"{header}\"] = \"{value}\"\n"));
     }
-
-    pub fn write(&self, name: &str, contents: &[u8]) -> PathBuf {
-        let path = self.0.join(name);
-        std::fs::write(&path, contents).unwrap();
-        path
-    }
-
-    /// A wrk script that sends `body` (read from a file: Lua strings are byte strings, so it
-    /// goes out exactly as written) with `headers`, by POST.
-    pub fn wrk_script(&self, name: &str, body: &[u8], headers: &[(&str, String)]) -> PathBuf {
-        let body_file = self.write(&format!("{name}.body"), body);
-        let mut script = format!(
-            "local f = assert(io.open([==[{}]==], \"rb\"))\nwrk.body = f:read(\"*a\")\nf:close()\nwrk.method = \"POST\"\n",
-            body_file.display()
-        );
-        for (header, value) in headers {
-            script.push_str(&format!("wrk.headers[\"{header}\"] = \"{value}\"\n"));
-        }
-        self.write(&format!("{name}.lua"), script.as_bytes())
-    }
-}
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
+    scratch.write(&format!("{name}.lua"), script)
 }
 
 /// A server process. Dropping it, also while a panic unwinds, stops it.
 pub struct Server {
     child: Child,
+    /// Where it listens.
     pub addr: SocketAddr,
     log: PathBuf,
+    client: reqwest::blocking::Client,
 }
 
 /// A free loopback port: the kernel picks one and it is released for the server; nothing else
@@ -72,18 +57,19 @@ fn free_addr() -> SocketAddr {
 }
 
 impl Server {
-    /// The release binary (`cargo bench` builds it) on `config`, from the repository root.
-    pub fn vramguard(scratch: &Scratch, name: &str, config: &str) -> Server {
-        let path = scratch.write(&format!("{name}.yaml"), config.as_bytes());
+    /// `bin`, the release binary (`cargo bench` builds it, `env!("CARGO_BIN_EXE_vramguard")`
+    /// names it), serving `config` from the repository root.
+    pub fn vramguard(bin: &str, scratch: &Scratch, name: &str, config: &str) -> Server {
+        let path = scratch.write(&format!("{name}.yaml"), config);
         let addr = free_addr();
-        let mut command = Command::new(env!("CARGO_BIN_EXE_vramguard"));
+        let mut command = Command::new(bin);
         command
             .arg("serve")
             .arg("--config")
             .arg(&path)
             .arg("--listen")
             .arg(addr.to_string());
-        Server::spawn(command, addr, scratch.0.join(format!("{name}.log")))
+        Server::spawn(command, addr, scratch.path().join(format!("{name}.log")))
     }
 
     /// The Python peer (`benches/peer/server.py`) on the packages `make bench` installs.
@@ -96,7 +82,7 @@ impl Server {
             .arg("benches/peer/server.py")
             .arg("--port")
             .arg(addr.port().to_string());
-        Server::spawn(command, addr, scratch.0.join("peer.log"))
+        Server::spawn(command, addr, scratch.path().join("peer.log"))
     }
 
     /// Start `command` from the repository root and wait until `/v2/health/ready` says 200.
@@ -110,13 +96,19 @@ impl Server {
             .stderr(err)
             .spawn()
             .unwrap_or_else(|e| panic!("start {command:?}: {e}"));
-        let mut server = Server { child, addr, log };
+        let mut server = Server {
+            child,
+            addr,
+            log,
+            client: reqwest::blocking::Client::new(),
+        };
         let started = Instant::now();
         loop {
             if let Ok(Some(status)) = server.child.try_wait() {
                 panic!("{command:?} exited with {status}:\n{}", server.log_text());
             }
-            if matches!(http(addr, "GET", "/v2/health/ready", &[], &[]), Ok((200, _, _))) {
+            let ready = server.client.get(server.url("/v2/health/ready")).send();
+            if ready.is_ok_and(|r| r.status() == StatusCode::OK) {
                 return server;
             }
             assert!(
@@ -128,12 +120,33 @@ impl Server {
         }
     }
 
+    /// Its process id.
     pub fn pid(&self) -> u32 {
         self.child.id()
     }
 
+    /// The URL of `path` on it.
     pub fn url(&self, path: &str) -> String {
         format!("http://{}{path}", self.addr)
+    }
+
+    /// POST `body` as `content_type` to `path`, with `headers`; the response, whatever its
+    /// status (the caller checks it, with the body in its message).
+    pub fn post(
+        &self,
+        path: &str,
+        content_type: &str,
+        headers: &[(&str, String)],
+        body: Vec<u8>,
+    ) -> reqwest::blocking::Response {
+        let mut request = self
+            .client
+            .post(self.url(path))
+            .header(reqwest::header::CONTENT_TYPE, content_type);
+        for (name, value) in headers {
+            request = request.header(*name, value);
+        }
+        request.body(body).send().unwrap_or_else(|e| panic!("POST {path}: {e}"))
     }
 
     fn log_text(&self) -> String {
@@ -142,13 +155,12 @@ impl Server {
 
     /// The histograms the overhead bench reads, from vramguard's `/metrics`.
     pub fn scrape(&self) -> ServerView {
-        let (status, _, body) = http(self.addr, "GET", "/metrics", &[], &[]).unwrap();
-        assert_eq!(status, 200, "/metrics");
-        let text = String::from_utf8(body).unwrap();
+        let response = self.client.get(self.url("/metrics")).send().expect("GET /metrics");
+        assert_eq!(response.status(), StatusCode::OK, "/metrics");
+        let text = response.text().expect("the /metrics text");
         ServerView {
             policy_eval: Histogram::parse(&text, "vramguard_policy_eval_duration_seconds"),
             request: Histogram::parse(&text, "vramguard_request_duration_seconds"),
-            queue_wait: Histogram::parse(&text, "vramguard_queue_wait_seconds"),
             threads: thread_cpu(self.child.id()),
         }
     }
@@ -181,53 +193,6 @@ pub fn wrk_version() -> Result<String, String> {
     })?;
     let text = String::from_utf8_lossy(&output.stdout);
     Ok(text.split_whitespace().nth(1).unwrap_or("?").to_string())
-}
-
-/// One HTTP/1.1 exchange on its own connection, for the few requests the bench makes itself
-/// (readiness, one checked inference, `/metrics`). Returns the status, the lower-cased response
-/// headers and the body.
-pub fn http(
-    addr: SocketAddr,
-    method: &str,
-    path: &str,
-    headers: &[(&str, String)],
-    body: &[u8],
-) -> std::io::Result<(u16, String, Vec<u8>)> {
-    let mut stream = TcpStream::connect(addr)?;
-    let mut request = format!(
-        "{method} {path} HTTP/1.1\r\nhost: {addr}\r\nconnection: close\r\ncontent-length: {}\r\n",
-        body.len()
-    );
-    for (name, value) in headers {
-        request.push_str(&format!("{name}: {value}\r\n"));
-    }
-    request.push_str("\r\n");
-    stream.write_all(request.as_bytes())?;
-    stream.write_all(body)?;
-    let mut response = Vec::new();
-    stream.read_to_end(&mut response)?;
-    let bad = |what: &str| std::io::Error::new(std::io::ErrorKind::InvalidData, what.to_string());
-    let split = response
-        .windows(4)
-        .position(|w| w == b"\r\n\r\n")
-        .ok_or_else(|| bad("no end of headers"))?;
-    let head = String::from_utf8_lossy(&response[..split]).to_ascii_lowercase();
-    let status = head
-        .split_whitespace()
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .ok_or_else(|| bad("no status"))?;
-    if head.contains("transfer-encoding: chunked") {
-        return Err(bad("chunked responses are not read by this client"));
-    }
-    Ok((status, head, response[split + 4..].to_vec()))
-}
-
-/// One header's value from the lower-cased head `http` returns.
-pub fn header<'a>(head: &'a str, name: &str) -> Option<&'a str> {
-    head.lines()
-        .find_map(|line| line.strip_prefix(name)?.strip_prefix(':'))
-        .map(str::trim)
 }
 
 /// Run wrk against `url` with the request of `script`; panics on any non-2xx response or socket
@@ -300,12 +265,16 @@ fn parse_wrk_time(text: &str) -> Result<Duration, String> {
 /// ascending order, sum and count.
 #[derive(Clone, Default)]
 pub struct Histogram {
+    /// Cumulative `(le, count)` buckets, ascending.
     pub buckets: Vec<(f64, f64)>,
+    /// The sum of the observations.
     pub sum: f64,
+    /// How many observations.
     pub count: f64,
 }
 
 impl Histogram {
+    /// The histogram `name` in exposition `text`, summed over its label sets.
     pub fn parse(text: &str, name: &str) -> Histogram {
         let mut h = Histogram::default();
         for line in text.lines().filter(|l| !l.starts_with('#')) {
@@ -360,12 +329,9 @@ impl Histogram {
         }
     }
 
-    pub fn mean(&self) -> f64 {
-        self.sum / self.count
-    }
-
     /// The `q` quantile, interpolated linearly within its bucket as Prometheus'
     /// `histogram_quantile` does, with the bucket's bounds (its resolution).
+    /// Returns the estimate and the bucket's lower and upper bounds; `None` when empty.
     pub fn quantile(&self, q: f64) -> Option<(f64, f64, f64)> {
         let rank = q * self.count;
         let (mut lower, mut below) = (0.0, 0.0);
@@ -384,19 +350,20 @@ impl Histogram {
 
 /// The server's own view of one measurement.
 pub struct ServerView {
+    /// `vramguard_policy_eval_duration_seconds`.
     pub policy_eval: Histogram,
+    /// `vramguard_request_duration_seconds`.
     pub request: Histogram,
-    pub queue_wait: Histogram,
     /// CPU seconds by thread name, from /proc (empty where there is none).
     pub threads: BTreeMap<String, f64>,
 }
 
 impl ServerView {
+    /// What happened since `earlier`.
     pub fn since(&self, earlier: &ServerView) -> ServerView {
         ServerView {
             policy_eval: self.policy_eval.since(&earlier.policy_eval),
             request: self.request.since(&earlier.request),
-            queue_wait: self.queue_wait.since(&earlier.queue_wait),
             threads: self
                 .threads
                 .iter()

@@ -1,8 +1,7 @@
 //! Shared by the benches: a figure with its median and spread, written as JSON under
 //! `target/bench/` for `benches/report.rs` to gather into one table; and (in `server`) real
-//! server processes driven by a load generator in another process.
-// Each bench uses a part of this module.
-#![allow(dead_code)]
+//! server processes driven by a load generator in another process. Here rather than in a
+//! `benches/common` module that every bench compiles again, each using a part of it.
 
 pub mod server;
 
@@ -21,6 +20,7 @@ pub enum Target {
 }
 
 impl Target {
+    /// Whether `value` meets it.
     pub fn met(self, value: f64) -> bool {
         match self {
             Target::AtMost(t) => value <= t,
@@ -34,13 +34,17 @@ impl Target {
 pub struct Figure {
     /// What was measured, as the table shows it.
     pub name: String,
+    /// Its unit, as the table shows it (`µs`, `req/s`, `%`).
     pub unit: String,
+    /// The median of the samples or runs.
     pub median: f64,
-    /// The spread's low and high ends.
+    /// The spread's low end.
     pub low: f64,
+    /// The spread's high end.
     pub high: f64,
     /// What the spread is: `p5–p95 of 1000 samples`, `min–max of 5 runs`, ….
     pub spread: String,
+    /// What it must be (`None`: a figure for context, judged by no target).
     pub target: Option<Target>,
     /// Anything a reader needs to read the figure right.
     #[serde(default, skip_serializing_if = "String::is_empty")]
@@ -80,6 +84,7 @@ impl Figure {
         }
     }
 
+    /// The figure with a target to meet.
     pub fn target(self, target: Target) -> Figure {
         Figure {
             target: Some(target),
@@ -87,6 +92,7 @@ impl Figure {
         }
     }
 
+    /// The figure with a note for its reader.
     pub fn note(self, note: impl Into<String>) -> Figure {
         Figure {
             note: note.into(),
@@ -116,22 +122,65 @@ pub fn quantile(sorted: &[f64], q: f64) -> f64 {
     }
 }
 
-/// `target/bench/`, where each bench writes its figures and the report its table.
+/// The value after `name` on the bench's command line, or `default` when it is missing or does
+/// not parse: `cargo bench` passes `--bench` and others of its own, which are ignored.
+pub fn arg<T: std::str::FromStr>(name: &str, default: T) -> T {
+    let args: Vec<String> = std::env::args().collect();
+    args.iter()
+        .position(|a| a == name)
+        .and_then(|i| args.get(i + 1))
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(default)
+}
+
+/// The bundled encoder's width: a token is 64 values.
+pub const ENCODER_DIM: usize = 64;
+
+/// The bundled encoder's input of `seq` tokens (batch 1): small values of both signs, the same
+/// in every bench so that their figures compare.
+pub fn encoder_input(seq: usize) -> Vec<f32> {
+    (0..seq * ENCODER_DIM).map(|i| ((i % 13) as f32 - 6.0) * 0.05).collect()
+}
+
+/// [`encoder_input`] as the body of the binary data extension (the JSON header, then the
+/// tensor's bytes), asking for `pooled` in binary too. Returns the header's length (the
+/// `Inference-Header-Content-Length` value) and the body.
+pub fn encoder_binary_body(seq: usize) -> (usize, Vec<u8>) {
+    let header = serde_json::json!({
+        "inputs": [{"name": "input", "shape": [1, seq, ENCODER_DIM], "datatype": "FP32",
+                    "parameters": {"binary_data_size": seq * ENCODER_DIM * 4}}],
+        "outputs": [{"name": "pooled", "parameters": {"binary_data": true}}]
+    })
+    .to_string();
+    let mut body = header.clone().into_bytes();
+    encoder_input(seq)
+        .iter()
+        .for_each(|v| body.extend_from_slice(&v.to_le_bytes()));
+    (header.len(), body)
+}
+
+/// `target/bench/`, where each bench writes its figures and the report its table. Found from
+/// the running bench's path, `target/<profile>/deps/<bench>`: Cargo tells the target folder
+/// (`CARGO_TARGET_TMPDIR`) to the benches but not to this library.
 pub fn out_dir() -> PathBuf {
-    let tmp = PathBuf::from(env!("CARGO_TARGET_TMPDIR"));
-    tmp.parent().map_or(tmp.clone(), |t| t.join("bench"))
+    let exe = std::env::current_exe().expect("the bench's path");
+    let target = exe.ancestors().nth(3).expect("a bench under target/<profile>/deps/");
+    target.join("bench")
 }
 
 /// The machine as the table's header states it, read when the bench starts.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Machine {
+    /// The CPU's model name.
     pub cpu: String,
+    /// The cores this process may use.
     pub cores: usize,
     /// The 1-minute load average: above 0.5 or so, something else was running.
     pub load_average: f64,
 }
 
 impl Machine {
+    /// The machine now: read when a bench starts, so a loaded machine shows in its table.
     pub fn now() -> Machine {
         let cpu = std::fs::read_to_string("/proc/cpuinfo")
             .ok()
@@ -151,6 +200,7 @@ impl Machine {
     }
 }
 
+/// The 1-minute load average (NaN without /proc).
 pub fn load_average() -> f64 {
     std::fs::read_to_string("/proc/loadavg")
         .ok()
@@ -161,11 +211,15 @@ pub fn load_average() -> f64 {
 /// What one bench wrote.
 #[derive(Debug, Serialize, Deserialize)]
 pub struct BenchFile {
+    /// The bench's name.
     pub bench: String,
+    /// The machine when it started.
     pub machine: Machine,
     /// The load average when it ended.
     pub load_average_after: f64,
+    /// How long it ran.
     pub seconds: f64,
+    /// What it measured.
     pub figures: Vec<Figure>,
 }
 

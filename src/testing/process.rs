@@ -1,0 +1,53 @@
+//! The real `vramguard` binary as a child process, the way an operator starts it. The binary's
+//! path comes from the caller (`env!("CARGO_BIN_EXE_vramguard")`): Cargo tells it only to
+//! integration tests and benches, not to this library.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+
+use serde_json::Value;
+
+/// A `vramguard` process that said where it listens. Dropping it kills and reaps the process,
+/// also while a failed assertion unwinds, so no server outlives its test; a test that stops it
+/// itself (SIGTERM, then `child.wait()`) loses nothing, as a reaped child is not signalled.
+pub struct Serving {
+    /// The process.
+    pub child: Child,
+    /// The `host:port` it logged.
+    pub addr: String,
+}
+
+impl Drop for Serving {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Run `bin` with JSON logs and `args` from the project root, and wait for the log line
+/// `message`, whose `address` says where it listens (a server on port 0 says so only there).
+/// The log keeps being drained afterwards, so the child never blocks on a full pipe.
+pub fn spawn_serving(bin: &str, args: &[&str], env: &[(&str, &str)], message: &str) -> Serving {
+    let mut child = Command::new(bin)
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .args(["--log-format", "json"])
+        .args(args)
+        .envs(env.iter().copied())
+        .stdin(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("start {bin}: {e}"));
+    let mut lines = BufReader::new(child.stderr.take().expect("piped stderr")).lines();
+    let addr = loop {
+        let line = lines
+            .next()
+            .unwrap_or_else(|| panic!("{bin} {args:?} exited before logging `{message}`"))
+            .expect("read the child's log");
+        let log: Value = serde_json::from_str(&line).unwrap_or(Value::Null);
+        if log["message"] == message {
+            break log["address"].as_str().expect("an address in the log line").to_string();
+        }
+    };
+    std::thread::spawn(move || for _ in lines {});
+    Serving { child, addr }
+}
