@@ -23,20 +23,12 @@ impl Backend for Echo {
     }
 }
 
+/// Pool `p` on the host serving `m`, with room for `capacity` queued runs.
 fn config(capacity: usize) -> PoolConfig {
     PoolConfig {
-        name: "p".into(),
-        provider: Provider::Cpu,
-        device: "host".into(),
-        models: vec!["m".into()],
-        workers: 1,
-        intra_threads: 1,
         queue_capacity: capacity,
         max_wait: Duration::from_secs(60),
-        arena_shrinkage: false,
-        max_context: None,
-        breaker: crate::core::breaker::BreakerConfig::default(),
-        fallback: None,
+        ..crate::testing::config::pool("p", "host", &["m"])
     }
 }
 
