@@ -356,15 +356,6 @@ fn find_cycle(edges: &BTreeMap<String, BTreeMap<String, &Reference>>) -> Option<
         state.insert(node, true);
         None
     }
-    fn describe(r: &Reference) -> String {
-        format!(
-            "{}:{}: `{}` uses `crate::{}`",
-            r.file,
-            r.line,
-            r.from.join("::"),
-            r.to.join("::")
-        )
-    }
     let mut state = BTreeMap::new();
     for node in edges.keys() {
         if !state.contains_key(node.as_str()) {
