@@ -75,11 +75,7 @@ fn policy_check(args: &[&str]) -> (Option<i32>, String, String) {
         .args(args)
         .output()
         .unwrap();
-    (
-        out.status.code(),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
+    crate::common::outcome(out)
 }
 
 #[test]

@@ -14,11 +14,7 @@ fn drill(args: &[&str], token: &str) -> (Option<i32>, String, String) {
         .env("VRAMGUARD_ADMIN_TOKEN", token)
         .output()
         .unwrap();
-    (
-        out.status.code(),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
+    crate::common::outcome(out)
 }
 
 #[test]

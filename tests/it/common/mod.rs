@@ -226,3 +226,12 @@ pub fn ran_in_own_process() -> bool {
     );
     true
 }
+
+/// What a finished command left: its exit code, stdout and stderr, as text.
+pub fn outcome(out: std::process::Output) -> (Option<i32>, String, String) {
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
