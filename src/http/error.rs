@@ -44,7 +44,7 @@ impl ApiError {
 pub fn status_of(error: &RequestError) -> StatusCode {
     match error {
         RequestError::UnknownModel { .. } => StatusCode::NOT_FOUND,
-        RequestError::BadInput(_) => StatusCode::BAD_REQUEST,
+        RequestError::BadInput(_) | RequestError::NeverFits(_) => StatusCode::BAD_REQUEST,
         RequestError::BodyTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
         RequestError::DeferredTooLong { .. } => StatusCode::TOO_MANY_REQUESTS,
         RequestError::Deadline(_) => StatusCode::GATEWAY_TIMEOUT,

@@ -452,6 +452,13 @@ fn refused_response(refused: lifecycle::Refused, id: &str, degraded: Option<&cra
             api = api.with("not_retried", json!(why.to_string()));
         }
     }
+    if let RequestError::NeverFits(never) = error {
+        // What a client needs to make the request smaller, without parsing the message.
+        api = api.with("reason", json!("never_fits"));
+        api = api.with("needed_bytes", json!(never.need_bytes));
+        api = api.with("max_bytes", json!(never.largest.as_ref().map(|c| c.bytes)));
+        api = api.with("max_tokens", json!(never.max_tokens));
+    }
     if let Some(degraded) = degraded {
         api = api.with("degraded", json!(degraded.reason));
     }

@@ -1,4 +1,4 @@
-//! The simulated accelerator: its arena is capped, so a request that does not fit fails with a
+//! The simulated accelerator: its arena is capped, so a request that does not fit what is left fails with a
 //! genuine ONNX Runtime allocator failure, answered 503, and the next request that fits succeeds.
 //! (One ONNX Runtime process holds one simulated arena, so these tests share one capacity.)
 
@@ -9,7 +9,7 @@ use serde_json::{Value, json};
 const CONFIG: &str = crate::common::SIMULATED_CONFIG;
 
 #[tokio::test]
-async fn a_request_that_does_not_fit_gets_an_allocator_failure_and_the_next_one_is_served() {
+async fn a_request_that_never_fits_is_the_clients_error_and_one_that_does_not_fit_now_an_allocator_failure() {
     if crate::common::ran_in_own_process() {
         return;
     }
@@ -31,34 +31,26 @@ async fn a_request_that_does_not_fit_gets_an_allocator_failure_and_the_next_one_
     );
     assert!(arena["peak_active_bytes"].as_u64().unwrap() > arena["active_bytes"].as_u64().unwrap());
 
-    // 4 heads × 4096² FP32 attention scores alone are 256 MiB: twice the simulated capacity.
+    // 4 heads × 4096² FP32 attention scores alone are 256 MiB: twice the simulated capacity, and
+    // no other pool serves the encoder. Waiting cannot help, so it is the client's error, said
+    // at once, with what would fit; nothing runs and no allocator failure is counted.
     let big = server.encoder(4096).await;
-    assert_eq!(big.status(), StatusCode::SERVICE_UNAVAILABLE);
-    assert!(big.headers().contains_key("retry-after"));
-    assert_eq!(big.headers()["x-vramguard-pool"], "gpu");
+    assert_eq!(big.status(), StatusCode::BAD_REQUEST);
+    assert!(!big.headers().contains_key("retry-after"));
     let error: Value = big.json().await.unwrap();
     let message = error["error"].as_str().unwrap();
     assert!(
-        message.starts_with("allocator failure (oom) on pool `gpu`, device `gpu0` (simulated)"),
+        message.starts_with("`encoder` can never fit here: it needs an estimated "),
         "{message}"
     );
-    assert!(message.contains("Available memory of"), "{message}");
-
-    // The server stays healthy and serves the next request that fits.
-    assert_eq!(
-        reqwest::get(server.url("/v2/health/ready")).await.unwrap().status(),
-        StatusCode::OK
-    );
-    let again = server.encoder(256).await;
-    assert_eq!(again.status(), StatusCode::OK);
-
-    let metrics = server.metrics().await;
-    assert!(
-        metrics.contains("vramguard_allocator_failures_total{pool=\"gpu\",device=\"gpu0\",kind=\"oom\"} 1\n"),
-        "{metrics}"
-    );
-    assert!(metrics.contains("vramguard_requests_total{model=\"encoder\",pool=\"gpu\",outcome=\"rejected\"} 1\n"));
-    assert!(metrics.contains("vramguard_requests_total{model=\"encoder\",pool=\"gpu\",outcome=\"ok\"} 2\n"));
+    assert!(message.contains("for 4096 tokens"), "{message}");
+    assert!(message.contains("pool `gpu`: device `gpu0` of 128 MiB"), "{message}");
+    assert!(message.contains("(input `input` axis 1)"), "{message}");
+    assert_eq!(error["reason"], "never_fits");
+    assert!(error["needed_bytes"].as_u64().unwrap() >= 256 << 20, "{error}");
+    assert!(error["max_bytes"].as_u64().unwrap() <= 128 << 20, "{error}");
+    let max_tokens = error["max_tokens"].as_u64().unwrap();
+    assert!((1024..4096).contains(&max_tokens), "{error}");
 
     // The arena statistics come from ONNX Runtime and show the cap.
     let status: Value = reqwest::get(server.url("/status")).await.unwrap().json().await.unwrap();
@@ -67,9 +59,10 @@ async fn a_request_that_does_not_fit_gets_an_allocator_failure_and_the_next_one_
     assert_eq!(pool["arena"]["limit_bytes"], 128 << 20);
     assert!(pool["arena"]["reserved_bytes"].as_u64().unwrap() > 0);
     assert!(pool["arena"]["reserved_bytes"].as_u64().unwrap() <= 128 << 20);
-    // External pressure is a real hold in the arena: used/free move, and a request that needs
-    // more than what is left fails inside ONNX Runtime until the pressure is released. (Only
-    // small runs came before, so the arena has cached little memory of its own.)
+    // External pressure is a real hold in the arena: used/free move, and a request that would
+    // fit the device but needs more than what is left fails inside ONNX Runtime (503: not now)
+    // until the pressure is released. (Only small runs came before, so the arena has cached
+    // little memory of its own.)
     let set = server
         .post_json("/admin/sim/gpu0", &json!({"pressure": "100MiB"}))
         .await;
@@ -95,6 +88,20 @@ async fn a_request_that_does_not_fit_gets_an_allocator_failure_and_the_next_one_
     // 4 × 1536² FP32 scores are 36 MiB in one block: more than the 28 MiB the pressure leaves.
     let squeezed = server.encoder(1536).await;
     assert_eq!(squeezed.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert!(squeezed.headers().contains_key("retry-after"));
+    assert_eq!(squeezed.headers()["x-vramguard-pool"], "gpu");
+    let error: Value = squeezed.json().await.unwrap();
+    let message = error["error"].as_str().unwrap();
+    assert!(
+        message.starts_with("allocator failure (oom) on pool `gpu`, device `gpu0` (simulated)"),
+        "{message}"
+    );
+    assert!(message.contains("Available memory of"), "{message}");
+    // The server stays healthy.
+    assert_eq!(
+        reqwest::get(server.url("/v2/health/ready")).await.unwrap().status(),
+        StatusCode::OK
+    );
     // Sent the way `curl -d` sends it (form content type): JSON is read all the same.
     let release = reqwest::Client::new()
         .post(server.url("/admin/sim/gpu0"))
@@ -105,11 +112,22 @@ async fn a_request_that_does_not_fit_gets_an_allocator_failure_and_the_next_one_
         .await
         .unwrap();
     assert_eq!(release.status(), StatusCode::OK);
+    // The next request that fits is served.
     assert_eq!(server.encoder(1536).await.status(), StatusCode::OK);
     let metrics = server.metrics().await;
     assert!(
         !metrics.contains("simulated-pressure"),
         "a released hold leaves no series: {metrics}"
+    );
+    assert!(
+        metrics.contains("vramguard_allocator_failures_total{pool=\"gpu\",device=\"gpu0\",kind=\"oom\"} 1\n"),
+        "{metrics}"
+    );
+    assert!(metrics.contains("vramguard_requests_total{model=\"encoder\",pool=\"gpu\",outcome=\"rejected\"} 1\n"));
+    assert!(metrics.contains("vramguard_requests_total{model=\"encoder\",pool=\"gpu\",outcome=\"ok\"} 2\n"));
+    assert!(
+        metrics.contains("vramguard_requests_total{model=\"encoder\",pool=\"\",outcome=\"client_error\"} 1\n"),
+        "{metrics}"
     );
 
     // Bad admin input is refused with a reason.

@@ -5,6 +5,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use super::fits::NeverFits;
 use crate::core::backend::{AllocFailureKind, BackendError, RemoteFailure};
 use crate::core::snapshot::DeviceClass;
 use crate::pool::{Pool, PoolError};
@@ -98,6 +99,10 @@ pub enum RequestError {
         /// What the next deferral would have brought the total to.
         retry_after: Duration,
     },
+    /// More than any pool serving the model could ever give it: the client's to make smaller,
+    /// so no `Retry-After`.
+    #[error("{0}")]
+    NeverFits(Box<NeverFits>),
     /// The pool's queue is at capacity.
     #[error("pool `{pool}` queue is full ({capacity} waiting)")]
     QueueFull {
@@ -256,6 +261,7 @@ impl RequestError {
             RequestError::UnknownModel { .. }
             | RequestError::BadInput(_)
             | RequestError::BodyTooLarge(_)
+            | RequestError::NeverFits(_)
             | RequestError::RemoteRefused { .. } => Outcome::client_error,
             // Refused or never received there: nothing ran, as with a full queue.
             RequestError::Remote { kind, .. } if kind.nothing_ran() => Outcome::rejected,
@@ -291,6 +297,7 @@ impl RequestError {
             RequestError::UnknownModel { .. }
             | RequestError::BadInput(_)
             | RequestError::BodyTooLarge(_)
+            | RequestError::NeverFits(_)
             | RequestError::Deadline(_)
             | RequestError::ClientGone
             | RequestError::RemoteRefused { .. }

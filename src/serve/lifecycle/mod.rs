@@ -17,6 +17,7 @@
 mod admit;
 mod count;
 mod error;
+mod fits;
 mod place;
 mod retry;
 mod run;
@@ -36,6 +37,7 @@ use crate::telemetry::metrics::FailoverReason;
 
 pub use count::{counted, reject};
 pub use error::{DeadlineMiss, NotRetried, Refused, RequestError};
+pub use fits::{Ceiling, NeverFits};
 pub use place::place;
 
 /// A decoded inference request, whatever protocol it came in by.

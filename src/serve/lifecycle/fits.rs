@@ -1,0 +1,322 @@
+//! Never fits or not now. A request whose estimate is more than any pool serving its model could
+//! ever give it (a device's whole capacity less the weights of the other models resident on it,
+//! the host's memory less its reserve, a pool's `max_context`) can never run here, however long
+//! it waits: it is the client's to make smaller, so it is answered at once as a client error
+//! that says how much it asked, the most that fits and the axis to cut, with no `Retry-After`.
+//! Only what may pass (headroom taken by others, queues, an open breaker) is "not now".
+//!
+//! A request the client allows to be shrunk is left to the policy, which may cut it to fit.
+
+use std::fmt;
+
+use crate::core::snapshot::{Estimate, ProviderKind, Snapshot};
+use crate::pool::Pool;
+use crate::runtime::estimate::MemoryProfile;
+use crate::serve::service::{ModelEntry, Service};
+use crate::telemetry::logging::human_bytes;
+
+use super::Request;
+
+/// Why a request can never run on any pool serving its model.
+#[derive(Debug, Clone, PartialEq)]
+pub struct NeverFits {
+    /// The model.
+    pub model: String,
+    /// The request's estimated need in bytes.
+    pub need_bytes: u64,
+    /// Its context length (tokens along the context axis; for a generation, the prompt plus
+    /// the tokens it may add).
+    pub tokens: u64,
+    /// The most any serving pool could ever give a run of this model, with the pool and how
+    /// that figure is made; `None` when no pool takes a context this long at all.
+    pub largest: Option<Ceiling>,
+    /// The longest context that would fit (with the same batch), when the model has a context.
+    pub max_tokens: Option<u64>,
+    /// What to cut, as the client sends it (`input` axis 1, or the prompt and max_tokens).
+    pub axis: Option<String>,
+}
+
+/// The most one pool could ever give one run.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Ceiling {
+    /// The pool.
+    pub pool: String,
+    /// Bytes.
+    pub bytes: u64,
+    /// How the figure is made, for the message (`device gpu0 of 128 MiB`).
+    pub what: String,
+    /// The longest context the pool takes (`pools[].max_context`).
+    pub max_context: Option<u64>,
+}
+
+impl fmt::Display for NeverFits {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "`{}` can never fit here: it needs an estimated {}",
+            self.model,
+            human_bytes(self.need_bytes)
+        )?;
+        if self.tokens > 0 {
+            write!(f, " for {} tokens", self.tokens)?;
+        }
+        match &self.largest {
+            Some(c) => write!(
+                f,
+                ", and the most any pool serving it can ever give is {} (pool `{}`: {})",
+                human_bytes(c.bytes),
+                c.pool,
+                c.what
+            )?,
+            None => write!(f, ", longer than any pool serving it takes (pools[].max_context)")?,
+        }
+        if let (Some(max), Some(axis)) = (self.max_tokens, &self.axis) {
+            write!(f, "; send at most {max} tokens ({axis})")?;
+        }
+        if self.axis.is_some() {
+            write!(f, ", or allow the context to be cut (x-vramguard-allow-shrink: true)")?;
+        }
+        Ok(())
+    }
+}
+
+/// Whether `request`, estimated at `estimate` for `tokens` of context and `batch`, can never run
+/// on a pool serving `entry`'s model; `None` when some pool could take it some day, when one
+/// cannot be judged (a remote pool, no memory reading yet), or when the client lets its context
+/// be cut (the policy may shrink it to fit).
+pub(super) fn never_fits(
+    service: &Service,
+    entry: &ModelEntry,
+    request: &Request,
+    estimate: &Estimate,
+    (tokens, batch): (u64, u64),
+) -> Option<NeverFits> {
+    let can_shrink = entry.config.context.is_some() || request.shrinker.is_some();
+    if request.meta.allow_shrink && can_shrink {
+        return None;
+    }
+    let model = entry.config.name.as_str();
+    let snapshot = &service.store.latest().snapshot;
+    let mut ceilings = Vec::new();
+    for pool in service.pools.iter().filter(|p| p.serves(model)) {
+        ceilings.push(ceiling(service, pool, model, snapshot)?);
+    }
+    let axis = can_shrink.then(|| match &entry.config.context {
+        Some(ctx) => format!("input `{}` axis {}", ctx.input, ctx.axis),
+        None => "the prompt and max_tokens together".to_string(),
+    });
+    judge(
+        model,
+        &entry.profile,
+        estimate,
+        (tokens, batch, request.max_new_tokens),
+        &ceilings,
+        axis,
+    )
+}
+
+/// The pure part: with every serving pool's ceiling known, whether the request fits under one.
+fn judge(
+    model: &str,
+    profile: &MemoryProfile,
+    estimate: &Estimate,
+    (tokens, batch, new_tokens): (u64, u64, u64),
+    ceilings: &[Ceiling],
+    axis: Option<String>,
+) -> Option<NeverFits> {
+    let takes = |c: &Ceiling| c.max_context.is_none_or(|max| tokens <= max);
+    if ceilings.iter().any(|c| takes(c) && estimate.total_bytes <= c.bytes) {
+        return None;
+    }
+    let largest = ceilings.iter().filter(|c| takes(c)).max_by_key(|c| c.bytes).cloned();
+    // The longest context one of the pools would take, each under its own ceiling.
+    let max_tokens = (tokens > 0 && axis.is_some()).then(|| {
+        ceilings
+            .iter()
+            .map(|c| {
+                let cap = c.max_context.unwrap_or(u64::MAX).min(tokens);
+                longest_within(profile, batch, new_tokens, cap, c.bytes)
+            })
+            .max()
+            .unwrap_or(0)
+    });
+    Some(NeverFits {
+        model: model.to_string(),
+        need_bytes: estimate.total_bytes,
+        tokens: tokens.saturating_add(new_tokens),
+        largest,
+        max_tokens,
+        axis,
+    })
+}
+
+/// The longest context of at most `cap` tokens (plus `new_tokens` a generation may add) whose
+/// estimate stays within `bytes`; 0 when not even an empty one does. The estimate grows with
+/// the context, so a bisection finds it.
+fn longest_within(profile: &MemoryProfile, batch: u64, new_tokens: u64, cap: u64, bytes: u64) -> u64 {
+    let fits = |t: u64| profile.estimate(t.saturating_add(new_tokens), batch).total_bytes <= bytes;
+    if !fits(0) {
+        return 0;
+    }
+    let (mut lo, mut hi) = (0, cap);
+    while lo < hi {
+        let mid = lo + (hi - lo).div_ceil(2);
+        if fits(mid) { lo = mid } else { hi = mid - 1 }
+    }
+    lo
+}
+
+/// The most `pool` could ever give a run of `model`, or `None` when that cannot be known: a
+/// remote pool (its memory is another server's), or a device or host not read yet.
+fn ceiling(service: &Service, pool: &Pool, model: &str, snapshot: &Snapshot) -> Option<Ceiling> {
+    let kind = pool.provider().kind();
+    let (total, less, what) = match kind {
+        ProviderKind::Remote => return None,
+        ProviderKind::Cpu => {
+            let host = &snapshot.host;
+            (
+                host.mem_total_bytes,
+                host.reserve_bytes,
+                format!(
+                    "host memory of {} less its {} reserve",
+                    human_bytes(host.mem_total_bytes),
+                    human_bytes(host.reserve_bytes)
+                ),
+            )
+        }
+        ProviderKind::Cuda | ProviderKind::Simulated => {
+            let device = snapshot.devices.get(&pool.config.device)?;
+            (
+                device.total_bytes,
+                0,
+                format!("device `{}` of {}", pool.config.device, human_bytes(device.total_bytes)),
+            )
+        }
+    };
+    if total == 0 {
+        return None;
+    }
+    // The weights of every other model loaded beside this one on the same memory stay there.
+    let others: u64 = service
+        .pools
+        .iter()
+        .filter(|p| (p.provider().kind() == ProviderKind::Cpu) == (kind == ProviderKind::Cpu))
+        .filter(|p| kind == ProviderKind::Cpu || p.config.device == pool.config.device)
+        .flat_map(|p| p.config.models.iter().map(move |m| (p, m)))
+        .filter(|(p, m)| !(p.name() == pool.name() && m.as_str() == model))
+        .filter_map(|(_, m)| service.model(m))
+        .map(|m| m.profile.weights_bytes)
+        .sum();
+    let what = if others > 0 {
+        format!("{what}, less {} of other models' weights", human_bytes(others))
+    } else {
+        what
+    };
+    Some(Ceiling {
+        pool: pool.name().to_string(),
+        bytes: total.saturating_sub(less).saturating_sub(others),
+        what,
+        max_context: pool.config.max_context,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::runtime::estimate::ProfileSource;
+
+    /// The bundled encoder's shape: 16·n² bytes of attention scores a token squared.
+    fn encoder() -> MemoryProfile {
+        MemoryProfile {
+            weights_bytes: 1 << 20,
+            workspace_bytes: 4096.0,
+            per_token_bytes: 1024.0,
+            per_token_squared_bytes: 16.0,
+            source: ProfileSource::Config,
+        }
+    }
+
+    fn pool(name: &str, bytes: u64, max_context: Option<u64>) -> Ceiling {
+        Ceiling {
+            pool: name.into(),
+            bytes,
+            what: "test".into(),
+            max_context,
+        }
+    }
+
+    const AXIS: fn() -> Option<String> = || Some("input `input` axis 1".into());
+
+    #[test]
+    fn a_request_that_fits_one_pool_is_not_judged() {
+        let profile = encoder();
+        let estimate = profile.estimate(4096, 1);
+        let pools = [pool("gpu", 128 << 20, None), pool("cpu", 8 << 30, None)];
+        assert_eq!(
+            judge("encoder", &profile, &estimate, (4096, 1, 0), &pools, AXIS()),
+            None
+        );
+    }
+
+    #[test]
+    fn a_request_over_every_ceiling_names_its_need_the_largest_pool_and_what_fits() {
+        let profile = encoder();
+        let estimate = profile.estimate(100_000, 1);
+        let pools = [pool("gpu", 128 << 20, None), pool("cpu", 1 << 30, None)];
+        let never = judge("encoder", &profile, &estimate, (100_000, 1, 0), &pools, AXIS()).expect("never fits");
+        assert_eq!(never.need_bytes, estimate.total_bytes);
+        assert_eq!(never.largest.as_ref().map(|c| c.pool.as_str()), Some("cpu"));
+        let max = never.max_tokens.expect("a longest context");
+        // The longest context is exact: one more token would not fit under 1 GiB.
+        assert!(profile.estimate(max, 1).total_bytes <= 1 << 30);
+        assert!(profile.estimate(max + 1, 1).total_bytes > 1 << 30);
+        let message = never.to_string();
+        assert!(
+            message.starts_with("`encoder` can never fit here: it needs an estimated "),
+            "{message}"
+        );
+        assert!(message.contains("for 100000 tokens"), "{message}");
+        assert!(message.contains("pool `cpu`"), "{message}");
+        assert!(
+            message.contains(&format!("send at most {max} tokens (input `input` axis 1)")),
+            "{message}"
+        );
+        assert!(message.contains("x-vramguard-allow-shrink: true"), "{message}");
+    }
+
+    #[test]
+    fn a_context_longer_than_every_pools_max_context_never_fits_either() {
+        let profile = encoder();
+        let estimate = profile.estimate(2048, 1);
+        let pools = [pool("gpu", 8 << 30, Some(1024)), pool("cpu", 8 << 30, Some(512))];
+        let never = judge("encoder", &profile, &estimate, (2048, 1, 0), &pools, AXIS()).expect("never fits");
+        assert_eq!(never.largest, None);
+        assert_eq!(never.max_tokens, Some(1024));
+        assert!(
+            never.to_string().contains("longer than any pool serving it takes"),
+            "{never}"
+        );
+    }
+
+    #[test]
+    fn a_generation_counts_the_tokens_it_may_add() {
+        let profile = encoder();
+        let ceiling = profile.estimate(1000, 1).total_bytes;
+        let pools = [pool("gpu", ceiling, None)];
+        // 900 prompt tokens fit alone, not with 200 more to come.
+        let estimate = profile.estimate(1100, 1);
+        let never = judge("tiny", &profile, &estimate, (900, 1, 200), &pools, AXIS()).expect("never fits");
+        assert_eq!(never.tokens, 1100);
+        assert_eq!(never.max_tokens, Some(800));
+    }
+
+    #[test]
+    fn a_model_without_a_context_names_no_axis() {
+        let profile = encoder();
+        let estimate = profile.estimate(0, 1 << 40);
+        let pools = [pool("cpu", 1 << 30, None)];
+        let never = judge("classifier", &profile, &estimate, (0, 1 << 40, 0), &pools, None).expect("never fits");
+        assert_eq!((never.max_tokens, never.axis.as_deref()), (None, None));
+        assert!(!never.to_string().contains("allow-shrink"), "{never}");
+    }
+}
