@@ -512,3 +512,47 @@ pools:
     assert_eq!(message, "parameter `allow_shrink` must be true or false, got \"yes\"");
     server.stop().await;
 }
+
+/// A 60 MiB encoder input on a CPU-only server: its 16·n² attention scores would be close to a
+/// terabyte, more than the host could ever give it. It is refused at once as the client's
+/// error, naming the host's ceiling and the longest input that fits, without `Retry-After`, and
+/// nothing runs; a request of a size that fits is then served.
+#[tokio::test]
+async fn a_request_over_what_the_host_could_ever_hold_is_a_400_with_what_fits() {
+    if crate::common::ran_in_own_process() {
+        return;
+    }
+    let config = CONFIG.replace("body_limit: 64KiB", "body_limit: 128MiB");
+    let server = TestServer::start(&config).await;
+    let seq = 60 << 20 >> 8; // 245,760 rows of 64 FP32 values: 60 MiB
+    let (header, body) = crate::common::encoder_binary_request(seq);
+    let response = reqwest::Client::new()
+        .post(server.url("/v2/models/encoder/infer"))
+        .header("inference-header-content-length", header.len())
+        .body(body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), StatusCode::BAD_REQUEST);
+    assert!(!response.headers().contains_key("retry-after"));
+    let error: Value = response.json().await.unwrap();
+    let message = error["error"].as_str().unwrap();
+    assert!(message.contains(&format!("for {seq} tokens")), "{message}");
+    assert!(message.contains("pool `cpu`: host memory of"), "{message}");
+    assert_eq!(error["reason"], "never_fits");
+    let max_tokens = error["max_tokens"].as_u64().unwrap();
+    assert!((1..seq as u64).contains(&max_tokens), "{error}");
+    let metrics = server.metrics().await;
+    assert!(
+        metrics.contains("vramguard_requests_total{model=\"encoder\",pool=\"\",outcome=\"client_error\"} 1\n"),
+        "{metrics}"
+    );
+    // Refused before any pool: the one run on `cpu` is the request that fits.
+    assert_eq!(server.encoder(32).await.status(), StatusCode::OK);
+    let metrics = server.metrics().await;
+    assert!(
+        metrics.contains("vramguard_requests_total{model=\"encoder\",pool=\"cpu\",outcome=\"ok\"} 1\n"),
+        "{metrics}"
+    );
+    server.stop().await;
+}
