@@ -39,7 +39,7 @@ pub(super) async fn admit(service: &Service, entry: &ModelEntry, request: &mut R
     let refuse = |error: RequestError| Refused { pool: None, error };
     let routed = routed_pool(service, &entry.config.name).map_err(refuse)?;
     let mut info = request_info(entry, request, &routed);
-    let shape = entry.shape_of(&request.inputs);
+    let shape = (info.context_tokens, info.batch);
     if let Some(never) = super::fits::never_fits(service, entry, request, &info.estimate, shape) {
         return Err(refuse(RequestError::NeverFits(Box::new(never))));
     }

@@ -97,10 +97,17 @@ pub(super) fn never_fits(
     }
     let model = entry.config.name.as_str();
     let snapshot = &service.store.latest().snapshot;
-    let mut ceilings = Vec::new();
-    for pool in service.pools.iter().filter(|p| p.serves(model)) {
-        ceilings.push(ceiling(service, pool, model, snapshot)?);
+    let serving = || service.pools.iter().filter(|p| p.serves(model));
+    // Every request passes here: the numbers first, and words only for a request refused.
+    for pool in serving() {
+        let room = room(service, pool, model, snapshot)?;
+        if room.max_context.is_none_or(|max| tokens <= max) && estimate.total_bytes <= room.bytes {
+            return None;
+        }
     }
+    let ceilings: Vec<Ceiling> = serving()
+        .filter_map(|pool| Some(room(service, pool, model, snapshot)?.ceiling(pool)))
+        .collect();
     let axis = can_shrink.then(|| match &entry.config.context {
         Some(ctx) => format!("input `{}` axis {}", ctx.input, ctx.axis),
         None => "the prompt and max_tokens together".to_string(),
@@ -166,57 +173,60 @@ fn longest_within(profile: &MemoryProfile, batch: u64, new_tokens: u64, cap: u64
     lo
 }
 
+/// What one pool could ever give a run, in numbers (a request that fits reads no more).
+#[derive(Debug, Clone, Copy)]
+struct Room {
+    bytes: u64,
+    max_context: Option<u64>,
+    /// What the bytes are made of: the memory's total, what is held back from it, and the
+    /// weights of the other models loaded there.
+    total: u64,
+    reserve: u64,
+    others: u64,
+}
+
+impl Room {
+    /// The same, in words, for the refusal.
+    fn ceiling(self, pool: &Pool) -> Ceiling {
+        let mut what = match pool.provider().kind() {
+            ProviderKind::Cpu => format!(
+                "host memory of {} less its {} reserve",
+                human_bytes(self.total),
+                human_bytes(self.reserve)
+            ),
+            _ => format!("device `{}` of {}", pool.config.device, human_bytes(self.total)),
+        };
+        if self.others > 0 {
+            what.push_str(&format!(", less {} of other models' weights", human_bytes(self.others)));
+        }
+        Ceiling {
+            pool: pool.name().to_string(),
+            bytes: self.bytes,
+            what,
+            max_context: self.max_context,
+        }
+    }
+}
+
 /// The most `pool` could ever give a run of `model`, or `None` when that cannot be known: a
 /// remote pool (its memory is another server's), or a device or host not read yet.
-fn ceiling(service: &Service, pool: &Pool, model: &str, snapshot: &Snapshot) -> Option<Ceiling> {
-    let kind = pool.provider().kind();
-    let (total, less, what) = match kind {
+fn room(service: &Service, pool: &Pool, model: &str, snapshot: &Snapshot) -> Option<Room> {
+    let (total, reserve) = match pool.provider().kind() {
         ProviderKind::Remote => return None,
-        ProviderKind::Cpu => {
-            let host = &snapshot.host;
-            (
-                host.mem_total_bytes,
-                host.reserve_bytes,
-                format!(
-                    "host memory of {} less its {} reserve",
-                    human_bytes(host.mem_total_bytes),
-                    human_bytes(host.reserve_bytes)
-                ),
-            )
-        }
-        ProviderKind::Cuda | ProviderKind::Simulated => {
-            let device = snapshot.devices.get(&pool.config.device)?;
-            (
-                device.total_bytes,
-                0,
-                format!("device `{}` of {}", pool.config.device, human_bytes(device.total_bytes)),
-            )
-        }
+        ProviderKind::Cpu => (snapshot.host.mem_total_bytes, snapshot.host.reserve_bytes),
+        ProviderKind::Cuda | ProviderKind::Simulated => (snapshot.devices.get(&pool.config.device)?.total_bytes, 0),
     };
     if total == 0 {
         return None;
     }
     // The weights of every other model loaded beside this one on the same memory stay there.
-    let others: u64 = service
-        .pools
-        .iter()
-        .filter(|p| (p.provider().kind() == ProviderKind::Cpu) == (kind == ProviderKind::Cpu))
-        .filter(|p| kind == ProviderKind::Cpu || p.config.device == pool.config.device)
-        .flat_map(|p| p.config.models.iter().map(move |m| (p, m)))
-        .filter(|(p, m)| !(p.name() == pool.name() && m.as_str() == model))
-        .filter_map(|(_, m)| service.model(m))
-        .map(|m| m.profile.weights_bytes)
-        .sum();
-    let what = if others > 0 {
-        format!("{what}, less {} of other models' weights", human_bytes(others))
-    } else {
-        what
-    };
-    Some(Ceiling {
-        pool: pool.name().to_string(),
-        bytes: total.saturating_sub(less).saturating_sub(others),
-        what,
+    let others = service.weights_beside(pool, model)?;
+    Some(Room {
+        bytes: total.saturating_sub(reserve).saturating_sub(others),
         max_context: pool.config.max_context,
+        total,
+        reserve,
+        others,
     })
 }
 

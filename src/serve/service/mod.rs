@@ -10,6 +10,7 @@ mod parts;
 mod policy;
 mod pools;
 
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -17,6 +18,7 @@ use prometheus_client::registry::Registry;
 
 use crate::config::{Config, ConfigError};
 use crate::core::clock::Clock;
+use crate::core::snapshot::ProviderKind;
 use crate::device::simulated::SimulatedDevice;
 use crate::policy::PolicyHandle;
 use crate::pool::activity::Activity;
@@ -86,6 +88,9 @@ pub struct Service {
     pub decisions: crate::policy::recent::RecentDecisions,
     /// Requests accepted and not answered, waiting or running.
     pub activity: Arc<Activity>,
+    /// Bytes of model weights loaded on each memory (`host`, or an accelerator device), every
+    /// pool's models counted: fixed once the pools are built.
+    weights_resident: HashMap<String, u64>,
 }
 
 /// Host memory promised to one run; given back when dropped.
@@ -137,6 +142,7 @@ impl Service {
             };
             pools.push(start_pool(&backends, &config, &models, pool_config, context, &metrics));
         }
+        let weights_resident = weights_resident(&pools, &models);
         let degraded = Arc::new(Degraded::new(pools.clone(), Arc::clone(&clock)));
         let activity = Arc::new(Activity::default());
         let idempotency = IdempotencyCache::new(config.server.idempotency.max_entries, config.server.idempotency.ttl);
@@ -179,7 +185,17 @@ impl Service {
             host_promised: Arc::default(),
             decisions: Default::default(),
             activity,
+            weights_resident,
         })
+    }
+
+    /// The weights that stay loaded beside `model` on `pool`'s memory: every other model's (and
+    /// this model's on other pools of the same memory). `None` for a remote pool, whose memory
+    /// is another server's.
+    pub fn weights_beside(&self, pool: &Pool, model: &str) -> Option<u64> {
+        let all = self.weights_resident.get(memory_of(pool)?).copied().unwrap_or(0);
+        let own = self.model(model).map_or(0, |m| m.profile.weights_bytes);
+        Some(all.saturating_sub(own))
     }
 
     /// The sampler, for the server to run in the background (taken once).
@@ -277,4 +293,30 @@ impl Service {
             }
         }
     }
+}
+
+/// The memory a pool's models are loaded in: `host` for CPU pools, the device for accelerator
+/// pools, none for a remote pool.
+fn memory_of(pool: &Pool) -> Option<&str> {
+    match pool.provider().kind() {
+        ProviderKind::Remote => None,
+        ProviderKind::Cpu => Some("host"),
+        ProviderKind::Cuda | ProviderKind::Simulated => Some(pool.config.device.as_str()),
+    }
+}
+
+/// [`Service::weights_beside`]'s table: the weights of every model each pool loads, summed per
+/// memory.
+fn weights_resident(pools: &[Arc<Pool>], models: &[ModelEntry]) -> HashMap<String, u64> {
+    let mut resident = HashMap::new();
+    for pool in pools {
+        let Some(memory) = memory_of(pool) else { continue };
+        let weights: u64 = models
+            .iter()
+            .filter(|m| pool.serves(&m.config.name))
+            .map(|m| m.profile.weights_bytes)
+            .sum();
+        *resident.entry(memory.to_string()).or_insert(0) += weights;
+    }
+    resident
 }
