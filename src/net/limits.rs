@@ -15,7 +15,7 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::gauge::Gauge;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
-use super::refusal::{Refusal, body_too_large};
+use super::refusal::{ApiError, body_too_large};
 use super::watch::Watch;
 use crate::config::{ServerConfig, Timeouts, format_duration, format_size};
 use crate::telemetry::metrics::{HttpLimit, HttpLimitLabels, Metrics};
@@ -122,8 +122,8 @@ impl Limits {
     /// it (the rest of the body is not read), lingering so the client can read it.
     pub(super) fn refusal(&self, limit: HttpLimit, watch: &Watch) -> Response<Body> {
         let error = match limit {
-            HttpLimit::body_limit => Refusal::new(StatusCode::PAYLOAD_TOO_LARGE, body_too_large(self.body_limit)),
-            HttpLimit::body_bytes => Refusal::new(
+            HttpLimit::body_limit => ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, body_too_large(self.body_limit)),
+            HttpLimit::body_bytes => ApiError::new(
                 StatusCode::SERVICE_UNAVAILABLE,
                 format!(
                     "request bodies being received are at server.max_receiving_bytes ({}); retry shortly",
@@ -132,7 +132,7 @@ impl Limits {
             )
             .retry_after(1),
             // `body_timeout`; the other limits close a connection without an answer.
-            _ => Refusal::new(
+            _ => ApiError::new(
                 StatusCode::REQUEST_TIMEOUT,
                 format!(
                     "the request body brought no data for server.timeouts.body_read ({})",

@@ -1,9 +1,12 @@
-//! What the connection layer answers itself, before any handler sees the request: the API's
-//! error body (`{"error": "..."}`), written here because `net` sits below the HTTP API and
-//! cannot use its error type.
+//! The API's error answer, `{"error": "..."}` with a status and `Retry-After` when waiting
+//! helps. It lives in the connection layer, which answers some requests itself before any route
+//! sees them (a body too large, too many bodies being received); the HTTP API above uses the
+//! same type for everything else.
 
+use axum::Json;
 use axum::http::{HeaderValue, StatusCode, header};
-use axum::response::IntoResponse;
+use axum::response::{IntoResponse, Response};
+use serde_json::{Map, Value};
 
 /// The message of a 413 for a body over `server.body_limit` of `limit` bytes, the same whether
 /// the connection layer refused its declared length or the router found it too long.
@@ -11,38 +14,45 @@ pub fn body_too_large(limit: u64) -> String {
     format!("request body exceeds the {limit} byte limit (server.body_limit)")
 }
 
-/// A request the connection layer answers itself, before any handler sees it: the API's error
-/// body (`{"error": "..."}`), with `Retry-After` when waiting helps.
+/// An error answered as `{"error": "..."}` with a status and optional `Retry-After`.
 #[derive(Debug)]
-pub(super) struct Refusal {
+pub struct ApiError {
     status: StatusCode,
     message: String,
     retry_after: Option<u64>,
+    /// Fields beside `error` (the request id and reason of a resumable failure).
+    extra: Map<String, Value>,
 }
 
-impl Refusal {
-    pub(super) fn new(status: StatusCode, message: impl Into<String>) -> Self {
+impl ApiError {
+    pub(crate) fn new(status: StatusCode, message: impl Into<String>) -> Self {
         Self {
             status,
             message: message.into(),
             retry_after: None,
+            extra: Map::new(),
         }
     }
 
-    pub(super) fn retry_after(mut self, seconds: u64) -> Self {
+    pub(crate) fn retry_after(mut self, seconds: u64) -> Self {
         self.retry_after = Some(seconds.max(1));
+        self
+    }
+
+    /// One more field beside `error` in the body.
+    pub(crate) fn with(mut self, key: &str, value: Value) -> Self {
+        self.extra.insert(key.into(), value);
         self
     }
 }
 
-impl IntoResponse for Refusal {
-    fn into_response(self) -> axum::response::Response {
-        let body = serde_json::json!({ "error": self.message });
-        let mut response = (self.status, axum::Json(body)).into_response();
-        if let Some(seconds) = self.retry_after {
-            response
-                .headers_mut()
-                .insert(header::RETRY_AFTER, HeaderValue::from(seconds));
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let mut body = self.extra;
+        body.insert("error".into(), Value::String(self.message));
+        let mut response = (self.status, Json(Value::Object(body))).into_response();
+        if let Some(s) = self.retry_after {
+            response.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(s));
         }
         response
     }
