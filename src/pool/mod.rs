@@ -23,7 +23,6 @@ mod shared;
 mod worker;
 
 pub use context::{PoolContext, PoolMetrics, Respawn};
-pub use health::RECENT_FAILURE_WINDOW;
 pub use job::{InferJob, JobResult, PoolError, RunCancel};
 pub use load::PoolLoad;
 pub use shared::{Availability, Pool};

@@ -4,6 +4,7 @@
 use super::*;
 use crate::core::backend::{AllocFailureKind, ArenaStats, BackendError, RunMeta};
 use crate::core::tensor::{Tensor, TensorData};
+use super::health::RECENT_FAILURE_WINDOW;
 use std::sync::{Mutex, mpsc};
 
 /// A backend that echoes its inputs, optionally blocking until released.

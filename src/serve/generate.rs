@@ -376,12 +376,12 @@ pub async fn generate(
 /// gives): logged with the detail, the client told only where.
 fn internal(model: &str, pool: &Arc<Pool>, error: String) -> Refused {
     tracing::warn!(model = %model, %error, "generation failed");
-    Refused {
-        pool: Some(Arc::clone(pool)),
-        error: RequestError::Failed {
+    Refused::at(
+        pool,
+        RequestError::Failed {
             pool: pool.name().to_string(),
         },
-    }
+    )
 }
 
 /// [`generate`]'s runs, uncounted.
@@ -394,13 +394,14 @@ async fn run(
     prompt_tokens: usize,
     eos: Vec<u32>,
     params: &Params,
-    request: Request,
+    mut request: Request,
     sink: Option<Sink>,
 ) -> Result<Generated, Refused> {
-    let mut template = Request {
-        inputs: Vec::new(),
-        ..request.clone()
-    };
+    // The steps' template: the request without its prompt, which is not copied only to be
+    // dropped.
+    let prompt = std::mem::take(&mut request.inputs);
+    let mut template = request.clone();
+    request.inputs = prompt;
     // Once its first token is picked, a generation offering tools is never run again.
     template.meta.replayable &= !params.tools;
     let Served {
@@ -416,12 +417,9 @@ async fn run(
     let shrunk = context.map(|(from, to)| (from, to, context_cut.unwrap_or_default()));
     let prompt_tokens = shrunk.as_ref().map_or(prompt_tokens, |s| s.1 as usize);
     let shrunk_shared = shrunk.clone().map(Arc::new);
-    let failed = |pool: &Arc<Pool>, error: RequestError| Refused {
-        pool: Some(Arc::clone(pool)),
-        error,
-    };
-    let internal = |pool: &Arc<Pool>, e: String| internal(&entry.config.name, pool, e);
-    let (mut logits, mut cache) = read_outputs(outputs).map_err(|e| internal(&pool, e))?;
+    let failed = Refused::at;
+    let broken = |pool: &Arc<Pool>, e: String| internal(&entry.config.name, pool, e);
+    let (mut logits, mut cache) = read_outputs(outputs).map_err(|e| broken(&pool, e))?;
     // The cache this generation holds between runs, on the pool that holds it; given back when
     // this function returns or its future is dropped (a reader gone, a deadline).
     let kv_per_token = layout.kv_bytes_per_token();
@@ -474,7 +472,7 @@ async fn run(
             .map_err(|e| failed(&pool, tools_not_retried(e, params.tools)))?;
         pool = stepped.pool;
         retried = stepped.retried.or(retried);
-        (logits, cache) = read_outputs(stepped.outputs).map_err(|e| internal(&pool, e))?;
+        (logits, cache) = read_outputs(stepped.outputs).map_err(|e| broken(&pool, e))?;
         held.update(&pool.sequences, kv_per_token.saturating_mul((past + 1) as u64));
         metrics
             .inter_token
@@ -486,7 +484,7 @@ async fn run(
         .generated_tokens
         .get_or_create(&labels(&pool))
         .inc_by(tokens.len() as u64);
-    let text = text_of(tokenizer, &tokens, &params.stop).map_err(|e| internal(&pool, e))?;
+    let text = text_of(tokenizer, &tokens, &params.stop).map_err(|e| broken(&pool, e))?;
     Ok(Generated {
         pool,
         action: if retried.is_some() { Action::Redirect } else { action },

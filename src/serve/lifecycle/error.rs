@@ -48,6 +48,16 @@ pub struct Refused {
     pub error: RequestError,
 }
 
+impl Refused {
+    /// `error`, met on `pool`.
+    pub fn at(pool: &Arc<Pool>, error: RequestError) -> Refused {
+        Refused {
+            pool: Some(Arc::clone(pool)),
+            error,
+        }
+    }
+}
+
 /// Why a request did not run. Each variant knows its metric outcome and `Retry-After`, and
 /// `http::error` its status; nothing else maps failures.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]

@@ -9,10 +9,10 @@
 
 use std::fmt;
 
-use crate::core::snapshot::{Estimate, ProviderKind, Snapshot};
+use crate::core::snapshot::{Estimate, Snapshot};
 use crate::pool::Pool;
 use crate::runtime::estimate::MemoryProfile;
-use crate::serve::service::{ModelEntry, Service};
+use crate::serve::service::{Memory, ModelEntry, Service, memory_of};
 use crate::telemetry::logging::human_bytes;
 
 use super::Request;
@@ -91,7 +91,8 @@ pub(super) fn never_fits(
     estimate: &Estimate,
     (tokens, batch): (u64, u64),
 ) -> Option<NeverFits> {
-    let can_shrink = entry.config.context.is_some() || request.shrinker.is_some();
+    // A context axis, or a decoder's prompt: what a client could send less of.
+    let can_shrink = entry.config.context.is_some() || entry.decoder.is_some();
     if request.meta.allow_shrink && can_shrink {
         return None;
     }
@@ -101,7 +102,7 @@ pub(super) fn never_fits(
     // Every request passes here: the numbers first, and words only for a request refused.
     for pool in serving() {
         let room = room(service, pool, model, snapshot)?;
-        if room.max_context.is_none_or(|max| tokens <= max) && estimate.total_bytes <= room.bytes {
+        if fits_under(room.bytes, room.max_context, estimate.total_bytes, tokens) {
             return None;
         }
     }
@@ -132,7 +133,8 @@ fn judge(
     axis: Option<String>,
 ) -> Option<NeverFits> {
     let takes = |c: &Ceiling| c.max_context.is_none_or(|max| tokens <= max);
-    if ceilings.iter().any(|c| takes(c) && estimate.total_bytes <= c.bytes) {
+    let fits = |c: &Ceiling| fits_under(c.bytes, c.max_context, estimate.total_bytes, tokens);
+    if ceilings.iter().any(fits) {
         return None;
     }
     let largest = ceilings.iter().filter(|c| takes(c)).max_by_key(|c| c.bytes).cloned();
@@ -155,6 +157,12 @@ fn judge(
         max_tokens,
         axis,
     })
+}
+
+/// Whether a run needing `need` bytes for `tokens` of context fits a pool that could ever give
+/// `bytes` and takes at most `max_context` tokens.
+fn fits_under(bytes: u64, max_context: Option<u64>, need: u64, tokens: u64) -> bool {
+    max_context.is_none_or(|max| tokens <= max) && need <= bytes
 }
 
 /// The longest context of at most `cap` tokens (plus `new_tokens` a generation may add) whose
@@ -188,13 +196,13 @@ struct Room {
 impl Room {
     /// The same, in words, for the refusal.
     fn ceiling(self, pool: &Pool) -> Ceiling {
-        let mut what = match pool.provider().kind() {
-            ProviderKind::Cpu => format!(
+        let mut what = match memory_of(pool) {
+            Some(Memory::Device(device)) => format!("device `{device}` of {}", human_bytes(self.total)),
+            _ => format!(
                 "host memory of {} less its {} reserve",
                 human_bytes(self.total),
                 human_bytes(self.reserve)
             ),
-            _ => format!("device `{}` of {}", pool.config.device, human_bytes(self.total)),
         };
         if self.others > 0 {
             what.push_str(&format!(", less {} of other models' weights", human_bytes(self.others)));
@@ -211,10 +219,9 @@ impl Room {
 /// The most `pool` could ever give a run of `model`, or `None` when that cannot be known: a
 /// remote pool (its memory is another server's), or a device or host not read yet.
 fn room(service: &Service, pool: &Pool, model: &str, snapshot: &Snapshot) -> Option<Room> {
-    let (total, reserve) = match pool.provider().kind() {
-        ProviderKind::Remote => return None,
-        ProviderKind::Cpu => (snapshot.host.mem_total_bytes, snapshot.host.reserve_bytes),
-        ProviderKind::Cuda | ProviderKind::Simulated => (snapshot.devices.get(&pool.config.device)?.total_bytes, 0),
+    let (total, reserve) = match memory_of(pool)? {
+        Memory::Host => (snapshot.host.mem_total_bytes, snapshot.host.reserve_bytes),
+        Memory::Device(device) => (snapshot.devices.get(device)?.total_bytes, 0),
     };
     if total == 0 {
         return None;

@@ -39,10 +39,7 @@ pub async fn place(service: &Service, mut request: Request) -> Result<Served, Re
         if probe {
             pool.probe_unused();
         }
-        Refused {
-            pool: Some(Arc::clone(&pool)),
-            error,
-        }
+        Refused::at(&pool, error)
     };
     if !deadline_reachable(&pool, &request) {
         return Err(refuse_unrun(RequestError::Deadline(DeadlineMiss::Estimated)));

@@ -47,10 +47,7 @@ pub(super) async fn run_with_retry(
 ) -> Result<Ran, Refused> {
     // A generation's prompt counts as waiting on its pool until its run is over.
     let waits = run == Run::Placed && request.max_new_tokens > 0;
-    let refuse = |pool: &Arc<Pool>, error: RequestError| Refused {
-        pool: Some(Arc::clone(pool)),
-        error,
-    };
+    let refuse = Refused::at;
     // ONNX Runtime consumes the inputs of the first run: keep a copy for the retry.
     let fallback = fallback_of(service, pool);
     let spare = (fallback.is_some() && request.meta.replayable).then(|| inputs.clone());

@@ -192,8 +192,12 @@ impl Service {
     /// The weights that stay loaded beside `model` on `pool`'s memory: every other model's (and
     /// this model's on other pools of the same memory). `None` for a remote pool, whose memory
     /// is another server's.
-    pub fn weights_beside(&self, pool: &Pool, model: &str) -> Option<u64> {
-        let all = self.weights_resident.get(memory_of(pool)?).copied().unwrap_or(0);
+    pub(crate) fn weights_beside(&self, pool: &Pool, model: &str) -> Option<u64> {
+        let key = match memory_of(pool)? {
+            Memory::Host => "host",
+            Memory::Device(device) => device,
+        };
+        let all = self.weights_resident.get(key).copied().unwrap_or(0);
         let own = self.model(model).map_or(0, |m| m.profile.weights_bytes);
         Some(all.saturating_sub(own))
     }
@@ -295,13 +299,21 @@ impl Service {
     }
 }
 
-/// The memory a pool's models are loaded in: `host` for CPU pools, the device for accelerator
-/// pools, none for a remote pool.
-fn memory_of(pool: &Pool) -> Option<&str> {
+/// The memory a pool's models are loaded in and its runs take.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Memory<'a> {
+    /// The host's (a CPU pool).
+    Host,
+    /// An accelerator device's, by name (a CUDA or simulated pool).
+    Device(&'a str),
+}
+
+/// Where `pool`'s models live: `None` for a remote pool, whose memory is another server's.
+pub(crate) fn memory_of(pool: &Pool) -> Option<Memory<'_>> {
     match pool.provider().kind() {
         ProviderKind::Remote => None,
-        ProviderKind::Cpu => Some("host"),
-        ProviderKind::Cuda | ProviderKind::Simulated => Some(pool.config.device.as_str()),
+        ProviderKind::Cpu => Some(Memory::Host),
+        ProviderKind::Cuda | ProviderKind::Simulated => Some(Memory::Device(pool.config.device.as_str())),
     }
 }
 
@@ -310,7 +322,11 @@ fn memory_of(pool: &Pool) -> Option<&str> {
 fn weights_resident(pools: &[Arc<Pool>], models: &[ModelEntry]) -> HashMap<String, u64> {
     let mut resident = HashMap::new();
     for pool in pools {
-        let Some(memory) = memory_of(pool) else { continue };
+        let memory = match memory_of(pool) {
+            Some(Memory::Host) => "host",
+            Some(Memory::Device(device)) => device,
+            None => continue,
+        };
         let weights: u64 = models
             .iter()
             .filter(|m| pool.serves(&m.config.name))
