@@ -1,10 +1,10 @@
 //! The pool with fake backends: capacity, shutdown, abandoned and expired requests, queue age,
 //! allocator failures, an unavailable pool.
 
+use super::health::RECENT_FAILURE_WINDOW;
 use super::*;
 use crate::core::backend::{AllocFailureKind, ArenaStats, BackendError, RunMeta};
 use crate::core::tensor::{Tensor, TensorData};
-use super::health::RECENT_FAILURE_WINDOW;
 use std::sync::{Mutex, mpsc};
 
 /// A backend that echoes its inputs, optionally blocking until released.

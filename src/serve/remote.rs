@@ -255,7 +255,7 @@ async fn exchange(
         };
         BackendError::Remote {
             kind,
-            message: error_chain(&e),
+            message: crate::telemetry::logging::error_chain(&e),
         }
     })?;
     let status = response.status().as_u16();
@@ -269,7 +269,7 @@ async fn exchange(
             kind: RemoteFailure::Protocol,
             message: format!(
                 "the answer could not be read whole (over server.max_response_bytes, {max_bytes} bytes, or cut off): {}",
-                error_chain(&e)
+                crate::telemetry::logging::error_chain(&e)
             ),
         })?;
     Ok(Reply {
@@ -277,21 +277,6 @@ async fn exchange(
         header_len,
         body,
     })
-}
-
-/// An error with its causes, `outer: inner: innermost` (hyper's own messages say little).
-fn error_chain(error: &dyn std::error::Error) -> String {
-    let mut text = error.to_string();
-    let mut source = error.source();
-    while let Some(cause) = source {
-        let cause_text = cause.to_string();
-        if !text.contains(&cause_text) {
-            text.push_str(": ");
-            text.push_str(&cause_text);
-        }
-        source = cause.source();
-    }
-    text
 }
 
 /// What the remote's answer means for the request, as a demanding operator would read it:
@@ -429,7 +414,7 @@ async fn check(client: &Client<HttpConnector, Body>, url: &str, timeout: Duratio
             "no answer within {}ms (remote.health_timeout)",
             timeout.as_millis()
         )),
-        Ok(Err(e)) => Err(error_chain(&e)),
+        Ok(Err(e)) => Err(crate::telemetry::logging::error_chain(&e)),
         Ok(Ok(response)) if response.status() == StatusCode::OK => Ok(()),
         Ok(Ok(response)) => Err(format!("/v2/health/ready answered {}", response.status())),
     }

@@ -61,6 +61,22 @@ pub fn human_bytes(bytes: u64) -> String {
     }
 }
 
+/// An error with its causes, `outer: inner: innermost`: hyper's and reqwest's own messages
+/// name only the first, and a cause already in the text is not said twice.
+pub fn error_chain(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        let cause_text = cause.to_string();
+        if !text.contains(&cause_text) {
+            text.push_str(": ");
+            text.push_str(&cause_text);
+        }
+        source = cause.source();
+    }
+    text
+}
+
 #[cfg(test)]
 mod tests {
     use super::human_bytes;

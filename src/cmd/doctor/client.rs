@@ -3,7 +3,10 @@
 
 use std::io::Read;
 use std::path::Path;
+use std::sync::OnceLock;
 use std::time::Duration;
+
+use crate::telemetry::logging::error_chain;
 
 /// How long one request may take, connecting and reading the whole answer, before the server
 /// counts as hung.
@@ -56,10 +59,13 @@ pub fn base_url(url: &str) -> Result<String, String> {
 
 /// `GET path` on the server at `base` (from [`base_url`]), with an optional bearer token.
 pub fn get(base: &str, path: &str, bearer: Option<&str>) -> Result<Response, Failure> {
+    // One client for every request of a run: each blocking client starts a runtime thread.
+    static TCP: OnceLock<Result<reqwest::blocking::Client, String>> = OnceLock::new();
     let url = format!("{base}{path}");
-    let client = builder()
-        .build()
-        .map_err(|e| Failure::Other(format!("{url}: {}", chain(&e))))?;
+    let client = TCP
+        .get_or_init(|| builder().build().map_err(|e| error_chain(&e)))
+        .as_ref()
+        .map_err(|e| Failure::Other(format!("{url}: {e}")))?;
     let mut request = client.get(&url);
     if let Some(token) = bearer {
         request = request.bearer_auth(token);
@@ -73,7 +79,7 @@ pub fn get_unix(socket: &Path, path: &str) -> Result<Response, Failure> {
     let client = builder()
         .unix_socket(socket)
         .build()
-        .map_err(|e| Failure::Other(format!("{shown}: {}", chain(&e))))?;
+        .map_err(|e| Failure::Other(format!("{shown}: {}", error_chain(&e))))?;
     exchange(client.get(format!("http://localhost{path}")), &shown)
 }
 
@@ -120,18 +126,7 @@ fn failure(shown: &str, error: &reqwest::Error) -> Failure {
     if error.is_timeout() {
         return Failure::Other(format!("{shown}: no answer within {} s", TIMEOUT.as_secs()));
     }
-    Failure::Other(format!("{shown}: {}", chain(error)))
-}
-
-/// An error and its causes, `outer: inner: …` (reqwest's own message names only the first).
-fn chain(error: &dyn std::error::Error) -> String {
-    let mut text = error.to_string();
-    let mut source = error.source();
-    while let Some(e) = source {
-        text += &format!(": {e}");
-        source = e.source();
-    }
-    text
+    Failure::Other(format!("{shown}: {}", error_chain(error)))
 }
 
 #[cfg(test)]

@@ -223,7 +223,7 @@ pub(super) fn nvml_usage(reading: &Reading, rules: &[ServiceRule]) -> Vec<Device
 /// Devices the running server reports (its `/status`) that this process does not see itself:
 /// simulated devices live only in the server.
 pub(super) fn server_usage(server: &ServerProbe, seen: &[DeviceUsage]) -> Vec<DeviceUsage> {
-    let Some(status) = server.status() else {
+    let Some(Ok(status)) = server.status() else {
         return Vec::new();
     };
     status

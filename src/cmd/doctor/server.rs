@@ -51,10 +51,13 @@ pub enum ServerProbe {
 }
 
 impl ServerProbe {
-    /// The server's `/status` document, when it gave one.
-    pub(super) fn status(&self) -> Option<StatusReport> {
+    /// The server's `/status` document, when it gave one, or why it could not be read (a
+    /// server of another version may write another document).
+    pub(super) fn status(&self) -> Option<Result<StatusReport, String>> {
         match self {
-            ServerProbe::Answered { status: Ok(r), .. } if r.status == 200 => serde_json::from_str(&r.body).ok(),
+            ServerProbe::Answered { status: Ok(r), .. } if r.status == 200 => {
+                Some(serde_json::from_str(&r.body).map_err(|e| e.to_string()))
+            }
             _ => None,
         }
     }
@@ -179,7 +182,7 @@ fn unreachable_at(url: &str, failure: &Failure) -> Check {
 fn answered(
     url: &str,
     ready: &Response,
-    status: Option<StatusReport>,
+    status: Option<Result<StatusReport, String>>,
     admin: &Result<Response, Failure>,
     token: &Token,
 ) -> Check {
@@ -198,6 +201,17 @@ fn answered(
             .fixes
             .push("see /status for each pool's state and reason".to_string());
     }
+    let status = match status {
+        Some(Ok(doc)) => Some(doc),
+        Some(Err(e)) => {
+            found.note(
+                Status::Warn,
+                format!("its /status could not be read ({e}): a server of another version than this doctor?"),
+            );
+            None
+        }
+        None => None,
+    };
     if let Some(doc) = &status {
         read_status(doc, &mut found);
     }

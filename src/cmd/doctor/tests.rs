@@ -234,6 +234,37 @@ fn nothing_listening_is_a_warning_and_a_refused_token_a_failure() {
     );
 }
 
+/// A `/status` this doctor cannot read (another version's document) is said, not dropped.
+#[test]
+fn an_unreadable_status_document_is_a_warning() {
+    let probe = ServerProbe::Answered {
+        url: "http://127.0.0.1:8080".into(),
+        ready: Response {
+            status: 200,
+            body: String::new(),
+        },
+        admin: Ok(Response {
+            status: 200,
+            body: r#"{"authorized": true, "auth": "socket"}"#.into(),
+        }),
+        status: Ok(Response {
+            status: 200,
+            body: r#"{"version": "9.9.9"}"#.into(),
+        }),
+        token: Token::NotConfigured,
+    };
+    let check = check_server(&probe);
+    assert_eq!(check.status, Status::Warn, "{check:?}");
+    assert!(
+        check
+            .details
+            .iter()
+            .any(|l| l.starts_with("its /status could not be read (")
+                && l.ends_with("another version than this doctor?")),
+        "{check:?}"
+    );
+}
+
 #[test]
 fn listen_addresses_become_urls_a_client_can_reach() {
     assert_eq!(

@@ -467,7 +467,13 @@ pub(super) async fn get_json<T: DeserializeOwned>(client: &reqwest::Client, url:
 /// Sample `/status` every 25 ms into the running phase's samples.
 pub(super) async fn sample(drill: Arc<Drill>, sampling: Arc<AtomicBool>) {
     while sampling.load(Ordering::Relaxed) {
-        if let Ok(status) = drill.status().await {
+        // A document it cannot read leaves the phase unsampled, which the report names ("never
+        // sampled"); the reason goes to the log.
+        let status = drill
+            .status()
+            .await
+            .inspect_err(|e| tracing::debug!(error = %e, "cannot read /status"));
+        if let Ok(status) = status {
             let age = status.pools.iter().map(|p| p.queue_oldest_age_ms).max().unwrap_or(0);
             let available = status.host.mem_available_bytes;
             let phase = *drill.phase.lock().unwrap_or_else(|e| e.into_inner());
