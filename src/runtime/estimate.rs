@@ -5,7 +5,7 @@
 
 use ort::memory::Allocator;
 use ort::session::Session;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::config::ContextAxis;
 use crate::core::snapshot::Estimate;
@@ -13,7 +13,7 @@ use crate::core::tensor::{Tensor, TensorData};
 use crate::runtime::onnx::{self, ModelSignature, arena};
 
 /// Where a profile came from.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case", tag = "source")]
 pub enum ProfileSource {
     /// Measured at start-up: `(context tokens or batch, peak bytes)` per run.
@@ -42,7 +42,7 @@ pub enum ProfileSource {
 }
 
 /// A model's memory profile.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct MemoryProfile {
     /// Bytes of weights resident while the model is loaded.
     pub weights_bytes: u64,
@@ -252,6 +252,24 @@ fn solve_least_squares(xs: &[f64], ys: &[f64], terms: usize) -> Option<Vec<f64>>
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// What `GET /v2/models/{model}` shows of a profile reads back as the same profile (the
+    /// drill sizes its requests from it).
+    #[test]
+    fn a_profile_reads_back_from_what_the_server_shows() {
+        let profile = MemoryProfile {
+            weights_bytes: 4_745_517,
+            workspace_bytes: 170.5,
+            per_token_bytes: 1024.0,
+            per_token_squared_bytes: 16.0,
+            source: ProfileSource::Measured {
+                points: vec![(1, 68_096), (4, 271_872)],
+            },
+        };
+        let shown = serde_json::to_value(&profile).unwrap();
+        assert_eq!(shown["source"], "measured");
+        assert_eq!(serde_json::from_value::<MemoryProfile>(shown).unwrap(), profile);
+    }
 
     #[test]
     fn an_exact_quadratic_is_recovered() {

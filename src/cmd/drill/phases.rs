@@ -12,6 +12,7 @@ use super::record::{Failure, Record};
 use super::{CPU, DECODER, Drill, ENCODER, GPU};
 use crate::core::snapshot::Action;
 use crate::protocol::headers::REPLAYABLE_HEADER;
+use crate::runtime::estimate::MemoryProfile;
 use crate::serve::lifecycle::NotRetried;
 
 /// A phase of the drill.
@@ -106,29 +107,13 @@ struct Sizes {
     oversized: usize,
 }
 
-/// The encoder's memory profile, as `GET /v2/models/{model}` gives it.
-#[derive(Debug, Default, serde::Deserialize)]
-#[serde(default)]
-struct Profile {
-    weights_bytes: f64,
-    workspace_bytes: f64,
-    per_token_bytes: f64,
-    per_token_squared_bytes: f64,
-}
-
-impl Profile {
-    /// Bytes it predicts for `seq` tokens.
-    fn estimate(&self, seq: usize) -> f64 {
-        let n = seq as f64;
-        self.weights_bytes + self.workspace_bytes + self.per_token_bytes * n + self.per_token_squared_bytes * n * n
-    }
-}
-
 impl Sizes {
     async fn measure(drill: &Drill) -> Result<Sizes, String> {
         let model: Value = drill.get_json(&format!("/v2/models/{ENCODER}")).await?;
-        let profile: Profile =
-            serde_json::from_value(model["parameters"]["memory_profile"].clone()).unwrap_or_default();
+        // The server's own profile type, read back; without one nothing is "over" and the
+        // fallbacks below apply.
+        let profile: Option<MemoryProfile> = serde_json::from_value(model["parameters"]["memory_profile"].clone()).ok();
+        let estimate = |seq: usize| profile.as_ref().map_or(0, |p| p.estimate(seq as u64, 1).total_bytes);
         let capacity = drill
             .status()
             .await?
@@ -138,7 +123,7 @@ impl Sizes {
         let first_over = |share: f64, step: usize, up_to: usize, otherwise: usize| {
             (16..=up_to)
                 .step_by(step)
-                .find(|&s| profile.estimate(s) > capacity as f64 * share)
+                .find(|&s| estimate(s) as f64 > capacity as f64 * share)
                 .unwrap_or(otherwise)
         };
         Ok(Sizes {
