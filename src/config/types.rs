@@ -230,6 +230,17 @@ impl fmt::Display for ChatTemplateSource {
     }
 }
 
+impl fmt::Display for PolicySource {
+    /// How a policy is named in errors, logs, `/status` and `vramguard_policy_info{path}`: the
+    /// file's path, or `builtin:<name>`.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            PolicySource::Builtin(policy) => write!(f, "builtin:{policy}"),
+            PolicySource::File(path) => write!(f, "{}", path.display()),
+        }
+    }
+}
+
 /// A memory profile from the config.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ConfiguredProfile {

@@ -137,7 +137,7 @@ pub(super) fn policy_status(service: &Service) -> ServingPolicy {
         path: status.origin,
         source: match &service.config.policy.source {
             crate::config::PolicySource::File(_) => "file".to_string(),
-            crate::config::PolicySource::Builtin(name) => format!("builtin:{name}"),
+            builtin @ crate::config::PolicySource::Builtin(_) => builtin.to_string(),
         },
         sha256: status.sha256,
         loaded_at_unix: unix_seconds(status.loaded_at),

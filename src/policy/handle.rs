@@ -62,7 +62,7 @@ impl PolicyHandle {
     pub fn load(source: PolicySource, settings: PolicySettings) -> Result<Self, LoadError> {
         let loaded = prepare(&source, &settings)?;
         Ok(PolicyHandle {
-            origin: source::origin(&source),
+            origin: source.to_string(),
             source,
             settings,
             current: RwLock::new(Arc::new(loaded)),

@@ -30,7 +30,7 @@ pub use script::{
     MAX_STRING_SIZE, MAX_VARIABLES, PolicyError, PolicyErrorKind, PolicySettings, Script,
 };
 pub use smoke::{SmokeError, configured_estimate, configured_snapshot, smoke_requests, smoke_test};
-pub use source::{LoadError, load_script, origin};
+pub use source::{LoadError, load_script};
 pub use values::{List, LiveLoad, Params, PoolLoadNow, StateView, Table};
 
 #[cfg(test)]

@@ -45,15 +45,6 @@ pub enum LoadError {
     },
 }
 
-/// How `source` is named in errors, logs, `/status` and `vramguard_policy_info{path}`: the
-/// file's path, or `builtin:<name>`.
-pub fn origin(source: &PolicySource) -> String {
-    match source {
-        PolicySource::File(path) => path.display().to_string(),
-        PolicySource::Builtin(policy) => format!("builtin:{policy}"),
-    }
-}
-
 /// Read (from disk or the binary) and compile a policy; errors are located as
 /// `origin:line:col`. Returns the script and its text (hashed for `/status`).
 pub fn load_script(source: &PolicySource, settings: &PolicySettings) -> Result<(Script, String), LoadError> {
@@ -64,7 +55,7 @@ pub fn load_script(source: &PolicySource, settings: &PolicySettings) -> Result<(
         })?,
         PolicySource::Builtin(policy) => builtin::get(*policy).script.to_string(),
     };
-    let script = Script::compile(&text, &origin(source), settings)?;
+    let script = Script::compile(&text, &source.to_string(), settings)?;
     Ok((script, text))
 }
 

@@ -231,7 +231,7 @@ pub fn check_policy(config: Option<&Config>) -> Check {
             .fix("fix the `config` check first");
     };
     let source = config.policy.source.clone();
-    let origin = crate::policy::origin(&source);
+    let origin = source.to_string();
     let handle = match crate::policy::PolicyHandle::load(source, crate::policy::settings_for(config)) {
         Ok(handle) => handle,
         Err(error) => {
