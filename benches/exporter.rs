@@ -18,7 +18,7 @@ use vramguard::device::{DeviceMemory, DeviceProcess, MemorySource, Reading};
 use vramguard::pool::{Pool, PoolContext};
 use vramguard::telemetry::exporter::{LiveCollector, Sampler, SnapshotStore};
 use vramguard::telemetry::metrics::{Metrics, ModelPoolLabels, Outcome, RequestLabels};
-use vramguard::testing::bench::{Figure, Machine, Target, record};
+use vramguard::testing::bench::{Figure, Machine, Target, out_dir, record};
 
 /// Eight GPUs with 64 processes each.
 struct BigBox(Reading);
@@ -248,5 +248,11 @@ fn main() {
     for pool in pools {
         pool.shutdown(Duration::from_secs(1));
     }
-    record("exporter", machine, started, figures);
+    record(
+        "exporter",
+        &out_dir(env!("CARGO_TARGET_TMPDIR")),
+        machine,
+        started,
+        figures,
+    );
 }

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use vramguard::core::backend::{AllocFailureKind, ArenaStats, Backend, BackendError, RunMeta};
 use vramguard::core::tensor::Tensor;
 use vramguard::serve::lifecycle;
-use vramguard::testing::bench::{Figure, Machine, Target, arg, record};
+use vramguard::testing::bench::{Figure, Machine, Target, arg, out_dir, record};
 use vramguard::testing::fakes::{FakeFactory, encoder_request, service};
 use vramguard::testing::{ADMIT_ALL, Scratch, config};
 
@@ -147,5 +147,11 @@ fn main() {
             .target(Target::AtMost(2000.0))
         })
         .collect();
-    record("failover", machine, started, figures);
+    record(
+        "failover",
+        &out_dir(env!("CARGO_TARGET_TMPDIR")),
+        machine,
+        started,
+        figures,
+    );
 }

@@ -49,7 +49,7 @@ fn models() -> Vec<Model> {
         max_tokens: 128,
         min_seconds: 1,
     }];
-    let large = out_dir().join("decoder-large");
+    let large = out_dir(env!("CARGO_TARGET_TMPDIR")).join("decoder-large");
     if large.join("model.onnx").exists() {
         out.push(Model {
             label: "large",
@@ -317,5 +317,11 @@ fn main() {
         .iter()
         .flat_map(|model| measure(model, &scratch, runs, seconds))
         .collect();
-    record("generation", machine, started, figures);
+    record(
+        "generation",
+        &out_dir(env!("CARGO_TARGET_TMPDIR")),
+        machine,
+        started,
+        figures,
+    );
 }

@@ -32,7 +32,7 @@ use vramguard::runtime::onnx::{self, SessionOptions};
 use vramguard::testing::Scratch;
 use vramguard::testing::bench::server::{self, Histogram, Server, Stats, wrk, wrk_script};
 use vramguard::testing::bench::{
-    ENCODER_DIM, Figure, Machine, Target, arg, encoder_binary_body, encoder_input, record,
+    ENCODER_DIM, Figure, Machine, Target, arg, encoder_binary_body, encoder_input, out_dir, record,
 };
 
 const SEQS: [usize; 2] = [128, 1024];
@@ -362,5 +362,11 @@ fn main() {
         .zip(&results)
         .flat_map(|(&seq, runs)| figures(seq, runs))
         .collect();
-    record("overhead", machine, started, figures);
+    record(
+        "overhead",
+        &out_dir(env!("CARGO_TARGET_TMPDIR")),
+        machine,
+        started,
+        figures,
+    );
 }

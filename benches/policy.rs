@@ -30,7 +30,7 @@ use vramguard::core::snapshot::{
     RequestInfo, Snapshot,
 };
 use vramguard::policy::{LiveLoad, Params, PolicyHandle, PolicySettings, PoolLoadNow, StateView};
-use vramguard::testing::bench::{Figure, Machine, Target, record};
+use vramguard::testing::bench::{Figure, Machine, Target, out_dir, record};
 
 const GIB: u64 = 1 << 30;
 const MIB: u64 = 1 << 20;
@@ -379,5 +379,11 @@ fn main() {
         );
     }
     println!("targets (issue 4): median ≤ 3 µs, p99 ≤ 10 µs for `admit` (inputs included)");
-    record("policy", machine, started, figures);
+    record(
+        "policy",
+        &out_dir(env!("CARGO_TARGET_TMPDIR")),
+        machine,
+        started,
+        figures,
+    );
 }

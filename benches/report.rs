@@ -42,7 +42,7 @@ fn markdown(figures: &[Figure]) -> String {
 }
 
 fn main() {
-    let dir = out_dir();
+    let dir = out_dir(env!("CARGO_TARGET_TMPDIR"));
     let mut files = Vec::new();
     for bench in BENCHES {
         let path = dir.join(format!("{bench}.json"));

@@ -5,7 +5,7 @@
 
 pub mod server;
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
@@ -159,13 +159,12 @@ pub fn encoder_binary_body(seq: usize) -> (usize, Vec<u8>) {
     (header.len(), body)
 }
 
-/// `target/bench/`, where each bench writes its figures and the report its table. Found from
-/// the running bench's path, `target/<profile>/deps/<bench>`: Cargo tells the target folder
-/// (`CARGO_TARGET_TMPDIR`) to the benches but not to this library.
-pub fn out_dir() -> PathBuf {
-    let exe = std::env::current_exe().expect("the bench's path");
-    let target = exe.ancestors().nth(3).expect("a bench under target/<profile>/deps/");
-    target.join("bench")
+/// `target/bench/`, where each bench writes its figures and the report its table, from the
+/// bench's `CARGO_TARGET_TMPDIR` (`target/tmp`; Cargo gives it to benches, not to this library):
+/// `out_dir(env!("CARGO_TARGET_TMPDIR"))`.
+pub fn out_dir(target_tmpdir: &str) -> PathBuf {
+    let tmp = PathBuf::from(target_tmpdir);
+    tmp.parent().map_or(tmp.clone(), |t| t.join("bench"))
 }
 
 /// The machine as the table's header states it, read when the bench starts.
@@ -225,7 +224,7 @@ pub struct BenchFile {
 
 /// Write `figures` to `target/bench/BENCH.json` and print them, so a bench run alone shows the
 /// same lines as the report.
-pub fn record(bench: &str, machine: Machine, started: std::time::Instant, figures: Vec<Figure>) {
+pub fn record(bench: &str, out: &Path, machine: Machine, started: std::time::Instant, figures: Vec<Figure>) {
     let file = BenchFile {
         bench: bench.into(),
         machine,
@@ -235,9 +234,8 @@ pub fn record(bench: &str, machine: Machine, started: std::time::Instant, figure
     };
     println!();
     print_table(&file.figures);
-    let dir = out_dir();
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join(format!("{bench}.json"));
+    std::fs::create_dir_all(out).unwrap();
+    let path = out.join(format!("{bench}.json"));
     std::fs::write(&path, serde_json::to_string_pretty(&file).unwrap()).unwrap();
     println!("written to {}", path.display());
 }
