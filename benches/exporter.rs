@@ -18,7 +18,7 @@ use vramguard::device::{DeviceMemory, DeviceProcess, MemorySource, Reading};
 use vramguard::pool::{Pool, PoolContext};
 use vramguard::telemetry::exporter::{LiveCollector, Sampler, SnapshotStore};
 use vramguard::telemetry::metrics::{Metrics, ModelPoolLabels, Outcome, RequestLabels};
-use vramguard::testing::bench::{Figure, Machine, Target, out_dir, record};
+use vramguard::testing::bench::{Figure, Machine, Target, out_dir, percentile, record};
 
 /// Eight GPUs with 64 processes each.
 struct BigBox(Reading);
@@ -79,9 +79,10 @@ fn big_box() -> Reading {
     reading
 }
 
+/// The median and 99th percentile of `samples`.
 fn percentiles(mut samples: Vec<Duration>) -> (Duration, Duration) {
     samples.sort();
-    (samples[samples.len() / 2], samples[samples.len() * 99 / 100])
+    (percentile(&samples, 0.5), percentile(&samples, 0.99))
 }
 
 fn main() {

@@ -30,7 +30,7 @@ use vramguard::core::snapshot::{
     RequestInfo, Snapshot,
 };
 use vramguard::policy::{LiveLoad, Params, PolicyHandle, PolicySettings, PoolLoadNow, StateView};
-use vramguard::testing::bench::{Figure, Machine, Target, out_dir, record};
+use vramguard::testing::bench::{Figure, Machine, Target, out_dir, percentile, record};
 
 const GIB: u64 = 1 << 30;
 const MIB: u64 = 1 << 20;
@@ -203,10 +203,6 @@ fn rust_default(
             reason: format!("needs {need} bytes"),
         },
     }
-}
-
-fn percentile(sorted: &[Duration], p: f64) -> Duration {
-    sorted[((sorted.len() - 1) as f64 * p).round() as usize]
 }
 
 /// Individually timed calls, in order (the timer's own cost, ~20 ns, included).

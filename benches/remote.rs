@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 use vramguard::testing::Scratch;
-use vramguard::testing::bench::{arg, encoder_binary_body};
+use vramguard::testing::bench::{arg, encoder_binary_body, percentile};
 use vramguard::testing::process::{Serving, spawn_serving};
 
 const SEQ: usize = 128;
@@ -138,10 +138,6 @@ fn mean_us(metrics: &str, series: &str) -> f64 {
             .unwrap_or(f64::NAN)
     };
     value("sum") / value("count") * 1e6
-}
-
-fn percentile(sorted: &[Duration], p: f64) -> Duration {
-    sorted[((sorted.len() - 1) as f64 * p).round() as usize]
 }
 
 fn us(d: Duration) -> f64 {

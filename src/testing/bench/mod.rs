@@ -122,6 +122,11 @@ pub fn quantile(sorted: &[f64], q: f64) -> f64 {
     }
 }
 
+/// The `p` quantile of sorted durations, the nearest rank.
+pub fn percentile(sorted: &[std::time::Duration], p: f64) -> std::time::Duration {
+    sorted[((sorted.len() - 1) as f64 * p).round() as usize]
+}
+
 /// The value after `name` on the bench's command line, or `default` when it is missing or does
 /// not parse: `cargo bench` passes `--bench` and others of its own, which are ignored.
 pub fn arg<T: std::str::FromStr>(name: &str, default: T) -> T {
