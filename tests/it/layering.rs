@@ -8,8 +8,39 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
 
-const SRC: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/src");
+/// The source tree the checks read.
+pub(crate) const SRC: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/src");
+
+/// One file of `src/`, read once for every check of the tree.
+pub(crate) struct Source {
+    /// Its path.
+    pub(crate) path: PathBuf,
+    /// Its text.
+    pub(crate) text: String,
+    /// The text with comments and strings blanked ([`code_only`]).
+    pub(crate) code: String,
+}
+
+impl Source {
+    fn read(path: PathBuf) -> Source {
+        let text = std::fs::read_to_string(&path).expect("read source");
+        let code = code_only(&text);
+        Source { path, text, code }
+    }
+}
+
+/// Every file under `src/`, sorted, read once however many checks look at them.
+pub(crate) fn tree() -> &'static [Source] {
+    static TREE: OnceLock<Vec<Source>> = OnceLock::new();
+    TREE.get_or_init(|| {
+        let mut files = Vec::new();
+        rust_files(Path::new(SRC), &mut files);
+        files.sort();
+        files.into_iter().map(Source::read).collect()
+    })
+}
 
 /// The scaffolding module, allowed to test code of any layer.
 const TESTING: &str = "testing";
@@ -48,7 +79,7 @@ fn module_of(src: &Path, file: &Path) -> Vec<String> {
     parts
 }
 
-pub(crate) fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
+fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
     for entry in std::fs::read_dir(dir).expect("read src") {
         let path = entry.expect("entry").path();
         if path.is_dir() {
@@ -157,9 +188,12 @@ fn read_tree(text: &str, mut i: usize, prefix: Vec<String>, out: &mut Vec<Vec<St
 }
 
 /// Every `crate::` and `super::` path in one file, made absolute.
-fn references(src: &Path, file: &Path) -> Vec<Reference> {
-    let text = code_only(&std::fs::read_to_string(file).expect("read source"));
+fn references(src: &Path, source: &Source) -> Vec<Reference> {
+    let (file, text) = (source.path.as_path(), &source.code);
     let module = module_of(src, file);
+    if module.is_empty() {
+        return Vec::new(); // lib.rs and main.rs: the crate's root declares the layers
+    }
     let name = file
         .strip_prefix(src.parent().expect("the project"))
         .expect("in the project");
@@ -171,6 +205,13 @@ fn references(src: &Path, file: &Path) -> Vec<Reference> {
         .filter_map(|start| text.find(start))
         .min()
         .unwrap_or(text.len());
+    let reference = |at: usize, to: Vec<String>| Reference {
+        file: name.display().to_string(),
+        line: line_of(text, at),
+        from: module.clone(),
+        to,
+        in_test: whole_file_is_test || at > test_block,
+    };
     let mut found = Vec::new();
     let starts = ["crate::", "super::", "self::"].map(|s| text.match_indices(s));
     for (at, _) in starts.into_iter().flatten() {
@@ -198,18 +239,12 @@ fn references(src: &Path, file: &Path) -> Vec<Reference> {
             }
         }
         let mut paths = Vec::new();
-        read_tree(&text, i, base, &mut paths);
-        found.extend(paths.into_iter().filter(|p| !p.is_empty()).map(|to| Reference {
-            file: name.display().to_string(),
-            line: line_of(&text, at),
-            from: module.clone(),
-            to,
-            in_test: whole_file_is_test || at > test_block,
-        }));
+        read_tree(text, i, base, &mut paths);
+        found.extend(paths.into_iter().filter(|p| !p.is_empty()).map(|to| reference(at, to)));
     }
     // A parent names its children without `crate::` (`openai::chat`); a `pub use` of a child is
     // the folder's facade, not a use.
-    for child in declared_children(&text) {
+    for child in declared_children(text) {
         let needle = format!("{child}::");
         for (at, _) in text.match_indices(&needle) {
             let before = &text[..at];
@@ -220,14 +255,8 @@ fn references(src: &Path, file: &Path) -> Vec<Reference> {
                 continue;
             }
             let mut paths = Vec::new();
-            read_tree(&text, at, module.clone(), &mut paths);
-            found.extend(paths.into_iter().map(|to| Reference {
-                file: name.display().to_string(),
-                line: line_of(&text, at),
-                from: module.clone(),
-                to,
-                in_test: whole_file_is_test || at > test_block,
-            }));
+            read_tree(text, at, module.clone(), &mut paths);
+            found.extend(paths.into_iter().map(|to| reference(at, to)));
         }
     }
     found
@@ -251,15 +280,8 @@ fn declared_children(text: &str) -> Vec<String> {
 
 fn all_references() -> (Vec<String>, Vec<Reference>, BTreeSet<Vec<String>>) {
     let src = Path::new(SRC);
-    let mut files = Vec::new();
-    rust_files(src, &mut files);
-    files.sort();
-    let modules: BTreeSet<Vec<String>> = files.iter().map(|f| module_of(src, f)).collect();
-    let refs = files
-        .iter()
-        .filter(|f| !module_of(src, f).is_empty())
-        .flat_map(|f| references(src, f))
-        .collect();
+    let modules: BTreeSet<Vec<String>> = tree().iter().map(|f| module_of(src, &f.path)).collect();
+    let refs = tree().iter().flat_map(|f| references(src, f)).collect();
     (layers(src), refs, modules)
 }
 
@@ -411,7 +433,7 @@ fn the_check_catches_a_planted_upward_import_and_cycle() {
         "//! crate::http in a comment is not a use\nuse crate::{pool::Pool, core::x};\nconst S: &str = \"crate::http\";\nfn f() { super::clock::now(); self::g(); }\n",
     )
     .unwrap();
-    let found = references(&src, &planted);
+    let found = references(&src, &Source::read(planted.clone()));
     let broken: Vec<String> = found.iter().filter_map(|r| upward(&layers, r)).collect();
     assert_eq!(
         broken,
@@ -424,7 +446,10 @@ fn the_check_catches_a_planted_upward_import_and_cycle() {
     let b = src.join("pool/sequences.rs");
     std::fs::write(&a, "use crate::pool::sequences::Sequences;\n").unwrap();
     std::fs::write(&b, "use super::Pool;\n").unwrap();
-    let refs: Vec<Reference> = [a, b].iter().flat_map(|f| references(&src, f)).collect();
+    let refs: Vec<Reference> = [a, b]
+        .into_iter()
+        .flat_map(|f| references(&src, &Source::read(f)))
+        .collect();
     let modules: BTreeSet<Vec<String>> = [vec!["pool".to_string()], vec!["pool".into(), "sequences".into()]].into();
     let cycle = find_cycle(&graph(&refs, &modules)).expect("a cycle");
     assert_eq!(

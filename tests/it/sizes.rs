@@ -5,9 +5,10 @@
 
 use std::path::Path;
 
-use super::layering::{code_only, rust_files};
+#[cfg(test)]
+use super::layering::code_only;
+use super::layering::{SRC, tree};
 
-const SRC: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/src");
 const MAX_FILE_LINES: usize = 700;
 const MAX_FN_LINES: usize = 120;
 /// How a comment that justifies a long file or function starts.
@@ -72,12 +73,9 @@ fn justified(text: &[&str], line: usize) -> bool {
 }
 
 fn offenders(src: &Path) -> Vec<String> {
-    let mut files = Vec::new();
-    rust_files(src, &mut files);
-    files.sort();
     let mut found = Vec::new();
-    for file in files {
-        let text = std::fs::read_to_string(&file).expect("read source");
+    for source in tree() {
+        let (file, text) = (&source.path, &source.text);
         let lines: Vec<&str> = text.lines().collect();
         let name = file
             .strip_prefix(src.parent().expect("the project"))
@@ -90,7 +88,7 @@ fn offenders(src: &Path) -> Vec<String> {
                 lines.len()
             ));
         }
-        for (function, line, length) in functions(&code_only(&text)) {
+        for (function, line, length) in functions(&source.code) {
             if length > MAX_FN_LINES && !justified(&lines, line) {
                 found.push(format!(
                     "{}:{line}: fn {function} is {length} lines (at most {MAX_FN_LINES})",
