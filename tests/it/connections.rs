@@ -87,15 +87,6 @@ fn limit_hits(metrics: &str, limit: &str) -> u64 {
         .unwrap()
 }
 
-fn gauge(metrics: &str, name: &str) -> u64 {
-    metrics
-        .lines()
-        .find_map(|l| l.strip_prefix(&format!("{name} ")))
-        .unwrap_or_else(|| panic!("no {name} in:\n{metrics}"))
-        .parse()
-        .unwrap()
-}
-
 /// Other clients get their answers: an inference and a health check, each on a new connection.
 async fn others_are_served(server: &TestServer) {
     let response = server.encoder(16).await;
@@ -218,7 +209,7 @@ async fn connections_over_the_cap_wait_for_a_slot_and_are_served_once_one_closes
     let metrics = server.metrics().await;
     assert!(limit_hits(&metrics, "max_connections") >= 1, "{metrics}");
     // `second` and the scrape's own connection: the cap holds.
-    assert_eq!(gauge(&metrics, "vramguard_http_connections"), 2);
+    assert_eq!(crate::common::gauge(&metrics, "vramguard_http_connections"), 2.0);
     drop(second);
     server.stop().await;
 }

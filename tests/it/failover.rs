@@ -50,14 +50,6 @@ fn requests_ok(metrics: &str) -> f64 {
     crate::common::requests_with(metrics, |o| o == "ok")
 }
 
-fn metric(text: &str, series: &str) -> f64 {
-    text.lines()
-        .find(|l| l.starts_with(series))
-        .and_then(|l| l.rsplit(' ').next())
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0.0)
-}
-
 #[tokio::test]
 async fn an_allocator_failure_is_retried_once_on_the_cpu_pool_under_the_same_id() {
     if crate::common::ran_in_own_process() {
@@ -87,26 +79,26 @@ async fn an_allocator_failure_is_retried_once_on_the_cpu_pool_under_the_same_id(
 
     let metrics = server.metrics().await;
     assert_eq!(
-        metric(&metrics, "vramguard_retries_total{pool=\"gpu\",result=\"ok\"}"),
+        crate::common::sample(&metrics, "vramguard_retries_total{pool=\"gpu\",result=\"ok\"}"),
         1.0
     );
     assert_eq!(
-        metric(
+        crate::common::sample(
             &metrics,
             "vramguard_failovers_total{from=\"gpu\",to=\"cpu\",reason=\"oom_retry\"}"
         ),
         1.0
     );
     assert_eq!(
-        metric(
+        crate::common::sample(
             &metrics,
             "vramguard_allocator_failures_total{pool=\"gpu\",device=\"gpu0\",kind=\"oom\"}"
         ),
         1.0
     );
-    assert_eq!(metric(&metrics, "vramguard_degraded_mode "), 1.0);
+    assert_eq!(crate::common::sample(&metrics, "vramguard_degraded_mode "), 1.0);
     assert_eq!(
-        metric(&metrics, "vramguard_degraded_info{reason=\"memory_redirect\"}"),
+        crate::common::sample(&metrics, "vramguard_degraded_info{reason=\"memory_redirect\"}"),
         1.0
     );
     // One failure is below the breaker's threshold: the next request runs on the accelerator.
@@ -141,14 +133,14 @@ async fn a_non_replayable_request_gets_a_resumable_error_not_a_silent_replay() {
     );
     let metrics = server.metrics().await;
     assert_eq!(
-        metric(
+        crate::common::sample(
             &metrics,
             "vramguard_retries_total{pool=\"gpu\",result=\"not_replayable\"}"
         ),
         1.0
     );
     assert_eq!(
-        metric(&metrics, "vramguard_failovers_total{from=\"gpu\""),
+        crate::common::sample(&metrics, "vramguard_failovers_total{from=\"gpu\""),
         0.0,
         "nothing moved: {metrics}"
     );
@@ -183,9 +175,12 @@ async fn repeated_failures_open_the_breaker_and_a_restore_closes_it_through_a_pr
             .contains("circuit breaker is open")
     );
     let metrics = server.metrics().await;
-    assert_eq!(metric(&metrics, "vramguard_breaker_state{pool=\"gpu\"}"), 2.0);
     assert_eq!(
-        metric(
+        crate::common::sample(&metrics, "vramguard_breaker_state{pool=\"gpu\"}"),
+        2.0
+    );
+    assert_eq!(
+        crate::common::sample(
             &metrics,
             "vramguard_failovers_total{from=\"gpu\",to=\"cpu\",reason=\"breaker_open\"}"
         ),
@@ -202,9 +197,12 @@ async fn repeated_failures_open_the_breaker_and_a_restore_closes_it_through_a_pr
     assert_eq!(probe.status(), StatusCode::OK);
     assert_eq!(probe.headers()["x-vramguard-pool"], "gpu");
     let metrics = server.metrics().await;
-    assert_eq!(metric(&metrics, "vramguard_breaker_state{pool=\"gpu\"}"), 0.0);
     assert_eq!(
-        metric(&metrics, "vramguard_breaker_recovery_seconds_count{pool=\"gpu\"}"),
+        crate::common::sample(&metrics, "vramguard_breaker_state{pool=\"gpu\"}"),
+        0.0
+    );
+    assert_eq!(
+        crate::common::sample(&metrics, "vramguard_breaker_recovery_seconds_count{pool=\"gpu\"}"),
         1.0
     );
     server.stop().await;
@@ -223,15 +221,18 @@ async fn a_driver_reset_opens_the_breaker_at_once_while_the_cpu_pool_keeps_servi
     assert_eq!(first.headers()["x-vramguard-pool"], "cpu");
     let metrics = server.metrics().await;
     assert_eq!(
-        metric(
+        crate::common::sample(
             &metrics,
             "vramguard_failovers_total{from=\"gpu\",to=\"cpu\",reason=\"driver_retry\"}"
         ),
         1.0
     );
-    assert_eq!(metric(&metrics, "vramguard_breaker_state{pool=\"gpu\"}"), 2.0);
     assert_eq!(
-        metric(
+        crate::common::sample(&metrics, "vramguard_breaker_state{pool=\"gpu\"}"),
+        2.0
+    );
+    assert_eq!(
+        crate::common::sample(
             &metrics,
             "vramguard_allocator_failures_total{pool=\"gpu\",device=\"gpu0\",kind=\"driver\"}"
         ),
@@ -318,7 +319,10 @@ async fn an_idempotency_key_executes_at_most_once() {
     assert!(bodies.windows(2).all(|w| w[0] == w[1]));
     assert_eq!(requests_ok(&server.metrics().await), 2.0);
     let metrics = server.metrics().await;
-    assert!(metric(&metrics, "vramguard_idempotency_hits_total") >= 6.0, "{metrics}");
+    assert!(
+        crate::common::sample(&metrics, "vramguard_idempotency_hits_total") >= 6.0,
+        "{metrics}"
+    );
     server.stop().await;
 }
 
@@ -486,7 +490,10 @@ async fn under_pressure_faults_and_a_reset_nothing_accepted_is_lost_or_run_twice
             break;
         }
     }
-    assert_eq!(metric(&metrics, "vramguard_idempotency_hits_total"), replayed);
+    assert_eq!(
+        crate::common::sample(&metrics, "vramguard_idempotency_hits_total"),
+        replayed
+    );
     // Clients that stayed saw exactly what the server counted. Each one that hung up was counted
     // `cancelled`, or as what it would have got a moment later, or not at all when it left
     // before its request had been read (never accepted).
@@ -525,7 +532,7 @@ async fn cpu_work_that_would_eat_into_the_host_reserve_is_refused_and_not_retrie
     assert!(why.contains("memory reserve"), "{body}");
     let metrics = server.metrics().await;
     assert_eq!(
-        metric(&metrics, "vramguard_retries_total{pool=\"gpu\",result=\"no_fallback\"}"),
+        crate::common::sample(&metrics, "vramguard_retries_total{pool=\"gpu\",result=\"no_fallback\"}"),
         1.0
     );
     server.stop().await;

@@ -139,12 +139,7 @@ async fn refused(h: &Harness, request: Request) -> Refused {
 }
 
 fn counter(h: &Harness, needle: &str) -> f64 {
-    let text = vramguard::telemetry::metrics::encode(&h.service.registry);
-    text.lines()
-        .find(|l| l.starts_with(needle))
-        .and_then(|l| l.rsplit(' ').next())
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0.0)
+    crate::common::sample(&vramguard::telemetry::metrics::encode(&h.service.registry), needle)
 }
 
 #[tokio::test(start_paused = true)]

@@ -45,17 +45,6 @@ fn picker_metrics() -> Vec<(String, String)> {
     specs
 }
 
-/// The value of the unlabelled gauge `name` in `metrics`.
-fn gauge(metrics: &str, name: &str) -> f64 {
-    let prefix = format!("{name} ");
-    metrics
-        .lines()
-        .find_map(|l| l.strip_prefix(&prefix))
-        .unwrap_or_else(|| panic!("no `{name}` in:\n{metrics}"))
-        .parse()
-        .unwrap()
-}
-
 #[tokio::test]
 async fn every_metric_the_picker_config_names_is_a_gauge_vramguard_exports() {
     if crate::common::ran_in_own_process() {
@@ -70,13 +59,13 @@ async fn every_metric_the_picker_config_names_is_a_gauge_vramguard_exports() {
             metrics.contains(&format!("# TYPE {family} gauge\n")),
             "{spec}: `{family}` is not a gauge in:\n{metrics}"
         );
-        let value = gauge(&metrics, &family);
+        let value = crate::common::gauge(&metrics, &family);
         assert!(value >= 0.0, "{spec}: {family} = {value}");
     }
     // Nothing is queued or running once the answer is in; the ratio is a fraction.
-    assert_eq!(gauge(&metrics, "vramguard_requests_waiting"), 0.0);
-    assert_eq!(gauge(&metrics, "vramguard_requests_running"), 0.0);
-    let ratio = gauge(&metrics, RATIO);
+    assert_eq!(crate::common::gauge(&metrics, "vramguard_requests_waiting"), 0.0);
+    assert_eq!(crate::common::gauge(&metrics, "vramguard_requests_running"), 0.0);
+    let ratio = crate::common::gauge(&metrics, RATIO);
     assert!((0.0..1.0).contains(&ratio), "{ratio}");
     server.stop().await;
 }
@@ -94,13 +83,13 @@ async fn the_usage_ratio_follows_device_memory_and_reads_full_while_the_accelera
             assert_eq!(response.status(), StatusCode::OK);
         }
     };
-    let before = gauge(&server.metrics().await, RATIO);
+    let before = crate::common::gauge(&server.metrics().await, RATIO);
     assert!(before < 0.5, "{before}");
 
     // Another workload takes 96 of the device's 128 MiB: at least 3/4 of it is in use.
     sim(json!({"pressure": "96MiB"})).await;
     let metrics = server.metrics().await;
-    let pressed = gauge(&metrics, RATIO);
+    let pressed = crate::common::gauge(&metrics, RATIO);
     let used = crate::common::sum_samples(&metrics, |l| l.starts_with("vramguard_device_memory_used_bytes{"));
     assert!((0.75..1.0).contains(&pressed), "{pressed}");
     assert_eq!(pressed, used / f64::from(128 << 20));
@@ -113,8 +102,8 @@ async fn the_usage_ratio_follows_device_memory_and_reads_full_while_the_accelera
     assert_eq!(retried.status(), StatusCode::OK);
     assert_eq!(retried.headers()["x-vramguard-pool"], "cpu");
     let metrics = server.metrics().await;
-    assert_eq!(gauge(&metrics, RATIO), 1.0, "{metrics}");
-    assert_eq!(gauge(&metrics, "vramguard_degraded_mode"), 1.0);
+    assert_eq!(crate::common::gauge(&metrics, RATIO), 1.0, "{metrics}");
+    assert_eq!(crate::common::gauge(&metrics, "vramguard_degraded_mode"), 1.0);
 
     // Restored, and the probe succeeded: the breaker is closed, but work moved off the
     // accelerator less than degraded::MEMORY_REDIRECT_WINDOW ago, so the service is still
@@ -133,6 +122,6 @@ async fn the_usage_ratio_follows_device_memory_and_reads_full_while_the_accelera
         metrics.contains("vramguard_degraded_info{reason=\"memory_redirect\"} 1\n"),
         "{metrics}"
     );
-    assert_eq!(gauge(&metrics, RATIO), 1.0);
+    assert_eq!(crate::common::gauge(&metrics, RATIO), 1.0);
     server.stop().await;
 }

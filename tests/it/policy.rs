@@ -74,14 +74,6 @@ async fn infer_with(server: &TestServer, seq: usize, priority: i64, headers: &[(
         .unwrap()
 }
 
-fn counter(metrics: &str, series: &str) -> f64 {
-    metrics
-        .lines()
-        .find(|l| l.starts_with(series))
-        .and_then(|l| l.rsplit(' ').next())
-        .map_or(0.0, |v| v.parse().unwrap())
-}
-
 #[tokio::test]
 async fn every_decision_is_enacted_on_the_request_path() {
     if crate::common::ran_in_own_process() {
@@ -189,9 +181,12 @@ async fn every_decision_is_enacted_on_the_request_path() {
             1.0,
         ),
     ] {
-        assert_eq!(counter(&metrics, series), want, "{series} in\n{metrics}");
+        assert_eq!(crate::common::sample(&metrics, series), want, "{series} in\n{metrics}");
     }
-    assert_eq!(counter(&metrics, "vramguard_policy_eval_duration_seconds_count"), 12.0);
+    assert_eq!(
+        crate::common::sample(&metrics, "vramguard_policy_eval_duration_seconds_count"),
+        12.0
+    );
     server.stop().await;
 }
 
@@ -265,9 +260,12 @@ async fn a_reload_swaps_only_a_script_that_compiles_and_passes_its_cases() {
     let long = infer(&server, 128, 0).await;
     assert_eq!(long.headers()["x-vramguard-pool"], "slow");
     let metrics = server.metrics().await;
-    assert_eq!(counter(&metrics, "vramguard_policy_reloads_total{result=\"ok\"}"), 1.0);
     assert_eq!(
-        counter(&metrics, "vramguard_policy_reloads_total{result=\"error\"}"),
+        crate::common::sample(&metrics, "vramguard_policy_reloads_total{result=\"ok\"}"),
+        1.0
+    );
+    assert_eq!(
+        crate::common::sample(&metrics, "vramguard_policy_reloads_total{result=\"error\"}"),
         2.0
     );
     let info = format!("sha256=\"{}\"}} 1", now["sha256"].as_str().unwrap());

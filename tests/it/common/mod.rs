@@ -170,6 +170,27 @@ pub fn sum_samples(metrics: &str, select: impl Fn(&str) -> bool) -> f64 {
         .sum()
 }
 
+/// The value of the first sample whose line starts with `series` (a name with its labels, as
+/// exposed), or 0 when there is none yet (a counter not created before its first event).
+pub fn sample(metrics: &str, series: &str) -> f64 {
+    metrics
+        .lines()
+        .find(|l| l.starts_with(series))
+        .and_then(|l| l.rsplit(' ').next())
+        .map_or(0.0, |v| v.parse().expect("a sample's value is a number"))
+}
+
+/// The value of the unlabelled gauge `name`, which must be exposed.
+pub fn gauge(metrics: &str, name: &str) -> f64 {
+    let prefix = format!("{name} ");
+    metrics
+        .lines()
+        .find_map(|l| l.strip_prefix(&prefix))
+        .unwrap_or_else(|| panic!("no `{name}` in:\n{metrics}"))
+        .parse()
+        .unwrap()
+}
+
 /// `vramguard_requests_total` summed over the outcomes `select` accepts.
 pub fn requests_with(metrics: &str, select: impl Fn(&str) -> bool) -> f64 {
     sum_samples(metrics, |l| {
