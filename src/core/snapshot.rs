@@ -222,6 +222,19 @@ impl Action {
             Action::Reject => "reject",
         }
     }
+
+    /// The action a [`label`](Action::label) names.
+    pub fn from_label(label: &str) -> Option<Action> {
+        [
+            Action::Admit,
+            Action::Defer,
+            Action::ShrinkContext,
+            Action::Redirect,
+            Action::Reject,
+        ]
+        .into_iter()
+        .find(|a| a.label() == label)
+    }
 }
 
 impl EncodeLabelValue for Action {

@@ -5,7 +5,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use serde::{Serialize, Serializer};
+use serde::Serialize;
 use serde_json::{Value, json};
 
 use super::record::{Failure, Record};
@@ -15,8 +15,9 @@ use crate::protocol::headers::REPLAYABLE_HEADER;
 use crate::runtime::estimate::MemoryProfile;
 use crate::serve::lifecycle::NotRetried;
 
-/// A phase of the drill.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+/// A phase of the drill; the JSON record names it by its [`label`](Phase::label).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+#[serde(rename_all = "snake_case")]
 pub enum Phase {
     /// Short requests fit.
     Baseline,
@@ -70,12 +71,6 @@ impl Phase {
     /// Its place in the run, counting from 1.
     pub fn number(self) -> usize {
         Phase::ALL.iter().position(|&p| p == self).map_or(0, |i| i + 1)
-    }
-}
-
-impl Serialize for Phase {
-    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
-        serializer.serialize_str(self.label())
     }
 }
 

@@ -125,7 +125,7 @@ impl Record {
         let get = |name: &str| headers.get(name).and_then(|v| v.to_str().ok()).map(str::to_string);
         self.id_kept = get(REQUEST_ID).as_deref() == Some(self.id.as_str());
         self.pool = get(POOL_HEADER);
-        self.decision = get(DECISION_HEADER).and_then(|d| action(&d));
+        self.decision = get(DECISION_HEADER).and_then(|d| Action::from_label(&d));
         self.degraded = get(DEGRADED_HEADER);
         self.replayed = headers.contains_key(IDEMPOTENT_REPLAYED);
     }
@@ -140,14 +140,6 @@ impl Record {
         self.as_expected = expected(&self);
         Judged(self)
     }
-}
-
-/// `x-vramguard-decision`'s value as the action it names (the header carries its label).
-fn action(label: &str) -> Option<Action> {
-    use serde::Deserialize;
-    use serde::de::IntoDeserializer;
-    let label: serde::de::value::StrDeserializer<'_, serde::de::value::Error> = label.into_deserializer();
-    Action::deserialize(label).ok()
 }
 
 /// A record with its verdict, waiting to be kept.
@@ -176,9 +168,9 @@ mod tests {
 
     #[test]
     fn decision_headers_name_actions_and_failures_read_as_text() {
-        assert_eq!(action("shrink_context"), Some(Action::ShrinkContext));
-        assert_eq!(action("redirect"), Some(Action::Redirect));
-        assert_eq!(action("maybe"), None);
+        assert_eq!(Action::from_label("shrink_context"), Some(Action::ShrinkContext));
+        assert_eq!(Action::from_label("redirect"), Some(Action::Redirect));
+        assert_eq!(Action::from_label("maybe"), None);
         let event = Failure::StreamError {
             event: r#"{"tokens_sent":4}"#.into(),
             tokens_sent: Some(4),
