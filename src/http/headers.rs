@@ -111,16 +111,25 @@ pub(super) fn pool_facts(pool: &Pool, degraded: Option<&crate::pool::degraded::N
     facts
 }
 
-/// The same facts as [`pool_facts`], as response headers.
-pub(super) fn pool_headers(headers: &mut HeaderMap, pool: &Pool, degraded: Option<&crate::pool::degraded::Now>) {
-    if let Ok(v) = HeaderValue::from_str(pool.name()) {
+/// What every answer carries: the pool it reached, when it reached one, and while degraded why.
+pub(super) fn pool_and_degraded(
+    headers: &mut HeaderMap,
+    pool: Option<&str>,
+    degraded: Option<&crate::pool::degraded::Now>,
+) {
+    if let Some(v) = pool.and_then(|p| HeaderValue::from_str(p).ok()) {
         headers.insert(HeaderName::from_static(POOL_HEADER), v);
     }
-    let Some(degraded) = degraded else {
-        return;
-    };
-    if let Ok(v) = HeaderValue::from_str(&degraded.reason) {
+    if let Some(v) = degraded.and_then(|d| HeaderValue::from_str(&d.reason).ok()) {
         headers.insert(HeaderName::from_static(DEGRADED_HEADER), v);
+    }
+}
+
+/// The same facts as [`pool_facts`], as response headers.
+pub(super) fn pool_headers(headers: &mut HeaderMap, pool: &Pool, degraded: Option<&crate::pool::degraded::Now>) {
+    pool_and_degraded(headers, Some(pool.name()), degraded);
+    if degraded.is_none() {
+        return;
     }
     let max_context = pool
         .config

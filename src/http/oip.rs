@@ -463,15 +463,10 @@ fn refused_response(refused: lifecycle::Refused, id: &str, degraded: Option<&cra
         api = api.with("degraded", json!(degraded.reason));
     }
     let mut response = api.into_response();
-    if let Some(pool) = refused.pool.as_ref().and_then(|p| HeaderValue::from_str(p.name()).ok()) {
-        response
-            .headers_mut()
-            .insert(HeaderName::from_static(POOL_HEADER), pool);
-    }
-    if let Some(v) = degraded.and_then(|d| HeaderValue::from_str(&d.reason).ok()) {
-        response
-            .headers_mut()
-            .insert(HeaderName::from_static(DEGRADED_HEADER), v);
-    }
+    pool_and_degraded(
+        response.headers_mut(),
+        refused.pool.as_ref().map(|p| p.name()),
+        degraded,
+    );
     response
 }
