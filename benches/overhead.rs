@@ -88,6 +88,7 @@ impl InProcess {
             device_index: 0,
             intra_threads: 1,
             arena_shrinkage: false,
+            quiet: false,
         };
         let session = onnx::build_session(rt, BuiltinModel::Encoder.bytes(), &options).unwrap();
         let mut local = InProcess {

@@ -26,8 +26,8 @@ use std::time::{Duration, Instant};
 use criterion::Criterion;
 use vramguard::config::PolicySource;
 use vramguard::core::snapshot::{
-    BreakerState, Decision, DeviceClass, DeviceState, Estimate, HostState, PoolState, ProcessState, ProviderKind,
-    RequestInfo, Snapshot,
+    BreakerState, Decision, DeviceClass, DeviceState, Estimate, EstimateSource, HostState, PoolState, ProcessState,
+    ProviderKind, RequestInfo, Snapshot,
 };
 use vramguard::policy::{LiveLoad, Params, PolicyHandle, PolicySettings, PoolLoadNow, StateView};
 use vramguard::testing::bench::{Figure, Machine, Target, out_dir, percentile, record};
@@ -126,7 +126,9 @@ fn request(context_tokens: u64, context_bytes: u64) -> RequestInfo {
             context_bytes,
             workspace_bytes: 256 * MIB,
             total_bytes: 4 * GIB + context_bytes + 256 * MIB,
+            source: EstimateSource::Profile,
         },
+        dims: [("batch".to_string(), 1), ("seq".to_string(), context_tokens)].into(),
     }
 }
 

@@ -117,6 +117,38 @@ pub struct Estimate {
     pub workspace_bytes: u64,
     /// Sum of the above.
     pub total_bytes: u64,
+    /// Where the estimate came from.
+    pub source: EstimateSource,
+}
+
+/// Where a request's estimate came from (`req.estimate.source` in a policy).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum EstimateSource {
+    /// The profile measured at start-up (or its refit over what runs took).
+    #[default]
+    Profile,
+    /// Raised to what a run no larger in any dimension was seen to take.
+    Observed,
+    /// `models[].memory_profile` in the config.
+    Config,
+    /// A decoder's KV cache, read from its graph.
+    KvCache,
+    /// The profile could not be measured: weights only.
+    WeightsOnly,
+}
+
+impl EstimateSource {
+    /// The label (`profile`, `observed`, `config`, `kv_cache`, `weights_only`).
+    pub fn label(self) -> &'static str {
+        match self {
+            EstimateSource::Profile => "profile",
+            EstimateSource::Observed => "observed",
+            EstimateSource::Config => "config",
+            EstimateSource::KvCache => "kv_cache",
+            EstimateSource::WeightsOnly => "weights_only",
+        }
+    }
 }
 
 /// The request as a policy sees it.
@@ -147,6 +179,9 @@ pub struct RequestInfo {
     pub deadline_ms: u64,
     /// What it is expected to need.
     pub estimate: Estimate,
+    /// The input's size along each dynamic axis of the model (`height`, `width`, `seq`…), as
+    /// the estimate read it.
+    pub dims: BTreeMap<String, u64>,
 }
 
 /// A policy's decision.

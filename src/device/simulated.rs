@@ -50,6 +50,7 @@ impl SimulatedDevice {
             device_index: 0,
             intra_threads: 1,
             arena_shrinkage: false,
+            quiet: false,
         };
         let session = onnx::build_session(rt, BuiltinModel::Classifier.bytes(), &options)?;
         let info = MemoryInfo::new(AllocationDevice::CPU, 0, AllocatorType::Arena, MemoryType::Default)

@@ -5,8 +5,7 @@
 //! the script once per model and pool serving it, with [`smoke_test`].
 
 use crate::config::{Config, DeviceKind, ModelConfig, PoolConfig};
-use crate::core::snapshot::{DeviceState, Estimate, HostState, PoolState, RequestInfo, Snapshot};
-use crate::runtime::estimate::{MemoryProfile, ProfileSource};
+use crate::core::snapshot::{DeviceState, Estimate, EstimateSource, HostState, PoolState, RequestInfo, Snapshot};
 
 use super::script::{PolicyError, Script};
 use super::values::StateView;
@@ -86,19 +85,27 @@ pub fn smoke_requests(
 /// is measured only when `serve` loads the model).
 pub fn configured_estimate(model: &ModelConfig, context_tokens: u64) -> Estimate {
     match &model.profile {
-        Some(p) => MemoryProfile {
-            weights_bytes: p.weights_bytes.unwrap_or(MIB),
-            workspace_bytes: p.workspace_bytes as f64,
-            per_token_bytes: p.per_token_bytes,
-            per_token_squared_bytes: p.per_token_squared_bytes,
-            source: ProfileSource::Config,
+        Some(p) => {
+            let n = context_tokens as f64;
+            let ceiling = crate::runtime::estimate::ESTIMATE_CEILING;
+            let weights_bytes = p.weights_bytes.unwrap_or(MIB).min(ceiling);
+            let working = p.per_token_bytes * n + p.per_token_squared_bytes * n * n;
+            let context_bytes = (working.max(0.0).ceil() as u64).min(ceiling);
+            let workspace_bytes = p.workspace_bytes.min(ceiling);
+            Estimate {
+                weights_bytes,
+                context_bytes,
+                workspace_bytes,
+                total_bytes: weights_bytes + context_bytes + workspace_bytes,
+                source: EstimateSource::Config,
+            }
         }
-        .estimate(context_tokens, 1),
         None => Estimate {
             weights_bytes: MIB,
             context_bytes: MIB,
             workspace_bytes: 0,
             total_bytes: 2 * MIB,
+            source: EstimateSource::Profile,
         },
     }
 }

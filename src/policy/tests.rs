@@ -53,7 +53,9 @@ fn request() -> RequestInfo {
             context_bytes: 200,
             workspace_bytes: 30,
             total_bytes: 1230,
+            source: crate::core::snapshot::EstimateSource::Observed,
         },
+        dims: BTreeMap::from([("batch".into(), 2), ("seq".into(), 128)]),
     }
 }
 

@@ -311,18 +311,26 @@ pub(crate) fn request(req: &RequestInfo) -> Dynamic {
                 "allow_shrink",
                 "deadline_ms",
                 "estimate",
+                "dims",
             ]),
-            keys(&["weights_bytes", "context_bytes", "workspace_bytes", "total_bytes"]),
+            keys(&[
+                "weights_bytes",
+                "context_bytes",
+                "workspace_bytes",
+                "total_bytes",
+                "source",
+            ]),
         )
     });
     let mut estimate = estimate_keys.clone();
     for (key, slot) in estimate.iter_mut() {
-        *slot = int(match key.as_str() {
-            "weights_bytes" => req.estimate.weights_bytes,
-            "context_bytes" => req.estimate.context_bytes,
-            "workspace_bytes" => req.estimate.workspace_bytes,
-            _ => req.estimate.total_bytes,
-        });
+        *slot = match key.as_str() {
+            "weights_bytes" => int(req.estimate.weights_bytes),
+            "context_bytes" => int(req.estimate.context_bytes),
+            "workspace_bytes" => int(req.estimate.workspace_bytes),
+            "source" => Dynamic::from(ImmutableString::from(req.estimate.source.label())),
+            _ => int(req.estimate.total_bytes),
+        };
     }
     let mut map = request_keys.clone();
     let mut estimate = Some(estimate);
@@ -338,6 +346,7 @@ pub(crate) fn request(req: &RequestInfo) -> Dynamic {
             "replayable" => Dynamic::from_bool(req.replayable),
             "allow_shrink" => Dynamic::from_bool(req.allow_shrink),
             "deadline_ms" => int(req.deadline_ms),
+            "dims" => Dynamic::from_map(req.dims.iter().map(|(k, v)| (k.as_str().into(), int(*v))).collect()),
             _ => estimate.take().map_or(Dynamic::UNIT, Dynamic::from_map),
         };
     }

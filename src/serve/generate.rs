@@ -436,9 +436,7 @@ async fn run(
     let mut last_token = tokio::time::Instant::now();
     let mut rng = Rng::new(params.seed);
     let mut tokens: Vec<u32> = Vec::new();
-    let estimate = entry
-        .profile
-        .estimate((prompt_tokens as u64).saturating_add(u64::from(params.max_tokens)), 1);
+    let estimate = entry.estimate_tokens((prompt_tokens as u64).saturating_add(u64::from(params.max_tokens)), 1);
     let estimate_bytes = estimate.context_bytes.saturating_add(estimate.workspace_bytes);
     let finish = loop {
         let next = pick(&logits, params, &mut rng);

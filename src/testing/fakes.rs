@@ -8,7 +8,7 @@ use crate::config::{Config, ModelConfig, PoolConfig};
 use crate::core::backend::Backend;
 use crate::core::clock::SystemClock;
 use crate::core::tensor::{DataType, Tensor, TensorData};
-use crate::runtime::estimate::{MemoryProfile, ProfileSource};
+use crate::runtime::estimate::MemoryProfile;
 use crate::runtime::onnx::{ModelSignature, TensorSpec};
 use crate::serve::lifecycle::Request;
 use crate::serve::service::{BackendFactory, Parts, Service};
@@ -58,14 +58,14 @@ impl BackendFactory for FakeFactory {
         })
     }
 
-    fn measure_profile(&self, _model: &ModelConfig, bytes: &[u8], _signature: &ModelSignature) -> MemoryProfile {
-        MemoryProfile {
-            weights_bytes: bytes.len() as u64,
-            workspace_bytes: 1024.0,
+    fn measure_profile(&self, model: &ModelConfig, bytes: &[u8], signature: &ModelSignature) -> MemoryProfile {
+        let profile = crate::config::ConfiguredProfile {
+            weights_bytes: Some(bytes.len() as u64),
+            workspace_bytes: 1024,
             per_token_bytes: 1024.0,
             per_token_squared_bytes: 0.0,
-            source: ProfileSource::Config,
-        }
+        };
+        MemoryProfile::configured(&profile, bytes.len() as u64, model.context.as_ref(), signature)
     }
 
     fn backend(&self, pool: &PoolConfig, _models: &[(String, &[u8])]) -> Result<Box<dyn Backend>, String> {

@@ -108,7 +108,11 @@ impl Sizes {
         // The server's own profile type, read back; without one nothing is "over" and the
         // fallbacks below apply.
         let profile: Option<MemoryProfile> = serde_json::from_value(model["parameters"]["memory_profile"].clone()).ok();
-        let estimate = |seq: usize| profile.as_ref().map_or(0, |p| p.estimate(seq as u64, 1).total_bytes);
+        let estimate = |seq: usize| {
+            profile
+                .as_ref()
+                .map_or(0, |p| p.estimate_tokens(seq as u64, 1).total_bytes)
+        };
         let capacity = drill
             .status()
             .await?

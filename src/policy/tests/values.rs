@@ -17,7 +17,9 @@ fn req_carries_every_contract_field() {
                 && req.context_tokens == 128 && req.max_new_tokens == 16 && req.batch == 2
                 && req.priority == -3 && req.replayable && req.allow_shrink && req.deadline_ms == 250
                 && e.weights_bytes == 1000 && e.context_bytes == 200 && e.workspace_bytes == 30
-                && e.total_bytes == 1230 && req.len() == 11 && e.len() == 4;
+                && e.total_bytes == 1230 && e.source == "observed"
+                && req.dims.seq == 128 && req.dims.batch == 2 && req.dims.len() == 2
+                && req.len() == 12 && e.len() == 5;
             if ok { admit() } else { reject(`req was ${req}`) }
         }"#,
     );

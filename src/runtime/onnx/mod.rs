@@ -341,6 +341,9 @@ pub struct SessionOptions {
     pub intra_threads: usize,
     /// Shrink the arena after every run (`memory.enable_memory_arena_shrinkage`).
     pub arena_shrinkage: bool,
+    /// Log only fatal errors: for measuring runs, where a refused input size is expected and
+    /// answered by trying the next one.
+    pub quiet: bool,
 }
 
 /// Build a session for `model` under `options`. CUDA registration failure is an error, never a
@@ -358,6 +361,9 @@ pub fn build_session(rt: &OnnxRuntime, model: &[u8], options: &SessionOptions) -
         .map_err(msg)?
         .with_inter_threads(1)
         .map_err(msg)?;
+    if options.quiet {
+        builder = builder.with_log_level(ort::logging::LogLevel::Fatal).map_err(msg)?;
+    }
     builder = match &options.provider {
         Provider::Cpu => builder
             .with_execution_providers([ep::CPU::default().with_arena_allocator(true).build()])
@@ -395,6 +401,7 @@ pub fn probe_cuda(rt: &OnnxRuntime, device_index: u32) -> Result<(), String> {
         device_index,
         intra_threads: 1,
         arena_shrinkage: false,
+        quiet: false,
     };
     build_session(rt, crate::core::model::BuiltinModel::Classifier.bytes(), &options).map(drop)
 }

@@ -38,9 +38,9 @@ pub(super) struct Admitted {
 pub(super) async fn admit(service: &Service, entry: &ModelEntry, request: &mut Request) -> Result<Admitted, Refused> {
     let refuse = |error: RequestError| Refused { pool: None, error };
     let routed = routed_pool(service, &entry.config.name).map_err(refuse)?;
+    let dims = entry.with_new_tokens(entry.dims_of(&request.inputs), request.max_new_tokens);
     let mut info = request_info(entry, request, &routed);
-    let shape = (info.context_tokens, info.batch);
-    if let Some(never) = super::fits::never_fits(service, entry, request, &info.estimate, shape) {
+    if let Some(never) = super::fits::never_fits(service, entry, request, &info.estimate, &dims) {
         return Err(refuse(RequestError::NeverFits(Box::new(never))));
     }
     let mut deferred = Duration::ZERO;
@@ -132,7 +132,15 @@ fn routed_pool(service: &Service, model: &str) -> Result<Arc<Pool>, RequestError
 /// What the policy is told about the request, routed to `routed` (its deadline is filled in
 /// before each decision).
 fn request_info(entry: &ModelEntry, request: &Request, routed: &Pool) -> RequestInfo {
-    let (tokens, batch) = entry.shape_of(&request.inputs);
+    let sent = entry.dims_of(&request.inputs);
+    let (tokens, batch) = entry.tokens_and_batch(&sent);
+    let dims = entry
+        .profile
+        .axes
+        .iter()
+        .enumerate()
+        .map(|(i, axis)| (axis.name.clone(), sent.get(i)))
+        .collect();
     RequestInfo {
         id: request.meta.request_id.clone(),
         model: entry.config.name.clone(),
@@ -144,9 +152,8 @@ fn request_info(entry: &ModelEntry, request: &Request, routed: &Pool) -> Request
         replayable: request.meta.replayable,
         allow_shrink: request.meta.allow_shrink,
         deadline_ms: 0,
-        estimate: entry
-            .profile
-            .estimate(tokens.saturating_add(request.max_new_tokens), batch),
+        estimate: entry.estimate(&entry.with_new_tokens(sent, request.max_new_tokens)),
+        dims,
     }
 }
 
@@ -252,7 +259,7 @@ fn shrink(
             tensor.truncate_axis(axis.axis, to as usize, axis.keep == Keep::End);
         }
         context = Some((info.context_tokens, to));
-        estimate = entry.estimate(&request.inputs);
+        estimate = entry.estimate_inputs(&request.inputs);
     } else if let (Some(to), Some(shrinker)) = (shrink_to, &request.shrinker) {
         let shrunk = (shrinker.0)(to).map_err(|why| RequestError::Refused {
             reason: format!("the policy asked to shrink the context to {to} tokens, but {why}"),
@@ -261,9 +268,7 @@ fn shrink(
         context = Some((info.context_tokens, shrunk.tokens));
         context_cut = Some(shrunk.cut);
         request.inputs = shrunk.inputs;
-        estimate = entry
-            .profile
-            .estimate(shrunk.tokens.saturating_add(request.max_new_tokens), 1);
+        estimate = entry.estimate_tokens(shrunk.tokens.saturating_add(request.max_new_tokens), 1);
     }
     Ok(Admitted {
         pool,

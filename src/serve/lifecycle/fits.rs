@@ -11,7 +11,7 @@ use std::fmt;
 
 use crate::core::snapshot::{Estimate, Snapshot};
 use crate::pool::Pool;
-use crate::runtime::estimate::MemoryProfile;
+use crate::runtime::estimate::{AxisRole, Dims};
 use crate::serve::service::{Memory, ModelEntry, Service, memory_of};
 use crate::telemetry::logging::human_bytes;
 
@@ -80,16 +80,16 @@ impl fmt::Display for NeverFits {
     }
 }
 
-/// Whether `request`, estimated at `estimate` for `tokens` of context and `batch`, can never run
-/// on a pool serving `entry`'s model; `None` when some pool could take it some day, when one
-/// cannot be judged (a remote pool, no memory reading yet), or when the client lets its context
-/// be cut (the policy may shrink it to fit).
+/// Whether `request`, estimated at `estimate` for a run of `dims`, can never run on a pool
+/// serving `entry`'s model; `None` when some pool could take it some day, when one cannot be
+/// judged (a remote pool, no memory reading yet), or when the client lets its context be cut
+/// (the policy may shrink it to fit).
 pub(super) fn never_fits(
     service: &Service,
     entry: &ModelEntry,
     request: &Request,
     estimate: &Estimate,
-    (tokens, batch): (u64, u64),
+    dims: &Dims,
 ) -> Option<NeverFits> {
     // A context axis, or a decoder's prompt: what a client could send less of.
     let can_shrink = entry.config.context.is_some() || entry.decoder.is_some();
@@ -97,6 +97,7 @@ pub(super) fn never_fits(
         return None;
     }
     let model = entry.config.name.as_str();
+    let (tokens, _) = entry.tokens_and_batch(dims);
     let snapshot = &service.store.latest().snapshot;
     let serving = || service.pools.iter().filter(|p| p.serves(model));
     // Every request passes here: the numbers first, and words only for a request refused.
@@ -113,24 +114,31 @@ pub(super) fn never_fits(
         Some(ctx) => format!("input `{}` axis {}", ctx.input, ctx.axis),
         None => "the prompt and max_tokens together".to_string(),
     });
+    // The same request with another context length (every other dimension as sent).
+    let context = entry.profile.axis_with(AxisRole::Context);
+    let need_at = |t: u64| match context {
+        Some(i) => entry.estimate(&dims.with(i, t)).total_bytes,
+        None => estimate.total_bytes,
+    };
     judge(
         model,
-        &entry.profile,
         estimate,
-        (tokens, batch, request.max_new_tokens),
+        (tokens, request.max_new_tokens),
         &ceilings,
         axis,
+        &need_at,
     )
 }
 
 /// The pure part: with every serving pool's ceiling known, whether the request fits under one.
+/// `need_at(t)` is the request's estimate with `t` tokens of context in all.
 fn judge(
     model: &str,
-    profile: &MemoryProfile,
     estimate: &Estimate,
-    (tokens, batch, new_tokens): (u64, u64, u64),
+    (tokens, new_tokens): (u64, u64),
     ceilings: &[Ceiling],
     axis: Option<String>,
+    need_at: &dyn Fn(u64) -> u64,
 ) -> Option<NeverFits> {
     let takes = |c: &Ceiling| c.max_context.is_none_or(|max| tokens <= max);
     let fits = |c: &Ceiling| fits_under(c.bytes, c.max_context, estimate.total_bytes, tokens);
@@ -144,7 +152,7 @@ fn judge(
             .iter()
             .map(|c| {
                 let cap = c.max_context.unwrap_or(u64::MAX).min(tokens);
-                longest_within(profile, batch, new_tokens, cap, c.bytes)
+                longest_within(need_at, new_tokens, cap, c.bytes)
             })
             .max()
             .unwrap_or(0)
@@ -168,8 +176,8 @@ fn fits_under(bytes: u64, max_context: Option<u64>, need: u64, tokens: u64) -> b
 /// The longest context of at most `cap` tokens (plus `new_tokens` a generation may add) whose
 /// estimate stays within `bytes`; 0 when not even an empty one does. The estimate grows with
 /// the context, so a bisection finds it.
-fn longest_within(profile: &MemoryProfile, batch: u64, new_tokens: u64, cap: u64, bytes: u64) -> u64 {
-    let fits = |t: u64| profile.estimate(t.saturating_add(new_tokens), batch).total_bytes <= bytes;
+fn longest_within(need_at: &dyn Fn(u64) -> u64, new_tokens: u64, cap: u64, bytes: u64) -> u64 {
+    let fits = |t: u64| need_at(t.saturating_add(new_tokens)) <= bytes;
     if !fits(0) {
         return 0;
     }
@@ -240,17 +248,35 @@ fn room(service: &Service, pool: &Pool, model: &str, snapshot: &Snapshot) -> Opt
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::runtime::estimate::ProfileSource;
+    use crate::runtime::estimate::MemoryProfile;
 
     /// The bundled encoder's shape: 16·n² bytes of attention scores a token squared.
     fn encoder() -> MemoryProfile {
-        MemoryProfile {
-            weights_bytes: 1 << 20,
-            workspace_bytes: 4096.0,
+        let configured = crate::config::ConfiguredProfile {
+            weights_bytes: Some(1 << 20),
+            workspace_bytes: 4096,
             per_token_bytes: 1024.0,
             per_token_squared_bytes: 16.0,
-            source: ProfileSource::Config,
-        }
+        };
+        let context = crate::config::ContextAxis {
+            input: "input".into(),
+            axis: 1,
+            keep: crate::config::Keep::End,
+        };
+        let signature = crate::runtime::onnx::ModelSignature {
+            inputs: vec![crate::runtime::onnx::TensorSpec {
+                name: "input".into(),
+                datatype: crate::core::tensor::DataType::Fp32,
+                shape: vec![-1, -1, 64],
+                symbols: vec!["batch".into(), "seq".into(), String::new()],
+            }],
+            outputs: vec![],
+        };
+        MemoryProfile::configured(&configured, 0, Some(&context), &signature)
+    }
+
+    fn need(profile: &MemoryProfile) -> impl Fn(u64) -> u64 + '_ {
+        |t| profile.estimate_tokens(t, 1).total_bytes
     }
 
     fn pool(name: &str, bytes: u64, max_context: Option<u64>) -> Ceiling {
@@ -267,10 +293,10 @@ mod tests {
     #[test]
     fn a_request_that_fits_one_pool_is_not_judged() {
         let profile = encoder();
-        let estimate = profile.estimate(4096, 1);
+        let estimate = profile.estimate_tokens(4096, 1);
         let pools = [pool("gpu", 128 << 20, None), pool("cpu", 8 << 30, None)];
         assert_eq!(
-            judge("encoder", &profile, &estimate, (4096, 1, 0), &pools, AXIS()),
+            judge("encoder", &estimate, (4096, 0), &pools, AXIS(), &need(&profile)),
             None
         );
     }
@@ -278,15 +304,15 @@ mod tests {
     #[test]
     fn a_request_over_every_ceiling_names_its_need_the_largest_pool_and_what_fits() {
         let profile = encoder();
-        let estimate = profile.estimate(100_000, 1);
+        let estimate = profile.estimate_tokens(100_000, 1);
         let pools = [pool("gpu", 128 << 20, None), pool("cpu", 1 << 30, None)];
-        let never = judge("encoder", &profile, &estimate, (100_000, 1, 0), &pools, AXIS()).expect("never fits");
+        let never = judge("encoder", &estimate, (100_000, 0), &pools, AXIS(), &need(&profile)).expect("never fits");
         assert_eq!(never.need_bytes, estimate.total_bytes);
         assert_eq!(never.largest.as_ref().map(|c| c.pool.as_str()), Some("cpu"));
         let max = never.max_tokens.expect("a longest context");
         // The longest context is exact: one more token would not fit under 1 GiB.
-        assert!(profile.estimate(max, 1).total_bytes <= 1 << 30);
-        assert!(profile.estimate(max + 1, 1).total_bytes > 1 << 30);
+        assert!(profile.estimate_tokens(max, 1).total_bytes <= 1 << 30);
+        assert!(profile.estimate_tokens(max + 1, 1).total_bytes > 1 << 30);
         let message = never.to_string();
         assert!(
             message.starts_with("`encoder` can never fit here: it needs an estimated "),
@@ -304,9 +330,9 @@ mod tests {
     #[test]
     fn a_context_longer_than_every_pools_max_context_never_fits_either() {
         let profile = encoder();
-        let estimate = profile.estimate(2048, 1);
+        let estimate = profile.estimate_tokens(2048, 1);
         let pools = [pool("gpu", 8 << 30, Some(1024)), pool("cpu", 8 << 30, Some(512))];
-        let never = judge("encoder", &profile, &estimate, (2048, 1, 0), &pools, AXIS()).expect("never fits");
+        let never = judge("encoder", &estimate, (2048, 0), &pools, AXIS(), &need(&profile)).expect("never fits");
         assert_eq!(never.largest, None);
         assert_eq!(never.max_tokens, Some(1024));
         assert!(
@@ -318,11 +344,11 @@ mod tests {
     #[test]
     fn a_generation_counts_the_tokens_it_may_add() {
         let profile = encoder();
-        let ceiling = profile.estimate(1000, 1).total_bytes;
+        let ceiling = profile.estimate_tokens(1000, 1).total_bytes;
         let pools = [pool("gpu", ceiling, None)];
         // 900 prompt tokens fit alone, not with 200 more to come.
-        let estimate = profile.estimate(1100, 1);
-        let never = judge("tiny", &profile, &estimate, (900, 1, 200), &pools, AXIS()).expect("never fits");
+        let estimate = profile.estimate_tokens(1100, 1);
+        let never = judge("tiny", &estimate, (900, 200), &pools, AXIS(), &need(&profile)).expect("never fits");
         assert_eq!(never.tokens, 1100);
         assert_eq!(never.max_tokens, Some(800));
     }
@@ -330,9 +356,13 @@ mod tests {
     #[test]
     fn a_model_without_a_context_names_no_axis() {
         let profile = encoder();
-        let estimate = profile.estimate(0, 1 << 40);
+        // A batch far too large for a model with no context axis.
+        let estimate = Estimate {
+            total_bytes: 1 << 41,
+            ..Estimate::default()
+        };
         let pools = [pool("cpu", 1 << 30, None)];
-        let never = judge("classifier", &profile, &estimate, (0, 1 << 40, 0), &pools, None).expect("never fits");
+        let never = judge("classifier", &estimate, (0, 0), &pools, None, &need(&profile)).expect("never fits");
         assert_eq!((never.max_tokens, never.axis.as_deref()), (None, None));
         assert!(!never.to_string().contains("allow-shrink"), "{never}");
     }

@@ -4,8 +4,11 @@
 use std::sync::Arc;
 
 use crate::config::{Config, ConfigError, ModelConfig};
+use crate::core::snapshot::Estimate;
+use crate::core::tensor::Tensor;
 use crate::runtime::decoder::DecoderLayout;
-use crate::runtime::estimate::{MemoryProfile, ProfileSource};
+use crate::runtime::estimate::learned::{Learned, Observation};
+use crate::runtime::estimate::{AxisRole, Dims, MemoryProfile, ProfileSource};
 use crate::runtime::onnx::ModelSignature;
 
 use super::BackendFactory;
@@ -19,6 +22,8 @@ pub struct ModelEntry {
     pub signature: ModelSignature,
     /// What its runs need, for request estimates.
     pub profile: MemoryProfile,
+    /// What its runs were seen to take.
+    pub learned: Arc<Learned>,
     /// The ONNX bytes, read once and shared by every pool's sessions.
     pub bytes: ModelBytes,
     /// Its KV-cache layout, when it is a decoder with past key values.
@@ -48,36 +53,51 @@ impl std::fmt::Debug for ModelBytes {
 }
 
 impl ModelEntry {
-    /// Context length and batch of a request's inputs: the context axis' length (0 without
-    /// one) and the first axis of the context input (or of the first input).
-    pub fn shape_of(&self, inputs: &[crate::core::tensor::Tensor]) -> (u64, u64) {
-        let dim = |name: &str, axis: usize| {
-            inputs
-                .iter()
-                .find(|t| t.name == name)
-                .and_then(|t| t.shape.get(axis))
-                .map_or(0, |d| (*d).max(0) as u64)
-        };
-        if self.decoder.is_some() {
-            // The cache holds every position the attention mask covers: past and new tokens.
-            return (dim("attention_mask", 1), dim("input_ids", 0).max(1));
-        }
-        match &self.config.context {
-            Some(ctx) => {
-                let batch = if ctx.axis == 0 { 1 } else { dim(&ctx.input, 0) };
-                (dim(&ctx.input, ctx.axis), batch.max(1))
-            }
-            None => {
-                let first = self.signature.inputs.first().map(|s| s.name.as_str()).unwrap_or("");
-                (0, dim(first, 0).max(1))
-            }
-        }
+    /// A request's size along each axis of the model's profile.
+    pub fn dims_of(&self, inputs: &[Tensor]) -> Dims {
+        self.profile.dims_of(inputs)
+    }
+
+    /// Context length and batch of a request's size: the context axis' length (0 without one)
+    /// and the batch axis' (1 without one).
+    pub fn tokens_and_batch(&self, dims: &Dims) -> (u64, u64) {
+        let tokens = self.profile.axis_with(AxisRole::Context).map_or(0, |i| dims.get(i));
+        let batch = self
+            .profile
+            .axis_with(AxisRole::Batch)
+            .map_or(1, |i| dims.get(i).max(1));
+        (tokens, batch)
+    }
+
+    /// The estimate for a run of `dims`: the profile's (or its refit's), never below what a run
+    /// no larger in any dimension was seen to take.
+    pub fn estimate(&self, dims: &Dims) -> Estimate {
+        let (working, source) = self.learned.working(&self.profile, dims);
+        self.profile.estimate_with(working, source)
     }
 
     /// The estimate for a request's inputs.
-    pub fn estimate(&self, inputs: &[crate::core::tensor::Tensor]) -> crate::core::snapshot::Estimate {
-        let (tokens, batch) = self.shape_of(inputs);
-        self.profile.estimate(tokens, batch)
+    pub fn estimate_inputs(&self, inputs: &[Tensor]) -> Estimate {
+        self.estimate(&self.dims_of(inputs))
+    }
+
+    /// `dims` with `new_tokens` a generation adds on its context axis.
+    pub fn with_new_tokens(&self, dims: Dims, new_tokens: u64) -> Dims {
+        match self.profile.axis_with(AxisRole::Context) {
+            Some(i) if new_tokens > 0 => dims.with(i, dims.get(i).saturating_add(new_tokens)),
+            _ => dims,
+        }
+    }
+
+    /// The estimate for `context_tokens` of context and `batch` items (a generation's prompt
+    /// and its new tokens).
+    pub fn estimate_tokens(&self, context_tokens: u64, batch: u64) -> Estimate {
+        self.estimate(&self.profile.dims_for(context_tokens, batch))
+    }
+
+    /// Record what a run of `dims` was measured to take; true when a refit is due.
+    pub fn observe(&self, dims: Dims, observation: Observation) -> bool {
+        self.learned.observe(dims, observation)
     }
 }
 
@@ -121,6 +141,7 @@ fn load_model(backends: &dyn BackendFactory, m: &ModelConfig) -> Result<ModelEnt
     Ok(ModelEntry {
         config: m.clone(),
         signature,
+        learned: Arc::new(Learned::new(&profile)),
         profile,
         bytes: ModelBytes(Arc::new(bytes)),
         decoder,
@@ -179,27 +200,19 @@ fn profile_of(
     decoder: Option<DecoderLayout>,
 ) -> MemoryProfile {
     let profile = match (&m.profile, decoder) {
-        (None, Some(layout)) => MemoryProfile {
-            weights_bytes: bytes.len() as u64,
-            workspace_bytes: 0.0,
+        (None, Some(layout)) => MemoryProfile::per_token(
+            bytes.len() as u64,
             // The cache for every position, and the logits of a prompt's positions.
-            per_token_bytes: (layout.kv_bytes_per_token() + layout.logits_bytes_per_token()) as f64,
-            per_token_squared_bytes: 0.0,
-            source: ProfileSource::KvCache {
+            (layout.kv_bytes_per_token() + layout.logits_bytes_per_token()) as f64,
+            ProfileSource::KvCache {
                 layers: layout.layers,
                 kv_heads: layout.kv_heads,
                 head_size: layout.head_size,
                 kv_bytes_per_token: layout.kv_bytes_per_token(),
             },
-        },
+        ),
         _ => match &m.profile {
-            Some(p) => MemoryProfile {
-                weights_bytes: p.weights_bytes.unwrap_or(bytes.len() as u64),
-                workspace_bytes: p.workspace_bytes as f64,
-                per_token_bytes: p.per_token_bytes,
-                per_token_squared_bytes: p.per_token_squared_bytes,
-                source: ProfileSource::Config,
-            },
+            Some(p) => MemoryProfile::configured(p, bytes.len() as u64, m.context.as_ref(), signature),
             None => backends.measure_profile(m, bytes, signature),
         },
     };
@@ -207,14 +220,17 @@ fn profile_of(
         ProfileSource::Unmeasured { reason } => tracing::warn!(
             model = %m.name,
             %reason,
-            "memory profile not measured; estimates count weights only (set models[].memory_profile)"
+            "memory profile not measured; estimates count weights only until runs are observed (or set models[].memory_profile)"
         ),
         _ => tracing::info!(
             model = %m.name,
             weights = %crate::telemetry::logging::human_bytes(profile.weights_bytes),
             workspace = %crate::telemetry::logging::human_bytes(profile.workspace_bytes.round() as u64),
-            per_token_bytes = format_args!("{:.1}", profile.per_token_bytes),
-            per_token_squared_bytes = format_args!("{:.1}", profile.per_token_squared_bytes),
+            working = %profile.formula(),
+            measure_ms = match &profile.source {
+                ProfileSource::Measured { measure_ms, .. } => *measure_ms,
+                _ => 0,
+            },
             "memory profile"
         ),
     }

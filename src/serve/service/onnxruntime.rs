@@ -7,7 +7,7 @@ use std::sync::Arc;
 use crate::config::{Config, DeviceKind, ModelConfig, PoolConfig, Provider};
 use crate::core::backend::Backend;
 use crate::device::simulated::{FaultInjecting, SimulatedDevice};
-use crate::runtime::estimate::{self, MemoryProfile, ProfileSource};
+use crate::runtime::estimate::{self, MemoryProfile};
 use crate::runtime::onnx::{self, ModelSignature, OnnxRuntime, OrtBackend, SessionOptions};
 
 use super::BackendFactory;
@@ -38,12 +38,13 @@ impl OrtFactory {
 
     /// A CPU session: signatures and profiles are read on the CPU, so they are known even when
     /// every accelerator pool is unavailable.
-    fn probe(&self, bytes: &[u8]) -> Result<ort::session::Session, String> {
+    fn probe(&self, bytes: &[u8], quiet: bool) -> Result<ort::session::Session, String> {
         let options = SessionOptions {
             provider: Provider::Cpu,
             device_index: 0,
             intra_threads: 1,
             arena_shrinkage: false,
+            quiet,
         };
         onnx::build_session(self.rt, bytes, &options).map_err(|e| format!("ONNX Runtime cannot load it: {e}"))
     }
@@ -55,37 +56,24 @@ impl BackendFactory for OrtFactory {
     }
 
     fn signature(&self, _model: &ModelConfig, bytes: &[u8]) -> Result<ModelSignature, String> {
-        onnx::signature(&self.probe(bytes)?)
+        onnx::signature(&self.probe(bytes, false)?)
     }
 
     fn measure_profile(&self, model: &ModelConfig, bytes: &[u8], signature: &ModelSignature) -> MemoryProfile {
-        let unmeasured = |reason: String| MemoryProfile {
-            weights_bytes: bytes.len() as u64,
-            workspace_bytes: 0.0,
-            per_token_bytes: 0.0,
-            per_token_squared_bytes: 0.0,
-            source: ProfileSource::Unmeasured { reason },
+        // Each measuring session is a fresh CPU session with its own arena, read through it.
+        let mut open = || -> Result<(ort::session::Session, ort::memory::Allocator), String> {
+            let session = self.probe(bytes, true)?;
+            let info = ort::memory::MemoryInfo::new(
+                ort::memory::AllocationDevice::CPU,
+                0,
+                ort::memory::AllocatorType::Arena,
+                ort::memory::MemoryType::Default,
+            )
+            .map_err(|e| e.to_string())?;
+            let allocator = ort::memory::Allocator::new(&session, info).map_err(|e| e.to_string())?;
+            Ok((session, allocator))
         };
-        let mut session = match self.probe(bytes) {
-            Ok(session) => session,
-            Err(reason) => return unmeasured(reason),
-        };
-        let info = ort::memory::MemoryInfo::new(
-            ort::memory::AllocationDevice::CPU,
-            0,
-            ort::memory::AllocatorType::Arena,
-            ort::memory::MemoryType::Default,
-        );
-        match info.and_then(|info| ort::memory::Allocator::new(&session, info)) {
-            Ok(allocator) => estimate::measure(
-                &mut session,
-                &allocator,
-                signature,
-                model.context.as_ref(),
-                bytes.len() as u64,
-            ),
-            Err(e) => unmeasured(e.to_string()),
-        }
+        estimate::measure(&mut open, signature, model.context.as_ref(), bytes.len() as u64)
     }
 
     fn backend(&self, pool: &PoolConfig, models: &[(String, &[u8])]) -> Result<Box<dyn Backend>, String> {
@@ -105,6 +93,7 @@ impl BackendFactory for OrtFactory {
             device_index,
             intra_threads: pool.intra_threads,
             arena_shrinkage: pool.arena_shrinkage,
+            quiet: false,
         };
         let backend: Box<dyn Backend> = Box::new(OrtBackend::load(self.rt, models, &options)?);
         match self.simulated.iter().find(|d| d.name == pool.device) {

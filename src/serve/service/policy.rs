@@ -103,7 +103,7 @@ pub(super) fn load_policy(
         |pool| ready_pools.contains(&pool.name.as_str()),
         |model, tokens| {
             let entry = models.iter().find(|m| m.config.name == model.name);
-            entry.map(|m| m.profile.estimate(tokens, 1)).unwrap_or_default()
+            entry.map(|m| m.estimate_tokens(tokens, 1)).unwrap_or_default()
         },
     );
     crate::policy::smoke_test(&handle.current().script, &requests, snapshot).map_err(|e| {

@@ -1,0 +1,288 @@
+//! Measuring a model's profile at start-up: runs on zero inputs at several sizes along every
+//! dynamic axis, each run's peak read from the session's own arena, then fitted.
+//!
+//! The arena reports only its all-time peak (`MaxInUse`), so a run's own peak is known when it
+//! raises that peak; a run that does not is measured again on a fresh session. A size the model
+//! refuses (an image smaller than its stride, audio shorter than its window) is skipped for the
+//! next larger one, so a model with limits is still measured.
+
+use std::time::{Duration, Instant};
+
+use ort::memory::Allocator;
+use ort::session::Session;
+
+use super::fit::fit;
+use super::{AxisRole, Dims, MAX_AXES, MemoryProfile, ProfileSource, axes_of};
+use crate::config::ContextAxis;
+use crate::core::tensor::{Tensor, TensorData};
+use crate::runtime::onnx::{self, ModelSignature, arena};
+
+/// Measuring adds no point after this long (the base run always happens).
+const BUDGET: Duration = Duration::from_millis(1500);
+/// No measuring run gets an input larger than this many elements.
+const MAX_ELEMENTS: usize = 1 << 24;
+/// The sizes tried for the smallest run, for every axis that is not a batch.
+const BASE_SIZES: [u64; 4] = [16, 64, 256, 512];
+/// An axis grows until its run's peak is at least this (and four times the base's), so the
+/// arena's rounding of small blocks does not pass for the shape of the growth.
+const SIGNAL_BYTES: u64 = 256 << 10;
+/// Smallest runs tried before giving up.
+const MAX_REFUSED: usize = 24;
+
+/// A session to measure on, rebuilt when a run's peak cannot be told from an earlier one.
+pub type Open<'a> = dyn FnMut() -> Result<(Session, Allocator), String> + 'a;
+
+struct Probe<'a, 'b> {
+    open: &'a mut Open<'b>,
+    session: Option<(Session, Allocator)>,
+    /// Arena bytes in use once the session was built (its weights, where they are in it).
+    baseline: u64,
+    /// The arena's all-time peak so far.
+    peak: u64,
+    signature: &'a ModelSignature,
+    axes: &'a [super::Axis],
+}
+
+impl Probe<'_, '_> {
+    fn ensure(&mut self) -> Result<(), String> {
+        if self.session.is_none() {
+            let (session, allocator) = (self.open)()?;
+            let stats = arena::allocator_stats(&allocator)?;
+            self.baseline = stats.active_bytes;
+            self.peak = stats.peak_active_bytes;
+            self.session = Some((session, allocator));
+        }
+        Ok(())
+    }
+
+    /// One run at `dims`, returning its peak working bytes.
+    fn run(&mut self, dims: &Dims) -> Result<u64, String> {
+        let inputs = inputs_at(self.signature, self.axes, dims)?;
+        self.ensure()?;
+        let ran = self.run_once(inputs.clone())?;
+        if ran > self.peak {
+            self.peak = ran;
+            return Ok(ran.saturating_sub(self.baseline));
+        }
+        // Not above an earlier run's peak: this run's own is unknown, so measure it alone.
+        self.session = None;
+        self.ensure()?;
+        let before = self.peak;
+        let ran = self.run_once(inputs)?;
+        self.peak = self.peak.max(ran);
+        // At most the session's own start-up peak when even a fresh one did not move it.
+        Ok(ran.max(before).saturating_sub(self.baseline))
+    }
+
+    /// Run once; the arena's peak after it (or the run's own error, if it failed).
+    fn run_once(&mut self, inputs: Vec<Tensor>) -> Result<u64, String> {
+        let (session, allocator) = self.session.as_mut().expect("ensured");
+        let result = onnx::run(session, inputs, &[], None);
+        let peak = arena::allocator_stats(allocator)?.peak_active_bytes;
+        match result {
+            Ok(_) => Ok(peak),
+            Err(e) => {
+                // A failed run may have moved the peak; later runs are judged against it.
+                self.peak = self.peak.max(peak);
+                Err(e.to_string())
+            }
+        }
+    }
+}
+
+/// Zero inputs for `signature` with its dynamic axes at `dims`.
+fn inputs_at(signature: &ModelSignature, axes: &[super::Axis], dims: &Dims) -> Result<Vec<Tensor>, String> {
+    let mut inputs = Vec::new();
+    for spec in &signature.inputs {
+        let shape: Vec<i64> = spec
+            .shape
+            .iter()
+            .enumerate()
+            .map(|(axis, &dim)| {
+                if dim != -1 {
+                    return dim;
+                }
+                axes.iter()
+                    .position(|a| a.at.iter().any(|at| at.input == spec.name && at.axis == axis))
+                    .filter(|&i| i < MAX_AXES)
+                    .map_or(1, |i| dims.get(i) as i64)
+            })
+            .collect();
+        let len = Tensor::element_count(&shape)
+            .filter(|&n| n <= MAX_ELEMENTS)
+            .ok_or_else(|| {
+                format!(
+                    "input `{}` of shape {shape:?} is larger than a measuring run takes",
+                    spec.name
+                )
+            })?;
+        inputs.push(Tensor {
+            name: spec.name.clone(),
+            shape,
+            data: TensorData::zeros(spec.datatype, len),
+        });
+    }
+    Ok(inputs)
+}
+
+/// `base` scaled by `factor` along axis `i`: a batch grows 1, 2, 4…, a size doubles from its base.
+fn scaled(base: u64, factor: u64, role: AxisRole) -> u64 {
+    match role {
+        AxisRole::Batch => base.max(1) * factor,
+        _ => base * factor,
+    }
+}
+
+/// The smallest runs to try, in order: batch 1 and every other axis at 16, 64, 256 and 512;
+/// then the same with one axis at 1 (a second input's batch that must match the first's).
+fn bases(roles: &[AxisRole]) -> Vec<Dims> {
+    let at = |size: u64, one: Option<usize>| {
+        let values: Vec<u64> = (0..roles.len())
+            .map(|i| match roles[i] {
+                AxisRole::Batch => 1,
+                _ if one == Some(i) => 1,
+                _ => size,
+            })
+            .collect();
+        Dims::new(&values)
+    };
+    let sizes: Vec<usize> = (0..roles.len()).filter(|&i| roles[i] != AxisRole::Batch).collect();
+    let mut out: Vec<Dims> = BASE_SIZES.iter().map(|&v| at(v, None)).collect();
+    for &v in &BASE_SIZES {
+        out.extend(sizes.iter().map(|&i| at(v, Some(i))));
+    }
+    out.dedup();
+    out
+}
+
+/// Measure a profile: `open` builds a fresh CPU session with its own arena (read through the
+/// allocator it returns), `model_size` is the serialized model's size.
+pub fn measure(
+    open: &mut Open<'_>,
+    signature: &ModelSignature,
+    context: Option<&ContextAxis>,
+    model_size: u64,
+) -> MemoryProfile {
+    let started = Instant::now();
+    let mut axes = axes_of(signature, context);
+    axes.truncate(MAX_AXES);
+    let k = axes.len();
+    let mut probe = Probe {
+        open,
+        session: None,
+        baseline: 0,
+        peak: 0,
+        signature,
+        axes: &axes,
+    };
+    if let Err(reason) = probe.ensure() {
+        return MemoryProfile::weights_only(model_size, axes.clone(), reason);
+    }
+    // What the arena holds once the session is built, but never less than the serialized model:
+    // initializers a provider keeps outside the arena (not copied into it, or pre-packed
+    // elsewhere) do not show in its statistics, and counting only the arena took a 4.6 MB text
+    // detector for 11 KiB of weights.
+    let weights_bytes = probe.baseline.max(model_size);
+    let roles: Vec<AxisRole> = axes.iter().map(|a| a.role).collect();
+    let in_budget = || started.elapsed() < BUDGET;
+    let mut points: Vec<(Dims, u64)> = Vec::new();
+    let mut refused: Vec<String> = Vec::new();
+    let mut base = Dims::default();
+    for candidate in bases(&roles) {
+        if !refused.is_empty() && (!in_budget() || refused.len() >= MAX_REFUSED) {
+            break;
+        }
+        match probe.run(&candidate) {
+            Ok(peak) => {
+                base = candidate;
+                points.push((candidate, peak));
+                break;
+            }
+            Err(e) => refused.push(format!("{}: {e}", describe(&axes, &candidate))),
+        }
+    }
+    if points.is_empty() {
+        let first = refused.first().cloned().unwrap_or_default();
+        let reason = format!(
+            "all {} measuring sizes tried were refused (first: {first})",
+            refused.len()
+        );
+        return MemoryProfile::weights_only(weights_bytes, axes.clone(), reason);
+    }
+    let base_peak = points[0].1;
+    // Each axis alone: at least three sizes above the base (a refused size gives way to the
+    // next), and on until the peak clearly rises above the arena's allocation granularity.
+    let mut stuck = Vec::new();
+    for (i, &role) in roles.iter().enumerate() {
+        let mut got = 0;
+        let mut last = base_peak;
+        let mut factor = 2;
+        while (got < 3 || last < (4 * base_peak).max(SIGNAL_BYTES)) && factor <= 256 && in_budget() {
+            let dims = base.with(i, scaled(base.get(i), factor, role));
+            if let Ok(peak) = probe.run(&dims) {
+                points.push((dims, peak));
+                got += 1;
+                last = peak;
+            }
+            factor *= 2;
+        }
+        if got == 0 {
+            stuck.push(i);
+        }
+    }
+    // Two axes that cannot move alone (a second input's batch that must match the first's)
+    // may move together; then every axis that moves at once, which tells `P²` from `P·dᵢ`.
+    let mut joint: Vec<usize> = (0..k).filter(|i| !stuck.contains(i)).collect();
+    for (n, &i) in stuck.iter().enumerate() {
+        for &j in &stuck[n + 1..] {
+            if joint.contains(&i) || joint.contains(&j) || !in_budget() {
+                continue;
+            }
+            for factor in [2, 4] {
+                let dims = [i, j]
+                    .iter()
+                    .fold(base, |d, &a| d.with(a, scaled(base.get(a), factor, roles[a])));
+                if let Ok(peak) = probe.run(&dims) {
+                    points.push((dims, peak));
+                    joint.extend([i, j]);
+                }
+            }
+        }
+    }
+    joint.sort_unstable();
+    joint.dedup();
+    if joint.len() >= 2 {
+        for factor in [4, 8] {
+            if !in_budget() {
+                break;
+            }
+            let dims = joint
+                .iter()
+                .fold(base, |d, &i| d.with(i, scaled(base.get(i), factor, roles[i])));
+            if let Ok(peak) = probe.run(&dims) {
+                points.push((dims, peak));
+            }
+        }
+    }
+    let batch: Vec<bool> = roles.iter().map(|r| *r == AxisRole::Batch).collect();
+    let fitted = fit(&batch, &points);
+    MemoryProfile {
+        weights_bytes,
+        workspace_bytes: fitted.workspace,
+        axes: axes.clone(),
+        terms: fitted.terms,
+        source: ProfileSource::Measured {
+            points: points.iter().map(|(d, p)| (d.as_slice().to_vec(), *p)).collect(),
+            measure_ms: started.elapsed().as_millis() as u64,
+        },
+    }
+}
+
+fn describe(axes: &[super::Axis], dims: &Dims) -> String {
+    let parts: Vec<String> = axes
+        .iter()
+        .enumerate()
+        .map(|(i, a)| format!("{}={}", a.name, dims.get(i)))
+        .collect();
+    parts.join(" ")
+}
