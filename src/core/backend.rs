@@ -20,6 +20,11 @@ pub trait Backend: Send {
     fn arena_stats(&self) -> Option<ArenaStats>;
     /// Read the allocator statistics again (costs a C API call, ~10 µs: callers decide when).
     fn refresh_arena_stats(&mut self) {}
+    /// Read the statistics of the arena `model`'s runs allocate from, before a measured run.
+    fn refresh_arena_stats_for(&mut self, model: &str) {
+        let _ = model;
+        self.refresh_arena_stats();
+    }
     /// A handle that stops this backend's run in progress from another thread (the run then
     /// ends with [`BackendError::Cancelled`]); `None` when runs cannot be stopped.
     fn interrupt_handle(&self) -> Option<Interrupt> {

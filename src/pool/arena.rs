@@ -6,7 +6,17 @@ use std::sync::atomic::Ordering;
 
 use crate::core::backend::{ArenaStats, Backend, BackendError};
 use crate::core::tensor::Tensor;
+use crate::pool::job::RunMemory;
 use crate::pool::shared::Pool;
+use crate::runtime::estimate::learned::Observation;
+
+/// The parts of a finished job its statistics are checked against.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct RunOf<'a> {
+    pub(super) request_id: &'a str,
+    pub(super) estimate_bytes: Option<u64>,
+    pub(super) memory: &'a RunMemory,
+}
 
 impl Pool {
     /// Ask the workers to read their allocator statistics after their next run (the sampler
@@ -27,28 +37,54 @@ impl Pool {
         }
     }
 
-    /// After a run of request `request_id` whose estimate was `estimate` and which started with
-    /// the arena at `before`: refresh and publish the statistics when they are worth reading.
+    /// After `run`, which started with the arena at `before`: refresh and publish the
+    /// statistics when they are worth reading, and record what the run took when it was
+    /// measured or failed to allocate.
     pub(super) fn stats_after_run(
         &self,
         backend: &mut dyn Backend,
-        request_id: &str,
-        estimate: Option<u64>,
+        job: RunOf<'_>,
         before: Option<ArenaStats>,
         result: &Result<Vec<Tensor>, BackendError>,
     ) {
-        // Statistics cost a C API call: read them when the sampler asked, after a failure, or
-        // when this run may have set a new peak (its estimate is the largest yet) so the
-        // estimate can be checked against what the arena really needed.
-        let largest = estimate.unwrap_or(0);
+        // Statistics cost a C API call: read them when the sampler asked, when the caller
+        // measures the run, after a failure, or when this run may have set a new peak (its
+        // estimate is the largest yet) so the estimate can be checked against it.
+        let largest = job.estimate_bytes.unwrap_or(0);
         let new_largest = largest > self.largest_estimate.fetch_max(largest, Ordering::Relaxed);
-        if self.stats_wanted.swap(false, Ordering::Relaxed) || new_largest || result.is_err() {
+        let measured = job.memory.is_wanted();
+        if self.stats_wanted.swap(false, Ordering::Relaxed) || new_largest || measured || result.is_err() {
             backend.refresh_arena_stats();
             self.publish_stats(backend);
+            let after = backend.arena_stats();
+            if let Some(observation) = observe(before, after, result) {
+                job.memory.record(observation);
+            }
             if new_largest {
-                check_estimate(request_id, estimate, before, backend.arena_stats(), result);
+                check_estimate(job.request_id, job.estimate_bytes, before, after, result);
             }
         }
+    }
+}
+
+/// What a run took, from the arena before and after it: exactly its new peak less what was in
+/// use before, when it raised the arena's all-time peak (the only time the statistics tell a
+/// run's own peak); more than the arena had free, when it failed to allocate under a limit.
+fn observe(
+    before: Option<ArenaStats>,
+    after: Option<ArenaStats>,
+    result: &Result<Vec<Tensor>, BackendError>,
+) -> Option<Observation> {
+    let (before, after) = (before?, after?);
+    match result {
+        Err(BackendError::Allocation { .. }) => {
+            let limit = after.limit_bytes?;
+            Some(Observation::MoreThan(limit.saturating_sub(before.active_bytes)))
+        }
+        Ok(_) if after.peak_active_bytes > before.peak_active_bytes => Some(Observation::Exactly(
+            after.peak_active_bytes.saturating_sub(before.active_bytes),
+        )),
+        _ => None,
     }
 }
 

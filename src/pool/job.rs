@@ -6,6 +6,7 @@ use std::time::Duration;
 use crate::core::backend::{BackendError, Interrupt, RunMeta};
 use crate::core::tensor::Tensor;
 use crate::pool::activity::Progress;
+use crate::runtime::estimate::learned::Observation;
 
 /// One unit of work for a pool.
 #[derive(Debug)]
@@ -21,6 +22,8 @@ pub struct InferJob {
     /// The admission estimate of the run's working memory (context + workspace), checked
     /// against what the arena actually needed.
     pub estimate_bytes: Option<u64>,
+    /// What the run is measured to take, for the caller's estimates.
+    pub memory: RunMemory,
     /// The breaker's half-open probe: its outcome closes or re-opens the breaker.
     pub probe: bool,
     /// Lets the caller stop the job: skipped if still queued, interrupted if running.
@@ -85,6 +88,39 @@ impl RunCancel {
     /// The run ended: nothing may interrupt this backend on this job's behalf any more.
     pub(super) fn end(&self) {
         self.lock().interrupt = None;
+    }
+}
+
+/// What a worker measured of a run's working memory, for the caller to read once the answer is
+/// in. A run is measured when the caller asks (reading the arena costs a C API call before and
+/// after) and whenever it fails to allocate (the arena's free memory then is a lower bound).
+#[derive(Debug, Clone, Default)]
+pub struct RunMemory {
+    wanted: bool,
+    seen: Arc<Mutex<Option<Observation>>>,
+}
+
+impl RunMemory {
+    /// Measure the run.
+    pub fn wanted() -> RunMemory {
+        RunMemory {
+            wanted: true,
+            ..RunMemory::default()
+        }
+    }
+
+    /// Whether the caller asked for a measurement.
+    pub fn is_wanted(&self) -> bool {
+        self.wanted
+    }
+
+    /// What was measured, once.
+    pub fn take(&self) -> Option<Observation> {
+        self.seen.lock().unwrap_or_else(PoisonError::into_inner).take()
+    }
+
+    pub(super) fn record(&self, observation: Observation) {
+        *self.seen.lock().unwrap_or_else(PoisonError::into_inner) = Some(observation);
     }
 }
 

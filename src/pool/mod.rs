@@ -23,7 +23,7 @@ mod shared;
 mod worker;
 
 pub use context::{PoolContext, PoolMetrics, Respawn};
-pub use job::{InferJob, JobResult, PoolError, RunCancel};
+pub use job::{InferJob, JobResult, PoolError, RunCancel, RunMemory};
 pub use load::PoolLoad;
 pub use shared::{Availability, Pool};
 

@@ -44,6 +44,7 @@ fn job(v: f32) -> InferJob {
         }],
         outputs: vec![],
         estimate_bytes: None,
+        memory: RunMemory::default(),
         probe: false,
         cancel: RunCancel::default(),
     }

@@ -7,6 +7,7 @@ use std::sync::{Arc, PoisonError};
 use std::time::Instant;
 
 use crate::core::backend::{Backend, BackendError};
+use crate::pool::arena::RunOf;
 use crate::pool::job::{InferJob, JobResult, PoolError};
 use crate::pool::queue::Queued;
 use crate::pool::shared::{Availability, Pool};
@@ -84,6 +85,12 @@ impl Pool {
     /// may hold half-updated state; `None` comes back when no replacement could be built.
     fn run_one(&self, mut backend: Box<dyn Backend>, job: InferJob) -> (JobResult, Option<Box<dyn Backend>>) {
         let started = Instant::now();
+        // A measured run reads the arena of the model it runs just before it: the cached
+        // statistics may be another model's session, or older than another pool's runs on a
+        // shared device.
+        if job.memory.is_wanted() {
+            backend.refresh_arena_stats_for(&job.model);
+        }
         let before = backend.arena_stats();
         let job_probe = job.probe;
         let run = std::panic::catch_unwind(AssertUnwindSafe(|| {
@@ -111,13 +118,12 @@ impl Pool {
                 return (Err(PoolError::Backend(BackendError::Panicked(message))), kept);
             }
         };
-        self.stats_after_run(
-            backend.as_mut(),
-            &job.meta.request_id,
-            job.estimate_bytes,
-            before,
-            &result,
-        );
+        let run = RunOf {
+            request_id: &job.meta.request_id,
+            estimate_bytes: job.estimate_bytes,
+            memory: &job.memory,
+        };
+        self.stats_after_run(backend.as_mut(), run, before, &result);
         match &result {
             Err(BackendError::Allocation { kind, .. }) => self.record_failure(*kind),
             Err(BackendError::Remote { kind, message }) => self.record_remote_failure(&format!("{kind}: {message}")),

@@ -207,6 +207,8 @@ pub struct Metrics {
     pub remote_errors: Family<RemoteErrorLabels, Counter>,
     /// `vramguard_remote_request_duration_seconds{pool}`
     pub remote_request_duration: Family<PoolLabels, Histogram>,
+    /// The estimates' quality and what models hold.
+    pub estimates: crate::telemetry::estimates::EstimateMetrics,
 }
 
 /// `{pool, result}`: a retry after an allocator failure on `pool`.
@@ -369,6 +371,7 @@ impl Metrics {
             http_connections: Gauge::default(),
             remote_errors: Family::default(),
             remote_request_duration: Family::new_with_constructor(hop_histogram),
+            estimates: Default::default(),
         };
         metrics
             .build_info
@@ -413,6 +416,7 @@ impl Metrics {
 
     fn register_serving(&self, registry: &mut Registry) {
         let metrics = self;
+        metrics.estimates.register(registry);
         registry.register(
             "requests",
             "Inference requests by model, pool and outcome",

@@ -2,6 +2,7 @@
 //! scrape-time collector, log helpers, and the allocator settings that keep its own memory
 //! bounded. Above pools (the collector reads their live state); below the request path.
 
+pub mod estimates;
 pub mod exporter;
 pub mod logging;
 pub mod malloc;

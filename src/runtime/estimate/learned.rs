@@ -57,6 +57,9 @@ pub struct Learned {
     /// Config and KV-cache profiles are not refitted: the operator's numbers and the graph's
     /// layout stand, and only the envelope raises them.
     refittable: bool,
+    /// A decoder's steps are not measured: its cache is sized from the graph, and each step
+    /// is a new size (measuring every token would cost two arena reads a token).
+    measures: bool,
     state: RwLock<State>,
 }
 
@@ -86,6 +89,7 @@ impl Learned {
             ProfileSource::Config | ProfileSource::KvCache { .. } => (Vec::new(), false),
         };
         Learned {
+            measures: !matches!(profile.source, ProfileSource::KvCache { .. }),
             batch: profile
                 .axes
                 .iter()
@@ -125,6 +129,17 @@ impl Learned {
         } else {
             (fitted, profile.estimate_source())
         }
+    }
+
+    /// Whether a run of `dims` is worth measuring: no run at least as large in every
+    /// dimension was measured exactly yet (one that was tells what this one needs at most, and
+    /// measuring costs two reads of the arena's statistics).
+    pub fn wants(&self, dims: &Dims) -> bool {
+        if !self.measures {
+            return false;
+        }
+        let state = self.state.read().unwrap_or_else(PoisonError::into_inner);
+        !state.seen.iter().any(|s| s.exact && dims.within(&s.dims))
     }
 
     /// Record a run of `dims`. True when enough exact observations have come in that a

@@ -597,6 +597,11 @@ impl Backend for OrtBackend {
         self.last_stats
     }
 
+    fn refresh_arena_stats_for(&mut self, model: &str) {
+        self.last_model = Some(model.to_string());
+        self.refresh_arena_stats();
+    }
+
     fn refresh_arena_stats(&mut self) {
         // The arena of the model that ran last: on CPU pools each session has its own, on
         // simulated pools they are all the one shared arena.

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use crate::core::snapshot::ProviderKind;
 use crate::core::tensor::Tensor;
-use crate::pool::{InferJob, Pool, PoolError, RunCancel};
+use crate::pool::{InferJob, Pool, PoolError, RunCancel, RunMemory};
 use crate::serve::service::Service;
 
 use super::Request;
@@ -71,12 +71,21 @@ pub(super) async fn run_permitted(
     // goes away), so concurrent admissions see each other before the next memory sample does.
     let _promised = (!is_accelerator(pool)).then(|| service.promise_host_memory(estimate_bytes));
     let cancel = RunCancel::for_request(request.progress.clone());
+    // A run of a size no measured run covers is measured, and what it took refines the model's
+    // later estimates.
+    let entry = service.model(&request.model);
+    let dims = entry.map(|e| e.dims_of(&inputs)).unwrap_or_default();
+    let memory = match entry {
+        Some(e) if e.learned.wants(&dims) => RunMemory::wanted(),
+        _ => RunMemory::default(),
+    };
     let job = InferJob {
         meta: request.meta.clone(),
         model: request.model.clone(),
         inputs,
         outputs: request.outputs.clone(),
         estimate_bytes: Some(estimate_bytes),
+        memory: memory.clone(),
         probe,
         cancel: cancel.clone(),
     };
@@ -101,6 +110,9 @@ pub(super) async fn run_permitted(
         None => reply.await,
     };
     stop.0 = None;
+    if let (Some(entry), Some(observation)) = (entry, memory.take()) {
+        service.observe_run(entry, pool, dims, estimate_bytes, observation);
+    }
     reply.unwrap_or_else(|_| {
         Err(PoolError::ShuttingDown {
             pool: pool.name().to_string(),

@@ -5,6 +5,7 @@
 //! they control, so the whole request lifecycle runs without ONNX Runtime.
 
 mod models;
+mod observe;
 mod onnxruntime;
 mod parts;
 mod policy;
@@ -143,6 +144,13 @@ impl Service {
             pools.push(start_pool(&backends, &config, &models, pool_config, context, &metrics));
         }
         let weights_resident = weights_resident(&pools, &models);
+        for pool in &pools {
+            for entry in models.iter().filter(|m| pool.serves(&m.config.name)) {
+                metrics
+                    .estimates
+                    .serving(&entry.config.name, pool.name(), observe::weights_on(pool, entry));
+            }
+        }
         let degraded = Arc::new(Degraded::new(pools.clone(), Arc::clone(&clock)));
         let activity = Arc::new(Activity::default());
         let idempotency = IdempotencyCache::new(config.server.idempotency.max_entries, config.server.idempotency.ttl);
@@ -198,7 +206,7 @@ impl Service {
             Memory::Device(device) => device,
         };
         let all = self.weights_resident.get(key).copied().unwrap_or(0);
-        let own = self.model(model).map_or(0, |m| m.profile.weights_bytes);
+        let own = self.model(model).map_or(0, |m| observe::weights_on(pool, m));
         Some(all.saturating_sub(own))
     }
 
@@ -330,7 +338,7 @@ fn weights_resident(pools: &[Arc<Pool>], models: &[ModelEntry]) -> HashMap<Strin
         let weights: u64 = models
             .iter()
             .filter(|m| pool.serves(&m.config.name))
-            .map(|m| m.profile.weights_bytes)
+            .map(|m| observe::weights_on(pool, m))
             .sum();
         *resident.entry(memory.to_string()).or_insert(0) += weights;
     }
