@@ -90,7 +90,11 @@ pub(super) async fn model_metadata(
         .pools
         .iter()
         .filter(|p| p.serves(&model))
-        .map(|p| json!({"name": p.name(), "provider": p.provider().label(), "device": p.config.device, "ready": p.is_ready()}))
+        .map(|p| {
+            let (weights, peak) = state.service.metrics.estimates.held(&model, p.name());
+            json!({"name": p.name(), "provider": p.provider().label(), "device": p.config.device, "ready": p.is_ready(),
+                   "memory": {"weights_bytes": weights, "workspace_peak_bytes": peak}})
+        })
         .collect();
     let context = entry
         .config
@@ -104,7 +108,7 @@ pub(super) async fn model_metadata(
         "inputs": tensors(&entry.signature.inputs),
         "outputs": tensors(&entry.signature.outputs),
         "parameters": {"source": entry.config.source.to_string(), "context": context, "pools": pools,
-                       "memory_profile": entry.profile},
+                       "memory_profile": entry.profile, "memory_learned": entry.learned.view()},
     })))
 }
 

@@ -9,7 +9,15 @@ use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::{Registry, Unit};
 
 use crate::runtime::estimate::learned::Observation;
-use crate::telemetry::metrics::ModelPoolLabels;
+
+/// `{model, pool}`
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ModelPoolLabels {
+    /// Model name.
+    pub model: String,
+    /// Pool name.
+    pub pool: String,
+}
 
 /// What a `vramguard_model_memory_bytes` series counts.
 #[derive(Debug, Clone, Copy, Hash, PartialEq, Eq, EncodeLabelValue)]
@@ -85,6 +93,13 @@ impl EstimateMetrics {
         })
     }
 
+    /// What `model` holds on `pool`: its weights and the peak working memory of its measured
+    /// runs, in bytes.
+    pub fn held(&self, model: &str, pool: &str) -> (u64, u64) {
+        let read = |kind| u64::try_from(self.memory(model, pool, kind).get()).unwrap_or(0);
+        (read(MemoryKind::weights), read(MemoryKind::workspace_peak))
+    }
+
     /// `model` is served on `pool` with `weights_bytes` of weights: every series exists from the
     /// first scrape.
     pub fn serving(&self, model: &str, pool: &str, weights_bytes: u64) {
@@ -133,13 +148,19 @@ impl EstimateMetrics {
 mod tests {
     use super::*;
 
+    fn encode(registry: &Registry) -> String {
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, registry).unwrap();
+        text
+    }
+
     #[test]
     fn every_series_exists_at_zero_and_underruns_are_counted() {
         let metrics = EstimateMetrics::default();
         let mut registry = Registry::with_prefix("vramguard");
         metrics.register(&mut registry);
         metrics.serving("encoder", "gpu", 68_474);
-        let text = crate::telemetry::metrics::encode(&registry);
+        let text = encode(&registry);
         for series in [
             "vramguard_estimate_underruns_total{model=\"encoder\",pool=\"gpu\"} 0\n",
             "vramguard_estimate_relative_error_count{model=\"encoder\",pool=\"gpu\"} 0\n",
@@ -151,7 +172,7 @@ mod tests {
         assert!(!metrics.observed("encoder", "gpu", 1000, Observation::Exactly(900)));
         assert!(metrics.observed("encoder", "gpu", 1000, Observation::Exactly(1500)));
         assert!(metrics.observed("encoder", "gpu", 1000, Observation::MoreThan(4000)));
-        let text = crate::telemetry::metrics::encode(&registry);
+        let text = encode(&registry);
         assert!(
             text.contains("vramguard_estimate_underruns_total{model=\"encoder\",pool=\"gpu\"} 2\n"),
             "{text}"

@@ -1,8 +1,9 @@
 //! What runs really took, fed back into the estimate.
 //!
-//! Each observation is a run's size (its [`Dims`]) and its working memory: exact when the run
-//! raised its arena's peak (the only time ONNX Runtime's statistics tell a run's own peak), a
-//! lower bound when it failed to allocate (it needed more than the arena had free). Two uses:
+//! Each observation is a run's size (its [`Dims`]) and its working memory, exact: the run raised
+//! its arena's peak, the only time ONNX Runtime's statistics tell a run's own peak. (A run that
+//! failed to allocate is an underrun for the metrics, but not kept: the memory that was free
+//! then says as much about other work as about the run.) Two uses:
 //!
 //! - an **upper envelope**: a request never gets an estimate below what a run no larger in any
 //!   dimension took (memory does not shrink as an input grows);
@@ -145,10 +146,13 @@ impl Learned {
     /// Record a run of `dims`. True when enough exact observations have come in that a
     /// [`refit`](Self::refit) is due (the caller runs it off the request's path).
     pub fn observe(&self, dims: Dims, observation: Observation) -> bool {
-        let (bytes, exact) = match observation {
-            Observation::Exactly(b) => (b, true),
-            Observation::MoreThan(b) => (b, false),
+        // A failed allocation says what was free then, which other work may have taken: it
+        // counts as an underrun, but raising every later estimate of the size to it would
+        // send them all away for one moment of pressure (or one injected fault).
+        let Observation::Exactly(bytes) = observation else {
+            return false;
         };
+        let exact = true;
         let mut state = self.state.write().unwrap_or_else(PoisonError::into_inner);
         if let Some(same) = state.seen.iter_mut().find(|s| s.dims == dims) {
             same.exact |= exact && bytes >= same.bytes;

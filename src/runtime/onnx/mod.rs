@@ -10,8 +10,7 @@ use std::sync::{Mutex, OnceLock};
 use ort::environment::Environment;
 use ort::ep;
 use ort::memory::{AllocationDevice, Allocator, AllocatorType, MemoryInfo, MemoryType};
-use ort::session::builder::GraphOptimizationLevel;
-use ort::session::{RunOptions, Session};
+use ort::session::{RunOptions, Session, builder::GraphOptimizationLevel};
 use ort::value::{DynValue, TensorElementType, ValueType};
 
 use crate::config::{CudaOptions, Provider};
@@ -341,8 +340,7 @@ pub struct SessionOptions {
     pub intra_threads: usize,
     /// Shrink the arena after every run (`memory.enable_memory_arena_shrinkage`).
     pub arena_shrinkage: bool,
-    /// Log only fatal errors: for measuring runs, where a refused input size is expected and
-    /// answered by trying the next one.
+    /// Log only fatal errors (measuring runs, where a refused input size is expected).
     pub quiet: bool,
 }
 
