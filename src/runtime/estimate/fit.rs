@@ -120,12 +120,17 @@ pub fn fit(batch: &[bool], points: &[(Dims, u64)]) -> Fitted {
                 .then(a.2.total_cmp(&b.2))
         })
         .expect("the best subset is good enough");
-    // No measured run took more than the fit says: scaled up to the worst miss (at most by
-    // half), an estimate errs on the side of redirecting, not of failing on the device.
+    // None of the largest runs took more than the fit says: scaled up to the worst miss among
+    // the largest third (at most by half), an estimate errs on the side of redirecting, not of
+    // failing on the device. Small runs miss by the arena's rounding, which large ones do not
+    // share.
     let predicted = |x: &[f64]| subset.iter().zip(&coefficients).map(|(&c, k)| x[c] * k).sum::<f64>();
+    let mut peaks: Vec<f64> = rows.iter().map(|r| r.1).collect();
+    peaks.sort_by(|a, b| b.total_cmp(a));
+    let large = peaks[(peaks.len() - 1) / 3];
     let margin = rows
         .iter()
-        .filter(|(_, y)| *y >= FLOOR_BYTES)
+        .filter(|(_, y)| *y >= FLOOR_BYTES && *y >= large)
         .map(|(x, y)| y / predicted(x))
         .filter(|r| r.is_finite())
         .fold(1.0, f64::max)
