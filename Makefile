@@ -82,7 +82,7 @@ check-fmt:
 clippy:
 	$(CARGO) clippy --all-targets -- -D warnings
 
-unit:
+unit: $(MODELGEN)
 	$(CARGO) test
 
 # The shipped policies must compile and pass their own test cases (policies/tests/).

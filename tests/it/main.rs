@@ -7,6 +7,7 @@ mod cli;
 mod common;
 mod connections;
 mod drill;
+mod estimates;
 mod failover;
 mod generation;
 mod http;
