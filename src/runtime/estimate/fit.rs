@@ -120,21 +120,20 @@ pub fn fit(batch: &[bool], points: &[(Dims, u64)]) -> Fitted {
                 .then(a.2.total_cmp(&b.2))
         })
         .expect("the best subset is good enough");
-    // None of the largest runs took more than the fit says: scaled up to the worst miss among
-    // the largest third (at most by half), an estimate errs on the side of redirecting, not of
-    // failing on the device. Small runs miss by the arena's rounding, which large ones do not
-    // share.
+    // The largest input measured did not take more than the fit says: scaled up to it (at most
+    // by half), an estimate errs on the side of redirecting, not of failing on the device, for
+    // the large requests admission must judge right. (Smaller runs miss by the arena's rounding
+    // and by how a runtime plans small tensors, which large ones do not share.)
     let predicted = |x: &[f64]| subset.iter().zip(&coefficients).map(|(&c, k)| x[c] * k).sum::<f64>();
-    let mut peaks: Vec<f64> = rows.iter().map(|r| r.1).collect();
-    peaks.sort_by(|a, b| b.total_cmp(a));
-    let large = peaks[(peaks.len() - 1) / 3];
-    let margin = rows
+    let size = |dims: &Dims| dims.product();
+    let margin = points
         .iter()
-        .filter(|(_, y)| *y >= FLOOR_BYTES && *y >= large)
-        .map(|(x, y)| y / predicted(x))
+        .zip(&rows)
+        .max_by(|a, b| size(&a.0.0).total_cmp(&size(&b.0.0)))
+        .map(|(_, (x, y))| y / predicted(x))
         .filter(|r| r.is_finite())
-        .fold(1.0, f64::max)
-        .min(1.5);
+        .unwrap_or(1.0)
+        .clamp(1.0, 1.5);
     let mut fitted = Fitted {
         workspace: 0.0,
         terms: Vec::new(),
