@@ -43,6 +43,8 @@ struct Probe<'a, 'b> {
     peak: u64,
     signature: &'a ModelSignature,
     axes: &'a [super::Axis],
+    /// How long the last run took, rebuilding included: the next, larger one takes longer.
+    last_cost: Duration,
 }
 
 impl Probe<'_, '_> {
@@ -59,6 +61,14 @@ impl Probe<'_, '_> {
 
     /// One run at `dims`, returning its peak working bytes.
     fn run(&mut self, dims: &Dims) -> Result<u64, String> {
+        let started = Instant::now();
+        let result = self.run_timed(dims);
+        self.last_cost = started.elapsed();
+        tracing::debug!(size = %describe(self.axes, dims), ms = self.last_cost.as_millis() as u64, ok = result.is_ok(), "measuring run");
+        result
+    }
+
+    fn run_timed(&mut self, dims: &Dims) -> Result<u64, String> {
         let inputs = inputs_at(self.signature, self.axes, dims)?;
         self.ensure()?;
         let ran = self.run_once(inputs.clone())?;
@@ -168,7 +178,6 @@ pub fn measure(
     let started = Instant::now();
     let mut axes = axes_of(signature, context);
     axes.truncate(MAX_AXES);
-    let k = axes.len();
     let mut probe = Probe {
         open,
         session: None,
@@ -176,6 +185,7 @@ pub fn measure(
         peak: 0,
         signature,
         axes: &axes,
+        last_cost: Duration::ZERO,
     };
     if let Err(reason) = probe.ensure() {
         return MemoryProfile::weights_only(model_size, axes.clone(), reason);
@@ -185,116 +195,173 @@ pub fn measure(
     // elsewhere) do not show in its statistics, and counting only the arena took a 4.6 MB text
     // detector for 11 KiB of weights.
     let weights_bytes = probe.baseline.max(model_size);
-    let roles: Vec<AxisRole> = axes.iter().map(|a| a.role).collect();
-    let in_budget = || started.elapsed() < BUDGET;
-    let mut points: Vec<(Dims, u64)> = Vec::new();
-    let mut refused: Vec<String> = Vec::new();
-    let mut base = Dims::default();
-    for candidate in bases(&roles) {
-        if !refused.is_empty() && (!in_budget() || refused.len() >= MAX_REFUSED) {
-            break;
-        }
-        match probe.run(&candidate) {
-            Ok(peak) => {
-                base = candidate;
-                points.push((candidate, peak));
-                break;
-            }
-            Err(e) => refused.push(format!("{}: {e}", describe(&axes, &candidate))),
-        }
-    }
-    if points.is_empty() {
-        let first = refused.first().cloned().unwrap_or_default();
-        let reason = format!(
-            "all {} measuring sizes tried were refused (first: {first})",
-            refused.len()
-        );
+    let mut plan = Plan {
+        probe,
+        roles: axes.iter().map(|a| a.role).collect(),
+        started,
+        base: Dims::default(),
+        points: Vec::new(),
+    };
+    if let Err(reason) = plan.find_base() {
         return MemoryProfile::weights_only(weights_bytes, axes.clone(), reason);
     }
-    let base_peak = points[0].1;
-    // Each axis alone: at least three sizes above the base (a refused size gives way to the
-    // next), and on until the peak clearly rises above the arena's allocation granularity.
-    let mut stuck = Vec::new();
-    for (i, &role) in roles.iter().enumerate() {
-        let mut got = 0;
-        let mut last = base_peak;
-        let mut factor = 2;
-        while (got < 3 || last < (4 * base_peak).max(SIGNAL_BYTES)) && factor <= 256 && in_budget() {
-            let dims = base.with(i, scaled(base.get(i), factor, role));
-            if let Ok(peak) = probe.run(&dims) {
-                points.push((dims, peak));
-                got += 1;
-                last = peak;
-            }
-            factor *= 2;
-        }
-        if got == 0 {
-            stuck.push(i);
-        }
-    }
-    // Two axes that cannot move alone (a second input's batch that must match the first's)
-    // may move together; then every axis that moves at once, which tells `P²` from `P·dᵢ`.
-    let mut joint: Vec<usize> = (0..k).filter(|i| !stuck.contains(i)).collect();
-    for (n, &i) in stuck.iter().enumerate() {
-        for &j in &stuck[n + 1..] {
-            if joint.contains(&i) || joint.contains(&j) || !in_budget() {
-                continue;
-            }
-            for factor in [2, 4] {
-                let dims = [i, j]
-                    .iter()
-                    .fold(base, |d, &a| d.with(a, scaled(base.get(a), factor, roles[a])));
-                if let Ok(peak) = probe.run(&dims) {
-                    points.push((dims, peak));
-                    joint.extend([i, j]);
-                }
-            }
-        }
-    }
-    joint.sort_unstable();
-    joint.dedup();
-    if joint.len() >= 2 {
-        for factor in [4, 8] {
-            if !in_budget() {
-                break;
-            }
-            let dims = joint
-                .iter()
-                .fold(base, |d, &i| d.with(i, scaled(base.get(i), factor, roles[i])));
-            if let Ok(peak) = probe.run(&dims) {
-                points.push((dims, peak));
-            }
-        }
-    }
-    // Then one item as large as the budget allows, up to tens of MiB: the requests admission
-    // must judge right are the large ones, and a runtime plans large tensors differently from
-    // small ones (reuses buffers, works in place), so small runs alone mislead the fit.
-    let sizes: Vec<usize> = joint.iter().copied().filter(|&i| roles[i] != AxisRole::Batch).collect();
-    let mut largest = points.iter().map(|p| p.1).max().unwrap_or(0);
-    let mut factor = 16;
-    while !sizes.is_empty() && largest < LARGE_BYTES && factor <= 64 && in_budget() {
-        let dims = sizes.iter().fold(base, |d, &i| d.with(i, base.get(i) * factor));
-        match probe.run(&dims) {
-            Ok(peak) => {
-                points.push((dims, peak));
-                largest = largest.max(peak);
-            }
-            Err(_) if inputs_at(signature, &axes, &dims).is_err() => break,
-            Err(_) => {}
-        }
-        factor *= 2;
-    }
-    let batch: Vec<bool> = roles.iter().map(|r| *r == AxisRole::Batch).collect();
-    let fitted = fit(&batch, &points);
+    let stuck = plan.each_axis();
+    let joint = plan.pairs_and_joint(&stuck);
+    plan.one_large(&joint);
+    let batch: Vec<bool> = plan.roles.iter().map(|r| *r == AxisRole::Batch).collect();
+    let fitted = fit(&batch, &plan.points);
     MemoryProfile {
         weights_bytes,
         workspace_bytes: fitted.workspace,
         axes: axes.clone(),
         terms: fitted.terms,
         source: ProfileSource::Measured {
-            points: points.iter().map(|(d, p)| (d.as_slice().to_vec(), *p)).collect(),
+            points: plan.points.iter().map(|(d, p)| (d.as_slice().to_vec(), *p)).collect(),
             measure_ms: started.elapsed().as_millis() as u64,
         },
+    }
+}
+
+/// The measuring runs of one model, phase by phase.
+struct Plan<'a, 'b> {
+    probe: Probe<'a, 'b>,
+    roles: Vec<AxisRole>,
+    started: Instant,
+    /// The smallest size the model takes.
+    base: Dims,
+    points: Vec<(Dims, u64)>,
+}
+
+impl Plan<'_, '_> {
+    /// Whether another run fits the budget, taking it to cost four times the last one (a run
+    /// costs about what its input's size is, and sizes double along one or two axes).
+    fn in_budget(&self) -> bool {
+        self.fits_budget(4)
+    }
+
+    /// Whether a run `growth` times as costly as the last fits the budget.
+    fn fits_budget(&self, growth: u32) -> bool {
+        self.started.elapsed() + growth * self.probe.last_cost < BUDGET
+    }
+
+    /// Run at `dims`; the point is kept when the model takes it.
+    fn try_at(&mut self, dims: Dims) -> Option<u64> {
+        let peak = self.probe.run(&dims).ok()?;
+        self.points.push((dims, peak));
+        Some(peak)
+    }
+
+    /// `base` with the axes in `which` scaled by `factor`.
+    fn scaled_base(&self, which: &[usize], factor: u64) -> Dims {
+        which.iter().fold(self.base, |d, &i| {
+            d.with(i, scaled(self.base.get(i), factor, self.roles[i]))
+        })
+    }
+
+    /// The smallest size the model takes, or why none was found.
+    fn find_base(&mut self) -> Result<(), String> {
+        let mut refused: Vec<String> = Vec::new();
+        for candidate in bases(&self.roles) {
+            if !refused.is_empty() && (!self.in_budget() || refused.len() >= MAX_REFUSED) {
+                break;
+            }
+            match self.probe.run(&candidate) {
+                Ok(peak) => {
+                    self.base = candidate;
+                    self.points.push((candidate, peak));
+                    return Ok(());
+                }
+                Err(e) => refused.push(format!("{}: {e}", describe(self.probe.axes, &candidate))),
+            }
+        }
+        let first = refused.first().cloned().unwrap_or_default();
+        Err(format!(
+            "all {} measuring sizes tried were refused (first: {first})",
+            refused.len()
+        ))
+    }
+
+    /// Each axis alone: at least three sizes above the base (a refused size gives way to the
+    /// next), and on until the peak clearly rises above the arena's allocation granularity.
+    /// Returns the axes that cannot move alone.
+    fn each_axis(&mut self) -> Vec<usize> {
+        let base_peak = self.points[0].1;
+        let mut stuck = Vec::new();
+        for i in 0..self.roles.len() {
+            let (mut got, mut last, mut factor, mut refused) = (0, base_peak, 2, 0);
+            // Two refusals in a row past a size it took: the model's limit on this axis.
+            while (got < 3 || last < (4 * base_peak).max(SIGNAL_BYTES))
+                && factor <= 256
+                && !(got > 0 && refused >= 2)
+                && self.in_budget()
+            {
+                match self.try_at(self.scaled_base(&[i], factor)) {
+                    Some(peak) => (got, last, refused) = (got + 1, peak, 0),
+                    None => refused += 1,
+                }
+                factor *= 2;
+            }
+            if got == 0 {
+                stuck.push(i);
+            }
+        }
+        stuck
+    }
+
+    /// Two axes that cannot move alone (a second input's batch that must match the first's)
+    /// may move together; then every axis that moves at once, which tells `P²` from `P·dᵢ`.
+    /// Returns the axes that move.
+    fn pairs_and_joint(&mut self, stuck: &[usize]) -> Vec<usize> {
+        let mut joint: Vec<usize> = (0..self.roles.len()).filter(|i| !stuck.contains(i)).collect();
+        for (n, &i) in stuck.iter().enumerate() {
+            for &j in &stuck[n + 1..] {
+                if joint.contains(&i) || joint.contains(&j) || !self.in_budget() {
+                    continue;
+                }
+                for factor in [2, 4] {
+                    if self.try_at(self.scaled_base(&[i, j], factor)).is_some() {
+                        joint.extend([i, j]);
+                    }
+                }
+            }
+        }
+        joint.sort_unstable();
+        joint.dedup();
+        if joint.len() >= 2 {
+            for factor in [4, 8] {
+                if self.in_budget() {
+                    self.try_at(self.scaled_base(&joint, factor));
+                }
+            }
+        }
+        joint
+    }
+
+    /// Then one item as large as the budget allows, up to tens of MiB: the requests admission
+    /// must judge right are the large ones, and a runtime plans large tensors differently from
+    /// small ones (reuses buffers, works in place), so small runs alone mislead the fit.
+    fn one_large(&mut self, joint: &[usize]) {
+        let sizes: Vec<usize> = joint
+            .iter()
+            .copied()
+            .filter(|&i| self.roles[i] != AxisRole::Batch)
+            .collect();
+        let mut largest = self.points.iter().map(|p| p.1).max().unwrap_or(0);
+        let mut factor = 16;
+        // Each step doubles every size: the run costs 2^sizes times the last.
+        let growth = 1u32 << sizes.len().min(8);
+        while !sizes.is_empty() && largest < LARGE_BYTES && factor <= 64 && self.fits_budget(growth) {
+            let dims = sizes
+                .iter()
+                .fold(self.base, |d, &i| d.with(i, self.base.get(i) * factor));
+            if inputs_at(self.probe.signature, self.probe.axes, &dims).is_err() {
+                break;
+            }
+            if let Some(peak) = self.try_at(dims) {
+                largest = largest.max(peak);
+            }
+            factor *= 2;
+        }
     }
 }
 
