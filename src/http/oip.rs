@@ -462,6 +462,8 @@ fn refused_response(refused: lifecycle::Refused, id: &str, degraded: Option<&cra
         api = api.with("needed_bytes", json!(never.need_bytes));
         api = api.with("max_bytes", json!(never.largest.as_ref().map(|c| c.bytes)));
         api = api.with("max_tokens", json!(never.max_tokens));
+        let dims: serde_json::Map<String, Value> = never.dims.iter().map(|(k, v)| (k.clone(), json!(v))).collect();
+        api = api.with("dims", Value::Object(dims));
     }
     if let Some(degraded) = degraded {
         api = api.with("degraded", json!(degraded.reason));

@@ -540,6 +540,8 @@ async fn a_request_over_what_the_host_could_ever_hold_is_a_400_with_what_fits() 
     assert!(message.contains(&format!("for {seq} tokens")), "{message}");
     assert!(message.contains("pool `cpu`: host memory of"), "{message}");
     assert_eq!(error["reason"], "never_fits");
+    // The size asked along each axis of the input, as the estimate read it.
+    assert_eq!(error["dims"], json!({"batch": 1, "seq": seq}), "{error}");
     let max_tokens = error["max_tokens"].as_u64().unwrap();
     assert!((1..seq as u64).contains(&max_tokens), "{error}");
     let metrics = server.metrics().await;

@@ -34,6 +34,8 @@ pub struct NeverFits {
     pub max_tokens: Option<u64>,
     /// What to cut, as the client sends it (`input` axis 1, or the prompt and max_tokens).
     pub axis: Option<String>,
+    /// The input's size along each dynamic axis, as the estimate read it.
+    pub dims: Vec<(String, u64)>,
 }
 
 /// The most one pool could ever give one run.
@@ -59,6 +61,9 @@ impl fmt::Display for NeverFits {
         )?;
         if self.tokens > 0 {
             write!(f, " for {} tokens", self.tokens)?;
+        } else if !self.dims.is_empty() {
+            let sizes: Vec<String> = self.dims.iter().map(|(name, v)| format!("{name}={v}")).collect();
+            write!(f, " for an input of {}", sizes.join(", "))?;
         }
         match &self.largest {
             Some(c) => write!(
@@ -120,14 +125,19 @@ pub(super) fn never_fits(
         Some(i) => entry.estimate(&dims.with(i, t)).total_bytes,
         None => estimate.total_bytes,
     };
-    judge(
+    let mut never = judge(
         model,
         estimate,
         (tokens, request.max_new_tokens),
         &ceilings,
         axis,
         &need_at,
-    )
+    )?;
+    let sent = entry.dims_of(&request.inputs);
+    never.dims = (entry.profile.axes.iter().enumerate())
+        .map(|(i, a)| (a.name.clone(), sent.get(i)))
+        .collect();
+    Some(never)
 }
 
 /// The pure part: with every serving pool's ceiling known, whether the request fits under one.
@@ -164,6 +174,7 @@ fn judge(
         largest,
         max_tokens,
         axis,
+        dims: Vec::new(),
     })
 }
 
@@ -362,8 +373,14 @@ mod tests {
             ..Estimate::default()
         };
         let pools = [pool("cpu", 1 << 30, None)];
-        let never = judge("classifier", &estimate, (0, 0), &pools, None, &need(&profile)).expect("never fits");
+        let mut never = judge("classifier", &estimate, (0, 0), &pools, None, &need(&profile)).expect("never fits");
         assert_eq!((never.max_tokens, never.axis.as_deref()), (None, None));
         assert!(!never.to_string().contains("allow-shrink"), "{never}");
+        // An image model's message names the size it was sent.
+        never.dims = vec![("height".into(), 40_000), ("width".into(), 30_000)];
+        assert!(
+            never.to_string().contains("for an input of height=40000, width=30000"),
+            "{never}"
+        );
     }
 }
