@@ -69,7 +69,8 @@ impl Pool {
 
 /// What a run took, from the arena before and after it: exactly its new peak less what was in
 /// use before, when it raised the arena's all-time peak (the only time the statistics tell a
-/// run's own peak); more than the arena had free, when it failed to allocate under a limit.
+/// run's own peak), else at most that; more than the arena had free, when it failed to
+/// allocate under a limit.
 fn observe(
     before: Option<ArenaStats>,
     after: Option<ArenaStats>,
@@ -82,6 +83,9 @@ fn observe(
             Some(Observation::MoreThan(limit.saturating_sub(before.active_bytes)))
         }
         Ok(_) if after.peak_active_bytes > before.peak_active_bytes => Some(Observation::Exactly(
+            after.peak_active_bytes.saturating_sub(before.active_bytes),
+        )),
+        Ok(_) => Some(Observation::AtMost(
             after.peak_active_bytes.saturating_sub(before.active_bytes),
         )),
         _ => None,

@@ -136,6 +136,9 @@ impl EstimateMetrics {
             }
             // It needed more than this, so more than an estimate no larger.
             Observation::MoreThan(bytes) => bytes >= estimated_bytes,
+            // Within the arena's earlier peak: whether it took more than its estimate is not
+            // known, so it is not counted either way.
+            Observation::AtMost(_) => false,
         };
         if underrun {
             self.underruns.get_or_create(&labels).inc();

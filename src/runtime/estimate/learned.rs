@@ -2,8 +2,9 @@
 //!
 //! Each observation is a run's size (its [`Dims`]) and its working memory, exact: the run raised
 //! its arena's peak, the only time ONNX Runtime's statistics tell a run's own peak. (A run that
-//! failed to allocate is an underrun for the metrics, but not kept: the memory that was free
-//! then says as much about other work as about the run.) Two uses:
+//! did not raise it is kept only so that its size is not measured again; one that failed to
+//! allocate is an underrun for the metrics, but not kept: the memory that was free then says as
+//! much about other work as about the run.) Two uses:
 //!
 //! - an **upper envelope**: a request never gets an estimate below what a run no larger in any
 //!   dimension took (memory does not shrink as an input grows);
@@ -30,6 +31,9 @@ pub enum Observation {
     Exactly(u64),
     /// The run failed to allocate: it needed more than this, what the arena had free.
     MoreThan(u64),
+    /// The run did not raise its arena's peak: it took at most this (the peak less what was in
+    /// use before it). Not a number to estimate by, but the size need not be measured again.
+    AtMost(u64),
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -118,7 +122,7 @@ impl Learned {
         let floor = state
             .seen
             .iter()
-            .filter(|s| s.dims.within(dims))
+            .filter(|s| s.exact && s.dims.within(dims))
             .map(|s| s.bytes)
             .max()
             .unwrap_or(0) as f64;
@@ -133,14 +137,14 @@ impl Learned {
     }
 
     /// Whether a run of `dims` is worth measuring: no run at least as large in every
-    /// dimension was measured exactly yet (one that was tells what this one needs at most, and
+    /// dimension was measured yet (one that was tells what this one needs at most, and
     /// measuring costs two reads of the arena's statistics).
     pub fn wants(&self, dims: &Dims) -> bool {
         if !self.measures {
             return false;
         }
         let state = self.state.read().unwrap_or_else(PoisonError::into_inner);
-        !state.seen.iter().any(|s| s.exact && dims.within(&s.dims))
+        !state.seen.iter().any(|s| dims.within(&s.dims))
     }
 
     /// Record a run of `dims`. True when enough exact observations have come in that a
@@ -149,27 +153,32 @@ impl Learned {
         // A failed allocation says what was free then, which other work may have taken: it
         // counts as an underrun, but raising every later estimate of the size to it would
         // send them all away for one moment of pressure (or one injected fault).
-        let Observation::Exactly(bytes) = observation else {
-            return false;
+        let (bytes, exact) = match observation {
+            Observation::Exactly(bytes) => (bytes, true),
+            Observation::AtMost(bytes) => (bytes, false),
+            Observation::MoreThan(_) => return false,
         };
-        let exact = true;
         let mut state = self.state.write().unwrap_or_else(PoisonError::into_inner);
         if let Some(same) = state.seen.iter_mut().find(|s| s.dims == dims) {
-            same.exact |= exact && bytes >= same.bytes;
-            same.bytes = same.bytes.max(bytes);
+            // An exact number stands; a bound only fills in for one not yet known.
+            if exact && (!same.exact || bytes > same.bytes) {
+                (same.bytes, same.exact) = (bytes, true);
+            }
         } else {
             if state.seen.len() >= MAX_SEEN {
-                // A point that another no larger and no cheaper covers adds nothing to the
-                // envelope; without one, the oldest goes.
-                let covered = (0..state.seen.len()).find(|&i| {
-                    let p = state.seen[i];
-                    state
-                        .seen
-                        .iter()
-                        .enumerate()
-                        .any(|(j, q)| j != i && q.dims.within(&p.dims) && q.bytes >= p.bytes)
-                });
-                state.seen.remove(covered.unwrap_or(0));
+                // A bound goes first; then an exact point that another no larger and no
+                // cheaper covers (it adds nothing to the envelope); else the oldest.
+                let bound = state.seen.iter().position(|s| !s.exact);
+                let covered = || {
+                    (0..state.seen.len()).find(|&i| {
+                        let p = state.seen[i];
+                        let covers =
+                            |(j, q): (usize, &Seen)| j != i && q.exact && q.dims.within(&p.dims) && q.bytes >= p.bytes;
+                        state.seen.iter().enumerate().any(covers)
+                    })
+                };
+                let victim = bound.or_else(covered).unwrap_or(0);
+                state.seen.remove(victim);
             }
             state.seen.push(Seen { dims, bytes, exact });
         }

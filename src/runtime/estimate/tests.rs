@@ -343,3 +343,36 @@ fn the_store_is_bounded() {
     }
     assert_eq!(learned.view().observations, MAX_SEEN);
 }
+
+/// A run that did not raise its arena's peak is an upper bound: its size is not measured again,
+/// and no estimate is raised (or lowered) by it.
+#[test]
+fn a_bound_stops_measuring_a_size_without_changing_its_estimate() {
+    let (profile, learned) = learned_encoder();
+    let dims = Dims::new(&[1, 512]);
+    let before = learned.working(&profile, &dims);
+    assert!(learned.wants(&dims));
+    assert!(!learned.observe(dims, Observation::AtMost(1 << 40)));
+    assert!(!learned.wants(&dims) && !learned.wants(&Dims::new(&[1, 256])));
+    assert!(learned.wants(&Dims::new(&[1, 1024])));
+    assert_eq!(learned.working(&profile, &dims), before);
+    // An exact number replaces the bound, and a later bound does not replace it.
+    learned.observe(dims, Observation::Exactly(64 << 20));
+    learned.observe(dims, Observation::AtMost(1 << 40));
+    assert_eq!(learned.view().exact, 1);
+    let (working, source) = learned.working(&profile, &dims);
+    assert_eq!(source, EstimateSource::Observed);
+    assert!((working + profile.workspace_bytes - (64 << 20) as f64).abs() < 1.0);
+}
+
+/// A full store gives up bounds before exact observations.
+#[test]
+fn bounds_go_before_exact_observations() {
+    let (_, learned) = learned_encoder();
+    learned.observe(Dims::new(&[1, 10_000]), Observation::Exactly(1 << 30));
+    for n in 0..(2 * MAX_SEEN as u64) {
+        learned.observe(Dims::new(&[2, n + 1]), Observation::AtMost(1 << 20));
+    }
+    let view = learned.view();
+    assert_eq!((view.observations, view.exact), (MAX_SEEN, 1));
+}
