@@ -209,6 +209,10 @@ impl Backend for FaultInjecting {
         self.inner.refresh_arena_stats();
     }
 
+    fn refresh_arena_stats_for(&mut self, model: &str) {
+        self.inner.refresh_arena_stats_for(model);
+    }
+
     fn interrupt_handle(&self) -> Option<crate::core::backend::Interrupt> {
         self.inner.interrupt_handle()
     }
