@@ -121,3 +121,49 @@ fn check_estimate(
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::backend::AllocFailureKind;
+
+    fn stats(active: u64, peak: u64, limit: Option<u64>) -> Option<ArenaStats> {
+        Some(ArenaStats {
+            active_bytes: active,
+            peak_active_bytes: peak,
+            limit_bytes: limit,
+            ..ArenaStats::default()
+        })
+    }
+
+    #[test]
+    fn a_run_is_exact_when_it_raises_the_peak_and_a_bound_otherwise() {
+        let ok: Result<Vec<Tensor>, BackendError> = Ok(Vec::new());
+        // 1 MiB in use before, the peak rose from 5 to 9 MiB: the run took 8 MiB.
+        assert_eq!(
+            observe(stats(1 << 20, 5 << 20, None), stats(1 << 20, 9 << 20, None), &ok),
+            Some(Observation::Exactly(8 << 20))
+        );
+        // The peak did not move: at most what the old peak leaves above what was in use.
+        assert_eq!(
+            observe(stats(1 << 20, 9 << 20, None), stats(1 << 20, 9 << 20, None), &ok),
+            Some(Observation::AtMost(8 << 20))
+        );
+        let failed = Err(BackendError::Allocation {
+            kind: AllocFailureKind::Oom,
+            message: "BFCArena".into(),
+        });
+        // Under a 64 MiB cap with 16 MiB held, it needed more than the 48 MiB free.
+        assert_eq!(
+            observe(
+                stats(16 << 20, 20 << 20, Some(64 << 20)),
+                stats(16 << 20, 64 << 20, Some(64 << 20)),
+                &failed
+            ),
+            Some(Observation::MoreThan(48 << 20))
+        );
+        // Without a cap a failure tells nothing, and without statistics nothing is known.
+        assert_eq!(observe(stats(0, 0, None), stats(0, 0, None), &failed), None);
+        assert_eq!(observe(None, stats(0, 1, None), &ok), None);
+    }
+}
