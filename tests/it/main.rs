@@ -12,6 +12,7 @@ mod failover;
 mod generation;
 mod http;
 mod layering;
+mod learned;
 mod lifecycle;
 mod memory;
 mod picker;

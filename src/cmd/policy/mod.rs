@@ -5,6 +5,7 @@
 //! or did not match; 64 ([`EXIT_CONFIG`]) when a file is unreadable, a script does not compile
 //! or (`check`) fails on a representative request.
 
+use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -14,7 +15,7 @@ use serde::Serialize;
 
 use crate::cmd::exit::{EXIT_CONFIG, EXIT_FAILED};
 use crate::config::{BuiltinPolicy, Config, PolicySource, read_yaml};
-use crate::core::snapshot::Decision;
+use crate::core::snapshot::{Decision, Estimate};
 use crate::policy::builtin;
 use crate::policy::cases::{self, Case, CaseFile, CaseResult};
 use crate::policy::{
@@ -154,6 +155,16 @@ struct EvalReport {
     expected: Option<Decision>,
     #[serde(skip_serializing_if = "Option::is_none")]
     matched: Option<bool>,
+    /// What the decision was made on: the request's estimate, parts and source, and its size
+    /// along each dynamic axis, so a surprising decision can be traced to its inputs.
+    request: RequestReport,
+}
+
+/// The part of the evaluated request that explains a decision on memory.
+#[derive(Debug, Serialize)]
+struct RequestReport {
+    estimate: Estimate,
+    dims: BTreeMap<String, u64>,
 }
 
 #[derive(Debug, Serialize)]
@@ -215,6 +226,10 @@ pub fn eval_to(file: &Path, input: &Path, json: bool, out: &mut dyn Write, err: 
         eval_time_us: times.get(times.len() / 2).map_or(0.0, |d| d.as_secs_f64() * 1e6),
         expected: result.expected.clone(),
         matched,
+        request: RequestReport {
+            estimate: case.request.estimate,
+            dims: case.request.dims.clone(),
+        },
     };
     let text = if json {
         serde_json::to_string_pretty(&report)

@@ -214,3 +214,24 @@ fn eval_prints_the_decision_the_time_and_whether_it_matched() {
     assert_eq!(json["error"]["kind"], "runtime");
     assert!(json.get("matched").is_none());
 }
+
+#[test]
+fn eval_shows_the_estimate_its_source_and_the_dims_it_decided_on() {
+    let scratch = Scratch::new();
+    let policy = scratch.write("policy.rhai", "fn decide(req, state) { admit() }");
+    let input = scratch.write(
+        "case.yaml",
+        "request: {pool: gpu, dims: {batch: 2, seq: 128}, estimate: {weights_bytes: 10, context_bytes: 20, workspace_bytes: 30, total_bytes: 60, source: observed}}\nstate: {pools: {gpu: {}}}\n",
+    );
+    let (mut out, mut err) = (Vec::new(), Vec::new());
+    assert_eq!(
+        cli::eval_to(&policy, &input, true, &mut out, &mut err),
+        ExitCode::SUCCESS
+    );
+    let json: serde_json::Value = serde_json::from_slice(&out).expect("JSON output");
+    assert_eq!(
+        json["request"]["estimate"],
+        serde_json::json!({"weights_bytes": 10, "context_bytes": 20, "workspace_bytes": 30, "total_bytes": 60, "source": "observed"})
+    );
+    assert_eq!(json["request"]["dims"], serde_json::json!({"batch": 2, "seq": 128}));
+}
