@@ -23,14 +23,15 @@ pub use builtin::{BuiltinChatTemplate, BuiltinPolicy};
 pub use error::ConfigError;
 pub use load::{DEFAULT_CONFIG_YAML, embedded_raw};
 pub use raw::{
-    RawArenaExtendStrategy, RawBreaker, RawConfig, RawContext, RawCuda, RawDevice, RawDeviceKind, RawExporter, RawHost,
-    RawIdempotency, RawModel, RawOnnxRuntime, RawPolicy, RawPool, RawPoolMemory, RawProfile, RawProvider, RawQueue,
-    RawRemote, RawServer, RawServiceRule, RawTimeouts,
+    RawArenaExtendStrategy, RawBreaker, RawConfig, RawContext, RawCuda, RawDevice, RawDeviceKind, RawExporter,
+    RawHealth, RawHost, RawIdempotency, RawModel, RawOnnxRuntime, RawPolicy, RawPool, RawPoolMemory, RawProfile,
+    RawProvider, RawQueue, RawRemote, RawServer, RawServiceRule, RawTimeouts,
 };
 pub use types::{
     AdminSocket, ChatTemplateSource, Config, ConfiguredProfile, ContextAxis, CudaOptions, DeviceConfig, DeviceKind,
-    ExporterConfig, HOST_DEVICE, IdempotencyConfig, Keep, Mode, ModelConfig, PolicyConfig, PolicySource, PoolConfig,
-    Provider, RemoteOptions, ServerConfig, ServiceMatch, ServiceRule, Timeouts, current_uid, default_admin_socket,
+    ExporterConfig, HOST_DEVICE, HealthConfig, IdempotencyConfig, Keep, Mode, ModelConfig, PolicyConfig, PolicySource,
+    PoolConfig, Provider, RemoteOptions, ServerConfig, ServiceMatch, ServiceRule, Timeouts, current_uid,
+    default_admin_socket,
 };
 pub use units::{ByteSize, HumanDuration, format_duration, format_size, parse_duration, parse_size};
 pub use yaml::{parse_yaml, read_yaml, to_yaml};

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use crate::config::types::Keep;
+use crate::config::types::{HealthConfig, Keep};
 use crate::config::units::{ByteSize, HumanDuration};
 use crate::core::breaker::BreakerConfig;
 use crate::core::snapshot::Decision;
@@ -348,6 +348,9 @@ pub struct RawPool {
     /// When the circuit breaker opens and how long it stays open.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub breaker: Option<RawBreaker>,
+    /// Its health checks (local pools; a remote pool's are under `remote`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub health: Option<RawHealth>,
     /// The pool a replayable request is retried on, once, after an allocator failure here.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub fallback: Option<String>,
@@ -398,6 +401,26 @@ impl Default for RawBreaker {
             failures: d.failures,
             window: HumanDuration(d.window),
             cooldown: HumanDuration(d.cooldown),
+        }
+    }
+}
+
+/// `pools[].health:`
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RawHealth {
+    /// How long a pool stays idle before a probe inference checks it.
+    pub interval: HumanDuration,
+    /// Longest a probe inference may take before the check counts as failed.
+    pub timeout: HumanDuration,
+}
+
+impl Default for RawHealth {
+    fn default() -> Self {
+        let d = HealthConfig::default();
+        Self {
+            interval: HumanDuration(d.interval),
+            timeout: HumanDuration(d.timeout),
         }
     }
 }

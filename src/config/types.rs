@@ -354,8 +354,30 @@ pub struct PoolConfig {
     pub max_context: Option<u64>,
     /// Its circuit breaker.
     pub breaker: BreakerConfig,
+    /// Its health checks (a local pool's probe inferences).
+    pub health: HealthConfig,
     /// Where a replayable request goes, once, after an allocator failure here.
     pub fallback: Option<String>,
+}
+
+/// When a local pool's health is checked by a probe inference of each of its models at its
+/// smallest input: after a restore or the breaker's cooldown (the half-open breaker's probe), and
+/// once the pool has been idle for `interval`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HealthConfig {
+    /// Idle time after which a check runs.
+    pub interval: Duration,
+    /// Longest a check's run may take before it counts as failed.
+    pub timeout: Duration,
+}
+
+impl Default for HealthConfig {
+    fn default() -> Self {
+        Self {
+            interval: Duration::from_secs(10),
+            timeout: Duration::from_secs(5),
+        }
+    }
 }
 
 /// The device name CPU pools report.

@@ -1,13 +1,14 @@
-//! A pool's circuit breaker, as a pure state machine: failures and successes go in with the time
-//! they happened, a [`Permit`] comes out. No clock of its own, no threads: tested with plain
-//! instants.
+//! A pool's circuit breaker, as a pure state machine: failures and probe outcomes go in with the
+//! time they happened, whether a request may run comes out. No clock of its own, no threads:
+//! tested with plain instants.
 //!
 //! - **Closed**: requests flow. `failures` failures within `window` (allocator failures, or a
 //!   remote pool's server failing to answer) open it; one driver-class failure opens it at once
 //!   (a reset device fails everything after it).
 //! - **Open**: no requests until `cooldown` has passed since it opened.
-//! - **Half-open**: exactly one request (the probe) goes through. Its success closes the breaker,
-//!   its failure opens it again for another cooldown; a probe that never ran hands the turn on.
+//! - **Half-open**: still no requests; the pool's own health check takes the one probe. Its
+//!   success closes the breaker, its failure opens it again for another cooldown; a probe that
+//!   never ran hands the turn on. No client's request is ever the test of a recovering pool.
 
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
@@ -22,7 +23,7 @@ pub struct BreakerConfig {
     pub failures: u32,
     /// How far back failures count.
     pub window: Duration,
-    /// How long it stays open before a probe may go through.
+    /// How long it stays open before the health check's probe may go through.
     pub cooldown: Duration,
 }
 
@@ -50,17 +51,6 @@ impl From<AllocFailureKind> for Failure {
     fn from(kind: AllocFailureKind) -> Self {
         Failure::Alloc(kind)
     }
-}
-
-/// Whether a request may run on the pool now.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Permit {
-    /// Closed: run it.
-    Run,
-    /// Half-open: run it as the one probe; report how it went.
-    Probe,
-    /// Open (or a probe is already out): do not run it here.
-    Denied,
 }
 
 /// Why the breaker is not closed.
@@ -134,33 +124,28 @@ impl Breaker {
         }
     }
 
-    /// Whether a request may run now; a `Probe` must be settled with [`Breaker::success`],
-    /// [`Breaker::failure`] or [`Breaker::probe_unused`].
-    pub fn permit(&mut self, now: Instant) -> Permit {
+    /// Whether a request may run now: only while closed.
+    pub fn allows(&mut self, now: Instant) -> bool {
+        self.advance(now);
+        matches!(self.state, State::Closed)
+    }
+
+    /// Take the half-open breaker's one probe for a health check: true when it is taken, and
+    /// must then be settled with [`Breaker::probe_succeeded`], [`Breaker::probe_failed`] or
+    /// [`Breaker::probe_unused`].
+    pub fn take_probe(&mut self, now: Instant) -> bool {
         self.advance(now);
         match &mut self.state {
-            State::Closed => Permit::Run,
-            State::Open { .. } => Permit::Denied,
-            State::HalfOpen { probe_out, .. } if *probe_out => Permit::Denied,
-            State::HalfOpen { probe_out, .. } => {
+            State::HalfOpen { probe_out, .. } if !*probe_out => {
                 *probe_out = true;
-                Permit::Probe
+                true
             }
+            _ => false,
         }
     }
 
-    /// Whether a request could run now, without taking the probe.
-    pub fn would_permit(&mut self, now: Instant) -> bool {
-        self.advance(now);
-        match self.state {
-            State::Closed => true,
-            State::Open { .. } => false,
-            State::HalfOpen { probe_out, .. } => !probe_out,
-        }
-    }
-
-    /// A run succeeded. Returns how long the breaker was not closed when this closes it.
-    pub fn success(&mut self, now: Instant) -> Option<Duration> {
+    /// The probe succeeded: a half-open breaker closes. Returns how long it was not closed.
+    pub fn probe_succeeded(&mut self, now: Instant) -> Option<Duration> {
         self.advance(now);
         if let State::HalfOpen { .. } = self.state {
             self.state = State::Closed;
@@ -168,6 +153,19 @@ impl Breaker {
             return self.opened_at.take().map(|at| now.saturating_duration_since(at));
         }
         None
+    }
+
+    /// The probe failed without a failure the breaker counts (the run was refused, timed out or
+    /// the model failed): a half-open breaker opens again for another cooldown, with the same
+    /// reason. Returns true when this opened it.
+    pub fn probe_failed(&mut self, now: Instant) -> bool {
+        self.advance(now);
+        if let State::HalfOpen { why, .. } = &self.state {
+            let why = why.clone();
+            self.open(now, why);
+            return true;
+        }
+        false
     }
 
     /// A run failed (`kind` says how). Returns true when this opened it.
@@ -208,20 +206,20 @@ impl Breaker {
         }
     }
 
-    /// The probe did not run (refused, cancelled, timed out in the queue): the next request
-    /// may probe instead.
+    /// The probe did not run (the pool was shutting down): the next health check may take it.
     pub fn probe_unused(&mut self) {
         if let State::HalfOpen { probe_out, .. } = &mut self.state {
             *probe_out = false;
         }
     }
 
-    /// Open it now for an operator's restore; the cooldown then lets a probe through.
+    /// Open it now for an operator's restore; the cooldown then lets a health check's probe
+    /// through.
     pub fn force_open(&mut self, now: Instant) {
         self.open(now, Tripped::Restoring);
     }
 
-    /// A restore finished: the next request is a probe (no cooldown wait).
+    /// A restore finished: the next health check is the probe (no cooldown wait).
     pub fn restored(&mut self) {
         let why = self.tripped().cloned().unwrap_or(Tripped::Restoring);
         self.state = State::HalfOpen { probe_out: false, why };
@@ -290,7 +288,7 @@ mod tests {
         assert!(b.failure(OOM, t + s(62)));
         assert_eq!(b.state(t + s(62)), BreakerState::Open);
         assert_eq!(b.tripped(), Some(&Tripped::Failures(3)));
-        assert_eq!(b.permit(t + s(80)), Permit::Denied);
+        assert!(!b.allows(t + s(80)));
     }
 
     #[test]
@@ -302,38 +300,42 @@ mod tests {
     }
 
     #[test]
-    fn after_the_cooldown_one_probe_goes_and_its_success_closes_it() {
+    fn after_the_cooldown_the_health_check_probes_and_its_success_closes_it() {
         let (mut b, t) = breaker();
         b.failure(AllocFailureKind::Driver, t);
-        assert_eq!(b.permit(t + s(29)), Permit::Denied);
+        assert!(!b.take_probe(t + s(29)), "no probe before the cooldown");
         assert_eq!(b.state(t + s(30)), BreakerState::HalfOpen);
-        assert_eq!(b.permit(t + s(30)), Permit::Probe);
-        assert_eq!(b.permit(t + s(31)), Permit::Denied, "one probe at a time");
-        assert!(!b.would_permit(t + s(31)));
-        assert_eq!(b.success(t + s(32)), Some(s(32)));
+        assert!(!b.allows(t + s(30)), "a half-open breaker lets no request through");
+        assert!(b.take_probe(t + s(30)));
+        assert!(!b.take_probe(t + s(31)), "one probe at a time");
+        assert_eq!(b.probe_succeeded(t + s(32)), Some(s(32)));
         assert_eq!(b.state(t + s(32)), BreakerState::Closed);
-        assert_eq!(b.permit(t + s(32)), Permit::Run);
+        assert!(b.allows(t + s(32)));
     }
 
     #[test]
     fn a_failed_probe_reopens_it_for_another_cooldown() {
         let (mut b, t) = breaker();
         b.failure(AllocFailureKind::Driver, t);
-        assert_eq!(b.permit(t + s(30)), Permit::Probe);
+        assert!(b.take_probe(t + s(30)));
         assert!(b.failure(OOM, t + s(31)));
-        assert_eq!(b.permit(t + s(60)), Permit::Denied);
-        assert_eq!(b.permit(t + s(61)), Permit::Probe);
+        assert!(!b.take_probe(t + s(60)));
+        assert!(b.take_probe(t + s(61)));
+        // A probe that failed without an allocator failure (a timeout, a model error) too.
+        assert!(b.probe_failed(t + s(61)));
+        assert!(!b.take_probe(t + s(90)));
+        assert!(b.take_probe(t + s(91)));
         // Open-to-closed counts from the first opening.
-        assert_eq!(b.success(t + s(62)), Some(s(62)));
+        assert_eq!(b.probe_succeeded(t + s(92)), Some(s(92)));
     }
 
     #[test]
     fn an_unused_probe_hands_the_turn_on() {
         let (mut b, t) = breaker();
         b.failure(AllocFailureKind::Driver, t);
-        assert_eq!(b.permit(t + s(30)), Permit::Probe);
+        assert!(b.take_probe(t + s(30)));
         b.probe_unused();
-        assert_eq!(b.permit(t + s(30)), Permit::Probe);
+        assert!(b.take_probe(t + s(30)));
     }
 
     #[test]
@@ -341,10 +343,11 @@ mod tests {
         let (mut b, t) = breaker();
         b.force_open(t);
         assert_eq!(b.tripped(), Some(&Tripped::Restoring));
-        assert_eq!(b.permit(t + s(1)), Permit::Denied);
+        assert!(!b.take_probe(t + s(1)));
         b.restored();
-        assert_eq!(b.permit(t + s(1)), Permit::Probe);
-        assert_eq!(b.success(t + s(2)), Some(s(2)));
+        assert!(!b.allows(t + s(1)), "a restored pool waits for its probe");
+        assert!(b.take_probe(t + s(1)));
+        assert_eq!(b.probe_succeeded(t + s(2)), Some(s(2)));
     }
 
     #[test]
@@ -359,18 +362,21 @@ mod tests {
             Some("3 failures of the remote server (last: connect: connection refused)")
         );
         // A failed probe (a health check after the cooldown) opens it again for another one.
-        assert_eq!(b.permit(t + s(32)), Permit::Probe);
+        assert!(b.take_probe(t + s(32)));
         assert!(b.failure(refused(), t + s(32)));
-        assert_eq!(b.permit(t + s(61)), Permit::Denied);
-        assert_eq!(b.permit(t + s(62)), Permit::Probe);
+        assert!(!b.take_probe(t + s(61)));
+        assert!(b.take_probe(t + s(62)));
     }
 
     #[test]
-    fn successes_while_closed_change_nothing() {
+    fn a_probe_success_while_closed_changes_nothing() {
         let (mut b, t) = breaker();
         b.failure(OOM, t);
-        assert_eq!(b.success(t), None);
+        assert_eq!(b.probe_succeeded(t), None);
         b.failure(OOM, t + s(1));
-        assert!(b.failure(OOM, t + s(2)), "successes do not reset the window");
+        assert!(
+            b.failure(OOM, t + s(2)),
+            "a passing health check does not reset the window"
+        );
     }
 }

@@ -100,6 +100,12 @@ pub async fn serve(
                 state.service.metrics.remote_metrics(pool.name()),
                 token.clone(),
             ));
+        } else {
+            tasks.spawn(crate::serve::health::watch_pool(
+                Arc::clone(&state.service),
+                Arc::clone(pool),
+                token.clone(),
+            ));
         }
     }
     tasks.close();

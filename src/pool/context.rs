@@ -20,6 +20,10 @@ pub struct PoolMetrics {
     pub driver_failures: Counter,
     /// `vramguard_breaker_recovery_seconds{pool}`: from the breaker opening to closing again.
     pub breaker_recovery: Histogram,
+    /// `vramguard_health_checks_total{pool, result="ok"}`
+    pub health_ok: Counter,
+    /// `vramguard_health_checks_total{pool, result="failed"}`
+    pub health_failed: Counter,
 }
 
 impl PoolMetrics {
@@ -30,6 +34,8 @@ impl PoolMetrics {
             oom_failures: Counter::default(),
             driver_failures: Counter::default(),
             breaker_recovery: Histogram::new([1.0, 10.0, 60.0, 600.0]),
+            health_ok: Counter::default(),
+            health_failed: Counter::default(),
         }
     }
 }

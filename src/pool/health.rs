@@ -1,11 +1,11 @@
 //! The pool's circuit breaker and its recent allocator failures: what a run's outcome or a
-//! remote health check does to them, and the permission a request or a check takes.
+//! health check does to them, and the permission a request or a check takes.
 
 use std::sync::{MutexGuard, PoisonError};
 use std::time::Duration;
 
 use crate::core::backend::AllocFailureKind;
-use crate::core::breaker::{Breaker, Failure, Permit};
+use crate::core::breaker::{Breaker, Failure};
 use crate::core::snapshot::BreakerState;
 use crate::pool::job::PoolError;
 use crate::pool::shared::Pool;
@@ -54,25 +54,41 @@ impl Pool {
         }
     }
 
-    /// Whether a health check of the remote server is worth making now, and whether it is the
-    /// breaker's probe: `None` while the breaker is open (only its cooldown ends that) or its
-    /// probe is out, `Some(true)` when the check is the probe, so a healthy remote closes the
-    /// breaker without a client's request being the test.
+    /// Whether a health check is worth making now, and whether it is the breaker's probe:
+    /// `None` while the breaker is open (only its cooldown or a restore ends that) or its probe
+    /// is out, `Some(true)` when the check is the half-open breaker's probe (its outcome closes
+    /// or re-opens it), `Some(false)` while closed. No client's request is ever the probe.
     pub fn health_check_permit(&self) -> Option<bool> {
-        match self.breaker().permit(self.context.clock.now()) {
-            Permit::Run => Some(false),
-            Permit::Probe => Some(true),
-            Permit::Denied => None,
+        let now = self.context.clock.now();
+        let mut breaker = self.breaker();
+        if breaker.allows(now) {
+            Some(false)
+        } else {
+            breaker.take_probe(now).then_some(true)
         }
     }
 
-    /// The outcome of a health check taken with [`Pool::health_check_permit`]: a failure counts
-    /// against the breaker (re-opening it when the check was the probe), a success as the
-    /// probe closes it.
-    pub fn health_checked(&self, result: Result<(), String>) {
+    /// The outcome of a health check taken with [`Pool::health_check_permit`] (`probe`: it was
+    /// the breaker's probe), counted in `vramguard_health_checks_total`. A success as the probe
+    /// closes the breaker. A remote server's failed check counts against the breaker like an
+    /// outage; a local pool's runs already counted their allocator failures, and a probe that
+    /// failed any other way opens the breaker again for another cooldown.
+    pub fn health_checked(&self, probe: bool, result: Result<(), String>) {
+        let counter = match &result {
+            Ok(()) => &self.context.metrics.health_ok,
+            Err(_) => &self.context.metrics.health_failed,
+        };
+        counter.inc();
         match result {
-            Ok(()) => self.record_success(),
-            Err(why) => self.record_remote_failure(&format!("health check: {why}")),
+            Ok(()) if probe => self.probe_succeeded(),
+            Ok(()) => {}
+            Err(why) if matches!(self.provider(), crate::config::Provider::Remote(_)) => {
+                self.record_remote_failure(&format!("health check: {why}"))
+            }
+            Err(why) => {
+                let reopened = probe && self.breaker().probe_failed(self.context.clock.now());
+                tracing::warn!(pool = self.name(), %why, probe, reopened, "health check failed");
+            }
         }
     }
 
@@ -92,39 +108,40 @@ impl Pool {
         breaker.tripped().map(|w| w.to_string())
     }
 
-    /// Whether the breaker would let a request through now (without taking the probe).
+    /// Whether the breaker lets a request through now: only while closed.
     pub fn breaker_allows(&self) -> bool {
-        self.breaker().would_permit(self.context.clock.now())
+        self.breaker().allows(self.context.clock.now())
     }
 
-    /// Take the breaker's permission for one request: `Ok(true)` when it is the half-open
-    /// probe (mark the job so its outcome settles the breaker).
-    pub fn breaker_permit(&self) -> Result<bool, PoolError> {
+    /// Take the breaker's permission for one request: refused unless the breaker is closed (a
+    /// half-open breaker waits for its health check, and the request goes elsewhere).
+    pub fn breaker_permit(&self) -> Result<(), PoolError> {
         let mut breaker = self.breaker();
-        match breaker.permit(self.context.clock.now()) {
-            Permit::Run => Ok(false),
-            Permit::Probe => Ok(true),
-            Permit::Denied => Err(PoolError::BreakerOpen {
-                pool: self.name().to_string(),
-                why: breaker.tripped().map(|w| w.to_string()).unwrap_or_default(),
-            }),
+        if breaker.allows(self.context.clock.now()) {
+            return Ok(());
         }
+        Err(PoolError::BreakerOpen {
+            pool: self.name().to_string(),
+            why: breaker.tripped().map(|w| w.to_string()).unwrap_or_default(),
+        })
     }
 
-    /// A probe that will not run after all (it was refused before reaching the queue).
+    /// A health check's probe that could not run at all (the pool is shutting down): the next
+    /// check may take it.
     pub fn probe_unused(&self) {
         self.breaker().probe_unused();
     }
 
-    /// A run finished without an allocator failure: a half-open breaker closes.
-    pub(super) fn record_success(&self) {
-        let recovered = self.breaker().success(self.context.clock.now());
+    /// The breaker's probe succeeded: a half-open breaker closes, and the time since it opened
+    /// is `vramguard_breaker_recovery_seconds`.
+    fn probe_succeeded(&self) {
+        let recovered = self.breaker().probe_succeeded(self.context.clock.now());
         if let Some(took) = recovered {
             self.context.metrics.breaker_recovery.observe(took.as_secs_f64());
             tracing::info!(
                 pool = self.name(),
                 open_for_s = took.as_secs_f64(),
-                "circuit breaker closed: the probe succeeded"
+                "circuit breaker closed: the health check's probe succeeded"
             );
         }
     }

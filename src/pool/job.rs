@@ -24,7 +24,8 @@ pub struct InferJob {
     pub estimate_bytes: Option<u64>,
     /// What the run is measured to take, for the caller's estimates.
     pub memory: RunMemory,
-    /// The breaker's half-open probe: its outcome closes or re-opens the breaker.
+    /// A health check's run, not a request's: kept out of the queue's wait times and the
+    /// delay estimate; its outcome is settled by the check (see `Pool::health_checked`).
     pub probe: bool,
     /// Lets the caller stop the job: skipped if still queued, interrupted if running.
     pub cancel: RunCancel,

@@ -147,7 +147,8 @@ impl Pool {
     /// Rebuild the pool's backends (an operator's restore after a driver reset): the breaker
     /// opens, every idle backend is replaced by a fresh one from the factory (one still running
     /// finishes its run and is kept), a pool that had lost its backends becomes ready again,
-    /// and the next request is the breaker's probe. Blocking: run it off the async runtime.
+    /// and the next health check is the breaker's probe. Blocking: run it off the async
+    /// runtime.
     /// Returns how many backends were built.
     pub fn restore(&self) -> Result<usize, String> {
         let respawn = self
@@ -176,7 +177,7 @@ impl Pool {
         tracing::info!(
             pool = self.name(),
             built,
-            "pool restored: the next request is the breaker's probe"
+            "pool restored: the next health check is the breaker's probe"
         );
         Ok(built)
     }

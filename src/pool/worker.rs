@@ -31,7 +31,10 @@ impl Pool {
     fn work(&self) {
         while let Some((Queued { job, enqueued, reply }, mut backend)) = self.queue.next() {
             let waited = self.context.clock.now().saturating_duration_since(enqueued);
-            self.context.metrics.queue_wait.observe(waited.as_secs_f64());
+            // A health check is no request: it stays out of the queue's wait times.
+            if !job.probe {
+                self.context.metrics.queue_wait.observe(waited.as_secs_f64());
+            }
             let skip = if reply.is_closed() {
                 // The client went away while queued: do not spend the device on it.
                 tracing::debug!(request_id = %job.meta.request_id, pool = self.name(), "client gone before start; skipped");
@@ -57,9 +60,6 @@ impl Pool {
                 None
             };
             let result = if let Some(skipped) = skip {
-                if job.probe {
-                    self.probe_unused();
-                }
                 skipped
             } else {
                 let (result, kept) = self.run_one(backend, job);
@@ -92,12 +92,14 @@ impl Pool {
             backend.refresh_arena_stats_for(&job.model);
         }
         let before = backend.arena_stats();
-        let job_probe = job.probe;
         let run = std::panic::catch_unwind(AssertUnwindSafe(|| {
             backend.run(&job.model, job.inputs, &job.outputs, &job.meta)
         }));
         job.cancel.end();
-        self.runs.record(started.elapsed());
+        // A health check runs the smallest input: it would skew the delay estimate low.
+        if !job.probe {
+            self.runs.record(started.elapsed());
+        }
         let result = match run {
             Ok(result) => result,
             Err(panic) => {
@@ -127,11 +129,10 @@ impl Pool {
         match &result {
             Err(BackendError::Allocation { kind, .. }) => self.record_failure(*kind),
             Err(BackendError::Remote { kind, message }) => self.record_remote_failure(&format!("{kind}: {message}")),
-            Ok(_) => self.record_success(),
-            // Not the device's fault (bad input, a model error): the breaker does not move,
-            // but a probe that ended this way hands the turn on.
-            Err(_) if job_probe => self.probe_unused(),
-            Err(_) => {}
+            // A success closes nothing: only the health check's probe closes a half-open
+            // breaker, and it settles its own outcome. Other failures (bad input, a model
+            // error) are not the device's fault.
+            Ok(_) | Err(_) => {}
         }
         match &result {
             Err(BackendError::Cancelled) => {

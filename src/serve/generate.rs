@@ -208,7 +208,7 @@ pub fn pick(logits: &[f32], params: &Params, rng: &mut Rng) -> u32 {
 
 /// The inputs of one run: `new` tokens after `past` positions whose cache is `cache` (the
 /// previous run's `present.*` outputs; empty for the prompt's run).
-fn step_inputs(layout: &DecoderLayout, new: &[u32], past: usize, cache: Vec<Tensor>) -> Vec<Tensor> {
+pub(crate) fn step_inputs(layout: &DecoderLayout, new: &[u32], past: usize, cache: Vec<Tensor>) -> Vec<Tensor> {
     let n = new.len();
     let mut inputs = vec![
         Tensor {

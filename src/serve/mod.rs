@@ -3,6 +3,7 @@
 //! pools. Nothing here knows about HTTP status codes; `http` maps outcomes to them.
 
 pub mod generate;
+pub mod health;
 pub mod idempotency;
 pub mod lifecycle;
 pub mod remote;

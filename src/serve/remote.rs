@@ -384,9 +384,9 @@ pub async fn watch_health(
             () = cancel.cancelled() => return,
             _ = ticker.tick() => {}
         }
-        if pool.health_check_permit().is_none() {
+        let Some(probe) = pool.health_check_permit() else {
             continue;
-        }
+        };
         let result = tokio::select! {
             () = cancel.cancelled() => return,
             result = check(&client, &url, options.health_timeout) => result,
@@ -402,7 +402,7 @@ pub async fn watch_health(
         if result.is_err() {
             metrics.failed(RemoteFailure::Health);
         }
-        pool.health_checked(result);
+        pool.health_checked(probe, result);
     }
 }
 

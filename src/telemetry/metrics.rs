@@ -209,6 +209,8 @@ pub struct Metrics {
     pub remote_request_duration: Family<PoolLabels, Histogram>,
     /// The estimates' quality and what models hold.
     pub estimates: crate::telemetry::estimates::EstimateMetrics,
+    /// The pools' health checks.
+    pub health: crate::telemetry::health::HealthMetrics,
 }
 
 /// `{pool, result}`: a retry after an allocator failure on `pool`.
@@ -372,6 +374,7 @@ impl Metrics {
             remote_errors: Family::default(),
             remote_request_duration: Family::new_with_constructor(hop_histogram),
             estimates: Default::default(),
+            health: Default::default(),
         };
         metrics
             .build_info
@@ -417,6 +420,7 @@ impl Metrics {
     fn register_serving(&self, registry: &mut Registry) {
         let metrics = self;
         metrics.estimates.register(registry);
+        metrics.health.register(registry);
         registry.register(
             "requests",
             "Inference requests by model, pool and outcome",
@@ -561,7 +565,10 @@ impl Metrics {
                 kind,
             })
         };
+        let (health_ok, health_failed) = self.health.of_pool(pool);
         crate::pool::PoolMetrics {
+            health_ok,
+            health_failed,
             breaker_recovery: self
                 .breaker_recovery
                 .get_or_create_owned(&PoolLabels { pool: pool.to_string() }),

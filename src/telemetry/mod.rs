@@ -4,6 +4,7 @@
 
 pub mod estimates;
 pub mod exporter;
+pub mod health;
 pub mod logging;
 pub mod malloc;
 pub mod metrics;

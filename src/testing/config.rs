@@ -31,6 +31,7 @@ pub fn pool(name: &str, device: &str, models: &[&str]) -> PoolConfig {
         arena_shrinkage: false,
         max_context: None,
         breaker: crate::core::breaker::BreakerConfig::default(),
+        health: crate::config::HealthConfig::default(),
         fallback: None,
     }
 }

@@ -1,7 +1,7 @@
 //! Failover over real HTTP and real ONNX Runtime sessions on the simulated accelerator:
 //! injected allocator failures are retried once on the CPU pool, a non-replayable request gets
 //! a resumable error, repeated failures open the breaker (new work goes to the CPU pool, the
-//! service reads as degraded), and a restore lets a probe close it again.
+//! service reads as degraded), and after a restore the server's own health check closes it.
 
 use crate::common::TestServer;
 use reqwest::StatusCode;
@@ -148,7 +148,7 @@ async fn a_non_replayable_request_gets_a_resumable_error_not_a_silent_replay() {
 }
 
 #[tokio::test]
-async fn repeated_failures_open_the_breaker_and_a_restore_closes_it_through_a_probe() {
+async fn repeated_failures_open_the_breaker_and_after_a_restore_its_health_check_closes_it() {
     if crate::common::ran_in_own_process() {
         return;
     }
@@ -187,20 +187,17 @@ async fn repeated_failures_open_the_breaker_and_a_restore_closes_it_through_a_pr
         1.0
     );
 
-    // The operator restores the pool: its backends are rebuilt and the next request probes.
+    // The operator restores the pool: its backends are rebuilt, and the server's own health
+    // check (no client's request) is the probe that closes the breaker.
     let restored = server.post_json("/admin/pools/gpu/restore", &json!({})).await;
     assert_eq!(restored.status(), StatusCode::OK);
     let restored: Value = restored.json().await.unwrap();
-    assert_eq!(restored["breaker"], "half_open", "{restored}");
     assert_eq!(restored["rebuilt_backends"], 1);
-    let probe = encoder_request(&server, &[]).await;
-    assert_eq!(probe.status(), StatusCode::OK);
-    assert_eq!(probe.headers()["x-vramguard-pool"], "gpu");
-    let metrics = server.metrics().await;
-    assert_eq!(
-        crate::common::sample(&metrics, "vramguard_breaker_state{pool=\"gpu\"}"),
-        0.0
-    );
+    let (closed, metrics) = crate::common::breaker_closes(&server, "gpu", Duration::from_secs(5)).await;
+    assert!(closed, "{metrics}");
+    let served = encoder_request(&server, &[]).await;
+    assert_eq!(served.status(), StatusCode::OK);
+    assert_eq!(served.headers()["x-vramguard-pool"], "gpu");
     assert_eq!(
         crate::common::sample(&metrics, "vramguard_breaker_recovery_seconds_count{pool=\"gpu\"}"),
         1.0
@@ -261,6 +258,11 @@ async fn a_driver_reset_opens_the_breaker_at_once_while_the_cpu_pool_keeps_servi
     }
     let state = inject(&server, json!({"fail_next": 0})).await;
     assert_eq!(state["driver_reset"], false, "a restore clears the simulated reset");
+    let (closed, metrics) = crate::common::breaker_closes(&server, "gpu", Duration::from_secs(5)).await;
+    assert!(
+        closed,
+        "the health check closes the breaker after the restore: {metrics}"
+    );
     let back = encoder_request(&server, &[]).await;
     assert_eq!(back.status(), StatusCode::OK);
     assert_eq!(back.headers()["x-vramguard-pool"], "gpu");
@@ -438,7 +440,7 @@ async fn under_pressure_faults_and_a_reset_nothing_accepted_is_lost_or_run_twice
         }
         if i == 140 {
             // Injected failures not yet consumed (the reset took precedence) are cleared first,
-            // or the restore's probe would meet one.
+            // or the restore's health-check probe would meet one.
             inject(&server, json!({"pressure": 0, "fail_next": 0})).await;
             let restored = server.post_json("/admin/pools/gpu/restore", &json!({})).await;
             assert_eq!(restored.status(), StatusCode::OK);

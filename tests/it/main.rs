@@ -10,6 +10,7 @@ mod drill;
 mod estimates;
 mod failover;
 mod generation;
+mod health;
 mod http;
 mod layering;
 mod learned;

@@ -105,14 +105,16 @@ async fn the_usage_ratio_follows_device_memory_and_reads_full_while_the_accelera
     assert_eq!(crate::common::gauge(&metrics, RATIO), 1.0, "{metrics}");
     assert_eq!(crate::common::gauge(&metrics, "vramguard_degraded_mode"), 1.0);
 
-    // Restored, and the probe succeeded: the breaker is closed, but work moved off the
+    // Restored, and the health check's probe succeeded: the breaker is closed, but work moved off the
     // accelerator less than degraded::MEMORY_REDIRECT_WINDOW ago, so the service is still
     // degraded and the ratio still full (the unit tests in src/exporter show it falling back to
     // the device's once nothing saturates it).
     let restored = server.post_json("/admin/pools/gpu/restore", &json!({})).await;
     assert_eq!(restored.status(), StatusCode::OK);
-    let probe = server.encoder(16).await;
-    assert_eq!(probe.headers()["x-vramguard-pool"], "gpu");
+    let (closed, metrics) = crate::common::breaker_closes(&server, "gpu", std::time::Duration::from_secs(5)).await;
+    assert!(closed, "{metrics}");
+    let served = server.encoder(16).await;
+    assert_eq!(served.headers()["x-vramguard-pool"], "gpu");
     let metrics = server.metrics().await;
     assert_eq!(
         crate::common::sum_samples(&metrics, |l| l.starts_with("vramguard_breaker_state{pool=\"gpu\"}")),

@@ -381,12 +381,14 @@ async fn run() {
         }
     }
 
-    // Restoring the pool closes the breaker through a probe; the page resolves.
+    // After a restore the server's own health check closes the breaker; the page resolves.
     let restored = server.post_json("/admin/pools/gpu/restore", &json!({})).await;
     assert_eq!(restored.status(), StatusCode::OK);
-    let probe = server.encoder(32).await;
-    assert_eq!(probe.status(), StatusCode::OK);
-    assert_eq!(probe.headers()["x-vramguard-pool"], "gpu");
+    let (closed, metrics) = crate::common::breaker_closes(&server, "gpu", std::time::Duration::from_secs(5)).await;
+    assert!(closed, "{metrics}");
+    let served = server.encoder(32).await;
+    assert_eq!(served.status(), StatusCode::OK);
+    assert_eq!(served.headers()["x-vramguard-pool"], "gpu");
     // Degraded mode holds for 30 s after the last request moved off the accelerator.
     prometheus.wait_for("VramguardDegraded", None).await;
     prometheus.wait_for("VramguardBreakerOpen", None).await;

@@ -127,7 +127,8 @@ impl Drill {
         self.post_admin(&format!("/admin/sim/{DEVICE}"), body).await
     }
 
-    /// The operator's restore of the accelerator pool: its probe closes the breaker.
+    /// The operator's restore of the accelerator pool: the server's health check then closes
+    /// the breaker.
     pub(super) async fn restore_gpu(&self) -> Result<(), String> {
         self.post_admin(&format!("/admin/pools/{GPU}/restore"), json!({})).await
     }
@@ -161,23 +162,34 @@ impl Drill {
         Err(format!("/admin/sim/{DEVICE} kept refusing pressure"))
     }
 
-    /// Poll until a short request is served on the accelerator pool again (its breaker
-    /// closed); the first one served there is kept in the record when `keep_in` is given.
+    /// Poll `/status`, sending nothing to the accelerator, until its breaker reads closed (the
+    /// server's own health check closes it: no client's request is the probe), then confirm with
+    /// one short request that it is served there; the time to the breaker closing is returned,
+    /// and that request is kept in the record when `keep_in` is given.
     pub(super) async fn until_served_on_gpu(
         &self,
         since: Instant,
         within: Duration,
         keep_in: Option<Phase>,
     ) -> Option<f64> {
-        // A probe that is not kept belongs to no phase; it is filed under the running one.
+        // A request that is not kept belongs to no phase; it is filed under the running one.
         let phase = keep_in.unwrap_or_else(|| *self.phase.lock().unwrap_or_else(|e| e.into_inner()));
         while since.elapsed() < within {
+            let closed = self.status().await.ok().is_some_and(|status| {
+                status
+                    .pool(GPU)
+                    .is_some_and(|gpu| gpu.breaker == crate::core::snapshot::BreakerState::Closed)
+            });
+            if !closed {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+            let at = since.elapsed().as_secs_f64() * 1000.0;
             let expect = "served on gpu after the restore";
-            let probe = self.encoder(phase, "recovery-probe", 16, &[], None, expect).await;
-            if probe.pool.as_deref() == Some(GPU) {
-                let at = since.elapsed().as_secs_f64() * 1000.0;
+            let served = self.encoder(phase, "after-recovery", 16, &[], None, expect).await;
+            if served.pool.as_deref() == Some(GPU) {
                 if keep_in.is_some() {
-                    probe.judge(|r| r.status == Some(200)).keep(self);
+                    served.judge(|r| r.status == Some(200)).keep(self);
                 }
                 return Some(at);
             }
@@ -189,8 +201,8 @@ impl Drill {
     /// Between phases: no pressure, no injected faults, and the accelerator pool serving with a
     /// clean breaker, so each phase starts from a healthy device. A phase's real or injected
     /// allocator failures stay in the breaker's window (and could open it in the next phase),
-    /// so when there were some the operator's restore is used, whose probe closes the breaker
-    /// and forgets them.
+    /// so when there were some the operator's restore is used, after which the server's own
+    /// probe closes the breaker and forgets them.
     pub(super) async fn settle(&self) -> Result<(), String> {
         self.admin(json!({"pressure": 0, "fail_next": 0, "pass_first": 0}))
             .await?;

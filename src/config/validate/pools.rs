@@ -7,7 +7,8 @@ use super::Checker;
 use crate::config::error::ConfigError;
 use crate::config::raw::{RawArenaExtendStrategy, RawPool, RawProvider};
 use crate::config::types::{
-    CudaOptions, DeviceConfig, DeviceKind, HOST_DEVICE, Mode, ModelConfig, PoolConfig, Provider, RemoteOptions,
+    CudaOptions, DeviceConfig, DeviceKind, HOST_DEVICE, HealthConfig, Mode, ModelConfig, PoolConfig, Provider,
+    RemoteOptions,
 };
 use crate::core::breaker::BreakerConfig;
 
@@ -72,6 +73,17 @@ fn pool(
         ));
     }
     let window = c.longer_than_zero(format!("{key}.breaker.window"), breaker.window)?;
+    if p.health.is_some() && p.provider == RawProvider::Remote {
+        return Err(c.err(
+            format!("{key}.health"),
+            "a remote pool is checked by `remote.health_interval` and `remote.health_timeout`",
+        ));
+    }
+    let health = p.health.clone().unwrap_or_default();
+    let health = HealthConfig {
+        interval: c.longer_than_zero(format!("{key}.health.interval"), health.interval)?,
+        timeout: c.longer_than_zero(format!("{key}.health.timeout"), health.timeout)?,
+    };
     let arena_shrinkage = p
         .memory
         .as_ref()
@@ -93,6 +105,7 @@ fn pool(
             window,
             cooldown: breaker.cooldown.get(),
         },
+        health,
         fallback: p.fallback.clone(),
     })
 }

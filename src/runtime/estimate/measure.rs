@@ -102,8 +102,9 @@ impl Probe<'_, '_> {
     }
 }
 
-/// Zero inputs for `signature` with its dynamic axes at `dims`.
-fn inputs_at(signature: &ModelSignature, axes: &[super::Axis], dims: &Dims) -> Result<Vec<Tensor>, String> {
+/// Zero inputs for `signature` with its dynamic axes at `dims` (a dynamic axis no profile axis
+/// names is 1): what a measuring run, or a pool's health check, runs.
+pub fn inputs_at(signature: &ModelSignature, axes: &[super::Axis], dims: &Dims) -> Result<Vec<Tensor>, String> {
     let mut inputs = Vec::new();
     for spec in &signature.inputs {
         let shape: Vec<i64> = spec

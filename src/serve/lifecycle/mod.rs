@@ -150,8 +150,8 @@ pub async fn step(
     inputs: Vec<Tensor>,
     estimate_bytes: u64,
 ) -> Result<Ran, RequestError> {
-    let probe = pool.breaker_permit().map_err(|e| RequestError::from_pool(pool, e))?;
-    retry::run_with_retry(service, pool, request, inputs, estimate_bytes, probe, retry::Run::Step)
+    pool.breaker_permit().map_err(|e| RequestError::from_pool(pool, e))?;
+    retry::run_with_retry(service, pool, request, inputs, estimate_bytes, retry::Run::Step)
         .await
         .map_err(|refused| refused.error)
 }

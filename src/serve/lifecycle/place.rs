@@ -29,30 +29,26 @@ pub async fn place(service: &Service, mut request: Request) -> Result<Served, Re
         .estimate
         .context_bytes
         .saturating_add(admitted.estimate.workspace_bytes);
-    let probe = permit_or_fallback(service, &mut admitted, estimate_bytes).map_err(|(pool, error)| Refused {
+    permit_or_fallback(service, &mut admitted, estimate_bytes).map_err(|(pool, error)| Refused {
         error: RequestError::from_pool(&pool, error),
         pool: Some(pool),
     })?;
     let pool = Arc::clone(&admitted.pool);
-    // Refused before its run: a probe it took goes to the next request.
-    let refuse_unrun = |error: RequestError| {
-        if probe {
-            pool.probe_unused();
-        }
-        Refused::at(&pool, error)
-    };
     if !deadline_reachable(&pool, &request) {
-        return Err(refuse_unrun(RequestError::Deadline(DeadlineMiss::Estimated)));
+        return Err(Refused::at(&pool, RequestError::Deadline(DeadlineMiss::Estimated)));
     }
     if let Err(reason) = host_keeps_reserve(service, &pool, estimate_bytes) {
-        return Err(refuse_unrun(RequestError::HostMemory {
-            pool: pool.name().to_string(),
-            reason,
-            retry_after: pool.load().estimated_delay,
-        }));
+        return Err(Refused::at(
+            &pool,
+            RequestError::HostMemory {
+                pool: pool.name().to_string(),
+                reason,
+                retry_after: pool.load().estimated_delay,
+            },
+        ));
     }
     let inputs = std::mem::take(&mut request.inputs);
-    let ran = run_with_retry(service, &pool, &request, inputs, estimate_bytes, probe, Run::Placed).await?;
+    let ran = run_with_retry(service, &pool, &request, inputs, estimate_bytes, Run::Placed).await?;
     // For the one retry: the run that answered is the request's last one started.
     let retry_started = ran
         .retried
@@ -73,29 +69,30 @@ pub async fn place(service: &Service, mut request: Request) -> Result<Served, Re
     })
 }
 
-/// The breaker's permission for the run (true: it is the half-open probe), taken once here. It
-/// may have opened since the request was routed (a concurrent run met a driver failure while
-/// the policy decided): nothing of it has run, so the fallback takes it, as it would a request
-/// routed a moment later, instead of refusing it. A refusal names the pool that refused.
+/// The breaker's permission for the run, taken once here. The breaker may not be closed (it
+/// opened since the request was routed, as when a concurrent run met a driver failure while the
+/// policy decided, or it is half-open and waits for its health check): nothing of the request
+/// has run, so the fallback takes it, as it would a request routed a moment later, instead of
+/// refusing it. A refusal names the pool that refused.
 fn permit_or_fallback(
     service: &Service,
     admitted: &mut Admitted,
     estimate_bytes: u64,
-) -> Result<bool, (Arc<Pool>, PoolError)> {
+) -> Result<(), (Arc<Pool>, PoolError)> {
     let from = Arc::clone(&admitted.pool);
     let closed = match from.breaker_permit() {
-        Ok(probe) => return Ok(probe),
+        Ok(()) => return Ok(()),
         Err(closed) => closed,
     };
     let Some(fallback) = fallback_of(service, &from).filter(|f| can_take_retry(service, f, estimate_bytes).is_ok())
     else {
         return Err((from, closed));
     };
-    let probe = fallback.breaker_permit().map_err(|e| (Arc::clone(&fallback), e))?;
+    fallback.breaker_permit().map_err(|e| (Arc::clone(&fallback), e))?;
     service.failover(&from, &fallback, FailoverReason::breaker_open);
     admitted.pool = fallback;
     admitted.action = Action::Redirect;
-    Ok(probe)
+    Ok(())
 }
 
 /// Whether `pool` can finish the request before its deadline, going by its queue and recent

@@ -30,8 +30,7 @@ pub(super) enum Run {
     Step,
 }
 
-/// Run `inputs` of `request` on `pool`, the breaker's permission already taken (`probe`: it is
-/// the half-open probe), and once more on the pool's fallback if that run fails in a way the
+/// Run `inputs` of `request` on `pool`, the breaker's permission already taken, and once more on the pool's fallback if that run fails in a way the
 /// fallback would not. The failover is counted and marks degraded mode
 /// ([`Service::failover`]); the retry's decision is counted for `pool`
 /// (`vramguard_retries_total`); a failure that is not retried says why when that is news to
@@ -42,7 +41,6 @@ pub(super) async fn run_with_retry(
     request: &Request,
     inputs: Vec<Tensor>,
     estimate_bytes: u64,
-    probe: bool,
     run: Run,
 ) -> Result<Ran, Refused> {
     // A generation's prompt counts as waiting on its pool until its run is over.
@@ -52,7 +50,7 @@ pub(super) async fn run_with_retry(
     let fallback = fallback_of(service, pool);
     let spare = (fallback.is_some() && request.meta.replayable).then(|| inputs.clone());
     let waiting = waits.then(|| Waiting::on(&pool.sequences));
-    let first = run_permitted(service, pool, request, inputs, estimate_bytes, probe).await;
+    let first = run_permitted(service, pool, request, inputs, estimate_bytes).await;
     drop(waiting);
     let error = match first {
         Ok(outputs) => {

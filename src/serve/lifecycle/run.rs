@@ -46,7 +46,7 @@ pub(super) fn host_keeps_reserve(service: &Service, pool: &Pool, need_bytes: u64
 }
 
 /// Queue one run of `request` with `inputs` on `pool` and wait for it (or the deadline). Takes
-/// the breaker's permission first; a half-open breaker's probe is settled by its outcome.
+/// the breaker's permission first: only a closed breaker gives it.
 pub(super) async fn run_on(
     service: &Service,
     pool: &Arc<Pool>,
@@ -54,18 +54,17 @@ pub(super) async fn run_on(
     inputs: Vec<Tensor>,
     estimate_bytes: u64,
 ) -> Result<Vec<Tensor>, PoolError> {
-    let probe = pool.breaker_permit()?;
-    run_permitted(service, pool, request, inputs, estimate_bytes, probe).await
+    pool.breaker_permit()?;
+    run_permitted(service, pool, request, inputs, estimate_bytes).await
 }
 
-/// [`run_on`] with the breaker's permission already taken (`probe`: it is the half-open probe).
+/// [`run_on`] with the breaker's permission already taken.
 pub(super) async fn run_permitted(
     service: &Service,
     pool: &Arc<Pool>,
     request: &Request,
     inputs: Vec<Tensor>,
     estimate_bytes: u64,
-    probe: bool,
 ) -> Result<Vec<Tensor>, PoolError> {
     // What a host pool's run is expected to take stays promised until it ends (or the client
     // goes away), so concurrent admissions see each other before the next memory sample does.
@@ -86,17 +85,13 @@ pub(super) async fn run_permitted(
         outputs: request.outputs.clone(),
         estimate_bytes: Some(estimate_bytes),
         memory: memory.clone(),
-        probe,
+        probe: false,
         cancel: cancel.clone(),
     };
     // Until the answer is in: a client that goes away (this future dropped) or a deadline that
     // passes stops the job, queued or running, so the device is not spent on it.
     let mut stop = StopOnDrop(Some(cancel));
-    let reply = pool.submit(job).inspect_err(|_| {
-        if probe {
-            pool.probe_unused();
-        }
-    })?;
+    let reply = pool.submit(job)?;
     let reply = match request.deadline() {
         Some(deadline) => match tokio::time::timeout_at(deadline, reply).await {
             Ok(reply) => reply,

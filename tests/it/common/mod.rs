@@ -202,6 +202,23 @@ pub fn requests_with(metrics: &str, select: impl Fn(&str) -> bool) -> f64 {
     })
 }
 
+/// Poll `/metrics` (no inference traffic) until `pool`'s breaker reads closed, for at most
+/// `within`; the metrics last read, and whether it closed.
+pub async fn breaker_closes(server: &TestServer, pool: &str, within: std::time::Duration) -> (bool, String) {
+    let series = format!("vramguard_breaker_state{{pool=\"{pool}\"}}");
+    let until = std::time::Instant::now() + within;
+    loop {
+        let metrics = server.metrics().await;
+        if sample(&metrics, &series) == 0.0 {
+            return (true, metrics);
+        }
+        if std::time::Instant::now() >= until {
+            return (false, metrics);
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+}
+
 /// A simulated `gpu` pool whose breaker opens at once on a driver reset (and after two
 /// allocator failures), falling back on a `cpu` pool.
 pub const FAILOVER_CONFIG: &str = "\
