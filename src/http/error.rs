@@ -33,9 +33,9 @@ pub fn status_of(error: &RequestError) -> StatusCode {
     }
 }
 
-/// The outcome an answer with `status` is counted with when no [`RequestError`] is at hand (an
-/// answer sent again for an `idempotency-key`, a generation request refused while it was read):
-/// the same as [`RequestError::outcome`] gives the errors [`status_of`] answers so.
+/// The outcome an answer with `status` is counted with when no [`RequestError`] is at hand (a
+/// generation request refused while it was read): the same as [`RequestError::outcome`] gives
+/// the errors [`status_of`] answers so.
 pub fn outcome_of_status(status: StatusCode) -> Outcome {
     match status.as_u16() {
         200..=399 => Outcome::ok,

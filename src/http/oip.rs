@@ -2,7 +2,7 @@
 //! and `infer` (decode with [`crate::protocol::oip`], run through the lifecycle, encode; an
 //! `idempotency-key` answers a duplicate with the first answer).
 
-use super::error::{ApiError, outcome_of_status, status_of};
+use super::error::{ApiError, status_of};
 use super::headers::*;
 use super::state::AppState;
 use crate::core::snapshot::DeviceClass;
@@ -159,7 +159,7 @@ pub(super) async fn infer_versioned(
 ) -> Response {
     if let Err(e) = check_version(&version) {
         let received = tokio::time::Instant::now();
-        lifecycle::answered(&state.service, &model, None, Outcome::client_error, received);
+        lifecycle::answered(&state.service, &model, Outcome::client_error, received);
         return with_request_id(e.into_response(), &request_id(&headers));
     }
     infer(state, Path(model), headers, body).await
@@ -225,8 +225,8 @@ async fn respond(
 
 /// An `idempotency-key` request executes at most once: the first runs, duplicates in flight
 /// wait for it, later ones get its stored response, and the same key with another request is
-/// refused with 422 (IETF Idempotency-Key draft). Each answer is counted once, an answer sent
-/// again with the outcome it was first counted with.
+/// refused with 422 (IETF Idempotency-Key draft). Each request is counted once in the request
+/// metrics, a refusal here included.
 async fn idempotent(
     state: Arc<AppState>,
     model: String,
@@ -237,7 +237,7 @@ async fn idempotent(
     received: tokio::time::Instant,
 ) -> Response {
     let refuse = |outcome: Outcome, error: ApiError| {
-        lifecycle::answered(&state.service, &model, None, outcome, received);
+        lifecycle::answered(&state.service, &model, outcome, received);
         error.into_response()
     };
     let Some(key) = key
@@ -267,13 +267,8 @@ async fn idempotent(
     let cache = state.service.idempotency.clone();
     match cache.claim(&model, &key, fingerprint).await {
         Claim::Done(stored) => {
-            let pool = stored
-                .headers
-                .iter()
-                .find(|(name, _)| name == POOL_HEADER)
-                .and_then(|(_, value)| std::str::from_utf8(value).ok());
-            let outcome = outcome_of_status(StatusCode::from_u16(stored.status).unwrap_or(StatusCode::OK));
-            lifecycle::answered(&state.service, &model, pool, outcome, received);
+            // Not counted again in the request metrics: the request was, when its first answer
+            // went out; this one is counted in `vramguard_idempotency_hits_total`.
             // Stripe's header name: the client can tell an answer it got again from a new run.
             let mut response = stored_response(&stored);
             response.headers_mut().insert(

@@ -83,7 +83,7 @@ async fn serve(state: &AppState, headers: &HeaderMap, body: Result<Bytes, BytesR
         Err(error) => {
             let model = kept.as_deref().and_then(model_named);
             let model = model.as_deref().unwrap_or(UNKNOWN_MODEL);
-            lifecycle::answered(&state.service, model, None, outcome_of_status(error.status), received);
+            lifecycle::answered(&state.service, model, outcome_of_status(error.status), received);
             Err(error)
         }
     };

@@ -66,11 +66,11 @@ pub fn reject(service: &Service, model: &str, error: RequestError, received: Ins
     Refused { pool: None, error }
 }
 
-/// Count an answer the protocol layer gave itself, with no [`RequestError`] behind it: an
-/// `idempotency-key` reused with another request, a stored answer sent again, a generation
-/// request refused before it was checked. `pool` is the pool that served it, if one did.
-pub fn answered(service: &Service, model: &str, pool: Option<&str>, outcome: Outcome, received: Instant) {
-    record(service, model, pool, outcome, received);
+/// Count a refusal the protocol layer answered itself, with no [`RequestError`] behind it (an
+/// `idempotency-key` reused with another request, a generation request refused while it was
+/// read): refused before any pool was chosen.
+pub fn answered(service: &Service, model: &str, outcome: Outcome, received: Instant) {
+    record(service, model, None, outcome, received);
 }
 
 /// Count a request's outcome: once in `vramguard_requests_total`, and in its duration when it
