@@ -247,6 +247,15 @@ pub enum Action {
 }
 
 impl Action {
+    /// Every action.
+    pub const ALL: [Action; 5] = [
+        Action::Admit,
+        Action::Defer,
+        Action::ShrinkContext,
+        Action::Redirect,
+        Action::Reject,
+    ];
+
     /// The label value: `admit`, `defer`, `shrink_context`, `redirect` or `reject`.
     pub fn label(self) -> &'static str {
         match self {
@@ -260,15 +269,7 @@ impl Action {
 
     /// The action a [`label`](Action::label) names.
     pub fn from_label(label: &str) -> Option<Action> {
-        [
-            Action::Admit,
-            Action::Defer,
-            Action::ShrinkContext,
-            Action::Redirect,
-            Action::Reject,
-        ]
-        .into_iter()
-        .find(|a| a.label() == label)
+        Action::ALL.into_iter().find(|a| a.label() == label)
     }
 }
 

@@ -6,6 +6,7 @@ use axum::http::StatusCode;
 
 pub use crate::net::ApiError;
 use crate::serve::lifecycle::RequestError;
+use crate::telemetry::metrics::Outcome;
 
 /// The HTTP status a request that failed with `error` is answered with. 503 means "not now"
 /// (retrying may help, `Retry-After` says when); a 4xx is the request's own problem.
@@ -29,5 +30,44 @@ pub fn status_of(error: &RequestError) -> StatusCode {
         | RequestError::HostMemory { .. }
         | RequestError::Allocation { .. }
         | RequestError::Remote { .. } => StatusCode::SERVICE_UNAVAILABLE,
+    }
+}
+
+/// The outcome an answer with `status` is counted with when no [`RequestError`] is at hand (a
+/// generation request refused while it was read): the same as [`RequestError::outcome`] gives
+/// the errors [`status_of`] answers so.
+pub fn outcome_of_status(status: StatusCode) -> Outcome {
+    match status.as_u16() {
+        200..=399 => Outcome::ok,
+        429 => Outcome::deferred_timeout,
+        499 | 504 => Outcome::cancelled,
+        400..=499 => Outcome::client_error,
+        503 => Outcome::rejected,
+        _ => Outcome::failed,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::serve::lifecycle::DeadlineMiss;
+    use std::time::Duration;
+
+    #[test]
+    fn a_status_is_counted_as_the_error_answered_with_it_is() {
+        let errors = [
+            RequestError::BadInput("x".into()),
+            RequestError::ClientGone,
+            RequestError::Failed { pool: "gpu".into() },
+            RequestError::Deadline(DeadlineMiss::OnArrival),
+            RequestError::QueueFull {
+                pool: "gpu".into(),
+                capacity: 1,
+                retry_after: Duration::from_secs(1),
+            },
+        ];
+        for error in errors {
+            assert_eq!(outcome_of_status(status_of(&error)), error.outcome(), "{error:?}");
+        }
     }
 }

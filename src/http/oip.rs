@@ -12,6 +12,7 @@ use crate::protocol::oip as infer;
 use crate::serve::idempotency::{Claim, StoredResponse};
 use crate::serve::lifecycle::{self, RequestError};
 use crate::serve::service::Service;
+use crate::telemetry::metrics::Outcome;
 use axum::Json;
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
@@ -157,6 +158,8 @@ pub(super) async fn infer_versioned(
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
     if let Err(e) = check_version(&version) {
+        let received = tokio::time::Instant::now();
+        lifecycle::answered(&state.service, &model, Outcome::client_error, received);
         return with_request_id(e.into_response(), &request_id(&headers));
     }
     infer(state, Path(model), headers, body).await
@@ -170,27 +173,28 @@ pub(super) async fn infer(
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
+    let received = tokio::time::Instant::now();
     let id = request_id(&headers);
     let key = headers.get(IDEMPOTENCY_KEY).cloned();
     let response = match (key, body) {
         (Some(key), Ok(body)) if state.service.model(&model).is_some() => {
-            idempotent(state, model, id.clone(), headers, body, key).await
+            idempotent(state, model, id.clone(), headers, body, key, received).await
         }
-        (_, body) => respond(&state, &model, &id, &headers, body).await.0,
+        (_, body) => respond(&state, &model, &id, &headers, body, received).await.0,
     };
     with_request_id(response, &id)
 }
 
-/// Decode, run and encode one request; also says whether it executed (its response is then
-/// what a duplicate with the same idempotency key must get).
+/// Decode, run and encode one request, counted once; also says whether it executed (its
+/// response is then what a duplicate with the same idempotency key must get).
 async fn respond(
     state: &AppState,
     model: &str,
     id: &str,
     headers: &HeaderMap,
     body: Result<Bytes, BytesRejection>,
+    received: tokio::time::Instant,
 ) -> (Response, bool) {
-    let received = tokio::time::Instant::now();
     let service = &state.service;
     let (request, decoded) = match decode(service, model, id, headers, body, received) {
         Ok(decoded) => decoded,
@@ -199,18 +203,17 @@ async fn respond(
             return (refused_response(refused, id, None), true);
         }
     };
-    let result = lifecycle::infer(service, request).await;
-    // Degraded mode as it is when the answer goes out, on every response served meanwhile.
-    let degraded = service.degraded.now();
+    let max_bytes = service.config.server.max_response_bytes;
+    let result = lifecycle::infer_and(service, request, |served| {
+        // Degraded mode as it is when the answer goes out, on every response served meanwhile.
+        let degraded = service.degraded.now();
+        served_response(model, id, &served, &decoded, degraded.as_ref(), max_bytes).map_err(RequestError::BadInput)
+    })
+    .await;
     match result {
-        Ok(served) => {
-            let max_bytes = service.config.server.max_response_bytes;
-            (
-                served_response(model, id, &served, &decoded, degraded.as_ref(), max_bytes),
-                true,
-            )
-        }
+        Ok(response) => (response, true),
         Err(refused) => {
+            let degraded = service.degraded.now();
             // Refused before anything ran (queue full, breaker, deadline…): a retry with the
             // same key must be allowed to run.
             let executed =
@@ -222,7 +225,8 @@ async fn respond(
 
 /// An `idempotency-key` request executes at most once: the first runs, duplicates in flight
 /// wait for it, later ones get its stored response, and the same key with another request is
-/// refused with 422 (IETF Idempotency-Key draft).
+/// refused with 422 (IETF Idempotency-Key draft). Each request is counted once in the request
+/// metrics, a refusal here included.
 async fn idempotent(
     state: Arc<AppState>,
     model: String,
@@ -230,18 +234,25 @@ async fn idempotent(
     headers: HeaderMap,
     body: Bytes,
     key: HeaderValue,
+    received: tokio::time::Instant,
 ) -> Response {
+    let refuse = |outcome: Outcome, error: ApiError| {
+        lifecycle::answered(&state.service, &model, outcome, received);
+        error.into_response()
+    };
     let Some(key) = key
         .to_str()
         .ok()
         .filter(|k| !k.is_empty() && k.len() <= 255)
         .map(str::to_string)
     else {
-        return ApiError::new(
-            StatusCode::BAD_REQUEST,
-            "idempotency-key must be 1 to 255 visible ASCII characters",
-        )
-        .into_response();
+        return refuse(
+            Outcome::client_error,
+            ApiError::new(
+                StatusCode::BAD_REQUEST,
+                "idempotency-key must be 1 to 255 visible ASCII characters",
+            ),
+        );
     };
     let header = |name: &str| headers.get(name).map_or(&[][..], |v| v.as_bytes());
     // What changes the request's meaning; the request id and the deadline may differ on a retry.
@@ -256,6 +267,8 @@ async fn idempotent(
     let cache = state.service.idempotency.clone();
     match cache.claim(&model, &key, fingerprint).await {
         Claim::Done(stored) => {
+            // Not counted again in the request metrics: the request was, when its first answer
+            // went out; this one is counted in `vramguard_idempotency_hits_total`.
             // Stripe's header name: the client can tell an answer it got again from a new run.
             let mut response = stored_response(&stored);
             response.headers_mut().insert(
@@ -264,22 +277,26 @@ async fn idempotent(
             );
             response
         }
-        Claim::Conflict => ApiError::new(
-            StatusCode::UNPROCESSABLE_ENTITY,
-            format!("idempotency-key `{key}` was already used for a different request to model `{model}`"),
-        )
-        .into_response(),
-        Claim::Busy => ApiError::new(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "too many idempotent requests are running (server.idempotency.max_entries)",
-        )
-        .retry_after(1)
-        .into_response(),
+        Claim::Conflict => refuse(
+            Outcome::client_error,
+            ApiError::new(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                format!("idempotency-key `{key}` was already used for a different request to model `{model}`"),
+            ),
+        ),
+        Claim::Busy => refuse(
+            Outcome::rejected,
+            ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "too many idempotent requests are running (server.idempotency.max_entries)",
+            )
+            .retry_after(1),
+        ),
         Claim::Run(ticket) => {
             // The run owns the ticket, not the connection: a client that disconnects must not
             // release the key while its request still executes.
             let run = tokio::spawn(async move {
-                let (response, executed) = respond(&state, &model, &id, &headers, Ok(body)).await;
+                let (response, executed) = respond(&state, &model, &id, &headers, Ok(body), received).await;
                 let stored = store(response).await;
                 if executed {
                     ticket.complete(stored.clone());
@@ -360,7 +377,8 @@ fn decode(
 }
 
 /// The answer to a request that ran: the encoded outputs, with the serving pool's facts in
-/// `parameters` and in headers.
+/// `parameters` and in headers; or why they cannot be sent (the client's to fix: over
+/// `server.max_response_bytes`, say).
 fn served_response(
     model: &str,
     id: &str,
@@ -368,7 +386,7 @@ fn served_response(
     decoded: &infer::DecodedRequest,
     degraded: Option<&crate::pool::degraded::Now>,
     max_bytes: usize,
-) -> Response {
+) -> Result<Response, String> {
     let pool = &served.pool;
     let mut parameters = Map::new();
     if let Some(reason) = served.retried {
@@ -391,21 +409,14 @@ fn served_response(
     if let Some(context) = &context {
         parameters.insert("context".into(), json!(context));
     }
-    let encoded = match infer::encode(
+    let encoded = infer::encode(
         model,
         decoded.id.as_deref(),
         &parameters,
         &served.outputs,
         decoded,
         max_bytes,
-    ) {
-        Ok(encoded) => encoded,
-        Err(message) => {
-            let mut api = ApiError::new(StatusCode::BAD_REQUEST, message);
-            api = api.with("request_id", json!(id));
-            return api.into_response();
-        }
-    };
+    )?;
     let mut response = encoded.body.into_response();
     let headers = response.headers_mut();
     headers.insert(
@@ -428,7 +439,7 @@ fn served_response(
             headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
         }
     }
-    response
+    Ok(response)
 }
 
 /// The answer to a refused or failed request: its status, why, whether waiting helps, and

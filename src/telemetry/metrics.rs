@@ -26,6 +26,18 @@ pub enum Outcome {
     cancelled,
 }
 
+impl Outcome {
+    /// Every value, for creating each series at 0 before its first event.
+    pub const ALL: [Self; 6] = [
+        Self::ok,
+        Self::client_error,
+        Self::rejected,
+        Self::deferred_timeout,
+        Self::failed,
+        Self::cancelled,
+    ];
+}
+
 /// `{version, onnxruntime}`
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct BuildLabels {
@@ -236,6 +248,11 @@ pub enum RetryResult {
     no_fallback,
 }
 
+impl RetryResult {
+    /// Every value, for creating each series at 0 before its first event.
+    pub const ALL: [Self; 4] = [Self::ok, Self::failed, Self::not_replayable, Self::no_fallback];
+}
+
 /// `{from, to, reason}`: work moved from one pool to another.
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct FailoverLabels {
@@ -261,6 +278,17 @@ pub enum FailoverReason {
     policy_redirect,
     /// Retried after a remote pool's server failed (unreachable, 5xx, timeout, overloaded).
     remote_retry,
+}
+
+impl FailoverReason {
+    /// Every value, for creating each series at 0 before its first event.
+    pub const ALL: [Self; 5] = [
+        Self::oom_retry,
+        Self::driver_retry,
+        Self::breaker_open,
+        Self::policy_redirect,
+        Self::remote_retry,
+    ];
 }
 
 /// `{pool, kind}`: a remote pool's server failing.

@@ -6,6 +6,7 @@ mod abuse;
 mod cli;
 mod common;
 mod connections;
+mod counted;
 mod drill;
 mod estimates;
 mod failover;

@@ -17,6 +17,7 @@ use crate::http::headers::{decode_headers, header_value, pool_headers, shrink_he
 use crate::http::state::AppState;
 use crate::protocol::headers::{ALLOW_SHRINK_HEADER, DECISION_HEADER};
 use crate::serve::generate;
+use crate::serve::lifecycle;
 
 /// Seconds since the epoch, for a completion's `created`.
 pub(super) fn unix_now() -> u64 {
@@ -26,14 +27,14 @@ pub(super) fn unix_now() -> u64 {
         .unwrap_or(0)
 }
 
-/// Run a checked job and answer it, streamed or whole.
-pub(super) async fn run(
+/// The lifecycle request a checked job runs as, from the headers every protocol shares.
+pub(super) fn request(
     state: &AppState,
     headers: &HeaderMap,
-    job: Job,
+    job: &Job,
     id: &str,
     received: Instant,
-) -> Result<Response, OpenAiError> {
+) -> Result<lifecycle::Request, OpenAiError> {
     let service = &state.service;
     let mut base =
         decode_headers(service, &job.model, id, headers, received).map_err(|e| OpenAiError::from_request(&e, id))?;
@@ -42,6 +43,18 @@ pub(super) async fn run(
     base.meta.allow_shrink = header_value::<bool>(headers, ALLOW_SHRINK_HEADER, "`true` or `false`")
         .map_err(|e| OpenAiError::from_request(&e, id))?
         .unwrap_or(entry.config.allow_shrink);
+    Ok(base)
+}
+
+/// Run a checked job as `base` and answer it, streamed or whole (counted by the generation).
+pub(super) async fn run(
+    state: &AppState,
+    job: Job,
+    base: lifecycle::Request,
+    id: &str,
+) -> Result<Response, OpenAiError> {
+    let service = &state.service;
+    let entry = service.model(&job.model).expect("checked by text_model");
     let tokenizer = Arc::clone(entry.tokenizer.as_ref().expect("checked by text_model"));
     if job.stream {
         return streamed(state, job, id, base, tokenizer).await;

@@ -33,8 +33,11 @@ use axum::response::{IntoResponse, Response};
 use serde_json::{Value, json};
 use tokio::time::Instant;
 
+use super::error::outcome_of_status;
 use super::headers::{request_id, with_request_id};
 use super::state::AppState;
+use crate::serve::lifecycle;
+use crate::serve::service::UNKNOWN_MODEL;
 
 /// `GET /v1/models`: the models that generate text (decoders with a tokenizer).
 pub async fn models(State(state): State<Arc<AppState>>) -> axum::Json<Value> {
@@ -66,17 +69,37 @@ pub async fn chat_completions(
     serve(&state, &headers, body, true).await
 }
 
-/// Read, run and answer one request, the request id on every answer.
+/// Read, run and answer one request, the request id on every answer. A request refused while
+/// it is read and checked is counted here; one that reaches its generation is counted there.
 async fn serve(state: &AppState, headers: &HeaderMap, body: Result<Bytes, BytesRejection>, chat: bool) -> Response {
     let received = Instant::now();
     let id = request_id(headers);
-    let result = match job::read_job(state, body, &id, chat) {
-        Ok(job) => answer::run(state, headers, job, &id, received).await,
-        Err(error) => Err(error),
+    // A cheap handle on the body, read again only when the request is refused.
+    let kept = body.as_ref().ok().cloned();
+    let checked = job::read_job(state, body, &id, chat)
+        .and_then(|job| answer::request(state, headers, &job, &id, received).map(|base| (job, base)));
+    let result = match checked {
+        Ok((job, base)) => answer::run(state, job, base, &id).await,
+        Err(error) => {
+            let model = kept.as_deref().and_then(model_named);
+            let model = model.as_deref().unwrap_or(UNKNOWN_MODEL);
+            lifecycle::answered(&state.service, model, outcome_of_status(error.status), received);
+            Err(error)
+        }
     };
     let response = match result {
         Ok(response) => response,
         Err(error) => error.into_response(),
     };
     with_request_id(response, &id)
+}
+
+/// The `model` a body names, read on its own (the body may be wrong in every other way), for
+/// counting a refusal under the model it was for.
+fn model_named(body: &[u8]) -> Option<String> {
+    #[derive(serde::Deserialize)]
+    struct Named {
+        model: String,
+    }
+    serde_json::from_slice::<Named>(body).ok().map(|n| n.model)
 }

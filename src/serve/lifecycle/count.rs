@@ -8,6 +8,7 @@ use tokio::time::Instant;
 
 use crate::pool::Pool;
 use crate::serve::service::Service;
+use crate::serve::service::UNKNOWN_MODEL;
 use crate::telemetry::metrics::{ModelPoolLabels, Outcome, RequestLabels};
 
 use super::{Refused, RequestError};
@@ -65,12 +66,21 @@ pub fn reject(service: &Service, model: &str, error: RequestError, received: Ins
     Refused { pool: None, error }
 }
 
-/// Count a request's outcome. Requests for unknown models are not counted: their names would
-/// be unbounded label values.
+/// Count a refusal the protocol layer answered itself, with no [`RequestError`] behind it (an
+/// `idempotency-key` reused with another request, a generation request refused while it was
+/// read): refused before any pool was chosen.
+pub fn answered(service: &Service, model: &str, outcome: Outcome, received: Instant) {
+    record(service, model, None, outcome, received);
+}
+
+/// Count a request's outcome: once in `vramguard_requests_total`, and in its duration when it
+/// reached a pool.
 fn record(service: &Service, model: &str, pool: Option<&str>, outcome: Outcome, received: Instant) {
-    if service.model(model).is_none() {
-        return;
-    }
+    let model = if service.model(model).is_some() {
+        model
+    } else {
+        UNKNOWN_MODEL
+    };
     let metrics = &service.metrics;
     metrics
         .requests
@@ -80,7 +90,9 @@ fn record(service: &Service, model: &str, pool: Option<&str>, outcome: Outcome, 
             outcome,
         })
         .inc();
-    if let Some(pool) = pool {
+    if let Some(pool) = pool
+        && model != UNKNOWN_MODEL
+    {
         metrics
             .request_duration
             .get_or_create(&ModelPoolLabels {

@@ -35,7 +35,7 @@ use crate::pool::activity::Progress;
 use crate::serve::service::Service;
 use crate::telemetry::metrics::FailoverReason;
 
-pub use count::{counted, reject};
+pub use count::{answered, counted, reject};
 pub use error::{DeadlineMiss, NotRetried, Refused, RequestError};
 pub use fits::{Ceiling, NeverFits};
 pub use place::place;
@@ -126,14 +126,26 @@ pub struct Ran {
 
 /// Run `request` to its end: place it, ask the policy, carry the decision out, run it, and
 /// count the outcome.
-pub async fn infer(service: &Service, mut request: Request) -> Result<Served, Refused> {
+pub async fn infer(service: &Service, request: Request) -> Result<Served, Refused> {
+    infer_and(service, request, Ok).await
+}
+
+/// [`infer`], with the answer made from what was served by `answer` before the request is
+/// counted: an answer that cannot be made (a response over its limit) is counted with the
+/// error the client gets, not as served.
+pub async fn infer_and<T>(
+    service: &Service,
+    mut request: Request,
+    answer: impl FnOnce(Served) -> Result<T, RequestError>,
+) -> Result<T, Refused> {
     request.progress = service.activity.accept();
     let model = request.model.clone();
     let received = request.received;
     counted(service, &model, received, async move {
         let served = place(service, request).await?;
         let pool = Arc::clone(&served.pool);
-        Ok((served, pool))
+        let value = answer(served).map_err(|error| Refused::at(&pool, error))?;
+        Ok((value, pool))
     })
     .await
 }

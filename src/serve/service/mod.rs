@@ -10,6 +10,7 @@ mod onnxruntime;
 mod parts;
 mod policy;
 mod pools;
+mod zeroed;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -33,6 +34,7 @@ use crate::telemetry::metrics::Metrics;
 pub use models::{ModelBytes, ModelEntry};
 pub use onnxruntime::OrtFactory;
 pub use parts::{BackendFactory, Parts};
+pub use zeroed::UNKNOWN_MODEL;
 
 use models::load_models;
 use policy::{PolicyState, load_policy, show_policy};
@@ -151,6 +153,7 @@ impl Service {
                     .serving(&entry.config.name, pool.name(), observe::weights_on(pool, entry));
             }
         }
+        zeroed::zero_known_series(&metrics, &models, &pools);
         let degraded = Arc::new(Degraded::new(pools.clone(), Arc::clone(&clock)));
         let activity = Arc::new(Activity::default());
         let idempotency = IdempotencyCache::new(config.server.idempotency.max_entries, config.server.idempotency.ttl);

@@ -11,7 +11,7 @@ use prometheus_client::registry::Unit;
 use crate::core::snapshot::{BreakerState, DeviceClass, DeviceState, ProviderKind, Snapshot};
 use crate::device::simulated::SimulatedDevice;
 use crate::pool::activity::Activity;
-use crate::pool::degraded::Degraded;
+use crate::pool::degraded::{Cause, Degraded};
 use crate::pool::sequences::SequencesNow;
 use crate::pool::{Pool, PoolLoad};
 use crate::runtime::onnx::arena::ArenaStats;
@@ -366,14 +366,14 @@ impl LiveCollector {
         gauge_family(
             encoder,
             "degraded_info",
-            "Why the service is degraded (always 1; absent while it is not)",
+            "Why the service is degraded: 1 for the reason it is now, 0 for every other reason (all 0 while it is not)",
             None,
-            now.iter().map(|n| {
+            every_cause().map(|cause| {
                 (
                     ReasonLabels {
-                        reason: n.cause.label().to_string(),
+                        reason: cause.label().to_string(),
                     },
-                    1,
+                    i64::from(now.as_ref().is_some_and(|n| n.cause == cause)),
                 )
             }),
         )?;
@@ -437,4 +437,13 @@ fn encode_host(encoder: &mut DescriptorEncoder, sample: &Sample) -> Result<(), s
         )?;
     }
     Ok(())
+}
+/// Every cause of degraded mode, each exported as a `reason` from the first scrape (a reason
+/// that appeared only while it lasted would leave the dashboard and the alerts nothing to
+/// start from). A cause added to [`Cause`] fails this match until it is listed here too.
+fn every_cause() -> [Cause; 3] {
+    let listed = |cause: Cause| match cause {
+        Cause::PoolUnavailable | Cause::BreakerOpen | Cause::MemoryRedirect => cause,
+    };
+    [Cause::PoolUnavailable, Cause::BreakerOpen, Cause::MemoryRedirect].map(listed)
 }
