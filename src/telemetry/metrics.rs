@@ -8,6 +8,8 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::{Registry, Unit};
 
+pub use crate::telemetry::failover_labels::{FailoverLabels, FailoverReason, RetryLabels, RetryResult};
+
 /// Request outcomes, as the `outcome` label.
 #[derive(Debug, Clone, Copy, Hash, PartialEq, Eq, EncodeLabelValue)]
 #[allow(non_camel_case_types)]
@@ -223,72 +225,6 @@ pub struct Metrics {
     pub estimates: crate::telemetry::estimates::EstimateMetrics,
     /// The pools' health checks.
     pub health: crate::telemetry::health::HealthMetrics,
-}
-
-/// `{pool, result}`: a retry after an allocator failure on `pool`.
-#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct RetryLabels {
-    /// The pool whose run failed.
-    pub pool: String,
-    /// How the retry went.
-    pub result: RetryResult,
-}
-
-/// How a retry after an allocator failure went, as the `result` label.
-#[derive(Debug, Clone, Copy, Hash, PartialEq, Eq, EncodeLabelValue)]
-#[allow(non_camel_case_types)]
-pub enum RetryResult {
-    /// The retry was served.
-    ok,
-    /// The retry ran or was queued and failed too.
-    failed,
-    /// Not retried: the client marked the request non-replayable; it got a resumable 503.
-    not_replayable,
-    /// Not retried: the fallback pool could not take it (unavailable, breaker, host memory).
-    no_fallback,
-}
-
-impl RetryResult {
-    /// Every value, for creating each series at 0 before its first event.
-    pub const ALL: [Self; 4] = [Self::ok, Self::failed, Self::not_replayable, Self::no_fallback];
-}
-
-/// `{from, to, reason}`: work moved from one pool to another.
-#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct FailoverLabels {
-    /// The pool the request was meant for.
-    pub from: String,
-    /// The pool that took it.
-    pub to: String,
-    /// Why it moved.
-    pub reason: FailoverReason,
-}
-
-/// Why work moved to another pool, as the `reason` label.
-#[derive(Debug, Clone, Copy, Hash, PartialEq, Eq, EncodeLabelValue)]
-#[allow(non_camel_case_types)]
-pub enum FailoverReason {
-    /// Retried after an out-of-memory allocator failure.
-    oom_retry,
-    /// Retried after a driver-class failure.
-    driver_retry,
-    /// The first pool's circuit breaker was open.
-    breaker_open,
-    /// The policy redirected it before it ran.
-    policy_redirect,
-    /// Retried after a remote pool's server failed (unreachable, 5xx, timeout, overloaded).
-    remote_retry,
-}
-
-impl FailoverReason {
-    /// Every value, for creating each series at 0 before its first event.
-    pub const ALL: [Self; 5] = [
-        Self::oom_retry,
-        Self::driver_retry,
-        Self::breaker_open,
-        Self::policy_redirect,
-        Self::remote_retry,
-    ];
 }
 
 /// `{pool, kind}`: a remote pool's server failing.

@@ -4,6 +4,7 @@
 
 pub mod estimates;
 pub mod exporter;
+pub mod failover_labels;
 pub mod health;
 pub mod logging;
 pub mod malloc;

@@ -1,0 +1,70 @@
+//! The labels of work that moved: a retry after an allocator failure, and a request that went to
+//! another pool, with every value each can take (so their series exist at 0 from the start).
+
+use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue};
+
+/// `{pool, result}`: a retry after an allocator failure on `pool`.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RetryLabels {
+    /// The pool whose run failed.
+    pub pool: String,
+    /// How the retry went.
+    pub result: RetryResult,
+}
+
+/// How a retry after an allocator failure went, as the `result` label.
+#[derive(Debug, Clone, Copy, Hash, PartialEq, Eq, EncodeLabelValue)]
+#[allow(non_camel_case_types)]
+pub enum RetryResult {
+    /// The retry was served.
+    ok,
+    /// The retry ran or was queued and failed too.
+    failed,
+    /// Not retried: the client marked the request non-replayable; it got a resumable 503.
+    not_replayable,
+    /// Not retried: the fallback pool could not take it (unavailable, breaker, host memory).
+    no_fallback,
+}
+
+impl RetryResult {
+    /// Every value, for creating each series at 0 before its first event.
+    pub const ALL: [Self; 4] = [Self::ok, Self::failed, Self::not_replayable, Self::no_fallback];
+}
+
+/// `{from, to, reason}`: work moved from one pool to another.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct FailoverLabels {
+    /// The pool the request was meant for.
+    pub from: String,
+    /// The pool that took it.
+    pub to: String,
+    /// Why it moved.
+    pub reason: FailoverReason,
+}
+
+/// Why work moved to another pool, as the `reason` label.
+#[derive(Debug, Clone, Copy, Hash, PartialEq, Eq, EncodeLabelValue)]
+#[allow(non_camel_case_types)]
+pub enum FailoverReason {
+    /// Retried after an out-of-memory allocator failure.
+    oom_retry,
+    /// Retried after a driver-class failure.
+    driver_retry,
+    /// The first pool's circuit breaker was open.
+    breaker_open,
+    /// The policy redirected it before it ran.
+    policy_redirect,
+    /// Retried after a remote pool's server failed (unreachable, 5xx, timeout, overloaded).
+    remote_retry,
+}
+
+impl FailoverReason {
+    /// Every value, for creating each series at 0 before its first event.
+    pub const ALL: [Self; 5] = [
+        Self::oom_retry,
+        Self::driver_retry,
+        Self::breaker_open,
+        Self::policy_redirect,
+        Self::remote_retry,
+    ];
+}
