@@ -19,6 +19,9 @@ pub struct OpenAiError {
     pub(super) param: Option<&'static str>,
     pub(super) retry_after: Option<u64>,
     pub(super) request_id: Option<String>,
+    /// OpenAI's `code` (`context_length_exceeded`) and fields of ours beside it, for the few
+    /// errors that have them (boxed: every fallible reader returns this type).
+    pub(super) extra: Option<Box<(&'static str, serde_json::Map<String, serde_json::Value>)>>,
 }
 
 impl OpenAiError {
@@ -31,6 +34,7 @@ impl OpenAiError {
             param,
             retry_after: None,
             request_id: None,
+            extra: None,
         }
     }
 
@@ -44,6 +48,7 @@ impl OpenAiError {
             param: None,
             retry_after: None,
             request_id: Some(id.to_string()),
+            extra: None,
         }
     }
 
@@ -56,13 +61,32 @@ impl OpenAiError {
             param: None,
             retry_after: None,
             request_id: Some(id.to_string()),
+            extra: None,
         }
     }
 
     /// A request the lifecycle refused or that failed, with the status the HTTP layer gives it.
     pub(super) fn from_request(error: &RequestError, id: &str) -> OpenAiError {
         let status = status_of(error);
+        let extra = match error {
+            // What OpenAI says of a prompt too long (its clients read `code`), and the numbers a
+            // client needs to send less, as a tensor client gets them.
+            RequestError::NeverFits(never) => {
+                let code = if never.tokens > 0 {
+                    "context_length_exceeded"
+                } else {
+                    "never_fits"
+                };
+                let mut details = serde_json::Map::new();
+                details.insert("needed_bytes".into(), json!(never.need_bytes));
+                details.insert("max_bytes".into(), json!(never.largest.as_ref().map(|c| c.bytes)));
+                details.insert("max_tokens".into(), json!(never.max_tokens));
+                Some(Box::new((code, details)))
+            }
+            _ => None,
+        };
         OpenAiError {
+            extra,
             status,
             message: error.to_string(),
             kind: match status.as_u16() {
@@ -81,14 +105,61 @@ impl OpenAiError {
 
 impl IntoResponse for OpenAiError {
     fn into_response(self) -> Response {
-        let mut error = json!({"message": self.message, "type": self.kind, "param": self.param, "code": null});
+        let code = self.extra.as_ref().map(|e| e.0);
+        let mut error = json!({"message": self.message, "type": self.kind, "param": self.param, "code": code});
         if let Some(id) = &self.request_id {
             error["request_id"] = json!(id);
+        }
+        for (key, value) in self.extra.map(|e| e.1).unwrap_or_default() {
+            error[key] = value;
         }
         let mut response = (self.status, axum::Json(json!({"error": error}))).into_response();
         if let Some(s) = self.retry_after {
             response.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(s));
         }
         response
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::serve::lifecycle::{Ceiling, NeverFits};
+
+    /// A prompt that can never fit reads as OpenAI's own "context too long", with the numbers
+    /// a tensor client gets, and no Retry-After.
+    #[tokio::test]
+    async fn a_prompt_that_never_fits_is_context_length_exceeded() {
+        let never = NeverFits {
+            model: "tiny".into(),
+            need_bytes: 3 << 30,
+            tokens: 9000,
+            largest: Some(Ceiling {
+                pool: "cpu".into(),
+                bytes: 1 << 30,
+                what: "host memory".into(),
+                max_context: None,
+            }),
+            max_tokens: Some(3000),
+            axis: Some("the prompt and max_tokens together".into()),
+            dims: vec![("batch".into(), 1), ("context".into(), 9000)],
+        };
+        let response = OpenAiError::from_request(&RequestError::NeverFits(Box::new(never)), "req-1").into_response();
+        assert_eq!(response.status(), StatusCode::BAD_REQUEST);
+        assert!(response.headers().get(header::RETRY_AFTER).is_none());
+        let body = axum::body::to_bytes(response.into_body(), 1 << 20).await.unwrap();
+        let body: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        let error = &body["error"];
+        assert_eq!(error["type"], "invalid_request_error", "{body}");
+        assert_eq!(error["code"], "context_length_exceeded", "{body}");
+        assert_eq!(
+            (error["needed_bytes"].as_u64(), error["max_bytes"].as_u64()),
+            (Some(3 << 30), Some(1 << 30))
+        );
+        assert_eq!(error["max_tokens"], 3000, "{body}");
+        assert!(
+            error["message"].as_str().unwrap().contains("send at most 3000 tokens"),
+            "{body}"
+        );
     }
 }
