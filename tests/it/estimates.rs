@@ -284,3 +284,39 @@ policy:
     );
     server.stop().await;
 }
+
+/// The bundled encoder's attention, measured by ONNX Runtime at start-up, is recovered exactly:
+/// `1024·batch·seq + 16·batch·seq²` bytes (four heads of `seq × seq` FP32 scores, per item),
+/// with the batch as its own axis, not folded into the context.
+#[tokio::test]
+async fn the_bundled_encoders_attention_is_measured_exactly_over_batch_and_sequence() {
+    if crate::common::ran_in_own_process() {
+        return;
+    }
+    let config = "models: [{name: encoder, path: 'builtin:encoder', context: {input: input, axis: 1, keep: end}}]\n\
+                  pools: [{name: cpu, provider: cpu, models: [encoder]}]\n";
+    let server = TestServer::start(config).await;
+    let encoder = profile(&server, "encoder").await;
+    server.stop().await;
+    let axes: Vec<(&str, String)> = encoder
+        .axes
+        .iter()
+        .map(|a| (a.name.as_str(), format!("{:?}", a.role)))
+        .collect();
+    assert_eq!(
+        axes,
+        [("batch", "Batch".to_string()), ("seq", "Context".to_string())],
+        "{encoder:?}"
+    );
+    let term = |powers: &[u8]| {
+        encoder
+            .terms
+            .iter()
+            .find(|t| t.powers == powers)
+            .map(|t| t.bytes)
+            .unwrap_or_else(|| panic!("no {powers:?} term: {}", encoder.formula()))
+    };
+    assert!((term(&[1, 2]) - 16.0).abs() < 0.01, "{}", encoder.formula());
+    assert!((term(&[1, 1]) - 1024.0).abs() < 1.0, "{}", encoder.formula());
+    assert_eq!(encoder.terms.len(), 2, "{}", encoder.formula());
+}
