@@ -13,18 +13,11 @@ use std::time::Instant;
 use criterion::Criterion;
 use vramguard::core::tensor::{DataType, Tensor, TensorData};
 use vramguard::runtime::estimate::learned::{Learned, MAX_SEEN, Observation};
-use vramguard::runtime::estimate::{Axis, AxisAt, AxisRole, Dims, MemoryProfile, ProfileSource, Term};
+use vramguard::runtime::estimate::{Axis, AxisRole, Dims, MemoryProfile, ProfileSource, Term};
 use vramguard::testing::bench::{Figure, Machine, Target, out_dir, record};
 
 fn axis(name: &str, role: AxisRole, input: &str, at: usize) -> Axis {
-    Axis {
-        name: name.into(),
-        role,
-        at: vec![AxisAt {
-            input: input.into(),
-            axis: at,
-        }],
-    }
+    Axis::single(name, role, input, at)
 }
 
 fn measured(axes: Vec<Axis>, terms: Vec<Term>) -> MemoryProfile {

@@ -6,6 +6,7 @@
 
 use crate::config::{Config, DeviceKind, ModelConfig, PoolConfig};
 use crate::core::snapshot::{DeviceState, Estimate, EstimateSource, HostState, PoolState, RequestInfo, Snapshot};
+use crate::runtime::estimate::MemoryProfile;
 
 use super::script::{PolicyError, Script};
 use super::values::StateView;
@@ -85,20 +86,14 @@ pub fn smoke_requests(
 /// is measured only when `serve` loads the model).
 pub fn configured_estimate(model: &ModelConfig, context_tokens: u64) -> Estimate {
     match &model.profile {
+        // Without the model's signature its axes are named by position; the numbers are the
+        // same as `serve` computes from the same profile.
         Some(p) => {
-            let n = context_tokens as f64;
-            let ceiling = crate::runtime::estimate::ESTIMATE_CEILING;
-            let weights_bytes = p.weights_bytes.unwrap_or(MIB).min(ceiling);
-            let working = p.per_token_bytes * n + p.per_token_squared_bytes * n * n;
-            let context_bytes = (working.max(0.0).ceil() as u64).min(ceiling);
-            let workspace_bytes = p.workspace_bytes.min(ceiling);
-            Estimate {
-                weights_bytes,
-                context_bytes,
-                workspace_bytes,
-                total_bytes: weights_bytes + context_bytes + workspace_bytes,
-                source: EstimateSource::Config,
-            }
+            let unread = crate::runtime::onnx::ModelSignature {
+                inputs: Vec::new(),
+                outputs: Vec::new(),
+            };
+            MemoryProfile::configured(p, MIB, model.context.as_ref(), &unread).estimate_tokens(context_tokens, 1)
         }
         None => Estimate {
             weights_bytes: MIB,

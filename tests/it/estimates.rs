@@ -66,12 +66,7 @@ impl Models {
 
 /// The profile `server` measured for `model`.
 async fn profile(server: &TestServer, model: &str) -> MemoryProfile {
-    let metadata: Value = reqwest::get(server.url(&format!("/v2/models/{model}")))
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let metadata: Value = server.model_metadata(model).await;
     let profile = &metadata["parameters"]["memory_profile"];
     assert_eq!(profile["source"], "measured", "{model}: {metadata}");
     serde_json::from_value(profile.clone()).unwrap_or_else(|e| panic!("{model}'s profile: {e}: {profile}"))

@@ -223,12 +223,7 @@ async fn models_are_listed_and_errors_come_in_openais_shape() {
         assert_eq!(error["error"]["param"], param, "{error}");
     }
     // The decoder's estimate comes from its graph's KV cache.
-    let metadata: Value = reqwest::get(server.url("/v2/models/tiny"))
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let metadata: Value = server.model_metadata("tiny").await;
     let profile = &metadata["parameters"]["memory_profile"];
     assert_eq!(profile["source"], "kv_cache", "{metadata}");
     assert_eq!(

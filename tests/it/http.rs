@@ -312,12 +312,7 @@ async fn request_identity_and_metadata_follow_the_protocol() {
         .await;
     assert_eq!(response.headers()["x-request-id"].len(), 36);
 
-    let meta: Value = reqwest::get(server.url("/v2/models/encoder"))
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let meta: Value = server.model_metadata("encoder").await;
     assert_eq!(
         meta["inputs"],
         json!([{"name": "input", "datatype": "FP32", "shape": [-1, -1, 64]}])

@@ -45,12 +45,7 @@ async fn an_underrun_raises_the_next_estimate_of_that_size_to_what_was_observed(
         1.0,
         "{metrics}"
     );
-    let metadata: Value = reqwest::get(server.url("/v2/models/encoder"))
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let metadata: Value = server.model_metadata("encoder").await;
     let parameters = &metadata["parameters"];
     assert_eq!(parameters["memory_learned"]["observations"], 1, "{metadata}");
     let pool = parameters["pools"]

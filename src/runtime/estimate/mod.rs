@@ -84,6 +84,20 @@ pub struct Axis {
     pub at: Vec<AxisAt>,
 }
 
+impl Axis {
+    /// An axis that appears in one place: dimension `axis` of `input`.
+    pub fn single(name: impl Into<String>, role: AxisRole, input: impl Into<String>, axis: usize) -> Axis {
+        Axis {
+            name: name.into(),
+            role,
+            at: vec![AxisAt {
+                input: input.into(),
+                axis,
+            }],
+        }
+    }
+}
+
 /// One term of the working memory: `bytes × Π dims[i]^powers[i]`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Term {
@@ -198,26 +212,12 @@ impl MemoryProfile {
     /// A decoder's profile: `bytes_per_token` for every position of context, per sequence.
     /// Context is the attention mask's length, batch the first axis of `input_ids`.
     pub fn per_token(weights_bytes: u64, bytes_per_token: f64, source: ProfileSource) -> MemoryProfile {
-        let at = |input: &str, axis| {
-            vec![AxisAt {
-                input: input.into(),
-                axis,
-            }]
-        };
         MemoryProfile {
             weights_bytes,
             workspace_bytes: 0.0,
             axes: vec![
-                Axis {
-                    name: "batch".into(),
-                    role: AxisRole::Batch,
-                    at: at("input_ids", 0),
-                },
-                Axis {
-                    name: "context".into(),
-                    role: AxisRole::Context,
-                    at: at("attention_mask", 1),
-                },
+                Axis::single("batch", AxisRole::Batch, "input_ids", 0),
+                Axis::single("context", AxisRole::Context, "attention_mask", 1),
             ],
             terms: vec![Term {
                 bytes: bytes_per_token,
@@ -246,14 +246,7 @@ impl MemoryProfile {
                 .cloned()
                 .unwrap_or_else(|| format!("{input}[{axis}]"))
         };
-        let axis = |input: &str, axis: usize, role| Axis {
-            name: name_of(input, axis),
-            role,
-            at: vec![AxisAt {
-                input: input.to_string(),
-                axis,
-            }],
-        };
+        let axis = |input: &str, axis: usize, role| Axis::single(name_of(input, axis), role, input, axis);
         let (axes, terms) = match context {
             Some(ctx) if ctx.axis != 0 => (
                 vec![

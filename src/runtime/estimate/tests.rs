@@ -3,14 +3,7 @@ use super::learned::{Learned, MAX_SEEN, Observation};
 use super::*;
 
 fn axis(name: &str, role: AxisRole, input: &str, at: usize) -> Axis {
-    Axis {
-        name: name.into(),
-        role,
-        at: vec![AxisAt {
-            input: input.into(),
-            axis: at,
-        }],
-    }
+    Axis::single(name, role, input, at)
 }
 
 /// The encoder's axes and a profile fitted from `points`.

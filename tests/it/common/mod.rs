@@ -109,6 +109,12 @@ pools: [{name: gpu, provider: simulated, device: gpu0, models: [encoder]}]
 ";
 
 impl TestServer {
+    /// `GET /v2/models/{model}`: the model's metadata.
+    pub async fn model_metadata(&self, model: &str) -> Value {
+        let url = self.url(&format!("/v2/models/{model}"));
+        reqwest::get(url).await.unwrap().json().await.unwrap()
+    }
+
     /// POST a JSON body (with the admin token, which non-admin endpoints ignore).
     pub async fn post_json(&self, path: &str, body: &Value) -> reqwest::Response {
         reqwest::Client::new()
