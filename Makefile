@@ -114,6 +114,7 @@ alert-tests:
 	promtool test rules alerts/tests/*.yaml
 	amtool check-config $(AM_EXAMPLE)
 	amtool config routes test --config.file=$(AM_EXAMPLE) --verify.receivers=on-call alertname=VramguardDegraded reason=breaker_open 2>/dev/null
+	amtool config routes test --config.file=$(AM_EXAMPLE) --verify.receivers=on-call alertname=VramguardDegraded reason=driver_fault 2>/dev/null
 	amtool config routes test --config.file=$(AM_EXAMPLE) --verify.receivers=on-call alertname=VramguardDown 2>/dev/null
 	amtool config routes test --config.file=$(AM_EXAMPLE) --verify.receivers=team-chat alertname=VramguardBreakerOpen 2>/dev/null
 

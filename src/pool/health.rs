@@ -5,7 +5,7 @@ use std::sync::{MutexGuard, PoisonError};
 use std::time::Duration;
 
 use crate::core::backend::AllocFailureKind;
-use crate::core::breaker::{Breaker, Failure};
+use crate::core::breaker::{Breaker, Failure, Tripped};
 use crate::core::snapshot::BreakerState;
 use crate::pool::job::PoolError;
 use crate::pool::shared::Pool;
@@ -101,11 +101,16 @@ impl Pool {
         self.breaker().state(self.context.clock.now())
     }
 
-    /// Why the breaker is not closed, when it is not.
+    /// Why the breaker is not closed, when it is not, for people.
     pub fn breaker_tripped(&self) -> Option<String> {
+        self.breaker_trip().map(|w| w.to_string())
+    }
+
+    /// What tripped the breaker, when it is not closed (degraded mode names its cause by it).
+    pub fn breaker_trip(&self) -> Option<Tripped> {
         let mut breaker = self.breaker();
         breaker.state(self.context.clock.now());
-        breaker.tripped().map(|w| w.to_string())
+        breaker.tripped().cloned()
     }
 
     /// Whether the breaker lets a request through now: only while closed.

@@ -60,7 +60,7 @@ pub struct DegradedStatus {
     pub active: bool,
     /// For people: which pool and why.
     pub reason: Option<String>,
-    /// The cause, as the `reason` label of `vramguard_degraded_info` (`breaker_open`, …).
+    /// The cause, as the `reason` label of `vramguard_degraded_info` (`driver_fault`, …).
     pub cause: Option<String>,
     /// Since when, seconds since the Unix epoch.
     pub since_unix: Option<u64>,

@@ -67,4 +67,29 @@ impl FailoverReason {
         Self::policy_redirect,
         Self::remote_retry,
     ];
+
+    /// Whether work moved because it did not fit in accelerator memory, which starts degraded
+    /// mode's memory-redirect window: an out-of-memory retry, or a policy redirect (the shipped
+    /// policies redirect for memory). A driver retry or an open breaker is not (the breaker
+    /// says why while it lasts), nor is a remote server failing.
+    pub fn moves_for_memory(self) -> bool {
+        match self {
+            Self::oom_retry | Self::policy_redirect => true,
+            Self::driver_retry | Self::breaker_open | Self::remote_retry => false,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::FailoverReason;
+
+    #[test]
+    fn only_memory_moves_count_as_memory_redirects() {
+        let moved: Vec<FailoverReason> = FailoverReason::ALL
+            .into_iter()
+            .filter(|r| r.moves_for_memory())
+            .collect();
+        assert_eq!(moved, [FailoverReason::oom_retry, FailoverReason::policy_redirect]);
+    }
 }

@@ -121,7 +121,7 @@ async fn a_fresh_server_exposes_every_known_series_at_zero() {
     for result in ["ok", "failed", "not_replayable", "no_fallback"] {
         zero.push(format!("vramguard_retries_total{{pool=\"gpu\",result=\"{result}\"}}"));
     }
-    for reason in ["pool_unavailable", "breaker_open", "memory_redirect"] {
+    for reason in ["pool_unavailable", "driver_fault", "breaker_open", "memory_redirect"] {
         zero.push(format!("vramguard_degraded_info{{reason=\"{reason}\"}}"));
     }
     for series in &zero {

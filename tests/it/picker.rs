@@ -2,8 +2,8 @@
 //! - every metric named in `deploy/kubernetes/inference-gateway/endpoint-picker-config.yaml`
 //!   for the `vramguard` engine is a gauge in a live exposition;
 //! - `vramguard_accelerator_memory_usage_ratio` follows the simulated device's memory, reads 1
-//!   after a driver reset (the breaker open, work on the CPU path) and while the service stays
-//!   degraded after it.
+//!   after a driver reset (the breaker open, work on the CPU path, degraded for `driver_fault`),
+//!   and is the device's again as soon as a restore's health check closes the breaker.
 
 use crate::common::{FAILOVER_CONFIG, TestServer};
 use reqwest::StatusCode;
@@ -71,7 +71,7 @@ async fn every_metric_the_picker_config_names_is_a_gauge_vramguard_exports() {
 }
 
 #[tokio::test]
-async fn the_usage_ratio_follows_device_memory_and_reads_full_while_the_accelerator_is_down() {
+async fn the_usage_ratio_follows_device_memory_reads_full_while_the_accelerator_is_down_and_recovers_with_it() {
     if crate::common::ran_in_own_process() {
         return;
     }
@@ -97,6 +97,7 @@ async fn the_usage_ratio_follows_device_memory_and_reads_full_while_the_accelera
 
     // A driver reset: the request is retried on the CPU pool, the breaker opens, and the ratio
     // says full although the device's memory is not, so the picker sends new work elsewhere.
+    // The cause is the driver fault, not memory: nothing was moved for lack of room.
     sim(json!({"driver_reset": true})).await;
     let retried = server.encoder(16).await;
     assert_eq!(retried.status(), StatusCode::OK);
@@ -104,26 +105,53 @@ async fn the_usage_ratio_follows_device_memory_and_reads_full_while_the_accelera
     let metrics = server.metrics().await;
     assert_eq!(crate::common::gauge(&metrics, RATIO), 1.0, "{metrics}");
     assert_eq!(crate::common::gauge(&metrics, "vramguard_degraded_mode"), 1.0);
+    assert!(
+        metrics.contains("vramguard_degraded_info{reason=\"driver_fault\"} 1\n"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("vramguard_degraded_info{reason=\"memory_redirect\"} 0\n"),
+        "{metrics}"
+    );
 
-    // Restored, and the health check's probe succeeded: the breaker is closed, but work moved off the
-    // accelerator less than degraded::MEMORY_REDIRECT_WINDOW ago, so the service is still
-    // degraded and the ratio still full (the unit tests in src/exporter show it falling back to
-    // the device's once nothing saturates it).
+    // Restored, and the health check's probe closed the breaker: with no traffic at all, the
+    // service is no longer degraded and the ratio is the device's again within a few seconds
+    // (not after degraded::MEMORY_REDIRECT_WINDOW).
     let restored = server.post_json("/admin/pools/gpu/restore", &json!({})).await;
     assert_eq!(restored.status(), StatusCode::OK);
     let (closed, metrics) = crate::common::breaker_closes(&server, "gpu", std::time::Duration::from_secs(5)).await;
     assert!(closed, "{metrics}");
-    let served = server.encoder(16).await;
-    assert_eq!(served.headers()["x-vramguard-pool"], "gpu");
-    let metrics = server.metrics().await;
+    let until = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    let metrics = loop {
+        let metrics = server.metrics().await;
+        if crate::common::gauge(&metrics, RATIO) < 1.0 || std::time::Instant::now() >= until {
+            break metrics;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    };
     assert_eq!(
-        crate::common::sum_samples(&metrics, |l| l.starts_with("vramguard_breaker_state{pool=\"gpu\"}")),
-        0.0
-    );
-    assert!(
-        metrics.contains("vramguard_degraded_info{reason=\"memory_redirect\"} 1\n"),
+        crate::common::gauge(&metrics, "vramguard_degraded_mode"),
+        0.0,
         "{metrics}"
     );
-    assert_eq!(crate::common::gauge(&metrics, RATIO), 1.0);
+    for reason in ["driver_fault", "breaker_open", "memory_redirect", "pool_unavailable"] {
+        assert!(
+            metrics.contains(&format!("vramguard_degraded_info{{reason=\"{reason}\"}} 0\n")),
+            "{reason}: {metrics}"
+        );
+    }
+    let used = crate::common::sum_samples(&metrics, |l| l.starts_with("vramguard_device_memory_used_bytes{"));
+    assert_eq!(
+        crate::common::gauge(&metrics, RATIO),
+        used / f64::from(128 << 20),
+        "{metrics}"
+    );
+    let served = server.encoder(16).await;
+    assert_eq!(served.headers()["x-vramguard-pool"], "gpu");
+    assert!(
+        served.headers().get("x-vramguard-degraded").is_none(),
+        "{:?}",
+        served.headers()
+    );
     server.stop().await;
 }

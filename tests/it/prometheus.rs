@@ -363,6 +363,17 @@ async fn run() {
     );
     prometheus.wait_for("VramguardDegraded", Some("firing")).await;
     prometheus.wait_for("VramguardBreakerOpen", Some("firing")).await;
+    let alerts = prometheus.api("/api/v1/alerts", &[]).await;
+    let degraded: Vec<&Value> = alerts["data"]["alerts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|a| a["labels"]["alertname"] == "VramguardDegraded")
+        .collect();
+    assert!(
+        degraded.iter().all(|a| a["labels"]["reason"] == "driver_fault"),
+        "a driver reset pages as a driver fault: {alerts}"
+    );
 
     // Every metric the alerts and dashboards use was scraped from vramguard.
     let scraped = prometheus.api("/api/v1/label/__name__/values", &[]).await;
@@ -389,7 +400,7 @@ async fn run() {
     let served = server.encoder(32).await;
     assert_eq!(served.status(), StatusCode::OK);
     assert_eq!(served.headers()["x-vramguard-pool"], "gpu");
-    // Degraded mode holds for 30 s after the last request moved off the accelerator.
+    // A driver fault holds nothing over: degraded mode ends with the breaker.
     prometheus.wait_for("VramguardDegraded", None).await;
     prometheus.wait_for("VramguardBreakerOpen", None).await;
 

@@ -171,7 +171,7 @@ async fn the_live_exposition_passes_promtool_and_negotiates_openmetrics() {
         "vramguard_exporter_sample_duration_seconds_count",
         "vramguard_breaker_state{pool=\"gpu\"} 2",
         "vramguard_degraded_mode 1",
-        // The reason may be `breaker_open` or, while the reset pool rebuilds its backend,
+        // The reason may be `driver_fault` or, while the reset pool rebuilds its backend,
         // `pool_unavailable`: either way the family the alerts use exists.
         "vramguard_degraded_info{reason=\"",
     ] {

@@ -244,9 +244,10 @@ impl Service {
     }
 
     /// Count a request moved from `from` to `to`; moving work off an accelerator for memory
-    /// (a retry after an allocator failure, a policy redirect) also marks degraded mode.
+    /// (an out-of-memory retry, a policy redirect) also marks degraded mode. A driver retry
+    /// does not: the breaker it opened is degraded mode's cause, and ends with it.
     pub fn failover(&self, from: &Pool, to: &Pool, reason: crate::telemetry::metrics::FailoverReason) {
-        use crate::telemetry::metrics::{FailoverLabels, FailoverReason};
+        use crate::telemetry::metrics::FailoverLabels;
         self.metrics
             .failovers
             .get_or_create(&FailoverLabels {
@@ -255,10 +256,7 @@ impl Service {
                 reason,
             })
             .inc();
-        if matches!(
-            reason,
-            FailoverReason::oom_retry | FailoverReason::driver_retry | FailoverReason::policy_redirect
-        ) {
+        if reason.moves_for_memory() {
             self.degraded.memory_redirect(from.name(), to.name());
         }
     }

@@ -359,7 +359,7 @@ impl LiveCollector {
         gauge_family(
             encoder,
             "degraded_mode",
-            "1 while the service serves below its normal level (an accelerator pool unavailable or its breaker open, or work moved off it for memory)",
+            "1 while the service serves below its normal level (an accelerator pool unavailable, a driver fault, its breaker open, or work moved off it for memory)",
             None,
             std::iter::once((NoLabels {}, i64::from(now.is_some()))),
         )?;
@@ -441,9 +441,15 @@ fn encode_host(encoder: &mut DescriptorEncoder, sample: &Sample) -> Result<(), s
 /// Every cause of degraded mode, each exported as a `reason` from the first scrape (a reason
 /// that appeared only while it lasted would leave the dashboard and the alerts nothing to
 /// start from). A cause added to [`Cause`] fails this match until it is listed here too.
-fn every_cause() -> [Cause; 3] {
+fn every_cause() -> [Cause; 4] {
     let listed = |cause: Cause| match cause {
-        Cause::PoolUnavailable | Cause::BreakerOpen | Cause::MemoryRedirect => cause,
+        Cause::PoolUnavailable | Cause::DriverFault | Cause::BreakerOpen | Cause::MemoryRedirect => cause,
     };
-    [Cause::PoolUnavailable, Cause::BreakerOpen, Cause::MemoryRedirect].map(listed)
+    [
+        Cause::PoolUnavailable,
+        Cause::DriverFault,
+        Cause::BreakerOpen,
+        Cause::MemoryRedirect,
+    ]
+    .map(listed)
 }
