@@ -270,6 +270,22 @@ pub struct RawModel {
     /// it, the `tokenizer_config.json` next to the tokenizer, when it has one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub chat_template: Option<String>,
+    /// When its sessions exist: `resident` (loaded at start, may be unloaded), `pinned` (loaded
+    /// at start, never unloaded) or `on_demand` (loaded by its first request).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub residency: Option<RawResidency>,
+}
+
+/// `models[].residency:` as written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RawResidency {
+    /// Loaded at start; an operator may unload it.
+    Resident,
+    /// Loaded at start and never unloaded.
+    Pinned,
+    /// Loaded by its first request (or an operator's load).
+    OnDemand,
 }
 
 /// `models[].memory_profile:` bytes = weights + workspace + batch × (per_token·n + per_token_squared·n²)

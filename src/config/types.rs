@@ -209,6 +209,36 @@ pub struct ModelConfig {
     pub tokenizer: Option<PathBuf>,
     /// Where its chat template comes from, when it serves chat.
     pub chat_template: Option<ChatTemplateSource>,
+    /// When its sessions exist on the pools that serve it.
+    pub residency: Residency,
+}
+
+/// When a model's sessions exist on a pool (`models[].residency`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Residency {
+    /// Loaded at start; an operator's unload drops it, and its next request loads it again.
+    #[default]
+    Resident,
+    /// Loaded at start and never unloaded: an unload request for it is refused.
+    Pinned,
+    /// Not loaded at start: its first request (or an operator's load) loads it.
+    OnDemand,
+}
+
+impl Residency {
+    /// As the config spells it.
+    pub fn label(self) -> &'static str {
+        match self {
+            Residency::Resident => "resident",
+            Residency::Pinned => "pinned",
+            Residency::OnDemand => "on_demand",
+        }
+    }
+
+    /// Whether its sessions are built when the pool starts.
+    pub fn loaded_at_start(self) -> bool {
+        self != Residency::OnDemand
+    }
 }
 
 /// Where a model's chat template comes from.

@@ -34,6 +34,16 @@ pub trait Backend: Send {
     /// next run, never at the start of `run`: a stop that arrives between the two must end that
     /// run, not be wiped by it.
     fn clear_interrupt(&mut self) {}
+    /// Build `name`'s session from its serialized `bytes`, replacing one it already has. A
+    /// backend that holds no sessions of its own (a remote pool's client) refuses.
+    fn load_model(&mut self, name: &str, bytes: &[u8]) -> Result<(), String> {
+        let _ = bytes;
+        Err(format!("this backend cannot load `{name}`: it holds no sessions"))
+    }
+    /// Drop `name`'s session, if it has one; its memory goes back to the allocator.
+    fn unload_model(&mut self, name: &str) {
+        let _ = name;
+    }
 }
 
 /// What a run carries besides its tensors: the request's identity and limits. A backend that

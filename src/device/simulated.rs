@@ -220,6 +220,14 @@ impl Backend for FaultInjecting {
     fn clear_interrupt(&mut self) {
         self.inner.clear_interrupt();
     }
+
+    fn load_model(&mut self, name: &str, bytes: &[u8]) -> Result<(), String> {
+        self.inner.load_model(name, bytes)
+    }
+
+    fn unload_model(&mut self, name: &str) {
+        self.inner.unload_model(name);
+    }
 }
 
 /// Reports a simulated device: used = the arena's reserved bytes (ours and the pressure).

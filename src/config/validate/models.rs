@@ -6,8 +6,8 @@ use std::path::PathBuf;
 use super::{Checker, Spec};
 use crate::config::builtin::BuiltinChatTemplate;
 use crate::config::error::ConfigError;
-use crate::config::raw::{RawModel, RawProfile};
-use crate::config::types::{ChatTemplateSource, ConfiguredProfile, ContextAxis, Mode, ModelConfig};
+use crate::config::raw::{RawModel, RawProfile, RawResidency};
+use crate::config::types::{ChatTemplateSource, ConfiguredProfile, ContextAxis, Mode, ModelConfig, Residency};
 use crate::core::model::{BuiltinModel, ModelSource};
 
 /// `models:`, each named once; `serve` needs at least one.
@@ -61,6 +61,11 @@ fn model(c: &Checker, key: &str, m: &RawModel) -> Result<ModelConfig, ConfigErro
         profile,
         tokenizer,
         chat_template,
+        residency: match m.residency {
+            None | Some(RawResidency::Resident) => Residency::Resident,
+            Some(RawResidency::Pinned) => Residency::Pinned,
+            Some(RawResidency::OnDemand) => Residency::OnDemand,
+        },
     })
 }
 

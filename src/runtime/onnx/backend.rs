@@ -1,0 +1,147 @@
+//! The production [`Backend`]: ONNX Runtime sessions, one per model, owned by one worker, built
+//! at start or later by a load and dropped by an unload.
+
+use std::collections::HashMap;
+
+use ort::memory::{AllocationDevice, Allocator, AllocatorType, MemoryInfo, MemoryType};
+use ort::session::{RunOptions, Session};
+
+use super::{OnnxRuntime, SessionOptions, arena, build_session, run};
+use crate::config::Provider;
+use crate::core::backend::{Backend, BackendError, RunMeta};
+use crate::core::tensor::Tensor;
+
+/// Build `name`'s session and find the arena it allocates from: the capped shared one for
+/// simulated pools, its own for CPU and CUDA pools. Stats are optional: a provider without an
+/// arena simply reports none.
+fn open_session(
+    rt: &OnnxRuntime,
+    name: &str,
+    bytes: &[u8],
+    options: &SessionOptions,
+) -> Result<(Session, Option<Allocator>), String> {
+    let session = build_session(rt, bytes, options).map_err(|e| format!("model `{name}`: {e}"))?;
+    let info = match &options.provider {
+        Provider::Cuda(_) => MemoryInfo::new(
+            AllocationDevice::CUDA,
+            options.device_index as i32,
+            AllocatorType::Arena,
+            MemoryType::Default,
+        ),
+        _ => MemoryInfo::new(AllocationDevice::CPU, 0, AllocatorType::Arena, MemoryType::Default),
+    };
+    let allocator = info.and_then(|info| Allocator::new(&session, info)).ok();
+    Ok((session, allocator))
+}
+
+/// The production [`Backend`]: one session per model, owned by one worker.
+pub struct OrtBackend {
+    /// What later loads build their sessions with.
+    rt: &'static OnnxRuntime,
+    options: SessionOptions,
+    sessions: HashMap<String, (Session, Option<Allocator>)>,
+    last_stats: Option<arena::ArenaStats>,
+    last_model: Option<String>,
+    /// One run at a time per backend, so one set of options: its terminate flag stops the run
+    /// in progress (see [`Backend::interrupt_handle`]).
+    run_options: std::sync::Arc<RunOptions>,
+}
+
+impl OrtBackend {
+    /// Build sessions for every `(name, bytes)` under `options`.
+    pub fn load(rt: &'static OnnxRuntime, models: &[(String, &[u8])], options: &SessionOptions) -> Result<OrtBackend, String> {
+        let mut sessions = HashMap::new();
+        for (name, bytes) in models {
+            sessions.insert(name.clone(), open_session(rt, name, bytes, options)?);
+        }
+        let mut run_options = RunOptions::new().map_err(|e| e.to_string())?;
+        if options.arena_shrinkage {
+            let arena = match &options.provider {
+                Provider::Cuda(_) => format!("gpu:{}", options.device_index),
+                _ => "cpu:0".to_string(),
+            };
+            run_options
+                .set("memory.enable_memory_arena_shrinkage", &arena)
+                .map_err(|e| e.to_string())?;
+        }
+        let run_options = std::sync::Arc::new(run_options);
+        // Statistics before the first run show what loading the weights reserved.
+        let last_stats = sessions
+            .values()
+            .find_map(|(_, a)| a.as_ref())
+            .and_then(|a| arena::allocator_stats(a).ok());
+        Ok(OrtBackend {
+            rt,
+            options: options.clone(),
+            sessions,
+            last_stats,
+            last_model: None,
+            run_options,
+        })
+    }
+}
+
+impl Backend for OrtBackend {
+    fn run(
+        &mut self,
+        model: &str,
+        inputs: Vec<Tensor>,
+        outputs: &[String],
+        _: &RunMeta,
+    ) -> Result<Vec<Tensor>, BackendError> {
+        let (session, _) = self
+            .sessions
+            .get_mut(model)
+            .ok_or_else(|| BackendError::Runtime(format!("this worker has no session for `{model}`")))?;
+        self.last_model = Some(model.to_string());
+        run(session, inputs, outputs, Some(&self.run_options))
+    }
+
+    fn clear_interrupt(&mut self) {
+        if let Err(e) = self.run_options.unterminate() {
+            tracing::warn!(error = %e, "cannot clear the run options' terminate flag");
+        }
+    }
+
+    fn interrupt_handle(&self) -> Option<crate::core::backend::Interrupt> {
+        let run_options = std::sync::Arc::clone(&self.run_options);
+        Some(std::sync::Arc::new(move || {
+            let _ = run_options.terminate();
+        }))
+    }
+
+    fn load_model(&mut self, name: &str, bytes: &[u8]) -> Result<(), String> {
+        let session = open_session(self.rt, name, bytes, &self.options)?;
+        self.sessions.insert(name.to_string(), session);
+        Ok(())
+    }
+
+    fn unload_model(&mut self, name: &str) {
+        self.sessions.remove(name);
+        if self.last_model.as_deref() == Some(name) {
+            self.last_model = None;
+        }
+    }
+
+    fn arena_stats(&self) -> Option<arena::ArenaStats> {
+        self.last_stats
+    }
+
+    fn refresh_arena_stats_for(&mut self, model: &str) {
+        self.last_model = Some(model.to_string());
+        self.refresh_arena_stats();
+    }
+
+    fn refresh_arena_stats(&mut self) {
+        // The arena of the model that ran last: on CPU pools each session has its own, on
+        // simulated pools they are all the one shared arena.
+        let allocator = match &self.last_model {
+            Some(model) => self.sessions.get(model).and_then(|(_, a)| a.as_ref()),
+            None => self.sessions.values().find_map(|(_, a)| a.as_ref()),
+        };
+        if let Some(allocator) = allocator {
+            self.last_stats = arena::allocator_stats(allocator).ok();
+        }
+    }
+}
+
