@@ -1,4 +1,5 @@
-//! The admin API: policy reload, pool restore and fault injection on simulated devices.
+//! The admin API: policy reload, pool restore, loading and unloading models, and fault
+//! injection on simulated devices.
 //!
 //! It is reachable two ways (docs/http-api.md, Admin access):
 //! - on a Unix socket with owner-only permissions (`server.admin_socket`, on by default), where
@@ -54,6 +55,8 @@ fn routes() -> Router<Arc<AppState>> {
         .route("/admin/sim/{device}", post(admin_sim))
         .route("/admin/policy/reload", post(admin_policy_reload))
         .route("/admin/pools/{pool}/restore", post(admin_pool_restore))
+        .route("/admin/models/{model}/load", post(admin_model_load))
+        .route("/admin/models/{model}/unload", post(admin_model_unload))
 }
 
 /// The admin routes for the TCP listener: each request must carry the bearer token, checked
@@ -214,7 +217,13 @@ async fn admin_index(
     Ok(Json(json!({
         "authorized": true,
         "auth": via.label(),
-        "endpoints": ["POST /admin/policy/reload", "POST /admin/pools/{pool}/restore", "POST /admin/sim/{device}"],
+        "endpoints": [
+            "POST /admin/policy/reload",
+            "POST /admin/pools/{pool}/restore",
+            "POST /admin/models/{model}/load",
+            "POST /admin/models/{model}/unload",
+            "POST /admin/sim/{device}",
+        ],
         "simulated_devices": simulated,
     })))
 }
@@ -322,6 +331,58 @@ async fn admin_pool_restore(
         "breaker": target.breaker_state().label(),
         "state": if target.is_ready() { "ready" } else { "unavailable" },
     })))
+}
+
+/// `POST /admin/models/{model}/load`: every pool serving it builds its sessions.
+async fn admin_model_load(State(state): State<Arc<AppState>>, Path(model): Path<String>) -> Result<Json<Value>, ApiError> {
+    residency(&state, model, true).await
+}
+
+/// `POST /admin/models/{model}/unload`: every pool serving it drops its sessions, once its
+/// requests there have finished. A pinned model is refused (409).
+async fn admin_model_unload(
+    State(state): State<Arc<AppState>>,
+    Path(model): Path<String>,
+) -> Result<Json<Value>, ApiError> {
+    residency(&state, model, false).await
+}
+
+/// Load (`load`) or unload `model` on every pool serving it, off the async runtime; answers
+/// what happened on each pool and how long it took.
+async fn residency(state: &Arc<AppState>, model: String, load: bool) -> Result<Json<Value>, ApiError> {
+    let service = &state.service;
+    let config = service
+        .model(&model)
+        .map(|m| m.config.residency)
+        .ok_or_else(|| ApiError::new(StatusCode::NOT_FOUND, format!("no model `{model}`")))?;
+    if !load && config == crate::config::Residency::Pinned {
+        let refusal = crate::pool::ResidencyError::Pinned { model: model.clone() };
+        return Err(ApiError::new(StatusCode::CONFLICT, refusal.to_string()));
+    }
+    let pools: Vec<Arc<crate::pool::Pool>> = service.pools.iter().filter(|p| p.serves(&model)).cloned().collect();
+    let name = model.clone();
+    let answers = tokio::task::spawn_blocking(move || {
+        pools
+            .iter()
+            .map(|pool| {
+                let started = std::time::Instant::now();
+                let result = if load {
+                    pool.load_model(&name)
+                } else {
+                    pool.unload_model(&name)
+                };
+                let took_ms = started.elapsed().as_secs_f64() * 1000.0;
+                match result {
+                    Ok(outcome) => json!({"pool": pool.name(), "result": outcome.label(), "took_ms": took_ms}),
+                    Err(e) => json!({"pool": pool.name(), "result": "failed", "error": e.to_string(), "took_ms": took_ms}),
+                }
+            })
+            .collect::<Vec<Value>>()
+    })
+    .await
+    .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?;
+    service.resample_now().await;
+    Ok(Json(json!({"model": model, "pools": answers})))
 }
 
 #[cfg(test)]

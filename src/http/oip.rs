@@ -94,6 +94,7 @@ pub(super) async fn model_metadata(
         .map(|p| {
             let (weights, peak) = state.service.metrics.estimates.held(&model, p.name());
             json!({"name": p.name(), "provider": p.provider().label(), "device": p.config.device, "ready": p.is_ready(),
+                   "resident": p.is_resident(&model),
                    "memory": {"weights_bytes": weights, "workspace_peak_bytes": peak}})
         })
         .collect();
@@ -109,6 +110,7 @@ pub(super) async fn model_metadata(
         "inputs": tensors(&entry.signature.inputs),
         "outputs": tensors(&entry.signature.outputs),
         "parameters": {"source": entry.config.source.to_string(), "context": context, "pools": pools,
+                       "residency": entry.config.residency.label(),
                        "memory_profile": entry.profile, "memory_learned": entry.learned.view()},
     })))
 }

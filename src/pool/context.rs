@@ -8,6 +8,7 @@ use prometheus_client::metrics::histogram::Histogram;
 
 use crate::core::backend::Backend;
 use crate::core::clock::{Clock, SystemClock};
+use crate::pool::residency::ModelSetup;
 
 /// Metric handles a pool records into from its worker threads.
 #[derive(Debug, Clone)]
@@ -47,6 +48,9 @@ pub struct PoolContext {
     pub clock: Arc<dyn Clock>,
     /// Metric handles.
     pub metrics: PoolMetrics,
+    /// The models it serves, how each is held, and their bytes for loads after start (a
+    /// model not listed is held as resident).
+    pub models: Vec<ModelSetup>,
 }
 
 impl Default for PoolContext {
@@ -54,6 +58,7 @@ impl Default for PoolContext {
         Self {
             clock: Arc::new(SystemClock),
             metrics: PoolMetrics::detached(),
+            models: Vec::new(),
         }
     }
 }

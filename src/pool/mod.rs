@@ -18,6 +18,7 @@ mod health;
 mod job;
 mod load;
 mod queue;
+mod residency;
 pub mod sequences;
 mod shared;
 mod worker;
@@ -25,6 +26,7 @@ mod worker;
 pub use context::{PoolContext, PoolMetrics, Respawn};
 pub use job::{InferJob, JobResult, PoolError, RunCancel, RunMemory};
 pub use load::PoolLoad;
+pub use residency::{LOAD_BUCKETS, ModelBytesRef, ModelMetrics, ModelSetup, ResidencyError, ResidencyOutcome};
 pub use shared::{Availability, Pool};
 
 use std::sync::{Arc, PoisonError};
@@ -57,7 +59,8 @@ impl Pool {
             pool.publish_stats(backend.as_ref());
         }
         let workers = backends.len();
-        pool.queue.stock(backends);
+        pool.queue.stock(backends, pool.start_set());
+        pool.record_start_loads();
         let pool = Arc::new(pool);
         pool.spawn_workers(workers);
         pool
@@ -110,7 +113,8 @@ impl Pool {
         }
     }
 
-    /// True when this pool serves `model`.
+    /// True when this pool serves `model`, whether or not its sessions are loaded now (a
+    /// request for it loads them).
     pub fn serves(&self, model: &str) -> bool {
         self.config.models.iter().any(|m| m == model)
     }
@@ -161,7 +165,7 @@ impl Pool {
             match respawn() {
                 Ok(mut backend) => {
                     backend.refresh_arena_stats();
-                    fresh.push(backend);
+                    fresh.push(queue::Slot::fresh(backend, self.start_set()));
                 }
                 Err(reason) => {
                     tracing::error!(pool = self.name(), %reason, "restore failed: the breaker stays open");
@@ -191,8 +195,17 @@ impl Pool {
                 reason,
             });
         }
-        self.queue
-            .push(job, self.context.clock.now(), self.name(), self.config.queue_capacity)
+        let model = job.model.clone();
+        // A job for a model this pool serves but does not hold loads it first (a cold start);
+        // a remote pool's server holds its own models.
+        let load = self.serves(&model) && !matches!(self.config.provider, Provider::Remote(_));
+        let (reply, loads) =
+            self.queue
+                .push(job, self.context.clock.now(), self.name(), self.config.queue_capacity, load)?;
+        if loads {
+            self.record_on_demand(&model);
+        }
+        Ok(reply)
     }
 
     /// Stop taking work: queued jobs are answered `ShuttingDown` now; running ones go on.

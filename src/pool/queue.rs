@@ -1,7 +1,9 @@
 //! The bounded queue in front of the worker threads, and the idle backends they take with each
 //! job: one lock guards both, so a worker takes a job only together with a backend to run it on.
+//! The same lock guards the models the pool wants loaded (see `residency.rs`), so an unload can
+//! wait for the model's last job and take it out of the wanted set in one step.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -22,13 +24,81 @@ pub(super) struct Queued {
     pub(super) reply: oneshot::Sender<JobResult>,
 }
 
+/// A backend and the models it holds.
+pub(super) struct Slot {
+    /// Identifies it while it lives, for [`Queue::await_generation`].
+    pub(super) id: usize,
+    /// The sessions.
+    pub(super) backend: Box<dyn Backend>,
+    /// The models it has sessions of.
+    pub(super) loaded: HashSet<String>,
+    /// The wanted set's generation it last matched; 0 for a fresh backend.
+    pub(super) generation: u64,
+}
+
+impl Slot {
+    /// A backend just built with the sessions of `loaded`, to be matched to the wanted set.
+    pub(super) fn fresh(backend: Box<dyn Backend>, loaded: HashSet<String>) -> Slot {
+        Slot {
+            id: 0,
+            backend,
+            loaded,
+            generation: 0,
+        }
+    }
+
+    /// A slot put back together after its backend ran.
+    pub(super) fn with(id: usize, backend: Box<dyn Backend>, loaded: HashSet<String>, generation: u64) -> Slot {
+        Slot {
+            id,
+            backend,
+            loaded,
+            generation,
+        }
+    }
+}
+
+/// What a worker takes from the queue: a job to run (if any) on a backend, and, when that
+/// backend is behind the wanted set, the set to bring it up to first.
+pub(super) struct Next {
+    /// The job, or none when the backend only needs bringing up to date.
+    pub(super) job: Option<Queued>,
+    /// The backend.
+    pub(super) slot: Slot,
+    /// The wanted models and their generation, when the backend is behind them.
+    pub(super) stale: Option<(HashSet<String>, u64)>,
+}
+
 #[derive(Default)]
 struct QueueState {
     jobs: VecDeque<Queued>,
     closed: bool,
     inflight: usize,
     /// Backends no one is running: a worker thread takes one with each queued job.
-    idle: Vec<Box<dyn Backend>>,
+    idle: Vec<Slot>,
+    /// The models every backend should hold, and the generation of that set.
+    wanted: HashSet<String>,
+    generation: u64,
+    /// Running jobs per model.
+    running: HashMap<String, usize>,
+    /// The generation each live backend last matched, by slot id.
+    matched: HashMap<usize, u64>,
+    next_id: usize,
+}
+
+impl QueueState {
+    /// Give `slot` an id and count it live.
+    fn admit(&mut self, mut slot: Slot) -> Slot {
+        slot.id = self.next_id;
+        self.next_id += 1;
+        self.matched.insert(slot.id, slot.generation);
+        slot
+    }
+
+    /// Jobs of `model` queued or running.
+    fn busy_with(&self, model: &str) -> usize {
+        self.running.get(model).copied().unwrap_or(0) + self.jobs.iter().filter(|q| q.job.model == model).count()
+    }
 }
 
 /// The queue, its idle backends, and the condition variable the workers wait on.
@@ -36,6 +106,8 @@ struct QueueState {
 pub(super) struct Queue {
     state: Mutex<QueueState>,
     wake: Condvar,
+    /// Woken whenever a run or a backend's update ends, for loads and unloads waiting on them.
+    settled: Condvar,
     /// Backends still usable; when the last one is lost the pool becomes unavailable.
     live: AtomicUsize,
 }
@@ -46,10 +118,20 @@ impl Queue {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// The backends a pool starts with, all idle.
-    pub(super) fn stock(&self, backends: Vec<Box<dyn Backend>>) {
+    /// The backends a pool starts with, all idle and holding `wanted`.
+    pub(super) fn stock(&self, backends: Vec<Box<dyn Backend>>, wanted: HashSet<String>) {
         self.live.store(backends.len(), Ordering::SeqCst);
-        self.lock().idle = backends;
+        let mut state = self.lock();
+        state.generation = 1;
+        for backend in backends {
+            let slot = Slot {
+                generation: 1,
+                ..Slot::fresh(backend, wanted.clone())
+            };
+            let slot = state.admit(slot);
+            state.idle.push(slot);
+        }
+        state.wanted = wanted;
     }
 
     /// True once [`Queue::close`] was called.
@@ -57,14 +139,16 @@ impl Queue {
         self.lock().closed
     }
 
-    /// Queue `job` for the pool `pool`; refused when closed or holding `capacity` jobs.
+    /// Queue `job` for the pool `pool`; refused when closed or holding `capacity` jobs. With
+    /// `load`, a job for a model not wanted makes it wanted; the second value says it did.
     pub(super) fn push(
         &self,
         job: InferJob,
         now: Instant,
         pool: &str,
         capacity: usize,
-    ) -> Result<oneshot::Receiver<JobResult>, PoolError> {
+        load: bool,
+    ) -> Result<(oneshot::Receiver<JobResult>, bool), PoolError> {
         let (reply, rx) = oneshot::channel();
         let mut state = self.lock();
         if state.closed {
@@ -76,14 +160,94 @@ impl Queue {
                 capacity,
             });
         }
+        let loads = load && !state.wanted.contains(&job.model);
+        if loads {
+            state.wanted.insert(job.model.clone());
+            state.generation += 1;
+        }
         state.jobs.push_back(Queued {
             job,
             enqueued: now,
             reply,
         });
         drop(state);
-        self.wake.notify_one();
-        Ok(rx)
+        if loads {
+            // Idle backends load it at once, not only the one that takes this job.
+            self.wake.notify_all();
+        } else {
+            self.wake.notify_one();
+        }
+        Ok((rx, loads))
+    }
+
+    /// Make `model` wanted; its new generation, or `None` when it already was.
+    pub(super) fn want(&self, model: &str) -> Option<u64> {
+        let mut state = self.lock();
+        if !state.wanted.insert(model.to_string()) {
+            return None;
+        }
+        state.generation += 1;
+        let generation = state.generation;
+        drop(state);
+        self.wake.notify_all();
+        Some(generation)
+    }
+
+    /// Once no job of `model` is queued or running, make it unwanted; its new generation,
+    /// `None` when it was not wanted, `Err` when its jobs were still there at `until`.
+    pub(super) fn unwant(&self, model: &str, until: Instant) -> Result<Option<u64>, ()> {
+        let mut state = self.lock();
+        loop {
+            if !state.wanted.contains(model) {
+                return Ok(None);
+            }
+            if state.busy_with(model) == 0 {
+                break;
+            }
+            let left = until.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(());
+            }
+            state = self.settled.wait_timeout(state, left).unwrap_or_else(|e| e.into_inner()).0;
+        }
+        state.wanted.remove(model);
+        state.generation += 1;
+        let generation = state.generation;
+        drop(state);
+        self.wake.notify_all();
+        Ok(Some(generation))
+    }
+
+    /// A load of `model` failed: it is no longer wanted, unless jobs of it still wait (they
+    /// will try again). True when it was taken out.
+    pub(super) fn drop_failed(&self, model: &str) -> bool {
+        let mut state = self.lock();
+        if !state.wanted.contains(model) || state.jobs.iter().any(|q| q.job.model == model) {
+            return false;
+        }
+        state.wanted.remove(model);
+        state.generation += 1;
+        true
+    }
+
+    /// Whether `model` is wanted now.
+    pub(super) fn is_wanted(&self, model: &str) -> bool {
+        self.lock().wanted.contains(model)
+    }
+
+    /// Wait until every live backend matched `generation` (or a later one); false at `until`.
+    pub(super) fn await_generation(&self, generation: u64, until: Instant) -> bool {
+        let mut state = self.lock();
+        loop {
+            if state.matched.values().all(|g| *g >= generation) {
+                return true;
+            }
+            let left = until.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return false;
+            }
+            state = self.settled.wait_timeout(state, left).unwrap_or_else(|e| e.into_inner()).0;
+        }
     }
 
     /// Take no more jobs and wake every worker to see it; returns what was waiting, to be
@@ -103,17 +267,38 @@ impl Queue {
         self.lock().jobs.drain(..).collect()
     }
 
-    /// The next queued job and an idle backend to run it on, waiting for both; `None` once
-    /// closed.
-    pub(super) fn next(&self) -> Option<(Queued, Box<dyn Backend>)> {
+    /// The next queued job and an idle backend to run it on, waiting for both, or an idle
+    /// backend behind the wanted set; `None` once closed.
+    pub(super) fn next(&self) -> Option<Next> {
         let mut state = self.lock();
         loop {
-            if !state.jobs.is_empty()
-                && let Some(backend) = state.idle.pop()
-            {
+            let generation = state.generation;
+            let behind = state.idle.iter().position(|s| s.generation != generation);
+            if !state.jobs.is_empty() && !state.idle.is_empty() {
+                // A backend already up to date spares the job a load.
+                let at = state
+                    .idle
+                    .iter()
+                    .position(|s| s.generation == generation)
+                    .unwrap_or(state.idle.len() - 1);
+                let slot = state.idle.swap_remove(at);
                 let job = state.jobs.pop_front().expect("checked non-empty");
                 state.inflight += 1;
-                return Some((job, backend));
+                *state.running.entry(job.job.model.clone()).or_default() += 1;
+                let stale = (slot.generation != generation).then(|| (state.wanted.clone(), generation));
+                return Some(Next {
+                    job: Some(job),
+                    slot,
+                    stale,
+                });
+            }
+            if let Some(at) = behind {
+                let slot = state.idle.swap_remove(at);
+                return Some(Next {
+                    job: None,
+                    slot,
+                    stale: Some((state.wanted.clone(), generation)),
+                });
             }
             if state.closed {
                 return None;
@@ -122,19 +307,36 @@ impl Queue {
         }
     }
 
-    /// A run is over: its backend (unless it was lost) is idle again, and a worker is woken if
-    /// work is waiting for it.
-    pub(super) fn finish(&self, backend: Option<Box<dyn Backend>>) {
+    /// A run of `model` (or a backend's update, with `None`) is over: its backend is idle
+    /// again, or gone for good when `lost` (it keeps no id then), and a worker is woken if work
+    /// is waiting for it.
+    pub(super) fn finish(&self, model: Option<&str>, slot: Result<Slot, usize>) {
         let mut state = self.lock();
-        state.inflight -= 1;
-        let waiting = !state.jobs.is_empty();
-        if let Some(backend) = backend {
-            state.idle.push(backend);
+        if let Some(model) = model {
+            state.inflight -= 1;
+            if let Some(n) = state.running.get_mut(model) {
+                *n -= 1;
+                if *n == 0 {
+                    state.running.remove(model);
+                }
+            }
+        }
+        let mut waiting = !state.jobs.is_empty();
+        match slot {
+            Ok(slot) => {
+                waiting |= slot.generation != state.generation;
+                state.matched.insert(slot.id, slot.generation);
+                state.idle.push(slot);
+            }
+            Err(id) => {
+                state.matched.remove(&id);
+            }
         }
         drop(state);
         if waiting {
             self.wake.notify_one();
         }
+        self.settled.notify_all();
     }
 
     /// A backend is gone for good; true when it was the last one.
@@ -144,14 +346,26 @@ impl Queue {
 
     /// Replace the idle backends by `fresh` ones, keeping `workers` in all: a backend still
     /// running counts, and is kept. The old ones are dropped outside the lock.
-    pub(super) fn restock(&self, mut fresh: Vec<Box<dyn Backend>>, workers: usize) {
+    pub(super) fn restock(&self, mut fresh: Vec<Slot>, workers: usize) {
         let old = {
             let mut state = self.lock();
             fresh.truncate(workers.saturating_sub(state.inflight));
             self.live.store(fresh.len() + state.inflight, Ordering::SeqCst);
-            std::mem::replace(&mut state.idle, fresh)
+            let fresh: Vec<Slot> = fresh.into_iter().map(|slot| state.admit(slot)).collect();
+            let old = std::mem::replace(&mut state.idle, fresh);
+            for slot in &old {
+                state.matched.remove(&slot.id);
+            }
+            old
         };
         drop(old);
+    }
+
+    /// Give a backend that replaced one that panicked its id, keeping the old one's place.
+    pub(super) fn replace(&self, old: usize, slot: Slot) -> Slot {
+        let mut state = self.lock();
+        state.matched.remove(&old);
+        state.admit(slot)
     }
 
     /// Wake every worker (the backends were restocked).

@@ -15,6 +15,7 @@ use crate::core::snapshot::DeviceClass;
 use crate::pool::context::{PoolContext, Respawn};
 use crate::pool::load::RunTimes;
 use crate::pool::queue::Queue;
+use crate::pool::residency::Models;
 use crate::pool::sequences::Sequences;
 
 /// Whether a pool can take work.
@@ -43,6 +44,8 @@ pub struct Pool {
     pub(super) arena: Mutex<Option<ArenaStats>>,
     pub(super) recent_failures: Mutex<VecDeque<Instant>>,
     pub(super) context: PoolContext,
+    /// The models it serves: how each is held, its bytes and metrics.
+    pub(super) models: Models,
     /// Mean run time, for the delay estimate.
     pub(super) runs: RunTimes,
     pub(super) workers: Mutex<Vec<JoinHandle<()>>>,
@@ -79,6 +82,7 @@ impl Pool {
             queue: Queue::default(),
             arena: Mutex::new(None),
             recent_failures: Mutex::new(VecDeque::new()),
+            models: Models::new(&context.models),
             context,
             runs: RunTimes::default(),
             breaker,

@@ -9,7 +9,7 @@ use std::time::Instant;
 use crate::core::backend::{Backend, BackendError};
 use crate::pool::arena::RunOf;
 use crate::pool::job::{InferJob, JobResult, PoolError};
-use crate::pool::queue::Queued;
+use crate::pool::queue::{Next, Queued, Slot};
 use crate::pool::shared::{Availability, Pool};
 
 impl Pool {
@@ -27,57 +27,85 @@ impl Pool {
         *self.workers.lock().unwrap_or_else(|e| e.into_inner()) = handles;
     }
 
-    /// One worker thread's loop, until the queue closes.
+    /// One worker thread's loop, until the queue closes: bring the backend up to the wanted
+    /// models when it is behind, then run the job it came with, if any.
     fn work(&self) {
-        while let Some((Queued { job, enqueued, reply }, mut backend)) = self.queue.next() {
-            let waited = self.context.clock.now().saturating_duration_since(enqueued);
-            // A health check is no request: it stays out of the queue's wait times.
-            if !job.probe {
-                self.context.metrics.queue_wait.observe(waited.as_secs_f64());
-            }
-            let skip = if reply.is_closed() {
-                // The client went away while queued: do not spend the device on it.
-                tracing::debug!(request_id = %job.meta.request_id, pool = self.name(), "client gone before start; skipped");
-                Some(None)
-            } else if waited > self.config.max_wait {
-                Some(Some(Err(PoolError::QueueTimeout {
-                    pool: self.name().to_string(),
-                    waited,
-                })))
-            } else if job.meta.deadline.is_some_and(|d| self.context.clock.now() >= d) {
-                Some(Some(Err(PoolError::DeadlineExceeded {
-                    pool: self.name().to_string(),
-                })))
-            } else if !{
-                backend.clear_interrupt();
-                job.cancel.start(backend.interrupt_handle())
-            } {
-                // Cancelled while queued. Registered last, so only a job that runs holds the
-                // backend's interrupt (and `run_one` always ends it).
-                tracing::debug!(request_id = %job.meta.request_id, pool = self.name(), "cancelled before start; skipped");
-                Some(None)
-            } else {
-                None
+        while let Some(Next { job, mut slot, stale }) = self.queue.next() {
+            let loads = stale.map(|(wanted, generation)| self.reconcile(&mut slot, &wanted, generation));
+            let Some(queued) = job else {
+                self.queue.finish(None, Ok(slot));
+                continue;
             };
-            let result = if let Some(skipped) = skip {
-                skipped
-            } else {
-                let (result, kept) = self.run_one(backend, job);
-                backend = match kept {
-                    Some(backend) => backend,
-                    None => {
-                        self.queue.finish(None);
-                        let _ = reply.send(result);
-                        continue;
-                    }
-                };
-                Some(result)
-            };
-            self.queue.finish(Some(backend));
-            if let Some(result) = result {
-                let _ = reply.send(result);
+            let model = queued.job.model.clone();
+            match loads.as_ref().and_then(|loads| loads.get(&model)) {
+                Some(Ok(took)) => self.record_cold_start(&model, *took),
+                Some(Err(reason)) => {
+                    let error = BackendError::Runtime(format!("model `{model}` could not be loaded: {reason}"));
+                    let _ = queued.reply.send(Err(PoolError::Backend(error)));
+                    self.queue.finish(Some(&model), Ok(slot));
+                    continue;
+                }
+                None => {}
             }
+            let id = slot.id;
+            let kept = self.serve(queued, slot);
+            self.queue.finish(Some(&model), kept.ok_or(id));
         }
+    }
+
+    /// Run one queued job on `slot`, unless it no longer needs running, and answer it; the
+    /// slot comes back unless its backend was lost.
+    fn serve(&self, Queued { job, enqueued, reply }: Queued, slot: Slot) -> Option<Slot> {
+        let Slot {
+            mut backend,
+            id,
+            loaded,
+            generation,
+        } = slot;
+        let waited = self.context.clock.now().saturating_duration_since(enqueued);
+        // A health check is no request: it stays out of the queue's wait times.
+        if !job.probe {
+            self.context.metrics.queue_wait.observe(waited.as_secs_f64());
+        }
+        let skip = if reply.is_closed() {
+            // The client went away while queued: do not spend the device on it.
+            tracing::debug!(request_id = %job.meta.request_id, pool = self.name(), "client gone before start; skipped");
+            Some(None)
+        } else if waited > self.config.max_wait {
+            Some(Some(Err(PoolError::QueueTimeout {
+                pool: self.name().to_string(),
+                waited,
+            })))
+        } else if job.meta.deadline.is_some_and(|d| self.context.clock.now() >= d) {
+            Some(Some(Err(PoolError::DeadlineExceeded {
+                pool: self.name().to_string(),
+            })))
+        } else if !{
+            backend.clear_interrupt();
+            job.cancel.start(backend.interrupt_handle())
+        } {
+            // Cancelled while queued. Registered last, so only a job that runs holds the
+            // backend's interrupt (and `run_one` always ends it).
+            tracing::debug!(request_id = %job.meta.request_id, pool = self.name(), "cancelled before start; skipped");
+            Some(None)
+        } else {
+            None
+        };
+        let Some(skipped) = skip else {
+            let (result, kept) = self.run_one(backend, job);
+            let panicked = matches!(result, Err(PoolError::Backend(BackendError::Panicked(_))));
+            let _ = reply.send(result);
+            return kept.map(|backend| match panicked {
+                // A replacement holds the sessions the pool starts with; the worker brings it
+                // up to the wanted models before its next job.
+                true => self.queue.replace(id, Slot::fresh(backend, self.start_set())),
+                false => Slot::with(id, backend, loaded, generation),
+            });
+        };
+        if let Some(result) = skipped {
+            let _ = reply.send(result);
+        }
+        Some(Slot::with(id, backend, loaded, generation))
     }
 
     /// Run one job. A panicking backend is caught here: the request gets

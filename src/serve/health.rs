@@ -93,7 +93,8 @@ pub async fn watch_pool(service: Arc<Service>, pool: Arc<Pool>, cancel: Cancella
 /// ends it.
 async fn check(service: &Service, pool: &Arc<Pool>, timeout: Duration) -> Result<(), PoolError> {
     for model in &pool.config.models {
-        let Some(entry) = service.model(model) else {
+        // A check never loads a model: it is no request for it.
+        let Some(entry) = service.model(model).filter(|_| pool.is_resident(model)) else {
             continue;
         };
         let inputs =

@@ -225,6 +225,8 @@ pub struct Metrics {
     pub estimates: crate::telemetry::estimates::EstimateMetrics,
     /// The pools' health checks.
     pub health: crate::telemetry::health::HealthMetrics,
+    /// Which models each pool holds, their loads and unloads.
+    pub residency: crate::telemetry::residency::ResidencyMetrics,
 }
 
 /// `{pool, kind}`: a remote pool's server failing.
@@ -339,6 +341,7 @@ impl Metrics {
             remote_request_duration: Family::new_with_constructor(hop_histogram),
             estimates: Default::default(),
             health: Default::default(),
+            residency: Default::default(),
         };
         metrics
             .build_info
@@ -385,6 +388,7 @@ impl Metrics {
         let metrics = self;
         metrics.estimates.register(registry);
         metrics.health.register(registry);
+        metrics.residency.register(registry);
         registry.register(
             "requests",
             "Inference requests by model, pool and outcome",

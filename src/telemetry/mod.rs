@@ -9,3 +9,4 @@ pub mod health;
 pub mod logging;
 pub mod malloc;
 pub mod metrics;
+pub mod residency;

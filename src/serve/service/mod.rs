@@ -38,7 +38,7 @@ pub use zeroed::UNKNOWN_MODEL;
 
 use models::load_models;
 use policy::{PolicyState, load_policy, show_policy};
-use pools::start_pool;
+use pools::{model_setups, start_pool};
 
 /// Why the service could not start.
 #[derive(Debug, thiserror::Error)]
@@ -142,6 +142,7 @@ impl Service {
             let context = PoolContext {
                 clock: Arc::clone(&clock),
                 metrics: metrics.pool_metrics(&pool_config.name, &pool_config.device),
+                models: model_setups(&metrics, &models, pool_config),
             };
             pools.push(start_pool(&backends, &config, &models, pool_config, context, &metrics));
         }

@@ -46,6 +46,12 @@ impl ModelBytes {
     }
 }
 
+impl AsRef<[u8]> for ModelBytes {
+    fn as_ref(&self) -> &[u8] {
+        &self.0
+    }
+}
+
 impl std::fmt::Debug for ModelBytes {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "ModelBytes({} bytes)", self.0.len())

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use crate::config::{Config, PoolConfig, Provider};
 use crate::core::backend::Backend;
 use crate::core::snapshot::DeviceClass;
-use crate::pool::{Pool, PoolContext, Respawn};
+use crate::pool::{ModelSetup, Pool, PoolContext, Respawn};
 use crate::serve::remote::RemoteBackend;
 use crate::telemetry::metrics::Metrics;
 
@@ -35,9 +35,10 @@ pub(super) fn start_pool(
             })
         }
         _ => {
+            // An `on_demand` model's sessions are built by its first request, not here.
             let owned: Vec<(String, ModelBytes)> = models
                 .iter()
-                .filter(|m| pool.models.contains(&m.config.name))
+                .filter(|m| pool.models.contains(&m.config.name) && m.config.residency.loaded_at_start())
                 .map(|m| (m.config.name.clone(), m.bytes.clone()))
                 .collect();
             let backends = Arc::clone(backends);
@@ -68,4 +69,18 @@ pub(super) fn start_pool(
         "pool ready"
     );
     Pool::start(pool.clone(), device_kind, workers, Some(build), context)
+}
+
+/// How `pool` holds each model it serves, with the bytes to load it again and its metrics.
+pub(super) fn model_setups(metrics: &Metrics, models: &[ModelEntry], pool: &PoolConfig) -> Vec<ModelSetup> {
+    models
+        .iter()
+        .filter(|m| pool.models.contains(&m.config.name))
+        .map(|m| ModelSetup {
+            name: m.config.name.clone(),
+            residency: m.config.residency,
+            bytes: Arc::new(m.bytes.clone()),
+            metrics: metrics.residency.handles(&m.config.name, &pool.name),
+        })
+        .collect()
 }

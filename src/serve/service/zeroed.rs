@@ -22,7 +22,8 @@ pub const UNKNOWN_MODEL: &str = "";
 /// Create the series at 0: requests for each model on each pool serving it (and on no pool,
 /// for refusals before one was chosen) with every outcome, and refusals of requests naming no
 /// configured model; durations per model and pool; decisions per action and pool; failovers
-/// and retries from each pool with a fallback to that fallback, with every reason and result.
+/// and retries from each pool with a fallback to that fallback, with every reason and result;
+/// residency (resident, loads, unloads, load and cold-start times) per model and pool.
 pub(super) fn zero_known_series(metrics: &Metrics, models: &[ModelEntry], pools: &[Arc<Pool>]) {
     for entry in models {
         let model = entry.config.name.as_str();
@@ -35,6 +36,8 @@ pub(super) fn zero_known_series(metrics: &Metrics, models: &[ModelEntry], pools:
                 model: model.to_string(),
                 pool: pool.to_string(),
             });
+            // The pool holds these handles already; asking again changes nothing.
+            metrics.residency.handles(model, pool);
         }
         // Refused before any pool was chosen: never served there.
         for outcome in Outcome::ALL.into_iter().filter(|o| *o != Outcome::ok) {

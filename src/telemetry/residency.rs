@@ -1,0 +1,171 @@
+//! Which models each pool holds, and their loads, unloads and cold starts.
+
+use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::{Registry, Unit};
+
+use crate::pool::{LOAD_BUCKETS, ModelMetrics};
+use crate::telemetry::estimates::ModelPoolLabels;
+
+/// Why a model's sessions were built.
+#[derive(Debug, Clone, Copy, Hash, PartialEq, Eq, EncodeLabelValue)]
+#[allow(non_camel_case_types)]
+pub enum LoadReason {
+    /// When the pool started (`resident` and `pinned` models).
+    start,
+    /// A request for it found it not loaded.
+    on_demand,
+    /// `POST /admin/models/{model}/load`.
+    requested,
+}
+
+/// Why a model's sessions were dropped.
+#[derive(Debug, Clone, Copy, Hash, PartialEq, Eq, EncodeLabelValue)]
+#[allow(non_camel_case_types)]
+pub enum UnloadReason {
+    /// `POST /admin/models/{model}/unload`.
+    requested,
+    /// Its load failed.
+    failed,
+}
+
+/// `{model, pool, reason}` of a load.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct LoadLabels {
+    /// Model name.
+    pub model: String,
+    /// Pool name.
+    pub pool: String,
+    /// Why.
+    pub reason: LoadReason,
+}
+
+/// `{model, pool, reason}` of an unload.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct UnloadLabels {
+    /// Model name.
+    pub model: String,
+    /// Pool name.
+    pub pool: String,
+    /// Why.
+    pub reason: UnloadReason,
+}
+
+/// The residency metrics.
+#[derive(Debug)]
+pub struct ResidencyMetrics {
+    /// `vramguard_model_resident{model,pool}`
+    pub resident: Family<ModelPoolLabels, Gauge>,
+    /// `vramguard_model_loads_total{model,pool,reason}`
+    pub loads: Family<LoadLabels, Counter>,
+    /// `vramguard_model_unloads_total{model,pool,reason}`
+    pub unloads: Family<UnloadLabels, Counter>,
+    /// `vramguard_model_load_duration_seconds{model,pool}`
+    pub load_duration: Family<ModelPoolLabels, Histogram>,
+    /// `vramguard_cold_start_seconds{model,pool}`
+    pub cold_start: Family<ModelPoolLabels, Histogram>,
+}
+
+impl Default for ResidencyMetrics {
+    fn default() -> Self {
+        ResidencyMetrics {
+            resident: Family::default(),
+            loads: Family::default(),
+            unloads: Family::default(),
+            load_duration: Family::new_with_constructor(|| Histogram::new(LOAD_BUCKETS)),
+            cold_start: Family::new_with_constructor(|| Histogram::new(LOAD_BUCKETS)),
+        }
+    }
+}
+
+impl ResidencyMetrics {
+    /// Register under `registry` (prefixed `vramguard`).
+    pub fn register(&self, registry: &mut Registry) {
+        registry.register(
+            "model_resident",
+            "1 while the model's sessions are loaded on the pool",
+            self.resident.clone(),
+        );
+        registry.register("model_loads", "Loads of a model's sessions on a pool, by reason", self.loads.clone());
+        registry.register(
+            "model_unloads",
+            "Unloads of a model's sessions on a pool, by reason",
+            self.unloads.clone(),
+        );
+        registry.register_with_unit(
+            "model_load_duration",
+            "Time to build one backend's session of the model",
+            Unit::Seconds,
+            self.load_duration.clone(),
+        );
+        registry.register_with_unit(
+            "cold_start",
+            "Time a request waited for its model to load",
+            Unit::Seconds,
+            self.cold_start.clone(),
+        );
+    }
+
+    /// The handles of `model` on `pool` (every series created at 0).
+    pub fn handles(&self, model: &str, pool: &str) -> ModelMetrics {
+        let labels = ModelPoolLabels {
+            model: model.to_string(),
+            pool: pool.to_string(),
+        };
+        let load = |reason| {
+            self.loads
+                .get_or_create_owned(&LoadLabels {
+                    model: model.to_string(),
+                    pool: pool.to_string(),
+                    reason,
+                })
+        };
+        let unload = |reason| {
+            self.unloads
+                .get_or_create_owned(&UnloadLabels {
+                    model: model.to_string(),
+                    pool: pool.to_string(),
+                    reason,
+                })
+        };
+        ModelMetrics {
+            resident: self.resident.get_or_create_owned(&labels),
+            loads_start: load(LoadReason::start),
+            loads_on_demand: load(LoadReason::on_demand),
+            loads_requested: load(LoadReason::requested),
+            unloads_requested: unload(UnloadReason::requested),
+            unloads_failed: unload(UnloadReason::failed),
+            load_duration: self.load_duration.get_or_create_owned(&labels),
+            cold_start: self.cold_start.get_or_create_owned(&labels),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_series_exists_at_zero_and_shares_the_pools_handles() {
+        let metrics = ResidencyMetrics::default();
+        let mut registry = Registry::with_prefix("vramguard");
+        metrics.register(&mut registry);
+        let handles = metrics.handles("enc", "cpu");
+        handles.loads_on_demand.inc();
+        handles.resident.set(1);
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
+        for line in [
+            r#"vramguard_model_resident{model="enc",pool="cpu"} 1"#,
+            r#"vramguard_model_loads_total{model="enc",pool="cpu",reason="on_demand"} 1"#,
+            r#"vramguard_model_loads_total{model="enc",pool="cpu",reason="start"} 0"#,
+            r#"vramguard_model_unloads_total{model="enc",pool="cpu",reason="failed"} 0"#,
+            r#"vramguard_cold_start_seconds_count{model="enc",pool="cpu"} 0"#,
+        ] {
+            assert!(text.contains(line), "{line} missing from\n{text}");
+        }
+    }
+}
