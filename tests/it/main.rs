@@ -21,6 +21,7 @@ mod picker;
 mod policy;
 mod prometheus;
 mod remote;
+mod residency;
 mod simulated;
 mod simulated_policy;
 mod sizes;
