@@ -334,7 +334,10 @@ async fn admin_pool_restore(
 }
 
 /// `POST /admin/models/{model}/load`: every pool serving it builds its sessions.
-async fn admin_model_load(State(state): State<Arc<AppState>>, Path(model): Path<String>) -> Result<Json<Value>, ApiError> {
+async fn admin_model_load(
+    State(state): State<Arc<AppState>>,
+    Path(model): Path<String>,
+) -> Result<Json<Value>, ApiError> {
     residency(&state, model, true).await
 }
 
@@ -374,7 +377,9 @@ async fn residency(state: &Arc<AppState>, model: String, load: bool) -> Result<J
                 let took_ms = started.elapsed().as_secs_f64() * 1000.0;
                 match result {
                     Ok(outcome) => json!({"pool": pool.name(), "result": outcome.label(), "took_ms": took_ms}),
-                    Err(e) => json!({"pool": pool.name(), "result": "failed", "error": e.to_string(), "took_ms": took_ms}),
+                    Err(e) => {
+                        json!({"pool": pool.name(), "result": "failed", "error": e.to_string(), "took_ms": took_ms})
+                    }
                 }
             })
             .collect::<Vec<Value>>()

@@ -8,7 +8,7 @@ use prometheus_client::metrics::histogram::Histogram;
 
 use crate::core::backend::Backend;
 use crate::core::clock::{Clock, SystemClock};
-use crate::pool::residency::ModelSetup;
+use crate::pool::models::ModelSetup;
 
 /// Metric handles a pool records into from its worker threads.
 #[derive(Debug, Clone)]

@@ -8,7 +8,8 @@
 //! [`Pool`](crate::pool::Pool) itself is in `shared.rs`, used by this file and by the worker
 //! threads (`worker.rs`); `queue.rs` is the bounded queue and its idle backends, `load.rs` the
 //! load and delay estimate, `health.rs` the breaker and recent failures, `arena.rs` the
-//! allocator statistics, `job.rs` a job and its errors, `context.rs` what a pool is given.
+//! allocator statistics, `job.rs` a job and its errors, `context.rs` what a pool is given,
+//! `residency.rs` loading and unloading models (`models.rs` what it is told of each).
 
 pub mod activity;
 mod arena;
@@ -17,6 +18,7 @@ pub mod degraded;
 mod health;
 mod job;
 mod load;
+mod models;
 mod queue;
 mod residency;
 pub mod sequences;
@@ -26,7 +28,7 @@ mod worker;
 pub use context::{PoolContext, PoolMetrics, Respawn};
 pub use job::{InferJob, JobResult, PoolError, RunCancel, RunMemory};
 pub use load::PoolLoad;
-pub use residency::{LOAD_BUCKETS, ModelBytesRef, ModelMetrics, ModelSetup, ResidencyError, ResidencyOutcome};
+pub use models::{LOAD_BUCKETS, ModelBytesRef, ModelMetrics, ModelSetup, ResidencyError, ResidencyOutcome};
 pub use shared::{Availability, Pool};
 
 use std::sync::{Arc, PoisonError};
@@ -199,9 +201,13 @@ impl Pool {
         // A job for a model this pool serves but does not hold loads it first (a cold start);
         // a remote pool's server holds its own models.
         let load = self.serves(&model) && !matches!(self.config.provider, Provider::Remote(_));
-        let (reply, loads) =
-            self.queue
-                .push(job, self.context.clock.now(), self.name(), self.config.queue_capacity, load)?;
+        let (reply, loads) = self.queue.push(
+            job,
+            self.context.clock.now(),
+            self.name(),
+            self.config.queue_capacity,
+            load,
+        )?;
         if loads {
             self.record_on_demand(&model);
         }

@@ -208,7 +208,11 @@ impl Queue {
             if left.is_zero() {
                 return Err(());
             }
-            state = self.settled.wait_timeout(state, left).unwrap_or_else(|e| e.into_inner()).0;
+            state = self
+                .settled
+                .wait_timeout(state, left)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
         }
         state.wanted.remove(model);
         state.generation += 1;
@@ -246,7 +250,11 @@ impl Queue {
             if left.is_zero() {
                 return false;
             }
-            state = self.settled.wait_timeout(state, left).unwrap_or_else(|e| e.into_inner()).0;
+            state = self
+                .settled
+                .wait_timeout(state, left)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
         }
     }
 

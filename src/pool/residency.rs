@@ -10,166 +10,12 @@
 //! request's cold start.
 
 use std::collections::{HashMap, HashSet};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use prometheus_client::metrics::counter::Counter;
-use prometheus_client::metrics::gauge::Gauge;
-use prometheus_client::metrics::histogram::Histogram;
-
 use crate::config::{Provider, Residency};
+use crate::pool::models::{ResidencyError, ResidencyOutcome};
 use crate::pool::queue::Slot;
 use crate::pool::shared::Pool;
-
-/// A model's serialized bytes, kept to build its sessions again after an unload.
-pub type ModelBytesRef = Arc<dyn AsRef<[u8]> + Send + Sync>;
-
-/// Metric handles of one model on one pool.
-#[derive(Debug, Clone)]
-pub struct ModelMetrics {
-    /// `vramguard_model_resident{model,pool}`
-    pub resident: Gauge,
-    /// `vramguard_model_loads_total{model,pool,reason="start"}`
-    pub loads_start: Counter,
-    /// `vramguard_model_loads_total{model,pool,reason="on_demand"}`
-    pub loads_on_demand: Counter,
-    /// `vramguard_model_loads_total{model,pool,reason="requested"}`
-    pub loads_requested: Counter,
-    /// `vramguard_model_unloads_total{model,pool,reason="requested"}`
-    pub unloads_requested: Counter,
-    /// `vramguard_model_unloads_total{model,pool,reason="failed"}`: a load that failed.
-    pub unloads_failed: Counter,
-    /// `vramguard_model_load_duration_seconds{model,pool}`: one per session built.
-    pub load_duration: Histogram,
-    /// `vramguard_cold_start_seconds{model,pool}`: what a request waited for its model's load.
-    pub cold_start: Histogram,
-}
-
-/// Buckets of load and cold-start durations, in seconds.
-pub const LOAD_BUCKETS: [f64; 10] = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0, 30.0];
-
-impl ModelMetrics {
-    /// Handles registered nowhere (tests, benches).
-    pub fn detached() -> Self {
-        ModelMetrics {
-            resident: Gauge::default(),
-            loads_start: Counter::default(),
-            loads_on_demand: Counter::default(),
-            loads_requested: Counter::default(),
-            unloads_requested: Counter::default(),
-            unloads_failed: Counter::default(),
-            load_duration: Histogram::new(LOAD_BUCKETS),
-            cold_start: Histogram::new(LOAD_BUCKETS),
-        }
-    }
-}
-
-/// What a pool knows of one model it serves.
-#[derive(Clone)]
-pub struct ModelSetup {
-    /// Model name.
-    pub name: String,
-    /// When its sessions exist.
-    pub residency: Residency,
-    /// Its bytes, for loads after start.
-    pub bytes: ModelBytesRef,
-    /// Its metric handles on this pool.
-    pub metrics: ModelMetrics,
-}
-
-impl std::fmt::Debug for ModelSetup {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ModelSetup")
-            .field("name", &self.name)
-            .field("residency", &self.residency)
-            .finish_non_exhaustive()
-    }
-}
-
-/// What a load or unload did on one pool.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ResidencyOutcome {
-    /// Its sessions were built.
-    Loaded,
-    /// Its sessions were dropped.
-    Unloaded,
-    /// It already was as asked.
-    Already,
-}
-
-impl ResidencyOutcome {
-    /// As the admin API answers it.
-    pub fn label(self) -> &'static str {
-        match self {
-            ResidencyOutcome::Loaded => "loaded",
-            ResidencyOutcome::Unloaded => "unloaded",
-            ResidencyOutcome::Already => "already",
-        }
-    }
-}
-
-/// Why a load or unload could not be done.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum ResidencyError {
-    /// The model is `pinned`: never unloaded.
-    #[error("model `{model}` is pinned (models[].residency: pinned): it is never unloaded")]
-    Pinned {
-        /// Model name.
-        model: String,
-    },
-    /// A remote pool's server holds its own sessions.
-    #[error("pool `{pool}` is remote: its server loads and unloads its own models")]
-    Remote {
-        /// Pool name.
-        pool: String,
-    },
-    /// It did not finish within the bound.
-    #[error("pool `{pool}`: {what} of `{model}` did not finish within {waited:?}")]
-    Timeout {
-        /// Pool name.
-        pool: String,
-        /// Model name.
-        model: String,
-        /// `load` or `unload`.
-        what: &'static str,
-        /// How long it was waited for.
-        waited: Duration,
-    },
-    /// Building a session failed.
-    #[error("pool `{pool}` could not load `{model}`: {reason}")]
-    Failed {
-        /// Pool name.
-        pool: String,
-        /// Model name.
-        model: String,
-        /// Why.
-        reason: String,
-    },
-}
-
-/// The pool's models, as given at start.
-#[derive(Debug, Default)]
-pub(super) struct Models {
-    setups: HashMap<String, ModelSetup>,
-}
-
-impl Models {
-    pub(super) fn new(setups: &[ModelSetup]) -> Models {
-        Models {
-            setups: setups.iter().map(|s| (s.name.clone(), s.clone())).collect(),
-        }
-    }
-
-    /// Its metrics, when the pool was told of the model.
-    fn metrics(&self, model: &str) -> Option<&ModelMetrics> {
-        self.setups.get(model).map(|s| &s.metrics)
-    }
-
-    /// How `model` is held (resident when the pool was told nothing of it).
-    fn residency(&self, model: &str) -> Residency {
-        self.setups.get(model).map(|s| s.residency).unwrap_or_default()
-    }
-}
 
 /// How long an admin load or unload waits for the pool's runs before giving up.
 const OPERATION_BOUND: Duration = Duration::from_secs(60);
@@ -260,7 +106,10 @@ impl Pool {
     }
 
     fn await_backends(&self, model: &str, what: &'static str, generation: u64) -> Result<(), ResidencyError> {
-        if self.queue.await_generation(generation, Instant::now() + OPERATION_BOUND) {
+        if self
+            .queue
+            .await_generation(generation, Instant::now() + OPERATION_BOUND)
+        {
             Ok(())
         } else {
             Err(self.timeout(model, what))
@@ -344,5 +193,137 @@ impl Pool {
         if let Some(metrics) = self.models.metrics(model) {
             metrics.cold_start.observe(waited.as_secs_f64());
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::{Arc, Mutex, mpsc};
+
+    use super::*;
+    use crate::core::backend::{ArenaStats, Backend, BackendError, RunMeta};
+    use crate::core::snapshot::DeviceClass;
+    use crate::core::tensor::Tensor;
+    use crate::pool::models::{ModelMetrics, ModelSetup};
+    use crate::pool::{InferJob, PoolContext, RunCancel, RunMemory};
+
+    /// Runs only models it has loaded; runs of `slow` wait for the gate.
+    struct Sessions {
+        loaded: HashSet<String>,
+        gate: Arc<Mutex<mpsc::Receiver<()>>>,
+        loads: Arc<Mutex<Vec<String>>>,
+    }
+
+    impl Backend for Sessions {
+        fn run(
+            &mut self,
+            model: &str,
+            inputs: Vec<Tensor>,
+            _: &[String],
+            _: &RunMeta,
+        ) -> Result<Vec<Tensor>, BackendError> {
+            if !self.loaded.contains(model) {
+                return Err(BackendError::Runtime(format!("no session for `{model}`")));
+            }
+            if model == "slow" {
+                self.gate.lock().unwrap().recv().unwrap();
+            }
+            Ok(inputs)
+        }
+        fn arena_stats(&self) -> Option<ArenaStats> {
+            None
+        }
+        fn load_model(&mut self, name: &str, _: &[u8]) -> Result<(), String> {
+            self.loads.lock().unwrap().push(name.to_string());
+            self.loaded.insert(name.to_string());
+            Ok(())
+        }
+        fn unload_model(&mut self, name: &str) {
+            self.loaded.remove(name);
+        }
+    }
+
+    fn setup(name: &str, residency: Residency) -> ModelSetup {
+        ModelSetup {
+            name: name.into(),
+            residency,
+            bytes: Arc::new(Vec::<u8>::new()),
+            metrics: ModelMetrics::detached(),
+        }
+    }
+
+    fn job(model: &str) -> InferJob {
+        InferJob {
+            meta: RunMeta::default(),
+            model: model.into(),
+            inputs: vec![],
+            outputs: vec![],
+            estimate_bytes: None,
+            memory: RunMemory::default(),
+            probe: false,
+            cancel: RunCancel::default(),
+        }
+    }
+
+    #[test]
+    fn on_demand_loads_on_every_backend_and_an_unload_waits_for_the_models_run() {
+        let (open, gate) = mpsc::channel();
+        let gate = Arc::new(Mutex::new(gate));
+        let loads = Arc::new(Mutex::new(Vec::new()));
+        let models = vec![
+            setup("lazy", Residency::OnDemand),
+            setup("slow", Residency::Resident),
+            setup("fixed", Residency::Pinned),
+        ];
+        let backends: Vec<Box<dyn Backend>> = (0..2)
+            .map(|_| {
+                Box::new(Sessions {
+                    loaded: ["slow".to_string(), "fixed".to_string()].into(),
+                    gate: Arc::clone(&gate),
+                    loads: Arc::clone(&loads),
+                }) as Box<dyn Backend>
+            })
+            .collect();
+        let context = PoolContext {
+            models: models.clone(),
+            ..PoolContext::default()
+        };
+        let config = crate::testing::config::pool("p", "host", &["lazy", "slow", "fixed"]);
+        let pool = Pool::start(config, DeviceClass::Host, backends, None, context);
+        assert!(!pool.is_resident("lazy") && pool.is_resident("slow") && pool.is_resident("fixed"));
+        assert!(pool.submit(job("lazy")).unwrap().blocking_recv().unwrap().is_ok());
+        assert!(pool.is_resident("lazy"));
+        assert_eq!(models[0].metrics.loads_on_demand.get(), 1);
+
+        // `slow` runs on one backend; unloading it waits for that run while `lazy` keeps serving.
+        let running = pool.submit(job("slow")).unwrap();
+        let unloading = {
+            let pool = Arc::clone(&pool);
+            std::thread::spawn(move || pool.unload_model("slow"))
+        };
+        assert!(pool.submit(job("lazy")).unwrap().blocking_recv().unwrap().is_ok());
+        assert!(!unloading.is_finished(), "the unload waits for the running request");
+        open.send(()).unwrap();
+        assert!(running.blocking_recv().unwrap().is_ok(), "the run was not interrupted");
+        assert_eq!(unloading.join().unwrap(), Ok(ResidencyOutcome::Unloaded));
+        assert!(!pool.is_resident("slow"));
+        assert_eq!(pool.unload_model("slow"), Ok(ResidencyOutcome::Already));
+        assert_eq!(
+            pool.unload_model("fixed"),
+            Err(ResidencyError::Pinned { model: "fixed".into() })
+        );
+        assert_eq!(pool.load_model("slow"), Ok(ResidencyOutcome::Loaded));
+        let loads = loads.lock().unwrap().clone();
+        assert_eq!(
+            loads.iter().filter(|m| *m == "lazy").count(),
+            2,
+            "both backends: {loads:?}"
+        );
+        assert_eq!(
+            loads.iter().filter(|m| *m == "slow").count(),
+            2,
+            "both backends: {loads:?}"
+        );
+        pool.shutdown(Duration::from_secs(5));
     }
 }

@@ -14,8 +14,8 @@ use crate::core::breaker::Breaker;
 use crate::core::snapshot::DeviceClass;
 use crate::pool::context::{PoolContext, Respawn};
 use crate::pool::load::RunTimes;
+use crate::pool::models::Models;
 use crate::pool::queue::Queue;
-use crate::pool::residency::Models;
 use crate::pool::sequences::Sequences;
 
 /// Whether a pool can take work.

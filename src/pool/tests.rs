@@ -167,6 +167,7 @@ fn queue_age_grows_while_a_request_waits_and_the_wait_is_recorded() {
     let context = PoolContext {
         clock: clock.clone(),
         metrics: metrics.clone(),
+        ..PoolContext::default()
     };
     let pool = Pool::start(
         config(4),
@@ -221,6 +222,7 @@ fn allocator_failures_are_counted_and_age_out_of_the_recent_window() {
     let context = PoolContext {
         clock: clock.clone(),
         metrics: metrics.clone(),
+        ..PoolContext::default()
     };
     let pool = Pool::start(config(4), DeviceClass::Host, vec![Box::new(Full)], None, context);
     for _ in 0..2 {

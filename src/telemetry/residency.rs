@@ -89,7 +89,11 @@ impl ResidencyMetrics {
             "1 while the model's sessions are loaded on the pool",
             self.resident.clone(),
         );
-        registry.register("model_loads", "Loads of a model's sessions on a pool, by reason", self.loads.clone());
+        registry.register(
+            "model_loads",
+            "Loads of a model's sessions on a pool, by reason",
+            self.loads.clone(),
+        );
         registry.register(
             "model_unloads",
             "Unloads of a model's sessions on a pool, by reason",
@@ -116,20 +120,18 @@ impl ResidencyMetrics {
             pool: pool.to_string(),
         };
         let load = |reason| {
-            self.loads
-                .get_or_create_owned(&LoadLabels {
-                    model: model.to_string(),
-                    pool: pool.to_string(),
-                    reason,
-                })
+            self.loads.get_or_create_owned(&LoadLabels {
+                model: model.to_string(),
+                pool: pool.to_string(),
+                reason,
+            })
         };
         let unload = |reason| {
-            self.unloads
-                .get_or_create_owned(&UnloadLabels {
-                    model: model.to_string(),
-                    pool: pool.to_string(),
-                    reason,
-                })
+            self.unloads.get_or_create_owned(&UnloadLabels {
+                model: model.to_string(),
+                pool: pool.to_string(),
+                reason,
+            })
         };
         ModelMetrics {
             resident: self.resident.get_or_create_owned(&labels),

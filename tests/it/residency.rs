@@ -21,7 +21,9 @@ fn series(name: &str, model: &str, rest: &str) -> String {
 }
 
 async fn admin(server: &TestServer, model: &str, what: &str) -> (StatusCode, Value) {
-    let response = server.post_json(&format!("/admin/models/{model}/{what}"), &json!({})).await;
+    let response = server
+        .post_json(&format!("/admin/models/{model}/{what}"), &json!({}))
+        .await;
     (response.status(), response.json().await.unwrap())
 }
 
@@ -45,17 +47,33 @@ async fn an_on_demand_model_loads_on_its_first_request_and_unloads_on_request() 
     assert_eq!(sample(&metrics, &resident), 0.0, "not loaded at start:\n{metrics}");
     assert_eq!(sample(&metrics, &series("model_resident", "classifier", "")), 1.0);
     assert_eq!(
-        sample(&metrics, &series("model_loads_total", "classifier", ",reason=\"start\"")),
+        sample(
+            &metrics,
+            &series("model_loads_total", "classifier", ",reason=\"start\"")
+        ),
         1.0
     );
-    assert_eq!(server.model_metadata("encoder").await["parameters"]["pools"][0]["resident"], false);
+    assert_eq!(
+        server.model_metadata("encoder").await["parameters"]["pools"][0]["resident"],
+        false
+    );
 
-    assert_eq!(server.encoder(16).await.status(), StatusCode::OK, "the first request loads it");
+    assert_eq!(
+        server.encoder(16).await.status(),
+        StatusCode::OK,
+        "the first request loads it"
+    );
     let metrics = server.metrics().await;
     assert_eq!(sample(&metrics, &resident), 1.0);
     assert_eq!(sample(&metrics, &on_demand), 1.0);
-    assert_eq!(sample(&metrics, &series("cold_start_seconds_count", "encoder", "")), 1.0);
-    assert_eq!(server.model_metadata("encoder").await["parameters"]["pools"][0]["resident"], true);
+    assert_eq!(
+        sample(&metrics, &series("cold_start_seconds_count", "encoder", "")),
+        1.0
+    );
+    assert_eq!(
+        server.model_metadata("encoder").await["parameters"]["pools"][0]["resident"],
+        true
+    );
 
     let (status, body) = admin(&server, "encoder", "unload").await;
     assert_eq!(status, StatusCode::OK, "{body}");
@@ -63,17 +81,30 @@ async fn an_on_demand_model_loads_on_its_first_request_and_unloads_on_request() 
     let metrics = server.metrics().await;
     assert_eq!(sample(&metrics, &resident), 0.0);
     assert_eq!(
-        sample(&metrics, &series("model_unloads_total", "encoder", ",reason=\"requested\"")),
+        sample(
+            &metrics,
+            &series("model_unloads_total", "encoder", ",reason=\"requested\"")
+        ),
         1.0
     );
     assert_eq!(classify(&server).await, StatusCode::OK, "the other model keeps serving");
-    assert_eq!(admin(&server, "encoder", "unload").await.1["pools"][0]["result"], "already");
+    assert_eq!(
+        admin(&server, "encoder", "unload").await.1["pools"][0]["result"],
+        "already"
+    );
 
-    assert_eq!(server.encoder(16).await.status(), StatusCode::OK, "a request loads it again");
+    assert_eq!(
+        server.encoder(16).await.status(),
+        StatusCode::OK,
+        "a request loads it again"
+    );
     let metrics = server.metrics().await;
     assert_eq!(sample(&metrics, &on_demand), 2.0);
     assert_eq!(sample(&metrics, &resident), 1.0);
-    assert_eq!(admin(&server, "encoder", "load").await.1["pools"][0]["result"], "already");
+    assert_eq!(
+        admin(&server, "encoder", "load").await.1["pools"][0]["result"],
+        "already"
+    );
 
     let (status, body) = admin(&server, "classifier", "unload").await;
     assert_eq!(status, StatusCode::CONFLICT, "{body}");
@@ -95,7 +126,10 @@ async fn an_admin_load_builds_the_sessions_before_it_answers() {
     let metrics = server.metrics().await;
     assert_eq!(sample(&metrics, &series("model_resident", "encoder", "")), 1.0);
     assert_eq!(
-        sample(&metrics, &series("model_loads_total", "encoder", ",reason=\"requested\"")),
+        sample(
+            &metrics,
+            &series("model_loads_total", "encoder", ",reason=\"requested\"")
+        ),
         1.0
     );
     // One session per worker.
@@ -105,7 +139,11 @@ async fn an_admin_load_builds_the_sessions_before_it_answers() {
     );
     assert_eq!(server.encoder(16).await.status(), StatusCode::OK);
     let metrics = server.metrics().await;
-    assert_eq!(sample(&metrics, &series("cold_start_seconds_count", "encoder", "")), 0.0, "no cold start");
+    assert_eq!(
+        sample(&metrics, &series("cold_start_seconds_count", "encoder", "")),
+        0.0,
+        "no cold start"
+    );
     server.stop().await;
 }
 
@@ -140,7 +178,11 @@ async fn an_unload_waits_for_the_models_running_request() {
         0.0,
         "the unload answered only once the run was over"
     );
-    assert_eq!(running.await.unwrap(), StatusCode::OK, "the running request was not interrupted");
+    assert_eq!(
+        running.await.unwrap(),
+        StatusCode::OK,
+        "the running request was not interrupted"
+    );
     assert_eq!(classify(&server).await, StatusCode::OK);
     server.stop().await;
 }

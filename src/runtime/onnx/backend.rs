@@ -49,7 +49,11 @@ pub struct OrtBackend {
 
 impl OrtBackend {
     /// Build sessions for every `(name, bytes)` under `options`.
-    pub fn load(rt: &'static OnnxRuntime, models: &[(String, &[u8])], options: &SessionOptions) -> Result<OrtBackend, String> {
+    pub fn load(
+        rt: &'static OnnxRuntime,
+        models: &[(String, &[u8])],
+        options: &SessionOptions,
+    ) -> Result<OrtBackend, String> {
         let mut sessions = HashMap::new();
         for (name, bytes) in models {
             sessions.insert(name.clone(), open_session(rt, name, bytes, options)?);
@@ -144,4 +148,3 @@ impl Backend for OrtBackend {
         }
     }
 }
-

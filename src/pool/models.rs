@@ -1,0 +1,162 @@
+//! What a pool is told of each model it serves (how it is held, its bytes, its metric
+//! handles), and what a load or unload answers. Plain types: `residency.rs` does the work.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
+
+use crate::config::Residency;
+
+/// A model's serialized bytes, kept to build its sessions again after an unload.
+pub type ModelBytesRef = Arc<dyn AsRef<[u8]> + Send + Sync>;
+
+/// Metric handles of one model on one pool.
+#[derive(Debug, Clone)]
+pub struct ModelMetrics {
+    /// `vramguard_model_resident{model,pool}`
+    pub resident: Gauge,
+    /// `vramguard_model_loads_total{model,pool,reason="start"}`
+    pub loads_start: Counter,
+    /// `vramguard_model_loads_total{model,pool,reason="on_demand"}`
+    pub loads_on_demand: Counter,
+    /// `vramguard_model_loads_total{model,pool,reason="requested"}`
+    pub loads_requested: Counter,
+    /// `vramguard_model_unloads_total{model,pool,reason="requested"}`
+    pub unloads_requested: Counter,
+    /// `vramguard_model_unloads_total{model,pool,reason="failed"}`: a load that failed.
+    pub unloads_failed: Counter,
+    /// `vramguard_model_load_duration_seconds{model,pool}`: one per session built.
+    pub load_duration: Histogram,
+    /// `vramguard_cold_start_seconds{model,pool}`: what a request waited for its model's load.
+    pub cold_start: Histogram,
+}
+
+/// Buckets of load and cold-start durations, in seconds.
+pub const LOAD_BUCKETS: [f64; 10] = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0, 30.0];
+
+impl ModelMetrics {
+    /// Handles registered nowhere (tests, benches).
+    pub fn detached() -> Self {
+        ModelMetrics {
+            resident: Gauge::default(),
+            loads_start: Counter::default(),
+            loads_on_demand: Counter::default(),
+            loads_requested: Counter::default(),
+            unloads_requested: Counter::default(),
+            unloads_failed: Counter::default(),
+            load_duration: Histogram::new(LOAD_BUCKETS),
+            cold_start: Histogram::new(LOAD_BUCKETS),
+        }
+    }
+}
+
+/// What a pool knows of one model it serves.
+#[derive(Clone)]
+pub struct ModelSetup {
+    /// Model name.
+    pub name: String,
+    /// When its sessions exist.
+    pub residency: Residency,
+    /// Its bytes, for loads after start.
+    pub bytes: ModelBytesRef,
+    /// Its metric handles on this pool.
+    pub metrics: ModelMetrics,
+}
+
+impl std::fmt::Debug for ModelSetup {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ModelSetup")
+            .field("name", &self.name)
+            .field("residency", &self.residency)
+            .finish_non_exhaustive()
+    }
+}
+
+/// What a load or unload did on one pool.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ResidencyOutcome {
+    /// Its sessions were built.
+    Loaded,
+    /// Its sessions were dropped.
+    Unloaded,
+    /// It already was as asked.
+    Already,
+}
+
+impl ResidencyOutcome {
+    /// As the admin API answers it.
+    pub fn label(self) -> &'static str {
+        match self {
+            ResidencyOutcome::Loaded => "loaded",
+            ResidencyOutcome::Unloaded => "unloaded",
+            ResidencyOutcome::Already => "already",
+        }
+    }
+}
+
+/// Why a load or unload could not be done.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ResidencyError {
+    /// The model is `pinned`: never unloaded.
+    #[error("model `{model}` is pinned (models[].residency: pinned): it is never unloaded")]
+    Pinned {
+        /// Model name.
+        model: String,
+    },
+    /// A remote pool's server holds its own sessions.
+    #[error("pool `{pool}` is remote: its server loads and unloads its own models")]
+    Remote {
+        /// Pool name.
+        pool: String,
+    },
+    /// It did not finish within the bound.
+    #[error("pool `{pool}`: {what} of `{model}` did not finish within {waited:?}")]
+    Timeout {
+        /// Pool name.
+        pool: String,
+        /// Model name.
+        model: String,
+        /// `load` or `unload`.
+        what: &'static str,
+        /// How long it was waited for.
+        waited: Duration,
+    },
+    /// Building a session failed.
+    #[error("pool `{pool}` could not load `{model}`: {reason}")]
+    Failed {
+        /// Pool name.
+        pool: String,
+        /// Model name.
+        model: String,
+        /// Why.
+        reason: String,
+    },
+}
+
+/// The pool's models, as given at start.
+#[derive(Debug, Default)]
+pub(super) struct Models {
+    pub(super) setups: HashMap<String, ModelSetup>,
+}
+
+impl Models {
+    pub(super) fn new(setups: &[ModelSetup]) -> Models {
+        Models {
+            setups: setups.iter().map(|s| (s.name.clone(), s.clone())).collect(),
+        }
+    }
+
+    /// Its metrics, when the pool was told of the model.
+    pub(super) fn metrics(&self, model: &str) -> Option<&ModelMetrics> {
+        self.setups.get(model).map(|s| &s.metrics)
+    }
+
+    /// How `model` is held (resident when the pool was told nothing of it).
+    pub(super) fn residency(&self, model: &str) -> Residency {
+        self.setups.get(model).map(|s| s.residency).unwrap_or_default()
+    }
+}
