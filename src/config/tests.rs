@@ -413,3 +413,20 @@ fn builtin_names_are_checked_against_what_the_binary_ships() {
         "test.yaml: models[0].chat_template: unknown builtin chat template `llama`; builtin: chatml"
     );
 }
+
+#[test]
+fn residency_defaults_to_resident_and_a_misspelt_one_names_its_key() {
+    assert_eq!(check(BASE).unwrap().models[0].residency, Residency::Resident);
+    let lazy = BASE.replace("path: builtin:encoder", "path: builtin:encoder\n    residency: on_demand");
+    assert_eq!(check(&lazy).unwrap().models[0].residency, Residency::OnDemand);
+    let pinned = BASE.replace("path: builtin:encoder", "path: builtin:encoder\n    residency: pinned");
+    assert_eq!(check(&pinned).unwrap().models[0].residency, Residency::Pinned);
+    let wrong = BASE.replace("path: builtin:encoder", "path: builtin:encoder\n    residency: lazy");
+    let err = check(&wrong).unwrap_err().to_string();
+    assert!(
+        err.starts_with(
+            "test.yaml: models[0].residency: unknown variant `lazy`, expected one of `resident`, `pinned`, `on_demand`"
+        ),
+        "{err}"
+    );
+}
