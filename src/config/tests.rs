@@ -417,7 +417,10 @@ fn builtin_names_are_checked_against_what_the_binary_ships() {
 #[test]
 fn residency_defaults_to_resident_and_a_misspelt_one_names_its_key() {
     assert_eq!(check(BASE).unwrap().models[0].residency, Residency::Resident);
-    let lazy = BASE.replace("path: builtin:encoder", "path: builtin:encoder\n    residency: on_demand");
+    let lazy = BASE.replace(
+        "path: builtin:encoder",
+        "path: builtin:encoder\n    residency: on_demand",
+    );
     assert_eq!(check(&lazy).unwrap().models[0].residency, Residency::OnDemand);
     let pinned = BASE.replace("path: builtin:encoder", "path: builtin:encoder\n    residency: pinned");
     assert_eq!(check(&pinned).unwrap().models[0].residency, Residency::Pinned);

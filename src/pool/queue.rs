@@ -267,6 +267,8 @@ impl Queue {
             state.jobs.drain(..).collect()
         };
         self.wake.notify_all();
+        // An unload waiting for the drained jobs need not wait for its bound.
+        self.settled.notify_all();
         drained
     }
 

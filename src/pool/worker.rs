@@ -41,21 +41,33 @@ impl Pool {
                 Some(Ok(took)) => self.record_cold_start(&model, *took),
                 Some(Err(reason)) => {
                     let error = BackendError::Runtime(format!("model `{model}` could not be loaded: {reason}"));
-                    let _ = queued.reply.send(Err(PoolError::Backend(error)));
                     self.queue.finish(Some(&model), Ok(slot));
+                    let _ = queued.reply.send(Err(PoolError::Backend(error)));
                     continue;
                 }
                 None => {}
             }
             let id = slot.id;
-            let kept = self.serve(queued, slot);
+            let Queued { job, enqueued, reply } = queued;
+            let (kept, result) = self.serve(job, enqueued, reply.is_closed(), slot);
+            // The run is counted over before its answer goes out: a caller that reads the
+            // pool's load after its answer sees it.
             self.queue.finish(Some(&model), kept.ok_or(id));
+            if let Some(result) = result {
+                let _ = reply.send(result);
+            }
         }
     }
 
-    /// Run one queued job on `slot`, unless it no longer needs running, and answer it; the
-    /// slot comes back unless its backend was lost.
-    fn serve(&self, Queued { job, enqueued, reply }: Queued, slot: Slot) -> Option<Slot> {
+    /// Run one queued job on `slot`, unless it no longer needs running (its caller went away:
+    /// `abandoned`); returns the slot unless its backend was lost, and the answer, if any.
+    fn serve(
+        &self,
+        job: InferJob,
+        enqueued: Instant,
+        abandoned: bool,
+        slot: Slot,
+    ) -> (Option<Slot>, Option<JobResult>) {
         let Slot {
             mut backend,
             id,
@@ -67,7 +79,7 @@ impl Pool {
         if !job.probe {
             self.context.metrics.queue_wait.observe(waited.as_secs_f64());
         }
-        let skip = if reply.is_closed() {
+        let skip = if abandoned {
             // The client went away while queued: do not spend the device on it.
             tracing::debug!(request_id = %job.meta.request_id, pool = self.name(), "client gone before start; skipped");
             Some(None)
@@ -94,18 +106,15 @@ impl Pool {
         let Some(skipped) = skip else {
             let (result, kept) = self.run_one(backend, job);
             let panicked = matches!(result, Err(PoolError::Backend(BackendError::Panicked(_))));
-            let _ = reply.send(result);
-            return kept.map(|backend| match panicked {
+            let kept = kept.map(|backend| match panicked {
                 // A replacement holds the sessions the pool starts with; the worker brings it
                 // up to the wanted models before its next job.
                 true => self.queue.replace(id, Slot::fresh(backend, self.start_set())),
                 false => Slot::with(id, backend, loaded, generation),
             });
+            return (kept, Some(result));
         };
-        if let Some(result) = skipped {
-            let _ = reply.send(result);
-        }
-        Some(Slot::with(id, backend, loaded, generation))
+        (Some(Slot::with(id, backend, loaded, generation)), skipped)
     }
 
     /// Run one job. A panicking backend is caught here: the request gets
