@@ -166,6 +166,25 @@ impl Drill {
     /// server's own health check closes it: no client's request is the probe), then confirm with
     /// one short request that it is served there; the time to the breaker closing is returned,
     /// and that request is kept in the record when `keep_in` is given.
+    /// Wait (up to `within`) until the accelerator pool's breaker is closed: a phase that
+    /// injects a fault into the accelerator's next run needs that run to be a request's, on a
+    /// healthy pool, not a health check's on a pool still recovering from the phase before.
+    pub(super) async fn until_gpu_closed(&self, within: Duration) -> bool {
+        let since = Instant::now();
+        while since.elapsed() < within {
+            let closed = self.status().await.ok().is_some_and(|status| {
+                status
+                    .pool(GPU)
+                    .is_some_and(|gpu| gpu.breaker == crate::core::snapshot::BreakerState::Closed)
+            });
+            if closed {
+                return true;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        false
+    }
+
     pub(super) async fn until_served_on_gpu(
         &self,
         since: Instant,

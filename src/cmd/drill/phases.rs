@@ -335,11 +335,13 @@ async fn streams(drill: &Arc<Drill>) -> Result<Vec<(String, bool)>, String> {
     };
     let clean = |r: &Record| r.status == Some(200) && r.first_failure.is_none();
     let reference = stream("stream-reference", &[], "ok").await.judge(clean).keep(drill);
+    drill.until_gpu_closed(RECOVERY).await;
     drill.admin(json!({"fail_next": 1})).await?;
     let before_first = stream("stream-fails-before-first", &[], "replayed on cpu")
         .await
         .judge(clean)
         .keep(drill);
+    drill.until_gpu_closed(RECOVERY).await;
     drill.admin(json!({"pass_first": 4, "fail_next": 1})).await?;
     let after_first = stream("stream-fails-after-first", &[], "continued on cpu")
         .await
@@ -357,6 +359,7 @@ async fn streams(drill: &Arc<Drill>) -> Result<Vec<(String, bool)>, String> {
     });
     // A non-replayable stream failing after its first token ends with an error event that says
     // how many tokens the client has.
+    drill.until_gpu_closed(RECOVERY).await;
     drill.admin(json!({"pass_first": 4, "fail_next": 1})).await?;
     let expect = "error event after its tokens, not replayed";
     stream("stream-non-replayable", &[(REPLAYABLE_HEADER, "false")], expect)
@@ -376,10 +379,16 @@ async fn streams(drill: &Arc<Drill>) -> Result<Vec<(String, bool)>, String> {
     Ok(equivalence.to_vec())
 }
 
+/// How long a phase waits for the accelerator's breaker to close before injecting its fault:
+/// the drill's cooldown (2 s) and a health check, with room to spare.
+const RECOVERY: std::time::Duration = std::time::Duration::from_secs(10);
+
 /// An encoder request and a chat offering tools (a tool call may have acted), each failing
 /// after it started; neither may run on the CPU pool. Returns the CPU pool's runs meanwhile.
 async fn non_replayable(drill: &Arc<Drill>) -> Result<u64, String> {
     drill.begin(Phase::NonReplayable, 2);
+    // The streams before this one failed three runs: the breaker may be open for its cooldown.
+    drill.until_gpu_closed(RECOVERY).await;
     let cpu_runs = drill.cpu_requests().await;
     drill.admin(json!({"fail_next": 1})).await?;
     let headers = [(REPLAYABLE_HEADER, "false")];
@@ -395,6 +404,7 @@ async fn non_replayable(drill: &Arc<Drill>) -> Result<u64, String> {
         .await
         .judge(|r| r.status == Some(503) && r.pool.as_deref() != Some(CPU))
         .keep(drill);
+    drill.until_gpu_closed(RECOVERY).await;
     drill.admin(json!({"pass_first": 2, "fail_next": 1})).await?;
     let tools = json!([{"type": "function", "function": {"name": "free_vram"}}]);
     let body = json!({"model": DECODER, "max_tokens": 8, "temperature": 0, "tools": tools,
