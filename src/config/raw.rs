@@ -274,6 +274,10 @@ pub struct RawModel {
     /// at start, never unloaded) or `on_demand` (loaded by its first request).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub residency: Option<RawResidency>,
+    /// Unload it from a pool after this long without a request there (`10m`); absent: never.
+    /// Not for a `pinned` model.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub idle_unload: Option<HumanDuration>,
 }
 
 /// `models[].residency:` as written.

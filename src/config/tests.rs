@@ -433,3 +433,23 @@ fn residency_defaults_to_resident_and_a_misspelt_one_names_its_key() {
         "{err}"
     );
 }
+
+#[test]
+fn idle_unload_is_a_duration_refused_on_a_pinned_model_with_its_key() {
+    assert_eq!(check(BASE).unwrap().models[0].idle_unload, None, "absent: never");
+    let with = |rest: &str| BASE.replace("path: builtin:encoder", &format!("path: builtin:encoder\n    {rest}"));
+    assert_eq!(
+        check(&with("idle_unload: 10m")).unwrap().models[0].idle_unload,
+        Some(std::time::Duration::from_secs(600))
+    );
+    assert_eq!(
+        check(&with("idle_unload: 2s\n    residency: pinned"))
+            .unwrap_err()
+            .to_string(),
+        "test.yaml: models[0].idle_unload: a pinned model is never unloaded: drop idle_unload or the pin"
+    );
+    assert_eq!(
+        check(&with("idle_unload: 0s")).unwrap_err().to_string(),
+        "test.yaml: models[0].idle_unload: must be longer than 0"
+    );
+}

@@ -211,6 +211,8 @@ pub struct ModelConfig {
     pub chat_template: Option<ChatTemplateSource>,
     /// When its sessions exist on the pools that serve it.
     pub residency: Residency,
+    /// How long without a request before a pool unloads it; `None`: never.
+    pub idle_unload: Option<Duration>,
 }
 
 /// When a model's sessions exist on a pool (`models[].residency`).

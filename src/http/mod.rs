@@ -106,6 +106,7 @@ pub async fn serve(
                 Arc::clone(pool),
                 token.clone(),
             ));
+            tasks.spawn(crate::serve::idle::watch_idle(Arc::clone(pool), token.clone()));
         }
     }
     tasks.close();

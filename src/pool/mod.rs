@@ -198,6 +198,10 @@ impl Pool {
             });
         }
         let model = job.model.clone();
+        if !job.probe {
+            // A health check is no activity: only requests keep a model from its idle unload.
+            self.models.touch(&model, self.context.clock.now());
+        }
         // A job for a model this pool serves but does not hold loads it first (a cold start);
         // a remote pool's server holds its own models.
         let load = self.serves(&model) && !matches!(self.config.provider, Provider::Remote(_));

@@ -3,7 +3,8 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::Duration;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
 
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::gauge::Gauge;
@@ -27,6 +28,8 @@ pub struct ModelMetrics {
     pub loads_requested: Counter,
     /// `vramguard_model_unloads_total{model,pool,reason="requested"}`
     pub unloads_requested: Counter,
+    /// `vramguard_model_unloads_total{model,pool,reason="idle"}`: no request for `idle_unload`.
+    pub unloads_idle: Counter,
     /// `vramguard_model_unloads_total{model,pool,reason="failed"}`: a load that failed.
     pub unloads_failed: Counter,
     /// `vramguard_model_load_duration_seconds{model,pool}`: one per session built.
@@ -47,6 +50,7 @@ impl ModelMetrics {
             loads_on_demand: Counter::default(),
             loads_requested: Counter::default(),
             unloads_requested: Counter::default(),
+            unloads_idle: Counter::default(),
             unloads_failed: Counter::default(),
             load_duration: Histogram::new(LOAD_BUCKETS),
             cold_start: Histogram::new(LOAD_BUCKETS),
@@ -61,6 +65,8 @@ pub struct ModelSetup {
     pub name: String,
     /// When its sessions exist.
     pub residency: Residency,
+    /// How long without a request before it is unloaded; `None`: never.
+    pub idle_unload: Option<Duration>,
     /// Its bytes, for loads after start.
     pub bytes: ModelBytesRef,
     /// Its metric handles on this pool.
@@ -72,6 +78,7 @@ impl std::fmt::Debug for ModelSetup {
         f.debug_struct("ModelSetup")
             .field("name", &self.name)
             .field("residency", &self.residency)
+            .field("idle_unload", &self.idle_unload)
             .finish_non_exhaustive()
     }
 }
@@ -137,17 +144,63 @@ pub enum ResidencyError {
     },
 }
 
-/// The pool's models, as given at start.
-#[derive(Debug, Default)]
+/// The pool's models, as given at start, and when each last had a request.
+#[derive(Debug)]
 pub(super) struct Models {
     pub(super) setups: HashMap<String, ModelSetup>,
+    /// What `last_request` counts from.
+    epoch: Instant,
+    /// Per model with an `idle_unload`: milliseconds from `epoch` to its last request. An
+    /// atomic, so the request path records it without a lock.
+    last_request: HashMap<String, AtomicU64>,
 }
 
 impl Models {
-    pub(super) fn new(setups: &[ModelSetup]) -> Models {
+    pub(super) fn new(setups: &[ModelSetup], now: Instant) -> Models {
         Models {
             setups: setups.iter().map(|s| (s.name.clone(), s.clone())).collect(),
+            epoch: now,
+            last_request: setups
+                .iter()
+                .filter(|s| s.idle_unload.is_some())
+                .map(|s| (s.name.clone(), AtomicU64::new(0)))
+                .collect(),
         }
+    }
+
+    /// A request for `model` arrived at `now` (only models with an `idle_unload` keep it).
+    pub(super) fn touch(&self, model: &str, now: Instant) {
+        if let Some(last) = self.last_request.get(model) {
+            last.fetch_max(self.millis(now), Ordering::SeqCst);
+        }
+    }
+
+    /// The models with an `idle_unload` that had no request for that long at `now`.
+    pub(super) fn idle_at(&self, now: Instant) -> Vec<&str> {
+        let now = self.millis(now);
+        self.setups
+            .values()
+            .filter(|s| s.idle_unload.is_some_and(|idle| self.idle_for(&s.name, now, idle)))
+            .map(|s| s.name.as_str())
+            .collect()
+    }
+
+    /// True when `model` had no request for `idle` at `now` (milliseconds from the epoch).
+    pub(super) fn idle_for(&self, model: &str, now: u64, idle: Duration) -> bool {
+        self.last_request
+            .get(model)
+            // Strictly more whole milliseconds: both ends are rounded down, so never early.
+            .is_some_and(|last| now.saturating_sub(last.load(Ordering::SeqCst)) > idle.as_millis() as u64)
+    }
+
+    /// `now` as milliseconds from the epoch.
+    pub(super) fn millis(&self, now: Instant) -> u64 {
+        now.saturating_duration_since(self.epoch).as_millis() as u64
+    }
+
+    /// The shortest `idle_unload` of these models, when any has one.
+    pub(super) fn shortest_idle_unload(&self) -> Option<Duration> {
+        self.setups.values().filter_map(|s| s.idle_unload).min()
     }
 
     /// Its metrics, when the pool was told of the model.

@@ -222,6 +222,22 @@ impl Queue {
         Ok(Some(generation))
     }
 
+    /// Make `model` unwanted if it is wanted, no job of it is queued or running, and
+    /// `still_idle` says so under the lock (a request recorded since the caller looked keeps
+    /// it); its new generation, or `None` when it stays.
+    pub(super) fn unwant_idle(&self, model: &str, still_idle: impl Fn() -> bool) -> Option<u64> {
+        let mut state = self.lock();
+        if !state.wanted.contains(model) || state.busy_with(model) > 0 || !still_idle() {
+            return None;
+        }
+        state.wanted.remove(model);
+        state.generation += 1;
+        let generation = state.generation;
+        drop(state);
+        self.wake.notify_all();
+        Some(generation)
+    }
+
     /// A load of `model` failed: it is no longer wanted, unless jobs of it still wait (they
     /// will try again). True when it was taken out.
     pub(super) fn drop_failed(&self, model: &str) -> bool {

@@ -60,6 +60,8 @@ impl Pool {
         if let Some(metrics) = self.models.metrics(model) {
             metrics.loads_requested.inc();
         }
+        // Loaded on purpose: its idle time starts now, not at its last request.
+        self.models.touch(model, self.context.clock.now());
         self.await_backends(model, "load", generation)?;
         if self.is_resident(model) {
             Ok(ResidencyOutcome::Loaded)
@@ -94,6 +96,54 @@ impl Pool {
         }
         self.await_backends(model, "unload", generation)?;
         Ok(ResidencyOutcome::Unloaded)
+    }
+
+    /// Unload every model that had no request here for its `idle_unload`, as an admin unload
+    /// would (a model with jobs queued or running is not idle); returns the models unloaded.
+    /// Blocking: run it off the async runtime.
+    pub fn unload_idle(&self) -> Vec<String> {
+        if matches!(self.config.provider, Provider::Remote(_)) {
+            return Vec::new();
+        }
+        let now = self.context.clock.now();
+        let mut unloaded = Vec::new();
+        for model in self.models.idle_at(now) {
+            let Some(idle) = self.models.setups.get(model).and_then(|s| s.idle_unload) else {
+                continue;
+            };
+            if self.models.residency(model) == Residency::Pinned {
+                continue;
+            }
+            let still_idle = || {
+                self.models
+                    .idle_for(model, self.models.millis(self.context.clock.now()), idle)
+            };
+            let Some(generation) = self.queue.unwant_idle(model, still_idle) else {
+                continue;
+            };
+            if let Some(metrics) = self.models.metrics(model) {
+                metrics.resident.set(0);
+                metrics.unloads_idle.inc();
+            }
+            tracing::info!(pool = self.name(), %model, idle_unload = ?idle, "unloading an idle model");
+            if let Err(e) = self.await_backends(model, "idle unload", generation) {
+                tracing::warn!(pool = self.name(), %model, error = %e, "idle unload still under way");
+            }
+            unloaded.push(model.to_string());
+        }
+        unloaded
+    }
+
+    /// How often [`Pool::unload_idle`] should run: a quarter of the shortest `idle_unload`
+    /// (between 50 ms and 10 s), so a model goes at most that late; `None` when no model here
+    /// has one.
+    pub fn idle_check_interval(&self) -> Option<Duration> {
+        if matches!(self.config.provider, Provider::Remote(_)) {
+            return None;
+        }
+        self.models
+            .shortest_idle_unload()
+            .map(|d| (d / 4).clamp(Duration::from_millis(50), Duration::from_secs(10)))
     }
 
     fn not_remote(&self) -> Result<(), ResidencyError> {
@@ -247,6 +297,7 @@ mod tests {
         ModelSetup {
             name: name.into(),
             residency,
+            idle_unload: None,
             bytes: Arc::new(Vec::<u8>::new()),
             metrics: ModelMetrics::detached(),
         }
@@ -324,6 +375,55 @@ mod tests {
             2,
             "both backends: {loads:?}"
         );
+        pool.shutdown(Duration::from_secs(5));
+    }
+
+    #[test]
+    fn a_model_without_requests_for_its_idle_unload_is_unloaded_and_a_health_check_is_no_request() {
+        let (_open, gate) = mpsc::channel();
+        let gate = Arc::new(Mutex::new(gate));
+        let idle = |name, residency| ModelSetup {
+            idle_unload: Some(Duration::from_secs(10)),
+            ..setup(name, residency)
+        };
+        let models = vec![idle("quiet", Residency::Resident), idle("busy", Residency::Resident)];
+        let backend = Sessions {
+            loaded: ["quiet".to_string(), "busy".to_string()].into(),
+            gate,
+            loads: Arc::default(),
+        };
+        let clock = Arc::new(crate::core::clock::ManualClock::default());
+        let context = PoolContext {
+            models: models.clone(),
+            clock: clock.clone(),
+            ..PoolContext::default()
+        };
+        let config = crate::testing::config::pool("p", "host", &["quiet", "busy"]);
+        let pool = Pool::start(config, DeviceClass::Host, vec![Box::new(backend)], None, context);
+        assert_eq!(pool.idle_check_interval(), Some(Duration::from_millis(2500)));
+
+        clock.advance(Duration::from_secs(6));
+        assert!(pool.submit(job("busy")).unwrap().blocking_recv().unwrap().is_ok());
+        let probe = InferJob {
+            probe: true,
+            ..job("quiet")
+        };
+        assert!(pool.submit(probe).unwrap().blocking_recv().unwrap().is_ok());
+        clock.advance(Duration::from_secs(4));
+        assert!(pool.unload_idle().is_empty(), "never early: 10 s is not more than 10 s");
+        clock.advance(Duration::from_millis(1));
+        assert_eq!(pool.unload_idle(), vec!["quiet".to_string()], "the probe did not count");
+        assert!(!pool.is_resident("quiet") && pool.is_resident("busy"));
+        assert_eq!(models[0].metrics.unloads_idle.get(), 1);
+        assert_eq!(models[0].metrics.resident.get(), 0);
+        assert!(pool.unload_idle().is_empty(), "once: it is no longer loaded");
+
+        assert!(pool.submit(job("quiet")).unwrap().blocking_recv().unwrap().is_ok());
+        assert_eq!(models[0].metrics.loads_on_demand.get(), 1, "its next request loads it");
+        clock.advance(Duration::from_secs(6));
+        assert_eq!(pool.unload_idle(), vec!["busy".to_string()]);
+        assert_eq!(models[1].metrics.unloads_idle.get(), 1);
+        assert_eq!(models[0].metrics.unloads_idle.get(), 1);
         pool.shutdown(Duration::from_secs(5));
     }
 }

@@ -82,7 +82,7 @@ impl Pool {
             queue: Queue::default(),
             arena: Mutex::new(None),
             recent_failures: Mutex::new(VecDeque::new()),
-            models: Models::new(&context.models),
+            models: Models::new(&context.models, context.clock.now()),
             context,
             runs: RunTimes::default(),
             breaker,

@@ -5,6 +5,7 @@
 pub mod generate;
 pub mod health;
 pub mod idempotency;
+pub mod idle;
 pub mod lifecycle;
 pub mod remote;
 pub mod router;

@@ -28,6 +28,8 @@ pub enum LoadReason {
 pub enum UnloadReason {
     /// `POST /admin/models/{model}/unload`.
     requested,
+    /// No request for its `models[].idle_unload`.
+    idle,
     /// Its load failed.
     failed,
 }
@@ -139,6 +141,7 @@ impl ResidencyMetrics {
             loads_on_demand: load(LoadReason::on_demand),
             loads_requested: load(LoadReason::requested),
             unloads_requested: unload(UnloadReason::requested),
+            unloads_idle: unload(UnloadReason::idle),
             unloads_failed: unload(UnloadReason::failed),
             load_duration: self.load_duration.get_or_create_owned(&labels),
             cold_start: self.cold_start.get_or_create_owned(&labels),
@@ -165,6 +168,7 @@ mod tests {
             r#"vramguard_model_loads_total{model="enc",pool="cpu",reason="on_demand"} 1"#,
             r#"vramguard_model_loads_total{model="enc",pool="cpu",reason="start"} 0"#,
             r#"vramguard_model_unloads_total{model="enc",pool="cpu",reason="failed"} 0"#,
+            r#"vramguard_model_unloads_total{model="enc",pool="cpu",reason="idle"} 0"#,
             r#"vramguard_cold_start_seconds_count{model="enc",pool="cpu"} 0"#,
         ] {
             assert!(text.contains(line), "{line} missing from\n{text}");

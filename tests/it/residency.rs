@@ -186,3 +186,65 @@ async fn an_unload_waits_for_the_models_running_request() {
     assert_eq!(classify(&server).await, StatusCode::OK);
     server.stop().await;
 }
+
+#[tokio::test]
+async fn a_model_without_requests_for_its_idle_unload_is_unloaded_and_loads_again_on_demand() {
+    if crate::common::ran_in_own_process() {
+        return;
+    }
+    let config = CONFIG
+        .replace("residency: on_demand", "idle_unload: 1s")
+        .replace("residency: pinned", "idle_unload: 1s");
+    let server = TestServer::start(&config).await;
+    let idle = |model| series("model_unloads_total", model, ",reason=\"idle\"");
+    let metrics = server.metrics().await;
+    assert_eq!(
+        sample(&metrics, &idle("encoder")),
+        0.0,
+        "at 0 from the first scrape:\n{metrics}"
+    );
+    assert!(metrics.contains(&format!("{} 0", idle("classifier"))), "{metrics}");
+    let served = Instant::now();
+    assert_eq!(server.encoder(16).await.status(), StatusCode::OK);
+
+    // The classifier keeps getting requests; the encoder gets none (scrapes and the pool's
+    // health checks are no requests).
+    let until = served + Duration::from_secs(10);
+    let metrics = loop {
+        assert_eq!(classify(&server).await, StatusCode::OK);
+        let metrics = server.metrics().await;
+        if sample(&metrics, &idle("encoder")) >= 1.0 {
+            break metrics;
+        }
+        assert!(Instant::now() < until, "the encoder was never unloaded:\n{metrics}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert!(
+        served.elapsed() >= Duration::from_secs(1),
+        "unloaded before its idle time"
+    );
+    assert_eq!(sample(&metrics, &idle("encoder")), 1.0);
+    assert_eq!(sample(&metrics, &series("model_resident", "encoder", "")), 0.0);
+    assert_eq!(
+        sample(&metrics, &idle("classifier")),
+        0.0,
+        "requests keep it:\n{metrics}"
+    );
+    assert_eq!(sample(&metrics, &series("model_resident", "classifier", "")), 1.0);
+
+    assert_eq!(
+        server.encoder(16).await.status(),
+        StatusCode::OK,
+        "its next request loads it"
+    );
+    let metrics = server.metrics().await;
+    assert_eq!(
+        sample(
+            &metrics,
+            &series("model_loads_total", "encoder", ",reason=\"on_demand\"")
+        ),
+        1.0
+    );
+    assert_eq!(sample(&metrics, &series("model_resident", "encoder", "")), 1.0);
+    server.stop().await;
+}

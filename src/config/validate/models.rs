@@ -53,6 +53,21 @@ fn model(c: &Checker, key: &str, m: &RawModel) -> Result<ModelConfig, ConfigErro
         .as_deref()
         .map(|spec| chat_template(c, key, spec, tokenizer.as_ref()))
         .transpose()?;
+    let residency = match m.residency {
+        None | Some(RawResidency::Resident) => Residency::Resident,
+        Some(RawResidency::Pinned) => Residency::Pinned,
+        Some(RawResidency::OnDemand) => Residency::OnDemand,
+    };
+    let idle_unload = m
+        .idle_unload
+        .map(|d| {
+            let key = format!("{key}.idle_unload");
+            if residency == Residency::Pinned {
+                return Err(c.err(key, "a pinned model is never unloaded: drop idle_unload or the pin"));
+            }
+            c.longer_than_zero(key, d)
+        })
+        .transpose()?;
     Ok(ModelConfig {
         name: m.name.clone(),
         source,
@@ -61,11 +76,8 @@ fn model(c: &Checker, key: &str, m: &RawModel) -> Result<ModelConfig, ConfigErro
         profile,
         tokenizer,
         chat_template,
-        residency: match m.residency {
-            None | Some(RawResidency::Resident) => Residency::Resident,
-            Some(RawResidency::Pinned) => Residency::Pinned,
-            Some(RawResidency::OnDemand) => Residency::OnDemand,
-        },
+        residency,
+        idle_unload,
     })
 }
 

@@ -79,6 +79,7 @@ pub(super) fn model_setups(metrics: &Metrics, models: &[ModelEntry], pool: &Pool
         .map(|m| ModelSetup {
             name: m.config.name.clone(),
             residency: m.config.residency,
+            idle_unload: m.config.idle_unload,
             bytes: Arc::new(m.bytes.clone()),
             metrics: metrics.residency.handles(&m.config.name, &pool.name),
         })
