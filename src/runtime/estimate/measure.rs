@@ -71,7 +71,7 @@ impl Probe<'_, '_> {
     fn run_timed(&mut self, dims: &Dims) -> Result<u64, String> {
         let inputs = inputs_at(self.signature, self.axes, dims)?;
         self.ensure()?;
-        let ran = self.run_once(inputs.clone())?;
+        let ran = self.run_once(inputs)?;
         if ran > self.peak {
             self.peak = ran;
             return Ok(ran.saturating_sub(self.baseline));
@@ -80,7 +80,9 @@ impl Probe<'_, '_> {
         self.session = None;
         self.ensure()?;
         let before = self.peak;
-        let ran = self.run_once(inputs)?;
+        // Built again rather than kept: a copy of every run's inputs for the rare rerun would
+        // double what the largest measuring run holds.
+        let ran = self.run_once(inputs_at(self.signature, self.axes, dims)?)?;
         self.peak = self.peak.max(ran);
         // At most the session's own start-up peak when even a fresh one did not move it.
         Ok(ran.max(before).saturating_sub(self.baseline))
@@ -102,40 +104,52 @@ impl Probe<'_, '_> {
     }
 }
 
-/// Zero inputs for `signature` with its dynamic axes at `dims` (a dynamic axis no profile axis
-/// names is 1): what a measuring run, or a pool's health check, runs.
-pub fn inputs_at(signature: &ModelSignature, axes: &[super::Axis], dims: &Dims) -> Result<Vec<Tensor>, String> {
-    let mut inputs = Vec::new();
-    for spec in &signature.inputs {
-        let shape: Vec<i64> = spec
-            .shape
-            .iter()
-            .enumerate()
+/// The shape and element count of each input of `signature` with its dynamic axes at `dims`,
+/// or why a measuring run would not take it (an input over [`MAX_ELEMENTS`]). Allocates no
+/// tensor, so sizes can be judged before any is built.
+fn shapes_at(signature: &ModelSignature, axes: &[super::Axis], dims: &Dims) -> Result<Vec<(Vec<i64>, usize)>, String> {
+    let shape_of = |spec: &crate::runtime::onnx::TensorSpec| -> Vec<i64> {
+        let axis_of = |axis: usize| {
+            axes.iter()
+                .position(|a| a.at.iter().any(|at| at.input == spec.name && at.axis == axis))
+                .filter(|&i| i < MAX_AXES)
+        };
+        (spec.shape.iter().enumerate())
             .map(|(axis, &dim)| {
                 if dim != -1 {
-                    return dim;
+                    dim
+                } else {
+                    axis_of(axis).map_or(1, |i| dims.get(i) as i64)
                 }
-                axes.iter()
-                    .position(|a| a.at.iter().any(|at| at.input == spec.name && at.axis == axis))
-                    .filter(|&i| i < MAX_AXES)
-                    .map_or(1, |i| dims.get(i) as i64)
             })
-            .collect();
-        let len = Tensor::element_count(&shape)
-            .filter(|&n| n <= MAX_ELEMENTS)
-            .ok_or_else(|| {
-                format!(
-                    "input `{}` of shape {shape:?} is larger than a measuring run takes",
-                    spec.name
-                )
-            })?;
-        inputs.push(Tensor {
+            .collect()
+    };
+    (signature.inputs.iter())
+        .map(|spec| {
+            let shape = shape_of(spec);
+            let len = Tensor::element_count(&shape)
+                .filter(|&n| n <= MAX_ELEMENTS)
+                .ok_or_else(|| {
+                    format!(
+                        "input `{}` of shape {shape:?} is larger than a measuring run takes",
+                        spec.name
+                    )
+                })?;
+            Ok((shape, len))
+        })
+        .collect()
+}
+
+/// Zero inputs for `signature` with its dynamic axes at `dims`.
+pub fn inputs_at(signature: &ModelSignature, axes: &[super::Axis], dims: &Dims) -> Result<Vec<Tensor>, String> {
+    let shapes = shapes_at(signature, axes, dims)?;
+    Ok((signature.inputs.iter().zip(shapes))
+        .map(|(spec, (shape, len))| Tensor {
             name: spec.name.clone(),
             shape,
             data: TensorData::zeros(spec.datatype, len),
-        });
-    }
-    Ok(inputs)
+        })
+        .collect())
 }
 
 /// `base` scaled by `factor` along axis `i`: a batch grows 1, 2, 4…, a size doubles from its base.
@@ -355,7 +369,7 @@ impl Plan<'_, '_> {
             let dims = sizes
                 .iter()
                 .fold(self.base, |d, &i| d.with(i, self.base.get(i) * factor));
-            if inputs_at(self.probe.signature, self.probe.axes, &dims).is_err() {
+            if shapes_at(self.probe.signature, self.probe.axes, &dims).is_err() {
                 break;
             }
             if let Some(peak) = self.try_at(dims) {
