@@ -25,13 +25,13 @@ pub use load::{DEFAULT_CONFIG_YAML, embedded_raw};
 pub use raw::{
     RawArenaExtendStrategy, RawBreaker, RawConfig, RawContext, RawCuda, RawDevice, RawDeviceKind, RawExporter,
     RawHealth, RawHost, RawIdempotency, RawModel, RawOnnxRuntime, RawPolicy, RawPool, RawPoolMemory, RawProfile,
-    RawProvider, RawQueue, RawRemote, RawResidency, RawServer, RawServiceRule, RawTimeouts,
+    RawProvider, RawQueue, RawRemote, RawResidency, RawServer, RawService, RawServiceRule, RawTimeouts,
 };
 pub use types::{
-    AdminSocket, ChatTemplateSource, Config, ConfiguredProfile, ContextAxis, CudaOptions, DeviceConfig, DeviceKind,
-    ExporterConfig, HOST_DEVICE, HealthConfig, IdempotencyConfig, Keep, Mode, ModelConfig, PolicyConfig, PolicySource,
-    PoolConfig, Provider, RemoteOptions, Residency, ServerConfig, ServiceMatch, ServiceRule, Timeouts, current_uid,
-    default_admin_socket,
+    AdminSocket, ChatTemplateSource, Config, ConfiguredProfile, ContextAxis, CudaOptions, DEFAULT_MIN_RESIDENCY,
+    DeviceConfig, DeviceKind, ExporterConfig, HOST_DEVICE, HealthConfig, IdempotencyConfig, Keep, Mode, ModelConfig,
+    PolicyConfig, PolicySource, PoolConfig, Provider, RemoteOptions, Residency, ServerConfig, ServiceClass,
+    ServiceConfig, ServiceMatch, ServiceRule, Timeouts, current_uid, default_admin_socket,
 };
 pub use units::{ByteSize, HumanDuration, format_duration, format_size, parse_duration, parse_size};
 pub use yaml::{parse_yaml, read_yaml, to_yaml};

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use crate::config::types::{HealthConfig, Keep};
+use crate::config::types::{HealthConfig, Keep, ServiceClass};
 use crate::config::units::{ByteSize, HumanDuration};
 use crate::core::breaker::BreakerConfig;
 use crate::core::snapshot::Decision;
@@ -29,6 +29,9 @@ pub struct RawConfig {
     /// Models to serve (`serve` needs at least one; `exporter` ignores them).
     #[serde(default)]
     pub models: Vec<RawModel>,
+    /// Who the memory belongs to: budgets, concurrency, priority and class per service.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub services: Vec<RawService>,
     /// Worker pools, each bound to an execution provider and a device.
     #[serde(default)]
     pub pools: Vec<RawPool>,
@@ -278,6 +281,45 @@ pub struct RawModel {
     /// Not for a `pinned` model.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub idle_unload: Option<HumanDuration>,
+    /// The service its memory belongs to (a `services[]` name); default: its own name.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub service: Option<String>,
+    /// Eviction takes lower priorities first; default: its service's priority, else 0.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub priority: Option<i64>,
+    /// A smaller model that may answer instead when this one cannot run and the client allows
+    /// a substitute (`x-vramguard-allow-substitute: true`, or `allow_substitute`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fallback_model: Option<String>,
+    /// Whether a request that does not say allows its `fallback_model` to answer. Off by
+    /// default: another model changes the answer.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub allow_substitute: bool,
+    /// After a load, how long the model is kept before eviction may take it (default `30s`),
+    /// so two models that do not fit together cannot thrash.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub min_residency: Option<HumanDuration>,
+}
+
+/// One entry of `services:`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawService {
+    /// Its name, as `models[].service` and `exporter.services[].service` write it.
+    pub name: String,
+    /// Budget on each accelerator: weights, reserved arena and KV cache of its models.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device_memory: Option<ByteSize>,
+    /// Its requests running at once, all pools together.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub concurrency: Option<usize>,
+    /// Priority of its models (their own `priority` wins); default 0.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub priority: Option<i64>,
+    /// `interactive` (default) or `background`: deferred while interactive work waits or the
+    /// device's headroom is under the reserve.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub class: Option<ServiceClass>,
 }
 
 /// `models[].residency:` as written.

@@ -453,3 +453,73 @@ fn idle_unload_is_a_duration_refused_on_a_pinned_model_with_its_key() {
         "test.yaml: models[0].idle_unload: must be longer than 0"
     );
 }
+
+#[test]
+fn services_give_models_their_budget_priority_and_class() {
+    let yaml = format!(
+        "services:\n  - {{name: chat, device_memory: 6GiB, concurrency: 4, priority: 10, class: interactive}}\n  - {{name: batch, class: background}}\n{}",
+        BASE.replace(
+            "path: builtin:encoder",
+            "path: builtin:encoder\n    service: chat\n  - name: cls\n    path: builtin:classifier\n    priority: 3\n    fallback_model: enc\n    min_residency: 5s"
+        )
+        .replace("models: [enc]", "models: [enc, cls]")
+    );
+    let cfg = check(&yaml).unwrap();
+    let (enc, cls) = (&cfg.models[0], &cfg.models[1]);
+    assert_eq!(
+        (enc.service.as_str(), enc.priority),
+        ("chat", 10),
+        "a model takes its service's priority"
+    );
+    assert_eq!(enc.min_residency, DEFAULT_MIN_RESIDENCY);
+    assert_eq!(
+        (cls.service.as_str(), cls.priority),
+        ("cls", 3),
+        "its own name and priority by default"
+    );
+    assert_eq!(cls.fallback_model.as_deref(), Some("enc"));
+    assert_eq!(cls.min_residency, Duration::from_secs(5));
+    assert!(
+        !cls.allow_substitute,
+        "another model changes the answer: off unless asked"
+    );
+    let chat = &cfg.services[0];
+    assert_eq!((chat.device_memory, chat.concurrency), (Some(6 << 30), Some(4)));
+    assert_eq!(cfg.services[1].class, ServiceClass::Background);
+    let implicit = cfg
+        .services
+        .iter()
+        .find(|s| s.name == "cls")
+        .expect("an implicit service per model");
+    assert!(!implicit.configured && implicit.device_memory.is_none());
+}
+
+#[test]
+fn service_and_fallback_mistakes_name_their_key() {
+    let with = |rest: &str| BASE.replace("path: builtin:encoder", &format!("path: builtin:encoder\n    {rest}"));
+    let err = |yaml: &str| check(yaml).unwrap_err().to_string();
+    assert_eq!(
+        err(&with("service: chat")),
+        "test.yaml: models[0].service: no service `chat`: declare it under `services:`"
+    );
+    assert_eq!(
+        err(&format!("services: [{{name: web}}]\n{}", with("service: chat"))),
+        "test.yaml: models[0].service: no service `chat`; services are: web"
+    );
+    assert_eq!(
+        err(&with("fallback_model: enc")),
+        "test.yaml: models[0].fallback_model: a model cannot be its own fallback"
+    );
+    assert_eq!(
+        err(&with("fallback_model: small")),
+        "test.yaml: models[0].fallback_model: no model `small`; models are: enc"
+    );
+    assert_eq!(
+        err(&format!("services: [{{name: a, concurrency: 0}}]\n{BASE}")),
+        "test.yaml: services[0].concurrency: must be at least 1 (leave it out for no limit)"
+    );
+    assert_eq!(
+        err(&format!("services: [{{name: a}}, {{name: a}}]\n{BASE}")),
+        "test.yaml: services[1].name: `a` is defined twice"
+    );
+}

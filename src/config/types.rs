@@ -28,6 +28,8 @@ pub struct Config {
     pub devices: Vec<DeviceConfig>,
     /// Models.
     pub models: Vec<ModelConfig>,
+    /// Services: every `services[]` entry, then one for each model whose service has none.
+    pub services: Vec<ServiceConfig>,
     /// Pools.
     pub pools: Vec<PoolConfig>,
     /// Host memory reserve in bytes.
@@ -213,6 +215,71 @@ pub struct ModelConfig {
     pub residency: Residency,
     /// How long without a request before a pool unloads it; `None`: never.
     pub idle_unload: Option<Duration>,
+    /// The service its memory belongs to.
+    pub service: String,
+    /// Eviction takes lower priorities first.
+    pub priority: i64,
+    /// The model that may answer instead, with the client's leave.
+    pub fallback_model: Option<String>,
+    /// Whether requests allow the substitute unless they say otherwise.
+    pub allow_substitute: bool,
+    /// How long after a load eviction leaves it alone.
+    pub min_residency: Duration,
+}
+
+/// Default `models[].min_residency`.
+pub const DEFAULT_MIN_RESIDENCY: Duration = Duration::from_secs(30);
+
+/// A validated `services[]` entry (or the implicit one of a model that names none).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ServiceConfig {
+    /// Name.
+    pub name: String,
+    /// Budget in bytes on each accelerator, when it has one.
+    pub device_memory: Option<u64>,
+    /// Most requests running at once, when limited.
+    pub concurrency: Option<usize>,
+    /// Priority of its models unless they set their own.
+    pub priority: i64,
+    /// Interactive or background.
+    pub class: ServiceClass,
+    /// False for the implicit service of a model that names none.
+    pub configured: bool,
+}
+
+impl ServiceConfig {
+    /// A service nobody declared: no budget, no limit, priority 0, interactive.
+    pub fn implicit_default() -> ServiceConfig {
+        ServiceConfig {
+            name: String::new(),
+            device_memory: None,
+            concurrency: None,
+            priority: 0,
+            class: ServiceClass::Interactive,
+            configured: false,
+        }
+    }
+}
+
+/// `services[].class`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ServiceClass {
+    /// Served as it comes.
+    #[default]
+    Interactive,
+    /// Deferred (bounded) while interactive requests wait or headroom is under the reserve.
+    Background,
+}
+
+impl ServiceClass {
+    /// As the config spells it.
+    pub fn label(self) -> &'static str {
+        match self {
+            ServiceClass::Interactive => "interactive",
+            ServiceClass::Background => "background",
+        }
+    }
 }
 
 /// When a model's sessions exist on a pool (`models[].residency`).

@@ -9,6 +9,7 @@ mod models;
 mod policy;
 mod pools;
 mod server;
+mod services;
 
 use std::collections::HashSet;
 use std::fmt::Display;
@@ -35,7 +36,9 @@ impl RawConfig {
         let exporter = exporter::exporter(&c, &self.exporter)?;
         let server = server::server(&c, &self.server)?;
         let devices = devices::devices(&c, &self.devices)?;
-        let models = models::models(&c, &self.models, mode)?;
+        let declared = services::declared(&c, &self.services)?;
+        let models = models::models(&c, &self.models, &declared, mode)?;
+        let services = services::with_implicit(declared, &models);
         let pools = pools::pools(&c, &self.pools, &devices, &models, mode)?;
         let policy = policy::policy(&c, &self.policy, &pools)?;
         Ok(Config {
@@ -44,6 +47,7 @@ impl RawConfig {
             onnxruntime_library: self.onnxruntime.library.as_ref().map(|p| base.join(p)),
             devices,
             models,
+            services,
             pools,
             host_reserve: self.host.reserve.bytes(),
             exporter,

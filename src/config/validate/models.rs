@@ -7,11 +7,19 @@ use super::{Checker, Spec};
 use crate::config::builtin::BuiltinChatTemplate;
 use crate::config::error::ConfigError;
 use crate::config::raw::{RawModel, RawProfile, RawResidency};
-use crate::config::types::{ChatTemplateSource, ConfiguredProfile, ContextAxis, Mode, ModelConfig, Residency};
+use crate::config::types::{
+    ChatTemplateSource, ConfiguredProfile, ContextAxis, DEFAULT_MIN_RESIDENCY, Mode, ModelConfig, Residency,
+    ServiceConfig,
+};
 use crate::core::model::{BuiltinModel, ModelSource};
 
 /// `models:`, each named once; `serve` needs at least one.
-pub(super) fn models(c: &Checker, raw: &[RawModel], mode: Mode) -> Result<Vec<ModelConfig>, ConfigError> {
+pub(super) fn models(
+    c: &Checker,
+    raw: &[RawModel],
+    services: &[ServiceConfig],
+    mode: Mode,
+) -> Result<Vec<ModelConfig>, ConfigError> {
     if raw.is_empty() && mode == Mode::Serve {
         return Err(c.err("models", "at least one model is needed"));
     }
@@ -20,12 +28,30 @@ pub(super) fn models(c: &Checker, raw: &[RawModel], mode: Mode) -> Result<Vec<Mo
     for (i, m) in raw.iter().enumerate() {
         let key = format!("models[{i}]");
         c.unique_name(&mut names, &m.name, format!("{key}.name"))?;
-        models.push(model(c, &key, m)?);
+        models.push(model(c, &key, m, services)?);
+    }
+    for (i, m) in models.iter().enumerate() {
+        let Some(fallback) = &m.fallback_model else {
+            continue;
+        };
+        let key = format!("models[{i}].fallback_model");
+        if fallback == &m.name {
+            return Err(c.err(key, "a model cannot be its own fallback"));
+        }
+        if !models.iter().any(|other| &other.name == fallback) {
+            return Err(c.err(
+                key,
+                format!(
+                    "no model `{fallback}`; models are: {}",
+                    models.iter().map(|m| m.name.as_str()).collect::<Vec<_>>().join(", ")
+                ),
+            ));
+        }
     }
     Ok(models)
 }
 
-fn model(c: &Checker, key: &str, m: &RawModel) -> Result<ModelConfig, ConfigError> {
+fn model(c: &Checker, key: &str, m: &RawModel, services: &[ServiceConfig]) -> Result<ModelConfig, ConfigError> {
     let source = match c.builtin_or_file(&format!("{key}.path"), &m.path, "model", |name| {
         BuiltinModel::from_name(name).ok_or_else(|| {
             format!(
@@ -68,7 +94,31 @@ fn model(c: &Checker, key: &str, m: &RawModel) -> Result<ModelConfig, ConfigErro
             c.longer_than_zero(key, d)
         })
         .transpose()?;
+    let service_priority = match &m.service {
+        Some(name) => match services.iter().find(|s| &s.name == name) {
+            Some(service) => service.priority,
+            None => {
+                return Err(c.err(
+                    format!("{key}.service"),
+                    match services.is_empty() {
+                        true => format!("no service `{name}`: declare it under `services:`"),
+                        false => format!(
+                            "no service `{name}`; services are: {}",
+                            services.iter().map(|s| s.name.as_str()).collect::<Vec<_>>().join(", ")
+                        ),
+                    },
+                ));
+            }
+        },
+        None => services.iter().find(|s| s.name == m.name).map_or(0, |s| s.priority),
+    };
+    let min_residency = m.min_residency.map_or(DEFAULT_MIN_RESIDENCY, |d| d.0);
     Ok(ModelConfig {
+        service: m.service.clone().unwrap_or_else(|| m.name.clone()),
+        priority: m.priority.unwrap_or(service_priority),
+        fallback_model: m.fallback_model.clone(),
+        allow_substitute: m.allow_substitute,
+        min_residency,
         name: m.name.clone(),
         source,
         context,
