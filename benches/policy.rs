@@ -27,7 +27,7 @@ use criterion::Criterion;
 use vramguard::config::PolicySource;
 use vramguard::core::snapshot::{
     BreakerState, Decision, DeviceClass, DeviceState, Estimate, EstimateSource, HostState, PoolState, ProcessState,
-    ProviderKind, RequestInfo, Snapshot,
+    ProviderKind, RequestInfo, ServiceState, Snapshot,
 };
 use vramguard::policy::{LiveLoad, Params, PolicyHandle, PolicySettings, PoolLoadNow, StateView};
 use vramguard::testing::bench::{Figure, Machine, Target, out_dir, percentile, record};
@@ -106,6 +106,15 @@ fn snapshot() -> Snapshot {
             })
             .collect(),
         degraded: false,
+        // The services a request reads under a budget: its own, with memory on both devices.
+        services: BTreeMap::from([(
+            "encoder".into(),
+            ServiceState {
+                budget_bytes: 24 * GIB,
+                memory_bytes: BTreeMap::from([("gpu0".into(), 6 * GIB), ("gpu1".into(), 0)]),
+                ..ServiceState::default()
+            },
+        )]),
     }
 }
 
@@ -114,6 +123,7 @@ fn request(context_tokens: u64, context_bytes: u64) -> RequestInfo {
         id: "0b6f3c1e-2f4d-4b7a-9a51-6d2c8e0f1a77".into(),
         model: "encoder".into(),
         pool: "gpu".into(),
+        service: "encoder".into(),
         context_tokens,
         max_new_tokens: 0,
         batch: 1,

@@ -18,6 +18,7 @@ use tokio_util::sync::CancellationToken;
 use crate::config::{Config, DeviceKind};
 use crate::telemetry::exporter::{LiveCollector, Sampler, SnapshotStore, metrics_response};
 use crate::telemetry::metrics::Metrics;
+use crate::telemetry::services::ServicesCollector;
 
 /// A running exporter.
 pub struct Exporter {
@@ -57,6 +58,14 @@ impl Exporter {
         );
         sampler.sample();
         registry.register_collector(Box::new(LiveCollector::new(Arc::clone(&store), Vec::new(), Vec::new())));
+        // Every service here is another runtime's: its memory is what its processes use.
+        let devices = config
+            .devices
+            .iter()
+            .filter(|d| !matches!(d.kind, DeviceKind::Simulated { .. }))
+            .map(|d| d.name.clone())
+            .collect();
+        registry.register_collector(Box::new(ServicesCollector::new(&config, devices, Arc::clone(&store))));
         Exporter {
             config,
             metrics,

@@ -22,6 +22,40 @@ pub struct Snapshot {
     pub processes: Vec<ProcessState>,
     /// True while the service runs in degraded mode (e.g. the GPU pool's breaker is open).
     pub degraded: bool,
+    /// The services whose memory vramguard accounts for, by name (`state.services`).
+    pub services: BTreeMap<String, ServiceState>,
+}
+
+/// One service: its budgets and what it holds now (`state.services[name]`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ServiceState {
+    /// `interactive` or `background`.
+    pub class: String,
+    /// Priority of its models unless they set their own.
+    pub priority: i64,
+    /// Its requests running now (admitted to a pool, not answered yet), all pools together.
+    pub running: u64,
+    /// Most requests it may run at once (0: no limit).
+    pub concurrency: u64,
+    /// Its `device_memory` budget on each accelerator (0: none).
+    pub budget_bytes: u64,
+    /// What it holds on each accelerator device: resident weights and running requests'
+    /// estimates.
+    pub memory_bytes: BTreeMap<String, u64>,
+}
+
+impl Default for ServiceState {
+    fn default() -> Self {
+        ServiceState {
+            class: "interactive".into(),
+            priority: 0,
+            running: 0,
+            concurrency: 0,
+            budget_bytes: 0,
+            memory_bytes: BTreeMap::new(),
+        }
+    }
 }
 
 /// One device's memory.
@@ -161,6 +195,8 @@ pub struct RequestInfo {
     pub model: String,
     /// The pool the router would use (the first ready pool serving the model).
     pub pool: String,
+    /// The service the model's memory belongs to (`models[].service`).
+    pub service: String,
     /// Length of the model's context axis in this request (0 without one).
     pub context_tokens: u64,
     /// Tokens to generate (0 for tensor models).

@@ -15,7 +15,7 @@ pub fn status_of(error: &RequestError) -> StatusCode {
         RequestError::UnknownModel { .. } => StatusCode::NOT_FOUND,
         RequestError::BadInput(_) | RequestError::NeverFits(_) => StatusCode::BAD_REQUEST,
         RequestError::BodyTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
-        RequestError::DeferredTooLong { .. } => StatusCode::TOO_MANY_REQUESTS,
+        RequestError::DeferredTooLong { .. } | RequestError::OverBudget { .. } => StatusCode::TOO_MANY_REQUESTS,
         RequestError::Deadline(_) => StatusCode::GATEWAY_TIMEOUT,
         RequestError::ClientGone => StatusCode::from_u16(499).expect("499 is a valid status code"),
         RequestError::RemoteRefused { status, .. } => StatusCode::from_u16(*status).unwrap_or(StatusCode::BAD_REQUEST),

@@ -4,8 +4,8 @@ use super::state::AppState;
 use crate::core::snapshot::DeviceClass;
 use crate::pool::{Availability, Pool};
 use crate::protocol::status::{
-    ArenaStatus, DegradedStatus, DeviceStatus, FallbackStatus, PoolAvailability, PoolStatus, ServingPolicy,
-    StatusReport,
+    ArenaStatus, DegradedStatus, DeviceStatus, FallbackStatus, PoolAvailability, PoolStatus, ServiceStatus,
+    ServingPolicy, StatusReport,
 };
 use crate::serve::service::Service;
 use axum::Json;
@@ -70,7 +70,30 @@ fn report(state: &AppState) -> StatusReport {
         sample_age_ms: sample.taken_at.map(|t| t.elapsed().as_millis() as u64),
         policy: policy_status(service),
         recent_decisions: service.decisions.list(),
+        services: services(service, &sample.snapshot),
     }
+}
+
+/// Every service with its budgets, what it runs and what it holds on each device.
+fn services(service: &Service, snapshot: &crate::core::snapshot::Snapshot) -> Vec<ServiceStatus> {
+    let devices: Vec<String> = service.config.devices.iter().map(|d| d.name.clone()).collect();
+    service
+        .services
+        .configs()
+        .map(|s| ServiceStatus {
+            name: s.name.clone(),
+            class: s.class,
+            priority: s.priority,
+            configured: s.configured,
+            device_memory_budget_bytes: s.device_memory,
+            concurrency: s.concurrency,
+            running: service.services.running(&s.name),
+            memory: service
+                .services
+                .memory(&s.name)
+                .unwrap_or_else(|| crate::telemetry::services::seen_in(snapshot, &s.name, &devices)),
+        })
+        .collect()
 }
 
 fn pool_status(service: &Service, p: &Pool) -> PoolStatus {

@@ -29,9 +29,11 @@ pub use script::{
     Evaluation, MAX_ARRAY_SIZE, MAX_CALL_DEPTH, MAX_EXPR_DEPTH, MAX_FUNCTIONS, MAX_MAP_SIZE, MAX_OPERATIONS,
     MAX_STRING_SIZE, MAX_VARIABLES, PolicyError, PolicyErrorKind, PolicySettings, Script,
 };
-pub use smoke::{SmokeError, configured_estimate, configured_snapshot, smoke_requests, smoke_test};
+pub use smoke::{
+    SmokeError, configured_estimate, configured_services, configured_snapshot, smoke_requests, smoke_test,
+};
 pub use source::{LoadError, load_script};
-pub use values::{List, LiveLoad, Params, PoolLoadNow, StateView, Table};
+pub use values::{List, LiveLoad, Params, PoolLoadNow, ServiceNow, StateView, Table};
 
 #[cfg(test)]
 mod tests;

@@ -4,8 +4,12 @@
 //! snapshot) and `policy check` (on inputs built from a config, without ONNX Runtime) evaluate
 //! the script once per model and pool serving it, with [`smoke_test`].
 
+use std::collections::BTreeMap;
+
 use crate::config::{Config, DeviceKind, ModelConfig, PoolConfig};
-use crate::core::snapshot::{DeviceState, Estimate, EstimateSource, HostState, PoolState, RequestInfo, Snapshot};
+use crate::core::snapshot::{
+    DeviceState, Estimate, EstimateSource, HostState, PoolState, RequestInfo, ServiceState, Snapshot,
+};
 use crate::runtime::estimate::MemoryProfile;
 
 use super::script::{PolicyError, Script};
@@ -70,6 +74,7 @@ pub fn smoke_requests(
                 id: "smoke-test".into(),
                 model: model.name.clone(),
                 pool: pool.name.clone(),
+                service: model.service.clone(),
                 context_tokens: tokens,
                 batch: 1,
                 replayable: true,
@@ -157,5 +162,25 @@ pub fn configured_snapshot(config: &Config) -> Snapshot {
         },
         processes: Vec::new(),
         degraded: false,
+        services: configured_services(config),
     }
+}
+
+/// Every service of `config` as `state.services` shows it with nothing running and nothing
+/// held: its class, priority and budgets (0 where it has none).
+pub fn configured_services(config: &Config) -> BTreeMap<String, ServiceState> {
+    config
+        .services
+        .iter()
+        .map(|s| {
+            let state = ServiceState {
+                class: s.class.label().to_string(),
+                priority: s.priority,
+                concurrency: s.concurrency.map_or(0, |c| c as u64),
+                budget_bytes: s.device_memory.unwrap_or(0),
+                ..ServiceState::default()
+            };
+            (s.name.clone(), state)
+        })
+        .collect()
 }

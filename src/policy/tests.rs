@@ -13,7 +13,7 @@ use std::collections::BTreeMap;
 use super::*;
 use crate::core::snapshot::{
     BreakerState, Decision, DeviceClass, DeviceState, Estimate, HostState, PoolState, ProcessState, ProviderKind,
-    RequestInfo, Snapshot,
+    RequestInfo, ServiceState, Snapshot,
 };
 use crate::testing::{DEFER_WHEN_QUEUED, Scratch};
 
@@ -41,6 +41,7 @@ fn request() -> RequestInfo {
         id: "req-1".into(),
         model: "encoder".into(),
         pool: "gpu".into(),
+        service: "search".into(),
         context_tokens: 128,
         max_new_tokens: 16,
         batch: 2,
@@ -124,6 +125,17 @@ fn snapshot() -> Snapshot {
             },
         ],
         degraded: true,
+        services: BTreeMap::from([(
+            "search".to_string(),
+            ServiceState {
+                class: "background".into(),
+                priority: 2,
+                running: 1,
+                concurrency: 4,
+                budget_bytes: 300,
+                memory_bytes: BTreeMap::from([("gpu0".to_string(), 120)]),
+            },
+        )]),
     }
 }
 

@@ -8,8 +8,8 @@
 //!
 //! - `req` is a plain object map, built per request (it is small and changes every time) by
 //!   filling in a copy of a map that already has the keys;
-//! - `state` is a plain object map of six entries, but its collections (`devices`, `pools`,
-//!   `processes`) are read-only views ([`Table`], [`List`]) over data built once per snapshot
+//! - `state` is a plain object map of seven entries, but its collections (`devices`, `pools`,
+//!   `services`, `processes`) are read-only views ([`Table`], [`List`]) over data built once per snapshot
 //!   and shared by reference count. Passing one to the script is a pointer copy; a script pays
 //!   for a device or pool record only when it reads it (`state.pools[name]` hands out a copy of
 //!   that one record as an ordinary object map);
@@ -26,7 +26,7 @@ use std::sync::{Arc, OnceLock};
 
 use rhai::{Array, Dynamic, EvalAltResult, ImmutableString, Map, Position};
 
-use crate::core::snapshot::{DeviceState, HostState, PoolState, ProcessState, RequestInfo, Snapshot};
+use crate::core::snapshot::{DeviceState, HostState, PoolState, ProcessState, RequestInfo, ServiceState, Snapshot};
 
 /// Operator constants from the config, visible to the script as `state.params`.
 pub type Params = BTreeMap<String, serde_json::Value>;
@@ -38,8 +38,27 @@ pub type Params = BTreeMap<String, serde_json::Value>;
 #[derive(Debug, Clone, Default)]
 pub struct Table {
     entries: Arc<BTreeMap<ImmutableString, Dynamic>>,
-    /// For `state.pools`: where an entry's load fields are read when the script reads it.
-    live: Option<Arc<dyn LiveLoad>>,
+    /// For `state.pools` and `state.services`: where an entry's live fields are read when the
+    /// script reads it.
+    live: Option<(Arc<dyn LiveLoad>, Live)>,
+}
+
+/// Which live fields a [`Table`]'s entries have.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Live {
+    /// A pool's load ([`LiveLoad::pool_load`]).
+    Pools,
+    /// A service's running requests and memory ([`LiveLoad::service_now`]).
+    Services,
+}
+
+/// A service's running requests and memory as they are now.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ServiceNow {
+    /// Its requests running, all pools together.
+    pub running: u64,
+    /// What it holds on each accelerator device.
+    pub memory_bytes: BTreeMap<String, u64>,
 }
 
 /// A pool's load as it is now, not as it was at the last sample.
@@ -71,6 +90,12 @@ pub struct PoolLoadNow {
 pub trait LiveLoad: Send + Sync + std::fmt::Debug {
     /// The load of `pool` now, or `None` when it is not known here.
     fn pool_load(&self, pool: &str) -> Option<PoolLoadNow>;
+
+    /// What `service` runs and holds now, or `None` when it is not known here (the sample's
+    /// figures stand).
+    fn service_now(&self, _service: &str) -> Option<ServiceNow> {
+        None
+    }
 }
 
 impl Table {
@@ -94,7 +119,20 @@ impl Table {
     /// A copy of entry `name` for the script, with the live fields filled in now.
     fn read(&self, name: &str, value: &Dynamic) -> Dynamic {
         let mut value = value.clone();
-        if let Some(now) = self.live.as_ref().and_then(|live| live.pool_load(name))
+        let live = match &self.live {
+            Some((live, Live::Services)) => {
+                if let Some(now) = live.service_now(name)
+                    && let Some(mut map) = value.write_lock::<Map>()
+                {
+                    map.insert("running".into(), int(now.running));
+                    map.insert("memory_bytes".into(), memory(&now.memory_bytes));
+                }
+                return value;
+            }
+            Some((live, Live::Pools)) => live,
+            None => return value,
+        };
+        if let Some(now) = live.pool_load(name)
             && let Some(mut map) = value.write_lock::<Map>()
         {
             for (key, v) in [
@@ -238,6 +276,7 @@ pub struct StateView {
     /// The `state` map, complete but for `params`, which belongs to the [`Script`](super::Script).
     map: Map,
     pools: Table,
+    services: Table,
 }
 
 impl StateView {
@@ -246,9 +285,11 @@ impl StateView {
         let devices = Table::from_entries(snapshot.devices.iter().map(|(name, d)| (name.into(), device(d))));
         let pools = Table::from_entries(snapshot.pools.iter().map(|(name, p)| (name.into(), pool(p))));
         let processes = List(snapshot.processes.iter().map(process).collect());
+        let services = Table::from_entries(snapshot.services.iter().map(|(name, s)| (name.into(), service(s))));
         let map = [
             ("devices", Dynamic::from(devices)),
             ("pools", Dynamic::from(pools.clone())),
+            ("services", Dynamic::from(services.clone())),
             ("host", host(&snapshot.host)),
             ("processes", Dynamic::from(processes)),
             ("degraded", Dynamic::from_bool(snapshot.degraded)),
@@ -257,15 +298,19 @@ impl StateView {
         .into_iter()
         .map(|(k, v)| (k.into(), v))
         .collect();
-        StateView { map, pools }
+        StateView { map, pools, services }
     }
 
-    /// The same view whose pools read their load from `live` whenever a script reads them, so
-    /// one view per sample serves every request until the next sample.
+    /// The same view whose pools read their load (and services what they run and hold) from
+    /// `live` whenever a script reads them, so one view per sample serves every request until
+    /// the next sample.
     pub fn with_live_load(mut self, live: Arc<dyn LiveLoad>) -> Self {
-        self.pools.live = Some(live);
-        if let Some(slot) = self.map.get_mut("pools") {
-            *slot = Dynamic::from(self.pools.clone());
+        self.pools.live = Some((Arc::clone(&live), Live::Pools));
+        self.services.live = Some((live, Live::Services));
+        for (key, table) in [("pools", &self.pools), ("services", &self.services)] {
+            if let Some(slot) = self.map.get_mut(key) {
+                *slot = Dynamic::from(table.clone());
+            }
         }
         self
     }
@@ -303,6 +348,7 @@ pub(crate) fn request(req: &RequestInfo) -> Dynamic {
                 "id",
                 "model",
                 "pool",
+                "service",
                 "context_tokens",
                 "max_new_tokens",
                 "batch",
@@ -339,6 +385,7 @@ pub(crate) fn request(req: &RequestInfo) -> Dynamic {
             "id" => string(&req.id),
             "model" => string(&req.model),
             "pool" => string(&req.pool),
+            "service" => string(&req.service),
             "context_tokens" => int(req.context_tokens),
             "max_new_tokens" => int(req.max_new_tokens),
             "batch" => int(req.batch),
@@ -419,6 +466,22 @@ fn pool(p: &PoolState) -> Dynamic {
         ("sequences_running", int(p.sequences_running)),
         ("kv_cache_bytes", int(p.kv_cache_bytes)),
     ])
+}
+
+fn service(s: &ServiceState) -> Dynamic {
+    record([
+        ("class", string(&s.class)),
+        ("priority", Dynamic::from_int(s.priority)),
+        ("running", int(s.running)),
+        ("concurrency", int(s.concurrency)),
+        ("budget_bytes", int(s.budget_bytes)),
+        ("memory_bytes", memory(&s.memory_bytes)),
+    ])
+}
+
+/// Bytes by device, as a plain object map.
+fn memory(bytes: &BTreeMap<String, u64>) -> Dynamic {
+    Dynamic::from_map(bytes.iter().map(|(k, v)| (k.as_str().into(), int(*v))).collect())
 }
 
 fn host(h: &HostState) -> Dynamic {

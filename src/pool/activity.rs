@@ -21,11 +21,23 @@ impl Activity {
     /// A request was accepted: it waits (for the policy, a deferral or a queue) until its
     /// [`Progress`] says its first run started, and counts until the last clone is dropped.
     pub fn accept(self: &Arc<Self>) -> Progress {
-        self.waiting.fetch_add(1, Ordering::Relaxed);
+        self.accept_also(None)
+    }
+
+    /// [`accept`](Activity::accept), counted in `also` too (the interactive requests among the
+    /// service's, which a background service's requests give way to).
+    pub fn accept_also(self: &Arc<Self>, also: Option<&Arc<Activity>>) -> Progress {
+        let counts = std::iter::once(Arc::clone(self))
+            .chain(also.cloned())
+            .collect::<Vec<_>>();
+        for activity in &counts {
+            activity.waiting.fetch_add(1, Ordering::Relaxed);
+        }
         Progress(Some(Arc::new(Tracked {
-            activity: Arc::clone(self),
+            counts,
             started: AtomicBool::new(false),
             last_started: std::sync::Mutex::new(None),
+            held: std::sync::Mutex::new(Vec::new()),
         })))
     }
 
@@ -49,10 +61,13 @@ pub struct Progress(Option<Arc<Tracked>>);
 
 #[derive(Debug)]
 struct Tracked {
-    activity: Arc<Activity>,
+    /// The counts it is in: the service's, and the interactive requests' when it is one.
+    counts: Vec<Arc<Activity>>,
     started: AtomicBool,
     /// When a worker last started one of its runs (a retry's run on the fallback is the last).
     last_started: std::sync::Mutex<Option<std::time::Instant>>,
+    /// What the request holds until it is answered (its place in its service's budgets).
+    held: std::sync::Mutex<Vec<Box<dyn std::fmt::Debug + Send + Sync>>>,
 }
 
 impl Progress {
@@ -64,8 +79,18 @@ impl Progress {
         };
         *tracked.last_started.lock().unwrap_or_else(|e| e.into_inner()) = Some(std::time::Instant::now());
         if !tracked.started.swap(true, Ordering::Relaxed) {
-            tracked.activity.waiting.fetch_sub(1, Ordering::Relaxed);
-            tracked.activity.running.fetch_add(1, Ordering::Relaxed);
+            for activity in &tracked.counts {
+                activity.waiting.fetch_sub(1, Ordering::Relaxed);
+                activity.running.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+
+    /// Keep `guard` until the request is answered (the last clone dropped): a generation holds
+    /// it from admission to its last token. Untracked progress drops it at once.
+    pub fn hold(&self, guard: Box<dyn std::fmt::Debug + Send + Sync>) {
+        if let Some(tracked) = &self.0 {
+            tracked.held.lock().unwrap_or_else(|e| e.into_inner()).push(guard);
         }
     }
 
@@ -78,12 +103,11 @@ impl Progress {
 
 impl Drop for Tracked {
     fn drop(&mut self) {
-        let count = if *self.started.get_mut() {
-            &self.activity.running
-        } else {
-            &self.activity.waiting
-        };
-        count.fetch_sub(1, Ordering::Relaxed);
+        let started = *self.started.get_mut();
+        for activity in &self.counts {
+            let count = if started { &activity.running } else { &activity.waiting };
+            count.fetch_sub(1, Ordering::Relaxed);
+        }
     }
 }
 
@@ -114,6 +138,25 @@ mod tests {
         // Refused or cancelled before any run: it leaves the waiting count.
         drop(second);
         assert_eq!((activity.waiting(), activity.running()), (0, 0));
+    }
+
+    #[test]
+    fn a_request_counted_twice_moves_in_both_counts_and_keeps_what_it_holds() {
+        let service = Arc::new(Activity::default());
+        let interactive = Arc::new(Activity::default());
+        let progress = service.accept_also(Some(&interactive));
+        assert_eq!((interactive.waiting(), interactive.running()), (1, 0));
+        progress.started();
+        assert_eq!((service.waiting(), service.running()), (0, 1));
+        assert_eq!((interactive.waiting(), interactive.running()), (0, 1));
+        let held = Arc::new(());
+        progress.hold(Box::new(Arc::clone(&held)));
+        let copy = progress.clone();
+        drop(progress);
+        assert_eq!(Arc::strong_count(&held), 2, "held while a clone lives");
+        drop(copy);
+        assert_eq!(Arc::strong_count(&held), 1, "given back with the last clone");
+        assert_eq!((interactive.waiting(), interactive.running()), (0, 0));
     }
 
     #[test]

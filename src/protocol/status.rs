@@ -9,6 +9,7 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
+use crate::config::ServiceClass;
 use crate::core::backend::ArenaStats;
 use crate::core::snapshot::{BreakerState, Decision, DeviceClass, DeviceState, HostState, ProcessState, ProviderKind};
 use crate::policy::recent::RecentDecision;
@@ -43,6 +44,33 @@ pub struct StatusReport {
     pub policy: ServingPolicy,
     /// The policy's last decisions, newest first.
     pub recent_decisions: Vec<RecentDecision>,
+    /// Every service, in config order: its budgets and what it runs and holds now (absent
+    /// from servers that predate service budgets).
+    #[serde(default)]
+    pub services: Vec<ServiceStatus>,
+}
+
+/// One service (`services[]`, or the implicit one of a model that names none).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ServiceStatus {
+    /// Its name.
+    pub name: String,
+    /// `interactive` or `background`.
+    pub class: ServiceClass,
+    /// Priority of its models unless they set their own.
+    pub priority: i64,
+    /// False for the implicit service of a model that names none.
+    pub configured: bool,
+    /// Its `device_memory` budget on each accelerator; `null`: none.
+    pub device_memory_budget_bytes: Option<u64>,
+    /// Most requests it runs at once; `null`: no limit.
+    pub concurrency: Option<usize>,
+    /// Its requests running now, all pools together.
+    pub running: u64,
+    /// What it holds on each accelerator device: for a service vramguard runs, its models'
+    /// resident weights and its running requests' estimates; for another runtime's, what its
+    /// processes use.
+    pub memory: BTreeMap<String, u64>,
 }
 
 impl StatusReport {
@@ -348,6 +376,16 @@ pub(crate) mod tests {
                 pool: "cpu".into(),
                 fallback: false,
             }],
+            services: vec![ServiceStatus {
+                name: "chat".into(),
+                class: ServiceClass::Interactive,
+                priority: 5,
+                configured: true,
+                device_memory_budget_bytes: Some(6 << 30),
+                concurrency: None,
+                running: 1,
+                memory: BTreeMap::from([("sim0".to_string(), 3 << 20)]),
+            }],
         }
     }
 
@@ -383,6 +421,12 @@ pub(crate) mod tests {
         assert_eq!(json["policy"]["fallback"], serde_json::json!({"action": "admit"}));
         assert!(json["policy"]["last_error"].is_null());
         assert_eq!(json["recent_decisions"][0]["action"], "redirect");
+        assert_eq!(
+            json["services"][0],
+            serde_json::json!({"name": "chat", "class": "interactive", "priority": 5, "configured": true,
+                "device_memory_budget_bytes": 6u64 << 30, "concurrency": null, "running": 1,
+                "memory": {"sim0": 3 << 20}})
+        );
         // Not degraded: the same keys, null.
         let calm = serde_json::to_value(DegradedStatus::default()).unwrap();
         assert_eq!(

@@ -350,7 +350,7 @@ pub async fn generate(
     request.inputs = step_inputs(layout, &prompt.tokens, 0, Vec::new());
     request.outputs = Vec::new();
     request.max_new_tokens = u64::from(params.max_tokens);
-    request.progress = service.activity.accept();
+    request.progress = service.accept(&request.model);
     let model = request.model.clone();
     let received = request.received;
     lifecycle::counted(service, &model, received, async move {

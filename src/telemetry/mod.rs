@@ -10,3 +10,4 @@ pub mod logging;
 pub mod malloc;
 pub mod metrics;
 pub mod residency;
+pub mod services;

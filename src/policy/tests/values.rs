@@ -13,13 +13,13 @@ fn req_carries_every_contract_field() {
     let evaluation = decide(
         r#"fn decide(req, state) {
             let e = req.estimate;
-            let ok = req.id == "req-1" && req.model == "encoder" && req.pool == "gpu"
+            let ok = req.id == "req-1" && req.model == "encoder" && req.pool == "gpu" && req.service == "search"
                 && req.context_tokens == 128 && req.max_new_tokens == 16 && req.batch == 2
                 && req.priority == -3 && req.replayable && req.allow_shrink && req.deadline_ms == 250
                 && e.weights_bytes == 1000 && e.context_bytes == 200 && e.workspace_bytes == 30
                 && e.total_bytes == 1230 && e.source == "observed"
                 && req.dims.seq == 128 && req.dims.batch == 2 && req.dims.len() == 2
-                && req.len() == 12 && e.len() == 5;
+                && req.len() == 13 && e.len() == 5;
             if ok { admit() } else { reject(`req was ${req}`) }
         }"#,
     );
@@ -53,12 +53,16 @@ fn state_carries_every_contract_field() {
             let tables_ok = "gpu" in state.pools && !("tpu" in state.pools)
                 && state.pools.keys() == ["cpu", "gpu"] && state.devices.len() == 1
                 && state.pools.get("tpu") == () && state.pools.values().len() == 2;
+            let s = state.services[req.service];
+            let services_ok = s.class == "background" && s.priority == 2 && s.running == 1
+                && s.concurrency == 4 && s.budget_bytes == 300 && s.memory_bytes.gpu0 == 120
+                && s.len() == 6 && state.services.get("chat") == () && state.services.keys() == ["search"];
             let params_ok = state.params.cpu_pool == "cpu" && state.params.reserve_bytes == 67108864
                 && state.params.defer_ms == 2000 && (state.params.get("missing") ?? true);
-            if devices_ok && pools_ok && host_ok && processes_ok && tables_ok && params_ok && state.degraded {
+            if devices_ok && pools_ok && host_ok && processes_ok && tables_ok && services_ok && params_ok && state.degraded {
                 admit()
             } else {
-                reject(`${devices_ok} ${pools_ok} ${host_ok} ${processes_ok} ${tables_ok} ${params_ok}`)
+                reject(`${devices_ok} ${pools_ok} ${host_ok} ${processes_ok} ${tables_ok} ${services_ok} ${params_ok}`)
             }
         }"#,
     );
@@ -180,6 +184,31 @@ fn pools_read_their_load_live_from_a_view_built_once() {
     // A pool the live source does not know keeps its sampled numbers.
     let cpu = script_value(&view, r#"state.pools["cpu"].queue_depth"#);
     assert_eq!(cpu, snapshot().pools["cpu"].queue_depth as i64);
+}
+
+/// What a service runs and holds is read live too; a service the live source does not know
+/// keeps its sampled figures.
+#[test]
+fn services_read_what_they_run_and_hold_live() {
+    #[derive(Debug)]
+    struct Busy;
+    impl LiveLoad for Busy {
+        fn pool_load(&self, _pool: &str) -> Option<PoolLoadNow> {
+            None
+        }
+        fn service_now(&self, service: &str) -> Option<crate::policy::ServiceNow> {
+            (service == "search").then(|| crate::policy::ServiceNow {
+                running: 3,
+                memory_bytes: BTreeMap::from([("gpu0".to_string(), 250)]),
+            })
+        }
+    }
+    let view = StateView::new(&snapshot()).with_live_load(Arc::new(Busy));
+    assert_eq!(script_value(&view, r#"state.services["search"].running"#), 3);
+    assert_eq!(script_value(&view, r#"state.services.search.memory_bytes.gpu0"#), 250);
+    assert_eq!(script_value(&view, r#"state.services.search.budget_bytes"#), 300);
+    let sampled = StateView::new(&snapshot());
+    assert_eq!(script_value(&sampled, r#"state.services.search.running"#), 1);
 }
 
 fn script_value(view: &StateView, expression: &str) -> i64 {

@@ -145,6 +145,7 @@ fn request_info(entry: &ModelEntry, request: &Request, routed: &Pool) -> Request
         id: request.meta.request_id.clone(),
         model: entry.config.name.clone(),
         pool: routed.name().to_string(),
+        service: entry.config.service.clone(),
         context_tokens: tokens,
         max_new_tokens: request.max_new_tokens,
         batch,

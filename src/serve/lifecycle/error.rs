@@ -109,6 +109,19 @@ pub enum RequestError {
         /// What the next deferral would have brought the total to.
         retry_after: Duration,
     },
+    /// Its service stayed at a budget (`concurrency`, `device_memory`, a background service's
+    /// turn) past the pool's `max_wait`; the reason names the service and the budget.
+    #[error("{reason}; waited {}ms, pool `{pool}`'s max wait", waited.as_millis())]
+    OverBudget {
+        /// Why it waited.
+        reason: String,
+        /// The pool it was placed on.
+        pool: String,
+        /// How long it waited.
+        waited: Duration,
+        /// When to try again.
+        retry_after: Duration,
+    },
     /// More than any pool serving the model could ever give it: the client's to make smaller,
     /// so no `Retry-After`.
     #[error("{0}")]
@@ -276,7 +289,9 @@ impl RequestError {
             // Refused or never received there: nothing ran, as with a full queue.
             RequestError::Remote { kind, .. } if kind.nothing_ran() => Outcome::rejected,
             RequestError::Remote { .. } => Outcome::failed,
-            RequestError::DeferredTooLong { .. } | RequestError::QueueTimeout { .. } => Outcome::deferred_timeout,
+            RequestError::DeferredTooLong { .. }
+            | RequestError::OverBudget { .. }
+            | RequestError::QueueTimeout { .. } => Outcome::deferred_timeout,
             RequestError::Deadline(_) | RequestError::ClientGone => Outcome::cancelled,
             RequestError::Failed { .. } => Outcome::failed,
             RequestError::NoPool { .. }
@@ -298,6 +313,7 @@ impl RequestError {
             }
             RequestError::Refused { retry_after, .. }
             | RequestError::DeferredTooLong { retry_after, .. }
+            | RequestError::OverBudget { retry_after, .. }
             | RequestError::QueueFull { retry_after, .. }
             | RequestError::QueueTimeout { retry_after, .. }
             | RequestError::BreakerOpen { retry_after, .. }

@@ -9,12 +9,13 @@
 //! `Retry-After`; `http` gives each variant its status.
 //!
 //! The files follow the request: `admit` (router and policy), `place` (the checks before the
-//! placed run), `run` (one run on a pool), `retry` (the one retry, shared with a generation's
+//! placed run), `budget` (its service's budgets), `run` (one run on a pool), `retry` (the one retry, shared with a generation's
 //! steps), `count` (the request metrics) and `error` (what a client is told).
 //!
 //! Time is tokio's, so tests run deferrals and deadlines with paused time.
 
 mod admit;
+mod budget;
 mod count;
 mod error;
 mod fits;
@@ -138,7 +139,7 @@ pub async fn infer_and<T>(
     mut request: Request,
     answer: impl FnOnce(Served) -> Result<T, RequestError>,
 ) -> Result<T, Refused> {
-    request.progress = service.activity.accept();
+    request.progress = service.accept(&request.model);
     let model = request.model.clone();
     let received = request.received;
     counted(service, &model, received, async move {

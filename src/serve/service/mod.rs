@@ -10,6 +10,7 @@ mod onnxruntime;
 mod parts;
 mod policy;
 mod pools;
+mod services;
 mod zeroed;
 
 use std::collections::HashMap;
@@ -30,11 +31,15 @@ use crate::runtime::onnx::RuntimeError;
 use crate::serve::idempotency::{IdempotencyCache, StoredResponse};
 use crate::telemetry::exporter::{LiveCollector, Sampler, SnapshotStore};
 use crate::telemetry::metrics::Metrics;
+use crate::telemetry::services::ServicesCollector;
 
 pub use models::{ModelBytes, ModelEntry};
 pub use onnxruntime::OrtFactory;
 pub use parts::{BackendFactory, Parts};
+pub use services::{Ask, Held, Judgement, Services, Slot, judge};
 pub use zeroed::UNKNOWN_MODEL;
+
+pub(crate) use observe::weights_on;
 
 use models::load_models;
 use policy::{PolicyState, load_policy, show_policy};
@@ -91,6 +96,8 @@ pub struct Service {
     pub decisions: crate::policy::recent::RecentDecisions,
     /// Requests accepted and not answered, waiting or running.
     pub activity: Arc<Activity>,
+    /// Each service's budgets and what it runs and holds now.
+    pub services: Arc<Services>,
     /// Bytes of model weights loaded on each memory (`host`, or an accelerator device), every
     /// pool's models counted: fixed once the pools are built.
     weights_resident: HashMap<String, u64>,
@@ -178,6 +185,11 @@ impl Service {
             LiveCollector::new(Arc::clone(&store), pools.clone(), simulated.clone())
                 .serving(Arc::clone(&degraded), Arc::clone(&activity)),
         ));
+        let services = Arc::new(Services::new(&config, &models, &pools));
+        let devices = config.devices.iter().map(|d| d.name.clone()).collect();
+        registry.register_collector(Box::new(
+            ServicesCollector::new(&config, devices, Arc::clone(&store)).serving(Arc::clone(&services) as _),
+        ));
         Ok(Service {
             runtime_version,
             config,
@@ -197,6 +209,7 @@ impl Service {
             host_promised: Arc::default(),
             decisions: Default::default(),
             activity,
+            services,
             weights_resident,
         })
     }

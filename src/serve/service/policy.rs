@@ -11,7 +11,7 @@ use crate::policy::{PolicyHandle, StateView};
 use crate::pool::Pool;
 use crate::telemetry::metrics::{Metrics, PolicyInfoLabels, ReloadResult, ResultLabels};
 
-use super::{ModelEntry, Service, StartError};
+use super::{ModelEntry, Service, Services, StartError};
 
 /// The policy's view of one sample: built once per sample, shared by every evaluation.
 pub(super) struct PolicyState {
@@ -19,11 +19,19 @@ pub(super) struct PolicyState {
     view: Arc<StateView>,
 }
 
-/// The pools' load as the policy reads it, live, when a script reads `state.pools[name]`.
+/// The pools' load and the services' running requests and memory as the policy reads them,
+/// live, when a script reads `state.pools[name]` or `state.services[name]`.
 #[derive(Debug)]
-struct PoolsNow(Vec<Arc<Pool>>);
+struct PoolsNow(Vec<Arc<Pool>>, Arc<Services>);
 
 impl crate::policy::LiveLoad for PoolsNow {
+    fn service_now(&self, name: &str) -> Option<crate::policy::ServiceNow> {
+        Some(crate::policy::ServiceNow {
+            running: self.1.running(name),
+            memory_bytes: self.1.memory(name)?,
+        })
+    }
+
     fn pool_load(&self, name: &str) -> Option<crate::policy::PoolLoadNow> {
         let pool = self.0.iter().find(|p| p.name() == name)?;
         let load = pool.load();
@@ -54,8 +62,12 @@ impl Service {
         {
             return Arc::clone(&state.view);
         }
-        let live: Arc<dyn crate::policy::LiveLoad> = Arc::new(PoolsNow(self.pools.clone()));
-        let view = Arc::new(StateView::new(&sample.snapshot).with_live_load(live));
+        let live: Arc<dyn crate::policy::LiveLoad> = Arc::new(PoolsNow(self.pools.clone(), Arc::clone(&self.services)));
+        // The sampler knows nothing of services: their budgets join the sample here, once per
+        // sample, and what they run and hold is read live.
+        let mut snapshot = Snapshot::clone(&sample.snapshot);
+        snapshot.services = self.services.states(&self.config);
+        let view = Arc::new(StateView::new(&snapshot).with_live_load(live));
         *cached = Some(PolicyState {
             generation: sample.generation,
             view: Arc::clone(&view),

@@ -7,7 +7,7 @@ use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::registry::Unit;
 
 /// Encode one family of constant metrics; an empty family is left out entirely.
-pub(super) fn family<L: EncodeLabelSet, M: EncodeMetric + TypedMetric>(
+pub(in crate::telemetry) fn family<L: EncodeLabelSet, M: EncodeMetric + TypedMetric>(
     encoder: &mut DescriptorEncoder,
     name: &str,
     help: &str,
@@ -26,7 +26,7 @@ pub(super) fn family<L: EncodeLabelSet, M: EncodeMetric + TypedMetric>(
 }
 
 /// [`family`] of gauges.
-pub(super) fn gauge_family<L: EncodeLabelSet, V: prometheus_client::encoding::EncodeGaugeValue>(
+pub(in crate::telemetry) fn gauge_family<L: EncodeLabelSet, V: prometheus_client::encoding::EncodeGaugeValue>(
     encoder: &mut DescriptorEncoder,
     name: &str,
     help: &str,
@@ -46,6 +46,6 @@ pub(super) fn gauge_family<L: EncodeLabelSet, V: prometheus_client::encoding::En
 pub(super) const NO_LABELS: [(&str, &str); 0] = [];
 
 /// A byte count or counter as a gauge value, capped rather than wrapped.
-pub(super) fn saturating_i64(v: u64) -> i64 {
+pub(in crate::telemetry) fn saturating_i64(v: u64) -> i64 {
     i64::try_from(v).unwrap_or(i64::MAX)
 }

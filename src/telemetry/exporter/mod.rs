@@ -11,7 +11,7 @@
 
 mod attribution;
 mod collector;
-mod family;
+pub(super) mod family;
 mod response;
 mod sampler;
 mod store;

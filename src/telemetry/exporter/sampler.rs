@@ -171,6 +171,8 @@ impl Sampler {
             host,
             processes,
             degraded: self.degraded.as_ref().is_some_and(|d| d.now().is_some()),
+            // The serving side adds what it accounts for (`Service::policy_view`).
+            services: BTreeMap::new(),
         }
     }
 

@@ -1,0 +1,104 @@
+//! The service budgets between the policy's decision and the run: a request whose service is at
+//! its `concurrency`, over its `device_memory` while its own running requests would free
+//! enough, or (a background service's) behind waiting interactive work or a device short of
+//! its reserve, waits without holding a worker, bounded by the pool's `queue.max_wait` and its
+//! deadline; past the bound it gets 429 with the reason. One that would go over its
+//! `device_memory` whatever finishes is refused with 503. A request let through holds its
+//! [`Slot`](crate::serve::service::Slot) until it is answered.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use crate::pool::Pool;
+use crate::serve::service::{Ask, Judgement, Memory, ModelEntry, Service, memory_of, weights_on};
+
+use super::{DeadlineMiss, Refused, Request, RequestError};
+
+/// How often a waiting request looks again when nothing was given back: a device's headroom
+/// and the interactive requests' waiting count change without a notification.
+const RECHECK: Duration = Duration::from_millis(20);
+
+/// Wait until `request`'s service lets it run on `pool`, needing `estimate_bytes` there, and
+/// keep its place until it is answered; or refuse it.
+pub(super) async fn enter(
+    service: &Service,
+    entry: &ModelEntry,
+    pool: &Arc<Pool>,
+    request: &Request,
+    estimate_bytes: u64,
+) -> Result<(), Refused> {
+    let name = entry.config.service.as_str();
+    let device = match memory_of(pool) {
+        Some(Memory::Device(device)) => Some(device),
+        _ => None,
+    };
+    // A model the pool does not hold now is loaded for this request: its weights count too.
+    let loads = device.is_some() && !pool.is_resident(&entry.config.name);
+    let weights = if loads { weights_on(pool, entry) } else { 0 };
+    let started = Instant::now();
+    let bound = started + pool.config.max_wait;
+    loop {
+        // Registered before looking, so a slot given back meanwhile is not missed.
+        let changed = service.services.changed().notified();
+        let ask = Ask {
+            device,
+            need_bytes: estimate_bytes.saturating_add(weights),
+            interactive_waiting: service.services.interactive_waiting(),
+            headroom_short: device.and_then(|d| headroom_short(service, d)),
+        };
+        let why = match service.services.enter(name, &ask) {
+            Ok(slot) => {
+                if let Some(slot) = slot {
+                    request.progress.hold(Box::new(slot));
+                }
+                return Ok(());
+            }
+            Err(Judgement::Refuse(reason)) => {
+                let retry_after = pool.load().estimated_delay;
+                return Err(Refused::at(pool, RequestError::Refused { reason, retry_after }));
+            }
+            Err(Judgement::Wait(why)) => why,
+            Err(Judgement::Go) => unreachable!("enter lets a request through with its slot"),
+        };
+        let now = Instant::now();
+        if request.deadline().is_some_and(|d| d <= now) {
+            return Err(Refused::at(pool, RequestError::Deadline(DeadlineMiss::WhileDeferred)));
+        }
+        if now >= bound {
+            return Err(Refused::at(
+                pool,
+                RequestError::OverBudget {
+                    reason: why,
+                    pool: pool.name().to_string(),
+                    waited: now - started,
+                    retry_after: pool.load().estimated_delay.max(pool.config.max_wait),
+                },
+            ));
+        }
+        let until = request.deadline().map_or(bound, |d| d.min(bound)).min(now + RECHECK);
+        tokio::select! {
+            () = changed => {}
+            () = tokio::time::sleep_until(until) => {}
+        }
+    }
+}
+
+/// The device's headroom and the policy's `reserve_bytes`, when the headroom is under it (no
+/// reserve configured, or no reading of the device: never).
+fn headroom_short(service: &Service, device: &str) -> Option<(u64, u64)> {
+    let reserve = reserve_bytes(service)?;
+    let sample = service.store.latest();
+    let headroom = sample.snapshot.devices.get(device)?.headroom_bytes;
+    (headroom < reserve).then_some((headroom, reserve))
+}
+
+/// `policy.params.reserve_bytes`: a number of bytes or a size (`512MiB`).
+fn reserve_bytes(service: &Service) -> Option<u64> {
+    match service.config.policy.params.get("reserve_bytes")? {
+        serde_json::Value::Number(n) => n.as_u64(),
+        serde_json::Value::String(text) => crate::config::parse_size(text).ok(),
+        _ => None,
+    }
+}
