@@ -1,0 +1,333 @@
+//! Services' budgets (`services[]`: `concurrency`, `class`, `device_memory`) as clients and
+//! operators see them: a request over its service's concurrency waits without a worker and
+//! runs, or gets 429 naming the service past `max_wait`; a background request gives way to
+//! waiting interactive work; a request over its service's `device_memory` on the simulated
+//! accelerator is refused (or sent to the CPU pool by the default policy) with a reason naming
+//! the budget; `/metrics` and `/status` show each service's memory and budget.
+//!
+//! Concurrency and class run on fake backends held on a gate, so what is running is decided by
+//! the test, not by how fast the machine is; memory runs on real ONNX Runtime sessions.
+
+use std::sync::{Arc, Mutex, mpsc};
+use std::time::Duration;
+
+use reqwest::StatusCode;
+use serde_json::Value;
+use vramguard::core::backend::{ArenaStats, Backend, BackendError, RunMeta};
+use vramguard::core::tensor::{Tensor, TensorData};
+use vramguard::http::status_of;
+use vramguard::serve::lifecycle::{self, Request, RequestError};
+use vramguard::serve::service::Service;
+use vramguard::telemetry::metrics::Outcome;
+use vramguard::testing::fakes::{self, FakeFactory, encoder_request};
+use vramguard::testing::{ADMIT_ALL, Scratch, config};
+
+use crate::common::{TestServer, sample};
+
+/// A run whose first input value is this waits for the gate.
+const WAIT_FOR_GATE: f32 = -2.0;
+
+/// Echoes its input; waits for the gate first when told to.
+struct Gated(Arc<Mutex<mpsc::Receiver<()>>>);
+
+impl Backend for Gated {
+    fn run(&mut self, _: &str, inputs: Vec<Tensor>, _: &[String], _: &RunMeta) -> Result<Vec<Tensor>, BackendError> {
+        let input = inputs.into_iter().next().expect("one input");
+        if matches!(&input.data, TensorData::Fp32(v) if v.first() == Some(&WAIT_FOR_GATE)) {
+            let _ = self.0.lock().unwrap().recv();
+        }
+        Ok(vec![Tensor {
+            name: "pooled".into(),
+            ..input
+        }])
+    }
+
+    fn arena_stats(&self) -> Option<ArenaStats> {
+        None
+    }
+}
+
+struct Harness {
+    service: Arc<Service>,
+    release: mpsc::Sender<()>,
+    _script: Scratch,
+}
+
+/// Models `chat` (service `chat`: interactive, concurrency 1) on pool `gpu` of two workers, so
+/// only the budget holds a request back, and `batch` (service `batch`: background) on pool
+/// `bg`, whose max wait (5 s) ends before `gpu`'s (30 s).
+fn harness() -> Harness {
+    let script = Scratch::new();
+    let yaml = format!(
+        "services:\n\
+         - {{name: chat, concurrency: 1}}\n\
+         - {{name: batch, class: background}}\n\
+         models:\n\
+         - {{name: chat, path: 'builtin:encoder', service: chat}}\n\
+         - {{name: batch, path: 'builtin:encoder', service: batch}}\n\
+         pools:\n\
+         - {{name: gpu, provider: cpu, models: [chat], workers: 2, queue: {{capacity: 8, max_wait: 30s}}}}\n\
+         - {{name: bg, provider: cpu, models: [batch], workers: 1, queue: {{capacity: 8, max_wait: 5s}}}}\n{}",
+        script.policy(ADMIT_ALL)
+    );
+    let (release, gate) = mpsc::channel();
+    let gate = Arc::new(Mutex::new(gate));
+    let factory = Arc::new(FakeFactory::new(move |_| Ok(Box::new(Gated(Arc::clone(&gate))))));
+    Harness {
+        service: Arc::new(fakes::service(config::validated(&yaml), factory)),
+        release,
+        _script: script,
+    }
+}
+
+fn request(model: &str, value: f32) -> Request {
+    Request {
+        model: model.into(),
+        ..encoder_request(4, value)
+    }
+}
+
+/// Start `request` on its own task.
+fn spawn(h: &Harness, request: Request) -> tokio::task::JoinHandle<Result<lifecycle::Served, lifecycle::Refused>> {
+    let service = Arc::clone(&h.service);
+    tokio::spawn(async move { lifecycle::infer(&service, request).await })
+}
+
+/// Wait (at most 10 s of the runtime's time) until `done` holds.
+async fn until(what: &str, done: impl Fn() -> bool) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while !done() {
+        assert!(tokio::time::Instant::now() < deadline, "never: {what}");
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+}
+
+fn counter(h: &Harness, series: &str) -> f64 {
+    sample(&vramguard::telemetry::metrics::encode(&h.service.registry), series)
+}
+
+#[tokio::test]
+async fn a_request_over_its_services_concurrency_waits_without_a_worker_and_then_runs() {
+    let h = harness();
+    let first = spawn(&h, request("chat", WAIT_FOR_GATE));
+    until("the first runs", || h.service.services.running("chat") == 1).await;
+    let second = spawn(&h, request("chat", 0.5));
+    // It waits for its service, not for a worker: the pool's second worker stays idle.
+    until("the second waits", || h.service.activity.waiting() == 1).await;
+    assert_eq!(h.service.pool("gpu").unwrap().load().queue_depth, 0);
+    assert_eq!(h.service.services.running("chat"), 1, "the limit holds");
+    assert!(!second.is_finished());
+
+    h.release.send(()).unwrap();
+    let first = first.await.unwrap().expect("the first is served");
+    let second = second
+        .await
+        .unwrap()
+        .expect("the second runs once the first is answered");
+    assert_eq!((first.pool.name(), second.pool.name()), ("gpu", "gpu"));
+    assert_eq!(h.service.services.running("chat"), 0, "both gave their places back");
+    assert_eq!(
+        counter(
+            &h,
+            "vramguard_requests_total{model=\"chat\",pool=\"gpu\",outcome=\"ok\"}"
+        ),
+        2.0
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn past_max_wait_a_request_over_its_services_concurrency_gets_429_naming_the_service() {
+    let h = harness();
+    let first = spawn(&h, request("chat", WAIT_FOR_GATE));
+    until("the first runs", || h.service.services.running("chat") == 1).await;
+    let started = tokio::time::Instant::now();
+    let refused = lifecycle::infer(&h.service, request("chat", 0.5))
+        .await
+        .expect_err("the first never finishes within max_wait");
+    assert!(started.elapsed() >= Duration::from_secs(30), "{:?}", started.elapsed());
+    assert!(
+        matches!(refused.error, RequestError::OverBudget { .. }),
+        "{:?}",
+        refused.error
+    );
+    assert_eq!(status_of(&refused.error), StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(refused.error.outcome(), Outcome::deferred_timeout);
+    assert!(refused.error.retry_after_secs().is_some_and(|s| s >= 30));
+    let message = refused.error.to_string();
+    assert!(
+        message.starts_with("service `chat` has 1 requests running, at its concurrency of 1; waited 30"),
+        "{message}"
+    );
+    assert_eq!(
+        counter(
+            &h,
+            "vramguard_requests_total{model=\"chat\",pool=\"gpu\",outcome=\"deferred_timeout\"}"
+        ),
+        1.0
+    );
+    h.release.send(()).unwrap();
+    first.await.unwrap().expect("the first is served");
+}
+
+#[tokio::test]
+async fn a_background_request_waits_while_interactive_requests_wait_and_then_runs() {
+    let h = harness();
+    let chat = spawn(&h, request("chat", WAIT_FOR_GATE));
+    // Started on its worker: no longer waiting.
+    until("chat runs", || h.service.activity.running() == 1).await;
+    // A second chat request waits for its service's concurrency: interactive work is waiting.
+    let waiting_chat = spawn(&h, request("chat", 0.5));
+    until("chat waits", || h.service.services.interactive_waiting() == 1).await;
+    let batch = spawn(&h, request("batch", 0.5));
+    let decided = "vramguard_policy_decisions_total{action=\"admit\",pool=\"bg\"}";
+    until("the policy admitted it", || counter(&h, decided) == 1.0).await;
+    // Admitted by the policy, but held back by its class with a worker free: give it time to
+    // run if it were going to.
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert!(
+        !batch.is_finished(),
+        "a background request gave no way to waiting interactive work"
+    );
+    assert_eq!(h.service.services.running("batch"), 0);
+
+    h.release.send(()).unwrap();
+    chat.await.unwrap().expect("chat is served");
+    waiting_chat.await.unwrap().expect("the waiting chat request runs");
+    let batch = batch
+        .await
+        .unwrap()
+        .expect("the background request runs once no interactive one waits");
+    assert_eq!(batch.pool.name(), "bg");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_background_request_behind_interactive_work_past_max_wait_gets_429_naming_its_class() {
+    let h = harness();
+    let chat = spawn(&h, request("chat", WAIT_FOR_GATE));
+    // Started on its worker: no longer waiting.
+    until("chat runs", || h.service.activity.running() == 1).await;
+    let waiting_chat = spawn(&h, request("chat", 0.5));
+    until("chat waits", || h.service.services.interactive_waiting() == 1).await;
+    let started = tokio::time::Instant::now();
+    let refused = lifecycle::infer(&h.service, request("batch", 0.5))
+        .await
+        .expect_err("interactive work waits the whole time");
+    assert!(started.elapsed() >= Duration::from_secs(5), "{:?}", started.elapsed());
+    assert_eq!(status_of(&refused.error), StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(
+        counter(
+            &h,
+            "vramguard_requests_total{model=\"batch\",pool=\"bg\",outcome=\"deferred_timeout\"}"
+        ),
+        1.0
+    );
+    let message = refused.error.to_string();
+    assert!(
+        message.starts_with("background service `batch` gives way to 1 waiting interactive requests"),
+        "{message}"
+    );
+    h.release.send(()).unwrap();
+    chat.await.unwrap().expect("chat is served");
+    waiting_chat.await.unwrap().expect("the waiting chat request runs");
+}
+
+// ─── device_memory, on the simulated accelerator ─────────────────────────────────────────────
+
+/// The encoder (68 KB of weights) belongs to service `search`, whose `device_memory` budget of
+/// 2 MiB holds a short request but not a 512-token one (4 MiB of attention scores alone).
+const MEMORY: &str = "
+devices: [{name: gpu0, kind: simulated, capacity: 128MiB}]
+services: [{name: search, device_memory: 2MiB, priority: 3}]
+models: [{name: encoder, path: 'builtin:encoder', context: {input: input, axis: 1}, service: search}]
+";
+
+async fn status(server: &TestServer) -> Value {
+    reqwest::get(server.url("/status")).await.unwrap().json().await.unwrap()
+}
+
+#[tokio::test]
+async fn a_request_over_its_services_device_memory_is_refused_naming_the_budget() {
+    if crate::common::ran_in_own_process() {
+        return;
+    }
+    let yaml = format!("{MEMORY}pools: [{{name: gpu, provider: simulated, device: gpu0, models: [encoder]}}]\n");
+    let server = TestServer::with_policy(&yaml, ADMIT_ALL).await;
+
+    // The metrics and /status show what the service holds from the first scrape: its weights.
+    let metrics = server.metrics().await;
+    let weights = sample(
+        &metrics,
+        "vramguard_model_memory_bytes{model=\"encoder\",pool=\"gpu\",kind=\"weights\"}",
+    );
+    assert!(weights > 0.0, "{metrics}");
+    let held = "vramguard_service_memory_bytes{service=\"search\",device=\"gpu0\"}";
+    assert_eq!(sample(&metrics, held), weights, "{metrics}");
+    assert_eq!(
+        sample(
+            &metrics,
+            "vramguard_service_memory_budget_bytes{service=\"search\",device=\"gpu0\"}"
+        ),
+        (2u64 << 20) as f64
+    );
+    let service = &status(&server).await["services"][0];
+    assert_eq!(
+        service,
+        &serde_json::json!({"name": "search", "class": "interactive", "priority": 3, "configured": true,
+            "device_memory_budget_bytes": 2u64 << 20, "concurrency": null, "running": 0,
+            "memory": {"gpu0": weights as u64}})
+    );
+
+    assert_eq!(
+        server.encoder(16).await.status(),
+        StatusCode::OK,
+        "a short request fits"
+    );
+    let over = server.encoder(512).await;
+    assert_eq!(over.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert!(over.headers().contains_key("retry-after"));
+    let error: Value = over.json().await.unwrap();
+    let message = error["error"].as_str().unwrap();
+    assert!(message.starts_with("service `search` would use "), "{message}");
+    assert!(
+        message.ends_with(" on gpu0, over its device_memory budget of 2 MiB"),
+        "{message}"
+    );
+    let metrics = server.metrics().await;
+    assert_eq!(
+        sample(
+            &metrics,
+            "vramguard_requests_total{model=\"encoder\",pool=\"gpu\",outcome=\"rejected\"}"
+        ),
+        1.0
+    );
+    // Nothing of the refused request stays counted against the service.
+    assert_eq!(sample(&metrics, held), weights);
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn the_default_policy_sends_a_request_over_its_services_budget_to_the_cpu_pool() {
+    if crate::common::ran_in_own_process() {
+        return;
+    }
+    let yaml = format!(
+        "{MEMORY}pools:\n\
+         - {{name: gpu, provider: simulated, device: gpu0, models: [encoder]}}\n\
+         - {{name: cpu, provider: cpu, models: [encoder]}}\n\
+         policy: {{params: {{cpu_pool: cpu, reserve_bytes: 32MiB, min_context_tokens: 16, defer_ms: 25, defer_max_queue: 4}}}}\n"
+    );
+    let server = TestServer::start(&yaml).await;
+    let short = server.encoder(16).await;
+    assert_eq!(short.status(), StatusCode::OK);
+    assert_eq!(short.headers()["x-vramguard-pool"], "gpu");
+    let over = server.encoder(512).await;
+    assert_eq!(over.status(), StatusCode::OK, "the CPU pool takes it whole");
+    assert_eq!(over.headers()["x-vramguard-pool"], "cpu");
+    assert_eq!(over.headers()["x-vramguard-decision"], "redirect");
+    let status = status(&server).await;
+    // The CPU pool's memory is the host's: no device budget, nothing counted on gpu0 for it.
+    let search = &status["services"][0];
+    assert_eq!(search["running"], 0);
+    assert!(search["memory"]["gpu0"].as_u64().unwrap() < 2 << 20, "{search}");
+    server.stop().await;
+}
