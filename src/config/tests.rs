@@ -54,6 +54,17 @@ fn the_example_config_validates_and_uses_every_section() {
     let limits: Vec<Option<u64>> = cfg.pools.iter().map(|p| p.max_context).collect();
     assert_eq!(limits, [Some(4096), None, None, None]);
     assert_eq!(cfg.exporter.services.len(), 3);
+    let services: Vec<(&str, Option<u64>)> = cfg
+        .services
+        .iter()
+        .map(|s| (s.name.as_str(), s.device_memory))
+        .collect();
+    assert_eq!(
+        &services[..2],
+        [("search", Some(256 << 20)), ("ollama", Some(8 << 30))],
+        "declared first, then the models' implicit ones"
+    );
+    assert_eq!(cfg.models[0].service, "search");
     assert_eq!(cfg.exporter.sample_interval, Duration::from_secs(1));
     assert_eq!(
         cfg.models[0].context,

@@ -309,7 +309,12 @@ async fn alerts_and_dashboards_work_in_a_real_prometheus() {
 }
 
 async fn run() {
-    let server = TestServer::start(crate::common::FAILOVER_CONFIG).await;
+    // A budget the 68 KB encoder never reaches, so the service budget family exists.
+    let yaml = format!(
+        "{}services: [{{name: encoder, device_memory: 64MiB}}]\n",
+        crate::common::FAILOVER_CONFIG
+    );
+    let server = TestServer::start(&yaml).await;
     let prometheus = Prometheus::start(&server.addr.to_string(), &fast_rules()).await;
 
     // Traffic that makes every family exist: requests on both pools, an allocator failure
