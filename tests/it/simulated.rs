@@ -147,7 +147,11 @@ async fn the_live_exposition_passes_promtool_and_negotiates_openmetrics() {
     if crate::common::ran_in_own_process() {
         return;
     }
-    let server = TestServer::start(CONFIG).await;
+    // A budget the 68 KB encoder never reaches: the service budget family the alerts use exists.
+    let server = TestServer::start(&format!(
+        "{CONFIG}services: [{{name: encoder, device_memory: 64MiB}}]\n"
+    ))
+    .await;
     assert_eq!(server.encoder(32).await.status(), StatusCode::OK);
     // A driver reset opens the breaker: degraded mode, so every series the alerts use exists.
     let reset = server
