@@ -64,7 +64,7 @@ pub(super) async fn enter(
         };
         let now = Instant::now();
         if request.deadline().is_some_and(|d| d <= now) {
-            return Err(Refused::at(pool, RequestError::Deadline(DeadlineMiss::WhileDeferred)));
+            return Err(Refused::at(pool, RequestError::Deadline(DeadlineMiss::WhileBudgeted)));
         }
         if now >= bound {
             return Err(Refused::at(

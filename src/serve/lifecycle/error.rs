@@ -256,6 +256,8 @@ pub enum DeadlineMiss {
     WhileDeferred,
     /// The policy's next deferral would pass it.
     ByDeferral,
+    /// It passed while the request waited for its service's budgets.
+    WhileBudgeted,
     /// It passed while the request was queued or running.
     InPool,
     /// The pool's queue and recent run times would finish it after the deadline: answered at
@@ -269,6 +271,7 @@ impl std::fmt::Display for DeadlineMiss {
             DeadlineMiss::OnArrival => "had passed before the request could be admitted",
             DeadlineMiss::WhileDeferred => "passed while the policy deferred the request",
             DeadlineMiss::ByDeferral => "cannot be met: the policy defers this request past it",
+            DeadlineMiss::WhileBudgeted => "passed while the request waited for its service's budgets",
             DeadlineMiss::InPool => "cannot be met: it passed before the run finished",
             DeadlineMiss::Estimated => {
                 "cannot be met: the pool's queue and recent run times would finish it after the deadline"

@@ -340,6 +340,88 @@ impl Service {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::core::backend::{ArenaStats, Backend, BackendError, RunMeta};
+    use crate::core::tensor::Tensor;
+    use crate::testing::fakes::{self, FakeFactory};
+
+    /// Answers every run with its inputs.
+    struct Echo;
+
+    impl Backend for Echo {
+        fn run(
+            &mut self,
+            _: &str,
+            inputs: Vec<Tensor>,
+            _: &[String],
+            _: &RunMeta,
+        ) -> Result<Vec<Tensor>, BackendError> {
+            Ok(inputs)
+        }
+
+        fn arena_stats(&self) -> Option<ArenaStats> {
+            None
+        }
+    }
+
+    #[test]
+    fn a_service_holds_its_resident_weights_per_worker_and_its_running_requests_until_answered() {
+        let yaml = "devices: [{name: gpu0, kind: nvidia, index: 0}]\n\
+                    services: [{name: chat, device_memory: 1GiB, concurrency: 2}]\n\
+                    models:\n\
+                    - {name: enc, path: 'builtin:encoder', service: chat}\n\
+                    - {name: other, path: 'builtin:encoder'}\n\
+                    pools:\n\
+                    - {name: gpu, provider: cuda, device: gpu0, models: [enc, other], workers: 2}\n\
+                    - {name: cpu, provider: cpu, models: [enc]}\n";
+        // No memory source reads the device here: a policy that reads none.
+        let script = crate::testing::Scratch::new();
+        let yaml = format!("{yaml}{}", script.policy(crate::testing::ADMIT_ALL));
+        let factory = Arc::new(FakeFactory::new(|_| Ok(Box::new(Echo))));
+        let service = fakes::service(crate::testing::config::validated(&yaml), factory);
+        let services = &service.services;
+        // Two workers on the device each build their sessions; the CPU pool's are the host's.
+        let weights = 2 * service.model("enc").unwrap().profile.weights_bytes;
+        let on_gpu = |bytes| Some(BTreeMap::from([("gpu0".to_string(), bytes)]));
+        assert_eq!(services.memory("chat"), on_gpu(weights));
+        assert_eq!(
+            services.memory("other"),
+            on_gpu(weights),
+            "the implicit service of a model"
+        );
+        assert_eq!(services.memory("nobody"), None);
+
+        let ask = |device| Ask {
+            device,
+            need_bytes: 1000,
+            ..Ask::default()
+        };
+        let first = services
+            .enter("chat", &ask(Some("gpu0")))
+            .unwrap()
+            .expect("chat has budgets");
+        let second = services.enter("chat", &ask(None)).unwrap().expect("chat has budgets");
+        assert_eq!(services.running("chat"), 2);
+        assert_eq!(
+            services.memory("chat"),
+            on_gpu(weights + 1000),
+            "only the device's request counts there"
+        );
+        assert!(matches!(services.enter("chat", &ask(None)), Err(Judgement::Wait(_))));
+        let states = services.states(&service.config);
+        assert_eq!((states["chat"].running, states["chat"].budget_bytes), (2, 1 << 30));
+        assert_eq!(states["chat"].memory_bytes, on_gpu(weights + 1000).unwrap());
+
+        drop(first);
+        assert_eq!(services.running("chat"), 1);
+        assert_eq!(services.memory("chat"), on_gpu(weights));
+        drop(second);
+        assert_eq!(services.running("chat"), 0);
+
+        // A model that is not loaded holds nothing.
+        service.pool("gpu").unwrap().unload_model("enc").expect("unloads");
+        assert_eq!(services.memory("chat"), on_gpu(0));
+        assert_eq!(services.memory("other"), on_gpu(weights));
+    }
 
     fn service(device_memory: Option<u64>, concurrency: Option<usize>, class: ServiceClass) -> ServiceConfig {
         ServiceConfig {
