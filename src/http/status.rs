@@ -76,7 +76,6 @@ fn report(state: &AppState) -> StatusReport {
 
 /// Every service with its budgets, what it runs and what it holds on each device.
 fn services(service: &Service, snapshot: &crate::core::snapshot::Snapshot) -> Vec<ServiceStatus> {
-    let devices: Vec<String> = service.config.devices.iter().map(|d| d.name.clone()).collect();
     service
         .services
         .configs()
@@ -88,10 +87,7 @@ fn services(service: &Service, snapshot: &crate::core::snapshot::Snapshot) -> Ve
             device_memory_budget_bytes: s.device_memory,
             concurrency: s.concurrency,
             running: service.services.running(&s.name),
-            memory: service
-                .services
-                .memory(&s.name)
-                .unwrap_or_else(|| crate::telemetry::services::seen_in(snapshot, &s.name, &devices)),
+            memory: service.services.memory_or_seen(&s.name, snapshot),
         })
         .collect()
 }

@@ -66,7 +66,7 @@ impl Service {
         // The sampler knows nothing of services: their budgets join the sample here, once per
         // sample, and what they run and hold is read live.
         let mut snapshot = Snapshot::clone(&sample.snapshot);
-        snapshot.services = self.services.states(&self.config);
+        snapshot.services = self.services.states(&self.config, &sample.snapshot);
         let view = Arc::new(StateView::new(&snapshot).with_live_load(live));
         *cached = Some(PolicyState {
             generation: sample.generation,

@@ -16,7 +16,7 @@ use std::sync::{Arc, Mutex};
 use tokio::sync::Notify;
 
 use crate::config::{Config, ServiceClass, ServiceConfig};
-use crate::core::snapshot::ServiceState;
+use crate::core::snapshot::{ServiceState, Snapshot};
 use crate::pool::Pool;
 use crate::pool::activity::{Activity, Progress};
 use crate::telemetry::logging::human_bytes;
@@ -307,12 +307,19 @@ impl Services {
         Some(memory)
     }
 
-    /// Every service as `state.services` shows it now.
-    pub fn states(&self, config: &Config) -> BTreeMap<String, ServiceState> {
+    /// What `service` holds on each accelerator device: vramguard's account of a service it
+    /// runs, else what `snapshot` shows its processes use (another runtime's service).
+    pub fn memory_or_seen(&self, service: &str, snapshot: &Snapshot) -> BTreeMap<String, u64> {
+        self.memory(service)
+            .unwrap_or_else(|| crate::telemetry::services::seen_in(snapshot, service, &self.devices))
+    }
+
+    /// Every service as `state.services` shows it now, another runtime's by `snapshot`.
+    pub fn states(&self, config: &Config, snapshot: &Snapshot) -> BTreeMap<String, ServiceState> {
         let mut states = crate::policy::configured_services(config);
         for (name, state) in &mut states {
             state.running = self.running(name);
-            state.memory_bytes = self.memory(name).unwrap_or_default();
+            state.memory_bytes = self.memory_or_seen(name, snapshot);
         }
         states
     }
@@ -407,7 +414,7 @@ mod tests {
             "only the device's request counts there"
         );
         assert!(matches!(services.enter("chat", &ask(None)), Err(Judgement::Wait(_))));
-        let states = services.states(&service.config);
+        let states = services.states(&service.config, &Snapshot::default());
         assert_eq!((states["chat"].running, states["chat"].budget_bytes), (2, 1 << 30));
         assert_eq!(states["chat"].memory_bytes, on_gpu(weights + 1000).unwrap());
 
