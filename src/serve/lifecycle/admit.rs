@@ -31,6 +31,9 @@ pub(super) struct Admitted {
     pub(super) context_cut: Option<String>,
     /// The estimate for what actually runs (after any shrink).
     pub(super) estimate: Estimate,
+    /// What the policy's deferrals left of the routed pool's `max_wait`: how long it may still
+    /// wait for its service's budgets.
+    pub(super) wait_left: Duration,
 }
 
 /// Ask the policy what to do with the request and carry it out until it is placed on a pool
@@ -65,7 +68,8 @@ pub(super) async fn admit(service: &Service, entry: &ModelEntry, request: &mut R
                 if pool.name() != routed.name() && is_accelerator(&routed) {
                     service.failover(&routed, &pool, FailoverReason::policy_redirect);
                 }
-                return shrink(entry, request, &info, pool, decision.action(), shrink_to).map_err(refuse);
+                let wait_left = routed.config.max_wait.saturating_sub(deferred);
+                return shrink(entry, request, &info, pool, wait_left, decision.action(), shrink_to).map_err(refuse);
             }
             Plan::Wait(wait) => {
                 if request.deadline().is_some_and(|d| Instant::now() + wait >= d) {
@@ -241,7 +245,7 @@ fn decide(
     (decision, plan)
 }
 
-/// Carry out a decision to run on `pool`: cut the context to `shrink_to` tokens when the
+/// Carry out a decision to run on `pool` (with `wait_left` of its bound): cut the context to `shrink_to` tokens when the
 /// decision shrank it (along the model's context axis, or by the request's own shrinker), and
 /// estimate what actually runs.
 fn shrink(
@@ -249,6 +253,7 @@ fn shrink(
     request: &mut Request,
     info: &RequestInfo,
     pool: Arc<Pool>,
+    wait_left: Duration,
     action: Action,
     shrink_to: Option<u64>,
 ) -> Result<Admitted, RequestError> {
@@ -277,5 +282,6 @@ fn shrink(
         context,
         context_cut,
         estimate,
+        wait_left,
     })
 }

@@ -1,34 +1,34 @@
 //! The service budgets between the policy's decision and the run: a request whose service is at
 //! its `concurrency`, over its `device_memory` while its own running requests would free
 //! enough, or (a background service's) behind waiting interactive work or a device short of
-//! its reserve, waits without holding a worker, bounded by the pool's `queue.max_wait` and its
-//! deadline; past the bound it gets 429 with the reason. One that would go over its
+//! its reserve, waits without holding a worker, bounded by what the policy's deferrals left of
+//! the routed pool's `queue.max_wait`, and by its deadline; past the bound it gets 429 with the reason. One that would go over its
 //! `device_memory` whatever finishes is refused with 503. A request let through holds its
 //! [`Slot`](crate::serve::service::Slot) until it is answered.
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::time::Instant;
 
-use crate::pool::Pool;
 use crate::serve::service::{Ask, Judgement, Memory, ModelEntry, Service, memory_of, weights_on};
 
+use super::admit::Admitted;
 use super::{DeadlineMiss, Refused, Request, RequestError};
 
 /// How often a waiting request looks again when nothing was given back: a device's headroom
 /// and the interactive requests' waiting count change without a notification.
 const RECHECK: Duration = Duration::from_millis(20);
 
-/// Wait until `request`'s service lets it run on `pool`, needing `estimate_bytes` there, and
-/// keep its place until it is answered; or refuse it.
+/// Wait until `request`'s service lets it run on the pool it was admitted to, needing
+/// `estimate_bytes` there, and keep its place until it is answered; or refuse it.
 pub(super) async fn enter(
     service: &Service,
     entry: &ModelEntry,
-    pool: &Arc<Pool>,
+    admitted: &Admitted,
     request: &Request,
     estimate_bytes: u64,
 ) -> Result<(), Refused> {
+    let pool = &admitted.pool;
     let name = entry.config.service.as_str();
     let device = match memory_of(pool) {
         Some(Memory::Device(device)) => Some(device),
@@ -38,7 +38,7 @@ pub(super) async fn enter(
     let loads = device.is_some() && !pool.is_resident(&entry.config.name);
     let weights = if loads { weights_on(pool, entry) } else { 0 };
     let started = Instant::now();
-    let bound = started + pool.config.max_wait;
+    let bound = started + admitted.wait_left;
     loop {
         // Registered before looking, so a slot given back meanwhile is not missed.
         let changed = service.services.changed().notified();
@@ -73,7 +73,7 @@ pub(super) async fn enter(
                     reason: why,
                     pool: pool.name().to_string(),
                     waited: now - started,
-                    retry_after: pool.load().estimated_delay.max(pool.config.max_wait),
+                    retry_after: pool.load().estimated_delay.max(admitted.wait_left),
                 },
             ));
         }

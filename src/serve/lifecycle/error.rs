@@ -110,8 +110,9 @@ pub enum RequestError {
         retry_after: Duration,
     },
     /// Its service stayed at a budget (`concurrency`, `device_memory`, a background service's
-    /// turn) past the pool's `max_wait`; the reason names the service and the budget.
-    #[error("{reason}; waited {}ms, pool `{pool}`'s max wait", waited.as_millis())]
+    /// turn) past the routed pool's `max_wait` (less the policy's deferrals); the reason names
+    /// the service and the budget.
+    #[error("{reason}; waited {}ms, to the end of its max wait, on pool `{pool}`", waited.as_millis())]
     OverBudget {
         /// Why it waited.
         reason: String,
