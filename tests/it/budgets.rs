@@ -5,8 +5,9 @@
 //! accelerator is refused (or sent to the CPU pool by the default policy) with a reason naming
 //! the budget; `/metrics` and `/status` show each service's memory and budget.
 //!
-//! Concurrency and class run on fake backends held on a gate, so what is running is decided by
-//! the test, not by how fast the machine is; memory runs on real ONNX Runtime sessions.
+//! Concurrency, class and waiting for memory run on fake backends held on a gate, so what is
+//! running is decided by the test, not by how fast the machine is; the memory refusals, metrics
+//! and `/status` run on real ONNX Runtime sessions on the simulated accelerator.
 
 use std::sync::{Arc, Mutex, mpsc};
 use std::time::Duration;
@@ -57,19 +58,23 @@ struct Harness {
 /// only the budget holds a request back, and `batch` (service `batch`: background) on pool
 /// `bg`, whose max wait (5 s) ends before `gpu`'s (30 s).
 fn harness() -> Harness {
-    let script = Scratch::new();
-    let yaml = format!(
+    harness_of(
         "services:\n\
-         - {{name: chat, concurrency: 1}}\n\
-         - {{name: batch, class: background}}\n\
+         - {name: chat, concurrency: 1}\n\
+         - {name: batch, class: background}\n\
          models:\n\
-         - {{name: chat, path: 'builtin:encoder', service: chat}}\n\
-         - {{name: batch, path: 'builtin:encoder', service: batch}}\n\
+         - {name: chat, path: 'builtin:encoder', service: chat}\n\
+         - {name: batch, path: 'builtin:encoder', service: batch}\n\
          pools:\n\
-         - {{name: gpu, provider: cpu, models: [chat], workers: 2, queue: {{capacity: 8, max_wait: 30s}}}}\n\
-         - {{name: bg, provider: cpu, models: [batch], workers: 1, queue: {{capacity: 8, max_wait: 5s}}}}\n{}",
-        script.policy(ADMIT_ALL)
-    );
+         - {name: gpu, provider: cpu, models: [chat], workers: 2, queue: {capacity: 8, max_wait: 30s}}\n\
+         - {name: bg, provider: cpu, models: [batch], workers: 1, queue: {capacity: 8, max_wait: 5s}}\n",
+    )
+}
+
+/// A service of `yaml` on fake backends, under a policy that admits everything.
+fn harness_of(yaml: &str) -> Harness {
+    let script = Scratch::new();
+    let yaml = format!("{yaml}{}", script.policy(ADMIT_ALL));
     let (release, gate) = mpsc::channel();
     let gate = Arc::new(Mutex::new(gate));
     let factory = Arc::new(FakeFactory::new(move |_| Ok(Box::new(Gated(Arc::clone(&gate))))));
@@ -81,9 +86,14 @@ fn harness() -> Harness {
 }
 
 fn request(model: &str, value: f32) -> Request {
+    request_of(model, 4, value)
+}
+
+/// A request for `model` of `seq` tokens, all `value`.
+fn request_of(model: &str, seq: usize, value: f32) -> Request {
     Request {
         model: model.into(),
-        ..encoder_request(4, value)
+        ..encoder_request(seq, value)
     }
 }
 
@@ -93,12 +103,14 @@ fn spawn(h: &Harness, request: Request) -> tokio::task::JoinHandle<Result<lifecy
     tokio::spawn(async move { lifecycle::infer(&service, request).await })
 }
 
-/// Wait (at most 10 s of the runtime's time) until `done` holds.
+/// Wait (at most 10 s) until `done` holds, letting the other tasks run. The clock is not moved:
+/// under paused time a sleep here would advance it and end other requests' waits early.
 async fn until(what: &str, done: impl Fn() -> bool) {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
     while !done() {
-        assert!(tokio::time::Instant::now() < deadline, "never: {what}");
-        tokio::time::sleep(Duration::from_millis(1)).await;
+        assert!(std::time::Instant::now() < deadline, "never: {what}");
+        std::thread::sleep(Duration::from_millis(1));
+        tokio::task::yield_now().await;
     }
 }
 
@@ -110,7 +122,7 @@ fn counter(h: &Harness, series: &str) -> f64 {
 async fn a_request_over_its_services_concurrency_waits_without_a_worker_and_then_runs() {
     let h = harness();
     let first = spawn(&h, request("chat", WAIT_FOR_GATE));
-    until("the first runs", || h.service.services.running("chat") == 1).await;
+    until("the first runs on its worker", || h.service.activity.running() == 1).await;
     let second = spawn(&h, request("chat", 0.5));
     // It waits for its service, not for a worker: the pool's second worker stays idle.
     until("the second waits", || h.service.activity.waiting() == 1).await;
@@ -139,7 +151,7 @@ async fn a_request_over_its_services_concurrency_waits_without_a_worker_and_then
 async fn past_max_wait_a_request_over_its_services_concurrency_gets_429_naming_the_service() {
     let h = harness();
     let first = spawn(&h, request("chat", WAIT_FOR_GATE));
-    until("the first runs", || h.service.services.running("chat") == 1).await;
+    until("the first runs on its worker", || h.service.activity.running() == 1).await;
     let started = tokio::time::Instant::now();
     let refused = lifecycle::infer(&h.service, request("chat", 0.5))
         .await
@@ -229,6 +241,53 @@ async fn a_background_request_behind_interactive_work_past_max_wait_gets_429_nam
     h.release.send(()).unwrap();
     chat.await.unwrap().expect("chat is served");
     waiting_chat.await.unwrap().expect("the waiting chat request runs");
+}
+
+/// Model `chat` of service `chat` on a CUDA pool of fake backends, with a `device_memory` budget
+/// of its weights (the fake's: the model file's size, once per worker) plus `room` bytes. The
+/// fake estimates 1 KiB a token of its context axis and 1 KiB of workspace.
+fn on_device(room: u64) -> Harness {
+    let yaml = |budget: u64| {
+        format!(
+            "devices: [{{name: gpu0, kind: nvidia, index: 0}}]\n\
+             services: [{{name: chat, device_memory: {budget}}}]\n\
+             models: [{{name: chat, path: 'builtin:encoder', service: chat, context: {{input: input, axis: 1}}}}]\n\
+             pools: [{{name: gpu, provider: cuda, device: gpu0, models: [chat], workers: 2, queue: {{capacity: 8, max_wait: 30s}}}}]\n"
+        )
+    };
+    let h = harness_of(&yaml(u64::MAX >> 2));
+    let weights = h.service.model("chat").unwrap().profile.weights_bytes * 2;
+    harness_of(&yaml(weights + room))
+}
+
+#[tokio::test]
+async fn over_its_device_memory_a_request_waits_for_its_services_own_running_request_and_then_runs() {
+    // Room for one request of 60 tokens (61 KiB), not two.
+    let h = on_device(100 << 10);
+    let first = spawn(&h, request_of("chat", 60, WAIT_FOR_GATE));
+    until("the first runs on its worker", || h.service.activity.running() == 1).await;
+    let second = spawn(&h, request_of("chat", 60, 0.5));
+    until("the second waits", || h.service.activity.waiting() == 1).await;
+    assert_eq!(h.service.pool("gpu").unwrap().load().queue_depth, 0, "a worker is free");
+    // One that would not fit even alone is refused at once, naming the budget.
+    let refused = lifecycle::infer(&h.service, request_of("chat", 200, 0.5))
+        .await
+        .expect_err("over the budget whatever finishes");
+    assert_eq!(status_of(&refused.error), StatusCode::SERVICE_UNAVAILABLE);
+    let message = refused.error.to_string();
+    assert!(message.starts_with("service `chat` would use "), "{message}");
+    assert!(
+        message.contains(" on gpu0, over its device_memory budget of "),
+        "{message}"
+    );
+    assert!(!second.is_finished());
+
+    h.release.send(()).unwrap();
+    first.await.unwrap().expect("the first is served");
+    second
+        .await
+        .unwrap()
+        .expect("the second runs once the first gave its memory back");
 }
 
 // ─── device_memory, on the simulated accelerator ─────────────────────────────────────────────
