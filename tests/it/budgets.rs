@@ -390,3 +390,68 @@ async fn the_default_policy_sends_a_request_over_its_services_budget_to_the_cpu_
     assert!(search["memory"]["gpu0"].as_u64().unwrap() < 2 << 20, "{search}");
     server.stop().await;
 }
+
+#[tokio::test]
+async fn a_background_request_waits_while_its_device_is_under_the_reserve_but_not_on_the_cpu_pool() {
+    if crate::common::ran_in_own_process() {
+        return;
+    }
+    let scratch = Scratch::new();
+    let policy = scratch.write("policy.rhai", ADMIT_ALL);
+    let yaml = format!(
+        "devices: [{{name: gpu0, kind: simulated, capacity: 128MiB}}]\n\
+         services: [{{name: batch, class: background}}]\n\
+         models:\n\
+         - {{name: encoder, path: 'builtin:encoder', context: {{input: input, axis: 1}}, service: batch}}\n\
+         - {{name: classifier, path: 'builtin:classifier', service: batch}}\n\
+         pools:\n\
+         - {{name: gpu, provider: simulated, device: gpu0, models: [encoder], queue: {{capacity: 8, max_wait: 20s}}}}\n\
+         - {{name: cpu, provider: cpu, models: [classifier]}}\n\
+         policy: {{path: '{}', watch_interval: 0s, params: {{reserve_bytes: 64MiB}}}}\n",
+        policy.display()
+    );
+    let server = TestServer::start(&yaml).await;
+    // 100 MiB held by someone else: the device's headroom drops under the 64 MiB reserve.
+    let set = server
+        .post_json("/admin/sim/gpu0", &serde_json::json!({"pressure": "100MiB"}))
+        .await;
+    assert_eq!(set.status(), StatusCode::OK);
+    let url = server.url("/v2/models/encoder/infer");
+    let (header, body) = crate::common::encoder_binary_request(16);
+    let waiting = tokio::spawn(async move {
+        reqwest::Client::new()
+            .post(url)
+            .header("Inference-Header-Content-Length", header.len())
+            .body(body)
+            .send()
+            .await
+            .unwrap()
+            .status()
+    });
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while crate::common::gauge(&server.metrics().await, "vramguard_requests_waiting") != 1.0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the background request never waited"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    // The same service on the CPU pool is not held back by the device's headroom.
+    let case = &crate::common::reference_cases("classifier")[0];
+    let on_cpu = server
+        .post_json("/v2/models/classifier/infer", &crate::common::request_from_case(case))
+        .await;
+    assert_eq!(on_cpu.status(), StatusCode::OK);
+    assert!(!waiting.is_finished(), "the device is still under its reserve");
+
+    let released = server
+        .post_json("/admin/sim/gpu0", &serde_json::json!({"pressure": "0"}))
+        .await;
+    assert_eq!(released.status(), StatusCode::OK);
+    assert_eq!(
+        waiting.await.unwrap(),
+        StatusCode::OK,
+        "served once the headroom is back"
+    );
+    server.stop().await;
+}
