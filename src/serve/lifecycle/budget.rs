@@ -1,16 +1,17 @@
 //! The service budgets between the policy's decision and the run: a request whose service is at
 //! its `concurrency`, over its `device_memory` while its own running requests would free
 //! enough, or (a background service's) behind waiting interactive work or a device short of
-//! its reserve, waits without holding a worker, bounded by what the policy's deferrals left of
-//! the routed pool's `queue.max_wait`, and by its deadline; past the bound it gets 429 with the reason. One that would go over its
-//! `device_memory` whatever finishes is refused with 503. A request let through holds its
-//! [`Slot`](crate::serve::service::Slot) until it is answered.
+//! its reserve, waits without holding a worker, bounded by its deadline and by what the
+//! policy's deferrals left of the routed pool's `queue.max_wait`; past the bound it gets 429
+//! with the reason. One that would go over its `device_memory` whatever finishes is refused
+//! with 503. A request let through holds its [`Slot`](crate::serve::service::Slot) until it is
+//! answered.
 
 use std::time::Duration;
 
 use tokio::time::Instant;
 
-use crate::serve::service::{Ask, Judgement, Memory, ModelEntry, Service, memory_of, weights_on};
+use crate::serve::service::{Ask, HeldBack, Memory, ModelEntry, Service, memory_of, weights_on};
 
 use super::admit::Admitted;
 use super::{DeadlineMiss, Refused, Request, RequestError};
@@ -55,12 +56,11 @@ pub(super) async fn enter(
                 }
                 return Ok(());
             }
-            Err(Judgement::Refuse(reason)) => {
+            Err(HeldBack::Refuse(reason)) => {
                 let retry_after = pool.load().estimated_delay;
                 return Err(Refused::at(pool, RequestError::Refused { reason, retry_after }));
             }
-            Err(Judgement::Wait(why)) => why,
-            Err(Judgement::Go) => unreachable!("enter lets a request through with its slot"),
+            Err(HeldBack::Wait(why)) => why,
         };
         let now = Instant::now();
         if request.deadline().is_some_and(|d| d <= now) {

@@ -118,11 +118,9 @@ pub struct Held {
     pub running_bytes: u64,
 }
 
-/// Whether a request may start now.
+/// Why a request may not start now.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Judgement {
-    /// It may.
-    Go,
+pub enum HeldBack {
     /// Not now, but once running work finishes (or interactive work and headroom allow); the
     /// reason names the service and the budget.
     Wait(String),
@@ -134,7 +132,7 @@ pub enum Judgement {
 /// request that can never fit is told at once), then the reasons to wait: its `concurrency`,
 /// its `device_memory` when its own running requests would free enough, and for a background
 /// service, waiting interactive requests and a device short of its reserve.
-pub fn judge(service: &ServiceConfig, held: Held, ask: &Ask<'_>) -> Judgement {
+pub fn judge(service: &ServiceConfig, held: Held, ask: &Ask<'_>) -> Result<(), HeldBack> {
     let name = &service.name;
     if let (Some(budget), Some(device)) = (service.device_memory, ask.device) {
         let would = held.bytes.saturating_add(ask.need_bytes);
@@ -144,36 +142,36 @@ pub fn judge(service: &ServiceConfig, held: Held, ask: &Ask<'_>) -> Judgement {
                 human_bytes(would),
                 human_bytes(budget)
             );
-            if held.running_bytes == 0 || would.saturating_sub(held.running_bytes) > budget {
-                return Judgement::Refuse(why);
+            if would.saturating_sub(held.running_bytes) > budget {
+                return Err(HeldBack::Refuse(why));
             }
-            return Judgement::Wait(why);
+            return Err(HeldBack::Wait(why));
         }
     }
     if let Some(limit) = service.concurrency
         && held.running >= limit as u64
     {
-        return Judgement::Wait(format!(
+        return Err(HeldBack::Wait(format!(
             "service `{name}` has {} requests running, at its concurrency of {limit}",
             held.running
-        ));
+        )));
     }
     if service.class == ServiceClass::Background {
         if ask.interactive_waiting > 0 {
-            return Judgement::Wait(format!(
+            return Err(HeldBack::Wait(format!(
                 "background service `{name}` gives way to {} waiting interactive requests",
                 ask.interactive_waiting
-            ));
+            )));
         }
         if let (Some((headroom, reserve)), Some(device)) = (ask.headroom_short, ask.device) {
-            return Judgement::Wait(format!(
+            return Err(HeldBack::Wait(format!(
                 "background service `{name}` waits while {device} has {} of headroom, under its reserve of {}",
                 human_bytes(headroom),
                 human_bytes(reserve)
-            ));
+            )));
         }
     }
-    Judgement::Go
+    Ok(())
 }
 
 impl Services {
@@ -254,7 +252,7 @@ impl Services {
     /// Let one request of `service` through, or say why not ([`judge`]); the check and the
     /// count are one step, so concurrent requests cannot both take the last place. An unknown
     /// service (none is configured for the model) has no budgets.
-    pub fn enter(&self, service: &str, ask: &Ask<'_>) -> Result<Option<Slot>, Judgement> {
+    pub fn enter(&self, service: &str, ask: &Ask<'_>) -> Result<Option<Slot>, HeldBack> {
         let Some((index, live)) = self.find(service) else {
             return Ok(None);
         };
@@ -266,10 +264,7 @@ impl Services {
             bytes: resident.saturating_add(running_bytes),
             running_bytes,
         };
-        match judge(&live.config, held, ask) {
-            Judgement::Go => {}
-            other => return Err(other),
-        }
+        judge(&live.config, held, ask)?;
         usage.running += 1;
         if let Some(device) = ask.device {
             *usage.bytes.entry(device.to_string()).or_insert(0) += ask.need_bytes;
@@ -413,7 +408,7 @@ mod tests {
             on_gpu(weights + 1000),
             "only the device's request counts there"
         );
-        assert!(matches!(services.enter("chat", &ask(None)), Err(Judgement::Wait(_))));
+        assert!(matches!(services.enter("chat", &ask(None)), Err(HeldBack::Wait(_))));
         let states = services.states(&service.config, &Snapshot::default());
         assert_eq!((states["chat"].running, states["chat"].budget_bytes), (2, 1 << 30));
         assert_eq!(states["chat"].memory_bytes, on_gpu(weights + 1000).unwrap());
@@ -458,15 +453,11 @@ mod tests {
             bytes: 5 * GIB,
             running_bytes: GIB,
         };
-        assert_eq!(
-            judge(&chat, five, &on_sim(GIB)),
-            Judgement::Go,
-            "exactly the budget fits"
-        );
+        assert_eq!(judge(&chat, five, &on_sim(GIB)), Ok(()), "exactly the budget fits");
         // 6.2 GiB: the running request's 1 GiB, once given back, leaves room.
         let need = GIB + GIB / 5;
         match judge(&chat, five, &on_sim(need)) {
-            Judgement::Wait(why) => assert_eq!(
+            Err(HeldBack::Wait(why)) => assert_eq!(
                 why,
                 "service `chat` would use 6.2 GiB on sim0, over its device_memory budget of 6 GiB"
             ),
@@ -478,14 +469,17 @@ mod tests {
             bytes: 5 * GIB,
             running_bytes: GIB / 2,
         };
-        assert!(matches!(judge(&chat, weights, &on_sim(2 * GIB)), Judgement::Refuse(_)));
+        assert!(matches!(
+            judge(&chat, weights, &on_sim(2 * GIB)),
+            Err(HeldBack::Refuse(_))
+        ));
         // Off the accelerator no device budget applies.
         let cpu = Ask {
             device: None,
             need_bytes: 100 * GIB,
             ..Ask::default()
         };
-        assert_eq!(judge(&chat, weights, &cpu), Judgement::Go);
+        assert_eq!(judge(&chat, weights, &cpu), Ok(()));
     }
 
     #[test]
@@ -495,10 +489,12 @@ mod tests {
             running,
             ..Held::default()
         };
-        assert_eq!(judge(&chat, held(1), &on_sim(1)), Judgement::Go);
+        assert_eq!(judge(&chat, held(1), &on_sim(1)), Ok(()));
         assert_eq!(
             judge(&chat, held(2), &on_sim(1)),
-            Judgement::Wait("service `chat` has 2 requests running, at its concurrency of 2".into())
+            Err(HeldBack::Wait(
+                "service `chat` has 2 requests running, at its concurrency of 2".into()
+            ))
         );
     }
 
@@ -509,21 +505,26 @@ mod tests {
             interactive_waiting: 1,
             ..on_sim(1)
         };
-        assert!(matches!(judge(&batch, Held::default(), &waiting), Judgement::Wait(_)));
+        assert!(matches!(
+            judge(&batch, Held::default(), &waiting),
+            Err(HeldBack::Wait(_))
+        ));
         let short = Ask {
             headroom_short: Some((GIB / 2, GIB)),
             ..on_sim(1)
         };
         match judge(&batch, Held::default(), &short) {
-            Judgement::Wait(why) => assert!(why.contains("512 MiB of headroom, under its reserve of 1 GiB"), "{why}"),
+            Err(HeldBack::Wait(why)) => {
+                assert!(why.contains("512 MiB of headroom, under its reserve of 1 GiB"), "{why}")
+            }
             other => panic!("{other:?}"),
         }
         // The same request on the CPU pool is not held back by a device's headroom.
         let on_cpu = Ask { device: None, ..short };
-        assert_eq!(judge(&batch, Held::default(), &on_cpu), Judgement::Go);
+        assert_eq!(judge(&batch, Held::default(), &on_cpu), Ok(()));
         // An interactive service ignores both.
         let chat = service(None, None, ServiceClass::Interactive);
-        assert_eq!(judge(&chat, Held::default(), &waiting), Judgement::Go);
-        assert_eq!(judge(&chat, Held::default(), &short), Judgement::Go);
+        assert_eq!(judge(&chat, Held::default(), &waiting), Ok(()));
+        assert_eq!(judge(&chat, Held::default(), &short), Ok(()));
     }
 }
