@@ -36,7 +36,7 @@ use crate::telemetry::services::ServicesCollector;
 pub use models::{ModelBytes, ModelEntry};
 pub use onnxruntime::OrtFactory;
 pub use parts::{BackendFactory, Parts};
-pub use services::{Ask, Held, HeldBack, Services, Slot, judge};
+pub use services::{Ask, HeldBack, Services, Slot};
 pub use zeroed::UNKNOWN_MODEL;
 
 pub(crate) use observe::weights_on;
