@@ -455,3 +455,77 @@ async fn a_background_request_waits_while_its_device_is_under_the_reserve_but_no
     );
     server.stop().await;
 }
+
+/// The tiny decoder fixture on a CPU pool of two workers, its service limited to one request
+/// at a time, under a policy that admits everything.
+fn decoder_service(script: &Scratch) -> vramguard::config::Config {
+    config::validated(&format!(
+        "services: [{{name: tiny, concurrency: 1}}]\n\
+         models: [{{name: tiny, path: models/decoder/model.onnx, tokenizer: models/decoder/tokenizer.json}}]\n\
+         pools: [{{name: cpu, provider: cpu, models: [tiny], workers: 2, queue: {{capacity: 8, max_wait: 30s}}}}]\n{}",
+        script.policy(ADMIT_ALL)
+    ))
+}
+
+#[tokio::test]
+async fn a_generation_holds_its_services_concurrency_until_its_last_token() {
+    use vramguard::serve::generate::{self, Params, Prompt};
+    let script = Scratch::new();
+    let config = decoder_service(&script);
+    let service = Arc::new(
+        tokio::task::spawn_blocking(move || Service::start(config))
+            .await
+            .unwrap()
+            .expect("service starts"),
+    );
+    // The fixture's "short" case: 16 greedy tokens, no end token among them.
+    let params = Params {
+        max_tokens: 16,
+        temperature: 0.0,
+        top_p: 1.0,
+        top_k: 0,
+        seed: 1,
+        stop: Vec::new(),
+        tools: false,
+    };
+    let generation = |sink| {
+        let (service, params) = (Arc::clone(&service), params.clone());
+        tokio::spawn(async move {
+            let entry = service.model("tiny").unwrap();
+            let request = vramguard::testing::request("tiny", Vec::new());
+            generate::generate(&service, entry, Prompt::from(vec![301, 355]), &params, request, sink)
+                .await
+                .map(|g| g.tokens.len())
+        })
+    };
+    // A reader that reads nothing yet: the generation stops at its second token, between runs.
+    let (sink, mut tokens) = tokio::sync::mpsc::channel(1);
+    let streaming = generation(Some(sink));
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while tokens.capacity() > 0 || service.activity.running() != 1 {
+        assert!(std::time::Instant::now() < deadline, "the generation never started");
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    assert_eq!(service.services.running("tiny"), 1, "between its runs it still counts");
+    let second = generation(None);
+    until("the second generation waits", || service.activity.waiting() == 1).await;
+    assert_eq!(
+        service.pool("cpu").unwrap().load().inflight,
+        0,
+        "no worker is held meanwhile"
+    );
+
+    let mut read = 0;
+    while tokens.recv().await.is_some() {
+        read += 1;
+    }
+    assert_eq!((read, streaming.await.unwrap().expect("the stream ends")), (16, 16));
+    assert_eq!(
+        second
+            .await
+            .unwrap()
+            .expect("the second runs after the first's last token"),
+        16
+    );
+    assert_eq!(service.services.running("tiny"), 0);
+}
