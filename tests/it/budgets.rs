@@ -1,6 +1,7 @@
 //! Services' budgets (`services[]`: `concurrency`, `class`, `device_memory`) as clients and
 //! operators see them: a request over its service's concurrency waits without a worker and
-//! runs, or gets 429 naming the service past `max_wait`; a background request gives way to
+//! runs, or gets 429 naming the service past `max_wait`, and a generation holds its place until
+//! its last token; a background request gives way to
 //! waiting interactive work; a request over its service's `device_memory` on the simulated
 //! accelerator is refused (or sent to the CPU pool by the default policy) with a reason naming
 //! the budget; `/metrics` and `/status` show each service's memory and budget.
