@@ -250,6 +250,11 @@ impl Queue {
         true
     }
 
+    /// Jobs of `model` queued or running now.
+    pub(super) fn busy(&self, model: &str) -> usize {
+        self.lock().busy_with(model)
+    }
+
     /// Whether `model` is wanted now.
     pub(super) fn is_wanted(&self, model: &str) -> bool {
         self.lock().wanted.contains(model)

@@ -155,7 +155,12 @@ impl Pool {
         }
     }
 
-    fn await_backends(&self, model: &str, what: &'static str, generation: u64) -> Result<(), ResidencyError> {
+    pub(super) fn await_backends(
+        &self,
+        model: &str,
+        what: &'static str,
+        generation: u64,
+    ) -> Result<(), ResidencyError> {
         if self
             .queue
             .await_generation(generation, Instant::now() + OPERATION_BOUND)
@@ -210,8 +215,10 @@ impl Pool {
                     tracing::info!(pool = self.name(), %model, seconds = took.as_secs_f64(), "sessions built");
                     if let Some(metrics) = self.models.metrics(&model) {
                         metrics.load_duration.observe(took.as_secs_f64());
+                        self.models.load_took(&model, took);
                         if self.queue.is_wanted(&model) {
                             metrics.resident.set(1);
+                            self.models.loaded(&model, self.context.clock.now());
                         }
                     }
                 }
@@ -298,6 +305,8 @@ mod tests {
             name: name.into(),
             residency,
             idle_unload: None,
+            priority: 0,
+            min_residency: Duration::ZERO,
             bytes: Arc::new(Vec::<u8>::new()),
             metrics: ModelMetrics::detached(),
         }

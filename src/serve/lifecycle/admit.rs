@@ -39,11 +39,13 @@ pub(super) async fn admit(service: &Service, entry: &ModelEntry, request: &mut R
     let refuse = |error: RequestError| Refused { pool: None, error };
     let routed = routed_pool(service, &entry.config.name).map_err(refuse)?;
     let dims = entry.with_new_tokens(entry.dims_of(&request.inputs), request.max_new_tokens);
-    let mut info = request_info(entry, request, &routed);
+    let mut info = request_info(service, entry, request, &routed);
     if let Some(never) = super::fits::never_fits(service, entry, request, &info.estimate, &dims) {
         return Err(refuse(RequestError::NeverFits(Box::new(never))));
     }
     let mut deferred = Duration::ZERO;
+    // Why the last `make_room` could not free enough: the policy then decides without it.
+    let mut no_room: Option<String> = None;
     loop {
         if let Some(deadline) = request.deadline() {
             // The policy sees the time left, not the time the client first gave.
@@ -58,8 +60,20 @@ pub(super) async fn admit(service: &Service, entry: &ModelEntry, request: &mut R
             }
             info.deadline_ms = (left.as_millis() as u64).max(1);
         }
-        let (decision, plan) = decide(service, entry, request, &info, &routed, deferred);
+        let (decision, plan) = decide(service, entry, request, &info, &routed, deferred, no_room.as_deref());
         match plan {
+            Plan::MakeRoom { pool, bytes } => {
+                let pool = service.pool(&pool).cloned().expect("plan only names existing pools");
+                let bytes = bytes.unwrap_or_else(|| need_on(service, entry, &info, &pool));
+                match super::room::make_room(service, entry, &pool, bytes, &info.id).await {
+                    Ok(_) => return shrink(entry, request, &info, pool, decision.action(), None).map_err(refuse),
+                    Err(why) => {
+                        tracing::info!(request_id = %info.id, model = %info.model, pool = pool.name(), reason = %why, "make_room freed too little; the policy decides again without it");
+                        info.evictable_bytes = 0;
+                        no_room = Some(why);
+                    }
+                }
+            }
             Plan::Run { pool, shrink_to } => {
                 let pool = service.pool(&pool).cloned().expect("plan only names existing pools");
                 if pool.name() != routed.name() && is_accelerator(&routed) {
@@ -90,6 +104,19 @@ pub(super) async fn admit(service: &Service, entry: &ModelEntry, request: &mut R
             }
             Plan::Invalid(_) => unreachable!("replaced by the fallback in decide()"),
         }
+    }
+}
+
+/// What a request needs on `pool` beyond what is there now: its run's context and workspace,
+/// and its weights when its sessions are not loaded there.
+fn need_on(service: &Service, entry: &ModelEntry, info: &RequestInfo, pool: &Pool) -> u64 {
+    let run = info
+        .estimate
+        .context_bytes
+        .saturating_add(info.estimate.workspace_bytes);
+    match pool.is_resident(&entry.config.name) {
+        true => run,
+        false => run.saturating_add(service.weights_on(pool, entry)),
     }
 }
 
@@ -131,7 +158,7 @@ fn routed_pool(service: &Service, model: &str) -> Result<Arc<Pool>, RequestError
 
 /// What the policy is told about the request, routed to `routed` (its deadline is filled in
 /// before each decision).
-fn request_info(entry: &ModelEntry, request: &Request, routed: &Pool) -> RequestInfo {
+fn request_info(service: &Service, entry: &ModelEntry, request: &Request, routed: &Pool) -> RequestInfo {
     let sent = entry.dims_of(&request.inputs);
     let (tokens, batch) = entry.tokens_and_batch(&sent);
     let dims = entry
@@ -154,6 +181,11 @@ fn request_info(entry: &ModelEntry, request: &Request, routed: &Pool) -> Request
         deadline_ms: 0,
         estimate: entry.estimate(&entry.with_new_tokens(sent, request.max_new_tokens)),
         dims,
+        load_bytes: match routed.is_resident(&entry.config.name) {
+            true => 0,
+            false => service.weights_on(routed, entry),
+        },
+        evictable_bytes: super::room::evictable_bytes(service, routed, entry),
     }
 }
 
@@ -167,6 +199,7 @@ fn decide(
     info: &RequestInfo,
     routed: &Pool,
     deferred: Duration,
+    no_room: Option<&str>,
 ) -> (Decision, Plan) {
     let model = entry.config.name.as_str();
     let has_context = entry.config.context.is_some() || request.shrinker.is_some();
@@ -180,6 +213,7 @@ fn decide(
             serves: p.serves(model),
             ready: p.refusal().map_or(Ok(()), Err),
             max_context: p.config.max_context,
+            accelerator: is_accelerator(p),
         })
         .collect();
     let eval_started = std::time::Instant::now();
@@ -198,6 +232,9 @@ fn decide(
         tracing::warn!(request_id = %info.id, %error, fallback = %decision, "policy failed; using the fallback decision");
     }
     let mut plan = router::plan(&decision, info, has_context, &views, deferred, max_defer);
+    if let (Plan::MakeRoom { .. }, Some(why)) = (&plan, no_room) {
+        plan = Plan::Invalid(format!("make_room again after it could not free enough: {why}"));
+    }
     if let Plan::Invalid(why) = &plan {
         metrics
             .policy_errors
@@ -212,11 +249,15 @@ fn decide(
             Plan::Invalid(why) => Plan::Refuse(format!(
                 "neither the policy's decision nor the fallback can be carried out: {why}"
             )),
+            Plan::MakeRoom { .. } if no_room.is_some() => Plan::Refuse(format!(
+                "the fallback decision is make_room, which could not free enough: {}",
+                no_room.unwrap_or_default()
+            )),
             other => other,
         };
     }
     let target = match &plan {
-        Plan::Run { pool, .. } => pool.as_str(),
+        Plan::Run { pool, .. } | Plan::MakeRoom { pool, .. } => pool.as_str(),
         _ => info.pool.as_str(),
     };
     metrics

@@ -20,6 +20,7 @@ mod error;
 mod fits;
 mod place;
 mod retry;
+mod room;
 mod run;
 
 use std::sync::Arc;

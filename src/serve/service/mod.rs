@@ -10,6 +10,7 @@ mod onnxruntime;
 mod parts;
 mod policy;
 mod pools;
+mod rooms;
 mod zeroed;
 
 use std::collections::HashMap;
@@ -34,6 +35,7 @@ use crate::telemetry::metrics::Metrics;
 pub use models::{ModelBytes, ModelEntry};
 pub use onnxruntime::OrtFactory;
 pub use parts::{BackendFactory, Parts};
+pub use rooms::{Eviction, Rooms};
 pub use zeroed::UNKNOWN_MODEL;
 
 use models::load_models;
@@ -94,6 +96,8 @@ pub struct Service {
     /// Bytes of model weights loaded on each memory (`host`, or an accelerator device), every
     /// pool's models counted: fixed once the pools are built.
     weights_resident: HashMap<String, u64>,
+    /// `make_room`'s per-device locks and its recent evictions.
+    pub rooms: Rooms,
 }
 
 /// Host memory promised to one run; given back when dropped.
@@ -198,6 +202,7 @@ impl Service {
             decisions: Default::default(),
             activity,
             weights_resident,
+            rooms: Rooms::default(),
         })
     }
 
@@ -212,6 +217,12 @@ impl Service {
         let all = self.weights_resident.get(key).copied().unwrap_or(0);
         let own = self.model(model).map_or(0, |m| observe::weights_on(pool, m));
         Some(all.saturating_sub(own))
+    }
+
+    /// The weights `pool` holds of `entry`'s model when it is loaded there: every worker
+    /// builds its own sessions.
+    pub fn weights_on(&self, pool: &Pool, entry: &ModelEntry) -> u64 {
+        observe::weights_on(pool, entry)
     }
 
     /// The sampler, for the server to run in the background (taken once).
