@@ -37,7 +37,35 @@ impl Resident {
     }
 }
 
+/// A model on a pool now, as `/status` shows it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModelState {
+    /// Its sessions are loaded here.
+    pub resident: bool,
+    /// Since they were last built here (`None` on a remote pool).
+    pub since_load: Option<Duration>,
+    /// Since its last request here (since the start when it had none).
+    pub since_request: Duration,
+    /// Its requests running here.
+    pub running: usize,
+    /// Its requests queued here.
+    pub queued: usize,
+}
+
 impl Pool {
+    /// `model` on this pool now.
+    pub fn model_state(&self, model: &str) -> ModelState {
+        let (since_load, since_request) = self.models.ages(model, self.context.clock.now());
+        let (running, queued) = self.queue.counts(model);
+        ModelState {
+            resident: self.is_resident(model),
+            since_load: (!matches!(self.config.provider, Provider::Remote(_))).then_some(since_load),
+            since_request,
+            running,
+            queued,
+        }
+    }
+
     /// The models whose sessions this pool holds now, with what eviction weighs (none on a
     /// remote pool: its server holds its own).
     pub fn residents(&self) -> Vec<Resident> {

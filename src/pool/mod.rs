@@ -27,7 +27,7 @@ mod shared;
 mod worker;
 
 pub use context::{PoolContext, PoolMetrics, Respawn};
-pub use evict::Resident;
+pub use evict::{ModelState, Resident};
 pub use job::{InferJob, JobResult, PoolError, RunCancel, RunMemory};
 pub use load::PoolLoad;
 pub use models::{LOAD_BUCKETS, ModelBytesRef, ModelMetrics, ModelSetup, ResidencyError, ResidencyOutcome};

@@ -255,6 +255,13 @@ impl Queue {
         self.lock().busy_with(model)
     }
 
+    /// Jobs of `model` running and queued now.
+    pub(super) fn counts(&self, model: &str) -> (usize, usize) {
+        let state = self.lock();
+        let running = state.running.get(model).copied().unwrap_or(0);
+        (running, state.jobs.iter().filter(|q| q.job.model == model).count())
+    }
+
     /// Whether `model` is wanted now.
     pub(super) fn is_wanted(&self, model: &str) -> bool {
         self.lock().wanted.contains(model)

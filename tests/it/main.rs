@@ -9,6 +9,7 @@ mod connections;
 mod counted;
 mod drill;
 mod estimates;
+mod evict;
 mod failover;
 mod generation;
 mod health;

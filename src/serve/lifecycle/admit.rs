@@ -16,6 +16,7 @@ use crate::serve::router::{self, Plan, PoolView};
 use crate::serve::service::{ModelEntry, Service};
 use crate::telemetry::metrics::{DecisionLabels, FailoverReason, KindLabels};
 
+use super::room::{DeviceHold, evictable_bytes, hold_device, make_room};
 use super::run::is_accelerator;
 use super::{DeadlineMiss, Refused, Request, RequestError};
 
@@ -31,6 +32,9 @@ pub(super) struct Admitted {
     pub(super) context_cut: Option<String>,
     /// The estimate for what actually runs (after any shrink).
     pub(super) estimate: Estimate,
+    /// Held when it loads its model on an accelerator or made room there: released once its
+    /// first run has ended and the device was sampled again.
+    pub(super) hold: Option<DeviceHold>,
 }
 
 /// Ask the policy what to do with the request and carry it out until it is placed on a pool
@@ -46,6 +50,13 @@ pub(super) async fn admit(service: &Service, entry: &ModelEntry, request: &mut R
     let mut deferred = Duration::ZERO;
     // Why the last `make_room` could not free enough: the policy then decides without it.
     let mut no_room: Option<String> = None;
+    let mut hold = None;
+    if info.load_bytes > 0 && is_accelerator(&routed) {
+        // A cold start on an accelerator: wait for the loads before it to show in the samples.
+        hold = hold_device(service, &routed).await;
+        info.load_bytes = load_bytes(service, entry, &routed);
+        info.evictable_bytes = evictable_bytes(service, &routed, entry);
+    }
     loop {
         if let Some(deadline) = request.deadline() {
             // The policy sees the time left, not the time the client first gave.
@@ -65,8 +76,13 @@ pub(super) async fn admit(service: &Service, entry: &ModelEntry, request: &mut R
             Plan::MakeRoom { pool, bytes } => {
                 let pool = service.pool(&pool).cloned().expect("plan only names existing pools");
                 let bytes = bytes.unwrap_or_else(|| need_on(service, entry, &info, &pool));
-                match super::room::make_room(service, entry, &pool, bytes, &info.id).await {
-                    Ok(_) => return shrink(entry, request, &info, pool, decision.action(), None).map_err(refuse),
+                match make_room(service, entry, &pool, bytes, &info.id, &mut hold).await {
+                    Ok(_) => {
+                        let mut admitted =
+                            shrink(entry, request, &info, pool, decision.action(), None).map_err(refuse)?;
+                        admitted.hold = hold;
+                        return Ok(admitted);
+                    }
                     Err(why) => {
                         tracing::info!(request_id = %info.id, model = %info.model, pool = pool.name(), reason = %why, "make_room freed too little; the policy decides again without it");
                         info.evictable_bytes = 0;
@@ -79,7 +95,11 @@ pub(super) async fn admit(service: &Service, entry: &ModelEntry, request: &mut R
                 if pool.name() != routed.name() && is_accelerator(&routed) {
                     service.failover(&routed, &pool, FailoverReason::policy_redirect);
                 }
-                return shrink(entry, request, &info, pool, decision.action(), shrink_to).map_err(refuse);
+                let mut admitted = shrink(entry, request, &info, pool, decision.action(), shrink_to).map_err(refuse)?;
+                // Sent elsewhere, it changes nothing on the held device.
+                let same_device = is_accelerator(&admitted.pool) && admitted.pool.config.device == routed.config.device;
+                admitted.hold = hold.filter(|_| same_device);
+                return Ok(admitted);
             }
             Plan::Wait(wait) => {
                 if request.deadline().is_some_and(|d| Instant::now() + wait >= d) {
@@ -104,6 +124,14 @@ pub(super) async fn admit(service: &Service, entry: &ModelEntry, request: &mut R
             }
             Plan::Invalid(_) => unreachable!("replaced by the fallback in decide()"),
         }
+    }
+}
+
+/// The weights `pool` must load before it runs `entry`'s model: 0 when they are there.
+fn load_bytes(service: &Service, entry: &ModelEntry, pool: &Pool) -> u64 {
+    match pool.is_resident(&entry.config.name) {
+        true => 0,
+        false => service.weights_on(pool, entry),
     }
 }
 
@@ -181,11 +209,8 @@ fn request_info(service: &Service, entry: &ModelEntry, request: &Request, routed
         deadline_ms: 0,
         estimate: entry.estimate(&entry.with_new_tokens(sent, request.max_new_tokens)),
         dims,
-        load_bytes: match routed.is_resident(&entry.config.name) {
-            true => 0,
-            false => service.weights_on(routed, entry),
-        },
-        evictable_bytes: super::room::evictable_bytes(service, routed, entry),
+        load_bytes: load_bytes(service, entry, routed),
+        evictable_bytes: evictable_bytes(service, routed, entry),
     }
 }
 
@@ -317,5 +342,6 @@ fn shrink(
         context,
         context_cut,
         estimate,
+        hold: None,
     })
 }

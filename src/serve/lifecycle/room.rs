@@ -119,21 +119,36 @@ fn headroom(service: &Service, device: &str) -> u64 {
         .map_or(0, |d| d.headroom_bytes)
 }
 
-/// Make `bytes` of headroom on `pool`'s device for a request of `entry`'s model (`request_id`):
-/// the models unloaded, or why no room could be made (nothing was unloaded then, unless a
-/// victim's memory did not come back in time).
+/// Held while a request changes what its device holds (it loads its model's weights, or made
+/// room for them) until its first run has ended and a sample shows the result: the next such
+/// request on the device then decides on memory as it is, not as it was before this load.
+pub(super) type DeviceHold = tokio::sync::OwnedMutexGuard<()>;
+
+/// Take `pool`'s device's hold, waiting at most the pool's `max_wait` (past it the request goes
+/// on without: it must not wait for ever on another's slow run), then sample the device.
+pub(super) async fn hold_device(service: &Service, pool: &Pool) -> Option<DeviceHold> {
+    let lock = service.rooms.lock_for(&pool.config.device);
+    let hold = tokio::time::timeout(pool.config.max_wait, lock.lock_owned()).await.ok();
+    service.resample_now().await;
+    hold
+}
+
+/// Make `bytes` of headroom on `pool`'s device for a request of `entry`'s model (`request_id`),
+/// under the device's hold (taken into `hold` unless the request has it): the models unloaded,
+/// or why no room could be made (nothing was unloaded then, unless a victim's memory did not
+/// come back in time).
 pub(super) async fn make_room(
     service: &Service,
     entry: &ModelEntry,
     pool: &Arc<Pool>,
     bytes: u64,
     request_id: &str,
+    hold: &mut Option<DeviceHold>,
 ) -> Result<Vec<Eviction>, String> {
     let device = pool.config.device.as_str();
-    let lock = service.rooms.lock_for(device);
-    let _one_at_a_time = lock.lock().await;
-    // A request that made room just before this one may have changed the device.
-    service.resample_now().await;
+    if hold.is_none() {
+        *hold = hold_device(service, pool).await;
+    }
     let before = headroom(service, device);
     if bytes <= before {
         return Ok(Vec::new());
