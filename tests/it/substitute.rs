@@ -207,3 +207,71 @@ async fn a_substituted_answer_is_the_answer_to_its_idempotency_key() {
     assert_eq!(crate::common::sample(&metrics, small), 1.0, "{metrics}");
     server.stop().await;
 }
+
+/// The tiny decoder under two names: `tiny` falls back on `small`, the policy refusing `tiny`.
+const DECODERS: &str = "\
+models:
+- {name: tiny, path: models/decoder/model.onnx, tokenizer: models/decoder/tokenizer.json,
+   chat_template: 'builtin:chatml', fallback_model: small}
+- {name: small, path: models/decoder/model.onnx, tokenizer: models/decoder/tokenizer.json,
+   chat_template: 'builtin:chatml'}
+pools: [{name: cpu, provider: cpu, models: [tiny, small]}]
+";
+
+const KEEP_TINY_OFF: &str = r#"fn decide(req, state) {
+    if req.model == "small" { admit() } else { reject("the policy keeps this model off") }
+}
+"#;
+
+/// POST `body` to `path` with `headers`.
+async fn post(server: &TestServer, path: &str, body: &Value, headers: &[(&str, &str)]) -> reqwest::Response {
+    let mut request = reqwest::Client::new().post(server.url(path)).json(body);
+    for (name, value) in headers {
+        request = request.header(*name, *value);
+    }
+    request.send().await.unwrap()
+}
+
+#[tokio::test]
+async fn a_completion_is_answered_by_the_fallback_named_in_its_model_field() {
+    let server = TestServer::with_policy(DECODERS, KEEP_TINY_OFF).await;
+    let completion = |model: &str| json!({"model": model, "prompt": "The GPU", "max_tokens": 6, "temperature": 0});
+    let allow = [("x-vramguard-allow-substitute", "true")];
+
+    let refused = post(&server, "/v1/completions", &completion("tiny"), &[]).await;
+    assert_eq!(refused.status(), StatusCode::SERVICE_UNAVAILABLE);
+    let own = post(&server, "/v1/completions", &completion("small"), &[]).await;
+    assert_eq!(own.status(), StatusCode::OK);
+    assert_eq!(own.headers()["x-vramguard-model"], "small");
+    let own: Value = own.json().await.unwrap();
+
+    let response = post(&server, "/v1/completions", &completion("tiny"), &allow).await;
+    assert_eq!(response.status(), StatusCode::OK);
+    assert_eq!(response.headers()["x-vramguard-model"], "small");
+    let answer: Value = response.json().await.unwrap();
+    assert_eq!(answer["model"], "small", "{answer}");
+    assert_eq!(answer["choices"][0]["text"], own["choices"][0]["text"], "{answer}");
+    assert_eq!(answer["usage"], own["usage"], "{answer}");
+
+    // A streamed chat: every chunk names the fallback, the first says what it stands in for.
+    let chat = json!({"model": "tiny", "messages": [{"role": "user", "content": "hello"}],
+                      "max_tokens": 4, "temperature": 0, "stream": true});
+    let response = post(&server, "/v1/chat/completions", &chat, &allow).await;
+    assert_eq!(response.status(), StatusCode::OK);
+    assert_eq!(response.headers()["x-vramguard-model"], "small");
+    let chunks = crate::generation::events(response).await;
+    assert!(chunks.iter().all(|c| c["model"] == "small"), "{chunks:?}");
+    let facts = &chunks[0]["vramguard"];
+    assert_eq!(facts["model"], "small", "{facts}");
+    assert_eq!(facts["requested_model"], "tiny", "{facts}");
+    assert_eq!(facts["substituted"], "no_fit", "{facts}");
+
+    let metrics = server.metrics().await;
+    assert_eq!(substitutions(&metrics, "tiny", "small", "no_fit"), 2.0);
+    let small = "vramguard_requests_total{model=\"small\",pool=\"cpu\",outcome=\"ok\"}";
+    assert_eq!(crate::common::sample(&metrics, small), 3.0, "{metrics}");
+    let tiny = "vramguard_requests_total{model=\"tiny\",pool=\"\",outcome=\"rejected\"}";
+    assert_eq!(crate::common::sample(&metrics, tiny), 1.0, "{metrics}");
+    assert_eq!(all_requests(&metrics), 4.0, "{metrics}");
+    server.stop().await;
+}
