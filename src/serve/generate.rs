@@ -425,18 +425,17 @@ fn internal(model: &str, pool: &Arc<Pool>, error: String) -> Refused {
     )
 }
 
-/// [`generate`]'s runs, uncounted: the prompt's run placed (or its fallback's, rebuilt), then
-/// one step per token on the pool that ran it.
-async fn run<'a>(
+/// The prompt's run placed: on the model asked for, or rebuilt for its fallback when that may
+/// answer instead. What ran, what the steps decode with (the model that answered), the steps'
+/// template (the request without its prompt, for that model), and where the tokens come from.
+async fn place_prompt<'a>(
     service: &'a Service,
     answering: &lifecycle::Answering,
     decoding: Decoding<'a>,
     mut request: Request,
     rebuild: Option<Rebuild>,
-    sink: Option<Sink>,
-) -> Result<Generated, Refused> {
-    // The steps' template: the request without its prompt, which is not copied only to be
-    // dropped.
+) -> Result<(Served, Decoding<'a>, Request, Arc<Source>), Refused> {
+    // The prompt is not copied only to be dropped.
     let prompt = std::mem::take(&mut request.inputs);
     let mut template = request.clone();
     request.inputs = prompt;
@@ -461,6 +460,28 @@ async fn run<'a>(
         ),
         None => (decoding, None),
     };
+    template.model = decoding.entry.config.name.clone();
+    // Once its first token is picked, a generation offering tools is never run again.
+    template.meta.replayable &= !decoding.params.tools;
+    let source = Arc::new(Source {
+        model: decoding.entry.config.name.clone(),
+        stop: decoding.params.stop.clone(),
+        substitution,
+    });
+    Ok((served, decoding, template, source))
+}
+
+/// [`generate`]'s runs, uncounted: the prompt's run ([`place_prompt`]), then one step per
+/// token on the pool that ran it.
+async fn run<'a>(
+    service: &'a Service,
+    answering: &lifecycle::Answering,
+    decoding: Decoding<'a>,
+    request: Request,
+    rebuild: Option<Rebuild>,
+    sink: Option<Sink>,
+) -> Result<Generated, Refused> {
+    let (served, decoding, template, source) = place_prompt(service, answering, decoding, request, rebuild).await?;
     let Decoding {
         entry,
         layout,
@@ -469,14 +490,6 @@ async fn run<'a>(
         params,
         prompt_tokens,
     } = decoding;
-    template.model = entry.config.name.clone();
-    // Once its first token is picked, a generation offering tools is never run again.
-    template.meta.replayable &= !params.tools;
-    let source = Arc::new(Source {
-        model: entry.config.name.clone(),
-        stop: params.stop.clone(),
-        substitution,
-    });
     let params = params.as_ref();
     let Served {
         mut pool,
