@@ -275,3 +275,52 @@ async fn a_completion_is_answered_by_the_fallback_named_in_its_model_field() {
     assert_eq!(all_requests(&metrics), 4.0, "{metrics}");
     server.stop().await;
 }
+
+#[tokio::test]
+async fn a_model_whose_breaker_is_open_is_answered_by_its_fallback_on_another_pool() {
+    if crate::common::ran_in_own_process() {
+        return;
+    }
+    let config = "\
+devices: [{name: gpu0, kind: simulated, capacity: 128MiB}]
+models:
+- {name: big, path: 'builtin:encoder', fallback_model: small}
+- {name: small, path: 'builtin:encoder'}
+pools:
+- {name: gpu, provider: simulated, device: gpu0, models: [big], breaker: {failures: 1, window: 60s, cooldown: 1h}}
+- {name: cpu, provider: cpu, models: [small]}
+";
+    let server = TestServer::with_policy(config, vramguard::testing::ADMIT_ALL).await;
+    let reset = server
+        .post_json("/admin/sim/gpu0", &json!({"driver_reset": true}))
+        .await;
+    assert_eq!(reset.status(), StatusCode::OK);
+    // The driver failure opens the breaker; it ran, so it is not a reason to substitute.
+    let failed = encode(&server, "big", json!({}), &[("x-vramguard-allow-substitute", "true")]).await;
+    assert_eq!(failed.status(), StatusCode::SERVICE_UNAVAILABLE);
+    let body: Value = failed.json().await.unwrap();
+    assert_eq!(body["reason"], "allocator_failure_driver", "{body}");
+
+    let refused = encode(&server, "big", json!({}), &[]).await;
+    assert_eq!(refused.status(), StatusCode::SERVICE_UNAVAILABLE);
+    let body: Value = refused.json().await.unwrap();
+    assert!(
+        body["error"].as_str().unwrap().contains("circuit breaker is open"),
+        "{body}"
+    );
+
+    let response = encode(&server, "big", json!({}), &[("x-vramguard-allow-substitute", "true")]).await;
+    assert_eq!(response.status(), StatusCode::OK);
+    assert_eq!(response.headers()["x-vramguard-model"], "small");
+    assert_eq!(response.headers()["x-vramguard-pool"], "cpu");
+    let answer = head(response).await;
+    assert_eq!(answer["parameters"]["substituted"], "breaker_open", "{answer}");
+
+    let metrics = server.metrics().await;
+    assert_eq!(substitutions(&metrics, "big", "small", "breaker_open"), 1.0);
+    assert_eq!(substitutions(&metrics, "big", "small", "no_fit"), 0.0);
+    let small = "vramguard_requests_total{model=\"small\",pool=\"cpu\",outcome=\"ok\"}";
+    assert_eq!(crate::common::sample(&metrics, small), 1.0, "{metrics}");
+    assert_eq!(all_requests(&metrics), 3.0, "{metrics}");
+    server.stop().await;
+}
