@@ -2,8 +2,9 @@
 //! real ONNX Runtime sessions: only with the client's leave (the header, the request's
 //! `parameters`, or the model's `allow_substitute` for a client that does not say, an explicit
 //! `false` winning), the answer naming the model that answered, counted once under it and in
-//! `vramguard_substitutions_total`; a fallback that cannot take the inputs leaves the first
-//! refusal, saying so.
+//! `vramguard_substitutions_total`, for each reason (the policy's refusal, a request that can
+//! never fit, an open breaker); a fallback that cannot take the inputs leaves the first
+//! refusal, saying so; a completion and a streamed chat are made again for the fallback.
 
 use crate::common::TestServer;
 use reqwest::StatusCode;
@@ -322,5 +323,35 @@ pools:
     let small = "vramguard_requests_total{model=\"small\",pool=\"cpu\",outcome=\"ok\"}";
     assert_eq!(crate::common::sample(&metrics, small), 1.0, "{metrics}");
     assert_eq!(all_requests(&metrics), 3.0, "{metrics}");
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn a_request_that_can_never_fit_is_answered_by_a_fallback_that_fits() {
+    let config = "\
+models:
+- {name: huge, path: 'builtin:encoder', fallback_model: small, memory_profile: {workspace: 64TiB}}
+- {name: small, path: 'builtin:encoder'}
+pools: [{name: cpu, provider: cpu, models: [huge, small]}]
+";
+    let server = TestServer::with_policy(config, vramguard::testing::ADMIT_ALL).await;
+    let refused = encode(&server, "huge", json!({}), &[]).await;
+    assert_eq!(refused.status(), StatusCode::BAD_REQUEST);
+    let body: Value = refused.json().await.unwrap();
+    assert_eq!(body["reason"], "never_fits", "{body}");
+
+    let response = encode(&server, "huge", json!({}), &[("x-vramguard-allow-substitute", "true")]).await;
+    assert_eq!(response.status(), StatusCode::OK);
+    assert_eq!(response.headers()["x-vramguard-model"], "small");
+    let answer = head(response).await;
+    assert_eq!(answer["parameters"]["substituted"], "no_fit", "{answer}");
+
+    let metrics = server.metrics().await;
+    assert_eq!(substitutions(&metrics, "huge", "small", "no_fit"), 1.0);
+    let huge = "vramguard_requests_total{model=\"huge\",pool=\"\",outcome=\"client_error\"}";
+    assert_eq!(crate::common::sample(&metrics, huge), 1.0, "{metrics}");
+    let small = "vramguard_requests_total{model=\"small\",pool=\"cpu\",outcome=\"ok\"}";
+    assert_eq!(crate::common::sample(&metrics, small), 1.0, "{metrics}");
+    assert_eq!(all_requests(&metrics), 2.0, "{metrics}");
     server.stop().await;
 }

@@ -41,7 +41,7 @@ pub use count::{answered, counted, counted_as, reject};
 pub use error::{DeadlineMiss, NotRetried, Refused, RequestError};
 pub use fits::{Ceiling, NeverFits};
 pub use place::place;
-pub use substitute::{Answering, Substitution, place_or_substitute, reason_of};
+pub use substitute::{Answering, Substitution, place_or_substitute};
 
 /// A decoded inference request, whatever protocol it came in by.
 #[derive(Debug, Clone)]

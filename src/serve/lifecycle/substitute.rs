@@ -57,7 +57,7 @@ pub struct Substitution<D> {
 /// Why a refusal lets a substitute answer, if it does: refusals before anything ran that
 /// another (smaller) model may not meet. Everything else is the client's to fix, a matter of
 /// time (deadline, deferral past the bound, a full queue) or a run that failed.
-pub fn reason_of(error: &RequestError) -> Option<SubstitutionReason> {
+pub(super) fn reason_of(error: &RequestError) -> Option<SubstitutionReason> {
     match error {
         RequestError::BreakerOpen { .. } => Some(SubstitutionReason::breaker_open),
         RequestError::NoPool { .. } | RequestError::Unavailable { .. } => Some(SubstitutionReason::unavailable),
