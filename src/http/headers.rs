@@ -32,8 +32,8 @@ pub(super) fn with_request_id(mut response: Response, id: &str) -> Response {
 }
 
 /// A request with no inputs yet, from the headers every protocol shares: request id,
-/// deadline, priority, replayability and leave to substitute. The Open Inference Protocol adds the tensors; a generation endpoint
-/// builds its inputs itself.
+/// deadline, priority, replayability and leave to substitute. The Open Inference Protocol adds
+/// the tensors; a generation endpoint builds its inputs itself.
 pub(super) fn decode_headers(
     service: &Service,
     model: &str,
