@@ -27,3 +27,4 @@ mod simulated;
 mod simulated_policy;
 mod sizes;
 mod status_page;
+mod substitute;
