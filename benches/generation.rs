@@ -133,6 +133,7 @@ impl InProcess {
                 &self.params,
                 request,
                 None,
+                None,
             ))
             .unwrap_or_else(|refused| panic!("in-process generation refused: {:?}", refused.error));
         (generated.text, generated.tokens.len())

@@ -139,6 +139,8 @@ fn request(context_tokens: u64, context_bytes: u64) -> RequestInfo {
             source: EstimateSource::Profile,
         },
         dims: [("batch".to_string(), 1), ("seq".to_string(), context_tokens)].into(),
+        load_bytes: 0,
+        evictable_bytes: 0,
     }
 }
 

@@ -218,6 +218,13 @@ pub struct RequestInfo {
     /// The input's size along each dynamic axis of the model (`height`, `width`, `seq`…), as
     /// the estimate read it.
     pub dims: BTreeMap<String, u64>,
+    /// Bytes of weights `pool` must load before it can run this request (its sessions on every
+    /// worker); 0 when they are loaded there.
+    pub load_bytes: u64,
+    /// Bytes `make_room(pool)` could free for this request on `pool`'s device now: the weights
+    /// of idle, unpinned models of no higher priority, loaded longer than their
+    /// `min_residency` ago (0 on a CPU or remote pool).
+    pub evictable_bytes: u64,
 }
 
 /// A policy's decision.
@@ -245,6 +252,15 @@ pub enum Decision {
         /// Pool name.
         pool: String,
     },
+    /// Unload idle, unpinned models of no higher priority on `pool`'s device until the request
+    /// fits there (`bytes` free, or its estimate when not given), then admit it on `pool`.
+    MakeRoom {
+        /// The accelerator pool to admit it on.
+        pool: String,
+        /// Headroom to reach on the pool's device; its estimate when absent.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        bytes: Option<u64>,
+    },
     /// Refuse with 503 and the reason.
     Reject {
         /// Why.
@@ -260,6 +276,7 @@ impl Decision {
             Decision::Defer { .. } => Action::Defer,
             Decision::ShrinkContext { .. } => Action::ShrinkContext,
             Decision::Redirect { .. } => Action::Redirect,
+            Decision::MakeRoom { .. } => Action::MakeRoom,
             Decision::Reject { .. } => Action::Reject,
         }
     }
@@ -278,27 +295,31 @@ pub enum Action {
     ShrinkContext,
     /// `redirect`
     Redirect,
+    /// `make_room`
+    MakeRoom,
     /// `reject`
     Reject,
 }
 
 impl Action {
     /// Every action.
-    pub const ALL: [Action; 5] = [
+    pub const ALL: [Action; 6] = [
         Action::Admit,
         Action::Defer,
         Action::ShrinkContext,
         Action::Redirect,
+        Action::MakeRoom,
         Action::Reject,
     ];
 
-    /// The label value: `admit`, `defer`, `shrink_context`, `redirect` or `reject`.
+    /// The label value: `admit`, `defer`, `shrink_context`, `redirect`, `make_room` or `reject`.
     pub fn label(self) -> &'static str {
         match self {
             Action::Admit => "admit",
             Action::Defer => "defer",
             Action::ShrinkContext => "shrink_context",
             Action::Redirect => "redirect",
+            Action::MakeRoom => "make_room",
             Action::Reject => "reject",
         }
     }
@@ -423,6 +444,11 @@ impl fmt::Display for Decision {
             Decision::Defer { ms } => write!(f, "defer({ms})"),
             Decision::ShrinkContext { tokens } => write!(f, "shrink_context({tokens})"),
             Decision::Redirect { pool } => write!(f, "redirect({pool:?})"),
+            Decision::MakeRoom { pool, bytes: None } => write!(f, "make_room({pool:?})"),
+            Decision::MakeRoom {
+                pool,
+                bytes: Some(bytes),
+            } => write!(f, "make_room({pool:?}, {bytes})"),
             Decision::Reject { reason } => write!(f, "reject({reason:?})"),
         }
     }

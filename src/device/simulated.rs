@@ -154,6 +154,21 @@ impl SimulatedDevice {
         })
     }
 
+    /// Refuse what made the arena hold more than the capacity. ONNX Runtime's arena places a
+    /// session's weights with `Reserve`, which its cap does not check, so loading more weights
+    /// than a device holds would succeed here where `cudaMalloc` fails on a GPU: `what` (a
+    /// load) is checked after the fact and fails as a GPU's would.
+    pub fn check_capacity(&self, what: &str) -> Result<(), String> {
+        let stats = self.arena_stats()?;
+        if stats.reserved_bytes <= self.capacity {
+            return Ok(());
+        }
+        Err(format!(
+            "simulated out of memory on device `{}`: {what} took its arena to {} bytes, over the capacity of {} bytes",
+            self.name, stats.reserved_bytes, self.capacity
+        ))
+    }
+
     /// The shared arena's statistics (pressure included).
     pub fn arena_stats(&self) -> Result<ArenaStats, String> {
         self.hold().stats()
@@ -222,7 +237,12 @@ impl Backend for FaultInjecting {
     }
 
     fn load_model(&mut self, name: &str, bytes: &[u8]) -> Result<(), String> {
-        self.inner.load_model(name, bytes)
+        self.inner.load_model(name, bytes)?;
+        self.device
+            .check_capacity(&format!("loading `{name}`"))
+            .inspect_err(|_| {
+                self.inner.unload_model(name);
+            })
     }
 
     fn unload_model(&mut self, name: &str) {

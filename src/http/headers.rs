@@ -32,8 +32,8 @@ pub(super) fn with_request_id(mut response: Response, id: &str) -> Response {
 }
 
 /// A request with no inputs yet, from the headers every protocol shares: request id,
-/// deadline, priority and replayability. The Open Inference Protocol adds the tensors; a generation endpoint
-/// builds its inputs itself.
+/// deadline, priority, replayability and leave to substitute. The Open Inference Protocol adds
+/// the tensors; a generation endpoint builds its inputs itself.
 pub(super) fn decode_headers(
     service: &Service,
     model: &str,
@@ -41,13 +41,17 @@ pub(super) fn decode_headers(
     headers: &HeaderMap,
     received: tokio::time::Instant,
 ) -> Result<lifecycle::Request, RequestError> {
-    service
+    let entry = service
         .model(model)
         .ok_or_else(|| RequestError::unknown_model(service, model))?;
     let deadline = header_value::<u64>(headers, DEADLINE_HEADER, "a number of milliseconds")?
         .map(|ms| (received + Duration::from_millis(ms)).into_std());
     let priority = header_value::<i64>(headers, PRIORITY_HEADER, "an integer")?.unwrap_or(0);
     let replayable = header_value::<bool>(headers, REPLAYABLE_HEADER, "`true` or `false`")?.unwrap_or(true);
+    // Another model changes the answer: only with the client's leave, or the model's config's
+    // for a client that does not say (an explicit `false` wins).
+    let allow_substitute = header_value::<bool>(headers, ALLOW_SUBSTITUTE_HEADER, "`true` or `false`")?
+        .unwrap_or(entry.config.allow_substitute);
     Ok(lifecycle::Request {
         meta: RunMeta {
             request_id: id.to_string(),
@@ -68,6 +72,7 @@ pub(super) fn decode_headers(
         received,
         shrinker: None,
         progress: Default::default(),
+        allow_substitute,
     })
 }
 
@@ -146,6 +151,14 @@ pub(super) fn pool_headers(headers: &mut HeaderMap, pool: &Pool, degraded: Optio
         HeaderName::from_static(ESTIMATED_DELAY_HEADER),
         HeaderValue::from(pool.load().estimated_delay.as_millis() as u64),
     );
+}
+
+/// Names the model that answered (`x-vramguard-model`), on every answer: the one asked for, or
+/// its `fallback_model` when that stood in.
+pub(super) fn model_header(headers: &mut HeaderMap, model: &str) {
+    if let Ok(v) = HeaderValue::from_str(model) {
+        headers.insert(HeaderName::from_static(MODEL_HEADER), v);
+    }
 }
 
 /// Says that the prompt was cut from `from` to `to` tokens, and what went.

@@ -9,6 +9,7 @@ mod oip;
 pub mod openai;
 mod state;
 mod status;
+mod status_models;
 
 pub use error::{ApiError, status_of};
 pub use state::AppState;

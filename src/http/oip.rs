@@ -198,6 +198,8 @@ async fn respond(
     received: tokio::time::Instant,
 ) -> (Response, bool) {
     let service = &state.service;
+    // A cheap handle on the body, for decoding it again for the model's fallback.
+    let kept = body.as_ref().ok().cloned();
     let (request, decoded) = match decode(service, model, id, headers, body, received) {
         Ok(decoded) => decoded,
         Err(error) => {
@@ -205,11 +207,24 @@ async fn respond(
             return (refused_response(refused, id, None), true);
         }
     };
+    // Kept only when a substitute may be asked: otherwise its memory goes now, as it would.
+    let has_fallback = service.model(model).is_some_and(|m| m.config.fallback_model.is_some());
+    let kept = kept.filter(|_| request.allow_substitute && has_fallback);
+    // The fallback takes what the client sent only if it decodes for the fallback's signature.
+    let rebuild = |fallback: &str| match kept {
+        Some(body) => decode(service, fallback, id, headers, Ok(body), received).map_err(|e| e.to_string()),
+        None => Err("the request's body is gone".to_string()),
+    };
     let max_bytes = service.config.server.max_response_bytes;
-    let result = lifecycle::infer_and(service, request, |served| {
+    let result = lifecycle::infer_and(service, request, rebuild, |served, substitution| {
         // Degraded mode as it is when the answer goes out, on every response served meanwhile.
         let degraded = service.degraded.now();
-        served_response(model, id, &served, &decoded, degraded.as_ref(), max_bytes).map_err(RequestError::BadInput)
+        let answered = Answered {
+            model,
+            decoded: &decoded,
+            substitution: substitution.as_ref(),
+        };
+        served_response(&answered, id, &served, degraded.as_ref(), max_bytes).map_err(RequestError::BadInput)
     })
     .await;
     match result {
@@ -265,6 +280,7 @@ async fn idempotent(
         header(PRIORITY_HEADER),
         header(REPLAYABLE_HEADER),
         header(ALLOW_SHRINK_HEADER),
+        header(ALLOW_SUBSTITUTE_HEADER),
     ]);
     let cache = state.service.idempotency.clone();
     match cache.claim(&model, &key, fingerprint).await {
@@ -373,24 +389,48 @@ fn decode(
     request.meta.allow_shrink = allow_shrink_header
         .or(decoded.allow_shrink)
         .unwrap_or(entry.config.allow_shrink);
+    request.allow_substitute = header_value::<bool>(headers, ALLOW_SUBSTITUTE_HEADER, "`true` or `false`")?
+        .or(decoded.allow_substitute)
+        .unwrap_or(entry.config.allow_substitute);
     request.inputs = std::mem::take(&mut decoded.inputs);
     request.outputs = decoded.outputs.iter().map(|o| o.name.clone()).collect();
     Ok((request, decoded))
 }
 
-/// The answer to a request that ran: the encoded outputs, with the serving pool's facts in
-/// `parameters` and in headers; or why they cannot be sent (the client's to fix: over
-/// `server.max_response_bytes`, say).
+/// Who answered a request that ran: the model asked for, or its fallback with the request as
+/// decoded for it.
+struct Answered<'a> {
+    /// The model asked for.
+    model: &'a str,
+    /// The request as decoded for it.
+    decoded: &'a infer::DecodedRequest,
+    /// Set when the model's fallback answered instead.
+    substitution: Option<&'a lifecycle::Substitution<infer::DecodedRequest>>,
+}
+
+/// The answer to a request that ran: the encoded outputs, with the serving pool's facts (and
+/// the model that answered) in `parameters` and in headers; or why they cannot be sent (the
+/// client's to fix: over `server.max_response_bytes`, say).
 fn served_response(
-    model: &str,
+    answered: &Answered<'_>,
     id: &str,
     served: &lifecycle::Served,
-    decoded: &infer::DecodedRequest,
     degraded: Option<&crate::pool::degraded::Now>,
     max_bytes: usize,
 ) -> Result<Response, String> {
     let pool = &served.pool;
+    let (model, decoded) = match answered.substitution {
+        Some(s) => (s.model.as_str(), &s.rebuilt),
+        None => (answered.model, answered.decoded),
+    };
     let mut parameters = Map::new();
+    // The protocol's `model_name` is the model used for inference; `parameters` says it too,
+    // and what was asked for when another model stood in.
+    parameters.insert("model".into(), json!(model));
+    if let Some(s) = answered.substitution {
+        parameters.insert("requested_model".into(), json!(s.requested));
+        parameters.insert("substituted".into(), json!(format!("{:?}", s.reason)));
+    }
     if let Some(reason) = served.retried {
         parameters.insert("reason".into(), json!(format!("{reason:?}")));
     }
@@ -426,6 +466,7 @@ fn served_response(
         HeaderValue::from_static(served.action.label()),
     );
     pool_headers(headers, pool, degraded);
+    model_header(headers, model);
     if let Some(context) = context.and_then(|c| HeaderValue::from_str(&c).ok()) {
         headers.insert(HeaderName::from_static(CONTEXT_HEADER), context);
     }

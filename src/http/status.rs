@@ -1,6 +1,7 @@
 //! `/status` (JSON for tools and the status page) and the status page itself.
 
 use super::state::AppState;
+use super::status_models::{self, unix_seconds};
 use crate::core::snapshot::DeviceClass;
 use crate::pool::{Availability, Pool};
 use crate::protocol::status::{
@@ -14,7 +15,6 @@ use axum::http::header;
 use axum::response::IntoResponse;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::time::{SystemTime, UNIX_EPOCH};
 
 /// `GET /`: a status page for people, served from the binary; it polls `/status`.
 pub(super) async fn status_page() -> impl IntoResponse {
@@ -70,6 +70,8 @@ fn report(state: &AppState) -> StatusReport {
         sample_age_ms: sample.taken_at.map(|t| t.elapsed().as_millis() as u64),
         policy: policy_status(service),
         recent_decisions: service.decisions.list(),
+        models: status_models::models(service),
+        evictions: status_models::evictions(service),
         services: services(service, &sample.snapshot),
     }
 }
@@ -143,10 +145,6 @@ fn fallbacks(service: &Service) -> Vec<FallbackStatus> {
             })
         })
         .collect()
-}
-
-fn unix_seconds(t: SystemTime) -> u64 {
-    t.duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
 }
 
 /// The policy serving now: `/status`'s `policy`, and the answer to a reload.

@@ -443,6 +443,16 @@ fn redirect(pool: ImmutableString) -> Result<Decision, Box<EvalAltResult>> {
     })
 }
 
+fn make_room(
+    pool: ImmutableString,
+    bytes: Option<Result<u64, Box<EvalAltResult>>>,
+) -> Result<Decision, Box<EvalAltResult>> {
+    Ok(Decision::MakeRoom {
+        pool: pool_name("make_room", pool)?,
+        bytes: bytes.transpose()?,
+    })
+}
+
 fn reject(reason: ImmutableString) -> Result<Decision, Box<EvalAltResult>> {
     if reason.trim().is_empty() {
         Err(invalid("reject(reason): give the client a reason".to_string()))
@@ -505,6 +515,13 @@ fn build_sandbox() -> rhai::Engine {
             shrink(non_negative_float("shrink_context", "tokens", tokens))
         })
         .register_fn("redirect", redirect)
+        .register_fn("make_room", |pool: ImmutableString| make_room(pool, None))
+        .register_fn("make_room", |pool: ImmutableString, bytes: i64| {
+            make_room(pool, Some(non_negative("make_room", "bytes", bytes)))
+        })
+        .register_fn("make_room", |pool: ImmutableString, bytes: f64| {
+            make_room(pool, Some(non_negative_float("make_room", "bytes", bytes)))
+        })
         .register_fn("reject", reject)
         .register_fn("to_string", |d: &mut Decision| d.to_string())
         .register_fn("to_debug", |d: &mut Decision| d.to_string());

@@ -57,6 +57,8 @@ fn request() -> RequestInfo {
             source: crate::core::snapshot::EstimateSource::Observed,
         },
         dims: BTreeMap::from([("batch".into(), 2), ("seq".into(), 128)]),
+        load_bytes: 4000,
+        evictable_bytes: 5000,
     }
 }
 

@@ -358,6 +358,8 @@ pub(crate) fn request(req: &RequestInfo) -> Dynamic {
                 "deadline_ms",
                 "estimate",
                 "dims",
+                "load_bytes",
+                "evictable_bytes",
             ]),
             keys(&[
                 "weights_bytes",
@@ -393,6 +395,8 @@ pub(crate) fn request(req: &RequestInfo) -> Dynamic {
             "replayable" => Dynamic::from_bool(req.replayable),
             "allow_shrink" => Dynamic::from_bool(req.allow_shrink),
             "deadline_ms" => int(req.deadline_ms),
+            "load_bytes" => int(req.load_bytes),
+            "evictable_bytes" => int(req.evictable_bytes),
             "dims" => Dynamic::from_map(req.dims.iter().map(|(k, v)| (k.as_str().into(), int(*v))).collect()),
             _ => estimate.take().map_or(Dynamic::UNIT, Dynamic::from_map),
         };

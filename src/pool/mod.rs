@@ -15,6 +15,7 @@ pub mod activity;
 mod arena;
 mod context;
 pub mod degraded;
+mod evict;
 mod health;
 mod job;
 mod load;
@@ -26,6 +27,7 @@ mod shared;
 mod worker;
 
 pub use context::{PoolContext, PoolMetrics, Respawn};
+pub use evict::{ModelState, Resident};
 pub use job::{InferJob, JobResult, PoolError, RunCancel, RunMemory};
 pub use load::PoolLoad;
 pub use models::{LOAD_BUCKETS, ModelBytesRef, ModelMetrics, ModelSetup, ResidencyError, ResidencyOutcome};

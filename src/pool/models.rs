@@ -30,6 +30,8 @@ pub struct ModelMetrics {
     pub unloads_requested: Counter,
     /// `vramguard_model_unloads_total{model,pool,reason="idle"}`: no request for `idle_unload`.
     pub unloads_idle: Counter,
+    /// `vramguard_model_unloads_total{model,pool,reason="evicted"}`: to make room for another.
+    pub unloads_evicted: Counter,
     /// `vramguard_model_unloads_total{model,pool,reason="failed"}`: a load that failed.
     pub unloads_failed: Counter,
     /// `vramguard_model_load_duration_seconds{model,pool}`: one per session built.
@@ -51,6 +53,7 @@ impl ModelMetrics {
             loads_requested: Counter::default(),
             unloads_requested: Counter::default(),
             unloads_idle: Counter::default(),
+            unloads_evicted: Counter::default(),
             unloads_failed: Counter::default(),
             load_duration: Histogram::new(LOAD_BUCKETS),
             cold_start: Histogram::new(LOAD_BUCKETS),
@@ -67,6 +70,10 @@ pub struct ModelSetup {
     pub residency: Residency,
     /// How long without a request before it is unloaded; `None`: never.
     pub idle_unload: Option<Duration>,
+    /// Eviction takes lower priorities first.
+    pub priority: i64,
+    /// How long after a load eviction leaves it alone.
+    pub min_residency: Duration,
     /// Its bytes, for loads after start.
     pub bytes: ModelBytesRef,
     /// Its metric handles on this pool.
@@ -150,9 +157,14 @@ pub(super) struct Models {
     pub(super) setups: HashMap<String, ModelSetup>,
     /// What `last_request` counts from.
     epoch: Instant,
-    /// Per model with an `idle_unload`: milliseconds from `epoch` to its last request. An
-    /// atomic, so the request path records it without a lock.
+    /// Per model: milliseconds from `epoch` to its last request. An atomic, so the request
+    /// path records it without a lock.
     last_request: HashMap<String, AtomicU64>,
+    /// Per model: milliseconds from `epoch` to when its sessions were last built everywhere
+    /// (0 for those built at start).
+    loaded_at: HashMap<String, AtomicU64>,
+    /// Per model: microseconds its sessions last took to build after the start (0: not yet).
+    load_micros: HashMap<String, AtomicU64>,
 }
 
 impl Models {
@@ -160,15 +172,42 @@ impl Models {
         Models {
             setups: setups.iter().map(|s| (s.name.clone(), s.clone())).collect(),
             epoch: now,
-            last_request: setups
-                .iter()
-                .filter(|s| s.idle_unload.is_some())
-                .map(|s| (s.name.clone(), AtomicU64::new(0)))
-                .collect(),
+            last_request: setups.iter().map(|s| (s.name.clone(), AtomicU64::new(0))).collect(),
+            loaded_at: setups.iter().map(|s| (s.name.clone(), AtomicU64::new(0))).collect(),
+            load_micros: setups.iter().map(|s| (s.name.clone(), AtomicU64::new(0))).collect(),
         }
     }
 
-    /// A request for `model` arrived at `now` (only models with an `idle_unload` keep it).
+    /// One backend built `model`'s sessions in `took`.
+    pub(super) fn load_took(&self, model: &str, took: Duration) {
+        if let Some(micros) = self.load_micros.get(model) {
+            micros.store((took.as_micros() as u64).max(1), Ordering::SeqCst);
+        }
+    }
+
+    /// How long `model`'s sessions last took to build, when they were built after the start.
+    pub(super) fn last_load(&self, model: &str) -> Option<Duration> {
+        let micros = self.load_micros.get(model)?.load(Ordering::SeqCst);
+        (micros > 0).then(|| Duration::from_micros(micros))
+    }
+
+    /// `model`'s sessions were built at `now`.
+    pub(super) fn loaded(&self, model: &str, now: Instant) {
+        if let Some(at) = self.loaded_at.get(model) {
+            at.store(self.millis(now), Ordering::SeqCst);
+        }
+    }
+
+    /// How long ago `model` was last loaded and last asked for, at `now`.
+    pub(super) fn ages(&self, model: &str, now: Instant) -> (Duration, Duration) {
+        let now = self.millis(now);
+        let age = |map: &HashMap<String, AtomicU64>| {
+            Duration::from_millis(now.saturating_sub(map.get(model).map_or(0, |at| at.load(Ordering::SeqCst))))
+        };
+        (age(&self.loaded_at), age(&self.last_request))
+    }
+
+    /// A request for `model` arrived at `now`.
     pub(super) fn touch(&self, model: &str, now: Instant) {
         if let Some(last) = self.last_request.get(model) {
             last.fetch_max(self.millis(now), Ordering::SeqCst);

@@ -250,6 +250,18 @@ impl Queue {
         true
     }
 
+    /// Jobs of `model` queued or running now.
+    pub(super) fn busy(&self, model: &str) -> usize {
+        self.lock().busy_with(model)
+    }
+
+    /// Jobs of `model` running and queued now.
+    pub(super) fn counts(&self, model: &str) -> (usize, usize) {
+        let state = self.lock();
+        let running = state.running.get(model).copied().unwrap_or(0);
+        (running, state.jobs.iter().filter(|q| q.job.model == model).count())
+    }
+
     /// Whether `model` is wanted now.
     pub(super) fn is_wanted(&self, model: &str) -> bool {
         self.lock().wanted.contains(model)

@@ -155,7 +155,12 @@ impl Pool {
         }
     }
 
-    fn await_backends(&self, model: &str, what: &'static str, generation: u64) -> Result<(), ResidencyError> {
+    pub(super) fn await_backends(
+        &self,
+        model: &str,
+        what: &'static str,
+        generation: u64,
+    ) -> Result<(), ResidencyError> {
         if self
             .queue
             .await_generation(generation, Instant::now() + OPERATION_BOUND)
@@ -210,8 +215,10 @@ impl Pool {
                     tracing::info!(pool = self.name(), %model, seconds = took.as_secs_f64(), "sessions built");
                     if let Some(metrics) = self.models.metrics(&model) {
                         metrics.load_duration.observe(took.as_secs_f64());
+                        self.models.load_took(&model, took);
                         if self.queue.is_wanted(&model) {
                             metrics.resident.set(1);
+                            self.models.loaded(&model, self.context.clock.now());
                         }
                     }
                 }
@@ -298,6 +305,8 @@ mod tests {
             name: name.into(),
             residency,
             idle_unload: None,
+            priority: 0,
+            min_residency: Duration::ZERO,
             bytes: Arc::new(Vec::<u8>::new()),
             metrics: ModelMetrics::detached(),
         }
@@ -425,5 +434,48 @@ mod tests {
         assert_eq!(models[1].metrics.unloads_idle.get(), 1);
         assert_eq!(models[0].metrics.unloads_idle.get(), 1);
         pool.shutdown(Duration::from_secs(5));
+    }
+
+    #[test]
+    fn eviction_never_takes_a_model_with_work_running_or_a_pinned_one() {
+        let (open, gate) = mpsc::channel();
+        let gate = Arc::new(Mutex::new(gate));
+        let models = vec![
+            setup("slow", Residency::Resident),
+            setup("idle", Residency::Resident),
+            setup("fixed", Residency::Pinned),
+        ];
+        let backend = Sessions {
+            loaded: ["slow".to_string(), "idle".to_string(), "fixed".to_string()].into(),
+            gate,
+            loads: Arc::default(),
+        };
+        let context = PoolContext {
+            models: models.clone(),
+            ..PoolContext::default()
+        };
+        let config = crate::testing::config::pool("p", "host", &["slow", "idle", "fixed"]);
+        let pool = Pool::start(config, DeviceClass::Host, vec![Box::new(backend)], None, context);
+        let running = pool.submit(job("slow")).unwrap();
+        let queued = pool.submit(job("idle")).unwrap();
+        let busy = |model: &str| pool.residents().into_iter().find(|r| r.model == model).unwrap().busy;
+        assert_eq!((busy("slow"), busy("idle")), (1, 1), "running and queued both count");
+        assert!(!pool.evict("slow"), "running");
+        assert!(!pool.evict("idle"), "queued behind it");
+        assert!(!pool.evict("fixed"), "pinned");
+        open.send(()).unwrap();
+        assert!(running.blocking_recv().unwrap().is_ok() && queued.blocking_recv().unwrap().is_ok());
+        assert!(pool.evict("idle"));
+        assert!(!pool.is_resident("idle") && pool.is_resident("slow") && pool.is_resident("fixed"));
+        assert_eq!(models[1].metrics.unloads_evicted.get(), 1);
+        assert_eq!(models[1].metrics.resident.get(), 0);
+        assert!(!pool.evict("idle"), "already gone");
+        assert_eq!(
+            pool.residents()
+                .iter()
+                .map(|r| r.model.as_str())
+                .collect::<HashSet<_>>(),
+            HashSet::from(["slow", "fixed"])
+        );
     }
 }

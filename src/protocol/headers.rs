@@ -29,5 +29,10 @@ pub const ESTIMATED_DELAY_HEADER: &str = "x-vramguard-estimated-delay-ms";
 pub const CONTEXT_CUT_HEADER: &str = "x-vramguard-context-cut";
 /// `FROM->TO` tokens when the context was shrunk.
 pub const CONTEXT_HEADER: &str = "x-vramguard-context";
+/// `true` when the client allows the model's `fallback_model` to answer instead (overrides
+/// `parameters.allow_substitute`).
+pub const ALLOW_SUBSTITUTE_HEADER: &str = "x-vramguard-allow-substitute";
+/// The model that answered: the one asked for, or its `fallback_model` when it stood in.
+pub const MODEL_HEADER: &str = "x-vramguard-model";
 /// Binary extension header: length of the JSON part.
 pub const HEADER_LENGTH: &str = "inference-header-content-length";

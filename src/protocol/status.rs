@@ -44,10 +44,72 @@ pub struct StatusReport {
     pub policy: ServingPolicy,
     /// The policy's last decisions, newest first.
     pub recent_decisions: Vec<RecentDecision>,
+    /// Every configured model, and where its sessions are loaded (absent from older servers).
+    #[serde(default)]
+    pub models: Vec<ModelStatus>,
+    /// The models `make_room` unloaded lately, newest first.
+    #[serde(default)]
+    pub evictions: Vec<EvictionStatus>,
     /// Every service, in config order: its budgets and what it runs and holds now (absent
     /// from servers that predate service budgets).
     #[serde(default)]
     pub services: Vec<ServiceStatus>,
+}
+
+/// One configured model.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ModelStatus {
+    /// Name.
+    pub name: String,
+    /// The service its memory belongs to.
+    pub service: String,
+    /// Eviction takes lower priorities first.
+    pub priority: i64,
+    /// `resident`, `pinned` or `on_demand`.
+    pub residency: String,
+    /// The model that may answer instead, with the client's leave.
+    pub fallback_model: Option<String>,
+    /// Each pool serving it.
+    pub pools: Vec<ModelOnPool>,
+}
+
+/// A model on one pool.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ModelOnPool {
+    /// Pool name.
+    pub pool: String,
+    /// Whether its sessions are loaded there now.
+    pub resident: bool,
+    /// When they were last built there (the server's start for those built then); `null` while
+    /// not resident.
+    pub loaded_unix: Option<u64>,
+    /// Since its last request there (since the start when it had none); `null` on a remote pool.
+    pub idle_ms: Option<u64>,
+    /// Its requests running there.
+    pub running: usize,
+    /// Its requests queued there.
+    pub queued: usize,
+    /// Its weights there when loaded (every worker's sessions).
+    pub weights_bytes: u64,
+}
+
+/// A model `make_room` unloaded to admit another model's request.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EvictionStatus {
+    /// When.
+    pub at_unix: u64,
+    /// The pool it was unloaded from.
+    pub pool: String,
+    /// That pool's device.
+    pub device: String,
+    /// The model unloaded.
+    pub model: String,
+    /// Its weights there.
+    pub freed_bytes: u64,
+    /// The model whose request it made room for.
+    pub for_model: String,
+    /// That request's id.
+    pub for_request: String,
 }
 
 /// One service (`services[]`, or the implicit one of a model that names none).
@@ -375,6 +437,31 @@ pub(crate) mod tests {
                 decision: "redirect(\"cpu\")".into(),
                 pool: "cpu".into(),
                 fallback: false,
+            }],
+            models: vec![ModelStatus {
+                name: "encoder".into(),
+                service: "encoder".into(),
+                priority: 5,
+                residency: "resident".into(),
+                fallback_model: None,
+                pools: vec![ModelOnPool {
+                    pool: "gpu".into(),
+                    resident: true,
+                    loaded_unix: Some(1_796_110_640),
+                    idle_ms: Some(1200),
+                    running: 1,
+                    queued: 0,
+                    weights_bytes: 4 << 20,
+                }],
+            }],
+            evictions: vec![EvictionStatus {
+                at_unix: 1_796_110_648,
+                pool: "gpu".into(),
+                device: "sim0".into(),
+                model: "speech".into(),
+                freed_bytes: 8 << 20,
+                for_model: "encoder".into(),
+                for_request: "r0".into(),
             }],
             services: vec![ServiceStatus {
                 name: "chat".into(),

@@ -29,6 +29,20 @@ pub struct Token {
     pub pool: Arc<Pool>,
     /// `(from, to)` prompt tokens and what was left out, when the context was shrunk.
     pub shrunk: Option<Arc<(u64, u64, String)>>,
+    /// The model it comes from.
+    pub source: Arc<Source>,
+}
+
+/// The model a generation's tokens come from (its model's fallback, when that stood in), and
+/// the strings that end its text there.
+#[derive(Debug)]
+pub struct Source {
+    /// The model that answers.
+    pub model: String,
+    /// Strings that end its text (a chat's include its template's end of turn).
+    pub stop: Vec<String>,
+    /// Set when it answers for the model asked for.
+    pub substitution: Option<lifecycle::Substitution<()>>,
 }
 
 /// Tokens that end a turn, by the names model families give them.
@@ -122,6 +136,8 @@ pub struct Generated {
     pub action: Action,
     /// Set when a run moved to the fallback pool after an allocator failure.
     pub retried: Option<FailoverReason>,
+    /// The model that answered.
+    pub source: Arc<Source>,
     /// Tokens of the prompt (after any shrink).
     pub prompt_tokens: usize,
     /// `(from, to)` prompt tokens and what was left out, when the context was shrunk.
@@ -308,28 +324,38 @@ fn tools_not_retried(mut error: RequestError, tools: bool) -> RequestError {
     error
 }
 
-/// Generate from `prompt` (token ids) under `params`. `request` carries the id, deadline,
-/// priority and replayability; its inputs are built here.
-pub async fn generate(
-    service: &Service,
-    entry: &ModelEntry,
+/// Makes a generation's prompt and parameters again for another model (its model's
+/// `fallback_model`, named), from what the client sent: that model's tokenizer and template,
+/// or why it cannot take the request.
+pub type Rebuild = Box<dyn FnOnce(&str) -> Result<(Prompt, Params), String> + Send>;
+
+/// What a generation decodes with: its model's decoder and tokenizer, the tokens that end a
+/// turn, how to pick tokens, and its prompt's length.
+struct Decoding<'a> {
+    entry: &'a ModelEntry,
+    layout: &'a DecoderLayout,
+    tokenizer: &'a tokenizers::Tokenizer,
+    eos: Vec<u32>,
+    params: std::borrow::Cow<'a, Params>,
+    prompt_tokens: usize,
+}
+
+/// Make `request` `entry`'s generation of `prompt`: the prompt's run as its inputs, the tokens
+/// it may add, and how to shrink it when the client allowed that.
+fn prepare<'a>(
+    entry: &'a ModelEntry,
     prompt: Prompt,
-    params: &Params,
-    mut request: Request,
-    sink: Option<Sink>,
-) -> Result<Generated, Refused> {
+    params: std::borrow::Cow<'a, Params>,
+    request: &mut Request,
+) -> Result<Decoding<'a>, RequestError> {
     let (Some(layout), Some(tokenizer)) = (&entry.decoder, &entry.tokenizer) else {
-        return Err(lifecycle::reject(
-            service,
-            &entry.config.name,
-            RequestError::BadInput(format!(
-                "model `{}` does not generate text (it needs a decoder with past key values and `models[].tokenizer`)",
-                entry.config.name
-            )),
-            request.received,
-        ));
+        return Err(RequestError::BadInput(format!(
+            "model `{}` does not generate text (it needs a decoder with past key values and `models[].tokenizer`)",
+            entry.config.name
+        )));
     };
     let prompt_tokens = prompt.tokens.len();
+    request.shrinker = None;
     if request.meta.allow_shrink
         && let Some(shorten) = prompt.shorten
     {
@@ -346,26 +372,41 @@ pub async fn generate(
             })
         })));
     }
-    let eos: Vec<u32> = END_TOKENS.iter().filter_map(|t| tokenizer.token_to_id(t)).collect();
+    request.model = entry.config.name.clone();
     request.inputs = step_inputs(layout, &prompt.tokens, 0, Vec::new());
     request.outputs = Vec::new();
     request.max_new_tokens = u64::from(params.max_tokens);
+    Ok(Decoding {
+        entry,
+        layout,
+        tokenizer,
+        eos: END_TOKENS.iter().filter_map(|t| tokenizer.token_to_id(t)).collect(),
+        params,
+        prompt_tokens,
+    })
+}
+
+/// Generate from `prompt` (token ids) under `params`. `request` carries the id, deadline,
+/// priority, replayability and leave to substitute; its inputs are built here. `rebuild` makes
+/// the prompt again for the model's fallback, when one may answer instead.
+pub async fn generate(
+    service: &Service,
+    entry: &ModelEntry,
+    prompt: Prompt,
+    params: &Params,
+    mut request: Request,
+    sink: Option<Sink>,
+    rebuild: Option<Rebuild>,
+) -> Result<Generated, Refused> {
+    let decoding = match prepare(entry, prompt, std::borrow::Cow::Borrowed(params), &mut request) {
+        Ok(decoding) => decoding,
+        Err(error) => return Err(lifecycle::reject(service, &entry.config.name, error, request.received)),
+    };
     request.progress = service.accept(&request.model);
-    let model = request.model.clone();
+    let answering = lifecycle::Answering::new(&request.model);
     let received = request.received;
-    lifecycle::counted(service, &model, received, async move {
-        let generated = run(
-            service,
-            entry,
-            layout,
-            tokenizer,
-            prompt_tokens,
-            eos,
-            params,
-            request,
-            sink,
-        )
-        .await?;
+    lifecycle::counted_as(service, &answering, received, async {
+        let generated = run(service, &answering, decoding, request, rebuild, sink).await?;
         let pool = Arc::clone(&generated.pool);
         Ok((generated, pool))
     })
@@ -384,26 +425,72 @@ fn internal(model: &str, pool: &Arc<Pool>, error: String) -> Refused {
     )
 }
 
-/// [`generate`]'s runs, uncounted.
-#[allow(clippy::too_many_arguments)]
-async fn run(
-    service: &Service,
-    entry: &ModelEntry,
-    layout: &DecoderLayout,
-    tokenizer: &tokenizers::Tokenizer,
-    prompt_tokens: usize,
-    eos: Vec<u32>,
-    params: &Params,
+/// The prompt's run placed: on the model asked for, or rebuilt for its fallback when that may
+/// answer instead. What ran, what the steps decode with (the model that answered), the steps'
+/// template (the request without its prompt, for that model), and where the tokens come from.
+async fn place_prompt<'a>(
+    service: &'a Service,
+    answering: &lifecycle::Answering,
+    decoding: Decoding<'a>,
     mut request: Request,
-    sink: Option<Sink>,
-) -> Result<Generated, Refused> {
-    // The steps' template: the request without its prompt, which is not copied only to be
-    // dropped.
+    rebuild: Option<Rebuild>,
+) -> Result<(Served, Decoding<'a>, Request, Arc<Source>), Refused> {
+    // The prompt is not copied only to be dropped.
     let prompt = std::mem::take(&mut request.inputs);
     let mut template = request.clone();
     request.inputs = prompt;
+    let substitute = |fallback: &str| {
+        let entry = service.model(fallback).ok_or("it is not configured")?;
+        let (prompt, params) = rebuild.ok_or("nothing can make its prompt again")?(fallback)?;
+        let mut substitute = template.clone();
+        let decoding =
+            prepare(entry, prompt, std::borrow::Cow::Owned(params), &mut substitute).map_err(|e| e.to_string())?;
+        Ok((substitute, decoding))
+    };
+    let (served, substitution) = lifecycle::place_or_substitute(service, answering, request, substitute).await?;
+    let (decoding, substitution) = match substitution {
+        Some(s) => (
+            s.rebuilt,
+            Some(lifecycle::Substitution {
+                requested: s.requested,
+                model: s.model,
+                reason: s.reason,
+                rebuilt: (),
+            }),
+        ),
+        None => (decoding, None),
+    };
+    template.model = decoding.entry.config.name.clone();
     // Once its first token is picked, a generation offering tools is never run again.
-    template.meta.replayable &= !params.tools;
+    template.meta.replayable &= !decoding.params.tools;
+    let source = Arc::new(Source {
+        model: decoding.entry.config.name.clone(),
+        stop: decoding.params.stop.clone(),
+        substitution,
+    });
+    Ok((served, decoding, template, source))
+}
+
+/// [`generate`]'s runs, uncounted: the prompt's run ([`place_prompt`]), then one step per
+/// token on the pool that ran it.
+async fn run<'a>(
+    service: &'a Service,
+    answering: &lifecycle::Answering,
+    decoding: Decoding<'a>,
+    request: Request,
+    rebuild: Option<Rebuild>,
+    sink: Option<Sink>,
+) -> Result<Generated, Refused> {
+    let (served, decoding, template, source) = place_prompt(service, answering, decoding, request, rebuild).await?;
+    let Decoding {
+        entry,
+        layout,
+        tokenizer,
+        eos,
+        params,
+        prompt_tokens,
+    } = decoding;
+    let params = params.as_ref();
     let Served {
         mut pool,
         action,
@@ -412,7 +499,7 @@ async fn run(
         context,
         context_cut,
         ..
-    } = lifecycle::place(service, request).await?;
+    } = served;
     // A shrink shortened the prompt: positions count from its new length.
     let shrunk = context.map(|(from, to)| (from, to, context_cut.unwrap_or_default()));
     let prompt_tokens = shrunk.as_ref().map_or(prompt_tokens, |s| s.1 as usize);
@@ -450,6 +537,7 @@ async fn run(
                     id: next,
                     pool: Arc::clone(&pool),
                     shrunk: shrunk_shared.clone(),
+                    source: Arc::clone(&source),
                 })
                 .await
                 .is_err()
@@ -487,6 +575,7 @@ async fn run(
         pool,
         action: if retried.is_some() { Action::Redirect } else { action },
         retried,
+        source,
         prompt_tokens,
         shrunk,
         tokens,

@@ -17,6 +17,8 @@ pub struct PoolView<'a> {
     pub ready: Result<(), String>,
     /// Longest context it accepts (`pools[].max_context`), when limited.
     pub max_context: Option<u64>,
+    /// Runs on an accelerator (`cuda` or `simulated`): the only pools `make_room` applies to.
+    pub accelerator: bool,
 }
 
 /// How the request proceeds.
@@ -28,6 +30,14 @@ pub enum Plan {
         pool: String,
         /// New context length.
         shrink_to: Option<u64>,
+    },
+    /// Free room on `pool`'s device until `bytes` (by default what the request needs there) fit,
+    /// then queue it on `pool`.
+    MakeRoom {
+        /// Target pool.
+        pool: String,
+        /// Headroom to reach, when the policy said.
+        bytes: Option<u64>,
     },
     /// Wait this long without holding a worker, then decide again.
     Wait(Duration),
@@ -127,6 +137,13 @@ pub fn plan(
                 Plan::Wait(Duration::from_millis((*ms).max(1)))
             }
         }
+        Decision::MakeRoom { pool, bytes } => match (target(pool), pools.iter().find(|p| p.name == pool)) {
+            (Plan::Run { pool, .. }, Some(view)) if view.accelerator => Plan::MakeRoom { pool, bytes: *bytes },
+            (Plan::Run { pool, .. }, _) => Plan::Invalid(format!(
+                "make_room(`{pool}`): only an accelerator pool's device has models to evict"
+            )),
+            (other, _) => other,
+        },
         Decision::Reject { reason } => Plan::Refuse(format!("rejected by policy: {reason}")),
     };
     within_limit(plan)
@@ -148,24 +165,28 @@ mod tests {
     fn pools() -> Vec<PoolView<'static>> {
         vec![
             PoolView {
+                accelerator: true,
                 name: "gpu",
                 serves: true,
                 ready: Ok(()),
                 max_context: None,
             },
             PoolView {
+                accelerator: false,
                 name: "cpu",
                 serves: true,
                 ready: Ok(()),
                 max_context: Some(512),
             },
             PoolView {
+                accelerator: false,
                 name: "other",
                 serves: false,
                 ready: Ok(()),
                 max_context: None,
             },
             PoolView {
+                accelerator: false,
                 name: "down",
                 serves: true,
                 ready: Err("no NVIDIA driver".into()),
@@ -308,5 +329,28 @@ mod tests {
             }),
             Plan::Refuse("rejected by policy: host memory low".into())
         );
+    }
+
+    #[test]
+    fn make_room_applies_to_a_ready_accelerator_pool_serving_the_model() {
+        let room = |pool: &str, bytes| {
+            p(Decision::MakeRoom {
+                pool: pool.into(),
+                bytes,
+            })
+        };
+        assert_eq!(
+            room("gpu", Some(7)),
+            Plan::MakeRoom {
+                pool: "gpu".into(),
+                bytes: Some(7)
+            }
+        );
+        assert_eq!(
+            room("cpu", None),
+            Plan::Invalid("make_room(`cpu`): only an accelerator pool's device has models to evict".into())
+        );
+        assert!(matches!(room("other", None), Plan::Invalid(_)));
+        assert!(matches!(room("down", None), Plan::Refuse(_)));
     }
 }

@@ -1,5 +1,5 @@
-//! The labels of work that moved: a retry after an allocator failure, and a request that went to
-//! another pool, with every value each can take (so their series exist at 0 from the start).
+//! The labels of work that moved: a retry after an allocator failure, a request that went to
+//! another pool, and one another model answered, with every value each can take (so their series exist at 0 from the start).
 
 use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue};
 
@@ -56,6 +56,35 @@ pub enum FailoverReason {
     policy_redirect,
     /// Retried after a remote pool's server failed (unreachable, 5xx, timeout, overloaded).
     remote_retry,
+}
+
+/// `{model, fallback_model, reason}`: a request for `model` answered by its `fallback_model`.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct SubstitutionLabels {
+    /// The model asked for.
+    pub model: String,
+    /// The model that answered instead.
+    pub fallback_model: String,
+    /// Why the model asked for could not.
+    pub reason: SubstitutionReason,
+}
+
+/// Why a model's `fallback_model` answered instead of it, as the `reason` label.
+#[derive(Debug, Clone, Copy, Hash, PartialEq, Eq, EncodeLabelValue)]
+#[allow(non_camel_case_types)]
+pub enum SubstitutionReason {
+    /// The circuit breaker of every pool serving it was open.
+    breaker_open,
+    /// It did not fit: the policy refused it, the host's memory reserve, or no pool could ever
+    /// give it enough.
+    no_fit,
+    /// No pool serving it could take work (not ready, lost its workers).
+    unavailable,
+}
+
+impl SubstitutionReason {
+    /// Every value, for creating each series at 0 before its first event.
+    pub const ALL: [Self; 3] = [Self::breaker_open, Self::no_fit, Self::unavailable];
 }
 
 impl FailoverReason {

@@ -8,7 +8,9 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::{Registry, Unit};
 
-pub use crate::telemetry::failover_labels::{FailoverLabels, FailoverReason, RetryLabels, RetryResult};
+pub use crate::telemetry::failover_labels::{
+    FailoverLabels, FailoverReason, RetryLabels, RetryResult, SubstitutionLabels, SubstitutionReason,
+};
 
 /// Request outcomes, as the `outcome` label.
 #[derive(Debug, Clone, Copy, Hash, PartialEq, Eq, EncodeLabelValue)]
@@ -213,6 +215,8 @@ pub struct Metrics {
     pub retries: Family<RetryLabels, Counter>,
     /// `vramguard_failovers_total{from, to, reason}`
     pub failovers: Family<FailoverLabels, Counter>,
+    /// `vramguard_substitutions_total{model, fallback_model, reason}`
+    pub substitutions: Family<SubstitutionLabels, Counter>,
     /// `vramguard_http_limit_hits_total{limit}`
     pub http_limit_hits: Family<HttpLimitLabels, Counter>,
     /// `vramguard_http_connections`: connections being served now.
@@ -335,6 +339,7 @@ impl Metrics {
             }),
             retries: Family::default(),
             failovers: Family::default(),
+            substitutions: Family::default(),
             http_limit_hits: Family::default(),
             http_connections: Gauge::default(),
             remote_errors: Family::default(),
@@ -469,6 +474,11 @@ impl Metrics {
             "failovers",
             "Requests moved from one pool to another, by reason",
             metrics.failovers.clone(),
+        );
+        registry.register(
+            "substitutions",
+            "Requests answered by their model's fallback_model, with the client's leave, by why the model asked for could not",
+            metrics.substitutions.clone(),
         );
         registry.register(
             "remote_errors",

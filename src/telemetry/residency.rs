@@ -30,6 +30,8 @@ pub enum UnloadReason {
     requested,
     /// No request for its `models[].idle_unload`.
     idle,
+    /// Evicted by `make_room` to admit a request of another model.
+    evicted,
     /// Its load failed.
     failed,
 }
@@ -142,6 +144,7 @@ impl ResidencyMetrics {
             loads_requested: load(LoadReason::requested),
             unloads_requested: unload(UnloadReason::requested),
             unloads_idle: unload(UnloadReason::idle),
+            unloads_evicted: unload(UnloadReason::evicted),
             unloads_failed: unload(UnloadReason::failed),
             load_duration: self.load_duration.get_or_create_owned(&labels),
             cold_start: self.cold_start.get_or_create_owned(&labels),

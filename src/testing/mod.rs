@@ -88,6 +88,7 @@ pub fn request(model: &str, inputs: Vec<Tensor>) -> Request {
         shrinker: None,
         received: tokio::time::Instant::now(),
         progress: Default::default(),
+        allow_substitute: false,
     }
 }
 

@@ -20,6 +20,8 @@ models: [{name: encoder, path: 'builtin:encoder', context: {input: input, axis: 
 pools:
 - {name: gpu, provider: simulated, device: gpu0, models: [encoder, tiny], fallback: cpu}
 - {name: cpu, provider: cpu, models: [encoder, tiny]}
+# A budget the encoder never reaches: the service budget family the dashboard reads exists.
+services: [{name: encoder, device_memory: 64MiB}]
 ";
 
 const OUTCOMES: [&str; 6] = [

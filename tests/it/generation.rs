@@ -255,7 +255,7 @@ async fn running_past_the_models_positions_is_the_clients_error_not_a_500() {
 }
 
 /// The `data:` payloads of a server-sent event stream, up to `[DONE]`.
-async fn events(response: reqwest::Response) -> Vec<Value> {
+pub(crate) async fn events(response: reqwest::Response) -> Vec<Value> {
     assert_eq!(response.headers()["content-type"], "text/event-stream");
     let text = response.text().await.unwrap();
     let mut out = Vec::new();

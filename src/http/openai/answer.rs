@@ -1,7 +1,6 @@
 //! Running a checked [`Job`] and answering it: whole, as one completion object with the serving
 //! pool's facts in `x-vramguard-*` headers, or streamed ([`super::stream`]).
 
-use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use axum::http::{HeaderMap, HeaderName, HeaderValue};
@@ -13,7 +12,7 @@ use super::chat::tool_calls_json;
 use super::error::OpenAiError;
 use super::job::{Api, Job};
 use super::stream::streamed;
-use crate::http::headers::{decode_headers, header_value, pool_headers, shrink_headers};
+use crate::http::headers::{decode_headers, header_value, model_header, pool_headers, shrink_headers};
 use crate::http::state::AppState;
 use crate::protocol::headers::{ALLOW_SHRINK_HEADER, DECISION_HEADER};
 use crate::serve::generate;
@@ -52,14 +51,14 @@ pub(super) async fn run(
     job: Job,
     base: lifecycle::Request,
     id: &str,
+    rebuild: Option<generate::Rebuild>,
 ) -> Result<Response, OpenAiError> {
     let service = &state.service;
     let entry = service.model(&job.model).expect("checked by text_model");
-    let tokenizer = Arc::clone(entry.tokenizer.as_ref().expect("checked by text_model"));
     if job.stream {
-        return streamed(state, job, id, base, tokenizer).await;
+        return streamed(state, job, id, base, rebuild).await;
     }
-    let generated = generate::generate(service, entry, job.prompt, &job.params, base, None)
+    let generated = generate::generate(service, entry, job.prompt, &job.params, base, None, rebuild)
         .await
         .map_err(|refused| {
             let degraded = service.degraded.now();
@@ -69,9 +68,12 @@ pub(super) async fn run(
             }
             error
         })?;
-    let body = whole(&job.api, &job.model, &generated, id);
+    // The model that answered: the one asked for, or its fallback.
+    let model = generated.source.model.as_str();
+    let body = whole(&job.api, model, &generated, id);
     let mut response = axum::Json(body).into_response();
     let out = response.headers_mut();
+    model_header(out, model);
     out.insert(
         HeaderName::from_static(DECISION_HEADER),
         HeaderValue::from_static(generated.action.label()),

@@ -143,6 +143,7 @@ mod tests {
             max_tokens: Some(3000),
             axis: Some("the prompt and max_tokens together".into()),
             dims: vec![("batch".into(), 1), ("context".into(), 9000)],
+            substitute: None,
         };
         let response = OpenAiError::from_request(&RequestError::NeverFits(Box::new(never)), "req-1").into_response();
         assert_eq!(response.status(), StatusCode::BAD_REQUEST);

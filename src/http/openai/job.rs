@@ -2,6 +2,8 @@
 //! the prompt tokenized. The fields OpenAI documents that would change the answer and that are
 //! not supported are refused by name, never ignored.
 
+use std::sync::Arc;
+
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use serde::Deserialize;
@@ -151,6 +153,19 @@ pub(super) fn read_job(
         prompt,
         params,
         stream,
+    })
+}
+
+/// How a request's fallback model takes it: the body read again as if it named that model, so
+/// its prompt is rendered by that model's template and tokenized by its tokenizer.
+pub(super) fn rebuild(state: Arc<AppState>, body: Bytes, id: &str, chat: bool) -> generate::Rebuild {
+    let id = id.to_string();
+    Box::new(move |fallback: &str| {
+        let mut value: Value = serde_json::from_slice(&body).map_err(|e| e.to_string())?;
+        value["model"] = Value::String(fallback.to_string());
+        let body = serde_json::to_vec(&value).map_err(|e| e.to_string())?;
+        let job = read_job(&state, Ok(Bytes::from(body)), &id, chat).map_err(|e| e.message)?;
+        Ok((job.prompt, job.params))
     })
 }
 

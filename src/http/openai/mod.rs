@@ -71,15 +71,34 @@ pub async fn chat_completions(
 
 /// Read, run and answer one request, the request id on every answer. A request refused while
 /// it is read and checked is counted here; one that reaches its generation is counted there.
-async fn serve(state: &AppState, headers: &HeaderMap, body: Result<Bytes, BytesRejection>, chat: bool) -> Response {
+async fn serve(
+    state: &Arc<AppState>,
+    headers: &HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+    chat: bool,
+) -> Response {
     let received = Instant::now();
     let id = request_id(headers);
-    // A cheap handle on the body, read again only when the request is refused.
+    // A cheap handle on the body, read again when the request is refused, or for the model's
+    // fallback.
     let kept = body.as_ref().ok().cloned();
     let checked = job::read_job(state, body, &id, chat)
         .and_then(|job| answer::request(state, headers, &job, &id, received).map(|base| (job, base)));
     let result = match checked {
-        Ok((job, base)) => answer::run(state, job, base, &id).await,
+        Ok((job, base)) => {
+            let has_fallback = state
+                .service
+                .model(&job.model)
+                .is_some_and(|m| m.config.fallback_model.is_some());
+            // Kept only when the model's fallback may be asked: it reads the body again.
+            let rebuild = match &kept {
+                Some(body) if base.allow_substitute && has_fallback => {
+                    Some(job::rebuild(Arc::clone(state), body.clone(), &id, chat))
+                }
+                _ => None,
+            };
+            answer::run(state, job, base, &id, rebuild).await
+        }
         Err(error) => {
             let model = kept.as_deref().and_then(model_named);
             let model = model.as_deref().unwrap_or(UNKNOWN_MODEL);

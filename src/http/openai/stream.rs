@@ -14,7 +14,7 @@ use super::answer::unix_now;
 use super::chat::tool_calls_json;
 use super::error::OpenAiError;
 use super::job::{Api, Job};
-use crate::http::headers::{pool_facts, pool_headers, shrink_headers};
+use crate::http::headers::{model_header, pool_facts, pool_headers, shrink_headers};
 use crate::http::state::AppState;
 use crate::pool::Pool;
 use crate::serve::generate;
@@ -54,13 +54,14 @@ type Running = (
 /// `stream: true`: run the prompt first, so a refusal before the first token is an ordinary
 /// error response; then stream each piece of text as it is generated. A reader that goes away
 /// drops the stream and with it the channel: the generation stops at its next token and is
-/// counted `cancelled`.
+/// counted `cancelled`. The stream reads its text with the tokenizer of the model that
+/// answers (its fallback's, when that stood in), which the first token names.
 pub(super) async fn streamed(
     state: &AppState,
     job: Job,
     id: &str,
     base: crate::serve::lifecycle::Request,
-    tokenizer: Arc<tokenizers::Tokenizer>,
+    rebuild: Option<generate::Rebuild>,
 ) -> Result<Response, OpenAiError> {
     let service = Arc::clone(&state.service);
     let (tx, mut rx) = tokio::sync::mpsc::channel::<generate::Token>(64);
@@ -71,29 +72,10 @@ pub(super) async fn streamed(
         let prompt = job.prompt;
         async move {
             let entry = service.model(&model).expect("checked before");
-            generate::generate(&service, entry, prompt, &params, base, Some(tx)).await
+            generate::generate(&service, entry, prompt, &params, base, Some(tx), rebuild).await
         }
     });
-    // Text from a tool call's start on waits for the end, when the calls are read back.
-    let mut held = job.params.stop.clone();
-    if matches!(&job.api, Api::Chat { tools } if !tools.is_empty()) {
-        held.push(crate::runtime::chat::TOOL_CALL_OPEN.to_string());
-    }
-    let stream = Stream {
-        tokens: Vec::new(),
-        sent: 0,
-        running: None,
-        finished: None,
-        done: false,
-        pool: None,
-        held,
-        api: job.api,
-        id: id.to_string(),
-        model: job.model,
-        created: unix_now(),
-        tokenizer,
-        service,
-    };
+    let stream = |source: &Arc<generate::Source>| Stream::new(service, job.api, id, Arc::clone(source));
     // Until the first token, a failure is an ordinary error response. The channel closes
     // without a token only when the generation ended before sending one.
     match rx.recv().await {
@@ -102,7 +84,7 @@ pub(super) async fn streamed(
             let mut stream = Stream {
                 tokens: vec![first.id],
                 running: Some((rx, task)),
-                ..stream
+                ..stream(&first.source)?
             };
             let opening = stream.opening(&pool, first.shrunk.as_deref());
             Ok(sse(stream, opening, &pool, first.shrunk.as_deref()))
@@ -113,9 +95,10 @@ pub(super) async fn streamed(
             Ok(Ok(generated)) => {
                 let pool = Arc::clone(&generated.pool);
                 let shrunk = generated.shrunk.clone();
+                let source = Arc::clone(&generated.source);
                 let mut stream = Stream {
                     finished: Some(Ok(generated)),
-                    ..stream
+                    ..stream(&source)?
                 };
                 let opening = stream.opening(&pool, shrunk.as_ref());
                 Ok(sse(stream, opening, &pool, shrunk.as_ref()))
@@ -139,24 +122,59 @@ struct Stream {
     held: Vec<String>,
     api: Api,
     id: String,
-    model: String,
+    /// The model that answers, and its stop strings.
+    source: Arc<generate::Source>,
     created: u64,
     tokenizer: Arc<tokenizers::Tokenizer>,
     service: Arc<crate::serve::service::Service>,
 }
 
 impl Stream {
+    /// A stream of `source`'s tokens, nothing sent yet.
+    fn new(
+        service: Arc<crate::serve::service::Service>,
+        api: Api,
+        id: &str,
+        source: Arc<generate::Source>,
+    ) -> Result<Stream, OpenAiError> {
+        let tokenizer = service
+            .model(&source.model)
+            .and_then(|m| m.tokenizer.clone())
+            .ok_or_else(|| OpenAiError::internal(format!("model `{}` has no tokenizer", source.model), id))?;
+        // Text from a stop string or a tool call's start on waits for the end, when the calls
+        // are read back.
+        let mut held = source.stop.clone();
+        if matches!(&api, Api::Chat { tools } if !tools.is_empty()) {
+            held.push(crate::runtime::chat::TOOL_CALL_OPEN.to_string());
+        }
+        Ok(Stream {
+            tokens: Vec::new(),
+            sent: 0,
+            running: None,
+            finished: None,
+            done: false,
+            pool: None,
+            held,
+            api,
+            id: id.to_string(),
+            source,
+            created: unix_now(),
+            tokenizer,
+            service,
+        })
+    }
+
     /// One chunk: `text` (chat: the delta's `content`), and at the end why and the usage.
     fn chunk(&self, delta: Value, finish: Option<&str>, usage: Option<Value>) -> Value {
         let mut value = match &self.api {
             Api::Completion => json!({
                 "id": format!("cmpl-{}", self.id), "object": "text_completion", "created": self.created,
-                "model": self.model,
+                "model": self.source.model,
                 "choices": [{"text": delta, "index": 0, "logprobs": null, "finish_reason": finish}],
             }),
             Api::Chat { .. } => json!({
                 "id": format!("chatcmpl-{}", self.id), "object": "chat.completion.chunk",
-                "created": self.created, "model": self.model,
+                "created": self.created, "model": self.source.model,
                 "choices": [{"index": 0, "delta": if delta.is_object() { delta } else { json!({"content": delta}) },
                              "logprobs": null, "finish_reason": finish}],
             }),
@@ -176,6 +194,11 @@ impl Stream {
         };
         let mut value = self.chunk(delta, None, None);
         value["vramguard"] = self.facts(pool);
+        value["vramguard"]["model"] = json!(self.source.model);
+        if let Some(s) = &self.source.substitution {
+            value["vramguard"]["requested_model"] = json!(s.requested);
+            value["vramguard"]["substituted"] = json!(format!("{:?}", s.reason));
+        }
         if let Some((from, to, cut)) = shrunk {
             value["vramguard"]["context"] = json!({"from": from, "to": to, "cut": cut});
         }
@@ -289,6 +312,7 @@ impl Stream {
 
 fn sse(stream: Stream, opening: Bytes, pool: &Pool, shrunk: Option<&(u64, u64, String)>) -> Response {
     let degraded = stream.service.degraded.now();
+    let model = stream.source.model.clone();
     let rest = futures_util::stream::unfold(stream, |mut stream| async move {
         let bytes = stream.next().await?;
         Some((Ok::<_, std::convert::Infallible>(bytes), stream))
@@ -299,6 +323,7 @@ fn sse(stream: Stream, opening: Bytes, pool: &Pool, shrunk: Option<&(u64, u64, S
     headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
     headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
     pool_headers(headers, pool, degraded.as_ref());
+    model_header(headers, &model);
     if let Some((from, to, cut)) = shrunk {
         shrink_headers(headers, *from, *to, cut);
     }

@@ -176,3 +176,30 @@ fn print_and_debug_do_not_fail_the_script() {
     let evaluation = decide("fn decide(req, state) { print(`pool ${req.pool}`); debug(state.pools.gpu); admit() }");
     assert_eq!(evaluation.error, None);
 }
+
+#[test]
+fn make_room_names_its_pool_and_optionally_the_bytes_to_free() {
+    assert_eq!(
+        decide(r#"fn decide(req, state) { make_room("gpu") }"#).decision,
+        Decision::MakeRoom {
+            pool: "gpu".into(),
+            bytes: None
+        }
+    );
+    assert_eq!(
+        decide(r#"fn decide(req, state) { make_room(req.pool, 1.5 * 1000) }"#).decision,
+        Decision::MakeRoom {
+            pool: "gpu".into(),
+            bytes: Some(1500)
+        }
+    );
+    let negative = decide(r#"fn decide(req, state) { make_room("gpu", -1) }"#);
+    assert!(
+        negative
+            .error
+            .as_ref()
+            .is_some_and(|e| e.to_string().contains("make_room(bytes)")),
+        "{negative:?}"
+    );
+    assert!(decide(r#"fn decide(req, state) { make_room("") }"#).error.is_some());
+}

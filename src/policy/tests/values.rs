@@ -19,7 +19,8 @@ fn req_carries_every_contract_field() {
                 && e.weights_bytes == 1000 && e.context_bytes == 200 && e.workspace_bytes == 30
                 && e.total_bytes == 1230 && e.source == "observed"
                 && req.dims.seq == 128 && req.dims.batch == 2 && req.dims.len() == 2
-                && req.len() == 13 && e.len() == 5;
+                && req.load_bytes == 4000 && req.evictable_bytes == 5000
+                && req.len() == 15 && e.len() == 5;
             if ok { admit() } else { reject(`req was ${req}`) }
         }"#,
     );

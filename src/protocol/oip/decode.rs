@@ -33,6 +33,9 @@ pub struct DecodedRequest {
     pub binary_by_default: bool,
     /// `parameters.allow_shrink`: whether the client allows its context to be cut, when it said.
     pub allow_shrink: Option<bool>,
+    /// `parameters.allow_substitute`: whether the client allows the model's `fallback_model`
+    /// to answer instead, when it said.
+    pub allow_substitute: Option<bool>,
 }
 
 #[derive(Deserialize)]
@@ -113,6 +116,7 @@ pub fn decode(body: &[u8], header_len: Option<usize>, signature: &ModelSignature
 
     let binary_by_default = flag(&request.parameters, "binary_data_output")?;
     let allow_shrink = optional_flag(&request.parameters, "allow_shrink")?;
+    let allow_substitute = optional_flag(&request.parameters, "allow_substitute")?;
     let outputs = requested_outputs(request.outputs.unwrap_or_default(), signature, binary_by_default)?;
     Ok(DecodedRequest {
         id: request.id,
@@ -124,6 +128,7 @@ pub fn decode(body: &[u8], header_len: Option<usize>, signature: &ModelSignature
         outputs,
         binary_by_default,
         allow_shrink,
+        allow_substitute,
     })
 }
 

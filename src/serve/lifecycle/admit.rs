@@ -16,6 +16,7 @@ use crate::serve::router::{self, Plan, PoolView};
 use crate::serve::service::{ModelEntry, Service};
 use crate::telemetry::metrics::{DecisionLabels, FailoverReason, KindLabels};
 
+use super::room::{DeviceHold, evictable_bytes, hold_device, make_room, on_local_device};
 use super::run::is_accelerator;
 use super::{DeadlineMiss, Refused, Request, RequestError};
 
@@ -32,8 +33,11 @@ pub(super) struct Admitted {
     /// The estimate for what actually runs (after any shrink).
     pub(super) estimate: Estimate,
     /// What the policy's deferrals left of the routed pool's `max_wait`: how long it may still
-    /// wait for its service's budgets.
+    /// wait for its service's budgets (set by `admit` once it is placed).
     pub(super) wait_left: Duration,
+    /// Held when it loads its model on an accelerator or made room there: released once its
+    /// first run has ended and the device was sampled again.
+    pub(super) hold: Option<DeviceHold>,
 }
 
 /// Ask the policy what to do with the request and carry it out until it is placed on a pool
@@ -42,11 +46,20 @@ pub(super) async fn admit(service: &Service, entry: &ModelEntry, request: &mut R
     let refuse = |error: RequestError| Refused { pool: None, error };
     let routed = routed_pool(service, &entry.config.name).map_err(refuse)?;
     let dims = entry.with_new_tokens(entry.dims_of(&request.inputs), request.max_new_tokens);
-    let mut info = request_info(entry, request, &routed);
+    let mut info = request_info(service, entry, request, &routed);
     if let Some(never) = super::fits::never_fits(service, entry, request, &info.estimate, &dims) {
         return Err(refuse(RequestError::NeverFits(Box::new(never))));
     }
     let mut deferred = Duration::ZERO;
+    // Why the last `make_room` could not free enough: the policy then decides without it.
+    let mut no_room: Option<String> = None;
+    let mut hold = None;
+    if info.load_bytes > 0 && on_local_device(&routed) {
+        // A cold start on an accelerator: wait for the loads before it to show in the samples.
+        hold = hold_device(service, &routed).await;
+        info.load_bytes = load_bytes(service, entry, &routed);
+        info.evictable_bytes = evictable_bytes(service, &routed, entry);
+    }
     loop {
         if let Some(deadline) = request.deadline() {
             // The policy sees the time left, not the time the client first gave.
@@ -61,15 +74,38 @@ pub(super) async fn admit(service: &Service, entry: &ModelEntry, request: &mut R
             }
             info.deadline_ms = (left.as_millis() as u64).max(1);
         }
-        let (decision, plan) = decide(service, entry, request, &info, &routed, deferred);
+        let (decision, plan) = decide(service, entry, request, &info, &routed, deferred, no_room.as_deref());
         match plan {
+            Plan::MakeRoom { pool, bytes } => {
+                let pool = service.pool(&pool).cloned().expect("plan only names existing pools");
+                let bytes = bytes.unwrap_or_else(|| need_on(service, entry, &info, &pool));
+                match make_room(service, entry, &pool, bytes, &info.id, &mut hold).await {
+                    Ok(_) => {
+                        let mut admitted =
+                            shrink(entry, request, &info, pool, decision.action(), None).map_err(refuse)?;
+                        admitted.hold = hold;
+                        admitted.wait_left = routed.config.max_wait.saturating_sub(deferred);
+                        return Ok(admitted);
+                    }
+                    Err(why) => {
+                        tracing::info!(request_id = %info.id, model = %info.model, pool = pool.name(), reason = %why, "make_room freed too little; the policy decides again without it");
+                        info.evictable_bytes = 0;
+                        no_room = Some(why);
+                    }
+                }
+            }
             Plan::Run { pool, shrink_to } => {
                 let pool = service.pool(&pool).cloned().expect("plan only names existing pools");
                 if pool.name() != routed.name() && is_accelerator(&routed) {
                     service.failover(&routed, &pool, FailoverReason::policy_redirect);
                 }
-                let wait_left = routed.config.max_wait.saturating_sub(deferred);
-                return shrink(entry, request, &info, pool, wait_left, decision.action(), shrink_to).map_err(refuse);
+                let mut admitted = shrink(entry, request, &info, pool, decision.action(), shrink_to).map_err(refuse)?;
+                admitted.wait_left = routed.config.max_wait.saturating_sub(deferred);
+                // Sent elsewhere, it changes nothing on the held device.
+                let same_device =
+                    on_local_device(&admitted.pool) && admitted.pool.config.device == routed.config.device;
+                admitted.hold = hold.filter(|_| same_device);
+                return Ok(admitted);
             }
             Plan::Wait(wait) => {
                 if request.deadline().is_some_and(|d| Instant::now() + wait >= d) {
@@ -94,6 +130,27 @@ pub(super) async fn admit(service: &Service, entry: &ModelEntry, request: &mut R
             }
             Plan::Invalid(_) => unreachable!("replaced by the fallback in decide()"),
         }
+    }
+}
+
+/// The weights `pool` must load before it runs `entry`'s model: 0 when they are there.
+fn load_bytes(service: &Service, entry: &ModelEntry, pool: &Pool) -> u64 {
+    match pool.is_resident(&entry.config.name) {
+        true => 0,
+        false => service.weights_on(pool, entry),
+    }
+}
+
+/// What a request needs on `pool` beyond what is there now: its run's context and workspace,
+/// and its weights when its sessions are not loaded there.
+fn need_on(service: &Service, entry: &ModelEntry, info: &RequestInfo, pool: &Pool) -> u64 {
+    let run = info
+        .estimate
+        .context_bytes
+        .saturating_add(info.estimate.workspace_bytes);
+    match pool.is_resident(&entry.config.name) {
+        true => run,
+        false => run.saturating_add(service.weights_on(pool, entry)),
     }
 }
 
@@ -135,7 +192,7 @@ fn routed_pool(service: &Service, model: &str) -> Result<Arc<Pool>, RequestError
 
 /// What the policy is told about the request, routed to `routed` (its deadline is filled in
 /// before each decision).
-fn request_info(entry: &ModelEntry, request: &Request, routed: &Pool) -> RequestInfo {
+fn request_info(service: &Service, entry: &ModelEntry, request: &Request, routed: &Pool) -> RequestInfo {
     let sent = entry.dims_of(&request.inputs);
     let (tokens, batch) = entry.tokens_and_batch(&sent);
     let dims = entry
@@ -159,6 +216,8 @@ fn request_info(entry: &ModelEntry, request: &Request, routed: &Pool) -> Request
         deadline_ms: 0,
         estimate: entry.estimate(&entry.with_new_tokens(sent, request.max_new_tokens)),
         dims,
+        load_bytes: load_bytes(service, entry, routed),
+        evictable_bytes: evictable_bytes(service, routed, entry),
     }
 }
 
@@ -172,6 +231,7 @@ fn decide(
     info: &RequestInfo,
     routed: &Pool,
     deferred: Duration,
+    no_room: Option<&str>,
 ) -> (Decision, Plan) {
     let model = entry.config.name.as_str();
     let has_context = entry.config.context.is_some() || request.shrinker.is_some();
@@ -185,6 +245,7 @@ fn decide(
             serves: p.serves(model),
             ready: p.refusal().map_or(Ok(()), Err),
             max_context: p.config.max_context,
+            accelerator: on_local_device(p),
         })
         .collect();
     let eval_started = std::time::Instant::now();
@@ -203,6 +264,9 @@ fn decide(
         tracing::warn!(request_id = %info.id, %error, fallback = %decision, "policy failed; using the fallback decision");
     }
     let mut plan = router::plan(&decision, info, has_context, &views, deferred, max_defer);
+    if let (Plan::MakeRoom { .. }, Some(why)) = (&plan, no_room) {
+        plan = Plan::Invalid(format!("make_room again after it could not free enough: {why}"));
+    }
     if let Plan::Invalid(why) = &plan {
         metrics
             .policy_errors
@@ -217,11 +281,15 @@ fn decide(
             Plan::Invalid(why) => Plan::Refuse(format!(
                 "neither the policy's decision nor the fallback can be carried out: {why}"
             )),
+            Plan::MakeRoom { .. } if no_room.is_some() => Plan::Refuse(format!(
+                "the fallback decision is make_room, which could not free enough: {}",
+                no_room.unwrap_or_default()
+            )),
             other => other,
         };
     }
     let target = match &plan {
-        Plan::Run { pool, .. } => pool.as_str(),
+        Plan::Run { pool, .. } | Plan::MakeRoom { pool, .. } => pool.as_str(),
         _ => info.pool.as_str(),
     };
     metrics
@@ -245,7 +313,7 @@ fn decide(
     (decision, plan)
 }
 
-/// Carry out a decision to run on `pool` (with `wait_left` of its bound): cut the context to `shrink_to` tokens when the
+/// Carry out a decision to run on `pool`: cut the context to `shrink_to` tokens when the
 /// decision shrank it (along the model's context axis, or by the request's own shrinker), and
 /// estimate what actually runs.
 fn shrink(
@@ -253,7 +321,6 @@ fn shrink(
     request: &mut Request,
     info: &RequestInfo,
     pool: Arc<Pool>,
-    wait_left: Duration,
     action: Action,
     shrink_to: Option<u64>,
 ) -> Result<Admitted, RequestError> {
@@ -282,6 +349,7 @@ fn shrink(
         context,
         context_cut,
         estimate,
-        wait_left,
+        wait_left: Duration::ZERO,
+        hold: None,
     })
 }

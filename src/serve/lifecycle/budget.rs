@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use crate::serve::service::{Ask, HeldBack, Memory, ModelEntry, Service, memory_of, weights_on};
+use crate::serve::service::{Ask, HeldBack, Memory, ModelEntry, Service, memory_of};
 
 use super::admit::Admitted;
 use super::{DeadlineMiss, Refused, Request, RequestError};
@@ -37,7 +37,7 @@ pub(super) async fn enter(
     };
     // A model the pool does not hold now is loaded for this request: its weights count too.
     let loads = device.is_some() && !pool.is_resident(&entry.config.name);
-    let weights = if loads { weights_on(pool, entry) } else { 0 };
+    let weights = if loads { service.weights_on(pool, entry) } else { 0 };
     let started = Instant::now();
     let bound = started + admitted.wait_left;
     loop {

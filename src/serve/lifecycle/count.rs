@@ -11,6 +11,7 @@ use crate::serve::service::Service;
 use crate::serve::service::UNKNOWN_MODEL;
 use crate::telemetry::metrics::{ModelPoolLabels, Outcome, RequestLabels};
 
+use super::substitute::Answering;
 use super::{Refused, RequestError};
 
 /// Do `work` as one request for `model`: counted once in the request metrics with the outcome
@@ -21,16 +22,28 @@ pub async fn counted<T>(
     received: Instant,
     work: impl std::future::Future<Output = Result<(T, Arc<Pool>), Refused>>,
 ) -> Result<T, Refused> {
+    counted_as(service, &Answering::new(model), received, work).await
+}
+
+/// [`counted`], under the model [`Answering`] names when the work ends (or its client goes
+/// away): a request its model's fallback answered is counted once, as the fallback's.
+pub async fn counted_as<T>(
+    service: &Service,
+    answering: &Answering,
+    received: Instant,
+    work: impl std::future::Future<Output = Result<(T, Arc<Pool>), Refused>>,
+) -> Result<T, Refused> {
     // A client that goes away drops this future: the guard counts that as `cancelled` (a job
     // still queued is then skipped by the pool, one already running is stopped).
     let mut gone = ClientGone {
         service,
-        model,
+        answering,
         received,
         armed: true,
     };
     let result = work.await;
     gone.armed = false;
+    let model = answering.model();
     let (pool, outcome) = match &result {
         Ok((_, pool)) => (Some(pool), Outcome::ok),
         Err(refused) => (refused.pool.as_ref(), refused.error.outcome()),
@@ -45,7 +58,7 @@ pub async fn counted<T>(
 /// Counts a request whose client went away before it was answered.
 struct ClientGone<'a> {
     service: &'a Service,
-    model: &'a str,
+    answering: &'a Answering,
     received: Instant,
     armed: bool,
 }
@@ -53,8 +66,9 @@ struct ClientGone<'a> {
 impl Drop for ClientGone<'_> {
     fn drop(&mut self) {
         if self.armed {
-            tracing::debug!(model = self.model, "the client went away before the answer");
-            record(self.service, self.model, None, Outcome::cancelled, self.received);
+            let model = self.answering.model();
+            tracing::debug!(model, "the client went away before the answer");
+            record(self.service, model, None, Outcome::cancelled, self.received);
         }
     }
 }

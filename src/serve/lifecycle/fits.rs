@@ -36,6 +36,8 @@ pub struct NeverFits {
     pub axis: Option<String>,
     /// The input's size along each dynamic axis, as the estimate read it.
     pub dims: Vec<(String, u64)>,
+    /// Why the model's `fallback_model` did not answer instead, when it was asked.
+    pub substitute: Option<String>,
 }
 
 /// The most one pool could ever give one run.
@@ -80,6 +82,9 @@ impl fmt::Display for NeverFits {
         }
         if self.axis.is_some() {
             write!(f, ", or allow the context to be cut (x-vramguard-allow-shrink: true)")?;
+        }
+        if let Some(note) = &self.substitute {
+            write!(f, "; {note}")?;
         }
         Ok(())
     }
@@ -175,6 +180,7 @@ fn judge(
         max_tokens,
         axis,
         dims: Vec::new(),
+        substitute: None,
     })
 }
 

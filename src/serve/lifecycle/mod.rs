@@ -9,8 +9,10 @@
 //! `Retry-After`; `http` gives each variant its status.
 //!
 //! The files follow the request: `admit` (router and policy), `place` (the checks before the
-//! placed run), `budget` (its service's budgets), `run` (one run on a pool), `retry` (the one retry, shared with a generation's
-//! steps), `count` (the request metrics) and `error` (what a client is told).
+//! placed run), `budget` (the request's service's budgets), `run` (one run on a pool), `retry`
+//! (the one retry, shared with a generation's steps), `substitute` (the model's
+//! `fallback_model` answering instead, with the client's leave), `count` (the request metrics)
+//! and `error` (what a client is told).
 //!
 //! Time is tokio's, so tests run deferrals and deadlines with paused time.
 
@@ -21,7 +23,9 @@ mod error;
 mod fits;
 mod place;
 mod retry;
+mod room;
 mod run;
+mod substitute;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -36,10 +40,11 @@ use crate::pool::activity::Progress;
 use crate::serve::service::Service;
 use crate::telemetry::metrics::FailoverReason;
 
-pub use count::{answered, counted, reject};
+pub use count::{answered, counted, counted_as, reject};
 pub use error::{DeadlineMiss, NotRetried, Refused, RequestError};
 pub use fits::{Ceiling, NeverFits};
 pub use place::place;
+pub use substitute::{Answering, Substitution, place_or_substitute};
 
 /// A decoded inference request, whatever protocol it came in by.
 #[derive(Debug, Clone)]
@@ -64,6 +69,10 @@ pub struct Request {
     /// Its place in the service's waiting and running counts ([`infer`] and a generation
     /// accept it there; the default counts nothing).
     pub progress: Progress,
+    /// The client allows its model's `fallback_model` to answer instead when the model cannot
+    /// run ([`place_or_substitute`]). Not on [`RunMeta`], so a remote pool is never asked to
+    /// swap models: the answer's model is decided here, where it is reported.
+    pub allow_substitute: bool,
 }
 
 impl Request {
@@ -126,26 +135,31 @@ pub struct Ran {
 }
 
 /// Run `request` to its end: place it, ask the policy, carry the decision out, run it, and
-/// count the outcome.
+/// count the outcome. It has nothing to rebuild a request for another model from, so its
+/// model's fallback never answers it.
 pub async fn infer(service: &Service, request: Request) -> Result<Served, Refused> {
-    infer_and(service, request, Ok).await
+    let rebuild =
+        |_: &str| Err::<(Request, ()), _>("it was not received by a protocol that can ask another model".into());
+    infer_and(service, request, rebuild, |served, _| Ok(served)).await
 }
 
 /// [`infer`], with the answer made from what was served by `answer` before the request is
 /// counted: an answer that cannot be made (a response over its limit) is counted with the
-/// error the client gets, not as served.
-pub async fn infer_and<T>(
+/// error the client gets, not as served. `rebuild` makes the request again for its model's
+/// fallback, when one may answer instead ([`place_or_substitute`]); `answer` is then told so.
+pub async fn infer_and<T, D>(
     service: &Service,
     mut request: Request,
-    answer: impl FnOnce(Served) -> Result<T, RequestError>,
+    rebuild: impl FnOnce(&str) -> Result<(Request, D), String>,
+    answer: impl FnOnce(Served, Option<Substitution<D>>) -> Result<T, RequestError>,
 ) -> Result<T, Refused> {
     request.progress = service.accept(&request.model);
-    let model = request.model.clone();
+    let answering = Answering::new(&request.model);
     let received = request.received;
-    counted(service, &model, received, async move {
-        let served = place(service, request).await?;
+    counted_as(service, &answering, received, async {
+        let (served, substitution) = place_or_substitute(service, &answering, request, rebuild).await?;
         let pool = Arc::clone(&served.pool);
-        let value = answer(served).map_err(|error| Refused::at(&pool, error))?;
+        let value = answer(served, substitution).map_err(|error| Refused::at(&pool, error))?;
         Ok((value, pool))
     })
     .await

@@ -10,10 +10,10 @@ mod onnxruntime;
 mod parts;
 mod policy;
 mod pools;
+mod rooms;
 mod services;
 mod zeroed;
 
-use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -36,10 +36,9 @@ use crate::telemetry::services::ServicesCollector;
 pub use models::{ModelBytes, ModelEntry};
 pub use onnxruntime::OrtFactory;
 pub use parts::{BackendFactory, Parts};
+pub use rooms::{Eviction, Rooms};
 pub use services::{Ask, HeldBack, Services, Slot};
 pub use zeroed::UNKNOWN_MODEL;
-
-pub(crate) use observe::weights_on;
 
 use models::load_models;
 use policy::{PolicyState, load_policy, show_policy};
@@ -98,9 +97,27 @@ pub struct Service {
     pub activity: Arc<Activity>,
     /// Each service's budgets and what it runs and holds now.
     pub services: Arc<Services>,
-    /// Bytes of model weights loaded on each memory (`host`, or an accelerator device), every
-    /// pool's models counted: fixed once the pools are built.
-    weights_resident: HashMap<String, u64>,
+    /// `make_room`'s per-device locks and its recent evictions.
+    pub rooms: Rooms,
+}
+
+/// Asks the background sampler for a sample and waits for it.
+#[derive(Debug, Clone)]
+pub struct Resampler {
+    notify: Arc<tokio::sync::Notify>,
+    store: Arc<SnapshotStore>,
+}
+
+impl Resampler {
+    /// Ask for a sample now and wait (up to a second) until it is published.
+    pub async fn now(self) {
+        let before = self.store.latest().generation;
+        self.notify.notify_one();
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(1);
+        while self.store.latest().generation == before && tokio::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+    }
 }
 
 /// Host memory promised to one run; given back when dropped.
@@ -153,7 +170,6 @@ impl Service {
             };
             pools.push(start_pool(&backends, &config, &models, pool_config, context, &metrics));
         }
-        let weights_resident = weights_resident(&pools, &models);
         for pool in &pools {
             for entry in models.iter().filter(|m| pool.serves(&m.config.name)) {
                 metrics
@@ -210,21 +226,43 @@ impl Service {
             decisions: Default::default(),
             activity,
             services,
-            weights_resident,
+            rooms: Rooms::default(),
         })
     }
 
-    /// The weights that stay loaded beside `model` on `pool`'s memory: every other model's (and
-    /// this model's on other pools of the same memory). `None` for a remote pool, whose memory
-    /// is another server's.
+    /// The weights that always stay loaded beside `model` on `pool`'s memory, whatever a
+    /// request of it does: on the host every other model's (CPU pools keep theirs); on an
+    /// accelerator those `make_room` can never take for it, the pinned models' and those of
+    /// higher priority. `None` for a remote pool, whose memory is another server's.
     pub(crate) fn weights_beside(&self, pool: &Pool, model: &str) -> Option<u64> {
-        let key = match memory_of(pool)? {
-            Memory::Host => "host",
-            Memory::Device(device) => device,
-        };
-        let all = self.weights_resident.get(key).copied().unwrap_or(0);
-        let own = self.model(model).map_or(0, |m| observe::weights_on(pool, m));
-        Some(all.saturating_sub(own))
+        let memory = memory_of(pool)?;
+        let priority = self.model(model).map_or(i64::MIN, |m| m.config.priority);
+        let mut beside = 0u64;
+        for other in self.pools.iter().filter(|p| memory_of(p) == Some(memory)) {
+            for entry in self.models.iter().filter(|m| other.serves(&m.config.name)) {
+                let own = entry.config.name == model;
+                if own && std::ptr::eq(Arc::as_ptr(other), pool) {
+                    continue;
+                }
+                let stays = match memory {
+                    Memory::Host => true,
+                    Memory::Device(_) => {
+                        own || entry.config.residency == crate::config::Residency::Pinned
+                            || entry.config.priority > priority
+                    }
+                };
+                if stays {
+                    beside = beside.saturating_add(observe::weights_on(other, entry));
+                }
+            }
+        }
+        Some(beside)
+    }
+
+    /// The weights `pool` holds of `entry`'s model when it is loaded there: every worker
+    /// builds its own sessions.
+    pub fn weights_on(&self, pool: &Pool, entry: &ModelEntry) -> u64 {
+        observe::weights_on(pool, entry)
     }
 
     /// The sampler, for the server to run in the background (taken once).
@@ -235,11 +273,14 @@ impl Service {
     /// Ask the background sampler for a sample now and wait (up to a second) until it is
     /// published, so a change just made is visible to the next reader.
     pub async fn resample_now(&self) {
-        let before = self.store.latest().generation;
-        self.resample.notify_one();
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(1);
-        while self.store.latest().generation == before && tokio::time::Instant::now() < deadline {
-            tokio::time::sleep(Duration::from_millis(2)).await;
+        self.resampler().now().await;
+    }
+
+    /// What [`Service::resample_now`] needs, to take a sample from a task of its own.
+    pub fn resampler(&self) -> Resampler {
+        Resampler {
+            notify: Arc::clone(&self.resample),
+            store: Arc::clone(&self.store),
         }
     }
 
@@ -338,24 +379,4 @@ pub(crate) fn memory_of(pool: &Pool) -> Option<Memory<'_>> {
         ProviderKind::Cpu => Some(Memory::Host),
         ProviderKind::Cuda | ProviderKind::Simulated => Some(Memory::Device(pool.config.device.as_str())),
     }
-}
-
-/// [`Service::weights_beside`]'s table: the weights of every model each pool loads, summed per
-/// memory.
-fn weights_resident(pools: &[Arc<Pool>], models: &[ModelEntry]) -> HashMap<String, u64> {
-    let mut resident = HashMap::new();
-    for pool in pools {
-        let memory = match memory_of(pool) {
-            Some(Memory::Host) => "host",
-            Some(Memory::Device(device)) => device,
-            None => continue,
-        };
-        let weights: u64 = models
-            .iter()
-            .filter(|m| pool.serves(&m.config.name))
-            .map(|m| observe::weights_on(pool, m))
-            .sum();
-        *resident.entry(memory.to_string()).or_insert(0) += weights;
-    }
-    resident
 }

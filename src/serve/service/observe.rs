@@ -50,7 +50,7 @@ impl Service {
 }
 
 /// The weights `pool` holds of `entry`'s model: every worker builds its own sessions.
-pub(crate) fn weights_on(pool: &Pool, entry: &ModelEntry) -> u64 {
+pub(super) fn weights_on(pool: &Pool, entry: &ModelEntry) -> u64 {
     entry
         .profile
         .weights_bytes

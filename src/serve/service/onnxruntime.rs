@@ -98,6 +98,7 @@ impl BackendFactory for OrtFactory {
         let backend: Box<dyn Backend> = Box::new(OrtBackend::load(self.rt, models, &options)?);
         match self.simulated.iter().find(|d| d.name == pool.device) {
             Some(device) if pool.provider == Provider::Simulated => {
+                device.check_capacity(&format!("pool `{}` loading its models", pool.name))?;
                 Ok(Box::new(FaultInjecting::new(backend, Arc::clone(device))))
             }
             _ => Ok(backend),

@@ -80,6 +80,8 @@ pub(super) fn model_setups(metrics: &Metrics, models: &[ModelEntry], pool: &Pool
             name: m.config.name.clone(),
             residency: m.config.residency,
             idle_unload: m.config.idle_unload,
+            priority: m.config.priority,
+            min_residency: m.config.min_residency,
             bytes: Arc::new(m.bytes.clone()),
             metrics: metrics.residency.handles(&m.config.name, &pool.name),
         })

@@ -9,7 +9,7 @@ use crate::core::snapshot::Action;
 use crate::pool::Pool;
 use crate::telemetry::metrics::{
     DecisionLabels, FailoverLabels, FailoverReason, Metrics, ModelPoolLabels, Outcome, RequestLabels, RetryLabels,
-    RetryResult,
+    RetryResult, SubstitutionLabels, SubstitutionReason,
 };
 
 use super::ModelEntry;
@@ -23,6 +23,7 @@ pub const UNKNOWN_MODEL: &str = "";
 /// for refusals before one was chosen) with every outcome, and refusals of requests naming no
 /// configured model; durations per model and pool; decisions per action and pool; failovers
 /// and retries from each pool with a fallback to that fallback, with every reason and result;
+/// substitutions of each model with a `fallback_model` by it, with every reason;
 /// residency (resident, loads, unloads, load and cold-start times) per model and pool.
 pub(super) fn zero_known_series(metrics: &Metrics, models: &[ModelEntry], pools: &[Arc<Pool>]) {
     for entry in models {
@@ -42,6 +43,15 @@ pub(super) fn zero_known_series(metrics: &Metrics, models: &[ModelEntry], pools:
         // Refused before any pool was chosen: never served there.
         for outcome in Outcome::ALL.into_iter().filter(|o| *o != Outcome::ok) {
             request(metrics, model, "", outcome);
+        }
+        if let Some(fallback) = &entry.config.fallback_model {
+            for reason in SubstitutionReason::ALL {
+                metrics.substitutions.get_or_create_owned(&SubstitutionLabels {
+                    model: model.to_string(),
+                    fallback_model: fallback.clone(),
+                    reason,
+                });
+            }
         }
     }
     request(metrics, UNKNOWN_MODEL, "", Outcome::client_error);

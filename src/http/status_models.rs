@@ -1,0 +1,76 @@
+//! `/status` `models` and `evictions`: where each model's sessions are loaded now, and what
+//! `make_room` unloaded for whom.
+
+use std::time::{Duration, SystemTime};
+
+use crate::config::Provider;
+use crate::protocol::status::{EvictionStatus, ModelOnPool, ModelStatus};
+use crate::serve::service::Service;
+
+/// Every configured model, each pool serving it.
+pub(super) fn models(service: &Service) -> Vec<ModelStatus> {
+    let now = SystemTime::now();
+    service
+        .models
+        .iter()
+        .map(|entry| {
+            let config = &entry.config;
+            let pools = service
+                .pools
+                .iter()
+                .filter(|p| p.serves(&config.name))
+                .map(|pool| {
+                    let state = pool.model_state(&config.name);
+                    let remote = matches!(pool.config.provider, Provider::Remote(_));
+                    ModelOnPool {
+                        pool: pool.name().to_string(),
+                        resident: state.resident,
+                        loaded_unix: state
+                            .since_load
+                            .filter(|_| state.resident)
+                            .map(|age| unix_seconds(now.checked_sub(age).unwrap_or(now))),
+                        idle_ms: (!remote).then(|| millis(state.since_request)),
+                        running: state.running,
+                        queued: state.queued,
+                        weights_bytes: service.weights_on(pool, entry),
+                    }
+                })
+                .collect();
+            ModelStatus {
+                name: config.name.clone(),
+                service: config.service.clone(),
+                priority: config.priority,
+                residency: config.residency.label().to_string(),
+                fallback_model: config.fallback_model.clone(),
+                pools,
+            }
+        })
+        .collect()
+}
+
+/// The recent evictions, newest first.
+pub(super) fn evictions(service: &Service) -> Vec<EvictionStatus> {
+    service
+        .rooms
+        .recent()
+        .into_iter()
+        .map(|e| EvictionStatus {
+            at_unix: unix_seconds(e.at),
+            pool: e.pool,
+            device: e.device,
+            model: e.model,
+            freed_bytes: e.freed_bytes,
+            for_model: e.for_model,
+            for_request: e.for_request,
+        })
+        .collect()
+}
+
+/// Whole seconds since the Unix epoch (0 before it).
+pub(super) fn unix_seconds(t: SystemTime) -> u64 {
+    t.duration_since(SystemTime::UNIX_EPOCH).map_or(0, |d| d.as_secs())
+}
+
+fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}

@@ -1,0 +1,119 @@
+//! Eviction, as one pool sees it: which of its resident models could give their memory to
+//! another model's request now, and unloading one for that. Which models go, and whether enough
+//! comes back, is decided above the pools (`serve::lifecycle::room`), which sees the device.
+
+use std::time::Duration;
+
+use crate::config::{Provider, Residency};
+use crate::pool::shared::Pool;
+
+/// A model whose sessions a pool holds, as eviction weighs it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Resident {
+    /// Model name.
+    pub model: String,
+    /// Eviction takes lower priorities first.
+    pub priority: i64,
+    /// Never evicted.
+    pub pinned: bool,
+    /// Its requests queued or running here now: a model with any is never evicted.
+    pub busy: usize,
+    /// Since its sessions were last built here (since the start for those built then).
+    pub since_load: Duration,
+    /// Since its last request here (since the start when it had none).
+    pub since_request: Duration,
+    /// How long after a load eviction leaves it alone.
+    pub min_residency: Duration,
+    /// How long its sessions last took to build here, when they were built after the start.
+    pub last_load: Option<Duration>,
+}
+
+impl Resident {
+    /// Whether eviction may take it now for a request of priority `priority`: not pinned, no
+    /// work queued or running, loaded longer than its `min_residency` ago, and of no higher
+    /// priority than the request's.
+    pub fn evictable_for(&self, priority: i64) -> bool {
+        !self.pinned && self.busy == 0 && self.since_load >= self.min_residency && self.priority <= priority
+    }
+}
+
+/// A model on a pool now, as `/status` shows it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModelState {
+    /// Its sessions are loaded here.
+    pub resident: bool,
+    /// Since they were last built here (`None` on a remote pool).
+    pub since_load: Option<Duration>,
+    /// Since its last request here (since the start when it had none).
+    pub since_request: Duration,
+    /// Its requests running here.
+    pub running: usize,
+    /// Its requests queued here.
+    pub queued: usize,
+}
+
+impl Pool {
+    /// `model` on this pool now.
+    pub fn model_state(&self, model: &str) -> ModelState {
+        let (since_load, since_request) = self.models.ages(model, self.context.clock.now());
+        let (running, queued) = self.queue.counts(model);
+        ModelState {
+            resident: self.is_resident(model),
+            since_load: (!matches!(self.config.provider, Provider::Remote(_))).then_some(since_load),
+            since_request,
+            running,
+            queued,
+        }
+    }
+
+    /// The models whose sessions this pool holds now, with what eviction weighs (none on a
+    /// remote pool: its server holds its own).
+    pub fn residents(&self) -> Vec<Resident> {
+        if matches!(self.config.provider, Provider::Remote(_)) {
+            return Vec::new();
+        }
+        let now = self.context.clock.now();
+        self.models
+            .setups
+            .values()
+            .filter(|setup| self.is_resident(&setup.name))
+            .map(|setup| {
+                let (since_load, since_request) = self.models.ages(&setup.name, now);
+                Resident {
+                    model: setup.name.clone(),
+                    priority: setup.priority,
+                    pinned: setup.residency == Residency::Pinned,
+                    busy: self.queue.busy(&setup.name),
+                    since_load,
+                    since_request,
+                    min_residency: setup.min_residency,
+                    last_load: self.models.last_load(&setup.name),
+                }
+            })
+            .collect()
+    }
+
+    /// Unload `model` to make room for another model's request, if it is still idle (nothing
+    /// of it queued or running, checked under the queue's lock) and not pinned; true once every
+    /// backend has dropped its sessions. Blocking: run it off the async runtime.
+    pub fn evict(&self, model: &str) -> bool {
+        if matches!(self.config.provider, Provider::Remote(_)) || self.models.residency(model) == Residency::Pinned {
+            return false;
+        }
+        let Some(generation) = self.queue.unwant_idle(model, || true) else {
+            return false;
+        };
+        if let Some(metrics) = self.models.metrics(model) {
+            metrics.resident.set(0);
+            metrics.unloads_evicted.inc();
+        }
+        tracing::info!(pool = self.name(), %model, "evicting a model to make room");
+        match self.await_backends(model, "eviction", generation) {
+            Ok(()) => true,
+            Err(e) => {
+                tracing::warn!(pool = self.name(), %model, error = %e, "eviction still under way");
+                false
+            }
+        }
+    }
+}
