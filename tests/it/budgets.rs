@@ -47,6 +47,11 @@ impl Backend for Gated {
     fn arena_stats(&self) -> Option<ArenaStats> {
         None
     }
+
+    /// An `on_demand` model's load: nothing to build.
+    fn load_model(&mut self, _: &str, _: &[u8]) -> Result<(), String> {
+        Ok(())
+    }
 }
 
 struct Harness {
@@ -289,6 +294,44 @@ async fn over_its_device_memory_a_request_waits_for_its_services_own_running_req
         .await
         .unwrap()
         .expect("the second runs once the first gave its memory back");
+}
+
+#[tokio::test]
+async fn a_request_waiting_for_its_services_budget_does_not_hold_up_another_services_cold_start() {
+    let h = harness_of(
+        "devices: [{name: gpu0, kind: nvidia, index: 0}]\n\
+         services: [{name: chat, concurrency: 1}]\n\
+         models:\n\
+         - {name: chat, path: 'builtin:encoder', service: chat}\n\
+         - {name: chat-cold, path: 'builtin:encoder', service: chat, residency: on_demand}\n\
+         - {name: other-cold, path: 'builtin:encoder', residency: on_demand}\n\
+         pools: [{name: gpu, provider: cuda, device: gpu0, models: [chat, chat-cold, other-cold], workers: 2, queue: {capacity: 8, max_wait: 30s}}]\n",
+    );
+    let first = spawn(&h, request("chat", WAIT_FOR_GATE));
+    until("the first runs on its worker", || h.service.activity.running() == 1).await;
+    // A cold start of the same service: it takes the device's hold for its load, then waits
+    // for its service's concurrency.
+    let cold = spawn(&h, request("chat-cold", 0.5));
+    until("the cold start waits for its service", || {
+        h.service.services.running("chat") == 1 && h.service.activity.waiting() == 1
+    })
+    .await;
+    // Another service's cold start on the device goes ahead (it would wait for the hold up to
+    // its pool's 30 s max wait otherwise).
+    let other = tokio::time::timeout(
+        Duration::from_secs(10),
+        lifecycle::infer(&h.service, request("other-cold", 0.5)),
+    )
+    .await
+    .expect("not held up by the waiting request")
+    .expect("served");
+    assert_eq!(other.pool.name(), "gpu");
+    assert!(!cold.is_finished());
+    h.release.send(()).unwrap();
+    first.await.unwrap().expect("the first is served");
+    cold.await
+        .unwrap()
+        .expect("the cold start runs once the first is answered");
 }
 
 // ─── device_memory, on the simulated accelerator ─────────────────────────────────────────────

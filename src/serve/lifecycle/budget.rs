@@ -7,6 +7,7 @@
 //! with 503. A request let through holds its [`Slot`](crate::serve::service::Slot) until it is
 //! answered.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::time::Instant;
@@ -25,11 +26,12 @@ const RECHECK: Duration = Duration::from_millis(20);
 pub(super) async fn enter(
     service: &Service,
     entry: &ModelEntry,
-    admitted: &Admitted,
+    admitted: &mut Admitted,
     request: &Request,
     estimate_bytes: u64,
 ) -> Result<(), Refused> {
-    let pool = &admitted.pool;
+    let pool = Arc::clone(&admitted.pool);
+    let pool = &pool;
     let name = entry.config.service.as_str();
     let device = match memory_of(pool) {
         Some(Memory::Device(device)) => Some(device),
@@ -77,6 +79,10 @@ pub(super) async fn enter(
                 },
             ));
         }
+        // A request that waits gives up its device's hold (a cold start's, or the room it made):
+        // nothing of it runs yet, and other services' cold starts on the device must not wait
+        // behind this service's budget.
+        drop(admitted.hold.take());
         let until = request.deadline().map_or(bound, |d| d.min(bound)).min(now + RECHECK);
         tokio::select! {
             () = changed => {}

@@ -1,6 +1,6 @@
-//! A request's placed run: after the policy's decision, its service's budgets, the breaker's permission (or the
-//! fallback, when the breaker opened since routing), the deadline and host-memory checks, then
-//! the run with its one retry.
+//! A request's placed run: after the policy's decision, its service's budgets, the breaker's
+//! permission (or the fallback, when the breaker opened since routing), the deadline and
+//! host-memory checks, then the run with its one retry.
 
 use std::sync::Arc;
 
@@ -30,7 +30,7 @@ pub async fn place(service: &Service, mut request: Request) -> Result<Served, Re
         .context_bytes
         .saturating_add(admitted.estimate.workspace_bytes);
     // Before the breaker's permission: waiting here must not hold a half-open pool's trial.
-    super::budget::enter(service, entry, &admitted, &request, estimate_bytes).await?;
+    super::budget::enter(service, entry, &mut admitted, &request, estimate_bytes).await?;
     permit_or_fallback(service, &mut admitted, estimate_bytes).map_err(|(pool, error)| Refused {
         error: RequestError::from_pool(&pool, error),
         pool: Some(pool),
