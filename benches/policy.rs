@@ -106,6 +106,7 @@ fn snapshot() -> Snapshot {
             })
             .collect(),
         degraded: false,
+        models: Default::default(),
     }
 }
 

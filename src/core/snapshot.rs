@@ -22,6 +22,37 @@ pub struct Snapshot {
     pub processes: Vec<ProcessState>,
     /// True while the service runs in degraded mode (e.g. the GPU pool's breaker is open).
     pub degraded: bool,
+    /// Every model the pools serve, and where its sessions are loaded.
+    pub models: BTreeMap<String, ModelState>,
+}
+
+/// One model, as eviction and the policy see it.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ModelState {
+    /// Eviction takes lower priorities first.
+    pub priority: i64,
+    /// `resident`, `pinned` or `on_demand`.
+    pub residency: String,
+    /// Each pool serving it.
+    pub pools: BTreeMap<String, ModelOnPoolState>,
+}
+
+/// One model on one pool.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ModelOnPoolState {
+    /// Its sessions are loaded there.
+    pub resident: bool,
+    /// Its requests queued or running there: a model with any is never evicted.
+    pub busy: u64,
+    /// Milliseconds since its last request there (since the start when it had none).
+    pub idle_ms: u64,
+    /// Milliseconds since its sessions were last built there (since the start for those built
+    /// then).
+    pub loaded_ms_ago: u64,
+    /// Its weights there when loaded.
+    pub weights_bytes: u64,
 }
 
 /// One device's memory.

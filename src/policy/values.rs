@@ -26,7 +26,7 @@ use std::sync::{Arc, OnceLock};
 
 use rhai::{Array, Dynamic, EvalAltResult, ImmutableString, Map, Position};
 
-use crate::core::snapshot::{DeviceState, HostState, PoolState, ProcessState, RequestInfo, Snapshot};
+use crate::core::snapshot::{DeviceState, HostState, ModelState, PoolState, ProcessState, RequestInfo, Snapshot};
 
 /// Operator constants from the config, visible to the script as `state.params`.
 pub type Params = BTreeMap<String, serde_json::Value>;
@@ -246,12 +246,14 @@ impl StateView {
         let devices = Table::from_entries(snapshot.devices.iter().map(|(name, d)| (name.into(), device(d))));
         let pools = Table::from_entries(snapshot.pools.iter().map(|(name, p)| (name.into(), pool(p))));
         let processes = List(snapshot.processes.iter().map(process).collect());
+        let models = Table::from_entries(snapshot.models.iter().map(|(name, m)| (name.into(), model(m))));
         let map = [
             ("devices", Dynamic::from(devices)),
             ("pools", Dynamic::from(pools.clone())),
             ("host", host(&snapshot.host)),
             ("processes", Dynamic::from(processes)),
             ("degraded", Dynamic::from_bool(snapshot.degraded)),
+            ("models", Dynamic::from(models)),
             ("params", Dynamic::UNIT),
         ]
         .into_iter()
@@ -422,6 +424,24 @@ fn pool(p: &PoolState) -> Dynamic {
         ("sequences_waiting", int(p.sequences_waiting)),
         ("sequences_running", int(p.sequences_running)),
         ("kv_cache_bytes", int(p.kv_cache_bytes)),
+    ])
+}
+
+fn model(m: &ModelState) -> Dynamic {
+    let pools = m.pools.iter().map(|(name, p)| {
+        let on = record([
+            ("resident", Dynamic::from_bool(p.resident)),
+            ("busy", int(p.busy)),
+            ("idle_ms", int(p.idle_ms)),
+            ("loaded_ms_ago", int(p.loaded_ms_ago)),
+            ("weights_bytes", int(p.weights_bytes)),
+        ]);
+        (name.into(), on)
+    });
+    record([
+        ("priority", Dynamic::from_int(m.priority)),
+        ("residency", string(&m.residency)),
+        ("pools", Dynamic::from(Table::from_entries(pools))),
     ])
 }
 

@@ -37,9 +37,15 @@ impl Resident {
     }
 }
 
-/// A model on a pool now, as `/status` shows it.
+/// A model on a pool now, as `/status` and the policy's `state.models` show it.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ModelState {
+    /// Eviction takes lower priorities first.
+    pub priority: i64,
+    /// How it is held.
+    pub residency: Residency,
+    /// Its weights here when loaded (every worker's sessions).
+    pub weights_bytes: u64,
     /// Its sessions are loaded here.
     pub resident: bool,
     /// Since they were last built here (`None` on a remote pool).
@@ -57,7 +63,11 @@ impl Pool {
     pub fn model_state(&self, model: &str) -> ModelState {
         let (since_load, since_request) = self.models.ages(model, self.context.clock.now());
         let (running, queued) = self.queue.counts(model);
+        let setup = self.models.setups.get(model);
         ModelState {
+            priority: setup.map_or(0, |s| s.priority),
+            residency: self.models.residency(model),
+            weights_bytes: setup.map_or(0, |s| s.weights_bytes),
             resident: self.is_resident(model),
             since_load: (!matches!(self.config.provider, Provider::Remote(_))).then_some(since_load),
             since_request,

@@ -74,6 +74,8 @@ pub struct ModelSetup {
     pub priority: i64,
     /// How long after a load eviction leaves it alone.
     pub min_residency: Duration,
+    /// Its weights on this pool when loaded (every worker's sessions).
+    pub weights_bytes: u64,
     /// Its bytes, for loads after start.
     pub bytes: ModelBytesRef,
     /// Its metric handles on this pool.

@@ -307,6 +307,7 @@ mod tests {
             idle_unload: None,
             priority: 0,
             min_residency: Duration::ZERO,
+            weights_bytes: 0,
             bytes: Arc::new(Vec::<u8>::new()),
             metrics: ModelMetrics::detached(),
         }
