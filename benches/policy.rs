@@ -115,6 +115,7 @@ fn snapshot() -> Snapshot {
                 ..ServiceState::default()
             },
         )]),
+        models: Default::default(),
     }
 }
 

@@ -24,6 +24,8 @@ pub struct Snapshot {
     pub degraded: bool,
     /// The services whose memory vramguard accounts for, by name (`state.services`).
     pub services: BTreeMap<String, ServiceState>,
+    /// Every model the pools serve, and where its sessions are loaded.
+    pub models: BTreeMap<String, ModelState>,
 }
 
 /// One service: its budgets and what it holds now (`state.services[name]`).
@@ -56,6 +58,35 @@ impl Default for ServiceState {
             memory_bytes: BTreeMap::new(),
         }
     }
+}
+
+/// One model, as eviction and the policy see it.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ModelState {
+    /// Eviction takes lower priorities first.
+    pub priority: i64,
+    /// `resident`, `pinned` or `on_demand`.
+    pub residency: String,
+    /// Each pool serving it.
+    pub pools: BTreeMap<String, ModelOnPoolState>,
+}
+
+/// One model on one pool.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ModelOnPoolState {
+    /// Its sessions are loaded there.
+    pub resident: bool,
+    /// Its requests queued or running there: a model with any is never evicted.
+    pub busy: u64,
+    /// Milliseconds since its last request there (since the start when it had none).
+    pub idle_ms: u64,
+    /// Milliseconds since its sessions were last built there (since the start for those built
+    /// then).
+    pub loaded_ms_ago: u64,
+    /// Its weights there when loaded.
+    pub weights_bytes: u64,
 }
 
 /// One device's memory.

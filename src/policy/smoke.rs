@@ -163,6 +163,28 @@ pub fn configured_snapshot(config: &Config) -> Snapshot {
         processes: Vec::new(),
         degraded: false,
         services: configured_services(config),
+        models: config
+            .models
+            .iter()
+            .map(|m| {
+                let on = crate::core::snapshot::ModelOnPoolState {
+                    resident: m.residency.loaded_at_start(),
+                    ..Default::default()
+                };
+                let pools = config
+                    .pools
+                    .iter()
+                    .filter(|p| p.models.contains(&m.name))
+                    .map(|p| (p.name.clone(), on.clone()))
+                    .collect();
+                let state = crate::core::snapshot::ModelState {
+                    priority: m.priority,
+                    residency: m.residency.label().to_string(),
+                    pools,
+                };
+                (m.name.clone(), state)
+            })
+            .collect(),
     }
 }
 

@@ -138,6 +138,23 @@ fn snapshot() -> Snapshot {
                 memory_bytes: BTreeMap::from([("gpu0".to_string(), 120)]),
             },
         )]),
+        models: BTreeMap::from([(
+            "speech".into(),
+            crate::core::snapshot::ModelState {
+                priority: 2,
+                residency: "resident".into(),
+                pools: BTreeMap::from([(
+                    "gpu".into(),
+                    crate::core::snapshot::ModelOnPoolState {
+                        resident: true,
+                        busy: 0,
+                        idle_ms: 9000,
+                        loaded_ms_ago: 60000,
+                        weights_bytes: 700,
+                    },
+                )]),
+            },
+        )]),
     }
 }
 

@@ -8,9 +8,9 @@
 //!
 //! - `req` is a plain object map, built per request (it is small and changes every time) by
 //!   filling in a copy of a map that already has the keys;
-//! - `state` is a plain object map of seven entries, but its collections (`devices`, `pools`,
-//!   `services`, `processes`) are read-only views ([`Table`], [`List`]) over data built once per snapshot
-//!   and shared by reference count. Passing one to the script is a pointer copy; a script pays
+//! - `state` is a plain object map of eight entries, but its collections (`devices`, `pools`,
+//!   `services`, `models`, `processes`) are read-only views ([`Table`], [`List`]) over data
+//!   built once per snapshot and shared by reference count. Passing one to the script is a pointer copy; a script pays
 //!   for a device or pool record only when it reads it (`state.pools[name]` hands out a copy of
 //!   that one record as an ordinary object map);
 //! - `state.params` is an ordinary object map: it is small, and a property read on a map costs
@@ -26,7 +26,9 @@ use std::sync::{Arc, OnceLock};
 
 use rhai::{Array, Dynamic, EvalAltResult, ImmutableString, Map, Position};
 
-use crate::core::snapshot::{DeviceState, HostState, PoolState, ProcessState, RequestInfo, ServiceState, Snapshot};
+use crate::core::snapshot::{
+    DeviceState, HostState, ModelState, PoolState, ProcessState, RequestInfo, ServiceState, Snapshot,
+};
 
 /// Operator constants from the config, visible to the script as `state.params`.
 pub type Params = BTreeMap<String, serde_json::Value>;
@@ -286,6 +288,7 @@ impl StateView {
         let pools = Table::from_entries(snapshot.pools.iter().map(|(name, p)| (name.into(), pool(p))));
         let processes = List(snapshot.processes.iter().map(process).collect());
         let services = Table::from_entries(snapshot.services.iter().map(|(name, s)| (name.into(), service(s))));
+        let models = Table::from_entries(snapshot.models.iter().map(|(name, m)| (name.into(), model(m))));
         let map = [
             ("devices", Dynamic::from(devices)),
             ("pools", Dynamic::from(pools.clone())),
@@ -293,6 +296,7 @@ impl StateView {
             ("host", host(&snapshot.host)),
             ("processes", Dynamic::from(processes)),
             ("degraded", Dynamic::from_bool(snapshot.degraded)),
+            ("models", Dynamic::from(models)),
             ("params", Dynamic::UNIT),
         ]
         .into_iter()
@@ -486,6 +490,24 @@ fn service(s: &ServiceState) -> Dynamic {
 /// Bytes by device, as a plain object map.
 fn memory(bytes: &BTreeMap<String, u64>) -> Dynamic {
     Dynamic::from_map(bytes.iter().map(|(k, v)| (k.as_str().into(), int(*v))).collect())
+}
+
+fn model(m: &ModelState) -> Dynamic {
+    let pools = m.pools.iter().map(|(name, p)| {
+        let on = record([
+            ("resident", Dynamic::from_bool(p.resident)),
+            ("busy", int(p.busy)),
+            ("idle_ms", int(p.idle_ms)),
+            ("loaded_ms_ago", int(p.loaded_ms_ago)),
+            ("weights_bytes", int(p.weights_bytes)),
+        ]);
+        (name.into(), on)
+    });
+    record([
+        ("priority", Dynamic::from_int(m.priority)),
+        ("residency", string(&m.residency)),
+        ("pools", Dynamic::from(Table::from_entries(pools))),
+    ])
 }
 
 fn host(h: &HostState) -> Dynamic {

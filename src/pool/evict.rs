@@ -16,7 +16,9 @@ pub struct Resident {
     pub priority: i64,
     /// Never evicted.
     pub pinned: bool,
-    /// Its requests queued or running here now: a model with any is never evicted.
+    /// Its requests queued or running here now, and for a model that generates text, the
+    /// pool's generations under way (between their runs too): a model with any is never
+    /// evicted.
     pub busy: usize,
     /// Since its sessions were last built here (since the start for those built then).
     pub since_load: Duration,
@@ -37,9 +39,15 @@ impl Resident {
     }
 }
 
-/// A model on a pool now, as `/status` shows it.
+/// A model on a pool now, as `/status` and the policy's `state.models` show it.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ModelState {
+    /// Eviction takes lower priorities first.
+    pub priority: i64,
+    /// How it is held.
+    pub residency: Residency,
+    /// Its weights here when loaded (every worker's sessions).
+    pub weights_bytes: u64,
     /// Its sessions are loaded here.
     pub resident: bool,
     /// Since they were last built here (`None` on a remote pool).
@@ -57,7 +65,11 @@ impl Pool {
     pub fn model_state(&self, model: &str) -> ModelState {
         let (since_load, since_request) = self.models.ages(model, self.context.clock.now());
         let (running, queued) = self.queue.counts(model);
+        let setup = self.models.setups.get(model);
         ModelState {
+            priority: setup.map_or(0, |s| s.priority),
+            residency: self.models.residency(model),
+            weights_bytes: setup.map_or(0, |s| s.weights_bytes),
             resident: self.is_resident(model),
             since_load: (!matches!(self.config.provider, Provider::Remote(_))).then_some(since_load),
             since_request,
@@ -83,7 +95,7 @@ impl Pool {
                     model: setup.name.clone(),
                     priority: setup.priority,
                     pinned: setup.residency == Residency::Pinned,
-                    busy: self.queue.busy(&setup.name),
+                    busy: self.queue.busy(&setup.name) + self.generations_holding(&setup.name),
                     since_load,
                     since_request,
                     min_residency: setup.min_residency,
@@ -93,6 +105,18 @@ impl Pool {
             .collect()
     }
 
+    /// The pool's generations under way, when `model` generates text (which of its models a
+    /// generation runs is not counted per model: any of them may be in use), else 0.
+    fn generations_holding(&self, model: &str) -> usize {
+        match self.models.setups.get(model).is_some_and(|s| s.generates) {
+            true => {
+                let now = self.sequences.now();
+                (now.waiting + now.running) as usize
+            }
+            false => 0,
+        }
+    }
+
     /// Unload `model` to make room for another model's request, if it is still idle (nothing
     /// of it queued or running, checked under the queue's lock) and not pinned; true once every
     /// backend has dropped its sessions. Blocking: run it off the async runtime.
@@ -100,7 +124,8 @@ impl Pool {
         if matches!(self.config.provider, Provider::Remote(_)) || self.models.residency(model) == Residency::Pinned {
             return false;
         }
-        let Some(generation) = self.queue.unwant_idle(model, || true) else {
+        // A generation between its runs holds no job of the model, only its KV cache.
+        let Some(generation) = self.queue.unwant_idle(model, || self.generations_holding(model) == 0) else {
             return false;
         };
         if let Some(metrics) = self.models.metrics(model) {

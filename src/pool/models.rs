@@ -74,6 +74,10 @@ pub struct ModelSetup {
     pub priority: i64,
     /// How long after a load eviction leaves it alone.
     pub min_residency: Duration,
+    /// Its weights on this pool when loaded (every worker's sessions).
+    pub weights_bytes: u64,
+    /// It serves text generation: a generation holds it between its runs.
+    pub generates: bool,
     /// Its bytes, for loads after start.
     pub bytes: ModelBytesRef,
     /// Its metric handles on this pool.

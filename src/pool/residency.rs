@@ -307,6 +307,8 @@ mod tests {
             idle_unload: None,
             priority: 0,
             min_residency: Duration::ZERO,
+            weights_bytes: 0,
+            generates: false,
             bytes: Arc::new(Vec::<u8>::new()),
             metrics: ModelMetrics::detached(),
         }
@@ -477,5 +479,32 @@ mod tests {
                 .collect::<HashSet<_>>(),
             HashSet::from(["slow", "fixed"])
         );
+    }
+
+    #[test]
+    fn a_decoder_is_never_evicted_while_a_generation_is_under_way_between_its_runs() {
+        let (_open, gate) = mpsc::channel();
+        let decoder = ModelSetup {
+            generates: true,
+            ..setup("decoder", Residency::Resident)
+        };
+        let models = vec![decoder, setup("encoder", Residency::Resident)];
+        let backend = Sessions {
+            loaded: ["decoder".to_string(), "encoder".to_string()].into(),
+            gate: Arc::new(Mutex::new(gate)),
+            loads: Arc::default(),
+        };
+        let context = PoolContext {
+            models: models.clone(),
+            ..PoolContext::default()
+        };
+        let config = crate::testing::config::pool("p", "host", &["decoder", "encoder"]);
+        let pool = Pool::start(config, DeviceClass::Host, vec![Box::new(backend)], None, context);
+        let generation = crate::pool::sequences::Waiting::on(&pool.sequences);
+        let busy = |model: &str| pool.residents().into_iter().find(|r| r.model == model).unwrap().busy;
+        assert_eq!((busy("decoder"), busy("encoder")), (1, 0));
+        assert!(!pool.evict("decoder"), "its KV cache is held between runs");
+        drop(generation);
+        assert!(pool.evict("decoder"));
     }
 }

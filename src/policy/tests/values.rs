@@ -60,10 +60,16 @@ fn state_carries_every_contract_field() {
                 && s.len() == 6 && state.services.get("chat") == () && state.services.keys() == ["search"];
             let params_ok = state.params.cpu_pool == "cpu" && state.params.reserve_bytes == 67108864
                 && state.params.defer_ms == 2000 && (state.params.get("missing") ?? true);
-            if devices_ok && pools_ok && host_ok && processes_ok && tables_ok && services_ok && params_ok && state.degraded {
+            let m = state.models.speech;
+            let on = m.pools.gpu;
+            let models_ok = m.priority == 2 && m.residency == "resident" && m.len() == 3
+                && on.resident && on.busy == 0 && on.idle_ms == 9000 && on.loaded_ms_ago == 60000
+                && on.weights_bytes == 700 && on.len() == 5 && state.models.keys() == ["speech"];
+            if devices_ok && pools_ok && host_ok && processes_ok && tables_ok && services_ok && params_ok
+                && models_ok && state.degraded {
                 admit()
             } else {
-                reject(`${devices_ok} ${pools_ok} ${host_ok} ${processes_ok} ${tables_ok} ${services_ok} ${params_ok}`)
+                reject(`${devices_ok} ${pools_ok} ${host_ok} ${processes_ok} ${tables_ok} ${services_ok} ${params_ok} ${models_ok}`)
             }
         }"#,
     );

@@ -82,6 +82,8 @@ pub(super) fn model_setups(metrics: &Metrics, models: &[ModelEntry], pool: &Pool
             idle_unload: m.config.idle_unload,
             priority: m.config.priority,
             min_residency: m.config.min_residency,
+            weights_bytes: m.profile.weights_bytes.saturating_mul(pool.workers.max(1) as u64),
+            generates: m.config.tokenizer.is_some(),
             bytes: Arc::new(m.bytes.clone()),
             metrics: metrics.residency.handles(&m.config.name, &pool.name),
         })

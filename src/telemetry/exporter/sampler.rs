@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
 
 use crate::config::{Provider, ServiceRule};
-use crate::core::snapshot::{DeviceState, HostState, PoolState, ProcessState, Snapshot};
+use crate::core::snapshot::{DeviceState, HostState, ModelOnPoolState, ModelState, PoolState, ProcessState, Snapshot};
 use crate::device::simulated::SimulatedDevice;
 use crate::device::{MemorySource, Reading};
 use crate::pool::Pool;
@@ -171,9 +171,34 @@ impl Sampler {
             host,
             processes,
             degraded: self.degraded.as_ref().is_some_and(|d| d.now().is_some()),
+            models: self.model_states(),
             // The serving side adds what it accounts for (`Service::policy_view`).
             services: BTreeMap::new(),
         }
+    }
+
+    /// Every model the pools serve, and where it is loaded now.
+    fn model_states(&self) -> BTreeMap<String, ModelState> {
+        let mut models: BTreeMap<String, ModelState> = BTreeMap::new();
+        for pool in &self.pools {
+            for name in &pool.config.models {
+                let now = pool.model_state(name);
+                let model = models.entry(name.clone()).or_default();
+                model.priority = now.priority;
+                model.residency = now.residency.label().to_string();
+                model.pools.insert(
+                    pool.name().to_string(),
+                    ModelOnPoolState {
+                        resident: now.resident,
+                        busy: (now.running + now.queued) as u64,
+                        idle_ms: now.since_request.as_millis() as u64,
+                        loaded_ms_ago: now.since_load.unwrap_or_default().as_millis() as u64,
+                        weights_bytes: now.weights_bytes,
+                    },
+                );
+            }
+        }
+        models
     }
 
     /// Each pool's state now, its arena statistics added to its device's.
