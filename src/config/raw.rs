@@ -507,10 +507,14 @@ pub enum RawProvider {
 pub struct RawPoolMemory {
     /// Return the arena's free regions to the device after every run
     /// (`memory.enable_memory_arena_shrinkage`): lower reserved bytes, slightly slower runs.
-    /// Default: on for `cpu` pools (host memory is what the host-RAM guard protects, and a
-    /// burst of large requests would otherwise stay resident for good), off for accelerator
-    /// pools (their arena is theirs to keep, and reserved vs active shows it).
+    /// Default: off (a pool under load reuses its blocks; `idle_release` returns them).
     pub arena_shrinkage: Option<bool>,
+    /// Return the arena's free memory once the pool has had no run for this long (`1s`), and
+    /// at once when host memory nears its reserve; `0s` never. Default: `1s` for `cpu` pools
+    /// (host memory is what the host-RAM guard protects, and a burst of large requests would
+    /// otherwise stay resident for good), `0s` for accelerator pools (their arena is theirs to
+    /// keep, and reserved vs active shows it).
+    pub idle_release: Option<HumanDuration>,
 }
 
 fn one() -> usize {

@@ -227,6 +227,9 @@ pub struct ModelConfig {
     pub min_residency: Duration,
 }
 
+/// Default `pools[].memory.idle_release` of a CPU pool.
+pub const DEFAULT_IDLE_RELEASE: Duration = Duration::from_secs(1);
+
 /// Default `models[].min_residency`.
 pub const DEFAULT_MIN_RESIDENCY: Duration = Duration::from_secs(30);
 
@@ -449,6 +452,8 @@ pub struct PoolConfig {
     pub max_wait: Duration,
     /// Shrink the arena after every run.
     pub arena_shrinkage: bool,
+    /// Return the arena's free memory after this long without a run (`None`: never).
+    pub idle_release: Option<Duration>,
     /// Longest context in tokens the pool accepts (`None`: no limit).
     pub max_context: Option<u64>,
     /// Its circuit breaker.

@@ -44,6 +44,13 @@ pub trait Backend: Send {
     fn unload_model(&mut self, name: &str) {
         let _ = name;
     }
+    /// Give the allocator's free memory back to the host or device: called when the pool has
+    /// been idle a while, never between a busy pool's runs. `probe(model)` gives the smallest
+    /// valid inputs of a model, for a backend whose allocator shrinks only at the end of a run
+    /// (ONNX Runtime's arena). A backend without an allocator of its own does nothing.
+    fn release_memory(&mut self, probe: &dyn Fn(&str) -> Option<Vec<Tensor>>) {
+        let _ = probe;
+    }
 }
 
 /// What a run carries besides its tensors: the request's identity and limits. A backend that

@@ -248,6 +248,10 @@ impl Backend for FaultInjecting {
     fn unload_model(&mut self, name: &str) {
         self.inner.unload_model(name);
     }
+
+    fn release_memory(&mut self, probe: &dyn Fn(&str) -> Option<Vec<Tensor>>) {
+        self.inner.release_memory(probe);
+    }
 }
 
 /// Reports a simulated device: used = the arena's reserved bytes (ours and the pressure).

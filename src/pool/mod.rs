@@ -63,6 +63,7 @@ impl Pool {
             pool.publish_stats(backend.as_ref());
         }
         let workers = backends.len();
+        pool.queue.release_when_idle(pool.config.idle_release);
         pool.queue.stock(backends, pool.start_set());
         pool.record_start_loads();
         let pool = Arc::new(pool);
@@ -188,6 +189,15 @@ impl Pool {
             "pool restored: the next health check is the breaker's probe"
         );
         Ok(built)
+    }
+
+    /// Give the free allocator memory of backends that ran back as soon as each is idle, even
+    /// while the pool is busy (host memory nears its reserve). Only for pools that return it
+    /// when idle (`memory.idle_release`).
+    pub fn release_soon(&self) {
+        if self.config.idle_release.is_some() {
+            self.queue.release_soon();
+        }
     }
 
     /// Queue a job; the receiver yields its result. Refused at once when the pool is

@@ -78,6 +78,8 @@ pub struct ModelSetup {
     pub weights_bytes: u64,
     /// It serves text generation: a generation holds it between its runs.
     pub generates: bool,
+    /// Its smallest valid inputs, for the run that gives an idle pool's arena memory back.
+    pub probe: Option<Arc<Vec<crate::core::tensor::Tensor>>>,
     /// Its bytes, for loads after start.
     pub bytes: ModelBytesRef,
     /// Its metric handles on this pool.

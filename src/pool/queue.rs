@@ -34,6 +34,8 @@ pub(super) struct Slot {
     pub(super) loaded: HashSet<String>,
     /// The wanted set's generation it last matched; 0 for a fresh backend.
     pub(super) generation: u64,
+    /// It ran since its allocator's free memory was last given back.
+    pub(super) dirty: bool,
 }
 
 impl Slot {
@@ -44,6 +46,7 @@ impl Slot {
             backend,
             loaded,
             generation: 0,
+            dirty: false,
         }
     }
 
@@ -54,6 +57,7 @@ impl Slot {
             backend,
             loaded,
             generation,
+            dirty: true,
         }
     }
 }
@@ -67,6 +71,8 @@ pub(super) struct Next {
     pub(super) slot: Slot,
     /// The wanted models and their generation, when the backend is behind them.
     pub(super) stale: Option<(HashSet<String>, u64)>,
+    /// Give the backend's free allocator memory back, and nothing else (no job comes with it).
+    pub(super) release: bool,
 }
 
 #[derive(Default)]
@@ -84,6 +90,12 @@ struct QueueState {
     /// The generation each live backend last matched, by slot id.
     matched: HashMap<usize, u64>,
     next_id: usize,
+    /// After how long without a run a backend that ran gives its free memory back.
+    release_idle: Option<Duration>,
+    /// When the last run ended.
+    last_finish: Option<Instant>,
+    /// Give free memory back as soon as a backend that ran is idle (host memory is short).
+    release_now: bool,
 }
 
 impl QueueState {
@@ -93,6 +105,34 @@ impl QueueState {
         self.next_id += 1;
         self.matched.insert(slot.id, slot.generation);
         slot
+    }
+
+    /// An idle backend that ran and should give its free memory back now (`Ok`, its index),
+    /// or how long until one should (`Err`; `None`: nothing to wait for). Due once the pool has
+    /// had no run for its `release_idle`, or at once when host memory is short, and only while
+    /// no job waits.
+    fn release_due(&self) -> Result<usize, Option<Duration>> {
+        let Some(at) = self.idle.iter().position(|s| s.dirty) else {
+            return Err(None);
+        };
+        if !self.jobs.is_empty() {
+            return Err(None);
+        }
+        if self.release_now {
+            return Ok(at);
+        }
+        let Some(after) = self.release_idle else {
+            return Err(None);
+        };
+        if self.inflight > 0 {
+            // The last run to end starts the idle time; `finish` wakes a worker then.
+            return Err(None);
+        }
+        let idle = self.last_finish.map_or(after, |t| t.elapsed());
+        match after.checked_sub(idle) {
+            None | Some(Duration::ZERO) => Ok(at),
+            Some(left) => Err(Some(left)),
+        }
     }
 
     /// Jobs of `model` queued or running.
@@ -250,6 +290,21 @@ impl Queue {
         true
     }
 
+    /// Backends that ran give their free allocator memory back after `after` without a run.
+    pub(super) fn release_when_idle(&self, after: Option<Duration>) {
+        self.lock().release_idle = after;
+    }
+
+    /// Backends that ran give their free memory back as soon as they are idle, once each.
+    pub(super) fn release_soon(&self) {
+        let mut state = self.lock();
+        if state.idle.iter().any(|s| s.dirty) || state.inflight > 0 {
+            state.release_now = true;
+            drop(state);
+            self.wake.notify_one();
+        }
+    }
+
     /// Jobs of `model` queued or running now.
     pub(super) fn busy(&self, model: &str) -> usize {
         self.lock().busy_with(model)
@@ -328,6 +383,7 @@ impl Queue {
                     job: Some(job),
                     slot,
                     stale,
+                    release: false,
                 });
             }
             if let Some(at) = behind {
@@ -336,12 +392,29 @@ impl Queue {
                     job: None,
                     slot,
                     stale: Some((state.wanted.clone(), generation)),
+                    release: false,
                 });
             }
             if state.closed {
                 return None;
             }
-            state = self.wake.wait(state).unwrap_or_else(|e| e.into_inner());
+            let wait = match state.release_due() {
+                Ok(at) => {
+                    let slot = state.idle.swap_remove(at);
+                    state.release_now &= state.idle.iter().any(|s| s.dirty);
+                    return Some(Next {
+                        job: None,
+                        slot,
+                        stale: None,
+                        release: true,
+                    });
+                }
+                Err(wait) => wait,
+            };
+            state = match wait {
+                Some(wait) => self.wake.wait_timeout(state, wait).unwrap_or_else(|e| e.into_inner()).0,
+                None => self.wake.wait(state).unwrap_or_else(|e| e.into_inner()),
+            };
         }
     }
 
@@ -351,6 +424,7 @@ impl Queue {
     pub(super) fn finish(&self, model: Option<&str>, slot: Result<Slot, usize>) {
         let mut state = self.lock();
         if let Some(model) = model {
+            state.last_finish = Some(Instant::now());
             state.inflight -= 1;
             if let Some(n) = state.running.get_mut(model) {
                 *n -= 1;
@@ -359,7 +433,9 @@ impl Queue {
                 }
             }
         }
-        let mut waiting = !state.jobs.is_empty();
+        // A backend that ran may give its memory back once the pool stays idle: a worker must
+        // be awake to time that.
+        let mut waiting = !state.jobs.is_empty() || (state.release_idle.is_some() && state.inflight == 0);
         match slot {
             Ok(slot) => {
                 waiting |= slot.generation != state.generation;

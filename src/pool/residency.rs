@@ -309,6 +309,7 @@ mod tests {
             min_residency: Duration::ZERO,
             weights_bytes: 0,
             generates: false,
+            probe: None,
             bytes: Arc::new(Vec::<u8>::new()),
             metrics: ModelMetrics::detached(),
         }

@@ -254,3 +254,97 @@ fn an_unavailable_pool_says_why() {
         "pool `p` is unavailable: no NVIDIA driver"
     );
 }
+
+/// Counts the times it was asked to give its memory back.
+struct Releasing {
+    releases: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl Backend for Releasing {
+    fn run(&mut self, _: &str, inputs: Vec<Tensor>, _: &[String], _: &RunMeta) -> Result<Vec<Tensor>, BackendError> {
+        Ok(inputs)
+    }
+    fn arena_stats(&self) -> Option<ArenaStats> {
+        None
+    }
+    fn release_memory(&mut self, _: &dyn Fn(&str) -> Option<Vec<Tensor>>) {
+        self.releases.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+#[test]
+fn an_idle_pool_gives_its_memory_back_once_after_its_runs_and_a_busy_one_keeps_it() {
+    let releases = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let count = || releases.load(std::sync::atomic::Ordering::SeqCst);
+    let config = PoolConfig {
+        idle_release: Some(Duration::from_millis(300)),
+        ..config(8)
+    };
+    let backend = Releasing {
+        releases: Arc::clone(&releases),
+    };
+    let pool = Pool::start(
+        config,
+        DeviceClass::Host,
+        vec![Box::new(backend)],
+        None,
+        PoolContext::default(),
+    );
+    std::thread::sleep(Duration::from_millis(400));
+    assert_eq!(count(), 0, "nothing ran: nothing to give back");
+    // Runs closer together than the idle time: the blocks stay for the next run.
+    let started = std::time::Instant::now();
+    while started.elapsed() < Duration::from_millis(600) {
+        assert!(pool.submit(job(1.0)).unwrap().blocking_recv().unwrap().is_ok());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(count(), 0, "a busy pool reuses its memory");
+    wait_until(|| count() == 1);
+    std::thread::sleep(Duration::from_millis(400));
+    assert_eq!(count(), 1, "once per idle spell");
+}
+
+#[test]
+fn short_host_memory_takes_the_memory_back_without_waiting_for_the_idle_time() {
+    let releases = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let count = || releases.load(std::sync::atomic::Ordering::SeqCst);
+    // An idle time the test never reaches: only `release_soon` can give it back.
+    let patient = PoolConfig {
+        idle_release: Some(Duration::from_secs(600)),
+        ..config(8)
+    };
+    let backend = Releasing {
+        releases: Arc::clone(&releases),
+    };
+    let pool = Pool::start(
+        patient,
+        DeviceClass::Host,
+        vec![Box::new(backend)],
+        None,
+        PoolContext::default(),
+    );
+    pool.release_soon();
+    std::thread::sleep(Duration::from_millis(100));
+    assert_eq!(count(), 0, "nothing ran: nothing to give back");
+    assert!(pool.submit(job(2.0)).unwrap().blocking_recv().unwrap().is_ok());
+    pool.release_soon();
+    wait_until(|| count() == 1);
+    let never = PoolConfig {
+        idle_release: None,
+        ..config(8)
+    };
+    let backend = Releasing {
+        releases: Arc::clone(&releases),
+    };
+    let kept = Pool::start(
+        never,
+        DeviceClass::Host,
+        vec![Box::new(backend)],
+        None,
+        PoolContext::default(),
+    );
+    assert!(kept.submit(job(3.0)).unwrap().blocking_recv().unwrap().is_ok());
+    kept.release_soon();
+    std::thread::sleep(Duration::from_millis(200));
+    assert_eq!(count(), 1, "a pool that keeps its arena (idle_release off) keeps it");
+}

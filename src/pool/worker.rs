@@ -30,7 +30,18 @@ impl Pool {
     /// One worker thread's loop, until the queue closes: bring the backend up to the wanted
     /// models when it is behind, then run the job it came with, if any.
     fn work(&self) {
-        while let Some(Next { job, mut slot, stale }) = self.queue.next() {
+        while let Some(Next {
+            job,
+            mut slot,
+            stale,
+            release,
+        }) = self.queue.next()
+        {
+            if release {
+                self.release_memory(&mut slot);
+                self.queue.finish(None, Ok(slot));
+                continue;
+            }
             let loads = stale.map(|(wanted, generation)| self.reconcile(&mut slot, &wanted, generation));
             let Some(queued) = job else {
                 self.queue.finish(None, Ok(slot));
@@ -59,6 +70,23 @@ impl Pool {
         }
     }
 
+    /// Give the free memory of `slot`'s allocator back: the pool has been idle for its
+    /// `memory.idle_release` (or host memory is short). The arena keeps its blocks between runs,
+    /// so a pool under load reuses them; only an idle one pays for returning them.
+    fn release_memory(&self, slot: &mut Slot) {
+        let started = Instant::now();
+        let probe = |model: &str| self.models.setups.get(model).and_then(|s| s.probe.as_deref().cloned());
+        slot.backend.release_memory(&probe);
+        slot.dirty = false;
+        slot.backend.refresh_arena_stats();
+        self.publish_stats(slot.backend.as_ref());
+        tracing::debug!(
+            pool = self.name(),
+            took_us = started.elapsed().as_micros() as u64,
+            "idle: allocator memory given back"
+        );
+    }
+
     /// Run one queued job on `slot`, unless it no longer needs running (its caller went away:
     /// `abandoned`); returns the slot unless its backend was lost, and the answer, if any.
     fn serve(
@@ -73,6 +101,7 @@ impl Pool {
             id,
             loaded,
             generation,
+            ..
         } = slot;
         let waited = self.context.clock.now().saturating_duration_since(enqueued);
         // A health check is no request: it stays out of the queue's wait times.

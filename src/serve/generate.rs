@@ -9,10 +9,10 @@
 use std::sync::Arc;
 
 use crate::core::snapshot::Action;
-use crate::core::tensor::{DataType, Tensor, TensorData};
+use crate::core::tensor::{Tensor, TensorData};
 use crate::pool::Pool;
 use crate::pool::sequences::Running;
-use crate::runtime::decoder::DecoderLayout;
+use crate::runtime::decoder::{DecoderLayout, step_inputs};
 use crate::serve::lifecycle::{self, NotRetried, Refused, Request, RequestError, Served};
 use crate::serve::service::{ModelEntry, Service};
 use crate::telemetry::metrics::FailoverReason;
@@ -220,52 +220,6 @@ pub fn pick(logits: &[f32], params: &Params, rng: &mut Rng) -> u32 {
         target -= w;
     }
     order[kept - 1] as u32
-}
-
-/// The inputs of one run: `new` tokens after `past` positions whose cache is `cache` (the
-/// previous run's `present.*` outputs; empty for the prompt's run).
-pub(crate) fn step_inputs(layout: &DecoderLayout, new: &[u32], past: usize, cache: Vec<Tensor>) -> Vec<Tensor> {
-    let n = new.len();
-    let mut inputs = vec![
-        Tensor {
-            name: "input_ids".into(),
-            shape: vec![1, n as i64],
-            data: TensorData::Int64(new.iter().map(|&t| i64::from(t)).collect()),
-        },
-        Tensor {
-            name: "attention_mask".into(),
-            shape: vec![1, (past + n) as i64],
-            data: TensorData::Int64(vec![1; past + n]),
-        },
-    ];
-    if layout.position_ids {
-        inputs.push(Tensor {
-            name: "position_ids".into(),
-            shape: vec![1, n as i64],
-            data: TensorData::Int64((past..past + n).map(|p| p as i64).collect()),
-        });
-    }
-    if cache.is_empty() {
-        let empty = match layout.kv_datatype {
-            DataType::Fp16 => TensorData::Fp16(Vec::new()),
-            _ => TensorData::Fp32(Vec::new()),
-        };
-        for layer in 0..layout.layers {
-            for kind in ["key", "value"] {
-                inputs.push(Tensor {
-                    name: format!("past_key_values.{layer}.{kind}"),
-                    shape: vec![1, layout.kv_heads as i64, 0, layout.head_size as i64],
-                    data: empty.clone(),
-                });
-            }
-        }
-    } else {
-        for mut tensor in cache {
-            tensor.name = tensor.name.replacen("present.", "past_key_values.", 1);
-            inputs.push(tensor);
-        }
-    }
-    inputs
 }
 
 /// The last position's logits, and the cache to carry to the next run.

@@ -13,29 +13,12 @@ use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
 use crate::core::backend::RunMeta;
-use crate::core::tensor::Tensor;
 use crate::pool::{InferJob, Pool, PoolError, RunCancel, RunMemory};
-use crate::runtime::estimate::measure::inputs_at;
-use crate::runtime::estimate::{Dims, ProfileSource};
-use crate::serve::generate::step_inputs;
-use crate::serve::service::{ModelEntry, Service};
+use crate::serve::service::Service;
 
 /// How often the breaker and the pool's load are looked at: a half-open breaker is probed
 /// within this of its cooldown ending or its restore.
 const TICK: Duration = Duration::from_millis(100);
-
-/// The smallest valid input of `entry`: a decoder's first step of one token with an empty
-/// cache; the smallest size measured at start-up; else 1 along every dynamic axis.
-pub fn probe_inputs(entry: &ModelEntry) -> Result<Vec<Tensor>, String> {
-    if let Some(layout) = &entry.decoder {
-        return Ok(step_inputs(layout, &[0], 0, Vec::new()));
-    }
-    let dims = match &entry.profile.source {
-        ProfileSource::Measured { points, .. } if !points.is_empty() => Dims::new(&points[0].0),
-        _ => Dims::new(&vec![1; entry.profile.axes.len()]),
-    };
-    inputs_at(&entry.signature, &entry.profile.axes, &dims)
-}
 
 /// Check `pool` (a local one) as its breaker and idleness say, until `cancel`.
 pub async fn watch_pool(service: Arc<Service>, pool: Arc<Pool>, cancel: CancellationToken) {
@@ -97,8 +80,9 @@ async fn check(service: &Service, pool: &Arc<Pool>, timeout: Duration) -> Result
         let Some(entry) = service.model(model).filter(|_| pool.is_resident(model)) else {
             continue;
         };
-        let inputs =
-            probe_inputs(entry).map_err(|why| unavailable(pool, format!("no probe input for `{model}`: {why}")))?;
+        let inputs = entry
+            .probe_inputs()
+            .map_err(|why| unavailable(pool, format!("no probe input for `{model}`: {why}")))?;
         let cancel = RunCancel::default();
         let job = InferJob {
             meta: RunMeta {

@@ -29,6 +29,7 @@ pub fn pool(name: &str, device: &str, models: &[&str]) -> PoolConfig {
         queue_capacity: 64,
         max_wait: Duration::from_secs(30),
         arena_shrinkage: false,
+        idle_release: None,
         max_context: None,
         breaker: crate::core::breaker::BreakerConfig::default(),
         health: crate::config::HealthConfig::default(),

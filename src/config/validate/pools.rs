@@ -7,8 +7,8 @@ use super::Checker;
 use crate::config::error::ConfigError;
 use crate::config::raw::{RawArenaExtendStrategy, RawPool, RawProvider};
 use crate::config::types::{
-    CudaOptions, DeviceConfig, DeviceKind, HOST_DEVICE, HealthConfig, Mode, ModelConfig, PoolConfig, Provider,
-    RemoteOptions,
+    CudaOptions, DEFAULT_IDLE_RELEASE, DeviceConfig, DeviceKind, HOST_DEVICE, HealthConfig, Mode, ModelConfig,
+    PoolConfig, Provider, RemoteOptions,
 };
 use crate::core::breaker::BreakerConfig;
 
@@ -84,11 +84,12 @@ fn pool(
         interval: c.longer_than_zero(format!("{key}.health.interval"), health.interval)?,
         timeout: c.longer_than_zero(format!("{key}.health.timeout"), health.timeout)?,
     };
-    let arena_shrinkage = p
-        .memory
-        .as_ref()
-        .and_then(|m| m.arena_shrinkage)
-        .unwrap_or(matches!(provider, Provider::Cpu));
+    let arena_shrinkage = p.memory.as_ref().and_then(|m| m.arena_shrinkage).unwrap_or(false);
+    let idle_release = match p.memory.as_ref().and_then(|m| m.idle_release) {
+        Some(d) if d.0.is_zero() => None,
+        Some(d) => Some(d.0),
+        None => matches!(provider, Provider::Cpu).then_some(DEFAULT_IDLE_RELEASE),
+    };
     Ok(PoolConfig {
         name: p.name.clone(),
         provider,
@@ -99,6 +100,7 @@ fn pool(
         queue_capacity,
         max_wait,
         arena_shrinkage,
+        idle_release,
         max_context: p.max_context,
         breaker: BreakerConfig {
             failures: breaker.failures,

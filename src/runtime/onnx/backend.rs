@@ -45,6 +45,18 @@ pub struct OrtBackend {
     /// One run at a time per backend, so one set of options: its terminate flag stops the run
     /// in progress (see [`Backend::interrupt_handle`]).
     run_options: std::sync::Arc<RunOptions>,
+    /// Options of the runs that shrink the arena when the pool is idle (built on first use).
+    shrinking: Option<RunOptions>,
+    /// Models run since the arena was last shrunk.
+    used: std::collections::HashSet<String>,
+}
+
+/// `memory.enable_memory_arena_shrinkage`'s value for the arena `options`' sessions use.
+fn arena_of(options: &SessionOptions) -> String {
+    match &options.provider {
+        Provider::Cuda(_) => format!("gpu:{}", options.device_index),
+        _ => "cpu:0".to_string(),
+    }
 }
 
 impl OrtBackend {
@@ -60,12 +72,8 @@ impl OrtBackend {
         }
         let mut run_options = RunOptions::new().map_err(|e| e.to_string())?;
         if options.arena_shrinkage {
-            let arena = match &options.provider {
-                Provider::Cuda(_) => format!("gpu:{}", options.device_index),
-                _ => "cpu:0".to_string(),
-            };
             run_options
-                .set("memory.enable_memory_arena_shrinkage", &arena)
+                .set("memory.enable_memory_arena_shrinkage", arena_of(options))
                 .map_err(|e| e.to_string())?;
         }
         let run_options = std::sync::Arc::new(run_options);
@@ -81,6 +89,8 @@ impl OrtBackend {
             last_stats,
             last_model: None,
             run_options,
+            shrinking: None,
+            used: Default::default(),
         })
     }
 }
@@ -98,7 +108,36 @@ impl Backend for OrtBackend {
             .get_mut(model)
             .ok_or_else(|| BackendError::Runtime(format!("this worker has no session for `{model}`")))?;
         self.last_model = Some(model.to_string());
+        if !self.used.contains(model) {
+            self.used.insert(model.to_string());
+        }
         run(session, inputs, outputs, Some(&self.run_options))
+    }
+
+    fn release_memory(&mut self, probe: &dyn Fn(&str) -> Option<Vec<Tensor>>) {
+        // ONNX Runtime's arena shrinks only at the end of a run whose options ask it to: each
+        // session used since the last time runs once on its smallest inputs with them.
+        if self.shrinking.is_none() {
+            let made = RunOptions::new().and_then(|mut o| {
+                o.set("memory.enable_memory_arena_shrinkage", arena_of(&self.options))?;
+                Ok(o)
+            });
+            match made {
+                Ok(options) => self.shrinking = Some(options),
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot build the options that shrink the arena");
+                    return;
+                }
+            }
+        }
+        for model in std::mem::take(&mut self.used) {
+            let (Some((session, _)), Some(inputs)) = (self.sessions.get_mut(&model), probe(&model)) else {
+                continue;
+            };
+            if let Err(e) = run(session, inputs, &[], self.shrinking.as_ref()) {
+                tracing::debug!(%model, error = %e, "the run that shrinks the arena failed");
+            }
+        }
     }
 
     fn clear_interrupt(&mut self) {

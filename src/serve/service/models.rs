@@ -59,6 +59,20 @@ impl std::fmt::Debug for ModelBytes {
 }
 
 impl ModelEntry {
+    /// Its smallest valid input: a decoder's first step of one token with an empty cache; the
+    /// smallest size measured at start-up; else 1 along every dynamic axis. Health checks run
+    /// it, and so does an idle pool giving its arena's memory back.
+    pub fn probe_inputs(&self) -> Result<Vec<Tensor>, String> {
+        if let Some(layout) = &self.decoder {
+            return Ok(crate::runtime::decoder::step_inputs(layout, &[0], 0, Vec::new()));
+        }
+        let dims = match &self.profile.source {
+            ProfileSource::Measured { points, .. } if !points.is_empty() => Dims::new(&points[0].0),
+            _ => Dims::new(&vec![1; self.profile.axes.len()]),
+        };
+        crate::runtime::estimate::measure::inputs_at(&self.signature, &self.profile.axes, &dims)
+    }
+
     /// A request's size along each axis of the model's profile.
     pub fn dims_of(&self, inputs: &[Tensor]) -> Dims {
         self.profile.dims_of(inputs)

@@ -84,6 +84,7 @@ pub(super) fn model_setups(metrics: &Metrics, models: &[ModelEntry], pool: &Pool
             min_residency: m.config.min_residency,
             weights_bytes: m.profile.weights_bytes.saturating_mul(pool.workers.max(1) as u64),
             generates: m.config.tokenizer.is_some(),
+            probe: m.probe_inputs().ok().map(Arc::new),
             bytes: Arc::new(m.bytes.clone()),
             metrics: metrics.residency.handles(&m.config.name, &pool.name),
         })

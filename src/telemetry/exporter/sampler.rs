@@ -165,6 +165,13 @@ impl Sampler {
                 reserve_bytes: self.host_reserve,
             },
         );
+        if host.mem_total_bytes > 0 && host.mem_available_bytes < host.reserve_bytes.saturating_mul(2) {
+            // Host memory nears its reserve: pools that keep freed blocks for their next run
+            // give them back now instead of after their idle time.
+            for pool in &self.pools {
+                pool.release_soon();
+            }
+        }
         Snapshot {
             devices,
             pools,
