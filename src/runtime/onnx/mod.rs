@@ -367,10 +367,15 @@ pub fn build_session(rt: &OnnxRuntime, model: &[u8], options: &SessionOptions) -
         Provider::Cpu => builder
             .with_execution_providers([ep::CPU::default().with_arena_allocator(true).build()])
             .map_err(msg)?,
+        // As on a GPU, a session's weights live in the device's memory: prepacking would keep
+        // copies of them outside the capped arena (the originals freed), and the device would
+        // seem to hold models it does not.
         Provider::Simulated => builder
             .with_execution_providers([ep::CPU::default().with_arena_allocator(true).build()])
             .map_err(msg)?
             .with_env_allocators()
+            .map_err(msg)?
+            .with_prepacking(false)
             .map_err(msg)?,
         Provider::Cuda(cuda) => builder
             .with_execution_providers([cuda_provider(cuda, options.device_index)])
