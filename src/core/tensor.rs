@@ -168,18 +168,10 @@ impl TensorData {
     /// Decode JSON `data` (flat or nested arrays) as `dtype`.
     pub fn from_json(dtype: DataType, json: &str) -> Result<TensorData, String> {
         fn parse<T: Element>(json: &str) -> Result<Vec<T>, String> {
-            let mut out = Vec::new();
-            let mut de = serde_json::Deserializer::from_str(json);
-            Flatten(&mut out)
-                .deserialize(&mut de)
-                .and_then(|()| de.end())
-                .map_err(|e| {
-                    // serde_json appends "at line 1 column N", which means nothing to the client
-                    // for an embedded fragment; keep the reason only.
-                    let msg = e.to_string();
-                    msg.split(" at line ").next().unwrap_or(&msg).to_string()
-                })?;
-            Ok(out)
+            match T::fast(json) {
+                Some(fast) => Ok(fast),
+                None => through_serde(json),
+            }
         }
         Ok(match dtype {
             DataType::Bool => TensorData::Bool(parse(json)?),
@@ -338,6 +330,114 @@ trait Element: Sized {
     fn from_bool(_: bool) -> Option<Self> {
         None
     }
+    /// The common case decoded without serde (see [`numbers`]); `None` to take the serde path.
+    fn fast(_json: &str) -> Option<Vec<Self>> {
+        None
+    }
+}
+
+/// `json`'s numbers through serde: every document the codec accepts, and the message for every
+/// one it refuses.
+fn through_serde<T: Element>(json: &str) -> Result<Vec<T>, String> {
+    let mut out = Vec::new();
+    let mut de = serde_json::Deserializer::from_str(json);
+    Flatten(&mut out)
+        .deserialize(&mut de)
+        .and_then(|()| de.end())
+        .map_err(|e| {
+            // serde_json appends "at line 1 column N", which means nothing to the client for an
+            // embedded fragment; keep the reason only.
+            let msg = e.to_string();
+            msg.split(" at line ").next().unwrap_or(&msg).to_string()
+        })?;
+    Ok(out)
+}
+
+/// `json` when it is (nested) arrays of plain JSON numbers, each read by `read` from its text:
+/// the common case of a tensor's `data`, decoded in one pass without serde. `None` on anything
+/// else (`null`, strings, booleans, malformed text, a number `read` refuses), which the serde
+/// path then decodes or refuses with its own message, so both paths accept exactly the same
+/// documents and this one only answers faster.
+fn numbers<T>(json: &str, read: impl Fn(&[u8]) -> Option<T>) -> Option<Vec<T>> {
+    let bytes = json.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len() / 8);
+    let (mut i, mut depth) = (0usize, 0usize);
+    // After `[` or `,` a value must come; after a value or `]`, a `,` or a `]`.
+    let mut want_value = true;
+    let mut just_opened = false;
+    while i < bytes.len() {
+        match bytes[i] {
+            b' ' | b'\n' | b'\r' | b'\t' => i += 1,
+            b'[' if want_value => {
+                depth += 1;
+                just_opened = true;
+                i += 1;
+            }
+            b']' if depth > 0 && (!want_value || just_opened) => {
+                depth -= 1;
+                want_value = false;
+                just_opened = false;
+                i += 1;
+            }
+            b',' if !want_value && depth > 0 => {
+                want_value = true;
+                just_opened = false;
+                i += 1;
+            }
+            b'-' | b'0'..=b'9' if want_value && depth > 0 => {
+                let end = json_number_end(bytes, i)?;
+                out.push(read(&bytes[i..end])?);
+                want_value = false;
+                just_opened = false;
+                i = end;
+            }
+            _ => return None,
+        }
+        if depth == 0 {
+            // The outermost array closed: only whitespace may follow.
+            return bytes[i..].iter().all(|b| b.is_ascii_whitespace()).then_some(out);
+        }
+    }
+    None
+}
+
+/// Where the JSON number starting at `at` ends, when it is one by JSON's grammar
+/// (`-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?`), which is stricter than a float parser's.
+fn json_number_end(b: &[u8], at: usize) -> Option<usize> {
+    let digits = |mut i: usize| {
+        let start = i;
+        while i < b.len() && b[i].is_ascii_digit() {
+            i += 1;
+        }
+        (i > start).then_some(i)
+    };
+    let mut i = at + usize::from(b[at] == b'-');
+    i = match b.get(i)? {
+        b'0' => i + 1,
+        b'1'..=b'9' => digits(i)?,
+        _ => return None,
+    };
+    if b.get(i) == Some(&b'.') {
+        i = digits(i + 1)?;
+    }
+    if matches!(b.get(i), Some(b'e' | b'E')) {
+        i += 1;
+        if matches!(b.get(i), Some(b'+' | b'-')) {
+            i += 1;
+        }
+        i = digits(i)?;
+    }
+    Some(i)
+}
+
+/// An integer's text as `T`: plain digits only (`3.0` and `1e3` take the serde path, which
+/// accepts a whole number written as a float).
+fn integer<T: TryFrom<i64>>(text: &[u8]) -> Option<T> {
+    if text.iter().any(|b| matches!(b, b'.' | b'e' | b'E')) {
+        return None;
+    }
+    let text = std::str::from_utf8(text).ok()?;
+    T::try_from(text.parse::<i64>().ok()?).ok()
 }
 
 macro_rules! int_element {
@@ -354,6 +454,9 @@ macro_rules! int_element {
                 // `3.0` is an integer written as a float; `3.5` is not.
                 (v.fract() == 0.0 && v >= <$t>::MIN as f64 && v <= <$t>::MAX as f64).then(|| v as $t)
             }
+            fn fast(json: &str) -> Option<Vec<Self>> {
+                numbers(json, integer::<$t>)
+            }
         }
     };
 }
@@ -364,7 +467,7 @@ int_element!(i32, "INT32");
 int_element!(i64, "INT64");
 
 macro_rules! float_element {
-    ($t:ty, $name:literal, $from:expr) => {
+    ($t:ty, $name:literal, $from:expr $(, $fast:ident)?) => {
         impl Element for $t {
             const NAME: &'static str = $name;
             fn from_u64(v: u64) -> Option<Self> {
@@ -376,6 +479,13 @@ macro_rules! float_element {
             fn from_f64(v: f64) -> Option<Self> {
                 $from(v)
             }
+            $(
+                fn $fast(json: &str) -> Option<Vec<Self>> {
+                    // Decimal text to the nearest value of the type, in one rounding (through
+                    // f64 it would be two); an infinite result is a number too large for it.
+                    numbers(json, |text| fast_float2::parse::<$t, _>(text).ok().filter(|v| v.is_finite()))
+                }
+            )?
         }
     };
 }
@@ -384,8 +494,8 @@ macro_rules! float_element {
 fn finite<T>(v: T, is_finite: impl Fn(&T) -> bool) -> Option<T> {
     is_finite(&v).then_some(v)
 }
-float_element!(f32, "FP32", |v: f64| finite(v as f32, |x| x.is_finite()));
-float_element!(f64, "FP64", |v: f64| finite(v, |x| x.is_finite()));
+float_element!(f32, "FP32", |v: f64| finite(v as f32, |x| x.is_finite()), fast);
+float_element!(f64, "FP64", |v: f64| finite(v, |x| x.is_finite()), fast);
 float_element!(f16, "FP16", |v: f64| finite(f16::from_f64(v), |x| x.is_finite()));
 
 impl Element for bool {
@@ -457,6 +567,9 @@ impl<'de, T: Element> Visitor<'de> for Flatten<'_, T> {
         self.push(T::from_bool(v), v)
     }
 }
+
+#[cfg(test)]
+mod json_tests;
 
 #[cfg(test)]
 mod tests {

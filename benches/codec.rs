@@ -1,0 +1,43 @@
+//! The JSON tensor codec: decoding the `data` of an FP32 input as clients send it, at the
+//! bundled encoder's seq 128 (8192 numbers) and seq 1024 (65536), in the two spellings clients
+//! use: the shortest text that reads back as the same `f32` (`-0.3`, as Rust, JavaScript and
+//! Triton's client write it) and the `f64` repr of that value (`-0.30000001192092896`, as
+//! Python's `json` writes numpy's `tolist()`).
+//!
+//! `cargo bench --bench codec`.
+
+use criterion::{Criterion, Throughput};
+use std::hint::black_box;
+use vramguard::core::tensor::{DataType, TensorData};
+use vramguard::testing::bench::encoder_input;
+
+fn main() {
+    let mut criterion = Criterion::default().configure_from_args();
+    for seq in [128usize, 1024] {
+        let values = encoder_input(seq);
+        let shortest = format!("[{}]", values.iter().map(f32::to_string).collect::<Vec<_>>().join(", "));
+        let python = format!(
+            "[{}]",
+            values
+                .iter()
+                .map(|v| format!("{:?}", f64::from(*v)))
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+        for (spelling, json) in [("shortest", &shortest), ("python", &python)] {
+            let decoded = TensorData::from_json(DataType::Fp32, json).unwrap();
+            assert_eq!(
+                decoded,
+                TensorData::Fp32(values.clone()),
+                "{spelling} reads back exactly"
+            );
+            let mut group = criterion.benchmark_group(format!("decode_fp32/seq{seq}"));
+            group.throughput(Throughput::Bytes(json.len() as u64));
+            group.bench_function(spelling, |b| {
+                b.iter(|| TensorData::from_json(DataType::Fp32, black_box(json)).unwrap())
+            });
+            group.finish();
+        }
+    }
+    criterion.final_summary();
+}
