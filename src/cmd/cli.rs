@@ -90,6 +90,10 @@ pub enum Command {
         /// Print the config of the drill's own server and exit.
         #[arg(long)]
         print_config: bool,
+        /// Write the dense models the printed config names into DIR (`drill-models` beside the
+        /// config file) and exit.
+        #[arg(long, value_name = "DIR")]
+        write_models: Option<PathBuf>,
     },
     /// Validate or print configuration.
     Config {
@@ -173,10 +177,22 @@ pub fn run(cli: Cli) -> ExitCode {
             json,
             quick,
             print_config,
+            write_models,
         } => {
             if print_config {
                 print!("{}", crate::cmd::drill::print_config());
                 return ExitCode::SUCCESS;
+            }
+            if let Some(dir) = write_models {
+                return match crate::cmd::drill::write_models(&dir) {
+                    Ok(paths) => {
+                        for path in paths {
+                            println!("{}", path.display());
+                        }
+                        ExitCode::SUCCESS
+                    }
+                    Err(e) => fail(e, crate::cmd::exit::EXIT_FAILED),
+                };
             }
             drill(crate::cmd::drill::Options {
                 target,

@@ -28,6 +28,11 @@ fn the_quick_drill_passes_against_a_server_started_with_its_config() {
         .replace("'models/decoder/", &format!("'{root}/models/decoder/"));
     let path = dir.path().join("drill.yaml");
     std::fs::write(&path, config).unwrap();
+    // The dense models, where the printed config names them: beside it.
+    let models = dir.path().join("drill-models");
+    let (code, written, err) = drill(&["--write-models", models.to_str().unwrap()], "");
+    assert_eq!(code, Some(0), "{err}");
+    assert_eq!(written.lines().count(), 3, "{written}");
     let token = "drill-token";
     let server = crate::common::spawn_serving(
         &["serve", "--config", path.to_str().unwrap()],

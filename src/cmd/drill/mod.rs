@@ -47,10 +47,83 @@ const CPU: &str = "cpu";
 const ENCODER: &str = "encoder";
 const CPU_ONLY: &str = "classifier";
 const DECODER: &str = "chat";
+/// The dense models of the residency phase, their weights' seeds and priorities: `dense_b` has
+/// the lowest priority, `dense_c` loads on demand.
+const DENSE: [DenseModel; 3] = [
+    DenseModel {
+        name: "dense_a",
+        seed: 41,
+        priority: 5,
+        on_demand: false,
+    },
+    DenseModel {
+        name: "dense_b",
+        seed: 42,
+        priority: 1,
+        on_demand: false,
+    },
+    DenseModel {
+        name: "dense_c",
+        seed: 43,
+        priority: 5,
+        on_demand: true,
+    },
+];
+/// Mebibytes of each dense model's weight (twice that on the accelerator: its two workers hold
+/// a session each).
+const DENSE_MIB: u64 = 4;
+/// The dense models' `min_residency`, seconds: short, so the phase need not wait long for it.
+const MIN_RESIDENCY_S: u64 = 2;
+/// A small model pinned on the accelerator, which the residency phase must never see evicted.
+const PINNED: &str = "keeper";
+/// Where the printed config expects the dense models, relative to the config file.
+const DENSE_DIR: &str = "drill-models";
+
+/// A dense model of the drill's config.
+struct DenseModel {
+    name: &'static str,
+    seed: u64,
+    priority: i64,
+    on_demand: bool,
+}
+
+impl DenseModel {
+    /// Its file's name.
+    fn file(&self) -> String {
+        format!("{}.onnx", self.name)
+    }
+
+    /// Its `models:` entry, its file in `dir`.
+    fn entry(&self, dir: &str) -> String {
+        format!(
+            "  - {{name: {}, path: '{dir}/{}', priority: {}, min_residency: {MIN_RESIDENCY_S}s{}}}\n",
+            self.name,
+            self.file(),
+            self.priority,
+            if self.on_demand { ", residency: on_demand" } else { "" }
+        )
+    }
+}
+
+/// Write the dense models of the drill's config into `dir` (made if missing); their paths.
+pub fn write_models(dir: &std::path::Path) -> Result<Vec<PathBuf>, String> {
+    std::fs::create_dir_all(dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+    DENSE
+        .iter()
+        .map(|m| {
+            let path = dir.join(m.file());
+            let bytes = crate::runtime::onnx::dense::Dense::of_mib(m.seed, DENSE_MIB).to_onnx();
+            std::fs::write(&path, bytes).map_err(|e| format!("cannot write {}: {e}", path.display()))?;
+            Ok(path)
+        })
+        .collect()
+}
 
 /// The config of the drill's own server, with the decoder fixture's model and tokenizer at
-/// `model` and `tokenizer`.
-fn config_yaml(model: &str, tokenizer: &str) -> String {
+/// `model` and `tokenizer`, the dense models in `dense_dir`.
+fn config_yaml(model: &str, tokenizer: &str, dense_dir: &str) -> String {
+    let dense: String = DENSE.iter().map(|m| m.entry(dense_dir)).collect();
+    let names = DENSE.map(|m| m.name).join(", ");
     format!(
         "# The config `vramguard drill` serves itself, and what a --target must serve.
 server:
@@ -59,15 +132,18 @@ server:
   admin_socket: 'off'
 devices:
   - {{name: {DEVICE}, kind: simulated, capacity: 96MiB}}
+# The encoder and the decoder are pinned, so the residency phase's dense models (of higher
+# priority than theirs) never evict them, and theirs never evict the dense ones.
 models:
-  - {{name: {ENCODER}, path: 'builtin:encoder', context: {{input: input, axis: 1, keep: end}}}}
+  - {{name: {ENCODER}, path: 'builtin:encoder', residency: pinned, context: {{input: input, axis: 1, keep: end}}}}
   - {{name: {CPU_ONLY}, path: 'builtin:classifier'}}
-  - {{name: {DECODER}, path: '{model}', tokenizer: '{tokenizer}', chat_template: 'builtin:chatml'}}
-pools:
-  - {{name: {GPU}, provider: simulated, device: {DEVICE}, models: [{ENCODER}, {DECODER}], workers: 2,
+  - {{name: {DECODER}, path: '{model}', tokenizer: '{tokenizer}', chat_template: 'builtin:chatml', residency: pinned}}
+  - {{name: {PINNED}, path: 'builtin:classifier', residency: pinned}}
+{dense}pools:
+  - {{name: {GPU}, provider: simulated, device: {DEVICE}, models: [{ENCODER}, {DECODER}, {PINNED}, {names}], workers: 2,
      intra_threads: 1, queue: {{capacity: 64, max_wait: 20s}}, fallback: {CPU}, memory: {{arena_shrinkage: true}},
      breaker: {{failures: 3, window: 30s, cooldown: 2s}}}}
-  - {{name: {CPU}, provider: cpu, models: [{ENCODER}, {CPU_ONLY}, {DECODER}], workers: 1, intra_threads: 1,
+  - {{name: {CPU}, provider: cpu, models: [{ENCODER}, {CPU_ONLY}, {DECODER}, {PINNED}, {names}], workers: 1, intra_threads: 1,
      queue: {{capacity: 64, max_wait: 30s}}}}
 host:
   reserve: 1GiB
@@ -92,11 +168,12 @@ pub struct Options {
     pub quick: bool,
 }
 
-/// The config the drill serves itself, for starting a `--target` the same way. The decoder
-/// fixture's paths are relative to the config file: save it at the top of a vramguard checkout
-/// (or point them at a copy of `models/decoder/`).
+/// The config the drill serves itself, for starting a `--target` the same way. Its paths are
+/// relative to the config file: save it at the top of a vramguard checkout (or point the
+/// decoder's at a copy of `models/decoder/`), and write the dense models beside it with
+/// `vramguard drill --write-models drill-models` ([`write_models`]).
 pub fn print_config() -> String {
-    config_yaml("models/decoder/model.onnx", "models/decoder/tokenizer.json")
+    config_yaml("models/decoder/model.onnx", "models/decoder/tokenizer.json", DENSE_DIR)
 }
 
 /// Run the drill and judge it. `Err` is a drill that could not run (no target, no simulated
