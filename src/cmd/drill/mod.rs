@@ -22,6 +22,7 @@ mod phases;
 mod progress;
 mod record;
 mod report;
+mod residency;
 mod server;
 
 use std::collections::BTreeMap;
@@ -38,6 +39,7 @@ use client::Drill;
 pub use phases::{Facts, Phase};
 pub use record::{Failure, Record, Samples};
 pub use report::{Criterion, PhaseSummary, Report};
+pub use residency::ResidencyFacts;
 use server::OwnServer;
 
 /// Names in the drill's config, which a `--target` must serve too.
@@ -74,6 +76,8 @@ const DENSE: [DenseModel; 3] = [
 const DENSE_MIB: u64 = 4;
 /// The dense models' `min_residency`, seconds: short, so the phase need not wait long for it.
 const MIN_RESIDENCY_S: u64 = 2;
+/// The policy's device reserve (`policy.params.reserve_bytes`).
+const RESERVE_BYTES: u64 = 8 << 20;
 /// A small model pinned on the accelerator, which the residency phase must never see evicted.
 const PINNED: &str = "keeper";
 /// Where the printed config expects the dense models, relative to the config file.
@@ -150,7 +154,7 @@ host:
 policy:
   path: 'builtin:default'
   fallback: {{action: admit}}
-  params: {{cpu_pool: {CPU}, reserve_bytes: 8MiB, min_context_tokens: 16, defer_ms: 20, defer_max_queue: 2}}
+  params: {{cpu_pool: {CPU}, reserve_bytes: {RESERVE_BYTES}, min_context_tokens: 16, defer_ms: 20, defer_max_queue: 2}}
 "
     )
 }
@@ -234,6 +238,7 @@ async fn run_async(options: &Options) -> Result<Report, String> {
         records: Mutex::new(Vec::new()),
         phase: Mutex::new(Phase::Baseline),
         samples: Mutex::new(BTreeMap::new()),
+        seen: Mutex::new(residency::Seen::default()),
         progress: progress::Progress::new(std::io::stderr().is_terminal()),
     });
     let sampling = Arc::new(AtomicBool::new(true));

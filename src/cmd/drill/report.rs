@@ -72,7 +72,7 @@ impl Report {
         took: Duration,
     ) -> Report {
         let summaries = summarise(phases, &records, &samples);
-        let criteria = vec![
+        let mut criteria = vec![
             as_expected(&records),
             duplicates(&records, &facts),
             lost(&records, &facts),
@@ -81,7 +81,11 @@ impl Report {
             recovery(&facts),
             redirects_flagged(&records),
             host_reserve_kept(&summaries, host_reserve),
+            device_within_capacity(&samples),
         ];
+        if phases.contains(&Phase::Residency) {
+            criteria.extend(super::residency::criteria(&records, facts.residency.as_ref()));
+        }
         Report {
             passed: criteria.iter().all(|c| c.passed),
             seconds: took.as_secs_f64(),
@@ -141,6 +145,19 @@ impl Report {
                 starts.len(),
                 percentile(&starts, 50.0),
                 percentile(&starts, 100.0)
+            );
+        }
+        if let Some(r) = &self.facts.residency {
+            let _ = writeln!(
+                out,
+                "\nresidency: {} requests in {:.1} s ({:.1}/s), {} model loads ({:.0}/min), {} evictions, {} of pressure sizing the room",
+                r.requests,
+                r.seconds,
+                r.requests_per_second(),
+                r.loads,
+                r.loads_per_minute(),
+                r.evictions.len(),
+                human_bytes(r.pressure_bytes)
             );
         }
         let _ = writeln!(out);
@@ -333,6 +350,30 @@ fn host_reserve_kept(summaries: &[PhaseSummary], host_reserve: u64) -> Criterion
     }
 }
 
+/// The simulated device's used memory never went over its capacity in any sample.
+fn device_within_capacity(samples: &BTreeMap<Phase, Samples>) -> Criterion {
+    let highest = samples
+        .values()
+        .filter_map(|s| s.max_device_used)
+        .max_by(|a, b| (a.0 as f64 / a.1.max(1) as f64).total_cmp(&(b.0 as f64 / b.1.max(1) as f64)));
+    let over: Vec<&str> = samples
+        .iter()
+        .filter(|(_, s)| s.max_device_used.is_some_and(|(used, total)| used > total))
+        .map(|(phase, _)| phase.label())
+        .collect();
+    Criterion {
+        name: "device memory within its capacity",
+        measured: match highest {
+            Some((used, total)) if over.is_empty() => {
+                format!("highest {} used of {}", human_bytes(used), human_bytes(total))
+            }
+            Some(_) => format!("over its capacity in: {}", over.join(", ")),
+            None => "never sampled".to_string(),
+        },
+        passed: highest.is_some() && over.is_empty(),
+    }
+}
+
 /// Percentile `p` (0–100) of `values` (nearest rank); 0 for none.
 fn percentile(values: &[f64], p: f64) -> f64 {
     if values.is_empty() {
@@ -387,6 +428,7 @@ mod tests {
         let sampled = Samples {
             max_queue_age_ms: 5,
             min_host_available: Some(8 << 30),
+            max_device_used: Some((80 << 20, 96 << 20)),
         };
         let samples = BTreeMap::from([(Phase::Baseline, sampled.clone()), (Phase::Redirect, sampled)]);
         let mut redirected = record(Phase::Redirect, "r1", "cpu");
