@@ -361,10 +361,13 @@ impl Drill {
 
     /// A request of a dense model of the residency phase: one row; its kind is the model's name.
     pub(super) async fn dense(&self, phase: Phase, id: &str, model: &str) -> Record {
-        let data: Vec<f32> = (0..crate::runtime::onnx::dense::ROWS).map(|i| (i % 5) as f32 * 0.2).collect();
+        let data: Vec<f32> = (0..crate::runtime::onnx::dense::ROWS)
+            .map(|i| (i % 5) as f32 * 0.2)
+            .collect();
         let body = json!({"inputs": [{"name": "x", "shape": [1, data.len()], "datatype": "FP32", "data": data}]});
         let kind = format!("{model} [1, {}]", crate::runtime::onnx::dense::ROWS);
-        self.infer_json(phase, id, model, &body, kind, "200, on either pool").await
+        self.infer_json(phase, id, model, &body, kind, "200, on either pool")
+            .await
     }
 
     /// An Open Inference Protocol request of `model` in JSON.

@@ -479,4 +479,57 @@ mod tests {
             report.table()
         );
     }
+
+    #[test]
+    fn a_device_sampled_over_its_capacity_or_a_residency_phase_without_facts_fails() {
+        let facts = Facts {
+            breaker_recovery_ms: Some(100.0),
+            token_equivalence: vec![("replayed".into(), true)],
+            ..Facts::default()
+        };
+        let sampled = |used: u64| Samples {
+            max_queue_age_ms: 0,
+            min_host_available: Some(8 << 30),
+            max_device_used: Some((used, 96 << 20)),
+        };
+        let mut redirected = record(Phase::Redirect, "r1", "cpu");
+        redirected.decision = Some(Action::Redirect);
+        redirected.degraded = Some("memory".into());
+        let records = vec![record(Phase::Baseline, "b1", "gpu"), redirected];
+        let judge = |samples: BTreeMap<Phase, Samples>, phases: &[Phase]| {
+            Report::judge(
+                phases,
+                records.clone(),
+                samples,
+                facts.clone(),
+                1 << 30,
+                Duration::from_secs(1),
+            )
+        };
+        let phases = [Phase::Baseline, Phase::Redirect];
+        let over = BTreeMap::from([
+            (Phase::Baseline, sampled(90 << 20)),
+            (Phase::Redirect, sampled(97 << 20)),
+        ]);
+        let report = judge(over, &phases);
+        assert_eq!(report.failed(), ["device memory within its capacity"]);
+        assert!(
+            report.table().contains("over its capacity in: redirect"),
+            "{}",
+            report.table()
+        );
+        assert_eq!(
+            judge(BTreeMap::new(), &phases).failed(),
+            [
+                "host memory stays above its reserve",
+                "device memory within its capacity"
+            ],
+            "never sampled"
+        );
+
+        let within = BTreeMap::from([(Phase::Baseline, sampled(96 << 20))]);
+        let report = judge(within, &[Phase::Baseline, Phase::Redirect, Phase::Residency]);
+        assert_eq!(report.failed().len(), 5, "{}", report.table());
+        assert!(report.failed().iter().all(|name| name.starts_with("residency: ")));
+    }
 }

@@ -174,7 +174,11 @@ async fn prepare(drill: &Drill, status: &StatusReport) -> Result<(), String> {
 async fn size_the_room(drill: &Drill, status: &StatusReport) -> Result<u64, String> {
     let weights = weights_on_gpu(status, DENSE[1].name);
     if weights == 0 {
-        return Err(format!("`{}` holds no weights on `{GPU}`: /status {}", DENSE[1].name, json!(status.models)));
+        return Err(format!(
+            "`{}` holds no weights on `{GPU}`: /status {}",
+            DENSE[1].name,
+            json!(status.models)
+        ));
     }
     let target = RESERVE_BYTES + weights / 2;
     let headroom = status.devices.get(DEVICE).map_or(0, |d| d.memory.headroom_bytes);
@@ -182,7 +186,11 @@ async fn size_the_room(drill: &Drill, status: &StatusReport) -> Result<u64, Stri
     let since = Instant::now();
     while since.elapsed() < Duration::from_secs(2) {
         let now = drill.status().await?;
-        if now.devices.get(DEVICE).is_some_and(|d| d.memory.headroom_bytes < target + (1 << 20)) {
+        if now
+            .devices
+            .get(DEVICE)
+            .is_some_and(|d| d.memory.headroom_bytes < target + (1 << 20))
+        {
             break;
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
@@ -418,5 +426,191 @@ fn evictions_reconcile(facts: &ResidencyFacts) -> Criterion {
             facts.evictions.len()
         ),
         passed: facts.evicted_counted == facts.evictions.len() as f64,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record(i: usize, model: &str, pool: &str, decision: Action) -> Record {
+        Record {
+            latency_ms: 2.0,
+            status: Some(200),
+            pool: Some(pool.into()),
+            decision: Some(decision),
+            id_kept: true,
+            as_expected: true,
+            ..Record::new(
+                Phase::Residency,
+                &format!("residency-{i}-{model}"),
+                format!("{model} [1, 64]"),
+                "200, on either pool",
+                0.0,
+            )
+        }
+    }
+
+    fn eviction(model: &str, for_model: &str) -> EvictionStatus {
+        EvictionStatus {
+            at_unix: 1_800_000_003,
+            pool: GPU.into(),
+            device: DEVICE.into(),
+            model: model.into(),
+            freed_bytes: 8 << 20,
+            for_model: for_model.into(),
+            for_request: "residency-2-dense_c".into(),
+        }
+    }
+
+    /// What a passing phase looks like: `dense_c` makes room by evicting `dense_b`, which then
+    /// runs on the CPU.
+    fn passing() -> (Vec<Record>, ResidencyFacts) {
+        let records = vec![
+            record(0, "dense_a", GPU, Action::Admit),
+            record(1, "dense_b", GPU, Action::Admit),
+            record(2, "dense_c", GPU, Action::MakeRoom),
+            record(3, "dense_a", GPU, Action::Admit),
+            record(4, "dense_b", CPU, Action::Redirect),
+            record(5, "dense_c", GPU, Action::Admit),
+        ];
+        let facts = ResidencyFacts {
+            seconds: 0.5,
+            requests: records.len(),
+            loads: 1.0,
+            evicted_counted: 1.0,
+            evictions: vec![eviction("dense_b", "dense_c")],
+            resident_for_s: vec![Some(3)],
+            priorities: [("dense_a", 5), ("dense_b", 1), ("dense_c", 5), ("keeper", 0)]
+                .map(|(m, p)| (m.to_string(), p))
+                .into(),
+            pinned: vec!["keeper".into()],
+            pinned_missing: vec![],
+            pressure_bytes: 60 << 20,
+        };
+        (records, facts)
+    }
+
+    fn failed(records: &[Record], facts: Option<&ResidencyFacts>) -> Vec<&'static str> {
+        criteria(records, facts)
+            .into_iter()
+            .filter(|c| !c.passed)
+            .map(|c| c.name)
+            .collect()
+    }
+
+    #[test]
+    fn a_phase_that_made_room_and_redirected_the_lowest_priority_passes() {
+        let (records, facts) = passing();
+        let all = criteria(&records, Some(&facts));
+        assert_eq!(all.len(), 5);
+        assert!(all.iter().all(|c| c.passed), "{all:?}");
+        assert_eq!(facts.requests_per_second(), 12.0);
+        assert_eq!(facts.loads_per_minute(), 120.0);
+    }
+
+    #[test]
+    fn no_make_room_for_a_higher_priority_fails() {
+        let (mut records, facts) = passing();
+        records[2].decision = Some(Action::Admit);
+        // make_room for the lowest priority does not count: it may evict nothing above it.
+        records[1].decision = Some(Action::MakeRoom);
+        assert_eq!(
+            failed(&records, Some(&facts)),
+            ["residency: higher priority ran after an eviction"]
+        );
+    }
+
+    #[test]
+    fn the_lowest_priority_not_redirected_or_evicting_a_higher_one_fails() {
+        let name = ["residency: lowest priority redirected, evicts none"];
+        let (mut records, facts) = passing();
+        records[4].decision = Some(Action::Admit);
+        assert_eq!(failed(&records, Some(&facts)), name, "on the CPU without a redirect");
+        let (mut records, facts) = passing();
+        records[4].status = Some(503);
+        assert_eq!(failed(&records, Some(&facts)), name, "not served");
+        let (mut records, facts) = passing();
+        records[4].pool = Some(GPU.into());
+        assert_eq!(failed(&records, Some(&facts)), name, "it never had to move");
+        let (records, mut facts) = passing();
+        facts.evictions.push(eviction("dense_a", "dense_b"));
+        facts.resident_for_s.push(Some(5));
+        facts.evicted_counted = 2.0;
+        assert_eq!(failed(&records, Some(&facts)), name, "it evicted a higher priority");
+    }
+
+    #[test]
+    fn a_pinned_model_missing_once_or_evicted_fails() {
+        let name = ["residency: pinned models resident, never evicted"];
+        let (records, mut facts) = passing();
+        facts.pinned_missing.push("keeper at +1200 ms".into());
+        assert_eq!(failed(&records, Some(&facts)), name);
+        let (records, mut facts) = passing();
+        facts.evictions.push(eviction("keeper", "dense_c"));
+        facts.resident_for_s.push(Some(40));
+        facts.evicted_counted = 2.0;
+        assert_eq!(failed(&records, Some(&facts)), name);
+        let (records, mut facts) = passing();
+        facts.pinned.clear();
+        assert_eq!(failed(&records, Some(&facts)), name, "no pinned model to watch");
+    }
+
+    #[test]
+    fn an_eviction_inside_min_residency_or_of_an_unseen_load_fails() {
+        let name = ["residency: no eviction within min_residency"];
+        let (records, mut facts) = passing();
+        facts.resident_for_s = vec![Some(MIN_RESIDENCY_S - 1)];
+        assert_eq!(failed(&records, Some(&facts)), name);
+        facts.resident_for_s = vec![None];
+        assert_eq!(failed(&records, Some(&facts)), name);
+    }
+
+    #[test]
+    fn evictions_counted_but_not_shown_fail_and_a_phase_that_did_not_run_fails_every_criterion() {
+        let (records, mut facts) = passing();
+        facts.evicted_counted = 2.0;
+        assert_eq!(
+            failed(&records, Some(&facts)),
+            ["residency: evictions in /metrics match /status"]
+        );
+        assert_eq!(failed(&records, None).len(), 5);
+    }
+
+    #[test]
+    fn the_sampler_keeps_each_eviction_once_and_the_load_before_it() {
+        let (_, facts) = passing();
+        let mut seen = Seen::default();
+        let status = |evictions: Vec<EvictionStatus>, loaded: Option<u64>, keeper: bool| {
+            let mut status = crate::protocol::status::tests::report();
+            status.evictions = evictions;
+            status.models = [("dense_b", loaded, loaded.is_some()), ("keeper", Some(1), keeper)]
+                .map(|(name, loaded_unix, resident)| crate::protocol::status::ModelStatus {
+                    name: name.into(),
+                    service: name.into(),
+                    priority: facts.priorities[name],
+                    residency: if name == "keeper" { "pinned" } else { "resident" }.into(),
+                    fallback_model: None,
+                    pools: vec![crate::protocol::status::ModelOnPool {
+                        pool: GPU.into(),
+                        resident,
+                        loaded_unix,
+                        idle_ms: Some(0),
+                        running: 0,
+                        queued: 0,
+                        weights_bytes: 8 << 20,
+                    }],
+                })
+                .to_vec();
+            status
+        };
+        seen.observe(&status(vec![], Some(1_800_000_000), true), 10.0);
+        let evicted = eviction("dense_b", "dense_c");
+        seen.observe(&status(vec![evicted.clone()], None, true), 20.0);
+        seen.observe(&status(vec![evicted.clone()], None, false), 30.0);
+        assert_eq!(seen.evictions.len(), 1);
+        assert_eq!(seen.loaded_before("dense_b", GPU, evicted.at_unix), Some(1_800_000_000));
+        assert_eq!(seen.loaded_before("dense_b", GPU, 1_799_999_999), None);
+        assert_eq!(seen.pinned_missing, ["keeper at +30 ms"]);
     }
 }

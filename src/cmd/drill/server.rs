@@ -73,7 +73,11 @@ impl TempDir {
         std::fs::write(self.0.join("tokenizer.json"), DECODER_TOKENIZER).map_err(|e| e.to_string())?;
         super::write_models(&self.0)?;
         let path = |file: &str| self.0.join(file).display().to_string();
-        let yaml = super::config_yaml(&path("decoder.onnx"), &path("tokenizer.json"), &self.0.display().to_string());
+        let yaml = super::config_yaml(
+            &path("decoder.onnx"),
+            &path("tokenizer.json"),
+            &self.0.display().to_string(),
+        );
         let raw: crate::config::RawConfig =
             crate::config::parse_yaml(&yaml, "drill.yaml").map_err(|e| e.to_string())?;
         raw.validate("drill.yaml", &self.0).map_err(|e| e.to_string())

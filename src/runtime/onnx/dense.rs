@@ -67,12 +67,12 @@ impl Dense {
         weight.int(1, ROWS as u64).int(1, self.columns as u64);
         weight.int(2, FLOAT).text(8, "w").bytes(9, &raw);
 
-        let matmul = node(&["x", "w"], "h", "matmul", "MatMul", &[]);
+        let matmul = node(&["x", "w"], "h", "MatMul", &[]);
         let mut axes = Message::default();
         axes.text(1, "axes").int(8, 1).int(20, ATTRIBUTE_INTS);
         let mut keepdims = Message::default();
         keepdims.text(1, "keepdims").int(3, 1).int(20, ATTRIBUTE_INT);
-        let reduce = node(&["h"], "y", "mean", "ReduceMean", &[axes, keepdims]);
+        let reduce = node(&["h"], "y", "ReduceMean", &[axes, keepdims]);
 
         let mut graph = Message::default();
         graph.message(1, &matmul).message(1, &reduce).text(2, "dense");
@@ -89,13 +89,13 @@ impl Dense {
     }
 }
 
-/// A `NodeProto` of `op` from `inputs` to `output`.
-fn node(inputs: &[&str], output: &str, name: &str, op: &str, attributes: &[Message]) -> Message {
+/// A `NodeProto` of `op` from `inputs` to `output`, unnamed (as `onnx.helper.make_node` leaves it).
+fn node(inputs: &[&str], output: &str, op: &str, attributes: &[Message]) -> Message {
     let mut node = Message::default();
     for input in inputs {
         node.text(1, input);
     }
-    node.text(2, output).text(3, name).text(4, op);
+    node.text(2, output).text(4, op);
     for attribute in attributes {
         node.message(5, attribute);
     }
