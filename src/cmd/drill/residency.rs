@@ -270,7 +270,7 @@ async fn evicted(drill: &Drill) -> f64 {
 }
 
 /// The model a residency record was sent to (its `kind` is the model's name).
-fn sent_to<'a>(record: &'a Record) -> &'a str {
+fn sent_to(record: &Record) -> &str {
     record.kind.split(' ').next().unwrap_or_default()
 }
 
