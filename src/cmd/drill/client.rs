@@ -68,7 +68,8 @@ impl Drill {
         self.records.lock().unwrap_or_else(|e| e.into_inner()).push(record);
     }
 
-    fn elapsed_ms(&self) -> f64 {
+    /// Milliseconds since the drill started.
+    pub(super) fn elapsed_ms(&self) -> f64 {
         self.started.elapsed().as_secs_f64() * 1000.0
     }
 

@@ -215,7 +215,10 @@ pub(super) async fn run(drill: &Arc<Drill>) -> Result<ResidencyFacts, String> {
         .collect();
     let loads = drill.counted("vramguard_model_loads_total{", "").await;
     let evicted_before = evicted(drill).await;
-    *drill.seen.lock().unwrap_or_else(|e| e.into_inner()) = Seen::default();
+    // The loads before any eviction, from this reading: the sampler's next may come too late.
+    let mut seen = Seen::default();
+    seen.observe(&status, drill.elapsed_ms());
+    *drill.seen.lock().unwrap_or_else(|e| e.into_inner()) = seen;
     let pressure_bytes = size_the_room(drill, &status).await?;
     let started = Instant::now();
     for i in 0..count {
@@ -232,7 +235,7 @@ pub(super) async fn run(drill: &Arc<Drill>) -> Result<ResidencyFacts, String> {
     let evicted_counted = evicted(drill).await - evicted_before;
     drill.admin(json!({"pressure": 0})).await?;
     let mut seen = std::mem::take(&mut *drill.seen.lock().unwrap_or_else(|e| e.into_inner()));
-    seen.observe(&end, drill.started.elapsed().as_secs_f64() * 1000.0);
+    seen.observe(&end, drill.elapsed_ms());
     let evictions: Vec<EvictionStatus> = seen
         .evictions
         .iter()
