@@ -6,9 +6,13 @@
 //! reserve and half a dense model, so the two dense models loaded at start stay, while the
 //! on-demand one (`dense_c`, priority 5) fits only once `make_room` has evicted the idle one of
 //! the lowest priority (`dense_b`, 1); `dense_b` then does not fit again and may evict neither
-//! of the others, so it is redirected to the CPU pool. A background service deferred under
-//! interactive load (`services[].class: background`) belongs in this phase too: see
-//! `docs/drill.md`.
+//! of the others, so it is redirected to the CPU pool.
+//!
+//! Its requests go one at a time, so that what is judged does not depend on which request
+//! happened to be running when another arrived. A check that needs concurrent load (a
+//! background service deferred while interactive requests wait) runs as a second lane beside
+//! [`run`]'s loop, with its records kept under this phase and its criterion added to
+//! [`criteria`].
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
