@@ -11,7 +11,15 @@ use serde_json::json;
 use vramguard::testing::bench::{BenchFile, Figure, Target, number, out_dir, print_table};
 
 /// The benches, in the order the table shows them.
-const BENCHES: [&str; 6] = ["policy", "estimate", "exporter", "failover", "overhead", "generation"];
+const BENCHES: [&str; 7] = [
+    "policy",
+    "estimate",
+    "exporter",
+    "failover",
+    "overhead",
+    "generation",
+    "residency",
+];
 
 fn markdown(figures: &[Figure]) -> String {
     let mut out = String::from("| figure | median | spread | target | |\n|---|---:|---|---|---|\n");

@@ -16,7 +16,7 @@ use crate::serve::router::{self, Plan, PoolView};
 use crate::serve::service::{ModelEntry, Service};
 use crate::telemetry::metrics::{DecisionLabels, FailoverReason, KindLabels};
 
-use super::room::{DeviceHold, evictable_bytes, hold_device, make_room};
+use super::room::{DeviceHold, evictable_bytes, hold_device, make_room, on_local_device};
 use super::run::is_accelerator;
 use super::{DeadlineMiss, Refused, Request, RequestError};
 
@@ -51,7 +51,7 @@ pub(super) async fn admit(service: &Service, entry: &ModelEntry, request: &mut R
     // Why the last `make_room` could not free enough: the policy then decides without it.
     let mut no_room: Option<String> = None;
     let mut hold = None;
-    if info.load_bytes > 0 && is_accelerator(&routed) {
+    if info.load_bytes > 0 && on_local_device(&routed) {
         // A cold start on an accelerator: wait for the loads before it to show in the samples.
         hold = hold_device(service, &routed).await;
         info.load_bytes = load_bytes(service, entry, &routed);
@@ -97,7 +97,8 @@ pub(super) async fn admit(service: &Service, entry: &ModelEntry, request: &mut R
                 }
                 let mut admitted = shrink(entry, request, &info, pool, decision.action(), shrink_to).map_err(refuse)?;
                 // Sent elsewhere, it changes nothing on the held device.
-                let same_device = is_accelerator(&admitted.pool) && admitted.pool.config.device == routed.config.device;
+                let same_device =
+                    on_local_device(&admitted.pool) && admitted.pool.config.device == routed.config.device;
                 admitted.hold = hold.filter(|_| same_device);
                 return Ok(admitted);
             }
@@ -238,7 +239,7 @@ fn decide(
             serves: p.serves(model),
             ready: p.refusal().map_or(Ok(()), Err),
             max_context: p.config.max_context,
-            accelerator: is_accelerator(p),
+            accelerator: on_local_device(p),
         })
         .collect();
     let eval_started = std::time::Instant::now();

@@ -50,9 +50,13 @@ pub async fn place(service: &Service, mut request: Request) -> Result<Served, Re
     let inputs = std::mem::take(&mut request.inputs);
     let ran = run_with_retry(service, &pool, &request, inputs, estimate_bytes, Run::Placed).await;
     if let Some(hold) = admitted.hold.take() {
-        // What its load took shows in the next sample: the device's next cold start sees it.
-        service.resample_now().await;
-        drop(hold);
+        // What its load took shows in the next sample, which the device's next cold start waits
+        // for; the answer does not.
+        let resample = service.resampler().now();
+        tokio::spawn(async move {
+            resample.await;
+            drop(hold);
+        });
     }
     let ran = ran?;
     // For the one retry: the run that answered is the request's last one started.

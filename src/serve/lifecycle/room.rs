@@ -14,13 +14,19 @@ use std::time::{Duration, SystemTime};
 use crate::pool::{Pool, Resident};
 use crate::serve::service::{Eviction, ModelEntry, Service};
 
-use super::run::is_accelerator;
+use crate::core::snapshot::ProviderKind;
 
 /// How long to wait for a device sample to show the evicted memory back.
 const MEMORY_BACK_BOUND: Duration = Duration::from_secs(2);
 
 /// Load rate assumed for a model never loaded since the start (file read and session build).
 const ASSUMED_LOAD_BYTES_PER_SECOND: f64 = 500e6;
+
+/// Whether `pool` runs on an accelerator of this host (`cuda` or `simulated`): the only pools
+/// whose device `make_room` can free (a remote pool's memory is another server's).
+pub(super) fn on_local_device(pool: &Pool) -> bool {
+    matches!(pool.provider().kind(), ProviderKind::Cuda | ProviderKind::Simulated)
+}
 
 /// A model eviction could take, on one pool of the device.
 #[derive(Debug, Clone, PartialEq)]
@@ -66,7 +72,7 @@ pub(super) fn victims(service: &Service, device: &str, requester: &ModelEntry) -
     service
         .pools
         .iter()
-        .filter(|p| is_accelerator(p) && p.config.device == device)
+        .filter(|p| on_local_device(p) && p.config.device == device)
         .flat_map(|pool| {
             pool.residents()
                 .into_iter()
@@ -83,13 +89,18 @@ pub(super) fn victims(service: &Service, device: &str, requester: &ModelEntry) -
 /// What eviction could free on `pool`'s device for a request of `requester`'s model now
 /// (`req.evictable_bytes`; 0 on a CPU or remote pool).
 pub(super) fn evictable_bytes(service: &Service, pool: &Pool, requester: &ModelEntry) -> u64 {
-    if !is_accelerator(pool) {
+    let device = pool.config.device.as_str();
+    let name = requester.config.name.as_str();
+    // On every request: an accelerator that serves no other model has nothing to evict, and
+    // finding that out must cost no allocation.
+    let others = service
+        .pools
+        .iter()
+        .any(|p| on_local_device(p) && p.config.device == device && p.config.models.iter().any(|m| m != name));
+    if !on_local_device(pool) || !others {
         return 0;
     }
-    victims(service, &pool.config.device, requester)
-        .iter()
-        .map(|v| v.bytes)
-        .sum()
+    victims(service, device, requester).iter().map(|v| v.bytes).sum()
 }
 
 /// The cheapest victims that free at least `shortfall` bytes together: lower priorities first,

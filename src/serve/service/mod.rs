@@ -96,6 +96,25 @@ pub struct Service {
     pub rooms: Rooms,
 }
 
+/// Asks the background sampler for a sample and waits for it.
+#[derive(Debug, Clone)]
+pub struct Resampler {
+    notify: Arc<tokio::sync::Notify>,
+    store: Arc<SnapshotStore>,
+}
+
+impl Resampler {
+    /// Ask for a sample now and wait (up to a second) until it is published.
+    pub async fn now(self) {
+        let before = self.store.latest().generation;
+        self.notify.notify_one();
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(1);
+        while self.store.latest().generation == before && tokio::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+    }
+}
+
 /// Host memory promised to one run; given back when dropped.
 #[derive(Debug)]
 pub struct HostPromise {
@@ -243,11 +262,14 @@ impl Service {
     /// Ask the background sampler for a sample now and wait (up to a second) until it is
     /// published, so a change just made is visible to the next reader.
     pub async fn resample_now(&self) {
-        let before = self.store.latest().generation;
-        self.resample.notify_one();
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(1);
-        while self.store.latest().generation == before && tokio::time::Instant::now() < deadline {
-            tokio::time::sleep(Duration::from_millis(2)).await;
+        self.resampler().now().await;
+    }
+
+    /// What [`Service::resample_now`] needs, to take a sample from a task of its own.
+    pub fn resampler(&self) -> Resampler {
+        Resampler {
+            notify: Arc::clone(&self.resample),
+            store: Arc::clone(&self.store),
         }
     }
 
