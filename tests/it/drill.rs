@@ -167,7 +167,7 @@ import sys, onnx
 sys.path.insert(0, sys.argv[1])
 import evict_models
 reference_path, ours = sys.argv[2], sys.argv[3:]
-evict_models.dense(reference_path, 41, 4)
+evict_models.dense(reference_path, 41, 1)
 ref = onnx.load(reference_path)
 for path in ours:
     m = onnx.load(path)

@@ -72,8 +72,11 @@ const DENSE: [DenseModel; 3] = [
     },
 ];
 /// Mebibytes of each dense model's weight (twice that on the accelerator: its two workers hold
-/// a session each).
-const DENSE_MIB: u64 = 4;
+/// a session each). Small, because the phase sizes its room with pressure, not with the weights,
+/// and the other phases' restores build the pool's fresh backends beside the old ones, which
+/// hold every resident model's weights until replaced: with 4 MiB, the restore after the
+/// pressure phase sometimes took the device's arena past its 96 MiB.
+const DENSE_MIB: u64 = 1;
 /// The dense models' `min_residency`, seconds: short, so the phase need not wait long for it.
 const MIN_RESIDENCY_S: u64 = 2;
 /// The policy's device reserve (`policy.params.reserve_bytes`).
@@ -136,12 +139,13 @@ server:
   admin_socket: 'off'
 devices:
   - {{name: {DEVICE}, kind: simulated, capacity: 96MiB}}
-# The encoder and the decoder are pinned, so the residency phase's dense models (of higher
-# priority than theirs) never evict them, and theirs never evict the dense ones.
+# The encoder and the decoder stay for the whole drill (min_residency 1h), so the residency
+# phase's dense models never evict them, and their priority (0) is under the dense ones', so
+# their requests never evict those.
 models:
-  - {{name: {ENCODER}, path: 'builtin:encoder', residency: pinned, context: {{input: input, axis: 1, keep: end}}}}
+  - {{name: {ENCODER}, path: 'builtin:encoder', min_residency: 1h, context: {{input: input, axis: 1, keep: end}}}}
   - {{name: {CPU_ONLY}, path: 'builtin:classifier'}}
-  - {{name: {DECODER}, path: '{model}', tokenizer: '{tokenizer}', chat_template: 'builtin:chatml', residency: pinned}}
+  - {{name: {DECODER}, path: '{model}', tokenizer: '{tokenizer}', chat_template: 'builtin:chatml', min_residency: 1h}}
   - {{name: {PINNED}, path: 'builtin:classifier', residency: pinned}}
 {dense}pools:
   - {{name: {GPU}, provider: simulated, device: {DEVICE}, models: [{ENCODER}, {DECODER}, {PINNED}, {names}], workers: 2,

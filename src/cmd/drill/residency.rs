@@ -173,14 +173,15 @@ async fn prepare(drill: &Drill, status: &StatusReport) -> Result<(), String> {
     Ok(())
 }
 
-/// Squeeze the device until its headroom is the policy's reserve and half a dense model, and
-/// wait (at most 2 s) for a sample to show it; the pressure applied.
+/// Squeeze the device until its headroom is the policy's reserve and half the lowest-priority
+/// dense model (the one to evict), and wait (at most 2 s) for a sample to show it; the pressure
+/// applied.
 async fn size_the_room(drill: &Drill, status: &StatusReport) -> Result<u64, String> {
-    let weights = weights_on_gpu(status, DENSE[1].name);
+    let (victim, _) = lowest();
+    let weights = weights_on_gpu(status, victim);
     if weights == 0 {
         return Err(format!(
-            "`{}` holds no weights on `{GPU}`: /status {}",
-            DENSE[1].name,
+            "`{victim}` holds no weights on `{GPU}`: /status {}",
             json!(status.models)
         ));
     }
