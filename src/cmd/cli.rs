@@ -74,7 +74,8 @@ pub enum Command {
     /// (baseline, pre-admission redirect, rising pressure, an injected allocator failure, a
     /// driver reset and restore, cancellations in the CPU queue, streams failing before and
     /// after their first token, non-replayable requests and a chat with tools, idempotent
-    /// retries), then check the drill's pass criteria. Exits 1 naming each failed criterion.
+    /// retries, three models that do not fit together beside a pinned one), then check the
+    /// drill's pass criteria. Exits 1 naming each failed criterion.
     Drill {
         /// A running server started with the drill's config (`--print-config`), e.g.
         /// `http://127.0.0.1:8090`; its admin token comes from VRAMGUARD_ADMIN_TOKEN. Without

@@ -4,18 +4,22 @@
 //! (a baseline, a pre-admission redirect, rising external pressure, an injected allocator
 //! failure, a driver reset and restore with CPU work in flight, cancellations in the CPU queue,
 //! streamed generations failing before and after their first token, non-replayable requests
-//! and a chat offering tools, idempotent client retries), records what happened to every
-//! request, and checks the pass criteria: nothing run twice, nothing accepted lost,
-//! replayed generations token for token the same, the breaker recovering, every redirected
-//! answer saying it was degraded, and host memory never under its reserve.
+//! and a chat offering tools, idempotent client retries, three models that do not fit on the
+//! device together beside a pinned one), records what happened to every request, and checks
+//! the pass criteria: nothing run twice, nothing accepted lost, replayed generations token for
+//! token the same, the breaker recovering, every redirected answer saying it was degraded, host
+//! memory never under its reserve, device memory never over its capacity, and eviction taking
+//! only what it may.
 //!
 //! By default it starts its own server on loopback (a 96 MiB simulated accelerator, a CPU pool,
-//! the bundled encoder and decoder fixture); `--target` drives a running one started with the
-//! drill's config (`vramguard drill --print-config`), with `VRAMGUARD_ADMIN_TOKEN` for its admin
+//! the bundled encoder and decoder fixture, the dense models it writes); `--target` drives a
+//! running one started with the drill's config (`vramguard drill --print-config`, the dense
+//! models written beside it with `--write-models`), with `VRAMGUARD_ADMIN_TOKEN` for its admin
 //! API. The drill only ever talks to the target it was given.
 //!
 //! `phases` says what each phase sends and expects, `client` sends it, `record` keeps what came
-//! back, `report` judges it; `server` is the drill's own server and `progress` its terminal line.
+//! back, `report` judges it; `residency` is the residency phase with its own criteria; `server`
+//! is the drill's own server and `progress` its terminal line.
 
 mod client;
 mod phases;
