@@ -236,10 +236,16 @@ impl Drill {
         if !healthy {
             self.restore_gpu().await?;
         }
+        let phase = *self.phase.lock().unwrap_or_else(|e| e.into_inner());
         self.until_served_on_gpu(Instant::now(), Duration::from_secs(60), None)
             .await
             .map(|_| ())
-            .ok_or_else(|| format!("pool `{GPU}` did not serve again within 60 s after the previous phase"))
+            .ok_or_else(|| {
+                format!(
+                    "pool `{GPU}` did not serve again within 60 s after the `{}` phase",
+                    phase.label()
+                )
+            })
     }
 
     /// The samples whose line starts with `series` (`vramguard_requests_total{`) summed over

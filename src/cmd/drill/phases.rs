@@ -142,6 +142,7 @@ impl Sizes {
 /// Run every phase, in order; what is not per request comes back as [`Facts`].
 pub(super) async fn run(drill: &Arc<Drill>) -> Result<Facts, String> {
     let mut facts = Facts::default();
+    super::residency::stand_aside(drill).await?;
     let sizes = Sizes::measure(drill).await?;
     baseline(drill).await;
     redirect(drill, &sizes).await;

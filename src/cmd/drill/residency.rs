@@ -2,7 +2,8 @@
 //! alternating between them, and a pinned model that must stay. What the phase sends, what it
 //! sees of the target meanwhile ([`Seen`], fed by the `/status` sampler), and how it is judged.
 //!
-//! The room is sized with the simulated device's pressure: the headroom left is the policy's
+//! The dense models stand aside (unloaded) while the other phases run and are loaded again when
+//! this one, the last, begins. The room is sized with the simulated device's pressure: the headroom left is the policy's
 //! reserve and half a dense model, so the two dense models loaded at start stay, while the
 //! on-demand one (`dense_c`, priority 5) fits only once `make_room` has evicted the idle one of
 //! the lowest priority (`dense_b`, 1); `dense_b` then does not fit again and may evict neither
@@ -159,8 +160,9 @@ fn resident_on_gpu(status: &StatusReport, model: &str) -> bool {
         .is_some_and(|p| p.resident)
 }
 
-/// The phase's starting point, on a target that ran it before too: the dense models loaded at
-/// start resident, the on-demand one not (the operator's load and unload make it so).
+/// The phase's starting point: the dense models loaded at start resident again, the on-demand
+/// one not (the operator's load and unload make it so, on a target that ran the drill before
+/// too).
 async fn prepare(drill: &Drill, status: &StatusReport) -> Result<(), String> {
     for model in &DENSE {
         let path = if model.on_demand { "unload" } else { "load" };
@@ -169,6 +171,23 @@ async fn prepare(drill: &Drill, status: &StatusReport) -> Result<(), String> {
                 .post_admin(&format!("/admin/models/{}/{path}", model.name), json!({}))
                 .await?;
         }
+    }
+    Ok(())
+}
+
+/// Before the other phases: unload the dense models (the operator's unload), so that those
+/// phases find the accelerator as a drill without them would, and [`run`] loads them again.
+/// Their weights would otherwise stand beside every other phase's requests: with them resident,
+/// encoder requests after the pressure phase were sometimes redirected to the CPU (2 of 16 quick
+/// drills, none of 44 without them), whose estimates the simulated arena's peak, pressure
+/// included, had raised near what the device then had room for.
+pub(super) async fn stand_aside(drill: &Drill) -> Result<(), String> {
+    let status = drill.status().await?;
+    check_models(&status)?;
+    for model in DENSE.iter().filter(|m| resident_on_gpu(&status, m.name)) {
+        drill
+            .post_admin(&format!("/admin/models/{}/unload", model.name), json!({}))
+            .await?;
     }
     Ok(())
 }
