@@ -143,13 +143,13 @@ server:
   admin_socket: 'off'
 devices:
   - {{name: {DEVICE}, kind: simulated, capacity: 96MiB}}
-# The encoder and the decoder stay for the whole drill (min_residency 1h), so the residency
-# phase's dense models never evict them, and their priority (0) is under the dense ones', so
-# their requests never evict those.
+# The encoder and the decoder have the highest priority: the residency phase's dense models can
+# never evict them, and, of lower priority, do not count as staying beside them in the most the
+# device could ever give their requests.
 models:
-  - {{name: {ENCODER}, path: 'builtin:encoder', min_residency: 1h, context: {{input: input, axis: 1, keep: end}}}}
+  - {{name: {ENCODER}, path: 'builtin:encoder', priority: 10, context: {{input: input, axis: 1, keep: end}}}}
   - {{name: {CPU_ONLY}, path: 'builtin:classifier'}}
-  - {{name: {DECODER}, path: '{model}', tokenizer: '{tokenizer}', chat_template: 'builtin:chatml', min_residency: 1h}}
+  - {{name: {DECODER}, path: '{model}', tokenizer: '{tokenizer}', chat_template: 'builtin:chatml', priority: 10}}
   - {{name: {PINNED}, path: 'builtin:classifier', residency: pinned}}
 {dense}pools:
   - {{name: {GPU}, provider: simulated, device: {DEVICE}, models: [{ENCODER}, {DECODER}, {PINNED}, {names}], workers: 2,
