@@ -150,7 +150,7 @@ impl Report {
         if let Some(r) = &self.facts.residency {
             let _ = writeln!(
                 out,
-                "\nresidency: {} requests in {:.1} s ({:.1}/s), {} model loads ({:.0}/min), {} evictions, {} of pressure sizing the room",
+                "\nresidency: {} requests in {:.2} s ({:.1}/s); model loads {} ({:.0}/min); evictions {}; {} of pressure sizing the room",
                 r.requests,
                 r.seconds,
                 r.requests_per_second(),
