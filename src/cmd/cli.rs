@@ -74,7 +74,8 @@ pub enum Command {
     /// (baseline, pre-admission redirect, rising pressure, an injected allocator failure, a
     /// driver reset and restore, cancellations in the CPU queue, streams failing before and
     /// after their first token, non-replayable requests and a chat with tools, idempotent
-    /// retries), then check the drill's pass criteria. Exits 1 naming each failed criterion.
+    /// retries, three models that do not fit together beside a pinned one), then check the
+    /// drill's pass criteria. Exits 1 naming each failed criterion.
     Drill {
         /// A running server started with the drill's config (`--print-config`), e.g.
         /// `http://127.0.0.1:8090`; its admin token comes from VRAMGUARD_ADMIN_TOKEN. Without
@@ -90,6 +91,10 @@ pub enum Command {
         /// Print the config of the drill's own server and exit.
         #[arg(long)]
         print_config: bool,
+        /// Write the dense models the printed config names into DIR (`drill-models` beside the
+        /// config file) and exit.
+        #[arg(long, value_name = "DIR")]
+        write_models: Option<PathBuf>,
     },
     /// Validate or print configuration.
     Config {
@@ -173,10 +178,22 @@ pub fn run(cli: Cli) -> ExitCode {
             json,
             quick,
             print_config,
+            write_models,
         } => {
             if print_config {
                 print!("{}", crate::cmd::drill::print_config());
                 return ExitCode::SUCCESS;
+            }
+            if let Some(dir) = write_models {
+                return match crate::cmd::drill::write_models(&dir) {
+                    Ok(paths) => {
+                        for path in paths {
+                            println!("{}", path.display());
+                        }
+                        ExitCode::SUCCESS
+                    }
+                    Err(e) => fail(e, crate::cmd::exit::EXIT_FAILED),
+                };
             }
             drill(crate::cmd::drill::Options {
                 target,

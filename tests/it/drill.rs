@@ -28,6 +28,11 @@ fn the_quick_drill_passes_against_a_server_started_with_its_config() {
         .replace("'models/decoder/", &format!("'{root}/models/decoder/"));
     let path = dir.path().join("drill.yaml");
     std::fs::write(&path, config).unwrap();
+    // The dense models, where the printed config names them: beside it.
+    let models = dir.path().join("drill-models");
+    let (code, written, err) = drill(&["--write-models", models.to_str().unwrap()], "");
+    assert_eq!(code, Some(0), "{err}");
+    assert_eq!(written.lines().count(), 3, "{written}");
     let token = "drill-token";
     let server = crate::common::spawn_serving(
         &["serve", "--config", path.to_str().unwrap()],
@@ -66,7 +71,8 @@ fn the_quick_drill_passes_against_a_server_started_with_its_config() {
             "cancel_in_queue",
             "streams",
             "non_replayable",
-            "idempotency"
+            "idempotency",
+            "residency"
         ]
     );
     assert!(
@@ -86,12 +92,111 @@ fn the_quick_drill_passes_against_a_server_started_with_its_config() {
     );
     let records = report["records"].as_array().unwrap();
     assert!(records.len() >= 60, "{}", records.len());
+    residency_as_judged(&report);
     // Every record says what happened to it.
     for r in records {
         for field in ["phase", "id", "expect", "latency_ms", "connection_held", "as_expected"] {
             assert!(!r[field].is_null(), "{field} missing in {r}");
         }
     }
+}
+
+/// The residency phase, read back from the record: `dense_c` made room on the accelerator by
+/// evicting `dense_b` (never the pinned `keeper`), `dense_b` then ran on the CPU by redirect,
+/// and the evictions `/metrics` counted are the ones `/status` showed.
+fn residency_as_judged(report: &Value) {
+    let facts = &report["facts"]["residency"];
+    let evictions = facts["evictions"].as_array().unwrap();
+    assert!(!evictions.is_empty(), "{facts}");
+    assert_eq!(
+        facts["evicted_counted"].as_f64(),
+        Some(evictions.len() as f64),
+        "{facts}"
+    );
+    assert!(
+        evictions
+            .iter()
+            .all(|e| e["model"] == "dense_b" && e["for_model"] == "dense_c"),
+        "{facts}"
+    );
+    assert_eq!(facts["pinned_missing"], serde_json::json!([]), "{facts}");
+    assert!(
+        facts["loads"].as_f64() >= Some(1.0),
+        "dense_c loaded on demand: {facts}"
+    );
+    let records: Vec<&Value> = report["records"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|r| r["phase"] == "residency")
+        .collect();
+    assert!(
+        records.len() >= 9 && records.iter().all(|r| r["status"] == 200),
+        "{records:?}"
+    );
+    let answered = |model: &str, pool: &str, decision: &str| {
+        records
+            .iter()
+            .any(|r| r["kind"].as_str().unwrap().starts_with(model) && r["pool"] == pool && r["decision"] == decision)
+    };
+    assert!(answered("dense_c", "gpu", "make_room"), "{records:?}");
+    assert!(answered("dense_b", "cpu", "redirect"), "{records:?}");
+    assert!(answered("dense_a", "gpu", "admit"), "{records:?}");
+}
+
+/// The dense models `--write-models` writes are the model `evict_models.py` writes with the
+/// `onnx` package: the same graph, inputs, outputs, opset and IR version, a weight of the same
+/// name, type and shape, and `onnx.checker` (with shape inference) accepts them. Fails, never
+/// skips, without the generator's packages.
+#[test]
+fn the_models_the_drill_writes_are_evict_models_py_models_and_pass_the_onnx_checker() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let deps = root.join(".deps/modelgen");
+    assert!(
+        deps.join(".installed").exists(),
+        "the model generator's packages (onnx, numpy) are missing from {}: run `make .deps/modelgen/.installed`",
+        deps.display()
+    );
+    let dir = vramguard::testing::Scratch::new();
+    let (code, written, err) = drill(&["--write-models", dir.path().join("models").to_str().unwrap()], "");
+    assert_eq!(code, Some(0), "{err}");
+    let written: Vec<&str> = written.lines().collect();
+    assert_eq!(written.len(), 3);
+    let check = r#"
+import sys, onnx
+sys.path.insert(0, sys.argv[1])
+import evict_models
+reference_path, ours = sys.argv[2], sys.argv[3:]
+evict_models.dense(reference_path, 41, 1)
+ref = onnx.load(reference_path)
+for path in ours:
+    m = onnx.load(path)
+    onnx.checker.check_model(m, full_check=True)
+    assert (m.ir_version, list(m.opset_import)) == (ref.ir_version, list(ref.opset_import)), path
+    for part in ["node", "input", "output"]:
+        assert list(getattr(m.graph, part)) == list(getattr(ref.graph, part)), (path, part)
+    (w,), (r,) = m.graph.initializer, ref.graph.initializer
+    assert (w.name, w.data_type, list(w.dims)) == (r.name, r.data_type, list(r.dims)), (path, w.dims)
+    assert len(w.raw_data) == len(r.raw_data), path
+    print("ok", path)
+"#;
+    let out = Command::new(std::env::var("PYTHON").unwrap_or_else(|_| "python3".into()))
+        .arg("-c")
+        .arg(check)
+        .arg(root.join("tests/it"))
+        .arg(dir.path().join("reference.onnx"))
+        .args(&written)
+        .env("PYTHONPATH", &deps)
+        .output()
+        .expect("python3 runs");
+    let (code, stdout, stderr) = crate::common::outcome(out);
+    assert_eq!(
+        code,
+        Some(0),
+        "{stdout}
+{stderr}"
+    );
+    assert_eq!(stdout.lines().filter(|l| l.starts_with("ok ")).count(), 3, "{stdout}");
 }
 
 #[test]

@@ -2,12 +2,14 @@
 //! lower-priority idle model so a higher-priority request runs on the accelerator instead of
 //! the CPU, never a pinned model, never one loaded within its `min_residency`, and what is
 //! unloaded and loaded shows in `/metrics` and `/status`. Real ONNX Runtime sessions on
-//! generated models whose weights (16 MiB each) decide what fits: the device holds two.
+//! generated models (`runtime::onnx::dense`) whose weights (16 MiB each) decide what fits: the
+//! device holds two.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use reqwest::StatusCode;
 use serde_json::{Value, json};
+use vramguard::runtime::onnx::dense::Dense as DenseModel;
 use vramguard::testing::Scratch;
 
 use crate::common::{TestServer, sample};
@@ -18,24 +20,13 @@ struct Dense {
 }
 
 impl Dense {
+    /// Write them with the drill's dense-model writer (`evict_models.py`'s model, which
+    /// `tests/it/drill.rs` checks it against): 16 MiB weights, fixed seeds.
     fn generate() -> Dense {
-        let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-        let deps = root.join(".deps/modelgen");
-        assert!(
-            deps.join(".installed").exists(),
-            "the model generator's packages (onnx, numpy) are missing from {}: run `make .deps/modelgen/.installed`",
-            deps.display()
-        );
         let dir = Scratch::new();
-        let out = std::process::Command::new(std::env::var("PYTHON").unwrap_or_else(|_| "python3".into()))
-            .arg(root.join("tests/it/evict_models.py"))
-            .arg(dir.path())
-            .arg("16")
-            .env("PYTHONPATH", &deps)
-            .output()
-            .expect("python3 runs");
-        let (code, stdout, stderr) = crate::common::outcome(out);
-        assert_eq!(code, Some(0), "evict_models.py failed:\n{stdout}\n{stderr}");
+        for (seed, name) in (41..).zip(["a", "b", "c"]) {
+            dir.write(&format!("{name}.onnx"), DenseModel::of_mib(seed, 16).to_onnx());
+        }
         Dense { dir }
     }
 

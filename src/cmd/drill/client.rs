@@ -27,6 +27,8 @@ pub(super) struct Drill {
     /// The running phase (for the sampler).
     pub(super) phase: Mutex<Phase>,
     pub(super) samples: Mutex<std::collections::BTreeMap<Phase, Samples>>,
+    /// What the sampler saw of models and evictions during the residency phase.
+    pub(super) seen: Mutex<super::residency::Seen>,
     pub(super) progress: Progress,
 }
 
@@ -66,7 +68,8 @@ impl Drill {
         self.records.lock().unwrap_or_else(|e| e.into_inner()).push(record);
     }
 
-    fn elapsed_ms(&self) -> f64 {
+    /// Milliseconds since the drill started.
+    pub(super) fn elapsed_ms(&self) -> f64 {
         self.started.elapsed().as_secs_f64() * 1000.0
     }
 
@@ -105,7 +108,8 @@ impl Drill {
         }
     }
 
-    async fn post_admin(&self, path: &str, body: Value) -> Result<(), String> {
+    /// `POST path` on the target's admin API with `body`.
+    pub(super) async fn post_admin(&self, path: &str, body: Value) -> Result<(), String> {
         let response = self
             .client
             .post(format!("{}{path}", self.base))
@@ -232,23 +236,35 @@ impl Drill {
         if !healthy {
             self.restore_gpu().await?;
         }
+        let phase = *self.phase.lock().unwrap_or_else(|e| e.into_inner());
         self.until_served_on_gpu(Instant::now(), Duration::from_secs(60), None)
             .await
             .map(|_| ())
-            .ok_or_else(|| format!("pool `{GPU}` did not serve again within 60 s after the previous phase"))
+            .ok_or_else(|| {
+                format!(
+                    "pool `{GPU}` did not serve again within 60 s after the `{}` phase",
+                    phase.label()
+                )
+            })
     }
 
-    /// `vramguard_requests_total` summed over the series carrying `label` (e.g.
-    /// `outcome="cancelled"`), as the target's `/metrics` says now (0 when it cannot be read).
-    async fn requests_counted(&self, label: &str) -> f64 {
+    /// The samples whose line starts with `series` (`vramguard_requests_total{`) summed over
+    /// those carrying `label` (e.g. `outcome="cancelled"`), as the target's `/metrics` says now
+    /// (0 when it cannot be read).
+    pub(super) async fn counted(&self, series: &str, label: &str) -> f64 {
         let Ok(response) = self.client.get(format!("{}/metrics", self.base)).send().await else {
             return 0.0;
         };
         let text = response.text().await.unwrap_or_default();
         text.lines()
-            .filter(|l| l.starts_with("vramguard_requests_total{") && l.contains(label))
+            .filter(|l| l.starts_with(series) && l.contains(label))
             .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
             .sum()
+    }
+
+    /// `vramguard_requests_total` summed over the series carrying `label`.
+    async fn requests_counted(&self, label: &str) -> f64 {
+        self.counted("vramguard_requests_total{", label).await
     }
 
     /// Requests the target has counted cancelled.
@@ -346,20 +362,47 @@ impl Drill {
     pub(super) async fn classifier(&self, phase: Phase, id: &str) -> Record {
         let data: Vec<f32> = (0..64 * 16).map(|i| (i % 11) as f32 * 0.1).collect();
         let body = json!({"inputs": [{"name": "features", "shape": [64, 16], "datatype": "FP32", "data": data}]});
+        let kind = "classifier (cpu only)".to_string();
+        self.infer_json(phase, id, CPU_ONLY, &body, kind, "ok on cpu").await
+    }
+
+    /// A request of a dense model of the residency phase: one row; its kind is the model's name.
+    pub(super) async fn dense(&self, phase: Phase, id: &str, model: &str) -> Record {
+        let data: Vec<f32> = (0..crate::runtime::onnx::dense::ROWS)
+            .map(|i| (i % 5) as f32 * 0.2)
+            .collect();
+        let body = json!({"inputs": [{"name": "x", "shape": [1, data.len()], "datatype": "FP32", "data": data}]});
+        let kind = format!("{model} [1, {}]", crate::runtime::onnx::dense::ROWS);
+        self.infer_json(phase, id, model, &body, kind, "200, on either pool")
+            .await
+    }
+
+    /// An Open Inference Protocol request of `model` in JSON.
+    async fn infer_json(
+        &self,
+        phase: Phase,
+        id: &str,
+        model: &str,
+        body: &Value,
+        kind: String,
+        expect: &'static str,
+    ) -> Record {
         let sent = self.elapsed_ms();
-        let mut record = Record::new(phase, id, "classifier (cpu only)".into(), "ok on cpu", sent);
+        let mut record = Record::new(phase, id, kind, expect, sent);
         match self
             .client
-            .post(format!("{}/v2/models/{CPU_ONLY}/infer", self.base))
+            .post(format!("{}/v2/models/{model}/infer", self.base))
             .header(REQUEST_ID, id)
-            .json(&body)
+            .json(body)
             .send()
             .await
         {
             Ok(response) => {
                 record.status = Some(response.status().as_u16());
                 record.read_headers(response.headers());
-                let _ = response.bytes().await;
+                let headers = response.headers().clone();
+                let bytes = response.bytes().await.unwrap_or_default();
+                read_infer_answer(&mut record, &headers, &bytes);
             }
             Err(e) => record.first_failure = Some(Failure::NoAnswer(e.to_string())),
         }
@@ -508,11 +551,21 @@ pub(super) async fn sample(drill: Arc<Drill>, sampling: Arc<AtomicBool>) {
             let age = status.pools.iter().map(|p| p.queue_oldest_age_ms).max().unwrap_or(0);
             let available = status.host.mem_available_bytes;
             let phase = *drill.phase.lock().unwrap_or_else(|e| e.into_inner());
+            if phase == Phase::Residency {
+                let mut seen = drill.seen.lock().unwrap_or_else(|e| e.into_inner());
+                seen.observe(&status, drill.elapsed_ms());
+            }
             let mut samples = drill.samples.lock().unwrap_or_else(|e| e.into_inner());
             let s = samples.entry(phase).or_default();
             s.max_queue_age_ms = s.max_queue_age_ms.max(age);
             if available > 0 {
                 s.min_host_available = Some(s.min_host_available.map_or(available, |m| m.min(available)));
+            }
+            if let Some(device) = status.devices.get(DEVICE) {
+                let (used, total) = (device.memory.used_bytes, device.memory.total_bytes);
+                if s.max_device_used.is_none_or(|(seen, _)| used > seen) {
+                    s.max_device_used = Some((used, total));
+                }
             }
         }
         tokio::time::sleep(Duration::from_millis(25)).await;

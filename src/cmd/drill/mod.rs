@@ -4,24 +4,29 @@
 //! (a baseline, a pre-admission redirect, rising external pressure, an injected allocator
 //! failure, a driver reset and restore with CPU work in flight, cancellations in the CPU queue,
 //! streamed generations failing before and after their first token, non-replayable requests
-//! and a chat offering tools, idempotent client retries), records what happened to every
-//! request, and checks the pass criteria: nothing run twice, nothing accepted lost,
-//! replayed generations token for token the same, the breaker recovering, every redirected
-//! answer saying it was degraded, and host memory never under its reserve.
+//! and a chat offering tools, idempotent client retries, three models that do not fit on the
+//! device together beside a pinned one), records what happened to every request, and checks
+//! the pass criteria: nothing run twice, nothing accepted lost, replayed generations token for
+//! token the same, the breaker recovering, every redirected answer saying it was degraded, host
+//! memory never under its reserve, device memory never over its capacity, and eviction taking
+//! only what it may.
 //!
 //! By default it starts its own server on loopback (a 96 MiB simulated accelerator, a CPU pool,
-//! the bundled encoder and decoder fixture); `--target` drives a running one started with the
-//! drill's config (`vramguard drill --print-config`), with `VRAMGUARD_ADMIN_TOKEN` for its admin
+//! the bundled encoder and decoder fixture, the dense models it writes); `--target` drives a
+//! running one started with the drill's config (`vramguard drill --print-config`, the dense
+//! models written beside it with `--write-models`), with `VRAMGUARD_ADMIN_TOKEN` for its admin
 //! API. The drill only ever talks to the target it was given.
 //!
 //! `phases` says what each phase sends and expects, `client` sends it, `record` keeps what came
-//! back, `report` judges it; `server` is the drill's own server and `progress` its terminal line.
+//! back, `report` judges it; `residency` is the residency phase with its own criteria; `server`
+//! is the drill's own server and `progress` its terminal line.
 
 mod client;
 mod phases;
 mod progress;
 mod record;
 mod report;
+mod residency;
 mod server;
 
 use std::collections::BTreeMap;
@@ -38,6 +43,7 @@ use client::Drill;
 pub use phases::{Facts, Phase};
 pub use record::{Failure, Record, Samples};
 pub use report::{Criterion, PhaseSummary, Report};
+pub use residency::ResidencyFacts;
 use server::OwnServer;
 
 /// Names in the drill's config, which a `--target` must serve too.
@@ -47,10 +53,88 @@ const CPU: &str = "cpu";
 const ENCODER: &str = "encoder";
 const CPU_ONLY: &str = "classifier";
 const DECODER: &str = "chat";
+/// The dense models of the residency phase, their weights' seeds and priorities: `dense_b` has
+/// the lowest priority, `dense_c` loads on demand.
+const DENSE: [DenseModel; 3] = [
+    DenseModel {
+        name: "dense_a",
+        seed: 41,
+        priority: 5,
+        on_demand: false,
+    },
+    DenseModel {
+        name: "dense_b",
+        seed: 42,
+        priority: 1,
+        on_demand: false,
+    },
+    DenseModel {
+        name: "dense_c",
+        seed: 43,
+        priority: 5,
+        on_demand: true,
+    },
+];
+/// Mebibytes of each dense model's weight (twice that on the accelerator: its two workers hold
+/// a session each). Small, because the phase sizes its room with pressure, not with the weights,
+/// and the other phases' restores build the pool's fresh backends beside the old ones, which
+/// hold every resident model's weights until replaced: with 4 MiB, the restore after the
+/// pressure phase sometimes took the device's arena past its 96 MiB.
+const DENSE_MIB: u64 = 1;
+/// The dense models' `min_residency`, seconds: short, so the phase need not wait long for it.
+const MIN_RESIDENCY_S: u64 = 2;
+/// The policy's device reserve (`policy.params.reserve_bytes`).
+const RESERVE_BYTES: u64 = 8 << 20;
+/// A small model pinned on the accelerator, which the residency phase must never see evicted.
+const PINNED: &str = "keeper";
+/// Where the printed config expects the dense models, relative to the config file.
+const DENSE_DIR: &str = "drill-models";
+
+/// A dense model of the drill's config.
+struct DenseModel {
+    name: &'static str,
+    seed: u64,
+    priority: i64,
+    on_demand: bool,
+}
+
+impl DenseModel {
+    /// Its file's name.
+    fn file(&self) -> String {
+        format!("{}.onnx", self.name)
+    }
+
+    /// Its `models:` entry, its file in `dir`.
+    fn entry(&self, dir: &str) -> String {
+        format!(
+            "  - {{name: {}, path: '{dir}/{}', priority: {}, min_residency: {MIN_RESIDENCY_S}s{}}}\n",
+            self.name,
+            self.file(),
+            self.priority,
+            if self.on_demand { ", residency: on_demand" } else { "" }
+        )
+    }
+}
+
+/// Write the dense models of the drill's config into `dir` (made if missing); their paths.
+pub fn write_models(dir: &std::path::Path) -> Result<Vec<PathBuf>, String> {
+    std::fs::create_dir_all(dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+    DENSE
+        .iter()
+        .map(|m| {
+            let path = dir.join(m.file());
+            let bytes = crate::runtime::onnx::dense::Dense::of_mib(m.seed, DENSE_MIB).to_onnx();
+            std::fs::write(&path, bytes).map_err(|e| format!("cannot write {}: {e}", path.display()))?;
+            Ok(path)
+        })
+        .collect()
+}
 
 /// The config of the drill's own server, with the decoder fixture's model and tokenizer at
-/// `model` and `tokenizer`.
-fn config_yaml(model: &str, tokenizer: &str) -> String {
+/// `model` and `tokenizer`, the dense models in `dense_dir`.
+fn config_yaml(model: &str, tokenizer: &str, dense_dir: &str) -> String {
+    let dense: String = DENSE.iter().map(|m| m.entry(dense_dir)).collect();
+    let names = DENSE.map(|m| m.name).join(", ");
     format!(
         "# The config `vramguard drill` serves itself, and what a --target must serve.
 server:
@@ -59,22 +143,26 @@ server:
   admin_socket: 'off'
 devices:
   - {{name: {DEVICE}, kind: simulated, capacity: 96MiB}}
+# The encoder and the decoder have the highest priority: the residency phase's dense models can
+# never evict them, and, of lower priority, do not count as staying beside them in the most the
+# device could ever give their requests.
 models:
-  - {{name: {ENCODER}, path: 'builtin:encoder', context: {{input: input, axis: 1, keep: end}}}}
+  - {{name: {ENCODER}, path: 'builtin:encoder', priority: 10, context: {{input: input, axis: 1, keep: end}}}}
   - {{name: {CPU_ONLY}, path: 'builtin:classifier'}}
-  - {{name: {DECODER}, path: '{model}', tokenizer: '{tokenizer}', chat_template: 'builtin:chatml'}}
-pools:
-  - {{name: {GPU}, provider: simulated, device: {DEVICE}, models: [{ENCODER}, {DECODER}], workers: 2,
+  - {{name: {DECODER}, path: '{model}', tokenizer: '{tokenizer}', chat_template: 'builtin:chatml', priority: 10}}
+  - {{name: {PINNED}, path: 'builtin:classifier', residency: pinned}}
+{dense}pools:
+  - {{name: {GPU}, provider: simulated, device: {DEVICE}, models: [{ENCODER}, {DECODER}, {PINNED}, {names}], workers: 2,
      intra_threads: 1, queue: {{capacity: 64, max_wait: 20s}}, fallback: {CPU}, memory: {{arena_shrinkage: true}},
      breaker: {{failures: 3, window: 30s, cooldown: 2s}}}}
-  - {{name: {CPU}, provider: cpu, models: [{ENCODER}, {CPU_ONLY}, {DECODER}], workers: 1, intra_threads: 1,
+  - {{name: {CPU}, provider: cpu, models: [{ENCODER}, {CPU_ONLY}, {DECODER}, {PINNED}, {names}], workers: 1, intra_threads: 1,
      queue: {{capacity: 64, max_wait: 30s}}}}
 host:
   reserve: 1GiB
 policy:
   path: 'builtin:default'
   fallback: {{action: admit}}
-  params: {{cpu_pool: {CPU}, reserve_bytes: 8MiB, min_context_tokens: 16, defer_ms: 20, defer_max_queue: 2}}
+  params: {{cpu_pool: {CPU}, reserve_bytes: {RESERVE_BYTES}, min_context_tokens: 16, defer_ms: 20, defer_max_queue: 2}}
 "
     )
 }
@@ -92,11 +180,12 @@ pub struct Options {
     pub quick: bool,
 }
 
-/// The config the drill serves itself, for starting a `--target` the same way. The decoder
-/// fixture's paths are relative to the config file: save it at the top of a vramguard checkout
-/// (or point them at a copy of `models/decoder/`).
+/// The config the drill serves itself, for starting a `--target` the same way. Its paths are
+/// relative to the config file: save it at the top of a vramguard checkout (or point the
+/// decoder's at a copy of `models/decoder/`), and write the dense models beside it with
+/// `vramguard drill --write-models drill-models` ([`write_models`]).
 pub fn print_config() -> String {
-    config_yaml("models/decoder/model.onnx", "models/decoder/tokenizer.json")
+    config_yaml("models/decoder/model.onnx", "models/decoder/tokenizer.json", DENSE_DIR)
 }
 
 /// Run the drill and judge it. `Err` is a drill that could not run (no target, no simulated
@@ -157,6 +246,7 @@ async fn run_async(options: &Options) -> Result<Report, String> {
         records: Mutex::new(Vec::new()),
         phase: Mutex::new(Phase::Baseline),
         samples: Mutex::new(BTreeMap::new()),
+        seen: Mutex::new(residency::Seen::default()),
         progress: progress::Progress::new(std::io::stderr().is_terminal()),
     });
     let sampling = Arc::new(AtomicBool::new(true));

@@ -37,11 +37,13 @@ pub enum Phase {
     NonReplayable,
     /// Client retries with idempotency keys.
     Idempotency,
+    /// Three models that do not fit together, requests alternating between them, a pinned one.
+    Residency,
 }
 
 impl Phase {
     /// Every phase, in the order they run.
-    pub const ALL: [Phase; 9] = [
+    pub const ALL: [Phase; 10] = [
         Phase::Baseline,
         Phase::Redirect,
         Phase::Pressure,
@@ -51,6 +53,7 @@ impl Phase {
         Phase::Streams,
         Phase::NonReplayable,
         Phase::Idempotency,
+        Phase::Residency,
     ];
 
     /// Its name: in the table, the progress line and the JSON record.
@@ -65,6 +68,7 @@ impl Phase {
             Phase::Streams => "streams",
             Phase::NonReplayable => "non_replayable",
             Phase::Idempotency => "idempotency",
+            Phase::Residency => "residency",
         }
     }
 
@@ -90,6 +94,8 @@ pub struct Facts {
     /// External pressure applied at each step, bytes (a step asks for a share of the device and
     /// gets what the device can give while vramguard's arena holds its part).
     pub pressure_steps: Vec<u64>,
+    /// The residency phase's evictions, loads and rates.
+    pub residency: Option<super::ResidencyFacts>,
 }
 
 /// Request sizes measured against the target's device, so that the phases scale with it.
@@ -136,6 +142,7 @@ impl Sizes {
 /// Run every phase, in order; what is not per request comes back as [`Facts`].
 pub(super) async fn run(drill: &Arc<Drill>) -> Result<Facts, String> {
     let mut facts = Facts::default();
+    super::residency::stand_aside(drill).await?;
     let sizes = Sizes::measure(drill).await?;
     baseline(drill).await;
     redirect(drill, &sizes).await;
@@ -152,6 +159,8 @@ pub(super) async fn run(drill: &Arc<Drill>) -> Result<Facts, String> {
     facts.duplicate_runs += non_replayable(drill).await?;
     drill.settle().await?;
     facts.duplicate_runs += idempotency(drill).await?;
+    drill.settle().await?;
+    facts.residency = Some(super::residency::run(drill).await?);
     Ok(facts)
 }
 
@@ -480,10 +489,11 @@ mod tests {
                 "cancel_in_queue",
                 "streams",
                 "non_replayable",
-                "idempotency"
+                "idempotency",
+                "residency"
             ]
         );
         assert_eq!(Phase::Baseline.number(), 1);
-        assert_eq!(Phase::Idempotency.number(), 9);
+        assert_eq!(Phase::Residency.number(), 10);
     }
 }

@@ -160,6 +160,8 @@ pub struct Samples {
     pub max_queue_age_ms: u64,
     /// Lowest `MemAvailable` seen.
     pub min_host_available: Option<u64>,
+    /// The simulated device's highest used memory seen, and its capacity then.
+    pub max_device_used: Option<(u64, u64)>,
 }
 
 #[cfg(test)]

@@ -72,7 +72,7 @@ impl Report {
         took: Duration,
     ) -> Report {
         let summaries = summarise(phases, &records, &samples);
-        let criteria = vec![
+        let mut criteria = vec![
             as_expected(&records),
             duplicates(&records, &facts),
             lost(&records, &facts),
@@ -81,7 +81,11 @@ impl Report {
             recovery(&facts),
             redirects_flagged(&records),
             host_reserve_kept(&summaries, host_reserve),
+            device_within_capacity(&samples),
         ];
+        if phases.contains(&Phase::Residency) {
+            criteria.extend(super::residency::criteria(&records, facts.residency.as_ref()));
+        }
         Report {
             passed: criteria.iter().all(|c| c.passed),
             seconds: took.as_secs_f64(),
@@ -141,6 +145,19 @@ impl Report {
                 starts.len(),
                 percentile(&starts, 50.0),
                 percentile(&starts, 100.0)
+            );
+        }
+        if let Some(r) = &self.facts.residency {
+            let _ = writeln!(
+                out,
+                "\nresidency: {} requests in {:.2} s ({:.1}/s); model loads {} ({:.0}/min); evictions {}; {} of pressure sizing the room",
+                r.requests,
+                r.seconds,
+                r.requests_per_second(),
+                r.loads,
+                r.loads_per_minute(),
+                r.evictions.len(),
+                human_bytes(r.pressure_bytes)
             );
         }
         let _ = writeln!(out);
@@ -333,6 +350,30 @@ fn host_reserve_kept(summaries: &[PhaseSummary], host_reserve: u64) -> Criterion
     }
 }
 
+/// The simulated device's used memory never went over its capacity in any sample.
+fn device_within_capacity(samples: &BTreeMap<Phase, Samples>) -> Criterion {
+    let highest = samples
+        .values()
+        .filter_map(|s| s.max_device_used)
+        .max_by(|a, b| (a.0 as f64 / a.1.max(1) as f64).total_cmp(&(b.0 as f64 / b.1.max(1) as f64)));
+    let over: Vec<&str> = samples
+        .iter()
+        .filter(|(_, s)| s.max_device_used.is_some_and(|(used, total)| used > total))
+        .map(|(phase, _)| phase.label())
+        .collect();
+    Criterion {
+        name: "device memory within its capacity",
+        measured: match highest {
+            Some((used, total)) if over.is_empty() => {
+                format!("highest {} used of {}", human_bytes(used), human_bytes(total))
+            }
+            Some(_) => format!("over its capacity in: {}", over.join(", ")),
+            None => "never sampled".to_string(),
+        },
+        passed: highest.is_some() && over.is_empty(),
+    }
+}
+
 /// Percentile `p` (0–100) of `values` (nearest rank); 0 for none.
 fn percentile(values: &[f64], p: f64) -> f64 {
     if values.is_empty() {
@@ -387,6 +428,7 @@ mod tests {
         let sampled = Samples {
             max_queue_age_ms: 5,
             min_host_available: Some(8 << 30),
+            max_device_used: Some((80 << 20, 96 << 20)),
         };
         let samples = BTreeMap::from([(Phase::Baseline, sampled.clone()), (Phase::Redirect, sampled)]);
         let mut redirected = record(Phase::Redirect, "r1", "cpu");
@@ -436,5 +478,58 @@ mod tests {
             "{}",
             report.table()
         );
+    }
+
+    #[test]
+    fn a_device_sampled_over_its_capacity_or_a_residency_phase_without_facts_fails() {
+        let facts = Facts {
+            breaker_recovery_ms: Some(100.0),
+            token_equivalence: vec![("replayed".into(), true)],
+            ..Facts::default()
+        };
+        let sampled = |used: u64| Samples {
+            max_queue_age_ms: 0,
+            min_host_available: Some(8 << 30),
+            max_device_used: Some((used, 96 << 20)),
+        };
+        let mut redirected = record(Phase::Redirect, "r1", "cpu");
+        redirected.decision = Some(Action::Redirect);
+        redirected.degraded = Some("memory".into());
+        let records = vec![record(Phase::Baseline, "b1", "gpu"), redirected];
+        let judge = |samples: BTreeMap<Phase, Samples>, phases: &[Phase]| {
+            Report::judge(
+                phases,
+                records.clone(),
+                samples,
+                facts.clone(),
+                1 << 30,
+                Duration::from_secs(1),
+            )
+        };
+        let phases = [Phase::Baseline, Phase::Redirect];
+        let over = BTreeMap::from([
+            (Phase::Baseline, sampled(90 << 20)),
+            (Phase::Redirect, sampled(97 << 20)),
+        ]);
+        let report = judge(over, &phases);
+        assert_eq!(report.failed(), ["device memory within its capacity"]);
+        assert!(
+            report.table().contains("over its capacity in: redirect"),
+            "{}",
+            report.table()
+        );
+        assert_eq!(
+            judge(BTreeMap::new(), &phases).failed(),
+            [
+                "host memory stays above its reserve",
+                "device memory within its capacity"
+            ],
+            "never sampled"
+        );
+
+        let within = BTreeMap::from([(Phase::Baseline, sampled(96 << 20))]);
+        let report = judge(within, &[Phase::Baseline, Phase::Redirect, Phase::Residency]);
+        assert_eq!(report.failed().len(), 5, "{}", report.table());
+        assert!(report.failed().iter().all(|name| name.starts_with("residency: ")));
     }
 }

@@ -67,12 +67,17 @@ impl TempDir {
         Ok(TempDir(dir))
     }
 
-    /// The drill's config, validated, with the decoder fixture written here.
+    /// The drill's config, validated, with the decoder fixture and the dense models written here.
     pub(super) fn config(&self) -> Result<crate::config::Config, String> {
         std::fs::write(self.0.join("decoder.onnx"), DECODER_MODEL).map_err(|e| e.to_string())?;
         std::fs::write(self.0.join("tokenizer.json"), DECODER_TOKENIZER).map_err(|e| e.to_string())?;
+        super::write_models(&self.0)?;
         let path = |file: &str| self.0.join(file).display().to_string();
-        let yaml = super::config_yaml(&path("decoder.onnx"), &path("tokenizer.json"));
+        let yaml = super::config_yaml(
+            &path("decoder.onnx"),
+            &path("tokenizer.json"),
+            &self.0.display().to_string(),
+        );
         let raw: crate::config::RawConfig =
             crate::config::parse_yaml(&yaml, "drill.yaml").map_err(|e| e.to_string())?;
         raw.validate("drill.yaml", &self.0).map_err(|e| e.to_string())
@@ -93,10 +98,15 @@ mod tests {
     #[test]
     fn the_printed_config_is_a_valid_config() {
         TempDir::new().unwrap().config().unwrap();
-        // The printed one, from the top of the repository.
+        // The printed one, saved at the top of the repository with the models written beside.
+        let dir = TempDir::new().unwrap();
+        std::fs::create_dir(dir.0.join("models")).unwrap();
+        let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("models/decoder");
+        std::os::unix::fs::symlink(fixture, dir.0.join("models/decoder")).unwrap();
+        let written = super::super::write_models(&dir.0.join(super::super::DENSE_DIR)).unwrap();
+        assert_eq!(written.len(), 3);
         let raw: crate::config::RawConfig =
             crate::config::parse_yaml(&super::super::print_config(), "drill.yaml").unwrap();
-        raw.validate("drill.yaml", Path::new(env!("CARGO_MANIFEST_DIR")))
-            .unwrap();
+        raw.validate("drill.yaml", &dir.0).unwrap();
     }
 }

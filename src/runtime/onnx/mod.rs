@@ -3,6 +3,7 @@
 
 pub mod arena;
 mod backend;
+pub mod dense;
 
 pub use backend::OrtBackend;
 
