@@ -179,12 +179,20 @@ impl SimulatedDevice {
         let hold = self.hold();
         let pressure = hold.bytes();
         let stats = hold.stats()?;
-        Ok(ArenaStats {
-            reserved_bytes: stats.reserved_bytes.saturating_sub(pressure),
-            active_bytes: stats.active_bytes.saturating_sub(pressure),
-            peak_active_bytes: stats.peak_active_bytes,
-            ..stats
-        })
+        Ok(without_pressure(stats, pressure))
+    }
+}
+
+/// `stats` of the shared arena with `pressure` (the simulated external workload, held in it)
+/// taken out of what is reserved, in use and the peak: what vramguard's sessions hold. A run's
+/// measured need is its new peak less what was in use before; with the pressure in both, a
+/// run that set the peak would count the pressure too.
+fn without_pressure(stats: ArenaStats, pressure: u64) -> ArenaStats {
+    ArenaStats {
+        reserved_bytes: stats.reserved_bytes.saturating_sub(pressure),
+        active_bytes: stats.active_bytes.saturating_sub(pressure),
+        peak_active_bytes: stats.peak_active_bytes.saturating_sub(pressure),
+        ..stats
     }
 }
 
@@ -193,12 +201,22 @@ impl SimulatedDevice {
 pub struct FaultInjecting {
     inner: Box<dyn Backend>,
     device: Arc<SimulatedDevice>,
+    /// The arena's statistics at the last refresh, the pressure of that moment taken out.
+    stats: Option<ArenaStats>,
 }
 
 impl FaultInjecting {
     /// Wrap `inner`, which runs on `device`.
     pub fn new(inner: Box<dyn Backend>, device: Arc<SimulatedDevice>) -> Self {
-        Self { inner, device }
+        let stats = inner.arena_stats().map(|s| without_pressure(s, device.pressure()));
+        Self { inner, device, stats }
+    }
+
+    fn keep_stats(&mut self) {
+        self.stats = self
+            .inner
+            .arena_stats()
+            .map(|s| without_pressure(s, self.device.pressure()));
     }
 }
 
@@ -217,15 +235,17 @@ impl Backend for FaultInjecting {
     }
 
     fn arena_stats(&self) -> Option<ArenaStats> {
-        self.inner.arena_stats()
+        self.stats
     }
 
     fn refresh_arena_stats(&mut self) {
         self.inner.refresh_arena_stats();
+        self.keep_stats();
     }
 
     fn refresh_arena_stats_for(&mut self, model: &str) {
         self.inner.refresh_arena_stats_for(model);
+        self.keep_stats();
     }
 
     fn interrupt_handle(&self) -> Option<crate::core::backend::Interrupt> {

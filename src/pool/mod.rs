@@ -165,6 +165,9 @@ impl Pool {
             .clone()
             .ok_or_else(|| format!("pool `{}` cannot rebuild its backends", self.name()))?;
         self.breaker().force_open(self.context.clock.now());
+        // The old sessions go first: a device that holds the weights once may not hold them
+        // twice, and after a driver fault they are no use anyway.
+        drop(self.queue.take_idle());
         let mut fresh = Vec::with_capacity(self.config.workers);
         for _ in 0..self.config.workers {
             match respawn() {
@@ -174,6 +177,14 @@ impl Pool {
                 }
                 Err(reason) => {
                     tracing::error!(pool = self.name(), %reason, "restore failed: the breaker stays open");
+                    // What was built still serves; the pool is unavailable only with none left.
+                    let built = fresh.len();
+                    self.queue.restock(fresh, self.config.workers);
+                    if built == 0 && self.load().inflight == 0 {
+                        *self.availability.write().unwrap_or_else(PoisonError::into_inner) =
+                            Availability::Unavailable(format!("restore failed: {reason}"));
+                    }
+                    self.queue.wake_all();
                     return Err(reason);
                 }
             }

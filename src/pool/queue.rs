@@ -458,6 +458,18 @@ impl Queue {
         self.live.fetch_sub(1, Ordering::SeqCst) <= 1
     }
 
+    /// Take the idle backends out (to be dropped, their memory freed, before replacements are
+    /// built); the running ones stay and are kept.
+    pub(super) fn take_idle(&self) -> Vec<Slot> {
+        let mut state = self.lock();
+        let old = std::mem::take(&mut state.idle);
+        for slot in &old {
+            state.matched.remove(&slot.id);
+        }
+        self.live.store(state.inflight, Ordering::SeqCst);
+        old
+    }
+
     /// Replace the idle backends by `fresh` ones, keeping `workers` in all: a backend still
     /// running counts, and is kept. The old ones are dropped outside the lock.
     pub(super) fn restock(&self, mut fresh: Vec<Slot>, workers: usize) {
