@@ -231,6 +231,8 @@ pub struct Metrics {
     pub health: crate::telemetry::health::HealthMetrics,
     /// Which models each pool holds, their loads and unloads.
     pub residency: crate::telemetry::residency::ResidencyMetrics,
+    /// Requests held back by their service's budgets.
+    pub service_waits: crate::telemetry::services::ServiceWaits,
 }
 
 /// `{pool, kind}`: a remote pool's server failing.
@@ -347,6 +349,7 @@ impl Metrics {
             estimates: Default::default(),
             health: Default::default(),
             residency: Default::default(),
+            service_waits: Default::default(),
         };
         metrics
             .build_info
@@ -394,6 +397,7 @@ impl Metrics {
         metrics.estimates.register(registry);
         metrics.health.register(registry);
         metrics.residency.register(registry);
+        metrics.service_waits.register(registry);
         registry.register(
             "requests",
             "Inference requests by model, pool and outcome",

@@ -216,6 +216,16 @@ async fn a_background_request_waits_while_interactive_requests_wait_and_then_run
         .unwrap()
         .expect("the background request runs once no interactive one waits");
     assert_eq!(batch.pool.name(), "bg");
+    // Each request held back is counted once, under what it waited for.
+    let waits = |service: &str, reason: &str| {
+        counter(
+            &h,
+            &format!("vramguard_service_waits_total{{service=\"{service}\",reason=\"{reason}\"}}"),
+        )
+    };
+    assert_eq!(waits("batch", "background"), 1.0);
+    assert_eq!(waits("chat", "concurrency"), 1.0);
+    assert_eq!((waits("batch", "concurrency"), waits("chat", "background")), (0.0, 0.0));
 }
 
 #[tokio::test(start_paused = true)]

@@ -42,6 +42,7 @@ pub(super) async fn enter(
     let weights = if loads { service.weights_on(pool, entry) } else { 0 };
     let started = Instant::now();
     let bound = started + admitted.wait_left;
+    let mut counted = false;
     loop {
         // Registered before looking, so a slot given back meanwhile is not missed.
         let changed = service.services.changed().notified();
@@ -62,7 +63,13 @@ pub(super) async fn enter(
                 let retry_after = pool.load().estimated_delay;
                 return Err(Refused::at(pool, RequestError::Refused { reason, retry_after }));
             }
-            Err(HeldBack::Wait(why)) => why,
+            Err(HeldBack::Wait(reason, why)) => {
+                if !counted {
+                    counted = true;
+                    service.metrics.service_waits.waited(name, reason);
+                }
+                why
+            }
         };
         let now = Instant::now();
         if request.deadline().is_some_and(|d| d <= now) {

@@ -23,6 +23,8 @@ use crate::telemetry::logging::human_bytes;
 
 use super::{Memory, ModelEntry, Service, memory_of, observe};
 
+pub use crate::telemetry::services::WaitFor;
+
 /// Every service's live state, in config order.
 #[derive(Debug)]
 pub struct Services {
@@ -123,7 +125,7 @@ pub struct Held {
 pub enum HeldBack {
     /// Not now, but once running work finishes (or interactive work and headroom allow); the
     /// reason names the service and the budget.
-    Wait(String),
+    Wait(WaitFor, String),
     /// Never while what is resident stays: the reason names the service and the budget.
     Refuse(String),
 }
@@ -145,30 +147,39 @@ pub fn judge(service: &ServiceConfig, held: Held, ask: &Ask<'_>) -> Result<(), H
             if would.saturating_sub(held.running_bytes) > budget {
                 return Err(HeldBack::Refuse(why));
             }
-            return Err(HeldBack::Wait(why));
+            return Err(HeldBack::Wait(WaitFor::device_memory, why));
         }
     }
     if let Some(limit) = service.concurrency
         && held.running >= limit as u64
     {
-        return Err(HeldBack::Wait(format!(
-            "service `{name}` has {} requests running, at its concurrency of {limit}",
-            held.running
-        )));
+        return Err(HeldBack::Wait(
+            WaitFor::concurrency,
+            format!(
+                "service `{name}` has {} requests running, at its concurrency of {limit}",
+                held.running
+            ),
+        ));
     }
     if service.class == ServiceClass::Background {
         if ask.interactive_waiting > 0 {
-            return Err(HeldBack::Wait(format!(
-                "background service `{name}` gives way to {} waiting interactive requests",
-                ask.interactive_waiting
-            )));
+            return Err(HeldBack::Wait(
+                WaitFor::background,
+                format!(
+                    "background service `{name}` gives way to {} waiting interactive requests",
+                    ask.interactive_waiting
+                ),
+            ));
         }
         if let (Some((headroom, reserve)), Some(device)) = (ask.headroom_short, ask.device) {
-            return Err(HeldBack::Wait(format!(
-                "background service `{name}` waits while {device} has {} of headroom, under its reserve of {}",
-                human_bytes(headroom),
-                human_bytes(reserve)
-            )));
+            return Err(HeldBack::Wait(
+                WaitFor::background,
+                format!(
+                    "background service `{name}` waits while {device} has {} of headroom, under its reserve of {}",
+                    human_bytes(headroom),
+                    human_bytes(reserve)
+                ),
+            ));
         }
     }
     Ok(())
@@ -408,7 +419,7 @@ mod tests {
             on_gpu(weights + 1000),
             "only the device's request counts there"
         );
-        assert!(matches!(services.enter("chat", &ask(None)), Err(HeldBack::Wait(_))));
+        assert!(matches!(services.enter("chat", &ask(None)), Err(HeldBack::Wait(..))));
         let states = services.states(&service.config, &Snapshot::default());
         assert_eq!((states["chat"].running, states["chat"].budget_bytes), (2, 1 << 30));
         assert_eq!(states["chat"].memory_bytes, on_gpu(weights + 1000).unwrap());
@@ -457,7 +468,7 @@ mod tests {
         // 6.2 GiB: the running request's 1 GiB, once given back, leaves room.
         let need = GIB + GIB / 5;
         match judge(&chat, five, &on_sim(need)) {
-            Err(HeldBack::Wait(why)) => assert_eq!(
+            Err(HeldBack::Wait(_, why)) => assert_eq!(
                 why,
                 "service `chat` would use 6.2 GiB on sim0, over its device_memory budget of 6 GiB"
             ),
@@ -493,6 +504,7 @@ mod tests {
         assert_eq!(
             judge(&chat, held(2), &on_sim(1)),
             Err(HeldBack::Wait(
+                WaitFor::concurrency,
                 "service `chat` has 2 requests running, at its concurrency of 2".into()
             ))
         );
@@ -507,14 +519,14 @@ mod tests {
         };
         assert!(matches!(
             judge(&batch, Held::default(), &waiting),
-            Err(HeldBack::Wait(_))
+            Err(HeldBack::Wait(..))
         ));
         let short = Ask {
             headroom_short: Some((GIB / 2, GIB)),
             ..on_sim(1)
         };
         match judge(&batch, Held::default(), &short) {
-            Err(HeldBack::Wait(why)) => {
+            Err(HeldBack::Wait(_, why)) => {
                 assert!(why.contains("512 MiB of headroom, under its reserve of 1 GiB"), "{why}")
             }
             other => panic!("{other:?}"),

@@ -44,6 +44,8 @@ pub(super) fn zero_known_series(metrics: &Metrics, models: &[ModelEntry], pools:
         for outcome in Outcome::ALL.into_iter().filter(|o| *o != Outcome::ok) {
             request(metrics, model, "", outcome);
         }
+        // Every service vramguard runs may have its requests held back by its budgets.
+        metrics.service_waits.zero(&entry.config.service);
         if let Some(fallback) = &entry.config.fallback_model {
             for reason in SubstitutionReason::ALL {
                 metrics.substitutions.get_or_create_owned(&SubstitutionLabels {
