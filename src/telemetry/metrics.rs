@@ -232,7 +232,7 @@ pub struct Metrics {
     /// Which models each pool holds, their loads and unloads.
     pub residency: crate::telemetry::residency::ResidencyMetrics,
     /// Requests held back by their service's budgets.
-    pub service_waits: crate::telemetry::services::ServiceWaits,
+    pub service_waits: crate::telemetry::waits::ServiceWaits,
 }
 
 /// `{pool, kind}`: a remote pool's server failing.

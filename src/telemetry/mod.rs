@@ -11,3 +11,4 @@ pub mod malloc;
 pub mod metrics;
 pub mod residency;
 pub mod services;
+pub mod waits;
