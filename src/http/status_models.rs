@@ -32,7 +32,7 @@ pub(super) fn models(service: &Service) -> Vec<ModelStatus> {
                         idle_ms: (!remote).then(|| millis(state.since_request)),
                         running: state.running,
                         queued: state.queued,
-                        weights_bytes: service.weights_on(pool, entry),
+                        weights_bytes: state.weights_bytes,
                     }
                 })
                 .collect();

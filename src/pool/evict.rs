@@ -28,6 +28,8 @@ pub struct Resident {
     pub min_residency: Duration,
     /// How long its sessions last took to build here, when they were built after the start.
     pub last_load: Option<Duration>,
+    /// Its weights here (every worker's sessions): what evicting it frees.
+    pub weights_bytes: u64,
 }
 
 impl Resident {
@@ -100,6 +102,7 @@ impl Pool {
                     since_request,
                     min_residency: setup.min_residency,
                     last_load: self.models.last_load(&setup.name),
+                    weights_bytes: setup.weights_bytes,
                 }
             })
             .collect()

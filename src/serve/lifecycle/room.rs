@@ -44,8 +44,9 @@ pub(super) struct Victim {
 }
 
 impl Victim {
-    /// `resident` on `pool` as a victim holding `bytes`, or `None` when it holds nothing.
-    fn of(pool: &str, resident: &Resident, bytes: u64) -> Option<Victim> {
+    /// `resident` on `pool` as a victim, or `None` when it holds nothing.
+    fn of(pool: &str, resident: &Resident) -> Option<Victim> {
+        let bytes = resident.weights_bytes;
         if bytes == 0 {
             return None;
         }
@@ -77,10 +78,7 @@ pub(super) fn victims(service: &Service, device: &str, requester: &ModelEntry) -
             pool.residents()
                 .into_iter()
                 .filter(|r| r.model != requester.config.name && r.evictable_for(priority))
-                .filter_map(|r| {
-                    let entry = service.model(&r.model)?;
-                    Victim::of(pool.name(), &r, service.weights_on(pool, entry))
-                })
+                .filter_map(|r| Victim::of(pool.name(), &r))
                 .collect::<Vec<_>>()
         })
         .collect()
@@ -270,11 +268,16 @@ mod tests {
             since_request: Duration::from_secs(since_request),
             min_residency: Duration::ZERO,
             last_load: last_load.map(Duration::from_millis),
+            weights_bytes: 1 << 20,
         };
-        let cost = |r: &Resident| Victim::of("gpu", r, 1 << 20).unwrap().cost;
+        let cost = |r: &Resident| Victim::of("gpu", r).unwrap().cost;
         assert!(cost(&resident(1, Some(100))) > cost(&resident(60, Some(100))));
         assert!(cost(&resident(10, Some(900))) > cost(&resident(10, Some(100))));
-        assert!(Victim::of("gpu", &resident(1, None), 0).is_none(), "nothing to free");
+        let empty = Resident {
+            weights_bytes: 0,
+            ..resident(1, None)
+        };
+        assert!(Victim::of("gpu", &empty).is_none(), "nothing to free");
     }
 
     #[test]
@@ -288,6 +291,7 @@ mod tests {
             since_request: Duration::from_secs(10),
             min_residency: Duration::from_secs(30),
             last_load: None,
+            weights_bytes: 1 << 20,
         };
         assert!(base.evictable_for(5), "same priority: allowed");
         assert!(!base.evictable_for(4), "never for a lower priority");

@@ -51,8 +51,10 @@ impl Service {
 
 /// The weights `pool` holds of `entry`'s model: every worker builds its own sessions.
 pub(super) fn weights_on(pool: &Pool, entry: &ModelEntry) -> u64 {
-    entry
-        .profile
-        .weights_bytes
-        .saturating_mul(pool.config.workers.max(1) as u64)
+    weights_for(&pool.config, entry)
+}
+
+/// [`weights_on`] for a pool not built yet, by its config.
+pub(super) fn weights_for(pool: &crate::config::PoolConfig, entry: &ModelEntry) -> u64 {
+    entry.profile.weights_bytes.saturating_mul(pool.workers.max(1) as u64)
 }

@@ -82,7 +82,7 @@ pub(super) fn model_setups(metrics: &Metrics, models: &[ModelEntry], pool: &Pool
             idle_unload: m.config.idle_unload,
             priority: m.config.priority,
             min_residency: m.config.min_residency,
-            weights_bytes: m.profile.weights_bytes.saturating_mul(pool.workers.max(1) as u64),
+            weights_bytes: super::observe::weights_for(pool, m),
             generates: m.config.tokenizer.is_some(),
             probe: m.probe_inputs().ok().map(Arc::new),
             bytes: Arc::new(m.bytes.clone()),
