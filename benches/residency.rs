@@ -14,8 +14,8 @@
 //!   alternating; with `min_residency: 0s` every request evicts the other model and loads its
 //!   own; with `30s` the one that does not fit runs on the CPU. Requests/s and loads a minute.
 //!
-//! The dense models come from `tests/it/evict_models.py` (PYTHONPATH=.deps/modelgen, as `make
-//! bench` installs). `cargo bench --bench residency [-- --runs N --seconds S]`.
+//! The dense models come from the drill's writer (`src/runtime/onnx/dense.rs`).
+//! `cargo bench --bench residency [-- --runs N --seconds S]`.
 
 use std::time::{Duration, Instant};
 
@@ -29,6 +29,7 @@ use vramguard::core::clock::SystemClock;
 use vramguard::core::snapshot::DeviceClass;
 use vramguard::core::tensor::Tensor;
 use vramguard::device::{DeviceMemory, MemorySource, Reading};
+use vramguard::runtime::onnx::dense::Dense;
 use vramguard::serve::lifecycle;
 use vramguard::serve::service::{Parts, Service};
 use vramguard::testing::bench::{Figure, Machine, Target, arg, out_dir, record};
@@ -59,20 +60,11 @@ fn main() {
     admission();
 }
 
-/// `a`, `b` and `c` of `MIB` MiB each into the scratch folder.
+/// `a`, `b` and `c` of `MIB` MiB each into the scratch folder, by the drill's dense-model writer.
 fn generate(scratch: &Scratch) {
-    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
-    let out = std::process::Command::new(std::env::var("PYTHON").unwrap_or_else(|_| "python3".into()))
-        .arg(root.join("tests/it/evict_models.py"))
-        .arg(scratch.path())
-        .arg(MIB.to_string())
-        .env("PYTHONPATH", root.join(".deps/modelgen"))
-        .status()
-        .expect("python3 runs");
-    assert!(
-        out.success(),
-        "evict_models.py failed (make .deps/modelgen/.installed?)"
-    );
+    for (seed, name) in (41..).zip(["a", "b", "c"]) {
+        scratch.write(&format!("{name}.onnx"), Dense::of_mib(seed, MIB).to_onnx());
+    }
 }
 
 fn start(scratch: &Scratch, name: &str, yaml: &str) -> Serving {
