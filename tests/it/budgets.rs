@@ -470,18 +470,7 @@ async fn a_background_request_waits_while_its_device_is_under_the_reserve_but_no
         .post_json("/admin/sim/gpu0", &serde_json::json!({"pressure": "100MiB"}))
         .await;
     assert_eq!(set.status(), StatusCode::OK);
-    let url = server.url("/v2/models/encoder/infer");
-    let (header, body) = crate::common::encoder_binary_request(16);
-    let waiting = tokio::spawn(async move {
-        reqwest::Client::new()
-            .post(url)
-            .header("Inference-Header-Content-Length", header.len())
-            .body(body)
-            .send()
-            .await
-            .unwrap()
-            .status()
-    });
+    let waiting = crate::common::spawn_binary_encoder(&server, 16);
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
     while crate::common::gauge(&server.metrics().await, "vramguard_requests_waiting") != 1.0 {
         assert!(

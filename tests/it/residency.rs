@@ -153,18 +153,7 @@ async fn an_unload_waits_for_the_models_running_request() {
         return;
     }
     let server = TestServer::start(&CONFIG.replace("residency: on_demand", "residency: resident")).await;
-    let url = server.url("/v2/models/encoder/infer");
-    let (header, body) = crate::common::encoder_binary_request(4096);
-    let running = tokio::spawn(async move {
-        reqwest::Client::new()
-            .post(url)
-            .header("Inference-Header-Content-Length", header.len())
-            .body(body)
-            .send()
-            .await
-            .unwrap()
-            .status()
-    });
+    let running = crate::common::spawn_binary_encoder(&server, 4096);
     let until = Instant::now() + Duration::from_secs(10);
     while sample(&server.metrics().await, "vramguard_inflight_requests{pool=\"cpu\"}") < 1.0 {
         assert!(Instant::now() < until, "the request never started");

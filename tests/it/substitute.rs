@@ -31,18 +31,7 @@ const POLICY: &str = r#"fn decide(req, state) {
 
 /// An encoder request to `model` (binary tensors), with `parameters` and `headers`.
 async fn encode(server: &TestServer, model: &str, parameters: Value, headers: &[(&str, &str)]) -> reqwest::Response {
-    let seq = 8;
-    let header = json!({
-        "parameters": parameters,
-        "inputs": [{"name": "input", "shape": [1, seq, 64], "datatype": "FP32",
-                    "parameters": {"binary_data_size": seq * 64 * 4}}],
-        "outputs": [{"name": "pooled"}]
-    })
-    .to_string();
-    let mut body = header.clone().into_bytes();
-    for i in 0..seq * 64 {
-        body.extend_from_slice(&((i % 7) as f32 * 0.01).to_le_bytes());
-    }
+    let (header, body) = crate::common::encoder_binary_request_with(8, Some(parameters));
     let mut request = reqwest::Client::new()
         .post(server.url(&format!("/v2/models/{model}/infer")))
         .header("Inference-Header-Content-Length", header.len());

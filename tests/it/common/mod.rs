@@ -144,14 +144,39 @@ impl TestServer {
     }
 }
 
+/// Send [`encoder_binary_request`]`(seq)` to `server`'s encoder from a task of its own; its
+/// answer's status.
+pub fn spawn_binary_encoder(server: &TestServer, seq: usize) -> tokio::task::JoinHandle<reqwest::StatusCode> {
+    let url = server.url("/v2/models/encoder/infer");
+    let (header, body) = encoder_binary_request(seq);
+    tokio::spawn(async move {
+        reqwest::Client::new()
+            .post(url)
+            .header("Inference-Header-Content-Length", header.len())
+            .body(body)
+            .send()
+            .await
+            .unwrap()
+            .status()
+    })
+}
+
 /// An encoder request of `seq` tokens as binary tensor data: `(json header, whole body)`.
 pub fn encoder_binary_request(seq: usize) -> (String, Vec<u8>) {
-    let header = serde_json::json!({
+    encoder_binary_request_with(seq, None)
+}
+
+/// [`encoder_binary_request`] with the request's `parameters`, when given.
+pub fn encoder_binary_request_with(seq: usize, parameters: Option<Value>) -> (String, Vec<u8>) {
+    let mut header = serde_json::json!({
         "inputs": [{"name": "input", "shape": [1, seq, 64], "datatype": "FP32",
                     "parameters": {"binary_data_size": seq * 64 * 4}}],
         "outputs": [{"name": "pooled"}]
-    })
-    .to_string();
+    });
+    if let Some(parameters) = parameters {
+        header["parameters"] = parameters;
+    }
+    let header = header.to_string();
     let mut body = header.clone().into_bytes();
     for i in 0..seq * 64 {
         body.extend_from_slice(&((i % 7) as f32 * 0.01).to_le_bytes());
