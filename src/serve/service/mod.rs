@@ -14,6 +14,7 @@ mod rooms;
 mod services;
 mod zeroed;
 
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -99,6 +100,9 @@ pub struct Service {
     pub services: Arc<Services>,
     /// `make_room`'s per-device locks and its recent evictions.
     pub rooms: Rooms,
+    /// [`weights_beside`] of every pool and model it serves: fixed once the pools are built,
+    /// and read by every request's never-fits check.
+    weights_beside: HashMap<(String, String), u64>,
 }
 
 /// Asks the background sampler for a sample and waits for it.
@@ -206,6 +210,7 @@ impl Service {
         registry.register_collector(Box::new(
             ServicesCollector::new(&config, devices, Arc::clone(&store)).serving(Arc::clone(&services) as _),
         ));
+        let weights_beside = weights_beside(&pools, &models);
         Ok(Service {
             runtime_version,
             config,
@@ -227,36 +232,21 @@ impl Service {
             activity,
             services,
             rooms: Rooms::default(),
+            weights_beside,
         })
     }
 
     /// The weights that always stay loaded beside `model` on `pool`'s memory, whatever a
-    /// request of it does: on the host every other model's (CPU pools keep theirs); on an
-    /// accelerator those `make_room` can never take for it, the pinned models' and those of
-    /// higher priority. `None` for a remote pool, whose memory is another server's.
+    /// request of it does (see [`weights_beside`]); `None` for a remote pool, whose memory is
+    /// another server's.
     pub(crate) fn weights_beside(&self, pool: &Pool, model: &str) -> Option<u64> {
-        let memory = memory_of(pool)?;
-        let priority = self.model(model).map_or(i64::MIN, |m| m.config.priority);
-        let mut beside = 0u64;
-        for other in self.pools.iter().filter(|p| memory_of(p) == Some(memory)) {
-            for entry in self.models.iter().filter(|m| other.serves(&m.config.name)) {
-                let own = entry.config.name == model;
-                if own && std::ptr::eq(Arc::as_ptr(other), pool) {
-                    continue;
-                }
-                let stays = match memory {
-                    Memory::Host => true,
-                    Memory::Device(_) => {
-                        own || entry.config.residency == crate::config::Residency::Pinned
-                            || entry.config.priority > priority
-                    }
-                };
-                if stays {
-                    beside = beside.saturating_add(observe::weights_on(other, entry));
-                }
-            }
-        }
-        Some(beside)
+        memory_of(pool)?;
+        Some(
+            self.weights_beside
+                .get(&(pool.name().to_string(), model.to_string()))
+                .copied()
+                .unwrap_or(0),
+        )
     }
 
     /// The weights `pool` holds of `entry`'s model when it is loaded there: every worker
@@ -379,4 +369,38 @@ pub(crate) fn memory_of(pool: &Pool) -> Option<Memory<'_>> {
         ProviderKind::Cpu => Some(Memory::Host),
         ProviderKind::Cuda | ProviderKind::Simulated => Some(Memory::Device(pool.config.device.as_str())),
     }
+}
+
+/// For every pool and each model it serves, the weights that always stay loaded beside it on
+/// the pool's memory, whatever a request of it does: on the host every other model's (CPU pools
+/// keep theirs); on an accelerator those `make_room` can never take for it, the pinned models'
+/// and those of higher priority (and its own on the device's other pools).
+fn weights_beside(pools: &[Arc<Pool>], models: &[ModelEntry]) -> HashMap<(String, String), u64> {
+    let mut table = HashMap::new();
+    for pool in pools {
+        let Some(memory) = memory_of(pool) else { continue };
+        for model in models.iter().filter(|m| pool.serves(&m.config.name)) {
+            let mut beside = 0u64;
+            for other in pools.iter().filter(|p| memory_of(p) == Some(memory)) {
+                for entry in models.iter().filter(|m| other.serves(&m.config.name)) {
+                    let own = entry.config.name == model.config.name;
+                    if own && Arc::ptr_eq(other, pool) {
+                        continue;
+                    }
+                    let stays = match memory {
+                        Memory::Host => true,
+                        Memory::Device(_) => {
+                            own || entry.config.residency == crate::config::Residency::Pinned
+                                || entry.config.priority > model.config.priority
+                        }
+                    };
+                    if stays {
+                        beside = beside.saturating_add(observe::weights_on(other, entry));
+                    }
+                }
+            }
+            table.insert((pool.name().to_string(), model.config.name.clone()), beside);
+        }
+    }
+    table
 }
