@@ -72,7 +72,8 @@ fn the_quick_drill_passes_against_a_server_started_with_its_config() {
             "streams",
             "non_replayable",
             "idempotency",
-            "residency"
+            "residency",
+            "background"
         ]
     );
     assert!(
@@ -93,12 +94,37 @@ fn the_quick_drill_passes_against_a_server_started_with_its_config() {
     let records = report["records"].as_array().unwrap();
     assert!(records.len() >= 60, "{}", records.len());
     residency_as_judged(&report);
+    background_as_judged(&report);
     // Every record says what happened to it.
     for r in records {
         for field in ["phase", "id", "expect", "latency_ms", "connection_held", "as_expected"] {
             assert!(!r[field].is_null(), "{field} missing in {r}");
         }
     }
+}
+
+/// The background phase, read back from the record: interactive requests were seen waiting,
+/// the target counted the background request's wait, and answered it.
+fn background_as_judged(report: &Value) {
+    let facts = &report["facts"]["background"];
+    assert!(facts["interactive_waiting"].as_f64() >= Some(1.0), "{facts}");
+    assert!(facts["waits_counted"].as_f64() >= Some(1.0), "{facts}");
+    let records = report["records"].as_array().unwrap();
+    let background: Vec<&Value> = records.iter().filter(|r| r["id"] == "background-0").collect();
+    assert_eq!(background.len(), 1);
+    assert_eq!(background[0]["status"], 200, "{}", background[0]);
+    let answered = background[0]["sent_ms"].as_f64().unwrap() + background[0]["latency_ms"].as_f64().unwrap();
+    assert!(
+        answered >= facts["load_stopped_ms"].as_f64().unwrap(),
+        "{facts} {}",
+        background[0]
+    );
+    assert!(
+        records
+            .iter()
+            .filter(|r| r["phase"] == "background" && r["id"] != "background-0")
+            .all(|r| r["status"] == 200)
+    );
 }
 
 /// The residency phase, read back from the record: `dense_c` made room on the accelerator by

@@ -313,6 +313,35 @@ impl Drill {
         patience: Option<Duration>,
         expect: &'static str,
     ) -> Record {
+        let record = Record::new(phase, id, format!("encoder seq {seq}"), expect, self.elapsed_ms());
+        self.send_encoder(ENCODER, record, seq, headers, patience).await
+    }
+
+    /// A request of `seq` tokens in binary tensors to `model`, a copy of the bundled encoder;
+    /// its kind starts with the model's name.
+    pub(super) async fn encoder_of(
+        &self,
+        model: &str,
+        phase: Phase,
+        id: &str,
+        seq: usize,
+        expect: &'static str,
+    ) -> Record {
+        let record = Record::new(phase, id, format!("{model} seq {seq}"), expect, self.elapsed_ms());
+        self.send_encoder(model, record, seq, &[], None).await
+    }
+
+    /// Send `record`'s encoder request to `model` and read its answer into it.
+    async fn send_encoder(
+        &self,
+        model: &str,
+        mut record: Record,
+        seq: usize,
+        headers: &[(&str, &str)],
+        patience: Option<Duration>,
+    ) -> Record {
+        let id = record.id.clone();
+        let id = id.as_str();
         let input = crate::core::tensor::Tensor {
             name: "input".into(),
             shape: vec![1, seq as i64, 64],
@@ -326,14 +355,13 @@ impl Drill {
         let (body, header_len) = crate::protocol::oip::encode_request(body_id, &[input], &["pooled".to_string()]);
         let mut request = self
             .client
-            .post(format!("{}/v2/models/{ENCODER}/infer", self.base))
+            .post(format!("{}/v2/models/{model}/infer", self.base))
             .header(HEADER_LENGTH, header_len)
             .header(REQUEST_ID, id);
         for (name, value) in headers {
             request = request.header(*name, *value);
         }
-        let sent = self.elapsed_ms();
-        let mut record = Record::new(phase, id, format!("encoder seq {seq}"), expect, sent);
+        let sent = record.sent_ms;
         let exchange = async {
             let response = request.body(body).send().await?;
             let headers = response.headers().clone();
@@ -360,10 +388,16 @@ impl Drill {
 
     /// A request of the CPU-only model.
     pub(super) async fn classifier(&self, phase: Phase, id: &str) -> Record {
+        self.classifier_of(phase, id, CPU_ONLY, "ok on cpu").await
+    }
+
+    /// A request of `model`, a copy of the bundled classifier; its kind starts with the model's
+    /// name.
+    pub(super) async fn classifier_of(&self, phase: Phase, id: &str, model: &str, expect: &'static str) -> Record {
         let data: Vec<f32> = (0..64 * 16).map(|i| (i % 11) as f32 * 0.1).collect();
         let body = json!({"inputs": [{"name": "features", "shape": [64, 16], "datatype": "FP32", "data": data}]});
-        let kind = "classifier (cpu only)".to_string();
-        self.infer_json(phase, id, CPU_ONLY, &body, kind, "ok on cpu").await
+        let kind = format!("{model} (cpu only)");
+        self.infer_json(phase, id, model, &body, kind, expect).await
     }
 
     /// A request of a dense model of the residency phase: one row; its kind is the model's name.

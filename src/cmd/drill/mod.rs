@@ -5,11 +5,12 @@
 //! failure, a driver reset and restore with CPU work in flight, cancellations in the CPU queue,
 //! streamed generations failing before and after their first token, non-replayable requests
 //! and a chat offering tools, idempotent client retries, three models that do not fit on the
-//! device together beside a pinned one), records what happened to every request, and checks
+//! device together beside a pinned one, a background service's request while interactive ones
+//! wait), records what happened to every request, and checks
 //! the pass criteria: nothing run twice, nothing accepted lost, replayed generations token for
 //! token the same, the breaker recovering, every redirected answer saying it was degraded, host
 //! memory never under its reserve, device memory never over its capacity, and eviction taking
-//! only what it may.
+//! only what it may, and background work giving way to interactive work.
 //!
 //! By default it starts its own server on loopback (a 96 MiB simulated accelerator, a CPU pool,
 //! the bundled encoder and decoder fixture, the dense models it writes); `--target` drives a
@@ -18,9 +19,10 @@
 //! API. The drill only ever talks to the target it was given.
 //!
 //! `phases` says what each phase sends and expects, `client` sends it, `record` keeps what came
-//! back, `report` judges it; `residency` is the residency phase with its own criteria; `server`
+//! back, `report` judges it; `residency` and `background` are the last two phases with their own criteria; `server`
 //! is the drill's own server and `progress` its terminal line.
 
+mod background;
 mod client;
 mod phases;
 mod progress;
@@ -39,6 +41,7 @@ use std::time::{Duration, Instant};
 use serde_json::json;
 
 use crate::protocol::status::StatusReport;
+pub use background::BackgroundFacts;
 use client::Drill;
 pub use phases::{Facts, Phase};
 pub use record::{Failure, Record, Samples};
@@ -85,6 +88,13 @@ const DENSE_MIB: u64 = 1;
 const MIN_RESIDENCY_S: u64 = 2;
 /// The policy's device reserve (`policy.params.reserve_bytes`).
 const RESERVE_BYTES: u64 = 8 << 20;
+/// The background phase's services and their models, on the CPU pool: the background one's
+/// (a copy of the bundled classifier) gives way to the interactive one's (a copy of the bundled
+/// encoder), which run one at a time.
+const BACKGROUND_SERVICE: &str = "batch";
+const BACKGROUND_MODEL: &str = "digest";
+const INTERACTIVE_SERVICE: &str = "assistant";
+const INTERACTIVE_MODEL: &str = "assist";
 /// A small model pinned on the accelerator, which the residency phase must never see evicted.
 const PINNED: &str = "keeper";
 /// Where the printed config expects the dense models, relative to the config file.
@@ -151,11 +161,18 @@ models:
   - {{name: {CPU_ONLY}, path: 'builtin:classifier'}}
   - {{name: {DECODER}, path: '{model}', tokenizer: '{tokenizer}', chat_template: 'builtin:chatml', priority: 10}}
   - {{name: {PINNED}, path: 'builtin:classifier', residency: pinned}}
-{dense}pools:
+  - {{name: {BACKGROUND_MODEL}, path: 'builtin:classifier', service: {BACKGROUND_SERVICE}}}
+  - {{name: {INTERACTIVE_MODEL}, path: 'builtin:encoder', service: {INTERACTIVE_SERVICE}}}
+{dense}# The background service gives way to interactive requests that wait: those of `{INTERACTIVE_SERVICE}`,
+# which runs one at a time, and of every other model (each its own interactive service).
+services:
+  - {{name: {BACKGROUND_SERVICE}, class: background}}
+  - {{name: {INTERACTIVE_SERVICE}, class: interactive, concurrency: 1}}
+pools:
   - {{name: {GPU}, provider: simulated, device: {DEVICE}, models: [{ENCODER}, {DECODER}, {PINNED}, {names}], workers: 2,
      intra_threads: 1, queue: {{capacity: 64, max_wait: 20s}}, fallback: {CPU}, memory: {{arena_shrinkage: true}},
      breaker: {{failures: 3, window: 30s, cooldown: 2s}}}}
-  - {{name: {CPU}, provider: cpu, models: [{ENCODER}, {CPU_ONLY}, {DECODER}, {PINNED}, {names}], workers: 1, intra_threads: 1,
+  - {{name: {CPU}, provider: cpu, models: [{ENCODER}, {CPU_ONLY}, {BACKGROUND_MODEL}, {INTERACTIVE_MODEL}, {DECODER}, {PINNED}, {names}], workers: 1, intra_threads: 1,
      queue: {{capacity: 64, max_wait: 30s}}}}
 host:
   reserve: 1GiB

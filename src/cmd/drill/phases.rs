@@ -39,11 +39,13 @@ pub enum Phase {
     Idempotency,
     /// Three models that do not fit together, requests alternating between them, a pinned one.
     Residency,
+    /// A background service's request while interactive requests wait.
+    Background,
 }
 
 impl Phase {
     /// Every phase, in the order they run.
-    pub const ALL: [Phase; 10] = [
+    pub const ALL: [Phase; 11] = [
         Phase::Baseline,
         Phase::Redirect,
         Phase::Pressure,
@@ -54,6 +56,7 @@ impl Phase {
         Phase::NonReplayable,
         Phase::Idempotency,
         Phase::Residency,
+        Phase::Background,
     ];
 
     /// Its name: in the table, the progress line and the JSON record.
@@ -69,6 +72,7 @@ impl Phase {
             Phase::NonReplayable => "non_replayable",
             Phase::Idempotency => "idempotency",
             Phase::Residency => "residency",
+            Phase::Background => "background",
         }
     }
 
@@ -96,6 +100,8 @@ pub struct Facts {
     pub pressure_steps: Vec<u64>,
     /// The residency phase's evictions, loads and rates.
     pub residency: Option<super::ResidencyFacts>,
+    /// What the background phase saw of its interactive load and the wait it caused.
+    pub background: Option<super::BackgroundFacts>,
 }
 
 /// Request sizes measured against the target's device, so that the phases scale with it.
@@ -161,6 +167,8 @@ pub(super) async fn run(drill: &Arc<Drill>) -> Result<Facts, String> {
     facts.duplicate_runs += idempotency(drill).await?;
     drill.settle().await?;
     facts.residency = Some(super::residency::run(drill).await?);
+    drill.settle().await?;
+    facts.background = Some(super::background::run(drill).await?);
     Ok(facts)
 }
 
@@ -490,10 +498,11 @@ mod tests {
                 "streams",
                 "non_replayable",
                 "idempotency",
-                "residency"
+                "residency",
+                "background"
             ]
         );
         assert_eq!(Phase::Baseline.number(), 1);
-        assert_eq!(Phase::Residency.number(), 10);
+        assert_eq!(Phase::Background.number(), 11);
     }
 }

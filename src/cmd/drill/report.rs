@@ -86,6 +86,9 @@ impl Report {
         if phases.contains(&Phase::Residency) {
             criteria.extend(super::residency::criteria(&records, facts.residency.as_ref()));
         }
+        if phases.contains(&Phase::Background) {
+            criteria.push(super::background::criterion(&records, facts.background.as_ref()));
+        }
         Report {
             passed: criteria.iter().all(|c| c.passed),
             seconds: took.as_secs_f64(),

@@ -10,10 +10,9 @@
 //! of the others, so it is redirected to the CPU pool.
 //!
 //! Its requests go one at a time, so that what is judged does not depend on which request
-//! happened to be running when another arrived. A check that needs concurrent load (a
-//! background service deferred while interactive requests wait) runs as a second lane beside
-//! [`run`]'s loop, with its records kept under this phase and its criterion added to
-//! [`criteria`].
+//! happened to be running when another arrived. The check that needs concurrent load (a
+//! background service giving way while interactive requests wait) is the phase after it
+//! ([`super::background`]).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
