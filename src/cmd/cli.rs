@@ -102,6 +102,20 @@ pub enum Command {
         #[command(subcommand)]
         command: ConfigCommand,
     },
+    /// A process-isolated pool's worker process. vramguard starts it itself, with the pool's
+    /// spec on its standard input; users never type it.
+    #[command(hide = true)]
+    Worker {
+        /// The Unix socket to listen on.
+        #[arg(long)]
+        socket: PathBuf,
+        /// The process that started it: it exits when that one is gone.
+        #[arg(long)]
+        parent: u32,
+        /// The pool it serves (for its process listing and its log lines).
+        #[arg(long)]
+        pool: String,
+    },
 }
 
 /// `vramguard policy …`
@@ -153,10 +167,17 @@ pub fn run(cli: Cli) -> ExitCode {
     if let Command::Drill { .. } = &cli.command {
         // The drill's own server logs only what goes wrong: the report is the output.
         logging::init_with(cli.log_format, "error,ort=off");
+    } else if let Command::Worker { .. } = &cli.command {
+        // Its parent logs its lifecycle; a worker says only what goes wrong inside it.
+        logging::init_with(cli.log_format, "warn,ort=error");
     } else {
         logging::init(cli.log_format);
     }
     match cli.command {
+        Command::Worker { socket, parent, pool } => match crate::pool::process::child::serve(&socket, parent) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => fail(format!("worker for pool `{pool}`: {e}"), crate::cmd::exit::EXIT_FAILED),
+        },
         Command::Serve { config, listen } => {
             crate::telemetry::malloc::return_freed_memory();
             serve(config, listen)

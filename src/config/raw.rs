@@ -416,6 +416,20 @@ pub struct RawPool {
     /// The pool a replayable request is retried on, once, after an allocator failure here.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub fallback: Option<String>,
+    /// Where its sessions run: `process` (a worker process of its own; the default for `cuda`
+    /// and `simulated` pools) or `thread` (in vramguard's process; the default for `cpu`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub isolation: Option<RawIsolation>,
+}
+
+/// `pools[].isolation`
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RawIsolation {
+    /// A worker process of its own.
+    Process,
+    /// Worker threads in vramguard's process.
+    Thread,
 }
 
 /// `pools[].remote:`

@@ -38,6 +38,9 @@ pub struct Config {
     pub exporter: ExporterConfig,
     /// The admission policy.
     pub policy: PolicyConfig,
+    /// The executable process-isolated pools' workers start from (`None`: this program, or
+    /// `VRAMGUARD_WORKER_EXE`). Not a config key: for programs that embed the library.
+    pub worker_exe: Option<PathBuf>,
 }
 
 /// Where the policy script comes from.
@@ -462,6 +465,18 @@ pub struct PoolConfig {
     pub health: HealthConfig,
     /// Where a replayable request goes, once, after an allocator failure here.
     pub fallback: Option<String>,
+    /// Where its sessions run.
+    pub isolation: Isolation,
+}
+
+/// Where a pool's sessions run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Isolation {
+    /// In a worker process of its own: a crash, a hang or a sticky driver fault takes that
+    /// process, never vramguard's.
+    Process,
+    /// On worker threads in vramguard's process.
+    Thread,
 }
 
 /// When a local pool's health is checked by a probe inference of each of its models at its

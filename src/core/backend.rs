@@ -51,6 +51,11 @@ pub trait Backend: Send {
     fn release_memory(&mut self, probe: &dyn Fn(&str) -> Option<Vec<Tensor>>) {
         let _ = probe;
     }
+    /// Whether what it runs on is gone (a worker process that died or was replaced): the pool
+    /// replaces it before its next job. Backends in the pool's own process never are.
+    fn lost(&self) -> bool {
+        false
+    }
 }
 
 /// What a run carries besides its tensors: the request's identity and limits. A backend that
@@ -116,6 +121,11 @@ pub enum BackendError {
         /// The remote's message.
         message: String,
     },
+    /// The pool's worker process died, hung or was replaced while it held the run (or before
+    /// it could take it): the pool's fault, counted by its breaker, and a replayable request
+    /// may move to the fallback pool.
+    #[error("worker process lost: {0}")]
+    WorkerLost(String),
     /// The request's deadline passed before a remote pool's server answered (the client's
     /// limit, not the remote's fault).
     #[error("the deadline passed before the remote server answered")]

@@ -64,6 +64,8 @@ pub enum Tripped {
     Driver,
     /// An operator opened it (a restore is rebuilding the pool).
     Restoring,
+    /// The pool's worker process died or hung (how); it is being replaced.
+    WorkerLost(String),
 }
 
 impl std::fmt::Display for Tripped {
@@ -73,6 +75,7 @@ impl std::fmt::Display for Tripped {
             Tripped::RemoteFailures(n, last) => write!(f, "{n} failures of the remote server (last: {last})"),
             Tripped::Driver => f.write_str("a driver-class failure"),
             Tripped::Restoring => f.write_str("restoring"),
+            Tripped::WorkerLost(how) => write!(f, "its worker process was lost ({how})"),
         }
     }
 }
@@ -217,6 +220,11 @@ impl Breaker {
     /// through.
     pub fn force_open(&mut self, now: Instant) {
         self.open(now, Tripped::Restoring);
+    }
+
+    /// The pool's worker process was lost (`how`): open until its replacement's probe closes it.
+    pub fn worker_lost(&mut self, how: String, now: Instant) {
+        self.open(now, Tripped::WorkerLost(how));
     }
 
     /// A restore finished: the next health check is the probe (no cooldown wait).

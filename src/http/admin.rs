@@ -203,8 +203,13 @@ struct SimCommand {
     /// With `fail_next`: let this many runs pass first (a failure in the middle of a
     /// generation).
     pass_first: Option<u64>,
-    /// Runs fail with a driver-class error until `false` or a restore of the pool.
+    /// Runs fail with a driver-class error until `false` or a restore of the pool; on a
+    /// process-isolated pool, until its worker is replaced (a restore), as a sticky CUDA error.
     driver_reset: Option<bool>,
+    /// The device's pool's worker process dies at once (SIGKILL), mid-run if it has work.
+    kill_worker: Option<bool>,
+    /// The device's pool's worker process stops answering (its heartbeat and its runs).
+    hang_worker: Option<bool>,
 }
 
 /// `GET /admin`: whether this client may use the admin endpoints, and which there are. It
@@ -255,47 +260,63 @@ async fn admin_sim(
             ),
         )
     })?;
-    if command.pass_first.is_some() && command.fail_next.is_none() {
-        return Err(ApiError::new(
-            StatusCode::BAD_REQUEST,
-            "`pass_first` goes with `fail_next`: it says how many runs pass before those fail",
-        ));
-    }
-    if command.pressure.is_none() && command.fail_next.is_none() && command.driver_reset.is_none() {
-        return Err(ApiError::new(
-            StatusCode::BAD_REQUEST,
-            "nothing to do: give `pressure`, `fail_next` or `driver_reset`",
-        ));
-    }
-    if let Some(pressure) = command.pressure {
-        let bytes = pressure.bytes();
-        let held = Arc::clone(&sim);
-        tokio::task::spawn_blocking(move || held.set_pressure(bytes))
-            .await
-            .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?
-            .map_err(|e| ApiError::new(StatusCode::CONFLICT, e))?;
+    let (kill, hang, worker_pool) = check_sim(&command, service, &sim, &device)?;
+    let change = crate::device::simulated::DeviceChange {
+        pressure: command.pressure.map(|p| p.bytes()),
+        fail_next: command.fail_next,
+        pass_first: command.pass_first,
+        driver_reset: command.driver_reset == Some(true),
+        hang,
+    };
+    let held = Arc::clone(&sim);
+    let local_reset_off = command.driver_reset == Some(false);
+    tokio::task::spawn_blocking(move || {
+        if local_reset_off {
+            held.set_driver_reset(false);
+        }
+        held.apply(change)
+    })
+    .await
+    .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?
+    .map_err(|e| ApiError::new(StatusCode::CONFLICT, e))?;
+    if let Some(bytes) = change.pressure {
         tracing::info!(device = %device, pressure_bytes = bytes, "simulated external pressure set");
     }
-    if let Some(n) = command.pass_first {
-        sim.pass_first(n);
-    }
     if let Some(n) = command.fail_next {
-        sim.fail_next(n);
         tracing::warn!(device = %device, runs = n, "fault injection: the next runs fail with an allocator failure");
     }
     if let Some(reset) = command.driver_reset {
-        sim.set_driver_reset(reset);
         tracing::warn!(device = %device, reset, "fault injection: simulated driver reset");
+    }
+    let mut killed = None;
+    if kill && let Some(pool) = &worker_pool {
+        killed = Some(pool.kill_worker().map_err(|e| ApiError::new(StatusCode::CONFLICT, e))?);
+    }
+    if hang {
+        tracing::warn!(device = %device, "fault injection: the worker process stops answering");
     }
     service.resample_now().await;
     let snapshot = service.store.latest().snapshot;
+    let state = if kill || hang {
+        crate::device::simulated::DeviceState {
+            pressure: sim.pressure(),
+            ..Default::default()
+        }
+    } else {
+        let held = Arc::clone(&sim);
+        tokio::task::spawn_blocking(move || held.state())
+            .await
+            .unwrap_or_default()
+    };
     Ok(Json(json!({
         "device": device,
         "simulated": true,
-        "pressure_bytes": sim.pressure(),
-        "fail_next": sim.failures_pending(),
-        "pass_first": sim.passes_pending(),
-        "driver_reset": sim.driver_reset(),
+        "pressure_bytes": state.pressure,
+        "fail_next": state.fail_next,
+        "pass_first": state.pass_first,
+        "driver_reset": state.driver_reset,
+        "killed_worker_pid": killed,
+        "hung_worker": hang,
         "memory": snapshot.devices.get(&device),
     })))
 }
@@ -388,6 +409,52 @@ async fn residency(state: &Arc<AppState>, model: String, load: bool) -> Result<J
     .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?;
     service.resample_now().await;
     Ok(Json(json!({"model": model, "pools": answers})))
+}
+
+/// What a `POST /admin/sim/{device}` asks that can be done: the worker knobs (`kill_worker`,
+/// `hang_worker`) and the pool whose worker they reach, or why not.
+fn check_sim(
+    command: &SimCommand,
+    service: &crate::serve::service::Service,
+    sim: &crate::device::simulated::SimulatedDevice,
+    device: &str,
+) -> Result<(bool, bool, Option<Arc<crate::pool::Pool>>), ApiError> {
+    if command.pass_first.is_some() && command.fail_next.is_none() {
+        return Err(ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "`pass_first` goes with `fail_next`: it says how many runs pass before those fail",
+        ));
+    }
+    let kill = command.kill_worker == Some(true);
+    let hang = command.hang_worker == Some(true);
+    if command.pressure.is_none() && command.fail_next.is_none() && command.driver_reset.is_none() && !kill && !hang {
+        return Err(ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "nothing to do: give `pressure`, `fail_next`, `driver_reset`, `kill_worker` or `hang_worker`",
+        ));
+    }
+    if command.driver_reset == Some(false) && sim.is_linked() {
+        return Err(ApiError::new(
+            StatusCode::CONFLICT,
+            format!(
+                "a driver fault in `{device}`'s worker process is sticky, as a CUDA error is: POST /admin/pools/{{pool}}/restore replaces the worker"
+            ),
+        ));
+    }
+    let worker_pool = service
+        .pools
+        .iter()
+        .find(|p| p.config.device == device && p.is_process_isolated())
+        .cloned();
+    if (kill || hang) && worker_pool.is_none() {
+        return Err(ApiError::new(
+            StatusCode::CONFLICT,
+            format!(
+                "no pool on `{device}` runs in a worker process (`isolation: process`): there is no worker to kill or hang"
+            ),
+        ));
+    }
+    Ok((kill, hang, worker_pool))
 }
 
 #[cfg(test)]

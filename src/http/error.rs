@@ -29,7 +29,8 @@ pub fn status_of(error: &RequestError) -> StatusCode {
         | RequestError::BreakerOpen { .. }
         | RequestError::HostMemory { .. }
         | RequestError::Allocation { .. }
-        | RequestError::Remote { .. } => StatusCode::SERVICE_UNAVAILABLE,
+        | RequestError::Remote { .. }
+        | RequestError::WorkerLost { .. } => StatusCode::SERVICE_UNAVAILABLE,
     }
 }
 

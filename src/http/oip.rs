@@ -501,6 +501,7 @@ fn refused_response(refused: lifecycle::Refused, id: &str, degraded: Option<&cra
     let movable = match error {
         RequestError::Allocation { kind, not_retried, .. } => Some((format!("allocator_failure_{kind}"), not_retried)),
         RequestError::Remote { kind, not_retried, .. } => Some((format!("remote_{kind}"), not_retried)),
+        RequestError::WorkerLost { not_retried, .. } => Some(("worker_lost".to_string(), not_retried)),
         _ => None,
     };
     if let Some((reason, not_retried)) = movable {

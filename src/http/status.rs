@@ -122,6 +122,12 @@ fn pool_status(service: &Service, p: &Pool) -> PoolStatus {
         fallback: p.config.fallback.clone(),
         alloc_failures_recent: p.alloc_failures_recent(),
         arena: crate::telemetry::exporter::pool_arena(p, &service.simulated).map(ArenaStatus::from),
+        isolation: match p.config.isolation {
+            crate::config::Isolation::Process => "process",
+            crate::config::Isolation::Thread => "thread",
+        }
+        .into(),
+        worker_pid: p.worker_pid(),
     }
 }
 

@@ -16,6 +16,8 @@ pub(super) struct RunOf<'a> {
     pub(super) request_id: &'a str,
     pub(super) estimate_bytes: Option<u64>,
     pub(super) memory: &'a RunMemory,
+    /// No other run used its arena meanwhile: a new peak is its own.
+    pub(super) alone: bool,
 }
 
 impl Pool {
@@ -57,7 +59,14 @@ impl Pool {
             backend.refresh_arena_stats();
             self.publish_stats(backend);
             let after = backend.arena_stats();
-            if let Some(observation) = observe(before, after, result) {
+            // Only a run measured from just before it (or one that failed to allocate) tells
+            // what it took: an unmeasured run's `before` is whatever was read last, maybe long
+            // ago, and its peak since is not this run's.
+            if let Some(observation) = observe(before, after, result).filter(|_| measured || result.is_err()) {
+                let observation = match observation {
+                    Observation::Exactly(bytes) if !job.alone => Observation::AtMost(bytes),
+                    other => other,
+                };
                 job.memory.record(observation);
             }
             if new_largest {

@@ -25,6 +25,22 @@ pub struct PoolMetrics {
     pub health_ok: Counter,
     /// `vramguard_health_checks_total{pool, result="failed"}`
     pub health_failed: Counter,
+    /// Its worker process's, when it is process-isolated.
+    pub worker: Option<WorkerHandles>,
+}
+
+/// A process-isolated pool's worker metrics: `vramguard_worker_up{pool}` and
+/// `vramguard_worker_restarts_total{pool, reason}` by reason.
+#[derive(Debug, Clone, Default)]
+pub struct WorkerHandles {
+    /// `vramguard_worker_up{pool}`
+    pub up: prometheus_client::metrics::gauge::Gauge,
+    /// `…{reason="exited"}`: it died.
+    pub exited: Counter,
+    /// `…{reason="hung"}`: it stopped answering its heartbeat.
+    pub hung: Counter,
+    /// `…{reason="restore"}`: an operator's restore replaced it.
+    pub restore: Counter,
 }
 
 impl PoolMetrics {
@@ -37,6 +53,7 @@ impl PoolMetrics {
             breaker_recovery: Histogram::new([1.0, 10.0, 60.0, 600.0]),
             health_ok: Counter::default(),
             health_failed: Counter::default(),
+            worker: None,
         }
     }
 }

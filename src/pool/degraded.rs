@@ -32,6 +32,9 @@ pub enum Cause {
     BreakerOpen,
     /// Work was recently moved off an accelerator because it did not fit.
     MemoryRedirect,
+    /// An accelerator pool's worker process died or hung: until its replacement's probe
+    /// closes the breaker.
+    WorkerLost,
 }
 
 impl Cause {
@@ -42,6 +45,7 @@ impl Cause {
             Cause::DriverFault => "driver_fault",
             Cause::BreakerOpen => "breaker_open",
             Cause::MemoryRedirect => "memory_redirect",
+            Cause::WorkerLost => "worker_lost",
         }
     }
 
@@ -49,6 +53,7 @@ impl Cause {
     pub fn of_breaker(tripped: &Tripped) -> Cause {
         match tripped {
             Tripped::Driver => Cause::DriverFault,
+            Tripped::WorkerLost(_) => Cause::WorkerLost,
             Tripped::Failures(_) | Tripped::RemoteFailures(..) | Tripped::Restoring => Cause::BreakerOpen,
         }
     }

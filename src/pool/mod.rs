@@ -20,13 +20,14 @@ mod health;
 mod job;
 mod load;
 mod models;
+pub mod process;
 mod queue;
 mod residency;
 pub mod sequences;
 mod shared;
 mod worker;
 
-pub use context::{PoolContext, PoolMetrics, Respawn};
+pub use context::{PoolContext, PoolMetrics, Respawn, WorkerHandles};
 pub use evict::{ModelState, Resident};
 pub use job::{InferJob, JobResult, PoolError, RunCancel, RunMemory};
 pub use load::PoolLoad;
@@ -160,11 +161,25 @@ impl Pool {
     /// runtime.
     /// Returns how many backends were built.
     pub fn restore(&self) -> Result<usize, String> {
+        if self.respawn.is_none() {
+            return Err(format!("pool `{}` cannot rebuild its backends", self.name()));
+        }
+        self.breaker().force_open(self.context.clock.now());
+        // A process-isolated pool's worker is replaced: only a new process recovers from a
+        // sticky driver fault.
+        if let Some(host) = self.worker_host.get() {
+            self.replace_worker(host)?;
+        }
+        self.rebuild()
+    }
+
+    /// Replace every idle backend by a fresh one (the breaker is open; it goes half-open, and
+    /// the next health check is its probe).
+    pub(crate) fn rebuild(&self) -> Result<usize, String> {
         let respawn = self
             .respawn
             .clone()
             .ok_or_else(|| format!("pool `{}` cannot rebuild its backends", self.name()))?;
-        self.breaker().force_open(self.context.clock.now());
         // The old sessions go first: a device that holds the weights once may not hold them
         // twice, and after a driver fault they are no use anyway.
         drop(self.queue.take_idle());
@@ -189,11 +204,12 @@ impl Pool {
                 }
             }
         }
-        self.queue.restock(fresh, self.config.workers);
+        // Counted before the workers are woken: one may take a fresh backend at once (the
+        // health check's probe).
+        let built = self.queue.restock(fresh, self.config.workers);
         *self.availability.write().unwrap_or_else(PoisonError::into_inner) = Availability::Ready;
         self.breaker().restored();
         self.queue.wake_all();
-        let built = self.queue.idle();
         tracing::info!(
             pool = self.name(),
             built,

@@ -472,19 +472,22 @@ impl Queue {
 
     /// Replace the idle backends by `fresh` ones, keeping `workers` in all: a backend still
     /// running counts, and is kept. The old ones are dropped outside the lock.
-    pub(super) fn restock(&self, mut fresh: Vec<Slot>, workers: usize) {
-        let old = {
+    /// Returns how many of `fresh` it kept.
+    pub(super) fn restock(&self, mut fresh: Vec<Slot>, workers: usize) -> usize {
+        let (old, kept) = {
             let mut state = self.lock();
             fresh.truncate(workers.saturating_sub(state.inflight));
             self.live.store(fresh.len() + state.inflight, Ordering::SeqCst);
+            let kept = fresh.len();
             let fresh: Vec<Slot> = fresh.into_iter().map(|slot| state.admit(slot)).collect();
             let old = std::mem::replace(&mut state.idle, fresh);
             for slot in &old {
                 state.matched.remove(&slot.id);
             }
-            old
+            (old, kept)
         };
         drop(old);
+        kept
     }
 
     /// Give a backend that replaced one that panicked its id, keeping the old one's place.
@@ -497,11 +500,6 @@ impl Queue {
     /// Wake every worker (the backends were restocked).
     pub(super) fn wake_all(&self) {
         self.wake.notify_all();
-    }
-
-    /// How many backends are idle.
-    pub(super) fn idle(&self) -> usize {
-        self.lock().idle.len()
     }
 
     /// Depth, oldest age and in-flight count read under one lock, with the delay estimate for

@@ -52,6 +52,12 @@ pub struct Pool {
     pub(super) breaker: Mutex<Breaker>,
     /// Text generations on this pool and the KV cache they hold.
     pub sequences: Arc<Sequences>,
+    /// Runs in progress on its backends, and runs started so far: a measured run that
+    /// overlapped another cannot tell its own peak in an arena they share.
+    pub(super) running: std::sync::atomic::AtomicUsize,
+    pub(super) runs_started: AtomicU64,
+    /// Its worker process, when it is process-isolated.
+    pub(super) worker_host: std::sync::OnceLock<Arc<crate::pool::process::WorkerHost>>,
 }
 
 impl std::fmt::Debug for Pool {
@@ -88,6 +94,9 @@ impl Pool {
             breaker,
             workers: Mutex::new(Vec::new()),
             sequences: Arc::default(),
+            running: std::sync::atomic::AtomicUsize::new(0),
+            runs_started: AtomicU64::new(0),
+            worker_host: std::sync::OnceLock::new(),
         }
     }
 

@@ -3,6 +3,7 @@
 //! pool up once none is left).
 
 use std::panic::AssertUnwindSafe;
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, PoisonError};
 use std::time::Instant;
 
@@ -139,6 +140,10 @@ impl Pool {
                 // A replacement holds the sessions the pool starts with; the worker brings it
                 // up to the wanted models before its next job.
                 true => self.queue.replace(id, Slot::fresh(backend, self.start_set())),
+                false if backend.lost() => match self.on_new_worker() {
+                    Some(fresh) => self.queue.replace(id, Slot::fresh(fresh, self.start_set())),
+                    None => Slot::with(id, backend, loaded, generation),
+                },
                 false => Slot::with(id, backend, loaded, generation),
             });
             return (kept, Some(result));
@@ -158,9 +163,13 @@ impl Pool {
             backend.refresh_arena_stats_for(&job.model);
         }
         let before = backend.arena_stats();
+        let first = self.runs_started.fetch_add(1, Ordering::SeqCst) + 1;
+        let mut alone = self.running.fetch_add(1, Ordering::SeqCst) == 0;
         let run = std::panic::catch_unwind(AssertUnwindSafe(|| {
             backend.run(&job.model, job.inputs, &job.outputs, &job.meta)
         }));
+        alone &= self.running.fetch_sub(1, Ordering::SeqCst) == 1;
+        alone &= self.runs_started.load(Ordering::SeqCst) == first;
         job.cancel.end();
         // A health check runs the smallest input: it would skew the delay estimate low.
         if !job.probe {
@@ -190,6 +199,9 @@ impl Pool {
             request_id: &job.meta.request_id,
             estimate_bytes: job.estimate_bytes,
             memory: &job.memory,
+            // The simulated device's arena is one for every session: another run's peak
+            // during this one would read as this one's.
+            alone: alone || self.device_kind != crate::core::snapshot::DeviceClass::Simulated,
         };
         self.stats_after_run(backend.as_mut(), run, before, &result);
         match &result {
@@ -210,6 +222,18 @@ impl Pool {
             Ok(_) => {}
         }
         (result.map_err(PoolError::from), Some(backend))
+    }
+
+    /// A backend for the worker process that replaced a lost one, when one runs (until then a
+    /// lost backend stays: its runs fail at once, and the restart rebuilds the idle ones).
+    fn on_new_worker(&self) -> Option<Box<dyn Backend>> {
+        self.worker_host.get()?.current()?;
+        let respawn = self.respawn.as_ref()?;
+        respawn()
+            .inspect_err(
+                |why| tracing::warn!(pool = self.name(), %why, "cannot reopen sessions on the new worker process"),
+            )
+            .ok()
     }
 
     /// A backend could not be replaced. When the last one is gone the pool becomes unavailable

@@ -234,6 +234,13 @@ pub struct PoolStatus {
     /// Its ONNX Runtime arena; `null` where there is none to read (remote pools, a pool that
     /// did not start).
     pub arena: Option<ArenaStatus>,
+    /// Where its sessions run: `process` (a worker process of its own) or `thread`.
+    #[serde(default)]
+    pub isolation: String,
+    /// Its worker process's pid, while one runs; `null` for `thread` isolation (and while a
+    /// lost worker is being replaced).
+    #[serde(default)]
+    pub worker_pid: Option<u32>,
 }
 
 /// A pool's arena, as ONNX Runtime's allocator reports it.
@@ -336,6 +343,8 @@ pub(crate) mod tests {
             fallback: None,
             alloc_failures_recent: 0,
             arena: None,
+            isolation: "thread".into(),
+            worker_pid: None,
         };
         let gpu = PoolStatus {
             breaker: BreakerState::Open,

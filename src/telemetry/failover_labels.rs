@@ -56,6 +56,8 @@ pub enum FailoverReason {
     policy_redirect,
     /// Retried after a remote pool's server failed (unreachable, 5xx, timeout, overloaded).
     remote_retry,
+    /// Retried after the pool's worker process died or hung while it held the run.
+    worker_lost,
 }
 
 /// `{model, fallback_model, reason}`: a request for `model` answered by its `fallback_model`.
@@ -89,12 +91,13 @@ impl SubstitutionReason {
 
 impl FailoverReason {
     /// Every value, for creating each series at 0 before its first event.
-    pub const ALL: [Self; 5] = [
+    pub const ALL: [Self; 6] = [
         Self::oom_retry,
         Self::driver_retry,
         Self::breaker_open,
         Self::policy_redirect,
         Self::remote_retry,
+        Self::worker_lost,
     ];
 
     /// Whether work moved because it did not fit in accelerator memory, which starts degraded
@@ -104,7 +107,7 @@ impl FailoverReason {
     pub fn moves_for_memory(self) -> bool {
         match self {
             Self::oom_retry | Self::policy_redirect => true,
-            Self::driver_retry | Self::breaker_open | Self::remote_retry => false,
+            Self::driver_retry | Self::breaker_open | Self::remote_retry | Self::worker_lost => false,
         }
     }
 }

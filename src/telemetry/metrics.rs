@@ -229,6 +229,8 @@ pub struct Metrics {
     pub estimates: crate::telemetry::estimates::EstimateMetrics,
     /// The pools' health checks.
     pub health: crate::telemetry::health::HealthMetrics,
+    /// Process-isolated pools' worker processes.
+    pub workers: crate::telemetry::workers::WorkerMetrics,
     /// Which models each pool holds, their loads and unloads.
     pub residency: crate::telemetry::residency::ResidencyMetrics,
     /// Requests held back by their service's budgets.
@@ -348,6 +350,7 @@ impl Metrics {
             remote_request_duration: Family::new_with_constructor(hop_histogram),
             estimates: Default::default(),
             health: Default::default(),
+            workers: Default::default(),
             residency: Default::default(),
             service_waits: Default::default(),
         };
@@ -396,6 +399,7 @@ impl Metrics {
         let metrics = self;
         metrics.estimates.register(registry);
         metrics.health.register(registry);
+        metrics.workers.register(registry);
         metrics.residency.register(registry);
         metrics.service_waits.register(registry);
         registry.register(
@@ -538,6 +542,17 @@ impl Metrics {
         }
     }
 
+    /// `pool`'s worker-process handles (only process-isolated pools have them).
+    pub fn worker_metrics(&self, pool: &str) -> crate::pool::WorkerHandles {
+        let (up, [exited, hung, restore]) = self.workers.of_pool(pool);
+        crate::pool::WorkerHandles {
+            up,
+            exited,
+            hung,
+            restore,
+        }
+    }
+
     /// The handles a pool's workers record into.
     pub fn pool_metrics(&self, pool: &str, device: &str) -> crate::pool::PoolMetrics {
         let failures = |kind| {
@@ -551,6 +566,7 @@ impl Metrics {
         crate::pool::PoolMetrics {
             health_ok,
             health_failed,
+            worker: None,
             breaker_recovery: self
                 .breaker_recovery
                 .get_or_create_owned(&PoolLabels { pool: pool.to_string() }),

@@ -12,3 +12,4 @@ pub mod metrics;
 pub mod residency;
 pub mod services;
 pub mod waits;
+pub mod workers;

@@ -9,10 +9,27 @@ use crate::config::{Config, PoolConfig, Provider, RawConfig, parse_yaml};
 /// `yaml` parsed and validated into a [`Config`], with relative model paths taken from the
 /// project root (where `models/` is), whatever folder the test or bench runs in. Panics with
 /// the config error, which names the key: a test's own config is wrong, not its subject.
+/// Process-isolated pools start their workers from the `vramguard` binary Cargo built beside
+/// the test or bench.
 pub fn validated(yaml: &str) -> Config {
     let raw: RawConfig = parse_yaml(yaml, "test.yaml").unwrap_or_else(|e| panic!("test config parses: {e}"));
-    raw.validate("test.yaml", Path::new(env!("CARGO_MANIFEST_DIR")))
-        .unwrap_or_else(|e| panic!("test config validates: {e}"))
+    let mut config = raw
+        .validate("test.yaml", Path::new(env!("CARGO_MANIFEST_DIR")))
+        .unwrap_or_else(|e| panic!("test config validates: {e}"));
+    config.worker_exe = built_binary();
+    config
+}
+
+/// The `vramguard` binary of this build: beside the running test or bench (`target/debug/`,
+/// which holds `deps/` where test executables are), when Cargo built it.
+pub fn built_binary() -> Option<std::path::PathBuf> {
+    let exe = std::env::current_exe().ok()?;
+    let mut dir = exe.parent()?;
+    if dir.ends_with("deps") {
+        dir = dir.parent()?;
+    }
+    let binary = dir.join("vramguard");
+    binary.exists().then_some(binary)
 }
 
 /// A CPU pool `name` on `device` serving `models`: one worker of one intra-op thread, a queue
@@ -29,6 +46,7 @@ pub fn pool(name: &str, device: &str, models: &[&str]) -> PoolConfig {
         queue_capacity: 64,
         max_wait: Duration::from_secs(30),
         arena_shrinkage: false,
+        isolation: crate::config::Isolation::Thread,
         idle_release: None,
         max_context: None,
         breaker: crate::core::breaker::BreakerConfig::default(),

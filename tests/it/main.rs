@@ -15,6 +15,7 @@ mod failover;
 mod generation;
 mod health;
 mod http;
+mod isolation;
 mod layering;
 mod learned;
 mod lifecycle;

@@ -52,6 +52,7 @@ impl RawConfig {
             host_reserve: self.host.reserve.bytes(),
             exporter,
             policy,
+            worker_exe: None,
         })
     }
 }

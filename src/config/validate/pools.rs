@@ -5,10 +5,10 @@ use std::collections::HashSet;
 
 use super::Checker;
 use crate::config::error::ConfigError;
-use crate::config::raw::{RawArenaExtendStrategy, RawPool, RawProvider};
+use crate::config::raw::{RawArenaExtendStrategy, RawIsolation, RawPool, RawProvider};
 use crate::config::types::{
-    CudaOptions, DEFAULT_IDLE_RELEASE, DeviceConfig, DeviceKind, HOST_DEVICE, HealthConfig, Mode, ModelConfig,
-    PoolConfig, Provider, RemoteOptions,
+    CudaOptions, DEFAULT_IDLE_RELEASE, DeviceConfig, DeviceKind, HOST_DEVICE, HealthConfig, Isolation, Mode,
+    ModelConfig, PoolConfig, Provider, RemoteOptions,
 };
 use crate::core::breaker::BreakerConfig;
 
@@ -33,6 +33,7 @@ pub(super) fn pools(
     }
     fallbacks(c, &pools)?;
     every_model_served(c, models, &pools)?;
+    one_process_per_simulated_device(c, &pools)?;
     Ok(pools)
 }
 
@@ -90,6 +91,7 @@ fn pool(
         Some(d) => Some(d.0),
         None => matches!(provider, Provider::Cpu).then_some(DEFAULT_IDLE_RELEASE),
     };
+    let isolation = isolation(c, key, p, &provider)?;
     Ok(PoolConfig {
         name: p.name.clone(),
         provider,
@@ -109,7 +111,43 @@ fn pool(
         },
         health,
         fallback: p.fallback.clone(),
+        isolation,
     })
+}
+
+/// `isolation`, by default `process` for accelerator pools and `thread` for `cpu` ones.
+fn isolation(c: &Checker, key: &str, p: &RawPool, provider: &Provider) -> Result<Isolation, ConfigError> {
+    match (p.isolation, provider) {
+        (Some(_), Provider::Remote(_)) => Err(c.err(
+            format!("{key}.isolation"),
+            "a remote pool runs no sessions here: its server is its own process",
+        )),
+        (_, Provider::Remote(_)) | (None, Provider::Cpu) | (Some(RawIsolation::Thread), _) => Ok(Isolation::Thread),
+        (None, _) | (Some(RawIsolation::Process), _) => Ok(Isolation::Process),
+    }
+}
+
+/// A simulated device's capacity is one ONNX Runtime arena, which lives in one process: a
+/// process-isolated pool on it must be the only pool there.
+fn one_process_per_simulated_device(c: &Checker, pools: &[PoolConfig]) -> Result<(), ConfigError> {
+    for (i, pool) in pools.iter().enumerate() {
+        if pool.provider != Provider::Simulated || pool.isolation != Isolation::Process {
+            continue;
+        }
+        if let Some(other) = pools
+            .iter()
+            .find(|o| o.name != pool.name && o.provider == Provider::Simulated && o.device == pool.device)
+        {
+            return Err(c.err(
+                format!("pools[{i}].isolation"),
+                format!(
+                    "simulated device `{}` is also used by pool `{}`: its capacity is one arena, which one worker process holds; give both pools `isolation: thread`",
+                    pool.device, other.name
+                ),
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// The provider with its options, and the device it runs on: each provider takes only its own

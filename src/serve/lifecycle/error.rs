@@ -224,6 +224,21 @@ pub enum RequestError {
         /// Why it was not retried on the fallback pool, when one is configured.
         not_retried: Option<NotRetried>,
     },
+    /// The pool's worker process was lost while it held the run (it may have run there).
+    #[error(
+        "pool `{pool}` lost its worker process while it held the request: {message}{}",
+        not_retried.as_ref().map(|n| format!("; {n}")).unwrap_or_default()
+    )]
+    WorkerLost {
+        /// The pool.
+        pool: String,
+        /// What happened.
+        message: String,
+        /// Until its replacement is likely to serve.
+        retry_after: Duration,
+        /// Why it was not retried on the fallback pool, when one is configured.
+        not_retried: Option<NotRetried>,
+    },
     /// A remote pool's server refused the request as the client's mistake: its status and
     /// message are passed on.
     #[error("remote pool `{pool}`: {message}")]
@@ -292,7 +307,7 @@ impl RequestError {
             | RequestError::RemoteRefused { .. } => Outcome::client_error,
             // Refused or never received there: nothing ran, as with a full queue.
             RequestError::Remote { kind, .. } if kind.nothing_ran() => Outcome::rejected,
-            RequestError::Remote { .. } => Outcome::failed,
+            RequestError::Remote { .. } | RequestError::WorkerLost { .. } => Outcome::failed,
             RequestError::DeferredTooLong { .. }
             | RequestError::OverBudget { .. }
             | RequestError::QueueTimeout { .. } => Outcome::deferred_timeout,
@@ -323,7 +338,8 @@ impl RequestError {
             | RequestError::BreakerOpen { retry_after, .. }
             | RequestError::HostMemory { retry_after, .. }
             | RequestError::Allocation { retry_after, .. }
-            | RequestError::Remote { retry_after, .. } => *retry_after,
+            | RequestError::Remote { retry_after, .. }
+            | RequestError::WorkerLost { retry_after, .. } => *retry_after,
             RequestError::UnknownModel { .. }
             | RequestError::BadInput(_)
             | RequestError::BodyTooLarge(_)
@@ -338,7 +354,10 @@ impl RequestError {
 
     /// Say why a failure that could have moved to the fallback pool did not.
     pub(super) fn not_retried(mut self, why: NotRetried) -> RequestError {
-        if let RequestError::Allocation { not_retried, .. } | RequestError::Remote { not_retried, .. } = &mut self {
+        if let RequestError::Allocation { not_retried, .. }
+        | RequestError::Remote { not_retried, .. }
+        | RequestError::WorkerLost { not_retried, .. } = &mut self
+        {
             *not_retried = Some(why);
         }
         self
@@ -403,6 +422,12 @@ impl RequestError {
                 kind,
                 message,
                 retry_after: pool.config.breaker.cooldown.min(Duration::from_secs(30)),
+                not_retried: None,
+            },
+            PoolError::Backend(BackendError::WorkerLost(message)) => RequestError::WorkerLost {
+                pool: name,
+                message,
+                retry_after: Duration::from_secs(2),
                 not_retried: None,
             },
             PoolError::Backend(BackendError::RemoteRefused { status, message }) => RequestError::RemoteRefused {

@@ -141,6 +141,7 @@ fn retry_reason(error: &PoolError) -> Option<FailoverReason> {
             ..
         }) => Some(FailoverReason::driver_retry),
         PoolError::Backend(BackendError::Remote { .. }) => Some(FailoverReason::remote_retry),
+        PoolError::Backend(BackendError::WorkerLost(_)) => Some(FailoverReason::worker_lost),
         _ => None,
     }
 }

@@ -2,11 +2,14 @@
 //! provider, model signatures read from a CPU session, memory profiles measured from ONNX
 //! Runtime's own arena peaks.
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
 
-use crate::config::{Config, DeviceKind, ModelConfig, PoolConfig, Provider};
+use crate::config::{Config, DeviceKind, Isolation, ModelConfig, PoolConfig, Provider};
 use crate::core::backend::Backend;
 use crate::device::simulated::{FaultInjecting, SimulatedDevice};
+use crate::pool::process::{ProcessBackend, WorkerHost, WorkerSpec};
 use crate::runtime::estimate::{self, MemoryProfile};
 use crate::runtime::onnx::{self, ModelSignature, OnnxRuntime, OrtBackend, SessionOptions};
 
@@ -20,6 +23,29 @@ pub struct OrtFactory {
     nvidia: Vec<(String, u32)>,
     /// Simulated devices, whose injected faults their pools' backends honour.
     simulated: Vec<Arc<SimulatedDevice>>,
+    /// Where process-isolated pools' workers start from, or why they cannot.
+    worker_exe: Result<PathBuf, String>,
+    /// Process-isolated pools' worker processes, by pool.
+    hosts: Mutex<HashMap<String, Arc<WorkerHost>>>,
+}
+
+/// The executable a process-isolated pool's worker starts from: `config.worker_exe`, else
+/// `VRAMGUARD_WORKER_EXE`, else this program when it is vramguard.
+fn worker_exe(config: &Config) -> Result<PathBuf, String> {
+    if let Some(exe) = &config.worker_exe {
+        return Ok(exe.clone());
+    }
+    if let Some(exe) = std::env::var_os("VRAMGUARD_WORKER_EXE") {
+        return Ok(PathBuf::from(exe));
+    }
+    let me = std::env::current_exe().map_err(|e| format!("cannot find this program's path: {e}"))?;
+    match me.file_name().and_then(|n| n.to_str()) {
+        Some("vramguard") => Ok(me),
+        _ => Err(format!(
+            "{} is not vramguard, which process-isolated pools start their workers from: set VRAMGUARD_WORKER_EXE to the vramguard binary, or give the pool `isolation: thread`",
+            me.display()
+        )),
+    }
 }
 
 impl OrtFactory {
@@ -33,7 +59,47 @@ impl OrtFactory {
                 DeviceKind::Simulated { .. } => None,
             })
             .collect();
-        OrtFactory { rt, nvidia, simulated }
+        OrtFactory {
+            rt,
+            nvidia,
+            simulated,
+            worker_exe: worker_exe(config),
+            hosts: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// `pool`'s worker host, made and its first worker started on first use; a simulated
+    /// device it runs on is reached through it from then on.
+    fn host(&self, pool: &PoolConfig, device_index: u32) -> Result<Arc<WorkerHost>, String> {
+        let mut hosts = self.hosts.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(host) = hosts.get(&pool.name) {
+            return Ok(Arc::clone(host));
+        }
+        let exe = self.worker_exe.clone()?;
+        let simulated = self
+            .simulated
+            .iter()
+            .find(|d| d.name == pool.device && pool.provider == Provider::Simulated);
+        let spec = WorkerSpec {
+            pool: pool.name.clone(),
+            provider: pool.provider.label().to_string(),
+            cuda: match &pool.provider {
+                Provider::Cuda(o) => Some((o.gpu_mem_limit, o.same_as_requested)),
+                _ => None,
+            },
+            device_index,
+            intra_threads: pool.intra_threads,
+            arena_shrinkage: pool.arena_shrinkage,
+            simulated: simulated.map(|d| (d.name.clone(), d.capacity)),
+            onnxruntime_library: self.rt.library.clone(),
+        };
+        let host = WorkerHost::new(spec, exe, pool.health.timeout)?;
+        host.start()?;
+        if let Some(device) = simulated {
+            device.attach(Arc::clone(&host) as Arc<dyn crate::device::simulated::DeviceLink>);
+        }
+        hosts.insert(pool.name.clone(), Arc::clone(&host));
+        Ok(host)
     }
 
     /// A CPU session: signatures and profiles are read on the CPU, so they are known even when
@@ -53,6 +119,10 @@ impl OrtFactory {
 impl BackendFactory for OrtFactory {
     fn runtime_version(&self) -> String {
         self.rt.version.clone()
+    }
+
+    fn worker_host(&self, pool: &str) -> Option<Arc<WorkerHost>> {
+        self.hosts.lock().unwrap_or_else(|e| e.into_inner()).get(pool).cloned()
     }
 
     fn signature(&self, _model: &ModelConfig, bytes: &[u8]) -> Result<ModelSignature, String> {
@@ -87,6 +157,10 @@ impl BackendFactory for OrtFactory {
                 Ok(n) => return Err(format!("NVIDIA device {device_index} does not exist (NVML sees {n})")),
                 Err(reason) => return Err(reason),
             }
+        }
+        if pool.isolation == Isolation::Process && !matches!(pool.provider, Provider::Remote(_)) {
+            let host = self.host(pool, device_index)?;
+            return Ok(Box::new(ProcessBackend::open(&host, models)?));
         }
         let options = SessionOptions {
             provider: pool.provider.clone(),

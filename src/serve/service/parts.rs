@@ -24,6 +24,11 @@ pub trait BackendFactory: Send + Sync {
     /// Build one worker's backend for `pool`, holding `models` (name and bytes). An error makes
     /// the pool unavailable with that reason; it never falls back to another provider.
     fn backend(&self, pool: &PoolConfig, models: &[(String, &[u8])]) -> Result<Box<dyn Backend>, String>;
+    /// The worker processes of a process-isolated pool, once its first backend started one.
+    fn worker_host(&self, pool: &str) -> Option<Arc<crate::pool::process::WorkerHost>> {
+        let _ = pool;
+        None
+    }
 }
 
 /// What a service is assembled from.
@@ -55,6 +60,17 @@ impl Parts {
         let mut simulated = Vec::new();
         for device in &config.devices {
             if let DeviceKind::Simulated { capacity } = device.kind {
+                // A process-isolated pool's worker holds the device's arena; we reach it there.
+                let in_worker = config.pools.iter().any(|p| {
+                    p.device == device.name
+                        && p.provider == crate::config::Provider::Simulated
+                        && p.isolation == crate::config::Isolation::Process
+                });
+                if in_worker {
+                    tracing::info!(device = %device.name, capacity = %crate::telemetry::logging::human_bytes(capacity), "SIMULATED accelerator ready (held by its pool's worker process)");
+                    simulated.push(Arc::new(SimulatedDevice::linked(&device.name, capacity)));
+                    continue;
+                }
                 let opened =
                     SimulatedDevice::open(rt, &device.name, capacity).map_err(|message| ConfigError::Invalid {
                         file: config.source.clone(),

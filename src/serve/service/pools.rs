@@ -68,7 +68,17 @@ pub(super) fn start_pool(
         workers = pool.workers,
         "pool ready"
     );
-    Pool::start(pool.clone(), device_kind, workers, Some(build), context)
+    let host = backends.worker_host(&pool.name);
+    let mut context = context;
+    if host.is_some() {
+        context.metrics.worker = Some(metrics.worker_metrics(&pool.name));
+    }
+    let started = Pool::start(pool.clone(), device_kind, workers, Some(build), context);
+    if let Some(host) = host {
+        tracing::info!(pool = %pool.name, pid = host.pid(), "pool runs in its worker process");
+        started.supervise(host);
+    }
+    started
 }
 
 /// How `pool` holds each model it serves, with the bytes to load it again and its metrics.

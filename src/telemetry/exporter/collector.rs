@@ -441,15 +441,20 @@ fn encode_host(encoder: &mut DescriptorEncoder, sample: &Sample) -> Result<(), s
 /// Every cause of degraded mode, each exported as a `reason` from the first scrape (a reason
 /// that appeared only while it lasted would leave the dashboard and the alerts nothing to
 /// start from). A cause added to [`Cause`] fails this match until it is listed here too.
-fn every_cause() -> [Cause; 4] {
+fn every_cause() -> [Cause; 5] {
     let listed = |cause: Cause| match cause {
-        Cause::PoolUnavailable | Cause::DriverFault | Cause::BreakerOpen | Cause::MemoryRedirect => cause,
+        Cause::PoolUnavailable
+        | Cause::DriverFault
+        | Cause::BreakerOpen
+        | Cause::MemoryRedirect
+        | Cause::WorkerLost => cause,
     };
     [
         Cause::PoolUnavailable,
         Cause::DriverFault,
         Cause::BreakerOpen,
         Cause::MemoryRedirect,
+        Cause::WorkerLost,
     ]
     .map(listed)
 }

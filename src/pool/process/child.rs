@@ -1,0 +1,439 @@
+//! The worker process (`vramguard worker`, started by vramguard itself, never by users): it
+//! owns ONNX Runtime's environment and one pool's sessions, and serves them over a Unix socket.
+//! Each session connection is one of the pool's workers (its own sessions, its own thread
+//! here); a control connection answers the heartbeat and changes the simulated device; an
+//! interrupt connection per session stops its run in progress.
+//!
+//! It never outlives its parent: the kernel kills it when the parent dies
+//! (`PR_SET_PDEATHSIG`), and it exits when its standard input (a pipe the parent holds) ends.
+
+use std::collections::HashMap;
+use std::io::{BufRead, Read};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use serde::{Deserialize, Serialize};
+
+use super::wire::{self, Answer, Ask, SimChange, SimState, WireError};
+use crate::config::{CudaOptions, Provider};
+use crate::core::backend::{Backend, BackendError, Interrupt, RunMeta};
+use crate::device::simulated::{FaultInjecting, SimulatedDevice};
+use crate::runtime::onnx::{OnnxRuntime, OrtBackend, SessionOptions};
+
+/// What a worker is started with: its pool's provider and session options, on its standard
+/// input as one line of JSON.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct WorkerSpec {
+    /// The pool it serves (for its log lines and its process listing).
+    pub pool: String,
+    /// `cpu`, `cuda` or `simulated`.
+    pub provider: String,
+    /// CUDA's `gpu_mem_limit` and `same_as_requested`.
+    pub cuda: Option<(Option<u64>, bool)>,
+    /// CUDA device index.
+    pub device_index: u32,
+    /// Intra-op threads per session.
+    pub intra_threads: usize,
+    /// Shrink the arena after every run.
+    pub arena_shrinkage: bool,
+    /// The simulated device the pool runs on: its name and capacity.
+    pub simulated: Option<(String, u64)>,
+    /// Where ONNX Runtime's library is.
+    pub onnxruntime_library: PathBuf,
+}
+
+impl WorkerSpec {
+    fn session_options(&self) -> Result<SessionOptions, String> {
+        let provider = match self.provider.as_str() {
+            "cpu" => Provider::Cpu,
+            "simulated" => Provider::Simulated,
+            "cuda" => {
+                let (gpu_mem_limit, same_as_requested) = self.cuda.unwrap_or((None, false));
+                Provider::Cuda(CudaOptions {
+                    gpu_mem_limit,
+                    same_as_requested,
+                })
+            }
+            other => return Err(format!("a worker cannot run provider `{other}`")),
+        };
+        Ok(SessionOptions {
+            provider,
+            device_index: self.device_index,
+            intra_threads: self.intra_threads,
+            arena_shrinkage: self.arena_shrinkage,
+            quiet: false,
+        })
+    }
+}
+
+/// One session connection's run state, for its interrupts: the run going now and the latest
+/// run an interrupt was sent for, under one lock with the terminate flag's changes.
+#[derive(Default)]
+struct Runs {
+    running: u64,
+    interrupted: u64,
+    handle: Option<Interrupt>,
+}
+
+/// The worker's state, shared by its connections.
+struct Worker {
+    rt: &'static OnnxRuntime,
+    options: SessionOptions,
+    device: Option<Arc<SimulatedDevice>>,
+    sessions: Mutex<HashMap<u64, Arc<Mutex<Runs>>>>,
+    next_session: AtomicU64,
+    /// `hang_worker`: every answer stops from now on.
+    hung: AtomicBool,
+    /// A driver fault poisoned the process, as a sticky CUDA error does: every run fails.
+    poisoned: AtomicBool,
+}
+
+/// Run the worker until its parent goes: `socket` is where it listens, `parent` the pid that
+/// started it.
+#[allow(unsafe_code)]
+pub fn serve(socket: &Path, parent: u32) -> Result<(), String> {
+    // SAFETY: prctl with PR_SET_PDEATHSIG takes a signal number and changes only this process.
+    unsafe {
+        libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+    }
+    // The parent may have died before the line above: then nobody would ever kill us.
+    // SAFETY: getppid has no preconditions.
+    if unsafe { libc::getppid() } as u32 != parent {
+        return Err("the parent process is gone".into());
+    }
+    let mut stdin = std::io::stdin().lock();
+    let mut line = String::new();
+    stdin
+        .read_line(&mut line)
+        .map_err(|e| format!("cannot read the worker's spec: {e}"))?;
+    let spec: WorkerSpec = serde_json::from_str(&line).map_err(|e| format!("the worker's spec is not valid: {e}"))?;
+    drop(stdin);
+    std::thread::Builder::new()
+        .name("parent-watch".into())
+        .spawn(|| {
+            // The parent holds the other end: when it closes (the parent exits), so do we.
+            let mut sink = [0u8; 64];
+            let mut stdin = std::io::stdin();
+            while matches!(stdin.read(&mut sink), Ok(n) if n > 0) {}
+            std::process::exit(0);
+        })
+        .map_err(|e| e.to_string())?;
+    let rt = crate::runtime::onnx::runtime(Some(&spec.onnxruntime_library)).map_err(|e| e.to_string())?;
+    let device = match &spec.simulated {
+        Some((name, capacity)) => Some(Arc::new(SimulatedDevice::open(rt, name, *capacity)?)),
+        None => None,
+    };
+    let _ = std::fs::remove_file(socket);
+    let listener = UnixListener::bind(socket).map_err(|e| format!("cannot listen on {}: {e}", socket.display()))?;
+    let worker = Arc::new(Worker {
+        rt,
+        options: spec.session_options()?,
+        device,
+        sessions: Mutex::new(HashMap::new()),
+        next_session: AtomicU64::new(1),
+        hung: AtomicBool::new(false),
+        poisoned: AtomicBool::new(false),
+    });
+    tracing::info!(pool = %spec.pool, pid = std::process::id(), "worker ready");
+    println!("ready");
+    for stream in listener.incoming() {
+        let Ok(stream) = stream else { continue };
+        let worker = Arc::clone(&worker);
+        let _ = std::thread::Builder::new()
+            .name(format!("{}-conn", spec.pool))
+            .spawn(move || worker.connection(stream));
+    }
+    Ok(())
+}
+
+impl Worker {
+    /// Serve one connection by its first frame.
+    fn connection(&self, mut stream: UnixStream) {
+        let Ok((ask, payload)) = wire::read_frame::<Ask>(&mut stream) else {
+            return;
+        };
+        match ask {
+            Ask::Open { models } => self.session(stream, &models, &payload),
+            Ask::Control => self.control(stream),
+            Ask::Interrupt { session, .. } => self.interrupts(stream, session),
+            other => {
+                let _ = reply(
+                    &mut stream,
+                    &Answer::Refused(format!("a connection cannot start with {other:?}")),
+                    &[],
+                );
+            }
+        }
+    }
+
+    fn wrap(&self, backend: OrtBackend) -> Box<dyn Backend> {
+        match &self.device {
+            Some(device) => Box::new(FaultInjecting::new(Box::new(backend), Arc::clone(device))),
+            None => Box::new(backend),
+        }
+    }
+
+    /// A session connection: build its sessions, then run what it asks until it closes.
+    fn session(&self, mut stream: UnixStream, models: &[(String, u64)], payload: &[u8]) {
+        let mut at = 0;
+        let mut files = Vec::new();
+        for (name, len) in models {
+            match wire::take(payload, &mut at, *len) {
+                Ok(bytes) => files.push((name.clone(), bytes)),
+                Err(why) => {
+                    let _ = reply(&mut stream, &Answer::Refused(why), &[]);
+                    return;
+                }
+            }
+        }
+        let built = OrtBackend::load(self.rt, &files, &self.options).and_then(|backend| {
+            if let Some(device) = &self.device {
+                device.check_capacity("loading the pool's models")?;
+            }
+            Ok(self.wrap(backend))
+        });
+        let mut backend = match built {
+            Ok(backend) => backend,
+            Err(why) => {
+                let _ = reply(&mut stream, &Answer::Refused(why), &[]);
+                return;
+            }
+        };
+        drop(files);
+        let id = self.next_session.fetch_add(1, Ordering::Relaxed);
+        let runs = Arc::new(Mutex::new(Runs {
+            handle: backend.interrupt_handle(),
+            ..Runs::default()
+        }));
+        self.sessions
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(id, Arc::clone(&runs));
+        if reply(&mut stream, &Answer::Done { session: Some(id) }, &[]).is_err() {
+            return;
+        }
+        while let Ok((ask, payload)) = wire::read_frame::<Ask>(&mut stream) {
+            self.wait_if_hung();
+            let sent = match ask {
+                Ask::Run {
+                    model,
+                    outputs,
+                    inputs,
+                    stats,
+                } => self.run(
+                    &mut stream,
+                    backend.as_mut(),
+                    &runs,
+                    (&model, &outputs, &inputs, stats),
+                    &payload,
+                ),
+                Ask::Stats { model } => {
+                    match model {
+                        Some(model) => backend.refresh_arena_stats_for(&model),
+                        None => backend.refresh_arena_stats(),
+                    }
+                    reply(&mut stream, &Answer::Stats(backend.arena_stats().map(Into::into)), &[])
+                }
+                Ask::Load { name, bytes } => {
+                    let answer = match wire::take(&payload, &mut 0, bytes) {
+                        Ok(file) => match backend.load_model(&name, file) {
+                            Ok(()) => Answer::Done { session: None },
+                            Err(why) => Answer::Refused(why),
+                        },
+                        Err(why) => Answer::Refused(why),
+                    };
+                    reply(&mut stream, &answer, &[])
+                }
+                Ask::Unload { name } => {
+                    backend.unload_model(&name);
+                    reply(&mut stream, &Answer::Done { session: None }, &[])
+                }
+                Ask::Release { probes } => {
+                    let mut at = 0;
+                    let mut inputs = HashMap::new();
+                    for (model, heads) in &probes {
+                        if let Ok(tensors) = wire::decode_tensors(heads, &payload, &mut at) {
+                            inputs.insert(model.clone(), tensors);
+                        }
+                    }
+                    backend.release_memory(&|model: &str| inputs.get(model).cloned());
+                    reply(&mut stream, &Answer::Done { session: None }, &[])
+                }
+                other => reply(
+                    &mut stream,
+                    &Answer::Refused(format!("not on a session connection: {other:?}")),
+                    &[],
+                ),
+            };
+            if sent.is_err() {
+                break;
+            }
+        }
+        self.sessions.lock().unwrap_or_else(|e| e.into_inner()).remove(&id);
+    }
+
+    /// One run, its interrupts honoured: one sent for it before it started cancels it there.
+    fn run(
+        &self,
+        stream: &mut UnixStream,
+        backend: &mut dyn Backend,
+        runs: &Mutex<Runs>,
+        (model, outputs, inputs, stats): (&str, &[String], &[wire::TensorHead], bool),
+        payload: &[u8],
+    ) -> std::io::Result<()> {
+        let tensors = match wire::decode_tensors(inputs, payload, &mut 0) {
+            Ok(tensors) => tensors,
+            Err(why) => return reply(stream, &Answer::Failed(WireError::InvalidInput(why)), &[]),
+        };
+        let seq = self.next_run(runs);
+        let result = if runs.lock().unwrap_or_else(|e| e.into_inner()).interrupted >= seq {
+            Err(BackendError::Cancelled)
+        } else if self.poisoned.load(Ordering::SeqCst) {
+            Err(poisoned())
+        } else {
+            backend.run(model, tensors, outputs, &RunMeta::default())
+        };
+        {
+            let mut runs = runs.lock().unwrap_or_else(|e| e.into_inner());
+            runs.running = 0;
+            backend.clear_interrupt();
+        }
+        // A driver-class failure poisons the process, as a sticky CUDA error does.
+        if matches!(
+            &result,
+            Err(BackendError::Allocation {
+                kind: crate::core::backend::AllocFailureKind::Driver,
+                ..
+            })
+        ) {
+            self.poisoned.store(true, Ordering::SeqCst);
+        }
+        match result {
+            Ok(tensors) => {
+                let stats = if stats {
+                    backend.refresh_arena_stats();
+                    backend.arena_stats().map(Into::into)
+                } else {
+                    None
+                };
+                let (heads, blobs) = wire::encode_tensors(&tensors);
+                let refs: Vec<&[u8]> = blobs.iter().map(Vec::as_slice).collect();
+                reply(stream, &Answer::Ran { outputs: heads, stats }, &refs)
+            }
+            Err(e) => reply(stream, &Answer::Failed(WireError::from(&e)), &[]),
+        }
+    }
+
+    /// Number the run about to start (the session's runs count from 1).
+    fn next_run(&self, runs: &Mutex<Runs>) -> u64 {
+        let mut runs = runs.lock().unwrap_or_else(|e| e.into_inner());
+        runs.running = runs.interrupted.max(runs.running) + 1;
+        runs.running
+    }
+
+    /// A session's interrupt connection: each frame stops the run it names, or the next run
+    /// before it starts.
+    fn interrupts(&self, mut stream: UnixStream, session: u64) {
+        while let Ok((ask, _)) = wire::read_frame::<Ask>(&mut stream) {
+            let Ask::Interrupt { session: id, seq } = ask else {
+                continue;
+            };
+            let runs = self
+                .sessions
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .get(&id.max(session))
+                .cloned();
+            if let Some(runs) = runs {
+                let mut runs = runs.lock().unwrap_or_else(|e| e.into_inner());
+                runs.interrupted = runs.interrupted.max(seq);
+                if runs.running == seq
+                    && let Some(handle) = &runs.handle
+                {
+                    handle();
+                }
+            }
+        }
+    }
+
+    /// The control connection: the heartbeat and the simulated device.
+    fn control(&self, mut stream: UnixStream) {
+        while let Ok((ask, _)) = wire::read_frame::<Ask>(&mut stream) {
+            self.wait_if_hung();
+            let answer = match ask {
+                Ask::Ping => Answer::Sim(self.sim_state()),
+                Ask::Sim(change) => match self.change(change) {
+                    Ok(()) => Answer::Sim(self.sim_state()),
+                    Err(why) => Answer::Refused(why),
+                },
+                other => Answer::Refused(format!("not on the control connection: {other:?}")),
+            };
+            if reply(&mut stream, &answer, &[]).is_err() {
+                break;
+            }
+        }
+    }
+
+    fn change(&self, change: SimChange) -> Result<(), String> {
+        if change.hang {
+            tracing::warn!("hang_worker: this worker stops answering (fault injection)");
+            self.hung.store(true, Ordering::SeqCst);
+            self.wait_if_hung();
+        }
+        let Some(device) = &self.device else {
+            return Err("this worker has no simulated device".into());
+        };
+        if let Some(bytes) = change.pressure {
+            device.set_pressure(bytes)?;
+        }
+        if let Some(n) = change.pass_first {
+            device.pass_first(n);
+        }
+        if let Some(n) = change.fail_next {
+            device.fail_next(n);
+        }
+        if change.driver_reset {
+            self.poisoned.store(true, Ordering::SeqCst);
+            device.set_driver_reset(true);
+        }
+        Ok(())
+    }
+
+    fn sim_state(&self) -> Option<SimState> {
+        let device = self.device.as_ref()?;
+        Some(SimState {
+            pressure: device.pressure(),
+            fail_next: device.failures_pending(),
+            pass_first: device.passes_pending(),
+            driver_reset: self.poisoned.load(Ordering::SeqCst),
+            arena: device.arena_stats().ok().map(Into::into),
+        })
+    }
+
+    /// A hung worker never answers again (it is killed by its parent's heartbeat).
+    fn wait_if_hung(&self) {
+        while self.hung.load(Ordering::SeqCst) {
+            std::thread::park_timeout(std::time::Duration::from_secs(3600));
+        }
+    }
+}
+
+fn poisoned() -> BackendError {
+    BackendError::Allocation {
+        kind: crate::core::backend::AllocFailureKind::Driver,
+        message: "a driver fault poisoned this worker process (as a sticky CUDA error does): every run fails until the worker is replaced (restore)".into(),
+    }
+}
+
+fn reply(stream: &mut UnixStream, answer: &Answer, blobs: &[&[u8]]) -> std::io::Result<()> {
+    wire::write_frame(stream, answer, blobs)
+}
+
+/// Read the spec line a worker is started with (for the parent's tests of it).
+pub fn spec_line(spec: &WorkerSpec) -> String {
+    let mut line = serde_json::to_string(spec).expect("a spec serialises");
+    line.push('\n');
+    line
+}

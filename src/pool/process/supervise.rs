@@ -1,0 +1,197 @@
+//! A process-isolated pool's supervisor: a thread that watches the pool's worker process (its
+//! exit, and a heartbeat on its control connection), and when it is lost opens the breaker,
+//! counts the restart and starts a new one in the background with backoff; the pool's idle
+//! backends are then rebuilt on it and the health check's probe closes the breaker. Jobs the
+//! lost worker held fail at once with [`WorkerLost`](crate::core::backend::BackendError),
+//! which the request path retries once on the fallback when it may.
+
+use std::sync::{Arc, Weak};
+use std::time::{Duration, Instant};
+
+use super::host::WorkerHost;
+use crate::pool::Pool;
+
+/// How often the supervisor looks at the worker.
+const TICK: Duration = Duration::from_millis(20);
+/// How often it asks the worker whether it is there (at most: half its timeout when shorter).
+const HEARTBEAT: Duration = Duration::from_millis(250);
+/// The first wait before a restart; it doubles after each failed one, to [`MAX_BACKOFF`].
+const FIRST_BACKOFF: Duration = Duration::from_millis(100);
+const MAX_BACKOFF: Duration = Duration::from_secs(30);
+/// A worker that lived this long resets the backoff.
+const STABLE: Duration = Duration::from_secs(60);
+
+/// Why a worker process was lost.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Lost {
+    /// It exited or was killed.
+    Exited,
+    /// It stopped answering its heartbeat.
+    Hung,
+}
+
+impl Pool {
+    /// Run this pool's backends in `host`'s worker processes: watch them and replace the lost.
+    pub fn supervise(self: &Arc<Self>, host: Arc<WorkerHost>) {
+        if self.worker_host.set(Arc::clone(&host)).is_err() {
+            return;
+        }
+        if let Some(worker) = &self.context.metrics.worker {
+            worker.up.set(i64::from(host.current().is_some()));
+        }
+        let pool = Arc::downgrade(self);
+        let spawned = std::thread::Builder::new()
+            .name(format!("{}-supervisor", self.name()))
+            .spawn(move || watch(&pool, &host));
+        if let Err(e) = spawned {
+            tracing::error!(pool = self.name(), error = %e, "cannot start the worker's supervisor");
+        }
+    }
+
+    /// The process id of its worker process, when it is process-isolated and one runs.
+    pub fn worker_pid(&self) -> Option<u32> {
+        self.worker_host.get()?.pid()
+    }
+
+    /// Whether it runs in a worker process.
+    pub fn is_process_isolated(&self) -> bool {
+        self.worker_host.get().is_some()
+    }
+
+    /// Kill its worker process at once (`kill_worker`, a fault knob): mid-run if it has work.
+    /// The supervisor finds it dead and replaces it. Its pid.
+    pub fn kill_worker(&self) -> Result<u32, String> {
+        let host = self
+            .worker_host
+            .get()
+            .ok_or_else(|| format!("pool `{}` has no worker process (isolation: thread)", self.name()))?;
+        let worker = host
+            .current()
+            .ok_or_else(|| format!("pool `{}`'s worker process is being replaced", self.name()))?;
+        worker.signal_kill();
+        tracing::warn!(
+            pool = self.name(),
+            pid = worker.pid,
+            "kill_worker: worker process killed (fault injection)"
+        );
+        Ok(worker.pid)
+    }
+
+    /// The worker was lost (`how`): the breaker opens, the metrics say so.
+    fn worker_lost(&self, lost: Lost, how: &str) {
+        if let Some(worker) = &self.context.metrics.worker {
+            worker.up.set(0);
+            match lost {
+                Lost::Exited => worker.exited.inc(),
+                Lost::Hung => worker.hung.inc(),
+            };
+        }
+        self.breaker().worker_lost(how.to_string(), self.context.clock.now());
+        tracing::error!(pool = self.name(), %how, "worker process lost: the breaker opens, new work goes to the fallback, and a new worker starts");
+    }
+
+    /// An operator's restore: the current worker is killed and a new one started (the caller
+    /// rebuilds the backends on it).
+    pub(crate) fn replace_worker(&self, host: &WorkerHost) -> Result<(), String> {
+        let _lifecycle = host.lifecycle.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(old) = host.take() {
+            let ended = old.kill();
+            tracing::info!(pool = self.name(), pid = old.pid, %ended, "restore: worker process replaced");
+        }
+        if let Some(worker) = &self.context.metrics.worker {
+            worker.up.set(0);
+            worker.restore.inc();
+        }
+        host.start()?;
+        if let Some(worker) = &self.context.metrics.worker {
+            worker.up.set(1);
+        }
+        Ok(())
+    }
+}
+
+/// The supervisor's loop, until the pool is gone or shuts down.
+fn watch(pool: &Weak<Pool>, host: &WorkerHost) {
+    let heartbeat = HEARTBEAT.min(host_timeout(host) / 2).max(TICK);
+    let mut next_ping = Instant::now() + heartbeat;
+    let mut last_answer = Instant::now();
+    let mut backoff = FIRST_BACKOFF;
+    let mut started = Instant::now();
+    loop {
+        std::thread::sleep(TICK);
+        let Some(pool) = pool.upgrade() else {
+            host.stop();
+            return;
+        };
+        if pool.is_shutting_down() {
+            host.stop();
+            return;
+        }
+        let lifecycle = host.lifecycle.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(worker) = host.current() else {
+            continue;
+        };
+        let lost = if let Some(how) = worker.ended() {
+            Some((Lost::Exited, format!("worker process {} {how}", worker.pid)))
+        } else if Instant::now() >= next_ping {
+            next_ping = Instant::now() + heartbeat;
+            match host.ping() {
+                Ok(_) => {
+                    last_answer = Instant::now();
+                    None
+                }
+                Err(_) if worker.ended().is_some() => None,
+                Err(why) if last_answer.elapsed() >= host_timeout(host) => Some((
+                    Lost::Hung,
+                    format!(
+                        "worker process {} did not answer its heartbeat within {} ms ({why})",
+                        worker.pid,
+                        host_timeout(host).as_millis()
+                    ),
+                )),
+                Err(_) => None,
+            }
+        } else {
+            None
+        };
+        let Some((lost, how)) = lost else {
+            continue;
+        };
+        host.take();
+        worker.kill();
+        pool.worker_lost(lost, &how);
+        if started.elapsed() >= STABLE {
+            backoff = FIRST_BACKOFF;
+        }
+        // Restart in the background of the request path: requests meanwhile go to the
+        // fallback, as the open breaker says.
+        loop {
+            std::thread::sleep(backoff);
+            if pool.is_shutting_down() {
+                return;
+            }
+            match host.start().and_then(|_| pool.rebuild()) {
+                Ok(_) => break,
+                Err(why) => {
+                    tracing::error!(pool = pool.name(), %why, retry_in_ms = (backoff * 2).min(MAX_BACKOFF).as_millis() as u64, "the new worker process could not start");
+                    if let Some(worker) = host.take() {
+                        worker.kill();
+                    }
+                    backoff = (backoff * 2).min(MAX_BACKOFF);
+                }
+            }
+        }
+        if let Some(worker) = &pool.context.metrics.worker {
+            worker.up.set(1);
+        }
+        backoff = (backoff * 2).min(MAX_BACKOFF);
+        started = Instant::now();
+        last_answer = Instant::now();
+        next_ping = Instant::now() + heartbeat;
+        drop(lifecycle);
+    }
+}
+
+fn host_timeout(host: &WorkerHost) -> Duration {
+    host.timeout()
+}

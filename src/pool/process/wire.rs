@@ -1,0 +1,343 @@
+//! What a pool and its worker process say to each other over a Unix socket: frames of a small
+//! JSON header followed by the raw little-endian bytes of the tensors (and model files) the
+//! header lists, so a tensor crosses as one copy into the socket and one out, never as text.
+//!
+//! A frame is `u32` header length, `u64` payload length, the header, then the payload: the
+//! blobs the header names, back to back, in its order.
+
+use std::io::{Read, Write};
+
+use serde::{Deserialize, Serialize};
+
+use crate::core::backend::{AllocFailureKind, ArenaStats, BackendError};
+use crate::core::tensor::{DataType, Tensor, TensorData};
+
+/// Longest header accepted: headers carry names and shapes, never data.
+const MAX_HEADER: usize = 16 << 20;
+/// Longest payload accepted (model files included).
+const MAX_PAYLOAD: u64 = 64 << 30;
+
+/// A tensor in a frame's header; its bytes are the payload's next `bytes`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct TensorHead {
+    pub name: String,
+    pub datatype: String,
+    pub shape: Vec<i64>,
+    pub bytes: u64,
+}
+
+/// What the pool asks of a session connection (one per pool worker, holding its sessions).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub enum Ask {
+    /// First frame of a session connection: build a session for each model, its file's bytes
+    /// the payload's blobs in order.
+    Open { models: Vec<(String, u64)> },
+    /// First frame of the control connection.
+    Control,
+    /// Run `model` on the inputs (the payload); `stats`: read the arena after it.
+    Run {
+        model: String,
+        outputs: Vec<String>,
+        inputs: Vec<TensorHead>,
+        stats: bool,
+    },
+    /// Read the arena of `model`'s session (or any).
+    Stats { model: Option<String> },
+    /// Build (or replace) `name`'s session from the payload.
+    Load { name: String, bytes: u64 },
+    /// Drop `name`'s session.
+    Unload { name: String },
+    /// Give the allocator's free memory back, running each listed model once on its inputs
+    /// (the payload) if it needs to.
+    Release { probes: Vec<(String, Vec<TensorHead>)> },
+    /// Control: are you there? The answer carries the simulated device's state.
+    Ping,
+    /// First frame of a session's interrupt connection (`seq` 0), then on it: stop run `seq`
+    /// of session `session` (the one going, or the next before it starts).
+    Interrupt { session: u64, seq: u64 },
+    /// Control: change the simulated device (only what is given).
+    Sim(SimChange),
+}
+
+/// A change to the worker's simulated device.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct SimChange {
+    pub pressure: Option<u64>,
+    pub fail_next: Option<u64>,
+    pub pass_first: Option<u64>,
+    /// Set only: in a worker, a driver fault is sticky until the worker is replaced.
+    pub driver_reset: bool,
+    /// Stop answering: the heartbeat and every run hang from now on.
+    pub hang: bool,
+}
+
+/// The worker's simulated device as it is now.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SimState {
+    pub pressure: u64,
+    pub fail_next: u64,
+    pub pass_first: u64,
+    pub driver_reset: bool,
+    /// The shared arena's statistics, pressure included.
+    pub arena: Option<WireStats>,
+}
+
+/// [`ArenaStats`] on the wire.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WireStats {
+    pub reserved: u64,
+    pub active: u64,
+    pub peak: u64,
+    pub allocations: u64,
+    pub reserves: u64,
+    pub extensions: u64,
+    pub shrinkages: u64,
+    pub limit: Option<u64>,
+}
+
+impl From<ArenaStats> for WireStats {
+    fn from(s: ArenaStats) -> Self {
+        WireStats {
+            reserved: s.reserved_bytes,
+            active: s.active_bytes,
+            peak: s.peak_active_bytes,
+            allocations: s.allocations,
+            reserves: s.reserves,
+            extensions: s.extensions,
+            shrinkages: s.shrinkages,
+            limit: s.limit_bytes,
+        }
+    }
+}
+
+impl From<WireStats> for ArenaStats {
+    fn from(s: WireStats) -> Self {
+        ArenaStats {
+            reserved_bytes: s.reserved,
+            active_bytes: s.active,
+            peak_active_bytes: s.peak,
+            allocations: s.allocations,
+            reserves: s.reserves,
+            extensions: s.extensions,
+            shrinkages: s.shrinkages,
+            limit_bytes: s.limit,
+        }
+    }
+}
+
+/// A [`BackendError`] of the worker's, on the wire.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub enum WireError {
+    Oom(String),
+    Driver(String),
+    InvalidInput(String),
+    Runtime(String),
+    Cancelled,
+    Panicked(String),
+}
+
+impl From<&BackendError> for WireError {
+    fn from(e: &BackendError) -> Self {
+        match e {
+            BackendError::Allocation {
+                kind: AllocFailureKind::Oom,
+                message,
+            } => WireError::Oom(message.clone()),
+            BackendError::Allocation {
+                kind: AllocFailureKind::Driver,
+                message,
+            } => WireError::Driver(message.clone()),
+            BackendError::InvalidInput(m) => WireError::InvalidInput(m.clone()),
+            BackendError::Cancelled => WireError::Cancelled,
+            BackendError::Panicked(m) => WireError::Panicked(m.clone()),
+            other => WireError::Runtime(other.to_string()),
+        }
+    }
+}
+
+impl From<WireError> for BackendError {
+    fn from(e: WireError) -> Self {
+        match e {
+            WireError::Oom(message) => BackendError::Allocation {
+                kind: AllocFailureKind::Oom,
+                message,
+            },
+            WireError::Driver(message) => BackendError::Allocation {
+                kind: AllocFailureKind::Driver,
+                message,
+            },
+            WireError::InvalidInput(m) => BackendError::InvalidInput(m),
+            WireError::Runtime(m) => BackendError::Runtime(m),
+            WireError::Cancelled => BackendError::Cancelled,
+            WireError::Panicked(m) => BackendError::Panicked(m),
+        }
+    }
+}
+
+/// The worker's answer to one [`Ask`].
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub enum Answer {
+    /// Done; for `Open`, the session connection's id (for `Interrupt`).
+    Done { session: Option<u64> },
+    /// A run's outputs (the payload), and the arena after it when asked.
+    Ran {
+        outputs: Vec<TensorHead>,
+        stats: Option<WireStats>,
+    },
+    /// A run (or a load) failed.
+    Failed(WireError),
+    /// Could not do what was asked (a load that failed, a bad frame).
+    Refused(String),
+    /// Arena statistics.
+    Stats(Option<WireStats>),
+    /// The simulated device (or its absence).
+    Sim(Option<SimState>),
+}
+
+/// Write one frame: `header`, then `blobs` as its payload.
+pub fn write_frame<T: Serialize>(out: &mut impl Write, header: &T, blobs: &[&[u8]]) -> std::io::Result<()> {
+    let head = serde_json::to_vec(header).map_err(std::io::Error::other)?;
+    let payload: u64 = blobs.iter().map(|b| b.len() as u64).sum();
+    let mut prefix = [0u8; 12];
+    prefix[..4].copy_from_slice(&(head.len() as u32).to_le_bytes());
+    prefix[4..].copy_from_slice(&payload.to_le_bytes());
+    // Small frames go out in one write (one syscall); large blobs are written where they lie.
+    let mut first = Vec::with_capacity(12 + head.len() + if payload < 65536 { payload as usize } else { 0 });
+    first.extend_from_slice(&prefix);
+    first.extend_from_slice(&head);
+    if payload < 65536 {
+        for blob in blobs {
+            first.extend_from_slice(blob);
+        }
+        return out.write_all(&first);
+    }
+    out.write_all(&first)?;
+    for blob in blobs {
+        out.write_all(blob)?;
+    }
+    Ok(())
+}
+
+/// Read one frame: its header and its payload.
+pub fn read_frame<T: for<'de> Deserialize<'de>>(input: &mut impl Read) -> std::io::Result<(T, Vec<u8>)> {
+    let mut prefix = [0u8; 12];
+    input.read_exact(&mut prefix)?;
+    let head_len = u32::from_le_bytes(prefix[..4].try_into().expect("4 bytes")) as usize;
+    let payload_len = u64::from_le_bytes(prefix[4..].try_into().expect("8 bytes"));
+    if head_len > MAX_HEADER || payload_len > MAX_PAYLOAD {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("a frame of {head_len} header bytes and {payload_len} payload bytes is over the limits"),
+        ));
+    }
+    let mut head = vec![0u8; head_len];
+    input.read_exact(&mut head)?;
+    let header = serde_json::from_slice(&head).map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))?;
+    let mut payload = vec![0u8; payload_len as usize];
+    input.read_exact(&mut payload)?;
+    Ok((header, payload))
+}
+
+/// The heads of `tensors` and their bytes, for a frame.
+pub fn encode_tensors(tensors: &[Tensor]) -> (Vec<TensorHead>, Vec<Vec<u8>>) {
+    tensors
+        .iter()
+        .map(|t| {
+            let mut bytes = Vec::with_capacity(t.data.len() * t.data.datatype().size());
+            t.data.write_le_bytes(&mut bytes);
+            let head = TensorHead {
+                name: t.name.clone(),
+                datatype: t.data.datatype().name().to_string(),
+                shape: t.shape.clone(),
+                bytes: bytes.len() as u64,
+            };
+            (head, bytes)
+        })
+        .unzip()
+}
+
+/// The tensors `heads` describe, read from `payload` starting at `*at` (moved past them).
+pub fn decode_tensors(heads: &[TensorHead], payload: &[u8], at: &mut usize) -> Result<Vec<Tensor>, String> {
+    heads
+        .iter()
+        .map(|head| {
+            let dtype = DataType::from_name(&head.datatype)
+                .ok_or_else(|| format!("tensor `{}`: unknown datatype `{}`", head.name, head.datatype))?;
+            let bytes = take(payload, at, head.bytes)?;
+            Ok(Tensor {
+                name: head.name.clone(),
+                shape: head.shape.clone(),
+                data: TensorData::from_le_bytes(dtype, bytes)?,
+            })
+        })
+        .collect()
+}
+
+/// The next `len` bytes of `payload` from `*at`.
+pub fn take<'a>(payload: &'a [u8], at: &mut usize, len: u64) -> Result<&'a [u8], String> {
+    let end = at
+        .checked_add(len as usize)
+        .filter(|&end| end <= payload.len())
+        .ok_or_else(|| {
+            format!(
+                "a frame's payload of {} bytes is short of what its header lists",
+                payload.len()
+            )
+        })?;
+    let bytes = &payload[*at..end];
+    *at = end;
+    Ok(bytes)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_frame_carries_its_header_and_tensors_back_intact() {
+        let tensors = vec![
+            Tensor {
+                name: "input".into(),
+                shape: vec![1, 3],
+                data: TensorData::Fp32(vec![1.5, -2.0, 3.25]),
+            },
+            Tensor {
+                name: "ids".into(),
+                shape: vec![2],
+                data: TensorData::Int64(vec![7, -9]),
+            },
+        ];
+        let (heads, blobs) = encode_tensors(&tensors);
+        let ask = Ask::Run {
+            model: "m".into(),
+            outputs: vec![],
+            inputs: heads,
+            stats: true,
+        };
+        let refs: Vec<&[u8]> = blobs.iter().map(Vec::as_slice).collect();
+        let mut buffer = Vec::new();
+        write_frame(&mut buffer, &ask, &refs).unwrap();
+        let (back, payload): (Ask, Vec<u8>) = read_frame(&mut buffer.as_slice()).unwrap();
+        let Ask::Run { inputs, .. } = back else {
+            panic!("{back:?}")
+        };
+        let mut at = 0;
+        assert_eq!(decode_tensors(&inputs, &payload, &mut at).unwrap(), tensors);
+        assert_eq!(at, payload.len());
+    }
+
+    #[test]
+    fn a_short_payload_or_an_oversized_frame_is_an_error_not_a_panic() {
+        let heads = vec![TensorHead {
+            name: "x".into(),
+            datatype: "FP32".into(),
+            shape: vec![4],
+            bytes: 16,
+        }];
+        assert!(decode_tensors(&heads, &[0u8; 8], &mut 0).is_err());
+        let mut frame = Vec::new();
+        frame.extend_from_slice(&u32::MAX.to_le_bytes());
+        frame.extend_from_slice(&0u64.to_le_bytes());
+        assert!(read_frame::<Ask>(&mut frame.as_slice()).is_err());
+    }
+}
