@@ -244,17 +244,28 @@ impl TensorData {
 
     /// Append the little-endian bytes of every element to `out`.
     pub fn write_le_bytes(&self, out: &mut Vec<u8>) {
-        out.reserve(self.len() * self.datatype().size());
+        // Sized once and filled in place, element by element into fixed-size chunks: the
+        // compiler turns that into a plain copy on a little-endian machine, where extending
+        // the vector by each element's bytes checks its capacity every time.
+        macro_rules! fill {
+            ($v:expr, $n:expr) => {{
+                let start = out.len();
+                out.resize(start + $v.len() * $n, 0);
+                for (chunk, x) in out[start..].chunks_exact_mut($n).zip($v.iter()) {
+                    chunk.copy_from_slice(&x.to_le_bytes());
+                }
+            }};
+        }
         match self {
             TensorData::Bool(v) => out.extend(v.iter().map(|b| *b as u8)),
             TensorData::Uint8(v) => out.extend_from_slice(v),
             TensorData::Int8(v) => out.extend(v.iter().map(|b| *b as u8)),
-            TensorData::Int16(v) => v.iter().for_each(|x| out.extend_from_slice(&x.to_le_bytes())),
-            TensorData::Int32(v) => v.iter().for_each(|x| out.extend_from_slice(&x.to_le_bytes())),
-            TensorData::Int64(v) => v.iter().for_each(|x| out.extend_from_slice(&x.to_le_bytes())),
-            TensorData::Fp16(v) => v.iter().for_each(|x| out.extend_from_slice(&x.to_le_bytes())),
-            TensorData::Fp32(v) => v.iter().for_each(|x| out.extend_from_slice(&x.to_le_bytes())),
-            TensorData::Fp64(v) => v.iter().for_each(|x| out.extend_from_slice(&x.to_le_bytes())),
+            TensorData::Int16(v) => fill!(v, 2),
+            TensorData::Int32(v) => fill!(v, 4),
+            TensorData::Int64(v) => fill!(v, 8),
+            TensorData::Fp16(v) => fill!(v, 2),
+            TensorData::Fp32(v) => fill!(v, 4),
+            TensorData::Fp64(v) => fill!(v, 8),
         }
     }
 }

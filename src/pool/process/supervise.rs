@@ -18,8 +18,9 @@ const HEARTBEAT: Duration = Duration::from_millis(250);
 /// The first wait before a restart; it doubles after each failed one, to [`MAX_BACKOFF`].
 const FIRST_BACKOFF: Duration = Duration::from_millis(100);
 const MAX_BACKOFF: Duration = Duration::from_secs(30);
-/// A worker that lived this long resets the backoff.
-const STABLE: Duration = Duration::from_secs(60);
+/// A worker that lived this long before it was lost resets the backoff: one lost sooner is
+/// taken for a crash loop, and the next start waits twice as long.
+const STABLE: Duration = Duration::from_secs(5);
 
 /// Why a worker process was lost.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -143,15 +143,31 @@ impl Sampler {
         for device in devices.values_mut() {
             device.headroom_bytes = device.free_bytes + device.reserved_bytes.saturating_sub(device.active_bytes);
         }
+        // A process-isolated pool's worker is vramguard's, listed with its pool (NVML names it
+        // by its executable only).
+        let workers: Vec<(u32, &str)> = self
+            .pools
+            .iter()
+            .filter_map(|pool| Some((pool.worker_pid()?, pool.name())))
+            .collect();
         let processes = reading
             .processes
             .iter()
-            .map(|p| ProcessState {
-                pid: p.pid,
-                name: p.name.clone(),
-                service: attribute(&self.rules, p),
-                device: p.device.clone(),
-                used_bytes: p.used_bytes,
+            .map(|p| match workers.iter().find(|(pid, _)| *pid == p.pid) {
+                Some((_, pool)) => ProcessState {
+                    pid: p.pid,
+                    name: format!("vramguard worker {pool}"),
+                    service: "vramguard".into(),
+                    device: p.device.clone(),
+                    used_bytes: p.used_bytes,
+                },
+                None => ProcessState {
+                    pid: p.pid,
+                    name: p.name.clone(),
+                    service: attribute(&self.rules, p),
+                    device: p.device.clone(),
+                    used_bytes: p.used_bytes,
+                },
             })
             .collect();
         let host = reading.host.map_or_else(

@@ -1,0 +1,226 @@
+//! What process isolation costs: the same simulated pool (one worker, one intra-op thread)
+//! served by two `vramguard serve` processes, one with `isolation: thread` and one with
+//! `isolation: process`, the bundled encoder at seq 128 and 1024 in binary tensors; and how
+//! long a killed worker takes to serve again.
+//!
+//! `cargo bench --bench isolation [-- --runs N --seconds S --kills K]`. Figures go to
+//! `target/bench/isolation.json`.
+//!
+//! - Added median latency at concurrency 1 (process less thread, same run) and saturated
+//!   throughput (4 connections) as a share of the thread pool's, measured in turn within each
+//!   run, so drift of a shared machine shows as spread. The load generator is wrk, a separate
+//!   process.
+//! - Recovery: K times, 5.2 s apart (a worker lost sooner after its start waits out a longer
+//!   backoff, as a crash loop), the worker process is killed with SIGKILL (`kill -9`, as the
+//!   kernel's OOM killer or a crash would) while idle, and `/status` is polled every 2 ms until a new
+//!   worker pid shows with the breaker closed: the supervisor found the death, started a new
+//!   process, rebuilt the pool's sessions there, and its health check's probe passed. No request
+//!   is sent meanwhile.
+
+use std::time::{Duration, Instant};
+
+use reqwest::StatusCode;
+use serde_json::Value;
+use vramguard::testing::Scratch;
+use vramguard::testing::bench::server::{self, Server, Stats, wrk, wrk_script};
+use vramguard::testing::bench::{Figure, Machine, Target, arg, encoder_binary_body, out_dir, record};
+
+const SEQS: [usize; 2] = [128, 1024];
+const SATURATING_CONNECTIONS: usize = 4;
+const INFER_PATH: &str = "/v2/models/encoder/infer";
+
+/// The server under test, with its pool's `isolation`.
+fn config(isolation: &str) -> String {
+    format!(
+        "devices: [{{name: sim0, kind: simulated, capacity: 2GiB}}]
+models:
+  - {{name: encoder, path: 'builtin:encoder', context: {{input: input, axis: 1, keep: end}}}}
+pools:
+  - {{name: gpu, provider: simulated, device: sim0, models: [encoder], workers: 1, intra_threads: 1,
+     isolation: {isolation}, queue: {{capacity: 256}}}}
+policy:
+  path: 'builtin:default'
+  params: {{cpu_pool: gpu, reserve_bytes: 32MiB, min_context_tokens: 16, defer_ms: 25, defer_max_queue: 4}}
+server: {{admin_socket: 'off'}}
+"
+    )
+}
+
+fn us(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e6
+}
+
+/// A checked binary request to `server`, and its wrk script.
+fn script(scratch: &Scratch, server: &Server, name: &str, seq: usize) -> std::path::PathBuf {
+    let (header_length, body) = encoder_binary_body(seq);
+    let response = server.post(
+        INFER_PATH,
+        "application/octet-stream",
+        &[("inference-header-content-length", header_length.to_string())],
+        body.clone(),
+    );
+    assert_eq!(response.status(), StatusCode::OK, "{name}: {:?}", response.headers());
+    assert_eq!(
+        response.headers().get("x-vramguard-pool").and_then(|v| v.to_str().ok()),
+        Some("gpu")
+    );
+    wrk_script(
+        scratch,
+        &format!("{name}-{seq}"),
+        &body,
+        &[
+            ("Content-Type", "application/octet-stream".into()),
+            ("Inference-Header-Content-Length", header_length.to_string()),
+        ],
+    )
+}
+
+fn status(server: &Server) -> Value {
+    reqwest::blocking::get(server.url("/status")).unwrap().json().unwrap()
+}
+
+/// The gpu pool's worker pid and whether its breaker is closed.
+fn worker(server: &Server) -> (Option<u64>, bool) {
+    let status = status(server);
+    let pool = status["pools"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["name"] == "gpu")
+        .cloned()
+        .unwrap();
+    (pool["worker_pid"].as_u64(), pool["breaker"] == "closed")
+}
+
+/// Kill the worker and time until a new one serves with the breaker closed.
+fn recovery(server: &Server) -> Duration {
+    let (Some(old), true) = worker(server) else {
+        panic!("no healthy worker to kill: {}", status(server))
+    };
+    let killed = Instant::now();
+    let ok = std::process::Command::new("kill")
+        .args(["-9", &old.to_string()])
+        .status()
+        .unwrap();
+    assert!(ok.success());
+    loop {
+        if let (Some(pid), true) = worker(server)
+            && pid != old
+        {
+            return killed.elapsed();
+        }
+        assert!(killed.elapsed() < Duration::from_secs(60), "no new worker after 60 s");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+struct Run {
+    thread_c1: Stats,
+    process_c1: Stats,
+    thread_saturated: Stats,
+    process_saturated: Stats,
+}
+
+fn figures(seq: usize, runs: &[Run]) -> Vec<Figure> {
+    let of = |name: &str, unit: &str, f: &dyn Fn(&Run) -> f64| {
+        Figure::of_runs(
+            format!("{name}, seq {seq}"),
+            unit,
+            &runs.iter().map(f).collect::<Vec<_>>(),
+        )
+    };
+    let c = SATURATING_CONNECTIONS;
+    vec![
+        of("thread isolation latency c1", "µs", &|r| us(r.thread_c1.median)),
+        of("process isolation latency c1", "µs", &|r| us(r.process_c1.median)),
+        of("added latency c1 (process − thread)", "µs", &|r| {
+            us(r.process_c1.median) - us(r.thread_c1.median)
+        })
+        .target(Target::AtMost(30.0)),
+        of(&format!("thread isolation throughput c{c}"), "req/s", &|r| {
+            r.thread_saturated.per_second
+        }),
+        of(&format!("process isolation throughput c{c}"), "req/s", &|r| {
+            r.process_saturated.per_second
+        }),
+        of("saturated throughput, process / thread", "%", &|r| {
+            100.0 * r.process_saturated.per_second / r.thread_saturated.per_second
+        })
+        .target(Target::AtLeast(95.0)),
+    ]
+}
+
+fn main() {
+    let (started, machine) = (Instant::now(), Machine::now());
+    let (runs, seconds) = (arg("--runs", 3usize), arg("--seconds", 2.0f64).max(1.0) as u64);
+    let kills = arg("--kills", 20usize);
+    let version = server::wrk_version().unwrap_or_else(|e| {
+        eprintln!("error: {e}");
+        std::process::exit(2);
+    });
+    let scratch = Scratch::new();
+    let bin = env!("CARGO_BIN_EXE_vramguard");
+    let thread = Server::vramguard(bin, &scratch, "thread", &config("thread"));
+    let process = Server::vramguard(bin, &scratch, "process", &config("process"));
+    let scripts: Vec<_> = SEQS
+        .iter()
+        .map(|&seq| {
+            let t = script(&scratch, &thread, "thread", seq);
+            let p = script(&scratch, &process, "process", seq);
+            // Warm-up: connections, worker threads, allocators.
+            wrk(&thread.url(INFER_PATH), &t, SATURATING_CONNECTIONS, 1);
+            wrk(&process.url(INFER_PATH), &p, SATURATING_CONNECTIONS, 1);
+            (t, p)
+        })
+        .collect();
+    let mut results: Vec<Vec<Run>> = SEQS.iter().map(|_| Vec::new()).collect();
+    let (t_url, p_url) = (thread.url(INFER_PATH), process.url(INFER_PATH));
+    let c = SATURATING_CONNECTIONS;
+    for run in 0..runs {
+        for ((seq, (t, p)), out) in SEQS.iter().zip(&scripts).zip(&mut results) {
+            eprintln!("isolation: run {}/{runs}, seq {seq}", run + 1);
+            out.push(Run {
+                thread_c1: wrk(&t_url, t, 1, seconds),
+                process_c1: wrk(&p_url, p, 1, seconds),
+                thread_saturated: wrk(&t_url, t, c, seconds),
+                process_saturated: wrk(&p_url, p, c, seconds),
+            });
+        }
+    }
+    let mut recoveries = Vec::new();
+    for k in 0..kills {
+        eprintln!("isolation: kill {}/{kills}", k + 1);
+        // A worker lost within 5 s of its start is taken for a crash loop and restarted after a
+        // longer backoff: each one here has served longer than that.
+        std::thread::sleep(Duration::from_millis(5200));
+        recoveries.push(recovery(&process).as_secs_f64() * 1e3);
+    }
+    drop((thread, process));
+    println!();
+    println!(
+        "isolation: bundled encoder, batch 1, one simulated pool of 1 worker × 1 intra-op thread, isolation thread vs process, {runs} runs of {seconds} s per measurement"
+    );
+    println!("client: wrk {version}, 1 thread, a separate process; saturated = {c} connections");
+    let mut figures: Vec<Figure> = SEQS
+        .iter()
+        .zip(&results)
+        .flat_map(|(&seq, runs)| figures(seq, runs))
+        .collect();
+    if !recoveries.is_empty() {
+        figures.push(
+            Figure::of_runs("worker killed to serving again (probe passed)", "ms", &recoveries)
+                .target(Target::AtMost(2000.0))
+                .note(format!(
+                    "{} kills with SIGKILL, idle pool; includes rebuilding the sessions",
+                    recoveries.len()
+                )),
+        );
+    }
+    record(
+        "isolation",
+        &out_dir(env!("CARGO_TARGET_TMPDIR")),
+        machine,
+        started,
+        figures,
+    );
+}
