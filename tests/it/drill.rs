@@ -73,7 +73,8 @@ fn the_quick_drill_passes_against_a_server_started_with_its_config() {
             "non_replayable",
             "idempotency",
             "residency",
-            "background"
+            "background",
+            "worker_lost"
         ]
     );
     assert!(
@@ -95,6 +96,7 @@ fn the_quick_drill_passes_against_a_server_started_with_its_config() {
     assert!(records.len() >= 60, "{}", records.len());
     residency_as_judged(&report);
     background_as_judged(&report);
+    worker_lost_as_judged(&report);
     // Every record says what happened to it.
     for r in records {
         for field in ["phase", "id", "expect", "latency_ms", "connection_held", "as_expected"] {
@@ -124,6 +126,56 @@ fn background_as_judged(report: &Value) {
             .iter()
             .filter(|r| r["phase"] == "background" && r["id"] != "background-0")
             .all(|r| r["status"] == 200)
+    );
+}
+
+/// The worker_lost phase, read back from the record: the worker killed was the pool's, a new one
+/// came back with a closed breaker within 30 s, every kind of request was sent, the
+/// non-replayable ones none retried on the CPU pool, and the CPU work all served there.
+fn worker_lost_as_judged(report: &Value) {
+    let facts = &report["facts"]["worker_lost"];
+    assert_eq!(facts["killed_worker_pid"], facts["worker_pid_before"], "{facts}");
+    assert!(facts["worker_pid_after"].as_u64().is_some(), "{facts}");
+    assert_ne!(facts["worker_pid_after"], facts["worker_pid_before"], "{facts}");
+    assert!(
+        facts["recovery_ms"].as_f64().is_some_and(|ms| ms <= 30_000.0),
+        "{facts}"
+    );
+    assert!(facts["restarts_counted"].as_f64() >= Some(1.0), "{facts}");
+    let records: Vec<&Value> = report["records"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|r| r["phase"] == "worker_lost")
+        .collect();
+    let of = |prefix: &str| -> Vec<&&Value> {
+        records
+            .iter()
+            .filter(|r| r["id"].as_str().unwrap().starts_with(prefix))
+            .collect()
+    };
+    for prefix in ["worker-replayable-", "worker-streams-"] {
+        let sent = of(prefix);
+        assert!(!sent.is_empty() && sent.iter().all(|r| r["status"] == 200), "{sent:?}");
+    }
+    let held = of("worker-non-replayable-");
+    assert!(!held.is_empty());
+    for r in held {
+        match r["status"].as_u64() {
+            Some(200) => assert!(r["pool"] == "gpu" || r["retry"].is_null(), "{r}"),
+            Some(503) => {
+                assert_ne!(r["pool"], "cpu", "{r}");
+                assert_eq!(r["error"]["reason"], "worker_lost", "{r}");
+                assert_eq!(r["error"]["retried"], false, "{r}");
+                assert_eq!(r["error"]["request_id"], r["id"], "{r}");
+            }
+            _ => panic!("{r}"),
+        }
+    }
+    let cpu = of("worker-cpu-work-");
+    assert!(
+        !cpu.is_empty() && cpu.iter().all(|r| r["status"] == 200 && r["pool"] == "cpu"),
+        "{cpu:?}"
     );
 }
 

@@ -11,7 +11,7 @@ use serde_json::{Value, json};
 
 use super::phases::Phase;
 use super::progress::Progress;
-use super::record::{Failure, Judged, Record, Samples};
+use super::record::{ErrorFields, Failure, Judged, Record, Samples};
 use super::{CPU, CPU_ONLY, DEVICE, ENCODER, GPU};
 use crate::protocol::headers::{HEADER_LENGTH, IDEMPOTENCY_KEY, REQUEST_ID};
 use crate::protocol::status::StatusReport;
@@ -110,6 +110,12 @@ impl Drill {
 
     /// `POST path` on the target's admin API with `body`.
     pub(super) async fn post_admin(&self, path: &str, body: Value) -> Result<(), String> {
+        self.post_admin_answer(path, body).await.map(|_| ())
+    }
+
+    /// `POST path` on the target's admin API with `body`; its JSON answer (null when it is not
+    /// JSON).
+    pub(super) async fn post_admin_answer(&self, path: &str, body: Value) -> Result<Value, String> {
         let response = self
             .client
             .post(format!("{}{path}", self.base))
@@ -123,12 +129,17 @@ impl Drill {
             let text = response.text().await.unwrap_or_default();
             return Err(format!("{path} answered {status}: {text}"));
         }
-        Ok(())
+        Ok(response.json().await.unwrap_or(Value::Null))
     }
 
     /// Set the simulated device's pressure or faults.
     pub(super) async fn admin(&self, body: Value) -> Result<(), String> {
         self.post_admin(&format!("/admin/sim/{DEVICE}"), body).await
+    }
+
+    /// Set the simulated device's faults; the admin API's answer (`killed_worker_pid`, …).
+    pub(super) async fn admin_answer(&self, body: Value) -> Result<Value, String> {
+        self.post_admin_answer(&format!("/admin/sim/{DEVICE}"), body).await
     }
 
     /// The operator's restore of the accelerator pool: the server's health check then closes
@@ -332,7 +343,7 @@ impl Drill {
     }
 
     /// Send `record`'s encoder request to `model` and read its answer into it.
-    async fn send_encoder(
+    pub(super) async fn send_encoder(
         &self,
         model: &str,
         mut record: Record,
@@ -530,6 +541,14 @@ fn read_infer_answer(record: &mut Record, headers: &reqwest::header::HeaderMap, 
         record.cpu_started_ms = head["parameters"]["retry_started_ms"].as_f64();
     } else {
         record.first_failure = head["error"].as_str().map(|e| Failure::Refused(e.to_string()));
+        let text = |field: &str| head[field].as_str().map(str::to_string);
+        if head.is_object() {
+            record.error = Some(ErrorFields {
+                reason: text("reason"),
+                retried: head["retried"].as_bool(),
+                request_id: text("request_id"),
+            });
+        }
     }
 }
 
@@ -542,7 +561,9 @@ fn refusal(answer: &Value) -> Option<Failure> {
 /// A stream's server-sent events: the text it gave, the pool it moved to, and its error event.
 fn read_events(record: &mut Record, text: &str) {
     let mut out = String::new();
+    record.done = Some(false);
     for data in text.split("\n\n").filter_map(|e| e.strip_prefix("data: ")) {
+        record.done = Some(data.trim() == "[DONE]");
         let Ok(event) = serde_json::from_str::<Value>(data) else {
             continue;
         };

@@ -6,11 +6,13 @@
 //! streamed generations failing before and after their first token, non-replayable requests
 //! and a chat offering tools, idempotent client retries, three models that do not fit on the
 //! device together beside a pinned one, a background service's request while interactive ones
-//! wait), records what happened to every request, and checks
+//! wait, the accelerator's worker process killed with every kind of work in flight), records
+//! what happened to every request, and checks
 //! the pass criteria: nothing run twice, nothing accepted lost, replayed generations token for
 //! token the same, the breaker recovering, every redirected answer saying it was degraded, host
 //! memory never under its reserve, device memory never over its capacity, and eviction taking
-//! only what it may, and background work giving way to interactive work.
+//! only what it may, background work giving way to interactive work, and a lost worker
+//! replaced with its breaker closed by the server's own probe.
 //!
 //! By default it starts its own server on loopback (a 96 MiB simulated accelerator, a CPU pool,
 //! the bundled encoder and decoder fixture, the dense models it writes); `--target` drives a
@@ -19,8 +21,9 @@
 //! API. The drill only ever talks to the target it was given.
 //!
 //! `phases` says what each phase sends and expects, `client` sends it, `record` keeps what came
-//! back, `report` judges it; `residency` and `background` are the last two phases with their own criteria; `server`
-//! is the drill's own server and `progress` its terminal line.
+//! back, `report` judges it; `residency`, `background` and `worker` (worker_lost) are the last
+//! three phases, with their own criteria; `server` is the drill's own server and `progress` its
+//! terminal line.
 
 mod background;
 mod client;
@@ -30,6 +33,7 @@ mod record;
 mod report;
 mod residency;
 mod server;
+mod worker;
 
 use std::collections::BTreeMap;
 use std::io::IsTerminal;
@@ -48,6 +52,7 @@ pub use record::{Failure, Record, Samples};
 pub use report::{Criterion, PhaseSummary, Report};
 pub use residency::ResidencyFacts;
 use server::OwnServer;
+pub use worker::WorkerFacts;
 
 /// Names in the drill's config, which a `--target` must serve too.
 const DEVICE: &str = "sim0";

@@ -41,11 +41,13 @@ pub enum Phase {
     Residency,
     /// A background service's request while interactive requests wait.
     Background,
+    /// The accelerator's worker process killed with work of every kind in flight.
+    WorkerLost,
 }
 
 impl Phase {
     /// Every phase, in the order they run.
-    pub const ALL: [Phase; 11] = [
+    pub const ALL: [Phase; 12] = [
         Phase::Baseline,
         Phase::Redirect,
         Phase::Pressure,
@@ -57,6 +59,7 @@ impl Phase {
         Phase::Idempotency,
         Phase::Residency,
         Phase::Background,
+        Phase::WorkerLost,
     ];
 
     /// Its name: in the table, the progress line and the JSON record.
@@ -73,6 +76,7 @@ impl Phase {
             Phase::Idempotency => "idempotency",
             Phase::Residency => "residency",
             Phase::Background => "background",
+            Phase::WorkerLost => "worker_lost",
         }
     }
 
@@ -102,6 +106,8 @@ pub struct Facts {
     pub residency: Option<super::ResidencyFacts>,
     /// What the background phase saw of its interactive load and the wait it caused.
     pub background: Option<super::BackgroundFacts>,
+    /// The worker_lost phase's kill, the worker that came back and how long that took.
+    pub worker_lost: Option<super::WorkerFacts>,
 }
 
 /// Request sizes measured against the target's device, so that the phases scale with it.
@@ -169,6 +175,9 @@ pub(super) async fn run(drill: &Arc<Drill>) -> Result<Facts, String> {
     facts.residency = Some(super::residency::run(drill).await?);
     drill.settle().await?;
     facts.background = Some(super::background::run(drill).await?);
+    drill.settle().await?;
+    facts.worker_lost = Some(super::worker::run(drill).await?);
+    drill.settle().await?;
     Ok(facts)
 }
 
@@ -499,10 +508,13 @@ mod tests {
                 "non_replayable",
                 "idempotency",
                 "residency",
-                "background"
+                "background",
+                "worker_lost"
             ]
         );
         assert_eq!(Phase::Baseline.number(), 1);
         assert_eq!(Phase::Background.number(), 11);
+        assert_eq!(Phase::WorkerLost.number(), 12);
+        assert!(Phase::ALL.iter().all(|p| serde_json::to_value(p).unwrap() == p.label()));
     }
 }

@@ -47,6 +47,12 @@ pub struct Record {
     /// A generation's text, for token equivalence.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub text: Option<String>,
+    /// A stream's end: whether its last event was `[DONE]`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub done: Option<bool>,
+    /// An error answer's `reason`, `retried` and `request_id`, when it gave them.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error: Option<ErrorFields>,
     /// Whether it met the phase's expectation.
     pub as_expected: bool,
 }
@@ -67,6 +73,18 @@ pub enum Failure {
         /// Its `tokens_sent`: how many tokens reached the client before the failure.
         tokens_sent: Option<u64>,
     },
+}
+
+/// What an Open Inference Protocol error answer says beside its message: why it failed, whether
+/// it was retried, and the request it names.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct ErrorFields {
+    /// `reason` (`worker_lost`, `allocator_failure_oom`, …).
+    pub reason: Option<String>,
+    /// `retried`.
+    pub retried: Option<bool>,
+    /// `request_id`.
+    pub request_id: Option<String>,
 }
 
 impl Failure {
@@ -116,6 +134,8 @@ impl Record {
             id_kept: false,
             connection_held: true,
             text: None,
+            done: None,
+            error: None,
             as_expected: false,
         }
     }

@@ -89,6 +89,9 @@ impl Report {
         if phases.contains(&Phase::Background) {
             criteria.push(super::background::criterion(&records, facts.background.as_ref()));
         }
+        if phases.contains(&Phase::WorkerLost) {
+            criteria.extend(super::worker::criteria(&records, facts.worker_lost.as_ref()));
+        }
         Report {
             passed: criteria.iter().all(|c| c.passed),
             seconds: took.as_secs_f64(),
@@ -246,14 +249,15 @@ fn as_expected(records: &[Record]) -> Criterion {
     }
 }
 
-/// Nothing ran twice: no duplicate runs counted, and no non-replayable request served by the
-/// fallback (it would have run twice).
+/// Nothing ran twice: no duplicate runs counted, no request of the non_replayable phase served
+/// by the fallback (each failed after it started: it would have run twice), and none of the
+/// worker_lost phase's non-replayable requests answered by the fallback as a retry.
 fn duplicates(records: &[Record], facts: &Facts) -> Criterion {
     let moved = records
         .iter()
         .filter(|r| r.phase == Phase::NonReplayable && r.pool.as_deref() == Some(super::CPU))
         .count() as u64;
-    let duplicates = facts.duplicate_runs + moved;
+    let duplicates = facts.duplicate_runs + moved + super::worker::ran_twice(records);
     Criterion {
         name: "duplicate executions",
         measured: duplicates.to_string(),
