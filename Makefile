@@ -188,7 +188,7 @@ $(PEER):
 # (CARGO_BIN_EXE_vramguard); a `cargo build --release` first would build it a second time, since
 # the benches' dev-dependencies change the features of shared crates (tokio, serde, …).
 # The larger decoder of the generation bench is made once into target/bench/ (not committed).
-BENCHES := policy estimate exporter failover overhead generation residency
+BENCHES := policy estimate exporter failover overhead isolation generation residency
 bench: deps bench-tools $(PEER) $(MODELGEN)
 	PYTHONPATH=.deps/modelgen $(PYTHON) benches/larger_decoder.py target/bench/decoder-large
 	$(CARGO) bench --no-run

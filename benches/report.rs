@@ -11,12 +11,13 @@ use serde_json::json;
 use vramguard::testing::bench::{BenchFile, Figure, Target, number, out_dir, print_table};
 
 /// The benches, in the order the table shows them.
-const BENCHES: [&str; 7] = [
+const BENCHES: [&str; 8] = [
     "policy",
     "estimate",
     "exporter",
     "failover",
     "overhead",
+    "isolation",
     "generation",
     "residency",
 ];

@@ -16,7 +16,8 @@ use crate::core::tensor::Tensor;
 pub struct ProcessBackend {
     host: Arc<WorkerHost>,
     worker: Arc<Worker>,
-    stream: UnixStream,
+    /// Read through a buffer: a small answer is one read, not one per part of its frame.
+    stream: std::io::BufReader<UnixStream>,
     session: u64,
     interrupts: Arc<Mutex<UnixStream>>,
     /// The number of the next run (the one an interrupt handle given out now stops).
@@ -49,7 +50,7 @@ impl ProcessBackend {
         let mut backend = ProcessBackend {
             host: Arc::clone(host),
             worker,
-            stream,
+            stream: std::io::BufReader::with_capacity(64 << 10, stream),
             session,
             interrupts: Arc::new(Mutex::new(interrupts)),
             seq: Arc::new(AtomicU64::new(1)),
@@ -66,7 +67,8 @@ impl ProcessBackend {
         if let Some(why) = &self.gone {
             return Err(BackendError::WorkerLost(why.clone()));
         }
-        let result = wire::write_frame(&mut self.stream, ask, blobs).and_then(|()| wire::read_frame(&mut self.stream));
+        let result =
+            wire::write_frame(self.stream.get_mut(), ask, blobs).and_then(|()| wire::read_frame(&mut self.stream));
         result.map_err(|e| {
             let why = format!(
                 "worker process {} of pool `{}` is gone: {e}",

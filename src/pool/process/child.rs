@@ -214,7 +214,10 @@ impl Worker {
         if reply(&mut stream, &Answer::Done { session: Some(id) }, &[]).is_err() {
             return;
         }
-        while let Ok((ask, payload)) = wire::read_frame::<Ask>(&mut stream) {
+        // Read through a buffer: a small frame is one read, not one per part.
+        let mut reader = std::io::BufReader::with_capacity(64 << 10, stream);
+        while let Ok((ask, payload)) = wire::read_frame::<Ask>(&mut reader) {
+            let stream = reader.get_mut();
             self.wait_if_hung();
             let sent = match ask {
                 Ask::Run {
@@ -223,7 +226,7 @@ impl Worker {
                     inputs,
                     stats,
                 } => self.run(
-                    &mut stream,
+                    stream,
                     backend.as_mut(),
                     &runs,
                     (&model, &outputs, &inputs, stats),
@@ -234,7 +237,7 @@ impl Worker {
                         Some(model) => backend.refresh_arena_stats_for(&model),
                         None => backend.refresh_arena_stats(),
                     }
-                    reply(&mut stream, &Answer::Stats(backend.arena_stats().map(Into::into)), &[])
+                    reply(stream, &Answer::Stats(backend.arena_stats().map(Into::into)), &[])
                 }
                 Ask::Load { name, bytes } => {
                     let answer = match wire::take(&payload, &mut 0, bytes) {
@@ -244,11 +247,11 @@ impl Worker {
                         },
                         Err(why) => Answer::Refused(why),
                     };
-                    reply(&mut stream, &answer, &[])
+                    reply(stream, &answer, &[])
                 }
                 Ask::Unload { name } => {
                     backend.unload_model(&name);
-                    reply(&mut stream, &Answer::Done { session: None }, &[])
+                    reply(stream, &Answer::Done { session: None }, &[])
                 }
                 Ask::Release { probes } => {
                     let mut at = 0;
@@ -259,10 +262,10 @@ impl Worker {
                         }
                     }
                     backend.release_memory(&|model: &str| inputs.get(model).cloned());
-                    reply(&mut stream, &Answer::Done { session: None }, &[])
+                    reply(stream, &Answer::Done { session: None }, &[])
                 }
                 other => reply(
-                    &mut stream,
+                    stream,
                     &Answer::Refused(format!("not on a session connection: {other:?}")),
                     &[],
                 ),
