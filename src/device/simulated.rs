@@ -104,16 +104,9 @@ impl SimulatedDevice {
             .map_err(|e| e.to_string())?;
         let allocator = Allocator::new(&session, info).map_err(|e| e.to_string())?;
         Ok(SimulatedDevice {
-            name: name.to_string(),
-            capacity,
             hold: Some(Mutex::new(ArenaHold::new(allocator))),
-            link: std::sync::RwLock::new(None),
-            wanted_pressure: AtomicU64::new(0),
-            peaks: Mutex::new(PeakTrack::default()),
-            fail_next: AtomicU64::new(0),
-            pass_first: AtomicU64::new(0),
-            driver_reset: AtomicBool::new(false),
             _session: Some(session),
+            ..SimulatedDevice::linked(name, capacity)
         })
     }
 

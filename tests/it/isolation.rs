@@ -99,14 +99,18 @@ async fn encoder_of(
     for (name, value) in headers {
         request = request.header(name, value);
     }
-    let response = request.body(body).send().await.unwrap();
+    seen(kind, request.body(body).send().await.unwrap()).await
+}
+
+/// What `response` to a request of `kind` said: its status, pool and body.
+async fn seen(kind: &'static str, response: reqwest::Response) -> Seen {
     let status = response.status().as_u16();
     let pool = response
         .headers()
         .get("x-vramguard-pool")
         .map(|v| v.to_str().unwrap().to_string())
         .unwrap_or_default();
-    let body = String::from_utf8_lossy(&response.bytes().await.unwrap()).into_owned();
+    let body = String::from_utf8_lossy(&response.bytes().await.unwrap_or_default()).into_owned();
     Seen {
         kind,
         status,
@@ -118,50 +122,35 @@ async fn encoder_of(
 async fn stream(url: String, id: String) -> Seen {
     let request = json!({"model": "tiny", "messages": [{"role": "user", "content": "Tell me about memory."}],
                          "max_tokens": 48, "temperature": 0, "stream": true});
-    let response = reqwest::Client::new()
-        .post(url)
-        .header("x-request-id", id)
-        .json(&request)
-        .send()
-        .await
-        .unwrap();
-    let status = response.status().as_u16();
-    let pool = response
-        .headers()
-        .get("x-vramguard-pool")
-        .map(|v| v.to_str().unwrap().to_string())
-        .unwrap_or_default();
-    let body = response.text().await.unwrap_or_default();
-    Seen {
-        kind: "stream",
-        status,
-        pool,
-        body,
-    }
+    let client = reqwest::Client::new();
+    seen(
+        "stream",
+        client
+            .post(url)
+            .header("x-request-id", id)
+            .json(&request)
+            .send()
+            .await
+            .unwrap(),
+    )
+    .await
 }
 
 async fn classifier(url: String, id: String) -> Seen {
     let data: Vec<f32> = (0..64 * 16).map(|i| (i % 11) as f32 * 0.1).collect();
     let body = json!({"inputs": [{"name": "features", "shape": [64, 16], "datatype": "FP32", "data": data}]});
-    let response = reqwest::Client::new()
-        .post(url)
-        .header("x-request-id", id)
-        .json(&body)
-        .send()
-        .await
-        .unwrap();
-    let status = response.status().as_u16();
-    let pool = response
-        .headers()
-        .get("x-vramguard-pool")
-        .map(|v| v.to_str().unwrap().to_string())
-        .unwrap_or_default();
-    Seen {
-        kind: "cpu",
-        status,
-        pool,
-        body: response.text().await.unwrap_or_default(),
-    }
+    let client = reqwest::Client::new();
+    seen(
+        "cpu",
+        client
+            .post(url)
+            .header("x-request-id", id)
+            .json(&body)
+            .send()
+            .await
+            .unwrap(),
+    )
+    .await
 }
 
 #[tokio::test]
