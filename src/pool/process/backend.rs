@@ -27,6 +27,9 @@ pub struct ProcessBackend {
     gone: Option<String>,
     /// The models it holds sessions of.
     models: std::collections::BTreeSet<String>,
+    /// The last run's input bytes and answer: their allocations are reused.
+    sent: Vec<u8>,
+    received: Vec<u8>,
 }
 
 impl ProcessBackend {
@@ -57,6 +60,8 @@ impl ProcessBackend {
             stats: None,
             gone: None,
             models: models.iter().map(|(n, _)| n.clone()).collect(),
+            sent: Vec::new(),
+            received: Vec::new(),
         };
         backend.refresh_arena_stats();
         Ok(backend)
@@ -64,11 +69,18 @@ impl ProcessBackend {
 
     /// Send `ask` with `blobs` and read the answer; an I/O failure means the process is gone.
     fn exchange(&mut self, ask: &Ask, blobs: &[&[u8]]) -> Result<(Answer, Vec<u8>), BackendError> {
+        let mut payload = Vec::new();
+        let answer = self.exchange_into(ask, blobs, &mut payload)?;
+        Ok((answer, payload))
+    }
+
+    /// [`exchange`](Self::exchange), the answer's payload read into `payload`.
+    fn exchange_into(&mut self, ask: &Ask, blobs: &[&[u8]], payload: &mut Vec<u8>) -> Result<Answer, BackendError> {
         if let Some(why) = &self.gone {
             return Err(BackendError::WorkerLost(why.clone()));
         }
-        let result =
-            wire::write_frame(self.stream.get_mut(), ask, blobs).and_then(|()| wire::read_frame(&mut self.stream));
+        let result = wire::write_frame(self.stream.get_mut(), ask, blobs)
+            .and_then(|()| wire::read_frame_into(&mut self.stream, payload));
         result.map_err(|e| {
             let why = format!(
                 "worker process {} of pool `{}` is gone: {e}",
@@ -90,7 +102,8 @@ impl Backend for ProcessBackend {
         outputs: &[String],
         _: &RunMeta,
     ) -> Result<Vec<Tensor>, BackendError> {
-        let (heads, blobs) = wire::encode_tensors(&inputs);
+        let mut sent = std::mem::take(&mut self.sent);
+        let heads = wire::encode_tensors_into(&inputs, &mut sent);
         drop(inputs);
         let ask = Ask::Run {
             model: model.to_string(),
@@ -98,18 +111,26 @@ impl Backend for ProcessBackend {
             inputs: heads,
             stats: false,
         };
-        let refs: Vec<&[u8]> = blobs.iter().map(Vec::as_slice).collect();
-        let (answer, payload) = self.exchange(&ask, &refs)?;
-        match answer {
+        let mut received = std::mem::take(&mut self.received);
+        let answer = self.exchange_into(&ask, &[&sent], &mut received);
+        if sent.capacity() <= 64 << 20 {
+            self.sent = sent;
+        }
+        let decoded = match answer? {
             Answer::Ran { outputs, stats } => {
                 if let Some(stats) = stats {
                     self.stats = Some(stats.into());
                 }
-                wire::decode_tensors(&outputs, &payload, &mut 0).map_err(BackendError::Runtime)
+                wire::decode_tensors(&outputs, &received, &mut 0).map_err(BackendError::Runtime)
             }
             Answer::Failed(error) => Err(error.into()),
             other => Err(BackendError::Runtime(format!("the worker answered {other:?} to a run"))),
+        };
+        // Keep the buffers for the next run, unless an outsized one would stay for ever.
+        if received.capacity() <= 64 << 20 {
+            self.received = received;
         }
+        decoded
     }
 
     fn arena_stats(&self) -> Option<ArenaStats> {

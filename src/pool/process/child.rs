@@ -22,6 +22,9 @@ use crate::core::backend::{Backend, BackendError, Interrupt, RunMeta};
 use crate::device::simulated::{FaultInjecting, SimulatedDevice};
 use crate::runtime::onnx::{OnnxRuntime, OrtBackend, SessionOptions};
 
+/// The largest buffer a session connection keeps between frames.
+const KEEP_BUFFER: usize = 64 << 20;
+
 /// What a worker is started with: its pool's provider and session options, on its standard
 /// input as one line of JSON.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -216,7 +219,10 @@ impl Worker {
         }
         // Read through a buffer: a small frame is one read, not one per part.
         let mut reader = std::io::BufReader::with_capacity(64 << 10, stream);
-        while let Ok((ask, payload)) = wire::read_frame::<Ask>(&mut reader) {
+        // A run's input bytes and its outputs' bytes, their allocations kept from run to run (a
+        // fresh large one costs a page fault per page).
+        let (mut payload, mut out): (Vec<u8>, Vec<u8>) = (Vec::new(), Vec::new());
+        while let Ok(ask) = wire::read_frame_into::<Ask>(&mut reader, &mut payload) {
             let stream = reader.get_mut();
             self.wait_if_hung();
             let sent = match ask {
@@ -230,7 +236,7 @@ impl Worker {
                     backend.as_mut(),
                     &runs,
                     (&model, &outputs, &inputs, stats),
-                    &payload,
+                    (&payload, &mut out),
                 ),
                 Ask::Stats { model } => {
                     match model {
@@ -273,6 +279,12 @@ impl Worker {
             if sent.is_err() {
                 break;
             }
+            // A model file's bytes (a load) are not kept for the runs after it.
+            for buffer in [&mut payload, &mut out] {
+                if buffer.capacity() > KEEP_BUFFER {
+                    *buffer = Vec::new();
+                }
+            }
         }
         self.sessions.lock().unwrap_or_else(|e| e.into_inner()).remove(&id);
     }
@@ -284,7 +296,7 @@ impl Worker {
         backend: &mut dyn Backend,
         runs: &Mutex<Runs>,
         (model, outputs, inputs, stats): (&str, &[String], &[wire::TensorHead], bool),
-        payload: &[u8],
+        (payload, out): (&[u8], &mut Vec<u8>),
     ) -> std::io::Result<()> {
         let tensors = match wire::decode_tensors(inputs, payload, &mut 0) {
             Ok(tensors) => tensors,
@@ -321,9 +333,8 @@ impl Worker {
                 } else {
                     None
                 };
-                let (heads, blobs) = wire::encode_tensors(&tensors);
-                let refs: Vec<&[u8]> = blobs.iter().map(Vec::as_slice).collect();
-                reply(stream, &Answer::Ran { outputs: heads, stats }, &refs)
+                let heads = wire::encode_tensors_into(&tensors, out);
+                reply(stream, &Answer::Ran { outputs: heads, stats }, &[out])
             }
             Err(e) => reply(stream, &Answer::Failed(WireError::from(&e)), &[]),
         }

@@ -220,6 +220,17 @@ pub fn write_frame<T: Serialize>(out: &mut impl Write, header: &T, blobs: &[&[u8
 
 /// Read one frame: its header and its payload.
 pub fn read_frame<T: for<'de> Deserialize<'de>>(input: &mut impl Read) -> std::io::Result<(T, Vec<u8>)> {
+    let mut payload = Vec::new();
+    let header = read_frame_into(input, &mut payload)?;
+    Ok((header, payload))
+}
+
+/// [`read_frame`], its payload read into `payload` (whose allocation is kept from frame to
+/// frame: a fresh large one costs a page fault per page, each run).
+pub fn read_frame_into<T: for<'de> Deserialize<'de>>(
+    input: &mut impl Read,
+    payload: &mut Vec<u8>,
+) -> std::io::Result<T> {
     let mut prefix = [0u8; 12];
     input.read_exact(&mut prefix)?;
     let head_len = u32::from_le_bytes(prefix[..4].try_into().expect("4 bytes")) as usize;
@@ -233,9 +244,29 @@ pub fn read_frame<T: for<'de> Deserialize<'de>>(input: &mut impl Read) -> std::i
     let mut head = vec![0u8; head_len];
     input.read_exact(&mut head)?;
     let header = serde_json::from_slice(&head).map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))?;
-    let mut payload = vec![0u8; payload_len as usize];
-    input.read_exact(&mut payload)?;
-    Ok((header, payload))
+    payload.clear();
+    payload.resize(payload_len as usize, 0);
+    input.read_exact(payload)?;
+    Ok(header)
+}
+
+/// The heads of `tensors`, their bytes written back to back into `bytes` (cleared first; its
+/// allocation is kept from run to run), for a frame whose one blob is `bytes`.
+pub fn encode_tensors_into(tensors: &[Tensor], bytes: &mut Vec<u8>) -> Vec<TensorHead> {
+    bytes.clear();
+    tensors
+        .iter()
+        .map(|t| {
+            let start = bytes.len();
+            t.data.write_le_bytes(bytes);
+            TensorHead {
+                name: t.name.clone(),
+                datatype: t.data.datatype().name().to_string(),
+                shape: t.shape.clone(),
+                bytes: (bytes.len() - start) as u64,
+            }
+        })
+        .collect()
 }
 
 /// The heads of `tensors` and their bytes, for a frame.
