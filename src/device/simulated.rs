@@ -44,8 +44,9 @@ pub struct DeviceChange {
     pub fail_next: Option<u64>,
     /// Runs that pass before those fail.
     pub pass_first: Option<u64>,
-    /// Set a driver fault (it cannot be cleared there: the process must be replaced).
-    pub driver_reset: bool,
+    /// Set (or, here, clear) a driver fault; in a worker process it cannot be cleared: the
+    /// process must be replaced.
+    pub driver_reset: Option<bool>,
     /// The process stops answering (its heartbeat finds it hung).
     pub hang: bool,
 }
@@ -175,6 +176,12 @@ impl SimulatedDevice {
     /// driver fault is sticky: only replacing its worker clears it.
     pub fn apply(&self, change: DeviceChange) -> Result<DeviceState, String> {
         if self.is_linked() {
+            if change.driver_reset == Some(false) {
+                return Err(format!(
+                    "a driver fault in `{}`'s worker process is sticky, as a CUDA error is: POST /admin/pools/{{pool}}/restore replaces the worker",
+                    self.name
+                ));
+            }
             if let Some(bytes) = change.pressure {
                 self.check_pressure(bytes)?;
                 self.wanted_pressure.store(bytes, Ordering::Relaxed);
@@ -190,8 +197,8 @@ impl SimulatedDevice {
         if let Some(n) = change.fail_next {
             self.fail_next(n);
         }
-        if change.driver_reset {
-            self.set_driver_reset(true);
+        if let Some(reset) = change.driver_reset {
+            self.set_driver_reset(reset);
         }
         Ok(self.state())
     }

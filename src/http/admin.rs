@@ -260,25 +260,19 @@ async fn admin_sim(
             ),
         )
     })?;
-    let (kill, hang, worker_pool) = check_sim(&command, service, &sim, &device)?;
+    let (kill, hang, worker_pool) = check_sim(&command, service, &device)?;
     let change = crate::device::simulated::DeviceChange {
         pressure: command.pressure.map(|p| p.bytes()),
         fail_next: command.fail_next,
         pass_first: command.pass_first,
-        driver_reset: command.driver_reset == Some(true),
+        driver_reset: command.driver_reset,
         hang,
     };
     let held = Arc::clone(&sim);
-    let local_reset_off = command.driver_reset == Some(false);
-    tokio::task::spawn_blocking(move || {
-        if local_reset_off {
-            held.set_driver_reset(false);
-        }
-        held.apply(change)
-    })
-    .await
-    .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?
-    .map_err(|e| ApiError::new(StatusCode::CONFLICT, e))?;
+    tokio::task::spawn_blocking(move || held.apply(change))
+        .await
+        .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?
+        .map_err(|e| ApiError::new(StatusCode::CONFLICT, e))?;
     if let Some(bytes) = change.pressure {
         tracing::info!(device = %device, pressure_bytes = bytes, "simulated external pressure set");
     }
@@ -416,7 +410,6 @@ async fn residency(state: &Arc<AppState>, model: String, load: bool) -> Result<J
 fn check_sim(
     command: &SimCommand,
     service: &crate::serve::service::Service,
-    sim: &crate::device::simulated::SimulatedDevice,
     device: &str,
 ) -> Result<(bool, bool, Option<Arc<crate::pool::Pool>>), ApiError> {
     if command.pass_first.is_some() && command.fail_next.is_none() {
@@ -431,14 +424,6 @@ fn check_sim(
         return Err(ApiError::new(
             StatusCode::BAD_REQUEST,
             "nothing to do: give `pressure`, `fail_next`, `driver_reset`, `kill_worker` or `hang_worker`",
-        ));
-    }
-    if command.driver_reset == Some(false) && sim.is_linked() {
-        return Err(ApiError::new(
-            StatusCode::CONFLICT,
-            format!(
-                "a driver fault in `{device}`'s worker process is sticky, as a CUDA error is: POST /admin/pools/{{pool}}/restore replaces the worker"
-            ),
         ));
     }
     let worker_pool = service

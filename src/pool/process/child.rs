@@ -445,7 +445,7 @@ fn reply(stream: &mut UnixStream, answer: &Answer, blobs: &[&[u8]]) -> std::io::
     wire::write_frame(stream, answer, blobs)
 }
 
-/// Read the spec line a worker is started with (for the parent's tests of it).
+/// The line a worker is started with: its spec as JSON, what [`serve`] reads first.
 pub fn spec_line(spec: &WorkerSpec) -> String {
     let mut line = serde_json::to_string(spec).expect("a spec serialises");
     line.push('\n');

@@ -301,7 +301,7 @@ impl DeviceLink for WorkerHost {
                 pressure: wanted.pressure,
                 fail_next: wanted.fail_next,
                 pass_first: wanted.pass_first,
-                driver_reset: wanted.driver_reset,
+                driver_reset: wanted.driver_reset == Some(true),
                 hang: wanted.hang,
             },
         )?;

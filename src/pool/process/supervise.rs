@@ -113,7 +113,7 @@ impl Pool {
 
 /// The supervisor's loop, until the pool is gone or shuts down.
 fn watch(pool: &Weak<Pool>, host: &WorkerHost) {
-    let heartbeat = HEARTBEAT.min(host_timeout(host) / 2).max(TICK);
+    let heartbeat = HEARTBEAT.min(host.timeout() / 2).max(TICK);
     let mut next_ping = Instant::now() + heartbeat;
     let mut last_answer = Instant::now();
     let mut backoff = FIRST_BACKOFF;
@@ -142,12 +142,12 @@ fn watch(pool: &Weak<Pool>, host: &WorkerHost) {
                     None
                 }
                 Err(_) if worker.ended().is_some() => None,
-                Err(why) if last_answer.elapsed() >= host_timeout(host) => Some((
+                Err(why) if last_answer.elapsed() >= host.timeout() => Some((
                     Lost::Hung,
                     format!(
                         "worker process {} did not answer its heartbeat within {} ms ({why})",
                         worker.pid,
-                        host_timeout(host).as_millis()
+                        host.timeout().as_millis()
                     ),
                 )),
                 Err(_) => None,
@@ -191,8 +191,4 @@ fn watch(pool: &Weak<Pool>, host: &WorkerHost) {
         next_ping = Instant::now() + heartbeat;
         drop(lifecycle);
     }
-}
-
-fn host_timeout(host: &WorkerHost) -> Duration {
-    host.timeout()
 }
