@@ -469,6 +469,24 @@ pub struct PoolConfig {
     pub isolation: Isolation,
 }
 
+impl PoolConfig {
+    /// How many backends the pool's queue hands jobs to: one per worker, or two per worker of
+    /// a pool in a worker process, where each worker's sessions take frames on two lanes (the
+    /// next run's frame waits in the socket while one runs, so the worker never sleeps between
+    /// runs; it still runs one at a time per worker).
+    pub fn slots(&self) -> usize {
+        self.workers * self.lanes()
+    }
+
+    /// Backends per worker: see [`slots`](Self::slots).
+    pub fn lanes(&self) -> usize {
+        match (self.isolation, &self.provider) {
+            (Isolation::Process, Provider::Remote(_)) | (Isolation::Thread, _) => 1,
+            (Isolation::Process, _) => 2,
+        }
+    }
+}
+
 /// Where a pool's sessions run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Isolation {

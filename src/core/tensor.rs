@@ -244,22 +244,36 @@ impl TensorData {
 
     /// Append the little-endian bytes of every element to `out`.
     pub fn write_le_bytes(&self, out: &mut Vec<u8>) {
-        // Sized once and filled in place, element by element into fixed-size chunks: the
-        // compiler turns that into a plain copy on a little-endian machine, where extending
-        // the vector by each element's bytes checks its capacity every time.
+        let start = out.len();
+        out.resize(start + self.byte_len(), 0);
+        self.write_le_bytes_to(&mut out[start..]);
+    }
+
+    /// How many bytes its little-endian encoding takes.
+    pub fn byte_len(&self) -> usize {
+        self.len() * self.datatype().size()
+    }
+
+    /// Write its little-endian bytes into `out`, which is [`byte_len`](Self::byte_len) long
+    /// (shared memory another process reads, say).
+    ///
+    /// # Panics
+    /// When `out` is not exactly that long.
+    pub fn write_le_bytes_to(&self, out: &mut [u8]) {
+        assert_eq!(out.len(), self.byte_len(), "a tensor's bytes fill exactly their place");
+        // Element by element into fixed-size chunks: the compiler turns that into a plain copy
+        // on a little-endian machine.
         macro_rules! fill {
             ($v:expr, $n:expr) => {{
-                let start = out.len();
-                out.resize(start + $v.len() * $n, 0);
-                for (chunk, x) in out[start..].chunks_exact_mut($n).zip($v.iter()) {
+                for (chunk, x) in out.chunks_exact_mut($n).zip($v.iter()) {
                     chunk.copy_from_slice(&x.to_le_bytes());
                 }
             }};
         }
         match self {
-            TensorData::Bool(v) => out.extend(v.iter().map(|b| *b as u8)),
-            TensorData::Uint8(v) => out.extend_from_slice(v),
-            TensorData::Int8(v) => out.extend(v.iter().map(|b| *b as u8)),
+            TensorData::Bool(v) => out.iter_mut().zip(v).for_each(|(o, b)| *o = *b as u8),
+            TensorData::Uint8(v) => out.copy_from_slice(v),
+            TensorData::Int8(v) => out.iter_mut().zip(v).for_each(|(o, b)| *o = *b as u8),
             TensorData::Int16(v) => fill!(v, 2),
             TensorData::Int32(v) => fill!(v, 4),
             TensorData::Int64(v) => fill!(v, 8),

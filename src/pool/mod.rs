@@ -174,7 +174,7 @@ impl Pool {
     }
 
     /// Replace every idle backend by a fresh one (the breaker is open; it goes half-open, and
-    /// the next health check is its probe).
+    /// the next health check is its probe); returns how many workers' sessions were rebuilt.
     pub(crate) fn rebuild(&self) -> Result<usize, String> {
         let respawn = self
             .respawn
@@ -183,8 +183,8 @@ impl Pool {
         // The old sessions go first: a device that holds the weights once may not hold them
         // twice, and after a driver fault they are no use anyway.
         drop(self.queue.take_idle());
-        let mut fresh = Vec::with_capacity(self.config.workers);
-        for _ in 0..self.config.workers {
+        let mut fresh = Vec::with_capacity(self.config.slots());
+        for _ in 0..self.config.slots() {
             match respawn() {
                 Ok(mut backend) => {
                     backend.refresh_arena_stats();
@@ -194,7 +194,7 @@ impl Pool {
                     tracing::error!(pool = self.name(), %reason, "restore failed: the breaker stays open");
                     // What was built still serves; the pool is unavailable only with none left.
                     let built = fresh.len();
-                    self.queue.restock(fresh, self.config.workers);
+                    self.queue.restock(fresh, self.config.slots());
                     if built == 0 && self.load().inflight == 0 {
                         *self.availability.write().unwrap_or_else(PoisonError::into_inner) =
                             Availability::Unavailable(format!("restore failed: {reason}"));
@@ -206,7 +206,7 @@ impl Pool {
         }
         // Counted before the workers are woken: one may take a fresh backend at once (the
         // health check's probe).
-        let built = self.queue.restock(fresh, self.config.workers);
+        let built = self.queue.restock(fresh, self.config.slots());
         *self.availability.write().unwrap_or_else(PoisonError::into_inner) = Availability::Ready;
         self.breaker().restored();
         self.queue.wake_all();
@@ -215,7 +215,7 @@ impl Pool {
             built,
             "pool restored: the next health check is the breaker's probe"
         );
-        Ok(built)
+        Ok(built.div_ceil(self.config.lanes()))
     }
 
     /// Give the free allocator memory of backends that ran back as soon as each is idle, even

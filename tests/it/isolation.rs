@@ -424,6 +424,94 @@ async fn a_fresh_server_shows_its_worker_up_and_no_restarts() {
     server.stop().await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn large_tensors_cross_in_shared_memory_and_answer_as_through_the_socket() {
+    let server = TestServer::start(CONFIG).await;
+    let url = server.url("/v2/models/encoder/infer");
+    // The first seq-1024 run's 256 KiB input crosses in the frame on each of the pool's two
+    // connections; the runs after it find shared memory made for it.
+    let mut answers = Vec::new();
+    for i in 0..6 {
+        let seen = encoder(url.clone(), format!("shm-{i}"), vec![], "replayable").await;
+        assert_eq!((seen.status, seen.pool.as_str()), (200, "gpu"), "{}", seen.body);
+        let pooled: Value = serde_json::from_str(&seen.body).unwrap();
+        answers.push(pooled["outputs"][0]["data"].clone());
+    }
+    assert!(answers.windows(2).all(|w| w[0] == w[1]), "{answers:?}");
+    // A smaller input, in the same region, is read as its own length.
+    let small = encoder_of(
+        url.clone(),
+        "shm-small".into(),
+        vec![],
+        "replayable",
+        crate::common::encoder_binary_request(300),
+    )
+    .await;
+    assert_eq!(small.status, 200, "{}", small.body);
+    assert_ne!(
+        serde_json::from_str::<Value>(&small.body).unwrap()["outputs"][0]["data"],
+        answers[0]
+    );
+    let pid = gpu(&status(&server).await)["worker_pid"].as_u64().unwrap();
+    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).unwrap();
+    assert!(
+        maps.contains("memfd:vramguard-tensors"),
+        "the worker maps no shared memory:\n{maps}"
+    );
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_s_two_lanes_share_its_sessions_and_run_concurrent_work_in_turn() {
+    // The same simulated pool, one worker, in a process and on a thread: the weights are on
+    // the device once either way (the process pool's two lanes share one worker's sessions).
+    let one = |isolation: &str| {
+        format!(
+            "devices: [{{name: gpu0, kind: simulated, capacity: 256MiB}}]
+models: [{{name: encoder, path: 'builtin:encoder', context: {{input: input, axis: 1}}}}]
+pools: [{{name: gpu, provider: simulated, device: gpu0, models: [encoder], workers: 1, isolation: {isolation}}}]
+"
+        )
+    };
+    let mut reserved = Vec::new();
+    for isolation in ["thread", "process"] {
+        let server = TestServer::start(&one(isolation)).await;
+        let metrics = server.metrics().await;
+        reserved.push(sample(
+            &metrics,
+            "vramguard_allocator_reserved_bytes{pool=\"gpu\",device=\"gpu0\"}",
+        ));
+        // Concurrent requests all run, one after another, on the one worker.
+        let url = server.url("/v2/models/encoder/infer");
+        let tasks: Vec<_> = (0..8)
+            .map(|i| tokio::spawn(encoder(url.clone(), format!("{isolation}-{i}"), vec![], "replayable")))
+            .collect();
+        let mut answers = Vec::new();
+        for task in tasks {
+            answers.push(task.await.unwrap());
+        }
+        for seen in &answers {
+            assert_eq!(
+                (seen.status, seen.pool.as_str()),
+                (200, "gpu"),
+                "{isolation}: {}",
+                seen.body
+            );
+        }
+        let data = |seen: &Seen| serde_json::from_str::<Value>(&seen.body).unwrap()["outputs"][0]["data"].clone();
+        assert!(
+            answers.windows(2).all(|w| data(&w[0]) == data(&w[1])),
+            "{isolation}: answers differ"
+        );
+        server.stop().await;
+    }
+    assert!(reserved[0] > 0.0, "{reserved:?}");
+    assert_eq!(
+        reserved[0], reserved[1],
+        "weights held once per worker: thread, process"
+    );
+}
+
 #[test]
 fn a_parent_that_dies_takes_its_worker_with_it() {
     let dir = vramguard::testing::Scratch::new();

@@ -1,96 +1,168 @@
-//! [`ProcessBackend`]: one pool worker's sessions, held in the pool's worker process and run
-//! over a Unix socket. A worker process that dies (or is replaced) turns every run into
-//! [`BackendError::WorkerLost`] at once, and [`Backend::lost`] tells the pool to replace the
-//! backend with one on the new process.
+//! [`ProcessBackend`]: one lane of a session connection to the pool's worker process (two
+//! lanes share each connection's sessions, see [`super::conn`]). A worker process that dies
+//! (or is replaced) turns every run into [`BackendError::WorkerLost`] at once, and
+//! [`Backend::lost`] tells the pool to replace the backend with one on the new process.
 
-use std::os::unix::net::UnixStream;
+use std::collections::BTreeSet;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
 
-use super::host::{Worker, WorkerHost};
+use super::conn::Conn;
+use super::host::WorkerHost;
+use super::shm::{Region, SHARED_FROM};
 use super::wire::{self, Answer, Ask};
 use crate::core::backend::{ArenaStats, Backend, BackendError, Interrupt, RunMeta};
 use crate::core::tensor::Tensor;
 
-/// One pool worker's sessions in the worker process.
+/// One pool worker slot's sessions in the worker process: a lane of a session connection.
 pub struct ProcessBackend {
     host: Arc<WorkerHost>,
-    worker: Arc<Worker>,
-    /// Read through a buffer: a small answer is one read, not one per part of its frame.
-    stream: std::io::BufReader<UnixStream>,
-    session: u64,
-    interrupts: Arc<Mutex<UnixStream>>,
-    /// The number of the next run (the one an interrupt handle given out now stops).
+    conn: Arc<Conn>,
+    lane: usize,
+    /// The number of its next run (the one an interrupt handle given out now stops).
     seq: Arc<AtomicU64>,
     stats: Option<ArenaStats>,
-    /// Set once the worker process is gone: every later run fails at once.
-    gone: Option<String>,
-    /// The models it holds sessions of.
-    models: std::collections::BTreeSet<String>,
+    /// The models this lane holds sessions of.
+    models: BTreeSet<String>,
     /// The last run's input bytes and answer: their allocations are reused.
     sent: Vec<u8>,
     received: Vec<u8>,
+    /// Shared memory for large inputs and outputs (made when first needed).
+    regions: Regions,
+}
+
+/// A lane's shared memory, made the first time a run's tensors would use it.
+#[derive(Debug, Default)]
+struct Regions {
+    to_worker: Option<Region>,
+    from_worker: Option<Region>,
+    /// Why shared memory is not used on this lane (the worker could not map it).
+    refused: Option<String>,
 }
 
 impl ProcessBackend {
-    /// Open sessions of `models` in `host`'s current worker.
+    /// A lane with sessions of `models` in `host`'s current worker: the free lane of the last
+    /// connection opened with the same models, or the first lane of a new one.
     pub fn open(host: &Arc<WorkerHost>, models: &[(String, &[u8])]) -> Result<ProcessBackend, String> {
         let worker = host
             .current()
             .ok_or_else(|| format!("pool `{}` has no worker process running", host.pool))?;
-        let heads = Ask::Open {
-            models: models.iter().map(|(n, b)| (n.clone(), b.len() as u64)).collect(),
+        let names: BTreeSet<String> = models.iter().map(|(n, _)| n.clone()).collect();
+        let mut spare = host.spare.lock().unwrap_or_else(|e| e.into_inner());
+        // A connection on this worker with a lane free and the same sessions is joined.
+        let joined = spare
+            .take()
+            .and_then(|conn| conn.upgrade())
+            .filter(|conn| conn.worker.generation == worker.generation && conn.gone().is_none())
+            .filter(|conn| conn.held() == names)
+            .and_then(|conn| Some((conn.take_lane()?, conn)));
+        let (lane, conn) = match joined {
+            Some(joined) => joined,
+            None => {
+                let conn = Arc::new(Conn::open(worker, &host.pool, models)?);
+                let lane = conn.take_lane().expect("a new connection has its lanes free");
+                *spare = Some(Arc::downgrade(&conn));
+                (lane, conn)
+            }
         };
-        let blobs: Vec<&[u8]> = models.iter().map(|(_, b)| *b).collect();
-        let mut stream = worker.connect(&heads, &blobs)?;
-        let session = match wire::read_frame::<Answer>(&mut stream) {
-            Ok((Answer::Done { session: Some(id) }, _)) => id,
-            Ok((Answer::Refused(why), _)) => return Err(why),
-            Ok((other, _)) => return Err(format!("worker process {} answered {other:?} to an open", worker.pid)),
-            Err(e) => return Err(format!("worker process {} did not open the sessions: {e}", worker.pid)),
-        };
-        let interrupts = worker.connect(&Ask::Interrupt { session, seq: 0 }, &[])?;
+        drop(spare);
+        {
+            let mut holders = conn.holders.lock().unwrap_or_else(|e| e.into_inner());
+            for name in &names {
+                holders.entry(name.clone()).or_default()[lane] = true;
+            }
+        }
         let mut backend = ProcessBackend {
             host: Arc::clone(host),
-            worker,
-            stream: std::io::BufReader::with_capacity(64 << 10, stream),
-            session,
-            interrupts: Arc::new(Mutex::new(interrupts)),
-            seq: Arc::new(AtomicU64::new(1)),
+            seq: Arc::new(AtomicU64::new(conn.next_seq())),
+            conn,
+            lane,
             stats: None,
-            gone: None,
-            models: models.iter().map(|(n, _)| n.clone()).collect(),
+            models: names,
             sent: Vec::new(),
             received: Vec::new(),
+            regions: Regions::default(),
         };
         backend.refresh_arena_stats();
         Ok(backend)
     }
 
-    /// Send `ask` with `blobs` and read the answer; an I/O failure means the process is gone.
-    fn exchange(&mut self, ask: &Ask, blobs: &[&[u8]]) -> Result<(Answer, Vec<u8>), BackendError> {
-        let mut payload = Vec::new();
-        let answer = self.exchange_into(ask, blobs, &mut payload)?;
-        Ok((answer, payload))
+    /// The region for a run's inputs (`to_worker`) or outputs, at least `need` bytes long,
+    /// made (and handed to the worker) when it is missing or short; `None` when `need` is small
+    /// enough to cross inline, too large for shared memory, or the worker cannot map it.
+    fn region(&mut self, to_worker: bool, need: usize) -> Option<&mut Region> {
+        if need < SHARED_FROM || self.regions.refused.is_some() {
+            return None;
+        }
+        let have = match to_worker {
+            true => &self.regions.to_worker,
+            false => &self.regions.from_worker,
+        };
+        if have.as_ref().is_none_or(|r| r.len() < need) {
+            let fresh = match Region::create(need) {
+                Ok(Some(region)) => region,
+                Ok(None) => return None,
+                Err(why) => {
+                    self.refuse_regions(why);
+                    return None;
+                }
+            };
+            let ask = Ask::Region {
+                lane: self.lane,
+                to_worker,
+                fd: fresh.fd(),
+                len: fresh.len() as u64,
+            };
+            match self.conn.exchange(&ask, &[]) {
+                Ok((Answer::Done { .. }, _)) => {}
+                Ok((Answer::Refused(why), _)) => {
+                    self.refuse_regions(why);
+                    return None;
+                }
+                Ok((other, _)) => {
+                    self.refuse_regions(format!("the worker answered {other:?} to a region"));
+                    return None;
+                }
+                // The worker is gone: the run that follows says so.
+                Err(_) => return None,
+            }
+            match to_worker {
+                true => self.regions.to_worker = Some(fresh),
+                false => self.regions.from_worker = Some(fresh),
+            }
+        }
+        match to_worker {
+            true => self.regions.to_worker.as_mut(),
+            false => self.regions.from_worker.as_mut(),
+        }
     }
 
-    /// [`exchange`](Self::exchange), the answer's payload read into `payload`.
-    fn exchange_into(&mut self, ask: &Ask, blobs: &[&[u8]], payload: &mut Vec<u8>) -> Result<Answer, BackendError> {
-        if let Some(why) = &self.gone {
-            return Err(BackendError::WorkerLost(why.clone()));
+    /// Shared memory does not work with this worker: every tensor crosses inline from now on.
+    fn refuse_regions(&mut self, why: String) {
+        tracing::warn!(pool = %self.host.pool, pid = self.conn.worker.pid, %why, "shared memory for tensors refused: they cross through the socket");
+        self.regions = Regions {
+            refused: Some(why),
+            ..Regions::default()
+        };
+    }
+
+    /// What it read of a gone process's arena is nobody's now.
+    fn exchange(&mut self, ask: &Ask, blobs: &[&[u8]]) -> Result<(Answer, Vec<u8>), BackendError> {
+        self.conn.exchange(ask, blobs).inspect_err(|_| self.stats = None)
+    }
+}
+
+impl Drop for ProcessBackend {
+    /// The lane is given up: sessions only it held go, and a connection with a lane still
+    /// taken is the one the next lane joins (a replaced slot pairs up again).
+    fn drop(&mut self) {
+        // With both lanes gone the connection closes, and the worker drops its sessions.
+        if self.conn.leave(self.lane) && self.conn.gone().is_none() {
+            for model in std::mem::take(&mut self.models) {
+                self.unload_model(&model);
+            }
+            *self.host.spare.lock().unwrap_or_else(|e| e.into_inner()) = Some(Arc::downgrade(&self.conn));
         }
-        let result = wire::write_frame(self.stream.get_mut(), ask, blobs)
-            .and_then(|()| wire::read_frame_into(&mut self.stream, payload));
-        result.map_err(|e| {
-            let why = format!(
-                "worker process {} of pool `{}` is gone: {e}",
-                self.worker.pid, self.host.pool
-            );
-            self.gone = Some(why.clone());
-            // What it read of a gone process's arena is nobody's now.
-            self.stats = None;
-            BackendError::WorkerLost(why)
-        })
     }
 }
 
@@ -103,25 +175,54 @@ impl Backend for ProcessBackend {
         _: &RunMeta,
     ) -> Result<Vec<Tensor>, BackendError> {
         let mut sent = std::mem::take(&mut self.sent);
-        let heads = wire::encode_tensors_into(&inputs, &mut sent);
+        sent.clear();
+        // Large inputs go through shared memory, small ones in the frame.
+        let shared = match self.region(true, wire::tensor_bytes(&inputs)) {
+            Some(region) => wire::encode_tensors_at(&inputs, region.bytes_mut()),
+            None => None,
+        };
+        let (heads, shared) = match shared {
+            Some(heads) => (heads, true),
+            None => (wire::encode_tensors_into(&inputs, &mut sent), false),
+        };
         drop(inputs);
         let ask = Ask::Run {
             model: model.to_string(),
             outputs: outputs.to_vec(),
             inputs: heads,
             stats: false,
+            shared,
+            lane: self.lane,
+            seq: self.seq.load(Ordering::SeqCst),
         };
         let mut received = std::mem::take(&mut self.received);
-        let answer = self.exchange_into(&ask, &[&sent], &mut received);
+        let answer = self.conn.exchange_into(&ask, &[&sent], &mut received);
+        if answer.is_err() {
+            self.stats = None;
+        }
         if sent.capacity() <= 64 << 20 {
             self.sent = sent;
         }
         let decoded = match answer? {
-            Answer::Ran { outputs, stats } => {
+            Answer::Ran { outputs, stats, shared } => {
                 if let Some(stats) = stats {
                     self.stats = Some(stats.into());
                 }
-                wire::decode_tensors(&outputs, &received, &mut 0).map_err(BackendError::Runtime)
+                let from = match (shared, &self.regions.from_worker) {
+                    (true, Some(region)) => region.bytes(),
+                    (true, None) => {
+                        return Err(BackendError::Runtime(
+                            "the worker answered in shared memory it has not been given".into(),
+                        ));
+                    }
+                    (false, _) => &received,
+                };
+                let decoded = wire::decode_tensors(&outputs, from, &mut 0).map_err(BackendError::Runtime);
+                if !shared {
+                    // Outputs this large come back through shared memory from the next run on.
+                    let _ = self.region(false, received.len());
+                }
+                decoded
             }
             Answer::Failed(error) => Err(error.into()),
             other => Err(BackendError::Runtime(format!("the worker answered {other:?} to a run"))),
@@ -153,26 +254,33 @@ impl Backend for ProcessBackend {
     }
 
     fn interrupt_handle(&self) -> Option<Interrupt> {
-        let (interrupts, session) = (Arc::clone(&self.interrupts), self.session);
+        let conn = Arc::clone(&self.conn);
         let seq = self.seq.load(Ordering::SeqCst);
-        Some(Arc::new(move || {
-            let mut stream = interrupts.lock().unwrap_or_else(|e| e.into_inner());
-            let _ = wire::write_frame(&mut *stream, &Ask::Interrupt { session, seq }, &[]);
-        }))
+        Some(Arc::new(move || conn.interrupt(seq)))
     }
 
     fn clear_interrupt(&mut self) {
-        // The next run has the next number: a stop sent for an earlier one does not reach it.
-        self.seq.fetch_add(1, Ordering::SeqCst);
+        // The next run has a number of its own: a stop sent for an earlier one (this lane's
+        // or the other's) does not reach it.
+        self.seq.store(self.conn.next_seq(), Ordering::SeqCst);
     }
 
     fn load_model(&mut self, name: &str, bytes: &[u8]) -> Result<(), String> {
+        let mut holders = self.conn.holders.lock().unwrap_or_else(|e| e.into_inner());
+        let held = holders.entry(name.to_string()).or_default();
+        // The other lane loaded it: the session is the connection's, already there.
+        if held.iter().enumerate().any(|(lane, &h)| h && lane != self.lane) {
+            held[self.lane] = true;
+            self.models.insert(name.to_string());
+            return Ok(());
+        }
         let ask = Ask::Load {
             name: name.to_string(),
             bytes: bytes.len() as u64,
         };
-        match self.exchange(&ask, &[bytes]).map_err(|e| e.to_string())? {
+        match self.conn.exchange(&ask, &[bytes]).map_err(|e| e.to_string())? {
             (Answer::Done { .. }, _) => {
+                holders.entry(name.to_string()).or_default()[self.lane] = true;
                 self.models.insert(name.to_string());
                 Ok(())
             }
@@ -183,7 +291,16 @@ impl Backend for ProcessBackend {
 
     fn unload_model(&mut self, name: &str) {
         self.models.remove(name);
-        let _ = self.exchange(&Ask::Unload { name: name.to_string() }, &[]);
+        let mut holders = self.conn.holders.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(held) = holders.get_mut(name) else {
+            return;
+        };
+        held[self.lane] = false;
+        // The session goes when no lane holds it.
+        if held.iter().all(|h| !h) {
+            holders.remove(name);
+            let _ = self.conn.exchange(&Ask::Unload { name: name.to_string() }, &[]);
+        }
     }
 
     fn release_memory(&mut self, probe: &dyn Fn(&str) -> Option<Vec<Tensor>>) {
@@ -203,10 +320,10 @@ impl Backend for ProcessBackend {
     }
 
     fn lost(&self) -> bool {
-        self.gone.is_some()
+        self.conn.gone().is_some()
             || self
                 .host
                 .current()
-                .is_none_or(|current| current.generation != self.worker.generation)
+                .is_none_or(|current| current.generation != self.conn.worker.generation)
     }
 }

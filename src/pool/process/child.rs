@@ -16,6 +16,7 @@ use std::sync::{Arc, Mutex};
 
 use serde::{Deserialize, Serialize};
 
+use super::shm::Region;
 use super::wire::{self, Answer, Ask, SimChange, SimState, WireError};
 use crate::config::{CudaOptions, Provider};
 use crate::core::backend::{Backend, BackendError, Interrupt, RunMeta};
@@ -71,17 +72,55 @@ impl WorkerSpec {
     }
 }
 
-/// One session connection's run state, for its interrupts: the run going now and the latest
-/// run an interrupt was sent for, under one lock with the terminate flag's changes.
+/// What a session connection holds: its sessions, its runs' state, the buffer its answers'
+/// outputs are written into, and each lane's shared memory for large inputs and outputs, once
+/// the pool sends it.
+struct Held {
+    backend: Box<dyn Backend>,
+    runs: Arc<Mutex<Runs>>,
+    out: Vec<u8>,
+    regions: [(Option<Region>, Option<Region>); 2],
+}
+
+/// Where a run's outputs go: the connection's shared region when it has one they fit in, else
+/// inline into the answer's buffer.
+struct Output<'a> {
+    inline: &'a mut Vec<u8>,
+    region: Option<&'a mut Region>,
+}
+
+impl<'a> Output<'a> {
+    fn new(inline: &'a mut Vec<u8>, region: Option<&'a mut Region>) -> Output<'a> {
+        Output { inline, region }
+    }
+}
+
+/// One session connection's run state, for its interrupts: the run going now and the runs an
+/// interrupt was sent for (its two lanes number their runs from one sequence, and a lane's
+/// frame may go out after the other's later-numbered one), under one lock with the terminate
+/// flag's changes.
 #[derive(Default)]
 struct Runs {
     running: u64,
-    interrupted: u64,
+    interrupted: std::collections::BTreeSet<u64>,
     handle: Option<Interrupt>,
+}
+
+impl Runs {
+    /// Note a stop for run `seq`; the oldest are forgotten (a run numbered that long ago has
+    /// started, or its lane has gone on to later numbers).
+    fn interrupt(&mut self, seq: u64) {
+        self.interrupted.insert(seq);
+        while self.interrupted.len() > 64 {
+            self.interrupted.pop_first();
+        }
+    }
 }
 
 /// The worker's state, shared by its connections.
 struct Worker {
+    /// The pool's process: the shared memory regions are its descriptors.
+    parent: u32,
     rt: &'static OnnxRuntime,
     options: SessionOptions,
     device: Option<Arc<SimulatedDevice>>,
@@ -131,6 +170,7 @@ pub fn serve(socket: &Path, parent: u32) -> Result<(), String> {
     let _ = std::fs::remove_file(socket);
     let listener = UnixListener::bind(socket).map_err(|e| format!("cannot listen on {}: {e}", socket.display()))?;
     let worker = Arc::new(Worker {
+        parent,
         rt,
         options: spec.session_options()?,
         device,
@@ -197,7 +237,7 @@ impl Worker {
             }
             Ok(self.wrap(backend))
         });
-        let mut backend = match built {
+        let backend = match built {
             Ok(backend) => backend,
             Err(why) => {
                 let _ = reply(&mut stream, &Answer::Refused(why), &[]);
@@ -221,66 +261,22 @@ impl Worker {
         let mut reader = std::io::BufReader::with_capacity(64 << 10, stream);
         // A run's input bytes and its outputs' bytes, their allocations kept from run to run (a
         // fresh large one costs a page fault per page).
-        let (mut payload, mut out): (Vec<u8>, Vec<u8>) = (Vec::new(), Vec::new());
+        let mut payload = Vec::new();
+        let mut held = Held {
+            backend,
+            runs: Arc::clone(&runs),
+            out: Vec::new(),
+            regions: Default::default(),
+        };
         while let Ok(ask) = wire::read_frame_into::<Ask>(&mut reader, &mut payload) {
             let stream = reader.get_mut();
             self.wait_if_hung();
-            let sent = match ask {
-                Ask::Run {
-                    model,
-                    outputs,
-                    inputs,
-                    stats,
-                } => self.run(
-                    stream,
-                    backend.as_mut(),
-                    &runs,
-                    (&model, &outputs, &inputs, stats),
-                    (&payload, &mut out),
-                ),
-                Ask::Stats { model } => {
-                    match model {
-                        Some(model) => backend.refresh_arena_stats_for(&model),
-                        None => backend.refresh_arena_stats(),
-                    }
-                    reply(stream, &Answer::Stats(backend.arena_stats().map(Into::into)), &[])
-                }
-                Ask::Load { name, bytes } => {
-                    let answer = match wire::take(&payload, &mut 0, bytes) {
-                        Ok(file) => match backend.load_model(&name, file) {
-                            Ok(()) => Answer::Done { session: None },
-                            Err(why) => Answer::Refused(why),
-                        },
-                        Err(why) => Answer::Refused(why),
-                    };
-                    reply(stream, &answer, &[])
-                }
-                Ask::Unload { name } => {
-                    backend.unload_model(&name);
-                    reply(stream, &Answer::Done { session: None }, &[])
-                }
-                Ask::Release { probes } => {
-                    let mut at = 0;
-                    let mut inputs = HashMap::new();
-                    for (model, heads) in &probes {
-                        if let Ok(tensors) = wire::decode_tensors(heads, &payload, &mut at) {
-                            inputs.insert(model.clone(), tensors);
-                        }
-                    }
-                    backend.release_memory(&|model: &str| inputs.get(model).cloned());
-                    reply(stream, &Answer::Done { session: None }, &[])
-                }
-                other => reply(
-                    stream,
-                    &Answer::Refused(format!("not on a session connection: {other:?}")),
-                    &[],
-                ),
-            };
+            let sent = self.answer(stream, &mut held, ask, &payload);
             if sent.is_err() {
                 break;
             }
             // A model file's bytes (a load) are not kept for the runs after it.
-            for buffer in [&mut payload, &mut out] {
+            for buffer in [&mut payload, &mut held.out] {
                 if buffer.capacity() > KEEP_BUFFER {
                     *buffer = Vec::new();
                 }
@@ -289,21 +285,115 @@ impl Worker {
         self.sessions.lock().unwrap_or_else(|e| e.into_inner()).remove(&id);
     }
 
+    /// Answer one frame of a session connection.
+    fn answer(&self, stream: &mut UnixStream, held: &mut Held, ask: Ask, payload: &[u8]) -> std::io::Result<()> {
+        match ask {
+            Ask::Run {
+                model,
+                outputs,
+                inputs,
+                stats,
+                shared,
+                lane,
+                seq,
+            } => {
+                let (to_worker, from_worker) = match held.regions.get_mut(lane) {
+                    Some((to, from)) => (to.as_ref(), from.as_mut()),
+                    None => (None, None),
+                };
+                let input = match shared {
+                    false => Some(payload),
+                    true => to_worker.map(Region::bytes),
+                };
+                match input {
+                    Some(input) => self.run(
+                        stream,
+                        held.backend.as_mut(),
+                        (&held.runs, seq),
+                        (&model, &outputs, &inputs, stats),
+                        (input, Output::new(&mut held.out, from_worker)),
+                    ),
+                    None => reply(
+                        stream,
+                        &Answer::Failed(WireError::Runtime(format!(
+                            "a run in lane {lane}'s shared memory before any was given"
+                        ))),
+                        &[],
+                    ),
+                }
+            }
+            Ask::Region {
+                lane,
+                to_worker,
+                fd,
+                len,
+            } => match (held.regions.get_mut(lane), Region::open(self.parent, fd, len)) {
+                (Some((to, from)), Ok(region)) => {
+                    *(if to_worker { to } else { from }) = Some(region);
+                    reply(stream, &Answer::Done { session: None }, &[])
+                }
+                (None, _) => reply(stream, &Answer::Refused(format!("there is no lane {lane}")), &[]),
+                (_, Err(why)) => reply(stream, &Answer::Refused(why), &[]),
+            },
+            Ask::Stats { model } => {
+                match model {
+                    Some(model) => held.backend.refresh_arena_stats_for(&model),
+                    None => held.backend.refresh_arena_stats(),
+                }
+                reply(stream, &Answer::Stats(held.backend.arena_stats().map(Into::into)), &[])
+            }
+            Ask::Load { name, bytes } => {
+                let answer = match wire::take(payload, &mut 0, bytes) {
+                    Ok(file) => match held.backend.load_model(&name, file) {
+                        Ok(()) => Answer::Done { session: None },
+                        Err(why) => Answer::Refused(why),
+                    },
+                    Err(why) => Answer::Refused(why),
+                };
+                reply(stream, &answer, &[])
+            }
+            Ask::Unload { name } => {
+                held.backend.unload_model(&name);
+                reply(stream, &Answer::Done { session: None }, &[])
+            }
+            Ask::Release { probes } => {
+                let mut at = 0;
+                let mut inputs = HashMap::new();
+                for (model, heads) in &probes {
+                    if let Ok(tensors) = wire::decode_tensors(heads, payload, &mut at) {
+                        inputs.insert(model.clone(), tensors);
+                    }
+                }
+                held.backend.release_memory(&|model: &str| inputs.get(model).cloned());
+                reply(stream, &Answer::Done { session: None }, &[])
+            }
+            other => reply(
+                stream,
+                &Answer::Refused(format!("not on a session connection: {other:?}")),
+                &[],
+            ),
+        }
+    }
+
     /// One run, its interrupts honoured: one sent for it before it started cancels it there.
     fn run(
         &self,
         stream: &mut UnixStream,
         backend: &mut dyn Backend,
-        runs: &Mutex<Runs>,
+        (runs, seq): (&Mutex<Runs>, u64),
         (model, outputs, inputs, stats): (&str, &[String], &[wire::TensorHead], bool),
-        (payload, out): (&[u8], &mut Vec<u8>),
+        (payload, out): (&[u8], Output<'_>),
     ) -> std::io::Result<()> {
         let tensors = match wire::decode_tensors(inputs, payload, &mut 0) {
             Ok(tensors) => tensors,
             Err(why) => return reply(stream, &Answer::Failed(WireError::InvalidInput(why)), &[]),
         };
-        let seq = self.next_run(runs);
-        let result = if runs.lock().unwrap_or_else(|e| e.into_inner()).interrupted >= seq {
+        let stopped = {
+            let mut runs = runs.lock().unwrap_or_else(|e| e.into_inner());
+            runs.running = seq;
+            runs.interrupted.remove(&seq)
+        };
+        let result = if stopped {
             Err(BackendError::Cancelled)
         } else if self.poisoned.load(Ordering::SeqCst) {
             Err(poisoned())
@@ -333,18 +423,27 @@ impl Worker {
                 } else {
                     None
                 };
-                let heads = wire::encode_tensors_into(&tensors, out);
-                reply(stream, &Answer::Ran { outputs: heads, stats }, &[out])
+                // Into the shared region when they fit, else inline.
+                let shared = out
+                    .region
+                    .and_then(|region| wire::encode_tensors_at(&tensors, region.bytes_mut()));
+                let (heads, shared) = match shared {
+                    Some(heads) => (heads, true),
+                    None => (wire::encode_tensors_into(&tensors, out.inline), false),
+                };
+                let blob: &[u8] = if shared { &[] } else { out.inline };
+                reply(
+                    stream,
+                    &Answer::Ran {
+                        outputs: heads,
+                        stats,
+                        shared,
+                    },
+                    &[blob],
+                )
             }
             Err(e) => reply(stream, &Answer::Failed(WireError::from(&e)), &[]),
         }
-    }
-
-    /// Number the run about to start (the session's runs count from 1).
-    fn next_run(&self, runs: &Mutex<Runs>) -> u64 {
-        let mut runs = runs.lock().unwrap_or_else(|e| e.into_inner());
-        runs.running = runs.interrupted.max(runs.running) + 1;
-        runs.running
     }
 
     /// A session's interrupt connection: each frame stops the run it names, or the next run
@@ -362,7 +461,7 @@ impl Worker {
                 .cloned();
             if let Some(runs) = runs {
                 let mut runs = runs.lock().unwrap_or_else(|e| e.into_inner());
-                runs.interrupted = runs.interrupted.max(seq);
+                runs.interrupt(seq);
                 if runs.running == seq
                     && let Some(handle) = &runs.handle
                 {

@@ -100,6 +100,8 @@ pub struct WorkerHost {
     pressure: AtomicU64,
     /// Serialises starting and replacing workers.
     pub(crate) lifecycle: Mutex<()>,
+    /// The last session connection with a lane free: the next lane opened joins it.
+    pub(super) spare: Mutex<Option<std::sync::Weak<super::conn::Conn>>>,
 }
 
 impl WorkerHost {
@@ -120,6 +122,7 @@ impl WorkerHost {
             started: AtomicU64::new(0),
             pressure: AtomicU64::new(0),
             lifecycle: Mutex::new(()),
+            spare: Mutex::new(None),
         }))
     }
 

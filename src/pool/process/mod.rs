@@ -1,13 +1,16 @@
 //! Process isolation for accelerator pools (`pools[].isolation: process`): the pool's sessions
 //! live in a worker process of their own, so a driver fault that poisons a process (a sticky
 //! CUDA error), a crash or a hang takes that worker, never the gateway, the CPU pool or open
-//! connections. `wire` is what crosses the socket, `child` the worker process, `host` the
-//! parent's handle on it, `backend` a pool worker's sessions there, `supervise` the thread
-//! that replaces a lost worker.
+//! connections. `wire` is what crosses the socket, `shm` the shared memory a run's large
+//! tensors cross in, `child` the worker process, `host` the parent's handle on it, `conn` a
+//! session connection there, shared by two lanes, `backend` one lane (a pool worker's slot),
+//! `supervise` the thread that replaces a lost worker.
 
 mod backend;
 pub mod child;
+mod conn;
 mod host;
+mod shm;
 mod supervise;
 mod wire;
 

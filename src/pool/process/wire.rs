@@ -34,12 +34,24 @@ pub enum Ask {
     Open { models: Vec<(String, u64)> },
     /// First frame of the control connection.
     Control,
-    /// Run `model` on the inputs (the payload); `stats`: read the arena after it.
+    /// Run `model` on the inputs (the payload, or the start of `lane`'s input region when
+    /// `shared`); `stats`: read the arena after it. `seq` is its number, for interrupts.
     Run {
         model: String,
         outputs: Vec<String>,
         inputs: Vec<TensorHead>,
         stats: bool,
+        shared: bool,
+        lane: usize,
+        seq: u64,
+    },
+    /// Map the pool's shared memory `fd` (`len` bytes) as `lane`'s region for a run's inputs
+    /// (`to_worker`) or its outputs, in place of the one it had.
+    Region {
+        lane: usize,
+        to_worker: bool,
+        fd: i32,
+        len: u64,
     },
     /// Read the arena of `model`'s session (or any).
     Stats { model: Option<String> },
@@ -179,10 +191,12 @@ impl From<WireError> for BackendError {
 pub enum Answer {
     /// Done; for `Open`, the session connection's id (for `Interrupt`).
     Done { session: Option<u64> },
-    /// A run's outputs (the payload), and the arena after it when asked.
+    /// A run's outputs (the payload, or the start of its lane's output region when `shared`),
+    /// and the arena after it when asked.
     Ran {
         outputs: Vec<TensorHead>,
         stats: Option<WireStats>,
+        shared: bool,
     },
     /// A run (or a load) failed.
     Failed(WireError),
@@ -269,6 +283,35 @@ pub fn encode_tensors_into(tensors: &[Tensor], bytes: &mut Vec<u8>) -> Vec<Tenso
         .collect()
 }
 
+/// The heads of `tensors`, their bytes written back to back from the start of `region`, or
+/// `None` when they do not fit there.
+pub fn encode_tensors_at(tensors: &[Tensor], region: &mut [u8]) -> Option<Vec<TensorHead>> {
+    if tensor_bytes(tensors) > region.len() {
+        return None;
+    }
+    let mut at = 0;
+    let heads = tensors
+        .iter()
+        .map(|t| {
+            let len = t.data.byte_len();
+            t.data.write_le_bytes_to(&mut region[at..at + len]);
+            at += len;
+            TensorHead {
+                name: t.name.clone(),
+                datatype: t.data.datatype().name().to_string(),
+                shape: t.shape.clone(),
+                bytes: len as u64,
+            }
+        })
+        .collect();
+    Some(heads)
+}
+
+/// The bytes `tensors` take on the wire.
+pub fn tensor_bytes(tensors: &[Tensor]) -> usize {
+    tensors.iter().map(|t| t.data.byte_len()).sum()
+}
+
 /// The heads of `tensors` and their bytes, for a frame.
 pub fn encode_tensors(tensors: &[Tensor]) -> (Vec<TensorHead>, Vec<Vec<u8>>) {
     tensors
@@ -344,6 +387,9 @@ mod tests {
             outputs: vec![],
             inputs: heads,
             stats: true,
+            shared: false,
+            lane: 0,
+            seq: 1,
         };
         let refs: Vec<&[u8]> = blobs.iter().map(Vec::as_slice).collect();
         let mut buffer = Vec::new();

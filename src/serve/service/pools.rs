@@ -50,7 +50,7 @@ pub(super) fn start_pool(
         }
     };
     let mut workers: Vec<Box<dyn Backend>> = Vec::new();
-    for _ in 0..pool.workers {
+    for _ in 0..pool.slots() {
         match build() {
             Ok(b) => workers.push(b),
             Err(reason) => {
