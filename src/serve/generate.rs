@@ -246,6 +246,18 @@ fn read_outputs(outputs: Vec<Tensor>) -> Result<(Vec<f32>, Vec<Tensor>), String>
     Ok((last, cache))
 }
 
+/// A generation's tokens and text, with what still waited (an unfinished character at the end)
+/// and cut before the first stop string: the one found at `stop_at`, which ended it, or one that
+/// what waited completed.
+fn final_text(text: Detokenizer, stop_at: Option<usize>, stop: &[String]) -> Result<(Vec<u32>, String), String> {
+    let searched = text.text().len();
+    let (tokens, mut text) = text.finish()?;
+    if let Some(cut) = stop_at.or_else(|| first_at(&text, tail_start(&text, searched, stop), stop)) {
+        text.truncate(cut);
+    }
+    Ok((tokens, text))
+}
+
 /// A step of a generation offering tools failed on an allocator: it was not retried since a
 /// tool call may already have acted, and the client is told so (unless the error already says
 /// why it was not retried).
@@ -508,13 +520,7 @@ async fn run<'a>(
             .observe(last_token.elapsed().as_secs_f64());
         last_token = tokio::time::Instant::now();
     };
-    // What still waited (an unfinished character at the end) joins the text, which is cut
-    // before its first stop string: the one that ended it, or one that what waited completed.
-    let searched = text.text().len();
-    let (tokens, mut text) = text.finish().map_err(|e| broken(&pool, e))?;
-    if let Some(cut) = stop_at.or_else(|| first_at(&text, tail_start(&text, searched, &params.stop), &params.stop)) {
-        text.truncate(cut);
-    }
+    let (tokens, text) = final_text(text, stop_at, &params.stop).map_err(|e| broken(&pool, e))?;
     metrics
         .generated_tokens
         .get_or_create(&labels(&pool))
