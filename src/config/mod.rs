@@ -31,7 +31,8 @@ pub use types::{
     AdminSocket, ChatTemplateSource, Config, ConfiguredProfile, ContextAxis, CudaOptions, DEFAULT_MIN_RESIDENCY,
     DeviceConfig, DeviceKind, ExporterConfig, HOST_DEVICE, HealthConfig, IdempotencyConfig, Isolation, Keep, Mode,
     ModelConfig, PolicyConfig, PolicySource, PoolConfig, Provider, RemoteOptions, Residency, ServerConfig,
-    ServiceClass, ServiceConfig, ServiceMatch, ServiceRule, Timeouts, current_uid, default_admin_socket,
+    ServiceClass, ServiceConfig, ServiceMatch, ServiceRule, Timeouts, TokenizerSource, current_uid,
+    default_admin_socket,
 };
 pub use units::{ByteSize, HumanDuration, format_duration, format_size, parse_duration, parse_size};
 pub use yaml::{parse_yaml, read_yaml, to_yaml};

@@ -265,7 +265,8 @@ pub struct RawModel {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub memory_profile: Option<RawProfile>,
     /// A decoder's `tokenizer.json` (Hugging Face tokenizers format, relative to the config
-    /// file): with it, the model serves text generation on `/v1/completions`.
+    /// file), or `builtin:decoder` for the bundled decoder's: with it, the model serves text
+    /// generation on `/v1/completions`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tokenizer: Option<String>,
     /// The chat template behind `/v1/chat/completions`: `builtin:chatml`, a Jinja file, or a

@@ -5,6 +5,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use super::*;
+use crate::core::model::BuiltinModel;
 
 fn check(yaml: &str) -> Result<Config, ConfigError> {
     parse_yaml::<RawConfig>(yaml, "test.yaml")?.validate("test.yaml", Path::new("."))
@@ -33,6 +34,42 @@ fn embedded_default_is_valid_on_both_kinds_of_machine() {
     );
     // Lossless first: out of the box no request's context is cut unless the client asks.
     assert!(sim.models.iter().all(|m| !m.allow_shrink));
+    // A chat model from the first start: the bundled decoder as `tiny`, with ChatML, on the CPU.
+    for config in [&sim, &gpu] {
+        let tiny = config.models.iter().find(|m| m.name == "tiny").expect("tiny is served");
+        assert_eq!(tiny.source, ModelSource::Builtin(BuiltinModel::Decoder));
+        assert_eq!(tiny.tokenizer, Some(TokenizerSource::Builtin(BuiltinModel::Decoder)));
+        assert_eq!(
+            tiny.chat_template,
+            Some(ChatTemplateSource::Builtin(BuiltinChatTemplate::Chatml))
+        );
+        let serving: Vec<&str> = config
+            .pools
+            .iter()
+            .filter(|p| p.models.iter().any(|m| m == "tiny"))
+            .map(|p| p.name.as_str())
+            .collect();
+        assert_eq!(serving, ["cpu"]);
+    }
+}
+
+#[test]
+fn a_builtin_tokenizer_is_one_a_builtin_model_ships() {
+    let with = |tokenizer: &str| {
+        BASE.replace(
+            "path: builtin:encoder",
+            &format!("path: builtin:decoder\n    tokenizer: '{tokenizer}'"),
+        )
+    };
+    let cfg = check(&with("builtin:decoder")).unwrap();
+    assert_eq!(
+        cfg.models[0].tokenizer,
+        Some(TokenizerSource::Builtin(BuiltinModel::Decoder))
+    );
+    assert_eq!(
+        check(&with("builtin:encoder")).unwrap_err().to_string(),
+        "test.yaml: models[0].tokenizer: no builtin tokenizer `encoder`; builtin tokenizers are: decoder"
+    );
 }
 
 #[test]

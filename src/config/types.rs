@@ -11,7 +11,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::config::builtin::{BuiltinChatTemplate, BuiltinPolicy};
 use crate::core::breaker::BreakerConfig;
-use crate::core::model::ModelSource;
+use crate::core::model::{BuiltinModel, ModelSource};
 use crate::core::snapshot::{Decision, DeviceClass, ProviderKind};
 
 /// A validated configuration: every cross-reference resolved, every value possible. Made by
@@ -210,8 +210,8 @@ pub struct ModelConfig {
     pub allow_shrink: bool,
     /// A configured memory profile (measured at start-up otherwise).
     pub profile: Option<ConfiguredProfile>,
-    /// The tokenizer file of a decoder that serves text generation.
-    pub tokenizer: Option<PathBuf>,
+    /// The tokenizer of a decoder that serves text generation.
+    pub tokenizer: Option<TokenizerSource>,
     /// Where its chat template comes from, when it serves chat.
     pub chat_template: Option<ChatTemplateSource>,
     /// When its sessions exist on the pools that serve it.
@@ -323,6 +323,35 @@ pub enum ChatTemplateSource {
     Builtin(BuiltinChatTemplate),
     /// A Jinja file or a `tokenizer_config.json`.
     File(PathBuf),
+}
+
+/// Where a decoder's tokenizer comes from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TokenizerSource {
+    /// `builtin:<model>`: the tokenizer shipped with a builtin model.
+    Builtin(BuiltinModel),
+    /// A `tokenizer.json` (Hugging Face tokenizers format).
+    File(PathBuf),
+}
+
+impl TokenizerSource {
+    /// The file's folder, where Hugging Face puts a `tokenizer_config.json` beside it.
+    pub fn file(&self) -> Option<&Path> {
+        match self {
+            TokenizerSource::Builtin(_) => None,
+            TokenizerSource::File(path) => Some(path),
+        }
+    }
+}
+
+/// As the config names it, which is how messages and the log name a loaded tokenizer.
+impl fmt::Display for TokenizerSource {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            TokenizerSource::Builtin(model) => write!(f, "builtin:{}", model.name()),
+            TokenizerSource::File(path) => write!(f, "{}", path.display()),
+        }
+    }
 }
 
 /// As the config names it, which is how messages and the log name a loaded template.

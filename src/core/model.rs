@@ -12,17 +12,21 @@ pub enum BuiltinModel {
     Encoder,
     /// Small MLP classifier, `features` FP32 `[batch, 16]` → `logits`, `probabilities` `[batch, 4]`.
     Classifier,
+    /// The text-generation fixture of `models/decoder/`: a tiny Llama-style decoder with past
+    /// key values (random weights) and its byte-level BPE tokenizer.
+    Decoder,
 }
 
 impl BuiltinModel {
     /// Every builtin model.
-    pub const ALL: [BuiltinModel; 2] = [BuiltinModel::Encoder, BuiltinModel::Classifier];
+    pub const ALL: [BuiltinModel; 3] = [BuiltinModel::Encoder, BuiltinModel::Classifier, BuiltinModel::Decoder];
 
     /// Name after `builtin:` in a config.
     pub fn name(self) -> &'static str {
         match self {
             BuiltinModel::Encoder => "encoder",
             BuiltinModel::Classifier => "classifier",
+            BuiltinModel::Decoder => "decoder",
         }
     }
 
@@ -36,6 +40,15 @@ impl BuiltinModel {
         match self {
             BuiltinModel::Encoder => include_bytes!("../../models/encoder.onnx"),
             BuiltinModel::Classifier => include_bytes!("../../models/classifier.onnx"),
+            BuiltinModel::Decoder => include_bytes!("../../models/decoder/model.onnx"),
+        }
+    }
+
+    /// The `tokenizer.json` of a model that generates text (`models[].tokenizer: builtin:<name>`).
+    pub fn tokenizer(self) -> Option<&'static [u8]> {
+        match self {
+            BuiltinModel::Decoder => Some(include_bytes!("../../models/decoder/tokenizer.json")),
+            BuiltinModel::Encoder | BuiltinModel::Classifier => None,
         }
     }
 }

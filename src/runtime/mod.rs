@@ -1,8 +1,9 @@
 //! Running models: ONNX Runtime sessions and their arena, decoders with past key values, chat
-//! templates, and what a request will need in memory. Above `core` and `config`; below devices,
+//! templates, a generation's text as it comes, and what a request will need in memory. Above `core` and `config`; below devices,
 //! pools and everything that serves requests.
 
 pub mod chat;
 pub mod decoder;
 pub mod estimate;
 pub mod onnx;
+pub mod text;

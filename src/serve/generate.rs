@@ -13,6 +13,7 @@ use crate::core::tensor::{Tensor, TensorData};
 use crate::pool::Pool;
 use crate::pool::sequences::Running;
 use crate::runtime::decoder::{DecoderLayout, step_inputs};
+use crate::runtime::text::{Detokenizer, first_at, tail_start};
 use crate::serve::lifecycle::{self, NotRetried, Refused, Request, RequestError, Served};
 use crate::serve::service::{ModelEntry, Service};
 use crate::telemetry::metrics::FailoverReason;
@@ -245,24 +246,16 @@ fn read_outputs(outputs: Vec<Tensor>) -> Result<(Vec<f32>, Vec<Tensor>), String>
     Ok((last, cache))
 }
 
-/// Whether the text of `tokens` contains one of the `stop` strings.
-fn stop_reached(tokenizer: &tokenizers::Tokenizer, tokens: &[u32], stop: &[String]) -> bool {
-    if stop.is_empty() {
-        return false; // decoding every token's text costs; nothing to look for
-    }
-    let text = tokenizer.decode(tokens, true).unwrap_or_default();
-    stop.iter().any(|s| text.contains(s.as_str()))
-}
-
-/// The text of `tokens`, cut before the first `stop` string.
-fn text_of(tokenizer: &tokenizers::Tokenizer, tokens: &[u32], stop: &[String]) -> Result<String, String> {
-    let mut text = tokenizer
-        .decode(tokens, true)
-        .map_err(|e| format!("cannot decode the tokens: {e}"))?;
-    if let Some(cut) = stop.iter().filter_map(|s| text.find(s.as_str())).min() {
+/// A generation's tokens and text, with what still waited (an unfinished character at the end)
+/// and cut before the first stop string: the one found at `stop_at`, which ended it, or one that
+/// what waited completed.
+fn final_text(text: Detokenizer, stop_at: Option<usize>, stop: &[String]) -> Result<(Vec<u32>, String), String> {
+    let searched = text.text().len();
+    let (tokens, mut text) = text.finish()?;
+    if let Some(cut) = stop_at.or_else(|| first_at(&text, tail_start(&text, searched, stop), stop)) {
         text.truncate(cut);
     }
-    Ok(text)
+    Ok((tokens, text))
 }
 
 /// A step of a generation offering tools failed on an allocator: it was not retried since a
@@ -288,7 +281,7 @@ pub type Rebuild = Box<dyn FnOnce(&str) -> Result<(Prompt, Params), String> + Se
 struct Decoding<'a> {
     entry: &'a ModelEntry,
     layout: &'a DecoderLayout,
-    tokenizer: &'a tokenizers::Tokenizer,
+    tokenizer: &'a Arc<tokenizers::Tokenizer>,
     eos: Vec<u32>,
     params: std::borrow::Cow<'a, Params>,
     prompt_tokens: usize,
@@ -476,7 +469,10 @@ async fn run<'a>(
         .observe(template.received.elapsed().as_secs_f64());
     let mut last_token = tokio::time::Instant::now();
     let mut rng = Rng::new(params.seed);
-    let mut tokens: Vec<u32> = Vec::new();
+    // The text as it comes, decoded a token at a time; a stop string is looked for only where
+    // the new text could have completed one.
+    let mut text = Detokenizer::new(Arc::clone(tokenizer));
+    let mut stop_at = None;
     let estimate = entry.estimate_tokens((prompt_tokens as u64).saturating_add(u64::from(params.max_tokens)), 1);
     let estimate_bytes = estimate.context_bytes.saturating_add(estimate.workspace_bytes);
     let finish = loop {
@@ -484,7 +480,8 @@ async fn run<'a>(
         if eos.contains(&next) {
             break Finish::Stop;
         }
-        tokens.push(next);
+        let searched = text.text().len();
+        text.push(next).map_err(|e| broken(&pool, e))?;
         if let Some(sink) = &sink
             && sink
                 .send(Token {
@@ -499,13 +496,16 @@ async fn run<'a>(
             // The stream's reader is gone: stop here; the KV cache goes with this future.
             return Err(failed(&pool, RequestError::ClientGone));
         }
-        if stop_reached(tokenizer, &tokens, &params.stop) {
+        let grown = text.text();
+        stop_at = first_at(grown, tail_start(grown, searched, &params.stop), &params.stop);
+        if stop_at.is_some() {
             break Finish::Stop;
         }
-        if tokens.len() >= params.max_tokens as usize {
+        let produced = text.tokens().len();
+        if produced >= params.max_tokens as usize {
             break Finish::Length;
         }
-        let past = prompt_tokens + tokens.len() - 1;
+        let past = prompt_tokens + produced - 1;
         let inputs = step_inputs(layout, &[next], past, std::mem::take(&mut cache));
         let stepped = lifecycle::step(service, &pool, &template, inputs, estimate_bytes)
             .await
@@ -520,11 +520,11 @@ async fn run<'a>(
             .observe(last_token.elapsed().as_secs_f64());
         last_token = tokio::time::Instant::now();
     };
+    let (tokens, text) = final_text(text, stop_at, &params.stop).map_err(|e| broken(&pool, e))?;
     metrics
         .generated_tokens
         .get_or_create(&labels(&pool))
         .inc_by(tokens.len() as u64);
-    let text = text_of(tokenizer, &tokens, &params.stop).map_err(|e| broken(&pool, e))?;
     Ok(Generated {
         pool,
         action: if retried.is_some() { Action::Redirect } else { action },

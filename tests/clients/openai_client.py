@@ -5,9 +5,11 @@ Starts `vramguard serve` (path in argv[1]) with the decoder fixture (models/deco
 127.0.0.1:0, then drives it with the stock client: model listing, a greedy completion whose
 text must equal the fixture's reference (computed without ONNX Runtime), seeded sampling that
 repeats, streaming, chat (whole, streamed, with tools) answering as the completion of its
-ChatML prompt, and errors surfaced as the client's own exception types.
+ChatML prompt, and errors surfaced as the client's own exception types. Then it starts
+`vramguard serve` with no config, as `make run` does, and chats with the embedded default's
+`tiny` at once.
 
-Run by `make test` (which installs openai into .deps/pyclients); prints 'N passed, N failed'
+Run by `make test` (which installs openai into .deps/pyclients); prints 'N passed, N failed' per server
 and exits non-zero on any failure.
 """
 import json
@@ -40,10 +42,55 @@ def main():
             f.write(CONFIG % {"root": ROOT})
         proc, address = start(sys.argv[1], "--config", config)
         try:
-            return run(address)
+            failed = run(address)
         finally:
             proc.terminate()
             proc.wait(timeout=30)
+        # The embedded default, its admin socket in this run's own folder.
+        proc, address = start(sys.argv[1], env={"RUNTIME_DIRECTORY": tmp})
+        try:
+            return failed | run_default(address)
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+
+
+def report(checks):
+    """Run `checks` (name, function) and print each result; 1 when any failed."""
+    passed = failed = 0
+    for name, fn in checks:
+        try:
+            fn()
+            print(f"PASS {name}")
+            passed += 1
+        except Exception:
+            print(f"FAIL {name}")
+            traceback.print_exc()
+            failed += 1
+    print(f"{passed} passed, {failed} failed")
+    return 1 if failed else 0
+
+
+def run_default(address):
+    """`vramguard serve` with no config: its `tiny` chats, whole and streamed."""
+    client = openai.OpenAI(base_url=f"http://{address}/v1", api_key="unused", max_retries=0, timeout=60)
+
+    def listed():
+        assert [m.id for m in client.models.list()] == ["tiny"]
+
+    def chats():
+        messages = [{"role": "user", "content": "Is the GPU full?"}]
+        done = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0)
+        assert done.model == "tiny", done.model
+        assert done.choices[0].message.role == "assistant"
+        assert 1 <= done.usage.completion_tokens <= 8, done.usage
+        pieces = [chunk.choices[0].delta.content or "" for chunk in
+                  client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0,
+                                                 stream=True) if chunk.choices]
+        assert "".join(pieces) == done.choices[0].message.content, (pieces, done.choices[0].message.content)
+
+    return report([("the embedded default lists tiny", listed),
+                   ("the embedded default's tiny chats, whole and streamed", chats)])
 
 
 def run(address):
@@ -158,18 +205,7 @@ def run(address):
         except openai.BadRequestError as e:
             assert e.body["param"] == "temperature", e.body
 
-    passed = failed = 0
-    for name, fn in checks:
-        try:
-            fn()
-            print(f"PASS {name}")
-            passed += 1
-        except Exception:
-            print(f"FAIL {name}")
-            traceback.print_exc()
-            failed += 1
-    print(f"{passed} passed, {failed} failed")
-    return 1 if failed else 0
+    return report(checks)
 
 
 if __name__ == "__main__":

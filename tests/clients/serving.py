@@ -6,12 +6,13 @@ import subprocess
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def start(binary, *serve_args):
-    """Run `binary serve --listen 127.0.0.1:0 SERVE_ARGS...` from the repository root; return
-    the process and the address it listens on (read from its JSON log)."""
+def start(binary, *serve_args, env=None):
+    """Run `binary serve --listen 127.0.0.1:0 SERVE_ARGS...` from the repository root, with
+    `env` added to the environment; return the process and the address it listens on (read
+    from its JSON log)."""
     proc = subprocess.Popen(
         [binary, "--log-format", "json", "serve", "--listen", "127.0.0.1:0", *serve_args],
-        stderr=subprocess.PIPE, text=True, cwd=ROOT,
+        stderr=subprocess.PIPE, text=True, cwd=ROOT, env={**os.environ, **(env or {})},
     )
     for line in proc.stderr:
         try:

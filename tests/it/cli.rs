@@ -125,6 +125,41 @@ fn serve_refuses_a_bad_config_before_binding() {
     assert!(stderr.contains("server: unknown field `listne`"), "{stderr}");
 }
 
+#[tokio::test]
+async fn serve_without_a_config_chats_with_tiny_at_once() {
+    // The admin socket in a folder of this test's own, so no other server's is in the way.
+    let scratch = Scratch::new();
+    let runtime_dir = scratch.path().to_str().unwrap();
+    let server = crate::common::spawn_serving(
+        &["serve", "--listen", "127.0.0.1:0"],
+        &[("RUNTIME_DIRECTORY", runtime_dir)],
+        "vramguard serving",
+    );
+    let url = |p: &str| format!("http://{}{p}", server.addr);
+    let models: Value = reqwest::get(url("/v1/models")).await.unwrap().json().await.unwrap();
+    let ids: Vec<&str> = models["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids, ["tiny"], "{models}");
+    let response = reqwest::Client::new()
+        .post(url("/v1/chat/completions"))
+        .json(&serde_json::json!({"model": "tiny", "max_tokens": 8, "temperature": 0,
+                                  "messages": [{"role": "user", "content": "Is the GPU full?"}]}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), reqwest::StatusCode::OK);
+    assert_eq!(response.headers()["x-vramguard-pool"], "cpu");
+    let body: Value = response.json().await.unwrap();
+    assert_eq!(body["choices"][0]["message"]["role"], "assistant", "{body}");
+    assert!(body["choices"][0]["message"]["content"].is_string(), "{body}");
+    let produced = body["usage"]["completion_tokens"].as_u64().unwrap();
+    assert!((1..=8).contains(&produced), "{body}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_finishes_running_work_answers_queued_work_and_exits_0() {
     let scratch = Scratch::new();
@@ -249,7 +284,7 @@ fn nobody_listening() -> String {
 fn doctor_passes_on_the_embedded_default_and_says_what_is_simulated() {
     let (code, out) = doctor(&["--url", &nobody_listening()], &[]);
     assert!(
-        out.contains("ok    config       <embedded default>: valid (2 models, 2 pools, 1 device)"),
+        out.contains("ok    config       <embedded default>: valid (3 models, 2 pools, 1 device)"),
         "{out}"
     );
     assert!(out.contains("ok    onnxruntime  1.31.1 from /"), "{out}");

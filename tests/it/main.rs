@@ -30,3 +30,4 @@ mod simulated_policy;
 mod sizes;
 mod status_page;
 mod substitute;
+mod text;

@@ -4,10 +4,7 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 
-/// The decoder fixture, carried in the binary so the drill runs anywhere.
-const DECODER_MODEL: &[u8] = include_bytes!("../../../models/decoder/model.onnx");
-/// The decoder fixture's tokenizer.
-const DECODER_TOKENIZER: &[u8] = include_bytes!("../../../models/decoder/tokenizer.json");
+use crate::core::model::BuiltinModel;
 
 /// A running server of the drill's config.
 pub(super) struct OwnServer {
@@ -69,8 +66,12 @@ impl TempDir {
 
     /// The drill's config, validated, with the decoder fixture and the dense models written here.
     pub(super) fn config(&self) -> Result<crate::config::Config, String> {
-        std::fs::write(self.0.join("decoder.onnx"), DECODER_MODEL).map_err(|e| e.to_string())?;
-        std::fs::write(self.0.join("tokenizer.json"), DECODER_TOKENIZER).map_err(|e| e.to_string())?;
+        // The decoder fixture the binary carries, as files: the config is the one a --target
+        // serves from a checkout (print_config), with the paths here.
+        let decoder = BuiltinModel::Decoder;
+        std::fs::write(self.0.join("decoder.onnx"), decoder.bytes()).map_err(|e| e.to_string())?;
+        let tokenizer = decoder.tokenizer().expect("the decoder ships its tokenizer");
+        std::fs::write(self.0.join("tokenizer.json"), tokenizer).map_err(|e| e.to_string())?;
         super::write_models(&self.0)?;
         let path = |file: &str| self.0.join(file).display().to_string();
         let yaml = super::config_yaml(

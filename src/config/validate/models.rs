@@ -1,7 +1,6 @@
 //! `models:`: what is served, where its bytes come from, and what serves text generation.
 
 use std::collections::HashSet;
-use std::path::PathBuf;
 
 use super::{Checker, Spec};
 use crate::config::builtin::BuiltinChatTemplate;
@@ -9,7 +8,7 @@ use crate::config::error::ConfigError;
 use crate::config::raw::{RawModel, RawProfile, RawResidency};
 use crate::config::types::{
     ChatTemplateSource, ConfiguredProfile, ContextAxis, DEFAULT_MIN_RESIDENCY, Mode, ModelConfig, Residency,
-    ServiceConfig,
+    ServiceConfig, TokenizerSource,
 };
 use crate::core::model::{BuiltinModel, ModelSource};
 
@@ -69,11 +68,7 @@ fn model(c: &Checker, key: &str, m: &RawModel, services: &[ServiceConfig]) -> Re
         keep: ctx.keep,
     });
     let profile = m.memory_profile.as_ref().map(|p| profile(c, key, p)).transpose()?;
-    let tokenizer = m
-        .tokenizer
-        .as_deref()
-        .map(|file| c.existing_file(&format!("{key}.tokenizer"), file, "tokenizer"))
-        .transpose()?;
+    let tokenizer = m.tokenizer.as_deref().map(|spec| tokenizer(c, key, spec)).transpose()?;
     let chat_template = m
         .chat_template
         .as_deref()
@@ -151,12 +146,35 @@ fn profile(c: &Checker, key: &str, p: &RawProfile) -> Result<ConfiguredProfile, 
     })
 }
 
+/// A `tokenizer.json`, or `builtin:<model>` for the tokenizer a builtin decoder ships with.
+fn tokenizer(c: &Checker, key: &str, spec: &str) -> Result<TokenizerSource, ConfigError> {
+    let source = c.builtin_or_file(&format!("{key}.tokenizer"), spec, "tokenizer", |name| {
+        BuiltinModel::from_name(name)
+            .filter(|m| m.tokenizer().is_some())
+            .ok_or_else(|| {
+                format!(
+                    "no builtin tokenizer `{name}`; builtin tokenizers are: {}",
+                    BuiltinModel::ALL
+                        .into_iter()
+                        .filter(|m| m.tokenizer().is_some())
+                        .map(|m| m.name())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                )
+            })
+    })?;
+    Ok(match source {
+        Spec::Builtin(model) => TokenizerSource::Builtin(model),
+        Spec::File(path) => TokenizerSource::File(path),
+    })
+}
+
 /// A chat template renders a conversation into a prompt for the tokenizer, so it needs one.
 fn chat_template(
     c: &Checker,
     key: &str,
     spec: &str,
-    tokenizer: Option<&PathBuf>,
+    tokenizer: Option<&TokenizerSource>,
 ) -> Result<ChatTemplateSource, ConfigError> {
     let key = format!("{key}.chat_template");
     if tokenizer.is_none() {

@@ -17,6 +17,7 @@ use super::job::{Api, Job};
 use crate::http::headers::{model_header, pool_facts, pool_headers, shrink_headers};
 use crate::http::state::AppState;
 use crate::pool::Pool;
+use crate::runtime::text::{Detokenizer, first_at, tail_start};
 use crate::serve::generate;
 use crate::serve::lifecycle::RequestError;
 
@@ -26,11 +27,14 @@ fn event(value: &Value) -> Bytes {
 }
 
 /// Text that can be sent now: all of `text` but an unfinished UTF-8 sequence at its end and
-/// any tail that could still become one of the stop strings.
-fn sendable<'a>(text: &'a str, stop: &[String]) -> &'a str {
+/// any tail that could still become one of the stop strings. `sent` is what an earlier call on
+/// a shorter `text` (the same text, before it grew) returned: a stop string is looked for only
+/// where the growth could have completed one, so a call costs the same at any length.
+fn sendable<'a>(text: &'a str, sent: usize, stop: &[String]) -> &'a str {
     let mut end = text.trim_end_matches('\u{FFFD}').len();
-    // Nothing from a stop string on: the text ends before it.
-    if let Some(at) = stop.iter().filter_map(|s| text.find(s.as_str())).min() {
+    // Nothing from a stop string on: the text ends before it. None lies whole in what was sent
+    // already, since that was cut before any it held.
+    if let Some(at) = first_at(text, tail_start(text, sent, stop), stop) {
         end = end.min(at);
     }
     for s in stop {
@@ -82,10 +86,10 @@ pub(super) async fn streamed(
         Some(first) => {
             let pool = Arc::clone(&first.pool);
             let mut stream = Stream {
-                tokens: vec![first.id],
                 running: Some((rx, task)),
                 ..stream(&first.source)?
             };
+            stream.push(first.id);
             let opening = stream.opening(&pool, first.shrunk.as_deref());
             Ok(sse(stream, opening, &pool, first.shrunk.as_deref()))
         }
@@ -110,7 +114,8 @@ pub(super) async fn streamed(
 
 /// The state of a streamed completion.
 struct Stream {
-    tokens: Vec<u32>,
+    /// The tokens so far and their text, decoded as they come.
+    text: Detokenizer,
     /// Bytes of text already sent.
     sent: usize,
     running: Option<Running>,
@@ -125,7 +130,6 @@ struct Stream {
     /// The model that answers, and its stop strings.
     source: Arc<generate::Source>,
     created: u64,
-    tokenizer: Arc<tokenizers::Tokenizer>,
     service: Arc<crate::serve::service::Service>,
 }
 
@@ -148,7 +152,7 @@ impl Stream {
             held.push(crate::runtime::chat::TOOL_CALL_OPEN.to_string());
         }
         Ok(Stream {
-            tokens: Vec::new(),
+            text: Detokenizer::new(tokenizer),
             sent: 0,
             running: None,
             finished: None,
@@ -159,7 +163,6 @@ impl Stream {
             id: id.to_string(),
             source,
             created: unix_now(),
-            tokenizer,
             service,
         })
     }
@@ -211,6 +214,14 @@ impl Stream {
         pool_facts(pool, self.service.degraded.now().as_ref())
     }
 
+    /// Add a token to the text. One that cannot be decoded adds no text (the generation's own
+    /// decoding fails on it and ends the stream with an error).
+    fn push(&mut self, id: u32) {
+        if let Err(error) = self.text.push(id) {
+            tracing::warn!(request_id = %self.id, %error, "a streamed token has no text");
+        }
+    }
+
     /// The next bytes to send, or `None` when the stream is over.
     async fn next(&mut self) -> Option<Bytes> {
         if self.done {
@@ -218,8 +229,7 @@ impl Stream {
         }
         loop {
             if self.finished.is_none() {
-                let text = self.tokenizer.decode(&self.tokens, true).unwrap_or_default();
-                let ready = sendable(&text, &self.held);
+                let ready = sendable(self.text.text(), self.sent, &self.held);
                 if ready.len() > self.sent {
                     let piece = ready[self.sent..].to_string();
                     self.sent = ready.len();
@@ -233,10 +243,10 @@ impl Stream {
                     Err(refused) => {
                         let error = OpenAiError::from_request(&refused.error, &self.id);
                         event(&json!({"error": {
-                            "message": format!("{}; {} tokens had been sent, and nothing was replayed", error.message, self.tokens.len()),
+                            "message": format!("{}; {} tokens had been sent, and nothing was replayed", error.message, self.text.tokens().len()),
                             "type": error.kind, "param": null, "code": null,
                             "request_id": self.id,
-                            "tokens_sent": self.tokens.len(),
+                            "tokens_sent": self.text.tokens().len(),
                             "resume": "send the prompt followed by the text received so far, with max_tokens reduced by tokens_sent",
                         }}))
                         .to_vec()
@@ -248,11 +258,10 @@ impl Stream {
             let (rx, task) = self.running.as_mut()?;
             match rx.recv().await {
                 Some(token) => {
-                    self.tokens.push(token.id);
+                    self.push(token.id);
                     // Moved to another pool (a failover mid-stream): say so in the next chunk.
                     if self.pool.as_deref() != Some(token.pool.name()) {
-                        let text = self.tokenizer.decode(&self.tokens, true).unwrap_or_default();
-                        let ready = sendable(&text, &self.held);
+                        let ready = sendable(self.text.text(), self.sent, &self.held);
                         let piece = ready.get(self.sent..).unwrap_or_default().to_string();
                         self.sent = self.sent.max(ready.len());
                         let mut value = self.chunk(json!(piece), None, None);
@@ -337,19 +346,108 @@ mod tests {
     #[test]
     fn text_that_may_become_a_stop_string_or_is_an_unfinished_character_waits() {
         let stop = vec![" GPU".to_string()];
-        assert_eq!(sendable("hello", &stop), "hello");
-        assert_eq!(sendable("hello G", &stop), "hello");
-        assert_eq!(sendable("hello GP", &stop), "hello");
-        assert_eq!(sendable("hello Gx", &stop), "hello Gx");
-        assert_eq!(sendable("hello GPUs", &stop), "hello");
-        assert_eq!(sendable("caf\u{FFFD}", &[]), "caf");
+        assert_eq!(sendable("hello", 0, &stop), "hello");
+        assert_eq!(sendable("hello G", 0, &stop), "hello");
+        assert_eq!(sendable("hello GP", 0, &stop), "hello");
+        assert_eq!(sendable("hello Gx", 0, &stop), "hello Gx");
+        assert_eq!(sendable("hello GPUs", 0, &stop), "hello");
+        assert_eq!(sendable("caf\u{FFFD}", 0, &[]), "caf");
     }
 
     #[test]
     fn a_tool_call_waits_from_its_opening_tag_on() {
         let held = vec![crate::runtime::chat::TOOL_CALL_OPEN.to_string()];
-        assert_eq!(sendable("Let me check. <tool", &held), "Let me check. ");
-        assert_eq!(sendable("Let me check. <tool_call>{\"name\"", &held), "Let me check. ");
-        assert_eq!(sendable("a <b>", &held), "a <b>");
+        assert_eq!(sendable("Let me check. <tool", 0, &held), "Let me check. ");
+        assert_eq!(
+            sendable("Let me check. <tool_call>{\"name\"", 0, &held),
+            "Let me check. "
+        );
+        assert_eq!(sendable("a <b>", 0, &held), "a <b>");
+    }
+
+    /// What a stream sends when its text grows by `pieces`: every chunk, as [`Stream::next`]
+    /// cuts them.
+    fn chunks(pieces: &[&str], held: &[String]) -> Vec<String> {
+        let mut text = String::new();
+        let mut sent = 0;
+        let mut out = Vec::new();
+        for piece in pieces {
+            text.push_str(piece);
+            let ready = sendable(&text, sent, held);
+            // Searching the tail only decides as searching the whole text would.
+            assert_eq!(ready, sendable(&text, 0, held), "after {text:?}");
+            if ready.len() > sent {
+                out.push(ready[sent..].to_string());
+                sent = ready.len();
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn a_stop_string_split_across_chunks_never_leaks_even_in_part() {
+        let stop = vec!["<|im_end|>".to_string(), "\n\nUser:".to_string()];
+        let sent = chunks(
+            &["The answer is 42", "<|im", "_e", "nd|", "> and more <|im_end|>"],
+            &stop,
+        );
+        assert_eq!(sent, ["The answer is 42"]);
+        let sent = chunks(&["Sure.\n", "\nUs", "er", ": again"], &stop);
+        assert_eq!(sent.concat(), "Sure.");
+        // A start that turns out to be something else is sent once it cannot be a stop string.
+        let sent = chunks(&["a <|im", "_start|> b"], &stop);
+        assert_eq!(sent, ["a ", "<|im_start|> b"]);
+        // Multi-byte characters around and inside the stop string: cut on character boundaries.
+        let stop = vec!["ünde".to_string()];
+        let sent = chunks(&["grün", "d: Stü", "nde ja"], &stop);
+        assert_eq!(sent.concat(), "gründ: St");
+    }
+
+    #[test]
+    fn a_tool_call_split_across_chunks_waits_from_its_first_character() {
+        let held = vec![
+            "<|im_end|>".to_string(),
+            crate::runtime::chat::TOOL_CALL_OPEN.to_string(),
+        ];
+        let sent = chunks(
+            &[
+                "Let me check.",
+                " <",
+                "tool_",
+                "call>",
+                "{\"name\": \"f\"}",
+                "</tool_call>",
+            ],
+            &held,
+        );
+        assert_eq!(sent.concat(), "Let me check. ");
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(64))]
+
+        /// However a text is cut into pieces, each decision equals one made by searching the
+        /// whole text, and what is sent is the start of the text before its first stop string
+        /// (the rest of which goes with the last chunk).
+        #[test]
+        fn chunking_does_not_change_what_is_sent(
+            words in proptest::collection::vec(proptest::sample::select(vec!["a", "é", "<", "|", "im", "_end", "end|>", " ", "GP", "U", "東"]), 0..80),
+            cuts in proptest::collection::vec(1usize..6, 1..40),
+        ) {
+            let held = vec!["<|im_end|>".to_string(), " GPU".to_string(), "<tool_call>".to_string()];
+            let mut pieces = Vec::new();
+            let mut rest = words.as_slice();
+            for n in cuts.iter().cycle() {
+                if rest.is_empty() { break; }
+                let (piece, after) = rest.split_at((*n).min(rest.len()));
+                pieces.push(piece.concat());
+                rest = after;
+            }
+            let whole = words.concat();
+            let pieces: Vec<&str> = pieces.iter().map(String::as_str).collect();
+            let before_stop = &whole[..first_at(&whole, 0, &held).unwrap_or(whole.len())];
+            let sent = chunks(&pieces, &held).concat();
+            proptest::prop_assert!(before_stop.starts_with(&sent), "{:?} sent of {:?}", sent, whole);
+        }
     }
 }

@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use crate::config::{Config, ConfigError, ModelConfig};
+use crate::config::{Config, ConfigError, ModelConfig, TokenizerSource};
 use crate::core::snapshot::Estimate;
 use crate::core::tensor::Tensor;
 use crate::runtime::decoder::DecoderLayout;
@@ -271,9 +271,14 @@ fn tokenizer_of(
                 m.source
             ),
         )),
-        (Some(path), Some(_)) => tokenizers::Tokenizer::from_file(path)
-            .map(|t| Some(Arc::new(t)))
-            .map_err(|e| ("tokenizer", format!("cannot read `{}`: {e}", path.display()))),
+        (Some(source), Some(_)) => match source {
+            TokenizerSource::Builtin(model) => {
+                tokenizers::Tokenizer::from_bytes(model.tokenizer().expect("validated: it ships a tokenizer"))
+            }
+            TokenizerSource::File(path) => tokenizers::Tokenizer::from_file(path),
+        }
+        .map(|t| Some(Arc::new(t)))
+        .map_err(|e| ("tokenizer", format!("cannot read `{source}`: {e}"))),
     }
 }
 
@@ -286,13 +291,16 @@ fn chat_template(m: &ModelConfig) -> Result<Option<Arc<crate::runtime::chat::Cha
     };
     let template = match &m.chat_template {
         Some(source) => Some(ChatTemplate::load(source)?),
-        None => {
-            let beside = tokenizer.with_file_name("tokenizer_config.json");
-            match std::fs::read_to_string(&beside) {
+        None => match tokenizer
+            .file()
+            .map(|file| file.with_file_name("tokenizer_config.json"))
+        {
+            Some(beside) => match std::fs::read_to_string(&beside) {
                 Ok(text) => ChatTemplate::from_tokenizer_config(&text, &beside.display().to_string())?,
                 Err(_) => None,
-            }
-        }
+            },
+            None => None,
+        },
     };
     if let Some(t) = &template {
         tracing::info!(model = %m.name, template = %t.origin, "chat template");

@@ -1,0 +1,216 @@
+//! A generation's text as its tokens come, at a cost per token that does not grow with the
+//! answer: each token decodes only itself and a few tokens before it, and stop strings are
+//! looked for only where a new one could have appeared.
+//!
+//! Decoding token by token and joining the pieces is wrong in two ways: a character may take
+//! several byte-level tokens (the first alone decodes to U+FFFD), and some decoders read a
+//! token differently at the start of a text (SentencePiece drops its leading space). So
+//! [`Detokenizer`] keeps two offsets into the tokens, as serving engines do: `prefix`, where
+//! the window it decodes starts, and `read`, up to which the text is final. Each token decodes
+//! `tokens[prefix..]` and `tokens[prefix..read]`; what the first adds to the second is new text,
+//! unless it ends in an unfinished character, which waits for the tokens that finish it.
+
+use std::sync::Arc;
+
+/// The text of a growing list of tokens, decoded incrementally. Special tokens are left out, as
+/// when the whole list is decoded with `skip_special_tokens`.
+#[derive(Clone)]
+pub struct Detokenizer {
+    tokenizer: Arc<tokenizers::Tokenizer>,
+    tokens: Vec<u32>,
+    /// Where the window decoded for each token starts: the tokens before `read` in it only give
+    /// the new ones their context.
+    prefix: usize,
+    /// Tokens up to here are in `text`.
+    read: usize,
+    text: String,
+}
+
+impl Detokenizer {
+    /// Nothing decoded yet.
+    pub fn new(tokenizer: Arc<tokenizers::Tokenizer>) -> Detokenizer {
+        Detokenizer {
+            tokenizer,
+            tokens: Vec::new(),
+            prefix: 0,
+            read: 0,
+            text: String::new(),
+        }
+    }
+
+    /// Add a token; its text, if it finishes any, is appended to [`Detokenizer::text`].
+    pub fn push(&mut self, id: u32) -> Result<(), String> {
+        self.tokens.push(id);
+        let before = self.decode(self.prefix..self.read)?;
+        let now = self.decode(self.prefix..self.tokens.len())?;
+        // An unfinished character (or a token that adds nothing yet) waits for the next ones.
+        if now.ends_with('\u{FFFD}') {
+            return Ok(());
+        }
+        if let Some(new) = now.get(before.len()..).filter(|new| !new.is_empty()) {
+            self.text.push_str(new);
+            self.prefix = self.read;
+            self.read = self.tokens.len();
+        }
+        Ok(())
+    }
+
+    /// The text of every finished character so far.
+    pub fn text(&self) -> &str {
+        &self.text
+    }
+
+    /// Every token pushed.
+    pub fn tokens(&self) -> &[u32] {
+        &self.tokens
+    }
+
+    /// The tokens and their whole text, with what still waited (an unfinished character at the
+    /// end reads as U+FFFD, as when the whole list is decoded).
+    pub fn finish(mut self) -> Result<(Vec<u32>, String), String> {
+        let before = self.decode(self.prefix..self.read)?;
+        let now = self.decode(self.prefix..self.tokens.len())?;
+        if let Some(rest) = now.get(before.len()..) {
+            self.text.push_str(rest);
+        }
+        Ok((self.tokens, self.text))
+    }
+
+    fn decode(&self, range: std::ops::Range<usize>) -> Result<String, String> {
+        if range.is_empty() {
+            return Ok(String::new());
+        }
+        self.tokenizer
+            .decode(&self.tokens[range], true)
+            .map_err(|e| format!("cannot decode the tokens: {e}"))
+    }
+}
+
+/// Where a search for `patterns` in a text that grew from `from` bytes must start, so that
+/// it finds every occurrence that was not already whole in the text's first `from` bytes: the
+/// longest pattern's length less one before `from`, on a character boundary.
+pub fn tail_start(text: &str, from: usize, patterns: &[String]) -> usize {
+    let longest = patterns.iter().map(String::len).max().unwrap_or(0);
+    let mut start = from.min(text.len()).saturating_sub(longest.saturating_sub(1));
+    while !text.is_char_boundary(start) {
+        start -= 1;
+    }
+    start
+}
+
+/// The first place in `text` where one of `patterns` starts, looking only from `start` on.
+pub fn first_at(text: &str, start: usize, patterns: &[String]) -> Option<usize> {
+    let tail = &text[start..];
+    patterns
+        .iter()
+        .filter_map(|p| tail.find(p.as_str()))
+        .min()
+        .map(|at| start + at)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn fixture() -> Arc<tokenizers::Tokenizer> {
+        let json = crate::core::model::BuiltinModel::Decoder
+            .tokenizer()
+            .expect("ships one");
+        Arc::new(tokenizers::Tokenizer::from_bytes(json).expect("the fixture's tokenizer"))
+    }
+
+    /// Pushes `tokens` one at a time, checking after each that the text so far is the start
+    /// of the whole decode; gives what it finishes with.
+    fn incrementally(tokenizer: &Arc<tokenizers::Tokenizer>, tokens: &[u32]) -> String {
+        let mut text = Detokenizer::new(Arc::clone(tokenizer));
+        for (i, &id) in tokens.iter().enumerate() {
+            text.push(id).unwrap();
+            let whole = tokenizer.decode(&tokens[..=i], true).unwrap();
+            assert!(
+                whole.starts_with(text.text()),
+                "{:?} is not the start of {whole:?}",
+                text.text()
+            );
+            assert!(
+                !text.text().ends_with('\u{FFFD}'),
+                "an unfinished character was let through"
+            );
+        }
+        let (pushed, finished) = text.finish().unwrap();
+        assert_eq!(pushed, tokens);
+        finished
+    }
+
+    #[test]
+    fn multi_byte_characters_come_out_whole_once_their_last_byte_arrives() {
+        let tokenizer = fixture();
+        let prose = "Grüße aus Köln: 東京 🎉 naïve café, ½ — done.";
+        let tokens = tokenizer.encode(prose, false).unwrap().get_ids().to_vec();
+        // Byte-level tokens: the rarer characters take several, the first of which is no text.
+        assert!(tokens.len() > prose.chars().count() / 2, "{tokens:?}");
+        let mut text = Detokenizer::new(Arc::clone(&tokenizer));
+        let mut seen = Vec::new();
+        for &id in &tokens {
+            text.push(id).unwrap();
+            seen.push(text.text().to_string());
+        }
+        assert!(
+            seen.iter().any(|s| s.ends_with("Gr")),
+            "text came before the 'ü' finished: {seen:?}"
+        );
+        assert!(seen.iter().all(|s| prose.starts_with(s.as_str())), "{seen:?}");
+        assert_eq!(text.text(), tokenizer.decode(&tokens, true).unwrap());
+        assert_eq!(
+            incrementally(&tokenizer, &tokens),
+            tokenizer.decode(&tokens, true).unwrap()
+        );
+    }
+
+    #[test]
+    fn an_unfinished_character_at_the_end_is_in_the_finished_text_as_the_whole_decode_has_it() {
+        let tokenizer = fixture();
+        let tokens = tokenizer.encode("ok 🎉", false).unwrap().get_ids().to_vec();
+        let cut = &tokens[..tokens.len() - 1];
+        let mut text = Detokenizer::new(Arc::clone(&tokenizer));
+        for &id in cut {
+            text.push(id).unwrap();
+        }
+        let whole = tokenizer.decode(cut, true).unwrap();
+        assert!(whole.ends_with('\u{FFFD}'), "{whole:?}");
+        assert_eq!(text.text(), whole.trim_end_matches('\u{FFFD}'));
+        assert!(text.text().starts_with("ok"));
+        assert_eq!(text.finish().unwrap().1, whole);
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(48))]
+
+        /// Any tokens of the fixture's vocabulary (special ones too, which decode to nothing),
+        /// decoded a token at a time, give the whole decode, over long generations.
+        #[test]
+        fn incremental_text_is_the_whole_decode(tokens in proptest::collection::vec(0u32..512, 0..600)) {
+            let tokenizer = fixture();
+            prop_assert_eq!(incrementally(&tokenizer, &tokens), tokenizer.decode(&tokens, true).unwrap());
+        }
+    }
+
+    #[test]
+    fn a_search_from_the_tail_finds_what_the_new_text_completed() {
+        let stop = vec!["<|im_end|>".to_string(), "END".to_string()];
+        let text = "héllo wörld <|im_";
+        let grown = format!("{text}end|> more");
+        let start = tail_start(&grown, text.len(), &stop);
+        assert!(
+            start < text.find('<').unwrap(),
+            "the stop string began before the new text"
+        );
+        assert_eq!(first_at(&grown, start, &stop), grown.find("<|im_end|>"));
+        // A character boundary, even when the window starts inside a multi-byte character.
+        let text = "ééééé";
+        for from in 0..=text.len() {
+            assert!(text.is_char_boundary(tail_start(text, from, &["xyz".into()])));
+        }
+        assert_eq!(first_at("abc", tail_start("abc", 3, &[]), &[]), None);
+    }
+}
