@@ -136,7 +136,8 @@ fn smoke_inputs_come_from_the_config_without_onnx_runtime() {
             ("encoder", "gpu", 128),
             ("encoder", "cpu", 128),
             ("classifier", "gpu", 0),
-            ("classifier", "cpu", 0)
+            ("classifier", "cpu", 0),
+            ("tiny", "cpu", 0)
         ]
     );
     assert!(
