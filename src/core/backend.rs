@@ -3,7 +3,7 @@
 //! allocator statistics a backend may report. Plain types only, so pools, the lifecycle and the
 //! ONNX Runtime code all depend on this module and never on each other.
 
-use crate::core::tensor::Tensor;
+use crate::core::tensor::{Tensor, TensorView};
 
 /// Runs models; one instance per worker thread, so it may hold non-shareable sessions.
 pub trait Backend: Send {
@@ -16,6 +16,22 @@ pub trait Backend: Send {
         outputs: &[String],
         meta: &RunMeta,
     ) -> Result<Vec<Tensor>, BackendError>;
+    /// [`run`](Self::run) on inputs borrowed from bytes that lie elsewhere (a worker process's
+    /// shared memory). A backend that can read them in place does; this one decodes them first.
+    fn run_views(
+        &mut self,
+        model: &str,
+        inputs: &[TensorView<'_>],
+        outputs: &[String],
+        meta: &RunMeta,
+    ) -> Result<Vec<Tensor>, BackendError> {
+        let tensors = inputs
+            .iter()
+            .map(TensorView::to_tensor)
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(BackendError::InvalidInput)?;
+        self.run(model, tensors, outputs, meta)
+    }
     /// Allocator statistics as of the last refresh, when the backend has an arena.
     fn arena_stats(&self) -> Option<ArenaStats>;
     /// Read the allocator statistics again (costs a C API call, ~10 µs: callers decide when).

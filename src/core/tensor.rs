@@ -307,6 +307,31 @@ impl Serialize for TensorData {
     }
 }
 
+/// A named tensor whose little-endian bytes lie elsewhere (a worker process's shared memory),
+/// borrowed: a backend may run on them where they are.
+#[derive(Debug, Clone, Copy)]
+pub struct TensorView<'a> {
+    /// Input name.
+    pub name: &'a str,
+    /// Element type.
+    pub datatype: DataType,
+    /// Dimensions.
+    pub shape: &'a [i64],
+    /// Its elements' bytes: exactly the shape's element count times the type's size.
+    pub bytes: &'a [u8],
+}
+
+impl TensorView<'_> {
+    /// The tensor, its bytes decoded (copied).
+    pub fn to_tensor(&self) -> Result<Tensor, String> {
+        Ok(Tensor {
+            name: self.name.to_string(),
+            shape: self.shape.to_vec(),
+            data: TensorData::from_le_bytes(self.datatype, self.bytes)?,
+        })
+    }
+}
+
 /// A named tensor.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Tensor {

@@ -440,6 +440,19 @@ impl Backend for FaultInjecting {
         }
     }
 
+    fn run_views(
+        &mut self,
+        model: &str,
+        inputs: &[crate::core::tensor::TensorView<'_>],
+        outputs: &[String],
+        meta: &RunMeta,
+    ) -> Result<Vec<Tensor>, BackendError> {
+        match self.device.injected_failure() {
+            Some(error) => Err(error),
+            None => self.inner.run_views(model, inputs, outputs, meta),
+        }
+    }
+
     fn arena_stats(&self) -> Option<ArenaStats> {
         self.stats
     }

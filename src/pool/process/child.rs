@@ -384,8 +384,9 @@ impl Worker {
         (model, outputs, inputs, stats): (&str, &[String], &[wire::TensorHead], bool),
         (payload, out): (&[u8], Output<'_>),
     ) -> std::io::Result<()> {
-        let tensors = match wire::decode_tensors(inputs, payload, &mut 0) {
-            Ok(tensors) => tensors,
+        // Read where they lie (the socket's buffer, or the pool's shared memory).
+        let views = match wire::decode_views(inputs, payload) {
+            Ok(views) => views,
             Err(why) => return reply(stream, &Answer::Failed(WireError::InvalidInput(why)), &[]),
         };
         let stopped = {
@@ -398,7 +399,7 @@ impl Worker {
         } else if self.poisoned.load(Ordering::SeqCst) {
             Err(poisoned())
         } else {
-            backend.run(model, tensors, outputs, &RunMeta::default())
+            backend.run_views(model, &views, outputs, &RunMeta::default())
         };
         {
             let mut runs = runs.lock().unwrap_or_else(|e| e.into_inner());

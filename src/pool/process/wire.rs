@@ -10,7 +10,7 @@ use std::io::{Read, Write};
 use serde::{Deserialize, Serialize};
 
 use crate::core::backend::{AllocFailureKind, ArenaStats, BackendError};
-use crate::core::tensor::{DataType, Tensor, TensorData};
+use crate::core::tensor::{DataType, Tensor, TensorData, TensorView};
 
 /// Longest header accepted: headers carry names and shapes, never data.
 const MAX_HEADER: usize = 16 << 20;
@@ -347,6 +347,36 @@ pub fn decode_tensors(heads: &[TensorHead], payload: &[u8], at: &mut usize) -> R
         .collect()
 }
 
+/// The tensors `heads` describe, borrowed where they lie in `payload` (from its start), each
+/// checked to hold exactly its shape's elements.
+pub fn decode_views<'a>(heads: &'a [TensorHead], payload: &'a [u8]) -> Result<Vec<TensorView<'a>>, String> {
+    let mut at = 0;
+    heads
+        .iter()
+        .map(|head| {
+            let datatype = DataType::from_name(&head.datatype)
+                .ok_or_else(|| format!("tensor `{}`: unknown datatype `{}`", head.name, head.datatype))?;
+            let bytes = take(payload, &mut at, head.bytes)?;
+            let elements = Tensor::element_count(&head.shape)
+                .ok_or_else(|| format!("tensor `{}`: shape {:?} is not valid", head.name, head.shape))?;
+            if elements.checked_mul(datatype.size()) != Some(bytes.len()) {
+                return Err(format!(
+                    "tensor `{}`: {} bytes for shape {:?} of {datatype}",
+                    head.name,
+                    bytes.len(),
+                    head.shape
+                ));
+            }
+            Ok(TensorView {
+                name: &head.name,
+                datatype,
+                shape: &head.shape,
+                bytes,
+            })
+        })
+        .collect()
+}
+
 /// The next `len` bytes of `payload` from `*at`.
 pub fn take<'a>(payload: &'a [u8], at: &mut usize, len: u64) -> Result<&'a [u8], String> {
     let end = at
@@ -401,6 +431,37 @@ mod tests {
         let mut at = 0;
         assert_eq!(decode_tensors(&inputs, &payload, &mut at).unwrap(), tensors);
         assert_eq!(at, payload.len());
+    }
+
+    #[test]
+    fn views_borrow_the_bytes_and_check_them_against_their_shapes() {
+        let tensors = vec![
+            Tensor {
+                name: "x".into(),
+                shape: vec![2, 2],
+                data: TensorData::Fp32(vec![1.0, 2.0, 3.0, 4.0]),
+            },
+            Tensor {
+                name: "ids".into(),
+                shape: vec![3],
+                data: TensorData::Int64(vec![1, -2, 3]),
+            },
+        ];
+        let mut region = vec![0u8; 64];
+        let heads = encode_tensors_at(&tensors, &mut region).unwrap();
+        let views = decode_views(&heads, &region).unwrap();
+        let back: Vec<Tensor> = views.iter().map(|v| v.to_tensor().unwrap()).collect();
+        assert_eq!(back, tensors);
+        assert_eq!(views[1].bytes.as_ptr(), region[16..].as_ptr());
+        // Too small a region is not written past its end.
+        assert!(encode_tensors_at(&tensors, &mut [0u8; 39]).is_none());
+        let mut wrong = heads.clone();
+        wrong[0].shape = vec![3];
+        assert!(
+            decode_views(&wrong, &region)
+                .unwrap_err()
+                .contains("16 bytes for shape [3]")
+        );
     }
 
     #[test]

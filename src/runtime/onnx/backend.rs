@@ -9,7 +9,7 @@ use ort::session::{RunOptions, Session};
 use super::{OnnxRuntime, SessionOptions, arena, build_session, run};
 use crate::config::Provider;
 use crate::core::backend::{Backend, BackendError, RunMeta};
-use crate::core::tensor::Tensor;
+use crate::core::tensor::{Tensor, TensorView};
 
 /// Build `name`'s session and find the arena it allocates from: the capped shared one for
 /// simulated pools, its own for CPU and CUDA pools. Stats are optional: a provider without an
@@ -95,6 +95,22 @@ impl OrtBackend {
     }
 }
 
+impl OrtBackend {
+    /// Note `model` as the last used and as used since the last release, when it has a session.
+    fn note_use(&mut self, model: &str) -> Result<(), BackendError> {
+        if !self.sessions.contains_key(model) {
+            return Err(BackendError::Runtime(format!(
+                "this worker has no session for `{model}`"
+            )));
+        }
+        self.last_model = Some(model.to_string());
+        if !self.used.contains(model) {
+            self.used.insert(model.to_string());
+        }
+        Ok(())
+    }
+}
+
 impl Backend for OrtBackend {
     fn run(
         &mut self,
@@ -103,15 +119,21 @@ impl Backend for OrtBackend {
         outputs: &[String],
         _: &RunMeta,
     ) -> Result<Vec<Tensor>, BackendError> {
-        let (session, _) = self
-            .sessions
-            .get_mut(model)
-            .ok_or_else(|| BackendError::Runtime(format!("this worker has no session for `{model}`")))?;
-        self.last_model = Some(model.to_string());
-        if !self.used.contains(model) {
-            self.used.insert(model.to_string());
-        }
+        self.note_use(model)?;
+        let (session, _) = self.sessions.get_mut(model).expect("noted: it has a session");
         run(session, inputs, outputs, Some(&self.run_options))
+    }
+
+    fn run_views(
+        &mut self,
+        model: &str,
+        inputs: &[TensorView<'_>],
+        outputs: &[String],
+        _: &RunMeta,
+    ) -> Result<Vec<Tensor>, BackendError> {
+        self.note_use(model)?;
+        let (session, _) = self.sessions.get_mut(model).expect("noted: it has a session");
+        super::run_views(session, inputs, outputs, Some(&self.run_options))
     }
 
     fn release_memory(&mut self, probe: &dyn Fn(&str) -> Option<Vec<Tensor>>) {
@@ -184,6 +206,54 @@ impl Backend for OrtBackend {
         };
         if let Some(allocator) = allocator {
             self.last_stats = arena::allocator_stats(allocator).ok();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::model::BuiltinModel;
+    use crate::core::tensor::{DataType, TensorData};
+
+    #[test]
+    fn inputs_run_in_place_or_decoded_give_the_answer_of_owned_ones() {
+        let rt = super::super::runtime(None).expect("ONNX Runtime loads");
+        let options = SessionOptions {
+            provider: Provider::Cpu,
+            device_index: 0,
+            intra_threads: 1,
+            arena_shrinkage: false,
+            quiet: true,
+        };
+        let model = [("encoder".to_string(), BuiltinModel::Encoder.bytes())];
+        let mut backend = OrtBackend::load(rt, &model, &options).unwrap();
+        let values: Vec<f32> = (0..16 * 64).map(|i| (i % 11) as f32 * 0.1 - 0.5).collect();
+        let owned = Tensor {
+            name: "input".into(),
+            shape: vec![1, 16, 64],
+            data: TensorData::Fp32(values.clone()),
+        };
+        let outputs = ["pooled".to_string()];
+        let expected = backend
+            .run("encoder", vec![owned.clone()], &outputs, &RunMeta::default())
+            .unwrap();
+        // The same bytes aligned (read in place) and one byte off (decoded first).
+        let mut bytes = vec![0u8; 1 + values.len() * 4 + 3];
+        for offset in [0, 1] {
+            let at = bytes.as_ptr().align_offset(4) + offset;
+            let end = at + values.len() * 4;
+            owned.data.write_le_bytes_to(&mut bytes[at..end]);
+            let view = TensorView {
+                name: "input",
+                datatype: DataType::Fp32,
+                shape: &owned.shape,
+                bytes: &bytes[at..end],
+            };
+            let got = backend
+                .run_views("encoder", &[view], &outputs, &RunMeta::default())
+                .unwrap();
+            assert_eq!(got, expected, "offset {offset}");
         }
     }
 }

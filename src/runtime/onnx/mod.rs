@@ -12,12 +12,12 @@ use std::sync::{Mutex, OnceLock};
 
 use ort::environment::Environment;
 use ort::ep;
-use ort::session::{RunOptions, Session, builder::GraphOptimizationLevel};
+use ort::session::{RunOptions, Session, SessionInputValue, builder::GraphOptimizationLevel};
 use ort::value::{DynValue, TensorElementType, ValueType};
 
 use crate::config::{CudaOptions, Provider};
 use crate::core::backend::{AllocFailureKind, BackendError};
-use crate::core::tensor::{DataType, Tensor, TensorData, each_variant};
+use crate::core::tensor::{DataType, Tensor, TensorData, TensorView, each_variant};
 
 /// The ONNX Runtime release `make` installs into the project.
 pub const PINNED_VERSION: &str = "1.31.1";
@@ -488,10 +488,73 @@ pub fn run(
         .into_iter()
         .map(|t| {
             let name = t.name.clone();
-            to_value(t).map(|v| (name, v))
+            to_value(t).map(|v| (name, SessionInputValue::from(v)))
         })
         .collect::<ort::Result<Vec<_>>>()
         .map_err(|e| classify(&e.to_string()))?;
+    run_values(session, values, wanted, options)
+}
+
+/// [`run`] on inputs borrowed from bytes that lie elsewhere (a worker's shared memory): each
+/// is handed to ONNX Runtime where it lies when its bytes are aligned for their type (on a
+/// little-endian machine), and decoded first otherwise.
+pub fn run_views(
+    session: &mut Session,
+    inputs: &[TensorView<'_>],
+    wanted: &[String],
+    options: Option<&RunOptions>,
+) -> Result<Vec<Tensor>, BackendError> {
+    let values = inputs
+        .iter()
+        .map(|view| view_value(view).map(|v| (view.name.to_string(), v)))
+        .collect::<Result<Vec<_>, BackendError>>()?;
+    run_values(session, values, wanted, options)
+}
+
+/// One borrowed input as ONNX Runtime takes it: in place, or decoded.
+#[allow(unsafe_code)]
+fn view_value<'a>(view: &TensorView<'a>) -> Result<SessionInputValue<'a>, BackendError> {
+    let bytes = view.bytes;
+    macro_rules! in_place {
+        ($t:ty) => {{
+            if cfg!(target_endian = "little") && bytes.as_ptr().align_offset(std::mem::align_of::<$t>()) == 0 {
+                // SAFETY: the bytes are aligned for `$t` (checked), whole elements (the wire's
+                // decoding checked their length against the shape), every bit pattern is a
+                // valid `$t`, and the slice borrows them for as long as the view does.
+                let data = unsafe {
+                    std::slice::from_raw_parts(bytes.as_ptr().cast::<$t>(), bytes.len() / std::mem::size_of::<$t>())
+                };
+                let shape: Vec<i64> = view.shape.to_vec();
+                return ort::value::TensorRef::from_array_view((shape, data))
+                    .map(SessionInputValue::from)
+                    .map_err(|e| classify(&e.to_string()));
+            }
+        }};
+    }
+    match view.datatype {
+        // BOOL bytes must be checked (0 or 1): decoded below.
+        DataType::Bool => {}
+        DataType::Uint8 => in_place!(u8),
+        DataType::Int8 => in_place!(i8),
+        DataType::Int16 => in_place!(i16),
+        DataType::Int32 => in_place!(i32),
+        DataType::Int64 => in_place!(i64),
+        DataType::Fp16 => in_place!(half::f16),
+        DataType::Fp32 => in_place!(f32),
+        DataType::Fp64 => in_place!(f64),
+    }
+    let tensor = view.to_tensor().map_err(BackendError::InvalidInput)?;
+    to_value(tensor)
+        .map(SessionInputValue::from)
+        .map_err(|e| classify(&e.to_string()))
+}
+
+fn run_values(
+    session: &mut Session,
+    values: Vec<(String, SessionInputValue<'_>)>,
+    wanted: &[String],
+    options: Option<&RunOptions>,
+) -> Result<Vec<Tensor>, BackendError> {
     let outputs = match options {
         Some(options) => session.run_with_options(values, options),
         None => session.run(values),
