@@ -16,6 +16,12 @@
 //! - `redirect`: the longest path through the script (no fit, no deferral, no shrink, CPU);
 //! - `admit_fresh_snapshot`: the same admit with the snapshot converted for this call only
 //!   (what every call would cost without the cache, i.e. right after each sampler tick).
+//!
+//! For a profiler or an allocation count, `POLICY_BENCH_LOOP=<scenario>:<count>` runs just that
+//! many evaluations of one scenario and exits, without criterion, e.g.
+//! `POLICY_BENCH_LOOP=admit_live_pools:100000 perf record -g target/release/deps/policy-<hash>`;
+//! counting `malloc` calls (`perf probe -x libc.so.6 malloc`) at two counts gives the
+//! allocations per evaluation.
 
 use std::collections::BTreeMap;
 use std::hint::black_box;
@@ -316,6 +322,22 @@ fn main() {
 
     // What the server keeps between requests while the snapshot and the pools are unchanged.
     let cached = StateView::new(&snapshot);
+    if let Ok(spec) = std::env::var("POLICY_BENCH_LOOP") {
+        let (name, count) = spec.split_once(':').expect("POLICY_BENCH_LOOP=<scenario>:<count>");
+        let count: usize = count.parse().expect("a count of evaluations");
+        let live = StateView::new(&snapshot).with_live_load(Arc::new(SampledLoad(snapshot.clone())));
+        for _ in 0..count {
+            let evaluation = match name {
+                "admit" => handle.decide_view(black_box(&admit), &black_box(&cached).clone()),
+                "redirect" => handle.decide_view(black_box(&redirect), &black_box(&cached).clone()),
+                "admit_live_pools" => script.decide_view(black_box(&admit), black_box(&live)),
+                "admit_fresh_snapshot" => script.decide(black_box(&admit), black_box(&snapshot)),
+                other => panic!("no scenario {other}"),
+            };
+            black_box(evaluation);
+        }
+        return;
+    }
     let output = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("criterion");
     let mut c = Criterion::default()
         .output_directory(&output)

@@ -152,7 +152,7 @@ impl Table {
                 }
             }
             if let Some(slot) = map.get_mut("breaker") {
-                *slot = string(now.breaker.label());
+                *slot = interned(now.breaker.label());
             }
         }
         value
@@ -380,7 +380,7 @@ pub(crate) fn request(req: &RequestInfo) -> Dynamic {
             "weights_bytes" => int(req.estimate.weights_bytes),
             "context_bytes" => int(req.estimate.context_bytes),
             "workspace_bytes" => int(req.estimate.workspace_bytes),
-            "source" => Dynamic::from(ImmutableString::from(req.estimate.source.label())),
+            "source" => interned(req.estimate.source.label()),
             _ => int(req.estimate.total_bytes),
         };
     }
@@ -389,9 +389,9 @@ pub(crate) fn request(req: &RequestInfo) -> Dynamic {
     for (key, slot) in map.iter_mut() {
         *slot = match key.as_str() {
             "id" => string(&req.id),
-            "model" => string(&req.model),
-            "pool" => string(&req.pool),
-            "service" => string(&req.service),
+            "model" => interned(&req.model),
+            "pool" => interned(&req.pool),
+            "service" => interned(&req.service),
             "context_tokens" => int(req.context_tokens),
             "max_new_tokens" => int(req.max_new_tokens),
             "batch" => int(req.batch),
@@ -401,7 +401,7 @@ pub(crate) fn request(req: &RequestInfo) -> Dynamic {
             "deadline_ms" => int(req.deadline_ms),
             "load_bytes" => int(req.load_bytes),
             "evictable_bytes" => int(req.evictable_bytes),
-            "dims" => Dynamic::from_map(req.dims.iter().map(|(k, v)| (k.as_str().into(), int(*v))).collect()),
+            "dims" => ints(&req.dims),
             _ => estimate.take().map_or(Dynamic::UNIT, Dynamic::from_map),
         };
     }
@@ -489,7 +489,18 @@ fn service(s: &ServiceState) -> Dynamic {
 
 /// Bytes by device, as a plain object map.
 fn memory(bytes: &BTreeMap<String, u64>) -> Dynamic {
-    Dynamic::from_map(bytes.iter().map(|(k, v)| (k.as_str().into(), int(*v))).collect())
+    ints(bytes)
+}
+
+/// A sorted map of numbers as an object map. Inserted one by one: collecting an iterator into a
+/// `BTreeMap` first gathers it in a `Vec` and sorts it, an allocation and a pass these maps
+/// (already sorted, a handful of keys, built per request) do not need.
+fn ints(values: &BTreeMap<String, u64>) -> Dynamic {
+    let mut map = Map::new();
+    for (k, v) in values {
+        map.insert(k.as_str().into(), int(*v));
+    }
+    Dynamic::from_map(map)
 }
 
 fn model(m: &ModelState) -> Dynamic {
@@ -534,6 +545,33 @@ fn record<const N: usize>(fields: [(&str, Dynamic); N]) -> Dynamic {
 
 fn string(s: &str) -> Dynamic {
     Dynamic::from(ImmutableString::from(s))
+}
+
+/// Most names a thread keeps for [`interned`]: more than a config has models, pools, services and
+/// labels, so a name outside them (never expected) is just built afresh.
+const MAX_NAMES: usize = 64;
+
+thread_local! {
+    /// The names this thread has handed to scripts, each built once.
+    static NAMES: std::cell::RefCell<Vec<ImmutableString>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// A string from a small, fixed set (a model, pool or service name, a breaker or estimate-source
+/// label) for the script. Every request carries the same few: building each one afresh cost an
+/// allocation and a free per string per evaluation; a copy of a kept one is a reference count.
+fn interned(s: &str) -> Dynamic {
+    let kept = NAMES.with(|names| {
+        let mut names = names.try_borrow_mut().ok()?;
+        if let Some(found) = names.iter().find(|n| n.as_str() == s) {
+            return Some(found.clone());
+        }
+        let made = ImmutableString::from(s);
+        if names.len() < MAX_NAMES {
+            names.push(made.clone());
+        }
+        Some(made)
+    });
+    Dynamic::from(kept.unwrap_or_else(|| ImmutableString::from(s)))
 }
 
 fn int(v: u64) -> Dynamic {

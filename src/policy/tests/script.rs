@@ -203,3 +203,24 @@ fn make_room_names_its_pool_and_optionally_the_bytes_to_free() {
     );
     assert!(decide(r#"fn decide(req, state) { make_room("") }"#).error.is_some());
 }
+
+#[test]
+fn every_evaluation_starts_from_an_empty_scope() {
+    // A thread reuses one scope. Run more evaluations, each declaring variables and half of them
+    // failing part-way, than the sandbox allows variables at once: leftovers of one evaluation
+    // would pile up into the variables limit.
+    let compiled = script(
+        "fn decide(req, state) { let a = 1; let b = 2; let c = a + b; if req.batch == 2 { admit() } else { c / 0 } }",
+    );
+    let snapshot = snapshot();
+    let mut failing = request();
+    failing.batch = 3;
+    for i in 0..2 * MAX_VARIABLES {
+        if i % 2 == 0 {
+            let evaluation = compiled.decide(&request(), &snapshot);
+            assert_eq!(evaluation.error, None, "evaluation {i}: {evaluation:?}");
+        } else {
+            assert_fallback(&compiled.decide(&failing, &snapshot), PolicyErrorKind::Runtime);
+        }
+    }
+}

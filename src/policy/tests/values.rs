@@ -123,6 +123,25 @@ fn a_script_cannot_change_what_the_next_evaluation_sees() {
 }
 
 #[test]
+fn every_request_sees_its_own_names_however_many_there_are() {
+    // A thread keeps the names it has handed out, up to a bound; past it they are built afresh.
+    let compiled = script("fn decide(req, state) { reject(`${req.model}/${req.service}/${req.estimate.source}`) }");
+    let snapshot = snapshot();
+    for i in 0..200 {
+        let mut req = request();
+        req.model = format!("model-{i}");
+        req.service = format!("service-{}", i % 7);
+        let evaluation = compiled.decide(&req, &snapshot);
+        assert_eq!(
+            evaluation.decision,
+            Decision::Reject {
+                reason: format!("model-{i}/service-{}/observed", i % 7)
+            }
+        );
+    }
+}
+
+#[test]
 fn smoke_inputs_come_from_the_config_without_onnx_runtime() {
     let config = crate::config::Config::embedded(false);
     let requests = smoke::smoke_requests(&config, |_| true, smoke::configured_estimate);
