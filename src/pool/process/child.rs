@@ -268,7 +268,15 @@ impl Worker {
             out: Vec::new(),
             regions: Default::default(),
         };
-        while let Ok(ask) = wire::read_frame_into::<Ask>(&mut reader, &mut payload) {
+        loop {
+            // The pool's next frame often follows soon after an answer: wait for it on this
+            // core a while before sleeping.
+            if reader.buffer().is_empty() {
+                wire::spin_until_readable(reader.get_ref(), wire::SPIN);
+            }
+            let Ok(ask) = wire::read_frame_into::<Ask>(&mut reader, &mut payload) else {
+                break;
+            };
             let stream = reader.get_mut();
             self.wait_if_hung();
             let sent = self.answer(stream, &mut held, ask, &payload);

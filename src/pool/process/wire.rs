@@ -208,6 +208,38 @@ pub enum Answer {
     Sim(Option<SimState>),
 }
 
+/// How long a side waits for the other's next frame on its core before it sleeps: a wake-up
+/// from sleep costs tens of µs (more on a virtual machine, whose idle core halts), as much as a
+/// short run. The wait yields its core to any thread that is ready meanwhile, so on a busy
+/// machine it takes nothing from the work that would send the frame (measured: spinning
+/// without yielding took a saturated 2-core server from 82 % to 52 % of in-process throughput).
+pub const SPIN: std::time::Duration = std::time::Duration::from_micros(200);
+
+/// Wait up to `budget` for `stream` to have bytes to read without sleeping, yielding the core
+/// between looks; true when it has.
+#[allow(unsafe_code)]
+pub fn spin_until_readable(stream: &impl std::os::fd::AsRawFd, budget: std::time::Duration) -> bool {
+    let started = std::time::Instant::now();
+    let mut poll = libc::pollfd {
+        fd: stream.as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    loop {
+        // SAFETY: one valid pollfd, a timeout of 0: poll only reads the descriptor's state.
+        if unsafe { libc::poll(&mut poll, 1, 0) } != 0 {
+            return true;
+        }
+        if started.elapsed() >= budget {
+            return false;
+        }
+        // SAFETY: sched_yield has no preconditions.
+        unsafe {
+            libc::sched_yield();
+        }
+    }
+}
+
 /// Write one frame: `header`, then `blobs` as its payload.
 pub fn write_frame<T: Serialize>(out: &mut impl Write, header: &T, blobs: &[&[u8]]) -> std::io::Result<()> {
     let head = serde_json::to_vec(header).map_err(std::io::Error::other)?;
