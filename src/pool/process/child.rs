@@ -270,7 +270,7 @@ impl Worker {
         };
         loop {
             // The pool's next frame often follows soon after an answer: wait for it on this
-            // core a while before sleeping.
+            // core a while before sleeping (see `wire::SPIN`).
             if reader.buffer().is_empty() {
                 wire::spin_until_readable(reader.get_ref(), wire::SPIN);
             }

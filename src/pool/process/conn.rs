@@ -45,8 +45,6 @@ pub struct Conn {
     pub(super) interrupts: Mutex<UnixStream>,
     /// Run numbers, handed to the lanes' runs.
     seq: AtomicU64,
-    /// Frames sent so far (the writer's count, read without its lock).
-    sent: AtomicU64,
     /// The lanes holding each model's session (unloaded when none does).
     pub(super) holders: Mutex<HashMap<String, [bool; LANES]>>,
     /// Which lanes are taken.
@@ -85,7 +83,6 @@ impl Conn {
             lost: Mutex::new(None),
             interrupts: Mutex::new(interrupts),
             seq: AtomicU64::new(1),
-            sent: AtomicU64::new(0),
             holders: Mutex::new(holders),
             lanes: Mutex::new([false; LANES]),
         })
@@ -139,7 +136,6 @@ impl Conn {
                 return Err(self.lose(&e));
             }
             writer.next += 1;
-            self.sent.store(writer.next, Ordering::Release);
             writer.next - 1
         };
         let mut reader = self.reader.lock().unwrap_or_else(|e| e.into_inner());
@@ -158,11 +154,6 @@ impl Conn {
                 .wait_timeout(reader, std::time::Duration::from_millis(50))
                 .unwrap_or_else(|e| e.into_inner())
                 .0;
-        }
-        // Alone on the connection (no other lane's frame outstanding), its answer is waited for
-        // on this core for a while: a short run's answer comes before a sleep would end.
-        if reader.stream.buffer().is_empty() && self.sent.load(Ordering::Acquire) == ticket + 1 {
-            wire::spin_until_readable(reader.stream.get_ref(), wire::SPIN);
         }
         let read = wire::read_frame_into(&mut reader.stream, payload);
         reader.next += 1;
