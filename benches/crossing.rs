@@ -10,7 +10,6 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use vramguard::config::Provider;
 use vramguard::core::backend::{Backend, RunMeta};
 use vramguard::core::model::BuiltinModel;
 use vramguard::core::tensor::{Tensor, TensorData};
@@ -63,13 +62,7 @@ fn main() {
     let rt = vramguard::runtime::onnx::runtime(None).expect("ONNX Runtime");
     let exe = vramguard::testing::config::built_binary().expect("target/release/vramguard (cargo build --release)");
     let model = BuiltinModel::Encoder.bytes();
-    let options = SessionOptions {
-        provider: Provider::Cpu,
-        device_index: 0,
-        intra_threads: 1,
-        arena_shrinkage: false,
-        quiet: true,
-    };
+    let options = SessionOptions::quiet_cpu();
     let mut local = OrtBackend::load(rt, &[("encoder".to_string(), model)], &options).unwrap();
     let spec = WorkerSpec {
         pool: "bench".into(),

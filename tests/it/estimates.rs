@@ -14,7 +14,6 @@ use std::path::{Path, PathBuf};
 use crate::common::{TestServer, sample, sum_samples};
 use reqwest::StatusCode;
 use serde_json::{Value, json};
-use vramguard::config::Provider;
 use vramguard::core::tensor::{Tensor, TensorData};
 use vramguard::runtime::estimate::{MemoryProfile, ProfileSource};
 use vramguard::runtime::onnx::{SessionOptions, arena, build_session, run, runtime};
@@ -88,13 +87,7 @@ fn tensor(name: &str, shape: &[i64]) -> Tensor {
 /// once the session was built.
 fn measured_working_bytes(model: &Path, inputs: Vec<Tensor>) -> u64 {
     let rt = runtime(None).expect("ONNX Runtime loads");
-    let options = SessionOptions {
-        provider: Provider::Cpu,
-        device_index: 0,
-        intra_threads: 1,
-        arena_shrinkage: false,
-        quiet: true,
-    };
+    let options = SessionOptions::quiet_cpu();
     let bytes = std::fs::read(model).unwrap();
     let mut session = build_session(rt, &bytes, &options).expect("session builds");
     let info = ort::memory::MemoryInfo::new(

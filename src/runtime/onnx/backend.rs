@@ -219,13 +219,7 @@ mod tests {
     #[test]
     fn inputs_run_in_place_or_decoded_give_the_answer_of_owned_ones() {
         let rt = super::super::runtime(None).expect("ONNX Runtime loads");
-        let options = SessionOptions {
-            provider: Provider::Cpu,
-            device_index: 0,
-            intra_threads: 1,
-            arena_shrinkage: false,
-            quiet: true,
-        };
+        let options = SessionOptions::quiet_cpu();
         let model = [("encoder".to_string(), BuiltinModel::Encoder.bytes())];
         let mut backend = OrtBackend::load(rt, &model, &options).unwrap();
         let values: Vec<f32> = (0..16 * 64).map(|i| (i % 11) as f32 * 0.1 - 0.5).collect();

@@ -346,6 +346,20 @@ pub struct SessionOptions {
     pub quiet: bool,
 }
 
+impl SessionOptions {
+    /// A quiet CPU session of one intra-op thread whose arena keeps its blocks: what benches
+    /// and measurements run models in.
+    pub fn quiet_cpu() -> SessionOptions {
+        SessionOptions {
+            provider: Provider::Cpu,
+            device_index: 0,
+            intra_threads: 1,
+            arena_shrinkage: false,
+            quiet: true,
+        }
+    }
+}
+
 /// Build a session for `model` under `options`. CUDA registration failure is an error, never a
 /// silent fallback to the CPU provider.
 pub fn build_session(rt: &OnnxRuntime, model: &[u8], options: &SessionOptions) -> Result<Session, String> {
