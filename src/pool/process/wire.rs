@@ -235,10 +235,7 @@ pub fn spin_until_readable(stream: &impl std::os::fd::AsRawFd, budget: std::time
         if started.elapsed() >= budget {
             return false;
         }
-        // SAFETY: sched_yield has no preconditions.
-        unsafe {
-            libc::sched_yield();
-        }
+        std::thread::yield_now();
     }
 }
 
