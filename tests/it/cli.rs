@@ -137,12 +137,7 @@ async fn serve_without_a_config_chats_with_tiny_at_once() {
     );
     let url = |p: &str| format!("http://{}{p}", server.addr);
     let models: Value = reqwest::get(url("/v1/models")).await.unwrap().json().await.unwrap();
-    let ids: Vec<&str> = models["data"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|m| m["id"].as_str().unwrap())
-        .collect();
+    let ids = crate::common::model_ids(&models);
     assert_eq!(ids, ["tiny"], "{models}");
     let response = reqwest::Client::new()
         .post(url("/v1/chat/completions"))

@@ -173,12 +173,7 @@ async fn models_are_listed_and_errors_come_in_openais_shape() {
         .await
         .unwrap();
     assert_eq!(models["object"], "list");
-    let ids: Vec<&str> = models["data"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|m| m["id"].as_str().unwrap())
-        .collect();
+    let ids = crate::common::model_ids(&models);
     assert_eq!(ids, ["tiny"], "only models that generate text");
 
     for (body, status, param) in [

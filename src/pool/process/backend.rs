@@ -5,7 +5,6 @@
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 
 use super::conn::Conn;
 use super::host::WorkerHost;
@@ -20,10 +19,8 @@ pub struct ProcessBackend {
     conn: Arc<Conn>,
     lane: usize,
     /// The number of its next run (the one an interrupt handle given out now stops).
-    seq: Arc<AtomicU64>,
+    seq: u64,
     stats: Option<ArenaStats>,
-    /// The models this lane holds sessions of.
-    models: BTreeSet<String>,
     /// The last run's input bytes and answer: their allocations are reused.
     sent: Vec<u8>,
     received: Vec<u8>,
@@ -66,19 +63,13 @@ impl ProcessBackend {
             }
         };
         drop(spare);
-        {
-            let mut holders = conn.holders.lock().unwrap_or_else(|e| e.into_inner());
-            for name in &names {
-                holders.entry(name.clone()).or_default()[lane] = true;
-            }
-        }
+        conn.hold(lane, names);
         let mut backend = ProcessBackend {
             host: Arc::clone(host),
-            seq: Arc::new(AtomicU64::new(conn.next_seq())),
+            seq: conn.next_seq(),
             conn,
             lane,
             stats: None,
-            models: names,
             sent: Vec::new(),
             received: Vec::new(),
             regions: Regions::default(),
@@ -158,7 +149,7 @@ impl Drop for ProcessBackend {
     fn drop(&mut self) {
         // With both lanes gone the connection closes, and the worker drops its sessions.
         if self.conn.leave(self.lane) && self.conn.gone().is_none() {
-            for model in std::mem::take(&mut self.models) {
+            for model in self.conn.held_by(self.lane) {
                 self.unload_model(&model);
             }
             *self.host.spare.lock().unwrap_or_else(|e| e.into_inner()) = Some(Arc::downgrade(&self.conn));
@@ -193,7 +184,7 @@ impl Backend for ProcessBackend {
             stats: false,
             shared,
             lane: self.lane,
-            seq: self.seq.load(Ordering::SeqCst),
+            seq: self.seq,
         };
         let mut received = std::mem::take(&mut self.received);
         let answer = self.conn.exchange_into(&ask, &[&sent], &mut received);
@@ -254,53 +245,36 @@ impl Backend for ProcessBackend {
     }
 
     fn interrupt_handle(&self) -> Option<Interrupt> {
-        let conn = Arc::clone(&self.conn);
-        let seq = self.seq.load(Ordering::SeqCst);
+        let (conn, seq) = (Arc::clone(&self.conn), self.seq);
         Some(Arc::new(move || conn.interrupt(seq)))
     }
 
     fn clear_interrupt(&mut self) {
         // The next run has a number of its own: a stop sent for an earlier one (this lane's
         // or the other's) does not reach it.
-        self.seq.store(self.conn.next_seq(), Ordering::SeqCst);
+        self.seq = self.conn.next_seq();
     }
 
     fn load_model(&mut self, name: &str, bytes: &[u8]) -> Result<(), String> {
-        let mut holders = self.conn.holders.lock().unwrap_or_else(|e| e.into_inner());
-        let held = holders.entry(name.to_string()).or_default();
-        // The other lane loaded it: the session is the connection's, already there.
-        if held.iter().enumerate().any(|(lane, &h)| h && lane != self.lane) {
-            held[self.lane] = true;
-            self.models.insert(name.to_string());
-            return Ok(());
-        }
-        let ask = Ask::Load {
-            name: name.to_string(),
-            bytes: bytes.len() as u64,
-        };
-        match self.conn.exchange(&ask, &[bytes]).map_err(|e| e.to_string())? {
-            (Answer::Done { .. }, _) => {
-                holders.entry(name.to_string()).or_default()[self.lane] = true;
-                self.models.insert(name.to_string());
-                Ok(())
+        let conn = Arc::clone(&self.conn);
+        conn.load(self.lane, name, || {
+            let ask = Ask::Load {
+                name: name.to_string(),
+                bytes: bytes.len() as u64,
+            };
+            match conn.exchange(&ask, &[bytes]).map_err(|e| e.to_string())? {
+                (Answer::Done { .. }, _) => Ok(()),
+                (Answer::Refused(why), _) => Err(why),
+                (other, _) => Err(format!("the worker answered {other:?} to a load")),
             }
-            (Answer::Refused(why), _) => Err(why),
-            (other, _) => Err(format!("the worker answered {other:?} to a load")),
-        }
+        })
     }
 
     fn unload_model(&mut self, name: &str) {
-        self.models.remove(name);
-        let mut holders = self.conn.holders.lock().unwrap_or_else(|e| e.into_inner());
-        let Some(held) = holders.get_mut(name) else {
-            return;
-        };
-        held[self.lane] = false;
-        // The session goes when no lane holds it.
-        if held.iter().all(|h| !h) {
-            holders.remove(name);
-            let _ = self.conn.exchange(&Ask::Unload { name: name.to_string() }, &[]);
-        }
+        let conn = Arc::clone(&self.conn);
+        conn.unload(self.lane, name, || {
+            let _ = conn.exchange(&Ask::Unload { name: name.to_string() }, &[]);
+        });
     }
 
     fn release_memory(&mut self, probe: &dyn Fn(&str) -> Option<Vec<Tensor>>) {
@@ -308,10 +282,10 @@ impl Backend for ProcessBackend {
         // the models' probe inputs, sent along.
         let mut probes = Vec::new();
         let mut blobs = Vec::new();
-        for model in &self.models {
-            if let Some(inputs) = probe(model) {
+        for model in self.conn.held_by(self.lane) {
+            if let Some(inputs) = probe(&model) {
                 let (heads, bytes) = wire::encode_tensors(&inputs);
-                probes.push((model.clone(), heads));
+                probes.push((model, heads));
                 blobs.extend(bytes);
             }
         }

@@ -79,7 +79,7 @@ struct Held {
     backend: Box<dyn Backend>,
     runs: Arc<Mutex<Runs>>,
     out: Vec<u8>,
-    regions: [(Option<Region>, Option<Region>); 2],
+    regions: [(Option<Region>, Option<Region>); wire::LANES],
 }
 
 /// Where a run's outputs go: the connection's shared region when it has one they fit in, else
@@ -87,12 +87,6 @@ struct Held {
 struct Output<'a> {
     inline: &'a mut Vec<u8>,
     region: Option<&'a mut Region>,
-}
-
-impl<'a> Output<'a> {
-    fn new(inline: &'a mut Vec<u8>, region: Option<&'a mut Region>) -> Output<'a> {
-        Output { inline, region }
-    }
 }
 
 /// One session connection's run state, for its interrupts: the run going now and the runs an
@@ -319,7 +313,13 @@ impl Worker {
                         held.backend.as_mut(),
                         (&held.runs, seq),
                         (&model, &outputs, &inputs, stats),
-                        (input, Output::new(&mut held.out, from_worker)),
+                        (
+                            input,
+                            Output {
+                                inline: &mut held.out,
+                                region: from_worker,
+                            },
+                        ),
                     ),
                     None => reply(
                         stream,
@@ -393,7 +393,7 @@ impl Worker {
         (payload, out): (&[u8], Output<'_>),
     ) -> std::io::Result<()> {
         // Read where they lie (the socket's buffer, or the pool's shared memory).
-        let views = match wire::decode_views(inputs, payload) {
+        let views = match wire::decode_views(inputs, payload, &mut 0) {
             Ok(views) => views,
             Err(why) => return reply(stream, &Answer::Failed(WireError::InvalidInput(why)), &[]),
         };

@@ -11,11 +11,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 
 use super::host::Worker;
-use super::wire::{self, Answer, Ask};
+use super::wire::{self, Answer, Ask, LANES};
 use crate::core::backend::BackendError;
-
-/// How many lanes share a connection.
-pub const LANES: usize = 2;
 
 /// The writing side: frames go out whole, each numbered by the answer it will get.
 struct Writer {
@@ -46,7 +43,7 @@ pub struct Conn {
     /// Run numbers, handed to the lanes' runs.
     seq: AtomicU64,
     /// The lanes holding each model's session (unloaded when none does).
-    pub(super) holders: Mutex<HashMap<String, [bool; LANES]>>,
+    holders: Mutex<HashMap<String, [bool; LANES]>>,
     /// Which lanes are taken.
     pub(super) lanes: Mutex<[bool; LANES]>,
 }
@@ -69,7 +66,6 @@ impl Conn {
         let reading = stream
             .try_clone()
             .map_err(|e| format!("worker process {}: {e}", worker.pid))?;
-        let holders = models.iter().map(|(n, _)| (n.clone(), [false; LANES])).collect();
         Ok(Conn {
             worker,
             pool: pool.to_string(),
@@ -83,7 +79,7 @@ impl Conn {
             lost: Mutex::new(None),
             interrupts: Mutex::new(interrupts),
             seq: AtomicU64::new(1),
-            holders: Mutex::new(holders),
+            holders: Mutex::new(HashMap::new()),
             lanes: Mutex::new([false; LANES]),
         })
     }
@@ -105,12 +101,59 @@ impl Conn {
 
     /// The models whose sessions it holds now.
     pub fn held(&self) -> std::collections::BTreeSet<String> {
-        let holders = self.holders.lock().unwrap_or_else(|e| e.into_inner());
-        holders
+        self.holding()
             .iter()
             .filter(|(_, lanes)| lanes.iter().any(|&h| h))
             .map(|(name, _)| name.clone())
             .collect()
+    }
+
+    /// The models lane `lane` holds.
+    pub fn held_by(&self, lane: usize) -> Vec<String> {
+        self.holding()
+            .iter()
+            .filter(|(_, lanes)| lanes[lane])
+            .map(|(name, _)| name.clone())
+            .collect()
+    }
+
+    /// Lane `lane` holds `models` (sessions the connection has).
+    pub fn hold(&self, lane: usize, models: impl IntoIterator<Item = String>) {
+        let mut holders = self.holding();
+        for name in models {
+            holders.entry(name).or_default()[lane] = true;
+        }
+    }
+
+    /// Lane `lane` holds `name`, loading it with `load` unless another lane already holds it
+    /// (the session is the connection's).
+    pub fn load(&self, lane: usize, name: &str, load: impl FnOnce() -> Result<(), String>) -> Result<(), String> {
+        let mut holders = self.holding();
+        let held = holders
+            .get(name)
+            .is_some_and(|lanes| lanes.iter().enumerate().any(|(l, &h)| h && l != lane));
+        if !held {
+            load()?;
+        }
+        holders.entry(name.to_string()).or_default()[lane] = true;
+        Ok(())
+    }
+
+    /// Lane `lane` no longer holds `name`; the session goes (`unload`) when no lane does.
+    pub fn unload(&self, lane: usize, name: &str, unload: impl FnOnce()) {
+        let mut holders = self.holding();
+        let Some(held) = holders.get_mut(name) else {
+            return;
+        };
+        held[lane] = false;
+        if held.iter().all(|h| !h) {
+            holders.remove(name);
+            unload();
+        }
+    }
+
+    fn holding(&self) -> std::sync::MutexGuard<'_, HashMap<String, [bool; LANES]>> {
+        self.holders.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// A fresh run number.

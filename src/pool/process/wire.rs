@@ -10,7 +10,11 @@ use std::io::{Read, Write};
 use serde::{Deserialize, Serialize};
 
 use crate::core::backend::{AllocFailureKind, ArenaStats, BackendError};
-use crate::core::tensor::{DataType, Tensor, TensorData, TensorView};
+use crate::core::tensor::{DataType, Tensor, TensorView};
+
+/// How many lanes (pool backends) share a session connection's sessions; each has its own
+/// shared memory.
+pub const LANES: usize = 2;
 
 /// Longest header accepted: headers carry names and shapes, never data.
 const MAX_HEADER: usize = 16 << 20;
@@ -218,9 +222,9 @@ pub enum Answer {
 pub const SPIN: std::time::Duration = std::time::Duration::from_micros(200);
 
 /// Wait up to `budget` for `stream` to have bytes to read without sleeping, yielding the core
-/// between looks; true when it has.
+/// between looks.
 #[allow(unsafe_code)]
-pub fn spin_until_readable(stream: &impl std::os::fd::AsRawFd, budget: std::time::Duration) -> bool {
+pub fn spin_until_readable(stream: &impl std::os::fd::AsRawFd, budget: std::time::Duration) {
     let started = std::time::Instant::now();
     let mut poll = libc::pollfd {
         fd: stream.as_raw_fd(),
@@ -229,11 +233,8 @@ pub fn spin_until_readable(stream: &impl std::os::fd::AsRawFd, budget: std::time
     };
     loop {
         // SAFETY: one valid pollfd, a timeout of 0: poll only reads the descriptor's state.
-        if unsafe { libc::poll(&mut poll, 1, 0) } != 0 {
-            return true;
-        }
-        if started.elapsed() >= budget {
-            return false;
+        if unsafe { libc::poll(&mut poll, 1, 0) } != 0 || started.elapsed() >= budget {
+            return;
         }
         std::thread::yield_now();
     }
@@ -302,14 +303,8 @@ pub fn encode_tensors_into(tensors: &[Tensor], bytes: &mut Vec<u8>) -> Vec<Tenso
     tensors
         .iter()
         .map(|t| {
-            let start = bytes.len();
             t.data.write_le_bytes(bytes);
-            TensorHead {
-                name: t.name.clone(),
-                datatype: t.data.datatype().name().to_string(),
-                shape: t.shape.clone(),
-                bytes: (bytes.len() - start) as u64,
-            }
+            head(t)
         })
         .collect()
 }
@@ -327,15 +322,20 @@ pub fn encode_tensors_at(tensors: &[Tensor], region: &mut [u8]) -> Option<Vec<Te
             let len = t.data.byte_len();
             t.data.write_le_bytes_to(&mut region[at..at + len]);
             at += len;
-            TensorHead {
-                name: t.name.clone(),
-                datatype: t.data.datatype().name().to_string(),
-                shape: t.shape.clone(),
-                bytes: len as u64,
-            }
+            head(t)
         })
         .collect();
     Some(heads)
+}
+
+/// `t`'s head: its bytes are its elements' little-endian encoding.
+fn head(t: &Tensor) -> TensorHead {
+    TensorHead {
+        name: t.name.clone(),
+        datatype: t.data.datatype().name().to_string(),
+        shape: t.shape.clone(),
+        bytes: t.data.byte_len() as u64,
+    }
 }
 
 /// The bytes `tensors` take on the wire.
@@ -348,46 +348,34 @@ pub fn encode_tensors(tensors: &[Tensor]) -> (Vec<TensorHead>, Vec<Vec<u8>>) {
     tensors
         .iter()
         .map(|t| {
-            let mut bytes = Vec::with_capacity(t.data.len() * t.data.datatype().size());
+            let mut bytes = Vec::with_capacity(t.data.byte_len());
             t.data.write_le_bytes(&mut bytes);
-            let head = TensorHead {
-                name: t.name.clone(),
-                datatype: t.data.datatype().name().to_string(),
-                shape: t.shape.clone(),
-                bytes: bytes.len() as u64,
-            };
-            (head, bytes)
+            (head(t), bytes)
         })
         .unzip()
 }
 
 /// The tensors `heads` describe, read from `payload` starting at `*at` (moved past them).
 pub fn decode_tensors(heads: &[TensorHead], payload: &[u8], at: &mut usize) -> Result<Vec<Tensor>, String> {
-    heads
+    decode_views(heads, payload, at)?
         .iter()
-        .map(|head| {
-            let dtype = DataType::from_name(&head.datatype)
-                .ok_or_else(|| format!("tensor `{}`: unknown datatype `{}`", head.name, head.datatype))?;
-            let bytes = take(payload, at, head.bytes)?;
-            Ok(Tensor {
-                name: head.name.clone(),
-                shape: head.shape.clone(),
-                data: TensorData::from_le_bytes(dtype, bytes)?,
-            })
-        })
+        .map(TensorView::to_tensor)
         .collect()
 }
 
-/// The tensors `heads` describe, borrowed where they lie in `payload` (from its start), each
-/// checked to hold exactly its shape's elements.
-pub fn decode_views<'a>(heads: &'a [TensorHead], payload: &'a [u8]) -> Result<Vec<TensorView<'a>>, String> {
-    let mut at = 0;
+/// The tensors `heads` describe, borrowed where they lie in `payload` from `*at` (moved past
+/// them), each checked to hold exactly its shape's elements.
+pub fn decode_views<'a>(
+    heads: &'a [TensorHead],
+    payload: &'a [u8],
+    at: &mut usize,
+) -> Result<Vec<TensorView<'a>>, String> {
     heads
         .iter()
         .map(|head| {
             let datatype = DataType::from_name(&head.datatype)
                 .ok_or_else(|| format!("tensor `{}`: unknown datatype `{}`", head.name, head.datatype))?;
-            let bytes = take(payload, &mut at, head.bytes)?;
+            let bytes = take(payload, at, head.bytes)?;
             let elements = Tensor::element_count(&head.shape)
                 .ok_or_else(|| format!("tensor `{}`: shape {:?} is not valid", head.name, head.shape))?;
             if elements.checked_mul(datatype.size()) != Some(bytes.len()) {
@@ -427,6 +415,7 @@ pub fn take<'a>(payload: &'a [u8], at: &mut usize, len: u64) -> Result<&'a [u8],
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::core::tensor::TensorData;
 
     #[test]
     fn a_frame_carries_its_header_and_tensors_back_intact() {
@@ -480,7 +469,7 @@ mod tests {
         ];
         let mut region = vec![0u8; 64];
         let heads = encode_tensors_at(&tensors, &mut region).unwrap();
-        let views = decode_views(&heads, &region).unwrap();
+        let views = decode_views(&heads, &region, &mut 0).unwrap();
         let back: Vec<Tensor> = views.iter().map(|v| v.to_tensor().unwrap()).collect();
         assert_eq!(back, tensors);
         assert_eq!(views[1].bytes.as_ptr(), region[16..].as_ptr());
@@ -489,7 +478,7 @@ mod tests {
         let mut wrong = heads.clone();
         wrong[0].shape = vec![3];
         assert!(
-            decode_views(&wrong, &region)
+            decode_views(&wrong, &region, &mut 0)
                 .unwrap_err()
                 .contains("16 bytes for shape [3]")
         );

@@ -161,6 +161,16 @@ pub fn spawn_binary_encoder(server: &TestServer, seq: usize) -> tokio::task::Joi
     })
 }
 
+/// The ids in a `GET /v1/models` answer, in its order.
+pub fn model_ids(models: &Value) -> Vec<&str> {
+    models["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["id"].as_str().unwrap())
+        .collect()
+}
+
 /// An encoder request of `seq` tokens as binary tensor data: `(json header, whole body)`.
 pub fn encoder_binary_request(seq: usize) -> (String, Vec<u8>) {
     encoder_binary_request_with(seq, None)
