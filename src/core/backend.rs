@@ -67,6 +67,30 @@ pub trait Backend: Send {
     fn release_memory(&mut self, probe: &dyn Fn(&str) -> Option<Vec<Tensor>>) {
         let _ = probe;
     }
+    /// Whether it keeps generations' KV caches between runs ([`prefill`](Self::prefill) and
+    /// [`decode`](Self::decode)), where its runtime is: backends that run models themselves do;
+    /// a remote pool's client does not (its server keeps its own), and a generation on it
+    /// carries its cache with each step.
+    fn keeps_caches(&self) -> bool {
+        false
+    }
+    /// Run decoder `model`'s prompt (`inputs`: a decoder's first pass, as
+    /// [`step_inputs`](crate::runtime::decoder::step_inputs) builds it) and keep its KV cache
+    /// where the runtime is, as sequence `seq`'s (replacing any it had). Only the last
+    /// position's logits come back: `logits`, FP32 `[1, vocab]`.
+    fn prefill(&mut self, model: &str, seq: u64, inputs: Vec<Tensor>, meta: &RunMeta) -> Result<Vec<Tensor>, BackendError> {
+        let _ = (model, seq, inputs, meta);
+        Err(BackendError::Runtime("this backend keeps no generation caches".into()))
+    }
+    /// One step of `model`'s generations whose caches it keeps: drop the caches of
+    /// `step.ended`, then run each row's next token, all rows as one batch. Returns `logits`,
+    /// FP32 `[rows, vocab]`, in row order. A row whose cache it does not hold at that row's
+    /// `past` fails the step with [`BackendError::CacheMissing`] (nothing else is changed), so
+    /// the caller prefills it again from its tokens.
+    fn decode(&mut self, model: &str, step: &DecodeStep, meta: &RunMeta) -> Result<Vec<Tensor>, BackendError> {
+        let _ = (model, step, meta);
+        Err(BackendError::Runtime("this backend keeps no generation caches".into()))
+    }
     /// Whether what it runs on is gone (a worker process that died or was replaced): the pool
     /// replaces it before its next job. Backends in the pool's own process never are.
     fn lost(&self) -> bool {
@@ -91,6 +115,33 @@ pub struct RunMeta {
     pub replayable: bool,
     /// True when the client allows its context to be cut.
     pub allow_shrink: bool,
+}
+
+/// One step of the generations a backend keeps caches for ([`Backend::decode`]).
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct DecodeStep {
+    /// The rows that run, in the order their logits come back.
+    pub rows: Vec<DecodeRow>,
+    /// Sequences whose caches are dropped first (finished, failed, their client gone).
+    pub ended: Vec<u64>,
+}
+
+impl DecodeStep {
+    /// Bytes a row crosses into the runtime: its token, its position and its attention-mask
+    /// column, INT64 each.
+    pub const ROW_BYTES: u64 = 24;
+}
+
+/// One sequence's next token in a [`DecodeStep`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct DecodeRow {
+    /// The sequence (numbered by whoever prefilled it).
+    pub seq: u64,
+    /// Its next token.
+    pub token: u32,
+    /// Positions of it the cache holds before this token (prompt and tokens so far): checked
+    /// against the backend's, so a cache that missed a step is never used.
+    pub past: u64,
 }
 
 /// Stops a backend's run in progress; safe to call from any thread, at any time.
@@ -142,6 +193,10 @@ pub enum BackendError {
     /// may move to the fallback pool.
     #[error("worker process lost: {0}")]
     WorkerLost(String),
+    /// The backend holds no cache for these sequences at the positions asked (it was
+    /// replaced, or the step ran elsewhere): they are prefilled again from their tokens.
+    #[error("no generation cache here for sequences {0:?}")]
+    CacheMissing(Vec<u64>),
     /// The request's deadline passed before a remote pool's server answered (the client's
     /// limit, not the remote's fault).
     #[error("the deadline passed before the remote server answered")]

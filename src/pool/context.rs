@@ -25,6 +25,13 @@ pub struct PoolMetrics {
     pub health_ok: Counter,
     /// `vramguard_health_checks_total{pool, result="failed"}`
     pub health_failed: Counter,
+    /// `vramguard_pool_transfer_bytes_total{pool, direction="to_pool"}`: tensor bytes of the
+    /// runs' inputs (a decode step's rows count [`DecodeStep::ROW_BYTES`] each).
+    ///
+    /// [`DecodeStep::ROW_BYTES`]: crate::core::backend::DecodeStep::ROW_BYTES
+    pub to_pool: Counter,
+    /// `…{direction="from_pool"}`: tensor bytes of the answers.
+    pub from_pool: Counter,
     /// Its worker process's, when it is process-isolated.
     pub worker: Option<WorkerHandles>,
 }
@@ -53,6 +60,8 @@ impl PoolMetrics {
             breaker_recovery: Histogram::new([1.0, 10.0, 60.0, 600.0]),
             health_ok: Counter::default(),
             health_failed: Counter::default(),
+            to_pool: Counter::default(),
+            from_pool: Counter::default(),
             worker: None,
         }
     }

@@ -3,7 +3,7 @@
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use crate::core::backend::{BackendError, Interrupt, RunMeta};
+use crate::core::backend::{BackendError, DecodeStep, Interrupt, RunMeta};
 use crate::core::tensor::Tensor;
 use crate::pool::activity::Progress;
 use crate::runtime::estimate::learned::Observation;
@@ -19,6 +19,9 @@ pub struct InferJob {
     pub inputs: Vec<Tensor>,
     /// Outputs asked for, empty for all.
     pub outputs: Vec<String>,
+    /// What the backend does with them: a plain run, or a generation's prompt or step whose
+    /// KV cache the backend keeps.
+    pub op: RunOp,
     /// The admission estimate of the run's working memory (context + workspace), checked
     /// against what the arena actually needed.
     pub estimate_bytes: Option<u64>,
@@ -29,6 +32,19 @@ pub struct InferJob {
     pub probe: bool,
     /// Lets the caller stop the job: skipped if still queued, interrupted if running.
     pub cancel: RunCancel,
+}
+
+/// What a job asks of the backend.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub enum RunOp {
+    /// Run the model on the inputs and answer the outputs asked for.
+    #[default]
+    Run,
+    /// A decoder's prompt: run it and keep its KV cache as this sequence's
+    /// ([`Backend::prefill`](crate::core::backend::Backend::prefill)).
+    Prefill(u64),
+    /// One batched step of generations whose caches the backend keeps (no inputs).
+    Decode(DecodeStep),
 }
 
 /// A caller's handle to stop its job: before it starts the worker skips it, while it runs the

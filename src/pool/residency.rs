@@ -321,6 +321,7 @@ mod tests {
             model: model.into(),
             inputs: vec![],
             outputs: vec![],
+            op: Default::default(),
             estimate_bytes: None,
             memory: RunMemory::default(),
             probe: false,

@@ -43,6 +43,7 @@ fn job(v: f32) -> InferJob {
             data: TensorData::Fp32(vec![v]),
         }],
         outputs: vec![],
+        op: Default::default(),
         estimate_bytes: None,
         memory: RunMemory::default(),
         probe: false,

@@ -7,9 +7,9 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, PoisonError};
 use std::time::Instant;
 
-use crate::core::backend::{Backend, BackendError};
+use crate::core::backend::{Backend, BackendError, DecodeStep};
 use crate::pool::arena::RunOf;
-use crate::pool::job::{InferJob, JobResult, PoolError};
+use crate::pool::job::{InferJob, JobResult, PoolError, RunOp};
 use crate::pool::queue::{Next, Queued, Slot};
 use crate::pool::shared::{Availability, Pool};
 
@@ -165,8 +165,25 @@ impl Pool {
         let before = backend.arena_stats();
         let first = self.runs_started.fetch_add(1, Ordering::SeqCst) + 1;
         let mut alone = self.running.fetch_add(1, Ordering::SeqCst) == 0;
+        let metrics = &self.context.metrics;
         let run = std::panic::catch_unwind(AssertUnwindSafe(|| {
-            backend.run(&job.model, job.inputs, &job.outputs, &job.meta)
+            let result = match job.op {
+                RunOp::Run | RunOp::Prefill(_) => {
+                    metrics.to_pool.inc_by(job.inputs.iter().map(|t| t.data.byte_len() as u64).sum());
+                    match job.op {
+                        RunOp::Prefill(seq) => backend.prefill(&job.model, seq, job.inputs, &job.meta),
+                        _ => backend.run(&job.model, job.inputs, &job.outputs, &job.meta),
+                    }
+                }
+                RunOp::Decode(step) => {
+                    metrics.to_pool.inc_by(step.rows.len() as u64 * DecodeStep::ROW_BYTES);
+                    backend.decode(&job.model, &step, &job.meta)
+                }
+            };
+            if let Ok(outputs) = &result {
+                metrics.from_pool.inc_by(outputs.iter().map(|t| t.data.byte_len() as u64).sum());
+            }
+            result
         }));
         alone &= self.running.fetch_sub(1, Ordering::SeqCst) == 1;
         alone &= self.runs_started.load(Ordering::SeqCst) == first;

@@ -93,6 +93,7 @@ async fn check(service: &Service, pool: &Arc<Pool>, timeout: Duration) -> Result
             model: model.clone(),
             inputs,
             outputs: Vec::new(),
+            op: Default::default(),
             estimate_bytes: None,
             memory: RunMemory::default(),
             probe: true,

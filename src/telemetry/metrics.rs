@@ -78,6 +78,15 @@ pub struct PoolLabels {
     pub pool: String,
 }
 
+/// `{pool, direction}` of `vramguard_pool_transfer_bytes_total`.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct TransferLabels {
+    /// Pool name.
+    pub pool: String,
+    /// `to_pool` (inputs) or `from_pool` (outputs).
+    pub direction: &'static str,
+}
+
 /// `{action, pool}`
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct DecisionLabels {
@@ -195,6 +204,8 @@ pub struct Metrics {
     pub allocator_failures: Family<AllocFailureLabels, Counter>,
     /// `vramguard_queue_wait_seconds`
     pub queue_wait: Family<PoolLabels, Histogram>,
+    /// `vramguard_pool_transfer_bytes_total`
+    pub pool_transfer: Family<TransferLabels, Counter>,
     /// `vramguard_exporter_sample_duration_seconds`
     pub exporter_sample_duration: Family<SourceLabels, Histogram>,
     /// `vramguard_exporter_errors_total`
@@ -329,6 +340,7 @@ impl Metrics {
             inter_token: Family::new_with_constructor(|| Histogram::new(exponential_buckets(0.0001, 2.0, 17))),
             allocator_failures: Family::default(),
             queue_wait: Family::new_with_constructor(latency_histogram),
+            pool_transfer: Family::default(),
             exporter_sample_duration: Family::new_with_constructor(sample_histogram),
             exporter_errors: Family::default(),
             policy_decisions: Family::default(),
@@ -440,6 +452,12 @@ impl Metrics {
             "Time requests waited in the pool's queue before a worker took them",
             Unit::Seconds,
             metrics.queue_wait.clone(),
+        );
+        registry.register_with_unit(
+            "pool_transfer",
+            "Tensor bytes crossing between vramguard and a pool's runtime (to_pool: inputs, from_pool: outputs); a generation's KV cache stays in the runtime and never crosses",
+            Unit::Bytes,
+            metrics.pool_transfer.clone(),
         );
         registry.register(
             "policy_decisions",
@@ -563,7 +581,15 @@ impl Metrics {
             })
         };
         let (health_ok, health_failed) = self.health.of_pool(pool);
+        let transfer = |direction| {
+            self.pool_transfer.get_or_create_owned(&TransferLabels {
+                pool: pool.to_string(),
+                direction,
+            })
+        };
         crate::pool::PoolMetrics {
+            to_pool: transfer("to_pool"),
+            from_pool: transfer("from_pool"),
             health_ok,
             health_failed,
             worker: None,

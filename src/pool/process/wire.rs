@@ -150,6 +150,7 @@ pub enum WireError {
     Runtime(String),
     Cancelled,
     Panicked(String),
+    CacheMissing(Vec<u64>),
 }
 
 impl From<&BackendError> for WireError {
@@ -166,6 +167,7 @@ impl From<&BackendError> for WireError {
             BackendError::InvalidInput(m) => WireError::InvalidInput(m.clone()),
             BackendError::Cancelled => WireError::Cancelled,
             BackendError::Panicked(m) => WireError::Panicked(m.clone()),
+            BackendError::CacheMissing(seqs) => WireError::CacheMissing(seqs.clone()),
             other => WireError::Runtime(other.to_string()),
         }
     }
@@ -186,6 +188,7 @@ impl From<WireError> for BackendError {
             WireError::Runtime(m) => BackendError::Runtime(m),
             WireError::Cancelled => BackendError::Cancelled,
             WireError::Panicked(m) => BackendError::Panicked(m),
+            WireError::CacheMissing(seqs) => BackendError::CacheMissing(seqs),
         }
     }
 }

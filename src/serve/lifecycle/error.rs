@@ -435,7 +435,9 @@ impl RequestError {
                 status,
                 message,
             },
-            PoolError::Backend(BackendError::Runtime(_) | BackendError::Panicked(_)) => {
+            // A generation prefills again when its cache is missing: one that reaches a client
+            // is the server's failure.
+            PoolError::Backend(BackendError::Runtime(_) | BackendError::Panicked(_) | BackendError::CacheMissing(_)) => {
                 RequestError::Failed { pool: name }
             }
         }

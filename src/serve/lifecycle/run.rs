@@ -83,6 +83,7 @@ pub(super) async fn run_permitted(
         model: request.model.clone(),
         inputs,
         outputs: request.outputs.clone(),
+        op: Default::default(),
         estimate_bytes: Some(estimate_bytes),
         memory: memory.clone(),
         probe: false,
