@@ -5,8 +5,11 @@
 //! model `tests/it/evict_models.py` writes with the `onnx` package (opset 17, IR version 8), with
 //! weights from a seeded generator of its own, so a seed and a size always give the same bytes.
 //!
-//! The protobuf is written by hand: a few messages of `onnx.proto`, each field as its number and
-//! wire type say (varints, and length-delimited bytes for strings and messages).
+//! The protobuf is written by hand (the `proto` module next to this one).
+
+#[cfg(test)]
+use super::proto::varint;
+use super::proto::{Dim, FLOAT, Graph, attribute_int, attribute_ints, model, node, tensor, value_info};
 
 /// Rows of the weight: the input's width.
 pub const ROWS: usize = 64;
@@ -15,12 +18,6 @@ pub const ROWS: usize = 64;
 const OPSET: u64 = 17;
 /// The ONNX IR version it declares.
 const IR_VERSION: u64 = 8;
-/// `TensorProto.DataType.FLOAT`.
-const FLOAT: u64 = 1;
-/// `AttributeProto.AttributeType.INT`.
-const ATTRIBUTE_INT: u64 = 2;
-/// `AttributeProto.AttributeType.INTS`.
-const ATTRIBUTE_INTS: u64 = 7;
 
 /// One generated dense model: a seed and the size of its weight.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -63,98 +60,24 @@ impl Dense {
         for w in self.weights() {
             raw.extend_from_slice(&w.to_le_bytes());
         }
-        let mut weight = Message::default();
-        weight.int(1, ROWS as u64).int(1, self.columns as u64);
-        weight.int(2, FLOAT).text(8, "w").bytes(9, &raw);
-
+        let weight = tensor("w", &[ROWS as u64, self.columns as u64], FLOAT, &raw);
         let matmul = node(&["x", "w"], "h", "MatMul", &[]);
-        let mut axes = Message::default();
-        axes.text(1, "axes").int(8, 1).int(20, ATTRIBUTE_INTS);
-        let mut keepdims = Message::default();
-        keepdims.text(1, "keepdims").int(3, 1).int(20, ATTRIBUTE_INT);
-        let reduce = node(&["h"], "y", "ReduceMean", &[axes, keepdims]);
-
-        let mut graph = Message::default();
-        graph.message(1, &matmul).message(1, &reduce).text(2, "dense");
-        graph.message(5, &weight);
-        graph.message(11, &value_info("x", ROWS as u64));
-        graph.message(12, &value_info("y", 1));
-
-        let mut opset = Message::default();
-        opset.text(1, "").int(2, OPSET);
-        let mut model = Message::default();
-        model.int(1, IR_VERSION).text(2, "vramguard");
-        model.message(7, &graph).message(8, &opset);
-        model.0
+        let reduce = node(
+            &["h"],
+            "y",
+            "ReduceMean",
+            &[attribute_ints("axes", &[1]), attribute_int("keepdims", 1)],
+        );
+        let mut graph = Graph::default();
+        graph.node(matmul).node(reduce).initializer(weight);
+        graph.input(value_info(
+            "x",
+            FLOAT,
+            &[Dim::Symbolic("batch"), Dim::Fixed(ROWS as u64)],
+        ));
+        graph.output(value_info("y", FLOAT, &[Dim::Symbolic("batch"), Dim::Fixed(1)]));
+        model(&graph.to_message("dense"), IR_VERSION, OPSET)
     }
-}
-
-/// A `NodeProto` of `op` from `inputs` to `output`, unnamed (as `onnx.helper.make_node` leaves it).
-fn node(inputs: &[&str], output: &str, op: &str, attributes: &[Message]) -> Message {
-    let mut node = Message::default();
-    for input in inputs {
-        node.text(1, input);
-    }
-    node.text(2, output).text(4, op);
-    for attribute in attributes {
-        node.message(5, attribute);
-    }
-    node
-}
-
-/// A `ValueInfoProto`: FP32 `[batch, width]`, `batch` a symbolic dimension.
-fn value_info(name: &str, width: u64) -> Message {
-    let mut batch = Message::default();
-    batch.text(2, "batch");
-    let mut fixed = Message::default();
-    fixed.int(1, width);
-    let mut shape = Message::default();
-    shape.message(1, &batch).message(1, &fixed);
-    let mut tensor = Message::default();
-    tensor.int(1, FLOAT).message(2, &shape);
-    let mut kind = Message::default();
-    kind.message(1, &tensor);
-    let mut info = Message::default();
-    info.text(1, name).message(2, &kind);
-    info
-}
-
-/// A protobuf message being written: its fields, in the order added.
-#[derive(Debug, Default, Clone)]
-struct Message(Vec<u8>);
-
-impl Message {
-    /// A varint field (wire type 0).
-    fn int(&mut self, field: u64, value: u64) -> &mut Self {
-        varint(&mut self.0, field << 3);
-        varint(&mut self.0, value);
-        self
-    }
-
-    /// A length-delimited field (wire type 2).
-    fn bytes(&mut self, field: u64, value: &[u8]) -> &mut Self {
-        varint(&mut self.0, (field << 3) | 2);
-        varint(&mut self.0, value.len() as u64);
-        self.0.extend_from_slice(value);
-        self
-    }
-
-    fn text(&mut self, field: u64, value: &str) -> &mut Self {
-        self.bytes(field, value.as_bytes())
-    }
-
-    fn message(&mut self, field: u64, value: &Message) -> &mut Self {
-        self.bytes(field, &value.0)
-    }
-}
-
-/// `value` as a base-128 varint.
-fn varint(out: &mut Vec<u8>, mut value: u64) {
-    while value >= 0x80 {
-        out.push((value as u8) | 0x80);
-        value >>= 7;
-    }
-    out.push(value as u8);
 }
 
 #[cfg(test)]

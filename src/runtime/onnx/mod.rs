@@ -4,6 +4,8 @@
 pub mod arena;
 mod backend;
 pub mod dense;
+pub mod kernels;
+mod proto;
 
 pub use backend::OrtBackend;
 
