@@ -78,7 +78,13 @@ pub trait Backend: Send {
     /// [`step_inputs`](crate::runtime::decoder::step_inputs) builds it) and keep its KV cache
     /// where the runtime is, as sequence `seq`'s (replacing any it had). Only the last
     /// position's logits come back: `logits`, FP32 `[1, vocab]`.
-    fn prefill(&mut self, model: &str, seq: u64, inputs: Vec<Tensor>, meta: &RunMeta) -> Result<Vec<Tensor>, BackendError> {
+    fn prefill(
+        &mut self,
+        model: &str,
+        seq: u64,
+        inputs: Vec<Tensor>,
+        meta: &RunMeta,
+    ) -> Result<Vec<Tensor>, BackendError> {
         let _ = (model, seq, inputs, meta);
         Err(BackendError::Runtime("this backend keeps no generation caches".into()))
     }

@@ -5,5 +5,6 @@ pub mod backend;
 pub mod breaker;
 pub mod clock;
 pub mod model;
+pub mod signature;
 pub mod snapshot;
 pub mod tensor;

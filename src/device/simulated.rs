@@ -453,6 +453,36 @@ impl Backend for FaultInjecting {
         }
     }
 
+    fn keeps_caches(&self) -> bool {
+        self.inner.keeps_caches()
+    }
+
+    fn prefill(
+        &mut self,
+        model: &str,
+        seq: u64,
+        inputs: Vec<Tensor>,
+        meta: &RunMeta,
+    ) -> Result<Vec<Tensor>, BackendError> {
+        match self.device.injected_failure() {
+            Some(error) => Err(error),
+            None => self.inner.prefill(model, seq, inputs, meta),
+        }
+    }
+
+    fn decode(
+        &mut self,
+        model: &str,
+        step: &crate::core::backend::DecodeStep,
+        meta: &RunMeta,
+    ) -> Result<Vec<Tensor>, BackendError> {
+        // A step that only drops caches runs nothing on the device.
+        match self.device.injected_failure().filter(|_| !step.rows.is_empty()) {
+            Some(error) => Err(error),
+            None => self.inner.decode(model, step, meta),
+        }
+    }
+
     fn arena_stats(&self) -> Option<ArenaStats> {
         self.stats
     }

@@ -73,6 +73,7 @@ pub(super) fn decode_headers(
         shrinker: None,
         progress: Default::default(),
         allow_substitute,
+        sequence: None,
     })
 }
 

@@ -35,7 +35,7 @@ pub struct InferJob {
 }
 
 /// What a job asks of the backend.
-#[derive(Debug, Clone, Default, PartialEq)]
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub enum RunOp {
     /// Run the model on the inputs and answer the outputs asked for.
     #[default]

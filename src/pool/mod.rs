@@ -13,6 +13,7 @@
 
 pub mod activity;
 mod arena;
+pub mod batch;
 mod context;
 pub mod degraded;
 mod evict;
@@ -25,6 +26,7 @@ mod queue;
 mod residency;
 pub mod sequences;
 mod shared;
+mod stepper;
 mod worker;
 
 pub use context::{PoolContext, PoolMetrics, Respawn, WorkerHandles};
@@ -64,6 +66,8 @@ impl Pool {
             pool.publish_stats(backend.as_ref());
         }
         let workers = backends.len();
+        let keeps = !backends.is_empty() && backends.iter().all(|b| b.keeps_caches());
+        pool.keeps_caches.store(keeps, std::sync::atomic::Ordering::Relaxed);
         pool.queue.release_when_idle(pool.config.idle_release);
         pool.queue.stock(backends, pool.start_set());
         pool.record_start_loads();
@@ -85,6 +89,13 @@ impl Pool {
             Availability::Unavailable(reason),
             context,
         ))
+    }
+
+    /// Whether its backends keep generations' KV caches where their runtime is, so a
+    /// generation's steps run in its [`batch`](Self::batch) (a remote pool's do not: each
+    /// step carries its cache).
+    pub fn keeps_caches(&self) -> bool {
+        self.keeps_caches.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Provider.

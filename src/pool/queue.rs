@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::oneshot;
 
 use crate::core::backend::Backend;
-use crate::pool::job::{InferJob, JobResult, PoolError};
+use crate::pool::job::{InferJob, JobResult, PoolError, RunOp};
 use crate::pool::load::PoolLoad;
 
 /// A job waiting for a worker, stamped when it was queued.
@@ -96,6 +96,8 @@ struct QueueState {
     last_finish: Option<Instant>,
     /// Give free memory back as soon as a backend that ran is idle (host memory is short).
     release_now: bool,
+    /// The backend (slot id) that keeps each model's generation caches.
+    homes: HashMap<String, usize>,
 }
 
 impl QueueState {
@@ -105,6 +107,38 @@ impl QueueState {
         self.next_id += 1;
         self.matched.insert(slot.id, slot.generation);
         slot
+    }
+
+    /// The first queued job that can run now and the idle backend it runs on (their indexes).
+    /// A generation's job runs where the model's generations ran before, since that backend
+    /// keeps their caches: it waits for it while it is busy (later jobs go first meanwhile),
+    /// and goes anywhere when it is gone. Other jobs take a backend already up to date, which
+    /// spares them a load.
+    fn pick(&self) -> Option<(usize, usize)> {
+        if self.idle.is_empty() {
+            return None;
+        }
+        let any = || {
+            self.idle
+                .iter()
+                .position(|s| s.generation == self.generation)
+                .unwrap_or(self.idle.len() - 1)
+        };
+        for (j, queued) in self.jobs.iter().enumerate() {
+            let home = (queued.job.op != RunOp::Run)
+                .then(|| self.homes.get(&queued.job.model))
+                .flatten()
+                .filter(|id| self.matched.contains_key(id));
+            match home {
+                Some(id) => {
+                    if let Some(at) = self.idle.iter().position(|s| s.id == *id) {
+                        return Some((j, at));
+                    }
+                }
+                None => return Some((j, any())),
+            }
+        }
+        None
     }
 
     /// An idle backend that ran and should give its free memory back now (`Ok`, its index),
@@ -367,15 +401,12 @@ impl Queue {
         loop {
             let generation = state.generation;
             let behind = state.idle.iter().position(|s| s.generation != generation);
-            if !state.jobs.is_empty() && !state.idle.is_empty() {
-                // A backend already up to date spares the job a load.
-                let at = state
-                    .idle
-                    .iter()
-                    .position(|s| s.generation == generation)
-                    .unwrap_or(state.idle.len() - 1);
+            if let Some((j, at)) = state.pick() {
                 let slot = state.idle.swap_remove(at);
-                let job = state.jobs.pop_front().expect("checked non-empty");
+                let job = state.jobs.remove(j).expect("picked from the queue");
+                if job.job.op != RunOp::Run {
+                    state.homes.insert(job.job.model.clone(), slot.id);
+                }
                 state.inflight += 1;
                 *state.running.entry(job.job.model.clone()).or_default() += 1;
                 let stale = (slot.generation != generation).then(|| (state.wanted.clone(), generation));

@@ -58,6 +58,10 @@ pub struct Pool {
     pub(super) runs_started: AtomicU64,
     /// Its worker process, when it is process-isolated.
     pub(super) worker_host: std::sync::OnceLock<Arc<crate::pool::process::WorkerHost>>,
+    /// Its backends keep generations' KV caches where their runtime is.
+    pub(super) keeps_caches: AtomicBool,
+    /// Each model's generations, stepped as one batch (made on first use).
+    pub(super) batches: Mutex<std::collections::HashMap<String, Arc<crate::pool::batch::Batch>>>,
 }
 
 impl std::fmt::Debug for Pool {
@@ -97,6 +101,8 @@ impl Pool {
             running: std::sync::atomic::AtomicUsize::new(0),
             runs_started: AtomicU64::new(0),
             worker_host: std::sync::OnceLock::new(),
+            keeps_caches: AtomicBool::new(false),
+            batches: Mutex::default(),
         }
     }
 

@@ -169,7 +169,9 @@ impl Pool {
         let run = std::panic::catch_unwind(AssertUnwindSafe(|| {
             let result = match job.op {
                 RunOp::Run | RunOp::Prefill(_) => {
-                    metrics.to_pool.inc_by(job.inputs.iter().map(|t| t.data.byte_len() as u64).sum());
+                    metrics
+                        .to_pool
+                        .inc_by(job.inputs.iter().map(|t| t.data.byte_len() as u64).sum());
                     match job.op {
                         RunOp::Prefill(seq) => backend.prefill(&job.model, seq, job.inputs, &job.meta),
                         _ => backend.run(&job.model, job.inputs, &job.outputs, &job.meta),
@@ -181,7 +183,9 @@ impl Pool {
                 }
             };
             if let Ok(outputs) = &result {
-                metrics.from_pool.inc_by(outputs.iter().map(|t| t.data.byte_len() as u64).sum());
+                metrics
+                    .from_pool
+                    .inc_by(outputs.iter().map(|t| t.data.byte_len() as u64).sum());
             }
             result
         }));

@@ -4,8 +4,8 @@
 //! `.value`. Everything admission needs about the KV cache is read from the graph: the number
 //! of layers, KV heads, head size and element type, so no one configures it by hand.
 
+use crate::core::signature::{ModelSignature, TensorSpec};
 use crate::core::tensor::{DataType, Tensor, TensorData};
-use crate::runtime::onnx::{ModelSignature, TensorSpec};
 
 /// What the graph says about a decoder's KV cache.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -1,21 +1,22 @@
 //! Text generation on a decoder with past key values (see [`crate::runtime::decoder`]), below any
 //! protocol. The prompt's run goes through the request lifecycle like any request (policy,
 //! breaker, one retry on the fallback pool, deadline, cancellation), with the estimate covering
-//! the KV cache of the prompt and every token it may add. Each following token is one more run
-//! on the same pool ([`lifecycle::step`]): the KV cache stays with the request between runs
-//! (freed when it finishes or its client goes away), so runs of different requests interleave
-//! on a pool's workers instead of one long generation holding a worker.
+//! the KV cache of the prompt and every token it may add. On a pool whose backends keep caches
+//! the prompt's run leaves its KV cache in the pool's runtime and brings back one row of
+//! logits; each following token is then a row of the pool's batch for the model
+//! ([`crate::serve::steps`]), one run per step for every generation there. A generation's
+//! cache is given back when it finishes or its client goes away.
 
 use std::sync::Arc;
 
 use crate::core::snapshot::Action;
-use crate::core::tensor::{Tensor, TensorData};
 use crate::pool::Pool;
 use crate::pool::sequences::Running;
 use crate::runtime::decoder::{DecoderLayout, step_inputs};
 use crate::runtime::text::{Detokenizer, first_at, tail_start};
 use crate::serve::lifecycle::{self, NotRetried, Refused, Request, RequestError, Served};
 use crate::serve::service::{ModelEntry, Service};
+use crate::serve::steps::{Failed, Place, read_outputs};
 use crate::telemetry::metrics::FailoverReason;
 
 /// Where a streamed generation sends each token as it is picked.
@@ -223,29 +224,6 @@ pub fn pick(logits: &[f32], params: &Params, rng: &mut Rng) -> u32 {
     order[kept - 1] as u32
 }
 
-/// The last position's logits, and the cache to carry to the next run.
-fn read_outputs(outputs: Vec<Tensor>) -> Result<(Vec<f32>, Vec<Tensor>), String> {
-    let mut logits = None;
-    let mut cache = Vec::new();
-    for tensor in outputs {
-        if tensor.name == "logits" {
-            logits = Some(tensor);
-        } else if tensor.name.starts_with("present.") {
-            cache.push(tensor);
-        }
-    }
-    let logits = logits.ok_or("the model gave no `logits`")?;
-    let vocab = *logits.shape.last().ok_or("`logits` has no axes")? as usize;
-    let last = match logits.data {
-        TensorData::Fp32(v) if vocab > 0 && v.len() >= vocab => v[v.len() - vocab..].to_vec(),
-        TensorData::Fp16(v) if vocab > 0 && v.len() >= vocab => {
-            v[v.len() - vocab..].iter().map(|x| x.to_f32()).collect()
-        }
-        _ => return Err(format!("`logits` of shape {:?} has no last position", logits.shape)),
-    };
-    Ok((last, cache))
-}
-
 /// A generation's tokens and text, with what still waited (an unfinished character at the end)
 /// and cut before the first stop string: the one found at `stop_at`, which ended it, or one that
 /// what waited completed.
@@ -285,6 +263,8 @@ struct Decoding<'a> {
     eos: Vec<u32>,
     params: std::borrow::Cow<'a, Params>,
     prompt_tokens: usize,
+    /// The prompt, to prefill it again (after a shrink, cut as the shrink cut it).
+    prompt: Prompt,
 }
 
 /// Make `request` `entry`'s generation of `prompt`: the prompt's run as its inputs, the tokens
@@ -304,7 +284,7 @@ fn prepare<'a>(
     let prompt_tokens = prompt.tokens.len();
     request.shrinker = None;
     if request.meta.allow_shrink
-        && let Some(shorten) = prompt.shorten
+        && let Some(shorten) = prompt.shorten.clone()
     {
         let layout = *layout;
         request.shrinker = Some(lifecycle::Shrinker(Arc::new(move |to| {
@@ -323,6 +303,7 @@ fn prepare<'a>(
     request.inputs = step_inputs(layout, &prompt.tokens, 0, Vec::new());
     request.outputs = Vec::new();
     request.max_new_tokens = u64::from(params.max_tokens);
+    request.sequence = Some(crate::pool::batch::next_sequence());
     Ok(Decoding {
         entry,
         layout,
@@ -330,6 +311,7 @@ fn prepare<'a>(
         eos: END_TOKENS.iter().filter_map(|t| tokenizer.token_to_id(t)).collect(),
         params,
         prompt_tokens,
+        prompt,
     })
 }
 
@@ -358,6 +340,17 @@ pub async fn generate(
         Ok((generated, pool))
     })
     .await
+}
+
+/// The prompt as it ran (cut as a shrink cut it, to `shrunk.1` tokens) and `tokens` after it:
+/// what a prefill after a failure runs.
+fn history(prompt: &Prompt, shrunk: Option<&(u64, u64, String)>, tokens: &[u32]) -> Result<Vec<u32>, String> {
+    let mut all = match (shrunk, &prompt.shorten) {
+        (Some(s), Some(shorten)) => shorten(s.1)?.0,
+        _ => prompt.tokens.clone(),
+    };
+    all.extend_from_slice(tokens);
+    Ok(all)
 }
 
 /// A generation that failed on the server's side (its model's outputs are not what a decoder
@@ -436,12 +429,13 @@ async fn run<'a>(
         eos,
         params,
         prompt_tokens,
+        prompt,
     } = decoding;
     let params = params.as_ref();
     let Served {
-        mut pool,
+        pool,
         action,
-        mut retried,
+        retried,
         outputs,
         context,
         context_cut,
@@ -453,11 +447,12 @@ async fn run<'a>(
     let shrunk_shared = shrunk.clone().map(Arc::new);
     let failed = Refused::at;
     let broken = |pool: &Arc<Pool>, e: String| internal(&entry.config.name, pool, e);
-    let (mut logits, mut cache) = read_outputs(outputs).map_err(|e| broken(&pool, e))?;
+    let (mut logits, cache) = read_outputs(outputs).map_err(|e| broken(&pool, e))?;
     // The cache this generation holds between runs, on the pool that holds it; given back when
     // this function returns or its future is dropped (a reader gone, a deadline).
     let kv_per_token = layout.kv_bytes_per_token();
     let mut held = Running::on(&pool.sequences, kv_per_token.saturating_mul(prompt_tokens as u64));
+    let mut place = Place::new(pool, &template, cache, retried);
     let labels = |pool: &Pool| crate::telemetry::metrics::ModelPoolLabels {
         model: entry.config.name.clone(),
         pool: pool.name().to_string(),
@@ -465,7 +460,7 @@ async fn run<'a>(
     let metrics = &service.metrics;
     metrics
         .time_to_first_token
-        .get_or_create(&labels(&pool))
+        .get_or_create(&labels(&place.pool))
         .observe(template.received.elapsed().as_secs_f64());
     let mut last_token = tokio::time::Instant::now();
     let mut rng = Rng::new(params.seed);
@@ -481,20 +476,18 @@ async fn run<'a>(
             break Finish::Stop;
         }
         let searched = text.text().len();
-        text.push(next).map_err(|e| broken(&pool, e))?;
+        text.push(next).map_err(|e| broken(&place.pool, e))?;
+        let token = || Token {
+            id: next,
+            pool: Arc::clone(&place.pool),
+            shrunk: shrunk_shared.clone(),
+            source: Arc::clone(&source),
+        };
         if let Some(sink) = &sink
-            && sink
-                .send(Token {
-                    id: next,
-                    pool: Arc::clone(&pool),
-                    shrunk: shrunk_shared.clone(),
-                    source: Arc::clone(&source),
-                })
-                .await
-                .is_err()
+            && sink.send(token()).await.is_err()
         {
             // The stream's reader is gone: stop here; the KV cache goes with this future.
-            return Err(failed(&pool, RequestError::ClientGone));
+            return Err(failed(&place.pool, RequestError::ClientGone));
         }
         let grown = text.text();
         stop_at = first_at(grown, tail_start(grown, searched, &params.stop), &params.stop);
@@ -506,20 +499,23 @@ async fn run<'a>(
             break Finish::Length;
         }
         let past = prompt_tokens + produced - 1;
-        let inputs = step_inputs(layout, &[next], past, std::mem::take(&mut cache));
-        let stepped = lifecycle::step(service, &pool, &template, inputs, estimate_bytes)
+        let history = || history(&prompt, shrunk.as_ref(), text.tokens());
+        logits = match place
+            .step(service, &template, layout, (next, past), history, estimate_bytes)
             .await
-            .map_err(|e| failed(&pool, tools_not_retried(e, params.tools)))?;
-        pool = stepped.pool;
-        retried = stepped.retried.or(retried);
-        (logits, cache) = read_outputs(stepped.outputs).map_err(|e| broken(&pool, e))?;
-        held.update(&pool.sequences, kv_per_token.saturating_mul((past + 1) as u64));
+        {
+            Ok(logits) => logits,
+            Err(Failed::Request(e)) => return Err(failed(&place.pool, tools_not_retried(e, params.tools))),
+            Err(Failed::Broken(e)) => return Err(broken(&place.pool, e)),
+        };
+        held.update(&place.pool.sequences, kv_per_token.saturating_mul((past + 1) as u64));
         metrics
             .inter_token
-            .get_or_create(&labels(&pool))
+            .get_or_create(&labels(&place.pool))
             .observe(last_token.elapsed().as_secs_f64());
         last_token = tokio::time::Instant::now();
     };
+    let Place { pool, retried, .. } = place;
     let (tokens, text) = final_text(text, stop_at, &params.stop).map_err(|e| broken(&pool, e))?;
     metrics
         .generated_tokens

@@ -10,3 +10,4 @@ pub mod lifecycle;
 pub mod remote;
 pub mod router;
 pub mod service;
+pub mod steps;

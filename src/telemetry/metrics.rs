@@ -319,6 +319,7 @@ impl Metrics {
     pub fn new(onnxruntime_version: &str) -> (Metrics, Registry) {
         let (metrics, mut registry) = Self::sampling(onnxruntime_version);
         metrics.register_serving(&mut registry);
+        metrics.register_pools(&mut registry);
         (metrics, registry)
     }
 
@@ -441,23 +442,6 @@ impl Metrics {
             "Time between consecutive tokens of a generation",
             Unit::Seconds,
             metrics.inter_token.clone(),
-        );
-        registry.register(
-            "allocator_failures",
-            "Allocation failures reported by ONNX Runtime, by kind (oom, driver)",
-            metrics.allocator_failures.clone(),
-        );
-        registry.register_with_unit(
-            "queue_wait",
-            "Time requests waited in the pool's queue before a worker took them",
-            Unit::Seconds,
-            metrics.queue_wait.clone(),
-        );
-        registry.register_with_unit(
-            "pool_transfer",
-            "Tensor bytes crossing between vramguard and a pool's runtime (to_pool: inputs, from_pool: outputs); a generation's KV cache stays in the runtime and never crosses",
-            Unit::Bytes,
-            metrics.pool_transfer.clone(),
         );
         registry.register(
             "policy_decisions",

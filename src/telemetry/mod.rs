@@ -9,6 +9,7 @@ pub mod health;
 pub mod logging;
 pub mod malloc;
 pub mod metrics;
+mod pools;
 pub mod residency;
 pub mod services;
 pub mod waits;

@@ -89,6 +89,7 @@ pub fn request(model: &str, inputs: Vec<Tensor>) -> Request {
         received: tokio::time::Instant::now(),
         progress: Default::default(),
         allow_substitute: false,
+        sequence: None,
     }
 }
 

@@ -153,7 +153,9 @@ async fn classifier(url: String, id: String) -> Seen {
     .await
 }
 
-#[tokio::test]
+// Threads of their own for the clients, so the burst arrives faster than the worker drains it
+// and the kill below finds runs going and more queued.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_killed_worker_under_mixed_load_loses_nothing_runs_nothing_twice_and_comes_back_by_its_own_probe() {
     let server = TestServer::start(CONFIG).await;
     let first = gpu(&status(&server).await)["worker_pid"]

@@ -3,6 +3,7 @@
 //! tree itself. `common` is the harness they share.
 
 mod abuse;
+mod batching;
 mod budgets;
 mod cli;
 mod common;

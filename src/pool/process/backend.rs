@@ -10,8 +10,9 @@ use super::conn::Conn;
 use super::host::WorkerHost;
 use super::shm::{Region, SHARED_FROM};
 use super::wire::{self, Answer, Ask};
-use crate::core::backend::{ArenaStats, Backend, BackendError, Interrupt, RunMeta};
+use crate::core::backend::{ArenaStats, Backend, BackendError, DecodeStep, Interrupt, RunMeta};
 use crate::core::tensor::Tensor;
+use crate::pool::RunOp;
 
 /// One pool worker slot's sessions in the worker process: a lane of a session connection.
 pub struct ProcessBackend {
@@ -157,13 +158,14 @@ impl Drop for ProcessBackend {
     }
 }
 
-impl Backend for ProcessBackend {
-    fn run(
+impl ProcessBackend {
+    /// Send one run of `model` (`op`: plain, a prompt's or a step's) and read its outputs.
+    fn call(
         &mut self,
         model: &str,
         inputs: Vec<Tensor>,
         outputs: &[String],
-        _: &RunMeta,
+        op: RunOp,
     ) -> Result<Vec<Tensor>, BackendError> {
         let mut sent = std::mem::take(&mut self.sent);
         sent.clear();
@@ -185,6 +187,7 @@ impl Backend for ProcessBackend {
             shared,
             lane: self.lane,
             seq: self.seq,
+            op,
         };
         let mut received = std::mem::take(&mut self.received);
         let answer = self.conn.exchange_into(&ask, &[&sent], &mut received);
@@ -223,6 +226,37 @@ impl Backend for ProcessBackend {
             self.received = received;
         }
         decoded
+    }
+}
+
+impl Backend for ProcessBackend {
+    fn run(
+        &mut self,
+        model: &str,
+        inputs: Vec<Tensor>,
+        outputs: &[String],
+        _: &RunMeta,
+    ) -> Result<Vec<Tensor>, BackendError> {
+        self.call(model, inputs, outputs, RunOp::Run)
+    }
+
+    /// The worker keeps the caches: they live and die with its process.
+    fn keeps_caches(&self) -> bool {
+        true
+    }
+
+    fn prefill(
+        &mut self,
+        model: &str,
+        seq: u64,
+        inputs: Vec<Tensor>,
+        _: &RunMeta,
+    ) -> Result<Vec<Tensor>, BackendError> {
+        self.call(model, inputs, &[], RunOp::Prefill(seq))
+    }
+
+    fn decode(&mut self, model: &str, step: &DecodeStep, _: &RunMeta) -> Result<Vec<Tensor>, BackendError> {
+        self.call(model, Vec::new(), &[], RunOp::Decode(step.clone()))
     }
 
     fn arena_stats(&self) -> Option<ArenaStats> {

@@ -20,7 +20,9 @@ use super::shm::Region;
 use super::wire::{self, Answer, Ask, SimChange, SimState, WireError};
 use crate::config::{CudaOptions, Provider};
 use crate::core::backend::{Backend, BackendError, Interrupt, RunMeta};
+use crate::core::tensor::TensorView;
 use crate::device::simulated::{FaultInjecting, SimulatedDevice};
+use crate::pool::RunOp;
 use crate::runtime::onnx::{OnnxRuntime, OrtBackend, SessionOptions};
 
 /// The largest buffer a session connection keeps between frames.
@@ -298,6 +300,7 @@ impl Worker {
                 shared,
                 lane,
                 seq,
+                op,
             } => {
                 let (to_worker, from_worker) = match held.regions.get_mut(lane) {
                     Some((to, from)) => (to.as_ref(), from.as_mut()),
@@ -312,7 +315,7 @@ impl Worker {
                         stream,
                         held.backend.as_mut(),
                         (&held.runs, seq),
-                        (&model, &outputs, &inputs, stats),
+                        (&model, &outputs, &inputs, stats, op),
                         (
                             input,
                             Output {
@@ -389,7 +392,7 @@ impl Worker {
         stream: &mut UnixStream,
         backend: &mut dyn Backend,
         (runs, seq): (&Mutex<Runs>, u64),
-        (model, outputs, inputs, stats): (&str, &[String], &[wire::TensorHead], bool),
+        (model, outputs, inputs, stats, op): (&str, &[String], &[wire::TensorHead], bool, RunOp),
         (payload, out): (&[u8], Output<'_>),
     ) -> std::io::Result<()> {
         // Read where they lie (the socket's buffer, or the pool's shared memory).
@@ -407,7 +410,17 @@ impl Worker {
         } else if self.poisoned.load(Ordering::SeqCst) {
             Err(poisoned())
         } else {
-            backend.run_views(model, &views, outputs, &RunMeta::default())
+            let meta = RunMeta::default();
+            match op {
+                RunOp::Run => backend.run_views(model, &views, outputs, &meta),
+                RunOp::Prefill(sequence) => views
+                    .iter()
+                    .map(TensorView::to_tensor)
+                    .collect::<Result<Vec<_>, _>>()
+                    .map_err(BackendError::InvalidInput)
+                    .and_then(|inputs| backend.prefill(model, sequence, inputs, &meta)),
+                RunOp::Decode(step) => backend.decode(model, &step, &meta),
+            }
         };
         {
             let mut runs = runs.lock().unwrap_or_else(|e| e.into_inner());

@@ -48,6 +48,8 @@ pub enum Ask {
         shared: bool,
         lane: usize,
         seq: u64,
+        /// A plain run, a generation's prompt or its batched step (whose caches the worker keeps).
+        op: crate::pool::RunOp,
     },
     /// Map the pool's shared memory `fd` (`len` bytes) as `lane`'s region for a run's inputs
     /// (`to_worker`) or its outputs, in place of the one it had.
@@ -443,14 +445,26 @@ mod tests {
             shared: false,
             lane: 0,
             seq: 1,
+            op: crate::pool::RunOp::Decode(crate::core::backend::DecodeStep {
+                rows: vec![crate::core::backend::DecodeRow {
+                    seq: 4,
+                    token: 17,
+                    past: 9,
+                }],
+                ended: vec![3],
+            }),
         };
         let refs: Vec<&[u8]> = blobs.iter().map(Vec::as_slice).collect();
         let mut buffer = Vec::new();
         write_frame(&mut buffer, &ask, &refs).unwrap();
         let (back, payload): (Ask, Vec<u8>) = read_frame(&mut buffer.as_slice()).unwrap();
-        let Ask::Run { inputs, .. } = back else {
+        let Ask::Run { inputs, op, .. } = back else {
             panic!("{back:?}")
         };
+        let crate::pool::RunOp::Decode(step) = op else {
+            panic!("{op:?}")
+        };
+        assert_eq!((step.rows[0].token, step.ended.as_slice()), (17, &[3][..]));
         let mut at = 0;
         assert_eq!(decode_tensors(&inputs, &payload, &mut at).unwrap(), tensors);
         assert_eq!(at, payload.len());

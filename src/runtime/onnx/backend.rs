@@ -6,10 +6,13 @@ use std::collections::HashMap;
 use ort::memory::{AllocationDevice, Allocator, AllocatorType, MemoryInfo, MemoryType};
 use ort::session::{RunOptions, Session};
 
+use super::generations::Generations;
+use super::kernels::Kernels;
 use super::{OnnxRuntime, SessionOptions, arena, build_session, run};
 use crate::config::Provider;
-use crate::core::backend::{Backend, BackendError, RunMeta};
+use crate::core::backend::{Backend, BackendError, DecodeStep, RunMeta};
 use crate::core::tensor::{Tensor, TensorView};
+use crate::runtime::decoder::DecoderLayout;
 
 /// Build `name`'s session and find the arena it allocates from: the capped shared one for
 /// simulated pools, its own for CPU and CUDA pools. Stats are optional: a provider without an
@@ -39,7 +42,7 @@ pub struct OrtBackend {
     /// What later loads build their sessions with.
     rt: &'static OnnxRuntime,
     options: SessionOptions,
-    sessions: HashMap<String, (Session, Option<Allocator>)>,
+    pub(super) sessions: HashMap<String, (Session, Option<Allocator>)>,
     last_stats: Option<arena::ArenaStats>,
     last_model: Option<String>,
     /// One run at a time per backend, so one set of options: its terminate flag stops the run
@@ -49,6 +52,16 @@ pub struct OrtBackend {
     shrinking: Option<RunOptions>,
     /// Models run since the arena was last shrunk.
     used: std::collections::HashSet<String>,
+    /// The layouts of its decoders (models with past key values).
+    decoders: HashMap<String, DecoderLayout>,
+    /// The KV caches of the generations it runs, where its sessions put them.
+    pub(super) generations: Generations,
+}
+
+/// `session`'s decoder layout, when it is a decoder with past key values.
+fn decoder_of(session: &Session) -> Option<DecoderLayout> {
+    let signature = super::signature(session).ok()?;
+    DecoderLayout::detect(&signature)?.ok()
 }
 
 /// `memory.enable_memory_arena_shrinkage`'s value for the arena `options`' sessions use.
@@ -67,8 +80,13 @@ impl OrtBackend {
         options: &SessionOptions,
     ) -> Result<OrtBackend, String> {
         let mut sessions = HashMap::new();
+        let mut decoders = HashMap::new();
         for (name, bytes) in models {
-            sessions.insert(name.clone(), open_session(rt, name, bytes, options)?);
+            let opened = open_session(rt, name, bytes, options)?;
+            if let Some(layout) = decoder_of(&opened.0) {
+                decoders.insert(name.clone(), layout);
+            }
+            sessions.insert(name.clone(), opened);
         }
         let mut run_options = RunOptions::new().map_err(|e| e.to_string())?;
         if options.arena_shrinkage {
@@ -91,6 +109,8 @@ impl OrtBackend {
             run_options,
             shrinking: None,
             used: Default::default(),
+            decoders,
+            generations: Generations::new(Kernels::new(rt, options)?),
         })
     }
 }
@@ -108,6 +128,17 @@ impl OrtBackend {
             self.used.insert(model.to_string());
         }
         Ok(())
+    }
+}
+
+impl OrtBackend {
+    /// `model`'s decoder layout, for a generation's runs (noted as used).
+    fn decoder(&mut self, model: &str) -> Result<DecoderLayout, BackendError> {
+        self.note_use(model)?;
+        self.decoders
+            .get(model)
+            .copied()
+            .ok_or_else(|| BackendError::InvalidInput(format!("model `{model}` is not a decoder with past key values")))
     }
 }
 
@@ -134,6 +165,30 @@ impl Backend for OrtBackend {
         self.note_use(model)?;
         let (session, _) = self.sessions.get_mut(model).expect("noted: it has a session");
         super::run_views(session, inputs, outputs, Some(&self.run_options))
+    }
+
+    fn keeps_caches(&self) -> bool {
+        true
+    }
+
+    fn prefill(
+        &mut self,
+        model: &str,
+        seq: u64,
+        inputs: Vec<Tensor>,
+        _: &RunMeta,
+    ) -> Result<Vec<Tensor>, BackendError> {
+        let layout = self.decoder(model)?;
+        let (session, _) = self.sessions.get_mut(model).expect("noted: it has a session");
+        self.generations
+            .prefill(session, &layout, model, seq, inputs, &self.run_options)
+    }
+
+    fn decode(&mut self, model: &str, step: &DecodeStep, _: &RunMeta) -> Result<Vec<Tensor>, BackendError> {
+        let layout = self.decoder(model)?;
+        let (session, _) = self.sessions.get_mut(model).expect("noted: it has a session");
+        self.generations
+            .decode(session, &layout, model, step, &self.run_options)
     }
 
     fn release_memory(&mut self, probe: &dyn Fn(&str) -> Option<Vec<Tensor>>) {
@@ -177,12 +232,19 @@ impl Backend for OrtBackend {
 
     fn load_model(&mut self, name: &str, bytes: &[u8]) -> Result<(), String> {
         let session = open_session(self.rt, name, bytes, &self.options)?;
+        self.generations.forget(name);
+        match decoder_of(&session.0) {
+            Some(layout) => self.decoders.insert(name.to_string(), layout),
+            None => self.decoders.remove(name),
+        };
         self.sessions.insert(name.to_string(), session);
         Ok(())
     }
 
     fn unload_model(&mut self, name: &str) {
         self.sessions.remove(name);
+        self.decoders.remove(name);
+        self.generations.forget(name);
         if self.last_model.as_deref() == Some(name) {
             self.last_model = None;
         }

@@ -437,9 +437,9 @@ impl RequestError {
             },
             // A generation prefills again when its cache is missing: one that reaches a client
             // is the server's failure.
-            PoolError::Backend(BackendError::Runtime(_) | BackendError::Panicked(_) | BackendError::CacheMissing(_)) => {
-                RequestError::Failed { pool: name }
-            }
+            PoolError::Backend(
+                BackendError::Runtime(_) | BackendError::Panicked(_) | BackendError::CacheMissing(_),
+            ) => RequestError::Failed { pool: name },
         }
     }
 }

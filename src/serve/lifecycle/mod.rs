@@ -73,6 +73,10 @@ pub struct Request {
     /// run ([`place_or_substitute`]). Not on [`RunMeta`], so a remote pool is never asked to
     /// swap models: the answer's model is decided here, where it is reported.
     pub allow_substitute: bool,
+    /// A generation's sequence: on a pool whose backends keep caches, its prompt's run keeps
+    /// its KV cache there under this number (a prefill), and only the last position's logits
+    /// come back.
+    pub sequence: Option<u64>,
 }
 
 impl Request {
@@ -179,6 +183,28 @@ pub async fn step(
 ) -> Result<Ran, RequestError> {
     pool.breaker_permit().map_err(|e| RequestError::from_pool(pool, e))?;
     retry::run_with_retry(service, pool, request, inputs, estimate_bytes, retry::Run::Step)
+        .await
+        .map_err(|refused| refused.error)
+}
+
+/// A generation's batched step failed on `pool` with `error` (its KV cache was kept there):
+/// its prompt and the tokens so far (`inputs`, a first pass) are prefilled again, on `pool`
+/// when only the cache was missing there (its backend was replaced), else on the pool's
+/// fallback as a failed step moves (only when the request may be replayed). The cache is
+/// rebuilt, never carried: it was on the device, or in a worker process that died.
+pub async fn recompute(
+    service: &Service,
+    pool: &Arc<Pool>,
+    request: &Request,
+    error: crate::pool::PoolError,
+    inputs: Vec<Tensor>,
+    estimate_bytes: u64,
+) -> Result<Ran, RequestError> {
+    if let crate::pool::PoolError::Backend(crate::core::backend::BackendError::CacheMissing(_)) = error {
+        return step(service, pool, request, inputs, estimate_bytes).await;
+    }
+    let spare = (request.meta.replayable).then_some(inputs);
+    retry::after_failure(service, pool, request, error, spare, estimate_bytes, retry::Run::Step)
         .await
         .map_err(|refused| refused.error)
 }

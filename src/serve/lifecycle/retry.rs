@@ -45,23 +45,38 @@ pub(super) async fn run_with_retry(
 ) -> Result<Ran, Refused> {
     // A generation's prompt counts as waiting on its pool until its run is over.
     let waits = run == Run::Placed && request.max_new_tokens > 0;
-    let refuse = Refused::at;
     // ONNX Runtime consumes the inputs of the first run: keep a copy for the retry.
     let fallback = fallback_of(service, pool);
     let spare = (fallback.is_some() && request.meta.replayable).then(|| inputs.clone());
     let waiting = waits.then(|| Waiting::on(&pool.sequences));
     let first = run_permitted(service, pool, request, inputs, estimate_bytes).await;
     drop(waiting);
-    let error = match first {
-        Ok(outputs) => {
-            return Ok(Ran {
-                pool: Arc::clone(pool),
-                retried: None,
-                outputs,
-            });
-        }
-        Err(error) => error,
-    };
+    match first {
+        Ok(outputs) => Ok(Ran {
+            pool: Arc::clone(pool),
+            retried: None,
+            outputs,
+        }),
+        Err(error) => after_failure(service, pool, request, error, spare, estimate_bytes, run).await,
+    }
+}
+
+/// What follows a run of `request` that failed on `pool` with `error`: once more on the pool's
+/// fallback with `spare` (the run's inputs, kept when the request may be replayed) when the
+/// fallback would not fail the same way, else the error, with why it was not retried when
+/// that is news to the client.
+pub(super) async fn after_failure(
+    service: &Service,
+    pool: &Arc<Pool>,
+    request: &Request,
+    error: PoolError,
+    spare: Option<Vec<Tensor>>,
+    estimate_bytes: u64,
+    run: Run,
+) -> Result<Ran, Refused> {
+    let waits = run == Run::Placed && request.max_new_tokens > 0;
+    let refuse = Refused::at;
+    let fallback = fallback_of(service, pool);
     let (Some(reason), Some(fallback)) = (retry_reason(&error), fallback) else {
         return Err(refuse(pool, RequestError::from_pool(pool, error)));
     };

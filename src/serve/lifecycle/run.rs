@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use crate::core::snapshot::ProviderKind;
 use crate::core::tensor::Tensor;
-use crate::pool::{InferJob, Pool, PoolError, RunCancel, RunMemory};
+use crate::pool::{InferJob, Pool, PoolError, RunCancel, RunMemory, RunOp};
 use crate::serve::service::Service;
 
 use super::Request;
@@ -83,7 +83,10 @@ pub(super) async fn run_permitted(
         model: request.model.clone(),
         inputs,
         outputs: request.outputs.clone(),
-        op: Default::default(),
+        op: match request.sequence {
+            Some(seq) if pool.keeps_caches() => RunOp::Prefill(seq),
+            _ => RunOp::Run,
+        },
         estimate_bytes: Some(estimate_bytes),
         memory: memory.clone(),
         probe: false,

@@ -1,0 +1,110 @@
+//! Continuous batching: the generations of one model on one pool take their steps together,
+//! one run per step for all of them ([`Backend::decode`]), with sequences joining and leaving
+//! between steps. A generation's prompt runs on its own first (a prefill job); it then joins
+//! its pool's [`Batch`] and sends each token it picks to the batch as its [`Member`].
+//!
+//! The stepper (one tokio task per batch) runs a step once every member has sent its token,
+//! or [`GRACE`] after the first did: a member that is late (its stream's reader is slow) gets
+//! a masked slot in that step instead of holding the others back. A step's failure reaches
+//! every row in it; rows whose cache the backend did not hold get [`BackendError::CacheMissing`]
+//! and the others run again at once.
+//!
+//! [`Backend::decode`]: crate::core::backend::Backend::decode
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use tokio::sync::{mpsc, oneshot};
+
+use crate::core::backend::{BackendError, DecodeRow};
+use crate::pool::job::PoolError;
+
+/// How long a step waits for late members once one has sent its token.
+pub const GRACE: Duration = Duration::from_millis(2);
+
+/// Sequence numbers, unique in this process (a backend keys its caches by them).
+static SEQUENCES: AtomicU64 = AtomicU64::new(1);
+
+/// A new sequence number for a generation's cache.
+pub fn next_sequence() -> u64 {
+    SEQUENCES.fetch_add(1, Ordering::Relaxed)
+}
+
+/// A step's row logits, or why the step failed.
+pub(super) type Reply = oneshot::Sender<Result<Vec<f32>, PoolError>>;
+
+/// What a member tells its batch's stepper.
+pub(super) enum Message {
+    /// It takes steps from now on.
+    Join(u64),
+    /// Its next token.
+    Step(DecodeRow, Reply),
+    /// It is gone: its cache is dropped with the next step.
+    Leave(u64),
+}
+
+/// One model's generations on one pool.
+#[derive(Debug)]
+pub struct Batch {
+    pub(super) messages: mpsc::UnboundedSender<Message>,
+}
+
+/// A generation's place in its pool's batch. Dropping it (the generation ended, failed, moved,
+/// or its client went away) drops its cache at the backend with the next step.
+#[derive(Debug)]
+pub struct Member {
+    seq: u64,
+    joined: bool,
+    messages: mpsc::UnboundedSender<Message>,
+}
+
+impl Batch {
+    /// Sequence `seq`, prefilled on this pool: its cache is dropped when the member is, and it
+    /// takes steps once [`joined`](Member::join).
+    pub fn member(&self, seq: u64) -> Member {
+        Member {
+            seq,
+            joined: false,
+            messages: self.messages.clone(),
+        }
+    }
+}
+
+impl Member {
+    /// Its sequence.
+    pub fn seq(&self) -> u64 {
+        self.seq
+    }
+
+    /// Take part in the batch's steps from the next one.
+    pub fn join(&mut self) {
+        if !self.joined {
+            self.joined = true;
+            let _ = self.messages.send(Message::Join(self.seq));
+        }
+    }
+
+    /// Run `token` at position `past` in the batch's next step: the logits of the position
+    /// after it.
+    pub async fn step(&mut self, token: u32, past: u64) -> Result<Vec<f32>, PoolError> {
+        self.join();
+        let (reply, answer) = oneshot::channel();
+        let row = DecodeRow {
+            seq: self.seq,
+            token,
+            past,
+        };
+        if self.messages.send(Message::Step(row, reply)).is_err() {
+            return Err(BackendError::Runtime("the batch's stepper is gone".into()).into());
+        }
+        answer
+            .await
+            .unwrap_or_else(|_| Err(BackendError::Runtime("the batch's stepper is gone".into()).into()))
+    }
+}
+
+impl Drop for Member {
+    fn drop(&mut self) {
+        let _ = self.messages.send(Message::Leave(self.seq));
+    }
+}

@@ -1,0 +1,228 @@
+//! The stepper of each batch ([`crate::pool::batch`]): one tokio task per model and pool that
+//! gathers its members' tokens, runs them as one decode job, and answers each row.
+
+use std::collections::HashSet;
+use std::sync::{Arc, Weak};
+
+use tokio::sync::mpsc;
+
+use crate::core::backend::{BackendError, DecodeRow, DecodeStep, RunMeta};
+use crate::core::tensor::TensorData;
+use crate::pool::batch::{Batch, GRACE, Message, Reply};
+use crate::pool::job::{InferJob, PoolError, RunCancel, RunMemory, RunOp};
+use crate::pool::shared::Pool;
+
+impl Pool {
+    /// `model`'s batch on this pool, its stepper started on first use (on the caller's tokio
+    /// runtime).
+    pub fn batch(self: &Arc<Self>, model: &str) -> Arc<Batch> {
+        let mut batches = self.batches.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(batch) = batches.get(model).filter(|b| !b.messages.is_closed()) {
+            return Arc::clone(batch);
+        }
+        let (messages, inbox) = mpsc::unbounded_channel();
+        tokio::spawn(step_batch(Arc::downgrade(self), model.to_string(), inbox));
+        let batch = Arc::new(Batch { messages });
+        batches.insert(model.to_string(), Arc::clone(&batch));
+        batch
+    }
+}
+
+/// What the stepper knows between steps.
+#[derive(Default)]
+struct Steps {
+    members: HashSet<u64>,
+    pending: Vec<(DecodeRow, Reply)>,
+    ended: Vec<u64>,
+}
+
+impl Steps {
+    fn take(&mut self, message: Message) {
+        match message {
+            Message::Join(seq) => {
+                self.members.insert(seq);
+            }
+            Message::Step(row, reply) => {
+                self.members.insert(row.seq);
+                self.pending.push((row, reply));
+            }
+            Message::Leave(seq) => {
+                self.members.remove(&seq);
+                self.pending.retain(|(row, _)| row.seq != seq);
+                self.ended.push(seq);
+            }
+        }
+    }
+}
+
+/// The stepper of `model`'s batch on `pool`, until the pool is gone.
+async fn step_batch(pool: Weak<Pool>, model: String, mut inbox: mpsc::UnboundedReceiver<Message>) {
+    let mut steps = Steps::default();
+    loop {
+        // Nothing to run: wait, unless caches of a batch left empty are still to be dropped.
+        let only_ends = steps.members.is_empty() && !steps.ended.is_empty();
+        if steps.pending.is_empty() && !only_ends {
+            match inbox.recv().await {
+                Some(message) => steps.take(message),
+                None => return,
+            }
+        }
+        while let Ok(message) = inbox.try_recv() {
+            steps.take(message);
+        }
+        if !steps.pending.is_empty() && steps.pending.len() < steps.members.len() {
+            let until = tokio::time::Instant::now() + GRACE;
+            while steps.pending.len() < steps.members.len() {
+                match tokio::time::timeout_at(until, inbox.recv()).await {
+                    Ok(Some(message)) => steps.take(message),
+                    Ok(None) => return,
+                    Err(_) => break,
+                }
+            }
+        }
+        let Some(pool) = pool.upgrade() else { return };
+        let pending = std::mem::take(&mut steps.pending);
+        let step = DecodeStep {
+            rows: pending.iter().map(|(row, _)| *row).collect(),
+            ended: std::mem::take(&mut steps.ended),
+        };
+        let result = run_step(&pool, &model, step).await;
+        drop(pool);
+        answer(&mut steps, pending, result);
+    }
+}
+
+/// Send each row its logits; on a missing cache, fail those rows and keep the others for the
+/// next step; on any other failure, fail every row.
+fn answer(steps: &mut Steps, pending: Vec<(DecodeRow, Reply)>, result: Result<Vec<f32>, PoolError>) {
+    let rows = pending.len().max(1);
+    match result {
+        Ok(logits) => {
+            let vocab = logits.len() / rows;
+            for (i, (_, reply)) in pending.into_iter().enumerate() {
+                let _ = reply.send(Ok(logits[i * vocab..(i + 1) * vocab].to_vec()));
+            }
+        }
+        Err(PoolError::Backend(BackendError::CacheMissing(missing))) => {
+            for (row, reply) in pending {
+                if missing.contains(&row.seq) {
+                    let _ = reply.send(Err(BackendError::CacheMissing(vec![row.seq]).into()));
+                } else {
+                    steps.pending.push((row, reply));
+                }
+            }
+        }
+        Err(error) => {
+            for (_, reply) in pending {
+                let _ = reply.send(Err(error.clone()));
+            }
+        }
+    }
+}
+
+/// Run one step on `pool`: the breaker's permission, then the job. Its logits, row-major.
+async fn run_step(pool: &Pool, model: &str, step: DecodeStep) -> Result<Vec<f32>, PoolError> {
+    let rows = step.rows.len();
+    if rows > 0 {
+        pool.breaker_permit()?;
+    }
+    let job = InferJob {
+        meta: RunMeta {
+            request_id: format!("batch-step:{model}"),
+            ..RunMeta::default()
+        },
+        model: model.to_string(),
+        inputs: Vec::new(),
+        outputs: Vec::new(),
+        op: RunOp::Decode(step),
+        estimate_bytes: None,
+        memory: RunMemory::default(),
+        probe: false,
+        cancel: RunCancel::default(),
+    };
+    let outputs = pool.submit(job)?.await.map_err(|_| PoolError::ShuttingDown {
+        pool: pool.name().to_string(),
+    })??;
+    let logits = outputs.into_iter().find(|t| t.name == "logits");
+    match logits.map(|t| t.data) {
+        Some(TensorData::Fp32(values)) if values.len() % rows.max(1) == 0 => Ok(values),
+        _ if rows == 0 => Ok(Vec::new()),
+        _ => Err(BackendError::Runtime("a decode step gave no FP32 `logits`".into()).into()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::model::BuiltinModel;
+    use crate::core::snapshot::DeviceClass;
+    use crate::core::tensor::DataType;
+    use crate::pool::PoolContext;
+    use crate::pool::batch::next_sequence;
+    use crate::runtime::decoder::{DecoderLayout, step_inputs};
+    use crate::runtime::onnx::{OrtBackend, SessionOptions, runtime};
+
+    /// The decoder fixture's layout (`models/decoder/README.md`).
+    const FIXTURE: DecoderLayout = DecoderLayout {
+        layers: 2,
+        kv_heads: 2,
+        head_size: 16,
+        kv_datatype: DataType::Fp32,
+        vocab: Some(512),
+        position_ids: true,
+    };
+
+    #[tokio::test]
+    async fn a_step_crosses_its_token_in_and_one_row_of_logits_out_at_every_position() {
+        let rt = runtime(None).expect("ONNX Runtime loads");
+        let model = [("lm".to_string(), BuiltinModel::Decoder.bytes())];
+        let backend = OrtBackend::load(rt, &model, &SessionOptions::quiet_cpu()).unwrap();
+        let config = crate::testing::config::pool("p", "host", &["lm"]);
+        let pool = Pool::start(
+            config,
+            DeviceClass::Host,
+            vec![Box::new(backend)],
+            None,
+            PoolContext::default(),
+        );
+        assert!(pool.keeps_caches());
+        let metrics = &pool.context.metrics;
+        let prompt = [3u32, 40, 41, 42, 43];
+        let inputs = step_inputs(&FIXTURE, &prompt, 0, Vec::new());
+        let prompt_bytes: u64 = inputs.iter().map(|t| t.data.byte_len() as u64).sum();
+        let seq = next_sequence();
+        let job = InferJob {
+            meta: RunMeta::default(),
+            model: "lm".into(),
+            inputs,
+            outputs: Vec::new(),
+            op: RunOp::Prefill(seq),
+            estimate_bytes: None,
+            memory: RunMemory::default(),
+            probe: false,
+            cancel: RunCancel::default(),
+        };
+        let prefilled = pool.submit(job).unwrap().await.unwrap().unwrap();
+        assert_eq!(prefilled[0].shape, vec![1, 512], "the prompt's run brings one row back");
+        // Ids, mask and positions of 5 tokens (8 bytes each), and empty pasts.
+        assert_eq!(
+            (metrics.to_pool.get(), metrics.from_pool.get()),
+            (prompt_bytes, 512 * 4)
+        );
+        assert_eq!(prompt_bytes, 3 * 5 * 8);
+        let mut member = pool.batch("lm").member(seq);
+        for i in 0..400u32 {
+            let past = prompt.len() as u64 + u64::from(i);
+            let before = (metrics.to_pool.get(), metrics.from_pool.get());
+            let logits = member.step(50 + i % 300, past).await.unwrap();
+            assert_eq!(logits.len(), 512);
+            assert!(logits.iter().all(|l| l.is_finite()), "position {past}");
+            let after = (metrics.to_pool.get(), metrics.from_pool.get());
+            assert_eq!(
+                (after.0 - before.0, after.1 - before.1),
+                (DecodeStep::ROW_BYTES, 512 * 4),
+                "position {past}: the token in, one row of logits out, whatever the position"
+            );
+        }
+    }
+}

@@ -1,0 +1,118 @@
+//! Continuous batching on the decoder fixture, through the server: concurrent generations of
+//! different prompts and lengths share each step's run on their pool, joining and leaving
+//! between steps, and every one of them, whole or streamed, gives the greedy text of the
+//! independent references. On the CPU pool (threads) and on the simulated accelerator, whose
+//! caches live in its worker process.
+
+use crate::common::TestServer;
+use crate::generation::events;
+use reqwest::StatusCode;
+use serde_json::{Value, json};
+
+const CPU: &str = "\
+models: [{name: tiny, path: models/decoder/model.onnx, tokenizer: models/decoder/tokenizer.json}]
+pools: [{name: cpu, provider: cpu, models: [tiny], workers: 2}]
+";
+
+const SIMULATED: &str = "\
+devices: [{name: gpu0, kind: simulated, capacity: 256MiB}]
+models: [{name: tiny, path: models/decoder/model.onnx, tokenizer: models/decoder/tokenizer.json}]
+pools:
+- {name: gpu, provider: simulated, device: gpu0, models: [tiny], fallback: cpu}
+- {name: cpu, provider: cpu, models: [tiny]}
+";
+
+fn reference() -> Value {
+    let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/models/decoder/reference.json")).unwrap();
+    serde_json::from_str(&text).unwrap()
+}
+
+/// The text of the first `n` greedy tokens of `case`, as the fixture's tokenizer decodes them.
+fn expected_text(case: &Value, n: usize) -> String {
+    let tokenizer =
+        tokenizers::Tokenizer::from_file(concat!(env!("CARGO_MANIFEST_DIR"), "/models/decoder/tokenizer.json"))
+            .unwrap();
+    let ids: Vec<u32> = case["greedy_ids"].as_array().unwrap()[..n]
+        .iter()
+        .map(|v| v.as_u64().unwrap() as u32)
+        .collect();
+    tokenizer.decode(&ids, true).unwrap()
+}
+
+/// One completion's text, streamed (joined from its chunks) or whole.
+async fn text_of(server: &TestServer, body: Value, stream: bool) -> String {
+    let mut body = body;
+    body["stream"] = json!(stream);
+    let response = server.post_json("/v1/completions", &body).await;
+    assert_eq!(response.status(), StatusCode::OK);
+    if stream {
+        events(response)
+            .await
+            .iter()
+            .map(|c| c["choices"][0]["text"].as_str().unwrap().to_string())
+            .collect()
+    } else {
+        let body: Value = response.json().await.unwrap();
+        body["choices"][0]["text"].as_str().unwrap().to_string()
+    }
+}
+
+/// `concurrency` generations at once, cycling over the reference cases with different
+/// lengths, half of them streamed: each gives its reference's text.
+async fn concurrent_generations_match(server: &TestServer, concurrency: usize) {
+    let reference = reference();
+    let cases = reference["cases"].as_array().unwrap();
+    let lengths = [16usize, 5, 11, 8, 16, 3, 13, 9];
+    let runs = (0..concurrency).map(|i| {
+        let case = &cases[i % cases.len()];
+        let n = lengths[i % lengths.len()];
+        let body = json!({"model": "tiny", "prompt": case["prompt"], "max_tokens": n, "temperature": 0});
+        let expected = expected_text(case, n);
+        async move {
+            let got = text_of(server, body, i % 2 == 1).await;
+            (i, case["name"].clone(), n, got, expected)
+        }
+    });
+    for (i, name, n, got, expected) in futures_util::future::join_all(runs).await {
+        assert_eq!(got, expected, "generation {i} of {concurrency} ({name}, {n} tokens)");
+    }
+}
+
+#[tokio::test]
+async fn concurrent_generations_on_the_cpu_give_the_reference_text_for_1_3_and_8_at_once() {
+    let server = TestServer::start(CPU).await;
+    for concurrency in [1, 3, 8] {
+        concurrent_generations_match(&server, concurrency).await;
+    }
+    // Every step crossed only tokens in and one row of logits out: what the prompts and steps
+    // took is far below one copy of the caches they built.
+    let metrics = server.metrics().await;
+    let bytes = |direction: &str| {
+        crate::common::sum_samples(&metrics, |l| {
+            l.starts_with(&format!(
+                "vramguard_pool_transfer_bytes_total{{pool=\"cpu\",direction=\"{direction}\"}}"
+            ))
+        })
+    };
+    assert!(bytes("to_pool") > 0.0 && bytes("from_pool") > 0.0, "{metrics}");
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn concurrent_generations_on_the_simulated_accelerator_keep_their_caches_in_its_worker() {
+    if crate::common::ran_in_own_process() {
+        return;
+    }
+    let server = TestServer::start(SIMULATED).await;
+    for concurrency in [1, 3, 8] {
+        concurrent_generations_match(&server, concurrency).await;
+    }
+    let metrics = server.metrics().await;
+    let ok = crate::common::requests_with(&metrics, |o| o == "ok");
+    assert_eq!(ok, 12.0, "{metrics}");
+    let on_gpu = crate::common::sum_samples(&metrics, |l| {
+        l.starts_with("vramguard_generated_tokens_total{model=\"tiny\",pool=\"gpu\"}")
+    });
+    assert!(on_gpu > 0.0, "they ran on the accelerator: {metrics}");
+    server.stop().await;
+}
