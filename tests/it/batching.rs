@@ -116,3 +116,70 @@ async fn concurrent_generations_on_the_simulated_accelerator_keep_their_caches_i
     assert!(on_gpu > 0.0, "they ran on the accelerator: {metrics}");
     server.stop().await;
 }
+
+/// Read a stream's SSE events until `[DONE]`, calling `after` once `at` events have come.
+async fn read_stream(mut response: reqwest::Response, at: usize, after: impl AsyncFnOnce()) -> Vec<Value> {
+    let mut after = Some(after);
+    let (mut buffer, mut events) = (String::new(), Vec::new());
+    while let Some(chunk) = response.chunk().await.unwrap() {
+        buffer.push_str(std::str::from_utf8(&chunk).unwrap());
+        while let Some(end) = buffer.find("\n\n") {
+            let block: String = buffer.drain(..end + 2).collect();
+            let data = block.trim().strip_prefix("data: ").unwrap().to_string();
+            if data == "[DONE]" {
+                return events;
+            }
+            events.push(serde_json::from_str(&data).unwrap());
+            if events.len() == at
+                && let Some(after) = after.take()
+            {
+                after().await;
+            }
+        }
+    }
+    panic!("the stream ended without [DONE]: {events:?}");
+}
+
+#[tokio::test]
+async fn a_generation_whose_worker_dies_mid_stream_is_prefilled_again_on_the_cpu_with_the_same_text() {
+    if crate::common::ran_in_own_process() {
+        return;
+    }
+    let server = TestServer::start(SIMULATED).await;
+    let case = &reference()["cases"][1];
+    let body = json!({"model": "tiny", "prompt": case["prompt"], "max_tokens": 120, "temperature": 0,
+                      "stream": true});
+    let undisturbed = events(server.post_json("/v1/completions", &body).await).await;
+    let text = |events: &[Value]| -> String {
+        events
+            .iter()
+            .filter_map(|e| e["choices"][0]["text"].as_str())
+            .collect()
+    };
+    let expected = text(&undisturbed);
+    let tokens = undisturbed.last().unwrap()["usage"]["completion_tokens"].as_u64().unwrap();
+    assert!(tokens > 40, "long enough to be killed in the middle: {tokens}");
+    // The same request, its worker killed once ten chunks have come.
+    let response = server.post_json("/v1/completions", &body).await;
+    assert_eq!(response.headers()["x-vramguard-pool"], "gpu");
+    let kill = async || {
+        let killed = server
+            .post_json("/admin/sim/gpu0", &json!({"kill_worker": true}))
+            .await;
+        assert_eq!(killed.status(), StatusCode::OK);
+    };
+    let disturbed = read_stream(response, 10, kill).await;
+    assert_eq!(text(&disturbed), expected, "the tokens it would have had, none twice");
+    let last = disturbed.last().unwrap();
+    assert_eq!(last["usage"]["completion_tokens"].as_u64(), Some(tokens));
+    assert!(
+        disturbed.iter().any(|e| e["vramguard"]["pool"] == "cpu"),
+        "a chunk names the pool it moved to: {disturbed:?}"
+    );
+    let metrics = server.metrics().await;
+    let moved = crate::common::sum_samples(&metrics, |l| {
+        l.starts_with("vramguard_failovers_total{from=\"gpu\",to=\"cpu\",reason=\"worker_lost\"}")
+    });
+    assert_eq!(moved, 1.0, "{metrics}");
+    server.stop().await;
+}

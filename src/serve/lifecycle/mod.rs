@@ -169,11 +169,12 @@ pub async fn infer_and<T, D>(
     .await
 }
 
-/// One more run of a request already admitted to `pool`: a generation's next step. It is not
-/// asked of the policy again and not counted as a request of its own. An allocator failure on
-/// an accelerator pool moves it, and the runs after it, to the pool's fallback when the request
-/// is replayable: a step is a pure function of its inputs (the KV cache travels with them), so
-/// the tokens are the ones it would have had.
+/// One more run of a request already admitted to `pool`: a generation's step on a pool that
+/// keeps no caches (the cache travels in `inputs`), or its prompt prefilled again after a step
+/// failed. It is not asked of the policy again and not counted as a request of its own. An
+/// allocator failure on an accelerator pool moves it, and the runs after it, to the pool's
+/// fallback when the request is replayable: a run depends only on the tokens in it, so the
+/// tokens are the ones it would have had.
 pub async fn step(
     service: &Service,
     pool: &Arc<Pool>,
