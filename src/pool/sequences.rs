@@ -101,6 +101,42 @@ impl Drop for Running {
     }
 }
 
+/// The masked slots of a pool's batch for one model (left padding, and slots of generations
+/// that were late with a token): cache bytes held by no generation, counted in the pool's
+/// `kv_cache_bytes` until dropped, so admission sees what the batch really holds.
+#[derive(Debug)]
+pub struct Padding {
+    sequences: Arc<Sequences>,
+    kv_bytes: u64,
+}
+
+impl Padding {
+    /// None yet, in `sequences` (a pool's).
+    pub fn on(sequences: &Arc<Sequences>) -> Padding {
+        Padding {
+            sequences: Arc::clone(sequences),
+            kv_bytes: 0,
+        }
+    }
+
+    /// The batch's masked slots now hold `kv_bytes`.
+    pub fn set(&mut self, kv_bytes: u64) {
+        let counter = &self.sequences.kv_bytes;
+        if kv_bytes >= self.kv_bytes {
+            counter.fetch_add(kv_bytes - self.kv_bytes, Ordering::Relaxed);
+        } else {
+            counter.fetch_sub(self.kv_bytes - kv_bytes, Ordering::Relaxed);
+        }
+        self.kv_bytes = kv_bytes;
+    }
+}
+
+impl Drop for Padding {
+    fn drop(&mut self) {
+        self.set(0);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -10,6 +10,7 @@ use crate::core::backend::{BackendError, DecodeRow, DecodeStep, RunMeta};
 use crate::core::tensor::TensorData;
 use crate::pool::batch::{Batch, GRACE, Message, Reply};
 use crate::pool::job::{InferJob, PoolError, RunCancel, RunMemory, RunOp};
+use crate::pool::sequences::Padding;
 use crate::pool::shared::Pool;
 
 impl Pool {
@@ -58,6 +59,11 @@ impl Steps {
 /// The stepper of `model`'s batch on `pool`, until the pool is gone.
 async fn step_batch(pool: Weak<Pool>, model: String, mut inbox: mpsc::UnboundedReceiver<Message>) {
     let mut steps = Steps::default();
+    // What the batch's masked slots hold, in the pool's KV bytes beside its generations' own.
+    let mut padding = match pool.upgrade() {
+        Some(pool) => Padding::on(&pool.sequences),
+        None => return,
+    };
     loop {
         // Nothing to run: wait, unless caches of a batch left empty are still to be dropped.
         let only_ends = steps.members.is_empty() && !steps.ended.is_empty();
@@ -88,6 +94,12 @@ async fn step_batch(pool: Weak<Pool>, model: String, mut inbox: mpsc::UnboundedR
         };
         let result = run_step(&pool, &model, step).await;
         drop(pool);
+        let result = result.map(|(logits, padded)| {
+            if let Some(bytes) = padded {
+                padding.set(bytes);
+            }
+            logits
+        });
         answer(&mut steps, pending, result);
     }
 }
@@ -120,8 +132,9 @@ fn answer(steps: &mut Steps, pending: Vec<(DecodeRow, Reply)>, result: Result<Ve
     }
 }
 
-/// Run one step on `pool`: the breaker's permission, then the job. Its logits, row-major.
-async fn run_step(pool: &Pool, model: &str, step: DecodeStep) -> Result<Vec<f32>, PoolError> {
+/// Run one step on `pool`: the breaker's permission, then the job. Its logits, row-major, and
+/// the bytes its batch's masked slots hold, when the backend says.
+async fn run_step(pool: &Pool, model: &str, step: DecodeStep) -> Result<(Vec<f32>, Option<u64>), PoolError> {
     let rows = step.rows.len();
     if rows > 0 {
         pool.breaker_permit()?;
@@ -143,10 +156,17 @@ async fn run_step(pool: &Pool, model: &str, step: DecodeStep) -> Result<Vec<f32>
     let outputs = pool.submit(job)?.await.map_err(|_| PoolError::ShuttingDown {
         pool: pool.name().to_string(),
     })??;
-    let logits = outputs.into_iter().find(|t| t.name == "logits");
-    match logits.map(|t| t.data) {
-        Some(TensorData::Fp32(values)) if values.len() % rows.max(1) == 0 => Ok(values),
-        _ if rows == 0 => Ok(Vec::new()),
+    let (mut logits, mut padded) = (None, None);
+    for tensor in outputs {
+        match (tensor.name.as_str(), tensor.data) {
+            ("logits", TensorData::Fp32(values)) => logits = Some(values),
+            ("padding_bytes", TensorData::Int64(bytes)) => padded = bytes.first().map(|b| (*b).max(0) as u64),
+            _ => {}
+        }
+    }
+    match logits {
+        Some(values) if values.len() % rows.max(1) == 0 => Ok((values, padded)),
+        _ if rows == 0 => Ok((Vec::new(), padded)),
         _ => Err(BackendError::Runtime("a decode step gave no FP32 `logits`".into()).into()),
     }
 }

@@ -182,10 +182,13 @@ impl Pool {
                     backend.decode(&job.model, &step, &job.meta)
                 }
             };
+            // What came from the runtime: a decode step's logits (the batch's padding is
+            // counted on the host), a run's outputs.
             if let Ok(outputs) = &result {
+                let from_runtime = outputs.iter().filter(|t| t.name != "padding_bytes");
                 metrics
                     .from_pool
-                    .inc_by(outputs.iter().map(|t| t.data.byte_len() as u64).sum());
+                    .inc_by(from_runtime.map(|t| t.data.byte_len() as u64).sum());
             }
             result
         }));

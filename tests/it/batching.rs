@@ -150,22 +150,18 @@ async fn a_generation_whose_worker_dies_mid_stream_is_prefilled_again_on_the_cpu
     let body = json!({"model": "tiny", "prompt": case["prompt"], "max_tokens": 120, "temperature": 0,
                       "stream": true});
     let undisturbed = events(server.post_json("/v1/completions", &body).await).await;
-    let text = |events: &[Value]| -> String {
-        events
-            .iter()
-            .filter_map(|e| e["choices"][0]["text"].as_str())
-            .collect()
-    };
+    let text =
+        |events: &[Value]| -> String { events.iter().filter_map(|e| e["choices"][0]["text"].as_str()).collect() };
     let expected = text(&undisturbed);
-    let tokens = undisturbed.last().unwrap()["usage"]["completion_tokens"].as_u64().unwrap();
+    let tokens = undisturbed.last().unwrap()["usage"]["completion_tokens"]
+        .as_u64()
+        .unwrap();
     assert!(tokens > 40, "long enough to be killed in the middle: {tokens}");
     // The same request, its worker killed once ten chunks have come.
     let response = server.post_json("/v1/completions", &body).await;
     assert_eq!(response.headers()["x-vramguard-pool"], "gpu");
     let kill = async || {
-        let killed = server
-            .post_json("/admin/sim/gpu0", &json!({"kill_worker": true}))
-            .await;
+        let killed = server.post_json("/admin/sim/gpu0", &json!({"kill_worker": true})).await;
         assert_eq!(killed.status(), StatusCode::OK);
     };
     let disturbed = read_stream(response, 10, kill).await;

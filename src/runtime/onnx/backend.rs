@@ -53,7 +53,7 @@ pub struct OrtBackend {
     /// Models run since the arena was last shrunk.
     used: std::collections::HashSet<String>,
     /// The layouts of its decoders (models with past key values).
-    decoders: HashMap<String, DecoderLayout>,
+    pub(super) decoders: HashMap<String, DecoderLayout>,
     /// The KV caches of the generations it runs, where its sessions put them.
     pub(super) generations: Generations,
 }

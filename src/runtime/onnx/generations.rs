@@ -180,7 +180,10 @@ impl Generations {
             if caches.batch.as_ref().is_some_and(|b| b.rows.iter().all(|r| r.gone)) {
                 caches.batch = None;
             }
-            return Ok(vec![logits_tensor(Vec::new(), 0)]);
+            return Ok(vec![
+                logits_tensor(Vec::new(), 0),
+                padding(caches.batch.as_ref(), layout),
+            ]);
         }
         // A failure part-way leaves nothing half-arranged: the model's caches go, and their
         // sequences are prefilled again (or move) as after any failed step.
@@ -285,7 +288,10 @@ impl Generations {
         for at in order {
             picked.extend_from_slice(&logits[at * vocab..(at + 1) * vocab]);
         }
-        Ok(vec![logits_tensor(picked, step.rows.len())])
+        Ok(vec![
+            logits_tensor(picked, step.rows.len()),
+            padding(Some(batch), layout),
+        ])
     }
 
     /// Run `binding`'s inputs with every output bound to the device: the `present.*` values (in
@@ -412,6 +418,16 @@ fn past_name(i: usize) -> String {
 /// `present.{layer}.{key|value}` of cache tensor `i`.
 fn present_name(i: usize) -> String {
     format!("present.{}.{}", i / 2, if i % 2 == 0 { "key" } else { "value" })
+}
+
+/// `padding_bytes` (INT64 `[1]`): the bytes of `batch`'s masked slots, held by no sequence.
+fn padding(batch: Option<&Cache>, layout: &DecoderLayout) -> Tensor {
+    let slots: i64 = batch.map_or(0, |b| b.rows.iter().map(|r| b.len - r.past as i64).sum());
+    Tensor {
+        name: "padding_bytes".into(),
+        shape: vec![1],
+        data: TensorData::Int64(vec![slots.max(0) * layout.kv_bytes_per_token() as i64]),
+    }
 }
 
 /// Rows of last-position logits as the `logits` tensor `[rows, vocab]`.
@@ -546,5 +562,38 @@ mod tests {
         let err = backend.decode("lm", &wrong, &meta).unwrap_err();
         assert_eq!(err, crate::core::backend::BackendError::CacheMissing(vec![seq]));
         assert_eq!(backend.generations.sequences("lm"), live.len());
+    }
+
+    /// The batch's masked slots (left padding, a late row's slot) are reported as bytes held by
+    /// no sequence, and trimmed when the row that needed them leaves.
+    #[test]
+    fn the_bytes_of_masked_slots_are_reported_and_trimmed_when_rows_leave() {
+        let rt = runtime(None).expect("ONNX Runtime loads");
+        let model = [("lm".to_string(), BuiltinModel::Decoder.bytes())];
+        let mut backend = OrtBackend::load(rt, &model, &SessionOptions::quiet_cpu()).unwrap();
+        let layout = backend.decoders["lm"];
+        let per_slot = layout.kv_bytes_per_token() as i64;
+        let meta = RunMeta::default();
+        for (seq, prompt) in [(1u64, vec![5u32, 6]), (2, (10..20).collect())] {
+            backend
+                .prefill("lm", seq, step_inputs(&layout, &prompt, 0, Vec::new()), &meta)
+                .unwrap();
+        }
+        let mut step = |rows: Vec<DecodeRow>, ended: Vec<u64>| {
+            let out = backend.decode("lm", &DecodeStep { rows, ended }, &meta).unwrap();
+            assert_eq!(out[1].name, "padding_bytes");
+            let TensorData::Int64(bytes) = &out[1].data else {
+                panic!()
+            };
+            bytes[0] / per_slot
+        };
+        let row = |seq, past| DecodeRow { seq, token: 7, past };
+        // Both: 11 slots, the short one padded by 8 on the left.
+        assert_eq!(step(vec![row(1, 2), row(2, 10)], vec![]), 8);
+        // The short one is late: a masked slot of its own.
+        assert_eq!(step(vec![row(2, 11)], vec![]), 9);
+        // The long one ends; with the next step the batch is trimmed to the short one's slots.
+        assert_eq!(step(vec![], vec![2]), 9);
+        assert_eq!(step(vec![row(1, 3)], vec![]), 1);
     }
 }
