@@ -77,7 +77,11 @@ pub(super) async fn after_failure(
     let waits = run == Run::Placed && request.max_new_tokens > 0;
     let refuse = Refused::at;
     let fallback = fallback_of(service, pool);
-    let (Some(reason), Some(fallback)) = (retry_reason(&error), fallback) else {
+    // A generation's step refused by a breaker that opened since its prompt ran moves too: its
+    // cache was on this pool, and the fallback rebuilds it.
+    let breaker = run == Run::Step && matches!(error, PoolError::BreakerOpen { .. });
+    let reason = retry_reason(&error).or(breaker.then_some(FailoverReason::breaker_open));
+    let (Some(reason), Some(fallback)) = (reason, fallback) else {
         return Err(refuse(pool, RequestError::from_pool(pool, error)));
     };
     let retries = |result: RetryResult| count_retry(service, pool, result);
