@@ -61,7 +61,21 @@ impl Pool {
             }
             let id = slot.id;
             let Queued { job, enqueued, reply } = queued;
-            let (kept, result) = self.serve(job, enqueued, reply.is_closed(), slot);
+            let prefill = match job.op {
+                RunOp::Prefill(seq) => Some(seq),
+                _ => None,
+            };
+            let (mut kept, result) = self.serve(job, enqueued, reply.is_closed(), slot);
+            // A prompt whose caller went away while it ran leaves no cache behind.
+            if let (Some(seq), Some(slot), true) = (prefill, kept.as_mut(), reply.is_closed()) {
+                let gone = DecodeStep {
+                    rows: Vec::new(),
+                    ended: vec![seq],
+                };
+                let _ = slot
+                    .backend
+                    .decode(&model, &gone, &crate::core::backend::RunMeta::default());
+            }
             // The run is counted over before its answer goes out: a caller that reads the
             // pool's load after its answer sees it.
             self.queue.finish(Some(&model), kept.ok_or(id));
