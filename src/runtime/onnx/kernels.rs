@@ -54,6 +54,8 @@ pub struct Kernels {
     /// Where [`Kernels::last_position`]'s output is bound.
     host: MemoryInfo<'static>,
     sessions: HashMap<Key, Session>,
+    /// Run the graphs even where the device is the host (tests: the path CUDA takes).
+    graphs_only: bool,
 }
 
 impl std::fmt::Debug for Kernels {
@@ -208,6 +210,21 @@ fn run_bound(session: &mut Session, inputs: &[(&str, &DynValue)], output: &Memor
         .ok_or_else(|| format!("the kernel produced no output `{OUTPUT}`"))
 }
 
+/// INT64 `[rows, n]` and `[rows, m]` side by side, built in host memory.
+fn host_concat_columns(a: &DynValue, b: &DynValue, a_shape: &[i64], b_shape: &[i64]) -> Result<DynValue, String> {
+    let e = |e: ort::Error| format!("concat: {e}");
+    let (_, a_data) = a.try_extract_tensor::<i64>().map_err(e)?;
+    let (_, b_data) = b.try_extract_tensor::<i64>().map_err(e)?;
+    let (n, m) = (a_shape[1] as usize, b_shape[1] as usize);
+    let mut out = Vec::with_capacity(a_data.len() + b_data.len());
+    for row in 0..a_shape[0] as usize {
+        out.extend_from_slice(&a_data[row * n..(row + 1) * n]);
+        out.extend_from_slice(&b_data[row * m..(row + 1) * m]);
+    }
+    let shape = vec![a_shape[0], (n + m) as i64];
+    Ok(ort::value::Tensor::from_array((shape, out)).map_err(e)?.into_dyn())
+}
+
 impl Kernels {
     /// Kernels for sessions built with `options` (its provider and device index decide where
     /// outputs are bound: CUDA device memory for `Provider::Cuda`, CPU otherwise).
@@ -230,12 +247,19 @@ impl Kernels {
             device,
             host,
             sessions: HashMap::new(),
+            graphs_only: false,
         })
     }
 
     /// Where outputs are bound (the device's memory info), for callers binding their own runs' outputs.
     pub fn device(&self) -> &MemoryInfo<'static> {
         &self.device
+    }
+
+    /// Whether the device is the host (every provider but CUDA): values there are read and
+    /// built in place, with no run.
+    fn on_host(&self) -> bool {
+        !self.graphs_only && !matches!(self.options.provider, Provider::Cuda(_))
     }
 
     /// The session for `key`, built on first use.
@@ -346,6 +370,9 @@ impl Kernels {
         if axis >= rank {
             return Err(format!("concat: axis {axis} is outside a's rank {rank} ({a_shape:?})"));
         }
+        if self.on_host() && elem_type == INT64 && rank == 2 && axis == 1 {
+            return host_concat_columns(a, b, &a_shape, &b_shape);
+        }
         let key = Key {
             kind: Kind::Concat,
             elem_type,
@@ -376,6 +403,18 @@ impl Kernels {
         if shape[1] == 0 {
             return Err(format!("last_position: logits {shape:?} have no positions"));
         }
+        if self.on_host() && elem_type == FLOAT {
+            // Host memory already: the rows are read where they lie, with no run.
+            let (_, data) = logits
+                .try_extract_tensor::<f32>()
+                .map_err(|e| format!("last_position: {e}"))?;
+            let (positions, vocab) = (shape[1] as usize, shape[2] as usize);
+            let mut rows = Vec::with_capacity(shape[0] as usize * vocab);
+            for row in data.chunks(positions * vocab.max(1)) {
+                rows.extend_from_slice(&row[(positions - 1) * vocab..]);
+            }
+            return Ok(rows);
+        }
         let key = Key {
             kind: Kind::LastPosition,
             elem_type,
@@ -398,9 +437,32 @@ mod tests {
     use crate::runtime::onnx::runtime;
     use half::f16;
 
+    /// Kernels that run their graphs, as on a CUDA pool.
     fn kernels() -> Kernels {
+        Kernels {
+            graphs_only: true,
+            ..on_host()
+        }
+    }
+
+    /// Kernels as a CPU pool has them: values on the host are read and built in place.
+    fn on_host() -> Kernels {
         let rt = runtime(None).expect("ONNX Runtime loads");
         Kernels::new(rt, &SessionOptions::quiet_cpu()).expect("kernels")
+    }
+
+    #[test]
+    fn on_the_host_masks_and_last_positions_are_the_graphs_answers() {
+        let (mut graphs, mut host) = (kernels(), on_host());
+        let mask = value(&[3, 5], (0..15).map(|i| i64::from(i % 4 != 0)).collect());
+        let column = value(&[3, 1], vec![1i64, 0, 1]);
+        let by_graph = read::<i64>(&graphs.concat(&mask, &column, 1).unwrap());
+        assert_eq!(read::<i64>(&host.concat(&mask, &column, 1).unwrap()), by_graph);
+        assert_eq!(by_graph.0, vec![3, 6]);
+        let logits = value(&[2, 3, 4], (0..24).map(|i| i as f32 * 0.5).collect());
+        let rows = graphs.last_position(&logits).unwrap();
+        assert_eq!(host.last_position(&logits).unwrap(), rows);
+        assert_eq!(rows, vec![4.0, 4.5, 5.0, 5.5, 10.0, 10.5, 11.0, 11.5]);
     }
 
     fn value<T>(shape: &[i64], data: Vec<T>) -> DynValue
