@@ -39,6 +39,15 @@ impl Sequences {
     }
 }
 
+/// Move `counter` by what a holder's bytes change from `from` to `to`.
+fn move_bytes(counter: &AtomicU64, from: u64, to: u64) {
+    if to >= from {
+        counter.fetch_add(to - from, Ordering::Relaxed);
+    } else {
+        counter.fetch_sub(from - to, Ordering::Relaxed);
+    }
+}
+
 /// A generation waiting for its prompt's run, counted in a pool's [`Sequences`] until dropped.
 #[derive(Debug)]
 pub struct Waiting(Arc<Sequences>);
@@ -83,12 +92,7 @@ impl Running {
             *self = Running::on(sequences, kv_bytes);
             return;
         }
-        let counter = &self.sequences.kv_bytes;
-        if kv_bytes >= self.kv_bytes {
-            counter.fetch_add(kv_bytes - self.kv_bytes, Ordering::Relaxed);
-        } else {
-            counter.fetch_sub(self.kv_bytes - kv_bytes, Ordering::Relaxed);
-        }
+        move_bytes(&self.sequences.kv_bytes, self.kv_bytes, kv_bytes);
         self.kv_bytes = kv_bytes;
     }
 }
@@ -121,12 +125,7 @@ impl Padding {
 
     /// The batch's masked slots now hold `kv_bytes`.
     pub fn set(&mut self, kv_bytes: u64) {
-        let counter = &self.sequences.kv_bytes;
-        if kv_bytes >= self.kv_bytes {
-            counter.fetch_add(kv_bytes - self.kv_bytes, Ordering::Relaxed);
-        } else {
-            counter.fetch_sub(self.kv_bytes - kv_bytes, Ordering::Relaxed);
-        }
+        move_bytes(&self.sequences.kv_bytes, self.kv_bytes, kv_bytes);
         self.kv_bytes = kv_bytes;
     }
 }

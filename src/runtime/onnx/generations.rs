@@ -105,15 +105,8 @@ impl Generations {
         inputs: Vec<Tensor>,
         options: &RunOptions,
     ) -> Result<Vec<Tensor>, BackendError> {
-        let caches = self.models.entry(model.to_string()).or_default();
-        caches.solo.remove(&seq);
-        if let Some(batch) = &mut caches.batch {
-            batch
-                .rows
-                .iter_mut()
-                .filter(|r| r.seq == seq)
-                .for_each(|r| r.gone = true);
-        }
+        // A sequence prefilled again replaces the cache it had.
+        self.models.entry(model.to_string()).or_default().end(seq);
         let mut binding = session.create_binding().map_err(runtime)?;
         let mut mask = None;
         let mut past = 0;
