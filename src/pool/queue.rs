@@ -395,9 +395,12 @@ impl Queue {
     }
 
     /// The next queued job and an idle backend to run it on, waiting for both, or an idle
-    /// backend behind the wanted set; `None` once closed.
-    pub(super) fn next(&self) -> Option<Next> {
+    /// backend behind the wanted set; `None` once closed. With `spin`, it looks again for that
+    /// long (yielding the core between looks) before it sleeps: a generation's next step comes
+    /// a few tens of µs after the last one ended.
+    pub(super) fn next_after(&self, spin: Option<Duration>) -> Option<Next> {
         let mut state = self.lock();
+        let mut spin_until = spin.map(|d| Instant::now() + d);
         loop {
             let generation = state.generation;
             let behind = state.idle.iter().position(|s| s.generation != generation);
@@ -442,6 +445,15 @@ impl Queue {
                 }
                 Err(wait) => wait,
             };
+            if let Some(until) = spin_until {
+                if Instant::now() < until {
+                    drop(state);
+                    std::thread::yield_now();
+                    state = self.lock();
+                    continue;
+                }
+                spin_until = None;
+            }
             state = match wait {
                 Some(wait) => self.wake.wait_timeout(state, wait).unwrap_or_else(|e| e.into_inner()).0,
                 None => self.wake.wait(state).unwrap_or_else(|e| e.into_inner()),

@@ -13,6 +13,9 @@ use crate::pool::job::{InferJob, JobResult, PoolError, RunOp};
 use crate::pool::queue::{Next, Queued, Slot};
 use crate::pool::shared::{Availability, Pool};
 
+/// How long a worker looks for a generation's next step before it sleeps.
+const STEP_SPIN: std::time::Duration = std::time::Duration::from_micros(200);
+
 impl Pool {
     /// Start `count` worker threads, named after the pool.
     pub(super) fn spawn_workers(self: &Arc<Self>, count: usize) {
@@ -31,12 +34,15 @@ impl Pool {
     /// One worker thread's loop, until the queue closes: bring the backend up to the wanted
     /// models when it is behind, then run the job it came with, if any.
     fn work(&self) {
+        // After a generation's step, the next one is on its way: look for it a while before
+        // sleeping, so the worker is not woken for every token.
+        let mut spin = None;
         while let Some(Next {
             job,
             mut slot,
             stale,
             release,
-        }) = self.queue.next()
+        }) = self.queue.next_after(spin.take())
         {
             if release {
                 self.release_memory(&mut slot);
@@ -65,6 +71,9 @@ impl Pool {
                 RunOp::Prefill(seq) => Some(seq),
                 _ => None,
             };
+            if matches!(&job.op, RunOp::Decode(step) if !step.rows.is_empty()) {
+                spin = Some(STEP_SPIN);
+            }
             let (mut kept, result) = self.serve(job, enqueued, reply.is_closed(), slot);
             // A prompt whose caller went away while it ran leaves no cache behind.
             if let (Some(seq), Some(slot), true) = (prefill, kept.as_mut(), reply.is_closed()) {
