@@ -88,6 +88,24 @@ pub trait Backend: Send {
         let _ = (model, seq, inputs, meta);
         Err(BackendError::Runtime("this backend keeps no generation caches".into()))
     }
+    /// [`prefill`](Self::prefill) of several sequences' prompts (`inputs`: each one's first
+    /// pass, one after another) as one run where the backend can: `logits` `[1, vocab]` for
+    /// each, in `seqs`' order. This one runs them one at a time.
+    fn prefill_many(
+        &mut self,
+        model: &str,
+        seqs: &[u64],
+        inputs: Vec<Tensor>,
+        meta: &RunMeta,
+    ) -> Result<Vec<Tensor>, BackendError> {
+        let per = inputs.len() / seqs.len().max(1);
+        let mut inputs = inputs.into_iter();
+        let mut out = Vec::new();
+        for &seq in seqs {
+            out.extend(self.prefill(model, seq, inputs.by_ref().take(per).collect(), meta)?);
+        }
+        Ok(out)
+    }
     /// One step of `model`'s generations whose caches it keeps: drop the caches of
     /// `step.ended`, then run each row's next token, all rows as one batch. Returns `logits`,
     /// FP32 `[rows, vocab]`, in row order. A row whose cache it does not hold at that row's

@@ -470,6 +470,19 @@ impl Backend for FaultInjecting {
         }
     }
 
+    fn prefill_many(
+        &mut self,
+        model: &str,
+        seqs: &[u64],
+        inputs: Vec<Tensor>,
+        meta: &RunMeta,
+    ) -> Result<Vec<Tensor>, BackendError> {
+        match self.device.injected_failure() {
+            Some(error) => Err(error),
+            None => self.inner.prefill_many(model, seqs, inputs, meta),
+        }
+    }
+
     fn decode(
         &mut self,
         model: &str,

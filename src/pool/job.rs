@@ -43,6 +43,9 @@ pub enum RunOp {
     /// A decoder's prompt: run it and keep its KV cache as this sequence's
     /// ([`Backend::prefill`](crate::core::backend::Backend::prefill)).
     Prefill(u64),
+    /// Several decoders' prompts, run as one padded batch where the backend can (their
+    /// inputs one after another); the worker makes it of prompts that waited together.
+    PrefillMany(Vec<u64>),
     /// One batched step of generations whose caches the backend keeps (no inputs).
     Decode(DecodeStep),
 }

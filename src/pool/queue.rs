@@ -461,6 +461,44 @@ impl Queue {
         }
     }
 
+    /// Up to `most` more prompts of `model`'s generations queued now for the backend `slot`
+    /// keeps their caches in, taken out in their order and counted running: they run with
+    /// the prompt it just took, as one batch.
+    pub(super) fn take_prompts(&self, model: &str, slot: usize, most: usize) -> Vec<Queued> {
+        let mut state = self.lock();
+        let mut taken = Vec::new();
+        let mut at = 0;
+        while at < state.jobs.len() && taken.len() < most {
+            let job = &state.jobs[at].job;
+            if matches!(job.op, RunOp::Prefill(_)) && job.model == model && state.homes.get(model) == Some(&slot) {
+                taken.push(state.jobs.remove(at).expect("in range"));
+            } else {
+                at += 1;
+            }
+        }
+        state.inflight += taken.len();
+        if !taken.is_empty() {
+            *state.running.entry(model.to_string()).or_default() += taken.len();
+        }
+        taken
+    }
+
+    /// Runs of `model` taken by [`take_prompts`](Self::take_prompts) are over (their backend
+    /// comes back with the prompt they ran beside, through [`finish`](Self::finish)).
+    pub(super) fn finish_prompts(&self, model: &str, count: usize) {
+        if count == 0 {
+            return;
+        }
+        let mut state = self.lock();
+        state.inflight -= count;
+        if let Some(n) = state.running.get_mut(model) {
+            *n -= count;
+            if *n == 0 {
+                state.running.remove(model);
+            }
+        }
+    }
+
     /// A run of `model` (or a backend's update, with `None`) is over: its backend is idle
     /// again, or gone for good when `lost` (it keeps no id then), and a worker is woken if work
     /// is waiting for it.

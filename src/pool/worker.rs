@@ -7,11 +7,17 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, PoisonError};
 use std::time::Instant;
 
-use crate::core::backend::{Backend, BackendError, DecodeStep};
+use crate::core::backend::{Backend, BackendError, DecodeStep, RunMeta};
 use crate::pool::arena::RunOf;
 use crate::pool::job::{InferJob, JobResult, PoolError, RunOp};
 use crate::pool::queue::{Next, Queued, Slot};
+
+/// Where a job's answer goes.
+type Reply = tokio::sync::oneshot::Sender<JobResult>;
 use crate::pool::shared::{Availability, Pool};
+
+/// Most prompts of one model run together as one batch.
+const MAX_PROMPTS: usize = 8;
 
 /// How long a worker looks for a generation's next step before it sleeps.
 const STEP_SPIN: std::time::Duration = std::time::Duration::from_micros(200);
@@ -66,6 +72,19 @@ impl Pool {
                 None => {}
             }
             let id = slot.id;
+            if matches!(queued.job.op, RunOp::Prefill(_)) {
+                let more = self.queue.take_prompts(&model, id, MAX_PROMPTS - 1);
+                if !more.is_empty() {
+                    let count = more.len();
+                    let (kept, answers) = self.serve_prompts(queued, more, slot);
+                    self.queue.finish_prompts(&model, count);
+                    self.queue.finish(Some(&model), kept.ok_or(id));
+                    for (reply, result) in answers {
+                        let _ = reply.send(result);
+                    }
+                    continue;
+                }
+            }
             let Queued { job, enqueued, reply } = queued;
             let prefill = match job.op {
                 RunOp::Prefill(seq) => Some(seq),
@@ -81,9 +100,7 @@ impl Pool {
                     rows: Vec::new(),
                     ended: vec![seq],
                 };
-                let _ = slot
-                    .backend
-                    .decode(&model, &gone, &crate::core::backend::RunMeta::default());
+                let _ = slot.backend.decode(&model, &gone, &RunMeta::default());
             }
             // The run is counted over before its answer goes out: a caller that reads the
             // pool's load after its answer sees it.
@@ -92,6 +109,97 @@ impl Pool {
                 let _ = reply.send(result);
             }
         }
+    }
+
+    /// Run prompts of one model that waited together as one batch (a [`RunOp::PrefillMany`]
+    /// job): each is checked as [`serve`](Self::serve) checks a job, those still wanted run,
+    /// and each gets its own row of logits, or the batch's error. Returns the slot, unless its
+    /// backend was lost, and the answers to send.
+    fn serve_prompts(&self, first: Queued, more: Vec<Queued>, slot: Slot) -> (Option<Slot>, Vec<(Reply, JobResult)>) {
+        let now = self.context.clock.now();
+        let earliest = first.enqueued;
+        let pool = || self.name().to_string();
+        let (mut answers, mut running) = (Vec::new(), Vec::new());
+        for (i, queued) in std::iter::once(first).chain(more).enumerate() {
+            let waited = now.saturating_duration_since(queued.enqueued);
+            // The first one's wait is observed with the batch's run.
+            if i > 0 {
+                self.context.metrics.queue_wait.observe(waited.as_secs_f64());
+            }
+            let job = &queued.job;
+            if queued.reply.is_closed() {
+                continue;
+            } else if waited > self.config.max_wait {
+                answers.push((queued.reply, Err(PoolError::QueueTimeout { pool: pool(), waited })));
+            } else if job.meta.deadline.is_some_and(|d| now >= d) {
+                answers.push((queued.reply, Err(PoolError::DeadlineExceeded { pool: pool() })));
+            } else if job.cancel.start(None) {
+                running.push(queued);
+            }
+        }
+        if running.is_empty() {
+            return (Some(slot), answers);
+        }
+        let seqs: Vec<u64> = running
+            .iter()
+            .filter_map(|q| match q.job.op {
+                RunOp::Prefill(seq) => Some(seq),
+                _ => None,
+            })
+            .collect();
+        let batch = InferJob {
+            meta: RunMeta {
+                deadline: None,
+                ..running[0].job.meta.clone()
+            },
+            model: running[0].job.model.clone(),
+            inputs: running
+                .iter_mut()
+                .flat_map(|q| std::mem::take(&mut q.job.inputs))
+                .collect(),
+            outputs: Vec::new(),
+            op: RunOp::PrefillMany(seqs.clone()),
+            estimate_bytes: Some(running.iter().filter_map(|q| q.job.estimate_bytes).sum()),
+            memory: Default::default(),
+            probe: false,
+            cancel: Default::default(),
+        };
+        let model = batch.model.clone();
+        let (mut kept, result) = self.serve(batch, earliest, false, slot);
+        let rows = match result {
+            Some(Ok(rows)) if rows.len() == running.len() => Ok(rows),
+            Some(Ok(rows)) => Err(PoolError::Backend(BackendError::Runtime(format!(
+                "{} rows of logits for {} prompts",
+                rows.len(),
+                running.len()
+            )))),
+            Some(Err(error)) => Err(error),
+            None => Err(PoolError::ShuttingDown { pool: pool() }),
+        };
+        // Prompts whose callers went away while they ran leave no cache behind.
+        let gone: Vec<u64> = running
+            .iter()
+            .zip(&seqs)
+            .filter(|(q, _)| q.reply.is_closed())
+            .map(|(_, seq)| *seq)
+            .collect();
+        if let (false, Some(slot)) = (gone.is_empty(), kept.as_mut()) {
+            let step = DecodeStep {
+                rows: Vec::new(),
+                ended: gone,
+            };
+            let _ = slot.backend.decode(&model, &step, &RunMeta::default());
+        }
+        let mut rows = rows.map(|rows| rows.into_iter());
+        for queued in running {
+            queued.job.cancel.end();
+            let answer = match &mut rows {
+                Ok(rows) => Ok(rows.next().into_iter().collect()),
+                Err(error) => Err(error.clone()),
+            };
+            answers.push((queued.reply, answer));
+        }
+        (kept, answers)
     }
 
     /// Give the free memory of `slot`'s allocator back: the pool has been idle for its
@@ -191,12 +299,13 @@ impl Pool {
         let metrics = &self.context.metrics;
         let run = std::panic::catch_unwind(AssertUnwindSafe(|| {
             let result = match job.op {
-                RunOp::Run | RunOp::Prefill(_) => {
+                RunOp::Run | RunOp::Prefill(_) | RunOp::PrefillMany(_) => {
                     metrics
                         .to_pool
                         .inc_by(job.inputs.iter().map(|t| t.data.byte_len() as u64).sum());
                     match job.op {
                         RunOp::Prefill(seq) => backend.prefill(&job.model, seq, job.inputs, &job.meta),
+                        RunOp::PrefillMany(seqs) => backend.prefill_many(&job.model, &seqs, job.inputs, &job.meta),
                         _ => backend.run(&job.model, job.inputs, &job.outputs, &job.meta),
                     }
                 }

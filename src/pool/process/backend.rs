@@ -255,6 +255,16 @@ impl Backend for ProcessBackend {
         self.call(model, inputs, &[], RunOp::Prefill(seq))
     }
 
+    fn prefill_many(
+        &mut self,
+        model: &str,
+        seqs: &[u64],
+        inputs: Vec<Tensor>,
+        _: &RunMeta,
+    ) -> Result<Vec<Tensor>, BackendError> {
+        self.call(model, inputs, &[], RunOp::PrefillMany(seqs.to_vec()))
+    }
+
     fn decode(&mut self, model: &str, step: &DecodeStep, _: &RunMeta) -> Result<Vec<Tensor>, BackendError> {
         self.call(model, Vec::new(), &[], RunOp::Decode(step.clone()))
     }

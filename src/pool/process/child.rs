@@ -413,12 +413,12 @@ impl Worker {
             let meta = RunMeta::default();
             match op {
                 RunOp::Run => backend.run_views(model, &views, outputs, &meta),
-                RunOp::Prefill(sequence) => views
-                    .iter()
-                    .map(TensorView::to_tensor)
-                    .collect::<Result<Vec<_>, _>>()
-                    .map_err(BackendError::InvalidInput)
-                    .and_then(|inputs| backend.prefill(model, sequence, inputs, &meta)),
+                RunOp::Prefill(sequence) => {
+                    owned(&views).and_then(|inputs| backend.prefill(model, sequence, inputs, &meta))
+                }
+                RunOp::PrefillMany(seqs) => {
+                    owned(&views).and_then(|inputs| backend.prefill_many(model, &seqs, inputs, &meta))
+                }
                 RunOp::Decode(step) => backend.decode(model, &step, &meta),
             }
         };
@@ -553,6 +553,15 @@ impl Worker {
             std::thread::park_timeout(std::time::Duration::from_secs(3600));
         }
     }
+}
+
+/// Tensors of their own made from `views` (a prompt's inputs are small).
+fn owned(views: &[TensorView<'_>]) -> Result<Vec<crate::core::tensor::Tensor>, BackendError> {
+    views
+        .iter()
+        .map(TensorView::to_tensor)
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(BackendError::InvalidInput)
 }
 
 fn poisoned() -> BackendError {

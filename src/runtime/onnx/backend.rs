@@ -184,6 +184,19 @@ impl Backend for OrtBackend {
             .prefill(session, &layout, model, seq, inputs, &self.run_options)
     }
 
+    fn prefill_many(
+        &mut self,
+        model: &str,
+        seqs: &[u64],
+        inputs: Vec<Tensor>,
+        _: &RunMeta,
+    ) -> Result<Vec<Tensor>, BackendError> {
+        let layout = self.decoder(model)?;
+        let (session, _) = self.sessions.get_mut(model).expect("noted: it has a session");
+        self.generations
+            .prefill_many(session, &layout, model, seqs, inputs, &self.run_options)
+    }
+
     fn decode(&mut self, model: &str, step: &DecodeStep, _: &RunMeta) -> Result<Vec<Tensor>, BackendError> {
         let layout = self.decoder(model)?;
         let (session, _) = self.sessions.get_mut(model).expect("noted: it has a session");

@@ -27,11 +27,11 @@ pub struct Generations {
     models: HashMap<String, Caches>,
 }
 
-/// One model's caches: sequences prefilled and not yet batched (with the steps run since),
-/// and the batch.
+/// One model's caches: prompts prefilled and not yet batched (each run's rows, with the steps
+/// run since), and the batch.
 #[derive(Default)]
 struct Caches {
-    solo: HashMap<u64, (Cache, u32)>,
+    prefilled: Vec<(Cache, u32)>,
     batch: Option<Cache>,
 }
 
@@ -86,11 +86,9 @@ impl Generations {
     /// Sequences of `model` whose caches are held.
     #[cfg(test)]
     pub fn sequences(&self, model: &str) -> usize {
+        let live = |c: &Cache| c.rows.iter().filter(|r| !r.gone).count();
         self.models.get(model).map_or(0, |c| {
-            c.solo.len()
-                + c.batch
-                    .as_ref()
-                    .map_or(0, |b| b.rows.iter().filter(|r| !r.gone).count())
+            c.prefilled.iter().map(|(p, _)| live(p)).sum::<usize>() + c.batch.as_ref().map_or(0, live)
         })
     }
 
@@ -125,24 +123,112 @@ impl Generations {
         let (kv, logits) = self.run_bound(session, &mut binding, layout, options)?;
         let logits = self.kernels.last_position(&logits).map_err(BackendError::Runtime)?;
         let caches = self.models.get_mut(model).expect("made above");
-        caches.solo.insert(
-            seq,
-            (
-                Cache {
-                    rows: vec![Row {
-                        seq,
-                        past: past as u64,
-                        lead: 0,
-                        gone: false,
-                    }],
-                    kv,
-                    mask,
-                    len: past,
-                },
-                0,
-            ),
-        );
+        caches.prefilled.push((
+            Cache {
+                rows: vec![Row {
+                    seq,
+                    past: past as u64,
+                    lead: 0,
+                    gone: false,
+                }],
+                kv,
+                mask,
+                len: past,
+            },
+            0,
+        ));
         Ok(vec![logits_tensor(logits, 1)])
+    }
+
+    /// Prompts of several sequences (`inputs`: each one's first pass, one after another, as
+    /// [`prefill`](Self::prefill) takes it) run as one padded batch: left-padded to the
+    /// longest, padding masked out and given position 1, as batched prompts run in
+    /// `transformers`. Their rows stay together and join the batch at their next step. One row
+    /// of logits each comes back, as `logits` `[1, vocab]` in `seqs`' order.
+    pub fn prefill_many(
+        &mut self,
+        session: &mut Session,
+        layout: &DecoderLayout,
+        model: &str,
+        seqs: &[u64],
+        inputs: Vec<Tensor>,
+        options: &RunOptions,
+    ) -> Result<Vec<Tensor>, BackendError> {
+        let prompts = prompt_ids(seqs.len(), inputs)?;
+        let caches = self.models.entry(model.to_string()).or_default();
+        for seq in seqs {
+            caches.end(*seq);
+        }
+        let (k, len) = (seqs.len(), prompts.iter().map(Vec::len).max().unwrap_or(0));
+        let (mut ids, mut mask, mut positions) = (Vec::new(), Vec::new(), Vec::new());
+        for prompt in &prompts {
+            let pad = len - prompt.len();
+            ids.extend(std::iter::repeat_n(PAD_TOKEN, pad).chain(prompt.iter().copied()));
+            mask.extend(std::iter::repeat_n(0, pad).chain(std::iter::repeat_n(1, prompt.len())));
+            positions.extend(std::iter::repeat_n(PAD_POSITION, pad).chain(0..prompt.len() as i64));
+        }
+        let host = |name: &str, data: Vec<i64>| {
+            let shape = vec![k as i64, len as i64];
+            to_value(Tensor {
+                name: name.into(),
+                shape,
+                data: TensorData::Int64(data),
+            })
+            .map_err(runtime)
+        };
+        let mut binding = session.create_binding().map_err(runtime)?;
+        let mask = host("attention_mask", mask)?;
+        binding
+            .bind_input("input_ids", &host("input_ids", ids)?)
+            .map_err(runtime)?;
+        binding.bind_input("attention_mask", &mask).map_err(runtime)?;
+        if layout.position_ids {
+            binding
+                .bind_input("position_ids", &host("position_ids", positions)?)
+                .map_err(runtime)?;
+        }
+        let empty = match layout.kv_datatype {
+            crate::core::tensor::DataType::Fp16 => TensorData::Fp16(Vec::new()),
+            _ => TensorData::Fp32(Vec::new()),
+        };
+        for i in 0..layout.layers * 2 {
+            let shape = vec![k as i64, layout.kv_heads as i64, 0, layout.head_size as i64];
+            let past = to_value(Tensor {
+                name: past_name(i),
+                shape,
+                data: empty.clone(),
+            })
+            .map_err(runtime)?;
+            binding.bind_input(past_name(i), &past).map_err(runtime)?;
+        }
+        let (kv, logits) = self.run_bound(session, &mut binding, layout, options)?;
+        let logits = self.kernels.last_position(&logits).map_err(BackendError::Runtime)?;
+        let rows = seqs
+            .iter()
+            .zip(&prompts)
+            .map(|(&seq, prompt)| Row {
+                seq,
+                past: prompt.len() as u64,
+                lead: (len - prompt.len()) as i64,
+                gone: false,
+            })
+            .collect();
+        let cache = Cache {
+            rows,
+            kv,
+            mask,
+            len: len as i64,
+        };
+        self.models
+            .get_mut(model)
+            .expect("made above")
+            .prefilled
+            .push((cache, 0));
+        let vocab = logits.len() / k.max(1);
+        Ok(logits
+            .chunks(vocab.max(1))
+            .map(|row| logits_tensor(row.to_vec(), 1))
+            .collect())
     }
 
     /// One batched step of `model`'s generations (see [`Backend::decode`]): ended caches
@@ -165,9 +251,10 @@ impl Generations {
         for seq in &step.ended {
             caches.end(*seq);
         }
-        caches.solo.retain(|seq, (_, waited)| {
+        caches.prefilled.retain_mut(|(cache, waited)| {
             *waited += 1;
-            *waited <= UNCLAIMED_STEPS || step.rows.iter().any(|r| r.seq == *seq)
+            let claimed = cache.rows.iter().any(|r| step.rows.iter().any(|w| w.seq == r.seq));
+            cache.rows.iter().any(|r| !r.gone) && (*waited <= UNCLAIMED_STEPS || claimed)
         });
         if step.rows.is_empty() {
             if caches.batch.as_ref().is_some_and(|b| b.rows.iter().all(|r| r.gone)) {
@@ -196,16 +283,20 @@ impl Generations {
         options: &RunOptions,
     ) -> Result<Vec<Tensor>, BackendError> {
         let caches = self.models.get_mut(model).expect("made by decode");
-        let joiners: Vec<Cache> = step
-            .rows
-            .iter()
-            .filter_map(|r| caches.solo.remove(&r.seq).map(|(cache, _)| cache))
-            .collect();
+        // Prompts with a row in this step join the batch (their other rows as late ones).
+        let (joiners, waiting): (Vec<_>, Vec<_>) = std::mem::take(&mut caches.prefilled)
+            .into_iter()
+            .partition(|(cache, _)| cache.rows.iter().any(|r| step.rows.iter().any(|w| w.seq == r.seq)));
+        caches.prefilled = waiting;
         let mut batch = caches.batch.take().filter(|b| b.rows.iter().any(|r| !r.gone));
         if batch.as_ref().is_some_and(|b| b.rows.iter().any(|r| r.gone)) {
             batch = batch.map(|b| self.kernels.without_gone(b)).transpose()?;
         }
-        for joiner in joiners {
+        for (joiner, _) in joiners {
+            let joiner = match joiner.rows.iter().any(|r| r.gone) {
+                true => self.kernels.without_gone(joiner)?,
+                false => joiner,
+            };
             batch = Some(match batch {
                 None => joiner,
                 Some(b) => self.kernels.join(b, joiner)?,
@@ -323,11 +414,12 @@ impl Caches {
         step.rows
             .iter()
             .filter(|want| {
-                let held = self.solo.get(&want.seq).map(|(c, _)| c.rows[0]).or_else(|| {
-                    self.batch
-                        .as_ref()
-                        .and_then(|b| b.rows.iter().find(|r| r.seq == want.seq && !r.gone).copied())
-                });
+                let row = |c: &Cache| c.rows.iter().find(|r| r.seq == want.seq && !r.gone).copied();
+                let held = self
+                    .prefilled
+                    .iter()
+                    .find_map(|(c, _)| row(c))
+                    .or_else(|| self.batch.as_ref().and_then(row));
                 step.ended.contains(&want.seq) || held.is_none_or(|r| r.past != want.past)
             })
             .map(|want| want.seq)
@@ -335,14 +427,15 @@ impl Caches {
     }
 
     fn end(&mut self, seq: u64) {
-        self.solo.remove(&seq);
-        if let Some(batch) = &mut self.batch {
-            batch
+        let caches = self.prefilled.iter_mut().map(|(c, _)| c).chain(self.batch.as_mut());
+        for cache in caches {
+            cache
                 .rows
                 .iter_mut()
                 .filter(|r| r.seq == seq)
                 .for_each(|r| r.gone = true);
         }
+        self.prefilled.retain(|(c, _)| c.rows.iter().any(|r| !r.gone));
     }
 }
 
@@ -403,6 +496,28 @@ impl Kernels {
     }
 }
 
+/// The token ids of `count` first passes given one after another: each one's `input_ids`.
+fn prompt_ids(count: usize, inputs: Vec<Tensor>) -> Result<Vec<Vec<i64>>, BackendError> {
+    let prompts: Vec<Vec<i64>> = inputs
+        .into_iter()
+        .filter(|t| t.name == "input_ids")
+        .map(|t| match t.data {
+            TensorData::Int64(ids) if t.shape.first() == Some(&1) && !ids.is_empty() => Ok(ids),
+            _ => Err(BackendError::InvalidInput(format!(
+                "a prompt's `input_ids` must be INT64 [1, tokens], not {:?}",
+                t.shape
+            ))),
+        })
+        .collect::<Result<_, _>>()?;
+    if prompts.len() != count {
+        return Err(BackendError::InvalidInput(format!(
+            "{} prompts' inputs for {count} sequences",
+            prompts.len()
+        )));
+    }
+    Ok(prompts)
+}
+
 /// `past_key_values.{layer}.{key|value}` of cache tensor `i` (layer-major, key first).
 fn past_name(i: usize) -> String {
     format!("past_key_values.{}.{}", i / 2, if i % 2 == 0 { "key" } else { "value" })
@@ -434,159 +549,4 @@ fn logits_tensor(values: Vec<f32>, rows: usize) -> Tensor {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::super::{OrtBackend, SessionOptions, runtime};
-    use crate::core::backend::{Backend, DecodeRow, DecodeStep, RunMeta};
-    use crate::core::model::BuiltinModel;
-    use crate::core::tensor::TensorData;
-    use crate::runtime::decoder::{DecoderLayout, step_inputs};
-
-    /// The reference cases: prompt ids and greedy continuations (numpy, float64, no cache).
-    fn cases() -> Vec<(Vec<u32>, Vec<u32>)> {
-        let text =
-            std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/models/decoder/reference.json")).unwrap();
-        let reference: serde_json::Value = serde_json::from_str(&text).unwrap();
-        let ids = |v: &serde_json::Value| {
-            v.as_array()
-                .unwrap()
-                .iter()
-                .map(|x| x.as_u64().unwrap() as u32)
-                .collect()
-        };
-        reference["cases"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|c| (ids(&c["prompt_ids"]), ids(&c["greedy_ids"])))
-            .collect()
-    }
-
-    fn argmax(row: &[f32]) -> u32 {
-        row.iter()
-            .enumerate()
-            .fold((0, f32::NEG_INFINITY), |b, (i, &l)| if l > b.1 { (i, l) } else { b })
-            .0 as u32
-    }
-
-    fn rows(logits: &crate::core::tensor::Tensor) -> Vec<Vec<f32>> {
-        let TensorData::Fp32(values) = &logits.data else {
-            panic!("{logits:?}")
-        };
-        let vocab = logits.shape[1] as usize;
-        values.chunks(vocab).map(<[f32]>::to_vec).collect()
-    }
-
-    /// Sequences join at different steps, one skips a step (a masked slot), one ends early:
-    /// every row's greedy tokens are the references', so left padding, masks and the
-    /// re-arranged caches are right.
-    #[test]
-    fn a_batch_whose_rows_join_skip_and_leave_gives_each_row_its_reference_tokens() {
-        let rt = runtime(None).expect("ONNX Runtime loads");
-        let model = [("lm".to_string(), BuiltinModel::Decoder.bytes())];
-        let mut backend = OrtBackend::load(rt, &model, &SessionOptions::quiet_cpu()).unwrap();
-        let layout = DecoderLayout::detect(&super::super::signature(&backend.sessions["lm"].0).unwrap())
-            .unwrap()
-            .unwrap();
-        let cases = cases();
-        let meta = RunMeta::default();
-        // Sequence i: its tokens so far, and the last logits it got.
-        let mut got: Vec<Vec<u32>> = vec![Vec::new(); cases.len()];
-        let mut pending: Vec<Option<u32>> = vec![None; cases.len()];
-        let prefill = |backend: &mut OrtBackend, i: usize| {
-            let inputs = step_inputs(&layout, &cases[i].0, 0, Vec::new());
-            let out = backend.prefill("lm", i as u64, inputs, &meta).unwrap();
-            assert_eq!(out[0].shape, vec![1, 512], "one row of logits");
-            argmax(&rows(&out[0])[0])
-        };
-        for step in 0..20 {
-            // Sequence i joins at step 2 i; sequence 1 skips step 5; sequence 0 stops at 6 tokens.
-            for (i, next) in pending.iter_mut().enumerate() {
-                if step == 2 * i {
-                    *next = Some(prefill(&mut backend, i));
-                }
-            }
-            let mut step_rows = Vec::new();
-            let mut ended = Vec::new();
-            for (i, next) in pending.iter_mut().enumerate() {
-                let Some(token) = *next else { continue };
-                if got[i].len() == cases[i].1.len() || (i == 0 && got[i].len() == 6) {
-                    ended.push(i as u64);
-                    *next = None;
-                    continue;
-                }
-                if i == 1 && step == 5 {
-                    continue;
-                }
-                got[i].push(token);
-                step_rows.push(DecodeRow {
-                    seq: i as u64,
-                    token,
-                    past: (cases[i].0.len() + got[i].len() - 1) as u64,
-                });
-            }
-            let decode = DecodeStep {
-                rows: step_rows.clone(),
-                ended,
-            };
-            let out = backend.decode("lm", &decode, &meta).unwrap();
-            for (row, logits) in step_rows.iter().zip(rows(&out[0])) {
-                pending[row.seq as usize] = Some(argmax(&logits));
-            }
-        }
-        assert_eq!(got[0], cases[0].1[..6].to_vec());
-        for i in 1..cases.len() {
-            let n = got[i].len();
-            assert!(n >= 10, "sequence {i} ran {n} steps");
-            assert_eq!(got[i], cases[i].1[..n].to_vec(), "sequence {i}");
-        }
-        let live: Vec<usize> = (0..cases.len()).filter(|&i| pending[i].is_some()).collect();
-        assert!(!live.is_empty() && !live.contains(&0));
-        assert_eq!(
-            backend.generations.sequences("lm"),
-            live.len(),
-            "ended ones were dropped"
-        );
-        // A row whose cache is not held at its position fails the step and changes nothing.
-        let seq = live[0] as u64;
-        let wrong = DecodeStep {
-            rows: vec![DecodeRow { seq, token: 5, past: 3 }],
-            ended: vec![],
-        };
-        let err = backend.decode("lm", &wrong, &meta).unwrap_err();
-        assert_eq!(err, crate::core::backend::BackendError::CacheMissing(vec![seq]));
-        assert_eq!(backend.generations.sequences("lm"), live.len());
-    }
-
-    /// The batch's masked slots (left padding, a late row's slot) are reported as bytes held by
-    /// no sequence, and trimmed when the row that needed them leaves.
-    #[test]
-    fn the_bytes_of_masked_slots_are_reported_and_trimmed_when_rows_leave() {
-        let rt = runtime(None).expect("ONNX Runtime loads");
-        let model = [("lm".to_string(), BuiltinModel::Decoder.bytes())];
-        let mut backend = OrtBackend::load(rt, &model, &SessionOptions::quiet_cpu()).unwrap();
-        let layout = backend.decoders["lm"];
-        let per_slot = layout.kv_bytes_per_token() as i64;
-        let meta = RunMeta::default();
-        for (seq, prompt) in [(1u64, vec![5u32, 6]), (2, (10..20).collect())] {
-            backend
-                .prefill("lm", seq, step_inputs(&layout, &prompt, 0, Vec::new()), &meta)
-                .unwrap();
-        }
-        let mut step = |rows: Vec<DecodeRow>, ended: Vec<u64>| {
-            let out = backend.decode("lm", &DecodeStep { rows, ended }, &meta).unwrap();
-            assert_eq!(out[1].name, "padding_bytes");
-            let TensorData::Int64(bytes) = &out[1].data else {
-                panic!()
-            };
-            bytes[0] / per_slot
-        };
-        let row = |seq, past| DecodeRow { seq, token: 7, past };
-        // Both: 11 slots, the short one padded by 8 on the left.
-        assert_eq!(step(vec![row(1, 2), row(2, 10)], vec![]), 8);
-        // The short one is late: a masked slot of its own.
-        assert_eq!(step(vec![row(2, 11)], vec![]), 9);
-        // The long one ends; with the next step the batch is trimmed to the short one's slots.
-        assert_eq!(step(vec![], vec![2]), 9);
-        assert_eq!(step(vec![row(1, 3)], vec![]), 1);
-    }
-}
+mod tests;

@@ -1,0 +1,203 @@
+//! Generations on the decoder fixture with real ONNX Runtime: batches that join, skip and
+//! leave, prompts prefilled together, and the bytes of masked slots.
+
+use super::super::{OrtBackend, SessionOptions, runtime};
+use crate::core::backend::{Backend, DecodeRow, DecodeStep, RunMeta};
+use crate::core::model::BuiltinModel;
+use crate::core::tensor::TensorData;
+use crate::runtime::decoder::{DecoderLayout, step_inputs};
+
+/// The reference cases: prompt ids and greedy continuations (numpy, float64, no cache).
+fn cases() -> Vec<(Vec<u32>, Vec<u32>)> {
+    let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/models/decoder/reference.json")).unwrap();
+    let reference: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let ids = |v: &serde_json::Value| {
+        v.as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap() as u32)
+            .collect()
+    };
+    reference["cases"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| (ids(&c["prompt_ids"]), ids(&c["greedy_ids"])))
+        .collect()
+}
+
+fn argmax(row: &[f32]) -> u32 {
+    row.iter()
+        .enumerate()
+        .fold((0, f32::NEG_INFINITY), |b, (i, &l)| if l > b.1 { (i, l) } else { b })
+        .0 as u32
+}
+
+fn rows(logits: &crate::core::tensor::Tensor) -> Vec<Vec<f32>> {
+    let TensorData::Fp32(values) = &logits.data else {
+        panic!("{logits:?}")
+    };
+    let vocab = logits.shape[1] as usize;
+    values.chunks(vocab).map(<[f32]>::to_vec).collect()
+}
+
+/// Sequences join at different steps, one skips a step (a masked slot), one ends early:
+/// every row's greedy tokens are the references', so left padding, masks and the
+/// re-arranged caches are right.
+#[test]
+fn a_batch_whose_rows_join_skip_and_leave_gives_each_row_its_reference_tokens() {
+    let rt = runtime(None).expect("ONNX Runtime loads");
+    let model = [("lm".to_string(), BuiltinModel::Decoder.bytes())];
+    let mut backend = OrtBackend::load(rt, &model, &SessionOptions::quiet_cpu()).unwrap();
+    let layout = DecoderLayout::detect(&super::super::signature(&backend.sessions["lm"].0).unwrap())
+        .unwrap()
+        .unwrap();
+    let cases = cases();
+    let meta = RunMeta::default();
+    // Sequence i: its tokens so far, and the last logits it got.
+    let mut got: Vec<Vec<u32>> = vec![Vec::new(); cases.len()];
+    let mut pending: Vec<Option<u32>> = vec![None; cases.len()];
+    let prefill = |backend: &mut OrtBackend, i: usize| {
+        let inputs = step_inputs(&layout, &cases[i].0, 0, Vec::new());
+        let out = backend.prefill("lm", i as u64, inputs, &meta).unwrap();
+        assert_eq!(out[0].shape, vec![1, 512], "one row of logits");
+        argmax(&rows(&out[0])[0])
+    };
+    for step in 0..20 {
+        // Sequence i joins at step 2 i; sequence 1 skips step 5; sequence 0 stops at 6 tokens.
+        for (i, next) in pending.iter_mut().enumerate() {
+            if step == 2 * i {
+                *next = Some(prefill(&mut backend, i));
+            }
+        }
+        let mut step_rows = Vec::new();
+        let mut ended = Vec::new();
+        for (i, next) in pending.iter_mut().enumerate() {
+            let Some(token) = *next else { continue };
+            if got[i].len() == cases[i].1.len() || (i == 0 && got[i].len() == 6) {
+                ended.push(i as u64);
+                *next = None;
+                continue;
+            }
+            if i == 1 && step == 5 {
+                continue;
+            }
+            got[i].push(token);
+            step_rows.push(DecodeRow {
+                seq: i as u64,
+                token,
+                past: (cases[i].0.len() + got[i].len() - 1) as u64,
+            });
+        }
+        let decode = DecodeStep {
+            rows: step_rows.clone(),
+            ended,
+        };
+        let out = backend.decode("lm", &decode, &meta).unwrap();
+        for (row, logits) in step_rows.iter().zip(rows(&out[0])) {
+            pending[row.seq as usize] = Some(argmax(&logits));
+        }
+    }
+    assert_eq!(got[0], cases[0].1[..6].to_vec());
+    for i in 1..cases.len() {
+        let n = got[i].len();
+        assert!(n >= 10, "sequence {i} ran {n} steps");
+        assert_eq!(got[i], cases[i].1[..n].to_vec(), "sequence {i}");
+    }
+    let live: Vec<usize> = (0..cases.len()).filter(|&i| pending[i].is_some()).collect();
+    assert!(!live.is_empty() && !live.contains(&0));
+    assert_eq!(
+        backend.generations.sequences("lm"),
+        live.len(),
+        "ended ones were dropped"
+    );
+    // A row whose cache is not held at its position fails the step and changes nothing.
+    let seq = live[0] as u64;
+    let wrong = DecodeStep {
+        rows: vec![DecodeRow { seq, token: 5, past: 3 }],
+        ended: vec![],
+    };
+    let err = backend.decode("lm", &wrong, &meta).unwrap_err();
+    assert_eq!(err, crate::core::backend::BackendError::CacheMissing(vec![seq]));
+    assert_eq!(backend.generations.sequences("lm"), live.len());
+}
+
+/// The batch's masked slots (left padding, a late row's slot) are reported as bytes held by
+/// no sequence, and trimmed when the row that needed them leaves.
+#[test]
+fn the_bytes_of_masked_slots_are_reported_and_trimmed_when_rows_leave() {
+    let rt = runtime(None).expect("ONNX Runtime loads");
+    let model = [("lm".to_string(), BuiltinModel::Decoder.bytes())];
+    let mut backend = OrtBackend::load(rt, &model, &SessionOptions::quiet_cpu()).unwrap();
+    let layout = backend.decoders["lm"];
+    let per_slot = layout.kv_bytes_per_token() as i64;
+    let meta = RunMeta::default();
+    for (seq, prompt) in [(1u64, vec![5u32, 6]), (2, (10..20).collect())] {
+        backend
+            .prefill("lm", seq, step_inputs(&layout, &prompt, 0, Vec::new()), &meta)
+            .unwrap();
+    }
+    let mut step = |rows: Vec<DecodeRow>, ended: Vec<u64>| {
+        let out = backend.decode("lm", &DecodeStep { rows, ended }, &meta).unwrap();
+        assert_eq!(out[1].name, "padding_bytes");
+        let TensorData::Int64(bytes) = &out[1].data else {
+            panic!()
+        };
+        bytes[0] / per_slot
+    };
+    let row = |seq, past| DecodeRow { seq, token: 7, past };
+    // Both: 11 slots, the short one padded by 8 on the left.
+    assert_eq!(step(vec![row(1, 2), row(2, 10)], vec![]), 8);
+    // The short one is late: a masked slot of its own.
+    assert_eq!(step(vec![row(2, 11)], vec![]), 9);
+    // The long one ends; with the next step the batch is trimmed to the short one's slots.
+    assert_eq!(step(vec![], vec![2]), 9);
+    assert_eq!(step(vec![row(1, 3)], vec![]), 1);
+}
+
+/// Prompts of different lengths prefilled as one left-padded run, then stepped as a batch:
+/// every row's greedy tokens are its reference's.
+#[test]
+fn prompts_prefilled_together_give_each_its_reference_tokens() {
+    let rt = runtime(None).expect("ONNX Runtime loads");
+    let model = [("lm".to_string(), BuiltinModel::Decoder.bytes())];
+    let mut backend = OrtBackend::load(rt, &model, &SessionOptions::quiet_cpu()).unwrap();
+    let layout = backend.decoders["lm"];
+    let cases = cases();
+    let meta = RunMeta::default();
+    let seqs: Vec<u64> = (0..cases.len() as u64).collect();
+    let inputs = cases
+        .iter()
+        .flat_map(|(prompt, _)| step_inputs(&layout, prompt, 0, Vec::new()))
+        .collect();
+    let out = backend.prefill_many("lm", &seqs, inputs, &meta).unwrap();
+    assert_eq!(out.len(), cases.len());
+    let mut next: Vec<u32> = out.iter().map(|t| argmax(&rows(t)[0])).collect();
+    let mut got: Vec<Vec<u32>> = vec![Vec::new(); cases.len()];
+    for _ in 0..cases[0].1.len() {
+        let step_rows: Vec<DecodeRow> = (0..cases.len())
+            .map(|i| {
+                got[i].push(next[i]);
+                DecodeRow {
+                    seq: i as u64,
+                    token: next[i],
+                    past: (cases[i].0.len() + got[i].len() - 1) as u64,
+                }
+            })
+            .collect();
+        let out = backend
+            .decode(
+                "lm",
+                &DecodeStep {
+                    rows: step_rows,
+                    ended: vec![],
+                },
+                &meta,
+            )
+            .unwrap();
+        next = rows(&out[0]).iter().map(|l| argmax(l)).collect();
+    }
+    for (i, (_, reference)) in cases.iter().enumerate() {
+        assert_eq!(&got[i], reference, "sequence {i}");
+    }
+}
