@@ -245,4 +245,73 @@ mod tests {
             );
         }
     }
+
+    fn prefill_job(seq: u64, prompt: &[u32]) -> InferJob {
+        InferJob {
+            meta: RunMeta::default(),
+            model: "lm".into(),
+            inputs: step_inputs(&FIXTURE, prompt, 0, Vec::new()),
+            outputs: Vec::new(),
+            op: RunOp::Prefill(seq),
+            estimate_bytes: None,
+            memory: RunMemory::default(),
+            probe: false,
+            cancel: RunCancel::default(),
+        }
+    }
+
+    #[tokio::test]
+    async fn prompts_that_wait_together_run_as_one_batch_with_each_its_own_logits() {
+        let rt = runtime(None).expect("ONNX Runtime loads");
+        let model = [("lm".to_string(), BuiltinModel::Decoder.bytes())];
+        let start = || {
+            let backend = OrtBackend::load(rt, &model, &SessionOptions::quiet_cpu()).unwrap();
+            let config = crate::testing::config::pool("p", "host", &["lm"]);
+            Pool::start(
+                config,
+                DeviceClass::Host,
+                vec![Box::new(backend)],
+                None,
+                PoolContext::default(),
+            )
+        };
+        let prompts: Vec<Vec<u32>> = vec![vec![5, 6, 7], (40..60).collect(), vec![9], (100..111).collect()];
+        // Alone, one after another.
+        let alone = start();
+        let mut expected = Vec::new();
+        for (i, prompt) in prompts.iter().enumerate() {
+            let out = alone
+                .submit(prefill_job(i as u64, prompt))
+                .unwrap()
+                .await
+                .unwrap()
+                .unwrap();
+            expected.push(out);
+        }
+        // Together: queued while the worker takes or runs a long prompt, they run as one batch.
+        let pool = start();
+        let long: Vec<u32> = (0..500).map(|i| 3 + i % 400).collect();
+        let first = pool.submit(prefill_job(100, &long)).unwrap();
+        let replies: Vec<_> = prompts
+            .iter()
+            .enumerate()
+            .map(|(i, prompt)| pool.submit(prefill_job(i as u64, prompt)).unwrap())
+            .collect();
+        first.await.unwrap().unwrap();
+        for (i, reply) in replies.into_iter().enumerate() {
+            let got = reply.await.unwrap().unwrap();
+            let (TensorData::Fp32(a), TensorData::Fp32(b)) = (&got[0].data, &expected[i][0].data) else {
+                panic!("{got:?}")
+            };
+            assert_eq!(got[0].shape, vec![1, 512]);
+            let diff = a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max);
+            assert!(
+                diff < 1e-4,
+                "prompt {i}: its logits differ by {diff} from its run alone"
+            );
+        }
+        // The four queue while the long one runs (or before it starts, and it joins them).
+        let runs = pool.runs_started.load(std::sync::atomic::Ordering::SeqCst);
+        assert!((1..=2).contains(&runs), "five prompts in {runs} runs");
+    }
 }
