@@ -106,25 +106,24 @@ fn the_quick_drill_passes_against_a_server_started_with_its_config() {
 }
 
 /// The background phase, read back from the record: interactive requests were seen waiting,
-/// the target counted the background request's wait, and answered it.
+/// the target counted a background request's wait, and answered every background request (one
+/// more goes only when one was answered without a wait counted, at most 8).
 fn background_as_judged(report: &Value) {
     let facts = &report["facts"]["background"];
     assert!(facts["interactive_waiting"].as_f64() >= Some(1.0), "{facts}");
     assert!(facts["waits_counted"].as_f64() >= Some(1.0), "{facts}");
     let records = report["records"].as_array().unwrap();
-    let background: Vec<&Value> = records.iter().filter(|r| r["id"] == "background-0").collect();
-    assert_eq!(background.len(), 1);
-    assert_eq!(background[0]["status"], 200, "{}", background[0]);
-    let answered = background[0]["sent_ms"].as_f64().unwrap() + background[0]["latency_ms"].as_f64().unwrap();
-    assert!(
-        answered >= facts["load_stopped_ms"].as_f64().unwrap(),
-        "{facts} {}",
-        background[0]
-    );
+    let background: Vec<&Value> = records
+        .iter()
+        .filter(|r| r["id"].as_str().is_some_and(|id| id.starts_with("background-")))
+        .collect();
+    assert!((1..=8).contains(&background.len()), "{facts}");
+    assert_eq!(facts["background_sent"], background.len(), "{facts}");
+    assert!(background.iter().all(|r| r["status"] == 200), "{background:?}");
     assert!(
         records
             .iter()
-            .filter(|r| r["phase"] == "background" && r["id"] != "background-0")
+            .filter(|r| r["phase"] == "background")
             .all(|r| r["status"] == 200)
     );
 }

@@ -2,14 +2,16 @@
 //! must give way to them, and run once they no longer wait.
 //!
 //! Interactive load comes from closed-loop lanes of requests of an interactive service that
-//! runs one request at a time (`concurrency: 1`), so that some of them always wait, whatever
-//! the speed of the target and of the drill. Once `vramguard_requests_waiting` shows them waiting, one request of the
-//! background service's model goes; the load keeps going until the target has counted that
-//! request's wait (`vramguard_service_waits_total{reason="background"}`), then stops, and the
-//! background request must be answered (the target may let it run at a moment between two
-//! interactive requests, before the load stops). Each lane sends at most a bounded number of requests,
-//! so the phase ends by itself on a target that never holds the background request back, and
-//! the criterion then says so.
+//! runs one request at a time (`concurrency: 1`), so that some of them wait nearly all the
+//! time, whatever the speed of the target and of the drill. Once `vramguard_requests_waiting`
+//! shows them waiting, requests of the background service's model go one after another until
+//! the target has counted one's wait (`vramguard_service_waits_total{reason="background"}`),
+//! at most [`TRIES`] of them; then the load stops. Every background request must be answered.
+//! One that arrives at a moment between two interactive requests, when none waits, may run at
+//! once: that is why the next one goes (on a loaded machine the lanes' next requests can lag
+//! their answers). Each lane sends at most a bounded number of requests, so the phase ends by
+//! itself on a target that never holds a background request back, and the criterion then says
+//! so.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -29,9 +31,10 @@ const LANES: usize = 6;
 /// Tokens of each interactive request: enough that its run on one CPU thread, not the HTTP
 /// exchange, is most of its time, so that the lanes' requests wait for each other.
 const SEQ: usize = 1024;
-/// How long to wait for interactive requests to show waiting, and then for the background
-/// request's wait to be counted.
+/// How long to wait for interactive requests to show waiting.
 const WITHIN: Duration = Duration::from_secs(5);
+/// Most background requests sent, one after another, for one whose wait is counted.
+const TRIES: usize = 8;
 
 /// What the background phase saw beside its requests.
 #[derive(Debug, Default, Clone, Serialize)]
@@ -41,6 +44,9 @@ pub struct BackgroundFacts {
     pub interactive_waiting: f64,
     /// Waits the target counted for the background service, reason `background`, meanwhile.
     pub waits_counted: f64,
+    /// Background requests sent: the next goes only when one was answered without a wait
+    /// counted, so the last is the one whose wait was (unless none was).
+    pub background_sent: usize,
     /// Interactive requests sent.
     pub interactive_sent: usize,
     /// Milliseconds from the drill's start to the interactive load stopping (no lane sent
@@ -95,36 +101,63 @@ pub(super) async fn run(drill: &Arc<Drill>) -> Result<BackgroundFacts, String> {
         }));
     }
     let interactive_waiting = until_at_least(1.0, || drill.counted("vramguard_requests_waiting ", "")).await;
-    let background = {
-        let drill = Arc::clone(drill);
-        tokio::spawn(async move {
-            drill
-                .classifier_of(
-                    Phase::Background,
-                    "background-0",
-                    BACKGROUND_MODEL,
-                    "200 once no interactive request waits",
-                )
-                .await
-        })
-    };
-    let waits_counted = until_at_least(before + 1.0, || waits(drill)).await - before;
+    let (mut tries, mut waits_counted) = (0, 0.0);
+    let mut last = None;
+    let since = Instant::now();
+    while tries < TRIES && waits_counted < 1.0 {
+        let id = format!("background-{tries}");
+        tries += 1;
+        let try_once = {
+            let drill = Arc::clone(drill);
+            tokio::spawn(async move {
+                let expect = "200 once no interactive request waits";
+                drill
+                    .classifier_of(Phase::Background, &id, BACKGROUND_MODEL, expect)
+                    .await
+            })
+        };
+        // Until its wait is counted (the load stops then, and it runs), or until it is answered
+        // without one (it came between two interactive requests: the next one goes).
+        loop {
+            waits_counted = waits(drill).await - before;
+            if waits_counted >= 1.0 || try_once.is_finished() || since.elapsed() > WITHIN {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        if waits_counted < 1.0 && try_once.is_finished() {
+            keep(drill, try_once).await?;
+            waits_counted = waits(drill).await - before;
+        } else {
+            last = Some(try_once);
+            break;
+        }
+    }
     stop.store(true, Ordering::Relaxed);
     let load_stopped_ms = drill.elapsed_ms();
     let mut interactive_sent = 0;
     for lane in lanes {
         interactive_sent += lane.await.map_err(|e| format!("an interactive lane failed: {e}"))?;
     }
-    let record = background
-        .await
-        .map_err(|e| format!("the background request's task failed: {e}"))?;
-    record.judge(|r| r.status == Some(200)).keep(drill);
+    if let Some(try_once) = last {
+        keep(drill, try_once).await?;
+    }
     Ok(BackgroundFacts {
         interactive_waiting,
         waits_counted,
+        background_sent: tries,
         interactive_sent,
         load_stopped_ms,
     })
+}
+
+/// Judge and keep a background request's record once it is answered.
+async fn keep(drill: &Drill, request: tokio::task::JoinHandle<Record>) -> Result<(), String> {
+    let record = request
+        .await
+        .map_err(|e| format!("a background request's task failed: {e}"))?;
+    record.judge(|r| r.status == Some(200)).keep(drill);
+    Ok(())
 }
 
 /// The phase's criterion: interactive requests were seen waiting, the target counted the
@@ -138,27 +171,29 @@ pub(super) fn criterion(records: &[Record], facts: Option<&BackgroundFacts>) -> 
             passed: false,
         };
     };
-    let background = records
+    let background: Vec<&Record> = records
         .iter()
-        .find(|r| r.phase == Phase::Background && r.kind.starts_with(BACKGROUND_MODEL));
-    let Some(background) = background else {
+        .filter(|r| r.phase == Phase::Background && r.kind.starts_with(BACKGROUND_MODEL))
+        .collect();
+    let Some(last) = background.last() else {
         return Criterion {
             name: NAME,
             measured: "no background request was recorded".into(),
             passed: false,
         };
     };
-    let served = background.status == Some(200);
+    let served = background.iter().filter(|r| r.status == Some(200)).count();
     // Once no interactive request waits, even for a moment between two of the load's, the
-    // target may let it run: it need not outlast the load.
-    let answered_ms = background.sent_ms + background.latency_ms;
+    // target may let one run: it need not outlast the load.
+    let answered_ms = last.sent_ms + last.latency_ms;
     let measured = format!(
-        "{} interactive waiting, {} wait counted, {} sent; background {} after {:.0} ms, {} the load stopped",
+        "{} interactive waiting, {} wait counted, {} sent; background {} of {} answered 200, the last after {:.0} ms, {} the load stopped",
         facts.interactive_waiting,
         facts.waits_counted,
         facts.interactive_sent,
-        background.status.map_or("no answer".into(), |s| s.to_string()),
-        background.latency_ms,
+        served,
+        background.len(),
+        last.latency_ms,
         if answered_ms >= facts.load_stopped_ms {
             "after"
         } else {
@@ -168,6 +203,6 @@ pub(super) fn criterion(records: &[Record], facts: Option<&BackgroundFacts>) -> 
     Criterion {
         name: NAME,
         measured,
-        passed: facts.interactive_waiting >= 1.0 && facts.waits_counted >= 1.0 && served,
+        passed: facts.interactive_waiting >= 1.0 && facts.waits_counted >= 1.0 && served == background.len(),
     }
 }
