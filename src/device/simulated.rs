@@ -418,6 +418,17 @@ impl FaultInjecting {
         Self { inner, device, stats }
     }
 
+    /// `run` on the wrapped backend, unless the device has a failure injected for this run.
+    fn unless_injected<T>(
+        &mut self,
+        run: impl FnOnce(&mut Box<dyn Backend>) -> Result<T, BackendError>,
+    ) -> Result<T, BackendError> {
+        match self.device.injected_failure() {
+            Some(error) => Err(error),
+            None => run(&mut self.inner),
+        }
+    }
+
     fn keep_stats(&mut self) {
         self.stats = self
             .inner
@@ -434,10 +445,7 @@ impl Backend for FaultInjecting {
         outputs: &[String],
         meta: &RunMeta,
     ) -> Result<Vec<Tensor>, BackendError> {
-        match self.device.injected_failure() {
-            Some(error) => Err(error),
-            None => self.inner.run(model, inputs, outputs, meta),
-        }
+        self.unless_injected(|inner| inner.run(model, inputs, outputs, meta))
     }
 
     fn run_views(
@@ -447,10 +455,7 @@ impl Backend for FaultInjecting {
         outputs: &[String],
         meta: &RunMeta,
     ) -> Result<Vec<Tensor>, BackendError> {
-        match self.device.injected_failure() {
-            Some(error) => Err(error),
-            None => self.inner.run_views(model, inputs, outputs, meta),
-        }
+        self.unless_injected(|inner| inner.run_views(model, inputs, outputs, meta))
     }
 
     fn keeps_caches(&self) -> bool {
@@ -464,10 +469,7 @@ impl Backend for FaultInjecting {
         inputs: Vec<Tensor>,
         meta: &RunMeta,
     ) -> Result<Vec<Tensor>, BackendError> {
-        match self.device.injected_failure() {
-            Some(error) => Err(error),
-            None => self.inner.prefill(model, seq, inputs, meta),
-        }
+        self.unless_injected(|inner| inner.prefill(model, seq, inputs, meta))
     }
 
     fn prefill_many(
@@ -477,10 +479,7 @@ impl Backend for FaultInjecting {
         inputs: Vec<Tensor>,
         meta: &RunMeta,
     ) -> Result<Vec<Tensor>, BackendError> {
-        match self.device.injected_failure() {
-            Some(error) => Err(error),
-            None => self.inner.prefill_many(model, seqs, inputs, meta),
-        }
+        self.unless_injected(|inner| inner.prefill_many(model, seqs, inputs, meta))
     }
 
     fn decode(
@@ -494,10 +493,7 @@ impl Backend for FaultInjecting {
         if step.rows.is_empty() {
             return self.inner.decode(model, step, meta);
         }
-        match self.device.injected_failure() {
-            Some(error) => Err(error),
-            None => self.inner.decode(model, step, meta),
-        }
+        self.unless_injected(|inner| inner.decode(model, step, meta))
     }
 
     fn arena_stats(&self) -> Option<ArenaStats> {

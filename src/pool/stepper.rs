@@ -208,20 +208,9 @@ mod tests {
         assert!(pool.keeps_caches());
         let metrics = &pool.context.metrics;
         let prompt = [3u32, 40, 41, 42, 43];
-        let inputs = step_inputs(&FIXTURE, &prompt, 0, Vec::new());
-        let prompt_bytes: u64 = inputs.iter().map(|t| t.data.byte_len() as u64).sum();
         let seq = next_sequence();
-        let job = InferJob {
-            meta: RunMeta::default(),
-            model: "lm".into(),
-            inputs,
-            outputs: Vec::new(),
-            op: RunOp::Prefill(seq),
-            estimate_bytes: None,
-            memory: RunMemory::default(),
-            probe: false,
-            cancel: RunCancel::default(),
-        };
+        let job = prefill_job(seq, &prompt);
+        let prompt_bytes: u64 = job.inputs.iter().map(|t| t.data.byte_len() as u64).sum();
         let prefilled = pool.submit(job).unwrap().await.unwrap().unwrap();
         assert_eq!(prefilled[0].shape, vec![1, 512], "the prompt's run brings one row back");
         // Ids, mask and positions of 5 tokens (8 bytes each), and empty pasts.
