@@ -259,6 +259,16 @@ impl Plan<'_, '_> {
         self.started.elapsed() + growth * self.probe.last_cost < BUDGET
     }
 
+    /// Whether a run the fit cannot do without (an axis's first size above the base, the first
+    /// joint size) may still start: while any budget is left, whatever the last run cost. A fit
+    /// with no second size along an axis extrapolates it flat, and the first run's cost (one-off
+    /// planning, a busy machine) is a poor guide to the next one's: seen here, a base run of
+    /// 333 ms on a starved machine left an image model with one point, and images of any size
+    /// estimated at 48 KiB.
+    fn needed_in_budget(&self) -> bool {
+        self.started.elapsed() < BUDGET
+    }
+
     /// Run at `dims`; the point is kept when the model takes it.
     fn try_at(&mut self, dims: Dims) -> Option<u64> {
         let peak = self.probe.run(&dims).ok()?;
@@ -308,7 +318,7 @@ impl Plan<'_, '_> {
             while (got < 3 || last < (4 * base_peak).max(SIGNAL_BYTES))
                 && factor <= 256
                 && !(got > 0 && refused >= 2)
-                && self.in_budget()
+                && (self.in_budget() || (got == 0 && self.needed_in_budget()))
             {
                 match self.try_at(self.scaled_base(&[i], factor)) {
                     Some(peak) => (got, last, refused) = (got + 1, peak, 0),
@@ -343,8 +353,8 @@ impl Plan<'_, '_> {
         joint.sort_unstable();
         joint.dedup();
         if joint.len() >= 2 {
-            for factor in [4, 8] {
-                if self.in_budget() {
+            for (n, factor) in [4, 8].into_iter().enumerate() {
+                if self.in_budget() || (n == 0 && self.needed_in_budget()) {
                     self.try_at(self.scaled_base(&joint, factor));
                 }
             }
