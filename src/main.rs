@@ -3,6 +3,10 @@
 
 use clap::Parser;
 
+/// Rust's allocations go to mimalloc; its options are set at start (`telemetry::malloc`).
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 fn main() -> std::process::ExitCode {
     vramguard::cmd::cli::run(vramguard::cmd::cli::Cli::parse())
 }

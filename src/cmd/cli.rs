@@ -173,19 +173,16 @@ pub fn run(cli: Cli) -> ExitCode {
     } else {
         logging::init(cli.log_format);
     }
+    // Before any thread starts (logging starts none), for every command: a worker runs ONNX
+    // Runtime, a drill or doctor reads whole answers.
+    crate::telemetry::malloc::return_freed_memory();
     match cli.command {
         Command::Worker { socket, parent, pool } => match crate::pool::process::child::serve(&socket, parent) {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => fail(format!("worker for pool `{pool}`: {e}"), crate::cmd::exit::EXIT_FAILED),
         },
-        Command::Serve { config, listen } => {
-            crate::telemetry::malloc::return_freed_memory();
-            serve(config, listen)
-        }
-        Command::Exporter { config, listen } => {
-            crate::telemetry::malloc::return_freed_memory();
-            exporter(config, listen)
-        }
+        Command::Serve { config, listen } => serve(config, listen),
+        Command::Exporter { config, listen } => exporter(config, listen),
         Command::Policy { command } => match command {
             PolicyCommand::Check { files, config } => crate::cmd::policy::check(&files, config.as_deref()),
             PolicyCommand::Test { paths } => crate::cmd::policy::test(&paths),
