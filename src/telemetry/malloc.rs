@@ -12,8 +12,8 @@
 //!   (`dirty_decay_ms` 1000, `muzzy_decay_ms` 0); `docs/performance.md` has the table.
 //!   mimalloc's defaults (a 1 s purge delay, applied only when the process allocates again) left
 //!   85 MiB resident for good after the burst of `tests/it/memory.rs`; with these options it is
-//!   back within 16 MiB. An operator's
-//!   `MIMALLOC_PURGE_DELAY` or `MIMALLOC_ARENA_EAGER_COMMIT` in the environment is kept.
+//!   back within 16 MiB. An operator's `MIMALLOC_PURGE_DELAY` or `MIMALLOC_ARENA_EAGER_COMMIT`
+//!   in the environment is kept.
 //! - **ONNX Runtime's** (its arena's chunks, which a pool returns when idle: see
 //!   `pools[].memory.idle_release`) and other C and C++ libraries' go to glibc's malloc. glibc
 //!   serves large blocks with `mmap` only up to a threshold that it raises each time such a block
