@@ -11,8 +11,11 @@
 //! the snapshot that `/metrics`, `/status` and the policy read. [`config`] is validated before
 //! any of this starts; [`cmd`] holds the commands.
 //!
-//! The one module allowed `unsafe` is [`runtime::onnx::arena`], which calls ONNX Runtime's C API
-//! for what the `ort` crate does not wrap.
+//! `unsafe` is denied everywhere but in the few places that call C or share memory, each allowed
+//! where it stands and saying why it is sound: ONNX Runtime's C API for what the `ort` crate does
+//! not wrap ([`runtime::onnx::arena`] and its neighbours), the allocators' set-up
+//! ([`telemetry::malloc`]), and the worker processes' shared memory and descriptors
+//! ([`pool::process`]).
 #![deny(unsafe_code)]
 #![warn(missing_docs)]
 
