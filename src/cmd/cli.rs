@@ -175,7 +175,7 @@ pub fn run(cli: Cli) -> ExitCode {
     }
     // Before any thread starts (logging starts none), for every command: a worker runs ONNX
     // Runtime, a drill or doctor reads whole answers.
-    crate::telemetry::malloc::return_freed_memory();
+    crate::telemetry::malloc::set_up_allocators();
     match cli.command {
         Command::Worker { socket, parent, pool } => match crate::pool::process::child::serve(&socket, parent) {
             Ok(()) => ExitCode::SUCCESS,

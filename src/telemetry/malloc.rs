@@ -62,11 +62,9 @@ extern "C" fn set_mimalloc_options() {
 }
 
 /// Set both allocators up. Call once, first, before the process starts its threads.
-pub fn return_freed_memory() {
-    // Again (the same values): where no constructor ran, the options still hold from here on;
-    // and the call keeps the constructor's code linked in.
-    #[cfg(target_os = "linux")]
-    (SET_MIMALLOC_OPTIONS)();
+pub fn set_up_allocators() {
+    // On Linux the constructor above set mimalloc's options before `main` (rustc keeps a
+    // `#[used]` static linked); elsewhere they hold from here on.
     #[cfg(not(target_os = "linux"))]
     set_mimalloc_options();
     set_glibc_thresholds();

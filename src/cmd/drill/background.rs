@@ -31,7 +31,8 @@ const LANES: usize = 6;
 /// Tokens of each interactive request: enough that its run on one CPU thread, not the HTTP
 /// exchange, is most of its time, so that the lanes' requests wait for each other.
 const SEQ: usize = 1024;
-/// How long to wait for interactive requests to show waiting.
+/// How long to wait for interactive requests to show waiting, and then (all tries together)
+/// for a background request's wait to be counted.
 const WITHIN: Duration = Duration::from_secs(5);
 /// Most background requests sent, one after another, for one whose wait is counted.
 const TRIES: usize = 8;
