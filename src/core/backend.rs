@@ -32,6 +32,22 @@ pub trait Backend: Send {
             .map_err(BackendError::InvalidInput)?;
         self.run(model, tensors, outputs, meta)
     }
+    /// [`run`](Self::run) on inputs the caller keeps (a replayable request's, which its
+    /// fallback may run again): the runtime reads them where they lie through
+    /// [`run_views`](Self::run_views) rather than taking a copy. A backend that copies its inputs
+    /// anyway (to a worker process) overrides this to read them directly.
+    fn run_borrowed(
+        &mut self,
+        model: &str,
+        inputs: &[Tensor],
+        outputs: &[String],
+        meta: &RunMeta,
+    ) -> Result<Vec<Tensor>, BackendError> {
+        match inputs.iter().map(Tensor::view).collect::<Option<Vec<_>>>() {
+            Some(views) => self.run_views(model, &views, outputs, meta),
+            None => self.run(model, inputs.to_vec(), outputs, meta),
+        }
+    }
     /// Allocator statistics as of the last refresh, when the backend has an arena.
     fn arena_stats(&self) -> Option<ArenaStats>;
     /// Read the allocator statistics again (costs a C API call, ~10 µs: callers decide when).

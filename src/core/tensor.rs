@@ -618,6 +618,8 @@ impl<'de, T: Element> Visitor<'de> for Flatten<'_, T> {
     }
 }
 
+mod bytes;
+
 #[cfg(test)]
 mod json_tests;
 

@@ -458,6 +458,16 @@ impl Backend for FaultInjecting {
         self.unless_injected(|inner| inner.run_views(model, inputs, outputs, meta))
     }
 
+    fn run_borrowed(
+        &mut self,
+        model: &str,
+        inputs: &[Tensor],
+        outputs: &[String],
+        meta: &RunMeta,
+    ) -> Result<Vec<Tensor>, BackendError> {
+        self.unless_injected(|inner| inner.run_borrowed(model, inputs, outputs, meta))
+    }
+
     fn keeps_caches(&self) -> bool {
         self.inner.keeps_caches()
     }

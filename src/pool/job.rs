@@ -16,7 +16,7 @@ pub struct InferJob {
     /// Model name.
     pub model: String,
     /// Validated inputs.
-    pub inputs: Vec<Tensor>,
+    pub inputs: Inputs,
     /// Outputs asked for, empty for all.
     pub outputs: Vec<String>,
     /// What the backend does with them: a plain run, or a generation's prompt or step whose
@@ -32,6 +32,39 @@ pub struct InferJob {
     pub probe: bool,
     /// Lets the caller stop the job: skipped if still queued, interrupted if running.
     pub cancel: RunCancel,
+}
+
+/// A job's inputs, shared with the request that may run them once more on its fallback: the
+/// request keeps a second reference instead of a copy. While it does, the backend runs them
+/// borrowed ([`Backend::run_borrowed`](crate::core::backend::Backend::run_borrowed)); when the
+/// job holds the only reference, the backend takes them.
+#[derive(Debug, Clone, Default)]
+pub struct Inputs(Arc<Vec<Tensor>>);
+
+impl Inputs {
+    /// Whether another holder (a request keeping them for a retry) shares them.
+    pub fn is_shared(&self) -> bool {
+        Arc::strong_count(&self.0) > 1
+    }
+
+    /// The tensors, taken when no one else holds them and copied otherwise.
+    pub fn into_vec(self) -> Vec<Tensor> {
+        Arc::try_unwrap(self.0).unwrap_or_else(|shared| shared.as_ref().clone())
+    }
+}
+
+impl From<Vec<Tensor>> for Inputs {
+    fn from(tensors: Vec<Tensor>) -> Self {
+        Inputs(Arc::new(tensors))
+    }
+}
+
+impl std::ops::Deref for Inputs {
+    type Target = [Tensor];
+
+    fn deref(&self) -> &[Tensor] {
+        &self.0
+    }
 }
 
 /// What a job asks of the backend.

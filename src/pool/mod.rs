@@ -31,7 +31,7 @@ mod worker;
 
 pub use context::{PoolContext, PoolMetrics, Respawn, WorkerHandles};
 pub use evict::{ModelState, Resident};
-pub use job::{InferJob, JobResult, PoolError, RunCancel, RunMemory, RunOp};
+pub use job::{InferJob, Inputs, JobResult, PoolError, RunCancel, RunMemory, RunOp};
 pub use load::PoolLoad;
 pub use models::{LOAD_BUCKETS, ModelBytesRef, ModelMetrics, ModelSetup, ResidencyError, ResidencyOutcome};
 pub use shared::{Availability, Pool};

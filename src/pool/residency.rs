@@ -319,7 +319,7 @@ mod tests {
         InferJob {
             meta: RunMeta::default(),
             model: model.into(),
-            inputs: vec![],
+            inputs: Vec::new().into(),
             outputs: vec![],
             op: Default::default(),
             estimate_bytes: None,

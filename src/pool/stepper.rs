@@ -9,7 +9,7 @@ use tokio::sync::mpsc;
 use crate::core::backend::{BackendError, DecodeRow, DecodeStep, RunMeta};
 use crate::core::tensor::TensorData;
 use crate::pool::batch::{Batch, GRACE, Message, Reply};
-use crate::pool::job::{InferJob, PoolError, RunCancel, RunMemory, RunOp};
+use crate::pool::job::{InferJob, Inputs, PoolError, RunCancel, RunMemory, RunOp};
 use crate::pool::sequences::Padding;
 use crate::pool::shared::Pool;
 
@@ -145,7 +145,7 @@ async fn run_step(pool: &Pool, model: &str, step: DecodeStep) -> Result<(Vec<f32
             ..RunMeta::default()
         },
         model: model.to_string(),
-        inputs: Vec::new(),
+        inputs: Inputs::default(),
         outputs: Vec::new(),
         op: RunOp::Decode(step),
         estimate_bytes: None,
@@ -239,7 +239,7 @@ mod tests {
         InferJob {
             meta: RunMeta::default(),
             model: "lm".into(),
-            inputs: step_inputs(&FIXTURE, prompt, 0, Vec::new()),
+            inputs: step_inputs(&FIXTURE, prompt, 0, Vec::new()).into(),
             outputs: Vec::new(),
             op: RunOp::Prefill(seq),
             estimate_bytes: None,

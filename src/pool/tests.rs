@@ -41,7 +41,8 @@ fn job(v: f32) -> InferJob {
             name: "x".into(),
             shape: vec![1],
             data: TensorData::Fp32(vec![v]),
-        }],
+        }]
+        .into(),
         outputs: vec![],
         op: Default::default(),
         estimate_bytes: None,
@@ -348,4 +349,63 @@ fn short_host_memory_takes_the_memory_back_without_waiting_for_the_idle_time() {
     kept.release_soon();
     std::thread::sleep(Duration::from_millis(200));
     assert_eq!(count(), 1, "a pool that keeps its arena (idle_release off) keeps it");
+}
+
+/// A backend that says how each run got its inputs, and where their elements lay.
+struct Where(Arc<Mutex<Vec<(&'static str, usize)>>>);
+
+fn first_element(inputs: &[Tensor]) -> usize {
+    match &inputs[0].data {
+        TensorData::Fp32(v) => v.as_ptr() as usize,
+        _ => 0,
+    }
+}
+
+impl Backend for Where {
+    fn run(&mut self, _: &str, inputs: Vec<Tensor>, _: &[String], _: &RunMeta) -> Result<Vec<Tensor>, BackendError> {
+        self.0.lock().unwrap().push(("taken", first_element(&inputs)));
+        Ok(Vec::new())
+    }
+    fn run_borrowed(
+        &mut self,
+        _: &str,
+        inputs: &[Tensor],
+        _: &[String],
+        _: &RunMeta,
+    ) -> Result<Vec<Tensor>, BackendError> {
+        self.0.lock().unwrap().push(("borrowed", first_element(inputs)));
+        Ok(Vec::new())
+    }
+    fn arena_stats(&self) -> Option<ArenaStats> {
+        None
+    }
+}
+
+#[test]
+fn inputs_kept_for_a_retry_are_run_where_they_lie_and_others_are_taken_without_a_copy() {
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let pool = Pool::start(
+        config(4),
+        DeviceClass::Host,
+        vec![Box::new(Where(Arc::clone(&seen)))],
+        None,
+        PoolContext::default(),
+    );
+    // A replayable request keeps its inputs for the fallback: a second reference, not a copy.
+    let kept = job(1.0);
+    let spare = kept.inputs.clone();
+    pool.submit(kept).unwrap().blocking_recv().unwrap().unwrap();
+    // Without a retry to keep them for, the backend takes them.
+    let alone = job(2.0);
+    let alone_at = first_element(&alone.inputs);
+    pool.submit(alone).unwrap().blocking_recv().unwrap().unwrap();
+    assert_eq!(
+        *seen.lock().unwrap(),
+        vec![("borrowed", first_element(&spare)), ("taken", alone_at)],
+        "each run read its inputs where the request put them"
+    );
+    // The retry's run gets them back, still without a copy.
+    let spare_at = first_element(&spare);
+    assert_eq!(first_element(&spare.into_vec()), spare_at);
+    pool.close();
 }

@@ -159,8 +159,9 @@ impl Pool {
             model: running[0].job.model.clone(),
             inputs: running
                 .iter_mut()
-                .flat_map(|q| std::mem::take(&mut q.job.inputs))
-                .collect(),
+                .flat_map(|q| std::mem::take(&mut q.job.inputs).into_vec())
+                .collect::<Vec<_>>()
+                .into(),
             outputs: Vec::new(),
             op: RunOp::PrefillMany(seqs.clone()),
             estimate_bytes: Some(running.iter().filter_map(|q| q.job.estimate_bytes).sum()),
@@ -308,9 +309,15 @@ impl Pool {
                         .to_pool
                         .inc_by(job.inputs.iter().map(|t| t.data.byte_len() as u64).sum());
                     match job.op {
-                        RunOp::Prefill(seq) => backend.prefill(&job.model, seq, job.inputs, &job.meta),
-                        RunOp::PrefillMany(seqs) => backend.prefill_many(&job.model, &seqs, job.inputs, &job.meta),
-                        _ => backend.run(&job.model, job.inputs, &job.outputs, &job.meta),
+                        RunOp::Prefill(seq) => backend.prefill(&job.model, seq, job.inputs.into_vec(), &job.meta),
+                        RunOp::PrefillMany(seqs) => {
+                            backend.prefill_many(&job.model, &seqs, job.inputs.into_vec(), &job.meta)
+                        }
+                        // Kept by the request for a retry: read where they are, not copied.
+                        _ if job.inputs.is_shared() => {
+                            backend.run_borrowed(&job.model, &job.inputs, &job.outputs, &job.meta)
+                        }
+                        _ => backend.run(&job.model, job.inputs.into_vec(), &job.outputs, &job.meta),
                     }
                 }
                 RunOp::Decode(step) => {

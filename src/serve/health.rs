@@ -91,7 +91,7 @@ async fn check(service: &Service, pool: &Arc<Pool>, timeout: Duration) -> Result
                 ..RunMeta::default()
             },
             model: model.clone(),
-            inputs,
+            inputs: inputs.into(),
             outputs: Vec::new(),
             op: Default::default(),
             estimate_bytes: None,

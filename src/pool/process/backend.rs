@@ -163,22 +163,21 @@ impl ProcessBackend {
     fn call(
         &mut self,
         model: &str,
-        inputs: Vec<Tensor>,
+        inputs: &[Tensor],
         outputs: &[String],
         op: RunOp,
     ) -> Result<Vec<Tensor>, BackendError> {
         let mut sent = std::mem::take(&mut self.sent);
         sent.clear();
         // Large inputs go through shared memory, small ones in the frame.
-        let shared = match self.region(true, wire::tensor_bytes(&inputs)) {
-            Some(region) => wire::encode_tensors_at(&inputs, region.bytes_mut()),
+        let shared = match self.region(true, wire::tensor_bytes(inputs)) {
+            Some(region) => wire::encode_tensors_at(inputs, region.bytes_mut()),
             None => None,
         };
         let (heads, shared) = match shared {
             Some(heads) => (heads, true),
-            None => (wire::encode_tensors_into(&inputs, &mut sent), false),
+            None => (wire::encode_tensors_into(inputs, &mut sent), false),
         };
-        drop(inputs);
         let ask = Ask::Run {
             model: model.to_string(),
             outputs: outputs.to_vec(),
@@ -237,6 +236,17 @@ impl Backend for ProcessBackend {
         outputs: &[String],
         _: &RunMeta,
     ) -> Result<Vec<Tensor>, BackendError> {
+        self.call(model, &inputs, outputs, RunOp::Run)
+    }
+
+    /// The inputs are copied to the worker either way: read where they are.
+    fn run_borrowed(
+        &mut self,
+        model: &str,
+        inputs: &[Tensor],
+        outputs: &[String],
+        _: &RunMeta,
+    ) -> Result<Vec<Tensor>, BackendError> {
         self.call(model, inputs, outputs, RunOp::Run)
     }
 
@@ -252,7 +262,7 @@ impl Backend for ProcessBackend {
         inputs: Vec<Tensor>,
         _: &RunMeta,
     ) -> Result<Vec<Tensor>, BackendError> {
-        self.call(model, inputs, &[], RunOp::Prefill(seq))
+        self.call(model, &inputs, &[], RunOp::Prefill(seq))
     }
 
     fn prefill_many(
@@ -262,11 +272,11 @@ impl Backend for ProcessBackend {
         inputs: Vec<Tensor>,
         _: &RunMeta,
     ) -> Result<Vec<Tensor>, BackendError> {
-        self.call(model, inputs, &[], RunOp::PrefillMany(seqs.to_vec()))
+        self.call(model, &inputs, &[], RunOp::PrefillMany(seqs.to_vec()))
     }
 
     fn decode(&mut self, model: &str, step: &DecodeStep, _: &RunMeta) -> Result<Vec<Tensor>, BackendError> {
-        self.call(model, Vec::new(), &[], RunOp::Decode(step.clone()))
+        self.call(model, &[], &[], RunOp::Decode(step.clone()))
     }
 
     fn arena_stats(&self) -> Option<ArenaStats> {

@@ -204,7 +204,7 @@ pub async fn recompute(
     if let crate::pool::PoolError::Backend(crate::core::backend::BackendError::CacheMissing(_)) = error {
         return step(service, pool, request, inputs, estimate_bytes).await;
     }
-    let spare = (request.meta.replayable).then_some(inputs);
+    let spare = (request.meta.replayable).then(|| inputs.into());
     retry::after_failure(service, pool, request, error, spare, estimate_bytes, retry::Run::Step)
         .await
         .map_err(|refused| refused.error)

@@ -9,6 +9,7 @@ use std::sync::Arc;
 
 use crate::core::backend::{AllocFailureKind, BackendError};
 use crate::core::tensor::Tensor;
+use crate::pool::Inputs;
 use crate::pool::sequences::Waiting;
 use crate::pool::{Pool, PoolError};
 use crate::serve::service::Service;
@@ -45,7 +46,9 @@ pub(super) async fn run_with_retry(
 ) -> Result<Ran, Refused> {
     // A generation's prompt counts as waiting on its pool until its run is over.
     let waits = run == Run::Placed && request.max_new_tokens > 0;
-    // ONNX Runtime consumes the inputs of the first run: keep a copy for the retry.
+    // Kept for the retry by reference, not copied: while the request holds them, the first run
+    // reads them where they are (`Backend::run_borrowed`).
+    let inputs = Inputs::from(inputs);
     let fallback = fallback_of(service, pool);
     let spare = (fallback.is_some() && request.meta.replayable).then(|| inputs.clone());
     let waiting = waits.then(|| Waiting::on(&pool.sequences));
@@ -70,7 +73,7 @@ pub(super) async fn after_failure(
     pool: &Arc<Pool>,
     request: &Request,
     error: PoolError,
-    spare: Option<Vec<Tensor>>,
+    spare: Option<Inputs>,
     estimate_bytes: u64,
     run: Run,
 ) -> Result<Ran, Refused> {

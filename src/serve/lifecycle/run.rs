@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use crate::core::snapshot::ProviderKind;
 use crate::core::tensor::Tensor;
-use crate::pool::{InferJob, Pool, PoolError, RunCancel, RunMemory, RunOp};
+use crate::pool::{InferJob, Inputs, Pool, PoolError, RunCancel, RunMemory, RunOp};
 use crate::serve::service::Service;
 
 use super::Request;
@@ -51,7 +51,7 @@ pub(super) async fn run_on(
     service: &Service,
     pool: &Arc<Pool>,
     request: &Request,
-    inputs: Vec<Tensor>,
+    inputs: Inputs,
     estimate_bytes: u64,
 ) -> Result<Vec<Tensor>, PoolError> {
     pool.breaker_permit()?;
@@ -63,7 +63,7 @@ pub(super) async fn run_permitted(
     service: &Service,
     pool: &Arc<Pool>,
     request: &Request,
-    inputs: Vec<Tensor>,
+    inputs: Inputs,
     estimate_bytes: u64,
 ) -> Result<Vec<Tensor>, PoolError> {
     // What a host pool's run is expected to take stays promised until it ends (or the client
