@@ -319,7 +319,7 @@ mod tests {
         InferJob {
             meta: RunMeta::default(),
             model: model.into(),
-            inputs: Vec::new().into(),
+            inputs: Default::default(),
             outputs: vec![],
             op: Default::default(),
             estimate_bytes: None,

@@ -160,24 +160,28 @@ impl Drop for ProcessBackend {
 
 impl ProcessBackend {
     /// Send one run of `model` (`op`: plain, a prompt's or a step's) and read its outputs.
+    /// Inputs given by value are freed once copied out, before the worker runs them; borrowed
+    /// ones stay with their owner (a request keeping them for a retry).
     fn call(
         &mut self,
         model: &str,
-        inputs: &[Tensor],
+        inputs: impl AsRef<[Tensor]>,
         outputs: &[String],
         op: RunOp,
     ) -> Result<Vec<Tensor>, BackendError> {
         let mut sent = std::mem::take(&mut self.sent);
         sent.clear();
         // Large inputs go through shared memory, small ones in the frame.
-        let shared = match self.region(true, wire::tensor_bytes(inputs)) {
-            Some(region) => wire::encode_tensors_at(inputs, region.bytes_mut()),
+        let tensors = inputs.as_ref();
+        let shared = match self.region(true, wire::tensor_bytes(tensors)) {
+            Some(region) => wire::encode_tensors_at(tensors, region.bytes_mut()),
             None => None,
         };
         let (heads, shared) = match shared {
             Some(heads) => (heads, true),
-            None => (wire::encode_tensors_into(inputs, &mut sent), false),
+            None => (wire::encode_tensors_into(tensors, &mut sent), false),
         };
+        drop(inputs);
         let ask = Ask::Run {
             model: model.to_string(),
             outputs: outputs.to_vec(),
@@ -236,7 +240,7 @@ impl Backend for ProcessBackend {
         outputs: &[String],
         _: &RunMeta,
     ) -> Result<Vec<Tensor>, BackendError> {
-        self.call(model, &inputs, outputs, RunOp::Run)
+        self.call(model, inputs, outputs, RunOp::Run)
     }
 
     /// The inputs are copied to the worker either way: read where they are.
@@ -262,7 +266,7 @@ impl Backend for ProcessBackend {
         inputs: Vec<Tensor>,
         _: &RunMeta,
     ) -> Result<Vec<Tensor>, BackendError> {
-        self.call(model, &inputs, &[], RunOp::Prefill(seq))
+        self.call(model, inputs, &[], RunOp::Prefill(seq))
     }
 
     fn prefill_many(
@@ -272,7 +276,7 @@ impl Backend for ProcessBackend {
         inputs: Vec<Tensor>,
         _: &RunMeta,
     ) -> Result<Vec<Tensor>, BackendError> {
-        self.call(model, &inputs, &[], RunOp::PrefillMany(seqs.to_vec()))
+        self.call(model, inputs, &[], RunOp::PrefillMany(seqs.to_vec()))
     }
 
     fn decode(&mut self, model: &str, step: &DecodeStep, _: &RunMeta) -> Result<Vec<Tensor>, BackendError> {

@@ -9,9 +9,8 @@ use std::sync::Arc;
 
 use crate::core::backend::{AllocFailureKind, BackendError};
 use crate::core::tensor::Tensor;
-use crate::pool::Inputs;
 use crate::pool::sequences::Waiting;
-use crate::pool::{Pool, PoolError};
+use crate::pool::{Inputs, Pool, PoolError};
 use crate::serve::service::Service;
 use crate::telemetry::metrics::{FailoverReason, RetryLabels, RetryResult};
 
