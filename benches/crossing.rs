@@ -73,6 +73,7 @@ fn main() {
         arena_shrinkage: false,
         simulated: None,
         onnxruntime_library: rt.library.clone(),
+        cpus: None,
     };
     let host: Arc<WorkerHost> = WorkerHost::new(spec, exe, Duration::from_secs(5)).unwrap();
     host.start().unwrap();

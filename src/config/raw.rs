@@ -11,6 +11,7 @@ use serde::{Deserialize, Serialize};
 use crate::config::types::{HealthConfig, Keep, ServiceClass};
 use crate::config::units::{ByteSize, HumanDuration};
 use crate::core::breaker::BreakerConfig;
+use crate::core::cpus::CpuList;
 use crate::core::snapshot::Decision;
 
 /// The YAML document as written by the operator.
@@ -140,6 +141,10 @@ pub struct RawServer {
     pub max_connections: usize,
     /// Most bytes of request bodies being received at once, all connections together.
     pub max_receiving_bytes: ByteSize,
+    /// The CPUs vramguard's own threads run on (HTTP, policy, telemetry): a CPU list such as
+    /// `0-3,6`; absent: wherever it was started. Pools choose theirs with `pools[].cpus`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cpus: Option<CpuList>,
 }
 
 impl Default for RawServer {
@@ -158,6 +163,7 @@ impl Default for RawServer {
             max_connections: 512,
             // Four bodies of the default `body_limit` at once.
             max_receiving_bytes: ByteSize(256 << 20),
+            cpus: None,
         }
     }
 }
@@ -421,6 +427,10 @@ pub struct RawPool {
     /// and `simulated` pools) or `thread` (in vramguard's process; the default for `cpu`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub isolation: Option<RawIsolation>,
+    /// The CPUs its sessions run on: its worker process, or its worker threads (with the
+    /// intra-op threads ONNX Runtime starts for them); absent: the CPUs vramguard started on.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cpus: Option<CpuList>,
 }
 
 /// `pools[].isolation`

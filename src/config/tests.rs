@@ -353,6 +353,44 @@ pools:
 }
 
 #[test]
+fn cpus_are_cpu_lists_and_bad_ones_name_their_key() {
+    let cfg = check(
+        &format!("server: {{cpus: '0-2,5'}}\n{BASE}").replace("provider: cpu", "provider: cpu\n    cpus: [1, 3]"),
+    )
+    .unwrap();
+    assert_eq!(
+        cfg.server.cpus.as_ref().map(ToString::to_string).as_deref(),
+        Some("0-2,5")
+    );
+    assert_eq!(
+        cfg.pools[0].cpus.as_ref().map(ToString::to_string).as_deref(),
+        Some("1,3")
+    );
+    assert_eq!(check(BASE).unwrap().pools[0].cpus, None);
+    let err = check(&BASE.replace("provider: cpu", "provider: cpu\n    cpus: '3-1'"))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.starts_with("test.yaml: pools[0].cpus: the range `3-1` in `3-1` runs backwards"),
+        "{err}"
+    );
+    let err = check(&format!("server: {{cpus: 'all'}}\n{BASE}"))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.starts_with("test.yaml: server.cpus: `all` in `all` is not a CPU number"),
+        "{err}"
+    );
+    let err = check(&format!("server: {{cpus: {{first: 1}}}}\n{BASE}"))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("server.cpus: invalid type: map, expected a CPU list"),
+        "{err}"
+    );
+}
+
+#[test]
 fn a_remote_pool_needs_a_plain_http_url_and_no_onnxruntime_settings() {
     let pool = |extra: &str| {
         check(&format!(
@@ -384,6 +422,7 @@ fn a_remote_pool_needs_a_plain_http_url_and_no_onnxruntime_settings() {
     );
     assert!(err(", url: 'http://h:1', intra_threads: 2").starts_with("test.yaml: pools[0].intra_threads: "));
     assert!(err(", url: 'http://h:1', memory: {arena_shrinkage: true}").starts_with("test.yaml: pools[0].memory: "));
+    assert!(err(", url: 'http://h:1', cpus: '0'").starts_with("test.yaml: pools[0].cpus: a `remote` pool runs on"));
     assert_eq!(
         err(", url: 'http://h:1', remote: {health_interval: 0}"),
         "test.yaml: pools[0].remote.health_interval: must be longer than 0"

@@ -11,6 +11,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::config::builtin::{BuiltinChatTemplate, BuiltinPolicy};
 use crate::core::breaker::BreakerConfig;
+use crate::core::cpus::CpuSet;
 use crate::core::model::{BuiltinModel, ModelSource};
 use crate::core::snapshot::{Decision, DeviceClass, ProviderKind};
 
@@ -119,6 +120,8 @@ pub struct ServerConfig {
     pub max_connections: usize,
     /// Most bytes of request bodies being received at once.
     pub max_receiving_bytes: u64,
+    /// The CPUs vramguard's own threads run on; `None`: where it was started.
+    pub cpus: Option<CpuSet>,
 }
 
 /// Validated `server.timeouts:`; each is more than zero.
@@ -496,6 +499,8 @@ pub struct PoolConfig {
     pub fallback: Option<String>,
     /// Where its sessions run.
     pub isolation: Isolation,
+    /// The CPUs its sessions run on; `None`: those vramguard started on.
+    pub cpus: Option<CpuSet>,
 }
 
 impl PoolConfig {

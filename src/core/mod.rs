@@ -4,6 +4,7 @@
 pub mod backend;
 pub mod breaker;
 pub mod clock;
+pub mod cpus;
 pub mod model;
 pub mod signature;
 pub mod snapshot;

@@ -128,6 +128,7 @@ fn pool_status(service: &Service, p: &Pool) -> PoolStatus {
         }
         .into(),
         worker_pid: p.worker_pid(),
+        cpus: p.config.cpus.as_ref().map(ToString::to_string),
     }
 }
 

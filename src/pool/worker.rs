@@ -36,7 +36,20 @@ impl Pool {
             let worker_pool = Arc::clone(self);
             let handle = std::thread::Builder::new()
                 .name(format!("{}-worker-{i}", self.config.name))
-                .spawn(move || worker_pool.work())
+                .spawn(move || {
+                    // A thread-isolated pool's sessions run on its worker threads: placed on the
+                    // pool's CPUs, not the server's, which the thread that started them has. A
+                    // process-isolated pool's threads only pass frames to its worker process
+                    // (placed on the pool's CPUs): they stay with the server's threads, so the
+                    // worker has its CPUs to itself.
+                    let runs_here = worker_pool.config.isolation == crate::config::Isolation::Thread;
+                    if let Some(cpus) = worker_pool.config.cpus.as_ref().filter(|_| runs_here)
+                        && let Err(why) = cpus.apply_to_this_thread()
+                    {
+                        tracing::warn!(pool = worker_pool.name(), %why, "worker thread left where it started");
+                    }
+                    worker_pool.work()
+                })
                 .expect("spawning a worker thread");
             handles.push(handle);
         }

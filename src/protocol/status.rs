@@ -241,6 +241,10 @@ pub struct PoolStatus {
     /// lost worker is being replaced).
     #[serde(default)]
     pub worker_pid: Option<u32>,
+    /// The CPUs its sessions run on (`pools[].cpus`, or those vramguard started on), as a CPU
+    /// list (`0-3,6`); `null` for a remote pool.
+    #[serde(default)]
+    pub cpus: Option<String>,
 }
 
 /// A pool's arena, as ONNX Runtime's allocator reports it.
@@ -345,6 +349,7 @@ pub(crate) mod tests {
             arena: None,
             isolation: "thread".into(),
             worker_pid: None,
+            cpus: Some("0-3".into()),
         };
         let gpu = PoolStatus {
             breaker: BreakerState::Open,

@@ -52,5 +52,6 @@ pub fn pool(name: &str, device: &str, models: &[&str]) -> PoolConfig {
         breaker: crate::core::breaker::BreakerConfig::default(),
         health: crate::config::HealthConfig::default(),
         fallback: None,
+        cpus: None,
     }
 }

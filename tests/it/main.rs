@@ -22,6 +22,7 @@ mod learned;
 mod lifecycle;
 mod memory;
 mod picker;
+mod placement;
 mod policy;
 mod prometheus;
 mod remote;

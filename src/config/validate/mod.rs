@@ -22,6 +22,7 @@ use crate::config::error::ConfigError;
 use crate::config::raw::RawConfig;
 use crate::config::types::{Config, Mode};
 use crate::config::units::{ByteSize, HumanDuration};
+use crate::core::cpus::{CpuList, CpuSet};
 
 impl RawConfig {
     /// Validate into a [`Config`] for `serve`; `base` resolves relative paths (models,
@@ -117,6 +118,11 @@ impl Checker<'_> {
             return Err(self.err(key, "must be longer than 0"));
         }
         Ok(d.get())
+    }
+
+    /// A CPU list that names CPUs (which exist is checked when `serve` starts, on its machine).
+    fn cpus(&self, key: impl Into<String>, list: Option<&CpuList>) -> Result<Option<CpuSet>, ConfigError> {
+        list.map(|l| l.parse().map_err(|why| self.err(key, why))).transpose()
     }
 
     /// A size of at least `min`.

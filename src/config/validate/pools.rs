@@ -112,6 +112,7 @@ fn pool(
         health,
         fallback: p.fallback.clone(),
         isolation,
+        cpus: c.cpus(format!("{key}.cpus"), p.cpus.as_ref())?,
     })
 }
 
@@ -219,6 +220,7 @@ fn remote(c: &Checker, key: &str, p: &RawPool) -> Result<(Provider, String), Con
         ("device", p.device.is_some()),
         ("intra_threads", p.intra_threads.is_some()),
         ("memory", p.memory.is_some()),
+        ("cpus", p.cpus.is_some()),
     ];
     if let Some((field, _)) = onnxruntime_only.iter().find(|(_, given)| *given) {
         return Err(c.err(

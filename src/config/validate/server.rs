@@ -36,6 +36,7 @@ pub(super) fn server(c: &Checker, s: &RawServer) -> Result<ServerConfig, ConfigE
         timeouts,
         max_connections,
         max_receiving_bytes: max_receiving_bytes(c, s)?,
+        cpus: c.cpus("server.cpus", s.cpus.as_ref())?,
     })
 }
 

@@ -20,6 +20,7 @@ use super::shm::Region;
 use super::wire::{self, Answer, Ask, SimChange, SimState, WireError};
 use crate::config::{CudaOptions, Provider};
 use crate::core::backend::{Backend, BackendError, Interrupt, RunMeta};
+use crate::core::cpus::CpuSet;
 use crate::core::tensor::TensorView;
 use crate::device::simulated::{FaultInjecting, SimulatedDevice};
 use crate::pool::RunOp;
@@ -48,6 +49,9 @@ pub struct WorkerSpec {
     pub simulated: Option<(String, u64)>,
     /// Where ONNX Runtime's library is.
     pub onnxruntime_library: PathBuf,
+    /// The CPUs the process runs on (every thread it starts, ONNX Runtime's included).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cpus: Option<CpuSet>,
 }
 
 impl WorkerSpec {
@@ -148,6 +152,10 @@ pub fn serve(socket: &Path, parent: u32) -> Result<(), String> {
         .map_err(|e| format!("cannot read the worker's spec: {e}"))?;
     let spec: WorkerSpec = serde_json::from_str(&line).map_err(|e| format!("the worker's spec is not valid: {e}"))?;
     drop(stdin);
+    // Before any other thread starts: they inherit it.
+    if let Some(cpus) = &spec.cpus {
+        cpus.apply_to_this_thread()?;
+    }
     std::thread::Builder::new()
         .name("parent-watch".into())
         .spawn(|| {

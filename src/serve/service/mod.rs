@@ -4,6 +4,7 @@
 //! ([`Parts::onnxruntime`]); tests pass a fake [`BackendFactory`], no memory sources and a clock
 //! they control, so the whole request lifecycle runs without ONNX Runtime.
 
+mod cpus;
 mod models;
 mod observe;
 mod onnxruntime;
@@ -147,7 +148,9 @@ impl std::fmt::Debug for Service {
 
 impl Service {
     /// Assemble the production service: [`Parts::onnxruntime`], then [`Service::assemble`].
-    pub fn start(config: Config) -> Result<Service, StartError> {
+    /// The calling thread moves to `server.cpus`, if given (see [`cpus::place`]).
+    pub fn start(mut config: Config) -> Result<Service, StartError> {
+        cpus::place(&mut config)?;
         let parts = Parts::onnxruntime(&config)?;
         Service::assemble(config, parts)
     }

@@ -92,6 +92,7 @@ impl OrtFactory {
             arena_shrinkage: pool.arena_shrinkage,
             simulated: simulated.map(|d| (d.name.clone(), d.capacity)),
             onnxruntime_library: self.rt.library.clone(),
+            cpus: pool.cpus.clone(),
         };
         let host = WorkerHost::new(spec, exe, pool.health.timeout)?;
         host.start()?;
@@ -169,7 +170,13 @@ impl BackendFactory for OrtFactory {
             arena_shrinkage: pool.arena_shrinkage,
             quiet: false,
         };
-        let backend: Box<dyn Backend> = Box::new(OrtBackend::load(self.rt, models, &options)?);
+        // The intra-op threads a session starts keep the CPUs of the thread that built it.
+        let load = || OrtBackend::load(self.rt, models, &options);
+        let loaded = match &pool.cpus {
+            Some(cpus) => cpus.while_applied(load)?,
+            None => load(),
+        };
+        let backend: Box<dyn Backend> = Box::new(loaded?);
         match self.simulated.iter().find(|d| d.name == pool.device) {
             Some(device) if pool.provider == Provider::Simulated => {
                 device.check_capacity(&format!("pool `{}` loading its models", pool.name))?;

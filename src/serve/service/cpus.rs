@@ -1,0 +1,50 @@
+//! Where vramguard's threads run: `server.cpus` for its own (HTTP, policy, telemetry), each
+//! local pool's `cpus` for its sessions. Checked against the CPUs it was started on, which is
+//! also where a pool without `cpus` runs.
+
+use crate::config::{Config, ConfigError, Provider};
+use crate::core::cpus::CpuSet;
+
+/// Check every `cpus` against the CPUs the calling thread may run on, move the calling thread
+/// (and so every thread it starts from now on) to `server.cpus`, and give each local pool
+/// without `cpus` those it was started on: a pool's threads and worker process are placed
+/// explicitly, never by inheriting the server's.
+pub(super) fn place(config: &mut Config) -> Result<(), ConfigError> {
+    let invalid = |key: String, message: String| ConfigError::Invalid {
+        file: config.source.clone(),
+        key,
+        message,
+    };
+    let started = CpuSet::current().map_err(|why| invalid("server.cpus".into(), why))?;
+    let outside = |set: &CpuSet| {
+        let missing: Vec<usize> = set.iter().filter(|c| !started.iter().any(|s| s == *c)).collect();
+        CpuSet::new(missing).map(|missing| {
+            format!(
+                "CPUs {missing} are not among those vramguard may run on ({started}); start it on them, or name others"
+            )
+        })
+    };
+    if let Some(set) = &config.server.cpus
+        && let Some(why) = outside(set)
+    {
+        return Err(invalid("server.cpus".into(), why));
+    }
+    for (i, pool) in config.pools.iter().enumerate() {
+        if let Some(set) = &pool.cpus
+            && let Some(why) = outside(set)
+        {
+            return Err(invalid(format!("pools[{i}].cpus"), why));
+        }
+    }
+    if let Some(set) = &config.server.cpus {
+        set.apply_to_this_thread()
+            .map_err(|why| invalid("server.cpus".into(), why))?;
+        tracing::info!(cpus = %set, "vramguard's own threads placed");
+    }
+    for pool in config.pools.iter_mut() {
+        if !matches!(pool.provider, Provider::Remote(_)) {
+            pool.cpus.get_or_insert_with(|| started.clone());
+        }
+    }
+    Ok(())
+}
