@@ -10,6 +10,10 @@
 //!   throughput (4 connections) as a share of the thread pool's, measured in turn within each
 //!   run, so drift of a shared machine shows as spread. The load generator is wrk, a separate
 //!   process.
+//! - The same saturated pair again with the pool on a CPU of its own (the last one,
+//!   `pools[].cpus`) and the server's threads on the others (`server.cpus`), on a machine with
+//!   two CPUs or more: on shared CPUs, a worker process and vramguard's threads take turns on a
+//!   core, each switch of address space costing both their warm caches.
 //! - Recovery: K times, 5.2 s apart (a worker lost sooner after its start waits out a longer
 //!   backoff, as a crash loop), the worker process is killed with SIGKILL (`kill -9`, as the
 //!   kernel's OOM killer or a crash would) while idle, and `/status` is polled every 2 ms until a new
@@ -21,6 +25,7 @@ use std::time::{Duration, Instant};
 
 use reqwest::StatusCode;
 use serde_json::Value;
+use vramguard::core::cpus::CpuSet;
 use vramguard::testing::Scratch;
 use vramguard::testing::bench::server::{self, Server, Stats, wrk, wrk_script};
 use vramguard::testing::bench::{Figure, Machine, Target, arg, encoder_binary_body, out_dir, record};
@@ -29,19 +34,24 @@ const SEQS: [usize; 2] = [128, 1024];
 const SATURATING_CONNECTIONS: usize = 4;
 const INFER_PATH: &str = "/v2/models/encoder/infer";
 
-/// The server under test, with its pool's `isolation`.
-fn config(isolation: &str) -> String {
+/// The server under test, with its pool's `isolation`, and where it runs: `placed` gives the
+/// server's threads and the pool their own CPUs (`server.cpus`, `pools[].cpus`).
+fn config(isolation: &str, placed: Option<&(CpuSet, CpuSet)>) -> String {
+    let (server_cpus, pool_cpus) = match placed {
+        Some((server, pool)) => (format!(", cpus: '{server}'"), format!(", cpus: '{pool}'")),
+        None => (String::new(), String::new()),
+    };
     format!(
         "devices: [{{name: sim0, kind: simulated, capacity: 2GiB}}]
 models:
   - {{name: encoder, path: 'builtin:encoder', context: {{input: input, axis: 1, keep: end}}}}
 pools:
   - {{name: gpu, provider: simulated, device: sim0, models: [encoder], workers: 1, intra_threads: 1,
-     isolation: {isolation}, queue: {{capacity: 256}}}}
+     isolation: {isolation}, queue: {{capacity: 256}}{pool_cpus}}}
 policy:
   path: 'builtin:default'
   params: {{cpu_pool: gpu, reserve_bytes: 32MiB, min_context_tokens: 16, defer_ms: 25, defer_max_queue: 4}}
-server: {{admin_socket: 'off'}}
+server: {{admin_socket: 'off'{server_cpus}}}
 "
     )
 }
@@ -119,6 +129,8 @@ struct Run {
     process_c1: Stats,
     thread_saturated: Stats,
     process_saturated: Stats,
+    /// Saturated, with the pool on a CPU of its own (thread, process); none on one CPU.
+    placed: Option<(Stats, Stats)>,
 }
 
 fn figures(seq: usize, runs: &[Run]) -> Vec<Figure> {
@@ -130,7 +142,7 @@ fn figures(seq: usize, runs: &[Run]) -> Vec<Figure> {
         )
     };
     let c = SATURATING_CONNECTIONS;
-    vec![
+    let mut figures = vec![
         of("thread isolation latency c1", "µs", &|r| us(r.thread_c1.median)),
         of("process isolation latency c1", "µs", &|r| us(r.process_c1.median)),
         of("added latency c1 (process − thread)", "µs", &|r| {
@@ -147,7 +159,38 @@ fn figures(seq: usize, runs: &[Run]) -> Vec<Figure> {
             100.0 * r.process_saturated.per_second / r.thread_saturated.per_second
         })
         .target(Target::AtLeast(95.0)),
-    ]
+    ];
+    if runs.iter().all(|r| r.placed.is_some()) {
+        let placed = |r: &Run| {
+            r.placed
+                .as_ref()
+                .map(|(t, p)| (t.per_second, p.per_second))
+                .unwrap_or_default()
+        };
+        figures.extend([
+            of(
+                &format!("thread isolation throughput c{c}, pool on its own CPU"),
+                "req/s",
+                &|r| placed(r).0,
+            ),
+            of(
+                &format!("process isolation throughput c{c}, pool on its own CPU"),
+                "req/s",
+                &|r| placed(r).1,
+            ),
+            of(
+                "saturated throughput, process / thread, pool on its own CPU",
+                "%",
+                &|r| {
+                    let (t, p) = placed(r);
+                    100.0 * p / t
+                },
+            )
+            .target(Target::AtLeast(95.0))
+            .note("server.cpus: all but the last CPU; pools[].cpus: the last"),
+        ]);
+    }
+    figures
 }
 
 fn main() {
@@ -160,8 +203,23 @@ fn main() {
     });
     let scratch = Scratch::new();
     let bin = env!("CARGO_BIN_EXE_vramguard");
-    let thread = Server::vramguard(bin, &scratch, "thread", &config("thread"));
-    let process = Server::vramguard(bin, &scratch, "process", &config("process"));
+    let thread = Server::vramguard(bin, &scratch, "thread", &config("thread", None));
+    let process = Server::vramguard(bin, &scratch, "process", &config("process", None));
+    // The same pair with the pool on the last CPU and the server's threads on the others.
+    let cpus = CpuSet::current().expect("this thread's CPUs");
+    let placement = (cpus.len() >= 2).then(|| {
+        let last = cpus.iter().last().expect("a CPU");
+        (
+            CpuSet::new(cpus.iter().filter(|&c| c != last)).expect("another CPU"),
+            CpuSet::new([last]).expect("a CPU"),
+        )
+    });
+    let placed = placement.as_ref().map(|placement| {
+        (
+            Server::vramguard(bin, &scratch, "thread-placed", &config("thread", Some(placement))),
+            Server::vramguard(bin, &scratch, "process-placed", &config("process", Some(placement))),
+        )
+    });
     let scripts: Vec<_> = SEQS
         .iter()
         .map(|&seq| {
@@ -170,20 +228,36 @@ fn main() {
             // Warm-up: connections, worker threads, allocators.
             wrk(&thread.url(INFER_PATH), &t, SATURATING_CONNECTIONS, 1);
             wrk(&process.url(INFER_PATH), &p, SATURATING_CONNECTIONS, 1);
-            (t, p)
+            let placed = placed.as_ref().map(|(thread, process)| {
+                let pt = script(&scratch, thread, "thread-placed", seq);
+                let pp = script(&scratch, process, "process-placed", seq);
+                wrk(&thread.url(INFER_PATH), &pt, SATURATING_CONNECTIONS, 1);
+                wrk(&process.url(INFER_PATH), &pp, SATURATING_CONNECTIONS, 1);
+                (pt, pp)
+            });
+            (t, p, placed)
         })
         .collect();
     let mut results: Vec<Vec<Run>> = SEQS.iter().map(|_| Vec::new()).collect();
     let (t_url, p_url) = (thread.url(INFER_PATH), process.url(INFER_PATH));
     let c = SATURATING_CONNECTIONS;
     for run in 0..runs {
-        for ((seq, (t, p)), out) in SEQS.iter().zip(&scripts).zip(&mut results) {
+        for ((seq, (t, p, scripts_placed)), out) in SEQS.iter().zip(&scripts).zip(&mut results) {
             eprintln!("isolation: run {}/{runs}, seq {seq}", run + 1);
             out.push(Run {
                 thread_c1: wrk(&t_url, t, 1, seconds),
                 process_c1: wrk(&p_url, p, 1, seconds),
                 thread_saturated: wrk(&t_url, t, c, seconds),
                 process_saturated: wrk(&p_url, p, c, seconds),
+                placed: placed
+                    .as_ref()
+                    .zip(scripts_placed.as_ref())
+                    .map(|((ts, ps), (pt, pp))| {
+                        (
+                            wrk(&ts.url(INFER_PATH), pt, c, seconds),
+                            wrk(&ps.url(INFER_PATH), pp, c, seconds),
+                        )
+                    }),
             });
         }
     }
@@ -195,7 +269,7 @@ fn main() {
         std::thread::sleep(Duration::from_millis(5200));
         recoveries.push(recovery(&process).as_secs_f64() * 1e3);
     }
-    drop((thread, process));
+    drop((thread, process, placed));
     println!();
     println!(
         "isolation: bundled encoder, batch 1, one simulated pool of 1 worker × 1 intra-op thread, isolation thread vs process, {runs} runs of {seconds} s per measurement"
