@@ -65,9 +65,9 @@ impl CpuSet {
         self.0.iter().copied()
     }
 
-    /// Whether every CPU of `self` is in `other`.
-    pub fn is_subset(&self, other: &CpuSet) -> bool {
-        self.0.is_subset(&other.0)
+    /// Its CPUs that are not in `other`, if any.
+    pub fn outside(&self, other: &CpuSet) -> Option<CpuSet> {
+        CpuSet::new(self.0.difference(&other.0).copied())
     }
 
     /// The CPUs the calling thread may run on now.
@@ -213,6 +213,9 @@ mod tests {
         assert_eq!(set.to_string(), "0-3,6");
         assert_eq!(CpuSet::parse("4,5").unwrap().to_string(), "4,5");
         assert_eq!(CpuSet::parse("7").unwrap().len(), 1);
+        let outside = CpuSet::parse("0-3").unwrap().outside(&CpuSet::parse("1,2").unwrap());
+        assert_eq!(outside.map(|s| s.to_string()).as_deref(), Some("0,3"));
+        assert_eq!(CpuSet::parse("1").unwrap().outside(&set), None);
     }
 
     #[test]

@@ -17,8 +17,7 @@ pub(super) fn place(config: &mut Config) -> Result<(), ConfigError> {
     };
     let started = CpuSet::current().map_err(|why| invalid("server.cpus".into(), why))?;
     let outside = |set: &CpuSet| {
-        let missing: Vec<usize> = set.iter().filter(|c| !started.iter().any(|s| s == *c)).collect();
-        CpuSet::new(missing).map(|missing| {
+        set.outside(&started).map(|missing| {
             format!(
                 "CPUs {missing} are not among those vramguard may run on ({started}); start it on them, or name others"
             )
