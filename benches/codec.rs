@@ -4,12 +4,17 @@
 //! Triton's client write it) and the `f64` repr of that value (`-0.30000001192092896`, as
 //! Python's `json` writes numpy's `tolist()`).
 //!
+//! Then a whole request of that input, as the server decodes it (`protocol::oip::decode`:
+//! the header read, each `data` array parsed once the datatype is known).
+//!
 //! `cargo bench --bench codec`.
 
 use criterion::{Criterion, Throughput};
 use std::hint::black_box;
 use vramguard::core::tensor::{DataType, TensorData};
-use vramguard::testing::bench::encoder_input;
+use vramguard::protocol::oip;
+use vramguard::runtime::onnx::{ModelSignature, TensorSpec};
+use vramguard::testing::bench::{ENCODER_DIM, encoder_input};
 
 fn main() {
     let mut criterion = Criterion::default().configure_from_args();
@@ -38,6 +43,37 @@ fn main() {
             });
             group.finish();
         }
+        decode_request(&mut criterion, seq, &shortest);
     }
     criterion.final_summary();
+}
+
+/// A request as the overhead bench's JSON client sends it, decoded as the server does.
+fn decode_request(criterion: &mut Criterion, seq: usize, data: &str) {
+    let signature = ModelSignature {
+        inputs: vec![TensorSpec {
+            name: "input".into(),
+            datatype: DataType::Fp32,
+            shape: vec![-1, -1, ENCODER_DIM as i64],
+            symbols: vec![],
+        }],
+        outputs: vec![TensorSpec {
+            name: "pooled".into(),
+            datatype: DataType::Fp32,
+            shape: vec![-1, ENCODER_DIM as i64],
+            symbols: vec![],
+        }],
+    };
+    let body = format!(
+        "{{\"inputs\": [{{\"name\": \"input\", \"shape\": [1, {seq}, {ENCODER_DIM}], \"datatype\": \"FP32\", \"data\": {data}}}], \
+         \"outputs\": [{{\"name\": \"pooled\"}}]}}"
+    );
+    let decoded = oip::decode(body.as_bytes(), None, &signature).unwrap();
+    assert_eq!(decoded.inputs[0].data.len(), seq * ENCODER_DIM);
+    let mut group = criterion.benchmark_group(format!("decode_request/seq{seq}"));
+    group.throughput(Throughput::Bytes(body.len() as u64));
+    group.bench_function("shortest", |b| {
+        b.iter(|| oip::decode(black_box(body.as_bytes()), None, &signature).unwrap())
+    });
+    group.finish();
 }

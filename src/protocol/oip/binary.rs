@@ -53,12 +53,13 @@ pub(super) fn binary_data_size(parameters: &Map<String, Value>, what: &str) -> R
 }
 
 /// A tensor's elements, requests and responses alike: its `binary_data_size` bytes taken off the
-/// front of `binary`, or its JSON `data`; `what` names the tensor in the message.
+/// front of `binary`, or its JSON `data` (`raw`, the array's text); `what` names the tensor in
+/// the message.
 pub(super) fn tensor_data(
     what: &str,
     datatype: DataType,
     binary_size: Option<usize>,
-    raw: Option<&RawValue>,
+    raw: Option<&str>,
     binary: &mut &[u8],
 ) -> Result<TensorData, String> {
     match (binary_size, raw) {
@@ -73,7 +74,7 @@ pub(super) fn tensor_data(
             *binary = rest;
             TensorData::from_le_bytes(datatype, bytes).map_err(|e| format!("{what}: {e}"))
         }
-        (None, Some(raw)) => TensorData::from_json(datatype, raw.get()).map_err(|e| format!("{what}: {e}")),
+        (None, Some(raw)) => TensorData::from_json(datatype, raw).map_err(|e| format!("{what}: {e}")),
         (None, None) => Err(format!("{what}: has no `data` and no binary_data_size")),
     }
 }

@@ -5,6 +5,7 @@ use serde::Deserialize;
 use serde_json::Value;
 
 use super::binary::{TensorJson, binary_data_size, split_header, tensor_data};
+use super::cut::{Cut, data_text, parse};
 use crate::core::tensor::{DataType, Tensor};
 
 /// A request as a client of the protocol sends it (what a remote pool forwards): every input
@@ -56,7 +57,8 @@ struct ResponseIn<'a> {
 /// with the answer (the server's fault, not the client's).
 pub fn decode_response(body: &[u8], header_len: Option<usize>, asked: &[String]) -> Result<Vec<Tensor>, String> {
     let (json, mut binary) = split_header(body, header_len, "answer")?;
-    let response: ResponseIn = serde_json::from_slice(json).map_err(|e| format!("malformed response JSON: {e}"))?;
+    let cut = Cut::new(json, "outputs");
+    let response: ResponseIn = parse(cut.as_ref(), json).map_err(|e| format!("malformed response JSON: {e}"))?;
     let mut tensors = Vec::with_capacity(response.outputs.len());
     for out in response.outputs {
         let name = &out.name;
@@ -68,7 +70,11 @@ pub fn decode_response(body: &[u8], header_len: Option<usize>, asked: &[String])
         let what = format!("output `{name}`");
         let binary_size = binary_data_size(&out.parameters, &what)?;
         // A server that sends both: its binary data is what it means.
-        let raw = if binary_size.is_some() { None } else { out.data };
+        let raw = if binary_size.is_some() {
+            None
+        } else {
+            out.data.map(|raw| data_text(cut.as_ref(), raw))
+        };
         let data = tensor_data(&what, datatype, binary_size, raw, &mut binary)?;
         if data.len() != expected {
             return Err(format!(

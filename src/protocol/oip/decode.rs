@@ -6,6 +6,7 @@ use serde::Deserialize;
 use serde_json::{Map, Value};
 
 use super::binary::{TensorJson, binary_data_size, split_header, tensor_data};
+use super::cut::{Cut, data_text, parse};
 use crate::core::tensor::{DataType, Tensor};
 use crate::runtime::onnx::{ModelSignature, TensorSpec};
 
@@ -74,7 +75,8 @@ fn flag(params: &Map<String, Value>, key: &str) -> Result<bool, String> {
 /// JSON part's length when binary tensor data follows it.
 pub fn decode(body: &[u8], header_len: Option<usize>, signature: &ModelSignature) -> Result<DecodedRequest, String> {
     let (json, mut binary) = split_header(body, header_len, "body")?;
-    let request: RequestJson = serde_json::from_slice(json).map_err(|e| format!("malformed request JSON: {e}"))?;
+    let cut = Cut::new(json, "inputs");
+    let request: RequestJson = parse(cut.as_ref(), json).map_err(|e| format!("malformed request JSON: {e}"))?;
 
     let mut inputs: Vec<Option<Tensor>> = vec![None; signature.inputs.len()];
     for input in request.inputs {
@@ -89,8 +91,10 @@ pub fn decode(body: &[u8], header_len: Option<usize>, signature: &ModelSignature
             return Err(format!("input `{name}` is given twice"));
         }
         let spec = &signature.inputs[index];
+        let data = input.data.map(|raw| data_text(cut.as_ref(), raw));
         inputs[index] = Some(decode_input(
             input,
+            data,
             spec,
             body.len(),
             header_len.is_some(),
@@ -132,11 +136,12 @@ pub fn decode(body: &[u8], header_len: Option<usize>, signature: &ModelSignature
     })
 }
 
-/// One input, checked against the model's `spec`, its data taken from its JSON or from the front
-/// of `binary`. `body_len` is the whole body's (no real axis is longer); binary data needs the
+/// One input, checked against the model's `spec`, its data taken from its JSON `data` (the
+/// array's text) or from the front of `binary`. `body_len` is the whole body's (no real axis is longer); binary data needs the
 /// request to have an `Inference-Header-Content-Length` header (`has_header_len`).
 fn decode_input(
     input: TensorJson<'_>,
+    data: Option<&str>,
     spec: &TensorSpec,
     body_len: usize,
     has_header_len: bool,
@@ -161,7 +166,7 @@ fn decode_input(
     let what = format!("input `{name}`");
     let binary_size = binary_data_size(&input.parameters, &what)?;
     if binary_size.is_some() {
-        if input.data.is_some() {
+        if data.is_some() {
             return Err(format!("{what}: has both `data` and binary_data_size; send one"));
         }
         if !has_header_len {
@@ -170,7 +175,7 @@ fn decode_input(
             ));
         }
     }
-    let data = tensor_data(&what, datatype, binary_size, input.data, binary)?;
+    let data = tensor_data(&what, datatype, binary_size, data, binary)?;
     if data.len() != expected {
         return Err(format!(
             "{what}: shape {:?} needs {expected} elements but {} were given",

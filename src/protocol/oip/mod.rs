@@ -5,6 +5,7 @@
 
 mod binary;
 mod client;
+mod cut;
 mod decode;
 mod encode;
 
