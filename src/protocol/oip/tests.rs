@@ -84,6 +84,9 @@ fn every_bad_input_names_the_tensor_and_reason() {
         "{}",
         input("[4611686018427387904,0]", "FP32", "[]")
     );
+    // Broken text inside a data array is the tensor's to name (the codec reads the array).
+    assert_eq!(input("[1,2]", "FP32", "[1, 2x]"), "input `x`: expected `,` or `]`");
+    assert_eq!(input("[1,2]", "FP32", "[1, nul]"), "input `x`: expected ident");
     // FP32 cannot hold 1e39: refused, not turned into infinity.
     assert_eq!(
         input("[1,2]", "FP32", "[1,1e39]"),
