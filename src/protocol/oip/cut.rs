@@ -114,31 +114,18 @@ impl<'a> Walk<'a> {
     /// An array of tensor objects, each one's `data` array recorded.
     fn tensors(&mut self) -> Option<()> {
         self.i += 1;
-        self.ws();
-        if self.peek() == Some(b']') {
-            self.i += 1;
-            return Some(());
-        }
-        loop {
-            self.ws();
-            if self.peek() == Some(b'{') {
-                self.object(|walk, key| {
-                    if key == b"data" && walk.peek() == Some(b'[') {
-                        walk.data()
-                    } else {
-                        walk.value()
-                    }
-                })?;
-            } else {
-                self.value()?;
+        self.members(b']', |walk| {
+            if walk.peek() != Some(b'{') {
+                return walk.value();
             }
-            self.ws();
-            match self.next()? {
-                b',' => continue,
-                b']' => return Some(()),
-                _ => return None,
-            }
-        }
+            walk.object(|walk, key| {
+                if key == b"data" && walk.peek() == Some(b'[') {
+                    walk.data()
+                } else {
+                    walk.value()
+                }
+            })
+        })
     }
 
     /// A `data` array: its extent found by counting brackets, in a byte search (the numbers
@@ -168,24 +155,32 @@ impl<'a> Walk<'a> {
         if self.next()? != b'{' {
             return None;
         }
+        self.members(b'}', |walk| {
+            let key = walk.key()?;
+            walk.ws();
+            if walk.next()? != b':' {
+                return None;
+            }
+            walk.ws();
+            field(walk, key)
+        })
+    }
+
+    /// The comma-separated members of an array or object just opened, up to its `close`:
+    /// `member` called at each, past the whitespace before it.
+    fn members(&mut self, close: u8, mut member: impl FnMut(&mut Self) -> Option<()>) -> Option<()> {
         self.ws();
-        if self.peek() == Some(b'}') {
+        if self.peek() == Some(close) {
             self.i += 1;
             return Some(());
         }
         loop {
             self.ws();
-            let key = self.key()?;
-            self.ws();
-            if self.next()? != b':' {
-                return None;
-            }
-            self.ws();
-            field(self, key)?;
+            member(self)?;
             self.ws();
             match self.next()? {
                 b',' => continue,
-                b'}' => return Some(()),
+                c if c == close => return Some(()),
                 _ => return None,
             }
         }

@@ -137,8 +137,9 @@ pub fn decode(body: &[u8], header_len: Option<usize>, signature: &ModelSignature
 }
 
 /// One input, checked against the model's `spec`, its data taken from its JSON `data` (the
-/// array's text) or from the front of `binary`. `body_len` is the whole body's (no real axis is longer); binary data needs the
-/// request to have an `Inference-Header-Content-Length` header (`has_header_len`).
+/// array's text) or from the front of `binary`. `body_len` is the whole body's (no real axis
+/// is longer); binary data needs the request to have an `Inference-Header-Content-Length`
+/// header (`has_header_len`).
 fn decode_input(
     input: TensorJson<'_>,
     data: Option<&str>,
