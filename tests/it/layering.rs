@@ -90,8 +90,8 @@ fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
     }
 }
 
-/// The text with comments blanked (line structure kept), and string literals blanked so that a
-/// message mentioning `crate::` is not read as a path.
+/// The text with comments blanked (line structure kept), and string and character literals
+/// blanked so that a message mentioning `crate::` is not read as a path, nor a `'{'` as a brace.
 pub(crate) fn code_only(text: &str) -> String {
     let bytes = text.as_bytes();
     let mut out = String::with_capacity(text.len());
@@ -121,8 +121,13 @@ pub(crate) fn code_only(text: &str) -> String {
             let end = (j + 1).min(rest.len());
             out.extend(rest[..end].chars().map(|c| if c == '\n' { '\n' } else { ' ' }));
             i += end;
-        } else if rest.starts_with('\'') && rest.len() > 2 && rest.as_bytes()[1] == b'"' {
-            // The character literal '"', which would otherwise open a string.
+        } else if rest.starts_with('\'')
+            && rest.len() > 2
+            && rest.as_bytes()[1].is_ascii()
+            && rest.as_bytes()[2] == b'\''
+        {
+            // A one-character literal: '"' would otherwise open a string, and '{' (or b'}')
+            // would count as a brace of the code around it.
             out.push_str("   ");
             i += 3;
         } else {

@@ -114,14 +114,16 @@ fn no_file_or_function_is_longer_than_a_person_can_hold() {
 fn the_check_measures_functions_and_honours_a_reason() {
     let body = "    let x = 1;\n".repeat(MAX_FN_LINES);
     let source = format!(
-        "/// Short.\npub fn short() -> u8 {{ 1 }}\n\nfn long() {{\n{body}}}\n\n// Long: one table.\nfn table() {{\n{body}}}\n\ntrait T {{\n    fn declared(&self);\n}}\nfn takes(f: impl Fn(u8) -> u8) {{ let _ = \"{{\"; }}\n"
+        "/// Short.\npub fn short() -> u8 {{ 1 }}\n\nfn long() {{\n{body}}}\n\n// Long: one table.\nfn table() {{\n{body}}}\n\ntrait T {{\n    fn declared(&self);\n}}\nfn takes(f: impl Fn(u8) -> u8) {{ let _ = \"{{\"; }}\nfn bytes(c: u8) -> bool {{\n    c == b'{{'\n}}\n"
     );
     let code = code_only(&source);
     let found: Vec<(String, usize, usize)> = functions(&code);
     let names: Vec<&str> = found.iter().map(|(n, _, _)| n.as_str()).collect();
-    assert_eq!(names, ["short", "long", "table", "takes"]);
+    assert_eq!(names, ["short", "long", "table", "takes", "bytes"]);
     assert_eq!(found[0].2, 1);
     assert_eq!(found[1].2, MAX_FN_LINES + 2);
+    // A brace in a character literal is not one of the function's.
+    assert_eq!(found[4].2, 3);
     let lines: Vec<&str> = source.lines().collect();
     assert!(!justified(&lines, found[1].1));
     assert!(justified(&lines, found[2].1));
