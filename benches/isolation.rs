@@ -244,9 +244,18 @@ fn main() {
     for run in 0..runs {
         for ((seq, (t, p, scripts_placed)), out) in SEQS.iter().zip(&scripts).zip(&mut results) {
             eprintln!("isolation: run {}/{runs}, seq {seq}", run + 1);
+            // Which goes first alternates from run to run: on a shared machine the second of
+            // two measurements in a row is not measured in the same conditions as the first.
+            let (thread_c1, process_c1) = if run % 2 == 0 {
+                let thread = wrk(&t_url, t, 1, seconds);
+                (thread, wrk(&p_url, p, 1, seconds))
+            } else {
+                let process = wrk(&p_url, p, 1, seconds);
+                (wrk(&t_url, t, 1, seconds), process)
+            };
             out.push(Run {
-                thread_c1: wrk(&t_url, t, 1, seconds),
-                process_c1: wrk(&p_url, p, 1, seconds),
+                thread_c1,
+                process_c1,
                 thread_saturated: wrk(&t_url, t, c, seconds),
                 process_saturated: wrk(&p_url, p, c, seconds),
                 placed: placed

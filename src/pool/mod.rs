@@ -21,6 +21,7 @@ mod health;
 mod job;
 mod load;
 mod models;
+mod patience;
 pub mod process;
 mod queue;
 mod residency;

@@ -13,6 +13,7 @@ use tokio::sync::oneshot;
 use crate::core::backend::Backend;
 use crate::pool::job::{InferJob, JobResult, PoolError, RunOp};
 use crate::pool::load::PoolLoad;
+use crate::pool::patience::Patience;
 
 /// A job waiting for a worker, stamped when it was queued.
 pub(super) struct Queued {
@@ -94,6 +95,10 @@ struct QueueState {
     release_idle: Option<Duration>,
     /// When the last run ended.
     last_finish: Option<Instant>,
+    /// How soon jobs came after the run before them lately: how long a worker that just ran
+    /// looks for the next one before it sleeps. The pool's, not each worker's: with two
+    /// workers and one request at a time, each worker's own gaps would be whole requests.
+    patience: Patience,
     /// Give free memory back as soon as a backend that ran is idle (host memory is short).
     release_now: bool,
     /// The backend (slot id) that keeps each model's generation caches.
@@ -395,18 +400,22 @@ impl Queue {
     }
 
     /// The next queued job and an idle backend to run it on, waiting for both, or an idle
-    /// backend behind the wanted set; `None` once closed. With `spin`, it looks again for that
-    /// long (yielding the core between looks) before it sleeps: a generation's next step comes
-    /// a few tens of µs after the last one ended.
-    pub(super) fn next_after(&self, spin: Option<Duration>) -> Option<Next> {
+    /// backend behind the wanted set; `None` once closed. After a run (`ran`), it looks again
+    /// for as long as the pool's [`Patience`] says (yielding the core between looks) before it
+    /// sleeps: a generation's next step comes a few tens of µs after the last one ended, a
+    /// client's next request soon after its answer.
+    pub(super) fn next_after(&self, ran: bool) -> Option<Next> {
         let mut state = self.lock();
-        let mut spin_until = spin.map(|d| Instant::now() + d);
+        let mut spin_until = ran.then(|| Instant::now() + state.patience.look());
         loop {
             let generation = state.generation;
             let behind = state.idle.iter().position(|s| s.generation != generation);
             if let Some((j, at)) = state.pick() {
                 let slot = state.idle.swap_remove(at);
                 let job = state.jobs.remove(j).expect("picked from the queue");
+                if let Some(finished) = state.last_finish {
+                    state.patience.saw(job.enqueued.saturating_duration_since(finished));
+                }
                 if job.job.op != RunOp::Run {
                     state.homes.insert(job.job.model.clone(), slot.id);
                 }

@@ -19,15 +19,6 @@ use crate::pool::shared::{Availability, Pool};
 /// Most prompts of one model run together as one batch.
 const MAX_PROMPTS: usize = 8;
 
-/// How long a worker looks for its next job after a run before it sleeps. A generation's next
-/// step comes a few tens of µs after the last one ended, and a client that sends one request at
-/// a time sends its next one soon after its answer: waking a sleeping thread costs more than
-/// that on a virtual machine (measured on the 2-core VM: 610/543 µs median for a seq-128
-/// encoder request at concurrency 1 without it, 346–432 µs with it, for 10–20 % more CPU per
-/// request; no change at saturation, where the queue is never empty). The look yields the
-/// core between tries, so it takes nothing from threads with work.
-const SPIN: std::time::Duration = std::time::Duration::from_micros(200);
-
 impl Pool {
     /// Start `count` worker threads, named after the pool.
     pub(super) fn spawn_workers(self: &Arc<Self>, count: usize) {
@@ -60,14 +51,14 @@ impl Pool {
     /// models when it is behind, then run the job it came with, if any.
     fn work(&self) {
         // After a run, the next job is often on its way (a generation's next step, a client's
-        // next request): look for it a while before sleeping ([`SPIN`]).
-        let mut spin = None;
+        // next request): look for it a while before sleeping (the queue's `Patience`).
+        let mut ran = false;
         while let Some(Next {
             job,
             mut slot,
             stale,
             release,
-        }) = self.queue.next_after(spin.take())
+        }) = self.queue.next_after(std::mem::take(&mut ran))
         {
             if release {
                 self.release_memory(&mut slot);
@@ -79,7 +70,7 @@ impl Pool {
                 self.queue.finish(None, Ok(slot));
                 continue;
             };
-            spin = Some(SPIN);
+            ran = true;
             let model = queued.job.model.clone();
             match loads.as_ref().and_then(|loads| loads.get(&model)) {
                 Some(Ok(took)) => self.record_cold_start(&model, *took),

@@ -24,6 +24,7 @@ use crate::core::cpus::CpuSet;
 use crate::core::tensor::TensorView;
 use crate::device::simulated::{FaultInjecting, SimulatedDevice};
 use crate::pool::RunOp;
+use crate::pool::patience::Patience;
 use crate::runtime::onnx::{OnnxRuntime, OrtBackend, SessionOptions};
 
 /// The largest buffer a session connection keeps between frames.
@@ -272,15 +273,18 @@ impl Worker {
             out: Vec::new(),
             regions: Default::default(),
         };
+        // The pool's next frame often follows soon after an answer: wait for it on this core
+        // about as long as frames took to come lately before sleeping (see `Patience`).
+        let mut patience = Patience::default();
         loop {
-            // The pool's next frame often follows soon after an answer: wait for it on this
-            // core a while before sleeping (see `wire::SPIN`).
+            let answered = std::time::Instant::now();
             if reader.buffer().is_empty() {
-                wire::spin_until_readable(reader.get_ref(), wire::SPIN);
+                wire::spin_until_readable(reader.get_ref(), patience.look());
             }
             let Ok(ask) = wire::read_frame_into::<Ask>(&mut reader, &mut payload) else {
                 break;
             };
+            patience.saw(answered.elapsed());
             let stream = reader.get_mut();
             self.wait_if_hung();
             let sent = self.answer(stream, &mut held, ask, &payload);

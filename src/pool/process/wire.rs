@@ -217,15 +217,6 @@ pub enum Answer {
     Sim(Option<SimState>),
 }
 
-/// How long the worker waits for the pool's next frame on its core before it sleeps: a wake-up
-/// from sleep costs tens of µs (more on a virtual machine, whose idle core halts), as much as a
-/// short run. The wait yields its core to any thread that is ready meanwhile. Only the worker
-/// waits so: the pool's side sleeps while a run goes. Measured on 2 cores at seq 128
-/// (saturated share of thread isolation's throughput, c1 median): no spin 82 % and 283 µs;
-/// both sides spinning without yielding 52 % and 164 µs, yielding 80 % and 164 µs; the
-/// worker alone, yielding, 90 % and 206 µs (thread isolation: 227 µs).
-pub const SPIN: std::time::Duration = std::time::Duration::from_micros(200);
-
 /// Wait up to `budget` for `stream` to have bytes to read without sleeping, yielding the core
 /// between looks.
 #[allow(unsafe_code)]
