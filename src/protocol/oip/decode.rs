@@ -91,10 +91,9 @@ pub fn decode(body: &[u8], header_len: Option<usize>, signature: &ModelSignature
             return Err(format!("input `{name}` is given twice"));
         }
         let spec = &signature.inputs[index];
-        let data = input.data.map(|raw| data_text(cut.as_ref(), raw));
         inputs[index] = Some(decode_input(
             input,
-            data,
+            cut.as_ref(),
             spec,
             body.len(),
             header_len.is_some(),
@@ -136,13 +135,13 @@ pub fn decode(body: &[u8], header_len: Option<usize>, signature: &ModelSignature
     })
 }
 
-/// One input, checked against the model's `spec`, its data taken from its JSON `data` (the
-/// array's text) or from the front of `binary`. `body_len` is the whole body's (no real axis
-/// is longer); binary data needs the request to have an `Inference-Header-Content-Length`
-/// header (`has_header_len`).
+/// One input, checked against the model's `spec`, its data taken from its JSON `data` (read
+/// through `cut`, the header serde read, where there is one) or from the front of `binary`.
+/// `body_len` is the whole body's (no real axis is longer); binary data needs the request to
+/// have an `Inference-Header-Content-Length` header (`has_header_len`).
 fn decode_input(
     input: TensorJson<'_>,
-    data: Option<&str>,
+    cut: Option<&Cut<'_>>,
     spec: &TensorSpec,
     body_len: usize,
     has_header_len: bool,
@@ -166,6 +165,7 @@ fn decode_input(
         .ok_or_else(|| format!("input `{name}`: shape {:?} is too large", input.shape))?;
     let what = format!("input `{name}`");
     let binary_size = binary_data_size(&input.parameters, &what)?;
+    let data = input.data.map(|raw| data_text(cut, raw));
     if binary_size.is_some() {
         if data.is_some() {
             return Err(format!("{what}: has both `data` and binary_data_size; send one"));
