@@ -12,9 +12,11 @@
 //!   ≤ 105 % of the loop's.
 //! - **Aggregate tokens/s at concurrency 8 against 1**: wrk with 8 connections and with 1,
 //!   non-streamed completions long enough for the generations to overlap in the pool's
-//!   batches. Target: c8/c1 ≥ 3 on the larger decoder, ≥ 2.5 on the fixture.
+//!   batches. Target: c8/c1 ≥ 3 on the larger decoder, ≥ 2.5 on the fixture. Beside it, the
+//!   runtime's own: the same generations in process, one at a time and 8 together (their
+//!   prompts in one run, then batched steps), and the server's c8/c1 as a share of that.
 //! - **Time to first token** of streamed completions at c1 and c8 (client-side, each request on
-//!   a new connection). Target: c8 ≤ 2 × c1.
+//!   a new connection). Target: c8 ≤ 2 × c1. Beside it, 8 prompts' run in process against one.
 //! - **Bytes crossing per generated token** (`vramguard_pool_transfer_bytes_total`, both
 //!   directions, from `/metrics`) at both positions: the same prompt with `max_tokens` N and
 //!   2N, the difference divided by N. It must be 24 + 4 × vocab (one row's token, position
@@ -200,6 +202,62 @@ impl Direct {
         (tokens, vocab, elapsed)
     }
 
+    /// `rows` greedy generations of `max_tokens` tokens after `prompt`, together as the pool
+    /// runs generations that arrive together: their prompts in one run (`prefill_many`), then one
+    /// batched decode step per token. How long the prompts' run and the whole took.
+    fn together(&mut self, prompt: &[u32], rows: usize, max_tokens: usize) -> (Duration, Duration) {
+        let meta = RunMeta::default();
+        let seqs: Vec<u64> = (0..rows as u64).map(|i| self.next_seq + i).collect();
+        self.next_seq += rows as u64;
+        let inputs = seqs
+            .iter()
+            .flat_map(|_| step_inputs(&self.layout, prompt, 0, Vec::new()))
+            .collect();
+        let started = Instant::now();
+        let logits = self.backend.prefill_many("lm", &seqs, inputs, &meta).expect("prefill");
+        let first = started.elapsed();
+        let mut tokens = argmax_rows(&logits);
+        for past in prompt.len()..prompt.len() + max_tokens - 1 {
+            let rows = seqs
+                .iter()
+                .zip(&tokens)
+                .map(|(&seq, &token)| DecodeRow {
+                    seq,
+                    token,
+                    past: past as u64,
+                })
+                .collect();
+            let step = DecodeStep {
+                rows,
+                ended: Vec::new(),
+            };
+            let logits = self.backend.decode("lm", &step, &meta).expect("decode");
+            tokens = argmax_rows(&logits);
+        }
+        let whole = started.elapsed();
+        let end = DecodeStep {
+            rows: Vec::new(),
+            ended: seqs,
+        };
+        self.backend
+            .decode("lm", &end, &meta)
+            .expect("the end of the generations");
+        (first, whole)
+    }
+
+    /// [`Direct::together`] back to back for `seconds`: each time's tokens/s (all rows
+    /// together) and its prompts' run in ms.
+    fn batched(&mut self, prompt: &[u32], rows: usize, max_tokens: usize, seconds: f64) -> (Vec<f64>, Vec<f64>) {
+        let started = Instant::now();
+        let (mut rates, mut firsts) = (Vec::new(), Vec::new());
+        while rates.is_empty() || started.elapsed().as_secs_f64() < seconds {
+            let (first, whole) = self.together(prompt, rows, max_tokens);
+            rates.push((rows * max_tokens) as f64 / whole.as_secs_f64());
+            firsts.push(first.as_secs_f64() * 1e3);
+        }
+        (rates, firsts)
+    }
+
     /// Generations of `steps` decode steps after `prompt`, back to back for `seconds`: the
     /// time per decode step of each, in ms.
     fn per_token(&mut self, prompt: &[u32], steps: usize, seconds: f64) -> Vec<f64> {
@@ -213,17 +271,28 @@ impl Direct {
     }
 }
 
+/// The highest logit's index in every row of every logits tensor, in order (a step's other
+/// outputs, such as `padding_bytes`, are not logits).
+fn argmax_rows(logits: &[Tensor]) -> Vec<u32> {
+    let mut out = Vec::new();
+    for tensor in logits.iter().filter(|t| t.name == "logits") {
+        let TensorData::Fp32(values) = &tensor.data else {
+            panic!("FP32 logits, not {tensor:?}")
+        };
+        let vocab = tensor.shape[1] as usize;
+        out.extend(values.chunks(vocab).map(|row| {
+            row.iter()
+                .enumerate()
+                .fold((0, f32::NEG_INFINITY), |b, (i, &l)| if l > b.1 { (i, l) } else { b })
+                .0 as u32
+        }));
+    }
+    out
+}
+
 /// The highest logit's index in the first row.
 fn argmax(logits: &Tensor) -> u32 {
-    let TensorData::Fp32(values) = &logits.data else {
-        panic!("FP32 logits, not {logits:?}")
-    };
-    let vocab = logits.shape[1] as usize;
-    values[..vocab]
-        .iter()
-        .enumerate()
-        .fold((0, f32::NEG_INFINITY), |b, (i, &l)| if l > b.1 { (i, l) } else { b })
-        .0 as u32
+    argmax_rows(std::slice::from_ref(logits))[0]
 }
 
 /// One streamed completion as the client saw it: from sending it (on a new connection) to its
@@ -415,6 +484,13 @@ fn bytes_per_token(server: &Server, model: &Model, prompt: &(String, Vec<u32>), 
 struct Runs {
     throughput: [Vec<f64>; 2],
     c8_over_c1: Vec<f64>,
+    /// The same generations in process, 1 and 8 together: tokens/s and the prompts' run (ms).
+    together: [Vec<f64>; 2],
+    together_ratio: Vec<f64>,
+    prompts_run: [Vec<f64>; 2],
+    prompts_run_ratio: Vec<f64>,
+    /// Each run's server c8/c1 as a share of its in-process 8/1.
+    c8_share: Vec<f64>,
     first_token: [Vec<f64>; 2],
     first_token_ratio: Vec<f64>,
     /// Per position: in-process and served per-token times (ms, every sample), and the
@@ -446,6 +522,22 @@ impl Bench<'_> {
         }
         runs.c8_over_c1
             .push(runs.throughput[1].last().unwrap() / runs.throughput[0].last().unwrap());
+        // What the runtime itself gives for the same generations one at a time and 8 together
+        // (wrk's prompt and length): the ceiling of the server's c8/c1 on this machine.
+        let ids = self.direct.encode(PROMPT);
+        let (mut rates, mut firsts) = ([0.0; 2], [0.0; 2]);
+        for (i, &rows) in CONCURRENCY.iter().enumerate() {
+            let (rate, first) = self
+                .direct
+                .batched(&ids, rows, model.max_tokens as usize, seconds as f64 / 2.0);
+            (rates[i], firsts[i]) = (median(&rate), median(&first));
+            runs.together[i].extend(rate);
+            runs.prompts_run[i].extend(first);
+        }
+        runs.together_ratio.push(rates[1] / rates[0]);
+        runs.prompts_run_ratio.push(firsts[1] / firsts[0]);
+        runs.c8_share
+            .push(100.0 * runs.c8_over_c1.last().unwrap() / runs.together_ratio.last().unwrap());
         let body = self.scratch.write(
             &format!("{}-stream.json", model.label),
             completion(PROMPT, model.max_tokens, true),
@@ -550,6 +642,32 @@ fn figures(model: &Model, prompts: &[(String, Vec<u32>)], runs: &Runs, bytes: &[
             .target(Target::AtLeast(model.c8_over_c1))
             .note("non-streamed, wrk with 8 connections against 1: the pool's batches"),
     );
+    for (i, rows) in CONCURRENCY.iter().enumerate() {
+        out.push(
+            Figure::of_samples(
+                format!("in process, {rows} together, {label}, {tokens}"),
+                "tok/s",
+                &runs.together[i],
+            )
+            .note("OrtBackend: the prompts in one run (prefill_many), then batched decode steps"),
+        );
+    }
+    out.push(
+        Figure::of_runs(
+            format!("tokens/s 8 together / 1, in process, {label}"),
+            "×",
+            &runs.together_ratio,
+        )
+        .note("the runtime's own gain from batching these generations: the server's ceiling"),
+    );
+    out.push(
+        Figure::of_runs(
+            format!("server c8 / c1 as a share of in process 8 / 1, {label}"),
+            "%",
+            &runs.c8_share,
+        )
+        .note("each run's ratios"),
+    );
     for (i, c) in CONCURRENCY.iter().enumerate() {
         out.push(
             Figure::of_samples(
@@ -568,6 +686,19 @@ fn figures(model: &Model, prompts: &[(String, Vec<u32>)], runs: &Runs, bytes: &[
         )
         .target(Target::AtMost(2.0))
         .note("each run's medians"),
+    );
+    out.push(
+        Figure::of_runs(
+            format!("prompts' run 8 together / 1, in process, {label}"),
+            "×",
+            &runs.prompts_run_ratio,
+        )
+        .note(format!(
+            "8 prompts in one run against one ({:.1} / {:.1} ms): what 8 first tokens that \
+             arrive together wait for in the runtime alone, run as one batch as the pool runs them",
+            median(&runs.prompts_run[1]),
+            median(&runs.prompts_run[0])
+        )),
     );
     for (i, (_, ids)) in prompts.iter().enumerate() {
         let at = format!("{label}, position ~{}", model.positions[i]);
