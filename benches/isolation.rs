@@ -6,10 +6,11 @@
 //! `cargo bench --bench isolation [-- --runs N --seconds S --kills K]`. Figures go to
 //! `target/bench/isolation.json`.
 //!
-//! - Added median latency at concurrency 1 (process less thread, same run) and saturated
-//!   throughput (4 connections) as a share of the thread pool's, measured in turn within each
-//!   run, so drift of a shared machine shows as spread. The load generator is wrk, a separate
-//!   process.
+//! - Added median latency at concurrency 1 (process less thread): in each run, the median of
+//!   the differences within 4 pairs of 1 s measurements, which one goes first alternating
+//!   ([`Paired`]). Saturated throughput (4 connections) as a share of the thread pool's,
+//!   measured in turn within each run, so drift of a shared machine shows as spread. The load
+//!   generator is wrk, a separate process.
 //! - The same saturated pair again with the pool on a CPU of its own (the last one,
 //!   `pools[].cpus`) and the server's threads on the others (`server.cpus`), on a machine with
 //!   two CPUs or more: on shared CPUs, a worker process and vramguard's threads take turns on a
@@ -28,10 +29,12 @@ use serde_json::Value;
 use vramguard::core::cpus::CpuSet;
 use vramguard::testing::Scratch;
 use vramguard::testing::bench::server::{self, Server, Stats, wrk, wrk_script};
-use vramguard::testing::bench::{Figure, Machine, Target, arg, encoder_binary_body, out_dir, record};
+use vramguard::testing::bench::{Figure, Machine, Paired, Target, arg, encoder_binary_body, out_dir, record};
 
 const SEQS: [usize; 2] = [128, 1024];
 const SATURATING_CONNECTIONS: usize = 4;
+/// Pairs of 1 s measurements at concurrency 1 in each run.
+const C1_PAIRS: usize = 4;
 const INFER_PATH: &str = "/v2/models/encoder/infer";
 
 /// The server under test, with its pool's `isolation`, and where it runs: `placed` gives the
@@ -125,8 +128,8 @@ fn recovery(server: &Server) -> Duration {
 }
 
 struct Run {
-    thread_c1: Stats,
-    process_c1: Stats,
+    /// Median latency at concurrency 1 (µs), thread then process, in alternating pairs.
+    c1: Paired,
     thread_saturated: Stats,
     process_saturated: Stats,
     /// Saturated, with the pool on a CPU of its own (thread, process); none on one CPU.
@@ -143,12 +146,15 @@ fn figures(seq: usize, runs: &[Run]) -> Vec<Figure> {
     };
     let c = SATURATING_CONNECTIONS;
     let mut figures = vec![
-        of("thread isolation latency c1", "µs", &|r| us(r.thread_c1.median)),
-        of("process isolation latency c1", "µs", &|r| us(r.process_c1.median)),
+        of("thread isolation latency c1", "µs", &|r| r.c1.median_a()),
+        of("process isolation latency c1", "µs", &|r| r.c1.median_b()),
         of("added latency c1 (process − thread)", "µs", &|r| {
-            us(r.process_c1.median) - us(r.thread_c1.median)
+            r.c1.median_difference()
         })
-        .target(Target::AtMost(30.0)),
+        .target(Target::AtMost(30.0))
+        .note(format!(
+            "each run's median of {C1_PAIRS} differences within pairs of 1 s measurements, order alternated"
+        )),
         of(&format!("thread isolation throughput c{c}"), "req/s", &|r| {
             r.thread_saturated.per_second
         }),
@@ -244,18 +250,14 @@ fn main() {
     for run in 0..runs {
         for ((seq, (t, p, scripts_placed)), out) in SEQS.iter().zip(&scripts).zip(&mut results) {
             eprintln!("isolation: run {}/{runs}, seq {seq}", run + 1);
-            // Which goes first alternates from run to run: on a shared machine the second of
-            // two measurements in a row is not measured in the same conditions as the first.
-            let (thread_c1, process_c1) = if run % 2 == 0 {
-                let thread = wrk(&t_url, t, 1, seconds);
-                (thread, wrk(&p_url, p, 1, seconds))
-            } else {
-                let process = wrk(&p_url, p, 1, seconds);
-                (wrk(&t_url, t, 1, seconds), process)
-            };
+            // Tens of µs between two medians of ~3 ms: measured in pairs (see `Paired`).
+            let c1 = Paired::measure(
+                C1_PAIRS,
+                || us(wrk(&t_url, t, 1, 1).median),
+                || us(wrk(&p_url, p, 1, 1).median),
+            );
             out.push(Run {
-                thread_c1,
-                process_c1,
+                c1,
                 thread_saturated: wrk(&t_url, t, c, seconds),
                 process_saturated: wrk(&p_url, p, c, seconds),
                 placed: placed

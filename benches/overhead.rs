@@ -8,7 +8,9 @@
 //!
 //! - vramguard's overhead is measured with binary tensors (the Open Inference Protocol binary
 //!   data extension, as Triton's client sends them): latency at concurrency 1 against the
-//!   in-process run, and saturated throughput against in-process throughput.
+//!   in-process run (in each run, the median of the differences within 4 pairs of 1 s
+//!   measurements, the order alternating: [`Paired`]), and saturated throughput against
+//!   in-process throughput. The targets are issue 23's ([`targets`]).
 //! - vramguard against the peer is measured with JSON tensors, the one encoding both speak:
 //!   latency at concurrency 1 and saturated throughput, and their ratio.
 //!
@@ -32,7 +34,7 @@ use vramguard::runtime::onnx::{self, SessionOptions};
 use vramguard::testing::Scratch;
 use vramguard::testing::bench::server::{self, Histogram, Server, Stats, wrk, wrk_script};
 use vramguard::testing::bench::{
-    ENCODER_DIM, Figure, Machine, Target, arg, encoder_binary_body, encoder_input, out_dir, record,
+    ENCODER_DIM, Figure, Machine, Paired, Target, arg, encoder_binary_body, encoder_input, out_dir, record,
 };
 
 const SEQS: [usize; 2] = [128, 1024];
@@ -40,6 +42,15 @@ const SEQS: [usize; 2] = [128, 1024];
 /// dry.
 const SATURATING_CONNECTIONS: usize = 4;
 const INFER_PATH: &str = "/v2/models/encoder/infer";
+/// Pairs of 1 s measurements at concurrency 1 in each run.
+const C1_PAIRS: usize = 4;
+
+/// The targets at `seq` (issue 23's): added latency at concurrency 1 (µs), and vramguard's
+/// JSON throughput against the peer's. At seq 1024 the model's own run bounds the latter: in
+/// process it is 3× the peer's.
+fn targets(seq: usize) -> (f64, f64) {
+    if seq <= 128 { (150.0, 8.0) } else { (300.0, 2.5) }
+}
 
 /// The server under test: one CPU pool with a single one-thread worker, the embedded default
 /// policy with the params of the embedded default config, and a context axis on the encoder so
@@ -214,7 +225,9 @@ impl Workload {
 /// One run's measurements of one workload.
 struct Run {
     local: Stats,
-    binary_c1: Stats,
+    /// Median latency at concurrency 1 (µs), in process then binary through vramguard, in
+    /// alternating pairs.
+    binary_c1: Paired,
     binary_saturated: Stats,
     json_c1: Stats,
     json_saturated: Stats,
@@ -239,11 +252,13 @@ fn figures(seq: usize, runs: &[Run]) -> Vec<Figure> {
     let c = SATURATING_CONNECTIONS;
     let mut out = vec![
         of("in-process ONNX Runtime latency", "µs", &|r| us(r.local.median)),
-        of("vramguard latency c1 (binary)", "µs", &|r| us(r.binary_c1.median)),
-        of("added latency c1 (binary)", "µs", &|r| {
-            us(r.binary_c1.median) - us(r.local.median)
-        })
-        .target(Target::AtMost(100.0)),
+        of("vramguard latency c1 (binary)", "µs", &|r| r.binary_c1.median_b()),
+        of("added latency c1 (binary)", "µs", &|r| r.binary_c1.median_difference())
+            .target(Target::AtMost(targets(seq).0))
+            .note(format!(
+                "each run's median of {C1_PAIRS} differences within pairs of 1 s measurements \
+                 (in process, through vramguard), order alternated"
+            )),
         of("in-process throughput", "req/s", &|r| r.local.per_second),
         of(&format!("vramguard throughput c{c} (binary)"), "req/s", &|r| {
             r.binary_saturated.per_second
@@ -263,7 +278,7 @@ fn figures(seq: usize, runs: &[Run]) -> Vec<Figure> {
         of("vramguard / Python peer throughput (JSON)", "×", &|r| {
             r.json_saturated.per_second / r.peer_saturated.per_second
         })
-        .target(Target::AtLeast(10.0)),
+        .target(Target::AtLeast(targets(seq).1)),
     ];
     let p50s: Vec<(f64, f64, f64)> = runs.iter().filter_map(|r| r.policy.quantile(0.5)).collect();
     if !p50s.is_empty() {
@@ -276,7 +291,7 @@ fn figures(seq: usize, runs: &[Run]) -> Vec<Figure> {
                 "µs",
                 &p50s.iter().map(|p| p.0 * 1e6).collect::<Vec<_>>(),
             )
-            .target(Target::AtMost(5.0))
+            .target(Target::AtMost(8.0))
             .note(format!(
                 "estimated from /metrics histogram buckets ({:.1}, {:.1}] µs, {:.0} evaluations per run",
                 lower * 1e6,
@@ -311,7 +326,12 @@ fn main() {
         for (w, out) in workloads.iter_mut().zip(&mut results) {
             eprintln!("overhead: run {}/{runs}, seq {}", run + 1, w.seq);
             let local = w.local.measure(seconds as f64);
-            let binary_c1 = wrk(&vg, &w.binary, 1, seconds);
+            // Tens of µs between two medians of up to ~3 ms: measured in pairs (see `Paired`).
+            let binary_c1 = Paired::measure(
+                C1_PAIRS,
+                || us(w.local.measure(1.0).median),
+                || us(wrk(&vg, &w.binary, 1, 1).median),
+            );
             let (before, wrk_before) = (vramguard.scrape(), server::children_cpu());
             let binary_saturated = wrk(&vg, &w.binary, c, seconds);
             let view = vramguard.scrape().since(&before);
