@@ -10,6 +10,7 @@ use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 
+use super::expect::{self, Expected};
 use super::host::Worker;
 use super::wire::{self, Answer, Ask, LANES};
 use crate::core::backend::BackendError;
@@ -46,6 +47,8 @@ pub struct Conn {
     holders: Mutex<HashMap<String, [bool; LANES]>>,
     /// Which lanes are taken.
     pub(super) lanes: Mutex<[bool; LANES]>,
+    /// When each model's answers come, so that a lane is awake for its own.
+    expected: Expected,
 }
 
 impl Conn {
@@ -81,6 +84,7 @@ impl Conn {
             seq: AtomicU64::new(1),
             holders: Mutex::new(HashMap::new()),
             lanes: Mutex::new([false; LANES]),
+            expected: Expected::default(),
         })
     }
 
@@ -181,6 +185,11 @@ impl Conn {
             writer.next += 1;
             writer.next - 1
         };
+        let sent = std::time::Instant::now();
+        let kind = match ask {
+            Ask::Run { model, op, inputs, .. } => Some(expect::kind(model, op, inputs.iter().map(|t| t.bytes).sum())),
+            _ => None,
+        };
         let mut reader = self.reader.lock().unwrap_or_else(|e| e.into_inner());
         loop {
             if let Some(why) = self.gone() {
@@ -198,7 +207,23 @@ impl Conn {
                 .unwrap_or_else(|e| e.into_inner())
                 .0;
         }
+        // Awake when the answer is due: sleep until just before (an earlier answer wakes it),
+        // then look (see `expect`).
+        if let Some((from, until)) = kind.and_then(|k| self.expected.window(k, sent))
+            && reader.stream.buffer().is_empty()
+        {
+            let stream = reader.stream.get_ref();
+            let now = std::time::Instant::now();
+            if from > now {
+                wire::wait_readable(stream, from - now);
+            }
+            let now = std::time::Instant::now();
+            wire::spin_until_readable(stream, until.saturating_duration_since(now));
+        }
         let read = wire::read_frame_into(&mut reader.stream, payload);
+        if let (Some(kind), Ok(_)) = (kind, &read) {
+            self.expected.answered(kind, sent.elapsed());
+        }
         reader.next += 1;
         let answer = read.map_err(|e| self.lose(&e));
         drop(reader);

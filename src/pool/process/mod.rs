@@ -3,12 +3,14 @@
 //! CUDA error), a crash or a hang takes that worker, never the gateway, the CPU pool or open
 //! connections. `wire` is what crosses the socket, `shm` the shared memory a run's large
 //! tensors cross in, `child` the worker process, `host` the parent's handle on it, `conn` a
-//! session connection there, shared by two lanes, `backend` one lane (a pool worker's slot),
-//! `supervise` the thread that replaces a lost worker.
+//! session connection there, shared by two lanes, `expect` when a lane looks for its run's
+//! answer, `backend` one lane (a pool worker's slot), `supervise` the thread that replaces a
+//! lost worker.
 
 mod backend;
 pub mod child;
 mod conn;
+mod expect;
 mod host;
 mod shm;
 mod supervise;

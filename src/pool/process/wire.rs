@@ -236,6 +236,24 @@ pub fn spin_until_readable(stream: &impl std::os::fd::AsRawFd, budget: std::time
     }
 }
 
+/// Sleep until `stream` has bytes to read or `timeout` has passed, whichever comes first.
+#[allow(unsafe_code)]
+pub fn wait_readable(stream: &impl std::os::fd::AsRawFd, timeout: std::time::Duration) {
+    let mut poll = libc::pollfd {
+        fd: stream.as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // `poll` counts whole milliseconds; `ppoll` takes the timeout to the nanosecond.
+    let timeout = libc::timespec {
+        tv_sec: timeout.as_secs() as libc::time_t,
+        tv_nsec: libc::c_long::from(timeout.subsec_nanos() as i32),
+    };
+    // SAFETY: one valid pollfd, a valid timespec and no signal mask: ppoll only reads them and
+    // the descriptor's state. An interrupted or failed wait only ends the wait early.
+    unsafe { libc::ppoll(&mut poll, 1, &timeout, std::ptr::null()) };
+}
+
 /// Write one frame: `header`, then `blobs` as its payload.
 pub fn write_frame<T: Serialize>(out: &mut impl Write, header: &T, blobs: &[&[u8]]) -> std::io::Result<()> {
     let head = serde_json::to_vec(header).map_err(std::io::Error::other)?;
