@@ -47,7 +47,7 @@ pub struct Conn {
     holders: Mutex<HashMap<String, [bool; LANES]>>,
     /// Which lanes are taken.
     pub(super) lanes: Mutex<[bool; LANES]>,
-    /// When each model's answers come, so that a lane is awake for its own.
+    /// When the answers of each kind of run come, so that a lane is awake for its own.
     expected: Expected,
 }
 

@@ -430,6 +430,7 @@ pub fn take<'a>(payload: &'a [u8], at: &mut usize, len: u64) -> Result<&'a [u8],
 mod tests {
     use super::*;
     use crate::core::tensor::TensorData;
+    use std::time::{Duration, Instant};
 
     #[test]
     fn a_frame_carries_its_header_and_tensors_back_intact() {
@@ -523,5 +524,39 @@ mod tests {
         frame.extend_from_slice(&u32::MAX.to_le_bytes());
         frame.extend_from_slice(&0u64.to_le_bytes());
         assert!(read_frame::<Ask>(&mut frame.as_slice()).is_err());
+    }
+
+    #[test]
+    fn a_wait_for_an_answer_ends_when_it_comes_not_at_its_timeout() {
+        use std::io::Write as _;
+        let (mut worker, lane) = std::os::unix::net::UnixStream::pair().unwrap();
+        let writer = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(20));
+            worker.write_all(b"answer").unwrap();
+            worker
+        });
+        let started = Instant::now();
+        // A window guessed from a longer run of the same kind: the answer still ends the wait.
+        wait_readable(&lane, Duration::from_secs(60));
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "waited {:?}",
+            started.elapsed()
+        );
+        let mut poll = libc::pollfd {
+            fd: std::os::fd::AsRawFd::as_raw_fd(&lane),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        #[allow(unsafe_code)]
+        // SAFETY: one valid pollfd and no timeout.
+        let ready = unsafe { libc::poll(&mut poll, 1, 0) };
+        assert_eq!(ready, 1, "readable when the wait ended");
+        drop(writer.join().unwrap());
+        // Nothing to read and a short timeout: it returns after it.
+        let (_quiet, idle) = std::os::unix::net::UnixStream::pair().unwrap();
+        let started = Instant::now();
+        wait_readable(&idle, Duration::from_millis(5));
+        assert!(started.elapsed() >= Duration::from_millis(5));
     }
 }
