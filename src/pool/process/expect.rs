@@ -6,8 +6,8 @@
 //! answer then wakes it: one wake-up more than a thread-isolated pool pays, whose own thread runs
 //! the model. On the 2-core VM the benches run on, a seq-1024 encoder request at concurrency 1
 //! (runs of 3.5–4.5 ms) cost about 135 µs more with process isolation than with thread
-//! isolation; sleeping until just before the answer is due and looking from then on took 50 µs
-//! of that away (16 pairs of 1 s, 11 lower).
+//! isolation; sleeping until just before the answer is due and looking from then on took 80 to
+//! 130 µs of that away (16 pairs of 1 s, in both orders: docs/isolation.md).
 //!
 //! [`Expected`] keeps how long the last run of each kind took to be answered (the same model,
 //! operation and input size) and gives the window to look in: that time, give or take an eighth
