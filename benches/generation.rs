@@ -658,7 +658,7 @@ fn figures(model: &Model, prompts: &[(String, Vec<u32>)], runs: &Runs, bytes: &[
             "×",
             &runs.together_ratio,
         )
-        .note("the runtime's own gain from batching these generations: the server's ceiling"),
+        .note("the runtime's own gain from batching these generations, in this run"),
     );
     out.push(
         Figure::of_runs(
