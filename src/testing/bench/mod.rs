@@ -163,6 +163,13 @@ impl Paired {
         quantile(&differences, 0.5)
     }
 
+    /// The median of `b / a` over the pairs.
+    pub fn median_ratio(&self) -> f64 {
+        let mut ratios: Vec<f64> = self.b.iter().zip(&self.a).map(|(b, a)| b / a).collect();
+        ratios.sort_by(f64::total_cmp);
+        quantile(&ratios, 0.5)
+    }
+
     /// The median of the first measure's values.
     pub fn median_a(&self) -> f64 {
         median_of(&self.a)
@@ -363,6 +370,8 @@ mod tests {
         assert_eq!(paired.b, vec![23.0, 33.0, 63.0, 73.0]);
         // Differences 13, −7, 13, −7: with the order alternated, the drift cancels.
         assert_eq!(paired.median_difference(), 3.0);
+        // Ratios 2.3, 0.825, 1.26, 0.9125: their median is the mean of the middle two.
+        assert!((paired.median_ratio() - (0.9125 + 1.26) / 2.0).abs() < 1e-12);
         assert_eq!((paired.median_a(), paired.median_b()), (45.0, 48.0));
     }
 }
