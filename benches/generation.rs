@@ -46,7 +46,7 @@ use vramguard::runtime::decoder::{DecoderLayout, step_inputs};
 use vramguard::runtime::onnx::{self, OrtBackend, SessionOptions};
 use vramguard::testing::Scratch;
 use vramguard::testing::bench::server::{self, Server, wrk, wrk_script};
-use vramguard::testing::bench::{Figure, Machine, Paired, Target, arg, out_dir, quantile, record};
+use vramguard::testing::bench::{Figure, Machine, Paired, Target, arg, median, out_dir, record};
 
 const PROMPT: &str = "A home server runs a chat model, an embedding model and a speech model on one GPU. When a long prompt arrives, the server";
 /// Concurrencies of the throughput and time-to-first-token figures.
@@ -419,12 +419,6 @@ fn streamed(server: &Server, concurrency: usize, seconds: f64, body: &Path) -> V
             }
         })
         .collect()
-}
-
-fn median(samples: &[f64]) -> f64 {
-    let mut sorted = samples.to_vec();
-    sorted.sort_by(f64::total_cmp);
-    quantile(&sorted, 0.5)
 }
 
 /// A non-streamed completion, checked to succeed and to run to `max_tokens`: its text.

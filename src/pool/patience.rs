@@ -6,11 +6,11 @@
 //! worker process both slept between the requests of a client that sends one at a time (two
 //! wake-ups in a row) added ~200 µs to each seq-1024 request that looking longer takes away
 //! (docs/isolation.md). A look that yields its core between tries takes nothing from threads
-//! with work, but
-//! every µs of it is CPU spent waiting, so it should last about as long as the next job usually
-//! takes to come, and no longer: a generation's next step comes tens of µs after the last one
-//! ended, a client's next seq-128 request ~100 µs after its answer, a seq-1024 one several
-//! hundred µs after (its 256 KiB body crosses loopback and is decoded first).
+//! with work, but every µs of it is CPU spent waiting, so it should last about as long as the
+//! next job usually takes to come, and no longer: a generation's next step comes tens of µs
+//! after the last one ended, a client's next seq-128 request ~100 µs after its answer, a
+//! seq-1024 one several hundred µs after (its 256 KiB body crosses loopback and is decoded
+//! first).
 //!
 //! [`Patience`] keeps a running mean of those gaps and looks for twice it, at least
 //! [`LOOK_MIN`]; when jobs come further apart than [`LOOK_MAX`] allows for, a long look would

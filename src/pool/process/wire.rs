@@ -217,16 +217,21 @@ pub enum Answer {
     Sim(Option<SimState>),
 }
 
+/// What `poll` asks to learn whether `stream` has bytes to read.
+fn poll_in(stream: &impl std::os::fd::AsRawFd) -> libc::pollfd {
+    libc::pollfd {
+        fd: stream.as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    }
+}
+
 /// Wait up to `budget` for `stream` to have bytes to read without sleeping, yielding the core
 /// between looks.
 #[allow(unsafe_code)]
 pub fn spin_until_readable(stream: &impl std::os::fd::AsRawFd, budget: std::time::Duration) {
     let started = std::time::Instant::now();
-    let mut poll = libc::pollfd {
-        fd: stream.as_raw_fd(),
-        events: libc::POLLIN,
-        revents: 0,
-    };
+    let mut poll = poll_in(stream);
     loop {
         // SAFETY: one valid pollfd, a timeout of 0: poll only reads the descriptor's state.
         if unsafe { libc::poll(&mut poll, 1, 0) } != 0 || started.elapsed() >= budget {
@@ -239,11 +244,7 @@ pub fn spin_until_readable(stream: &impl std::os::fd::AsRawFd, budget: std::time
 /// Sleep until `stream` has bytes to read or `timeout` has passed, whichever comes first.
 #[allow(unsafe_code)]
 pub fn wait_readable(stream: &impl std::os::fd::AsRawFd, timeout: std::time::Duration) {
-    let mut poll = libc::pollfd {
-        fd: stream.as_raw_fd(),
-        events: libc::POLLIN,
-        revents: 0,
-    };
+    let mut poll = poll_in(stream);
     // `poll` counts whole milliseconds; `ppoll` takes the timeout to the nanosecond.
     let timeout = libc::timespec {
         tv_sec: timeout.as_secs() as libc::time_t,
@@ -543,11 +544,7 @@ mod tests {
             "waited {:?}",
             started.elapsed()
         );
-        let mut poll = libc::pollfd {
-            fd: std::os::fd::AsRawFd::as_raw_fd(&lane),
-            events: libc::POLLIN,
-            revents: 0,
-        };
+        let mut poll = poll_in(&lane);
         #[allow(unsafe_code)]
         // SAFETY: one valid pollfd and no timeout.
         let ready = unsafe { libc::poll(&mut poll, 1, 0) };

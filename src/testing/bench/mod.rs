@@ -158,30 +158,27 @@ impl Paired {
 
     /// The median of `b − a` over the pairs.
     pub fn median_difference(&self) -> f64 {
-        let mut differences: Vec<f64> = self.b.iter().zip(&self.a).map(|(b, a)| b - a).collect();
-        differences.sort_by(f64::total_cmp);
-        quantile(&differences, 0.5)
+        median(&self.b.iter().zip(&self.a).map(|(b, a)| b - a).collect::<Vec<_>>())
     }
 
     /// The median of `b / a` over the pairs.
     pub fn median_ratio(&self) -> f64 {
-        let mut ratios: Vec<f64> = self.b.iter().zip(&self.a).map(|(b, a)| b / a).collect();
-        ratios.sort_by(f64::total_cmp);
-        quantile(&ratios, 0.5)
+        median(&self.b.iter().zip(&self.a).map(|(b, a)| b / a).collect::<Vec<_>>())
     }
 
     /// The median of the first measure's values.
     pub fn median_a(&self) -> f64 {
-        median_of(&self.a)
+        median(&self.a)
     }
 
     /// The median of the second measure's values.
     pub fn median_b(&self) -> f64 {
-        median_of(&self.b)
+        median(&self.b)
     }
 }
 
-fn median_of(values: &[f64]) -> f64 {
+/// The median of `values`, in any order (of an even count, the mean of the two middle ones).
+pub fn median(values: &[f64]) -> f64 {
     let mut sorted = values.to_vec();
     sorted.sort_by(f64::total_cmp);
     quantile(&sorted, 0.5)
