@@ -226,17 +226,21 @@ fn poll_in(stream: &impl std::os::fd::AsRawFd) -> libc::pollfd {
     }
 }
 
+/// `poll` of `stream` for bytes to read, without waiting: 1 when it has some (or is closed), 0
+/// when not, -1 when poll failed.
+#[allow(unsafe_code)]
+fn poll_now(stream: &impl std::os::fd::AsRawFd) -> i32 {
+    let mut poll = poll_in(stream);
+    // SAFETY: one valid pollfd, a timeout of 0: poll only reads the descriptor's state.
+    unsafe { libc::poll(&mut poll, 1, 0) }
+}
+
 /// Wait up to `budget` for `stream` to have bytes to read without sleeping, yielding the core
 /// between looks.
-#[allow(unsafe_code)]
 pub fn spin_until_readable(stream: &impl std::os::fd::AsRawFd, budget: std::time::Duration) {
     let started = std::time::Instant::now();
-    let mut poll = poll_in(stream);
-    loop {
-        // SAFETY: one valid pollfd, a timeout of 0: poll only reads the descriptor's state.
-        if unsafe { libc::poll(&mut poll, 1, 0) } != 0 || started.elapsed() >= budget {
-            return;
-        }
+    // A failed poll ends the look as bytes do: the read that follows reports it.
+    while poll_now(stream) == 0 && started.elapsed() < budget {
         std::thread::yield_now();
     }
 }
@@ -544,11 +548,7 @@ mod tests {
             "waited {:?}",
             started.elapsed()
         );
-        let mut poll = poll_in(&lane);
-        #[allow(unsafe_code)]
-        // SAFETY: one valid pollfd and no timeout.
-        let ready = unsafe { libc::poll(&mut poll, 1, 0) };
-        assert_eq!(ready, 1, "readable when the wait ended");
+        assert_eq!(poll_now(&lane), 1, "readable when the wait ended");
         drop(writer.join().unwrap());
         // Nothing to read and a short timeout: it returns after it.
         let (_quiet, idle) = std::os::unix::net::UnixStream::pair().unwrap();
