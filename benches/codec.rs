@@ -2,7 +2,9 @@
 //! bundled encoder's seq 128 (8192 numbers) and seq 1024 (65536), in the two spellings clients
 //! use: the shortest text that reads back as the same `f32` (`-0.3`, as Rust, JavaScript and
 //! Triton's client write it) and the `f64` repr of that value (`-0.30000001192092896`, as
-//! Python's `json` writes numpy's `tolist()`).
+//! Python's `json` writes numpy's `tolist()`); and activations a model would hand on, every
+//! value different (mostly 7 or 8 significant digits in the shortest text), which cost a parser
+//! more per number than the encoder input's 13 short values.
 //!
 //! Then a whole request of that input, as the server decodes it (`protocol::oip::decode`:
 //! the header read, each `data` array parsed once the datatype is known).
@@ -29,13 +31,20 @@ fn main() {
                 .collect::<Vec<_>>()
                 .join(", ")
         );
-        for (spelling, json) in [("shortest", &shortest), ("python", &python)] {
+        // Activations as a model hands them on: every value different, mostly 7 or 8 digits
+        // (the encoder input above cycles through 13 short ones).
+        let activations = activations(seq * ENCODER_DIM);
+        let random = format!(
+            "[{}]",
+            activations.iter().map(f32::to_string).collect::<Vec<_>>().join(", ")
+        );
+        for (spelling, json, want) in [
+            ("shortest", &shortest, &values),
+            ("python", &python, &values),
+            ("activations", &random, &activations),
+        ] {
             let decoded = TensorData::from_json(DataType::Fp32, json).unwrap();
-            assert_eq!(
-                decoded,
-                TensorData::Fp32(values.clone()),
-                "{spelling} reads back exactly"
-            );
+            assert_eq!(decoded, TensorData::Fp32(want.clone()), "{spelling} reads back exactly");
             let mut group = criterion.benchmark_group(format!("decode_fp32/seq{seq}"));
             group.throughput(Throughput::Bytes(json.len() as u64));
             group.bench_function(spelling, |b| {
@@ -46,6 +55,22 @@ fn main() {
         decode_request(&mut criterion, seq, &shortest);
     }
     criterion.final_summary();
+}
+
+/// `n` values spread as a layer's activations are (roughly normal, mostly within ±3), from a
+/// fixed seed: the same every run.
+fn activations(n: usize) -> Vec<f32> {
+    let mut state = 0x9e37_79b9_7f4a_7c15u64;
+    let mut uniform = move || {
+        state = state
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(1_442_695_040_888_963_407);
+        (state >> 40) as f32 / (1u64 << 24) as f32
+    };
+    // The sum of four uniforms, centred and scaled: close enough to normal for text lengths.
+    (0..n)
+        .map(|_| ((0..4).map(|_| uniform()).sum::<f32>() - 2.0) * 1.7)
+        .collect()
 }
 
 /// A request as the overhead bench's JSON client sends it, decoded as the server does.
