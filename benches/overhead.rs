@@ -20,9 +20,9 @@
 //! default policy, so every request is admitted by the same policy evaluation as in production.
 //! Each of the N runs measures everything in turn (in-process while both servers idle), and
 //! takes each ratio within pairs of measurements made back to back, so that drift of a shared
-//! machine shows as spread instead of bias. The p50 of the policy evaluations the server reports under saturation is read from
-//! its `vramguard_policy_eval_duration_seconds` histogram (interpolated within a bucket, as
-//! Prometheus' `histogram_quantile` does).
+//! machine shows as spread instead of bias. The p50 of the policy evaluations the server
+//! reports under saturation is read from its `vramguard_policy_eval_duration_seconds` histogram
+//! (interpolated within a bucket, as Prometheus' `histogram_quantile` does).
 
 use std::time::{Duration, Instant};
 
@@ -46,8 +46,9 @@ const INFER_PATH: &str = "/v2/models/encoder/infer";
 /// Pairs of 1 s measurements at concurrency 1 in each run.
 const C1_PAIRS: usize = 4;
 /// Pairs of saturated measurements per run (in process and through vramguard; the peer and
-/// vramguard with JSON): a throughput measured seconds after the one it is divided by read
-/// 70 % one day and 95 % the next for the same code here, and the paired ratio holds still.
+/// vramguard with JSON): a throughput divided by one measured up to ten seconds earlier carries
+/// the VM's drift between the two (its speed moves by tens of % within seconds here); within a
+/// pair both see about the same machine.
 const SATURATED_PAIRS: usize = 2;
 
 /// The targets at `seq` (issue 23's): added latency at concurrency 1 (µs), and vramguard's
