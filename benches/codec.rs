@@ -16,6 +16,7 @@ use std::hint::black_box;
 use vramguard::core::tensor::{DataType, TensorData};
 use vramguard::protocol::oip;
 use vramguard::runtime::onnx::{ModelSignature, TensorSpec};
+use vramguard::serve::generate::Rng;
 use vramguard::testing::bench::{ENCODER_DIM, encoder_input};
 
 fn main() {
@@ -34,14 +35,14 @@ fn main() {
         // Activations as a model hands them on: every value different, mostly 7 or 8 digits
         // (the encoder input above cycles through 13 short ones).
         let activations = activations(seq * ENCODER_DIM);
-        let random = format!(
+        let activations_json = format!(
             "[{}]",
             activations.iter().map(f32::to_string).collect::<Vec<_>>().join(", ")
         );
         for (spelling, json, want) in [
             ("shortest", &shortest, &values),
             ("python", &python, &values),
-            ("activations", &random, &activations),
+            ("activations", &activations_json, &activations),
         ] {
             let decoded = TensorData::from_json(DataType::Fp32, json).unwrap();
             assert_eq!(decoded, TensorData::Fp32(want.clone()), "{spelling} reads back exactly");
@@ -60,16 +61,10 @@ fn main() {
 /// `n` values spread as a layer's activations are (roughly normal, mostly within ±3), from a
 /// fixed seed: the same every run.
 fn activations(n: usize) -> Vec<f32> {
-    let mut state = 0x9e37_79b9_7f4a_7c15u64;
-    let mut uniform = move || {
-        state = state
-            .wrapping_mul(6_364_136_223_846_793_005)
-            .wrapping_add(1_442_695_040_888_963_407);
-        (state >> 40) as f32 / (1u64 << 24) as f32
-    };
+    let mut rng = Rng::new(0x9e37_79b9_7f4a_7c15);
     // The sum of four uniforms, centred and scaled: close enough to normal for text lengths.
     (0..n)
-        .map(|_| ((0..4).map(|_| uniform()).sum::<f32>() - 2.0) * 1.7)
+        .map(|_| (((0..4).map(|_| rng.next_f64()).sum::<f64>() - 2.0) * 1.7) as f32)
         .collect()
 }
 

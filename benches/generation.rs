@@ -728,9 +728,9 @@ fn figures(model: &Model, prompts: &[(String, Vec<u32>)], runs: &Runs, bytes: &[
             "%",
             &runs.per_token_ratio[i],
         );
-        let pairs = "each run's median ratio within 2 pairs, order alternated";
+        let pairs = Paired::note(2, "ratios", "measurements (in process, through the server)");
         out.push(if model.per_token_target {
-            ratio.target(Target::AtMost(105.0)).note(pairs)
+            ratio.target(Target::AtMost(105.0)).note(pairs.clone())
         } else {
             ratio.note(format!(
                 "{pairs}; for context: the issue's target is on the larger decoder"

@@ -152,8 +152,10 @@ fn figures(seq: usize, runs: &[Run]) -> Vec<Figure> {
             r.c1.median_difference()
         })
         .target(Target::AtMost(30.0))
-        .note(format!(
-            "each run's median of {C1_PAIRS} differences within pairs of 1 s measurements, order alternated"
+        .note(Paired::note(
+            C1_PAIRS,
+            "differences",
+            "1 s measurements (thread, process isolation)",
         )),
         of(&format!("thread isolation throughput c{c}"), "req/s", &|r| {
             r.thread_saturated.per_second

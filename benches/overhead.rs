@@ -263,9 +263,10 @@ fn figures(seq: usize, runs: &[Run]) -> Vec<Figure> {
         of("vramguard latency c1 (binary)", "µs", &|r| r.binary_c1.median_b()),
         of("added latency c1 (binary)", "µs", &|r| r.binary_c1.median_difference())
             .target(Target::AtMost(targets(seq).0))
-            .note(format!(
-                "each run's median of {C1_PAIRS} differences within pairs of 1 s measurements \
-                 (in process, through vramguard), order alternated"
+            .note(Paired::note(
+                C1_PAIRS,
+                "differences",
+                "1 s measurements (in process, through vramguard)",
             )),
         of("in-process throughput", "req/s", &|r| r.saturated.median_a()),
         of(&format!("vramguard throughput c{c} (binary)"), "req/s", &|r| {
@@ -275,9 +276,10 @@ fn figures(seq: usize, runs: &[Run]) -> Vec<Figure> {
             100.0 * r.saturated.median_ratio()
         })
         .target(Target::AtLeast(90.0))
-        .note(format!(
-            "each run's median of {SATURATED_PAIRS} ratios within pairs (in process, through vramguard), \
-                 order alternated"
+        .note(Paired::note(
+            SATURATED_PAIRS,
+            "ratios",
+            "measurements (in process, through vramguard)",
         )),
         of("vramguard latency c1 (JSON)", "µs", &|r| us(r.json_c1.median)),
         of("Python peer latency c1 (JSON)", "µs", &|r| us(r.peer_c1.median)),
@@ -291,8 +293,10 @@ fn figures(seq: usize, runs: &[Run]) -> Vec<Figure> {
             r.json_saturated.median_ratio()
         })
         .target(Target::AtLeast(targets(seq).1))
-        .note(format!(
-            "each run's median of {SATURATED_PAIRS} ratios within pairs (the peer, vramguard), order alternated"
+        .note(Paired::note(
+            SATURATED_PAIRS,
+            "ratios",
+            "measurements (the peer, vramguard)",
         )),
     ];
     let p50s: Vec<(f64, f64, f64)> = runs.iter().filter_map(|r| r.policy.quantile(0.5)).collect();

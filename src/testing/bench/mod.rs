@@ -166,6 +166,12 @@ impl Paired {
         median(&self.b.iter().zip(&self.a).map(|(b, a)| b / a).collect::<Vec<_>>())
     }
 
+    /// How a figure taken within `pairs` pairs was made, for its note: `of` what (differences,
+    /// ratios), and pairs of `what` (the measurements, in their pair order).
+    pub fn note(pairs: usize, of: &str, what: &str) -> String {
+        format!("each run's median of {pairs} {of} within pairs of {what}, order alternated")
+    }
+
     /// The median of the first measure's values.
     pub fn median_a(&self) -> f64 {
         median(&self.a)
