@@ -547,3 +547,44 @@ fn a_parent_that_dies_takes_its_worker_with_it() {
     }
     assert!(!alive(worker), "worker {worker} outlived its parent");
 }
+
+/// Linux sends a worker its parent-death signal when the *thread* that started it exits, not
+/// the process. A restore starts its worker on one of tokio's blocking threads, which exit
+/// after 10 s idle: that worker, and every later one, must live on after its starter is gone.
+#[test]
+fn a_worker_outlives_the_thread_that_started_it() {
+    use vramguard::pool::process::{WorkerHost, WorkerSpec};
+    let rt = vramguard::runtime::onnx::runtime(None).expect("ONNX Runtime");
+    let spec = WorkerSpec {
+        pool: "gpu".into(),
+        provider: "cpu".into(),
+        cuda: None,
+        device_index: 0,
+        intra_threads: 1,
+        arena_shrinkage: false,
+        simulated: None,
+        onnxruntime_library: rt.library.clone(),
+        cpus: None,
+    };
+    let host = WorkerHost::new(spec, crate::common::BIN.into(), Duration::from_secs(5)).unwrap();
+    for _ in 0..2 {
+        let starter = std::sync::Arc::clone(&host);
+        let pid = std::thread::spawn(move || starter.start().map(|w| w.pid))
+            .join()
+            .unwrap()
+            .unwrap();
+        // The signal would come as the thread ends, a little after `join` returns: look for a
+        // while, asking the worker each time.
+        for _ in 0..10 {
+            std::thread::sleep(Duration::from_millis(30));
+            let worker = host.current().unwrap();
+            assert_eq!(
+                worker.ended(),
+                None,
+                "worker {pid} died with the thread that started it"
+            );
+            host.ping().unwrap();
+        }
+        host.take().unwrap().kill();
+    }
+}

@@ -8,7 +8,7 @@ use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::{Arc, Mutex, OnceLock, RwLock, mpsc};
 use std::time::Duration;
 
 use super::child::WorkerSpec;
@@ -146,7 +146,8 @@ impl WorkerHost {
     pub fn start(&self) -> Result<Arc<Worker>, String> {
         let generation = self.started.fetch_add(1, Ordering::Relaxed) + 1;
         let socket = self.dir.join(format!("worker-{generation}.sock"));
-        let mut child = Command::new(&self.exe)
+        let mut command = Command::new(&self.exe);
+        command
             .arg("worker")
             .arg("--socket")
             .arg(&socket)
@@ -156,8 +157,8 @@ impl WorkerHost {
             .arg(&self.pool)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
+            .stderr(Stdio::inherit());
+        let mut child = spawn_from_keeper(command)
             .map_err(|e| format!("cannot start a worker process from {}: {e}", self.exe.display()))?;
         let mut stdin = child.stdin.take().expect("piped");
         let stdout = child.stdout.take().expect("piped");
@@ -227,6 +228,39 @@ impl Drop for WorkerHost {
         self.stop();
         let _ = std::fs::remove_dir_all(&self.dir);
     }
+}
+
+/// Start `command` from the one thread that forks every worker process and lives as long as
+/// vramguard does.
+///
+/// A worker asks for SIGKILL when its parent dies (`PR_SET_PDEATHSIG`), and Linux sends that
+/// signal when the *thread* that forked it exits, not the process. Workers are started from
+/// threads that come and go: a restore runs on one of tokio's blocking threads, which exits
+/// after 10 s idle, and a worker forked there would be killed with it, counted as lost and
+/// replaced for no reason. Forking from a thread that never exits keeps the signal for the
+/// death it is meant for: vramguard's.
+fn spawn_from_keeper(command: Command) -> std::io::Result<Child> {
+    type Order = (Command, mpsc::Sender<std::io::Result<Child>>);
+    static KEEPER: OnceLock<mpsc::Sender<Order>> = OnceLock::new();
+    let keeper = KEEPER.get_or_init(|| {
+        let (orders, taken) = mpsc::channel::<Order>();
+        let started = std::thread::Builder::new()
+            .name("worker-spawner".into())
+            .spawn(move || {
+                for (mut command, reply) in taken {
+                    let _ = reply.send(command.spawn());
+                }
+            });
+        if let Err(e) = started {
+            // Every order then fails with the error below, naming the cause in the log.
+            tracing::error!(error = %e, "cannot start the thread that starts worker processes");
+        }
+        orders
+    });
+    let (reply, answer) = mpsc::channel();
+    let gone = || std::io::Error::other("the thread that starts worker processes is gone");
+    keeper.send((command, reply)).map_err(|_| gone())?;
+    answer.recv().map_err(|_| gone())?
 }
 
 fn wait_ready(stdout: std::process::ChildStdout, pid: u32) -> Result<(), String> {
