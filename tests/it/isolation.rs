@@ -402,6 +402,35 @@ async fn a_driver_fault_poisons_the_worker_until_a_restore_replaces_it() {
     server.stop().await;
 }
 
+/// A restore whose new worker cannot start (here its binary is gone for a moment) answers 503
+/// and leaves no worker; the supervisor then keeps starting one in the background, and once
+/// one starts, its probe closes the breaker without any request.
+#[tokio::test]
+async fn a_restore_whose_worker_cannot_start_is_retried_in_the_background() {
+    let scratch = vramguard::testing::Scratch::new();
+    let exe = scratch.path().join("vramguard");
+    std::os::unix::fs::symlink(crate::common::BIN, &exe).unwrap();
+    let mut config = vramguard::testing::config::validated(CONFIG);
+    config.worker_exe = Some(exe.clone());
+    let server = TestServer::start_with(config).await;
+    let first = gpu(&status(&server).await)["worker_pid"].as_u64().unwrap();
+    std::fs::remove_file(&exe).unwrap();
+    let restored = server.post_json("/admin/pools/gpu/restore", &json!({})).await;
+    assert_eq!(restored.status(), StatusCode::SERVICE_UNAVAILABLE);
+    let body: Value = restored.json().await.unwrap();
+    assert!(body["error"].as_str().unwrap().contains("in the background"), "{body}");
+    let now = status(&server).await;
+    assert!(gpu(&now)["worker_pid"].is_null(), "{now}");
+    assert_ne!(gpu(&now)["breaker"], "closed");
+    assert!(!alive(first), "the replaced worker {first} was killed");
+    std::os::unix::fs::symlink(crate::common::BIN, &exe).unwrap();
+    let (second, took) = replaced(&server, first, Duration::from_secs(20)).await;
+    assert!(second.is_some(), "no worker {took:?} after the binary came back");
+    let metrics = server.metrics().await;
+    assert_eq!(sample(&metrics, "vramguard_worker_up{pool=\"gpu\"}"), 1.0);
+    server.stop().await;
+}
+
 #[tokio::test]
 async fn a_fresh_server_shows_its_worker_up_and_no_restarts() {
     let server = TestServer::start(CONFIG).await;

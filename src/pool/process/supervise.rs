@@ -103,7 +103,8 @@ impl Pool {
             worker.up.set(0);
             worker.restore.inc();
         }
-        host.start()?;
+        host.start()
+            .map_err(|why| format!("{why}; the pool's supervisor keeps starting one in the background"))?;
         if let Some(worker) = &self.context.metrics.worker {
             worker.up.set(1);
         }
@@ -130,6 +131,19 @@ fn watch(pool: &Weak<Pool>, host: &WorkerHost) {
         }
         let lifecycle = host.lifecycle.lock().unwrap_or_else(|e| e.into_inner());
         let Some(worker) = host.current() else {
+            // A restore whose new worker could not start left none (it said so, and the
+            // breaker is open): start one as after a loss, rather than never again.
+            drop(lifecycle);
+            tracing::warn!(
+                pool = pool.name(),
+                "no worker process runs after a failed start: starting one in the background"
+            );
+            if !restart(&pool, host, &mut backoff) {
+                return;
+            }
+            started = Instant::now();
+            last_answer = Instant::now();
+            next_ping = Instant::now() + heartbeat;
             continue;
         };
         let lost = if let Some(how) = worker.ended() {
@@ -161,34 +175,54 @@ fn watch(pool: &Weak<Pool>, host: &WorkerHost) {
         host.take();
         worker.kill();
         pool.worker_lost(lost, &how);
+        drop(lifecycle);
         if started.elapsed() >= STABLE {
             backoff = FIRST_BACKOFF;
         }
-        // Restart in the background of the request path: requests meanwhile go to the
-        // fallback, as the open breaker says.
-        loop {
-            std::thread::sleep(backoff);
-            if pool.is_shutting_down() {
-                return;
-            }
-            match host.start().and_then(|_| pool.rebuild()) {
-                Ok(_) => break,
-                Err(why) => {
-                    tracing::error!(pool = pool.name(), %why, retry_in_ms = (backoff * 2).min(MAX_BACKOFF).as_millis() as u64, "the new worker process could not start");
-                    if let Some(worker) = host.take() {
-                        worker.kill();
-                    }
-                    backoff = (backoff * 2).min(MAX_BACKOFF);
-                }
-            }
+        if !restart(&pool, host, &mut backoff) {
+            return;
         }
-        if let Some(worker) = &pool.context.metrics.worker {
-            worker.up.set(1);
-        }
-        backoff = (backoff * 2).min(MAX_BACKOFF);
         started = Instant::now();
         last_answer = Instant::now();
         next_ping = Instant::now() + heartbeat;
-        drop(lifecycle);
+    }
+}
+
+/// Start a new worker and rebuild the pool's backends on it, in the background of the request
+/// path (requests meanwhile go to the fallback, as the open breaker says). Each try waits
+/// `backoff` first, and a failed one doubles it (to [`MAX_BACKOFF`]); so does a successful
+/// one, so that a worker lost again soon waits longer. `lifecycle` is free while it waits: an
+/// operator's restore is never stuck behind a restart that keeps failing, and a worker it
+/// starts ends the wait. False when the pool shuts down first.
+fn restart(pool: &Pool, host: &WorkerHost, backoff: &mut Duration) -> bool {
+    loop {
+        std::thread::sleep(*backoff);
+        if pool.is_shutting_down() {
+            return false;
+        }
+        let _lifecycle = host.lifecycle.lock().unwrap_or_else(|e| e.into_inner());
+        let done = if host.current().is_some() {
+            // A restore started one meanwhile (and rebuilt the pool on it).
+            Ok(())
+        } else {
+            host.start().and_then(|_| pool.rebuild()).map(|_| ())
+        };
+        let wait = (*backoff * 2).min(MAX_BACKOFF);
+        match done {
+            Ok(()) => {
+                if let Some(worker) = &pool.context.metrics.worker {
+                    worker.up.set(1);
+                }
+                *backoff = wait;
+                return true;
+            }
+            Err(why) => {
+                tracing::error!(pool = pool.name(), %why, retry_in_ms = wait.as_millis() as u64, "the new worker process could not start");
+                if let Some(worker) = host.take() {
+                    worker.kill();
+                }
+                *backoff = wait;
+            }
+        }
     }
 }

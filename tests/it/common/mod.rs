@@ -26,7 +26,11 @@ pub struct TestServer {
 impl TestServer {
     /// Start from YAML (model paths relative to the project root).
     pub async fn start(yaml: &str) -> TestServer {
-        let config = vramguard::testing::config::validated(yaml);
+        TestServer::start_with(vramguard::testing::config::validated(yaml)).await
+    }
+
+    /// Start from a validated config (for what YAML cannot say, such as `worker_exe`).
+    pub async fn start_with(config: vramguard::config::Config) -> TestServer {
         let service = tokio::task::spawn_blocking(move || Service::start(config))
             .await
             .unwrap()
