@@ -66,6 +66,9 @@ pub enum Tripped {
     Restoring,
     /// The pool's worker process died or hung (how); it is being replaced.
     WorkerLost(String),
+    /// A health check's run failed while the breaker was closed (how), in a way no other rule
+    /// counts (not an allocator failure, not a lost worker).
+    HealthCheck(String),
 }
 
 impl std::fmt::Display for Tripped {
@@ -76,6 +79,7 @@ impl std::fmt::Display for Tripped {
             Tripped::Driver => f.write_str("a driver-class failure"),
             Tripped::Restoring => f.write_str("restoring"),
             Tripped::WorkerLost(how) => write!(f, "its worker process was lost ({how})"),
+            Tripped::HealthCheck(how) => write!(f, "its health check failed ({how})"),
         }
     }
 }
@@ -227,6 +231,17 @@ impl Breaker {
         self.open(now, Tripped::WorkerLost(how));
     }
 
+    /// A health check of the closed breaker's pool failed (`how`): open for a cooldown, after
+    /// which the next check is the probe. Returns true when this opened it.
+    pub fn check_failed(&mut self, how: String, now: Instant) -> bool {
+        self.advance(now);
+        if matches!(self.state, State::Closed) {
+            self.open(now, Tripped::HealthCheck(how));
+            return true;
+        }
+        false
+    }
+
     /// A restore finished: the next health check is the probe (no cooldown wait).
     pub fn restored(&mut self) {
         let why = self.tripped().cloned().unwrap_or(Tripped::Restoring);
@@ -305,6 +320,23 @@ mod tests {
         assert!(b.failure(AllocFailureKind::Driver, t));
         assert_eq!(b.state(t), BreakerState::Open);
         assert_eq!(b.tripped(), Some(&Tripped::Driver));
+    }
+
+    #[test]
+    fn a_failed_health_check_opens_a_closed_breaker_until_a_probe_closes_it() {
+        let (mut b, t) = breaker();
+        assert!(b.check_failed("`encoder`: runtime error".into(), t));
+        assert_eq!(b.state(t), BreakerState::Open);
+        assert_eq!(
+            b.tripped(),
+            Some(&Tripped::HealthCheck("`encoder`: runtime error".into()))
+        );
+        // Already open: it changes nothing, and keeps the first reason and its cooldown.
+        assert!(!b.check_failed("again".into(), t + s(10)));
+        assert_eq!(b.state(t + s(30)), BreakerState::HalfOpen);
+        assert!(b.take_probe(t + s(30)));
+        assert_eq!(b.probe_succeeded(t + s(31)), Some(s(31)));
+        assert!(b.allows(t + s(31)));
     }
 
     #[test]

@@ -28,7 +28,8 @@ pub enum Cause {
     /// or lost device): until a restore and the health check's probe close it.
     DriverFault,
     /// An accelerator pool's breaker is open or half-open for another reason: repeated
-    /// allocator failures, a remote server failing, or an operator's restore in progress.
+    /// allocator failures, a remote server failing, a failed health check, or an operator's
+    /// restore in progress.
     BreakerOpen,
     /// Work was recently moved off an accelerator because it did not fit.
     MemoryRedirect,
@@ -54,7 +55,9 @@ impl Cause {
         match tripped {
             Tripped::Driver => Cause::DriverFault,
             Tripped::WorkerLost(_) => Cause::WorkerLost,
-            Tripped::Failures(_) | Tripped::RemoteFailures(..) | Tripped::Restoring => Cause::BreakerOpen,
+            Tripped::Failures(_) | Tripped::RemoteFailures(..) | Tripped::Restoring | Tripped::HealthCheck(_) => {
+                Cause::BreakerOpen
+            }
         }
     }
 }
@@ -161,7 +164,7 @@ mod tests {
     use crate::core::breaker::BreakerConfig;
     use crate::core::clock::ManualClock;
     use crate::core::snapshot::DeviceClass;
-    use crate::pool::PoolContext;
+    use crate::pool::{CheckFailure, PoolContext};
 
     const COOLDOWN: Duration = Duration::from_secs(60);
 
@@ -197,6 +200,27 @@ mod tests {
         assert_eq!(pool.health_check_permit(), Some(true), "the check is the probe");
         pool.health_checked(true, Ok(()));
         assert_eq!(pool.breaker_state(), BreakerState::Closed);
+    }
+
+    #[test]
+    fn an_idle_check_whose_run_broke_opens_the_breaker_and_one_without_an_answer_does_not() {
+        let (pool, degraded, clock) = watched();
+        assert_eq!(pool.health_check_permit(), Some(false), "closed: an idle check");
+        // No answer in time (requests queued ahead of the check can cause it): logged only.
+        pool.health_checked(false, Err(CheckFailure::Other("`m` did not answer".into())));
+        assert_eq!(pool.breaker_state(), BreakerState::Closed);
+        assert_eq!(cause(&degraded), None);
+        // The model's run itself failed: the pool's requests would too.
+        pool.health_checked(false, Err(CheckFailure::Broken("`m`: runtime error: bad".into())));
+        assert_eq!(pool.breaker_state(), BreakerState::Open);
+        assert_eq!(
+            pool.breaker_tripped().as_deref(),
+            Some("its health check failed (`m`: runtime error: bad)")
+        );
+        assert_eq!(cause(&degraded), Some(Cause::BreakerOpen));
+        assert_eq!(pool.health_check_permit(), None, "open: no check until the cooldown");
+        health_check_closes(&pool, &clock);
+        assert_eq!(cause(&degraded), None);
     }
 
     #[test]

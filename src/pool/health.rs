@@ -10,6 +10,26 @@ use crate::core::snapshot::BreakerState;
 use crate::pool::job::PoolError;
 use crate::pool::shared::Pool;
 
+/// How a health check failed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CheckFailure {
+    /// A model's probe run failed in a way no other rule counts (a runtime error, a panic): the
+    /// pool does not run its models, and its requests would fail the same way.
+    Broken(String),
+    /// Anything else: an allocator failure (the run counted it against the breaker already), a
+    /// lost worker (its supervisor opened the breaker), or no answer within the timeout, which
+    /// requests queued ahead of the check can cause on a healthy pool.
+    Other(String),
+}
+
+impl std::fmt::Display for CheckFailure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            CheckFailure::Broken(why) | CheckFailure::Other(why) => f.write_str(why),
+        }
+    }
+}
+
 /// How far back `alloc_failures_recent` looks.
 pub const RECENT_FAILURE_WINDOW: Duration = Duration::from_secs(60);
 
@@ -71,9 +91,10 @@ impl Pool {
     /// The outcome of a health check taken with [`Pool::health_check_permit`] (`probe`: it was
     /// the breaker's probe), counted in `vramguard_health_checks_total`. A success as the probe
     /// closes the breaker. A remote server's failed check counts against the breaker like an
-    /// outage; a local pool's runs already counted their allocator failures, and a probe that
-    /// failed any other way opens the breaker again for another cooldown.
-    pub fn health_checked(&self, probe: bool, result: Result<(), String>) {
+    /// outage. For a local pool, a probe that failed opens the breaker again for another
+    /// cooldown; an idle check whose run broke ([`CheckFailure::Broken`]) opens a closed one,
+    /// while its allocator failures were already counted by the run, like a request's.
+    pub fn health_checked(&self, probe: bool, result: Result<(), CheckFailure>) {
         let counter = match &result {
             Ok(()) => &self.context.metrics.health_ok,
             Err(_) => &self.context.metrics.health_failed,
@@ -85,9 +106,16 @@ impl Pool {
             Err(why) if matches!(self.provider(), crate::config::Provider::Remote(_)) => {
                 self.record_remote_failure(&format!("health check: {why}"))
             }
-            Err(why) => {
-                let reopened = probe && self.breaker().probe_failed(self.context.clock.now());
+            Err(why) if probe => {
+                let reopened = self.breaker().probe_failed(self.context.clock.now());
                 tracing::warn!(pool = self.name(), %why, probe, reopened, "health check failed");
+            }
+            Err(CheckFailure::Broken(why)) => {
+                let opened = self.breaker().check_failed(why.clone(), self.context.clock.now());
+                tracing::warn!(pool = self.name(), %why, probe, opened, "health check failed: circuit breaker opened, new work goes to other pools");
+            }
+            Err(CheckFailure::Other(why)) => {
+                tracing::warn!(pool = self.name(), %why, probe, "health check failed");
             }
         }
     }

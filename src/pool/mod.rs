@@ -32,6 +32,7 @@ mod worker;
 
 pub use context::{PoolContext, PoolMetrics, Respawn, WorkerHandles};
 pub use evict::{ModelState, Resident};
+pub use health::CheckFailure;
 pub use job::{InferJob, Inputs, JobResult, PoolError, RunCancel, RunMemory, RunOp};
 pub use load::PoolLoad;
 pub use models::{LOAD_BUCKETS, ModelBytesRef, ModelMetrics, ModelSetup, ResidencyError, ResidencyOutcome};

@@ -3,7 +3,9 @@
 //! half-open (its cooldown passed, or a restore rebuilt the pool): every probe succeeding closes
 //! it, one failing opens it again for another cooldown. It also runs once the pool has been idle
 //! for `pools[].health.interval`, where an allocator or driver failure counts against the
-//! breaker like a request's. Checks are counted in `vramguard_health_checks_total`, not as
+//! breaker like a request's, and any other failure of a model's run (a runtime error, a panic)
+//! opens it: the pool's requests would fail the same way. Checks are counted in
+//! `vramguard_health_checks_total`, not as
 //! requests; `vramguard_breaker_recovery_seconds` is then the time from opening to the probe
 //! that closed it.
 
@@ -12,8 +14,8 @@ use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
 
-use crate::core::backend::RunMeta;
-use crate::pool::{InferJob, Pool, PoolError, RunCancel, RunMemory};
+use crate::core::backend::{BackendError, RunMeta};
+use crate::pool::{CheckFailure, InferJob, Pool, PoolError, RunCancel, RunMemory};
 use crate::serve::service::Service;
 
 /// How often the breaker and the pool's load are looked at: a half-open breaker is probed
@@ -57,32 +59,56 @@ pub async fn watch_pool(service: Arc<Service>, pool: Arc<Pool>, cancel: Cancella
                 }
                 return;
             }
-            result = check(&service, &pool, health.timeout) => result,
+            result = check(&service, &pool, health.timeout, probe) => result,
         };
         quiet_since = tokio::time::Instant::now();
         match result {
-            Err(PoolError::ShuttingDown { .. }) => {
+            Err(Failed::ShuttingDown) => {
                 if probe {
                     pool.probe_unused();
                 }
                 return;
             }
-            result => pool.health_checked(probe, result.map_err(|e| e.to_string())),
+            // No model is loaded and this is no probe: nothing was checked, so nothing counts.
+            Ok(0) if !probe => {}
+            Ok(_) => pool.health_checked(probe, Ok(())),
+            Err(Failed::Check(failure)) => pool.health_checked(probe, Err(failure)),
         }
     }
 }
 
-/// One check: a probe run of every model of `pool`, each within `timeout`; the first failure
-/// ends it.
-async fn check(service: &Service, pool: &Arc<Pool>, timeout: Duration) -> Result<(), PoolError> {
-    for model in &pool.config.models {
-        // A check never loads a model: it is no request for it.
-        let Some(entry) = service.model(model).filter(|_| pool.is_resident(model)) else {
+/// Why a check ended without passing.
+enum Failed {
+    /// The pool is shutting down: the check says nothing.
+    ShuttingDown,
+    /// A probe failed.
+    Check(CheckFailure),
+}
+
+/// One check: a probe run of every model of `pool` that is loaded, each within `timeout`; the
+/// first failure ends it. How many models ran.
+///
+/// A check never loads a model (it is no request for one), but the breaker's probe (`probe`)
+/// with none loaded loads the pool's first: closing the breaker on no run at all would send
+/// requests to a pool nothing has shown to work.
+async fn check(service: &Service, pool: &Arc<Pool>, timeout: Duration, probe: bool) -> Result<usize, Failed> {
+    let loaded: Vec<&String> = pool
+        .config
+        .models
+        .iter()
+        .filter(|model| service.model(model).is_some() && pool.is_resident(model))
+        .collect();
+    let models = match (loaded.is_empty(), pool.config.models.first()) {
+        (true, Some(first)) if probe && service.model(first).is_some() => vec![first],
+        _ => loaded,
+    };
+    for model in &models {
+        let Some(entry) = service.model(model) else {
             continue;
         };
         let inputs = entry
             .probe_inputs()
-            .map_err(|why| unavailable(pool, format!("no probe input for `{model}`: {why}")))?;
+            .map_err(|why| broken(format!("no probe input for `{model}`: {why}")))?;
         let cancel = RunCancel::default();
         let job = InferJob {
             meta: RunMeta {
@@ -90,7 +116,7 @@ async fn check(service: &Service, pool: &Arc<Pool>, timeout: Duration) -> Result
                 deadline: Some(std::time::Instant::now() + timeout),
                 ..RunMeta::default()
             },
-            model: model.clone(),
+            model: model.to_string(),
             inputs: inputs.into(),
             outputs: Vec::new(),
             op: Default::default(),
@@ -99,36 +125,35 @@ async fn check(service: &Service, pool: &Arc<Pool>, timeout: Duration) -> Result
             probe: true,
             cancel: cancel.clone(),
         };
-        let reply = pool.submit(job)?;
+        let reply = pool.submit(job).map_err(|e| match e {
+            PoolError::ShuttingDown { .. } => Failed::ShuttingDown,
+            other => Failed::Check(CheckFailure::Other(other.to_string())),
+        })?;
         match tokio::time::timeout(timeout, reply).await {
             Ok(Ok(result)) => result.map(drop).map_err(|e| match e {
-                PoolError::Backend(e) => unavailable(pool, format!("`{model}`: {e}")),
-                other => other,
+                PoolError::ShuttingDown { .. } => Failed::ShuttingDown,
+                // Counted already: by the run (an allocator failure) or by the pool's
+                // supervisor (a lost worker).
+                PoolError::Backend(e @ (BackendError::Allocation { .. } | BackendError::WorkerLost(_))) => {
+                    Failed::Check(CheckFailure::Other(format!("`{model}`: {e}")))
+                }
+                PoolError::Backend(e) => broken(format!("`{model}`: {e}")),
+                other => Failed::Check(CheckFailure::Other(format!("`{model}`: {other}"))),
             })?,
-            Ok(Err(_)) => {
-                return Err(PoolError::ShuttingDown {
-                    pool: pool.name().to_string(),
-                });
-            }
+            Ok(Err(_)) => return Err(Failed::ShuttingDown),
             Err(_) => {
                 // Stop the run if it is still going: the worker may be needed by requests.
                 cancel.cancel();
-                return Err(unavailable(
-                    pool,
-                    format!(
-                        "`{model}` did not answer within {}ms (health.timeout)",
-                        timeout.as_millis()
-                    ),
-                ));
+                return Err(Failed::Check(CheckFailure::Other(format!(
+                    "`{model}` did not answer within {}ms (health.timeout)",
+                    timeout.as_millis()
+                ))));
             }
         }
     }
-    Ok(())
+    Ok(models.len())
 }
 
-fn unavailable(pool: &Pool, reason: String) -> PoolError {
-    PoolError::Unavailable {
-        pool: pool.name().to_string(),
-        reason,
-    }
+fn broken(why: String) -> Failed {
+    Failed::Check(CheckFailure::Broken(why))
 }

@@ -26,7 +26,7 @@ use tokio::sync::Notify;
 use crate::config::RemoteOptions;
 use crate::core::backend::{AllocFailureKind, ArenaStats, Backend, BackendError, Interrupt, RemoteFailure, RunMeta};
 use crate::core::tensor::Tensor;
-use crate::pool::Pool;
+use crate::pool::{CheckFailure, Pool};
 use crate::protocol::headers::{
     ALLOW_SHRINK_HEADER, DEADLINE_HEADER, HEADER_LENGTH, IDEMPOTENCY_KEY, PRIORITY_HEADER, REPLAYABLE_HEADER,
     REQUEST_ID,
@@ -402,7 +402,7 @@ pub async fn watch_health(
         if result.is_err() {
             metrics.failed(RemoteFailure::Health);
         }
-        pool.health_checked(probe, result);
+        pool.health_checked(probe, result.map_err(CheckFailure::Other));
     }
 }
 

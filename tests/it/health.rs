@@ -147,3 +147,29 @@ async fn an_idle_pool_is_checked_so_a_reset_driver_opens_the_breaker_before_any_
     );
     server.stop().await;
 }
+
+/// A probe shows that the pool runs a model: with none loaded (the model is `on_demand`), the
+/// breaker's probe loads the pool's first model and runs it, rather than closing the breaker on
+/// no run at all.
+#[tokio::test]
+async fn a_probe_with_no_model_loaded_loads_one_and_runs_it_before_the_breaker_closes() {
+    if crate::common::ran_in_own_process() {
+        return;
+    }
+    let config = CONFIG.replace(
+        "context: {input: input, axis: 1}}",
+        "context: {input: input, axis: 1}, residency: on_demand}",
+    );
+    let server = TestServer::with_policy(&config, ADMIT_ALL).await;
+    let resident = "vramguard_model_resident{model=\"encoder\",pool=\"gpu\"}";
+    let metrics = server.metrics().await;
+    assert_eq!(sample(&metrics, resident), 0.0, "on_demand: not loaded at start");
+    let restored = server.post_json("/admin/pools/gpu/restore", &json!({})).await;
+    assert_eq!(restored.status(), StatusCode::OK);
+    let (closed, metrics) = breaker_closes(&server, "gpu", Duration::from_secs(20)).await;
+    assert!(closed, "{metrics}");
+    assert_eq!(sample(&metrics, resident), 1.0, "the probe ran it:\n{metrics}");
+    assert_eq!(sample(&metrics, GPU_OK), 1.0, "{metrics}");
+    assert_eq!(requests(&metrics), 0.0, "no request was sent or counted:\n{metrics}");
+    server.stop().await;
+}
