@@ -115,6 +115,7 @@ async fn a_fresh_server_exposes_every_known_series_at_zero() {
         "breaker_open",
         "policy_redirect",
         "remote_retry",
+        "worker_lost",
     ] {
         zero.push(format!(
             "vramguard_failovers_total{{from=\"gpu\",to=\"cpu\",reason=\"{reason}\"}}"
@@ -123,7 +124,13 @@ async fn a_fresh_server_exposes_every_known_series_at_zero() {
     for result in ["ok", "failed", "not_replayable", "no_fallback"] {
         zero.push(format!("vramguard_retries_total{{pool=\"gpu\",result=\"{result}\"}}"));
     }
-    for reason in ["pool_unavailable", "driver_fault", "breaker_open", "memory_redirect"] {
+    for reason in [
+        "pool_unavailable",
+        "driver_fault",
+        "breaker_open",
+        "memory_redirect",
+        "worker_lost",
+    ] {
         zero.push(format!("vramguard_degraded_info{{reason=\"{reason}\"}}"));
     }
     for series in &zero {
