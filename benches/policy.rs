@@ -5,11 +5,13 @@
 //! `cargo bench --bench policy` prints criterion's estimates, then per scenario: criterion's
 //! median, the median and p99 of 100 000 individually timed evaluations (timer included), the
 //! Rust baseline's criterion median and the ratio of the two criterion medians; the figures of
-//! `admit_live_pools` and `redirect` go to `target/bench/policy.json` (the p99's spread is that
-//! of ten blocks of 10 000 evaluations). Scenarios:
+//! `admit_live_pools`, `admit_cpu` and `redirect` go to `target/bench/policy.json` (the p99's
+//! spread is that of ten blocks of 10 000 evaluations). Scenarios:
 //! - `admit_live_pools`: the same with the pools' load read live as the script reads a pool
 //!   ([`StateView::with_live_load`]), the view itself built once per sample: what the server
 //!   does for every request.
+//! - `admit_cpu`: that admit for a request the router put on the CPU pool, the script's other
+//!   admit path (and the one the overhead bench's server takes on every request).
 //! - `admit`: the common case (the request fits), through [`PolicyHandle::decide_view`] with the
 //!   snapshot's script view cached and cloned per call, as `Service::policy_view` hands it out
 //!   while nothing moved;
@@ -156,6 +158,15 @@ fn admit_request() -> RequestInfo {
     request(4096, 2 * GIB)
 }
 
+/// The same request on the CPU pool (as the router places it when no accelerator pool serves the
+/// model, and as the overhead bench's server runs every request): the host has room.
+fn cpu_request() -> RequestInfo {
+    RequestInfo {
+        pool: "cpu".into(),
+        ..admit_request()
+    }
+}
+
 /// Needs 20 GiB: more than `gpu0` has even once its in-flight work finishes, and the context
 /// that would fit (51 tokens) is under the 64-token floor, so the script walks every branch
 /// before redirecting to the CPU pool, which has 40 GiB above the host reserve.
@@ -243,6 +254,8 @@ fn sampled(mut f: impl FnMut()) -> Vec<Duration> {
 /// The figures of one scenario: the median with p5–p95 of every sample, and the p99 of each
 /// of ten blocks of samples, so that the p99 has a spread too.
 fn scenario_figures(name: &str, samples: &[Duration]) -> Vec<Figure> {
+    // Issue 23's targets: the longest path (a redirect) may take twice the common one.
+    let median_target = if name == "redirect" { 6.0 } else { 3.0 };
     let micros: Vec<f64> = samples.iter().map(|d| d.as_secs_f64() * 1e6).collect();
     let p99s: Vec<f64> = micros
         .chunks(micros.len() / 10)
@@ -253,7 +266,7 @@ fn scenario_figures(name: &str, samples: &[Duration]) -> Vec<Figure> {
         })
         .collect();
     vec![
-        Figure::of_samples(format!("policy eval median, {name}"), "µs", &micros).target(Target::AtMost(3.0)),
+        Figure::of_samples(format!("policy eval median, {name}"), "µs", &micros).target(Target::AtMost(median_target)),
         Figure::of_runs(format!("policy eval p99, {name}"), "µs", &p99s)
             .target(Target::AtMost(10.0))
             .note(format!("spread: the p99 of each of {} blocks of samples", p99s.len())),
@@ -305,7 +318,7 @@ fn main() {
         .expect("policies/default.rhai loads");
     let script = handle.current().script.clone();
     let snapshot = Arc::new(snapshot());
-    let (admit, redirect) = (admit_request(), redirect_request());
+    let (admit, redirect, on_cpu) = (admit_request(), redirect_request(), cpu_request());
     let baseline = |req: &RequestInfo| rust_default(req, &snapshot, 512 * MIB, 64, 50, 2);
 
     assert_eq!(
@@ -318,6 +331,11 @@ fn main() {
     );
     assert_eq!(baseline(&admit), handle.decide(&admit, &snapshot).decision);
     assert_eq!(baseline(&redirect), handle.decide(&redirect, &snapshot).decision);
+    assert_eq!(
+        handle.decide(&on_cpu, &snapshot).decision,
+        Decision::Admit { pool: None }
+    );
+    assert_eq!(baseline(&on_cpu), handle.decide(&on_cpu, &snapshot).decision);
     assert!(handle.decide(&admit, &snapshot).error.is_none());
 
     // What the server keeps between requests while the snapshot and the pools are unchanged.
@@ -331,6 +349,7 @@ fn main() {
                 "admit" => handle.decide_view(black_box(&admit), &black_box(&cached).clone()),
                 "redirect" => handle.decide_view(black_box(&redirect), &black_box(&cached).clone()),
                 "admit_live_pools" => script.decide_view(black_box(&admit), black_box(&live)),
+                "admit_cpu" => script.decide_view(black_box(&on_cpu), black_box(&live)),
                 "admit_fresh_snapshot" => script.decide(black_box(&admit), black_box(&snapshot)),
                 other => panic!("no scenario {other}"),
             };
@@ -359,7 +378,11 @@ fn main() {
         group.bench_function("admit_live_pools", |b| {
             b.iter(|| script.decide_view(black_box(&admit), black_box(&live)))
         });
+        group.bench_function("admit_cpu", |b| {
+            b.iter(|| script.decide_view(black_box(&on_cpu), black_box(&live)))
+        });
         group.bench_function("rust_admit", |b| b.iter(|| baseline(black_box(&admit))));
+        group.bench_function("rust_admit_cpu", |b| b.iter(|| baseline(black_box(&on_cpu))));
         group.bench_function("rust_redirect", |b| b.iter(|| baseline(black_box(&redirect))));
         group.finish();
     }
@@ -373,10 +396,11 @@ fn main() {
         "scenario", "criterion median", "median", "p99", "Rust baseline (crit.)", "ratio"
     );
     let live = StateView::new(&snapshot).with_live_load(Arc::new(SampledLoad(snapshot.clone())));
-    let rows: [(&str, &str, &RequestInfo, u8); 4] = [
+    let rows: [(&str, &str, &RequestInfo, u8); 5] = [
         ("admit", "rust_admit", &admit, 0),
         ("redirect", "rust_redirect", &redirect, 0),
         ("admit_live_pools", "rust_admit", &admit, 1),
+        ("admit_cpu", "rust_admit_cpu", &on_cpu, 1),
         ("admit_fresh_snapshot", "rust_admit", &admit, 2),
     ];
     let mut figures = Vec::new();
@@ -392,7 +416,7 @@ fn main() {
                 black_box(script.decide(black_box(req), black_box(&snapshot)));
             }),
         };
-        if matches!(name, "admit_live_pools" | "redirect") {
+        if matches!(name, "admit_live_pools" | "admit_cpu" | "redirect") {
             figures.extend(scenario_figures(name, &samples));
         }
         samples.sort();
@@ -411,7 +435,7 @@ fn main() {
             rust.map_or("n/a".to_string(), |d| format!("{:.1} ns", d.as_secs_f64() * 1e9)),
         );
     }
-    println!("targets (issue 4): median ≤ 3 µs, p99 ≤ 10 µs for `admit` (inputs included)");
+    println!("targets (issue 23): median ≤ 3 µs for an admit, ≤ 6 µs for `redirect`; p99 ≤ 10 µs (inputs included)");
     record(
         "policy",
         &out_dir(env!("CARGO_TARGET_TMPDIR")),
