@@ -7,13 +7,14 @@
 //! more per number than the encoder input's 13 short values.
 //!
 //! Then a whole request of that input, as the server decodes it (`protocol::oip::decode`:
-//! the header read, each `data` array parsed once the datatype is known).
+//! the header read, each `data` array parsed once the datatype is known), and an answer of
+//! the same size as binary data, as the server encodes it (`protocol::oip::encode`).
 //!
 //! `cargo bench --bench codec`.
 
 use criterion::{Criterion, Throughput};
 use std::hint::black_box;
-use vramguard::core::tensor::{DataType, TensorData};
+use vramguard::core::tensor::{DataType, Tensor, TensorData};
 use vramguard::protocol::oip;
 use vramguard::runtime::onnx::{ModelSignature, TensorSpec};
 use vramguard::serve::generate::Rng;
@@ -54,6 +55,7 @@ fn main() {
             group.finish();
         }
         decode_request(&mut criterion, seq, &shortest);
+        encode_binary_response(&mut criterion, seq, &activations);
     }
     criterion.final_summary();
 }
@@ -94,6 +96,45 @@ fn decode_request(criterion: &mut Criterion, seq: usize, data: &str) {
     group.throughput(Throughput::Bytes(body.len() as u64));
     group.bench_function("shortest", |b| {
         b.iter(|| oip::decode(black_box(body.as_bytes()), None, &signature).unwrap())
+    });
+    group.finish();
+}
+
+/// An answer holding one `[1, seq, 64]` FP32 output as binary data, as the overhead bench's
+/// binary client asks for it (`binary_data_output`), encoded as the server does.
+fn encode_binary_response(criterion: &mut Criterion, seq: usize, values: &[f32]) {
+    let outputs = vec![Tensor {
+        name: "hidden".into(),
+        shape: vec![1, seq as i64, ENCODER_DIM as i64],
+        data: TensorData::Fp32(values.to_vec()),
+    }];
+    let request = oip::DecodedRequest {
+        id: None,
+        parameters: Default::default(),
+        inputs: Vec::new(),
+        outputs: Vec::new(),
+        binary_by_default: true,
+        allow_shrink: None,
+        allow_substitute: None,
+    };
+    let parameters = Default::default();
+    let encoded = oip::encode("encoder", Some("req-1"), &parameters, &outputs, &request, usize::MAX).unwrap();
+    let header_len = encoded.header_len.expect("a binary answer has a JSON header");
+    assert_eq!(encoded.body.len() - header_len, seq * ENCODER_DIM * 4);
+    let mut group = criterion.benchmark_group(format!("encode_binary_response/seq{seq}"));
+    group.throughput(Throughput::Bytes(encoded.body.len() as u64));
+    group.bench_function("fp32", |b| {
+        b.iter(|| {
+            oip::encode(
+                "encoder",
+                Some("req-1"),
+                &parameters,
+                black_box(&outputs),
+                &request,
+                usize::MAX,
+            )
+            .unwrap()
+        })
     });
     group.finish();
 }
