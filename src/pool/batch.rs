@@ -5,9 +5,11 @@
 //!
 //! The stepper (one tokio task per batch) runs a step once every member has sent its token,
 //! or [`GRACE`] after the first did: a member that is late (its stream's reader is slow) gets
-//! a masked slot in that step instead of holding the others back. A step's failure reaches
-//! every row in it; rows whose cache the backend did not hold get [`BackendError::CacheMissing`]
-//! and the others run again at once.
+//! a masked slot in that step instead of holding the others back, and the steps after it do
+//! not wait for it until its next token comes (a stalled reader would otherwise cost every
+//! other member a grace per token). A step's failure reaches every row in it; rows whose
+//! cache the backend did not hold get [`BackendError::CacheMissing`] and the others run again
+//! at once.
 //!
 //! [`Backend::decode`]: crate::core::backend::Backend::decode
 

@@ -33,6 +33,9 @@ impl Pool {
 #[derive(Default)]
 struct Steps {
     members: HashSet<u64>,
+    /// Members that missed a step's grace: not waited for until their next token comes, so
+    /// a stalled reader costs the others one grace, not one a step.
+    late: HashSet<u64>,
     pending: Vec<(DecodeRow, Reply)>,
     ended: Vec<u64>,
 }
@@ -45,14 +48,54 @@ impl Steps {
             }
             Message::Step(row, reply) => {
                 self.members.insert(row.seq);
+                self.late.remove(&row.seq);
                 self.pending.push((row, reply));
             }
             Message::Leave(seq) => {
                 self.members.remove(&seq);
+                self.late.remove(&seq);
                 self.pending.retain(|(row, _)| row.seq != seq);
                 self.ended.push(seq);
             }
         }
+    }
+
+    /// Whether a member the step waits for has not sent its token yet. A member's rows are
+    /// pending or it is late, never both, and every pending row is a member's.
+    fn awaits_more(&self) -> bool {
+        self.pending.len() + self.late.len() < self.members.len()
+    }
+
+    /// Take the next step's messages from `inbox`: wait for a first token (unless caches of a
+    /// batch left empty are still to be dropped), then for the members not late, up to
+    /// [`GRACE`] after it; those still missing then are late. False once every sender is gone.
+    async fn gather(&mut self, inbox: &mut mpsc::UnboundedReceiver<Message>) -> bool {
+        let only_ends = self.members.is_empty() && !self.ended.is_empty();
+        if self.pending.is_empty() && !only_ends {
+            match inbox.recv().await {
+                Some(message) => self.take(message),
+                None => return false,
+            }
+        }
+        while let Ok(message) = inbox.try_recv() {
+            self.take(message);
+        }
+        if self.pending.is_empty() {
+            return true;
+        }
+        let until = tokio::time::Instant::now() + GRACE;
+        while self.awaits_more() {
+            match tokio::time::timeout_at(until, inbox.recv()).await {
+                Ok(Some(message)) => self.take(message),
+                Ok(None) => return false,
+                Err(_) => {
+                    let sent: HashSet<u64> = self.pending.iter().map(|(row, _)| row.seq).collect();
+                    self.late.extend(self.members.difference(&sent).copied());
+                    break;
+                }
+            }
+        }
+        true
     }
 }
 
@@ -65,26 +108,8 @@ async fn step_batch(pool: Weak<Pool>, model: String, mut inbox: mpsc::UnboundedR
         None => return,
     };
     loop {
-        // Nothing to run: wait, unless caches of a batch left empty are still to be dropped.
-        let only_ends = steps.members.is_empty() && !steps.ended.is_empty();
-        if steps.pending.is_empty() && !only_ends {
-            match inbox.recv().await {
-                Some(message) => steps.take(message),
-                None => return,
-            }
-        }
-        while let Ok(message) = inbox.try_recv() {
-            steps.take(message);
-        }
-        if !steps.pending.is_empty() && steps.pending.len() < steps.members.len() {
-            let until = tokio::time::Instant::now() + GRACE;
-            while steps.pending.len() < steps.members.len() {
-                match tokio::time::timeout_at(until, inbox.recv()).await {
-                    Ok(Some(message)) => steps.take(message),
-                    Ok(None) => return,
-                    Err(_) => break,
-                }
-            }
+        if !steps.gather(&mut inbox).await {
+            return;
         }
         let Some(pool) = pool.upgrade() else { return };
         let pending = std::mem::take(&mut steps.pending);
@@ -233,6 +258,53 @@ mod tests {
                 "position {past}: the token in, one row of logits out, whatever the position"
             );
         }
+    }
+
+    /// A member whose stream's reader stalls costs the others one grace, not one every step:
+    /// once it missed a step, the others' steps no longer wait for it, until its next token
+    /// comes and it is waited for again.
+    #[tokio::test(start_paused = true)]
+    async fn a_member_that_missed_a_step_is_not_waited_for_until_its_next_token() {
+        use futures_util::FutureExt;
+        let (messages, mut inbox) = mpsc::unbounded_channel();
+        let step = |seq: u64| {
+            let (reply, _) = tokio::sync::oneshot::channel();
+            Message::Step(DecodeRow { seq, token: 7, past: 3 }, reply)
+        };
+        let rows = |steps: &mut Steps| -> Vec<u64> {
+            std::mem::take(&mut steps.pending)
+                .into_iter()
+                .map(|(row, _)| row.seq)
+                .collect()
+        };
+        let mut steps = Steps::default();
+        for message in [Message::Join(1), Message::Join(2), step(1)] {
+            messages.send(message).unwrap();
+        }
+        let start = tokio::time::Instant::now();
+        assert!(steps.gather(&mut inbox).await);
+        assert!(start.elapsed() >= GRACE, "the first miss waits out the grace");
+        assert_eq!(rows(&mut steps), [1]);
+        for _ in 0..3 {
+            messages.send(step(1)).unwrap();
+            let gathered = steps.gather(&mut inbox).now_or_never();
+            assert_eq!(
+                gathered,
+                Some(true),
+                "member 1's step does not wait for stalled member 2"
+            );
+            assert_eq!(rows(&mut steps), [1]);
+        }
+        // Member 2's token comes: it is in the next step, and waited for from then on.
+        messages.send(step(2)).unwrap();
+        messages.send(step(1)).unwrap();
+        assert_eq!(steps.gather(&mut inbox).now_or_never(), Some(true));
+        assert_eq!(rows(&mut steps), [2, 1]);
+        messages.send(step(1)).unwrap();
+        let start = tokio::time::Instant::now();
+        assert!(steps.gather(&mut inbox).await);
+        assert!(start.elapsed() >= GRACE, "member 2 rejoined: it is waited for again");
+        assert_eq!(rows(&mut steps), [1]);
     }
 
     fn prefill_job(seq: u64, prompt: &[u32]) -> InferJob {
