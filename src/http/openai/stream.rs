@@ -26,15 +26,42 @@ fn event(value: &Value) -> Bytes {
     Bytes::from(format!("data: {value}\n\n"))
 }
 
+/// How far a stream's text was searched for its held strings, and where the first one starts
+/// once one was found. The text only grows, so a string found stays where it is, and one not
+/// found can only be completed by what was added since: each search covers the growth and the
+/// held strings' length before it, and none is made once one was found. A token then costs the
+/// same however long the text held back after a tool call's opening tag grows.
+#[derive(Debug, Default)]
+struct Hold {
+    searched: usize,
+    found: Option<usize>,
+}
+
+impl Hold {
+    /// Where a search of `text` (the text searched before, grown) for `held` must start, or
+    /// `None` when there is nothing to search: one was found already.
+    fn search_from(&self, text: &str, held: &[String]) -> Option<usize> {
+        self.found.is_none().then(|| tail_start(text, self.searched, held))
+    }
+
+    /// Where the first of `held` starts in `text`, if one does.
+    fn first(&mut self, text: &str, held: &[String]) -> Option<usize> {
+        if let Some(start) = self.search_from(text, held) {
+            self.found = first_at(text, start, held);
+            self.searched = text.len();
+        }
+        self.found
+    }
+}
+
 /// Text that can be sent now: all of `text` but an unfinished UTF-8 sequence at its end and
-/// any tail that could still become one of the stop strings. `sent` is what an earlier call on
-/// a shorter `text` (the same text, before it grew) returned: a stop string is looked for only
-/// where the growth could have completed one, so a call costs the same at any length.
-fn sendable<'a>(text: &'a str, sent: usize, stop: &[String]) -> &'a str {
+/// any tail that could still become one of the stop strings. `hold` is what earlier calls on a
+/// shorter `text` (the same text, before it grew) learnt, so a call costs the same at any
+/// length.
+fn sendable<'a>(text: &'a str, hold: &mut Hold, stop: &[String]) -> &'a str {
     let mut end = text.trim_end_matches('\u{FFFD}').len();
-    // Nothing from a stop string on: the text ends before it. None lies whole in what was sent
-    // already, since that was cut before any it held.
-    if let Some(at) = first_at(text, tail_start(text, sent, stop), stop) {
+    // Nothing from a stop string on: the text ends before it.
+    if let Some(at) = hold.first(text, stop) {
         end = end.min(at);
     }
     for s in stop {
@@ -118,6 +145,8 @@ struct Stream {
     text: Detokenizer,
     /// Bytes of text already sent.
     sent: usize,
+    /// Where the held strings were looked for in the text.
+    hold: Hold,
     running: Option<Running>,
     finished: Option<Result<generate::Generated, crate::serve::lifecycle::Refused>>,
     done: bool,
@@ -154,6 +183,7 @@ impl Stream {
         Ok(Stream {
             text: Detokenizer::new(tokenizer),
             sent: 0,
+            hold: Hold::default(),
             running: None,
             finished: None,
             done: false,
@@ -229,7 +259,7 @@ impl Stream {
         }
         loop {
             if self.finished.is_none() {
-                let ready = sendable(self.text.text(), self.sent, &self.held);
+                let ready = sendable(self.text.text(), &mut self.hold, &self.held);
                 if ready.len() > self.sent {
                     let piece = ready[self.sent..].to_string();
                     self.sent = ready.len();
@@ -261,7 +291,7 @@ impl Stream {
                     self.push(token.id);
                     // Moved to another pool (a failover mid-stream): say so in the next chunk.
                     if self.pool.as_deref() != Some(token.pool.name()) {
-                        let ready = sendable(self.text.text(), self.sent, &self.held);
+                        let ready = sendable(self.text.text(), &mut self.hold, &self.held);
                         let piece = ready.get(self.sent..).unwrap_or_default().to_string();
                         self.sent = self.sent.max(ready.len());
                         let mut value = self.chunk(json!(piece), None, None);
@@ -343,39 +373,41 @@ fn sse(stream: Stream, opening: Bytes, pool: &Pool, shrunk: Option<&(u64, u64, S
 mod tests {
     use super::*;
 
+    /// What is sendable of `text` searched whole, as if it had come in one piece.
+    fn at_once<'a>(text: &'a str, held: &[String]) -> &'a str {
+        sendable(text, &mut Hold::default(), held)
+    }
+
     #[test]
     fn text_that_may_become_a_stop_string_or_is_an_unfinished_character_waits() {
         let stop = vec![" GPU".to_string()];
-        assert_eq!(sendable("hello", 0, &stop), "hello");
-        assert_eq!(sendable("hello G", 0, &stop), "hello");
-        assert_eq!(sendable("hello GP", 0, &stop), "hello");
-        assert_eq!(sendable("hello Gx", 0, &stop), "hello Gx");
-        assert_eq!(sendable("hello GPUs", 0, &stop), "hello");
-        assert_eq!(sendable("caf\u{FFFD}", 0, &[]), "caf");
+        assert_eq!(at_once("hello", &stop), "hello");
+        assert_eq!(at_once("hello G", &stop), "hello");
+        assert_eq!(at_once("hello GP", &stop), "hello");
+        assert_eq!(at_once("hello Gx", &stop), "hello Gx");
+        assert_eq!(at_once("hello GPUs", &stop), "hello");
+        assert_eq!(at_once("caf\u{FFFD}", &[]), "caf");
     }
 
     #[test]
     fn a_tool_call_waits_from_its_opening_tag_on() {
         let held = vec![crate::runtime::chat::TOOL_CALL_OPEN.to_string()];
-        assert_eq!(sendable("Let me check. <tool", 0, &held), "Let me check. ");
-        assert_eq!(
-            sendable("Let me check. <tool_call>{\"name\"", 0, &held),
-            "Let me check. "
-        );
-        assert_eq!(sendable("a <b>", 0, &held), "a <b>");
+        assert_eq!(at_once("Let me check. <tool", &held), "Let me check. ");
+        assert_eq!(at_once("Let me check. <tool_call>{\"name\"", &held), "Let me check. ");
+        assert_eq!(at_once("a <b>", &held), "a <b>");
     }
 
     /// What a stream sends when its text grows by `pieces`: every chunk, as [`Stream::next`]
     /// cuts them.
     fn chunks(pieces: &[&str], held: &[String]) -> Vec<String> {
         let mut text = String::new();
-        let mut sent = 0;
+        let (mut sent, mut hold) = (0, Hold::default());
         let mut out = Vec::new();
         for piece in pieces {
             text.push_str(piece);
-            let ready = sendable(&text, sent, held);
+            let ready = sendable(&text, &mut hold, held);
             // Searching the tail only decides as searching the whole text would.
-            assert_eq!(ready, sendable(&text, 0, held), "after {text:?}");
+            assert_eq!(ready, at_once(&text, held), "after {text:?}");
             if ready.len() > sent {
                 out.push(ready[sent..].to_string());
                 sent = ready.len();
@@ -421,6 +453,48 @@ mod tests {
             &held,
         );
         assert_eq!(sent.concat(), "Let me check. ");
+    }
+
+    /// A tool call's text waits however long it grows, and holding it back costs nothing per
+    /// token once its opening tag was found: the bytes searched for held strings over the
+    /// whole stream stay within the text's length plus, per token, the held strings' length.
+    #[test]
+    fn a_long_tool_call_stays_held_back_and_its_tokens_are_not_searched_again() {
+        let held = vec![
+            "<|im_end|>".to_string(),
+            crate::runtime::chat::TOOL_CALL_OPEN.to_string(),
+        ];
+        let longest = held.iter().map(String::len).max().unwrap();
+        let pieces = [
+            "Let me",
+            " check.",
+            " <tool",
+            "_call>",
+            "{\"name\": \"f\", \"arguments\": {",
+        ]
+        .into_iter()
+        .chain(std::iter::repeat_n("\"k\": \"vé\", ", 5000));
+        let (mut text, mut hold) = (String::new(), Hold::default());
+        let (mut tokens, mut searched, mut after_tag) = (0, 0, 0);
+        for piece in pieces {
+            text.push_str(piece);
+            tokens += 1;
+            let bytes = hold.search_from(&text, &held).map_or(0, |start| text.len() - start);
+            searched += bytes;
+            if hold.found.is_some() {
+                after_tag += bytes;
+            }
+            let ready = sendable(&text, &mut hold, &held);
+            let expected = if tokens < 3 { text.as_str() } else { "Let me check. " };
+            assert_eq!(ready, expected, "after {tokens} tokens");
+        }
+        assert!(hold.found.is_some());
+        assert_eq!(after_tag, 0, "nothing is searched once the tag was found");
+        assert!(
+            searched <= text.len() + tokens * longest,
+            "{searched} bytes searched for {tokens} tokens of {} bytes",
+            text.len()
+        );
     }
 
     proptest::proptest! {
