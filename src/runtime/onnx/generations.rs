@@ -394,7 +394,11 @@ impl Generations {
                 .bind_output_to_device(present_name(i), device)
                 .map_err(runtime)?;
         }
+        // As in the kernels' runs: host inputs bound are copied to the device asynchronously
+        // (on CUDA, on another stream), and the outputs are read right after.
+        binding.synchronize_inputs().map_err(runtime)?;
         let mut outputs = session.run_binding_with_options(binding, options).map_err(runtime)?;
+        binding.synchronize_outputs().map_err(runtime)?;
         let mut take = |name: &str| {
             outputs
                 .remove(name)
