@@ -421,7 +421,7 @@ async fn run<'a>(
     rebuild: Option<Rebuild>,
     sink: Option<Sink>,
 ) -> Result<Generated, Refused> {
-    let (served, decoding, template, source) = place_prompt(service, answering, decoding, request, rebuild).await?;
+    let (served, decoding, mut template, source) = place_prompt(service, answering, decoding, request, rebuild).await?;
     let Decoding {
         entry,
         layout,
@@ -501,7 +501,7 @@ async fn run<'a>(
         let past = prompt_tokens + produced - 1;
         let history = || history(&prompt, shrunk.as_ref(), text.tokens());
         logits = match place
-            .step(service, &template, layout, (next, past), history, estimate_bytes)
+            .step(service, &mut template, layout, (next, past), history, estimate_bytes)
             .await
         {
             Ok(logits) => logits,

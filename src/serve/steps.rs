@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 use crate::core::tensor::{Tensor, TensorData};
 use crate::pool::Pool;
-use crate::pool::batch::Member;
+use crate::pool::batch::{Member, next_sequence};
 use crate::runtime::decoder::{DecoderLayout, step_inputs};
 use crate::serve::lifecycle::{self, DeadlineMiss, Request, RequestError};
 use crate::serve::service::Service;
@@ -77,11 +77,12 @@ impl Place {
     }
 
     /// Run `token` at position `past`: the logits of the next position. `history` gives the
-    /// prompt and every token so far (`token` included), for a prefill after a failure.
+    /// prompt and every token so far (`token` included), for a prefill after a failure, which
+    /// gives `request` a new sequence.
     pub async fn step(
         &mut self,
         service: &Service,
-        request: &Request,
+        request: &mut Request,
         layout: &DecoderLayout,
         (token, past): (u32, usize),
         history: impl FnOnce() -> Result<Vec<u32>, String>,
@@ -114,6 +115,10 @@ impl Place {
         tracing::info!(request_id = %request.meta.request_id, pool = self.pool.name(), error = %failed, "a generation's step failed: prefilling it again");
         let tokens = history().map_err(Failed::Broken)?;
         let inputs = step_inputs(layout, &tokens, 0, Vec::new());
+        // The member dropped above leaves the batch with its sequence's cache, and that can
+        // reach the backend after the prefill: under the same number, it would drop the new
+        // cache, and the next step would find it missing again.
+        request.sequence = request.sequence.map(|_| next_sequence());
         let ran = lifecycle::recompute(service, &self.pool, request, failed, inputs, estimate_bytes)
             .await
             .map_err(Failed::Request)?;
@@ -140,5 +145,171 @@ fn keep_or_carry(pool: &Arc<Pool>, request: &Request, cache: Vec<Tensor>) -> Cac
             Cache::Kept(member)
         }
         _ => Cache::Carried(cache),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use super::*;
+    use crate::config::{ModelConfig, PoolConfig};
+    use crate::core::backend::{ArenaStats, Backend, BackendError, DecodeStep, RunMeta};
+    use crate::runtime::estimate::MemoryProfile;
+    use crate::runtime::onnx::ModelSignature;
+    use crate::serve::generate::{self, Generated, Params};
+    use crate::serve::service::{BackendFactory, OrtFactory};
+
+    /// Prompts past this many mean a generation is prefilled again and again: the backend
+    /// refuses them, so such a test fails instead of running on.
+    const MOST_PROMPTS: usize = 8;
+
+    /// An ONNX Runtime backend whose sessions are built again (and with them every cache
+    /// dropped) before its `forget_at`-th step, as when a pool's backend is replaced in the
+    /// middle of a generation. It counts the prompts it runs.
+    struct Forgetting {
+        inner: Box<dyn Backend>,
+        models: Vec<(String, Vec<u8>)>,
+        steps: usize,
+        forget_at: Option<usize>,
+        prompts: Arc<AtomicUsize>,
+    }
+
+    impl Backend for Forgetting {
+        fn run(
+            &mut self,
+            model: &str,
+            inputs: Vec<Tensor>,
+            outputs: &[String],
+            meta: &RunMeta,
+        ) -> Result<Vec<Tensor>, BackendError> {
+            self.inner.run(model, inputs, outputs, meta)
+        }
+
+        fn arena_stats(&self) -> Option<ArenaStats> {
+            self.inner.arena_stats()
+        }
+
+        fn load_model(&mut self, name: &str, bytes: &[u8]) -> Result<(), String> {
+            self.inner.load_model(name, bytes)
+        }
+
+        fn unload_model(&mut self, name: &str) {
+            self.inner.unload_model(name);
+        }
+
+        fn keeps_caches(&self) -> bool {
+            self.inner.keeps_caches()
+        }
+
+        fn prefill(
+            &mut self,
+            model: &str,
+            seq: u64,
+            inputs: Vec<Tensor>,
+            meta: &RunMeta,
+        ) -> Result<Vec<Tensor>, BackendError> {
+            if self.prompts.fetch_add(1, Ordering::SeqCst) >= MOST_PROMPTS {
+                return Err(BackendError::Runtime("prefilled again and again".into()));
+            }
+            self.inner.prefill(model, seq, inputs, meta)
+        }
+
+        fn decode(&mut self, model: &str, step: &DecodeStep, meta: &RunMeta) -> Result<Vec<Tensor>, BackendError> {
+            if !step.rows.is_empty() {
+                self.steps += 1;
+                if Some(self.steps) == self.forget_at {
+                    for (name, bytes) in &self.models {
+                        self.inner.load_model(name, bytes).expect("the model loads again");
+                    }
+                }
+            }
+            self.inner.decode(model, step, meta)
+        }
+    }
+
+    /// [`OrtFactory`], its backends [`Forgetting`].
+    struct Factory {
+        ort: OrtFactory,
+        forget_at: Option<usize>,
+        prompts: Arc<AtomicUsize>,
+    }
+
+    impl BackendFactory for Factory {
+        fn runtime_version(&self) -> String {
+            self.ort.runtime_version()
+        }
+
+        fn signature(&self, model: &ModelConfig, bytes: &[u8]) -> Result<ModelSignature, String> {
+            self.ort.signature(model, bytes)
+        }
+
+        fn measure_profile(&self, model: &ModelConfig, bytes: &[u8], signature: &ModelSignature) -> MemoryProfile {
+            self.ort.measure_profile(model, bytes, signature)
+        }
+
+        fn backend(&self, pool: &PoolConfig, models: &[(String, &[u8])]) -> Result<Box<dyn Backend>, String> {
+            Ok(Box::new(Forgetting {
+                inner: self.ort.backend(pool, models)?,
+                models: models.iter().map(|(n, b)| (n.clone(), b.to_vec())).collect(),
+                steps: 0,
+                forget_at: self.forget_at,
+                prompts: Arc::clone(&self.prompts),
+            }))
+        }
+    }
+
+    /// A greedy generation of 32 tokens on a CPU pool whose backend forgets its caches before
+    /// its `forget_at`-th step; with the prompts the backend ran.
+    async fn generation(forget_at: Option<usize>) -> (Generated, usize) {
+        let scratch = crate::testing::Scratch::new();
+        let yaml = format!(
+            "models: [{{name: tiny, path: 'builtin:decoder', tokenizer: 'builtin:decoder'}}]\n\
+             pools: [{{name: cpu, provider: cpu, models: [tiny]}}]\n{}",
+            scratch.policy(crate::testing::ADMIT_ALL)
+        );
+        let config = crate::testing::config::validated(&yaml);
+        let rt = crate::runtime::onnx::runtime(None).expect("ONNX Runtime loads");
+        let prompts = Arc::new(AtomicUsize::new(0));
+        let factory = Factory {
+            ort: OrtFactory::new(rt, &config, Vec::new()),
+            forget_at,
+            prompts: Arc::clone(&prompts),
+        };
+        let service = crate::testing::fakes::service(config, Arc::new(factory));
+        let params = Params {
+            max_tokens: 32,
+            temperature: 0.0,
+            top_p: 1.0,
+            top_k: 0,
+            seed: 7,
+            stop: Vec::new(),
+            tools: false,
+        };
+        let prompt: Vec<u32> = (40..100).collect();
+        let request = crate::testing::request("tiny", Vec::new());
+        let entry = service.model("tiny").expect("configured");
+        let generated = generate::generate(&service, entry, prompt.into(), &params, request, None, None)
+            .await
+            .unwrap_or_else(|refused| {
+                let prompts = prompts.load(Ordering::SeqCst);
+                panic!("the generation fails after {prompts} prompts: {:?}", refused.error)
+            });
+        (generated, prompts.load(Ordering::SeqCst))
+    }
+
+    /// A generation whose cache its pool's backend lost is prefilled again on the same pool,
+    /// once, and goes on with the tokens it would have had: its old cache dropped after it
+    /// left the batch never takes the new one.
+    #[tokio::test]
+    async fn a_generation_whose_cache_went_missing_is_prefilled_again_once_with_the_same_text() {
+        let (undisturbed, prompts) = generation(None).await;
+        assert_eq!(prompts, 1);
+        assert!(undisturbed.tokens.len() > 10, "{} tokens", undisturbed.tokens.len());
+        let (disturbed, prompts) = generation(Some(8)).await;
+        assert_eq!(prompts, 2, "the prompt, then once more with the tokens so far");
+        assert_eq!(disturbed.pool.name(), "cpu");
+        assert_eq!(disturbed.tokens, undisturbed.tokens);
+        assert_eq!(disturbed.text, undisturbed.text);
     }
 }

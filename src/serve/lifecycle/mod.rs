@@ -75,7 +75,7 @@ pub struct Request {
     pub allow_substitute: bool,
     /// A generation's sequence: on a pool whose backends keep caches, its prompt's run keeps
     /// its KV cache there under this number (a prefill), and only the last position's logits
-    /// come back.
+    /// come back. Each prefill after a failed step takes a new one.
     pub sequence: Option<u64>,
 }
 
