@@ -260,6 +260,42 @@ mod tests {
         }
     }
 
+    /// A batch's masked rows cross too: with one member late, the step sends the whole batch's
+    /// tokens in and brings every row's logits out, and the transfer metric says so.
+    #[tokio::test]
+    async fn a_step_with_a_masked_row_counts_the_whole_batch_crossing() {
+        let rt = runtime(None).expect("ONNX Runtime loads");
+        let model = [("lm".to_string(), BuiltinModel::Decoder.bytes())];
+        let backend = OrtBackend::load(rt, &model, &SessionOptions::quiet_cpu()).unwrap();
+        let config = crate::testing::config::pool("p", "host", &["lm"]);
+        let pool = Pool::start(
+            config,
+            DeviceClass::Host,
+            vec![Box::new(backend)],
+            None,
+            PoolContext::default(),
+        );
+        let metrics = &pool.context.metrics;
+        let prompt = [3u32, 40, 41, 42, 43];
+        let (a, b) = (next_sequence(), next_sequence());
+        for seq in [a, b] {
+            pool.submit(prefill_job(seq, &prompt)).unwrap().await.unwrap().unwrap();
+        }
+        let (mut first, mut second) = (pool.batch("lm").member(a), pool.batch("lm").member(b));
+        let past = prompt.len() as u64;
+        let (one, two) = tokio::join!(first.step(50, past), second.step(60, past));
+        assert_eq!((one.unwrap().len(), two.unwrap().len()), (512, 512));
+        // The second member sends nothing: after the grace the step runs with its row masked.
+        let before = (metrics.to_pool.get(), metrics.from_pool.get());
+        assert_eq!(first.step(51, past + 1).await.unwrap().len(), 512);
+        let after = (metrics.to_pool.get(), metrics.from_pool.get());
+        assert_eq!(
+            (after.0 - before.0, after.1 - before.1),
+            (2 * DecodeStep::ROW_BYTES, 2 * 512 * 4),
+            "both rows' inputs in and both rows' logits out, for one member's token"
+        );
+    }
+
     /// A member whose stream's reader stalls costs the others one grace, not one every step:
     /// once it missed a step, the others' steps no longer wait for it, until its next token
     /// comes and it is waited for again.

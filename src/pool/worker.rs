@@ -8,6 +8,7 @@ use std::sync::{Arc, PoisonError};
 use std::time::Instant;
 
 use crate::core::backend::{Backend, BackendError, DecodeStep, RunMeta};
+use crate::core::tensor::{Tensor, TensorData};
 use crate::pool::arena::RunOf;
 use crate::pool::job::{InferJob, JobResult, PoolError, RunOp};
 use crate::pool::queue::{Next, Queued, Slot};
@@ -325,12 +326,25 @@ impl Pool {
                     }
                 }
                 RunOp::Decode(step) => {
-                    metrics.to_pool.inc_by(step.rows.len() as u64 * DecodeStep::ROW_BYTES);
-                    backend.decode(&job.model, &step, &job.meta)
+                    let result = backend.decode(&job.model, &step, &job.meta);
+                    // A backend that keeps caches reports what its step moved (a batch's
+                    // masked rows cross too); one that does not moved its rows' tokens in.
+                    let rows_in = step.rows.len() as u64 * DecodeStep::ROW_BYTES;
+                    match result.as_deref().ok().and_then(crossed) {
+                        Some((to, from)) => {
+                            metrics.to_pool.inc_by(to);
+                            metrics.from_pool.inc_by(from);
+                            return result;
+                        }
+                        None => {
+                            metrics.to_pool.inc_by(rows_in);
+                        }
+                    }
+                    result
                 }
             };
-            // What came from the runtime: a decode step's logits (the batch's padding is
-            // counted on the host), a run's outputs.
+            // What came from the runtime: a run's outputs, or the logits of a decode step its
+            // backend did not report on (the batch's padding is counted on the host).
             if let Ok(outputs) = &result {
                 let from_runtime = outputs.iter().filter(|t| t.name != "padding_bytes");
                 metrics
@@ -432,4 +446,14 @@ fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
         .map(|s| s.to_string())
         .or_else(|| panic.downcast_ref::<String>().cloned())
         .unwrap_or_else(|| "(no message)".into())
+}
+
+/// The `[bytes in, bytes out]` a decode step's backend reported moving
+/// ([`DecodeStep::CROSSED`]), when it did.
+fn crossed(outputs: &[Tensor]) -> Option<(u64, u64)> {
+    let reported = outputs.iter().find(|t| t.name == DecodeStep::CROSSED)?;
+    match &reported.data {
+        TensorData::Int64(v) if v.len() == 2 => Some((v[0].max(0) as u64, v[1].max(0) as u64)),
+        _ => None,
+    }
 }

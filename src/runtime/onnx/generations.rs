@@ -372,9 +372,16 @@ impl Generations {
         for at in order {
             picked.extend_from_slice(&logits[at * vocab..(at + 1) * vocab]);
         }
+        // Every row of the batch crossed, masked ones too: their inputs went in, and the
+        // last position's logits of all of them came out before the step's own were picked.
+        let crossed = [
+            rows as u64 * DecodeStep::ROW_BYTES,
+            (logits.len() * std::mem::size_of::<f32>()) as u64,
+        ];
         Ok(vec![
             logits_tensor(picked, step.rows.len()),
             padding(Some(batch), layout),
+            crossed_tensor(crossed),
         ])
     }
 
@@ -539,6 +546,16 @@ fn padding(batch: Option<&Cache>, layout: &DecoderLayout) -> Tensor {
         name: "padding_bytes".into(),
         shape: vec![1],
         data: TensorData::Int64(vec![slots.max(0) * layout.kv_bytes_per_token() as i64]),
+    }
+}
+
+/// What a step moved between the host and the runtime, as [`DecodeStep::CROSSED`] reports it.
+fn crossed_tensor([to_runtime, from_runtime]: [u64; 2]) -> Tensor {
+    let int = |bytes: u64| i64::try_from(bytes).unwrap_or(i64::MAX);
+    Tensor {
+        name: DecodeStep::CROSSED.into(),
+        shape: vec![2],
+        data: TensorData::Int64(vec![int(to_runtime), int(from_runtime)]),
     }
 }
 
