@@ -118,6 +118,7 @@ pub async fn serve(
         }
     });
     let limits = conn::Limits::new(&state.service.config.server, &state.service.metrics);
+    limits.tell_refusals(Arc::new(CountedRefusals(Arc::clone(&state.service))));
     let mut server = tokio::spawn(conn::serve(listener, app(Arc::clone(&state)), limits, token.clone()));
     tokio::select! {
         result = &mut server => {
@@ -176,4 +177,55 @@ async fn watch_policy(
 
 async fn metrics(State(state): State<Arc<AppState>>, headers: HeaderMap) -> Response {
     crate::telemetry::exporter::metrics_response(&state.service.registry, &headers)
+}
+
+/// Counts the connection layer's answers to inference and generation requests whose bodies it
+/// refused before any route saw them, in `vramguard_requests_total` as the routes count theirs:
+/// every answer to such a request is counted once. An OpenAI request's model is in its body,
+/// which was not read: it is counted under the label of requests naming no configured model.
+#[derive(Debug)]
+struct CountedRefusals(Arc<Service>);
+
+impl conn::Refusals for CountedRefusals {
+    fn refused(&self, path: &str, status: StatusCode) {
+        if let Some(model) = inference_model(path) {
+            let outcome = error::outcome_of_status(status);
+            crate::serve::lifecycle::answered(&self.0, model, outcome, tokio::time::Instant::now());
+        }
+    }
+}
+
+/// The model an inference or generation request for `path` names (`""` for OpenAI's
+/// endpoints, whose model is in the body), or `None` for any other path.
+fn inference_model(path: &str) -> Option<&str> {
+    if matches!(path, "/v1/completions" | "/v1/chat/completions") {
+        return Some(crate::serve::service::UNKNOWN_MODEL);
+    }
+    let rest = path.strip_prefix("/v2/models/")?;
+    match rest.split('/').collect::<Vec<_>>().as_slice() {
+        [model, "infer"] | [model, "versions", _, "infer"] => Some(model),
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::inference_model;
+
+    #[test]
+    fn the_connection_layer_names_the_model_of_an_inference_path_only() {
+        assert_eq!(inference_model("/v2/models/encoder/infer"), Some("encoder"));
+        assert_eq!(inference_model("/v2/models/encoder/versions/1/infer"), Some("encoder"));
+        assert_eq!(inference_model("/v1/chat/completions"), Some(""));
+        assert_eq!(inference_model("/v1/completions"), Some(""));
+        for other in [
+            "/v2/models/encoder",
+            "/v2/models/encoder/ready",
+            "/admin/policy/reload",
+            "/metrics",
+            "/v2/models//x/infer",
+        ] {
+            assert_eq!(inference_model(other), None, "{other}");
+        }
+    }
 }

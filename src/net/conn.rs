@@ -50,7 +50,7 @@ use crate::protocol::headers::REQUEST_ID;
 use crate::telemetry::metrics::HttpLimit;
 
 // The connection layer's face: what servers are built with, wherever it is defined.
-pub use super::limits::Limits;
+pub use super::limits::{Limits, Refusals};
 pub use super::refusal::body_too_large;
 
 /// After refusing a body it did not read, the server closes its side and reads what the client
@@ -195,7 +195,7 @@ where
     request.extensions_mut().insert(ConnectInfo(peer));
     let id = request.headers().get(REQUEST_ID).cloned();
     let response = match limits.admit_body(request.body(), &watch) {
-        Err(limit) => with_id(limits.refusal(limit, &watch), id),
+        Err(limit) => with_id(limits.refuse(limit, request.uri().path(), &watch), id),
         Ok(reserved) => {
             let request = request.map(|body| {
                 if body.is_end_stream() {

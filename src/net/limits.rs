@@ -39,6 +39,16 @@ pub struct Limits {
     logged: [AtomicBool; HttpLimit::ALL.len()],
     /// Connections open now (`vramguard_http_connections`).
     pub(super) connections: Gauge,
+    /// Told of every answer sent for a request whose body was refused before any route saw it.
+    refusals: std::sync::OnceLock<Arc<dyn Refusals>>,
+}
+
+/// What is told of a request the connection layer answered itself, before any route saw it (a
+/// declared body over `server.body_limit`, or one that does not fit in what may be received
+/// now): the server counts those answers to inference requests as the routes count theirs.
+pub trait Refusals: Send + Sync + Debug {
+    /// `status` was answered to a request for `path`.
+    fn refused(&self, path: &str, status: StatusCode);
 }
 
 impl Limits {
@@ -56,7 +66,24 @@ impl Limits {
             hits: HttpLimit::ALL.map(|limit| metrics.http_limit_hits.get_or_create_owned(&HttpLimitLabels { limit })),
             logged: std::array::from_fn(|_| AtomicBool::new(false)),
             connections: metrics.http_connections.clone(),
+            refusals: std::sync::OnceLock::new(),
         })
+    }
+
+    /// Tell `refusals` of every request refused before a route saw it, from now on (once: a
+    /// second call changes nothing).
+    pub fn tell_refusals(&self, refusals: Arc<dyn Refusals>) {
+        let _ = self.refusals.set(refusals);
+    }
+
+    /// The answer to a request for `path` refused by `limit` before a route saw it, told to
+    /// whoever asked ([`Limits::tell_refusals`]).
+    pub(super) fn refuse(&self, limit: HttpLimit, path: &str, watch: &Watch) -> Response<Body> {
+        let response = self.refusal(limit, watch);
+        if let Some(refusals) = self.refusals.get() {
+            refusals.refused(path, response.status());
+        }
+        response
     }
 
     /// Count a hit of `limit` by `peer`; the first of each kind is logged, later ones only

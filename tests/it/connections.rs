@@ -243,7 +243,17 @@ async fn a_declared_length_over_the_body_limit_gets_413_before_any_body_is_sent(
             "{answer}"
         );
     }
-    assert_eq!(limit_hits(&server.metrics().await, "body_limit"), 2);
+    let metrics = server.metrics().await;
+    assert_eq!(limit_hits(&metrics, "body_limit"), 2);
+    // Answers to inference requests, counted as every other answer is.
+    assert_eq!(
+        crate::common::sample(
+            &metrics,
+            "vramguard_requests_total{model=\"encoder\",pool=\"\",outcome=\"client_error\"}"
+        ),
+        2.0,
+        "{metrics}"
+    );
     server.stop().await;
 }
 
@@ -284,6 +294,15 @@ async fn bodies_beyond_the_receiving_budget_get_503_with_retry_after_until_it_fr
     let response = server.encoder(150).await;
     assert_eq!(response.status(), StatusCode::OK);
 
-    assert_eq!(limit_hits(&server.metrics().await, "body_bytes"), 1);
+    let metrics = server.metrics().await;
+    assert_eq!(limit_hits(&metrics, "body_bytes"), 1);
+    assert_eq!(
+        crate::common::sample(
+            &metrics,
+            "vramguard_requests_total{model=\"encoder\",pool=\"\",outcome=\"rejected\"}"
+        ),
+        1.0,
+        "{metrics}"
+    );
     server.stop().await;
 }
