@@ -217,19 +217,24 @@ mod tests {
         position_ids: true,
     };
 
-    #[tokio::test]
-    async fn a_step_crosses_its_token_in_and_one_row_of_logits_out_at_every_position() {
+    /// A CPU pool `p` of one backend serving the bundled decoder as `lm`.
+    fn decoder_pool() -> Arc<Pool> {
         let rt = runtime(None).expect("ONNX Runtime loads");
         let model = [("lm".to_string(), BuiltinModel::Decoder.bytes())];
         let backend = OrtBackend::load(rt, &model, &SessionOptions::quiet_cpu()).unwrap();
         let config = crate::testing::config::pool("p", "host", &["lm"]);
-        let pool = Pool::start(
+        Pool::start(
             config,
             DeviceClass::Host,
             vec![Box::new(backend)],
             None,
             PoolContext::default(),
-        );
+        )
+    }
+
+    #[tokio::test]
+    async fn a_step_crosses_its_token_in_and_one_row_of_logits_out_at_every_position() {
+        let pool = decoder_pool();
         assert!(pool.keeps_caches());
         let metrics = &pool.context.metrics;
         let prompt = [3u32, 40, 41, 42, 43];
@@ -264,17 +269,7 @@ mod tests {
     /// tokens in and brings every row's logits out, and the transfer metric says so.
     #[tokio::test]
     async fn a_step_with_a_masked_row_counts_the_whole_batch_crossing() {
-        let rt = runtime(None).expect("ONNX Runtime loads");
-        let model = [("lm".to_string(), BuiltinModel::Decoder.bytes())];
-        let backend = OrtBackend::load(rt, &model, &SessionOptions::quiet_cpu()).unwrap();
-        let config = crate::testing::config::pool("p", "host", &["lm"]);
-        let pool = Pool::start(
-            config,
-            DeviceClass::Host,
-            vec![Box::new(backend)],
-            None,
-            PoolContext::default(),
-        );
+        let pool = decoder_pool();
         let metrics = &pool.context.metrics;
         let prompt = [3u32, 40, 41, 42, 43];
         let (a, b) = (next_sequence(), next_sequence());
