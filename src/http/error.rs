@@ -28,6 +28,7 @@ pub fn status_of(error: &RequestError) -> StatusCode {
         | RequestError::Unavailable { .. }
         | RequestError::BreakerOpen { .. }
         | RequestError::HostMemory { .. }
+        | RequestError::Receiving(_)
         | RequestError::Allocation { .. }
         | RequestError::Remote { .. }
         | RequestError::WorkerLost { .. } => StatusCode::SERVICE_UNAVAILABLE,

@@ -37,6 +37,20 @@ pub(super) struct Receiving {
 #[error("request body refused ({0:?})")]
 struct Refused(HttpLimit);
 
+/// Which limit refused a body whose read failed with `err` (found among the errors it wraps:
+/// the router's rejection wraps the body's), if one did. A handler counts its answer by it,
+/// since the connection answers with that limit's refusal in place of the handler's.
+pub fn refused_by(err: &(dyn std::error::Error + 'static)) -> Option<HttpLimit> {
+    let mut err = Some(err);
+    while let Some(e) = err {
+        if let Some(Refused(limit)) = e.downcast_ref::<Refused>() {
+            return Some(*limit);
+        }
+        err = e.source();
+    }
+    None
+}
+
 impl Receiving {
     /// `body`, under `limits`, holding the bytes `reserved` for it when its length was declared.
     pub(super) fn new(

@@ -257,6 +257,92 @@ async fn a_declared_length_over_the_body_limit_gets_413_before_any_body_is_sent(
     server.stop().await;
 }
 
+/// A chunked body declares no length: it reserves as it arrives, and one that runs over what
+/// may be received at once is refused part-way with 503, counted as the 503 it is answered with.
+#[tokio::test]
+async fn a_chunked_body_that_runs_over_the_receiving_budget_gets_503_counted_rejected() {
+    if crate::common::ran_in_own_process() {
+        return;
+    }
+    let server = TestServer::start(&config(
+        "  body_limit: 64KiB\n  max_receiving_bytes: 64KiB\n  timeouts: {body_read: 60s}\n",
+    ))
+    .await;
+    // 38 KiB of the 64 held by a body that is being received.
+    let (header, body) = encoder_binary_request(150);
+    let mut slow = connect(&server).await;
+    slow.write_all(
+        format!(
+            "POST /v2/models/encoder/infer HTTP/1.1\r\nHost: vramguard\r\nContent-Length: {}\r\n\
+             Inference-Header-Content-Length: {}\r\nExpect: 100-continue\r\n\r\n",
+            body.len(),
+            header.len()
+        )
+        .as_bytes(),
+    )
+    .await
+    .unwrap();
+    assert!(read_response(&mut slow).await.starts_with("HTTP/1.1 100 "));
+    slow.write_all(&body[..body.len() / 2]).await.unwrap();
+
+    // The same request chunked: its bytes do not fit beside the other's.
+    let mut chunked = connect(&server).await;
+    chunked
+        .write_all(
+            format!(
+                "POST /v2/models/encoder/infer HTTP/1.1\r\nHost: vramguard\r\n\
+                 Transfer-Encoding: chunked\r\nInference-Header-Content-Length: {}\r\n\r\n{:x}\r\n",
+                header.len(),
+                body.len()
+            )
+            .as_bytes(),
+        )
+        .await
+        .unwrap();
+    chunked.write_all(&body).await.unwrap();
+    chunked.write_all(b"\r\n0\r\n\r\n").await.unwrap();
+    let (answer, _) = read_until_closed(&mut chunked, MARGIN).await;
+    assert!(answer.starts_with("HTTP/1.1 503 "), "{answer}");
+    assert!(answer.contains("server.max_receiving_bytes (64KiB)"), "{answer}");
+    // An OpenAI request the same way: its model is in the body it never read.
+    let prompt = format!("{{\"model\": \"tiny\", \"prompt\": \"{}\"}}", "a".repeat(40 << 10));
+    let mut openai = connect(&server).await;
+    openai
+        .write_all(
+            format!(
+                "POST /v1/completions HTTP/1.1\r\nHost: vramguard\r\nContent-Type: application/json\r\n\
+                 Transfer-Encoding: chunked\r\n\r\n{:x}\r\n{prompt}\r\n0\r\n\r\n",
+                prompt.len()
+            )
+            .as_bytes(),
+        )
+        .await
+        .unwrap();
+    let (answer, _) = read_until_closed(&mut openai, MARGIN).await;
+    assert!(answer.starts_with("HTTP/1.1 503 "), "{answer}");
+
+    slow.write_all(&body[body.len() / 2..]).await.unwrap();
+    assert!(read_response(&mut slow).await.starts_with("HTTP/1.1 200 "));
+    let metrics = server.metrics().await;
+    assert_eq!(limit_hits(&metrics, "body_bytes"), 2);
+    assert_eq!(
+        crate::common::sample(
+            &metrics,
+            "vramguard_requests_total{model=\"\",pool=\"\",outcome=\"rejected\"}"
+        ),
+        1.0,
+        "{metrics}"
+    );
+    let counted = |outcome: &str| {
+        crate::common::sample(
+            &metrics,
+            &format!("vramguard_requests_total{{model=\"encoder\",pool=\"\",outcome=\"{outcome}\"}}"),
+        )
+    };
+    assert_eq!((counted("rejected"), counted("client_error")), (1.0, 0.0), "{metrics}");
+    server.stop().await;
+}
+
 #[tokio::test]
 async fn bodies_beyond_the_receiving_budget_get_503_with_retry_after_until_it_frees() {
     if crate::common::ran_in_own_process() {

@@ -77,6 +77,11 @@ pub enum RequestError {
     /// layer words it, since it refuses such bodies too).
     #[error("{0}")]
     BodyTooLarge(String),
+    /// The body did not fit in what the server may be receiving at once
+    /// (`server.max_receiving_bytes`) when it arrived; the message says so. Not now, rather
+    /// than not ever: the connection layer answers it 503 with `Retry-After`.
+    #[error("{0}")]
+    Receiving(String),
     /// No pool serving the model can take work.
     #[error("no pool can take `{model}` ({reasons})")]
     NoPool {
@@ -320,6 +325,7 @@ impl RequestError {
             | RequestError::Unavailable { .. }
             | RequestError::BreakerOpen { .. }
             | RequestError::HostMemory { .. }
+            | RequestError::Receiving(_)
             | RequestError::Allocation { .. } => Outcome::rejected,
         }
     }
@@ -330,6 +336,8 @@ impl RequestError {
             RequestError::NoPool { .. } | RequestError::Unavailable { .. } | RequestError::ShuttingDown { .. } => {
                 Duration::from_secs(5)
             }
+            // As the connection layer's own refusal of such a body says.
+            RequestError::Receiving(_) => Duration::from_secs(1),
             RequestError::Refused { retry_after, .. }
             | RequestError::DeferredTooLong { retry_after, .. }
             | RequestError::OverBudget { retry_after, .. }
