@@ -67,6 +67,7 @@ mod tests {
                 capacity: 1,
                 retry_after: Duration::from_secs(1),
             },
+            RequestError::Receiving("busy".into()),
         ];
         for error in errors {
             assert_eq!(outcome_of_status(status_of(&error)), error.outcome(), "{error:?}");
