@@ -365,9 +365,19 @@ fn internal(model: &str, pool: &Arc<Pool>, error: String) -> Refused {
     )
 }
 
+/// A copy of `request` without its inputs (the prompt is not copied only to be dropped): the
+/// template of its steps, which run under its model and sequence.
+fn without_prompt(request: &mut Request) -> Request {
+    let prompt = std::mem::take(&mut request.inputs);
+    let template = request.clone();
+    request.inputs = prompt;
+    template
+}
+
 /// The prompt's run placed: on the model asked for, or rebuilt for its fallback when that may
 /// answer instead. What ran, what the steps decode with (the model that answered), the steps'
-/// template (the request without its prompt, for that model), and where the tokens come from.
+/// template (the request without its prompt, for that model and the sequence its prompt ran
+/// under), and where the tokens come from.
 async fn place_prompt<'a>(
     service: &'a Service,
     answering: &lifecycle::Answering,
@@ -375,32 +385,37 @@ async fn place_prompt<'a>(
     mut request: Request,
     rebuild: Option<Rebuild>,
 ) -> Result<(Served, Decoding<'a>, Request, Arc<Source>), Refused> {
-    // The prompt is not copied only to be dropped.
-    let prompt = std::mem::take(&mut request.inputs);
-    let mut template = request.clone();
-    request.inputs = prompt;
+    let mut template = without_prompt(&mut request);
+    // The substitute's own template goes with its decoding: its prompt is prefilled under the
+    // substitute's sequence, and the steps must join the batch under that one, not the
+    // original's (whose cache does not exist, which would cost a prefill again and leave the
+    // substitute's cache unclaimed in the runtime).
     let substitute = |fallback: &str| {
         let entry = service.model(fallback).ok_or("it is not configured")?;
         let (prompt, params) = rebuild.ok_or("nothing can make its prompt again")?(fallback)?;
         let mut substitute = template.clone();
         let decoding =
             prepare(entry, prompt, std::borrow::Cow::Owned(params), &mut substitute).map_err(|e| e.to_string())?;
-        Ok((substitute, decoding))
+        let steps = without_prompt(&mut substitute);
+        Ok((substitute, (decoding, steps)))
     };
     let (served, substitution) = lifecycle::place_or_substitute(service, answering, request, substitute).await?;
     let (decoding, substitution) = match substitution {
-        Some(s) => (
-            s.rebuilt,
-            Some(lifecycle::Substitution {
-                requested: s.requested,
-                model: s.model,
-                reason: s.reason,
-                rebuilt: (),
-            }),
-        ),
+        Some(s) => {
+            let (decoding, steps) = s.rebuilt;
+            template = steps;
+            (
+                decoding,
+                Some(lifecycle::Substitution {
+                    requested: s.requested,
+                    model: s.model,
+                    reason: s.reason,
+                    rebuilt: (),
+                }),
+            )
+        }
         None => (decoding, None),
     };
-    template.model = decoding.entry.config.name.clone();
     // Once its first token is picked, a generation offering tools is never run again.
     template.meta.replayable &= !decoding.params.tools;
     let source = Arc::new(Source {

@@ -262,12 +262,24 @@ mod tests {
     /// A greedy generation of 32 tokens on a CPU pool whose backend forgets its caches before
     /// its `forget_at`-th step; with the prompts the backend ran.
     async fn generation(forget_at: Option<usize>) -> (Generated, usize) {
+        let models = "models: [{name: tiny, path: 'builtin:decoder', tokenizer: 'builtin:decoder'}]\n\
+                      pools: [{name: cpu, provider: cpu, models: [tiny]}]\n";
+        generation_of(models, crate::testing::ADMIT_ALL, "tiny", forget_at, false).await
+    }
+
+    /// A greedy generation of 32 tokens for `model` under `policy`, on a CPU pool serving
+    /// `models` whose backend forgets its caches before its `forget_at`-th step; with the
+    /// prompts the backend ran. With `substitute`, the client allows the model's fallback to
+    /// answer, its prompt made again with the same tokens.
+    async fn generation_of(
+        models: &str,
+        policy: &str,
+        model: &str,
+        forget_at: Option<usize>,
+        substitute: bool,
+    ) -> (Generated, usize) {
         let scratch = crate::testing::Scratch::new();
-        let yaml = format!(
-            "models: [{{name: tiny, path: 'builtin:decoder', tokenizer: 'builtin:decoder'}}]\n\
-             pools: [{{name: cpu, provider: cpu, models: [tiny]}}]\n{}",
-            scratch.policy(crate::testing::ADMIT_ALL)
-        );
+        let yaml = format!("{models}{}", scratch.policy(policy));
         let config = crate::testing::config::validated(&yaml);
         let rt = crate::runtime::onnx::runtime(None).expect("ONNX Runtime loads");
         let prompts = Arc::new(AtomicUsize::new(0));
@@ -287,9 +299,14 @@ mod tests {
             tools: false,
         };
         let prompt: Vec<u32> = (40..100).collect();
-        let request = crate::testing::request("tiny", Vec::new());
-        let entry = service.model("tiny").expect("configured");
-        let generated = generate::generate(&service, entry, prompt.into(), &params, request, None, None)
+        let mut request = crate::testing::request(model, Vec::new());
+        request.allow_substitute = substitute;
+        let rebuild: Option<generate::Rebuild> = substitute.then(|| {
+            let (prompt, params) = (prompt.clone(), params.clone());
+            Box::new(move |_: &str| Ok((prompt.into(), params))) as generate::Rebuild
+        });
+        let entry = service.model(model).expect("configured");
+        let generated = generate::generate(&service, entry, prompt.into(), &params, request, None, rebuild)
             .await
             .unwrap_or_else(|refused| {
                 let prompts = prompts.load(Ordering::SeqCst);
@@ -311,5 +328,31 @@ mod tests {
         assert_eq!(disturbed.pool.name(), "cpu");
         assert_eq!(disturbed.tokens, undisturbed.tokens);
         assert_eq!(disturbed.text, undisturbed.text);
+    }
+
+    /// A generation its model's fallback answers (the policy keeps the model off) steps on the
+    /// cache its prompt's run left, under the substitute's sequence: the prompt is prefilled
+    /// once, and the text is the fallback's own.
+    #[tokio::test]
+    async fn a_substituted_generation_steps_on_the_cache_its_prompt_left() {
+        let models = "models:\n\
+                      - {name: tiny, path: 'builtin:decoder', tokenizer: 'builtin:decoder', fallback_model: small}\n\
+                      - {name: small, path: 'builtin:decoder', tokenizer: 'builtin:decoder'}\n\
+                      pools: [{name: cpu, provider: cpu, models: [tiny, small]}]\n";
+        let keep_tiny_off = r#"fn decide(req, state) {
+            if req.model == "small" { admit() } else { reject("the policy keeps this model off") }
+        }"#;
+        let (own, prompts) = generation_of(models, keep_tiny_off, "small", None, false).await;
+        assert_eq!(prompts, 1);
+        assert!(own.tokens.len() > 10, "{} tokens", own.tokens.len());
+        let (substituted, prompts) = generation_of(models, keep_tiny_off, "tiny", None, true).await;
+        assert_eq!(substituted.source.model, "small");
+        assert!(substituted.source.substitution.is_some());
+        assert_eq!(
+            prompts, 1,
+            "the substitute's prompt, and no prefill again for a missing cache"
+        );
+        assert_eq!(substituted.tokens, own.tokens);
+        assert_eq!(substituted.text, own.text);
     }
 }
