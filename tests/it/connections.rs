@@ -257,6 +257,36 @@ async fn a_declared_length_over_the_body_limit_gets_413_before_any_body_is_sent(
     server.stop().await;
 }
 
+/// A 38 KiB encoder request being received: its head sent (with `Expect: 100-continue`, whose
+/// 100 Continue says the server reads this body, its bytes reserved) and half its body.
+struct Held {
+    slow: TcpStream,
+    /// The request's head, to send the same request again.
+    head: String,
+    header: String,
+    body: Vec<u8>,
+}
+
+async fn hold_half_a_body(server: &TestServer) -> Held {
+    let (header, body) = encoder_binary_request(150);
+    let head = format!(
+        "POST /v2/models/encoder/infer HTTP/1.1\r\nHost: vramguard\r\nContent-Length: {}\r\n\
+         Inference-Header-Content-Length: {}\r\nExpect: 100-continue\r\n\r\n",
+        body.len(),
+        header.len()
+    );
+    let mut slow = connect(server).await;
+    slow.write_all(head.as_bytes()).await.unwrap();
+    assert!(read_response(&mut slow).await.starts_with("HTTP/1.1 100 "));
+    slow.write_all(&body[..body.len() / 2]).await.unwrap();
+    Held {
+        slow,
+        head,
+        header,
+        body,
+    }
+}
+
 /// A chunked body declares no length: it reserves as it arrives, and one that runs over what
 /// may be received at once is refused part-way with 503, counted as the 503 it is answered with.
 #[tokio::test]
@@ -269,21 +299,9 @@ async fn a_chunked_body_that_runs_over_the_receiving_budget_gets_503_counted_rej
     ))
     .await;
     // 38 KiB of the 64 held by a body that is being received.
-    let (header, body) = encoder_binary_request(150);
-    let mut slow = connect(&server).await;
-    slow.write_all(
-        format!(
-            "POST /v2/models/encoder/infer HTTP/1.1\r\nHost: vramguard\r\nContent-Length: {}\r\n\
-             Inference-Header-Content-Length: {}\r\nExpect: 100-continue\r\n\r\n",
-            body.len(),
-            header.len()
-        )
-        .as_bytes(),
-    )
-    .await
-    .unwrap();
-    assert!(read_response(&mut slow).await.starts_with("HTTP/1.1 100 "));
-    slow.write_all(&body[..body.len() / 2]).await.unwrap();
+    let Held {
+        mut slow, header, body, ..
+    } = hold_half_a_body(&server).await;
 
     // The same request chunked: its bytes do not fit beside the other's.
     let mut chunked = connect(&server).await;
@@ -353,19 +371,9 @@ async fn bodies_beyond_the_receiving_budget_get_503_with_retry_after_until_it_fr
     ))
     .await;
     // 38 KiB each: one fits in the 64 KiB being received at once, two do not.
-    let (header, body) = encoder_binary_request(150);
-    let head = format!(
-        "POST /v2/models/encoder/infer HTTP/1.1\r\nHost: vramguard\r\nContent-Length: {}\r\n\
-         Inference-Header-Content-Length: {}\r\nExpect: 100-continue\r\n\r\n",
-        body.len(),
-        header.len()
-    );
-
-    // The 100 Continue says the server is reading this body: its bytes are reserved.
-    let mut slow = connect(&server).await;
-    slow.write_all(head.as_bytes()).await.unwrap();
-    assert!(read_response(&mut slow).await.starts_with("HTTP/1.1 100 "));
-    slow.write_all(&body[..body.len() / 2]).await.unwrap();
+    let Held {
+        mut slow, head, body, ..
+    } = hold_half_a_body(&server).await;
 
     let mut refused = connect(&server).await;
     refused.write_all(head.as_bytes()).await.unwrap();
