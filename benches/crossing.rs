@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use vramguard::core::backend::{Backend, RunMeta};
 use vramguard::core::model::BuiltinModel;
 use vramguard::core::tensor::{Tensor, TensorData};
-use vramguard::pool::process::{ProcessBackend, WorkerHost, WorkerSpec};
+use vramguard::pool::process::{ProcessBackend, WorkerHost};
 use vramguard::runtime::onnx::{OrtBackend, SessionOptions};
 use vramguard::testing::bench::{ENCODER_DIM, arg, encoder_input};
 
@@ -64,17 +64,7 @@ fn main() {
     let model = BuiltinModel::Encoder.bytes();
     let options = SessionOptions::quiet_cpu();
     let mut local = OrtBackend::load(rt, &[("encoder".to_string(), model)], &options).unwrap();
-    let spec = WorkerSpec {
-        pool: "bench".into(),
-        provider: "cpu".into(),
-        cuda: None,
-        device_index: 0,
-        intra_threads: 1,
-        arena_shrinkage: false,
-        simulated: None,
-        onnxruntime_library: rt.library.clone(),
-        cpus: None,
-    };
+    let spec = vramguard::testing::config::cpu_worker("bench", &rt.library);
     let host: Arc<WorkerHost> = WorkerHost::new(spec, exe, Duration::from_secs(5)).unwrap();
     host.start().unwrap();
     let pid = host.pid().unwrap();

@@ -170,6 +170,9 @@ impl DecodeStep {
     /// Bytes a row crosses into the runtime: its token, its position and its attention-mask
     /// column, INT64 each.
     pub const ROW_BYTES: u64 = 24;
+    /// The output in which a backend that keeps caches reports the bytes of its batch's masked
+    /// slots' caches (`[bytes]`, INT64), counted on the host as the pool's KV cache.
+    pub const PADDING: &'static str = "padding_bytes";
     /// The output in which a backend that keeps caches reports what its step moved between the
     /// host and the runtime: `[bytes in, bytes out]`, INT64. A batch's masked rows (a member
     /// that was late, or gone) cross too, so this can be more than the step's own rows.

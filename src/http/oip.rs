@@ -12,7 +12,7 @@ use crate::protocol::oip as infer;
 use crate::serve::idempotency::{Claim, StoredResponse};
 use crate::serve::lifecycle::{self, RequestError};
 use crate::serve::service::Service;
-use crate::telemetry::metrics::{HttpLimit, Outcome};
+use crate::telemetry::metrics::Outcome;
 use axum::Json;
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
@@ -374,19 +374,20 @@ fn decode(
 ) -> Result<(lifecycle::Request, infer::DecodedRequest), RequestError> {
     let mut request = decode_headers(service, model, id, headers, received)?;
     let entry = service.model(model).expect("decode_headers checked the model");
-    let body = body.map_err(|rejection| {
-        if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
-            return RequestError::BodyTooLarge(conn::body_too_large(service.config.server.body_limit as u64));
-        }
-        match conn::refused_by(&rejection) {
-            // Answered 503 by the connection in place of this: counted as such.
-            Some(HttpLimit::body_bytes) => RequestError::Receiving(format!(
+    // A body a limit refused is answered by the connection with that limit's status in place
+    // of this error: it is counted by that status.
+    let body = body.map_err(
+        |rejection| match conn::refused_status(&rejection).unwrap_or(rejection.status()) {
+            StatusCode::PAYLOAD_TOO_LARGE => {
+                RequestError::BodyTooLarge(conn::body_too_large(service.config.server.body_limit as u64))
+            }
+            StatusCode::SERVICE_UNAVAILABLE => RequestError::Receiving(format!(
                 "request bodies being received are at server.max_receiving_bytes: {}",
                 rejection.body_text()
             )),
             _ => RequestError::BadInput(format!("cannot read request body: {}", rejection.body_text())),
-        }
-    })?;
+        },
+    )?;
     let header_len = header_value::<usize>(headers, HEADER_LENGTH, "a number of bytes")?;
     let allow_shrink_header = header_value::<bool>(headers, ALLOW_SHRINK_HEADER, "`true` or `false`")?;
     let mut decoded = infer::decode(&body, header_len, &entry.signature).map_err(RequestError::BadInput)?;

@@ -7,12 +7,13 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use axum::body::Bytes;
+use axum::http::StatusCode;
 use http_body::{Body as HttpBody, Frame, SizeHint};
 use hyper::body::Incoming;
 use tokio::sync::OwnedSemaphorePermit;
 use tokio::time::{Instant, Sleep};
 
-use super::limits::{Limits, units};
+use super::limits::{Limits, refusal_status, units};
 use super::watch::Watch;
 use crate::telemetry::metrics::HttpLimit;
 
@@ -37,14 +38,15 @@ pub(super) struct Receiving {
 #[error("request body refused ({0:?})")]
 struct Refused(HttpLimit);
 
-/// Which limit refused a body whose read failed with `err` (found among the errors it wraps:
-/// the router's rejection wraps the body's), if one did. A handler counts its answer by it,
-/// since the connection answers with that limit's refusal in place of the handler's.
-pub fn refused_by(err: &(dyn std::error::Error + 'static)) -> Option<HttpLimit> {
+/// The status the connection answers with when a limit refused a body whose read failed with
+/// `err` (found among the errors it wraps: the router's rejection wraps the body's), if one
+/// did. The connection's refusal replaces the handler's answer, so a handler counts its answer
+/// by this.
+pub fn refused_status(err: &(dyn std::error::Error + 'static)) -> Option<StatusCode> {
     let mut err = Some(err);
     while let Some(e) = err {
         if let Some(Refused(limit)) = e.downcast_ref::<Refused>() {
-            return Some(*limit);
+            return Some(refusal_status(*limit));
         }
         err = e.source();
     }

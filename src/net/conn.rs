@@ -50,7 +50,7 @@ use crate::protocol::headers::REQUEST_ID;
 use crate::telemetry::metrics::HttpLimit;
 
 // The connection layer's face: what servers are built with, wherever it is defined.
-pub use super::body::refused_by;
+pub use super::body::refused_status;
 pub use super::limits::{Limits, Refusals};
 pub use super::refusal::body_too_large;
 

@@ -148,10 +148,11 @@ impl Limits {
     /// The answer to a request whose body was refused by `limit`. The connection closes after
     /// it (the rest of the body is not read), lingering so the client can read it.
     pub(super) fn refusal(&self, limit: HttpLimit, watch: &Watch) -> Response<Body> {
+        let status = refusal_status(limit);
         let error = match limit {
-            HttpLimit::body_limit => ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, body_too_large(self.body_limit)),
+            HttpLimit::body_limit => ApiError::new(status, body_too_large(self.body_limit)),
             HttpLimit::body_bytes => ApiError::new(
-                StatusCode::SERVICE_UNAVAILABLE,
+                status,
                 format!(
                     "request bodies being received are at server.max_receiving_bytes ({}); retry shortly",
                     format_size(self.max_receiving_bytes)
@@ -160,7 +161,7 @@ impl Limits {
             .retry_after(1),
             // `body_timeout`; the other limits close a connection without an answer.
             _ => ApiError::new(
-                StatusCode::REQUEST_TIMEOUT,
+                status,
                 format!(
                     "the request body brought no data for server.timeouts.body_read ({})",
                     format_duration(self.timeouts.body_read)
@@ -197,6 +198,16 @@ impl Limits {
                 Err(HttpLimit::body_bytes)
             }
         }
+    }
+}
+
+/// The status of the answer to a request whose body `limit` refused: 413 over `body_limit`,
+/// 503 (not now) over what may be received at once, 408 for a body that stopped coming.
+pub(super) fn refusal_status(limit: HttpLimit) -> StatusCode {
+    match limit {
+        HttpLimit::body_limit => StatusCode::PAYLOAD_TOO_LARGE,
+        HttpLimit::body_bytes => StatusCode::SERVICE_UNAVAILABLE,
+        _ => StatusCode::REQUEST_TIMEOUT,
     }
 }
 

@@ -185,7 +185,7 @@ async fn run_step(pool: &Pool, model: &str, step: DecodeStep) -> Result<(Vec<f32
     for tensor in outputs {
         match (tensor.name.as_str(), tensor.data) {
             ("logits", TensorData::Fp32(values)) => logits = Some(values),
-            ("padding_bytes", TensorData::Int64(bytes)) => padded = bytes.first().map(|b| (*b).max(0) as u64),
+            (DecodeStep::PADDING, TensorData::Int64(bytes)) => padded = bytes.first().map(|b| (*b).max(0) as u64),
             _ => {}
         }
     }

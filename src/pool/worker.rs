@@ -308,12 +308,13 @@ impl Pool {
         let mut alone = self.running.fetch_add(1, Ordering::SeqCst) == 0;
         let metrics = &self.context.metrics;
         let run = std::panic::catch_unwind(AssertUnwindSafe(|| {
-            let result = match job.op {
+            // With whether what came back from the runtime is counted already.
+            let (result, counted) = match job.op {
                 RunOp::Run | RunOp::Prefill(_) | RunOp::PrefillMany(_) => {
                     metrics
                         .to_pool
                         .inc_by(job.inputs.iter().map(|t| t.data.byte_len() as u64).sum());
-                    match job.op {
+                    let result = match job.op {
                         RunOp::Prefill(seq) => backend.prefill(&job.model, seq, job.inputs.into_vec(), &job.meta),
                         RunOp::PrefillMany(seqs) => {
                             backend.prefill_many(&job.model, &seqs, job.inputs.into_vec(), &job.meta)
@@ -323,30 +324,26 @@ impl Pool {
                             backend.run_borrowed(&job.model, &job.inputs, &job.outputs, &job.meta)
                         }
                         _ => backend.run(&job.model, job.inputs.into_vec(), &job.outputs, &job.meta),
-                    }
+                    };
+                    (result, false)
                 }
                 RunOp::Decode(step) => {
                     let result = backend.decode(&job.model, &step, &job.meta);
                     // A backend that keeps caches reports what its step moved (a batch's
                     // masked rows cross too); one that does not moved its rows' tokens in.
+                    let reported = result.as_deref().ok().and_then(crossed);
                     let rows_in = step.rows.len() as u64 * DecodeStep::ROW_BYTES;
-                    match result.as_deref().ok().and_then(crossed) {
-                        Some((to, from)) => {
-                            metrics.to_pool.inc_by(to);
-                            metrics.from_pool.inc_by(from);
-                            return result;
-                        }
-                        None => {
-                            metrics.to_pool.inc_by(rows_in);
-                        }
+                    metrics.to_pool.inc_by(reported.map_or(rows_in, |(to, _)| to));
+                    if let Some((_, from)) = reported {
+                        metrics.from_pool.inc_by(from);
                     }
-                    result
+                    (result, reported.is_some())
                 }
             };
             // What came from the runtime: a run's outputs, or the logits of a decode step its
             // backend did not report on (the batch's padding is counted on the host).
-            if let Ok(outputs) = &result {
-                let from_runtime = outputs.iter().filter(|t| t.name != "padding_bytes");
+            if !counted && let Ok(outputs) = &result {
+                let from_runtime = outputs.iter().filter(|t| t.name != DecodeStep::PADDING);
                 metrics
                     .from_pool
                     .inc_by(from_runtime.map(|t| t.data.byte_len() as u64).sum());

@@ -92,20 +92,12 @@ enum Failed {
 /// with none loaded loads the pool's first: closing the breaker on no run at all would send
 /// requests to a pool nothing has shown to work.
 async fn check(service: &Service, pool: &Arc<Pool>, timeout: Duration, probe: bool) -> Result<usize, Failed> {
-    let loaded: Vec<&String> = pool
-        .config
-        .models
-        .iter()
-        .filter(|model| service.model(model).is_some() && pool.is_resident(model))
-        .collect();
-    let models = match (loaded.is_empty(), pool.config.models.first()) {
-        (true, Some(first)) if probe && service.model(first).is_some() => vec![first],
-        _ => loaded,
-    };
-    for model in &models {
-        let Some(entry) = service.model(model) else {
-            continue;
-        };
+    let served = || (pool.config.models.iter()).filter_map(|model| service.model(model).map(|entry| (model, entry)));
+    let mut models: Vec<_> = served().filter(|(model, _)| pool.is_resident(model)).collect();
+    if models.is_empty() && probe {
+        models.extend(served().next());
+    }
+    for (model, entry) in &models {
         let inputs = entry
             .probe_inputs()
             .map_err(|why| broken(format!("no probe input for `{model}`: {why}")))?;

@@ -55,3 +55,19 @@ pub fn pool(name: &str, device: &str, models: &[&str]) -> PoolConfig {
         cpus: None,
     }
 }
+
+/// The spec of a worker process for a CPU pool `pool` of one intra-op thread, loading ONNX
+/// Runtime from `onnxruntime_library`.
+pub fn cpu_worker(pool: &str, onnxruntime_library: &Path) -> crate::pool::process::WorkerSpec {
+    crate::pool::process::WorkerSpec {
+        pool: pool.into(),
+        provider: "cpu".into(),
+        cuda: None,
+        device_index: 0,
+        intra_threads: 1,
+        arena_shrinkage: false,
+        simulated: None,
+        onnxruntime_library: onnxruntime_library.to_path_buf(),
+        cpus: None,
+    }
+}

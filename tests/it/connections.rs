@@ -257,8 +257,9 @@ async fn a_declared_length_over_the_body_limit_gets_413_before_any_body_is_sent(
     server.stop().await;
 }
 
-/// A 38 KiB encoder request being received: its head sent (with `Expect: 100-continue`, whose
-/// 100 Continue says the server reads this body, its bytes reserved) and half its body.
+/// A 38 KiB encoder request being received by a server that may receive 64 KiB at once: its
+/// head sent (with `Expect: 100-continue`, whose 100 Continue says the server reads this body,
+/// its bytes reserved) and half its body.
 struct Held {
     slow: TcpStream,
     /// The request's head, to send the same request again.
@@ -267,7 +268,11 @@ struct Held {
     body: Vec<u8>,
 }
 
-async fn hold_half_a_body(server: &TestServer) -> Held {
+async fn half_a_body_held() -> (TestServer, Held) {
+    let server = TestServer::start(&config(
+        "  body_limit: 64KiB\n  max_receiving_bytes: 64KiB\n  timeouts: {body_read: 60s}\n",
+    ))
+    .await;
     let (header, body) = encoder_binary_request(150);
     let head = format!(
         "POST /v2/models/encoder/infer HTTP/1.1\r\nHost: vramguard\r\nContent-Length: {}\r\n\
@@ -275,16 +280,17 @@ async fn hold_half_a_body(server: &TestServer) -> Held {
         body.len(),
         header.len()
     );
-    let mut slow = connect(server).await;
+    let mut slow = connect(&server).await;
     slow.write_all(head.as_bytes()).await.unwrap();
     assert!(read_response(&mut slow).await.starts_with("HTTP/1.1 100 "));
     slow.write_all(&body[..body.len() / 2]).await.unwrap();
-    Held {
+    let held = Held {
         slow,
         head,
         header,
         body,
-    }
+    };
+    (server, held)
 }
 
 /// A chunked body declares no length: it reserves as it arrives, and one that runs over what
@@ -294,14 +300,13 @@ async fn a_chunked_body_that_runs_over_the_receiving_budget_gets_503_counted_rej
     if crate::common::ran_in_own_process() {
         return;
     }
-    let server = TestServer::start(&config(
-        "  body_limit: 64KiB\n  max_receiving_bytes: 64KiB\n  timeouts: {body_read: 60s}\n",
-    ))
-    .await;
     // 38 KiB of the 64 held by a body that is being received.
-    let Held {
-        mut slow, header, body, ..
-    } = hold_half_a_body(&server).await;
+    let (
+        server,
+        Held {
+            mut slow, header, body, ..
+        },
+    ) = half_a_body_held().await;
 
     // The same request chunked: its bytes do not fit beside the other's.
     let mut chunked = connect(&server).await;
@@ -366,14 +371,13 @@ async fn bodies_beyond_the_receiving_budget_get_503_with_retry_after_until_it_fr
     if crate::common::ran_in_own_process() {
         return;
     }
-    let server = TestServer::start(&config(
-        "  body_limit: 64KiB\n  max_receiving_bytes: 64KiB\n  timeouts: {body_read: 60s}\n",
-    ))
-    .await;
     // 38 KiB each: one fits in the 64 KiB being received at once, two do not.
-    let Held {
-        mut slow, head, body, ..
-    } = hold_half_a_body(&server).await;
+    let (
+        server,
+        Held {
+            mut slow, head, body, ..
+        },
+    ) = half_a_body_held().await;
 
     let mut refused = connect(&server).await;
     refused.write_all(head.as_bytes()).await.unwrap();

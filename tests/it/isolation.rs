@@ -582,19 +582,9 @@ fn a_parent_that_dies_takes_its_worker_with_it() {
 /// after 10 s idle: that worker, and every later one, must live on after its starter is gone.
 #[test]
 fn a_worker_outlives_the_thread_that_started_it() {
-    use vramguard::pool::process::{WorkerHost, WorkerSpec};
+    use vramguard::pool::process::WorkerHost;
     let rt = vramguard::runtime::onnx::runtime(None).expect("ONNX Runtime");
-    let spec = WorkerSpec {
-        pool: "gpu".into(),
-        provider: "cpu".into(),
-        cuda: None,
-        device_index: 0,
-        intra_threads: 1,
-        arena_shrinkage: false,
-        simulated: None,
-        onnxruntime_library: rt.library.clone(),
-        cpus: None,
-    };
+    let spec = vramguard::testing::config::cpu_worker("gpu", &rt.library);
     let host = WorkerHost::new(spec, crate::common::BIN.into(), Duration::from_secs(5)).unwrap();
     for _ in 0..2 {
         let starter = std::sync::Arc::clone(&host);

@@ -8,7 +8,6 @@ use serde_json::json;
 
 use crate::http::error::status_of;
 use crate::serve::lifecycle::RequestError;
-use crate::telemetry::metrics::HttpLimit;
 
 /// An error as OpenAI's API writes it.
 pub struct OpenAiError {
@@ -42,15 +41,10 @@ impl OpenAiError {
     /// A body that could not be read (too large, or the connection failed), with the status the
     /// router gave it.
     pub(super) fn unreadable(rejection: &BytesRejection, id: &str) -> OpenAiError {
-        // A body the server was receiving too many of at once is answered 503 by the
-        // connection in place of this, and counted as such.
-        let busy = crate::net::conn::refused_by(rejection) == Some(HttpLimit::body_bytes);
         OpenAiError {
-            status: if busy {
-                StatusCode::SERVICE_UNAVAILABLE
-            } else {
-                rejection.status()
-            },
+            // A body a limit refused is answered by the connection with that limit's status in
+            // place of this: it is counted by that status.
+            status: crate::net::conn::refused_status(rejection).unwrap_or(rejection.status()),
             message: rejection.body_text(),
             kind: "invalid_request_error",
             param: None,

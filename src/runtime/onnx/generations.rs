@@ -543,7 +543,7 @@ fn present_name(i: usize) -> String {
 fn padding(batch: Option<&Cache>, layout: &DecoderLayout) -> Tensor {
     let slots: i64 = batch.map_or(0, |b| b.rows.iter().map(|r| b.len - r.past as i64).sum());
     Tensor {
-        name: "padding_bytes".into(),
+        name: DecodeStep::PADDING.into(),
         shape: vec![1],
         data: TensorData::Int64(vec![slots.max(0) * layout.kv_bytes_per_token() as i64]),
     }

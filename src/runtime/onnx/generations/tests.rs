@@ -139,7 +139,7 @@ fn the_bytes_of_masked_slots_are_reported_and_trimmed_when_rows_leave() {
     }
     let mut step = |rows: Vec<DecodeRow>, ended: Vec<u64>| {
         let out = backend.decode("lm", &DecodeStep { rows, ended }, &meta).unwrap();
-        assert_eq!(out[1].name, "padding_bytes");
+        assert_eq!(out[1].name, DecodeStep::PADDING);
         let TensorData::Int64(bytes) = &out[1].data else {
             panic!()
         };
