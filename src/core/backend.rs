@@ -173,6 +173,11 @@ impl DecodeStep {
     /// The output in which a backend that keeps caches reports the bytes of its batch's masked
     /// slots' caches (`[bytes]`, INT64), counted on the host as the pool's KV cache.
     pub const PADDING: &'static str = "padding_bytes";
+    /// The output in which a backend that keeps caches reports the shape of a model's batch
+    /// after a step: `[rows, slots]`, INT64, the rows whose caches it holds (prompts run and
+    /// not joined yet included) and the positions they share once together. Admission charges
+    /// a generation joining it the padding it brings ([`crate::pool::sequences::padding_tokens`]).
+    pub const BATCH: &'static str = "batch_shape";
     /// The output in which a backend that keeps caches reports what its step moved between the
     /// host and the runtime: `[bytes in, bytes out]`, INT64. A batch's masked rows (a member
     /// that was late, or gone) cross too, so this can be more than the step's own rows.

@@ -104,7 +104,7 @@ async fn step_batch(pool: Weak<Pool>, model: String, mut inbox: mpsc::UnboundedR
     let mut steps = Steps::default();
     // What the batch's masked slots hold, in the pool's KV bytes beside its generations' own.
     let mut padding = match pool.upgrade() {
-        Some(pool) => Padding::on(&pool.sequences),
+        Some(pool) => Padding::on(&pool.sequences, &model),
         None => return,
     };
     loop {
@@ -119,12 +119,26 @@ async fn step_batch(pool: Weak<Pool>, model: String, mut inbox: mpsc::UnboundedR
         };
         let result = run_step(&pool, &model, step).await;
         drop(pool);
-        let result = result.map(|(logits, padded)| {
-            if let Some(bytes) = padded {
-                padding.set(bytes);
+        let result = match result {
+            Ok(Stepped { logits, padded, shape }) => {
+                if let Some(bytes) = padded {
+                    padding.set(bytes);
+                }
+                if let Some((rows, slots)) = shape {
+                    padding.shape(rows, slots);
+                }
+                Ok(logits)
             }
-            logits
-        });
+            Err(error) => {
+                // A failed step leaves the backend none of the model's caches (a missing
+                // cache aside): every row is prefilled again, or moves, or ends.
+                if !matches!(error, PoolError::Backend(BackendError::CacheMissing(_))) {
+                    padding.set(0);
+                    padding.shape(0, 0);
+                }
+                Err(error)
+            }
+        };
         answer(&mut steps, pending, result);
     }
 }
@@ -157,9 +171,18 @@ fn answer(steps: &mut Steps, pending: Vec<(DecodeRow, Reply)>, result: Result<Ve
     }
 }
 
-/// Run one step on `pool`: the breaker's permission, then the job. Its logits, row-major, and
-/// the bytes its batch's masked slots hold, when the backend says.
-async fn run_step(pool: &Pool, model: &str, step: DecodeStep) -> Result<(Vec<f32>, Option<u64>), PoolError> {
+/// What a step gave back.
+struct Stepped {
+    /// The rows' logits, row-major.
+    logits: Vec<f32>,
+    /// The bytes the batch's masked slots hold, when the backend says.
+    padded: Option<u64>,
+    /// The batch's rows and slots, when the backend says ([`DecodeStep::BATCH`]).
+    shape: Option<(u64, u64)>,
+}
+
+/// Run one step on `pool`: the breaker's permission, then the job.
+async fn run_step(pool: &Pool, model: &str, step: DecodeStep) -> Result<Stepped, PoolError> {
     let rows = step.rows.len();
     if rows > 0 {
         pool.breaker_permit()?;
@@ -181,19 +204,22 @@ async fn run_step(pool: &Pool, model: &str, step: DecodeStep) -> Result<(Vec<f32
     let outputs = pool.submit(job)?.await.map_err(|_| PoolError::ShuttingDown {
         pool: pool.name().to_string(),
     })??;
-    let (mut logits, mut padded) = (None, None);
+    let (mut logits, mut padded, mut shape) = (None, None, None);
+    let count = |n: i64| n.max(0) as u64;
     for tensor in outputs {
         match (tensor.name.as_str(), tensor.data) {
             ("logits", TensorData::Fp32(values)) => logits = Some(values),
-            (DecodeStep::PADDING, TensorData::Int64(bytes)) => padded = bytes.first().map(|b| (*b).max(0) as u64),
+            (DecodeStep::PADDING, TensorData::Int64(bytes)) => padded = bytes.first().map(|b| count(*b)),
+            (DecodeStep::BATCH, TensorData::Int64(v)) if v.len() == 2 => shape = Some((count(v[0]), count(v[1]))),
             _ => {}
         }
     }
-    match logits {
-        Some(values) if values.len() % rows.max(1) == 0 => Ok((values, padded)),
-        _ if rows == 0 => Ok((Vec::new(), padded)),
-        _ => Err(BackendError::Runtime("a decode step gave no FP32 `logits`".into()).into()),
-    }
+    let logits = match logits {
+        Some(values) if values.len() % rows.max(1) == 0 => values,
+        _ if rows == 0 => Vec::new(),
+        _ => return Err(BackendError::Runtime("a decode step gave no FP32 `logits`".into()).into()),
+    };
+    Ok(Stepped { logits, padded, shape })
 }
 
 #[cfg(test)]

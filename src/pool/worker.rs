@@ -343,7 +343,9 @@ impl Pool {
             // What came from the runtime: a run's outputs, or the logits of a decode step its
             // backend did not report on (the batch's padding is counted on the host).
             if !counted && let Ok(outputs) = &result {
-                let from_runtime = outputs.iter().filter(|t| t.name != DecodeStep::PADDING);
+                let from_runtime = outputs
+                    .iter()
+                    .filter(|t| t.name != DecodeStep::PADDING && t.name != DecodeStep::BATCH);
                 metrics
                     .from_pool
                     .inc_by(from_runtime.map(|t| t.data.byte_len() as u64).sum());

@@ -179,3 +179,69 @@ async fn a_generation_whose_worker_dies_mid_stream_is_prefilled_again_on_the_cpu
     assert_eq!(moved, 1.0, "{metrics}");
     server.stop().await;
 }
+
+/// A generation that would join a batch is estimated with the padding it brings there: a short
+/// prompt joining a long one's batch is left-padded up to the batch's length, and the policy
+/// sees that cache in `req.estimate.context_bytes` (here in its reject reason). Once the long
+/// generation is gone, the short one costs its own positions again.
+#[tokio::test]
+async fn a_generation_joining_a_longer_batch_is_estimated_with_the_padding_it_gets() {
+    const POLICY: &str = r#"fn decide(req, state) {
+        if req.max_new_tokens == 7 { reject(`context_bytes=${req.estimate.context_bytes}.`) } else { admit() }
+    }"#;
+    let server = TestServer::with_policy(CPU, POLICY).await;
+    let short = json!({"model": "tiny", "prompt": "The GPU", "max_tokens": 7, "temperature": 0});
+    let estimated = async || -> u64 {
+        let response = server.post_json("/v1/completions", &short).await;
+        assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
+        let body: Value = response.json().await.unwrap();
+        let message = body["error"]["message"].as_str().unwrap().to_string();
+        let at = message.find("context_bytes=").expect("the policy's reason") + "context_bytes=".len();
+        let digits: String = message[at..].chars().take_while(char::is_ascii_digit).collect();
+        digits.parse().unwrap()
+    };
+    let prompt_tokens = async |prompt: &str| -> u64 {
+        let body = json!({"model": "tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0});
+        let response = server.post_json("/v1/completions", &body).await;
+        assert_eq!(response.status(), StatusCode::OK);
+        let body: Value = response.json().await.unwrap();
+        body["usage"]["prompt_tokens"].as_u64().unwrap()
+    };
+    let long_prompt = reference()["cases"][1]["prompt"].as_str().unwrap().to_string();
+    let (long, own) = (prompt_tokens(&long_prompt).await, prompt_tokens("The GPU").await);
+    assert!(long > own + 100, "{long} and {own} tokens");
+    let alone = estimated().await;
+
+    // The long one streams; its reader stops after three chunks, so it stays in the batch.
+    let body = json!({"model": "tiny", "prompt": long_prompt, "max_tokens": 100, "temperature": 0, "stream": true});
+    let mut response = server.post_json("/v1/completions", &body).await;
+    assert_eq!(response.status(), StatusCode::OK);
+    let mut received = String::new();
+    while received.matches("\n\n").count() < 3 {
+        received.push_str(std::str::from_utf8(&response.chunk().await.unwrap().unwrap()).unwrap());
+    }
+    // The batch's shape is reported by the step after the long one joined: wait for it.
+    let kv_bytes_per_token = 512;
+    let (mut joining, started) = (alone, std::time::Instant::now());
+    while joining == alone && started.elapsed() < std::time::Duration::from_secs(5) {
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        joining = estimated().await;
+    }
+    let padding = joining - alone;
+    assert_eq!(padding % kv_bytes_per_token, 0, "{joining} against {alone}");
+    let positions = padding / kv_bytes_per_token;
+    assert!(
+        (long - own..=long + 100 - own).contains(&positions),
+        "padded by {positions} positions up to the batch of a {long}-token prompt, from {own}"
+    );
+
+    // The long one's client goes away: it leaves the batch, and the short one costs its own.
+    drop(response);
+    let (mut after, started) = (joining, std::time::Instant::now());
+    while after != alone && started.elapsed() < std::time::Duration::from_secs(5) {
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        after = estimated().await;
+    }
+    assert_eq!(after, alone, "the batch it would join is gone");
+    server.stop().await;
+}

@@ -263,6 +263,7 @@ impl Generations {
             return Ok(vec![
                 logits_tensor(Vec::new(), 0),
                 padding(caches.batch.as_ref(), layout),
+                caches.shape(),
             ]);
         }
         // A failure part-way leaves nothing half-arranged: the model's caches go, and their
@@ -304,8 +305,12 @@ impl Generations {
         }
         let mut batch = batch.ok_or_else(|| BackendError::CacheMissing(step.rows.iter().map(|r| r.seq).collect()))?;
         let result = self.run_step(session, layout, &mut batch, step, options);
-        self.models.get_mut(model).expect("made by decode").batch = Some(batch);
-        result
+        let caches = self.models.get_mut(model).expect("made by decode");
+        caches.batch = Some(batch);
+        result.map(|mut outputs| {
+            outputs.push(caches.shape());
+            outputs
+        })
     }
 
     /// Run the batch's next slot: each row of `step` its token, every other row a masked pad.
@@ -420,6 +425,25 @@ impl Generations {
 }
 
 impl Caches {
+    /// [`DecodeStep::BATCH`]: the rows held (batched, or prefilled and not joined yet) and the
+    /// positions they share once together.
+    fn shape(&self) -> Tensor {
+        let caches = self.batch.iter().chain(self.prefilled.iter().map(|(c, _)| c));
+        let (mut rows, mut slots) = (0i64, 0i64);
+        for cache in caches {
+            let live = cache.rows.iter().filter(|r| !r.gone).count() as i64;
+            if live > 0 {
+                rows += live;
+                slots = slots.max(cache.len);
+            }
+        }
+        Tensor {
+            name: DecodeStep::BATCH.into(),
+            shape: vec![2],
+            data: TensorData::Int64(vec![rows, slots]),
+        }
+    }
+
     /// Rows of `step` whose cache is not held at their `past` (and not ended by it).
     fn missing(&self, step: &DecodeStep) -> Vec<u64> {
         step.rows

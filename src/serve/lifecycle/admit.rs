@@ -50,6 +50,9 @@ pub(super) async fn admit(service: &Service, entry: &ModelEntry, request: &mut R
     if let Some(never) = super::fits::never_fits(service, entry, request, &info.estimate, &dims) {
         return Err(refuse(RequestError::NeverFits(Box::new(never))));
     }
+    // The padding a generation brings to its batch is there only while the batch is: it
+    // counts now, not in whether the request could ever fit.
+    info.estimate = joining(entry, request, &routed, info.context_tokens, info.estimate);
     let mut deferred = Duration::ZERO;
     // Why the last `make_room` could not free enough: the policy then decides without it.
     let mut no_room: Option<String> = None;
@@ -131,6 +134,24 @@ pub(super) async fn admit(service: &Service, entry: &ModelEntry, request: &mut R
             Plan::Invalid(_) => unreachable!("replaced by the fallback in decide()"),
         }
     }
+}
+
+/// `estimate` of a generation whose prompt of `prompt` tokens joins its model's batch on
+/// `pool`, with the left padding that brings: its own row padded up to the batch's length, or
+/// every other row up to its own ([`crate::pool::sequences::padding_tokens`]). A single run,
+/// or a pool that keeps no caches, joins no batch.
+fn joining(entry: &ModelEntry, request: &Request, pool: &Pool, prompt: u64, mut estimate: Estimate) -> Estimate {
+    let (Some(layout), Some(_)) = (&entry.decoder, request.sequence) else {
+        return estimate;
+    };
+    if !pool.keeps_caches() {
+        return estimate;
+    }
+    let padding = pool.sequences.join_padding(&entry.config.name, prompt);
+    let bytes = padding.saturating_mul(layout.kv_bytes_per_token());
+    estimate.context_bytes = estimate.context_bytes.saturating_add(bytes);
+    estimate.total_bytes = estimate.total_bytes.saturating_add(bytes);
+    estimate
 }
 
 /// The weights `pool` must load before it runs `entry`'s model: 0 when they are there.
@@ -342,6 +363,7 @@ fn shrink(
         context_cut = Some(shrunk.cut);
         request.inputs = shrunk.inputs;
         estimate = entry.estimate_tokens(shrunk.tokens.saturating_add(request.max_new_tokens), 1);
+        estimate = joining(entry, request, &pool, shrunk.tokens, estimate);
     }
     Ok(Admitted {
         pool,

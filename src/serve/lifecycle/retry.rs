@@ -50,7 +50,7 @@ pub(super) async fn run_with_retry(
     let inputs = Inputs::from(inputs);
     let fallback = fallback_of(service, pool);
     let spare = (fallback.is_some() && request.meta.replayable).then(|| inputs.clone());
-    let waiting = waits.then(|| Waiting::on(&pool.sequences));
+    let waiting = waits.then(|| waiting_on(pool, request, &inputs));
     let first = run_permitted(service, pool, request, inputs, estimate_bytes).await;
     drop(waiting);
     match first {
@@ -108,7 +108,7 @@ pub(super) async fn after_failure(
         Run::Step => "the step and the rest move to the fallback pool",
     };
     tracing::info!(request_id = %request.meta.request_id, from = pool.name(), to = fallback.name(), reason = ?reason, "{moving}");
-    let _waiting = waits.then(|| Waiting::on(&fallback.sequences));
+    let _waiting = waits.then(|| waiting_on(&fallback, request, &inputs));
     match run_on(service, &fallback, request, inputs, estimate_bytes).await {
         Ok(outputs) => {
             retries(RetryResult::ok);
@@ -122,6 +122,21 @@ pub(super) async fn after_failure(
             retries(RetryResult::failed);
             Err(refuse(&fallback, RequestError::from_pool(&fallback, error)))
         }
+    }
+}
+
+/// A generation's prompt waiting for its run on `pool` (its `inputs`): when the pool keeps its
+/// cache, on its way to join the model's batch there, so admission counts the padding it
+/// brings ([`crate::pool::sequences::Sequences::join_padding`]).
+fn waiting_on(pool: &Arc<Pool>, request: &Request, inputs: &[Tensor]) -> Waiting {
+    let prompt = inputs
+        .iter()
+        .find(|t| t.name == "input_ids")
+        .and_then(|t| t.shape.last())
+        .map(|&n| n.max(0) as u64);
+    match (request.sequence, prompt) {
+        (Some(_), Some(prompt)) if pool.keeps_caches() => Waiting::joining(&pool.sequences, &request.model, prompt),
+        _ => Waiting::on(&pool.sequences),
     }
 }
 

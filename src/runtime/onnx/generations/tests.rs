@@ -123,7 +123,8 @@ fn a_batch_whose_rows_join_skip_and_leave_gives_each_row_its_reference_tokens() 
 }
 
 /// The batch's masked slots (left padding, a late row's slot) are reported as bytes held by
-/// no sequence, and trimmed when the row that needed them leaves.
+/// no sequence, and trimmed when the row that needed them leaves; with them the batch's shape
+/// (rows held, prompts run and not joined yet included, and the slots they share).
 #[test]
 fn the_bytes_of_masked_slots_are_reported_and_trimmed_when_rows_leave() {
     let rt = runtime(None).expect("ONNX Runtime loads");
@@ -143,16 +144,26 @@ fn the_bytes_of_masked_slots_are_reported_and_trimmed_when_rows_leave() {
         let TensorData::Int64(bytes) = &out[1].data else {
             panic!()
         };
-        bytes[0] / per_slot
+        let shape = out
+            .iter()
+            .find(|t| t.name == DecodeStep::BATCH)
+            .expect("the batch's shape");
+        let TensorData::Int64(shape) = &shape.data else {
+            panic!()
+        };
+        (bytes[0] / per_slot, (shape[0], shape[1]))
     };
     let row = |seq, past| DecodeRow { seq, token: 7, past };
-    // Both: 11 slots, the short one padded by 8 on the left.
-    assert_eq!(step(vec![row(1, 2), row(2, 10)], vec![]), 8);
+    // Only the long one steps: the short one's prompt waits to join, and counts.
+    assert_eq!(step(vec![row(2, 10)], vec![]), (0, (2, 11)));
+    // Both: 12 slots, the short one padded by 9 on the left.
+    assert_eq!(step(vec![row(1, 2), row(2, 11)], vec![]), (9, (2, 12)));
     // The short one is late: a masked slot of its own.
-    assert_eq!(step(vec![row(2, 11)], vec![]), 9);
+    assert_eq!(step(vec![row(2, 12)], vec![]), (10, (2, 13)));
     // The long one ends; with the next step the batch is trimmed to the short one's slots.
-    assert_eq!(step(vec![], vec![2]), 9);
-    assert_eq!(step(vec![row(1, 3)], vec![]), 1);
+    assert_eq!(step(vec![], vec![2]), (10, (1, 13)));
+    assert_eq!(step(vec![row(1, 3)], vec![]), (1, (1, 5)));
+    assert_eq!(step(vec![], vec![1]), (0, (0, 0)));
 }
 
 /// Prompts of different lengths prefilled as one left-padded run, then stepped as a batch:
