@@ -7,8 +7,9 @@
 //! more per number than the encoder input's 13 short values.
 //!
 //! Then a whole request of that input, as the server decodes it (`protocol::oip::decode`:
-//! the header read, each `data` array parsed once the datatype is known), and an answer of
-//! the same size as binary data, as the server encodes it (`protocol::oip::encode`).
+//! the header read, each `data` array parsed once the datatype is known), the same request
+//! with its tensor as binary data, and an answer of the same size as binary data, as the
+//! server encodes it (`protocol::oip::encode`).
 //!
 //! `cargo bench --bench codec`.
 
@@ -55,6 +56,7 @@ fn main() {
             group.finish();
         }
         decode_request(&mut criterion, seq, &shortest);
+        decode_binary_request(&mut criterion, seq);
         encode_binary_response(&mut criterion, seq, &activations);
     }
     criterion.final_summary();
@@ -70,9 +72,9 @@ fn activations(n: usize) -> Vec<f32> {
         .collect()
 }
 
-/// A request as the overhead bench's JSON client sends it, decoded as the server does.
-fn decode_request(criterion: &mut Criterion, seq: usize, data: &str) {
-    let signature = ModelSignature {
+/// The encoder's signature, as the server reads it from the model.
+fn encoder_signature() -> ModelSignature {
+    ModelSignature {
         inputs: vec![TensorSpec {
             name: "input".into(),
             datatype: DataType::Fp32,
@@ -85,7 +87,12 @@ fn decode_request(criterion: &mut Criterion, seq: usize, data: &str) {
             shape: vec![-1, ENCODER_DIM as i64],
             symbols: vec![],
         }],
-    };
+    }
+}
+
+/// A request as the overhead bench's JSON client sends it, decoded as the server does.
+fn decode_request(criterion: &mut Criterion, seq: usize, data: &str) {
+    let signature = encoder_signature();
     let body = format!(
         "{{\"inputs\": [{{\"name\": \"input\", \"shape\": [1, {seq}, {ENCODER_DIM}], \"datatype\": \"FP32\", \"data\": {data}}}], \
          \"outputs\": [{{\"name\": \"pooled\"}}]}}"
@@ -96,6 +103,21 @@ fn decode_request(criterion: &mut Criterion, seq: usize, data: &str) {
     group.throughput(Throughput::Bytes(body.len() as u64));
     group.bench_function("shortest", |b| {
         b.iter(|| oip::decode(black_box(body.as_bytes()), None, &signature).unwrap())
+    });
+    group.finish();
+}
+
+/// A request as the overhead bench's binary client sends it (the JSON header, then the
+/// tensor's bytes), decoded as the server does.
+fn decode_binary_request(criterion: &mut Criterion, seq: usize) {
+    let signature = encoder_signature();
+    let (header_len, body) = vramguard::testing::bench::encoder_binary_body(seq);
+    let decoded = oip::decode(&body, Some(header_len), &signature).unwrap();
+    assert_eq!(decoded.inputs[0].data, TensorData::Fp32(encoder_input(seq)));
+    let mut group = criterion.benchmark_group(format!("decode_binary_request/seq{seq}"));
+    group.throughput(Throughput::Bytes(body.len() as u64));
+    group.bench_function("fp32", |b| {
+        b.iter(|| oip::decode(black_box(&body), Some(header_len), &signature).unwrap())
     });
     group.finish();
 }
