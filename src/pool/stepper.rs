@@ -130,9 +130,10 @@ async fn step_batch(pool: Weak<Pool>, model: String, mut inbox: mpsc::UnboundedR
                 Ok(logits)
             }
             Err(error) => {
-                // A failed step leaves the backend none of the model's caches (a missing
-                // cache aside): every row is prefilled again, or moves, or ends.
-                if !matches!(error, PoolError::Backend(BackendError::CacheMissing(_))) {
+                // A step that failed in the backend leaves it none of the model's caches (a
+                // missing cache aside): every row is prefilled again, or moves, or ends. One
+                // refused before it ran (the breaker, the queue) left them as they were.
+                if matches!(&error, PoolError::Backend(e) if !matches!(e, BackendError::CacheMissing(_))) {
                     padding.set(0);
                     padding.shape(0, 0);
                 }
