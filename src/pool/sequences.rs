@@ -84,6 +84,8 @@ impl Sequences {
             .map_or(0, |b| padding_tokens(b.rows, b.slots, &b.joining, prompt))
     }
 
+    /// Change what is kept of `model`'s batch; a batch with no rows and no prompts on their
+    /// way is forgotten, so a model that stopped generating leaves nothing behind.
     fn with_batch(&self, model: &str, change: impl FnOnce(&mut BatchShape)) {
         let mut batches = self.batches.lock().unwrap_or_else(|e| e.into_inner());
         let batch = batches.entry(model.to_string()).or_default();
