@@ -3,7 +3,7 @@
 //! allocator statistics a backend may report. Plain types only, so pools, the lifecycle and the
 //! ONNX Runtime code all depend on this module and never on each other.
 
-use crate::core::tensor::{Tensor, TensorView};
+use crate::core::tensor::{Tensor, TensorData, TensorView};
 
 /// Runs models; one instance per worker thread, so it may hold non-shareable sessions.
 pub trait Backend: Send {
@@ -182,6 +182,20 @@ impl DecodeStep {
     /// host and the runtime: `[bytes in, bytes out]`, INT64. A batch's masked rows (a member
     /// that was late, or gone) cross too, so this can be more than the step's own rows.
     pub const CROSSED: &'static str = "crossed_bytes";
+    /// Every report a decode step's outputs may carry beside its `logits`: counts for the
+    /// host, not outputs of the model.
+    pub const REPORTS: [&'static str; 3] = [Self::PADDING, Self::BATCH, Self::CROSSED];
+
+    /// The `N` counts a backend reported in `outputs` under `report` (one of
+    /// [`REPORTS`](Self::REPORTS)), when it did, as INT64 `[N]` (a negative reads as 0).
+    pub fn reported<const N: usize>(outputs: &[Tensor], report: &str) -> Option<[u64; N]> {
+        let tensor = outputs.iter().find(|t| t.name == report)?;
+        let TensorData::Int64(values) = &tensor.data else {
+            return None;
+        };
+        let values: &[i64; N] = values.as_slice().try_into().ok()?;
+        Some(values.map(|n| n.max(0) as u64))
+    }
 }
 
 /// One sequence's next token in a [`DecodeStep`].

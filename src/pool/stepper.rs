@@ -205,16 +205,12 @@ async fn run_step(pool: &Pool, model: &str, step: DecodeStep) -> Result<Stepped,
     let outputs = pool.submit(job)?.await.map_err(|_| PoolError::ShuttingDown {
         pool: pool.name().to_string(),
     })??;
-    let (mut logits, mut padded, mut shape) = (None, None, None);
-    let count = |n: i64| n.max(0) as u64;
-    for tensor in outputs {
-        match (tensor.name.as_str(), tensor.data) {
-            ("logits", TensorData::Fp32(values)) => logits = Some(values),
-            (DecodeStep::PADDING, TensorData::Int64(bytes)) => padded = bytes.first().map(|b| count(*b)),
-            (DecodeStep::BATCH, TensorData::Int64(v)) if v.len() == 2 => shape = Some((count(v[0]), count(v[1]))),
-            _ => {}
-        }
-    }
+    let padded = DecodeStep::reported(&outputs, DecodeStep::PADDING).map(|[bytes]| bytes);
+    let shape = DecodeStep::reported(&outputs, DecodeStep::BATCH).map(|[rows, slots]| (rows, slots));
+    let logits = outputs.into_iter().find_map(|t| match (t.name.as_str(), t.data) {
+        ("logits", TensorData::Fp32(values)) => Some(values),
+        _ => None,
+    });
     let logits = match logits {
         Some(values) if values.len() % rows.max(1) == 0 => values,
         _ if rows == 0 => Vec::new(),

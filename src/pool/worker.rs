@@ -8,7 +8,6 @@ use std::sync::{Arc, PoisonError};
 use std::time::Instant;
 
 use crate::core::backend::{Backend, BackendError, DecodeStep, RunMeta};
-use crate::core::tensor::{Tensor, TensorData};
 use crate::pool::arena::RunOf;
 use crate::pool::job::{InferJob, JobResult, PoolError, RunOp};
 use crate::pool::queue::{Next, Queued, Slot};
@@ -331,10 +330,13 @@ impl Pool {
                     let result = backend.decode(&job.model, &step, &job.meta);
                     // A backend that keeps caches reports what its step moved (a batch's
                     // masked rows cross too); one that does not moved its rows' tokens in.
-                    let reported = result.as_deref().ok().and_then(crossed);
+                    let reported = result
+                        .as_deref()
+                        .ok()
+                        .and_then(|outputs| DecodeStep::reported(outputs, DecodeStep::CROSSED));
                     let rows_in = step.rows.len() as u64 * DecodeStep::ROW_BYTES;
-                    metrics.to_pool.inc_by(reported.map_or(rows_in, |(to, _)| to));
-                    if let Some((_, from)) = reported {
+                    metrics.to_pool.inc_by(reported.map_or(rows_in, |[to, _]| to));
+                    if let Some([_, from]) = reported {
                         metrics.from_pool.inc_by(from);
                     }
                     (result, reported.is_some())
@@ -345,7 +347,7 @@ impl Pool {
             if !counted && let Ok(outputs) = &result {
                 let from_runtime = outputs
                     .iter()
-                    .filter(|t| t.name != DecodeStep::PADDING && t.name != DecodeStep::BATCH);
+                    .filter(|t| !DecodeStep::REPORTS.contains(&t.name.as_str()));
                 metrics
                     .from_pool
                     .inc_by(from_runtime.map(|t| t.data.byte_len() as u64).sum());
@@ -445,14 +447,4 @@ fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
         .map(|s| s.to_string())
         .or_else(|| panic.downcast_ref::<String>().cloned())
         .unwrap_or_else(|| "(no message)".into())
-}
-
-/// The `[bytes in, bytes out]` a decode step's backend reported moving
-/// ([`DecodeStep::CROSSED`]), when it did.
-fn crossed(outputs: &[Tensor]) -> Option<(u64, u64)> {
-    let reported = outputs.iter().find(|t| t.name == DecodeStep::CROSSED)?;
-    match &reported.data {
-        TensorData::Int64(v) if v.len() == 2 => Some((v[0].max(0) as u64, v[1].max(0) as u64)),
-        _ => None,
-    }
 }

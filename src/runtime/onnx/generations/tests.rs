@@ -131,7 +131,7 @@ fn the_bytes_of_masked_slots_are_reported_and_trimmed_when_rows_leave() {
     let model = [("lm".to_string(), BuiltinModel::Decoder.bytes())];
     let mut backend = OrtBackend::load(rt, &model, &SessionOptions::quiet_cpu()).unwrap();
     let layout = backend.decoders["lm"];
-    let per_slot = layout.kv_bytes_per_token() as i64;
+    let per_slot = layout.kv_bytes_per_token();
     let meta = RunMeta::default();
     for (seq, prompt) in [(1u64, vec![5u32, 6]), (2, (10..20).collect())] {
         backend
@@ -141,17 +141,9 @@ fn the_bytes_of_masked_slots_are_reported_and_trimmed_when_rows_leave() {
     let mut step = |rows: Vec<DecodeRow>, ended: Vec<u64>| {
         let out = backend.decode("lm", &DecodeStep { rows, ended }, &meta).unwrap();
         assert_eq!(out[1].name, DecodeStep::PADDING);
-        let TensorData::Int64(bytes) = &out[1].data else {
-            panic!()
-        };
-        let shape = out
-            .iter()
-            .find(|t| t.name == DecodeStep::BATCH)
-            .expect("the batch's shape");
-        let TensorData::Int64(shape) = &shape.data else {
-            panic!()
-        };
-        (bytes[0] / per_slot, (shape[0], shape[1]))
+        let [bytes] = DecodeStep::reported(&out, DecodeStep::PADDING).expect("the padding's bytes");
+        let [rows, slots] = DecodeStep::reported(&out, DecodeStep::BATCH).expect("the batch's shape");
+        (bytes / per_slot, (rows, slots))
     };
     let row = |seq, past| DecodeRow { seq, token: 7, past };
     // Only the long one steps: the short one's prompt waits to join, and counts.
