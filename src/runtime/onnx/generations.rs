@@ -256,23 +256,24 @@ impl Generations {
             let claimed = cache.rows.iter().any(|r| step.rows.iter().any(|w| w.seq == r.seq));
             cache.rows.iter().any(|r| !r.gone) && (*waited <= UNCLAIMED_STEPS || claimed)
         });
-        if step.rows.is_empty() {
+        let mut outputs = if step.rows.is_empty() {
             if caches.batch.as_ref().is_some_and(|b| b.rows.iter().all(|r| r.gone)) {
                 caches.batch = None;
             }
-            return Ok(vec![
-                logits_tensor(Vec::new(), 0),
-                padding(caches.batch.as_ref(), layout),
-                caches.shape(),
-            ]);
-        }
-        // A failure part-way leaves nothing half-arranged: the model's caches go, and their
-        // sequences are prefilled again (or move) as after any failed step.
-        let result = self.step(session, layout, model, step, options);
-        if result.is_err() {
-            self.models.remove(model);
-        }
-        result
+            vec![logits_tensor(Vec::new(), 0), padding(caches.batch.as_ref(), layout)]
+        } else {
+            // A failure part-way leaves nothing half-arranged: the model's caches go, and their
+            // sequences are prefilled again (or move) as after any failed step.
+            match self.step(session, layout, model, step, options) {
+                Ok(outputs) => outputs,
+                Err(error) => {
+                    self.models.remove(model);
+                    return Err(error);
+                }
+            }
+        };
+        outputs.push(self.models.get(model).expect("made by decode").shape());
+        Ok(outputs)
     }
 
     fn step(
@@ -305,12 +306,8 @@ impl Generations {
         }
         let mut batch = batch.ok_or_else(|| BackendError::CacheMissing(step.rows.iter().map(|r| r.seq).collect()))?;
         let result = self.run_step(session, layout, &mut batch, step, options);
-        let caches = self.models.get_mut(model).expect("made by decode");
-        caches.batch = Some(batch);
-        result.map(|mut outputs| {
-            outputs.push(caches.shape());
-            outputs
-        })
+        self.models.get_mut(model).expect("made by decode").batch = Some(batch);
+        result
     }
 
     /// Run the batch's next slot: each row of `step` its token, every other row a masked pad.
