@@ -17,6 +17,7 @@
 
 pub mod builtin;
 pub mod cases;
+mod compiled;
 mod handle;
 pub mod recent;
 mod script;

@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 
 use rhai::{AST, CallFnOptions, Dynamic, EvalAltResult, ImmutableString, ParseError, Position, Scope};
 
+use super::compiled::{self, Compiled};
 use super::values::{self, List, Params, StateView, Table};
 
 use crate::core::snapshot::{Decision, RequestInfo, Snapshot};
@@ -148,6 +149,8 @@ pub struct Script {
     program: Arc<Program>,
     /// `state.params`, converted once.
     params: Dynamic,
+    /// The same, as the compiled evaluation reads them.
+    compiled_params: compiled::Params,
     fallback: Decision,
 }
 
@@ -155,6 +158,8 @@ pub struct Script {
 #[derive(Debug)]
 struct Program {
     ast: AST,
+    /// Its common path lowered (`compiled.rs`): what an evaluation tries first.
+    compiled: Option<Compiled>,
     origin: String,
 }
 
@@ -169,9 +174,11 @@ impl Script {
             .map_err(|message| PolicyError::new(PolicyErrorKind::Compile, origin, Position::NONE, message))?;
         Ok(Script {
             program: Arc::new(Program {
+                compiled: Compiled::new(&ast),
                 ast,
                 origin: origin.to_string(),
             }),
+            compiled_params: compiled::params(&params),
             params,
             fallback: settings.fallback.clone(),
         })
@@ -184,6 +191,7 @@ impl Script {
         })?;
         Ok(Script {
             program: Arc::clone(&self.program),
+            compiled_params: compiled::params(&params),
             params,
             fallback: self.fallback.clone(),
         })
@@ -241,6 +249,25 @@ impl Script {
     }
 
     fn run(&self, req: &RequestInfo, view: &StateView) -> Result<Decision, PolicyError> {
+        match self.run_compiled(req, view) {
+            Some(decision) => self.checked(decision, view),
+            None => self.run_interpreted(req, view),
+        }
+    }
+
+    /// The compiled evaluation's decision, or `None` where it leaves the script to Rhai.
+    pub(crate) fn run_compiled(&self, req: &RequestInfo, view: &StateView) -> Option<Decision> {
+        let compiled = self.program.compiled.as_ref()?;
+        compiled.decide(&compiled::Inputs {
+            req,
+            view,
+            params: &self.compiled_params,
+        })
+    }
+
+    /// The evaluation on Rhai: what answers whenever the compiled one gives up, and the
+    /// reference it is tested against (`policy::tests::evaluators`).
+    pub(crate) fn run_interpreted(&self, req: &RequestInfo, view: &StateView) -> Result<Decision, PolicyError> {
         let args = (values::request(req), view.to_dynamic(&self.params));
         // `eval_ast(false)`: only functions matter; top-level statements never run, so each
         // call costs just the call (and a script cannot keep state between requests).
@@ -279,7 +306,11 @@ impl Script {
                 ),
             ));
         }
-        let decision = value.cast::<Decision>();
+        self.checked(value.cast::<Decision>(), view)
+    }
+
+    /// `decision`, unless it names a pool the state does not have.
+    pub(crate) fn checked(&self, decision: Decision, view: &StateView) -> Result<Decision, PolicyError> {
         if let Decision::Admit { pool: Some(pool) } | Decision::Redirect { pool } = &decision
             && !view.has_pool(pool)
         {

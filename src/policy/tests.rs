@@ -4,6 +4,7 @@
 //! The test scaffolding (`crate::testing`) is imported here for the files below: this file is the
 //! one `tests/it/layering.rs` recognises as test code, by its name.
 
+mod evaluators;
 mod handle;
 mod script;
 mod values;

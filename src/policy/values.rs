@@ -279,6 +279,10 @@ pub struct StateView {
     map: Map,
     pools: Table,
     services: Table,
+    /// The same state as it came, for the compiled evaluation (`compiled.rs`), which reads it
+    /// where it is instead of through `map`.
+    snapshot: Arc<Snapshot>,
+    live: Option<Arc<dyn LiveLoad>>,
 }
 
 impl StateView {
@@ -302,13 +306,20 @@ impl StateView {
         .into_iter()
         .map(|(k, v)| (k.into(), v))
         .collect();
-        StateView { map, pools, services }
+        StateView {
+            map,
+            pools,
+            services,
+            snapshot: Arc::new(snapshot.clone()),
+            live: None,
+        }
     }
 
     /// The same view whose pools read their load (and services what they run and hold) from
     /// `live` whenever a script reads them, so one view per sample serves every request until
     /// the next sample.
     pub fn with_live_load(mut self, live: Arc<dyn LiveLoad>) -> Self {
+        self.live = Some(Arc::clone(&live));
         self.pools.live = Some((Arc::clone(&live), Live::Pools));
         self.services.live = Some((live, Live::Services));
         for (key, table) in [("pools", &self.pools), ("services", &self.services)] {
@@ -327,6 +338,16 @@ impl StateView {
     /// The pool names, for error messages.
     pub fn pool_names(&self) -> impl Iterator<Item = &str> {
         self.pools.names()
+    }
+
+    /// The snapshot the view was made from.
+    pub(crate) fn snapshot(&self) -> &Snapshot {
+        &self.snapshot
+    }
+
+    /// Where its pools' and services' live figures come from, when they are read live.
+    pub(crate) fn live(&self) -> Option<&dyn LiveLoad> {
+        self.live.as_deref()
     }
 
     /// The `state` argument for one evaluation.
