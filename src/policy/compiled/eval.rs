@@ -40,7 +40,7 @@ enum V<'a> {
     State,
     Params,
     Table(Table<'a>),
-    Pool(&'a PoolState, Option<PoolLoadNow>),
+    Pool(&'a PoolState, Option<Rc<PoolLoadNow>>),
     Device(&'a DeviceState),
     Host(&'a HostState),
     Service(&'a ServiceState, Option<Rc<ServiceNow>>),
@@ -112,7 +112,8 @@ impl Compiled {
             nodes: 0,
             depth: 0,
         };
-        match eval.call(self.decide, vec![V::Req, V::State]) {
+        eval.stack.extend([V::Req, V::State]);
+        match eval.call(self.decide, 0) {
             Ok(V::Decision(d)) => Some(Arc::unwrap_or_clone(d)),
             _ => None,
         }
@@ -120,14 +121,14 @@ impl Compiled {
 }
 
 impl<'a> Eval<'a, '_> {
-    fn call(&mut self, f: usize, args: Vec<V<'a>>) -> R<'a, V<'a>> {
+    /// Call script function `f` with the arguments on the stack from `base` on.
+    fn call(&mut self, f: usize, base: usize) -> R<'a, V<'a>> {
         let function = &self.code.functions[f];
-        if args.len() != function.params || self.depth >= MAX_DEPTH {
+        if self.stack.len() - base != function.params || self.depth >= MAX_DEPTH {
             return Err(Stop::GiveUp);
         }
         self.depth += 1;
-        let (outer, base) = (self.frame, self.stack.len());
-        self.stack.extend(args);
+        let outer = self.frame;
         self.stack.resize(base + function.slots, V::Unit);
         self.frame = base;
         let result = match self.block(&function.body) {
@@ -197,24 +198,20 @@ impl<'a> Eval<'a, '_> {
                             }
                         }
                         Step::Method(native, args) => {
-                            let mut values = Vec::with_capacity(args.len() + 1);
-                            values.push(v);
-                            for a in args {
-                                values.push(self.expr(a)?);
-                            }
-                            self.native(*native, values)?
+                            let base = self.push(Some(v), args)?;
+                            self.native_on_stack(*native, base)?
                         }
                     };
                 }
                 Ok(v)
             }
             N::Call(f, args) => {
-                let values = self.exprs(args)?;
-                self.call(*f, values)
+                let base = self.push(None, args)?;
+                self.call(*f, base)
             }
             N::Native(native, args) => {
-                let values = self.exprs(args)?;
-                self.native(*native, values)
+                let base = self.push(None, args)?;
+                self.native_on_stack(*native, base)
             }
             N::Binary(op, operands) => {
                 let x = self.expr(&operands.0)?;
@@ -286,8 +283,24 @@ impl<'a> Eval<'a, '_> {
         }
     }
 
-    fn exprs(&mut self, nodes: &[N]) -> R<'a, Vec<V<'a>>> {
-        nodes.iter().map(|n| self.expr(n)).collect()
+    /// Push `first`, then the values of `nodes`, onto the stack; they start at the index
+    /// returned. (Arguments go where a call's frame will be, with no allocation of their own.
+    /// Whatever stops part-way leaves them to the enclosing call, which truncates its frame.)
+    fn push(&mut self, first: Option<V<'a>>, nodes: &[N]) -> R<'a, usize> {
+        let base = self.stack.len();
+        self.stack.extend(first);
+        for n in nodes {
+            let v = self.expr(n)?;
+            self.stack.push(v);
+        }
+        Ok(base)
+    }
+
+    /// [`Eval::native`] on the values on the stack from `base` on, which it then pops.
+    fn native_on_stack(&mut self, native: Native, base: usize) -> R<'a, V<'a>> {
+        let result = self.native(native, &self.stack[base..]);
+        self.stack.truncate(base);
+        result
     }
 
     /// `v.name` (and `v["name"]`): a field of a record, an entry of a table or map.
@@ -328,7 +341,7 @@ impl<'a> Eval<'a, '_> {
                 Table::Devices => V::Device(snapshot.devices.get(name)?),
                 Table::Pools => {
                     let pool = snapshot.pools.get(name)?;
-                    V::Pool(pool, self.live.and_then(|l| l.pool_load(name)))
+                    V::Pool(pool, self.live.and_then(|l| l.pool_load(name)).map(Rc::new))
                 }
                 Table::Services => {
                     let service = snapshot.services.get(name)?;
@@ -337,7 +350,7 @@ impl<'a> Eval<'a, '_> {
                 Table::Models => V::Model(snapshot.models.get(name)?),
                 Table::ModelPools(model) => V::ModelPool(model.pools.get(name)?),
             },
-            V::Pool(p, live) => pool_field(p, live.as_ref(), name)?,
+            V::Pool(p, live) => pool_field(p, live.as_deref(), name)?,
             V::Device(d) => match name {
                 "kind" => V::Str(d.kind.label()),
                 "total_bytes" => int(d.total_bytes),
@@ -393,10 +406,10 @@ impl<'a> Eval<'a, '_> {
         )
     }
 
-    fn native(&self, native: Native, args: Vec<V<'a>>) -> R<'a, V<'a>> {
+    fn native(&self, native: Native, args: &[V<'a>]) -> R<'a, V<'a>> {
         let give_up = Err(Stop::GiveUp);
         let decision = |d: Decision| Ok(V::Decision(Arc::new(d)));
-        match (native, args.as_slice()) {
+        match (native, args) {
             (Native::Admit, []) => decision(Decision::Admit { pool: None }),
             (Native::Admit, [pool]) => decision(Decision::Admit {
                 pool: Some(pool_name(pool)?),
