@@ -437,23 +437,39 @@ fn invalid(message: String) -> Box<EvalAltResult> {
     EvalAltResult::ErrorRuntime(Dynamic::from(InvalidDecision(message)), Position::NONE).into()
 }
 
-fn non_negative(function: &str, what: &str, value: i64) -> Result<u64, Box<EvalAltResult>> {
-    u64::try_from(value).map_err(|_| invalid(format!("{function}({what}): {what} must be ≥ 0, got {value}")))
+// What the decision constructors accept. The compiled evaluation (`compiled/eval.rs`) asks the
+// same functions, so the two refuse exactly the same values.
+
+/// Milliseconds, tokens or bytes given as an integer: ≥ 0.
+pub(super) fn count_of_int(value: i64) -> Option<u64> {
+    u64::try_from(value).ok()
 }
 
-/// Floats are accepted so that `defer(base * 1.5)` works; they are truncated toward zero.
+/// The same given as a float (so that `defer(base * 1.5)` works): finite and ≥ 0, truncated
+/// toward zero.
+pub(super) fn count_of_float(value: f64) -> Option<u64> {
+    (value.is_finite() && value >= 0.0 && value < u64::MAX as f64).then_some(value as u64)
+}
+
+/// A pool name or a rejection's reason: not blank.
+pub(super) fn not_blank(text: &str) -> bool {
+    !text.trim().is_empty()
+}
+
+fn non_negative(function: &str, what: &str, value: i64) -> Result<u64, Box<EvalAltResult>> {
+    count_of_int(value).ok_or_else(|| invalid(format!("{function}({what}): {what} must be ≥ 0, got {value}")))
+}
+
 fn non_negative_float(function: &str, what: &str, value: f64) -> Result<u64, Box<EvalAltResult>> {
-    if value.is_finite() && value >= 0.0 && value < u64::MAX as f64 {
-        Ok(value as u64)
-    } else {
-        Err(invalid(format!(
+    count_of_float(value).ok_or_else(|| {
+        invalid(format!(
             "{function}({what}): {what} must be a finite number ≥ 0, got {value}"
-        )))
-    }
+        ))
+    })
 }
 
 fn pool_name(function: &str, pool: ImmutableString) -> Result<String, Box<EvalAltResult>> {
-    if pool.trim().is_empty() {
+    if !not_blank(&pool) {
         Err(invalid(format!("{function}(pool): the pool name is empty")))
     } else {
         Ok(pool.to_string())
@@ -494,7 +510,7 @@ fn make_room(
 }
 
 fn reject(reason: ImmutableString) -> Result<Decision, Box<EvalAltResult>> {
-    if reason.trim().is_empty() {
+    if !not_blank(&reason) {
         Err(invalid("reject(reason): give the client a reason".to_string()))
     } else {
         Ok(Decision::Reject {

@@ -10,6 +10,7 @@ use super::{Compiled, Lit, MAX_DEPTH, MAX_NODES, N, Native, Op, S, Step};
 use crate::core::snapshot::{
     Decision, DeviceState, Estimate, HostState, ModelOnPoolState, ModelState, PoolState, RequestInfo, ServiceState,
 };
+use crate::policy::script;
 use crate::policy::values::{LiveLoad, PoolLoadNow, ServiceNow, StateView};
 
 /// Why an evaluation stopped before its end.
@@ -429,7 +430,7 @@ impl<'a> Eval<'a, '_> {
                 bytes: Some(amount(bytes)?),
             }),
             (Native::Reject, [reason]) => match reason.str() {
-                Some(r) if !r.trim().is_empty() => decision(Decision::Reject { reason: r.to_string() }),
+                Some(r) if script::not_blank(r) => decision(Decision::Reject { reason: r.to_string() }),
                 _ => give_up,
             },
             (Native::Contains, [container, key]) if Self::has_entries(container) => {
@@ -516,22 +517,22 @@ fn pool_field<'a>(p: &'a PoolState, live: Option<&PoolLoadNow>, name: &str) -> O
     })
 }
 
-/// A pool name a decision constructor accepts (as `script::pool_name`).
+/// A pool name a decision constructor accepts.
 fn pool_name<'a>(v: &V<'a>) -> R<'a, String> {
     match v.str() {
-        Some(pool) if !pool.trim().is_empty() => Ok(pool.to_string()),
+        Some(pool) if script::not_blank(pool) => Ok(pool.to_string()),
         _ => Err(Stop::GiveUp),
     }
 }
 
-/// Milliseconds, tokens or bytes a decision constructor accepts (as `script::non_negative` and
-/// `script::non_negative_float`).
+/// Milliseconds, tokens or bytes a decision constructor accepts.
 fn amount<'a>(v: &V<'a>) -> R<'a, u64> {
     match v {
-        V::Int(i) => u64::try_from(*i).map_err(|_| Stop::GiveUp),
-        V::Float(f) if f.is_finite() && *f >= 0.0 && *f < u64::MAX as f64 => Ok(*f as u64),
-        _ => Err(Stop::GiveUp),
+        V::Int(i) => script::count_of_int(*i),
+        V::Float(f) => script::count_of_float(*f),
+        _ => None,
     }
+    .ok_or(Stop::GiveUp)
 }
 
 /// Rhai's built-in operators on the values they are built in for: integers checked, floats
