@@ -306,11 +306,27 @@ impl<'a> Eval<'a, '_> {
 
     /// `v.name` (and `v["name"]`): a field of a record, an entry of a table or map.
     fn member(&self, v: &V<'a>, name: &str) -> R<'a, V<'a>> {
-        self.field(v, name).ok_or(Stop::GiveUp)
+        self.field(v, name)?.ok_or(Stop::GiveUp)
     }
 
-    /// `v.name`, or `None` when `v` has no such entry (or is not something with entries).
-    fn field(&self, v: &V<'a>, name: &str) -> Option<V<'a>> {
+    /// `v.name`, or `None` when `v` has no such entry (or is not something with entries). An
+    /// entry that is there but that this evaluation does not represent (`state.processes`, a
+    /// param that is an array or a map) gives up: saying it is absent would make `in` and
+    /// `get` answer differently from Rhai.
+    fn field(&self, v: &V<'a>, name: &str) -> R<'a, Option<V<'a>>> {
+        let unrepresented = match v {
+            V::State => name == "processes",
+            V::Params => (self.inputs.params.iter()).any(|(k, value)| k.as_str() == name && value.is_none()),
+            _ => false,
+        };
+        match unrepresented {
+            true => Err(Stop::GiveUp),
+            false => Ok(self.entry(v, name)),
+        }
+    }
+
+    /// [`Eval::field`] for the entries it represents.
+    fn entry(&self, v: &V<'a>, name: &str) -> Option<V<'a>> {
         let snapshot = self.inputs.view.snapshot();
         Some(match v {
             V::Req => request_field(self.inputs.req, name)?,
@@ -435,11 +451,11 @@ impl<'a> Eval<'a, '_> {
             },
             (Native::Contains, [container, key]) if Self::has_entries(container) => {
                 let key = key.str().ok_or(Stop::GiveUp)?;
-                Ok(V::Bool(self.field(container, key).is_some()))
+                Ok(V::Bool(self.field(container, key)?.is_some()))
             }
             (Native::Get, [container, key]) if Self::has_entries(container) => {
                 let key = key.str().ok_or(Stop::GiveUp)?;
-                Ok(self.field(container, key).unwrap_or(V::Unit))
+                Ok(self.field(container, key)?.unwrap_or(V::Unit))
             }
             (Native::Len | Native::IsEmpty, [v]) => {
                 let snapshot = self.inputs.view.snapshot();

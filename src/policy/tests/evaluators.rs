@@ -247,14 +247,19 @@ fn scripts_that_fail_fail_alike() {
         "reject(`${req.batch} ${req.replayable} ${req.pool} ${state.degraded}`)",
         "reject(`${1.5}`)",
         "defer(req.id.len() + \"é\".len())",
+        "if \"processes\" in state && \"degraded\" in state { defer(1) } else { defer(2) }",
+        "if state.get(\"processes\") != () { defer(1) } else { defer(2) }",
+        "if \"limits\" in state.params { defer(1) } else { defer(2) }",
     ];
+    // A param that is an array: there, though the compiled evaluation cannot read it.
+    let settings = settings(&[("limits", serde_json::json!([1, 2]))]);
     let source = |body: &str| {
         format!("fn down(n) {{ down(n + 1) }}\nfn twice(n) {{ n * 2 }}\nfn decide(req, state) {{\n    {body}\n}}")
     };
     let view = StateView::new(&snapshot());
     let (mut failed, mut answered) = (0, 0);
     for body in bodies {
-        let script = script(&source(body));
+        let script = Script::compile(&source(body), "test.rhai", &settings).expect("compiles");
         let (answer, compiled) = on_both(&script, &request(), &view, body);
         failed += usize::from(answer.is_err());
         answered += usize::from(compiled);
