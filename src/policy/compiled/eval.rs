@@ -125,7 +125,11 @@ impl<'a> Eval<'a, '_> {
     /// Call script function `f` with the arguments on the stack from `base` on.
     fn call(&mut self, f: usize, base: usize) -> R<'a, V<'a>> {
         let function = &self.code.functions[f];
-        if self.stack.len() - base != function.params || self.depth >= MAX_DEPTH {
+        // Rhai counts every variable alive in all frames against its limit; this stack holds
+        // at least as many (every `let` of each frame, and arguments on their way), so one far
+        // below the limit is always within Rhai's.
+        let crowded = base + function.slots > crate::policy::MAX_VARIABLES / 2;
+        if self.stack.len() - base != function.params || self.depth >= MAX_DEPTH || crowded {
             return Err(Stop::GiveUp);
         }
         self.depth += 1;

@@ -132,6 +132,8 @@ impl Lowering<'_> {
             Expr::StringConstant(s, ..) => N::Lit(Lit::Str(s.clone())),
             Expr::Unit(..) => N::Lit(Lit::Unit),
             Expr::InterpolatedString(parts, ..) => N::Interpolated(parts.iter().map(|p| self.expr(p)).collect()),
+            // A literal over the sandbox's map size is Rhai's to refuse.
+            Expr::Map(map, ..) if map.0.len() > crate::policy::MAX_MAP_SIZE => N::GiveUp,
             Expr::Map(map, ..) => N::Map(map.0.iter().map(|(k, v)| (k.name.clone(), self.expr(v))).collect()),
             Expr::Variable(var, ..) if var.2.is_empty() => {
                 self.local(&var.1).map_or(N::GiveUp, |(slot, _)| N::Local(slot))
