@@ -15,6 +15,7 @@
 //! - [`cases`] runs the test cases kept beside the policies (`policies/tests/*.yaml`);
 //!   the `vramguard policy check|test|eval` command (`cmd::policy`) is built on them.
 
+mod accept;
 pub mod builtin;
 pub mod cases;
 mod compiled;

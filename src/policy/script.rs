@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 
 use rhai::{AST, CallFnOptions, Dynamic, EvalAltResult, ImmutableString, ParseError, Position, Scope};
 
+use super::accept::{count_of_float, count_of_int, not_blank};
 use super::compiled::{self, Compiled};
 use super::values::{self, List, Params, StateView, Table};
 
@@ -435,25 +436,6 @@ struct InvalidDecision(String);
 
 fn invalid(message: String) -> Box<EvalAltResult> {
     EvalAltResult::ErrorRuntime(Dynamic::from(InvalidDecision(message)), Position::NONE).into()
-}
-
-// What the decision constructors accept. The compiled evaluation (`compiled/eval.rs`) asks the
-// same functions, so the two refuse exactly the same values.
-
-/// Milliseconds, tokens or bytes given as an integer: ≥ 0.
-pub(super) fn count_of_int(value: i64) -> Option<u64> {
-    u64::try_from(value).ok()
-}
-
-/// The same given as a float (so that `defer(base * 1.5)` works): finite and ≥ 0, truncated
-/// toward zero.
-pub(super) fn count_of_float(value: f64) -> Option<u64> {
-    (value.is_finite() && value >= 0.0 && value < u64::MAX as f64).then_some(value as u64)
-}
-
-/// A pool name or a rejection's reason: not blank.
-pub(super) fn not_blank(text: &str) -> bool {
-    !text.trim().is_empty()
 }
 
 fn non_negative(function: &str, what: &str, value: i64) -> Result<u64, Box<EvalAltResult>> {

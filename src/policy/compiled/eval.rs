@@ -10,7 +10,7 @@ use super::{Compiled, Lit, MAX_DEPTH, MAX_NODES, N, Native, Op, S, Step};
 use crate::core::snapshot::{
     Decision, DeviceState, Estimate, HostState, ModelOnPoolState, ModelState, PoolState, RequestInfo, ServiceState,
 };
-use crate::policy::script;
+use crate::policy::accept;
 use crate::policy::values::{LiveLoad, PoolLoadNow, ServiceNow, StateView};
 
 /// Why an evaluation stopped before its end.
@@ -450,7 +450,7 @@ impl<'a> Eval<'a, '_> {
                 bytes: Some(amount(bytes)?),
             }),
             (Native::Reject, [reason]) => match reason.str() {
-                Some(r) if script::not_blank(r) => decision(Decision::Reject { reason: r.to_string() }),
+                Some(r) if accept::not_blank(r) => decision(Decision::Reject { reason: r.to_string() }),
                 _ => give_up,
             },
             (Native::Contains, [container, key]) if Self::has_entries(container) => {
@@ -540,7 +540,7 @@ fn pool_field<'a>(p: &'a PoolState, live: Option<&PoolLoadNow>, name: &str) -> O
 /// A pool name a decision constructor accepts.
 fn pool_name<'a>(v: &V<'a>) -> R<'a, String> {
     match v.str() {
-        Some(pool) if script::not_blank(pool) => Ok(pool.to_string()),
+        Some(pool) if accept::not_blank(pool) => Ok(pool.to_string()),
         _ => Err(Stop::GiveUp),
     }
 }
@@ -548,8 +548,8 @@ fn pool_name<'a>(v: &V<'a>) -> R<'a, String> {
 /// Milliseconds, tokens or bytes a decision constructor accepts.
 fn amount<'a>(v: &V<'a>) -> R<'a, u64> {
     match v {
-        V::Int(i) => script::count_of_int(*i),
-        V::Float(f) => script::count_of_float(*f),
+        V::Int(i) => accept::count_of_int(*i),
+        V::Float(f) => accept::count_of_float(*f),
         _ => None,
     }
     .ok_or(Stop::GiveUp)
