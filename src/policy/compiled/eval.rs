@@ -2,11 +2,10 @@
 
 use std::collections::BTreeMap;
 use std::rc::Rc;
-use std::sync::Arc;
 
 use rhai::ImmutableString;
 
-use super::{Compiled, Lit, MAX_DEPTH, MAX_NODES, N, Native, Op, S, Step};
+use super::{Compiled, Field, Id, List, Lit, MAX_DEPTH, MAX_NODES, N, Native, Op, S, Step};
 use crate::core::snapshot::{
     Decision, DeviceState, Estimate, HostState, ModelOnPoolState, ModelState, PoolState, RequestInfo, ServiceState,
 };
@@ -23,7 +22,8 @@ enum Stop<'a> {
 
 type R<'a, T> = Result<T, Stop<'a>>;
 
-/// A value during an evaluation; records of `req` and `state` are read where they are.
+/// A value during an evaluation; records of `req` and `state`, and the script's constants, are
+/// read where they are.
 #[derive(Clone)]
 enum V<'a> {
     Unit,
@@ -32,7 +32,10 @@ enum V<'a> {
     Float(f64),
     Str(&'a str),
     Own(ImmutableString),
-    Decision(Arc<Decision>),
+    /// A decision the script wrote as a constant (`admit()`).
+    Decided(&'a Decision),
+    /// One it made (`redirect(pool)`).
+    Made(Rc<Decision>),
     Map(Rc<[(ImmutableString, V<'a>)]>),
     Req,
     Estimate(&'a Estimate),
@@ -68,18 +71,49 @@ impl<'a> V<'a> {
     }
 }
 
+/// A property or entry name: the [`Field`] it is when a record has one (resolved when the
+/// script was compiled, for a `.name` written in it), else its text. Records read only the
+/// field; the text is read only where any name can be an entry (a table, a map), so that
+/// reading a record's field touches no string.
+#[derive(Clone, Copy)]
+enum Key<'k> {
+    Field(Field),
+    Name(&'k str),
+}
+
+impl<'k> Key<'k> {
+    /// The key named `name`, found at run time (`state.pools[req.pool]`, `get`, `in`).
+    fn of(name: &'k str) -> Key<'k> {
+        Field::of(name).map_or(Key::Name(name), Key::Field)
+    }
+
+    fn field(self) -> Option<Field> {
+        match self {
+            Key::Field(field) => Some(field),
+            Key::Name(_) => None,
+        }
+    }
+
+    fn name(self) -> &'k str {
+        match self {
+            Key::Field(field) => field.name(),
+            Key::Name(name) => name,
+        }
+    }
+}
+
 fn int(v: u64) -> V<'static> {
     V::Int(i64::try_from(v).unwrap_or(i64::MAX))
 }
 
-fn from_lit<'a>(lit: &Lit) -> V<'a> {
+fn from_lit(lit: &Lit) -> V<'_> {
     match lit {
         Lit::Unit => V::Unit,
         Lit::Bool(b) => V::Bool(*b),
         Lit::Int(i) => V::Int(*i),
         Lit::Float(f) => V::Float(*f),
-        Lit::Str(s) => V::Own(s.clone()),
-        Lit::Decision(d) => V::Decision(Arc::clone(d)),
+        Lit::Str(s) => V::Str(s.as_str()),
+        Lit::Decision(d) => V::Decided(d),
         Lit::Map(m) => V::Map(m.iter().map(|(k, v)| (k.clone(), from_lit(v))).collect()),
     }
 }
@@ -91,9 +125,9 @@ pub(crate) struct Inputs<'a> {
     pub params: &'a [(ImmutableString, Option<Lit>)],
 }
 
-struct Eval<'a, 'c> {
-    code: &'c Compiled,
-    inputs: &'c Inputs<'a>,
+struct Eval<'a> {
+    code: &'a Compiled,
+    inputs: &'a Inputs<'a>,
     live: Option<&'a dyn LiveLoad>,
     stack: Vec<V<'a>>,
     frame: usize,
@@ -115,13 +149,18 @@ impl Compiled {
         };
         eval.stack.extend([V::Req, V::State]);
         match eval.call(self.decide, 0) {
-            Ok(V::Decision(d)) => Some(Arc::unwrap_or_clone(d)),
+            Ok(V::Decided(d)) => Some(d.clone()),
+            Ok(V::Made(d)) => Some(Rc::unwrap_or_clone(d)),
             _ => None,
         }
     }
+
+    fn members(&self, list: List) -> &[u32] {
+        &self.lists[list.range()]
+    }
 }
 
-impl<'a> Eval<'a, '_> {
+impl<'a> Eval<'a> {
     /// Call script function `f` with the arguments on the stack from `base` on.
     fn call(&mut self, f: usize, base: usize) -> R<'a, V<'a>> {
         let function = &self.code.functions[f];
@@ -136,7 +175,7 @@ impl<'a> Eval<'a, '_> {
         let outer = self.frame;
         self.stack.resize(base + function.slots, V::Unit);
         self.frame = base;
-        let result = match self.block(&function.body) {
+        let result = match self.block(function.body) {
             Ok(v) | Err(Stop::Return(v)) => Ok(v),
             Err(Stop::GiveUp) => Err(Stop::GiveUp),
         };
@@ -154,107 +193,110 @@ impl<'a> Eval<'a, '_> {
         Ok(())
     }
 
-    fn block(&mut self, statements: &[S]) -> R<'a, V<'a>> {
+    fn block(&mut self, statements: List) -> R<'a, V<'a>> {
+        let code = self.code;
         let mut value = V::Unit;
-        for s in statements {
+        for &s in code.members(statements) {
             value = self.stmt(s)?;
         }
         Ok(value)
     }
 
-    fn stmt(&mut self, s: &S) -> R<'a, V<'a>> {
+    fn stmt(&mut self, s: Id) -> R<'a, V<'a>> {
         self.count()?;
-        match s {
-            S::Let(slot, n) | S::Set(slot, n) => {
+        match &self.code.stmts[s as usize] {
+            &S::Let(slot, n) | &S::Set(slot, n) => {
                 let v = self.expr(n)?;
-                self.stack[self.frame + slot] = v;
+                self.stack[self.frame + slot as usize] = v;
                 Ok(V::Unit)
             }
-            S::Expr(n) => self.expr(n),
-            S::If(guard, then, otherwise) => match self.expr(guard)? {
+            &S::Expr(n) => self.expr(n),
+            &S::If(guard, then, otherwise) => match self.expr(guard)? {
                 V::Bool(true) => self.block(then),
                 V::Bool(false) => self.block(otherwise),
                 _ => Err(Stop::GiveUp),
             },
-            S::Return(n) => {
+            &S::Return(n) => {
                 let v = self.expr(n)?;
                 Err(Stop::Return(v))
             }
-            S::Block(b) => self.block(b),
+            &S::Block(b) => self.block(b),
             S::GiveUp => Err(Stop::GiveUp),
         }
     }
 
-    fn expr(&mut self, n: &N) -> R<'a, V<'a>> {
+    /// The value of each of `operands` in turn until one is not `go_on` (`&&` and `||`).
+    fn logical(&mut self, operands: List, go_on: bool) -> R<'a, V<'a>> {
+        let code = self.code;
+        for &o in code.members(operands) {
+            match self.expr(o)? {
+                V::Bool(b) if b == go_on => {}
+                V::Bool(b) => return Ok(V::Bool(b)),
+                _ => return Err(Stop::GiveUp),
+            }
+        }
+        Ok(V::Bool(go_on))
+    }
+
+    fn expr(&mut self, n: Id) -> R<'a, V<'a>> {
         self.count()?;
-        match n {
-            N::Lit(l) => Ok(from_lit(l)),
-            N::Local(slot) => Ok(self.stack[self.frame + slot].clone()),
-            N::Chain(root, steps) => {
+        let code = self.code;
+        match &code.nodes[n as usize] {
+            N::Unit => Ok(V::Unit),
+            &N::Bool(b) => Ok(V::Bool(b)),
+            &N::Int(i) => Ok(V::Int(i)),
+            &N::Float(f) => Ok(V::Float(f)),
+            &N::Text(start, len) => Ok(V::Str(&code.text[start as usize..(start + len) as usize])),
+            &N::Lit(l) => Ok(from_lit(&code.lits[l as usize])),
+            &N::Local(slot) => Ok(self.stack[self.frame + slot as usize].clone()),
+            &N::Chain(root, steps) => {
                 let mut v = self.expr(root)?;
-                for step in steps {
+                for step in &code.steps[steps.range()] {
                     v = match step {
-                        Step::Property(name) => self.member(&v, name)?,
-                        Step::Index(index) => {
+                        &Step::Field(field) => self.member(&v, Key::Field(field))?,
+                        Step::Name(name) => self.member(&v, Key::Name(name))?,
+                        &Step::Index(index) => {
                             let key = self.expr(index)?;
                             match key.str() {
-                                Some(name) => self.member(&v, name)?,
+                                Some(name) => self.member(&v, Key::of(name))?,
                                 None => return Err(Stop::GiveUp),
                             }
                         }
-                        Step::Method(native, args) => {
+                        &Step::Method(native, args) => {
                             let base = self.push(Some(v), args)?;
-                            self.native_on_stack(*native, base)?
+                            self.native_on_stack(native, base)?
                         }
                     };
                 }
                 Ok(v)
             }
-            N::Call(f, args) => {
+            &N::Call(f, args) => {
                 let base = self.push(None, args)?;
-                self.call(*f, base)
+                self.call(f as usize, base)
             }
-            N::Native(native, args) => {
+            &N::Native(native, args) => {
                 let base = self.push(None, args)?;
-                self.native_on_stack(*native, base)
+                self.native_on_stack(native, base)
             }
-            N::Binary(op, operands) => {
-                let x = self.expr(&operands.0)?;
-                let y = self.expr(&operands.1)?;
-                binary_op(*op, &x, &y)
+            &N::Binary(op, x, y) => {
+                let x = self.expr(x)?;
+                let y = self.expr(y)?;
+                binary_op(op, &x, &y)
             }
-            N::Neg(x) => match self.expr(x)? {
+            &N::Neg(x) => match self.expr(x)? {
                 V::Int(i) => i.checked_neg().map(V::Int).ok_or(Stop::GiveUp),
                 V::Float(f) => Ok(V::Float(-f)),
                 _ => Err(Stop::GiveUp),
             },
-            N::Not(x) => match self.expr(x)? {
+            &N::Not(x) => match self.expr(x)? {
                 V::Bool(b) => Ok(V::Bool(!b)),
                 _ => Err(Stop::GiveUp),
             },
-            N::And(operands) => {
-                for o in operands {
-                    match self.expr(o)? {
-                        V::Bool(true) => {}
-                        V::Bool(false) => return Ok(V::Bool(false)),
-                        _ => return Err(Stop::GiveUp),
-                    }
-                }
-                Ok(V::Bool(true))
-            }
-            N::Or(operands) => {
-                for o in operands {
-                    match self.expr(o)? {
-                        V::Bool(false) => {}
-                        V::Bool(true) => return Ok(V::Bool(true)),
-                        _ => return Err(Stop::GiveUp),
-                    }
-                }
-                Ok(V::Bool(false))
-            }
-            N::Coalesce(operands) => {
+            &N::And(operands) => self.logical(operands, true),
+            &N::Or(operands) => self.logical(operands, false),
+            &N::Coalesce(operands) => {
                 let mut v = V::Unit;
-                for o in operands {
+                for &o in code.members(operands) {
                     v = self.expr(o)?;
                     if !matches!(v, V::Unit) {
                         break;
@@ -262,9 +304,9 @@ impl<'a> Eval<'a, '_> {
                 }
                 Ok(v)
             }
-            N::Interpolated(parts) => {
+            &N::Interpolated(parts) => {
                 let mut text = String::new();
-                for p in parts {
+                for &p in code.members(parts) {
                     match self.expr(p)? {
                         V::Int(i) => text.push_str(&i.to_string()),
                         V::Bool(b) => text.push_str(if b { "true" } else { "false" }),
@@ -276,11 +318,12 @@ impl<'a> Eval<'a, '_> {
                 }
                 Ok(V::Own(text.into()))
             }
-            N::Block(b) => self.block(b),
-            N::Map(entries) => {
+            &N::Block(b) => self.block(b),
+            &N::Map(m) => {
+                let entries = &code.maps[m as usize];
                 let mut map = Vec::with_capacity(entries.len());
-                for (k, v) in entries {
-                    map.push((k.clone(), self.expr(v)?));
+                for (k, v) in entries.iter() {
+                    map.push((k.clone(), self.expr(*v)?));
                 }
                 Ok(V::Map(map.into()))
             }
@@ -291,10 +334,11 @@ impl<'a> Eval<'a, '_> {
     /// Push `first`, then the values of `nodes`, onto the stack; they start at the index
     /// returned. (Arguments go where a call's frame will be, with no allocation of their own.
     /// Whatever stops part-way leaves them to the enclosing call, which truncates its frame.)
-    fn push(&mut self, first: Option<V<'a>>, nodes: &[N]) -> R<'a, usize> {
+    fn push(&mut self, first: Option<V<'a>>, nodes: List) -> R<'a, usize> {
+        let code = self.code;
         let base = self.stack.len();
         self.stack.extend(first);
-        for n in nodes {
+        for &n in code.members(nodes) {
             let v = self.expr(n)?;
             self.stack.push(v);
         }
@@ -309,112 +353,115 @@ impl<'a> Eval<'a, '_> {
     }
 
     /// `v.name` (and `v["name"]`): a field of a record, an entry of a table or map.
-    fn member(&self, v: &V<'a>, name: &str) -> R<'a, V<'a>> {
-        self.field(v, name)?.ok_or(Stop::GiveUp)
+    fn member(&self, v: &V<'a>, key: Key<'_>) -> R<'a, V<'a>> {
+        self.field(v, key)?.ok_or(Stop::GiveUp)
     }
 
     /// `v.name`, or `None` when `v` has no such entry (or is not something with entries). An
     /// entry that is there but that this evaluation does not represent (`state.processes`, a
     /// param that is an array or a map) gives up: saying it is absent would make `in` and
     /// `get` answer differently from Rhai.
-    fn field(&self, v: &V<'a>, name: &str) -> R<'a, Option<V<'a>>> {
-        let unrepresented = match v {
-            V::State => name == "processes",
-            V::Params => (self.inputs.params.iter()).any(|(k, value)| k.as_str() == name && value.is_none()),
-            _ => false,
-        };
-        match unrepresented {
-            true => Err(Stop::GiveUp),
-            false => Ok(self.entry(v, name)),
+    fn field(&self, v: &V<'a>, key: Key<'_>) -> R<'a, Option<V<'a>>> {
+        match v {
+            V::State if key.field() == Some(Field::Processes) => Err(Stop::GiveUp),
+            V::Params => {
+                let name = key.name();
+                match self.inputs.params.iter().find(|(k, _)| k.as_str() == name) {
+                    Some((_, Some(value))) => Ok(Some(from_lit(value))),
+                    Some((_, None)) => Err(Stop::GiveUp),
+                    None => Ok(None),
+                }
+            }
+            _ => Ok(self.entry(v, key)),
         }
     }
 
     /// [`Eval::field`] for the entries it represents.
-    fn entry(&self, v: &V<'a>, name: &str) -> Option<V<'a>> {
-        let snapshot = self.inputs.view.snapshot();
+    fn entry(&self, v: &V<'a>, key: Key<'_>) -> Option<V<'a>> {
+        let inputs = self.inputs;
+        let snapshot = inputs.view.snapshot();
+        let name = || key.name();
         Some(match v {
-            V::Req => request_field(self.inputs.req, name)?,
-            V::Estimate(e) => match name {
-                "weights_bytes" => int(e.weights_bytes),
-                "context_bytes" => int(e.context_bytes),
-                "workspace_bytes" => int(e.workspace_bytes),
-                "total_bytes" => int(e.total_bytes),
-                "source" => V::Str(e.source.label()),
+            // Records: only their fields.
+            V::Req => request_field(inputs.req, key.field()?)?,
+            V::Estimate(e) => match key.field()? {
+                Field::WeightsBytes => int(e.weights_bytes),
+                Field::ContextBytes => int(e.context_bytes),
+                Field::WorkspaceBytes => int(e.workspace_bytes),
+                Field::TotalBytes => int(e.total_bytes),
+                Field::Source => V::Str(e.source.label()),
                 _ => return None,
             },
-            V::Counts(counts) => int(*counts.get(name)?),
-            V::OwnCounts(counts) => int(*counts.get(name)?),
-            V::State => match name {
-                "devices" => V::Table(Table::Devices),
-                "pools" => V::Table(Table::Pools),
-                "services" => V::Table(Table::Services),
-                "models" => V::Table(Table::Models),
-                "host" => V::Host(&snapshot.host),
-                "degraded" => V::Bool(snapshot.degraded),
-                "params" => V::Params,
+            V::State => match key.field()? {
+                Field::Devices => V::Table(Table::Devices),
+                Field::Pools => V::Table(Table::Pools),
+                Field::Services => V::Table(Table::Services),
+                Field::Models => V::Table(Table::Models),
+                Field::Host => V::Host(&snapshot.host),
+                Field::Degraded => V::Bool(snapshot.degraded),
+                Field::Params => V::Params,
                 _ => return None,
             },
-            V::Params => {
-                let (_, value) = self.inputs.params.iter().find(|(k, _)| k.as_str() == name)?;
-                from_lit(value.as_ref()?)
-            }
-            V::Table(table) => match table {
-                Table::Devices => V::Device(snapshot.devices.get(name)?),
-                Table::Pools => {
-                    let pool = snapshot.pools.get(name)?;
-                    V::Pool(pool, self.live.and_then(|l| l.pool_load(name)).map(Rc::new))
-                }
-                Table::Services => {
-                    let service = snapshot.services.get(name)?;
-                    V::Service(service, self.live.and_then(|l| l.service_now(name)).map(Rc::new))
-                }
-                Table::Models => V::Model(snapshot.models.get(name)?),
-                Table::ModelPools(model) => V::ModelPool(model.pools.get(name)?),
-            },
-            V::Pool(p, live) => pool_field(p, live.as_deref(), name)?,
-            V::Device(d) => match name {
-                "kind" => V::Str(d.kind.label()),
-                "total_bytes" => int(d.total_bytes),
-                "used_bytes" => int(d.used_bytes),
-                "free_bytes" => int(d.free_bytes),
-                "reserved_bytes" => int(d.reserved_bytes),
-                "active_bytes" => int(d.active_bytes),
-                "headroom_bytes" => int(d.headroom_bytes),
+            V::Pool(p, live) => pool_field(p, live.as_deref(), key.field()?)?,
+            V::Device(d) => match key.field()? {
+                Field::Kind => V::Str(d.kind.label()),
+                Field::TotalBytes => int(d.total_bytes),
+                Field::UsedBytes => int(d.used_bytes),
+                Field::FreeBytes => int(d.free_bytes),
+                Field::ReservedBytes => int(d.reserved_bytes),
+                Field::ActiveBytes => int(d.active_bytes),
+                Field::HeadroomBytes => int(d.headroom_bytes),
                 _ => return None,
             },
-            V::Host(h) => match name {
-                "mem_available_bytes" => int(h.mem_available_bytes),
-                "mem_total_bytes" => int(h.mem_total_bytes),
-                "reserve_bytes" => int(h.reserve_bytes),
+            V::Host(h) => match key.field()? {
+                Field::MemAvailableBytes => int(h.mem_available_bytes),
+                Field::MemTotalBytes => int(h.mem_total_bytes),
+                Field::ReserveBytes => int(h.reserve_bytes),
                 _ => return None,
             },
-            V::Service(s, live) => match name {
-                "class" => V::Str(&s.class),
-                "priority" => V::Int(s.priority),
-                "running" => int(live.as_ref().map_or(s.running, |now| now.running)),
-                "concurrency" => int(s.concurrency),
-                "budget_bytes" => int(s.budget_bytes),
-                "memory_bytes" => match live {
+            V::Service(s, live) => match key.field()? {
+                Field::Class => V::Str(&s.class),
+                Field::Priority => V::Int(s.priority),
+                Field::Running => int(live.as_ref().map_or(s.running, |now| now.running)),
+                Field::Concurrency => int(s.concurrency),
+                Field::BudgetBytes => int(s.budget_bytes),
+                Field::MemoryBytes => match live {
                     Some(now) => V::OwnCounts(Rc::new(now.memory_bytes.clone())),
                     None => V::Counts(&s.memory_bytes),
                 },
                 _ => return None,
             },
-            V::Model(m) => match name {
-                "priority" => V::Int(m.priority),
-                "residency" => V::Str(&m.residency),
-                "pools" => V::Table(Table::ModelPools(m)),
+            V::Model(m) => match key.field()? {
+                Field::Priority => V::Int(m.priority),
+                Field::Residency => V::Str(&m.residency),
+                Field::Pools => V::Table(Table::ModelPools(m)),
                 _ => return None,
             },
-            V::ModelPool(p) => match name {
-                "resident" => V::Bool(p.resident),
-                "busy" => int(p.busy),
-                "idle_ms" => int(p.idle_ms),
-                "loaded_ms_ago" => int(p.loaded_ms_ago),
-                "weights_bytes" => int(p.weights_bytes),
+            V::ModelPool(p) => match key.field()? {
+                Field::Resident => V::Bool(p.resident),
+                Field::Busy => int(p.busy),
+                Field::IdleMs => int(p.idle_ms),
+                Field::LoadedMsAgo => int(p.loaded_ms_ago),
+                Field::WeightsBytes => int(p.weights_bytes),
                 _ => return None,
             },
-            V::Map(entries) => entries.iter().find(|(k, _)| k.as_str() == name)?.1.clone(),
+            // Tables and maps: any name.
+            V::Counts(counts) => int(*counts.get(name())?),
+            V::OwnCounts(counts) => int(*counts.get(name())?),
+            V::Table(table) => match table {
+                Table::Devices => V::Device(snapshot.devices.get(name())?),
+                Table::Pools => {
+                    let pool = snapshot.pools.get(name())?;
+                    V::Pool(pool, self.live.and_then(|l| l.pool_load(name())).map(Rc::new))
+                }
+                Table::Services => {
+                    let service = snapshot.services.get(name())?;
+                    V::Service(service, self.live.and_then(|l| l.service_now(name())).map(Rc::new))
+                }
+                Table::Models => V::Model(snapshot.models.get(name())?),
+                Table::ModelPools(model) => V::ModelPool(model.pools.get(name())?),
+            },
+            V::Map(entries) => entries.iter().find(|(k, _)| k.as_str() == name())?.1.clone(),
             _ => return None,
         })
     }
@@ -423,13 +470,13 @@ impl<'a> Eval<'a, '_> {
     fn has_entries(v: &V<'a>) -> bool {
         !matches!(
             v,
-            V::Unit | V::Bool(_) | V::Int(_) | V::Float(_) | V::Str(_) | V::Own(_) | V::Decision(_)
+            V::Unit | V::Bool(_) | V::Int(_) | V::Float(_) | V::Str(_) | V::Own(_) | V::Decided(_) | V::Made(_)
         )
     }
 
     fn native(&self, native: Native, args: &[V<'a>]) -> R<'a, V<'a>> {
         let give_up = Err(Stop::GiveUp);
-        let decision = |d: Decision| Ok(V::Decision(Arc::new(d)));
+        let decision = |d: Decision| Ok(V::Made(Rc::new(d)));
         match (native, args) {
             (Native::Admit, []) => decision(Decision::Admit { pool: None }),
             (Native::Admit, [pool]) => decision(Decision::Admit {
@@ -455,11 +502,11 @@ impl<'a> Eval<'a, '_> {
             },
             (Native::Contains, [container, key]) if Self::has_entries(container) => {
                 let key = key.str().ok_or(Stop::GiveUp)?;
-                Ok(V::Bool(self.field(container, key)?.is_some()))
+                Ok(V::Bool(self.field(container, Key::of(key))?.is_some()))
             }
             (Native::Get, [container, key]) if Self::has_entries(container) => {
                 let key = key.str().ok_or(Stop::GiveUp)?;
-                Ok(self.field(container, key)?.unwrap_or(V::Unit))
+                Ok(self.field(container, Key::of(key))?.unwrap_or(V::Unit))
             }
             (Native::Len | Native::IsEmpty, [v]) => {
                 let snapshot = self.inputs.view.snapshot();
@@ -495,44 +542,44 @@ impl<'a> Eval<'a, '_> {
     }
 }
 
-fn request_field<'a>(req: &'a RequestInfo, name: &str) -> Option<V<'a>> {
-    Some(match name {
-        "id" => V::Str(&req.id),
-        "model" => V::Str(&req.model),
-        "pool" => V::Str(&req.pool),
-        "service" => V::Str(&req.service),
-        "context_tokens" => int(req.context_tokens),
-        "max_new_tokens" => int(req.max_new_tokens),
-        "batch" => int(req.batch),
-        "priority" => V::Int(req.priority),
-        "replayable" => V::Bool(req.replayable),
-        "allow_shrink" => V::Bool(req.allow_shrink),
-        "deadline_ms" => int(req.deadline_ms),
-        "estimate" => V::Estimate(&req.estimate),
-        "dims" => V::Counts(&req.dims),
-        "load_bytes" => int(req.load_bytes),
-        "evictable_bytes" => int(req.evictable_bytes),
+fn request_field(req: &RequestInfo, field: Field) -> Option<V<'_>> {
+    Some(match field {
+        Field::Id => V::Str(&req.id),
+        Field::Model => V::Str(&req.model),
+        Field::Pool => V::Str(&req.pool),
+        Field::Service => V::Str(&req.service),
+        Field::ContextTokens => int(req.context_tokens),
+        Field::MaxNewTokens => int(req.max_new_tokens),
+        Field::Batch => int(req.batch),
+        Field::Priority => V::Int(req.priority),
+        Field::Replayable => V::Bool(req.replayable),
+        Field::AllowShrink => V::Bool(req.allow_shrink),
+        Field::DeadlineMs => int(req.deadline_ms),
+        Field::Estimate => V::Estimate(&req.estimate),
+        Field::Dims => V::Counts(&req.dims),
+        Field::LoadBytes => int(req.load_bytes),
+        Field::EvictableBytes => int(req.evictable_bytes),
         _ => return None,
     })
 }
 
 /// A pool's field, its load read live when the server keeps it so (as `values::Table::read`).
-fn pool_field<'a>(p: &'a PoolState, live: Option<&PoolLoadNow>, name: &str) -> Option<V<'a>> {
-    Some(match (name, live) {
-        ("provider", _) => V::Str(p.provider.label()),
-        ("device", _) => V::Str(&p.device),
-        ("breaker", Some(l)) => V::Str(l.breaker.label()),
-        ("breaker", None) => V::Str(p.breaker.label()),
-        ("queue_depth", l) => int(l.map_or(p.queue_depth, |l| l.queue_depth)),
-        ("queue_oldest_age_ms", l) => int(l.map_or(p.queue_oldest_age_ms, |l| l.queue_oldest_age_ms)),
-        ("inflight", l) => int(l.map_or(p.inflight, |l| l.inflight)),
-        ("concurrency", _) => int(p.concurrency),
-        ("alloc_failures_recent", l) => int(l.map_or(p.alloc_failures_recent, |l| l.alloc_failures_recent)),
-        ("est_delay_ms", l) => int(l.map_or(p.est_delay_ms, |l| l.est_delay_ms)),
-        ("max_context", _) => int(p.max_context),
-        ("sequences_waiting", l) => int(l.map_or(p.sequences_waiting, |l| l.sequences_waiting)),
-        ("sequences_running", l) => int(l.map_or(p.sequences_running, |l| l.sequences_running)),
-        ("kv_cache_bytes", l) => int(l.map_or(p.kv_cache_bytes, |l| l.kv_cache_bytes)),
+fn pool_field<'a>(p: &'a PoolState, live: Option<&PoolLoadNow>, field: Field) -> Option<V<'a>> {
+    Some(match (field, live) {
+        (Field::Provider, _) => V::Str(p.provider.label()),
+        (Field::Device, _) => V::Str(&p.device),
+        (Field::Breaker, Some(l)) => V::Str(l.breaker.label()),
+        (Field::Breaker, None) => V::Str(p.breaker.label()),
+        (Field::QueueDepth, l) => int(l.map_or(p.queue_depth, |l| l.queue_depth)),
+        (Field::QueueOldestAgeMs, l) => int(l.map_or(p.queue_oldest_age_ms, |l| l.queue_oldest_age_ms)),
+        (Field::Inflight, l) => int(l.map_or(p.inflight, |l| l.inflight)),
+        (Field::Concurrency, _) => int(p.concurrency),
+        (Field::AllocFailuresRecent, l) => int(l.map_or(p.alloc_failures_recent, |l| l.alloc_failures_recent)),
+        (Field::EstDelayMs, l) => int(l.map_or(p.est_delay_ms, |l| l.est_delay_ms)),
+        (Field::MaxContext, _) => int(p.max_context),
+        (Field::SequencesWaiting, l) => int(l.map_or(p.sequences_waiting, |l| l.sequences_waiting)),
+        (Field::SequencesRunning, l) => int(l.map_or(p.sequences_running, |l| l.sequences_running)),
+        (Field::KvCacheBytes, l) => int(l.map_or(p.kv_cache_bytes, |l| l.kv_cache_bytes)),
         _ => return None,
     })
 }

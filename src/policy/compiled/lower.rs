@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use rhai::{AST, ASTFlags, ASTNode, Dynamic, Expr, FnCallExpr, ImmutableString, Stmt, Token};
 
-use super::{Compiled, Function, Lit, N, Native, Op, S, Step};
+use super::{Compiled, Field, Function, Id, List, Lit, N, Native, Op, S, Step};
 use crate::core::snapshot::Decision;
 
 impl Compiled {
@@ -19,63 +19,107 @@ impl Compiled {
             .map(|(i, f)| ((f.name.clone(), f.params.len()), i))
             .collect();
         let decide = *index.get(&("decide".into(), 2))?;
-        let functions = defs
-            .iter()
-            .map(|f| {
-                let params: Vec<ImmutableString> = f.params.iter().cloned().collect();
-                if f.this_type.is_some() {
-                    return Function {
-                        params: params.len(),
-                        slots: params.len(),
-                        body: vec![S::GiveUp],
-                    };
-                }
-                // A function's body is reached through an AST holding only that function.
-                let (name, arity) = (f.name.clone(), params.len());
-                // (Not `clone_functions_only_filtered`: into an empty library it copies every
-                // function, whatever the filter says.)
-                let mut alone = ast.clone_functions_only();
-                alone.retain_functions(|_, _, n, a| n == name && a == arity);
-                let mut statements = Vec::new();
-                alone.walk(&mut |path: &[ASTNode]| {
-                    if let [ASTNode::Stmt(stmt)] = path {
-                        statements.push((*stmt).clone());
-                    }
-                    true
-                });
-                let mut lowering = Lowering {
-                    index: &index,
-                    names: params.iter().cloned().zip(0..).map(|(n, s)| (n, s, false)).collect(),
-                    slots: params.len(),
-                };
-                let body = lowering.block(&statements);
-                Function {
+        let mut code = Compiled {
+            functions: Vec::with_capacity(defs.len()),
+            decide,
+            stmts: Vec::new(),
+            nodes: Vec::new(),
+            lists: Vec::new(),
+            steps: Vec::new(),
+            lits: Vec::new(),
+            text: String::new(),
+            maps: Vec::new(),
+        };
+        for f in &defs {
+            let params: Vec<ImmutableString> = f.params.iter().cloned().collect();
+            let mut lowering = Lowering {
+                code: &mut code,
+                index: &index,
+                names: params.iter().cloned().zip(0..).map(|(n, s)| (n, s, false)).collect(),
+                slots: params.len(),
+            };
+            if f.this_type.is_some() {
+                let give_up = lowering.push_stmt(S::GiveUp);
+                let body = lowering.list(&[give_up]);
+                code.functions.push(Function {
                     params: params.len(),
-                    slots: lowering.slots,
+                    slots: params.len(),
                     body,
+                });
+                continue;
+            }
+            // A function's body is reached through an AST holding only that function.
+            let (name, arity) = (f.name.clone(), params.len());
+            // (Not `clone_functions_only_filtered`: into an empty library it copies every
+            // function, whatever the filter says.)
+            let mut alone = ast.clone_functions_only();
+            alone.retain_functions(|_, _, n, a| n == name && a == arity);
+            let mut statements = Vec::new();
+            alone.walk(&mut |path: &[ASTNode]| {
+                if let [ASTNode::Stmt(stmt)] = path {
+                    statements.push((*stmt).clone());
                 }
-            })
-            .collect();
-        Some(Compiled { functions, decide })
+                true
+            });
+            let body = lowering.block(&statements);
+            let slots = lowering.slots;
+            code.functions.push(Function {
+                params: params.len(),
+                slots,
+                body,
+            });
+        }
+        Some(code)
     }
 }
 
-struct Lowering<'i> {
+struct Lowering<'c, 'i> {
+    code: &'c mut Compiled,
     index: &'i HashMap<(ImmutableString, usize), usize>,
     /// Names in scope, innermost last: name, slot, constant.
-    names: Vec<(ImmutableString, usize, bool)>,
+    names: Vec<(ImmutableString, u32, bool)>,
     slots: usize,
 }
 
-impl Lowering<'_> {
-    fn block(&mut self, statements: &[Stmt]) -> Vec<S> {
-        let scope = self.names.len();
-        let out = statements.iter().map(|s| self.stmt(s)).collect();
-        self.names.truncate(scope);
-        out
+/// An index that fits the tables' `u32`: a script is far smaller than that.
+fn id(index: usize) -> u32 {
+    u32::try_from(index).expect("a policy script's tables hold fewer than 2^32 entries")
+}
+
+impl Lowering<'_, '_> {
+    fn push_stmt(&mut self, s: S) -> Id {
+        self.code.stmts.push(s);
+        id(self.code.stmts.len() - 1)
     }
 
-    fn local(&self, name: &str) -> Option<(usize, bool)> {
+    fn push(&mut self, n: N) -> Id {
+        self.code.nodes.push(n);
+        id(self.code.nodes.len() - 1)
+    }
+
+    /// `members` as a run of [`Compiled::lists`].
+    fn list(&mut self, members: &[Id]) -> List {
+        let start = id(self.code.lists.len());
+        self.code.lists.extend_from_slice(members);
+        List {
+            start,
+            len: id(members.len()),
+        }
+    }
+
+    fn exprs<'e>(&mut self, exprs: impl IntoIterator<Item = &'e Expr>) -> List {
+        let members: Vec<Id> = exprs.into_iter().map(|e| self.expr(e)).collect();
+        self.list(&members)
+    }
+
+    fn block(&mut self, statements: &[Stmt]) -> List {
+        let scope = self.names.len();
+        let members: Vec<Id> = statements.iter().map(|s| self.stmt(s)).collect();
+        self.names.truncate(scope);
+        self.list(&members)
+    }
+
+    fn local(&self, name: &str) -> Option<(u32, bool)> {
         self.names
             .iter()
             .rev()
@@ -87,9 +131,9 @@ impl Lowering<'_> {
         self.index.get(&(name.into(), arity)).copied()
     }
 
-    fn stmt(&mut self, stmt: &Stmt) -> S {
-        match stmt {
-            Stmt::Noop(..) => S::Expr(N::Lit(Lit::Unit)),
+    fn stmt(&mut self, stmt: &Stmt) -> Id {
+        let s = match stmt {
+            Stmt::Noop(..) => S::Expr(self.push(N::Unit)),
             Stmt::Expr(expr) => S::Expr(self.expr(expr)),
             Stmt::FnCall(call, ..) => S::Expr(self.call(call)),
             Stmt::Block(block) => S::Block(self.block(block.statements())),
@@ -100,7 +144,7 @@ impl Lowering<'_> {
             ),
             Stmt::Var(var, flags, ..) if !flags.contains(ASTFlags::EXPORTED) => {
                 let value = self.expr(&var.1);
-                let slot = self.slots;
+                let slot = id(self.slots);
                 self.slots += 1;
                 self.names
                     .push((var.0.name.clone(), slot, flags.contains(ASTFlags::CONSTANT)));
@@ -116,43 +160,82 @@ impl Lowering<'_> {
                     _ => S::GiveUp,
                 }
             }
-            Stmt::Return(value, flags, ..) if !flags.contains(ASTFlags::BREAK) => {
-                S::Return(value.as_ref().map_or(N::Lit(Lit::Unit), |e| self.expr(e)))
-            }
+            Stmt::Return(value, flags, ..) if !flags.contains(ASTFlags::BREAK) => S::Return(match value {
+                Some(e) => self.expr(e),
+                None => self.push(N::Unit),
+            }),
             _ => S::GiveUp,
-        }
+        };
+        self.push_stmt(s)
     }
 
-    fn expr(&mut self, expr: &Expr) -> N {
-        match expr {
-            Expr::DynamicConstant(value, ..) => lit(value).map_or(N::GiveUp, N::Lit),
-            Expr::BoolConstant(b, ..) => N::Lit(Lit::Bool(*b)),
-            Expr::IntegerConstant(i, ..) => N::Lit(Lit::Int(*i)),
-            Expr::FloatConstant(f, ..) => N::Lit(Lit::Float(**f)),
-            Expr::StringConstant(s, ..) => N::Lit(Lit::Str(s.clone())),
-            Expr::Unit(..) => N::Lit(Lit::Unit),
-            Expr::InterpolatedString(parts, ..) => N::Interpolated(parts.iter().map(|p| self.expr(p)).collect()),
+    /// A constant: numbers and booleans in the node, text in [`Compiled::text`], the rest in
+    /// [`Compiled::lits`].
+    fn constant(&mut self, lit: Lit) -> Id {
+        let n = match lit {
+            Lit::Unit => N::Unit,
+            Lit::Bool(b) => N::Bool(b),
+            Lit::Int(i) => N::Int(i),
+            Lit::Float(f) => N::Float(f),
+            Lit::Str(s) => {
+                let start = id(self.code.text.len());
+                self.code.text.push_str(&s);
+                N::Text(start, id(s.len()))
+            }
+            lit => {
+                self.code.lits.push(lit);
+                N::Lit(id(self.code.lits.len() - 1))
+            }
+        };
+        self.push(n)
+    }
+
+    fn expr(&mut self, expr: &Expr) -> Id {
+        let n = match expr {
+            Expr::DynamicConstant(value, ..) => match lit(value) {
+                Some(lit) => return self.constant(lit),
+                None => N::GiveUp,
+            },
+            Expr::BoolConstant(b, ..) => N::Bool(*b),
+            Expr::IntegerConstant(i, ..) => N::Int(*i),
+            Expr::FloatConstant(f, ..) => N::Float(**f),
+            Expr::StringConstant(s, ..) => return self.constant(Lit::Str(s.clone())),
+            Expr::Unit(..) => N::Unit,
+            Expr::InterpolatedString(parts, ..) => N::Interpolated(self.exprs(parts.iter())),
             // A literal over the sandbox's map size is Rhai's to refuse.
             Expr::Map(map, ..) if map.0.len() > crate::policy::MAX_MAP_SIZE => N::GiveUp,
-            Expr::Map(map, ..) => N::Map(map.0.iter().map(|(k, v)| (k.name.clone(), self.expr(v))).collect()),
+            Expr::Map(map, ..) => {
+                let entries: Box<[(ImmutableString, Id)]> =
+                    map.0.iter().map(|(k, v)| (k.name.clone(), self.expr(v))).collect();
+                self.code.maps.push(entries);
+                N::Map(id(self.code.maps.len() - 1))
+            }
             Expr::Variable(var, ..) if var.2.is_empty() => {
                 self.local(&var.1).map_or(N::GiveUp, |(slot, _)| N::Local(slot))
             }
             Expr::Stmt(block) => N::Block(self.block(block.statements())),
-            Expr::FnCall(call, ..) => self.call(call),
-            Expr::And(operands, ..) => N::And(operands.iter().map(|e| self.expr(e)).collect()),
-            Expr::Or(operands, ..) => N::Or(operands.iter().map(|e| self.expr(e)).collect()),
-            Expr::Coalesce(operands, ..) => N::Coalesce(operands.iter().map(|e| self.expr(e)).collect()),
+            Expr::FnCall(call, ..) => return self.call(call),
+            Expr::And(operands, ..) => N::And(self.exprs(operands.iter())),
+            Expr::Or(operands, ..) => N::Or(self.exprs(operands.iter())),
+            Expr::Coalesce(operands, ..) => N::Coalesce(self.exprs(operands.iter())),
             Expr::Dot(chain, flags, ..) | Expr::Index(chain, flags, ..) if !flags.contains(ASTFlags::NEGATED) => {
+                let root = self.expr(&chain.lhs);
                 let mut steps = Vec::new();
                 let indexing = matches!(expr, Expr::Index(..));
                 match self.steps(&chain.rhs, indexing, *flags, &mut steps) {
-                    Some(()) => N::Chain(Box::new(self.expr(&chain.lhs)), steps),
+                    Some(()) => {
+                        // A chain's steps go in one run, after any nested chain's.
+                        let start = id(self.code.steps.len());
+                        let len = id(steps.len());
+                        self.code.steps.extend(steps);
+                        N::Chain(root, List { start, len })
+                    }
                     None => N::GiveUp,
                 }
             }
             _ => N::GiveUp,
-        }
+        };
+        self.push(n)
     }
 
     /// The steps of a chain after its root: `rhs` is what follows a `.` (`indexing` false) or a
@@ -194,43 +277,46 @@ impl Lowering<'_> {
     /// A property or method after a `.`.
     fn member(&mut self, expr: &Expr) -> Option<Step> {
         match expr {
-            Expr::Property(p, ..) => Some(Step::Property(p.2.clone())),
+            Expr::Property(p, ..) => Some(match Field::of(&p.2) {
+                Some(field) => Step::Field(field),
+                None => Step::Name(p.2.clone()),
+            }),
             Expr::MethodCall(call, ..) => {
                 let arity = call.args.len();
                 // A script function of that name would be called instead (with `this`).
                 let shadowed =
                     self.script_fn(&call.name, arity).is_some() || self.script_fn(&call.name, arity + 1).is_some();
                 let native = Native::of(&call.name, arity + 1).filter(|_| !shadowed && call.namespace.is_empty())?;
-                Some(Step::Method(native, call.args.iter().map(|a| self.expr(a)).collect()))
+                Some(Step::Method(native, self.exprs(call.args.iter())))
             }
             _ => None,
         }
     }
 
-    fn call(&mut self, call: &FnCallExpr) -> N {
+    fn call(&mut self, call: &FnCallExpr) -> Id {
         if !call.namespace.is_empty() || call.capture_parent_scope {
-            return N::GiveUp;
+            return self.push(N::GiveUp);
         }
-        let args: Vec<N> = call.args.iter().map(|a| self.expr(a)).collect();
-        if let Some(token) = &call.op_token {
-            let mut args = args.into_iter();
-            return match (token, args.next(), args.next(), args.next()) {
-                (Token::Minus | Token::UnaryMinus, Some(x), None, None) => N::Neg(Box::new(x)),
-                (Token::Bang, Some(x), None, None) => N::Not(Box::new(x)),
-                (token, Some(x), Some(y), None) => match binary(token) {
-                    Some(op) => N::Binary(op, Box::new((x, y))),
+        let args: Vec<Id> = call.args.iter().map(|a| self.expr(a)).collect();
+        let n = if let Some(token) = &call.op_token {
+            match (token, args.as_slice()) {
+                (Token::Minus | Token::UnaryMinus, &[x]) => N::Neg(x),
+                (Token::Bang, &[x]) => N::Not(x),
+                (token, &[x, y]) => match binary(token) {
+                    Some(op) => N::Binary(op, x, y),
                     None => N::GiveUp,
                 },
                 _ => N::GiveUp,
-            };
-        }
-        if let Some(f) = self.script_fn(&call.name, args.len()) {
-            return N::Call(f, args);
-        }
-        match Native::of(&call.name, args.len()) {
-            Some(native) => N::Native(native, args),
-            None => N::GiveUp,
-        }
+            }
+        } else if let Some(f) = self.script_fn(&call.name, args.len()) {
+            N::Call(id(f), self.list(&args))
+        } else {
+            match Native::of(&call.name, args.len()) {
+                Some(native) => N::Native(native, self.list(&args)),
+                None => N::GiveUp,
+            }
+        };
+        self.push(n)
     }
 }
 
@@ -270,7 +356,7 @@ fn lit(value: &Dynamic) -> Option<Lit> {
         return value.clone().into_immutable_string().ok().map(Lit::Str);
     }
     if value.is::<Decision>() {
-        return Some(Lit::Decision(Arc::new(value.clone().cast::<Decision>())));
+        return Some(Lit::Decision(value.clone().cast::<Decision>()));
     }
     if value.is_map() {
         let map = value.as_map_ref().ok()?;

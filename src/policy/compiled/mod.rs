@@ -24,20 +24,27 @@
 //! runs only functions, which see only their arguments, and nothing here has side effects
 //! (`print` and `debug` are calls it does not know, so a script that prints is left to Rhai).
 //! `policy::tests::evaluators` holds the two to the same answers.
-
 //!
-//! `lower.rs` turns the syntax tree into the nodes below; `eval.rs` evaluates them.
+//! The nodes sit in flat tables (each subtree's nodes together, in the order they were
+//! written) and property names are resolved to a [`Field`] when the script is compiled. In the
+//! server at seq 1024 requests come milliseconds apart with ONNX Runtime's run between, so an
+//! evaluation starts with none of this in the caches, and a walk that chases a pointer per node
+//! and reads each property name's text from the heap pays a miss for each, one after another
+//! (`docs/performance.md`, "cold caches").
+//!
+//! `lower.rs` turns the syntax tree into the nodes below; `eval.rs` evaluates them; `field.rs`
+//! names the properties of `req` and `state`.
 
 mod eval;
+mod field;
 mod lower;
-
-use std::sync::Arc;
 
 use rhai::ImmutableString;
 
 use crate::core::snapshot::Decision;
 
 pub(super) use eval::Inputs;
+use field::Field;
 pub(super) use lower::{Params, params};
 
 /// Most nodes one evaluation may evaluate before giving up. A policy's common path takes a
@@ -48,11 +55,41 @@ const MAX_NODES: u32 = 4_000;
 /// [`crate::policy::MAX_CALL_DEPTH`], is higher: recursion is Rhai's to stop).
 const MAX_DEPTH: u32 = 8;
 
-/// A script, lowered.
+/// A script, lowered: every function's statements and expressions in the tables below, which
+/// refer to each other by index.
 #[derive(Debug)]
 pub(super) struct Compiled {
     functions: Vec<Function>,
     decide: usize,
+    stmts: Vec<S>,
+    nodes: Vec<N>,
+    /// The members of every [`List`]: indexes into `stmts` (a block) or `nodes` (arguments,
+    /// operands, parts).
+    lists: Vec<u32>,
+    /// The steps of every chain, each chain's together.
+    steps: Vec<Step>,
+    /// Constants other than numbers, booleans and strings: decisions and maps.
+    lits: Vec<Lit>,
+    /// The text of every string constant, one after another.
+    text: String,
+    /// The entries of map literals.
+    maps: Vec<Box<[(ImmutableString, Id)]>>,
+}
+
+/// An index into [`Compiled::stmts`] or [`Compiled::nodes`].
+type Id = u32;
+
+/// A run of [`Compiled::lists`] (or of [`Compiled::steps`], for a chain).
+#[derive(Debug, Clone, Copy)]
+struct List {
+    start: u32,
+    len: u32,
+}
+
+impl List {
+    fn range(self) -> std::ops::Range<usize> {
+        self.start as usize..(self.start + self.len) as usize
+    }
 }
 
 #[derive(Debug)]
@@ -61,46 +98,59 @@ struct Function {
     params: usize,
     /// Slots its frame needs: parameters and every `let`.
     slots: usize,
-    body: Vec<S>,
+    /// Its statements.
+    body: List,
 }
 
 /// A statement.
 #[derive(Debug)]
 enum S {
-    Let(usize, N),
-    Set(usize, N),
-    Expr(N),
-    If(N, Vec<S>, Vec<S>),
-    Return(N),
-    Block(Vec<S>),
+    Let(u32, Id),
+    Set(u32, Id),
+    Expr(Id),
+    If(Id, List, List),
+    Return(Id),
+    Block(List),
     GiveUp,
 }
 
 /// An expression.
 #[derive(Debug)]
 enum N {
-    Lit(Lit),
-    Local(usize),
-    Chain(Box<N>, Vec<Step>),
-    Call(usize, Vec<N>),
-    Native(Native, Vec<N>),
-    Binary(Op, Box<(N, N)>),
-    Neg(Box<N>),
-    Not(Box<N>),
-    And(Vec<N>),
-    Or(Vec<N>),
-    Coalesce(Vec<N>),
-    Interpolated(Vec<N>),
-    Block(Vec<S>),
-    Map(Vec<(ImmutableString, N)>),
+    Unit,
+    Bool(bool),
+    Int(i64),
+    Float(f64),
+    /// A string constant: a run of [`Compiled::text`].
+    Text(u32, u32),
+    /// A constant of [`Compiled::lits`].
+    Lit(u32),
+    Local(u32),
+    /// A root and its steps.
+    Chain(Id, List),
+    Call(u32, List),
+    Native(Native, List),
+    Binary(Op, Id, Id),
+    Neg(Id),
+    Not(Id),
+    And(List),
+    Or(List),
+    Coalesce(List),
+    Interpolated(List),
+    Block(List),
+    /// A map literal of [`Compiled::maps`].
+    Map(u32),
     GiveUp,
 }
 
 #[derive(Debug)]
 enum Step {
-    Property(ImmutableString),
-    Index(N),
-    Method(Native, Vec<N>),
+    /// `.name` where `name` is a property of `req` or `state`'s records (or of a map, a table).
+    Field(Field),
+    /// `.name` for any other name: only a map, a table or the params can have it.
+    Name(ImmutableString),
+    Index(Id),
+    Method(Native, List),
 }
 
 #[derive(Debug, Clone)]
@@ -110,8 +160,8 @@ pub(super) enum Lit {
     Int(i64),
     Float(f64),
     Str(ImmutableString),
-    Decision(Arc<Decision>),
-    Map(Arc<[(ImmutableString, Lit)]>),
+    Decision(Decision),
+    Map(std::sync::Arc<[(ImmutableString, Lit)]>),
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
