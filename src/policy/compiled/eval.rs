@@ -71,10 +71,11 @@ impl<'a> V<'a> {
     }
 }
 
-/// A property or entry name: the [`Field`] it is when a record has one (resolved when the
-/// script was compiled, for a `.name` written in it), else its text. Records read only the
-/// field; the text is read only where any name can be an entry (a table, a map), so that
-/// reading a record's field touches no string.
+/// A property or entry name: a [`Field`] when the script wrote `.name` for a name some record
+/// has (resolved when it was compiled), else the name's text. A table or map reads the text; a
+/// record reads the field, and only a name found at run time that a record is asked for
+/// (`req["pool"]`) is looked up among the fields, so indexing a table by a name
+/// (`state.pools[req.pool]`) costs no such look-up.
 #[derive(Clone, Copy)]
 enum Key<'k> {
     Field(Field),
@@ -82,15 +83,10 @@ enum Key<'k> {
 }
 
 impl<'k> Key<'k> {
-    /// The key named `name`, found at run time (`state.pools[req.pool]`, `get`, `in`).
-    fn of(name: &'k str) -> Key<'k> {
-        Field::of(name).map_or(Key::Name(name), Key::Field)
-    }
-
     fn field(self) -> Option<Field> {
         match self {
             Key::Field(field) => Some(field),
-            Key::Name(_) => None,
+            Key::Name(name) => Field::of(name),
         }
     }
 
@@ -258,7 +254,7 @@ impl<'a> Eval<'a> {
                         &Step::Index(index) => {
                             let key = self.expr(index)?;
                             match key.str() {
-                                Some(name) => self.member(&v, Key::of(name))?,
+                                Some(name) => self.member(&v, Key::Name(name))?,
                                 None => return Err(Stop::GiveUp),
                             }
                         }
@@ -380,7 +376,6 @@ impl<'a> Eval<'a> {
     fn entry(&self, v: &V<'a>, key: Key<'_>) -> Option<V<'a>> {
         let inputs = self.inputs;
         let snapshot = inputs.view.snapshot();
-        let name = || key.name();
         Some(match v {
             // Records: only their fields.
             V::Req => request_field(inputs.req, key.field()?)?,
@@ -446,22 +441,22 @@ impl<'a> Eval<'a> {
                 _ => return None,
             },
             // Tables and maps: any name.
-            V::Counts(counts) => int(*counts.get(name())?),
-            V::OwnCounts(counts) => int(*counts.get(name())?),
+            V::Counts(counts) => int(*counts.get(key.name())?),
+            V::OwnCounts(counts) => int(*counts.get(key.name())?),
             V::Table(table) => match table {
-                Table::Devices => V::Device(snapshot.devices.get(name())?),
+                Table::Devices => V::Device(snapshot.devices.get(key.name())?),
                 Table::Pools => {
-                    let pool = snapshot.pools.get(name())?;
-                    V::Pool(pool, self.live.and_then(|l| l.pool_load(name())).map(Rc::new))
+                    let pool = snapshot.pools.get(key.name())?;
+                    V::Pool(pool, self.live.and_then(|l| l.pool_load(key.name())).map(Rc::new))
                 }
                 Table::Services => {
-                    let service = snapshot.services.get(name())?;
-                    V::Service(service, self.live.and_then(|l| l.service_now(name())).map(Rc::new))
+                    let service = snapshot.services.get(key.name())?;
+                    V::Service(service, self.live.and_then(|l| l.service_now(key.name())).map(Rc::new))
                 }
-                Table::Models => V::Model(snapshot.models.get(name())?),
-                Table::ModelPools(model) => V::ModelPool(model.pools.get(name())?),
+                Table::Models => V::Model(snapshot.models.get(key.name())?),
+                Table::ModelPools(model) => V::ModelPool(model.pools.get(key.name())?),
             },
-            V::Map(entries) => entries.iter().find(|(k, _)| k.as_str() == name())?.1.clone(),
+            V::Map(entries) => entries.iter().find(|(k, _)| k.as_str() == key.name())?.1.clone(),
             _ => return None,
         })
     }
@@ -502,11 +497,11 @@ impl<'a> Eval<'a> {
             },
             (Native::Contains, [container, key]) if Self::has_entries(container) => {
                 let key = key.str().ok_or(Stop::GiveUp)?;
-                Ok(V::Bool(self.field(container, Key::of(key))?.is_some()))
+                Ok(V::Bool(self.field(container, Key::Name(key))?.is_some()))
             }
             (Native::Get, [container, key]) if Self::has_entries(container) => {
                 let key = key.str().ok_or(Stop::GiveUp)?;
-                Ok(self.field(container, Key::of(key))?.unwrap_or(V::Unit))
+                Ok(self.field(container, Key::Name(key))?.unwrap_or(V::Unit))
             }
             (Native::Len | Native::IsEmpty, [v]) => {
                 let snapshot = self.inputs.view.snapshot();

@@ -38,30 +38,25 @@ impl Compiled {
                 names: params.iter().cloned().zip(0..).map(|(n, s)| (n, s, false)).collect(),
                 slots: params.len(),
             };
-            if f.this_type.is_some() {
+            let body = if f.this_type.is_some() {
                 let give_up = lowering.push_stmt(S::GiveUp);
-                let body = lowering.list(&[give_up]);
-                code.functions.push(Function {
-                    params: params.len(),
-                    slots: params.len(),
-                    body,
+                lowering.list(&[give_up])
+            } else {
+                // A function's body is reached through an AST holding only that function.
+                let (name, arity) = (f.name.clone(), params.len());
+                // (Not `clone_functions_only_filtered`: into an empty library it copies every
+                // function, whatever the filter says.)
+                let mut alone = ast.clone_functions_only();
+                alone.retain_functions(|_, _, n, a| n == name && a == arity);
+                let mut statements = Vec::new();
+                alone.walk(&mut |path: &[ASTNode]| {
+                    if let [ASTNode::Stmt(stmt)] = path {
+                        statements.push((*stmt).clone());
+                    }
+                    true
                 });
-                continue;
-            }
-            // A function's body is reached through an AST holding only that function.
-            let (name, arity) = (f.name.clone(), params.len());
-            // (Not `clone_functions_only_filtered`: into an empty library it copies every
-            // function, whatever the filter says.)
-            let mut alone = ast.clone_functions_only();
-            alone.retain_functions(|_, _, n, a| n == name && a == arity);
-            let mut statements = Vec::new();
-            alone.walk(&mut |path: &[ASTNode]| {
-                if let [ASTNode::Stmt(stmt)] = path {
-                    statements.push((*stmt).clone());
-                }
-                true
-            });
-            let body = lowering.block(&statements);
+                lowering.block(&statements)
+            };
             let slots = lowering.slots;
             code.functions.push(Function {
                 params: params.len(),
