@@ -23,8 +23,10 @@
 //!   2N, the difference divided by N. It must be 24 + 4 × vocab (one row's token, position
 //!   and mask column in, one row of FP32 logits out) at every position: the bench panics if not.
 //!
-//! `cargo bench --bench generation [-- --runs N --seconds S]`. Figures go to
-//! `target/bench/generation.json`.
+//! `cargo bench --bench generation [-- --runs N --seconds S --provider cuda]`. Figures go to
+//! `target/bench/generation.json` (`generation-cuda.json` with `--provider cuda`: the server's
+//! pool and the in-process loop on NVIDIA device 0's CUDA provider instead of one CPU thread,
+//! with a CPU pool beside it as the policy's fallback; what a lent GPU measures batching with).
 //!
 //! Models: the fixture (`models/decoder`, 512 positions) and, when `make bench` has made it, a
 //! larger decoder of the same layout and tokenizer in `target/bench/decoder-large/`
@@ -40,6 +42,7 @@ use std::time::{Duration, Instant};
 
 use reqwest::StatusCode;
 use serde_json::{Value, json};
+use vramguard::config::{CudaOptions, Provider};
 use vramguard::core::backend::{Backend, DecodeRow, DecodeStep, RunMeta};
 use vramguard::core::tensor::{Tensor, TensorData};
 use vramguard::runtime::decoder::{DecoderLayout, step_inputs};
@@ -103,11 +106,34 @@ fn models() -> Vec<Model> {
     out
 }
 
+/// Whether `--provider cuda` was given: the pool and the loop run on NVIDIA device 0.
+fn on_cuda() -> bool {
+    match arg("--provider", String::from("cpu")).as_str() {
+        "cpu" => false,
+        "cuda" => true,
+        other => panic!("--provider takes `cpu` or `cuda`, not `{other}`"),
+    }
+}
+
+/// The pool the generations run on: `cpu`, or `gpu` with `--provider cuda`.
+fn measured_pool() -> &'static str {
+    if on_cuda() { "gpu" } else { "cpu" }
+}
+
 /// One CPU pool with one one-thread worker, the embedded default policy, as the overhead bench.
+/// With `--provider cuda`, a one-worker CUDA pool first, the CPU pool beside it as the fallback.
 fn config(model: &Model) -> String {
+    let (devices, gpu) = if on_cuda() {
+        (
+            "devices:\n  - {name: gpu0, kind: nvidia, index: 0}\n",
+            "  - {name: gpu, provider: cuda, device: gpu0, models: [lm], workers: 1}\n",
+        )
+    } else {
+        ("", "")
+    };
     format!(
-        "models:\n  - {{name: lm, path: '{}', tokenizer: '{}'}}\n\
-         pools:\n  - {{name: cpu, provider: cpu, models: [lm], workers: 1, intra_threads: 1}}\n\
+        "{devices}models:\n  - {{name: lm, path: '{}', tokenizer: '{}'}}\n\
+         pools:\n{gpu}  - {{name: cpu, provider: cpu, models: [lm], workers: 1, intra_threads: 1}}\n\
          policy:\n  path: 'builtin:default'\n  params: {{cpu_pool: cpu, reserve_bytes: 32MiB, min_context_tokens: 16, defer_ms: 25, defer_max_queue: 4}}\n",
         model.dir.join("model.onnx").display(),
         model.dir.join("tokenizer.json").display()
@@ -136,6 +162,14 @@ impl Direct {
         // one intra-op thread, no arena shrinkage.
         let options = SessionOptions {
             quiet: false,
+            provider: if on_cuda() {
+                Provider::Cuda(CudaOptions {
+                    gpu_mem_limit: None,
+                    same_as_requested: false,
+                })
+            } else {
+                Provider::Cpu
+            },
             ..SessionOptions::quiet_cpu()
         };
         let session = onnx::build_session(rt, &bytes, &options).unwrap();
@@ -440,15 +474,16 @@ fn complete(server: &Server, model: &Model, prompt: &str, max_tokens: u32) -> St
     response["choices"][0]["text"].as_str().unwrap().to_string()
 }
 
-/// `vramguard_pool_transfer_bytes_total` of pool `cpu`, both directions, from `/metrics`.
+/// `vramguard_pool_transfer_bytes_total` of the measured pool, both directions, from `/metrics`.
 fn transfer_bytes(server: &Server) -> f64 {
     let text = reqwest::blocking::get(server.url("/metrics")).unwrap().text().unwrap();
+    let pool = format!("pool=\"{}\"", measured_pool());
     let values: Vec<f64> = text
         .lines()
-        .filter(|l| l.starts_with("vramguard_pool_transfer_bytes_total{") && l.contains("pool=\"cpu\""))
+        .filter(|l| l.starts_with("vramguard_pool_transfer_bytes_total{") && l.contains(&pool))
         .map(|l| l.rsplit(' ').next().unwrap().parse().unwrap())
         .collect();
-    assert_eq!(values.len(), 2, "both directions of pool `cpu` in /metrics:\n{text}");
+    assert_eq!(values.len(), 2, "both directions of {pool} in /metrics:\n{text}");
     values.iter().sum()
 }
 
@@ -776,7 +811,7 @@ fn main() {
         .flat_map(|model| measure(model, &scratch, runs, seconds))
         .collect();
     record(
-        "generation",
+        if on_cuda() { "generation-cuda" } else { "generation" },
         &out_dir(env!("CARGO_TARGET_TMPDIR")),
         machine,
         started,
