@@ -23,10 +23,11 @@
 //!   2N, the difference divided by N. It must be 24 + 4 × vocab (one row's token, position
 //!   and mask column in, one row of FP32 logits out) at every position: the bench panics if not.
 //!
-//! `cargo bench --bench generation [-- --runs N --seconds S --provider cuda]`. Figures go to
-//! `target/bench/generation.json` (`generation-cuda.json` with `--provider cuda`: the server's
-//! pool and the in-process loop on NVIDIA device 0's CUDA provider instead of one CPU thread,
-//! with a CPU pool beside it as the policy's fallback; what a lent GPU measures batching with).
+//! `cargo bench --bench generation [-- --runs N --seconds S --provider cuda --isolation thread]`.
+//! Figures go to `target/bench/generation.json` (`generation-cuda.json` with `--provider cuda`:
+//! the server's pool and the in-process loop on NVIDIA device 0's CUDA provider instead of one
+//! CPU thread, with a CPU pool beside it as the policy's fallback; what a lent GPU measures
+//! batching with; `--isolation thread` keeps that pool's sessions in the server's process).
 //!
 //! Models: the fixture (`models/decoder`, 512 positions) and, when `make bench` has made it, a
 //! larger decoder of the same layout and tokenizer in `target/bench/decoder-large/`
@@ -126,11 +127,14 @@ fn config(model: &Model) -> String {
     let (devices, gpu) = if on_cuda() {
         (
             "devices:\n  - {name: gpu0, kind: nvidia, index: 0}\n",
-            "  - {name: gpu, provider: cuda, device: gpu0, models: [lm], workers: 1}\n",
+            "  - {name: gpu, provider: cuda, device: gpu0, models: [lm], workers: 1, isolation: ISOLATION}\n",
         )
     } else {
         ("", "")
     };
+    // `--isolation thread` puts the CUDA pool's sessions in vramguard's own process (the
+    // default is a worker process): what a step's crossing to the worker costs.
+    let gpu = gpu.replace("ISOLATION", &arg("--isolation", String::from("process")));
     format!(
         "{devices}models:\n  - {{name: lm, path: '{}', tokenizer: '{}'}}\n\
          pools:\n{gpu}  - {{name: cpu, provider: cpu, models: [lm], workers: 1, intra_threads: 1}}\n\

@@ -197,6 +197,19 @@ def phase_default() -> None:
             timeout=60,
         )
         row("chat tiny", chat.status_code == 200, f"{chat.status_code} pool {chat.headers.get('x-vramguard-pool')}")
+        # Only classifier runs for 2.5 s (two of the sampler's intervals): the pool's arena
+        # figures are read after one of them, and must still hold the encoder's arena.
+        started = time.monotonic()
+        while time.monotonic() - started < 2.5:
+            requests.post(f"{base}/v2/models/classifier/infer", data=cls.request.body, timeout=30)
+            time.sleep(0.05)
+        arena = gpu_pool(base).get("arena") or {}
+        rec["arena_after_classifier"] = arena
+        row(
+            "gpu arena: every session's, summed",
+            (arena.get("reserved_bytes") or 0) >= 8 << 20,
+            f"reserved {arena.get('reserved_bytes')} active {arena.get('active_bytes')} B after seq-1024 encoder runs",
+        )
         idle = metric_lines(base, "vramguard_device_memory", "vramguard_process_device_memory", "vramguard_arena", "vramguard_pool_memory", "vramguard_allocator")
         rec["metrics_idle"] = idle
         (OUT / "metrics-default-idle.txt").write_text("\n".join(idle))

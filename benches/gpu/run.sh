@@ -8,6 +8,7 @@
 # Usage, in the repository's root there:
 #   benches/gpu/run.sh unpack1      # call 1: unpack .gpu1, say what the machine has
 #   benches/gpu/run.sh all          # call 2: unpack .gpu2, then check.py and the generation bench
+#                                   # (BENCH_ISOLATIONS="process thread" BENCH_RUNS=2: both, twice)
 # Results go under $OUT.
 set -u
 OUT=${OUT:-/tmp/vg-out}
@@ -62,8 +63,15 @@ all)
     PYTHONUNBUFFERED=1 timeout 300 python3 benches/gpu/check.py target/release/vramguard "$OUT" 2>&1 | tee "$OUT/check.log"
     wait $maker
     tail -3 "$OUT/larger-decoder.log"
-    (cd /work/main && timeout "${BENCH_SECONDS:-330}" "$VG_DIR/bin/generation" --provider cuda --runs 1 --seconds 2) 2>&1 | tee "$OUT/generation.log" | grep -v '^\s*$' | tail -40
-    cp target/bench/generation-cuda.json "$OUT/" 2>/dev/null
+    # The CUDA pool in a worker process (the default), then in the server's own process:
+    # BENCH_ISOLATIONS picks, BENCH_RUNS sets each one's --runs.
+    for isolation in ${BENCH_ISOLATIONS:-process}; do
+        (cd /work/main && timeout "${BENCH_SECONDS:-330}" "$VG_DIR/bin/generation" --provider cuda \
+            --isolation "$isolation" --runs "${BENCH_RUNS:-1}" --seconds 2) >"$OUT/generation-$isolation.log" 2>&1
+        echo "== generation bench, CUDA pool with isolation: $isolation"
+        grep -E 'MET|MISSED|server / in process' "$OUT/generation-$isolation.log"
+        cp target/bench/generation-cuda.json "$OUT/generation-cuda-$isolation.json" 2>/dev/null
+    done
     nvidia-smi --query-gpu=memory.used --format=csv,noheader
     ;;
 *)

@@ -48,8 +48,15 @@ pub trait Backend: Send {
             None => self.run(model, inputs.to_vec(), outputs, meta),
         }
     }
-    /// Allocator statistics as of the last refresh, when the backend has an arena.
+    /// Allocator statistics as of the last refresh, when the backend has an arena: the arena of
+    /// the model that ran (or was refreshed for) last, which a run's memory is measured against.
     fn arena_stats(&self) -> Option<ArenaStats>;
+    /// Statistics of everything the backend holds as of the last [`Backend::refresh_arena_stats`]:
+    /// every arena its sessions allocate from, each counted once, summed. What its pool
+    /// publishes. The same as [`Backend::arena_stats`] for a backend with one arena.
+    fn held_arena_stats(&self) -> Option<ArenaStats> {
+        self.arena_stats()
+    }
     /// Read the allocator statistics again (costs a C API call, ~10 µs: callers decide when).
     fn refresh_arena_stats(&mut self) {}
     /// Read the statistics of the arena `model`'s runs allocate from, before a measured run.
@@ -367,4 +374,21 @@ pub struct ArenaStats {
     pub shrinkages: u64,
     /// `Limit`: the arena's cap, when it has one (0 means none).
     pub limit_bytes: Option<u64>,
+}
+
+impl ArenaStats {
+    /// Two arenas' statistics as one: bytes and counts add up, a limit only when both have one.
+    /// The peak is the sum of their peaks, an upper bound: they need not have peaked together.
+    pub fn plus(self, other: ArenaStats) -> ArenaStats {
+        ArenaStats {
+            reserved_bytes: self.reserved_bytes + other.reserved_bytes,
+            active_bytes: self.active_bytes + other.active_bytes,
+            peak_active_bytes: self.peak_active_bytes + other.peak_active_bytes,
+            allocations: self.allocations + other.allocations,
+            reserves: self.reserves + other.reserves,
+            extensions: self.extensions + other.extensions,
+            shrinkages: self.shrinkages + other.shrinkages,
+            limit_bytes: self.limit_bytes.zip(other.limit_bytes).map(|(a, b)| a + b),
+        }
+    }
 }

@@ -1,7 +1,6 @@
 //! The allocator statistics a pool publishes for the sampler, read only when worth a C API call,
 //! and the check of a run's admission estimate against what the arena really needed.
 
-use std::sync::PoisonError;
 use std::sync::atomic::Ordering;
 
 use crate::core::backend::{ArenaStats, Backend, BackendError};
@@ -13,6 +12,8 @@ use crate::runtime::estimate::learned::Observation;
 /// The parts of a finished job its statistics are checked against.
 #[derive(Debug, Clone, Copy)]
 pub(super) struct RunOf<'a> {
+    /// The slot id of the backend it ran on.
+    pub(super) slot: usize,
     pub(super) request_id: &'a str,
     pub(super) estimate_bytes: Option<u64>,
     pub(super) memory: &'a RunMemory,
@@ -27,16 +28,15 @@ impl Pool {
         self.stats_wanted.store(true, Ordering::Relaxed);
     }
 
-    /// Latest allocator statistics reported by a worker.
+    /// What the pool's backends hold in their allocators, summed over its workers and each
+    /// worker's arenas (a CPU or CUDA session has its own), as each last published.
     pub fn arena_stats(&self) -> Option<ArenaStats> {
-        *self.arena.lock().unwrap_or_else(|e| e.into_inner())
+        self.queue.held()
     }
 
-    /// Make `backend`'s statistics the pool's latest, when it has any.
-    pub(super) fn publish_stats(&self, backend: &dyn Backend) {
-        if let Some(stats) = backend.arena_stats() {
-            *self.arena.lock().unwrap_or_else(PoisonError::into_inner) = Some(stats);
-        }
+    /// Publish what backend `slot` (its slot id) holds, when it has an arena.
+    pub(super) fn publish_stats(&self, slot: usize, backend: &dyn Backend) {
+        self.queue.publish_held(slot, backend.held_arena_stats());
     }
 
     /// After `run`, which started with the arena at `before`: refresh and publish the
@@ -57,7 +57,7 @@ impl Pool {
         let measured = job.memory.is_wanted();
         if self.stats_wanted.swap(false, Ordering::Relaxed) || new_largest || measured || result.is_err() {
             backend.refresh_arena_stats();
-            self.publish_stats(backend);
+            self.publish_stats(job.slot, backend);
             let after = backend.arena_stats();
             // Only a run measured from just before it (or one that failed to allocate) tells
             // what it took: an unmeasured run's `before` is whatever was read last, maybe long

@@ -63,9 +63,9 @@ impl Pool {
         pool.respawn = respawn;
         let mut backends = backends;
         for backend in &mut backends {
-            // Statistics before the first run show what loading the weights reserved.
+            // Statistics before the first run show what loading the weights reserved
+            // (published as each is stocked).
             backend.refresh_arena_stats();
-            pool.publish_stats(backend.as_ref());
         }
         let workers = backends.len();
         let keeps = !backends.is_empty() && backends.iter().all(|b| b.keeps_caches());

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::oneshot;
 
-use crate::core::backend::Backend;
+use crate::core::backend::{ArenaStats, Backend};
 use crate::pool::job::{InferJob, JobResult, PoolError, RunOp};
 use crate::pool::load::PoolLoad;
 use crate::pool::patience::Patience;
@@ -103,6 +103,9 @@ struct QueueState {
     release_now: bool,
     /// The backend (slot id) that keeps each model's generation caches.
     homes: HashMap<String, usize>,
+    /// What each backend holds in its allocators, as it last published, by slot id; only the
+    /// live ones (in `matched`) count.
+    held: HashMap<usize, ArenaStats>,
 }
 
 impl QueueState {
@@ -208,9 +211,28 @@ impl Queue {
                 ..Slot::fresh(backend, wanted.clone())
             };
             let slot = state.admit(slot);
+            if let Some(stats) = slot.backend.held_arena_stats() {
+                state.held.insert(slot.id, stats);
+            }
             state.idle.push(slot);
         }
         state.wanted = wanted;
+    }
+
+    /// Record what backend `id` holds in its allocators ([`Backend::held_arena_stats`]).
+    pub(super) fn publish_held(&self, id: usize, stats: Option<ArenaStats>) {
+        if let Some(stats) = stats {
+            self.lock().held.insert(id, stats);
+        }
+    }
+
+    /// What the live backends hold in their allocators, summed; `None` until one published.
+    /// A backend gone (lost, replaced, restocked) no longer counts.
+    pub(super) fn held(&self) -> Option<ArenaStats> {
+        let mut state = self.lock();
+        let QueueState { held, matched, .. } = &mut *state;
+        held.retain(|id, _| matched.contains_key(id));
+        held.values().copied().reduce(ArenaStats::plus)
     }
 
     /// True once [`Queue::close`] was called.

@@ -242,7 +242,7 @@ impl Pool {
     /// Allocator statistics after sessions came or went: what the weights now hold.
     fn refresh_after_change(&self, slot: &mut Slot) {
         slot.backend.refresh_arena_stats();
-        self.publish_stats(slot.backend.as_ref());
+        self.publish_stats(slot.id, slot.backend.as_ref());
     }
 
     /// Record `model`'s cold start: a job waited `waited` for its load.

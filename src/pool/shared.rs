@@ -9,7 +9,6 @@ use std::thread::JoinHandle;
 use std::time::Instant;
 
 use crate::config::PoolConfig;
-use crate::core::backend::ArenaStats;
 use crate::core::breaker::Breaker;
 use crate::core::snapshot::DeviceClass;
 use crate::pool::context::{PoolContext, Respawn};
@@ -41,7 +40,6 @@ pub struct Pool {
     /// its statistics are read to check the estimate.
     pub(super) largest_estimate: AtomicU64,
     pub(super) queue: Queue,
-    pub(super) arena: Mutex<Option<ArenaStats>>,
     pub(super) recent_failures: Mutex<VecDeque<Instant>>,
     pub(super) context: PoolContext,
     /// The models it serves: how each is held, its bytes and metrics.
@@ -90,7 +88,6 @@ impl Pool {
             stats_wanted: AtomicBool::new(true),
             largest_estimate: AtomicU64::new(0),
             queue: Queue::default(),
-            arena: Mutex::new(None),
             recent_failures: Mutex::new(VecDeque::new()),
             models: Models::new(&context.models, context.clock.now()),
             context,

@@ -409,3 +409,64 @@ fn inputs_kept_for_a_retry_are_run_where_they_lie_and_others_are_taken_without_a
     assert_eq!(first_element(&spare.into_vec()), spare_at);
     pool.close();
 }
+
+/// Holds `self.0` bytes in its allocators; a run of model `boom` panics.
+struct Holding(u64);
+
+impl Backend for Holding {
+    fn run(
+        &mut self,
+        model: &str,
+        inputs: Vec<Tensor>,
+        _: &[String],
+        _: &RunMeta,
+    ) -> Result<Vec<Tensor>, BackendError> {
+        assert_ne!(model, "boom", "a bug in the backend");
+        Ok(inputs)
+    }
+    fn arena_stats(&self) -> Option<ArenaStats> {
+        Some(ArenaStats {
+            reserved_bytes: self.0,
+            active_bytes: self.0 / 2,
+            ..ArenaStats::default()
+        })
+    }
+}
+
+#[test]
+fn a_pools_arena_is_what_its_live_workers_hold_together() {
+    let config = PoolConfig {
+        workers: 2,
+        ..crate::testing::config::pool("p", "host", &["m", "boom"])
+    };
+    let backends: Vec<Box<dyn Backend>> = vec![Box::new(Holding(100 << 20)), Box::new(Holding(20 << 20))];
+    let pool = Pool::start(config, DeviceClass::Host, backends, None, PoolContext::default());
+    let held = || {
+        pool.arena_stats()
+            .map(|s| (s.reserved_bytes >> 20, s.active_bytes >> 20))
+    };
+    assert_eq!(
+        held(),
+        Some((120, 60)),
+        "both workers' arenas, not the last one to report"
+    );
+    // A run panics and its backend cannot be rebuilt: what it held is gone from the pool's.
+    let boom = InferJob {
+        model: "boom".into(),
+        ..job(1.0)
+    };
+    let result = pool.submit(boom).unwrap().blocking_recv().unwrap();
+    assert!(
+        matches!(result, Err(PoolError::Backend(BackendError::Panicked(_)))),
+        "{result:?}"
+    );
+    let left = held();
+    assert!(
+        left == Some((100, 50)) || left == Some((20, 10)),
+        "one worker's left: {left:?}"
+    );
+    pool.want_arena_stats();
+    assert!(pool.submit(job(1.0)).unwrap().blocking_recv().unwrap().is_ok());
+    assert_eq!(held(), left, "its runs publish under its own slot");
+    pool.shutdown(Duration::from_secs(1));
+}

@@ -220,7 +220,7 @@ impl Pool {
         slot.backend.release_memory(&probe);
         slot.dirty = false;
         slot.backend.refresh_arena_stats();
-        self.publish_stats(slot.backend.as_ref());
+        self.publish_stats(slot.id, slot.backend.as_ref());
         tracing::debug!(
             pool = self.name(),
             took_us = started.elapsed().as_micros() as u64,
@@ -274,7 +274,7 @@ impl Pool {
             None
         };
         let Some(skipped) = skip else {
-            let (result, kept) = self.run_one(backend, job);
+            let (result, kept) = self.run_one(id, backend, job);
             let panicked = matches!(result, Err(PoolError::Backend(BackendError::Panicked(_))));
             let kept = kept.map(|backend| match panicked {
                 // A replacement holds the sessions the pool starts with; the worker brings it
@@ -294,7 +294,12 @@ impl Pool {
     /// Run one job. A panicking backend is caught here: the request gets
     /// [`BackendError::Panicked`] and the backend is replaced by a fresh one, since the old one
     /// may hold half-updated state; `None` comes back when no replacement could be built.
-    fn run_one(&self, mut backend: Box<dyn Backend>, job: InferJob) -> (JobResult, Option<Box<dyn Backend>>) {
+    fn run_one(
+        &self,
+        slot: usize,
+        mut backend: Box<dyn Backend>,
+        job: InferJob,
+    ) -> (JobResult, Option<Box<dyn Backend>>) {
         let started = Instant::now();
         // A measured run reads the arena of the model it runs just before it: the cached
         // statistics may be another model's session, or older than another pool's runs on a
@@ -382,6 +387,7 @@ impl Pool {
             }
         };
         let run = RunOf {
+            slot,
             request_id: &job.meta.request_id,
             estimate_bytes: job.estimate_bytes,
             memory: &job.memory,

@@ -607,3 +607,47 @@ fn a_worker_outlives_the_thread_that_started_it() {
         host.take().unwrap().kill();
     }
 }
+
+/// A worker process with two models holds two arenas (a CPU session has its own): the pool's
+/// reserved bytes are both, read through the worker, not those of the model that ran last.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_s_arena_statistics_cover_every_session_it_holds() {
+    let server = TestServer::start(
+        "models:\n\
+         - {name: encoder, path: 'builtin:encoder', context: {input: input, axis: 1}}\n\
+         - {name: classifier, path: 'builtin:classifier'}\n\
+         pools:\n\
+         - {name: cpu, provider: cpu, models: [encoder, classifier], workers: 1, isolation: process,\n\
+            memory: {idle_release: 0s}}\n",
+    )
+    .await;
+    let long = encoder_of(
+        server.url("/v2/models/encoder/infer"),
+        "long".into(),
+        vec![],
+        "replayable",
+        crate::common::encoder_binary_request(512),
+    )
+    .await;
+    assert_eq!(long.status, 200, "{}", long.body);
+    // Only classifier runs from here on, for longer than two of the sampler's intervals: the
+    // statistics are read after one of them.
+    let started = Instant::now();
+    while started.elapsed() < Duration::from_millis(2500) {
+        let seen = classifier(server.url("/v2/models/classifier/infer"), "short".into()).await;
+        assert_eq!(seen.status, 200, "{}", seen.body);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let status = status(&server).await;
+    let cpu = status["pools"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["name"] == "cpu")
+        .unwrap();
+    let reserved = cpu["arena"]["reserved_bytes"].as_u64().unwrap();
+    // The encoder's arena keeps the blocks of its seq-512 run (16·n² bytes of attention
+    // scores, 4 MiB), since nothing gives them back.
+    assert!(reserved >= 4 << 20, "reserved {reserved} bytes: {cpu}");
+    server.stop().await;
+}

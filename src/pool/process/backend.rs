@@ -22,6 +22,8 @@ pub struct ProcessBackend {
     /// The number of its next run (the one an interrupt handle given out now stops).
     seq: u64,
     stats: Option<ArenaStats>,
+    /// All its arenas summed, as the worker last said ([`Backend::held_arena_stats`]).
+    held: Option<ArenaStats>,
     /// The last run's input bytes and answer: their allocations are reused.
     sent: Vec<u8>,
     received: Vec<u8>,
@@ -71,6 +73,7 @@ impl ProcessBackend {
             conn,
             lane,
             stats: None,
+            held: None,
             sent: Vec::new(),
             received: Vec::new(),
             regions: Regions::default(),
@@ -140,7 +143,11 @@ impl ProcessBackend {
 
     /// What it read of a gone process's arena is nobody's now.
     fn exchange(&mut self, ask: &Ask, blobs: &[&[u8]]) -> Result<(Answer, Vec<u8>), BackendError> {
-        self.conn.exchange(ask, blobs).inspect_err(|_| self.stats = None)
+        self.conn.exchange(ask, blobs).inspect_err(|_| {
+            // A lost worker holds nothing any more.
+            self.stats = None;
+            self.held = None;
+        })
     }
 }
 
@@ -196,14 +203,21 @@ impl ProcessBackend {
         let answer = self.conn.exchange_into(&ask, &[&sent], &mut received);
         if answer.is_err() {
             self.stats = None;
+            self.held = None;
         }
         if sent.capacity() <= 64 << 20 {
             self.sent = sent;
         }
         let decoded = match answer? {
-            Answer::Ran { outputs, stats, shared } => {
+            Answer::Ran {
+                outputs,
+                stats,
+                held,
+                shared,
+            } => {
                 if let Some(stats) = stats {
                     self.stats = Some(stats.into());
+                    self.held = held.map(Into::into);
                 }
                 let from = match (shared, &self.regions.from_worker) {
                     (true, Some(region)) => region.bytes(),
@@ -287,9 +301,14 @@ impl Backend for ProcessBackend {
         self.stats
     }
 
+    fn held_arena_stats(&self) -> Option<ArenaStats> {
+        self.held
+    }
+
     fn refresh_arena_stats(&mut self) {
-        if let Ok((Answer::Stats(stats), _)) = self.exchange(&Ask::Stats { model: None }, &[]) {
-            self.stats = stats.map(Into::into);
+        if let Ok((Answer::Stats { last, held }, _)) = self.exchange(&Ask::Stats { model: None }, &[]) {
+            self.stats = last.map(Into::into);
+            self.held = held.map(Into::into);
         }
     }
 
@@ -297,8 +316,8 @@ impl Backend for ProcessBackend {
         let ask = Ask::Stats {
             model: Some(model.to_string()),
         };
-        if let Ok((Answer::Stats(stats), _)) = self.exchange(&ask, &[]) {
-            self.stats = stats.map(Into::into);
+        if let Ok((Answer::Stats { last, .. }, _)) = self.exchange(&ask, &[]) {
+            self.stats = last.map(Into::into);
         }
     }
 

@@ -363,7 +363,11 @@ impl Worker {
                     Some(model) => held.backend.refresh_arena_stats_for(&model),
                     None => held.backend.refresh_arena_stats(),
                 }
-                reply(stream, &Answer::Stats(held.backend.arena_stats().map(Into::into)), &[])
+                let answer = Answer::Stats {
+                    last: held.backend.arena_stats().map(Into::into),
+                    held: held.backend.held_arena_stats().map(Into::into),
+                };
+                reply(stream, &answer, &[])
             }
             Ask::Load { name, bytes } => {
                 let answer = match wire::take(payload, &mut 0, bytes) {
@@ -451,11 +455,14 @@ impl Worker {
         }
         match result {
             Ok(tensors) => {
-                let stats = if stats {
+                let (stats, held) = if stats {
                     backend.refresh_arena_stats();
-                    backend.arena_stats().map(Into::into)
+                    (
+                        backend.arena_stats().map(Into::into),
+                        backend.held_arena_stats().map(Into::into),
+                    )
                 } else {
-                    None
+                    (None, None)
                 };
                 // Into the shared region when they fit, else inline.
                 let shared = out
@@ -471,6 +478,7 @@ impl Worker {
                     &Answer::Ran {
                         outputs: heads,
                         stats,
+                        held,
                         shared,
                     },
                     &[blob],

@@ -201,18 +201,22 @@ pub enum Answer {
     /// Done; for `Open`, the session connection's id (for `Interrupt`).
     Done { session: Option<u64> },
     /// A run's outputs (the payload, or the start of its lane's output region when `shared`),
-    /// and the arena after it when asked.
+    /// and the arena after it when asked, with all the lane's arenas summed (`held`).
     Ran {
         outputs: Vec<TensorHead>,
         stats: Option<WireStats>,
+        held: Option<WireStats>,
         shared: bool,
     },
     /// A run (or a load) failed.
     Failed(WireError),
     /// Could not do what was asked (a load that failed, a bad frame).
     Refused(String),
-    /// Arena statistics.
-    Stats(Option<WireStats>),
+    /// Arena statistics: the arena asked about, and all the lane's summed.
+    Stats {
+        last: Option<WireStats>,
+        held: Option<WireStats>,
+    },
     /// The simulated device (or its absence).
     Sim(Option<SimState>),
 }

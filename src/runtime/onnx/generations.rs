@@ -78,6 +78,11 @@ impl Generations {
         }
     }
 
+    /// The statistics of the arenas of the graphs that moved caches (see [`Kernels::arena_stats`]).
+    pub fn kernel_arena_stats(&self) -> Vec<super::arena::ArenaStats> {
+        self.kernels.arena_stats()
+    }
+
     /// Drop every cache of `model` (its session is gone).
     pub fn forget(&mut self, model: &str) {
         self.models.remove(model);

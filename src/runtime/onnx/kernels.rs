@@ -251,6 +251,16 @@ impl Kernels {
         })
     }
 
+    /// The statistics of each of its sessions' arenas: what the values its graphs made (caches
+    /// moved on the device) hold there. Nothing on the host, where no graph runs.
+    pub fn arena_stats(&self) -> Vec<super::arena::ArenaStats> {
+        self.sessions
+            .values()
+            .filter_map(|session| super::backend::arena_allocator(session, &self.options))
+            .filter_map(|allocator| super::arena::allocator_stats(&allocator).ok())
+            .collect()
+    }
+
     /// Where outputs are bound (the device's memory info), for callers binding their own runs' outputs.
     pub fn device(&self) -> &MemoryInfo<'static> {
         &self.device
