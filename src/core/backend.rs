@@ -143,6 +143,12 @@ pub trait Backend: Send {
     fn lost(&self) -> bool {
         false
     }
+    /// Why its worker process is gone, when a run found its connection closed while that
+    /// process is still the pool's worker (its supervisor has not reaped it yet: a process
+    /// holding a CUDA context is reaped only after the driver has torn the context down).
+    fn worker_gone(&self) -> Option<String> {
+        None
+    }
 }
 
 /// What a run carries besides its tensors: the request's identity and limits. A backend that

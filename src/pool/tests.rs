@@ -470,3 +470,45 @@ fn a_pools_arena_is_what_its_live_workers_hold_together() {
     assert_eq!(held(), left, "its runs publish under its own slot");
     pool.shutdown(Duration::from_secs(1));
 }
+
+/// Its runs fail as a worker process's whose connection closed, and it says so until replaced.
+struct Gone;
+
+impl Backend for Gone {
+    fn run(&mut self, _: &str, _: Vec<Tensor>, _: &[String], _: &RunMeta) -> Result<Vec<Tensor>, BackendError> {
+        Err(BackendError::WorkerLost(
+            "worker process 7 of pool `p` is gone: EOF".into(),
+        ))
+    }
+    fn arena_stats(&self) -> Option<ArenaStats> {
+        None
+    }
+    fn lost(&self) -> bool {
+        true
+    }
+    fn worker_gone(&self) -> Option<String> {
+        Some("worker process 7 of pool `p` is gone: EOF".into())
+    }
+}
+
+#[test]
+fn the_first_run_that_finds_the_worker_gone_opens_the_breaker() {
+    let pool = Pool::start(
+        config(4),
+        DeviceClass::Simulated,
+        vec![Box::new(Gone)],
+        None,
+        PoolContext::default(),
+    );
+    assert_eq!(pool.breaker_state(), BreakerState::Closed);
+    let result = pool.submit(job(1.0)).unwrap().blocking_recv().unwrap();
+    assert!(
+        matches!(result, Err(PoolError::Backend(BackendError::WorkerLost(_)))),
+        "{result:?}"
+    );
+    // Before any supervisor reaped the process: new work goes to the fallback at once.
+    assert_eq!(pool.breaker_state(), BreakerState::Open);
+    let why = pool.breaker_trip().map(|t| t.to_string()).unwrap_or_default();
+    assert!(why.contains("worker process 7 of pool `p` is gone"), "{why}");
+    pool.shutdown(Duration::from_secs(1));
+}

@@ -275,6 +275,11 @@ impl Pool {
         };
         let Some(skipped) = skip else {
             let (result, kept) = self.run_one(id, backend, job);
+            // The breaker opens at the first run that finds the worker gone, not when its
+            // supervisor reaps the process: until then every request would reach it first.
+            if let Some(how) = kept.as_ref().and_then(|backend| backend.worker_gone()) {
+                self.breaker().worker_lost(how, self.context.clock.now());
+            }
             let panicked = matches!(result, Err(PoolError::Backend(BackendError::Panicked(_))));
             let kept = kept.map(|backend| match panicked {
                 // A replacement holds the sessions the pool starts with; the worker brings it

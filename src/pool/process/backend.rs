@@ -370,6 +370,12 @@ impl Backend for ProcessBackend {
         let _ = self.exchange(&Ask::Release { probes }, &refs);
     }
 
+    fn worker_gone(&self) -> Option<String> {
+        let why = self.conn.gone()?;
+        let current = self.host.current()?;
+        (current.generation == self.conn.worker.generation).then_some(why)
+    }
+
     fn lost(&self) -> bool {
         self.conn.gone().is_some()
             || self
