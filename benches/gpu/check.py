@@ -259,6 +259,10 @@ def phase_default() -> None:
         row("worker killed: requests answered", answered == len(during), f"{answered} of {len(during)} 200; pools {sorted(set(str(r['pool']) for r in during))}")
         counted = metric_lines(base, "vramguard_requests_total", "vramguard_failovers_total", "vramguard_worker_restarts_total", "vramguard_allocator_failures_total", "vramguard_worker_up")
         rec["metrics_end"] = counted
+        # The breaker opens at the first run that finds the worker's connection closed, not
+        # when the driver has torn the killed process's context down and it is reaped.
+        lost = sample(counted, 'vramguard_failovers_total{from="gpu",to="cpu",reason="worker_lost"}')
+        row("worker killed: breaker open at the first lost run", lost <= 3, f"{lost:.0f} requests reached the dead worker first (61 before the fix)")
         (OUT / "metrics-default-end.txt").write_text("\n".join(counted))
     finally:
         rec["exit"] = stop(proc)
