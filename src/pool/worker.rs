@@ -299,12 +299,7 @@ impl Pool {
     /// Run one job. A panicking backend is caught here: the request gets
     /// [`BackendError::Panicked`] and the backend is replaced by a fresh one, since the old one
     /// may hold half-updated state; `None` comes back when no replacement could be built.
-    fn run_one(
-        &self,
-        slot: usize,
-        mut backend: Box<dyn Backend>,
-        job: InferJob,
-    ) -> (JobResult, Option<Box<dyn Backend>>) {
+    fn run_one(&self, slot: usize, mut backend: Box<dyn Backend>, job: InferJob) -> Ran {
         let started = Instant::now();
         // A measured run reads the arena of the model it runs just before it: the cached
         // statistics may be another model's session, or older than another pool's runs on a
@@ -409,16 +404,21 @@ impl Pool {
             // error) are not the device's fault.
             Ok(_) | Err(_) => {}
         }
-        match &result {
+        self.log_failure(&job.meta.request_id, &job.model, &result);
+        (result.map_err(PoolError::from), Some(backend))
+    }
+
+    /// Say why a run of `model` for `request_id` failed, when it did.
+    fn log_failure<T>(&self, request_id: &str, model: &str, result: &Result<T, BackendError>) {
+        match result {
             Err(BackendError::Cancelled) => {
-                tracing::debug!(request_id = %job.meta.request_id, pool = self.name(), "run stopped: the client went away")
+                tracing::debug!(request_id, pool = self.name(), "run stopped: the client went away")
             }
             Err(e) => {
-                tracing::warn!(request_id = %job.meta.request_id, pool = self.name(), model = %job.model, error = %e, "inference failed")
+                tracing::warn!(request_id, pool = self.name(), model, error = %e, "inference failed")
             }
             Ok(_) => {}
         }
-        (result.map_err(PoolError::from), Some(backend))
     }
 
     /// A backend for the worker process that replaced a lost one, when one runs (until then a
@@ -451,6 +451,9 @@ impl Pool {
         }
     }
 }
+
+/// A run's answer, and the backend to keep (`None` when it panicked and none could replace it).
+type Ran = (JobResult, Option<Box<dyn Backend>>);
 
 fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
     panic

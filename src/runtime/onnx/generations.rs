@@ -78,9 +78,16 @@ impl Generations {
         }
     }
 
-    /// The statistics of the arenas of the graphs that moved caches (see [`Kernels::arena_stats`]).
+    /// The statistics of the arenas of the graphs that move caches: what the values they made
+    /// (caches moved on the device) hold there. Nothing on the host, where no graph runs.
     pub fn kernel_arena_stats(&self) -> Vec<super::arena::ArenaStats> {
-        self.kernels.arena_stats()
+        let kernels = &self.kernels;
+        kernels
+            .sessions
+            .values()
+            .filter_map(|session| super::backend::arena_allocator(session, &kernels.options))
+            .filter_map(|allocator| super::arena::allocator_stats(&allocator).ok())
+            .collect()
     }
 
     /// Drop every cache of `model` (its session is gone).

@@ -36,7 +36,7 @@ enum Kind {
 
 /// What a session is built for: a graph kind over one element type, rank and axis.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-struct Key {
+pub(super) struct Key {
     kind: Kind,
     /// `TensorProto.DataType` of the inputs.
     elem_type: u64,
@@ -48,12 +48,12 @@ struct Key {
 /// lie (on the device), never through the host.
 pub struct Kernels {
     rt: &'static OnnxRuntime,
-    options: SessionOptions,
+    pub(super) options: SessionOptions,
     /// Where outputs are bound.
     device: MemoryInfo<'static>,
     /// Where [`Kernels::last_position`]'s output is bound.
     host: MemoryInfo<'static>,
-    sessions: HashMap<Key, Session>,
+    pub(super) sessions: HashMap<Key, Session>,
     /// Run the graphs even where the device is the host (tests: the path CUDA takes).
     graphs_only: bool,
 }
@@ -249,16 +249,6 @@ impl Kernels {
             sessions: HashMap::new(),
             graphs_only: false,
         })
-    }
-
-    /// The statistics of each of its sessions' arenas: what the values its graphs made (caches
-    /// moved on the device) hold there. Nothing on the host, where no graph runs.
-    pub fn arena_stats(&self) -> Vec<super::arena::ArenaStats> {
-        self.sessions
-            .values()
-            .filter_map(|session| super::backend::arena_allocator(session, &self.options))
-            .filter_map(|allocator| super::arena::allocator_stats(&allocator).ok())
-            .collect()
     }
 
     /// Where outputs are bound (the device's memory info), for callers binding their own runs' outputs.
