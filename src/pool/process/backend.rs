@@ -143,11 +143,13 @@ impl ProcessBackend {
 
     /// What it read of a gone process's arena is nobody's now.
     fn exchange(&mut self, ask: &Ask, blobs: &[&[u8]]) -> Result<(Answer, Vec<u8>), BackendError> {
-        self.conn.exchange(ask, blobs).inspect_err(|_| {
-            // A lost worker holds nothing any more.
-            self.stats = None;
-            self.held = None;
-        })
+        self.conn.exchange(ask, blobs).inspect_err(|_| self.forget_stats())
+    }
+
+    /// A lost worker holds nothing any more.
+    fn forget_stats(&mut self) {
+        self.stats = None;
+        self.held = None;
     }
 }
 
@@ -202,8 +204,7 @@ impl ProcessBackend {
         let mut received = std::mem::take(&mut self.received);
         let answer = self.conn.exchange_into(&ask, &[&sent], &mut received);
         if answer.is_err() {
-            self.stats = None;
-            self.held = None;
+            self.forget_stats();
         }
         if sent.capacity() <= 64 << 20 {
             self.sent = sent;

@@ -284,28 +284,35 @@ impl Backend for OrtBackend {
     }
 
     fn refresh_arena_stats(&mut self) {
-        // The arena of the model that ran last: on CPU and CUDA pools each session has its
-        // own, on simulated pools they are all the one shared arena.
-        let allocator = match &self.last_model {
-            Some(model) => self.sessions.get(model).and_then(|(_, a)| a.as_ref()),
-            None => self.sessions.values().find_map(|(_, a)| a.as_ref()),
-        };
-        if let Some(allocator) = allocator {
-            self.last_stats = arena::allocator_stats(allocator).ok();
+        // Each arena read once: the one of the model that ran last (before any ran, the first
+        // with one) is what runs are measured in; all of them, and those of the small graphs
+        // that move generations' caches (a cache they moved lies there), are what it holds.
+        // A simulated pool's sessions share one arena: it is read, and counts, once.
+        let simulated = self.options.provider == Provider::Simulated;
+        let (mut last, mut held) = (None, None::<arena::ArenaStats>);
+        for (name, (_, allocator)) in &self.sessions {
+            let is_last = self.last_model.as_deref().map_or(last.is_none(), |m| m == name);
+            if simulated && !is_last {
+                continue;
+            }
+            let Some(stats) = allocator.as_ref().and_then(|a| arena::allocator_stats(a).ok()) else {
+                continue;
+            };
+            if is_last {
+                last = Some(stats);
+            }
+            held = Some(held.map_or(stats, |h| h.plus(stats)));
         }
-        // What all of them hold: every session's own arena, and those of the small graphs
-        // that move generations' caches (a cache they moved lies there). The shared arena of a
-        // simulated pool counts once.
-        self.held_stats = if self.options.provider == Provider::Simulated {
-            self.last_stats
-        } else {
-            self.sessions
-                .values()
-                .filter_map(|(_, a)| a.as_ref())
-                .filter_map(|a| arena::allocator_stats(a).ok())
+        if last.is_some() {
+            self.last_stats = last;
+        }
+        if !simulated {
+            held = held
+                .into_iter()
                 .chain(self.generations.kernel_arena_stats())
-                .reduce(arena::ArenaStats::plus)
-        };
+                .reduce(arena::ArenaStats::plus);
+        }
+        self.held_stats = held;
     }
 }
 
