@@ -380,7 +380,7 @@ trait Element: Sized {
     fn from_bool(_: bool) -> Option<Self> {
         None
     }
-    /// The common case decoded without serde (see [`numbers`]); `None` to take the serde path.
+    /// The common case decoded without serde (see [`json::numbers`]); `None` to take the serde path.
     fn fast(_json: &str) -> Option<Vec<Self>> {
         None
     }
@@ -403,95 +403,13 @@ fn through_serde<T: Element>(json: &str) -> Result<Vec<T>, String> {
     Ok(out)
 }
 
-/// `json` when it is (nested) arrays of plain JSON numbers, each read by `read` from its text:
-/// the common case of a tensor's `data`, decoded in one pass without serde. `None` on anything
-/// else (`null`, strings, booleans, malformed text, a number `read` refuses), which the serde
-/// path then decodes or refuses with its own message, so both paths accept exactly the same
-/// documents and this one only answers faster.
-fn numbers<T>(json: &str, read: impl Fn(&[u8]) -> Option<T>) -> Option<Vec<T>> {
-    let bytes = json.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len() / 8);
-    let (mut i, mut depth) = (0usize, 0usize);
-    // After `[` or `,` a value must come; after a value or `]`, a `,` or a `]`.
-    let mut want_value = true;
-    let mut just_opened = false;
-    while i < bytes.len() {
-        match bytes[i] {
-            b' ' | b'\n' | b'\r' | b'\t' => i += 1,
-            b'[' if want_value => {
-                depth += 1;
-                just_opened = true;
-                i += 1;
-            }
-            b']' if depth > 0 && (!want_value || just_opened) => {
-                depth -= 1;
-                want_value = false;
-                just_opened = false;
-                i += 1;
-            }
-            b',' if !want_value && depth > 0 => {
-                want_value = true;
-                just_opened = false;
-                i += 1;
-            }
-            b'-' | b'0'..=b'9' if want_value && depth > 0 => {
-                let end = json_number_end(bytes, i)?;
-                out.push(read(&bytes[i..end])?);
-                want_value = false;
-                just_opened = false;
-                i = end;
-            }
-            _ => return None,
-        }
-        if depth == 0 {
-            // The outermost array closed: only whitespace may follow.
-            return bytes[i..].iter().all(|b| b.is_ascii_whitespace()).then_some(out);
-        }
-    }
-    None
-}
-
-/// Where the JSON number starting at `at` ends, when it is one by JSON's grammar
-/// (`-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?`), which is stricter than a float parser's.
-fn json_number_end(b: &[u8], at: usize) -> Option<usize> {
-    let digits = |mut i: usize| {
-        let start = i;
-        while i < b.len() && b[i].is_ascii_digit() {
-            i += 1;
-        }
-        (i > start).then_some(i)
-    };
-    let mut i = at + usize::from(b[at] == b'-');
-    i = match b.get(i)? {
-        b'0' => i + 1,
-        b'1'..=b'9' => digits(i)?,
-        _ => return None,
-    };
-    if b.get(i) == Some(&b'.') {
-        i = digits(i + 1)?;
-    }
-    if matches!(b.get(i), Some(b'e' | b'E')) {
-        i += 1;
-        if matches!(b.get(i), Some(b'+' | b'-')) {
-            i += 1;
-        }
-        i = digits(i)?;
-    }
-    Some(i)
-}
-
-/// An integer's text as `T`: plain digits only (`3.0` and `1e3` take the serde path, which
-/// accepts a whole number written as a float).
-fn integer<T: TryFrom<i64>>(text: &[u8]) -> Option<T> {
-    if text.iter().any(|b| matches!(b, b'.' | b'e' | b'E')) {
-        return None;
-    }
-    let text = std::str::from_utf8(text).ok()?;
-    T::try_from(text.parse::<i64>().ok()?).ok()
-}
-
 macro_rules! int_element {
     ($t:ty, $name:literal) => {
+        impl json::Scan for $t {
+            fn scan(bytes: &[u8], at: usize) -> Option<(Self, usize)> {
+                json::integer(bytes, at)
+            }
+        }
         impl Element for $t {
             const NAME: &'static str = $name;
             fn from_u64(v: u64) -> Option<Self> {
@@ -505,7 +423,7 @@ macro_rules! int_element {
                 (v.fract() == 0.0 && v >= <$t>::MIN as f64 && v <= <$t>::MAX as f64).then(|| v as $t)
             }
             fn fast(json: &str) -> Option<Vec<Self>> {
-                numbers(json, integer::<$t>)
+                json::numbers::<$t>(json)
             }
         }
     };
@@ -533,7 +451,7 @@ macro_rules! float_element {
                 fn $fast(json: &str) -> Option<Vec<Self>> {
                     // Decimal text to the nearest value of the type, in one rounding (through
                     // f64 it would be two); an infinite result is a number too large for it.
-                    numbers(json, |text| fast_float2::parse::<$t, _>(text).ok().filter(|v| v.is_finite()))
+                    json::numbers::<$t>(json)
                 }
             )?
         }
@@ -619,6 +537,7 @@ impl<'de, T: Element> Visitor<'de> for Flatten<'_, T> {
 }
 
 mod bytes;
+mod json;
 
 #[cfg(test)]
 mod json_tests;
