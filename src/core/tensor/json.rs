@@ -46,25 +46,18 @@ pub(super) fn numbers<T: Scan>(json: &str) -> Option<Vec<T>> {
                 i += 1;
             }
             b'-' | b'0'..=b'9' if want_value && depth > 0 => {
-                let (value, end) = T::scan(bytes, i)?;
-                out.push(value);
-                i = end;
-                // The run of a flat array, `1.5, -2, 3`, without going round the match for
-                // each separator.
+                // This number, and the run of a flat array after it (`1.5, -2, 3`), without
+                // going round the match for each separator.
+                let mut at = i;
                 loop {
-                    let next = match bytes.get(i..i + 2) {
-                        Some([b',', b' ']) => i + 2,
-                        Some([b',', c]) if c.is_ascii_digit() || *c == b'-' => i + 1,
+                    let (value, end) = T::scan(bytes, at)?;
+                    out.push(value);
+                    i = end;
+                    at = match bytes.get(i..i + 3) {
+                        Some([b',', b' ', c]) if c.is_ascii_digit() || *c == b'-' => i + 2,
+                        Some([b',', c, _]) if c.is_ascii_digit() || *c == b'-' => i + 1,
                         _ => break,
                     };
-                    match bytes.get(next) {
-                        Some(c) if c.is_ascii_digit() || *c == b'-' => {
-                            let (value, end) = T::scan(bytes, next)?;
-                            out.push(value);
-                            i = end;
-                        }
-                        _ => break,
-                    }
                 }
                 want_value = false;
                 just_opened = false;
@@ -79,39 +72,10 @@ pub(super) fn numbers<T: Scan>(json: &str) -> Option<Vec<T>> {
     None
 }
 
-/// Where the JSON number starting at `at` ends, when it is one by JSON's grammar
-/// (`-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?`), which is stricter than a float parser's.
-fn number_end(b: &[u8], at: usize) -> Option<usize> {
-    let digits = |mut i: usize| {
-        let start = i;
-        while i < b.len() && b[i].is_ascii_digit() {
-            i += 1;
-        }
-        (i > start).then_some(i)
-    };
-    let mut i = at + usize::from(b[at] == b'-');
-    i = match b.get(i)? {
-        b'0' => i + 1,
-        b'1'..=b'9' => digits(i)?,
-        _ => return None,
-    };
-    if b.get(i) == Some(&b'.') {
-        i = digits(i + 1)?;
-    }
-    if matches!(b.get(i), Some(b'e' | b'E')) {
-        i += 1;
-        if matches!(b.get(i), Some(b'+' | b'-')) {
-            i += 1;
-        }
-        i = digits(i)?;
-    }
-    Some(i)
-}
-
 /// An integer's text as `T`: plain digits only (`3.0` and `1e3` take the serde path, which
 /// accepts a whole number written as a float).
 pub(super) fn integer<T: TryFrom<i64>>(bytes: &[u8], at: usize) -> Option<(T, usize)> {
-    let end = number_end(bytes, at)?;
+    let end = Decimal::read(bytes, at)?.end;
     let text = &bytes[at..end];
     if text.iter().any(|b| matches!(b, b'.' | b'e' | b'E')) {
         return None;
@@ -197,7 +161,8 @@ const POW10: [f64; 23] = [
 ];
 
 impl Decimal {
-    /// The JSON number at `at`, its grammar checked as its digits are gathered.
+    /// The JSON number at `at`, its grammar checked as its digits are gathered
+    /// (`-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?`, stricter than a float parser's).
     #[inline(always)]
     fn read(b: &[u8], at: usize) -> Option<Decimal> {
         let negative = b[at] == b'-';
