@@ -145,6 +145,11 @@ pub struct RawServer {
     /// `0-3,6`; absent: wherever it was started. Pools choose theirs with `pools[].cpus`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cpus: Option<CpuList>,
+    /// The longest an idle CPU may take to wake up while requests are in flight and for a
+    /// second after (Linux's CPU latency QoS, `/dev/cpu_dma_latency`), e.g. `0us`; absent:
+    /// the kernel's choice.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cpu_wake_latency: Option<HumanDuration>,
 }
 
 impl Default for RawServer {
@@ -164,6 +169,7 @@ impl Default for RawServer {
             // Four bodies of the default `body_limit` at once.
             max_receiving_bytes: ByteSize(256 << 20),
             cpus: None,
+            cpu_wake_latency: None,
         }
     }
 }

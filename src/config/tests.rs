@@ -391,6 +391,23 @@ fn cpus_are_cpu_lists_and_bad_ones_name_their_key() {
 }
 
 #[test]
+fn a_cpu_wake_latency_is_a_duration_up_to_100ms() {
+    assert_eq!(check(BASE).unwrap().server.cpu_wake_latency, None);
+    for (text, want) in [("0us", 0), ("20us", 20), ("100ms", 100_000)] {
+        let cfg = check(&format!("server: {{cpu_wake_latency: {text}}}\n{BASE}")).unwrap();
+        assert_eq!(cfg.server.cpu_wake_latency, Some(Duration::from_micros(want)), "{text}");
+    }
+    let err = check(&format!("server: {{cpu_wake_latency: 1s}}\n{BASE}"))
+        .unwrap_err()
+        .to_string();
+    assert_eq!(err, "test.yaml: server.cpu_wake_latency: expected 0ms to 100ms, got 1s");
+    let err = check(&format!("server: {{cpu_wake_latency: soon}}\n{BASE}"))
+        .unwrap_err()
+        .to_string();
+    assert!(err.starts_with("test.yaml: server.cpu_wake_latency: "), "{err}");
+}
+
+#[test]
 fn a_remote_pool_needs_a_plain_http_url_and_no_onnxruntime_settings() {
     let pool = |extra: &str| {
         check(&format!(

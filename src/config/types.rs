@@ -122,6 +122,9 @@ pub struct ServerConfig {
     pub max_receiving_bytes: u64,
     /// The CPUs vramguard's own threads run on; `None`: where it was started.
     pub cpus: Option<CpuSet>,
+    /// The longest an idle CPU may take to wake up while requests are in flight; `None`: the
+    /// kernel's choice.
+    pub cpu_wake_latency: Option<Duration>,
 }
 
 /// Validated `server.timeouts:`; each is more than zero.

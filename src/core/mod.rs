@@ -9,3 +9,4 @@ pub mod model;
 pub mod signature;
 pub mod snapshot;
 pub mod tensor;
+pub mod wakeup;

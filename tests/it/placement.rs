@@ -1,7 +1,8 @@
 //! `server.cpus` and `pools[].cpus` on a real `vramguard serve`: every thread is where the
 //! configuration put it, as the kernel reports it (`/proc/<pid>/task/*/status`), including the
 //! threads ONNX Runtime starts for a session's intra-op work and a worker process's own; and a
-//! CPU vramguard may not run on is refused naming the key.
+//! CPU vramguard may not run on is refused naming the key. `server.cpu_wake_latency`: the limit
+//! the kernel applies (read back from `/dev/cpu_dma_latency`) while requests are in flight.
 
 use std::collections::BTreeMap;
 
@@ -138,5 +139,113 @@ pools: [{name: cpu, provider: cpu, models: [encoder], cpus: '0,1023'}]
     assert!(
         stderr.contains("pools[0].cpus: CPUs 1023 are not among those vramguard may run on"),
         "{stderr}"
+    );
+}
+
+/// The CPU wake-up latency limit the kernel applies now, in µs (every holder's lowest).
+fn kernel_wake_limit() -> i32 {
+    let bytes = std::fs::read(vramguard::core::wakeup::DEVICE).unwrap();
+    i32::from_ne_bytes(bytes[..4].try_into().unwrap())
+}
+
+/// Polls until `limit` is the kernel's wake-up limit, up to `within`; what it read last.
+async fn until_limit(limit: i32, within: std::time::Duration) -> i32 {
+    let deadline = std::time::Instant::now() + within;
+    loop {
+        let now = kernel_wake_limit();
+        if now == limit || std::time::Instant::now() > deadline {
+            return now;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+}
+
+/// Sends seq-16 encoder requests one after another until `stop`; how many were answered.
+fn keep_busy(addr: String, stop: tokio_util::sync::CancellationToken) -> tokio::task::JoinHandle<usize> {
+    tokio::spawn(async move {
+        let client = reqwest::Client::new();
+        let (header, body) = crate::common::encoder_binary_request(16);
+        let mut answered = 0;
+        while !stop.is_cancelled() {
+            let sent = client
+                .post(format!("http://{addr}/v2/models/encoder/infer"))
+                .header("inference-header-content-length", header.len())
+                .body(body.clone())
+                .send()
+                .await;
+            let response = match sent {
+                Ok(response) => response,
+                // The server was stopped after the load.
+                Err(_) if stop.is_cancelled() => break,
+                Err(e) => panic!("{e}"),
+            };
+            assert_eq!(response.status(), 200);
+            answered += 1;
+        }
+        answered
+    })
+}
+
+#[tokio::test]
+async fn idle_cpus_wake_within_the_limit_while_requests_are_in_flight_and_never_after_it_exits() {
+    let scratch = Scratch::new();
+    let config = scratch.write(
+        "serve.yaml",
+        "server: {listen: '127.0.0.1:0', admin_socket: 'off', cpu_wake_latency: 0us}
+models: [{name: encoder, path: 'builtin:encoder'}]
+pools: [{name: cpu, provider: cpu, models: [encoder]}]
+",
+    );
+    let args = ["serve", "--config", config.to_str().unwrap()];
+    let writable = std::fs::OpenOptions::new()
+        .write(true)
+        .open(vramguard::core::wakeup::DEVICE)
+        .is_ok();
+    if !writable {
+        // Where the limit cannot be held, `serve` says so instead of serving without it.
+        let out = std::process::Command::new(crate::common::BIN)
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .args(args)
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(64), "{stderr}");
+        assert!(
+            stderr.contains("server.cpu_wake_latency: cannot open /dev/cpu_dma_latency"),
+            "{stderr}"
+        );
+        return;
+    }
+    // What other holders (tuned, another server) ask for stays the kernel's limit when idle.
+    let before = kernel_wake_limit();
+    let server = crate::common::spawn_serving(&args, &[], "vramguard serving");
+    assert_eq!(kernel_wake_limit(), before, "nothing is limited before a request");
+
+    let wait = std::time::Duration::from_secs(10);
+    let stop = tokio_util::sync::CancellationToken::new();
+    let load = keep_busy(server.addr.clone(), stop.clone());
+    assert_eq!(until_limit(0, wait).await, 0, "held while requests are in flight");
+    stop.cancel();
+    assert!(load.await.unwrap() > 0);
+    // Lifted a second or two after the last answer.
+    assert_eq!(
+        until_limit(before, wait).await,
+        before,
+        "lifted once the server is idle"
+    );
+
+    // A server killed while it holds the limit takes it with it: the kernel drops a request
+    // when its file closes.
+    let stop = tokio_util::sync::CancellationToken::new();
+    let load = keep_busy(server.addr.clone(), stop.clone());
+    assert_eq!(until_limit(0, wait).await, 0);
+    let pid = server.child.id();
+    stop.cancel();
+    drop(server);
+    load.await.unwrap();
+    assert_eq!(
+        until_limit(before, std::time::Duration::from_millis(500)).await,
+        before,
+        "the limit outlived its holder {pid}"
     );
 }

@@ -37,6 +37,19 @@ pub(super) fn server(c: &Checker, s: &RawServer) -> Result<ServerConfig, ConfigE
         max_connections,
         max_receiving_bytes: max_receiving_bytes(c, s)?,
         cpus: c.cpus("server.cpus", s.cpus.as_ref())?,
+        // The deepest idle states of server CPUs take a few hundred µs to leave: past 100 ms a
+        // limit keeps no CPU out of any.
+        cpu_wake_latency: s
+            .cpu_wake_latency
+            .map(|d| {
+                c.within(
+                    "server.cpu_wake_latency",
+                    d,
+                    HumanDuration(Duration::ZERO)..=HumanDuration(Duration::from_millis(100)),
+                )
+            })
+            .transpose()?
+            .map(HumanDuration::get),
     })
 }
 

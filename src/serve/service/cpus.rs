@@ -1,9 +1,36 @@
 //! Where vramguard's threads run: `server.cpus` for its own (HTTP, policy, telemetry), each
 //! local pool's `cpus` for its sessions. Checked against the CPUs it was started on, which is
-//! also where a pool without `cpus` runs.
+//! also where a pool without `cpus` runs. And how soon those CPUs wake while it serves:
+//! `server.cpu_wake_latency`.
+
+use std::path::Path;
 
 use crate::config::{Config, ConfigError, Provider};
 use crate::core::cpus::CpuSet;
+use crate::core::wakeup::{self, WakeLimit};
+
+/// `server.cpu_wake_latency`: the kernel's CPU latency request, opened before anything is
+/// loaded, so that a server that cannot hold it refuses to start, naming the key, instead of
+/// serving without what it was asked for.
+pub(super) fn wake_limit(config: &Config) -> Result<Option<WakeLimit>, ConfigError> {
+    let Some(limit) = config.server.cpu_wake_latency else {
+        return Ok(None);
+    };
+    let held = WakeLimit::open(Path::new(wakeup::DEVICE), limit, wakeup::HOLD).map_err(|why| ConfigError::Invalid {
+        file: config.source.clone(),
+        key: "server.cpu_wake_latency".into(),
+        message: format!(
+            "{why}: it takes root or write access to it; without the key, how deep idle CPUs sleep is the kernel's choice"
+        ),
+    })?;
+    tracing::info!(
+        limit_us = limit.as_micros() as u64,
+        hold_s = wakeup::HOLD.as_secs_f64(),
+        "idle CPUs kept within this wake-up latency while requests are in flight ({})",
+        wakeup::DEVICE
+    );
+    Ok(Some(held))
+}
 
 /// Check every `cpus` against the CPUs the calling thread may run on, move the calling thread
 /// (and so every thread it starts from now on) to `server.cpus`, and give each local pool

@@ -24,6 +24,7 @@ use prometheus_client::registry::Registry;
 use crate::config::{Config, ConfigError};
 use crate::core::clock::Clock;
 use crate::core::snapshot::ProviderKind;
+use crate::core::wakeup::WakeLimit;
 use crate::device::simulated::SimulatedDevice;
 use crate::policy::PolicyHandle;
 use crate::pool::activity::Activity;
@@ -104,6 +105,8 @@ pub struct Service {
     /// [`weights_beside`] of every pool and model it serves: fixed once the pools are built,
     /// and read by every request's never-fits check.
     weights_beside: HashMap<(String, String), u64>,
+    /// `server.cpu_wake_latency`, held while requests are in flight.
+    wake_limit: Option<WakeLimit>,
 }
 
 /// Asks the background sampler for a sample and waits for it.
@@ -151,8 +154,11 @@ impl Service {
     /// The calling thread moves to `server.cpus`, if given (see [`cpus::place`]).
     pub fn start(mut config: Config) -> Result<Service, StartError> {
         cpus::place(&mut config)?;
+        let wake_limit = cpus::wake_limit(&config)?;
         let parts = Parts::onnxruntime(&config)?;
-        Service::assemble(config, parts)
+        let mut service = Service::assemble(config, parts)?;
+        service.wake_limit = wake_limit;
+        Ok(service)
     }
 
     /// Build every model and pool from `parts`. A pool whose backend cannot be built (no NVIDIA
@@ -236,6 +242,7 @@ impl Service {
             services,
             rooms: Rooms::default(),
             weights_beside,
+            wake_limit: None,
         })
     }
 

@@ -339,14 +339,20 @@ impl crate::telemetry::services::OwnMemory for Services {
 
 impl Service {
     /// A request for `model` was accepted: counted among the service's requests, and among
-    /// the interactive ones when its model's service is interactive.
+    /// the interactive ones when its model's service is interactive; idle CPUs wake within
+    /// `server.cpu_wake_latency` until it is answered.
     pub fn accept(&self, model: &str) -> Progress {
         let interactive = self
             .model(model)
             .and_then(|m| self.services.config(&m.config.service))
             .is_none_or(|s| s.class == ServiceClass::Interactive);
-        self.activity
-            .accept_also(interactive.then_some(&self.services.interactive))
+        let progress = self
+            .activity
+            .accept_also(interactive.then_some(&self.services.interactive));
+        if let Some(limit) = &self.wake_limit {
+            progress.hold(Box::new(limit.busy()));
+        }
+        progress
     }
 }
 
