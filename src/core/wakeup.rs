@@ -116,7 +116,8 @@ impl WakeLimit {
     }
 
     /// Whether the limit is written now.
-    pub fn is_held(&self) -> bool {
+    #[cfg(test)]
+    fn is_held(&self) -> bool {
         self.shared.held.load(Ordering::SeqCst)
     }
 }

@@ -227,7 +227,7 @@ pools: [{name: cpu, provider: cpu, models: [encoder]}]
     assert_eq!(until_limit(0, wait).await, 0, "held while requests are in flight");
     stop.cancel();
     assert!(load.await.unwrap() > 0);
-    // Lifted a second or two after the last answer.
+    // Lifted a second after the last answer.
     assert_eq!(
         until_limit(before, wait).await,
         before,
