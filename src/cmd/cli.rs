@@ -296,6 +296,16 @@ fn serve(config_path: Option<PathBuf>, listen: Option<std::net::SocketAddr>) -> 
         config.server.listen = addr;
     }
     let addr = config.server.listen;
+    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => return fail(format!("cannot start the async runtime: {e}"), 1),
+    };
+    // Before the pools start their worker processes: a signal while they do is then a shutdown
+    // as soon as serving begins, which removes what they made, not an exit that leaves it.
+    let stopped = {
+        let _in_runtime = runtime.enter();
+        shutdown_signal()
+    };
     let service = match Service::start(config) {
         Ok(e) => Arc::new(e),
         Err(e) => return fail(e, EXIT_CONFIG),
@@ -303,10 +313,6 @@ fn serve(config_path: Option<PathBuf>, listen: Option<std::net::SocketAddr>) -> 
     let state = match AppState::new(service) {
         Ok(state) => state,
         Err(e) => return fail(e, EXIT_CONFIG),
-    };
-    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
-        Ok(rt) => rt,
-        Err(e) => return fail(format!("cannot start the async runtime: {e}"), 1),
     };
     let result = runtime.block_on(async move {
         let listener = tokio::net::TcpListener::bind(addr)
@@ -339,7 +345,7 @@ fn serve(config_path: Option<PathBuf>, listen: Option<std::net::SocketAddr>) -> 
         let shutdown = {
             let stop_admin = stop_admin.clone();
             async move {
-                shutdown_signal().await;
+                stopped.await;
                 stop_admin.cancel();
             }
         };
@@ -400,23 +406,24 @@ fn exporter(config_path: Option<PathBuf>, listen: Option<std::net::SocketAddr>) 
     }
 }
 
-/// Resolves on SIGINT or SIGTERM.
-async fn shutdown_signal() {
-    let ctrl_c = tokio::signal::ctrl_c();
-    #[cfg(unix)]
-    {
-        let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(s) => s,
-            Err(_) => {
-                let _ = ctrl_c.await;
-                return;
+/// Resolves on SIGINT or SIGTERM. The handlers are installed when this is called, not when the
+/// future is first polled, so a signal that comes before is not the default action's (an exit
+/// that cleans nothing up) but wakes the future. Call it inside the async runtime.
+pub(crate) fn shutdown_signal() -> impl std::future::Future<Output = ()> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let installed = signal(SignalKind::interrupt()).and_then(|int| Ok((int, signal(SignalKind::terminate())?)));
+    async move {
+        match installed {
+            Ok((mut int, mut term)) => {
+                tokio::select! {
+                    _ = int.recv() => {}
+                    _ = term.recv() => {}
+                }
             }
-        };
-        tokio::select! {
-            _ = ctrl_c => {}
-            _ = term.recv() => {}
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot handle SIGINT and SIGTERM; stop with SIGKILL");
+                std::future::pending::<()>().await;
+            }
         }
     }
-    #[cfg(not(unix))]
-    let _ = ctrl_c.await;
 }

@@ -133,8 +133,17 @@ impl Breaker {
 
     /// Whether a request may run now: only while closed.
     pub fn allows(&mut self, now: Instant) -> bool {
+        self.permit(now).is_ok()
+    }
+
+    /// A request's permission to run now: granted while closed, else refused with why the
+    /// breaker is not (what a caller moving the request elsewhere says it moved for).
+    pub fn permit(&mut self, now: Instant) -> Result<(), Tripped> {
         self.advance(now);
-        matches!(self.state, State::Closed)
+        match &self.state {
+            State::Closed => Ok(()),
+            State::Open { why, .. } | State::HalfOpen { why, .. } => Err(why.clone()),
+        }
     }
 
     /// Take the half-open breaker's one probe for a health check: true when it is taken, and

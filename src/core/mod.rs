@@ -6,6 +6,7 @@ pub mod breaker;
 pub mod clock;
 pub mod cpus;
 pub mod model;
+pub mod scratch;
 pub mod signature;
 pub mod snapshot;
 pub mod tensor;

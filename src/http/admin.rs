@@ -164,8 +164,10 @@ pub fn bind(path: &FsPath) -> Result<UnixListener, String> {
     Ok(listener)
 }
 
-/// Serve the admin API on `listener` until `stop` is cancelled, then remove the socket file.
-/// Its connections live under the same timeouts and caps as the TCP listener's.
+/// Serve the admin API on `listener` until `stop` is cancelled, then remove the socket file,
+/// and its folder when that is one of ours (`vramguard-$UID`, `$XDG_RUNTIME_DIR/vramguard`)
+/// and nothing else is left in it. Its connections live under the same timeouts and caps as
+/// the TCP listener's.
 pub async fn serve_socket(
     state: Arc<AppState>,
     listener: UnixListener,
@@ -175,6 +177,14 @@ pub async fn serve_socket(
     let limits = crate::net::conn::Limits::new(&state.service.config.server, &state.service.metrics);
     crate::net::conn::serve(listener, socket_app(state), limits, stop).await;
     let _ = std::fs::remove_file(&path);
+    let ours = |name: &str| name == "vramguard" || name.starts_with("vramguard-");
+    if let Some(dir) = path
+        .parent()
+        .filter(|d| d.file_name().and_then(|n| n.to_str()).is_some_and(ours))
+    {
+        // Fails, as it should, while the folder holds anything else.
+        let _ = std::fs::remove_dir(dir);
+    }
     Ok(())
 }
 

@@ -149,13 +149,10 @@ impl Pool {
     /// Take the breaker's permission for one request: refused unless the breaker is closed (a
     /// half-open breaker waits for its health check, and the request goes elsewhere).
     pub fn breaker_permit(&self) -> Result<(), PoolError> {
-        let mut breaker = self.breaker();
-        if breaker.allows(self.context.clock.now()) {
-            return Ok(());
-        }
-        Err(PoolError::BreakerOpen {
+        let now = self.context.clock.now();
+        self.breaker().permit(now).map_err(|why| PoolError::BreakerOpen {
             pool: self.name().to_string(),
-            why: breaker.tripped().map(|w| w.to_string()).unwrap_or_default(),
+            why,
         })
     }
 

@@ -214,7 +214,7 @@ pub enum PoolError {
         /// Pool name.
         pool: String,
         /// Why it opened.
-        why: String,
+        why: crate::core::breaker::Tripped,
     },
     /// The pool could not be started (e.g. no CUDA provider); the reason says why.
     #[error("pool `{pool}` is unavailable: {reason}")]

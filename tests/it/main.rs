@@ -19,6 +19,7 @@ mod http;
 mod isolation;
 mod layering;
 mod learned;
+mod leftovers;
 mod lifecycle;
 mod memory;
 mod picker;

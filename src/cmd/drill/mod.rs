@@ -222,23 +222,35 @@ pub fn run(options: &Options) -> Result<Report, String> {
     runtime.block_on(run_async(options))
 }
 
+/// Drill the target, or a server of the drill's own that is stopped however the drill ends (an
+/// error, SIGINT or SIGTERM included), so that its worker processes and folders go with it.
 async fn run_async(options: &Options) -> Result<Report, String> {
-    let mut own = None;
-    let (base, token) = match &options.target {
+    let interrupted = crate::cmd::cli::shutdown_signal();
+    let (own, base, token) = match &options.target {
         Some(url) => {
             let token = options.admin_token.clone().ok_or(
                 "--target needs the target's admin token in VRAMGUARD_ADMIN_TOKEN (its server.admin_token_env)",
             )?;
-            (url.trim_end_matches('/').to_string(), token)
+            (None, url.trim_end_matches('/').to_string(), token)
         }
         None => {
             let server = OwnServer::start().await?;
             let base = format!("http://{}", server.addr);
             let token = server.token.clone();
-            own = Some(server);
-            (base, token)
+            (Some(server), base, token)
         }
     };
+    let result = tokio::select! {
+        result = drill(options, base, token) => result,
+        () = interrupted => Err("interrupted by a signal".to_string()),
+    };
+    if let Some(server) = own {
+        server.stop().await;
+    }
+    result
+}
+
+async fn drill(options: &Options, base: String, token: String) -> Result<Report, String> {
     let client = reqwest::Client::builder()
         .timeout(Duration::from_secs(120))
         .build()
@@ -281,9 +293,6 @@ async fn run_async(options: &Options) -> Result<Report, String> {
     let _ = drill
         .admin(json!({"pressure": 0, "fail_next": 0, "pass_first": 0}))
         .await;
-    if let Some(server) = own {
-        server.stop().await;
-    }
     let facts = result?;
     let records = drill.records();
     let samples = drill.samples.lock().unwrap_or_else(|e| e.into_inner()).clone();

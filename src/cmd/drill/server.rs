@@ -1,10 +1,11 @@
 //! The drill's own server, for a drill without `--target`: in this process, on a loopback
 //! port, with the decoder fixture written to a folder of its own and a random admin token.
 
-use std::path::PathBuf;
+use std::path::Path;
 use std::sync::Arc;
 
 use crate::core::model::BuiltinModel;
+use crate::core::scratch::OwnDir;
 
 /// A running server of the drill's config.
 pub(super) struct OwnServer {
@@ -50,18 +51,20 @@ impl OwnServer {
     }
 }
 
-/// A folder of its own, removed when dropped.
-struct TempDir(PathBuf);
+/// The drill's folder of its own (`vramguard-drill-<pid>-<unique>` in the temp directory),
+/// removed when dropped; one an interrupted drill left is removed by the next.
+struct TempDir(OwnDir);
 
 impl TempDir {
     fn new() -> Result<TempDir, String> {
-        let dir = std::env::temp_dir().join(format!(
-            "vramguard-drill-{}-{}",
-            std::process::id(),
-            uuid::Uuid::new_v4()
-        ));
-        std::fs::create_dir_all(&dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
-        Ok(TempDir(dir))
+        OwnDir::new("drill").map(TempDir).map_err(|e| {
+            let temp = std::env::temp_dir();
+            format!("cannot create the drill's folder in {}: {e}", temp.display())
+        })
+    }
+
+    fn path(&self) -> &Path {
+        self.0.path()
     }
 
     /// The drill's config, validated, with the decoder fixture and the dense models written here.
@@ -69,45 +72,38 @@ impl TempDir {
         // The decoder fixture the binary carries, as files: the config is the one a --target
         // serves from a checkout (print_config), with the paths here.
         let decoder = BuiltinModel::Decoder;
-        std::fs::write(self.0.join("decoder.onnx"), decoder.bytes()).map_err(|e| e.to_string())?;
+        std::fs::write(self.path().join("decoder.onnx"), decoder.bytes()).map_err(|e| e.to_string())?;
         let tokenizer = decoder.tokenizer().expect("the decoder ships its tokenizer");
-        std::fs::write(self.0.join("tokenizer.json"), tokenizer).map_err(|e| e.to_string())?;
-        super::write_models(&self.0)?;
-        let path = |file: &str| self.0.join(file).display().to_string();
+        std::fs::write(self.path().join("tokenizer.json"), tokenizer).map_err(|e| e.to_string())?;
+        super::write_models(self.path())?;
+        let path = |file: &str| self.path().join(file).display().to_string();
         let yaml = super::config_yaml(
             &path("decoder.onnx"),
             &path("tokenizer.json"),
-            &self.0.display().to_string(),
+            &self.path().display().to_string(),
         );
         let raw: crate::config::RawConfig =
             crate::config::parse_yaml(&yaml, "drill.yaml").map_err(|e| e.to_string())?;
-        raw.validate("drill.yaml", &self.0).map_err(|e| e.to_string())
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
+        raw.validate("drill.yaml", self.path()).map_err(|e| e.to_string())
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::path::Path;
 
     #[test]
     fn the_printed_config_is_a_valid_config() {
         TempDir::new().unwrap().config().unwrap();
         // The printed one, saved at the top of the repository with the models written beside.
         let dir = TempDir::new().unwrap();
-        std::fs::create_dir(dir.0.join("models")).unwrap();
+        std::fs::create_dir(dir.path().join("models")).unwrap();
         let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("models/decoder");
-        std::os::unix::fs::symlink(fixture, dir.0.join("models/decoder")).unwrap();
-        let written = super::super::write_models(&dir.0.join(super::super::DENSE_DIR)).unwrap();
+        std::os::unix::fs::symlink(fixture, dir.path().join("models/decoder")).unwrap();
+        let written = super::super::write_models(&dir.path().join(super::super::DENSE_DIR)).unwrap();
         assert_eq!(written.len(), 3);
         let raw: crate::config::RawConfig =
             crate::config::parse_yaml(&super::super::print_config(), "drill.yaml").unwrap();
-        raw.validate("drill.yaml", &dir.0).unwrap();
+        raw.validate("drill.yaml", dir.path()).unwrap();
     }
 }

@@ -3,7 +3,6 @@
 //! a control connection, killed and reaped by its parent, replaced when it is lost.
 
 use std::io::{BufRead, BufReader, Write};
-use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, Command, Stdio};
@@ -13,6 +12,7 @@ use std::time::Duration;
 
 use super::child::WorkerSpec;
 use super::wire::{self, Answer, Ask, SimChange, SimState};
+use crate::core::scratch::OwnDir;
 use crate::device::simulated::{DeviceChange, DeviceLink, DeviceState};
 
 /// How long a starting worker may take to say it is ready (ONNX Runtime's library loads; the
@@ -91,7 +91,7 @@ pub struct WorkerHost {
     pub pool: String,
     spec: WorkerSpec,
     exe: PathBuf,
-    dir: PathBuf,
+    dir: OwnDir,
     /// How long the control connection waits for an answer (`health.timeout`).
     timeout: Duration,
     current: RwLock<Option<Arc<Worker>>>,
@@ -108,10 +108,13 @@ impl WorkerHost {
     /// A host for `spec`'s pool, its workers started from `exe`, its sockets in a new
     /// owner-only folder.
     pub fn new(spec: WorkerSpec, exe: PathBuf, timeout: Duration) -> Result<Arc<WorkerHost>, String> {
-        let dir = std::env::temp_dir().join(format!("vramguard-{}-{}", std::process::id(), uuid::Uuid::new_v4()));
-        std::fs::create_dir_all(&dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
-        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700))
-            .map_err(|e| format!("cannot restrict {}: {e}", dir.display()))?;
+        let dir = OwnDir::new("workers").map_err(|e| {
+            let temp = std::env::temp_dir();
+            format!(
+                "cannot create a folder for the worker's sockets in {}: {e}",
+                temp.display()
+            )
+        })?;
         Ok(Arc::new(WorkerHost {
             pool: spec.pool.clone(),
             spec,
@@ -145,7 +148,7 @@ impl WorkerHost {
     /// first start).
     pub fn start(&self) -> Result<Arc<Worker>, String> {
         let generation = self.started.fetch_add(1, Ordering::Relaxed) + 1;
-        let socket = self.dir.join(format!("worker-{generation}.sock"));
+        let socket = self.dir.path().join(format!("worker-{generation}.sock"));
         let mut command = Command::new(&self.exe);
         command
             .arg("worker")
@@ -221,12 +224,19 @@ impl WorkerHost {
             worker.kill();
         }
     }
+
+    /// Stop the current worker and remove the sockets' folder: the pool is done with workers.
+    /// Called at shutdown, which does not wait for the last reference to go (the supervisor's
+    /// thread holds one until its next tick).
+    pub fn close(&self) {
+        self.stop();
+        self.dir.remove();
+    }
 }
 
 impl Drop for WorkerHost {
     fn drop(&mut self) {
-        self.stop();
-        let _ = std::fs::remove_dir_all(&self.dir);
+        self.close();
     }
 }
 

@@ -54,6 +54,14 @@ impl Pool {
         self.worker_host.get()?.pid()
     }
 
+    /// Stop its worker process for good and remove its sockets' folder (at shutdown, once its
+    /// runs are over or the grace period is).
+    pub fn close_worker(&self) {
+        if let Some(host) = self.worker_host.get() {
+            host.close();
+        }
+    }
+
     /// Whether it runs in a worker process.
     pub fn is_process_isolated(&self) -> bool {
         self.worker_host.get().is_some()

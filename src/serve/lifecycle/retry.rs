@@ -8,6 +8,7 @@
 use std::sync::Arc;
 
 use crate::core::backend::{AllocFailureKind, BackendError};
+use crate::core::breaker::Tripped;
 use crate::core::tensor::Tensor;
 use crate::pool::sequences::Waiting;
 use crate::pool::{Inputs, Pool, PoolError};
@@ -79,10 +80,7 @@ pub(super) async fn after_failure(
     let waits = run == Run::Placed && request.max_new_tokens > 0;
     let refuse = Refused::at;
     let fallback = fallback_of(service, pool);
-    // A generation's step refused by a breaker that opened since its prompt ran moves too: its
-    // cache was on this pool, and the fallback rebuilds it.
-    let breaker = run == Run::Step && matches!(error, PoolError::BreakerOpen { .. });
-    let reason = retry_reason(&error).or(breaker.then_some(FailoverReason::breaker_open));
+    let reason = retry_reason(&error).or_else(|| moved_step_reason(&error, run));
     let (Some(reason), Some(fallback)) = (reason, fallback) else {
         return Err(refuse(pool, RequestError::from_pool(pool, error)));
     };
@@ -182,6 +180,24 @@ fn retry_reason(error: &PoolError) -> Option<FailoverReason> {
     }
 }
 
+/// Why a generation's step refused by a breaker that opened since its prompt ran moves to the
+/// fallback (its cache was on this pool, and the fallback rebuilds it): the breaker's own cause
+/// when that is a lost worker, so a step that meets the dead worker and one that meets the
+/// breaker its supervisor opened first are counted alike, else `breaker_open`.
+fn moved_step_reason(error: &PoolError, run: Run) -> Option<FailoverReason> {
+    match (error, run) {
+        (
+            PoolError::BreakerOpen {
+                why: Tripped::WorkerLost(_),
+                ..
+            },
+            Run::Step,
+        ) => Some(FailoverReason::worker_lost),
+        (PoolError::BreakerOpen { .. }, Run::Step) => Some(FailoverReason::breaker_open),
+        _ => None,
+    }
+}
+
 /// Whether the fallback pool can take a retry now: it runs, its breaker lets work through, and
 /// when it is on the host, the host keeps its reserve after the request (the CPU path must
 /// not take the machine down).
@@ -233,10 +249,34 @@ mod tests {
             },
             PoolError::BreakerOpen {
                 pool: "gpu".into(),
-                why: "driver failures".into(),
+                why: Tripped::Driver,
             },
         ] {
             assert_eq!(retry_reason(&error), None, "{error}");
         }
+    }
+
+    /// A step meets either the dead worker or the breaker its supervisor opened first, as the
+    /// two threads race: the failover is counted as the lost worker's either way.
+    #[test]
+    fn a_step_moved_by_a_breaker_a_lost_worker_opened_counts_as_worker_lost() {
+        let open = |why| PoolError::BreakerOpen {
+            pool: "gpu".into(),
+            why,
+        };
+        let lost = open(Tripped::WorkerLost("killed by signal 9".into()));
+        assert_eq!(moved_step_reason(&lost, Run::Step), Some(FailoverReason::worker_lost));
+        let met = backend(BackendError::WorkerLost("connection closed".into()));
+        assert_eq!(retry_reason(&met), Some(FailoverReason::worker_lost));
+        assert_eq!(
+            moved_step_reason(&open(Tripped::Driver), Run::Step),
+            Some(FailoverReason::breaker_open)
+        );
+        assert_eq!(
+            moved_step_reason(&open(Tripped::Failures(3)), Run::Step),
+            Some(FailoverReason::breaker_open)
+        );
+        // A placed run refused by an open breaker never ran: `place` moves it, not a retry.
+        assert_eq!(moved_step_reason(&lost, Run::Placed), None);
     }
 }

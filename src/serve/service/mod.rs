@@ -360,6 +360,11 @@ impl Service {
                 tracing::warn!(pool = pool.name(), "workers still running at the shutdown deadline");
             }
         }
+        // The process may exit with references to the pools still held (threads that wake on
+        // their next tick): worker processes and their folders go now, not with the last one.
+        for pool in &self.pools {
+            pool.close_worker();
+        }
     }
 }
 
