@@ -20,13 +20,22 @@ SYSTEMD_UNIT := deploy/systemd/vramguard.service
 # removing a hardening directive fails the check.
 SYSTEMD_EXPOSURE_MAX := 20
 
-.PHONY: run test deps tools systemd-tools build release check-fmt clippy unit policy-tests model-check client-compat alert-tests dashboard-check systemd-check k8s-check drill bench bench-tools clean-deps
+PREFIX      ?= /usr/local
+
+.PHONY: run test install deps tools systemd-tools build release check-fmt clippy unit policy-tests model-check client-compat tour alert-tests dashboard-check systemd-check k8s-check drill bench bench-tools clean-deps
 
 run: deps release
 	./target/release/vramguard serve $(ARGS)
 
-test: deps tools check-fmt clippy unit policy-tests model-check client-compat alert-tests dashboard-check systemd-check k8s-check drill
+test: deps tools check-fmt clippy unit policy-tests model-check client-compat tour alert-tests dashboard-check systemd-check k8s-check drill
 	@echo "make test: all checks passed"
+
+# `vramguard` on PATH for the README's commands (and the systemd unit's /usr/local/bin/vramguard).
+# It finds ONNX Runtime in this checkout's .deps/ (or ORT_DYLIB_PATH, or onnxruntime.library).
+install: deps release
+	install -d $(DESTDIR)$(PREFIX)/bin
+	install -m 0755 target/release/vramguard $(DESTDIR)$(PREFIX)/bin/vramguard
+	@echo "installed $(DESTDIR)$(PREFIX)/bin/vramguard"
 
 deps: $(ORT_LIB)
 
@@ -105,6 +114,12 @@ client-compat: $(PYCLIENTS)
 	$(CARGO) build
 	$(PYTHON) tests/clients/triton_http.py target/debug/vramguard
 	$(PYTHON) tests/clients/openai_client.py target/debug/vramguard
+
+# The README's tour, in order, as written, against the embedded default (its Python examples use
+# the clients of $(PYCLIENTS)).
+tour: $(PYCLIENTS)
+	$(CARGO) build
+	$(PYTHON) tests/clients/readme_tour.py target/debug/vramguard
 
 # Rules parse and behave (promtool); the example routing parses and pages on degraded mode and a
 # down vramguard, while a warning goes to chat (amtool exits non-zero on another receiver).

@@ -296,16 +296,9 @@ fn serve(config_path: Option<PathBuf>, listen: Option<std::net::SocketAddr>) -> 
         config.server.listen = addr;
     }
     let addr = config.server.listen;
-    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
-        Ok(rt) => rt,
-        Err(e) => return fail(format!("cannot start the async runtime: {e}"), 1),
-    };
-    // Before the pools start their worker processes: a signal while they do is then a shutdown
-    // as soon as serving begins, which removes what they made, not an exit that leaves it.
-    let stopped = {
-        let _in_runtime = runtime.enter();
-        shutdown_signal()
-    };
+    // Before the async runtime: starting the service moves this thread, and so every thread
+    // started after it (the runtime's), to `server.cpus`. A signal while the models load ends
+    // the process at once; the next start removes what it left in the temp directory.
     let service = match Service::start(config) {
         Ok(e) => Arc::new(e),
         Err(e) => return fail(e, EXIT_CONFIG),
@@ -313,6 +306,15 @@ fn serve(config_path: Option<PathBuf>, listen: Option<std::net::SocketAddr>) -> 
     let state = match AppState::new(service) {
         Ok(state) => state,
         Err(e) => return fail(e, EXIT_CONFIG),
+    };
+    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => return fail(format!("cannot start the async runtime: {e}"), 1),
+    };
+    // Handled from here on, before the port is bound: a signal once it serves is a shutdown.
+    let stopped = {
+        let _in_runtime = runtime.enter();
+        crate::cmd::signal::shutdown()
     };
     let result = runtime.block_on(async move {
         let listener = tokio::net::TcpListener::bind(addr)
@@ -396,34 +398,12 @@ fn exporter(config_path: Option<PathBuf>, listen: Option<std::net::SocketAddr>) 
             .map_err(|e| format!("cannot listen on {addr}: {e}"))?;
         tracing::info!(address = %listener.local_addr().map_err(|e| e.to_string())?, "vramguard exporter serving");
         exporter
-            .serve(listener, shutdown_signal())
+            .serve(listener, crate::cmd::signal::shutdown())
             .await
             .map_err(|e| e.to_string())
     });
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => fail(e, 1),
-    }
-}
-
-/// Resolves on SIGINT or SIGTERM. The handlers are installed when this is called, not when the
-/// future is first polled, so a signal that comes before is not the default action's (an exit
-/// that cleans nothing up) but wakes the future. Call it inside the async runtime.
-pub(crate) fn shutdown_signal() -> impl std::future::Future<Output = ()> {
-    use tokio::signal::unix::{SignalKind, signal};
-    let installed = signal(SignalKind::interrupt()).and_then(|int| Ok((int, signal(SignalKind::terminate())?)));
-    async move {
-        match installed {
-            Ok((mut int, mut term)) => {
-                tokio::select! {
-                    _ = int.recv() => {}
-                    _ = term.recv() => {}
-                }
-            }
-            Err(e) => {
-                tracing::warn!(error = %e, "cannot handle SIGINT and SIGTERM; stop with SIGKILL");
-                std::future::pending::<()>().await;
-            }
-        }
     }
 }

@@ -541,10 +541,10 @@ pub struct RawPoolMemory {
     /// Default: off (a pool under load reuses its blocks; `idle_release` returns them).
     pub arena_shrinkage: Option<bool>,
     /// Return the arena's free memory once the pool has had no run for this long (`1s`), and
-    /// at once when host memory nears its reserve; `0s` never. Default: `1s` for `cpu` pools
-    /// (host memory is what the host-RAM guard protects, and a burst of large requests would
-    /// otherwise stay resident for good), `0s` for accelerator pools (their arena is theirs to
-    /// keep, and reserved vs active shows it).
+    /// at once when host memory nears its reserve; `0s` never. Default: `1s` for every local
+    /// pool: on the host, a burst of large requests would otherwise stay resident for good; on
+    /// an accelerator, memory an idle pool's arena keeps is memory no other process on the
+    /// device can have (another model, another runtime, the next request's pressure).
     pub idle_release: Option<HumanDuration>,
 }
 

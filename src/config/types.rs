@@ -236,7 +236,7 @@ pub struct ModelConfig {
     pub min_residency: Duration,
 }
 
-/// Default `pools[].memory.idle_release` of a CPU pool.
+/// Default `pools[].memory.idle_release` of a local pool (CPU or accelerator).
 pub const DEFAULT_IDLE_RELEASE: Duration = Duration::from_secs(1);
 
 /// Default `models[].min_residency`.

@@ -217,8 +217,8 @@ async fn respond(
     };
     let max_bytes = service.config.server.max_response_bytes;
     let result = lifecycle::infer_and(service, request, rebuild, |served, substitution| {
-        // Degraded mode as it is when the answer goes out, on every response served meanwhile.
-        let degraded = service.degraded.now();
+        // Degraded mode as it is when the answer goes out, on an answer it reduced.
+        let degraded = service.degraded.for_answer(&served.pool, model);
         let answered = Answered {
             model,
             decoded: &decoded,

@@ -117,6 +117,17 @@ impl Degraded {
         }
     }
 
+    /// Degraded mode as an answer that `pool` gave for `model` carries it: only when that
+    /// answer is itself below the service's normal level, a host pool having answered for a
+    /// model that a pool off the host serves (the request was redirected, retried or moved
+    /// there). An answer that ran where it normally runs says nothing of degraded mode, even
+    /// while the service is degraded: `/status` and the metrics say that.
+    pub fn for_answer(&self, pool: &Pool, model: &str) -> Option<Now> {
+        let off_host = |p: &Pool| p.provider().kind() != ProviderKind::Cpu;
+        let moved = !off_host(pool) && self.pools.iter().any(|p| off_host(p) && p.serves(model));
+        if moved { self.now() } else { None }
+    }
+
     fn cause(&self) -> Option<(Cause, String)> {
         for pool in &self.pools {
             if pool.provider().kind() == ProviderKind::Cpu {

@@ -101,10 +101,19 @@ async fn an_allocator_failure_is_retried_once_on_the_cpu_pool_under_the_same_id(
         crate::common::sample(&metrics, "vramguard_degraded_info{reason=\"memory_redirect\"}"),
         1.0
     );
-    // One failure is below the breaker's threshold: the next request runs on the accelerator.
+    // One failure is below the breaker's threshold: the next request runs on the accelerator,
+    // as usual, so its answer says nothing of degraded mode, which the service is still in (the
+    // memory redirect's window) and says so where operators look.
     let next = encoder_request(&server, &[]).await;
     assert_eq!(next.headers()["x-vramguard-pool"], "gpu");
     assert_eq!(next.headers()["x-vramguard-decision"], "admit");
+    assert!(
+        next.headers().get("x-vramguard-degraded").is_none(),
+        "{:?}",
+        next.headers()
+    );
+    let status: Value = reqwest::get(server.url("/status")).await.unwrap().json().await.unwrap();
+    assert_eq!(status["degraded"]["active"], true, "{status}");
     server.stop().await;
 }
 

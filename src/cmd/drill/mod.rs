@@ -225,7 +225,7 @@ pub fn run(options: &Options) -> Result<Report, String> {
 /// Drill the target, or a server of the drill's own that is stopped however the drill ends (an
 /// error, SIGINT or SIGTERM included), so that its worker processes and folders go with it.
 async fn run_async(options: &Options) -> Result<Report, String> {
-    let interrupted = crate::cmd::cli::shutdown_signal();
+    let interrupted = crate::cmd::signal::shutdown();
     let (own, base, token) = match &options.target {
         Some(url) => {
             let token = options.admin_token.clone().ok_or(

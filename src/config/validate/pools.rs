@@ -89,7 +89,8 @@ fn pool(
     let idle_release = match p.memory.as_ref().and_then(|m| m.idle_release) {
         Some(d) if d.0.is_zero() => None,
         Some(d) => Some(d.0),
-        None => matches!(provider, Provider::Cpu).then_some(DEFAULT_IDLE_RELEASE),
+        // A remote pool's memory is another server's to return.
+        None => (!matches!(provider, Provider::Remote(_))).then_some(DEFAULT_IDLE_RELEASE),
     };
     let isolation = isolation(c, key, p, &provider)?;
     Ok(PoolConfig {

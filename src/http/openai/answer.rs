@@ -78,7 +78,8 @@ pub(super) async fn run(
         HeaderName::from_static(DECISION_HEADER),
         HeaderValue::from_static(generated.action.label()),
     );
-    pool_headers(out, &generated.pool, service.degraded.now().as_ref());
+    let degraded = service.degraded.for_answer(&generated.pool, &job.model);
+    pool_headers(out, &generated.pool, degraded.as_ref());
     if let Some((from, to, cut)) = &generated.shrunk {
         shrink_headers(out, *from, *to, cut);
     }

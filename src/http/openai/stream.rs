@@ -238,10 +238,21 @@ impl Stream {
         event(&value)
     }
 
-    /// Which pool serves the stream and, while degraded, why, its limits and expected delay.
+    /// Which pool serves the stream and, while degraded mode reduces it, why, its limits and
+    /// expected delay.
     fn facts(&mut self, pool: &Arc<Pool>) -> Value {
         self.pool = Some(pool.name().to_string());
-        pool_facts(pool, self.service.degraded.now().as_ref())
+        pool_facts(pool, self.degraded_on(pool).as_ref())
+    }
+
+    /// Degraded mode as the stream's answer from `pool` carries it (for the model asked for).
+    fn degraded_on(&self, pool: &Pool) -> Option<crate::pool::degraded::Now> {
+        let requested = self
+            .source
+            .substitution
+            .as_ref()
+            .map_or(&self.source.model, |s| &s.requested);
+        self.service.degraded.for_answer(pool, requested)
     }
 
     /// Add a token to the text. One that cannot be decoded adds no text (the generation's own
@@ -350,7 +361,7 @@ impl Stream {
 }
 
 fn sse(stream: Stream, opening: Bytes, pool: &Pool, shrunk: Option<&(u64, u64, String)>) -> Response {
-    let degraded = stream.service.degraded.now();
+    let degraded = stream.degraded_on(pool);
     let model = stream.source.model.clone();
     let rest = futures_util::stream::unfold(stream, |mut stream| async move {
         let bytes = stream.next().await?;
