@@ -33,3 +33,4 @@ mod sizes;
 mod status_page;
 mod substitute;
 mod text;
+mod triton;
