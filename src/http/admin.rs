@@ -1,5 +1,5 @@
-//! The admin API: policy reload, pool restore, loading and unloading models, and fault
-//! injection on simulated devices.
+//! The admin API: policy reload, pool restore, loading and unloading models (also as Triton's
+//! `/v2/repository/models/{model}/load|unload`), and fault injection on simulated devices.
 //!
 //! It is reachable two ways (docs/http-api.md, Admin access):
 //! - on a Unix socket with owner-only permissions (`server.admin_socket`, on by default), where
@@ -27,6 +27,7 @@ use sha2::{Digest, Sha256};
 use tokio::net::UnixListener;
 
 use super::error::ApiError;
+use super::residency;
 use super::state::AppState;
 use super::status::policy_status;
 
@@ -57,6 +58,7 @@ fn routes() -> Router<Arc<AppState>> {
         .route("/admin/pools/{pool}/restore", post(admin_pool_restore))
         .route("/admin/models/{model}/load", post(admin_model_load))
         .route("/admin/models/{model}/unload", post(admin_model_unload))
+        .merge(super::triton::repository::control_routes())
 }
 
 /// The admin routes for the TCP listener: each request must carry the bearer token, checked
@@ -69,7 +71,12 @@ pub fn tcp_routes(state: &Arc<AppState>) -> Router<Arc<AppState>> {
 pub fn socket_app(state: Arc<AppState>) -> Router {
     routes()
         .layer(Extension(Via::Socket))
-        .fallback(|| async { ApiError::new(StatusCode::NOT_FOUND, "the admin socket serves /admin only") })
+        .fallback(|| async {
+            ApiError::new(
+                StatusCode::NOT_FOUND,
+                "the admin socket serves /admin and /v2/repository/models/{model}/load|unload only",
+            )
+        })
         .with_state(state)
 }
 
@@ -238,6 +245,8 @@ async fn admin_index(
             "POST /admin/models/{model}/load",
             "POST /admin/models/{model}/unload",
             "POST /admin/sim/{device}",
+            "POST /v2/repository/models/{model}/load",
+            "POST /v2/repository/models/{model}/unload",
         ],
         "simulated_devices": simulated,
     })))
@@ -363,7 +372,9 @@ async fn admin_model_load(
     State(state): State<Arc<AppState>>,
     Path(model): Path<String>,
 ) -> Result<Json<Value>, ApiError> {
-    residency(&state, model, true).await
+    residency::change(&state, model, true)
+        .await
+        .map(|done| Json(done.answer))
 }
 
 /// `POST /admin/models/{model}/unload`: every pool serving it drops its sessions, once its
@@ -372,47 +383,9 @@ async fn admin_model_unload(
     State(state): State<Arc<AppState>>,
     Path(model): Path<String>,
 ) -> Result<Json<Value>, ApiError> {
-    residency(&state, model, false).await
-}
-
-/// Load (`load`) or unload `model` on every pool serving it, off the async runtime; answers
-/// what happened on each pool and how long it took.
-async fn residency(state: &Arc<AppState>, model: String, load: bool) -> Result<Json<Value>, ApiError> {
-    let service = &state.service;
-    let config = service
-        .model(&model)
-        .map(|m| m.config.residency)
-        .ok_or_else(|| ApiError::new(StatusCode::NOT_FOUND, format!("no model `{model}`")))?;
-    if !load && config == crate::config::Residency::Pinned {
-        let refusal = crate::pool::ResidencyError::Pinned { model: model.clone() };
-        return Err(ApiError::new(StatusCode::CONFLICT, refusal.to_string()));
-    }
-    let pools: Vec<Arc<crate::pool::Pool>> = service.pools.iter().filter(|p| p.serves(&model)).cloned().collect();
-    let name = model.clone();
-    let answers = tokio::task::spawn_blocking(move || {
-        pools
-            .iter()
-            .map(|pool| {
-                let started = std::time::Instant::now();
-                let result = if load {
-                    pool.load_model(&name)
-                } else {
-                    pool.unload_model(&name)
-                };
-                let took_ms = started.elapsed().as_secs_f64() * 1000.0;
-                match result {
-                    Ok(outcome) => json!({"pool": pool.name(), "result": outcome.label(), "took_ms": took_ms}),
-                    Err(e) => {
-                        json!({"pool": pool.name(), "result": "failed", "error": e.to_string(), "took_ms": took_ms})
-                    }
-                }
-            })
-            .collect::<Vec<Value>>()
-    })
-    .await
-    .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?;
-    service.resample_now().await;
-    Ok(Json(json!({"model": model, "pools": answers})))
+    residency::change(&state, model, false)
+        .await
+        .map(|done| Json(done.answer))
 }
 
 /// What a `POST /admin/sim/{device}` asks that can be done: the worker knobs (`kill_worker`,

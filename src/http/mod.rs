@@ -7,9 +7,11 @@ mod error;
 mod headers;
 mod oip;
 pub mod openai;
+mod residency;
 mod state;
 mod status;
 mod status_models;
+mod triton;
 
 pub use error::{ApiError, status_of};
 pub use state::AppState;
@@ -51,6 +53,7 @@ pub fn app(state: Arc<AppState>) -> Router {
         .route("/v1/models", get(openai::models))
         .route("/v1/completions", post(openai::completions))
         .route("/v1/chat/completions", post(openai::chat_completions))
+        .merge(triton::routes())
         .merge(admin::tcp_routes(&state))
         .route("/metrics", get(metrics))
         .fallback(|| async { ApiError::new(StatusCode::NOT_FOUND, "no such endpoint") })

@@ -23,12 +23,21 @@ use serde_json::{Map, Value, json};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
+/// The protocol extensions served, as Triton names them: binary tensor data (here), and the
+/// model repository, model configuration and statistics (`super::triton`).
+const EXTENSIONS: [&str; 4] = [
+    "binary_tensor_data",
+    "model_repository",
+    "model_configuration",
+    "statistics",
+];
+
 /// `GET /v2`: the server's name, version and extensions.
 pub(super) async fn server_metadata(State(state): State<Arc<AppState>>) -> Json<Value> {
     Json(json!({
         "name": "vramguard",
         "version": env!("CARGO_PKG_VERSION"),
-        "extensions": ["binary_tensor_data"],
+        "extensions": EXTENSIONS,
         "onnxruntime": state.service.runtime_version,
     }))
 }
@@ -51,7 +60,7 @@ pub(super) async fn ready(State(state): State<Arc<AppState>>) -> Result<StatusCo
 }
 
 /// Models have one version, `1`; any other is a 404.
-fn check_version(version: &str) -> Result<(), ApiError> {
+pub(super) fn check_version(version: &str) -> Result<(), ApiError> {
     if version == "1" {
         Ok(())
     } else {
@@ -66,7 +75,7 @@ fn check_version(version: &str) -> Result<(), ApiError> {
 }
 
 /// The 404 for a model that is not configured, with the status a lifecycle refusal would get.
-fn unknown_model(state: &AppState, model: &str) -> ApiError {
+pub(super) fn unknown_model(state: &AppState, model: &str) -> ApiError {
     let error = RequestError::unknown_model(&state.service, model);
     ApiError::new(status_of(&error), error.to_string())
 }

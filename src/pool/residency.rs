@@ -50,6 +50,12 @@ impl Pool {
         }
     }
 
+    /// True while `model` is being loaded here: wanted (by a load or a request), its sessions
+    /// not built yet.
+    pub fn is_loading(&self, model: &str) -> bool {
+        !self.is_resident(model) && self.queue.is_wanted(model)
+    }
+
     /// The admin's load: every backend builds `model`'s sessions (idle ones at once, busy ones
     /// after their run). Blocking: run it off the async runtime.
     pub fn load_model(&self, model: &str) -> Result<ResidencyOutcome, ResidencyError> {

@@ -6,6 +6,7 @@ pub mod estimates;
 pub mod exporter;
 pub mod failover_labels;
 pub mod health;
+pub mod inference_stats;
 pub mod logging;
 pub mod malloc;
 pub mod metrics;

@@ -1,17 +1,21 @@
 #!/usr/bin/env python3
 """Compatibility check with Triton's own HTTP client (tritonclient.http), unchanged.
 
-Starts `vramguard serve` (path in argv[1]) on the embedded default at 127.0.0.1:0, then drives
-it with the stock client: health, metadata, binary-by-default inference, JSON inference, output
-selection, and an error surfaced as the client's exception. Numerics are compared with the
-committed references in models/reference.json (computed without ONNX Runtime).
+Starts `vramguard serve` (path in argv[1]) on the embedded default at 127.0.0.1:0, with an admin
+token added (the client has no Unix socket), then drives it with the stock client: health,
+metadata, binary-by-default inference, JSON inference, output selection, errors surfaced as the
+client's exception, and Triton's extensions: the model repository (index, load, unload with the
+token), model configuration and inference statistics. Numerics are compared with the committed
+references in models/reference.json (computed without ONNX Runtime).
 
 Run by `make test` (which installs tritonclient into .deps/pyclients); prints
 'N passed, N failed' and exits non-zero on any failure.
 """
 import json
 import os
+import subprocess
 import sys
+import tempfile
 import traceback
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -24,9 +28,27 @@ from tritonclient.utils import InferenceServerException  # noqa: E402
 from serving import start  # noqa: E402
 
 
+TOKEN = "triton-client-test-token"
+
+
 def main():
-    proc, address = start(sys.argv[1])
+    with tempfile.TemporaryDirectory() as tmp:
+        # The embedded default with an admin token, its admin socket in this run's own folder.
+        default = subprocess.run([sys.argv[1], "config", "default"], capture_output=True, text=True,
+                                 check=True).stdout
+        assert "admin_token_env: null" in default, default
+        config = os.path.join(tmp, "default.yaml")
+        with open(config, "w") as f:
+            f.write(default.replace("admin_token_env: null", "admin_token_env: VRAMGUARD_TRITON_TEST_TOKEN"))
+        proc, address = start(sys.argv[1], "--config", config,
+                              env={"VRAMGUARD_TRITON_TEST_TOKEN": TOKEN, "RUNTIME_DIRECTORY": tmp})
+        return run(proc, address)
+
+
+def run(proc, address):
+    """Drive the server `proc` serves at `address`, then stop it; 1 when any check failed."""
     client = http.InferenceServerClient(address)
+    admin = {"Authorization": f"Bearer {TOKEN}"}
     ref = json.load(open(os.path.join(ROOT, "models", "reference.json")))
     checks = []
 
@@ -81,6 +103,84 @@ def main():
             assert e.status() == "400", e.status()
         else:
             raise AssertionError("no error for a wrong shape")
+
+    def classify(n):
+        case = ref["classifier"][0]
+        x = np.array(case["inputs"]["features"]["data"], np.float32).reshape(case["inputs"]["features"]["shape"])
+        inp = http.InferInput("features", list(x.shape), "FP32")
+        inp.set_data_from_numpy(x)
+        for _ in range(n):
+            client.infer("classifier", [inp])
+
+    def refused(status, fn, *args, **kwargs):
+        """The client's exception with `status`, from `fn(*args, **kwargs)`; its message."""
+        try:
+            fn(*args, **kwargs)
+        except InferenceServerException as e:
+            assert e.status() == status, (e.status(), e.message())
+            return e.message()
+        raise AssertionError(f"no error from {fn.__name__}{args}")
+
+    @check("server metadata lists Triton's extensions")
+    def _():
+        extensions = client.get_server_metadata()["extensions"]
+        for name in ("model_repository", "model_configuration", "statistics"):
+            assert name in extensions, extensions
+
+    @check("model repository index")
+    def _():
+        index = client.get_model_repository_index()
+        assert [m["name"] for m in index] == ["encoder", "classifier", "tiny"], index
+        assert all(m["state"] == "READY" and m["version"] == "1" for m in index), index
+
+    @check("model configuration")
+    def _():
+        config = client.get_model_config("classifier")
+        assert config["name"] == "classifier" and config["platform"] == "onnxruntime_onnx", config
+        assert config["max_batch_size"] == 0, config
+        assert config["input"] == [{"name": "features", "data_type": "TYPE_FP32", "dims": [-1, 16]}], config
+        assert [o["name"] for o in config["output"]] == ["logits", "probabilities"], config
+        kinds = {g["name"]: g["kind"] for g in config["instance_group"]}
+        assert kinds == {"gpu": "KIND_GPU", "cpu": "KIND_CPU"}, config
+        # A machine without an NVIDIA GPU serves `gpu` on the simulated accelerator, and says so.
+        parameters = config["parameters"]
+        simulated = parameters["pool.gpu.provider"]["string_value"] == "simulated"
+        assert parameters["pool.gpu.simulated"]["string_value"] == str(simulated).lower(), config
+        assert client.get_model_config("classifier", "1") == config
+
+    @check("load and unload with the admin token")
+    def _():
+        assert "Bearer" in refused("401", client.unload_model, "encoder")
+        client.unload_model("encoder", headers=admin)
+        encoder = client.get_model_repository_index()[0]
+        assert encoder["state"] == "READY" and "next request loads it" in encoder["reason"], encoder
+        client.load_model("encoder", headers=admin)
+        assert client.get_model_repository_index()[0]["reason"] == ""
+        message = refused("400", client.load_model, "encoder", headers=admin, config='{"max_batch_size": 8}')
+        assert "`config`" in message, message
+
+    @check("inference statistics count each answer")
+    def _():
+        def stats():
+            [s] = client.get_inference_statistics("classifier")["model_stats"]
+            return s
+        before = stats()
+        classify(3)
+        after = stats()
+        assert after["inference_count"] - before["inference_count"] == 3, (before, after)
+        success = after["inference_stats"]["success"]
+        assert success["count"] - before["inference_stats"]["success"]["count"] == 3, (before, after)
+        assert success["ns"] > before["inference_stats"]["success"]["ns"], (before, after)
+        assert after["last_inference"] >= before["last_inference"] > 0, (before, after)
+        every = client.get_inference_statistics()["model_stats"]
+        assert [s["name"] for s in every] == ["encoder", "classifier", "tiny"], every
+
+    @check("an unknown model is a 404 from every extension")
+    def _():
+        refused("404", client.get_model_config, "nope")
+        refused("404", client.get_inference_statistics, "nope")
+        refused("404", client.load_model, "nope", headers=admin)
+        refused("404", client.get_model_config, "classifier", "2")
 
     passed = failed = 0
     try:

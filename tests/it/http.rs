@@ -335,7 +335,15 @@ async fn request_identity_and_metadata_follow_the_protocol() {
 
     let v2: Value = reqwest::get(server.url("/v2")).await.unwrap().json().await.unwrap();
     assert_eq!(v2["onnxruntime"], "1.31.1");
-    assert_eq!(v2["extensions"], json!(["binary_tensor_data"]));
+    assert_eq!(
+        v2["extensions"],
+        json!([
+            "binary_tensor_data",
+            "model_repository",
+            "model_configuration",
+            "statistics"
+        ])
+    );
     for path in ["/v2/health/live", "/v2/health/ready", "/v2/models/classifier/ready"] {
         assert_eq!(
             reqwest::get(server.url(path)).await.unwrap().status(),

@@ -34,3 +34,4 @@ mod sizes;
 mod status_page;
 mod substitute;
 mod text;
+mod triton;

@@ -87,13 +87,18 @@ pub fn answered(service: &Service, model: &str, outcome: Outcome, received: Inst
     record(service, model, None, outcome, received);
 }
 
-/// Count a request's outcome: once in `vramguard_requests_total`, and in its duration when it
-/// reached a pool.
+/// Count a request's outcome: once in `vramguard_requests_total`, in its duration when it
+/// reached a pool, and in its model's statistics (Triton's statistics extension).
 fn record(service: &Service, model: &str, pool: Option<&str>, outcome: Outcome, received: Instant) {
-    let model = if service.model(model).is_some() {
-        model
-    } else {
-        UNKNOWN_MODEL
+    let took = received.elapsed();
+    let model = match service.model(model) {
+        Some(entry) => {
+            entry
+                .stats
+                .record(outcome == Outcome::ok, took, std::time::SystemTime::now());
+            model
+        }
+        None => UNKNOWN_MODEL,
     };
     let metrics = &service.metrics;
     metrics
@@ -113,6 +118,6 @@ fn record(service: &Service, model: &str, pool: Option<&str>, outcome: Outcome, 
                 model: model.to_string(),
                 pool: pool.to_string(),
             })
-            .observe(received.elapsed().as_secs_f64());
+            .observe(took.as_secs_f64());
     }
 }

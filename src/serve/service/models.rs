@@ -10,6 +10,7 @@ use crate::runtime::decoder::DecoderLayout;
 use crate::runtime::estimate::learned::{Learned, Observation};
 use crate::runtime::estimate::{AxisRole, Dims, MemoryProfile, ProfileSource};
 use crate::runtime::onnx::ModelSignature;
+use crate::telemetry::inference_stats::InferenceStats;
 
 use super::BackendFactory;
 
@@ -24,6 +25,8 @@ pub struct ModelEntry {
     pub profile: MemoryProfile,
     /// What its runs were seen to take.
     pub learned: Arc<Learned>,
+    /// Its answered requests, for Triton's statistics extension.
+    pub stats: Arc<InferenceStats>,
     /// The ONNX bytes, read once and shared by every pool's sessions.
     pub bytes: ModelBytes,
     /// Its KV-cache layout, when it is a decoder with past key values.
@@ -162,6 +165,7 @@ fn load_model(backends: &dyn BackendFactory, m: &ModelConfig) -> Result<ModelEnt
         config: m.clone(),
         signature,
         learned: Arc::new(Learned::new(&profile)),
+        stats: Arc::default(),
         profile,
         bytes: ModelBytes(Arc::new(bytes)),
         decoder,

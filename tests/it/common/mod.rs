@@ -31,13 +31,22 @@ impl TestServer {
 
     /// Start from a validated config (for what YAML cannot say, such as `worker_exe`).
     pub async fn start_with(config: vramguard::config::Config) -> TestServer {
+        TestServer::serve(config, Some(ADMIN_TOKEN)).await
+    }
+
+    /// Start from YAML with no admin token: admin over TCP is refused.
+    pub async fn without_admin_token(yaml: &str) -> TestServer {
+        TestServer::serve(vramguard::testing::config::validated(yaml), None).await
+    }
+
+    async fn serve(config: vramguard::config::Config, admin_token: Option<&str>) -> TestServer {
         let service = tokio::task::spawn_blocking(move || Service::start(config))
             .await
             .unwrap()
             .expect("service starts");
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
-        let state = AppState::with_admin_token(Arc::new(service), Some(ADMIN_TOKEN.to_string()));
+        let state = AppState::with_admin_token(Arc::new(service), admin_token.map(str::to_string));
         let (stop, stopped) = oneshot::channel::<()>();
         let task = tokio::spawn(http::serve(state, listener, async {
             let _ = stopped.await;
