@@ -81,16 +81,37 @@ fn services(service: &Service, snapshot: &crate::core::snapshot::Snapshot) -> Ve
     service
         .services
         .configs()
-        .map(|s| ServiceStatus {
-            name: s.name.clone(),
-            class: s.class,
-            priority: s.priority,
-            configured: s.configured,
-            device_memory_budget_bytes: s.device_memory,
-            concurrency: s.concurrency,
-            running: service.services.running(&s.name),
-            memory: service.services.memory_or_seen(&s.name, snapshot),
+        .map(|s| {
+            let mut memory = service.services.memory_or_seen(&s.name, snapshot);
+            // A service whose models run here shows the devices of the pools serving them, not
+            // every device at 0; another runtime's shows where its processes were seen.
+            let devices = service_devices(service, &s.name);
+            if !devices.is_empty() {
+                memory.retain(|device, _| devices.contains(device.as_str()));
+            }
+            ServiceStatus {
+                name: s.name.clone(),
+                class: s.class,
+                priority: s.priority,
+                configured: s.configured,
+                device_memory_budget_bytes: s.device_memory,
+                concurrency: s.concurrency,
+                running: service.services.running(&s.name),
+                memory,
+            }
         })
+        .collect()
+}
+
+/// The devices of the pools that serve a model of service `name` (host pools' included, which
+/// no service memory is kept for); empty when no model here is of that service.
+fn service_devices<'a>(service: &'a Service, name: &str) -> std::collections::BTreeSet<&'a str> {
+    service
+        .models
+        .iter()
+        .filter(|m| m.config.service == name)
+        .flat_map(|m| service.pools.iter().filter(move |p| p.serves(&m.config.name)))
+        .map(|p| p.config.device.as_str())
         .collect()
 }
 

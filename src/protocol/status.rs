@@ -451,6 +451,8 @@ pub(crate) mod tests {
                 decision: "redirect(\"cpu\")".into(),
                 pool: "cpu".into(),
                 fallback: false,
+                outcome: Some("ok".into()),
+                answered_by: Some("cpu".into()),
             }],
             models: vec![ModelStatus {
                 name: "encoder".into(),

@@ -334,7 +334,8 @@ pub async fn generate(
     request.progress = service.accept(&request.model);
     let answering = lifecycle::Answering::new(&request.model);
     let received = request.received;
-    lifecycle::counted_as(service, &answering, received, async {
+    let id = request.meta.request_id.clone();
+    lifecycle::counted_as(service, &answering, &id, received, async {
         let generated = run(service, &answering, decoding, request, rebuild, sink).await?;
         let pool = Arc::clone(&generated.pool);
         Ok((generated, pool))

@@ -40,6 +40,18 @@ impl Outcome {
         Self::failed,
         Self::cancelled,
     ];
+
+    /// The label value.
+    pub fn label(self) -> &'static str {
+        match self {
+            Self::ok => "ok",
+            Self::client_error => "client_error",
+            Self::rejected => "rejected",
+            Self::deferred_timeout => "deferred_timeout",
+            Self::failed => "failed",
+            Self::cancelled => "cancelled",
+        }
+    }
 }
 
 /// `{version, onnxruntime}`

@@ -582,3 +582,40 @@ async fn a_generation_holds_its_services_concurrency_until_its_last_token() {
     );
     assert_eq!(service.services.running("tiny"), 0);
 }
+
+/// A service's memory in `/status` is listed for the devices its models' pools use, not for
+/// every device at 0: a model only the CPU pool serves shows none.
+#[tokio::test]
+async fn a_service_shows_memory_only_on_the_devices_that_serve_it() {
+    if crate::common::ran_in_own_process() {
+        return;
+    }
+    let server = TestServer::start(
+        "devices: [{name: gpu0, kind: simulated, capacity: 128MiB}]
+models:
+- {name: encoder, path: 'builtin:encoder', context: {input: input, axis: 1}}
+- {name: classifier, path: 'builtin:classifier'}
+pools:
+- {name: gpu, provider: simulated, device: gpu0, models: [encoder], fallback: cpu}
+- {name: cpu, provider: cpu, models: [encoder, classifier]}
+",
+    )
+    .await;
+    let status = status(&server).await;
+    let memory = |name: &str| {
+        let services = status["services"].as_array().unwrap();
+        let service = services
+            .iter()
+            .find(|s| s["name"] == name)
+            .unwrap_or_else(|| panic!("{status}"));
+        service["memory"]
+            .as_object()
+            .unwrap()
+            .keys()
+            .cloned()
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(memory("encoder"), ["gpu0"], "{status}");
+    assert!(memory("classifier").is_empty(), "{status}");
+    server.stop().await;
+}

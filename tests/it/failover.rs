@@ -114,6 +114,18 @@ async fn an_allocator_failure_is_retried_once_on_the_cpu_pool_under_the_same_id(
     );
     let status: Value = reqwest::get(server.url("/status")).await.unwrap().json().await.unwrap();
     assert_eq!(status["degraded"]["active"], true, "{status}");
+    // The retried request's decision says where the policy sent it, and who answered it.
+    let retried = status["recent_decisions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|d| d["request_id"] == "retry-me")
+        .unwrap_or_else(|| panic!("{status}"));
+    assert_eq!(
+        (&retried["pool"], &retried["answered_by"], &retried["outcome"]),
+        (&json!("gpu"), &json!("cpu"), &json!("ok")),
+        "{retried}"
+    );
     server.stop().await;
 }
 

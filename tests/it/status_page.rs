@@ -91,7 +91,10 @@ async fn a_browser_shows_who_holds_the_accelerator_and_the_degraded_banner() {
         .post_json("/admin/sim/gpu0", &json!({"driver_reset": true}))
         .await;
     assert_eq!(reset.status(), StatusCode::OK);
-    assert_eq!(server.encoder(32).await.status(), StatusCode::OK);
+    let after = server
+        .encoder_with_headers(32, &[("x-request-id", "after-reset")])
+        .await;
+    assert_eq!(after.status(), StatusCode::OK);
     let screenshot = Path::new(env!("CARGO_MANIFEST_DIR")).join("target/status-page.png");
     let _ = std::fs::remove_file(&screenshot);
     let dom = {
@@ -120,6 +123,9 @@ async fn a_browser_shows_who_holds_the_accelerator_and_the_degraded_banner() {
     );
     assert!(dom.contains("simulated-pressure"), "{dom}");
     assert!(dom.contains("driver"), "the breaker's reason is shown: {dom}");
+    // The decision's row says who answered the request in the end, and how it ended.
+    let decided = row(&dom, r#"data-request="after-reset""#);
+    assert_eq!(decided[5..7], ["cpu", "ok"], "{decided:?}");
     let png = std::fs::read(&screenshot).expect("a screenshot was saved");
     assert!(png.starts_with(b"\x89PNG") && png.len() > 10_000, "{} bytes", png.len());
     server.stop().await;
@@ -366,11 +372,14 @@ async fn the_models_services_and_evictions_panels_render_what_status_says_or_tha
     assert_eq!(
         row(&dom, r#"data-service="orphan""#),
         [
-            "orphan (not in services)",
+            "orphan *",
             "interactive",
             "0",
             "0 / no limit",
             "gpu0: 1.0 MiB (no budget)"
         ]
     );
+    // Said once, for every service marked so, not on each row (the page's script holds the
+    // text too, after a quote).
+    assert_eq!(dom.matches(">* not configured under services").count(), 1, "{dom}");
 }

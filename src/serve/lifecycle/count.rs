@@ -14,22 +14,14 @@ use crate::telemetry::metrics::{ModelPoolLabels, Outcome, RequestLabels};
 use super::substitute::Answering;
 use super::{Refused, RequestError};
 
-/// Do `work` as one request for `model`: counted once in the request metrics with the outcome
-/// it ends with (on the pool it ended on), or `cancelled` when its client goes away first.
-pub async fn counted<T>(
-    service: &Service,
-    model: &str,
-    received: Instant,
-    work: impl std::future::Future<Output = Result<(T, Arc<Pool>), Refused>>,
-) -> Result<T, Refused> {
-    counted_as(service, &Answering::new(model), received, work).await
-}
-
-/// [`counted`], under the model [`Answering`] names when the work ends (or its client goes
-/// away): a request its model's fallback answered is counted once, as the fallback's.
+/// Do `work` as request `request_id`, counted once in the request metrics with the outcome it
+/// ends with (on the pool it ended on), or `cancelled` when its client goes away first, under
+/// the model [`Answering`] names then: a request its model's fallback answered is counted
+/// once, as the fallback's. Its policy decision, on the status page, says the same.
 pub async fn counted_as<T>(
     service: &Service,
     answering: &Answering,
+    request_id: &str,
     received: Instant,
     work: impl std::future::Future<Output = Result<(T, Arc<Pool>), Refused>>,
 ) -> Result<T, Refused> {
@@ -38,6 +30,7 @@ pub async fn counted_as<T>(
     let mut gone = ClientGone {
         service,
         answering,
+        request_id,
         received,
         armed: true,
     };
@@ -49,6 +42,9 @@ pub async fn counted_as<T>(
         Err(refused) => (refused.pool.as_ref(), refused.error.outcome()),
     };
     record(service, model, pool.map(|p| p.name()), outcome, received);
+    // The pool that answered: a refusal's pool is where it was refused, which ran nothing.
+    let ran = result.as_ref().ok().map(|(_, pool)| pool.name());
+    service.decisions.answered(request_id, outcome.label(), ran);
     if let Err(refused) = &result {
         tracing::debug!(model = %model, pool = pool.map(|p| p.name()), outcome = ?refused.error.outcome(), error = %refused.error, "request refused");
     }
@@ -59,6 +55,7 @@ pub async fn counted_as<T>(
 struct ClientGone<'a> {
     service: &'a Service,
     answering: &'a Answering,
+    request_id: &'a str,
     received: Instant,
     armed: bool,
 }
@@ -69,6 +66,8 @@ impl Drop for ClientGone<'_> {
             let model = self.answering.model();
             tracing::debug!(model, "the client went away before the answer");
             record(self.service, model, None, Outcome::cancelled, self.received);
+            let cancelled = Outcome::cancelled.label();
+            self.service.decisions.answered(self.request_id, cancelled, None);
         }
     }
 }

@@ -40,7 +40,7 @@ use crate::pool::activity::Progress;
 use crate::serve::service::Service;
 use crate::telemetry::metrics::FailoverReason;
 
-pub use count::{answered, counted, counted_as, reject};
+pub use count::{answered, counted_as, reject};
 pub use error::{DeadlineMiss, NotRetried, Refused, RequestError};
 pub use fits::{Ceiling, NeverFits};
 pub use place::place;
@@ -160,7 +160,8 @@ pub async fn infer_and<T, D>(
     request.progress = service.accept(&request.model);
     let answering = Answering::new(&request.model);
     let received = request.received;
-    counted_as(service, &answering, received, async {
+    let id = request.meta.request_id.clone();
+    counted_as(service, &answering, &id, received, async {
         let (served, substitution) = place_or_substitute(service, &answering, request, rebuild).await?;
         let pool = Arc::clone(&served.pool);
         let value = answer(served, substitution).map_err(|error| Refused::at(&pool, error))?;
