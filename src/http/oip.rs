@@ -11,7 +11,7 @@ use crate::protocol::headers::*;
 use crate::protocol::oip as infer;
 use crate::serve::idempotency::{Claim, StoredResponse};
 use crate::serve::lifecycle::{self, RequestError};
-use crate::serve::service::Service;
+use crate::serve::service::{ModelEntry, Service};
 use crate::telemetry::metrics::Outcome;
 use axum::Json;
 use axum::body::Bytes;
@@ -74,10 +74,12 @@ pub(super) fn check_version(version: &str) -> Result<(), ApiError> {
     }
 }
 
-/// The 404 for a model that is not configured, with the status a lifecycle refusal would get.
-pub(super) fn unknown_model(state: &AppState, model: &str) -> ApiError {
-    let error = RequestError::unknown_model(&state.service, model);
-    ApiError::new(status_of(&error), error.to_string())
+/// The configured model named `model`, or the 404 a lifecycle refusal of it would get.
+pub(super) fn configured<'a>(state: &'a AppState, model: &str) -> Result<&'a ModelEntry, ApiError> {
+    state.service.model(model).ok_or_else(|| {
+        let error = RequestError::unknown_model(&state.service, model);
+        ApiError::new(status_of(&error), error.to_string())
+    })
 }
 
 /// `GET /v2/models/{model}`: its tensors, the pools serving it and its memory profile.
@@ -85,10 +87,7 @@ pub(super) async fn model_metadata(
     State(state): State<Arc<AppState>>,
     Path(model): Path<String>,
 ) -> Result<Json<Value>, ApiError> {
-    let entry = state
-        .service
-        .model(&model)
-        .ok_or_else(|| unknown_model(&state, &model))?;
+    let entry = configured(&state, &model)?;
     let tensors = |specs: &[crate::runtime::onnx::TensorSpec]| {
         specs
             .iter()
@@ -138,10 +137,7 @@ pub(super) async fn model_ready(
     State(state): State<Arc<AppState>>,
     Path(model): Path<String>,
 ) -> Result<StatusCode, ApiError> {
-    state
-        .service
-        .model(&model)
-        .ok_or_else(|| unknown_model(&state, &model))?;
+    configured(&state, &model)?;
     if state.service.pools.iter().any(|p| p.serves(&model) && p.is_ready()) {
         Ok(StatusCode::OK)
     } else {

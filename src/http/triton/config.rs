@@ -16,7 +16,7 @@ use crate::pool::Pool;
 use crate::serve::service::{ModelEntry, Service};
 
 use super::super::error::ApiError;
-use super::super::oip::{check_version, unknown_model};
+use super::super::oip::{check_version, configured};
 use super::super::state::AppState;
 
 /// `GET /v2/models/{model}/config`.
@@ -24,10 +24,7 @@ pub(super) async fn model_config(
     State(state): State<Arc<AppState>>,
     Path(model): Path<String>,
 ) -> Result<Json<Value>, ApiError> {
-    let entry = state
-        .service
-        .model(&model)
-        .ok_or_else(|| unknown_model(&state, &model))?;
+    let entry = configured(&state, &model)?;
     Ok(Json(config_of(&state.service, entry)))
 }
 

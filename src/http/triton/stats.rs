@@ -16,7 +16,7 @@ use crate::serve::service::ModelEntry;
 use crate::telemetry::inference_stats::Totals;
 
 use super::super::error::ApiError;
-use super::super::oip::{check_version, unknown_model};
+use super::super::oip::{check_version, configured};
 use super::super::state::AppState;
 
 /// `GET /v2/models/stats`: every configured model's statistics, in config order.
@@ -30,10 +30,7 @@ pub(super) async fn model_stats(
     State(state): State<Arc<AppState>>,
     Path(model): Path<String>,
 ) -> Result<Json<Value>, ApiError> {
-    let entry = state
-        .service
-        .model(&model)
-        .ok_or_else(|| unknown_model(&state, &model))?;
+    let entry = configured(&state, &model)?;
     Ok(Json(json!({"model_stats": [stats_of(entry)]})))
 }
 
