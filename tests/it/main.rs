@@ -21,6 +21,7 @@ mod layering;
 mod learned;
 mod lifecycle;
 mod memory;
+mod openai_errors;
 mod picker;
 mod placement;
 mod policy;
