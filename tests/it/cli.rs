@@ -239,7 +239,12 @@ fn the_exporter_serves_host_metrics_without_a_gpu_or_onnx_runtime() {
         "{text}"
     );
     if !vramguard::device::nvidia_gpu_present() {
-        assert!(!text.contains("vramguard_device_memory_total_bytes"), "{text}");
+        // No device to report: the family is there for dashboards, with no series in it.
+        assert!(
+            text.contains("# TYPE vramguard_device_memory_total_bytes gauge\n"),
+            "{text}"
+        );
+        assert!(!text.contains("vramguard_device_memory_total_bytes{"), "{text}");
     }
     sigterm(&exporter.child);
     assert_eq!(exporter.child.wait().unwrap().code(), Some(0));
