@@ -162,17 +162,22 @@ pub enum ConfigCommand {
     Default,
 }
 
+/// The log filter of `command` when `RUST_LOG` sets none.
+fn log_filter(command: &Command) -> &'static str {
+    match command {
+        // The drill's own server logs only what goes wrong: the report is the output.
+        Command::Drill { .. } => "error,ort=off",
+        // Its parent logs its lifecycle; a worker says only what goes wrong inside it.
+        Command::Worker { .. } => "warn,ort=error",
+        // Every finding is a line of the report; a log line would only break it up.
+        Command::Doctor { .. } => "off",
+        _ => logging::DEFAULT_FILTER,
+    }
+}
+
 /// Run the parsed command line.
 pub fn run(cli: Cli) -> ExitCode {
-    if let Command::Drill { .. } = &cli.command {
-        // The drill's own server logs only what goes wrong: the report is the output.
-        logging::init_with(cli.log_format, "error,ort=off");
-    } else if let Command::Worker { .. } = &cli.command {
-        // Its parent logs its lifecycle; a worker says only what goes wrong inside it.
-        logging::init_with(cli.log_format, "warn,ort=error");
-    } else {
-        logging::init(cli.log_format);
-    }
+    logging::init_with(cli.log_format, log_filter(&cli.command));
     // Before any thread starts (logging starts none), for every command: a worker runs ONNX
     // Runtime, a drill or doctor reads whole answers.
     crate::telemetry::malloc::set_up_allocators();

@@ -3,6 +3,7 @@
 //! [`serve`] runs it with a bounded graceful shutdown.
 
 pub mod admin;
+mod dialect;
 mod error;
 mod headers;
 mod oip;
@@ -56,13 +57,8 @@ pub fn app(state: Arc<AppState>) -> Router {
         .merge(triton::routes())
         .merge(admin::tcp_routes(&state))
         .route("/metrics", get(metrics))
-        .fallback(|| async { ApiError::new(StatusCode::NOT_FOUND, "no such endpoint") })
-        .method_not_allowed_fallback(|method: axum::http::Method| async move {
-            ApiError::new(
-                StatusCode::METHOD_NOT_ALLOWED,
-                format!("method {method} is not allowed on this endpoint"),
-            )
-        })
+        .fallback(dialect::no_route)
+        .method_not_allowed_fallback(dialect::wrong_method)
         .layer(DefaultBodyLimit::max(body_limit))
         .with_state(state)
 }
@@ -186,6 +182,7 @@ async fn metrics(State(state): State<Arc<AppState>>, headers: HeaderMap) -> Resp
 /// refused before any route saw them, in `vramguard_requests_total` as the routes count theirs:
 /// every answer to such a request is counted once. An OpenAI request's model is in its body,
 /// which was not read: it is counted under the label of requests naming no configured model.
+/// Its refusals are written in the error body of their path's API (OpenAI's under `/v1/`).
 #[derive(Debug)]
 struct CountedRefusals(Arc<Service>);
 
@@ -195,6 +192,10 @@ impl conn::Refusals for CountedRefusals {
             let outcome = error::outcome_of_status(status);
             crate::serve::lifecycle::answered(&self.0, model, outcome, tokio::time::Instant::now());
         }
+    }
+
+    fn write(&self, path: &str, error: ApiError) -> Response {
+        dialect::answer(path, error)
     }
 }
 

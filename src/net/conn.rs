@@ -198,6 +198,8 @@ where
     let response = match limits.admit_body(request.body(), &watch) {
         Err(limit) => with_id(limits.refuse(limit, request.uri().path(), &watch), id),
         Ok(reserved) => {
+            // Kept for a refusal while the route reads the body (a shared handle, not a copy).
+            let uri = request.uri().clone();
             let request = request.map(|body| {
                 if body.is_end_stream() {
                     Body::new(body)
@@ -210,7 +212,7 @@ where
                 // The handler saw only a failed read; the answer says which limit it was.
                 Some(limit) => {
                     let id = response.headers().get(REQUEST_ID).cloned().or(id);
-                    with_id(limits.refusal(limit, &watch), id)
+                    with_id(limits.refusal(limit, uri.path(), &watch), id)
                 }
                 None => response,
             }

@@ -43,12 +43,17 @@ pub struct Limits {
     refusals: std::sync::OnceLock<Arc<dyn Refusals>>,
 }
 
-/// What is told of a request the connection layer answered itself, before any route saw it (a
-/// declared body over `server.body_limit`, or one that does not fit in what may be received
-/// now): the server counts those answers to inference requests as the routes count theirs.
+/// The server above the connection layer, told of each request whose body the connection layer
+/// refused (a declared body over `server.body_limit` or one that does not fit in what may be
+/// received now, before any route saw it; a body over a limit or stalled while a route read
+/// it): it counts those answers to inference requests as the routes count theirs, and writes
+/// each answer as the API of its path writes errors.
 pub trait Refusals: Send + Sync + Debug {
-    /// `status` was answered to a request for `path`.
+    /// `status` was answered, before any route saw it, to a request for `path`.
     fn refused(&self, path: &str, status: StatusCode);
+
+    /// The answer `error` to a request for `path`, in the error body of that path's API.
+    fn write(&self, path: &str, error: ApiError) -> Response<Body>;
 }
 
 impl Limits {
@@ -70,8 +75,8 @@ impl Limits {
         })
     }
 
-    /// Tell `refusals` of every request refused before a route saw it, from now on (once: a
-    /// second call changes nothing).
+    /// Tell `refusals` of every request whose body was refused, from now on (once: a second
+    /// call changes nothing).
     pub fn tell_refusals(&self, refusals: Arc<dyn Refusals>) {
         let _ = self.refusals.set(refusals);
     }
@@ -79,7 +84,7 @@ impl Limits {
     /// The answer to a request for `path` refused by `limit` before a route saw it, told to
     /// whoever asked ([`Limits::tell_refusals`]).
     pub(super) fn refuse(&self, limit: HttpLimit, path: &str, watch: &Watch) -> Response<Body> {
-        let response = self.refusal(limit, watch);
+        let response = self.refusal(limit, path, watch);
         if let Some(refusals) = self.refusals.get() {
             refusals.refused(path, response.status());
         }
@@ -145,9 +150,10 @@ impl Limits {
         }
     }
 
-    /// The answer to a request whose body was refused by `limit`. The connection closes after
-    /// it (the rest of the body is not read), lingering so the client can read it.
-    pub(super) fn refusal(&self, limit: HttpLimit, watch: &Watch) -> Response<Body> {
+    /// The answer to a request for `path` whose body was refused by `limit`, written as
+    /// [`Refusals::write`] says (as `{"error": "..."}` when no one was told). The connection
+    /// closes after it (the rest of the body is not read), lingering so the client can read it.
+    pub(super) fn refusal(&self, limit: HttpLimit, path: &str, watch: &Watch) -> Response<Body> {
         let status = refusal_status(limit);
         let error = match limit {
             HttpLimit::body_limit => ApiError::new(status, body_too_large(self.body_limit)),
@@ -169,7 +175,10 @@ impl Limits {
             ),
         };
         watch.linger.store(true, Ordering::Relaxed);
-        let mut response = error.into_response();
+        let mut response = match self.refusals.get() {
+            Some(refusals) => refusals.write(path, error),
+            None => error.into_response(),
+        };
         response
             .headers_mut()
             .insert(header::CONNECTION, HeaderValue::from_static("close"));

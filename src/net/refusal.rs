@@ -14,14 +14,18 @@ pub fn body_too_large(limit: u64) -> String {
     format!("request body exceeds the {limit} byte limit (server.body_limit)")
 }
 
-/// An error answered as `{"error": "..."}` with a status and optional `Retry-After`.
+/// An error answered as `{"error": "..."}` with a status and optional `Retry-After`. Its parts
+/// are open to the HTTP API, which writes them in OpenAI's shape for OpenAI's paths.
 #[derive(Debug)]
 pub struct ApiError {
-    status: StatusCode,
-    message: String,
-    retry_after: Option<u64>,
+    /// The answer's status.
+    pub(crate) status: StatusCode,
+    /// What went wrong, for the client.
+    pub(crate) message: String,
+    /// Seconds for `Retry-After`, when waiting helps.
+    pub(crate) retry_after: Option<u64>,
     /// Fields beside `error` (the request id and reason of a resumable failure).
-    extra: Map<String, Value>,
+    pub(crate) extra: Map<String, Value>,
 }
 
 impl ApiError {

@@ -101,9 +101,11 @@ fn observe(
     }
 }
 
-/// Log when an admission estimate turned out too low for a real run, with both numbers. The
-/// arena's all-time peak moves only when a run needs more than any before it; that run's need
-/// is the new peak minus what was already in use.
+/// Log when an admission estimate turned out too low for a real run, with both numbers: a
+/// warning when the run did not fit (its request failed here, to be retried elsewhere or
+/// refused), information when it fit anyway, which is how the first requests of a new size find
+/// what they need. The arena's all-time peak moves only when a run needs more than any before
+/// it; that run's need is the new peak minus what was already in use.
 fn check_estimate(
     request_id: &str,
     estimate: Option<u64>,
@@ -121,11 +123,11 @@ fn check_estimate(
     {
         let needed = after.peak_active_bytes.saturating_sub(before.active_bytes);
         if needed > estimate {
-            tracing::warn!(
+            tracing::info!(
                 request_id,
                 estimate_bytes = estimate,
                 measured_bytes = needed,
-                "memory estimate too low"
+                "a run needed more memory than its estimate and fit"
             );
         }
     }
@@ -174,5 +176,50 @@ mod tests {
         // Without a cap a failure tells nothing, and without statistics nothing is known.
         assert_eq!(observe(stats(0, 0, None), stats(0, 0, None), &failed), None);
         assert_eq!(observe(None, stats(0, 1, None), &ok), None);
+    }
+
+    /// What [`check_estimate`] logs, as plain text lines.
+    fn logged(result: &Result<Vec<Tensor>, BackendError>) -> String {
+        #[derive(Clone, Default)]
+        struct Lines(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+        impl std::io::Write for Lines {
+            fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+                self.0.lock().unwrap().extend_from_slice(bytes);
+                Ok(bytes.len())
+            }
+            fn flush(&mut self) -> std::io::Result<()> {
+                Ok(())
+            }
+        }
+        let lines = Lines::default();
+        let writer = lines.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_writer(move || writer.clone())
+            .with_ansi(false)
+            .without_time()
+            .finish();
+        tracing::subscriber::with_default(subscriber, || {
+            check_estimate(
+                "req-1",
+                Some(100 << 10),
+                stats(0, 0, Some(1 << 20)),
+                stats(0, 130 << 10, Some(1 << 20)),
+                result,
+            );
+        });
+        String::from_utf8(lines.0.lock().unwrap().clone()).unwrap()
+    }
+
+    #[test]
+    fn an_estimate_too_low_warns_only_when_the_run_did_not_fit() {
+        let fit = logged(&Ok(Vec::new()));
+        assert!(fit.starts_with(" INFO "), "{fit}");
+        assert!(fit.contains("estimate_bytes=102400 measured_bytes=133120"), "{fit}");
+        let failed = logged(&Err(BackendError::Allocation {
+            kind: AllocFailureKind::Oom,
+            message: "BFCArena".into(),
+        }));
+        assert!(failed.starts_with(" WARN "), "{failed}");
+        assert!(failed.contains("the run did not fit"), "{failed}");
     }
 }

@@ -1,7 +1,15 @@
 //! Logs with `tracing`: human-readable by default, JSON lines with `--log-format json`; the level
-//! comes from `RUST_LOG` (default `info,ort=warn`: ONNX Runtime logs every arena extension at info).
+//! comes from `RUST_LOG`, else from the command ([`DEFAULT_FILTER`] for the servers). Human lines
+//! are coloured only for a person at a terminal: a log redirected to a file or a pipe, or any log
+//! under a non-empty `NO_COLOR` (<https://no-color.org>), is plain text.
+
+use std::io::IsTerminal;
+use std::sync::OnceLock;
 
 use tracing_subscriber::EnvFilter;
+
+/// The servers' filter when `RUST_LOG` sets none: ONNX Runtime logs every arena extension at info.
+pub const DEFAULT_FILTER: &str = "info,ort=warn";
 
 /// Output format of the logs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -12,23 +20,37 @@ pub enum LogFormat {
     Json,
 }
 
-/// Install the global subscriber (logs go to stderr; stdout stays for command output).
-pub fn init(format: LogFormat) {
-    init_with(format, "info,ort=warn");
+/// The format [`init_with`] installed, for the processes this one starts.
+static FORMAT: OnceLock<LogFormat> = OnceLock::new();
+
+/// The format logs are written in ([`LogFormat::Human`] before [`init_with`]): a worker process
+/// writes to the same stderr, in the same format.
+pub fn format() -> LogFormat {
+    FORMAT.get().copied().unwrap_or(LogFormat::Human)
 }
 
-/// [`init`] with another filter when `RUST_LOG` is not set.
+/// Install the global subscriber, logging to stderr (stdout stays for command output) at
+/// `default_filter` when `RUST_LOG` is not set.
 pub fn init_with(format: LogFormat, default_filter: &str) {
+    let _ = FORMAT.set(format);
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default_filter));
+    let colour = colour(std::io::stderr().is_terminal(), std::env::var_os("NO_COLOR"));
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr);
+        .with_writer(std::io::stderr)
+        .with_ansi(colour);
     let result = match format {
         LogFormat::Human => builder.try_init(),
         LogFormat::Json => builder.json().flatten_event(true).try_init(),
     };
     // A second init (tests) keeps the first subscriber.
     let _ = result;
+}
+
+/// Whether human log lines are coloured: only on a terminal, and not when `NO_COLOR` is set to
+/// anything but the empty string.
+fn colour(terminal: bool, no_color: Option<std::ffi::OsString>) -> bool {
+    terminal && no_color.is_none_or(|v| v.is_empty())
 }
 
 /// At most `max` characters of a client-given `text`, marked when cut, for echoing it in an
@@ -79,7 +101,15 @@ pub fn error_chain(error: &dyn std::error::Error) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::human_bytes;
+    use super::{colour, human_bytes};
+
+    #[test]
+    fn colour_is_for_a_terminal_without_no_color() {
+        assert!(colour(true, None));
+        assert!(colour(true, Some("".into())), "an empty NO_COLOR is unset");
+        assert!(!colour(true, Some("1".into())));
+        assert!(!colour(false, None), "a file or a pipe gets plain text");
+    }
 
     #[test]
     fn sizes_read_like_a_person_writes_them() {

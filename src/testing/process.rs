@@ -4,6 +4,7 @@
 
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
+use std::thread::JoinHandle;
 
 use serde_json::Value;
 
@@ -15,6 +16,18 @@ pub struct Serving {
     pub child: Child,
     /// The `host:port` it logged.
     pub addr: String,
+    /// The thread reading its log, which returns the lines after the one that said where it
+    /// listens (its worker processes' too: they share its stderr).
+    drain: Option<JoinHandle<Vec<String>>>,
+}
+
+impl Serving {
+    /// Its log lines after the one that said where it listens, once it has exited (wait for it
+    /// first): this waits until its worker processes, which follow it, have closed the log too.
+    pub fn log_after_exit(&mut self) -> Vec<String> {
+        let drain = self.drain.take().expect("the log is read once");
+        drain.join().expect("the log reader does not panic")
+    }
 }
 
 impl Drop for Serving {
@@ -26,7 +39,8 @@ impl Drop for Serving {
 
 /// Run `bin` with JSON logs and `args` from the project root, and wait for the log line
 /// `message`, whose `address` says where it listens (a server on port 0 says so only there).
-/// The log keeps being drained afterwards, so the child never blocks on a full pipe.
+/// The log keeps being drained afterwards, so the child never blocks on a full pipe, and kept
+/// ([`Serving::log_after_exit`]).
 pub fn spawn_serving(bin: &str, args: &[&str], env: &[(&str, &str)], message: &str) -> Serving {
     let mut child = Command::new(bin)
         .current_dir(env!("CARGO_MANIFEST_DIR"))
@@ -48,6 +62,10 @@ pub fn spawn_serving(bin: &str, args: &[&str], env: &[(&str, &str)], message: &s
             break log["address"].as_str().expect("an address in the log line").to_string();
         }
     };
-    std::thread::spawn(move || for _ in lines {});
-    Serving { child, addr }
+    let drain = std::thread::spawn(move || lines.map_while(Result::ok).collect());
+    Serving {
+        child,
+        addr,
+        drain: Some(drain),
+    }
 }

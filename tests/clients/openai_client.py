@@ -5,7 +5,8 @@ Starts `vramguard serve` (path in argv[1]) with the decoder fixture (models/deco
 127.0.0.1:0, then drives it with the stock client: model listing, a greedy completion whose
 text must equal the fixture's reference (computed without ONNX Runtime), seeded sampling that
 repeats, streaming, chat (whole, streamed, with tools) answering as the completion of its
-ChatML prompt, and errors surfaced as the client's own exception types. Then it starts
+ChatML prompt, and errors (the server's own 404, 405 and 413 included) surfaced as the client's
+own exception types in OpenAI's error body. Then it starts
 `vramguard serve` with no config, as `make run` does, and chats with the embedded default's
 `tiny` at once.
 
@@ -26,7 +27,7 @@ import openai  # noqa: E402
 from serving import start  # noqa: E402
 
 CONFIG = """
-server: {admin_socket: 'off'}
+server: {admin_socket: 'off', body_limit: 1MiB}
 models:
   - {name: tiny, path: %(root)s/models/decoder/model.onnx, tokenizer: %(root)s/models/decoder/tokenizer.json,
      chat_template: 'builtin:chatml'}
@@ -204,6 +205,40 @@ def run(address):
             raise AssertionError("temperature 5 was accepted")
         except openai.BadRequestError as e:
             assert e.body["param"] == "temperature", e.body
+
+    def openai_shaped(error, status, kind):
+        """`error` came with `status` and OpenAI's body, `kind` its type."""
+        assert error.status_code == status, (error.status_code, error.body)
+        body = error.response.json()["error"]
+        assert set(body) >= {"message", "type", "param", "code"}, body
+        assert error.body == body and error.type == kind and error.message, error.body
+
+    @check("errors the server writes itself are in OpenAI's shape too")
+    def _():
+        try:
+            client.embeddings.create(model="tiny", input="x")
+            raise AssertionError("an endpoint that is not served answered")
+        except openai.NotFoundError as e:
+            openai_shaped(e, 404, "not_found_error")
+            assert e.body["message"] == "Invalid URL (POST /v1/embeddings)", e.body
+        try:
+            client.get("/chat/completions", cast_to=object)
+            raise AssertionError("GET /v1/chat/completions answered")
+        except openai.APIStatusError as e:
+            openai_shaped(e, 405, "invalid_request_error")
+            assert e.response.headers["allow"] == "POST", e.response.headers
+        try:
+            client.post("/chat/completions", cast_to=object, content=b'{"model": "tiny", "messages": [')
+            raise AssertionError("a body that is not JSON was accepted")
+        except openai.BadRequestError as e:
+            openai_shaped(e, 400, "invalid_request_error")
+        try:
+            # Over server.body_limit: refused by its length before any route reads it.
+            client.post("/chat/completions", cast_to=object, content=b" " * (1024 * 1024 + 1))
+            raise AssertionError("a body over server.body_limit was accepted")
+        except openai.APIStatusError as e:
+            openai_shaped(e, 413, "invalid_request_error")
+            assert "server.body_limit" in e.body["message"], e.body
 
     return report(checks)
 

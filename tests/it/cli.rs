@@ -125,12 +125,15 @@ fn serve_refuses_a_bad_config_before_binding() {
     assert!(stderr.contains("server: unknown field `listne`"), "{stderr}");
 }
 
+/// `make run`: the embedded default answers at once, and its first requests, which correct
+/// memory estimates, log no warning: the log is JSON lines throughout, its worker processes'
+/// included, and an estimate a run outgrew is information with both numbers.
 #[tokio::test]
-async fn serve_without_a_config_chats_with_tiny_at_once() {
+async fn serve_without_a_config_chats_with_tiny_at_once_and_warns_of_nothing() {
     // The admin socket in a folder of this test's own, so no other server's is in the way.
     let scratch = Scratch::new();
     let runtime_dir = scratch.path().to_str().unwrap();
-    let server = crate::common::spawn_serving(
+    let mut server = crate::common::spawn_serving(
         &["serve", "--listen", "127.0.0.1:0"],
         &[("RUNTIME_DIRECTORY", runtime_dir)],
         "vramguard serving",
@@ -153,6 +156,61 @@ async fn serve_without_a_config_chats_with_tiny_at_once() {
     assert!(body["choices"][0]["message"]["content"].is_string(), "{body}");
     let produced = body["usage"]["completion_tokens"].as_u64().unwrap();
     assert!((1..=8).contains(&produced), "{body}");
+    // The first request to the encoder, on the simulated accelerator's worker process.
+    let inputs = serde_json::json!({"inputs": [{"name": "input", "shape": [1, 16, 64], "datatype": "FP32",
+                                                "data": vec![0.1; 16 * 64]}]});
+    let response = reqwest::Client::new()
+        .post(url("/v2/models/encoder/infer"))
+        .json(&inputs)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), reqwest::StatusCode::OK);
+    assert_eq!(response.headers()["x-vramguard-pool"], "gpu");
+
+    sigterm(&server.child);
+    assert_eq!(server.child.wait().unwrap().code(), Some(0));
+    let log = server.log_after_exit();
+    for line in &log {
+        let entry: Value = serde_json::from_str(line).unwrap_or_else(|e| panic!("not JSON ({e}): {line}"));
+        assert!(!["WARN", "ERROR"].contains(&entry["level"].as_str().unwrap()), "{line}");
+        if entry["message"].as_str().unwrap().contains("estimate") {
+            assert!(
+                entry["estimate_bytes"].is_u64() && entry["measured_bytes"].is_u64(),
+                "{line}"
+            );
+        }
+    }
+}
+
+/// A report holds only its own lines, and a log written to a file or a pipe is plain text:
+/// `doctor` writes no log line beside its report (`2>&1` included), and `config check`, which
+/// logs as it loads the models, writes no colour codes into a pipe.
+#[test]
+fn doctor_writes_no_log_lines_and_a_piped_log_has_no_colour() {
+    let out = Command::new(BIN)
+        .args(["doctor", "--url", &nobody_listening()])
+        .env_remove("RUST_LOG")
+        .output()
+        .unwrap();
+    let report = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(report.contains("ok    config "), "{report}");
+    for log_line in [" INFO ", " WARN ", " ERROR ", "\x1b["] {
+        assert!(!report.contains(log_line), "{log_line:?} in:\n{report}");
+    }
+    let out = Command::new(BIN)
+        .args(["config", "check", "config/default.yaml"])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .env_remove("RUST_LOG")
+        .env_remove("NO_COLOR")
+        .output()
+        .unwrap();
+    let log = String::from_utf8_lossy(&out.stderr);
+    assert!(log.contains(" INFO ") && !log.contains("\x1b["), "{log}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -239,7 +297,12 @@ fn the_exporter_serves_host_metrics_without_a_gpu_or_onnx_runtime() {
         "{text}"
     );
     if !vramguard::device::nvidia_gpu_present() {
-        assert!(!text.contains("vramguard_device_memory_total_bytes"), "{text}");
+        // No device to report: the family is there for dashboards, with no series in it.
+        assert!(
+            text.contains("# TYPE vramguard_device_memory_total_bytes gauge\n"),
+            "{text}"
+        );
+        assert!(!text.contains("vramguard_device_memory_total_bytes{"), "{text}");
     }
     sigterm(&exporter.child);
     assert_eq!(exporter.child.wait().unwrap().code(), Some(0));

@@ -1,6 +1,7 @@
 //! Every answer counted, and every series the configuration fixes there from the start: a fresh
 //! server exposes each request, duration, decision, failover, retry and degraded series at 0,
-//! and every metric the shipped dashboards and alerts use; after a mix of served and refused
+//! and every metric the shipped dashboards and alerts use (the embedded default describes each
+//! of their families in its first scrape, series or not); after a mix of served and refused
 //! requests over both protocols, `vramguard_requests_total` says, outcome by outcome, what the
 //! clients saw.
 
@@ -151,6 +152,47 @@ async fn a_fresh_server_exposes_every_known_series_at_zero() {
         );
     }
     server.stop().await;
+}
+
+/// `vramguard serve` with no config (the embedded default: no service has a budget, and here
+/// no NVIDIA device) describes every family the dashboards and alerts read in its very first
+/// scrape, before any request: a panel or rule sees a known family with nothing in it, not an
+/// unknown name. promtool accepts the families without series.
+#[tokio::test]
+async fn the_embedded_defaults_first_scrape_describes_every_family_the_dashboards_and_alerts_use() {
+    // The admin socket in a folder of this test's own, so no other server's is in the way.
+    let scratch = vramguard::testing::Scratch::new();
+    let runtime_dir = scratch.path().to_str().unwrap();
+    let server = crate::common::spawn_serving(
+        &["serve", "--listen", "127.0.0.1:0"],
+        &[("RUNTIME_DIRECTORY", runtime_dir)],
+        "vramguard serving",
+    );
+    let metrics = reqwest::get(format!("http://{}/metrics", server.addr))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let described: Vec<&str> = metrics
+        .lines()
+        .filter_map(|l| l.strip_prefix("# TYPE "))
+        .filter_map(|l| l.split(' ').next())
+        .collect();
+    for (origin, name) in names_used() {
+        // A histogram's samples are named after its family with a suffix.
+        let family = ["_bucket", "_count", "_sum"]
+            .iter()
+            .find_map(|suffix| name.strip_suffix(suffix))
+            .filter(|family| described.contains(family))
+            .unwrap_or(&name);
+        assert!(
+            described.contains(&family),
+            "{origin} uses {name}, whose family the embedded default's first scrape does not describe:\n{metrics}"
+        );
+    }
+    let findings = crate::common::promtool_findings(&metrics);
+    assert!(findings.is_empty(), "promtool: {findings}");
 }
 
 /// What a client saw, by outcome.

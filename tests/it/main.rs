@@ -22,6 +22,7 @@ mod learned;
 mod leftovers;
 mod lifecycle;
 mod memory;
+mod openai_errors;
 mod picker;
 mod placement;
 mod policy;

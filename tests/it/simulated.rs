@@ -198,25 +198,8 @@ async fn the_live_exposition_passes_promtool_and_negotiates_openmetrics() {
             }
         }
     }
-    let mut promtool = std::process::Command::new("promtool")
-        .args(["check", "metrics"])
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .expect("promtool is needed for this test: run `make tools` (Debian package `prometheus`)");
-    use std::io::Write;
-    promtool.stdin.take().unwrap().write_all(text.as_bytes()).unwrap();
-    let out = promtool.wait_with_output().unwrap();
-    let findings = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert!(
-        out.status.success() && findings.trim().is_empty(),
-        "promtool: {findings}"
-    );
+    let findings = crate::common::promtool_findings(&text);
+    assert!(findings.is_empty(), "promtool: {findings}");
 
     let open = reqwest::Client::new()
         .get(server.url("/metrics"))

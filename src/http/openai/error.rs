@@ -6,7 +6,7 @@ use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use serde_json::json;
 
-use crate::http::error::status_of;
+use crate::http::error::{ApiError, status_of};
 use crate::serve::lifecycle::RequestError;
 
 /// An error as OpenAI's API writes it.
@@ -19,10 +19,13 @@ pub struct OpenAiError {
     pub(super) param: Option<&'static str>,
     pub(super) retry_after: Option<u64>,
     pub(super) request_id: Option<String>,
-    /// OpenAI's `code` (`context_length_exceeded`) and fields of ours beside it, for the few
-    /// errors that have them (boxed: every fallible reader returns this type).
-    pub(super) extra: Option<Box<(&'static str, serde_json::Map<String, serde_json::Value>)>>,
+    /// OpenAI's `code` (`context_length_exceeded`) when there is one, and fields of ours beside
+    /// it, for the few errors that have them (boxed: every fallible reader returns this type).
+    pub(super) extra: Option<Box<(Option<&'static str>, Fields)>>,
 }
+
+/// Fields of ours beside OpenAI's in an error.
+type Fields = serde_json::Map<String, serde_json::Value>;
 
 impl OpenAiError {
     /// A 400 for what the request says, naming the field at fault when one is.
@@ -79,11 +82,11 @@ impl OpenAiError {
                 } else {
                     "never_fits"
                 };
-                let mut details = serde_json::Map::new();
+                let mut details = Fields::new();
                 details.insert("needed_bytes".into(), json!(never.need_bytes));
                 details.insert("max_bytes".into(), json!(never.largest.as_ref().map(|c| c.bytes)));
                 details.insert("max_tokens".into(), json!(never.max_tokens));
-                Some(Box::new((code, details)))
+                Some(Box::new((Some(code), details)))
             }
             _ => None,
         };
@@ -91,23 +94,43 @@ impl OpenAiError {
             extra,
             status,
             message: error.to_string(),
-            kind: match status.as_u16() {
-                404 => "not_found_error",
-                429 => "rate_limit_error",
-                400..=499 => "invalid_request_error",
-                503 | 504 => "service_unavailable_error",
-                _ => "server_error",
-            },
+            kind: kind_of(status),
             param: None,
             retry_after: error.retry_after_secs(),
             request_id: Some(id.to_string()),
         }
     }
+
+    /// An error the server wrote as `{"error": "..."}` (a path no route serves, a body the
+    /// connection layer refused), in OpenAI's shape: the same status, message, `Retry-After`
+    /// and fields.
+    pub fn from_api(error: ApiError) -> OpenAiError {
+        OpenAiError {
+            status: error.status,
+            message: error.message,
+            kind: kind_of(error.status),
+            param: None,
+            retry_after: error.retry_after,
+            request_id: None,
+            extra: (!error.extra.is_empty()).then(|| Box::new((None, error.extra))),
+        }
+    }
+}
+
+/// OpenAI's error `type` for an answer with `status`.
+fn kind_of(status: StatusCode) -> &'static str {
+    match status.as_u16() {
+        404 => "not_found_error",
+        429 => "rate_limit_error",
+        400..=499 => "invalid_request_error",
+        503 | 504 => "service_unavailable_error",
+        _ => "server_error",
+    }
 }
 
 impl IntoResponse for OpenAiError {
     fn into_response(self) -> Response {
-        let code = self.extra.as_ref().map(|e| e.0);
+        let code = self.extra.as_ref().and_then(|e| e.0);
         let mut error = json!({"message": self.message, "type": self.kind, "param": self.param, "code": code});
         if let Some(id) = &self.request_id {
             error["request_id"] = json!(id);

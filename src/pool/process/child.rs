@@ -53,6 +53,10 @@ pub struct WorkerSpec {
     /// The CPUs the process runs on (every thread it starts, ONNX Runtime's included).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cpus: Option<CpuSet>,
+    /// Whether it logs JSON lines (`--log-format json`), as its parent does: both write to the
+    /// same stderr. Given on its command line, before it reads this.
+    #[serde(skip)]
+    pub json_logs: bool,
 }
 
 impl WorkerSpec {

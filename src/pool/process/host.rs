@@ -151,6 +151,9 @@ impl WorkerHost {
         let socket = self.dir.path().join(format!("worker-{generation}.sock"));
         let mut command = Command::new(&self.exe);
         command
+            // Its logs go to this process's stderr: one format for both.
+            .arg("--log-format")
+            .arg(if self.spec.json_logs { "json" } else { "human" })
             .arg("worker")
             .arg("--socket")
             .arg(&socket)

@@ -402,41 +402,40 @@ impl LiveCollector {
     }
 }
 
-/// Host memory and vramguard's own, once a sample has read them.
+/// Host memory and vramguard's own: the families always, their values once a sample has read
+/// them (before, an empty family rather than a 0 that would read as "no memory").
 fn encode_host(encoder: &mut DescriptorEncoder, sample: &Sample) -> Result<(), std::fmt::Error> {
-    let snapshot = &sample.snapshot;
-    if sample.taken_at.is_some() && snapshot.host.mem_total_bytes > 0 {
-        let host = &snapshot.host;
-        gauge_family(
-            encoder,
-            "host_memory_available",
-            "Host memory available for new work (MemAvailable)",
-            BYTES,
-            [(NO_LABELS, saturating_i64(host.mem_available_bytes))],
-        )?;
-        gauge_family(
-            encoder,
-            "host_memory_total",
-            "Host memory (MemTotal)",
-            BYTES,
-            [(NO_LABELS, saturating_i64(host.mem_total_bytes))],
-        )?;
-        gauge_family(
-            encoder,
-            "host_memory_reserve",
-            "Host memory the CPU path keeps free (host.reserve): work that would leave less available is not run",
-            BYTES,
-            [(NO_LABELS, saturating_i64(host.reserve_bytes))],
-        )?;
-        gauge_family(
-            encoder,
-            "process_resident_memory",
-            "Resident memory of vramguard itself",
-            BYTES,
-            [(NO_LABELS, saturating_i64(sample.self_resident_bytes))],
-        )?;
-    }
-    Ok(())
+    let host = &sample.snapshot.host;
+    let sampled = sample.taken_at.is_some() && host.mem_total_bytes > 0;
+    let value = |bytes: u64| sampled.then_some((NO_LABELS, saturating_i64(bytes)));
+    gauge_family(
+        encoder,
+        "host_memory_available",
+        "Host memory available for new work (MemAvailable)",
+        BYTES,
+        value(host.mem_available_bytes),
+    )?;
+    gauge_family(
+        encoder,
+        "host_memory_total",
+        "Host memory (MemTotal)",
+        BYTES,
+        value(host.mem_total_bytes),
+    )?;
+    gauge_family(
+        encoder,
+        "host_memory_reserve",
+        "Host memory the CPU path keeps free (host.reserve): work that would leave less available is not run",
+        BYTES,
+        value(host.reserve_bytes),
+    )?;
+    gauge_family(
+        encoder,
+        "process_resident_memory",
+        "Resident memory of vramguard itself",
+        BYTES,
+        value(sample.self_resident_bytes),
+    )
 }
 /// Every cause of degraded mode, each exported as a `reason` from the first scrape (a reason
 /// that appeared only while it lasted would leave the dashboard and the alerts nothing to

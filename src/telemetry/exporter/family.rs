@@ -6,7 +6,10 @@ use prometheus_client::metrics::TypedMetric;
 use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::registry::Unit;
 
-/// Encode one family of constant metrics; an empty family is left out entirely.
+/// Encode one family of constant metrics. A family with no series is still described (its
+/// `# HELP` and `# TYPE`), from the first scrape: a dashboard panel or alert rule reading it sees
+/// a known family with nothing in it (no service has a budget, no NVIDIA device), not a metric
+/// that may be misspelt or from another version.
 pub(in crate::telemetry) fn family<L: EncodeLabelSet, M: EncodeMetric + TypedMetric>(
     encoder: &mut DescriptorEncoder,
     name: &str,
@@ -14,10 +17,6 @@ pub(in crate::telemetry) fn family<L: EncodeLabelSet, M: EncodeMetric + TypedMet
     unit: Option<&Unit>,
     rows: impl IntoIterator<Item = (L, M)>,
 ) -> Result<(), std::fmt::Error> {
-    let mut rows = rows.into_iter().peekable();
-    if rows.peek().is_none() {
-        return Ok(());
-    }
     let mut family = encoder.encode_descriptor(name, help, unit, M::TYPE)?;
     for (labels, metric) in rows {
         metric.encode(family.encode_family(&labels)?)?;

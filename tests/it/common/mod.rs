@@ -327,3 +327,28 @@ pub fn outcome(out: std::process::Output) -> (Option<i32>, String, String) {
         String::from_utf8_lossy(&out.stderr).into_owned(),
     )
 }
+
+/// What `promtool check metrics` says of an exposition in the Prometheus text format: empty when
+/// it finds nothing (and exits 0).
+pub fn promtool_findings(text: &str) -> String {
+    use std::io::Write;
+    let mut promtool = std::process::Command::new("promtool")
+        .args(["check", "metrics"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("promtool is needed for this test: run `make tools` (Debian package `prometheus`)");
+    promtool.stdin.take().unwrap().write_all(text.as_bytes()).unwrap();
+    let out = promtool.wait_with_output().unwrap();
+    let findings = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    if out.status.success() {
+        findings.trim().to_string()
+    } else {
+        format!("exit {}: {findings}", out.status)
+    }
+}
