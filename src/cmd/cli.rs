@@ -162,22 +162,28 @@ pub enum ConfigCommand {
     Default,
 }
 
-/// The log filter of `command` when `RUST_LOG` sets none.
-fn log_filter(command: &Command) -> &'static str {
+/// What `command` logs when `RUST_LOG` sets nothing.
+fn log_filters(command: &Command) -> logging::Filters {
+    let only = |own| logging::Filters { own, workers: None };
     match command {
-        // The drill's own server logs only what goes wrong: the report is the output.
-        Command::Drill { .. } => "error,ort=off",
+        // The drill's own server, its worker processes included, logs only what goes wrong and
+        // ONNX Runtime nothing (the allocation failures it reports are the drill's own): the
+        // report is the output.
+        Command::Drill { .. } => logging::Filters {
+            own: "error,ort=off",
+            workers: Some("error,ort=off"),
+        },
         // Its parent logs its lifecycle; a worker says only what goes wrong inside it.
-        Command::Worker { .. } => "warn,ort=error",
+        Command::Worker { .. } => only("warn,ort=error"),
         // Every finding is a line of the report; a log line would only break it up.
-        Command::Doctor { .. } => "off",
-        _ => logging::DEFAULT_FILTER,
+        Command::Doctor { .. } => only("off"),
+        _ => logging::DEFAULT_FILTERS,
     }
 }
 
 /// Run the parsed command line.
 pub fn run(cli: Cli) -> ExitCode {
-    logging::init_with(cli.log_format, log_filter(&cli.command));
+    logging::init_with(cli.log_format, log_filters(&cli.command));
     // Before any thread starts (logging starts none), for every command: a worker runs ONNX
     // Runtime, a drill or doctor reads whole answers.
     crate::telemetry::malloc::set_up_allocators();

@@ -502,7 +502,14 @@ fn served_response(
 fn refused_response(refused: lifecycle::Refused, id: &str, degraded: Option<&crate::pool::degraded::Now>) -> Response {
     let error = &refused.error;
     if status_of(error).is_server_error() && error.outcome() == crate::telemetry::metrics::Outcome::failed {
-        tracing::error!(pool = refused.pool.as_ref().map(|p| p.name()), error = %error, "request failed");
+        let pool = refused.pool.as_ref().map(|p| p.name());
+        if matches!(error, RequestError::WorkerLost { .. }) {
+            // The loss itself is logged once, as an error unless a fault knob caused it; each
+            // request it took down is its consequence.
+            tracing::warn!(pool, error = %error, "request failed");
+        } else {
+            tracing::error!(pool, error = %error, "request failed");
+        }
     }
     let mut api = ApiError::new(status_of(error), error.to_string());
     if let Some(seconds) = error.retry_after_secs() {

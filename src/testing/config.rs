@@ -69,6 +69,6 @@ pub fn cpu_worker(pool: &str, onnxruntime_library: &Path) -> crate::pool::proces
         simulated: None,
         onnxruntime_library: onnxruntime_library.to_path_buf(),
         cpus: None,
-        json_logs: false,
+        logs: Default::default(),
     }
 }

@@ -156,7 +156,8 @@ async fn serve_without_a_config_chats_with_tiny_at_once_and_warns_of_nothing() {
     assert!(body["choices"][0]["message"]["content"].is_string(), "{body}");
     let produced = body["usage"]["completion_tokens"].as_u64().unwrap();
     assert!((1..=8).contains(&produced), "{body}");
-    // The first request to the encoder, on the simulated accelerator's worker process.
+    // The first request to the encoder, which the embedded default runs on the simulated
+    // accelerator's worker process.
     let inputs = serde_json::json!({"inputs": [{"name": "input", "shape": [1, 16, 64], "datatype": "FP32",
                                                 "data": vec![0.1; 16 * 64]}]});
     let response = reqwest::Client::new()
@@ -166,7 +167,6 @@ async fn serve_without_a_config_chats_with_tiny_at_once_and_warns_of_nothing() {
         .await
         .unwrap();
     assert_eq!(response.status(), reqwest::StatusCode::OK);
-    assert_eq!(response.headers()["x-vramguard-pool"], "gpu");
 
     sigterm(&server.child);
     assert_eq!(server.child.wait().unwrap().code(), Some(0));

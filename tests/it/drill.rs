@@ -1,6 +1,6 @@
-//! `vramguard drill` against a running server (`--target`), as a user checks their own
-//! deployment: the quick drill passes and writes its record; a server it cannot squeeze is
-//! refused by name. (The drill's own server is what `make test`'s `drill` target runs.)
+//! `vramguard drill` as a user runs it: on its own server, the quick drill passes without an
+//! error line; against a running server (`--target`), as a user checks their own deployment, it
+//! passes and writes its record; a server it cannot squeeze is refused by name.
 
 use std::process::Command;
 
@@ -15,6 +15,30 @@ fn drill(args: &[&str], token: &str) -> (Option<i32>, String, String) {
         .output()
         .unwrap();
     crate::common::outcome(out)
+}
+
+/// On its own server, a passing drill prints its report and nothing that reads like a failure:
+/// no error logged for the faults it injects itself (each said in one line), and a table whose
+/// columns say what they count.
+#[test]
+fn the_quick_drill_on_its_own_server_passes_without_an_error_line() {
+    let out = Command::new(env!("CARGO_BIN_EXE_vramguard"))
+        .args(["drill", "--quick"])
+        .env_remove("RUST_LOG")
+        .output()
+        .unwrap();
+    let (code, out, err) = crate::common::outcome(out);
+    assert_eq!(code, Some(0), "{out}\n{err}");
+    assert!(out.contains("PASS: every criterion met"), "{out}");
+    assert!(!out.contains("ERROR") && !err.contains("ERROR"), "{out}\n{err}");
+    let header = out.lines().find(|l| l.starts_with("phase ")).unwrap_or_default();
+    for column in ["requests", "answered 200", "as expected"] {
+        assert!(header.contains(column), "{header}");
+    }
+    assert!(
+        out.contains("\n  worker_lost      the accelerator's worker process is killed (SIGKILL)"),
+        "{out}"
+    );
 }
 
 #[test]

@@ -80,6 +80,30 @@ impl Phase {
         }
     }
 
+    /// The fault it injects, in one line (through the admin API's `/admin/sim`), for phases
+    /// that inject one: the errors it causes are what the phase expects.
+    pub fn injects(self) -> Option<&'static str> {
+        match self {
+            Phase::Pressure => Some("an external workload holds a rising share of the device, up to 85% (pressure)"),
+            Phase::AllocFailure => {
+                Some("the accelerator's next run fails to allocate, before each request (fail_next)")
+            }
+            Phase::DriverReset => Some("a driver reset: every accelerator run fails until a restore (driver_reset)"),
+            Phase::CancelInQueue => Some("clients hang up while their requests wait in the CPU pool's queue"),
+            Phase::Streams => Some(
+                "accelerator runs fail to allocate before and after a stream's first token (fail_next, pass_first)",
+            ),
+            Phase::NonReplayable => {
+                Some("accelerator runs fail to allocate after non-replayable requests started (fail_next, pass_first)")
+            }
+            Phase::Residency => Some("an external workload leaves room for two of the three dense models (pressure)"),
+            Phase::WorkerLost => Some(
+                "the accelerator's worker process is killed (SIGKILL) with work of every kind in flight (kill_worker)",
+            ),
+            Phase::Baseline | Phase::Redirect | Phase::Idempotency | Phase::Background => None,
+        }
+    }
+
     /// Its place in the run, counting from 1.
     pub fn number(self) -> usize {
         Phase::ALL.iter().position(|&p| p == self).map_or(0, |i| i + 1)

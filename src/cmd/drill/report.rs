@@ -119,29 +119,46 @@ impl Report {
         );
         let _ = writeln!(
             out,
-            "{:<16} {:>8} {:>8} {:>9} {:>9} {:>9} {:>14} {:>14}",
-            "phase", "requests", "ok", "expected", "p50 ms", "p95 ms", "max queue ms", "min host avail"
+            "{:<16} {:>8} {:>13} {:>12} {:>9} {:>9} {:>14} {:>14}",
+            "phase", "requests", "answered 200", "as expected", "p50 ms", "p95 ms", "max queue ms", "min host avail"
         );
         for p in &self.phases {
-            let rate = |n: usize| {
+            // A count and its share of the phase's requests.
+            let share = |n: usize| {
                 if p.requests == 0 {
                     "-".to_string()
                 } else {
-                    format!("{:.0}%", 100.0 * n as f64 / p.requests as f64)
+                    format!("{n} ({:.0}%)", 100.0 * n as f64 / p.requests as f64)
                 }
             };
             let _ = writeln!(
                 out,
-                "{:<16} {:>8} {:>8} {:>9} {:>9.1} {:>9.1} {:>14} {:>14}",
+                "{:<16} {:>8} {:>13} {:>12} {:>9.1} {:>9.1} {:>14} {:>14}",
                 p.phase.label(),
                 p.requests,
-                rate(p.succeeded),
-                rate(p.as_expected),
+                share(p.succeeded),
+                share(p.as_expected),
                 p.p50_ms,
                 p.p95_ms,
                 p.max_queue_age_ms,
                 p.min_host_available_bytes.map_or_else(|| "-".to_string(), human_bytes)
             );
+        }
+        let _ = writeln!(
+            out,
+            "\nanswered 200: of a phase's requests, those answered 200 (and their share); as expected: those that\n\
+             got what the phase expects of them, which may be a 503, a client's hang-up or a stream's error event."
+        );
+        let faults: Vec<_> = self
+            .phases
+            .iter()
+            .filter_map(|p| Some((p.phase.label(), p.phase.injects()?)))
+            .collect();
+        if !faults.is_empty() {
+            let _ = writeln!(out, "\nfaults the drill injects (the errors they cause are expected):");
+            for (phase, fault) in faults {
+                let _ = writeln!(out, "  {phase:<16} {fault}");
+            }
         }
         let starts: Vec<f64> = self.records.iter().filter_map(|r| r.cpu_started_ms).collect();
         if !starts.is_empty() {

@@ -53,10 +53,20 @@ pub struct WorkerSpec {
     /// The CPUs the process runs on (every thread it starts, ONNX Runtime's included).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cpus: Option<CpuSet>,
-    /// Whether it logs JSON lines (`--log-format json`), as its parent does: both write to the
-    /// same stderr. Given on its command line, before it reads this.
+    /// How it logs; given on its command line and in its environment, before it reads this.
     #[serde(skip)]
-    pub json_logs: bool,
+    pub logs: WorkerLogs,
+}
+
+/// How a worker logs: to its parent's stderr, in its parent's format, at the filter its parent
+/// chose for its workers.
+#[derive(Debug, Clone, Default)]
+pub struct WorkerLogs {
+    /// JSON lines (`--log-format json`) rather than human lines.
+    pub json: bool,
+    /// Its `RUST_LOG` where the parent's environment sets none (`None`: the worker's default,
+    /// only what goes wrong inside it).
+    pub filter: Option<String>,
 }
 
 impl WorkerSpec {

@@ -6,7 +6,7 @@ use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, Command, Stdio};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, RwLock, mpsc};
 use std::time::Duration;
 
@@ -31,6 +31,9 @@ pub struct Worker {
     control: Mutex<UnixStream>,
     /// The pipe it watches: dropped, the worker exits.
     _stdin: ChildStdin,
+    /// Killed on purpose by the `kill_worker` fault knob ([`Worker::signal_kill`]): its loss is
+    /// the fault asked for, not a failure.
+    injected: AtomicBool,
 }
 
 impl Worker {
@@ -55,9 +58,15 @@ impl Worker {
         child.wait().map(describe).unwrap_or_else(|e| e.to_string())
     }
 
+    /// Whether it was killed by the `kill_worker` fault knob.
+    pub fn killed_on_purpose(&self) -> bool {
+        self.injected.load(Ordering::Relaxed)
+    }
+
     /// Send SIGKILL and return at once (a fault knob: it dies mid-run).
     #[allow(unsafe_code)]
     pub fn signal_kill(&self) {
+        self.injected.store(true, Ordering::Relaxed);
         // SAFETY: kill(2) with a pid we started and have not reaped (reaping happens only under
         // the child's lock, after which `ended` reports it).
         unsafe {
@@ -153,7 +162,7 @@ impl WorkerHost {
         command
             // Its logs go to this process's stderr: one format for both.
             .arg("--log-format")
-            .arg(if self.spec.json_logs { "json" } else { "human" })
+            .arg(if self.spec.logs.json { "json" } else { "human" })
             .arg("worker")
             .arg("--socket")
             .arg(&socket)
@@ -164,6 +173,11 @@ impl WorkerHost {
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit());
+        if let Some(filter) = &self.spec.logs.filter
+            && std::env::var_os("RUST_LOG").is_none()
+        {
+            command.env("RUST_LOG", filter);
+        }
         let mut child = spawn_from_keeper(command)
             .map_err(|e| format!("cannot start a worker process from {}: {e}", self.exe.display()))?;
         let mut stdin = child.stdin.take().expect("piped");
@@ -189,6 +203,7 @@ impl WorkerHost {
             child: Mutex::new(child),
             control: Mutex::new(control),
             _stdin: stdin,
+            injected: AtomicBool::new(false),
         });
         let pressure = self.pressure.load(Ordering::Relaxed);
         if pressure > 0

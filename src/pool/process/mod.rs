@@ -17,6 +17,6 @@ mod supervise;
 mod wire;
 
 pub use backend::ProcessBackend;
-pub use child::WorkerSpec;
+pub use child::{WorkerLogs, WorkerSpec};
 pub use host::{Worker, WorkerHost};
 pub use supervise::Lost;

@@ -86,8 +86,9 @@ impl Pool {
         Ok(worker.pid)
     }
 
-    /// The worker was lost (`how`): the breaker opens, the metrics say so.
-    fn worker_lost(&self, lost: Lost, how: &str) {
+    /// The worker was lost (`how`): the breaker opens, the metrics say so. A loss `injected` by
+    /// the `kill_worker` fault knob is the fault asked for, logged as a warning, not an error.
+    fn worker_lost(&self, lost: Lost, how: &str, injected: bool) {
         if let Some(worker) = &self.context.metrics.worker {
             worker.up.set(0);
             match lost {
@@ -96,7 +97,12 @@ impl Pool {
             };
         }
         self.breaker().worker_lost(how.to_string(), self.context.clock.now());
-        tracing::error!(pool = self.name(), %how, "worker process lost: the breaker opens, new work goes to the fallback, and a new worker starts");
+        let what = "worker process lost: the breaker opens, new work goes to the fallback, and a new worker starts";
+        if injected {
+            tracing::warn!(pool = self.name(), %how, "{what} (kill_worker: fault injection)");
+        } else {
+            tracing::error!(pool = self.name(), %how, "{what}");
+        }
     }
 
     /// An operator's restore: the current worker is killed and a new one started (the caller
@@ -182,7 +188,7 @@ fn watch(pool: &Weak<Pool>, host: &WorkerHost) {
         };
         host.take();
         worker.kill();
-        pool.worker_lost(lost, &how);
+        pool.worker_lost(lost, &how, worker.killed_on_purpose());
         drop(lifecycle);
         if started.elapsed() >= STABLE {
             backoff = FIRST_BACKOFF;

@@ -93,7 +93,7 @@ impl OrtFactory {
             simulated: simulated.map(|d| (d.name.clone(), d.capacity)),
             onnxruntime_library: self.rt.library.clone(),
             cpus: pool.cpus.clone(),
-            json_logs: crate::telemetry::logging::format() == crate::telemetry::logging::LogFormat::Json,
+            logs: crate::telemetry::logging::worker_logs(),
         };
         let host = WorkerHost::new(spec, exe, pool.health.timeout)?;
         host.start()?;
