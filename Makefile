@@ -32,9 +32,13 @@ test: deps tools check-fmt clippy unit policy-tests model-check client-compat to
 
 # `vramguard` on PATH for the README's commands (and the systemd unit's /usr/local/bin/vramguard).
 # It finds ONNX Runtime in this checkout's .deps/ (or ORT_DYLIB_PATH, or onnxruntime.library).
+# The release profile's debug info (line tables for profiling target/release/vramguard) is
+# 80 % of the binary (145 MB against 27 MB) and costs no build time: the installed copy goes
+# without it, keeping its symbols (function names in backtraces and profiles).
 install: deps release
 	install -d $(DESTDIR)$(PREFIX)/bin
 	install -m 0755 target/release/vramguard $(DESTDIR)$(PREFIX)/bin/vramguard
+	strip --strip-debug $(DESTDIR)$(PREFIX)/bin/vramguard
 	@echo "installed $(DESTDIR)$(PREFIX)/bin/vramguard"
 
 deps: $(ORT_LIB)
