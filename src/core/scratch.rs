@@ -26,7 +26,7 @@ impl OwnDir {
 
     /// [`OwnDir::new`] in `parent`.
     pub fn new_in(parent: &Path, kind: &str) -> io::Result<OwnDir> {
-        sweep(parent, kind);
+        sweep(parent, &prefix(kind));
         let name = format!("{}{}-{}", prefix(kind), std::process::id(), uuid::Uuid::new_v4());
         let path = parent.join(name);
         std::fs::DirBuilder::new().mode(0o700).create(&path)?;
@@ -61,18 +61,23 @@ fn prefix(kind: &str) -> String {
     format!("vramguard-{kind}-")
 }
 
-/// Remove the folders of `kind` in `parent` whose owning process is gone. Only folders this
-/// user owns and named exactly as [`OwnDir`] names them are touched; a pid that runs again (a
+/// Remove the worker sockets' folders that earlier builds named `vramguard-<pid>-<uuid>` (and
+/// never removed) in the temp directory, whose process is gone: an upgrade finds dozens.
+pub fn sweep_unkinded() {
+    sweep(&std::env::temp_dir(), "vramguard-");
+}
+
+/// Remove the folders named `<prefix><pid>-<uuid>` in `parent` whose owning process is gone.
+/// Only folders this user owns and named exactly so are touched; a pid that runs again (a
 /// recycled one) keeps its folder until a later sweep.
-pub fn sweep(parent: &Path, kind: &str) {
+fn sweep(parent: &Path, prefix: &str) {
     let Ok(entries) = std::fs::read_dir(parent) else {
         return;
     };
     let me = std::fs::metadata("/proc/self").map(|m| m.uid()).ok();
-    let prefix = prefix(kind);
     for entry in entries.flatten() {
         let name = entry.file_name();
-        let Some(pid) = name.to_str().and_then(|n| owner_pid(n, &prefix)) else {
+        let Some(pid) = name.to_str().and_then(|n| owner_pid(n, prefix)) else {
             continue;
         };
         let ours = entry.metadata().is_ok_and(|m| m.is_dir() && Some(m.uid()) == me);
@@ -125,6 +130,11 @@ mod tests {
             "vramguard-drill-".to_string(),
         ] {
             assert_eq!(owner_pid(&other, "vramguard-drill-"), None, "{other}");
+        }
+        // The names earlier versions gave worker folders: no kind, and nothing else read so.
+        assert_eq!(owner_pid(&format!("vramguard-12-{id}"), "vramguard-"), Some(12));
+        for other in [format!("vramguard-workers-12-{id}"), "vramguard-0".to_string()] {
+            assert_eq!(owner_pid(&other, "vramguard-"), None, "{other}");
         }
     }
 

@@ -67,11 +67,18 @@ fn what_a_killed_server_left_is_removed_by_the_next_start() {
         left.iter().any(|n| n.starts_with("vramguard-workers-")),
         "SIGKILL cannot clean up: {left:?}"
     );
+    // And one of the folders earlier builds named without a kind and never removed (its pid is
+    // above the kernel's limit: no process has it).
+    let old = scratch
+        .path()
+        .join(format!("vramguard-9999999-{}", uuid::Uuid::new_v4()));
+    std::fs::create_dir(&old).unwrap();
     let mut next = serve(scratch.path());
     let now = ours(scratch.path());
     let workers: Vec<&String> = now.iter().filter(|n| n.starts_with("vramguard-workers-")).collect();
     assert_eq!(workers.len(), 1, "only the running server's: {now:?}");
     assert!(!left.contains(workers[0]), "{left:?} then {now:?}");
+    assert!(!old.exists(), "{now:?}");
     signal(next.child.id(), "TERM");
     next.child.wait().unwrap();
     assert_eq!(ours(scratch.path()), Vec::<String>::new());

@@ -117,6 +117,7 @@ impl WorkerHost {
     /// A host for `spec`'s pool, its workers started from `exe`, its sockets in a new
     /// owner-only folder.
     pub fn new(spec: WorkerSpec, exe: PathBuf, timeout: Duration) -> Result<Arc<WorkerHost>, String> {
+        crate::core::scratch::sweep_unkinded();
         let dir = OwnDir::new("workers").map_err(|e| {
             let temp = std::env::temp_dir();
             format!(
