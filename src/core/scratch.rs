@@ -6,7 +6,7 @@
 use std::io;
 use std::os::unix::fs::{DirBuilderExt, MetadataExt};
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 /// A folder of our own, owner-only, removed when dropped or by [`OwnDir::remove`], whichever
 /// comes first (an exit that skips destructors calls `remove` itself).
@@ -14,7 +14,7 @@ use std::sync::Mutex;
 pub struct OwnDir {
     path: PathBuf,
     /// Set once it is removed, so it is removed once.
-    removed: Mutex<bool>,
+    removed: AtomicBool,
 }
 
 impl OwnDir {
@@ -32,7 +32,7 @@ impl OwnDir {
         std::fs::DirBuilder::new().mode(0o700).create(&path)?;
         Ok(OwnDir {
             path,
-            removed: Mutex::new(false),
+            removed: AtomicBool::new(false),
         })
     }
 
@@ -43,10 +43,8 @@ impl OwnDir {
 
     /// Remove it and all it holds, now (idempotent).
     pub fn remove(&self) {
-        let mut removed = self.removed.lock().unwrap_or_else(|e| e.into_inner());
-        if !*removed {
+        if !self.removed.swap(true, Ordering::AcqRel) {
             let _ = std::fs::remove_dir_all(&self.path);
-            *removed = true;
         }
     }
 }

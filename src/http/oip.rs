@@ -16,10 +16,12 @@ use crate::telemetry::metrics::Outcome;
 use axum::Json;
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
-use axum::extract::{Path, State};
+use axum::extract::{FromRequestParts, Path, State};
+use axum::http::request::Parts;
 use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use serde_json::{Map, Value, json};
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
@@ -59,8 +61,30 @@ pub(super) async fn ready(State(state): State<Arc<AppState>>) -> Result<StatusCo
     }
 }
 
+/// The model a `/v2/models/{model}` or `/v2/models/{model}/versions/{version}` route names,
+/// its version checked: each model route serves both forms with one handler.
+pub(super) struct ModelPath(pub(super) String);
+
+impl<S: Send + Sync> FromRequestParts<S> for ModelPath {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, ApiError> {
+        let Path(params) = Path::<HashMap<String, String>>::from_request_parts(parts, state)
+            .await
+            .map_err(|e| ApiError::new(e.status(), e.body_text()))?;
+        if let Some(version) = params.get("version") {
+            check_version(version)?;
+        }
+        params
+            .get("model")
+            .cloned()
+            .map(ModelPath)
+            .ok_or_else(|| ApiError::new(StatusCode::NOT_FOUND, "no model named in the path"))
+    }
+}
+
 /// Models have one version, `1`; any other is a 404.
-pub(super) fn check_version(version: &str) -> Result<(), ApiError> {
+fn check_version(version: &str) -> Result<(), ApiError> {
     if version == "1" {
         Ok(())
     } else {
@@ -85,7 +109,7 @@ pub(super) fn configured<'a>(state: &'a AppState, model: &str) -> Result<&'a Mod
 /// `GET /v2/models/{model}`: its tensors, the pools serving it and its memory profile.
 pub(super) async fn model_metadata(
     State(state): State<Arc<AppState>>,
-    Path(model): Path<String>,
+    ModelPath(model): ModelPath,
 ) -> Result<Json<Value>, ApiError> {
     let entry = configured(&state, &model)?;
     let tensors = |specs: &[crate::runtime::onnx::TensorSpec]| {
@@ -123,19 +147,10 @@ pub(super) async fn model_metadata(
     })))
 }
 
-/// `GET /v2/models/{model}/versions/{version}`.
-pub(super) async fn model_metadata_versioned(
-    state: State<Arc<AppState>>,
-    Path((model, version)): Path<(String, String)>,
-) -> Result<Json<Value>, ApiError> {
-    check_version(&version)?;
-    model_metadata(state, Path(model)).await
-}
-
 /// `GET /v2/models/{model}/ready`: some ready pool serves it.
 pub(super) async fn model_ready(
     State(state): State<Arc<AppState>>,
-    Path(model): Path<String>,
+    ModelPath(model): ModelPath,
 ) -> Result<StatusCode, ApiError> {
     configured(&state, &model)?;
     if state.service.pools.iter().any(|p| p.serves(&model) && p.is_ready()) {
@@ -146,15 +161,6 @@ pub(super) async fn model_ready(
             format!("no ready pool serves `{model}`"),
         ))
     }
-}
-
-/// `GET /v2/models/{model}/versions/{version}/ready`.
-pub(super) async fn model_ready_versioned(
-    state: State<Arc<AppState>>,
-    Path((model, version)): Path<(String, String)>,
-) -> Result<StatusCode, ApiError> {
-    check_version(&version)?;
-    model_ready(state, Path(model)).await
 }
 
 /// `POST /v2/models/{model}/versions/{version}/infer`.

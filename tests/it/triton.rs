@@ -286,8 +286,23 @@ async fn config_and_statistics_show_the_signature_and_the_answers() {
         "/v2/models/nope/stats",
         "/v2/models/nope/config",
         "/v2/models/classifier/versions/2/stats",
+        "/v2/models/classifier/versions/2/config",
+        "/v2/models/classifier/versions/2/ready",
+        "/v2/models/classifier/versions/2",
     ] {
         assert_eq!(get(&server, path).await.0, StatusCode::NOT_FOUND, "{path}");
+    }
+    // Version 1, the only one, is the model itself on every model route.
+    for (path, plain) in [
+        ("/v2/models/classifier/versions/1/stats", "/v2/models/classifier/stats"),
+        (
+            "/v2/models/classifier/versions/1/config",
+            "/v2/models/classifier/config",
+        ),
+    ] {
+        let ((status, versioned), (_, unversioned)) = (get(&server, path).await, get(&server, plain).await);
+        assert_eq!(status, StatusCode::OK, "{path}");
+        assert_eq!(versioned, unversioned, "{path}");
     }
     let (_, metadata) = get(&server, "/v2").await;
     for extension in ["model_repository", "model_configuration", "statistics"] {

@@ -6,7 +6,7 @@
 use std::sync::Arc;
 
 use axum::Json;
-use axum::extract::{Path, State};
+use axum::extract::State;
 use serde_json::{Map, Value, json};
 
 use crate::config::{DeviceKind, Provider};
@@ -16,25 +16,16 @@ use crate::pool::Pool;
 use crate::serve::service::{ModelEntry, Service};
 
 use super::super::error::ApiError;
-use super::super::oip::{check_version, configured};
+use super::super::oip::{ModelPath, configured};
 use super::super::state::AppState;
 
 /// `GET /v2/models/{model}/config`.
 pub(super) async fn model_config(
     State(state): State<Arc<AppState>>,
-    Path(model): Path<String>,
+    ModelPath(model): ModelPath,
 ) -> Result<Json<Value>, ApiError> {
     let entry = configured(&state, &model)?;
     Ok(Json(config_of(&state.service, entry)))
-}
-
-/// `GET /v2/models/{model}/versions/{version}/config`.
-pub(super) async fn model_config_versioned(
-    state: State<Arc<AppState>>,
-    Path((model, version)): Path<(String, String)>,
-) -> Result<Json<Value>, ApiError> {
-    check_version(&version)?;
-    model_config(state, Path(model)).await
 }
 
 /// The configuration of `entry`, as Triton writes one.

@@ -22,12 +22,9 @@ pub(super) fn routes() -> Router<Arc<AppState>> {
         .route("/v2/models/{model}/config", get(config::model_config))
         .route(
             "/v2/models/{model}/versions/{version}/config",
-            get(config::model_config_versioned),
+            get(config::model_config),
         )
         .route("/v2/models/stats", get(stats::all_stats))
         .route("/v2/models/{model}/stats", get(stats::model_stats))
-        .route(
-            "/v2/models/{model}/versions/{version}/stats",
-            get(stats::model_stats_versioned),
-        )
+        .route("/v2/models/{model}/versions/{version}/stats", get(stats::model_stats))
 }

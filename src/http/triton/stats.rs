@@ -9,14 +9,14 @@
 use std::sync::Arc;
 
 use axum::Json;
-use axum::extract::{Path, State};
+use axum::extract::State;
 use serde_json::{Value, json};
 
 use crate::serve::service::ModelEntry;
 use crate::telemetry::inference_stats::Totals;
 
 use super::super::error::ApiError;
-use super::super::oip::{check_version, configured};
+use super::super::oip::{ModelPath, configured};
 use super::super::state::AppState;
 
 /// `GET /v2/models/stats`: every configured model's statistics, in config order.
@@ -28,19 +28,10 @@ pub(super) async fn all_stats(State(state): State<Arc<AppState>>) -> Json<Value>
 /// `GET /v2/models/{model}/stats`.
 pub(super) async fn model_stats(
     State(state): State<Arc<AppState>>,
-    Path(model): Path<String>,
+    ModelPath(model): ModelPath,
 ) -> Result<Json<Value>, ApiError> {
     let entry = configured(&state, &model)?;
     Ok(Json(json!({"model_stats": [stats_of(entry)]})))
-}
-
-/// `GET /v2/models/{model}/versions/{version}/stats`.
-pub(super) async fn model_stats_versioned(
-    state: State<Arc<AppState>>,
-    Path((model, version)): Path<(String, String)>,
-) -> Result<Json<Value>, ApiError> {
-    check_version(&version)?;
-    model_stats(state, Path(model)).await
 }
 
 /// One model's entry of `model_stats`.
