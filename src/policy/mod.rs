@@ -14,6 +14,13 @@
 //!   at start, `policy check`), since a misspelt property only fails at run time.
 //! - [`cases`] runs the test cases kept beside the policies (`policies/tests/*.yaml`);
 //!   the `vramguard policy check|test|eval` command (`cmd::policy`) is built on them.
+//!
+//! The files: `script.rs` (compiling and the sandbox), `compiled/` (the fast evaluation of the
+//! policy's common shapes, Rhai's answer otherwise), `values.rs` (`req` and `state` as Rhai
+//! values), `accept.rs` (what the decision constructors accept), `handle.rs` (the running
+//! policy and hot reload), `source.rs` (where a script comes from), `builtin.rs` (the policies
+//! in the binary), `smoke.rs` (trying a script before it is trusted), `cases.rs` (test cases)
+//! and `recent.rs` (the last decisions, for `/status`).
 
 mod accept;
 pub mod builtin;

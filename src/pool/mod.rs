@@ -6,10 +6,14 @@
 //!
 //! This file is the pool's public API: starting, submitting, restoring, shutting down. The
 //! [`Pool`](crate::pool::Pool) itself is in `shared.rs`, used by this file and by the worker
-//! threads (`worker.rs`); `queue.rs` is the bounded queue and its idle backends, `load.rs` the
-//! load and delay estimate, `health.rs` the breaker and recent failures, `arena.rs` the
-//! allocator statistics, `job.rs` a job and its errors, `context.rs` what a pool is given,
-//! `residency.rs` loading and unloading models (`models.rs` what it is told of each).
+//! threads (`worker.rs`, which look for work a while before sleeping: `patience.rs`);
+//! `queue.rs` is the bounded queue and its idle backends, `job.rs` a job and its errors,
+//! `context.rs` what a pool is given, `load.rs` the load and delay estimate, `activity.rs` the
+//! requests waiting and running, `health.rs` the breaker and recent failures, `degraded.rs`
+//! degraded mode, `arena.rs` the allocator statistics. `residency.rs` loads and unloads models
+//! (`models.rs` what it is told of each, `evict.rs` what could make room). Text generations:
+//! `sequences.rs` counts them and their caches, `batch.rs` joins their steps into one run per
+//! step, which `stepper.rs` runs. `process/` keeps a pool's sessions in a worker process.
 
 pub mod activity;
 mod arena;

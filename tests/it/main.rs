@@ -13,6 +13,7 @@ mod drill;
 mod estimates;
 mod evict;
 mod failover;
+mod file_lists;
 mod generation;
 mod health;
 mod http;

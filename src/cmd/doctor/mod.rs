@@ -20,9 +20,9 @@
 //! only thing doctor changes is a CUDA session it opens and drops when the CUDA provider can be
 //! tried; it never loads the config's models (`vramguard config check` does).
 //!
-//! `checks` holds the checks of the installation (config, ONNX Runtime, CUDA, policy, host),
-//! `devices` those of NVIDIA devices and attribution, `server` the running server's, and
-//! `client` the few GETs that ask it.
+//! `checks.rs` holds the checks of the installation (config, ONNX Runtime, CUDA, policy, host),
+//! `devices.rs` those of NVIDIA devices and attribution, `server.rs` the running server's, and
+//! `client.rs` the few GETs that ask it.
 
 mod checks;
 mod client;

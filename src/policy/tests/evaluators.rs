@@ -1,4 +1,4 @@
-//! The compiled evaluation (`compiled.rs`) against Rhai's: wherever the compiled one answers,
+//! The compiled evaluation (`compiled/`) against Rhai's: wherever the compiled one answers,
 //! its answer must be Rhai's, for every case the shipped policies are tested with, for generated
 //! requests and states that reach every branch of those policies (numbers that overflow
 //! included), for every field of `req` and `state`, and for scripts that fail in every way the

@@ -8,11 +8,12 @@
 //! encode. [`RequestError`] is the one place where a failure becomes a metric outcome and a
 //! `Retry-After`; `http` gives each variant its status.
 //!
-//! The files follow the request: `admit` (router and policy), `place` (the checks before the
-//! placed run), `budget` (the request's service's budgets), `run` (one run on a pool), `retry`
-//! (the one retry, shared with a generation's steps), `substitute` (the model's
-//! `fallback_model` answering instead, with the client's leave), `count` (the request metrics)
-//! and `error` (what a client is told).
+//! The files follow the request: `admit.rs` (router and policy), `place.rs` (the checks before the
+//! placed run), `fits.rs` (whether it could ever fit, or only not now), `room.rs` (making room for
+//! it by unloading idle models of its device), `budget.rs` (the request's service's budgets),
+//! `run.rs` (one run on a pool), `retry.rs` (the one retry, shared with a generation's steps),
+//! `substitute.rs` (the model's `fallback_model` answering instead, with the client's leave),
+//! `count.rs` (the request metrics) and `error.rs` (what a client is told).
 //!
 //! Time is tokio's, so tests run deferrals and deadlines with paused time.
 
