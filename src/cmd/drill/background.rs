@@ -20,9 +20,9 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 
 use super::client::Drill;
-use super::phases::Phase;
+use super::criterion::Criterion;
+use super::phase::Phase;
 use super::record::Record;
-use super::report::Criterion;
 use super::{BACKGROUND_MODEL, BACKGROUND_SERVICE, INTERACTIVE_MODEL};
 
 /// Closed-loop lanes of interactive requests. Their service runs one request at a time, so

@@ -9,7 +9,7 @@ use serde::Deserialize;
 use serde::de::DeserializeOwned;
 use serde_json::{Value, json};
 
-use super::phases::Phase;
+use super::phase::Phase;
 use super::progress::Progress;
 use super::record::{ErrorFields, Failure, Judged, Record, Samples};
 use super::{CPU, CPU_ONLY, DEVICE, ENCODER, GPU};
@@ -28,8 +28,17 @@ pub(super) struct Drill {
     pub(super) phase: Mutex<Phase>,
     pub(super) samples: Mutex<std::collections::BTreeMap<Phase, Samples>>,
     /// What the sampler saw of models and evictions during the residency phase.
-    pub(super) seen: Mutex<super::residency::Seen>,
+    pub(super) seen: Mutex<super::seen::Seen>,
     pub(super) progress: Progress,
+}
+
+/// Keeping a judged record is the drill's: it goes into the drill's record and counts as done.
+impl Judged {
+    /// Keep it in the drill's record, and hand it back.
+    pub(super) fn keep(self, drill: &Drill) -> Record {
+        drill.keep(self.0.clone());
+        self.0
+    }
 }
 
 /// An OpenAI-shaped error body, `{"error": {"message": …}}`.

@@ -20,18 +20,22 @@
 //! models written beside it with `--write-models`), with `VRAMGUARD_ADMIN_TOKEN` for its admin
 //! API. The drill only ever talks to the target it was given.
 //!
-//! `phases` says what each phase sends and expects, `client` sends it, `record` keeps what came
-//! back, `report` judges it; `residency`, `background` and `worker` (worker_lost) are the last
-//! three phases, with their own criteria; `server` is the drill's own server and `progress` its
-//! terminal line.
+//! `phases.rs` says what each phase sends and expects (`phase.rs` names them), `client.rs` sends
+//! it, `record.rs` keeps what came back, `report.rs` judges it by its criteria
+//! (`criterion.rs`); `residency.rs`, `background.rs` and `worker.rs` (worker_lost) are the last
+//! three phases, with criteria of their own (`seen.rs` is what the residency phase saw of
+//! `/status`); `server.rs` is the drill's own server and `progress.rs` its terminal line.
 
 mod background;
 mod client;
+mod criterion;
+mod phase;
 mod phases;
 mod progress;
 mod record;
 mod report;
 mod residency;
+mod seen;
 mod server;
 mod worker;
 
@@ -47,9 +51,11 @@ use serde_json::json;
 use crate::protocol::status::StatusReport;
 pub use background::BackgroundFacts;
 use client::Drill;
-pub use phases::{Facts, Phase};
+pub use criterion::Criterion;
+pub use phase::Phase;
+pub use phases::Facts;
 pub use record::{Failure, Record, Samples};
-pub use report::{Criterion, PhaseSummary, Report};
+pub use report::{PhaseSummary, Report};
 pub use residency::ResidencyFacts;
 use server::OwnServer;
 pub use worker::WorkerFacts;
@@ -280,7 +286,7 @@ async fn drill(options: &Options, base: String, token: String) -> Result<Report,
         records: Mutex::new(Vec::new()),
         phase: Mutex::new(Phase::Baseline),
         samples: Mutex::new(BTreeMap::new()),
-        seen: Mutex::new(residency::Seen::default()),
+        seen: Mutex::new(seen::Seen::default()),
         progress: progress::Progress::new(std::io::stderr().is_terminal()),
     });
     let sampling = Arc::new(AtomicBool::new(true));

@@ -2,7 +2,7 @@
 
 use std::sync::Mutex;
 
-use super::phases::Phase;
+use super::phase::Phase;
 
 /// The progress line; draws nothing when stderr is not a terminal.
 pub(super) struct Progress {

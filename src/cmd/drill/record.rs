@@ -3,8 +3,7 @@
 
 use serde::{Serialize, Serializer};
 
-use super::Drill;
-use super::phases::Phase;
+use super::phase::Phase;
 use crate::core::snapshot::Action;
 use crate::protocol::headers::{DECISION_HEADER, DEGRADED_HEADER, IDEMPOTENT_REPLAYED, POOL_HEADER, REQUEST_ID};
 
@@ -163,15 +162,7 @@ impl Record {
 }
 
 /// A record with its verdict, waiting to be kept.
-pub(super) struct Judged(Record);
-
-impl Judged {
-    /// Keep it in the drill's record, and hand it back.
-    pub(super) fn keep(self, drill: &Drill) -> Record {
-        drill.keep(self.0.clone());
-        self.0
-    }
-}
+pub(super) struct Judged(pub(super) Record);
 
 /// Live samples of `/status` in one phase.
 #[derive(Debug, Clone, Default, Serialize)]

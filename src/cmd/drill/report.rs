@@ -6,7 +6,10 @@ use std::time::Duration;
 
 use serde::Serialize;
 
-use super::{Facts, Phase, Record, Samples};
+use super::criterion::Criterion;
+use super::phase::Phase;
+use super::phases::Facts;
+use super::record::{Record, Samples};
 use crate::core::snapshot::Action;
 use crate::telemetry::logging::human_bytes;
 
@@ -29,17 +32,6 @@ pub struct PhaseSummary {
     pub max_queue_age_ms: u64,
     /// Lowest host `MemAvailable` seen.
     pub min_host_available_bytes: Option<u64>,
-}
-
-/// A pass criterion of the drill.
-#[derive(Debug, Clone, Serialize)]
-pub struct Criterion {
-    /// What it checks.
-    pub name: &'static str,
-    /// What was measured.
-    pub measured: String,
-    /// Whether it passed.
-    pub passed: bool,
 }
 
 /// The whole drill.

@@ -35,9 +35,9 @@ use serde::Serialize;
 use serde_json::json;
 
 use super::client::Drill;
-use super::phases::Phase;
+use super::criterion::Criterion;
+use super::phase::Phase;
 use super::record::{Failure, Judged, Record};
-use super::report::Criterion;
 use super::{CPU, DECODER, ENCODER, GPU};
 use crate::core::snapshot::BreakerState;
 use crate::protocol::headers::REPLAYABLE_HEADER;
