@@ -15,18 +15,19 @@
 //! - [`cases`] runs the test cases kept beside the policies (`policies/tests/*.yaml`);
 //!   the `vramguard policy check|test|eval` command (`cmd::policy`) is built on them.
 //!
-//! The files: `script.rs` (compiling and the sandbox), `compiled/` (the fast evaluation of the
-//! policy's common shapes, Rhai's answer otherwise), `values.rs` (`req` and `state` as Rhai
-//! values), `accept.rs` (what the decision constructors accept), `handle.rs` (the running
-//! policy and hot reload), `source.rs` (where a script comes from), `builtin.rs` (the policies
-//! in the binary), `smoke.rs` (trying a script before it is trusted), `cases.rs` (test cases)
-//! and `recent.rs` (the last decisions, for `/status`).
+//! The files: `script.rs` (compiling and the sandbox, whose limits are `limits.rs`), `compiled/`
+//! (the fast evaluation of the policy's common shapes, Rhai's answer otherwise), `values.rs` (`req`
+//! and `state` as Rhai values), `accept.rs` (what the decision constructors accept), `handle.rs`
+//! (the running policy and hot reload), `source.rs` (where a script comes from), `builtin.rs` (the
+//! policies in the binary), `smoke.rs` (trying a script before it is trusted), `cases.rs` (test
+//! cases) and `recent.rs` (the last decisions, for `/status`).
 
 mod accept;
 pub mod builtin;
 pub mod cases;
 mod compiled;
 mod handle;
+mod limits;
 pub mod recent;
 mod script;
 mod smoke;
@@ -34,10 +35,11 @@ mod source;
 mod values;
 
 pub use handle::{LoadedPolicy, PolicyHandle, PolicyStatus, settings_for};
-pub use script::{
-    Evaluation, MAX_ARRAY_SIZE, MAX_CALL_DEPTH, MAX_EXPR_DEPTH, MAX_FUNCTIONS, MAX_MAP_SIZE, MAX_OPERATIONS,
-    MAX_STRING_SIZE, MAX_VARIABLES, PolicyError, PolicyErrorKind, PolicySettings, Script,
+pub use limits::{
+    MAX_ARRAY_SIZE, MAX_CALL_DEPTH, MAX_EXPR_DEPTH, MAX_FUNCTIONS, MAX_MAP_SIZE, MAX_OPERATIONS, MAX_STRING_SIZE,
+    MAX_VARIABLES,
 };
+pub use script::{Evaluation, PolicyError, PolicyErrorKind, PolicySettings, Script};
 pub use smoke::{
     SmokeError, configured_estimate, configured_services, configured_snapshot, smoke_requests, smoke_test,
 };

@@ -15,29 +15,13 @@ use rhai::{AST, CallFnOptions, Dynamic, EvalAltResult, ImmutableString, ParseErr
 
 use super::accept::{count_of_float, count_of_int, not_blank};
 use super::compiled::{self, Compiled};
+use super::limits::{
+    MAX_ARRAY_SIZE, MAX_CALL_DEPTH, MAX_EXPR_DEPTH, MAX_FUNCTIONS, MAX_MAP_SIZE, MAX_OPERATIONS, MAX_STRING_SIZE,
+    MAX_VARIABLES,
+};
 use super::values::{self, List, Params, StateView, Table};
 
 use crate::core::snapshot::{Decision, RequestInfo, Snapshot};
-
-/// Most operations (roughly: expressions evaluated) one evaluation may take. A realistic policy
-/// takes a few hundred; this stops a runaway loop in well under a millisecond.
-pub const MAX_OPERATIONS: u64 = 50_000;
-/// Deepest script-function call chain (recursion).
-pub const MAX_CALL_DEPTH: usize = 32;
-/// Deepest expression nesting at the top level and inside functions.
-pub const MAX_EXPR_DEPTH: (usize, usize) = (64, 32);
-/// Longest string a script may build, in bytes.
-pub const MAX_STRING_SIZE: usize = 4096;
-/// Most elements in an array a script builds.
-pub const MAX_ARRAY_SIZE: usize = 1024;
-/// Most properties in an object map a script builds. Rhai checks it when a map is combined,
-/// passed to or returned from a function; growing one key at a time is bounded by
-/// [`MAX_OPERATIONS`] instead.
-pub const MAX_MAP_SIZE: usize = 256;
-/// Most variables alive at once.
-pub const MAX_VARIABLES: usize = 256;
-/// Most functions in one script.
-pub const MAX_FUNCTIONS: usize = 256;
 
 /// Why an evaluation fell back (the `kind` label of `vramguard_policy_errors_total`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -5,6 +5,7 @@
 //! they control, so the whole request lifecycle runs without ONNX Runtime.
 
 mod cpus;
+mod factory;
 mod models;
 mod observe;
 mod onnxruntime;
@@ -36,9 +37,10 @@ use crate::telemetry::exporter::{LiveCollector, Sampler, SnapshotStore};
 use crate::telemetry::metrics::Metrics;
 use crate::telemetry::services::ServicesCollector;
 
+pub use factory::BackendFactory;
 pub use models::{ModelBytes, ModelEntry};
 pub use onnxruntime::OrtFactory;
-pub use parts::{BackendFactory, Parts};
+pub use parts::Parts;
 pub use rooms::{Eviction, Rooms};
 pub use services::{Ask, HeldBack, Services, Slot};
 pub use zeroed::UNKNOWN_MODEL;

@@ -13,7 +13,7 @@ use crate::pool::process::{ProcessBackend, WorkerHost, WorkerSpec};
 use crate::runtime::estimate::{self, MemoryProfile};
 use crate::runtime::onnx::{self, ModelSignature, OnnxRuntime, OrtBackend, SessionOptions};
 
-use super::BackendFactory;
+use super::factory::BackendFactory;
 
 /// Builds ONNX Runtime backends.
 #[derive(Debug)]

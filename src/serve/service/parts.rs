@@ -1,35 +1,17 @@
-//! What a service is assembled from: the [`BackendFactory`] seam between the service and ONNX
-//! Runtime, the memory sources, the simulated devices and the clock.
+//! What a service is assembled from: the [`BackendFactory`] that builds its backends (ONNX
+//! Runtime's, [`OrtFactory`], unless a test gives another), the memory sources, the simulated
+//! devices and the clock.
 
 use std::sync::Arc;
 
-use crate::config::{Config, ConfigError, DeviceKind, ModelConfig, PoolConfig};
-use crate::core::backend::Backend;
+use crate::config::{Config, ConfigError, DeviceKind};
 use crate::core::clock::{Clock, SystemClock};
 use crate::device::MemorySource;
 use crate::device::simulated::{SimulatedDevice, SimulatedSource};
-use crate::runtime::estimate::MemoryProfile;
-use crate::runtime::onnx::ModelSignature;
 
-use super::{OrtFactory, StartError};
-
-/// Builds what runs models: the seam between the service and ONNX Runtime.
-pub trait BackendFactory: Send + Sync {
-    /// The runtime's version, for `/v2` and `vramguard_build_info`.
-    fn runtime_version(&self) -> String;
-    /// Read a model's inputs and outputs.
-    fn signature(&self, model: &ModelConfig, bytes: &[u8]) -> Result<ModelSignature, String>;
-    /// Measure what the model's runs need (called only when the config gives no profile).
-    fn measure_profile(&self, model: &ModelConfig, bytes: &[u8], signature: &ModelSignature) -> MemoryProfile;
-    /// Build one worker's backend for `pool`, holding `models` (name and bytes). An error makes
-    /// the pool unavailable with that reason; it never falls back to another provider.
-    fn backend(&self, pool: &PoolConfig, models: &[(String, &[u8])]) -> Result<Box<dyn Backend>, String>;
-    /// The worker processes of a process-isolated pool, once its first backend started one.
-    fn worker_host(&self, pool: &str) -> Option<Arc<crate::pool::process::WorkerHost>> {
-        let _ = pool;
-        None
-    }
-}
+use super::StartError;
+use super::factory::BackendFactory;
+use super::onnxruntime::OrtFactory;
 
 /// What a service is assembled from.
 pub struct Parts {

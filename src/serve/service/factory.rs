@@ -1,0 +1,27 @@
+//! The [`BackendFactory`] seam between a service and what runs its models: ONNX Runtime in
+//! production (`onnxruntime.rs`), fakes in tests.
+
+use std::sync::Arc;
+
+use crate::config::{ModelConfig, PoolConfig};
+use crate::core::backend::Backend;
+use crate::runtime::estimate::MemoryProfile;
+use crate::runtime::onnx::ModelSignature;
+
+/// Builds what runs models: the seam between the service and ONNX Runtime.
+pub trait BackendFactory: Send + Sync {
+    /// The runtime's version, for `/v2` and `vramguard_build_info`.
+    fn runtime_version(&self) -> String;
+    /// Read a model's inputs and outputs.
+    fn signature(&self, model: &ModelConfig, bytes: &[u8]) -> Result<ModelSignature, String>;
+    /// Measure what the model's runs need (called only when the config gives no profile).
+    fn measure_profile(&self, model: &ModelConfig, bytes: &[u8], signature: &ModelSignature) -> MemoryProfile;
+    /// Build one worker's backend for `pool`, holding `models` (name and bytes). An error makes
+    /// the pool unavailable with that reason; it never falls back to another provider.
+    fn backend(&self, pool: &PoolConfig, models: &[(String, &[u8])]) -> Result<Box<dyn Backend>, String>;
+    /// The worker processes of a process-isolated pool, once its first backend started one.
+    fn worker_host(&self, pool: &str) -> Option<Arc<crate::pool::process::WorkerHost>> {
+        let _ = pool;
+        None
+    }
+}
