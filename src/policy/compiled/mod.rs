@@ -4,7 +4,7 @@
 //! an object map for every request, a pool's record is copied out of `state.pools` when the
 //! script reads it, and every property, operator and call goes through the engine's generic
 //! look-ups. For the default policy's admit that is ~85 000 instructions (~5 µs), almost none of
-//! them the policy's own arithmetic (`docs/performance.md`).
+//! them the policy's own arithmetic (`docs/performance-log.md`).
 //!
 //! This module lowers the same syntax tree once, when the script is compiled, into nodes of its
 //! own that read `req` and `state` straight from [`RequestInfo`], the [`Snapshot`] and the pools'
@@ -30,7 +30,7 @@
 //! server at seq 1024 requests come milliseconds apart with ONNX Runtime's run between, so an
 //! evaluation starts with none of this in the caches, and a walk that chases a pointer per node
 //! and reads each property name's text from the heap pays a miss for each, one after another
-//! (`docs/performance.md`, "cold caches").
+//! (`docs/performance.md#cold-caches`).
 //!
 //! `lower.rs` turns the syntax tree into the nodes below; `eval.rs` evaluates them; `field.rs`
 //! names the properties of `req` and `state`.
