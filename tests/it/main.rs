@@ -9,6 +9,7 @@ mod cli;
 mod common;
 mod connections;
 mod counted;
+mod doc_links;
 mod drill;
 mod estimates;
 mod evict;
