@@ -9,7 +9,8 @@
 //! threads (`worker.rs`); `queue.rs` is the bounded queue and its idle backends, `load.rs` the
 //! load and delay estimate, `health.rs` the breaker and recent failures, `arena.rs` the
 //! allocator statistics, `job.rs` a job and its errors, `context.rs` what a pool is given,
-//! `residency.rs` loading and unloading models (`models.rs` what it is told of each).
+//! `residency.rs` loading and unloading models (`models.rs` what it is told of each), `metrics/`
+//! the metric families pools record into.
 
 pub mod activity;
 mod arena;
@@ -20,6 +21,7 @@ mod evict;
 mod health;
 mod job;
 mod load;
+pub mod metrics;
 mod models;
 mod patience;
 pub mod process;
@@ -30,12 +32,13 @@ mod shared;
 mod stepper;
 mod worker;
 
-pub use context::{PoolContext, PoolMetrics, Respawn, WorkerHandles};
+pub use context::{PoolContext, Respawn};
 pub use evict::{ModelState, Resident};
 pub use health::CheckFailure;
 pub use job::{InferJob, Inputs, JobResult, PoolError, RunCancel, RunMemory, RunOp};
 pub use load::PoolLoad;
-pub use models::{LOAD_BUCKETS, ModelBytesRef, ModelMetrics, ModelSetup, ResidencyError, ResidencyOutcome};
+pub use metrics::{ModelMetrics, PoolMetrics, WorkerHandles};
+pub use models::{ModelBytesRef, ModelSetup, ResidencyError, ResidencyOutcome};
 pub use shared::{Availability, Pool};
 
 use std::sync::{Arc, PoisonError};
