@@ -10,14 +10,15 @@ use std::time::{Duration, Instant};
 
 use vramguard::config::{ServiceMatch, ServiceRule};
 use vramguard::core::backend::{ArenaStats, Backend, BackendError, RunMeta};
+use vramguard::core::metrics::ModelPoolLabels;
 use vramguard::core::snapshot::DeviceClass;
 use vramguard::core::tensor::Tensor;
 use vramguard::device::host::HostSource;
 use vramguard::device::simulated::{SimulatedDevice, SimulatedSource};
 use vramguard::device::{DeviceMemory, DeviceProcess, MemorySource, Reading};
 use vramguard::pool::{Pool, PoolContext};
+use vramguard::serve::metrics::{Metrics, Outcome, RequestLabels};
 use vramguard::telemetry::exporter::{LiveCollector, Sampler, SnapshotStore};
-use vramguard::telemetry::metrics::{Metrics, ModelPoolLabels, Outcome, RequestLabels};
 use vramguard::testing::bench::{Figure, Machine, Target, out_dir, percentile, record};
 
 /// Eight GPUs with 64 processes each.
@@ -110,6 +111,7 @@ fn main() {
             for outcome in [Outcome::ok, Outcome::rejected, Outcome::client_error] {
                 metrics
                     .requests
+                    .total
                     .get_or_create(&RequestLabels {
                         model: model.into(),
                         pool: name.clone(),
@@ -118,7 +120,8 @@ fn main() {
                     .inc_by(17);
             }
             metrics
-                .request_duration
+                .requests
+                .duration
                 .get_or_create(&ModelPoolLabels {
                     model: model.into(),
                     pool: name.clone(),
@@ -139,7 +142,7 @@ fn main() {
         vec![Box::new(BigBox(big_box())), Box::new(HostSource)],
         rules,
         2 << 30,
-        Arc::clone(&metrics),
+        metrics.process.clone(),
         Arc::clone(&store),
     )
     .with_pools(pools.clone(), Vec::new());
@@ -209,7 +212,7 @@ fn main() {
         vec![Box::new(HostSource), Box::new(SimulatedSource::new(device))],
         Vec::new(),
         2 << 30,
-        Arc::clone(&metrics),
+        metrics.process.clone(),
         store,
     );
     let cpu = || {

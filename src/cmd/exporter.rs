@@ -17,13 +17,13 @@ use tokio_util::sync::CancellationToken;
 
 use crate::config::{Config, DeviceKind};
 use crate::telemetry::exporter::{LiveCollector, Sampler, SnapshotStore, metrics_response};
-use crate::telemetry::metrics::Metrics;
+use crate::telemetry::metrics::ProcessMetrics;
 use crate::telemetry::services::ServicesCollector;
 
 /// A running exporter.
 pub struct Exporter {
     config: Config,
-    metrics: Arc<Metrics>,
+    metrics: ProcessMetrics,
     registry: Registry,
     store: Arc<SnapshotStore>,
     sampler: Option<Sampler>,
@@ -46,14 +46,15 @@ impl Exporter {
                 );
             }
         }
-        let (metrics, mut registry) = Metrics::exporter();
-        let metrics = Arc::new(metrics);
+        // Only what the sampler and the HTTP server measure: no requests, no policy, no pools,
+        // so none of their series that could never move.
+        let (metrics, mut registry) = ProcessMetrics::new("none");
         let store = Arc::new(SnapshotStore::default());
         let mut sampler = Sampler::new(
             crate::device::sources(&config),
             config.exporter.services.clone(),
             config.host_reserve,
-            Arc::clone(&metrics),
+            metrics.clone(),
             Arc::clone(&store),
         );
         sampler.sample();

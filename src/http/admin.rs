@@ -181,7 +181,7 @@ pub async fn serve_socket(
     path: PathBuf,
     stop: tokio_util::sync::CancellationToken,
 ) -> std::io::Result<()> {
-    let limits = crate::net::conn::Limits::new(&state.service.config.server, &state.service.metrics);
+    let limits = crate::net::conn::Limits::new(&state.service.config.server, &state.service.metrics.process);
     crate::net::conn::serve(listener, socket_app(state), limits, stop).await;
     let _ = std::fs::remove_file(&path);
     let ours = |name: &str| name == "vramguard" || name.starts_with("vramguard-");

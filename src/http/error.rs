@@ -6,7 +6,7 @@ use axum::http::StatusCode;
 
 pub use crate::net::ApiError;
 use crate::serve::lifecycle::RequestError;
-use crate::telemetry::metrics::Outcome;
+use crate::serve::metrics::Outcome;
 
 /// The HTTP status a request that failed with `error` is answered with. 503 means "not now"
 /// (retrying may help, `Retry-After` says when); a 4xx is the request's own problem.

@@ -94,7 +94,7 @@ pub async fn serve(
             tasks.spawn(crate::serve::remote::watch_health(
                 Arc::clone(pool),
                 options.clone(),
-                state.service.metrics.remote_metrics(pool.name()),
+                state.service.metrics.remote.of_pool(pool.name()),
                 token.clone(),
             ));
         } else {
@@ -113,7 +113,7 @@ pub async fn serve(
             tracing::debug!(error = %e, "cannot set TCP_NODELAY");
         }
     });
-    let limits = conn::Limits::new(&state.service.config.server, &state.service.metrics);
+    let limits = conn::Limits::new(&state.service.config.server, &state.service.metrics.process);
     limits.tell_refusals(Arc::new(CountedRefusals(Arc::clone(&state.service))));
     let mut server = tokio::spawn(conn::serve(listener, app(Arc::clone(&state)), limits, token.clone()));
     tokio::select! {

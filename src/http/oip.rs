@@ -11,8 +11,8 @@ use crate::protocol::headers::*;
 use crate::protocol::oip as infer;
 use crate::serve::idempotency::{Claim, StoredResponse};
 use crate::serve::lifecycle::{self, RequestError};
+use crate::serve::metrics::Outcome;
 use crate::serve::service::{ModelEntry, Service};
-use crate::telemetry::metrics::Outcome;
 use axum::Json;
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
@@ -507,7 +507,7 @@ fn served_response(
 /// the pool and degraded mode it met.
 fn refused_response(refused: lifecycle::Refused, id: &str, degraded: Option<&crate::pool::degraded::Now>) -> Response {
     let error = &refused.error;
-    if status_of(error).is_server_error() && error.outcome() == crate::telemetry::metrics::Outcome::failed {
+    if status_of(error).is_server_error() && error.outcome() == crate::serve::metrics::Outcome::failed {
         let pool = refused.pool.as_ref().map(|p| p.name());
         if matches!(error, RequestError::WorkerLost { .. }) {
             // The loss itself is logged once, as an error unless a fault knob caused it; each

@@ -18,7 +18,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use super::refusal::{ApiError, body_too_large};
 use super::watch::Watch;
 use crate::config::{ServerConfig, Timeouts, format_duration, format_size};
-use crate::telemetry::metrics::{HttpLimit, HttpLimitLabels, Metrics};
+use crate::telemetry::metrics::{HttpLimit, HttpLimitLabels, ProcessMetrics};
 
 /// Bodies being received are counted in KiB: `Semaphore::try_acquire_many` takes a `u32`.
 const RECEIVING_UNIT: u64 = 1024;
@@ -58,7 +58,7 @@ pub trait Refusals: Send + Sync + Debug {
 
 impl Limits {
     /// The limits of `server:`, counted in `metrics`.
-    pub fn new(server: &ServerConfig, metrics: &Metrics) -> Arc<Limits> {
+    pub fn new(server: &ServerConfig, metrics: &ProcessMetrics) -> Arc<Limits> {
         warn_if_open_files_are_short(server.max_connections);
         let units = |bytes: u64| usize::try_from(bytes.div_ceil(RECEIVING_UNIT)).unwrap_or(usize::MAX);
         Arc::new(Limits {
@@ -252,7 +252,7 @@ mod tests {
 
     fn limits() -> Arc<Limits> {
         let config = crate::config::Config::embedded(false);
-        let (metrics, _) = Metrics::new("test");
+        let (metrics, _) = ProcessMetrics::new("test");
         Limits::new(&config.server, &metrics)
     }
 

@@ -13,7 +13,8 @@
 //! degraded mode, `arena.rs` the allocator statistics. `residency.rs` loads and unloads models
 //! (`models.rs` what it is told of each, `evict.rs` what could make room). Text generations:
 //! `sequences.rs` counts them and their caches, `batch.rs` joins their steps into one run per
-//! step, which `stepper.rs` runs. `process/` keeps a pool's sessions in a worker process.
+//! step, which `stepper.rs` runs. `process/` keeps a pool's sessions in a worker process, and `metrics/` holds the metric
+//! families pools record into.
 
 pub mod activity;
 mod arena;
@@ -24,6 +25,7 @@ mod evict;
 mod health;
 mod job;
 mod load;
+pub mod metrics;
 mod models;
 mod patience;
 pub mod process;
@@ -34,12 +36,13 @@ mod shared;
 mod stepper;
 mod worker;
 
-pub use context::{PoolContext, PoolMetrics, Respawn, WorkerHandles};
+pub use context::{PoolContext, Respawn};
 pub use evict::{ModelState, Resident};
 pub use health::CheckFailure;
 pub use job::{InferJob, Inputs, JobResult, PoolError, RunCancel, RunMemory, RunOp};
 pub use load::PoolLoad;
-pub use models::{LOAD_BUCKETS, ModelBytesRef, ModelMetrics, ModelSetup, ResidencyError, ResidencyOutcome};
+pub use metrics::{ModelMetrics, PoolMetrics, WorkerHandles};
+pub use models::{ModelBytesRef, ModelSetup, ResidencyError, ResidencyOutcome};
 pub use shared::{Availability, Pool};
 
 use std::sync::{Arc, PoisonError};

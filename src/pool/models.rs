@@ -6,60 +6,11 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use prometheus_client::metrics::counter::Counter;
-use prometheus_client::metrics::gauge::Gauge;
-use prometheus_client::metrics::histogram::Histogram;
-
 use crate::config::Residency;
+use crate::pool::metrics::ModelMetrics;
 
 /// A model's serialized bytes, kept to build its sessions again after an unload.
 pub type ModelBytesRef = Arc<dyn AsRef<[u8]> + Send + Sync>;
-
-/// Metric handles of one model on one pool.
-#[derive(Debug, Clone)]
-pub struct ModelMetrics {
-    /// `vramguard_model_resident{model,pool}`
-    pub resident: Gauge,
-    /// `vramguard_model_loads_total{model,pool,reason="start"}`
-    pub loads_start: Counter,
-    /// `vramguard_model_loads_total{model,pool,reason="on_demand"}`
-    pub loads_on_demand: Counter,
-    /// `vramguard_model_loads_total{model,pool,reason="requested"}`
-    pub loads_requested: Counter,
-    /// `vramguard_model_unloads_total{model,pool,reason="requested"}`
-    pub unloads_requested: Counter,
-    /// `vramguard_model_unloads_total{model,pool,reason="idle"}`: no request for `idle_unload`.
-    pub unloads_idle: Counter,
-    /// `vramguard_model_unloads_total{model,pool,reason="evicted"}`: to make room for another.
-    pub unloads_evicted: Counter,
-    /// `vramguard_model_unloads_total{model,pool,reason="failed"}`: a load that failed.
-    pub unloads_failed: Counter,
-    /// `vramguard_model_load_duration_seconds{model,pool}`: one per session built.
-    pub load_duration: Histogram,
-    /// `vramguard_cold_start_seconds{model,pool}`: what a request waited for its model's load.
-    pub cold_start: Histogram,
-}
-
-/// Buckets of load and cold-start durations, in seconds.
-pub const LOAD_BUCKETS: [f64; 10] = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0, 30.0];
-
-impl ModelMetrics {
-    /// Handles registered nowhere (tests, benches).
-    pub fn detached() -> Self {
-        ModelMetrics {
-            resident: Gauge::default(),
-            loads_start: Counter::default(),
-            loads_on_demand: Counter::default(),
-            loads_requested: Counter::default(),
-            unloads_requested: Counter::default(),
-            unloads_idle: Counter::default(),
-            unloads_evicted: Counter::default(),
-            unloads_failed: Counter::default(),
-            load_duration: Histogram::new(LOAD_BUCKETS),
-            cold_start: Histogram::new(LOAD_BUCKETS),
-        }
-    }
-}
 
 /// What a pool knows of one model it serves.
 #[derive(Clone)]

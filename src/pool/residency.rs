@@ -267,7 +267,8 @@ mod tests {
     use crate::core::backend::{ArenaStats, Backend, BackendError, RunMeta};
     use crate::core::snapshot::DeviceClass;
     use crate::core::tensor::Tensor;
-    use crate::pool::models::{ModelMetrics, ModelSetup};
+    use crate::pool::metrics::ModelMetrics;
+    use crate::pool::models::ModelSetup;
     use crate::pool::{InferJob, PoolContext, RunCancel, RunMemory};
 
     /// Runs only models it has loaded; runs of `slow` wait for the gate.

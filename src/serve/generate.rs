@@ -15,9 +15,9 @@ use crate::pool::sequences::Running;
 use crate::runtime::decoder::{DecoderLayout, step_inputs};
 use crate::runtime::text::{Detokenizer, first_at, tail_start};
 use crate::serve::lifecycle::{self, NotRetried, Refused, Request, RequestError, Served};
+use crate::serve::metrics::FailoverReason;
 use crate::serve::service::{ModelEntry, Service};
 use crate::serve::steps::{Failed, Place, read_outputs};
-use crate::telemetry::metrics::FailoverReason;
 
 /// Where a streamed generation sends each token as it is picked.
 pub type Sink = tokio::sync::mpsc::Sender<Token>;
@@ -469,11 +469,11 @@ async fn run<'a>(
     let kv_per_token = layout.kv_bytes_per_token();
     let mut held = Running::on(&pool.sequences, kv_per_token.saturating_mul(prompt_tokens as u64));
     let mut place = Place::new(pool, &template, cache, retried);
-    let labels = |pool: &Pool| crate::telemetry::metrics::ModelPoolLabels {
+    let labels = |pool: &Pool| crate::core::metrics::ModelPoolLabels {
         model: entry.config.name.clone(),
         pool: pool.name().to_string(),
     };
-    let metrics = &service.metrics;
+    let metrics = &service.metrics.generation;
     metrics
         .time_to_first_token
         .get_or_create(&labels(&place.pool))

@@ -15,8 +15,8 @@ use crate::pool::Pool;
 use crate::pool::batch::{Member, next_sequence};
 use crate::runtime::decoder::{DecoderLayout, step_inputs};
 use crate::serve::lifecycle::{self, DeadlineMiss, Request, RequestError};
+use crate::serve::metrics::FailoverReason;
 use crate::serve::service::Service;
-use crate::telemetry::metrics::FailoverReason;
 
 /// Where a generation's cache is between steps.
 pub enum Cache {

@@ -1,17 +1,11 @@
-//! What vramguard tells operators: metric handles and label types, the sampler and the
+//! What vramguard tells operators: the metric families of the process itself and of remote
+//! pools (`metrics`; the others live in `pool::metrics` and `serve::metrics`), the sampler and the
 //! scrape-time collector, log helpers, and the allocator settings that keep its own memory
 //! bounded. Above pools (the collector reads their live state); below the request path.
 
-pub mod estimates;
 pub mod exporter;
-pub mod failover_labels;
-pub mod health;
 pub mod inference_stats;
 pub mod logging;
 pub mod malloc;
 pub mod metrics;
-mod pools;
-pub mod residency;
 pub mod services;
-pub mod waits;
-pub mod workers;

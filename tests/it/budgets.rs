@@ -19,8 +19,8 @@ use vramguard::core::backend::{ArenaStats, Backend, BackendError, RunMeta};
 use vramguard::core::tensor::{Tensor, TensorData};
 use vramguard::http::status_of;
 use vramguard::serve::lifecycle::{self, Request, RequestError};
+use vramguard::serve::metrics::Outcome;
 use vramguard::serve::service::Service;
-use vramguard::telemetry::metrics::Outcome;
 use vramguard::testing::fakes::{self, FakeFactory, encoder_request};
 use vramguard::testing::{ADMIT_ALL, Scratch, config};
 

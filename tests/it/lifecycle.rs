@@ -13,8 +13,8 @@ use vramguard::core::snapshot::Action;
 use vramguard::core::tensor::{Tensor, TensorData};
 use vramguard::http::status_of;
 use vramguard::serve::lifecycle::{self, DeadlineMiss, Refused, Request, RequestError, Served};
+use vramguard::serve::metrics::Outcome;
 use vramguard::serve::service::Service;
-use vramguard::telemetry::metrics::Outcome;
 use vramguard::testing::fakes::{self, FakeFactory, encoder_request};
 use vramguard::testing::{Scratch, config};
 

@@ -12,9 +12,9 @@ use crate::config::Keep;
 use crate::core::snapshot::{Action, Decision, Estimate, RequestInfo};
 use crate::policy::PolicyErrorKind;
 use crate::pool::Pool;
+use crate::serve::metrics::{DecisionLabels, FailoverReason, KindLabels};
 use crate::serve::router::{self, Plan, PoolView};
 use crate::serve::service::{ModelEntry, Service};
-use crate::telemetry::metrics::{DecisionLabels, FailoverReason, KindLabels};
 
 use super::room::{DeviceHold, evictable_bytes, hold_device, make_room, on_local_device};
 use super::run::is_accelerator;
@@ -274,12 +274,13 @@ fn decide(
     let evaluation = service.policy.decide_view(info, &view);
     // Building the script's inputs counts: the view is part of what every request pays.
     let eval_time = eval_started.elapsed();
-    metrics.policy_eval_duration.observe(eval_time.as_secs_f64());
+    metrics.policy.eval_duration.observe(eval_time.as_secs_f64());
     let mut decision = evaluation.decision;
     let mut fell_back = evaluation.error.is_some();
     if let Some(error) = &evaluation.error {
         metrics
-            .policy_errors
+            .policy
+            .errors
             .get_or_create(&KindLabels { kind: error.kind })
             .inc();
         tracing::warn!(request_id = %info.id, %error, fallback = %decision, "policy failed; using the fallback decision");
@@ -290,7 +291,8 @@ fn decide(
     }
     if let Plan::Invalid(why) = &plan {
         metrics
-            .policy_errors
+            .policy
+            .errors
             .get_or_create(&KindLabels {
                 kind: PolicyErrorKind::BadReturn,
             })
@@ -314,7 +316,8 @@ fn decide(
         _ => info.pool.as_str(),
     };
     metrics
-        .policy_decisions
+        .policy
+        .decisions
         .get_or_create(&DecisionLabels {
             action: decision.action(),
             pool: target.into(),

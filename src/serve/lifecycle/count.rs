@@ -6,10 +6,11 @@ use std::sync::Arc;
 
 use tokio::time::Instant;
 
+use crate::core::metrics::ModelPoolLabels;
 use crate::pool::Pool;
+use crate::serve::metrics::{Outcome, RequestLabels};
 use crate::serve::service::Service;
 use crate::serve::service::UNKNOWN_MODEL;
-use crate::telemetry::metrics::{ModelPoolLabels, Outcome, RequestLabels};
 
 use super::substitute::Answering;
 use super::{Refused, RequestError};
@@ -102,6 +103,7 @@ fn record(service: &Service, model: &str, pool: Option<&str>, outcome: Outcome, 
     let metrics = &service.metrics;
     metrics
         .requests
+        .total
         .get_or_create(&RequestLabels {
             model: model.to_string(),
             pool: pool.unwrap_or_default().to_string(),
@@ -112,7 +114,8 @@ fn record(service: &Service, model: &str, pool: Option<&str>, outcome: Outcome, 
         && model != UNKNOWN_MODEL
     {
         metrics
-            .request_duration
+            .requests
+            .duration
             .get_or_create(&ModelPoolLabels {
                 model: model.to_string(),
                 pool: pool.to_string(),

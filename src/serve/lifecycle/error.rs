@@ -9,8 +9,8 @@ use super::fits::NeverFits;
 use crate::core::backend::{AllocFailureKind, BackendError, RemoteFailure};
 use crate::core::snapshot::DeviceClass;
 use crate::pool::{Pool, PoolError};
+use crate::serve::metrics::Outcome;
 use crate::serve::service::Service;
-use crate::telemetry::metrics::Outcome;
 
 /// Why a request that hit an allocator failure was not retried on the fallback pool.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -38,8 +38,8 @@ use crate::core::snapshot::Action;
 use crate::core::tensor::Tensor;
 use crate::pool::Pool;
 use crate::pool::activity::Progress;
+use crate::serve::metrics::FailoverReason;
 use crate::serve::service::Service;
-use crate::telemetry::metrics::FailoverReason;
 
 pub use count::{answered, counted_as, reject};
 pub use error::{DeadlineMiss, NotRetried, Refused, RequestError};

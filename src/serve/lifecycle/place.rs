@@ -8,8 +8,8 @@ use tokio::time::Instant;
 
 use crate::core::snapshot::Action;
 use crate::pool::{Pool, PoolError};
+use crate::serve::metrics::FailoverReason;
 use crate::serve::service::Service;
-use crate::telemetry::metrics::FailoverReason;
 
 use super::admit::{Admitted, admit};
 use super::retry::{Run, can_take_retry, fallback_of, run_with_retry};

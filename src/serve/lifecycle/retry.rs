@@ -12,8 +12,8 @@ use crate::core::breaker::Tripped;
 use crate::core::tensor::Tensor;
 use crate::pool::sequences::Waiting;
 use crate::pool::{Inputs, Pool, PoolError};
+use crate::serve::metrics::{FailoverReason, RetryLabels, RetryResult};
 use crate::serve::service::Service;
-use crate::telemetry::metrics::{FailoverReason, RetryLabels, RetryResult};
 
 use super::run::{host_keeps_reserve, is_accelerator, run_on, run_permitted};
 use super::{NotRetried, Ran, Refused, Request, RequestError};
@@ -153,6 +153,7 @@ pub(super) fn fallback_of(service: &Service, pool: &Pool) -> Option<Arc<Pool>> {
 fn count_retry(service: &Service, pool: &Pool, result: RetryResult) {
     service
         .metrics
+        .failover
         .retries
         .get_or_create(&RetryLabels {
             pool: pool.name().to_string(),

@@ -12,8 +12,8 @@
 
 use std::sync::OnceLock;
 
+use crate::serve::metrics::{SubstitutionLabels, SubstitutionReason};
 use crate::serve::service::Service;
-use crate::telemetry::metrics::{SubstitutionLabels, SubstitutionReason};
 
 use super::{Refused, Request, RequestError, Served, place};
 
@@ -114,6 +114,7 @@ pub async fn place_or_substitute<D>(
             tracing::info!(model = %requested, %fallback, ?reason, "the fallback model answers instead");
             service
                 .metrics
+                .failover
                 .substitutions
                 .get_or_create(&SubstitutionLabels {
                     model: requested.clone(),

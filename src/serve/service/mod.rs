@@ -14,7 +14,6 @@ mod policy;
 mod pools;
 mod rooms;
 mod services;
-mod zeroed;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -33,20 +32,20 @@ use crate::pool::degraded::Degraded;
 use crate::pool::{Pool, PoolContext};
 use crate::runtime::onnx::RuntimeError;
 use crate::serve::idempotency::{IdempotencyCache, StoredResponse};
+use crate::serve::metrics::Metrics;
 use crate::telemetry::exporter::{LiveCollector, Sampler, SnapshotStore};
-use crate::telemetry::metrics::Metrics;
 use crate::telemetry::services::ServicesCollector;
 
+pub use crate::serve::metrics::UNKNOWN_MODEL;
 pub use factory::BackendFactory;
 pub use models::{ModelBytes, ModelEntry};
 pub use onnxruntime::OrtFactory;
 pub use parts::Parts;
 pub use rooms::{Eviction, Rooms};
 pub use services::{Ask, HeldBack, Services, Slot};
-pub use zeroed::UNKNOWN_MODEL;
 
 use models::load_models;
-use policy::{PolicyState, load_policy, show_policy};
+use policy::{PolicyState, load_policy};
 use pools::{model_setups, start_pool};
 
 /// Why the service could not start.
@@ -192,7 +191,7 @@ impl Service {
                     .serving(&entry.config.name, pool.name(), observe::weights_on(pool, entry));
             }
         }
-        zeroed::zero_known_series(&metrics, &models, &pools);
+        metrics.zero_known(models.iter().map(|m| &m.config), &pools);
         let degraded = Arc::new(Degraded::new(pools.clone(), Arc::clone(&clock)));
         let activity = Arc::new(Activity::default());
         let idempotency = IdempotencyCache::new(config.server.idempotency.max_entries, config.server.idempotency.ttl);
@@ -202,7 +201,7 @@ impl Service {
             sources,
             config.exporter.services.clone(),
             config.host_reserve,
-            Arc::clone(&metrics),
+            metrics.process.clone(),
             Arc::clone(&store),
         )
         .with_pools(pools.clone(), simulated.clone())
@@ -211,7 +210,7 @@ impl Service {
         sampler.sample();
         let ready: Vec<&str> = pools.iter().filter(|p| p.is_ready()).map(|p| p.name()).collect();
         let policy = Arc::new(load_policy(&config, &models, &ready, &store.latest().snapshot)?);
-        show_policy(&metrics, &policy.status());
+        metrics.policy.show(&policy.status());
         registry.register_collector(Box::new(
             LiveCollector::new(Arc::clone(&store), pools.clone(), simulated.clone())
                 .serving(Arc::clone(&degraded), Arc::clone(&activity)),
@@ -303,9 +302,10 @@ impl Service {
     /// Count a request moved from `from` to `to`; moving work off an accelerator for memory
     /// (an out-of-memory retry, a policy redirect) also marks degraded mode. A driver retry
     /// does not: the breaker it opened is degraded mode's cause, and ends with it.
-    pub fn failover(&self, from: &Pool, to: &Pool, reason: crate::telemetry::metrics::FailoverReason) {
-        use crate::telemetry::metrics::FailoverLabels;
+    pub fn failover(&self, from: &Pool, to: &Pool, reason: crate::serve::metrics::FailoverReason) {
+        use crate::serve::metrics::FailoverLabels;
         self.metrics
+            .failover
             .failovers
             .get_or_create(&FailoverLabels {
                 from: from.name().to_string(),

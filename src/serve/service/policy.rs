@@ -9,7 +9,7 @@ use crate::core::snapshot::Snapshot;
 use crate::policy::PolicyStatus;
 use crate::policy::{PolicyHandle, StateView};
 use crate::pool::Pool;
-use crate::telemetry::metrics::{Metrics, PolicyInfoLabels, ReloadResult, ResultLabels};
+use crate::serve::metrics::{ReloadResult, ResultLabels};
 
 use super::{ModelEntry, Service, Services, StartError};
 
@@ -84,13 +84,14 @@ impl Service {
             ReloadResult::error
         };
         self.metrics
-            .policy_reloads
+            .policy
+            .reloads
             .get_or_create(&ResultLabels { result: label })
             .inc();
         match result {
             Ok(_) => {
                 let status = self.policy.status();
-                show_policy(&self.metrics, &status);
+                self.metrics.policy.show(&status);
                 Ok(status)
             }
             Err(e) => Err(e.to_string()),
@@ -127,16 +128,4 @@ pub(super) fn load_policy(
     })?;
     tracing::info!(policy = %handle.origin(), sha256 = %handle.status().sha256, "policy loaded");
     Ok(handle)
-}
-
-/// Show the policy now serving, and only it, as `vramguard_policy_info{path,sha256} 1`.
-pub(super) fn show_policy(metrics: &Metrics, status: &PolicyStatus) {
-    metrics.policy_info.clear();
-    metrics
-        .policy_info
-        .get_or_create(&PolicyInfoLabels {
-            path: status.origin.clone(),
-            sha256: status.sha256.clone(),
-        })
-        .set(1);
 }

@@ -7,8 +7,8 @@ use crate::config::{Config, PoolConfig, Provider};
 use crate::core::backend::Backend;
 use crate::core::snapshot::DeviceClass;
 use crate::pool::{ModelSetup, Pool, PoolContext, Respawn};
+use crate::serve::metrics::Metrics;
 use crate::serve::remote::RemoteBackend;
-use crate::telemetry::metrics::Metrics;
 
 use super::{BackendFactory, ModelBytes, ModelEntry};
 
@@ -27,7 +27,7 @@ pub(super) fn start_pool(
         // Its workers forward to the remote server: no sessions, no model bytes.
         Provider::Remote(options) => {
             let options = options.clone();
-            let metrics = metrics.remote_metrics(&pool.name);
+            let metrics = metrics.remote.of_pool(&pool.name);
             let max_response_bytes = config.server.max_response_bytes;
             Arc::new(move || {
                 RemoteBackend::new(options.clone(), metrics.clone(), max_response_bytes)
@@ -71,7 +71,7 @@ pub(super) fn start_pool(
     let host = backends.worker_host(&pool.name);
     let mut context = context;
     if host.is_some() {
-        context.metrics.worker = Some(metrics.worker_metrics(&pool.name));
+        context.metrics.worker = Some(metrics.workers.of_pool(&pool.name));
     }
     let started = Pool::start(pool.clone(), device_kind, workers, Some(build), context);
     if let Some(host) = host {

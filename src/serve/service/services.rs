@@ -23,7 +23,7 @@ use crate::telemetry::logging::human_bytes;
 
 use super::{Memory, ModelEntry, Service, memory_of, observe};
 
-pub use crate::telemetry::waits::WaitFor;
+pub use crate::serve::metrics::WaitFor;
 
 /// Every service's live state, in config order.
 #[derive(Debug)]

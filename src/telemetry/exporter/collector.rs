@@ -8,6 +8,7 @@ use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet};
 use prometheus_client::metrics::counter::ConstCounter;
 use prometheus_client::registry::Unit;
 
+use crate::core::metrics::PoolLabels;
 use crate::core::snapshot::{BreakerState, DeviceClass, DeviceState, ProviderKind, Snapshot};
 use crate::device::simulated::SimulatedDevice;
 use crate::pool::activity::Activity;
@@ -37,11 +38,6 @@ struct ProcessLabels {
 struct PoolDevice {
     pool: String,
     device: String,
-}
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct PoolOnly {
-    pool: String,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -251,17 +247,10 @@ impl LiveCollector {
 
     /// Each pool's queue and the work in flight, read live.
     fn encode_queues(&self, encoder: &mut DescriptorEncoder) -> Result<(), std::fmt::Error> {
-        let loads: Vec<(PoolOnly, PoolLoad)> = self
+        let loads: Vec<(PoolLabels, PoolLoad)> = self
             .pools
             .iter()
-            .map(|p| {
-                (
-                    PoolOnly {
-                        pool: p.name().to_string(),
-                    },
-                    p.load(),
-                )
-            })
+            .map(|p| (PoolLabels::of(p.name()), p.load()))
             .collect();
         gauge_family(
             encoder,
@@ -288,17 +277,10 @@ impl LiveCollector {
 
     /// Each pool's text generations and the KV cache they hold.
     fn encode_sequences(&self, encoder: &mut DescriptorEncoder) -> Result<(), std::fmt::Error> {
-        let sequences: Vec<(PoolOnly, SequencesNow)> = self
+        let sequences: Vec<(PoolLabels, SequencesNow)> = self
             .pools
             .iter()
-            .map(|p| {
-                (
-                    PoolOnly {
-                        pool: p.name().to_string(),
-                    },
-                    p.sequences.now(),
-                )
-            })
+            .map(|p| (PoolLabels::of(p.name()), p.sequences.now()))
             .collect();
         gauge_family(
             encoder,
@@ -336,12 +318,7 @@ impl LiveCollector {
                     BreakerState::HalfOpen => 1,
                     BreakerState::Open => 2,
                 };
-                (
-                    PoolOnly {
-                        pool: p.name().to_string(),
-                    },
-                    state,
-                )
+                (PoolLabels::of(p.name()), state)
             }),
         )
     }

@@ -16,7 +16,7 @@ use crate::pool::degraded::Degraded;
 use crate::runtime::onnx::arena::ArenaStats;
 use crate::telemetry::exporter::attribution::attribute;
 use crate::telemetry::exporter::store::{Sample, SnapshotStore};
-use crate::telemetry::metrics::{Metrics, SourceLabels};
+use crate::telemetry::metrics::{ProcessMetrics, SourceLabels};
 
 /// Arena statistics of a pool as vramguard's share: simulated pools share the device's arena,
 /// whose pressure hold is not theirs.
@@ -38,7 +38,7 @@ pub struct Sampler {
     host_reserve: u64,
     pools: Vec<Arc<Pool>>,
     simulated: Vec<Arc<SimulatedDevice>>,
-    metrics: Arc<Metrics>,
+    metrics: ProcessMetrics,
     store: Arc<SnapshotStore>,
     degraded: Option<Arc<Degraded>>,
 }
@@ -57,15 +57,11 @@ impl Sampler {
         sources: Vec<Box<dyn MemorySource>>,
         rules: Vec<ServiceRule>,
         host_reserve: u64,
-        metrics: Arc<Metrics>,
+        metrics: ProcessMetrics,
         store: Arc<SnapshotStore>,
     ) -> Self {
-        // Every source's error counter exists from the start, at 0, so a rate over it means
-        // something before the first failure.
         for source in &sources {
-            let _created = metrics.exporter_errors.get_or_create(&SourceLabels {
-                source: source.label().to_string(),
-            });
+            metrics.sampling(source.label());
         }
         Self {
             sources,

@@ -9,7 +9,7 @@ use super::*;
 use crate::config::{ServiceMatch, ServiceRule};
 use crate::core::snapshot::{DeviceClass, DeviceState};
 use crate::device::{DeviceMemory, DeviceProcess, HostMemory, MemorySource, Reading};
-use crate::telemetry::metrics::Metrics;
+use crate::telemetry::metrics::ProcessMetrics;
 
 #[test]
 fn openmetrics_is_chosen_only_when_acceptable() {
@@ -109,8 +109,7 @@ fn fake_devices_and_processes_become_exact_exposition_lines() {
             self_resident_bytes: 100 << 20,
         }),
     }));
-    let (metrics, mut registry) = Metrics::new("1.31.1");
-    let metrics = Arc::new(metrics);
+    let (metrics, mut registry) = ProcessMetrics::new("1.31.1");
     let store = Arc::new(SnapshotStore::default());
     registry.register_collector(Box::new(LiveCollector::new(store.clone(), Vec::new(), Vec::new())));
     let mut sampler = Sampler::new(
@@ -167,15 +166,9 @@ fn headroom_counts_free_memory_plus_idle_arena_bytes() {
         )]),
         ..Reading::default()
     }));
-    let (metrics, _registry) = Metrics::new("x");
+    let (metrics, _registry) = ProcessMetrics::new("x");
     let store = Arc::new(SnapshotStore::default());
-    let mut sampler = Sampler::new(
-        vec![Box::new(Fake(fixed))],
-        Vec::new(),
-        0,
-        Arc::new(metrics),
-        store.clone(),
-    );
+    let mut sampler = Sampler::new(vec![Box::new(Fake(fixed))], Vec::new(), 0, metrics, store.clone());
     sampler.sample();
     let device = store.latest().snapshot.devices["gpu0"].clone();
     // A driver reading above capacity is clamped, never an underflow.
@@ -225,13 +218,13 @@ fn a_failing_source_is_counted_and_the_rest_still_sampled() {
             Err("GPU is lost".into())
         }
     }
-    let (metrics, registry) = Metrics::new("x");
+    let (metrics, registry) = ProcessMetrics::new("x");
     let store = Arc::new(SnapshotStore::default());
     let mut sampler = Sampler::new(
         vec![Box::new(Broken), Box::new(crate::device::host::HostSource)],
         Vec::new(),
         0,
-        Arc::new(metrics),
+        metrics,
         store.clone(),
     );
     sampler.sample();

@@ -1,7 +1,11 @@
-//! The labels of work that moved: a retry after an allocator failure, a request that went to
-//! another pool, and one another model answered, with every value each can take (so their series exist at 0 from the start).
+//! The family of work that moved: a retry after an allocator failure, a request that went to
+//! another pool, and one another model answered; their labels with every value each can take
+//! (so their series exist at 0 from the start).
 
 use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::registry::Registry;
 
 /// `{pool, result}`: a retry after an allocator failure on `pool`.
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -108,6 +112,68 @@ impl FailoverReason {
         match self {
             Self::oom_retry | Self::policy_redirect => true,
             Self::driver_retry | Self::breaker_open | Self::remote_retry | Self::worker_lost => false,
+        }
+    }
+}
+
+/// The failover family.
+#[derive(Debug, Default)]
+pub struct FailoverMetrics {
+    /// `vramguard_retries_total{pool, result}`
+    pub retries: Family<RetryLabels, Counter>,
+    /// `vramguard_failovers_total{from, to, reason}`
+    pub failovers: Family<FailoverLabels, Counter>,
+    /// `vramguard_substitutions_total{model, fallback_model, reason}`
+    pub substitutions: Family<SubstitutionLabels, Counter>,
+}
+
+impl FailoverMetrics {
+    /// Register under `registry` (prefixed `vramguard`).
+    pub fn register(&self, registry: &mut Registry) {
+        registry.register(
+            "retries",
+            "Retries after an allocator failure, by the failing pool and how the retry went",
+            self.retries.clone(),
+        );
+        registry.register(
+            "failovers",
+            "Requests moved from one pool to another, by reason",
+            self.failovers.clone(),
+        );
+        registry.register(
+            "substitutions",
+            "Requests answered by their model's fallback_model, with the client's leave, by why the model asked for could not",
+            self.substitutions.clone(),
+        );
+    }
+
+    /// Pool `from` falls back to `to`: the failovers between them with every reason, and the
+    /// retries after a failure on `from` with every result, exist from the first scrape.
+    pub fn fallback(&self, from: &str, to: &str) {
+        for reason in FailoverReason::ALL {
+            self.failovers.get_or_create_owned(&FailoverLabels {
+                from: from.to_string(),
+                to: to.to_string(),
+                reason,
+            });
+        }
+        for result in RetryResult::ALL {
+            self.retries.get_or_create_owned(&RetryLabels {
+                pool: from.to_string(),
+                result,
+            });
+        }
+    }
+
+    /// Model `model` may be answered by `fallback_model`: its substitutions with every reason
+    /// exist from the first scrape.
+    pub fn substitute(&self, model: &str, fallback_model: &str) {
+        for reason in SubstitutionReason::ALL {
+            self.substitutions.get_or_create_owned(&SubstitutionLabels {
+                model: model.to_string(),
+                fallback_model: fallback_model.to_string(),
+                reason,
+            });
         }
     }
 }

@@ -1,6 +1,6 @@
 //! A process-isolated pool's worker process, as the operator sees it: `vramguard_worker_up{pool}`
 //! (1 while it runs and answers its heartbeat) and `vramguard_worker_restarts_total{pool,
-//! reason}` (each reason at 0 from the first scrape).
+//! reason}` (each reason at 0 from the first scrape), and the handles a pool's worker records into.
 
 use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue};
 use prometheus_client::metrics::counter::Counter;
@@ -8,12 +8,7 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 
-/// `{pool}` (its own type: `metrics` registers these, so this module does not use its labels).
-#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct PoolLabels {
-    /// Pool name.
-    pub pool: String,
-}
+use crate::core::metrics::PoolLabels;
 
 /// Why a worker process was replaced, as the `reason` label.
 #[derive(Debug, Clone, Copy, Hash, PartialEq, Eq, EncodeLabelValue)]
@@ -65,18 +60,35 @@ impl WorkerMetrics {
         );
     }
 
-    /// `pool`'s `up` gauge and its restart counters (`exited`, `hung`, `restore`), every
-    /// series created at 0.
-    pub fn of_pool(&self, pool: &str) -> (Gauge, [Counter; 3]) {
+    /// `pool`'s worker-process handles (only process-isolated pools have them), every series
+    /// created at 0.
+    pub fn of_pool(&self, pool: &str) -> WorkerHandles {
         let counter = |reason| {
             self.restarts.get_or_create_owned(&RestartLabels {
                 pool: pool.to_string(),
                 reason,
             })
         };
-        (
-            self.up.get_or_create_owned(&PoolLabels { pool: pool.to_string() }),
-            RestartReason::ALL.map(counter),
-        )
+        let [exited, hung, restore] = RestartReason::ALL.map(counter);
+        WorkerHandles {
+            up: self.up.get_or_create_owned(&PoolLabels::of(pool)),
+            exited,
+            hung,
+            restore,
+        }
     }
+}
+
+/// A process-isolated pool's worker metrics: `vramguard_worker_up{pool}` and
+/// `vramguard_worker_restarts_total{pool, reason}` by reason.
+#[derive(Debug, Clone, Default)]
+pub struct WorkerHandles {
+    /// `vramguard_worker_up{pool}`
+    pub up: Gauge,
+    /// `…{reason="exited"}`: it died.
+    pub exited: Counter,
+    /// `…{reason="hung"}`: it stopped answering its heartbeat.
+    pub hung: Counter,
+    /// `…{reason="restore"}`: an operator's restore replaced it.
+    pub restore: Counter,
 }

@@ -8,16 +8,8 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::{Registry, Unit};
 
+use crate::core::metrics::ModelPoolLabels;
 use crate::runtime::estimate::learned::Observation;
-
-/// `{model, pool}`
-#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct ModelPoolLabels {
-    /// Model name.
-    pub model: String,
-    /// Pool name.
-    pub pool: String,
-}
 
 /// What a `vramguard_model_memory_bytes` series counts.
 #[derive(Debug, Clone, Copy, Hash, PartialEq, Eq, EncodeLabelValue)]
