@@ -255,7 +255,7 @@ async fn exchange(
         };
         BackendError::Remote {
             kind,
-            message: crate::telemetry::logging::error_chain(&e),
+            message: crate::core::human::error_chain(&e),
         }
     })?;
     let status = response.status().as_u16();
@@ -269,7 +269,7 @@ async fn exchange(
             kind: RemoteFailure::Protocol,
             message: format!(
                 "the answer could not be read whole (over server.max_response_bytes, {max_bytes} bytes, or cut off): {}",
-                crate::telemetry::logging::error_chain(&e)
+                crate::core::human::error_chain(&e)
             ),
         })?;
     Ok(Reply {
@@ -357,10 +357,7 @@ fn error_body(body: &[u8]) -> (String, Option<String>) {
     match serde_json::from_slice::<ErrorJson>(body) {
         Ok(e) => (e.error, e.reason),
         Err(_) if body.is_empty() => ("(no message)".into(), None),
-        Err(_) => (
-            crate::telemetry::logging::clipped(&String::from_utf8_lossy(body), 200),
-            None,
-        ),
+        Err(_) => (crate::core::human::clipped(&String::from_utf8_lossy(body), 200), None),
     }
 }
 
@@ -414,7 +411,7 @@ async fn check(client: &Client<HttpConnector, Body>, url: &str, timeout: Duratio
             "no answer within {}ms (remote.health_timeout)",
             timeout.as_millis()
         )),
-        Ok(Err(e)) => Err(crate::telemetry::logging::error_chain(&e)),
+        Ok(Err(e)) => Err(crate::core::human::error_chain(&e)),
         Ok(Ok(response)) if response.status() == StatusCode::OK => Ok(()),
         Ok(Ok(response)) => Err(format!("/v2/health/ready answered {}", response.status())),
     }

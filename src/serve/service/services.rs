@@ -16,10 +16,10 @@ use std::sync::{Arc, Mutex};
 use tokio::sync::Notify;
 
 use crate::config::{Config, ServiceClass, ServiceConfig};
+use crate::core::human::human_bytes;
 use crate::core::snapshot::{ServiceState, Snapshot};
 use crate::pool::Pool;
 use crate::pool::activity::{Activity, Progress};
-use crate::telemetry::logging::human_bytes;
 
 use super::{Memory, ModelEntry, Service, memory_of, observe};
 
