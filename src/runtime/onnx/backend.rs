@@ -3,12 +3,12 @@
 
 use std::collections::HashMap;
 
-use ort::memory::{AllocationDevice, Allocator, AllocatorType, MemoryInfo, MemoryType};
+use ort::memory::Allocator;
 use ort::session::{RunOptions, Session};
 
 use super::generations::Generations;
 use super::kernels::Kernels;
-use super::{OnnxRuntime, SessionOptions, arena, build_session, run};
+use super::{OnnxRuntime, SessionOptions, arena, arena_allocator, build_session, run};
 use crate::config::Provider;
 use crate::core::backend::{Backend, BackendError, DecodeStep, RunMeta};
 use crate::core::tensor::{Tensor, TensorView};
@@ -26,21 +26,6 @@ fn open_session(
     let session = build_session(rt, bytes, options).map_err(|e| format!("model `{name}`: {e}"))?;
     let allocator = arena_allocator(&session, options);
     Ok((session, allocator))
-}
-
-/// The arena `session` allocates its runs (and the outputs bound to its device) from, when it
-/// has one: the CUDA device's for CUDA pools, the host's otherwise.
-pub(super) fn arena_allocator(session: &Session, options: &SessionOptions) -> Option<Allocator> {
-    let info = match &options.provider {
-        Provider::Cuda(_) => MemoryInfo::new(
-            AllocationDevice::CUDA,
-            options.device_index as i32,
-            AllocatorType::Arena,
-            MemoryType::Default,
-        ),
-        _ => MemoryInfo::new(AllocationDevice::CPU, 0, AllocatorType::Arena, MemoryType::Default),
-    };
-    info.and_then(|info| Allocator::new(session, info)).ok()
 }
 
 /// The production [`Backend`]: one session per model, owned by one worker.

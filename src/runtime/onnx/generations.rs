@@ -85,7 +85,7 @@ impl Generations {
         kernels
             .sessions
             .values()
-            .filter_map(|session| super::backend::arena_allocator(session, &kernels.options))
+            .filter_map(|session| super::arena_allocator(session, &kernels.options))
             .filter_map(|allocator| super::arena::allocator_stats(&allocator).ok())
             .collect()
     }
