@@ -65,10 +65,12 @@ impl Pool {
         for backend in &mut backends {
             // Statistics before the first run show what loading the weights reserved
             // (published as each is stocked).
-            backend.refresh_arena_stats();
+            if let Some(arenas) = backend.arenas() {
+                arenas.refresh_arena_stats();
+            }
         }
         let workers = backends.len();
-        let keeps = !backends.is_empty() && backends.iter().all(|b| b.keeps_caches());
+        let keeps = !backends.is_empty() && backends.iter_mut().all(|b| b.generations().is_some());
         pool.keeps_caches.store(keeps, std::sync::atomic::Ordering::Relaxed);
         pool.queue.release_when_idle(pool.config.idle_release);
         pool.queue.stock(backends, pool.start_set());
@@ -200,7 +202,9 @@ impl Pool {
         for _ in 0..self.config.slots() {
             match respawn() {
                 Ok(mut backend) => {
-                    backend.refresh_arena_stats();
+                    if let Some(arenas) = backend.arenas() {
+                        arenas.refresh_arena_stats();
+                    }
                     fresh.push(queue::Slot::fresh(backend, self.start_set()));
                 }
                 Err(reason) => {

@@ -24,7 +24,10 @@ use hyper_util::rt::{TokioExecutor, TokioTimer};
 use tokio::sync::Notify;
 
 use crate::config::RemoteOptions;
-use crate::core::backend::{AllocFailureKind, ArenaStats, Backend, BackendError, Interrupt, RemoteFailure, RunMeta};
+use crate::core::backend::{
+    AllocFailureKind, Arenas, Backend, BackendError, Generations, Interrupt, Interrupts, Liveness, RemoteFailure,
+    Residency, RunMeta,
+};
 use crate::core::tensor::Tensor;
 use crate::pool::{CheckFailure, Pool};
 use crate::protocol::headers::{
@@ -184,13 +187,36 @@ impl Backend for RemoteBackend {
         result
     }
 
-    fn arena_stats(&self) -> Option<ArenaStats> {
+    /// Its server loads its own models.
+    fn residency(&mut self) -> Option<&mut dyn Residency> {
         None
     }
 
-    fn interrupt_handle(&self) -> Option<Interrupt> {
+    /// Its server keeps its own caches: a generation carries its cache with each step.
+    fn generations(&mut self) -> Option<&mut dyn Generations> {
+        None
+    }
+
+    /// Its server's memory is its server's to report.
+    fn arenas(&mut self) -> Option<&mut dyn Arenas> {
+        None
+    }
+
+    /// A server that is gone fails its requests, counted by the pool's breaker: nothing here
+    /// is replaced.
+    fn liveness(&self) -> Option<&dyn Liveness> {
+        None
+    }
+
+    fn interrupts(&mut self) -> Option<&mut dyn Interrupts> {
+        Some(self)
+    }
+}
+
+impl Interrupts for RemoteBackend {
+    fn interrupt_handle(&self) -> Interrupt {
         let stop = Arc::clone(&self.stop);
-        Some(Arc::new(move || stop.notify_one()))
+        Arc::new(move || stop.notify_one())
     }
 
     fn clear_interrupt(&mut self) {

@@ -243,10 +243,10 @@ impl Generations {
             .collect())
     }
 
-    /// One batched step of `model`'s generations (see [`Backend::decode`]): ended caches
+    /// One batched step of `model`'s generations (see [`Generations::decode`]): ended caches
     /// dropped, joiners and leavers arranged into the batch, then one run for every row.
     ///
-    /// [`Backend::decode`]: crate::core::backend::Backend::decode
+    /// [`Generations::decode`]: crate::core::backend::Generations::decode
     pub fn decode(
         &mut self,
         session: &mut Session,
