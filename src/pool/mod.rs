@@ -10,6 +10,10 @@
 //! load and delay estimate, `health.rs` the breaker and recent failures, `arena.rs` the
 //! allocator statistics, `job.rs` a job and its errors, `context.rs` what a pool is given,
 //! `residency.rs` loading and unloading models (`models.rs` what it is told of each).
+//!
+//! The backends that do not run models in this process sit here beside each other: `process/`
+//! (a worker process of the pool's own, for process isolation) and `remote.rs` (another
+//! server, for a remote pool); the one that does is the runtime's (`runtime::onnx`).
 
 pub mod activity;
 mod arena;
@@ -24,6 +28,7 @@ mod models;
 mod patience;
 pub mod process;
 mod queue;
+pub mod remote;
 mod residency;
 pub mod sequences;
 mod shared;

@@ -1,13 +1,12 @@
 //! Serving a request below any protocol: assembling the service from its parts, one request's
-//! life (policy, router, queue, retry, deadline), text generation, idempotency keys and remote
-//! pools. Nothing here knows about HTTP status codes; `http` maps outcomes to them.
+//! life (policy, router, queue, retry, deadline), text generation and idempotency keys. Nothing
+//! here knows about HTTP status codes; `http` maps outcomes to them.
 
 pub mod generate;
 pub mod health;
 pub mod idempotency;
 pub mod idle;
 pub mod lifecycle;
-pub mod remote;
 pub mod router;
 pub mod service;
 pub mod steps;

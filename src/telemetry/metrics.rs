@@ -244,10 +244,8 @@ pub struct Metrics {
     pub http_limit_hits: Family<HttpLimitLabels, Counter>,
     /// `vramguard_http_connections`: connections being served now.
     pub http_connections: Gauge,
-    /// `vramguard_remote_errors_total{pool, kind}`
-    pub remote_errors: Family<RemoteErrorLabels, Counter>,
-    /// `vramguard_remote_request_duration_seconds{pool}`
-    pub remote_request_duration: Family<PoolLabels, Histogram>,
+    /// Remote pools' failures and hops.
+    pub remote: crate::pool::remote::RemoteFamily,
     /// The estimates' quality and what models hold.
     pub estimates: crate::telemetry::estimates::EstimateMetrics,
     /// The pools' health checks.
@@ -258,62 +256,6 @@ pub struct Metrics {
     pub residency: crate::telemetry::residency::ResidencyMetrics,
     /// Requests held back by their service's budgets.
     pub service_waits: crate::telemetry::waits::ServiceWaits,
-}
-
-/// `{pool, kind}`: a remote pool's server failing.
-#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct RemoteErrorLabels {
-    /// The remote pool.
-    pub pool: String,
-    /// How its server failed.
-    pub kind: crate::core::backend::RemoteFailure,
-}
-
-/// The handles a remote pool records into: its server's failures and the time each forwarded
-/// request took there and back.
-#[derive(Debug, Clone)]
-pub struct RemoteMetrics {
-    pool: String,
-    errors: Family<RemoteErrorLabels, Counter>,
-    /// `vramguard_remote_request_duration_seconds{pool}`: one forwarded request, from sending
-    /// it to its decoded answer (or failure).
-    pub duration: Histogram,
-}
-
-impl RemoteMetrics {
-    /// Handles registered nowhere (tests).
-    pub fn detached(pool: &str) -> Self {
-        Self {
-            pool: pool.to_string(),
-            errors: Family::default(),
-            duration: hop_histogram(),
-        }
-    }
-
-    /// Count one failure of the remote server.
-    pub fn failed(&self, kind: crate::core::backend::RemoteFailure) {
-        self.errors
-            .get_or_create(&RemoteErrorLabels {
-                pool: self.pool.clone(),
-                kind,
-            })
-            .inc();
-    }
-
-    /// `vramguard_remote_errors_total{pool, kind}` so far (tests).
-    pub fn failures(&self, kind: crate::core::backend::RemoteFailure) -> u64 {
-        self.errors
-            .get_or_create(&RemoteErrorLabels {
-                pool: self.pool.clone(),
-                kind,
-            })
-            .get()
-    }
-}
-
-fn hop_histogram() -> Histogram {
-    // 100µs .. ~52s: a loopback hop takes a fraction of a millisecond, a CPU remote seconds.
-    Histogram::new(exponential_buckets(0.0001, 2.0, 20))
 }
 
 fn latency_histogram() -> Histogram {
@@ -371,8 +313,7 @@ impl Metrics {
             substitutions: Family::default(),
             http_limit_hits: Family::default(),
             http_connections: Gauge::default(),
-            remote_errors: Family::default(),
-            remote_request_duration: Family::new_with_constructor(hop_histogram),
+            remote: Default::default(),
             estimates: Default::default(),
             health: Default::default(),
             workers: Default::default(),
@@ -502,17 +443,7 @@ impl Metrics {
             "Requests answered by their model's fallback_model, with the client's leave, by why the model asked for could not",
             metrics.substitutions.clone(),
         );
-        registry.register(
-            "remote_errors",
-            "Failures of a remote pool's server, by kind (connect, timeout, overloaded, server_error, protocol, health)",
-            metrics.remote_errors.clone(),
-        );
-        registry.register_with_unit(
-            "remote_request_duration",
-            "Time a request forwarded by a remote pool took there and back",
-            Unit::Seconds,
-            metrics.remote_request_duration.clone(),
-        );
+        metrics.remote.register(registry);
         use crate::policy::PolicyErrorKind;
         for kind in [
             PolicyErrorKind::Compile,
@@ -529,33 +460,6 @@ impl Metrics {
 }
 
 impl Metrics {
-    /// The handles a remote pool records into (its series exist from the start, so a rate
-    /// over them is defined before the first failure).
-    pub fn remote_metrics(&self, pool: &str) -> RemoteMetrics {
-        use crate::core::backend::RemoteFailure;
-        let labels = |kind| RemoteErrorLabels {
-            pool: pool.to_string(),
-            kind,
-        };
-        for kind in [
-            RemoteFailure::Connect,
-            RemoteFailure::Timeout,
-            RemoteFailure::Overloaded,
-            RemoteFailure::ServerError,
-            RemoteFailure::Protocol,
-            RemoteFailure::Health,
-        ] {
-            self.remote_errors.get_or_create_owned(&labels(kind));
-        }
-        RemoteMetrics {
-            pool: pool.to_string(),
-            errors: self.remote_errors.clone(),
-            duration: self
-                .remote_request_duration
-                .get_or_create_owned(&PoolLabels { pool: pool.to_string() }),
-        }
-    }
-
     /// `pool`'s worker-process handles (only process-isolated pools have them).
     pub fn worker_metrics(&self, pool: &str) -> crate::pool::WorkerHandles {
         let (up, [exited, hung, restore]) = self.workers.of_pool(pool);

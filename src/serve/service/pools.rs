@@ -6,8 +6,8 @@ use std::sync::Arc;
 use crate::config::{Config, PoolConfig, Provider};
 use crate::core::backend::Backend;
 use crate::core::snapshot::DeviceClass;
+use crate::pool::remote::RemoteBackend;
 use crate::pool::{ModelSetup, Pool, PoolContext, Respawn};
-use crate::serve::remote::RemoteBackend;
 use crate::telemetry::metrics::Metrics;
 
 use super::{BackendFactory, ModelBytes, ModelEntry};
@@ -27,7 +27,7 @@ pub(super) fn start_pool(
         // Its workers forward to the remote server: no sessions, no model bytes.
         Provider::Remote(options) => {
             let options = options.clone();
-            let metrics = metrics.remote_metrics(&pool.name);
+            let metrics = metrics.remote.of_pool(&pool.name);
             let max_response_bytes = config.server.max_response_bytes;
             Arc::new(move || {
                 RemoteBackend::new(options.clone(), metrics.clone(), max_response_bytes)

@@ -8,10 +8,16 @@
 //! - [`answer`]: what the remote's answer means (pure, tested without a socket): outputs, the
 //!   client's mistake passed on, or a failure of the remote counted by the breaker.
 //! - [`watch_health`]: polls the remote's `/v2/health/ready` and feeds the pool's breaker.
+//! - `metrics`: the remote pools' metric family ([`RemoteFamily`]) and one pool's handles
+//!   ([`RemoteMetrics`]).
 //!
 //! What travels with a request: the request id (`x-request-id` and the protocol's `id`), the
 //! time left before the deadline (`x-vramguard-deadline-ms`), the `idempotency-key`, and the
 //! priority, replayability and shrink permission vramguard's own headers carry.
+
+mod metrics;
+
+pub use metrics::{RemoteFamily, RemoteMetrics};
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -34,7 +40,6 @@ use crate::protocol::headers::{
     ALLOW_SHRINK_HEADER, DEADLINE_HEADER, HEADER_LENGTH, IDEMPOTENCY_KEY, PRIORITY_HEADER, REPLAYABLE_HEADER,
     REQUEST_ID,
 };
-use crate::telemetry::metrics::RemoteMetrics;
 
 /// How long an idle connection is kept for the next request. Below the keep-alive of the
 /// servers it talks to (uvicorn, under KServe, closes after 5 s; nginx and vramguard after
