@@ -9,7 +9,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use vramguard::config::{ServiceMatch, ServiceRule};
-use vramguard::core::backend::{ArenaStats, Backend, BackendError, RunMeta};
+use vramguard::core::backend::{
+    ArenaStats, Arenas, Backend, BackendError, Generations, Interrupts, Liveness, Residency, RunMeta,
+};
 use vramguard::core::metrics::ModelPoolLabels;
 use vramguard::core::snapshot::DeviceClass;
 use vramguard::core::tensor::Tensor;
@@ -42,6 +44,24 @@ impl Backend for Idle {
     fn run(&mut self, _: &str, _: Vec<Tensor>, _: &[String], _: &RunMeta) -> Result<Vec<Tensor>, BackendError> {
         Err(BackendError::Runtime("idle".into()))
     }
+    fn residency(&mut self) -> Option<&mut dyn Residency> {
+        None
+    }
+    fn generations(&mut self) -> Option<&mut dyn Generations> {
+        None
+    }
+    fn arenas(&mut self) -> Option<&mut dyn Arenas> {
+        Some(self)
+    }
+    fn liveness(&self) -> Option<&dyn Liveness> {
+        None
+    }
+    fn interrupts(&mut self) -> Option<&mut dyn Interrupts> {
+        None
+    }
+}
+
+impl Arenas for Idle {
     fn arena_stats(&self) -> Option<ArenaStats> {
         Some(ArenaStats {
             reserved_bytes: 3 << 30,
@@ -51,6 +71,12 @@ impl Backend for Idle {
             ..ArenaStats::default()
         })
     }
+    /// One arena: what it holds is what its runs are measured in.
+    fn held_arena_stats(&self) -> Option<ArenaStats> {
+        self.arena_stats()
+    }
+    fn refresh_arena_stats(&mut self) {}
+    fn refresh_arena_stats_for(&mut self, _: &str) {}
 }
 
 fn big_box() -> Reading {

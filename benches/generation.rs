@@ -1,6 +1,6 @@
 //! Text generation through a real `vramguard serve` process (one CPU pool, one worker with one
 //! intra-op thread) against a generation loop in this process that keeps its KV cache as ONNX
-//! Runtime values, as the pool does (`OrtBackend::prefill`, then one `Backend::decode` per
+//! Runtime values, as the pool does (`OrtBackend::prefill`, then one `Generations::decode` per
 //! token, built with the pool's session options). Per model it measures:
 //!
 //! - **Per-token time at two positions** (~50 and ~900 on the larger decoder, ~50 and ~400 on
@@ -44,7 +44,7 @@ use std::time::{Duration, Instant};
 use reqwest::StatusCode;
 use serde_json::{Value, json};
 use vramguard::config::{CudaOptions, Provider};
-use vramguard::core::backend::{Backend, DecodeRow, DecodeStep, RunMeta};
+use vramguard::core::backend::{DecodeRow, DecodeStep, Generations, RunMeta};
 use vramguard::core::tensor::{Tensor, TensorData};
 use vramguard::runtime::decoder::{DecoderLayout, step_inputs};
 use vramguard::runtime::onnx::{self, OrtBackend, SessionOptions};

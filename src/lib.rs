@@ -6,8 +6,8 @@
 //! top down: [`net`] accepts the connection and enforces its limits, [`http`] decodes it with
 //! [`protocol`], [`serve`] runs its lifecycle (the [`policy`] decides on a memory estimate from
 //! [`runtime`] and the latest snapshot, the router picks a pool, one retry on the fallback), a
-//! [`pool`] runs it on a worker through a [`core`] backend into ONNX Runtime ([`runtime`]), and
-//! the answer goes back up the same way. Beside it, [`telemetry`] samples [`device`] memory into
+//! [`pool`] runs it on a worker through a [`core`] backend into ONNX Runtime ([`runtime`]) (or
+//! hands it to a worker process or another server), and the answer goes back up the same way. Beside it, [`telemetry`] samples [`device`] memory into
 //! the snapshot that `/metrics`, `/status` and the policy read. [`config`] is validated before
 //! any of this starts; [`cmd`] holds the commands.
 //!
@@ -37,16 +37,17 @@ pub mod device;
 // The Rhai admission policy: sandbox, state view, test cases, hot reload.
 pub mod policy;
 
-// Worker pools: bounded queues, worker threads, generations, degraded mode.
+// The Open Inference Protocol codec and the header names.
+pub mod protocol;
+
+// Worker pools: bounded queues, worker threads, generations, degraded mode, and the backends
+// that run elsewhere (a worker process, a remote server).
 pub mod pool;
 
 // Metrics, the sampler and scrape-time collector, logging, allocator settings.
 pub mod telemetry;
 
-// The Open Inference Protocol codec and the header names.
-pub mod protocol;
-
-// A request's life below any protocol: service, lifecycle, router, generation, remote pools.
+// A request's life below any protocol: service, lifecycle, router, generation.
 pub mod serve;
 
 // The connection layer under every listener: timeouts, caps, its own refusals.

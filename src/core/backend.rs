@@ -1,11 +1,19 @@
 //! The seam between the request path and whatever runs models: the [`Backend`] trait (ONNX
-//! Runtime sessions in production, fakes in tests), the errors a run can end with, and the
-//! allocator statistics a backend may report. Plain types only, so pools, the lifecycle and the
-//! ONNX Runtime code all depend on this module and never on each other.
+//! Runtime sessions in production, fakes in tests) and the capabilities a backend may have
+//! beside running, the errors a run can end with, and the allocator statistics a backend may
+//! report. Plain types only, so pools, the lifecycle and the ONNX Runtime code all depend on
+//! this module and never on each other.
 
 use crate::core::tensor::{Tensor, TensorData, TensorView};
 
 /// Runs models; one instance per worker thread, so it may hold non-shareable sessions.
+///
+/// Beside running, a backend may have capabilities: sessions it loads and unloads
+/// ([`Residency`]), generations' caches it keeps ([`Generations`]), allocator statistics
+/// ([`Arenas`]), a process it runs on that can be lost ([`Liveness`]), runs that can be stopped
+/// ([`Interrupts`]). Each is an accessor without a default: a backend, and above all a wrapper
+/// around one, says for each whether it has it (a wrapper: what it forwards), so none is lost
+/// by leaving it out.
 pub trait Backend: Send {
     /// Run `model` on `inputs`, returning the `outputs` asked for (all when empty). `meta` is
     /// the request's identity and limits, for a backend that hands the request on.
@@ -48,55 +56,53 @@ pub trait Backend: Send {
             None => self.run(model, inputs.to_vec(), outputs, meta),
         }
     }
-    /// Allocator statistics as of the last refresh, when the backend has an arena: the arena of
-    /// the model that ran (or was refreshed for) last, which a run's memory is measured against.
-    fn arena_stats(&self) -> Option<ArenaStats>;
-    /// Statistics of everything the backend holds as of the last [`Backend::refresh_arena_stats`]:
-    /// every arena its sessions allocate from, each counted once, summed. What its pool
-    /// publishes. The same as [`Backend::arena_stats`] for a backend with one arena.
-    fn held_arena_stats(&self) -> Option<ArenaStats> {
-        self.arena_stats()
+    /// Its sessions, loaded and unloaded by name; `None` for a backend that holds none of its
+    /// own (a remote pool's client).
+    fn residency(&mut self) -> Option<&mut dyn Residency>;
+    /// The generations whose KV caches it keeps where its runtime is; `None` for a backend
+    /// that keeps none (a remote pool's client: its server keeps its own, and a generation on
+    /// it carries its cache with each step).
+    fn generations(&mut self) -> Option<&mut dyn Generations>;
+    /// Its allocator statistics; `None` for a backend without an arena of its own.
+    fn arenas(&mut self) -> Option<&mut dyn Arenas>;
+    /// Whether what it runs on is still there; `None` for a backend in the pool's own process,
+    /// which is never lost.
+    fn liveness(&self) -> Option<&dyn Liveness>;
+    /// Stopping its run in progress; `None` when runs cannot be stopped.
+    fn interrupts(&mut self) -> Option<&mut dyn Interrupts>;
+}
+
+impl dyn Backend + '_ {
+    /// Its sessions, or why `name` cannot be loaded on it: it holds none.
+    pub fn loader(&mut self, name: &str) -> Result<&mut dyn Residency, String> {
+        self.residency()
+            .ok_or_else(|| format!("this backend cannot load `{name}`: it holds no sessions"))
     }
-    /// Read the allocator statistics again (costs a C API call, ~10 µs: callers decide when).
-    fn refresh_arena_stats(&mut self) {}
-    /// Read the statistics of the arena `model`'s runs allocate from, before a measured run.
-    fn refresh_arena_stats_for(&mut self, model: &str) {
-        let _ = model;
-        self.refresh_arena_stats();
+
+    /// The caches it keeps, or the error a prompt or a step run on a backend that keeps none
+    /// ends with.
+    pub fn caches(&mut self) -> Result<&mut dyn Generations, BackendError> {
+        self.generations()
+            .ok_or_else(|| BackendError::Runtime("this backend keeps no generation caches".into()))
     }
-    /// A handle that stops this backend's run in progress from another thread (the run then
-    /// ends with [`BackendError::Cancelled`]); `None` when runs cannot be stopped.
-    fn interrupt_handle(&self) -> Option<Interrupt> {
-        None
-    }
-    /// Forget a stop meant for an earlier run. Called before the handle is given out for the
-    /// next run, never at the start of `run`: a stop that arrives between the two must end that
-    /// run, not be wiped by it.
-    fn clear_interrupt(&mut self) {}
-    /// Build `name`'s session from its serialized `bytes`, replacing one it already has. A
-    /// backend that holds no sessions of its own (a remote pool's client) refuses.
-    fn load_model(&mut self, name: &str, bytes: &[u8]) -> Result<(), String> {
-        let _ = bytes;
-        Err(format!("this backend cannot load `{name}`: it holds no sessions"))
-    }
+}
+
+/// A backend's sessions ([`Backend::residency`]): built and dropped by name while it serves.
+pub trait Residency {
+    /// Build `name`'s session from its serialized `bytes`, replacing one it already has.
+    fn load_model(&mut self, name: &str, bytes: &[u8]) -> Result<(), String>;
     /// Drop `name`'s session, if it has one; its memory goes back to the allocator.
-    fn unload_model(&mut self, name: &str) {
-        let _ = name;
-    }
+    fn unload_model(&mut self, name: &str);
     /// Give the allocator's free memory back to the host or device: called when the pool has
     /// been idle a while, never between a busy pool's runs. `probe(model)` gives the smallest
     /// valid inputs of a model, for a backend whose allocator shrinks only at the end of a run
-    /// (ONNX Runtime's arena). A backend without an allocator of its own does nothing.
-    fn release_memory(&mut self, probe: &dyn Fn(&str) -> Option<Vec<Tensor>>) {
-        let _ = probe;
-    }
-    /// Whether it keeps generations' KV caches between runs ([`prefill`](Self::prefill) and
-    /// [`decode`](Self::decode)), where its runtime is: backends that run models themselves do;
-    /// a remote pool's client does not (its server keeps its own), and a generation on it
-    /// carries its cache with each step.
-    fn keeps_caches(&self) -> bool {
-        false
-    }
+    /// (ONNX Runtime's arena).
+    fn release_memory(&mut self, probe: &dyn Fn(&str) -> Option<Vec<Tensor>>);
+}
+
+/// The generations whose KV caches a backend keeps between runs, where its runtime is
+/// ([`Backend::generations`]).
+pub trait Generations {
     /// Run decoder `model`'s prompt (`inputs`: a decoder's first pass, as
     /// [`step_inputs`](crate::runtime::decoder::step_inputs) builds it) and keep its KV cache
     /// where the runtime is, as sequence `seq`'s (replacing any it had). Only the last
@@ -107,13 +113,10 @@ pub trait Backend: Send {
         seq: u64,
         inputs: Vec<Tensor>,
         meta: &RunMeta,
-    ) -> Result<Vec<Tensor>, BackendError> {
-        let _ = (model, seq, inputs, meta);
-        Err(BackendError::Runtime("this backend keeps no generation caches".into()))
-    }
+    ) -> Result<Vec<Tensor>, BackendError>;
     /// [`prefill`](Self::prefill) of several sequences' prompts (`inputs`: each one's first
     /// pass, one after another) as one run where the backend can: `logits` `[1, vocab]` for
-    /// each, in `seqs`' order. This one runs them one at a time.
+    /// each, in `seqs`' order. This one runs them one at a time, which gives the same answers.
     fn prefill_many(
         &mut self,
         model: &str,
@@ -134,21 +137,46 @@ pub trait Backend: Send {
     /// FP32 `[rows, vocab]`, in row order. A row whose cache it does not hold at that row's
     /// `past` fails the step with [`BackendError::CacheMissing`] (nothing else is changed), so
     /// the caller prefills it again from its tokens.
-    fn decode(&mut self, model: &str, step: &DecodeStep, meta: &RunMeta) -> Result<Vec<Tensor>, BackendError> {
-        let _ = (model, step, meta);
-        Err(BackendError::Runtime("this backend keeps no generation caches".into()))
-    }
+    fn decode(&mut self, model: &str, step: &DecodeStep, meta: &RunMeta) -> Result<Vec<Tensor>, BackendError>;
+}
+
+/// A backend's allocator statistics ([`Backend::arenas`]), read when its caller decides: each
+/// read costs a C API call (~10 µs), or a worker process's answer.
+pub trait Arenas {
+    /// Statistics as of the last refresh: the arena of the model that ran (or was refreshed
+    /// for) last, which a run's memory is measured against.
+    fn arena_stats(&self) -> Option<ArenaStats>;
+    /// Statistics of everything the backend holds as of the last
+    /// [`refresh_arena_stats`](Self::refresh_arena_stats): every arena its sessions allocate
+    /// from, each counted once, summed. What its pool publishes.
+    fn held_arena_stats(&self) -> Option<ArenaStats>;
+    /// Read the allocator statistics again.
+    fn refresh_arena_stats(&mut self);
+    /// Read the statistics of the arena `model`'s runs allocate from, before a measured run.
+    fn refresh_arena_stats_for(&mut self, model: &str);
+}
+
+/// Whether what a backend runs on is still there ([`Backend::liveness`]): a worker process
+/// that can die or be replaced.
+pub trait Liveness {
     /// Whether what it runs on is gone (a worker process that died or was replaced): the pool
-    /// replaces it before its next job. Backends in the pool's own process never are.
-    fn lost(&self) -> bool {
-        false
-    }
+    /// replaces it before its next job.
+    fn lost(&self) -> bool;
     /// Why its worker process is gone, when a run found its connection closed while that
     /// process is still the pool's worker (its supervisor has not reaped it yet: a process
     /// holding a CUDA context is reaped only after the driver has torn the context down).
-    fn worker_gone(&self) -> Option<String> {
-        None
-    }
+    fn worker_gone(&self) -> Option<String>;
+}
+
+/// Stopping a backend's run in progress ([`Backend::interrupts`]).
+pub trait Interrupts {
+    /// A handle that stops this backend's run in progress from another thread (the run then
+    /// ends with [`BackendError::Cancelled`]).
+    fn interrupt_handle(&self) -> Interrupt;
+    /// Forget a stop meant for an earlier run. Called before the handle is given out for the
+    /// next run, never at the start of `run`: a stop that arrives between the two must end that
+    /// run, not be wiped by it.
+    fn clear_interrupt(&mut self);
 }
 
 /// What a run carries besides its tensors: the request's identity and limits. A backend that
@@ -170,7 +198,7 @@ pub struct RunMeta {
     pub allow_shrink: bool,
 }
 
-/// One step of the generations a backend keeps caches for ([`Backend::decode`]).
+/// One step of the generations a backend keeps caches for ([`Generations::decode`]).
 #[derive(Debug, Clone, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct DecodeStep {
     /// The rows that run, in the order their logits come back.

@@ -5,6 +5,7 @@ pub mod backend;
 pub mod breaker;
 pub mod clock;
 pub mod cpus;
+pub mod human;
 pub mod metrics;
 pub mod model;
 pub mod scratch;

@@ -1,7 +1,9 @@
 //! Memory sources behind one trait: NVML (NVIDIA GPUs and the processes on them), simulated
 //! accelerators, and the host (procfs). The exporter's sampler asks each source for a
-//! [`Reading`] and merges them into one [`Snapshot`](crate::core::snapshot::Snapshot).
+//! [`Reading`] and merges them into one [`Snapshot`](crate::core::snapshot::Snapshot). A
+//! simulated pool's backend fails as the faults injected into its device say (`faults`).
 
+pub mod faults;
 pub mod host;
 pub mod nvml;
 pub mod procinfo;

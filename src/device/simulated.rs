@@ -11,9 +11,8 @@ use ort::session::Session;
 use super::procinfo::ProcessInspector;
 use super::reading::{DeviceMemory, DeviceProcess, MemorySource, Reading};
 use crate::config::Provider;
-use crate::core::backend::{AllocFailureKind, Backend, BackendError, RunMeta};
+use crate::core::backend::{AllocFailureKind, BackendError};
 use crate::core::model::BuiltinModel;
-use crate::core::tensor::Tensor;
 use crate::runtime::onnx::arena::{ArenaHold, ArenaStats};
 use crate::runtime::onnx::{self, OnnxRuntime, SessionOptions};
 
@@ -280,7 +279,7 @@ impl SimulatedDevice {
     }
 
     /// The injected failure the next run gets, if any (consumes one `fail_next`).
-    fn injected_failure(&self) -> Option<BackendError> {
+    pub(super) fn injected_failure(&self) -> Option<BackendError> {
         if self.driver_reset() {
             return Some(BackendError::Allocation {
                 kind: AllocFailureKind::Driver,
@@ -399,150 +398,6 @@ fn without_pressure(stats: ArenaStats, pressure: u64) -> ArenaStats {
         active_bytes: stats.active_bytes.saturating_sub(pressure),
         peak_active_bytes: stats.peak_active_bytes.saturating_sub(pressure),
         ..stats
-    }
-}
-
-/// A simulated pool's backend: runs on the capped arena, and fails when a fault is injected
-/// into its device (`POST /admin/sim/{device}` with `fail_next` or `driver_reset`).
-pub struct FaultInjecting {
-    inner: Box<dyn Backend>,
-    device: Arc<SimulatedDevice>,
-    /// The arena's statistics at the last refresh, the pressure of that moment taken out.
-    stats: Option<ArenaStats>,
-}
-
-impl FaultInjecting {
-    /// Wrap `inner`, which runs on `device`.
-    pub fn new(inner: Box<dyn Backend>, device: Arc<SimulatedDevice>) -> Self {
-        let stats = inner.arena_stats().map(|s| device.ours(s, device.pressure()));
-        Self { inner, device, stats }
-    }
-
-    /// `run` on the wrapped backend, unless the device has a failure injected for this run.
-    fn unless_injected<T>(
-        &mut self,
-        run: impl FnOnce(&mut Box<dyn Backend>) -> Result<T, BackendError>,
-    ) -> Result<T, BackendError> {
-        match self.device.injected_failure() {
-            Some(error) => Err(error),
-            None => run(&mut self.inner),
-        }
-    }
-
-    fn keep_stats(&mut self) {
-        self.stats = self
-            .inner
-            .arena_stats()
-            .map(|s| self.device.ours(s, self.device.pressure()));
-    }
-}
-
-impl Backend for FaultInjecting {
-    fn run(
-        &mut self,
-        model: &str,
-        inputs: Vec<Tensor>,
-        outputs: &[String],
-        meta: &RunMeta,
-    ) -> Result<Vec<Tensor>, BackendError> {
-        self.unless_injected(|inner| inner.run(model, inputs, outputs, meta))
-    }
-
-    fn run_views(
-        &mut self,
-        model: &str,
-        inputs: &[crate::core::tensor::TensorView<'_>],
-        outputs: &[String],
-        meta: &RunMeta,
-    ) -> Result<Vec<Tensor>, BackendError> {
-        self.unless_injected(|inner| inner.run_views(model, inputs, outputs, meta))
-    }
-
-    fn run_borrowed(
-        &mut self,
-        model: &str,
-        inputs: &[Tensor],
-        outputs: &[String],
-        meta: &RunMeta,
-    ) -> Result<Vec<Tensor>, BackendError> {
-        self.unless_injected(|inner| inner.run_borrowed(model, inputs, outputs, meta))
-    }
-
-    fn keeps_caches(&self) -> bool {
-        self.inner.keeps_caches()
-    }
-
-    fn prefill(
-        &mut self,
-        model: &str,
-        seq: u64,
-        inputs: Vec<Tensor>,
-        meta: &RunMeta,
-    ) -> Result<Vec<Tensor>, BackendError> {
-        self.unless_injected(|inner| inner.prefill(model, seq, inputs, meta))
-    }
-
-    fn prefill_many(
-        &mut self,
-        model: &str,
-        seqs: &[u64],
-        inputs: Vec<Tensor>,
-        meta: &RunMeta,
-    ) -> Result<Vec<Tensor>, BackendError> {
-        self.unless_injected(|inner| inner.prefill_many(model, seqs, inputs, meta))
-    }
-
-    fn decode(
-        &mut self,
-        model: &str,
-        step: &crate::core::backend::DecodeStep,
-        meta: &RunMeta,
-    ) -> Result<Vec<Tensor>, BackendError> {
-        // A step that only drops caches runs nothing on the device: no injected fault is
-        // spent on it.
-        if step.rows.is_empty() {
-            return self.inner.decode(model, step, meta);
-        }
-        self.unless_injected(|inner| inner.decode(model, step, meta))
-    }
-
-    fn arena_stats(&self) -> Option<ArenaStats> {
-        self.stats
-    }
-
-    fn refresh_arena_stats(&mut self) {
-        self.inner.refresh_arena_stats();
-        self.keep_stats();
-    }
-
-    fn refresh_arena_stats_for(&mut self, model: &str) {
-        self.inner.refresh_arena_stats_for(model);
-        self.keep_stats();
-    }
-
-    fn interrupt_handle(&self) -> Option<crate::core::backend::Interrupt> {
-        self.inner.interrupt_handle()
-    }
-
-    fn clear_interrupt(&mut self) {
-        self.inner.clear_interrupt();
-    }
-
-    fn load_model(&mut self, name: &str, bytes: &[u8]) -> Result<(), String> {
-        self.inner.load_model(name, bytes)?;
-        self.device
-            .check_capacity(&format!("loading `{name}`"))
-            .inspect_err(|_| {
-                self.inner.unload_model(name);
-            })
-    }
-
-    fn unload_model(&mut self, name: &str) {
-        self.inner.unload_model(name);
-    }
-
-    fn release_memory(&mut self, probe: &dyn Fn(&str) -> Option<Vec<Tensor>>) {
-        self.inner.release_memory(probe);
     }
 }
 

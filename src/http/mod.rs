@@ -91,7 +91,7 @@ pub async fn serve(
     }
     for pool in &state.service.pools {
         if let crate::config::Provider::Remote(options) = pool.provider() {
-            tasks.spawn(crate::serve::remote::watch_health(
+            tasks.spawn(crate::pool::remote::watch_health(
                 Arc::clone(pool),
                 options.clone(),
                 state.service.metrics.remote.of_pool(pool.name()),

@@ -92,7 +92,7 @@ fn check_version(version: &str) -> Result<(), ApiError> {
             StatusCode::NOT_FOUND,
             format!(
                 "unknown model version `{}`; the only version is `1`",
-                crate::telemetry::logging::clipped(version, 64)
+                crate::core::human::clipped(version, 64)
             ),
         ))
     }

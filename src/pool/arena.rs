@@ -34,9 +34,13 @@ impl Pool {
         self.queue.held()
     }
 
-    /// Publish what backend `slot` (its slot id) holds, when it has an arena.
-    pub(super) fn publish_stats(&self, slot: usize, backend: &dyn Backend) {
-        self.queue.publish_held(slot, backend.held_arena_stats());
+    /// Read `backend`'s allocator statistics again and publish what it holds as slot `slot`'s,
+    /// when it has an arena; returns the arena its last run was measured in.
+    pub(super) fn refresh_stats(&self, slot: usize, backend: &mut dyn Backend) -> Option<ArenaStats> {
+        let arenas = backend.arenas()?;
+        arenas.refresh_arena_stats();
+        self.queue.publish_held(slot, arenas.held_arena_stats());
+        arenas.arena_stats()
     }
 
     /// After `run`, which started with the arena at `before`: refresh and publish the
@@ -56,9 +60,7 @@ impl Pool {
         let new_largest = largest > self.largest_estimate.fetch_max(largest, Ordering::Relaxed);
         let measured = job.memory.is_wanted();
         if self.stats_wanted.swap(false, Ordering::Relaxed) || new_largest || measured || result.is_err() {
-            backend.refresh_arena_stats();
-            self.publish_stats(job.slot, backend);
-            let after = backend.arena_stats();
+            let after = self.refresh_stats(job.slot, backend);
             // Only a run measured from just before it (or one that failed to allocate) tells
             // what it took: an unmeasured run's `before` is whatever was read last, maybe long
             // ago, and its peak since is not this run's.

@@ -1,5 +1,5 @@
 //! Continuous batching: the generations of one model on one pool take their steps together,
-//! one run per step for all of them ([`Backend::decode`]), with sequences joining and leaving
+//! one run per step for all of them ([`Generations::decode`]), with sequences joining and leaving
 //! between steps. A generation's prompt runs on its own first (a prefill job); it then joins
 //! its pool's [`Batch`] and sends each token it picks to the batch as its [`Member`].
 //!
@@ -11,7 +11,7 @@
 //! cache the backend did not hold get [`BackendError::CacheMissing`] and the others run again
 //! at once.
 //!
-//! [`Backend::decode`]: crate::core::backend::Backend::decode
+//! [`Generations::decode`]: crate::core::backend::Generations::decode
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;

@@ -74,7 +74,7 @@ pub enum RunOp {
     #[default]
     Run,
     /// A decoder's prompt: run it and keep its KV cache as this sequence's
-    /// ([`Backend::prefill`](crate::core::backend::Backend::prefill)).
+    /// ([`Generations::prefill`](crate::core::backend::Generations::prefill)).
     Prefill(u64),
     /// Several decoders' prompts, run as one padded batch where the backend can (their
     /// inputs one after another); the worker makes it of prompts that waited together.

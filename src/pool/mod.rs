@@ -13,8 +13,11 @@
 //! degraded mode, `arena.rs` the allocator statistics. `residency.rs` loads and unloads models
 //! (`models.rs` what it is told of each, `evict.rs` what could make room). Text generations:
 //! `sequences.rs` counts them and their caches, `batch.rs` joins their steps into one run per
-//! step, which `stepper.rs` runs. `process/` keeps a pool's sessions in a worker process, and `metrics/` holds the metric
-//! families pools record into.
+//! step, which `stepper.rs` runs. `metrics/` holds the metric families pools record into.
+//!
+//! The backends that do not run models in this process sit here beside each other: `process/`
+//! (a worker process of the pool's own, for process isolation) and `remote.rs` (another
+//! server, for a remote pool); the one that does is the runtime's (`runtime::onnx`).
 
 pub mod activity;
 mod arena;
@@ -30,6 +33,7 @@ mod models;
 mod patience;
 pub mod process;
 mod queue;
+pub mod remote;
 mod residency;
 pub mod sequences;
 mod shared;
@@ -72,10 +76,12 @@ impl Pool {
         for backend in &mut backends {
             // Statistics before the first run show what loading the weights reserved
             // (published as each is stocked).
-            backend.refresh_arena_stats();
+            if let Some(arenas) = backend.arenas() {
+                arenas.refresh_arena_stats();
+            }
         }
         let workers = backends.len();
-        let keeps = !backends.is_empty() && backends.iter().all(|b| b.keeps_caches());
+        let keeps = !backends.is_empty() && backends.iter_mut().all(|b| b.generations().is_some());
         pool.keeps_caches.store(keeps, std::sync::atomic::Ordering::Relaxed);
         pool.queue.release_when_idle(pool.config.idle_release);
         pool.queue.stock(backends, pool.start_set());
@@ -207,7 +213,9 @@ impl Pool {
         for _ in 0..self.config.slots() {
             match respawn() {
                 Ok(mut backend) => {
-                    backend.refresh_arena_stats();
+                    if let Some(arenas) = backend.arenas() {
+                        arenas.refresh_arena_stats();
+                    }
                     fresh.push(queue::Slot::fresh(backend, self.start_set()));
                 }
                 Err(reason) => {

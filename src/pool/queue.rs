@@ -210,8 +210,8 @@ impl Queue {
                 generation: 1,
                 ..Slot::fresh(backend, wanted.clone())
             };
-            let slot = state.admit(slot);
-            if let Some(stats) = slot.backend.held_arena_stats() {
+            let mut slot = state.admit(slot);
+            if let Some(stats) = slot.backend.arenas().and_then(|arenas| arenas.held_arena_stats()) {
                 state.held.insert(slot.id, stats);
             }
             state.idle.push(slot);
@@ -219,7 +219,8 @@ impl Queue {
         state.wanted = wanted;
     }
 
-    /// Record what backend `id` holds in its allocators ([`Backend::held_arena_stats`]).
+    /// Record what backend `id` holds in its allocators
+    /// ([`Arenas::held_arena_stats`](crate::core::backend::Arenas::held_arena_stats)).
     pub(super) fn publish_held(&self, id: usize, stats: Option<ArenaStats>) {
         if let Some(stats) = stats {
             self.lock().held.insert(id, stats);

@@ -204,14 +204,19 @@ impl Pool {
     ) -> HashMap<String, Result<Duration, String>> {
         let mut loads = HashMap::new();
         for model in slot.loaded.difference(wanted).cloned().collect::<Vec<_>>() {
-            slot.backend.unload_model(&model);
+            if let Some(residency) = slot.backend.residency() {
+                residency.unload_model(&model);
+            }
             slot.loaded.remove(&model);
             tracing::info!(pool = self.name(), %model, "sessions dropped");
         }
         for model in wanted.difference(&slot.loaded).cloned().collect::<Vec<_>>() {
             let started = Instant::now();
             let result = match self.models.setups.get(&model) {
-                Some(setup) => slot.backend.load_model(&model, setup.bytes.as_ref().as_ref()),
+                Some(setup) => slot
+                    .backend
+                    .loader(&model)
+                    .and_then(|residency| residency.load_model(&model, setup.bytes.as_ref().as_ref())),
                 None => Err(format!("pool `{}` has no bytes of `{model}`", self.name())),
             };
             let took = started.elapsed();
@@ -247,8 +252,7 @@ impl Pool {
 
     /// Allocator statistics after sessions came or went: what the weights now hold.
     fn refresh_after_change(&self, slot: &mut Slot) {
-        slot.backend.refresh_arena_stats();
-        self.publish_stats(slot.id, slot.backend.as_ref());
+        self.refresh_stats(slot.id, slot.backend.as_mut());
     }
 
     /// Record `model`'s cold start: a job waited `waited` for its load.
@@ -264,7 +268,9 @@ mod tests {
     use std::sync::{Arc, Mutex, mpsc};
 
     use super::*;
-    use crate::core::backend::{ArenaStats, Backend, BackendError, RunMeta};
+    // The backend's capability, beside the models' `Residency` of the config.
+    use crate::core::backend::Residency as Loads;
+    use crate::core::backend::{Arenas, Backend, BackendError, Generations, Interrupts, Liveness, RunMeta};
     use crate::core::snapshot::DeviceClass;
     use crate::core::tensor::Tensor;
     use crate::pool::metrics::ModelMetrics;
@@ -294,9 +300,24 @@ mod tests {
             }
             Ok(inputs)
         }
-        fn arena_stats(&self) -> Option<ArenaStats> {
+        fn residency(&mut self) -> Option<&mut dyn Loads> {
+            Some(self)
+        }
+        fn generations(&mut self) -> Option<&mut dyn Generations> {
             None
         }
+        fn arenas(&mut self) -> Option<&mut dyn Arenas> {
+            None
+        }
+        fn liveness(&self) -> Option<&dyn Liveness> {
+            None
+        }
+        fn interrupts(&mut self) -> Option<&mut dyn Interrupts> {
+            None
+        }
+    }
+
+    impl Loads for Sessions {
         fn load_model(&mut self, name: &str, _: &[u8]) -> Result<(), String> {
             self.loads.lock().unwrap().push(name.to_string());
             self.loaded.insert(name.to_string());
@@ -305,6 +326,7 @@ mod tests {
         fn unload_model(&mut self, name: &str) {
             self.loaded.remove(name);
         }
+        fn release_memory(&mut self, _: &dyn Fn(&str) -> Option<Vec<Tensor>>) {}
     }
 
     fn setup(name: &str, residency: Residency) -> ModelSetup {

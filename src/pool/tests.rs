@@ -3,7 +3,9 @@
 
 use super::health::RECENT_FAILURE_WINDOW;
 use super::*;
-use crate::core::backend::{AllocFailureKind, ArenaStats, BackendError, RunMeta};
+use crate::core::backend::{
+    AllocFailureKind, ArenaStats, Arenas, BackendError, Generations, Interrupts, Liveness, Residency, RunMeta,
+};
 use crate::core::tensor::{Tensor, TensorData};
 use std::sync::{Mutex, mpsc};
 
@@ -19,7 +21,19 @@ impl Backend for Echo {
         }
         Ok(inputs)
     }
-    fn arena_stats(&self) -> Option<ArenaStats> {
+    fn residency(&mut self) -> Option<&mut dyn Residency> {
+        None
+    }
+    fn generations(&mut self) -> Option<&mut dyn Generations> {
+        None
+    }
+    fn arenas(&mut self) -> Option<&mut dyn Arenas> {
+        None
+    }
+    fn liveness(&self) -> Option<&dyn Liveness> {
+        None
+    }
+    fn interrupts(&mut self) -> Option<&mut dyn Interrupts> {
         None
     }
 }
@@ -212,7 +226,19 @@ impl Backend for Full {
             message: "BFCArena::AllocateRawInternal".into(),
         })
     }
-    fn arena_stats(&self) -> Option<ArenaStats> {
+    fn residency(&mut self) -> Option<&mut dyn Residency> {
+        None
+    }
+    fn generations(&mut self) -> Option<&mut dyn Generations> {
+        None
+    }
+    fn arenas(&mut self) -> Option<&mut dyn Arenas> {
+        None
+    }
+    fn liveness(&self) -> Option<&dyn Liveness> {
+        None
+    }
+    fn interrupts(&mut self) -> Option<&mut dyn Interrupts> {
         None
     }
 }
@@ -266,9 +292,28 @@ impl Backend for Releasing {
     fn run(&mut self, _: &str, inputs: Vec<Tensor>, _: &[String], _: &RunMeta) -> Result<Vec<Tensor>, BackendError> {
         Ok(inputs)
     }
-    fn arena_stats(&self) -> Option<ArenaStats> {
+    fn residency(&mut self) -> Option<&mut dyn Residency> {
+        Some(self)
+    }
+    fn generations(&mut self) -> Option<&mut dyn Generations> {
         None
     }
+    fn arenas(&mut self) -> Option<&mut dyn Arenas> {
+        None
+    }
+    fn liveness(&self) -> Option<&dyn Liveness> {
+        None
+    }
+    fn interrupts(&mut self) -> Option<&mut dyn Interrupts> {
+        None
+    }
+}
+
+impl Residency for Releasing {
+    fn load_model(&mut self, name: &str, _: &[u8]) -> Result<(), String> {
+        Err(format!("`{name}`: this fake loads nothing"))
+    }
+    fn unload_model(&mut self, _: &str) {}
     fn release_memory(&mut self, _: &dyn Fn(&str) -> Option<Vec<Tensor>>) {
         self.releases.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
     }
@@ -376,7 +421,19 @@ impl Backend for Where {
         self.0.lock().unwrap().push(("borrowed", first_element(inputs)));
         Ok(Vec::new())
     }
-    fn arena_stats(&self) -> Option<ArenaStats> {
+    fn residency(&mut self) -> Option<&mut dyn Residency> {
+        None
+    }
+    fn generations(&mut self) -> Option<&mut dyn Generations> {
+        None
+    }
+    fn arenas(&mut self) -> Option<&mut dyn Arenas> {
+        None
+    }
+    fn liveness(&self) -> Option<&dyn Liveness> {
+        None
+    }
+    fn interrupts(&mut self) -> Option<&mut dyn Interrupts> {
         None
     }
 }
@@ -424,6 +481,24 @@ impl Backend for Holding {
         assert_ne!(model, "boom", "a bug in the backend");
         Ok(inputs)
     }
+    fn residency(&mut self) -> Option<&mut dyn Residency> {
+        None
+    }
+    fn generations(&mut self) -> Option<&mut dyn Generations> {
+        None
+    }
+    fn arenas(&mut self) -> Option<&mut dyn Arenas> {
+        Some(self)
+    }
+    fn liveness(&self) -> Option<&dyn Liveness> {
+        None
+    }
+    fn interrupts(&mut self) -> Option<&mut dyn Interrupts> {
+        None
+    }
+}
+
+impl Arenas for Holding {
     fn arena_stats(&self) -> Option<ArenaStats> {
         Some(ArenaStats {
             reserved_bytes: self.0,
@@ -431,6 +506,12 @@ impl Backend for Holding {
             ..ArenaStats::default()
         })
     }
+    /// One arena: what it holds is what its runs are measured in.
+    fn held_arena_stats(&self) -> Option<ArenaStats> {
+        self.arena_stats()
+    }
+    fn refresh_arena_stats(&mut self) {}
+    fn refresh_arena_stats_for(&mut self, _: &str) {}
 }
 
 #[test]
@@ -480,9 +561,24 @@ impl Backend for Gone {
             "worker process 7 of pool `p` is gone: EOF".into(),
         ))
     }
-    fn arena_stats(&self) -> Option<ArenaStats> {
+    fn residency(&mut self) -> Option<&mut dyn Residency> {
         None
     }
+    fn generations(&mut self) -> Option<&mut dyn Generations> {
+        None
+    }
+    fn arenas(&mut self) -> Option<&mut dyn Arenas> {
+        None
+    }
+    fn liveness(&self) -> Option<&dyn Liveness> {
+        Some(self)
+    }
+    fn interrupts(&mut self) -> Option<&mut dyn Interrupts> {
+        None
+    }
+}
+
+impl Liveness for Gone {
     fn lost(&self) -> bool {
         true
     }

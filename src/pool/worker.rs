@@ -108,7 +108,9 @@ impl Pool {
                     rows: Vec::new(),
                     ended: vec![seq],
                 };
-                let _ = slot.backend.decode(&model, &gone, &RunMeta::default());
+                if let Some(caches) = slot.backend.generations() {
+                    let _ = caches.decode(&model, &gone, &RunMeta::default());
+                }
             }
             // The run is counted over before its answer goes out: a caller that reads the
             // pool's load after its answer sees it.
@@ -192,12 +194,15 @@ impl Pool {
             .filter(|(q, _)| q.reply.is_closed())
             .map(|(_, seq)| *seq)
             .collect();
-        if let (false, Some(slot)) = (gone.is_empty(), kept.as_mut()) {
+        if let (false, Some(caches)) = (
+            gone.is_empty(),
+            kept.as_mut().and_then(|slot| slot.backend.generations()),
+        ) {
             let step = DecodeStep {
                 rows: Vec::new(),
                 ended: gone,
             };
-            let _ = slot.backend.decode(&model, &step, &RunMeta::default());
+            let _ = caches.decode(&model, &step, &RunMeta::default());
         }
         let mut rows = rows.map(|rows| rows.into_iter());
         for queued in running {
@@ -217,10 +222,11 @@ impl Pool {
     fn release_memory(&self, slot: &mut Slot) {
         let started = Instant::now();
         let probe = |model: &str| self.models.setups.get(model).and_then(|s| s.probe.as_deref().cloned());
-        slot.backend.release_memory(&probe);
+        if let Some(residency) = slot.backend.residency() {
+            residency.release_memory(&probe);
+        }
         slot.dirty = false;
-        slot.backend.refresh_arena_stats();
-        self.publish_stats(slot.id, slot.backend.as_ref());
+        self.refresh_stats(slot.id, slot.backend.as_mut());
         tracing::debug!(
             pool = self.name(),
             took_us = started.elapsed().as_micros() as u64,
@@ -263,8 +269,11 @@ impl Pool {
                 pool: self.name().to_string(),
             })))
         } else if !{
-            backend.clear_interrupt();
-            job.cancel.start(backend.interrupt_handle())
+            let handle = backend.interrupts().map(|interrupts| {
+                interrupts.clear_interrupt();
+                interrupts.interrupt_handle()
+            });
+            job.cancel.start(handle)
         } {
             // Cancelled while queued. Registered last, so only a job that runs holds the
             // backend's interrupt (and `run_one` always ends it).
@@ -277,7 +286,7 @@ impl Pool {
             let (result, kept) = self.run_one(id, backend, job);
             // The breaker opens at the first run that finds the worker gone, not when its
             // supervisor reaps the process: until then every request would reach it first.
-            if let Some(how) = kept.as_ref().and_then(|backend| backend.worker_gone()) {
+            if let Some(how) = kept.as_ref().and_then(|backend| backend.liveness()?.worker_gone()) {
                 self.breaker().worker_lost(how, self.context.clock.now());
             }
             let panicked = matches!(result, Err(PoolError::Backend(BackendError::Panicked(_))));
@@ -285,7 +294,7 @@ impl Pool {
                 // A replacement holds the sessions the pool starts with; the worker brings it
                 // up to the wanted models before its next job.
                 true => self.queue.replace(id, Slot::fresh(backend, self.start_set())),
-                false if backend.lost() => match self.on_new_worker() {
+                false if backend.liveness().is_some_and(|liveness| liveness.lost()) => match self.on_new_worker() {
                     Some(fresh) => self.queue.replace(id, Slot::fresh(fresh, self.start_set())),
                     None => Slot::with(id, backend, loaded, generation),
                 },
@@ -304,10 +313,12 @@ impl Pool {
         // A measured run reads the arena of the model it runs just before it: the cached
         // statistics may be another model's session, or older than another pool's runs on a
         // shared device.
-        if job.memory.is_wanted() {
-            backend.refresh_arena_stats_for(&job.model);
-        }
-        let before = backend.arena_stats();
+        let before = backend.arenas().and_then(|arenas| {
+            if job.memory.is_wanted() {
+                arenas.refresh_arena_stats_for(&job.model);
+            }
+            arenas.arena_stats()
+        });
         let first = self.runs_started.fetch_add(1, Ordering::SeqCst) + 1;
         let mut alone = self.running.fetch_add(1, Ordering::SeqCst) == 0;
         let metrics = &self.context.metrics;
@@ -319,10 +330,12 @@ impl Pool {
                         .to_pool
                         .inc_by(job.inputs.iter().map(|t| t.data.byte_len() as u64).sum());
                     let result = match job.op {
-                        RunOp::Prefill(seq) => backend.prefill(&job.model, seq, job.inputs.into_vec(), &job.meta),
-                        RunOp::PrefillMany(seqs) => {
-                            backend.prefill_many(&job.model, &seqs, job.inputs.into_vec(), &job.meta)
-                        }
+                        RunOp::Prefill(seq) => backend
+                            .caches()
+                            .and_then(|caches| caches.prefill(&job.model, seq, job.inputs.into_vec(), &job.meta)),
+                        RunOp::PrefillMany(seqs) => backend.caches().and_then(|caches| {
+                            caches.prefill_many(&job.model, &seqs, job.inputs.into_vec(), &job.meta)
+                        }),
                         // Kept by the request for a retry: read where they are, not copied.
                         _ if job.inputs.is_shared() => {
                             backend.run_borrowed(&job.model, &job.inputs, &job.outputs, &job.meta)
@@ -332,7 +345,9 @@ impl Pool {
                     (result, false)
                 }
                 RunOp::Decode(step) => {
-                    let result = backend.decode(&job.model, &step, &job.meta);
+                    let result = backend
+                        .caches()
+                        .and_then(|caches| caches.decode(&job.model, &step, &job.meta));
                     // A backend that keeps caches reports what its step moved (a batch's
                     // masked rows cross too); one that does not moved its rows' tokens in.
                     let reported = result

@@ -1,7 +1,7 @@
 //! Serving a request below any protocol: assembling the service from its parts, one request's
-//! life (policy, router, queue, retry, deadline), text generation, idempotency keys and remote
-//! pools, and [`metrics::Metrics`], every metric family registered together. Nothing here knows
-//! about HTTP status codes; `http` maps outcomes to them.
+//! life (policy, router, queue, retry, deadline), text generation, idempotency keys, and
+//! [`metrics::Metrics`], every metric family registered together. Nothing here knows about HTTP
+//! status codes; `http` maps outcomes to them.
 
 pub mod generate;
 pub mod health;
@@ -9,7 +9,6 @@ pub mod idempotency;
 pub mod idle;
 pub mod lifecycle;
 pub mod metrics;
-pub mod remote;
 pub mod router;
 pub mod service;
 pub mod steps;

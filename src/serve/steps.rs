@@ -154,7 +154,9 @@ mod tests {
 
     use super::*;
     use crate::config::{ModelConfig, PoolConfig};
-    use crate::core::backend::{ArenaStats, Backend, BackendError, DecodeStep, RunMeta};
+    use crate::core::backend::{
+        Arenas, Backend, BackendError, DecodeStep, Generations, Interrupts, Liveness, Residency, RunMeta,
+    };
     use crate::runtime::estimate::MemoryProfile;
     use crate::runtime::onnx::ModelSignature;
     use crate::serve::generate::{self, Generated, Params};
@@ -186,22 +188,30 @@ mod tests {
             self.inner.run(model, inputs, outputs, meta)
         }
 
-        fn arena_stats(&self) -> Option<ArenaStats> {
-            self.inner.arena_stats()
+        fn residency(&mut self) -> Option<&mut dyn Residency> {
+            self.inner.residency()
         }
 
-        fn load_model(&mut self, name: &str, bytes: &[u8]) -> Result<(), String> {
-            self.inner.load_model(name, bytes)
+        /// Its own, which forget and count.
+        fn generations(&mut self) -> Option<&mut dyn Generations> {
+            self.inner.generations()?;
+            Some(self)
         }
 
-        fn unload_model(&mut self, name: &str) {
-            self.inner.unload_model(name);
+        fn arenas(&mut self) -> Option<&mut dyn Arenas> {
+            self.inner.arenas()
         }
 
-        fn keeps_caches(&self) -> bool {
-            self.inner.keeps_caches()
+        fn liveness(&self) -> Option<&dyn Liveness> {
+            self.inner.liveness()
         }
 
+        fn interrupts(&mut self) -> Option<&mut dyn Interrupts> {
+            self.inner.interrupts()
+        }
+    }
+
+    impl Generations for Forgetting {
         fn prefill(
             &mut self,
             model: &str,
@@ -212,7 +222,7 @@ mod tests {
             if self.prompts.fetch_add(1, Ordering::SeqCst) >= MOST_PROMPTS {
                 return Err(BackendError::Runtime("prefilled again and again".into()));
             }
-            self.inner.prefill(model, seq, inputs, meta)
+            self.inner.caches()?.prefill(model, seq, inputs, meta)
         }
 
         fn decode(&mut self, model: &str, step: &DecodeStep, meta: &RunMeta) -> Result<Vec<Tensor>, BackendError> {
@@ -220,11 +230,12 @@ mod tests {
                 self.steps += 1;
                 if Some(self.steps) == self.forget_at {
                     for (name, bytes) in &self.models {
-                        self.inner.load_model(name, bytes).expect("the model loads again");
+                        let sessions = self.inner.loader(name).expect("ONNX Runtime backends hold sessions");
+                        sessions.load_model(name, bytes).expect("the model loads again");
                     }
                 }
             }
-            self.inner.decode(model, step, meta)
+            self.inner.caches()?.decode(model, step, meta)
         }
     }
 

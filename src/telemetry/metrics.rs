@@ -1,7 +1,6 @@
 //! The metric families every vramguard process exports, `vramguard serve` and `vramguard
 //! exporter` alike: its build, its memory sources' sampling and its HTTP server's limits
-//! ([`ProcessMetrics`]); the remote pools' family ([`RemoteFamily`]); and the encoding of a
-//! registry in either text format. Names follow the documented conventions (docs/metrics.md):
+//! ([`ProcessMetrics`]), and the encoding of a registry in either text format. Names follow the documented conventions (docs/metrics.md):
 //! prefix `vramguard_`, base units, `_total` counters.
 
 use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue};
@@ -10,8 +9,6 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::{Registry, Unit};
-
-use crate::core::metrics::PoolLabels;
 
 /// `{version, onnxruntime}`
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -147,121 +144,6 @@ impl ProcessMetrics {
         self.exporter_errors.get_or_create_owned(&SourceLabels {
             source: source.to_string(),
         });
-    }
-}
-
-/// `{pool, kind}`: a remote pool's server failing.
-#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct RemoteErrorLabels {
-    /// The remote pool.
-    pub pool: String,
-    /// How its server failed.
-    pub kind: crate::core::backend::RemoteFailure,
-}
-
-/// The handles a remote pool records into: its server's failures and the time each forwarded
-/// request took there and back.
-#[derive(Debug, Clone)]
-pub struct RemoteMetrics {
-    pool: String,
-    errors: Family<RemoteErrorLabels, Counter>,
-    /// `vramguard_remote_request_duration_seconds{pool}`: one forwarded request, from sending
-    /// it to its decoded answer (or failure).
-    pub duration: Histogram,
-}
-
-impl RemoteMetrics {
-    /// Handles registered nowhere (tests).
-    pub fn detached(pool: &str) -> Self {
-        Self {
-            pool: pool.to_string(),
-            errors: Family::default(),
-            duration: hop_histogram(),
-        }
-    }
-
-    /// Count one failure of the remote server.
-    pub fn failed(&self, kind: crate::core::backend::RemoteFailure) {
-        self.errors
-            .get_or_create(&RemoteErrorLabels {
-                pool: self.pool.clone(),
-                kind,
-            })
-            .inc();
-    }
-
-    /// `vramguard_remote_errors_total{pool, kind}` so far (tests).
-    pub fn failures(&self, kind: crate::core::backend::RemoteFailure) -> u64 {
-        self.errors
-            .get_or_create(&RemoteErrorLabels {
-                pool: self.pool.clone(),
-                kind,
-            })
-            .get()
-    }
-}
-
-fn hop_histogram() -> Histogram {
-    // 100µs .. ~52s: a loopback hop takes a fraction of a millisecond, a CPU remote seconds.
-    Histogram::new(exponential_buckets(0.0001, 2.0, 20))
-}
-
-/// The remote pools' family: `vramguard_remote_errors_total{pool, kind}` and
-/// `vramguard_remote_request_duration_seconds{pool}`.
-#[derive(Debug)]
-pub struct RemoteFamily {
-    errors: Family<RemoteErrorLabels, Counter>,
-    duration: Family<PoolLabels, Histogram>,
-}
-
-impl Default for RemoteFamily {
-    fn default() -> Self {
-        RemoteFamily {
-            errors: Family::default(),
-            duration: Family::new_with_constructor(hop_histogram),
-        }
-    }
-}
-
-impl RemoteFamily {
-    /// Register under `registry` (prefixed `vramguard`).
-    pub fn register(&self, registry: &mut Registry) {
-        registry.register(
-            "remote_errors",
-            "Failures of a remote pool's server, by kind (connect, timeout, overloaded, server_error, protocol, health)",
-            self.errors.clone(),
-        );
-        registry.register_with_unit(
-            "remote_request_duration",
-            "Time a request forwarded by a remote pool took there and back",
-            Unit::Seconds,
-            self.duration.clone(),
-        );
-    }
-
-    /// The handles a remote pool records into (its series exist from the start, so a rate
-    /// over them is defined before the first failure).
-    pub fn of_pool(&self, pool: &str) -> RemoteMetrics {
-        use crate::core::backend::RemoteFailure;
-        let labels = |kind| RemoteErrorLabels {
-            pool: pool.to_string(),
-            kind,
-        };
-        for kind in [
-            RemoteFailure::Connect,
-            RemoteFailure::Timeout,
-            RemoteFailure::Overloaded,
-            RemoteFailure::ServerError,
-            RemoteFailure::Protocol,
-            RemoteFailure::Health,
-        ] {
-            self.errors.get_or_create_owned(&labels(kind));
-        }
-        RemoteMetrics {
-            pool: pool.to_string(),
-            errors: self.errors.clone(),
-            duration: self.duration.get_or_create_owned(&PoolLabels::of(pool)),
-        }
     }
 }
 

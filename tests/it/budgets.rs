@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use reqwest::StatusCode;
 use serde_json::Value;
-use vramguard::core::backend::{ArenaStats, Backend, BackendError, RunMeta};
+use vramguard::core::backend::{Arenas, Backend, BackendError, Generations, Interrupts, Liveness, Residency, RunMeta};
 use vramguard::core::tensor::{Tensor, TensorData};
 use vramguard::http::status_of;
 use vramguard::serve::lifecycle::{self, Request, RequestError};
@@ -44,14 +44,36 @@ impl Backend for Gated {
         }])
     }
 
-    fn arena_stats(&self) -> Option<ArenaStats> {
+    fn residency(&mut self) -> Option<&mut dyn Residency> {
+        Some(self)
+    }
+
+    fn generations(&mut self) -> Option<&mut dyn Generations> {
         None
     }
 
+    fn arenas(&mut self) -> Option<&mut dyn Arenas> {
+        None
+    }
+
+    fn liveness(&self) -> Option<&dyn Liveness> {
+        None
+    }
+
+    fn interrupts(&mut self) -> Option<&mut dyn Interrupts> {
+        None
+    }
+}
+
+impl Residency for Gated {
     /// An `on_demand` model's load: nothing to build.
     fn load_model(&mut self, _: &str, _: &[u8]) -> Result<(), String> {
         Ok(())
     }
+
+    fn unload_model(&mut self, _: &str) {}
+
+    fn release_memory(&mut self, _: &dyn Fn(&str) -> Option<Vec<Tensor>>) {}
 }
 
 struct Harness {

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use axum::http::StatusCode;
 use tokio::time::Instant;
-use vramguard::core::backend::{ArenaStats, Backend, BackendError, RunMeta};
+use vramguard::core::backend::{Arenas, Backend, BackendError, Generations, Interrupts, Liveness, Residency, RunMeta};
 use vramguard::core::snapshot::Action;
 use vramguard::core::tensor::{Tensor, TensorData};
 use vramguard::http::status_of;
@@ -67,13 +67,31 @@ impl Backend for FakeBackend {
         }])
     }
 
-    fn arena_stats(&self) -> Option<ArenaStats> {
+    fn residency(&mut self) -> Option<&mut dyn Residency> {
         None
     }
 
-    fn interrupt_handle(&self) -> Option<vramguard::core::backend::Interrupt> {
+    fn generations(&mut self) -> Option<&mut dyn Generations> {
+        None
+    }
+
+    fn arenas(&mut self) -> Option<&mut dyn Arenas> {
+        None
+    }
+
+    fn liveness(&self) -> Option<&dyn Liveness> {
+        None
+    }
+
+    fn interrupts(&mut self) -> Option<&mut dyn Interrupts> {
+        Some(self)
+    }
+}
+
+impl Interrupts for FakeBackend {
+    fn interrupt_handle(&self) -> vramguard::core::backend::Interrupt {
         let interrupted = Arc::clone(&self.interrupted);
-        Some(Arc::new(move || interrupted.store(true, Ordering::SeqCst)))
+        Arc::new(move || interrupted.store(true, Ordering::SeqCst))
     }
 
     fn clear_interrupt(&mut self) {

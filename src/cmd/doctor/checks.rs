@@ -5,11 +5,11 @@ use serde_json::{Value, json};
 
 use super::{Check, Status};
 use crate::config::{Config, ConfigError, DeviceKind, Provider};
+use crate::core::human::human_bytes;
 use crate::core::snapshot::DeviceClass;
 use crate::device::host::HostSource;
 use crate::device::{HostMemory, MemorySource, Reading};
 use crate::runtime::onnx::{OnnxRuntime, PINNED_VERSION, RuntimeError};
-use crate::telemetry::logging::human_bytes;
 
 /// `config`: the file validates (schema, values, cross-references, model files exist).
 pub fn check_config(label: &str, config: &Result<Config, ConfigError>) -> Check {

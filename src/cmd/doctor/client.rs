@@ -6,7 +6,7 @@ use std::path::Path;
 use std::sync::OnceLock;
 use std::time::Duration;
 
-use crate::telemetry::logging::error_chain;
+use crate::core::human::error_chain;
 
 /// How long one request may take, connecting and reading the whole answer, before the server
 /// counts as hung.

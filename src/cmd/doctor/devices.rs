@@ -6,10 +6,10 @@ use serde_json::{Value, json};
 use super::server::ServerProbe;
 use super::{Check, GIB, Status};
 use crate::config::{Config, DeviceKind, ServiceRule};
+use crate::core::human::human_bytes;
 use crate::core::snapshot::{DeviceClass, ProcessState};
 use crate::device::nvml::{Inventory, NvmlSource};
 use crate::device::{MemorySource, Reading};
-use crate::telemetry::logging::human_bytes;
 
 /// The driver's inventory and one reading of its devices.
 pub(super) fn probe_nvml(config: Option<&Config>) -> Result<(Inventory, Reading), String> {

@@ -10,8 +10,8 @@ use super::criterion::Criterion;
 use super::phase::Phase;
 use super::phases::Facts;
 use super::record::{Record, Samples};
+use crate::core::human::human_bytes;
 use crate::core::snapshot::Action;
-use crate::telemetry::logging::human_bytes;
 
 /// One phase, summed up.
 #[derive(Debug, Clone, Serialize)]
@@ -237,7 +237,7 @@ fn as_expected(records: &[Record]) -> Criterion {
                 r.retry.as_deref().map(|x| format!(", retry {x}")).unwrap_or_default(),
                 r.first_failure
                     .as_ref()
-                    .map(|f| format!(", {}", crate::telemetry::logging::clipped(&f.to_string(), 160)))
+                    .map(|f| format!(", {}", crate::core::human::clipped(&f.to_string(), 160)))
                     .unwrap_or_default()
             )
         })

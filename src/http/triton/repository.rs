@@ -19,9 +19,9 @@ use serde::Deserialize;
 use serde::de::DeserializeOwned;
 use serde_json::{Map, Value, json};
 
+use crate::core::human::clipped;
 use crate::pool::ResidencyError;
 use crate::serve::service::Service;
-use crate::telemetry::logging::clipped;
 
 use super::super::error::ApiError;
 use super::super::residency::{self, Done};

@@ -1,7 +1,7 @@
 //! [`ProcessBackend`]: one lane of a session connection to the pool's worker process (two
 //! lanes share each connection's sessions, see [`super::conn`]). A worker process that dies
 //! (or is replaced) turns every run into [`BackendError::WorkerLost`] at once, and
-//! [`Backend::lost`] tells the pool to replace the backend with one on the new process.
+//! [`Liveness::lost`] tells the pool to replace the backend with one on the new process.
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
@@ -10,7 +10,10 @@ use super::conn::Conn;
 use super::host::WorkerHost;
 use super::shm::{Region, SHARED_FROM};
 use super::wire::{self, Answer, Ask};
-use crate::core::backend::{ArenaStats, Backend, BackendError, DecodeStep, Interrupt, RunMeta};
+use crate::core::backend::{
+    ArenaStats, Arenas, Backend, BackendError, DecodeStep, Generations, Interrupt, Interrupts, Liveness, Residency,
+    RunMeta,
+};
 use crate::core::tensor::Tensor;
 use crate::pool::RunOp;
 
@@ -22,7 +25,7 @@ pub struct ProcessBackend {
     /// The number of its next run (the one an interrupt handle given out now stops).
     seq: u64,
     stats: Option<ArenaStats>,
-    /// All its arenas summed, as the worker last said ([`Backend::held_arena_stats`]).
+    /// All its arenas summed, as the worker last said ([`Arenas::held_arena_stats`]).
     held: Option<ArenaStats>,
     /// The last run's input bytes and answer: their allocations are reused.
     sent: Vec<u8>,
@@ -269,11 +272,29 @@ impl Backend for ProcessBackend {
         self.call(model, inputs, outputs, RunOp::Run)
     }
 
-    /// The worker keeps the caches: they live and die with its process.
-    fn keeps_caches(&self) -> bool {
-        true
+    fn residency(&mut self) -> Option<&mut dyn Residency> {
+        Some(self)
     }
 
+    /// The worker keeps the caches: they live and die with its process.
+    fn generations(&mut self) -> Option<&mut dyn Generations> {
+        Some(self)
+    }
+
+    fn arenas(&mut self) -> Option<&mut dyn Arenas> {
+        Some(self)
+    }
+
+    fn liveness(&self) -> Option<&dyn Liveness> {
+        Some(self)
+    }
+
+    fn interrupts(&mut self) -> Option<&mut dyn Interrupts> {
+        Some(self)
+    }
+}
+
+impl Generations for ProcessBackend {
     fn prefill(
         &mut self,
         model: &str,
@@ -297,7 +318,9 @@ impl Backend for ProcessBackend {
     fn decode(&mut self, model: &str, step: &DecodeStep, _: &RunMeta) -> Result<Vec<Tensor>, BackendError> {
         self.call(model, &[], &[], RunOp::Decode(step.clone()))
     }
+}
 
+impl Arenas for ProcessBackend {
     fn arena_stats(&self) -> Option<ArenaStats> {
         self.stats
     }
@@ -321,10 +344,12 @@ impl Backend for ProcessBackend {
             self.stats = last.map(Into::into);
         }
     }
+}
 
-    fn interrupt_handle(&self) -> Option<Interrupt> {
+impl Interrupts for ProcessBackend {
+    fn interrupt_handle(&self) -> Interrupt {
         let (conn, seq) = (Arc::clone(&self.conn), self.seq);
-        Some(Arc::new(move || conn.interrupt(seq)))
+        Arc::new(move || conn.interrupt(seq))
     }
 
     fn clear_interrupt(&mut self) {
@@ -332,7 +357,9 @@ impl Backend for ProcessBackend {
         // or the other's) does not reach it.
         self.seq = self.conn.next_seq();
     }
+}
 
+impl Residency for ProcessBackend {
     fn load_model(&mut self, name: &str, bytes: &[u8]) -> Result<(), String> {
         let conn = Arc::clone(&self.conn);
         conn.load(self.lane, name, || {
@@ -370,7 +397,9 @@ impl Backend for ProcessBackend {
         let refs: Vec<&[u8]> = blobs.iter().map(Vec::as_slice).collect();
         let _ = self.exchange(&Ask::Release { probes }, &refs);
     }
+}
 
+impl Liveness for ProcessBackend {
     fn worker_gone(&self) -> Option<String> {
         let why = self.conn.gone()?;
         let current = self.host.current()?;

@@ -19,10 +19,11 @@ use serde::{Deserialize, Serialize};
 use super::shm::Region;
 use super::wire::{self, Answer, Ask, SimChange, SimState, WireError};
 use crate::config::{CudaOptions, Provider};
-use crate::core::backend::{Backend, BackendError, Interrupt, RunMeta};
+use crate::core::backend::{ArenaStats, Backend, BackendError, Interrupt, RunMeta};
 use crate::core::cpus::CpuSet;
 use crate::core::tensor::TensorView;
-use crate::device::simulated::{FaultInjecting, SimulatedDevice};
+use crate::device::faults::FaultInjecting;
+use crate::device::simulated::SimulatedDevice;
 use crate::pool::RunOp;
 use crate::pool::patience::Patience;
 use crate::runtime::onnx::{OnnxRuntime, OrtBackend, SessionOptions};
@@ -256,7 +257,7 @@ impl Worker {
             }
             Ok(self.wrap(backend))
         });
-        let backend = match built {
+        let mut backend = match built {
             Ok(backend) => backend,
             Err(why) => {
                 let _ = reply(&mut stream, &Answer::Refused(why), &[]);
@@ -266,7 +267,7 @@ impl Worker {
         drop(files);
         let id = self.next_session.fetch_add(1, Ordering::Relaxed);
         let runs = Arc::new(Mutex::new(Runs {
-            handle: backend.interrupt_handle(),
+            handle: backend.interrupts().map(|interrupts| interrupts.interrupt_handle()),
             ..Runs::default()
         }));
         self.sessions
@@ -373,19 +374,20 @@ impl Worker {
                 (_, Err(why)) => reply(stream, &Answer::Refused(why), &[]),
             },
             Ask::Stats { model } => {
-                match model {
-                    Some(model) => held.backend.refresh_arena_stats_for(&model),
-                    None => held.backend.refresh_arena_stats(),
-                }
+                let (last, held) = fresh_stats(held.backend.as_mut(), model.as_deref());
                 let answer = Answer::Stats {
-                    last: held.backend.arena_stats().map(Into::into),
-                    held: held.backend.held_arena_stats().map(Into::into),
+                    last: last.map(Into::into),
+                    held: held.map(Into::into),
                 };
                 reply(stream, &answer, &[])
             }
             Ask::Load { name, bytes } => {
                 let answer = match wire::take(payload, &mut 0, bytes) {
-                    Ok(file) => match held.backend.load_model(&name, file) {
+                    Ok(file) => match held
+                        .backend
+                        .loader(&name)
+                        .and_then(|residency| residency.load_model(&name, file))
+                    {
                         Ok(()) => Answer::Done { session: None },
                         Err(why) => Answer::Refused(why),
                     },
@@ -394,7 +396,9 @@ impl Worker {
                 reply(stream, &answer, &[])
             }
             Ask::Unload { name } => {
-                held.backend.unload_model(&name);
+                if let Some(residency) = held.backend.residency() {
+                    residency.unload_model(&name);
+                }
                 reply(stream, &Answer::Done { session: None }, &[])
             }
             Ask::Release { probes } => {
@@ -405,7 +409,9 @@ impl Worker {
                         inputs.insert(model.clone(), tensors);
                     }
                 }
-                held.backend.release_memory(&|model: &str| inputs.get(model).cloned());
+                if let Some(residency) = held.backend.residency() {
+                    residency.release_memory(&|model: &str| inputs.get(model).cloned());
+                }
                 reply(stream, &Answer::Done { session: None }, &[])
             }
             other => reply(
@@ -444,18 +450,20 @@ impl Worker {
             match op {
                 RunOp::Run => backend.run_views(model, &views, outputs, &meta),
                 RunOp::Prefill(sequence) => {
-                    owned(&views).and_then(|inputs| backend.prefill(model, sequence, inputs, &meta))
+                    owned(&views).and_then(|inputs| backend.caches()?.prefill(model, sequence, inputs, &meta))
                 }
                 RunOp::PrefillMany(seqs) => {
-                    owned(&views).and_then(|inputs| backend.prefill_many(model, &seqs, inputs, &meta))
+                    owned(&views).and_then(|inputs| backend.caches()?.prefill_many(model, &seqs, inputs, &meta))
                 }
-                RunOp::Decode(step) => backend.decode(model, &step, &meta),
+                RunOp::Decode(step) => backend.caches().and_then(|caches| caches.decode(model, &step, &meta)),
             }
         };
         {
             let mut runs = runs.lock().unwrap_or_else(|e| e.into_inner());
             runs.running = 0;
-            backend.clear_interrupt();
+            if let Some(interrupts) = backend.interrupts() {
+                interrupts.clear_interrupt();
+            }
         }
         // A driver-class failure poisons the process, as a sticky CUDA error does.
         if matches!(
@@ -469,15 +477,11 @@ impl Worker {
         }
         match result {
             Ok(tensors) => {
-                let (stats, held) = if stats {
-                    backend.refresh_arena_stats();
-                    (
-                        backend.arena_stats().map(Into::into),
-                        backend.held_arena_stats().map(Into::into),
-                    )
-                } else {
-                    (None, None)
+                let (stats, held) = match stats {
+                    true => fresh_stats(backend, None),
+                    false => (None, None),
                 };
+                let (stats, held) = (stats.map(Into::into), held.map(Into::into));
                 // Into the shared region when they fit, else inline.
                 let shared = out
                     .region
@@ -596,6 +600,19 @@ fn owned(views: &[TensorView<'_>]) -> Result<Vec<crate::core::tensor::Tensor>, B
         .map(TensorView::to_tensor)
         .collect::<Result<Vec<_>, _>>()
         .map_err(BackendError::InvalidInput)
+}
+
+/// Read `backend`'s allocator statistics again, of `model`'s arena or of all, and return them:
+/// the last run's arena and everything it holds (none without an arena).
+fn fresh_stats(backend: &mut dyn Backend, model: Option<&str>) -> (Option<ArenaStats>, Option<ArenaStats>) {
+    let Some(arenas) = backend.arenas() else {
+        return (None, None);
+    };
+    match model {
+        Some(model) => arenas.refresh_arena_stats_for(model),
+        None => arenas.refresh_arena_stats(),
+    }
+    (arenas.arena_stats(), arenas.held_arena_stats())
 }
 
 fn poisoned() -> BackendError {

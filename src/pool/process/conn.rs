@@ -11,8 +11,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 
 use super::expect::{self, Expected};
-use super::host::Worker;
 use super::wire::{self, Answer, Ask, LANES};
+use super::worker::Worker;
 use crate::core::backend::BackendError;
 
 /// The writing side: frames go out whole, each numbered by the answer it will get.

@@ -1,97 +1,26 @@
-//! A pool's worker process as its parent sees it: started from vramguard's own binary with the
-//! pool's spec, reached over Unix sockets in a folder of its own (owner-only), watched through
-//! a control connection, killed and reaped by its parent, replaced when it is lost.
+//! Where a pool's worker processes come from: each started from vramguard's own binary with the
+//! pool's spec, reached over Unix sockets in a folder of its own (owner-only), replaced when it
+//! is lost; the one running now ([`Worker`], `worker.rs`) is watched through a control
+//! connection, killed and reaped by its parent.
 
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
-use std::process::{Child, ChildStdin, Command, Stdio};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, RwLock, mpsc};
 use std::time::Duration;
 
 use super::child::WorkerSpec;
+use super::conn::Conn;
 use super::wire::{self, Answer, Ask, SimChange, SimState};
+use super::worker::{Worker, describe};
 use crate::core::scratch::OwnDir;
 use crate::device::simulated::{DeviceChange, DeviceLink, DeviceState};
 
 /// How long a starting worker may take to say it is ready (ONNX Runtime's library loads; the
 /// models load afterwards, per session).
 const READY_WITHIN: Duration = Duration::from_secs(60);
-
-/// One running worker process.
-#[derive(Debug)]
-pub struct Worker {
-    /// Its process id.
-    pub pid: u32,
-    /// Which of its host's workers it is (counting from 1).
-    pub generation: u64,
-    socket: PathBuf,
-    child: Mutex<Child>,
-    control: Mutex<UnixStream>,
-    /// The pipe it watches: dropped, the worker exits.
-    _stdin: ChildStdin,
-    /// Killed on purpose by the `kill_worker` fault knob ([`Worker::signal_kill`]): its loss is
-    /// the fault asked for, not a failure.
-    injected: AtomicBool,
-}
-
-impl Worker {
-    /// A new connection to it, its first frame sent.
-    pub fn connect(&self, first: &Ask, blobs: &[&[u8]]) -> Result<UnixStream, String> {
-        let mut stream =
-            UnixStream::connect(&self.socket).map_err(|e| format!("cannot reach worker process {}: {e}", self.pid))?;
-        wire::write_frame(&mut stream, first, blobs).map_err(|e| format!("worker process {}: {e}", self.pid))?;
-        Ok(stream)
-    }
-
-    /// How it ended, if it has: `exited with status 1`, `killed by signal 9`.
-    pub fn ended(&self) -> Option<String> {
-        let status = self.child.lock().unwrap_or_else(|e| e.into_inner()).try_wait().ok()??;
-        Some(describe(status))
-    }
-
-    /// Kill it (SIGKILL) and reap it.
-    pub fn kill(&self) -> String {
-        let mut child = self.child.lock().unwrap_or_else(|e| e.into_inner());
-        let _ = child.kill();
-        child.wait().map(describe).unwrap_or_else(|e| e.to_string())
-    }
-
-    /// Whether it was killed by the `kill_worker` fault knob.
-    pub fn killed_on_purpose(&self) -> bool {
-        self.injected.load(Ordering::Relaxed)
-    }
-
-    /// Send SIGKILL and return at once (a fault knob: it dies mid-run).
-    #[allow(unsafe_code)]
-    pub fn signal_kill(&self) {
-        self.injected.store(true, Ordering::Relaxed);
-        // SAFETY: kill(2) with a pid we started and have not reaped (reaping happens only under
-        // the child's lock, after which `ended` reports it).
-        unsafe {
-            libc::kill(self.pid as i32, libc::SIGKILL);
-        }
-    }
-
-    /// Ask on the control connection, waiting at most its timeout.
-    fn ask(&self, ask: &Ask) -> Result<Answer, String> {
-        let mut control = self.control.lock().unwrap_or_else(|e| e.into_inner());
-        wire::write_frame(&mut *control, ask, &[]).map_err(|e| format!("worker process {}: {e}", self.pid))?;
-        let (answer, _) = wire::read_frame::<Answer>(&mut *control)
-            .map_err(|e| format!("worker process {} did not answer: {e}", self.pid))?;
-        Ok(answer)
-    }
-}
-
-fn describe(status: std::process::ExitStatus) -> String {
-    use std::os::unix::process::ExitStatusExt;
-    match (status.code(), status.signal()) {
-        (Some(code), _) => format!("exited with status {code}"),
-        (None, Some(signal)) => format!("killed by signal {signal}"),
-        _ => status.to_string(),
-    }
-}
 
 /// Where a pool's worker processes come from, and the one running now.
 #[derive(Debug)]
@@ -110,7 +39,7 @@ pub struct WorkerHost {
     /// Serialises starting and replacing workers.
     pub(crate) lifecycle: Mutex<()>,
     /// The last session connection with a lane free: the next lane opened joins it.
-    pub(super) spare: Mutex<Option<std::sync::Weak<super::conn::Conn>>>,
+    pub(super) spare: Mutex<Option<std::sync::Weak<Conn>>>,
 }
 
 impl WorkerHost {
@@ -197,15 +126,7 @@ impl WorkerHost {
             let _ = child.kill();
             let _ = child.wait();
         })?;
-        let worker = Arc::new(Worker {
-            pid,
-            generation,
-            socket,
-            child: Mutex::new(child),
-            control: Mutex::new(control),
-            _stdin: stdin,
-            injected: AtomicBool::new(false),
-        });
+        let worker = Arc::new(Worker::new(generation, socket, child, control, stdin));
         let pressure = self.pressure.load(Ordering::Relaxed);
         if pressure > 0
             && let Err(why) = change(
@@ -353,12 +274,10 @@ impl DeviceLink for WorkerHost {
             .ok_or("the pool's worker process is not running (it is being replaced)")?;
         if wanted.hang {
             // It will not answer: the heartbeat finds it hung and replaces it.
-            let mut control = worker.control.lock().unwrap_or_else(|e| e.into_inner());
-            let hang = Ask::Sim(SimChange {
+            worker.tell(&Ask::Sim(SimChange {
                 hang: true,
                 ..SimChange::default()
-            });
-            wire::write_frame(&mut *control, &hang, &[]).map_err(|e| e.to_string())?;
+            }))?;
             return Ok(DeviceState::default());
         }
         let state = change(

@@ -5,8 +5,8 @@ use serde::Serialize;
 use serde_json::{Map, Value};
 
 use super::decode::DecodedRequest;
+use crate::core::human::human_bytes;
 use crate::core::tensor::{DataType, Tensor, TensorData};
-use crate::telemetry::logging::human_bytes;
 
 #[derive(Serialize)]
 struct ResponseJson<'a> {

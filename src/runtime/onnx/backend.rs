@@ -3,14 +3,14 @@
 
 use std::collections::HashMap;
 
-use ort::memory::{AllocationDevice, Allocator, AllocatorType, MemoryInfo, MemoryType};
+use ort::memory::Allocator;
 use ort::session::{RunOptions, Session};
 
 use super::generations::Generations;
 use super::kernels::Kernels;
-use super::{OnnxRuntime, SessionOptions, arena, build_session, run};
+use super::{OnnxRuntime, SessionOptions, arena, arena_allocator, build_session, run};
 use crate::config::Provider;
-use crate::core::backend::{Backend, BackendError, DecodeStep, RunMeta};
+use crate::core::backend::{self as seam, Arenas, Backend, BackendError, DecodeStep, Interrupts, Residency, RunMeta};
 use crate::core::tensor::{Tensor, TensorView};
 use crate::runtime::decoder::DecoderLayout;
 
@@ -28,21 +28,6 @@ fn open_session(
     Ok((session, allocator))
 }
 
-/// The arena `session` allocates its runs (and the outputs bound to its device) from, when it
-/// has one: the CUDA device's for CUDA pools, the host's otherwise.
-pub(super) fn arena_allocator(session: &Session, options: &SessionOptions) -> Option<Allocator> {
-    let info = match &options.provider {
-        Provider::Cuda(_) => MemoryInfo::new(
-            AllocationDevice::CUDA,
-            options.device_index as i32,
-            AllocatorType::Arena,
-            MemoryType::Default,
-        ),
-        _ => MemoryInfo::new(AllocationDevice::CPU, 0, AllocatorType::Arena, MemoryType::Default),
-    };
-    info.and_then(|info| Allocator::new(session, info)).ok()
-}
-
 /// The production [`Backend`]: one session per model, owned by one worker.
 pub struct OrtBackend {
     /// What later loads build their sessions with.
@@ -50,11 +35,11 @@ pub struct OrtBackend {
     options: SessionOptions,
     pub(super) sessions: HashMap<String, (Session, Option<Allocator>)>,
     last_stats: Option<arena::ArenaStats>,
-    /// Every arena's, summed ([`Backend::held_arena_stats`]).
+    /// Every arena's, summed ([`Arenas::held_arena_stats`]).
     held_stats: Option<arena::ArenaStats>,
     last_model: Option<String>,
     /// One run at a time per backend, so one set of options: its terminate flag stops the run
-    /// in progress (see [`Backend::interrupt_handle`]).
+    /// in progress (see [`Interrupts::interrupt_handle`]).
     run_options: std::sync::Arc<RunOptions>,
     /// Options of the runs that shrink the arena when the pool is idle (built on first use).
     shrinking: Option<RunOptions>,
@@ -174,10 +159,29 @@ impl Backend for OrtBackend {
         super::run_views(session, inputs, outputs, Some(&self.run_options))
     }
 
-    fn keeps_caches(&self) -> bool {
-        true
+    fn residency(&mut self) -> Option<&mut dyn Residency> {
+        Some(self)
     }
 
+    fn generations(&mut self) -> Option<&mut dyn seam::Generations> {
+        Some(self)
+    }
+
+    fn arenas(&mut self) -> Option<&mut dyn Arenas> {
+        Some(self)
+    }
+
+    /// Its sessions live in this process: they go only with it.
+    fn liveness(&self) -> Option<&dyn seam::Liveness> {
+        None
+    }
+
+    fn interrupts(&mut self) -> Option<&mut dyn Interrupts> {
+        Some(self)
+    }
+}
+
+impl seam::Generations for OrtBackend {
     fn prefill(
         &mut self,
         model: &str,
@@ -210,6 +214,28 @@ impl Backend for OrtBackend {
         self.generations
             .decode(session, &layout, model, step, &self.run_options)
     }
+}
+
+impl Residency for OrtBackend {
+    fn load_model(&mut self, name: &str, bytes: &[u8]) -> Result<(), String> {
+        let session = open_session(self.rt, name, bytes, &self.options)?;
+        self.generations.forget(name);
+        match decoder_of(&session.0) {
+            Some(layout) => self.decoders.insert(name.to_string(), layout),
+            None => self.decoders.remove(name),
+        };
+        self.sessions.insert(name.to_string(), session);
+        Ok(())
+    }
+
+    fn unload_model(&mut self, name: &str) {
+        self.sessions.remove(name);
+        self.decoders.remove(name);
+        self.generations.forget(name);
+        if self.last_model.as_deref() == Some(name) {
+            self.last_model = None;
+        }
+    }
 
     fn release_memory(&mut self, probe: &dyn Fn(&str) -> Option<Vec<Tensor>>) {
         // ONNX Runtime's arena shrinks only at the end of a run whose options ask it to: each
@@ -236,40 +262,24 @@ impl Backend for OrtBackend {
             }
         }
     }
+}
 
+impl Interrupts for OrtBackend {
     fn clear_interrupt(&mut self) {
         if let Err(e) = self.run_options.unterminate() {
             tracing::warn!(error = %e, "cannot clear the run options' terminate flag");
         }
     }
 
-    fn interrupt_handle(&self) -> Option<crate::core::backend::Interrupt> {
+    fn interrupt_handle(&self) -> seam::Interrupt {
         let run_options = std::sync::Arc::clone(&self.run_options);
-        Some(std::sync::Arc::new(move || {
+        std::sync::Arc::new(move || {
             let _ = run_options.terminate();
-        }))
+        })
     }
+}
 
-    fn load_model(&mut self, name: &str, bytes: &[u8]) -> Result<(), String> {
-        let session = open_session(self.rt, name, bytes, &self.options)?;
-        self.generations.forget(name);
-        match decoder_of(&session.0) {
-            Some(layout) => self.decoders.insert(name.to_string(), layout),
-            None => self.decoders.remove(name),
-        };
-        self.sessions.insert(name.to_string(), session);
-        Ok(())
-    }
-
-    fn unload_model(&mut self, name: &str) {
-        self.sessions.remove(name);
-        self.decoders.remove(name);
-        self.generations.forget(name);
-        if self.last_model.as_deref() == Some(name) {
-            self.last_model = None;
-        }
-    }
-
+impl Arenas for OrtBackend {
     fn arena_stats(&self) -> Option<arena::ArenaStats> {
         self.last_stats
     }

@@ -85,7 +85,7 @@ impl Generations {
         kernels
             .sessions
             .values()
-            .filter_map(|session| super::backend::arena_allocator(session, &kernels.options))
+            .filter_map(|session| super::arena_allocator(session, &kernels.options))
             .filter_map(|allocator| super::arena::allocator_stats(&allocator).ok())
             .collect()
     }
@@ -243,10 +243,10 @@ impl Generations {
             .collect())
     }
 
-    /// One batched step of `model`'s generations (see [`Backend::decode`]): ended caches
+    /// One batched step of `model`'s generations (see [`Generations::decode`]): ended caches
     /// dropped, joiners and leavers arranged into the batch, then one run for every row.
     ///
-    /// [`Backend::decode`]: crate::core::backend::Backend::decode
+    /// [`Generations::decode`]: crate::core::backend::Generations::decode
     pub fn decode(
         &mut self,
         session: &mut Session,

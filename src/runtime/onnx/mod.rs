@@ -15,6 +15,7 @@ use std::sync::{Mutex, OnceLock};
 
 use ort::environment::Environment;
 use ort::ep;
+use ort::memory::{AllocationDevice, Allocator, AllocatorType, MemoryInfo, MemoryType};
 use ort::session::{RunOptions, Session, SessionInputValue, builder::GraphOptimizationLevel};
 use ort::value::{DynValue, TensorElementType, ValueType};
 
@@ -370,6 +371,22 @@ pub fn build_session(rt: &OnnxRuntime, model: &[u8], options: &SessionOptions) -
         Provider::Remote(_) => return Err("a remote pool runs its models on the remote server".into()),
     };
     builder.commit_from_memory(model).map_err(msg)
+}
+
+/// The arena `session` allocates its runs (and the outputs bound to its device) from, when it
+/// has one: the CUDA device's for CUDA pools, the host's otherwise. Beside the session builder
+/// because both the backend's sessions and the graphs that move its caches are read through it.
+fn arena_allocator(session: &Session, options: &SessionOptions) -> Option<Allocator> {
+    let info = match &options.provider {
+        Provider::Cuda(_) => MemoryInfo::new(
+            AllocationDevice::CUDA,
+            options.device_index as i32,
+            AllocatorType::Arena,
+            MemoryType::Default,
+        ),
+        _ => MemoryInfo::new(AllocationDevice::CPU, 0, AllocatorType::Arena, MemoryType::Default),
+    };
+    info.and_then(|info| Allocator::new(session, info)).ok()
 }
 
 /// Whether this ONNX Runtime build has the CUDA execution provider compiled in: the CPU-only

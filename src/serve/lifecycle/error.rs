@@ -375,7 +375,7 @@ impl RequestError {
     pub fn unknown_model(service: &Service, model: &str) -> RequestError {
         RequestError::UnknownModel {
             // The name comes from the client.
-            model: crate::telemetry::logging::clipped(model, 64),
+            model: crate::core::human::clipped(model, 64),
             known: service.model_names(),
         }
     }

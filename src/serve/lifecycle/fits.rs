@@ -9,11 +9,11 @@
 
 use std::fmt;
 
+use crate::core::human::human_bytes;
 use crate::core::snapshot::{Estimate, Snapshot};
 use crate::pool::Pool;
 use crate::runtime::estimate::{AxisRole, Dims};
 use crate::serve::service::{Memory, ModelEntry, Service, memory_of};
-use crate::telemetry::logging::human_bytes;
 
 use super::Request;
 

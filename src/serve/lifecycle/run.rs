@@ -36,10 +36,10 @@ pub(super) fn host_keeps_reserve(service: &Service, pool: &Pool, need_bytes: u64
     if left < host.reserve_bytes {
         return Err(format!(
             "the host would drop below its memory reserve ({} available, {} promised to running CPU work, {} needed, {} reserved)",
-            crate::telemetry::logging::human_bytes(host.mem_available_bytes),
-            crate::telemetry::logging::human_bytes(committed),
-            crate::telemetry::logging::human_bytes(need_bytes),
-            crate::telemetry::logging::human_bytes(host.reserve_bytes)
+            crate::core::human::human_bytes(host.mem_available_bytes),
+            crate::core::human::human_bytes(committed),
+            crate::core::human::human_bytes(need_bytes),
+            crate::core::human::human_bytes(host.reserve_bytes)
         ));
     }
     Ok(())

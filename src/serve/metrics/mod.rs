@@ -1,13 +1,13 @@
 //! Every metric family `vramguard serve` records into, registered together as [`Metrics`]: one
 //! struct of cheap handles, one field per family. Each family is defined (struct, labels,
-//! registration, the series it creates at 0) in one file of the layer that owns what it
-//! measures: `telemetry::metrics` (the process: build, memory sampling, HTTP limits; remote
-//! pools), `pool::metrics` (runs, health checks, worker processes, residency), and here
-//! `requests.rs` (requests and their durations), `generation.rs` (tokens), `policy.rs`
-//! (admission decisions, reloads), `failover.rs` (retries, failovers, substitutions),
-//! `estimates.rs` (memory estimates' quality, what models hold) and `waits.rs` (requests held
-//! back by their service's budgets). Gauges read from live state are encoded at scrape time by
-//! the collectors instead ([`crate::telemetry::exporter::LiveCollector`]).
+//! registration, the series it creates at 0) in one file of the layer that owns what it measures:
+//! `telemetry::metrics` (the process: build, memory sampling, HTTP limits), `pool::metrics` (runs,
+//! health checks, worker processes, residency), `pool::remote` (remote pools), and here
+//! `requests.rs` (requests and their durations), `generation.rs` (tokens), `policy.rs` (admission
+//! decisions, reloads), `failover.rs` (retries, failovers, substitutions), `estimates.rs` (memory
+//! estimates' quality, what models hold) and `waits.rs` (requests held back by their service's
+//! budgets). Gauges read from live state are encoded at scrape time by the collectors instead
+//! ([`crate::telemetry::exporter::LiveCollector`]).
 
 mod estimates;
 mod failover;
@@ -22,8 +22,9 @@ use prometheus_client::registry::Registry;
 
 use crate::config::ModelConfig;
 use crate::pool::metrics::{HealthMetrics, ResidencyMetrics, RunMetrics, WorkerMetrics};
+use crate::pool::remote::RemoteFamily;
 use crate::pool::{Pool, PoolMetrics};
-use crate::telemetry::metrics::{ProcessMetrics, RemoteFamily};
+use crate::telemetry::metrics::ProcessMetrics;
 
 pub use estimates::{EstimateMetrics, MemoryKind, ModelMemoryLabels};
 pub use failover::{

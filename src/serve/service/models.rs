@@ -248,8 +248,8 @@ fn profile_of(
         ),
         _ => tracing::info!(
             model = %m.name,
-            weights = %crate::telemetry::logging::human_bytes(profile.weights_bytes),
-            workspace = %crate::telemetry::logging::human_bytes(profile.workspace_bytes.round() as u64),
+            weights = %crate::core::human::human_bytes(profile.weights_bytes),
+            workspace = %crate::core::human::human_bytes(profile.workspace_bytes.round() as u64),
             working = %profile.formula(),
             measure_ms = match &profile.source {
                 ProfileSource::Measured { measure_ms, .. } => *measure_ms,

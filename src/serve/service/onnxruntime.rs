@@ -8,7 +8,8 @@ use std::sync::{Arc, Mutex};
 
 use crate::config::{Config, DeviceKind, Isolation, ModelConfig, PoolConfig, Provider};
 use crate::core::backend::Backend;
-use crate::device::simulated::{FaultInjecting, SimulatedDevice};
+use crate::device::faults::FaultInjecting;
+use crate::device::simulated::SimulatedDevice;
 use crate::pool::process::{ProcessBackend, WorkerHost, WorkerSpec};
 use crate::runtime::estimate::{self, MemoryProfile};
 use crate::runtime::onnx::{self, ModelSignature, OnnxRuntime, OrtBackend, SessionOptions};

@@ -49,7 +49,7 @@ impl Parts {
                         && p.isolation == crate::config::Isolation::Process
                 });
                 if in_worker {
-                    tracing::info!(device = %device.name, capacity = %crate::telemetry::logging::human_bytes(capacity), "SIMULATED accelerator ready (held by its pool's worker process)");
+                    tracing::info!(device = %device.name, capacity = %crate::core::human::human_bytes(capacity), "SIMULATED accelerator ready (held by its pool's worker process)");
                     simulated.push(Arc::new(SimulatedDevice::linked(&device.name, capacity)));
                     continue;
                 }
@@ -59,7 +59,7 @@ impl Parts {
                         key: format!("devices.{}", device.name),
                         message,
                     })?;
-                tracing::info!(device = %device.name, capacity = %crate::telemetry::logging::human_bytes(capacity), "SIMULATED accelerator ready");
+                tracing::info!(device = %device.name, capacity = %crate::core::human::human_bytes(capacity), "SIMULATED accelerator ready");
                 simulated.push(Arc::new(opened));
             }
         }

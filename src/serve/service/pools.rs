@@ -6,9 +6,9 @@ use std::sync::Arc;
 use crate::config::{Config, PoolConfig, Provider};
 use crate::core::backend::Backend;
 use crate::core::snapshot::DeviceClass;
+use crate::pool::remote::RemoteBackend;
 use crate::pool::{ModelSetup, Pool, PoolContext, Respawn};
 use crate::serve::metrics::Metrics;
-use crate::serve::remote::RemoteBackend;
 
 use super::{BackendFactory, ModelBytes, ModelEntry};
 

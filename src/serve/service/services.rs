@@ -16,10 +16,10 @@ use std::sync::{Arc, Mutex};
 use tokio::sync::Notify;
 
 use crate::config::{Config, ServiceClass, ServiceConfig};
+use crate::core::human::human_bytes;
 use crate::core::snapshot::{ServiceState, Snapshot};
 use crate::pool::Pool;
 use crate::pool::activity::{Activity, Progress};
-use crate::telemetry::logging::human_bytes;
 
 use super::{Memory, ModelEntry, Service, memory_of, observe};
 
@@ -359,7 +359,7 @@ impl Service {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::core::backend::{ArenaStats, Backend, BackendError, RunMeta};
+    use crate::core::backend::{Arenas, Backend, BackendError, Generations, Interrupts, Liveness, Residency, RunMeta};
     use crate::core::tensor::Tensor;
     use crate::testing::fakes::{self, FakeFactory};
 
@@ -377,7 +377,19 @@ mod tests {
             Ok(inputs)
         }
 
-        fn arena_stats(&self) -> Option<ArenaStats> {
+        fn residency(&mut self) -> Option<&mut dyn Residency> {
+            None
+        }
+        fn generations(&mut self) -> Option<&mut dyn Generations> {
+            None
+        }
+        fn arenas(&mut self) -> Option<&mut dyn Arenas> {
+            None
+        }
+        fn liveness(&self) -> Option<&dyn Liveness> {
+            None
+        }
+        fn interrupts(&mut self) -> Option<&mut dyn Interrupts> {
             None
         }
     }

@@ -2,7 +2,7 @@
 //! leave, prompts prefilled together, and the bytes of masked slots.
 
 use super::super::{OrtBackend, SessionOptions, runtime};
-use crate::core::backend::{Backend, DecodeRow, DecodeStep, RunMeta};
+use crate::core::backend::{DecodeRow, DecodeStep, Generations, RunMeta};
 use crate::core::model::BuiltinModel;
 use crate::core::tensor::TensorData;
 use crate::runtime::decoder::{DecoderLayout, step_inputs};

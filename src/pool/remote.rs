@@ -8,10 +8,16 @@
 //! - [`answer`]: what the remote's answer means (pure, tested without a socket): outputs, the
 //!   client's mistake passed on, or a failure of the remote counted by the breaker.
 //! - [`watch_health`]: polls the remote's `/v2/health/ready` and feeds the pool's breaker.
+//! - `metrics`: the remote pools' metric family ([`RemoteFamily`]) and one pool's handles
+//!   ([`RemoteMetrics`]).
 //!
 //! What travels with a request: the request id (`x-request-id` and the protocol's `id`), the
 //! time left before the deadline (`x-vramguard-deadline-ms`), the `idempotency-key`, and the
 //! priority, replayability and shrink permission vramguard's own headers carry.
+
+mod metrics;
+
+pub use metrics::{RemoteFamily, RemoteMetrics};
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -24,14 +30,16 @@ use hyper_util::rt::{TokioExecutor, TokioTimer};
 use tokio::sync::Notify;
 
 use crate::config::RemoteOptions;
-use crate::core::backend::{AllocFailureKind, ArenaStats, Backend, BackendError, Interrupt, RemoteFailure, RunMeta};
+use crate::core::backend::{
+    AllocFailureKind, Arenas, Backend, BackendError, Generations, Interrupt, Interrupts, Liveness, RemoteFailure,
+    Residency, RunMeta,
+};
 use crate::core::tensor::Tensor;
 use crate::pool::{CheckFailure, Pool};
 use crate::protocol::headers::{
     ALLOW_SHRINK_HEADER, DEADLINE_HEADER, HEADER_LENGTH, IDEMPOTENCY_KEY, PRIORITY_HEADER, REPLAYABLE_HEADER,
     REQUEST_ID,
 };
-use crate::telemetry::metrics::RemoteMetrics;
 
 /// How long an idle connection is kept for the next request. Below the keep-alive of the
 /// servers it talks to (uvicorn, under KServe, closes after 5 s; nginx and vramguard after
@@ -184,13 +192,36 @@ impl Backend for RemoteBackend {
         result
     }
 
-    fn arena_stats(&self) -> Option<ArenaStats> {
+    /// Its server loads its own models.
+    fn residency(&mut self) -> Option<&mut dyn Residency> {
         None
     }
 
-    fn interrupt_handle(&self) -> Option<Interrupt> {
+    /// Its server keeps its own caches: a generation carries its cache with each step.
+    fn generations(&mut self) -> Option<&mut dyn Generations> {
+        None
+    }
+
+    /// Its server's memory is its server's to report.
+    fn arenas(&mut self) -> Option<&mut dyn Arenas> {
+        None
+    }
+
+    /// A server that is gone fails its requests, counted by the pool's breaker: nothing here
+    /// is replaced.
+    fn liveness(&self) -> Option<&dyn Liveness> {
+        None
+    }
+
+    fn interrupts(&mut self) -> Option<&mut dyn Interrupts> {
+        Some(self)
+    }
+}
+
+impl Interrupts for RemoteBackend {
+    fn interrupt_handle(&self) -> Interrupt {
         let stop = Arc::clone(&self.stop);
-        Some(Arc::new(move || stop.notify_one()))
+        Arc::new(move || stop.notify_one())
     }
 
     fn clear_interrupt(&mut self) {
@@ -255,7 +286,7 @@ async fn exchange(
         };
         BackendError::Remote {
             kind,
-            message: crate::telemetry::logging::error_chain(&e),
+            message: crate::core::human::error_chain(&e),
         }
     })?;
     let status = response.status().as_u16();
@@ -269,7 +300,7 @@ async fn exchange(
             kind: RemoteFailure::Protocol,
             message: format!(
                 "the answer could not be read whole (over server.max_response_bytes, {max_bytes} bytes, or cut off): {}",
-                crate::telemetry::logging::error_chain(&e)
+                crate::core::human::error_chain(&e)
             ),
         })?;
     Ok(Reply {
@@ -357,10 +388,7 @@ fn error_body(body: &[u8]) -> (String, Option<String>) {
     match serde_json::from_slice::<ErrorJson>(body) {
         Ok(e) => (e.error, e.reason),
         Err(_) if body.is_empty() => ("(no message)".into(), None),
-        Err(_) => (
-            crate::telemetry::logging::clipped(&String::from_utf8_lossy(body), 200),
-            None,
-        ),
+        Err(_) => (crate::core::human::clipped(&String::from_utf8_lossy(body), 200), None),
     }
 }
 
@@ -414,7 +442,7 @@ async fn check(client: &Client<HttpConnector, Body>, url: &str, timeout: Duratio
             "no answer within {}ms (remote.health_timeout)",
             timeout.as_millis()
         )),
-        Ok(Err(e)) => Err(crate::telemetry::logging::error_chain(&e)),
+        Ok(Err(e)) => Err(crate::core::human::error_chain(&e)),
         Ok(Ok(response)) if response.status() == StatusCode::OK => Ok(()),
         Ok(Ok(response)) => Err(format!("/v2/health/ready answered {}", response.status())),
     }
