@@ -16,8 +16,9 @@
 //! step, which `stepper.rs` runs. `metrics/` holds the metric families pools record into.
 //!
 //! The backends that do not run models in this process sit here beside each other: `process/`
-//! (a worker process of the pool's own, for process isolation) and `remote.rs` (another
-//! server, for a remote pool); the one that does is the runtime's (`runtime::onnx`).
+//! (a worker process of the pool's own, for process isolation, which `supervise.rs` watches
+//! and replaces when lost) and `remote.rs` (another server, for a remote pool); the one that
+//! does is the runtime's (`runtime::onnx`).
 
 pub mod activity;
 mod arena;
@@ -38,6 +39,7 @@ mod residency;
 pub mod sequences;
 mod shared;
 mod stepper;
+mod supervise;
 mod worker;
 
 pub use context::{PoolContext, Respawn};

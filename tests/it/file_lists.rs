@@ -44,9 +44,10 @@ fn resolves(folder: &Path, named: &str) -> bool {
 
 /// The files and folders of `folder` that its `mod.rs` list must name: every `.rs` file but
 /// itself and `tests.rs`, as `x.rs`, and every folder but `tests/` (test code, which the
-/// layering check knows by those names), as `x/`.
+/// layering check knows by those names), as `x/`. A module's file and its folder of submodules
+/// (`remote.rs` and `remote/`) are one entry, named by either.
 fn entries(folder: &Path) -> BTreeSet<String> {
-    std::fs::read_dir(folder)
+    let found: BTreeSet<String> = std::fs::read_dir(folder)
         .expect("read a source folder")
         .map(|e| e.expect("a folder entry").path())
         .filter_map(|p: PathBuf| {
@@ -57,6 +58,11 @@ fn entries(folder: &Path) -> BTreeSet<String> {
                 (name.ends_with(".rs") && name != "mod.rs" && name != "tests.rs").then_some(name)
             }
         })
+        .collect();
+    found
+        .iter()
+        .filter(|e| !e.strip_suffix('/').is_some_and(|m| found.contains(&format!("{m}.rs"))))
+        .cloned()
         .collect()
 }
 
@@ -87,7 +93,8 @@ fn a_folder_list_names_every_file_of_its_folder() {
         let named: BTreeSet<String> = named_paths(&source.text)
             .into_iter()
             .map(|n| match n.split_once('/') {
-                // `process/host.rs` names the folder `process/`.
+                // `process/host.rs` names the folder `process/`; `remote/` is `remote.rs`'s.
+                Some((first, _)) if there.contains(&format!("{first}.rs")) => format!("{first}.rs"),
                 Some((first, rest)) if !rest.is_empty() => format!("{first}/"),
                 _ => n,
             })

@@ -8,8 +8,8 @@
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
-use super::host::WorkerHost;
-use crate::pool::Pool;
+use super::process::WorkerHost;
+use super::shared::Pool;
 
 /// How often the supervisor looks at the worker.
 const TICK: Duration = Duration::from_millis(20);
@@ -24,7 +24,7 @@ const STABLE: Duration = Duration::from_secs(5);
 
 /// Why a worker process was lost.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Lost {
+pub(super) enum Lost {
     /// It exited or was killed.
     Exited,
     /// It stopped answering its heartbeat.
