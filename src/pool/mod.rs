@@ -9,7 +9,8 @@
 //! threads (`worker.rs`); `queue.rs` is the bounded queue and its idle backends, `load.rs` the
 //! load and delay estimate, `health.rs` the breaker and recent failures, `arena.rs` the
 //! allocator statistics, `job.rs` a job and its errors, `context.rs` what a pool is given,
-//! `residency.rs` loading and unloading models (`models.rs` what it is told of each).
+//! `residency.rs` loading and unloading models (`models.rs` what it is told of each), `batch/`
+//! the generations stepped together (continuous batching) and their counts.
 
 pub mod activity;
 mod arena;
@@ -25,9 +26,7 @@ mod patience;
 pub mod process;
 mod queue;
 mod residency;
-pub mod sequences;
 mod shared;
-mod stepper;
 mod worker;
 
 pub use context::{PoolContext, PoolMetrics, Respawn, WorkerHandles};

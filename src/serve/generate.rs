@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use crate::core::snapshot::Action;
 use crate::pool::Pool;
-use crate::pool::sequences::Running;
+use crate::pool::batch::sequences::Running;
 use crate::runtime::decoder::{DecoderLayout, step_inputs};
 use crate::runtime::text::{Detokenizer, first_at, tail_start};
 use crate::serve::lifecycle::{self, NotRetried, Refused, Request, RequestError, Served};
