@@ -2,7 +2,7 @@
 //! life (policy, router, queue, retry, deadline), text generation, idempotency keys and remote
 //! pools. Nothing here knows about HTTP status codes; `http` maps outcomes to them.
 
-pub mod generate;
+pub mod generation;
 pub mod health;
 pub mod idempotency;
 pub mod idle;
@@ -10,4 +10,3 @@ pub mod lifecycle;
 pub mod remote;
 pub mod router;
 pub mod service;
-pub mod steps;

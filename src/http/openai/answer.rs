@@ -15,7 +15,7 @@ use super::stream::streamed;
 use crate::http::headers::{decode_headers, header_value, model_header, pool_headers, shrink_headers};
 use crate::http::state::AppState;
 use crate::protocol::headers::{ALLOW_SHRINK_HEADER, DECISION_HEADER};
-use crate::serve::generate;
+use crate::serve::generation;
 use crate::serve::lifecycle;
 
 /// Seconds since the epoch, for a completion's `created`.
@@ -51,14 +51,14 @@ pub(super) async fn run(
     job: Job,
     base: lifecycle::Request,
     id: &str,
-    rebuild: Option<generate::Rebuild>,
+    rebuild: Option<generation::Rebuild>,
 ) -> Result<Response, OpenAiError> {
     let service = &state.service;
     let entry = service.model(&job.model).expect("checked by text_model");
     if job.stream {
         return streamed(state, job, id, base, rebuild).await;
     }
-    let generated = generate::generate(service, entry, job.prompt, &job.params, base, None, rebuild)
+    let generated = generation::generate(service, entry, job.prompt, &job.params, base, None, rebuild)
         .await
         .map_err(|refused| {
             let degraded = service.degraded.now();
@@ -87,7 +87,7 @@ pub(super) async fn run(
 }
 
 /// A whole answer's body: the completion object, with chat's tool calls read back.
-fn whole(api: &Api, model: &str, generated: &generate::Generated, id: &str) -> Value {
+fn whole(api: &Api, model: &str, generated: &generation::Generated, id: &str) -> Value {
     let completion = generated.tokens.len();
     let usage = json!({"prompt_tokens": generated.prompt_tokens, "completion_tokens": completion,
                        "total_tokens": generated.prompt_tokens + completion});

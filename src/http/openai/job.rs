@@ -12,7 +12,7 @@ use serde_json::Value;
 use super::chat;
 use super::error::OpenAiError;
 use crate::http::state::AppState;
-use crate::serve::generate::{self, Params};
+use crate::serve::generation::{self, Params};
 use crate::serve::lifecycle::RequestError;
 use crate::serve::service::ModelEntry;
 
@@ -84,7 +84,7 @@ pub(super) enum Api {
 pub(super) struct Job {
     pub(super) model: String,
     pub(super) api: Api,
-    pub(super) prompt: generate::Prompt,
+    pub(super) prompt: generation::Prompt,
     pub(super) params: Params,
     pub(super) stream: bool,
 }
@@ -98,7 +98,7 @@ pub(super) struct Draft {
     pub(super) max_tokens: Option<u32>,
     /// How the prompt is cut when it does not fit: a chat by whole turns; a completion from its
     /// start (`None`, the prompt's default).
-    pub(super) shorten: Option<generate::Shorten>,
+    pub(super) shorten: Option<generation::Shorten>,
 }
 
 /// Refuse the first field `given` that is not supported, by name.
@@ -143,7 +143,7 @@ pub(super) fn read_job(
             Some(if chat { "messages" } else { "prompt" }),
         ));
     }
-    let mut prompt = generate::Prompt::from(tokens);
+    let mut prompt = generation::Prompt::from(tokens);
     if shorten.is_some() {
         prompt.shorten = shorten;
     }
@@ -158,7 +158,7 @@ pub(super) fn read_job(
 
 /// How a request's fallback model takes it: the body read again as if it named that model, so
 /// its prompt is rendered by that model's template and tokenized by its tokenizer.
-pub(super) fn rebuild(state: Arc<AppState>, body: Bytes, id: &str, chat: bool) -> generate::Rebuild {
+pub(super) fn rebuild(state: Arc<AppState>, body: Bytes, id: &str, chat: bool) -> generation::Rebuild {
     let id = id.to_string();
     Box::new(move |fallback: &str| {
         let mut value: Value = serde_json::from_slice(&body).map_err(|e| e.to_string())?;

@@ -1,7 +1,7 @@
 //! OpenAI-compatible text generation: `GET /v1/models`, `POST /v1/completions` and
 //! `POST /v1/chat/completions`, with errors in OpenAI's shape (`{"error": {"message", "type",
 //! "param", "code"}}`), so clients built on the `openai` package work unchanged. Generation
-//! itself is [`crate::serve::generate`]; chat templates and tool calls are [`crate::runtime::chat`].
+//! itself is [`crate::serve::generation`]; chat templates and tool calls are [`crate::runtime::chat`].
 //!
 //! `stream: true` answers with server-sent events: one chunk per piece of text, the last with
 //! `finish_reason` and `usage`, then `data: [DONE]`. The first chunk carries a `vramguard`

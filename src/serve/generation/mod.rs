@@ -1,0 +1,198 @@
+//! Text generation on a decoder with past key values (see [`crate::runtime::decoder`]), below any
+//! protocol, from prompt to last token: this module owns a generation's whole life. The
+//! prompt's run goes through the request lifecycle like any request (policy, breaker, one retry
+//! on the fallback pool, deadline, cancellation), with the estimate covering the KV cache of the
+//! prompt and every token it may add. On a pool whose backends keep caches the prompt's run
+//! leaves its KV cache in the pool's runtime and brings back one row of logits; each following
+//! token is then a row of the pool's batch for the model ([`crate::pool::batch`]), one run per
+//! step for every generation there. A generation's cache is given back when it finishes or its
+//! client goes away.
+//!
+//! The protocol gets finished text: a streamed generation hands its sink one [`Delta`] per
+//! token, text that may be sent now, and [`generate`] returns the whole [`Generated`].
+//!
+//! The files follow a generation: `prefill.rs` (the prompt made a request and placed, on its
+//! model or its fallback), `decode.rs` (the token loop), `cache.rs` (where its KV cache is
+//! between steps, and a step on it), `sample.rs` (picking a token) and `text.rs` (its text:
+//! decoded once, stop strings, deltas).
+
+mod cache;
+mod decode;
+mod prefill;
+mod sample;
+mod text;
+
+pub use sample::{Rng, pick};
+
+use std::sync::Arc;
+
+use crate::core::snapshot::Action;
+use crate::pool::Pool;
+use crate::serve::lifecycle::{self, Refused, Request};
+use crate::serve::service::{ModelEntry, Service};
+use crate::telemetry::metrics::FailoverReason;
+
+/// Where a streamed generation sends its text as it comes: one [`Delta`] per token picked.
+pub type Sink = tokio::sync::mpsc::Sender<Delta>;
+
+/// What a streamed generation's token added: the text that may be sent now (empty while it
+/// waits: an unfinished character, or what could still become a stop string or a tool call's
+/// opening tag), and where it ran when that is news.
+#[derive(Debug)]
+pub struct Delta {
+    /// Text not sent before that may be sent now.
+    pub text: String,
+    /// On the first delta, and again whenever the generation moved to another pool (a
+    /// failover mid-stream): where its tokens come from.
+    pub facts: Option<Facts>,
+}
+
+/// Where a generation's tokens come from, as a stream states it.
+#[derive(Debug, Clone)]
+pub struct Facts {
+    /// The pool that ran the token.
+    pub pool: Arc<Pool>,
+    /// The model that answers.
+    pub source: Arc<Source>,
+    /// `(from, to)` prompt tokens and what was left out, when the context was shrunk.
+    pub shrunk: Option<(u64, u64, String)>,
+}
+
+/// The model a generation's tokens come from (its model's fallback, when that stood in), and
+/// the strings that end its text there.
+#[derive(Debug)]
+pub struct Source {
+    /// The model that answers.
+    pub model: String,
+    /// Strings that end its text (a chat's include its template's end of turn).
+    pub stop: Vec<String>,
+    /// Set when it answers for the model asked for.
+    pub substitution: Option<lifecycle::Substitution<()>>,
+}
+
+/// Shortens a prompt to at most the given tokens: the new token ids and what was left out.
+pub type Shorten = Arc<dyn Fn(u64) -> Result<(Vec<u32>, String), String> + Send + Sync>;
+
+/// A prompt's tokens, and how to shorten it when the policy shrinks the context (used only when
+/// the client allowed it).
+#[derive(Clone)]
+pub struct Prompt {
+    /// Token ids.
+    pub tokens: Vec<u32>,
+    /// How to cut it.
+    pub shorten: Option<Shorten>,
+}
+
+impl From<Vec<u32>> for Prompt {
+    /// A prompt that is cut, if at all, from its start: its most recent tokens are kept.
+    fn from(tokens: Vec<u32>) -> Prompt {
+        let all = tokens.clone();
+        let shorten: Shorten = Arc::new(move |to: u64| {
+            let keep = (to as usize).min(all.len());
+            let cut = all.len() - keep;
+            Ok((
+                all[cut..].to_vec(),
+                format!("the first {cut} of the prompt's {} tokens", all.len()),
+            ))
+        });
+        Prompt {
+            tokens,
+            shorten: Some(shorten),
+        }
+    }
+}
+
+/// How to pick tokens and when to stop.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Params {
+    /// Most tokens to add.
+    pub max_tokens: u32,
+    /// Softmax temperature; 0 picks the most likely token (greedy).
+    pub temperature: f32,
+    /// Nucleus sampling: the smallest set of tokens whose probability reaches this.
+    pub top_p: f32,
+    /// Only the `top_k` most likely tokens (0: all).
+    pub top_k: u32,
+    /// Seed of the sampler: the same seed and request give the same tokens, on any pool.
+    pub seed: u64,
+    /// Strings that end the text (not included).
+    pub stop: Vec<String>,
+    /// The request offers tools: once its first token is picked it is never run again, on
+    /// any pool, since a tool call it makes may already have acted on the client's side.
+    pub tools: bool,
+}
+
+/// Why generation ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Finish {
+    /// The end-of-text token or a stop string.
+    Stop,
+    /// `max_tokens` reached.
+    Length,
+}
+
+impl Finish {
+    /// OpenAI's `finish_reason`.
+    pub fn label(self) -> &'static str {
+        match self {
+            Finish::Stop => "stop",
+            Finish::Length => "length",
+        }
+    }
+}
+
+/// A finished generation.
+#[derive(Debug)]
+pub struct Generated {
+    /// The pool that ran the last token (after a failover, the fallback).
+    pub pool: Arc<Pool>,
+    /// The decision that placed the prompt's run.
+    pub action: Action,
+    /// Set when a run moved to the fallback pool after an allocator failure.
+    pub retried: Option<FailoverReason>,
+    /// The model that answered.
+    pub source: Arc<Source>,
+    /// Tokens of the prompt (after any shrink).
+    pub prompt_tokens: usize,
+    /// `(from, to)` prompt tokens and what was left out, when the context was shrunk.
+    pub shrunk: Option<(u64, u64, String)>,
+    /// Tokens generated.
+    pub tokens: Vec<u32>,
+    /// Their text, cut before a stop string.
+    pub text: String,
+    /// Why it ended.
+    pub finish: Finish,
+}
+
+/// Makes a generation's prompt and parameters again for another model (its model's
+/// `fallback_model`, named), from what the client sent: that model's tokenizer and template,
+/// or why it cannot take the request.
+pub type Rebuild = Box<dyn FnOnce(&str) -> Result<(Prompt, Params), String> + Send>;
+
+/// Generate from `prompt` (token ids) under `params`. `request` carries the id, deadline,
+/// priority, replayability and leave to substitute; its inputs are built here. `rebuild` makes
+/// the prompt again for the model's fallback, when one may answer instead.
+pub async fn generate(
+    service: &Service,
+    entry: &ModelEntry,
+    prompt: Prompt,
+    params: &Params,
+    mut request: Request,
+    sink: Option<Sink>,
+    rebuild: Option<Rebuild>,
+) -> Result<Generated, Refused> {
+    let decoding = match prefill::prepare(entry, prompt, std::borrow::Cow::Borrowed(params), &mut request) {
+        Ok(decoding) => decoding,
+        Err(error) => return Err(lifecycle::reject(service, &entry.config.name, error, request.received)),
+    };
+    request.progress = service.accept(&request.model);
+    let answering = lifecycle::Answering::new(&request.model);
+    let received = request.received;
+    let id = request.meta.request_id.clone();
+    lifecycle::counted_as(service, &answering, &id, received, async {
+        let generated = decode::run(service, &answering, decoding, request, rebuild, sink).await?;
+        let pool = Arc::clone(&generated.pool);
+        Ok((generated, pool))
+    })
+    .await
+}
