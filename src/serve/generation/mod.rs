@@ -67,7 +67,7 @@ pub struct Source {
     /// Strings that end its text (a chat's include its template's end of turn).
     pub stop: Vec<String>,
     /// Set when it answers for the model asked for.
-    pub substitution: Option<lifecycle::Substitution<()>>,
+    pub substitution: Option<lifecycle::Substitution>,
 }
 
 /// Shortens a prompt to at most the given tokens: the new token ids and what was left out.
@@ -185,14 +185,8 @@ pub async fn generate(
         Ok(decoding) => decoding,
         Err(error) => return Err(lifecycle::reject(service, &entry.config.name, error, request.received)),
     };
-    request.progress = service.accept(&request.model);
-    let answering = lifecycle::Answering::new(&request.model);
-    let received = request.received;
-    let id = request.meta.request_id.clone();
-    lifecycle::counted_as(service, &answering, &id, received, async {
-        let generated = decode::run(service, &answering, decoding, request, rebuild, sink).await?;
-        let pool = Arc::clone(&generated.pool);
-        Ok((generated, pool))
-    })
-    .await
+    let counted = lifecycle::Counted::start(service, &mut request);
+    let generated = decode::run(service, counted.answering(), decoding, request, rebuild, sink).await;
+    counted.finish(generated.as_ref().map(|generated| generated.pool.as_ref()));
+    generated
 }

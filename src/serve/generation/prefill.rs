@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use crate::runtime::decoder::{DecoderLayout, step_inputs};
-use crate::serve::lifecycle::{self, Refused, Request, RequestError, Served};
+use crate::serve::lifecycle::{self, Placement, Refused, Request, RequestError, Served};
 use crate::serve::service::{ModelEntry, Service};
 
 use super::{Params, Prompt, Rebuild, Source};
@@ -118,35 +118,22 @@ pub(super) async fn place_prompt<'a>(
     rebuild: Option<Rebuild>,
 ) -> Result<(Served, Decoding<'a>, Request, Arc<Source>), Refused> {
     let mut steps = without_prompt(&mut request);
-    // The substitute's own steps go with its decoding: its prompt is prefilled under the
-    // substitute's sequence, and the steps must join the batch under that one, not the
-    // original's (whose cache does not exist, which would cost a prefill again and leave the
-    // substitute's cache unclaimed in the runtime).
-    let substitute = |fallback: &str| {
-        let entry = service.model(fallback).ok_or("it is not configured")?;
-        let (prompt, params) = rebuild.ok_or("nothing can make its prompt again")?(fallback)?;
-        let mut substitute = steps.clone();
-        let decoding =
-            prepare(entry, prompt, std::borrow::Cow::Owned(params), &mut substitute).map_err(|e| e.to_string())?;
-        let its_steps = without_prompt(&mut substitute);
-        Ok((substitute, (decoding, its_steps)))
-    };
-    let (served, substitution) = lifecycle::place_or_substitute(service, answering, request, substitute).await?;
-    let (decoding, substitution) = match substitution {
-        Some(s) => {
-            let (decoding, its_steps) = s.rebuilt;
-            steps = its_steps;
-            (
-                decoding,
-                Some(lifecycle::Substitution {
-                    requested: s.requested,
-                    model: s.model,
-                    reason: s.reason,
-                    rebuilt: (),
-                }),
-            )
+    let (served, decoding, substitution) = match lifecycle::place_or_fallback(service, request).await? {
+        Placement::Served(served) => (served, decoding, None),
+        Placement::Fallback(fallback) => {
+            let mut substitute = steps.clone();
+            let decoding = match rebuilt(service, fallback.model(), rebuild, &mut substitute) {
+                Ok(decoding) => decoding,
+                Err(why) => return Err(fallback.cannot(&why)),
+            };
+            // The substitute's own steps go with its decoding: its prompt is prefilled under
+            // the substitute's sequence, and the steps must join the batch under that one, not
+            // the original's (whose cache does not exist, which would cost a prefill again and
+            // leave the substitute's cache unclaimed in the runtime).
+            steps = without_prompt(&mut substitute);
+            let (served, substitution) = fallback.place(service, answering, substitute).await?;
+            (served, decoding, Some(substitution))
         }
-        None => (decoding, None),
     };
     // Once its first token is picked, a generation offering tools is never run again.
     steps.meta.replayable &= !decoding.params.tools;
@@ -156,4 +143,17 @@ pub(super) async fn place_prompt<'a>(
         substitution,
     });
     Ok((served, decoding, steps, source))
+}
+
+/// Make `substitute` (a copy of the request's steps) the generation of `fallback`, its prompt
+/// and parameters made again by `rebuild` from what the client sent; or why it cannot be.
+fn rebuilt<'a>(
+    service: &'a Service,
+    fallback: &str,
+    rebuild: Option<Rebuild>,
+    substitute: &mut Request,
+) -> Result<Decoding<'a>, String> {
+    let entry = service.model(fallback).ok_or("it is not configured")?;
+    let (prompt, params) = rebuild.ok_or("nothing can make its prompt again")?(fallback)?;
+    prepare(entry, prompt, std::borrow::Cow::Owned(params), substitute).map_err(|e| e.to_string())
 }
