@@ -1,7 +1,5 @@
-//! Running a checked [`Job`] and answering it: whole, as one completion object with the serving
-//! pool's facts in `x-vramguard-*` headers, or streamed ([`super::stream`]).
-
-use std::time::{SystemTime, UNIX_EPOCH};
+//! Running a checked [`Job`] and answering it whole, as one completion object with the serving
+//! pool's facts in `x-vramguard-*` headers (`stream.rs` answers it streamed).
 
 use axum::http::{HeaderMap, HeaderName, HeaderValue};
 use axum::response::{IntoResponse, Response};
@@ -11,20 +9,12 @@ use tokio::time::Instant;
 use super::chat::tool_calls_json;
 use super::error::OpenAiError;
 use super::job::{Api, Job};
-use super::stream::streamed;
+use super::stream::unix_now;
 use crate::http::headers::{decode_headers, header_value, model_header, pool_headers, shrink_headers};
 use crate::http::state::AppState;
 use crate::protocol::headers::{ALLOW_SHRINK_HEADER, DECISION_HEADER};
 use crate::serve::generation;
 use crate::serve::lifecycle;
-
-/// Seconds since the epoch, for a completion's `created`.
-pub(super) fn unix_now() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0)
-}
 
 /// The lifecycle request a checked job runs as, from the headers every protocol shares.
 pub(super) fn request(
@@ -45,7 +35,7 @@ pub(super) fn request(
     Ok(base)
 }
 
-/// Run a checked job as `base` and answer it, streamed or whole (counted by the generation).
+/// Run a checked job as `base` and answer it whole (counted by the generation).
 pub(super) async fn run(
     state: &AppState,
     job: Job,
@@ -55,9 +45,6 @@ pub(super) async fn run(
 ) -> Result<Response, OpenAiError> {
     let service = &state.service;
     let entry = service.model(&job.model).expect("checked by text_model");
-    if job.stream {
-        return streamed(state, job, id, base, rebuild).await;
-    }
     let generated = generation::generate(service, entry, job.prompt, &job.params, base, None, rebuild)
         .await
         .map_err(|refused| {

@@ -2,14 +2,9 @@
 //! the prompt tokenized. The fields OpenAI documents that would change the answer and that are
 //! not supported are refused by name, never ignored.
 
-use std::sync::Arc;
-
-use axum::body::Bytes;
-use axum::extract::rejection::BytesRejection;
 use serde::Deserialize;
 use serde_json::Value;
 
-use super::chat;
 use super::error::OpenAiError;
 use crate::http::state::AppState;
 use crate::serve::generation::{self, Params};
@@ -109,26 +104,18 @@ pub(super) fn refuse_unsupported<const N: usize>(fields: [(bool, &'static str); 
     }
 }
 
-/// Decode and check the body into a [`Job`].
-pub(super) fn read_job(
-    state: &AppState,
-    body: Result<Bytes, BytesRejection>,
-    id: &str,
-    chat: bool,
-) -> Result<Job, OpenAiError> {
-    let body = body.map_err(|e| OpenAiError::unreadable(&e, id))?;
+/// Check a completion's or a chat's [`Draft`] into a [`Job`]: the sampling fields, and its
+/// prompt tokenized by the model's tokenizer.
+pub(super) fn checked(state: &AppState, draft: Draft, id: &str) -> Result<Job, OpenAiError> {
     let Draft {
         sampling,
         text,
         api,
         max_tokens,
         shorten,
-    } = if chat {
-        chat::read(state, &body, id)?
-    } else {
-        read_completion(state, &body, id)?
-    };
+    } = draft;
     let stream = sampling.stream == Some(true);
+    let chat = matches!(&api, Api::Chat { .. });
     let tools = matches!(&api, Api::Chat { tools } if !tools.is_empty());
     let params = params(&sampling, max_tokens, tools, id)?;
     let entry = state.service.model(&sampling.model).expect("checked by text_model");
@@ -156,21 +143,8 @@ pub(super) fn read_job(
     })
 }
 
-/// How a request's fallback model takes it: the body read again as if it named that model, so
-/// its prompt is rendered by that model's template and tokenized by its tokenizer.
-pub(super) fn rebuild(state: Arc<AppState>, body: Bytes, id: &str, chat: bool) -> generation::Rebuild {
-    let id = id.to_string();
-    Box::new(move |fallback: &str| {
-        let mut value: Value = serde_json::from_slice(&body).map_err(|e| e.to_string())?;
-        value["model"] = Value::String(fallback.to_string());
-        let body = serde_json::to_vec(&value).map_err(|e| e.to_string())?;
-        let job = read_job(&state, Ok(Bytes::from(body)), &id, chat).map_err(|e| e.message)?;
-        Ok((job.prompt, job.params))
-    })
-}
-
 /// A `POST /v1/completions` body: one plain prompt.
-fn read_completion(state: &AppState, body: &[u8], id: &str) -> Result<Draft, OpenAiError> {
+pub(super) fn read_completion(state: &AppState, body: &[u8], id: &str) -> Result<Draft, OpenAiError> {
     let request: CompletionRequest = serde_json::from_slice(body)
         .map_err(|e| OpenAiError::invalid(format!("the body is not a completion request: {e}"), None))?;
     refuse_unsupported([

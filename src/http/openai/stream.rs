@@ -5,13 +5,14 @@
 
 use std::sync::Arc;
 
+use std::time::{SystemTime, UNIX_EPOCH};
+
 use axum::body::Bytes;
 use axum::http::{HeaderValue, header};
 use axum::response::{IntoResponse, Response};
 use futures_util::StreamExt;
 use serde_json::{Value, json};
 
-use super::answer::unix_now;
 use super::chat::tool_calls_json;
 use super::error::OpenAiError;
 use super::job::{Api, Job};
@@ -20,6 +21,14 @@ use crate::http::state::AppState;
 use crate::pool::Pool;
 use crate::serve::generation;
 use crate::serve::lifecycle::RequestError;
+
+/// Seconds since the epoch, for a completion's `created`.
+pub(super) fn unix_now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
 
 /// One server-sent event carrying `value` as JSON.
 fn event(value: &Value) -> Bytes {
