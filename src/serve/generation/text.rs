@@ -153,6 +153,41 @@ mod tests {
     use super::*;
     use crate::runtime::chat::TOOL_CALL_OPEN;
 
+    /// The decoder fixture's tokenizer.
+    fn fixture() -> Arc<tokenizers::Tokenizer> {
+        let json = crate::core::model::BuiltinModel::Decoder
+            .tokenizer()
+            .expect("ships one");
+        Arc::new(tokenizers::Tokenizer::from_bytes(json).expect("the fixture's tokenizer"))
+    }
+
+    /// A streamed generation's text token by token: its deltas never reach the stop string,
+    /// together they are the final text once the stop ended it, and a generation that is not
+    /// streamed cuts none.
+    #[test]
+    fn deltas_are_the_final_text_and_stop_before_the_stop_string() {
+        let tokenizer = fixture();
+        let prose = "Grüße aus Köln: the GPU is full, and more";
+        let tokens = tokenizer.encode(prose, false).unwrap().get_ids().to_vec();
+        let stop = vec!["GPU is".to_string()];
+        let mut streamed = Text::new(Arc::clone(&tokenizer), &stop, true, false);
+        let mut whole = Text::new(Arc::clone(&tokenizer), &stop, false, false);
+        let mut sent = String::new();
+        for &id in &tokens {
+            sent.push_str(&streamed.push(id).unwrap().expect("a streamed generation's delta"));
+            assert_eq!(whole.push(id).unwrap(), None);
+            assert_eq!(streamed.stopped(), whole.stopped());
+            if streamed.stopped() {
+                break;
+            }
+        }
+        assert!(streamed.stopped(), "the stop string ends it");
+        let (_, text) = streamed.finish().unwrap();
+        assert_eq!(text, "Grüße aus Köln: the ");
+        assert_eq!(whole.finish().unwrap().1, text);
+        assert_eq!(sent, text);
+    }
+
     /// What is sendable of `text` searched whole, as if it had come in one piece.
     fn at_once<'a>(text: &'a str, held: &[String]) -> &'a str {
         sendable(text, &mut Hold::default(), held)
