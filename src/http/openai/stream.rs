@@ -4,7 +4,6 @@
 //! comes finished from the generation ([`generation::Delta`]): this file only formats it.
 
 use std::sync::Arc;
-
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use axum::body::Bytes;
@@ -86,7 +85,7 @@ pub(super) async fn streamed(
                 let pool = Arc::clone(&generated.pool);
                 let shrunk = generated.shrunk.clone();
                 let source = Arc::clone(&generated.source);
-                let mut stream = Stream {
+                let stream = Stream {
                     finished: Some(Ok(generated)),
                     ..stream(&source)
                 };
@@ -109,8 +108,6 @@ struct Stream {
     running: Option<Running>,
     finished: Option<Result<generation::Generated, crate::serve::lifecycle::Refused>>,
     done: bool,
-    /// The pool the last token came from, once the first chunk has named it.
-    pool: Option<String>,
     api: Api,
     id: String,
     /// The model that answers.
@@ -134,7 +131,6 @@ impl Stream {
             running: None,
             finished: None,
             done: false,
-            pool: None,
             api,
             id: id.to_string(),
             source,
@@ -178,7 +174,7 @@ impl Stream {
 
     /// The first chunk: chat's assistant role (completions: empty text), with the serving
     /// pool's facts.
-    fn opening(&mut self, pool: &Arc<Pool>, shrunk: Option<&(u64, u64, String)>) -> Bytes {
+    fn opening(&self, pool: &Arc<Pool>, shrunk: Option<&(u64, u64, String)>) -> Bytes {
         let delta = match self.api {
             Api::Completion => json!(""),
             Api::Chat { .. } => json!({"role": "assistant", "content": ""}),
@@ -198,8 +194,7 @@ impl Stream {
 
     /// Which pool serves the stream and, while degraded mode reduces it, why, its limits and
     /// expected delay.
-    fn facts(&mut self, pool: &Arc<Pool>) -> Value {
-        self.pool = Some(pool.name().to_string());
+    fn facts(&self, pool: &Arc<Pool>) -> Value {
         pool_facts(pool, self.degraded_on(pool).as_ref())
     }
 

@@ -22,7 +22,7 @@ mod prefill;
 mod sample;
 mod text;
 
-pub use sample::{Rng, pick};
+pub use sample::Rng;
 
 use std::sync::Arc;
 
@@ -58,14 +58,12 @@ pub struct Facts {
     pub shrunk: Option<(u64, u64, String)>,
 }
 
-/// The model a generation's tokens come from (its model's fallback, when that stood in), and
-/// the strings that end its text there.
+/// The model a generation's tokens come from: the model asked for, or its fallback when that
+/// stood in.
 #[derive(Debug)]
 pub struct Source {
     /// The model that answers.
     pub model: String,
-    /// Strings that end its text (a chat's include its template's end of turn).
-    pub stop: Vec<String>,
     /// Set when it answers for the model asked for.
     pub substitution: Option<lifecycle::Substitution>,
 }

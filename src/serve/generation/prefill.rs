@@ -139,7 +139,6 @@ pub(super) async fn place_prompt<'a>(
     steps.meta.replayable &= !decoding.params.tools;
     let source = Arc::new(Source {
         model: decoding.entry.config.name.clone(),
-        stop: decoding.params.stop.clone(),
         substitution,
     });
     Ok((served, decoding, steps, source))

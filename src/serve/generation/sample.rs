@@ -26,7 +26,7 @@ impl Rng {
 }
 
 /// Pick the next token from `logits` under `params`.
-pub fn pick(logits: &[f32], params: &Params, rng: &mut Rng) -> u32 {
+pub(super) fn pick(logits: &[f32], params: &Params, rng: &mut Rng) -> u32 {
     let greedy = || {
         logits
             .iter()
