@@ -536,17 +536,9 @@ async fn a_generation_holds_its_services_concurrency_until_its_last_token() {
         tokio::spawn(async move {
             let entry = service.model("tiny").unwrap();
             let request = vramguard::testing::request("tiny", Vec::new());
-            generation::generate(
-                &service,
-                entry,
-                Prompt::from(vec![301, 355]),
-                &params,
-                request,
-                sink,
-                None,
-            )
-            .await
-            .map(|g| g.tokens.len())
+            generation::generate(&service, entry, Prompt::from(vec![301, 355]), &params, request, sink)
+                .await
+                .map(|g| g.tokens.len())
         })
     };
     // A reader that reads nothing yet: the generation stops at its second token, between runs.

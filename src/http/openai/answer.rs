@@ -9,6 +9,7 @@ use tokio::time::Instant;
 use super::chat::tool_calls_json;
 use super::error::OpenAiError;
 use super::job::{Api, Job};
+use super::run::{Resend, generate};
 use super::stream::unix_now;
 use crate::http::headers::{decode_headers, header_value, model_header, pool_headers, shrink_headers};
 use crate::http::state::AppState;
@@ -41,11 +42,10 @@ pub(super) async fn run(
     job: Job,
     base: lifecycle::Request,
     id: &str,
-    rebuild: Option<generation::Rebuild>,
+    resend: Option<Resend>,
 ) -> Result<Response, OpenAiError> {
     let service = &state.service;
-    let entry = service.model(&job.model).expect("checked by text_model");
-    let generated = generation::generate(service, entry, job.prompt, &job.params, base, None, rebuild)
+    let generated = generate(service, (&job.model, job.prompt, &job.params), base, id, None, resend)
         .await
         .map_err(|refused| {
             let degraded = service.degraded.now();

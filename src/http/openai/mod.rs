@@ -13,13 +13,15 @@
 //! picked, streamed or not: a tool call may already have acted on the client's side.
 //!
 //! A request is read and checked into a job (`job`, with chat's part in `chat`), then run and
-//! answered whole (`answer`) or streamed (`stream`); `error` is OpenAI's error shape. This file
-//! routes between them, so no two of them use each other.
+//! answered whole (`answer`) or streamed (`stream`), both running its generation through `run`
+//! (which reads the body again for the model's fallback when the generation asks for it);
+//! `error` is OpenAI's error shape. No two of these files use each other.
 
 mod answer;
 mod chat;
 mod error;
 mod job;
+mod run;
 mod stream;
 
 pub use error::OpenAiError;
@@ -37,7 +39,6 @@ use tokio::time::Instant;
 use super::error::outcome_of_status;
 use super::headers::{request_id, with_request_id};
 use super::state::AppState;
-use crate::serve::generation;
 use crate::serve::lifecycle;
 use crate::serve::service::UNKNOWN_MODEL;
 
@@ -84,7 +85,7 @@ async fn serve(
     // A cheap handle on the body, read again when the request is refused, or for the model's
     // fallback.
     let kept = body.as_ref().ok().cloned();
-    let checked = read_job(state, body, &id, chat)
+    let checked = run::read_job(state, body, &id, chat)
         .and_then(|job| answer::request(state, headers, &job, &id, received).map(|base| (job, base)));
     let result = match checked {
         Ok((job, base)) => {
@@ -93,16 +94,18 @@ async fn serve(
                 .model(&job.model)
                 .is_some_and(|m| m.config.fallback_model.is_some());
             // Kept only when the model's fallback may be asked: it reads the body again.
-            let rebuild = match &kept {
-                Some(body) if base.allow_substitute && has_fallback => {
-                    Some(rebuild(Arc::clone(state), body.clone(), &id, chat))
-                }
+            let resend = match &kept {
+                Some(body) if base.allow_substitute && has_fallback => Some(run::Resend {
+                    state: Arc::clone(state),
+                    body: body.clone(),
+                    chat,
+                }),
                 _ => None,
             };
             if job.stream {
-                stream::streamed(state, job, &id, base, rebuild).await
+                stream::streamed(state, job, &id, base, resend).await
             } else {
-                answer::run(state, job, base, &id, rebuild).await
+                answer::run(state, job, base, &id, resend).await
             }
         }
         Err(error) => {
@@ -117,35 +120,6 @@ async fn serve(
         Err(error) => error.into_response(),
     };
     with_request_id(response, &id)
-}
-
-/// Decode and check the body into a [`job::Job`]: a chat's or a completion's.
-fn read_job(
-    state: &AppState,
-    body: Result<Bytes, BytesRejection>,
-    id: &str,
-    chat: bool,
-) -> Result<job::Job, OpenAiError> {
-    let body = body.map_err(|e| OpenAiError::unreadable(&e, id))?;
-    let draft = if chat {
-        chat::read(state, &body, id)?
-    } else {
-        job::read_completion(state, &body, id)?
-    };
-    job::checked(state, draft, id)
-}
-
-/// How a request's fallback model takes it: the body read again as if it named that model, so
-/// its prompt is rendered by that model's template and tokenized by its tokenizer.
-fn rebuild(state: Arc<AppState>, body: Bytes, id: &str, chat: bool) -> generation::Rebuild {
-    let id = id.to_string();
-    Box::new(move |fallback: &str| {
-        let mut value: Value = serde_json::from_slice(&body).map_err(|e| e.to_string())?;
-        value["model"] = Value::String(fallback.to_string());
-        let body = serde_json::to_vec(&value).map_err(|e| e.to_string())?;
-        let job = read_job(&state, Ok(Bytes::from(body)), &id, chat).map_err(|e| e.message)?;
-        Ok((job.prompt, job.params))
-    })
 }
 
 /// The `model` a body names, read on its own (the body may be wrong in every other way), for

@@ -15,6 +15,7 @@ use serde_json::{Value, json};
 use super::chat::tool_calls_json;
 use super::error::OpenAiError;
 use super::job::{Api, Job};
+use super::run::{Resend, generate};
 use crate::http::headers::{model_header, pool_facts, pool_headers, shrink_headers};
 use crate::http::state::AppState;
 use crate::pool::Pool;
@@ -50,7 +51,7 @@ pub(super) async fn streamed(
     job: Job,
     id: &str,
     base: crate::serve::lifecycle::Request,
-    rebuild: Option<generation::Rebuild>,
+    resend: Option<Resend>,
 ) -> Result<Response, OpenAiError> {
     let service = Arc::clone(&state.service);
     let (tx, mut rx) = tokio::sync::mpsc::channel::<generation::Delta>(64);
@@ -59,10 +60,8 @@ pub(super) async fn streamed(
         let model = job.model.clone();
         let params = job.params.clone();
         let prompt = job.prompt;
-        async move {
-            let entry = service.model(&model).expect("checked before");
-            generation::generate(&service, entry, prompt, &params, base, Some(tx), rebuild).await
-        }
+        let id = id.to_string();
+        async move { generate(&service, (&model, prompt, &params), base, &id, Some(tx), resend).await }
     });
     let stream = |source: &Arc<generation::Source>| Stream::new(service, job.api, id, Arc::clone(source));
     // Until the first delta, a failure is an ordinary error response. The channel closes

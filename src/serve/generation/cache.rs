@@ -158,7 +158,8 @@ mod tests {
     use crate::core::backend::{ArenaStats, Backend, BackendError, DecodeStep, RunMeta};
     use crate::runtime::estimate::MemoryProfile;
     use crate::runtime::onnx::ModelSignature;
-    use crate::serve::generation::{self, Generated, Params};
+    use crate::serve::generation::{self, Generated, Params, Placed};
+    use crate::serve::lifecycle::Refused;
     use crate::serve::service::{BackendFactory, OrtFactory};
 
     /// Prompts past this many mean a generation is prefilled again and again: the backend
@@ -302,17 +303,22 @@ mod tests {
         let prompt: Vec<u32> = (40..100).collect();
         let mut request = crate::testing::request(model, Vec::new());
         request.allow_substitute = substitute;
-        let rebuild: Option<generation::Rebuild> = substitute.then(|| {
-            let (prompt, params) = (prompt.clone(), params.clone());
-            Box::new(move |_: &str| Ok((prompt.into(), params))) as generation::Rebuild
-        });
         let entry = service.model(model).expect("configured");
-        let generated = generation::generate(&service, entry, prompt.into(), &params, request, None, rebuild)
-            .await
-            .unwrap_or_else(|refused| {
-                let prompts = prompts.load(Ordering::SeqCst);
-                panic!("the generation fails after {prompts} prompts: {:?}", refused.error)
-            });
+        let fails = |refused: Refused| -> String {
+            let prompts = prompts.load(Ordering::SeqCst);
+            format!("the generation fails after {prompts} prompts: {:?}", refused.error)
+        };
+        let placed = generation::place(&service, entry, prompt.clone().into(), &params, request).await;
+        let prefilled = match placed.unwrap_or_else(|r| panic!("{}", fails(r))) {
+            Placed::Prefilled(prefilled) => prefilled,
+            // The fallback's prompt made again: the same tokens.
+            Placed::Fallback(fallback) => {
+                assert!(substitute, "a fallback is asked only when the client allows it");
+                let rebuilt = Ok((prompt.into(), params.clone()));
+                fallback.place(rebuilt).await.unwrap_or_else(|r| panic!("{}", fails(r)))
+            }
+        };
+        let generated = prefilled.run(None).await.unwrap_or_else(|r| panic!("{}", fails(r)));
         (generated, prompts.load(Ordering::SeqCst))
     }
 

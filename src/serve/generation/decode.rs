@@ -7,14 +7,14 @@ use std::sync::Arc;
 use crate::core::snapshot::Action;
 use crate::pool::Pool;
 use crate::pool::batch::sequences::Running;
-use crate::serve::lifecycle::{self, NotRetried, Refused, Request, RequestError, Served};
+use crate::serve::lifecycle::{NotRetried, Refused, RequestError, Served};
 use crate::serve::service::Service;
 
 use super::cache::{CacheSite, Failed, read_outputs};
-use super::prefill::{Decoding, history, place_prompt};
+use super::prefill::{Decoding, Prefill, history};
 use super::sample::{Rng, pick};
 use super::text::Text;
-use super::{Delta, Facts, Finish, Generated, Rebuild, Sink};
+use super::{Delta, Facts, Finish, Generated, Sink};
 
 /// A step of a generation offering tools failed on an allocator: it was not retried since a
 /// tool call may already have acted, and the client is told so (unless the error already says
@@ -41,17 +41,19 @@ fn internal(model: &str, pool: &Arc<Pool>, error: String) -> Refused {
     )
 }
 
-/// [`generate`](super::generate)'s runs, uncounted: the prompt's run ([`place_prompt`]), then
-/// one step per token on the pool that ran it.
+/// A generation's tokens after its prompt's run (`prefill`), uncounted: one step per token on
+/// the pool that ran it.
 pub(super) async fn run<'a>(
     service: &'a Service,
-    answering: &lifecycle::Answering,
-    decoding: Decoding<'a>,
-    request: Request,
-    rebuild: Option<Rebuild>,
+    prefill: Prefill<'a>,
     sink: Option<Sink>,
 ) -> Result<Generated, Refused> {
-    let (served, decoding, mut steps, source) = place_prompt(service, answering, decoding, request, rebuild).await?;
+    let Prefill {
+        served,
+        decoding,
+        mut steps,
+        source,
+    } = prefill;
     let Decoding {
         entry,
         layout,

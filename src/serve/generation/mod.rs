@@ -8,8 +8,13 @@
 //! step for every generation there. A generation's cache is given back when it finishes or its
 //! client goes away.
 //!
-//! The protocol gets finished text: a streamed generation hands its sink one [`Delta`] per
-//! token, text that may be sent now, and [`generate`] returns the whole [`Generated`].
+//! A protocol runs a generation in two phases, so nothing here calls back into it: [`place`]
+//! runs the prompt, or says that the model's fallback may take it ([`Placed::Fallback`]), and
+//! the protocol, which holds what the client sent, makes the prompt again for that model and
+//! hands it back ([`Rebuilding::place`]); then [`Prefilled::run`] generates. It gets finished
+//! text: a streamed generation hands its sink one [`Delta`] per token, text that may be sent
+//! now, and the end is the whole [`Generated`]. [`generate`] does it all for a caller that has
+//! nothing to make a prompt again from.
 //!
 //! The files follow a generation: `prefill.rs` (the prompt made a request and placed, on its
 //! model or its fallback), `decode.rs` (the token loop), `cache.rs` (where its KV cache is
@@ -162,29 +167,123 @@ pub struct Generated {
     pub finish: Finish,
 }
 
-/// Makes a generation's prompt and parameters again for another model (its model's
-/// `fallback_model`, named), from what the client sent: that model's tokenizer and template,
-/// or why it cannot take the request.
-pub type Rebuild = Box<dyn FnOnce(&str) -> Result<(Prompt, Params), String> + Send>;
+/// Where a generation's prompt went: it ran, or its model's fallback may take it once the
+/// caller, which holds what the client sent, makes the prompt again for that model.
+pub enum Placed<'a> {
+    /// The prompt ran: its tokens come next ([`Prefilled::run`]).
+    Prefilled(Prefilled<'a>),
+    /// Its model could not take it and the fallback may: the caller makes the prompt and
+    /// parameters again for [`Rebuilding::model`] (its tokenizer and template) and hands them
+    /// to [`Rebuilding::place`].
+    Fallback(Rebuilding<'a>),
+}
 
-/// Generate from `prompt` (token ids) under `params`. `request` carries the id, deadline,
-/// priority, replayability and leave to substitute; its inputs are built here. `rebuild` makes
-/// the prompt again for the model's fallback, when one may answer instead.
-pub async fn generate(
-    service: &Service,
-    entry: &ModelEntry,
+/// A generation whose prompt ran, its tokens to come.
+pub struct Prefilled<'a> {
+    service: &'a Service,
+    counted: lifecycle::Counted<'a>,
+    prefill: prefill::Prefill<'a>,
+}
+
+/// A generation its model's fallback may take, waiting for its prompt made again for it.
+pub struct Rebuilding<'a> {
+    service: &'a Service,
+    counted: lifecycle::Counted<'a>,
+    fallback: lifecycle::Fallback,
+    steps: Request,
+}
+
+/// Start `entry`'s generation of `prompt` (token ids) under `params`, counted from here as one
+/// request, and run its prompt on that model; or say that the model's fallback may take it.
+/// `request` carries the id, deadline, priority, replayability and leave to substitute; its
+/// inputs are built here.
+pub async fn place<'a>(
+    service: &'a Service,
+    entry: &'a ModelEntry,
     prompt: Prompt,
-    params: &Params,
+    params: &'a Params,
     mut request: Request,
-    sink: Option<Sink>,
-    rebuild: Option<Rebuild>,
-) -> Result<Generated, Refused> {
+) -> Result<Placed<'a>, Refused> {
     let decoding = match prefill::prepare(entry, prompt, std::borrow::Cow::Borrowed(params), &mut request) {
         Ok(decoding) => decoding,
         Err(error) => return Err(lifecycle::reject(service, &entry.config.name, error, request.received)),
     };
     let counted = lifecycle::Counted::start(service, &mut request);
-    let generated = decode::run(service, counted.answering(), decoding, request, rebuild, sink).await;
-    counted.finish(generated.as_ref().map(|generated| generated.pool.as_ref()));
-    generated
+    match prefill::place_prompt(service, decoding, request).await {
+        Ok(prefill::Placed::Ran(prefill)) => Ok(Placed::Prefilled(Prefilled {
+            service,
+            counted,
+            prefill,
+        })),
+        Ok(prefill::Placed::Fallback(fallback, steps)) => Ok(Placed::Fallback(Rebuilding {
+            service,
+            counted,
+            fallback,
+            steps,
+        })),
+        Err(refused) => Err(counted_refusal(counted, refused)),
+    }
+}
+
+impl<'a> Rebuilding<'a> {
+    /// The model that may answer instead.
+    pub fn model(&self) -> &str {
+        self.fallback.model()
+    }
+
+    /// Run the prompt made again for the fallback (`rebuilt`: its prompt and parameters from
+    /// what the client sent, or why they cannot be made). When the fallback cannot take it,
+    /// the client gets its model's refusal, saying why.
+    pub async fn place(self, rebuilt: Result<(Prompt, Params), String>) -> Result<Prefilled<'a>, Refused> {
+        let Rebuilding {
+            service,
+            counted,
+            fallback,
+            steps,
+        } = self;
+        match prefill::place_rebuilt(service, counted.answering(), fallback, steps, rebuilt).await {
+            Ok(prefill) => Ok(Prefilled {
+                service,
+                counted,
+                prefill,
+            }),
+            Err(refused) => Err(counted_refusal(counted, refused)),
+        }
+    }
+}
+
+impl Prefilled<'_> {
+    /// Its tokens, to `sink` as they come when it is streamed; counted once it ends.
+    pub async fn run(self, sink: Option<Sink>) -> Result<Generated, Refused> {
+        let generated = decode::run(self.service, self.prefill, sink).await;
+        self.counted
+            .finish(generated.as_ref().map(|generated| generated.pool.as_ref()));
+        generated
+    }
+}
+
+/// `refused`, counted as the generation's outcome.
+fn counted_refusal(counted: lifecycle::Counted<'_>, refused: Refused) -> Refused {
+    counted.finish(Err(&refused));
+    refused
+}
+
+/// Generate from `prompt` for a caller that cannot make the prompt again for the model's
+/// fallback (its model's refusal then says so): [`place`], then [`Prefilled::run`].
+pub async fn generate(
+    service: &Service,
+    entry: &ModelEntry,
+    prompt: Prompt,
+    params: &Params,
+    request: Request,
+    sink: Option<Sink>,
+) -> Result<Generated, Refused> {
+    let prefilled = match place(service, entry, prompt, params, request).await? {
+        Placed::Prefilled(prefilled) => prefilled,
+        Placed::Fallback(fallback) => {
+            let cannot = Err("nothing can make its prompt again".to_string());
+            fallback.place(cannot).await?
+        }
+    };
+    prefilled.run(sink).await
 }

@@ -8,7 +8,7 @@ use crate::runtime::decoder::{DecoderLayout, step_inputs};
 use crate::serve::lifecycle::{self, Placement, Refused, Request, RequestError, Served};
 use crate::serve::service::{ModelEntry, Service};
 
-use super::{Params, Prompt, Rebuild, Source};
+use super::{Params, Prompt, Source};
 
 /// Tokens that end a turn, by the names model families give them.
 const END_TOKENS: [&str; 7] = [
@@ -106,53 +106,82 @@ fn without_prompt(request: &mut Request) -> Request {
     steps
 }
 
-/// The prompt's run placed: on the model asked for, or rebuilt for its fallback when that may
-/// answer instead. What ran, what the steps decode with (the model that answered), the request
-/// the steps run as (the request without its prompt, for that model and the sequence its prompt
-/// ran under), and where the tokens come from.
+/// A generation's prompt, run: what ran, what the steps decode with (the model that
+/// answered), the request the steps run as (the request without its prompt, for that model and
+/// the sequence its prompt ran under), and where the tokens come from.
+pub(super) struct Prefill<'a> {
+    pub(super) served: Served,
+    pub(super) decoding: Decoding<'a>,
+    pub(super) steps: Request,
+    pub(super) source: Arc<Source>,
+}
+
+/// A prompt's run placed on the model asked for, or refused where the model's fallback may take
+/// it (with the request the steps run as, to make the fallback's from).
+pub(super) enum Placed<'a> {
+    /// It ran.
+    Ran(Prefill<'a>),
+    /// The fallback may take it, once its prompt is made again.
+    Fallback(lifecycle::Fallback, Request),
+}
+
+/// Place the prompt's run on the model asked for.
 pub(super) async fn place_prompt<'a>(
     service: &'a Service,
-    answering: &lifecycle::Answering,
     decoding: Decoding<'a>,
     mut request: Request,
-    rebuild: Option<Rebuild>,
-) -> Result<(Served, Decoding<'a>, Request, Arc<Source>), Refused> {
-    let mut steps = without_prompt(&mut request);
-    let (served, decoding, substitution) = match lifecycle::place_or_fallback(service, request).await? {
-        Placement::Served(served) => (served, decoding, None),
-        Placement::Fallback(fallback) => {
-            let mut substitute = steps.clone();
-            let decoding = match rebuilt(service, fallback.model(), rebuild, &mut substitute) {
-                Ok(decoding) => decoding,
-                Err(why) => return Err(fallback.cannot(&why)),
-            };
-            // The substitute's own steps go with its decoding: its prompt is prefilled under
-            // the substitute's sequence, and the steps must join the batch under that one, not
-            // the original's (whose cache does not exist, which would cost a prefill again and
-            // leave the substitute's cache unclaimed in the runtime).
-            steps = without_prompt(&mut substitute);
-            let (served, substitution) = fallback.place(service, answering, substitute).await?;
-            (served, decoding, Some(substitution))
-        }
+) -> Result<Placed<'a>, Refused> {
+    let steps = without_prompt(&mut request);
+    Ok(match lifecycle::place_or_fallback(service, request).await? {
+        Placement::Served(served) => Placed::Ran(prefilled(served, decoding, steps, None)),
+        Placement::Fallback(fallback) => Placed::Fallback(fallback, steps),
+    })
+}
+
+/// Place the prompt made again for `fallback` (`rebuilt`: its prompt and parameters, or why
+/// they could not be made) as the request `answering` counts; `substitute` is the request the
+/// original's steps would have run as, made the fallback's here.
+pub(super) async fn place_rebuilt<'a>(
+    service: &'a Service,
+    answering: &lifecycle::Answering,
+    fallback: lifecycle::Fallback,
+    mut substitute: Request,
+    rebuilt: Result<(Prompt, Params), String>,
+) -> Result<Prefill<'a>, Refused> {
+    let decoding = rebuilt.and_then(|(prompt, params)| {
+        let entry = service.model(fallback.model()).ok_or("it is not configured")?;
+        prepare(entry, prompt, std::borrow::Cow::Owned(params), &mut substitute).map_err(|e| e.to_string())
+    });
+    let decoding = match decoding {
+        Ok(decoding) => decoding,
+        Err(why) => return Err(fallback.cannot(&why)),
     };
+    // The substitute's own steps go with its decoding: its prompt is prefilled under the
+    // substitute's sequence, and the steps must join the batch under that one, not the
+    // original's (whose cache does not exist, which would cost a prefill again and leave the
+    // substitute's cache unclaimed in the runtime).
+    let its_steps = without_prompt(&mut substitute);
+    let (served, substitution) = fallback.place(service, answering, substitute).await?;
+    Ok(prefilled(served, decoding, its_steps, Some(substitution)))
+}
+
+/// The prompt's run on the model that answers, and the request its steps run as.
+fn prefilled<'a>(
+    served: Served,
+    decoding: Decoding<'a>,
+    mut steps: Request,
+    substitution: Option<lifecycle::Substitution>,
+) -> Prefill<'a> {
     // Once its first token is picked, a generation offering tools is never run again.
     steps.meta.replayable &= !decoding.params.tools;
     let source = Arc::new(Source {
         model: decoding.entry.config.name.clone(),
         substitution,
     });
-    Ok((served, decoding, steps, source))
-}
-
-/// Make `substitute` (a copy of the request's steps) the generation of `fallback`, its prompt
-/// and parameters made again by `rebuild` from what the client sent; or why it cannot be.
-fn rebuilt<'a>(
-    service: &'a Service,
-    fallback: &str,
-    rebuild: Option<Rebuild>,
-    substitute: &mut Request,
-) -> Result<Decoding<'a>, String> {
-    let entry = service.model(fallback).ok_or("it is not configured")?;
-    let (prompt, params) = rebuild.ok_or("nothing can make its prompt again")?(fallback)?;
-    prepare(entry, prompt, std::borrow::Cow::Owned(params), substitute).map_err(|e| e.to_string())
+    Prefill {
+        served,
+        decoding,
+        steps,
+        source,
+    }
 }
