@@ -18,7 +18,7 @@ use std::hint::black_box;
 use vramguard::core::tensor::{DataType, Tensor, TensorData};
 use vramguard::protocol::oip;
 use vramguard::runtime::onnx::{ModelSignature, TensorSpec};
-use vramguard::serve::generate::Rng;
+use vramguard::serve::generation::Rng;
 use vramguard::testing::bench::{ENCODER_DIM, encoder_input};
 
 fn main() {

@@ -217,7 +217,7 @@ impl DecodeStep {
     /// The output in which a backend that keeps caches reports the shape of a model's batch
     /// after a step: `[rows, slots]`, INT64, the rows whose caches it holds (prompts run and
     /// not joined yet included) and the positions they share once together. Admission charges
-    /// a generation joining it the padding it brings ([`crate::pool::sequences::padding_tokens`]).
+    /// a generation joining it the padding it brings ([`crate::pool::batch::sequences::padding_tokens`]).
     pub const BATCH: &'static str = "batch_shape";
     /// The output in which a backend that keeps caches reports what its step moved between the
     /// host and the runtime: `[bytes in, bytes out]`, INT64. A batch's masked rows (a member

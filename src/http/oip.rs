@@ -10,7 +10,7 @@ use crate::net::conn;
 use crate::protocol::headers::*;
 use crate::protocol::oip as infer;
 use crate::serve::idempotency::{Claim, StoredResponse};
-use crate::serve::lifecycle::{self, RequestError};
+use crate::serve::lifecycle::{self, Placement, Refused, RequestError};
 use crate::serve::metrics::Outcome;
 use crate::serve::service::{ModelEntry, Service};
 use axum::Json;
@@ -211,7 +211,7 @@ async fn respond(
     let service = &state.service;
     // A cheap handle on the body, for decoding it again for the model's fallback.
     let kept = body.as_ref().ok().cloned();
-    let (request, decoded) = match decode(service, model, id, headers, body, received) {
+    let (mut request, decoded) = match decode(service, model, id, headers, body, received) {
         Ok(decoded) => decoded,
         Err(error) => {
             let refused = lifecycle::reject(service, model, error, received);
@@ -221,25 +221,49 @@ async fn respond(
     // Kept only when a substitute may be asked: otherwise its memory goes now, as it would.
     let has_fallback = service.model(model).is_some_and(|m| m.config.fallback_model.is_some());
     let kept = kept.filter(|_| request.allow_substitute && has_fallback);
-    // The fallback takes what the client sent only if it decodes for the fallback's signature.
-    let rebuild = |fallback: &str| match kept {
-        Some(body) => decode(service, fallback, id, headers, Ok(body), received).map_err(|e| e.to_string()),
-        None => Err("the request's body is gone".to_string()),
+    let counted = lifecycle::Counted::start(service, &mut request);
+    let placed = match lifecycle::place_or_fallback(service, request).await {
+        Ok(Placement::Served(served)) => Ok((served, None)),
+        // The fallback takes what the client sent only if it decodes for the fallback's
+        // signature.
+        Ok(Placement::Fallback(fallback)) => {
+            let rebuilt = match kept {
+                Some(body) => {
+                    decode(service, fallback.model(), id, headers, Ok(body), received).map_err(|e| e.to_string())
+                }
+                None => Err("the request's body is gone".to_string()),
+            };
+            match rebuilt {
+                Ok((substitute, decoded)) => fallback
+                    .place(service, counted.answering(), substitute)
+                    .await
+                    .map(|(served, substitution)| (served, Some((substitution, decoded)))),
+                Err(why) => Err(fallback.cannot(&why)),
+            }
+        }
+        Err(refused) => Err(refused),
     };
     let max_bytes = service.config.server.max_response_bytes;
-    let result = lifecycle::infer_and(service, request, rebuild, |served, substitution| {
-        // Degraded mode as it is when the answer goes out, on an answer it reduced.
-        let degraded = service.degraded.for_answer(&served.pool, model);
-        let answered = Answered {
-            model,
-            decoded: &decoded,
-            substitution: substitution.as_ref(),
-        };
-        served_response(&answered, id, &served, degraded.as_ref(), max_bytes).map_err(RequestError::BadInput)
-    })
-    .await;
+    let result = match placed {
+        Ok((served, substitution)) => {
+            // Degraded mode as it is when the answer goes out, on an answer it reduced.
+            let degraded = service.degraded.for_answer(&served.pool, model);
+            let answered = Answered {
+                model,
+                decoded: &decoded,
+                substitution: substitution.as_ref().map(|(s, decoded)| (s, decoded)),
+            };
+            // An answer that cannot be made (over its limit) is counted with the error the
+            // client gets, not as served.
+            served_response(&answered, id, &served, degraded.as_ref(), max_bytes)
+                .map_err(|error| Refused::at(&served.pool, RequestError::BadInput(error)))
+                .map(|response| (response, served.pool))
+        }
+        Err(refused) => Err(refused),
+    };
+    counted.finish(result.as_ref().map(|(_, pool)| pool.as_ref()));
     match result {
-        Ok(response) => (response, true),
+        Ok((response, _)) => (response, true),
         Err(refused) => {
             let degraded = service.degraded.now();
             // Refused before anything ran (queue full, breaker, deadline…): a retry with the
@@ -422,8 +446,8 @@ struct Answered<'a> {
     model: &'a str,
     /// The request as decoded for it.
     decoded: &'a infer::DecodedRequest,
-    /// Set when the model's fallback answered instead.
-    substitution: Option<&'a lifecycle::Substitution<infer::DecodedRequest>>,
+    /// Set when the model's fallback answered instead, with the request as decoded for it.
+    substitution: Option<(&'a lifecycle::Substitution, &'a infer::DecodedRequest)>,
 }
 
 /// The answer to a request that ran: the encoded outputs, with the serving pool's facts (and
@@ -438,14 +462,14 @@ fn served_response(
 ) -> Result<Response, String> {
     let pool = &served.pool;
     let (model, decoded) = match answered.substitution {
-        Some(s) => (s.model.as_str(), &s.rebuilt),
+        Some((s, decoded)) => (s.model.as_str(), decoded),
         None => (answered.model, answered.decoded),
     };
     let mut parameters = Map::new();
     // The protocol's `model_name` is the model used for inference; `parameters` says it too,
     // and what was asked for when another model stood in.
     parameters.insert("model".into(), json!(model));
-    if let Some(s) = answered.substitution {
+    if let Some((s, _)) = answered.substitution {
         parameters.insert("requested_model".into(), json!(s.requested));
         parameters.insert("substituted".into(), json!(format!("{:?}", s.reason)));
     }

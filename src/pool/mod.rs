@@ -11,9 +11,9 @@
 //! `context.rs` what a pool is given, `load.rs` the load and delay estimate, `activity.rs` the
 //! requests waiting and running, `health.rs` the breaker and recent failures, `degraded.rs`
 //! degraded mode, `arena.rs` the allocator statistics. `residency.rs` loads and unloads models
-//! (`models.rs` what it is told of each, `evict.rs` what could make room). Text generations:
-//! `sequences.rs` counts them and their caches, `batch.rs` joins their steps into one run per
-//! step, which `stepper.rs` runs. `metrics/` holds the metric families pools record into.
+//! (`models.rs` what it is told of each, `evict.rs` what could make room). `batch/` holds the
+//! generations stepped together (continuous batching) and their counts. `metrics/` holds the
+//! metric families pools record into.
 //!
 //! The backends that do not run models in this process sit here beside each other: `process/`
 //! (a worker process of the pool's own, for process isolation, which `supervise.rs` watches
@@ -36,9 +36,7 @@ pub mod process;
 mod queue;
 pub mod remote;
 mod residency;
-pub mod sequences;
 mod shared;
-mod stepper;
 mod supervise;
 mod worker;
 

@@ -531,7 +531,7 @@ mod tests {
         };
         let config = crate::testing::config::pool("p", "host", &["decoder", "encoder"]);
         let pool = Pool::start(config, DeviceClass::Host, vec![Box::new(backend)], None, context);
-        let generation = crate::pool::sequences::Waiting::on(&pool.sequences);
+        let generation = crate::pool::batch::sequences::Waiting::on(&pool.sequences);
         let busy = |model: &str| pool.residents().into_iter().find(|r| r.model == model).unwrap().busy;
         assert_eq!((busy("decoder"), busy("encoder")), (1, 0));
         assert!(!pool.evict("decoder"), "its KV cache is held between runs");

@@ -8,14 +8,18 @@ use std::sync::{Arc, Mutex, RwLock};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
+use tokio::sync::oneshot;
+
 use crate::config::PoolConfig;
 use crate::core::breaker::Breaker;
 use crate::core::snapshot::DeviceClass;
+use crate::pool::batch::sequences::Sequences;
+use crate::pool::batch::{Batch, Batches, StepPool};
 use crate::pool::context::{PoolContext, Respawn};
+use crate::pool::job::{InferJob, JobResult, PoolError};
 use crate::pool::load::RunTimes;
 use crate::pool::models::Models;
 use crate::pool::queue::Queue;
-use crate::pool::sequences::Sequences;
 
 /// Whether a pool can take work.
 #[derive(Debug, Clone, PartialEq)]
@@ -59,7 +63,7 @@ pub struct Pool {
     /// Its backends keep generations' KV caches where their runtime is.
     pub(super) keeps_caches: AtomicBool,
     /// Each model's generations, stepped as one batch (made on first use).
-    pub(super) batches: Mutex<std::collections::HashMap<String, Arc<crate::pool::batch::Batch>>>,
+    pub(super) batches: Batches,
 }
 
 impl std::fmt::Debug for Pool {
@@ -99,12 +103,38 @@ impl Pool {
             runs_started: AtomicU64::new(0),
             worker_host: std::sync::OnceLock::new(),
             keeps_caches: AtomicBool::new(false),
-            batches: Mutex::default(),
+            batches: Batches::default(),
         }
     }
 
     /// Pool name.
     pub fn name(&self) -> &str {
         &self.config.name
+    }
+}
+
+impl Pool {
+    /// `model`'s batch on this pool, its stepper started on first use (on the caller's tokio
+    /// runtime).
+    pub fn batch(self: &Arc<Self>, model: &str) -> Arc<Batch> {
+        self.batches.of(self, model)
+    }
+}
+
+impl StepPool for Pool {
+    fn name(&self) -> &str {
+        Pool::name(self)
+    }
+
+    fn sequences(&self) -> &Arc<Sequences> {
+        &self.sequences
+    }
+
+    fn breaker_permit(&self) -> Result<(), PoolError> {
+        Pool::breaker_permit(self)
+    }
+
+    fn submit(&self, job: InferJob) -> Result<oneshot::Receiver<JobResult>, PoolError> {
+        Pool::submit(self, job)
     }
 }

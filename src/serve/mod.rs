@@ -3,7 +3,7 @@
 //! [`metrics::Metrics`], every metric family registered together. Nothing here knows about HTTP
 //! status codes; `http` maps outcomes to them.
 
-pub mod generate;
+pub mod generation;
 pub mod health;
 pub mod idempotency;
 pub mod idle;
@@ -11,4 +11,3 @@ pub mod lifecycle;
 pub mod metrics;
 pub mod router;
 pub mod service;
-pub mod steps;

@@ -534,7 +534,7 @@ fn decoder_service(script: &Scratch) -> vramguard::config::Config {
 
 #[tokio::test]
 async fn a_generation_holds_its_services_concurrency_until_its_last_token() {
-    use vramguard::serve::generate::{self, Params, Prompt};
+    use vramguard::serve::generation::{self, Params, Prompt};
     let script = Scratch::new();
     let config = decoder_service(&script);
     let service = Arc::new(
@@ -558,17 +558,9 @@ async fn a_generation_holds_its_services_concurrency_until_its_last_token() {
         tokio::spawn(async move {
             let entry = service.model("tiny").unwrap();
             let request = vramguard::testing::request("tiny", Vec::new());
-            generate::generate(
-                &service,
-                entry,
-                Prompt::from(vec![301, 355]),
-                &params,
-                request,
-                sink,
-                None,
-            )
-            .await
-            .map(|g| g.tokens.len())
+            generation::generate(&service, entry, Prompt::from(vec![301, 355]), &params, request, sink)
+                .await
+                .map(|g| g.tokens.len())
         })
     };
     // A reader that reads nothing yet: the generation stops at its second token, between runs.

@@ -1,7 +1,5 @@
-//! Running a checked [`Job`] and answering it: whole, as one completion object with the serving
-//! pool's facts in `x-vramguard-*` headers, or streamed ([`super::stream`]).
-
-use std::time::{SystemTime, UNIX_EPOCH};
+//! Running a checked [`Job`] and answering it whole, as one completion object with the serving
+//! pool's facts in `x-vramguard-*` headers (`stream.rs` answers it streamed).
 
 use axum::http::{HeaderMap, HeaderName, HeaderValue};
 use axum::response::{IntoResponse, Response};
@@ -11,20 +9,13 @@ use tokio::time::Instant;
 use super::chat::tool_calls_json;
 use super::error::OpenAiError;
 use super::job::{Api, Job};
-use super::stream::streamed;
+use super::run::{Resend, generate};
+use super::stream::unix_now;
 use crate::http::headers::{decode_headers, header_value, model_header, pool_headers, shrink_headers};
 use crate::http::state::AppState;
 use crate::protocol::headers::{ALLOW_SHRINK_HEADER, DECISION_HEADER};
-use crate::serve::generate;
+use crate::serve::generation;
 use crate::serve::lifecycle;
-
-/// Seconds since the epoch, for a completion's `created`.
-pub(super) fn unix_now() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0)
-}
 
 /// The lifecycle request a checked job runs as, from the headers every protocol shares.
 pub(super) fn request(
@@ -45,20 +36,16 @@ pub(super) fn request(
     Ok(base)
 }
 
-/// Run a checked job as `base` and answer it, streamed or whole (counted by the generation).
+/// Run a checked job as `base` and answer it whole (counted by the generation).
 pub(super) async fn run(
     state: &AppState,
     job: Job,
     base: lifecycle::Request,
     id: &str,
-    rebuild: Option<generate::Rebuild>,
+    resend: Option<Resend>,
 ) -> Result<Response, OpenAiError> {
     let service = &state.service;
-    let entry = service.model(&job.model).expect("checked by text_model");
-    if job.stream {
-        return streamed(state, job, id, base, rebuild).await;
-    }
-    let generated = generate::generate(service, entry, job.prompt, &job.params, base, None, rebuild)
+    let generated = generate(service, (&job.model, job.prompt, &job.params), base, id, None, resend)
         .await
         .map_err(|refused| {
             let degraded = service.degraded.now();
@@ -87,7 +74,7 @@ pub(super) async fn run(
 }
 
 /// A whole answer's body: the completion object, with chat's tool calls read back.
-fn whole(api: &Api, model: &str, generated: &generate::Generated, id: &str) -> Value {
+fn whole(api: &Api, model: &str, generated: &generation::Generated, id: &str) -> Value {
     let completion = generated.tokens.len();
     let usage = json!({"prompt_tokens": generated.prompt_tokens, "completion_tokens": completion,
                        "total_tokens": generated.prompt_tokens + completion});

@@ -11,7 +11,7 @@ use super::error::OpenAiError;
 use super::job::{Api, Draft, Sampling, Stop, refuse_unsupported, text_model};
 use crate::http::state::AppState;
 use crate::runtime::chat::{ChatTemplate, ToolCall};
-use crate::serve::generate;
+use crate::serve::generation;
 
 /// The body of `POST /v1/chat/completions`.
 #[derive(Debug, Deserialize)]
@@ -165,7 +165,7 @@ fn shorten_chat(
     tokenizer: Arc<tokenizers::Tokenizer>,
     messages: Vec<Value>,
     tools: Option<Vec<Value>>,
-) -> generate::Shorten {
+) -> generation::Shorten {
     Arc::new(move |to: u64| {
         let system = messages.iter().take_while(|m| m["role"] == "system").count();
         let starts: Vec<usize> = (system + 1..messages.len())

@@ -2,17 +2,12 @@
 //! the prompt tokenized. The fields OpenAI documents that would change the answer and that are
 //! not supported are refused by name, never ignored.
 
-use std::sync::Arc;
-
-use axum::body::Bytes;
-use axum::extract::rejection::BytesRejection;
 use serde::Deserialize;
 use serde_json::Value;
 
-use super::chat;
 use super::error::OpenAiError;
 use crate::http::state::AppState;
-use crate::serve::generate::{self, Params};
+use crate::serve::generation::{self, Params};
 use crate::serve::lifecycle::RequestError;
 use crate::serve::service::ModelEntry;
 
@@ -84,7 +79,7 @@ pub(super) enum Api {
 pub(super) struct Job {
     pub(super) model: String,
     pub(super) api: Api,
-    pub(super) prompt: generate::Prompt,
+    pub(super) prompt: generation::Prompt,
     pub(super) params: Params,
     pub(super) stream: bool,
 }
@@ -98,7 +93,7 @@ pub(super) struct Draft {
     pub(super) max_tokens: Option<u32>,
     /// How the prompt is cut when it does not fit: a chat by whole turns; a completion from its
     /// start (`None`, the prompt's default).
-    pub(super) shorten: Option<generate::Shorten>,
+    pub(super) shorten: Option<generation::Shorten>,
 }
 
 /// Refuse the first field `given` that is not supported, by name.
@@ -109,26 +104,18 @@ pub(super) fn refuse_unsupported<const N: usize>(fields: [(bool, &'static str); 
     }
 }
 
-/// Decode and check the body into a [`Job`].
-pub(super) fn read_job(
-    state: &AppState,
-    body: Result<Bytes, BytesRejection>,
-    id: &str,
-    chat: bool,
-) -> Result<Job, OpenAiError> {
-    let body = body.map_err(|e| OpenAiError::unreadable(&e, id))?;
+/// Check a completion's or a chat's [`Draft`] into a [`Job`]: the sampling fields, and its
+/// prompt tokenized by the model's tokenizer.
+pub(super) fn checked(state: &AppState, draft: Draft, id: &str) -> Result<Job, OpenAiError> {
     let Draft {
         sampling,
         text,
         api,
         max_tokens,
         shorten,
-    } = if chat {
-        chat::read(state, &body, id)?
-    } else {
-        read_completion(state, &body, id)?
-    };
+    } = draft;
     let stream = sampling.stream == Some(true);
+    let chat = matches!(&api, Api::Chat { .. });
     let tools = matches!(&api, Api::Chat { tools } if !tools.is_empty());
     let params = params(&sampling, max_tokens, tools, id)?;
     let entry = state.service.model(&sampling.model).expect("checked by text_model");
@@ -143,7 +130,7 @@ pub(super) fn read_job(
             Some(if chat { "messages" } else { "prompt" }),
         ));
     }
-    let mut prompt = generate::Prompt::from(tokens);
+    let mut prompt = generation::Prompt::from(tokens);
     if shorten.is_some() {
         prompt.shorten = shorten;
     }
@@ -156,21 +143,8 @@ pub(super) fn read_job(
     })
 }
 
-/// How a request's fallback model takes it: the body read again as if it named that model, so
-/// its prompt is rendered by that model's template and tokenized by its tokenizer.
-pub(super) fn rebuild(state: Arc<AppState>, body: Bytes, id: &str, chat: bool) -> generate::Rebuild {
-    let id = id.to_string();
-    Box::new(move |fallback: &str| {
-        let mut value: Value = serde_json::from_slice(&body).map_err(|e| e.to_string())?;
-        value["model"] = Value::String(fallback.to_string());
-        let body = serde_json::to_vec(&value).map_err(|e| e.to_string())?;
-        let job = read_job(&state, Ok(Bytes::from(body)), &id, chat).map_err(|e| e.message)?;
-        Ok((job.prompt, job.params))
-    })
-}
-
 /// A `POST /v1/completions` body: one plain prompt.
-fn read_completion(state: &AppState, body: &[u8], id: &str) -> Result<Draft, OpenAiError> {
+pub(super) fn read_completion(state: &AppState, body: &[u8], id: &str) -> Result<Draft, OpenAiError> {
     let request: CompletionRequest = serde_json::from_slice(body)
         .map_err(|e| OpenAiError::invalid(format!("the body is not a completion request: {e}"), None))?;
     refuse_unsupported([

@@ -1,7 +1,7 @@
 //! OpenAI-compatible text generation: `GET /v1/models`, `POST /v1/completions` and
 //! `POST /v1/chat/completions`, with errors in OpenAI's shape (`{"error": {"message", "type",
 //! "param", "code"}}`), so clients built on the `openai` package work unchanged. Generation
-//! itself is [`crate::serve::generate`]; chat templates and tool calls are [`crate::runtime::chat`].
+//! itself is [`crate::serve::generation`]; chat templates and tool calls are [`crate::runtime::chat`].
 //!
 //! `stream: true` answers with server-sent events: one chunk per piece of text, the last with
 //! `finish_reason` and `usage`, then `data: [DONE]`. The first chunk carries a `vramguard`
@@ -13,12 +13,15 @@
 //! picked, streamed or not: a tool call may already have acted on the client's side.
 //!
 //! A request is read and checked into a job (`job`, with chat's part in `chat`), then run and
-//! answered whole (`answer`) or streamed (`stream`).
+//! answered whole (`answer`) or streamed (`stream`), both running its generation through `run`
+//! (which reads the body again for the model's fallback when the generation asks for it);
+//! `error` is OpenAI's error shape. No two of these files use each other.
 
 mod answer;
 mod chat;
 mod error;
 mod job;
+mod run;
 mod stream;
 
 pub use error::OpenAiError;
@@ -82,7 +85,7 @@ async fn serve(
     // A cheap handle on the body, read again when the request is refused, or for the model's
     // fallback.
     let kept = body.as_ref().ok().cloned();
-    let checked = job::read_job(state, body, &id, chat)
+    let checked = run::read_job(state, body, &id, chat)
         .and_then(|job| answer::request(state, headers, &job, &id, received).map(|base| (job, base)));
     let result = match checked {
         Ok((job, base)) => {
@@ -91,13 +94,19 @@ async fn serve(
                 .model(&job.model)
                 .is_some_and(|m| m.config.fallback_model.is_some());
             // Kept only when the model's fallback may be asked: it reads the body again.
-            let rebuild = match &kept {
-                Some(body) if base.allow_substitute && has_fallback => {
-                    Some(job::rebuild(Arc::clone(state), body.clone(), &id, chat))
-                }
+            let resend = match &kept {
+                Some(body) if base.allow_substitute && has_fallback => Some(run::Resend {
+                    state: Arc::clone(state),
+                    body: body.clone(),
+                    chat,
+                }),
                 _ => None,
             };
-            answer::run(state, job, base, &id, rebuild).await
+            if job.stream {
+                stream::streamed(state, job, &id, base, resend).await
+            } else {
+                answer::run(state, job, base, &id, resend).await
+            }
         }
         Err(error) => {
             let model = kept.as_deref().and_then(model_named);

@@ -138,7 +138,7 @@ pub(super) async fn admit(service: &Service, entry: &ModelEntry, request: &mut R
 
 /// `estimate` of a generation whose prompt of `prompt` tokens joins its model's batch on
 /// `pool`, with the left padding that brings: its own row padded up to the batch's length, or
-/// every other row up to its own ([`crate::pool::sequences::padding_tokens`]). A single run,
+/// every other row up to its own ([`crate::pool::batch::sequences::padding_tokens`]). A single run,
 /// or a pool that keeps no caches, joins no batch.
 fn joining(entry: &ModelEntry, request: &Request, pool: &Pool, prompt: u64, mut estimate: Estimate) -> Estimate {
     let (Some(layout), Some(_)) = (&entry.decoder, request.sequence) else {

@@ -1,8 +1,7 @@
 //! Counting a request once in the request metrics (`vramguard_requests_total`, its duration),
 //! with the outcome it ends with, whether it ran, was refused before it reached a pool, or
-//! lost its client on the way.
-
-use std::sync::Arc;
+//! lost its client on the way. The protocol finishes a [`Counted`] with its answer, so an
+//! answer that cannot be made is counted with the error the client gets.
 
 use tokio::time::Instant;
 
@@ -13,62 +12,71 @@ use crate::serve::service::Service;
 use crate::serve::service::UNKNOWN_MODEL;
 
 use super::substitute::Answering;
-use super::{Refused, RequestError};
+use super::{Refused, Request, RequestError};
 
-/// Do `work` as request `request_id`, counted once in the request metrics with the outcome it
-/// ends with (on the pool it ended on), or `cancelled` when its client goes away first, under
-/// the model [`Answering`] names then: a request its model's fallback answered is counted
-/// once, as the fallback's. Its policy decision, on the status page, says the same.
-pub async fn counted_as<T>(
-    service: &Service,
-    answering: &Answering,
-    request_id: &str,
-    received: Instant,
-    work: impl std::future::Future<Output = Result<(T, Arc<Pool>), Refused>>,
-) -> Result<T, Refused> {
-    // A client that goes away drops this future: the guard counts that as `cancelled` (a job
-    // still queued is then skipped by the pool, one already running is stopped).
-    let mut gone = ClientGone {
-        service,
-        answering,
-        request_id,
-        received,
-        armed: true,
-    };
-    let result = work.await;
-    gone.armed = false;
-    let model = answering.model();
-    let (pool, outcome) = match &result {
-        Ok((_, pool)) => (Some(pool), Outcome::ok),
-        Err(refused) => (refused.pool.as_ref(), refused.error.outcome()),
-    };
-    record(service, model, pool.map(|p| p.name()), outcome, received);
-    // The pool that answered: a refusal's pool is where it was refused, which ran nothing.
-    let ran = result.as_ref().ok().map(|(_, pool)| pool.name());
-    service.decisions.answered(request_id, outcome.label(), ran);
-    if let Err(refused) = &result {
-        tracing::debug!(model = %model, pool = pool.map(|p| p.name()), outcome = ?refused.error.outcome(), error = %refused.error, "request refused");
-    }
-    result.map(|(value, _)| value)
-}
-
-/// Counts a request whose client went away before it was answered.
-struct ClientGone<'a> {
+/// A request on its way to its answer, counted once in the request metrics. [`Counted::finish`]
+/// counts it with the outcome it ends with (on the pool it ended on); dropped unfinished (its
+/// client went away, which drops the future holding it), it is counted `cancelled`. Either way
+/// it is counted under the model [`Answering`] names then: a request its model's fallback
+/// answered is counted once, as the fallback's. Its policy decision, on the status page, says
+/// the same.
+pub struct Counted<'a> {
     service: &'a Service,
-    answering: &'a Answering,
-    request_id: &'a str,
+    answering: Answering,
+    request_id: String,
     received: Instant,
+    /// Set until it is finished.
     armed: bool,
 }
 
-impl Drop for ClientGone<'_> {
+impl<'a> Counted<'a> {
+    /// Start counting `request`: it takes its place in the service's waiting and running
+    /// counts, as a request for its model.
+    pub fn start(service: &'a Service, request: &mut Request) -> Counted<'a> {
+        request.progress = service.accept(&request.model);
+        Counted {
+            service,
+            answering: Answering::new(&request.model),
+            request_id: request.meta.request_id.clone(),
+            received: request.received,
+            armed: true,
+        }
+    }
+
+    /// The model answering it now.
+    pub fn answering(&self) -> &Answering {
+        &self.answering
+    }
+
+    /// Count the request with the outcome it ends with: served by the pool that answered, or
+    /// refused.
+    pub fn finish(mut self, answered: Result<&Pool, &Refused>) {
+        self.armed = false;
+        let service = self.service;
+        let model = self.answering.model();
+        let (pool, outcome) = match answered {
+            Ok(pool) => (Some(pool.name()), Outcome::ok),
+            Err(refused) => (refused.pool.as_ref().map(|p| p.name()), refused.error.outcome()),
+        };
+        record(service, model, pool, outcome, self.received);
+        // The pool that answered: a refusal's pool is where it was refused, which ran nothing.
+        let ran = answered.ok().map(Pool::name);
+        service.decisions.answered(&self.request_id, outcome.label(), ran);
+        if let Err(refused) = answered {
+            tracing::debug!(model = %model, pool, outcome = ?refused.error.outcome(), error = %refused.error, "request refused");
+        }
+    }
+}
+
+impl Drop for Counted<'_> {
     fn drop(&mut self) {
+        // A job still queued is then skipped by the pool, one already running is stopped.
         if self.armed {
             let model = self.answering.model();
             tracing::debug!(model, "the client went away before the answer");
             record(self.service, model, None, Outcome::cancelled, self.received);
             let cancelled = Outcome::cancelled.label();
-            self.service.decisions.answered(self.request_id, cancelled, None);
+            self.service.decisions.answered(&self.request_id, cancelled, None);
         }
     }
 }

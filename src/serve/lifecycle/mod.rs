@@ -15,6 +15,10 @@
 //! `substitute.rs` (the model's `fallback_model` answering instead, with the client's leave),
 //! `count.rs` (the request metrics) and `error.rs` (what a client is told).
 //!
+//! Nothing here calls back into a protocol: a protocol starts the count ([`Counted`]), places
+//! the request ([`place_or_fallback`]), rebuilds it for the fallback when asked to, and
+//! finishes the count with the answer it made.
+//!
 //! Time is tokio's, so tests run deferrals and deadlines with paused time.
 
 mod admit;
@@ -41,11 +45,11 @@ use crate::pool::activity::Progress;
 use crate::serve::metrics::FailoverReason;
 use crate::serve::service::Service;
 
-pub use count::{answered, counted_as, reject};
+pub use count::{Counted, answered, reject};
 pub use error::{DeadlineMiss, NotRetried, Refused, RequestError};
 pub use fits::{Ceiling, NeverFits};
 pub use place::place;
-pub use substitute::{Answering, Substitution, place_or_substitute};
+pub use substitute::{Answering, Fallback, Placement, Substitution, place_or_fallback};
 
 /// A decoded inference request, whatever protocol it came in by.
 #[derive(Debug, Clone)]
@@ -71,7 +75,7 @@ pub struct Request {
     /// accept it there; the default counts nothing).
     pub progress: Progress,
     /// The client allows its model's `fallback_model` to answer instead when the model cannot
-    /// run ([`place_or_substitute`]). Not on [`RunMeta`], so a remote pool is never asked to
+    /// run ([`place_or_fallback`]). Not on [`RunMeta`], so a remote pool is never asked to
     /// swap models: the answer's model is decided here, where it is reported.
     pub allow_substitute: bool,
     /// A generation's sequence: on a pool whose backends keep caches, its prompt's run keeps
@@ -141,34 +145,19 @@ pub struct Ran {
 
 /// Run `request` to its end: place it, ask the policy, carry the decision out, run it, and
 /// count the outcome. It has nothing to rebuild a request for another model from, so its
-/// model's fallback never answers it.
-pub async fn infer(service: &Service, request: Request) -> Result<Served, Refused> {
-    let rebuild =
-        |_: &str| Err::<(Request, ()), _>("it was not received by a protocol that can ask another model".into());
-    infer_and(service, request, rebuild, |served, _| Ok(served)).await
-}
-
-/// [`infer`], with the answer made from what was served by `answer` before the request is
-/// counted: an answer that cannot be made (a response over its limit) is counted with the
-/// error the client gets, not as served. `rebuild` makes the request again for its model's
-/// fallback, when one may answer instead ([`place_or_substitute`]); `answer` is then told so.
-pub async fn infer_and<T, D>(
-    service: &Service,
-    mut request: Request,
-    rebuild: impl FnOnce(&str) -> Result<(Request, D), String>,
-    answer: impl FnOnce(Served, Option<Substitution<D>>) -> Result<T, RequestError>,
-) -> Result<T, Refused> {
-    request.progress = service.accept(&request.model);
-    let answering = Answering::new(&request.model);
-    let received = request.received;
-    let id = request.meta.request_id.clone();
-    counted_as(service, &answering, &id, received, async {
-        let (served, substitution) = place_or_substitute(service, &answering, request, rebuild).await?;
-        let pool = Arc::clone(&served.pool);
-        let value = answer(served, substitution).map_err(|error| Refused::at(&pool, error))?;
-        Ok((value, pool))
-    })
-    .await
+/// model's fallback never answers it. A protocol that answers from what was served does these
+/// steps itself: [`Counted::start`], [`place_or_fallback`], [`Counted::finish`] with its answer.
+pub async fn infer(service: &Service, mut request: Request) -> Result<Served, Refused> {
+    let counted = Counted::start(service, &mut request);
+    let served = match place_or_fallback(service, request).await {
+        Ok(Placement::Served(served)) => Ok(served),
+        Ok(Placement::Fallback(fallback)) => {
+            Err(fallback.cannot("it was not received by a protocol that can ask another model"))
+        }
+        Err(refused) => Err(refused),
+    };
+    counted.finish(served.as_ref().map(|served| served.pool.as_ref()));
+    served
 }
 
 /// One more run of a request already admitted to `pool`: a generation's step on a pool that

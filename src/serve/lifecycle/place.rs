@@ -17,8 +17,8 @@ use super::run::host_keeps_reserve;
 use super::{DeadlineMiss, Refused, Request, RequestError, Served};
 
 /// Place and run a request like [`infer`](super::infer), without counting it: for work made of
-/// several runs (a generation), counted once around all of them by
-/// [`counted`](super::counted).
+/// several runs (a generation), counted once around all of them by a
+/// [`Counted`](super::Counted).
 pub async fn place(service: &Service, mut request: Request) -> Result<Served, Refused> {
     let entry = service.model(&request.model).ok_or_else(|| Refused {
         pool: None,

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use crate::core::backend::{AllocFailureKind, BackendError};
 use crate::core::breaker::Tripped;
 use crate::core::tensor::Tensor;
-use crate::pool::sequences::Waiting;
+use crate::pool::batch::sequences::Waiting;
 use crate::pool::{Inputs, Pool, PoolError};
 use crate::serve::metrics::{FailoverReason, RetryLabels, RetryResult};
 use crate::serve::service::Service;
@@ -125,7 +125,7 @@ pub(super) async fn after_failure(
 
 /// A generation's prompt waiting for its run on `pool` (its `inputs`): when the pool keeps its
 /// cache, on its way to join the model's batch there, so admission counts the padding it
-/// brings ([`crate::pool::sequences::Sequences::join_padding`]).
+/// brings ([`crate::pool::batch::sequences::Sequences::join_padding`]).
 fn waiting_on(pool: &Arc<Pool>, request: &Request, inputs: &[Tensor]) -> Waiting {
     let prompt = inputs
         .iter()

@@ -3,6 +3,8 @@
 //! memory reserve, no pool could ever give it enough) and the client allows it, the request is
 //! placed again as a request for the model's `fallback_model`, rebuilt from what the client
 //! sent by the protocol that decoded it (the fallback's own inputs, tokenizer and template).
+//! Placing is two-phase so that the lifecycle never calls the protocol: a refusal the fallback
+//! may meet comes back as a [`Fallback`], which the protocol hands the rebuilt request.
 //! Only one hop: the fallback's own fallback is not followed. Without the client's leave the
 //! model is never swapped, since another model changes the answer; a deadline, bad input, an
 //! unknown model or a deferral past the bound is never a reason to.
@@ -12,6 +14,7 @@
 
 use std::sync::OnceLock;
 
+use crate::pool::activity::Progress;
 use crate::serve::metrics::{SubstitutionLabels, SubstitutionReason};
 use crate::serve::service::Service;
 
@@ -40,18 +43,39 @@ impl Answering {
     }
 }
 
-/// A request its model's fallback took: who stood in for whom and why, and what the protocol
-/// rebuilt for the fallback (its decoded request, say, to encode the answer with).
+/// A request its model's fallback took: who stood in for whom and why.
 #[derive(Debug)]
-pub struct Substitution<D> {
+pub struct Substitution {
     /// The model asked for.
     pub requested: String,
     /// The model that answers.
     pub model: String,
     /// Why the model asked for could not.
     pub reason: SubstitutionReason,
-    /// What the rebuild made besides the request.
-    pub rebuilt: D,
+}
+
+/// A request placed, or refused where its model's fallback may answer instead.
+#[derive(Debug)]
+pub enum Placement {
+    /// It ran on its model.
+    Served(Served),
+    /// It was refused for a [`reason_of`] the fallback may not meet, its model has a
+    /// `fallback_model` and the client allows a substitute: the protocol rebuilds the request
+    /// for [`Fallback::model`] from what the client sent and hands it to [`Fallback::place`]
+    /// (or says why it cannot: [`Fallback::cannot`]).
+    Fallback(Fallback),
+}
+
+/// A refused request its model's fallback may take: the second phase of placing it.
+#[derive(Debug)]
+pub struct Fallback {
+    /// The model's own refusal, what the client gets if the fallback cannot answer either.
+    refused: Refused,
+    requested: String,
+    fallback: String,
+    reason: SubstitutionReason,
+    /// The client's place in the waiting and running counts, which the rebuilt request keeps.
+    progress: Progress,
 }
 
 /// Why a refusal lets a substitute answer, if it does: refusals before anything ran that
@@ -68,23 +92,17 @@ pub(super) fn reason_of(error: &RequestError) -> Option<SubstitutionReason> {
     }
 }
 
-/// [`place`], and when the request is refused for a [`reason_of`], its model has a
-/// `fallback_model` and the request allows a substitute: `rebuild` it as a request for the
-/// fallback (or say why the fallback cannot take what the client sent) and place that. When
-/// the fallback cannot take it either, the client gets the first refusal, saying why.
-pub async fn place_or_substitute<D>(
-    service: &Service,
-    answering: &Answering,
-    request: Request,
-    rebuild: impl FnOnce(&str) -> Result<(Request, D), String>,
-) -> Result<(Served, Option<Substitution<D>>), Refused> {
+/// [`place`]; or, when the request is refused for a [`reason_of`], its model has a
+/// `fallback_model` and the request allows a substitute, the [`Fallback`] that may answer
+/// instead.
+pub async fn place_or_fallback(service: &Service, request: Request) -> Result<Placement, Refused> {
     let allowed = request.allow_substitute;
     let requested = request.model.clone();
     // The client's request is still waiting while its fallback is asked: the same place in
     // the waiting and running counts.
     let progress = request.progress.clone();
     let refused = match place(service, request).await {
-        Ok(served) => return Ok((served, None)),
+        Ok(served) => return Ok(Placement::Served(served)),
         Err(refused) => refused,
     };
     let Some(reason) = reason_of(&refused.error) else {
@@ -97,46 +115,74 @@ pub async fn place_or_substitute<D>(
         tracing::debug!(model = %requested, %fallback, "a substitute could answer, but the request does not allow one");
         return Err(refused);
     }
-    let (mut substitute, rebuilt) = match rebuild(&fallback) {
-        Ok(rebuilt) => rebuilt,
-        Err(why) => {
-            return Err(noted(
-                refused,
-                format!("its substitute `{fallback}` could not take the request: {why}"),
-            ));
-        }
-    };
-    substitute.progress = progress;
-    // One hop: the fallback's own fallback is not asked.
-    substitute.allow_substitute = false;
-    match place(service, substitute).await {
-        Ok(served) => {
-            tracing::info!(model = %requested, %fallback, ?reason, "the fallback model answers instead");
-            service
-                .metrics
-                .failover
-                .substitutions
-                .get_or_create(&SubstitutionLabels {
-                    model: requested.clone(),
-                    fallback_model: fallback.clone(),
-                    reason,
-                })
-                .inc();
-            let _ = answering.substitute.set(fallback.clone());
-            Ok((
-                served,
-                Some(Substitution {
+    Ok(Placement::Fallback(Fallback {
+        refused,
+        requested,
+        fallback,
+        reason,
+        progress,
+    }))
+}
+
+impl Fallback {
+    /// The model that may answer instead, for which the request is rebuilt.
+    pub fn model(&self) -> &str {
+        &self.fallback
+    }
+
+    /// The client's answer when the request could not be rebuilt for the fallback (`why`):
+    /// the first refusal, saying so.
+    pub fn cannot(self, why: &str) -> Refused {
+        let fallback = &self.fallback;
+        let note = format!("its substitute `{fallback}` could not take the request: {why}");
+        noted(self.refused, note)
+    }
+
+    /// Place `substitute`, the request made again for the fallback from what the client sent,
+    /// as the request `answering` counts. When the fallback cannot take it either, the client
+    /// gets the first refusal, saying why.
+    pub async fn place(
+        self,
+        service: &Service,
+        answering: &Answering,
+        mut substitute: Request,
+    ) -> Result<(Served, Substitution), Refused> {
+        let Fallback {
+            refused,
+            requested,
+            fallback,
+            reason,
+            progress,
+        } = self;
+        substitute.progress = progress;
+        // One hop: the fallback's own fallback is not asked.
+        substitute.allow_substitute = false;
+        match place(service, substitute).await {
+            Ok(served) => {
+                tracing::info!(model = %requested, %fallback, ?reason, "the fallback model answers instead");
+                service
+                    .metrics
+                    .failover
+                    .substitutions
+                    .get_or_create(&SubstitutionLabels {
+                        model: requested.clone(),
+                        fallback_model: fallback.clone(),
+                        reason,
+                    })
+                    .inc();
+                let _ = answering.substitute.set(fallback.clone());
+                let substitution = Substitution {
                     requested,
                     model: fallback,
                     reason,
-                    rebuilt,
-                }),
-            ))
+                };
+                Ok((served, substitution))
+            }
+            Err(also) => Err(noted(
+                refused,
+                format!("its substitute `{fallback}` could not take it either: {}", also.error),
+            )),
         }
-        Err(also) => Err(noted(
-            refused,
-            format!("its substitute `{fallback}` could not take it either: {}", also.error),
-        )),
     }
 }
 

@@ -2,32 +2,15 @@
 //! gathers its members' tokens, runs them as one decode job, and answers each row.
 
 use std::collections::HashSet;
-use std::sync::{Arc, Weak};
+use std::sync::Weak;
 
 use tokio::sync::mpsc;
 
+use super::sequences::Padding;
+use super::{GRACE, Message, Reply, StepPool};
 use crate::core::backend::{BackendError, DecodeRow, DecodeStep, RunMeta};
 use crate::core::tensor::TensorData;
-use crate::pool::batch::{Batch, GRACE, Message, Reply};
 use crate::pool::job::{InferJob, Inputs, PoolError, RunCancel, RunMemory, RunOp};
-use crate::pool::sequences::Padding;
-use crate::pool::shared::Pool;
-
-impl Pool {
-    /// `model`'s batch on this pool, its stepper started on first use (on the caller's tokio
-    /// runtime).
-    pub fn batch(self: &Arc<Self>, model: &str) -> Arc<Batch> {
-        let mut batches = self.batches.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(batch) = batches.get(model).filter(|b| !b.messages.is_closed()) {
-            return Arc::clone(batch);
-        }
-        let (messages, inbox) = mpsc::unbounded_channel();
-        tokio::spawn(step_batch(Arc::downgrade(self), model.to_string(), inbox));
-        let batch = Arc::new(Batch { messages });
-        batches.insert(model.to_string(), Arc::clone(&batch));
-        batch
-    }
-}
 
 /// What the stepper knows between steps.
 #[derive(Default)]
@@ -100,11 +83,11 @@ impl Steps {
 }
 
 /// The stepper of `model`'s batch on `pool`, until the pool is gone.
-async fn step_batch(pool: Weak<Pool>, model: String, mut inbox: mpsc::UnboundedReceiver<Message>) {
+pub(super) async fn step_batch<P: StepPool>(pool: Weak<P>, model: String, mut inbox: mpsc::UnboundedReceiver<Message>) {
     let mut steps = Steps::default();
     // What the batch's masked slots hold, in the pool's KV bytes beside its generations' own.
     let mut padding = match pool.upgrade() {
-        Some(pool) => Padding::on(&pool.sequences, &model),
+        Some(pool) => Padding::on(pool.sequences(), &model),
         None => return,
     };
     loop {
@@ -117,7 +100,7 @@ async fn step_batch(pool: Weak<Pool>, model: String, mut inbox: mpsc::UnboundedR
             rows: pending.iter().map(|(row, _)| *row).collect(),
             ended: std::mem::take(&mut steps.ended),
         };
-        let result = run_step(&pool, &model, step).await;
+        let result = run_step(pool.as_ref(), &model, step).await;
         drop(pool);
         let result = match result {
             Ok(Stepped { logits, padded, shape }) => {
@@ -183,7 +166,7 @@ struct Stepped {
 }
 
 /// Run one step on `pool`: the breaker's permission, then the job.
-async fn run_step(pool: &Pool, model: &str, step: DecodeStep) -> Result<Stepped, PoolError> {
+async fn run_step<P: StepPool>(pool: &P, model: &str, step: DecodeStep) -> Result<Stepped, PoolError> {
     let rows = step.rows.len();
     if rows > 0 {
         pool.breaker_permit()?;
@@ -225,8 +208,10 @@ mod tests {
     use crate::core::model::BuiltinModel;
     use crate::core::snapshot::DeviceClass;
     use crate::core::tensor::DataType;
-    use crate::pool::PoolContext;
+    use std::sync::Arc;
+
     use crate::pool::batch::next_sequence;
+    use crate::pool::{Pool, PoolContext};
     use crate::runtime::decoder::{DecoderLayout, step_inputs};
     use crate::runtime::onnx::{OrtBackend, SessionOptions, runtime};
 

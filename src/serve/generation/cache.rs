@@ -1,4 +1,4 @@
-//! A generation's steps after its prompt's run, where its KV cache is. On a pool whose backends
+//! Where a generation's KV cache is between its steps, and a step on it. On a pool whose backends
 //! keep caches, the cache stays in the pool's runtime (on its device) and the generation is a
 //! row of the pool's batch for its model ([`crate::pool::batch`]): a step sends one token in
 //! and one row of logits comes out. On a pool that keeps none (a remote one), each step carries
@@ -50,8 +50,9 @@ pub fn read_outputs(outputs: Vec<Tensor>) -> Result<(Vec<f32>, Vec<Tensor>), Str
     Ok((last, cache))
 }
 
-/// Where a generation is: its pool, where its cache is, and whether a run of it moved.
-pub struct Place {
+/// A generation's cache site: the pool its steps run on, where its cache is there, and
+/// whether a run of it moved.
+pub struct CacheSite {
     /// The pool its steps run on.
     pub pool: Arc<Pool>,
     /// Its cache.
@@ -68,12 +69,12 @@ pub enum Failed {
     Broken(String),
 }
 
-impl Place {
+impl CacheSite {
     /// After the prompt's run on `pool` gave `cache` (empty when the pool kept it, as
     /// `request`'s sequence).
-    pub fn new(pool: Arc<Pool>, request: &Request, cache: Vec<Tensor>, retried: Option<FailoverReason>) -> Place {
+    pub fn new(pool: Arc<Pool>, request: &Request, cache: Vec<Tensor>, retried: Option<FailoverReason>) -> CacheSite {
         let cache = keep_or_carry(&pool, request, cache);
-        Place { pool, cache, retried }
+        CacheSite { pool, cache, retried }
     }
 
     /// Run `token` at position `past`: the logits of the next position. `history` gives the
@@ -159,7 +160,8 @@ mod tests {
     };
     use crate::runtime::estimate::MemoryProfile;
     use crate::runtime::onnx::ModelSignature;
-    use crate::serve::generate::{self, Generated, Params};
+    use crate::serve::generation::{self, Generated, Params, Placed};
+    use crate::serve::lifecycle::Refused;
     use crate::serve::service::{BackendFactory, OrtFactory};
 
     /// Prompts past this many mean a generation is prefilled again and again: the backend
@@ -312,17 +314,22 @@ mod tests {
         let prompt: Vec<u32> = (40..100).collect();
         let mut request = crate::testing::request(model, Vec::new());
         request.allow_substitute = substitute;
-        let rebuild: Option<generate::Rebuild> = substitute.then(|| {
-            let (prompt, params) = (prompt.clone(), params.clone());
-            Box::new(move |_: &str| Ok((prompt.into(), params))) as generate::Rebuild
-        });
         let entry = service.model(model).expect("configured");
-        let generated = generate::generate(&service, entry, prompt.into(), &params, request, None, rebuild)
-            .await
-            .unwrap_or_else(|refused| {
-                let prompts = prompts.load(Ordering::SeqCst);
-                panic!("the generation fails after {prompts} prompts: {:?}", refused.error)
-            });
+        let fails = |refused: Refused| -> String {
+            let prompts = prompts.load(Ordering::SeqCst);
+            format!("the generation fails after {prompts} prompts: {:?}", refused.error)
+        };
+        let placed = generation::place(&service, entry, prompt.clone().into(), &params, request).await;
+        let prefilled = match placed.unwrap_or_else(|r| panic!("{}", fails(r))) {
+            Placed::Prefilled(prefilled) => prefilled,
+            // The fallback's prompt made again: the same tokens.
+            Placed::Fallback(fallback) => {
+                assert!(substitute, "a fallback is asked only when the client allows it");
+                let rebuilt = Ok((prompt.into(), params.clone()));
+                fallback.place(rebuilt).await.unwrap_or_else(|r| panic!("{}", fails(r)))
+            }
+        };
+        let generated = prefilled.run(None).await.unwrap_or_else(|r| panic!("{}", fails(r)));
         (generated, prompts.load(Ordering::SeqCst))
     }
 

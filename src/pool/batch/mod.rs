@@ -11,15 +11,25 @@
 //! cache the backend did not hold get [`BackendError::CacheMissing`] and the others run again
 //! at once.
 //!
+//! This file is a batch and its members; `stepper.rs` the task that steps each batch, and
+//! `sequences.rs` the pool's generation counts and the batch shapes admission reads. The
+//! machinery names nothing of the pool it runs on but [`StepPool`], which the pool implements.
+//!
 //! [`Generations::decode`]: crate::core::backend::Generations::decode
 
+pub mod sequences;
+mod stepper;
+
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tokio::sync::{mpsc, oneshot};
 
 use crate::core::backend::{BackendError, DecodeRow};
-use crate::pool::job::PoolError;
+use crate::pool::job::{InferJob, JobResult, PoolError};
+use sequences::Sequences;
 
 /// How long a step waits for late members once one has sent its token.
 pub const GRACE: Duration = Duration::from_millis(2);
@@ -33,10 +43,10 @@ pub fn next_sequence() -> u64 {
 }
 
 /// A step's row logits, or why the step failed.
-pub(super) type Reply = oneshot::Sender<Result<Vec<f32>, PoolError>>;
+type Reply = oneshot::Sender<Result<Vec<f32>, PoolError>>;
 
 /// What a member tells its batch's stepper.
-pub(super) enum Message {
+enum Message {
     /// It takes steps from now on.
     Join(u64),
     /// Its next token.
@@ -48,7 +58,40 @@ pub(super) enum Message {
 /// One model's generations on one pool.
 #[derive(Debug)]
 pub struct Batch {
-    pub(super) messages: mpsc::UnboundedSender<Message>,
+    messages: mpsc::UnboundedSender<Message>,
+}
+
+/// What a batch's stepper asks of the pool it steps on. The pool implements it, so the batching
+/// machinery depends on these four things only, not on the pool's own type.
+pub trait StepPool: Send + Sync + 'static {
+    /// The pool's name, for a step's errors.
+    fn name(&self) -> &str;
+    /// The pool's generations, where a batch's masked slots are counted.
+    fn sequences(&self) -> &Arc<Sequences>;
+    /// Whether the pool's breaker lets a step run now.
+    fn breaker_permit(&self) -> Result<(), PoolError>;
+    /// Queue a step's job on the pool: its outputs come on the receiver.
+    fn submit(&self, job: InferJob) -> Result<oneshot::Receiver<JobResult>, PoolError>;
+}
+
+/// Each model's batch on one pool (made on first use).
+#[derive(Debug, Default)]
+pub struct Batches(Mutex<HashMap<String, Arc<Batch>>>);
+
+impl Batches {
+    /// `model`'s batch on `pool`, its stepper started on first use (on the caller's tokio
+    /// runtime) or again after it stopped.
+    pub fn of<P: StepPool>(&self, pool: &Arc<P>, model: &str) -> Arc<Batch> {
+        let mut batches = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(batch) = batches.get(model).filter(|b| !b.messages.is_closed()) {
+            return Arc::clone(batch);
+        }
+        let (messages, inbox) = mpsc::unbounded_channel();
+        tokio::spawn(stepper::step_batch(Arc::downgrade(pool), model.to_string(), inbox));
+        let batch = Arc::new(Batch { messages });
+        batches.insert(model.to_string(), Arc::clone(&batch));
+        batch
+    }
 }
 
 /// A generation's place in its pool's batch. Dropping it (the generation ended, failed, moved,

@@ -1,0 +1,182 @@
+//! A generation's token loop after its prompt's run: pick a token, add it to the text, hand
+//! a streamed generation's delta to its sink, and step on the cache until the end-of-text
+//! token, a stop string or `max_tokens`.
+
+use std::sync::Arc;
+
+use crate::core::snapshot::Action;
+use crate::pool::Pool;
+use crate::pool::batch::sequences::Running;
+use crate::serve::lifecycle::{NotRetried, Refused, RequestError, Served};
+use crate::serve::service::Service;
+
+use super::cache::{CacheSite, Failed, read_outputs};
+use super::prefill::{Decoding, Prefill, history};
+use super::sample::{Rng, pick};
+use super::text::Text;
+use super::{Delta, Facts, Finish, Generated, Sink};
+
+/// A step of a generation offering tools failed on an allocator: it was not retried since a
+/// tool call may already have acted, and the client is told so (unless the error already says
+/// why it was not retried).
+fn tools_not_retried(mut error: RequestError, tools: bool) -> RequestError {
+    if tools
+        && let RequestError::Allocation { not_retried, .. } = &mut error
+        && not_retried.is_none()
+    {
+        *not_retried = Some(NotRetried::ToolsStarted);
+    }
+    error
+}
+
+/// A generation that failed on the server's side (its model's outputs are not what a decoder
+/// gives): logged with the detail, the client told only where.
+fn internal(model: &str, pool: &Arc<Pool>, error: String) -> Refused {
+    tracing::warn!(model = %model, %error, "generation failed");
+    Refused::at(
+        pool,
+        RequestError::Failed {
+            pool: pool.name().to_string(),
+        },
+    )
+}
+
+/// A generation's tokens after its prompt's run (`prefill`), uncounted: one step per token on
+/// the pool that ran it.
+pub(super) async fn run<'a>(
+    service: &'a Service,
+    prefill: Prefill<'a>,
+    sink: Option<Sink>,
+) -> Result<Generated, Refused> {
+    let Prefill {
+        served,
+        decoding,
+        mut steps,
+        source,
+    } = prefill;
+    let Decoding {
+        entry,
+        layout,
+        tokenizer,
+        eos,
+        params,
+        prompt_tokens,
+        prompt,
+    } = decoding;
+    let params = params.as_ref();
+    let Served {
+        pool,
+        action,
+        retried,
+        outputs,
+        context,
+        context_cut,
+        ..
+    } = served;
+    // A shrink shortened the prompt: positions count from its new length.
+    let shrunk = context.map(|(from, to)| (from, to, context_cut.unwrap_or_default()));
+    let prompt_tokens = shrunk.as_ref().map_or(prompt_tokens, |s| s.1 as usize);
+    let failed = Refused::at;
+    let broken = |pool: &Arc<Pool>, e: String| internal(&entry.config.name, pool, e);
+    let (mut logits, cache) = read_outputs(outputs).map_err(|e| broken(&pool, e))?;
+    // The cache this generation holds between runs, on the pool that holds it; given back when
+    // this function returns or its future is dropped (a reader gone, a deadline).
+    let kv_per_token = layout.kv_bytes_per_token();
+    let mut held = Running::on(&pool.sequences, kv_per_token.saturating_mul(prompt_tokens as u64));
+    let mut site = CacheSite::new(pool, &steps, cache, retried);
+    let labels = |pool: &Pool| crate::core::metrics::ModelPoolLabels {
+        model: entry.config.name.clone(),
+        pool: pool.name().to_string(),
+    };
+    let metrics = &service.metrics.generation;
+    metrics
+        .time_to_first_token
+        .get_or_create(&labels(&site.pool))
+        .observe(steps.received.elapsed().as_secs_f64());
+    let mut last_token = tokio::time::Instant::now();
+    let mut rng = Rng::new(params.seed);
+    let mut text = Text::new(Arc::clone(tokenizer), &params.stop, sink.is_some(), params.tools);
+    // The pool the sink was last told of: a delta names it again when it changes.
+    let mut told = None;
+    let estimate = entry.estimate_tokens((prompt_tokens as u64).saturating_add(u64::from(params.max_tokens)), 1);
+    let estimate_bytes = estimate.context_bytes.saturating_add(estimate.workspace_bytes);
+    let finish = loop {
+        let next = pick(&logits, params, &mut rng);
+        if eos.contains(&next) {
+            break Finish::Stop;
+        }
+        let delta = text.push(next).map_err(|e| broken(&site.pool, e))?;
+        if let (Some(sink), Some(delta)) = (&sink, delta) {
+            let facts = || Facts {
+                pool: Arc::clone(&site.pool),
+                source: Arc::clone(&source),
+                shrunk: shrunk.clone(),
+            };
+            if !tell(sink, &mut told, delta, &site.pool, facts).await {
+                // The stream's reader is gone: stop here; the KV cache goes with this future.
+                return Err(failed(&site.pool, RequestError::ClientGone));
+            }
+        }
+        if text.stopped() {
+            break Finish::Stop;
+        }
+        let produced = text.tokens().len();
+        if produced >= params.max_tokens as usize {
+            break Finish::Length;
+        }
+        let past = prompt_tokens + produced - 1;
+        let history = || history(&prompt, shrunk.as_ref(), text.tokens());
+        logits = match site
+            .step(service, &mut steps, layout, (next, past), history, estimate_bytes)
+            .await
+        {
+            Ok(logits) => logits,
+            Err(Failed::Request(e)) => return Err(failed(&site.pool, tools_not_retried(e, params.tools))),
+            Err(Failed::Broken(e)) => return Err(broken(&site.pool, e)),
+        };
+        held.update(&site.pool.sequences, kv_per_token.saturating_mul((past + 1) as u64));
+        metrics
+            .inter_token
+            .get_or_create(&labels(&site.pool))
+            .observe(last_token.elapsed().as_secs_f64());
+        last_token = tokio::time::Instant::now();
+    };
+    let CacheSite { pool, retried, .. } = site;
+    let (tokens, text) = text.finish().map_err(|e| broken(&pool, e))?;
+    metrics
+        .generated_tokens
+        .get_or_create(&labels(&pool))
+        .inc_by(tokens.len() as u64);
+    Ok(Generated {
+        pool,
+        action: if retried.is_some() { Action::Redirect } else { action },
+        retried,
+        source,
+        prompt_tokens,
+        shrunk,
+        tokens,
+        text,
+        finish,
+    })
+}
+
+/// Hand a streamed generation's `text`, run on `pool`, to its sink, with the [`Facts`] when
+/// `pool` is not the one `told` names (the first delta, or after a move); false once the
+/// reader is gone.
+async fn tell(
+    sink: &Sink,
+    told: &mut Option<String>,
+    text: String,
+    pool: &Arc<Pool>,
+    facts: impl FnOnce() -> Facts,
+) -> bool {
+    let moved = told.as_deref() != Some(pool.name());
+    if moved {
+        *told = Some(pool.name().to_string());
+    }
+    let delta = Delta {
+        text,
+        facts: moved.then(facts),
+    };
+    sink.send(delta).await.is_ok()
+}

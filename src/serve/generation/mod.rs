@@ -1,0 +1,289 @@
+//! Text generation on a decoder with past key values (see [`crate::runtime::decoder`]), below any
+//! protocol, from prompt to last token: this module owns a generation's whole life. The
+//! prompt's run goes through the request lifecycle like any request (policy, breaker, one retry
+//! on the fallback pool, deadline, cancellation), with the estimate covering the KV cache of the
+//! prompt and every token it may add. On a pool whose backends keep caches the prompt's run
+//! leaves its KV cache in the pool's runtime and brings back one row of logits; each following
+//! token is then a row of the pool's batch for the model ([`crate::pool::batch`]), one run per
+//! step for every generation there. A generation's cache is given back when it finishes or its
+//! client goes away.
+//!
+//! A protocol runs a generation in two phases, so nothing here calls back into it: [`place`]
+//! runs the prompt, or says that the model's fallback may take it ([`Placed::Fallback`]), and
+//! the protocol, which holds what the client sent, makes the prompt again for that model and
+//! hands it back ([`Rebuilding::place`]); then [`Prefilled::run`] generates. It gets finished
+//! text: a streamed generation hands its sink one [`Delta`] per token, text that may be sent
+//! now, and the end is the whole [`Generated`]. [`generate`] does it all for a caller that has
+//! nothing to make a prompt again from.
+//!
+//! The files follow a generation: `prefill.rs` (the prompt made a request and placed, on its
+//! model or its fallback), `decode.rs` (the token loop), `cache.rs` (where its KV cache is
+//! between steps, and a step on it), `sample.rs` (picking a token) and `text.rs` (its text:
+//! decoded once, stop strings, deltas).
+
+mod cache;
+mod decode;
+mod prefill;
+mod sample;
+mod text;
+
+pub use sample::Rng;
+
+use std::sync::Arc;
+
+use crate::core::snapshot::Action;
+use crate::pool::Pool;
+use crate::serve::lifecycle::{self, Refused, Request};
+use crate::serve::metrics::FailoverReason;
+use crate::serve::service::{ModelEntry, Service};
+
+/// Where a streamed generation sends its text as it comes: one [`Delta`] per token picked.
+pub type Sink = tokio::sync::mpsc::Sender<Delta>;
+
+/// What a streamed generation's token added: the text that may be sent now (empty while it
+/// waits: an unfinished character, or what could still become a stop string or a tool call's
+/// opening tag), and where it ran when that is news.
+#[derive(Debug)]
+pub struct Delta {
+    /// Text not sent before that may be sent now.
+    pub text: String,
+    /// On the first delta, and again whenever the generation moved to another pool (a
+    /// failover mid-stream): where its tokens come from.
+    pub facts: Option<Facts>,
+}
+
+/// Where a generation's tokens come from, as a stream states it.
+#[derive(Debug, Clone)]
+pub struct Facts {
+    /// The pool that ran the token.
+    pub pool: Arc<Pool>,
+    /// The model that answers.
+    pub source: Arc<Source>,
+    /// `(from, to)` prompt tokens and what was left out, when the context was shrunk.
+    pub shrunk: Option<(u64, u64, String)>,
+}
+
+/// The model a generation's tokens come from: the model asked for, or its fallback when that
+/// stood in.
+#[derive(Debug)]
+pub struct Source {
+    /// The model that answers.
+    pub model: String,
+    /// Set when it answers for the model asked for.
+    pub substitution: Option<lifecycle::Substitution>,
+}
+
+/// Shortens a prompt to at most the given tokens: the new token ids and what was left out.
+pub type Shorten = Arc<dyn Fn(u64) -> Result<(Vec<u32>, String), String> + Send + Sync>;
+
+/// A prompt's tokens, and how to shorten it when the policy shrinks the context (used only when
+/// the client allowed it).
+#[derive(Clone)]
+pub struct Prompt {
+    /// Token ids.
+    pub tokens: Vec<u32>,
+    /// How to cut it.
+    pub shorten: Option<Shorten>,
+}
+
+impl From<Vec<u32>> for Prompt {
+    /// A prompt that is cut, if at all, from its start: its most recent tokens are kept.
+    fn from(tokens: Vec<u32>) -> Prompt {
+        let all = tokens.clone();
+        let shorten: Shorten = Arc::new(move |to: u64| {
+            let keep = (to as usize).min(all.len());
+            let cut = all.len() - keep;
+            Ok((
+                all[cut..].to_vec(),
+                format!("the first {cut} of the prompt's {} tokens", all.len()),
+            ))
+        });
+        Prompt {
+            tokens,
+            shorten: Some(shorten),
+        }
+    }
+}
+
+/// How to pick tokens and when to stop.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Params {
+    /// Most tokens to add.
+    pub max_tokens: u32,
+    /// Softmax temperature; 0 picks the most likely token (greedy).
+    pub temperature: f32,
+    /// Nucleus sampling: the smallest set of tokens whose probability reaches this.
+    pub top_p: f32,
+    /// Only the `top_k` most likely tokens (0: all).
+    pub top_k: u32,
+    /// Seed of the sampler: the same seed and request give the same tokens, on any pool.
+    pub seed: u64,
+    /// Strings that end the text (not included).
+    pub stop: Vec<String>,
+    /// The request offers tools: once its first token is picked it is never run again, on
+    /// any pool, since a tool call it makes may already have acted on the client's side.
+    pub tools: bool,
+}
+
+/// Why generation ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Finish {
+    /// The end-of-text token or a stop string.
+    Stop,
+    /// `max_tokens` reached.
+    Length,
+}
+
+impl Finish {
+    /// OpenAI's `finish_reason`.
+    pub fn label(self) -> &'static str {
+        match self {
+            Finish::Stop => "stop",
+            Finish::Length => "length",
+        }
+    }
+}
+
+/// A finished generation.
+#[derive(Debug)]
+pub struct Generated {
+    /// The pool that ran the last token (after a failover, the fallback).
+    pub pool: Arc<Pool>,
+    /// The decision that placed the prompt's run.
+    pub action: Action,
+    /// Set when a run moved to the fallback pool after an allocator failure.
+    pub retried: Option<FailoverReason>,
+    /// The model that answered.
+    pub source: Arc<Source>,
+    /// Tokens of the prompt (after any shrink).
+    pub prompt_tokens: usize,
+    /// `(from, to)` prompt tokens and what was left out, when the context was shrunk.
+    pub shrunk: Option<(u64, u64, String)>,
+    /// Tokens generated.
+    pub tokens: Vec<u32>,
+    /// Their text, cut before a stop string.
+    pub text: String,
+    /// Why it ended.
+    pub finish: Finish,
+}
+
+/// Where a generation's prompt went: it ran, or its model's fallback may take it once the
+/// caller, which holds what the client sent, makes the prompt again for that model.
+pub enum Placed<'a> {
+    /// The prompt ran: its tokens come next ([`Prefilled::run`]).
+    Prefilled(Prefilled<'a>),
+    /// Its model could not take it and the fallback may: the caller makes the prompt and
+    /// parameters again for [`Rebuilding::model`] (its tokenizer and template) and hands them
+    /// to [`Rebuilding::place`].
+    Fallback(Rebuilding<'a>),
+}
+
+/// A generation whose prompt ran, its tokens to come.
+pub struct Prefilled<'a> {
+    service: &'a Service,
+    counted: lifecycle::Counted<'a>,
+    prefill: prefill::Prefill<'a>,
+}
+
+/// A generation its model's fallback may take, waiting for its prompt made again for it.
+pub struct Rebuilding<'a> {
+    service: &'a Service,
+    counted: lifecycle::Counted<'a>,
+    fallback: lifecycle::Fallback,
+    steps: Request,
+}
+
+/// Start `entry`'s generation of `prompt` (token ids) under `params`, counted from here as one
+/// request, and run its prompt on that model; or say that the model's fallback may take it.
+/// `request` carries the id, deadline, priority, replayability and leave to substitute; its
+/// inputs are built here.
+pub async fn place<'a>(
+    service: &'a Service,
+    entry: &'a ModelEntry,
+    prompt: Prompt,
+    params: &'a Params,
+    mut request: Request,
+) -> Result<Placed<'a>, Refused> {
+    let decoding = match prefill::prepare(entry, prompt, std::borrow::Cow::Borrowed(params), &mut request) {
+        Ok(decoding) => decoding,
+        Err(error) => return Err(lifecycle::reject(service, &entry.config.name, error, request.received)),
+    };
+    let counted = lifecycle::Counted::start(service, &mut request);
+    match prefill::place_prompt(service, decoding, request).await {
+        Ok(prefill::Placed::Ran(prefill)) => Ok(Placed::Prefilled(Prefilled {
+            service,
+            counted,
+            prefill,
+        })),
+        Ok(prefill::Placed::Fallback(fallback, steps)) => Ok(Placed::Fallback(Rebuilding {
+            service,
+            counted,
+            fallback,
+            steps,
+        })),
+        Err(refused) => Err(counted_refusal(counted, refused)),
+    }
+}
+
+impl<'a> Rebuilding<'a> {
+    /// The model that may answer instead.
+    pub fn model(&self) -> &str {
+        self.fallback.model()
+    }
+
+    /// Run the prompt made again for the fallback (`rebuilt`: its prompt and parameters from
+    /// what the client sent, or why they cannot be made). When the fallback cannot take it,
+    /// the client gets its model's refusal, saying why.
+    pub async fn place(self, rebuilt: Result<(Prompt, Params), String>) -> Result<Prefilled<'a>, Refused> {
+        let Rebuilding {
+            service,
+            counted,
+            fallback,
+            steps,
+        } = self;
+        match prefill::place_rebuilt(service, counted.answering(), fallback, steps, rebuilt).await {
+            Ok(prefill) => Ok(Prefilled {
+                service,
+                counted,
+                prefill,
+            }),
+            Err(refused) => Err(counted_refusal(counted, refused)),
+        }
+    }
+}
+
+impl Prefilled<'_> {
+    /// Its tokens, to `sink` as they come when it is streamed; counted once it ends.
+    pub async fn run(self, sink: Option<Sink>) -> Result<Generated, Refused> {
+        let generated = decode::run(self.service, self.prefill, sink).await;
+        self.counted
+            .finish(generated.as_ref().map(|generated| generated.pool.as_ref()));
+        generated
+    }
+}
+
+/// `refused`, counted as the generation's outcome.
+fn counted_refusal(counted: lifecycle::Counted<'_>, refused: Refused) -> Refused {
+    counted.finish(Err(&refused));
+    refused
+}
+
+/// Generate from `prompt` for a caller that cannot make the prompt again for the model's
+/// fallback (its model's refusal then says so): [`place`], then [`Prefilled::run`].
+pub async fn generate(
+    service: &Service,
+    entry: &ModelEntry,
+    prompt: Prompt,
+    params: &Params,
+    request: Request,
+    sink: Option<Sink>,
+) -> Result<Generated, Refused> {
+    let prefilled = match place(service, entry, prompt, params, request).await? {
+        Placed::Prefilled(prefilled) => prefilled,
+        Placed::Fallback(fallback) => {
+            let cannot = Err("nothing can make its prompt again".to_string());
+            fallback.place(cannot).await?
+        }
+    };
+    prefilled.run(sink).await
+}
