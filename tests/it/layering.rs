@@ -1,7 +1,9 @@
 //! The source tree keeps its layers: `src/lib.rs` lists the layers lowest first, and a module may
 //! name only its own layer or one listed before it. Within the crate, the modules of the second
 //! level (`serve::lifecycle`, `pool::sequences`, a layer's own `mod.rs`) form no cycle. Test code
-//! keeps the same rule, except that it may use `testing`, the shared scaffolding.
+//! keeps the same rule, except that it may use `testing`, the shared scaffolding. Nor do the files
+//! of one folder: no two files (or subfolders) beside each other use each other, directly or
+//! round a loop, so each folder reads from its leaves up.
 //!
 //! Paths are read from the text (`crate::…`, `super::…`, grouped `use` trees), comments removed,
 //! so the check needs nothing but the files. A failure names the file, the line and the path.
@@ -411,17 +413,105 @@ fn no_module_uses_a_layer_above_its_own() {
 #[test]
 fn the_modules_form_no_import_cycle() {
     let (_, refs, modules) = all_references();
-    let mut edges = graph(&refs, &modules);
-    let mut cycles = Vec::new();
+    let cycles = cycles(graph(&refs, &modules));
+    assert!(cycles.is_empty(), "import cycles:\n{}", cycles.join("\n\n"));
+}
+
+/// What each folder's `mod.rs` brings in from its children (`pub use record::Record;`, or a
+/// private `use client::Drill;` its children reach as `super::Drill`): `(folder, item)` to the
+/// child it comes from, so a use of the folder's name is a use of that child.
+fn facades(src: &Path) -> BTreeMap<(Vec<String>, String), String> {
+    let mut found = BTreeMap::new();
+    for source in tree().iter().filter(|s| s.path.ends_with("mod.rs")) {
+        let folder = module_of(src, &source.path);
+        let children = declared_children(&source.code);
+        for (at, _) in source.code.match_indices("use ") {
+            let before = &source.code[..at];
+            let line = &before[before.rfind('\n').map_or(0, |n| n + 1)..];
+            if !matches!(line.trim(), "" | "pub" | "pub(crate)" | "pub(super)") {
+                continue;
+            }
+            let mut paths = Vec::new();
+            read_tree(&source.code, at + "use ".len(), Vec::new(), &mut paths);
+            for path in paths.into_iter().filter(|p| p.len() >= 2 && children.contains(&p[0])) {
+                found.insert((folder.clone(), path[path.len() - 1].clone()), path[0].clone());
+            }
+        }
+    }
+    found
+}
+
+/// The graph of the files and subfolders of each folder: an edge from one to another beside it
+/// that it uses (outside tests), with the first reference that does. Nodes are named by their
+/// module path (`pool::process::conn`).
+fn folder_graph<'a>(
+    refs: &'a [Reference],
+    modules: &BTreeSet<Vec<String>>,
+    facades: &BTreeMap<(Vec<String>, String), String>,
+) -> BTreeMap<String, BTreeMap<String, &'a Reference>> {
+    let mut edges: BTreeMap<String, BTreeMap<String, &Reference>> = BTreeMap::new();
+    for r in refs.iter().filter(|r| !r.in_test) {
+        // The module the path names: its longest beginning that is one.
+        let Some(to) = (1..=r.to.len())
+            .rev()
+            .map(|n| &r.to[..n])
+            .find(|m| modules.contains(*m))
+        else {
+            continue;
+        };
+        let common = r.from.iter().zip(to).take_while(|(a, b)| a == b).count();
+        // Only a use between two modules of one folder, below a layer.
+        if common == 0 || common >= r.from.len() {
+            continue;
+        }
+        let folder = &r.from[..common];
+        let child = if to.len() > common {
+            to[common].clone()
+        } else {
+            match r
+                .to
+                .get(common)
+                .and_then(|item| facades.get(&(folder.to_vec(), item.clone())))
+            {
+                Some(child) => child.clone(),
+                None => continue, // an item of the folder's own `mod.rs`
+            }
+        };
+        let node = |c: &str| [folder, &[c.to_string()]].concat().join("::");
+        if child != r.from[common] {
+            edges
+                .entry(node(&r.from[common]))
+                .or_default()
+                .entry(node(&child))
+                .or_insert(r);
+        }
+    }
+    edges
+}
+
+/// Every cycle of `edges`, each once, as the references that close it.
+fn cycles(mut edges: BTreeMap<String, BTreeMap<String, &Reference>>) -> Vec<String> {
+    let mut found = Vec::new();
     while let Some(cycle) = find_cycle(&edges) {
         // Report each cycle once: drop its last edge and look again.
         let last = cycle.last().expect("an edge").clone();
-        cycles.push(cycle.join("\n"));
+        found.push(cycle.join("\n"));
         for targets in edges.values_mut() {
             targets.retain(|_, r| describe(r) != last);
         }
     }
-    assert!(cycles.is_empty(), "import cycles:\n{}", cycles.join("\n\n"));
+    found
+}
+
+#[test]
+fn the_files_of_a_folder_form_no_loop() {
+    let (_, refs, modules) = all_references();
+    let loops = cycles(folder_graph(&refs, &modules, &facades(Path::new(SRC))));
+    assert!(
+        loops.is_empty(),
+        "files of one folder that use each other (move what both need to where it belongs):\n{}",
+        loops.join("\n\n")
+    );
 }
 
 /// The check itself finds what it must: an upward `use`, one in a group, and a cycle.

@@ -1,7 +1,8 @@
 //! No file in `src/` a person has to scroll for minutes, and no function they cannot hold in
 //! their head: at most 700 lines a file and 120 a function. Where one concern really needs more,
 //! a `// Long: …` comment says why (in a file's first lines, or right above the function), and
-//! the check lets it be.
+//! the check lets it be. No trait has more than 10 methods: a seam that large is several
+//! capabilities, and an implementation that leaves one to a default can compile and be wrong.
 
 use std::path::Path;
 
@@ -11,6 +12,7 @@ use super::layering::{SRC, tree};
 
 const MAX_FILE_LINES: usize = 700;
 const MAX_FN_LINES: usize = 120;
+const MAX_TRAIT_METHODS: usize = 10;
 /// How a comment that justifies a long file or function starts.
 const WHY: &str = "// Long:";
 
@@ -98,6 +100,89 @@ fn offenders(src: &Path) -> Vec<String> {
         }
     }
     found
+}
+
+/// Each trait declared in `code` (comments and strings already blanked): its name, line (from 1)
+/// and the number of its methods (the `fn`s directly in its body).
+fn traits(code: &str) -> Vec<(String, usize, usize)> {
+    let mut found = Vec::new();
+    for (at, _) in code.match_indices("trait ") {
+        let before = &code[..at];
+        let line_start = before.rfind('\n').map_or(0, |n| n + 1);
+        let prefix = before[line_start..].trim();
+        if !prefix
+            .split_whitespace()
+            .all(|w| matches!(w, "pub" | "unsafe") || w.starts_with("pub("))
+        {
+            continue; // `impl Trait for`, `dyn Trait`, a word inside an identifier
+        }
+        let name: String = code[at + 6..]
+            .chars()
+            .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+            .collect();
+        let Some(open) = code[at..].find(['{', ';']).map(|o| at + o) else {
+            continue;
+        };
+        if code.as_bytes()[open] == b';' {
+            continue; // `trait A = B;` or a declaration without a body
+        }
+        let (mut depth, mut methods) = (0usize, 0usize);
+        let mut i = open;
+        while i < code.len() {
+            let rest = &code[i..];
+            match rest.as_bytes()[0] {
+                b'{' => depth += 1,
+                b'}' => {
+                    depth -= 1;
+                    if depth == 0 {
+                        break;
+                    }
+                }
+                _ if depth == 1 && rest.starts_with("fn ") && !is_ident_end(&code[..i]) => methods += 1,
+                _ => {}
+            }
+            i += 1;
+        }
+        found.push((name, code[..at].matches('\n').count() + 1, methods));
+    }
+    found
+}
+
+/// Whether `text` ends in an identifier's character (so a `fn ` after it is part of a word).
+fn is_ident_end(text: &str) -> bool {
+    text.chars()
+        .last()
+        .is_some_and(|c| c.is_ascii_alphanumeric() || c == '_')
+}
+
+#[test]
+fn no_trait_has_more_than_ten_methods() {
+    let src = Path::new(SRC);
+    let mut found = Vec::new();
+    for source in tree() {
+        let name = source
+            .path
+            .strip_prefix(src.parent().expect("the project"))
+            .expect("in the project");
+        for (t, line, methods) in traits(&source.code) {
+            if methods > MAX_TRAIT_METHODS {
+                found.push(format!("{}:{line}: trait {t} has {methods} methods", name.display()));
+            }
+        }
+    }
+    assert!(
+        found.is_empty(),
+        "split these into capabilities (at most {MAX_TRAIT_METHODS} methods a trait):\n{}",
+        found.join("\n")
+    );
+}
+
+#[test]
+fn the_trait_check_counts_methods_not_nested_ones() {
+    let code = code_only(
+        "pub trait Run: Send {\n    fn run(&self);\n    fn view(&self) -> u8 {\n        fn inner() {}\n        1\n    }\n    type X;\n}\nimpl Run for A { fn run(&self) {} }\nfn f(x: &dyn Run) {}\npub(crate) trait Empty {}\n",
+    );
+    assert_eq!(traits(&code), [("Run".to_string(), 1, 2), ("Empty".to_string(), 11, 0)]);
 }
 
 #[test]
