@@ -332,7 +332,9 @@ async fn the_pickers_gauges_count_deferred_and_queued_requests_as_waiting_until_
     };
     // One runs on the only worker, one queues behind it, one is deferred by the policy.
     let running = spawn(encoder_request(4, WAIT_FOR_GATE));
-    while h.service.pool("gpu").unwrap().load().inflight == 0 {
+    // The request counts as running once its worker starts the run, a moment after the pool
+    // counts the job in flight (on a loaded machine, after paused time has jumped ahead).
+    while picker_load(&h).1 == 0.0 {
         tokio::time::sleep(Duration::from_millis(1)).await;
     }
     let queued = spawn(encoder_request(4, WAIT_FOR_GATE));
