@@ -109,11 +109,12 @@ pub fn first_at(text: &str, start: usize, patterns: &[String]) -> Option<usize> 
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use proptest::prelude::*;
 
-    fn fixture() -> Arc<tokenizers::Tokenizer> {
+    /// The decoder fixture's tokenizer (a generation's text is tested with it too).
+    pub(crate) fn fixture() -> Arc<tokenizers::Tokenizer> {
         let json = crate::core::model::BuiltinModel::Decoder
             .tokenizer()
             .expect("ships one");

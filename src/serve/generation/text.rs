@@ -152,14 +152,7 @@ fn sendable<'a>(text: &'a str, hold: &mut Hold, stop: &[String]) -> &'a str {
 mod tests {
     use super::*;
     use crate::runtime::chat::TOOL_CALL_OPEN;
-
-    /// The decoder fixture's tokenizer.
-    fn fixture() -> Arc<tokenizers::Tokenizer> {
-        let json = crate::core::model::BuiltinModel::Decoder
-            .tokenizer()
-            .expect("ships one");
-        Arc::new(tokenizers::Tokenizer::from_bytes(json).expect("the fixture's tokenizer"))
-    }
+    use crate::runtime::text::tests::fixture;
 
     /// A streamed generation's text token by token: its deltas never reach the stop string,
     /// together they are the final text once the stop ended it, and a generation that is not
