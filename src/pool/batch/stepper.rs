@@ -362,19 +362,7 @@ mod tests {
 
     #[tokio::test]
     async fn prompts_that_wait_together_run_as_one_batch_with_each_its_own_logits() {
-        let rt = runtime(None).expect("ONNX Runtime loads");
-        let model = [("lm".to_string(), BuiltinModel::Decoder.bytes())];
-        let start = || {
-            let backend = OrtBackend::load(rt, &model, &SessionOptions::quiet_cpu()).unwrap();
-            let config = crate::testing::config::pool("p", "host", &["lm"]);
-            Pool::start(
-                config,
-                DeviceClass::Host,
-                vec![Box::new(backend)],
-                None,
-                PoolContext::default(),
-            )
-        };
+        let start = decoder_pool;
         let prompts: Vec<Vec<u32>> = vec![vec![5, 6, 7], (40..60).collect(), vec![9], (100..111).collect()];
         // Alone, one after another.
         let alone = start();
