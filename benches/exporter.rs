@@ -9,9 +9,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use vramguard::config::{ServiceMatch, ServiceRule};
-use vramguard::core::backend::{
-    ArenaStats, Arenas, Backend, BackendError, Generations, Interrupts, Liveness, Residency, RunMeta,
-};
+use vramguard::core::backend::{ArenaStats, Arenas, Backend, BackendError, RunMeta};
 use vramguard::core::metrics::ModelPoolLabels;
 use vramguard::core::snapshot::DeviceClass;
 use vramguard::core::tensor::Tensor;
@@ -44,20 +42,9 @@ impl Backend for Idle {
     fn run(&mut self, _: &str, _: Vec<Tensor>, _: &[String], _: &RunMeta) -> Result<Vec<Tensor>, BackendError> {
         Err(BackendError::Runtime("idle".into()))
     }
-    fn residency(&mut self) -> Option<&mut dyn Residency> {
-        None
-    }
-    fn generations(&mut self) -> Option<&mut dyn Generations> {
-        None
-    }
+    vramguard::testing::fakes::lacks!(residency, generations, liveness, interrupts);
     fn arenas(&mut self) -> Option<&mut dyn Arenas> {
         Some(self)
-    }
-    fn liveness(&self) -> Option<&dyn Liveness> {
-        None
-    }
-    fn interrupts(&mut self) -> Option<&mut dyn Interrupts> {
-        None
     }
 }
 

@@ -10,9 +10,7 @@
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use vramguard::core::backend::{
-    AllocFailureKind, Arenas, Backend, BackendError, Generations, Interrupts, Liveness, Residency, RunMeta,
-};
+use vramguard::core::backend::{AllocFailureKind, Backend, BackendError, RunMeta};
 use vramguard::core::tensor::Tensor;
 use vramguard::serve::lifecycle;
 use vramguard::testing::bench::{Figure, Machine, Target, arg, out_dir, record};
@@ -45,25 +43,7 @@ impl Backend for Timed {
         Ok(inputs)
     }
 
-    fn residency(&mut self) -> Option<&mut dyn Residency> {
-        None
-    }
-
-    fn generations(&mut self) -> Option<&mut dyn Generations> {
-        None
-    }
-
-    fn arenas(&mut self) -> Option<&mut dyn Arenas> {
-        None
-    }
-
-    fn liveness(&self) -> Option<&dyn Liveness> {
-        None
-    }
-
-    fn interrupts(&mut self) -> Option<&mut dyn Interrupts> {
-        None
-    }
+    vramguard::testing::fakes::lacks!(residency, generations, arenas, liveness, interrupts);
 }
 
 fn main() {

@@ -24,7 +24,7 @@ use std::sync::Arc;
 use criterion::Criterion;
 use reqwest::blocking::Client;
 use serde_json::json;
-use vramguard::core::backend::{Arenas, Backend, BackendError, Generations, Interrupts, Liveness, Residency, RunMeta};
+use vramguard::core::backend::{Backend, BackendError, RunMeta};
 use vramguard::core::clock::SystemClock;
 use vramguard::core::snapshot::DeviceClass;
 use vramguard::core::tensor::Tensor;
@@ -245,25 +245,7 @@ impl Backend for Echo {
         Ok(inputs)
     }
 
-    fn residency(&mut self) -> Option<&mut dyn Residency> {
-        None
-    }
-
-    fn generations(&mut self) -> Option<&mut dyn Generations> {
-        None
-    }
-
-    fn arenas(&mut self) -> Option<&mut dyn Arenas> {
-        None
-    }
-
-    fn liveness(&self) -> Option<&dyn Liveness> {
-        None
-    }
-
-    fn interrupts(&mut self) -> Option<&mut dyn Interrupts> {
-        None
-    }
+    vramguard::testing::fakes::lacks!(residency, generations, arenas, liveness, interrupts);
 }
 
 /// A 1 GiB accelerator, `gpu0`, a quarter used.

@@ -270,7 +270,7 @@ mod tests {
     use super::*;
     // The backend's capability, beside the models' `Residency` of the config.
     use crate::core::backend::Residency as Loads;
-    use crate::core::backend::{Arenas, Backend, BackendError, Generations, Interrupts, Liveness, RunMeta};
+    use crate::core::backend::{Backend, BackendError, RunMeta};
     use crate::core::snapshot::DeviceClass;
     use crate::core::tensor::Tensor;
     use crate::pool::metrics::ModelMetrics;
@@ -303,18 +303,7 @@ mod tests {
         fn residency(&mut self) -> Option<&mut dyn Loads> {
             Some(self)
         }
-        fn generations(&mut self) -> Option<&mut dyn Generations> {
-            None
-        }
-        fn arenas(&mut self) -> Option<&mut dyn Arenas> {
-            None
-        }
-        fn liveness(&self) -> Option<&dyn Liveness> {
-            None
-        }
-        fn interrupts(&mut self) -> Option<&mut dyn Interrupts> {
-            None
-        }
+        crate::testing::fakes::lacks!(generations, arenas, liveness, interrupts);
     }
 
     impl Loads for Sessions {

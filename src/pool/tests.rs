@@ -3,9 +3,7 @@
 
 use super::health::RECENT_FAILURE_WINDOW;
 use super::*;
-use crate::core::backend::{
-    AllocFailureKind, ArenaStats, Arenas, BackendError, Generations, Interrupts, Liveness, Residency, RunMeta,
-};
+use crate::core::backend::{AllocFailureKind, ArenaStats, Arenas, BackendError, Liveness, Residency, RunMeta};
 use crate::core::tensor::{Tensor, TensorData};
 use std::sync::{Mutex, mpsc};
 
@@ -21,21 +19,7 @@ impl Backend for Echo {
         }
         Ok(inputs)
     }
-    fn residency(&mut self) -> Option<&mut dyn Residency> {
-        None
-    }
-    fn generations(&mut self) -> Option<&mut dyn Generations> {
-        None
-    }
-    fn arenas(&mut self) -> Option<&mut dyn Arenas> {
-        None
-    }
-    fn liveness(&self) -> Option<&dyn Liveness> {
-        None
-    }
-    fn interrupts(&mut self) -> Option<&mut dyn Interrupts> {
-        None
-    }
+    crate::testing::fakes::lacks!(residency, generations, arenas, liveness, interrupts);
 }
 
 /// Pool `p` on the host serving `m`, with room for `capacity` queued runs.
@@ -226,21 +210,7 @@ impl Backend for Full {
             message: "BFCArena::AllocateRawInternal".into(),
         })
     }
-    fn residency(&mut self) -> Option<&mut dyn Residency> {
-        None
-    }
-    fn generations(&mut self) -> Option<&mut dyn Generations> {
-        None
-    }
-    fn arenas(&mut self) -> Option<&mut dyn Arenas> {
-        None
-    }
-    fn liveness(&self) -> Option<&dyn Liveness> {
-        None
-    }
-    fn interrupts(&mut self) -> Option<&mut dyn Interrupts> {
-        None
-    }
+    crate::testing::fakes::lacks!(residency, generations, arenas, liveness, interrupts);
 }
 
 #[test]
@@ -295,18 +265,7 @@ impl Backend for Releasing {
     fn residency(&mut self) -> Option<&mut dyn Residency> {
         Some(self)
     }
-    fn generations(&mut self) -> Option<&mut dyn Generations> {
-        None
-    }
-    fn arenas(&mut self) -> Option<&mut dyn Arenas> {
-        None
-    }
-    fn liveness(&self) -> Option<&dyn Liveness> {
-        None
-    }
-    fn interrupts(&mut self) -> Option<&mut dyn Interrupts> {
-        None
-    }
+    crate::testing::fakes::lacks!(generations, arenas, liveness, interrupts);
 }
 
 impl Residency for Releasing {
@@ -421,21 +380,7 @@ impl Backend for Where {
         self.0.lock().unwrap().push(("borrowed", first_element(inputs)));
         Ok(Vec::new())
     }
-    fn residency(&mut self) -> Option<&mut dyn Residency> {
-        None
-    }
-    fn generations(&mut self) -> Option<&mut dyn Generations> {
-        None
-    }
-    fn arenas(&mut self) -> Option<&mut dyn Arenas> {
-        None
-    }
-    fn liveness(&self) -> Option<&dyn Liveness> {
-        None
-    }
-    fn interrupts(&mut self) -> Option<&mut dyn Interrupts> {
-        None
-    }
+    crate::testing::fakes::lacks!(residency, generations, arenas, liveness, interrupts);
 }
 
 #[test]
@@ -481,20 +426,9 @@ impl Backend for Holding {
         assert_ne!(model, "boom", "a bug in the backend");
         Ok(inputs)
     }
-    fn residency(&mut self) -> Option<&mut dyn Residency> {
-        None
-    }
-    fn generations(&mut self) -> Option<&mut dyn Generations> {
-        None
-    }
+    crate::testing::fakes::lacks!(residency, generations, liveness, interrupts);
     fn arenas(&mut self) -> Option<&mut dyn Arenas> {
         Some(self)
-    }
-    fn liveness(&self) -> Option<&dyn Liveness> {
-        None
-    }
-    fn interrupts(&mut self) -> Option<&mut dyn Interrupts> {
-        None
     }
 }
 
@@ -561,20 +495,9 @@ impl Backend for Gone {
             "worker process 7 of pool `p` is gone: EOF".into(),
         ))
     }
-    fn residency(&mut self) -> Option<&mut dyn Residency> {
-        None
-    }
-    fn generations(&mut self) -> Option<&mut dyn Generations> {
-        None
-    }
-    fn arenas(&mut self) -> Option<&mut dyn Arenas> {
-        None
-    }
+    crate::testing::fakes::lacks!(residency, generations, arenas, interrupts);
     fn liveness(&self) -> Option<&dyn Liveness> {
         Some(self)
-    }
-    fn interrupts(&mut self) -> Option<&mut dyn Interrupts> {
-        None
     }
 }
 

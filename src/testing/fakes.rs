@@ -97,3 +97,42 @@ pub fn service(config: Config, backends: Arc<dyn BackendFactory>) -> Service {
     };
     Service::assemble(config, parts).unwrap_or_else(|e| panic!("the service assembles: {e}"))
 }
+
+/// The accessors of the [`Backend`] capabilities a fake lacks, each answering `None`:
+/// `lacks!(residency, generations, arenas, liveness, interrupts)` inside its `impl Backend`.
+/// A fake still names each capability it goes without, as every backend must; this only spares
+/// it the three lines of each.
+#[macro_export]
+#[doc(hidden)]
+macro_rules! __backend_lacks {
+    ($($capability:ident),+ $(,)?) => {
+        $($crate::testing::fakes::lacks!(@one $capability);)+
+    };
+    (@one residency) => {
+        fn residency(&mut self) -> Option<&mut dyn $crate::core::backend::Residency> {
+            None
+        }
+    };
+    (@one generations) => {
+        fn generations(&mut self) -> Option<&mut dyn $crate::core::backend::Generations> {
+            None
+        }
+    };
+    (@one arenas) => {
+        fn arenas(&mut self) -> Option<&mut dyn $crate::core::backend::Arenas> {
+            None
+        }
+    };
+    (@one liveness) => {
+        fn liveness(&self) -> Option<&dyn $crate::core::backend::Liveness> {
+            None
+        }
+    };
+    (@one interrupts) => {
+        fn interrupts(&mut self) -> Option<&mut dyn $crate::core::backend::Interrupts> {
+            None
+        }
+    };
+}
+
+pub use __backend_lacks as lacks;

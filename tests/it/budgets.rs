@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use reqwest::StatusCode;
 use serde_json::Value;
-use vramguard::core::backend::{Arenas, Backend, BackendError, Generations, Interrupts, Liveness, Residency, RunMeta};
+use vramguard::core::backend::{Backend, BackendError, Residency, RunMeta};
 use vramguard::core::tensor::{Tensor, TensorData};
 use vramguard::http::status_of;
 use vramguard::serve::lifecycle::{self, Request, RequestError};
@@ -48,21 +48,7 @@ impl Backend for Gated {
         Some(self)
     }
 
-    fn generations(&mut self) -> Option<&mut dyn Generations> {
-        None
-    }
-
-    fn arenas(&mut self) -> Option<&mut dyn Arenas> {
-        None
-    }
-
-    fn liveness(&self) -> Option<&dyn Liveness> {
-        None
-    }
-
-    fn interrupts(&mut self) -> Option<&mut dyn Interrupts> {
-        None
-    }
+    vramguard::testing::fakes::lacks!(generations, arenas, liveness, interrupts);
 }
 
 impl Residency for Gated {

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use axum::http::StatusCode;
 use tokio::time::Instant;
-use vramguard::core::backend::{Arenas, Backend, BackendError, Generations, Interrupts, Liveness, Residency, RunMeta};
+use vramguard::core::backend::{Backend, BackendError, Interrupts, RunMeta};
 use vramguard::core::snapshot::Action;
 use vramguard::core::tensor::{Tensor, TensorData};
 use vramguard::http::status_of;
@@ -67,21 +67,7 @@ impl Backend for FakeBackend {
         }])
     }
 
-    fn residency(&mut self) -> Option<&mut dyn Residency> {
-        None
-    }
-
-    fn generations(&mut self) -> Option<&mut dyn Generations> {
-        None
-    }
-
-    fn arenas(&mut self) -> Option<&mut dyn Arenas> {
-        None
-    }
-
-    fn liveness(&self) -> Option<&dyn Liveness> {
-        None
-    }
+    vramguard::testing::fakes::lacks!(residency, generations, arenas, liveness);
 
     fn interrupts(&mut self) -> Option<&mut dyn Interrupts> {
         Some(self)

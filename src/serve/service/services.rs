@@ -359,7 +359,7 @@ impl Service {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::core::backend::{Arenas, Backend, BackendError, Generations, Interrupts, Liveness, Residency, RunMeta};
+    use crate::core::backend::{Backend, BackendError, RunMeta};
     use crate::core::tensor::Tensor;
     use crate::testing::fakes::{self, FakeFactory};
 
@@ -377,21 +377,7 @@ mod tests {
             Ok(inputs)
         }
 
-        fn residency(&mut self) -> Option<&mut dyn Residency> {
-            None
-        }
-        fn generations(&mut self) -> Option<&mut dyn Generations> {
-            None
-        }
-        fn arenas(&mut self) -> Option<&mut dyn Arenas> {
-            None
-        }
-        fn liveness(&self) -> Option<&dyn Liveness> {
-            None
-        }
-        fn interrupts(&mut self) -> Option<&mut dyn Interrupts> {
-            None
-        }
+        fakes::lacks!(residency, generations, arenas, liveness, interrupts);
     }
 
     #[test]
