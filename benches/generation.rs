@@ -179,7 +179,7 @@ impl Direct {
         let session = onnx::build_session(rt, &bytes, &options).unwrap();
         let signature = onnx::signature(&session).unwrap();
         drop(session);
-        let layout = DecoderLayout::detect(&signature)
+        let layout = DecoderLayout::detect(&signature, &Default::default())
             .expect("a decoder with past key values")
             .unwrap();
         let backend = OrtBackend::load(rt, &[("lm".to_string(), &bytes[..])], &options).unwrap();

@@ -1,13 +1,107 @@
 //! Decoder models in the layout Hugging Face Optimum exports (`optimum-cli export onnx` with
 //! past key values): inputs `input_ids`, `attention_mask`, optionally `position_ids`, and
 //! `past_key_values.{i}.key` / `.value` per layer; outputs `logits` and `present.{i}.key` /
-//! `.value`. Everything admission needs about the KV cache is read from the graph: the number
-//! of layers, KV heads, head size and element type, so no one configures it by hand.
+//! `.value`, and the same names as ONNX Runtime GenAI's model builder writes them. Everything
+//! admission needs about the KV cache is read from the graph: the number of layers, KV heads,
+//! head size and element type, so no one configures it by hand; what the graph leaves open
+//! (the builder's dynamic head size) and which side a batch's rows are padded on come as
+//! [`CacheHints`], read from the model's folder and operators when it is loaded.
 
 use crate::core::signature::{ModelSignature, TensorSpec};
 use crate::core::tensor::{DataType, Tensor, TensorData};
 
-/// What the graph says about a decoder's KV cache.
+/// Which side of its sequence axis a batch's shorter rows are padded on.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Padding {
+    /// Before a row's first position, masked out by zeros in `attention_mask`: how Optimum's
+    /// exports batch (their attention builds its mask from `attention_mask`).
+    #[default]
+    Left,
+    /// After a row's last position: every row's positions start at 0 and its
+    /// `attention_mask` row is its length in ones, then zeros. `GroupQueryAttention` (ONNX
+    /// Runtime GenAI's builds) reads only each row's length from the mask and writes a row's
+    /// new position at that length, so left padding would overwrite its real positions.
+    Right,
+}
+
+impl Padding {
+    /// The name [`CacheHints`] are carried by.
+    pub fn name(self) -> &'static str {
+        match self {
+            Padding::Left => "left",
+            Padding::Right => "right",
+        }
+    }
+}
+
+/// What a decoder's signature leaves open about its cache, said elsewhere: by the model
+/// folder's `genai_config.json` and by the graph's operators. Carried in the model's own
+/// metadata ([`CacheHints::METADATA`]) so every backend that builds a session from its bytes,
+/// in this process or a worker, reads the same layout.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CacheHints {
+    /// Elements per head, where the graph leaves them dynamic.
+    pub head_size: Option<u64>,
+    /// Key/value heads, where the graph leaves them dynamic.
+    pub kv_heads: Option<u64>,
+    /// Which side a batch's shorter rows are padded on.
+    pub padding: Padding,
+    /// The most positions the model takes (its rotary tables' length), when known.
+    pub context: Option<u64>,
+}
+
+impl CacheHints {
+    /// The model metadata keys the hints are carried under.
+    pub const METADATA: [&'static str; 4] = [
+        "vramguard.kv_head_size",
+        "vramguard.kv_heads",
+        "vramguard.cache_padding",
+        "vramguard.context",
+    ];
+
+    /// The hints as metadata entries (only those that say something).
+    pub fn to_metadata(&self) -> Vec<(&'static str, String)> {
+        let [head_size, kv_heads, padding, context] = Self::METADATA;
+        let mut entries = vec![(padding, self.padding.name().to_string())];
+        let numbers = [
+            (head_size, self.head_size),
+            (kv_heads, self.kv_heads),
+            (context, self.context),
+        ];
+        entries.extend(numbers.into_iter().filter_map(|(k, v)| Some((k, v?.to_string()))));
+        entries
+    }
+
+    /// The hints carried in a model's metadata (`get` looks a key up); none when it has none.
+    pub fn from_metadata(get: impl Fn(&str) -> Option<String>) -> Result<CacheHints, String> {
+        let [head_size, kv_heads, padding, context] = Self::METADATA;
+        let number = |key: &str| {
+            get(key)
+                .map(|v| {
+                    v.parse::<u64>()
+                        .map_err(|_| format!("model metadata `{key}` is `{v}`, not a count"))
+                })
+                .transpose()
+        };
+        let padding = match get(padding).as_deref() {
+            None | Some("left") => Padding::Left,
+            Some("right") => Padding::Right,
+            Some(other) => {
+                return Err(format!(
+                    "model metadata `{padding}` is `{other}`, not `left` or `right`"
+                ));
+            }
+        };
+        Ok(CacheHints {
+            head_size: number(head_size)?,
+            kv_heads: number(kv_heads)?,
+            padding,
+            context: number(context)?,
+        })
+    }
+}
+
+/// What the graph (and its [`CacheHints`]) says about a decoder's KV cache.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct DecoderLayout {
     /// Transformer layers (one key and one value tensor each).
@@ -22,6 +116,10 @@ pub struct DecoderLayout {
     pub vocab: Option<u64>,
     /// Whether the graph takes `position_ids`.
     pub position_ids: bool,
+    /// Which side a batch's shorter rows are padded on.
+    pub padding: Padding,
+    /// The most positions (prompt and generated tokens) the model takes, when known.
+    pub context: Option<u64>,
 }
 
 impl DecoderLayout {
@@ -35,20 +133,21 @@ impl DecoderLayout {
         self.vocab.unwrap_or(0) * 4
     }
 
-    /// The layout of `signature`: `None` when it is not a decoder with past key values (no
-    /// `past_key_values.0.key` input), an error naming the tensor when it looks like one but
-    /// does not follow the layout.
-    pub fn detect(signature: &ModelSignature) -> Option<Result<DecoderLayout, String>> {
+    /// The layout of `signature` with what `hints` add: `None` when it is not a decoder with
+    /// past key values (no `past_key_values.0.key` input), an error naming the tensor when it
+    /// looks like one but does not follow the layout.
+    pub fn detect(signature: &ModelSignature, hints: &CacheHints) -> Option<Result<DecoderLayout, String>> {
         let input = |name: &str| signature.inputs.iter().find(|t| t.name == name);
         let output = |name: &str| signature.outputs.iter().find(|t| t.name == name);
         input("past_key_values.0.key")?;
-        Some(Self::read(&input, &output, signature))
+        Some(Self::read(&input, &output, signature, hints))
     }
 
     fn read<'a>(
         input: &impl Fn(&str) -> Option<&'a TensorSpec>,
         output: &impl Fn(&str) -> Option<&'a TensorSpec>,
         signature: &ModelSignature,
+        hints: &CacheHints,
     ) -> Result<DecoderLayout, String> {
         for name in ["input_ids", "attention_mask"] {
             let spec = input(name).ok_or_else(|| format!("a decoder with past key values needs input `{name}`"))?;
@@ -60,11 +159,28 @@ impl DecoderLayout {
             }
         }
         let first = input("past_key_values.0.key").expect("detected");
+        // A dimension the graph leaves dynamic is taken from the hints; one both fix must agree.
+        let resolve = |what: &str, fixed: i64, hinted: Option<u64>| match (
+            u64::try_from(fixed).ok().filter(|d| *d > 0),
+            hinted,
+        ) {
+            (Some(d), Some(h)) if d != h => Err(format!(
+                "input `past_key_values.0.key` has {d} {what} but the model's folder says {h}"
+            )),
+            (Some(d), _) | (None, Some(d)) => Ok(d),
+            (None, None) => Err(format!(
+                "input `past_key_values.0.key` must be [batch, kv_heads, past_sequence, head_size] with fixed heads and head size, not {:?}, and the model's folder does not say its {what} (`genai_config.json`: `model.decoder.head_size`, `num_key_value_heads`)",
+                first.shape
+            )),
+        };
         let (kv_heads, head_size) = match first.shape.as_slice() {
-            [_, heads, _, size] if *heads > 0 && *size > 0 => (*heads as u64, *size as u64),
+            [_, heads, _, size] => (
+                resolve("KV heads", *heads, hints.kv_heads)?,
+                resolve("head size", *size, hints.head_size)?,
+            ),
             shape => {
                 return Err(format!(
-                    "input `past_key_values.0.key` must be [batch, kv_heads, past_sequence, head_size] with fixed heads and head size, not {shape:?}"
+                    "input `past_key_values.0.key` must be [batch, kv_heads, past_sequence, head_size], not {shape:?}"
                 ));
             }
         };
@@ -91,7 +207,8 @@ impl DecoderLayout {
                                 spec.name, spec.datatype, spec.shape
                             ));
                         }
-                        if spec.shape[1] != kv_heads as i64 || spec.shape[3] != head_size as i64 {
+                        let agrees = |d: i64, want: u64| d <= 0 || d == want as i64;
+                        if !agrees(spec.shape[1], kv_heads) || !agrees(spec.shape[3], head_size) {
                             return Err(format!(
                                 "input `{}` has shape {:?}; layer 0's is [batch, {kv_heads}, past_sequence, {head_size}]",
                                 spec.name, spec.shape
@@ -141,6 +258,8 @@ impl DecoderLayout {
             kv_datatype,
             vocab,
             position_ids: input("position_ids").is_some(),
+            padding: hints.padding,
+            context: hints.context,
         })
     }
 }
@@ -195,6 +314,10 @@ pub fn step_inputs(layout: &DecoderLayout, new: &[u32], past: usize, cache: Vec<
 mod tests {
     use super::*;
 
+    fn none() -> CacheHints {
+        CacheHints::default()
+    }
+
     fn spec(name: &str, datatype: DataType, shape: &[i64]) -> TensorSpec {
         TensorSpec {
             name: name.into(),
@@ -231,7 +354,7 @@ mod tests {
 
     #[test]
     fn the_kv_cache_size_comes_from_the_graph() {
-        let layout = DecoderLayout::detect(&optimum(2, 2, 16)).unwrap().unwrap();
+        let layout = DecoderLayout::detect(&optimum(2, 2, 16), &none()).unwrap().unwrap();
         assert_eq!(layout.layers, 2);
         assert_eq!((layout.kv_heads, layout.head_size), (2, 16));
         assert_eq!(layout.vocab, Some(512));
@@ -245,7 +368,10 @@ mod tests {
             t.datatype = DataType::Fp16;
         }
         assert_eq!(
-            DecoderLayout::detect(&llama).unwrap().unwrap().kv_bytes_per_token(),
+            DecoderLayout::detect(&llama, &none())
+                .unwrap()
+                .unwrap()
+                .kv_bytes_per_token(),
             512 << 10
         );
     }
@@ -256,26 +382,83 @@ mod tests {
             inputs: vec![spec("input", DataType::Fp32, &[-1, -1, 64])],
             outputs: vec![spec("hidden", DataType::Fp32, &[-1, -1, 64])],
         };
-        assert!(DecoderLayout::detect(&encoder).is_none());
+        assert!(DecoderLayout::detect(&encoder, &none()).is_none());
 
         let mut missing_value = optimum(2, 2, 16);
         missing_value.inputs.retain(|t| t.name != "past_key_values.1.value");
-        let err = DecoderLayout::detect(&missing_value).unwrap().unwrap_err();
+        let err = DecoderLayout::detect(&missing_value, &none()).unwrap().unwrap_err();
         assert!(err.contains("layer 1 has only one of"), "{err}");
 
         let mut dynamic_heads = optimum(1, 2, 16);
         dynamic_heads.inputs[3].shape = vec![-1, -1, -1, 16];
-        let err = DecoderLayout::detect(&dynamic_heads).unwrap().unwrap_err();
+        let err = DecoderLayout::detect(&dynamic_heads, &none()).unwrap().unwrap_err();
         assert!(err.contains("fixed heads and head size"), "{err}");
 
         let mut no_present = optimum(2, 2, 16);
         no_present.outputs.retain(|t| t.name != "present.1.key");
-        let err = DecoderLayout::detect(&no_present).unwrap().unwrap_err();
+        let err = DecoderLayout::detect(&no_present, &none()).unwrap().unwrap_err();
         assert_eq!(err, "output `present.1.key` is missing (layer 1 has a past input)");
 
         let mut extra = optimum(1, 2, 16);
         extra.inputs.push(spec("token_type_ids", DataType::Int64, &[-1, -1]));
-        let err = DecoderLayout::detect(&extra).unwrap().unwrap_err();
+        let err = DecoderLayout::detect(&extra, &none()).unwrap().unwrap_err();
         assert_eq!(err, "input `token_type_ids` is not part of the decoder layout");
+    }
+
+    #[test]
+    fn what_the_graph_leaves_open_comes_from_the_hints_and_must_agree_with_it() {
+        // As ONNX Runtime GenAI's builder writes it: `[batch_size, 2, past_sequence_length, kv_cache_dim]`.
+        let mut genai = optimum(2, 2, 16);
+        for t in genai.inputs.iter_mut().chain(genai.outputs.iter_mut()) {
+            if t.shape.len() == 4 {
+                t.shape[3] = -1;
+            }
+        }
+        genai.inputs.retain(|t| t.name != "position_ids");
+        let err = DecoderLayout::detect(&genai, &none()).unwrap().unwrap_err();
+        assert!(err.contains("does not say its head size"), "{err}");
+        let hints = CacheHints {
+            head_size: Some(16),
+            padding: Padding::Right,
+            context: Some(256),
+            ..none()
+        };
+        let layout = DecoderLayout::detect(&genai, &hints).unwrap().unwrap();
+        assert_eq!((layout.kv_heads, layout.head_size, layout.layers), (2, 16, 2));
+        assert_eq!(
+            (layout.padding, layout.context, layout.position_ids),
+            (Padding::Right, Some(256), false)
+        );
+        let wrong = CacheHints {
+            kv_heads: Some(4),
+            ..hints
+        };
+        let err = DecoderLayout::detect(&genai, &wrong).unwrap().unwrap_err();
+        assert_eq!(
+            err,
+            "input `past_key_values.0.key` has 2 KV heads but the model's folder says 4"
+        );
+    }
+
+    #[test]
+    fn hints_travel_in_model_metadata_and_bad_values_are_named() {
+        let hints = CacheHints {
+            head_size: Some(64),
+            kv_heads: None,
+            padding: Padding::Right,
+            context: Some(4096),
+        };
+        let entries = hints.to_metadata();
+        let get = |key: &str| entries.iter().find(|(k, _)| *k == key).map(|(_, v)| v.clone());
+        assert_eq!(CacheHints::from_metadata(get).unwrap(), hints);
+        assert_eq!(CacheHints::from_metadata(|_| None).unwrap(), none());
+        let err =
+            CacheHints::from_metadata(|k| (k == "vramguard.cache_padding").then(|| "middle".to_string())).unwrap_err();
+        assert_eq!(
+            err,
+            "model metadata `vramguard.cache_padding` is `middle`, not `left` or `right`"
+        );
+        let err = CacheHints::from_metadata(|k| (k == "vramguard.context").then(|| "lots".to_string())).unwrap_err();
+        assert_eq!(err, "model metadata `vramguard.context` is `lots`, not a count");
     }
 }

@@ -223,6 +223,8 @@ mod tests {
         kv_datatype: DataType::Fp32,
         vocab: Some(512),
         position_ids: true,
+        padding: crate::runtime::decoder::Padding::Left,
+        context: None,
     };
 
     /// A CPU pool `p` of one backend serving the bundled decoder as `lm`.

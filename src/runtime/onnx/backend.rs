@@ -12,7 +12,7 @@ use super::{OnnxRuntime, SessionOptions, arena, arena_allocator, build_session, 
 use crate::config::Provider;
 use crate::core::backend::{self as seam, Arenas, Backend, BackendError, DecodeStep, Interrupts, Residency, RunMeta};
 use crate::core::tensor::{Tensor, TensorView};
-use crate::runtime::decoder::DecoderLayout;
+use crate::runtime::decoder::{CacheHints, DecoderLayout};
 
 /// Build `name`'s session and find the arena it allocates from: the capped shared one for
 /// simulated pools, its own for CPU and CUDA pools. Stats are optional: a provider without an
@@ -51,10 +51,13 @@ pub struct OrtBackend {
     pub(super) generations: Generations,
 }
 
-/// `session`'s decoder layout, when it is a decoder with past key values.
+/// `session`'s decoder layout, when it is a decoder with past key values, with the
+/// [`CacheHints`] its model carries in its metadata.
 fn decoder_of(session: &Session) -> Option<DecoderLayout> {
     let signature = super::signature(session).ok()?;
-    DecoderLayout::detect(&signature)?.ok()
+    let metadata = session.metadata().ok()?;
+    let hints = CacheHints::from_metadata(|key| metadata.custom(key)).ok()?;
+    DecoderLayout::detect(&signature, &hints)?.ok()
 }
 
 /// `memory.enable_memory_arena_shrinkage`'s value for the arena `options`' sessions use.

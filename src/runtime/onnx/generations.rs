@@ -3,23 +3,26 @@
 //! each sequence's new token in and brings one row of logits out, whatever its position.
 //!
 //! A prompt's run ([`Generations::prefill`]) leaves its sequence's cache on its own. A step
-//! ([`Generations::decode`]) runs every sequence of the model as one batch: rows left-padded to
-//! the batch's length, padding masked out in the attention mask (which stays on the device too
-//! and grows by one column a step). When rows join or leave, the batch is arranged again by
-//! small graphs on the same execution provider ([`Kernels`]), so the cache never crosses to
-//! the host. A sequence of the batch that sends no token in a step (its client is slow) takes
-//! a masked slot instead, and the batch is not arranged again for it.
+//! ([`Generations::decode`]) runs every sequence of the model as one batch, its rows padded to
+//! the batch's length on the side the model's attention takes ([`Padding`]): on the left,
+//! padding masked out in the attention mask (which stays on the device too and grows by one
+//! column a step); on the right, each row's mask its length in ones (`GroupQueryAttention`
+//! reads only that, and writes a row's new position at its own length). When rows join or
+//! leave, the batch is arranged again by small graphs on the same execution provider
+//! ([`Kernels`]), so the cache never crosses to the host. A sequence of the batch that sends no
+//! token in a step (its client is slow) takes a masked slot instead, and the batch is not
+//! arranged again for it.
 
 use std::collections::HashMap;
 
 use ort::session::{RunOptions, Session};
 use ort::value::DynValue;
 
-use super::kernels::Kernels;
+use super::kernels::{Along, Kernels};
 use super::{classify, to_value};
 use crate::core::backend::{BackendError, DecodeStep};
 use crate::core::tensor::{Tensor, TensorData};
-use crate::runtime::decoder::DecoderLayout;
+use crate::runtime::decoder::{DecoderLayout, Padding, step_inputs};
 
 /// The generations of one backend, by model.
 pub struct Generations {
@@ -40,11 +43,12 @@ struct Caches {
 const UNCLAIMED_STEPS: u32 = 64;
 
 /// Rows of caches that run together: `past_key_values` for each layer (key, value), the
-/// attention mask `[rows, len]`, and each row's sequence.
+/// attention mask `[rows, len]` of a left-padded batch (a right-padded one's is made from its
+/// rows' lengths at each step), and each row's sequence.
 struct Cache {
     rows: Vec<Row>,
     kv: Vec<DynValue>,
-    mask: DynValue,
+    mask: Option<DynValue>,
     /// Slots along the sequence axis (every row has them, padding included).
     len: i64,
 }
@@ -54,7 +58,7 @@ struct Row {
     seq: u64,
     /// Its real positions (prompt and tokens so far): its next token's position.
     past: u64,
-    /// Masked slots before its first real one (left padding).
+    /// Masked slots before its first real one (left padding; 0 when padded on the right).
     lead: i64,
     /// Ended or prefilled again: dropped at the next arrangement.
     gone: bool,
@@ -144,7 +148,7 @@ impl Generations {
                     gone: false,
                 }],
                 kv,
-                mask,
+                mask: (layout.padding == Padding::Left).then_some(mask),
                 len: past,
             },
             0,
@@ -156,7 +160,8 @@ impl Generations {
     /// [`prefill`](Self::prefill) takes it) run as one padded batch: left-padded to the
     /// longest, padding masked out and given position 1, as batched prompts run in
     /// `transformers`. Their rows stay together and join the batch at their next step. One row
-    /// of logits each comes back, as `logits` `[1, vocab]` in `seqs`' order.
+    /// of logits each comes back, as `logits` `[1, vocab]` in `seqs`' order. A model padded on
+    /// the right runs each prompt alone: its padded rows' last position would be padding.
     pub fn prefill_many(
         &mut self,
         session: &mut Session,
@@ -167,6 +172,15 @@ impl Generations {
         options: &RunOptions,
     ) -> Result<Vec<Tensor>, BackendError> {
         let prompts = prompt_ids(seqs.len(), inputs)?;
+        if layout.padding == Padding::Right {
+            let mut logits = Vec::with_capacity(seqs.len());
+            for (&seq, prompt) in seqs.iter().zip(prompts) {
+                let tokens: Vec<u32> = prompt.iter().map(|&t| t as u32).collect();
+                let inputs = step_inputs(layout, &tokens, 0, Vec::new());
+                logits.extend(self.prefill(session, layout, model, seq, inputs, options)?);
+            }
+            return Ok(logits);
+        }
         let caches = self.models.entry(model.to_string()).or_default();
         for seq in seqs {
             caches.end(*seq);
@@ -228,7 +242,7 @@ impl Generations {
         let cache = Cache {
             rows,
             kv,
-            mask,
+            mask: Some(mask),
             len: len as i64,
         };
         self.models
@@ -304,16 +318,18 @@ impl Generations {
         caches.prefilled = waiting;
         let mut batch = caches.batch.take().filter(|b| b.rows.iter().any(|r| !r.gone));
         if batch.as_ref().is_some_and(|b| b.rows.iter().any(|r| r.gone)) {
-            batch = batch.map(|b| self.kernels.without_gone(b)).transpose()?;
+            batch = batch
+                .map(|b| self.kernels.without_gone(b, layout.padding))
+                .transpose()?;
         }
         for (joiner, _) in joiners {
             let joiner = match joiner.rows.iter().any(|r| r.gone) {
-                true => self.kernels.without_gone(joiner)?,
+                true => self.kernels.without_gone(joiner, layout.padding)?,
                 false => joiner,
             };
             batch = Some(match batch {
                 None => joiner,
-                Some(b) => self.kernels.join(b, joiner)?,
+                Some(b) => self.kernels.join(b, joiner, layout.padding)?,
             });
         }
         let mut batch = batch.ok_or_else(|| BackendError::CacheMissing(step.rows.iter().map(|r| r.seq).collect()))?;
@@ -355,11 +371,31 @@ impl Generations {
             })
             .map_err(runtime)
         };
-        let column = host("column", column)?;
-        let mask = self
-            .kernels
-            .concat(&batch.mask, &column, 1)
-            .map_err(BackendError::Runtime)?;
+        let (mask, mask_bytes) = match &batch.mask {
+            Some(before) => {
+                let column = host("column", column)?;
+                let mask = self.kernels.concat(before, &column, 1).map_err(BackendError::Runtime)?;
+                (mask, 0)
+            }
+            None => {
+                // Right-padded: each row's mask is its length (with this step's slot) in ones;
+                // a masked slot keeps its length, so its pad lands where its next token will.
+                let width = batch.rows.iter().map(|r| r.past + 1).max().unwrap_or(1);
+                let mut ones = Vec::with_capacity(rows * width as usize);
+                for row in &batch.rows {
+                    let len = row.past + 1;
+                    ones.extend((0..width).map(|at| i64::from(at < len)));
+                }
+                let mask = to_value(Tensor {
+                    name: "attention_mask".into(),
+                    shape: vec![rows as i64, width as i64],
+                    data: TensorData::Int64(ones),
+                })
+                .map_err(runtime)?;
+                // The whole mask crosses, not one column of it.
+                (mask, rows as u64 * (width - 1) * 8)
+            }
+        };
         let mut binding = session.create_binding().map_err(runtime)?;
         binding
             .bind_input("input_ids", &host("input_ids", ids)?)
@@ -375,9 +411,14 @@ impl Generations {
         }
         let (kv, logits) = self.run_bound(session, &mut binding, layout, options)?;
         let logits = self.kernels.last_position(&logits).map_err(BackendError::Runtime)?;
+        // Left-padded caches grow by the step's slot; right-padded ones to the longest row's
+        // length with it.
+        batch.len = match kv.first().map(|v| v.dtype()) {
+            Some(ort::value::ValueType::Tensor { shape, .. }) if shape.len() == 4 => shape[2],
+            _ => batch.len + 1,
+        };
         batch.kv = kv;
-        batch.mask = mask;
-        batch.len += 1;
+        batch.mask = batch.mask.is_some().then_some(mask);
         for &at in &order {
             batch.rows[at].past += 1;
         }
@@ -389,7 +430,7 @@ impl Generations {
         // Every row of the batch crossed, masked ones too: their inputs went in, and the
         // last position's logits of all of them came out before the step's own were picked.
         let crossed = [
-            rows as u64 * DecodeStep::ROW_BYTES,
+            rows as u64 * DecodeStep::ROW_BYTES + mask_bytes,
             (logits.len() * std::mem::size_of::<f32>()) as u64,
         ];
         Ok(vec![
@@ -484,13 +525,19 @@ impl Caches {
 }
 
 impl Kernels {
-    /// `batch` without its gone rows, and without the leading slots every kept row pads.
-    fn without_gone(&mut self, batch: Cache) -> Result<Cache, BackendError> {
+    /// `batch` without its gone rows, and without the slots every kept row pads (leading ones
+    /// when padded on the left, trailing ones on the right).
+    fn without_gone(&mut self, batch: Cache, side: Padding) -> Result<Cache, BackendError> {
         let kept: Vec<usize> = (0..batch.rows.len()).filter(|&i| !batch.rows[i].gone).collect();
         let start = kept.iter().map(|&i| batch.rows[i].lead).min().unwrap_or(0);
+        let end = kept.iter().map(|&i| batch.rows[i].past as i64).max().unwrap_or(0);
+        let along = |axis| match side {
+            Padding::Left => Along::left(axis, start),
+            Padding::Right => Along::right(axis, end),
+        };
         let indices: Vec<i64> = kept.iter().map(|&i| i as i64).collect();
         let arrange = |k: &mut Kernels, value: &DynValue, axis| {
-            k.arrange(value, 0, None, &indices, axis, start)
+            k.arrange(value, 0, None, &indices, along(axis))
                 .map_err(BackendError::Runtime)
         };
         let kv = batch
@@ -498,7 +545,7 @@ impl Kernels {
             .iter()
             .map(|v| arrange(self, v, 2))
             .collect::<Result<Vec<_>, _>>()?;
-        let mask = arrange(self, &batch.mask, 1)?;
+        let mask = batch.mask.as_ref().map(|m| arrange(self, m, 1)).transpose()?;
         let rows = kept
             .iter()
             .map(|&i| Row {
@@ -510,17 +557,24 @@ impl Kernels {
             rows,
             kv,
             mask,
-            len: batch.len - start,
+            len: match side {
+                Padding::Left => batch.len - start,
+                Padding::Right => end,
+            },
         })
     }
 
-    /// `a`'s rows then `b`'s, the shorter left-padded to the longer's length.
-    fn join(&mut self, a: Cache, b: Cache) -> Result<Cache, BackendError> {
+    /// `a`'s rows then `b`'s, the shorter padded to the longer's length on `side`.
+    fn join(&mut self, a: Cache, b: Cache, side: Padding) -> Result<Cache, BackendError> {
         let len = a.len.max(b.len);
         let (pad_a, pad_b) = (len - a.len, len - b.len);
         let indices: Vec<i64> = (0..(a.rows.len() + b.rows.len()) as i64).collect();
         let mut arrange = |x: &DynValue, y: &DynValue, axis| {
-            self.arrange(x, pad_a, Some((y, pad_b)), &indices, axis, 0)
+            let along = match side {
+                Padding::Left => Along::left(axis, 0),
+                Padding::Right => Along::right(axis, len),
+            };
+            self.arrange(x, pad_a, Some((y, pad_b)), &indices, along)
                 .map_err(BackendError::Runtime)
         };
         let kv =
@@ -528,10 +582,14 @@ impl Kernels {
                 .zip(&b.kv)
                 .map(|(x, y)| arrange(x, y, 2))
                 .collect::<Result<Vec<_>, _>>()?;
-        let mask = arrange(&a.mask, &b.mask, 1)?;
+        let mask = match (&a.mask, &b.mask) {
+            (Some(x), Some(y)) => Some(arrange(x, y, 1)?),
+            _ => None,
+        };
+        let lead = |pad| if side == Padding::Left { pad } else { 0 };
         let shift = |rows: Vec<Row>, pad| {
             rows.into_iter().map(move |r| Row {
-                lead: r.lead + pad,
+                lead: r.lead + lead(pad),
                 ..r
             })
         };

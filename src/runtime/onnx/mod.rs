@@ -4,6 +4,7 @@
 pub mod arena;
 mod backend;
 pub mod dense;
+pub mod facts;
 mod generations;
 pub mod kernels;
 mod proto;

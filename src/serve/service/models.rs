@@ -1,15 +1,20 @@
 //! The models a service serves: each one's bytes, signature, memory profile, decoder layout,
 //! tokenizer and chat template, read and checked against its config before any port is bound.
 
+use std::borrow::Cow;
+use std::path::Path;
 use std::sync::Arc;
 
 use crate::config::{Config, ConfigError, ModelConfig, TokenizerSource};
+use crate::core::model::ModelSource;
 use crate::core::snapshot::Estimate;
 use crate::core::tensor::Tensor;
-use crate::runtime::decoder::DecoderLayout;
+use crate::runtime::decoder::{CacheHints, DecoderLayout};
 use crate::runtime::estimate::learned::{Learned, Observation};
 use crate::runtime::estimate::{AxisRole, Dims, MemoryProfile, ProfileSource};
+use crate::runtime::genai::GenaiConfig;
 use crate::runtime::onnx::ModelSignature;
+use crate::runtime::onnx::facts;
 use crate::telemetry::inference_stats::InferenceStats;
 
 use super::BackendFactory;
@@ -139,17 +144,35 @@ pub(super) fn load_models(backends: &dyn BackendFactory, config: &Config) -> Res
         .collect()
 }
 
+/// `m`'s bytes carrying the [`CacheHints`] its graph and its folder's `genai_config.json` give
+/// (unchanged when they say nothing the signature does not), and those hints.
+fn with_cache_hints(m: &ModelConfig, bytes: Cow<'static, [u8]>) -> Result<(Cow<'static, [u8]>, CacheHints), String> {
+    let genai = match &m.source {
+        ModelSource::File(path) => GenaiConfig::read(path.parent().unwrap_or(Path::new(".")))?,
+        ModelSource::Builtin(_) => None,
+    };
+    let hints = facts::cache_hints(&bytes, genai.as_ref())?;
+    if hints == CacheHints::default() {
+        return Ok((bytes, hints));
+    }
+    Ok((
+        Cow::Owned(facts::with_metadata(bytes.into_owned(), &hints.to_metadata())),
+        hints,
+    ))
+}
+
 /// A model that failed to load: the key under its `models[]` entry that is wrong, and why.
 type Invalid = (&'static str, String);
 
 /// Read model `m` and check it against its config.
 fn load_model(backends: &dyn BackendFactory, m: &ModelConfig) -> Result<ModelEntry, Invalid> {
     let bytes = crate::core::model::load_bytes(&m.source).map_err(|e| ("path", e))?;
+    let (bytes, hints) = with_cache_hints(m, bytes).map_err(|e| ("path", format!("`{}`: {e}", m.source)))?;
     let signature = backends
         .signature(m, &bytes)
         .map_err(|e| ("path", format!("`{}` cannot be served: {e}", m.source)))?;
     check_context(m, &signature)?;
-    let decoder = crate::runtime::decoder::DecoderLayout::detect(&signature)
+    let decoder = crate::runtime::decoder::DecoderLayout::detect(&signature, &hints)
         .transpose()
         .map_err(|e| ("path", format!("`{}`: {e}", m.source)))?;
     if decoder.is_some() && m.context.is_some() {

@@ -49,9 +49,8 @@ fn a_batch_whose_rows_join_skip_and_leave_gives_each_row_its_reference_tokens() 
     let rt = runtime(None).expect("ONNX Runtime loads");
     let model = [("lm".to_string(), BuiltinModel::Decoder.bytes())];
     let mut backend = OrtBackend::load(rt, &model, &SessionOptions::quiet_cpu()).unwrap();
-    let layout = DecoderLayout::detect(&super::super::signature(&backend.sessions["lm"].0).unwrap())
-        .unwrap()
-        .unwrap();
+    let signature = super::super::signature(&backend.sessions["lm"].0).unwrap();
+    let layout = DecoderLayout::detect(&signature, &Default::default()).unwrap().unwrap();
     let cases = cases();
     let meta = RunMeta::default();
     // Sequence i: its tokens so far, and the last logits it got.
