@@ -13,7 +13,9 @@ use crate::serve::metrics::Outcome;
 pub fn status_of(error: &RequestError) -> StatusCode {
     match error {
         RequestError::UnknownModel { .. } => StatusCode::NOT_FOUND,
-        RequestError::BadInput(_) | RequestError::NeverFits(_) => StatusCode::BAD_REQUEST,
+        RequestError::BadInput(_) | RequestError::NeverFits(_) | RequestError::ContextTooLong { .. } => {
+            StatusCode::BAD_REQUEST
+        }
         RequestError::BodyTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
         RequestError::DeferredTooLong { .. } | RequestError::OverBudget { .. } => StatusCode::TOO_MANY_REQUESTS,
         RequestError::Deadline(_) => StatusCode::GATEWAY_TIMEOUT,

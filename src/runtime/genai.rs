@@ -106,6 +106,20 @@ impl GenaiConfig {
     }
 }
 
+/// `eos_token_id` as Hugging Face writes it: absent, a number, or a list of numbers.
+pub fn eos_ids(value: &Value) -> Result<Vec<u32>, String> {
+    let id = |v: &Value| {
+        v.as_u64()
+            .and_then(|id| u32::try_from(id).ok())
+            .ok_or_else(|| format!("`eos_token_id` {v} is not a token id"))
+    };
+    match value {
+        Value::Null => Ok(Vec::new()),
+        Value::Array(ids) => ids.iter().map(id).collect(),
+        other => id(other).map(|id| vec![id]),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -6,6 +6,7 @@
 pub mod chat;
 pub mod decoder;
 pub mod estimate;
+pub mod folder;
 pub mod genai;
 pub mod onnx;
 pub mod text;

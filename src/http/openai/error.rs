@@ -88,6 +88,11 @@ impl OpenAiError {
                 details.insert("max_tokens".into(), json!(never.max_tokens));
                 Some(Box::new((Some(code), details)))
             }
+            RequestError::ContextTooLong { limit, .. } => {
+                let mut details = Fields::new();
+                details.insert("max_context".into(), json!(limit));
+                Some(Box::new((Some("context_length_exceeded"), details)))
+            }
             _ => None,
         };
         OpenAiError {
@@ -186,6 +191,32 @@ mod tests {
         assert!(
             error["message"].as_str().unwrap().contains("send at most 3000 tokens"),
             "{body}"
+        );
+    }
+
+    /// More positions than the model takes is OpenAI's "context too long" with the model's
+    /// limit beside it, and no Retry-After.
+    #[tokio::test]
+    async fn more_positions_than_the_model_takes_is_context_length_exceeded() {
+        let error = RequestError::ContextTooLong {
+            model: "llama".into(),
+            limit: 256,
+            prompt: 250,
+            max_tokens: 16,
+        };
+        let response = OpenAiError::from_request(&error, "req-1").into_response();
+        assert_eq!(response.status(), StatusCode::BAD_REQUEST);
+        assert!(response.headers().get(header::RETRY_AFTER).is_none());
+        let body = axum::body::to_bytes(response.into_body(), 1 << 20).await.unwrap();
+        let body: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        let error = &body["error"];
+        assert_eq!(
+            (error["code"].as_str(), error["max_context"].as_u64()),
+            (Some("context_length_exceeded"), Some(256))
+        );
+        assert_eq!(
+            error["message"],
+            "`llama`'s maximum context length is 256 tokens; this request asks for 266 (250 in the prompt, 16 to generate): send a shorter prompt or a smaller max_tokens"
         );
     }
 }

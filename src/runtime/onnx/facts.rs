@@ -8,7 +8,7 @@ use std::collections::BTreeSet;
 
 use super::proto::{Message, varint};
 use crate::runtime::decoder::{CacheHints, Padding};
-use crate::runtime::genai::GenaiConfig;
+use crate::runtime::folder::ModelFolder;
 
 /// `ModelProto.graph`.
 const MODEL_GRAPH: u64 = 7;
@@ -122,9 +122,10 @@ fn graph_operators(graph: &[u8], found: &mut BTreeSet<String>) -> Result<(), Str
     Ok(())
 }
 
-/// What a decoder's `model` bytes and its folder's `genai_config.json` (when it has one) say
-/// that its signature does not: a graph with `GroupQueryAttention` pads its batch on the right.
-pub fn cache_hints(model: &[u8], genai: Option<&GenaiConfig>) -> Result<CacheHints, String> {
+/// What a decoder's `model` bytes and its folder say that its signature does not: a graph with
+/// `GroupQueryAttention` pads its batch on the right.
+pub fn cache_hints(model: &[u8], folder: &ModelFolder) -> Result<CacheHints, String> {
+    let genai = folder.genai.as_ref();
     let padding = match operators(model)?.contains("GroupQueryAttention") {
         true => Padding::Right,
         false => Padding::Left,
@@ -133,7 +134,7 @@ pub fn cache_hints(model: &[u8], genai: Option<&GenaiConfig>) -> Result<CacheHin
         head_size: genai.and_then(|g| g.head_size),
         kv_heads: genai.and_then(|g| g.kv_heads),
         padding,
-        context: genai.and_then(|g| g.context_length),
+        context: folder.context,
     })
 }
 

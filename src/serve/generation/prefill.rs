@@ -49,6 +49,16 @@ pub(super) fn prepare<'a>(
         )));
     };
     let prompt_tokens = prompt.tokens.len();
+    if let Some(limit) = layout.context
+        && (prompt_tokens as u64).saturating_add(u64::from(params.max_tokens)) > limit
+    {
+        return Err(RequestError::ContextTooLong {
+            model: entry.config.name.clone(),
+            limit,
+            prompt: prompt_tokens as u64,
+            max_tokens: u64::from(params.max_tokens),
+        });
+    }
     request.shrinker = None;
     if request.meta.allow_shrink
         && let Some(shorten) = prompt.shorten.clone()
@@ -75,7 +85,11 @@ pub(super) fn prepare<'a>(
         entry,
         layout,
         tokenizer,
-        eos: END_TOKENS.iter().filter_map(|t| tokenizer.token_to_id(t)).collect(),
+        eos: END_TOKENS
+            .iter()
+            .filter_map(|t| tokenizer.token_to_id(t))
+            .chain(entry.eos.iter().copied())
+            .collect(),
         params,
         prompt_tokens,
         prompt,

@@ -132,6 +132,23 @@ pub enum RequestError {
     /// so no `Retry-After`.
     #[error("{0}")]
     NeverFits(Box<NeverFits>),
+    /// A generation's prompt and `max_tokens` are more positions than its model takes (what
+    /// its folder says: `genai_config.json`'s `context_length`, `config.json`'s
+    /// `max_position_embeddings`): the client's to make shorter, as OpenAI words it.
+    #[error(
+        "`{model}`'s maximum context length is {limit} tokens; this request asks for {} ({prompt} in the prompt, {max_tokens} to generate): send a shorter prompt or a smaller max_tokens",
+        prompt + max_tokens
+    )]
+    ContextTooLong {
+        /// The model.
+        model: String,
+        /// The most positions it takes.
+        limit: u64,
+        /// Tokens of the prompt.
+        prompt: u64,
+        /// Tokens it may generate.
+        max_tokens: u64,
+    },
     /// The pool's queue is at capacity.
     #[error("pool `{pool}` queue is full ({capacity} waiting)")]
     QueueFull {
@@ -309,6 +326,7 @@ impl RequestError {
             | RequestError::BadInput(_)
             | RequestError::BodyTooLarge(_)
             | RequestError::NeverFits(_)
+            | RequestError::ContextTooLong { .. }
             | RequestError::RemoteRefused { .. } => Outcome::client_error,
             // Refused or never received there: nothing ran, as with a full queue.
             RequestError::Remote { kind, .. } if kind.nothing_ran() => Outcome::rejected,
@@ -352,6 +370,7 @@ impl RequestError {
             | RequestError::BadInput(_)
             | RequestError::BodyTooLarge(_)
             | RequestError::NeverFits(_)
+            | RequestError::ContextTooLong { .. }
             | RequestError::Deadline(_)
             | RequestError::ClientGone
             | RequestError::RemoteRefused { .. }

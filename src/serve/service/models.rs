@@ -12,7 +12,7 @@ use crate::core::tensor::Tensor;
 use crate::runtime::decoder::{CacheHints, DecoderLayout};
 use crate::runtime::estimate::learned::{Learned, Observation};
 use crate::runtime::estimate::{AxisRole, Dims, MemoryProfile, ProfileSource};
-use crate::runtime::genai::GenaiConfig;
+use crate::runtime::folder::ModelFolder;
 use crate::runtime::onnx::ModelSignature;
 use crate::runtime::onnx::facts;
 use crate::telemetry::inference_stats::InferenceStats;
@@ -40,6 +40,10 @@ pub struct ModelEntry {
     pub tokenizer: Option<Arc<tokenizers::Tokenizer>>,
     /// Its chat template, when it serves `/v1/chat/completions`.
     pub chat: Option<Arc<crate::runtime::chat::ChatTemplate>>,
+    /// Token ids that end its answers as its folder names them (`eos_token_id` of its
+    /// `generation_config.json`, `config.json`, `genai_config.json`), beside the end tokens its
+    /// tokenizer has by name.
+    pub eos: Vec<u32>,
 }
 
 /// A model's serialized bytes (borrowed for builtin models), shared by every pool's workers and
@@ -144,14 +148,13 @@ pub(super) fn load_models(backends: &dyn BackendFactory, config: &Config) -> Res
         .collect()
 }
 
-/// `m`'s bytes carrying the [`CacheHints`] its graph and its folder's `genai_config.json` give
-/// (unchanged when they say nothing the signature does not), and those hints.
-fn with_cache_hints(m: &ModelConfig, bytes: Cow<'static, [u8]>) -> Result<(Cow<'static, [u8]>, CacheHints), String> {
-    let genai = match &m.source {
-        ModelSource::File(path) => GenaiConfig::read(path.parent().unwrap_or(Path::new(".")))?,
-        ModelSource::Builtin(_) => None,
-    };
-    let hints = facts::cache_hints(&bytes, genai.as_ref())?;
+/// A model's bytes carrying the [`CacheHints`] its graph and its `folder` give (unchanged when
+/// they say nothing the signature does not), and those hints.
+fn with_cache_hints(
+    bytes: Cow<'static, [u8]>,
+    folder: &ModelFolder,
+) -> Result<(Cow<'static, [u8]>, CacheHints), String> {
+    let hints = facts::cache_hints(&bytes, folder)?;
     if hints == CacheHints::default() {
         return Ok((bytes, hints));
     }
@@ -167,7 +170,12 @@ type Invalid = (&'static str, String);
 /// Read model `m` and check it against its config.
 fn load_model(backends: &dyn BackendFactory, m: &ModelConfig) -> Result<ModelEntry, Invalid> {
     let bytes = crate::core::model::load_bytes(&m.source).map_err(|e| ("path", e))?;
-    let (bytes, hints) = with_cache_hints(m, bytes).map_err(|e| ("path", format!("`{}`: {e}", m.source)))?;
+    let folder = match &m.source {
+        ModelSource::File(path) => ModelFolder::read(path.parent().unwrap_or(Path::new("."))),
+        ModelSource::Builtin(_) => Ok(ModelFolder::default()),
+    }
+    .map_err(|e| ("path", e))?;
+    let (bytes, hints) = with_cache_hints(bytes, &folder).map_err(|e| ("path", format!("`{}`: {e}", m.source)))?;
     let signature = backends
         .signature(m, &bytes)
         .map_err(|e| ("path", format!("`{}` cannot be served: {e}", m.source)))?;
@@ -194,6 +202,7 @@ fn load_model(backends: &dyn BackendFactory, m: &ModelConfig) -> Result<ModelEnt
         decoder,
         tokenizer,
         chat,
+        eos: folder.eos,
     })
 }
 
