@@ -7,6 +7,7 @@ pub mod dense;
 pub mod facts;
 mod generations;
 pub mod kernels;
+mod positions;
 mod proto;
 
 pub use backend::OrtBackend;
@@ -371,7 +372,11 @@ pub fn build_session(rt: &OnnxRuntime, model: &[u8], options: &SessionOptions) -
             .map_err(|e| format!("CUDA execution provider unavailable: {e}"))?,
         Provider::Remote(_) => return Err("a remote pool runs its models on the remote server".into()),
     };
-    builder.commit_from_memory(model).map_err(msg)
+    // A decoder that rotates by slot is given its rows' positions (see `positions.rs`).
+    let rewritten = positions::with_position_ids(model);
+    builder
+        .commit_from_memory(rewritten.as_deref().unwrap_or(model))
+        .map_err(msg)
 }
 
 /// The arena `session` allocates its runs (and the outputs bound to its device) from, when it

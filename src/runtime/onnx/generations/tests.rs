@@ -1,5 +1,6 @@
 //! Generations on the decoder fixture with real ONNX Runtime: batches that join, skip and
-//! leave, prompts prefilled together, and the bytes of masked slots.
+//! leave, prompts prefilled together, the bytes of masked slots, and a decoder that rotates by
+//! cache slot (Optimum's Gemma) batched as exactly as one that takes `position_ids`.
 
 use super::super::{OrtBackend, SessionOptions, runtime};
 use crate::core::backend::{DecodeRow, DecodeStep, Generations, RunMeta};
@@ -202,4 +203,91 @@ fn prompts_prefilled_together_give_each_its_reference_tokens() {
     for (i, (_, reference)) in cases.iter().enumerate() {
         assert_eq!(&got[i], reference, "sequence {i}");
     }
+}
+
+/// A decoder exported without `position_ids` (Optimum's Gemma, which rotates each token by its
+/// cache slot): rows that join a longer batch, skip a step and outlive a row that leaves get
+/// the logits they get alone, to float rounding. Before the graph took `position_ids`, the
+/// slots' shifts moved their rotary positions and the logits by up to 1e-1.
+#[test]
+fn a_decoder_without_position_ids_gives_batched_rows_their_logits_alone() {
+    let rt = runtime(None).expect("ONNX Runtime loads");
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/gemma_optimum.onnx");
+    let bytes = std::fs::read(path).unwrap();
+    let model = [("g".to_string(), bytes.as_slice())];
+    let mut backend = OrtBackend::load(rt, &model, &SessionOptions::quiet_cpu()).unwrap();
+    let layout = backend.decoders["g"];
+    let prompts: [&[u32]; 3] = [&[5, 17, 230, 41, 9, 77, 3, 410], &[12, 300], &[99, 8, 64, 150, 21]];
+    let steps = 12;
+    let meta = RunMeta::default();
+    // A step's logits, one row per row sent (none when it only ends sequences).
+    let step = |backend: &mut OrtBackend, rows_: Vec<DecodeRow>, ended: Vec<u64>| {
+        let any = !rows_.is_empty();
+        let out = backend.decode("g", &DecodeStep { rows: rows_, ended }, &meta).unwrap();
+        if any { rows(&out[0]) } else { Vec::new() }
+    };
+    // Each prompt alone: the logits of its prompt's run and of each step after it.
+    let mut alone: Vec<Vec<Vec<f32>>> = Vec::new();
+    for (i, prompt) in prompts.iter().enumerate() {
+        let seq = 100 + i as u64;
+        let out = backend
+            .prefill("g", seq, step_inputs(&layout, prompt, 0, Vec::new()), &meta)
+            .unwrap();
+        let mut logits = rows(&out[0]);
+        for k in 0..steps {
+            let token = argmax(&logits[k]);
+            let past = (prompt.len() + k) as u64;
+            logits.extend(step(&mut backend, vec![DecodeRow { seq, token, past }], Vec::new()));
+        }
+        step(&mut backend, Vec::new(), vec![seq]);
+        alone.push(logits);
+    }
+    // Together: sequence i joins at step 2 i, 1 skips step 5, 0 leaves after 6 tokens; each
+    // is fed the tokens it chose alone, so its logits can be compared at every step.
+    let mut got: Vec<Vec<Vec<f32>>> = vec![Vec::new(); prompts.len()];
+    let mut left = false;
+    for at in 0..2 * prompts.len() + steps {
+        for (i, prompt) in prompts.iter().enumerate() {
+            if at == 2 * i {
+                let out = backend
+                    .prefill("g", i as u64, step_inputs(&layout, prompt, 0, Vec::new()), &meta)
+                    .unwrap();
+                got[i] = rows(&out[0]);
+            }
+        }
+        let (mut step_rows, mut ended) = (Vec::new(), Vec::new());
+        for (i, prompt) in prompts.iter().enumerate() {
+            let k = got[i].len();
+            if k == 0 || (i == 1 && at == 5) || k > steps {
+                continue;
+            }
+            if i == 0 && k == 7 {
+                ended.extend((!left).then_some(0));
+                left = true;
+                continue;
+            }
+            let token = argmax(&alone[i][k - 1]);
+            let past = (prompt.len() + k - 1) as u64;
+            step_rows.push(DecodeRow {
+                seq: i as u64,
+                token,
+                past,
+            });
+        }
+        let seqs: Vec<usize> = step_rows.iter().map(|r| r.seq as usize).collect();
+        for (i, logits) in seqs.into_iter().zip(step(&mut backend, step_rows, ended)) {
+            got[i].push(logits);
+        }
+    }
+    for (i, logits) in got.iter().enumerate() {
+        for (k, (g, a)) in logits.iter().zip(&alone[i]).enumerate() {
+            let diff = g.iter().zip(a).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+            assert!(
+                diff < 1e-4,
+                "sequence {i}, step {k}: logits differ from alone by {diff}"
+            );
+        }
+    }
+    assert!(left, "sequence 0 left the batch");
+    assert_eq!(got.iter().map(Vec::len).collect::<Vec<_>>(), [7, steps + 1, steps + 1]);
 }
