@@ -206,16 +206,21 @@ fn prompts_prefilled_together_give_each_its_reference_tokens() {
 }
 
 /// A decoder exported without `position_ids` (Optimum's Gemma, which rotates each token by its
-/// cache slot): rows that join a longer batch, skip a step and outlive a row that leaves get
-/// the logits they get alone, to float rounding. Before the graph took `position_ids`, the
-/// slots' shifts moved their rotary positions and the logits by up to 1e-1.
+/// cache slot) batches exactly: before the graph took `position_ids`, the slots' shifts moved
+/// their rotary positions and the logits by up to 1e-1.
 #[test]
 fn a_decoder_without_position_ids_gives_batched_rows_their_logits_alone() {
     let rt = runtime(None).expect("ONNX Runtime loads");
     let path = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/gemma_optimum.onnx");
     let bytes = std::fs::read(path).unwrap();
     let model = [("g".to_string(), bytes.as_slice())];
-    let mut backend = OrtBackend::load(rt, &model, &SessionOptions::quiet_cpu()).unwrap();
+    let backend = OrtBackend::load(rt, &model, &SessionOptions::quiet_cpu()).unwrap();
+    batched_rows_get_their_logits_alone(backend);
+}
+
+/// Three prompts of `backend`'s decoder `g`: rows that join a longer batch, skip a step and
+/// outlive a row that leaves get the logits they get alone, to float rounding.
+fn batched_rows_get_their_logits_alone(mut backend: OrtBackend) {
     let layout = backend.decoders["g"];
     let prompts: [&[u32]; 3] = [&[5, 17, 230, 41, 9, 77, 3, 410], &[12, 300], &[99, 8, 64, 150, 21]];
     let steps = 12;
