@@ -4,6 +4,7 @@
 use std::sync::Arc;
 
 use crate::config::{Config, ConfigError, ModelConfig, TokenizerSource};
+use crate::core::model::{ModelBytes, ModelData};
 use crate::core::snapshot::Estimate;
 use crate::core::tensor::Tensor;
 use crate::runtime::decoder::DecoderLayout;
@@ -27,7 +28,8 @@ pub struct ModelEntry {
     pub learned: Arc<Learned>,
     /// Its answered requests, for Triton's statistics extension.
     pub stats: Arc<InferenceStats>,
-    /// The ONNX bytes, read once and shared by every pool's sessions.
+    /// The ONNX bytes and the folder of their external data, read once and shared by every
+    /// pool's sessions.
     pub bytes: ModelBytes,
     /// Its KV-cache layout, when it is a decoder with past key values.
     pub decoder: Option<DecoderLayout>,
@@ -35,30 +37,6 @@ pub struct ModelEntry {
     pub tokenizer: Option<Arc<tokenizers::Tokenizer>>,
     /// Its chat template, when it serves `/v1/chat/completions`.
     pub chat: Option<Arc<crate::runtime::chat::ChatTemplate>>,
-}
-
-/// A model's serialized bytes (borrowed for builtin models), shared by every pool's workers and
-/// kept for rebuilding a worker's backend; `Debug` shows only the size.
-#[derive(Clone)]
-pub struct ModelBytes(Arc<std::borrow::Cow<'static, [u8]>>);
-
-impl ModelBytes {
-    /// The bytes.
-    pub fn as_slice(&self) -> &[u8] {
-        &self.0
-    }
-}
-
-impl AsRef<[u8]> for ModelBytes {
-    fn as_ref(&self) -> &[u8] {
-        &self.0
-    }
-}
-
-impl std::fmt::Debug for ModelBytes {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "ModelBytes({} bytes)", self.0.len())
-    }
 }
 
 impl ModelEntry {
@@ -142,11 +120,24 @@ pub(super) fn load_models(backends: &dyn BackendFactory, config: &Config) -> Res
 /// A model that failed to load: the key under its `models[]` entry that is wrong, and why.
 type Invalid = (&'static str, String);
 
-/// Read model `m` and check it against its config.
+/// Read model `m` (its graph, and the external data files it names, each checked) and check it
+/// against its config.
 fn load_model(backends: &dyn BackendFactory, m: &ModelConfig) -> Result<ModelEntry, Invalid> {
     let bytes = crate::core::model::load_bytes(&m.source).map_err(|e| ("path", e))?;
+    let external = crate::runtime::onnx::external_data(bytes.data().graph, bytes.data().folder)
+        .map_err(|e| ("path", format!("`{}`: {e}", m.source)))?;
+    if !external.files.is_empty() {
+        tracing::info!(
+            model = %m.name,
+            files = ?external.files,
+            bytes = %crate::core::human::human_bytes(external.bytes),
+            "external data"
+        );
+    }
+    let bytes = bytes.with_external_bytes(external.bytes);
+    let data = bytes.data();
     let signature = backends
-        .signature(m, &bytes)
+        .signature(m, data)
         .map_err(|e| ("path", format!("`{}` cannot be served: {e}", m.source)))?;
     check_context(m, &signature)?;
     let decoder = crate::runtime::decoder::DecoderLayout::detect(&signature)
@@ -158,7 +149,7 @@ fn load_model(backends: &dyn BackendFactory, m: &ModelConfig) -> Result<ModelEnt
             "a decoder's context is its attention mask, read from the graph; remove `context`".to_string(),
         ));
     }
-    let profile = profile_of(backends, m, &bytes, &signature, decoder);
+    let profile = profile_of(backends, m, data, &signature, decoder);
     let tokenizer = tokenizer_of(m, decoder)?;
     let chat = chat_template(m).map_err(|e| ("chat_template", e))?;
     Ok(ModelEntry {
@@ -167,7 +158,7 @@ fn load_model(backends: &dyn BackendFactory, m: &ModelConfig) -> Result<ModelEnt
         learned: Arc::new(Learned::new(&profile)),
         stats: Arc::default(),
         profile,
-        bytes: ModelBytes(Arc::new(bytes)),
+        bytes,
         decoder,
         tokenizer,
         chat,
@@ -219,13 +210,13 @@ fn check_context(m: &ModelConfig, signature: &ModelSignature) -> Result<(), Inva
 fn profile_of(
     backends: &dyn BackendFactory,
     m: &ModelConfig,
-    bytes: &[u8],
+    data: ModelData<'_>,
     signature: &ModelSignature,
     decoder: Option<DecoderLayout>,
 ) -> MemoryProfile {
     let profile = match (&m.profile, decoder) {
         (None, Some(layout)) => MemoryProfile::per_token(
-            bytes.len() as u64,
+            data.stored_bytes(),
             // The cache for every position, and the logits of a prompt's positions.
             (layout.kv_bytes_per_token() + layout.logits_bytes_per_token()) as f64,
             ProfileSource::KvCache {
@@ -236,8 +227,8 @@ fn profile_of(
             },
         ),
         _ => match &m.profile {
-            Some(p) => MemoryProfile::configured(p, bytes.len() as u64, m.context.as_ref(), signature),
-            None => backends.measure_profile(m, bytes, signature),
+            Some(p) => MemoryProfile::configured(p, data.stored_bytes(), m.context.as_ref(), signature),
+            None => backends.measure_profile(m, data, signature),
         },
     };
     match &profile.source {

@@ -47,7 +47,7 @@ fn rows(logits: &crate::core::tensor::Tensor) -> Vec<Vec<f32>> {
 #[test]
 fn a_batch_whose_rows_join_skip_and_leave_gives_each_row_its_reference_tokens() {
     let rt = runtime(None).expect("ONNX Runtime loads");
-    let model = [("lm".to_string(), BuiltinModel::Decoder.bytes())];
+    let model = [("lm".to_string(), BuiltinModel::Decoder.data())];
     let mut backend = OrtBackend::load(rt, &model, &SessionOptions::quiet_cpu()).unwrap();
     let layout = DecoderLayout::detect(&super::super::signature(&backend.sessions["lm"].0).unwrap())
         .unwrap()
@@ -128,7 +128,7 @@ fn a_batch_whose_rows_join_skip_and_leave_gives_each_row_its_reference_tokens() 
 #[test]
 fn the_bytes_of_masked_slots_are_reported_and_trimmed_when_rows_leave() {
     let rt = runtime(None).expect("ONNX Runtime loads");
-    let model = [("lm".to_string(), BuiltinModel::Decoder.bytes())];
+    let model = [("lm".to_string(), BuiltinModel::Decoder.data())];
     let mut backend = OrtBackend::load(rt, &model, &SessionOptions::quiet_cpu()).unwrap();
     let layout = backend.decoders["lm"];
     let per_slot = layout.kv_bytes_per_token();
@@ -163,7 +163,7 @@ fn the_bytes_of_masked_slots_are_reported_and_trimmed_when_rows_leave() {
 #[test]
 fn prompts_prefilled_together_give_each_its_reference_tokens() {
     let rt = runtime(None).expect("ONNX Runtime loads");
-    let model = [("lm".to_string(), BuiltinModel::Decoder.bytes())];
+    let model = [("lm".to_string(), BuiltinModel::Decoder.data())];
     let mut backend = OrtBackend::load(rt, &model, &SessionOptions::quiet_cpu()).unwrap();
     let layout = backend.decoders["lm"];
     let cases = cases();
