@@ -61,7 +61,7 @@ fn main() {
     let runs: usize = arg("--runs", 2000);
     let rt = vramguard::runtime::onnx::runtime(None).expect("ONNX Runtime");
     let exe = vramguard::testing::config::built_binary().expect("target/release/vramguard (cargo build --release)");
-    let model = BuiltinModel::Encoder.bytes();
+    let model = BuiltinModel::Encoder.data();
     let options = SessionOptions::quiet_cpu();
     let mut local = OrtBackend::load(rt, &[("encoder".to_string(), model)], &options).unwrap();
     let spec = vramguard::testing::config::cpu_worker("bench", &rt.library);

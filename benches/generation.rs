@@ -45,6 +45,7 @@ use reqwest::StatusCode;
 use serde_json::{Value, json};
 use vramguard::config::{CudaOptions, Provider};
 use vramguard::core::backend::{DecodeRow, DecodeStep, Generations, RunMeta};
+use vramguard::core::model::{ModelSource, load_bytes};
 use vramguard::core::tensor::{Tensor, TensorData};
 use vramguard::runtime::decoder::{DecoderLayout, step_inputs};
 use vramguard::runtime::onnx::{self, OrtBackend, SessionOptions};
@@ -161,7 +162,8 @@ struct Direct {
 impl Direct {
     fn new(model: &Model) -> Direct {
         let rt = onnx::runtime(None).expect("ONNX Runtime loads (run `make deps`)");
-        let bytes = std::fs::read(model.dir.join("model.onnx")).unwrap();
+        // Its folder kept: an exporter's model keeps its weights beside it (`model.onnx.data`).
+        let bytes = load_bytes(&ModelSource::File(model.dir.join("model.onnx"))).unwrap();
         // What a CPU pool with `intra_threads: 1` builds (src/serve/service/onnxruntime.rs):
         // one intra-op thread, no arena shrinkage.
         let options = SessionOptions {
@@ -176,13 +178,13 @@ impl Direct {
             },
             ..SessionOptions::quiet_cpu()
         };
-        let session = onnx::build_session(rt, &bytes, &options).unwrap();
+        let session = onnx::build_session(rt, bytes.data(), &options).unwrap();
         let signature = onnx::signature(&session).unwrap();
         drop(session);
         let layout = DecoderLayout::detect(&signature, &Default::default())
             .expect("a decoder with past key values")
             .unwrap();
-        let backend = OrtBackend::load(rt, &[("lm".to_string(), &bytes[..])], &options).unwrap();
+        let backend = OrtBackend::load(rt, &[("lm".to_string(), bytes.data())], &options).unwrap();
         let tokenizer = tokenizers::Tokenizer::from_file(model.dir.join("tokenizer.json")).unwrap();
         Direct {
             backend,

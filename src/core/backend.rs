@@ -89,8 +89,9 @@ impl dyn Backend + '_ {
 
 /// A backend's sessions ([`Backend::residency`]): built and dropped by name while it serves.
 pub trait Residency {
-    /// Build `name`'s session from its serialized `bytes`, replacing one it already has.
-    fn load_model(&mut self, name: &str, bytes: &[u8]) -> Result<(), String>;
+    /// Build `name`'s session from `model` (its graph, and the folder of its external data),
+    /// replacing one it already has.
+    fn load_model(&mut self, name: &str, model: crate::core::model::ModelData<'_>) -> Result<(), String>;
     /// Drop `name`'s session, if it has one; its memory goes back to the allocator.
     fn unload_model(&mut self, name: &str);
     /// Give the allocator's free memory back to the host or device: called when the pool has

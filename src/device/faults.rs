@@ -172,8 +172,8 @@ impl Arenas for FaultInjecting {
 }
 
 impl Residency for FaultInjecting {
-    fn load_model(&mut self, name: &str, bytes: &[u8]) -> Result<(), String> {
-        self.inner.loader(name)?.load_model(name, bytes)?;
+    fn load_model(&mut self, name: &str, model: crate::core::model::ModelData<'_>) -> Result<(), String> {
+        self.inner.loader(name)?.load_model(name, model)?;
         self.device
             .check_capacity(&format!("loading `{name}`"))
             .inspect_err(|_| self.unload_model(name))

@@ -46,7 +46,7 @@ pub use health::CheckFailure;
 pub use job::{InferJob, Inputs, JobResult, PoolError, RunCancel, RunMemory, RunOp};
 pub use load::PoolLoad;
 pub use metrics::{ModelMetrics, PoolMetrics, WorkerHandles};
-pub use models::{ModelBytesRef, ModelSetup, ResidencyError, ResidencyOutcome};
+pub use models::{ModelSetup, ResidencyError, ResidencyOutcome};
 pub use shared::{Availability, Pool};
 
 use std::sync::{Arc, PoisonError};

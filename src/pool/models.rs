@@ -9,9 +9,6 @@ use std::time::{Duration, Instant};
 use crate::config::Residency;
 use crate::pool::metrics::ModelMetrics;
 
-/// A model's serialized bytes, kept to build its sessions again after an unload.
-pub type ModelBytesRef = Arc<dyn AsRef<[u8]> + Send + Sync>;
-
 /// What a pool knows of one model it serves.
 #[derive(Clone)]
 pub struct ModelSetup {
@@ -31,8 +28,8 @@ pub struct ModelSetup {
     pub generates: bool,
     /// Its smallest valid inputs, for the run that gives an idle pool's arena memory back.
     pub probe: Option<Arc<Vec<crate::core::tensor::Tensor>>>,
-    /// Its bytes, for loads after start.
-    pub bytes: ModelBytesRef,
+    /// Its bytes and folder, for loads after start.
+    pub bytes: crate::core::model::ModelBytes,
     /// Its metric handles on this pool.
     pub metrics: ModelMetrics,
 }

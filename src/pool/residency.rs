@@ -216,7 +216,7 @@ impl Pool {
                 Some(setup) => slot
                     .backend
                     .loader(&model)
-                    .and_then(|residency| residency.load_model(&model, setup.bytes.as_ref().as_ref())),
+                    .and_then(|residency| residency.load_model(&model, setup.bytes.data())),
                 None => Err(format!("pool `{}` has no bytes of `{model}`", self.name())),
             };
             let took = started.elapsed();
@@ -307,7 +307,7 @@ mod tests {
     }
 
     impl Loads for Sessions {
-        fn load_model(&mut self, name: &str, _: &[u8]) -> Result<(), String> {
+        fn load_model(&mut self, name: &str, _: crate::core::model::ModelData<'_>) -> Result<(), String> {
             self.loads.lock().unwrap().push(name.to_string());
             self.loaded.insert(name.to_string());
             Ok(())
@@ -328,7 +328,7 @@ mod tests {
             weights_bytes: 0,
             generates: false,
             probe: None,
-            bytes: Arc::new(Vec::<u8>::new()),
+            bytes: crate::core::model::ModelBytes::inline(Vec::new()),
             metrics: ModelMetrics::detached(),
         }
     }

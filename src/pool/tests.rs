@@ -269,7 +269,7 @@ impl Backend for Releasing {
 }
 
 impl Residency for Releasing {
-    fn load_model(&mut self, name: &str, _: &[u8]) -> Result<(), String> {
+    fn load_model(&mut self, name: &str, _: crate::core::model::ModelData<'_>) -> Result<(), String> {
         Err(format!("`{name}`: this fake loads nothing"))
     }
     fn unload_model(&mut self, _: &str) {}

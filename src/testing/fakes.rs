@@ -7,6 +7,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use crate::config::{Config, ModelConfig, PoolConfig};
 use crate::core::backend::Backend;
 use crate::core::clock::SystemClock;
+use crate::core::model::ModelData;
 use crate::core::tensor::{DataType, Tensor, TensorData};
 use crate::runtime::estimate::MemoryProfile;
 use crate::runtime::onnx::{ModelSignature, TensorSpec};
@@ -45,7 +46,7 @@ impl BackendFactory for FakeFactory {
         "fake".into()
     }
 
-    fn signature(&self, _model: &ModelConfig, _bytes: &[u8]) -> Result<ModelSignature, String> {
+    fn signature(&self, _model: &ModelConfig, _data: ModelData<'_>) -> Result<ModelSignature, String> {
         let spec = |name: &str| TensorSpec {
             name: name.into(),
             datatype: DataType::Fp32,
@@ -58,17 +59,17 @@ impl BackendFactory for FakeFactory {
         })
     }
 
-    fn measure_profile(&self, model: &ModelConfig, bytes: &[u8], signature: &ModelSignature) -> MemoryProfile {
+    fn measure_profile(&self, model: &ModelConfig, data: ModelData<'_>, signature: &ModelSignature) -> MemoryProfile {
         let profile = crate::config::ConfiguredProfile {
-            weights_bytes: Some(bytes.len() as u64),
+            weights_bytes: Some(data.stored_bytes()),
             workspace_bytes: 1024,
             per_token_bytes: 1024.0,
             per_token_squared_bytes: 0.0,
         };
-        MemoryProfile::configured(&profile, bytes.len() as u64, model.context.as_ref(), signature)
+        MemoryProfile::configured(&profile, data.stored_bytes(), model.context.as_ref(), signature)
     }
 
-    fn backend(&self, pool: &PoolConfig, _models: &[(String, &[u8])]) -> Result<Box<dyn Backend>, String> {
+    fn backend(&self, pool: &PoolConfig, _models: &[(String, ModelData<'_>)]) -> Result<Box<dyn Backend>, String> {
         let backend = (self.make)(pool)?;
         self.built.fetch_add(1, Ordering::SeqCst);
         Ok(backend)

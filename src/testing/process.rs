@@ -3,6 +3,7 @@
 //! integration tests and benches, not to this library.
 
 use std::io::{BufRead, BufReader};
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::thread::JoinHandle;
 
@@ -42,8 +43,14 @@ impl Drop for Serving {
 /// The log keeps being drained afterwards, so the child never blocks on a full pipe, and kept
 /// ([`Serving::log_after_exit`]).
 pub fn spawn_serving(bin: &str, args: &[&str], env: &[(&str, &str)], message: &str) -> Serving {
+    spawn_serving_in(Path::new(env!("CARGO_MANIFEST_DIR")), bin, args, env, message)
+}
+
+/// [`spawn_serving`] with `dir` as the working directory (what a path relative to it, or
+/// looked for in it, finds).
+pub fn spawn_serving_in(dir: &Path, bin: &str, args: &[&str], env: &[(&str, &str)], message: &str) -> Serving {
     let mut child = Command::new(bin)
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .current_dir(dir)
         .args(["--log-format", "json"])
         .args(args)
         .envs(env.iter().copied())

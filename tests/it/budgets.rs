@@ -53,7 +53,7 @@ impl Backend for Gated {
 
 impl Residency for Gated {
     /// An `on_demand` model's load: nothing to build.
-    fn load_model(&mut self, _: &str, _: &[u8]) -> Result<(), String> {
+    fn load_model(&mut self, _: &str, _: vramguard::core::model::ModelData<'_>) -> Result<(), String> {
         Ok(())
     }
 

@@ -89,7 +89,7 @@ fn measured_working_bytes(model: &Path, inputs: Vec<Tensor>) -> u64 {
     let rt = runtime(None).expect("ONNX Runtime loads");
     let options = SessionOptions::quiet_cpu();
     let bytes = std::fs::read(model).unwrap();
-    let mut session = build_session(rt, &bytes, &options).expect("session builds");
+    let mut session = build_session(rt, &bytes[..], &options).expect("session builds");
     let info = ort::memory::MemoryInfo::new(
         ort::memory::AllocationDevice::CPU,
         0,

@@ -13,6 +13,7 @@ mod doc_links;
 mod drill;
 mod estimates;
 mod evict;
+mod external_data;
 mod failover;
 mod file_lists;
 mod generation;

@@ -230,7 +230,7 @@ mod tests {
     /// A CPU pool `p` of one backend serving the bundled decoder as `lm`.
     fn decoder_pool() -> Arc<Pool> {
         let rt = runtime(None).expect("ONNX Runtime loads");
-        let model = [("lm".to_string(), BuiltinModel::Decoder.bytes())];
+        let model = [("lm".to_string(), BuiltinModel::Decoder.data())];
         let backend = OrtBackend::load(rt, &model, &SessionOptions::quiet_cpu()).unwrap();
         let config = crate::testing::config::pool("p", "host", &["lm"]);
         Pool::start(

@@ -9,11 +9,12 @@ use std::sync::Arc;
 use super::conn::Conn;
 use super::host::WorkerHost;
 use super::shm::{Region, SHARED_FROM};
-use super::wire::{self, Answer, Ask};
+use super::wire::{self, Answer, Ask, ModelHead};
 use crate::core::backend::{
     ArenaStats, Arenas, Backend, BackendError, DecodeStep, Generations, Interrupt, Interrupts, Liveness, Residency,
     RunMeta,
 };
+use crate::core::model::ModelData;
 use crate::core::tensor::Tensor;
 use crate::pool::RunOp;
 
@@ -46,7 +47,7 @@ struct Regions {
 impl ProcessBackend {
     /// A lane with sessions of `models` in `host`'s current worker: the free lane of the last
     /// connection opened with the same models, or the first lane of a new one.
-    pub fn open(host: &Arc<WorkerHost>, models: &[(String, &[u8])]) -> Result<ProcessBackend, String> {
+    pub fn open(host: &Arc<WorkerHost>, models: &[(String, ModelData<'_>)]) -> Result<ProcessBackend, String> {
         let worker = host
             .current()
             .ok_or_else(|| format!("pool `{}` has no worker process running", host.pool))?;
@@ -360,14 +361,13 @@ impl Interrupts for ProcessBackend {
 }
 
 impl Residency for ProcessBackend {
-    fn load_model(&mut self, name: &str, bytes: &[u8]) -> Result<(), String> {
+    fn load_model(&mut self, name: &str, model: ModelData<'_>) -> Result<(), String> {
         let conn = Arc::clone(&self.conn);
         conn.load(self.lane, name, || {
             let ask = Ask::Load {
-                name: name.to_string(),
-                bytes: bytes.len() as u64,
+                model: ModelHead::of(name, model),
             };
-            match conn.exchange(&ask, &[bytes]).map_err(|e| e.to_string())? {
+            match conn.exchange(&ask, &[model.graph]).map_err(|e| e.to_string())? {
                 (Answer::Done { .. }, _) => Ok(()),
                 (Answer::Refused(why), _) => Err(why),
                 (other, _) => Err(format!("the worker answered {other:?} to a load")),

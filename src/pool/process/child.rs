@@ -17,7 +17,7 @@ use std::sync::{Arc, Mutex};
 use serde::{Deserialize, Serialize};
 
 use super::shm::Region;
-use super::wire::{self, Answer, Ask, SimChange, SimState, WireError};
+use super::wire::{self, Answer, Ask, ModelHead, SimChange, SimState, WireError};
 use crate::config::{CudaOptions, Provider};
 use crate::core::backend::{ArenaStats, Backend, BackendError, Interrupt, RunMeta};
 use crate::core::cpus::CpuSet;
@@ -239,12 +239,12 @@ impl Worker {
     }
 
     /// A session connection: build its sessions, then run what it asks until it closes.
-    fn session(&self, mut stream: UnixStream, models: &[(String, u64)], payload: &[u8]) {
+    fn session(&self, mut stream: UnixStream, models: &[ModelHead], payload: &[u8]) {
         let mut at = 0;
         let mut files = Vec::new();
-        for (name, len) in models {
-            match wire::take(payload, &mut at, *len) {
-                Ok(bytes) => files.push((name.clone(), bytes)),
+        for head in models {
+            match wire::take(payload, &mut at, head.bytes) {
+                Ok(graph) => files.push((head.name.clone(), head.data(graph))),
                 Err(why) => {
                     let _ = reply(&mut stream, &Answer::Refused(why), &[]);
                     return;
@@ -381,12 +381,12 @@ impl Worker {
                 };
                 reply(stream, &answer, &[])
             }
-            Ask::Load { name, bytes } => {
-                let answer = match wire::take(payload, &mut 0, bytes) {
-                    Ok(file) => match held
+            Ask::Load { model } => {
+                let answer = match wire::take(payload, &mut 0, model.bytes) {
+                    Ok(graph) => match held
                         .backend
-                        .loader(&name)
-                        .and_then(|residency| residency.load_model(&name, file))
+                        .loader(&model.name)
+                        .and_then(|residency| residency.load_model(&model.name, model.data(graph)))
                     {
                         Ok(()) => Answer::Done { session: None },
                         Err(why) => Answer::Refused(why),

@@ -11,9 +11,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 
 use super::expect::{self, Expected};
-use super::wire::{self, Answer, Ask, LANES};
+use super::wire::{self, Answer, Ask, LANES, ModelHead};
 use super::worker::Worker;
 use crate::core::backend::BackendError;
+use crate::core::model::ModelData;
 
 /// The writing side: frames go out whole, each numbered by the answer it will get.
 struct Writer {
@@ -53,11 +54,11 @@ pub struct Conn {
 
 impl Conn {
     /// Open a session connection on `worker` with sessions of `models`.
-    pub fn open(worker: Arc<Worker>, pool: &str, models: &[(String, &[u8])]) -> Result<Conn, String> {
+    pub fn open(worker: Arc<Worker>, pool: &str, models: &[(String, ModelData<'_>)]) -> Result<Conn, String> {
         let heads = Ask::Open {
-            models: models.iter().map(|(n, b)| (n.clone(), b.len() as u64)).collect(),
+            models: models.iter().map(|(n, m)| ModelHead::of(n, *m)).collect(),
         };
-        let blobs: Vec<&[u8]> = models.iter().map(|(_, b)| *b).collect();
+        let blobs: Vec<&[u8]> = models.iter().map(|(_, m)| m.graph).collect();
         let mut stream = worker.connect(&heads, &blobs)?;
         let session = match wire::read_frame::<Answer>(&mut stream) {
             Ok((Answer::Done { session: Some(id) }, _)) => id,

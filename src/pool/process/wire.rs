@@ -10,6 +10,7 @@ use std::io::{Read, Write};
 use serde::{Deserialize, Serialize};
 
 use crate::core::backend::{AllocFailureKind, ArenaStats, BackendError};
+use crate::core::model::ModelData;
 use crate::core::tensor::{DataType, Tensor, TensorView};
 
 /// How many lanes (pool backends) share a session connection's sessions; each has its own
@@ -30,12 +31,47 @@ pub struct TensorHead {
     pub bytes: u64,
 }
 
+/// A model in a frame's header: its graph's bytes are the payload's next `bytes`; its external
+/// data the worker reads from `folder` itself (the same machine), not through the socket.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ModelHead {
+    /// The model's name.
+    pub name: String,
+    /// Its graph's length in the payload.
+    pub bytes: u64,
+    /// Its file's folder ([`ModelData::folder`]).
+    pub folder: Option<std::path::PathBuf>,
+    /// [`ModelData::external_bytes`].
+    pub external_bytes: u64,
+}
+
+impl ModelHead {
+    /// The head of model `name`, sent with `data.graph` as its blob.
+    pub fn of(name: &str, data: ModelData<'_>) -> ModelHead {
+        ModelHead {
+            name: name.to_string(),
+            bytes: data.graph.len() as u64,
+            folder: data.folder.map(std::path::Path::to_path_buf),
+            external_bytes: data.external_bytes,
+        }
+    }
+
+    /// The model again, its graph the blob that came with this head.
+    pub fn data<'a>(&'a self, graph: &'a [u8]) -> ModelData<'a> {
+        ModelData {
+            graph,
+            folder: self.folder.as_deref(),
+            external_bytes: self.external_bytes,
+        }
+    }
+}
+
 /// What the pool asks of a session connection (one per pool worker, holding its sessions).
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub enum Ask {
-    /// First frame of a session connection: build a session for each model, its file's bytes
-    /// the payload's blobs in order.
-    Open { models: Vec<(String, u64)> },
+    /// First frame of a session connection: build a session for each model, their graphs the
+    /// payload's blobs in order.
+    Open { models: Vec<ModelHead> },
     /// First frame of the control connection.
     Control,
     /// Run `model` on the inputs (the payload, or the start of `lane`'s input region when
@@ -61,8 +97,8 @@ pub enum Ask {
     },
     /// Read the arena of `model`'s session (or any).
     Stats { model: Option<String> },
-    /// Build (or replace) `name`'s session from the payload.
-    Load { name: String, bytes: u64 },
+    /// Build (or replace) `model`'s session, its graph the payload.
+    Load { model: ModelHead },
     /// Drop `name`'s session.
     Unload { name: String },
     /// Give the allocator's free memory back, running each listed model once on its inputs

@@ -11,6 +11,7 @@ use super::kernels::Kernels;
 use super::{OnnxRuntime, SessionOptions, arena, arena_allocator, build_session, run};
 use crate::config::Provider;
 use crate::core::backend::{self as seam, Arenas, Backend, BackendError, DecodeStep, Interrupts, Residency, RunMeta};
+use crate::core::model::ModelData;
 use crate::core::tensor::{Tensor, TensorView};
 use crate::runtime::decoder::{CacheHints, DecoderLayout};
 
@@ -20,10 +21,10 @@ use crate::runtime::decoder::{CacheHints, DecoderLayout};
 fn open_session(
     rt: &OnnxRuntime,
     name: &str,
-    bytes: &[u8],
+    model: ModelData<'_>,
     options: &SessionOptions,
 ) -> Result<(Session, Option<Allocator>), String> {
-    let session = build_session(rt, bytes, options).map_err(|e| format!("model `{name}`: {e}"))?;
+    let session = build_session(rt, model, options).map_err(|e| format!("model `{name}`: {e}"))?;
     let allocator = arena_allocator(&session, options);
     Ok((session, allocator))
 }
@@ -69,16 +70,16 @@ fn arena_of(options: &SessionOptions) -> String {
 }
 
 impl OrtBackend {
-    /// Build sessions for every `(name, bytes)` under `options`.
+    /// Build sessions for every `(name, model)` under `options`.
     pub fn load(
         rt: &'static OnnxRuntime,
-        models: &[(String, &[u8])],
+        models: &[(String, ModelData<'_>)],
         options: &SessionOptions,
     ) -> Result<OrtBackend, String> {
         let mut sessions = HashMap::new();
         let mut decoders = HashMap::new();
-        for (name, bytes) in models {
-            let opened = open_session(rt, name, bytes, options)?;
+        for (name, model) in models {
+            let opened = open_session(rt, name, *model, options)?;
             if let Some(layout) = decoder_of(&opened.0) {
                 decoders.insert(name.clone(), layout);
             }
@@ -220,8 +221,8 @@ impl seam::Generations for OrtBackend {
 }
 
 impl Residency for OrtBackend {
-    fn load_model(&mut self, name: &str, bytes: &[u8]) -> Result<(), String> {
-        let session = open_session(self.rt, name, bytes, &self.options)?;
+    fn load_model(&mut self, name: &str, model: ModelData<'_>) -> Result<(), String> {
+        let session = open_session(self.rt, name, model, &self.options)?;
         self.generations.forget(name);
         match decoder_of(&session.0) {
             Some(layout) => self.decoders.insert(name.to_string(), layout),
@@ -339,7 +340,7 @@ mod tests {
     fn inputs_run_in_place_or_decoded_give_the_answer_of_owned_ones() {
         let rt = super::super::runtime(None).expect("ONNX Runtime loads");
         let options = SessionOptions::quiet_cpu();
-        let model = [("encoder".to_string(), BuiltinModel::Encoder.bytes())];
+        let model = [("encoder".to_string(), BuiltinModel::Encoder.data())];
         let mut backend = OrtBackend::load(rt, &model, &options).unwrap();
         let values: Vec<f32> = (0..16 * 64).map(|i| (i % 11) as f32 * 0.1 - 0.5).collect();
         let owned = Tensor {
@@ -378,8 +379,8 @@ mod tests {
         let rt = super::super::runtime(None).expect("ONNX Runtime loads");
         let options = SessionOptions::quiet_cpu();
         let models = [
-            ("encoder".to_string(), BuiltinModel::Encoder.bytes()),
-            ("classifier".to_string(), BuiltinModel::Classifier.bytes()),
+            ("encoder".to_string(), BuiltinModel::Encoder.data()),
+            ("classifier".to_string(), BuiltinModel::Classifier.data()),
         ];
         let mut backend = OrtBackend::load(rt, &models, &options).unwrap();
         let reserved = |s: Option<arena::ArenaStats>| s.expect("CPU sessions have arenas").reserved_bytes;

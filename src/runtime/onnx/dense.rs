@@ -143,7 +143,7 @@ mod tests {
             quiet: false,
         };
         let model = Dense { seed: 7, columns: 96 };
-        let mut session = build_session(rt, &model.to_onnx(), &options).expect("it loads");
+        let mut session = build_session(rt, &model.to_onnx()[..], &options).expect("it loads");
         let sig = signature(&session).unwrap();
         assert_eq!(sig.inputs.len(), 1);
         assert_eq!(

@@ -171,7 +171,7 @@ mod tests {
         let rt = runtime(None).expect("ONNX Runtime loads");
         let bytes = BuiltinModel::Classifier.bytes().to_vec();
         let tagged = with_metadata(bytes, &[("vramguard.cache_padding", "right".into()), ("k", "v".into())]);
-        let session = build_session(rt, &tagged, &SessionOptions::quiet_cpu()).unwrap();
+        let session = build_session(rt, tagged.as_slice(), &SessionOptions::quiet_cpu()).unwrap();
         let metadata = session.metadata().unwrap();
         assert_eq!(metadata.custom("vramguard.cache_padding").as_deref(), Some("right"));
         assert_eq!(metadata.custom("k").as_deref(), Some("v"));

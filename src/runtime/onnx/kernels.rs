@@ -300,7 +300,7 @@ impl Kernels {
         Ok(match self.sessions.entry(key) {
             Entry::Occupied(entry) => entry.into_mut(),
             Entry::Vacant(entry) => {
-                let session = build_session(self.rt, &key.graph(), &self.options)
+                let session = build_session(self.rt, &key.graph()[..], &self.options)
                     .map_err(|e| format!("cannot build the {:?} kernel: {e}", key.kind))?;
                 entry.insert(session)
             }

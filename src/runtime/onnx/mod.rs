@@ -4,6 +4,7 @@
 pub mod arena;
 mod backend;
 pub mod dense;
+mod external;
 pub mod facts;
 mod generations;
 pub mod kernels;
@@ -11,6 +12,7 @@ mod positions;
 mod proto;
 
 pub use backend::OrtBackend;
+pub use external::{ExternalData, external_data};
 
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, OnceLock};
@@ -23,6 +25,7 @@ use ort::value::{DynValue, TensorElementType, ValueType};
 
 use crate::config::{CudaOptions, Provider};
 use crate::core::backend::{AllocFailureKind, BackendError};
+use crate::core::model::ModelData;
 use crate::core::tensor::{DataType, Tensor, TensorData, TensorView, each_variant};
 
 /// The ONNX Runtime release `make` installs into the project.
@@ -335,9 +338,15 @@ impl SessionOptions {
     }
 }
 
-/// Build a session for `model` under `options`. CUDA registration failure is an error, never a
-/// silent fallback to the CPU provider.
-pub fn build_session(rt: &OnnxRuntime, model: &[u8], options: &SessionOptions) -> Result<Session, String> {
+/// Build a session for `model` under `options`, its external data read from its folder whatever
+/// the working directory (bytes alone, `&[u8]`, are a graph held only in memory). CUDA
+/// registration failure is an error, never a silent fallback to the CPU provider.
+pub fn build_session<'m>(
+    rt: &OnnxRuntime,
+    model: impl Into<ModelData<'m>>,
+    options: &SessionOptions,
+) -> Result<Session, String> {
+    let model = model.into();
     // The builder's error type carries the builder back; only its message matters here.
     fn msg<T>(e: ort::Error<T>) -> String {
         e.to_string()
@@ -372,10 +381,18 @@ pub fn build_session(rt: &OnnxRuntime, model: &[u8], options: &SessionOptions) -
             .map_err(|e| format!("CUDA execution provider unavailable: {e}"))?,
         Provider::Remote(_) => return Err("a remote pool runs its models on the remote server".into()),
     };
+    // A graph built from bytes has no path of its own: ONNX Runtime would look for its external
+    // data in the working directory, and refuse it there.
+    if let Some(folder) = model.folder {
+        let folder = folder
+            .to_str()
+            .ok_or_else(|| format!("the model's folder {} is not valid UTF-8", folder.display()))?;
+        builder = builder.with_config_entry(external::FOLDER_ENTRY, folder).map_err(msg)?;
+    }
     // A decoder that rotates by slot is given its rows' positions (see `positions.rs`).
-    let rewritten = positions::with_position_ids(model);
+    let rewritten = positions::with_position_ids(model.graph);
     builder
-        .commit_from_memory(rewritten.as_deref().unwrap_or(model))
+        .commit_from_memory(rewritten.as_deref().unwrap_or(model.graph))
         .map_err(msg)
 }
 

@@ -153,6 +153,8 @@ fn keep_or_carry(pool: &Arc<Pool>, request: &Request, cache: Vec<Tensor>) -> Cac
 mod tests {
     use std::sync::atomic::{AtomicUsize, Ordering};
 
+    use crate::core::model::ModelData;
+
     use super::*;
     use crate::config::{ModelConfig, PoolConfig};
     use crate::core::backend::{
@@ -173,6 +175,7 @@ mod tests {
     /// middle of a generation. It counts the prompts it runs.
     struct Forgetting {
         inner: Box<dyn Backend>,
+        /// The models' graphs (builtin ones, all inline), to load them again.
         models: Vec<(String, Vec<u8>)>,
         steps: usize,
         forget_at: Option<usize>,
@@ -233,7 +236,8 @@ mod tests {
                 if Some(self.steps) == self.forget_at {
                     for (name, bytes) in &self.models {
                         let sessions = self.inner.loader(name).expect("ONNX Runtime backends hold sessions");
-                        sessions.load_model(name, bytes).expect("the model loads again");
+                        let model = crate::core::model::ModelData::inline(bytes);
+                        sessions.load_model(name, model).expect("the model loads again");
                     }
                 }
             }
@@ -253,18 +257,23 @@ mod tests {
             self.ort.runtime_version()
         }
 
-        fn signature(&self, model: &ModelConfig, bytes: &[u8]) -> Result<ModelSignature, String> {
-            self.ort.signature(model, bytes)
+        fn signature(&self, model: &ModelConfig, data: ModelData<'_>) -> Result<ModelSignature, String> {
+            self.ort.signature(model, data)
         }
 
-        fn measure_profile(&self, model: &ModelConfig, bytes: &[u8], signature: &ModelSignature) -> MemoryProfile {
-            self.ort.measure_profile(model, bytes, signature)
+        fn measure_profile(
+            &self,
+            model: &ModelConfig,
+            data: ModelData<'_>,
+            signature: &ModelSignature,
+        ) -> MemoryProfile {
+            self.ort.measure_profile(model, data, signature)
         }
 
-        fn backend(&self, pool: &PoolConfig, models: &[(String, &[u8])]) -> Result<Box<dyn Backend>, String> {
+        fn backend(&self, pool: &PoolConfig, models: &[(String, ModelData<'_>)]) -> Result<Box<dyn Backend>, String> {
             Ok(Box::new(Forgetting {
                 inner: self.ort.backend(pool, models)?,
-                models: models.iter().map(|(n, b)| (n.clone(), b.to_vec())).collect(),
+                models: models.iter().map(|(n, m)| (n.clone(), m.graph.to_vec())).collect(),
                 steps: 0,
                 forget_at: self.forget_at,
                 prompts: Arc::clone(&self.prompts),

@@ -5,6 +5,7 @@ use std::sync::Arc;
 
 use crate::config::{ModelConfig, PoolConfig};
 use crate::core::backend::Backend;
+use crate::core::model::ModelData;
 use crate::runtime::estimate::MemoryProfile;
 use crate::runtime::onnx::ModelSignature;
 
@@ -13,12 +14,12 @@ pub trait BackendFactory: Send + Sync {
     /// The runtime's version, for `/v2` and `vramguard_build_info`.
     fn runtime_version(&self) -> String;
     /// Read a model's inputs and outputs.
-    fn signature(&self, model: &ModelConfig, bytes: &[u8]) -> Result<ModelSignature, String>;
+    fn signature(&self, model: &ModelConfig, data: ModelData<'_>) -> Result<ModelSignature, String>;
     /// Measure what the model's runs need (called only when the config gives no profile).
-    fn measure_profile(&self, model: &ModelConfig, bytes: &[u8], signature: &ModelSignature) -> MemoryProfile;
-    /// Build one worker's backend for `pool`, holding `models` (name and bytes). An error makes
-    /// the pool unavailable with that reason; it never falls back to another provider.
-    fn backend(&self, pool: &PoolConfig, models: &[(String, &[u8])]) -> Result<Box<dyn Backend>, String>;
+    fn measure_profile(&self, model: &ModelConfig, data: ModelData<'_>, signature: &ModelSignature) -> MemoryProfile;
+    /// Build one worker's backend for `pool`, holding `models` (name, graph and folder). An
+    /// error makes the pool unavailable with that reason; it never falls back to another provider.
+    fn backend(&self, pool: &PoolConfig, models: &[(String, ModelData<'_>)]) -> Result<Box<dyn Backend>, String>;
     /// The worker processes of a process-isolated pool, once its first backend started one.
     fn worker_host(&self, pool: &str) -> Option<Arc<crate::pool::process::WorkerHost>> {
         let _ = pool;

@@ -38,7 +38,7 @@ use crate::telemetry::services::ServicesCollector;
 
 pub use crate::serve::metrics::UNKNOWN_MODEL;
 pub use factory::BackendFactory;
-pub use models::{ModelBytes, ModelEntry};
+pub use models::ModelEntry;
 pub use onnxruntime::OrtFactory;
 pub use parts::Parts;
 pub use rooms::{Eviction, Rooms};

@@ -1,12 +1,10 @@
 //! The models a service serves: each one's bytes, signature, memory profile, decoder layout,
 //! tokenizer and chat template, read and checked against its config before any port is bound.
 
-use std::borrow::Cow;
-use std::path::Path;
 use std::sync::Arc;
 
 use crate::config::{Config, ConfigError, ModelConfig, TokenizerSource};
-use crate::core::model::ModelSource;
+use crate::core::model::{ModelBytes, ModelData};
 use crate::core::snapshot::Estimate;
 use crate::core::tensor::Tensor;
 use crate::runtime::decoder::{CacheHints, DecoderLayout};
@@ -32,7 +30,8 @@ pub struct ModelEntry {
     pub learned: Arc<Learned>,
     /// Its answered requests, for Triton's statistics extension.
     pub stats: Arc<InferenceStats>,
-    /// The ONNX bytes, read once and shared by every pool's sessions.
+    /// The ONNX bytes and the folder of their external data, read once and shared by every
+    /// pool's sessions.
     pub bytes: ModelBytes,
     /// Its KV-cache layout, when it is a decoder with past key values.
     pub decoder: Option<DecoderLayout>,
@@ -44,30 +43,6 @@ pub struct ModelEntry {
     /// `generation_config.json`, `config.json`, `genai_config.json`), beside the end tokens its
     /// tokenizer has by name.
     pub eos: Vec<u32>,
-}
-
-/// A model's serialized bytes (borrowed for builtin models), shared by every pool's workers and
-/// kept for rebuilding a worker's backend; `Debug` shows only the size.
-#[derive(Clone)]
-pub struct ModelBytes(Arc<std::borrow::Cow<'static, [u8]>>);
-
-impl ModelBytes {
-    /// The bytes.
-    pub fn as_slice(&self) -> &[u8] {
-        &self.0
-    }
-}
-
-impl AsRef<[u8]> for ModelBytes {
-    fn as_ref(&self) -> &[u8] {
-        &self.0
-    }
-}
-
-impl std::fmt::Debug for ModelBytes {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "ModelBytes({} bytes)", self.0.len())
-    }
 }
 
 impl ModelEntry {
@@ -150,34 +125,42 @@ pub(super) fn load_models(backends: &dyn BackendFactory, config: &Config) -> Res
 
 /// A model's bytes carrying the [`CacheHints`] its graph and its `folder` give (unchanged when
 /// they say nothing the signature does not), and those hints.
-fn with_cache_hints(
-    bytes: Cow<'static, [u8]>,
-    folder: &ModelFolder,
-) -> Result<(Cow<'static, [u8]>, CacheHints), String> {
-    let hints = facts::cache_hints(&bytes, folder)?;
+fn with_cache_hints(bytes: ModelBytes, folder: &ModelFolder) -> Result<(ModelBytes, CacheHints), String> {
+    let hints = facts::cache_hints(bytes.data().graph, folder)?;
     if hints == CacheHints::default() {
         return Ok((bytes, hints));
     }
-    Ok((
-        Cow::Owned(facts::with_metadata(bytes.into_owned(), &hints.to_metadata())),
-        hints,
-    ))
+    let graph = facts::with_metadata(bytes.data().graph.to_vec(), &hints.to_metadata());
+    Ok((bytes.with_graph(graph), hints))
 }
 
 /// A model that failed to load: the key under its `models[]` entry that is wrong, and why.
 type Invalid = (&'static str, String);
 
-/// Read model `m` and check it against its config.
+/// Read model `m` (its graph, and the external data files it names, each checked) and check it
+/// against its config.
 fn load_model(backends: &dyn BackendFactory, m: &ModelConfig) -> Result<ModelEntry, Invalid> {
     let bytes = crate::core::model::load_bytes(&m.source).map_err(|e| ("path", e))?;
-    let folder = match &m.source {
-        ModelSource::File(path) => ModelFolder::read(path.parent().unwrap_or(Path::new("."))),
-        ModelSource::Builtin(_) => Ok(ModelFolder::default()),
+    let folder = match bytes.data().folder {
+        Some(folder) => ModelFolder::read(folder),
+        None => Ok(ModelFolder::default()),
     }
     .map_err(|e| ("path", e))?;
     let (bytes, hints) = with_cache_hints(bytes, &folder).map_err(|e| ("path", format!("`{}`: {e}", m.source)))?;
+    let external = crate::runtime::onnx::external_data(bytes.data().graph, bytes.data().folder)
+        .map_err(|e| ("path", format!("`{}`: {e}", m.source)))?;
+    if !external.files.is_empty() {
+        tracing::info!(
+            model = %m.name,
+            files = ?external.files,
+            bytes = %crate::core::human::human_bytes(external.bytes),
+            "external data"
+        );
+    }
+    let bytes = bytes.with_external_bytes(external.bytes);
+    let data = bytes.data();
     let signature = backends
-        .signature(m, &bytes)
+        .signature(m, data)
         .map_err(|e| ("path", format!("`{}` cannot be served: {e}", m.source)))?;
     check_context(m, &signature)?;
     let decoder = crate::runtime::decoder::DecoderLayout::detect(&signature, &hints)
@@ -189,7 +172,7 @@ fn load_model(backends: &dyn BackendFactory, m: &ModelConfig) -> Result<ModelEnt
             "a decoder's context is its attention mask, read from the graph; remove `context`".to_string(),
         ));
     }
-    let profile = profile_of(backends, m, &bytes, &signature, decoder);
+    let profile = profile_of(backends, m, data, &signature, decoder);
     let tokenizer = tokenizer_of(m, decoder)?;
     let chat = chat_template(m).map_err(|e| ("chat_template", e))?;
     Ok(ModelEntry {
@@ -198,7 +181,7 @@ fn load_model(backends: &dyn BackendFactory, m: &ModelConfig) -> Result<ModelEnt
         learned: Arc::new(Learned::new(&profile)),
         stats: Arc::default(),
         profile,
-        bytes: ModelBytes(Arc::new(bytes)),
+        bytes,
         decoder,
         tokenizer,
         chat,
@@ -251,13 +234,13 @@ fn check_context(m: &ModelConfig, signature: &ModelSignature) -> Result<(), Inva
 fn profile_of(
     backends: &dyn BackendFactory,
     m: &ModelConfig,
-    bytes: &[u8],
+    data: ModelData<'_>,
     signature: &ModelSignature,
     decoder: Option<DecoderLayout>,
 ) -> MemoryProfile {
     let profile = match (&m.profile, decoder) {
         (None, Some(layout)) => MemoryProfile::per_token(
-            bytes.len() as u64,
+            data.stored_bytes(),
             // The cache for every position, and the logits of a prompt's positions.
             (layout.kv_bytes_per_token() + layout.logits_bytes_per_token()) as f64,
             ProfileSource::KvCache {
@@ -268,8 +251,8 @@ fn profile_of(
             },
         ),
         _ => match &m.profile {
-            Some(p) => MemoryProfile::configured(p, bytes.len() as u64, m.context.as_ref(), signature),
-            None => backends.measure_profile(m, bytes, signature),
+            Some(p) => MemoryProfile::configured(p, data.stored_bytes(), m.context.as_ref(), signature),
+            None => backends.measure_profile(m, data, signature),
         },
     };
     match &profile.source {

@@ -8,6 +8,7 @@ use std::sync::{Arc, Mutex};
 
 use crate::config::{Config, DeviceKind, Isolation, ModelConfig, PoolConfig, Provider};
 use crate::core::backend::Backend;
+use crate::core::model::ModelData;
 use crate::device::faults::FaultInjecting;
 use crate::device::simulated::SimulatedDevice;
 use crate::pool::process::{ProcessBackend, WorkerHost, WorkerSpec};
@@ -107,7 +108,7 @@ impl OrtFactory {
 
     /// A CPU session: signatures and profiles are read on the CPU, so they are known even when
     /// every accelerator pool is unavailable.
-    fn probe(&self, bytes: &[u8], quiet: bool) -> Result<ort::session::Session, String> {
+    fn probe(&self, data: ModelData<'_>, quiet: bool) -> Result<ort::session::Session, String> {
         let options = SessionOptions {
             provider: Provider::Cpu,
             device_index: 0,
@@ -115,7 +116,7 @@ impl OrtFactory {
             arena_shrinkage: false,
             quiet,
         };
-        onnx::build_session(self.rt, bytes, &options).map_err(|e| format!("ONNX Runtime cannot load it: {e}"))
+        onnx::build_session(self.rt, data, &options).map_err(|e| format!("ONNX Runtime cannot load it: {e}"))
     }
 }
 
@@ -128,14 +129,14 @@ impl BackendFactory for OrtFactory {
         self.hosts.lock().unwrap_or_else(|e| e.into_inner()).get(pool).cloned()
     }
 
-    fn signature(&self, _model: &ModelConfig, bytes: &[u8]) -> Result<ModelSignature, String> {
-        onnx::signature(&self.probe(bytes, false)?)
+    fn signature(&self, _model: &ModelConfig, data: ModelData<'_>) -> Result<ModelSignature, String> {
+        onnx::signature(&self.probe(data, false)?)
     }
 
-    fn measure_profile(&self, model: &ModelConfig, bytes: &[u8], signature: &ModelSignature) -> MemoryProfile {
+    fn measure_profile(&self, model: &ModelConfig, data: ModelData<'_>, signature: &ModelSignature) -> MemoryProfile {
         // Each measuring session is a fresh CPU session with its own arena, read through it.
         let mut open = || -> Result<(ort::session::Session, ort::memory::Allocator), String> {
-            let session = self.probe(bytes, true)?;
+            let session = self.probe(data, true)?;
             let info = ort::memory::MemoryInfo::new(
                 ort::memory::AllocationDevice::CPU,
                 0,
@@ -146,10 +147,10 @@ impl BackendFactory for OrtFactory {
             let allocator = ort::memory::Allocator::new(&session, info).map_err(|e| e.to_string())?;
             Ok((session, allocator))
         };
-        estimate::measure(&mut open, signature, model.context.as_ref(), bytes.len() as u64)
+        estimate::measure(&mut open, signature, model.context.as_ref(), data.stored_bytes())
     }
 
-    fn backend(&self, pool: &PoolConfig, models: &[(String, &[u8])]) -> Result<Box<dyn Backend>, String> {
+    fn backend(&self, pool: &PoolConfig, models: &[(String, ModelData<'_>)]) -> Result<Box<dyn Backend>, String> {
         let mut device_index = 0;
         if let Provider::Cuda(_) = &pool.provider
             && let Some((_, index)) = self.nvidia.iter().find(|(name, _)| *name == pool.device)

@@ -10,7 +10,8 @@ use crate::pool::remote::RemoteBackend;
 use crate::pool::{ModelSetup, Pool, PoolContext, Respawn};
 use crate::serve::metrics::Metrics;
 
-use super::{BackendFactory, ModelBytes, ModelEntry};
+use super::{BackendFactory, ModelEntry};
+use crate::core::model::{ModelBytes, ModelData};
 
 /// Start `pool` with one backend per worker. The same factory rebuilds a worker's backend after
 /// a panic, from the same model bytes.
@@ -44,7 +45,7 @@ pub(super) fn start_pool(
             let backends = Arc::clone(backends);
             let pool = pool.clone();
             Arc::new(move || {
-                let borrowed: Vec<(String, &[u8])> = owned.iter().map(|(n, b)| (n.clone(), b.as_slice())).collect();
+                let borrowed: Vec<(String, ModelData<'_>)> = owned.iter().map(|(n, b)| (n.clone(), b.data())).collect();
                 backends.backend(&pool, &borrowed)
             })
         }
@@ -95,7 +96,7 @@ pub(super) fn model_setups(metrics: &Metrics, models: &[ModelEntry], pool: &Pool
             weights_bytes: super::observe::weights_for(pool, m),
             generates: m.config.tokenizer.is_some(),
             probe: m.probe_inputs().ok().map(Arc::new),
-            bytes: Arc::new(m.bytes.clone()),
+            bytes: m.bytes.clone(),
             metrics: metrics.residency.handles(&m.config.name, &pool.name),
         })
         .collect()

@@ -4,7 +4,7 @@
 
 use super::super::{OrtBackend, SessionOptions, runtime};
 use crate::core::backend::{DecodeRow, DecodeStep, Generations, RunMeta};
-use crate::core::model::BuiltinModel;
+use crate::core::model::{BuiltinModel, ModelData};
 use crate::core::tensor::TensorData;
 use crate::runtime::decoder::{DecoderLayout, step_inputs};
 
@@ -48,7 +48,7 @@ fn rows(logits: &crate::core::tensor::Tensor) -> Vec<Vec<f32>> {
 #[test]
 fn a_batch_whose_rows_join_skip_and_leave_gives_each_row_its_reference_tokens() {
     let rt = runtime(None).expect("ONNX Runtime loads");
-    let model = [("lm".to_string(), BuiltinModel::Decoder.bytes())];
+    let model = [("lm".to_string(), BuiltinModel::Decoder.data())];
     let mut backend = OrtBackend::load(rt, &model, &SessionOptions::quiet_cpu()).unwrap();
     let signature = super::super::signature(&backend.sessions["lm"].0).unwrap();
     let layout = DecoderLayout::detect(&signature, &Default::default()).unwrap().unwrap();
@@ -128,7 +128,7 @@ fn a_batch_whose_rows_join_skip_and_leave_gives_each_row_its_reference_tokens() 
 #[test]
 fn the_bytes_of_masked_slots_are_reported_and_trimmed_when_rows_leave() {
     let rt = runtime(None).expect("ONNX Runtime loads");
-    let model = [("lm".to_string(), BuiltinModel::Decoder.bytes())];
+    let model = [("lm".to_string(), BuiltinModel::Decoder.data())];
     let mut backend = OrtBackend::load(rt, &model, &SessionOptions::quiet_cpu()).unwrap();
     let layout = backend.decoders["lm"];
     let per_slot = layout.kv_bytes_per_token();
@@ -163,7 +163,7 @@ fn the_bytes_of_masked_slots_are_reported_and_trimmed_when_rows_leave() {
 #[test]
 fn prompts_prefilled_together_give_each_its_reference_tokens() {
     let rt = runtime(None).expect("ONNX Runtime loads");
-    let model = [("lm".to_string(), BuiltinModel::Decoder.bytes())];
+    let model = [("lm".to_string(), BuiltinModel::Decoder.data())];
     let mut backend = OrtBackend::load(rt, &model, &SessionOptions::quiet_cpu()).unwrap();
     let layout = backend.decoders["lm"];
     let cases = cases();
@@ -213,8 +213,32 @@ fn a_decoder_without_position_ids_gives_batched_rows_their_logits_alone() {
     let rt = runtime(None).expect("ONNX Runtime loads");
     let path = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/gemma_optimum.onnx");
     let bytes = std::fs::read(path).unwrap();
-    let model = [("g".to_string(), bytes.as_slice())];
+    let model = [("g".to_string(), ModelData::inline(&bytes))];
     let backend = OrtBackend::load(rt, &model, &SessionOptions::quiet_cpu()).unwrap();
+    batched_rows_get_their_logits_alone(backend);
+}
+
+/// ONNX Runtime GenAI's build (`GroupQueryAttention`, a dynamic head size) pads its batch on
+/// the right: rows that join, skip a step and outlive a row that leaves get their logits alone.
+#[test]
+fn a_group_query_attention_decoder_gives_batched_rows_their_logits_alone() {
+    let rt = runtime(None).expect("ONNX Runtime loads");
+    let dir = std::path::Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/models/real/llama-genai"));
+    let bytes = std::fs::read(dir.join("model.onnx")).unwrap();
+    let folder = crate::runtime::folder::ModelFolder::read(dir).unwrap();
+    let hints = crate::runtime::onnx::facts::cache_hints(&bytes, &folder).unwrap();
+    assert_eq!(
+        (hints.padding, hints.head_size),
+        (crate::runtime::decoder::Padding::Right, Some(16))
+    );
+    let graph = crate::runtime::onnx::facts::with_metadata(bytes, &hints.to_metadata());
+    let data = ModelData {
+        graph: &graph,
+        folder: Some(dir),
+        external_bytes: 0,
+    };
+    let backend = OrtBackend::load(rt, &[("g".to_string(), data)], &SessionOptions::quiet_cpu()).unwrap();
+    assert_eq!(backend.decoders["g"].padding, crate::runtime::decoder::Padding::Right);
     batched_rows_get_their_logits_alone(backend);
 }
 
