@@ -22,7 +22,7 @@ SYSTEMD_EXPOSURE_MAX := 20
 
 PREFIX      ?= /usr/local
 
-.PHONY: run test install deps tools systemd-tools build release check-fmt clippy unit policy-tests model-check client-compat tour alert-tests dashboard-check systemd-check k8s-check drill bench bench-tools clean-deps
+.PHONY: run test install deps tools systemd-tools build release check-fmt clippy unit policy-tests model-check client-compat tour alert-tests dashboard-check systemd-check k8s-check drill bench bench-tools fixtures clean-deps
 
 run: deps release
 	./target/release/vramguard serve $(ARGS)
@@ -184,6 +184,26 @@ systemd-check: systemd-tools build
 # naming any failed criterion; the full record is kept in target/drill.json.
 drill: build
 	./target/debug/vramguard drill --quick --json target/drill.json
+
+# `make fixtures` (not part of `make test`): models/real/, tiny LLMs of five architectures made
+# with the real exporters (Hugging Face Optimum and ONNX Runtime GenAI's builder) and their
+# references from `transformers` (models/README.md). The two exporters need separate Python
+# environments, each with torch (several GB): they are created under .deps/ from the pinned
+# requirements when missing, or taken from FIXTURE_PYTHON_OPTIMUM / FIXTURE_PYTHON_GENAI.
+FIXTURE_PYTHON_OPTIMUM ?= .deps/fixtures-venv-optimum/bin/python
+FIXTURE_PYTHON_GENAI   ?= .deps/fixtures-venv-genai/bin/python
+
+.deps/fixtures-venv-%/.installed: models/real/requirements-%.txt
+	rm -rf .deps/fixtures-venv-$*
+	$(PYTHON) -m venv .deps/fixtures-venv-$*
+	.deps/fixtures-venv-$*/bin/pip install --quiet --disable-pip-version-check -r $<
+	@touch $@
+
+fixtures:
+	@test -x "$(FIXTURE_PYTHON_OPTIMUM)" || $(MAKE) .deps/fixtures-venv-optimum/.installed
+	@test -x "$(FIXTURE_PYTHON_GENAI)" || $(MAKE) .deps/fixtures-venv-genai/.installed
+	FIXTURE_PYTHON_OPTIMUM=$(FIXTURE_PYTHON_OPTIMUM) FIXTURE_PYTHON_GENAI=$(FIXTURE_PYTHON_GENAI) \
+		$(PYTHON) models/real/make.py
 
 # The overhead and generation benches drive the real `vramguard serve` from a separate process, as
 # users' clients do: wrk (Debian package `wrk`) is that load generator. Not part of `make test`.
