@@ -19,13 +19,14 @@ plus `llama-optimum-extdata` (the Llama Optimum export re-saved with its weights
 template (models/real/templates/, see models/README.md).
 
 models/real/reference.json holds, for every folder, the greedy continuations of PROMPTS by
-`transformers`' own `generate` on the same weights (MAX_NEW tokens each, EOS ignored: the script
-fails if one is picked), the smallest top-2 logit margin along them, whether `transformers`'
-batched rows (left-padded, as it pads) equal each prompt alone, and the chat templates' renders
-by `apply_chat_template` with their token ids. The script checks, and fails loudly otherwise:
-ONNX Runtime (Python) greedy on each Optimum export gives `transformers`' tokens, and GenAI's own
-generator gives them on each fp32 GenAI build. The int4 build's reference is GenAI's generator
-(quantized weights cannot give `transformers`' logits).
+`transformers`' own `generate` on the same weights (MAX_NEW tokens each; EOS is never among
+them: `generate` is kept from it, and the ONNX checks below, which are not, would then differ),
+the smallest top-2 logit margin along them, whether `transformers`' batched rows (left-padded,
+as it pads) equal each prompt alone, and the chat templates' renders by `apply_chat_template`
+with their token ids. The script checks, and fails loudly otherwise: ONNX Runtime (Python)
+greedy on each Optimum export gives `transformers`' tokens, and GenAI's own generator gives them
+on each fp32 GenAI build. The int4 build's reference is GenAI's generator (quantized weights
+cannot give `transformers`' logits).
 
 The two exporters cannot share one environment (optimum-onnx 0.1.0 needs transformers < 4.58,
 onnxruntime-genai 0.18's builder needs transformers 5.x), so this file runs as an orchestrator
@@ -229,8 +230,6 @@ def greedy(m, ids):
 
 
 def batched(m, fast, prompts):
-    import torch
-
     enc = fast(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
     out = m.generate(**enc, max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW, do_sample=False)
     return [row[enc.input_ids.shape[1]:].tolist() for row in out]
@@ -278,7 +277,7 @@ def ort_greedy(folder, ids, layout):
     return new
 
 
-def export_optimum(family, hf, out):
+def export_optimum(hf, out):
     from optimum.exporters.onnx import main_export
 
     shutil.rmtree(out, ignore_errors=True)
@@ -339,7 +338,7 @@ def stage_hf():
         if min(margins) < MIN_MARGIN:
             fail(f"{family}: a greedy choice is {min(margins):.4f} from a tie (< {MIN_MARGIN})")
         out = os.path.join(HERE, f"{family}-optimum")
-        export_optimum(family, hf, out)
+        export_optimum(hf, out)
         for c in cases:
             got = ort_greedy(out, c["prompt_ids"], layout)
             if got != c["ids"]:

@@ -123,6 +123,7 @@ impl ChatTemplate {
             },
         );
         env.add_function("strftime_now", strftime_now);
+        env.add_filter("tojson", tojson);
         let compile = |env: &mut Environment<'static>, name: &'static str, source: String| {
             env.add_template_owned(name, source)
                 .map_err(|e| format!("`{origin}`: the chat template does not compile: {e:#}"))
@@ -192,6 +193,97 @@ fn strftime_now(format: String) -> Result<String, minijinja::Error> {
         let mut buf = [0u8; 256];
         let n = libc::strftime(buf.as_mut_ptr().cast(), buf.len(), format.as_ptr(), &tm);
         Ok(String::from_utf8_lossy(&buf[..n]).into_owned())
+    }
+}
+
+/// `tojson` as `transformers` gives it to templates: Python's `json.dumps(value, indent=…)`, keys
+/// in their order and nothing escaped for HTML (minijinja's own writes `'` as `\u0027` and no
+/// spaces), so a tool's schema reads as the model saw it in training.
+fn tojson(value: &minijinja::Value, kwargs: minijinja::value::Kwargs) -> Result<minijinja::Value, minijinja::Error> {
+    let indent: Option<usize> = kwargs.get("indent")?;
+    kwargs.assert_all_used()?;
+    let mut out = Vec::new();
+    let formatter = PythonJson {
+        indent: indent.map(|n| vec![b' '; n]),
+        level: 0,
+        has_value: false,
+    };
+    serde::Serialize::serialize(value, &mut serde_json::Serializer::with_formatter(&mut out, formatter))
+        .map_err(|e| minijinja::Error::new(ErrorKind::InvalidOperation, format!("tojson: {e}")))?;
+    let text = String::from_utf8(out).expect("serde_json writes UTF-8");
+    Ok(minijinja::Value::from_safe_string(text))
+}
+
+/// The layout of Python's `json.dumps`: `", "` and `": "` between items on one line, or with
+/// `indent`, each item on its own line after `","`.
+struct PythonJson {
+    indent: Option<Vec<u8>>,
+    level: usize,
+    has_value: bool,
+}
+
+impl PythonJson {
+    fn open<W: ?Sized + std::io::Write>(&mut self, w: &mut W, bracket: &[u8]) -> std::io::Result<()> {
+        self.level += 1;
+        self.has_value = false;
+        w.write_all(bracket)
+    }
+
+    fn close<W: ?Sized + std::io::Write>(&mut self, w: &mut W, bracket: &[u8]) -> std::io::Result<()> {
+        self.level -= 1;
+        if self.has_value {
+            self.newline(w)?;
+        }
+        w.write_all(bracket)
+    }
+
+    fn item<W: ?Sized + std::io::Write>(&mut self, w: &mut W, first: bool) -> std::io::Result<()> {
+        if !first {
+            w.write_all(if self.indent.is_some() { b"," } else { b", " })?;
+        }
+        self.newline(w)
+    }
+
+    fn newline<W: ?Sized + std::io::Write>(&self, w: &mut W) -> std::io::Result<()> {
+        if let Some(indent) = &self.indent {
+            w.write_all(b"\n")?;
+            for _ in 0..self.level {
+                w.write_all(indent)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+impl serde_json::ser::Formatter for PythonJson {
+    fn begin_array<W: ?Sized + std::io::Write>(&mut self, w: &mut W) -> std::io::Result<()> {
+        self.open(w, b"[")
+    }
+    fn end_array<W: ?Sized + std::io::Write>(&mut self, w: &mut W) -> std::io::Result<()> {
+        self.close(w, b"]")
+    }
+    fn begin_array_value<W: ?Sized + std::io::Write>(&mut self, w: &mut W, first: bool) -> std::io::Result<()> {
+        self.item(w, first)
+    }
+    fn end_array_value<W: ?Sized + std::io::Write>(&mut self, _: &mut W) -> std::io::Result<()> {
+        self.has_value = true;
+        Ok(())
+    }
+    fn begin_object<W: ?Sized + std::io::Write>(&mut self, w: &mut W) -> std::io::Result<()> {
+        self.open(w, b"{")
+    }
+    fn end_object<W: ?Sized + std::io::Write>(&mut self, w: &mut W) -> std::io::Result<()> {
+        self.close(w, b"}")
+    }
+    fn begin_object_key<W: ?Sized + std::io::Write>(&mut self, w: &mut W, first: bool) -> std::io::Result<()> {
+        self.item(w, first)
+    }
+    fn begin_object_value<W: ?Sized + std::io::Write>(&mut self, w: &mut W) -> std::io::Result<()> {
+        w.write_all(b": ")
+    }
+    fn end_object_value<W: ?Sized + std::io::Write>(&mut self, _: &mut W) -> std::io::Result<()> {
+        self.has_value = true;
+        Ok(())
     }
 }
 
@@ -400,10 +492,13 @@ mod tests {
             prompt.starts_with("<|im_start|>system\nYou may call one or more functions"),
             "{prompt}"
         );
-        assert!(prompt.contains("<tools>\n{\"function\":"), "{prompt}");
+        assert!(
+            prompt.contains("<tools>\n{\"type\": \"function\", \"function\": {\"name\":"),
+            "{prompt}"
+        );
         assert!(
             prompt.contains(
-                "<|im_start|>assistant\n<tool_call>\n{\"name\": \"get_free_vram\", \"arguments\": {\"gpu\":0}}\n</tool_call><|im_end|>\n"
+                "<|im_start|>assistant\n<tool_call>\n{\"name\": \"get_free_vram\", \"arguments\": {\"gpu\": 0}}\n</tool_call><|im_end|>\n"
             ),
             "{prompt}"
         );
@@ -430,6 +525,28 @@ mod tests {
         let refused = template_messages(&[json!({"role": "system", "content": "x"})]).unwrap();
         assert_eq!(template.render(&refused, None).unwrap_err(), "no system role");
         assert!(ChatTemplate::from_tokenizer_config("{}", "t").unwrap().is_none());
+    }
+
+    #[test]
+    fn tojson_writes_what_pythons_json_dumps_writes() {
+        let config =
+            json!({"chat_template": "{{ tools[0]|tojson }}|{{ tools[0]|tojson(indent=2) }}|{{ []|tojson(indent=2) }}"});
+        let template = ChatTemplate::from_tokenizer_config(&config.to_string(), "t")
+            .unwrap()
+            .unwrap();
+        // Keys in the request's order, `'` and `<` as they are, Python's separators.
+        let tool = json!({"type": "function", "function": {"name": "f", "description": "it's <b>", "parameters": {"b": [1, 2.5], "a": {}}}});
+        let text = template.render(&[], Some(&[tool])).unwrap();
+        assert_eq!(
+            text,
+            "{\"type\": \"function\", \"function\": {\"name\": \"f\", \"description\": \"it's <b>\", \"parameters\": {\"b\": [1, 2.5], \"a\": {}}}}|\
+             {\n  \"type\": \"function\",\n  \"function\": {\n    \"name\": \"f\",\n    \"description\": \"it's <b>\",\n    \"parameters\": {\n      \"b\": [\n        1,\n        2.5\n      ],\n      \"a\": {}\n    }\n  }\n}|[]"
+        );
+        let config = json!({"chat_template": "{{ messages|tojson(sort_keys=true) }}"});
+        let template = ChatTemplate::from_tokenizer_config(&config.to_string(), "t")
+            .unwrap()
+            .unwrap();
+        assert!(template.render(&[], None).is_err());
     }
 
     #[test]

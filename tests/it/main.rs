@@ -30,6 +30,7 @@ mod picker;
 mod placement;
 mod policy;
 mod prometheus;
+mod real_models;
 mod remote;
 mod residency;
 mod simulated;

@@ -85,11 +85,13 @@ pub(super) fn prepare<'a>(
         entry,
         layout,
         tokenizer,
-        eos: END_TOKENS
-            .iter()
-            .filter_map(|t| tokenizer.token_to_id(t))
-            .chain(entry.eos.iter().copied())
-            .collect(),
+        // What the model's folder names ends its answers; the names families give end tokens
+        // are only a guess for a model whose folder says nothing (a shared tokenizer may hold
+        // another family's end token as an ordinary one).
+        eos: match entry.eos.is_empty() {
+            true => END_TOKENS.iter().filter_map(|t| tokenizer.token_to_id(t)).collect(),
+            false => entry.eos.clone(),
+        },
         params,
         prompt_tokens,
         prompt,

@@ -40,8 +40,8 @@ pub struct ModelEntry {
     /// Its chat template, when it serves `/v1/chat/completions`.
     pub chat: Option<Arc<crate::runtime::chat::ChatTemplate>>,
     /// Token ids that end its answers as its folder names them (`eos_token_id` of its
-    /// `generation_config.json`, `config.json`, `genai_config.json`), beside the end tokens its
-    /// tokenizer has by name.
+    /// `generation_config.json`, `config.json`, `genai_config.json`); when it names none, the
+    /// end tokens its tokenizer has by name do.
     pub eos: Vec<u32>,
 }
 

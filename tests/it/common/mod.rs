@@ -39,11 +39,25 @@ impl TestServer {
         TestServer::serve(vramguard::testing::config::validated(yaml), None).await
     }
 
+    /// Start from YAML, or the service's refusal to start (a model it cannot serve).
+    pub async fn try_start(yaml: &str) -> Result<TestServer, String> {
+        let config = vramguard::testing::config::validated(yaml);
+        let service = tokio::task::spawn_blocking(move || Service::start(config))
+            .await
+            .unwrap()
+            .map_err(|e| e.to_string())?;
+        Ok(TestServer::listen(service, Some(ADMIN_TOKEN)).await)
+    }
+
     async fn serve(config: vramguard::config::Config, admin_token: Option<&str>) -> TestServer {
         let service = tokio::task::spawn_blocking(move || Service::start(config))
             .await
             .unwrap()
             .expect("service starts");
+        TestServer::listen(service, admin_token).await
+    }
+
+    async fn listen(service: Service, admin_token: Option<&str>) -> TestServer {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let state = AppState::with_admin_token(Arc::new(service), admin_token.map(str::to_string));

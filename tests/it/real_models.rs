@@ -1,0 +1,145 @@
+//! The models users download, as the real exporters write them (`models/real/`, made by
+//! `make fixtures`): every folder served from its own files on a CPU pool gives, greedy through
+//! `/v1/completions`, the text `transformers` generates on the same weights (GenAI's own
+//! generator for the int4 build), each prompt alone and all of them at once; and each family's
+//! real chat template renders a conversation into exactly the string `transformers`'
+//! `apply_chat_template` gives, which the folder's tokenizer encodes into the same ids.
+
+use std::path::{Path, PathBuf};
+
+use crate::common::TestServer;
+use serde_json::{Value, json};
+use vramguard::runtime::chat::{ChatTemplate, template_messages};
+
+fn real() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("models/real")
+}
+
+fn reference() -> Value {
+    serde_json::from_str(&std::fs::read_to_string(real().join("reference.json")).unwrap()).unwrap()
+}
+
+/// The folders of `models/real/` holding a model, sorted: each has its references.
+fn folders() -> Vec<String> {
+    let mut found: Vec<String> = std::fs::read_dir(real())
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.join("model.onnx").is_file())
+        .map(|p| p.file_name().unwrap().to_string_lossy().into_owned())
+        .collect();
+    found.sort();
+    let referenced: Vec<String> = reference()["models"].as_object().unwrap().keys().cloned().collect();
+    assert_eq!(
+        found, referenced,
+        "models/real/ and its reference.json name other folders"
+    );
+    found
+}
+
+fn config(folder: &str) -> String {
+    format!(
+        "models: [{{name: m, path: models/real/{folder}/model.onnx, tokenizer: models/real/{folder}/tokenizer.json}}]
+pools: [{{name: cpu, provider: cpu, models: [m]}}]
+"
+    )
+}
+
+/// One greedy completion's text, or why there is none.
+async fn complete(server: &TestServer, prompt: &Value, max_tokens: u64) -> Result<String, String> {
+    let body = json!({"model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0});
+    let response = server.post_json("/v1/completions", &body).await;
+    let status = response.status();
+    let body: Value = response.json().await.unwrap();
+    match body["choices"][0]["text"].as_str() {
+        Some(text) if status.is_success() => Ok(text.to_string()),
+        _ => Err(format!("{status}: {body}")),
+    }
+}
+
+/// Serve `folder` and compare each reference case's text alone, then all of them at once.
+async fn serve_and_compare(folder: &str, model: &Value, max_tokens: u64) -> Result<(), String> {
+    let server = TestServer::try_start(&config(folder)).await?;
+    let cases = model["cases"].as_array().unwrap();
+    let mut failures = Vec::new();
+    for (i, case) in cases.iter().enumerate() {
+        let got = complete(&server, &case["prompt"], max_tokens).await?;
+        if got != case["text"] {
+            failures.push(format!("prompt {i} alone: {got:?}, want {}", case["text"]));
+        }
+    }
+    let together = cases.iter().map(|c| complete(&server, &c["prompt"], max_tokens));
+    for (i, (got, case)) in futures_util::future::join_all(together)
+        .await
+        .into_iter()
+        .zip(cases)
+        .enumerate()
+    {
+        let got = got?;
+        if got != case["text"] {
+            failures.push(format!(
+                "prompt {i} of {} at once: {got:?}, want {}",
+                cases.len(),
+                case["text"]
+            ));
+        }
+    }
+    server.stop().await;
+    if failures.is_empty() {
+        Ok(())
+    } else {
+        Err(failures.join("\n"))
+    }
+}
+
+#[tokio::test]
+async fn every_real_export_generates_the_reference_text_alone_and_concurrently() {
+    let reference = reference();
+    let max_tokens = reference["max_new_tokens"].as_u64().unwrap();
+    let mut wrong = Vec::new();
+    for folder in folders() {
+        if let Err(why) = serve_and_compare(&folder, &reference["models"][&folder], max_tokens).await {
+            wrong.push(format!("{folder}: {why}"));
+        }
+    }
+    assert!(wrong.is_empty(), "{}", wrong.join("\n\n"));
+}
+
+#[test]
+fn real_chat_templates_render_and_encode_as_transformers_does() {
+    let reference = reference();
+    let mut wrong = Vec::new();
+    for folder in folders() {
+        let dir = real().join(&folder);
+        let config = std::fs::read_to_string(dir.join("tokenizer_config.json")).unwrap();
+        let template = ChatTemplate::from_tokenizer_config(&config, &folder)
+            .unwrap_or_else(|e| panic!("{folder}: {e}"))
+            .unwrap_or_else(|| panic!("{folder}: no chat template"));
+        let tokenizer = tokenizers::Tokenizer::from_file(dir.join("tokenizer.json")).unwrap();
+        for (name, chat) in reference["models"][&folder]["chats"].as_object().unwrap() {
+            let messages = template_messages(chat["messages"].as_array().unwrap()).unwrap();
+            let tools = chat["tools"].as_array().map(Vec::as_slice);
+            let text = match template.render(&messages, tools) {
+                Ok(text) => text,
+                Err(e) => {
+                    wrong.push(format!("{folder} {name}: {e}"));
+                    continue;
+                }
+            };
+            if text != chat["text"] {
+                wrong.push(format!("{folder} {name}: renders\n{text:?}\nwant\n{}", chat["text"]));
+                continue;
+            }
+            let ids: Vec<u64> = tokenizer
+                .encode(text.as_str(), false)
+                .unwrap()
+                .get_ids()
+                .iter()
+                .map(|&i| i.into())
+                .collect();
+            if json!(ids) != chat["ids"] {
+                wrong.push(format!("{folder} {name}: encodes to {ids:?}, want {}", chat["ids"]));
+            }
+        }
+    }
+    assert!(wrong.is_empty(), "{}", wrong.join("\n\n"));
+}
