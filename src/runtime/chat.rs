@@ -77,8 +77,23 @@ impl ChatTemplate {
 
     /// The template of a `tokenizer_config.json`, if it has one.
     pub fn from_tokenizer_config(text: &str, origin: &str) -> Result<Option<ChatTemplate>, String> {
+        Self::from_tokenizer_files(text, origin, None)
+    }
+
+    /// The template of a tokenizer's files: the `chat_template.jinja` beside its
+    /// `tokenizer_config.json` (`jinja`: its text and path; what `transformers` writes since
+    /// 4.43, leaving the config without one), else the config's own `chat_template`; the
+    /// config's `bos_token` and `eos_token` either way.
+    pub fn from_tokenizer_files(
+        text: &str,
+        origin: &str,
+        jinja: Option<(String, &str)>,
+    ) -> Result<Option<ChatTemplate>, String> {
         let config: Value = serde_json::from_str(text).map_err(|e| format!("`{origin}` is not JSON: {e}"))?;
         let (bos, eos) = (special_token(&config, "bos_token"), special_token(&config, "eos_token"));
+        if let Some((template, path)) = jinja {
+            return ChatTemplate::new(template, None, bos, eos, path).map(Some);
+        }
         let (default, tool_use) = match &config["chat_template"] {
             Value::Null => return Ok(None),
             Value::String(s) => (s.clone(), None),
@@ -459,6 +474,23 @@ mod tests {
 
     fn chatml() -> ChatTemplate {
         ChatTemplate::load(&ChatTemplateSource::Builtin(BuiltinChatTemplate::Chatml)).expect("builtin")
+    }
+
+    #[test]
+    fn a_separate_chat_template_jinja_wins_and_takes_the_config_s_special_tokens() {
+        let config = r#"{"bos_token": "<s>", "eos_token": "</s>", "chat_template": "ignored"}"#;
+        let jinja = "{{ bos_token }}{% for m in messages %}{{ m.content }}{{ eos_token }}{% endfor %}".to_string();
+        let template =
+            ChatTemplate::from_tokenizer_files(config, "tokenizer_config.json", Some((jinja, "chat_template.jinja")))
+                .unwrap()
+                .unwrap();
+        let messages = template_messages(&[serde_json::json!({"role": "user", "content": "hi"})]).unwrap();
+        assert_eq!(template.render(&messages, None).unwrap(), "<s>hi</s>");
+        assert_eq!(template.origin, "chat_template.jinja");
+        let only_config = ChatTemplate::from_tokenizer_files(config, "tokenizer_config.json", None)
+            .unwrap()
+            .unwrap();
+        assert_eq!(only_config.render(&messages, None).unwrap(), "ignored");
     }
 
     #[test]

@@ -301,8 +301,9 @@ fn tokenizer_of(
     }
 }
 
-/// The chat template of model `m`: the configured one, else the `chat_template` of the
-/// `tokenizer_config.json` beside its tokenizer (how Hugging Face ships models), else none.
+/// The chat template of model `m`: the configured one, else the `chat_template.jinja` or the
+/// `chat_template` of the `tokenizer_config.json` beside its tokenizer (how Hugging Face ships
+/// models), else none.
 fn chat_template(m: &ModelConfig) -> Result<Option<Arc<crate::runtime::chat::ChatTemplate>>, String> {
     use crate::runtime::chat::ChatTemplate;
     let Some(tokenizer) = &m.tokenizer else {
@@ -315,7 +316,12 @@ fn chat_template(m: &ModelConfig) -> Result<Option<Arc<crate::runtime::chat::Cha
             .map(|file| file.with_file_name("tokenizer_config.json"))
         {
             Some(beside) => match std::fs::read_to_string(&beside) {
-                Ok(text) => ChatTemplate::from_tokenizer_config(&text, &beside.display().to_string())?,
+                Ok(text) => {
+                    let jinja = beside.with_file_name("chat_template.jinja");
+                    let jinja_name = jinja.display().to_string();
+                    let separate = std::fs::read_to_string(&jinja).ok().map(|t| (t, jinja_name.as_str()));
+                    ChatTemplate::from_tokenizer_files(&text, &beside.display().to_string(), separate)?
+                }
                 Err(_) => None,
             },
             None => None,
