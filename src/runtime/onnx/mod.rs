@@ -5,10 +5,13 @@ pub mod arena;
 mod backend;
 pub mod dense;
 mod generations;
+mod graph;
 pub mod kernels;
+mod last_logits;
 mod proto;
 
 pub use backend::OrtBackend;
+pub use last_logits::last_position_logits;
 
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, OnceLock};
