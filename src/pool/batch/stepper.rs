@@ -223,6 +223,7 @@ mod tests {
         kv_datatype: DataType::Fp32,
         vocab: Some(512),
         position_ids: true,
+        prefill_logits: crate::runtime::decoder::PrefillLogits::EveryPosition,
     };
 
     /// A CPU pool `p` of one backend serving the bundled decoder as `lm`.

@@ -1,12 +1,13 @@
 //! The models a service serves: each one's bytes, signature, memory profile, decoder layout,
 //! tokenizer and chat template, read and checked against its config before any port is bound.
 
+use std::borrow::Cow;
 use std::sync::Arc;
 
 use crate::config::{Config, ConfigError, ModelConfig, TokenizerSource};
 use crate::core::snapshot::Estimate;
 use crate::core::tensor::Tensor;
-use crate::runtime::decoder::DecoderLayout;
+use crate::runtime::decoder::{DecoderLayout, PrefillLogits};
 use crate::runtime::estimate::learned::{Learned, Observation};
 use crate::runtime::estimate::{AxisRole, Dims, MemoryProfile, ProfileSource};
 use crate::runtime::onnx::ModelSignature;
@@ -40,7 +41,7 @@ pub struct ModelEntry {
 /// A model's serialized bytes (borrowed for builtin models), shared by every pool's workers and
 /// kept for rebuilding a worker's backend; `Debug` shows only the size.
 #[derive(Clone)]
-pub struct ModelBytes(Arc<std::borrow::Cow<'static, [u8]>>);
+pub struct ModelBytes(Arc<Cow<'static, [u8]>>);
 
 impl ModelBytes {
     /// The bytes.
@@ -158,6 +159,10 @@ fn load_model(backends: &dyn BackendFactory, m: &ModelConfig) -> Result<ModelEnt
             "a decoder's context is its attention mask, read from the graph; remove `context`".to_string(),
         ));
     }
+    let (bytes, signature, decoder) = match decoder {
+        Some(layout) => last_position_only(backends, m, bytes, signature, layout),
+        None => (bytes, signature, None),
+    };
     let profile = profile_of(backends, m, &bytes, &signature, decoder);
     let tokenizer = tokenizer_of(m, decoder)?;
     let chat = chat_template(m).map_err(|e| ("chat_template", e))?;
@@ -172,6 +177,53 @@ fn load_model(backends: &dyn BackendFactory, m: &ModelConfig) -> Result<ModelEnt
         tokenizer,
         chat,
     })
+}
+
+/// Decoder `m`'s graph rewritten so that its prompt run computes the last position's logits
+/// only, with its signature and layout read again: these bytes are what every pool builds its
+/// sessions from. A graph the rewrite does not understand, or whose rewrite ONNX Runtime does
+/// not take as the same decoder, is kept as exported, and the log says why.
+fn last_position_only(
+    backends: &dyn BackendFactory,
+    m: &ModelConfig,
+    bytes: Cow<'static, [u8]>,
+    signature: ModelSignature,
+    layout: DecoderLayout,
+) -> (Cow<'static, [u8]>, ModelSignature, Option<DecoderLayout>) {
+    if layout.prefill_logits == PrefillLogits::LastPosition {
+        return (bytes, signature, Some(layout));
+    }
+    let rewritten = crate::runtime::onnx::last_position_logits(&bytes).and_then(|short| {
+        let signature = backends.signature(m, &short)?;
+        match DecoderLayout::detect(&signature) {
+            Some(Ok(read))
+                if read
+                    == DecoderLayout {
+                        prefill_logits: PrefillLogits::LastPosition,
+                        ..layout
+                    } =>
+            {
+                Ok((short, signature, read))
+            }
+            other => Err(format!(
+                "the rewritten graph reads as {other:?}, not as the same decoder"
+            )),
+        }
+    });
+    match rewritten {
+        Ok((short, signature, read)) => {
+            tracing::info!(model = %m.name, "the prompt's run computes the last position's logits only (its LM head is given that position alone)");
+            (Cow::Owned(short), signature, Some(read))
+        }
+        Err(reason) => {
+            tracing::warn!(
+                model = %m.name,
+                %reason,
+                "the prompt's run computes every position's logits, as exported (no LM head to give the last position alone)"
+            );
+            (bytes, signature, Some(layout))
+        }
+    }
 }
 
 /// A configured context axis must name an input of the model, exist in its shape and be
@@ -224,17 +276,27 @@ fn profile_of(
     decoder: Option<DecoderLayout>,
 ) -> MemoryProfile {
     let profile = match (&m.profile, decoder) {
-        (None, Some(layout)) => MemoryProfile::per_token(
-            bytes.len() as u64,
-            // The cache for every position, and the logits of a prompt's positions.
-            (layout.kv_bytes_per_token() + layout.logits_bytes_per_token()) as f64,
-            ProfileSource::KvCache {
-                layers: layout.layers,
-                kv_heads: layout.kv_heads,
-                head_size: layout.head_size,
-                kv_bytes_per_token: layout.kv_bytes_per_token(),
-            },
-        ),
+        (None, Some(layout)) => {
+            // The cache for every position, and the logits of the prompt's positions (of its
+            // last alone when the graph was rewritten for it).
+            let (kv, logits) = (layout.kv_bytes_per_token(), layout.logits_bytes_per_position());
+            let (per_token, per_sequence) = match layout.prefill_logits {
+                PrefillLogits::EveryPosition => (kv + logits, 0),
+                PrefillLogits::LastPosition => (kv, logits),
+            };
+            MemoryProfile::per_token(
+                bytes.len() as u64,
+                per_token as f64,
+                per_sequence as f64,
+                ProfileSource::KvCache {
+                    layers: layout.layers,
+                    kv_heads: layout.kv_heads,
+                    head_size: layout.head_size,
+                    kv_bytes_per_token: kv,
+                    prefill_logits: layout.prefill_logits,
+                },
+            )
+        }
         _ => match &m.profile {
             Some(p) => MemoryProfile::configured(p, bytes.len() as u64, m.context.as_ref(), signature),
             None => backends.measure_profile(m, bytes, signature),
