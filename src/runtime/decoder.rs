@@ -7,6 +7,8 @@
 //! (the builder's dynamic head size) and which side a batch's rows are padded on come as
 //! [`CacheHints`], read from the model's folder and operators when it is loaded.
 
+use serde::{Deserialize, Serialize};
+
 use crate::core::signature::{ModelSignature, TensorSpec};
 use crate::core::tensor::{DataType, Tensor, TensorData};
 
@@ -120,6 +122,20 @@ pub struct DecoderLayout {
     pub padding: Padding,
     /// The most positions (prompt and generated tokens) the model takes, when known.
     pub context: Option<u64>,
+    /// Which positions the prompt's run computes logits of.
+    pub prefill_logits: PrefillLogits,
+}
+
+/// Which positions a decoder's prompt run computes logits of, as its `logits` output's
+/// sequence axis says.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PrefillLogits {
+    /// Every position's (`[batch, sequence, vocab]`): `prompt × vocab × 4` bytes of FP32.
+    EveryPosition,
+    /// The last position's only (`[batch, 1, vocab]`, as the graph is rewritten at load when
+    /// its LM head is found): `vocab × 4` bytes a sequence, whatever the prompt's length.
+    LastPosition,
 }
 
 impl DecoderLayout {
@@ -128,8 +144,8 @@ impl DecoderLayout {
         2 * self.layers as u64 * self.kv_heads * self.head_size * self.kv_datatype.size() as u64
     }
 
-    /// Bytes of logits per token of one sequence (FP32), when the vocabulary is known.
-    pub fn logits_bytes_per_token(&self) -> u64 {
+    /// Bytes of one position's logits (FP32), when the vocabulary is known.
+    pub fn logits_bytes_per_position(&self) -> u64 {
         self.vocab.unwrap_or(0) * 4
     }
 
@@ -234,8 +250,14 @@ impl DecoderLayout {
             }
         }
         let logits = output("logits").ok_or("a decoder needs output `logits`")?;
-        let vocab = match logits.shape.as_slice() {
-            [_, _, v] => u64::try_from(*v).ok().filter(|v| *v > 0),
+        let (vocab, prefill_logits) = match logits.shape.as_slice() {
+            [_, positions, v] => (
+                u64::try_from(*v).ok().filter(|v| *v > 0),
+                match positions {
+                    1 => PrefillLogits::LastPosition,
+                    _ => PrefillLogits::EveryPosition,
+                },
+            ),
             shape => {
                 return Err(format!(
                     "output `logits` must be [batch, sequence, vocab], not {shape:?}"
@@ -260,6 +282,7 @@ impl DecoderLayout {
             position_ids: input("position_ids").is_some(),
             padding: hints.padding,
             context: hints.context,
+            prefill_logits,
         })
     }
 }
@@ -361,7 +384,13 @@ mod tests {
         assert!(layout.position_ids);
         // key + value × 2 layers × 2 heads × 16 × 4 bytes.
         assert_eq!(layout.kv_bytes_per_token(), 512);
-        assert_eq!(layout.logits_bytes_per_token(), 2048);
+        assert_eq!(layout.logits_bytes_per_position(), 2048);
+        assert_eq!(layout.prefill_logits, PrefillLogits::EveryPosition);
+        // A graph rewritten to compute the last position's logits only says so.
+        let mut rewritten = optimum(2, 2, 16);
+        rewritten.outputs[0].shape = vec![-1, 1, 512];
+        let layout = DecoderLayout::detect(&rewritten, &none()).unwrap().unwrap();
+        assert_eq!(layout.prefill_logits, PrefillLogits::LastPosition);
         // A Llama-2-7B-shaped cache: 32 layers, 32 heads of 128, FP16 = 512 KiB per token.
         let mut llama = optimum(32, 32, 128);
         for t in llama.inputs.iter_mut().filter(|t| t.name.starts_with("past_")) {

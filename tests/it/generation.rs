@@ -225,6 +225,9 @@ async fn models_are_listed_and_errors_come_in_openais_shape() {
         profile["kv_bytes_per_token"],
         reference()["model"]["kv_bytes_per_token"]
     );
+    // Its graph was rewritten at load: the prompt's run makes the last position's logits only.
+    assert_eq!(profile["prefill_logits"], "last_position", "{metadata}");
+    assert_eq!(metadata["outputs"][0]["shape"], json!([-1, 1, 512]), "{metadata}");
     server.stop().await;
 }
 

@@ -225,6 +225,7 @@ mod tests {
         position_ids: true,
         padding: crate::runtime::decoder::Padding::Left,
         context: None,
+        prefill_logits: crate::runtime::decoder::PrefillLogits::EveryPosition,
     };
 
     /// A CPU pool `p` of one backend serving the bundled decoder as `lm`.

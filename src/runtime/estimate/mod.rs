@@ -44,6 +44,9 @@ pub enum ProfileSource {
         head_size: u64,
         /// Key and value bytes per token, every layer.
         kv_bytes_per_token: u64,
+        /// Which positions the prompt's run computes logits of: the last only once the graph
+        /// was rewritten at load, so the logits count per sequence, not per token.
+        prefill_logits: crate::runtime::decoder::PrefillLogits,
     },
     /// Could not be measured (the reason is logged); only weights are known.
     Unmeasured {
@@ -209,9 +212,16 @@ impl MemoryProfile {
         }
     }
 
-    /// A decoder's profile: `bytes_per_token` for every position of context, per sequence.
-    /// Context is the attention mask's length, batch the first axis of `input_ids`.
-    pub fn per_token(weights_bytes: u64, bytes_per_token: f64, source: ProfileSource) -> MemoryProfile {
+    /// A decoder's profile: `bytes_per_token` for every position of context and
+    /// `bytes_per_sequence` once, per sequence. Context is the attention mask's length, batch
+    /// the first axis of `input_ids`.
+    pub fn per_token(
+        weights_bytes: u64,
+        bytes_per_token: f64,
+        bytes_per_sequence: f64,
+        source: ProfileSource,
+    ) -> MemoryProfile {
+        let terms = [(bytes_per_token, vec![1, 1]), (bytes_per_sequence, vec![1, 0])];
         MemoryProfile {
             weights_bytes,
             workspace_bytes: 0.0,
@@ -219,10 +229,11 @@ impl MemoryProfile {
                 Axis::single("batch", AxisRole::Batch, "input_ids", 0),
                 Axis::single("context", AxisRole::Context, "attention_mask", 1),
             ],
-            terms: vec![Term {
-                bytes: bytes_per_token,
-                powers: vec![1, 1],
-            }],
+            terms: terms
+                .into_iter()
+                .filter(|(bytes, _)| *bytes != 0.0)
+                .map(|(bytes, powers)| Term { bytes, powers })
+                .collect(),
             source,
         }
     }

@@ -7,6 +7,8 @@
 use std::collections::BTreeMap;
 use std::path::{Component, Path, PathBuf};
 
+use super::graph::{self, Value};
+
 /// The session config entry that tells ONNX Runtime where a graph built from bytes finds its
 /// external data (without it, relative to the working directory).
 pub(super) const FOLDER_ENTRY: &str = "session.model_external_initializers_file_folder_path";
@@ -126,56 +128,13 @@ fn file_size(folder: &Path, location: &Path) -> Result<u64, String> {
     Ok(opened.len())
 }
 
-/// One field of a protobuf message: its number and value.
-enum Value<'a> {
-    Varint(u64),
-    Bytes(&'a [u8]),
-    /// A fixed 32- or 64-bit value, never one these fields use.
-    Fixed,
-}
-
-/// The fields of message `buf`, in order, each handed to `each`.
-fn fields<'a>(mut buf: &'a [u8], mut each: impl FnMut(u64, Value<'a>) -> Result<(), String>) -> Result<(), String> {
-    while !buf.is_empty() {
-        let key = varint(&mut buf)?;
-        let value = match key & 7 {
-            0 => Value::Varint(varint(&mut buf)?),
-            1 => Value::Fixed.skip(&mut buf, 8)?,
-            2 => {
-                let len = usize::try_from(varint(&mut buf)?).map_err(|_| "a field longer than memory")?;
-                let bytes = buf.get(..len).ok_or("a field runs past the end of its message")?;
-                buf = &buf[len..];
-                Value::Bytes(bytes)
-            }
-            5 => Value::Fixed.skip(&mut buf, 4)?,
-            other => return Err(format!("wire type {other} is not one ONNX uses")),
-        };
-        each(key >> 3, value)?;
+/// Each field of message `buf`, in order, handed to `each` as its number and value.
+fn fields<'a>(buf: &'a [u8], mut each: impl FnMut(u64, Value<'a>) -> Result<(), String>) -> Result<(), String> {
+    for field in graph::fields(buf) {
+        let field = field?;
+        each(field.number, field.value)?;
     }
     Ok(())
-}
-
-impl<'a> Value<'a> {
-    /// This value, after stepping over its `len` bytes.
-    fn skip(self, buf: &mut &'a [u8], len: usize) -> Result<Value<'a>, String> {
-        *buf = buf
-            .get(len..)
-            .ok_or("a fixed-size field runs past the end of its message")?;
-        Ok(self)
-    }
-}
-
-/// A base-128 varint from the front of `buf`.
-fn varint(buf: &mut &[u8]) -> Result<u64, String> {
-    let mut value = 0u64;
-    for (i, &byte) in buf.iter().enumerate().take(10) {
-        value |= u64::from(byte & 0x7f) << (7 * i);
-        if byte & 0x80 == 0 {
-            *buf = &buf[i + 1..];
-            return Ok(value);
-        }
-    }
-    Err("a varint runs past the end of its message".into())
 }
 
 /// The messages `ModelProto`'s walk descends into, by their field numbers in `onnx.proto`.

@@ -6,6 +6,7 @@
 
 use std::collections::BTreeSet;
 
+use super::graph::fields;
 use super::proto::{Message, varint};
 use crate::runtime::decoder::{CacheHints, Padding};
 use crate::runtime::folder::ModelFolder;
@@ -23,73 +24,12 @@ const NODE_ATTRIBUTE: u64 = 5;
 /// `AttributeProto.g` and `.graphs`: subgraphs (an `If`'s branches, a `Loop`'s body).
 const ATTRIBUTE_GRAPHS: [u64; 2] = [6, 11];
 
-/// One field of a protobuf message: its number and, for length-delimited fields, its bytes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Field<'a> {
-    /// A varint, fixed64 or fixed32 field (its value is not needed here).
-    Scalar(u64),
-    /// A length-delimited field (a string, bytes, or an embedded message) and its bytes.
-    Bytes(u64, &'a [u8]),
-}
-
-/// The fields of message `bytes`, in order; an error names where the bytes stop making sense.
-fn fields(bytes: &[u8]) -> impl Iterator<Item = Result<Field<'_>, String>> {
-    let mut at = 0;
-    std::iter::from_fn(move || {
-        if at >= bytes.len() {
-            return None;
-        }
-        Some(
-            (|| {
-                let key = read_varint(bytes, &mut at)?;
-                let number = key >> 3;
-                match key & 7 {
-                    0 => read_varint(bytes, &mut at).map(|_| Field::Scalar(number)),
-                    1 | 5 => {
-                        let width = if key & 7 == 1 { 8 } else { 4 };
-                        at = at
-                            .checked_add(width)
-                            .filter(|end| *end <= bytes.len())
-                            .ok_or("a fixed-width field runs past the end")?;
-                        Ok(Field::Scalar(number))
-                    }
-                    2 => {
-                        let len = usize::try_from(read_varint(bytes, &mut at)?)
-                            .map_err(|_| "a field's length is too large")?;
-                        let end = at
-                            .checked_add(len)
-                            .filter(|end| *end <= bytes.len())
-                            .ok_or("a field's length runs past the end")?;
-                        let field = Field::Bytes(number, &bytes[at..end]);
-                        at = end;
-                        Ok(field)
-                    }
-                    other => Err(format!("wire type {other} at byte {at} is not one ONNX uses")),
-                }
-            })()
-            .inspect_err(|_| at = bytes.len()),
-        )
-    })
-}
-
-fn read_varint(bytes: &[u8], at: &mut usize) -> Result<u64, String> {
-    let mut value = 0u64;
-    for shift in (0..64).step_by(7) {
-        let byte = *bytes.get(*at).ok_or("a varint runs past the end")?;
-        *at += 1;
-        value |= u64::from(byte & 0x7f) << shift;
-        if byte & 0x80 == 0 {
-            return Ok(value);
-        }
-    }
-    Err("a varint is longer than 10 bytes".into())
-}
-
 /// Every operator type a model's graph (and its subgraphs) uses.
 pub fn operators(model: &[u8]) -> Result<BTreeSet<String>, String> {
     let mut found = BTreeSet::new();
     for field in fields(model) {
-        if let Field::Bytes(MODEL_GRAPH, graph) = field.map_err(|e| format!("not an ONNX model: {e}"))? {
+        let field = field.map_err(|e| format!("not an ONNX model: {e}"))?;
+        if let (MODEL_GRAPH, Some(graph)) = (field.number, field.bytes()) {
             graph_operators(graph, &mut found).map_err(|e| format!("not an ONNX graph: {e}"))?;
         }
     }
@@ -98,17 +38,20 @@ pub fn operators(model: &[u8]) -> Result<BTreeSet<String>, String> {
 
 fn graph_operators(graph: &[u8], found: &mut BTreeSet<String>) -> Result<(), String> {
     for field in fields(graph) {
-        let Field::Bytes(GRAPH_NODE, node) = field? else {
+        let field = field?;
+        let (GRAPH_NODE, Some(node)) = (field.number, field.bytes()) else {
             continue;
         };
         for field in fields(node) {
-            match field? {
-                Field::Bytes(NODE_OP_TYPE, op) => {
-                    found.insert(String::from_utf8_lossy(op).into_owned());
+            let field = field?;
+            match (field.number, field.bytes()) {
+                (NODE_OP_TYPE, Some(_)) => {
+                    found.insert(field.text()?.to_string());
                 }
-                Field::Bytes(NODE_ATTRIBUTE, attribute) => {
+                (NODE_ATTRIBUTE, Some(attribute)) => {
                     for field in fields(attribute) {
-                        if let Field::Bytes(number, subgraph) = field?
+                        let field = field?;
+                        if let (number, Some(subgraph)) = (field.number, field.bytes())
                             && ATTRIBUTE_GRAPHS.contains(&number)
                         {
                             graph_operators(subgraph, found)?;
@@ -163,7 +106,7 @@ mod tests {
         assert!(ops.contains("MatMul") && ops.contains("Softmax"), "{ops:?}");
         assert!(!ops.contains("GroupQueryAttention"));
         let err = operators(&[0x3a, 0x10, 1]).unwrap_err();
-        assert_eq!(err, "not an ONNX model: a field's length runs past the end");
+        assert_eq!(err, "not an ONNX model: a field runs past the end of its message");
     }
 
     #[test]

@@ -423,8 +423,8 @@ impl Kernels {
         run_bound(session, &[("a", a), ("b", b)], &device).map_err(|e| format!("concat: {e}"))
     }
 
-    /// The last position of logits `[batch, seq, vocab]` (FP32 or FP16), as FP32
-    /// `[batch, vocab]`, copied to the host, row-major: only these bytes leave the device.
+    /// The last position of logits `[batch, seq, vocab]` (FP32 or FP16; `seq` is 1 once the graph is rewritten at
+    /// load), as FP32 `[batch, vocab]`, copied to the host, row-major: only these bytes leave the device.
     pub fn last_position(&mut self, logits: &DynValue) -> Result<Vec<f32>, String> {
         let (elem_type, shape) = tensor_info("logits", logits)?;
         if shape.len() != 3 {

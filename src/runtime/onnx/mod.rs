@@ -7,12 +7,15 @@ pub mod dense;
 mod external;
 pub mod facts;
 mod generations;
+mod graph;
 pub mod kernels;
+mod last_logits;
 mod positions;
 mod proto;
 
 pub use backend::OrtBackend;
 pub use external::{ExternalData, external_data};
+pub use last_logits::last_position_logits;
 
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, OnceLock};

@@ -15,6 +15,7 @@
 
 use std::collections::{HashMap, HashSet};
 
+use super::graph::{self, Field};
 use super::proto::{self, Dim};
 
 /// The input the rewrite adds, as exporters that keep it name it.
@@ -25,12 +26,12 @@ const POSITION_IDS: &str = "position_ids";
 /// other model (and for bytes it cannot read, which ONNX Runtime then reports).
 pub(super) fn with_position_ids(model: &[u8]) -> Option<Vec<u8>> {
     let top = fields(model)?;
-    let graph_bytes = top.iter().find(|f| f.number == GRAPH)?.bytes?;
+    let graph_bytes = top.iter().find(|f| f.number == GRAPH)?.bytes()?;
     let graph = fields(graph_bytes)?;
     let inputs: Vec<&str> = graph
         .iter()
         .filter(|f| f.number == GRAPH_INPUT)
-        .filter_map(|f| string_field(f.bytes?, 1))
+        .filter_map(|f| string_field(f.bytes()?, 1))
         .collect();
     if inputs.contains(&POSITION_IDS) || !inputs.iter().any(|n| n.starts_with("past_key_values.")) {
         return None;
@@ -39,14 +40,14 @@ pub(super) fn with_position_ids(model: &[u8]) -> Option<Vec<u8>> {
         .iter()
         .enumerate()
         .filter(|(_, f)| f.number == GRAPH_NODE)
-        .map(|(at, f)| Some((at, Node::read(f.bytes?)?)))
+        .map(|(at, f)| Some((at, Node::read(f.bytes()?)?)))
         .collect::<Option<_>>()?;
     let (slots, rotary) = rotary_consumers(&nodes)?;
     let mut out_graph = Vec::with_capacity(graph_bytes.len() + 64);
     for (at, field) in graph.iter().enumerate() {
         match rotary.contains(&at) {
             true => {
-                let node = renamed_inputs(field.bytes?, slots)?;
+                let node = renamed_inputs(field.bytes()?, slots)?;
                 proto::varint(&mut out_graph, (GRAPH_NODE << 3) | 2);
                 proto::varint(&mut out_graph, node.len() as u64);
                 out_graph.extend_from_slice(&node);
@@ -136,7 +137,7 @@ fn reaches_rotation(consumers: &HashMap<&str, Vec<&Node>>, tensors: &[&str]) -> 
 fn renamed_inputs(node: &[u8], from: &str) -> Option<Vec<u8>> {
     let mut out = Vec::with_capacity(node.len() + 16);
     for field in fields(node)? {
-        if field.number == 1 && field.bytes == Some(from.as_bytes()) {
+        if field.number == 1 && field.bytes() == Some(from.as_bytes()) {
             proto::varint(&mut out, (1 << 3) | 2);
             proto::varint(&mut out, POSITION_IDS.len() as u64);
             out.extend_from_slice(POSITION_IDS.as_bytes());
@@ -157,7 +158,7 @@ struct Node<'a> {
 impl<'a> Node<'a> {
     fn read(bytes: &'a [u8]) -> Option<Node<'a>> {
         let fields = fields(bytes)?;
-        let text = |f: &Field<'a>| f.bytes.and_then(|b| std::str::from_utf8(b).ok());
+        let text = |f: &Field<'a>| f.bytes().and_then(|b| std::str::from_utf8(b).ok());
         let strings = |number| fields.iter().filter(|f| f.number == number).filter_map(text).collect();
         let domain = fields.iter().find(|f| f.number == 7).and_then(text).unwrap_or("");
         let op = fields.iter().find(|f| f.number == 4).and_then(text).unwrap_or("");
@@ -174,62 +175,15 @@ impl<'a> Node<'a> {
     }
 }
 
-/// One field of a protobuf message as written: its number, its bytes (tag included), and its
-/// payload when length-delimited.
-struct Field<'a> {
-    number: u64,
-    raw: &'a [u8],
-    bytes: Option<&'a [u8]>,
-}
-
 /// The fields of a protobuf message, or `None` when its bytes are not one.
 fn fields(message: &[u8]) -> Option<Vec<Field<'_>>> {
-    let mut out = Vec::new();
-    let mut at = 0;
-    while at < message.len() {
-        let start = at;
-        let tag = read_varint(message, &mut at)?;
-        let mut bytes = None;
-        match tag & 7 {
-            0 => {
-                read_varint(message, &mut at)?;
-            }
-            1 => at += 8,
-            2 => {
-                let len = usize::try_from(read_varint(message, &mut at)?).ok()?;
-                bytes = Some(message.get(at..at.checked_add(len)?)?);
-                at += len;
-            }
-            5 => at += 4,
-            _ => return None,
-        }
-        let raw = message.get(start..at)?;
-        out.push(Field {
-            number: tag >> 3,
-            raw,
-            bytes,
-        });
-    }
-    Some(out)
-}
-
-fn read_varint(bytes: &[u8], at: &mut usize) -> Option<u64> {
-    let mut value = 0u64;
-    for shift in (0..64).step_by(7) {
-        let byte = *bytes.get(*at)?;
-        *at += 1;
-        value |= u64::from(byte & 0x7f) << shift;
-        if byte & 0x80 == 0 {
-            return Some(value);
-        }
-    }
-    None
+    graph::fields(message).collect::<Result<_, _>>().ok()
 }
 
 /// The first string field `number` of `message`.
 fn string_field(message: &[u8], number: u64) -> Option<&str> {
     let field = fields(message)?.into_iter().find(|f| f.number == number)?;
-    std::str::from_utf8(field.bytes?).ok()
+    std::str::from_utf8(field.bytes()?).ok()
 }
 
 #[cfg(test)]

@@ -7,7 +7,7 @@ use crate::config::{Config, ConfigError, ModelConfig, TokenizerSource};
 use crate::core::model::{ModelBytes, ModelData};
 use crate::core::snapshot::Estimate;
 use crate::core::tensor::Tensor;
-use crate::runtime::decoder::{CacheHints, DecoderLayout};
+use crate::runtime::decoder::{CacheHints, DecoderLayout, PrefillLogits};
 use crate::runtime::estimate::learned::{Learned, Observation};
 use crate::runtime::estimate::{AxisRole, Dims, MemoryProfile, ProfileSource};
 use crate::runtime::folder::ModelFolder;
@@ -172,7 +172,11 @@ fn load_model(backends: &dyn BackendFactory, m: &ModelConfig) -> Result<ModelEnt
             "a decoder's context is its attention mask, read from the graph; remove `context`".to_string(),
         ));
     }
-    let profile = profile_of(backends, m, data, &signature, decoder);
+    let (bytes, signature, decoder) = match decoder {
+        Some(layout) => last_position_only(backends, m, bytes, signature, layout, &hints),
+        None => (bytes, signature, None),
+    };
+    let profile = profile_of(backends, m, bytes.data(), &signature, decoder);
     let tokenizer = tokenizer_of(m, decoder)?;
     let chat = chat_template(m).map_err(|e| ("chat_template", e))?;
     Ok(ModelEntry {
@@ -187,6 +191,58 @@ fn load_model(backends: &dyn BackendFactory, m: &ModelConfig) -> Result<ModelEnt
         chat,
         eos: folder.eos,
     })
+}
+
+/// Decoder `m`'s graph rewritten so that its prompt run computes the last position's logits
+/// only, with its signature and layout read again: these bytes are what every pool builds its
+/// sessions from. A graph the rewrite does not understand, or whose rewrite ONNX Runtime does
+/// not take as the same decoder, is kept as exported, and the log says why.
+fn last_position_only(
+    backends: &dyn BackendFactory,
+    m: &ModelConfig,
+    bytes: ModelBytes,
+    signature: ModelSignature,
+    layout: DecoderLayout,
+    hints: &CacheHints,
+) -> (ModelBytes, ModelSignature, Option<DecoderLayout>) {
+    if layout.prefill_logits == PrefillLogits::LastPosition {
+        return (bytes, signature, Some(layout));
+    }
+    let rewritten = crate::runtime::onnx::last_position_logits(bytes.data().graph).and_then(|short| {
+        let data = ModelData {
+            graph: &short,
+            ..bytes.data()
+        };
+        let signature = backends.signature(m, data)?;
+        match DecoderLayout::detect(&signature, hints) {
+            Some(Ok(read))
+                if read
+                    == DecoderLayout {
+                        prefill_logits: PrefillLogits::LastPosition,
+                        ..layout
+                    } =>
+            {
+                Ok((short, signature, read))
+            }
+            other => Err(format!(
+                "the rewritten graph reads as {other:?}, not as the same decoder"
+            )),
+        }
+    });
+    match rewritten {
+        Ok((short, signature, read)) => {
+            tracing::info!(model = %m.name, "the prompt's run computes the last position's logits only (its LM head is given that position alone)");
+            (bytes.with_graph(short), signature, Some(read))
+        }
+        Err(reason) => {
+            tracing::warn!(
+                model = %m.name,
+                %reason,
+                "the prompt's run computes every position's logits, as exported (no LM head to give the last position alone)"
+            );
+            (bytes, signature, Some(layout))
+        }
+    }
 }
 
 /// A configured context axis must name an input of the model, exist in its shape and be
@@ -239,17 +295,27 @@ fn profile_of(
     decoder: Option<DecoderLayout>,
 ) -> MemoryProfile {
     let profile = match (&m.profile, decoder) {
-        (None, Some(layout)) => MemoryProfile::per_token(
-            data.stored_bytes(),
-            // The cache for every position, and the logits of a prompt's positions.
-            (layout.kv_bytes_per_token() + layout.logits_bytes_per_token()) as f64,
-            ProfileSource::KvCache {
-                layers: layout.layers,
-                kv_heads: layout.kv_heads,
-                head_size: layout.head_size,
-                kv_bytes_per_token: layout.kv_bytes_per_token(),
-            },
-        ),
+        (None, Some(layout)) => {
+            // The cache for every position, and the logits of the prompt's positions (of its
+            // last alone when the graph was rewritten for it).
+            let (kv, logits) = (layout.kv_bytes_per_token(), layout.logits_bytes_per_position());
+            let (per_token, per_sequence) = match layout.prefill_logits {
+                PrefillLogits::EveryPosition => (kv + logits, 0),
+                PrefillLogits::LastPosition => (kv, logits),
+            };
+            MemoryProfile::per_token(
+                data.stored_bytes(),
+                per_token as f64,
+                per_sequence as f64,
+                ProfileSource::KvCache {
+                    layers: layout.layers,
+                    kv_heads: layout.kv_heads,
+                    head_size: layout.head_size,
+                    kv_bytes_per_token: kv,
+                    prefill_logits: layout.prefill_logits,
+                },
+            )
+        }
         _ => match &m.profile {
             Some(p) => MemoryProfile::configured(p, data.stored_bytes(), m.context.as_ref(), signature),
             None => backends.measure_profile(m, data, signature),

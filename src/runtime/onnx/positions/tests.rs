@@ -28,19 +28,19 @@ fn decoder(given: bool) -> Vec<u8> {
 /// The nodes and input names of a written model.
 fn read(model: &[u8]) -> (Vec<(String, Vec<String>)>, Vec<String>) {
     let top = fields(model).unwrap();
-    let graph = fields(top.iter().find(|f| f.number == 7).unwrap().bytes.unwrap()).unwrap();
+    let graph = fields(top.iter().find(|f| f.number == 7).unwrap().bytes().unwrap()).unwrap();
     let nodes = graph
         .iter()
         .filter(|f| f.number == 1)
         .map(|f| {
-            let node = Node::read(f.bytes.unwrap()).unwrap();
+            let node = Node::read(f.bytes().unwrap()).unwrap();
             (node.op.to_string(), node.inputs.iter().map(|s| s.to_string()).collect())
         })
         .collect();
     let inputs = graph
         .iter()
         .filter(|f| f.number == 11)
-        .map(|f| super::string_field(f.bytes.unwrap(), 1).unwrap().to_string())
+        .map(|f| super::string_field(f.bytes().unwrap(), 1).unwrap().to_string())
         .collect();
     (nodes, inputs)
 }
