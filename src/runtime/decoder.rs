@@ -175,31 +175,7 @@ impl DecoderLayout {
             }
         }
         let first = input("past_key_values.0.key").expect("detected");
-        // A dimension the graph leaves dynamic is taken from the hints; one both fix must agree.
-        let resolve = |what: &str, fixed: i64, hinted: Option<u64>| match (
-            u64::try_from(fixed).ok().filter(|d| *d > 0),
-            hinted,
-        ) {
-            (Some(d), Some(h)) if d != h => Err(format!(
-                "input `past_key_values.0.key` has {d} {what} but the model's folder says {h}"
-            )),
-            (Some(d), _) | (None, Some(d)) => Ok(d),
-            (None, None) => Err(format!(
-                "input `past_key_values.0.key` must be [batch, kv_heads, past_sequence, head_size] with fixed heads and head size, not {:?}, and the model's folder does not say its {what} (`genai_config.json`: `model.decoder.head_size`, `num_key_value_heads`)",
-                first.shape
-            )),
-        };
-        let (kv_heads, head_size) = match first.shape.as_slice() {
-            [_, heads, _, size] => (
-                resolve("KV heads", *heads, hints.kv_heads)?,
-                resolve("head size", *size, hints.head_size)?,
-            ),
-            shape => {
-                return Err(format!(
-                    "input `past_key_values.0.key` must be [batch, kv_heads, past_sequence, head_size], not {shape:?}"
-                ));
-            }
-        };
+        let (kv_heads, head_size) = cache_heads(first, hints)?;
         let kv_datatype = first.datatype;
         if !matches!(kv_datatype, DataType::Fp32 | DataType::Fp16) {
             return Err(format!(
@@ -284,6 +260,33 @@ impl DecoderLayout {
             context: hints.context,
             prefill_logits,
         })
+    }
+}
+
+/// The KV heads and head size of the first layer's cache `first`: a dimension the graph leaves
+/// dynamic is taken from `hints`; one both fix must agree.
+fn cache_heads(first: &TensorSpec, hints: &CacheHints) -> Result<(u64, u64), String> {
+    let resolve = |what: &str, fixed: i64, hinted: Option<u64>| match (
+        u64::try_from(fixed).ok().filter(|d| *d > 0),
+        hinted,
+    ) {
+        (Some(d), Some(h)) if d != h => Err(format!(
+            "input `past_key_values.0.key` has {d} {what} but the model's folder says {h}"
+        )),
+        (Some(d), _) | (None, Some(d)) => Ok(d),
+        (None, None) => Err(format!(
+            "input `past_key_values.0.key` must be [batch, kv_heads, past_sequence, head_size] with fixed heads and head size, not {:?}, and the model's folder does not say its {what} (`genai_config.json`: `model.decoder.head_size`, `num_key_value_heads`)",
+            first.shape
+        )),
+    };
+    match first.shape.as_slice() {
+        [_, heads, _, size] => Ok((
+            resolve("KV heads", *heads, hints.kv_heads)?,
+            resolve("head size", *size, hints.head_size)?,
+        )),
+        shape => Err(format!(
+            "input `past_key_values.0.key` must be [batch, kv_heads, past_sequence, head_size], not {shape:?}"
+        )),
     }
 }
 
