@@ -143,3 +143,56 @@ fn real_chat_templates_render_and_encode_as_transformers_does() {
     }
     assert!(wrong.is_empty(), "{}", wrong.join("\n\n"));
 }
+
+/// A completion's prompt gets what its tokenizer adds to any text (a BOS, as Llama 3's and
+/// Gemma's tokenizers add it), as `transformers` and vLLM encode it; a chat's does not, since
+/// its template already writes the BOS.
+#[tokio::test]
+async fn a_completion_gets_the_tokens_its_tokenizer_adds_and_a_chat_does_not() {
+    let scratch = vramguard::testing::Scratch::new();
+    let folder = real().join("llama-optimum");
+    let mut tokenizer: Value =
+        serde_json::from_str(&std::fs::read_to_string(folder.join("tokenizer.json")).unwrap()).unwrap();
+    let bos = json!({"SpecialToken": {"id": "<|begin_of_text|>", "type_id": 0}});
+    let text = |id: &str| json!({"Sequence": {"id": id, "type_id": 0}});
+    tokenizer["post_processor"] = json!({
+        "type": "TemplateProcessing",
+        "single": [bos, text("A")],
+        "pair": [bos, text("A"), bos, text("B")],
+        "special_tokens": {"<|begin_of_text|>": {"id": "<|begin_of_text|>", "ids": [5], "tokens": ["<|begin_of_text|>"]}}
+    });
+    let with_bos = scratch.write("bos/tokenizer.json", tokenizer.to_string());
+    std::fs::copy(
+        folder.join("tokenizer_config.json"),
+        scratch.path().join("bos/tokenizer_config.json"),
+    )
+    .unwrap();
+    let model = folder.join("model.onnx");
+    let server = TestServer::start(&format!(
+        "models:
+  - {{name: plain, path: '{model}', tokenizer: '{plain}'}}
+  - {{name: bos, path: '{model}', tokenizer: '{bos}'}}
+pools: [{{name: cpu, provider: cpu, models: [plain, bos]}}]
+",
+        model = model.display(),
+        plain = folder.join("tokenizer.json").display(),
+        bos = with_bos.display()
+    ))
+    .await;
+    let prompt_tokens = |path: &'static str, body: Value| {
+        let server = &server;
+        async move {
+            let answer: Value = server.post_json(path, &body).await.json().await.unwrap();
+            answer["usage"]["prompt_tokens"]
+                .as_u64()
+                .unwrap_or_else(|| panic!("{answer}"))
+        }
+    };
+    let completion = |model: &str| json!({"model": model, "prompt": "The pool", "max_tokens": 1});
+    let plain = prompt_tokens("/v1/completions", completion("plain")).await;
+    assert_eq!(prompt_tokens("/v1/completions", completion("bos")).await, plain + 1);
+    let chat = |model: &str| json!({"model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1});
+    let plain = prompt_tokens("/v1/chat/completions", chat("plain")).await;
+    assert_eq!(prompt_tokens("/v1/chat/completions", chat("bos")).await, plain);
+    server.stop().await;
+}

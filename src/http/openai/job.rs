@@ -120,8 +120,10 @@ pub(super) fn checked(state: &AppState, draft: Draft, id: &str) -> Result<Job, O
     let params = params(&sampling, max_tokens, tools, id)?;
     let entry = state.service.model(&sampling.model).expect("checked by text_model");
     let tokenizer = entry.tokenizer.as_ref().expect("checked by text_model");
+    // A completion's prompt gets what the tokenizer adds to any text (Llama's and Gemma's BOS),
+    // as `transformers` and vLLM encode it; a chat's rendered template already holds it.
     let encoding = tokenizer
-        .encode(text.as_str(), false)
+        .encode(text.as_str(), !chat)
         .map_err(|e| OpenAiError::invalid(format!("the prompt cannot be tokenized: {e}"), Some("prompt")))?;
     let tokens = encoding.get_ids().to_vec();
     if tokens.is_empty() {
