@@ -1,7 +1,7 @@
 //! What a decoder's folder says beside its graph, as the exporters write it: ONNX Runtime
 //! GenAI's `genai_config.json` ([`GenaiConfig`]), and the Hugging Face `config.json` and
-//! `generation_config.json` that Optimum copies: the most positions the model takes and the
-//! tokens that end its answers.
+//! `generation_config.json` that Optimum copies: the most positions the model takes, the
+//! tokens that end its answers, and the sampling its authors chose for it.
 
 use std::path::Path;
 
@@ -10,7 +10,7 @@ use serde_json::Value;
 use super::genai::{GenaiConfig, eos_ids};
 
 /// What vramguard reads from a model's folder.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct ModelFolder {
     /// `genai_config.json`, when the folder has one.
     pub genai: Option<GenaiConfig>,
@@ -20,6 +20,46 @@ pub struct ModelFolder {
     /// Token ids that end an answer: every `eos_token_id` (a number or a list) of
     /// `generation_config.json`, `genai_config.json` and `config.json`.
     pub eos: Vec<u32>,
+    /// The sampling a request that says none gets.
+    pub sampling: SamplingDefaults,
+}
+
+/// `generation_config.json`'s `temperature`, `top_p` and `top_k`: what a request that does not
+/// set them gets, as vLLM applies them (whatever its `do_sample`). `genai_config.json`'s
+/// `search` section is not read for them: the builder writes `transformers`' own defaults
+/// there (`top_k` 50) whether or not the model's authors chose any.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct SamplingDefaults {
+    /// Softmax temperature.
+    pub temperature: Option<f32>,
+    /// Nucleus sampling's probability mass.
+    pub top_p: Option<f32>,
+    /// Only the most likely tokens (0: all).
+    pub top_k: Option<u32>,
+}
+
+impl SamplingDefaults {
+    /// The defaults of a `generation_config.json`, each checked as a request's would be.
+    fn read(config: &Value) -> Result<SamplingDefaults, String> {
+        let number = |key: &str, ok: &dyn Fn(f64) -> bool, range: &str| match &config[key] {
+            Value::Null => Ok(None),
+            v => v
+                .as_f64()
+                .filter(|x| ok(*x))
+                .map(Some)
+                .ok_or_else(|| format!("`{key}` is {v}, not a number {range}")),
+        };
+        Ok(SamplingDefaults {
+            temperature: number("temperature", &|t| (0.0..=2.0).contains(&t), "from 0 to 2")?.map(|t| t as f32),
+            top_p: number("top_p", &|p| p > 0.0 && p <= 1.0, "above 0 and at most 1")?.map(|p| p as f32),
+            top_k: number(
+                "top_k",
+                &|k| k >= 0.0 && k.fract() == 0.0 && k <= f64::from(u32::MAX),
+                "of tokens",
+            )?
+            .map(|k| k as u32),
+        })
+    }
 }
 
 impl ModelFolder {
@@ -40,12 +80,18 @@ impl ModelFolder {
             }
         }
         eos.extend(genai.iter().flat_map(|g| g.eos.iter().copied()));
+        let sampling = match &generation {
+            Some(config) => SamplingDefaults::read(config)
+                .map_err(|e| format!("{}: {e}", folder.join("generation_config.json").display()))?,
+            None => SamplingDefaults::default(),
+        };
         eos.sort_unstable();
         eos.dedup();
         Ok(ModelFolder {
             context: genai.as_ref().and_then(|g| g.context_length).or(positions),
             genai,
             eos,
+            sampling,
         })
     }
 }
@@ -109,6 +155,35 @@ mod tests {
         let gpt2 = folder(&[("config.json", r#"{"n_positions": 1024}"#)]);
         assert_eq!(ModelFolder::read(gpt2.path()).unwrap().context, Some(1024));
         assert_eq!(ModelFolder::read(folder(&[]).path()).unwrap(), ModelFolder::default());
+    }
+
+    #[test]
+    fn generation_config_s_sampling_is_the_default_and_checked_as_a_request_s() {
+        let dir = folder(&[(
+            "generation_config.json",
+            r#"{"do_sample": true, "temperature": 0.6, "top_p": 0.9, "top_k": 20, "repetition_penalty": 1.05}"#,
+        )]);
+        let sampling = ModelFolder::read(dir.path()).unwrap().sampling;
+        assert_eq!(
+            sampling,
+            SamplingDefaults {
+                temperature: Some(0.6),
+                top_p: Some(0.9),
+                top_k: Some(20)
+            }
+        );
+        let hot = folder(&[("generation_config.json", r#"{"temperature": 3}"#)]);
+        let err = ModelFolder::read(hot.path()).unwrap_err();
+        assert!(
+            err.ends_with("generation_config.json: `temperature` is 3, not a number from 0 to 2"),
+            "{err}"
+        );
+        let half = folder(&[("generation_config.json", r#"{"top_k": 2.5}"#)]);
+        assert!(
+            ModelFolder::read(half.path())
+                .unwrap_err()
+                .ends_with("`top_k` is 2.5, not a number of tokens")
+        );
     }
 
     #[test]

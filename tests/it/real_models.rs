@@ -196,3 +196,46 @@ pools: [{{name: cpu, provider: cpu, models: [plain, bos]}}]
     assert_eq!(prompt_tokens("/v1/chat/completions", chat("bos")).await, plain);
     server.stop().await;
 }
+
+/// What a request leaves out comes from the model's `generation_config.json`: with `top_k: 1`
+/// there, a request at the default temperature (1) gives the greedy reference; the same request
+/// to the folder without it samples another text.
+#[tokio::test]
+async fn a_request_without_sampling_fields_gets_the_folder_s_generation_config() {
+    let scratch = vramguard::testing::Scratch::new();
+    let folder = real().join("llama-optimum");
+    for file in ["model.onnx", "tokenizer.json", "tokenizer_config.json"] {
+        std::fs::copy(folder.join(file), scratch.path().join(file)).unwrap();
+    }
+    scratch.write("generation_config.json", r#"{"do_sample": true, "top_k": 1}"#);
+    let server = TestServer::start(&format!(
+        "models:
+  - {{name: plain, path: '{plain}/model.onnx', tokenizer: '{plain}/tokenizer.json'}}
+  - {{name: topk, path: '{topk}/model.onnx', tokenizer: '{topk}/tokenizer.json'}}
+pools: [{{name: cpu, provider: cpu, models: [plain, topk]}}]
+",
+        plain = folder.display(),
+        topk = scratch.path().display()
+    ))
+    .await;
+    let case = &reference()["models"]["llama-optimum"]["cases"][0];
+    let max_tokens = reference()["max_new_tokens"].as_u64().unwrap();
+    let text = |model: &'static str| {
+        let server = &server;
+        async move {
+            let body = json!({"model": model, "prompt": case["prompt"], "max_tokens": max_tokens, "seed": 7});
+            let answer: Value = server.post_json("/v1/completions", &body).await.json().await.unwrap();
+            answer["choices"][0]["text"]
+                .as_str()
+                .unwrap_or_else(|| panic!("{answer}"))
+                .to_string()
+        }
+    };
+    assert_eq!(text("topk").await, case["text"].as_str().unwrap());
+    assert_ne!(
+        text("plain").await,
+        case["text"].as_str().unwrap(),
+        "sampling at temperature 1 gave the greedy text"
+    );
+    server.stop().await;
+}

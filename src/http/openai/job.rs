@@ -7,6 +7,7 @@ use serde_json::Value;
 
 use super::error::OpenAiError;
 use crate::http::state::AppState;
+use crate::runtime::folder::SamplingDefaults;
 use crate::serve::generation::{self, Params};
 use crate::serve::lifecycle::RequestError;
 use crate::serve::service::ModelEntry;
@@ -117,8 +118,8 @@ pub(super) fn checked(state: &AppState, draft: Draft, id: &str) -> Result<Job, O
     let stream = sampling.stream == Some(true);
     let chat = matches!(&api, Api::Chat { .. });
     let tools = matches!(&api, Api::Chat { tools } if !tools.is_empty());
-    let params = params(&sampling, max_tokens, tools, id)?;
     let entry = state.service.model(&sampling.model).expect("checked by text_model");
+    let params = params(&sampling, &entry.folder.sampling, max_tokens, tools, id)?;
     let tokenizer = entry.tokenizer.as_ref().expect("checked by text_model");
     // A completion's prompt gets what the tokenizer adds to any text (Llama's and Gemma's BOS),
     // as `transformers` and vLLM encode it; a chat's rendered template already holds it.
@@ -179,9 +180,16 @@ pub(super) fn read_completion(state: &AppState, body: &[u8], id: &str) -> Result
     })
 }
 
-/// How to generate, from the sampling fields: each checked, defaults as OpenAI's. `tools` says
+/// How to generate, from the sampling fields: each checked; what the request leaves out, the
+/// model folder's `defaults` (its `generation_config.json`), else OpenAI's. `tools` says
 /// whether the prompt offers tools.
-fn params(sampling: &Sampling, max_tokens: Option<u32>, tools: bool, id: &str) -> Result<Params, OpenAiError> {
+fn params(
+    sampling: &Sampling,
+    defaults: &SamplingDefaults,
+    max_tokens: Option<u32>,
+    tools: bool,
+    id: &str,
+) -> Result<Params, OpenAiError> {
     refuse_unsupported([
         (sampling.n.is_some_and(|n| n != 1), "n"),
         (sampling.presence_penalty.is_some_and(|p| p != 0.0), "presence_penalty"),
@@ -201,14 +209,14 @@ fn params(sampling: &Sampling, max_tokens: Option<u32>, tools: bool, id: &str) -
             Some("max_tokens"),
         ));
     }
-    let temperature = sampling.temperature.unwrap_or(1.0);
+    let temperature = sampling.temperature.or(defaults.temperature).unwrap_or(1.0);
     if !(0.0..=2.0).contains(&temperature) {
         return Err(OpenAiError::invalid(
             "`temperature` must be between 0 and 2",
             Some("temperature"),
         ));
     }
-    let top_p = sampling.top_p.unwrap_or(1.0);
+    let top_p = sampling.top_p.or(defaults.top_p).unwrap_or(1.0);
     if !(top_p > 0.0 && top_p <= 1.0) {
         return Err(OpenAiError::invalid(
             "`top_p` must be greater than 0 and at most 1",
@@ -227,7 +235,7 @@ fn params(sampling: &Sampling, max_tokens: Option<u32>, tools: bool, id: &str) -
         max_tokens,
         temperature,
         top_p,
-        top_k: sampling.top_k.unwrap_or(0),
+        top_k: sampling.top_k.or(defaults.top_k).unwrap_or(0),
         // Without a seed, one from the request id: still the same tokens if it is retried.
         seed: sampling.seed.unwrap_or_else(|| {
             id.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {

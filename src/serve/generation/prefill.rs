@@ -88,9 +88,9 @@ pub(super) fn prepare<'a>(
         // What the model's folder names ends its answers; the names families give end tokens
         // are only a guess for a model whose folder says nothing (a shared tokenizer may hold
         // another family's end token as an ordinary one).
-        eos: match entry.eos.is_empty() {
+        eos: match entry.folder.eos.is_empty() {
             true => END_TOKENS.iter().filter_map(|t| tokenizer.token_to_id(t)).collect(),
-            false => entry.eos.clone(),
+            false => entry.folder.eos.clone(),
         },
         params,
         prompt_tokens,

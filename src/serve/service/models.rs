@@ -39,10 +39,9 @@ pub struct ModelEntry {
     pub tokenizer: Option<Arc<tokenizers::Tokenizer>>,
     /// Its chat template, when it serves `/v1/chat/completions`.
     pub chat: Option<Arc<crate::runtime::chat::ChatTemplate>>,
-    /// Token ids that end its answers as its folder names them (`eos_token_id` of its
-    /// `generation_config.json`, `config.json`, `genai_config.json`); when it names none, the
-    /// end tokens its tokenizer has by name do.
-    pub eos: Vec<u32>,
+    /// What its folder says beside its graph: the token ids that end its answers (when it
+    /// names none, the end tokens its tokenizer has by name do) and its sampling defaults.
+    pub folder: ModelFolder,
 }
 
 impl ModelEntry {
@@ -189,7 +188,7 @@ fn load_model(backends: &dyn BackendFactory, m: &ModelConfig) -> Result<ModelEnt
         decoder,
         tokenizer,
         chat,
-        eos: folder.eos,
+        folder,
     })
 }
 
