@@ -6,7 +6,7 @@
 
 use std::collections::BTreeSet;
 
-use super::graph::fields;
+use super::graph::{Model, fields};
 use super::proto::{Message, varint};
 use crate::runtime::decoder::{CacheHints, Padding};
 use crate::runtime::folder::ModelFolder;
@@ -81,6 +81,12 @@ pub fn cache_hints(model: &[u8], folder: &ModelFolder) -> Result<CacheHints, Str
     })
 }
 
+/// Whether `model`'s graph takes past key values (`past_key_values.0.key`): a decoder, known
+/// from its bytes before any session of it is built.
+pub fn takes_past_key_values(model: &[u8]) -> bool {
+    Model::read(model).is_ok_and(|m| m.inputs.contains(&"past_key_values.0.key"))
+}
+
 /// `model` with `entries` added to its metadata (`metadata_props`): appended after its other
 /// fields, which a protobuf reader merges into the repeated field, so nothing else moves.
 pub fn with_metadata(mut model: Vec<u8>, entries: &[(&str, String)]) -> Vec<u8> {
@@ -105,6 +111,8 @@ mod tests {
         let ops = operators(BuiltinModel::Decoder.bytes()).unwrap();
         assert!(ops.contains("MatMul") && ops.contains("Softmax"), "{ops:?}");
         assert!(!ops.contains("GroupQueryAttention"));
+        assert!(takes_past_key_values(BuiltinModel::Decoder.bytes()));
+        assert!(!takes_past_key_values(BuiltinModel::Encoder.bytes()) && !takes_past_key_values(&[1, 2]));
         let err = operators(&[0x3a, 0x10, 1]).unwrap_err();
         assert_eq!(err, "not an ONNX model: a field runs past the end of its message");
     }

@@ -157,24 +157,14 @@ fn load_model(backends: &dyn BackendFactory, m: &ModelConfig) -> Result<ModelEnt
         );
     }
     let bytes = bytes.with_external_bytes(external.bytes);
-    let data = bytes.data();
-    let signature = backends
-        .signature(m, data)
-        .map_err(|e| ("path", format!("`{}` cannot be served: {e}", m.source)))?;
+    let (bytes, signature, decoder) = probed(backends, m, bytes, &hints)?;
     check_context(m, &signature)?;
-    let decoder = crate::runtime::decoder::DecoderLayout::detect(&signature, &hints)
-        .transpose()
-        .map_err(|e| ("path", format!("`{}`: {e}", m.source)))?;
     if decoder.is_some() && m.context.is_some() {
         return Err((
             "context",
             "a decoder's context is its attention mask, read from the graph; remove `context`".to_string(),
         ));
     }
-    let (bytes, signature, decoder) = match decoder {
-        Some(layout) => last_position_only(backends, m, bytes, signature, layout, &hints),
-        None => (bytes, signature, None),
-    };
     let profile = profile_of(backends, m, bytes.data(), &signature, decoder);
     let tokenizer = tokenizer_of(m, decoder)?;
     let chat = chat_template(m).map_err(|e| ("chat_template", e))?;
@@ -192,56 +182,50 @@ fn load_model(backends: &dyn BackendFactory, m: &ModelConfig) -> Result<ModelEnt
     })
 }
 
-/// Decoder `m`'s graph rewritten so that its prompt run computes the last position's logits
-/// only, with its signature and layout read again: these bytes are what every pool builds its
-/// sessions from. A graph the rewrite does not understand, or whose rewrite ONNX Runtime does
-/// not take as the same decoder, is kept as exported, and the log says why.
-fn last_position_only(
+/// `m`'s signature and decoder layout, read by one probe session. A decoder's graph (its inputs
+/// take past key values) is rewritten first so that its prompt run computes the last position's
+/// logits only, and probed as rewritten: these bytes are what every pool builds its sessions
+/// from. A graph the rewrite does not understand, or whose rewrite ONNX Runtime does not read
+/// as a decoder whose prompt run gives one position, is probed as exported, and the log says why.
+fn probed(
     backends: &dyn BackendFactory,
     m: &ModelConfig,
     bytes: ModelBytes,
-    signature: ModelSignature,
-    layout: DecoderLayout,
     hints: &CacheHints,
-) -> (ModelBytes, ModelSignature, Option<DecoderLayout>) {
-    if layout.prefill_logits == PrefillLogits::LastPosition {
-        return (bytes, signature, Some(layout));
-    }
-    let rewritten = crate::runtime::onnx::last_position_logits(bytes.data().graph).and_then(|short| {
-        let data = ModelData {
-            graph: &short,
-            ..bytes.data()
-        };
-        let signature = backends.signature(m, data)?;
-        match DecoderLayout::detect(&signature, hints) {
-            Some(Ok(read))
-                if read
-                    == DecoderLayout {
-                        prefill_logits: PrefillLogits::LastPosition,
-                        ..layout
-                    } =>
-            {
-                Ok((short, signature, read))
+) -> Result<(ModelBytes, ModelSignature, Option<DecoderLayout>), Invalid> {
+    if facts::takes_past_key_values(bytes.data().graph) {
+        let rewritten = crate::runtime::onnx::last_position_logits(bytes.data().graph).and_then(|short| {
+            let data = ModelData {
+                graph: &short,
+                ..bytes.data()
+            };
+            let signature = backends.signature(m, data)?;
+            match DecoderLayout::detect(&signature, hints) {
+                Some(Ok(read)) if read.prefill_logits == PrefillLogits::LastPosition => Ok((short, signature, read)),
+                other => Err(format!(
+                    "the rewritten graph reads as {other:?}, not as a decoder whose prompt run gives one position"
+                )),
             }
-            other => Err(format!(
-                "the rewritten graph reads as {other:?}, not as the same decoder"
-            )),
-        }
-    });
-    match rewritten {
-        Ok((short, signature, read)) => {
-            tracing::info!(model = %m.name, "the prompt's run computes the last position's logits only (its LM head is given that position alone)");
-            (bytes.with_graph(short), signature, Some(read))
-        }
-        Err(reason) => {
-            tracing::warn!(
+        });
+        match rewritten {
+            Ok((short, signature, read)) => {
+                tracing::info!(model = %m.name, "the prompt's run computes the last position's logits only (its LM head is given that position alone)");
+                return Ok((bytes.with_graph(short), signature, Some(read)));
+            }
+            Err(reason) => tracing::warn!(
                 model = %m.name,
                 %reason,
                 "the prompt's run computes every position's logits, as exported (no LM head to give the last position alone)"
-            );
-            (bytes, signature, Some(layout))
+            ),
         }
     }
+    let signature = backends
+        .signature(m, bytes.data())
+        .map_err(|e| ("path", format!("`{}` cannot be served: {e}", m.source)))?;
+    let decoder = DecoderLayout::detect(&signature, hints)
+        .transpose()
+        .map_err(|e| ("path", format!("`{}`: {e}", m.source)))?;
+    Ok((bytes, signature, decoder))
 }
 
 /// A configured context axis must name an input of the model, exist in its shape and be
