@@ -18,7 +18,8 @@ use crate::config::{BuiltinChatTemplate, ChatTemplateSource};
 const CHATML: &str = include_str!("chatml.jinja");
 /// Where a tool call starts and ends in the generated text (Hermes convention).
 pub const TOOL_CALL_OPEN: &str = "<tool_call>";
-const TOOL_CALL_CLOSE: &str = "</tool_call>";
+/// Where a tool call ends.
+pub const TOOL_CALL_CLOSE: &str = "</tool_call>";
 
 /// A model's chat template, compiled.
 pub struct ChatTemplate {

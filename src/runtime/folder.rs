@@ -62,7 +62,28 @@ impl SamplingDefaults {
     }
 }
 
+/// Tokens that end a turn, by the names model families give them.
+const END_TOKENS: [&str; 7] = [
+    "<|endoftext|>",
+    "</s>",
+    "<eos>",
+    "<|im_end|>",
+    "<|eot_id|>",
+    "<|end_of_text|>",
+    "<|end|>",
+];
+
 impl ModelFolder {
+    /// The token ids that end an answer: what the folder names; the names families give end
+    /// tokens are only a guess for a model whose folder says nothing (a shared tokenizer may
+    /// hold another family's end token as an ordinary one).
+    pub fn end_tokens(&self, tokenizer: &tokenizers::Tokenizer) -> Vec<u32> {
+        match self.eos.is_empty() {
+            true => END_TOKENS.iter().filter_map(|t| tokenizer.token_to_id(t)).collect(),
+            false => self.eos.clone(),
+        }
+    }
+
     /// The files of `folder` (each optional); an error names the file and what is wrong in it.
     pub fn read(folder: &Path) -> Result<ModelFolder, String> {
         let genai = GenaiConfig::read(folder)?;

@@ -1,12 +1,13 @@
 //! Running models: ONNX Runtime sessions and their arena, decoders with past key values (and what
 //! ONNX Runtime GenAI's `genai_config.json` says of them), chat templates, a generation's text as
-//! it comes, and what a request will need in memory. Above `core` and `config`; below devices,
-//! pools and everything that serves requests.
+//! it comes, the grammars that constrain it, and what a request will need in memory. Above
+//! `core` and `config`; below devices, pools and everything that serves requests.
 
 pub mod chat;
 pub mod decoder;
 pub mod estimate;
 pub mod folder;
 pub mod genai;
+pub mod grammar;
 pub mod onnx;
 pub mod text;

@@ -538,6 +538,7 @@ async fn a_generation_holds_its_services_concurrency_until_its_last_token() {
         seed: 1,
         stop: Vec::new(),
         tools: false,
+        grammar: None,
     };
     let generation = |sink| {
         let (service, params) = (Arc::clone(&service), params.clone());

@@ -481,9 +481,10 @@ async fn a_chat_answers_as_the_completion_of_its_rendered_template_streamed_or_n
         assert_eq!(error["error"]["param"], "messages", "{error}");
         assert!(error["error"]["message"].as_str().unwrap().contains(needle), "{error}");
     }
+    // A call forced of a function not offered.
     let mut forced = request.clone();
     forced["tools"] = serde_json::from_str(TOOLS).unwrap();
-    forced["tool_choice"] = json!("required");
+    forced["tool_choice"] = json!({"type": "function", "function": {"name": "absent"}});
     let (status, _, error) = chat(&server, &forced).await;
     assert_eq!(status, StatusCode::BAD_REQUEST, "{error}");
     assert_eq!(error["error"]["param"], "tool_choice", "{error}");

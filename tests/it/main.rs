@@ -37,6 +37,7 @@ mod simulated;
 mod simulated_policy;
 mod sizes;
 mod status_page;
+mod structured;
 mod substitute;
 mod text;
 mod triton;

@@ -1,6 +1,8 @@
 //! What is particular to `POST /v1/chat/completions`: messages rendered by the model's chat
-//! template, the tools offered, a chat shortened by whole turns, and tool calls read back into
-//! OpenAI's `tool_calls`. Templates and the reading of calls are [`crate::runtime::chat`].
+//! template, the tools offered, a chat shortened by whole turns, tool calls read back into
+//! OpenAI's `tool_calls`, and the grammar of a structured output (`response_format`, a forced
+//! or strict tool call). Templates and the reading of calls are [`crate::runtime::chat`], the
+//! grammars [`crate::runtime::grammar`].
 
 use std::sync::Arc;
 
@@ -11,7 +13,9 @@ use super::error::OpenAiError;
 use super::job::{Api, Draft, Sampling, Stop, refuse_unsupported, text_model};
 use crate::http::state::AppState;
 use crate::runtime::chat::{ChatTemplate, ToolCall};
+use crate::runtime::grammar::{Grammar, Json, Otherwise, Shape, Tool};
 use crate::serve::generation;
+use crate::serve::service::ModelEntry;
 
 /// The body of `POST /v1/chat/completions`.
 #[derive(Debug, Deserialize)]
@@ -34,9 +38,7 @@ struct ChatRequest {
     response_format: Option<Value>,
 }
 
-/// `tool_choice`. Without constrained decoding a call cannot be forced: only `auto` and `none`
-/// are served, and a forced call is refused rather than answered with text the client did not
-/// ask for.
+/// `tool_choice`.
 #[derive(Debug, Default, PartialEq)]
 enum ToolChoice {
     /// The model may call a tool offered (the default, also when `null`).
@@ -47,8 +49,8 @@ enum ToolChoice {
     /// `required`: a call to some tool, forced.
     Required,
     /// `{"type": "function", "function": {"name": …}}`: a call to that function, forced.
-    Function,
-    /// Any other value, refused as a forced call is (not as a malformed body), as it always was.
+    Function(String),
+    /// Any other value, refused by [`read`] with `tool_choice` named (not as a malformed body).
     Unknown,
 }
 
@@ -64,10 +66,108 @@ impl<'de> Deserialize<'de> for ToolChoice {
                 "required" => ToolChoice::Required,
                 _ => ToolChoice::Unknown,
             },
-            Value::Object(_) if value["type"] == "function" => ToolChoice::Function,
+            Value::Object(_) if value["type"] == "function" => match value["function"]["name"].as_str() {
+                Some(name) => ToolChoice::Function(name.to_string()),
+                None => ToolChoice::Unknown,
+            },
             _ => ToolChoice::Unknown,
         })
     }
+}
+
+/// `response_format` as a JSON schema the answer follows, with OpenAI's `strict`: `None` for
+/// `{"type": "text"}` (or none given).
+fn response_schema(format: Option<&Value>) -> Result<Option<(Value, bool)>, OpenAiError> {
+    let invalid = |message: &str| OpenAiError::invalid(message, Some("response_format"));
+    let Some(format) = format.filter(|f| !f.is_null()) else {
+        return Ok(None);
+    };
+    match format["type"].as_str() {
+        Some("text") => Ok(None),
+        Some("json_object") => Ok(Some((json!({"type": "object"}), true))),
+        Some("json_schema") => {
+            let spec = &format["json_schema"];
+            if spec["name"].as_str().is_none_or(str::is_empty) {
+                return Err(invalid("`response_format.json_schema.name` must be a non-empty string"));
+            }
+            let strict = match &spec["strict"] {
+                Value::Null => false,
+                Value::Bool(strict) => *strict,
+                _ => return Err(invalid("`response_format.json_schema.strict` must be true or false")),
+            };
+            match &spec["schema"] {
+                // OpenAI's schema is optional: an answer without one is any JSON object.
+                Value::Null => Ok(Some((json!({"type": "object"}), strict))),
+                schema @ Value::Object(_) => Ok(Some((schema.clone(), strict))),
+                _ => Err(invalid(
+                    "`response_format.json_schema.schema` must be a JSON Schema object",
+                )),
+            }
+        }
+        _ => Err(invalid(
+            "`response_format.type` must be \"text\", \"json_object\" or \"json_schema\"",
+        )),
+    }
+}
+
+/// The grammar a chat's answer follows, compiled for `entry`'s tokenizer, if any: a call of the
+/// forced tool (`forced`: the only one, else any of `tools`) when a call is forced; else, with
+/// tools offered of which one is strict or with a `response_format`, a call of any tool or an
+/// answer in that format (prose, without one); else the `response_format`.
+fn grammar_of(
+    entry: &ModelEntry,
+    tools: &[Value],
+    offered: bool,
+    forced: Option<Option<&str>>,
+    format: Option<&(Value, bool)>,
+) -> Result<Option<Grammar>, OpenAiError> {
+    let grammars = entry.grammars.as_ref().expect("checked by text_model");
+    let answer = format.map(|(schema, strict)| Json {
+        schema,
+        strict: *strict,
+    });
+    let callable: Vec<Tool<'_>> = tools
+        .iter()
+        .map(|t| Tool {
+            name: t["function"]["name"].as_str().unwrap_or_default(),
+            parameters: t["function"].get("parameters"),
+            strict: t["function"]["strict"] == true,
+        })
+        .filter(|t| forced.flatten().is_none_or(|name| t.name == name))
+        .collect();
+    let strict_tool = callable.iter().any(|t| t.strict);
+    let shape = match (forced, offered) {
+        (Some(_), _) => Shape::ToolCall {
+            tools: &callable,
+            otherwise: None,
+        },
+        (None, true) if answer.is_some() || strict_tool => {
+            // A response format that cannot compile is named as such, not as the tools'.
+            if let Some(answer) = answer {
+                grammars
+                    .compile(Shape::Json(answer))
+                    .map_err(|e| OpenAiError::invalid(e, Some("response_format")))?;
+            }
+            let otherwise = Some(answer.map_or(Otherwise::Prose, Otherwise::Json));
+            Shape::ToolCall {
+                tools: &callable,
+                otherwise,
+            }
+        }
+        _ => match answer {
+            Some(answer) => Shape::Json(answer),
+            None => return Ok(None),
+        },
+    };
+    let param = if matches!(shape, Shape::Json(_)) {
+        "response_format"
+    } else {
+        "tools"
+    };
+    grammars
+        .compile(shape)
+        .map(Some)
+        .map_err(|e| OpenAiError::invalid(e, Some(param)))
 }
 
 /// A chat body: its messages rendered by the model's template, with the tools offered, and the
@@ -78,14 +178,8 @@ pub(super) fn read(state: &AppState, body: &[u8], id: &str) -> Result<Draft, Ope
     refuse_unsupported([
         (request.logprobs == Some(true), "logprobs"),
         (request.top_logprobs.is_some(), "top_logprobs"),
-        (
-            request
-                .response_format
-                .as_ref()
-                .is_some_and(|f| !f.is_null() && f["type"] != "text"),
-            "response_format",
-        ),
     ])?;
+    let format = response_schema(request.response_format.as_ref())?;
     let entry = text_model(state, &request.sampling.model, id)?;
     let template = entry.chat.clone().ok_or_else(|| {
         OpenAiError::invalid(
@@ -100,16 +194,33 @@ pub(super) fn read(state: &AppState, body: &[u8], id: &str) -> Result<Draft, Ope
         .map_err(|e| OpenAiError::invalid(e, Some("messages")))?;
     let tools = request.tools.unwrap_or_default();
     crate::runtime::chat::check_tools(&tools).map_err(|e| OpenAiError::invalid(e, Some("tools")))?;
-    let offered = match request.tool_choice {
-        ToolChoice::Auto => !tools.is_empty(),
-        ToolChoice::None => false,
-        ToolChoice::Required | ToolChoice::Function | ToolChoice::Unknown => {
-            return Err(OpenAiError::invalid(
-                "`tool_choice` may be \"auto\" or \"none\": forcing a call is not supported",
-                Some("tool_choice"),
+    let tool_choice = |message: String| OpenAiError::invalid(message, Some("tool_choice"));
+    // `forced`: a call is forced, of the function named or (`None`) of any tool offered.
+    let (offered, forced) = match &request.tool_choice {
+        ToolChoice::Auto => (!tools.is_empty(), None),
+        ToolChoice::None => (false, None),
+        ToolChoice::Required | ToolChoice::Function(_) if tools.is_empty() => {
+            return Err(tool_choice(
+                "`tool_choice` forces a call, and no `tools` are offered".into(),
+            ));
+        }
+        ToolChoice::Required => (true, Some(None)),
+        ToolChoice::Function(name) => {
+            if !tools.iter().any(|t| t["function"]["name"] == name.as_str()) {
+                return Err(tool_choice(format!(
+                    "`tool_choice` names `{name}`, which is not among the `tools`"
+                )));
+            }
+            (true, Some(Some(name.as_str())))
+        }
+        ToolChoice::Unknown => {
+            return Err(tool_choice(
+                "`tool_choice` may be \"auto\", \"none\", \"required\" or {\"type\": \"function\", \"function\": {\"name\": …}}"
+                    .into(),
             ));
         }
     };
+    let grammar = grammar_of(entry, &tools, offered, forced, format.as_ref())?;
     let offered_tools = offered.then_some(tools.as_slice());
     let text = template
         .render(&messages, offered_tools)
@@ -131,28 +242,32 @@ pub(super) fn read(state: &AppState, body: &[u8], id: &str) -> Result<Draft, Ope
     };
     let max_tokens = request.max_completion_tokens.or(request.sampling.max_tokens);
     let mut sampling = request.sampling;
-    sampling.stop = Some(with_end_of_turn(sampling.stop.take(), &template)?);
+    // A grammar ends the answer itself, and where it allows the end-of-turn string as text (in
+    // a JSON string) that text is part of the answer.
+    let end = grammar.is_none().then_some(&template.end_of_turn);
+    sampling.stop = Some(with_end_of_turn(sampling.stop.take(), end)?);
     Ok(Draft {
         sampling,
         text,
         api: Api::Chat { tools: names },
         max_tokens,
         shorten: Some(shorten),
+        grammar,
     })
 }
 
-/// The client's `stop` with the end of the assistant's turn added: it ends the answer even where
-/// it is not a single token.
-fn with_end_of_turn(stop: Option<Stop>, template: &ChatTemplate) -> Result<Stop, OpenAiError> {
-    let end = template.end_of_turn.clone();
+/// The client's `stop` with `end`, the end of the assistant's turn, added: it ends the answer
+/// even where it is not a single token.
+fn with_end_of_turn(stop: Option<Stop>, end: Option<&String>) -> Result<Stop, OpenAiError> {
+    let end = end.cloned();
     Ok(match stop {
-        None => Stop::Many(vec![end]),
-        Some(Stop::One(s)) => Stop::Many(vec![s, end]),
+        None => Stop::Many(end.into_iter().collect()),
+        Some(Stop::One(s)) => Stop::Many(std::iter::once(s).chain(end).collect()),
         Some(Stop::Many(mut v)) => {
             if v.len() > 4 {
                 return Err(OpenAiError::invalid("`stop` takes at most 4 strings", Some("stop")));
             }
-            v.push(end);
+            v.extend(end);
             Stop::Many(v)
         }
     })
@@ -216,7 +331,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn tool_choice_serves_auto_and_none_and_names_a_forced_call() {
+    fn tool_choice_reads_auto_none_and_a_forced_call() {
         let choice = |value: Value| {
             let request = json!({"model": "m", "messages": [], "tool_choice": value});
             serde_json::from_value::<ChatRequest>(request).unwrap().tool_choice
@@ -227,8 +342,9 @@ mod tests {
         assert_eq!(choice(json!("required")), ToolChoice::Required);
         assert_eq!(
             choice(json!({"type": "function", "function": {"name": "weather"}})),
-            ToolChoice::Function
+            ToolChoice::Function("weather".into())
         );
+        assert_eq!(choice(json!({"type": "function"})), ToolChoice::Unknown);
         assert_eq!(choice(json!("sometimes")), ToolChoice::Unknown);
         assert_eq!(choice(json!(3)), ToolChoice::Unknown);
         let absent = json!({"model": "m", "messages": []});

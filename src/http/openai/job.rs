@@ -8,6 +8,7 @@ use serde_json::Value;
 use super::error::OpenAiError;
 use crate::http::state::AppState;
 use crate::runtime::folder::SamplingDefaults;
+use crate::runtime::grammar::Grammar;
 use crate::serve::generation::{self, Params};
 use crate::serve::lifecycle::RequestError;
 use crate::serve::service::ModelEntry;
@@ -95,6 +96,8 @@ pub(super) struct Draft {
     /// How the prompt is cut when it does not fit: a chat by whole turns; a completion from its
     /// start (`None`, the prompt's default).
     pub(super) shorten: Option<generation::Shorten>,
+    /// The grammar a chat's structured output follows.
+    pub(super) grammar: Option<Grammar>,
 }
 
 /// Refuse the first field `given` that is not supported, by name.
@@ -114,12 +117,16 @@ pub(super) fn checked(state: &AppState, draft: Draft, id: &str) -> Result<Job, O
         api,
         max_tokens,
         shorten,
+        grammar,
     } = draft;
     let stream = sampling.stream == Some(true);
     let chat = matches!(&api, Api::Chat { .. });
     let tools = matches!(&api, Api::Chat { tools } if !tools.is_empty());
     let entry = state.service.model(&sampling.model).expect("checked by text_model");
-    let params = params(&sampling, &entry.folder.sampling, max_tokens, tools, id)?;
+    let params = Params {
+        grammar,
+        ..params(&sampling, &entry.folder.sampling, max_tokens, tools, id)?
+    };
     let tokenizer = entry.tokenizer.as_ref().expect("checked by text_model");
     // A completion's prompt gets what the tokenizer adds to any text (Llama's and Gemma's BOS),
     // as `transformers` and vLLM encode it; a chat's rendered template already holds it.
@@ -177,6 +184,7 @@ pub(super) fn read_completion(state: &AppState, body: &[u8], id: &str) -> Result
         api: Api::Completion,
         max_tokens,
         shorten: None,
+        grammar: None,
     })
 }
 
@@ -244,6 +252,7 @@ fn params(
         }),
         stop,
         tools,
+        grammar: None,
     })
 }
 

@@ -319,6 +319,7 @@ mod tests {
             seed: 7,
             stop: Vec::new(),
             tools: false,
+            grammar: None,
         };
         let prompt: Vec<u32> = (40..100).collect();
         let mut request = crate::testing::request(model, Vec::new());

@@ -1,6 +1,7 @@
-//! A generation's token loop after its prompt's run: pick a token, add it to the text, hand
-//! a streamed generation's delta to its sink, and step on the cache until the end-of-text
-//! token, a stop string or `max_tokens`.
+//! A generation's token loop after its prompt's run: pick a token (among those its grammar
+//! allows, when it has one), add it to the text, hand a streamed generation's delta to its
+//! sink, and step on the cache until the end-of-text token, a stop string, the end of its
+//! grammar or `max_tokens`.
 
 use std::sync::Arc;
 
@@ -11,6 +12,7 @@ use crate::serve::lifecycle::{NotRetried, Refused, RequestError, Served};
 use crate::serve::service::Service;
 
 use super::cache::{CacheSite, Failed, read_outputs};
+use super::constrain::{self, Constraint};
 use super::prefill::{Decoding, Prefill, history};
 use super::sample::{Rng, pick};
 use super::text::Text;
@@ -100,11 +102,19 @@ pub(super) async fn run<'a>(
     let mut told = None;
     let estimate = entry.estimate_tokens((prompt_tokens as u64).saturating_add(u64::from(params.max_tokens)), 1);
     let estimate_bytes = estimate.context_bytes.saturating_add(estimate.workspace_bytes);
+    let mut constraint = Constraint::new(params);
     let finish = loop {
+        if let Some(constraint) = &constraint {
+            constraint.mask(&mut logits);
+        }
         let next = pick(&logits, params, &mut rng);
         if eos.contains(&next) {
             break Finish::Stop;
         }
+        let finished = match &mut constraint {
+            Some(constraint) => constraint.accept(next).map_err(|e| broken(&site.pool, e))?,
+            None => false,
+        };
         let delta = text.push(next).map_err(|e| broken(&site.pool, e))?;
         if let (Some(sink), Some(delta)) = (&sink, delta) {
             let facts = || Facts {
@@ -117,7 +127,7 @@ pub(super) async fn run<'a>(
                 return Err(failed(&site.pool, RequestError::ClientGone));
             }
         }
-        if text.stopped() {
+        if text.stopped() || finished {
             break Finish::Stop;
         }
         let produced = text.tokens().len();
@@ -126,14 +136,14 @@ pub(super) async fn run<'a>(
         }
         let past = prompt_tokens + produced - 1;
         let history = || history(&prompt, shrunk.as_ref(), text.tokens());
-        logits = match site
-            .step(service, &mut steps, layout, (next, past), history, estimate_bytes)
-            .await
-        {
+        let step = site.step(service, &mut steps, layout, (next, past), history, estimate_bytes);
+        let (stepped, masked) = constrain::alongside(constraint.as_mut(), step).await;
+        logits = match stepped {
             Ok(logits) => logits,
             Err(Failed::Request(e)) => return Err(failed(&site.pool, tools_not_retried(e, params.tools))),
             Err(Failed::Broken(e)) => return Err(broken(&site.pool, e)),
         };
+        masked.map_err(|e| broken(&site.pool, e))?;
         held.update(&site.pool.sequences, kv_per_token.saturating_mul((past + 1) as u64));
         metrics
             .inter_token

@@ -18,10 +18,12 @@
 //!
 //! The files follow a generation: `prefill.rs` (the prompt made a request and placed, on its
 //! model or its fallback), `decode.rs` (the token loop), `cache.rs` (where its KV cache is
-//! between steps, and a step on it), `sample.rs` (picking a token) and `text.rs` (its text:
-//! decoded once, stop strings, deltas).
+//! between steps, and a step on it), `sample.rs` (picking a token), `constrain.rs` (the
+//! grammar of a structured output) and `text.rs` (its text: decoded once, stop strings,
+//! deltas).
 
 mod cache;
+mod constrain;
 mod decode;
 mod prefill;
 mod sample;
@@ -123,12 +125,15 @@ pub struct Params {
     /// The request offers tools: once its first token is picked it is never run again, on
     /// any pool, since a tool call it makes may already have acted on the client's side.
     pub tools: bool,
+    /// The grammar its text follows (structured outputs), compiled for its model: only tokens
+    /// it allows are picked, and the generation ends when it is finished.
+    pub grammar: Option<crate::runtime::grammar::Grammar>,
 }
 
 /// Why generation ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Finish {
-    /// The end-of-text token or a stop string.
+    /// The end-of-text token, a stop string, or the end of its grammar.
     Stop,
     /// `max_tokens` reached.
     Length,

@@ -10,17 +10,6 @@ use crate::serve::service::{ModelEntry, Service};
 
 use super::{Params, Prompt, Source};
 
-/// Tokens that end a turn, by the names model families give them.
-const END_TOKENS: [&str; 7] = [
-    "<|endoftext|>",
-    "</s>",
-    "<eos>",
-    "<|im_end|>",
-    "<|eot_id|>",
-    "<|end_of_text|>",
-    "<|end|>",
-];
-
 /// What a generation decodes with: its model's decoder and tokenizer, the tokens that end a
 /// turn, how to pick tokens, and its prompt's length.
 pub(super) struct Decoding<'a> {
@@ -85,13 +74,7 @@ pub(super) fn prepare<'a>(
         entry,
         layout,
         tokenizer,
-        // What the model's folder names ends its answers; the names families give end tokens
-        // are only a guess for a model whose folder says nothing (a shared tokenizer may hold
-        // another family's end token as an ordinary one).
-        eos: match entry.folder.eos.is_empty() {
-            true => END_TOKENS.iter().filter_map(|t| tokenizer.token_to_id(t)).collect(),
-            false => entry.folder.eos.clone(),
-        },
+        eos: entry.folder.end_tokens(tokenizer),
         params,
         prompt_tokens,
         prompt,

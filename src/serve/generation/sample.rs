@@ -89,6 +89,7 @@ mod tests {
             seed: 7,
             stop: vec![],
             tools: false,
+            grammar: None,
         }
     }
 

@@ -39,6 +39,8 @@ pub struct ModelEntry {
     pub tokenizer: Option<Arc<tokenizers::Tokenizer>>,
     /// Its chat template, when it serves `/v1/chat/completions`.
     pub chat: Option<Arc<crate::runtime::chat::ChatTemplate>>,
+    /// Its grammar compiler for structured outputs, when it has a tokenizer.
+    pub grammars: Option<Arc<crate::runtime::grammar::Grammars>>,
     /// What its folder says beside its graph: the token ids that end its answers (when it
     /// names none, the end tokens its tokenizer has by name do) and its sampling defaults.
     pub folder: ModelFolder,
@@ -168,6 +170,10 @@ fn load_model(backends: &dyn BackendFactory, m: &ModelConfig) -> Result<ModelEnt
     let profile = profile_of(backends, m, bytes.data(), &signature, decoder);
     let tokenizer = tokenizer_of(m, decoder)?;
     let chat = chat_template(m).map_err(|e| ("chat_template", e))?;
+    let grammars = tokenizer.as_ref().map(|tokenizer| {
+        let eos = folder.end_tokens(tokenizer);
+        Arc::new(crate::runtime::grammar::Grammars::new(Arc::clone(tokenizer), eos))
+    });
     Ok(ModelEntry {
         config: m.clone(),
         signature,
@@ -178,6 +184,7 @@ fn load_model(backends: &dyn BackendFactory, m: &ModelConfig) -> Result<ModelEnt
         decoder,
         tokenizer,
         chat,
+        grammars,
         folder,
     })
 }
