@@ -12,7 +12,7 @@ PYTHON      ?= python3
 CARGO       ?= cargo
 SUDO        := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 APT_STAMP   := .deps/.apt-updated
-PYCLIENTS   := .deps/pyclients/.installed-2
+PYCLIENTS   := .deps/pyclients/.installed-3
 PEER        := .deps/peer/.installed
 MODELGEN    := .deps/modelgen/.installed
 SYSTEMD_UNIT := deploy/systemd/vramguard.service
@@ -80,7 +80,7 @@ systemd-tools:
 # Triton's stock HTTP client and OpenAI's Python client, for the protocol compatibility checks
 # (never imported by vramguard).
 $(PYCLIENTS):
-	$(PYTHON) -m pip install --quiet --disable-pip-version-check --target .deps/pyclients 'tritonclient[http]==2.73.0' numpy openai==3.57.0
+	$(PYTHON) -m pip install --quiet --disable-pip-version-check --target .deps/pyclients 'tritonclient[http]==2.73.0' numpy openai==3.57.0 'jsonschema==4.26.0'
 	@touch $@
 
 build:
@@ -118,6 +118,7 @@ client-compat: $(PYCLIENTS)
 	$(CARGO) build
 	$(PYTHON) tests/clients/triton_http.py target/debug/vramguard
 	$(PYTHON) tests/clients/openai_client.py target/debug/vramguard
+	$(PYTHON) tests/clients/structured_outputs.py target/debug/vramguard
 
 # The README's tour, in order, as written, against the embedded default (its Python examples use
 # the clients of $(PYCLIENTS)).

@@ -187,9 +187,10 @@ def run(address):
                       {"role": "tool", "tool_call_id": "call_1", "content": "12 GiB"}])
         assert done.choices[0].finish_reason in ("stop", "length", "tool_calls"), done
         try:
-            client.chat.completions.create(model="tiny", tools=tools, tool_choice="required",
+            client.chat.completions.create(model="tiny", tools=tools,
+                                           tool_choice={"type": "function", "function": {"name": "absent"}},
                                            messages=[{"role": "user", "content": "x"}])
-            raise AssertionError("a forced tool call was accepted")
+            raise AssertionError("a call forced of a function not offered was accepted")
         except openai.BadRequestError as e:
             assert e.body["param"] == "tool_choice", e.body
 
