@@ -75,17 +75,14 @@ impl<'de> Deserialize<'de> for ToolChoice {
 pub(super) fn read(state: &AppState, body: &[u8], id: &str) -> Result<Draft, OpenAiError> {
     let request: ChatRequest = serde_json::from_slice(body)
         .map_err(|e| OpenAiError::invalid(format!("the body is not a chat completion request: {e}"), None))?;
-    refuse_unsupported([
-        (request.logprobs == Some(true), "logprobs"),
-        (request.top_logprobs.is_some(), "top_logprobs"),
-        (
-            request
-                .response_format
-                .as_ref()
-                .is_some_and(|f| !f.is_null() && f["type"] != "text"),
-            "response_format",
-        ),
-    ])?;
+    refuse_unsupported([(
+        request
+            .response_format
+            .as_ref()
+            .is_some_and(|f| !f.is_null() && f["type"] != "text"),
+        "response_format",
+    )])?;
+    let logprobs = chat_logprobs(request.logprobs, request.top_logprobs)?;
     let entry = text_model(state, &request.sampling.model, id)?;
     let template = entry.chat.clone().ok_or_else(|| {
         OpenAiError::invalid(
@@ -138,7 +135,20 @@ pub(super) fn read(state: &AppState, body: &[u8], id: &str) -> Result<Draft, Ope
         api: Api::Chat { tools: names },
         max_tokens,
         shorten: Some(shorten),
+        logprobs,
     })
+}
+
+/// Chat's `logprobs` (whether to give each token's) and `top_logprobs` (how many of the most
+/// likely tokens' beside it, 0 to 20, only with `logprobs`), as the alternatives a token gets.
+fn chat_logprobs(logprobs: Option<bool>, top: Option<u32>) -> Result<Option<u32>, OpenAiError> {
+    let top_logprobs = |message: &str| OpenAiError::invalid(message, Some("top_logprobs"));
+    match (logprobs == Some(true), top.unwrap_or(0)) {
+        (_, top) if top > 20 => Err(top_logprobs("`top_logprobs` must be from 0 to 20")),
+        (false, 0) => Ok(None),
+        (false, _) => Err(top_logprobs("`top_logprobs` needs `logprobs: true`")),
+        (true, top) => Ok(Some(top)),
+    }
 }
 
 /// The client's `stop` with the end of the assistant's turn added: it ends the answer even where

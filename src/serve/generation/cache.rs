@@ -162,7 +162,7 @@ mod tests {
     };
     use crate::runtime::estimate::MemoryProfile;
     use crate::runtime::onnx::ModelSignature;
-    use crate::serve::generation::{self, Generated, Params, Placed};
+    use crate::serve::generation::{self, Generated, Params, Penalties, Placed};
     use crate::serve::lifecycle::Refused;
     use crate::serve::service::{BackendFactory, OrtFactory};
 
@@ -319,6 +319,8 @@ mod tests {
             seed: 7,
             stop: Vec::new(),
             tools: false,
+            penalties: Penalties::NONE,
+            logprobs: None,
         };
         let prompt: Vec<u32> = (40..100).collect();
         let mut request = crate::testing::request(model, Vec::new());
