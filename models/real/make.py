@@ -26,7 +26,9 @@ as it pads) equal each prompt alone, and the chat templates' renders by `apply_c
 with their token ids. The script checks, and fails loudly otherwise: ONNX Runtime (Python)
 greedy on each Optimum export gives `transformers`' tokens, and GenAI's own generator gives them
 on each fp32 GenAI build. The int4 build's reference is GenAI's generator (quantized weights
-cannot give `transformers`' logits).
+cannot give `transformers`' logits). models/real/logprobs.json holds the log-probabilities of the
+first prompt's first greedy steps, plain and penalized (stage `logprobs`, which rebuilds the
+models from their seeds and can run alone).
 
 The two exporters cannot share one environment (optimum-onnx 0.1.0 needs transformers < 4.58,
 onnxruntime-genai 0.18's builder needs transformers 5.x), so this file runs as an orchestrator
@@ -367,8 +369,9 @@ def penalized_steps(m, prompt_ids, plain_ids, vocab):
     """Greedy steps under PENALIZED, the logits processed as vramguard documents: `logit_bias`
     by `transformers`' SequenceBiasLogitsProcessor (single-token sequences: added every step),
     then its RepetitionPenaltyLogitsProcessor over prompt and generated tokens, then OpenAI's
-    frequency and presence penalties over the generated tokens only. The bias is named on the
-    plain run's first two tokens so that it changes what is picked."""
+    frequency and presence penalties over the generated tokens only. The bias raises the plain
+    run's first token and lowers its second, so that it bears on what is picked; PENALIZED's
+    values keep every choice at least MIN_MARGIN from a tie on every family."""
     import torch
     from transformers import RepetitionPenaltyLogitsProcessor, SequenceBiasLogitsProcessor
 
@@ -392,6 +395,7 @@ def penalized_steps(m, prompt_ids, plain_ids, vocab):
 
 
 def _chain(processors, seq, scores):
+    """`scores` (one row) through `transformers`' logits `processors` after the ids `seq`."""
     import torch
 
     scores = scores[None]
