@@ -26,7 +26,9 @@ as it pads) equal each prompt alone, and the chat templates' renders by `apply_c
 with their token ids. The script checks, and fails loudly otherwise: ONNX Runtime (Python)
 greedy on each Optimum export gives `transformers`' tokens, and GenAI's own generator gives them
 on each fp32 GenAI build. The int4 build's reference is GenAI's generator (quantized weights
-cannot give `transformers`' logits).
+cannot give `transformers`' logits). models/real/logprobs.json holds the log-probabilities of the
+first prompt's first greedy steps, plain and penalized (stage `logprobs`, which rebuilds the
+models from their seeds and can run alone).
 
 The two exporters cannot share one environment (optimum-onnx 0.1.0 needs transformers < 4.58,
 onnxruntime-genai 0.18's builder needs transformers 5.x), so this file runs as an orchestrator
@@ -352,6 +354,110 @@ def stage_hf():
     dump(os.path.join(WORK, "hf.json"), refs)
 
 
+# ------------------------------------------------------- stage `logprobs` (Optimum's env)
+
+# What logprobs.json holds: per family, the first prompt's first LOGPROB_STEPS greedy steps with
+# the TOP_LOGPROBS most likely tokens' log-probabilities at each, plain and under PENALIZED
+# (OpenAI's `logit_bias`, `frequency_penalty`, `presence_penalty` and `repetition_penalty`).
+LOGPROB_STEPS = 8
+TOP_LOGPROBS = 5
+PENALIZED = {"repetition_penalty": 1.5, "frequency_penalty": 0.75, "presence_penalty": 0.5,
+             "logit_bias": {"first": 1.0, "second": -4.0}}
+
+
+def penalized_steps(m, prompt_ids, plain_ids, vocab):
+    """Greedy steps under PENALIZED, the logits processed as vramguard documents: `logit_bias`
+    by `transformers`' SequenceBiasLogitsProcessor (single-token sequences: added every step),
+    then its RepetitionPenaltyLogitsProcessor over prompt and generated tokens, then OpenAI's
+    frequency and presence penalties over the generated tokens only. The bias raises the plain
+    run's first token and lowers its second, so that it bears on what is picked; PENALIZED's
+    values keep every choice at least MIN_MARGIN from a tie on every family."""
+    import torch
+    from transformers import RepetitionPenaltyLogitsProcessor, SequenceBiasLogitsProcessor
+
+    bias = {str(plain_ids[0]): PENALIZED["logit_bias"]["first"],
+            str(plain_ids[1]): PENALIZED["logit_bias"]["second"]}
+    processors = [
+        SequenceBiasLogitsProcessor(sequence_bias=[[[int(t)], b] for t, b in bias.items()]),
+        RepetitionPenaltyLogitsProcessor(penalty=PENALIZED["repetition_penalty"]),
+    ]
+
+    def openai_penalties(generated, scores):
+        counts = torch.bincount(torch.tensor(generated, dtype=torch.long), minlength=vocab).float()
+        return (scores - counts * PENALIZED["frequency_penalty"]
+                - (counts > 0).float() * PENALIZED["presence_penalty"])
+
+    ids = list(prompt_ids)
+    steps = greedy_steps(m, ids, lambda seq, scores: openai_penalties(
+        seq[len(prompt_ids):], _chain(processors, seq, scores)))
+    params = {k: v for k, v in PENALIZED.items() if k != "logit_bias"}
+    return {**steps, "params": {**params, "logit_bias": bias}}
+
+
+def _chain(processors, seq, scores):
+    """`scores` (one row) through `transformers`' logits `processors` after the ids `seq`."""
+    import torch
+
+    scores = scores[None]
+    for p in processors:
+        scores = p(torch.tensor([seq]), scores)
+    return scores[0]
+
+
+def greedy_steps(m, prompt_ids, process):
+    """LOGPROB_STEPS greedy steps of `m` on `prompt_ids`, each step's logits of the whole
+    sequence's last position passed through `process(sequence, logits)`: the ids picked, and at
+    each step the log-softmax's TOP_LOGPROBS (id, logprob) and the picked token's logprob."""
+    import torch
+
+    seq, ids, top, picked, margins = list(prompt_ids), [], [], [], []
+    with torch.no_grad():
+        for _ in range(LOGPROB_STEPS):
+            logits = m(torch.tensor([seq])).logits[0, -1].double()
+            scores = process(seq, logits)
+            logprobs = torch.log_softmax(scores, dim=-1)
+            values, order = logprobs.topk(TOP_LOGPROBS)
+            margins.append(float(values[0] - values[1]))
+            t = int(order[0])
+            ids.append(t)
+            picked.append(float(logprobs[t]))
+            top.append([[int(i), float(v)] for i, v in zip(order, values)])
+            seq.append(t)
+    return {"ids": ids, "logprobs": picked, "top": top, "min_margin": min(margins)}
+
+
+def stage_logprobs():
+    """models/real/logprobs.json from the models rebuilt from their seeds as stage `hf` builds
+    them (their greedy ids checked against reference.json's): the reference the logprobs and
+    penalties of every folder with `transformers`' weights (Optimum's and GenAI's fp32 builds,
+    which the builder makes from the same saved weights) are compared with."""
+    import torch
+
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
+    reference = load(os.path.join(HERE, "reference.json"))["models"]
+    tok = train_tokenizer()
+    out = {"steps": LOGPROB_STEPS, "top_logprobs": TOP_LOGPROBS, "families": {}}
+    for family in FAMILIES:
+        fast = tokenizer_for(family, tok)
+        m = build_model(family, fast)
+        case = reference[f"{family}-optimum"]["cases"][0]
+        plain = greedy_steps(m, case["prompt_ids"], lambda seq, logits: logits)
+        if plain["ids"] != case["ids"][:LOGPROB_STEPS]:
+            fail(f"{family}: the rebuilt model's greedy ids {plain['ids']} are not reference.json's "
+                 f"{case['ids'][:LOGPROB_STEPS]}")
+        penalized = penalized_steps(m, case["prompt_ids"], plain["ids"], len(fast))
+        if penalized["min_margin"] < MIN_MARGIN:
+            fail(f"{family}: a penalized greedy choice is {penalized['min_margin']:.4f} from a tie")
+        if penalized["ids"] == plain["ids"]:
+            fail(f"{family}: the penalties change nothing: {plain['ids']}")
+        out["families"][family] = {"prompt": case["prompt"], "prompt_ids": case["prompt_ids"],
+                                   "plain": plain, "penalized": penalized}
+        print(f"{family}: plain {plain['ids']}, penalized {penalized['ids']} "
+              f"(margin {penalized['min_margin']:.3f})")
+    dump(os.path.join(HERE, "logprobs.json"), out)
+
+
 # --------------------------------------------------------- stage `genai` (the builder's env)
 
 def build_genai(hf, out, precision):
@@ -459,12 +565,14 @@ def interpreter(variable, venv):
 
 def main():
     if len(sys.argv) > 1:
-        {"hf": stage_hf, "genai": stage_genai, "finish": stage_finish}[sys.argv[1]]()
+        {"hf": stage_hf, "genai": stage_genai, "finish": stage_finish,
+         "logprobs": stage_logprobs}[sys.argv[1]]()
         return
     optimum = interpreter("FIXTURE_PYTHON_OPTIMUM", "fixtures-venv-optimum")
     genai = interpreter("FIXTURE_PYTHON_GENAI", "fixtures-venv-genai")
     os.makedirs(WORK, exist_ok=True)
-    for python, stage in ((optimum, "hf"), (genai, "genai"), (optimum, "finish")):
+    for python, stage in ((optimum, "hf"), (genai, "genai"), (optimum, "finish"),
+                          (optimum, "logprobs")):
         print(f"== {stage} ({python})", flush=True)
         subprocess.run([python, os.path.abspath(__file__), stage], check=True, cwd=ROOT)
 

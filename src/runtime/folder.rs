@@ -24,8 +24,8 @@ pub struct ModelFolder {
     pub sampling: SamplingDefaults,
 }
 
-/// `generation_config.json`'s `temperature`, `top_p` and `top_k`: what a request that does not
-/// set them gets, as vLLM applies them (whatever its `do_sample`). `genai_config.json`'s
+/// `generation_config.json`'s `temperature`, `top_p`, `top_k` and `repetition_penalty`: what a
+/// request that does not set them gets, as vLLM applies them (whatever its `do_sample`). `genai_config.json`'s
 /// `search` section is not read for them: the builder writes `transformers`' own defaults
 /// there (`top_k` 50) whether or not the model's authors chose any.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
@@ -36,6 +36,8 @@ pub struct SamplingDefaults {
     pub top_p: Option<f32>,
     /// Only the most likely tokens (0: all).
     pub top_k: Option<u32>,
+    /// `transformers`' repetition penalty (1: none).
+    pub repetition_penalty: Option<f32>,
 }
 
 impl SamplingDefaults {
@@ -58,6 +60,8 @@ impl SamplingDefaults {
                 "of tokens",
             )?
             .map(|k| k as u32),
+            repetition_penalty: number("repetition_penalty", &|r| r > 0.0 && r.is_finite(), "above 0")?
+                .map(|r| r as f32),
         })
     }
 }
@@ -190,7 +194,8 @@ mod tests {
             SamplingDefaults {
                 temperature: Some(0.6),
                 top_p: Some(0.9),
-                top_k: Some(20)
+                top_k: Some(20),
+                repetition_penalty: Some(1.05),
             }
         );
         let hot = folder(&[("generation_config.json", r#"{"temperature": 3}"#)]);
@@ -204,6 +209,12 @@ mod tests {
             ModelFolder::read(half.path())
                 .unwrap_err()
                 .ends_with("`top_k` is 2.5, not a number of tokens")
+        );
+        let none = folder(&[("generation_config.json", r#"{"repetition_penalty": 0}"#)]);
+        assert!(
+            ModelFolder::read(none.path())
+                .unwrap_err()
+                .ends_with("`repetition_penalty` is 0, not a number above 0")
         );
     }
 

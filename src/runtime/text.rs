@@ -65,6 +65,12 @@ impl Detokenizer {
         &self.tokens
     }
 
+    /// Whether the last tokens' text waits (an unfinished character, or tokens that add no
+    /// text yet): they are not in [`Detokenizer::text`].
+    pub fn waiting(&self) -> bool {
+        self.read < self.tokens.len()
+    }
+
     /// The tokens and their whole text, with what still waited (an unfinished character at the
     /// end reads as U+FFFD, as when the whole list is decoded).
     pub fn finish(mut self) -> Result<(Vec<u32>, String), String> {
@@ -83,6 +89,94 @@ impl Detokenizer {
         self.tokenizer
             .decode(&self.tokens[range], true)
             .map_err(|e| format!("cannot decode the tokens: {e}"))
+    }
+}
+
+/// The bytes of text each token of a tokenizer stands for, read as its decoder reads them but
+/// token by token: exact where a token holds part of a character (a byte-level BPE token, or
+/// SentencePiece's byte fallback `<0xE2>`), which decoding the token alone would turn into
+/// U+FFFD, and with the space SentencePiece's `▁` stands for even where a decoder strips it at
+/// the start of a text. A decoder of another kind is read by decoding the token alone.
+pub struct TokenBytes {
+    tokenizer: Arc<tokenizers::Tokenizer>,
+    reading: Reading,
+}
+
+/// How a tokenizer's decoder reads a token.
+enum Reading {
+    /// GPT-2's byte-level BPE: each character of a token stands for one byte (a token that has
+    /// another character, an added token, is its UTF-8, as the decoder reads it).
+    ByteLevel,
+    /// SentencePiece's pieces: `▁` is a space and, with byte fallback, `<0xNN>` is byte NN.
+    Pieces { byte_fallback: bool },
+    /// Anything else: the token decoded alone.
+    Decoded,
+}
+
+impl TokenBytes {
+    /// How `tokenizer`'s decoder reads a token, from its kinds (a `Sequence`'s members).
+    pub fn new(tokenizer: Arc<tokenizers::Tokenizer>) -> TokenBytes {
+        let decoder = tokenizer
+            .get_decoder()
+            .and_then(|d| serde_json::to_value(d).ok())
+            .unwrap_or_default();
+        let members = match decoder["decoders"].as_array() {
+            Some(members) => members.clone(),
+            None => vec![decoder],
+        };
+        let has = |kind: &str| members.iter().any(|m| m["type"] == kind);
+        let spaces = members
+            .iter()
+            .any(|m| m["type"] == "Metaspace" || (m["type"] == "Replace" && m["pattern"]["String"] == "▁"));
+        let reading = if has("ByteLevel") {
+            Reading::ByteLevel
+        } else if spaces || has("ByteFallback") {
+            Reading::Pieces {
+                byte_fallback: has("ByteFallback"),
+            }
+        } else {
+            Reading::Decoded
+        };
+        TokenBytes { tokenizer, reading }
+    }
+
+    /// The bytes token `id` stands for (none for an id the tokenizer does not have).
+    pub fn bytes(&self, id: u32) -> Vec<u8> {
+        let Some(token) = self.tokenizer.id_to_token(id) else {
+            return Vec::new();
+        };
+        match self.reading {
+            Reading::ByteLevel => token
+                .chars()
+                .map(byte_level)
+                .collect::<Option<Vec<u8>>>()
+                .unwrap_or_else(|| token.into_bytes()),
+            Reading::Pieces { byte_fallback } => {
+                let byte = token
+                    .strip_prefix("<0x")
+                    .and_then(|t| t.strip_suffix('>'))
+                    .filter(|hex| byte_fallback && hex.len() == 2)
+                    .and_then(|hex| u8::from_str_radix(hex, 16).ok());
+                match byte {
+                    Some(byte) => vec![byte],
+                    None => token.replace('▁', " ").into_bytes(),
+                }
+            }
+            Reading::Decoded => self.tokenizer.decode(&[id], false).unwrap_or_default().into_bytes(),
+        }
+    }
+}
+
+/// The byte a character of GPT-2's byte-level alphabet stands for: the printable bytes are
+/// their own character, and the other 68 (0 to 32, 127 to 160 and 173), in order, are U+0100
+/// on.
+fn byte_level(c: char) -> Option<u8> {
+    match u32::from(c) {
+        n @ (0x21..=0x7E | 0xA1..=0xAC | 0xAE..=0xFF) => Some(n as u8),
+        n @ 0x100..=0x120 => Some((n - 0x100) as u8),
+        n @ 0x121..=0x142 => Some((n - 0x121 + 127) as u8),
+        0x143 => Some(173),
+        _ => None,
     }
 }
 
@@ -194,6 +288,65 @@ pub(crate) mod tests {
             let tokenizer = fixture();
             prop_assert_eq!(incrementally(&tokenizer, &tokens), tokenizer.decode(&tokens, true).unwrap());
         }
+    }
+
+    /// A byte-level tokenizer's tokens stand for the bytes its decoder gives them, one
+    /// character split over several tokens included: together they are the text's bytes,
+    /// though such a token alone is not UTF-8.
+    #[test]
+    fn byte_level_tokens_are_their_exact_bytes() {
+        let tokenizer = fixture();
+        let bytes = TokenBytes::new(Arc::clone(&tokenizer));
+        assert!(matches!(bytes.reading, Reading::ByteLevel));
+        for id in 0..tokenizer.get_vocab_size(true) as u32 {
+            let alone = tokenizer.decode(&[id], false).unwrap();
+            if !alone.contains('\u{FFFD}') {
+                assert_eq!(bytes.bytes(id), alone.as_bytes(), "token {id}");
+            }
+        }
+        let text = "Grüße aus Köln, 東京: ok";
+        let ids = tokenizer.encode(text, false).unwrap().get_ids().to_vec();
+        let each: Vec<Vec<u8>> = ids.iter().map(|&id| bytes.bytes(id)).collect();
+        assert_eq!(each.concat(), text.as_bytes());
+        assert!(
+            each.iter().any(|b| std::str::from_utf8(b).is_err()),
+            "a token holds part of a character"
+        );
+    }
+
+    /// SentencePiece's pieces with byte fallback (Llama 2's, Mistral's): `▁` is a space, kept
+    /// at the start too, and `<0xC3>` is that byte.
+    #[test]
+    fn sentencepiece_pieces_and_fallback_bytes_are_their_exact_bytes() {
+        let mut vocab = serde_json::json!({"<unk>": 0});
+        for b in 0..=255u32 {
+            vocab[format!("<0x{b:02X}>")] = serde_json::json!(b + 1);
+        }
+        for (i, piece) in ["▁", "h", "i", "▁h", "▁hi"].iter().enumerate() {
+            vocab[*piece] = serde_json::json!(257 + i);
+        }
+        let json = serde_json::json!({
+            "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+            "normalizer": {"type": "Sequence", "normalizers": [
+                {"type": "Prepend", "prepend": "▁"},
+                {"type": "Replace", "pattern": {"String": " "}, "content": "▁"}]},
+            "pre_tokenizer": null, "post_processor": null,
+            "decoder": {"type": "Sequence", "decoders": [
+                {"type": "Replace", "pattern": {"String": "▁"}, "content": " "},
+                {"type": "ByteFallback"}, {"type": "Fuse"},
+                {"type": "Strip", "content": " ", "start": 1, "stop": 0}]},
+            "model": {"type": "BPE", "dropout": null, "unk_token": "<unk>", "continuing_subword_prefix": null,
+                      "end_of_word_suffix": null, "fuse_unk": true, "byte_fallback": true, "ignore_merges": false,
+                      "vocab": vocab, "merges": ["▁ h", "▁h i"]}
+        });
+        let tokenizer = Arc::new(tokenizers::Tokenizer::from_bytes(json.to_string()).unwrap());
+        let ids = tokenizer.encode("hi é", false).unwrap().get_ids().to_vec();
+        assert_eq!(ids, [261, 257, 0xC3 + 1, 0xA9 + 1]);
+        assert_eq!(tokenizer.decode(&ids, false).unwrap(), "hi é");
+        let bytes = TokenBytes::new(Arc::clone(&tokenizer));
+        let each: Vec<Vec<u8>> = ids.iter().map(|&id| bytes.bytes(id)).collect();
+        assert_eq!(each, [b" hi".to_vec(), b" ".to_vec(), vec![0xC3], vec![0xA9]]);
+        assert_eq!(bytes.bytes(9999), Vec::<u8>::new(), "an id the tokenizer does not have");
     }
 
     #[test]

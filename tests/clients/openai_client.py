@@ -5,7 +5,8 @@ Starts `vramguard serve` (path in argv[1]) with the decoder fixture (models/deco
 127.0.0.1:0, then drives it with the stock client: model listing, a greedy completion whose
 text must equal the fixture's reference (computed without ONNX Runtime), seeded sampling that
 repeats, streaming, chat (whole, streamed, with tools) answering as the completion of its
-ChatML prompt, and errors (the server's own 404, 405 and 413 included) surfaced as the client's
+ChatML prompt, logprobs (chat and completions, whole and streamed, against the reference's
+first-step logits), presence and frequency penalties and logit_bias, and errors (the server's own 404, 405 and 413 included) surfaced as the client's
 own exception types in OpenAI's error body. Then it starts
 `vramguard serve` with no config, as `make run` does, and chats with the embedded default's
 `tiny` at once.
@@ -206,6 +207,113 @@ def run(address):
             raise AssertionError("temperature 5 was accepted")
         except openai.BadRequestError as e:
             assert e.body["param"] == "temperature", e.body
+
+    top5 = ref["first_step_top5"]
+
+    def near(got, want, what):
+        assert abs(got - want) <= ref["logit_tolerance"], (what, got, want)
+
+    @check("completion logprobs are the reference's logits, whole and streamed")
+    def _():
+        case = cases[top5["case"]]
+        ask = dict(model="tiny", prompt=case["prompt"], max_tokens=8, temperature=0, logprobs=5)
+        done = client.completions.create(**ask)
+        lp = done.choices[0].logprobs
+        assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 8, lp
+        assert "".join(lp.tokens) == done.choices[0].text == case["text"][:len(done.choices[0].text)], lp.tokens
+        assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(8)], lp.text_offset
+        for i, top in enumerate(lp.top_logprobs):
+            # Greedy: the picked token is the most likely, and the probabilities are below 1.
+            assert len(top) == 5 and max(top.values()) == lp.token_logprobs[i] <= 0, (i, top)
+            assert top[lp.tokens[i]] == lp.token_logprobs[i]
+            assert sum(2.718281828459045 ** v for v in top.values()) <= 1 + 1e-6
+        # The first step's log-probabilities differ as the reference's logits do.
+        first = sorted(lp.top_logprobs[0].values(), reverse=True)
+        for got, logit in zip(first, top5["logits"]):
+            near(got - first[0], logit - top5["logits"][0], "first step")
+        joined = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for chunk in client.completions.create(**ask, stream=True):
+            if chunk.choices[0].logprobs is not None:
+                for key in joined:
+                    joined[key] += getattr(chunk.choices[0].logprobs, key)
+        assert joined == {k: getattr(lp, k) for k in joined}, (joined, lp)
+
+    @check("chat logprobs: each token's bytes and top_logprobs, whole and streamed")
+    def _():
+        ask = dict(model="tiny", messages=[{"role": "user", "content": cases["short"]["prompt"]}], max_tokens=8,
+                   temperature=0, logprobs=True, top_logprobs=2)
+        done = client.chat.completions.create(**ask)
+        content = done.choices[0].logprobs.content
+        assert len(content) == done.usage.completion_tokens, content
+        for token in content:
+            assert token.logprob <= 0 and len(token.top_logprobs) == 2, token
+            assert token.top_logprobs[0].logprob == token.logprob, token
+            assert bytes(token.bytes).decode("utf-8", "replace") == token.token, token
+        if done.choices[0].finish_reason == "length":
+            text = b"".join(bytes(t.bytes) for t in content).decode("utf-8", "replace")
+            assert text == done.choices[0].message.content, (text, done.choices[0].message.content)
+        streamed = []
+        for chunk in client.chat.completions.create(**ask, stream=True):
+            if chunk.choices and chunk.choices[0].logprobs is not None:
+                streamed += chunk.choices[0].logprobs.content
+        assert [t.model_dump() for t in streamed] == [t.model_dump() for t in content]
+        # Without `logprobs`, none.
+        plain = client.chat.completions.create(**{**ask, "logprobs": False, "top_logprobs": None})
+        assert plain.choices[0].logprobs is None, plain
+
+    @check("logit_bias adds to a token's logit: -100 keeps it out, +100 makes it every token")
+    def _():
+        case = cases[top5["case"]]
+        ask = dict(model="tiny", prompt=case["prompt"], max_tokens=3, temperature=0, logprobs=5)
+        greedy, second = top5["ids"][0], top5["ids"][1]
+        banned = client.completions.create(**ask, logit_bias={str(greedy): -100})
+        lp = banned.choices[0].logprobs
+        # The second most likely leads, the others behind it as the logits say.
+        first = sorted(lp.top_logprobs[0].values(), reverse=True)
+        for got, logit in zip(first, top5["logits"][1:]):
+            near(got - first[0], logit - top5["logits"][1], "first step, the best banned")
+        forced = client.completions.create(**ask, logit_bias={str(second): 100})
+        lp = forced.choices[0].logprobs
+        assert len(set(lp.tokens)) == 1 and all(v > -1e-3 for v in lp.token_logprobs), lp
+        assert lp.tokens[0] == banned.choices[0].logprobs.tokens[0], (lp.tokens, banned.choices[0].logprobs.tokens)
+        for bad in ({"512": 1}, {"7": 101}):
+            try:
+                client.completions.create(**ask, logit_bias=bad)
+                raise AssertionError(f"logit_bias {bad} was accepted")
+            except openai.BadRequestError as e:
+                assert e.body["param"] == "logit_bias", e.body
+
+    @check("presence and frequency penalties act on the generated tokens only, as OpenAI defines them")
+    def _():
+        case = cases["short"]
+        ask = dict(model="tiny", prompt=case["prompt"], max_tokens=16, temperature=0, logprobs=5)
+        frequency, presence = 0.75, 0.5
+        plain = client.completions.create(**ask).choices[0].logprobs
+        bent = client.completions.create(**ask, presence_penalty=presence,
+                                         frequency_penalty=frequency).choices[0].logprobs
+        # Nothing was generated before the first token: its step is the plain one's.
+        assert bent.top_logprobs[0] == plain.top_logprobs[0]
+        # While both generated the same tokens, a step's logits were the same before the
+        # penalties: each token's logprob moved by minus its penalty (count × frequency +
+        # presence once generated), plus one shift for the whole step (the log-sum-exp).
+        penalized = 0
+        for k in range(len(plain.tokens)):
+            if plain.tokens[:k] != bent.tokens[:k]:
+                break
+            shifts = []
+            for token in set(plain.top_logprobs[k]) & set(bent.top_logprobs[k]):
+                count = plain.tokens[:k].count(token)
+                penalty = count * frequency + (presence if count else 0)
+                penalized += penalty > 0
+                shifts.append(bent.top_logprobs[k][token] - plain.top_logprobs[k][token] + penalty)
+            assert max(shifts) - min(shifts) < 1e-4, (k, shifts)
+        assert penalized, "no step had a generated token among its top"
+        for field in ("presence_penalty", "frequency_penalty"):
+            try:
+                client.completions.create(**ask, **{field: 2.5})
+                raise AssertionError(f"{field} 2.5 was accepted")
+            except openai.BadRequestError as e:
+                assert e.body["param"] == field, e.body
 
     def openai_shaped(error, status, kind):
         """`error` came with `status` and OpenAI's body, `kind` its type."""

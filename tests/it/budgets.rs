@@ -520,7 +520,7 @@ fn decoder_service(script: &Scratch) -> vramguard::config::Config {
 
 #[tokio::test]
 async fn a_generation_holds_its_services_concurrency_until_its_last_token() {
-    use vramguard::serve::generation::{self, Params, Prompt};
+    use vramguard::serve::generation::{self, Params, Penalties, Prompt};
     let script = Scratch::new();
     let config = decoder_service(&script);
     let service = Arc::new(
@@ -539,6 +539,8 @@ async fn a_generation_holds_its_services_concurrency_until_its_last_token() {
         stop: Vec::new(),
         tools: false,
         grammar: None,
+        penalties: Penalties::NONE,
+        logprobs: None,
     };
     let generation = |sink| {
         let (service, params) = (Arc::clone(&service), params.clone());

@@ -193,9 +193,50 @@ async fn models_are_listed_and_errors_come_in_openais_shape() {
             json!("n"),
         ),
         (
-            json!({"model": "tiny", "prompt": "x", "frequency_penalty": 0.5}),
+            json!({"model": "tiny", "prompt": "x", "frequency_penalty": 2.5}),
             StatusCode::BAD_REQUEST,
             json!("frequency_penalty"),
+        ),
+        (
+            json!({"model": "tiny", "prompt": "x", "presence_penalty": -3}),
+            StatusCode::BAD_REQUEST,
+            json!("presence_penalty"),
+        ),
+        (
+            json!({"model": "tiny", "prompt": "x", "repetition_penalty": 0}),
+            StatusCode::BAD_REQUEST,
+            json!("repetition_penalty"),
+        ),
+        // The fixture's vocabulary has 512 ids.
+        (
+            json!({"model": "tiny", "prompt": "x", "logit_bias": {"512": 1}}),
+            StatusCode::BAD_REQUEST,
+            json!("logit_bias"),
+        ),
+        (
+            json!({"model": "tiny", "prompt": "x", "logit_bias": {"hello": 1}}),
+            StatusCode::BAD_REQUEST,
+            json!("logit_bias"),
+        ),
+        (
+            json!({"model": "tiny", "prompt": "x", "logit_bias": {"7": 100.5}}),
+            StatusCode::BAD_REQUEST,
+            json!("logit_bias"),
+        ),
+        (
+            json!({"model": "tiny", "prompt": "x", "logit_bias": {"7": 1, "07": 2}}),
+            StatusCode::BAD_REQUEST,
+            json!("logit_bias"),
+        ),
+        (
+            json!({"model": "tiny", "prompt": "x", "logprobs": 6}),
+            StatusCode::BAD_REQUEST,
+            json!("logprobs"),
+        ),
+        (
+            json!({"model": "tiny", "prompt": "x", "logprobs": true}),
+            StatusCode::BAD_REQUEST,
+            json!("logprobs"),
         ),
         (
             json!({"model": "tiny", "prompt": "x", "temperature": 3}),

@@ -31,6 +31,7 @@ mod placement;
 mod policy;
 mod prometheus;
 mod real_models;
+mod real_sampling;
 mod remote;
 mod residency;
 mod simulated;

@@ -11,7 +11,7 @@ use crate::common::TestServer;
 use serde_json::{Value, json};
 use vramguard::runtime::chat::{ChatTemplate, template_messages};
 
-fn real() -> PathBuf {
+pub(crate) fn real() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("models/real")
 }
 
@@ -36,7 +36,7 @@ fn folders() -> Vec<String> {
     found
 }
 
-fn config(folder: &str) -> String {
+pub(crate) fn config(folder: &str) -> String {
     format!(
         "models: [{{name: m, path: models/real/{folder}/model.onnx, tokenizer: models/real/{folder}/tokenizer.json}}]
 pools: [{{name: cpu, provider: cpu, models: [m]}}]

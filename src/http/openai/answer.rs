@@ -9,11 +9,13 @@ use tokio::time::Instant;
 use super::chat::tool_calls_json;
 use super::error::OpenAiError;
 use super::job::{Api, Job};
+use super::logprobs;
 use super::run::{Resend, generate};
 use super::stream::unix_now;
 use crate::http::headers::{decode_headers, header_value, model_header, pool_headers, shrink_headers};
 use crate::http::state::AppState;
 use crate::protocol::headers::{ALLOW_SHRINK_HEADER, DECISION_HEADER};
+use crate::runtime::text::TokenBytes;
 use crate::serve::generation;
 use crate::serve::lifecycle;
 
@@ -57,7 +59,7 @@ pub(super) async fn run(
         })?;
     // The model that answered: the one asked for, or its fallback.
     let model = generated.source.model.as_str();
-    let body = whole(&job.api, model, &generated, id);
+    let body = whole(state, &job.api, &generated, id);
     let mut response = axum::Json(body).into_response();
     let out = response.headers_mut();
     model_header(out, model);
@@ -73,8 +75,15 @@ pub(super) async fn run(
     Ok(response)
 }
 
-/// A whole answer's body: the completion object, with chat's tool calls read back.
-fn whole(api: &Api, model: &str, generated: &generation::Generated, id: &str) -> Value {
+/// A whole answer's body: the completion object, with chat's tool calls read back and the
+/// tokens' log-probabilities when asked for.
+fn whole(state: &AppState, api: &Api, generated: &generation::Generated, id: &str) -> Value {
+    let model = generated.source.model.as_str();
+    let bytes = logprobs::token_bytes(&state.service, model);
+    let logprobs = |shape: fn(&TokenBytes, &[generation::TokenLogprobs]) -> Value| match (&generated.logprobs, &bytes) {
+        (Some(tokens), Some(bytes)) => shape(bytes, tokens),
+        _ => Value::Null,
+    };
     let completion = generated.tokens.len();
     let usage = json!({"prompt_tokens": generated.prompt_tokens, "completion_tokens": completion,
                        "total_tokens": generated.prompt_tokens + completion});
@@ -84,7 +93,7 @@ fn whole(api: &Api, model: &str, generated: &generation::Generated, id: &str) ->
             "object": "text_completion",
             "created": unix_now(),
             "model": model,
-            "choices": [{"text": generated.text, "index": 0, "logprobs": null,
+            "choices": [{"text": generated.text, "index": 0, "logprobs": logprobs(logprobs::completion),
                          "finish_reason": generated.finish.label()}],
             "usage": usage,
         }),
@@ -105,7 +114,8 @@ fn whole(api: &Api, model: &str, generated: &generation::Generated, id: &str) ->
                 "object": "chat.completion",
                 "created": unix_now(),
                 "model": model,
-                "choices": [{"index": 0, "message": message, "logprobs": null, "finish_reason": finish}],
+                "choices": [{"index": 0, "message": message, "logprobs": logprobs(logprobs::chat),
+                             "finish_reason": finish}],
                 "usage": usage,
             })
         }

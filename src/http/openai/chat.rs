@@ -10,7 +10,7 @@ use serde::{Deserialize, Deserializer};
 use serde_json::{Value, json};
 
 use super::error::OpenAiError;
-use super::job::{Api, Draft, Sampling, Stop, refuse_unsupported, text_model};
+use super::job::{Api, Draft, Sampling, Stop, text_model};
 use crate::http::state::AppState;
 use crate::runtime::chat::{ChatTemplate, ToolCall};
 use crate::runtime::grammar::{Grammar, Json, Otherwise, Shape, Tool};
@@ -175,11 +175,8 @@ fn grammar_of(
 pub(super) fn read(state: &AppState, body: &[u8], id: &str) -> Result<Draft, OpenAiError> {
     let request: ChatRequest = serde_json::from_slice(body)
         .map_err(|e| OpenAiError::invalid(format!("the body is not a chat completion request: {e}"), None))?;
-    refuse_unsupported([
-        (request.logprobs == Some(true), "logprobs"),
-        (request.top_logprobs.is_some(), "top_logprobs"),
-    ])?;
     let format = response_schema(request.response_format.as_ref())?;
+    let logprobs = chat_logprobs(request.logprobs, request.top_logprobs)?;
     let entry = text_model(state, &request.sampling.model, id)?;
     let template = entry.chat.clone().ok_or_else(|| {
         OpenAiError::invalid(
@@ -253,7 +250,20 @@ pub(super) fn read(state: &AppState, body: &[u8], id: &str) -> Result<Draft, Ope
         max_tokens,
         shorten: Some(shorten),
         grammar,
+        logprobs,
     })
+}
+
+/// Chat's `logprobs` (whether to give each token's) and `top_logprobs` (how many of the most
+/// likely tokens' beside it, 0 to 20, only with `logprobs`), as the alternatives a token gets.
+fn chat_logprobs(logprobs: Option<bool>, top: Option<u32>) -> Result<Option<u32>, OpenAiError> {
+    let top_logprobs = |message: &str| OpenAiError::invalid(message, Some("top_logprobs"));
+    match (logprobs == Some(true), top.unwrap_or(0)) {
+        (_, top) if top > 20 => Err(top_logprobs("`top_logprobs` must be from 0 to 20")),
+        (false, 0) => Ok(None),
+        (false, _) => Err(top_logprobs("`top_logprobs` needs `logprobs: true`")),
+        (true, top) => Ok(Some(top)),
+    }
 }
 
 /// The client's `stop` with `end`, the end of the assistant's turn, added: it ends the answer

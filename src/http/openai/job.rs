@@ -47,6 +47,9 @@ pub(super) struct Sampling {
     frequency_penalty: Option<f32>,
     #[serde(default)]
     logit_bias: Option<serde_json::Map<String, Value>>,
+    /// `transformers`' penalty, as vLLM takes it beside OpenAI's fields.
+    #[serde(default)]
+    repetition_penalty: Option<f32>,
     // Other fields (`user`, `stream_options`, `parallel_tool_calls`) do not change the answer
     // and are ignored.
 }
@@ -98,6 +101,9 @@ pub(super) struct Draft {
     pub(super) shorten: Option<generation::Shorten>,
     /// The grammar a chat's structured output follows.
     pub(super) grammar: Option<Grammar>,
+    /// How many of the most likely tokens' log-probabilities to give beside each token's
+    /// (`None`: no log-probabilities).
+    pub(super) logprobs: Option<u32>,
 }
 
 /// Refuse the first field `given` that is not supported, by name.
@@ -118,16 +124,31 @@ pub(super) fn checked(state: &AppState, draft: Draft, id: &str) -> Result<Job, O
         max_tokens,
         shorten,
         grammar,
+        logprobs,
     } = draft;
     let stream = sampling.stream == Some(true);
     let chat = matches!(&api, Api::Chat { .. });
     let tools = matches!(&api, Api::Chat { tools } if !tools.is_empty());
     let entry = state.service.model(&sampling.model).expect("checked by text_model");
+    let tokenizer = entry.tokenizer.as_ref().expect("checked by text_model");
+    // The ids `logit_bias` may name: the model's logits, or where the graph leaves their
+    // number open, its tokenizer's vocabulary.
+    let vocab = entry
+        .decoder
+        .as_ref()
+        .and_then(|layout| layout.vocab)
+        .unwrap_or(tokenizer.get_vocab_size(true) as u64);
     let params = Params {
         grammar,
-        ..params(&sampling, &entry.folder.sampling, max_tokens, tools, id)?
+        ..params(
+            &sampling,
+            &entry.folder.sampling,
+            (max_tokens, logprobs),
+            tools,
+            vocab,
+            id,
+        )?
     };
-    let tokenizer = entry.tokenizer.as_ref().expect("checked by text_model");
     // A completion's prompt gets what the tokenizer adds to any text (Llama's and Gemma's BOS),
     // as `transformers` and vLLM encode it; a chat's rendered template already holds it.
     let encoding = tokenizer
@@ -160,9 +181,18 @@ pub(super) fn read_completion(state: &AppState, body: &[u8], id: &str) -> Result
     refuse_unsupported([
         (request.best_of.is_some_and(|n| n != 1), "best_of"),
         (request.echo == Some(true), "echo"),
-        (request.logprobs.as_ref().is_some_and(|v| !v.is_null()), "logprobs"),
         (request.suffix.is_some(), "suffix"),
     ])?;
+    // OpenAI's completions give at most 5 alternatives a token.
+    let logprobs = match &request.logprobs {
+        None | Some(Value::Null) => None,
+        Some(n) => Some(
+            n.as_u64()
+                .filter(|n| *n <= 5)
+                .ok_or_else(|| OpenAiError::invalid("`logprobs` must be an integer from 0 to 5", Some("logprobs")))?
+                as u32,
+        ),
+    };
     text_model(state, &request.sampling.model, id)?;
     let text = match &request.prompt {
         Value::String(text) => text.clone(),
@@ -185,31 +215,23 @@ pub(super) fn read_completion(state: &AppState, body: &[u8], id: &str) -> Result
         max_tokens,
         shorten: None,
         grammar: None,
+        logprobs,
     })
 }
 
-/// How to generate, from the sampling fields: each checked; what the request leaves out, the
-/// model folder's `defaults` (its `generation_config.json`), else OpenAI's. `tools` says
-/// whether the prompt offers tools.
+/// How to generate, from the sampling fields, `max_tokens` and `logprobs` (chat's and
+/// completions' own): each checked; what the request leaves out, the model folder's `defaults`
+/// (its `generation_config.json`), else OpenAI's. `tools` says whether the prompt offers tools;
+/// `vocab` is how many token ids the model has.
 fn params(
     sampling: &Sampling,
     defaults: &SamplingDefaults,
-    max_tokens: Option<u32>,
+    (max_tokens, logprobs): (Option<u32>, Option<u32>),
     tools: bool,
+    vocab: u64,
     id: &str,
 ) -> Result<Params, OpenAiError> {
-    refuse_unsupported([
-        (sampling.n.is_some_and(|n| n != 1), "n"),
-        (sampling.presence_penalty.is_some_and(|p| p != 0.0), "presence_penalty"),
-        (
-            sampling.frequency_penalty.is_some_and(|p| p != 0.0),
-            "frequency_penalty",
-        ),
-        (
-            sampling.logit_bias.as_ref().is_some_and(|b| !b.is_empty()),
-            "logit_bias",
-        ),
-    ])?;
+    refuse_unsupported([(sampling.n.is_some_and(|n| n != 1), "n")])?;
     let max_tokens = max_tokens.unwrap_or(16);
     if max_tokens == 0 {
         return Err(OpenAiError::invalid(
@@ -253,6 +275,69 @@ fn params(
         stop,
         tools,
         grammar: None,
+        penalties: penalties(sampling, defaults, vocab)?,
+        logprobs,
+    })
+}
+
+/// The penalties and bias, each checked: OpenAI's `presence_penalty` and `frequency_penalty`
+/// (-2 to 2) and `logit_bias` (token ids below `vocab`, as strings, to -100 to 100), and
+/// `repetition_penalty` (above 0) from the request, else the model folder's `defaults`.
+fn penalties(
+    sampling: &Sampling,
+    defaults: &SamplingDefaults,
+    vocab: u64,
+) -> Result<generation::Penalties, OpenAiError> {
+    let openai = |value: Option<f32>, name: &'static str| match value.unwrap_or(0.0) {
+        p if (-2.0..=2.0).contains(&p) => Ok(p),
+        _ => Err(OpenAiError::invalid(
+            format!("`{name}` must be between -2 and 2"),
+            Some(name),
+        )),
+    };
+    let repetition = sampling
+        .repetition_penalty
+        .or(defaults.repetition_penalty)
+        .unwrap_or(1.0);
+    if !(repetition > 0.0 && repetition.is_finite()) {
+        return Err(OpenAiError::invalid(
+            "`repetition_penalty` must be a number above 0",
+            Some("repetition_penalty"),
+        ));
+    }
+    let mut bias = Vec::new();
+    for (key, value) in sampling.logit_bias.iter().flatten() {
+        let id = key
+            .parse::<u32>()
+            .ok()
+            .filter(|&id| u64::from(id) < vocab)
+            .ok_or_else(|| {
+                OpenAiError::invalid(
+                    format!("`logit_bias` names `{key}`, not a token id below the model's {vocab}"),
+                    Some("logit_bias"),
+                )
+            })?;
+        let value = value.as_f64().filter(|v| (-100.0..=100.0).contains(v)).ok_or_else(|| {
+            OpenAiError::invalid(
+                format!("`logit_bias` of token {id} is {value}, not a number from -100 to 100"),
+                Some("logit_bias"),
+            )
+        })?;
+        bias.push((id, value as f32));
+    }
+    // Two keys may name one id (`"7"` and `"07"`).
+    bias.sort_unstable_by_key(|&(id, _)| id);
+    if let Some(twice) = bias.windows(2).find(|w| w[0].0 == w[1].0) {
+        return Err(OpenAiError::invalid(
+            format!("`logit_bias` names token {} twice", twice[0].0),
+            Some("logit_bias"),
+        ));
+    }
+    Ok(generation::Penalties {
+        presence: openai(sampling.presence_penalty, "presence_penalty")?,
+        frequency: openai(sampling.frequency_penalty, "frequency_penalty")?,
+        repetition,
+        bias,
     })
 }
 

@@ -15,12 +15,14 @@
 //! A request is read and checked into a job (`job`, with chat's part in `chat`), then run and
 //! answered whole (`answer`) or streamed (`stream`), both running its generation through `run`
 //! (which reads the body again for the model's fallback when the generation asks for it);
-//! `error` is OpenAI's error shape. No two of these files use each other.
+//! `error` is OpenAI's error shape, `logprobs` the tokens' log-probabilities in OpenAI's
+//! shapes. No two of these files use each other.
 
 mod answer;
 mod chat;
 mod error;
 mod job;
+mod logprobs;
 mod run;
 mod stream;
 

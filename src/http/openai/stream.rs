@@ -15,6 +15,7 @@ use serde_json::{Value, json};
 use super::chat::tool_calls_json;
 use super::error::OpenAiError;
 use super::job::{Api, Job};
+use super::logprobs;
 use super::run::{Resend, generate};
 use crate::http::headers::{model_header, pool_facts, pool_headers, shrink_headers};
 use crate::http::state::AppState;
@@ -63,17 +64,18 @@ pub(super) async fn streamed(
         let id = id.to_string();
         async move { generate(&service, (&model, prompt, &params), base, &id, Some(tx), resend).await }
     });
-    let stream = |source: &Arc<generation::Source>| Stream::new(service, job.api, id, Arc::clone(source));
+    let asked = job.params.logprobs.is_some();
+    let stream = |source: &Arc<generation::Source>| Stream::new(service, job.api, id, Arc::clone(source), asked);
     // Until the first delta, a failure is an ordinary error response. The channel closes
     // without one only when the generation ended before picking a token it sends.
     match rx.recv().await {
-        Some(first) => {
-            let facts = first.facts.expect("the first delta says where it ran");
+        Some(mut first) => {
+            let facts = first.facts.take().expect("the first delta says where it ran");
             let mut stream = Stream {
                 running: Some((rx, task)),
                 ..stream(&facts.source)
             };
-            stream.take(first.text);
+            stream.take(first);
             let opening = stream.opening(&facts.pool, facts.shrunk.as_ref());
             Ok(sse(stream, opening, &facts.pool, facts.shrunk.as_ref()))
         }
@@ -104,6 +106,13 @@ struct Stream {
     sent: usize,
     /// Deltas received: one per token.
     tokens: usize,
+    /// When the request asks for log-probabilities, how its model's tokens read as bytes.
+    bytes: Option<crate::runtime::text::TokenBytes>,
+    /// Log-probabilities received and not sent yet: of the tokens whose text is all in what
+    /// was received.
+    logprobs: Vec<generation::TokenLogprobs>,
+    /// Log-probabilities already sent.
+    logprobs_sent: usize,
     running: Option<Running>,
     finished: Option<Result<generation::Generated, crate::serve::lifecycle::Refused>>,
     done: bool,
@@ -116,17 +125,24 @@ struct Stream {
 }
 
 impl Stream {
-    /// A stream of `source`'s text, nothing sent yet.
+    /// A stream of `source`'s text, nothing sent yet, with the tokens' log-probabilities when
+    /// `logprobs` asks for them.
     fn new(
         service: Arc<crate::serve::service::Service>,
         api: Api,
         id: &str,
         source: Arc<generation::Source>,
+        logprobs: bool,
     ) -> Stream {
         Stream {
             unsent: String::new(),
             sent: 0,
             tokens: 0,
+            bytes: logprobs
+                .then(|| logprobs::token_bytes(&service, &source.model))
+                .flatten(),
+            logprobs: Vec::new(),
+            logprobs_sent: 0,
             running: None,
             finished: None,
             done: false,
@@ -138,16 +154,44 @@ impl Stream {
         }
     }
 
-    /// Take a delta's text: one more token, its text to send.
-    fn take(&mut self, text: String) {
+    /// Take a delta: one more token, its text and the log-probabilities it completes to send.
+    fn take(&mut self, delta: generation::Delta) {
         self.tokens += 1;
-        self.unsent.push_str(&text);
+        self.unsent.push_str(&delta.text);
+        self.logprobs.extend(delta.logprobs);
     }
 
     /// The text not sent yet, now counted as sent.
     fn piece(&mut self) -> String {
         self.sent += self.unsent.len();
         std::mem::take(&mut self.unsent)
+    }
+
+    /// A chunk carrying the text `piece` (see [`Stream::chunk`]) and, when they are asked for,
+    /// the log-probabilities of `tokens`, now counted as sent.
+    fn carrying(
+        &mut self,
+        piece: Value,
+        tokens: &[generation::TokenLogprobs],
+        finish: Option<&str>,
+        usage: Option<Value>,
+    ) -> Value {
+        let mut value = self.chunk(piece, finish, usage);
+        if let Some(bytes) = &self.bytes {
+            value["choices"][0]["logprobs"] = match self.api {
+                Api::Completion => logprobs::completion(bytes, tokens),
+                Api::Chat { .. } => logprobs::chat(bytes, tokens),
+            };
+            self.logprobs_sent += tokens.len();
+        }
+        value
+    }
+
+    /// The text and log-probabilities received and not sent yet, as a chunk.
+    fn pending(&mut self) -> Value {
+        let piece = self.piece();
+        let tokens = std::mem::take(&mut self.logprobs);
+        self.carrying(json!(piece), &tokens, None, None)
     }
 
     /// One chunk: `text` (chat: the delta's `content`), and at the end why and the usage.
@@ -214,8 +258,7 @@ impl Stream {
         }
         loop {
             if self.finished.is_none() && !self.unsent.is_empty() {
-                let piece = self.piece();
-                return Some(event(&self.chunk(json!(piece), None, None)));
+                return Some(event(&self.pending()));
             }
             if let Some(result) = self.finished.take() {
                 self.done = true;
@@ -238,12 +281,12 @@ impl Stream {
             }
             let (rx, task) = self.running.as_mut()?;
             match rx.recv().await {
-                Some(delta) => {
-                    self.take(delta.text);
+                Some(mut delta) => {
+                    let moved = delta.facts.take();
+                    self.take(delta);
                     // Moved to another pool (a failover mid-stream): say so in the next chunk.
-                    if let Some(facts) = delta.facts {
-                        let piece = self.piece();
-                        let mut value = self.chunk(json!(piece), None, None);
+                    if let Some(facts) = moved {
+                        let mut value = self.pending();
                         value["vramguard"] = self.facts(&facts.pool);
                         return Some(event(&value));
                     }
@@ -266,8 +309,9 @@ impl Stream {
         }
     }
 
-    /// The rest of the text, chat's tool calls, why it ended and the usage.
-    fn last(&self, generated: &generation::Generated) -> Vec<u8> {
+    /// The rest of the text, chat's tool calls, why it ended and the usage, the rest of the
+    /// log-probabilities with the last chunk (a stop string's tokens', whose text is cut, too).
+    fn last(&mut self, generated: &generation::Generated) -> Vec<u8> {
         let usage = json!({"prompt_tokens": generated.prompt_tokens,
                            "completion_tokens": generated.tokens.len(),
                            "total_tokens": generated.prompt_tokens + generated.tokens.len()});
@@ -281,8 +325,14 @@ impl Stream {
             crate::runtime::chat::split_tool_calls(&generated.text, &offered)
         };
         let rest = prose.get(self.sent..).unwrap_or_default();
+        let tokens = generated
+            .logprobs
+            .as_deref()
+            .and_then(|all| all.get(self.logprobs_sent..))
+            .unwrap_or_default();
         if calls.is_empty() {
-            return event(&self.chunk(json!(rest), Some(generated.finish.label()), Some(usage))).to_vec();
+            let last = self.carrying(json!(rest), tokens, Some(generated.finish.label()), Some(usage));
+            return event(&last).to_vec();
         }
         let mut out = Vec::new();
         if !rest.trim().is_empty() {
@@ -293,7 +343,8 @@ impl Stream {
             call["index"] = json!(i);
         }
         out.extend_from_slice(&event(&self.chunk(json!({"tool_calls": calls}), None, None)));
-        out.extend_from_slice(&event(&self.chunk(json!({}), Some("tool_calls"), Some(usage))));
+        let last = self.carrying(json!({}), tokens, Some("tool_calls"), Some(usage));
+        out.extend_from_slice(&event(&last));
         out
     }
 }

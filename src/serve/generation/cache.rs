@@ -162,7 +162,7 @@ mod tests {
     };
     use crate::runtime::estimate::MemoryProfile;
     use crate::runtime::onnx::ModelSignature;
-    use crate::serve::generation::{self, Generated, Params, Placed};
+    use crate::serve::generation::{self, Generated, Params, Penalties, Placed};
     use crate::serve::lifecycle::Refused;
     use crate::serve::service::{BackendFactory, OrtFactory};
 
@@ -320,6 +320,8 @@ mod tests {
             stop: Vec::new(),
             tools: false,
             grammar: None,
+            penalties: Penalties::NONE,
+            logprobs: None,
         };
         let prompt: Vec<u32> = (40..100).collect();
         let mut request = crate::testing::request(model, Vec::new());

@@ -14,9 +14,9 @@ use crate::serve::service::Service;
 use super::cache::{CacheSite, Failed, read_outputs};
 use super::constrain::{self, Constraint};
 use super::prefill::{Decoding, Prefill, history};
-use super::sample::{Rng, pick};
+use super::sample::Sampler;
 use super::text::Text;
-use super::{Delta, Facts, Finish, Generated, Sink};
+use super::{Delta, Facts, Finish, Generated, Sink, TokenLogprobs};
 
 /// A step of a generation offering tools failed on an allocator: it was not retried since a
 /// tool call may already have acted, and the client is told so (unless the error already says
@@ -96,8 +96,16 @@ pub(super) async fn run<'a>(
         .get_or_create(&labels(&site.pool))
         .observe(steps.received.elapsed().as_secs_f64());
     let mut last_token = tokio::time::Instant::now();
-    let mut rng = Rng::new(params.seed);
+    // The repetition penalty counts the prompt as it ran (after a shrink, cut).
+    let ran = match params.penalties.repetition != 1.0 {
+        true => history(&prompt, shrunk.as_ref(), &[]).map_err(|e| broken(&site.pool, e))?,
+        false => Vec::new(),
+    };
+    let mut sampler = Sampler::new(params, &ran);
     let mut text = Text::new(Arc::clone(tokenizer), &params.stop, sink.is_some(), params.tools);
+    // Every token's log-probabilities when they are asked for, and how many went to the sink.
+    let mut logprobs: Option<Vec<TokenLogprobs>> = params.logprobs.map(|_| Vec::new());
+    let mut handed = 0;
     // The pool the sink was last told of: a delta names it again when it changes.
     let mut told = None;
     let estimate = entry.estimate_tokens((prompt_tokens as u64).saturating_add(u64::from(params.max_tokens)), 1);
@@ -107,7 +115,8 @@ pub(super) async fn run<'a>(
         if let Some(constraint) = &constraint {
             constraint.mask(&mut logits);
         }
-        let next = pick(&logits, params, &mut rng);
+        let picked = sampler.pick(&mut logits);
+        let next = picked.token;
         if eos.contains(&next) {
             break Finish::Stop;
         }
@@ -115,12 +124,30 @@ pub(super) async fn run<'a>(
             Some(constraint) => constraint.accept(next).map_err(|e| broken(&site.pool, e))?,
             None => false,
         };
-        let delta = text.push(next).map_err(|e| broken(&site.pool, e))?;
-        if let (Some(sink), Some(delta)) = (&sink, delta) {
+        let text_offset = text.chars();
+        let sent = text.push(next).map_err(|e| broken(&site.pool, e))?;
+        if let (Some(all), Some(scored)) = (&mut logprobs, picked.logprobs) {
+            all.push(TokenLogprobs {
+                token: next,
+                text_offset,
+                logprobs: scored,
+            });
+        }
+        if let (Some(sink), Some(sent)) = (&sink, sent) {
             let facts = || Facts {
                 pool: Arc::clone(&site.pool),
                 source: Arc::clone(&source),
                 shrunk: shrunk.clone(),
+            };
+            let whole = match &logprobs {
+                Some(all) => all[handed..handed + sent.tokens].to_vec(),
+                None => Vec::new(),
+            };
+            handed += whole.len();
+            let delta = Delta {
+                text: sent.text,
+                logprobs: whole,
+                facts: None,
             };
             if !tell(sink, &mut told, delta, &site.pool, facts).await {
                 // The stream's reader is gone: stop here; the KV cache goes with this future.
@@ -165,18 +192,19 @@ pub(super) async fn run<'a>(
         prompt_tokens,
         shrunk,
         tokens,
+        logprobs,
         text,
         finish,
     })
 }
 
-/// Hand a streamed generation's `text`, run on `pool`, to its sink, with the [`Facts`] when
+/// Hand a streamed generation's `delta`, run on `pool`, to its sink, with the [`Facts`] when
 /// `pool` is not the one `told` names (the first delta, or after a move); false once the
 /// reader is gone.
 async fn tell(
     sink: &Sink,
     told: &mut Option<String>,
-    text: String,
+    mut delta: Delta,
     pool: &Arc<Pool>,
     facts: impl FnOnce() -> Facts,
 ) -> bool {
@@ -184,9 +212,6 @@ async fn tell(
     if moved {
         *told = Some(pool.name().to_string());
     }
-    let delta = Delta {
-        text,
-        facts: moved.then(facts),
-    };
+    delta.facts = moved.then(facts);
     sink.send(delta).await.is_ok()
 }

@@ -29,7 +29,7 @@ mod prefill;
 mod sample;
 mod text;
 
-pub use sample::Rng;
+pub use sample::{Logprobs, Penalties, Rng};
 
 use std::sync::Arc;
 
@@ -49,6 +49,10 @@ pub type Sink = tokio::sync::mpsc::Sender<Delta>;
 pub struct Delta {
     /// Text not sent before that may be sent now.
     pub text: String,
+    /// When the request asks for them, the log-probabilities of the tokens whose text became
+    /// whole in what was sent with this delta and before (a token's whose text waits come with
+    /// the delta that sends its end, or in [`Generated::logprobs`] at the end).
+    pub logprobs: Vec<TokenLogprobs>,
     /// On the first delta, and again whenever the generation moved to another pool (a
     /// failover mid-stream): where its tokens come from.
     pub facts: Option<Facts>,
@@ -128,6 +132,23 @@ pub struct Params {
     /// The grammar its text follows (structured outputs), compiled for its model: only tokens
     /// it allows are picked, and the generation ends when it is finished.
     pub grammar: Option<crate::runtime::grammar::Grammar>,
+    /// What bends the logits before each pick.
+    pub penalties: Penalties,
+    /// Each token's log-probability and, of this many most likely tokens at its step, theirs
+    /// ([`Generated::logprobs`]); `None`: none.
+    pub logprobs: Option<u32>,
+}
+
+/// A generated token's log-probabilities: of the logits its step picked from, after
+/// [`Penalties`] and before temperature, `top_k` and `top_p`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenLogprobs {
+    /// The token.
+    pub token: u32,
+    /// Where its text starts in the generation's text, in characters.
+    pub text_offset: usize,
+    /// Its log-probability and the most likely tokens' at its step.
+    pub logprobs: Logprobs,
 }
 
 /// Why generation ended.
@@ -166,6 +187,9 @@ pub struct Generated {
     pub shrunk: Option<(u64, u64, String)>,
     /// Tokens generated.
     pub tokens: Vec<u32>,
+    /// Each token's log-probabilities, when the request asks for them: as many as `tokens`
+    /// (a stop string's too, though its text is cut).
+    pub logprobs: Option<Vec<TokenLogprobs>>,
     /// Their text, cut before a stop string.
     pub text: String,
     /// Why it ended.

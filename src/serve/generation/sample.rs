@@ -1,8 +1,178 @@
 //! Picking a generation's next token from its logits: greedy at temperature 0, else sampled
 //! under `temperature`, `top_k` and `top_p` from a seeded source, so the same seed and request
 //! give the same tokens on any pool.
+//!
+//! Before the pick, a [`Sampler`] bends the logits by the request's [`Penalties`] in the order
+//! vLLM and `transformers` apply them: `logit_bias` added, then the repetition penalty over the
+//! prompt's and the generated tokens, then the frequency and presence penalties over the
+//! generated tokens. Each touches only the tokens it names, kept as they come (the tokens seen
+//! and how often each was generated), so a step costs the same whatever the answer's length
+//! and allocates nothing the size of the vocabulary. The log-probabilities a request asks for
+//! are those of the bent logits, before temperature, `top_k` and `top_p`: one pass over the
+//! row for its maximum, its log-sum-exp and its most likely tokens, no sort.
+
+use std::collections::{HashMap, HashSet};
 
 use super::Params;
+
+/// What bends a generation's logits before each pick (see the module's documentation for the
+/// order): OpenAI's `presence_penalty`, `frequency_penalty` and `logit_bias`, and
+/// `transformers`' `repetition_penalty`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Penalties {
+    /// Subtracted once from the logit of every token generated so far.
+    pub presence: f32,
+    /// Subtracted from a token's logit once for each time it was generated so far.
+    pub frequency: f32,
+    /// Divides the logit of every token of the prompt or generated so far when it is positive,
+    /// multiplies it when negative (1: none).
+    pub repetition: f32,
+    /// Token ids and what is added to their logits.
+    pub bias: Vec<(u32, f32)>,
+}
+
+impl Penalties {
+    /// Nothing bent.
+    pub const NONE: Penalties = Penalties {
+        presence: 0.0,
+        frequency: 0.0,
+        repetition: 1.0,
+        bias: Vec::new(),
+    };
+
+    /// Whether the presence or frequency penalty is set: the generated tokens are counted.
+    fn counts(&self) -> bool {
+        self.presence != 0.0 || self.frequency != 0.0
+    }
+
+    /// Whether the repetition penalty is set: the tokens seen are kept.
+    fn repeats(&self) -> bool {
+        self.repetition != 1.0
+    }
+}
+
+/// The log-probabilities of a step: the picked token's and the most likely tokens' (most
+/// likely first; equal ones by id).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Logprobs {
+    /// The picked token's, whether or not it is among `top`.
+    pub logprob: f32,
+    /// The most likely tokens and theirs, as many as the request asked for.
+    pub top: Vec<(u32, f32)>,
+}
+
+/// What a step picked.
+#[derive(Debug)]
+pub(super) struct Picked {
+    /// The token.
+    pub(super) token: u32,
+    /// Its log-probabilities, when the request asks for them.
+    pub(super) logprobs: Option<Logprobs>,
+}
+
+/// A generation's picks: its random source and what its penalties remember of the tokens so
+/// far.
+pub(super) struct Sampler<'a> {
+    params: &'a Params,
+    rng: Rng,
+    /// Times each token was generated (kept only under a presence or frequency penalty).
+    generated: HashMap<u32, u32>,
+    /// The tokens of the prompt and generated, each once (kept only under a repetition
+    /// penalty).
+    seen: HashSet<u32>,
+}
+
+impl<'a> Sampler<'a> {
+    /// The sampler of a generation under `params` whose prompt (as it ran) was `prompt`.
+    pub(super) fn new(params: &'a Params, prompt: &[u32]) -> Sampler<'a> {
+        let seen = match params.penalties.repeats() {
+            true => prompt.iter().copied().collect(),
+            false => HashSet::new(),
+        };
+        Sampler {
+            params,
+            rng: Rng::new(params.seed),
+            generated: HashMap::new(),
+            seen,
+        }
+    }
+
+    /// Bend `logits` by the penalties, pick the next token from them, and remember it.
+    pub(super) fn pick(&mut self, logits: &mut [f32]) -> Picked {
+        self.bend(logits);
+        let token = pick(logits, self.params, &mut self.rng);
+        let logprobs = self.params.logprobs.map(|top| logprobs(logits, token, top as usize));
+        let penalties = &self.params.penalties;
+        if penalties.counts() {
+            *self.generated.entry(token).or_default() += 1;
+        }
+        if penalties.repeats() {
+            self.seen.insert(token);
+        }
+        Picked { token, logprobs }
+    }
+
+    /// The penalties and bias applied to `logits`, in their order. An id past the row (a
+    /// tokenizer larger than the model's vocabulary) has no logit to bend.
+    fn bend(&self, logits: &mut [f32]) {
+        let penalties = &self.params.penalties;
+        for &(id, bias) in &penalties.bias {
+            if let Some(logit) = logits.get_mut(id as usize) {
+                *logit += bias;
+            }
+        }
+        if penalties.repeats() {
+            for &id in &self.seen {
+                if let Some(logit) = logits.get_mut(id as usize) {
+                    *logit = match *logit < 0.0 {
+                        true => *logit * penalties.repetition,
+                        false => *logit / penalties.repetition,
+                    };
+                }
+            }
+        }
+        if penalties.counts() {
+            for (&id, &times) in &self.generated {
+                if let Some(logit) = logits.get_mut(id as usize) {
+                    *logit -= times as f32 * penalties.frequency + penalties.presence;
+                }
+            }
+        }
+    }
+}
+
+/// The log-softmax of `logits` at `picked` and at its `top` most likely tokens, in one pass:
+/// a running maximum and sum of exponentials (rescaled when the maximum grows), and the `top`
+/// best kept in order as they come. Tokens whose logit is not a number or -inf (masked) have
+/// probability 0 and are never among the best.
+fn logprobs(logits: &[f32], picked: u32, top: usize) -> Logprobs {
+    let (mut max, mut sum) = (f64::NEG_INFINITY, 0.0f64);
+    let mut best: Vec<(u32, f32)> = Vec::with_capacity(top + 1);
+    for (id, &logit) in logits.iter().enumerate() {
+        if logit.is_nan() || logit == f32::NEG_INFINITY {
+            continue;
+        }
+        let x = f64::from(logit);
+        if x > max {
+            sum = sum * (max - x).exp() + 1.0;
+            max = x;
+        } else {
+            sum += (x - max).exp();
+        }
+        // Strictly greater: of equal logits the lower id, met first, stays ahead.
+        if top > 0 && (best.len() < top || logit > best[top - 1].1) {
+            let at = best.partition_point(|&(_, l)| l >= logit);
+            best.insert(at, (id as u32, logit));
+            best.truncate(top);
+        }
+    }
+    let lse = max + sum.ln();
+    let logprob = |logit: f32| (f64::from(logit) - lse) as f32;
+    Logprobs {
+        logprob: logits.get(picked as usize).map_or(f32::NEG_INFINITY, |&l| logprob(l)),
+        top: best.into_iter().map(|(id, l)| (id, logprob(l))).collect(),
+    }
+}
 
 /// A deterministic random source (SplitMix64): the same seed gives the same tokens anywhere.
 #[derive(Debug, Clone)]
@@ -25,8 +195,8 @@ impl Rng {
     }
 }
 
-/// Pick the next token from `logits` under `params`.
-pub(super) fn pick(logits: &[f32], params: &Params, rng: &mut Rng) -> u32 {
+/// Pick the next token from `logits` under `params`' temperature, `top_k` and `top_p`.
+fn pick(logits: &[f32], params: &Params, rng: &mut Rng) -> u32 {
     let greedy = || {
         logits
             .iter()
@@ -90,6 +260,8 @@ mod tests {
             stop: vec![],
             tools: false,
             grammar: None,
+            penalties: Penalties::NONE,
+            logprobs: None,
         }
     }
 
@@ -116,6 +288,179 @@ mod tests {
         assert!(run(&params(1.0, 1.0, 3)).iter().all(|t| top3.contains(t)));
         // A tiny top_p keeps only the most likely token.
         assert!(run(&params(1.0, 1e-6, 0)).iter().all(|&t| t == top3[0]));
+    }
+
+    /// Logits from `rng`: spread over -20..20, a few masked to -inf and a few tied.
+    fn row(rng: &mut Rng, vocab: usize) -> Vec<f32> {
+        let mut logits: Vec<f32> = (0..vocab).map(|_| (rng.next_f64() * 40.0 - 20.0) as f32).collect();
+        logits[3] = f32::NEG_INFINITY;
+        logits[vocab - 1] = logits[vocab - 2];
+        logits
+    }
+
+    /// The penalties as their definitions read, over the whole vocabulary: `logit_bias` added;
+    /// every token of `prompt` or `generated` divided by the repetition penalty when positive,
+    /// multiplied when negative; then less `frequency × count + presence` for each token
+    /// generated `count` > 0 times.
+    fn bent_by_definition(logits: &[f32], penalties: &Penalties, prompt: &[u32], generated: &[u32]) -> Vec<f32> {
+        let mut out = logits.to_vec();
+        for &(id, bias) in &penalties.bias {
+            out[id as usize] += bias;
+        }
+        for (id, logit) in out.iter_mut().enumerate() {
+            let id = id as u32;
+            if prompt.contains(&id) || generated.contains(&id) {
+                *logit = if *logit > 0.0 {
+                    *logit / penalties.repetition
+                } else {
+                    *logit * penalties.repetition
+                };
+            }
+            let count = generated.iter().filter(|&&t| t == id).count();
+            if count > 0 {
+                *logit -= count as f32 * penalties.frequency + penalties.presence;
+            }
+        }
+        out
+    }
+
+    /// Token by token, the sampler bends the logits as the definitions do and picks the
+    /// greedy token of the bent logits; tokens of the prompt only get the repetition penalty.
+    #[test]
+    fn penalties_and_bias_bend_the_logits_as_defined() {
+        let vocab = 40;
+        let penalties = Penalties {
+            presence: 0.7,
+            frequency: 1.3,
+            repetition: 1.8,
+            bias: vec![(0, 5.0), (7, -100.0), (12, 2.5)],
+        };
+        let p = Params {
+            penalties: penalties.clone(),
+            ..params(0.0, 1.0, 0)
+        };
+        let prompt = [5, 9, 9, 21];
+        let mut sampler = Sampler::new(&p, &prompt);
+        let mut rng = Rng::new(3);
+        let mut generated = Vec::new();
+        for step in 0..60 {
+            let logits = row(&mut rng, vocab);
+            let want = bent_by_definition(&logits, &penalties, &prompt, &generated);
+            let mut got = logits.clone();
+            let picked = sampler.pick(&mut got);
+            for (id, (g, w)) in got.iter().zip(&want).enumerate() {
+                assert!(
+                    g == w || (g - w).abs() <= 1e-4 * w.abs(),
+                    "step {step}, token {id}: {g} != {w}"
+                );
+            }
+            assert_eq!(picked.token, pick(&want, &p, &mut Rng::new(0)), "step {step}");
+            assert_ne!(picked.token, 7, "a bias of -100 keeps a token out");
+            generated.push(picked.token);
+        }
+        let distinct: HashSet<u32> = generated.iter().copied().collect();
+        assert!(distinct.len() > 10, "the penalties spread the picks: {generated:?}");
+    }
+
+    /// Without penalties nothing is remembered and the logits are left as they are.
+    #[test]
+    fn no_penalties_leave_the_logits_alone() {
+        let p = params(0.0, 1.0, 0);
+        let mut sampler = Sampler::new(&p, &[1, 2, 3]);
+        let mut rng = Rng::new(5);
+        for _ in 0..5 {
+            let logits = row(&mut rng, 30);
+            let mut bent = logits.clone();
+            sampler.pick(&mut bent);
+            assert_eq!(
+                bent.iter().map(|l| l.to_bits()).collect::<Vec<_>>(),
+                logits.iter().map(|l| l.to_bits()).collect::<Vec<_>>()
+            );
+        }
+        assert!(sampler.generated.is_empty() && sampler.seen.is_empty());
+    }
+
+    /// The log-softmax as defined, in f64 over the whole row, sorted: (id, logprob), most
+    /// likely first, equal ones by id; masked tokens left out.
+    fn log_softmax_sorted(logits: &[f32]) -> Vec<(u32, f64)> {
+        let finite: Vec<(u32, f64)> = logits
+            .iter()
+            .enumerate()
+            .filter(|(_, l)| l.is_finite())
+            .map(|(i, &l)| (i as u32, f64::from(l)))
+            .collect();
+        let max = finite.iter().map(|p| p.1).fold(f64::NEG_INFINITY, f64::max);
+        let lse = max + finite.iter().map(|p| (p.1 - max).exp()).sum::<f64>().ln();
+        let mut all: Vec<(u32, f64)> = finite.into_iter().map(|(i, l)| (i, l - lse)).collect();
+        all.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+        all
+    }
+
+    #[test]
+    fn logprobs_are_the_log_softmax_and_its_top_tokens() {
+        let mut rng = Rng::new(11);
+        for case in 0..50 {
+            let vocab = 2 + case * 7;
+            let mut logits = row(&mut rng, vocab.max(5));
+            if case % 5 == 0 {
+                // Ties at the top: the lower id first, as greedy picks it.
+                let top = logits.iter().copied().fold(f32::MIN, f32::max);
+                logits[1] = top;
+                logits[4] = top;
+            }
+            let want = log_softmax_sorted(&logits);
+            for top in [0, 1, 5, 20] {
+                let picked = (case * 13 % logits.len()) as u32;
+                let got = logprobs(&logits, picked, top);
+                let want_top = &want[..top.min(want.len())];
+                assert_eq!(got.top.len(), want_top.len());
+                for ((id, lp), (want_id, want_lp)) in got.top.iter().zip(want_top) {
+                    assert_eq!(id, want_id, "case {case}, top {top}: {:?}", got.top);
+                    assert!((f64::from(*lp) - want_lp).abs() < 1e-5, "{lp} != {want_lp}");
+                }
+                // The picked token's, whether or not among the top (a masked one: -inf).
+                let want_picked = want.iter().find(|p| p.0 == picked).map_or(f64::NEG_INFINITY, |p| p.1);
+                let got_picked = f64::from(got.logprob);
+                assert!(
+                    got_picked == want_picked || (got_picked - want_picked).abs() < 1e-5,
+                    "case {case}: {got_picked} != {want_picked}"
+                );
+            }
+            // The probabilities sum to 1.
+            let total: f64 = want.iter().map(|p| p.1.exp()).sum();
+            assert!((total - 1.0).abs() < 1e-9);
+        }
+        // Greedy's token is the first of the top.
+        let logits = row(&mut rng, 64);
+        let greedy = pick(&logits, &params(0.0, 1.0, 0), &mut rng);
+        assert_eq!(logprobs(&logits, greedy, 3).top[0].0, greedy);
+    }
+
+    /// The sampler gives log-probabilities only when asked, of the bent logits (after the
+    /// bias, before temperature): the same at any temperature.
+    #[test]
+    fn logprobs_are_of_the_bent_logits_whatever_the_temperature() {
+        let logits = row(&mut Rng::new(2), 50);
+        let bias = Penalties {
+            bias: vec![(10, 30.0)],
+            ..Penalties::NONE
+        };
+        let at = |temperature: f32, logprobs: Option<u32>| {
+            let p = Params {
+                penalties: bias.clone(),
+                logprobs,
+                ..params(temperature, 1.0, 0)
+            };
+            Sampler::new(&p, &[]).pick(&mut logits.clone())
+        };
+        assert_eq!(at(0.0, None).logprobs, None);
+        let cold = at(0.0, Some(2)).logprobs.unwrap();
+        let hot = at(1.5, Some(2)).logprobs.unwrap();
+        assert_eq!(cold.top, hot.top);
+        assert_eq!(cold.top[0].0, 10, "the bias made token 10 the most likely");
+        let mut bent = logits.clone();
+        bent[10] += 30.0;
+        assert_eq!(logprobs(&bent, 10, 2), cold);
     }
 
     #[test]

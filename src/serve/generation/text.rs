@@ -4,8 +4,10 @@
 //! stop string or, when the request offers tools, a tool call's opening tag (the calls are read
 //! back from the whole text at the end). Each token costs the same however long the text is:
 //! the stop strings and held strings are looked for only where the new text could have
-//! completed one.
+//! completed one. A delta also says how many tokens' text became whole in what was sent, so
+//! that what is sent of a token (its log-probabilities) goes with the end of its text.
 
+use std::collections::VecDeque;
 use std::sync::Arc;
 
 use crate::runtime::chat::TOOL_CALL_OPEN;
@@ -18,6 +20,8 @@ pub(super) struct Text {
     stop: Vec<String>,
     /// Where the first stop string starts, once the text holds one.
     stop_at: Option<usize>,
+    /// Characters of the text decoded so far.
+    chars: usize,
     /// A streamed generation's deltas so far.
     deltas: Option<Deltas>,
 }
@@ -30,6 +34,19 @@ struct Deltas {
     hold: Hold,
     /// Bytes of text already handed out.
     sent: usize,
+    /// Where the text of each token whose text was not all handed out yet ends (`usize::MAX`
+    /// while it waits), oldest first.
+    ends: VecDeque<usize>,
+}
+
+/// What a streamed generation's token lets it send.
+#[derive(Debug, PartialEq)]
+pub(super) struct Sent {
+    /// Text not sent before that may be sent now (empty while it waits).
+    pub(super) text: String,
+    /// Tokens whose text is now all sent and was not before, oldest first after those of
+    /// earlier deltas.
+    pub(super) tokens: usize,
 }
 
 impl Text {
@@ -45,30 +62,48 @@ impl Text {
                 held,
                 hold: Hold::default(),
                 sent: 0,
+                ends: VecDeque::new(),
             }
         });
         Text {
             decoded: Detokenizer::new(tokenizer),
             stop: stop.to_vec(),
             stop_at: None,
+            chars: 0,
             deltas,
         }
     }
 
     /// Add a token: for a streamed generation, the text that may be sent now and was not yet
-    /// (empty while it waits). A stop string is looked for where the new text could have
-    /// completed one.
-    pub(super) fn push(&mut self, id: u32) -> Result<Option<String>, String> {
+    /// (empty while it waits), and the tokens it completes. A stop string is looked for where
+    /// the new text could have completed one.
+    pub(super) fn push(&mut self, id: u32) -> Result<Option<Sent>, String> {
         let searched = self.decoded.text().len();
         self.decoded.push(id)?;
         let grown = self.decoded.text();
+        self.chars += grown[searched..].chars().count();
         self.stop_at = first_at(grown, tail_start(grown, searched, &self.stop), &self.stop);
         Ok(self.deltas.as_mut().map(|deltas| {
             let ready = sendable(grown, &mut deltas.hold, &deltas.held);
-            let delta = ready.get(deltas.sent..).unwrap_or_default().to_string();
+            let text = ready.get(deltas.sent..).unwrap_or_default().to_string();
             deltas.sent = deltas.sent.max(ready.len());
-            delta
+            // A token whose text waits ends where the text that finishes it does.
+            deltas.ends.push_back(usize::MAX);
+            if !self.decoded.waiting() {
+                for end in deltas.ends.iter_mut().rev().take_while(|end| **end == usize::MAX) {
+                    *end = grown.len();
+                }
+            }
+            let whole = deltas.ends.iter().take_while(|&&end| end <= deltas.sent).count();
+            deltas.ends.drain(..whole);
+            Sent { text, tokens: whole }
         }))
+    }
+
+    /// Characters of the text decoded so far: where the next token's text starts (a token
+    /// that ends in an unfinished character adds none until the tokens finishing it come).
+    pub(super) fn chars(&self) -> usize {
+        self.chars
     }
 
     /// Whether a stop string ended the text.
@@ -167,7 +202,7 @@ mod tests {
         let mut whole = Text::new(Arc::clone(&tokenizer), &stop, false, false);
         let mut sent = String::new();
         for &id in &tokens {
-            sent.push_str(&streamed.push(id).unwrap().expect("a streamed generation's delta"));
+            sent.push_str(&streamed.push(id).unwrap().expect("a streamed generation's delta").text);
             assert_eq!(whole.push(id).unwrap(), None);
             assert_eq!(streamed.stopped(), whole.stopped());
             if streamed.stopped() {
@@ -179,6 +214,48 @@ mod tests {
         assert_eq!(text, "Grüße aus Köln: the ");
         assert_eq!(whole.finish().unwrap().1, text);
         assert_eq!(sent, text);
+    }
+
+    /// A delta counts the tokens whose text is all in what was sent with it and before: never
+    /// one whose text (an unfinished character, a start of the stop string) still waits, every
+    /// token once its text went out, and none of a stop string's.
+    #[test]
+    fn a_delta_counts_the_tokens_its_text_completes() {
+        let tokenizer = fixture();
+        let prose = "Grüße aus Köln, 東京: the GPU is full, and more";
+        let tokens = tokenizer.encode(prose, false).unwrap().get_ids().to_vec();
+        for stop in [vec![], vec!["GPU is".to_string()]] {
+            let mut text = Text::new(Arc::clone(&tokenizer), &stop, true, false);
+            let (mut sent, mut whole) = (String::new(), 0);
+            for (pushed, &id) in tokens.iter().enumerate() {
+                let offset = text.chars();
+                let delta = text.push(id).unwrap().unwrap();
+                sent.push_str(&delta.text);
+                whole += delta.tokens;
+                assert!(whole <= pushed + 1);
+                let done = tokenizer.decode(&tokens[..whole], true).unwrap();
+                assert!(
+                    sent.starts_with(&done),
+                    "{whole} tokens {done:?} are not all in {sent:?}"
+                );
+                let next = tokenizer.decode(&tokens[..=whole.min(pushed)], true).unwrap();
+                assert!(
+                    whole > pushed || !sent.starts_with(&next) || next == done,
+                    "token {whole} waits though {next:?} was sent"
+                );
+                // Where each token's text starts, in characters of the text.
+                let before = tokenizer.decode(&tokens[..pushed], true).unwrap();
+                assert_eq!(offset, before.trim_end_matches('\u{FFFD}').chars().count());
+                if text.stopped() {
+                    break;
+                }
+            }
+            let all = text.tokens().len();
+            match stop.is_empty() {
+                true => assert_eq!(whole, all, "every token's text went out"),
+                false => assert!(whole < all, "the stop string's tokens never count"),
+            }
+        }
     }
 
     /// What is sendable of `text` searched whole, as if it had come in one piece.

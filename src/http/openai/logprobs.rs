@@ -1,0 +1,48 @@
+//! Log-probabilities in OpenAI's shapes: chat's `logprobs: {"content": [{token, logprob, bytes,
+//! top_logprobs}]}` and completions' `logprobs: {tokens, token_logprobs, top_logprobs,
+//! text_offset}`. A token's `bytes` are exact ([`TokenBytes`]); its `token` text is those bytes
+//! read as UTF-8, a part of a character as U+FFFD.
+
+use serde_json::{Map, Value, json};
+
+use crate::runtime::text::TokenBytes;
+use crate::serve::generation::TokenLogprobs;
+use crate::serve::service::Service;
+
+/// How the tokens of `model` (the model that answered) read as bytes.
+pub(super) fn token_bytes(service: &Service, model: &str) -> Option<TokenBytes> {
+    let tokenizer = service.model(model)?.tokenizer.as_ref()?;
+    Some(TokenBytes::new(std::sync::Arc::clone(tokenizer)))
+}
+
+/// Chat's `logprobs` of `tokens`.
+pub(super) fn chat(bytes: &TokenBytes, tokens: &[TokenLogprobs]) -> Value {
+    let entry = |id: u32, logprob: f32| {
+        let b = bytes.bytes(id);
+        json!({"token": String::from_utf8_lossy(&b), "logprob": logprob, "bytes": b})
+    };
+    let content: Vec<Value> = tokens
+        .iter()
+        .map(|t| {
+            let mut token = entry(t.token, t.logprobs.logprob);
+            token["top_logprobs"] = t.logprobs.top.iter().map(|&(id, lp)| entry(id, lp)).collect();
+            token
+        })
+        .collect();
+    json!({ "content": content })
+}
+
+/// Completions' `logprobs` of `tokens` (`text_offset`: where each token's text starts in the
+/// answer's text, in characters).
+pub(super) fn completion(bytes: &TokenBytes, tokens: &[TokenLogprobs]) -> Value {
+    let text = |id: u32| String::from_utf8_lossy(&bytes.bytes(id)).into_owned();
+    let top = |t: &TokenLogprobs| -> Map<String, Value> {
+        t.logprobs.top.iter().map(|&(id, lp)| (text(id), json!(lp))).collect()
+    };
+    json!({
+        "tokens": tokens.iter().map(|t| text(t.token)).collect::<Vec<_>>(),
+        "token_logprobs": tokens.iter().map(|t| t.logprobs.logprob).collect::<Vec<_>>(),
+        "top_logprobs": tokens.iter().map(top).collect::<Vec<_>>(),
+        "text_offset": tokens.iter().map(|t| t.text_offset).collect::<Vec<_>>(),
+    })
+}
