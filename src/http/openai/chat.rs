@@ -110,15 +110,26 @@ fn response_schema(format: Option<&Value>) -> Result<Option<(Value, bool)>, Open
     }
 }
 
-/// The grammar a chat's answer follows, compiled for `entry`'s tokenizer, if any: a call of the
-/// forced tool (`forced`: the only one, else any of `tools`) when a call is forced; else, with
-/// tools offered of which one is strict or with a `response_format`, a call of any tool or an
-/// answer in that format (prose, without one); else the `response_format`.
+/// Whether a chat's answer must be a tool call, and of which function.
+#[derive(Debug, Clone, Copy)]
+enum Call<'a> {
+    /// It may be one, or not.
+    Free,
+    /// A call of any tool offered.
+    Any,
+    /// A call of this function.
+    Named(&'a str),
+}
+
+/// The grammar a chat's answer follows, compiled for `entry`'s tokenizer, if any: a call when
+/// `call` forces one; else, with tools `offered` of which one is strict or with a
+/// `response_format`, a call of any tool or an answer in that format (prose, without one);
+/// else the `response_format`.
 fn grammar_of(
     entry: &ModelEntry,
     tools: &[Value],
     offered: bool,
-    forced: Option<Option<&str>>,
+    call: Call<'_>,
     format: Option<&(Value, bool)>,
 ) -> Result<Option<Grammar>, OpenAiError> {
     let grammars = entry.grammars.as_ref().expect("checked by text_model");
@@ -133,15 +144,15 @@ fn grammar_of(
             parameters: t["function"].get("parameters"),
             strict: t["function"]["strict"] == true,
         })
-        .filter(|t| forced.flatten().is_none_or(|name| t.name == name))
+        .filter(|t| !matches!(call, Call::Named(name) if t.name != name))
         .collect();
     let strict_tool = callable.iter().any(|t| t.strict);
-    let shape = match (forced, offered) {
-        (Some(_), _) => Shape::ToolCall {
+    let shape = match (call, offered) {
+        (Call::Any | Call::Named(_), _) => Shape::ToolCall {
             tools: &callable,
             otherwise: None,
         },
-        (None, true) if answer.is_some() || strict_tool => {
+        (Call::Free, true) if answer.is_some() || strict_tool => {
             // A response format that cannot compile is named as such, not as the tools'.
             if let Some(answer) = answer {
                 grammars
@@ -192,23 +203,22 @@ pub(super) fn read(state: &AppState, body: &[u8], id: &str) -> Result<Draft, Ope
     let tools = request.tools.unwrap_or_default();
     crate::runtime::chat::check_tools(&tools).map_err(|e| OpenAiError::invalid(e, Some("tools")))?;
     let tool_choice = |message: String| OpenAiError::invalid(message, Some("tool_choice"));
-    // `forced`: a call is forced, of the function named or (`None`) of any tool offered.
-    let (offered, forced) = match &request.tool_choice {
-        ToolChoice::Auto => (!tools.is_empty(), None),
-        ToolChoice::None => (false, None),
+    let (offered, call) = match &request.tool_choice {
+        ToolChoice::Auto => (!tools.is_empty(), Call::Free),
+        ToolChoice::None => (false, Call::Free),
         ToolChoice::Required | ToolChoice::Function(_) if tools.is_empty() => {
             return Err(tool_choice(
                 "`tool_choice` forces a call, and no `tools` are offered".into(),
             ));
         }
-        ToolChoice::Required => (true, Some(None)),
+        ToolChoice::Required => (true, Call::Any),
         ToolChoice::Function(name) => {
             if !tools.iter().any(|t| t["function"]["name"] == name.as_str()) {
                 return Err(tool_choice(format!(
                     "`tool_choice` names `{name}`, which is not among the `tools`"
                 )));
             }
-            (true, Some(Some(name.as_str())))
+            (true, Call::Named(name.as_str()))
         }
         ToolChoice::Unknown => {
             return Err(tool_choice(
@@ -217,7 +227,7 @@ pub(super) fn read(state: &AppState, body: &[u8], id: &str) -> Result<Draft, Ope
             ));
         }
     };
-    let grammar = grammar_of(entry, &tools, offered, forced, format.as_ref())?;
+    let grammar = grammar_of(entry, &tools, offered, call, format.as_ref())?;
     let offered_tools = offered.then_some(tools.as_slice());
     let text = template
         .render(&messages, offered_tools)
@@ -362,5 +372,32 @@ mod tests {
             serde_json::from_value::<ChatRequest>(absent).unwrap().tool_choice,
             ToolChoice::Auto
         );
+    }
+
+    #[test]
+    fn response_format_reads_as_a_schema_and_strictness_or_is_refused_by_name() {
+        let read = |format: Value| response_schema(Some(&format));
+        // `OpenAiError` is not `Debug`: what is accepted is read through `ok()`.
+        let accepted = |format: Value| read(format).ok().expect("accepted");
+        assert_eq!(accepted(Value::Null), None);
+        assert_eq!(accepted(json!({"type": "text"})), None);
+        assert_eq!(
+            accepted(json!({"type": "json_object"})),
+            Some((json!({"type": "object"}), true))
+        );
+        let schema = json!({"type": "object", "properties": {"a": {"type": "integer"}}});
+        let spec = |strict: Value| json!({"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": strict}});
+        assert_eq!(accepted(spec(json!(true))), Some((schema.clone(), true)));
+        assert_eq!(accepted(spec(Value::Null)), Some((schema.clone(), false)));
+        let unnamed = json!({"type": "json_schema", "json_schema": {"schema": schema}});
+        for bad in [
+            json!({"type": "yaml"}),
+            unnamed,
+            spec(json!("yes")),
+            json!({"type": "json_schema", "json_schema": {"name": "x", "schema": 3}}),
+        ] {
+            let error = read(bad.clone()).unwrap_err();
+            assert_eq!(error.param, Some("response_format"), "{bad}");
+        }
     }
 }
