@@ -2,7 +2,7 @@
 """Compatibility check with OpenAI's own Python client (the `openai` package), unchanged.
 
 Starts `vramguard serve` (path in argv[1]) with the decoder fixture (models/decoder/) at
-127.0.0.1:0, then drives it with the stock client: model listing, a greedy completion whose
+127.0.0.1:0, then drives it with the stock client: model listing and retrieval, a greedy completion whose
 text must equal the fixture's reference (computed without ONNX Runtime), seeded sampling that
 repeats, streaming, chat (whole, streamed, with tools) answering as the completion of its
 ChatML prompt, and errors (the server's own 404, 405 and 413 included) surfaced as the client's
@@ -109,6 +109,16 @@ def run(address):
     @check("models.list names the decoder")
     def _():
         assert [m.id for m in client.models.list()] == ["tiny"]
+
+    @check("models.retrieve gives the listed model, and NotFoundError for another")
+    def _():
+        assert client.models.retrieve("tiny") == next(iter(client.models.list()))
+        for missing in ("nope", "org/tiny"):
+            try:
+                client.models.retrieve(missing)
+                raise AssertionError(f"{missing} was retrieved")
+            except openai.NotFoundError as e:
+                assert e.code == "model_not_found", e.body
 
     @check("a greedy completion equals the reference")
     def _():
