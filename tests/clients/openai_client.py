@@ -157,6 +157,23 @@ def run(address):
         assert "".join(pieces) == case["text"], pieces
         assert finish == "length", finish
 
+    @check("a list of prompts is a choice each, with echo, whole and streamed")
+    def _():
+        names = ("short", "stop")
+        prompts = [cases[n]["prompt"] for n in names]
+        done = client.completions.create(model="tiny", prompt=prompts, max_tokens=16, temperature=0, echo=True)
+        assert [c.index for c in done.choices] == [0, 1], done.choices
+        for choice, name in zip(done.choices, names):
+            assert choice.text == cases[name]["prompt"] + cases[name]["text"], (name, choice.text)
+        assert done.usage.prompt_tokens == sum(len(cases[n]["prompt_ids"]) for n in names), done.usage
+        ids = [cases[n]["prompt_ids"] for n in names]
+        texts = ["", ""]
+        for chunk in client.completions.create(model="tiny", prompt=ids, max_tokens=16, temperature=0,
+                                               echo=True, stream=True):
+            for choice in chunk.choices:
+                texts[choice.index] += choice.text
+        assert texts == [c.text for c in done.choices], texts
+
     def chatml(user):
         return f"<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
 
