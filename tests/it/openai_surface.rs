@@ -1,7 +1,8 @@
 //! The OpenAI surface beyond one prompt and one answer, with real ONNX Runtime on the tiny
 //! decoder fixture (`models/decoder/`), served from the CPU: `GET /v1/models/{id}` (OpenAI's 404
 //! for any name not served, one with `/` in it included); a completion's `prompt` in each form
-//! OpenAI takes, each prompt its own choice, and `echo`, whole and streamed.
+//! OpenAI takes, each prompt its own choice, and `echo`, whole and streamed; `n` generations of
+//! each prompt from one run of it (on the fixture, and on a real export of each padding side).
 
 use crate::common::TestServer;
 use reqwest::StatusCode;
@@ -216,5 +217,180 @@ async fn echo_puts_the_prompt_first_and_bad_prompts_are_refused_by_name() {
     let (_, error) = complete(&server, &greedy(json!("x"), json!({"echo": true, "logprobs": 2}))).await;
     let message = error["error"]["message"].as_str().unwrap();
     assert!(message.contains("last position"), "says why: {message}");
+    server.stop().await;
+}
+
+/// `n` for completions and chat: at temperature 0, `n` copies of the one answer; sampled with a
+/// seed, the same `n` answers each time, not all alike; streamed, the same choices. Each
+/// choice is a request of its own (and a first token of its own); the prompt counts once in
+/// `usage`. Prompts times `n` past 128, and `best_of` other than `n`, are 400s.
+#[tokio::test]
+async fn n_choices_are_n_generations_of_one_prompt() {
+    let server = TestServer::start(CONFIG).await;
+    let short = case("short");
+    let (_, one) = complete(&server, &greedy(short["prompt"].clone(), json!({}))).await;
+    let (status, three) = complete(&server, &greedy(short["prompt"].clone(), json!({"n": 3, "best_of": 3}))).await;
+    assert_eq!(status, StatusCode::OK, "{three}");
+    let choices = three["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 3, "{three}");
+    for (i, choice) in choices.iter().enumerate() {
+        assert_eq!(choice["index"], i);
+        assert_eq!(choice["text"], one["choices"][0]["text"], "{three}");
+    }
+    let prompt_tokens = one["usage"]["prompt_tokens"].as_u64().unwrap();
+    assert_eq!(three["usage"]["prompt_tokens"], prompt_tokens, "the prompt counts once");
+    assert_eq!(three["usage"]["completion_tokens"], 3 * 16);
+
+    // Two prompts, two choices each: prompt 0's, then prompt 1's.
+    let stop = case("stop");
+    let both = json!([short["prompt"], stop["prompt"]]);
+    let (_, four) = complete(&server, &greedy(both.clone(), json!({"n": 2}))).await;
+    let texts: Vec<&str> = four["choices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["text"].as_str().unwrap())
+        .collect();
+    let (short_text, stop_text) = (short["text"].as_str().unwrap(), stop["text"].as_str().unwrap());
+    assert_eq!(texts, [short_text, short_text, stop_text, stop_text], "{four}");
+    let response = server
+        .post_json("/v1/completions", &greedy(both, json!({"n": 2, "stream": true})))
+        .await;
+    let chunks = crate::generation::events(response).await;
+    let (streamed, _, usage) = joined(&chunks, 4);
+    assert_eq!(streamed, texts);
+    assert_eq!(usage, four["usage"]);
+
+    // Sampled: repeatable with a seed, and the choices are not all one answer.
+    let sampled = json!({"model": "tiny", "prompt": short["prompt"], "max_tokens": 16, "temperature": 1,
+                         "seed": 11, "n": 4});
+    let (_, first) = complete(&server, &sampled).await;
+    let (_, again) = complete(&server, &sampled).await;
+    assert_eq!(first["choices"], again["choices"], "the same seed, the same choices");
+    let texts: Vec<&str> = first["choices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["text"].as_str().unwrap())
+        .collect();
+    assert!(texts.iter().any(|t| *t != texts[0]), "{texts:?}");
+
+    // Chat, whole and streamed.
+    let chat = json!({"model": "tiny", "messages": [{"role": "user", "content": short["prompt"]}],
+                      "max_tokens": 8, "temperature": 0, "n": 2});
+    let response = server.post_json("/v1/chat/completions", &chat).await;
+    assert_eq!(response.status(), StatusCode::OK);
+    let whole: Value = response.json().await.unwrap();
+    let choices = whole["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 2, "{whole}");
+    assert_eq!(choices[0]["message"], choices[1]["message"], "{whole}");
+    let mut streamed = chat.clone();
+    streamed["stream"] = json!(true);
+    let chunks = crate::generation::events(server.post_json("/v1/chat/completions", &streamed).await).await;
+    let mut contents = [String::new(), String::new()];
+    for chunk in &chunks {
+        let choice = &chunk["choices"][0];
+        let index = choice["index"].as_u64().unwrap() as usize;
+        contents[index].push_str(choice["delta"]["content"].as_str().unwrap_or_default());
+    }
+    for (index, content) in contents.iter().enumerate() {
+        assert_eq!(
+            content,
+            choices[index]["message"]["content"].as_str().unwrap(),
+            "{chunks:?}"
+        );
+        let role = chunks.iter().find(|c| c["choices"][0]["index"] == index).unwrap();
+        assert_eq!(role["choices"][0]["delta"]["role"], "assistant", "{chunks:?}");
+    }
+
+    // Each choice counted as a request, each with its first token: 1 + 3 + 2 × (2 + 2) + 2 × 4
+    // + 2 × 2 completions and chats.
+    let metrics = server.metrics().await;
+    let generations = (1 + 3 + 2 * (2 + 2) + 2 * 4 + 2 * 2) as f64;
+    assert_eq!(
+        crate::common::requests_with(&metrics, |o| o == "ok"),
+        generations,
+        "{metrics}"
+    );
+    let first_tokens = crate::common::sum_samples(&metrics, |l| {
+        l.starts_with("vramguard_time_to_first_token_seconds_count{model=\"tiny\"")
+    });
+    assert_eq!(first_tokens, generations, "{metrics}");
+
+    for (extra, param) in [
+        (json!({"n": 129}), "n"),
+        (json!({"n": 0}), "n"),
+        (json!({"n": 2, "best_of": 3}), "best_of"),
+    ] {
+        let (status, error) = complete(&server, &greedy(json!("x"), extra.clone())).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{extra}: {error}");
+        assert_eq!(error["error"]["param"], param, "{extra}: {error}");
+    }
+    let prompts: Vec<&str> = vec!["x"; 65];
+    let (status, error) = complete(&server, &greedy(json!(prompts), json!({"n": 2}))).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{error}");
+    assert!(
+        error["error"]["message"].as_str().unwrap().contains("130 choices"),
+        "{error}"
+    );
+    server.stop().await;
+}
+
+/// On real exports, one padded on the left (Optimum's Llama) and one on the right (the GenAI
+/// builder's Qwen2, `GroupQueryAttention`): `n` copies of a prompt's cache made on the runtime's
+/// side generate the text `transformers` does for that prompt alone, two prompts at once.
+#[tokio::test]
+async fn n_choices_of_real_exports_each_generate_the_reference_text() {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/models/real/reference.json");
+    let reference: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let max_tokens = reference["max_new_tokens"].clone();
+    for folder in ["llama-optimum", "qwen2-genai"] {
+        let config = format!(
+            "models: [{{name: m, path: models/real/{folder}/model.onnx, tokenizer: models/real/{folder}/tokenizer.json}}]\n\
+             pools: [{{name: cpu, provider: cpu, models: [m]}}]\n"
+        );
+        let server = TestServer::start(&config).await;
+        let cases = reference["models"][folder]["cases"].as_array().unwrap();
+        let prompts: Vec<&Value> = cases.iter().take(2).map(|c| &c["prompt"]).collect();
+        let body = json!({"model": "m", "prompt": prompts, "max_tokens": max_tokens, "temperature": 0, "n": 3});
+        let (status, answer) = complete(&server, &body).await;
+        assert_eq!(status, StatusCode::OK, "{folder}: {answer}");
+        let choices = answer["choices"].as_array().unwrap();
+        assert_eq!(choices.len(), 6, "{folder}: {answer}");
+        for (i, choice) in choices.iter().enumerate() {
+            assert_eq!(choice["text"], cases[i / 3]["text"], "{folder}: choice {i}");
+        }
+        server.stop().await;
+    }
+}
+
+/// `n` generations are admitted as `n` caches: the policy sees them as the request's batch,
+/// and the estimate holds `n` caches of the prompt and `max_tokens`.
+#[tokio::test]
+async fn n_generations_are_admitted_as_n_caches() {
+    const POLICY: &str = r#"fn decide(req, state) {
+        if req.max_new_tokens == 7 { reject(`batch=${req.batch} context_bytes=${req.estimate.context_bytes}.`) } else { admit() }
+    }"#;
+    let server = TestServer::with_policy(CONFIG, POLICY).await;
+    let seen = async |n: u64| -> (u64, u64) {
+        let body = json!({"model": "tiny", "prompt": "The GPU", "max_tokens": 7, "n": n});
+        let (status, body) = complete(&server, &body).await;
+        assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{body}");
+        let message = body["error"]["message"].as_str().unwrap().to_string();
+        let number = |key: &str| -> u64 {
+            let at = message.find(key).unwrap_or_else(|| panic!("{message}")) + key.len();
+            message[at..]
+                .chars()
+                .take_while(char::is_ascii_digit)
+                .collect::<String>()
+                .parse()
+                .unwrap()
+        };
+        (number("batch="), number("context_bytes="))
+    };
+    let (one, one_bytes) = seen(1).await;
+    let (three, three_bytes) = seen(3).await;
+    assert_eq!((one, three), (1, 3));
+    assert_eq!(three_bytes, 3 * one_bytes, "three caches of the prompt and max_tokens");
     server.stop().await;
 }

@@ -151,7 +151,6 @@ pub(super) fn checked(state: &AppState, draft: Draft, id: &str) -> Result<Job, O
     let entry = state.service.model(&sampling.model).expect("checked by text_model");
     let params = params(&sampling, &entry.folder.sampling, max_tokens, tools, id)?;
     let n = sampling.n.unwrap_or(1) as usize;
-    refuse_unsupported([(n > 1, "n")])?;
     if n == 0 {
         return Err(OpenAiError::invalid("`n` must be at least 1", Some("n")));
     }

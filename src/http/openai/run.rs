@@ -93,9 +93,10 @@ pub(super) async fn generate_all(
     futures_util::future::join_all(prompts.collect::<Vec<_>>()).await;
 }
 
-/// Run one prompt's generations as `base` (request `id`), each one's deltas to its sink when it
-/// is streamed and its end to `outs`; with `resend` (and the prompt's index in the body), the
-/// model's fallback may answer instead.
+/// Run one prompt's generations (one per `outs`: OpenAI's `n`) as `base` (request `id`): its
+/// one run, then each generation from its own copy of the cache, its deltas to its sink when it
+/// is streamed and its end to its `out`; with `resend` (and the prompt's index in the body),
+/// the model's fallback may answer instead.
 async fn generate(
     service: &Service,
     job: (&str, Prompt, &Params),
@@ -106,6 +107,9 @@ async fn generate(
 ) {
     let (model, prompt, params) = job;
     let entry = service.model(model).expect("checked by text_model");
+    let mut base = base;
+    // Admitted as its `n` generations: one run of the prompt, a cache for each.
+    base.generations = outs.len() as u64;
     let placed = match generation::place(service, entry, prompt, params, base).await {
         Ok(Placed::Prefilled(prefilled)) => Ok(prefilled),
         Ok(Placed::Fallback(fallback)) => {
@@ -126,10 +130,14 @@ async fn generate(
             return;
         }
     };
-    let runs = std::iter::once(prefilled).zip(outs).map(|(prefilled, out)| async move {
-        let generated = prefilled.run(out.sink).await;
-        let _ = out.end.send(generated);
-    });
+    let runs = prefilled
+        .fork(outs.len())
+        .into_iter()
+        .zip(outs)
+        .map(|(prefilled, out)| async move {
+            let generated = prefilled.run(out.sink).await;
+            let _ = out.end.send(generated);
+        });
     futures_util::future::join_all(runs).await;
 }
 
