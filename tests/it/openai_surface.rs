@@ -394,3 +394,39 @@ async fn n_generations_are_admitted_as_n_caches() {
     assert_eq!(three_bytes, 3 * one_bytes, "three caches of the prompt and max_tokens");
     server.stop().await;
 }
+
+/// On a pool whose caches live in a worker process, `n` copies are made there: three
+/// generations of a long prompt give its text each, and move less to the pool than one more
+/// run of the prompt would (each step sends 24 bytes a row; the prompt's run 24 a token).
+#[tokio::test]
+async fn n_copies_are_made_in_the_worker_process_without_running_the_prompt_again() {
+    let config = "\
+models: [{name: tiny, path: models/decoder/model.onnx, tokenizer: models/decoder/tokenizer.json}]
+pools: [{name: cpu, provider: cpu, isolation: process, models: [tiny]}]
+";
+    let server = TestServer::start(config).await;
+    let long = case("long");
+    let to_pool = async || {
+        let metrics = server.metrics().await;
+        crate::common::sum_samples(&metrics, |l| {
+            l.starts_with("vramguard_pool_transfer_bytes_total{pool=\"cpu\",direction=\"to_pool\"}")
+        })
+    };
+    let mut moved = Vec::new();
+    for n in [1, 3] {
+        let before = to_pool().await;
+        let (status, body) = complete(&server, &greedy(long["prompt"].clone(), json!({"n": n}))).await;
+        assert_eq!(status, StatusCode::OK, "{body}");
+        for choice in body["choices"].as_array().unwrap() {
+            assert_eq!(choice["text"], long["text"], "{body}");
+        }
+        moved.push(to_pool().await - before);
+    }
+    let prompt_run = 24.0 * long["prompt_ids"].as_array().unwrap().len() as f64;
+    assert!(moved[0] >= prompt_run, "{moved:?}");
+    assert!(
+        moved[1] - moved[0] < prompt_run,
+        "no second run of the prompt: {moved:?}"
+    );
+    server.stop().await;
+}
