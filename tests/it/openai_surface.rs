@@ -2,7 +2,9 @@
 //! decoder fixture (`models/decoder/`), served from the CPU: `GET /v1/models/{id}` (OpenAI's 404
 //! for any name not served, one with `/` in it included); a completion's `prompt` in each form
 //! OpenAI takes, each prompt its own choice, and `echo`, whole and streamed; `n` generations of
-//! each prompt from one run of it (on the fixture, and on a real export of each padding side).
+//! each prompt from one run of it (on the fixture, on a real export of each padding side, and
+//! in a worker process), admitted as `n` caches; a choice failing mid-stream named in the
+//! stream's `error` event.
 
 use crate::common::TestServer;
 use reqwest::StatusCode;
@@ -428,5 +430,63 @@ pools: [{name: cpu, provider: cpu, isolation: process, models: [tiny]}]
         moved[1] - moved[0] < prompt_run,
         "no second run of the prompt: {moved:?}"
     );
+    server.stop().await;
+}
+
+/// A streamed answer of two choices whose step fails after tokens were sent (not replayable,
+/// on a simulated accelerator told to fail its 6th run) ends with one `error` event naming the
+/// choice that failed and what every choice had sent, then `[DONE]`; each choice's text sent
+/// is the start of its text.
+#[tokio::test]
+async fn a_choice_failing_mid_stream_ends_the_stream_with_an_error_naming_it() {
+    if crate::common::ran_in_own_process() {
+        return;
+    }
+    let config = "\
+devices: [{name: gpu0, kind: simulated, capacity: 256MiB}]
+models: [{name: tiny, path: models/decoder/model.onnx, tokenizer: models/decoder/tokenizer.json}]
+pools:
+- {name: gpu, provider: simulated, device: gpu0, models: [tiny], breaker: {failures: 100, window: 60s, cooldown: 1h}}
+";
+    let server = TestServer::start(config).await;
+    let injected = server
+        .post_json("/admin/sim/gpu0", &json!({"pass_first": 5, "fail_next": 1}))
+        .await;
+    assert_eq!(injected.status(), StatusCode::OK);
+    let short = case("short");
+    let response = reqwest::Client::new()
+        .post(server.url("/v1/completions"))
+        .header("x-request-id", "two-1")
+        .header("x-vramguard-replayable", "false")
+        .json(&greedy(short["prompt"].clone(), json!({"n": 2, "stream": true})))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+    let chunks = crate::generation::events(response).await;
+    let (last, sent) = chunks.split_last().unwrap();
+    let error = &last["error"];
+    assert_eq!(error["request_id"], "two-1", "{chunks:?}");
+    let failed = error["index"].as_u64().expect("the choice that failed") as usize;
+    assert!(failed < 2, "{error}");
+    let choices = error["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 2, "{error}");
+    assert_eq!(error["tokens_sent"], choices[failed]["tokens_sent"], "{error}");
+    assert!(
+        error["message"].as_str().unwrap().contains(&format!("choice {failed}")),
+        "{error}"
+    );
+    for index in 0..2 {
+        let text: String = sent
+            .iter()
+            .filter(|c| c["choices"][0]["index"] == index)
+            .map(|c| c["choices"][0]["text"].as_str().unwrap())
+            .collect();
+        assert!(
+            short["text"].as_str().unwrap().starts_with(&text),
+            "choice {index}: {text:?}"
+        );
+        assert!(choices[index]["tokens_sent"].as_u64().unwrap() <= 5, "{error}");
+    }
     server.stop().await;
 }
