@@ -230,6 +230,7 @@ impl Direct {
                     past: past as u64,
                 }],
                 ended: Vec::new(),
+                ..Default::default()
             };
             let logits = self.backend.decode("lm", &step, &meta).expect("decode");
             tokens.push(argmax(&logits[0]));
@@ -238,6 +239,7 @@ impl Direct {
         let end = DecodeStep {
             rows: Vec::new(),
             ended: vec![seq],
+            ..Default::default()
         };
         self.backend.decode("lm", &end, &meta).expect("the end of a generation");
         (tokens, vocab, elapsed)
@@ -271,6 +273,7 @@ impl Direct {
             let step = DecodeStep {
                 rows,
                 ended: Vec::new(),
+                ..Default::default()
             };
             let logits = self.backend.decode("lm", &step, &meta).expect("decode");
             tokens = argmax_rows(&logits);
@@ -279,6 +282,7 @@ impl Direct {
         let end = DecodeStep {
             rows: Vec::new(),
             ended: seqs,
+            ..Default::default()
         };
         self.backend
             .decode("lm", &end, &meta)

@@ -133,8 +133,9 @@ pub trait Generations {
         }
         Ok(out)
     }
-    /// One step of `model`'s generations whose caches it keeps: drop the caches of
-    /// `step.ended`, then run each row's next token, all rows as one batch. Returns `logits`,
+    /// One step of `model`'s generations whose caches it keeps: copy the caches of
+    /// `step.forks`, drop those of `step.ended`, then run each row's next token, all rows as
+    /// one batch. Returns `logits`,
     /// FP32 `[rows, vocab]`, in row order. A row whose cache it does not hold at that row's
     /// `past` fails the step with [`BackendError::CacheMissing`] (nothing else is changed), so
     /// the caller prefills it again from its tokens.
@@ -206,6 +207,21 @@ pub struct DecodeStep {
     pub rows: Vec<DecodeRow>,
     /// Sequences whose caches are dropped first (finished, failed, their client gone).
     pub ended: Vec<u64>,
+    /// Caches copied before anything else, where the backend keeps them (never through the
+    /// host): generations that share a prompt's run (OpenAI's `n`) each go on from a copy.
+    #[serde(default)]
+    pub forks: Vec<Fork>,
+}
+
+/// A sequence's cache copied as other sequences' ([`DecodeStep::forks`]): they hold what it
+/// holds, at its position. A fork whose sequence the backend does not hold is skipped: the
+/// new sequences' rows then fail with [`BackendError::CacheMissing`] and are prefilled again.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Fork {
+    /// The sequence copied.
+    pub from: u64,
+    /// The sequences made of it (one not held yet each).
+    pub to: Vec<u64>,
 }
 
 impl DecodeStep {

@@ -74,6 +74,7 @@ pub(super) fn decode_headers(
         progress: Default::default(),
         allow_substitute,
         sequence: None,
+        generations: 0,
     })
 }
 

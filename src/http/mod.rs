@@ -49,6 +49,7 @@ pub fn app(state: Arc<AppState>) -> Router {
         .route("/status", get(status))
         .route("/", get(status_page))
         .route("/v1/models", get(openai::models))
+        .route("/v1/models/{*id}", get(openai::model))
         .route("/v1/completions", post(openai::completions))
         .route("/v1/chat/completions", post(openai::chat_completions))
         .merge(triton::routes())

@@ -107,6 +107,7 @@ impl Pool {
                 let gone = DecodeStep {
                     rows: Vec::new(),
                     ended: vec![seq],
+                    ..Default::default()
                 };
                 if let Some(caches) = slot.backend.generations() {
                     let _ = caches.decode(&model, &gone, &RunMeta::default());
@@ -201,6 +202,7 @@ impl Pool {
             let step = DecodeStep {
                 rows: Vec::new(),
                 ended: gone,
+                ..Default::default()
             };
             let _ = caches.decode(&model, &step, &RunMeta::default());
         }

@@ -90,6 +90,7 @@ pub fn request(model: &str, inputs: Vec<Tensor>) -> Request {
         progress: Default::default(),
         allow_substitute: false,
         sequence: None,
+        generations: 0,
     }
 }
 

@@ -2,7 +2,8 @@
 """Compatibility check with OpenAI's own Python client (the `openai` package), unchanged.
 
 Starts `vramguard serve` (path in argv[1]) with the decoder fixture (models/decoder/) at
-127.0.0.1:0, then drives it with the stock client: model listing, a greedy completion whose
+127.0.0.1:0, then drives it with the stock client: model listing and retrieval, prompt lists,
+echo and n, a greedy completion whose
 text must equal the fixture's reference (computed without ONNX Runtime), seeded sampling that
 repeats, streaming, chat (whole, streamed, with tools) answering as the completion of its
 ChatML prompt, logprobs (chat and completions, whole and streamed, against the reference's
@@ -111,6 +112,16 @@ def run(address):
     def _():
         assert [m.id for m in client.models.list()] == ["tiny"]
 
+    @check("models.retrieve gives the listed model, and NotFoundError for another")
+    def _():
+        assert client.models.retrieve("tiny") == next(iter(client.models.list()))
+        for missing in ("nope", "org/tiny"):
+            try:
+                client.models.retrieve(missing)
+                raise AssertionError(f"{missing} was retrieved")
+            except openai.NotFoundError as e:
+                assert e.code == "model_not_found", e.body
+
     @check("a greedy completion equals the reference")
     def _():
         for name in ("short", "chat"):
@@ -147,6 +158,47 @@ def run(address):
         assert len(pieces) > 1, pieces
         assert "".join(pieces) == case["text"], pieces
         assert finish == "length", finish
+
+    @check("a list of prompts is a choice each, with echo, whole and streamed")
+    def _():
+        names = ("short", "stop")
+        prompts = [cases[n]["prompt"] for n in names]
+        done = client.completions.create(model="tiny", prompt=prompts, max_tokens=16, temperature=0, echo=True)
+        assert [c.index for c in done.choices] == [0, 1], done.choices
+        for choice, name in zip(done.choices, names):
+            assert choice.text == cases[name]["prompt"] + cases[name]["text"], (name, choice.text)
+        assert done.usage.prompt_tokens == sum(len(cases[n]["prompt_ids"]) for n in names), done.usage
+        ids = [cases[n]["prompt_ids"] for n in names]
+        texts = ["", ""]
+        for chunk in client.completions.create(model="tiny", prompt=ids, max_tokens=16, temperature=0,
+                                               echo=True, stream=True):
+            for choice in chunk.choices:
+                texts[choice.index] += choice.text
+        assert texts == [c.text for c in done.choices], texts
+
+    @check("n=2 gives two choices, chat and completions, whole and streamed")
+    def _():
+        case = cases["short"]
+        done = client.completions.create(model="tiny", prompt=case["prompt"], max_tokens=16, temperature=0, n=2)
+        assert [(c.index, c.text) for c in done.choices] == [(0, case["text"]), (1, case["text"])], done.choices
+        assert done.usage.prompt_tokens == len(case["prompt_ids"]), done.usage
+        assert done.usage.completion_tokens == 32, done.usage
+        texts = ["", ""]
+        for chunk in client.completions.create(model="tiny", prompt=case["prompt"], max_tokens=16, temperature=0,
+                                               n=2, stream=True):
+            for choice in chunk.choices:
+                texts[choice.index] += choice.text
+        assert texts == [case["text"]] * 2, texts
+        messages = [{"role": "user", "content": case["prompt"]}]
+        chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0, n=2)
+        assert [c.index for c in chat.choices] == [0, 1], chat.choices
+        assert chat.choices[0].message.content == chat.choices[1].message.content, chat.choices
+        contents = ["", ""]
+        for chunk in client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0,
+                                                    n=2, stream=True):
+            for choice in chunk.choices:
+                contents[choice.index] += choice.delta.content or ""
+        assert contents == [c.message.content for c in chat.choices], contents
 
     def chatml(user):
         return f"<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"

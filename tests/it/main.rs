@@ -26,6 +26,7 @@ mod leftovers;
 mod lifecycle;
 mod memory;
 mod openai_errors;
+mod openai_surface;
 mod picker;
 mod placement;
 mod policy;

@@ -1,5 +1,6 @@
-//! Running a checked [`Job`] and answering it whole, as one completion object with the serving
-//! pool's facts in `x-vramguard-*` headers (`stream.rs` answers it streamed).
+//! Running a checked [`Job`] and answering it whole, as one completion object (a choice per
+//! generation) with the serving pool's facts in `x-vramguard-*` headers (`stream.rs` answers it
+//! streamed).
 
 use axum::http::{HeaderMap, HeaderName, HeaderValue};
 use axum::response::{IntoResponse, Response};
@@ -10,7 +11,7 @@ use super::chat::tool_calls_json;
 use super::error::OpenAiError;
 use super::job::{Api, Job};
 use super::logprobs;
-use super::run::{Resend, generate};
+use super::run::{Out, Resend, Usage, generate_all};
 use super::stream::unix_now;
 use crate::http::headers::{decode_headers, header_value, model_header, pool_headers, shrink_headers};
 use crate::http::state::AppState;
@@ -38,7 +39,8 @@ pub(super) fn request(
     Ok(base)
 }
 
-/// Run a checked job as `base` and answer it whole (counted by the generation).
+/// Run a checked job as `base` and answer it whole, every choice (each counted by its
+/// generation). A choice that fails fails the answer, as a single generation's failure would.
 pub(super) async fn run(
     state: &AppState,
     job: Job,
@@ -47,56 +49,77 @@ pub(super) async fn run(
     resend: Option<Resend>,
 ) -> Result<Response, OpenAiError> {
     let service = &state.service;
-    let generated = generate(service, (&job.model, job.prompt, &job.params), base, id, None, resend)
-        .await
-        .map_err(|refused| {
+    let (outs, ends): (Vec<Out>, Vec<_>) = (0..job.choices())
+        .map(|_| {
+            let (end, ended) = tokio::sync::oneshot::channel();
+            (Out { sink: None, end }, ended)
+        })
+        .unzip();
+    generate_all(service, &job, base, id, outs, resend.map(std::sync::Arc::new)).await;
+    let mut generated = Vec::with_capacity(ends.len());
+    for ended in ends {
+        let result = ended
+            .await
+            .map_err(|e| OpenAiError::internal(format!("a generation ended unanswered: {e}"), id))?;
+        generated.push(result.map_err(|refused| {
             let degraded = service.degraded.now();
             let mut error = OpenAiError::from_request(&refused.error, id);
             if let Some(d) = degraded {
                 error.message = format!("{} (degraded: {})", error.message, d.reason);
             }
             error
-        })?;
+        })?);
+    }
+    let first = generated.first().expect("a job has a choice");
     // The model that answered: the one asked for, or its fallback.
-    let model = generated.source.model.as_str();
-    let body = whole(state, &job.api, &generated, id);
+    let model = first.source.model.as_str();
+    let body = whole(state, &job, model, &generated, id);
     let mut response = axum::Json(body).into_response();
     let out = response.headers_mut();
     model_header(out, model);
     out.insert(
         HeaderName::from_static(DECISION_HEADER),
-        HeaderValue::from_static(generated.action.label()),
+        HeaderValue::from_static(first.action.label()),
     );
-    let degraded = service.degraded.for_answer(&generated.pool, &job.model);
-    pool_headers(out, &generated.pool, degraded.as_ref());
-    if let Some((from, to, cut)) = &generated.shrunk {
+    let degraded = service.degraded.for_answer(&first.pool, &job.model);
+    pool_headers(out, &first.pool, degraded.as_ref());
+    if let Some((from, to, cut)) = &first.shrunk {
         shrink_headers(out, *from, *to, cut);
     }
     Ok(response)
 }
 
-/// A whole answer's body: the completion object, with chat's tool calls read back and the
-/// tokens' log-probabilities when asked for.
-fn whole(state: &AppState, api: &Api, generated: &generation::Generated, id: &str) -> Value {
-    let model = generated.source.model.as_str();
+/// A whole answer's body: the completion object, one choice per generation in the job's order.
+fn whole(state: &AppState, job: &Job, model: &str, generated: &[generation::Generated], id: &str) -> Value {
     let bytes = logprobs::token_bytes(&state.service, model);
-    let logprobs = |shape: fn(&TokenBytes, &[generation::TokenLogprobs]) -> Value| match (&generated.logprobs, &bytes) {
+    let mut usage = Usage::default();
+    let mut choices = Vec::with_capacity(generated.len());
+    for (index, generated) in generated.iter().enumerate() {
+        usage.add(job.n, index, generated);
+        choices.push(choice(job, index, generated, bytes.as_ref(), id));
+    }
+    let (id, object) = match job.api {
+        Api::Completion => (format!("cmpl-{id}"), "text_completion"),
+        Api::Chat { .. } => (format!("chatcmpl-{id}"), "chat.completion"),
+    };
+    json!({"id": id, "object": object, "created": unix_now(), "model": model,
+           "choices": choices, "usage": usage.json()})
+}
+
+/// Choice `index` of a whole answer: a completion's text (after its prompt's, with `echo`), or
+/// chat's message with its tool calls read back; with the tokens' log-probabilities when asked
+/// for (`bytes`: the model's tokens' bytes).
+fn choice(job: &Job, index: usize, generated: &generation::Generated, bytes: Option<&TokenBytes>, id: &str) -> Value {
+    let logprobs = |shape: fn(&TokenBytes, &[generation::TokenLogprobs]) -> Value| match (&generated.logprobs, bytes) {
         (Some(tokens), Some(bytes)) => shape(bytes, tokens),
         _ => Value::Null,
     };
-    let completion = generated.tokens.len();
-    let usage = json!({"prompt_tokens": generated.prompt_tokens, "completion_tokens": completion,
-                       "total_tokens": generated.prompt_tokens + completion});
-    match api {
-        Api::Completion => json!({
-            "id": format!("cmpl-{id}"),
-            "object": "text_completion",
-            "created": unix_now(),
-            "model": model,
-            "choices": [{"text": generated.text, "index": 0, "logprobs": logprobs(logprobs::completion),
-                         "finish_reason": generated.finish.label()}],
-            "usage": usage,
-        }),
+    match &job.api {
+        Api::Completion => {
+            let text = format!("{}{}", job.echo_of(index).unwrap_or_default(), generated.text);
+            json!({"text": text, "index": index, "logprobs": logprobs(logprobs::completion),
+                   "finish_reason": generated.finish.label()})
+        }
         Api::Chat { tools } => {
             let offered: Vec<&str> = tools.iter().map(String::as_str).collect();
             let (prose, calls) = crate::runtime::chat::split_tool_calls(&generated.text, &offered);
@@ -106,18 +129,11 @@ fn whole(state: &AppState, api: &Api, generated: &generation::Generated, id: &st
             } else {
                 let prose = prose.trim();
                 message["content"] = if prose.is_empty() { Value::Null } else { json!(prose) };
-                message["tool_calls"] = tool_calls_json(&calls, id);
+                message["tool_calls"] = tool_calls_json(&calls, id, index);
                 "tool_calls"
             };
-            json!({
-                "id": format!("chatcmpl-{id}"),
-                "object": "chat.completion",
-                "created": unix_now(),
-                "model": model,
-                "choices": [{"index": 0, "message": message, "logprobs": logprobs(logprobs::chat),
-                             "finish_reason": finish}],
-                "usage": usage,
-            })
+            json!({"index": index, "message": message, "logprobs": logprobs(logprobs::chat),
+                   "finish_reason": finish})
         }
     }
 }

@@ -10,7 +10,7 @@ use serde::{Deserialize, Deserializer};
 use serde_json::{Value, json};
 
 use super::error::OpenAiError;
-use super::job::{Api, Draft, Sampling, Stop, text_model};
+use super::job::{Api, Draft, PromptIn, Sampling, Stop, text_model};
 use crate::http::state::AppState;
 use crate::runtime::chat::{ChatTemplate, ToolCall};
 use crate::runtime::grammar::{Grammar, Json, Otherwise, Shape, Tool};
@@ -255,7 +255,8 @@ pub(super) fn read(state: &AppState, body: &[u8], id: &str) -> Result<Draft, Ope
     sampling.stop = Some(with_end_of_turn(sampling.stop.take(), end)?);
     Ok(Draft {
         sampling,
-        text,
+        prompts: vec![PromptIn::Text(text)],
+        echo: false,
         api: Api::Chat { tools: names },
         max_tokens,
         shorten: Some(shorten),
@@ -332,14 +333,18 @@ fn shorten_chat(
     })
 }
 
-/// OpenAI's `tool_calls`, each with an id unique to the request.
-pub(super) fn tool_calls_json(calls: &[ToolCall], id: &str) -> Value {
+/// OpenAI's `tool_calls` of choice `choice`, each with an id unique to the request.
+pub(super) fn tool_calls_json(calls: &[ToolCall], id: &str, choice: usize) -> Value {
+    let of_choice = match choice {
+        0 => String::new(),
+        c => format!("_{c}"),
+    };
     Value::Array(
         calls
             .iter()
             .enumerate()
             .map(|(i, c)| {
-                json!({"id": format!("call_{i}_{id}"), "type": "function",
+                json!({"id": format!("call_{i}_{id}{of_choice}"), "type": "function",
                        "function": {"name": c.name, "arguments": c.arguments}})
             })
             .collect(),

@@ -24,6 +24,9 @@ pub struct OpenAiError {
     pub(super) extra: Option<Box<(Option<&'static str>, Fields)>>,
 }
 
+/// OpenAI's `code` for a model it does not have.
+const MODEL_NOT_FOUND: &str = "model_not_found";
+
 /// Fields of ours beside OpenAI's in an error.
 type Fields = serde_json::Map<String, serde_json::Value>;
 
@@ -70,6 +73,19 @@ impl OpenAiError {
         }
     }
 
+    /// A 404 for a model that is not one of `GET /v1/models`, with OpenAI's code for it.
+    pub(super) fn model_not_found(message: String, id: &str) -> OpenAiError {
+        OpenAiError {
+            status: StatusCode::NOT_FOUND,
+            message,
+            kind: kind_of(StatusCode::NOT_FOUND),
+            param: Some("model"),
+            retry_after: None,
+            request_id: Some(id.to_string()),
+            extra: Some(Box::new((Some(MODEL_NOT_FOUND), Fields::new()))),
+        }
+    }
+
     /// A request the lifecycle refused or that failed, with the status the HTTP layer gives it.
     pub(super) fn from_request(error: &RequestError, id: &str) -> OpenAiError {
         let status = status_of(error);
@@ -88,6 +104,8 @@ impl OpenAiError {
                 details.insert("max_tokens".into(), json!(never.max_tokens));
                 Some(Box::new((Some(code), details)))
             }
+            // OpenAI's code for a model it does not have, which clients match on.
+            RequestError::UnknownModel { .. } => Some(Box::new((Some(MODEL_NOT_FOUND), Fields::new()))),
             RequestError::ContextTooLong { limit, .. } => {
                 let mut details = Fields::new();
                 details.insert("max_context".into(), json!(limit));

@@ -80,20 +80,49 @@ pub(super) enum Api {
     },
 }
 
-/// A checked generation request: the model, its prompt's tokens and how to generate.
+/// The most choices a request may ask for (`n` times its prompts): each is a generation with
+/// a KV cache of its own.
+pub(super) const MAX_CHOICES: usize = 128;
+
+/// A checked generation request: the model, its prompts' tokens and how to generate. Its
+/// choices are each prompt's `n` generations, in that order: choice `i` is prompt `i / n`'s.
 pub(super) struct Job {
     pub(super) model: String,
     pub(super) api: Api,
-    pub(super) prompt: generation::Prompt,
+    pub(super) prompts: Vec<generation::Prompt>,
+    /// Generations of each prompt (OpenAI's `n`).
+    pub(super) n: usize,
+    /// With `echo`, each prompt's text, put before its choices' text.
+    pub(super) echo: Option<Vec<String>>,
     pub(super) params: Params,
     pub(super) stream: bool,
+}
+
+impl Job {
+    /// How many choices the answer has.
+    pub(super) fn choices(&self) -> usize {
+        self.prompts.len() * self.n
+    }
+
+    /// With `echo`, the text put before choice `index`'s: its prompt's.
+    pub(super) fn echo_of(&self, index: usize) -> Option<&str> {
+        self.echo.as_ref().map(|texts| texts[index / self.n].as_str())
+    }
+}
+
+/// A prompt as the client sent it: text, or token ids (a completion's only).
+pub(super) enum PromptIn {
+    Text(String),
+    Tokens(Vec<u32>),
 }
 
 /// What a completion or a chat request contributes to its [`Job`] before the checks they share.
 pub(super) struct Draft {
     pub(super) sampling: Sampling,
-    /// The prompt's text (a chat's, rendered by its template).
-    pub(super) text: String,
+    /// The prompts (a chat's one, its messages rendered by its template).
+    pub(super) prompts: Vec<PromptIn>,
+    /// `echo`: each prompt's text goes before its choices' text.
+    pub(super) echo: bool,
     pub(super) api: Api,
     pub(super) max_tokens: Option<u32>,
     /// How the prompt is cut when it does not fit: a chat by whole turns; a completion from its
@@ -114,12 +143,13 @@ pub(super) fn refuse_unsupported<const N: usize>(fields: [(bool, &'static str); 
     }
 }
 
-/// Check a completion's or a chat's [`Draft`] into a [`Job`]: the sampling fields, and its
-/// prompt tokenized by the model's tokenizer.
+/// Check a completion's or a chat's [`Draft`] into a [`Job`]: the sampling fields, how many
+/// choices, and its prompts tokenized by the model's tokenizer (token ids checked against it).
 pub(super) fn checked(state: &AppState, draft: Draft, id: &str) -> Result<Job, OpenAiError> {
     let Draft {
         sampling,
-        text,
+        prompts,
+        echo,
         api,
         max_tokens,
         shorten,
@@ -149,38 +179,123 @@ pub(super) fn checked(state: &AppState, draft: Draft, id: &str) -> Result<Job, O
             id,
         )?
     };
-    // A completion's prompt gets what the tokenizer adds to any text (Llama's and Gemma's BOS),
-    // as `transformers` and vLLM encode it; a chat's rendered template already holds it.
-    let encoding = tokenizer
-        .encode(text.as_str(), !chat)
-        .map_err(|e| OpenAiError::invalid(format!("the prompt cannot be tokenized: {e}"), Some("prompt")))?;
-    let tokens = encoding.get_ids().to_vec();
-    if tokens.is_empty() {
+    let n = sampling.n.unwrap_or(1) as usize;
+    if n == 0 {
+        return Err(OpenAiError::invalid("`n` must be at least 1", Some("n")));
+    }
+    if n.saturating_mul(prompts.len()) > MAX_CHOICES {
         return Err(OpenAiError::invalid(
-            "the prompt is empty",
-            Some(if chat { "messages" } else { "prompt" }),
+            format!(
+                "`n` times the prompts is {} choices; at most {MAX_CHOICES} are served in one request",
+                n.saturating_mul(prompts.len())
+            ),
+            Some("n"),
         ));
     }
-    let mut prompt = generation::Prompt::from(tokens);
-    if shorten.is_some() {
-        prompt.shorten = shorten;
+    let field = if chat { "messages" } else { "prompt" };
+    let mut texts = Vec::with_capacity(prompts.len());
+    let mut tokenized = Vec::with_capacity(prompts.len());
+    for prompt in prompts {
+        let (text, tokens) = match prompt {
+            // A completion's prompt gets what the tokenizer adds to any text (Llama's and
+            // Gemma's BOS), as `transformers` and vLLM encode it; a chat's rendered template
+            // already holds it.
+            PromptIn::Text(text) => {
+                let encoding = tokenizer
+                    .encode(text.as_str(), !chat)
+                    .map_err(|e| OpenAiError::invalid(format!("the prompt cannot be tokenized: {e}"), Some(field)))?;
+                (text, encoding.get_ids().to_vec())
+            }
+            // Token ids go to the model as they are: nothing is added.
+            PromptIn::Tokens(ids) => {
+                if let Some(id) = ids.iter().find(|&&id| tokenizer.id_to_token(id).is_none()) {
+                    return Err(OpenAiError::invalid(
+                        format!(
+                            "token id {id} is not in the model's vocabulary ({} tokens)",
+                            tokenizer.get_vocab_size(true)
+                        ),
+                        Some("prompt"),
+                    ));
+                }
+                let text = match echo {
+                    true => tokenizer.decode(&ids, false).map_err(|e| {
+                        OpenAiError::invalid(format!("the prompt's tokens cannot be decoded: {e}"), Some("prompt"))
+                    })?,
+                    false => String::new(),
+                };
+                (text, ids)
+            }
+        };
+        if tokens.is_empty() {
+            return Err(OpenAiError::invalid("the prompt is empty", Some(field)));
+        }
+        let mut prompt = generation::Prompt::from(tokens);
+        if shorten.is_some() {
+            prompt.shorten = shorten.clone();
+        }
+        texts.push(text);
+        tokenized.push(prompt);
     }
     Ok(Job {
         model: sampling.model,
         api,
-        prompt,
+        prompts: tokenized,
+        n,
+        echo: echo.then_some(texts),
         params,
         stream,
     })
 }
 
-/// A `POST /v1/completions` body: one plain prompt.
+/// A completion's `prompt` as OpenAI takes it: a string, strings, token ids, or arrays of
+/// token ids; each one its own prompt.
+fn prompts_of(prompt: &Value) -> Result<Vec<PromptIn>, OpenAiError> {
+    let wrong = || {
+        OpenAiError::invalid(
+            "`prompt` must be a string, an array of strings, an array of token ids or an array of arrays of token ids",
+            Some("prompt"),
+        )
+    };
+    let ids = |items: &[Value]| -> Result<Vec<u32>, OpenAiError> {
+        items
+            .iter()
+            .map(|v| v.as_u64().and_then(|id| u32::try_from(id).ok()).ok_or_else(wrong))
+            .collect()
+    };
+    match prompt {
+        Value::String(text) => Ok(vec![PromptIn::Text(text.clone())]),
+        Value::Array(items) if items.is_empty() => Err(OpenAiError::invalid("`prompt` is empty", Some("prompt"))),
+        Value::Array(items) if items.iter().all(Value::is_string) => Ok(items
+            .iter()
+            .map(|t| PromptIn::Text(t.as_str().unwrap_or_default().to_string()))
+            .collect()),
+        Value::Array(items) if items.iter().all(Value::is_number) => Ok(vec![PromptIn::Tokens(ids(items)?)]),
+        Value::Array(items) if items.iter().all(Value::is_array) => items
+            .iter()
+            .map(|p| Ok(PromptIn::Tokens(ids(p.as_array().map_or(&[][..], Vec::as_slice))?)))
+            .collect(),
+        _ => Err(wrong()),
+    }
+}
+
+/// A `POST /v1/completions` body: its prompts.
 pub(super) fn read_completion(state: &AppState, body: &[u8], id: &str) -> Result<Draft, OpenAiError> {
     let request: CompletionRequest = serde_json::from_slice(body)
         .map_err(|e| OpenAiError::invalid(format!("the body is not a completion request: {e}"), None))?;
+    let echo = request.echo == Some(true);
+    let logprobs = request.logprobs.as_ref().is_some_and(|v| !v.is_null());
+    if echo && logprobs {
+        // The prompt's run computes the last position's logits only (the graph is rewritten
+        // so at load): the prompt's own tokens have none to give.
+        return Err(OpenAiError::invalid(
+            "`echo` with `logprobs` is not supported: it asks for the prompt tokens' logprobs, and the prompt's run computes the logits of its last position only",
+            Some("echo"),
+        ));
+    }
+    let n = request.sampling.n.unwrap_or(1);
     refuse_unsupported([
-        (request.best_of.is_some_and(|n| n != 1), "best_of"),
-        (request.echo == Some(true), "echo"),
+        // `best_of` equal to `n` picks all of them: the same answer.
+        (request.best_of.is_some_and(|b| b != n), "best_of"),
         (request.suffix.is_some(), "suffix"),
     ])?;
     // OpenAI's completions give at most 5 alternatives a token.
@@ -194,13 +309,7 @@ pub(super) fn read_completion(state: &AppState, body: &[u8], id: &str) -> Result
         ),
     };
     text_model(state, &request.sampling.model, id)?;
-    let text = match &request.prompt {
-        Value::String(text) => text.clone(),
-        Value::Array(items) if items.len() == 1 && items[0].is_string() => {
-            items[0].as_str().unwrap_or_default().to_string()
-        }
-        _ => return Err(OpenAiError::invalid("`prompt` must be one string", Some("prompt"))),
-    };
+    let prompts = prompts_of(&request.prompt)?;
     // Chat adds its end-of-turn string to `stop`; a completion's own stays within 4.
     if let Some(Stop::Many(v)) = &request.sampling.stop
         && v.len() > 4
@@ -210,7 +319,8 @@ pub(super) fn read_completion(state: &AppState, body: &[u8], id: &str) -> Result
     let max_tokens = request.sampling.max_tokens;
     Ok(Draft {
         sampling: request.sampling,
-        text,
+        prompts,
+        echo,
         api: Api::Completion,
         max_tokens,
         shorten: None,
@@ -231,7 +341,6 @@ fn params(
     vocab: u64,
     id: &str,
 ) -> Result<Params, OpenAiError> {
-    refuse_unsupported([(sampling.n.is_some_and(|n| n != 1), "n")])?;
     let max_tokens = max_tokens.unwrap_or(16);
     if max_tokens == 0 {
         return Err(OpenAiError::invalid(

@@ -1,4 +1,4 @@
-//! OpenAI-compatible text generation: `GET /v1/models`, `POST /v1/completions` and
+//! OpenAI-compatible text generation: `GET /v1/models[/{id}]`, `POST /v1/completions` and
 //! `POST /v1/chat/completions`, with errors in OpenAI's shape (`{"error": {"message", "type",
 //! "param", "code"}}`), so clients built on the `openai` package work unchanged. Generation
 //! itself is [`crate::serve::generation`]; chat templates and tool calls are [`crate::runtime::chat`].
@@ -41,8 +41,8 @@ use tokio::time::Instant;
 use super::error::outcome_of_status;
 use super::headers::{request_id, with_request_id};
 use super::state::AppState;
-use crate::serve::lifecycle;
-use crate::serve::service::UNKNOWN_MODEL;
+use crate::serve::lifecycle::{self, RequestError};
+use crate::serve::service::{ModelEntry, UNKNOWN_MODEL};
 
 /// `GET /v1/models`: the models that generate text (decoders with a tokenizer).
 pub async fn models(State(state): State<Arc<AppState>>) -> axum::Json<Value> {
@@ -50,10 +50,48 @@ pub async fn models(State(state): State<Arc<AppState>>) -> axum::Json<Value> {
         .service
         .models
         .iter()
-        .filter(|m| m.tokenizer.is_some())
-        .map(|m| json!({"id": m.config.name, "object": "model", "created": 0, "owned_by": "vramguard"}))
+        .filter(|m| generates_text(m))
+        .map(model_object)
         .collect();
     axum::Json(json!({"object": "list", "data": data}))
+}
+
+/// `GET /v1/models/{id}`: one model of the list (`client.models.retrieve`); any other name,
+/// configured models that do not generate text included, is OpenAI's 404 `model_not_found`.
+/// The route takes the rest of the path: a configured name is one segment, but an id with `/`
+/// in it (`org/model`, as clients of other servers write one) is answered as OpenAI would.
+pub async fn model(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    axum::extract::Path(id): axum::extract::Path<String>,
+) -> Response {
+    let service = &state.service;
+    let request = request_id(&headers);
+    let response = match service.model(&id) {
+        Some(entry) if generates_text(entry) => axum::Json(model_object(entry)).into_response(),
+        Some(_) => {
+            OpenAiError::model_not_found(format!("model `{id}` does not generate text"), &request).into_response()
+        }
+        None => {
+            let unknown = RequestError::unknown_model(service, &id);
+            let error = OpenAiError {
+                param: Some("model"),
+                ..OpenAiError::from_request(&unknown, &request)
+            };
+            error.into_response()
+        }
+    };
+    with_request_id(response, &request)
+}
+
+/// Whether a model is one of `GET /v1/models`: a decoder with a tokenizer.
+fn generates_text(entry: &ModelEntry) -> bool {
+    entry.tokenizer.is_some()
+}
+
+/// A model as OpenAI's model object describes it.
+fn model_object(entry: &ModelEntry) -> Value {
+    json!({"id": entry.config.name, "object": "model", "created": 0, "owned_by": "vramguard"})
 }
 
 /// `POST /v1/completions`.

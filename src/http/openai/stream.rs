@@ -1,7 +1,9 @@
-//! `stream: true`: the answer as server-sent events, one chunk per piece of text, the last with
-//! `finish_reason` and `usage`, then `data: [DONE]`. The first chunk names the serving pool; an
-//! error after it is a final `error` event saying what was sent and how to resume. The text
-//! comes finished from the generation ([`generation::Delta`]): this file only formats it.
+//! `stream: true`: the answer as server-sent events, one chunk per piece of a choice's text
+//! (naming the choice's `index`), each choice's last with its `finish_reason`, the last of all
+//! with the `usage` of all, then `data: [DONE]`. The first chunk names the serving pool; an
+//! error after it is a final `error` event saying which choice failed, what was sent and how to
+//! resume. The text comes finished from the generation ([`generation::Delta`]): this file only
+//! formats it.
 
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -16,12 +18,13 @@ use super::chat::tool_calls_json;
 use super::error::OpenAiError;
 use super::job::{Api, Job};
 use super::logprobs;
-use super::run::{Resend, generate};
+use super::run::{Out, Resend, Usage, generate_all};
 use crate::http::headers::{model_header, pool_facts, pool_headers, shrink_headers};
 use crate::http::state::AppState;
 use crate::pool::Pool;
+use crate::runtime::text::TokenBytes;
 use crate::serve::generation;
-use crate::serve::lifecycle::RequestError;
+use crate::serve::lifecycle::{Refused, RequestError};
 
 /// Seconds since the epoch, for a completion's `created`.
 pub(super) fn unix_now() -> u64 {
@@ -36,17 +39,16 @@ fn event(value: &Value) -> Bytes {
     Bytes::from(format!("data: {value}\n\n"))
 }
 
-/// A generation running in its own task: its deltas as they come, and its end.
-type Running = (
-    tokio::sync::mpsc::Receiver<generation::Delta>,
-    tokio::task::JoinHandle<Result<generation::Generated, crate::serve::lifecycle::Refused>>,
-);
+/// What a choice's generation tells its stream: a delta, or its end.
+enum Event {
+    Delta(generation::Delta),
+    End(Result<generation::Generated, Refused>),
+}
 
-/// `stream: true`: run the prompt first, so a refusal before the first token is an ordinary
-/// error response; then stream each piece of text as it is generated. A reader that goes away
-/// drops the stream and with it the channel: the generation stops at its next token and is
-/// counted `cancelled`. The first delta names the model that answers (its fallback, when that
-/// stood in).
+/// `stream: true`: run the prompts first, so a refusal before the first token is an ordinary
+/// error response; then stream each piece of each choice's text as it is generated, each chunk
+/// naming its choice's `index`, and `[DONE]` once every choice finished. The first delta names
+/// the model that answers (its fallback, when that stood in).
 pub(super) async fn streamed(
     state: &AppState,
     job: Job,
@@ -55,157 +57,153 @@ pub(super) async fn streamed(
     resend: Option<Resend>,
 ) -> Result<Response, OpenAiError> {
     let service = Arc::clone(&state.service);
-    let (tx, mut rx) = tokio::sync::mpsc::channel::<generation::Delta>(64);
-    let task = tokio::spawn({
-        let service = Arc::clone(&service);
-        let model = job.model.clone();
-        let params = job.params.clone();
-        let prompt = job.prompt;
-        let id = id.to_string();
-        async move { generate(&service, (&model, prompt, &params), base, &id, Some(tx), resend).await }
-    });
-    let asked = job.params.logprobs.is_some();
-    let stream = |source: &Arc<generation::Source>| Stream::new(service, job.api, id, Arc::clone(source), asked);
-    // Until the first delta, a failure is an ordinary error response. The channel closes
-    // without one only when the generation ended before picking a token it sends.
-    match rx.recv().await {
-        Some(mut first) => {
-            let facts = first.facts.take().expect("the first delta says where it ran");
-            let mut stream = Stream {
-                running: Some((rx, task)),
-                ..stream(&facts.source)
-            };
-            stream.take(first);
-            let opening = stream.opening(&facts.pool, facts.shrunk.as_ref());
-            Ok(sse(stream, opening, &facts.pool, facts.shrunk.as_ref()))
-        }
-        None => match task.await {
-            Ok(Err(refused)) => Err(OpenAiError::from_request(&refused.error, id)),
-            // Ended before any token (the end-of-text token came first): only the last chunk.
-            Ok(Ok(generated)) => {
-                let pool = Arc::clone(&generated.pool);
-                let shrunk = generated.shrunk.clone();
-                let source = Arc::clone(&generated.source);
-                let stream = Stream {
-                    finished: Some(Ok(generated)),
-                    ..stream(&source)
-                };
-                let opening = stream.opening(&pool, shrunk.as_ref());
-                Ok(sse(stream, opening, &pool, shrunk.as_ref()))
+    let count = job.choices();
+    // Every choice's deltas and end, tagged with its index, on one channel.
+    let (tagged, mut events) = tokio::sync::mpsc::channel::<(usize, Event)>(64);
+    // A reader that goes away drops the stream and with it the channel: each forwarder then
+    // drops its choice's sink, and its generation stops at its next token, counted `cancelled`
+    // on its pool, its cache dropped with the pool's next step.
+    let mut outs = Vec::with_capacity(count);
+    for index in 0..count {
+        let (sink, mut deltas) = tokio::sync::mpsc::channel(64);
+        let (end, ended) = tokio::sync::oneshot::channel();
+        outs.push(Out { sink: Some(sink), end });
+        let tagged = tagged.clone();
+        tokio::spawn(async move {
+            while let Some(delta) = deltas.recv().await {
+                if tagged.send((index, Event::Delta(delta))).await.is_err() {
+                    return;
+                }
             }
-            Err(e) => Err(OpenAiError::internal(format!("the generation task failed: {e}"), id)),
-        },
+            // Its generation's task ended without saying how only if it panicked.
+            let end = match ended.await {
+                Ok(end) => end,
+                Err(_) => Err(task_failed()),
+            };
+            let _ = tagged.send((index, Event::End(end))).await;
+        });
+    }
+    drop(tagged);
+    let job_logprobs = job.params.logprobs.is_some();
+    let mut stream = Stream::new(Arc::clone(&service), &job, id);
+    tokio::spawn({
+        let id = id.to_string();
+        let resend = resend.map(Arc::new);
+        async move { generate_all(&service, &job, base, &id, outs, resend).await }
+    });
+    // Until the first delta, a failure is an ordinary error response. A choice ends without
+    // one only when it ended before picking a token it sends.
+    let (index, first) = events
+        .recv()
+        .await
+        .unwrap_or_else(|| (0, Event::End(Err(task_failed()))));
+    let (pool, source, shrunk) = match &first {
+        Event::End(Err(refused)) => return Err(OpenAiError::from_request(&refused.error, id)),
+        Event::Delta(delta) => {
+            let facts = delta.facts.as_ref().expect("the first delta says where it ran");
+            (Arc::clone(&facts.pool), Arc::clone(&facts.source), facts.shrunk.clone())
+        }
+        Event::End(Ok(generated)) => (
+            Arc::clone(&generated.pool),
+            Arc::clone(&generated.source),
+            generated.shrunk.clone(),
+        ),
+    };
+    if job_logprobs {
+        stream.bytes = logprobs::token_bytes(&stream.service, &source.model);
+    }
+    stream.source = source;
+    stream.events = Some(events);
+    let mut opening = stream.opening(&pool, shrunk.as_ref()).to_vec();
+    if let Some(bytes) = stream.on(index, first) {
+        opening.extend_from_slice(&bytes);
+    }
+    Ok(sse(stream, Bytes::from(opening), &pool, shrunk.as_ref()))
+}
+
+/// The error a choice ends with when its task ended without saying how.
+fn task_failed() -> Refused {
+    Refused {
+        pool: None,
+        error: RequestError::Failed { pool: String::new() },
     }
 }
 
-/// The state of a streamed completion.
-struct Stream {
-    /// Text received and not sent yet.
-    unsent: String,
-    /// Bytes of text already sent.
+/// One choice of a streamed answer.
+#[derive(Default)]
+struct Choice {
+    /// Bytes of its text already sent.
     sent: usize,
     /// Deltas received: one per token.
     tokens: usize,
-    /// When the request asks for log-probabilities, how its model's tokens read as bytes.
-    bytes: Option<crate::runtime::text::TokenBytes>,
-    /// Log-probabilities received and not sent yet: of the tokens whose text is all in what
-    /// was received.
-    logprobs: Vec<generation::TokenLogprobs>,
-    /// Log-probabilities already sent.
+    /// Log-probabilities already sent: of the tokens whose text was sent.
     logprobs_sent: usize,
-    running: Option<Running>,
-    finished: Option<Result<generation::Generated, crate::serve::lifecycle::Refused>>,
+    /// Its last chunk was sent.
+    ended: bool,
+    /// The pool its tokens come from, as the stream last told it.
+    pool: Option<String>,
+}
+
+/// The state of a streamed answer.
+struct Stream {
+    choices: Vec<Choice>,
+    /// Every choice's events, once the stream started.
+    events: Option<tokio::sync::mpsc::Receiver<(usize, Event)>>,
+    /// The usage of the choices ended so far.
+    usage: Usage,
     done: bool,
     api: Api,
+    /// Generations of each prompt.
+    n: usize,
+    /// The text each choice's first chunk carries: with `echo`, its prompt's.
+    openings: Vec<String>,
     id: String,
     /// The model that answers.
     source: Arc<generation::Source>,
+    /// When the request asks for log-probabilities, how the answering model's tokens read as
+    /// bytes.
+    bytes: Option<TokenBytes>,
     created: u64,
     service: Arc<crate::serve::service::Service>,
 }
 
 impl Stream {
-    /// A stream of `source`'s text, nothing sent yet, with the tokens' log-probabilities when
-    /// `logprobs` asks for them.
-    fn new(
-        service: Arc<crate::serve::service::Service>,
-        api: Api,
-        id: &str,
-        source: Arc<generation::Source>,
-        logprobs: bool,
-    ) -> Stream {
+    /// A stream of `job`'s choices, nothing sent yet.
+    fn new(service: Arc<crate::serve::service::Service>, job: &Job, id: &str) -> Stream {
         Stream {
-            unsent: String::new(),
-            sent: 0,
-            tokens: 0,
-            bytes: logprobs
-                .then(|| logprobs::token_bytes(&service, &source.model))
-                .flatten(),
-            logprobs: Vec::new(),
-            logprobs_sent: 0,
-            running: None,
-            finished: None,
+            choices: (0..job.choices()).map(|_| Choice::default()).collect(),
+            events: None,
+            usage: Usage::default(),
             done: false,
-            api,
+            api: job.api.clone(),
+            n: job.n,
+            openings: (0..job.choices())
+                .map(|i| job.echo_of(i).unwrap_or_default().to_string())
+                .collect(),
             id: id.to_string(),
-            source,
+            source: Arc::new(generation::Source {
+                model: job.model.clone(),
+                substitution: None,
+            }),
+            bytes: None,
             created: unix_now(),
             service,
         }
     }
 
-    /// Take a delta: one more token, its text and the log-probabilities it completes to send.
-    fn take(&mut self, delta: generation::Delta) {
-        self.tokens += 1;
-        self.unsent.push_str(&delta.text);
-        self.logprobs.extend(delta.logprobs);
-    }
-
-    /// The text not sent yet, now counted as sent.
-    fn piece(&mut self) -> String {
-        self.sent += self.unsent.len();
-        std::mem::take(&mut self.unsent)
-    }
-
-    /// A chunk carrying the text `piece` (see [`Stream::chunk`]) and, when they are asked for,
-    /// the log-probabilities of `tokens`, now counted as sent.
-    fn carrying(
-        &mut self,
-        piece: Value,
-        tokens: &[generation::TokenLogprobs],
-        finish: Option<&str>,
-        usage: Option<Value>,
-    ) -> Value {
-        let mut value = self.chunk(piece, finish, usage);
-        if let Some(bytes) = &self.bytes {
-            value["choices"][0]["logprobs"] = match self.api {
-                Api::Completion => logprobs::completion(bytes, tokens),
-                Api::Chat { .. } => logprobs::chat(bytes, tokens),
-            };
-            self.logprobs_sent += tokens.len();
-        }
-        value
-    }
-
-    /// The text and log-probabilities received and not sent yet, as a chunk.
-    fn pending(&mut self) -> Value {
-        let piece = self.piece();
-        let tokens = std::mem::take(&mut self.logprobs);
-        self.carrying(json!(piece), &tokens, None, None)
-    }
-
-    /// One chunk: `text` (chat: the delta's `content`), and at the end why and the usage.
-    fn chunk(&self, delta: Value, finish: Option<&str>, usage: Option<Value>) -> Value {
+    /// One chunk of choice `index`: `text` (chat: the delta's `content`), and at its end why
+    /// and, on the last chunk of all, the usage.
+    fn chunk(&self, index: usize, delta: Value, finish: Option<&str>, usage: Option<Value>) -> Value {
         let mut value = match &self.api {
             Api::Completion => json!({
                 "id": format!("cmpl-{}", self.id), "object": "text_completion", "created": self.created,
                 "model": self.source.model,
-                "choices": [{"text": delta, "index": 0, "logprobs": null, "finish_reason": finish}],
+                "choices": [{"text": delta, "index": index, "logprobs": null, "finish_reason": finish}],
             }),
             Api::Chat { .. } => json!({
                 "id": format!("chatcmpl-{}", self.id), "object": "chat.completion.chunk",
                 "created": self.created, "model": self.source.model,
-                "choices": [{"index": 0, "delta": if delta.is_object() { delta } else { json!({"content": delta}) },
+                "choices": [{"index": index, "delta": if delta.is_object() { delta } else { json!({"content": delta}) },
                              "logprobs": null, "finish_reason": finish}],
             }),
         };
@@ -215,24 +213,45 @@ impl Stream {
         value
     }
 
-    /// The first chunk: chat's assistant role (completions: empty text), with the serving
-    /// pool's facts.
-    fn opening(&self, pool: &Arc<Pool>, shrunk: Option<&(u64, u64, String)>) -> Bytes {
-        let delta = match self.api {
-            Api::Completion => json!(""),
-            Api::Chat { .. } => json!({"role": "assistant", "content": ""}),
-        };
-        let mut value = self.chunk(delta, None, None);
-        value["vramguard"] = self.facts(pool);
-        value["vramguard"]["model"] = json!(self.source.model);
-        if let Some(s) = &self.source.substitution {
-            value["vramguard"]["requested_model"] = json!(s.requested);
-            value["vramguard"]["substituted"] = json!(format!("{:?}", s.reason));
+    /// `value`, a chunk of choice `index`, carrying the log-probabilities of `tokens` when the
+    /// request asks for them.
+    fn carrying(&self, mut value: Value, tokens: &[generation::TokenLogprobs]) -> Value {
+        if let Some(bytes) = &self.bytes {
+            value["choices"][0]["logprobs"] = match self.api {
+                Api::Completion => logprobs::completion(bytes, tokens),
+                Api::Chat { .. } => logprobs::chat(bytes, tokens),
+            };
         }
-        if let Some((from, to, cut)) = shrunk {
-            value["vramguard"]["context"] = json!({"from": from, "to": to, "cut": cut});
+        value
+    }
+
+    /// The first chunk of each choice: chat's assistant role (completions: empty text, or the
+    /// prompt with `echo`), the first with the serving pool's facts.
+    fn opening(&mut self, pool: &Arc<Pool>, shrunk: Option<&(u64, u64, String)>) -> Bytes {
+        for choice in &mut self.choices {
+            choice.pool = Some(pool.name().to_string());
         }
-        event(&value)
+        let mut out = Vec::new();
+        for index in 0..self.choices.len() {
+            let delta = match self.api {
+                Api::Completion => json!(self.openings[index]),
+                Api::Chat { .. } => json!({"role": "assistant", "content": ""}),
+            };
+            let mut value = self.chunk(index, delta, None, None);
+            if index == 0 {
+                value["vramguard"] = self.facts(pool);
+                value["vramguard"]["model"] = json!(self.source.model);
+                if let Some(s) = &self.source.substitution {
+                    value["vramguard"]["requested_model"] = json!(s.requested);
+                    value["vramguard"]["substituted"] = json!(format!("{:?}", s.reason));
+                }
+                if let Some((from, to, cut)) = shrunk {
+                    value["vramguard"]["context"] = json!({"from": from, "to": to, "cut": cut});
+                }
+            }
+            out.extend_from_slice(&event(&value));
+        }
+        Bytes::from(out)
     }
 
     /// Which pool serves the stream and, while degraded mode reduces it, why, its limits and
@@ -253,68 +272,99 @@ impl Stream {
 
     /// The next bytes to send, or `None` when the stream is over.
     async fn next(&mut self) -> Option<Bytes> {
-        if self.done {
-            return None;
+        while !self.done {
+            let (index, event) = match self.events.as_mut()?.recv().await {
+                Some(tagged) => tagged,
+                // Every choice's task is gone without its end (they end before their channel).
+                None => (
+                    self.choices.iter().position(|c| !c.ended)?,
+                    Event::End(Err(task_failed())),
+                ),
+            };
+            if let Some(bytes) = self.on(index, event) {
+                return Some(bytes);
+            }
         }
-        loop {
-            if self.finished.is_none() && !self.unsent.is_empty() {
-                return Some(event(&self.pending()));
+        None
+    }
+
+    /// Take choice `index`'s `news`: what to send for it, if anything.
+    fn on(&mut self, index: usize, news: Event) -> Option<Bytes> {
+        match news {
+            Event::Delta(delta) => {
+                let choice = &mut self.choices[index];
+                choice.tokens += 1;
+                choice.sent += delta.text.len();
+                // Moved to another pool (a failover mid-stream): say so in the next chunk.
+                let moved = delta
+                    .facts
+                    .filter(|f| choice.pool.as_deref() != Some(f.pool.name()))
+                    .map(|f| f.pool);
+                if let Some(pool) = &moved {
+                    choice.pool = Some(pool.name().to_string());
+                }
+                // The log-probabilities of the tokens whose text this delta completes go with it.
+                choice.logprobs_sent += delta.logprobs.len();
+                if moved.is_none() && delta.text.is_empty() && delta.logprobs.is_empty() {
+                    return None;
+                }
+                let chunk = self.chunk(index, json!(delta.text), None, None);
+                let mut value = self.carrying(chunk, &delta.logprobs);
+                if let Some(pool) = moved {
+                    value["vramguard"] = self.facts(&pool);
+                }
+                Some(event(&value))
             }
-            if let Some(result) = self.finished.take() {
+            Event::End(Ok(generated)) => {
+                self.choices[index].ended = true;
+                self.usage.add(self.n, index, &generated);
+                let last = self.choices.iter().all(|c| c.ended);
+                let mut out = self.last(index, &generated, last.then(|| self.usage.json()));
+                if last {
+                    self.done = true;
+                    out.extend_from_slice(b"data: [DONE]\n\n");
+                }
+                Some(Bytes::from(out))
+            }
+            Event::End(Err(refused)) => {
                 self.done = true;
-                let mut out = match result {
-                    Ok(generated) => self.last(&generated),
-                    Err(refused) => {
-                        let error = OpenAiError::from_request(&refused.error, &self.id);
-                        event(&json!({"error": {
-                            "message": format!("{}; {} tokens had been sent, and nothing was replayed", error.message, self.tokens),
-                            "type": error.kind, "param": null, "code": null,
-                            "request_id": self.id,
-                            "tokens_sent": self.tokens,
-                            "resume": "send the prompt followed by the text received so far, with max_tokens reduced by tokens_sent",
-                        }}))
-                        .to_vec()
-                    }
-                };
+                let error = OpenAiError::from_request(&refused.error, &self.id);
+                let tokens = self.choices[index].tokens;
+                let mut body = json!({
+                    "message": format!("{}; {tokens} tokens had been sent, and nothing was replayed", error.message),
+                    "type": error.kind, "param": null, "code": null,
+                    "request_id": self.id,
+                    "tokens_sent": tokens,
+                    "resume": "send the prompt followed by the text received so far, with max_tokens reduced by tokens_sent",
+                });
+                // Which choice failed; the others stop with it, each having sent what it says.
+                if self.choices.len() > 1 {
+                    body["index"] = json!(index);
+                    body["message"] = json!(format!(
+                        "choice {index}: {}; its {tokens} tokens had been sent, and nothing was replayed; the other choices stopped with it",
+                        error.message
+                    ));
+                    let sent: Vec<Value> = (self.choices.iter().enumerate())
+                        .map(|(i, c)| json!({"index": i, "tokens_sent": c.tokens, "finished": c.ended}))
+                        .collect();
+                    body["choices"] = json!(sent);
+                }
+                let mut out = event(&json!({ "error": body })).to_vec();
                 out.extend_from_slice(b"data: [DONE]\n\n");
-                return Some(Bytes::from(out));
-            }
-            let (rx, task) = self.running.as_mut()?;
-            match rx.recv().await {
-                Some(mut delta) => {
-                    let moved = delta.facts.take();
-                    self.take(delta);
-                    // Moved to another pool (a failover mid-stream): say so in the next chunk.
-                    if let Some(facts) = moved {
-                        let mut value = self.pending();
-                        value["vramguard"] = self.facts(&facts.pool);
-                        return Some(event(&value));
-                    }
-                }
-                None => {
-                    let result = match task.await {
-                        Ok(result) => result,
-                        Err(e) => {
-                            tracing::warn!(request_id = %self.id, error = %e, "the generation task failed");
-                            Err(crate::serve::lifecycle::Refused {
-                                pool: None,
-                                error: RequestError::Failed { pool: String::new() },
-                            })
-                        }
-                    };
-                    self.finished = Some(result);
-                    self.running = None;
-                }
+                Some(Bytes::from(out))
             }
         }
     }
 
-    /// The rest of the text, chat's tool calls, why it ended and the usage, the rest of the
-    /// log-probabilities with the last chunk (a stop string's tokens', whose text is cut, too).
-    fn last(&mut self, generated: &generation::Generated) -> Vec<u8> {
-        let usage = json!({"prompt_tokens": generated.prompt_tokens,
-                           "completion_tokens": generated.tokens.len(),
-                           "total_tokens": generated.prompt_tokens + generated.tokens.len()});
+    /// The rest of choice `index`'s text, chat's tool calls and why it ended, with the rest of
+    /// its log-probabilities (a stop string's tokens', whose text is cut, too); with `usage`
+    /// when it is the last choice to end.
+    fn last(&self, index: usize, generated: &generation::Generated, usage: Option<Value>) -> Vec<u8> {
+        let tokens = generated
+            .logprobs
+            .as_deref()
+            .and_then(|all| all.get(self.choices[index].logprobs_sent..))
+            .unwrap_or_default();
         let offered: Vec<&str> = match &self.api {
             Api::Chat { tools } => tools.iter().map(String::as_str).collect(),
             Api::Completion => Vec::new(),
@@ -324,27 +374,22 @@ impl Stream {
         } else {
             crate::runtime::chat::split_tool_calls(&generated.text, &offered)
         };
-        let rest = prose.get(self.sent..).unwrap_or_default();
-        let tokens = generated
-            .logprobs
-            .as_deref()
-            .and_then(|all| all.get(self.logprobs_sent..))
-            .unwrap_or_default();
+        let rest = prose.get(self.choices[index].sent..).unwrap_or_default();
         if calls.is_empty() {
-            let last = self.carrying(json!(rest), tokens, Some(generated.finish.label()), Some(usage));
-            return event(&last).to_vec();
+            let last = self.chunk(index, json!(rest), Some(generated.finish.label()), usage);
+            return event(&self.carrying(last, tokens)).to_vec();
         }
         let mut out = Vec::new();
         if !rest.trim().is_empty() {
-            out.extend_from_slice(&event(&self.chunk(json!(rest.trim_end()), None, None)));
+            out.extend_from_slice(&event(&self.chunk(index, json!(rest.trim_end()), None, None)));
         }
-        let mut calls = tool_calls_json(&calls, &self.id);
+        let mut calls = tool_calls_json(&calls, &self.id, index);
         for (i, call) in calls.as_array_mut().into_iter().flatten().enumerate() {
             call["index"] = json!(i);
         }
-        out.extend_from_slice(&event(&self.chunk(json!({"tool_calls": calls}), None, None)));
-        let last = self.carrying(json!({}), tokens, Some("tool_calls"), Some(usage));
-        out.extend_from_slice(&event(&last));
+        out.extend_from_slice(&event(&self.chunk(index, json!({"tool_calls": calls}), None, None)));
+        let last = self.chunk(index, json!({}), Some("tool_calls"), usage);
+        out.extend_from_slice(&event(&self.carrying(last, tokens)));
         out
     }
 }

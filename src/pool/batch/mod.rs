@@ -2,6 +2,8 @@
 //! one run per step for all of them ([`Generations::decode`]), with sequences joining and leaving
 //! between steps. A generation's prompt runs on its own first (a prefill job); it then joins
 //! its pool's [`Batch`] and sends each token it picks to the batch as its [`Member`].
+//! Generations that share a prompt's run go on from copies of its cache, made by the backend
+//! with the next step ([`Batch::fork`]).
 //!
 //! The stepper (one tokio task per batch) runs a step once every member has sent its token,
 //! or [`GRACE`] after the first did: a member that is late (its stream's reader is slow) gets
@@ -27,7 +29,7 @@ use std::time::Duration;
 
 use tokio::sync::{mpsc, oneshot};
 
-use crate::core::backend::{BackendError, DecodeRow};
+use crate::core::backend::{BackendError, DecodeRow, Fork};
 use crate::pool::job::{InferJob, JobResult, PoolError};
 use sequences::Sequences;
 
@@ -53,6 +55,8 @@ enum Message {
     Step(DecodeRow, Reply),
     /// It is gone: its cache is dropped with the next step.
     Leave(u64),
+    /// A prompt's cache is copied for other generations with the next step.
+    Fork(Fork),
 }
 
 /// One model's generations on one pool.
@@ -112,6 +116,15 @@ impl Batch {
             joined: false,
             messages: self.messages.clone(),
         }
+    }
+}
+
+impl Batch {
+    /// Copy sequence `from`'s cache (prefilled on this pool) as each of `to`'s, where the
+    /// backend keeps it, with the next step: generations that share a prompt's run. Sent
+    /// before any of `to` takes a step, it reaches the backend first.
+    pub fn fork(&self, from: u64, to: Vec<u64>) {
+        let _ = self.messages.send(Message::Fork(Fork { from, to }));
     }
 }
 

@@ -8,7 +8,7 @@ use tokio::sync::mpsc;
 
 use super::sequences::Padding;
 use super::{GRACE, Message, Reply, StepPool};
-use crate::core::backend::{BackendError, DecodeRow, DecodeStep, RunMeta};
+use crate::core::backend::{BackendError, DecodeRow, DecodeStep, Fork, RunMeta};
 use crate::core::tensor::TensorData;
 use crate::pool::job::{InferJob, Inputs, PoolError, RunCancel, RunMemory, RunOp};
 
@@ -21,6 +21,7 @@ struct Steps {
     late: HashSet<u64>,
     pending: Vec<(DecodeRow, Reply)>,
     ended: Vec<u64>,
+    forks: Vec<Fork>,
 }
 
 impl Steps {
@@ -34,6 +35,7 @@ impl Steps {
                 self.late.remove(&row.seq);
                 self.pending.push((row, reply));
             }
+            Message::Fork(fork) => self.forks.push(fork),
             Message::Leave(seq) => {
                 self.members.remove(&seq);
                 self.late.remove(&seq);
@@ -99,6 +101,9 @@ pub(super) async fn step_batch<P: StepPool>(pool: Weak<P>, model: String, mut in
         let step = DecodeStep {
             rows: pending.iter().map(|(row, _)| *row).collect(),
             ended: std::mem::take(&mut steps.ended),
+            // A step refused before it ran loses its forks: each of their generations' steps
+            // fails with it and is prefilled again, as any member's.
+            forks: std::mem::take(&mut steps.forks),
         };
         let result = run_step(pool.as_ref(), &model, step).await;
         drop(pool);

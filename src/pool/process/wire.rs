@@ -507,6 +507,10 @@ mod tests {
                     past: 9,
                 }],
                 ended: vec![3],
+                forks: vec![crate::core::backend::Fork {
+                    from: 4,
+                    to: vec![5, 6],
+                }],
             }),
         };
         let refs: Vec<&[u8]> = blobs.iter().map(Vec::as_slice).collect();
@@ -520,6 +524,7 @@ mod tests {
             panic!("{op:?}")
         };
         assert_eq!((step.rows[0].token, step.ended.as_slice()), (17, &[3][..]));
+        assert_eq!(step.forks[0].to, [5, 6], "a fork reaches the worker process");
         let mut at = 0;
         assert_eq!(decode_tensors(&inputs, &payload, &mut at).unwrap(), tensors);
         assert_eq!(at, payload.len());

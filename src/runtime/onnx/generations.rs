@@ -2,7 +2,8 @@
 //! sessions put them (on a CUDA pool, device memory) from one step to the next: a step sends
 //! each sequence's new token in and brings one row of logits out, whatever its position.
 //!
-//! A prompt's run ([`Generations::prefill`]) leaves its sequence's cache on its own. A step
+//! A prompt's run ([`Generations::prefill`]) leaves its sequence's cache on its own; a fork
+//! ([`DecodeStep::forks`]) copies it as other sequences' rows beside it, on the device. A step
 //! ([`Generations::decode`]) runs every sequence of the model as one batch, its rows padded to
 //! the batch's length on the side the model's attention takes ([`Padding`]): on the left,
 //! padding masked out in the attention mask (which stays on the device too and grows by one
@@ -20,7 +21,7 @@ use ort::value::DynValue;
 
 use super::kernels::{Along, Kernels};
 use super::{classify, to_value};
-use crate::core::backend::{BackendError, DecodeStep};
+use crate::core::backend::{BackendError, DecodeStep, Fork};
 use crate::core::tensor::{Tensor, TensorData};
 use crate::runtime::decoder::{DecoderLayout, Padding, step_inputs};
 
@@ -270,6 +271,13 @@ impl Generations {
         options: &RunOptions,
     ) -> Result<Vec<Tensor>, BackendError> {
         let caches = self.models.entry(model.to_string()).or_default();
+        for fork in &step.forks {
+            if let Err(error) = caches.fork(&mut self.kernels, layout.padding, fork) {
+                self.models.remove(model);
+                return Err(error);
+            }
+        }
+        let caches = self.models.get_mut(model).expect("made above");
         let missing = caches.missing(step);
         if !missing.is_empty() {
             return Err(BackendError::CacheMissing(missing));
@@ -509,6 +517,51 @@ impl Caches {
             })
             .map(|want| want.seq)
             .collect()
+    }
+
+    /// Copy `fork.from`'s rows as `fork.to`'s, on the device, in the cache that holds it: its
+    /// key, value and mask rows gathered again with the copies after them, by the same graph
+    /// that arranges a batch. Sequences held already are not copied again; a `from` not held
+    /// copies nothing (the new sequences are then missing).
+    fn fork(&mut self, kernels: &mut Kernels, side: Padding, fork: &Fork) -> Result<(), BackendError> {
+        let holds = |c: &Cache, seq: u64| c.rows.iter().position(|r| r.seq == seq && !r.gone);
+        let held = |c: &Caches, seq: u64| {
+            c.prefilled.iter().any(|(p, _)| holds(p, seq).is_some())
+                || c.batch.as_ref().is_some_and(|b| holds(b, seq).is_some())
+        };
+        let to: Vec<u64> = fork.to.iter().copied().filter(|&seq| !held(self, seq)).collect();
+        let cache = self
+            .prefilled
+            .iter_mut()
+            .map(|(c, _)| c)
+            .chain(self.batch.as_mut())
+            .find(|c| holds(c, fork.from).is_some());
+        let (Some(cache), false) = (cache, to.is_empty()) else {
+            return Ok(());
+        };
+        let at = holds(cache, fork.from).expect("found above");
+        let indices: Vec<i64> = (0..cache.rows.len() as i64)
+            .chain(std::iter::repeat_n(at as i64, to.len()))
+            .collect();
+        let along = |axis| match side {
+            Padding::Left => Along::left(axis, 0),
+            Padding::Right => Along::right(axis, cache.len),
+        };
+        let copy = |k: &mut Kernels, value: &DynValue, axis| {
+            k.arrange(value, 0, None, &indices, along(axis))
+                .map_err(BackendError::Runtime)
+        };
+        let kv = cache
+            .kv
+            .iter()
+            .map(|v| copy(kernels, v, 2))
+            .collect::<Result<Vec<_>, _>>()?;
+        let mask = cache.mask.as_ref().map(|m| copy(kernels, m, 1)).transpose()?;
+        let row = cache.rows[at];
+        cache.rows.extend(to.into_iter().map(|seq| Row { seq, ..row }));
+        cache.kv = kv;
+        cache.mask = mask;
+        Ok(())
     }
 
     fn end(&mut self, seq: u64) {

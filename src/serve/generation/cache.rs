@@ -50,6 +50,20 @@ pub fn read_outputs(outputs: Vec<Tensor>) -> Result<(Vec<f32>, Vec<Tensor>), Str
     Ok((last, cache))
 }
 
+/// Copy the cache that `request`'s prompt's run on `pool` left (its `outputs`) for each of
+/// `copies`, generations of the same prompt under sequences of their own. Where the pool keeps
+/// caches the copy is made there, by its backend, before any of them takes a step (on a GPU the
+/// cache never crosses to the host); a cache the outputs carry is copied with them, as each
+/// copy's outputs are.
+pub fn fork(pool: &Arc<Pool>, request: &Request, outputs: &[Tensor], copies: &[&Request]) {
+    let carried = outputs.iter().any(|t| t.name.starts_with("present."));
+    let Some(from) = kept_as(pool, request, carried) else {
+        return;
+    };
+    let to = copies.iter().filter_map(|copy| copy.sequence).collect();
+    pool.batch(&request.model).fork(from, to);
+}
+
 /// A generation's cache site: the pool its steps run on, where its cache is there, and
 /// whether a run of it moved.
 pub struct CacheSite {
@@ -136,11 +150,17 @@ impl CacheSite {
     }
 }
 
+/// The sequence under which `pool` keeps the cache of `request`'s run, when it does: when the
+/// run gave none to carry (`carried`).
+fn kept_as(pool: &Pool, request: &Request, carried: bool) -> Option<u64> {
+    request.sequence.filter(|_| !carried && pool.keeps_caches())
+}
+
 /// Where the cache is after a run on `pool` that gave `cache`: kept by the pool (as the
 /// request's sequence) when it gave none, else carried.
 fn keep_or_carry(pool: &Arc<Pool>, request: &Request, cache: Vec<Tensor>) -> Cache {
-    match request.sequence {
-        Some(seq) if cache.is_empty() && pool.keeps_caches() => {
+    match kept_as(pool, request, !cache.is_empty()) {
+        Some(seq) => {
             let mut member = pool.batch(&request.model).member(seq);
             member.join();
             Cache::Kept(member)
@@ -284,9 +304,32 @@ mod tests {
     /// A greedy generation of 32 tokens on a CPU pool whose backend forgets its caches before
     /// its `forget_at`-th step; with the prompts the backend ran.
     async fn generation(forget_at: Option<usize>) -> (Generated, usize) {
+        let (mut generated, prompts) = generations(forget_at, 1, greedy(7)).await;
+        (generated.remove(0), prompts)
+    }
+
+    /// `n` generations of one prompt's run under `params` on a CPU pool whose backend forgets
+    /// its caches before its `forget_at`-th step; with the prompts the backend ran.
+    async fn generations(forget_at: Option<usize>, n: usize, params: Params) -> (Vec<Generated>, usize) {
         let models = "models: [{name: tiny, path: 'builtin:decoder', tokenizer: 'builtin:decoder'}]\n\
                       pools: [{name: cpu, provider: cpu, models: [tiny]}]\n";
-        generation_of(models, crate::testing::ADMIT_ALL, "tiny", forget_at, false).await
+        generations_of(models, crate::testing::ADMIT_ALL, ("tiny", n, params), forget_at, false).await
+    }
+
+    /// 32 tokens, greedy, from `seed`.
+    fn greedy(seed: u64) -> Params {
+        Params {
+            max_tokens: 32,
+            temperature: 0.0,
+            top_p: 1.0,
+            top_k: 0,
+            seed,
+            stop: Vec::new(),
+            tools: false,
+            grammar: None,
+            penalties: Penalties::NONE,
+            logprobs: None,
+        }
     }
 
     /// A greedy generation of 32 tokens for `model` under `policy`, on a CPU pool serving
@@ -300,6 +343,20 @@ mod tests {
         forget_at: Option<usize>,
         substitute: bool,
     ) -> (Generated, usize) {
+        let (mut generated, prompts) =
+            generations_of(models, policy, (model, 1, greedy(7)), forget_at, substitute).await;
+        (generated.remove(0), prompts)
+    }
+
+    /// `n` generations of `model` under `params` from one run of its prompt, as
+    /// [`generation_of`] makes one.
+    async fn generations_of(
+        models: &str,
+        policy: &str,
+        (model, n, params): (&str, usize, Params),
+        forget_at: Option<usize>,
+        substitute: bool,
+    ) -> (Vec<Generated>, usize) {
         let scratch = crate::testing::Scratch::new();
         let yaml = format!("{models}{}", scratch.policy(policy));
         let config = crate::testing::config::validated(&yaml);
@@ -311,18 +368,6 @@ mod tests {
             prompts: Arc::clone(&prompts),
         };
         let service = crate::testing::fakes::service(config, Arc::new(factory));
-        let params = Params {
-            max_tokens: 32,
-            temperature: 0.0,
-            top_p: 1.0,
-            top_k: 0,
-            seed: 7,
-            stop: Vec::new(),
-            tools: false,
-            grammar: None,
-            penalties: Penalties::NONE,
-            logprobs: None,
-        };
         let prompt: Vec<u32> = (40..100).collect();
         let mut request = crate::testing::request(model, Vec::new());
         request.allow_substitute = substitute;
@@ -331,6 +376,7 @@ mod tests {
             let prompts = prompts.load(Ordering::SeqCst);
             format!("the generation fails after {prompts} prompts: {:?}", refused.error)
         };
+        request.generations = n as u64;
         let placed = generation::place(&service, entry, prompt.clone().into(), &params, request).await;
         let prefilled = match placed.unwrap_or_else(|r| panic!("{}", fails(r))) {
             Placed::Prefilled(prefilled) => prefilled,
@@ -341,8 +387,49 @@ mod tests {
                 fallback.place(rebuilt).await.unwrap_or_else(|r| panic!("{}", fails(r)))
             }
         };
-        let generated = prefilled.run(None).await.unwrap_or_else(|r| panic!("{}", fails(r)));
-        (generated, prompts.load(Ordering::SeqCst))
+        let runs = prefilled.fork(n).into_iter().map(|p| p.run(None));
+        let generated = futures_util::future::join_all(runs).await;
+        let generated = generated
+            .into_iter()
+            .map(|g| g.unwrap_or_else(|r| panic!("{}", fails(r))));
+        (generated.collect(), prompts.load(Ordering::SeqCst))
+    }
+
+    /// `n` generations of one prompt run it once and go on from copies of its cache: at
+    /// temperature 0 each is the one generation's text; sampled, generation `i` is the one
+    /// generation seeded `i` after the request's seed. Each is a request of its own.
+    #[tokio::test]
+    async fn n_generations_share_one_run_of_their_prompt_and_each_has_its_seed() {
+        let (one, prompts) = generation(None).await;
+        assert_eq!(prompts, 1);
+        let (three, prompts) = generations(None, 3, greedy(7)).await;
+        assert_eq!(prompts, 1, "one run of the prompt for the three");
+        for generated in &three {
+            assert_eq!((&generated.tokens, &generated.text), (&one.tokens, &one.text));
+        }
+        let sampled = |seed| Params {
+            temperature: 1.0,
+            ..greedy(seed)
+        };
+        let (forked, prompts) = generations(None, 3, sampled(40)).await;
+        assert_eq!(prompts, 1);
+        for (i, generated) in forked.iter().enumerate() {
+            let (alone, _) = generations(None, 1, sampled(40 + i as u64)).await;
+            assert_eq!(generated.tokens, alone[0].tokens, "generation {i} is seed {}'s", 40 + i);
+        }
+        assert!(forked[0].tokens != forked[1].tokens || forked[1].tokens != forked[2].tokens);
+    }
+
+    /// Generations of one run whose caches the backend lost are each prefilled again alone,
+    /// and go on with the tokens they would have had.
+    #[tokio::test]
+    async fn n_generations_whose_caches_went_missing_are_each_prefilled_again() {
+        let (undisturbed, _) = generations(None, 3, greedy(7)).await;
+        let (disturbed, prompts) = generations(Some(8), 3, greedy(7)).await;
+        assert_eq!(prompts, 1 + 3, "the prompt, then each generation's own");
+        for (a, b) in disturbed.iter().zip(&undisturbed) {
+            assert_eq!((&a.tokens, &a.text), (&b.tokens, &b.text));
+        }
     }
 
     /// A generation whose cache its pool's backend lost is prefilled again on the same pool,

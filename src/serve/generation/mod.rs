@@ -291,6 +291,44 @@ impl Prefilled<'_> {
     }
 }
 
+impl<'a> Prefilled<'a> {
+    /// This generation and `n - 1` more of its prompt from its one run (OpenAI's `n`): each goes
+    /// on from its own copy of the prompt's KV cache, made where the pool keeps it (on its
+    /// device; a cache carried as tensors, a remote pool's, is cloned), samples from its own
+    /// seed (the request's, then +1, +2, …: at temperature 0 they are the same answer) and is
+    /// counted as a request of its own. A copy whose cache is lost is prefilled again alone,
+    /// as any generation's.
+    pub fn fork(self, n: usize) -> Vec<Prefilled<'a>> {
+        let Prefilled {
+            service,
+            counted,
+            mut prefill,
+        } = self;
+        // Each goes on as one generation: a prefill again after a failed step is its own.
+        prefill.steps.generations = 1;
+        let mut copies: Vec<prefill::Prefill<'a>> = (1..n as u64).map(|i| prefill.copy(i)).collect();
+        let steps: Vec<&Request> = copies.iter().map(|c| &c.steps).collect();
+        cache::fork(&prefill.served.pool, &prefill.steps, &prefill.served.outputs, &steps);
+        let mut all = Vec::with_capacity(n);
+        all.push(Prefilled {
+            service,
+            counted,
+            prefill,
+        });
+        for mut copy in copies.drain(..) {
+            let counted = lifecycle::Counted::start(service, &mut copy.steps);
+            // Its prompt ran with the first's: it is running from now on.
+            copy.steps.progress.started();
+            all.push(Prefilled {
+                service,
+                counted,
+                prefill: copy,
+            });
+        }
+        all
+    }
+}
+
 /// `refused`, counted as the generation's outcome.
 fn counted_refusal(counted: lifecycle::Counted<'_>, refused: Refused) -> Refused {
     counted.finish(Err(&refused));

@@ -115,6 +115,38 @@ pub(super) struct Prefill<'a> {
     pub(super) source: Arc<Source>,
 }
 
+impl<'a> Prefill<'a> {
+    /// Generation `i` of this prompt beside this one (OpenAI's `n`), from the same run: its own
+    /// sequence, its own seed (the request's plus `i`), the run's outputs copied. Its cache is
+    /// copied by [`super::cache::fork`].
+    pub(super) fn copy(&self, i: u64) -> Prefill<'a> {
+        let served = &self.served;
+        let mut steps = self.steps.clone();
+        steps.sequence = steps.sequence.map(|_| crate::pool::batch::next_sequence());
+        let mut params = self.decoding.params.clone().into_owned();
+        params.seed = params.seed.wrapping_add(i);
+        Prefill {
+            served: Served {
+                pool: Arc::clone(&served.pool),
+                action: served.action,
+                context: served.context,
+                context_cut: served.context_cut.clone(),
+                retry_started: served.retry_started,
+                retried: served.retried,
+                outputs: served.outputs.clone(),
+            },
+            decoding: Decoding {
+                eos: self.decoding.eos.clone(),
+                params: std::borrow::Cow::Owned(params),
+                prompt: self.decoding.prompt.clone(),
+                ..self.decoding
+            },
+            steps,
+            source: Arc::clone(&self.source),
+        }
+    }
+}
+
 /// A prompt's run placed on the model asked for, or refused where the model's fallback may take
 /// it (with the request the steps run as, to make the fallback's from).
 pub(super) enum Placed<'a> {

@@ -46,6 +46,7 @@ pub(super) async fn admit(service: &Service, entry: &ModelEntry, request: &mut R
     let refuse = |error: RequestError| Refused { pool: None, error };
     let routed = routed_pool(service, &entry.config.name).map_err(refuse)?;
     let dims = entry.with_new_tokens(entry.dims_of(&request.inputs), request.max_new_tokens);
+    let dims = entry.with_generations(dims, request.generations);
     let mut info = request_info(service, entry, request, &routed);
     if let Some(never) = super::fits::never_fits(service, entry, request, &info.estimate, &dims) {
         return Err(refuse(RequestError::NeverFits(Box::new(never))));
@@ -214,7 +215,8 @@ fn routed_pool(service: &Service, model: &str) -> Result<Arc<Pool>, RequestError
 /// What the policy is told about the request, routed to `routed` (its deadline is filled in
 /// before each decision).
 fn request_info(service: &Service, entry: &ModelEntry, request: &Request, routed: &Pool) -> RequestInfo {
-    let sent = entry.dims_of(&request.inputs);
+    // Generations sharing the prompt's run each hold a cache: they are the request's batch.
+    let sent = entry.with_generations(entry.dims_of(&request.inputs), request.generations);
     let (tokens, batch) = entry.tokens_and_batch(&sent);
     let dims = entry
         .profile
@@ -365,7 +367,8 @@ fn shrink(
         context = Some((info.context_tokens, shrunk.tokens));
         context_cut = Some(shrunk.cut);
         request.inputs = shrunk.inputs;
-        estimate = entry.estimate_tokens(shrunk.tokens.saturating_add(request.max_new_tokens), 1);
+        let caches = request.generations.max(1);
+        estimate = entry.estimate_tokens(shrunk.tokens.saturating_add(request.max_new_tokens), caches);
         estimate = joining(entry, request, &pool, shrunk.tokens, estimate);
     }
     Ok(Admitted {

@@ -40,7 +40,7 @@ impl std::fmt::Display for NotRetried {
 }
 
 /// A request that did not run, with the pool that refused or failed it when one was chosen.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct Refused {
     /// The pool involved, if the request got that far.
     pub pool: Option<Arc<Pool>>,

@@ -82,6 +82,10 @@ pub struct Request {
     /// its KV cache there under this number (a prefill), and only the last position's logits
     /// come back. Each prefill after a failed step takes a new one.
     pub sequence: Option<u64>,
+    /// Generations that share a generation's prompt's run (OpenAI's `n`; 0 or 1: one), each
+    /// going on from its own copy of the prompt's KV cache: the estimate covers that many
+    /// caches, and the policy sees them as `req.batch`.
+    pub generations: u64,
 }
 
 impl Request {

@@ -97,6 +97,15 @@ impl ModelEntry {
         }
     }
 
+    /// `dims` with its batch axis `generations` times what was sent (when more than one):
+    /// generations that share a prompt's run each hold a KV cache of their own.
+    pub fn with_generations(&self, dims: Dims, generations: u64) -> Dims {
+        match self.profile.axis_with(AxisRole::Batch) {
+            Some(i) if generations > 1 => dims.with(i, dims.get(i).max(1).saturating_mul(generations)),
+            _ => dims,
+        }
+    }
+
     /// The estimate for `context_tokens` of context and `batch` items (a generation's prompt
     /// and its new tokens).
     pub fn estimate_tokens(&self, context_tokens: u64, batch: u64) -> Estimate {

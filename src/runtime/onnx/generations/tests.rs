@@ -92,6 +92,7 @@ fn a_batch_whose_rows_join_skip_and_leave_gives_each_row_its_reference_tokens() 
         let decode = DecodeStep {
             rows: step_rows.clone(),
             ended,
+            ..Default::default()
         };
         let out = backend.decode("lm", &decode, &meta).unwrap();
         for (row, logits) in step_rows.iter().zip(rows(&out[0])) {
@@ -116,6 +117,7 @@ fn a_batch_whose_rows_join_skip_and_leave_gives_each_row_its_reference_tokens() 
     let wrong = DecodeStep {
         rows: vec![DecodeRow { seq, token: 5, past: 3 }],
         ended: vec![],
+        ..Default::default()
     };
     let err = backend.decode("lm", &wrong, &meta).unwrap_err();
     assert_eq!(err, crate::core::backend::BackendError::CacheMissing(vec![seq]));
@@ -139,7 +141,17 @@ fn the_bytes_of_masked_slots_are_reported_and_trimmed_when_rows_leave() {
             .unwrap();
     }
     let mut step = |rows: Vec<DecodeRow>, ended: Vec<u64>| {
-        let out = backend.decode("lm", &DecodeStep { rows, ended }, &meta).unwrap();
+        let out = backend
+            .decode(
+                "lm",
+                &DecodeStep {
+                    rows,
+                    ended,
+                    ..Default::default()
+                },
+                &meta,
+            )
+            .unwrap();
         assert_eq!(out[1].name, DecodeStep::PADDING);
         let [bytes] = DecodeStep::reported(&out, DecodeStep::PADDING).expect("the padding's bytes");
         let [rows, slots] = DecodeStep::reported(&out, DecodeStep::BATCH).expect("the batch's shape");
@@ -194,6 +206,7 @@ fn prompts_prefilled_together_give_each_its_reference_tokens() {
                 &DecodeStep {
                     rows: step_rows,
                     ended: vec![],
+                    ..Default::default()
                 },
                 &meta,
             )
@@ -222,6 +235,12 @@ fn a_decoder_without_position_ids_gives_batched_rows_their_logits_alone() {
 /// the right: rows that join, skip a step and outlive a row that leaves get their logits alone.
 #[test]
 fn a_group_query_attention_decoder_gives_batched_rows_their_logits_alone() {
+    batched_rows_get_their_logits_alone(group_query_attention());
+}
+
+/// A backend serving ONNX Runtime GenAI's build of the real Llama fixture as `g`: batched on
+/// the right.
+fn group_query_attention() -> OrtBackend {
     let rt = runtime(None).expect("ONNX Runtime loads");
     let dir = std::path::Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/models/real/llama-genai"));
     let bytes = std::fs::read(dir.join("model.onnx")).unwrap();
@@ -239,7 +258,100 @@ fn a_group_query_attention_decoder_gives_batched_rows_their_logits_alone() {
     };
     let backend = OrtBackend::load(rt, &[("g".to_string(), data)], &SessionOptions::quiet_cpu()).unwrap();
     assert_eq!(backend.decoders["g"].padding, crate::runtime::decoder::Padding::Right);
-    batched_rows_get_their_logits_alone(backend);
+    backend
+}
+
+/// A prompt run once and forked into three sequences, beside a batch already running: each
+/// copy steps as the prompt's own sequence does (the logits of the prompt alone), on the
+/// fixture (padded on the left) and on GenAI's build (on the right). A fork of a sequence not
+/// held copies nothing: its sequences are missing.
+#[test]
+fn forked_sequences_each_get_the_logits_of_their_prompt_alone() {
+    let rt = runtime(None).expect("ONNX Runtime loads");
+    let fixture = [("g".to_string(), BuiltinModel::Decoder.data())];
+    let left = OrtBackend::load(rt, &fixture, &SessionOptions::quiet_cpu()).unwrap();
+    for backend in [left, group_query_attention()] {
+        forks_get_their_prompts_logits(backend);
+    }
+}
+
+fn forks_get_their_prompts_logits(mut backend: OrtBackend) {
+    let layout = backend.decoders["g"];
+    let meta = RunMeta::default();
+    let (prompt, other): (&[u32], &[u32]) = (&[12, 300, 41], &[5, 17, 230, 41, 9, 77, 3, 410]);
+    let steps = 6;
+    let decode = |backend: &mut OrtBackend, step: DecodeStep| rows(&backend.decode("g", &step, &meta).unwrap()[0]);
+    let row = |seq, token, past| DecodeRow { seq, token, past };
+    // The prompt alone, greedy.
+    let out = backend
+        .prefill("g", 1, step_inputs(&layout, prompt, 0, Vec::new()), &meta)
+        .unwrap();
+    let mut alone = rows(&out[0]);
+    for k in 0..steps {
+        let past = (prompt.len() + k) as u64;
+        let step = DecodeStep {
+            rows: vec![row(1, argmax(&alone[k]), past)],
+            ..Default::default()
+        };
+        alone.extend(decode(&mut backend, step));
+    }
+    let ended = DecodeStep {
+        ended: vec![1],
+        ..Default::default()
+    };
+    backend.decode("g", &ended, &meta).unwrap();
+    // A longer sequence in the batch first; then the prompt run once, as 10, forked as 11, 12.
+    let out = backend
+        .prefill("g", 20, step_inputs(&layout, other, 0, Vec::new()), &meta)
+        .unwrap();
+    let other_token = argmax(&rows(&out[0])[0]);
+    decode(
+        &mut backend,
+        DecodeStep {
+            rows: vec![row(20, other_token, other.len() as u64)],
+            ..Default::default()
+        },
+    );
+    let out = backend
+        .prefill("g", 10, step_inputs(&layout, prompt, 0, Vec::new()), &meta)
+        .unwrap();
+    assert_eq!(rows(&out[0])[0], alone[0]);
+    let forks = vec![crate::core::backend::Fork {
+        from: 10,
+        to: vec![11, 12],
+    }];
+    for k in 0..steps {
+        let past = (prompt.len() + k) as u64;
+        let token = argmax(&alone[k]);
+        let step = DecodeStep {
+            rows: (10..13).map(|seq| row(seq, token, past)).collect(),
+            forks: if k == 0 { forks.clone() } else { Vec::new() },
+            ..Default::default()
+        };
+        for (seq, logits) in (10..13).zip(decode(&mut backend, step)) {
+            let diff = logits
+                .iter()
+                .zip(&alone[k + 1])
+                .map(|(x, y)| (x - y).abs())
+                .fold(0f32, f32::max);
+            assert!(
+                diff < 1e-4,
+                "sequence {seq}, step {k}: logits differ from alone by {diff}"
+            );
+        }
+    }
+    assert_eq!(
+        backend.generations.sequences("g"),
+        4,
+        "the prompt's, its two copies and the other"
+    );
+    let unheld = DecodeStep {
+        rows: vec![row(31, 5, prompt.len() as u64)],
+        forks: vec![crate::core::backend::Fork { from: 30, to: vec![31] }],
+        ..Default::default()
+    };
+    let err = backend.decode("g", &unheld, &meta).unwrap_err();
+    assert_eq!(err, crate::core::backend::BackendError::CacheMissing(vec![31]));
 }
 
 /// Three prompts of `backend`'s decoder `g`: rows that join a longer batch, skip a step and
@@ -252,7 +364,17 @@ fn batched_rows_get_their_logits_alone(mut backend: OrtBackend) {
     // A step's logits, one row per row sent (none when it only ends sequences).
     let step = |backend: &mut OrtBackend, rows_: Vec<DecodeRow>, ended: Vec<u64>| {
         let any = !rows_.is_empty();
-        let out = backend.decode("g", &DecodeStep { rows: rows_, ended }, &meta).unwrap();
+        let out = backend
+            .decode(
+                "g",
+                &DecodeStep {
+                    rows: rows_,
+                    ended,
+                    ..Default::default()
+                },
+                &meta,
+            )
+            .unwrap();
         if any { rows(&out[0]) } else { Vec::new() }
     };
     // Each prompt alone: the logits of its prompt's run and of each step after it.
