@@ -83,18 +83,22 @@ pub(super) struct Sampler<'a> {
 }
 
 impl<'a> Sampler<'a> {
-    /// The sampler of a generation under `params` whose prompt (as it ran) was `prompt`.
-    pub(super) fn new(params: &'a Params, prompt: &[u32]) -> Sampler<'a> {
+    /// The sampler of a generation under `params` whose prompt as it ran (after a shrink, cut)
+    /// `prompt` gives, asked only when a repetition penalty counts it.
+    pub(super) fn new(
+        params: &'a Params,
+        prompt: impl FnOnce() -> Result<Vec<u32>, String>,
+    ) -> Result<Sampler<'a>, String> {
         let seen = match params.penalties.repeats() {
-            true => prompt.iter().copied().collect(),
+            true => prompt()?.into_iter().collect(),
             false => HashSet::new(),
         };
-        Sampler {
+        Ok(Sampler {
             params,
             rng: Rng::new(params.seed),
             generated: HashMap::new(),
             seen,
-        }
+        })
     }
 
     /// Bend `logits` by the penalties, pick the next token from them, and remember it.
@@ -340,7 +344,7 @@ mod tests {
             ..params(0.0, 1.0, 0)
         };
         let prompt = [5, 9, 9, 21];
-        let mut sampler = Sampler::new(&p, &prompt);
+        let mut sampler = Sampler::new(&p, || Ok(prompt.to_vec())).unwrap();
         let mut rng = Rng::new(3);
         let mut generated = Vec::new();
         for step in 0..60 {
@@ -366,7 +370,7 @@ mod tests {
     #[test]
     fn no_penalties_leave_the_logits_alone() {
         let p = params(0.0, 1.0, 0);
-        let mut sampler = Sampler::new(&p, &[1, 2, 3]);
+        let mut sampler = Sampler::new(&p, || Ok(vec![1, 2, 3])).unwrap();
         let mut rng = Rng::new(5);
         for _ in 0..5 {
             let logits = row(&mut rng, 30);
@@ -451,7 +455,7 @@ mod tests {
                 logprobs,
                 ..params(temperature, 1.0, 0)
             };
-            Sampler::new(&p, &[]).pick(&mut logits.clone())
+            Sampler::new(&p, || Ok(Vec::new())).unwrap().pick(&mut logits.clone())
         };
         assert_eq!(at(0.0, None).logprobs, None);
         let cold = at(0.0, Some(2)).logprobs.unwrap();
