@@ -14,7 +14,7 @@ use crate::serve::service::Service;
 use super::cache::{CacheSite, Failed, read_outputs};
 use super::constrain::{self, Constraint};
 use super::prefill::{Decoding, Prefill, history};
-use super::sample::Sampler;
+use super::sample::{Picked, Sampler};
 use super::text::Text;
 use super::{Delta, Facts, Finish, Generated, Sink, TokenLogprobs};
 
@@ -96,16 +96,10 @@ pub(super) async fn run<'a>(
         .get_or_create(&labels(&site.pool))
         .observe(steps.received.elapsed().as_secs_f64());
     let mut last_token = tokio::time::Instant::now();
-    // The repetition penalty counts the prompt as it ran (after a shrink, cut).
-    let ran = match params.penalties.repetition != 1.0 {
-        true => history(&prompt, shrunk.as_ref(), &[]).map_err(|e| broken(&site.pool, e))?,
-        false => Vec::new(),
-    };
-    let mut sampler = Sampler::new(params, &ran);
+    let ran = || history(&prompt, shrunk.as_ref(), &[]);
+    let mut sampler = Sampler::new(params, ran).map_err(|e| broken(&site.pool, e))?;
     let mut text = Text::new(Arc::clone(tokenizer), &params.stop, sink.is_some(), params.tools);
-    // Every token's log-probabilities when they are asked for, and how many went to the sink.
-    let mut logprobs: Option<Vec<TokenLogprobs>> = params.logprobs.map(|_| Vec::new());
-    let mut handed = 0;
+    let mut scores = Scores::new(params.logprobs.is_some());
     // The pool the sink was last told of: a delta names it again when it changes.
     let mut told = None;
     let estimate = entry.estimate_tokens((prompt_tokens as u64).saturating_add(u64::from(params.max_tokens)), 1);
@@ -124,32 +118,14 @@ pub(super) async fn run<'a>(
             Some(constraint) => constraint.accept(next).map_err(|e| broken(&site.pool, e))?,
             None => false,
         };
-        let text_offset = text.chars();
-        let sent = text.push(next).map_err(|e| broken(&site.pool, e))?;
-        if let (Some(all), Some(scored)) = (&mut logprobs, picked.logprobs) {
-            all.push(TokenLogprobs {
-                token: next,
-                text_offset,
-                logprobs: scored,
-            });
-        }
+        let sent = scores.push(&mut text, picked).map_err(|e| broken(&site.pool, e))?;
         if let (Some(sink), Some(sent)) = (&sink, sent) {
             let facts = || Facts {
                 pool: Arc::clone(&site.pool),
                 source: Arc::clone(&source),
                 shrunk: shrunk.clone(),
             };
-            let whole = match &logprobs {
-                Some(all) => all[handed..handed + sent.tokens].to_vec(),
-                None => Vec::new(),
-            };
-            handed += whole.len();
-            let delta = Delta {
-                text: sent.text,
-                logprobs: whole,
-                facts: None,
-            };
-            if !tell(sink, &mut told, delta, &site.pool, facts).await {
+            if !tell(sink, &mut told, sent, &site.pool, facts).await {
                 // The stream's reader is gone: stop here; the KV cache goes with this future.
                 return Err(failed(&site.pool, RequestError::ClientGone));
             }
@@ -192,19 +168,62 @@ pub(super) async fn run<'a>(
         prompt_tokens,
         shrunk,
         tokens,
-        logprobs,
+        logprobs: scores.all,
         text,
         finish,
     })
 }
 
-/// Hand a streamed generation's `delta`, run on `pool`, to its sink, with the [`Facts`] when
-/// `pool` is not the one `told` names (the first delta, or after a move); false once the
-/// reader is gone.
+/// A generation's tokens' log-probabilities, when the request asks for them, and how many of
+/// them went to its sink.
+struct Scores {
+    all: Option<Vec<TokenLogprobs>>,
+    handed: usize,
+}
+
+impl Scores {
+    /// None yet; kept only when `asked` for.
+    fn new(asked: bool) -> Scores {
+        Scores {
+            all: asked.then(Vec::new),
+            handed: 0,
+        }
+    }
+
+    /// Add the `picked` token to `text`, keeping its log-probabilities: for a streamed
+    /// generation, the text that may be sent now and the log-probabilities of the tokens whose
+    /// text it completes.
+    fn push(&mut self, text: &mut Text, picked: Picked) -> Result<Option<(String, Vec<TokenLogprobs>)>, String> {
+        let text_offset = text.chars();
+        let sent = text.push(picked.token)?;
+        if let (Some(all), Some(logprobs)) = (&mut self.all, picked.logprobs) {
+            all.push(TokenLogprobs {
+                token: picked.token,
+                text_offset,
+                logprobs,
+            });
+        }
+        Ok(sent.map(|sent| (sent.text, self.hand(sent.tokens))))
+    }
+
+    /// The next `whole` tokens' (their text now all sent), for a delta.
+    fn hand(&mut self, whole: usize) -> Vec<TokenLogprobs> {
+        let Some(all) = &self.all else {
+            return Vec::new();
+        };
+        let handed = all[self.handed..self.handed + whole].to_vec();
+        self.handed += whole;
+        handed
+    }
+}
+
+/// Hand a streamed generation's text and log-probabilities, run on `pool`, to its sink as a
+/// [`Delta`], with the [`Facts`] when `pool` is not the one `told` names (the first delta, or
+/// after a move); false once the reader is gone.
 async fn tell(
     sink: &Sink,
     told: &mut Option<String>,
-    mut delta: Delta,
+    (text, logprobs): (String, Vec<TokenLogprobs>),
     pool: &Arc<Pool>,
     facts: impl FnOnce() -> Facts,
 ) -> bool {
@@ -212,6 +231,10 @@ async fn tell(
     if moved {
         *told = Some(pool.name().to_string());
     }
-    delta.facts = moved.then(facts);
+    let delta = Delta {
+        text,
+        logprobs,
+        facts: moved.then(facts),
+    };
     sink.send(delta).await.is_ok()
 }
