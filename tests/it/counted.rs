@@ -279,7 +279,7 @@ async fn requests_total_says_outcome_by_outcome_what_the_clients_saw() {
     let response = server.post_json("/v1/completions", &unknown).await;
     seen.saw(response, StatusCode::NOT_FOUND, "client_error").await;
     let mut unsupported = completion.clone();
-    unsupported["n"] = json!(2);
+    unsupported["suffix"] = json!("x");
     let response = server.post_json("/v1/completions", &unsupported).await;
     seen.saw(response, StatusCode::BAD_REQUEST, "client_error").await;
     let response = client

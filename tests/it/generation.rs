@@ -188,7 +188,7 @@ async fn models_are_listed_and_errors_come_in_openais_shape() {
             json!("model"),
         ),
         (
-            json!({"model": "tiny", "prompt": "x", "n": 2}),
+            json!({"model": "tiny", "prompt": "x", "n": 0}),
             StatusCode::BAD_REQUEST,
             json!("n"),
         ),

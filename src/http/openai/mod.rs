@@ -12,8 +12,11 @@
 //! silent replay. A chat request offering tools is never run twice once its first token is
 //! picked, streamed or not: a tool call may already have acted on the client's side.
 //!
+//! An answer has a choice per generation: each prompt's (a completion may send several) `n`
+//! times, all run at once (`run`), each prompt's `n` from one run of it.
+//!
 //! A request is read and checked into a job (`job`, with chat's part in `chat`), then run and
-//! answered whole (`answer`) or streamed (`stream`), both running its generation through `run`
+//! answered whole (`answer`) or streamed (`stream`), both running its generations through `run`
 //! (which reads the body again for the model's fallback when the generation asks for it);
 //! `error` is OpenAI's error shape, `logprobs` the tokens' log-probabilities in OpenAI's
 //! shapes. No two of these files use each other.
