@@ -9,6 +9,7 @@ use std::future::Future;
 use crate::runtime::grammar::{Constrained, Mask};
 
 use super::Params;
+use super::sample::{Picked, Sampler};
 
 /// A generation's matcher and the mask of its next pick.
 pub(super) struct Constraint {
@@ -24,14 +25,35 @@ impl Constraint {
     }
 
     /// Leave only the tokens the grammar allows next in `logits`.
-    pub(super) fn mask(&self, logits: &mut [f32]) {
+    fn mask(&self, logits: &mut [f32]) {
         self.mask.apply(logits);
     }
 
     /// Move on by `token`: true once the grammar is finished and nothing may follow.
-    pub(super) fn accept(&mut self, token: u32) -> Result<bool, String> {
+    fn accept(&mut self, token: u32) -> Result<bool, String> {
         self.matcher.accept(token)
     }
+}
+
+/// Pick the next token from `logits` with `sampler`, among those `constraint` allows, and
+/// move the constraint on by it (not by an end-of-text token, in `eos`, which ends the
+/// generation): with whether the grammar is finished.
+pub(super) fn pick(
+    constraint: &mut Option<Constraint>,
+    sampler: &mut Sampler,
+    logits: &mut [f32],
+    eos: &[u32],
+) -> Result<(Picked, bool), String> {
+    let Some(constraint) = constraint else {
+        return Ok((sampler.pick(logits), false));
+    };
+    constraint.mask(logits);
+    let picked = sampler.pick(logits);
+    let finished = match eos.contains(&picked.token) {
+        true => false,
+        false => constraint.accept(picked.token)?,
+    };
+    Ok((picked, finished))
 }
 
 /// Run `step`, with `constraint`'s next mask computed meanwhile: `step` is polled first, which

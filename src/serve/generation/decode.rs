@@ -9,7 +9,7 @@ use crate::core::snapshot::Action;
 use crate::pool::Pool;
 use crate::pool::batch::sequences::Running;
 use crate::serve::lifecycle::{NotRetried, Refused, RequestError, Served};
-use crate::serve::service::Service;
+use crate::serve::service::{ModelEntry, Service};
 
 use super::cache::{CacheSite, Failed, read_outputs};
 use super::constrain::{self, Constraint};
@@ -78,7 +78,6 @@ pub(super) async fn run<'a>(
     // A shrink shortened the prompt: positions count from its new length.
     let shrunk = context.map(|(from, to)| (from, to, context_cut.unwrap_or_default()));
     let prompt_tokens = shrunk.as_ref().map_or(prompt_tokens, |s| s.1 as usize);
-    let failed = Refused::at;
     let broken = |pool: &Arc<Pool>, e: String| internal(&entry.config.name, pool, e);
     let (mut logits, cache) = read_outputs(outputs).map_err(|e| broken(&pool, e))?;
     // The cache this generation holds between runs, on the pool that holds it; given back when
@@ -96,28 +95,21 @@ pub(super) async fn run<'a>(
         .get_or_create(&labels(&site.pool))
         .observe(steps.received.elapsed().as_secs_f64());
     let mut last_token = tokio::time::Instant::now();
-    let ran = || history(&prompt, shrunk.as_ref(), &[]);
-    let mut sampler = Sampler::new(params, ran).map_err(|e| broken(&site.pool, e))?;
+    let mut sampler =
+        Sampler::new(params, || history(&prompt, shrunk.as_ref(), &[])).map_err(|e| broken(&site.pool, e))?;
     let mut text = Text::new(Arc::clone(tokenizer), &params.stop, sink.is_some(), params.tools);
     let mut scores = Scores::new(params.logprobs.is_some());
     // The pool the sink was last told of: a delta names it again when it changes.
     let mut told = None;
-    let estimate = entry.estimate_tokens((prompt_tokens as u64).saturating_add(u64::from(params.max_tokens)), 1);
-    let estimate_bytes = estimate.context_bytes.saturating_add(estimate.workspace_bytes);
+    let estimate_bytes = step_bytes(entry, prompt_tokens, params.max_tokens);
     let mut constraint = Constraint::new(params);
     let finish = loop {
-        if let Some(constraint) = &constraint {
-            constraint.mask(&mut logits);
-        }
-        let picked = sampler.pick(&mut logits);
+        let (picked, finished) =
+            constrain::pick(&mut constraint, &mut sampler, &mut logits, &eos).map_err(|e| broken(&site.pool, e))?;
         let next = picked.token;
         if eos.contains(&next) {
             break Finish::Stop;
         }
-        let finished = match &mut constraint {
-            Some(constraint) => constraint.accept(next).map_err(|e| broken(&site.pool, e))?,
-            None => false,
-        };
         let sent = scores.push(&mut text, picked).map_err(|e| broken(&site.pool, e))?;
         if let (Some(sink), Some(sent)) = (&sink, sent) {
             let facts = || Facts {
@@ -127,7 +119,7 @@ pub(super) async fn run<'a>(
             };
             if !tell(sink, &mut told, sent, &site.pool, facts).await {
                 // The stream's reader is gone: stop here; the KV cache goes with this future.
-                return Err(failed(&site.pool, RequestError::ClientGone));
+                return Err(Refused::at(&site.pool, RequestError::ClientGone));
             }
         }
         if text.stopped() || finished {
@@ -143,7 +135,7 @@ pub(super) async fn run<'a>(
         let (stepped, masked) = constrain::alongside(constraint.as_mut(), step).await;
         logits = match stepped {
             Ok(logits) => logits,
-            Err(Failed::Request(e)) => return Err(failed(&site.pool, tools_not_retried(e, params.tools))),
+            Err(Failed::Request(e)) => return Err(Refused::at(&site.pool, tools_not_retried(e, params.tools))),
             Err(Failed::Broken(e)) => return Err(broken(&site.pool, e)),
         };
         masked.map_err(|e| broken(&site.pool, e))?;
@@ -215,6 +207,13 @@ impl Scores {
         self.handed += whole;
         handed
     }
+}
+
+/// What a step of `entry`'s generation is admitted with, the cache of its prompt
+/// (`prompt_tokens`) and every token it may add (`max_tokens`) with the run's workspace.
+fn step_bytes(entry: &ModelEntry, prompt_tokens: usize, max_tokens: u32) -> u64 {
+    let estimate = entry.estimate_tokens((prompt_tokens as u64).saturating_add(u64::from(max_tokens)), 1);
+    estimate.context_bytes.saturating_add(estimate.workspace_bytes)
 }
 
 /// Hand a streamed generation's text and log-probabilities, run on `pool`, to its sink as a
