@@ -36,6 +36,60 @@ struct ChatRequest {
     top_logprobs: Option<u32>,
     #[serde(default)]
     response_format: Option<Value>,
+    /// What OpenAI documents and nothing here serves: refused by [`unserved`], never ignored.
+    #[serde(flatten)]
+    unserved: Unserved,
+}
+
+/// Chat fields that would change the answer and that are not served.
+#[derive(Debug, Default, Deserialize)]
+struct Unserved {
+    /// OpenAI's deprecated form of `tools`.
+    #[serde(default)]
+    functions: Option<Value>,
+    #[serde(default)]
+    function_call: Option<Value>,
+    #[serde(default)]
+    modalities: Option<Vec<String>>,
+    #[serde(default)]
+    audio: Option<Value>,
+    #[serde(default)]
+    web_search_options: Option<Value>,
+}
+
+/// Refuse the first field of `fields` that asks for what is not served, naming it and why.
+fn unserved(fields: &Unserved) -> Result<(), OpenAiError> {
+    let given = |v: &Option<Value>| v.as_ref().is_some_and(|v| !v.is_null());
+    let refusal = if given(&fields.functions) || given(&fields.function_call) {
+        let name = if given(&fields.functions) {
+            "functions"
+        } else {
+            "function_call"
+        };
+        Some((
+            name,
+            format!("`{name}` (OpenAI's deprecated form of tools) is not supported: send `tools` and `tool_choice`"),
+        ))
+    } else if fields
+        .modalities
+        .as_ref()
+        .is_some_and(|m| m.iter().any(|m| m != "text"))
+        || given(&fields.audio)
+    {
+        let name = if given(&fields.audio) { "audio" } else { "modalities" };
+        Some((name, format!("`{name}`: the models served here answer in text only")))
+    } else if given(&fields.web_search_options) {
+        Some((
+            "web_search_options",
+            "`web_search_options` is not supported: nothing here searches the web".to_string(),
+        ))
+    } else {
+        None
+    };
+    match refusal {
+        Some((name, message)) => Err(OpenAiError::invalid(message, Some(name))),
+        None => Ok(()),
+    }
 }
 
 /// `tool_choice`.
@@ -186,6 +240,7 @@ fn grammar_of(
 pub(super) fn read(state: &AppState, body: &[u8], id: &str) -> Result<Draft, OpenAiError> {
     let request: ChatRequest = serde_json::from_slice(body)
         .map_err(|e| OpenAiError::invalid(format!("the body is not a chat completion request: {e}"), None))?;
+    unserved(&request.unserved)?;
     let format = response_schema(request.response_format.as_ref())?;
     let logprobs = chat_logprobs(request.logprobs, request.top_logprobs)?;
     let entry = text_model(state, &request.sampling.model, id)?;
@@ -403,6 +458,42 @@ mod tests {
         ] {
             let error = read(bad.clone()).unwrap_err();
             assert_eq!(error.param, Some("response_format"), "{bad}");
+        }
+    }
+
+    #[test]
+    fn fields_asking_for_what_is_not_served_are_refused_by_name_and_the_rest_pass() {
+        let refused = |extra: Value| {
+            let mut request = json!({"model": "m", "messages": []});
+            request
+                .as_object_mut()
+                .unwrap()
+                .extend(extra.as_object().unwrap().clone());
+            let request: ChatRequest = serde_json::from_value(request).unwrap();
+            unserved(&request.unserved).err().map(|e| (e.param, e.message))
+        };
+        for (extra, param, why) in [
+            (json!({"functions": [{"name": "f"}]}), "functions", "send `tools`"),
+            (json!({"function_call": "auto"}), "function_call", "send `tools`"),
+            (json!({"modalities": ["text", "audio"]}), "modalities", "text only"),
+            (json!({"audio": {"voice": "alloy"}}), "audio", "text only"),
+            (
+                json!({"web_search_options": {}}),
+                "web_search_options",
+                "searches the web",
+            ),
+        ] {
+            let (got, message) = refused(extra.clone()).unwrap_or_else(|| panic!("{extra} passed"));
+            assert_eq!(got, Some(param), "{extra}");
+            assert!(message.contains(why), "{extra}: {message}");
+        }
+        for passes in [
+            json!({}),
+            json!({"modalities": ["text"]}),
+            json!({"functions": null, "audio": null}),
+            json!({"user": "u", "store": false, "metadata": {"a": "b"}, "service_tier": "auto"}),
+        ] {
+            assert!(refused(passes.clone()).is_none(), "{passes}");
         }
     }
 }
