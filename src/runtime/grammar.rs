@@ -10,7 +10,8 @@
 //! that byte, and added tokens as their text, the special ones marked special, so that a
 //! grammar never spells them out: they are what the generation's text leaves out. The
 //! vocabulary and its trie are built once per model, on its first constrained request
-//! ([`Grammars`]).
+//! ([`Grammars`]), which also keeps the grammars it compiled last: a generation starts its own
+//! matcher from one (sharing its lexer's cache), so a schema sent again is not compiled again.
 //!
 //! JSON is compiled without free whitespace: `", "` between items, `": "` after keys, nothing
 //! else, so a model cannot wander in blank space until `max_tokens` and a tool call reads as
@@ -20,7 +21,7 @@
 //! [`DEEPEST`]), and so is the engine's work ([`limits`]), so that a hostile schema is refused
 //! rather than compiled for seconds.
 
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use llguidance::api::{ParserLimits, TopLevelGrammar};
 use llguidance::toktrie::{SimpleVob, TokEnv, TokRxInfo, TokTrie, TokenizerEnv};
@@ -35,7 +36,13 @@ pub struct Grammars {
     tokenizer: Arc<tokenizers::Tokenizer>,
     eos: Vec<u32>,
     factory: OnceLock<Result<ParserFactory, String>>,
+    /// The grammars compiled last, by their source, the most recent last: clients send the same
+    /// schema again and again, and a compilation costs about as much as a dozen tokens.
+    recent: Mutex<Vec<(String, Grammar)>>,
 }
+
+/// How many compiled grammars a model keeps for the next requests that send the same schema.
+const RECENT: usize = 16;
 
 impl std::fmt::Debug for Grammars {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -123,8 +130,14 @@ impl Mask {
         let words = self.0.as_slice();
         for (word, chunk) in logits.chunks_mut(32).enumerate() {
             let bits = words.get(word).copied().unwrap_or(0);
-            if bits == u32::MAX {
-                continue;
+            // Whole words first: a JSON grammar allows none of most of them, a string all.
+            match bits {
+                u32::MAX => continue,
+                0 => {
+                    chunk.fill(f32::NEG_INFINITY);
+                    continue;
+                }
+                _ => {}
             }
             for (bit, logit) in chunk.iter_mut().enumerate() {
                 if bits >> bit & 1 == 0 {
@@ -176,6 +189,7 @@ impl Grammars {
             tokenizer,
             eos,
             factory: OnceLock::new(),
+            recent: Mutex::default(),
         }
     }
 
@@ -198,26 +212,55 @@ impl Grammars {
                 }
             }
         }
-        let (grammar, what) = match shape {
-            Shape::Json(json) => (
-                TopLevelGrammar::from_json_schema(with_options(json.schema, json.strict)),
-                "a JSON schema".to_string(),
-            ),
-            Shape::ToolCall { tools, otherwise } => (
-                TopLevelGrammar::from_lark(tool_call_lark(tools, otherwise)),
-                format!(
-                    "a call of {}",
-                    tools.iter().map(|t| t.name).collect::<Vec<_>>().join(" or ")
-                ),
-            ),
+        // The grammar, and its whole source, which a compiled grammar is found again by.
+        let (source, grammar, what) = match shape {
+            Shape::Json(json) => {
+                let schema = with_options(json.schema, json.strict);
+                let source = schema.to_string();
+                (
+                    source,
+                    TopLevelGrammar::from_json_schema(schema),
+                    "a JSON schema".to_string(),
+                )
+            }
+            Shape::ToolCall { tools, otherwise } => {
+                let lark = tool_call_lark(tools, otherwise);
+                let names: Vec<&str> = tools.iter().map(|t| t.name).collect();
+                (
+                    lark.clone(),
+                    TopLevelGrammar::from_lark(lark),
+                    format!("a call of {}", names.join(" or ")),
+                )
+            }
         };
+        let mut recent = self
+            .recent
+            .lock()
+            .expect("no compilation panics while it holds the lock");
+        if let Some(at) = recent.iter().position(|(s, _)| *s == source) {
+            let hit = recent.remove(at);
+            let grammar = hit.1.clone();
+            recent.push(hit);
+            return Ok(grammar);
+        }
+        // Compiled outside the lock: others' requests find their own grammars meanwhile.
+        drop(recent);
         let mut start = Matcher::new(factory.create_parser(grammar));
         let first = start.compute_mask().map_err(|e| e.to_string())?;
-        Ok(Grammar {
+        let grammar = Grammar {
             start: Arc::new(start),
             first: Mask(first),
             what: what.into(),
-        })
+        };
+        let mut recent = self
+            .recent
+            .lock()
+            .expect("no compilation panics while it holds the lock");
+        if recent.len() == RECENT {
+            recent.remove(0);
+        }
+        recent.push((source, grammar.clone()));
+        Ok(grammar)
     }
 }
 
@@ -772,6 +815,43 @@ mod tests {
             })
             .unwrap_err();
         assert!(error.contains("properties"), "{error}");
+    }
+
+    #[test]
+    fn a_schema_sent_again_is_compiled_once_and_each_generation_has_its_own_matcher() {
+        let (grammars, tokenizer) = grammars();
+        let schema = json!({"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]});
+        let compile = |strict| {
+            grammars
+                .compile(Shape::Json(Json {
+                    schema: &schema,
+                    strict,
+                }))
+                .unwrap()
+        };
+        let first = compile(true);
+        assert_eq!(first, compile(true), "the same compiled grammar");
+        assert_ne!(first, compile(false), "strictness is part of the grammar");
+        // Two generations from one grammar move on independently.
+        let (mut one, _) = first.start();
+        let (mut two, _) = first.start();
+        for id in tokenizer.encode("{\"n\": 12", false).unwrap().get_ids() {
+            one.accept(*id).unwrap();
+        }
+        let close = tokenizer.token_to_id("}").unwrap();
+        assert!(one.mask().unwrap().allows(close));
+        assert!(!two.mask().unwrap().allows(close));
+        // Only the last few are kept.
+        for n in 0..RECENT {
+            let other = json!({"type": "integer", "minimum": n});
+            grammars
+                .compile(Shape::Json(Json {
+                    schema: &other,
+                    strict: true,
+                }))
+                .unwrap();
+        }
+        assert_ne!(first, compile(true), "compiled again once it was no longer recent");
     }
 
     #[test]
