@@ -22,16 +22,19 @@ impl Constraint {
         let (matcher, mask) = params.grammar.as_ref()?.start();
         Some(Constraint { matcher, mask })
     }
+}
 
-    /// Leave only the tokens the grammar allows next in `logits`.
-    pub(super) fn mask(&self, logits: &mut [f32]) {
-        self.mask.apply(logits);
+/// Leave only the tokens `constraint`'s grammar allows next in `logits` (all, without one).
+pub(super) fn mask(constraint: Option<&Constraint>, logits: &mut [f32]) {
+    if let Some(constraint) = constraint {
+        constraint.mask.apply(logits);
     }
+}
 
-    /// Move on by `token`: true once the grammar is finished and nothing may follow.
-    pub(super) fn accept(&mut self, token: u32) -> Result<bool, String> {
-        self.matcher.accept(token)
-    }
+/// Move `constraint` on by `token`: true once its grammar is finished and nothing may follow
+/// (never, without one).
+pub(super) fn accept(constraint: Option<&mut Constraint>, token: u32) -> Result<bool, String> {
+    constraint.map_or(Ok(false), |constraint| constraint.matcher.accept(token))
 }
 
 /// Run `step`, with `constraint`'s next mask computed meanwhile: `step` is polled first, which

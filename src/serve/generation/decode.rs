@@ -104,17 +104,12 @@ pub(super) async fn run<'a>(
     let estimate_bytes = estimate.context_bytes.saturating_add(estimate.workspace_bytes);
     let mut constraint = Constraint::new(params);
     let finish = loop {
-        if let Some(constraint) = &constraint {
-            constraint.mask(&mut logits);
-        }
+        constrain::mask(constraint.as_ref(), &mut logits);
         let next = pick(&logits, params, &mut rng);
         if eos.contains(&next) {
             break Finish::Stop;
         }
-        let finished = match &mut constraint {
-            Some(constraint) => constraint.accept(next).map_err(|e| broken(&site.pool, e))?,
-            None => false,
-        };
+        let finished = constrain::accept(constraint.as_mut(), next).map_err(|e| broken(&site.pool, e))?;
         let delta = text.push(next).map_err(|e| broken(&site.pool, e))?;
         if let (Some(sink), Some(delta)) = (&sink, delta) {
             let facts = || Facts {
