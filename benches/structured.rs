@@ -3,7 +3,7 @@
 //! - **Compile time of a typical tool schema** (a weather tool: a string, an enum, a bounded
 //!   integer, a boolean and an array of enums; forced, in the Hermes call format), per request,
 //!   and the vocabulary's one-time build per model, on the fixture's tokenizer and on a
-//!   synthetic byte-level vocabulary of 128k pieces (the size of Llama 3's and Qwen's; no
+//!   synthetic byte-level vocabulary of 129k pieces (the size of Llama 3's and Qwen's; no
 //!   such tokenizer is in the repository).
 //! - **The mask of one step**: computed after each token of a walk through that call (tokens
 //!   picked under the mask from varying logits), and applied to a row of logits, on both.
@@ -23,17 +23,19 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
-use vramguard::runtime::grammar::{Grammar, Grammars, Shape, Tool};
+use vramguard::runtime::grammar::{Grammar, Grammars, Json, Shape, Tool};
 use vramguard::testing::Scratch;
 use vramguard::testing::bench::server::Server;
 use vramguard::testing::bench::{Figure, Machine, Paired, Target, arg, out_dir, print_table, record};
 
 /// The arguments of a typical tool.
-fn weather() -> Value {
+/// The arguments of a typical tool (`n`: its location's most characters less 40, so that each
+/// compilation measured is of a schema not compiled before).
+fn weather(n: u64) -> Value {
     json!({"type": "object", "additionalProperties": false,
            "required": ["location", "unit", "days", "hourly", "fields"],
            "properties": {
-               "location": {"type": "string", "description": "City and country, e.g. Paris, France", "maxLength": 40},
+               "location": {"type": "string", "description": "City and country, e.g. Paris, France", "maxLength": 40 + n},
                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
                "days": {"type": "integer", "minimum": 1, "maximum": 14},
                "hourly": {"type": "boolean"},
@@ -41,7 +43,7 @@ fn weather() -> Value {
                           "items": {"type": "string", "enum": ["temperature", "wind", "rain", "humidity"]}}}})
 }
 
-/// A byte-level BPE tokenizer of about 128k pieces: the 256 bytes, then letter strings of one
+/// A byte-level BPE tokenizer of about 129k pieces: the 256 bytes, then letter strings of one
 /// to four letters with and without a leading space (`Ġ`), numbers and JSON punctuation runs,
 /// and an end-of-text token. Its pieces need no merges: only their bytes matter here.
 fn synthetic_tokenizer() -> tokenizers::Tokenizer {
@@ -68,10 +70,10 @@ fn synthetic_tokenizer() -> tokenizers::Tokenizer {
             pieces.push(format!("Ġ{w}"));
         }
     }
-    // Four letters, every third combination, to reach the size of today's vocabularies.
+    // Four letters, every fifth combination, to reach the size of today's vocabularies.
     for (i, w) in words.iter().enumerate() {
         for (j, c) in letters.iter().enumerate() {
-            if (i + j) % 3 == 0 {
+            if (i + j) % 5 == 0 {
                 pieces.push(format!("Ġ{w}{c}"));
             }
         }
@@ -100,7 +102,7 @@ fn in_process(label: &str, tokenizer: tokenizers::Tokenizer, figures: &mut Vec<F
     let tokenizer = Arc::new(tokenizer);
     let eos = vec![tokenizer.token_to_id("<|endoftext|>").expect("an end-of-text token")];
     let vocab = tokenizer.get_vocab_size(true);
-    let parameters = weather();
+    let parameters = weather(0);
     let tools = [Tool {
         name: "get_weather",
         parameters: Some(&parameters),
@@ -122,6 +124,32 @@ fn in_process(label: &str, tokenizer: tokenizers::Tokenizer, figures: &mut Vec<F
         )
         .note(format!("{vocab} tokens; once per model")),
     );
+    // Each one of a schema not compiled before: a compiled grammar is kept for the next request
+    // that sends the same.
+    let samples: Vec<f64> = (1..=50)
+        .map(|n| {
+            let parameters = weather(n);
+            let tools = [Tool {
+                name: "get_weather",
+                parameters: Some(&parameters),
+                strict: true,
+            }];
+            let started = Instant::now();
+            std::hint::black_box(
+                grammars
+                    .compile(Shape::ToolCall {
+                        tools: &tools,
+                        otherwise: None,
+                    })
+                    .unwrap(),
+            );
+            started.elapsed().as_secs_f64() * 1e3
+        })
+        .collect();
+    figures.push(
+        Figure::of_samples(format!("compile a typical tool schema ({label})"), "ms", &samples)
+            .note("per request sending a new schema, before admission; its first mask included"),
+    );
     let samples: Vec<f64> = (0..50)
         .map(|_| {
             let started = Instant::now();
@@ -130,11 +158,53 @@ fn in_process(label: &str, tokenizer: tokenizers::Tokenizer, figures: &mut Vec<F
         })
         .collect();
     figures.push(
-        Figure::of_samples(format!("compile a typical tool schema ({label})"), "ms", &samples)
-            .note("per request, before admission; its first mask included"),
+        Figure::of_samples(format!("the same tool schema again ({label})"), "ms", &samples)
+            .note("found among the model's recent grammars"),
     );
+    let samples: Vec<f64> = (1..=50)
+        .map(|n| {
+            let readings = readings(n);
+            let started = Instant::now();
+            std::hint::black_box(
+                grammars
+                    .compile(Shape::Json(Json {
+                        schema: &readings,
+                        strict: true,
+                    }))
+                    .unwrap(),
+            );
+            started.elapsed().as_secs_f64() * 1e3
+        })
+        .collect();
+    figures.push(
+        Figure::of_samples(format!("compile the served schema ({label})"), "ms", &samples)
+            .note("the array of at least 100 readings the tokens/s figures ask for, each new"),
+    );
+    let readings = readings(0);
     let grammar = grammars.compile(shape).unwrap();
-    let (masks, applied) = walk(&grammar, vocab, &eos);
+    let (accepted, masks, applied) = walk(&grammar, vocab, &eos);
+    figures.push(Figure::of_samples(
+        format!("token taken by the matcher ({label})"),
+        "µs",
+        &accepted,
+    ));
+    let served = grammars
+        .compile(Shape::Json(Json {
+            schema: &readings,
+            strict: true,
+        }))
+        .unwrap();
+    let (accepted, masks2, _) = walk(&served, vocab, &eos);
+    figures.push(Figure::of_samples(
+        format!("token taken by the matcher, served schema ({label})"),
+        "µs",
+        &accepted,
+    ));
+    figures.push(Figure::of_samples(
+        format!("mask of one step, served schema ({label})"),
+        "µs",
+        &masks2,
+    ));
     figures.push(
         Figure::of_samples(format!("mask of one step ({label})"), "µs", &masks).note("computed while the step runs"),
     );
@@ -146,9 +216,10 @@ fn in_process(label: &str, tokenizer: tokenizers::Tokenizer, figures: &mut Vec<F
 }
 
 /// Walks through `grammar` from varying logits until it finishes, again and again: the time
-/// of each step's mask computation and of its application to a row, in µs.
-fn walk(grammar: &Grammar, vocab: usize, eos: &[u32]) -> (Vec<f64>, Vec<f64>) {
-    let (mut masks, mut applied) = (Vec::new(), Vec::new());
+/// of each step's token taken by the matcher, of its mask computation and of its application to
+/// a row, in µs.
+fn walk(grammar: &Grammar, vocab: usize, eos: &[u32]) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
+    let (mut accepted, mut masks, mut applied) = (Vec::new(), Vec::new(), Vec::new());
     for walk in 0..20usize {
         let (mut matcher, mut mask) = grammar.start();
         for step in 0..400usize {
@@ -159,7 +230,13 @@ fn walk(grammar: &Grammar, vocab: usize, eos: &[u32]) -> (Vec<f64>, Vec<f64>) {
             mask.apply(&mut logits);
             applied.push(started.elapsed().as_secs_f64() * 1e6);
             let next = (0..vocab).max_by(|&a, &b| logits[a].total_cmp(&logits[b])).unwrap() as u32;
-            if eos.contains(&next) || matcher.accept(next).unwrap() {
+            if eos.contains(&next) {
+                break;
+            }
+            let started = Instant::now();
+            let finished = matcher.accept(next).unwrap();
+            accepted.push(started.elapsed().as_secs_f64() * 1e6);
+            if finished {
                 break;
             }
             let started = Instant::now();
@@ -167,7 +244,7 @@ fn walk(grammar: &Grammar, vocab: usize, eos: &[u32]) -> (Vec<f64>, Vec<f64>) {
             masks.push(started.elapsed().as_secs_f64() * 1e6);
         }
     }
-    (masks, applied)
+    (accepted, masks, applied)
 }
 
 /// A decoder to serve: the fixture, and the larger one when `make bench` made it.
@@ -200,17 +277,24 @@ fn config(dir: &Path) -> String {
     )
 }
 
-/// A greedy chat of `max_tokens`, constrained by a schema that does not end, or not.
+/// More readings than `max_tokens` can hold: a constrained answer runs to `max_tokens`, as the
+/// unconstrained one does, rather than ending at `[]`.
+/// (`n`: its fewest readings less 100, so that each compilation measured is of a new schema.)
+fn readings(n: u64) -> Value {
+    let reading = json!({"type": "object", "additionalProperties": false, "required": ["id", "celsius", "note"],
+                         "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999},
+                                        "celsius": {"type": "number"},
+                                        "note": {"type": "string", "maxLength": 24}}});
+    json!({"type": "array", "items": reading, "minItems": 100 + n})
+}
+
+/// A greedy chat of `max_tokens`, constrained by [`readings`], or not.
 fn body(max_tokens: u32, constrained: bool) -> Vec<u8> {
     let mut body = json!({"model": "lm", "max_tokens": max_tokens, "temperature": 0,
                           "messages": [{"role": "user", "content": "List the readings of the sensors in the server room."}]});
     if constrained {
-        let reading = json!({"type": "object", "additionalProperties": false, "required": ["id", "celsius", "note"],
-                             "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999},
-                                            "celsius": {"type": "number"},
-                                            "note": {"type": "string", "maxLength": 24}}});
         body["response_format"] = json!({"type": "json_schema", "json_schema":
-                                         {"name": "readings", "strict": true, "schema": {"type": "array", "items": reading}}});
+                                         {"name": "readings", "strict": true, "schema": readings(0)}});
     }
     body.to_string().into_bytes()
 }
@@ -263,7 +347,7 @@ fn main() {
         tokenizers::Tokenizer::from_file(Path::new(env!("CARGO_MANIFEST_DIR")).join("models/decoder/tokenizer.json"))
             .unwrap();
     in_process("fixture", fixture, &mut figures);
-    in_process("128k vocabulary", synthetic_tokenizer(), &mut figures);
+    in_process("129k vocabulary", synthetic_tokenizer(), &mut figures);
     let scratch = Scratch::new();
     for (label, dir, max_tokens) in decoders() {
         let server = Server::vramguard(env!("CARGO_BIN_EXE_vramguard"), &scratch, label, &config(&dir));

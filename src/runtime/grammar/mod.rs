@@ -4,13 +4,14 @@
 //! that gives, before each pick, the [`Mask`] of the tokens that keep its text in the grammar
 //! (the end-of-text tokens only where the grammar may end), and says when nothing may follow.
 //!
-//! `llguidance` sees a vocabulary as the bytes each token id stands for. [`token_bytes`] reads
+//! `llguidance` sees a vocabulary as the bytes each token id stands for. `vocabulary.rs` reads
 //! them from the model's own `tokenizers::Tokenizer`: a byte-level BPE's pieces through
 //! GPT-2's byte-to-character map, SentencePiece's pieces with `▁` as a space and `<0xXX>` as
 //! that byte, and added tokens as their text, the special ones marked special, so that a
 //! grammar never spells them out: they are what the generation's text leaves out. The
 //! vocabulary and its trie are built once per model, on its first constrained request
-//! ([`Grammars`]).
+//! ([`Grammars`]), which also keeps the grammars it compiled last: a generation starts its own
+//! matcher from one (sharing its lexer's cache), so a schema sent again is not compiled again.
 //!
 //! JSON is compiled without free whitespace: `", "` between items, `": "` after keys, nothing
 //! else, so a model cannot wander in blank space until `max_tokens` and a tool call reads as
@@ -20,14 +21,18 @@
 //! [`DEEPEST`]), and so is the engine's work ([`limits`]), so that a hostile schema is refused
 //! rather than compiled for seconds.
 
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use llguidance::api::{ParserLimits, TopLevelGrammar};
-use llguidance::toktrie::{SimpleVob, TokEnv, TokRxInfo, TokTrie, TokenizerEnv};
+use llguidance::toktrie::{SimpleVob, TokEnv, TokRxInfo, TokTrie};
 use llguidance::{Matcher, ParserFactory};
 use serde_json::{Value, json};
 
 use super::chat::{TOOL_CALL_CLOSE, TOOL_CALL_OPEN};
+
+mod vocabulary;
+
+use vocabulary::{Vocabulary, token_bytes};
 
 /// A model's grammar compiler: its tokenizer and end-of-text tokens, and `llguidance`'s view
 /// of them, built on the first constrained request and kept.
@@ -35,7 +40,13 @@ pub struct Grammars {
     tokenizer: Arc<tokenizers::Tokenizer>,
     eos: Vec<u32>,
     factory: OnceLock<Result<ParserFactory, String>>,
+    /// The grammars compiled last, by their source, the most recent last: clients send the same
+    /// schema again and again, and a compilation costs about as much as a dozen tokens.
+    recent: Mutex<Vec<(String, Grammar)>>,
 }
+
+/// How many compiled grammars a model keeps for the next requests that send the same schema.
+const RECENT: usize = 16;
 
 impl std::fmt::Debug for Grammars {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -123,8 +134,14 @@ impl Mask {
         let words = self.0.as_slice();
         for (word, chunk) in logits.chunks_mut(32).enumerate() {
             let bits = words.get(word).copied().unwrap_or(0);
-            if bits == u32::MAX {
-                continue;
+            // Whole words first: a JSON grammar allows none of most of them, a string all.
+            match bits {
+                u32::MAX => continue,
+                0 => {
+                    chunk.fill(f32::NEG_INFINITY);
+                    continue;
+                }
+                _ => {}
             }
             for (bit, logit) in chunk.iter_mut().enumerate() {
                 if bits >> bit & 1 == 0 {
@@ -176,6 +193,7 @@ impl Grammars {
             tokenizer,
             eos,
             factory: OnceLock::new(),
+            recent: Mutex::default(),
         }
     }
 
@@ -198,26 +216,55 @@ impl Grammars {
                 }
             }
         }
-        let (grammar, what) = match shape {
-            Shape::Json(json) => (
-                TopLevelGrammar::from_json_schema(with_options(json.schema, json.strict)),
-                "a JSON schema".to_string(),
-            ),
-            Shape::ToolCall { tools, otherwise } => (
-                TopLevelGrammar::from_lark(tool_call_lark(tools, otherwise)),
-                format!(
-                    "a call of {}",
-                    tools.iter().map(|t| t.name).collect::<Vec<_>>().join(" or ")
-                ),
-            ),
+        // The grammar, and its whole source, which a compiled grammar is found again by.
+        let (source, grammar, what) = match shape {
+            Shape::Json(json) => {
+                let schema = with_options(json.schema, json.strict);
+                let source = schema.to_string();
+                (
+                    source,
+                    TopLevelGrammar::from_json_schema(schema),
+                    "a JSON schema".to_string(),
+                )
+            }
+            Shape::ToolCall { tools, otherwise } => {
+                let lark = tool_call_lark(tools, otherwise);
+                let names: Vec<&str> = tools.iter().map(|t| t.name).collect();
+                (
+                    lark.clone(),
+                    TopLevelGrammar::from_lark(lark),
+                    format!("a call of {}", names.join(" or ")),
+                )
+            }
         };
+        let mut recent = self
+            .recent
+            .lock()
+            .expect("no compilation panics while it holds the lock");
+        if let Some(at) = recent.iter().position(|(s, _)| *s == source) {
+            let hit = recent.remove(at);
+            let grammar = hit.1.clone();
+            recent.push(hit);
+            return Ok(grammar);
+        }
+        // Compiled outside the lock: others' requests find their own grammars meanwhile.
+        drop(recent);
         let mut start = Matcher::new(factory.create_parser(grammar));
         let first = start.compute_mask().map_err(|e| e.to_string())?;
-        Ok(Grammar {
+        let grammar = Grammar {
             start: Arc::new(start),
             first: Mask(first),
             what: what.into(),
-        })
+        };
+        let mut recent = self
+            .recent
+            .lock()
+            .expect("no compilation panics while it holds the lock");
+        if recent.len() == RECENT {
+            recent.remove(0);
+        }
+        recent.push((source, grammar.clone()));
+        Ok(grammar)
     }
 }
 
@@ -298,124 +345,6 @@ fn factory(tokenizer: &tokenizers::Tokenizer, eos: &[u32]) -> Result<ParserFacto
     Ok(factory)
 }
 
-/// A vocabulary as `llguidance` reads it.
-struct Vocabulary(TokTrie);
-
-impl TokenizerEnv for Vocabulary {
-    fn tok_trie(&self) -> &TokTrie {
-        &self.0
-    }
-
-    /// Bytes to tokens through the trie, longest match first: only what a grammar spells out
-    /// itself is tokenized here, never the prompt.
-    fn tokenize_bytes(&self, s: &[u8]) -> Vec<u32> {
-        self.0.greedy_tokenize(s)
-    }
-
-    fn tokenize_is_canonical(&self) -> bool {
-        false
-    }
-}
-
-/// How a tokenizer's pieces become text.
-#[derive(Debug, PartialEq)]
-enum Spelling {
-    /// Byte-level BPE (GPT-2, Llama 3, Qwen): each character of a piece stands for one byte.
-    ByteLevel,
-    /// SentencePiece (Llama 2, Mistral, Gemma, Phi-3): `space` stands for a space, and with
-    /// `byte_fallback`, `<0xXX>` for that byte.
-    Pieces { space: char, byte_fallback: bool },
-}
-
-/// How `tokenizer`'s decoder spells its pieces, read from its serialized form (the decoders of
-/// a sequence are not public otherwise).
-fn spelling(tokenizer: &tokenizers::Tokenizer) -> Result<Spelling, String> {
-    let decoder = tokenizer.get_decoder().ok_or("its tokenizer has no decoder")?;
-    let decoder = serde_json::to_value(decoder).map_err(|e| e.to_string())?;
-    let parts = match decoder["decoders"].as_array() {
-        Some(parts) => parts.clone(),
-        None => vec![decoder.clone()],
-    };
-    let single = |s: &Value| {
-        let mut chars = s.as_str()?.chars();
-        chars.next().filter(|_| chars.next().is_none())
-    };
-    let (mut byte_level, mut byte_fallback, mut space) = (false, false, None);
-    for part in &parts {
-        match part["type"].as_str() {
-            Some("ByteLevel") => byte_level = true,
-            Some("ByteFallback") => byte_fallback = true,
-            Some("Metaspace") => space = single(&part["replacement"]),
-            Some("Replace") if part["content"] == " " => space = single(&part["pattern"]["String"]),
-            _ => {}
-        }
-    }
-    match (byte_level, space) {
-        (true, _) => Ok(Spelling::ByteLevel),
-        (false, Some(space)) => Ok(Spelling::Pieces { space, byte_fallback }),
-        (false, None) => Err(format!(
-            "its tokenizer's decoder ({}) is neither byte-level nor SentencePiece's",
-            decoder["type"]
-        )),
-    }
-}
-
-/// GPT-2's byte-level alphabet: the character each byte is written as.
-fn byte_level_alphabet() -> std::collections::HashMap<char, u8> {
-    let printable = |b: u8| matches!(b, b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF);
-    let mut next = 0x100u32;
-    (0..=255u8)
-        .map(|b| {
-            if printable(b) {
-                (char::from(b), b)
-            } else {
-                next += 1;
-                (char::from_u32(next - 1).expect("below the surrogates"), b)
-            }
-        })
-        .collect()
-}
-
-/// The bytes each of `tokenizer`'s token ids stands for: added tokens their text (a special
-/// one marked with [`TokTrie::SPECIAL_TOKEN_MARKER`], so a grammar never produces it as
-/// text), the model's pieces as its decoder spells them. An id with no token, or a piece whose
-/// bytes cannot be told, is empty: never allowed.
-pub fn token_bytes(tokenizer: &tokenizers::Tokenizer) -> Result<Vec<Vec<u8>>, String> {
-    let spelling = spelling(tokenizer)?;
-    let alphabet = byte_level_alphabet();
-    let added = tokenizer.get_added_tokens_decoder();
-    let size = tokenizer.get_vocab(true).values().max().map_or(0, |&m| m + 1);
-    Ok((0..size)
-        .map(|id| {
-            if let Some(token) = added.get(&id) {
-                let marker = token.special.then_some(TokTrie::SPECIAL_TOKEN_MARKER);
-                return marker.into_iter().chain(token.content.bytes()).collect();
-            }
-            let Some(piece) = tokenizer.id_to_token(id) else {
-                return Vec::new();
-            };
-            match spelling {
-                Spelling::ByteLevel => piece
-                    .chars()
-                    .map(|c| alphabet.get(&c).copied())
-                    .collect::<Option<Vec<u8>>>()
-                    .unwrap_or_default(),
-                Spelling::Pieces { space, byte_fallback } => {
-                    let byte = piece
-                        .strip_prefix("<0x")
-                        .and_then(|hex| hex.strip_suffix('>'))
-                        .filter(|hex| byte_fallback && hex.len() == 2)
-                        .and_then(|hex| u8::from_str_radix(hex, 16).ok());
-                    match byte {
-                        Some(byte) => vec![byte],
-                        None => piece.replace(space, " ").into_bytes(),
-                    }
-                }
-            }
-        })
-        .collect())
-}
-
 /// A JSON schema with the options every constrained answer is compiled under (see the module's
 /// documentation); a client's own `x-guidance` options are replaced.
 fn with_options(schema: &Value, strict: bool) -> Value {
@@ -473,117 +402,11 @@ fn tool_call_lark(tools: &[Tool<'_>], otherwise: Option<Otherwise<'_>>) -> Strin
 mod tests {
     use super::*;
 
-    /// Every tokenizer of the real-model fixtures (one per family and exporter).
-    fn fixture_tokenizers() -> Vec<(String, tokenizers::Tokenizer)> {
-        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("models/real");
-        let mut found: Vec<_> = std::fs::read_dir(&root)
-            .unwrap()
-            .filter_map(|d| {
-                let path = d.ok()?.path().join("tokenizer.json");
-                path.exists().then_some(path)
-            })
-            .map(|p| (p.display().to_string(), tokenizers::Tokenizer::from_file(&p).unwrap()))
-            .collect();
-        found.sort_by(|a, b| a.0.cmp(&b.0));
-        assert!(found.len() >= 5, "the fixtures' tokenizers: {}", found.len());
-        found
-    }
-
-    /// A SentencePiece-style tokenizer as Llama 2, Mistral and Phi-3 ship theirs: `▁` for a
-    /// space, `<0xXX>` byte fallback for what the vocabulary lacks, and the decoder sequence
-    /// that strips the first space.
-    fn sentencepiece() -> tokenizers::Tokenizer {
-        let mut vocab = serde_json::Map::new();
-        for (i, t) in ["<unk>", "<s>", "</s>"].iter().enumerate() {
-            vocab.insert(t.to_string(), json!(i));
-        }
-        for b in 0..=255u32 {
-            vocab.insert(format!("<0x{b:02X}>"), json!(3 + b));
-        }
-        for piece in [
-            "▁", "{", "▁{", "\"", "a", "b", "h", "é", "hé", "l", "o", ":", "}", "1", "▁1", "▁hé", "ll", "lo",
-        ] {
-            let id = vocab.len();
-            vocab.insert(piece.to_string(), json!(id));
-        }
-        let merges = [["▁", "{"], ["▁", "1"], ["h", "é"], ["▁", "hé"], ["l", "l"], ["l", "o"]];
-        let config = json!({
-            "version": "1.0",
-            "added_tokens": [
-                {"id": 0, "content": "<unk>", "special": true, "single_word": false, "lstrip": false, "rstrip": false, "normalized": false},
-                {"id": 1, "content": "<s>", "special": true, "single_word": false, "lstrip": false, "rstrip": false, "normalized": false},
-                {"id": 2, "content": "</s>", "special": true, "single_word": false, "lstrip": false, "rstrip": false, "normalized": false},
-            ],
-            "normalizer": {"type": "Sequence", "normalizers": [
-                {"type": "Prepend", "prepend": "▁"}, {"type": "Replace", "pattern": {"String": " "}, "content": "▁"}]},
-            "pre_tokenizer": null,
-            "post_processor": null,
-            "decoder": {"type": "Sequence", "decoders": [
-                {"type": "Replace", "pattern": {"String": "▁"}, "content": " "},
-                {"type": "ByteFallback"}, {"type": "Fuse"},
-                {"type": "Strip", "content": " ", "start": 1, "stop": 0}]},
-            "model": {"type": "BPE", "dropout": null, "unk_token": "<unk>", "continuing_subword_prefix": null,
-                      "end_of_word_suffix": null, "fuse_unk": true, "byte_fallback": true, "ignore_merges": false,
-                      "vocab": vocab, "merges": merges},
-        });
-        tokenizers::Tokenizer::from_bytes(config.to_string()).unwrap()
-    }
-
-    /// Text with what a tokenizer spells in unusual ways: spaces, accents, characters several
-    /// bytes long, an emoji, JSON punctuation and a non-special added token.
-    const SAMPLE: &str = "héllo wörld {\"a\": [1, 2.5e-3, true, null]} 日本語 🎉\n\t<tool_call> done";
-
-    #[test]
-    fn each_token_s_bytes_are_what_the_fixtures_tokenizers_decode() {
-        for (path, tokenizer) in fixture_tokenizers() {
-            assert_eq!(spelling(&tokenizer).unwrap(), Spelling::ByteLevel, "{path}");
-            let words = token_bytes(&tokenizer).unwrap();
-            let ids = tokenizer.encode(SAMPLE, false).unwrap().get_ids().to_vec();
-            let bytes: Vec<u8> = ids.iter().flat_map(|&id| words[id as usize].clone()).collect();
-            assert_eq!(
-                String::from_utf8(bytes).unwrap(),
-                tokenizer.decode(&ids, true).unwrap(),
-                "{path}"
-            );
-            // The special tokens are marked, never text; `<tool_call>` (added, not special) is.
-            for name in ["<|im_end|>", "<|eot_id|>", "</s>", "<end_of_turn>", "<|end|>"] {
-                let id = tokenizer.token_to_id(name).unwrap() as usize;
-                assert_eq!(words[id][0], TokTrie::SPECIAL_TOKEN_MARKER, "{path}: {name}");
-            }
-            let call = tokenizer.token_to_id(TOOL_CALL_OPEN).unwrap() as usize;
-            assert_eq!(words[call], TOOL_CALL_OPEN.as_bytes(), "{path}");
-        }
-    }
-
-    #[test]
-    fn sentencepiece_pieces_are_spaces_and_fallback_bytes() {
-        let tokenizer = sentencepiece();
-        assert_eq!(
-            spelling(&tokenizer).unwrap(),
-            Spelling::Pieces {
-                space: '▁',
-                byte_fallback: true
-            }
-        );
-        let words = token_bytes(&tokenizer).unwrap();
-        let ids = tokenizer.encode(SAMPLE, false).unwrap().get_ids().to_vec();
-        let pieces: Vec<String> = ids.iter().map(|&id| tokenizer.id_to_token(id).unwrap()).collect();
-        assert!(
-            pieces.contains(&"▁hé".to_string()) && pieces.contains(&"<0xE6>".to_string()),
-            "{pieces:?}"
-        );
-        let bytes: Vec<u8> = ids.iter().flat_map(|&id| words[id as usize].clone()).collect();
-        // The decoder strips the space SentencePiece put before the text; each token's bytes
-        // keep theirs.
-        let decoded = tokenizer.decode(&ids, true).unwrap();
-        assert_eq!(String::from_utf8(bytes).unwrap(), format!(" {decoded}"));
-        assert_eq!(decoded, SAMPLE);
-        assert_eq!(words[2][0], TokTrie::SPECIAL_TOKEN_MARKER);
-    }
-
-    /// The first fixture's grammar compiler, its `<|endoftext|>` ending answers.
+    /// The first fixture's grammar compiler (the fixtures share one tokenizer), its
+    /// `<|endoftext|>` ending answers.
     fn grammars() -> (Grammars, Arc<tokenizers::Tokenizer>) {
-        let tokenizer = Arc::new(fixture_tokenizers().remove(0).1);
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("models/real/qwen2-optimum/tokenizer.json");
+        let tokenizer = Arc::new(tokenizers::Tokenizer::from_file(path).unwrap());
         let eos = vec![tokenizer.token_to_id("<|endoftext|>").unwrap()];
         (Grammars::new(Arc::clone(&tokenizer), eos.clone()), tokenizer)
     }
@@ -772,6 +595,43 @@ mod tests {
             })
             .unwrap_err();
         assert!(error.contains("properties"), "{error}");
+    }
+
+    #[test]
+    fn a_schema_sent_again_is_compiled_once_and_each_generation_has_its_own_matcher() {
+        let (grammars, tokenizer) = grammars();
+        let schema = json!({"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]});
+        let compile = |strict| {
+            grammars
+                .compile(Shape::Json(Json {
+                    schema: &schema,
+                    strict,
+                }))
+                .unwrap()
+        };
+        let first = compile(true);
+        assert_eq!(first, compile(true), "the same compiled grammar");
+        assert_ne!(first, compile(false), "strictness is part of the grammar");
+        // Two generations from one grammar move on independently.
+        let (mut one, _) = first.start();
+        let (mut two, _) = first.start();
+        for id in tokenizer.encode("{\"n\": 12", false).unwrap().get_ids() {
+            one.accept(*id).unwrap();
+        }
+        let close = tokenizer.token_to_id("}").unwrap();
+        assert!(one.mask().unwrap().allows(close));
+        assert!(!two.mask().unwrap().allows(close));
+        // Only the last few are kept.
+        for n in 0..RECENT {
+            let other = json!({"type": "integer", "minimum": n});
+            grammars
+                .compile(Shape::Json(Json {
+                    schema: &other,
+                    strict: true,
+                }))
+                .unwrap();
+        }
+        assert_ne!(first, compile(true), "compiled again once it was no longer recent");
     }
 
     #[test]
