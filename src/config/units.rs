@@ -64,7 +64,7 @@ pub fn parse_size(text: &str) -> Result<u64, String> {
 /// Render bytes with the largest binary unit that divides them exactly (`2GiB`, `1536MiB`).
 pub fn format_size(bytes: u64) -> String {
     for (unit, mult) in SIZE_UNITS.iter().filter(|(u, _)| u.ends_with("iB")) {
-        if bytes >= *mult && bytes % mult == 0 {
+        if bytes >= *mult && bytes.is_multiple_of(*mult) {
             return format!("{}{unit}", bytes / mult);
         }
     }
@@ -145,13 +145,13 @@ pub fn parse_duration(text: &str) -> Result<Duration, String> {
 /// Render a duration in the coarsest unit that represents it exactly.
 pub fn format_duration(d: Duration) -> String {
     let ms = d.as_millis();
-    if d.subsec_nanos() % 1_000_000 != 0 {
+    if !d.subsec_nanos().is_multiple_of(1_000_000) {
         format!("{}us", d.as_micros())
-    } else if ms % 3_600_000 == 0 && ms > 0 {
+    } else if ms.is_multiple_of(3_600_000) && ms > 0 {
         format!("{}h", ms / 3_600_000)
-    } else if ms % 60_000 == 0 && ms > 0 {
+    } else if ms.is_multiple_of(60_000) && ms > 0 {
         format!("{}m", ms / 60_000)
-    } else if ms % 1000 == 0 && ms > 0 {
+    } else if ms.is_multiple_of(1000) && ms > 0 {
         format!("{}s", ms / 1000)
     } else {
         format!("{ms}ms")

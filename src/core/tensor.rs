@@ -188,7 +188,7 @@ impl TensorData {
 
     /// Decode little-endian bytes (binary tensor data extension) as `dtype`.
     pub fn from_le_bytes(dtype: DataType, bytes: &[u8]) -> Result<TensorData, String> {
-        if bytes.len() % dtype.size() != 0 {
+        if !bytes.len().is_multiple_of(dtype.size()) {
             return Err(format!(
                 "{} bytes is not a whole number of {dtype} elements ({} bytes each)",
                 bytes.len(),

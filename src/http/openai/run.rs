@@ -152,7 +152,7 @@ pub(super) struct Usage {
 impl Usage {
     /// Count choice `index` of a job of `n` generations per prompt.
     pub(super) fn add(&mut self, n: usize, index: usize, generated: &Generated) {
-        if index % n.max(1) == 0 {
+        if index.is_multiple_of(n.max(1)) {
             self.prompt += generated.prompt_tokens;
         }
         self.completion += generated.tokens.len();

@@ -630,12 +630,20 @@ fn prompt_ids(count: usize, inputs: Vec<Tensor>) -> Result<Vec<Vec<i64>>, Backen
 
 /// `past_key_values.{layer}.{key|value}` of cache tensor `i` (layer-major, key first).
 fn past_name(i: usize) -> String {
-    format!("past_key_values.{}.{}", i / 2, if i % 2 == 0 { "key" } else { "value" })
+    format!(
+        "past_key_values.{}.{}",
+        i / 2,
+        if i.is_multiple_of(2) { "key" } else { "value" }
+    )
 }
 
 /// `present.{layer}.{key|value}` of cache tensor `i`.
 fn present_name(i: usize) -> String {
-    format!("present.{}.{}", i / 2, if i % 2 == 0 { "key" } else { "value" })
+    format!(
+        "present.{}.{}",
+        i / 2,
+        if i.is_multiple_of(2) { "key" } else { "value" }
+    )
 }
 
 /// `padding_bytes` (INT64 `[1]`): the bytes of `batch`'s masked slots, held by no sequence.
