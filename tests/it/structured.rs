@@ -295,3 +295,83 @@ async fn a_schema_the_engine_cannot_compile_is_a_400_naming_it_before_admission(
     assert_eq!(generated, 0.0, "{metrics}");
     server.stop().await;
 }
+
+/// What a choice of a combined request said: its text, why it ended, its tokens' logprobs.
+type Said = (String, String, Vec<Value>);
+
+/// The choices of `body`'s answer by index, whole or streamed (deltas joined per index).
+async fn choices(server: &TestServer, body: &Value) -> Vec<Said> {
+    let response = server.post_json("/v1/chat/completions", body).await;
+    assert_eq!(response.status(), StatusCode::OK);
+    let n = body["n"].as_u64().unwrap() as usize;
+    let mut said: Vec<Said> = vec![Default::default(); n];
+    let take = |said: &mut Said, choice: &Value, text: Option<&str>| {
+        said.0.push_str(text.unwrap_or_default());
+        if let Some(finish) = choice["finish_reason"].as_str() {
+            said.1 = finish.to_string();
+        }
+        said.2
+            .extend(choice["logprobs"]["content"].as_array().into_iter().flatten().cloned());
+    };
+    if body["stream"] == true {
+        for chunk in events(response).await {
+            for choice in chunk["choices"].as_array().into_iter().flatten() {
+                let index = choice["index"].as_u64().unwrap() as usize;
+                take(&mut said[index], choice, choice["delta"]["content"].as_str());
+            }
+        }
+    } else {
+        let answer: Value = response.json().await.unwrap();
+        for choice in answer["choices"].as_array().unwrap() {
+            let index = choice["index"].as_u64().unwrap() as usize;
+            take(&mut said[index], choice, choice["message"]["content"].as_str());
+        }
+    }
+    said
+}
+
+/// `n` choices under one schema with logprobs, whole and streamed: each choice follows the
+/// schema (its own matcher, from one prefill), carries the logprobs of exactly its tokens
+/// (joined, their bytes are its text), and the same seed gives the same choices either way.
+#[tokio::test]
+async fn n_choices_each_follow_the_schema_and_carry_their_own_logprobs() {
+    let scratch = Scratch::new();
+    let server = TestServer::start(&config(&scratch)).await;
+    let mut body = body(FOLDERS[1], &Ask::Schema(forecast(), false), 11);
+    body["n"] = json!(3);
+    body["logprobs"] = json!(true);
+    body["top_logprobs"] = json!(2);
+    let whole = choices(&server, &body).await;
+    body["stream"] = json!(true);
+    let streamed = choices(&server, &body).await;
+    assert_eq!(whole, streamed, "streamed choices are the whole answer's");
+    for (index, (text, finish, logprobs)) in whole.iter().enumerate() {
+        assert_eq!(finish, "stop", "choice {index}: {text:?}");
+        let value: Value = serde_json::from_str(text).unwrap_or_else(|e| panic!("choice {index}: {e}: {text:?}"));
+        follows(&value, &forecast()).unwrap();
+        let bytes: Vec<u8> = logprobs
+            .iter()
+            .flat_map(|t| t["bytes"].as_array().unwrap().iter().map(|b| b.as_u64().unwrap() as u8))
+            .collect();
+        assert_eq!(
+            String::from_utf8(bytes).unwrap(),
+            *text,
+            "choice {index}'s tokens are its text"
+        );
+        for token in logprobs {
+            let logprob = token["logprob"].as_f64().unwrap();
+            assert!(logprob <= 0.0, "{token}");
+            let top = token["top_logprobs"].as_array().unwrap();
+            assert!(!top.is_empty() && top.len() <= 2, "{token}");
+            // The most likely first, and none of them less likely than the token picked among them.
+            let tops: Vec<f64> = top.iter().map(|t| t["logprob"].as_f64().unwrap()).collect();
+            assert!(tops.windows(2).all(|w| w[0] >= w[1]), "{token}");
+            assert!(tops[0] >= logprob - 1e-6, "{token}");
+        }
+    }
+    assert!(
+        whole[0].0 != whole[1].0 || whole[1].0 != whole[2].0,
+        "sampled choices from seeds 11, 12, 13 are not all one answer: {whole:?}"
+    );
+    server.stop().await;
+}
