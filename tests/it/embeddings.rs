@@ -15,7 +15,8 @@ use crate::common::TestServer;
 const CONFIG: &str = "
 models:
   - {name: mean, path: models/embed/bert-mean-normalize/model.onnx}
-  - {name: cls, path: models/embed/bert-cls/model.onnx}
+  # Its tokenizer named, as a decoder's is; `mean`'s found beside its graph.
+  - {name: cls, path: models/embed/bert-cls/model.onnx, tokenizer: models/embed/bert-cls/tokenizer.json}
   - {name: encoder, path: 'builtin:encoder'}
 pools: [{name: cpu, provider: cpu, models: [mean, cls, encoder]}]
 ";
