@@ -76,8 +76,12 @@ def build(name, spec, work):
     hf = os.path.join(work, name + "-hf")
     fast = train_tokenizer(hf)
     torch.manual_seed(spec["seed"])
+    # Weights drawn wider than BERT's 0.02: with those the layers add little to each token's own
+    # embedding, and [CLS] (the same token first in every input) pools to nearly one vector for
+    # every sentence, so a cosine against the reference could not tell sentences apart.
     config = BertConfig(vocab_size=len(fast), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                        intermediate_size=64, max_position_embeddings=128, pad_token_id=fast.pad_token_id)
+                        intermediate_size=64, max_position_embeddings=128, pad_token_id=fast.pad_token_id,
+                        initializer_range=0.4)
     BertModel(config).eval().save_pretrained(hf)
     word = st.Transformer(hf, max_seq_length=64)
     pooling = st.Pooling(word.get_word_embedding_dimension(), pooling_mode=spec["pooling"])
