@@ -119,6 +119,7 @@ client-compat: $(PYCLIENTS)
 	$(PYTHON) tests/clients/triton_http.py target/debug/vramguard
 	$(PYTHON) tests/clients/openai_client.py target/debug/vramguard
 	$(PYTHON) tests/clients/structured_outputs.py target/debug/vramguard
+	$(PYTHON) tests/clients/embeddings_client.py target/debug/vramguard
 
 # The README's tour, in order, as written, against the embedded default (its Python examples use
 # the clients of $(PYCLIENTS)).
@@ -193,6 +194,7 @@ drill: build
 # requirements when missing, or taken from FIXTURE_PYTHON_OPTIMUM / FIXTURE_PYTHON_GENAI.
 FIXTURE_PYTHON_OPTIMUM ?= .deps/fixtures-venv-optimum/bin/python
 FIXTURE_PYTHON_GENAI   ?= .deps/fixtures-venv-genai/bin/python
+FIXTURE_PYTHON_EMBED   ?= .deps/fixtures-venv-embed/bin/python
 
 .deps/fixtures-venv-%/.installed: models/real/requirements-%.txt
 	rm -rf .deps/fixtures-venv-$*
@@ -200,11 +202,20 @@ FIXTURE_PYTHON_GENAI   ?= .deps/fixtures-venv-genai/bin/python
 	.deps/fixtures-venv-$*/bin/pip install --quiet --disable-pip-version-check -r $<
 	@touch $@
 
+# The embedders' venv: Optimum's pins and sentence-transformers (models/embed/make.py).
+.deps/fixtures-venv-embed/.installed: models/embed/requirements-embed.txt
+	rm -rf .deps/fixtures-venv-embed
+	$(PYTHON) -m venv .deps/fixtures-venv-embed
+	.deps/fixtures-venv-embed/bin/pip install --quiet --disable-pip-version-check -r $<
+	@touch $@
+
 fixtures:
 	@test -x "$(FIXTURE_PYTHON_OPTIMUM)" || $(MAKE) .deps/fixtures-venv-optimum/.installed
 	@test -x "$(FIXTURE_PYTHON_GENAI)" || $(MAKE) .deps/fixtures-venv-genai/.installed
+	@test -x "$(FIXTURE_PYTHON_EMBED)" || $(MAKE) .deps/fixtures-venv-embed/.installed
 	FIXTURE_PYTHON_OPTIMUM=$(FIXTURE_PYTHON_OPTIMUM) FIXTURE_PYTHON_GENAI=$(FIXTURE_PYTHON_GENAI) \
 		$(PYTHON) models/real/make.py
+	$(FIXTURE_PYTHON_EMBED) models/embed/make.py
 
 # The overhead and generation benches drive the real `vramguard serve` from a separate process, as
 # users' clients do: wrk (Debian package `wrk`) is that load generator. Not part of `make test`.

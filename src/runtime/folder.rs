@@ -122,7 +122,7 @@ impl ModelFolder {
 }
 
 /// The JSON file `name` in `folder`, or `None` when there is none.
-fn json(folder: &Path, name: &str) -> Result<Option<Value>, String> {
+pub(super) fn json(folder: &Path, name: &str) -> Result<Option<Value>, String> {
     let path = folder.join(name);
     match std::fs::read_to_string(&path) {
         Ok(text) => serde_json::from_str(&text)

@@ -5,6 +5,7 @@
 
 pub mod chat;
 pub mod decoder;
+pub mod embedder;
 pub mod estimate;
 pub mod folder;
 pub mod genai;

@@ -377,11 +377,11 @@ def run(address):
     @check("errors the server writes itself are in OpenAI's shape too")
     def _():
         try:
-            client.embeddings.create(model="tiny", input="x")
+            client.audio.speech.create(model="tiny", input="x", voice="alloy")
             raise AssertionError("an endpoint that is not served answered")
         except openai.NotFoundError as e:
             openai_shaped(e, 404, "not_found_error")
-            assert e.body["message"] == "Invalid URL (POST /v1/embeddings)", e.body
+            assert e.body["message"] == "Invalid URL (POST /v1/audio/speech)", e.body
         try:
             client.get("/chat/completions", cast_to=object)
             raise AssertionError("GET /v1/chat/completions answered")

@@ -38,18 +38,18 @@ async fn every_v1_error_has_openais_body_and_other_paths_keep_theirs() {
     let server = TestServer::start(CONFIG).await;
     let client = reqwest::Client::new();
 
-    // A path no route serves: what `client.embeddings.create` asks of a server without it.
-    let embeddings = client
-        .post(server.url("/v1/embeddings"))
-        .json(&json!({"model": "encoder", "input": "x"}))
+    // A path no route serves: what `client.audio.speech.create` asks of a server without it.
+    let speech = client
+        .post(server.url("/v1/audio/speech"))
+        .json(&json!({"model": "encoder", "input": "x", "voice": "alloy"}))
         .send()
         .await
         .unwrap();
     assert_eq!(
-        answer(embeddings).await,
+        answer(speech).await,
         (
             StatusCode::NOT_FOUND,
-            openai("Invalid URL (POST /v1/embeddings)", "not_found_error")
+            openai("Invalid URL (POST /v1/audio/speech)", "not_found_error")
         )
     );
 

@@ -1,5 +1,5 @@
-//! OpenAI-compatible text generation: `GET /v1/models[/{id}]`, `POST /v1/completions` and
-//! `POST /v1/chat/completions`, with errors in OpenAI's shape (`{"error": {"message", "type",
+//! OpenAI-compatible text generation and embeddings: `GET /v1/models[/{id}]`,
+//! `POST /v1/completions`, `POST /v1/chat/completions` and `POST /v1/embeddings`, with errors in OpenAI's shape (`{"error": {"message", "type",
 //! "param", "code"}}`), so clients built on the `openai` package work unchanged. Generation
 //! itself is [`crate::serve::generation`]; chat templates and tool calls are [`crate::runtime::chat`].
 //!
@@ -19,16 +19,19 @@
 //! answered whole (`answer`) or streamed (`stream`), both running its generations through `run`
 //! (which reads the body again for the model's fallback when the generation asks for it);
 //! `error` is OpenAI's error shape, `logprobs` the tokens' log-probabilities in OpenAI's
-//! shapes. No two of these files use each other.
+//! shapes. No two of these files use each other. `embeddings` is the embeddings endpoint,
+//! whole in its file (it uses `error` only).
 
 mod answer;
 mod chat;
+mod embeddings;
 mod error;
 mod job;
 mod logprobs;
 mod run;
 mod stream;
 
+pub use embeddings::embeddings;
 pub use error::OpenAiError;
 
 use std::sync::Arc;
@@ -47,13 +50,14 @@ use super::state::AppState;
 use crate::serve::lifecycle::{self, RequestError};
 use crate::serve::service::{ModelEntry, UNKNOWN_MODEL};
 
-/// `GET /v1/models`: the models that generate text (decoders with a tokenizer).
+/// `GET /v1/models`: the models that generate text (decoders with a tokenizer) and those that
+/// embed (sentence-transformers folders).
 pub async fn models(State(state): State<Arc<AppState>>) -> axum::Json<Value> {
     let data: Vec<Value> = state
         .service
         .models
         .iter()
-        .filter(|m| generates_text(m))
+        .filter(|m| listed(m))
         .map(model_object)
         .collect();
     axum::Json(json!({"object": "list", "data": data}))
@@ -71,10 +75,9 @@ pub async fn model(
     let service = &state.service;
     let request = request_id(&headers);
     let response = match service.model(&id) {
-        Some(entry) if generates_text(entry) => axum::Json(model_object(entry)).into_response(),
-        Some(_) => {
-            OpenAiError::model_not_found(format!("model `{id}` does not generate text"), &request).into_response()
-        }
+        Some(entry) if listed(entry) => axum::Json(model_object(entry)).into_response(),
+        Some(_) => OpenAiError::model_not_found(format!("model `{id}` does not generate text nor embed"), &request)
+            .into_response(),
         None => {
             let unknown = RequestError::unknown_model(service, &id);
             let error = OpenAiError {
@@ -87,9 +90,9 @@ pub async fn model(
     with_request_id(response, &request)
 }
 
-/// Whether a model is one of `GET /v1/models`: a decoder with a tokenizer.
-fn generates_text(entry: &ModelEntry) -> bool {
-    entry.tokenizer.is_some()
+/// Whether a model is one of `GET /v1/models`: a decoder with a tokenizer, or an embedder.
+fn listed(entry: &ModelEntry) -> bool {
+    entry.generates_text() || (entry.embedder.is_some() && entry.tokenizer.is_some())
 }
 
 /// A model as OpenAI's model object describes it.

@@ -8,6 +8,7 @@ use crate::core::model::{ModelBytes, ModelData};
 use crate::core::snapshot::Estimate;
 use crate::core::tensor::Tensor;
 use crate::runtime::decoder::{CacheHints, DecoderLayout, PrefillLogits};
+use crate::runtime::embedder::Embedder;
 use crate::runtime::estimate::learned::{Learned, Observation};
 use crate::runtime::estimate::{AxisRole, Dims, MemoryProfile, ProfileSource};
 use crate::runtime::folder::ModelFolder;
@@ -35,7 +36,7 @@ pub struct ModelEntry {
     pub bytes: ModelBytes,
     /// Its KV-cache layout, when it is a decoder with past key values.
     pub decoder: Option<DecoderLayout>,
-    /// Its tokenizer, when it is a decoder that serves text generation.
+    /// Its tokenizer, when it is a decoder that serves text generation or an embedder.
     pub tokenizer: Option<Arc<tokenizers::Tokenizer>>,
     /// Its chat template, when it serves `/v1/chat/completions`.
     pub chat: Option<Arc<crate::runtime::chat::ChatTemplate>>,
@@ -44,9 +45,17 @@ pub struct ModelEntry {
     /// What its folder says beside its graph: the token ids that end its answers (when it
     /// names none, the end tokens its tokenizer has by name do) and its sampling defaults.
     pub folder: ModelFolder,
+    /// How it embeds, when its folder is a sentence-transformers one (`modules.json` with a
+    /// Pooling module): it then serves `/v1/embeddings`.
+    pub embedder: Option<Embedder>,
 }
 
 impl ModelEntry {
+    /// Whether it serves text generation: a decoder with past key values and a tokenizer.
+    pub fn generates_text(&self) -> bool {
+        self.decoder.is_some() && self.tokenizer.is_some()
+    }
+
     /// Its smallest valid input: a decoder's first step of one token with an empty cache; the
     /// smallest size measured at start-up; else 1 along every dynamic axis. Health checks run
     /// it, and so does an idle pool giving its arena's memory back.
@@ -170,6 +179,18 @@ fn load_model(backends: &dyn BackendFactory, m: &ModelConfig) -> Result<ModelEnt
     let bytes = bytes.with_external_bytes(external.bytes);
     let (bytes, signature, decoder) = probed(backends, m, bytes, &hints)?;
     check_context(m, &signature)?;
+    let embedder = match bytes.data().folder {
+        Some(dir) => Embedder::read(dir).map_err(|e| ("path", e))?,
+        None => None,
+    };
+    if embedder.is_some() {
+        Embedder::check(&signature).map_err(|e| {
+            (
+                "path",
+                format!("`{}` has a sentence-transformers Pooling module, but {e}", m.source),
+            )
+        })?;
+    }
     if decoder.is_some() && m.context.is_some() {
         return Err((
             "context",
@@ -177,9 +198,9 @@ fn load_model(backends: &dyn BackendFactory, m: &ModelConfig) -> Result<ModelEnt
         ));
     }
     let profile = profile_of(backends, m, bytes.data(), &signature, decoder);
-    let tokenizer = tokenizer_of(m, decoder)?;
+    let tokenizer = tokenizer_of(m, decoder, embedder.is_some(), bytes.data().folder)?;
     let chat = chat_template(m).map_err(|e| ("chat_template", e))?;
-    let grammars = tokenizer.as_ref().map(|tokenizer| {
+    let grammars = tokenizer.as_ref().filter(|_| decoder.is_some()).map(|tokenizer| {
         let eos = folder.end_tokens(tokenizer);
         Arc::new(crate::runtime::grammar::Grammars::new(Arc::clone(tokenizer), eos))
     });
@@ -195,6 +216,7 @@ fn load_model(backends: &dyn BackendFactory, m: &ModelConfig) -> Result<ModelEnt
         chat,
         grammars,
         folder,
+        embedder,
     })
 }
 
@@ -341,29 +363,53 @@ fn profile_of(
     profile
 }
 
-/// Model `m`'s tokenizer, when it is configured: only a decoder with past key values can use one.
+/// Model `m`'s tokenizer: the configured one, for a decoder with past key values or an
+/// embedder; an embedder's folder's `tokenizer.json` when none is configured. An embedder's
+/// tokenizer neither truncates nor pads as its file may say: a request too long is refused or
+/// cut as the client asks, and a batch is padded to its longest.
 fn tokenizer_of(
     m: &ModelConfig,
     decoder: Option<DecoderLayout>,
+    embeds: bool,
+    dir: Option<&std::path::Path>,
 ) -> Result<Option<Arc<tokenizers::Tokenizer>>, Invalid> {
-    match (&m.tokenizer, decoder) {
-        (None, _) => Ok(None),
-        (Some(_), None) => Err((
-            "tokenizer",
-            format!(
-                "`{}` is not a decoder with past key values (inputs `input_ids`, `attention_mask`, `past_key_values.N.key/value`), so it cannot generate text",
-                m.source
-            ),
-        )),
-        (Some(source), Some(_)) => match source {
-            TokenizerSource::Builtin(model) => {
-                tokenizers::Tokenizer::from_bytes(model.tokenizer().expect("validated: it ships a tokenizer"))
-            }
-            TokenizerSource::File(path) => tokenizers::Tokenizer::from_file(path),
+    let beside = dir.map(|d| TokenizerSource::File(d.join("tokenizer.json")));
+    let source = match (&m.tokenizer, decoder, embeds) {
+        (None, _, false) => return Ok(None),
+        (Some(_), None, false) => {
+            return Err((
+                "tokenizer",
+                format!(
+                    "`{}` is not a decoder with past key values (inputs `input_ids`, `attention_mask`, `past_key_values.N.key/value`) nor a sentence-transformers folder (`modules.json`), so it cannot use a tokenizer",
+                    m.source
+                ),
+            ));
         }
-        .map(|t| Some(Arc::new(t)))
-        .map_err(|e| ("tokenizer", format!("cannot read `{source}`: {e}"))),
+        (Some(source), _, _) => source,
+        (None, _, true) => beside.as_ref().ok_or_else(|| {
+            (
+                "tokenizer",
+                format!(
+                    "`{}` embeds but has no folder to find `tokenizer.json` in; set `tokenizer`",
+                    m.source
+                ),
+            )
+        })?,
+    };
+    let mut tokenizer = match source {
+        TokenizerSource::Builtin(model) => {
+            tokenizers::Tokenizer::from_bytes(model.tokenizer().expect("validated: it ships a tokenizer"))
+        }
+        TokenizerSource::File(path) => tokenizers::Tokenizer::from_file(path),
     }
+    .map_err(|e| ("tokenizer", format!("cannot read `{source}`: {e}")))?;
+    if embeds {
+        tokenizer
+            .with_truncation(None)
+            .map_err(|e| ("tokenizer", format!("`{source}`: {e}")))?
+            .with_padding(None);
+    }
+    Ok(Some(Arc::new(tokenizer)))
 }
 
 /// The chat template of model `m`: the configured one, else the `chat_template.jinja` or the

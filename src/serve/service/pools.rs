@@ -94,7 +94,7 @@ pub(super) fn model_setups(metrics: &Metrics, models: &[ModelEntry], pool: &Pool
             priority: m.config.priority,
             min_residency: m.config.min_residency,
             weights_bytes: super::observe::weights_for(pool, m),
-            generates: m.config.tokenizer.is_some(),
+            generates: m.generates_text(),
             probe: m.probe_inputs().ok().map(Arc::new),
             bytes: m.bytes.clone(),
             metrics: metrics.residency.handles(&m.config.name, &pool.name),

@@ -1,0 +1,345 @@
+//! Sentence-transformers embedders: what a folder saved by `SentenceTransformer.save` says of
+//! how its transformer's hidden states become one vector (`modules.json`, the Pooling module's
+//! `config.json`, a Normalize module, `sentence_bert_config.json`'s `max_seq_length`), the
+//! inputs a batch of token ids runs as (padded to the longest, with its attention mask), and
+//! the pooling of the graph's `last_hidden_state` back into one vector per input.
+
+use std::path::Path;
+
+use serde_json::Value;
+
+use super::folder::json;
+use crate::core::signature::ModelSignature;
+use crate::core::tensor::{DataType, Tensor, TensorData};
+
+/// The graph output an Optimum `feature-extraction` export gives: `[batch, sequence, hidden]`.
+pub const HIDDEN_STATE: &str = "last_hidden_state";
+
+/// How the hidden states of an input's tokens become its vector.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Pooling {
+    /// The mean over the tokens the attention mask keeps.
+    Mean,
+    /// The first token's (BERT's `[CLS]`).
+    Cls,
+    /// The last token the attention mask keeps (decoder-based embedders).
+    LastToken,
+}
+
+impl Pooling {
+    /// Its name in docs and logs.
+    pub fn label(self) -> &'static str {
+        match self {
+            Pooling::Mean => "mean",
+            Pooling::Cls => "cls",
+            Pooling::LastToken => "lasttoken",
+        }
+    }
+}
+
+/// The Pooling module's keys that choose a pooling, and what each is here (`None`: refused).
+const POOLING_KEYS: [(&str, Option<Pooling>); 6] = [
+    ("pooling_mode_mean_tokens", Some(Pooling::Mean)),
+    ("pooling_mode_cls_token", Some(Pooling::Cls)),
+    ("pooling_mode_lasttoken", Some(Pooling::LastToken)),
+    ("pooling_mode_max_tokens", None),
+    ("pooling_mode_mean_sqrt_len_tokens", None),
+    ("pooling_mode_weightedmean_tokens", None),
+];
+
+/// What a sentence-transformers folder says of its embeddings.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Embedder {
+    /// How token states become one vector.
+    pub pooling: Pooling,
+    /// Whether the vector is scaled to length 1 (a Normalize module).
+    pub normalize: bool,
+    /// The most tokens an input may have: `sentence_bert_config.json`'s `max_seq_length`.
+    pub max_seq_length: Option<u64>,
+}
+
+impl Embedder {
+    /// The embedder `folder` describes, or `None` when it has no `modules.json` with a Pooling
+    /// module (it is not a sentence-transformers folder); an error names the file and the key.
+    pub fn read(folder: &Path) -> Result<Option<Embedder>, String> {
+        let Some(modules) = json(folder, "modules.json")? else {
+            return Ok(None);
+        };
+        let modules = modules
+            .as_array()
+            .ok_or_else(|| format!("{} is not a list of modules", folder.join("modules.json").display()))?;
+        let module = |kind: &str| {
+            modules
+                .iter()
+                .find(|m| m["type"].as_str().is_some_and(|t| t.ends_with(kind)))
+        };
+        let Some(pooling) = module(".Pooling") else {
+            return Ok(None);
+        };
+        let dir = folder.join(pooling["path"].as_str().unwrap_or_default());
+        let config = json(&dir, "config.json")?.ok_or_else(|| {
+            format!(
+                "{} is missing: the Pooling module's config",
+                dir.join("config.json").display()
+            )
+        })?;
+        let chosen: Vec<(&str, Option<Pooling>)> = POOLING_KEYS
+            .into_iter()
+            .filter(|(key, _)| config[*key].as_bool() == Some(true))
+            .collect();
+        let named = dir.join("config.json").display().to_string();
+        let pooling = match chosen.as_slice() {
+            [(_, Some(pooling))] => *pooling,
+            [(key, None)] => return Err(format!("{named}: `{key}` is not served (served: mean, cls, lasttoken)")),
+            [] => return Err(format!("{named}: no `pooling_mode_*` key is true")),
+            several => {
+                let keys: Vec<&str> = several.iter().map(|(k, _)| *k).collect();
+                return Err(format!(
+                    "{named}: {} are all true; one pooling is served, not their concatenation",
+                    keys.join(", ")
+                ));
+            }
+        };
+        let max_seq_length = match json(folder, "sentence_bert_config.json")? {
+            Some(config) => match &config["max_seq_length"] {
+                Value::Null => None,
+                v => Some(v.as_u64().filter(|n| *n > 0).ok_or_else(|| {
+                    format!(
+                        "{}: `max_seq_length` is {v}, not a number of tokens",
+                        folder.join("sentence_bert_config.json").display()
+                    )
+                })?),
+            },
+            None => None,
+        };
+        Ok(Some(Embedder {
+            pooling,
+            normalize: module(".Normalize").is_some(),
+            max_seq_length,
+        }))
+    }
+
+    /// Whether `signature` is a graph this embedder can run: int64 `input_ids` and
+    /// `attention_mask` (and `token_type_ids` when it takes them), nothing else, and an fp32
+    /// `last_hidden_state`; else why not.
+    pub fn check(signature: &ModelSignature) -> Result<(), String> {
+        for input in &signature.inputs {
+            match input.name.as_str() {
+                "input_ids" | "attention_mask" | "token_type_ids" if input.datatype == DataType::Int64 => {}
+                "input_ids" | "attention_mask" | "token_type_ids" => {
+                    return Err(format!(
+                        "input `{}` is {}, not INT64",
+                        input.name,
+                        input.datatype.name()
+                    ));
+                }
+                other => return Err(format!("input `{other}` is not one an embedder is given")),
+            }
+        }
+        for needed in ["input_ids", "attention_mask"] {
+            if !signature.inputs.iter().any(|i| i.name == needed) {
+                return Err(format!("it has no input `{needed}`"));
+            }
+        }
+        match signature.outputs.iter().find(|o| o.name == HIDDEN_STATE) {
+            Some(o) if o.datatype == DataType::Fp32 && o.shape.len() == 3 => Ok(()),
+            Some(o) => Err(format!(
+                "output `{HIDDEN_STATE}` is {} of rank {}, not FP32 [batch, sequence, hidden]",
+                o.datatype.name(),
+                o.shape.len()
+            )),
+            None => Err(format!(
+                "it has no output `{HIDDEN_STATE}` (export it with Optimum's `feature-extraction` task)"
+            )),
+        }
+    }
+
+    /// The inputs that run `inputs` (token ids each) as one batch: right-padded with `pad` to
+    /// the longest, with the attention mask, and `token_type_ids` (all zero) when `signature`
+    /// takes them.
+    pub fn batch(signature: &ModelSignature, inputs: &[Vec<u32>], pad: u32) -> Vec<Tensor> {
+        let longest = inputs.iter().map(Vec::len).max().unwrap_or(0);
+        let shape = vec![inputs.len() as i64, longest as i64];
+        let mut ids = Vec::with_capacity(inputs.len() * longest);
+        let mut mask = Vec::with_capacity(inputs.len() * longest);
+        for input in inputs {
+            ids.extend(input.iter().map(|&t| i64::from(t)));
+            ids.extend(std::iter::repeat_n(i64::from(pad), longest - input.len()));
+            mask.extend(std::iter::repeat_n(1i64, input.len()));
+            mask.extend(std::iter::repeat_n(0i64, longest - input.len()));
+        }
+        let tensor = |name: &str, data: Vec<i64>| Tensor {
+            name: name.into(),
+            shape: shape.clone(),
+            data: TensorData::Int64(data),
+        };
+        let mut tensors = vec![tensor("input_ids", ids), tensor("attention_mask", mask)];
+        if signature.inputs.iter().any(|i| i.name == "token_type_ids") {
+            tensors.push(tensor("token_type_ids", vec![0; inputs.len() * longest]));
+        }
+        tensors
+    }
+
+    /// One vector per input from the batch's `last_hidden_state` (`lengths`: each input's
+    /// tokens, the rest being padding), normalized when the folder says so.
+    pub fn pool(&self, hidden: &Tensor, lengths: &[usize]) -> Result<Vec<Vec<f32>>, String> {
+        let TensorData::Fp32(values) = &hidden.data else {
+            return Err(format!(
+                "`{HIDDEN_STATE}` came back as {}",
+                hidden.data.datatype().name()
+            ));
+        };
+        let [batch, sequence, size] = hidden.shape[..] else {
+            return Err(format!("`{HIDDEN_STATE}` came back of shape {:?}", hidden.shape));
+        };
+        let (sequence, size) = (sequence as usize, size as usize);
+        if batch as usize != lengths.len() || lengths.iter().any(|&n| n > sequence || n == 0) {
+            return Err(format!(
+                "`{HIDDEN_STATE}` came back of shape {:?} for {} inputs",
+                hidden.shape,
+                lengths.len()
+            ));
+        }
+        Ok(lengths
+            .iter()
+            .enumerate()
+            .map(|(row, &length)| {
+                let token = |t: usize| &values[(row * sequence + t) * size..][..size];
+                let mut vector = match self.pooling {
+                    Pooling::Cls => token(0).to_vec(),
+                    Pooling::LastToken => token(length - 1).to_vec(),
+                    Pooling::Mean => {
+                        let mut sum = vec![0f32; size];
+                        for t in 0..length {
+                            sum.iter_mut().zip(token(t)).for_each(|(s, v)| *s += v);
+                        }
+                        sum.iter_mut().for_each(|s| *s /= length as f32);
+                        sum
+                    }
+                };
+                if self.normalize {
+                    normalize(&mut vector);
+                }
+                vector
+            })
+            .collect())
+    }
+}
+
+/// Scale `vector` to length 1 (a zero vector stays zero), as sentence-transformers' Normalize
+/// module does (`torch.nn.functional.normalize`, whose epsilon keeps zero from dividing).
+pub fn normalize(vector: &mut [f32]) {
+    let length = vector.iter().map(|v| v * v).sum::<f32>().sqrt().max(1e-12);
+    vector.iter_mut().for_each(|v| *v /= length);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn hidden(batch: usize, sequence: usize, values: Vec<f32>) -> Tensor {
+        let size = values.len() / (batch * sequence);
+        Tensor {
+            name: HIDDEN_STATE.into(),
+            shape: vec![batch as i64, sequence as i64, size as i64],
+            data: TensorData::Fp32(values),
+        }
+    }
+
+    #[test]
+    fn each_pooling_reads_only_the_tokens_the_mask_keeps() {
+        // Two inputs of 2 and 3 tokens, hidden size 2; the first's third token is padding.
+        let states = hidden(2, 3, vec![1., 2., 3., 4., 100., 100., 1., 1., 2., 2., 6., 0.]);
+        let pooled = |pooling| {
+            let embedder = Embedder {
+                pooling,
+                normalize: false,
+                max_seq_length: None,
+            };
+            embedder.pool(&states, &[2, 3]).unwrap()
+        };
+        assert_eq!(pooled(Pooling::Mean), vec![vec![2., 3.], vec![3., 1.]]);
+        assert_eq!(pooled(Pooling::Cls), vec![vec![1., 2.], vec![1., 1.]]);
+        assert_eq!(pooled(Pooling::LastToken), vec![vec![3., 4.], vec![6., 0.]]);
+        let unit = Embedder {
+            pooling: Pooling::LastToken,
+            normalize: true,
+            max_seq_length: None,
+        };
+        assert_eq!(unit.pool(&states, &[2, 3]).unwrap()[1], vec![1., 0.]);
+        assert!(unit.pool(&states, &[2]).unwrap_err().contains("for 1 inputs"));
+    }
+
+    #[test]
+    fn a_batch_is_padded_to_its_longest_with_its_mask() {
+        let signature = |names: &[&str]| ModelSignature {
+            inputs: names
+                .iter()
+                .map(|n| crate::core::signature::TensorSpec {
+                    name: n.to_string(),
+                    datatype: DataType::Int64,
+                    shape: vec![-1, -1],
+                    symbols: Vec::new(),
+                })
+                .collect(),
+            outputs: Vec::new(),
+        };
+        let bert = signature(&["input_ids", "attention_mask", "token_type_ids"]);
+        let tensors = Embedder::batch(&bert, &[vec![5, 6, 7], vec![8]], 0);
+        let data: Vec<(&str, &TensorData)> = tensors.iter().map(|t| (t.name.as_str(), &t.data)).collect();
+        assert_eq!(
+            data,
+            vec![
+                ("input_ids", &TensorData::Int64(vec![5, 6, 7, 8, 0, 0])),
+                ("attention_mask", &TensorData::Int64(vec![1, 1, 1, 1, 0, 0])),
+                ("token_type_ids", &TensorData::Int64(vec![0; 6])),
+            ]
+        );
+        assert!(tensors.iter().all(|t| t.shape == vec![2, 3]));
+        let plain = signature(&["input_ids", "attention_mask"]);
+        assert_eq!(Embedder::batch(&plain, &[vec![1]], 0).len(), 2);
+    }
+
+    #[test]
+    fn a_folder_s_pooling_is_read_and_an_unserved_one_named() {
+        let dir = std::env::temp_dir().join(format!("vramguard-embedder-{}", std::process::id()));
+        let pooling = dir.join("1_Pooling");
+        std::fs::create_dir_all(&pooling).unwrap();
+        assert_eq!(Embedder::read(&dir).unwrap(), None);
+        std::fs::write(
+            dir.join("modules.json"),
+            r#"[{"path": "", "type": "sentence_transformers.models.Transformer"},
+                {"path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+                {"path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]"#,
+        )
+        .unwrap();
+        std::fs::write(dir.join("sentence_bert_config.json"), r#"{"max_seq_length": 128}"#).unwrap();
+        let config = pooling.join("config.json");
+        std::fs::write(
+            &config,
+            r#"{"pooling_mode_lasttoken": true, "pooling_mode_cls_token": false}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            Embedder::read(&dir).unwrap(),
+            Some(Embedder {
+                pooling: Pooling::LastToken,
+                normalize: true,
+                max_seq_length: Some(128)
+            })
+        );
+        std::fs::write(&config, r#"{"pooling_mode_max_tokens": true}"#).unwrap();
+        let err = Embedder::read(&dir).unwrap_err();
+        assert!(
+            err.ends_with("`pooling_mode_max_tokens` is not served (served: mean, cls, lasttoken)"),
+            "{err}"
+        );
+        std::fs::write(
+            &config,
+            r#"{"pooling_mode_mean_tokens": true, "pooling_mode_cls_token": true}"#,
+        )
+        .unwrap();
+        assert!(Embedder::read(&dir).unwrap_err().contains("not their concatenation"));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
