@@ -107,8 +107,9 @@ enum Reading {
     /// GPT-2's byte-level BPE: each character of a token stands for one byte (a token that has
     /// another character, an added token, is its UTF-8, as the decoder reads it).
     ByteLevel,
-    /// SentencePiece's pieces: `▁` is a space and, with byte fallback, `<0xNN>` is byte NN.
-    Pieces { byte_fallback: bool },
+    /// SentencePiece's pieces: `space` (`▁`, as its `Metaspace` or `Replace` decoder names it)
+    /// is a space and, with byte fallback, `<0xNN>` is byte NN.
+    Pieces { space: char, byte_fallback: bool },
     /// Anything else: the token decoded alone.
     Decoded,
 }
@@ -125,19 +126,34 @@ impl TokenBytes {
             None => vec![decoder],
         };
         let has = |kind: &str| members.iter().any(|m| m["type"] == kind);
-        let spaces = members
-            .iter()
-            .any(|m| m["type"] == "Metaspace" || (m["type"] == "Replace" && m["pattern"]["String"] == "▁"));
-        let reading = if has("ByteLevel") {
-            Reading::ByteLevel
-        } else if spaces || has("ByteFallback") {
-            Reading::Pieces {
-                byte_fallback: has("ByteFallback"),
-            }
-        } else {
-            Reading::Decoded
+        // The one character a `Metaspace` decoder (or a `Replace` of it by a space) reads as a
+        // space.
+        let single = |s: &serde_json::Value| {
+            let mut chars = s.as_str()?.chars();
+            chars.next().filter(|_| chars.next().is_none())
+        };
+        let space = members.iter().find_map(|m| match m["type"].as_str() {
+            Some("Metaspace") => single(&m["replacement"]),
+            Some("Replace") if m["content"] == " " => single(&m["pattern"]["String"]),
+            _ => None,
+        });
+        let byte_fallback = has("ByteFallback");
+        let reading = match (has("ByteLevel"), space) {
+            (true, _) => Reading::ByteLevel,
+            (false, Some(space)) => Reading::Pieces { space, byte_fallback },
+            (false, None) if byte_fallback => Reading::Pieces {
+                space: '▁',
+                byte_fallback,
+            },
+            (false, None) => Reading::Decoded,
         };
         TokenBytes { tokenizer, reading }
+    }
+
+    /// Whether every token's bytes are read from its piece (byte-level BPE or SentencePiece),
+    /// not by decoding it alone, which loses the bytes of part of a character.
+    pub fn exact(&self) -> bool {
+        !matches!(self.reading, Reading::Decoded)
     }
 
     /// The bytes token `id` stands for (none for an id the tokenizer does not have).
@@ -151,7 +167,7 @@ impl TokenBytes {
                 .map(byte_level)
                 .collect::<Option<Vec<u8>>>()
                 .unwrap_or_else(|| token.into_bytes()),
-            Reading::Pieces { byte_fallback } => {
+            Reading::Pieces { space, byte_fallback } => {
                 let byte = token
                     .strip_prefix("<0x")
                     .and_then(|t| t.strip_suffix('>'))
@@ -159,7 +175,7 @@ impl TokenBytes {
                     .and_then(|hex| u8::from_str_radix(hex, 16).ok());
                 match byte {
                     Some(byte) => vec![byte],
-                    None => token.replace('▁', " ").into_bytes(),
+                    None => token.replace(space, " ").into_bytes(),
                 }
             }
             Reading::Decoded => self.tokenizer.decode(&[id], false).unwrap_or_default().into_bytes(),

@@ -329,7 +329,7 @@ fn limits() -> ParserLimits {
 }
 
 /// `llguidance`'s view of a model's vocabulary, its end-of-text tokens among it.
-fn factory(tokenizer: &tokenizers::Tokenizer, eos: &[u32]) -> Result<ParserFactory, String> {
+fn factory(tokenizer: &Arc<tokenizers::Tokenizer>, eos: &[u32]) -> Result<ParserFactory, String> {
     let words = token_bytes(tokenizer)?;
     let size = words.len() as u32;
     let eos: Vec<u32> = eos.iter().copied().filter(|&t| t < size).collect();

@@ -3,7 +3,9 @@
 //! over them.
 
 use llguidance::toktrie::{TokTrie, TokenizerEnv};
-use serde_json::Value;
+use std::sync::Arc;
+
+use crate::runtime::text::TokenBytes;
 
 /// A vocabulary as `llguidance` reads it.
 pub(super) struct Vocabulary(pub(super) TokTrie);
@@ -24,101 +26,31 @@ impl TokenizerEnv for Vocabulary {
     }
 }
 
-/// How a tokenizer's pieces become text.
-#[derive(Debug, PartialEq)]
-enum Spelling {
-    /// Byte-level BPE (GPT-2, Llama 3, Qwen): each character of a piece stands for one byte.
-    ByteLevel,
-    /// SentencePiece (Llama 2, Mistral, Gemma, Phi-3): `space` stands for a space, and with
-    /// `byte_fallback`, `<0xXX>` for that byte.
-    Pieces { space: char, byte_fallback: bool },
-}
-
-/// How `tokenizer`'s decoder spells its pieces, read from its serialized form (the decoders of
-/// a sequence are not public otherwise).
-fn spelling(tokenizer: &tokenizers::Tokenizer) -> Result<Spelling, String> {
-    let decoder = tokenizer.get_decoder().ok_or("its tokenizer has no decoder")?;
-    let decoder = serde_json::to_value(decoder).map_err(|e| e.to_string())?;
-    let parts = match decoder["decoders"].as_array() {
-        Some(parts) => parts.clone(),
-        None => vec![decoder.clone()],
-    };
-    let single = |s: &Value| {
-        let mut chars = s.as_str()?.chars();
-        chars.next().filter(|_| chars.next().is_none())
-    };
-    let (mut byte_level, mut byte_fallback, mut space) = (false, false, None);
-    for part in &parts {
-        match part["type"].as_str() {
-            Some("ByteLevel") => byte_level = true,
-            Some("ByteFallback") => byte_fallback = true,
-            Some("Metaspace") => space = single(&part["replacement"]),
-            Some("Replace") if part["content"] == " " => space = single(&part["pattern"]["String"]),
-            _ => {}
-        }
-    }
-    match (byte_level, space) {
-        (true, _) => Ok(Spelling::ByteLevel),
-        (false, Some(space)) => Ok(Spelling::Pieces { space, byte_fallback }),
-        (false, None) => Err(format!(
-            "its tokenizer's decoder ({}) is neither byte-level nor SentencePiece's",
-            decoder["type"]
-        )),
-    }
-}
-
-/// GPT-2's byte-level alphabet: the character each byte is written as.
-fn byte_level_alphabet() -> std::collections::HashMap<char, u8> {
-    let printable = |b: u8| matches!(b, b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF);
-    let mut next = 0x100u32;
-    (0..=255u8)
-        .map(|b| {
-            if printable(b) {
-                (char::from(b), b)
-            } else {
-                next += 1;
-                (char::from_u32(next - 1).expect("below the surrogates"), b)
-            }
-        })
-        .collect()
-}
-
 /// The bytes each of `tokenizer`'s token ids stands for: added tokens their text (a special
 /// one marked with [`TokTrie::SPECIAL_TOKEN_MARKER`], so a grammar never produces it as
-/// text), the model's pieces as its decoder spells them. An id with no token, or a piece whose
-/// bytes cannot be told, is empty: never allowed.
-pub(super) fn token_bytes(tokenizer: &tokenizers::Tokenizer) -> Result<Vec<Vec<u8>>, String> {
-    let spelling = spelling(tokenizer)?;
-    let alphabet = byte_level_alphabet();
+/// text), the model's pieces as its decoder reads them ([`TokenBytes`]). An id with no token
+/// is empty: never allowed. A decoder whose pieces' bytes cannot be read exactly is refused.
+pub(super) fn token_bytes(tokenizer: &Arc<tokenizers::Tokenizer>) -> Result<Vec<Vec<u8>>, String> {
+    let pieces = TokenBytes::new(Arc::clone(tokenizer));
+    if !pieces.exact() {
+        let decoder = tokenizer
+            .get_decoder()
+            .and_then(|d| serde_json::to_value(d).ok())
+            .unwrap_or_default();
+        return Err(format!(
+            "its tokenizer's decoder ({}) is neither byte-level nor SentencePiece's",
+            decoder["type"]
+        ));
+    }
     let added = tokenizer.get_added_tokens_decoder();
     let size = tokenizer.get_vocab(true).values().max().map_or(0, |&m| m + 1);
     Ok((0..size)
-        .map(|id| {
-            if let Some(token) = added.get(&id) {
+        .map(|id| match added.get(&id) {
+            Some(token) => {
                 let marker = token.special.then_some(TokTrie::SPECIAL_TOKEN_MARKER);
-                return marker.into_iter().chain(token.content.bytes()).collect();
+                marker.into_iter().chain(token.content.bytes()).collect()
             }
-            let Some(piece) = tokenizer.id_to_token(id) else {
-                return Vec::new();
-            };
-            match spelling {
-                Spelling::ByteLevel => piece
-                    .chars()
-                    .map(|c| alphabet.get(&c).copied())
-                    .collect::<Option<Vec<u8>>>()
-                    .unwrap_or_default(),
-                Spelling::Pieces { space, byte_fallback } => {
-                    let byte = piece
-                        .strip_prefix("<0x")
-                        .and_then(|hex| hex.strip_suffix('>'))
-                        .filter(|hex| byte_fallback && hex.len() == 2)
-                        .and_then(|hex| u8::from_str_radix(hex, 16).ok());
-                    match byte {
-                        Some(byte) => vec![byte],
-                        None => piece.replace(space, " ").into_bytes(),
-                    }
-                }
-            }
+            None => pieces.bytes(id),
         })
         .collect())
 }
@@ -192,7 +124,7 @@ mod tests {
     #[test]
     fn each_token_s_bytes_are_what_the_fixtures_tokenizers_decode() {
         for (path, tokenizer) in fixture_tokenizers() {
-            assert_eq!(spelling(&tokenizer).unwrap(), Spelling::ByteLevel, "{path}");
+            let tokenizer = Arc::new(tokenizer);
             let words = token_bytes(&tokenizer).unwrap();
             let ids = tokenizer.encode(SAMPLE, false).unwrap().get_ids().to_vec();
             let bytes: Vec<u8> = ids.iter().flat_map(|&id| words[id as usize].clone()).collect();
@@ -213,14 +145,7 @@ mod tests {
 
     #[test]
     fn sentencepiece_pieces_are_spaces_and_fallback_bytes() {
-        let tokenizer = sentencepiece();
-        assert_eq!(
-            spelling(&tokenizer).unwrap(),
-            Spelling::Pieces {
-                space: '▁',
-                byte_fallback: true
-            }
-        );
+        let tokenizer = Arc::new(sentencepiece());
         let words = token_bytes(&tokenizer).unwrap();
         let ids = tokenizer.encode(SAMPLE, false).unwrap().get_ids().to_vec();
         let pieces: Vec<String> = ids.iter().map(|&id| tokenizer.id_to_token(id).unwrap()).collect();
