@@ -21,7 +21,7 @@ use crate::http::headers::{decode_headers, model_header, pool_headers, request_i
 use crate::http::state::AppState;
 use crate::protocol::headers::DECISION_HEADER;
 use crate::runtime::embedder::{Embedder, HIDDEN_STATE, normalize};
-use crate::serve::lifecycle::{self, RequestError};
+use crate::serve::lifecycle;
 use crate::serve::service::{ModelEntry, UNKNOWN_MODEL};
 
 /// A checked embeddings request: its inputs' token ids and how to answer.
@@ -240,13 +240,9 @@ fn read(state: &AppState, body: &Value, id: &str) -> Result<Job, OpenAiError> {
 /// 400 naming `model`.
 fn embedding_model<'a>(state: &'a AppState, model: &str, id: &str) -> Result<&'a ModelEntry, OpenAiError> {
     let service = &state.service;
-    let entry = service.model(model).ok_or_else(|| {
-        let error = RequestError::unknown_model(service, model);
-        OpenAiError {
-            param: Some("model"),
-            ..OpenAiError::from_request(&error, id)
-        }
-    })?;
+    let entry = service
+        .model(model)
+        .ok_or_else(|| OpenAiError::unknown_model(service, model, id))?;
     if entry.embedder.is_none() || entry.tokenizer.is_none() {
         return Err(OpenAiError::invalid(
             format!(

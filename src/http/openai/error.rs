@@ -31,6 +31,16 @@ const MODEL_NOT_FOUND: &str = "model_not_found";
 type Fields = serde_json::Map<String, serde_json::Value>;
 
 impl OpenAiError {
+    /// The 404 for a `model` no configured model is (OpenAI's `model_not_found`), naming the
+    /// models there are.
+    pub(super) fn unknown_model(service: &crate::serve::service::Service, model: &str, id: &str) -> OpenAiError {
+        let error = RequestError::unknown_model(service, model);
+        OpenAiError {
+            param: Some("model"),
+            ..OpenAiError::from_request(&error, id)
+        }
+    }
+
     /// A 400 for what the request says, naming the field at fault when one is.
     pub(super) fn invalid(message: impl Into<String>, param: Option<&'static str>) -> OpenAiError {
         OpenAiError {

@@ -10,7 +10,6 @@ use crate::http::state::AppState;
 use crate::runtime::folder::SamplingDefaults;
 use crate::runtime::grammar::Grammar;
 use crate::serve::generation::{self, Params};
-use crate::serve::lifecycle::RequestError;
 use crate::serve::service::ModelEntry;
 
 /// `stop`: one string or up to four.
@@ -453,13 +452,9 @@ fn penalties(
 /// The model named, if it generates text.
 pub(super) fn text_model<'a>(state: &'a AppState, model: &str, id: &str) -> Result<&'a ModelEntry, OpenAiError> {
     let service = &state.service;
-    let entry = service.model(model).ok_or_else(|| {
-        let error = RequestError::unknown_model(service, model);
-        OpenAiError {
-            param: Some("model"),
-            ..OpenAiError::from_request(&error, id)
-        }
-    })?;
+    let entry = service
+        .model(model)
+        .ok_or_else(|| OpenAiError::unknown_model(service, model, id))?;
     if entry.decoder.is_none() || entry.tokenizer.is_none() {
         return Err(OpenAiError::invalid(
             format!(

@@ -47,7 +47,7 @@ use tokio::time::Instant;
 use super::error::outcome_of_status;
 use super::headers::{request_id, with_request_id};
 use super::state::AppState;
-use crate::serve::lifecycle::{self, RequestError};
+use crate::serve::lifecycle;
 use crate::serve::service::{ModelEntry, UNKNOWN_MODEL};
 
 /// `GET /v1/models`: the models that generate text (decoders with a tokenizer) and those that
@@ -78,14 +78,7 @@ pub async fn model(
         Some(entry) if listed(entry) => axum::Json(model_object(entry)).into_response(),
         Some(_) => OpenAiError::model_not_found(format!("model `{id}` does not generate text nor embed"), &request)
             .into_response(),
-        None => {
-            let unknown = RequestError::unknown_model(service, &id);
-            let error = OpenAiError {
-                param: Some("model"),
-                ..OpenAiError::from_request(&unknown, &request)
-            };
-            error.into_response()
-        }
+        None => OpenAiError::unknown_model(service, &id, &request).into_response(),
     };
     with_request_id(response, &request)
 }
