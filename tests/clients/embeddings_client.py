@@ -20,14 +20,13 @@ import math
 import os
 import sys
 import tempfile
-import traceback
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, ".deps", "pyclients"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import openai  # noqa: E402
-from serving import start  # noqa: E402
+from serving import Checks, report, start  # noqa: E402
 
 EMBED = os.path.join(ROOT, "models", "embed")
 MODELS = {"mean": "bert-mean-normalize", "cls": "bert-cls"}
@@ -76,13 +75,8 @@ def near(got, want, what):
 def run(address):
     client = openai.OpenAI(base_url=f"http://{address}/v1", api_key="unused", max_retries=0, timeout=60)
     reference = json.load(open(os.path.join(EMBED, "reference.json")))["models"]
-    checks = []
-
-    def check(name):
-        def wrap(fn):
-            checks.append((name, fn))
-            return fn
-        return wrap
+    checks = Checks()
+    check = checks.check
 
     @check("the embedders are listed")
     def _():
@@ -138,18 +132,7 @@ def run(address):
         got = client.embeddings.create(model="mean", input=long, extra_body={"truncate": True})
         assert got.usage.prompt_tokens == 64, got.usage
 
-    passed = failed = 0
-    for name, fn in checks:
-        try:
-            fn()
-            print(f"PASS {name}")
-            passed += 1
-        except Exception:
-            print(f"FAIL {name}")
-            traceback.print_exc()
-            failed += 1
-    print(f"{passed} passed, {failed} failed")
-    return 1 if failed else 0
+    return report(checks)
 
 
 if __name__ == "__main__":

@@ -19,14 +19,13 @@ import json
 import os
 import sys
 import tempfile
-import traceback
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, ".deps", "pyclients"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import openai  # noqa: E402
-from serving import start  # noqa: E402
+from serving import Checks, report, start  # noqa: E402
 
 CONFIG = """
 server: {admin_socket: 'off', body_limit: 1MiB}
@@ -58,22 +57,6 @@ def main():
             proc.wait(timeout=30)
 
 
-def report(checks):
-    """Run `checks` (name, function) and print each result; 1 when any failed."""
-    passed = failed = 0
-    for name, fn in checks:
-        try:
-            fn()
-            print(f"PASS {name}")
-            passed += 1
-        except Exception:
-            print(f"FAIL {name}")
-            traceback.print_exc()
-            failed += 1
-    print(f"{passed} passed, {failed} failed")
-    return 1 if failed else 0
-
-
 def run_default(address):
     """`vramguard serve` with no config: its `tiny` chats, whole and streamed."""
     client = openai.OpenAI(base_url=f"http://{address}/v1", api_key="unused", max_retries=0, timeout=60)
@@ -100,13 +83,8 @@ def run(address):
     client = openai.OpenAI(base_url=f"http://{address}/v1", api_key="unused", max_retries=0, timeout=60)
     ref = json.load(open(os.path.join(ROOT, "models", "decoder", "reference.json")))
     cases = {c["name"]: c for c in ref["cases"]}
-    checks = []
-
-    def check(name):
-        def wrap(fn):
-            checks.append((name, fn))
-            return fn
-        return wrap
+    checks = Checks()
+    check = checks.check
 
     @check("models.list names the decoder")
     def _():

@@ -1,7 +1,9 @@
-"""Start `vramguard serve` for the client compatibility checks and wait until it serves."""
+"""Start `vramguard serve` for the client compatibility checks and wait until it serves; the
+checks' registry and their report, shared by every client script."""
 import json
 import os
 import subprocess
+import traceback
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -22,3 +24,36 @@ def start(binary, *serve_args, env=None):
         if log.get("message") == "vramguard serving":
             return proc, log["address"]
     raise RuntimeError("vramguard exited before serving")
+
+
+class Checks(list):
+    """Named checks, each added with the `@checks.check(name)` decorator, run by `run`."""
+
+    def check(self, name):
+        def wrap(fn):
+            self.append((name, fn))
+            return fn
+        return wrap
+
+    def run(self):
+        """Run every check (a failing one does not stop the rest), printing each result;
+        (passed, failed)."""
+        passed = failed = 0
+        for name, fn in self:
+            try:
+                fn()
+                print(f"PASS {name}")
+                passed += 1
+            except Exception:
+                print(f"FAIL {name}")
+                traceback.print_exc()
+                failed += 1
+        return passed, failed
+
+
+def report(checks, label=None):
+    """Run `checks` (a `Checks`, or (name, function) pairs) and print the count, after `label`
+    when given; 1 when any failed."""
+    passed, failed = Checks(checks).run()
+    print(f"{label + ': ' if label else ''}{passed} passed, {failed} failed")
+    return 1 if failed else 0

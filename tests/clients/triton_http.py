@@ -16,7 +16,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import traceback
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, ".deps", "pyclients"))
@@ -25,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import numpy as np  # noqa: E402
 import tritonclient.http as http  # noqa: E402
 from tritonclient.utils import InferenceServerException  # noqa: E402
-from serving import start  # noqa: E402
+from serving import Checks, start  # noqa: E402
 
 
 TOKEN = "triton-client-test-token"
@@ -50,13 +49,8 @@ def run(proc, address):
     client = http.InferenceServerClient(address)
     admin = {"Authorization": f"Bearer {TOKEN}"}
     ref = json.load(open(os.path.join(ROOT, "models", "reference.json")))
-    checks = []
-
-    def check(name):
-        def wrap(fn):
-            checks.append((name, fn))
-            return fn
-        return wrap
+    checks = Checks()
+    check = checks.check
 
     @check("health and readiness")
     def _():
@@ -184,15 +178,7 @@ def run(proc, address):
 
     passed = failed = 0
     try:
-        for name, fn in checks:
-            try:
-                fn()
-                passed += 1
-                print(f"ok   {name}")
-            except Exception:  # report every failing check, not just the first
-                failed += 1
-                print(f"FAIL {name}")
-                traceback.print_exc()
+        passed, failed = checks.run()
     finally:
         proc.terminate()
         code = proc.wait(timeout=30)
