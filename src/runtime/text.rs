@@ -223,6 +223,31 @@ pub(crate) mod tests {
     use super::*;
     use proptest::prelude::*;
 
+    /// A SentencePiece-style tokenizer as Llama 2, Mistral and Phi-3 ship theirs (`▁` for a
+    /// space, `<0xXX>` byte fallback for what the vocabulary lacks, and the decoder sequence
+    /// that strips the first space), of `vocab` (piece to id), `merges` and `added` tokens.
+    pub(crate) fn sentencepiece(
+        vocab: serde_json::Value,
+        merges: serde_json::Value,
+        added: serde_json::Value,
+    ) -> tokenizers::Tokenizer {
+        let json = serde_json::json!({
+            "version": "1.0", "truncation": null, "padding": null, "added_tokens": added,
+            "normalizer": {"type": "Sequence", "normalizers": [
+                {"type": "Prepend", "prepend": "▁"},
+                {"type": "Replace", "pattern": {"String": " "}, "content": "▁"}]},
+            "pre_tokenizer": null, "post_processor": null,
+            "decoder": {"type": "Sequence", "decoders": [
+                {"type": "Replace", "pattern": {"String": "▁"}, "content": " "},
+                {"type": "ByteFallback"}, {"type": "Fuse"},
+                {"type": "Strip", "content": " ", "start": 1, "stop": 0}]},
+            "model": {"type": "BPE", "dropout": null, "unk_token": "<unk>", "continuing_subword_prefix": null,
+                      "end_of_word_suffix": null, "fuse_unk": true, "byte_fallback": true, "ignore_merges": false,
+                      "vocab": vocab, "merges": merges}
+        });
+        tokenizers::Tokenizer::from_bytes(json.to_string()).expect("a SentencePiece tokenizer")
+    }
+
     /// The decoder fixture's tokenizer (a generation's text is tested with it too).
     pub(crate) fn fixture() -> Arc<tokenizers::Tokenizer> {
         let json = crate::core::model::BuiltinModel::Decoder
@@ -341,21 +366,8 @@ pub(crate) mod tests {
         for (i, piece) in ["▁", "h", "i", "▁h", "▁hi"].iter().enumerate() {
             vocab[*piece] = serde_json::json!(257 + i);
         }
-        let json = serde_json::json!({
-            "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
-            "normalizer": {"type": "Sequence", "normalizers": [
-                {"type": "Prepend", "prepend": "▁"},
-                {"type": "Replace", "pattern": {"String": " "}, "content": "▁"}]},
-            "pre_tokenizer": null, "post_processor": null,
-            "decoder": {"type": "Sequence", "decoders": [
-                {"type": "Replace", "pattern": {"String": "▁"}, "content": " "},
-                {"type": "ByteFallback"}, {"type": "Fuse"},
-                {"type": "Strip", "content": " ", "start": 1, "stop": 0}]},
-            "model": {"type": "BPE", "dropout": null, "unk_token": "<unk>", "continuing_subword_prefix": null,
-                      "end_of_word_suffix": null, "fuse_unk": true, "byte_fallback": true, "ignore_merges": false,
-                      "vocab": vocab, "merges": ["▁ h", "▁h i"]}
-        });
-        let tokenizer = Arc::new(tokenizers::Tokenizer::from_bytes(json.to_string()).unwrap());
+        let merges = serde_json::json!(["▁ h", "▁h i"]);
+        let tokenizer = Arc::new(sentencepiece(vocab, merges, serde_json::json!([])));
         let ids = tokenizer.encode("hi é", false).unwrap().get_ids().to_vec();
         assert_eq!(ids, [261, 257, 0xC3 + 1, 0xA9 + 1]);
         assert_eq!(tokenizer.decode(&ids, false).unwrap(), "hi é");

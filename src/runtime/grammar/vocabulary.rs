@@ -77,9 +77,7 @@ mod tests {
         found
     }
 
-    /// A SentencePiece-style tokenizer as Llama 2, Mistral and Phi-3 ship theirs: `▁` for a
-    /// space, `<0xXX>` byte fallback for what the vocabulary lacks, and the decoder sequence
-    /// that strips the first space.
+    /// [`crate::runtime::text::tests::sentencepiece`] with the pieces the sample text needs.
     fn sentencepiece() -> tokenizers::Tokenizer {
         let mut vocab = serde_json::Map::new();
         for (i, t) in ["<unk>", "<s>", "</s>"].iter().enumerate() {
@@ -95,26 +93,12 @@ mod tests {
             vocab.insert(piece.to_string(), json!(id));
         }
         let merges = [["▁", "{"], ["▁", "1"], ["h", "é"], ["▁", "hé"], ["l", "l"], ["l", "o"]];
-        let config = json!({
-            "version": "1.0",
-            "added_tokens": [
-                {"id": 0, "content": "<unk>", "special": true, "single_word": false, "lstrip": false, "rstrip": false, "normalized": false},
-                {"id": 1, "content": "<s>", "special": true, "single_word": false, "lstrip": false, "rstrip": false, "normalized": false},
-                {"id": 2, "content": "</s>", "special": true, "single_word": false, "lstrip": false, "rstrip": false, "normalized": false},
-            ],
-            "normalizer": {"type": "Sequence", "normalizers": [
-                {"type": "Prepend", "prepend": "▁"}, {"type": "Replace", "pattern": {"String": " "}, "content": "▁"}]},
-            "pre_tokenizer": null,
-            "post_processor": null,
-            "decoder": {"type": "Sequence", "decoders": [
-                {"type": "Replace", "pattern": {"String": "▁"}, "content": " "},
-                {"type": "ByteFallback"}, {"type": "Fuse"},
-                {"type": "Strip", "content": " ", "start": 1, "stop": 0}]},
-            "model": {"type": "BPE", "dropout": null, "unk_token": "<unk>", "continuing_subword_prefix": null,
-                      "end_of_word_suffix": null, "fuse_unk": true, "byte_fallback": true, "ignore_merges": false,
-                      "vocab": vocab, "merges": merges},
-        });
-        tokenizers::Tokenizer::from_bytes(config.to_string()).unwrap()
+        let special = |id: u32, content: &str| {
+            json!({"id": id, "content": content, "special": true, "single_word": false,
+                   "lstrip": false, "rstrip": false, "normalized": false})
+        };
+        let added = json!([special(0, "<unk>"), special(1, "<s>"), special(2, "</s>")]);
+        crate::runtime::text::tests::sentencepiece(json!(vocab), json!(merges), added)
     }
 
     /// Text with what a tokenizer spells in unusual ways: spaces, accents, characters several
