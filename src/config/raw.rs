@@ -276,9 +276,9 @@ pub struct RawModel {
     /// Memory profile; when absent it is measured at start-up.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub memory_profile: Option<RawProfile>,
-    /// A decoder's `tokenizer.json` (Hugging Face tokenizers format, relative to the config
-    /// file), or `builtin:decoder` for the bundled decoder's: with it, the model serves text
-    /// generation on `/v1/completions`.
+    /// A decoder's or embedder's `tokenizer.json` (Hugging Face tokenizers format, relative to
+    /// the config file), or `builtin:decoder` / `builtin:embedder` for a bundled model's: with
+    /// it, a decoder serves text generation on `/v1/completions`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tokenizer: Option<String>,
     /// The chat template behind `/v1/chat/completions`: `builtin:chatml`, a Jinja file, or a

@@ -68,7 +68,7 @@ fn a_builtin_tokenizer_is_one_a_builtin_model_ships() {
     );
     assert_eq!(
         check(&with("builtin:encoder")).unwrap_err().to_string(),
-        "test.yaml: models[0].tokenizer: no builtin tokenizer `encoder`; builtin tokenizers are: decoder"
+        "test.yaml: models[0].tokenizer: no builtin tokenizer `encoder`; builtin tokenizers are: decoder, embedder"
     );
 }
 

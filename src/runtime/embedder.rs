@@ -59,6 +59,15 @@ pub struct Embedder {
 }
 
 impl Embedder {
+    /// What the bundled embedder's folder (`builtin:embedder`, `models/embed/bert-mean-normalize/`)
+    /// says: the binary carries its graph and tokenizer, not the folder (a test reads the folder
+    /// and compares).
+    pub const BUNDLED: Embedder = Embedder {
+        pooling: Pooling::Mean,
+        normalize: true,
+        max_seq_length: Some(64),
+    };
+
     /// The embedder `folder` describes, or `None` when it has no `modules.json` with a Pooling
     /// module (it is not a sentence-transformers folder); an error names the file and the key.
     pub fn read(folder: &Path) -> Result<Option<Embedder>, String> {
@@ -236,6 +245,12 @@ pub fn normalize(vector: &mut [f32]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_bundled_embedder_is_what_its_folder_says() {
+        let folder = Path::new(env!("CARGO_MANIFEST_DIR")).join("models/embed/bert-mean-normalize");
+        assert_eq!(Embedder::read(&folder).unwrap(), Some(Embedder::BUNDLED));
+    }
 
     fn hidden(batch: usize, sequence: usize, values: Vec<f32>) -> Tensor {
         let size = values.len() / (batch * sequence);

@@ -125,9 +125,10 @@ fn serve_refuses_a_bad_config_before_binding() {
     assert!(stderr.contains("server: unknown field `listne`"), "{stderr}");
 }
 
-/// `make run`: the embedded default answers at once, and its first requests, which correct
-/// memory estimates, log no warning: the log is JSON lines throughout, its worker processes'
-/// included, and an estimate a run outgrew is information with both numbers.
+/// `make run`: the embedded default answers at once (chat, tensors, embeddings), and its first
+/// requests, which correct memory estimates, log no warning: the log is JSON lines throughout,
+/// its worker processes' included, and an estimate a run outgrew is information with both
+/// numbers.
 #[tokio::test]
 async fn serve_without_a_config_chats_with_tiny_at_once_and_warns_of_nothing() {
     // The admin socket in a folder of this test's own, so no other server's is in the way.
@@ -141,7 +142,7 @@ async fn serve_without_a_config_chats_with_tiny_at_once_and_warns_of_nothing() {
     let url = |p: &str| format!("http://{}{p}", server.addr);
     let models: Value = reqwest::get(url("/v1/models")).await.unwrap().json().await.unwrap();
     let ids = crate::common::model_ids(&models);
-    assert_eq!(ids, ["tiny"], "{models}");
+    assert_eq!(ids, ["tiny", "tiny-embed"], "{models}");
     let response = reqwest::Client::new()
         .post(url("/v1/chat/completions"))
         .json(&serde_json::json!({"model": "tiny", "max_tokens": 8, "temperature": 0,
@@ -167,6 +168,26 @@ async fn serve_without_a_config_chats_with_tiny_at_once_and_warns_of_nothing() {
         .await
         .unwrap();
     assert_eq!(response.status(), reqwest::StatusCode::OK);
+    // The bundled embedder, on the simulated accelerator too: one vector per input, of length 1.
+    let response = reqwest::Client::new()
+        .post(url("/v1/embeddings"))
+        .json(&serde_json::json!({"model": "tiny-embed", "input": ["The GPU is shared", "by two models"]}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), reqwest::StatusCode::OK);
+    assert_eq!(response.headers()["x-vramguard-pool"], "gpu");
+    let body: Value = response.json().await.unwrap();
+    for item in body["data"].as_array().unwrap() {
+        let norm: f64 = item["embedding"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_f64().unwrap().powi(2))
+            .sum();
+        assert!((norm - 1.0).abs() < 1e-5, "{body}");
+    }
+    assert_eq!(body["data"].as_array().unwrap().len(), 2, "{body}");
 
     sigterm(&server.child);
     assert_eq!(server.child.wait().unwrap().code(), Some(0));
@@ -342,7 +363,7 @@ fn nobody_listening() -> String {
 fn doctor_passes_on_the_embedded_default_and_says_what_is_simulated() {
     let (code, out) = doctor(&["--url", &nobody_listening()], &[]);
     assert!(
-        out.contains("ok    config       <embedded default>: valid (3 models, 2 pools, 1 device)"),
+        out.contains("ok    config       <embedded default>: valid (4 models, 2 pools, 1 device)"),
         "{out}"
     );
     assert!(out.contains("ok    onnxruntime  1.31.1 from /"), "{out}");

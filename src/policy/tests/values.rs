@@ -156,7 +156,9 @@ fn smoke_inputs_come_from_the_config_without_onnx_runtime() {
             ("encoder", "cpu", 128),
             ("classifier", "gpu", 0),
             ("classifier", "cpu", 0),
-            ("tiny", "cpu", 0)
+            ("tiny", "cpu", 0),
+            ("tiny-embed", "gpu", 0),
+            ("tiny-embed", "cpu", 0)
         ]
     );
     assert!(

@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use crate::config::{Config, ConfigError, ModelConfig, TokenizerSource};
-use crate::core::model::{ModelBytes, ModelData};
+use crate::core::model::{BuiltinModel, ModelBytes, ModelData, ModelSource};
 use crate::core::snapshot::Estimate;
 use crate::core::tensor::Tensor;
 use crate::runtime::decoder::{CacheHints, DecoderLayout, PrefillLogits};
@@ -179,9 +179,10 @@ fn load_model(backends: &dyn BackendFactory, m: &ModelConfig) -> Result<ModelEnt
     let bytes = bytes.with_external_bytes(external.bytes);
     let (bytes, signature, decoder) = probed(backends, m, bytes, &hints)?;
     check_context(m, &signature)?;
-    let embedder = match bytes.data().folder {
-        Some(dir) => Embedder::read(dir).map_err(|e| ("path", e))?,
-        None => None,
+    let embedder = match (bytes.data().folder, &m.source) {
+        (Some(dir), _) => Embedder::read(dir).map_err(|e| ("path", e))?,
+        (None, ModelSource::Builtin(BuiltinModel::Embedder)) => Some(Embedder::BUNDLED),
+        (None, _) => None,
     };
     if embedder.is_some() {
         Embedder::check(&signature).map_err(|e| {
