@@ -96,6 +96,7 @@ fn the_quick_drill_passes_against_a_server_started_with_its_config() {
             "streams",
             "non_replayable",
             "idempotency",
+            "embeddings",
             "residency",
             "background",
             "worker_lost"

@@ -562,7 +562,7 @@ fn read_infer_answer(record: &mut Record, headers: &reqwest::header::HeaderMap, 
 }
 
 /// An OpenAI-shaped error body's message.
-fn refusal(answer: &Value) -> Option<Failure> {
+pub(super) fn refusal(answer: &Value) -> Option<Failure> {
     let error = OpenAiError::deserialize(answer).ok()?;
     Some(Failure::Refused(error.error.message))
 }

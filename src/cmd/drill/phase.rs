@@ -24,6 +24,8 @@ pub enum Phase {
     NonReplayable,
     /// Client retries with idempotency keys.
     Idempotency,
+    /// Embeddings requests under pressure, after allocator failures and through a driver reset.
+    Embeddings,
     /// Three models that do not fit together, requests alternating between them, a pinned one.
     Residency,
     /// A background service's request while interactive requests wait.
@@ -34,7 +36,7 @@ pub enum Phase {
 
 impl Phase {
     /// Every phase, in the order they run.
-    pub const ALL: [Phase; 12] = [
+    pub const ALL: [Phase; 13] = [
         Phase::Baseline,
         Phase::Redirect,
         Phase::Pressure,
@@ -44,6 +46,7 @@ impl Phase {
         Phase::Streams,
         Phase::NonReplayable,
         Phase::Idempotency,
+        Phase::Embeddings,
         Phase::Residency,
         Phase::Background,
         Phase::WorkerLost,
@@ -63,6 +66,7 @@ impl Phase {
             Phase::Idempotency => "idempotency",
             Phase::Residency => "residency",
             Phase::Background => "background",
+            Phase::Embeddings => "embeddings",
             Phase::WorkerLost => "worker_lost",
         }
     }
@@ -84,6 +88,9 @@ impl Phase {
                 Some("accelerator runs fail to allocate after non-replayable requests started (fail_next, pass_first)")
             }
             Phase::Residency => Some("an external workload leaves room for two of the three dense models (pressure)"),
+            Phase::Embeddings => Some(
+                "an external workload holds 85% of the device, then allocator failures (fail_next), then a driver reset",
+            ),
             Phase::WorkerLost => Some(
                 "the accelerator's worker process is killed (SIGKILL) with work of every kind in flight (kill_worker)",
             ),

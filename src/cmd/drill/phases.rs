@@ -102,6 +102,10 @@ pub(super) async fn run(drill: &Arc<Drill>) -> Result<Facts, String> {
     drill.settle().await?;
     facts.duplicate_runs += idempotency(drill).await?;
     drill.settle().await?;
+    // Before the residency phase: its restore reloads the accelerator's resident models in the
+    // background, and a load still under way when worker_lost kills the worker fails (and logs).
+    super::embeddings::run(drill).await?;
+    drill.settle().await?;
     facts.residency = Some(super::residency::run(drill).await?);
     drill.settle().await?;
     facts.background = Some(super::background::run(drill).await?);
@@ -437,14 +441,16 @@ mod tests {
                 "streams",
                 "non_replayable",
                 "idempotency",
+                "embeddings",
                 "residency",
                 "background",
                 "worker_lost"
             ]
         );
         assert_eq!(Phase::Baseline.number(), 1);
-        assert_eq!(Phase::Background.number(), 11);
-        assert_eq!(Phase::WorkerLost.number(), 12);
+        assert_eq!(Phase::Background.number(), 12);
+        assert_eq!(Phase::Embeddings.number(), 10);
+        assert_eq!(Phase::WorkerLost.number(), 13);
         assert!(Phase::ALL.iter().all(|p| serde_json::to_value(p).unwrap() == p.label()));
     }
 }
