@@ -11,6 +11,7 @@ mod connections;
 mod counted;
 mod doc_links;
 mod drill;
+mod embedding_services;
 mod embeddings;
 mod estimates;
 mod evict;
