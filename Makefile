@@ -189,7 +189,8 @@ drill: build
 
 # `make fixtures` (not part of `make test`): models/real/, tiny LLMs of five architectures made
 # with the real exporters (Hugging Face Optimum and ONNX Runtime GenAI's builder) and their
-# references from `transformers` (models/README.md). The two exporters need separate Python
+# references from `transformers` (models/README.md); models/embed/ and models/speech/ (speech
+# clips made by espeak-ng, sox and ffmpeg, installed from Debian when missing). The two exporters need separate Python
 # environments, each with torch (several GB): they are created under .deps/ from the pinned
 # requirements when missing, or taken from FIXTURE_PYTHON_OPTIMUM / FIXTURE_PYTHON_GENAI.
 FIXTURE_PYTHON_OPTIMUM ?= .deps/fixtures-venv-optimum/bin/python
@@ -216,6 +217,10 @@ fixtures:
 	FIXTURE_PYTHON_OPTIMUM=$(FIXTURE_PYTHON_OPTIMUM) FIXTURE_PYTHON_GENAI=$(FIXTURE_PYTHON_GENAI) \
 		$(PYTHON) models/real/make.py
 	$(FIXTURE_PYTHON_EMBED) models/embed/make.py
+	@command -v espeak-ng >/dev/null && command -v sox >/dev/null && command -v ffmpeg >/dev/null || { \
+		[ -f $(APT_STAMP) ] || { $(SUDO) apt-get update -qq && touch $(APT_STAMP); }; \
+		$(SUDO) apt-get install -y -qq --no-install-recommends espeak-ng sox ffmpeg; }
+	$(FIXTURE_PYTHON_EMBED) models/speech/make.py
 
 # The overhead and generation benches drive the real `vramguard serve` from a separate process, as
 # users' clients do: wrk (Debian package `wrk`) is that load generator. Not part of `make test`.

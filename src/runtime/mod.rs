@@ -1,8 +1,9 @@
-//! Running models: ONNX Runtime sessions and their arena, decoders with past key values (and what
+//! Running models: audio decoded into a speech model's features, ONNX Runtime sessions and their arena, decoders with past key values (and what
 //! ONNX Runtime GenAI's `genai_config.json` says of them), chat templates, a generation's text as
 //! it comes, the grammars that constrain it, and what a request will need in memory. Above
 //! `core` and `config`; below devices, pools and everything that serves requests.
 
+pub mod audio;
 pub mod chat;
 pub mod decoder;
 pub mod embedder;

@@ -40,6 +40,7 @@ mod residency;
 mod simulated;
 mod simulated_policy;
 mod sizes;
+mod speech_front_end;
 mod status_page;
 mod structured;
 mod substitute;
