@@ -15,6 +15,10 @@ use crate::core::tensor::{DataType, Tensor, TensorData};
 /// The graph output an Optimum `feature-extraction` export gives: `[batch, sequence, hidden]`.
 pub const HIDDEN_STATE: &str = "last_hidden_state";
 
+/// The output the rewritten graph gives instead: one vector per input, `[batch, hidden]`,
+/// pooled and normalized as the folder says (sentence-transformers' name for it).
+pub const EMBEDDING: &str = "sentence_embedding";
+
 /// How the hidden states of an input's tokens become its vector.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Pooling {
@@ -120,13 +124,15 @@ impl Embedder {
     }
 
     /// Whether `signature` is a graph this embedder can run: int64 `input_ids` and
-    /// `attention_mask` (and `token_type_ids` when it takes them), nothing else, and an fp32
-    /// `last_hidden_state`; else why not.
+    /// `attention_mask` (and `token_type_ids` or `position_ids` when it takes them), nothing
+    /// else, and an fp32 `sentence_embedding` `[batch, hidden]` or `last_hidden_state`
+    /// `[batch, sequence, hidden]`; else why not.
     pub fn check(signature: &ModelSignature) -> Result<(), String> {
         for input in &signature.inputs {
             match input.name.as_str() {
-                "input_ids" | "attention_mask" | "token_type_ids" if input.datatype == DataType::Int64 => {}
-                "input_ids" | "attention_mask" | "token_type_ids" => {
+                "input_ids" | "attention_mask" | "token_type_ids" | "position_ids"
+                    if input.datatype == DataType::Int64 => {}
+                "input_ids" | "attention_mask" | "token_type_ids" | "position_ids" => {
                     return Err(format!(
                         "input `{}` is {}, not INT64",
                         input.name,
@@ -141,10 +147,12 @@ impl Embedder {
                 return Err(format!("it has no input `{needed}`"));
             }
         }
-        match signature.outputs.iter().find(|o| o.name == HIDDEN_STATE) {
-            Some(o) if o.datatype == DataType::Fp32 && o.shape.len() == 3 => Ok(()),
+        let output = Self::output(signature);
+        let rank = if output == EMBEDDING { 2 } else { 3 };
+        match signature.outputs.iter().find(|o| o.name == output) {
+            Some(o) if o.datatype == DataType::Fp32 && o.shape.len() == rank => Ok(()),
             Some(o) => Err(format!(
-                "output `{HIDDEN_STATE}` is {} of rank {}, not FP32 [batch, sequence, hidden]",
+                "output `{output}` is {} of rank {}, not FP32 of rank {rank}",
                 o.datatype.name(),
                 o.shape.len()
             )),
@@ -154,9 +162,26 @@ impl Embedder {
         }
     }
 
+    /// The output a run asks for: `sentence_embedding` when the graph pools, else
+    /// `last_hidden_state`.
+    pub fn output(signature: &ModelSignature) -> &'static str {
+        match signature.outputs.iter().any(|o| o.name == EMBEDDING) {
+            true => EMBEDDING,
+            false => HIDDEN_STATE,
+        }
+    }
+
+    /// The size of the vectors, when the graph declares it.
+    pub fn size(signature: &ModelSignature) -> Option<usize> {
+        let output = Self::output(signature);
+        let spec = signature.outputs.iter().find(|o| o.name == output)?;
+        usize::try_from(*spec.shape.last()?).ok()
+    }
+
     /// The inputs that run `inputs` (token ids each) as one batch: right-padded with `pad` to
-    /// the longest, with the attention mask, and `token_type_ids` (all zero) when `signature`
-    /// takes them.
+    /// the longest, with the attention mask, `token_type_ids` (all zero) when `signature` takes
+    /// them, and `position_ids` (each row's from 0, padding included: a decoder's causal
+    /// attention keeps what follows a token out of its state) when it takes those.
     pub fn batch(signature: &ModelSignature, inputs: &[Vec<u32>], pad: u32) -> Vec<Tensor> {
         let longest = inputs.iter().map(Vec::len).max().unwrap_or(0);
         let shape = vec![inputs.len() as i64, longest as i64];
@@ -173,11 +198,37 @@ impl Embedder {
             shape: shape.clone(),
             data: TensorData::Int64(data),
         };
+        let takes = |name: &str| signature.inputs.iter().any(|i| i.name == name);
         let mut tensors = vec![tensor("input_ids", ids), tensor("attention_mask", mask)];
-        if signature.inputs.iter().any(|i| i.name == "token_type_ids") {
+        if takes("token_type_ids") {
             tensors.push(tensor("token_type_ids", vec![0; inputs.len() * longest]));
         }
+        if takes("position_ids") {
+            let positions = (0..inputs.len()).flat_map(|_| 0..longest as i64).collect();
+            tensors.push(tensor("position_ids", positions));
+        }
         tensors
+    }
+
+    /// One vector per input from what the run gave: the rows of `sentence_embedding` as the
+    /// graph pooled them, or `last_hidden_state` pooled here ([`Embedder::pool`]).
+    pub fn vectors(&self, output: &Tensor, lengths: &[usize]) -> Result<Vec<Vec<f32>>, String> {
+        if output.name != EMBEDDING {
+            return self.pool(output, lengths);
+        }
+        let TensorData::Fp32(values) = &output.data else {
+            return Err(format!("`{EMBEDDING}` came back as {}", output.data.datatype().name()));
+        };
+        match output.shape[..] {
+            [batch, size] if batch as usize == lengths.len() && size > 0 => {
+                Ok(values.chunks(size as usize).map(<[f32]>::to_vec).collect())
+            }
+            _ => Err(format!(
+                "`{EMBEDDING}` came back of shape {:?} for {} inputs",
+                output.shape,
+                lengths.len()
+            )),
+        }
     }
 
     /// One vector per input from the batch's `last_hidden_state` (`lengths`: each input's
@@ -298,6 +349,13 @@ mod tests {
         assert!(tensors.iter().all(|t| t.shape == vec![2, 3]));
         let plain = signature(&["input_ids", "attention_mask"]);
         assert_eq!(Embedder::batch(&plain, &[vec![1]], 0).len(), 2);
+        // A decoder's rows each count their positions from 0.
+        let decoder = signature(&["input_ids", "attention_mask", "position_ids"]);
+        let tensors = Embedder::batch(&decoder, &[vec![5, 6, 7], vec![8]], 0);
+        assert_eq!(
+            (tensors[2].name.as_str(), &tensors[2].data),
+            ("position_ids", &TensorData::Int64(vec![0, 1, 2, 0, 1, 2]))
+        );
     }
 
     #[test]

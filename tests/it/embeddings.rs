@@ -303,6 +303,15 @@ async fn what_is_not_an_embeddings_request_is_refused_naming_the_field() {
         .await
         .unwrap();
     assert_eq!(crate::common::model_ids(&models), vec!["mean", "cls"]);
+    // The graph pools: its one output is the vectors, not every token's state.
+    for model in ["mean", "cls"] {
+        let metadata = server.model_metadata(model).await;
+        assert_eq!(
+            metadata["outputs"],
+            json!([{"name": "sentence_embedding", "datatype": "FP32", "shape": [-1, 32]}]),
+            "{model}"
+        );
+    }
     let metrics = server.metrics().await;
     let refused = crate::common::sum_samples(&metrics, |l| {
         l.starts_with("vramguard_requests_total{")

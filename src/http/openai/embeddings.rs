@@ -1,8 +1,9 @@
 //! `POST /v1/embeddings` for sentence-transformers folders ([`crate::runtime::embedder`]): the
 //! request's inputs (text, tokenized with the model's special tokens, or token ids as sent) run
 //! as one request through the lifecycle, their batch axis the number of inputs, padded to the
-//! longest; each vector pooled from `last_hidden_state` as the folder says, cut to `dimensions`
-//! (then normalized again when the model normalizes) and sent as floats or base64.
+//! longest; each vector as the graph pooled it (or pooled here from `last_hidden_state`, for a
+//! graph kept as exported), cut to `dimensions` (then normalized again when the model
+//! normalizes) and sent as floats or base64.
 
 use std::sync::Arc;
 
@@ -20,7 +21,7 @@ use crate::http::error::outcome_of_status;
 use crate::http::headers::{decode_headers, model_header, pool_headers, request_id, with_request_id};
 use crate::http::state::AppState;
 use crate::protocol::headers::DECISION_HEADER;
-use crate::runtime::embedder::{Embedder, HIDDEN_STATE, normalize};
+use crate::runtime::embedder::{Embedder, normalize};
 use crate::serve::lifecycle;
 use crate::serve::service::{ModelEntry, UNKNOWN_MODEL};
 
@@ -90,7 +91,8 @@ async fn serve(
     // The padding's id is never seen: the attention mask leaves it out of every token's
     // attention and the pooling reads only the tokens it keeps.
     request.inputs = Embedder::batch(&entry.signature, &job.inputs, 0);
-    request.outputs = vec![HIDDEN_STATE.to_string()];
+    let output = Embedder::output(&entry.signature);
+    request.outputs = vec![output.to_string()];
     // A model's fallback would need the inputs tokenized again by its own tokenizer; nothing
     // rebuilds them for it yet, so it never answers here.
     request.allow_substitute = false;
@@ -101,13 +103,13 @@ async fn serve(
         }
         error
     })?;
-    let hidden = served
+    let given = served
         .outputs
         .iter()
-        .find(|t| t.name == HIDDEN_STATE)
-        .ok_or_else(|| OpenAiError::internal(format!("the run gave no `{HIDDEN_STATE}`"), id))?;
+        .find(|t| t.name == output)
+        .ok_or_else(|| OpenAiError::internal(format!("the run gave no `{output}`"), id))?;
     let vectors = embedder
-        .pool(hidden, &lengths)
+        .vectors(given, &lengths)
         .map_err(|e| OpenAiError::internal(e, id))?;
     let data = vectors
         .into_iter()
@@ -192,12 +194,7 @@ fn read(state: &AppState, body: &Value, id: &str) -> Result<Job, OpenAiError> {
             ));
         }
     };
-    let size = entry
-        .signature
-        .outputs
-        .iter()
-        .find(|o| o.name == HIDDEN_STATE)
-        .and_then(|o| usize::try_from(o.shape[2]).ok());
+    let size = Embedder::size(&entry.signature);
     let dimensions = match &body["dimensions"] {
         Value::Null => None,
         v => match v.as_u64().filter(|n| *n > 0) {

@@ -177,12 +177,15 @@ fn load_model(backends: &dyn BackendFactory, m: &ModelConfig) -> Result<ModelEnt
         );
     }
     let bytes = bytes.with_external_bytes(external.bytes);
-    let (bytes, signature, decoder) = probed(backends, m, bytes, &hints)?;
-    check_context(m, &signature)?;
     let embedder = match bytes.data().folder {
         Some(dir) => Embedder::read(dir).map_err(|e| ("path", e))?,
         None => None,
     };
+    let (bytes, signature, decoder) = match embedder {
+        Some(embedder) => pooled(backends, m, bytes, embedder)?,
+        None => probed(backends, m, bytes, &hints)?,
+    };
+    check_context(m, &signature)?;
     if embedder.is_some() {
         Embedder::check(&signature).map_err(|e| {
             (
@@ -264,6 +267,51 @@ fn probed(
         .transpose()
         .map_err(|e| ("path", format!("`{}`: {e}", m.source)))?;
     Ok((bytes, signature, decoder))
+}
+
+/// An embedder's signature, read by one probe session. Its graph is rewritten first so that it
+/// pools (and normalizes) into `sentence_embedding` itself, and probed as rewritten: only the
+/// vectors come back from a run, and the memory profile is measured on that graph. A graph the
+/// rewrite cannot pool is probed as exported, its `last_hidden_state` pooled on the host, and
+/// the log says why.
+fn pooled(
+    backends: &dyn BackendFactory,
+    m: &ModelConfig,
+    bytes: ModelBytes,
+    embedder: Embedder,
+) -> Result<(ModelBytes, ModelSignature, Option<DecoderLayout>), Invalid> {
+    use crate::runtime::embedder::EMBEDDING;
+    let rewritten = crate::runtime::onnx::pooled_embedding(bytes.data().graph, embedder.pooling, embedder.normalize)
+        .and_then(|pooled| {
+            let data = ModelData {
+                graph: &pooled,
+                ..bytes.data()
+            };
+            let signature = backends.signature(m, data)?;
+            Embedder::check(&signature)?;
+            match Embedder::output(&signature) {
+                EMBEDDING => Ok((pooled, signature)),
+                other => Err(format!("the rewritten graph gives `{other}`, not `{EMBEDDING}`")),
+            }
+        });
+    match rewritten {
+        Ok((pooled, signature)) => {
+            tracing::info!(model = %m.name, pooling = embedder.pooling.label(), normalize = embedder.normalize,
+                "the graph pools: a run gives `{EMBEDDING}` [batch, hidden], not every token's state");
+            Ok((bytes.with_graph(pooled), signature, None))
+        }
+        Err(reason) => {
+            tracing::warn!(
+                model = %m.name,
+                %reason,
+                "the graph is run as exported: every token's state (`last_hidden_state`) comes back and is pooled on the host"
+            );
+            let signature = backends
+                .signature(m, bytes.data())
+                .map_err(|e| ("path", format!("`{}` cannot be served: {e}", m.source)))?;
+            Ok((bytes, signature, None))
+        }
+    }
 }
 
 /// A configured context axis must name an input of the model, exist in its shape and be
