@@ -178,36 +178,10 @@ impl Embedder {
         usize::try_from(*spec.shape.last()?).ok()
     }
 
-    /// The inputs that run `inputs` (token ids each) as one batch: right-padded with `pad` to
-    /// the longest, with the attention mask, `token_type_ids` (all zero) when `signature` takes
-    /// them, and `position_ids` (each row's from 0, padding included: a decoder's causal
-    /// attention keeps what follows a token out of its state) when it takes those.
+    /// The inputs that run `inputs` (token ids each) as one batch: [`text_batch`] with every
+    /// token of type 0.
     pub fn batch(signature: &ModelSignature, inputs: &[Vec<u32>], pad: u32) -> Vec<Tensor> {
-        let longest = inputs.iter().map(Vec::len).max().unwrap_or(0);
-        let shape = vec![inputs.len() as i64, longest as i64];
-        let mut ids = Vec::with_capacity(inputs.len() * longest);
-        let mut mask = Vec::with_capacity(inputs.len() * longest);
-        for input in inputs {
-            ids.extend(input.iter().map(|&t| i64::from(t)));
-            ids.extend(std::iter::repeat_n(i64::from(pad), longest - input.len()));
-            mask.extend(std::iter::repeat_n(1i64, input.len()));
-            mask.extend(std::iter::repeat_n(0i64, longest - input.len()));
-        }
-        let tensor = |name: &str, data: Vec<i64>| Tensor {
-            name: name.into(),
-            shape: shape.clone(),
-            data: TensorData::Int64(data),
-        };
-        let takes = |name: &str| signature.inputs.iter().any(|i| i.name == name);
-        let mut tensors = vec![tensor("input_ids", ids), tensor("attention_mask", mask)];
-        if takes("token_type_ids") {
-            tensors.push(tensor("token_type_ids", vec![0; inputs.len() * longest]));
-        }
-        if takes("position_ids") {
-            let positions = (0..inputs.len()).flat_map(|_| 0..longest as i64).collect();
-            tensors.push(tensor("position_ids", positions));
-        }
-        tensors
+        text_batch(signature, inputs, None, pad)
     }
 
     /// One vector per input from what the run gave: the rows of `sentence_embedding` as the
@@ -275,6 +249,56 @@ impl Embedder {
             })
             .collect())
     }
+}
+
+/// The inputs that run `inputs` (token ids each) through a text encoder as one batch:
+/// right-padded with `pad` to the longest, with the attention mask, `token_type_ids` when
+/// `signature` takes them (each token's type as `types` gives it, a pair's second text 1; all
+/// zero without), and `position_ids` (each row's from 0, padding included: a decoder's causal
+/// attention keeps what follows a token out of its state) when it takes those.
+pub fn text_batch(
+    signature: &ModelSignature,
+    inputs: &[Vec<u32>],
+    types: Option<&[Vec<u32>]>,
+    pad: u32,
+) -> Vec<Tensor> {
+    let longest = inputs.iter().map(Vec::len).max().unwrap_or(0);
+    let shape = vec![inputs.len() as i64, longest as i64];
+    let padded = |rows: &mut dyn Iterator<Item = (&[u32], i64)>| -> Vec<i64> {
+        let mut out = Vec::with_capacity(inputs.len() * longest);
+        for (row, fill) in rows {
+            out.extend(row.iter().map(|&t| i64::from(t)));
+            out.extend(std::iter::repeat_n(fill, longest - row.len()));
+        }
+        out
+    };
+    let ones: Vec<Vec<u32>> = inputs.iter().map(|i| vec![1; i.len()]).collect();
+    let tensor = |name: &str, data: Vec<i64>| Tensor {
+        name: name.into(),
+        shape: shape.clone(),
+        data: TensorData::Int64(data),
+    };
+    let takes = |name: &str| signature.inputs.iter().any(|i| i.name == name);
+    let mut tensors = vec![
+        tensor(
+            "input_ids",
+            padded(&mut inputs.iter().map(|i| (i.as_slice(), i64::from(pad)))),
+        ),
+        tensor("attention_mask", padded(&mut ones.iter().map(|i| (i.as_slice(), 0)))),
+    ];
+    if takes("token_type_ids") {
+        let zeros: Vec<Vec<u32>> = inputs.iter().map(|i| vec![0; i.len()]).collect();
+        let types = types.unwrap_or(&zeros);
+        tensors.push(tensor(
+            "token_type_ids",
+            padded(&mut types.iter().map(|t| (t.as_slice(), 0))),
+        ));
+    }
+    if takes("position_ids") {
+        let positions = (0..inputs.len()).flat_map(|_| 0..longest as i64).collect();
+        tensors.push(tensor("position_ids", positions));
+    }
+    tensors
 }
 
 /// Scale `vector` to length 1 (a zero vector stays zero), as sentence-transformers' Normalize
@@ -349,6 +373,10 @@ mod tests {
         assert!(tensors.iter().all(|t| t.shape == vec![2, 3]));
         let plain = signature(&["input_ids", "attention_mask"]);
         assert_eq!(Embedder::batch(&plain, &[vec![1]], 0).len(), 2);
+        // A pair's second text is of type 1, and its padding of type 0.
+        let types = [vec![0, 0, 1], vec![0]];
+        let tensors = text_batch(&bert, &[vec![5, 6, 7], vec![8]], Some(&types), 0);
+        assert_eq!(tensors[2].data, TensorData::Int64(vec![0, 0, 1, 0, 0, 0]));
         // A decoder's rows each count their positions from 0.
         let decoder = signature(&["input_ids", "attention_mask", "position_ids"]);
         let tensors = Embedder::batch(&decoder, &[vec![5, 6, 7], vec![8]], 0);

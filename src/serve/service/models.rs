@@ -14,6 +14,7 @@ use crate::runtime::estimate::{AxisRole, Dims, MemoryProfile, ProfileSource};
 use crate::runtime::folder::ModelFolder;
 use crate::runtime::onnx::ModelSignature;
 use crate::runtime::onnx::facts;
+use crate::runtime::reranker::Reranker;
 use crate::telemetry::inference_stats::InferenceStats;
 
 use super::BackendFactory;
@@ -48,6 +49,9 @@ pub struct ModelEntry {
     /// How it embeds, when its folder is a sentence-transformers one (`modules.json` with a
     /// Pooling module): it then serves `/v1/embeddings`.
     pub embedder: Option<Embedder>,
+    /// How it scores a query and a document, when its folder is a cross-encoder's (one-label
+    /// sequence classification): it then serves `/v1/rerank`.
+    pub reranker: Option<Reranker>,
 }
 
 impl ModelEntry {
@@ -194,6 +198,21 @@ fn load_model(backends: &dyn BackendFactory, m: &ModelConfig) -> Result<ModelEnt
             )
         })?;
     }
+    let reranker = match (bytes.data().folder, embedder) {
+        (Some(dir), None) => Reranker::read(dir).map_err(|e| ("path", e))?,
+        _ => None,
+    };
+    if reranker.is_some() {
+        Reranker::check(&signature).map_err(|e| {
+            (
+                "path",
+                format!(
+                    "`{}`'s config.json is a one-label sequence classifier (a cross-encoder), but {e}",
+                    m.source
+                ),
+            )
+        })?;
+    }
     if decoder.is_some() && m.context.is_some() {
         return Err((
             "context",
@@ -201,7 +220,8 @@ fn load_model(backends: &dyn BackendFactory, m: &ModelConfig) -> Result<ModelEnt
         ));
     }
     let profile = profile_of(backends, m, bytes.data(), &signature, decoder);
-    let tokenizer = tokenizer_of(m, decoder, embedder.is_some(), bytes.data().folder)?;
+    let reads_text = embedder.is_some() || reranker.is_some();
+    let tokenizer = tokenizer_of(m, decoder, reads_text, bytes.data().folder)?;
     let chat = chat_template(m).map_err(|e| ("chat_template", e))?;
     let grammars = tokenizer.as_ref().filter(|_| decoder.is_some()).map(|tokenizer| {
         let eos = folder.end_tokens(tokenizer);
@@ -220,6 +240,7 @@ fn load_model(backends: &dyn BackendFactory, m: &ModelConfig) -> Result<ModelEnt
         grammars,
         folder,
         embedder,
+        reranker,
     })
 }
 
@@ -411,10 +432,11 @@ fn profile_of(
     profile
 }
 
-/// Model `m`'s tokenizer: the configured one, for a decoder with past key values or an
-/// embedder; an embedder's folder's `tokenizer.json` when none is configured. An embedder's
-/// tokenizer neither truncates nor pads as its file may say: a request too long is refused or
-/// cut as the client asks, and a batch is padded to its longest.
+/// Model `m`'s tokenizer: the configured one, for a decoder with past key values, an embedder
+/// or a cross-encoder (which `embeds` covers: models that encode text); the folder's
+/// `tokenizer.json` for the last two when none is configured. Their tokenizer neither truncates
+/// nor pads as its file may say: a request too long is refused or cut as the client asks, and a
+/// batch is padded to its longest.
 fn tokenizer_of(
     m: &ModelConfig,
     decoder: Option<DecoderLayout>,
@@ -428,7 +450,7 @@ fn tokenizer_of(
             return Err((
                 "tokenizer",
                 format!(
-                    "`{}` is not a decoder with past key values (inputs `input_ids`, `attention_mask`, `past_key_values.N.key/value`) nor a sentence-transformers folder (`modules.json`), so it cannot use a tokenizer",
+                    "`{}` is not a decoder with past key values (inputs `input_ids`, `attention_mask`, `past_key_values.N.key/value`), a sentence-transformers folder (`modules.json`) nor a cross-encoder's (`config.json` of a one-label sequence classifier), so it cannot use a tokenizer",
                     m.source
                 ),
             ));
@@ -438,7 +460,7 @@ fn tokenizer_of(
             (
                 "tokenizer",
                 format!(
-                    "`{}` embeds but has no folder to find `tokenizer.json` in; set `tokenizer`",
+                    "`{}` embeds or reranks but has no folder to find `tokenizer.json` in; set `tokenizer`",
                     m.source
                 ),
             )
