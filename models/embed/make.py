@@ -1,17 +1,25 @@
 #!/usr/bin/env python3
 """Embedding fixtures for `POST /v1/embeddings`, made with the real tools users run.
 
-Two sentence-transformers folders built from random weights (no hub): a tiny BERT with a
-WordPiece tokenizer whose vocabulary is the most frequent words of models/decoder_corpus.txt, then
+Sentence-transformers folders built from random weights (no hub): a tiny BERT with a
+WordPiece tokenizer whose vocabulary is the most frequent words of models/decoder_corpus.txt,
+and a tiny Qwen3 with a byte-level BPE tokenizer whose merges are learnt here from that corpus
+(the Qwen3-Embedding layout: <|endoftext|> appended to each input, padding on the left), then
 
   bert-mean-normalize/  Transformer -> Pooling(mean) -> Normalize
   bert-cls/             Transformer -> Pooling(cls)
+  qwen3-lasttoken/      Transformer -> Pooling(lasttoken) -> Normalize
+
+and a cross-encoder for `POST /v1/rerank`: the BERT with one logit (sequence classification),
+
+  bert-cross-encoder/   saved by `CrossEncoder.save`, exported by Optimum's `text-classification`
 
 each saved by `SentenceTransformer.save`, its transformer exported by Hugging Face Optimum
 (`optimum.exporters.onnx.main_export`, task `feature-extraction`, library `transformers`:
 output `last_hidden_state`) into the same folder as `model.onnx`, and `reference.json`: what
 `SentenceTransformer.encode` gives for each folder's sentences (the reference the tests compare
-the server with).
+the server with), and for the cross-encoder what `CrossEncoder.predict` and `rank` give for
+each query against the sentences (`rerankers`).
 
 Run with a venv of requirements-embed.txt (the Optimum venv of models/real, plus
 sentence-transformers):
@@ -36,9 +44,20 @@ SENTENCES = [
 ]
 
 FOLDERS = {
-    "bert-mean-normalize": {"pooling": "mean", "normalize": True, "seed": 11},
-    "bert-cls": {"pooling": "cls", "normalize": False, "seed": 12},
+    "bert-mean-normalize": {"arch": "bert", "pooling": "mean", "normalize": True, "seed": 11},
+    "bert-cls": {"arch": "bert", "pooling": "cls", "normalize": False, "seed": 12},
+    # The Qwen3-Embedding layout: a decoder, its tokenizer appending <|endoftext|> to every
+    # input and padding on the left, the last token's state pooled and normalized.
+    "qwen3-lasttoken": {"arch": "qwen3", "pooling": "lasttoken", "normalize": True, "seed": 13},
 }
+
+# Queries for the cross-encoder, each scored against every sentence above.
+QUERIES = [
+    "Which model shares the GPU?",
+    "what happens when the queue is full",
+]
+
+RERANKERS = ["bert-cross-encoder"]
 
 
 def train_tokenizer(out):
@@ -69,20 +88,83 @@ def train_tokenizer(out):
     return fast
 
 
-def build(name, spec, work):
+def train_bpe(out):
+    """A byte-level BPE tokenizer in Qwen's layout, its merges learnt here from the corpus (ties
+    broken by the pair, so every run learns the same), appending <|endoftext|> to each input as
+    Qwen3-Embedding's tokenizer does, and padding on the left as its tokenizer_config says."""
+    import collections
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    with open(CORPUS) as f:
+        text = f.read()
+    pre = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    words = collections.Counter(w for w, _ in pre.pre_tokenize_str(text))
+    vocab = sorted(pre_tokenizers.ByteLevel.alphabet())
+    splits = {w: list(w) for w in words}
+    merges = []
+    while len(vocab) < 500:
+        pairs = collections.Counter()
+        for w, n in words.items():
+            for pair in zip(splits[w], splits[w][1:]):
+                pairs[pair] += n
+        if not pairs:
+            break
+        (a, b), _ = min(pairs.items(), key=lambda kv: (-kv[1], kv[0]))
+        merges.append((a, b))
+        vocab.append(a + b)
+        for w, parts in splits.items():
+            merged, i = [], 0
+            while i < len(parts):
+                if parts[i] == a and i + 1 < len(parts) and parts[i + 1] == b:
+                    merged.append(a + b)
+                    i += 2
+                else:
+                    merged.append(parts[i])
+                    i += 1
+            splits[w] = merged
+    tok = Tokenizer(models.BPE({t: i for i, t in enumerate(vocab)}, merges))
+    tok.pre_tokenizer = pre
+    tok.decoder = decoders.ByteLevel()
+    eos = "<|endoftext|>"
+    tok.add_special_tokens([eos, "<|im_start|>", "<|im_end|>"])
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"$A:0 {eos}:0", pair=f"$A:0 {eos}:0 $B:1 {eos}:1", special_tokens=[(eos, tok.token_to_id(eos))])
+    from transformers import PreTrainedTokenizerFast
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos, pad_token=eos, padding_side="left",
+                                   model_max_length=128)
+    fast.save_pretrained(out)
+    return fast
+
+
+def transformer(arch, hf, seed):
+    """A tiny `arch` model of random weights saved to `hf` with its tokenizer; the tokenizer.
+
+    Weights drawn wider than BERT's 0.02: with those the layers add little to each token's own
+    embedding, and [CLS] (the same token first in every input) pools to nearly one vector for
+    every sentence, so a cosine against the reference could not tell sentences apart; the
+    decoder's last token (<|endoftext|> in every input) would be the same."""
     import torch
-    from transformers import BertConfig, BertModel
-    from sentence_transformers import SentenceTransformer, models as st
-    hf = os.path.join(work, name + "-hf")
-    fast = train_tokenizer(hf)
-    torch.manual_seed(spec["seed"])
-    # Weights drawn wider than BERT's 0.02: with those the layers add little to each token's own
-    # embedding, and [CLS] (the same token first in every input) pools to nearly one vector for
-    # every sentence, so a cosine against the reference could not tell sentences apart.
-    config = BertConfig(vocab_size=len(fast), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+    if arch == "bert":
+        from transformers import BertConfig as Config, BertModel as Model
+        fast = train_tokenizer(hf)
+        config = Config(vocab_size=len(fast), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                         intermediate_size=64, max_position_embeddings=128, pad_token_id=fast.pad_token_id,
                         initializer_range=0.4)
-    BertModel(config).eval().save_pretrained(hf)
+    else:
+        from transformers import Qwen3Config as Config, Qwen3Model as Model
+        fast = train_bpe(hf)
+        config = Config(vocab_size=len(fast), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=8, intermediate_size=64, max_position_embeddings=128,
+                        pad_token_id=fast.pad_token_id, eos_token_id=fast.eos_token_id, initializer_range=0.4,
+                        tie_word_embeddings=True)
+    torch.manual_seed(seed)
+    Model(config).eval().save_pretrained(hf)
+    return fast
+
+
+def build(name, spec, work):
+    from sentence_transformers import SentenceTransformer, models as st
+    hf = os.path.join(work, name + "-hf")
+    fast = transformer(spec["arch"], hf, spec["seed"])
     word = st.Transformer(hf, max_seq_length=64)
     pooling = st.Pooling(word.get_word_embedding_dimension(), pooling_mode=spec["pooling"])
     modules = [word, pooling] + ([st.Normalize()] if spec["normalize"] else [])
@@ -95,11 +177,7 @@ def build(name, spec, work):
     shutil.rmtree(onnx_dir, ignore_errors=True)
     main_export(hf, onnx_dir, task="feature-extraction", library_name="transformers", do_validation=False)
     shutil.copy(os.path.join(onnx_dir, "model.onnx"), os.path.join(out, "model.onnx"))
-    # The weights are in model.onnx: the safetensors copy sentence-transformers saved is not needed.
-    # Nor is the model card it writes (it names the versions and the date).
-    for f in os.listdir(out):
-        if f.endswith(".safetensors") or f == "README.md":
-            os.remove(os.path.join(out, f))
+    strip(out)
     emb = model.encode(SENTENCES, convert_to_numpy=True, batch_size=len(SENTENCES))
     alone = [model.encode([s], convert_to_numpy=True)[0] for s in SENTENCES]
     ids = [fast(s)["input_ids"] for s in SENTENCES]
@@ -109,19 +187,75 @@ def build(name, spec, work):
                       for s, i, e, a in zip(SENTENCES, ids, emb, alone)]}
 
 
+def strip(out):
+    """The weights are in model.onnx: the safetensors copy sentence-transformers saved is not
+    needed. Nor is the model card it writes (it names the versions and the date)."""
+    for f in os.listdir(out):
+        if f.endswith(".safetensors") or f == "README.md":
+            os.remove(os.path.join(out, f))
+
+
+def build_cross_encoder(name, work):
+    """A tiny BERT with one logit (sequence classification) saved by `CrossEncoder.save`,
+    exported by Optimum's `text-classification` (output `logits` [batch, 1]); its reference is
+    `CrossEncoder.predict`'s scores with its default activation (Sigmoid for one label, which
+    `save` writes into config.json as `sentence_transformers.activation_fn`), for each query
+    against every sentence, all at once and each pair alone."""
+    import torch
+    from transformers import BertConfig, BertForSequenceClassification
+    from sentence_transformers import CrossEncoder
+    hf = os.path.join(work, name + "-hf")
+    fast = train_tokenizer(hf)
+    config = BertConfig(vocab_size=len(fast), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=64, max_position_embeddings=128, pad_token_id=fast.pad_token_id,
+                        initializer_range=0.4, num_labels=1)
+    torch.manual_seed(14)
+    model = BertForSequenceClassification(config).eval()
+    # The classifier drawn narrower than the layers, so that the logits stay where a sigmoid
+    # still tells them apart (with 0.4 they run to tens and every score rounds to 0 or 1).
+    torch.nn.init.normal_(model.classifier.weight, std=0.05)
+    model.save_pretrained(hf)
+    cross = CrossEncoder(hf, device="cpu")
+    out = os.path.join(HERE, name)
+    shutil.rmtree(out, ignore_errors=True)
+    cross.save(out)
+    from optimum.exporters.onnx import main_export
+    onnx_dir = os.path.join(work, name + "-onnx")
+    main_export(hf, onnx_dir, task="text-classification", library_name="transformers", do_validation=False)
+    shutil.copy(os.path.join(onnx_dir, "model.onnx"), os.path.join(out, "model.onnx"))
+    strip(out)
+    cases = []
+    for query in QUERIES:
+        pairs = [(query, d) for d in SENTENCES]
+        scores = cross.predict(pairs, batch_size=len(pairs), convert_to_numpy=True)
+        alone = [float(cross.predict([p], convert_to_numpy=True)[0]) for p in pairs]
+        ranked = cross.rank(query, SENTENCES)
+        cases.append({"query": query, "documents": SENTENCES, "scores": [float(x) for x in scores],
+                      "alone": alone, "order": [r["corpus_id"] for r in ranked],
+                      "ids": [fast(query, d)["input_ids"] for d in SENTENCES],
+                      "token_type_ids": [fast(query, d)["token_type_ids"] for d in SENTENCES]})
+    # A pair longer than the model's 128 positions, which `predict` cuts (`longest_first`).
+    long = (QUERIES[0], "the server defers the request " * 40)
+    truncated = {"query": long[0], "document": long[1], "score": float(cross.predict([long])[0]),
+                 "ids": fast(*long, truncation=True)["input_ids"]}
+    return {"activation": type(cross.activation_fn).__name__, "cases": cases, "truncated": truncated}
+
+
 def main():
     import torch
     torch.set_num_threads(1)
     work = os.path.join(HERE, ".work")
     os.makedirs(work, exist_ok=True)
-    ref = {"tool": "sentence-transformers", "models": {}}
+    ref = {"tool": "sentence-transformers", "models": {}, "rerankers": {}}
     for name, spec in FOLDERS.items():
         ref["models"][name] = build(name, spec, work)
+    for name in RERANKERS:
+        ref["rerankers"][name] = build_cross_encoder(name, work)
     with open(os.path.join(HERE, "reference.json"), "w") as f:
         json.dump(ref, f, indent=1)
     shutil.rmtree(work)
     sizes = {n: sum(os.path.getsize(os.path.join(dp, f)) for dp, _, fs in os.walk(os.path.join(HERE, n)) for f in fs)
-             for n in FOLDERS}
+             for n in list(FOLDERS) + RERANKERS}
     print("sizes (KB):", {k: v // 1024 for k, v in sizes.items()})
 
 

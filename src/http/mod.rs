@@ -53,6 +53,7 @@ pub fn app(state: Arc<AppState>) -> Router {
         .route("/v1/completions", post(openai::completions))
         .route("/v1/chat/completions", post(openai::chat_completions))
         .route("/v1/embeddings", post(openai::embeddings))
+        .route("/v1/rerank", post(openai::rerank))
         .merge(triton::routes())
         .merge(admin::tcp_routes(&state))
         .route("/metrics", get(metrics))
@@ -201,7 +202,10 @@ impl conn::Refusals for CountedRefusals {
 /// The model an inference or generation request for `path` names (`""` for OpenAI's
 /// endpoints, whose model is in the body), or `None` for any other path.
 fn inference_model(path: &str) -> Option<&str> {
-    if matches!(path, "/v1/completions" | "/v1/chat/completions" | "/v1/embeddings") {
+    if matches!(
+        path,
+        "/v1/completions" | "/v1/chat/completions" | "/v1/embeddings" | "/v1/rerank"
+    ) {
         return Some(crate::serve::service::UNKNOWN_MODEL);
     }
     let rest = path.strip_prefix("/v2/models/")?;
@@ -222,6 +226,7 @@ mod tests {
         assert_eq!(inference_model("/v1/chat/completions"), Some(""));
         assert_eq!(inference_model("/v1/completions"), Some(""));
         assert_eq!(inference_model("/v1/embeddings"), Some(""));
+        assert_eq!(inference_model("/v1/rerank"), Some(""));
         for other in [
             "/v2/models/encoder",
             "/v2/models/encoder/ready",

@@ -15,6 +15,10 @@ use crate::core::tensor::{DataType, Tensor, TensorData};
 /// The graph output an Optimum `feature-extraction` export gives: `[batch, sequence, hidden]`.
 pub const HIDDEN_STATE: &str = "last_hidden_state";
 
+/// The output the rewritten graph gives instead: one vector per input, `[batch, hidden]`,
+/// pooled and normalized as the folder says (sentence-transformers' name for it).
+pub const EMBEDDING: &str = "sentence_embedding";
+
 /// How the hidden states of an input's tokens become its vector.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Pooling {
@@ -129,13 +133,15 @@ impl Embedder {
     }
 
     /// Whether `signature` is a graph this embedder can run: int64 `input_ids` and
-    /// `attention_mask` (and `token_type_ids` when it takes them), nothing else, and an fp32
-    /// `last_hidden_state`; else why not.
+    /// `attention_mask` (and `token_type_ids` or `position_ids` when it takes them), nothing
+    /// else, and an fp32 `sentence_embedding` `[batch, hidden]` or `last_hidden_state`
+    /// `[batch, sequence, hidden]`; else why not.
     pub fn check(signature: &ModelSignature) -> Result<(), String> {
         for input in &signature.inputs {
             match input.name.as_str() {
-                "input_ids" | "attention_mask" | "token_type_ids" if input.datatype == DataType::Int64 => {}
-                "input_ids" | "attention_mask" | "token_type_ids" => {
+                "input_ids" | "attention_mask" | "token_type_ids" | "position_ids"
+                    if input.datatype == DataType::Int64 => {}
+                "input_ids" | "attention_mask" | "token_type_ids" | "position_ids" => {
                     return Err(format!(
                         "input `{}` is {}, not INT64",
                         input.name,
@@ -150,10 +156,12 @@ impl Embedder {
                 return Err(format!("it has no input `{needed}`"));
             }
         }
-        match signature.outputs.iter().find(|o| o.name == HIDDEN_STATE) {
-            Some(o) if o.datatype == DataType::Fp32 && o.shape.len() == 3 => Ok(()),
+        let output = Self::output(signature);
+        let rank = if output == EMBEDDING { 2 } else { 3 };
+        match signature.outputs.iter().find(|o| o.name == output) {
+            Some(o) if o.datatype == DataType::Fp32 && o.shape.len() == rank => Ok(()),
             Some(o) => Err(format!(
-                "output `{HIDDEN_STATE}` is {} of rank {}, not FP32 [batch, sequence, hidden]",
+                "output `{output}` is {} of rank {}, not FP32 of rank {rank}",
                 o.datatype.name(),
                 o.shape.len()
             )),
@@ -163,30 +171,47 @@ impl Embedder {
         }
     }
 
-    /// The inputs that run `inputs` (token ids each) as one batch: right-padded with `pad` to
-    /// the longest, with the attention mask, and `token_type_ids` (all zero) when `signature`
-    /// takes them.
+    /// The output a run asks for: `sentence_embedding` when the graph pools, else
+    /// `last_hidden_state`.
+    pub fn output(signature: &ModelSignature) -> &'static str {
+        match signature.outputs.iter().any(|o| o.name == EMBEDDING) {
+            true => EMBEDDING,
+            false => HIDDEN_STATE,
+        }
+    }
+
+    /// The size of the vectors, when the graph declares it.
+    pub fn size(signature: &ModelSignature) -> Option<usize> {
+        let output = Self::output(signature);
+        let spec = signature.outputs.iter().find(|o| o.name == output)?;
+        usize::try_from(*spec.shape.last()?).ok()
+    }
+
+    /// The inputs that run `inputs` (token ids each) as one batch: [`text_batch`] with every
+    /// token of type 0.
     pub fn batch(signature: &ModelSignature, inputs: &[Vec<u32>], pad: u32) -> Vec<Tensor> {
-        let longest = inputs.iter().map(Vec::len).max().unwrap_or(0);
-        let shape = vec![inputs.len() as i64, longest as i64];
-        let mut ids = Vec::with_capacity(inputs.len() * longest);
-        let mut mask = Vec::with_capacity(inputs.len() * longest);
-        for input in inputs {
-            ids.extend(input.iter().map(|&t| i64::from(t)));
-            ids.extend(std::iter::repeat_n(i64::from(pad), longest - input.len()));
-            mask.extend(std::iter::repeat_n(1i64, input.len()));
-            mask.extend(std::iter::repeat_n(0i64, longest - input.len()));
+        text_batch(signature, inputs, None, pad)
+    }
+
+    /// One vector per input from what the run gave: the rows of `sentence_embedding` as the
+    /// graph pooled them, or `last_hidden_state` pooled here ([`Embedder::pool`]).
+    pub fn vectors(&self, output: &Tensor, lengths: &[usize]) -> Result<Vec<Vec<f32>>, String> {
+        if output.name != EMBEDDING {
+            return self.pool(output, lengths);
         }
-        let tensor = |name: &str, data: Vec<i64>| Tensor {
-            name: name.into(),
-            shape: shape.clone(),
-            data: TensorData::Int64(data),
+        let TensorData::Fp32(values) = &output.data else {
+            return Err(format!("`{EMBEDDING}` came back as {}", output.data.datatype().name()));
         };
-        let mut tensors = vec![tensor("input_ids", ids), tensor("attention_mask", mask)];
-        if signature.inputs.iter().any(|i| i.name == "token_type_ids") {
-            tensors.push(tensor("token_type_ids", vec![0; inputs.len() * longest]));
+        match output.shape[..] {
+            [batch, size] if batch as usize == lengths.len() && size > 0 => {
+                Ok(values.chunks(size as usize).map(<[f32]>::to_vec).collect())
+            }
+            _ => Err(format!(
+                "`{EMBEDDING}` came back of shape {:?} for {} inputs",
+                output.shape,
+                lengths.len()
+            )),
         }
-        tensors
     }
 
     /// One vector per input from the batch's `last_hidden_state` (`lengths`: each input's
@@ -233,6 +258,56 @@ impl Embedder {
             })
             .collect())
     }
+}
+
+/// The inputs that run `inputs` (token ids each) through a text encoder as one batch:
+/// right-padded with `pad` to the longest, with the attention mask, `token_type_ids` when
+/// `signature` takes them (each token's type as `types` gives it, a pair's second text 1; all
+/// zero without), and `position_ids` (each row's from 0, padding included: a decoder's causal
+/// attention keeps what follows a token out of its state) when it takes those.
+pub fn text_batch(
+    signature: &ModelSignature,
+    inputs: &[Vec<u32>],
+    types: Option<&[Vec<u32>]>,
+    pad: u32,
+) -> Vec<Tensor> {
+    let longest = inputs.iter().map(Vec::len).max().unwrap_or(0);
+    let shape = vec![inputs.len() as i64, longest as i64];
+    let padded = |rows: &mut dyn Iterator<Item = (&[u32], i64)>| -> Vec<i64> {
+        let mut out = Vec::with_capacity(inputs.len() * longest);
+        for (row, fill) in rows {
+            out.extend(row.iter().map(|&t| i64::from(t)));
+            out.extend(std::iter::repeat_n(fill, longest - row.len()));
+        }
+        out
+    };
+    let ones: Vec<Vec<u32>> = inputs.iter().map(|i| vec![1; i.len()]).collect();
+    let tensor = |name: &str, data: Vec<i64>| Tensor {
+        name: name.into(),
+        shape: shape.clone(),
+        data: TensorData::Int64(data),
+    };
+    let takes = |name: &str| signature.inputs.iter().any(|i| i.name == name);
+    let mut tensors = vec![
+        tensor(
+            "input_ids",
+            padded(&mut inputs.iter().map(|i| (i.as_slice(), i64::from(pad)))),
+        ),
+        tensor("attention_mask", padded(&mut ones.iter().map(|i| (i.as_slice(), 0)))),
+    ];
+    if takes("token_type_ids") {
+        let zeros: Vec<Vec<u32>> = inputs.iter().map(|i| vec![0; i.len()]).collect();
+        let types = types.unwrap_or(&zeros);
+        tensors.push(tensor(
+            "token_type_ids",
+            padded(&mut types.iter().map(|t| (t.as_slice(), 0))),
+        ));
+    }
+    if takes("position_ids") {
+        let positions = (0..inputs.len()).flat_map(|_| 0..longest as i64).collect();
+        tensors.push(tensor("position_ids", positions));
+    }
+    tensors
 }
 
 /// Scale `vector` to length 1 (a zero vector stays zero), as sentence-transformers' Normalize
@@ -313,6 +388,17 @@ mod tests {
         assert!(tensors.iter().all(|t| t.shape == vec![2, 3]));
         let plain = signature(&["input_ids", "attention_mask"]);
         assert_eq!(Embedder::batch(&plain, &[vec![1]], 0).len(), 2);
+        // A pair's second text is of type 1, and its padding of type 0.
+        let types = [vec![0, 0, 1], vec![0]];
+        let tensors = text_batch(&bert, &[vec![5, 6, 7], vec![8]], Some(&types), 0);
+        assert_eq!(tensors[2].data, TensorData::Int64(vec![0, 0, 1, 0, 0, 0]));
+        // A decoder's rows each count their positions from 0.
+        let decoder = signature(&["input_ids", "attention_mask", "position_ids"]);
+        let tensors = Embedder::batch(&decoder, &[vec![5, 6, 7], vec![8]], 0);
+        assert_eq!(
+            (tensors[2].name.as_str(), &tensors[2].data),
+            ("position_ids", &TensorData::Int64(vec![0, 1, 2, 0, 1, 2]))
+        );
     }
 
     #[test]

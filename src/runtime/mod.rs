@@ -12,4 +12,5 @@ pub mod folder;
 pub mod genai;
 pub mod grammar;
 pub mod onnx;
+pub mod reranker;
 pub mod text;

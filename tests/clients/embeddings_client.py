@@ -2,7 +2,8 @@
 """`POST /v1/embeddings` through OpenAI's own Python client (the `openai` package), unchanged.
 
 Starts `vramguard serve` (path in argv[1]) with the sentence-transformers folders of
-models/embed/ (`mean`: bert-mean-normalize, `cls`: bert-cls), then for each: `embeddings.create`
+models/embed/ (`mean`: bert-mean-normalize, `cls`: bert-cls, `qwen3`: qwen3-lasttoken, a
+decoder whose last token is pooled), then for each: `embeddings.create`
 on each sentence alone, on all of them in one request, on their token ids, and on all of them
 at once from concurrent requests, as the client asks by default (base64, which it decodes) and
 as floats; every vector against what `SentenceTransformer.encode` gave on the same folder
@@ -29,15 +30,16 @@ import openai  # noqa: E402
 from serving import Checks, report, start  # noqa: E402
 
 EMBED = os.path.join(ROOT, "models", "embed")
-MODELS = {"mean": "bert-mean-normalize", "cls": "bert-cls"}
+MODELS = {"mean": "bert-mean-normalize", "cls": "bert-cls", "qwen3": "qwen3-lasttoken"}
 
 CONFIG = """
 server: {admin_socket: 'off'}
 models:
   - {name: mean, path: %(embed)s/bert-mean-normalize/model.onnx}
   - {name: cls, path: %(embed)s/bert-cls/model.onnx}
+  - {name: qwen3, path: %(embed)s/qwen3-lasttoken/model.onnx}
 pools:
-  - {name: cpu, provider: cpu, models: [mean, cls]}
+  - {name: cpu, provider: cpu, models: [mean, cls, qwen3]}
 """
 
 
@@ -80,7 +82,7 @@ def run(address):
 
     @check("the embedders are listed")
     def _():
-        assert [m.id for m in client.models.list()] == ["mean", "cls"]
+        assert [m.id for m in client.models.list()] == list(MODELS)
 
     for model, folder in MODELS.items():
         cases = reference[folder]["cases"]

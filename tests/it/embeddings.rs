@@ -1,5 +1,6 @@
 //! `POST /v1/embeddings` on the sentence-transformers folders of `models/embed/` (a tiny BERT
-//! from random weights, exported by Optimum's `feature-extraction`; `make.py` made them): every
+//! and a tiny Qwen3 from random weights, exported by Optimum's `feature-extraction`; `make.py`
+//! made them): every
 //! vector equals what `SentenceTransformer.encode` gave on the same folder (`reference.json`),
 //! each input alone and all of them in one request (padding changes no answer), in every input
 //! form, as floats and as base64, cut to `dimensions`; and what is refused is refused naming
@@ -17,8 +18,10 @@ models:
   - {name: mean, path: models/embed/bert-mean-normalize/model.onnx}
   # Its tokenizer named, as a decoder's is; `mean`'s found beside its graph.
   - {name: cls, path: models/embed/bert-cls/model.onnx, tokenizer: models/embed/bert-cls/tokenizer.json}
+  # A decoder (Qwen3's layout) taking `position_ids`, its last token pooled.
+  - {name: qwen3, path: models/embed/qwen3-lasttoken/model.onnx}
   - {name: encoder, path: 'builtin:encoder'}
-pools: [{name: cpu, provider: cpu, models: [mean, cls, encoder]}]
+pools: [{name: cpu, provider: cpu, models: [mean, cls, qwen3, encoder]}]
 ";
 
 /// The folders' references: model name as served → its reference (`cases` of `input`, `ids`,
@@ -29,6 +32,7 @@ fn reference() -> Vec<(&'static str, Value)> {
     vec![
         ("mean", all["models"]["bert-mean-normalize"].clone()),
         ("cls", all["models"]["bert-cls"].clone()),
+        ("qwen3", all["models"]["qwen3-lasttoken"].clone()),
     ]
 }
 
@@ -302,7 +306,16 @@ async fn what_is_not_an_embeddings_request_is_refused_naming_the_field() {
         .json()
         .await
         .unwrap();
-    assert_eq!(crate::common::model_ids(&models), vec!["mean", "cls"]);
+    assert_eq!(crate::common::model_ids(&models), vec!["mean", "cls", "qwen3"]);
+    // The graph pools: its one output is the vectors, not every token's state.
+    for model in ["mean", "cls", "qwen3"] {
+        let metadata = server.model_metadata(model).await;
+        assert_eq!(
+            metadata["outputs"],
+            json!([{"name": "sentence_embedding", "datatype": "FP32", "shape": [-1, 32]}]),
+            "{model}"
+        );
+    }
     let metrics = server.metrics().await;
     let refused = crate::common::sum_samples(&metrics, |l| {
         l.starts_with("vramguard_requests_total{")

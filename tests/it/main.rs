@@ -36,6 +36,7 @@ mod prometheus;
 mod real_models;
 mod real_sampling;
 mod remote;
+mod rerank;
 mod residency;
 mod simulated;
 mod simulated_policy;

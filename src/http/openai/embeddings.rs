@@ -1,28 +1,27 @@
 //! `POST /v1/embeddings` for sentence-transformers folders ([`crate::runtime::embedder`]): the
 //! request's inputs (text, tokenized with the model's special tokens, or token ids as sent) run
 //! as one request through the lifecycle, their batch axis the number of inputs, padded to the
-//! longest; each vector pooled from `last_hidden_state` as the folder says, cut to `dimensions`
-//! (then normalized again when the model normalizes) and sent as floats or base64.
+//! longest; each vector as the graph pooled it (or pooled here from `last_hidden_state`, for a
+//! graph kept as exported), cut to `dimensions` (then normalized again when the model
+//! normalizes) and sent as floats or base64.
 
 use std::sync::Arc;
 
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::extract::rejection::BytesRejection;
-use axum::http::{HeaderMap, HeaderName, HeaderValue};
+use axum::http::HeaderMap;
 use axum::response::{IntoResponse, Response};
 use base64::Engine;
 use serde_json::{Value, json};
 use tokio::time::Instant;
 
+use super::encode;
 use super::error::OpenAiError;
-use crate::http::error::outcome_of_status;
-use crate::http::headers::{decode_headers, model_header, pool_headers, request_id, with_request_id};
+use crate::http::headers::{request_id, with_request_id};
 use crate::http::state::AppState;
-use crate::protocol::headers::DECISION_HEADER;
-use crate::runtime::embedder::{Embedder, HIDDEN_STATE, normalize};
-use crate::serve::lifecycle;
-use crate::serve::service::{ModelEntry, UNKNOWN_MODEL};
+use crate::runtime::embedder::{Embedder, normalize};
+use crate::serve::service::ModelEntry;
 
 /// A checked embeddings request: its inputs' token ids and how to answer.
 struct Job {
@@ -34,6 +33,12 @@ struct Job {
     base64: bool,
     /// Keep the first this many dimensions.
     dimensions: Option<usize>,
+}
+
+impl encode::Job for Job {
+    fn model(&self) -> &str {
+        &self.model
+    }
 }
 
 /// `POST /v1/embeddings`.
@@ -51,8 +56,7 @@ pub async fn embeddings(
     with_request_id(response, &id)
 }
 
-/// Read, run and answer one request. A request refused while it is read is counted here; one
-/// that reaches the lifecycle is counted there.
+/// Read, run and answer one request.
 async fn serve(
     state: &AppState,
     headers: &HeaderMap,
@@ -60,54 +64,21 @@ async fn serve(
     id: &str,
     received: Instant,
 ) -> Result<Response, OpenAiError> {
-    let service = &state.service;
-    let mut named = UNKNOWN_MODEL.to_string();
-    let checked = body
-        .map_err(|e| OpenAiError::unreadable(&e, id))
-        .and_then(|body| {
-            let value: Value = serde_json::from_slice(&body)
-                .map_err(|e| OpenAiError::invalid(format!("the body is not JSON: {e}"), None))?;
-            if let Some(model) = value["model"].as_str() {
-                named = model.to_string();
-            }
-            read(state, &value, id)
-        })
-        .and_then(|job| {
-            let request = decode_headers(service, &job.model, id, headers, received)
-                .map_err(|e| OpenAiError::from_request(&e, id))?;
-            Ok((job, request))
-        });
-    let (job, mut request) = match checked {
-        Ok(checked) => checked,
-        Err(error) => {
-            lifecycle::answered(service, &named, outcome_of_status(error.status), received);
-            return Err(error);
-        }
-    };
-    let entry = service.model(&job.model).expect("checked by read");
-    let embedder = entry.embedder.expect("checked by read");
+    let (job, served, given) = encode::run(state, (headers, body, id, received), read, |entry, job: &Job| {
+        // The padding's id is never seen: the attention mask leaves it out of every token's
+        // attention and the pooling reads only the tokens it keeps.
+        let inputs = Embedder::batch(&entry.signature, &job.inputs, 0);
+        (inputs, Embedder::output(&entry.signature))
+    })
+    .await?;
     let lengths: Vec<usize> = job.inputs.iter().map(Vec::len).collect();
-    // The padding's id is never seen: the attention mask leaves it out of every token's
-    // attention and the pooling reads only the tokens it keeps.
-    request.inputs = Embedder::batch(&entry.signature, &job.inputs, 0);
-    request.outputs = vec![HIDDEN_STATE.to_string()];
-    // A model's fallback would need the inputs tokenized again by its own tokenizer; nothing
-    // rebuilds them for it yet, so it never answers here.
-    request.allow_substitute = false;
-    let served = lifecycle::infer(service, request).await.map_err(|refused| {
-        let mut error = OpenAiError::from_request(&refused.error, id);
-        if let Some(d) = service.degraded.now() {
-            error.message = format!("{} (degraded: {})", error.message, d.reason);
-        }
-        error
-    })?;
-    let hidden = served
-        .outputs
-        .iter()
-        .find(|t| t.name == HIDDEN_STATE)
-        .ok_or_else(|| OpenAiError::internal(format!("the run gave no `{HIDDEN_STATE}`"), id))?;
+    let embedder = state
+        .service
+        .model(&job.model)
+        .and_then(|entry| entry.embedder)
+        .expect("checked by read");
     let vectors = embedder
-        .pool(hidden, &lengths)
+        .vectors(&given, &lengths)
         .map_err(|e| OpenAiError::internal(e, id))?;
     let data = vectors
         .into_iter()
@@ -127,16 +98,7 @@ async fn serve(
     let tokens: usize = lengths.iter().sum();
     let body = json!({"object": "list", "data": data, "model": job.model,
                       "usage": {"prompt_tokens": tokens, "total_tokens": tokens}});
-    let mut response = axum::Json(body).into_response();
-    let out = response.headers_mut();
-    model_header(out, &job.model);
-    out.insert(
-        HeaderName::from_static(DECISION_HEADER),
-        HeaderValue::from_static(served.action.label()),
-    );
-    let degraded = service.degraded.for_answer(&served.pool, &job.model);
-    pool_headers(out, &served.pool, degraded.as_ref());
-    Ok(response)
+    Ok(encode::answer(state, &job.model, &served, body))
 }
 
 /// `vector` cut to its first `dimensions` (Matryoshka), normalized again when the model
@@ -166,19 +128,7 @@ fn dimensions_above(dimensions: usize, size: usize) -> OpenAiError {
 /// Read and check a body into a [`Job`]. `user` (OpenAI's abuse monitoring) is accepted and
 /// not read, as any field this server does not know.
 fn read(state: &AppState, body: &Value, id: &str) -> Result<Job, OpenAiError> {
-    if !body.is_object() {
-        return Err(OpenAiError::invalid("the body is not a JSON object", None));
-    }
-    let model = match &body["model"] {
-        Value::String(model) => model.clone(),
-        Value::Null => return Err(OpenAiError::invalid("`model` is missing", Some("model"))),
-        other => {
-            return Err(OpenAiError::invalid(
-                format!("`model` is {other}, not a string"),
-                Some("model"),
-            ));
-        }
-    };
+    let model = encode::model_named(body)?;
     let entry = embedding_model(state, &model, id)?;
     let embedder = entry.embedder.expect("checked by embedding_model");
     let base64 = match &body["encoding_format"] {
@@ -192,12 +142,7 @@ fn read(state: &AppState, body: &Value, id: &str) -> Result<Job, OpenAiError> {
             ));
         }
     };
-    let size = entry
-        .signature
-        .outputs
-        .iter()
-        .find(|o| o.name == HIDDEN_STATE)
-        .and_then(|o| usize::try_from(o.shape[2]).ok());
+    let size = Embedder::size(&entry.signature);
     let dimensions = match &body["dimensions"] {
         Value::Null => None,
         v => match v.as_u64().filter(|n| *n > 0) {
@@ -226,7 +171,7 @@ fn read(state: &AppState, body: &Value, id: &str) -> Result<Job, OpenAiError> {
             ));
         }
     };
-    let limit = limit(entry, &embedder);
+    let limit = encode::limit(entry, embedder.max_seq_length);
     let inputs = tokens(entry, &body["input"], limit, truncate)?;
     Ok(Job {
         model,
@@ -252,17 +197,6 @@ fn embedding_model<'a>(state: &'a AppState, model: &str, id: &str) -> Result<&'a
         ));
     }
     Ok(entry)
-}
-
-/// The most tokens an input may have, and what sets it: the folder's `max_seq_length`, or the
-/// positions the model takes (`config.json`'s `max_position_embeddings`), the smaller.
-fn limit(entry: &ModelEntry, embedder: &Embedder) -> Option<(usize, &'static str)> {
-    let seq = embedder.max_seq_length.map(|n| (n as usize, "max_seq_length"));
-    let positions = entry.folder.context.map(|n| (n as usize, "max_position_embeddings"));
-    match (seq, positions) {
-        (Some(a), Some(b)) => Some(if a.0 <= b.0 { a } else { b }),
-        (a, b) => a.or(b),
-    }
 }
 
 /// `input`'s token ids, one list per input: a string or strings tokenized with the model's

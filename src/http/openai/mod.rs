@@ -1,5 +1,6 @@
-//! OpenAI-compatible text generation and embeddings: `GET /v1/models[/{id}]`,
-//! `POST /v1/completions`, `POST /v1/chat/completions` and `POST /v1/embeddings`, with errors in OpenAI's shape (`{"error": {"message", "type",
+//! OpenAI-compatible text generation, embeddings and rerank: `GET /v1/models[/{id}]`,
+//! `POST /v1/completions`, `POST /v1/chat/completions`, `POST /v1/embeddings` and
+//! `POST /v1/rerank`, with errors in OpenAI's shape (`{"error": {"message", "type",
 //! "param", "code"}}`), so clients built on the `openai` package work unchanged. Generation
 //! itself is [`crate::serve::generation`]; chat templates and tool calls are [`crate::runtime::chat`].
 //!
@@ -19,20 +20,24 @@
 //! answered whole (`answer`) or streamed (`stream`), both running its generations through `run`
 //! (which reads the body again for the model's fallback when the generation asks for it);
 //! `error` is OpenAI's error shape, `logprobs` the tokens' log-probabilities in OpenAI's
-//! shapes. No two of these files use each other. `embeddings` is the embeddings endpoint,
-//! whole in its file (it uses `error` only).
+//! shapes. No two of these files use each other. `embeddings` and `rerank` are those endpoints,
+//! each whole in its file but for what they share in `encode` (a job's rows run as one request
+//! through the lifecycle, and the answer's headers); they use `error` too.
 
 mod answer;
 mod chat;
 mod embeddings;
+mod encode;
 mod error;
 mod job;
 mod logprobs;
+mod rerank;
 mod run;
 mod stream;
 
 pub use embeddings::embeddings;
 pub use error::OpenAiError;
+pub use rerank::rerank;
 
 use std::sync::Arc;
 
@@ -50,8 +55,8 @@ use super::state::AppState;
 use crate::serve::lifecycle;
 use crate::serve::service::{ModelEntry, UNKNOWN_MODEL};
 
-/// `GET /v1/models`: the models that generate text (decoders with a tokenizer) and those that
-/// embed (sentence-transformers folders).
+/// `GET /v1/models`: the models that generate text (decoders with a tokenizer), those that
+/// embed (sentence-transformers folders) and those that rerank (cross-encoders).
 pub async fn models(State(state): State<Arc<AppState>>) -> axum::Json<Value> {
     let data: Vec<Value> = state
         .service
@@ -76,16 +81,21 @@ pub async fn model(
     let request = request_id(&headers);
     let response = match service.model(&id) {
         Some(entry) if listed(entry) => axum::Json(model_object(entry)).into_response(),
-        Some(_) => OpenAiError::model_not_found(format!("model `{id}` does not generate text nor embed"), &request)
-            .into_response(),
+        Some(_) => OpenAiError::model_not_found(
+            format!("model `{id}` does not generate text, embed nor rerank"),
+            &request,
+        )
+        .into_response(),
         None => OpenAiError::unknown_model(service, &id, &request).into_response(),
     };
     with_request_id(response, &request)
 }
 
-/// Whether a model is one of `GET /v1/models`: a decoder with a tokenizer, or an embedder.
+/// Whether a model is one of `GET /v1/models`: a decoder with a tokenizer, an embedder or a
+/// reranker.
 fn listed(entry: &ModelEntry) -> bool {
-    entry.generates_text() || (entry.embedder.is_some() && entry.tokenizer.is_some())
+    let encodes = entry.embedder.is_some() || entry.reranker.is_some();
+    entry.generates_text() || (encodes && entry.tokenizer.is_some())
 }
 
 /// A model as OpenAI's model object describes it.

@@ -405,6 +405,16 @@ impl Edit {
         self.replaced.insert(at, None);
     }
 
+    /// Add `node` (a `NodeProto`) after every node there is.
+    pub(super) fn add_node(&mut self, node: &[u8]) {
+        self.appended.push(field(GRAPH_NODE, node));
+    }
+
+    /// Add `info` (a `ValueInfoProto`) as an output.
+    pub(super) fn add_output(&mut self, info: &[u8]) {
+        self.appended.push(field(GRAPH_OUTPUT, info));
+    }
+
     /// Add `tensor` (a `TensorProto`) as an initializer.
     pub(super) fn add_initializer(&mut self, tensor: &[u8]) {
         self.appended.push(field(GRAPH_INITIALIZER, tensor));

@@ -10,12 +10,14 @@ mod generations;
 mod graph;
 pub mod kernels;
 mod last_logits;
+mod pooled;
 mod positions;
 mod proto;
 
 pub use backend::OrtBackend;
 pub use external::{ExternalData, external_data};
 pub use last_logits::last_position_logits;
+pub use pooled::pooled_embedding;
 
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, OnceLock};

@@ -14,6 +14,7 @@ use crate::runtime::estimate::{AxisRole, Dims, MemoryProfile, ProfileSource};
 use crate::runtime::folder::ModelFolder;
 use crate::runtime::onnx::ModelSignature;
 use crate::runtime::onnx::facts;
+use crate::runtime::reranker::Reranker;
 use crate::telemetry::inference_stats::InferenceStats;
 
 use super::BackendFactory;
@@ -48,6 +49,9 @@ pub struct ModelEntry {
     /// How it embeds, when its folder is a sentence-transformers one (`modules.json` with a
     /// Pooling module): it then serves `/v1/embeddings`.
     pub embedder: Option<Embedder>,
+    /// How it scores a query and a document, when its folder is a cross-encoder's (one-label
+    /// sequence classification): it then serves `/v1/rerank`.
+    pub reranker: Option<Reranker>,
 }
 
 impl ModelEntry {
@@ -177,18 +181,36 @@ fn load_model(backends: &dyn BackendFactory, m: &ModelConfig) -> Result<ModelEnt
         );
     }
     let bytes = bytes.with_external_bytes(external.bytes);
-    let (bytes, signature, decoder) = probed(backends, m, bytes, &hints)?;
-    check_context(m, &signature)?;
     let embedder = match (bytes.data().folder, &m.source) {
         (Some(dir), _) => Embedder::read(dir).map_err(|e| ("path", e))?,
         (None, ModelSource::Builtin(BuiltinModel::Embedder)) => Some(Embedder::BUNDLED),
         (None, _) => None,
     };
+    let (bytes, signature, decoder) = match embedder {
+        Some(embedder) => pooled(backends, m, bytes, embedder)?,
+        None => probed(backends, m, bytes, &hints)?,
+    };
+    check_context(m, &signature)?;
     if embedder.is_some() {
         Embedder::check(&signature).map_err(|e| {
             (
                 "path",
                 format!("`{}` has a sentence-transformers Pooling module, but {e}", m.source),
+            )
+        })?;
+    }
+    let reranker = match (bytes.data().folder, embedder) {
+        (Some(dir), None) => Reranker::read(dir).map_err(|e| ("path", e))?,
+        _ => None,
+    };
+    if reranker.is_some() {
+        Reranker::check(&signature).map_err(|e| {
+            (
+                "path",
+                format!(
+                    "`{}`'s config.json is a one-label sequence classifier (a cross-encoder), but {e}",
+                    m.source
+                ),
             )
         })?;
     }
@@ -199,7 +221,8 @@ fn load_model(backends: &dyn BackendFactory, m: &ModelConfig) -> Result<ModelEnt
         ));
     }
     let profile = profile_of(backends, m, bytes.data(), &signature, decoder);
-    let tokenizer = tokenizer_of(m, decoder, embedder.is_some(), bytes.data().folder)?;
+    let reads_text = embedder.is_some() || reranker.is_some();
+    let tokenizer = tokenizer_of(m, decoder, reads_text, bytes.data().folder)?;
     let chat = chat_template(m).map_err(|e| ("chat_template", e))?;
     let grammars = tokenizer.as_ref().filter(|_| decoder.is_some()).map(|tokenizer| {
         let eos = folder.end_tokens(tokenizer);
@@ -218,6 +241,7 @@ fn load_model(backends: &dyn BackendFactory, m: &ModelConfig) -> Result<ModelEnt
         grammars,
         folder,
         embedder,
+        reranker,
     })
 }
 
@@ -265,6 +289,51 @@ fn probed(
         .transpose()
         .map_err(|e| ("path", format!("`{}`: {e}", m.source)))?;
     Ok((bytes, signature, decoder))
+}
+
+/// An embedder's signature, read by one probe session. Its graph is rewritten first so that it
+/// pools (and normalizes) into `sentence_embedding` itself, and probed as rewritten: only the
+/// vectors come back from a run, and the memory profile is measured on that graph. A graph the
+/// rewrite cannot pool is probed as exported, its `last_hidden_state` pooled on the host, and
+/// the log says why.
+fn pooled(
+    backends: &dyn BackendFactory,
+    m: &ModelConfig,
+    bytes: ModelBytes,
+    embedder: Embedder,
+) -> Result<(ModelBytes, ModelSignature, Option<DecoderLayout>), Invalid> {
+    use crate::runtime::embedder::EMBEDDING;
+    let rewritten = crate::runtime::onnx::pooled_embedding(bytes.data().graph, embedder.pooling, embedder.normalize)
+        .and_then(|pooled| {
+            let data = ModelData {
+                graph: &pooled,
+                ..bytes.data()
+            };
+            let signature = backends.signature(m, data)?;
+            Embedder::check(&signature)?;
+            match Embedder::output(&signature) {
+                EMBEDDING => Ok((pooled, signature)),
+                other => Err(format!("the rewritten graph gives `{other}`, not `{EMBEDDING}`")),
+            }
+        });
+    match rewritten {
+        Ok((pooled, signature)) => {
+            tracing::info!(model = %m.name, pooling = embedder.pooling.label(), normalize = embedder.normalize,
+                "the graph pools: a run gives `{EMBEDDING}` [batch, hidden], not every token's state");
+            Ok((bytes.with_graph(pooled), signature, None))
+        }
+        Err(reason) => {
+            tracing::warn!(
+                model = %m.name,
+                %reason,
+                "the graph is run as exported: every token's state (`last_hidden_state`) comes back and is pooled on the host"
+            );
+            let signature = backends
+                .signature(m, bytes.data())
+                .map_err(|e| ("path", format!("`{}` cannot be served: {e}", m.source)))?;
+            Ok((bytes, signature, None))
+        }
+    }
 }
 
 /// A configured context axis must name an input of the model, exist in its shape and be
@@ -364,10 +433,11 @@ fn profile_of(
     profile
 }
 
-/// Model `m`'s tokenizer: the configured one, for a decoder with past key values or an
-/// embedder; an embedder's folder's `tokenizer.json` when none is configured. An embedder's
-/// tokenizer neither truncates nor pads as its file may say: a request too long is refused or
-/// cut as the client asks, and a batch is padded to its longest.
+/// Model `m`'s tokenizer: the configured one, for a decoder with past key values, an embedder
+/// or a cross-encoder (which `embeds` covers: models that encode text); the folder's
+/// `tokenizer.json` for the last two when none is configured. Their tokenizer neither truncates
+/// nor pads as its file may say: a request too long is refused or cut as the client asks, and a
+/// batch is padded to its longest.
 fn tokenizer_of(
     m: &ModelConfig,
     decoder: Option<DecoderLayout>,
@@ -381,7 +451,7 @@ fn tokenizer_of(
             return Err((
                 "tokenizer",
                 format!(
-                    "`{}` is not a decoder with past key values (inputs `input_ids`, `attention_mask`, `past_key_values.N.key/value`) nor a sentence-transformers folder (`modules.json`), so it cannot use a tokenizer",
+                    "`{}` is not a decoder with past key values (inputs `input_ids`, `attention_mask`, `past_key_values.N.key/value`), a sentence-transformers folder (`modules.json`) nor a cross-encoder's (`config.json` of a one-label sequence classifier), so it cannot use a tokenizer",
                     m.source
                 ),
             ));
@@ -391,7 +461,7 @@ fn tokenizer_of(
             (
                 "tokenizer",
                 format!(
-                    "`{}` embeds but has no folder to find `tokenizer.json` in; set `tokenizer`",
+                    "`{}` embeds or reranks but has no folder to find `tokenizer.json` in; set `tokenizer`",
                     m.source
                 ),
             )

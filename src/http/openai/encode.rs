@@ -1,0 +1,123 @@
+//! What `POST /v1/embeddings` and `POST /v1/rerank` share: a body read and checked into a job
+//! naming its model, its rows run as one request through the lifecycle (their number the batch
+//! axis), and the answer sent with the headers every answer has (model, decision, pool).
+
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::http::{HeaderMap, HeaderName, HeaderValue};
+use axum::response::{IntoResponse, Response};
+use serde_json::Value;
+use tokio::time::Instant;
+
+use super::error::OpenAiError;
+use crate::core::tensor::Tensor;
+use crate::http::error::outcome_of_status;
+use crate::http::headers::{decode_headers, model_header, pool_headers};
+use crate::http::state::AppState;
+use crate::protocol::headers::DECISION_HEADER;
+use crate::serve::lifecycle::{self, Served};
+use crate::serve::service::{ModelEntry, UNKNOWN_MODEL};
+
+/// A checked request: the model it names.
+pub(super) trait Job {
+    /// The configured model it runs on.
+    fn model(&self) -> &str;
+}
+
+/// Read `body` into a job with `read`, build its inputs with `inputs` (the tensors and the one
+/// output to ask for), and run them through the lifecycle; the job and the output that came
+/// back. A request refused while it is read is counted here; one that reaches the lifecycle is
+/// counted there.
+pub(super) async fn run<J: Job>(
+    state: &AppState,
+    (headers, body, id, received): (&HeaderMap, Result<Bytes, BytesRejection>, &str, Instant),
+    read: impl FnOnce(&AppState, &Value, &str) -> Result<J, OpenAiError>,
+    inputs: impl FnOnce(&ModelEntry, &J) -> (Vec<Tensor>, &'static str),
+) -> Result<(J, Served, Tensor), OpenAiError> {
+    let service = &state.service;
+    let mut named = UNKNOWN_MODEL.to_string();
+    let checked = body
+        .map_err(|e| OpenAiError::unreadable(&e, id))
+        .and_then(|body| {
+            let value: Value = serde_json::from_slice(&body)
+                .map_err(|e| OpenAiError::invalid(format!("the body is not JSON: {e}"), None))?;
+            if let Some(model) = value["model"].as_str() {
+                named = model.to_string();
+            }
+            read(state, &value, id)
+        })
+        .and_then(|job| {
+            let request = decode_headers(service, job.model(), id, headers, received)
+                .map_err(|e| OpenAiError::from_request(&e, id))?;
+            Ok((job, request))
+        });
+    let (job, mut request) = match checked {
+        Ok(checked) => checked,
+        Err(error) => {
+            lifecycle::answered(service, &named, outcome_of_status(error.status), received);
+            return Err(error);
+        }
+    };
+    let entry = service.model(job.model()).expect("checked by read");
+    let (tensors, output) = inputs(entry, &job);
+    request.inputs = tensors;
+    request.outputs = vec![output.to_string()];
+    // A model's fallback would need the inputs tokenized again by its own tokenizer; nothing
+    // rebuilds them for it yet, so it never answers here.
+    request.allow_substitute = false;
+    let mut served = lifecycle::infer(service, request).await.map_err(|refused| {
+        let mut error = OpenAiError::from_request(&refused.error, id);
+        if let Some(d) = service.degraded.now() {
+            error.message = format!("{} (degraded: {})", error.message, d.reason);
+        }
+        error
+    })?;
+    let at = served
+        .outputs
+        .iter()
+        .position(|t| t.name == output)
+        .ok_or_else(|| OpenAiError::internal(format!("the run gave no `{output}`"), id))?;
+    let given = served.outputs.swap_remove(at);
+    Ok((job, served, given))
+}
+
+/// `body` as the answer to a request for `model` that `served` ran, with its headers.
+pub(super) fn answer(state: &AppState, model: &str, served: &Served, body: Value) -> Response {
+    let mut response = axum::Json(body).into_response();
+    let out = response.headers_mut();
+    model_header(out, model);
+    out.insert(
+        HeaderName::from_static(DECISION_HEADER),
+        HeaderValue::from_static(served.action.label()),
+    );
+    let degraded = state.service.degraded.for_answer(&served.pool, model);
+    pool_headers(out, &served.pool, degraded.as_ref());
+    response
+}
+
+/// The model named in `body`'s `model`: a string, or the 400 naming it.
+pub(super) fn model_named(body: &Value) -> Result<String, OpenAiError> {
+    if !body.is_object() {
+        return Err(OpenAiError::invalid("the body is not a JSON object", None));
+    }
+    match &body["model"] {
+        Value::String(model) => Ok(model.clone()),
+        Value::Null => Err(OpenAiError::invalid("`model` is missing", Some("model"))),
+        other => Err(OpenAiError::invalid(
+            format!("`model` is {other}, not a string"),
+            Some("model"),
+        )),
+    }
+}
+
+/// The most tokens a row may have, and what sets it: `max_seq_length` when the folder gives
+/// one, or the positions the model takes (`config.json`'s `max_position_embeddings`), the
+/// smaller.
+pub(super) fn limit(entry: &ModelEntry, max_seq_length: Option<u64>) -> Option<(usize, &'static str)> {
+    let seq = max_seq_length.map(|n| (n as usize, "max_seq_length"));
+    let positions = entry.folder.context.map(|n| (n as usize, "max_position_embeddings"));
+    match (seq, positions) {
+        (Some(a), Some(b)) => Some(if a.0 <= b.0 { a } else { b }),
+        (a, b) => a.or(b),
+    }
+}
