@@ -58,11 +58,12 @@ def main():
 
 
 def run_default(address):
-    """`vramguard serve` with no config: its `tiny` chats, whole and streamed."""
+    """`vramguard serve` with no config: its `tiny` chats, whole and streamed, and its
+    `tiny-embed` embeds (one vector of length 1 per input)."""
     client = openai.OpenAI(base_url=f"http://{address}/v1", api_key="unused", max_retries=0, timeout=60)
 
     def listed():
-        assert [m.id for m in client.models.list()] == ["tiny"]
+        assert [m.id for m in client.models.list()] == ["tiny", "tiny-embed"]
 
     def chats():
         messages = [{"role": "user", "content": "Is the GPU full?"}]
@@ -75,8 +76,16 @@ def run_default(address):
                                                  stream=True) if chunk.choices]
         assert "".join(pieces) == done.choices[0].message.content, (pieces, done.choices[0].message.content)
 
-    return report([("the embedded default lists tiny", listed),
-                   ("the embedded default's tiny chats, whole and streamed", chats)])
+    def embeds():
+        answer = client.embeddings.create(model="tiny-embed", input=["The GPU is shared", "by two models"])
+        assert [d.index for d in answer.data] == [0, 1], answer
+        for item in answer.data:
+            assert abs(sum(v * v for v in item.embedding) - 1.0) < 1e-5, item
+        assert answer.data[0].embedding != answer.data[1].embedding
+
+    return report([("the embedded default lists tiny and tiny-embed", listed),
+                   ("the embedded default's tiny chats, whole and streamed", chats),
+                   ("the embedded default's tiny-embed embeds", embeds)])
 
 
 def run(address):
