@@ -202,7 +202,8 @@ FIXTURE_PYTHON_EMBED   ?= .deps/fixtures-venv-embed/bin/python
 	.deps/fixtures-venv-$*/bin/pip install --quiet --disable-pip-version-check -r $<
 	@touch $@
 
-# The embedders' venv: Optimum's pins and sentence-transformers (models/embed/make.py).
+# The embedders' venv: Optimum's pins and sentence-transformers (models/embed/make.py), and
+# Pillow, which draws the image-search fixture's images and preprocesses them (make_clip.py).
 .deps/fixtures-venv-embed/.installed: models/embed/requirements-embed.txt
 	rm -rf .deps/fixtures-venv-embed
 	$(PYTHON) -m venv .deps/fixtures-venv-embed
@@ -216,6 +217,7 @@ fixtures:
 	FIXTURE_PYTHON_OPTIMUM=$(FIXTURE_PYTHON_OPTIMUM) FIXTURE_PYTHON_GENAI=$(FIXTURE_PYTHON_GENAI) \
 		$(PYTHON) models/real/make.py
 	$(FIXTURE_PYTHON_EMBED) models/embed/make.py
+	$(FIXTURE_PYTHON_EMBED) models/embed/make_clip.py
 
 # The overhead and generation benches drive the real `vramguard serve` from a separate process, as
 # users' clients do: wrk (Debian package `wrk`) is that load generator. Not part of `make test`.
