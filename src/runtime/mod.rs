@@ -10,5 +10,7 @@ pub mod estimate;
 pub mod folder;
 pub mod genai;
 pub mod grammar;
+pub mod image;
 pub mod onnx;
 pub mod text;
+pub mod tower;

@@ -16,6 +16,7 @@ use serde_json::{Value, json};
 use tokio::time::Instant;
 
 use super::error::OpenAiError;
+use super::images;
 use crate::http::error::outcome_of_status;
 use crate::http::headers::{decode_headers, model_header, pool_headers, request_id, with_request_id};
 use crate::http::state::AppState;
@@ -62,11 +63,17 @@ async fn serve(
 ) -> Result<Response, OpenAiError> {
     let service = &state.service;
     let mut named = UNKNOWN_MODEL.to_string();
-    let checked = body
-        .map_err(|e| OpenAiError::unreadable(&e, id))
-        .and_then(|body| {
-            let value: Value = serde_json::from_slice(&body)
-                .map_err(|e| OpenAiError::invalid(format!("the body is not JSON: {e}"), None))?;
+    let parsed = body.map_err(|e| OpenAiError::unreadable(&e, id)).and_then(|body| {
+        serde_json::from_slice::<Value>(&body)
+            .map_err(|e| OpenAiError::invalid(format!("the body is not JSON: {e}"), None))
+    });
+    if let Ok(value) = &parsed
+        && images::serves(state, value)
+    {
+        return images::serve(state, headers, value, id, received).await;
+    }
+    let checked = parsed
+        .and_then(|value| {
             if let Some(model) = value["model"].as_str() {
                 named = model.to_string();
             }
@@ -94,13 +101,7 @@ async fn serve(
     // A model's fallback would need the inputs tokenized again by its own tokenizer; nothing
     // rebuilds them for it yet, so it never answers here.
     request.allow_substitute = false;
-    let served = lifecycle::infer(service, request).await.map_err(|refused| {
-        let mut error = OpenAiError::from_request(&refused.error, id);
-        if let Some(d) = service.degraded.now() {
-            error.message = format!("{} (degraded: {})", error.message, d.reason);
-        }
-        error
-    })?;
+    let served = infer(service, request, id).await?;
     let hidden = served
         .outputs
         .iter()
@@ -112,31 +113,68 @@ async fn serve(
     let data = vectors
         .into_iter()
         .enumerate()
-        .map(|(index, vector)| {
-            let vector = cut(vector, job.dimensions, embedder.normalize)?;
-            let embedding = match job.base64 {
-                true => {
-                    let bytes: Vec<u8> = vector.iter().flat_map(|v| v.to_le_bytes()).collect();
-                    json!(base64::engine::general_purpose::STANDARD.encode(bytes))
-                }
-                false => json!(vector),
-            };
-            Ok(json!({"object": "embedding", "index": index, "embedding": embedding}))
-        })
+        .map(|(index, vector)| item(index, vector, job.dimensions, embedder.normalize, job.base64))
         .collect::<Result<Vec<Value>, OpenAiError>>()?;
     let tokens: usize = lengths.iter().sum();
-    let body = json!({"object": "list", "data": data, "model": job.model,
+    Ok(answer(service, &job.model, &served, data, tokens))
+}
+
+/// Run `request` through the lifecycle; a refusal in OpenAI's shape, saying when the server
+/// is degraded.
+pub(super) async fn infer(
+    service: &crate::serve::service::Service,
+    request: lifecycle::Request,
+    id: &str,
+) -> Result<lifecycle::Served, OpenAiError> {
+    lifecycle::infer(service, request).await.map_err(|refused| {
+        let mut error = OpenAiError::from_request(&refused.error, id);
+        if let Some(d) = service.degraded.now() {
+            error.message = format!("{} (degraded: {})", error.message, d.reason);
+        }
+        error
+    })
+}
+
+/// The `data` item of the input at `index`: its vector cut to `dimensions`, as floats or
+/// base64.
+pub(super) fn item(
+    index: usize,
+    vector: Vec<f32>,
+    dimensions: Option<usize>,
+    normalizes: bool,
+    base64: bool,
+) -> Result<Value, OpenAiError> {
+    let vector = cut(vector, dimensions, normalizes)?;
+    let embedding = match base64 {
+        true => {
+            let bytes: Vec<u8> = vector.iter().flat_map(|v| v.to_le_bytes()).collect();
+            json!(base64::engine::general_purpose::STANDARD.encode(bytes))
+        }
+        false => json!(vector),
+    };
+    Ok(json!({"object": "embedding", "index": index, "embedding": embedding}))
+}
+
+/// The answer: the list of `data`, the usage of `tokens`, and the headers of the run `served`.
+pub(super) fn answer(
+    service: &crate::serve::service::Service,
+    model: &str,
+    served: &lifecycle::Served,
+    data: Vec<Value>,
+    tokens: usize,
+) -> Response {
+    let body = json!({"object": "list", "data": data, "model": model,
                       "usage": {"prompt_tokens": tokens, "total_tokens": tokens}});
     let mut response = axum::Json(body).into_response();
     let out = response.headers_mut();
-    model_header(out, &job.model);
+    model_header(out, model);
     out.insert(
         HeaderName::from_static(DECISION_HEADER),
         HeaderValue::from_static(served.action.label()),
     );
-    let degraded = service.degraded.for_answer(&served.pool, &job.model);
+    let degraded = service.degraded.for_answer(&served.pool, model);
     pool_headers(out, &served.pool, degraded.as_ref());
-    Ok(response)
+    response
 }
 
 /// `vector` cut to its first `dimensions` (Matryoshka), normalized again when the model
@@ -181,41 +219,14 @@ fn read(state: &AppState, body: &Value, id: &str) -> Result<Job, OpenAiError> {
     };
     let entry = embedding_model(state, &model, id)?;
     let embedder = entry.embedder.expect("checked by embedding_model");
-    let base64 = match &body["encoding_format"] {
-        Value::Null => false,
-        Value::String(f) if f == "float" => false,
-        Value::String(f) if f == "base64" => true,
-        other => {
-            return Err(OpenAiError::invalid(
-                format!("`encoding_format` is {other}; it is `float` or `base64`"),
-                Some("encoding_format"),
-            ));
-        }
-    };
+    let base64 = encoding_format(body)?;
     let size = entry
         .signature
         .outputs
         .iter()
         .find(|o| o.name == HIDDEN_STATE)
         .and_then(|o| usize::try_from(o.shape[2]).ok());
-    let dimensions = match &body["dimensions"] {
-        Value::Null => None,
-        v => match v.as_u64().filter(|n| *n > 0) {
-            Some(n) => {
-                let n = n as usize;
-                match size {
-                    Some(size) if n > size => return Err(dimensions_above(n, size)),
-                    _ => Some(n),
-                }
-            }
-            None => {
-                return Err(OpenAiError::invalid(
-                    format!("`dimensions` is {v}, not a number above 0"),
-                    Some("dimensions"),
-                ));
-            }
-        },
-    };
+    let dimensions = dimensions(body, size)?;
     let truncate = match &body["truncate"] {
         Value::Null => false,
         Value::Bool(b) => *b,
@@ -234,6 +245,39 @@ fn read(state: &AppState, body: &Value, id: &str) -> Result<Job, OpenAiError> {
         base64,
         dimensions,
     })
+}
+
+/// `encoding_format`: whether the vectors go as base64 (else floats).
+pub(super) fn encoding_format(body: &Value) -> Result<bool, OpenAiError> {
+    match &body["encoding_format"] {
+        Value::Null => Ok(false),
+        Value::String(f) if f == "float" => Ok(false),
+        Value::String(f) if f == "base64" => Ok(true),
+        other => Err(OpenAiError::invalid(
+            format!("`encoding_format` is {other}; it is `float` or `base64`"),
+            Some("encoding_format"),
+        )),
+    }
+}
+
+/// `dimensions`: how many of each vector's to keep, at most the model's `size` (when known).
+pub(super) fn dimensions(body: &Value, size: Option<usize>) -> Result<Option<usize>, OpenAiError> {
+    match &body["dimensions"] {
+        Value::Null => Ok(None),
+        v => match v.as_u64().filter(|n| *n > 0) {
+            Some(n) => {
+                let n = n as usize;
+                match size {
+                    Some(size) if n > size => Err(dimensions_above(n, size)),
+                    _ => Ok(Some(n)),
+                }
+            }
+            None => Err(OpenAiError::invalid(
+                format!("`dimensions` is {v}, not a number above 0"),
+                Some("dimensions"),
+            )),
+        },
+    }
 }
 
 /// The model named, when it embeds: an unknown one is OpenAI's 404, one that does not embed a
@@ -301,40 +345,56 @@ fn tokens(
     texts_or_ids
         .into_iter()
         .enumerate()
-        .map(|(i, item)| {
-            let ids = match item {
-                Ok(text) => {
-                    if text.is_empty() {
-                        return Err(invalid(format!("`input[{i}]` is an empty string")));
-                    }
-                    let encoded = tokenizer
-                        .encode(text, true)
-                        .map_err(|e| invalid(format!("`input[{i}]` cannot be tokenized: {e}")))?;
-                    match limit {
-                        Some((limit, _)) if truncate && encoded.len() > limit => cut_text(tokenizer, text, limit)
-                            .map_err(|e| invalid(format!("`input[{i}]` cannot be tokenized: {e}")))?,
-                        _ => encoded.get_ids().to_vec(),
-                    }
+        .map(|(i, item)| match item {
+            Ok(text) => encode(tokenizer, i, text, limit, truncate),
+            Err(ids) if ids.is_empty() => Err(invalid(format!("`input[{i}]` is an empty list of tokens"))),
+            Err(mut ids) => {
+                if let Some((limit, _)) = limit.filter(|_| truncate) {
+                    ids.truncate(limit);
                 }
-                Err(ids) if ids.is_empty() => return Err(invalid(format!("`input[{i}]` is an empty list of tokens"))),
-                Err(mut ids) => {
-                    if let Some((limit, _)) = limit.filter(|_| truncate) {
-                        ids.truncate(limit);
-                    }
-                    ids
-                }
-            };
-            if let Some((limit, what)) = limit
-                && ids.len() > limit
-            {
-                return Err(invalid(format!(
-                    "`input[{i}]` has {} tokens, above the model's {what} of {limit}; shorten it, or send `truncate: true` to cut it",
-                    ids.len()
-                )));
+                within(i, ids, limit)
             }
-            Ok(ids)
         })
         .collect()
+}
+
+/// The tokens of `text`, `input[i]`, with the model's special tokens: at most `limit`, or cut
+/// to it when the client allows (`truncate`).
+pub(super) fn encode(
+    tokenizer: &tokenizers::Tokenizer,
+    i: usize,
+    text: &str,
+    limit: Option<(usize, &'static str)>,
+    truncate: bool,
+) -> Result<Vec<u32>, OpenAiError> {
+    let invalid = |message: String| OpenAiError::invalid(message, Some("input"));
+    if text.is_empty() {
+        return Err(invalid(format!("`input[{i}]` is an empty string")));
+    }
+    let encoded = tokenizer
+        .encode(text, true)
+        .map_err(|e| invalid(format!("`input[{i}]` cannot be tokenized: {e}")))?;
+    let ids = match limit {
+        Some((limit, _)) if truncate && encoded.len() > limit => {
+            cut_text(tokenizer, text, limit).map_err(|e| invalid(format!("`input[{i}]` cannot be tokenized: {e}")))?
+        }
+        _ => encoded.get_ids().to_vec(),
+    };
+    within(i, ids, limit)
+}
+
+/// `ids`, when `input[i]` has no more than `limit` tokens.
+fn within(i: usize, ids: Vec<u32>, limit: Option<(usize, &'static str)>) -> Result<Vec<u32>, OpenAiError> {
+    match limit {
+        Some((limit, what)) if ids.len() > limit => Err(OpenAiError::invalid(
+            format!(
+                "`input[{i}]` has {} tokens, above the model's {what} of {limit}; shorten it, or send `truncate: true` to cut it",
+                ids.len()
+            ),
+            Some("input"),
+        )),
+        _ => Ok(ids),
+    }
 }
 
 /// `text`'s tokens cut to `limit` as sentence-transformers cuts them: its own tokens cut

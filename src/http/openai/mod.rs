@@ -26,6 +26,7 @@ mod answer;
 mod chat;
 mod embeddings;
 mod error;
+mod images;
 mod job;
 mod logprobs;
 mod run;
