@@ -9,19 +9,18 @@ use std::sync::Arc;
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::extract::rejection::BytesRejection;
-use axum::http::{HeaderMap, HeaderName, HeaderValue};
+use axum::http::HeaderMap;
 use axum::response::{IntoResponse, Response};
-use base64::Engine;
-use serde_json::{Value, json};
+use serde_json::Value;
 use tokio::time::Instant;
 
 use super::error::OpenAiError;
 use super::images;
+use super::vectors::{answer, dimensions, encode, encoding_format, infer, item, truncate, within};
 use crate::http::error::outcome_of_status;
-use crate::http::headers::{decode_headers, model_header, pool_headers, request_id, with_request_id};
+use crate::http::headers::{decode_headers, request_id, with_request_id};
 use crate::http::state::AppState;
-use crate::protocol::headers::DECISION_HEADER;
-use crate::runtime::embedder::{Embedder, HIDDEN_STATE, normalize};
+use crate::runtime::embedder::{Embedder, HIDDEN_STATE};
 use crate::serve::lifecycle;
 use crate::serve::service::{ModelEntry, UNKNOWN_MODEL};
 
@@ -119,88 +118,6 @@ async fn serve(
     Ok(answer(service, &job.model, &served, data, tokens))
 }
 
-/// Run `request` through the lifecycle; a refusal in OpenAI's shape, saying when the server
-/// is degraded.
-pub(super) async fn infer(
-    service: &crate::serve::service::Service,
-    request: lifecycle::Request,
-    id: &str,
-) -> Result<lifecycle::Served, OpenAiError> {
-    lifecycle::infer(service, request).await.map_err(|refused| {
-        let mut error = OpenAiError::from_request(&refused.error, id);
-        if let Some(d) = service.degraded.now() {
-            error.message = format!("{} (degraded: {})", error.message, d.reason);
-        }
-        error
-    })
-}
-
-/// The `data` item of the input at `index`: its vector cut to `dimensions`, as floats or
-/// base64.
-pub(super) fn item(
-    index: usize,
-    vector: Vec<f32>,
-    dimensions: Option<usize>,
-    normalizes: bool,
-    base64: bool,
-) -> Result<Value, OpenAiError> {
-    let vector = cut(vector, dimensions, normalizes)?;
-    let embedding = match base64 {
-        true => {
-            let bytes: Vec<u8> = vector.iter().flat_map(|v| v.to_le_bytes()).collect();
-            json!(base64::engine::general_purpose::STANDARD.encode(bytes))
-        }
-        false => json!(vector),
-    };
-    Ok(json!({"object": "embedding", "index": index, "embedding": embedding}))
-}
-
-/// The answer: the list of `data`, the usage of `tokens`, and the headers of the run `served`.
-pub(super) fn answer(
-    service: &crate::serve::service::Service,
-    model: &str,
-    served: &lifecycle::Served,
-    data: Vec<Value>,
-    tokens: usize,
-) -> Response {
-    let body = json!({"object": "list", "data": data, "model": model,
-                      "usage": {"prompt_tokens": tokens, "total_tokens": tokens}});
-    let mut response = axum::Json(body).into_response();
-    let out = response.headers_mut();
-    model_header(out, model);
-    out.insert(
-        HeaderName::from_static(DECISION_HEADER),
-        HeaderValue::from_static(served.action.label()),
-    );
-    let degraded = service.degraded.for_answer(&served.pool, model);
-    pool_headers(out, &served.pool, degraded.as_ref());
-    response
-}
-
-/// `vector` cut to its first `dimensions` (Matryoshka), normalized again when the model
-/// normalizes, as sentence-transformers' `truncate_dim` then `normalize` would.
-fn cut(mut vector: Vec<f32>, dimensions: Option<usize>, normalizes: bool) -> Result<Vec<f32>, OpenAiError> {
-    let Some(dimensions) = dimensions else {
-        return Ok(vector);
-    };
-    if dimensions > vector.len() {
-        return Err(dimensions_above(dimensions, vector.len()));
-    }
-    vector.truncate(dimensions);
-    if normalizes {
-        normalize(&mut vector);
-    }
-    Ok(vector)
-}
-
-/// The 400 for `dimensions` above the model's.
-fn dimensions_above(dimensions: usize, size: usize) -> OpenAiError {
-    OpenAiError::invalid(
-        format!("`dimensions` is {dimensions}, above the model's {size}"),
-        Some("dimensions"),
-    )
-}
-
 /// Read and check a body into a [`Job`]. `user` (OpenAI's abuse monitoring) is accepted and
 /// not read, as any field this server does not know.
 fn read(state: &AppState, body: &Value, id: &str) -> Result<Job, OpenAiError> {
@@ -227,16 +144,7 @@ fn read(state: &AppState, body: &Value, id: &str) -> Result<Job, OpenAiError> {
         .find(|o| o.name == HIDDEN_STATE)
         .and_then(|o| usize::try_from(o.shape[2]).ok());
     let dimensions = dimensions(body, size)?;
-    let truncate = match &body["truncate"] {
-        Value::Null => false,
-        Value::Bool(b) => *b,
-        other => {
-            return Err(OpenAiError::invalid(
-                format!("`truncate` is {other}, not true or false"),
-                Some("truncate"),
-            ));
-        }
-    };
+    let truncate = truncate(body)?;
     let limit = limit(entry, &embedder);
     let inputs = tokens(entry, &body["input"], limit, truncate)?;
     Ok(Job {
@@ -245,39 +153,6 @@ fn read(state: &AppState, body: &Value, id: &str) -> Result<Job, OpenAiError> {
         base64,
         dimensions,
     })
-}
-
-/// `encoding_format`: whether the vectors go as base64 (else floats).
-pub(super) fn encoding_format(body: &Value) -> Result<bool, OpenAiError> {
-    match &body["encoding_format"] {
-        Value::Null => Ok(false),
-        Value::String(f) if f == "float" => Ok(false),
-        Value::String(f) if f == "base64" => Ok(true),
-        other => Err(OpenAiError::invalid(
-            format!("`encoding_format` is {other}; it is `float` or `base64`"),
-            Some("encoding_format"),
-        )),
-    }
-}
-
-/// `dimensions`: how many of each vector's to keep, at most the model's `size` (when known).
-pub(super) fn dimensions(body: &Value, size: Option<usize>) -> Result<Option<usize>, OpenAiError> {
-    match &body["dimensions"] {
-        Value::Null => Ok(None),
-        v => match v.as_u64().filter(|n| *n > 0) {
-            Some(n) => {
-                let n = n as usize;
-                match size {
-                    Some(size) if n > size => Err(dimensions_above(n, size)),
-                    _ => Ok(Some(n)),
-                }
-            }
-            None => Err(OpenAiError::invalid(
-                format!("`dimensions` is {v}, not a number above 0"),
-                Some("dimensions"),
-            )),
-        },
-    }
 }
 
 /// The model named, when it embeds: an unknown one is OpenAI's 404, one that does not embed a
@@ -356,55 +231,6 @@ fn tokens(
             }
         })
         .collect()
-}
-
-/// The tokens of `text`, `input[i]`, with the model's special tokens: at most `limit`, or cut
-/// to it when the client allows (`truncate`).
-pub(super) fn encode(
-    tokenizer: &tokenizers::Tokenizer,
-    i: usize,
-    text: &str,
-    limit: Option<(usize, &'static str)>,
-    truncate: bool,
-) -> Result<Vec<u32>, OpenAiError> {
-    let invalid = |message: String| OpenAiError::invalid(message, Some("input"));
-    if text.is_empty() {
-        return Err(invalid(format!("`input[{i}]` is an empty string")));
-    }
-    let encoded = tokenizer
-        .encode(text, true)
-        .map_err(|e| invalid(format!("`input[{i}]` cannot be tokenized: {e}")))?;
-    let ids = match limit {
-        Some((limit, _)) if truncate && encoded.len() > limit => {
-            cut_text(tokenizer, text, limit).map_err(|e| invalid(format!("`input[{i}]` cannot be tokenized: {e}")))?
-        }
-        _ => encoded.get_ids().to_vec(),
-    };
-    within(i, ids, limit)
-}
-
-/// `ids`, when `input[i]` has no more than `limit` tokens.
-fn within(i: usize, ids: Vec<u32>, limit: Option<(usize, &'static str)>) -> Result<Vec<u32>, OpenAiError> {
-    match limit {
-        Some((limit, what)) if ids.len() > limit => Err(OpenAiError::invalid(
-            format!(
-                "`input[{i}]` has {} tokens, above the model's {what} of {limit}; shorten it, or send `truncate: true` to cut it",
-                ids.len()
-            ),
-            Some("input"),
-        )),
-        _ => Ok(ids),
-    }
-}
-
-/// `text`'s tokens cut to `limit` as sentence-transformers cuts them: its own tokens cut
-/// first, then the special tokens (`[CLS]`, `[SEP]`) added around what is left.
-fn cut_text(tokenizer: &tokenizers::Tokenizer, text: &str, limit: usize) -> tokenizers::Result<Vec<u32>> {
-    use tokenizers::PostProcessor;
-    let added = tokenizer.get_post_processor().map_or(0, |p| p.added_tokens(false));
-    let mut encoding = tokenizer.encode(text, false)?;
-    encoding.truncate(limit.saturating_sub(added), 0, tokenizers::TruncationDirection::Right);
-    Ok(tokenizer.post_process(encoding, None, true)?.get_ids().to_vec())
 }
 
 /// A list of token ids, each one of the model's.

@@ -13,8 +13,8 @@ use base64::Engine;
 use serde_json::Value;
 use tokio::time::Instant;
 
-use super::embeddings::{answer, dimensions, encode, encoding_format, infer, item};
 use super::error::OpenAiError;
+use super::vectors::{answer, dimensions, encode, encoding_format, infer, item, truncate};
 use crate::http::error::outcome_of_status;
 use crate::http::headers::decode_headers;
 use crate::http::state::AppState;
@@ -189,16 +189,7 @@ fn read<'a>(state: &'a AppState, body: &Value, model: &str) -> Result<Read<'a>, 
     };
     let base64 = encoding_format(body)?;
     let dimensions = dimensions(body, tower.dimensions(&entry.signature))?;
-    let truncate = match &body["truncate"] {
-        Value::Null => false,
-        Value::Bool(b) => *b,
-        other => {
-            return Err(OpenAiError::invalid(
-                format!("`truncate` is {other}, not true or false"),
-                Some("truncate"),
-            ));
-        }
-    };
+    let truncate = truncate(body)?;
     let mut read = Read {
         text,
         vision: vision.unwrap_or(entry),

@@ -19,8 +19,9 @@
 //! answered whole (`answer`) or streamed (`stream`), both running its generations through `run`
 //! (which reads the body again for the model's fallback when the generation asks for it);
 //! `error` is OpenAI's error shape, `logprobs` the tokens' log-probabilities in OpenAI's
-//! shapes. No two of these files use each other. `embeddings` is the embeddings endpoint,
-//! whole in its file (it uses `error` only).
+//! shapes. No two of these files use each other. `embeddings` is the embeddings endpoint for
+//! sentence-transformers folders; it hands a request for a dual encoder's tower to `images`
+//! (image search), and both answer through `vectors` (the fields, runs and answer they share).
 
 mod answer;
 mod chat;
@@ -31,6 +32,7 @@ mod job;
 mod logprobs;
 mod run;
 mod stream;
+mod vectors;
 
 pub use embeddings::embeddings;
 pub use error::OpenAiError;

@@ -441,12 +441,7 @@ mod tests {
         );
         assert_eq!(decode(b"hello"), Err(ImageError::Unsupported(String::new())));
         // A PNG whose header claims 100000 x 100000 pixels: refused before any pixel is read.
-        let mut header = 100_000u32.to_be_bytes().repeat(2);
-        header.extend([8, 2, 0, 0, 0]);
-        let mut bomb = b"\x89PNG\r\n\x1a\n".to_vec();
-        bomb.extend(chunk(b"IHDR", &header));
-        bomb.extend(chunk(b"IDAT", &[0x78, 0x9c, 0x03, 0x00]));
-        bomb.extend(chunk(b"IEND", &[]));
+        let bomb = crate::testing::png_bomb(100_000, 100_000);
         assert_eq!(decode(&bomb), Err(ImageError::TooLarge(100_000, 100_000)));
         let cut = &include_bytes!("../../../models/embed/clip/images/square.png")[..200];
         assert!(matches!(decode(cut), Err(ImageError::Undecodable("PNG", _))));
@@ -454,25 +449,5 @@ mod tests {
             decode(&vec![0; MAX_IMAGE_BYTES + 1]),
             Err(ImageError::TooManyBytes(MAX_IMAGE_BYTES + 1))
         );
-    }
-
-    /// A PNG chunk: its length, type, data and CRC-32 (of its type and data).
-    fn chunk(kind: &[u8; 4], data: &[u8]) -> Vec<u8> {
-        let mut out = (data.len() as u32).to_be_bytes().to_vec();
-        out.extend(kind);
-        out.extend(data);
-        let mut crc = !0u32;
-        for &b in &out[4..] {
-            crc ^= u32::from(b);
-            for _ in 0..8 {
-                crc = if crc & 1 == 1 {
-                    0xEDB8_8320 ^ (crc >> 1)
-                } else {
-                    crc >> 1
-                };
-            }
-        }
-        out.extend((!crc).to_be_bytes());
-        out
     }
 }
