@@ -120,6 +120,7 @@ client-compat: $(PYCLIENTS)
 	$(PYTHON) tests/clients/openai_client.py target/debug/vramguard
 	$(PYTHON) tests/clients/structured_outputs.py target/debug/vramguard
 	$(PYTHON) tests/clients/embeddings_client.py target/debug/vramguard
+	$(PYTHON) tests/clients/image_search_client.py target/debug/vramguard
 
 # The README's tour, in order, as written, against the embedded default (its Python examples use
 # the clients of $(PYCLIENTS)).
