@@ -46,7 +46,7 @@ fn data_url(file: &str) -> String {
 /// How close a vector must be to transformers': a text's and a PNG's within float rounding. A
 /// JPEG's pixels come from another decoder than Pillow's (zune-jpeg, not libjpeg-turbo; see
 /// `runtime::image::tests::pixels_equal_clip_image_processor_s_for_png_and_nearly_for_jpeg`),
-/// whose levels differ by 0 to 2 for 99% of the pixels of these 4:2:0 files and by up to a dozen
+/// whose levels differ by 0 to 2 for 98% of the pixels of these 4:2:0 files and by ten or more
 /// for a few (chroma upsampling at sharp edges), and this tiny model of random weights is far
 /// more sensitive to that noise than a trained one: measured 0.17 at most and a cosine of 0.971
 /// on `tall.jpg`, 0.23 and 0.922 on `small.jpg` (20 x 25, enlarged).
