@@ -129,6 +129,21 @@ impl Tower {
         }
     }
 
+    /// `signature` with what the tower fixes made fixed: a vision tower's `pixel_values` take
+    /// 3 channels and its preprocessing's height and width, whatever the export left dynamic.
+    /// The memory profile is measured, health checks probe and estimates are made along the
+    /// axes left (the batch): at another size the graph would not run (CLIP's position
+    /// embeddings are for one number of patches).
+    pub fn pinned(&self, mut signature: ModelSignature) -> ModelSignature {
+        if let Tower::Image(preprocessor) = self {
+            let (height, width) = preprocessor.size().expect("checked by read");
+            for input in signature.inputs.iter_mut().filter(|i| i.name == PIXEL_VALUES) {
+                input.shape[1..].copy_from_slice(&[3, height as i64, width as i64]);
+            }
+        }
+        signature
+    }
+
     /// The output that holds its vectors.
     pub fn output(&self) -> &'static str {
         match self {
@@ -228,7 +243,9 @@ mod tests {
             inputs: vec![spec(PIXEL_VALUES, DataType::Fp32, vec![-1, 3, -1, -1])],
             outputs: vec![spec(IMAGE_EMBEDS, DataType::Fp32, vec![-1, 16])],
         };
-        assert!(matches!(Tower::read(Some(folder), &vision), Ok(Some(Tower::Image(_)))));
+        let image = Tower::read(Some(folder), &vision).unwrap().unwrap();
+        assert!(matches!(image, Tower::Image(_)));
+        assert_eq!(image.pinned(vision.clone()).inputs[0].shape, vec![-1, 3, 32, 32]);
         let nowhere = std::env::temp_dir();
         assert!(
             Tower::read(Some(&nowhere), &vision)

@@ -47,7 +47,7 @@ fn data_url(file: &str) -> String {
 /// JPEG's pixels come from another decoder than Pillow's (zune-jpeg, not libjpeg-turbo; see
 /// `runtime::image::tests::pixels_equal_clip_image_processor_s_for_png_and_nearly_for_jpeg`),
 /// whose levels differ by 0 to 2 for 98% of the pixels of these 4:2:0 files and by ten or more
-/// for a few (chroma upsampling at sharp edges), and this tiny model of random weights is far
+/// for a few (their IDCTs and chroma upsampling round differently), and this tiny model of random weights is far
 /// more sensitive to that noise than a trained one: measured 0.17 at most and a cosine of 0.971
 /// on `tall.jpg`, 0.23 and 0.922 on `small.jpg` (20 x 25, enlarged).
 fn close(file: Option<&str>, got: &[f32], expected: &[f32]) {

@@ -230,6 +230,10 @@ fn load_model(backends: &dyn BackendFactory, m: &ModelConfig) -> Result<ModelEnt
         ));
     }
     let tower = Tower::read(bytes.data().folder, &signature).map_err(|e| ("path", format!("`{}`: {e}", m.source)))?;
+    let signature = match &tower {
+        Some(tower) => tower.pinned(signature),
+        None => signature,
+    };
     let profile = profile_of(backends, m, bytes.data(), &signature, decoder);
     let embeds = embedder.is_some() || matches!(tower, Some(Tower::Text { .. }));
     let tokenizer = tokenizer_of(m, decoder, embeds, bytes.data().folder)?;
