@@ -16,7 +16,7 @@ CLIP's towers, their outputs cut to the projected vector: `CLIPTextWithProjectio
 its projection: Optimum registers no vision tower with projection, so the projection's model,
 `CLIPVisionModelWithProjection`, is given to that config here).
 
-clip/images/ holds the test images (PNG and JPEG of other sizes and aspect ratios than the
+clip/images/ holds the test images (PNG, JPEG and a lossless WebP, of other sizes and aspect ratios than the
 model's 32x32, drawn here with Pillow), and clip/reference.json what transformers gives:
 `CLIPImageProcessor`'s pixel_values for each image, `CLIPModel.get_image_features` and
 `get_text_features` (as given, and normalized), and the text-to-image similarity matrix
@@ -49,6 +49,7 @@ IMAGES = [
     ("tall.jpg", "JPEG", (36, 70)),
     ("small.jpg", "JPEG", (20, 25)),
     ("gray.png", "PNG", (64, 50)),
+    ("lossless.webp", "WEBP", (45, 33)),
 ]
 
 
@@ -134,7 +135,8 @@ def main():
     images = []
     for i, (name, fmt, size) in enumerate(IMAGES):
         path = os.path.join(OUT, "images", name)
-        draw(name, size, 100 + i).save(path, fmt, **({"quality": 90} if fmt == "JPEG" else {"optimize": False}))
+        options = {"JPEG": {"quality": 90}, "PNG": {"optimize": False}, "WEBP": {"lossless": True}}[fmt]
+        draw(name, size, 100 + i).save(path, fmt, **options)
         images.append(Image.open(path))
     pixels = processor(images=images, return_tensors="pt")["pixel_values"]
     ids = [fast(t)["input_ids"] for t in TEXTS]

@@ -5,10 +5,10 @@ package), unchanged.
 Starts `vramguard serve` (path in argv[1]) with the tiny CLIP of models/embed/clip/ (`clip`: its
 text tower, naming `clip-vision`, its vision tower), then: `embeddings.create` on the texts, on
 the images and a text mixed in Jina's form (`input: [{"image": "data:..."}, {"text": ...}]`,
-which the client sends as given), as base64 (the client's default) and floats; vLLM's
+which the client sends as given), one image per request from concurrent requests, as base64 (the client's default) and floats; vLLM's
 `messages` form (one `image_url` part) through the client's own `post`, as vLLM's examples do;
 every vector against transformers' `get_text_features` / `get_image_features`, normalized
-(models/embed/clip/reference.json: cosine >= 0.9999 for texts and PNGs; JPEGs are decoded by
+(models/embed/clip/reference.json: cosine >= 0.9999 for texts, PNGs and WebP; JPEGs are decoded by
 another decoder than Pillow's, see docs/embeddings.md); the similarity ranking; and a web URL
 refused as the client's `BadRequestError` naming `input`.
 
@@ -16,6 +16,7 @@ Run by `make client-compat` (which installs openai into .deps/pyclients); prints
 'N passed, N failed' and exits non-zero on any failure.
 """
 import base64
+import concurrent.futures
 import json
 import math
 import os
@@ -62,7 +63,8 @@ def cosine(a, b):
 def data_url(file):
     with open(os.path.join(CLIP, "images", file), "rb") as f:
         data = base64.b64encode(f.read()).decode()
-    return f"data:image/{'png' if file.endswith('.png') else 'jpeg'};base64,{data}"
+    media = {"png": "png", "jpg": "jpeg", "webp": "webp"}[file.rsplit(".", 1)[1]]
+    return f"data:image/{media};base64,{data}"
 
 
 def near(got, want, what):
@@ -97,6 +99,13 @@ def run(address):
         for d, image in zip(got.data, reference["images"]):
             near(d.embedding, image["embedding"], image["file"])
         near(got.data[-1].embedding, reference["texts"][0]["embedding"], texts[0])
+
+    @check("concurrent requests, one image each, each get their own image's vector")
+    def _():
+        with concurrent.futures.ThreadPoolExecutor(len(files)) as pool:
+            got = list(pool.map(lambda f: client.embeddings.create(model="clip", input=[{"image": data_url(f)}]), files))
+        for g, image in zip(got, reference["images"]):
+            near(g.data[0].embedding, image["embedding"], image["file"])
 
     @check("the similarity of each text to each image ranks the images as transformers' does")
     def _():
