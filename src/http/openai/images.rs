@@ -58,7 +58,7 @@ pub(super) async fn serve(
             .transpose()
             .map_err(|e| OpenAiError::from_request(&e, id))?;
         let images = (!read.images.is_empty())
-            .then(|| request(&read.vision.config.name))
+            .then(|| request(&read.vision.expect("images only with a vision tower").config.name))
             .transpose()
             .map_err(|e| OpenAiError::from_request(&e, id))?;
         Ok((read, texts, images))
@@ -70,12 +70,13 @@ pub(super) async fn serve(
             return Err(error);
         }
     };
-    let (vision, files, field) = (read.vision, read.images, read.field);
+    let (files, field) = (read.images, read.field);
     let image_indexes: Vec<usize> = files.iter().map(|(i, _)| *i).collect();
     let pixels = match files.is_empty() {
         true => Vec::new(),
         // Decoding and resizing are CPU work of up to tens of milliseconds an image.
         false => {
+            let vision = read.vision.expect("images only with a vision tower");
             let preprocessor = preprocessor(vision).clone();
             tokio::task::spawn_blocking(move || {
                 files
@@ -109,6 +110,7 @@ pub(super) async fn serve(
         last = Some(served);
     }
     if let Some(mut request) = images {
+        let vision = read.vision.expect("images only with a vision tower");
         let size = preprocessor(vision).size().expect("checked when the model was read");
         request.inputs = vec![Tower::image_batch(pixels, size)];
         let (served, out) = run(state, vision, request, id).await?;
@@ -158,8 +160,8 @@ async fn run(
 struct Read<'a> {
     /// The text tower, when the model is one.
     text: Option<&'a ModelEntry>,
-    /// The vision tower images run on.
-    vision: &'a ModelEntry,
+    /// The vision tower images run on, when the model has one.
+    vision: Option<&'a ModelEntry>,
     /// Each text's index and tokens.
     texts: Vec<(usize, Vec<u32>)>,
     /// Each image's index and file bytes.
@@ -192,7 +194,7 @@ fn read<'a>(state: &'a AppState, body: &Value, model: &str) -> Result<Read<'a>, 
     let truncate = truncate(body)?;
     let mut read = Read {
         text,
-        vision: vision.unwrap_or(entry),
+        vision,
         texts: Vec::new(),
         images: Vec::new(),
         field,
