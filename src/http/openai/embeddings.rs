@@ -165,7 +165,7 @@ fn embedding_model<'a>(state: &'a AppState, model: &str, id: &str) -> Result<&'a
     if entry.embedder.is_none() || entry.tokenizer.is_none() {
         return Err(OpenAiError::invalid(
             format!(
-                "model `{model}` does not embed (it needs a sentence-transformers folder: `modules.json` with a Pooling module)"
+                "model `{model}` does not embed (it needs a sentence-transformers folder: `modules.json` with a Pooling module; or a dual encoder's tower: a graph giving `text_embeds` or `image_embeds`)"
             ),
             Some("model"),
         ));
