@@ -168,6 +168,82 @@ def main():
     cos = unit(text_features) @ unit(text_features).T
     print("largest cosine between two texts:", float((cos - torch.eye(len(TEXTS))).max()))
     print("size (KB):", sum(os.path.getsize(os.path.join(dp, f)) for dp, _, fs in os.walk(OUT) for f in fs) // 1024)
+    siglip(images)
+
+
+def siglip(images):
+    """siglip/: a tiny SigLIP, its towers exported as CLIP's are (their features are the towers'
+    `pooler_output`, the pooling head included), its texts padded to its 32 positions as
+    SigLIP's processor is told to (`padding="max_length"`), its images resized to 32 x 32 with
+    Pillow's bilinear and not cropped (`SiglipImageProcessor`); the reference is on the same
+    images as clip/'s."""
+    import numpy as np
+    import torch
+    from transformers import SiglipConfig, SiglipImageProcessor, SiglipModel, SiglipTextModel, SiglipVisionModel
+    from optimum.exporters.onnx.model_configs import SiglipTextWithProjectionOnnxConfig, SiglipVisionModelOnnxConfig
+    from make import train_tokenizer
+
+    out = os.path.join(HERE, "siglip")
+    shutil.rmtree(out, ignore_errors=True)
+    work = os.path.join(HERE, ".work-siglip")
+    shutil.rmtree(work, ignore_errors=True)
+    fast = train_tokenizer(work)
+    fast.model_max_length = 32
+    torch.manual_seed(31)
+    config = SiglipConfig(
+        text_config=dict(vocab_size=len(fast), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, max_position_embeddings=32, pad_token_id=fast.pad_token_id),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                           image_size=32, patch_size=8))
+    model = SiglipModel(config).eval()
+    # SigLIP's own initialization is narrow, as CLIP's: widened so different inputs differ.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.4)
+    model.save_pretrained(work)
+    processor = SiglipImageProcessor(size={"height": 32, "width": 32}, resample=2, do_convert_rgb=True)
+    processor.save_pretrained(out)
+    fast.save_pretrained(out)
+    config.save_pretrained(out)
+    text = SiglipTextModel.from_pretrained(work).eval()
+    vision = SiglipVisionModel.from_pretrained(work).eval()
+
+    class TextConfig(SiglipTextWithProjectionOnnxConfig):
+        @property
+        def outputs(self):
+            return {"pooler_output": {0: "batch_size"}}
+
+    class VisionConfig(SiglipVisionModelOnnxConfig):
+        @property
+        def outputs(self):
+            return {"pooler_output": {0: "batch_size"}}
+
+    export_tower(text, TextConfig(text.config, task="feature-extraction"), os.path.join(out, "text_model.onnx"))
+    export_tower(vision, VisionConfig(vision.config, task="feature-extraction"), os.path.join(out, "vision_model.onnx"))
+    pixels = processor(images=images, return_tensors="pt")["pixel_values"]
+    batch = fast(TEXTS, padding="max_length", max_length=32, return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        image_features = model.get_image_features(pixel_values=pixels)
+        text_features = model.get_text_features(input_ids=batch)
+    unit = lambda t: torch.nn.functional.normalize(t, dim=-1)
+    ref = {
+        "tool": "transformers SiglipModel, SiglipImageProcessor",
+        "texts": [{"input": t, "ids": [int(x) for x in i if x != fast.pad_token_id], "embedding": [float(x) for x in u]}
+                  for t, i, u in zip(TEXTS, batch, unit(text_features))],
+        "images": [{"file": name, "embedding": [float(x) for x in u],
+                    "pixel_values": [round(float(x), 6) for x in np.asarray(p).reshape(-1)]}
+                   for (name, _, _), u, p in zip(IMAGES, unit(image_features), pixels)],
+        "similarity": [[float(x) for x in row] for row in unit(text_features) @ unit(image_features).T],
+    }
+    with open(os.path.join(out, "reference.json"), "w") as f:
+        json.dump(ref, f, indent=1)
+    shutil.rmtree(work)
+    cos = unit(image_features) @ unit(image_features).T
+    print("siglip: largest cosine between two images:", float((cos - torch.eye(len(IMAGES))).max()))
+    cos = unit(text_features) @ unit(text_features).T
+    print("siglip: largest cosine between two texts:", float((cos - torch.eye(len(TEXTS))).max()))
+    print("siglip: size (KB):", sum(os.path.getsize(os.path.join(dp, f)) for dp, _, fs in os.walk(out) for f in fs) // 1024)
 
 
 if __name__ == "__main__":

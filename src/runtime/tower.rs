@@ -1,7 +1,8 @@
 //! Dual encoders for image search (CLIP, SigLIP): one graph per tower, each giving the vector of
 //! the shared space with its projection applied, as Optimum exports them
 //! (`clip-text-with-projection`: `input_ids` to `text_embeds`; a vision tower with its
-//! projection: `pixel_values` to `image_embeds`). A text's vector and an image's are compared by
+//! projection: `pixel_values` to `image_embeds`; SigLIP's towers, whose pooling head is their
+//! projection: `pooler_output`). A text's vector and an image's are compared by
 //! cosine, so both are given normalized: the two towers' vectors are then in one space and
 //! their dot products are CLIP's similarities.
 
@@ -21,6 +22,8 @@ pub const TEXT_EMBEDS: &str = "text_embeds";
 pub const IMAGE_EMBEDS: &str = "image_embeds";
 /// A vision tower's input: `[batch, 3, height, width]`.
 pub const PIXEL_VALUES: &str = "pixel_values";
+/// A SigLIP tower's output: its features (`get_text_features`, `get_image_features`).
+pub const POOLER_OUTPUT: &str = "pooler_output";
 
 /// One tower of a dual encoder.
 #[derive(Debug, Clone, PartialEq)]
@@ -30,10 +33,16 @@ pub enum Tower {
         /// The most tokens a text may have: `config.json`'s `text_config.max_position_embeddings`
         /// (a CLIP folder's), else its `max_position_embeddings` (a text tower's own).
         max_positions: Option<u64>,
+        /// SigLIP's: every text is padded to `max_positions` with this id, as its processor is
+        /// told to (`padding="max_length"`): its attention is not causal and takes no mask, and
+        /// its vector is read at the last position, so the padding is part of every vector.
+        pad: Option<u32>,
+        /// The output that holds its vectors.
+        output: &'static str,
     },
-    /// `pixel_values` in, `image_embeds` out, made as the folder's `preprocessor_config.json`
-    /// says.
-    Image(Preprocessor),
+    /// `pixel_values` in, vectors out (the output named), made as the folder's
+    /// `preprocessor_config.json` says.
+    Image(Preprocessor, &'static str),
 }
 
 impl Tower {
@@ -42,15 +51,27 @@ impl Tower {
     /// input or output, that is wrong.
     pub fn read(folder: Option<&Path>, signature: &ModelSignature) -> Result<Option<Tower>, String> {
         let gives = |name: &str| signature.outputs.iter().find(|o| o.name == name);
-        let (output, tower) = match (gives(TEXT_EMBEDS), gives(IMAGE_EMBEDS)) {
-            (None, None) => return Ok(None),
-            (Some(_), Some(_)) => {
+        let config = match folder {
+            Some(folder) => json(folder, "config.json")?,
+            None => None,
+        };
+        let siglip = config.as_ref().is_some_and(|c| c["model_type"] == "siglip");
+        let takes_text = signature.inputs.iter().any(|i| i.name == "input_ids");
+        let (output, tower) = match (gives(TEXT_EMBEDS), gives(IMAGE_EMBEDS), gives(POOLER_OUTPUT)) {
+            (Some(_), Some(_), _) => {
                 return Err(format!(
                     "it gives both `{TEXT_EMBEDS}` and `{IMAGE_EMBEDS}` (both towers in one graph, which would run both for every input): export each tower alone (docs/embeddings.md, image search)"
                 ));
             }
-            (Some(output), None) => (output, Tower::text(folder, signature)?),
-            (None, Some(output)) => (output, Tower::image(folder, signature)?),
+            (Some(output), None, _) => (output, Tower::text(config.as_ref(), signature, None)?),
+            (None, Some(output), _) => (output, Tower::image(folder, signature, IMAGE_EMBEDS)?),
+            (None, None, Some(output)) if siglip && takes_text => {
+                let pad = config.as_ref().and_then(|c| c["text_config"]["pad_token_id"].as_u64());
+                let pad = pad.unwrap_or(0) as u32;
+                (output, Tower::text(config.as_ref(), signature, Some(pad))?)
+            }
+            (None, None, Some(output)) if siglip => (output, Tower::image(folder, signature, POOLER_OUTPUT)?),
+            _ => return Ok(None),
         };
         if output.datatype != DataType::Fp32 || output.shape.len() != 2 {
             return Err(format!(
@@ -63,8 +84,9 @@ impl Tower {
         Ok(Some(tower))
     }
 
-    /// A text tower: `input_ids` (and `attention_mask` when it takes one), INT64.
-    fn text(folder: Option<&Path>, signature: &ModelSignature) -> Result<Tower, String> {
+    /// A text tower: `input_ids` (and `attention_mask` when it takes one), INT64; SigLIP's
+    /// (`pad`) gives `pooler_output`.
+    fn text(config: Option<&Value>, signature: &ModelSignature, pad: Option<u32>) -> Result<Tower, String> {
         for input in &signature.inputs {
             match input.name.as_str() {
                 "input_ids" | "attention_mask" if input.datatype == DataType::Int64 => {}
@@ -79,10 +101,6 @@ impl Tower {
         if !signature.inputs.iter().any(|i| i.name == "input_ids") {
             return Err("it gives `text_embeds` but has no input `input_ids`".into());
         }
-        let config = match folder {
-            Some(folder) => json(folder, "config.json")?,
-            None => None,
-        };
         let max_positions = config.and_then(|c| {
             [
                 &c["text_config"]["max_position_embeddings"],
@@ -91,12 +109,23 @@ impl Tower {
             .into_iter()
             .find_map(Value::as_u64)
         });
-        Ok(Tower::Text { max_positions })
+        if pad.is_some() && max_positions.is_none() {
+            return Err(
+                "a SigLIP text tower's config.json has no `text_config.max_position_embeddings` to pad its texts to"
+                    .into(),
+            );
+        }
+        let output = if pad.is_some() { POOLER_OUTPUT } else { TEXT_EMBEDS };
+        Ok(Tower::Text {
+            max_positions,
+            pad,
+            output,
+        })
     }
 
     /// A vision tower: FP32 `pixel_values` alone, of three channels and (where its size is
     /// fixed) the size its preprocessing gives.
-    fn image(folder: Option<&Path>, signature: &ModelSignature) -> Result<Tower, String> {
+    fn image(folder: Option<&Path>, signature: &ModelSignature, output: &'static str) -> Result<Tower, String> {
         let preprocessor = match folder {
             Some(folder) => Preprocessor::read(folder)?.ok_or_else(|| {
                 format!(
@@ -120,7 +149,7 @@ impl Tower {
                         input.shape
                     ));
                 }
-                Ok(Tower::Image(preprocessor))
+                Ok(Tower::Image(preprocessor, output))
             }
             _ => Err(format!(
                 "it gives `{IMAGE_EMBEDS}` but its inputs are {}, not FP32 `{PIXEL_VALUES}` [batch, 3, height, width] alone",
@@ -135,7 +164,7 @@ impl Tower {
     /// axes left (the batch): at another size the graph would not run (CLIP's position
     /// embeddings are for one number of patches).
     pub fn pinned(&self, mut signature: ModelSignature) -> ModelSignature {
-        if let Tower::Image(preprocessor) = self {
+        if let Tower::Image(preprocessor, _) = self {
             let (height, width) = preprocessor.size().expect("checked by read");
             for input in signature.inputs.iter_mut().filter(|i| i.name == PIXEL_VALUES) {
                 input.shape[1..].copy_from_slice(&[3, height as i64, width as i64]);
@@ -147,8 +176,7 @@ impl Tower {
     /// The output that holds its vectors.
     pub fn output(&self) -> &'static str {
         match self {
-            Tower::Text { .. } => TEXT_EMBEDS,
-            Tower::Image(_) => IMAGE_EMBEDS,
+            Tower::Text { output, .. } | Tower::Image(_, output) => output,
         }
     }
 
@@ -156,7 +184,7 @@ impl Tower {
     pub fn label(&self) -> &'static str {
         match self {
             Tower::Text { .. } => "text",
-            Tower::Image(_) => "images",
+            Tower::Image(..) => "images",
         }
     }
 
@@ -168,10 +196,31 @@ impl Tower {
 
     /// The inputs that run `texts` (token ids each) through a text tower: padded to the
     /// longest, as an embedder's batch, with only the inputs the graph takes. The padding never
-    /// reaches a text's vector: CLIP's text attention is causal and its vector is read at the
-    /// text's end token, before the padding.
-    pub fn text_batch(signature: &ModelSignature, texts: &[Vec<u32>]) -> Vec<Tensor> {
-        Embedder::batch(signature, texts, 0)
+    /// reaches a CLIP text's vector: its text attention is causal and its vector is read at the
+    /// text's end token, before the padding. A SigLIP text is padded to its positions.
+    pub fn text_batch(&self, signature: &ModelSignature, texts: &[Vec<u32>]) -> Vec<Tensor> {
+        let (pad, texts) = match self {
+            Tower::Text {
+                pad: Some(pad),
+                max_positions: Some(n),
+                ..
+            } => {
+                let length = |t: &Vec<u32>| (*n as usize).max(t.len());
+                let padded = texts
+                    .iter()
+                    .map(|t| {
+                        t.iter()
+                            .copied()
+                            .chain(std::iter::repeat(*pad))
+                            .take(length(t))
+                            .collect()
+                    })
+                    .collect();
+                (*pad, std::borrow::Cow::Owned(padded))
+            }
+            _ => (0, std::borrow::Cow::Borrowed(texts)),
+        };
+        Embedder::batch(signature, &texts, pad)
             .into_iter()
             .filter(|t| signature.inputs.iter().any(|i| i.name == t.name))
             .collect()
@@ -235,7 +284,9 @@ mod tests {
         assert_eq!(
             tower,
             Tower::Text {
-                max_positions: Some(32)
+                max_positions: Some(32),
+                pad: None,
+                output: TEXT_EMBEDS
             }
         );
         assert_eq!(tower.dimensions(&text), Some(16));
@@ -244,7 +295,7 @@ mod tests {
             outputs: vec![spec(IMAGE_EMBEDS, DataType::Fp32, vec![-1, 16])],
         };
         let image = Tower::read(Some(folder), &vision).unwrap().unwrap();
-        assert!(matches!(image, Tower::Image(_)));
+        assert!(matches!(image, Tower::Image(_, IMAGE_EMBEDS)));
         assert_eq!(image.pinned(vision.clone()).inputs[0].shape, vec![-1, 3, 32, 32]);
         let nowhere = std::env::temp_dir();
         assert!(
@@ -283,7 +334,12 @@ mod tests {
             inputs: vec![spec("input_ids", DataType::Int64, vec![-1, -1])],
             outputs: Vec::new(),
         };
-        let batch = Tower::text_batch(&text, &[vec![5, 3], vec![5, 6, 3]]);
+        let tower = Tower::Text {
+            max_positions: None,
+            pad: None,
+            output: TEXT_EMBEDS,
+        };
+        let batch = tower.text_batch(&text, &[vec![5, 3], vec![5, 6, 3]]);
         assert_eq!(batch.len(), 1);
         assert_eq!(batch[0].data, TensorData::Int64(vec![5, 3, 0, 5, 6, 3]));
         let out = Tensor {
@@ -291,7 +347,13 @@ mod tests {
             shape: vec![2, 2],
             data: TensorData::Fp32(vec![3., 4., 0., 2.]),
         };
-        let tower = Tower::Text { max_positions: None };
+        let siglip = Tower::Text {
+            max_positions: Some(4),
+            pad: Some(1),
+            output: POOLER_OUTPUT,
+        };
+        let padded = siglip.text_batch(&text, &[vec![5, 3], vec![5, 6, 3]]);
+        assert_eq!(padded[0].data, TensorData::Int64(vec![5, 3, 1, 1, 5, 6, 3, 1]));
         assert_eq!(tower.vectors(&out).unwrap(), vec![vec![0.6, 0.8], vec![0., 1.]]);
     }
 }

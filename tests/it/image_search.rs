@@ -25,8 +25,14 @@ fn folder() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("models/embed/clip")
 }
 
+/// The reference of the fixture `name` (`clip` or `siglip`).
+fn reference_of(name: &str) -> Value {
+    let path = folder().with_file_name(name).join("reference.json");
+    serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+}
+
 fn reference() -> Value {
-    serde_json::from_str(&std::fs::read_to_string(folder().join("reference.json")).unwrap()).unwrap()
+    reference_of("clip")
 }
 
 /// The `data:` URL of a fixture image.
@@ -45,7 +51,7 @@ fn data_url(file: &str) -> String {
 /// How close a vector must be to transformers': a text's, a PNG's and a lossless WebP's within
 /// float rounding. A
 /// JPEG's pixels come from another decoder than Pillow's (zune-jpeg, not libjpeg-turbo; see
-/// `runtime::image::tests::pixels_equal_clip_image_processor_s_for_png_and_webp_and_nearly_for_jpeg`),
+/// `runtime::image::tests::pixels_equal_transformers_processors_for_png_and_webp_and_nearly_for_jpeg`),
 /// whose levels differ by 0 to 2 for 98% of the pixels of these 4:2:0 files and by ten or more
 /// for a few (their IDCTs and chroma upsampling round differently), and this tiny model of random weights is far
 /// more sensitive to that noise than a trained one: measured 0.17 at most and a cosine of 0.971
@@ -269,4 +275,37 @@ async fn a_bad_vision_folder_is_refused_at_start_naming_the_file_and_key() {
         err.contains("models[0].images") && err.contains("`t2` its vision tower"),
         "{err}"
     );
+}
+
+#[tokio::test]
+async fn siglip_s_towers_give_transformers_vectors() {
+    // Texts padded to SigLIP's positions (its processor's `padding="max_length"`), images
+    // resized to 32 x 32 with Pillow's bilinear and not cropped (SiglipImageProcessor's steps).
+    let config = "
+models:
+  - {name: siglip, path: models/embed/siglip/text_model.onnx, images: siglip-vision}
+  - {name: siglip-vision, path: models/embed/siglip/vision_model.onnx}
+pools: [{name: cpu, provider: cpu, models: [siglip, siglip-vision]}]
+";
+    let server = TestServer::start(config).await;
+    let reference = reference_of("siglip");
+    let texts = reference["texts"].as_array().unwrap();
+    let images = reference["images"].as_array().unwrap();
+    let mut inputs: Vec<Value> = texts.iter().map(|t| t["input"].clone()).collect();
+    inputs.extend(
+        images
+            .iter()
+            .map(|i| json!({"image": data_url(i["file"].as_str().unwrap())})),
+    );
+    let (vectors, answer) = embed(&server, json!({"model": "siglip", "input": inputs})).await;
+    for (got, t) in vectors.iter().zip(texts) {
+        close(None, got, &floats(&t["embedding"]));
+    }
+    for (got, image) in vectors[texts.len()..].iter().zip(images) {
+        close(image["file"].as_str(), got, &floats(&image["embedding"]));
+    }
+    // `usage` counts the texts' own tokens, not the padding.
+    let tokens: usize = texts.iter().map(|t| t["ids"].as_array().unwrap().len()).sum();
+    assert_eq!(answer["usage"]["prompt_tokens"], tokens);
+    server.stop().await;
 }

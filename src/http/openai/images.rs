@@ -104,7 +104,8 @@ pub(super) async fn serve(
     if let Some(mut request) = texts {
         let entry = read.text.expect("a text model when there are texts");
         let (indexes, ids): (Vec<usize>, Vec<Vec<u32>>) = read.texts.into_iter().unzip();
-        request.inputs = Tower::text_batch(&entry.signature, &ids);
+        let tower = entry.tower.as_ref().expect("a text tower");
+        request.inputs = tower.text_batch(&entry.signature, &ids);
         let (served, out) = run(state, entry, request, id).await?;
         vectors.extend(indexes.into_iter().zip(out));
         last = Some(served);
@@ -129,7 +130,7 @@ pub(super) async fn serve(
 /// A vision tower's preprocessing.
 fn preprocessor(vision: &ModelEntry) -> &image::Preprocessor {
     match &vision.tower {
-        Some(Tower::Image(p)) => p,
+        Some(Tower::Image(p, _)) => p,
         _ => unreachable!("checked by read: the vision model is a vision tower"),
     }
 }
@@ -187,7 +188,7 @@ fn read<'a>(state: &'a AppState, body: &Value, model: &str) -> Result<Read<'a>, 
             Some(entry),
             entry.config.images.as_deref().and_then(|v| service.model(v)),
         ),
-        Tower::Image(_) => (None, Some(entry)),
+        Tower::Image(..) => (None, Some(entry)),
     };
     let base64 = encoding_format(body)?;
     let dimensions = dimensions(body, tower.dimensions(&entry.signature))?;
@@ -205,7 +206,7 @@ fn read<'a>(state: &'a AppState, body: &Value, model: &str) -> Result<Read<'a>, 
     for (i, input) in inputs.into_iter().enumerate() {
         match input {
             Input::Text(text) => {
-                let Some(Tower::Text { max_positions }) = read.text.and_then(|t| t.tower.as_ref()) else {
+                let Some(Tower::Text { max_positions, .. }) = read.text.and_then(|t| t.tower.as_ref()) else {
                     return Err(OpenAiError::invalid(
                         format!("model `{model}` embeds images only (a vision tower); send texts to its text tower"),
                         Some(field),

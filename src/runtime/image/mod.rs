@@ -387,11 +387,13 @@ mod tests {
         assert!((pixels[32] - 0.2).abs() < 1e-6, "blue: 51/255");
     }
 
-    /// The largest difference between the pixel values made here and `CLIPImageProcessor`'s
-    /// (models/embed/clip/reference.json), for each fixture image.
-    fn differences_from_transformers() -> Vec<(String, f32, f32)> {
-        let folder = Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/models/embed/clip"));
-        let processor = Preprocessor::read(folder).unwrap().unwrap();
+    /// The largest and the mean difference between the pixel values made here and
+    /// transformers' (`CLIPImageProcessor`'s in models/embed/clip/reference.json,
+    /// `SiglipImageProcessor`'s in models/embed/siglip/), for each fixture image (in clip/images).
+    fn differences_from_transformers(fixture: &str) -> Vec<(String, f32, f32)> {
+        let embed = Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/models/embed"));
+        let (folder, files) = (embed.join(fixture), embed.join("clip/images"));
+        let processor = Preprocessor::read(&folder).unwrap().unwrap();
         let reference: Value =
             serde_json::from_str(&std::fs::read_to_string(folder.join("reference.json")).unwrap()).unwrap();
         let images = reference["images"].as_array().unwrap();
@@ -399,7 +401,7 @@ mod tests {
             .iter()
             .map(|image| {
                 let file = image["file"].as_str().unwrap();
-                let bytes = std::fs::read(folder.join("images").join(file)).unwrap();
+                let bytes = std::fs::read(files.join(file)).unwrap();
                 let pixels = processor.pixels(&decode(&bytes).unwrap());
                 let expected = image["pixel_values"].as_array().unwrap();
                 assert_eq!(pixels.len(), expected.len());
@@ -416,8 +418,15 @@ mod tests {
     }
 
     #[test]
-    fn pixels_equal_clip_image_processor_s_for_png_and_webp_and_nearly_for_jpeg() {
-        for (file, most, mean) in differences_from_transformers() {
+    fn pixels_equal_transformers_processors_for_png_and_webp_and_nearly_for_jpeg() {
+        let both = [
+            ("clip", differences_from_transformers("clip")),
+            ("siglip", differences_from_transformers("siglip")),
+        ];
+        for (file, most, mean) in both
+            .into_iter()
+            .flat_map(|(fixture, d)| d.into_iter().map(move |(f, m, a)| (format!("{fixture}: {f}"), m, a)))
+        {
             println!("{file}: pixel_values differ by {most:e} at most, {mean:e} on average");
             // A PNG's and a lossless WebP's pixels are Pillow's to the bit (the reference is
             // rounded to 1e-6). A JPEG's

@@ -159,7 +159,7 @@ fn check_images(entry: &ModelEntry, entries: &[ModelEntry]) -> Result<(), String
         .iter()
         .find(|e| &e.config.name == name)
         .expect("validated: `images` names a model");
-    let (Some(text @ Tower::Text { .. }), Some(image @ Tower::Image(_))) = (&entry.tower, &vision.tower) else {
+    let (Some(text @ Tower::Text { .. }), Some(image @ Tower::Image(..))) = (&entry.tower, &vision.tower) else {
         return Err(format!(
             "`{}` must be a dual encoder's text tower (its graph gives `text_embeds`) and `{name}` its vision tower (`image_embeds`, with a preprocessor_config.json)",
             entry.config.name
