@@ -20,7 +20,8 @@ clip/images/ holds the test images (PNG, JPEG and a lossless WebP, of other size
 model's 32x32, drawn here with Pillow), and clip/reference.json what transformers gives:
 `CLIPImageProcessor`'s pixel_values for each image, `CLIPModel.get_image_features` and
 `get_text_features` (as given, and normalized), and the text-to-image similarity matrix
-(`logits_per_text` over `logit_scale`: the cosines).
+(`logits_per_text` over `logit_scale`: the cosines). siglip/ is the same for a tiny SigLIP
+(`siglip()` below).
 
 Run with the venv of requirements-embed.txt:
     .deps/fixtures-venv-embed/bin/python models/embed/make_clip.py
