@@ -121,6 +121,7 @@ client-compat: $(PYCLIENTS)
 	$(PYTHON) tests/clients/structured_outputs.py target/debug/vramguard
 	$(PYTHON) tests/clients/embeddings_client.py target/debug/vramguard
 	$(PYTHON) tests/clients/rerank_client.py target/debug/vramguard
+	$(PYTHON) tests/clients/image_search_client.py target/debug/vramguard
 
 # The README's tour, in order, as written, against the embedded default (its Python examples use
 # the clients of $(PYCLIENTS)).
@@ -204,7 +205,8 @@ FIXTURE_PYTHON_EMBED   ?= .deps/fixtures-venv-embed/bin/python
 	.deps/fixtures-venv-$*/bin/pip install --quiet --disable-pip-version-check -r $<
 	@touch $@
 
-# The embedders' venv: Optimum's pins and sentence-transformers (models/embed/make.py).
+# The embedders' venv: Optimum's pins and sentence-transformers (models/embed/make.py), and
+# Pillow, which draws the image-search fixture's images and preprocesses them (make_clip.py).
 .deps/fixtures-venv-embed/.installed: models/embed/requirements-embed.txt
 	rm -rf .deps/fixtures-venv-embed
 	$(PYTHON) -m venv .deps/fixtures-venv-embed
@@ -218,6 +220,7 @@ fixtures:
 	FIXTURE_PYTHON_OPTIMUM=$(FIXTURE_PYTHON_OPTIMUM) FIXTURE_PYTHON_GENAI=$(FIXTURE_PYTHON_GENAI) \
 		$(PYTHON) models/real/make.py
 	$(FIXTURE_PYTHON_EMBED) models/embed/make.py
+	$(FIXTURE_PYTHON_EMBED) models/embed/make_clip.py
 	@command -v espeak-ng >/dev/null && command -v sox >/dev/null && command -v ffmpeg >/dev/null || { \
 		[ -f $(APT_STAMP) ] || { $(SUDO) apt-get update -qq && touch $(APT_STAMP); }; \
 		$(SUDO) apt-get install -y -qq --no-install-recommends espeak-ng sox ffmpeg; }

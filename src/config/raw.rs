@@ -308,6 +308,11 @@ pub struct RawModel {
     /// default: another model changes the answer.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub allow_substitute: bool,
+    /// A dual encoder's vision tower (another `models[]` name), when this model is its text
+    /// tower: an embeddings request for this model with images runs them there, so one model
+    /// name answers texts and images.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub images: Option<String>,
     /// After a load, how long the model is kept before eviction may take it (default `30s`),
     /// so two models that do not fit together cannot thrash.
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -619,6 +619,14 @@ fn service_and_fallback_mistakes_name_their_key() {
         "test.yaml: models[0].fallback_model: no model `small`; models are: enc"
     );
     assert_eq!(
+        err(&with("images: enc")),
+        "test.yaml: models[0].images: a model cannot be its own vision tower"
+    );
+    assert_eq!(
+        err(&with("images: vision")),
+        "test.yaml: models[0].images: no model `vision`; models are: enc"
+    );
+    assert_eq!(
         err(&format!("services: [{{name: a, concurrency: 0}}]\n{BASE}")),
         "test.yaml: services[0].concurrency: must be at least 1 (leave it out for no limit)"
     );

@@ -232,6 +232,8 @@ pub struct ModelConfig {
     pub fallback_model: Option<String>,
     /// Whether requests allow the substitute unless they say otherwise.
     pub allow_substitute: bool,
+    /// The model that embeds this one's images (a dual encoder's vision tower).
+    pub images: Option<String>,
     /// How long after a load eviction leaves it alone.
     pub min_residency: Duration,
 }

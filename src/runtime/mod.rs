@@ -11,6 +11,8 @@ pub mod estimate;
 pub mod folder;
 pub mod genai;
 pub mod grammar;
+pub mod image;
 pub mod onnx;
 pub mod reranker;
 pub mod text;
+pub mod tower;

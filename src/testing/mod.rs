@@ -99,3 +99,36 @@ pub const ADMIT_ALL: &str = "fn decide(req, state) { admit() }\n";
 
 /// A policy that defers while the request's pool has more than `params.max_queue` queued.
 pub const DEFER_WHEN_QUEUED: &str = "fn decide(req, state) { if state.pools[req.pool].queue_depth > state.params.max_queue { defer(10) } else { admit() } }";
+
+/// A PNG chunk: its length, type, data and CRC-32 (of its type and data), for tests that make
+/// a hostile file (a header that claims more pixels than it holds).
+pub fn png_chunk(kind: &[u8; 4], data: &[u8]) -> Vec<u8> {
+    let mut out = (data.len() as u32).to_be_bytes().to_vec();
+    out.extend(kind);
+    out.extend(data);
+    let mut crc = !0u32;
+    for &b in &out[4..] {
+        crc ^= u32::from(b);
+        for _ in 0..8 {
+            crc = if crc & 1 == 1 {
+                0xEDB8_8320 ^ (crc >> 1)
+            } else {
+                crc >> 1
+            };
+        }
+    }
+    out.extend((!crc).to_be_bytes());
+    out
+}
+
+/// A PNG whose header claims `width` x `height` pixels of 8-bit RGB and which holds none.
+pub fn png_bomb(width: u32, height: u32) -> Vec<u8> {
+    let mut header = width.to_be_bytes().to_vec();
+    header.extend(height.to_be_bytes());
+    header.extend([8, 2, 0, 0, 0]);
+    let mut png = b"\x89PNG\r\n\x1a\n".to_vec();
+    png.extend(png_chunk(b"IHDR", &header));
+    png.extend(png_chunk(b"IDAT", &[0x78, 0x9c, 0x03, 0x00]));
+    png.extend(png_chunk(b"IEND", &[]));
+    png
+}

@@ -36,7 +36,7 @@ fn reference() -> Vec<(&'static str, Value)> {
     ]
 }
 
-fn floats(v: &Value) -> Vec<f32> {
+pub(crate) fn floats(v: &Value) -> Vec<f32> {
     v.as_array()
         .unwrap()
         .iter()
@@ -44,7 +44,7 @@ fn floats(v: &Value) -> Vec<f32> {
         .collect()
 }
 
-fn cosine(a: &[f32], b: &[f32]) -> f64 {
+pub(crate) fn cosine(a: &[f32], b: &[f32]) -> f64 {
     assert_eq!(a.len(), b.len(), "lengths differ");
     let dot: f64 = a.iter().zip(b).map(|(x, y)| f64::from(*x) * f64::from(*y)).sum();
     let norm = |v: &[f32]| v.iter().map(|x| f64::from(*x).powi(2)).sum::<f64>().sqrt();
@@ -52,7 +52,7 @@ fn cosine(a: &[f32], b: &[f32]) -> f64 {
 }
 
 /// The largest difference of two vectors' components.
-fn max_difference(a: &[f32], b: &[f32]) -> f64 {
+pub(crate) fn max_difference(a: &[f32], b: &[f32]) -> f64 {
     a.iter()
         .zip(b)
         .map(|(x, y)| f64::from((x - y).abs()))
@@ -64,7 +64,7 @@ fn length(v: &[f32]) -> f64 {
 }
 
 /// The vectors of an answer, in `index` order, checked to be a list of embeddings.
-async fn embed(server: &TestServer, body: Value) -> (Vec<Vec<f32>>, Value) {
+pub(crate) async fn embed(server: &TestServer, body: Value) -> (Vec<Vec<f32>>, Value) {
     let response = server.post_json("/v1/embeddings", &body).await;
     let status = response.status();
     let answer: Value = response.json().await.unwrap();
@@ -93,7 +93,7 @@ async fn embed(server: &TestServer, body: Value) -> (Vec<Vec<f32>>, Value) {
 }
 
 /// A 400 in OpenAI's shape naming `param`, its message containing `says`.
-async fn refused(server: &TestServer, body: Value, param: &str, says: &str) {
+pub(crate) async fn refused(server: &TestServer, body: Value, param: &str, says: &str) {
     let response = server.post_json("/v1/embeddings", &body).await;
     let status = response.status();
     let answer: Value = response.json().await.unwrap();

@@ -21,6 +21,7 @@ mod file_lists;
 mod generation;
 mod health;
 mod http;
+mod image_search;
 mod isolation;
 mod layering;
 mod learned;

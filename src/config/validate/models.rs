@@ -30,21 +30,31 @@ pub(super) fn models(
         models.push(model(c, &key, m, services)?);
     }
     for (i, m) in models.iter().enumerate() {
-        let Some(fallback) = &m.fallback_model else {
-            continue;
-        };
-        let key = format!("models[{i}].fallback_model");
-        if fallback == &m.name {
-            return Err(c.err(key, "a model cannot be its own fallback"));
-        }
-        if !models.iter().any(|other| &other.name == fallback) {
-            return Err(c.err(
-                key,
-                format!(
-                    "no model `{fallback}`; models are: {}",
-                    models.iter().map(|m| m.name.as_str()).collect::<Vec<_>>().join(", ")
-                ),
-            ));
+        let named = [
+            (
+                "fallback_model",
+                &m.fallback_model,
+                "a model cannot be its own fallback",
+            ),
+            ("images", &m.images, "a model cannot be its own vision tower"),
+        ];
+        for (field, other, itself) in named {
+            let Some(other) = other else {
+                continue;
+            };
+            let key = format!("models[{i}].{field}");
+            if other == &m.name {
+                return Err(c.err(key, itself));
+            }
+            if !models.iter().any(|o| &o.name == other) {
+                return Err(c.err(
+                    key,
+                    format!(
+                        "no model `{other}`; models are: {}",
+                        models.iter().map(|m| m.name.as_str()).collect::<Vec<_>>().join(", ")
+                    ),
+                ));
+            }
         }
     }
     Ok(models)
@@ -113,6 +123,7 @@ fn model(c: &Checker, key: &str, m: &RawModel, services: &[ServiceConfig]) -> Re
         priority: m.priority.unwrap_or(service_priority),
         fallback_model: m.fallback_model.clone(),
         allow_substitute: m.allow_substitute,
+        images: m.images.clone(),
         min_residency,
         name: m.name.clone(),
         source,

@@ -12,15 +12,16 @@ use axum::extract::State;
 use axum::extract::rejection::BytesRejection;
 use axum::http::HeaderMap;
 use axum::response::{IntoResponse, Response};
-use base64::Engine;
 use serde_json::{Value, json};
 use tokio::time::Instant;
 
 use super::encode;
 use super::error::OpenAiError;
+use super::images;
+use super::vectors::{dimensions, encoding_format, item, text_tokens, truncate, within};
 use crate::http::headers::{request_id, with_request_id};
 use crate::http::state::AppState;
-use crate::runtime::embedder::{Embedder, normalize};
+use crate::runtime::embedder::Embedder;
 use crate::serve::service::ModelEntry;
 
 /// A checked embeddings request: its inputs' token ids and how to answer.
@@ -56,7 +57,7 @@ pub async fn embeddings(
     with_request_id(response, &id)
 }
 
-/// Read, run and answer one request.
+/// Read, run and answer one request; a request for a dual encoder's tower goes to [`images`].
 async fn serve(
     state: &AppState,
     headers: &HeaderMap,
@@ -64,7 +65,13 @@ async fn serve(
     id: &str,
     received: Instant,
 ) -> Result<Response, OpenAiError> {
-    let (job, served, given) = encode::run(state, (headers, body, id, received), read, |entry, job: &Job| {
+    let parsed = encode::parse(body, id);
+    if let Ok(value) = &parsed
+        && images::serves(state, value)
+    {
+        return images::serve(state, headers, value, id, received).await;
+    }
+    let (job, served, given) = encode::run(state, (headers, parsed, id, received), read, |entry, job: &Job| {
         // The padding's id is never seen: the attention mask leaves it out of every token's
         // attention and the pooling reads only the tokens it keeps.
         let inputs = Embedder::batch(&entry.signature, &job.inputs, 0);
@@ -83,46 +90,12 @@ async fn serve(
     let data = vectors
         .into_iter()
         .enumerate()
-        .map(|(index, vector)| {
-            let vector = cut(vector, job.dimensions, embedder.normalize)?;
-            let embedding = match job.base64 {
-                true => {
-                    let bytes: Vec<u8> = vector.iter().flat_map(|v| v.to_le_bytes()).collect();
-                    json!(base64::engine::general_purpose::STANDARD.encode(bytes))
-                }
-                false => json!(vector),
-            };
-            Ok(json!({"object": "embedding", "index": index, "embedding": embedding}))
-        })
+        .map(|(index, vector)| item(index, vector, job.dimensions, embedder.normalize, job.base64))
         .collect::<Result<Vec<Value>, OpenAiError>>()?;
     let tokens: usize = lengths.iter().sum();
     let body = json!({"object": "list", "data": data, "model": job.model,
                       "usage": {"prompt_tokens": tokens, "total_tokens": tokens}});
     Ok(encode::answer(state, &job.model, &served, body))
-}
-
-/// `vector` cut to its first `dimensions` (Matryoshka), normalized again when the model
-/// normalizes, as sentence-transformers' `truncate_dim` then `normalize` would.
-fn cut(mut vector: Vec<f32>, dimensions: Option<usize>, normalizes: bool) -> Result<Vec<f32>, OpenAiError> {
-    let Some(dimensions) = dimensions else {
-        return Ok(vector);
-    };
-    if dimensions > vector.len() {
-        return Err(dimensions_above(dimensions, vector.len()));
-    }
-    vector.truncate(dimensions);
-    if normalizes {
-        normalize(&mut vector);
-    }
-    Ok(vector)
-}
-
-/// The 400 for `dimensions` above the model's.
-fn dimensions_above(dimensions: usize, size: usize) -> OpenAiError {
-    OpenAiError::invalid(
-        format!("`dimensions` is {dimensions}, above the model's {size}"),
-        Some("dimensions"),
-    )
 }
 
 /// Read and check a body into a [`Job`]. `user` (OpenAI's abuse monitoring) is accepted and
@@ -131,46 +104,9 @@ fn read(state: &AppState, body: &Value, id: &str) -> Result<Job, OpenAiError> {
     let model = encode::model_named(body)?;
     let entry = embedding_model(state, &model, id)?;
     let embedder = entry.embedder.expect("checked by embedding_model");
-    let base64 = match &body["encoding_format"] {
-        Value::Null => false,
-        Value::String(f) if f == "float" => false,
-        Value::String(f) if f == "base64" => true,
-        other => {
-            return Err(OpenAiError::invalid(
-                format!("`encoding_format` is {other}; it is `float` or `base64`"),
-                Some("encoding_format"),
-            ));
-        }
-    };
-    let size = Embedder::size(&entry.signature);
-    let dimensions = match &body["dimensions"] {
-        Value::Null => None,
-        v => match v.as_u64().filter(|n| *n > 0) {
-            Some(n) => {
-                let n = n as usize;
-                match size {
-                    Some(size) if n > size => return Err(dimensions_above(n, size)),
-                    _ => Some(n),
-                }
-            }
-            None => {
-                return Err(OpenAiError::invalid(
-                    format!("`dimensions` is {v}, not a number above 0"),
-                    Some("dimensions"),
-                ));
-            }
-        },
-    };
-    let truncate = match &body["truncate"] {
-        Value::Null => false,
-        Value::Bool(b) => *b,
-        other => {
-            return Err(OpenAiError::invalid(
-                format!("`truncate` is {other}, not true or false"),
-                Some("truncate"),
-            ));
-        }
-    };
+    let base64 = encoding_format(body)?;
+    let dimensions = dimensions(body, Embedder::size(&entry.signature))?;
+    let truncate = truncate(body)?;
     let limit = encode::limit(entry, embedder.max_seq_length);
     let inputs = tokens(entry, &body["input"], limit, truncate)?;
     Ok(Job {
@@ -191,7 +127,7 @@ fn embedding_model<'a>(state: &'a AppState, model: &str, id: &str) -> Result<&'a
     if entry.embedder.is_none() || entry.tokenizer.is_none() {
         return Err(OpenAiError::invalid(
             format!(
-                "model `{model}` does not embed (it needs a sentence-transformers folder: `modules.json` with a Pooling module)"
+                "model `{model}` does not embed (it needs a sentence-transformers folder: `modules.json` with a Pooling module; or a dual encoder's tower: a graph giving `text_embeds` or `image_embeds`)"
             ),
             Some("model"),
         ));
@@ -235,50 +171,17 @@ fn tokens(
     texts_or_ids
         .into_iter()
         .enumerate()
-        .map(|(i, item)| {
-            let ids = match item {
-                Ok(text) => {
-                    if text.is_empty() {
-                        return Err(invalid(format!("`input[{i}]` is an empty string")));
-                    }
-                    let encoded = tokenizer
-                        .encode(text, true)
-                        .map_err(|e| invalid(format!("`input[{i}]` cannot be tokenized: {e}")))?;
-                    match limit {
-                        Some((limit, _)) if truncate && encoded.len() > limit => cut_text(tokenizer, text, limit)
-                            .map_err(|e| invalid(format!("`input[{i}]` cannot be tokenized: {e}")))?,
-                        _ => encoded.get_ids().to_vec(),
-                    }
+        .map(|(i, item)| match item {
+            Ok(text) => text_tokens(tokenizer, i, text, limit, truncate),
+            Err(ids) if ids.is_empty() => Err(invalid(format!("`input[{i}]` is an empty list of tokens"))),
+            Err(mut ids) => {
+                if let Some((limit, _)) = limit.filter(|_| truncate) {
+                    ids.truncate(limit);
                 }
-                Err(ids) if ids.is_empty() => return Err(invalid(format!("`input[{i}]` is an empty list of tokens"))),
-                Err(mut ids) => {
-                    if let Some((limit, _)) = limit.filter(|_| truncate) {
-                        ids.truncate(limit);
-                    }
-                    ids
-                }
-            };
-            if let Some((limit, what)) = limit
-                && ids.len() > limit
-            {
-                return Err(invalid(format!(
-                    "`input[{i}]` has {} tokens, above the model's {what} of {limit}; shorten it, or send `truncate: true` to cut it",
-                    ids.len()
-                )));
+                within(i, ids, limit)
             }
-            Ok(ids)
         })
         .collect()
-}
-
-/// `text`'s tokens cut to `limit` as sentence-transformers cuts them: its own tokens cut
-/// first, then the special tokens (`[CLS]`, `[SEP]`) added around what is left.
-fn cut_text(tokenizer: &tokenizers::Tokenizer, text: &str, limit: usize) -> tokenizers::Result<Vec<u32>> {
-    use tokenizers::PostProcessor;
-    let added = tokenizer.get_post_processor().map_or(0, |p| p.added_tokens(false));
-    let mut encoding = tokenizer.encode(text, false)?;
-    encoding.truncate(limit.saturating_sub(added), 0, tokenizers::TruncationDirection::Right);
-    Ok(tokenizer.post_process(encoding, None, true)?.get_ids().to_vec())
 }
 
 /// A list of token ids, each one of the model's.

@@ -16,7 +16,7 @@ use crate::http::headers::{decode_headers, model_header, pool_headers};
 use crate::http::state::AppState;
 use crate::protocol::headers::DECISION_HEADER;
 use crate::serve::lifecycle::{self, Served};
-use crate::serve::service::{ModelEntry, UNKNOWN_MODEL};
+use crate::serve::service::{ModelEntry, Service, UNKNOWN_MODEL};
 
 /// A checked request: the model it names.
 pub(super) trait Job {
@@ -24,23 +24,20 @@ pub(super) trait Job {
     fn model(&self) -> &str;
 }
 
-/// Read `body` into a job with `read`, build its inputs with `inputs` (the tensors and the one
+/// Read `body` (as [`parse`] gave it) into a job with `read`, build its inputs with `inputs` (the tensors and the one
 /// output to ask for), and run them through the lifecycle; the job and the output that came
 /// back. A request refused while it is read is counted here; one that reaches the lifecycle is
 /// counted there.
 pub(super) async fn run<J: Job>(
     state: &AppState,
-    (headers, body, id, received): (&HeaderMap, Result<Bytes, BytesRejection>, &str, Instant),
+    (headers, body, id, received): (&HeaderMap, Result<Value, OpenAiError>, &str, Instant),
     read: impl FnOnce(&AppState, &Value, &str) -> Result<J, OpenAiError>,
     inputs: impl FnOnce(&ModelEntry, &J) -> (Vec<Tensor>, &'static str),
 ) -> Result<(J, Served, Tensor), OpenAiError> {
     let service = &state.service;
     let mut named = UNKNOWN_MODEL.to_string();
     let checked = body
-        .map_err(|e| OpenAiError::unreadable(&e, id))
-        .and_then(|body| {
-            let value: Value = serde_json::from_slice(&body)
-                .map_err(|e| OpenAiError::invalid(format!("the body is not JSON: {e}"), None))?;
+        .and_then(|value| {
             if let Some(model) = value["model"].as_str() {
                 named = model.to_string();
             }
@@ -65,13 +62,7 @@ pub(super) async fn run<J: Job>(
     // A model's fallback would need the inputs tokenized again by its own tokenizer; nothing
     // rebuilds them for it yet, so it never answers here.
     request.allow_substitute = false;
-    let mut served = lifecycle::infer(service, request).await.map_err(|refused| {
-        let mut error = OpenAiError::from_request(&refused.error, id);
-        if let Some(d) = service.degraded.now() {
-            error.message = format!("{} (degraded: {})", error.message, d.reason);
-        }
-        error
-    })?;
+    let mut served = infer(service, request, id).await?;
     let at = served
         .outputs
         .iter()
@@ -79,6 +70,24 @@ pub(super) async fn run<J: Job>(
         .ok_or_else(|| OpenAiError::internal(format!("the run gave no `{output}`"), id))?;
     let given = served.outputs.swap_remove(at);
     Ok((job, served, given))
+}
+
+/// The body of a request: JSON, or the 400 saying why not.
+pub(super) fn parse(body: Result<Bytes, BytesRejection>, id: &str) -> Result<Value, OpenAiError> {
+    let body = body.map_err(|e| OpenAiError::unreadable(&e, id))?;
+    serde_json::from_slice(&body).map_err(|e| OpenAiError::invalid(format!("the body is not JSON: {e}"), None))
+}
+
+/// Run `request` through the lifecycle; a refusal in OpenAI's shape, saying when the server
+/// is degraded.
+pub(super) async fn infer(service: &Service, request: lifecycle::Request, id: &str) -> Result<Served, OpenAiError> {
+    lifecycle::infer(service, request).await.map_err(|refused| {
+        let mut error = OpenAiError::from_request(&refused.error, id);
+        if let Some(d) = service.degraded.now() {
+            error.message = format!("{} (degraded: {})", error.message, d.reason);
+        }
+        error
+    })
 }
 
 /// `body` as the answer to a request for `model` that `served` ran, with its headers.

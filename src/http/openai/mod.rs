@@ -22,18 +22,22 @@
 //! `error` is OpenAI's error shape, `logprobs` the tokens' log-probabilities in OpenAI's
 //! shapes. No two of these files use each other. `embeddings` and `rerank` are those endpoints,
 //! each whole in its file but for what they share in `encode` (a job's rows run as one request
-//! through the lifecycle, and the answer's headers); they use `error` too.
+//! through the lifecycle, and the answer's headers); `embeddings` hands a request for a dual
+//! encoder's tower to `images` (image search), and both build their vectors' items with
+//! `vectors` (the fields and tokens they share). They use `error` too.
 
 mod answer;
 mod chat;
 mod embeddings;
 mod encode;
 mod error;
+mod images;
 mod job;
 mod logprobs;
 mod rerank;
 mod run;
 mod stream;
+mod vectors;
 
 pub use embeddings::embeddings;
 pub use error::OpenAiError;

@@ -71,11 +71,16 @@ async fn serve(
     id: &str,
     received: Instant,
 ) -> Result<Response, OpenAiError> {
-    let (job, served, logits) = encode::run(state, (headers, body, id, received), read, |entry, job: &Job| {
-        let (ids, types): (Vec<Vec<u32>>, Vec<Vec<u32>>) = job.pairs.iter().cloned().unzip();
-        // The padding's id is never seen: the attention mask leaves it out.
-        (text_batch(&entry.signature, &ids, Some(&types), 0), LOGITS)
-    })
+    let (job, served, logits) = encode::run(
+        state,
+        (headers, encode::parse(body, id), id, received),
+        read,
+        |entry, job: &Job| {
+            let (ids, types): (Vec<Vec<u32>>, Vec<Vec<u32>>) = job.pairs.iter().cloned().unzip();
+            // The padding's id is never seen: the attention mask leaves it out.
+            (text_batch(&entry.signature, &ids, Some(&types), 0), LOGITS)
+        },
+    )
     .await?;
     let reranker = state
         .service

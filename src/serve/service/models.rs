@@ -15,6 +15,7 @@ use crate::runtime::folder::ModelFolder;
 use crate::runtime::onnx::ModelSignature;
 use crate::runtime::onnx::facts;
 use crate::runtime::reranker::Reranker;
+use crate::runtime::tower::Tower;
 use crate::telemetry::inference_stats::InferenceStats;
 
 use super::BackendFactory;
@@ -52,6 +53,9 @@ pub struct ModelEntry {
     /// How it scores a query and a document, when its folder is a cross-encoder's (one-label
     /// sequence classification): it then serves `/v1/rerank`.
     pub reranker: Option<Reranker>,
+    /// Which tower of a dual encoder (CLIP, SigLIP) it is, when its graph gives `text_embeds`
+    /// or `image_embeds`: it then serves `/v1/embeddings` for texts or images.
+    pub tower: Option<Tower>,
 }
 
 impl ModelEntry {
@@ -134,16 +138,44 @@ impl ModelEntry {
 /// Read and check every configured model, in config order; the first that fails is refused
 /// with its file and key (`models[i].…`).
 pub(super) fn load_models(backends: &dyn BackendFactory, config: &Config) -> Result<Vec<ModelEntry>, ConfigError> {
+    let invalid = |i: usize, key: &str, message: String| ConfigError::Invalid {
+        file: config.source.clone(),
+        key: format!("models[{i}].{key}"),
+        message,
+    };
     let models = config.models.iter().enumerate();
-    models
-        .map(|(i, m)| {
-            load_model(backends, m).map_err(|(key, message)| ConfigError::Invalid {
-                file: config.source.clone(),
-                key: format!("models[{i}].{key}"),
-                message,
-            })
-        })
-        .collect()
+    let entries = models
+        .map(|(i, m)| load_model(backends, m).map_err(|(key, message)| invalid(i, key, message)))
+        .collect::<Result<Vec<_>, _>>()?;
+    for (i, entry) in entries.iter().enumerate() {
+        check_images(entry, &entries).map_err(|message| invalid(i, "images", message))?;
+    }
+    Ok(entries)
+}
+
+/// A model that names a vision tower (`images`) is a text tower, and the model it names a
+/// vision tower whose vectors are as long as its own (the same space).
+fn check_images(entry: &ModelEntry, entries: &[ModelEntry]) -> Result<(), String> {
+    let Some(name) = &entry.config.images else {
+        return Ok(());
+    };
+    let vision = entries
+        .iter()
+        .find(|e| &e.config.name == name)
+        .expect("validated: `images` names a model");
+    let (Some(text @ Tower::Text { .. }), Some(image @ Tower::Image(..))) = (&entry.tower, &vision.tower) else {
+        return Err(format!(
+            "`{}` must be a dual encoder's text tower (its graph gives `text_embeds`) and `{name}` its vision tower (`image_embeds`, with a preprocessor_config.json)",
+            entry.config.name
+        ));
+    };
+    match (text.dimensions(&entry.signature), image.dimensions(&vision.signature)) {
+        (Some(t), Some(v)) if t != v => Err(format!(
+            "`{}` gives vectors of {t} dimensions and `{name}` of {v}: not one space",
+            entry.config.name
+        )),
+        _ => Ok(()),
+    }
 }
 
 /// A model's bytes carrying the [`CacheHints`] its graph and its `folder` give (unchanged when
@@ -220,8 +252,13 @@ fn load_model(backends: &dyn BackendFactory, m: &ModelConfig) -> Result<ModelEnt
             "a decoder's context is its attention mask, read from the graph; remove `context`".to_string(),
         ));
     }
+    let tower = Tower::read(bytes.data().folder, &signature).map_err(|e| ("path", format!("`{}`: {e}", m.source)))?;
+    let signature = match &tower {
+        Some(tower) => tower.pinned(signature),
+        None => signature,
+    };
     let profile = profile_of(backends, m, bytes.data(), &signature, decoder);
-    let reads_text = embedder.is_some() || reranker.is_some();
+    let reads_text = embedder.is_some() || reranker.is_some() || matches!(tower, Some(Tower::Text { .. }));
     let tokenizer = tokenizer_of(m, decoder, reads_text, bytes.data().folder)?;
     let chat = chat_template(m).map_err(|e| ("chat_template", e))?;
     let grammars = tokenizer.as_ref().filter(|_| decoder.is_some()).map(|tokenizer| {
@@ -242,6 +279,7 @@ fn load_model(backends: &dyn BackendFactory, m: &ModelConfig) -> Result<ModelEnt
         folder,
         embedder,
         reranker,
+        tower,
     })
 }
 

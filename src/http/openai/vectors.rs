@@ -1,0 +1,148 @@
+//! What `/v1/embeddings` answers with, whichever model embeds: the request's common fields
+//! (`encoding_format`, `dimensions`, `truncate`), a text's tokens within the model's limit, and
+//! each vector's `data` item. Sentence-transformers folders (`embeddings`) and dual encoders'
+//! towers (`images`) both answer through it; the run and the headers are [`super::encode`]'s.
+
+use base64::Engine;
+use serde_json::{Value, json};
+
+use super::error::OpenAiError;
+use crate::runtime::embedder::normalize;
+
+/// The `data` item of the input at `index`: its vector cut to `dimensions`, as floats or
+/// base64.
+pub(super) fn item(
+    index: usize,
+    vector: Vec<f32>,
+    dimensions: Option<usize>,
+    normalizes: bool,
+    base64: bool,
+) -> Result<Value, OpenAiError> {
+    let vector = cut(vector, dimensions, normalizes)?;
+    let embedding = match base64 {
+        true => {
+            let bytes: Vec<u8> = vector.iter().flat_map(|v| v.to_le_bytes()).collect();
+            json!(base64::engine::general_purpose::STANDARD.encode(bytes))
+        }
+        false => json!(vector),
+    };
+    Ok(json!({"object": "embedding", "index": index, "embedding": embedding}))
+}
+
+/// `vector` cut to its first `dimensions` (Matryoshka), normalized again when the model
+/// normalizes, as sentence-transformers' `truncate_dim` then `normalize` would.
+fn cut(mut vector: Vec<f32>, dimensions: Option<usize>, normalizes: bool) -> Result<Vec<f32>, OpenAiError> {
+    let Some(dimensions) = dimensions else {
+        return Ok(vector);
+    };
+    if dimensions > vector.len() {
+        return Err(dimensions_above(dimensions, vector.len()));
+    }
+    vector.truncate(dimensions);
+    if normalizes {
+        normalize(&mut vector);
+    }
+    Ok(vector)
+}
+
+/// The 400 for `dimensions` above the model's.
+fn dimensions_above(dimensions: usize, size: usize) -> OpenAiError {
+    OpenAiError::invalid(
+        format!("`dimensions` is {dimensions}, above the model's {size}"),
+        Some("dimensions"),
+    )
+}
+
+/// `encoding_format`: whether the vectors go as base64 (else floats).
+pub(super) fn encoding_format(body: &Value) -> Result<bool, OpenAiError> {
+    match &body["encoding_format"] {
+        Value::Null => Ok(false),
+        Value::String(f) if f == "float" => Ok(false),
+        Value::String(f) if f == "base64" => Ok(true),
+        other => Err(OpenAiError::invalid(
+            format!("`encoding_format` is {other}; it is `float` or `base64`"),
+            Some("encoding_format"),
+        )),
+    }
+}
+
+/// `dimensions`: how many of each vector's to keep, at most the model's `size` (when known).
+pub(super) fn dimensions(body: &Value, size: Option<usize>) -> Result<Option<usize>, OpenAiError> {
+    match &body["dimensions"] {
+        Value::Null => Ok(None),
+        v => match v.as_u64().filter(|n| *n > 0) {
+            Some(n) => {
+                let n = n as usize;
+                match size {
+                    Some(size) if n > size => Err(dimensions_above(n, size)),
+                    _ => Ok(Some(n)),
+                }
+            }
+            None => Err(OpenAiError::invalid(
+                format!("`dimensions` is {v}, not a number above 0"),
+                Some("dimensions"),
+            )),
+        },
+    }
+}
+
+/// `truncate` (TEI's): whether an input longer than the model takes is cut rather than refused.
+pub(super) fn truncate(body: &Value) -> Result<bool, OpenAiError> {
+    match &body["truncate"] {
+        Value::Null => Ok(false),
+        Value::Bool(b) => Ok(*b),
+        other => Err(OpenAiError::invalid(
+            format!("`truncate` is {other}, not true or false"),
+            Some("truncate"),
+        )),
+    }
+}
+
+/// The tokens of `text`, `input[i]`, with the model's special tokens: at most `limit`, or cut
+/// to it when the client allows (`truncate`).
+pub(super) fn text_tokens(
+    tokenizer: &tokenizers::Tokenizer,
+    i: usize,
+    text: &str,
+    limit: Option<(usize, &'static str)>,
+    truncate: bool,
+) -> Result<Vec<u32>, OpenAiError> {
+    let invalid = |message: String| OpenAiError::invalid(message, Some("input"));
+    if text.is_empty() {
+        return Err(invalid(format!("`input[{i}]` is an empty string")));
+    }
+    let encoded = tokenizer
+        .encode(text, true)
+        .map_err(|e| invalid(format!("`input[{i}]` cannot be tokenized: {e}")))?;
+    let ids = match limit {
+        Some((limit, _)) if truncate && encoded.len() > limit => {
+            cut_text(tokenizer, text, limit).map_err(|e| invalid(format!("`input[{i}]` cannot be tokenized: {e}")))?
+        }
+        _ => encoded.get_ids().to_vec(),
+    };
+    within(i, ids, limit)
+}
+
+/// `ids`, when `input[i]` has no more than `limit` tokens.
+pub(super) fn within(i: usize, ids: Vec<u32>, limit: Option<(usize, &'static str)>) -> Result<Vec<u32>, OpenAiError> {
+    match limit {
+        Some((limit, what)) if ids.len() > limit => Err(OpenAiError::invalid(
+            format!(
+                "`input[{i}]` has {} tokens, above the model's {what} of {limit}; shorten it, or send `truncate: true` to cut it",
+                ids.len()
+            ),
+            Some("input"),
+        )),
+        _ => Ok(ids),
+    }
+}
+
+/// `text`'s tokens cut to `limit` as sentence-transformers cuts them: its own tokens cut
+/// first, then the special tokens (`[CLS]`, `[SEP]`) added around what is left.
+fn cut_text(tokenizer: &tokenizers::Tokenizer, text: &str, limit: usize) -> tokenizers::Result<Vec<u32>> {
+    use tokenizers::PostProcessor;
+    let added = tokenizer.get_post_processor().map_or(0, |p| p.added_tokens(false));
+    let mut encoding = tokenizer.encode(text, false)?;
+    encoding.truncate(limit.saturating_sub(added), 0, tokenizers::TruncationDirection::Right);
+    Ok(tokenizer.post_process(encoding, None, true)?.get_ids().to_vec())
+}
