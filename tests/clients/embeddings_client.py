@@ -20,14 +20,13 @@ import json
 import math
 import os
 import sys
-import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, ".deps", "pyclients"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import openai  # noqa: E402
-from serving import Checks, report, start  # noqa: E402
+from serving import Checks, cosine, report, serve_config  # noqa: E402
 
 EMBED = os.path.join(ROOT, "models", "embed")
 MODELS = {"mean": "bert-mean-normalize", "cls": "bert-cls", "qwen3": "qwen3-lasttoken"}
@@ -44,21 +43,7 @@ pools:
 
 
 def main():
-    with tempfile.TemporaryDirectory() as tmp:
-        config = os.path.join(tmp, "embeddings.yaml")
-        with open(config, "w") as f:
-            f.write(CONFIG % {"embed": EMBED})
-        proc, address = start(sys.argv[1], "--config", config)
-        try:
-            return run(address)
-        finally:
-            proc.terminate()
-            proc.wait(timeout=30)
-
-
-def cosine(a, b):
-    dot = sum(x * y for x, y in zip(a, b))
-    return dot / math.sqrt(sum(x * x for x in a) * sum(y * y for y in b))
+    return serve_config(sys.argv[1], CONFIG % {"embed": EMBED}, run)
 
 
 def length(v):

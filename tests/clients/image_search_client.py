@@ -18,17 +18,15 @@ Run by `make client-compat` (which installs openai into .deps/pyclients); prints
 import base64
 import concurrent.futures
 import json
-import math
 import os
 import sys
-import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, ".deps", "pyclients"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import openai  # noqa: E402
-from serving import Checks, report, start  # noqa: E402
+from serving import Checks, cosine, report, serve_config  # noqa: E402
 
 CLIP = os.path.join(ROOT, "models", "embed", "clip")
 
@@ -43,21 +41,7 @@ pools:
 
 
 def main():
-    with tempfile.TemporaryDirectory() as tmp:
-        config = os.path.join(tmp, "clip.yaml")
-        with open(config, "w") as f:
-            f.write(CONFIG % {"clip": CLIP})
-        proc, address = start(sys.argv[1], "--config", config)
-        try:
-            return run(address)
-        finally:
-            proc.terminate()
-            proc.wait(timeout=30)
-
-
-def cosine(a, b):
-    dot = sum(x * y for x, y in zip(a, b))
-    return dot / math.sqrt(sum(x * x for x in a) * sum(y * y for y in b))
+    return serve_config(sys.argv[1], CONFIG % {"clip": CLIP}, run)
 
 
 def data_url(file):

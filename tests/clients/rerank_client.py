@@ -16,14 +16,13 @@ import concurrent.futures
 import json
 import os
 import sys
-import tempfile
 import urllib.error
 import urllib.request
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from serving import Checks, report, start  # noqa: E402
+from serving import Checks, report, serve_config  # noqa: E402
 
 EMBED = os.path.join(ROOT, "models", "embed")
 
@@ -37,16 +36,7 @@ pools:
 
 
 def main():
-    with tempfile.TemporaryDirectory() as tmp:
-        config = os.path.join(tmp, "rerank.yaml")
-        with open(config, "w") as f:
-            f.write(CONFIG % {"embed": EMBED})
-        proc, address = start(sys.argv[1], "--config", config)
-        try:
-            return run(address)
-        finally:
-            proc.terminate()
-            proc.wait(timeout=30)
+    return serve_config(sys.argv[1], CONFIG % {"embed": EMBED}, run)
 
 
 def post(address, path, body):

@@ -1,8 +1,10 @@
 """Start `vramguard serve` for the client compatibility checks and wait until it serves; the
 checks' registry and their report, shared by every client script."""
 import json
+import math
 import os
 import subprocess
+import tempfile
 import traceback
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -24,6 +26,26 @@ def start(binary, *serve_args, env=None):
         if log.get("message") == "vramguard serving":
             return proc, log["address"]
     raise RuntimeError("vramguard exited before serving")
+
+
+def serve_config(binary, yaml, run):
+    """Serve `yaml` (written to a config file of its own) with `binary`, give `run` the
+    address, and stop the server however `run` ends; what `run` returned."""
+    with tempfile.TemporaryDirectory() as tmp:
+        config = os.path.join(tmp, "config.yaml")
+        with open(config, "w") as f:
+            f.write(yaml)
+        proc, address = start(binary, "--config", config)
+        try:
+            return run(address)
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+
+
+def cosine(a, b):
+    dot = sum(x * y for x, y in zip(a, b))
+    return dot / math.sqrt(sum(x * x for x in a) * sum(y * y for y in b))
 
 
 class Checks(list):

@@ -479,14 +479,7 @@ async fn a_background_request_waits_while_its_device_is_under_the_reserve_but_no
         .await;
     assert_eq!(set.status(), StatusCode::OK);
     let waiting = crate::common::spawn_binary_encoder(&server, 16);
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    while crate::common::gauge(&server.metrics().await, "vramguard_requests_waiting") != 1.0 {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the background request never waited"
-        );
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    crate::common::until_waiting(&server, 1.0, "the background request").await;
     // The same service on the CPU pool is not held back by the device's headroom.
     let case = &crate::common::reference_cases("classifier")[0];
     let on_cpu = server

@@ -3,12 +3,10 @@
 //! reserve. The bundled embedder (`builtin:embedder`) over `POST /v1/embeddings`, with real
 //! ONNX Runtime sessions; every answer is held to the vector the same input gave at rest.
 
-use std::time::{Duration, Instant};
-
 use reqwest::StatusCode;
 use serde_json::{Value, json};
 
-use crate::common::{TestServer, gauge, sample};
+use crate::common::{TestServer, sample};
 use vramguard::testing::{ADMIT_ALL, Scratch};
 
 const SENTENCE: &str = "The GPU is shared by chat, embeddings and speech";
@@ -103,11 +101,7 @@ async fn an_embedder_of_a_background_service_waits_while_its_device_is_under_the
         .await;
     assert_eq!(set.status(), StatusCode::OK);
     let waiting = tokio::spawn(embed(url, "embed"));
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while gauge(&server.metrics().await, "vramguard_requests_waiting") != 1.0 {
-        assert!(Instant::now() < deadline, "the background embedding never waited");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    crate::common::until_waiting(&server, 1.0, "the background embedding").await;
     assert!(!waiting.is_finished(), "the device is still under its reserve");
 
     let released = server.post_json("/admin/sim/gpu0", &json!({"pressure": "0"})).await;

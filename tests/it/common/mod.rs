@@ -248,6 +248,16 @@ pub fn sample(metrics: &str, series: &str) -> f64 {
         .map_or(0.0, |v| v.parse().expect("a sample's value is a number"))
 }
 
+/// Poll `/metrics` every 5 ms until `vramguard_requests_waiting` reads `count` (at most 10 s;
+/// past that the test fails saying `what` never waited).
+pub async fn until_waiting(server: &TestServer, count: f64, what: &str) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while gauge(&server.metrics().await, "vramguard_requests_waiting") != count {
+        assert!(std::time::Instant::now() < deadline, "{what} never waited");
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+}
+
 /// The value of the unlabelled gauge `name`, which must be exposed.
 pub fn gauge(metrics: &str, name: &str) -> f64 {
     let prefix = format!("{name} ");
