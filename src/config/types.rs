@@ -234,6 +234,18 @@ pub struct ModelConfig {
     pub allow_substitute: bool,
     /// How long after a load eviction leaves it alone.
     pub min_residency: Duration,
+    /// Dynamic batching across requests, when configured.
+    pub batching: Option<Batching>,
+}
+
+/// `models[].batching`: requests for the model that arrive close together run as one batch,
+/// as large as fits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Batching {
+    /// The most rows one run takes (at least 1).
+    pub max_batch: usize,
+    /// How long a batch waits for more members after its first arrived (longer than 0).
+    pub max_delay: Duration,
 }
 
 /// Default `pools[].memory.idle_release` of a local pool (CPU or accelerator).

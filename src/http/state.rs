@@ -38,6 +38,7 @@ impl AppState {
 
     /// Wrap a service with the admin token given (`None`: no admin over TCP).
     pub fn with_admin_token(service: Arc<Service>, admin_token: Option<String>) -> Arc<AppState> {
+        service.share();
         Arc::new(AppState {
             service,
             shutting_down: AtomicBool::new(false),

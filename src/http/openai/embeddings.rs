@@ -91,6 +91,9 @@ async fn serve(
     // attention and the pooling reads only the tokens it keeps.
     request.inputs = Embedder::batch(&entry.signature, &job.inputs, 0);
     request.outputs = vec![HIDDEN_STATE.to_string()];
+    // Its padding is masked out: it may share a run with other requests' inputs of other
+    // lengths (`models[].batching`).
+    request.pads = true;
     // A model's fallback would need the inputs tokenized again by its own tokenizer; nothing
     // rebuilds them for it yet, so it never answers here.
     request.allow_substitute = false;

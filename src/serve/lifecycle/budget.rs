@@ -108,7 +108,7 @@ fn headroom_short(service: &Service, device: &str) -> Option<(u64, u64)> {
 }
 
 /// `policy.params.reserve_bytes`: a number of bytes or a size (`512MiB`).
-fn reserve_bytes(service: &Service) -> Option<u64> {
+pub(super) fn reserve_bytes(service: &Service) -> Option<u64> {
     match service.config.policy.params.get("reserve_bytes")? {
         serde_json::Value::Number(n) => n.as_u64(),
         serde_json::Value::String(text) => crate::config::parse_size(text).ok(),

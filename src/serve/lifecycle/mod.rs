@@ -12,6 +12,7 @@
 //! placed run), `fits.rs` (whether it could ever fit, or only not now), `room.rs` (making room for
 //! it by unloading idle models of its device), `budget.rs` (the request's service's budgets),
 //! `run.rs` (one run on a pool), `retry.rs` (the one retry, shared with a generation's steps),
+//! `batch.rs` (a batch of requests placed and run as one, retried member by member),
 //! `substitute.rs` (the model's `fallback_model` answering instead, with the client's leave),
 //! `count.rs` (the request metrics) and `error.rs` (what a client is told).
 //!
@@ -22,6 +23,7 @@
 //! Time is tokio's, so tests run deferrals and deadlines with paused time.
 
 mod admit;
+mod batch;
 mod budget;
 mod count;
 mod error;
@@ -45,10 +47,11 @@ use crate::pool::activity::Progress;
 use crate::serve::metrics::FailoverReason;
 use crate::serve::service::Service;
 
+pub use batch::{BatchRan, place_batch};
 pub use count::{Counted, answered, reject};
 pub use error::{DeadlineMiss, NotRetried, Refused, RequestError};
-pub use fits::{Ceiling, NeverFits};
-pub use place::place;
+pub use fits::{Ceiling, NeverFits, fits_now};
+pub use place::{place, place_alone};
 pub use substitute::{Answering, Fallback, Placement, Substitution, place_or_fallback};
 
 /// A decoded inference request, whatever protocol it came in by.
@@ -86,6 +89,11 @@ pub struct Request {
     /// going on from its own copy of the prompt's KV cache: the estimate covers that many
     /// caches, and the policy sees them as `req.batch`.
     pub generations: u64,
+    /// Its inputs may be right-padded with zeros along every axis but the batch axis, to run
+    /// in one batch with other requests' (`serve::batching`): an attention mask among them
+    /// leaves the padding out, as an embeddings request's does. Without it, it shares a run
+    /// only with requests of the same shapes.
+    pub pads: bool,
 }
 
 impl Request {

@@ -18,48 +18,25 @@ use super::{DeadlineMiss, Refused, Request, RequestError, Served};
 
 /// Place and run a request like [`infer`](super::infer), without counting it: for work made of
 /// several runs (a generation), counted once around all of them by a
-/// [`Counted`](super::Counted).
-pub async fn place(service: &Service, mut request: Request) -> Result<Served, Refused> {
-    let entry = service.model(&request.model).ok_or_else(|| Refused {
-        pool: None,
-        error: RequestError::unknown_model(service, &request.model),
-    })?;
-    let mut admitted = admit(service, entry, &mut request).await?;
-    let estimate_bytes = admitted
-        .estimate
-        .context_bytes
-        .saturating_add(admitted.estimate.workspace_bytes);
-    // Before the breaker's permission: waiting here must not hold a half-open pool's trial.
-    super::budget::enter(service, entry, &mut admitted, &request, estimate_bytes).await?;
-    permit_or_fallback(service, &mut admitted, estimate_bytes).map_err(|(pool, error)| Refused {
-        error: RequestError::from_pool(&pool, error),
-        pool: Some(pool),
-    })?;
+/// [`Counted`](super::Counted). A single run of a model with `batching` goes through its
+/// batcher, sharing a run with the requests that arrive beside it
+/// ([`crate::serve::batching`]).
+pub async fn place(service: &Service, request: Request) -> Result<Served, Refused> {
+    match service.batcher(&request.model) {
+        Some(batcher) if request.max_new_tokens == 0 && request.sequence.is_none() => {
+            batcher.join(service, request).await
+        }
+        _ => place_alone(service, request).await,
+    }
+}
+
+/// [`place`] without the batcher: the request's own run.
+pub async fn place_alone(service: &Service, mut request: Request) -> Result<Served, Refused> {
+    let (mut admitted, estimate_bytes) = placed(service, &mut request).await?;
     let pool = Arc::clone(&admitted.pool);
-    if !deadline_reachable(&pool, &request) {
-        return Err(Refused::at(&pool, RequestError::Deadline(DeadlineMiss::Estimated)));
-    }
-    if let Err(reason) = host_keeps_reserve(service, &pool, estimate_bytes) {
-        return Err(Refused::at(
-            &pool,
-            RequestError::HostMemory {
-                pool: pool.name().to_string(),
-                reason,
-                retry_after: pool.load().estimated_delay,
-            },
-        ));
-    }
     let inputs = std::mem::take(&mut request.inputs);
     let ran = run_with_retry(service, &pool, &request, inputs, estimate_bytes, Run::Placed).await;
-    if let Some(hold) = admitted.hold.take() {
-        // What its load took shows in the next sample, which the device's next cold start waits
-        // for; the answer does not.
-        let resample = service.resampler().now();
-        tokio::spawn(async move {
-            resample.await;
-            drop(hold);
-        });
-    }
+    release_hold(service, &mut admitted);
     let ran = ran?;
     // For the one retry: the run that answered is the request's last one started.
     let retry_started = ran
@@ -79,6 +56,54 @@ pub async fn place(service: &Service, mut request: Request) -> Result<Served, Re
         retried: ran.retried,
         outputs: ran.outputs,
     })
+}
+
+/// Everything before a placed request's run: the policy's decision, its service's budgets, the
+/// breaker's permission (taken), the deadline and host-memory checks. Gives where it runs and
+/// the bytes its run is estimated to take beyond the weights.
+pub(super) async fn placed(service: &Service, request: &mut Request) -> Result<(Admitted, u64), Refused> {
+    let entry = service.model(&request.model).ok_or_else(|| Refused {
+        pool: None,
+        error: RequestError::unknown_model(service, &request.model),
+    })?;
+    let mut admitted = admit(service, entry, request).await?;
+    let estimate_bytes = admitted
+        .estimate
+        .context_bytes
+        .saturating_add(admitted.estimate.workspace_bytes);
+    // Before the breaker's permission: waiting here must not hold a half-open pool's trial.
+    super::budget::enter(service, entry, &mut admitted, request, estimate_bytes).await?;
+    permit_or_fallback(service, &mut admitted, estimate_bytes).map_err(|(pool, error)| Refused {
+        error: RequestError::from_pool(&pool, error),
+        pool: Some(pool),
+    })?;
+    let pool = Arc::clone(&admitted.pool);
+    if !deadline_reachable(&pool, request) {
+        return Err(Refused::at(&pool, RequestError::Deadline(DeadlineMiss::Estimated)));
+    }
+    if let Err(reason) = host_keeps_reserve(service, &pool, estimate_bytes) {
+        return Err(Refused::at(
+            &pool,
+            RequestError::HostMemory {
+                pool: pool.name().to_string(),
+                reason,
+                retry_after: pool.load().estimated_delay,
+            },
+        ));
+    }
+    Ok((admitted, estimate_bytes))
+}
+
+/// After the placed run: what its load took shows in the next sample, which the device's next
+/// cold start waits for; the answer does not.
+pub(super) fn release_hold(service: &Service, admitted: &mut Admitted) {
+    if let Some(hold) = admitted.hold.take() {
+        let resample = service.resampler().now();
+        tokio::spawn(async move {
+            resample.await;
+            drop(hold);
+        });
+    }
 }
 
 /// The breaker's permission for the run, taken once here. The breaker may not be closed (it

@@ -198,6 +198,7 @@ fn load_model(backends: &dyn BackendFactory, m: &ModelConfig) -> Result<ModelEnt
         ));
     }
     let profile = profile_of(backends, m, bytes.data(), &signature, decoder);
+    check_batching(m, &profile, &signature, decoder.is_some())?;
     let tokenizer = tokenizer_of(m, decoder, embedder.is_some(), bytes.data().folder)?;
     let chat = chat_template(m).map_err(|e| ("chat_template", e))?;
     let grammars = tokenizer.as_ref().filter(|_| decoder.is_some()).map(|tokenizer| {
@@ -264,6 +265,49 @@ fn probed(
         .transpose()
         .map_err(|e| ("path", format!("`{}`: {e}", m.source)))?;
     Ok((bytes, signature, decoder))
+}
+
+/// `batching` needs a batch axis that every input has (members are stacked along it), and is
+/// for single runs: a decoder's generations are batched step by step already.
+fn check_batching(
+    m: &ModelConfig,
+    profile: &MemoryProfile,
+    signature: &ModelSignature,
+    decoder: bool,
+) -> Result<(), Invalid> {
+    if m.batching.is_none() {
+        return Ok(());
+    }
+    if decoder {
+        return Err((
+            "batching",
+            "a decoder's generations already share each step's run (continuous batching); remove `batching`"
+                .to_string(),
+        ));
+    }
+    let Some(batch) = profile.axis_with(AxisRole::Batch).map(|i| &profile.axes[i]) else {
+        return Err((
+            "batching",
+            format!(
+                "`{}` has no batch axis (a dynamic first dimension its inputs share) to stack requests along; remove `batching`",
+                m.source
+            ),
+        ));
+    };
+    if let Some(input) = signature
+        .inputs
+        .iter()
+        .find(|i| !batch.at.iter().any(|a| a.input == i.name))
+    {
+        return Err((
+            "batching",
+            format!(
+                "input `{}` of `{}` does not have the batch axis `{}`, so requests cannot be stacked; remove `batching`",
+                input.name, m.source, batch.name
+            ),
+        ));
+    }
+    Ok(())
 }
 
 /// A configured context axis must name an input of the model, exist in its shape and be

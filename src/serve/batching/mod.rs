@@ -1,0 +1,439 @@
+//! Dynamic batching across requests, sized by memory (`models[].batching`): single runs of one
+//! model that arrive close together share one run. A batch collects members that arrive within
+//! `max_delay` of its first, up to `max_batch` rows, and only while the whole batch's estimate
+//! is one admission lets run on the model's first-choice pool now
+//! ([`lifecycle::fits_now`]): the member that would not fit closes the batch and starts the
+//! next, so a long input never drags the others into an allocator failure. A batch does not
+//! wait when a run of the model could start now and nothing else has joined it since (the delay
+//! costs a lone request nothing); it waits for a run of the model to end, the delay, or to be
+//! full.
+//!
+//! A closed batch is one request to the lifecycle ([`lifecycle::place_batch`]): its inputs the
+//! members' stacked along the batch axis (right-padded with zeros where every member allows
+//! it, [`Request::pads`]; otherwise only members of equal shapes batch), its id the first
+//! member's, its deadline the latest member's, its priority the highest. Each member keeps its
+//! own identity and count (the protocol's [`lifecycle::Counted`]), waits for its own deadline
+//! (it gets its 504 and the batch goes on), and may go away (its rows are still run; when every
+//! member is gone, the run is cancelled). Each answer is the member's rows cut back out of the
+//! outputs, its padding trimmed ([`rows`]).
+
+mod rows;
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+
+use futures_util::future::join_all;
+use tokio::sync::{Notify, oneshot};
+use tokio::time::Instant;
+
+use crate::config::Batching;
+use crate::core::backend::RunMeta;
+use crate::core::metrics::ModelPoolLabels;
+use crate::pool::Pool;
+use crate::pool::activity::Progress;
+use crate::runtime::estimate::{AxisRole, Dims, MemoryProfile};
+use crate::runtime::onnx::ModelSignature;
+use crate::serve::lifecycle::{self, BatchRan, DeadlineMiss, Refused, Request, RequestError, Served};
+use crate::serve::service::{ModelEntry, Service};
+
+/// The batcher of one model with `batching`.
+#[derive(Debug)]
+pub struct Batcher {
+    config: Batching,
+    /// The batches still taking members, one per kind of member ([`Key`]).
+    open: Mutex<Vec<Open>>,
+    /// Runs of this model's batches in flight (from their admission to their answer).
+    running: AtomicUsize,
+    /// A run of this model's batches ended: a batch waiting for one may go.
+    ended: Notify,
+    next_id: AtomicU64,
+}
+
+/// What members must share to run as one: their outputs asked for, their inputs' names, and
+/// unless they all allow padding, their inputs' shapes along every axis but the batch axis.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Key {
+    outputs: Vec<String>,
+    inputs: Vec<(String, Option<Vec<i64>>)>,
+}
+
+/// A batch taking members.
+#[derive(Debug)]
+struct Open {
+    id: u64,
+    key: Key,
+    members: Vec<Member>,
+    /// Its rows, and its size along each axis of the model's estimate (the batch axis the
+    /// members' sum, every other the longest).
+    rows: u64,
+    dims: Dims,
+    first: Instant,
+    /// Its runs could start on its pool at once (`pools[].workers` and lanes).
+    slots: usize,
+    /// Set when it takes no more members (full, or the next would not fit): it goes now.
+    closed: bool,
+    close: Arc<Notify>,
+}
+
+#[derive(Debug)]
+struct Member {
+    request: Request,
+    rows: u64,
+    dims: Dims,
+    answer: oneshot::Sender<Result<Served, Refused>>,
+}
+
+impl Batcher {
+    /// A batcher for a model batched as `config` says.
+    pub fn new(config: Batching) -> Batcher {
+        Batcher {
+            config,
+            open: Mutex::default(),
+            running: AtomicUsize::new(0),
+            ended: Notify::new(),
+            next_id: AtomicU64::new(0),
+        }
+    }
+
+    /// Rows waiting in batches that have not gone yet.
+    pub fn waiting_rows(&self) -> u64 {
+        self.lock().iter().map(|open| open.rows).sum()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Open>> {
+        self.open.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Run `request` in a batch with the requests beside it, and answer it with its own rows.
+    /// One larger than `max_batch` alone, or one no pool could start (admission then says
+    /// why), runs alone, as it would without batching.
+    pub async fn join(&self, service: &Service, request: Request) -> Result<Served, Refused> {
+        let (Some(shared), Some(entry)) = (service.shared(), service.model(&request.model)) else {
+            return lifecycle::place_alone(service, request).await;
+        };
+        let Some(batch_axis) = entry.profile.axis_with(AxisRole::Batch) else {
+            return lifecycle::place_alone(service, request).await;
+        };
+        let dims = entry.dims_of(&request.inputs);
+        let rows = dims.get(batch_axis);
+        let first_choice = service
+            .pools
+            .iter()
+            .find(|p| p.serves(&request.model) && p.is_ready() && p.breaker_allows());
+        let (Some(pool), true) = (first_choice, rows as usize <= self.config.max_batch) else {
+            return lifecycle::place_alone(service, request).await;
+        };
+        let deadline = request.meta.deadline.map(Instant::from_std);
+        let (answer, answered) = oneshot::channel();
+        let member = Member {
+            request,
+            rows,
+            dims,
+            answer,
+        };
+        if let Some(id) = self.add(service, entry, pool, batch_axis, member) {
+            let model = entry.config.name.clone();
+            tokio::spawn(async move { go(shared, model, id).await });
+        }
+        let answer = match deadline {
+            // Its rows run on: only this member stops waiting.
+            Some(deadline) => match tokio::time::timeout_at(deadline, answered).await {
+                Ok(answer) => answer,
+                Err(_) => {
+                    return Err(Refused {
+                        pool: None,
+                        error: RequestError::Deadline(DeadlineMiss::InPool),
+                    });
+                }
+            },
+            None => answered.await,
+        };
+        match answer {
+            Ok(reply) => reply,
+            // Its batch's task ended without answering: the runtime is shutting down.
+            Err(_) => Err(Refused::at(
+                pool,
+                RequestError::ShuttingDown {
+                    pool: pool.name().to_string(),
+                },
+            )),
+        }
+    }
+
+    /// Add `member` to the open batch of its kind while the batch stays within `max_batch`
+    /// and what admission lets run on `pool` now; otherwise that batch goes and the member
+    /// opens the next. The new batch's id, when it opened one (its caller starts it).
+    fn add(
+        &self,
+        service: &Service,
+        entry: &ModelEntry,
+        pool: &Pool,
+        batch_axis: usize,
+        member: Member,
+    ) -> Option<u64> {
+        let key = key_of(entry, &member.request);
+        let mut open = self.lock();
+        if let Some(batch) = open.iter_mut().find(|b| b.key == key && !b.closed) {
+            let rows = batch.rows + member.rows;
+            let dims = merged(batch.dims, member.dims, batch_axis);
+            if rows as usize <= self.config.max_batch
+                && lifecycle::fits_now(service, entry, pool, &entry.estimate(&dims))
+            {
+                batch.rows = rows;
+                batch.dims = dims;
+                batch.members.push(member);
+                if rows as usize == self.config.max_batch {
+                    batch.closed = true;
+                    batch.close.notify_one();
+                }
+                return None;
+            }
+            // The next member would not fit with it: it goes as it is.
+            batch.closed = true;
+            batch.close.notify_one();
+        }
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        open.push(Open {
+            id,
+            key,
+            rows: member.rows,
+            dims: member.dims,
+            members: vec![member],
+            first: Instant::now(),
+            slots: pool.config.slots(),
+            closed: false,
+            close: Arc::new(Notify::new()),
+        });
+        Some(id)
+    }
+
+    /// Wait until batch `id` goes, and take its members: when it is closed, its delay has
+    /// passed, or a run of this model could start now.
+    async fn members_of(&self, id: u64) -> Vec<Member> {
+        loop {
+            let ended = self.ended.notified();
+            tokio::pin!(ended);
+            ended.as_mut().enable();
+            let (close, until) = {
+                let mut open = self.lock();
+                let at = open
+                    .iter()
+                    .position(|b| b.id == id)
+                    .expect("a batch is taken once, by its own task");
+                let batch = &open[at];
+                let until = batch.first + self.config.max_delay;
+                let idle = self.running.load(Ordering::Relaxed) < batch.slots;
+                if batch.closed || idle || Instant::now() >= until {
+                    return open.swap_remove(at).members;
+                }
+                (Arc::clone(&batch.close), until)
+            };
+            tokio::select! {
+                _ = close.notified() => {}
+                _ = &mut ended => {}
+                _ = tokio::time::sleep_until(until) => {}
+            }
+        }
+    }
+}
+
+/// Batch `id` of `model`'s batcher: wait for it to go, run it, answer its members.
+async fn go(service: Arc<Service>, model: String, id: u64) {
+    let (Some(batcher), Some(entry)) = (service.batcher(&model), service.model(&model)) else {
+        return;
+    };
+    // Requests that arrived in the same turn of the runtime join before it decides to go.
+    tokio::task::yield_now().await;
+    let members = batcher.members_of(id).await;
+    batcher.running.fetch_add(1, Ordering::Relaxed);
+    run(&service, entry, members).await;
+    batcher.running.fetch_sub(1, Ordering::Relaxed);
+    batcher.ended.notify_waiters();
+}
+
+/// Run the members still waiting as one request and answer each with its rows.
+async fn run(service: &Service, entry: &ModelEntry, members: Vec<Member>) {
+    let (mut requests, mut answers, mut rows) = (Vec::new(), Vec::new(), Vec::new());
+    for member in members.into_iter().filter(|m| !m.answer.is_closed()) {
+        requests.push(member.request);
+        answers.push(member.answer);
+        rows.push(member.rows as usize);
+    }
+    if requests.is_empty() {
+        return;
+    }
+    let batch = match batch_request(entry, &requests) {
+        Ok(batch) => batch,
+        Err(why) => {
+            // Members that cannot be stacked (a client sent other types under one name) are
+            // each the request they would have been without batching.
+            tracing::debug!(model = %entry.config.name, %why, "the batch's members run alone");
+            let alone = requests.into_iter().map(|r| lifecycle::place_alone(service, r));
+            for (answer, reply) in answers.into_iter().zip(join_all(alone).await) {
+                let _ = answer.send(reply);
+            }
+            return;
+        }
+    };
+    let total: usize = rows.iter().sum();
+    let placed = lifecycle::place_batch(service, batch, &requests);
+    let gone = join_all(answers.iter_mut().map(|a| a.closed()));
+    // Dropping the run when every member is gone cancels its job, queued or running.
+    let ran = tokio::select! {
+        ran = placed => ran,
+        _ = gone => {
+            tracing::debug!(model = %entry.config.name, "every member of the batch went away");
+            return;
+        }
+    };
+    match ran {
+        Ok(BatchRan::Together(served)) => {
+            service
+                .metrics
+                .batching
+                .rows
+                .get_or_create(&ModelPoolLabels {
+                    model: entry.config.name.clone(),
+                    pool: served.pool.name().to_string(),
+                })
+                .observe(total as f64);
+            let symbols = |name: &str| {
+                let spec = entry.signature.outputs.iter().find(|o| o.name == name);
+                spec.map(|o| o.symbols.clone()).unwrap_or_default()
+            };
+            let mut start = 0;
+            for ((request, answer), n) in requests.iter().zip(answers).zip(rows) {
+                let mine = rows::cut(&served.outputs, (start, n, total), &lengths(entry, request), &symbols);
+                start += n;
+                let reply = mine
+                    .map(|outputs| Served {
+                        pool: Arc::clone(&served.pool),
+                        action: served.action,
+                        context: None,
+                        context_cut: None,
+                        retry_started: None,
+                        retried: None,
+                        outputs,
+                    })
+                    .map_err(|why| {
+                        tracing::error!(model = %entry.config.name, %why, "a member's answer cannot be cut out of its batch's");
+                        let pool = served.pool.name().to_string();
+                        Refused::at(&served.pool, RequestError::Failed { pool })
+                    });
+                let _ = answer.send(reply);
+            }
+        }
+        Ok(BatchRan::Apart(each)) => {
+            for (answer, reply) in answers.into_iter().zip(each) {
+                let _ = answer.send(reply);
+            }
+        }
+        Err(refused) => {
+            for answer in answers {
+                let _ = answer.send(Err(refused.clone()));
+            }
+        }
+    }
+}
+
+/// The members as one request of the model: their inputs stacked, the first member's id, the
+/// latest deadline (none when one has none), the highest priority, replayable when every
+/// member is (a batch that fails is retried member by member, each as its own says).
+fn batch_request(entry: &ModelEntry, members: &[Request]) -> Result<Request, String> {
+    let batch_axis = |input: &str| batch_axis(&entry.profile, &entry.signature, input).unwrap_or(0);
+    let inputs: Vec<&[crate::core::tensor::Tensor]> = members.iter().map(|r| r.inputs.as_slice()).collect();
+    let inputs = rows::merge(&inputs, &batch_axis)?;
+    let first = &members[0];
+    let deadline = match members.iter().all(|r| r.meta.deadline.is_some()) {
+        true => members.iter().filter_map(|r| r.meta.deadline).max(),
+        false => None,
+    };
+    Ok(Request {
+        meta: RunMeta {
+            request_id: first.meta.request_id.clone(),
+            deadline,
+            idempotency_key: None,
+            priority: members.iter().map(|r| r.meta.priority).max().unwrap_or(0),
+            replayable: members.iter().all(|r| r.meta.replayable),
+            allow_shrink: false,
+        },
+        model: first.model.clone(),
+        inputs,
+        outputs: first.outputs.clone(),
+        max_new_tokens: 0,
+        received: members.iter().map(|r| r.received).min().unwrap_or(first.received),
+        shrinker: None,
+        progress: Progress::batch(members.iter().map(|r| r.progress.clone()).collect()),
+        allow_substitute: false,
+        sequence: None,
+        generations: 0,
+        pads: first.pads,
+    })
+}
+
+/// What a request shares with the others of its batch ([`Key`]).
+fn key_of(entry: &ModelEntry, request: &Request) -> Key {
+    let inputs = request
+        .inputs
+        .iter()
+        .map(|t| {
+            let axis = batch_axis(&entry.profile, &entry.signature, &t.name).unwrap_or(0);
+            let shape = (!request.pads).then(|| {
+                let mut shape = t.shape.clone();
+                if axis < shape.len() {
+                    shape.remove(axis);
+                }
+                shape
+            });
+            (t.name.clone(), shape)
+        })
+        .collect();
+    Key {
+        outputs: request.outputs.clone(),
+        inputs,
+    }
+}
+
+/// Where `input` has the model's batch axis: where the estimate reads it, or the dimension
+/// the model names as it does; `None` when the model has no batch axis or the input lacks it.
+pub fn batch_axis(profile: &MemoryProfile, signature: &ModelSignature, input: &str) -> Option<usize> {
+    let batch = &profile.axes[profile.axis_with(AxisRole::Batch)?];
+    if let Some(at) = batch.at.iter().find(|a| a.input == input) {
+        return Some(at.axis);
+    }
+    let spec = signature.inputs.iter().find(|s| s.name == input)?;
+    spec.symbols.iter().position(|s| *s == batch.name)
+}
+
+/// A batch's size with a member added: its rows the sum, every other axis the longer.
+fn merged(batch: Dims, member: Dims, batch_axis: usize) -> Dims {
+    let values: Vec<u64> = (0..batch.as_slice().len())
+        .map(|i| match i == batch_axis {
+            true => batch.get(i) + member.get(i),
+            false => batch.get(i).max(member.get(i)),
+        })
+        .collect();
+    Dims::new(&values)
+}
+
+/// A request's own length along each named axis of its inputs (by the symbol the model gives
+/// it), but the batch axis: where its answer's padding ends.
+fn lengths(entry: &ModelEntry, request: &Request) -> HashMap<String, usize> {
+    let batch = entry
+        .profile
+        .axis_with(AxisRole::Batch)
+        .map(|i| entry.profile.axes[i].name.as_str());
+    let mut lengths = HashMap::new();
+    for tensor in &request.inputs {
+        let Some(spec) = entry.signature.inputs.iter().find(|s| s.name == tensor.name) else {
+            continue;
+        };
+        for (symbol, &len) in spec.symbols.iter().zip(&tensor.shape) {
+            if !symbol.is_empty() && Some(symbol.as_str()) != batch {
+                lengths.insert(symbol.clone(), len.max(0) as usize);
+            }
+        }
+    }
+    lengths
+}
