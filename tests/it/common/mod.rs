@@ -17,6 +17,8 @@ pub const ADMIN_TOKEN: &str = "test-admin-token";
 /// A running server; dropping it does not stop it, call [`TestServer::stop`].
 pub struct TestServer {
     pub addr: SocketAddr,
+    /// The service it serves, for tests that drive the lifecycle beside HTTP.
+    pub service: Arc<Service>,
     stop: Option<oneshot::Sender<()>>,
     task: tokio::task::JoinHandle<std::io::Result<()>>,
     /// The folder of its policy file, kept while it serves.
@@ -60,13 +62,15 @@ impl TestServer {
     async fn listen(service: Service, admin_token: Option<&str>) -> TestServer {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
-        let state = AppState::with_admin_token(Arc::new(service), admin_token.map(str::to_string));
+        let service = Arc::new(service);
+        let state = AppState::with_admin_token(Arc::clone(&service), admin_token.map(str::to_string));
         let (stop, stopped) = oneshot::channel::<()>();
         let task = tokio::spawn(http::serve(state, listener, async {
             let _ = stopped.await;
         }));
         TestServer {
             addr,
+            service,
             stop: Some(stop),
             task,
             _policy: None,
