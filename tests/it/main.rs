@@ -4,6 +4,7 @@
 
 mod abuse;
 mod batching;
+mod batching_members;
 mod batching_requests;
 mod budgets;
 mod cli;
