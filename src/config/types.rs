@@ -244,7 +244,8 @@ pub struct ModelConfig {
 pub struct Batching {
     /// The most rows one run takes (at least 1).
     pub max_batch: usize,
-    /// How long a batch waits for more members after its first arrived (longer than 0).
+    /// How long a batch gathering behind the model's own runs holds back while other work
+    /// waits in the pool's queue (longer than 0).
     pub max_delay: Duration,
 }
 

@@ -59,9 +59,10 @@ struct Harness {
 fn harness(policy: &str, max_delay: &str) -> Harness {
     let script = Scratch::new();
     let yaml = format!(
-        "models: [{{name: encoder, path: 'builtin:encoder', context: {{input: input, axis: 1}}, \
-         batching: {{max_batch: 8, max_delay: {max_delay}}}}}]\n\
-         pools: [{{name: cpu, provider: cpu, models: [encoder], workers: 1, queue: {{capacity: 8, max_wait: 1h}}}}]\n{}",
+        "models:\n\
+         - {{name: encoder, path: 'builtin:encoder', context: {{input: input, axis: 1}}, batching: {{max_batch: 8, max_delay: {max_delay}}}}}\n\
+         - {{name: plain, path: 'builtin:encoder', context: {{input: input, axis: 1}}}}\n\
+         pools: [{{name: cpu, provider: cpu, models: [encoder, plain], workers: 1, queue: {{capacity: 8, max_wait: 1h}}}}]\n{}",
         script.policy(policy)
     );
     let (release, gate) = mpsc::channel();
@@ -176,9 +177,13 @@ async fn a_queued_batch_whose_members_all_went_away_never_runs() {
     let held = hold_the_worker(&mut h).await;
     let members = [spawn(&h, member(1.0)), spawn(&h, member(2.0))];
     rows_waiting(&h, 2).await;
-    // Its delay passes while the worker is held: it goes, and waits in the pool's queue.
+    // Another model's request waits in the pool's queue: past its delay the batch goes there
+    // too, to keep its place, and waits behind it.
+    let mut other = encoder_request(4, 7.0);
+    other.model = "plain".into();
+    let other = spawn(&h, other);
     let pool = Arc::clone(&h.service.pools[0]);
-    while pool.load().queue_depth == 0 {
+    while pool.load().queue_depth < 2 {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     for member in members {
@@ -187,12 +192,13 @@ async fn a_queued_batch_whose_members_all_went_away_never_runs() {
     }
     h.release.send(()).unwrap();
     held.await.unwrap().unwrap();
+    echoed(other.await.unwrap());
     // A request after it: by its answer the worker has taken the queue in order.
     echoed(lifecycle::infer(&h.service, member(5.0)).await);
+    let runs = h.runs.load(Ordering::SeqCst);
     assert_eq!(
-        h.runs.load(Ordering::SeqCst),
-        2,
-        "the held run and the one after, not the batch"
+        runs, 3,
+        "the held run, the other model's and the one after; not the batch"
     );
 }
 
@@ -210,7 +216,10 @@ async fn the_policy_is_asked_once_for_the_batch_and_sees_its_rows_and_estimate()
     let estimate = entry.estimate(&Dims::new(&[3, 4])).total_bytes;
     for answer in answers {
         let refused = answer.await.unwrap().expect_err("the policy refused the batch");
-        assert_eq!(refused.error.to_string(), format!("rejected by policy: batch 3 of {estimate}"));
+        assert_eq!(
+            refused.error.to_string(),
+            format!("rejected by policy: batch 3 of {estimate}")
+        );
     }
     let text = vramguard::telemetry::metrics::encode(&h.service.registry);
     let rejected = crate::common::sum_samples(&text, |l| {

@@ -1,20 +1,20 @@
 //! Dynamic batching across requests, sized by memory (`models[].batching`): single runs of one
-//! model that arrive close together share one run. A batch collects members that arrive within
-//! `max_delay` of its first, up to `max_batch` rows, and only while the whole batch's estimate
+//! model that arrive close together share one run. A batch collects the members that arrive
+//! while it waits, up to `max_batch` rows, and only while the whole batch's estimate
 //! is one admission lets run on the model's first-choice pool now
 //! ([`lifecycle::fits_now`]): the member that would not fit closes the batch and starts the
 //! next, so a long input never drags the others into an allocator failure. A batch does not
-//! wait when a run of the model could start now and nothing else has joined it since (the delay
-//! costs a lone request nothing); it waits for a run of the model to end, the delay, or to be
-//! full.
+//! wait when a run of it could start now (the delay costs a lone request nothing); while the
+//! model's runs fill the pool's workers it gathers, until a run ends, it is full, or (past
+//! `max_delay`) other work waits in the pool's queue.
 //!
 //! A closed batch is one request to the lifecycle ([`lifecycle::place_batch`]): its inputs the
 //! members' stacked along the batch axis (right-padded with zeros where every member allows
 //! it, [`Request::pads`]; otherwise only members of equal shapes batch), its id the first
 //! member's, its deadline the latest member's, its priority the highest. Each member keeps its
 //! own identity and count (the protocol's [`lifecycle::Counted`]), waits for its own deadline
-//! (it gets its 504 and the batch goes on), and may go away (its rows are still run; when every
-//! member is gone, the run is cancelled). Each answer is the member's rows cut back out of the
+//! (it gets its 504 and the batch goes on), and may go away (its rows are left out if the batch
+//! has not gone yet; when every member is gone, the run is cancelled). Each answer is the member's rows cut back out of the
 //! outputs, its padding trimmed ([`rows`]).
 
 mod rows;
@@ -69,8 +69,8 @@ struct Open {
     rows: u64,
     dims: Dims,
     first: Instant,
-    /// Its runs could start on its pool at once (`pools[].workers` and lanes).
-    slots: usize,
+    /// The pool it was sized for (the model's first choice).
+    pool: Arc<Pool>,
     /// Set when it takes no more members (full, or the next would not fit): it goes now.
     closed: bool,
     close: Arc<Notify>,
@@ -168,7 +168,7 @@ impl Batcher {
         &self,
         service: &Service,
         entry: &ModelEntry,
-        pool: &Pool,
+        pool: &Arc<Pool>,
         batch_axis: usize,
         member: Member,
     ) -> Option<u64> {
@@ -201,15 +201,19 @@ impl Batcher {
             dims: member.dims,
             members: vec![member],
             first: Instant::now(),
-            slots: pool.config.slots(),
+            pool: Arc::clone(pool),
             closed: false,
             close: Arc::new(Notify::new()),
         });
         Some(id)
     }
 
-    /// Wait until batch `id` goes, and take its members: when it is closed, its delay has
-    /// passed, or a run of this model could start now.
+    /// Wait until batch `id` goes, and take its members. It goes when it is closed, or when a
+    /// run of it could start now (this model's runs leave one of its pool's workers free):
+    /// a lone request waits for nothing. While the model's runs fill the workers it gathers
+    /// the requests that arrive, as it would only wait in the pool's queue; once `max_delay`
+    /// has passed it goes to that queue all the same when other work waits there, to keep
+    /// its place among it.
     async fn members_of(&self, id: u64) -> Vec<Member> {
         loop {
             let ended = self.ended.notified();
@@ -222,11 +226,17 @@ impl Batcher {
                     .position(|b| b.id == id)
                     .expect("a batch is taken once, by its own task");
                 let batch = &open[at];
-                let until = batch.first + self.config.max_delay;
-                let idle = self.running.load(Ordering::Relaxed) < batch.slots;
-                if batch.closed || idle || Instant::now() >= until {
+                let now = Instant::now();
+                let delayed = now >= batch.first + self.config.max_delay;
+                let free = self.running.load(Ordering::Relaxed) < batch.pool.config.slots();
+                if batch.closed || free || (delayed && batch.pool.load().queue_depth > 0) {
                     return open.swap_remove(at).members;
                 }
+                // Past its delay, it looks again at the queue every `max_delay`.
+                let until = match delayed {
+                    true => now + self.config.max_delay,
+                    false => batch.first + self.config.max_delay,
+                };
                 (Arc::clone(&batch.close), until)
             };
             tokio::select! {
