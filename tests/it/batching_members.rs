@@ -15,6 +15,7 @@ use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender, unbounded_channel};
 use vramguard::core::backend::{Backend, BackendError, RunMeta};
 use vramguard::core::tensor::{Tensor, TensorData};
 use vramguard::runtime::estimate::Dims;
+use vramguard::serve::batching::Batchers;
 use vramguard::serve::lifecycle::{self, DeadlineMiss, Refused, Request, RequestError, Served};
 use vramguard::serve::service::Service;
 use vramguard::testing::fakes::{self, FakeFactory, encoder_request};
@@ -49,6 +50,7 @@ impl Backend for Echo {
 
 struct Harness {
     service: Arc<Service>,
+    batchers: Arc<Batchers>,
     release: mpsc::Sender<()>,
     started: UnboundedReceiver<()>,
     runs: Arc<AtomicUsize>,
@@ -78,8 +80,8 @@ fn harness(policy: &str, max_delay: &str) -> Harness {
         }))
     }));
     let service = Arc::new(fakes::service(config::validated(&yaml), factory));
-    service.share();
     Harness {
+        batchers: Arc::new(Batchers::new(Arc::clone(&service))),
         service,
         release,
         started,
@@ -89,8 +91,8 @@ fn harness(policy: &str, max_delay: &str) -> Harness {
 }
 
 fn spawn(h: &Harness, request: Request) -> tokio::task::JoinHandle<Result<Served, Refused>> {
-    let service = Arc::clone(&h.service);
-    tokio::spawn(async move { lifecycle::infer(&service, request).await })
+    let batchers = Arc::clone(&h.batchers);
+    tokio::spawn(async move { batchers.infer(request).await })
 }
 
 /// A request of 4 positions, every value `value`.
@@ -107,7 +109,7 @@ async fn hold_the_worker(h: &mut Harness) -> tokio::task::JoinHandle<Result<Serv
 
 /// Wait until the batcher holds `rows` rows in batches that have not gone.
 async fn rows_waiting(h: &Harness, rows: u64) {
-    let batcher = h.service.batcher("encoder").expect("batching is configured");
+    let batcher = h.batchers.batcher("encoder").expect("batching is configured");
     while batcher.waiting_rows() != rows {
         tokio::task::yield_now().await;
     }

@@ -60,13 +60,14 @@ fn assert_near(got: &[f32], want: &[f32], what: &str) {
     assert!(worst <= 1e-5, "{what}: differs by {worst} from the same request alone");
 }
 
-/// Run `requests` so that they arrive together: all spawned before any of them runs.
-async fn together(service: &Arc<Service>, requests: Vec<Request>) -> Vec<Result<Served, Refused>> {
+/// Run `requests` so that they arrive together: all spawned before any of them runs, each
+/// placed as the HTTP handlers place it (through the batchers).
+async fn together(server: &TestServer, requests: Vec<Request>) -> Vec<Result<Served, Refused>> {
     let tasks: Vec<_> = requests
         .into_iter()
         .map(|request| {
-            let service = Arc::clone(service);
-            tokio::spawn(async move { lifecycle::infer(&service, request).await })
+            let state = Arc::clone(&server.state);
+            tokio::spawn(async move { state.batching.infer(request).await })
         })
         .collect();
     let mut answers = Vec::new();
@@ -106,7 +107,7 @@ async fn requests_that_arrive_together_share_runs_of_at_most_max_batch_and_each_
          pools: [{{name: cpu, provider: cpu, models: [mean, alone], workers: 1}}]\n"
     ))
     .await;
-    let service = &server.service;
+    let service = &server.state.service;
     assert_eq!(
         runs_and_rows(service, "mean", "cpu"),
         (0.0, 0.0),
@@ -117,7 +118,7 @@ async fn requests_that_arrive_together_share_runs_of_at_most_max_batch_and_each_
     let requests = (inputs.iter().enumerate())
         .map(|(i, ids)| embedding(service, "mean", ids, &format!("member-{i}")))
         .collect();
-    let answers = together(service, requests).await;
+    let answers = together(&server, requests).await;
     assert_eq!(runs_and_rows(service, "mean", "cpu"), (2.0, 6.0));
     assert_eq!(
         runs_within(service, "mean", "cpu", 2),
@@ -155,7 +156,7 @@ async fn tensors_of_other_shapes_never_share_a_run_and_each_answer_equals_it_alo
          pools: [{name: cpu, provider: cpu, models: [encoder, alone], workers: 1}]\n",
     )
     .await;
-    let service = &server.service;
+    let service = &server.state.service;
     let tensor = |seq: usize, seed: usize| Tensor {
         name: "input".into(),
         shape: vec![1, seq as i64, 64],
@@ -171,7 +172,7 @@ async fn tensors_of_other_shapes_never_share_a_run_and_each_answer_equals_it_alo
     let requests = (shapes.iter().enumerate())
         .map(|(i, &seq)| vramguard::testing::request("encoder", vec![tensor(seq, i)]))
         .collect();
-    let answers = together(service, requests).await;
+    let answers = together(&server, requests).await;
     assert_eq!(runs_and_rows(service, "encoder", "cpu"), (2.0, 5.0));
     for (i, answer) in answers.iter().enumerate() {
         let served = answer.as_ref().unwrap_or_else(|r| panic!("member {i}: {}", r.error));
@@ -232,7 +233,7 @@ async fn concurrent_embeddings_requests_over_http_each_equal_the_same_request_al
         assert_near(&got[i], &want, &format!("request {i}"));
     }
     // Every request's row ran exactly once, however they were grouped.
-    assert_eq!(runs_and_rows(&server.service, "mean", "cpu").1, 16.0);
+    assert_eq!(runs_and_rows(&server.state.service, "mean", "cpu").1, 16.0);
     server.stop().await;
 }
 
@@ -257,12 +258,12 @@ async fn a_batch_grows_only_while_its_estimate_fits_the_device_now() {
         scratch.write("policy.rhai", vramguard::testing::ADMIT_ALL).display()
     ))
     .await;
-    let service = &server.service;
+    let service = &server.state.service;
     let inputs: Vec<Vec<Vec<u32>>> = (0..6).map(|i| vec![ids(i, 25)]).collect();
     let requests = (inputs.iter().enumerate())
         .map(|(i, ids)| embedding(service, "mean", ids, &format!("member-{i}")))
         .collect();
-    let answers = together(service, requests).await;
+    let answers = together(&server, requests).await;
     assert_eq!(runs_and_rows(service, "mean", "gpu"), (3.0, 6.0), "three runs of two");
     assert_eq!(runs_within(service, "mean", "gpu", 2), 3.0);
     let failures = crate::common::sum_samples(&metrics(service), |l| {
@@ -304,7 +305,7 @@ async fn a_batch_failing_on_the_device_is_retried_member_by_member_on_the_fallba
     .await;
     let response = server.post_json("/admin/sim/gpu0", &json!({"fail_next": 1})).await;
     assert_eq!(response.status(), StatusCode::OK);
-    let service = &server.service;
+    let service = &server.state.service;
     let inputs: Vec<Vec<Vec<u32>>> = (0..4).map(|i| vec![ids(i, 4 + 3 * i)]).collect();
     let requests = (inputs.iter().enumerate())
         .map(|(i, ids)| {
@@ -314,7 +315,7 @@ async fn a_batch_failing_on_the_device_is_retried_member_by_member_on_the_fallba
             request
         })
         .collect();
-    let answers = together(service, requests).await;
+    let answers = together(&server, requests).await;
     for (i, (answer, ids)) in answers.iter().zip(&inputs).enumerate() {
         if i == 2 {
             let refused = answer.as_ref().expect_err("not replayable, not retried");

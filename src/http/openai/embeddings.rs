@@ -97,7 +97,7 @@ async fn serve(
     // A model's fallback would need the inputs tokenized again by its own tokenizer; nothing
     // rebuilds them for it yet, so it never answers here.
     request.allow_substitute = false;
-    let served = lifecycle::infer(service, request).await.map_err(|refused| {
+    let served = state.batching.infer(request).await.map_err(|refused| {
         let mut error = OpenAiError::from_request(&refused.error, id);
         if let Some(d) = service.degraded.now() {
             error.message = format!("{} (degraded: {})", error.message, d.reason);

@@ -32,10 +32,56 @@ use crate::core::backend::RunMeta;
 use crate::core::metrics::ModelPoolLabels;
 use crate::pool::Pool;
 use crate::pool::activity::Progress;
-use crate::runtime::estimate::{AxisRole, Dims, MemoryProfile};
-use crate::runtime::onnx::ModelSignature;
-use crate::serve::lifecycle::{self, BatchRan, DeadlineMiss, Refused, Request, RequestError, Served};
+use crate::runtime::estimate::{AxisRole, Dims};
+use crate::serve::lifecycle::{self, BatchRan, DeadlineMiss, Placement, Refused, Request, RequestError, Served};
 use crate::serve::service::{ModelEntry, Service};
+
+/// The batchers of a service's models with `batching`, and the service their batches run on:
+/// what a protocol places its requests through ([`Batchers::infer`],
+/// [`Batchers::place_or_fallback`]); a request of any other model is placed as the lifecycle
+/// places it.
+#[derive(Debug)]
+pub struct Batchers {
+    service: Arc<Service>,
+    batchers: HashMap<String, Arc<Batcher>>,
+}
+
+impl Batchers {
+    /// A batcher for each of `service`'s models with `batching`.
+    pub fn new(service: Arc<Service>) -> Batchers {
+        let batchers = (service.models.iter())
+            .filter_map(|m| Some((m.config.name.clone(), Arc::new(Batcher::new(m.config.batching?)))))
+            .collect();
+        Batchers { service, batchers }
+    }
+
+    /// `model`'s batcher, when it has `batching`.
+    pub fn batcher(&self, model: &str) -> Option<&Batcher> {
+        self.batchers.get(model).map(Arc::as_ref)
+    }
+
+    /// [`lifecycle::place`], in a batch when the request is a single run of a model with
+    /// `batching`.
+    pub async fn place(&self, request: Request) -> Result<Served, Refused> {
+        match self.batchers.get(&request.model) {
+            Some(batcher) if request.max_new_tokens == 0 && request.sequence.is_none() => {
+                batcher.join(&self.service, request).await
+            }
+            _ => lifecycle::place(&self.service, request).await,
+        }
+    }
+
+    /// [`lifecycle::place_or_fallback`] through [`Batchers::place`]. The fallback model, when
+    /// it answers instead, runs the request alone.
+    pub async fn place_or_fallback(&self, request: Request) -> Result<Placement, Refused> {
+        lifecycle::place_or_fallback_with(&self.service, request, |request| self.place(request)).await
+    }
+
+    /// [`lifecycle::infer`] through [`Batchers::place_or_fallback`].
+    pub async fn infer(&self, request: Request) -> Result<Served, Refused> {
+        lifecycle::infer_with(&self.service, request, |request| self.place_or_fallback(request)).await
+    }
+}
 
 /// The batcher of one model with `batching`.
 #[derive(Debug)]
@@ -108,12 +154,12 @@ impl Batcher {
     /// Run `request` in a batch with the requests beside it, and answer it with its own rows.
     /// One larger than `max_batch` alone, or one no pool could start (admission then says
     /// why), runs alone, as it would without batching.
-    pub async fn join(&self, service: &Service, request: Request) -> Result<Served, Refused> {
-        let (Some(shared), Some(entry)) = (service.shared(), service.model(&request.model)) else {
-            return lifecycle::place_alone(service, request).await;
+    async fn join(self: &Arc<Self>, service: &Arc<Service>, request: Request) -> Result<Served, Refused> {
+        let Some(entry) = service.model(&request.model) else {
+            return lifecycle::place(service, request).await;
         };
         let Some(batch_axis) = entry.profile.axis_with(AxisRole::Batch) else {
-            return lifecycle::place_alone(service, request).await;
+            return lifecycle::place(service, request).await;
         };
         let dims = entry.dims_of(&request.inputs);
         let rows = dims.get(batch_axis);
@@ -122,7 +168,7 @@ impl Batcher {
             .iter()
             .find(|p| p.serves(&request.model) && p.is_ready() && p.breaker_allows());
         let (Some(pool), true) = (first_choice, rows as usize <= self.config.max_batch) else {
-            return lifecycle::place_alone(service, request).await;
+            return lifecycle::place(service, request).await;
         };
         let deadline = request.meta.deadline.map(Instant::from_std);
         let (answer, answered) = oneshot::channel();
@@ -133,8 +179,8 @@ impl Batcher {
             answer,
         };
         if let Some(id) = self.add(service, entry, pool, batch_axis, member) {
-            let model = entry.config.name.clone();
-            tokio::spawn(async move { go(shared, model, id).await });
+            let (service, batcher) = (Arc::clone(service), Arc::clone(self));
+            tokio::spawn(async move { batcher.go(&service, id).await });
         }
         let answer = match deadline {
             // Its rows run on: only this member stops waiting.
@@ -208,6 +254,20 @@ impl Batcher {
         Some(id)
     }
 
+    /// Batch `id`: wait for it to go, run it, answer its members.
+    async fn go(&self, service: &Service, id: u64) {
+        // Requests that arrived in the same turn of the runtime join before it decides to go.
+        tokio::task::yield_now().await;
+        let members = self.members_of(id).await;
+        let Some(entry) = members.first().and_then(|m| service.model(&m.request.model)) else {
+            return;
+        };
+        self.running.fetch_add(1, Ordering::Relaxed);
+        run(service, entry, members).await;
+        self.running.fetch_sub(1, Ordering::Relaxed);
+        self.ended.notify_waiters();
+    }
+
     /// Wait until batch `id` goes, and take its members. It goes when it is closed, or when a
     /// run of it could start now (this model's runs leave one of its pool's workers free):
     /// a lone request waits for nothing. While the model's runs fill the workers it gathers
@@ -248,20 +308,6 @@ impl Batcher {
     }
 }
 
-/// Batch `id` of `model`'s batcher: wait for it to go, run it, answer its members.
-async fn go(service: Arc<Service>, model: String, id: u64) {
-    let (Some(batcher), Some(entry)) = (service.batcher(&model), service.model(&model)) else {
-        return;
-    };
-    // Requests that arrived in the same turn of the runtime join before it decides to go.
-    tokio::task::yield_now().await;
-    let members = batcher.members_of(id).await;
-    batcher.running.fetch_add(1, Ordering::Relaxed);
-    run(&service, entry, members).await;
-    batcher.running.fetch_sub(1, Ordering::Relaxed);
-    batcher.ended.notify_waiters();
-}
-
 /// Run the members still waiting as one request and answer each with its rows.
 async fn run(service: &Service, entry: &ModelEntry, members: Vec<Member>) {
     let (mut requests, mut answers, mut rows) = (Vec::new(), Vec::new(), Vec::new());
@@ -279,7 +325,7 @@ async fn run(service: &Service, entry: &ModelEntry, members: Vec<Member>) {
             // Members that cannot be stacked (a client sent other types under one name) are
             // each the request they would have been without batching.
             tracing::debug!(model = %entry.config.name, %why, "the batch's members run alone");
-            let alone = requests.into_iter().map(|r| lifecycle::place_alone(service, r));
+            let alone = requests.into_iter().map(|r| lifecycle::place(service, r));
             for (answer, reply) in answers.into_iter().zip(join_all(alone).await) {
                 let _ = answer.send(reply);
             }
@@ -351,7 +397,7 @@ async fn run(service: &Service, entry: &ModelEntry, members: Vec<Member>) {
 /// latest deadline (none when one has none), the highest priority, replayable when every
 /// member is (a batch that fails is retried member by member, each as its own says).
 fn batch_request(entry: &ModelEntry, members: &[Request]) -> Result<Request, String> {
-    let batch_axis = |input: &str| batch_axis(&entry.profile, &entry.signature, input).unwrap_or(0);
+    let batch_axis = |input: &str| entry.profile.batch_axis_of(&entry.signature, input).unwrap_or(0);
     let inputs: Vec<&[crate::core::tensor::Tensor]> = members.iter().map(|r| r.inputs.as_slice()).collect();
     let inputs = rows::merge(&inputs, &batch_axis)?;
     let first = &members[0];
@@ -388,7 +434,7 @@ fn key_of(entry: &ModelEntry, request: &Request) -> Key {
         .inputs
         .iter()
         .map(|t| {
-            let axis = batch_axis(&entry.profile, &entry.signature, &t.name).unwrap_or(0);
+            let axis = entry.profile.batch_axis_of(&entry.signature, &t.name).unwrap_or(0);
             let shape = (!request.pads).then(|| {
                 let mut shape = t.shape.clone();
                 if axis < shape.len() {
@@ -403,17 +449,6 @@ fn key_of(entry: &ModelEntry, request: &Request) -> Key {
         outputs: request.outputs.clone(),
         inputs,
     }
-}
-
-/// Where `input` has the model's batch axis: where the estimate reads it, or the dimension
-/// the model names as it does; `None` when the model has no batch axis or the input lacks it.
-pub fn batch_axis(profile: &MemoryProfile, signature: &ModelSignature, input: &str) -> Option<usize> {
-    let batch = &profile.axes[profile.axis_with(AxisRole::Batch)?];
-    if let Some(at) = batch.at.iter().find(|a| a.input == input) {
-        return Some(at.axis);
-    }
-    let spec = signature.inputs.iter().find(|s| s.name == input)?;
-    spec.symbols.iter().position(|s| *s == batch.name)
 }
 
 /// A batch's size with a member added: its rows the sum, every other axis the longer.

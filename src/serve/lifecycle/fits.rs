@@ -167,10 +167,19 @@ pub fn fits_now(service: &Service, entry: &ModelEntry, pool: &Pool, estimate: &E
     match memory_of(pool) {
         Some(Memory::Host) => super::run::host_keeps_reserve(service, pool, need).is_ok(),
         Some(Memory::Device(device)) => snapshot.devices.get(device).is_none_or(|d| {
-            let reserve = super::budget::reserve_bytes(service).unwrap_or(0);
+            let reserve = reserve_bytes(service).unwrap_or(0);
             need <= d.headroom_bytes.saturating_sub(reserve)
         }),
         None => true,
+    }
+}
+
+/// `policy.params.reserve_bytes`: a number of bytes or a size (`512MiB`).
+pub(super) fn reserve_bytes(service: &Service) -> Option<u64> {
+    match service.config.policy.params.get("reserve_bytes")? {
+        serde_json::Value::Number(n) => n.as_u64(),
+        serde_json::Value::String(text) => crate::config::parse_size(text).ok(),
+        _ => None,
     }
 }
 

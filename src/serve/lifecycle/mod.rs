@@ -34,6 +34,7 @@ mod room;
 mod run;
 mod substitute;
 
+use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -51,8 +52,8 @@ pub use batch::{BatchRan, place_batch};
 pub use count::{Counted, answered, reject};
 pub use error::{DeadlineMiss, NotRetried, Refused, RequestError};
 pub use fits::{Ceiling, NeverFits, fits_now};
-pub use place::{place, place_alone};
-pub use substitute::{Answering, Fallback, Placement, Substitution, place_or_fallback};
+pub use place::place;
+pub use substitute::{Answering, Fallback, Placement, Substitution, place_or_fallback, place_or_fallback_with};
 
 /// A decoded inference request, whatever protocol it came in by.
 #[derive(Debug, Clone)]
@@ -159,9 +160,18 @@ pub struct Ran {
 /// count the outcome. It has nothing to rebuild a request for another model from, so its
 /// model's fallback never answers it. A protocol that answers from what was served does these
 /// steps itself: [`Counted::start`], [`place_or_fallback`], [`Counted::finish`] with its answer.
-pub async fn infer(service: &Service, mut request: Request) -> Result<Served, Refused> {
+pub async fn infer(service: &Service, request: Request) -> Result<Served, Refused> {
+    infer_with(service, request, |request| place_or_fallback(service, request)).await
+}
+
+/// [`infer`], placing the request with `place` (a batcher's, `serve::batching`).
+pub async fn infer_with<'a, F, P>(service: &'a Service, mut request: Request, place: P) -> Result<Served, Refused>
+where
+    P: FnOnce(Request) -> F,
+    F: Future<Output = Result<Placement, Refused>> + 'a,
+{
     let counted = Counted::start(service, &mut request);
-    let served = match place_or_fallback(service, request).await {
+    let served = match place(request).await {
         Ok(Placement::Served(served)) => Ok(served),
         Ok(Placement::Fallback(fallback)) => {
             Err(fallback.cannot("it was not received by a protocol that can ask another model"))

@@ -18,20 +18,9 @@ use super::{DeadlineMiss, Refused, Request, RequestError, Served};
 
 /// Place and run a request like [`infer`](super::infer), without counting it: for work made of
 /// several runs (a generation), counted once around all of them by a
-/// [`Counted`](super::Counted). A single run of a model with `batching` goes through its
-/// batcher, sharing a run with the requests that arrive beside it
-/// ([`crate::serve::batching`]).
-pub async fn place(service: &Service, request: Request) -> Result<Served, Refused> {
-    match service.batcher(&request.model) {
-        Some(batcher) if request.max_new_tokens == 0 && request.sequence.is_none() => {
-            batcher.join(service, request).await
-        }
-        _ => place_alone(service, request).await,
-    }
-}
-
-/// [`place`] without the batcher: the request's own run.
-pub async fn place_alone(service: &Service, mut request: Request) -> Result<Served, Refused> {
+/// [`Counted`](super::Counted). It runs alone: a protocol that batches requests of a model with
+/// `batching` places them through [`crate::serve::batching`] instead.
+pub async fn place(service: &Service, mut request: Request) -> Result<Served, Refused> {
     let (mut admitted, estimate_bytes) = placed(service, &mut request).await?;
     let pool = Arc::clone(&admitted.pool);
     let inputs = std::mem::take(&mut request.inputs);

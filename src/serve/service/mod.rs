@@ -31,7 +31,6 @@ use crate::pool::activity::Activity;
 use crate::pool::degraded::Degraded;
 use crate::pool::{Pool, PoolContext};
 use crate::runtime::onnx::RuntimeError;
-use crate::serve::batching::Batcher;
 use crate::serve::idempotency::{IdempotencyCache, StoredResponse};
 use crate::serve::metrics::Metrics;
 use crate::telemetry::exporter::{LiveCollector, Sampler, SnapshotStore};
@@ -109,10 +108,6 @@ pub struct Service {
     weights_beside: HashMap<(String, String), u64>,
     /// `server.cpu_wake_latency`, held while requests are in flight.
     wake_limit: Option<WakeLimit>,
-    /// The batcher of each model with `batching`, by name.
-    batchers: HashMap<String, Batcher>,
-    /// Itself, once shared ([`Service::share`]): what a batch's own task runs on.
-    this: std::sync::OnceLock<std::sync::Weak<Service>>,
 }
 
 /// Asks the background sampler for a sample and waits for it.
@@ -226,9 +221,6 @@ impl Service {
             ServicesCollector::new(&config, devices, Arc::clone(&store)).serving(Arc::clone(&services) as _),
         ));
         let weights_beside = weights_beside(&pools, &models);
-        let batchers = (models.iter())
-            .filter_map(|m| Some((m.config.name.clone(), Batcher::new(m.config.batching?))))
-            .collect();
         Ok(Service {
             runtime_version,
             config,
@@ -252,26 +244,7 @@ impl Service {
             rooms: Rooms::default(),
             weights_beside,
             wake_limit: None,
-            batchers,
-            this: std::sync::OnceLock::new(),
         })
-    }
-
-    /// `model`'s batcher, when it has `batching`.
-    pub fn batcher(&self, model: &str) -> Option<&Batcher> {
-        self.batchers.get(model)
-    }
-
-    /// Note where the service is shared, so that work outliving one request's future (a
-    /// batch's run, which goes on when its first member's client leaves) can hold it. The
-    /// HTTP state does this; a service never shared runs its batched models' requests alone.
-    pub fn share(self: &Arc<Service>) {
-        let _ = self.this.set(Arc::downgrade(self));
-    }
-
-    /// The service, shared, when [`Service::share`] was called.
-    pub fn shared(&self) -> Option<Arc<Service>> {
-        self.this.get()?.upgrade()
     }
 
     /// The weights that always stay loaded beside `model` on `pool`'s memory, whatever a

@@ -294,7 +294,7 @@ fn check_batching(
             ),
         ));
     };
-    let lacks = |name: &str| crate::serve::batching::batch_axis(profile, signature, name).is_none();
+    let lacks = |name: &str| profile.batch_axis_of(signature, name).is_none();
     if let Some(input) = signature.inputs.iter().find(|i| lacks(&i.name)) {
         return Err((
             "batching",

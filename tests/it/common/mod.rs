@@ -17,8 +17,9 @@ pub const ADMIN_TOKEN: &str = "test-admin-token";
 /// A running server; dropping it does not stop it, call [`TestServer::stop`].
 pub struct TestServer {
     pub addr: SocketAddr,
-    /// The service it serves, for tests that drive the lifecycle beside HTTP.
-    pub service: Arc<Service>,
+    /// What its handlers share (the service, its batchers), for tests that place requests
+    /// beside HTTP.
+    pub state: Arc<AppState>,
     stop: Option<oneshot::Sender<()>>,
     task: tokio::task::JoinHandle<std::io::Result<()>>,
     /// The folder of its policy file, kept while it serves.
@@ -62,15 +63,14 @@ impl TestServer {
     async fn listen(service: Service, admin_token: Option<&str>) -> TestServer {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
-        let service = Arc::new(service);
-        let state = AppState::with_admin_token(Arc::clone(&service), admin_token.map(str::to_string));
+        let state = AppState::with_admin_token(Arc::new(service), admin_token.map(str::to_string));
         let (stop, stopped) = oneshot::channel::<()>();
-        let task = tokio::spawn(http::serve(state, listener, async {
+        let task = tokio::spawn(http::serve(Arc::clone(&state), listener, async {
             let _ = stopped.await;
         }));
         TestServer {
             addr,
-            service,
+            state,
             stop: Some(stop),
             task,
             _policy: None,
