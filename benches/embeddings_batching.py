@@ -219,7 +219,8 @@ def pytriton(python: str, rounds: int, requests: int) -> dict:
     log = open(OUT / "pytriton.log", "w")
     server = subprocess.Popen([python, str(script), str(MODEL), str(TRITON_PORT)], stdout=log, stderr=subprocess.STDOUT)
     try:
-        wait_ready(f"http://127.0.0.1:{TRITON_PORT}/v2/health/ready", server)
+        # Triton is ready before PyTriton has bound the model: wait for the model.
+        wait_ready(f"http://127.0.0.1:{TRITON_PORT}/v2/models/mini/ready", server)
         url = f"http://127.0.0.1:{TRITON_PORT}/v2/models/mini/infer"
         body = {"inputs": [{"name": "text", "shape": [1, 1], "datatype": "BYTES", "data": [SENTENCE]}]}
         hey(url, body, 4, 64)

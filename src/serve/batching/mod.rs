@@ -263,9 +263,7 @@ impl Batcher {
             return;
         };
         self.running.fetch_add(1, Ordering::Relaxed);
-        run(service, entry, members).await;
-        self.running.fetch_sub(1, Ordering::Relaxed);
-        self.ended.notify_waiters();
+        run(service, entry, members, Running(self)).await;
     }
 
     /// Wait until batch `id` goes, and take its members. It goes when it is closed, or when a
@@ -308,8 +306,19 @@ impl Batcher {
     }
 }
 
+/// A batch's run in flight, counted in its batcher's `running` until dropped: when the run is
+/// over, before its members are answered, so that a client's next request finds the worker free.
+struct Running<'a>(&'a Batcher);
+
+impl Drop for Running<'_> {
+    fn drop(&mut self) {
+        self.0.running.fetch_sub(1, Ordering::Relaxed);
+        self.0.ended.notify_waiters();
+    }
+}
+
 /// Run the members still waiting as one request and answer each with its rows.
-async fn run(service: &Service, entry: &ModelEntry, members: Vec<Member>) {
+async fn run(service: &Service, entry: &ModelEntry, members: Vec<Member>, running: Running<'_>) {
     let (mut requests, mut answers, mut rows) = (Vec::new(), Vec::new(), Vec::new());
     for member in members.into_iter().filter(|m| !m.answer.is_closed()) {
         requests.push(member.request);
@@ -343,6 +352,7 @@ async fn run(service: &Service, entry: &ModelEntry, members: Vec<Member>) {
             return;
         }
     };
+    drop(running);
     match ran {
         Ok(BatchRan::Together(served)) => {
             service
