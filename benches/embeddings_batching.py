@@ -14,7 +14,11 @@ committed. In one run:
 - sentence-transformers in this process on the same folder (its PyTorch weights), 16 threads
   each encoding single sentences: what a user would run instead;
 - PyTriton (`--pytriton PYTHON`, a venv with nvidia-pytriton, onnxruntime and tokenizers): the
-  same ONNX model behind Triton's dynamic batcher, driven by the same `hey` at c16, if it starts.
+  same ONNX model behind Triton's dynamic batcher (max batch 32, 5 ms queue delay; the
+  callable tokenizes, runs ONNX Runtime on the CPU and pools), driven by the same `hey` at c16.
+  Make the venv from Debian's own Python (`/usr/bin/python3 -m venv`): under pyenv's 3.11.7
+  Triton's Python stub fails to start the model (`'_thread.RLock' object has no attribute
+  '_recursion_count'`, the stub's interpreter meeting another patch release's stdlib).
 
 Targets (issue 52): c16 throughput with batching >= 2x without; c1 p50 with batching within 5%
 of without; c16 >= 1.0x sentence-transformers'.
