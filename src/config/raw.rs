@@ -317,6 +317,21 @@ pub struct RawModel {
     /// so two models that do not fit together cannot thrash.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub min_residency: Option<HumanDuration>,
+    /// Dynamic batching across requests: requests that arrive together run as one run of at
+    /// most `max_batch` rows, as many as fit. Absent: each request runs alone.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub batching: Option<RawBatching>,
+}
+
+/// `models[].batching:` as written.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawBatching {
+    /// The most rows (items along the model's batch axis) one run takes.
+    pub max_batch: usize,
+    /// How long a batch gathering behind the model's own runs holds back while other work
+    /// waits in the pool's queue (`5ms`).
+    pub max_delay: HumanDuration,
 }
 
 /// One entry of `services:`.

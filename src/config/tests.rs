@@ -635,3 +635,27 @@ fn service_and_fallback_mistakes_name_their_key() {
         "test.yaml: services[1].name: `a` is defined twice"
     );
 }
+
+#[test]
+fn batching_takes_a_batch_size_and_a_delay_and_names_its_key_when_wrong() {
+    let with = |rest: &str| BASE.replace("path: builtin:encoder", &format!("path: builtin:encoder\n    {rest}"));
+    let cfg = check(&with("batching: {max_batch: 16, max_delay: 5ms}")).unwrap();
+    assert_eq!(
+        cfg.models[0].batching,
+        Some(crate::config::Batching {
+            max_batch: 16,
+            max_delay: Duration::from_millis(5)
+        })
+    );
+    assert_eq!(check(BASE).unwrap().models[0].batching, None);
+    let err = |yaml: &str| check(yaml).unwrap_err().to_string();
+    assert_eq!(
+        err(&with("batching: {max_batch: 0, max_delay: 5ms}")),
+        "test.yaml: models[0].batching.max_batch: must be at least 1"
+    );
+    assert_eq!(
+        err(&with("batching: {max_batch: 8, max_delay: 0ms}")),
+        "test.yaml: models[0].batching.max_delay: must be longer than 0"
+    );
+    assert!(err(&with("batching: {max_batch: 8}")).contains("max_delay"));
+}

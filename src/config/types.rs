@@ -236,6 +236,19 @@ pub struct ModelConfig {
     pub images: Option<String>,
     /// How long after a load eviction leaves it alone.
     pub min_residency: Duration,
+    /// Dynamic batching across requests, when configured.
+    pub batching: Option<Batching>,
+}
+
+/// `models[].batching`: requests for the model that arrive close together run as one batch,
+/// as large as fits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Batching {
+    /// The most rows one run takes (at least 1).
+    pub max_batch: usize,
+    /// How long a batch gathering behind the model's own runs holds back while other work
+    /// waits in the pool's queue (longer than 0).
+    pub max_delay: Duration,
 }
 
 /// Default `pools[].memory.idle_release` of a local pool (CPU or accelerator).

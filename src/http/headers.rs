@@ -75,6 +75,7 @@ pub(super) fn decode_headers(
         allow_substitute,
         sequence: None,
         generations: 0,
+        pads: false,
     })
 }
 

@@ -222,7 +222,8 @@ async fn respond(
     let has_fallback = service.model(model).is_some_and(|m| m.config.fallback_model.is_some());
     let kept = kept.filter(|_| request.allow_substitute && has_fallback);
     let counted = lifecycle::Counted::start(service, &mut request);
-    let placed = match lifecycle::place_or_fallback(service, request).await {
+    // A model with `batching` shares its runs with the requests beside it.
+    let placed = match state.batching.place_or_fallback(request).await {
         Ok(Placement::Served(served)) => Ok((served, None)),
         // The fallback takes what the client sent only if it decodes for the fallback's
         // signature.

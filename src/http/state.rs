@@ -1,5 +1,6 @@
 //! What every handler of the HTTP layer shares: the service and the server's own state.
 
+use crate::serve::batching::Batchers;
 use crate::serve::service::Service;
 use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
@@ -9,6 +10,8 @@ use std::time::SystemTime;
 pub struct AppState {
     /// The running service.
     pub service: Arc<Service>,
+    /// The batchers of its models with `batching`, through which requests are placed.
+    pub batching: Batchers,
     /// Set once shutdown starts: readiness turns false.
     pub shutting_down: AtomicBool,
     /// Wall-clock start, for `/status`.
@@ -39,6 +42,7 @@ impl AppState {
     /// Wrap a service with the admin token given (`None`: no admin over TCP).
     pub fn with_admin_token(service: Arc<Service>, admin_token: Option<String>) -> Arc<AppState> {
         Arc::new(AppState {
+            batching: Batchers::new(Arc::clone(&service)),
             service,
             shutting_down: AtomicBool::new(false),
             started: SystemTime::now(),

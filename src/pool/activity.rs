@@ -35,6 +35,7 @@ impl Activity {
         }
         Progress(Some(Arc::new(Tracked {
             counts,
+            members: Vec::new(),
             started: AtomicBool::new(false),
             last_started: std::sync::Mutex::new(None),
             held: std::sync::Mutex::new(Vec::new()),
@@ -63,6 +64,8 @@ pub struct Progress(Option<Arc<Tracked>>);
 struct Tracked {
     /// The counts it is in: the service's, and the interactive requests' when it is one.
     counts: Vec<Arc<Activity>>,
+    /// A batch's members ([`Progress::batch`]): its runs are theirs.
+    members: Vec<Progress>,
     started: AtomicBool,
     /// When a worker last started one of its runs (a retry's run on the fallback is the last).
     last_started: std::sync::Mutex<Option<std::time::Instant>>,
@@ -71,6 +74,19 @@ struct Tracked {
 }
 
 impl Progress {
+    /// The progress of a batch of requests run together (`serve::batching`): counted in nothing
+    /// itself, its runs start each of `members`', and what it holds is held until the batch is
+    /// over.
+    pub fn batch(members: Vec<Progress>) -> Progress {
+        Progress(Some(Arc::new(Tracked {
+            counts: Vec::new(),
+            members,
+            started: AtomicBool::new(false),
+            last_started: std::sync::Mutex::new(None),
+            held: std::sync::Mutex::new(Vec::new()),
+        })))
+    }
+
     /// A worker started one of the request's runs: it is running from now on (later runs and a
     /// retry change nothing).
     pub fn started(&self) {
@@ -78,6 +94,9 @@ impl Progress {
             return;
         };
         *tracked.last_started.lock().unwrap_or_else(|e| e.into_inner()) = Some(std::time::Instant::now());
+        for member in &tracked.members {
+            member.started();
+        }
         if !tracked.started.swap(true, Ordering::Relaxed) {
             for activity in &tracked.counts {
                 activity.waiting.fetch_sub(1, Ordering::Relaxed);
@@ -157,6 +176,20 @@ mod tests {
         drop(copy);
         assert_eq!(Arc::strong_count(&held), 1, "given back with the last clone");
         assert_eq!((interactive.waiting(), interactive.running()), (0, 0));
+    }
+
+    #[test]
+    fn a_batch_starts_its_members_and_counts_nothing_itself() {
+        let activity = Arc::new(Activity::default());
+        let members = vec![activity.accept(), activity.accept()];
+        let batch = Progress::batch(members.clone());
+        assert_eq!((activity.waiting(), activity.running()), (2, 0));
+        batch.started();
+        assert_eq!((activity.waiting(), activity.running()), (0, 2));
+        assert!(members[0].last_started().is_some());
+        drop(batch);
+        drop(members);
+        assert_eq!((activity.waiting(), activity.running()), (0, 0));
     }
 
     #[test]

@@ -3,6 +3,7 @@
 //! [`metrics::Metrics`], every metric family registered together. Nothing here knows about HTTP
 //! status codes; `http` maps outcomes to them.
 
+pub mod batching;
 pub mod generation;
 pub mod health;
 pub mod idempotency;

@@ -91,6 +91,7 @@ pub fn request(model: &str, inputs: Vec<Tensor>) -> Request {
         allow_substitute: false,
         sequence: None,
         generations: 0,
+        pads: false,
     }
 }
 

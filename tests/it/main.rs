@@ -4,6 +4,8 @@
 
 mod abuse;
 mod batching;
+mod batching_members;
+mod batching_requests;
 mod budgets;
 mod cli;
 mod common;

@@ -7,7 +7,7 @@ use crate::config::builtin::BuiltinChatTemplate;
 use crate::config::error::ConfigError;
 use crate::config::raw::{RawModel, RawProfile, RawResidency};
 use crate::config::types::{
-    ChatTemplateSource, ConfiguredProfile, ContextAxis, DEFAULT_MIN_RESIDENCY, Mode, ModelConfig, Residency,
+    Batching, ChatTemplateSource, ConfiguredProfile, ContextAxis, DEFAULT_MIN_RESIDENCY, Mode, ModelConfig, Residency,
     ServiceConfig, TokenizerSource,
 };
 use crate::core::model::{BuiltinModel, ModelSource};
@@ -118,6 +118,18 @@ fn model(c: &Checker, key: &str, m: &RawModel, services: &[ServiceConfig]) -> Re
         None => services.iter().find(|s| s.name == m.name).map_or(0, |s| s.priority),
     };
     let min_residency = m.min_residency.map_or(DEFAULT_MIN_RESIDENCY, |d| d.0);
+    let batching = m
+        .batching
+        .map(|b| {
+            if b.max_batch == 0 {
+                return Err(c.err(format!("{key}.batching.max_batch"), "must be at least 1"));
+            }
+            Ok(Batching {
+                max_batch: b.max_batch,
+                max_delay: c.longer_than_zero(format!("{key}.batching.max_delay"), b.max_delay)?,
+            })
+        })
+        .transpose()?;
     Ok(ModelConfig {
         service: m.service.clone().unwrap_or_else(|| m.name.clone()),
         priority: m.priority.unwrap_or(service_priority),
@@ -125,6 +137,7 @@ fn model(c: &Checker, key: &str, m: &RawModel, services: &[ServiceConfig]) -> Re
         allow_substitute: m.allow_substitute,
         images: m.images.clone(),
         min_residency,
+        batching,
         name: m.name.clone(),
         source,
         context,

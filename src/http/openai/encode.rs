@@ -1,6 +1,6 @@
 //! What `POST /v1/embeddings` and `POST /v1/rerank` share: a body read and checked into a job
 //! naming its model, its rows run as one request through the lifecycle (their number the batch
-//! axis), and the answer sent with the headers every answer has (model, decision, pool).
+//! axis; with other requests' rows when the model has `batching`), and the answer sent with the headers every answer has (model, decision, pool).
 
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
@@ -59,10 +59,17 @@ pub(super) async fn run<J: Job>(
     let (tensors, output) = inputs(entry, &job);
     request.inputs = tensors;
     request.outputs = vec![output.to_string()];
+    // Its rows are right-padded with the attention mask at 0 over the padding: it may share a
+    // run with other requests' rows of other lengths (`models[].batching`).
+    request.pads = true;
     // A model's fallback would need the inputs tokenized again by its own tokenizer; nothing
     // rebuilds them for it yet, so it never answers here.
     request.allow_substitute = false;
-    let mut served = infer(service, request, id).await?;
+    let mut served = state
+        .batching
+        .infer(request)
+        .await
+        .map_err(|refused| refusal(service, &refused, id))?;
     let at = served
         .outputs
         .iter()
@@ -81,13 +88,18 @@ pub(super) fn parse(body: Result<Bytes, BytesRejection>, id: &str) -> Result<Val
 /// Run `request` through the lifecycle; a refusal in OpenAI's shape, saying when the server
 /// is degraded.
 pub(super) async fn infer(service: &Service, request: lifecycle::Request, id: &str) -> Result<Served, OpenAiError> {
-    lifecycle::infer(service, request).await.map_err(|refused| {
-        let mut error = OpenAiError::from_request(&refused.error, id);
-        if let Some(d) = service.degraded.now() {
-            error.message = format!("{} (degraded: {})", error.message, d.reason);
-        }
-        error
-    })
+    lifecycle::infer(service, request)
+        .await
+        .map_err(|refused| refusal(service, &refused, id))
+}
+
+/// A refusal in OpenAI's shape, saying when the server is degraded.
+fn refusal(service: &Service, refused: &lifecycle::Refused, id: &str) -> OpenAiError {
+    let mut error = OpenAiError::from_request(&refused.error, id);
+    if let Some(d) = service.degraded.now() {
+        error.message = format!("{} (degraded: {})", error.message, d.reason);
+    }
+    error
 }
 
 /// `body` as the answer to a request for `model` that `served` ran, with its headers.

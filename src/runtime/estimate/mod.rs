@@ -323,6 +323,17 @@ impl MemoryProfile {
         self.axes.iter().position(|a| a.role == role)
     }
 
+    /// Where `input` has the batch axis: where the estimate reads it, or the dimension
+    /// `signature` names as it does; `None` when there is no batch axis or the input lacks it.
+    pub fn batch_axis_of(&self, signature: &ModelSignature, input: &str) -> Option<usize> {
+        let batch = &self.axes[self.axis_with(AxisRole::Batch)?];
+        if let Some(at) = batch.at.iter().find(|a| a.input == input) {
+            return Some(at.axis);
+        }
+        let spec = signature.inputs.iter().find(|s| s.name == input)?;
+        spec.symbols.iter().position(|s| *s == batch.name)
+    }
+
     /// A request's size along each axis: the first place each axis appears in `inputs` (1 when
     /// none does, so a missing optional input does not zero the estimate).
     pub fn dims_of(&self, inputs: &[Tensor]) -> Dims {

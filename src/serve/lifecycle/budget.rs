@@ -101,17 +101,8 @@ pub(super) async fn enter(
 /// The device's headroom and the policy's `reserve_bytes`, when the headroom is under it (no
 /// reserve configured, or no reading of the device: never).
 fn headroom_short(service: &Service, device: &str) -> Option<(u64, u64)> {
-    let reserve = reserve_bytes(service)?;
+    let reserve = super::fits::reserve_bytes(service)?;
     let sample = service.store.latest();
     let headroom = sample.snapshot.devices.get(device)?.headroom_bytes;
     (headroom < reserve).then_some((headroom, reserve))
-}
-
-/// `policy.params.reserve_bytes`: a number of bytes or a size (`512MiB`).
-fn reserve_bytes(service: &Service) -> Option<u64> {
-    match service.config.policy.params.get("reserve_bytes")? {
-        serde_json::Value::Number(n) => n.as_u64(),
-        serde_json::Value::String(text) => crate::config::parse_size(text).ok(),
-        _ => None,
-    }
 }

@@ -145,6 +145,44 @@ pub(super) fn never_fits(
     Some(never)
 }
 
+/// Whether a run of `entry`'s model estimated at `estimate` is one admission lets run on `pool`
+/// now, in the numbers it reads: under what the pool could ever give it; on the host, with
+/// the host keeping its reserve after it (the host-RAM guard); on a device, its working memory
+/// (and its weights, when they are not loaded there) within the device's headroom less the
+/// policy's `reserve_bytes`. A pool whose memory cannot be read (a remote one, no sample yet)
+/// is not judged here. The batcher grows a batch only while this holds.
+pub fn fits_now(service: &Service, entry: &ModelEntry, pool: &Pool, estimate: &Estimate) -> bool {
+    let model = entry.config.name.as_str();
+    let snapshot = &service.store.latest().snapshot;
+    let run = estimate.context_bytes.saturating_add(estimate.workspace_bytes);
+    let need = match pool.is_resident(model) {
+        true => run,
+        false => run.saturating_add(service.weights_on(pool, entry)),
+    };
+    if let Some(room) = room(service, pool, model, snapshot)
+        && need > room.bytes
+    {
+        return false;
+    }
+    match memory_of(pool) {
+        Some(Memory::Host) => super::run::host_keeps_reserve(service, pool, need).is_ok(),
+        Some(Memory::Device(device)) => snapshot.devices.get(device).is_none_or(|d| {
+            let reserve = reserve_bytes(service).unwrap_or(0);
+            need <= d.headroom_bytes.saturating_sub(reserve)
+        }),
+        None => true,
+    }
+}
+
+/// `policy.params.reserve_bytes`: a number of bytes or a size (`512MiB`).
+pub(super) fn reserve_bytes(service: &Service) -> Option<u64> {
+    match service.config.policy.params.get("reserve_bytes")? {
+        serde_json::Value::Number(n) => n.as_u64(),
+        serde_json::Value::String(text) => crate::config::parse_size(text).ok(),
+        _ => None,
+    }
+}
+
 /// The pure part: with every serving pool's ceiling known, whether the request fits under one.
 /// `need_at(t)` is the request's estimate with `t` tokens of context in all.
 fn judge(

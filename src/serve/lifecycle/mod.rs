@@ -12,6 +12,7 @@
 //! placed run), `fits.rs` (whether it could ever fit, or only not now), `room.rs` (making room for
 //! it by unloading idle models of its device), `budget.rs` (the request's service's budgets),
 //! `run.rs` (one run on a pool), `retry.rs` (the one retry, shared with a generation's steps),
+//! `batch.rs` (a batch of requests placed and run as one, retried member by member),
 //! `substitute.rs` (the model's `fallback_model` answering instead, with the client's leave),
 //! `count.rs` (the request metrics) and `error.rs` (what a client is told).
 //!
@@ -22,6 +23,7 @@
 //! Time is tokio's, so tests run deferrals and deadlines with paused time.
 
 mod admit;
+mod batch;
 mod budget;
 mod count;
 mod error;
@@ -32,6 +34,7 @@ mod room;
 mod run;
 mod substitute;
 
+use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -45,11 +48,12 @@ use crate::pool::activity::Progress;
 use crate::serve::metrics::FailoverReason;
 use crate::serve::service::Service;
 
+pub use batch::{BatchRan, place_batch};
 pub use count::{Counted, answered, reject};
 pub use error::{DeadlineMiss, NotRetried, Refused, RequestError};
-pub use fits::{Ceiling, NeverFits};
+pub use fits::{Ceiling, NeverFits, fits_now};
 pub use place::place;
-pub use substitute::{Answering, Fallback, Placement, Substitution, place_or_fallback};
+pub use substitute::{Answering, Fallback, Placement, Substitution, place_or_fallback, place_or_fallback_with};
 
 /// A decoded inference request, whatever protocol it came in by.
 #[derive(Debug, Clone)]
@@ -86,6 +90,11 @@ pub struct Request {
     /// going on from its own copy of the prompt's KV cache: the estimate covers that many
     /// caches, and the policy sees them as `req.batch`.
     pub generations: u64,
+    /// Its inputs may be right-padded with zeros along every axis but the batch axis, to run
+    /// in one batch with other requests' (`serve::batching`): an attention mask among them
+    /// leaves the padding out, as an embeddings request's does. Without it, it shares a run
+    /// only with requests of the same shapes.
+    pub pads: bool,
 }
 
 impl Request {
@@ -151,9 +160,18 @@ pub struct Ran {
 /// count the outcome. It has nothing to rebuild a request for another model from, so its
 /// model's fallback never answers it. A protocol that answers from what was served does these
 /// steps itself: [`Counted::start`], [`place_or_fallback`], [`Counted::finish`] with its answer.
-pub async fn infer(service: &Service, mut request: Request) -> Result<Served, Refused> {
+pub async fn infer(service: &Service, request: Request) -> Result<Served, Refused> {
+    infer_with(service, request, |request| place_or_fallback(service, request)).await
+}
+
+/// [`infer`], placing the request with `place` (a batcher's, `serve::batching`).
+pub async fn infer_with<'a, F, P>(service: &'a Service, mut request: Request, place: P) -> Result<Served, Refused>
+where
+    P: FnOnce(Request) -> F,
+    F: Future<Output = Result<Placement, Refused>> + 'a,
+{
     let counted = Counted::start(service, &mut request);
-    let served = match place_or_fallback(service, request).await {
+    let served = match place(request).await {
         Ok(Placement::Served(served)) => Ok(served),
         Ok(Placement::Fallback(fallback)) => {
             Err(fallback.cannot("it was not received by a protocol that can ask another model"))

@@ -18,48 +18,14 @@ use super::{DeadlineMiss, Refused, Request, RequestError, Served};
 
 /// Place and run a request like [`infer`](super::infer), without counting it: for work made of
 /// several runs (a generation), counted once around all of them by a
-/// [`Counted`](super::Counted).
+/// [`Counted`](super::Counted). It runs alone: a protocol that batches requests of a model with
+/// `batching` places them through [`crate::serve::batching`] instead.
 pub async fn place(service: &Service, mut request: Request) -> Result<Served, Refused> {
-    let entry = service.model(&request.model).ok_or_else(|| Refused {
-        pool: None,
-        error: RequestError::unknown_model(service, &request.model),
-    })?;
-    let mut admitted = admit(service, entry, &mut request).await?;
-    let estimate_bytes = admitted
-        .estimate
-        .context_bytes
-        .saturating_add(admitted.estimate.workspace_bytes);
-    // Before the breaker's permission: waiting here must not hold a half-open pool's trial.
-    super::budget::enter(service, entry, &mut admitted, &request, estimate_bytes).await?;
-    permit_or_fallback(service, &mut admitted, estimate_bytes).map_err(|(pool, error)| Refused {
-        error: RequestError::from_pool(&pool, error),
-        pool: Some(pool),
-    })?;
+    let (mut admitted, estimate_bytes) = placed(service, &mut request).await?;
     let pool = Arc::clone(&admitted.pool);
-    if !deadline_reachable(&pool, &request) {
-        return Err(Refused::at(&pool, RequestError::Deadline(DeadlineMiss::Estimated)));
-    }
-    if let Err(reason) = host_keeps_reserve(service, &pool, estimate_bytes) {
-        return Err(Refused::at(
-            &pool,
-            RequestError::HostMemory {
-                pool: pool.name().to_string(),
-                reason,
-                retry_after: pool.load().estimated_delay,
-            },
-        ));
-    }
     let inputs = std::mem::take(&mut request.inputs);
     let ran = run_with_retry(service, &pool, &request, inputs, estimate_bytes, Run::Placed).await;
-    if let Some(hold) = admitted.hold.take() {
-        // What its load took shows in the next sample, which the device's next cold start waits
-        // for; the answer does not.
-        let resample = service.resampler().now();
-        tokio::spawn(async move {
-            resample.await;
-            drop(hold);
-        });
-    }
+    release_hold(service, &mut admitted);
     let ran = ran?;
     // For the one retry: the run that answered is the request's last one started.
     let retry_started = ran
@@ -79,6 +45,54 @@ pub async fn place(service: &Service, mut request: Request) -> Result<Served, Re
         retried: ran.retried,
         outputs: ran.outputs,
     })
+}
+
+/// Everything before a placed request's run: the policy's decision, its service's budgets, the
+/// breaker's permission (taken), the deadline and host-memory checks. Gives where it runs and
+/// the bytes its run is estimated to take beyond the weights.
+pub(super) async fn placed(service: &Service, request: &mut Request) -> Result<(Admitted, u64), Refused> {
+    let entry = service.model(&request.model).ok_or_else(|| Refused {
+        pool: None,
+        error: RequestError::unknown_model(service, &request.model),
+    })?;
+    let mut admitted = admit(service, entry, request).await?;
+    let estimate_bytes = admitted
+        .estimate
+        .context_bytes
+        .saturating_add(admitted.estimate.workspace_bytes);
+    // Before the breaker's permission: waiting here must not hold a half-open pool's trial.
+    super::budget::enter(service, entry, &mut admitted, request, estimate_bytes).await?;
+    permit_or_fallback(service, &mut admitted, estimate_bytes).map_err(|(pool, error)| Refused {
+        error: RequestError::from_pool(&pool, error),
+        pool: Some(pool),
+    })?;
+    let pool = Arc::clone(&admitted.pool);
+    if !deadline_reachable(&pool, request) {
+        return Err(Refused::at(&pool, RequestError::Deadline(DeadlineMiss::Estimated)));
+    }
+    if let Err(reason) = host_keeps_reserve(service, &pool, estimate_bytes) {
+        return Err(Refused::at(
+            &pool,
+            RequestError::HostMemory {
+                pool: pool.name().to_string(),
+                reason,
+                retry_after: pool.load().estimated_delay,
+            },
+        ));
+    }
+    Ok((admitted, estimate_bytes))
+}
+
+/// After the placed run: what its load took shows in the next sample, which the device's next
+/// cold start waits for; the answer does not.
+pub(super) fn release_hold(service: &Service, admitted: &mut Admitted) {
+    if let Some(hold) = admitted.hold.take() {
+        let resample = service.resampler().now();
+        tokio::spawn(async move {
+            resample.await;
+            drop(hold);
+        });
+    }
 }
 
 /// The breaker's permission for the run, taken once here. The breaker may not be closed (it

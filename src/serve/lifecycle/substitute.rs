@@ -12,6 +12,7 @@
 //! A substituted request is counted once in the request metrics, under the model that
 //! answered ([`Answering`]), and once in `vramguard_substitutions_total`.
 
+use std::future::Future;
 use std::sync::OnceLock;
 
 use crate::pool::activity::Progress;
@@ -96,12 +97,25 @@ pub(super) fn reason_of(error: &RequestError) -> Option<SubstitutionReason> {
 /// `fallback_model` and the request allows a substitute, the [`Fallback`] that may answer
 /// instead.
 pub async fn place_or_fallback(service: &Service, request: Request) -> Result<Placement, Refused> {
+    place_or_fallback_with(service, request, |request| place(service, request)).await
+}
+
+/// [`place_or_fallback`], placing the request with `place` (a batcher's, `serve::batching`).
+pub async fn place_or_fallback_with<'a, F, P>(
+    service: &'a Service,
+    request: Request,
+    place: P,
+) -> Result<Placement, Refused>
+where
+    P: FnOnce(Request) -> F,
+    F: Future<Output = Result<Served, Refused>> + 'a,
+{
     let allowed = request.allow_substitute;
     let requested = request.model.clone();
     // The client's request is still waiting while its fallback is asked: the same place in
     // the waiting and running counts.
     let progress = request.progress.clone();
-    let refused = match place(service, request).await {
+    let refused = match place(request).await {
         Ok(served) => return Ok(Placement::Served(served)),
         Err(refused) => refused,
     };

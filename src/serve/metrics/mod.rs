@@ -3,12 +3,14 @@
 //! registration, the series it creates at 0) in one file of the layer that owns what it measures:
 //! `telemetry::metrics` (the process: build, memory sampling, HTTP limits), `pool::metrics` (runs,
 //! health checks, worker processes, residency), `pool::remote` (remote pools), and here
-//! `requests.rs` (requests and their durations), `generation.rs` (tokens), `policy.rs` (admission
+//! `requests.rs` (requests and their durations), `generation.rs` (tokens), `batching.rs`
+//! (rows a batched run took), `policy.rs` (admission
 //! decisions, reloads), `failover.rs` (retries, failovers, substitutions), `estimates.rs` (memory
 //! estimates' quality, what models hold) and `waits.rs` (requests held back by their service's
 //! budgets). Gauges read from live state are encoded at scrape time by the collectors instead
 //! ([`crate::telemetry::exporter::LiveCollector`]).
 
+mod batching;
 mod estimates;
 mod failover;
 mod generation;
@@ -26,6 +28,7 @@ use crate::pool::remote::RemoteFamily;
 use crate::pool::{Pool, PoolMetrics};
 use crate::telemetry::metrics::ProcessMetrics;
 
+pub use batching::BatchingMetrics;
 pub use estimates::{EstimateMetrics, MemoryKind, ModelMemoryLabels};
 pub use failover::{
     FailoverLabels, FailoverMetrics, FailoverReason, RetryLabels, RetryResult, SubstitutionLabels, SubstitutionReason,
@@ -54,6 +57,8 @@ pub struct Metrics {
     pub requests: RequestMetrics,
     /// Tokens generated, and the time to each.
     pub generation: GenerationMetrics,
+    /// Rows in each run of a model with dynamic batching.
+    pub batching: BatchingMetrics,
     /// The admission policy's decisions, failures and reloads.
     pub policy: PolicyMetrics,
     /// The pools' runs: allocator failures, queue waits, bytes crossing, breaker recoveries.
@@ -77,6 +82,7 @@ impl Metrics {
             service_waits: ServiceWaits::default(),
             requests: RequestMetrics::default(),
             generation: GenerationMetrics::default(),
+            batching: BatchingMetrics::default(),
             policy: PolicyMetrics::default(),
             runs: RunMetrics::default(),
             failover: FailoverMetrics::default(),
@@ -89,6 +95,7 @@ impl Metrics {
         metrics.service_waits.register(&mut registry);
         metrics.requests.register(&mut registry);
         metrics.generation.register(&mut registry);
+        metrics.batching.register(&mut registry);
         metrics.policy.register(&mut registry);
         metrics.failover.register(&mut registry);
         metrics.remote.register(&mut registry);
@@ -114,6 +121,9 @@ impl Metrics {
                 self.requests.serving(name, pool);
                 // The pool holds these handles already; asking again changes nothing.
                 self.residency.handles(name, pool);
+                if model.batching.is_some() {
+                    self.batching.serving(name, pool);
+                }
             }
             self.requests.configured(name);
             // Every service vramguard runs may have its requests held back by its budgets.

@@ -258,6 +258,7 @@ fn load_model(backends: &dyn BackendFactory, m: &ModelConfig) -> Result<ModelEnt
         None => signature,
     };
     let profile = profile_of(backends, m, bytes.data(), &signature, decoder);
+    check_batching(m, &profile, &signature, decoder.is_some())?;
     let reads_text = embedder.is_some() || reranker.is_some() || matches!(tower, Some(Tower::Text { .. }));
     let tokenizer = tokenizer_of(m, decoder, reads_text, bytes.data().folder)?;
     let chat = chat_template(m).map_err(|e| ("chat_template", e))?;
@@ -372,6 +373,46 @@ fn pooled(
             Ok((bytes, signature, None))
         }
     }
+}
+
+/// `batching` needs a batch axis that every input has (members are stacked along it), and is
+/// for single runs: a decoder's generations are batched step by step already.
+fn check_batching(
+    m: &ModelConfig,
+    profile: &MemoryProfile,
+    signature: &ModelSignature,
+    decoder: bool,
+) -> Result<(), Invalid> {
+    if m.batching.is_none() {
+        return Ok(());
+    }
+    if decoder {
+        return Err((
+            "batching",
+            "a decoder's generations already share each step's run (continuous batching); remove `batching`"
+                .to_string(),
+        ));
+    }
+    let Some(batch) = profile.axis_with(AxisRole::Batch).map(|i| &profile.axes[i]) else {
+        return Err((
+            "batching",
+            format!(
+                "`{}` has no batch axis (a dynamic first dimension its inputs share) to stack requests along; remove `batching`",
+                m.source
+            ),
+        ));
+    };
+    let lacks = |name: &str| profile.batch_axis_of(signature, name).is_none();
+    if let Some(input) = signature.inputs.iter().find(|i| lacks(&i.name)) {
+        return Err((
+            "batching",
+            format!(
+                "input `{}` of `{}` does not have the batch axis `{}`, so requests cannot be stacked; remove `batching`",
+                input.name, m.source, batch.name
+            ),
+        ));
+    }
+    Ok(())
 }
 
 /// A configured context axis must name an input of the model, exist in its shape and be
@@ -551,4 +592,70 @@ fn chat_template(m: &ModelConfig) -> Result<Option<Arc<crate::runtime::chat::Cha
         tracing::info!(model = %m.name, template = %t.origin, "chat template");
     }
     Ok(template.map(Arc::new))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::tensor::DataType;
+    use crate::runtime::onnx::TensorSpec;
+
+    fn batched(yaml_model: &str) -> ModelConfig {
+        let yaml = format!(
+            "models: [{{name: m, path: 'builtin:encoder', batching: {{max_batch: 4, max_delay: 5ms}}{yaml_model}}}]\n\
+             pools: [{{name: cpu, provider: cpu, models: [m]}}]\n"
+        );
+        crate::testing::config::validated(&yaml).models[0].clone()
+    }
+
+    fn spec(name: &str, shape: Vec<i64>, symbols: &[&str]) -> TensorSpec {
+        TensorSpec {
+            name: name.into(),
+            datatype: DataType::Fp32,
+            shape,
+            symbols: symbols.iter().map(|s| s.to_string()).collect(),
+        }
+    }
+
+    fn profile(signature: &ModelSignature, context: Option<&crate::config::ContextAxis>) -> MemoryProfile {
+        let configured = crate::config::ConfiguredProfile {
+            weights_bytes: Some(1),
+            workspace_bytes: 0,
+            per_token_bytes: 1.0,
+            per_token_squared_bytes: 0.0,
+        };
+        MemoryProfile::configured(&configured, 1, context, signature)
+    }
+
+    #[test]
+    fn batching_needs_a_batch_axis_every_input_has() {
+        let m = batched("");
+        // Its inputs all share the batch axis, by where the estimate reads it or by name.
+        let shared = ModelSignature {
+            inputs: vec![
+                spec("a", vec![-1, 8], &["batch", ""]),
+                spec("b", vec![-1, 8], &["batch", ""]),
+            ],
+            outputs: vec![],
+        };
+        assert_eq!(check_batching(&m, &profile(&shared, None), &shared, false), Ok(()));
+        // A second input without it cannot be stacked.
+        let lacking = ModelSignature {
+            inputs: vec![spec("a", vec![-1, 8], &["batch", ""]), spec("scale", vec![1], &[""])],
+            outputs: vec![],
+        };
+        let (key, why) = check_batching(&m, &profile(&lacking, None), &lacking, false).unwrap_err();
+        assert_eq!(key, "batching");
+        assert!(why.contains("input `scale`"), "{why}");
+        // No dynamic input at all: no batch axis.
+        let fixed = ModelSignature {
+            inputs: vec![spec("a", vec![], &[])],
+            outputs: vec![],
+        };
+        let (_, why) = check_batching(&m, &profile(&fixed, None), &fixed, false).unwrap_err();
+        assert!(why.contains("has no batch axis"), "{why}");
+        // Not configured: nothing to check.
+        let plain = ModelConfig { batching: None, ..m };
+        assert_eq!(check_batching(&plain, &profile(&fixed, None), &fixed, false), Ok(()));
+    }
 }

@@ -17,6 +17,9 @@ pub const ADMIN_TOKEN: &str = "test-admin-token";
 /// A running server; dropping it does not stop it, call [`TestServer::stop`].
 pub struct TestServer {
     pub addr: SocketAddr,
+    /// What its handlers share (the service, its batchers), for tests that place requests
+    /// beside HTTP.
+    pub state: Arc<AppState>,
     stop: Option<oneshot::Sender<()>>,
     task: tokio::task::JoinHandle<std::io::Result<()>>,
     /// The folder of its policy file, kept while it serves.
@@ -62,11 +65,12 @@ impl TestServer {
         let addr = listener.local_addr().unwrap();
         let state = AppState::with_admin_token(Arc::new(service), admin_token.map(str::to_string));
         let (stop, stopped) = oneshot::channel::<()>();
-        let task = tokio::spawn(http::serve(state, listener, async {
+        let task = tokio::spawn(http::serve(Arc::clone(&state), listener, async {
             let _ = stopped.await;
         }));
         TestServer {
             addr,
+            state,
             stop: Some(stop),
             task,
             _policy: None,
