@@ -14,7 +14,7 @@ use std::sync::Arc;
 use reqwest::StatusCode;
 use serde_json::{Value, json};
 use vramguard::core::tensor::{Tensor, TensorData};
-use vramguard::runtime::embedder::{Embedder, HIDDEN_STATE};
+use vramguard::runtime::embedder::Embedder;
 use vramguard::serve::lifecycle::{self, Refused, Request, RequestError, Served};
 use vramguard::serve::service::Service;
 
@@ -27,7 +27,7 @@ const MEAN: &str = "models/embed/bert-mean-normalize/model.onnx";
 fn embedding(service: &Service, model: &str, ids: &[Vec<u32>], id: &str) -> Request {
     let entry = service.model(model).unwrap();
     let mut request = vramguard::testing::request(model, Embedder::batch(&entry.signature, ids, 0));
-    request.outputs = vec![HIDDEN_STATE.to_string()];
+    request.outputs = vec![Embedder::output(&entry.signature).to_string()];
     request.pads = true;
     request.meta.request_id = id.to_string();
     request
@@ -41,9 +41,13 @@ fn ids(seed: u32, len: u32) -> Vec<u32> {
 /// The pooled vectors of an embeddings answer.
 fn vectors(service: &Service, model: &str, served: &Served, ids: &[Vec<u32>]) -> Vec<Vec<f32>> {
     let entry = service.model(model).unwrap();
-    let hidden = served.outputs.iter().find(|t| t.name == HIDDEN_STATE).unwrap();
+    let given = served
+        .outputs
+        .iter()
+        .find(|t| t.name == Embedder::output(&entry.signature))
+        .unwrap();
     let lengths: Vec<usize> = ids.iter().map(Vec::len).collect();
-    entry.embedder.as_ref().unwrap().pool(hidden, &lengths).unwrap()
+    entry.embedder.as_ref().unwrap().vectors(given, &lengths).unwrap()
 }
 
 /// The floats of an output.
