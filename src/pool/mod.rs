@@ -38,6 +38,7 @@ pub mod remote;
 mod residency;
 mod shared;
 mod supervise;
+pub mod tier;
 mod worker;
 
 pub use context::{PoolContext, Respawn};
@@ -45,9 +46,11 @@ pub use evict::{ModelState, Resident};
 pub use health::CheckFailure;
 pub use job::{InferJob, Inputs, JobResult, PoolError, RunCancel, RunMemory, RunOp};
 pub use load::PoolLoad;
+pub use metrics::LoadSource;
 pub use metrics::{ModelMetrics, PoolMetrics, WorkerHandles};
 pub use models::{ModelSetup, ResidencyError, ResidencyOutcome};
 pub use shared::{Availability, Pool};
+pub use tier::{HostRoom, HostTier};
 
 use std::sync::{Arc, PoisonError};
 use std::thread::JoinHandle;

@@ -19,6 +19,7 @@ mod failover;
 mod file_lists;
 mod generation;
 mod health;
+mod host_tier;
 mod http;
 mod isolation;
 mod layering;
