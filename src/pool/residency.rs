@@ -239,7 +239,7 @@ impl Pool {
                         metrics.load_duration.observe(took.as_secs_f64());
                         metrics.loads_from[source.index()].inc();
                         metrics.load_seconds_from[source.index()].observe(took.as_secs_f64());
-                        self.models.load_took(&model, took);
+                        self.models.load_took(&model, source, took);
                         if self.queue.is_wanted(&model) {
                             metrics.resident.set(1);
                             self.models.loaded(&model, self.context.clock.now());
