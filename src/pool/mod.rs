@@ -11,7 +11,8 @@
 //! `context.rs` what a pool is given, `load.rs` the load and delay estimate, `activity.rs` the
 //! requests waiting and running, `health.rs` the breaker and recent failures, `degraded.rs`
 //! degraded mode, `arena.rs` the allocator statistics. `residency.rs` loads and unloads models
-//! (`models.rs` what it is told of each, `evict.rs` what could make room). `batch/` holds the
+//! (`models.rs` what it is told of each, `evict.rs` what could make room), taking the bytes of
+//! a load after start from the host tier when it has them (`tier.rs`). `batch/` holds the
 //! generations stepped together (continuous batching) and their counts. `metrics/` holds the
 //! metric families pools record into.
 //!
