@@ -24,15 +24,16 @@ pub use error::ConfigError;
 pub use load::{DEFAULT_CONFIG_YAML, embedded_raw};
 pub use raw::{
     RawArenaExtendStrategy, RawBatching, RawBreaker, RawConfig, RawContext, RawCuda, RawDevice, RawDeviceKind,
-    RawExporter, RawHealth, RawHost, RawIdempotency, RawModel, RawOnnxRuntime, RawPolicy, RawPool, RawPoolMemory,
-    RawProfile, RawProvider, RawQueue, RawRemote, RawResidency, RawServer, RawService, RawServiceRule, RawTimeouts,
+    RawExporter, RawHealth, RawHost, RawHostTier, RawIdempotency, RawModel, RawOnnxRuntime, RawPolicy, RawPool,
+    RawPoolMemory, RawProfile, RawProvider, RawQueue, RawRemote, RawResidency, RawServer, RawService, RawServiceRule,
+    RawTimeouts,
 };
 pub use types::{
     AdminSocket, Batching, ChatTemplateSource, Config, ConfiguredProfile, ContextAxis, CudaOptions,
-    DEFAULT_MIN_RESIDENCY, DeviceConfig, DeviceKind, ExporterConfig, HOST_DEVICE, HealthConfig, IdempotencyConfig,
-    Isolation, Keep, Mode, ModelConfig, PolicyConfig, PolicySource, PoolConfig, Provider, RemoteOptions, Residency,
-    ServerConfig, ServiceClass, ServiceConfig, ServiceMatch, ServiceRule, Timeouts, TokenizerSource, current_uid,
-    default_admin_socket,
+    DEFAULT_MIN_RESIDENCY, DeviceConfig, DeviceKind, ExporterConfig, HOST_DEVICE, HealthConfig, HostTierConfig,
+    IdempotencyConfig, Isolation, Keep, Mode, ModelConfig, PolicyConfig, PolicySource, PoolConfig, Provider,
+    RemoteOptions, Residency, ServerConfig, ServiceClass, ServiceConfig, ServiceMatch, ServiceRule, Timeouts,
+    TokenizerSource, current_uid, default_admin_socket, default_optimized_cache,
 };
 pub use units::{ByteSize, HumanDuration, format_duration, format_size, parse_duration, parse_size};
 pub use yaml::{parse_yaml, read_yaml, to_yaml};

@@ -290,6 +290,10 @@ pub struct RawModel {
     /// at start, never unloaded) or `on_demand` (loaded by its first request).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub residency: Option<RawResidency>,
+    /// `warm`: an `on_demand` model's optimized bytes are put into the host tier at start, so
+    /// its first load is a copy, not a load from its file.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host_tier: Option<RawHostTier>,
     /// Unload it from a pool after this long without a request there (`10m`); absent: never.
     /// Not for a `pinned` model.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -365,6 +369,14 @@ pub enum RawResidency {
     Pinned,
     /// Loaded by its first request (or an operator's load).
     OnDemand,
+}
+
+/// `models[].host_tier`
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RawHostTier {
+    /// Put into the host tier at start.
+    Warm,
 }
 
 /// `models[].memory_profile:` bytes = weights + workspace + batch × (per_token·n + per_token_squared·n²)
@@ -619,12 +631,23 @@ pub enum RawArenaExtendStrategy {
 pub struct RawHost {
     /// Host memory kept free for the system; the CPU path never plans into it.
     pub reserve: ByteSize,
+    /// The host tier's budget: optimized model bytes kept in host memory so that a model
+    /// evicted or unloaded loads again from memory. Default: a quarter of the host's memory
+    /// above `reserve`; `0`: no host tier.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub model_cache: Option<ByteSize>,
+    /// The folder of the optimized cache (models optimized once, in the ORT format). Default:
+    /// `$XDG_CACHE_HOME/vramguard/optimized`, else `~/.cache/vramguard/optimized`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub optimized_cache: Option<std::path::PathBuf>,
 }
 
 impl Default for RawHost {
     fn default() -> Self {
         Self {
             reserve: ByteSize(2 << 30),
+            model_cache: None,
+            optimized_cache: None,
         }
     }
 }

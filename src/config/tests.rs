@@ -659,3 +659,25 @@ fn batching_takes_a_batch_size_and_a_delay_and_names_its_key_when_wrong() {
     );
     assert!(err(&with("batching: {max_batch: 8}")).contains("max_delay"));
 }
+
+#[test]
+fn the_host_tier_refuses_what_it_cannot_do() {
+    let warm_resident = BASE.replace("path: builtin:encoder", "path: builtin:encoder\n    host_tier: warm");
+    let err = check(&warm_resident).unwrap_err().to_string();
+    assert_eq!(
+        err,
+        "test.yaml: models[0].host_tier: `warm` pre-warms an on_demand model; a resident model's sessions are built at start"
+    );
+    let err = check(&format!("host: {{optimized_cache: Cargo.toml}}\n{BASE}"))
+        .unwrap_err()
+        .to_string();
+    assert_eq!(err, "test.yaml: host.optimized_cache: ./Cargo.toml is not a folder");
+    let config = check(&format!("host: {{model_cache: 1GiB, reserve: 1GiB}}\n{BASE}")).unwrap();
+    assert_eq!(config.host_tier.budget_on(8 << 30, 1 << 30), 1 << 30);
+    let default = check(BASE).unwrap();
+    assert_eq!(
+        default.host_tier.budget_on(9 << 30, 1 << 30),
+        2 << 30,
+        "a quarter above the reserve"
+    );
+}

@@ -35,6 +35,8 @@ pub struct Config {
     pub pools: Vec<PoolConfig>,
     /// Host memory reserve in bytes.
     pub host_reserve: u64,
+    /// The host tier and the optimized cache (`host.model_cache`, `host.optimized_cache`).
+    pub host_tier: HostTierConfig,
     /// The sampler and exporter mode.
     pub exporter: ExporterConfig,
     /// The admission policy.
@@ -224,6 +226,8 @@ pub struct ModelConfig {
     pub residency: Residency,
     /// How long without a request before a pool unloads it; `None`: never.
     pub idle_unload: Option<Duration>,
+    /// Its optimized bytes are put into the host tier at start (`models[].host_tier: warm`).
+    pub host_tier_warm: bool,
     /// The service its memory belongs to.
     pub service: String,
     /// Eviction takes lower priorities first.
@@ -307,6 +311,35 @@ impl ServiceClass {
             ServiceClass::Background => "background",
         }
     }
+}
+
+/// The host tier (`host.model_cache`) and the optimized cache (`host.optimized_cache`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HostTierConfig {
+    /// Its budget in bytes; `None`: a quarter of the host's memory above the reserve.
+    pub budget: Option<u64>,
+    /// The optimized cache's folder.
+    pub optimized_cache: PathBuf,
+}
+
+impl HostTierConfig {
+    /// The budget on a host of `total` bytes that keeps `reserve` free.
+    pub fn budget_on(&self, total: u64, reserve: u64) -> u64 {
+        self.budget.unwrap_or(total.saturating_sub(reserve) / 4)
+    }
+}
+
+/// Where the optimized cache goes when the config does not say: the user's cache folder
+/// (`$XDG_CACHE_HOME`, else `~/.cache`), else a folder of the user's own under /tmp.
+pub fn default_optimized_cache() -> PathBuf {
+    let env = |name: &str| std::env::var_os(name).filter(|v| !v.is_empty()).map(PathBuf::from);
+    if let Some(dir) = env("XDG_CACHE_HOME") {
+        return dir.join("vramguard/optimized");
+    }
+    if let Some(home) = env("HOME") {
+        return home.join(".cache/vramguard/optimized");
+    }
+    PathBuf::from(format!("/tmp/vramguard-{}/optimized", current_uid().unwrap_or(0)))
 }
 
 /// When a model's sessions exist on a pool (`models[].residency`).

@@ -87,6 +87,11 @@ pub struct ModelOnPoolState {
     pub loaded_ms_ago: u64,
     /// Its weights there when loaded.
     pub weights_bytes: u64,
+    /// Its optimized bytes are in the host tier: a reload there is a copy, not a load.
+    pub host_tier: bool,
+    /// Milliseconds a reload there is expected to take, from the last load from where its
+    /// bytes would come now (0: not known yet).
+    pub reload_ms: u64,
 }
 
 /// One device's memory.

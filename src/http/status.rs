@@ -5,8 +5,8 @@ use super::status_models::{self, unix_seconds};
 use crate::core::snapshot::DeviceClass;
 use crate::pool::{Availability, Pool};
 use crate::protocol::status::{
-    ArenaStatus, DegradedStatus, DeviceStatus, FallbackStatus, PoolAvailability, PoolStatus, ServiceStatus,
-    ServingPolicy, StatusReport,
+    ArenaStatus, DegradedStatus, DeviceStatus, FallbackStatus, HostTierStatus, PoolAvailability, PoolStatus,
+    ServiceStatus, ServingPolicy, StatusReport,
 };
 use crate::serve::service::Service;
 use axum::Json;
@@ -48,6 +48,11 @@ fn report(state: &AppState) -> StatusReport {
         })
         .collect();
     StatusReport {
+        host_tier: service.tier.as_ref().map(|tier| HostTierStatus {
+            bytes: tier.bytes(),
+            budget_bytes: tier.budget(),
+            models: tier.models(),
+        }),
         version: env!("CARGO_PKG_VERSION").to_string(),
         onnxruntime: service.runtime_version.clone(),
         config: service.config.source.clone(),

@@ -152,6 +152,8 @@ fn snapshot() -> Snapshot {
                         idle_ms: 9000,
                         loaded_ms_ago: 60000,
                         weights_bytes: 700,
+                        host_tier: true,
+                        reload_ms: 12,
                     },
                 )]),
             },

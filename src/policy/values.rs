@@ -532,6 +532,8 @@ fn model(m: &ModelState) -> Dynamic {
             ("idle_ms", int(p.idle_ms)),
             ("loaded_ms_ago", int(p.loaded_ms_ago)),
             ("weights_bytes", int(p.weights_bytes)),
+            ("host_tier", Dynamic::from_bool(p.host_tier)),
+            ("reload_ms", int(p.reload_ms)),
         ]);
         (name.into(), on)
     });

@@ -18,6 +18,8 @@ pub struct PoolContext {
     /// The models it serves, how each is held, and their bytes for loads after start (a
     /// model not listed is held as resident).
     pub models: Vec<ModelSetup>,
+    /// The service's host tier, which loads after start take their bytes from when it can.
+    pub tier: Option<Arc<crate::pool::tier::HostTier>>,
 }
 
 impl Default for PoolContext {
@@ -26,6 +28,7 @@ impl Default for PoolContext {
             clock: Arc::new(SystemClock),
             metrics: PoolMetrics::detached(),
             models: Vec::new(),
+            tier: None,
         }
     }
 }

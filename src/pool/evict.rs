@@ -5,6 +5,7 @@
 use std::time::Duration;
 
 use crate::config::{Provider, Residency};
+use crate::pool::metrics::LoadSource;
 use crate::pool::shared::Pool;
 
 /// A model whose sessions a pool holds, as eviction weighs it.
@@ -26,7 +27,8 @@ pub struct Resident {
     pub since_request: Duration,
     /// How long after a load eviction leaves it alone.
     pub min_residency: Duration,
-    /// How long its sessions last took to build here, when they were built after the start.
+    /// How long loading it here again is expected to take: its last load from the host tier
+    /// when its optimized bytes are there, else its last load after the start.
     pub last_load: Option<Duration>,
     /// Its weights here (every worker's sessions): what evicting it frees.
     pub weights_bytes: u64,
@@ -60,6 +62,10 @@ pub struct ModelState {
     pub running: usize,
     /// Its requests queued here.
     pub queued: usize,
+    /// Its optimized bytes are in the host tier.
+    pub host_tier: bool,
+    /// What a reload here is expected to take (see [`Pool::expected_reload`]).
+    pub reload: Option<Duration>,
 }
 
 impl Pool {
@@ -77,7 +83,23 @@ impl Pool {
             since_request,
             running,
             queued,
+            host_tier: self.in_host_tier(model),
+            reload: self.expected_reload(model),
         }
+    }
+
+    /// Whether `model`'s optimized bytes are in the host tier.
+    fn in_host_tier(&self, model: &str) -> bool {
+        self.context.tier.as_ref().is_some_and(|tier| tier.holds(model))
+    }
+
+    /// What loading `model` here again is expected to take: its last load from the host tier
+    /// when its bytes are there, else its last load from anywhere (`None`: none since start).
+    pub fn expected_reload(&self, model: &str) -> Option<Duration> {
+        let from_tier = self
+            .in_host_tier(model)
+            .then(|| self.models.last_load_from(model, LoadSource::host_tier));
+        from_tier.flatten().or_else(|| self.models.last_load(model))
     }
 
     /// The models whose sessions this pool holds now, with what eviction weighs (none on a
@@ -101,7 +123,7 @@ impl Pool {
                     since_load,
                     since_request,
                     min_residency: setup.min_residency,
-                    last_load: self.models.last_load(&setup.name),
+                    last_load: self.expected_reload(&setup.name),
                     weights_bytes: setup.weights_bytes,
                 }
             })

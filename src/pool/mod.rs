@@ -11,7 +11,8 @@
 //! `context.rs` what a pool is given, `load.rs` the load and delay estimate, `activity.rs` the
 //! requests waiting and running, `health.rs` the breaker and recent failures, `degraded.rs`
 //! degraded mode, `arena.rs` the allocator statistics. `residency.rs` loads and unloads models
-//! (`models.rs` what it is told of each, `evict.rs` what could make room). `batch/` holds the
+//! (`models.rs` what it is told of each, `evict.rs` what could make room), taking the bytes of
+//! a load after start from the host tier when it has them (`tier.rs`). `batch/` holds the
 //! generations stepped together (continuous batching) and their counts. `metrics/` holds the
 //! metric families pools record into.
 //!
@@ -38,6 +39,7 @@ pub mod remote;
 mod residency;
 mod shared;
 mod supervise;
+pub mod tier;
 mod worker;
 
 pub use context::{PoolContext, Respawn};
@@ -45,9 +47,11 @@ pub use evict::{ModelState, Resident};
 pub use health::CheckFailure;
 pub use job::{InferJob, Inputs, JobResult, PoolError, RunCancel, RunMemory, RunOp};
 pub use load::PoolLoad;
+pub use metrics::LoadSource;
 pub use metrics::{ModelMetrics, PoolMetrics, WorkerHandles};
 pub use models::{ModelSetup, ResidencyError, ResidencyOutcome};
 pub use shared::{Availability, Pool};
+pub use tier::{HostRoom, HostTier};
 
 use std::sync::{Arc, PoisonError};
 use std::thread::JoinHandle;

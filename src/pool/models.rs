@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use crate::config::Residency;
-use crate::pool::metrics::ModelMetrics;
+use crate::pool::metrics::{LoadSource, ModelMetrics};
 
 /// What a pool knows of one model it serves.
 #[derive(Clone)]
@@ -119,6 +119,8 @@ pub(super) struct Models {
     loaded_at: HashMap<String, AtomicU64>,
     /// Per model: microseconds its sessions last took to build after the start (0: not yet).
     load_micros: HashMap<String, AtomicU64>,
+    /// The same per source of its bytes, in [`LoadSource::ALL`]'s order.
+    load_micros_from: HashMap<String, [AtomicU64; 3]>,
 }
 
 impl Models {
@@ -129,14 +131,25 @@ impl Models {
             last_request: setups.iter().map(|s| (s.name.clone(), AtomicU64::new(0))).collect(),
             loaded_at: setups.iter().map(|s| (s.name.clone(), AtomicU64::new(0))).collect(),
             load_micros: setups.iter().map(|s| (s.name.clone(), AtomicU64::new(0))).collect(),
+            load_micros_from: setups.iter().map(|s| (s.name.clone(), Default::default())).collect(),
         }
     }
 
-    /// One backend built `model`'s sessions in `took`.
-    pub(super) fn load_took(&self, model: &str, took: Duration) {
-        if let Some(micros) = self.load_micros.get(model) {
-            micros.store((took.as_micros() as u64).max(1), Ordering::SeqCst);
+    /// One backend built `model`'s sessions from `source`'s bytes in `took`.
+    pub(super) fn load_took(&self, model: &str, source: LoadSource, took: Duration) {
+        let micros = (took.as_micros() as u64).max(1);
+        if let Some(last) = self.load_micros.get(model) {
+            last.store(micros, Ordering::SeqCst);
         }
+        if let Some(by_source) = self.load_micros_from.get(model) {
+            by_source[source.index()].store(micros, Ordering::SeqCst);
+        }
+    }
+
+    /// How long `model`'s sessions last took to build from `source`'s bytes, when they were.
+    pub(super) fn last_load_from(&self, model: &str, source: LoadSource) -> Option<Duration> {
+        let micros = self.load_micros_from.get(model)?[source.index()].load(Ordering::SeqCst);
+        (micros > 0).then(|| Duration::from_micros(micros))
     }
 
     /// How long `model`'s sessions last took to build, when they were built after the start.

@@ -13,6 +13,7 @@ use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
 
 use crate::config::{Provider, Residency};
+use crate::pool::metrics::LoadSource;
 use crate::pool::models::{ResidencyError, ResidencyOutcome};
 use crate::pool::queue::Slot;
 use crate::pool::shared::Pool;
@@ -212,21 +213,33 @@ impl Pool {
         }
         for model in wanted.difference(&slot.loaded).cloned().collect::<Vec<_>>() {
             let started = Instant::now();
+            let mut source = LoadSource::disk;
             let result = match self.models.setups.get(&model) {
-                Some(setup) => slot
-                    .backend
-                    .loader(&model)
-                    .and_then(|residency| residency.load_model(&model, setup.bytes.data())),
+                Some(setup) => {
+                    let bytes = match &self.context.tier {
+                        Some(tier) => {
+                            let (bytes, from) = tier.fetch(&model, setup.priority, &setup.bytes, &self.config.provider);
+                            source = from;
+                            bytes
+                        }
+                        None => setup.bytes.clone(),
+                    };
+                    slot.backend
+                        .loader(&model)
+                        .and_then(|residency| residency.load_model(&model, bytes.data()))
+                }
                 None => Err(format!("pool `{}` has no bytes of `{model}`", self.name())),
             };
             let took = started.elapsed();
             match &result {
                 Ok(()) => {
                     slot.loaded.insert(model.clone());
-                    tracing::info!(pool = self.name(), %model, seconds = took.as_secs_f64(), "sessions built");
+                    tracing::info!(pool = self.name(), %model, seconds = took.as_secs_f64(), ?source, "sessions built");
                     if let Some(metrics) = self.models.metrics(&model) {
                         metrics.load_duration.observe(took.as_secs_f64());
-                        self.models.load_took(&model, took);
+                        metrics.loads_from[source.index()].inc();
+                        metrics.load_seconds_from[source.index()].observe(took.as_secs_f64());
+                        self.models.load_took(&model, source, took);
                         if self.queue.is_wanted(&model) {
                             metrics.resident.set(1);
                             self.models.loaded(&model, self.context.clock.now());

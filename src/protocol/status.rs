@@ -17,6 +17,9 @@ use crate::policy::recent::RecentDecision;
 /// `GET /status`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct StatusReport {
+    /// The host tier: optimized model bytes kept in host memory, and its budget.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host_tier: Option<HostTierStatus>,
     /// vramguard's version.
     pub version: String,
     /// The ONNX Runtime version loaded.
@@ -382,6 +385,7 @@ pub(crate) mod tests {
             headroom_bytes: 87 << 20,
         };
         StatusReport {
+            host_tier: None,
             version: "0.1.0".into(),
             onnxruntime: "1.31.1".into(),
             config: "drill.yaml".into(),
@@ -537,4 +541,15 @@ pub(crate) mod tests {
             serde_json::json!({"active": false, "reason": null, "cause": null, "since_unix": null, "fallbacks": []})
         );
     }
+}
+
+/// `/status`'s `host_tier`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HostTierStatus {
+    /// What it holds.
+    pub bytes: u64,
+    /// `host.model_cache`.
+    pub budget_bytes: u64,
+    /// The models whose optimized bytes it holds.
+    pub models: Vec<String>,
 }

@@ -22,6 +22,7 @@ mod failover;
 mod file_lists;
 mod generation;
 mod health;
+mod host_tier;
 mod http;
 mod image_search;
 mod isolation;

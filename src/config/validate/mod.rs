@@ -51,6 +51,7 @@ impl RawConfig {
             services,
             pools,
             host_reserve: self.host.reserve.bytes(),
+            host_tier: host_tier(&c, &self.host)?,
             exporter,
             policy,
             worker_exe: None,
@@ -163,4 +164,25 @@ impl Checker<'_> {
             None => self.existing_file(key, spec, what).map(Spec::File),
         }
     }
+}
+
+/// `host.model_cache` and `host.optimized_cache` (relative to the config file).
+fn host_tier(
+    c: &Checker,
+    host: &crate::config::raw::RawHost,
+) -> Result<crate::config::types::HostTierConfig, ConfigError> {
+    let optimized_cache = match &host.optimized_cache {
+        Some(dir) => c.base.join(dir),
+        None => crate::config::types::default_optimized_cache(),
+    };
+    if optimized_cache.exists() && !optimized_cache.is_dir() {
+        return Err(c.err(
+            "host.optimized_cache",
+            format!("{} is not a folder", optimized_cache.display()),
+        ));
+    }
+    Ok(crate::config::types::HostTierConfig {
+        budget: host.model_cache.map(|b| b.bytes()),
+        optimized_cache,
+    })
 }

@@ -99,6 +99,19 @@ fn model(c: &Checker, key: &str, m: &RawModel, services: &[ServiceConfig]) -> Re
             c.longer_than_zero(key, d)
         })
         .transpose()?;
+    let host_tier_warm = match m.host_tier {
+        Some(crate::config::raw::RawHostTier::Warm) if residency != Residency::OnDemand => {
+            return Err(c.err(
+                format!("{key}.host_tier"),
+                format!(
+                    "`warm` pre-warms an on_demand model; a {} model's sessions are built at start",
+                    residency.label()
+                ),
+            ));
+        }
+        Some(crate::config::raw::RawHostTier::Warm) => true,
+        None => false,
+    };
     let service_priority = match &m.service {
         Some(name) => match services.iter().find(|s| &s.name == name) {
             Some(service) => service.priority,
@@ -147,6 +160,7 @@ fn model(c: &Checker, key: &str, m: &RawModel, services: &[ServiceConfig]) -> Re
         chat_template,
         residency,
         idle_unload,
+        host_tier_warm,
     })
 }
 

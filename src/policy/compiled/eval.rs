@@ -438,6 +438,8 @@ impl<'a> Eval<'a> {
                 Field::IdleMs => int(p.idle_ms),
                 Field::LoadedMsAgo => int(p.loaded_ms_ago),
                 Field::WeightsBytes => int(p.weights_bytes),
+                Field::HostTier => V::Bool(p.host_tier),
+                Field::ReloadMs => int(p.reload_ms),
                 _ => return None,
             },
             // Tables and maps: any name.

@@ -82,6 +82,8 @@ fields! {
     Busy = "busy",
     IdleMs = "idle_ms",
     LoadedMsAgo = "loaded_ms_ago",
+    HostTier = "host_tier",
+    ReloadMs = "reload_ms",
     // state.pools[..]
     Provider = "provider",
     Device = "device",

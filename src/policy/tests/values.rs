@@ -64,7 +64,8 @@ fn state_carries_every_contract_field() {
             let on = m.pools.gpu;
             let models_ok = m.priority == 2 && m.residency == "resident" && m.len() == 3
                 && on.resident && on.busy == 0 && on.idle_ms == 9000 && on.loaded_ms_ago == 60000
-                && on.weights_bytes == 700 && on.len() == 5 && state.models.keys() == ["speech"];
+                && on.weights_bytes == 700 && on.host_tier && on.reload_ms == 12 && on.len() == 7
+                && state.models.keys() == ["speech"];
             if devices_ok && pools_ok && host_ok && processes_ok && tables_ok && services_ok && params_ok
                 && models_ok && state.degraded {
                 admit()

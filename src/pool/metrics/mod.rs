@@ -10,6 +10,9 @@ mod runs;
 mod workers;
 
 pub use health::{CheckResult, HealthCheckLabels, HealthMetrics};
-pub use residency::{LoadLabels, LoadReason, ModelMetrics, ResidencyMetrics, UnloadLabels, UnloadReason};
+pub use residency::{
+    LoadLabels, LoadReason, LoadSource, ModelMetrics, ResidencyMetrics, SourceLabels, TierMetrics, TierModelLabels,
+    UnloadLabels, UnloadReason,
+};
 pub use runs::{AllocFailureLabels, PoolMetrics, RunMetrics, TransferLabels};
 pub use workers::{RestartLabels, RestartReason, WorkerHandles, WorkerMetrics};

@@ -22,6 +22,28 @@ pub enum LoadReason {
     requested,
 }
 
+/// Where a load's bytes came from (`source` of `vramguard_model_session_loads_total`).
+#[derive(Debug, Clone, Copy, Hash, PartialEq, Eq, EncodeLabelValue)]
+#[allow(non_camel_case_types)]
+pub enum LoadSource {
+    /// The model's ONNX bytes: parsed and optimized.
+    disk,
+    /// The optimized cache's file: read, not optimized again.
+    optimized_cache,
+    /// The host tier: from memory.
+    host_tier,
+}
+
+impl LoadSource {
+    /// Every source, in the order metrics keep them.
+    pub const ALL: [LoadSource; 3] = [LoadSource::disk, LoadSource::optimized_cache, LoadSource::host_tier];
+
+    /// Its place in [`LoadSource::ALL`].
+    pub fn index(self) -> usize {
+        self as usize
+    }
+}
+
 /// Why a model's sessions were dropped.
 #[derive(Debug, Clone, Copy, Hash, PartialEq, Eq, EncodeLabelValue)]
 #[allow(non_camel_case_types)]
@@ -81,6 +103,62 @@ pub struct ModelMetrics {
     pub load_duration: Histogram,
     /// `vramguard_cold_start_seconds{model,pool}`: what a request waited for its model's load.
     pub cold_start: Histogram,
+    /// `vramguard_model_session_loads_total{model,pool,source}`, in [`LoadSource::ALL`]'s order.
+    pub loads_from: [Counter; 3],
+    /// `vramguard_model_session_load_seconds{model,pool,source}`, in [`LoadSource::ALL`]'s order.
+    pub load_seconds_from: [Histogram; 3],
+}
+
+/// `{model, pool, source}` of a session's load.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct SourceLabels {
+    /// Model name.
+    pub model: String,
+    /// Pool name.
+    pub pool: String,
+    /// Where its bytes came from.
+    pub source: LoadSource,
+}
+
+/// `{model}` of the host tier's gauge.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct TierModelLabels {
+    /// Model name.
+    pub model: String,
+}
+
+/// The host tier's metrics.
+#[derive(Debug, Clone, Default)]
+pub struct TierMetrics {
+    /// `vramguard_host_tier_bytes`: what it holds.
+    pub bytes: Gauge,
+    /// `vramguard_host_tier_budget_bytes`: `host.model_cache`.
+    pub budget: Gauge,
+    /// `vramguard_model_host_tier{model}`: 1 while the model's optimized bytes are in it.
+    pub models: Family<TierModelLabels, Gauge>,
+    shown: std::sync::Arc<std::sync::Mutex<std::collections::HashSet<String>>>,
+}
+
+impl TierMetrics {
+    /// The tier now holds `models`: 1 for each, 0 for those it held before.
+    pub fn show(&self, models: &std::collections::HashSet<&str>) {
+        let mut shown = self.shown.lock().unwrap_or_else(|e| e.into_inner());
+        for model in shown.iter() {
+            if !models.contains(model.as_str()) {
+                self.models
+                    .get_or_create(&TierModelLabels { model: model.clone() })
+                    .set(0);
+            }
+        }
+        for model in models {
+            self.models
+                .get_or_create(&TierModelLabels {
+                    model: model.to_string(),
+                })
+                .set(1);
+            shown.insert(model.to_string());
+        }
+    }
 }
 
 /// Buckets of load and cold-start durations, in seconds.
@@ -100,6 +178,8 @@ impl ModelMetrics {
             unloads_failed: Counter::default(),
             load_duration: Histogram::new(LOAD_BUCKETS),
             cold_start: Histogram::new(LOAD_BUCKETS),
+            loads_from: Default::default(),
+            load_seconds_from: std::array::from_fn(|_| Histogram::new(LOAD_BUCKETS)),
         }
     }
 }
@@ -117,6 +197,12 @@ pub struct ResidencyMetrics {
     pub load_duration: Family<ModelPoolLabels, Histogram>,
     /// `vramguard_cold_start_seconds{model,pool}`
     pub cold_start: Family<ModelPoolLabels, Histogram>,
+    /// `vramguard_model_session_loads_total{model,pool,source}`
+    pub loads_from: Family<SourceLabels, Counter>,
+    /// `vramguard_model_session_load_seconds{model,pool,source}`
+    pub load_seconds_from: Family<SourceLabels, Histogram>,
+    /// The host tier's.
+    pub tier: TierMetrics,
 }
 
 impl Default for ResidencyMetrics {
@@ -127,6 +213,9 @@ impl Default for ResidencyMetrics {
             unloads: Family::default(),
             load_duration: Family::new_with_constructor(|| Histogram::new(LOAD_BUCKETS)),
             cold_start: Family::new_with_constructor(|| Histogram::new(LOAD_BUCKETS)),
+            loads_from: Family::default(),
+            load_seconds_from: Family::new_with_constructor(|| Histogram::new(LOAD_BUCKETS)),
+            tier: TierMetrics::default(),
         }
     }
 }
@@ -161,6 +250,34 @@ impl ResidencyMetrics {
             Unit::Seconds,
             self.cold_start.clone(),
         );
+        registry.register(
+            "model_session_loads",
+            "Sessions of a model built on a pool after start, by where their bytes came from",
+            self.loads_from.clone(),
+        );
+        registry.register_with_unit(
+            "model_session_load",
+            "Time to build one backend's session of the model, by where its bytes came from",
+            Unit::Seconds,
+            self.load_seconds_from.clone(),
+        );
+        registry.register_with_unit(
+            "host_tier",
+            "Optimized model bytes the host tier holds",
+            Unit::Bytes,
+            self.tier.bytes.clone(),
+        );
+        registry.register_with_unit(
+            "host_tier_budget",
+            "The host tier's budget (host.model_cache)",
+            Unit::Bytes,
+            self.tier.budget.clone(),
+        );
+        registry.register(
+            "model_host_tier",
+            "1 while the model's optimized bytes are in the host tier",
+            self.tier.models.clone(),
+        );
     }
 
     /// The handles of `model` on `pool` (every series created at 0).
@@ -194,6 +311,20 @@ impl ResidencyMetrics {
             unloads_failed: unload(UnloadReason::failed),
             load_duration: self.load_duration.get_or_create_owned(&labels),
             cold_start: self.cold_start.get_or_create_owned(&labels),
+            loads_from: LoadSource::ALL.map(|source| {
+                self.loads_from.get_or_create_owned(&SourceLabels {
+                    model: model.to_string(),
+                    pool: pool.to_string(),
+                    source,
+                })
+            }),
+            load_seconds_from: LoadSource::ALL.map(|source| {
+                self.load_seconds_from.get_or_create_owned(&SourceLabels {
+                    model: model.to_string(),
+                    pool: pool.to_string(),
+                    source,
+                })
+            }),
         }
     }
 }

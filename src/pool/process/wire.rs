@@ -62,6 +62,7 @@ impl ModelHead {
             graph,
             folder: self.folder.as_deref(),
             external_bytes: self.external_bytes,
+            owner: None,
         }
     }
 }

@@ -8,25 +8,27 @@ use ort::session::{RunOptions, Session};
 
 use super::generations::Generations;
 use super::kernels::Kernels;
-use super::{OnnxRuntime, SessionOptions, arena, arena_allocator, build_session, run};
+use super::{OnnxRuntime, SessionOptions, arena, arena_allocator, build_held, run};
 use crate::config::Provider;
 use crate::core::backend::{self as seam, Arenas, Backend, BackendError, DecodeStep, Interrupts, Residency, RunMeta};
-use crate::core::model::ModelData;
+use crate::core::model::{ModelBytes, ModelData};
 use crate::core::tensor::{Tensor, TensorView};
 use crate::runtime::decoder::{CacheHints, DecoderLayout};
 
 /// Build `name`'s session and find the arena it allocates from: the capped shared one for
 /// simulated pools, its own for CPU and CUDA pools. Stats are optional: a provider without an
-/// arena simply reports none.
+/// arena simply reports none. With them, the bytes the session uses its initializers in, when
+/// it does (see [`build_held`]).
+type Opened = ((Session, Option<Allocator>), Option<ModelBytes>);
 fn open_session(
     rt: &OnnxRuntime,
     name: &str,
     model: ModelData<'_>,
     options: &SessionOptions,
-) -> Result<(Session, Option<Allocator>), String> {
-    let session = build_session(rt, model, options).map_err(|e| format!("model `{name}`: {e}"))?;
-    let allocator = arena_allocator(&session, options);
-    Ok((session, allocator))
+) -> Result<Opened, String> {
+    let held = build_held(rt, model, options).map_err(|e| format!("model `{name}`: {e}"))?;
+    let allocator = arena_allocator(&held.session, options);
+    Ok(((held.session, allocator), held.keeps))
 }
 
 /// The production [`Backend`]: one session per model, owned by one worker.
@@ -50,6 +52,9 @@ pub struct OrtBackend {
     pub(super) decoders: HashMap<String, DecoderLayout>,
     /// The KV caches of the generations it runs, where its sessions put them.
     pub(super) generations: Generations,
+    /// The ORT-format bytes of the sessions that use their initializers in place: kept while
+    /// those sessions live (last, so dropped after every session).
+    keeps: HashMap<String, ModelBytes>,
 }
 
 /// `session`'s decoder layout, when it is a decoder with past key values, with the
@@ -78,8 +83,12 @@ impl OrtBackend {
     ) -> Result<OrtBackend, String> {
         let mut sessions = HashMap::new();
         let mut decoders = HashMap::new();
+        let mut keeps = HashMap::new();
         for (name, model) in models {
-            let opened = open_session(rt, name, *model, options)?;
+            let (opened, kept) = open_session(rt, name, *model, options)?;
+            if let Some(bytes) = kept {
+                keeps.insert(name.clone(), bytes);
+            }
             if let Some(layout) = decoder_of(&opened.0) {
                 decoders.insert(name.clone(), layout);
             }
@@ -104,6 +113,7 @@ impl OrtBackend {
             used: Default::default(),
             decoders,
             generations: Generations::new(Kernels::new(rt, options)?),
+            keeps,
         };
         // Statistics before the first run show what loading the weights reserved.
         backend.refresh_arena_stats();
@@ -222,18 +232,24 @@ impl seam::Generations for OrtBackend {
 
 impl Residency for OrtBackend {
     fn load_model(&mut self, name: &str, model: ModelData<'_>) -> Result<(), String> {
-        let session = open_session(self.rt, name, model, &self.options)?;
+        let (session, kept) = open_session(self.rt, name, model, &self.options)?;
         self.generations.forget(name);
         match decoder_of(&session.0) {
             Some(layout) => self.decoders.insert(name.to_string(), layout),
             None => self.decoders.remove(name),
         };
+        // The session it replaces goes before the bytes it may use.
         self.sessions.insert(name.to_string(), session);
+        match kept {
+            Some(bytes) => self.keeps.insert(name.to_string(), bytes),
+            None => self.keeps.remove(name),
+        };
         Ok(())
     }
 
     fn unload_model(&mut self, name: &str) {
         self.sessions.remove(name);
+        self.keeps.remove(name);
         self.decoders.remove(name);
         self.generations.forget(name);
         if self.last_model.as_deref() == Some(name) {

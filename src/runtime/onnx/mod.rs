@@ -10,14 +10,18 @@ mod generations;
 mod graph;
 pub mod kernels;
 mod last_logits;
+mod optimized;
 mod pooled;
 mod positions;
 mod proto;
+mod session;
 
 pub use backend::OrtBackend;
 pub use external::{ExternalData, external_data};
 pub use last_logits::last_position_logits;
+pub use optimized::{OptimizedCache, provider_key};
 pub use pooled::pooled_embedding;
+pub use session::{HeldSession, SessionOptions, build_held, build_session, is_ort_format};
 
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, OnceLock};
@@ -25,12 +29,11 @@ use std::sync::{Mutex, OnceLock};
 use ort::environment::Environment;
 use ort::ep;
 use ort::memory::{AllocationDevice, Allocator, AllocatorType, MemoryInfo, MemoryType};
-use ort::session::{RunOptions, Session, SessionInputValue, builder::GraphOptimizationLevel};
+use ort::session::{RunOptions, Session, SessionInputValue};
 use ort::value::{DynValue, TensorElementType, ValueType};
 
 use crate::config::{CudaOptions, Provider};
 use crate::core::backend::{AllocFailureKind, BackendError};
-use crate::core::model::ModelData;
 use crate::core::tensor::{DataType, Tensor, TensorData, TensorView, each_variant};
 
 /// The ONNX Runtime release `make` installs into the project.
@@ -314,93 +317,6 @@ fn spec(name: &str, ty: &ValueType) -> Result<TensorSpec, String> {
     }
 }
 
-/// How a session should be built for a pool.
-#[derive(Debug, Clone)]
-pub struct SessionOptions {
-    /// Provider (and its options).
-    pub provider: Provider,
-    /// CUDA device index for `cuda` pools.
-    pub device_index: u32,
-    /// Intra-op threads.
-    pub intra_threads: usize,
-    /// Shrink the arena after every run (`memory.enable_memory_arena_shrinkage`).
-    pub arena_shrinkage: bool,
-    /// Log only fatal errors (measuring runs, where a refused input size is expected).
-    pub quiet: bool,
-}
-
-impl SessionOptions {
-    /// A quiet CPU session of one intra-op thread whose arena keeps its blocks: what benches
-    /// and measurements run models in.
-    pub fn quiet_cpu() -> SessionOptions {
-        SessionOptions {
-            provider: Provider::Cpu,
-            device_index: 0,
-            intra_threads: 1,
-            arena_shrinkage: false,
-            quiet: true,
-        }
-    }
-}
-
-/// Build a session for `model` under `options`, its external data read from its folder whatever
-/// the working directory (bytes alone, `&[u8]`, are a graph held only in memory). CUDA
-/// registration failure is an error, never a silent fallback to the CPU provider.
-pub fn build_session<'m>(
-    rt: &OnnxRuntime,
-    model: impl Into<ModelData<'m>>,
-    options: &SessionOptions,
-) -> Result<Session, String> {
-    let model = model.into();
-    // The builder's error type carries the builder back; only its message matters here.
-    fn msg<T>(e: ort::Error<T>) -> String {
-        e.to_string()
-    }
-    let mut builder = Session::builder(rt.env())
-        .map_err(msg)?
-        .with_optimization_level(GraphOptimizationLevel::Level3)
-        .map_err(msg)?
-        .with_intra_threads(options.intra_threads)
-        .map_err(msg)?
-        .with_inter_threads(1)
-        .map_err(msg)?;
-    if options.quiet {
-        builder = builder.with_log_level(ort::logging::LogLevel::Fatal).map_err(msg)?;
-    }
-    builder = match &options.provider {
-        Provider::Cpu => builder
-            .with_execution_providers([ep::CPU::default().with_arena_allocator(true).build()])
-            .map_err(msg)?,
-        // As on a GPU, a session's weights live in the device's memory: prepacking would keep
-        // copies of them outside the capped arena (the originals freed), and the device would
-        // seem to hold models it does not.
-        Provider::Simulated => builder
-            .with_execution_providers([ep::CPU::default().with_arena_allocator(true).build()])
-            .map_err(msg)?
-            .with_env_allocators()
-            .map_err(msg)?
-            .with_prepacking(false)
-            .map_err(msg)?,
-        Provider::Cuda(cuda) => builder
-            .with_execution_providers([cuda_provider(cuda, options.device_index)])
-            .map_err(|e| format!("CUDA execution provider unavailable: {e}"))?,
-        Provider::Remote(_) => return Err("a remote pool runs its models on the remote server".into()),
-    };
-    // A graph built from bytes has no path of its own: ONNX Runtime would look for its external
-    // data in the working directory, and refuse it there.
-    if let Some(folder) = model.folder {
-        let folder = folder
-            .to_str()
-            .ok_or_else(|| format!("the model's folder {} is not valid UTF-8", folder.display()))?;
-        builder = builder.with_config_entry(external::FOLDER_ENTRY, folder).map_err(msg)?;
-    }
-    // A decoder that rotates by slot is given its rows' positions (see `positions.rs`).
-    let rewritten = positions::with_position_ids(model.graph);
-    builder
-        .commit_from_memory(rewritten.as_deref().unwrap_or(model.graph))
-        .map_err(msg)
-}
-
 /// The arena `session` allocates its runs (and the outputs bound to its device) from, when it
 /// has one: the CUDA device's for CUDA pools, the host's otherwise. Beside the session builder
 /// because both the backend's sessions and the graphs that move its caches are read through it.
@@ -440,20 +356,6 @@ pub fn probe_cuda(rt: &OnnxRuntime, device_index: u32) -> Result<(), String> {
         quiet: false,
     };
     build_session(rt, crate::core::model::BuiltinModel::Classifier.bytes(), &options).map(drop)
-}
-
-fn cuda_provider(cuda: &CudaOptions, device_index: u32) -> ep::ExecutionProviderDispatch {
-    let mut provider = ep::CUDA::default()
-        .with_device_id(device_index as i32)
-        .with_arena_extend_strategy(if cuda.same_as_requested {
-            ep::ArenaExtendStrategy::SameAsRequested
-        } else {
-            ep::ArenaExtendStrategy::NextPowerOfTwo
-        });
-    if let Some(limit) = cuda.gpu_mem_limit {
-        provider = provider.with_memory_limit(usize::try_from(limit).unwrap_or(usize::MAX));
-    }
-    provider.build().error_on_failure()
 }
 
 /// Read a session's signature.

@@ -29,10 +29,16 @@ pub(super) fn host_keeps_reserve(service: &Service, pool: &Pool, need_bytes: u64
         return Ok(()); // no host reading (no procfs): nothing to judge by
     }
     let committed = service.host_committed();
-    let left = host
+    let mut left = host
         .mem_available_bytes
         .saturating_sub(committed)
         .saturating_sub(need_bytes);
+    // The host tier is a cache: it gives its bytes back before CPU work is refused.
+    if left < host.reserve_bytes
+        && let Some(tier) = &service.tier
+    {
+        left += tier.shed(host.reserve_bytes - left);
+    }
     if left < host.reserve_bytes {
         return Err(format!(
             "the host would drop below its memory reserve ({} available, {} promised to running CPU work, {} needed, {} reserved)",

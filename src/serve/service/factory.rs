@@ -20,6 +20,11 @@ pub trait BackendFactory: Send + Sync {
     /// Build one worker's backend for `pool`, holding `models` (name, graph and folder). An
     /// error makes the pool unavailable with that reason; it never falls back to another provider.
     fn backend(&self, pool: &PoolConfig, models: &[(String, ModelData<'_>)]) -> Result<Box<dyn Backend>, String>;
+    /// The runtime that optimizes models for the host tier and the optimized cache (`None`:
+    /// this factory's backends have none, and loads take the models' own bytes).
+    fn optimizer(&self) -> Option<&'static crate::runtime::onnx::OnnxRuntime> {
+        None
+    }
     /// The worker processes of a process-isolated pool, once its first backend started one.
     fn worker_host(&self, pool: &str) -> Option<Arc<crate::pool::process::WorkerHost>> {
         let _ = pool;

@@ -14,6 +14,7 @@ mod policy;
 mod pools;
 mod rooms;
 mod services;
+mod tier;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -29,7 +30,7 @@ use crate::device::simulated::SimulatedDevice;
 use crate::policy::PolicyHandle;
 use crate::pool::activity::Activity;
 use crate::pool::degraded::Degraded;
-use crate::pool::{Pool, PoolContext};
+use crate::pool::{HostTier, Pool, PoolContext};
 use crate::runtime::onnx::RuntimeError;
 use crate::serve::idempotency::{IdempotencyCache, StoredResponse};
 use crate::serve::metrics::Metrics;
@@ -95,6 +96,8 @@ pub struct Service {
     pub idempotency: IdempotencyCache<StoredResponse>,
     /// Bytes promised to runs admitted to host pools and not finished yet.
     host_promised: Arc<std::sync::atomic::AtomicU64>,
+    /// The host tier (`host.model_cache`), when the backends can optimize models.
+    pub tier: Option<Arc<HostTier>>,
     /// The policy's last decisions, for `/status`.
     pub decisions: crate::policy::recent::RecentDecisions,
     /// Requests accepted and not answered, waiting or running.
@@ -175,12 +178,16 @@ impl Service {
         let models = load_models(backends.as_ref(), &config)?;
         let (metrics, mut registry) = Metrics::new(&runtime_version);
         let metrics = Arc::new(metrics);
+        let store = Arc::new(SnapshotStore::default());
+        let host_promised: Arc<std::sync::atomic::AtomicU64> = Arc::default();
+        let tier = tier::host_tier(backends.as_ref(), &config, &store, &host_promised, &metrics);
         let mut pools = Vec::new();
         for pool_config in &config.pools {
             let context = PoolContext {
                 clock: Arc::clone(&clock),
                 metrics: metrics.pool_metrics(&pool_config.name, &pool_config.device),
                 models: model_setups(&metrics, &models, pool_config),
+                tier: tier.clone(),
             };
             pools.push(start_pool(&backends, &config, &models, pool_config, context, &metrics));
         }
@@ -196,7 +203,6 @@ impl Service {
         let activity = Arc::new(Activity::default());
         let idempotency = IdempotencyCache::new(config.server.idempotency.max_entries, config.server.idempotency.ttl);
         idempotency.metrics().register(&mut registry);
-        let store = Arc::new(SnapshotStore::default());
         let mut sampler = Sampler::new(
             sources,
             config.exporter.services.clone(),
@@ -208,6 +214,9 @@ impl Service {
         .with_degraded(Arc::clone(&degraded));
         // One sample before serving, so the first scrape and the first decision see real numbers.
         sampler.sample();
+        if let Some(tier) = &tier {
+            tier::size_and_warm(tier, &config, &store, &models, &pools);
+        }
         let ready: Vec<&str> = pools.iter().filter(|p| p.is_ready()).map(|p| p.name()).collect();
         let policy = Arc::new(load_policy(&config, &models, &ready, &store.latest().snapshot)?);
         metrics.policy.show(&policy.status());
@@ -237,7 +246,8 @@ impl Service {
             clock,
             degraded,
             idempotency,
-            host_promised: Arc::default(),
+            host_promised,
+            tier,
             decisions: Default::default(),
             activity,
             services,

@@ -125,6 +125,10 @@ impl BackendFactory for OrtFactory {
         self.rt.version.clone()
     }
 
+    fn optimizer(&self) -> Option<&'static OnnxRuntime> {
+        Some(self.rt)
+    }
+
     fn worker_host(&self, pool: &str) -> Option<Arc<WorkerHost>> {
         self.hosts.lock().unwrap_or_else(|e| e.into_inner()).get(pool).cloned()
     }

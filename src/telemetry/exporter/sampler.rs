@@ -213,6 +213,8 @@ impl Sampler {
                         idle_ms: now.since_request.as_millis() as u64,
                         loaded_ms_ago: now.since_load.unwrap_or_default().as_millis() as u64,
                         weights_bytes: now.weights_bytes,
+                        host_tier: now.host_tier,
+                        reload_ms: now.reload.map_or(0, |d| d.as_millis() as u64),
                     },
                 );
             }

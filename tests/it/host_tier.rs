@@ -1,0 +1,133 @@
+//! The host tier and the optimized cache, on a CPU pool with real ONNX Runtime sessions: a
+//! `host_tier: warm` model is optimized once into the cache and the tier at start, an unloaded
+//! model loads again from the tier and answers as from its file, a corrupt cache entry is built
+//! again, and the tier never holds bytes the host's reserve needs.
+
+use reqwest::StatusCode;
+use serde_json::{Value, json};
+use vramguard::testing::Scratch;
+
+use crate::common::{TestServer, assert_close, floats, reference_cases, request_from_case, sample};
+
+fn config(cache: &Scratch, reserve: &str) -> String {
+    format!(
+        "
+host: {{reserve: {reserve}, optimized_cache: '{}'}}
+models:
+  - {{name: classifier, path: 'builtin:classifier', residency: on_demand, host_tier: warm}}
+pools:
+  - {{name: cpu, provider: cpu, models: [classifier]}}
+",
+        cache.path().display()
+    )
+}
+
+fn loads_from(metrics: &str, source: &str) -> f64 {
+    sample(
+        metrics,
+        &format!("vramguard_model_session_loads_total{{model=\"classifier\",pool=\"cpu\",source=\"{source}\"}}"),
+    )
+}
+
+/// Every reference case of the classifier answers as the committed outputs say.
+async fn answers_as_the_reference(server: &TestServer) {
+    for case in reference_cases("classifier") {
+        let response = server
+            .post_json("/v2/models/classifier/infer", &request_from_case(&case))
+            .await;
+        assert_eq!(response.status(), StatusCode::OK, "{}", case["name"]);
+        let body: Value = response.json().await.unwrap();
+        for out in body["outputs"].as_array().unwrap() {
+            let name = out["name"].as_str().unwrap();
+            assert_close(
+                &floats(&out["data"]),
+                &floats(&case["outputs"][name]["data"]),
+                1e-4,
+                name,
+            );
+        }
+    }
+}
+
+async fn status(server: &TestServer) -> Value {
+    reqwest::get(server.url("/status")).await.unwrap().json().await.unwrap()
+}
+
+fn entries(cache: &Scratch) -> Vec<std::path::PathBuf> {
+    std::fs::read_dir(cache.path())
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "ort"))
+        .collect()
+}
+
+#[tokio::test]
+async fn an_unloaded_model_loads_again_from_the_host_tier_and_answers_the_same() {
+    if crate::common::ran_in_own_process() {
+        return;
+    }
+    let cache = Scratch::new();
+    let server = TestServer::start(&config(&cache, "1MiB")).await;
+    assert_eq!(entries(&cache).len(), 1, "warmed: optimized once into the cache");
+    let tier = &status(&server).await["host_tier"];
+    assert_eq!(tier["models"], json!(["classifier"]), "{tier}");
+    assert!(tier["bytes"].as_u64().unwrap() > 0, "{tier}");
+
+    answers_as_the_reference(&server).await;
+    let metrics = server.metrics().await;
+    assert_eq!(loads_from(&metrics, "host_tier"), 1.0, "{metrics}");
+    assert_eq!(loads_from(&metrics, "disk"), 0.0);
+    assert_eq!(sample(&metrics, "vramguard_model_host_tier{model=\"classifier\"}"), 1.0);
+    assert!(sample(&metrics, "vramguard_host_tier_bytes") > 0.0, "{metrics}");
+
+    let response = server.post_json("/admin/models/classifier/unload", &json!({})).await;
+    assert_eq!(response.status(), StatusCode::OK);
+    answers_as_the_reference(&server).await;
+    let metrics = server.metrics().await;
+    assert_eq!(
+        loads_from(&metrics, "host_tier"),
+        2.0,
+        "loaded again from memory:\n{metrics}"
+    );
+    assert_eq!(
+        loads_from(&metrics, "disk") + loads_from(&metrics, "optimized_cache"),
+        0.0
+    );
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn a_corrupt_cache_entry_is_built_again_never_served() {
+    if crate::common::ran_in_own_process() {
+        return;
+    }
+    let cache = Scratch::new();
+    TestServer::start(&config(&cache, "1MiB")).await.stop().await;
+    let [entry] = entries(&cache).try_into().expect("one entry");
+    let mut bytes = std::fs::read(&entry).unwrap();
+    let middle = bytes.len() / 2;
+    bytes[middle] ^= 0x5a;
+    std::fs::write(&entry, &bytes).unwrap();
+
+    let server = TestServer::start(&config(&cache, "1MiB")).await;
+    let rebuilt = std::fs::read(&entry).unwrap();
+    assert_ne!(rebuilt, bytes, "the corrupt entry was replaced");
+    answers_as_the_reference(&server).await;
+    let metrics = server.metrics().await;
+    assert_eq!(loads_from(&metrics, "host_tier"), 1.0, "{metrics}");
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn the_host_tier_never_takes_the_host_below_its_reserve() {
+    if crate::common::ran_in_own_process() {
+        return;
+    }
+    // A reserve no host can keep: the tier admits nothing, and the model loads from its file.
+    let cache = Scratch::new();
+    let server = TestServer::start(&config(&cache, "1000TiB")).await;
+    let tier = &status(&server).await["host_tier"];
+    assert_eq!(tier["bytes"], 0, "{tier}");
+    assert_eq!(tier["models"], json!([]), "{tier}");
+    server.stop().await;
+}
