@@ -12,7 +12,7 @@ use tokio::time::Instant;
 use super::error::OpenAiError;
 use crate::core::tensor::Tensor;
 use crate::http::error::outcome_of_status;
-use crate::http::headers::{decode_headers, model_header, pool_headers};
+use crate::http::headers::{decode_headers, model_header, pool_headers, request_id, with_request_id};
 use crate::http::state::AppState;
 use crate::protocol::headers::DECISION_HEADER;
 use crate::serve::lifecycle::{self, Served};
@@ -77,6 +77,21 @@ pub(super) async fn run<J: Job>(
         .ok_or_else(|| OpenAiError::internal(format!("the run gave no `{output}`"), id))?;
     let given = served.outputs.swap_remove(at);
     Ok((job, served, given))
+}
+
+/// An endpoint's response to a request with `headers`: what `serve` answers (given the
+/// request's id, kept or made, and when it arrived), or its error in OpenAI's shape, with the
+/// id in `x-request-id` either way.
+pub(super) async fn respond<F>(headers: &HeaderMap, serve: impl FnOnce(String, Instant) -> F) -> Response
+where
+    F: Future<Output = Result<Response, OpenAiError>>,
+{
+    let received = Instant::now();
+    let id = request_id(headers);
+    let response = serve(id.clone(), received)
+        .await
+        .unwrap_or_else(IntoResponse::into_response);
+    with_request_id(response, &id)
 }
 
 /// The body of a request: JSON, or the 400 saying why not.

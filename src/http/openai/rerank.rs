@@ -12,13 +12,12 @@ use axum::body::Bytes;
 use axum::extract::State;
 use axum::extract::rejection::BytesRejection;
 use axum::http::HeaderMap;
-use axum::response::{IntoResponse, Response};
+use axum::response::Response;
 use serde_json::{Value, json};
 use tokio::time::Instant;
 
 use super::encode;
 use super::error::OpenAiError;
-use crate::http::headers::{request_id, with_request_id};
 use crate::http::state::AppState;
 use crate::runtime::embedder::text_batch;
 use crate::runtime::reranker::LOGITS;
@@ -54,13 +53,11 @@ pub async fn rerank(
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    let received = Instant::now();
-    let id = request_id(&headers);
-    let response = match serve(&state, &headers, body, &id, received).await {
-        Ok(response) => response,
-        Err(error) => error.into_response(),
-    };
-    with_request_id(response, &id)
+    let (state, headers) = (&*state, &headers);
+    encode::respond(headers, |id, received| async move {
+        serve(state, headers, body, &id, received).await
+    })
+    .await
 }
 
 /// Read, run and answer one request.
