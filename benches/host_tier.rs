@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use reqwest::blocking::Client;
 use serde_json::json;
 use vramguard::testing::Scratch;
-use vramguard::testing::bench::{Figure, Machine, Target, arg, out_dir, record};
+use vramguard::testing::bench::{Figure, Machine, Target, arg, out_dir, record, series_value};
 use vramguard::testing::process::{Serving, spawn_serving};
 
 const TOKEN: &str = "bench-admin-token";
@@ -160,11 +160,11 @@ fn cold_starts(scratch: &Scratch, model: &str, path: &Path, pool: &str, source: 
     let mut samples = Vec::with_capacity(runs);
     for _ in 0..runs {
         admin(&client, &serving, model, "unload");
-        let before = value(&metrics(&client, &serving), &series);
+        let before = series_value(&serving.metrics(&client), &series);
         let started = Instant::now();
         admin(&client, &serving, model, "load");
         samples.push(started.elapsed().as_secs_f64() * 1e3);
-        let after = value(&metrics(&client, &serving), &series);
+        let after = series_value(&serving.metrics(&client), &series);
         assert!(
             after > before,
             "{model} on {pool}: the load came from {}",
@@ -195,21 +195,4 @@ fn admin(client: &Client, serving: &Serving, model: &str, what: &str) {
         "{what}: {}",
         response.text().unwrap_or_default()
     );
-}
-
-fn metrics(client: &Client, serving: &Serving) -> String {
-    client
-        .get(format!("http://{}/metrics", serving.addr))
-        .send()
-        .unwrap()
-        .text()
-        .unwrap()
-}
-
-/// The value of the series `name` (labels included), or 0.
-fn value(text: &str, name: &str) -> f64 {
-    text.lines()
-        .find(|l| l.starts_with(name))
-        .and_then(|l| l.rsplit(' ').next()?.parse().ok())
-        .unwrap_or(0.0)
 }

@@ -32,7 +32,7 @@ use vramguard::device::{DeviceMemory, MemorySource, Reading};
 use vramguard::runtime::onnx::dense::Dense;
 use vramguard::serve::lifecycle;
 use vramguard::serve::service::{Parts, Service};
-use vramguard::testing::bench::{Figure, Machine, Target, arg, out_dir, record};
+use vramguard::testing::bench::{Figure, Machine, Target, arg, out_dir, record, series_value};
 use vramguard::testing::fakes::{FakeFactory, encoder_request};
 use vramguard::testing::process::{Serving, spawn_serving};
 use vramguard::testing::{Scratch, config};
@@ -115,23 +115,6 @@ fn infer(client: &Client, serving: &Serving, model: &str) -> (Duration, String, 
     (took, header("x-vramguard-pool"), header("x-vramguard-decision"))
 }
 
-fn metrics(client: &Client, serving: &Serving) -> String {
-    client
-        .get(format!("http://{}/metrics", serving.addr))
-        .send()
-        .unwrap()
-        .text()
-        .unwrap()
-}
-
-/// The value of the first series in `text` starting with `prefix`, or 0.
-fn value(text: &str, prefix: &str) -> f64 {
-    text.lines()
-        .find(|l| l.starts_with(prefix))
-        .and_then(|l| l.rsplit(' ').next()?.parse().ok())
-        .unwrap_or(0.0)
-}
-
 /// Sum of every series of `name` whose labels hold `with`.
 fn sum(text: &str, name: &str, with: &str) -> f64 {
     text.lines()
@@ -163,10 +146,10 @@ fn cold_start(scratch: &Scratch, runs: usize) -> Figure {
             "unload: {}",
             unload.text().unwrap_or_default()
         );
-        let before = value(&metrics(&client, &serving), load_sum);
+        let before = series_value(&serving.metrics(&client), load_sum);
         let (cold, pool, _) = infer(&client, &serving, "c");
         assert_eq!(pool, "gpu");
-        let load = value(&metrics(&client, &serving), load_sum) - before;
+        let load = series_value(&serving.metrics(&client), load_sum) - before;
         // The device's turn is released by a task after the cold request's sample: let it go.
         std::thread::sleep(Duration::from_millis(20));
         let (warm, _, _) = infer(&client, &serving, "c");
@@ -206,7 +189,7 @@ fn alternation(scratch: &Scratch, min_residency: &str, seconds: u64) -> Vec<Figu
         }
     }
     let elapsed = started.elapsed().as_secs_f64();
-    let text = metrics(&client, &serving);
+    let text = serving.metrics(&client);
     let loads = sum(
         &text,
         "vramguard_model_loads_total",

@@ -23,6 +23,15 @@ pub struct Serving {
 }
 
 impl Serving {
+    /// Its `/metrics` text now, asked with `client` (blocking: benches drive it from outside).
+    pub fn metrics(&self, client: &reqwest::blocking::Client) -> String {
+        client
+            .get(format!("http://{}/metrics", self.addr))
+            .send()
+            .and_then(|r| r.text())
+            .unwrap_or_else(|e| panic!("{} does not answer /metrics: {e}", self.addr))
+    }
+
     /// Its log lines after the one that said where it listens, once it has exited (wait for it
     /// first): this waits until its worker processes, which follow it, have closed the log too.
     pub fn log_after_exit(&mut self) -> Vec<String> {

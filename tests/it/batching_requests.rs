@@ -64,6 +64,14 @@ fn assert_near(got: &[f32], want: &[f32], what: &str) {
     assert!(worst <= 1e-5, "{what}: differs by {worst} from the same request alone");
 }
 
+/// `served`'s first output equals that of the embeddings request of `ids` run alone on `alone`.
+async fn assert_as_alone(service: &Service, served: &Served, ids: &[Vec<u32>], what: &str) {
+    let alone = lifecycle::infer(service, embedding(service, "alone", ids, "alone"))
+        .await
+        .unwrap();
+    assert_near(floats(&served.outputs[0]), floats(&alone.outputs[0]), what);
+}
+
 /// Run `requests` so that they arrive together: all spawned before any of them runs, each
 /// placed as the HTTP handlers place it (through the batchers).
 async fn together(server: &TestServer, requests: Vec<Request>) -> Vec<Result<Served, Refused>> {
@@ -277,14 +285,7 @@ async fn a_batch_grows_only_while_its_estimate_fits_the_device_now() {
     for (i, (answer, ids)) in answers.iter().zip(&inputs).enumerate() {
         let served = answer.as_ref().unwrap_or_else(|r| panic!("member {i}: {}", r.error));
         assert_eq!(served.pool.name(), "gpu");
-        let alone = lifecycle::infer(service, embedding(service, "alone", ids, "alone"))
-            .await
-            .unwrap();
-        assert_near(
-            floats(&served.outputs[0]),
-            floats(&alone.outputs[0]),
-            &format!("member {i}"),
-        );
+        assert_as_alone(service, served, ids, &format!("member {i}")).await;
     }
     server.stop().await;
 }
@@ -335,14 +336,7 @@ async fn a_batch_failing_on_the_device_is_retried_member_by_member_on_the_fallba
         assert_eq!(served.pool.name(), "cpu", "member {i} ran alone on the fallback");
         assert!(served.retried.is_some());
         assert_eq!(served.outputs[0].shape[0], 1, "its own rows only");
-        let alone = lifecycle::infer(service, embedding(service, "alone", ids, "alone"))
-            .await
-            .unwrap();
-        assert_near(
-            floats(&served.outputs[0]),
-            floats(&alone.outputs[0]),
-            &format!("member {i}"),
-        );
+        assert_as_alone(service, served, ids, &format!("member {i}")).await;
     }
     let text = metrics(service);
     let retries = |result: &str| {

@@ -183,6 +183,15 @@ impl Paired {
     }
 }
 
+/// The value of the first series in the metrics `text` whose line starts with `prefix` (its
+/// name and labels), or 0 when there is none.
+pub fn series_value(text: &str, prefix: &str) -> f64 {
+    text.lines()
+        .find(|l| l.starts_with(prefix))
+        .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+        .unwrap_or(0.0)
+}
+
 /// The median of `values`, in any order (of an even count, the mean of the two middle ones).
 pub fn median(values: &[f64]) -> f64 {
     let mut sorted = values.to_vec();
