@@ -14,5 +14,6 @@ pub mod grammar;
 pub mod image;
 pub mod onnx;
 pub mod reranker;
+pub mod speech;
 pub mod text;
 pub mod tower;
