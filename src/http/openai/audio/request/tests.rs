@@ -277,6 +277,31 @@ async fn the_file_may_have_25_mib_and_not_a_byte_more() {
     );
 }
 
+/// A body past the route's limit is cut there, whatever field carries it: a 413, as the
+/// connection answers a body over `server.body_limit`.
+#[tokio::test]
+async fn a_body_over_the_routes_limit_is_a_413() {
+    let parts = [
+        part("model", "whisper"),
+        part("padding", &"x".repeat(BODY_BYTES)),
+        file(b"RIFF"),
+    ];
+    let Err(unread) = transcribe(&parts).await else {
+        panic!("read")
+    };
+    assert_eq!(
+        unread.error.status,
+        StatusCode::PAYLOAD_TOO_LARGE,
+        "{}",
+        unread.error.message
+    );
+    assert!(
+        unread.error.message.starts_with("the multipart form could not be read"),
+        "{}",
+        unread.error.message
+    );
+}
+
 #[tokio::test]
 async fn a_body_that_is_not_a_multipart_form_is_a_400_saying_so() {
     let Err(unread) = send(
