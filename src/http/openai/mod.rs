@@ -1,7 +1,8 @@
 //! OpenAI-compatible text generation, embeddings and rerank: `GET /v1/models[/{id}]`,
 //! `POST /v1/completions`, `POST /v1/chat/completions`, `POST /v1/embeddings` and
-//! `POST /v1/rerank`, with errors in OpenAI's shape (`{"error": {"message", "type",
-//! "param", "code"}}`), so clients built on the `openai` package work unchanged. Generation
+//! `POST /v1/rerank` (and, in `audio`, speech to text's request and answers), with errors in
+//! OpenAI's shape (`{"error": {"message", "type", "param", "code"}}`), so clients built on the
+//! `openai` package work unchanged. Generation
 //! itself is [`crate::serve::generation`]; chat templates and tool calls are [`crate::runtime::chat`].
 //!
 //! `stream: true` answers with server-sent events: one chunk per piece of text, the last with
@@ -27,6 +28,7 @@
 //! `vectors` (the fields and tokens they share). They use `error` too.
 
 mod answer;
+pub mod audio;
 mod chat;
 mod embeddings;
 mod encode;
