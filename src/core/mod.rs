@@ -8,6 +8,7 @@ pub mod cpus;
 pub mod human;
 pub mod metrics;
 pub mod model;
+pub mod rng;
 pub mod scratch;
 pub mod signature;
 pub mod snapshot;

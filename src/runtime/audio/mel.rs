@@ -108,9 +108,31 @@ impl LogMel {
     /// The features of one window of mono `samples` at the configured rate: `[bins, frames]`
     /// row-major, the samples padded with zeros (or cut) to the window's length first.
     pub fn features(&self, samples: &[f32]) -> Vec<f32> {
+        self.features_of(samples, self.config.window_samples())
+    }
+
+    /// The features of the whole of `samples`, as the extractor gives them for long-form
+    /// decoding (`padding="longest", truncation=False`): `[bins, samples / hop]` row-major,
+    /// nothing padded or cut, everything below the maximum of the whole audio less 8 raised
+    /// to it. Audio of no more than one window gets [`features`](Self::features)' window, as
+    /// its decoding takes one padded window.
+    pub fn features_long(&self, samples: &[f32]) -> Vec<f32> {
+        if samples.len() <= self.config.window_samples() {
+            return self.features(samples);
+        }
+        self.features_of(samples, samples.len())
+    }
+
+    /// The frames [`features_long`](Self::features_long) gives for `samples` samples.
+    pub fn frames_long(&self, samples: usize) -> usize {
+        samples.max(self.config.window_samples()) / self.config.hop
+    }
+
+    /// The features of `samples` padded with zeros (or cut) to `length`: `length / hop`
+    /// frames (the centred transform's last frame dropped, as the extractor drops it).
+    fn features_of(&self, samples: &[f32], length: usize) -> Vec<f32> {
         let MelConfig { bins, n_fft, hop, .. } = self.config;
-        let length = self.config.window_samples();
-        let frames = self.config.frames();
+        let frames = length / hop;
         let padded = reflect_padded(samples, length, n_fft / 2);
         let mut input = self.fft.make_input_vec();
         let mut spectrum: Vec<Complex<f64>> = self.fft.make_output_vec();
@@ -257,6 +279,42 @@ mod tests {
         );
         assert!((low..=high).contains(&440.0), "band {loudest} spans {low}..{high} Hz");
         assert!(column(2000).all(|v| v == features[2999]), "past the tone: padding only");
+    }
+
+    #[test]
+    fn long_features_cover_the_whole_audio_under_one_clamp() {
+        let mel = LogMel::new(MelConfig::WHISPER).unwrap();
+        let short: Vec<f32> = (0..16_000).map(|i| ((i % 50) as f32 / 50.0) - 0.5).collect();
+        assert_eq!(
+            mel.features_long(&short),
+            mel.features(&short),
+            "one window or less: the window"
+        );
+        // 45 s: a loud tone for the first second, then a faint one.
+        let long: Vec<f32> = (0..45 * 16_000)
+            .map(|i| {
+                let loudness = if i < 16_000 { 0.5 } else { 1e-6 };
+                (2.0 * std::f32::consts::PI * 440.0 * i as f32 / 16_000.0).sin() * loudness
+            })
+            .collect();
+        let features = mel.features_long(&long);
+        let frames = mel.frames_long(long.len());
+        assert_eq!(frames, 4500);
+        assert_eq!(features.len(), 80 * frames);
+        // The faint part's floor is the loud second's maximum less 8, not its own.
+        let top = features.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let floor = features.iter().copied().fold(f32::INFINITY, f32::min);
+        assert!(
+            (top - floor - 2.0).abs() < 1e-5,
+            "(max - 8 + 4) / 4 below (max + 4) / 4: {top} {floor}"
+        );
+        let second_window = &features[4000..4100];
+        assert!(
+            second_window.iter().all(|&v| v == floor),
+            "the faint tone is under the global floor"
+        );
+        // The same samples' first window alone is clamped at its own maximum, which is the same.
+        assert_eq!(features[..100], mel.features(&long[..16_000 * 30])[..100]);
     }
 
     #[test]

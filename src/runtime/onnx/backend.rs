@@ -8,6 +8,7 @@ use ort::session::{RunOptions, Session};
 
 use super::generations::Generations;
 use super::kernels::Kernels;
+use super::speech::Speech;
 use super::{OnnxRuntime, SessionOptions, arena, arena_allocator, build_held, run};
 use crate::config::Provider;
 use crate::core::backend::{self as seam, Arenas, Backend, BackendError, DecodeStep, Interrupts, Residency, RunMeta};
@@ -52,6 +53,8 @@ pub struct OrtBackend {
     pub(super) decoders: HashMap<String, DecoderLayout>,
     /// The KV caches of the generations it runs, where its sessions put them.
     pub(super) generations: Generations,
+    /// The decoders of its speech models, by the name of their encoder's session.
+    speech: HashMap<String, Speech>,
     /// The ORT-format bytes of the sessions that use their initializers in place: kept while
     /// those sessions live (last, so dropped after every session).
     keeps: HashMap<String, ModelBytes>,
@@ -64,6 +67,18 @@ fn decoder_of(session: &Session) -> Option<DecoderLayout> {
     let metadata = session.metadata().ok()?;
     let hints = CacheHints::from_metadata(|key| metadata.custom(key)).ok()?;
     DecoderLayout::detect(&signature, &hints)?.ok()
+}
+
+/// The speech model `name` is when its session is a Whisper encoder and its folder holds the
+/// rest of it (its decoder's sessions opened).
+fn speech_of(
+    rt: &'static OnnxRuntime,
+    name: &str,
+    session: &Session,
+    model: ModelData<'_>,
+    options: &SessionOptions,
+) -> Result<Option<Speech>, String> {
+    Speech::open(rt, session, model.folder, options).map_err(|e| format!("model `{name}`: {e}"))
 }
 
 /// `memory.enable_memory_arena_shrinkage`'s value for the arena `options`' sessions use.
@@ -84,8 +99,12 @@ impl OrtBackend {
         let mut sessions = HashMap::new();
         let mut decoders = HashMap::new();
         let mut keeps = HashMap::new();
+        let mut speech = HashMap::new();
         for (name, model) in models {
             let (opened, kept) = open_session(rt, name, *model, options)?;
+            if let Some(model) = speech_of(rt, name, &opened.0, *model, options)? {
+                speech.insert(name.clone(), model);
+            }
             if let Some(bytes) = kept {
                 keeps.insert(name.clone(), bytes);
             }
@@ -113,6 +132,7 @@ impl OrtBackend {
             used: Default::default(),
             decoders,
             generations: Generations::new(Kernels::new(rt, options)?),
+            speech,
             keeps,
         };
         // Statistics before the first run show what loading the weights reserved.
@@ -158,6 +178,12 @@ impl Backend for OrtBackend {
     ) -> Result<Vec<Tensor>, BackendError> {
         self.note_use(model)?;
         let (session, _) = self.sessions.get_mut(model).expect("noted: it has a session");
+        if let Some(speech) = self.speech.get_mut(model)
+            && Speech::wants_decoding(&inputs)
+        {
+            let kernels = self.generations.kernels();
+            return speech.transcribe(session, kernels, inputs, outputs, &self.run_options);
+        }
         run(session, inputs, outputs, Some(&self.run_options))
     }
 
@@ -168,6 +194,15 @@ impl Backend for OrtBackend {
         outputs: &[String],
         _: &RunMeta,
     ) -> Result<Vec<Tensor>, BackendError> {
+        if self.speech.contains_key(model) && inputs.iter().any(|v| v.name == super::speech::DECODER_INPUT_IDS) {
+            let owned = inputs.iter().map(TensorView::to_tensor).collect::<Result<_, _>>();
+            return self.run(
+                model,
+                owned.map_err(BackendError::InvalidInput)?,
+                outputs,
+                &RunMeta::default(),
+            );
+        }
         self.note_use(model)?;
         let (session, _) = self.sessions.get_mut(model).expect("noted: it has a session");
         super::run_views(session, inputs, outputs, Some(&self.run_options))
@@ -233,6 +268,10 @@ impl seam::Generations for OrtBackend {
 impl Residency for OrtBackend {
     fn load_model(&mut self, name: &str, model: ModelData<'_>) -> Result<(), String> {
         let (session, kept) = open_session(self.rt, name, model, &self.options)?;
+        match speech_of(self.rt, name, &session.0, model, &self.options)? {
+            Some(speech) => self.speech.insert(name.to_string(), speech),
+            None => self.speech.remove(name),
+        };
         self.generations.forget(name);
         match decoder_of(&session.0) {
             Some(layout) => self.decoders.insert(name.to_string(), layout),
@@ -251,6 +290,7 @@ impl Residency for OrtBackend {
         self.sessions.remove(name);
         self.keeps.remove(name);
         self.decoders.remove(name);
+        self.speech.remove(name);
         self.generations.forget(name);
         if self.last_model.as_deref() == Some(name) {
             self.last_model = None;

@@ -95,6 +95,12 @@ impl Generations {
             .collect()
     }
 
+    /// The graphs that move values on the backend's device (a speech model's window job reads
+    /// its steps' logits with them too).
+    pub fn kernels(&mut self) -> &mut Kernels {
+        &mut self.kernels
+    }
+
     /// Drop every cache of `model` (its session is gone).
     pub fn forget(&mut self, model: &str) {
         self.models.remove(model);

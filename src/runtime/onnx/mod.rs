@@ -15,6 +15,7 @@ mod pooled;
 mod positions;
 mod proto;
 mod session;
+pub mod speech;
 
 pub use backend::OrtBackend;
 pub use external::{ExternalData, external_data};

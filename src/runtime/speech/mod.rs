@@ -50,3 +50,12 @@ pub struct Segment {
     /// The probability of `<|nospeech|>` at its window's first step.
     pub no_speech_prob: f64,
 }
+
+mod languages;
+pub mod long;
+pub mod rules;
+pub mod whisper;
+
+pub use long::{WindowResult, WindowSegment, frames_at, window, window_segments};
+pub use rules::{Rules, pick};
+pub use whisper::{DETECT, Dims, INPUT_STRIDE, TIME_PRECISION, Tokens, Whisper};

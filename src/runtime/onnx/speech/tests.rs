@@ -1,0 +1,233 @@
+//! The window job on the fixture Whisper (`models/speech/whisper/`) and the clips of
+//! `models/speech/audio/`, on the CPU; the tokens against `transformers` are in
+//! `tests/it/speech_model.rs`.
+
+use std::path::{Path, PathBuf};
+
+use super::*;
+use crate::core::backend::{Backend, Interrupts, RunMeta};
+use crate::core::scratch::OwnDir;
+use crate::runtime::audio::mel::LogMel;
+use crate::runtime::onnx::{OrtBackend, SessionOptions};
+use crate::runtime::speech::Task;
+
+fn fixture() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("models/speech/whisper")
+}
+
+/// A CPU backend holding the Whisper of `folder` as `whisper`.
+fn backend(folder: &Path) -> OrtBackend {
+    let rt = super::super::runtime(None).expect("ONNX Runtime loads");
+    let graph = std::fs::read(folder.join("encoder_model.onnx")).unwrap();
+    let model = ModelData {
+        graph: &graph,
+        folder: Some(folder),
+        external_bytes: 0,
+        owner: None,
+    };
+    OrtBackend::load(rt, &[("whisper".to_string(), model)], &SessionOptions::quiet_cpu()).unwrap()
+}
+
+/// The window features of clip `name` of `models/speech/audio/`.
+fn clip(whisper: &Whisper, name: &str) -> Vec<f32> {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("models/speech/audio")
+        .join(name);
+    let samples = crate::runtime::audio::decode(std::fs::read(path).unwrap(), 16_000, 60).unwrap();
+    LogMel::new(whisper.mel).unwrap().features(&samples)
+}
+
+/// A window job's inputs: one row per `(features, prompt, max_new_tokens)`, greedy.
+fn inputs(rows: &[(&[f32], Vec<i64>, i64)]) -> Vec<Tensor> {
+    let n = rows.len() as i64;
+    let p = rows[0].1.len() as i64;
+    let tensor = |name: &str, shape: Vec<i64>, data| Tensor {
+        name: name.into(),
+        shape,
+        data,
+    };
+    vec![
+        tensor(
+            INPUT_FEATURES,
+            vec![n, 80, 3000],
+            TensorData::Fp32(rows.iter().flat_map(|r| r.0.iter().copied()).collect()),
+        ),
+        tensor(
+            DECODER_INPUT_IDS,
+            vec![n, p],
+            TensorData::Int64(rows.iter().flat_map(|r| r.1.clone()).collect()),
+        ),
+        tensor(
+            MAX_NEW_TOKENS,
+            vec![n],
+            TensorData::Int64(rows.iter().map(|r| r.2).collect()),
+        ),
+        tensor(TEMPERATURE, vec![n], TensorData::Fp32(vec![0.0; n as usize])),
+        tensor(SEED, vec![n], TensorData::Int64(vec![0; n as usize])),
+    ]
+}
+
+/// Each row's outputs: its tokens (padding left out), language, sum of log-probabilities and
+/// no-speech probability.
+fn rows(outputs: &[Tensor]) -> Vec<(Vec<i64>, i64, f32, f32)> {
+    let [tokens, language, logprob, no_speech] = outputs else {
+        panic!("four outputs: {outputs:?}")
+    };
+    let (TensorData::Int64(t), TensorData::Int64(l), TensorData::Fp32(s), TensorData::Fp32(p)) =
+        (&tokens.data, &language.data, &logprob.data, &no_speech.data)
+    else {
+        panic!("output types: {outputs:?}")
+    };
+    let width = tokens.shape[1] as usize;
+    (0..l.len())
+        .map(|i| {
+            let row = t[i * width..(i + 1) * width]
+                .iter()
+                .copied()
+                .filter(|&x| x >= 0)
+                .collect();
+            (row, l[i], s[i], p[i])
+        })
+        .collect()
+}
+
+#[test]
+fn four_windows_in_one_run_each_give_what_they_give_alone() {
+    let whisper = Whisper::read(&fixture()).unwrap().unwrap();
+    let mut backend = backend(&fixture());
+    let (gpu, memory) = (clip(&whisper, "gpu-16k.wav"), clip(&whisper, "memory-16k.wav"));
+    let prompt = |task, language| whisper.prompt(task, language, false, &[]).unwrap();
+    // Different clips, languages (one detected) and tasks, and limits that end rows early.
+    let batch = [
+        (&gpu[..], prompt(Task::Transcribe, Some("en")), 444),
+        (&memory[..], prompt(Task::Transcribe, None), 120),
+        (&memory[..], prompt(Task::Translate, Some("de")), 444),
+        (&gpu[..], prompt(Task::Transcribe, Some("fr")), 7),
+    ];
+    let together = rows(
+        &backend
+            .run("whisper", inputs(&batch), &[], &RunMeta::default())
+            .unwrap(),
+    );
+    for (i, row) in batch.iter().enumerate() {
+        let alone = rows(
+            &backend
+                .run("whisper", inputs(std::slice::from_ref(row)), &[], &RunMeta::default())
+                .unwrap(),
+        );
+        let (tokens, language, logprob, no_speech) = &together[i];
+        assert_eq!(tokens, &alone[0].0, "row {i}'s tokens");
+        assert_eq!(language, &alone[0].1, "row {i}'s language");
+        assert!(
+            (logprob - alone[0].2).abs() < 1e-3 * logprob.abs().max(1.0),
+            "row {i}: {logprob} alone {}",
+            alone[0].2
+        );
+        assert!((no_speech - alone[0].3).abs() < 1e-5, "row {i}");
+        assert!(tokens.len() <= row.2 as usize, "row {i} keeps to its limit");
+    }
+    assert_eq!(
+        together[3].0.len(),
+        7,
+        "a limit of 7 gives 7 tokens (no end token came)"
+    );
+    assert_ne!(
+        together[0].0,
+        together[2].0[..],
+        "different clips transcribe differently"
+    );
+    let en = i64::from(whisper.language_token("en").unwrap());
+    assert_eq!(together[0].1, en);
+    assert!(
+        whisper.language_name(together[1].1 as u32).is_some(),
+        "a language was detected"
+    );
+}
+
+#[test]
+fn the_pair_of_decoders_gives_what_the_merged_one_gives() {
+    let whisper = Whisper::read(&fixture()).unwrap().unwrap();
+    let pair = OwnDir::new("whisper-pair").unwrap();
+    for entry in std::fs::read_dir(fixture()).unwrap() {
+        let path = entry.unwrap().path();
+        if path.file_name().unwrap() != "decoder_model_merged.onnx" {
+            std::fs::copy(&path, pair.path().join(path.file_name().unwrap())).unwrap();
+        }
+    }
+    let gpu = clip(&whisper, "gpu-16k.wav");
+    let row = [(
+        &gpu[..],
+        whisper.prompt(Task::Transcribe, Some("en"), true, &[]).unwrap(),
+        60,
+    )];
+    let merged = rows(
+        &backend(&fixture())
+            .run("whisper", inputs(&row), &[], &RunMeta::default())
+            .unwrap(),
+    );
+    let split = rows(
+        &backend(pair.path())
+            .run("whisper", inputs(&row), &[], &RunMeta::default())
+            .unwrap(),
+    );
+    assert_eq!(merged[0].0, split[0].0);
+    assert!(!merged[0].0.is_empty());
+}
+
+#[test]
+fn features_alone_run_the_encoder_alone() {
+    let whisper = Whisper::read(&fixture()).unwrap().unwrap();
+    let mut backend = backend(&fixture());
+    let features = Tensor {
+        name: INPUT_FEATURES.into(),
+        shape: vec![2, 80, 3000],
+        data: TensorData::Fp32([clip(&whisper, "gpu-16k.wav"), clip(&whisper, "memory-16k.wav")].concat()),
+    };
+    let out = backend
+        .run("whisper", vec![features], &[], &RunMeta::default())
+        .unwrap();
+    assert_eq!(out.len(), 1);
+    assert_eq!(out[0].name, LAST_HIDDEN_STATE);
+    assert_eq!(out[0].shape, [2, 1500, i64::from(whisper.dims.d_model)]);
+}
+
+#[test]
+fn bad_window_jobs_are_refused_naming_what_is_wrong() {
+    let whisper = Whisper::read(&fixture()).unwrap().unwrap();
+    let mut backend = backend(&fixture());
+    let gpu = clip(&whisper, "gpu-16k.wav");
+    let prompt = whisper.prompt(Task::Transcribe, Some("en"), false, &[]).unwrap();
+    let mut refused = |rows: &[(&[f32], Vec<i64>, i64)], edit: &dyn Fn(&mut Vec<Tensor>)| {
+        let mut inputs = inputs(rows);
+        edit(&mut inputs);
+        match backend.run("whisper", inputs, &[], &RunMeta::default()) {
+            Err(BackendError::InvalidInput(message)) => message,
+            other => panic!("{other:?}"),
+        }
+    };
+    let e = refused(&[(&gpu, prompt.clone(), 445)], &|_| {});
+    assert!(e.contains("448 positions"), "{e}");
+    let e = refused(&[(&gpu, prompt[1..].to_vec(), 10)], &|_| {});
+    assert!(e.contains("<|startoftranscript|>"), "{e}");
+    let e = refused(&[(&gpu, vec![prompt[0], 99_999], 10)], &|_| {});
+    assert!(e.contains("99999"), "{e}");
+    let e = refused(&[(&gpu, prompt.clone(), 10)], &|i| i.retain(|t| t.name != SEED));
+    assert!(e.contains("`seed`"), "{e}");
+}
+
+#[test]
+fn an_interrupt_stops_the_window_job() {
+    let whisper = Whisper::read(&fixture()).unwrap().unwrap();
+    let mut backend = backend(&fixture());
+    let gpu = clip(&whisper, "gpu-16k.wav");
+    let row = [(
+        &gpu[..],
+        whisper.prompt(Task::Transcribe, Some("en"), false, &[]).unwrap(),
+        444,
+    )];
+    (backend.interrupt_handle())();
+    let result = backend.run("whisper", inputs(&row), &[], &RunMeta::default());
+    assert!(matches!(result, Err(BackendError::Cancelled)), "{result:?}");
+    backend.clear_interrupt();
+    assert!(backend.run("whisper", inputs(&row), &[], &RunMeta::default()).is_ok());
+}
