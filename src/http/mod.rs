@@ -54,6 +54,8 @@ pub fn app(state: Arc<AppState>) -> Router {
         .route("/v1/chat/completions", post(openai::chat_completions))
         .route("/v1/embeddings", post(openai::embeddings))
         .route("/v1/rerank", post(openai::rerank))
+        .route("/v1/audio/transcriptions", post(openai::transcriptions))
+        .route("/v1/audio/translations", post(openai::translations))
         .merge(triton::routes())
         .merge(admin::tcp_routes(&state))
         .route("/metrics", get(metrics))
@@ -204,7 +206,12 @@ impl conn::Refusals for CountedRefusals {
 fn inference_model(path: &str) -> Option<&str> {
     if matches!(
         path,
-        "/v1/completions" | "/v1/chat/completions" | "/v1/embeddings" | "/v1/rerank"
+        "/v1/completions"
+            | "/v1/chat/completions"
+            | "/v1/embeddings"
+            | "/v1/rerank"
+            | "/v1/audio/transcriptions"
+            | "/v1/audio/translations"
     ) {
         return Some(crate::serve::service::UNKNOWN_MODEL);
     }

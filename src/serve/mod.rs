@@ -12,3 +12,4 @@ pub mod lifecycle;
 pub mod metrics;
 pub mod router;
 pub mod service;
+pub mod speech;

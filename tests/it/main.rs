@@ -50,4 +50,5 @@ mod status_page;
 mod structured;
 mod substitute;
 mod text;
+mod transcriptions;
 mod triton;

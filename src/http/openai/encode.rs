@@ -10,10 +10,12 @@ use serde_json::Value;
 use tokio::time::Instant;
 
 use super::error::OpenAiError;
+use crate::core::snapshot::Action;
 use crate::core::tensor::Tensor;
 use crate::http::error::outcome_of_status;
 use crate::http::headers::{decode_headers, model_header, pool_headers, request_id, with_request_id};
 use crate::http::state::AppState;
+use crate::pool::Pool;
 use crate::protocol::headers::DECISION_HEADER;
 use crate::serve::lifecycle::{self, Served};
 use crate::serve::service::{ModelEntry, Service, UNKNOWN_MODEL};
@@ -109,7 +111,7 @@ pub(super) async fn infer(service: &Service, request: lifecycle::Request, id: &s
 }
 
 /// A refusal in OpenAI's shape, saying when the server is degraded.
-fn refusal(service: &Service, refused: &lifecycle::Refused, id: &str) -> OpenAiError {
+pub(super) fn refusal(service: &Service, refused: &lifecycle::Refused, id: &str) -> OpenAiError {
     let mut error = OpenAiError::from_request(&refused.error, id);
     if let Some(d) = service.degraded.now() {
         error.message = format!("{} (degraded: {})", error.message, d.reason);
@@ -119,15 +121,30 @@ fn refusal(service: &Service, refused: &lifecycle::Refused, id: &str) -> OpenAiE
 
 /// `body` as the answer to a request for `model` that `served` ran, with its headers.
 pub(super) fn answer(state: &AppState, model: &str, served: &Served, body: Value) -> Response {
-    let mut response = axum::Json(body).into_response();
+    stamped(
+        state,
+        model,
+        (&served.pool, served.action),
+        axum::Json(body).into_response(),
+    )
+}
+
+/// `response` with the headers every answer has: the model, the decision that placed it and
+/// the pool that ran it (saying when it is degraded).
+pub(super) fn stamped(
+    state: &AppState,
+    model: &str,
+    (pool, action): (&Pool, Action),
+    mut response: Response,
+) -> Response {
     let out = response.headers_mut();
     model_header(out, model);
     out.insert(
         HeaderName::from_static(DECISION_HEADER),
-        HeaderValue::from_static(served.action.label()),
+        HeaderValue::from_static(action.label()),
     );
-    let degraded = state.service.degraded.for_answer(&served.pool, model);
-    pool_headers(out, &served.pool, degraded.as_ref());
+    let degraded = state.service.degraded.for_answer(pool, model);
+    pool_headers(out, pool, degraded.as_ref());
     response
 }
 

@@ -161,16 +161,25 @@ fn kind_of(status: StatusCode) -> &'static str {
     }
 }
 
-impl IntoResponse for OpenAiError {
-    fn into_response(self) -> Response {
+impl OpenAiError {
+    /// The `error` object as OpenAI writes it: in an error response, or in a stream's `error`
+    /// event once the stream has started.
+    pub(super) fn body(&self) -> serde_json::Value {
         let code = self.extra.as_ref().and_then(|e| e.0);
         let mut error = json!({"message": self.message, "type": self.kind, "param": self.param, "code": code});
         if let Some(id) = &self.request_id {
             error["request_id"] = json!(id);
         }
-        for (key, value) in self.extra.map(|e| e.1).unwrap_or_default() {
-            error[key] = value;
+        for (key, value) in self.extra.iter().flat_map(|e| e.1.iter()) {
+            error[key] = value.clone();
         }
+        error
+    }
+}
+
+impl IntoResponse for OpenAiError {
+    fn into_response(self) -> Response {
+        let error = self.body();
         let mut response = (self.status, axum::Json(json!({"error": error}))).into_response();
         if let Some(s) = self.retry_after {
             response.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(s));

@@ -41,6 +41,7 @@ mod run;
 mod stream;
 mod vectors;
 
+pub use audio::{transcriptions, translations};
 pub use embeddings::embeddings;
 pub use error::OpenAiError;
 pub use rerank::rerank;

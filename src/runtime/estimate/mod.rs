@@ -318,6 +318,25 @@ impl MemoryProfile {
         }
     }
 
+    /// This profile with `weights_bytes` more resident and `bytes` more per item of the batch
+    /// (its batch axis; without one, per run): what a run holds that the measured graph does
+    /// not show (a speech model's decoder weights and caches, beside its measured encoder).
+    pub fn with_extra(mut self, weights_bytes: u64, bytes: f64) -> MemoryProfile {
+        self.weights_bytes = self.weights_bytes.saturating_add(weights_bytes);
+        let powers: Vec<u8> = (0..self.axes.len())
+            .map(|i| u8::from(self.axes[i].role == AxisRole::Batch))
+            .collect();
+        if powers.iter().all(|&p| p == 0) {
+            self.workspace_bytes += bytes;
+            return self;
+        }
+        match self.terms.iter_mut().find(|t| t.powers == powers) {
+            Some(term) => term.bytes += bytes,
+            None => self.terms.push(Term { bytes, powers }),
+        }
+        self
+    }
+
     /// The index of the axis with `role`, if the profile has one.
     pub fn axis_with(&self, role: AxisRole) -> Option<usize> {
         self.axes.iter().position(|a| a.role == role)

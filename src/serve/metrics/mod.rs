@@ -4,7 +4,7 @@
 //! `telemetry::metrics` (the process: build, memory sampling, HTTP limits), `pool::metrics` (runs,
 //! health checks, worker processes, residency), `pool::remote` (remote pools), and here
 //! `requests.rs` (requests and their durations), `generation.rs` (tokens), `batching.rs`
-//! (rows a batched run took), `policy.rs` (admission
+//! (rows a batched run took), `speech.rs` (audio transcribed), `policy.rs` (admission
 //! decisions, reloads), `failover.rs` (retries, failovers, substitutions), `estimates.rs` (memory
 //! estimates' quality, what models hold) and `waits.rs` (requests held back by their service's
 //! budgets). Gauges read from live state are encoded at scrape time by the collectors instead
@@ -16,6 +16,7 @@ mod failover;
 mod generation;
 mod policy;
 mod requests;
+mod speech;
 mod waits;
 
 use std::sync::Arc;
@@ -36,6 +37,7 @@ pub use failover::{
 pub use generation::GenerationMetrics;
 pub use policy::{DecisionLabels, KindLabels, PolicyInfoLabels, PolicyMetrics, ReloadResult, ResultLabels};
 pub use requests::{Outcome, RequestLabels, RequestMetrics, UNKNOWN_MODEL};
+pub use speech::SpeechMetrics;
 pub use waits::{ServiceWaits, WaitFor, WaitLabels};
 
 /// The metric handles vramguard updates as things happen, one field per family.
@@ -59,6 +61,8 @@ pub struct Metrics {
     pub generation: GenerationMetrics,
     /// Rows in each run of a model with dynamic batching.
     pub batching: BatchingMetrics,
+    /// Audio transcribed, and how fast.
+    pub speech: SpeechMetrics,
     /// The admission policy's decisions, failures and reloads.
     pub policy: PolicyMetrics,
     /// The pools' runs: allocator failures, queue waits, bytes crossing, breaker recoveries.
@@ -83,6 +87,7 @@ impl Metrics {
             requests: RequestMetrics::default(),
             generation: GenerationMetrics::default(),
             batching: BatchingMetrics::default(),
+            speech: SpeechMetrics::default(),
             policy: PolicyMetrics::default(),
             runs: RunMetrics::default(),
             failover: FailoverMetrics::default(),
@@ -96,6 +101,7 @@ impl Metrics {
         metrics.requests.register(&mut registry);
         metrics.generation.register(&mut registry);
         metrics.batching.register(&mut registry);
+        metrics.speech.register(&mut registry);
         metrics.policy.register(&mut registry);
         metrics.failover.register(&mut registry);
         metrics.remote.register(&mut registry);

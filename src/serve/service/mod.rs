@@ -199,6 +199,11 @@ impl Service {
             }
         }
         metrics.zero_known(models.iter().map(|m| &m.config), &pools);
+        for entry in models.iter().filter(|m| m.speech.is_some()) {
+            for pool in pools.iter().filter(|p| p.serves(&entry.config.name)) {
+                metrics.speech.serving(&entry.config.name, pool.name());
+            }
+        }
         let degraded = Arc::new(Degraded::new(pools.clone(), Arc::clone(&clock)));
         let activity = Arc::new(Activity::default());
         let idempotency = IdempotencyCache::new(config.server.idempotency.max_entries, config.server.idempotency.ttl);

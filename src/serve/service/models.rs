@@ -56,6 +56,9 @@ pub struct ModelEntry {
     /// Which tower of a dual encoder (CLIP, SigLIP) it is, when its graph gives `text_embeds`
     /// or `image_embeds`: it then serves `/v1/embeddings` for texts or images.
     pub tower: Option<Tower>,
+    /// Its Whisper folder and front end, when its graph is a Whisper encoder with its folder:
+    /// it then serves `/v1/audio/transcriptions` and `/v1/audio/translations`.
+    pub speech: Option<Arc<crate::serve::speech::Speech>>,
 }
 
 impl ModelEntry {
@@ -257,7 +260,17 @@ fn load_model(backends: &dyn BackendFactory, m: &ModelConfig) -> Result<ModelEnt
         Some(tower) => tower.pinned(signature),
         None => signature,
     };
-    let profile = profile_of(backends, m, bytes.data(), &signature, decoder);
+    let speech = speech_of(bytes.data().folder, &signature).map_err(|e| ("path", format!("`{}`: {e}", m.source)))?;
+    let mut profile = profile_of(backends, m, bytes.data(), &signature, decoder);
+    if let Some(speech) = &speech {
+        // The measured graph is the encoder: the decoder's weights and a window's caches are
+        // held beside it by every run.
+        let decoder = bytes
+            .data()
+            .folder
+            .map_or(0, crate::serve::speech::Speech::decoder_bytes);
+        profile = profile.with_extra(decoder, speech.window_bytes() as f64);
+    }
     check_batching(m, &profile, &signature, decoder.is_some())?;
     let reads_text = embedder.is_some() || reranker.is_some() || matches!(tower, Some(Tower::Text { .. }));
     let tokenizer = tokenizer_of(m, decoder, reads_text, bytes.data().folder)?;
@@ -281,7 +294,21 @@ fn load_model(backends: &dyn BackendFactory, m: &ModelConfig) -> Result<ModelEnt
         embedder,
         reranker,
         tower,
+        speech,
     })
+}
+
+/// The speech model of a graph that takes Whisper's `input_features` with a Whisper folder.
+fn speech_of(
+    folder: Option<&std::path::Path>,
+    signature: &ModelSignature,
+) -> Result<Option<Arc<crate::serve::speech::Speech>>, String> {
+    match folder {
+        Some(dir) if signature.inputs.iter().any(|i| i.name == "input_features") => {
+            Ok(crate::serve::speech::Speech::read(dir)?.map(Arc::new))
+        }
+        _ => Ok(None),
+    }
 }
 
 /// `m`'s signature and decoder layout, read by one probe session. A decoder's graph (its inputs

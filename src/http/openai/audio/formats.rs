@@ -13,8 +13,6 @@
 //! `&`, `<` and `>` escaped as its syntax requires (which also keeps a `-->` in the text from
 //! reading as a timing line; SRT gets Whisper's `->` in its place).
 
-use std::io::Write;
-
 use axum::http::{HeaderValue, header};
 use axum::response::sse::Event;
 use axum::response::{IntoResponse, Response};
@@ -181,18 +179,6 @@ fn timestamp(seconds: f64, marker: char) -> String {
     let (hours, minutes) = (ms / 3_600_000, ms / 60_000 % 60);
     let (secs, millis) = (ms / 1000 % 60, ms % 1000);
     format!("{hours:02}:{minutes:02}:{secs:02}{marker}{millis:03}")
-}
-
-/// A text's length over its length compressed by zlib (at zlib's default level, 6), as Whisper
-/// computes a segment's `compression_ratio`: text that repeats itself compresses well, so a
-/// ratio above 2.4 flags a decoding stuck in a loop. zlib-rs writes the bytes zlib writes, so
-/// the ratio is Whisper's to the last digit.
-pub fn compression_ratio(text: &str) -> f64 {
-    let mut zlib = flate2::write::ZlibEncoder::new(Vec::new(), flate2::Compression::new(6));
-    // Writing into a Vec cannot fail.
-    zlib.write_all(text.as_bytes()).expect("compressing into memory");
-    let compressed = zlib.finish().expect("compressing into memory");
-    text.len() as f64 / compressed.len() as f64
 }
 
 /// `stream=true`: a piece of the text as it is transcribed (`transcript.text.delta`). The

@@ -1,8 +1,290 @@
 //! OpenAI's audio API for speech to text (`/v1/audio/transcriptions` and
 //! `/v1/audio/translations`): the multipart request read and checked (`request.rs`, its tests
-//! in `request/`), and a finished transcript written in each `response_format` or as the
-//! streamed events (`formats.rs`, its tests in `formats/`). Neither uses the other but for the
-//! `Format` a request asks for. See `docs/speech.md`.
+//! in `request/`), checked against its model, its audio decoded, transcribed by the service
+//! ([`crate::serve::speech`]) and answered in its `response_format` or as streamed events
+//! (`formats.rs`, its tests in `formats/`). See `docs/speech.md`.
 
 pub mod formats;
 pub mod request;
+
+use std::sync::Arc;
+
+use axum::extract::State;
+use axum::extract::multipart::{Multipart, MultipartRejection};
+use axum::http::HeaderMap;
+use axum::response::sse::{Event, Sse};
+use axum::response::{IntoResponse, Response};
+use serde_json::json;
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+
+use super::encode;
+use super::error::OpenAiError;
+use crate::http::error::outcome_of_status;
+use crate::http::headers::{decode_headers, model_header};
+use crate::http::state::AppState;
+use crate::runtime::speech::Task;
+use crate::serve::lifecycle;
+use crate::serve::service::UNKNOWN_MODEL;
+use crate::serve::speech::{self, Params};
+use request::AudioRequest;
+
+/// `POST /v1/audio/transcriptions`.
+pub async fn transcriptions(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    form: Result<Multipart, MultipartRejection>,
+) -> Response {
+    handle(state, headers, form, Task::Transcribe).await
+}
+
+/// `POST /v1/audio/translations`.
+pub async fn translations(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    form: Result<Multipart, MultipartRejection>,
+) -> Response {
+    handle(state, headers, form, Task::Translate).await
+}
+
+async fn handle(
+    state: Arc<AppState>,
+    headers: HeaderMap,
+    form: Result<Multipart, MultipartRejection>,
+    task: Task,
+) -> Response {
+    let headers = &headers;
+    encode::respond(headers, |id, received| async move {
+        serve(state, headers, form, task, &id, received).await
+    })
+    .await
+}
+
+/// A request read and checked against its model: the samples, the parameters, and the
+/// lifecycle request built from its headers.
+struct Checked {
+    request: AudioRequest,
+    samples: Vec<f32>,
+    params: Params,
+    lifecycle: lifecycle::Request,
+}
+
+/// Read, run and answer one request.
+async fn serve(
+    state: Arc<AppState>,
+    headers: &HeaderMap,
+    form: Result<Multipart, MultipartRejection>,
+    task: Task,
+    id: &str,
+    received: Instant,
+) -> Result<Response, OpenAiError> {
+    let service = &state.service;
+    let (model, read) = match request::read(form, task).await {
+        Ok(request) => (
+            request.model.clone(),
+            check(&state, request, headers, id, received).await,
+        ),
+        Err(unread) => (
+            unread.model.unwrap_or_else(|| UNKNOWN_MODEL.to_string()),
+            Err(unread.error),
+        ),
+    };
+    let checked = match read {
+        Ok(checked) => checked,
+        Err(error) => {
+            lifecycle::answered(service, &model, outcome_of_status(error.status), received);
+            return Err(error);
+        }
+    };
+    if checked.request.stream {
+        return Ok(streamed(state, checked, id.to_string()).await);
+    }
+    let entry = service.model(&model).expect("checked");
+    let samples = Arc::new(checked.samples);
+    let done = speech::transcribe(
+        service,
+        &state.batching,
+        entry,
+        samples,
+        &checked.params,
+        checked.lifecycle,
+        None,
+    )
+    .await
+    .map_err(|refused| encode::refusal(service, &refused, id))?;
+    let response = formats::answer(&done.transcript, checked.request.format);
+    Ok(encode::stamped(&state, &model, (&done.pool, done.action), response))
+}
+
+/// Check `request` against its model (a speech model; a language it knows), decode its audio,
+/// and build its lifecycle request from `headers`.
+async fn check(
+    state: &AppState,
+    request: AudioRequest,
+    headers: &HeaderMap,
+    id: &str,
+    received: Instant,
+) -> Result<Checked, OpenAiError> {
+    let service = &state.service;
+    let entry = service
+        .model(&request.model)
+        .ok_or_else(|| OpenAiError::unknown_model(service, &request.model, id))?;
+    let Some(speech) = entry.speech.as_deref() else {
+        return Err(OpenAiError::invalid(
+            format!(
+                "model `{}` is not a speech model (a Whisper export: its encoder_model.onnx with the folder Optimum writes)",
+                request.model
+            ),
+            Some("model"),
+        ));
+    };
+    let whisper = &speech.whisper;
+    if let Some(language) = &request.language {
+        whisper
+            .language_token(language)
+            .map_err(|e| OpenAiError::invalid(e, Some("language")))?;
+    }
+    let prompt = match &request.prompt {
+        Some(text) => whisper
+            .tokenizer()
+            .encode(format!(" {}", text.trim()), false)
+            .map_err(|e| OpenAiError::invalid(format!("`prompt` cannot be tokenized: {e}"), Some("prompt")))?
+            .get_ids()
+            .to_vec(),
+        None => Vec::new(),
+    };
+    // Check the whole prompt now, so a window never fails on what the client sent.
+    whisper
+        .prompt(
+            request.task,
+            request.language.as_deref(),
+            request.format.timestamps(),
+            &prompt,
+        )
+        .map_err(|e| {
+            OpenAiError::invalid(
+                e,
+                Some(if request.language.is_some() {
+                    "language"
+                } else {
+                    "model"
+                }),
+            )
+        })?;
+    let lifecycle = decode_headers(service, &request.model, id, headers, received)
+        .map_err(|e| OpenAiError::from_request(&e, id))?;
+    let (rate, bytes) = (whisper.mel.rate, request.file.clone());
+    let samples = tokio::task::spawn_blocking(move || request::decode_audio(bytes, rate, MAX_AUDIO_SECONDS))
+        .await
+        .expect("decoding audio does not panic")?;
+    let params = Params {
+        task: request.task,
+        language: request.language.clone(),
+        prompt,
+        temperature: request.temperature,
+        timestamps: request.format.timestamps(),
+        seed: seed_of(id),
+    };
+    Ok(Checked {
+        request,
+        samples,
+        params,
+        lifecycle,
+    })
+}
+
+/// The most seconds of audio one request may have: two hours, 115 million samples at 16 kHz
+/// (460 MB of FP32 while it is transcribed); OpenAI's 25 MB file limit holds less than that
+/// for any compressed format but WAV at a low rate.
+const MAX_AUDIO_SECONDS: u64 = 2 * 3600;
+
+/// A sampler's seed from the request's id: a request sent again with the same id samples the
+/// same tokens (temperature above 0).
+fn seed_of(id: &str) -> u64 {
+    id.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
+    })
+}
+
+/// What a streamed transcription sends: a window's text, or its end.
+enum Piece {
+    Text(String),
+    End(Result<speech::Transcribed, lifecycle::Refused>),
+}
+
+/// `stream=true`: the transcription runs in its own task; each window's text is a
+/// `transcript.text.delta` event as it is decoded, then `transcript.text.done`. A refusal
+/// before the first window is decoded is an ordinary error response; after it, an `error`
+/// event (what was sent stays sent).
+async fn streamed(state: Arc<AppState>, checked: Checked, id: String) -> Response {
+    let (pieces, mut received) = mpsc::channel::<Piece>(8);
+    let model = checked.request.model.clone();
+    let (task_state, task_model) = (Arc::clone(&state), model.clone());
+    tokio::spawn(async move {
+        let (sink, mut texts) = mpsc::channel::<String>(8);
+        let service = &task_state.service;
+        let entry = service.model(&task_model).expect("checked");
+        let samples = Arc::new(checked.samples);
+        let run = speech::transcribe(
+            service,
+            &task_state.batching,
+            entry,
+            samples,
+            &checked.params,
+            checked.lifecycle,
+            Some(sink),
+        );
+        tokio::pin!(run);
+        let end = loop {
+            tokio::select! {
+                Some(text) = texts.recv() => {
+                    if pieces.send(Piece::Text(text)).await.is_err() {
+                        // The client went away: dropping the run stops it and counts it cancelled.
+                        return;
+                    }
+                }
+                end = &mut run => break end,
+            }
+        };
+        while let Ok(text) = texts.try_recv() {
+            let _ = pieces.send(Piece::Text(text)).await;
+        }
+        let _ = pieces.send(Piece::End(end)).await;
+    });
+    let first = received.recv().await;
+    let first = match first {
+        Some(Piece::End(Err(refused))) => {
+            return encode::refusal(&state.service, &refused, &id).into_response();
+        }
+        Some(piece) => piece,
+        None => return OpenAiError::internal("the transcription ended without an answer".into(), &id).into_response(),
+    };
+    // The done event's text is trimmed as OpenAI's is: so is the first delta's, so that the
+    // deltas add up to it.
+    let events = futures_util::stream::unfold(
+        (Some(first), received, state, id, true),
+        |(next, mut rx, state, id, first)| async move {
+            let piece = match next {
+                Some(piece) => piece,
+                None => rx.recv().await?,
+            };
+            let still_first = first && !matches!(piece, Piece::Text(_));
+            let event = match piece {
+                Piece::Text(text) if first => formats::delta_event(text.trim_start()),
+                Piece::Text(text) => formats::delta_event(&text),
+                Piece::End(Ok(done)) => formats::done_event(&done.transcript),
+                Piece::End(Err(refused)) => {
+                    let error = encode::refusal(&state.service, &refused, &id);
+                    Event::default().data(json!({"type": "error", "error": error.body()}).to_string())
+                }
+            };
+            Some((
+                Ok::<_, std::convert::Infallible>(event),
+                (None, rx, state, id, still_first),
+            ))
+        },
+    );
+    let mut response = Sse::new(events).into_response();
+    model_header(response.headers_mut(), &model);
+    response
+}

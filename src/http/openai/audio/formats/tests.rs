@@ -178,28 +178,6 @@ fn formats_are_named_as_response_format_names_them() {
     assert_eq!(timed, ["srt", "verbose_json", "vtt"]);
 }
 
-/// The lengths Python's `zlib.compress` gives these texts (zlib 1.2.13, level 6), as Whisper's
-/// `compression_ratio` divides by them.
-#[test]
-fn the_compression_ratio_is_whispers() {
-    let cases = [
-        ("", 0, 8),
-        (" Hello world.", 13, 21),
-        (
-            " The beach was a popular spot on a hot summer day. People were swimming in the ocean, building sandcastles, and playing beach volleyball.",
-            137,
-            110,
-        ),
-        (&" the".repeat(27), 108, 15),
-        (" Ça va? Très bien, merci. 日本語のテキストも少し。", 64, 75),
-    ];
-    for (text, bytes, compressed) in cases {
-        assert_eq!(compression_ratio(text), bytes as f64 / compressed as f64, "{text:?}");
-    }
-    // A loop of the same words is what the ratio flags (Whisper's threshold is 2.4).
-    assert!(compression_ratio(&" the".repeat(27)) > 2.4);
-}
-
 /// The events as the client reads them: `data:` lines of JSON with the `type` the SDK tells
 /// them apart by.
 #[tokio::test]

@@ -1,0 +1,427 @@
+//! Speech to text on a Whisper model ([`crate::runtime::speech`]), below any protocol: the
+//! audio's log-mel features, cut into 30-second windows, each window one run through the
+//! lifecycle like any request's (placed, asked of the policy, failed over to the CPU pool once
+//! after an allocator failure, batched with other requests' windows when the model has
+//! `batching`), the whole transcription counted once. A window's run is the whole of its
+//! decoding on the pool's device (encoder, then every token, the caches kept there:
+//! [`crate::runtime::onnx`]'s window job), so what crosses the bus is its features in and its
+//! tokens out.
+//!
+//! Audio of one window or less is decoded as one window (`transformers`' short form). Longer
+//! audio is decoded as `transformers`' long form: features of the whole audio, a window at each
+//! seek, the seek moved on by what the window's timestamps consumed, so a segment cut off at a
+//! window's end is decoded again whole in the next ([`crate::runtime::speech::window_segments`]).
+//! Windows follow each other (each starts where the last one's timestamps say), so one
+//! transcription runs one window at a time; concurrent transcriptions' windows share runs.
+//!
+//! A window that failed over was decoded again from its features on the fallback, which is
+//! never a replay of anything the client saw: streamed text goes out a window at a time, once
+//! the window is decoded.
+
+use std::io::Write;
+use std::sync::Arc;
+
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+
+use crate::core::snapshot::Action;
+use crate::core::tensor::{Tensor, TensorData};
+use crate::pool::Pool;
+use crate::pool::activity::Progress;
+use crate::runtime::audio::mel::LogMel;
+use crate::runtime::speech::{Segment, Task, Transcript, Whisper, WindowSegment, frames_at, window, window_segments};
+use crate::serve::batching::Batchers;
+use crate::serve::lifecycle::{self, Refused, Request, RequestError};
+use crate::serve::metrics::FailoverReason;
+use crate::serve::service::{ModelEntry, Service};
+
+/// A Whisper model's folder and its front end, made once when the model is loaded.
+pub struct Speech {
+    /// What its folder says.
+    pub whisper: Whisper,
+    /// Its log-mel features (shared with the blocking threads that compute them).
+    pub mel: Arc<LogMel>,
+}
+
+impl std::fmt::Debug for Speech {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Speech")
+            .field("whisper", &self.whisper)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Speech {
+    /// The speech model of `folder`, when it is a Whisper folder.
+    pub fn read(folder: &std::path::Path) -> Result<Option<Speech>, String> {
+        let Some(whisper) = Whisper::read(folder)? else {
+            return Ok(None);
+        };
+        let mel = Arc::new(LogMel::new(whisper.mel)?);
+        Ok(Some(Speech { whisper, mel }))
+    }
+
+    /// Bytes of the decoder graph(s) in `folder` the window job loads beside the encoder: the
+    /// merged decoder when there is one, else the first pass's and the steps' (two copies of
+    /// the weights).
+    pub fn decoder_bytes(folder: &std::path::Path) -> u64 {
+        let size = |name: &str| std::fs::metadata(folder.join(name)).map_or(0, |m| m.len());
+        match size("decoder_model_merged.onnx") {
+            0 => size("decoder_model.onnx") + size("decoder_with_past_model.onnx"),
+            merged => merged,
+        }
+    }
+
+    /// Device bytes one window's decoding holds beyond its encoder's run: the cross-attention
+    /// cache (keys and values of every decoder layer over every encoder position, fixed per
+    /// window), the self-attention cache at its longest (every target position), the encoder's
+    /// output the decoder's first pass reads, and a step's logits. FP32 each.
+    pub fn window_bytes(&self) -> u64 {
+        let d = &self.whisper.dims;
+        let kv = 2 * u64::from(d.decoder_layers) * u64::from(d.d_model) * 4;
+        let cross = kv * u64::from(d.max_source_positions);
+        let own = kv * u64::from(d.max_target_positions);
+        let hidden = u64::from(d.max_source_positions) * u64::from(d.d_model) * 4;
+        let logits = u64::from(d.vocab) * 4;
+        cross + own + hidden + logits
+    }
+}
+
+/// How to transcribe.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Params {
+    /// Transcribe or translate.
+    pub task: Task,
+    /// The language spoken (a code or Whisper's name for it); `None`: detected from the first
+    /// window.
+    pub language: Option<String>,
+    /// Text tokens that come before the audio (OpenAI's `prompt`: spelling, style).
+    pub prompt: Vec<u32>,
+    /// Softmax temperature; 0 picks the most likely token.
+    pub temperature: f32,
+    /// Segments with their times from the timestamp tokens (audio over one window is decoded
+    /// with them whatever this says: they decide where each next window starts).
+    pub timestamps: bool,
+    /// The sampler's seed (window `i` samples from `seed + i`).
+    pub seed: u64,
+}
+
+/// Where each window's text goes as it is decoded (streamed transcriptions).
+pub type Sink = mpsc::Sender<String>;
+
+/// A finished transcription and where it ran.
+#[derive(Debug)]
+pub struct Transcribed {
+    /// What it says.
+    pub transcript: Transcript,
+    /// The pool that ran its last window.
+    pub pool: Arc<Pool>,
+    /// The decision that placed its last window.
+    pub action: Action,
+    /// Set when a window moved to the fallback pool after an allocator failure.
+    pub retried: Option<FailoverReason>,
+}
+
+/// What one window's run gave.
+struct Decoded {
+    tokens: Vec<u32>,
+    language: u32,
+    sum_logprob: f64,
+    no_speech_prob: f64,
+}
+
+/// Transcribe `samples` (mono, at the model's rate) with `entry`'s Whisper model, counted from
+/// here as one request (`request` carries its id, deadline and priority; its inputs are built
+/// here). Each window's text goes to `sink` as it is decoded.
+pub async fn transcribe(
+    service: &Service,
+    batchers: &Batchers,
+    entry: &ModelEntry,
+    samples: Arc<Vec<f32>>,
+    params: &Params,
+    mut request: Request,
+    sink: Option<Sink>,
+) -> Result<Transcribed, Refused> {
+    let Some(speech) = entry.speech.as_deref() else {
+        let error = RequestError::BadInput(format!("model `{}` is not a speech model", entry.config.name));
+        return Err(lifecycle::reject(service, &entry.config.name, error, request.received));
+    };
+    let counted = lifecycle::Counted::start(service, &mut request);
+    let transcribed = windows(batchers, speech, Arc::clone(&samples), params, &request, sink).await;
+    counted.finish(transcribed.as_ref().map(|t| t.pool.as_ref()));
+    if let Ok(done) = &transcribed {
+        let elapsed = Instant::now().duration_since(request.received).as_secs_f64();
+        (service.metrics.speech).transcribed(&entry.config.name, done.pool.name(), done.transcript.duration, elapsed);
+    }
+    transcribed
+}
+
+/// Decode every window of `samples` in turn.
+async fn windows(
+    batchers: &Batchers,
+    speech: &Speech,
+    samples: Arc<Vec<f32>>,
+    params: &Params,
+    request: &Request,
+    sink: Option<Sink>,
+) -> Result<Transcribed, Refused> {
+    let whisper = &speech.whisper;
+    let config = whisper.mel;
+    let window_frames = config.frames();
+    let long = samples.len() > config.window_samples();
+    // Computing the features is a few milliseconds of CPU per window: off the async threads.
+    let features = {
+        let (mel, samples) = (Arc::clone(&speech.mel), Arc::clone(&samples));
+        tokio::task::spawn_blocking(move || mel.features_long(&samples))
+            .await
+            .expect("computing features does not panic")
+    };
+    let total = if long {
+        speech.mel.frames_long(samples.len()) as u64
+    } else {
+        window_frames as u64
+    };
+    // Long audio is always decoded with timestamps: they say where the next window starts.
+    let timestamps = params.timestamps || long;
+    let mut language = params.language.clone();
+    let (mut seek, mut index) = (0u64, 0u64);
+    let mut all_tokens = Vec::new();
+    let mut segments: Vec<Segment> = Vec::new();
+    let mut last = None;
+    let mut detected = None;
+    while seek < total {
+        let frames = if long {
+            frames_at(total, seek, window_frames as u64)
+        } else {
+            audio_frames(samples.len(), config.hop) as u64
+        };
+        let input = window(&features, config.bins, seek, window_frames);
+        // The language was checked when the request was read.
+        let prompt = whisper
+            .prompt(params.task, language.as_deref(), timestamps, &params.prompt)
+            .map_err(|e| Refused {
+                pool: None,
+                error: RequestError::BadInput(e),
+            })?;
+        let run = window_request(request, whisper, input, &prompt, params, index);
+        let served = batchers.place(run).await?;
+        let decoded = decoded(&served.outputs).map_err(|e| failed(&served.pool, e))?;
+        if detected.is_none() {
+            let name = whisper.language_name(decoded.language).map(str::to_string);
+            // transformers detects the language once, from the first window, and keeps it.
+            if language.is_none() && whisper.multilingual {
+                language = name.clone();
+            }
+            detected = Some(name.unwrap_or_else(|| "english".to_string()));
+        }
+        let (window_segments, consumed) = cut(whisper, &decoded, seek, frames, timestamps, samples.len());
+        let text = window_text(whisper, &window_segments).map_err(|e| failed(&served.pool, e))?;
+        if let Some(sink) = &sink
+            && !text.is_empty()
+        {
+            // A client that went away stops the transcription where it is waited on.
+            let _ = sink.send(text).await;
+        }
+        // The text is its segments' tokens: what a window decoded past its last whole segment
+        // is decoded again from the next window's seek.
+        all_tokens.extend(window_segments.iter().flat_map(|s| s.tokens.iter().copied()));
+        for piece in window_segments {
+            let text = whisper.text(&piece.tokens).map_err(|e| failed(&served.pool, e))?;
+            segments.push(Segment {
+                id: segments.len(),
+                seek,
+                start: piece.start,
+                end: piece.end,
+                compression_ratio: compression_ratio(&text),
+                text,
+                tokens: piece.tokens,
+                temperature: params.temperature,
+                avg_logprob: decoded.sum_logprob / (decoded.tokens.len() + 1) as f64,
+                no_speech_prob: decoded.no_speech_prob,
+            });
+        }
+        last = Some(served);
+        if !long {
+            // One window holds it all (the short form): its timestamps move no seek.
+            break;
+        }
+        seek += consumed.max(1);
+        index += 1;
+    }
+    let served = last.expect("audio has at least one window");
+    let text = whisper.text(&all_tokens).map_err(|e| failed(&served.pool, e))?;
+    Ok(Transcribed {
+        transcript: Transcript {
+            text,
+            language: detected.unwrap_or_else(|| "english".to_string()),
+            duration: samples.len() as f64 / f64::from(config.rate),
+            segments,
+            task: params.task,
+        },
+        pool: served.pool,
+        action: served.action,
+        retried: served.retried,
+    })
+}
+
+/// Frames of features `samples` samples fill (at least one).
+fn audio_frames(samples: usize, hop: usize) -> usize {
+    samples.div_ceil(hop.max(1)).max(1)
+}
+
+/// Window `index`'s run: its features and prompt as the window job takes them (one row).
+fn window_request(
+    request: &Request,
+    whisper: &Whisper,
+    features: Vec<f32>,
+    prompt: &[i64],
+    params: &Params,
+    index: u64,
+) -> Request {
+    let mut run = request.clone();
+    // Its own place in the request's progress: its runs start the transcription's, and what
+    // admission holds for it (budgets) is given back when the window is decoded.
+    run.progress = Progress::batch(vec![request.progress.clone()]);
+    let bins = whisper.mel.bins as i64;
+    let frames = (features.len() as i64) / bins.max(1);
+    let most = whisper.max_new_tokens(prompt.len());
+    run.inputs = vec![
+        Tensor {
+            name: "input_features".into(),
+            shape: vec![1, bins, frames],
+            data: TensorData::Fp32(features),
+        },
+        Tensor {
+            name: "decoder_input_ids".into(),
+            shape: vec![1, prompt.len() as i64],
+            data: TensorData::Int64(prompt.to_vec()),
+        },
+        Tensor {
+            name: "max_new_tokens".into(),
+            shape: vec![1],
+            data: TensorData::Int64(vec![i64::from(most)]),
+        },
+        Tensor {
+            name: "temperature".into(),
+            shape: vec![1],
+            data: TensorData::Fp32(vec![params.temperature]),
+        },
+        Tensor {
+            name: "seed".into(),
+            shape: vec![1],
+            data: TensorData::Int64(vec![params.seed.wrapping_add(index) as i64]),
+        },
+    ];
+    run.outputs = ["tokens", "language", "sum_logprob", "no_speech_prob"]
+        .map(String::from)
+        .to_vec();
+    // Its features are all it needs: it may run again on the fallback from them.
+    run.pads = false;
+    run.allow_substitute = false;
+    run
+}
+
+/// A window job's outputs, read.
+fn decoded(outputs: &[Tensor]) -> Result<Decoded, String> {
+    let find = |name: &str| {
+        outputs
+            .iter()
+            .find(|t| t.name == name)
+            .ok_or_else(|| format!("the window's run gave no `{name}`"))
+    };
+    let (TensorData::Int64(tokens), TensorData::Int64(language)) = (&find("tokens")?.data, &find("language")?.data)
+    else {
+        return Err("the window's `tokens` and `language` are not INT64".into());
+    };
+    let (TensorData::Fp32(sum), TensorData::Fp32(no_speech)) =
+        (&find("sum_logprob")?.data, &find("no_speech_prob")?.data)
+    else {
+        return Err("the window's `sum_logprob` and `no_speech_prob` are not FP32".into());
+    };
+    Ok(Decoded {
+        tokens: tokens.iter().take_while(|&&t| t >= 0).map(|&t| t as u32).collect(),
+        language: language.first().map_or(0, |&l| l as u32),
+        sum_logprob: sum.first().copied().map_or(0.0, f64::from),
+        no_speech_prob: no_speech.first().copied().map_or(0.0, f64::from),
+    })
+}
+
+/// A window's segments and the frames it consumed: at its timestamps when it was decoded with
+/// them; else one segment over the audio it holds.
+fn cut(
+    whisper: &Whisper,
+    decoded: &Decoded,
+    seek: u64,
+    frames: u64,
+    timestamps: bool,
+    samples: usize,
+) -> (Vec<WindowSegment>, u64) {
+    if timestamps {
+        let result = window_segments(&decoded.tokens, seek, frames, whisper.tokens.timestamp_begin);
+        return (result.segments, result.consumed);
+    }
+    let end = samples as f64 / f64::from(whisper.mel.rate);
+    let whole = WindowSegment {
+        start: 0.0,
+        end,
+        tokens: decoded.tokens.clone(),
+    };
+    (vec![whole], frames)
+}
+
+/// The text of a window's segments, as one piece of a stream.
+fn window_text(whisper: &Whisper, segments: &[WindowSegment]) -> Result<String, String> {
+    let tokens: Vec<u32> = segments.iter().flat_map(|s| s.tokens.iter().copied()).collect();
+    whisper.text(&tokens)
+}
+
+/// A text's length over its length compressed by zlib (at zlib's default level, 6), as Whisper
+/// computes a segment's `compression_ratio`: text that repeats itself compresses well, so a
+/// ratio above 2.4 flags a decoding stuck in a loop. zlib-rs writes the bytes zlib writes, so
+/// the ratio is Whisper's to the last digit.
+pub fn compression_ratio(text: &str) -> f64 {
+    let mut zlib = flate2::write::ZlibEncoder::new(Vec::new(), flate2::Compression::new(6));
+    // Writing into a Vec cannot fail.
+    zlib.write_all(text.as_bytes()).expect("compressing into memory");
+    let compressed = zlib.finish().expect("compressing into memory");
+    text.len() as f64 / compressed.len() as f64
+}
+
+/// A window's answer that cannot be read (a fault of the server, logged): the client's error
+/// names the pool, as any failed run's does.
+fn failed(pool: &Arc<Pool>, why: String) -> Refused {
+    tracing::error!(pool = pool.name(), %why, "a speech window's answer could not be read");
+    Refused::at(
+        pool,
+        RequestError::Failed {
+            pool: pool.name().to_string(),
+        },
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The lengths Python's `zlib.compress` gives these texts (zlib 1.2.13, level 6), as Whisper's
+    /// `compression_ratio` divides by them.
+    #[test]
+    fn the_compression_ratio_is_whispers() {
+        let cases = [
+            ("", 0, 8),
+            (" Hello world.", 13, 21),
+            (
+                " The beach was a popular spot on a hot summer day. People were swimming in the ocean, building sandcastles, and playing beach volleyball.",
+                137,
+                110,
+            ),
+            (&" the".repeat(27), 108, 15),
+            (" Ça va? Très bien, merci. 日本語のテキストも少し。", 64, 75),
+        ];
+        for (text, bytes, compressed) in cases {
+            assert_eq!(compression_ratio(text), bytes as f64 / compressed as f64, "{text:?}");
+        }
+        // A loop of the same words is what the ratio flags (Whisper's threshold is 2.4).
+        assert!(compression_ratio(&" the".repeat(27)) > 2.4);
+    }
+}

@@ -1,0 +1,350 @@
+//! `POST /v1/audio/transcriptions` and `/v1/audio/translations` served end to end: the tiny
+//! Whisper of `models/speech/whisper/` (random weights, exported by Optimum) through the
+//! lifecycle, with real ONNX Runtime sessions; answers held to what `transformers`' `generate`
+//! gives on the same audio (`reference.json`), every format readable, a window failed over to
+//! the CPU pool giving the same text, and what is wrong with a request named in its 400.
+
+use reqwest::StatusCode;
+use serde_json::{Value, json};
+
+use crate::common::{TestServer, sample};
+
+const WHISPER: &str = "models/speech/whisper/encoder_model.onnx";
+const AUDIO: &str = "models/speech/audio";
+
+/// A multipart form as OpenAI's SDK sends it: text fields, then the file.
+fn form(fields: &[(&str, &str)], file: (&str, Vec<u8>)) -> (String, Vec<u8>) {
+    let boundary = "vramguard-test-boundary-7d1f";
+    let mut body = Vec::new();
+    for (name, value) in fields {
+        body.extend(
+            format!("--{boundary}\r\nContent-Disposition: form-data; name=\"{name}\"\r\n\r\n{value}\r\n").bytes(),
+        );
+    }
+    let (filename, bytes) = file;
+    body.extend(
+        format!(
+            "--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"{filename}\"\r\nContent-Type: application/octet-stream\r\n\r\n"
+        )
+        .bytes(),
+    );
+    body.extend(bytes);
+    body.extend(format!("\r\n--{boundary}--\r\n").bytes());
+    (format!("multipart/form-data; boundary={boundary}"), body)
+}
+
+/// Send a form to `path`: the status, the headers and the body as text.
+async fn send(
+    server: &TestServer,
+    path: &str,
+    fields: &[(&str, &str)],
+    file: (&str, Vec<u8>),
+) -> (StatusCode, reqwest::header::HeaderMap, String) {
+    let (content_type, body) = form(fields, file);
+    let response = reqwest::Client::new()
+        .post(server.url(path))
+        .header("content-type", content_type)
+        .body(body)
+        .send()
+        .await
+        .unwrap();
+    let (status, headers) = (response.status(), response.headers().clone());
+    (status, headers, response.text().await.unwrap())
+}
+
+fn clip(name: &str) -> (&str, Vec<u8>) {
+    let path = format!("{AUDIO}/{name}");
+    let bytes = std::fs::read(&path).unwrap_or_else(|e| panic!("{path}: {e}"));
+    (name_of(name), bytes)
+}
+
+fn name_of(name: &str) -> &str {
+    name.rsplit('/').next().unwrap_or(name)
+}
+
+/// The model's references (`models/speech/whisper/reference.json`).
+fn reference() -> Value {
+    let path = "models/speech/whisper/reference.json";
+    serde_json::from_str(&std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{path}: {e}"))).unwrap()
+}
+
+fn cpu_server_yaml() -> String {
+    format!(
+        "models: [{{name: whisper, path: {WHISPER}}}, {{name: embed, path: 'builtin:embedder', tokenizer: 'builtin:embedder'}}]\n\
+         pools: [{{name: cpu, provider: cpu, models: [whisper, embed]}}]\n"
+    )
+}
+
+#[tokio::test]
+async fn a_short_clip_is_transcribed_as_transformers_generates_it() {
+    let server = TestServer::start(&cpu_server_yaml()).await;
+    let reference = reference();
+    for case in reference["short"].as_array().expect("reference.json has short clips") {
+        let file = case["file"].as_str().unwrap();
+        let mut fields = vec![("model", "whisper")];
+        if let Some(language) = case["language"].as_str() {
+            fields.push(("language", language));
+        }
+        let task = case["task"].as_str().unwrap_or("transcribe");
+        let path = if task == "translate" {
+            "/v1/audio/translations"
+        } else {
+            "/v1/audio/transcriptions"
+        };
+        let timestamps = case["timestamps"].as_bool().unwrap_or(false);
+        if timestamps {
+            fields.push(("response_format", "verbose_json"));
+        }
+        let (status, headers, body) = send(&server, path, &fields, clip(file)).await;
+        assert_eq!(status, StatusCode::OK, "{file} {task}: {body}");
+        assert_eq!(headers["x-vramguard-pool"], "cpu");
+        let answer: Value = serde_json::from_str(&body).unwrap();
+        let want = case["text"].as_str().unwrap().trim();
+        assert_eq!(answer["text"], want, "{file} {task} timestamps={timestamps}");
+        if timestamps {
+            let segments = answer["segments"].as_array().unwrap();
+            let want = case["segments"].as_array().unwrap();
+            assert_eq!(segments.len(), want.len(), "{file}: {body}");
+            for (got, want) in segments.iter().zip(want) {
+                for key in ["start", "end"] {
+                    let (g, w) = (got[key].as_f64().unwrap(), want[key].as_f64().unwrap());
+                    assert!((g - w).abs() < 0.011, "{file} segment {key}: {g} vs {w}");
+                }
+                assert_eq!(
+                    got["text"].as_str().unwrap().trim(),
+                    want["text"].as_str().unwrap().trim()
+                );
+            }
+        }
+    }
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn different_clips_give_different_text_and_each_format_reads_back() {
+    let server = TestServer::start(&cpu_server_yaml()).await;
+    let fields = [("model", "whisper"), ("language", "en"), ("response_format", "text")];
+    let (status, _, gpu) = send(&server, "/v1/audio/transcriptions", &fields, clip("gpu-16k.wav")).await;
+    assert_eq!(status, StatusCode::OK, "{gpu}");
+    let (_, _, memory) = send(&server, "/v1/audio/transcriptions", &fields, clip("memory-16k.wav")).await;
+    assert_ne!(gpu, memory, "the model hears the audio: two clips, two texts");
+    assert!(gpu.ends_with('\n'));
+
+    let verbose = [
+        ("model", "whisper"),
+        ("language", "en"),
+        ("response_format", "verbose_json"),
+    ];
+    let (_, _, body) = send(&server, "/v1/audio/transcriptions", &verbose, clip("gpu-16k.wav")).await;
+    let answer: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(answer["task"], "transcribe");
+    assert_eq!(answer["language"], "english");
+    let duration = answer["duration"].as_f64().unwrap();
+    assert!((duration - 59336.0 / 16000.0).abs() < 1e-9, "{duration}");
+    let segments = answer["segments"].as_array().unwrap();
+    assert!(!segments.is_empty());
+    let mut last = 0.0;
+    for s in segments {
+        let (start, end) = (s["start"].as_f64().unwrap(), s["end"].as_f64().unwrap());
+        assert!(start >= last - 1e-9 && end >= start, "{body}");
+        last = end;
+        assert!(s["avg_logprob"].as_f64().unwrap() <= 0.0);
+        assert!((0.0..=1.0).contains(&s["no_speech_prob"].as_f64().unwrap()));
+    }
+
+    for (format, head) in [("srt", "1\n00:00:"), ("vtt", "WEBVTT\n\n00:00:")] {
+        let fields = [("model", "whisper"), ("language", "en"), ("response_format", format)];
+        let (status, headers, body) = send(&server, "/v1/audio/transcriptions", &fields, clip("gpu-16k.wav")).await;
+        assert_eq!(status, StatusCode::OK, "{body}");
+        assert!(headers["content-type"].to_str().unwrap().starts_with("text/plain"));
+        assert!(body.starts_with(head), "{format}: {body}");
+        assert_eq!(
+            body.matches(" --> ").count(),
+            segments
+                .iter()
+                .filter(|s| !s["text"].as_str().unwrap().trim().is_empty())
+                .count(),
+            "{format}: {body}"
+        );
+    }
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn a_stream_sends_the_text_as_deltas_that_add_up_to_the_done_event() {
+    let server = TestServer::start(&cpu_server_yaml()).await;
+    let fields = [("model", "whisper"), ("language", "en")];
+    let (_, _, plain) = send(&server, "/v1/audio/transcriptions", &fields, clip("memory-16k.wav")).await;
+    let want: Value = serde_json::from_str(&plain).unwrap();
+    let fields = [("model", "whisper"), ("language", "en"), ("stream", "true")];
+    let (status, headers, body) = send(&server, "/v1/audio/transcriptions", &fields, clip("memory-16k.wav")).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert_eq!(headers["content-type"], "text/event-stream");
+    let events: Vec<Value> = body
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let (done, deltas) = events.split_last().unwrap();
+    assert_eq!(done["type"], "transcript.text.done", "{body}");
+    assert_eq!(done["text"], want["text"]);
+    let joined: String = deltas.iter().map(|d| d["delta"].as_str().unwrap()).collect();
+    assert_eq!(joined, want["text"].as_str().unwrap());
+    server.stop().await;
+}
+
+/// Seconds of 16 kHz mono PCM as a WAV file.
+fn wav(samples: &[i16]) -> Vec<u8> {
+    let data = (samples.len() * 2) as u32;
+    let mut out = Vec::with_capacity(44 + data as usize);
+    out.extend(b"RIFF");
+    out.extend((36 + data).to_le_bytes());
+    out.extend(b"WAVEfmt ");
+    out.extend(16u32.to_le_bytes());
+    out.extend(1u16.to_le_bytes());
+    out.extend(1u16.to_le_bytes());
+    out.extend(16_000u32.to_le_bytes());
+    out.extend(32_000u32.to_le_bytes());
+    out.extend(2u16.to_le_bytes());
+    out.extend(16u16.to_le_bytes());
+    out.extend(b"data");
+    out.extend(data.to_le_bytes());
+    for s in samples {
+        out.extend(s.to_le_bytes());
+    }
+    out
+}
+
+/// The 16-bit samples of a 16 kHz mono WAV fixture.
+fn pcm(name: &str) -> Vec<i16> {
+    let bytes = std::fs::read(format!("{AUDIO}/{name}")).unwrap();
+    let at = bytes.windows(4).position(|w| w == b"data").expect("a data chunk") + 8;
+    bytes[at..]
+        .chunks_exact(2)
+        .map(|b| i16::from_le_bytes([b[0], b[1]]))
+        .collect()
+}
+
+#[tokio::test]
+async fn a_long_file_is_decoded_in_windows_and_counted_as_one_request() {
+    let server = TestServer::start(&cpu_server_yaml()).await;
+    // 75 s: the two sentences again and again with a second of silence between them.
+    let (gpu, memory) = (pcm("gpu-16k.wav"), pcm("memory-16k.wav"));
+    let mut samples = Vec::new();
+    while samples.len() < 75 * 16_000 {
+        for clip in [&gpu, &memory] {
+            samples.extend(clip.iter());
+            samples.extend(std::iter::repeat_n(0i16, 16_000));
+        }
+    }
+    samples.truncate(75 * 16_000);
+    let fields = [
+        ("model", "whisper"),
+        ("language", "en"),
+        ("response_format", "verbose_json"),
+    ];
+    let (status, _, body) = send(
+        &server,
+        "/v1/audio/transcriptions",
+        &fields,
+        ("long.wav", wav(&samples)),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    let answer: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(answer["duration"], 75.0);
+    let segments = answer["segments"].as_array().unwrap();
+    let seeks: std::collections::BTreeSet<u64> = segments.iter().map(|s| s["seek"].as_u64().unwrap()).collect();
+    assert!(seeks.len() >= 3, "75 s take at least three windows: {seeks:?}");
+    let mut last = 0.0;
+    for s in segments {
+        let (start, end) = (s["start"].as_f64().unwrap(), s["end"].as_f64().unwrap());
+        // A window's last timestamp may say later than the audio ends (transformers keeps it).
+        assert!(start >= last - 1e-9 && end >= start && start < 75.0, "{body}");
+        last = end;
+    }
+    let metrics = server.metrics().await;
+    let series = |name: &str, rest: &str| format!("vramguard_{name}{{model=\"whisper\",pool=\"cpu\"{rest}}}");
+    assert_eq!(
+        sample(&metrics, &series("requests_total", ",outcome=\"ok\"")),
+        1.0,
+        "{metrics}"
+    );
+    assert_eq!(sample(&metrics, &series("audio_seconds_total", "")), 75.0);
+    assert_eq!(sample(&metrics, &series("audio_real_time_factor_count", "")), 1.0);
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn a_window_that_fails_on_the_device_is_decoded_again_on_the_cpu() {
+    if crate::common::ran_in_own_process() {
+        return;
+    }
+    let server = TestServer::with_policy(
+        &format!(
+            "devices: [{{name: gpu0, kind: simulated, capacity: 512MiB}}]\n\
+             models: [{{name: whisper, path: {WHISPER}}}]\n\
+             pools:\n\
+             - {{name: gpu, provider: simulated, device: gpu0, models: [whisper], fallback: cpu}}\n\
+             - {{name: cpu, provider: cpu, models: [whisper]}}\n"
+        ),
+        vramguard::testing::ADMIT_ALL,
+    )
+    .await;
+    let fields = [("model", "whisper"), ("language", "en")];
+    let (status, headers, at_rest) = send(&server, "/v1/audio/transcriptions", &fields, clip("gpu.mp3")).await;
+    assert_eq!(status, StatusCode::OK, "{at_rest}");
+    assert_eq!(headers["x-vramguard-pool"], "gpu");
+    let response = server.post_json("/admin/sim/gpu0", &json!({"fail_next": 1})).await;
+    assert_eq!(response.status(), StatusCode::OK);
+    let (status, headers, moved) = send(&server, "/v1/audio/transcriptions", &fields, clip("gpu.mp3")).await;
+    assert_eq!(status, StatusCode::OK, "{moved}");
+    assert_eq!(headers["x-vramguard-pool"], "cpu", "retried on the fallback");
+    assert_eq!(moved, at_rest, "the same text wherever it ran");
+    server.stop().await;
+}
+
+/// A request's fields, its file, and the field its 400 names and what its message says.
+type Case<'a> = (Vec<(&'a str, &'a str)>, (&'a str, Vec<u8>), &'a str, &'a str);
+
+#[tokio::test]
+async fn what_is_wrong_with_a_request_is_named_in_its_400() {
+    let server = TestServer::start(&cpu_server_yaml()).await;
+    let path = "/v1/audio/transcriptions";
+    let (bytes, mut corrupt) = (clip("gpu.mp3").1, clip("gpu-16k.wav").1);
+    corrupt.truncate(40);
+    let cases: Vec<Case> = vec![
+        (
+            vec![("model", "whisper")],
+            ("notes.txt", b"plain text, not audio".to_vec()),
+            "file",
+            "not WAV, FLAC, MP3 or Ogg",
+        ),
+        (vec![("model", "whisper")], ("cut.wav", corrupt), "file", "file"),
+        (
+            vec![("model", "embed")],
+            ("gpu.mp3", bytes.clone()),
+            "model",
+            "not a speech model",
+        ),
+        (
+            vec![("model", "whisper"), ("language", "xx")],
+            ("gpu.mp3", bytes.clone()),
+            "language",
+            "xx",
+        ),
+    ];
+    for (fields, file, param, says) in cases {
+        let (status, _, body) = send(&server, path, &fields, file).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{fields:?}: {body}");
+        let error: Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(error["error"]["param"], param, "{body}");
+        assert!(error["error"]["message"].as_str().unwrap().contains(says), "{body}");
+    }
+    let (status, _, body) = send(&server, path, &[("model", "nope")], ("gpu.mp3", bytes)).await;
+    assert_eq!(status, StatusCode::NOT_FOUND, "{body}");
+    // The server is still there, and answers.
+    let (status, _, body) = send(&server, path, &[("model", "whisper")], clip("gpu.ogg")).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    server.stop().await;
+}
