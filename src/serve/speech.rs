@@ -197,8 +197,11 @@ async fn windows(
         };
         let input = window(&features, config.bins, seek, window_frames);
         // The language was checked when the request was read.
+        // The client's prompt conditions the first window only (`transformers`' default
+        // `prompt_condition_type`, "first-segment").
+        let previous: &[u32] = if index == 0 { &params.prompt } else { &[] };
         let prompt = whisper
-            .prompt(params.task, language.as_deref(), timestamps, &params.prompt)
+            .prompt(params.task, language.as_deref(), timestamps, previous)
             .map_err(|e| Refused {
                 pool: None,
                 error: RequestError::BadInput(e),
