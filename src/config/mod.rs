@@ -33,7 +33,7 @@ pub use types::{
     DEFAULT_MIN_RESIDENCY, DeviceConfig, DeviceKind, ExporterConfig, HOST_DEVICE, HealthConfig, HostTierConfig,
     IdempotencyConfig, Isolation, Keep, Mode, ModelConfig, PolicyConfig, PolicySource, PoolConfig, Provider,
     RemoteOptions, Residency, ServerConfig, ServiceClass, ServiceConfig, ServiceMatch, ServiceRule, Timeouts,
-    TokenizerSource, current_uid, default_admin_socket, default_optimized_cache,
+    TokenizerSource, current_uid, default_admin_socket, default_optimized_cache, optimized_cache_under,
 };
 pub use units::{ByteSize, HumanDuration, format_duration, format_size, parse_duration, parse_size};
 pub use yaml::{parse_yaml, read_yaml, to_yaml};

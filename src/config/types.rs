@@ -334,12 +334,17 @@ impl HostTierConfig {
 pub fn default_optimized_cache() -> PathBuf {
     let env = |name: &str| std::env::var_os(name).filter(|v| !v.is_empty()).map(PathBuf::from);
     if let Some(dir) = env("XDG_CACHE_HOME") {
-        return dir.join("vramguard/optimized");
+        return optimized_cache_under(&dir);
     }
     if let Some(home) = env("HOME") {
-        return home.join(".cache/vramguard/optimized");
+        return optimized_cache_under(&home.join(".cache"));
     }
     PathBuf::from(format!("/tmp/vramguard-{}/optimized", current_uid().unwrap_or(0)))
+}
+
+/// The optimized cache's folder in the cache folder `cache_home` (what `$XDG_CACHE_HOME` names).
+pub fn optimized_cache_under(cache_home: &std::path::Path) -> PathBuf {
+    cache_home.join("vramguard/optimized")
 }
 
 /// When a model's sessions exist on a pool (`models[].residency`).

@@ -43,6 +43,17 @@ impl Pool {
         }
     }
 
+    /// Count where the sessions its workers started with took their bytes from: one load per
+    /// worker of each `(model, source)` (their seconds are not observed: a worker builds all
+    /// its models at once).
+    pub fn record_start_sources(&self, sources: &[(String, LoadSource)]) {
+        for (model, source) in sources {
+            if let Some(metrics) = self.models.metrics(model) {
+                metrics.loads_from[source.index()].inc_by(self.config.slots() as u64);
+            }
+        }
+    }
+
     /// True when `model`'s sessions are loaded here (every model of a remote pool is).
     pub fn is_resident(&self, model: &str) -> bool {
         match self.models.metrics(model) {

@@ -9,8 +9,8 @@
 //! (writing the cache entry and filling the tier). The tier never takes the host below its
 //! reserve (the host's reading is asked before an entry is admitted) and gives memory back,
 //! least valuable first (lowest priority, then least recently used: eviction's order), when
-//! the budget or the host needs it. One tier per service, shared by its CPU pools (see
-//! `runtime::onnx::provider_key` for why accelerator pools load from the ONNX bytes still).
+//! the budget or the host needs it. One tier per service, shared by its CPU and simulated pools
+//! (see `runtime::onnx::provider_key` for why CUDA pools load from the ONNX bytes still).
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};

@@ -10,13 +10,18 @@ use crate::config::{Config, PoolConfig, Provider, RawConfig, parse_yaml};
 /// project root (where `models/` is), whatever folder the test or bench runs in. Panics with
 /// the config error, which names the key: a test's own config is wrong, not its subject.
 /// Process-isolated pools start their workers from the `vramguard` binary Cargo built beside
-/// the test or bench.
+/// the test or bench. Without `host.optimized_cache`, models are optimized into the process's
+/// test cache ([`super::cache_home`]), never the user's.
 pub fn validated(yaml: &str) -> Config {
     let raw: RawConfig = parse_yaml(yaml, "test.yaml").unwrap_or_else(|e| panic!("test config parses: {e}"));
+    let own_cache = raw.host.optimized_cache.is_none();
     let mut config = raw
         .validate("test.yaml", Path::new(env!("CARGO_MANIFEST_DIR")))
         .unwrap_or_else(|e| panic!("test config validates: {e}"));
     config.worker_exe = built_binary();
+    if own_cache {
+        config.host_tier.optimized_cache = crate::config::optimized_cache_under(super::cache_home());
+    }
     config
 }
 

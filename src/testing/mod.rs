@@ -71,6 +71,25 @@ impl Drop for Scratch {
     }
 }
 
+/// The cache folder (`XDG_CACHE_HOME`) of every server this test process runs: the one a
+/// test's config gets its `host.optimized_cache` under when it names none
+/// ([`config::validated`]), and the one the `vramguard` processes it starts are given
+/// ([`process::spawn_serving`], [`vramguard_command`]). A folder of this process's own, so no
+/// test writes optimized models into the user's cache; the next test process removes it once
+/// this one is gone (`core::scratch`).
+pub fn cache_home() -> &'static Path {
+    static HOME: std::sync::OnceLock<crate::core::scratch::OwnDir> = std::sync::OnceLock::new();
+    HOME.get_or_init(|| crate::core::scratch::OwnDir::new("test-cache").expect("a test cache folder"))
+        .path()
+}
+
+/// A command that runs the `vramguard` binary `bin` with [`cache_home`] as its cache folder.
+pub fn vramguard_command(bin: impl AsRef<std::ffi::OsStr>) -> std::process::Command {
+    let mut command = std::process::Command::new(bin);
+    command.env("XDG_CACHE_HOME", cache_home());
+    command
+}
+
 /// A request for `model` with `inputs`, as a client without any header sends it: id `req-1`,
 /// priority 0, replayable, no shrink, no deadline, no idempotency key, received now (on
 /// tokio's clock, so a test with paused time sees it at the paused instant).

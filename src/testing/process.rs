@@ -4,7 +4,7 @@
 
 use std::io::{BufRead, BufReader};
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Stdio};
 use std::thread::JoinHandle;
 
 use serde_json::Value;
@@ -47,7 +47,8 @@ impl Drop for Serving {
     }
 }
 
-/// Run `bin` with JSON logs and `args` from the project root, and wait for the log line
+/// Run `bin` with JSON logs, `args` and the test cache ([`super::cache_home`]; `env` may name
+/// another) from the project root, and wait for the log line
 /// `message`, whose `address` says where it listens (a server on port 0 says so only there).
 /// The log keeps being drained afterwards, so the child never blocks on a full pipe, and kept
 /// ([`Serving::log_after_exit`]).
@@ -58,7 +59,7 @@ pub fn spawn_serving(bin: &str, args: &[&str], env: &[(&str, &str)], message: &s
 /// [`spawn_serving`] with `dir` as the working directory (what a path relative to it, or
 /// looked for in it, finds).
 pub fn spawn_serving_in(dir: &Path, bin: &str, args: &[&str], env: &[(&str, &str)], message: &str) -> Serving {
-    let mut child = Command::new(bin)
+    let mut child = super::vramguard_command(bin)
         .current_dir(dir)
         .args(["--log-format", "json"])
         .args(args)

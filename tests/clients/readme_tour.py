@@ -12,7 +12,7 @@ Starts `vramguard serve` (path in argv[1]) on the embedded default, then runs ev
 
 What differs from the reader's machine, and only that: the server listens on a free port (the
 README's `localhost:8080` is replaced by it), its admin socket is in a runtime directory of its
-own (XDG_RUNTIME_DIR, which the README's ADMIN line reads), `vramguard` is the binary under
+own (XDG_RUNTIME_DIR, which the README's ADMIN line reads) as is its cache (XDG_CACHE_HOME), `vramguard` is the binary under
 test, and `vramguard doctor` asks this server.
 
 Run by `make test` (`make tour`); prints 'N passed, N failed' and exits non-zero on any failure.
@@ -68,7 +68,9 @@ def steps(lines):
 def main():
     binary = os.path.abspath(sys.argv[1])
     runtime = tempfile.mkdtemp(prefix="tour-")
-    env = {**os.environ, "XDG_RUNTIME_DIR": runtime, "NO_COLOR": "1"}
+    # Its cache folder in there too: what the server optimizes stays out of the user's cache.
+    env = {**os.environ, "XDG_RUNTIME_DIR": runtime, "XDG_CACHE_HOME": os.path.join(runtime, "cache"),
+           "NO_COLOR": "1"}
     proc = subprocess.Popen(
         [binary, "--log-format", "json", "serve", "--listen", "127.0.0.1:0"],
         stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env,

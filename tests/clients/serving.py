@@ -1,8 +1,10 @@
 """Start `vramguard serve` for the client compatibility checks and wait until it serves; the
 checks' registry and their report, shared by every client script."""
+import atexit
 import json
 import math
 import os
+import shutil
 import subprocess
 import tempfile
 import traceback
@@ -10,13 +12,27 @@ import traceback
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+def cache_home():
+    """The cache folder (XDG_CACHE_HOME) of the servers this check starts: a temporary one,
+    removed when the check exits, so what they optimize never lands in the user's cache."""
+    global _CACHE_HOME
+    if _CACHE_HOME is None:
+        _CACHE_HOME = tempfile.mkdtemp(prefix="vramguard-client-cache-")
+        atexit.register(shutil.rmtree, _CACHE_HOME, True)
+    return _CACHE_HOME
+
+
+_CACHE_HOME = None
+
+
 def start(binary, *serve_args, env=None):
     """Run `binary serve --listen 127.0.0.1:0 SERVE_ARGS...` from the repository root, with
-    `env` added to the environment; return the process and the address it listens on (read
-    from its JSON log)."""
+    the check's own cache folder and `env` added to the environment; return the process and
+    the address it listens on (read from its JSON log)."""
     proc = subprocess.Popen(
         [binary, "--log-format", "json", "serve", "--listen", "127.0.0.1:0", *serve_args],
-        stderr=subprocess.PIPE, text=True, cwd=ROOT, env={**os.environ, **(env or {})},
+        stderr=subprocess.PIPE, text=True, cwd=ROOT,
+        env={**os.environ, "XDG_CACHE_HOME": cache_home(), **(env or {})},
     )
     for line in proc.stderr:
         try:

@@ -8,13 +8,15 @@ use std::time::{Duration, Instant};
 use serde_json::Value;
 use vramguard::testing::Scratch;
 
-use crate::common::BIN;
-
 /// `vramguard config check` on `yaml` written to `name`: exit code, stderr and the file's path.
 fn config_check(name: &str, yaml: &str) -> (Option<i32>, String, PathBuf) {
     let scratch = Scratch::new();
     let path = scratch.write(name, yaml);
-    let out = Command::new(BIN).args(["config", "check"]).arg(&path).output().unwrap();
+    let out = crate::common::binary()
+        .args(["config", "check"])
+        .arg(&path)
+        .output()
+        .unwrap();
     (
         out.status.code(),
         String::from_utf8_lossy(&out.stderr).into_owned(),
@@ -51,11 +53,14 @@ fn config_check_names_the_file_and_key_and_exits_64() {
 #[test]
 fn the_example_config_checks_and_the_default_round_trips() {
     let example = concat!(env!("CARGO_MANIFEST_DIR"), "/config/example.yaml");
-    let out = Command::new(BIN).args(["config", "check", example]).output().unwrap();
+    let out = crate::common::binary()
+        .args(["config", "check", example])
+        .output()
+        .unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     assert!(String::from_utf8_lossy(&out.stdout).contains("ok (2 models, 4 pools)"));
 
-    let out = Command::new(BIN).args(["config", "default"]).output().unwrap();
+    let out = crate::common::binary().args(["config", "default"]).output().unwrap();
     assert!(out.status.success());
     let text = String::from_utf8(out.stdout).unwrap();
     if !vramguard::device::nvidia_gpu_present() {
@@ -69,7 +74,7 @@ fn the_example_config_checks_and_the_default_round_trips() {
 
 /// `vramguard policy check ARGS...` run from the repository root: exit code, stdout, stderr.
 fn policy_check(args: &[&str]) -> (Option<i32>, String, String) {
-    let out = Command::new(BIN)
+    let out = crate::common::binary()
         .current_dir(env!("CARGO_MANIFEST_DIR"))
         .args(["policy", "check"])
         .args(args)
@@ -115,7 +120,7 @@ fn policy_check_passes_the_shipped_policies_on_the_default_and_example_configs()
 fn serve_refuses_a_bad_config_before_binding() {
     let scratch = Scratch::new();
     let path = scratch.write("typo.yaml", "server: {listne: 1}\nmodels: []\npools: []\n");
-    let out = Command::new(BIN)
+    let out = crate::common::binary()
         .args(["serve", "--config"])
         .arg(&path)
         .output()
@@ -209,7 +214,7 @@ async fn serve_without_a_config_chats_with_tiny_at_once_and_warns_of_nothing() {
 /// logs as it loads the models, writes no colour codes into a pipe.
 #[test]
 fn doctor_writes_no_log_lines_and_a_piped_log_has_no_colour() {
-    let out = Command::new(BIN)
+    let out = crate::common::binary()
         .args(["doctor", "--url", &nobody_listening()])
         .env_remove("RUST_LOG")
         .output()
@@ -223,7 +228,7 @@ fn doctor_writes_no_log_lines_and_a_piped_log_has_no_colour() {
     for log_line in [" INFO ", " WARN ", " ERROR ", "\x1b["] {
         assert!(!report.contains(log_line), "{log_line:?} in:\n{report}");
     }
-    let out = Command::new(BIN)
+    let out = crate::common::binary()
         .args(["config", "check", "config/default.yaml"])
         .current_dir(env!("CARGO_MANIFEST_DIR"))
         .env_remove("RUST_LOG")
@@ -340,7 +345,7 @@ fn sigterm(child: &std::process::Child) {
 
 /// `vramguard doctor ARGS...` with extra environment: exit code and stdout.
 fn doctor(args: &[&str], env: &[(&str, &str)]) -> (Option<i32>, String) {
-    let out = Command::new(BIN)
+    let out = crate::common::binary()
         .arg("doctor")
         .args(args)
         .envs(env.iter().copied())

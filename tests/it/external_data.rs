@@ -7,7 +7,6 @@
 //! naming it.
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 use serde_json::{Value, json};
 use vramguard::testing::Scratch;
@@ -185,7 +184,7 @@ fn a_missing_data_file_is_refused_at_start_naming_it() {
          pools: [{name: cpu, provider: cpu, models: [one]}]\n",
     );
     let elsewhere = Scratch::new();
-    let out = Command::new(BIN)
+    let out = crate::common::binary()
         .current_dir(elsewhere.path())
         .args(["config", "check"])
         .arg(&config)

@@ -1,7 +1,7 @@
 //! The host tier and the optimized cache, on a CPU pool with real ONNX Runtime sessions: a
 //! `host_tier: warm` model is optimized once into the cache and the tier at start, an unloaded
-//! model loads again from the tier and answers as from its file, a corrupt cache entry is built
-//! again, and the tier never holds bytes the host's reserve needs.
+//! model loads again from the tier and answers as from its file, a restart loads from the cache,
+//! a corrupt cache entry is built again, and the tier never holds bytes the host's reserve needs.
 
 use reqwest::StatusCode;
 use serde_json::{Value, json};
@@ -20,6 +20,39 @@ pools:
 ",
         cache.path().display()
     )
+}
+
+/// The classifier loaded at start (`resident`), with no warming: its first start optimizes it.
+fn resident_config(cache: &Scratch) -> String {
+    format!(
+        "
+host: {{reserve: 1MiB, optimized_cache: '{}'}}
+models:
+  - {{name: classifier, path: 'builtin:classifier'}}
+pools:
+  - {{name: cpu, provider: cpu, models: [classifier]}}
+",
+        cache.path().display()
+    )
+}
+
+/// Wait until the cache holds one entry other than `not` (the model is optimized in the
+/// background); its bytes.
+async fn entry_written(cache: &Scratch, not: &[u8]) -> Vec<u8> {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+    loop {
+        if let [entry] = entries(cache).as_slice()
+            && let Ok(bytes) = std::fs::read(entry)
+            && bytes != not
+        {
+            return bytes;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the model was never optimized into the cache"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
 }
 
 fn loads_from(metrics: &str, source: &str) -> f64 {
@@ -130,4 +163,118 @@ async fn the_host_tier_never_takes_the_host_below_its_reserve() {
     assert_eq!(tier["bytes"], 0, "{tier}");
     assert_eq!(tier["models"], json!([]), "{tier}");
     server.stop().await;
+}
+
+#[tokio::test]
+async fn a_restart_loads_from_the_optimized_cache_and_a_corrupt_entry_is_built_again() {
+    if crate::common::ran_in_own_process() {
+        return;
+    }
+    let cache = Scratch::new();
+    let first = TestServer::start(&resident_config(&cache)).await;
+    let metrics = first.metrics().await;
+    assert_eq!(
+        loads_from(&metrics, "disk"),
+        1.0,
+        "the first start reads the file:\n{metrics}"
+    );
+    let written = entry_written(&cache, &[]).await;
+    first.stop().await;
+
+    // A restart: the pool's session comes from the optimized entry, and answers the same.
+    let second = TestServer::start(&resident_config(&cache)).await;
+    let metrics = second.metrics().await;
+    assert_eq!(loads_from(&metrics, "optimized_cache"), 1.0, "{metrics}");
+    assert_eq!(loads_from(&metrics, "disk"), 0.0, "{metrics}");
+    answers_as_the_reference(&second).await;
+    second.stop().await;
+
+    // A corrupt entry is not served: the start reads the file and the entry is built again.
+    let [entry] = entries(&cache).try_into().expect("one entry");
+    let mut corrupt = written.clone();
+    let middle = corrupt.len() / 2;
+    corrupt[middle] ^= 0x5a;
+    std::fs::write(&entry, &corrupt).unwrap();
+    let third = TestServer::start(&resident_config(&cache)).await;
+    let metrics = third.metrics().await;
+    assert_eq!(loads_from(&metrics, "disk"), 1.0, "{metrics}");
+    assert_eq!(loads_from(&metrics, "optimized_cache"), 0.0, "{metrics}");
+    answers_as_the_reference(&third).await;
+    entry_written(&cache, &corrupt).await;
+    third.stop().await;
+
+    // The entry built again is sound: the next start loads from it.
+    let fourth = TestServer::start(&resident_config(&cache)).await;
+    let metrics = fourth.metrics().await;
+    assert_eq!(loads_from(&metrics, "optimized_cache"), 1.0, "{metrics}");
+    answers_as_the_reference(&fourth).await;
+    fourth.stop().await;
+}
+
+/// `a` (16 MiB of weights) on a simulated device of 24 MiB that only it runs on, loaded on
+/// demand: from its file (`model_cache: 0`) or from the host tier (`host_tier: warm`), in this
+/// process or a worker process (`isolation`).
+fn simulated_config(models: &Scratch, cache: &Scratch, tier: &str, isolation: &str) -> String {
+    format!(
+        "
+host: {{reserve: 1MiB, optimized_cache: '{}', model_cache: {}}}
+devices: [{{name: sim0, kind: simulated, capacity: 24MiB}}]
+models:
+  - {{name: a, path: '{}', residency: on_demand{}}}
+pools:
+  - {{name: gpu, provider: simulated, device: sim0, models: [a], workers: 1, isolation: {}}}
+policy: {{params: {{reserve_bytes: 2MiB}}}}
+",
+        cache.path().display(),
+        if tier.is_empty() { "0" } else { "64MiB" },
+        models.path().join("a.onnx").display(),
+        tier,
+        isolation,
+    )
+}
+
+/// `a`'s answer to one input, served by the simulated pool.
+async fn dense_answer(server: &TestServer) -> Vec<f64> {
+    let body = json!({"inputs": [{"name": "x", "shape": [1, 64], "datatype": "FP32", "data": vec![0.5f32; 64]}]});
+    let response = server.post_json("/v2/models/a/infer", &body).await;
+    assert_eq!(response.status(), StatusCode::OK);
+    assert_eq!(response.headers()["x-vramguard-pool"], "gpu");
+    let body: Value = response.json().await.unwrap();
+    floats(&body["outputs"][0]["data"])
+}
+
+#[tokio::test]
+async fn a_simulated_pool_loads_from_the_host_tier_holding_the_weights_once() {
+    if crate::common::ran_in_own_process() {
+        return;
+    }
+    let (models, cache) = (Scratch::new(), Scratch::new());
+    models.write(
+        "a.onnx",
+        vramguard::runtime::onnx::dense::Dense::of_mib(41, 16).to_onnx(),
+    );
+    let from_file = TestServer::start(&simulated_config(&models, &cache, "", "thread")).await;
+    let expected = dense_answer(&from_file).await;
+    from_file.stop().await;
+
+    // Built from the ORT-format bytes, the device holds the weights once: twice (32 MiB) would
+    // not fit its 24 MiB. A worker process owns the bytes it is sent, so it does the same.
+    for isolation in ["thread", "process"] {
+        let config = simulated_config(&models, &cache, ", host_tier: warm", isolation);
+        let server = TestServer::start(&config).await;
+        assert_close(&dense_answer(&server).await, &expected, 1e-5, isolation);
+        let metrics = server.metrics().await;
+        let series = |source: &str| {
+            format!("vramguard_model_session_loads_total{{model=\"a\",pool=\"gpu\",source=\"{source}\"}}")
+        };
+        assert!(sample(&metrics, &series("host_tier")) > 0.0, "{isolation}: {metrics}");
+        assert_eq!(sample(&metrics, &series("disk")), 0.0, "{isolation}: {metrics}");
+        let status = status(&server).await;
+        let arena = &status["pools"][0]["arena"];
+        assert!(
+            arena["peak_active_bytes"].as_u64().unwrap() < 20 << 20,
+            "{isolation}: {arena}"
+        );
+        server.stop().await;
+    }
 }

@@ -87,7 +87,7 @@ fn what_a_killed_server_left_is_removed_by_the_next_start() {
 #[test]
 fn an_interrupted_drill_removes_its_folders() {
     let scratch = Scratch::new();
-    let mut drill = Command::new(env!("CARGO_BIN_EXE_vramguard"))
+    let mut drill = crate::common::binary()
         .args(["drill", "--quick"])
         .env("TMPDIR", scratch.path())
         .env("XDG_RUNTIME_DIR", scratch.path())

@@ -129,7 +129,7 @@ models: [{name: encoder, path: 'builtin:encoder'}]
 pools: [{name: cpu, provider: cpu, models: [encoder], cpus: '0,1023'}]
 ",
     );
-    let out = std::process::Command::new(crate::common::BIN)
+    let out = crate::common::binary()
         .current_dir(env!("CARGO_MANIFEST_DIR"))
         .args(["serve", "--config", config.to_str().unwrap()])
         .output()
@@ -203,7 +203,7 @@ pools: [{name: cpu, provider: cpu, models: [encoder]}]
         .is_ok();
     if !writable {
         // Where the limit cannot be held, `serve` says so instead of serving without it.
-        let out = std::process::Command::new(crate::common::BIN)
+        let out = crate::common::binary()
             .current_dir(env!("CARGO_MANIFEST_DIR"))
             .args(args)
             .output()

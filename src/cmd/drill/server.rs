@@ -84,7 +84,10 @@ impl TempDir {
         );
         let raw: crate::config::RawConfig =
             crate::config::parse_yaml(&yaml, "drill.yaml").map_err(|e| e.to_string())?;
-        raw.validate("drill.yaml", self.path()).map_err(|e| e.to_string())
+        let mut config = raw.validate("drill.yaml", self.path()).map_err(|e| e.to_string())?;
+        // What it optimizes goes with its folder: a drill leaves nothing in the user's cache.
+        config.host_tier.optimized_cache = self.path().join("optimized");
+        Ok(config)
     }
 }
 

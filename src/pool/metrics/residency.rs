@@ -252,12 +252,12 @@ impl ResidencyMetrics {
         );
         registry.register(
             "model_session_loads",
-            "Sessions of a model built on a pool after start, by where their bytes came from",
+            "Sessions of a model built on a pool (at start and after), by where their bytes came from",
             self.loads_from.clone(),
         );
         registry.register_with_unit(
             "model_session_load",
-            "Time to build one backend's session of the model, by where its bytes came from",
+            "Time to build one backend's session of the model after start, by where its bytes came from",
             Unit::Seconds,
             self.load_seconds_from.clone(),
         );

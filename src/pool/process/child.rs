@@ -241,16 +241,23 @@ impl Worker {
     /// A session connection: build its sessions, then run what it asks until it closes.
     fn session(&self, mut stream: UnixStream, models: &[ModelHead], payload: &[u8]) {
         let mut at = 0;
-        let mut files = Vec::new();
+        let mut blobs = Vec::new();
         for head in models {
             match wire::take(payload, &mut at, head.bytes) {
-                Ok(graph) => files.push((head.name.clone(), head.data(graph))),
+                Ok(graph) => blobs.push((head, graph, head.owned(graph))),
                 Err(why) => {
                     let _ = reply(&mut stream, &Answer::Refused(why), &[]);
                     return;
                 }
             }
         }
+        let files: Vec<_> = blobs
+            .iter()
+            .map(|(head, graph, owned)| {
+                let data = owned.as_ref().map_or_else(|| head.data(graph), |bytes| bytes.data());
+                (head.name.clone(), data)
+            })
+            .collect();
         let built = OrtBackend::load(self.rt, &files, &self.options).and_then(|backend| {
             if let Some(device) = &self.device {
                 device.check_capacity("loading the pool's models")?;
@@ -265,6 +272,7 @@ impl Worker {
             }
         };
         drop(files);
+        drop(blobs);
         let id = self.next_session.fetch_add(1, Ordering::Relaxed);
         let runs = Arc::new(Mutex::new(Runs {
             handle: backend.interrupts().map(|interrupts| interrupts.interrupt_handle()),
@@ -383,11 +391,11 @@ impl Worker {
             }
             Ask::Load { model } => {
                 let answer = match wire::take(payload, &mut 0, model.bytes) {
-                    Ok(graph) => match held
-                        .backend
-                        .loader(&model.name)
-                        .and_then(|residency| residency.load_model(&model.name, model.data(graph)))
-                    {
+                    Ok(graph) => match held.backend.loader(&model.name).and_then(|residency| {
+                        let owned = model.owned(graph);
+                        let data = owned.as_ref().map_or_else(|| model.data(graph), |bytes| bytes.data());
+                        residency.load_model(&model.name, data)
+                    }) {
                         Ok(()) => Answer::Done { session: None },
                         Err(why) => Answer::Refused(why),
                     },

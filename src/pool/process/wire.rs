@@ -10,7 +10,7 @@ use std::io::{Read, Write};
 use serde::{Deserialize, Serialize};
 
 use crate::core::backend::{AllocFailureKind, ArenaStats, BackendError};
-use crate::core::model::ModelData;
+use crate::core::model::{ModelBytes, ModelData};
 use crate::core::tensor::{DataType, Tensor, TensorView};
 
 /// How many lanes (pool backends) share a session connection's sessions; each has its own
@@ -54,6 +54,15 @@ impl ModelHead {
             folder: data.folder.map(std::path::Path::to_path_buf),
             external_bytes: data.external_bytes,
         }
+    }
+
+    /// The blob that came with this head as bytes of its own when it is an ORT-format graph
+    /// (the optimized cache's): a session then uses its initializers where they lie and keeps
+    /// them (`runtime::onnx::build_held`), which a borrowed blob would not allow. An ONNX graph
+    /// is read from the blob ([`ModelHead::data`]).
+    pub fn owned(&self, graph: &[u8]) -> Option<ModelBytes> {
+        crate::runtime::onnx::is_ort_format(graph)
+            .then(|| ModelBytes::inline(graph.to_vec()).with_external_bytes(self.external_bytes))
     }
 
     /// The model again, its graph the blob that came with this head.

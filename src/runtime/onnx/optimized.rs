@@ -25,16 +25,16 @@ use crate::core::model::ModelBytes;
 const MAGIC: &[u8; 8] = b"vgort\x00v1";
 const TRAILER: usize = 32 + MAGIC.len();
 
-/// The execution provider a pool's optimized graphs are for, when they can be cached: CPU pools
-/// only, for now. A simulated pool's session built from the ORT format peaked at twice the
-/// weights in its device's capped arena (33.8 MB for a 16 MiB model: the initializers are read
-/// into arena tensors and then copied again), so a model that fits from ONNX would not fit from
-/// the tier; a CUDA pool's graph would have to be optimized in its worker process; a remote pool
-/// has none.
+/// The execution provider a pool's optimized graphs are for, when they can be cached: CPU and
+/// simulated pools. A simulated pool runs ONNX Runtime's CPU provider (only its allocator and
+/// prepacking differ, which do not change the graph), so it shares the CPU pools' entries; its
+/// sessions take the initializers from the bytes in place, so its device holds the weights once
+/// (see `session::build_held`). A CUDA pool's graph would have to be optimized for the CUDA
+/// provider in its worker process (not yet); a remote pool has none.
 pub fn provider_key(provider: &Provider) -> Option<&'static str> {
     match provider {
-        Provider::Cpu => Some("cpu"),
-        Provider::Simulated | Provider::Cuda(_) | Provider::Remote(_) => None,
+        Provider::Cpu | Provider::Simulated => Some("cpu"),
+        Provider::Cuda(_) | Provider::Remote(_) => None,
     }
 }
 

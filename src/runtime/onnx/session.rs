@@ -131,18 +131,24 @@ pub fn build_session<'m>(
     })
 }
 
-/// [`build_session`], and for an ORT-format graph on a CPU pool handed over with the shared
-/// bytes it lies in ([`ModelData::owned_by`]), a session that uses its initializers there
-/// (`session.use_ort_model_bytes_for_initializers`): no second copy of the weights in host
-/// memory. A simulated or CUDA pool's session copies them to its device, as from ONNX.
+/// [`build_session`], and for an ORT-format graph on a CPU or simulated pool handed over with
+/// the shared bytes it lies in ([`ModelData::owned_by`]), a session that uses its initializers
+/// there (`session.use_ort_model_bytes_for_initializers`): on a CPU pool no second copy of the
+/// weights in host memory; on a simulated one a single copy in the device's arena. A CUDA
+/// pool's session copies them to its device, as from ONNX.
 pub fn build_held(rt: &OnnxRuntime, model: ModelData<'_>, options: &SessionOptions) -> Result<HeldSession, String> {
     let mut builder = builder(rt, options)?;
     if !is_ort_format(model.graph) {
         return build_with(builder, model).map(|session| HeldSession { session, keeps: None });
     }
     builder = with_folder(builder, &model)?;
+    // On the simulated device too: from bytes in place, ONNX Runtime copies the initializers
+    // into the device's capped arena once, as from ONNX (16 MiB for a 16 MiB model); from a copy
+    // of the bytes it held them twice there (32 MiB: the loaded graph's tensors, allocated from
+    // the device's arena since its sessions use the environment's allocators, and the
+    // session's own), so a model that fits from ONNX would not fit from the host tier.
     let in_place = match (&options.provider, model.owned_by()) {
-        (Provider::Cpu, Some(owner)) => Some(owner.clone()),
+        (Provider::Cpu | Provider::Simulated, Some(owner)) => Some(owner.clone()),
         _ => None,
     };
     if in_place.is_some() {

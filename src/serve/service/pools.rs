@@ -24,6 +24,7 @@ pub(super) fn start_pool(
     metrics: &Metrics,
 ) -> Arc<Pool> {
     let device_kind = config.pool_class(pool);
+    let mut sources = Vec::new();
     let build: Respawn = match &pool.provider {
         // Its workers forward to the remote server: no sessions, no model bytes.
         Provider::Remote(options) => {
@@ -36,11 +37,24 @@ pub(super) fn start_pool(
             })
         }
         _ => {
-            // An `on_demand` model's sessions are built by its first request, not here.
+            // An `on_demand` model's sessions are built by its first request, not here. The
+            // others start from their optimized bytes when the host tier or the optimized
+            // cache has them (a restart skips optimizing), else from their ONNX bytes.
             let owned: Vec<(String, ModelBytes)> = models
                 .iter()
                 .filter(|m| pool.models.contains(&m.config.name) && m.config.residency.loaded_at_start())
-                .map(|m| (m.config.name.clone(), m.bytes.clone()))
+                .map(|m| {
+                    let name = m.config.name.clone();
+                    let bytes = match &context.tier {
+                        Some(tier) => {
+                            let (bytes, source) = tier.fetch(&name, m.config.priority, &m.bytes, &pool.provider);
+                            sources.push((name.clone(), source));
+                            bytes
+                        }
+                        None => m.bytes.clone(),
+                    };
+                    (name, bytes)
+                })
                 .collect();
             let backends = Arc::clone(backends);
             let pool = pool.clone();
@@ -75,6 +89,7 @@ pub(super) fn start_pool(
         context.metrics.worker = Some(metrics.workers.of_pool(&pool.name));
     }
     let started = Pool::start(pool.clone(), device_kind, workers, Some(build), context);
+    started.record_start_sources(&sources);
     if let Some(host) = host {
         tracing::info!(pool = %pool.name, pid = host.pid(), "pool runs in its worker process");
         started.supervise(host);

@@ -228,6 +228,12 @@ pub fn encoder_binary_request_with(seq: usize, parameters: Option<Value>) -> (St
 /// The binary under test, built by Cargo for these tests.
 pub const BIN: &str = env!("CARGO_BIN_EXE_vramguard");
 
+/// [`BIN`] as a command, with the test cache ([`vramguard::testing::cache_home`]) as its cache
+/// folder: what it optimizes never lands in the user's.
+pub fn binary() -> std::process::Command {
+    vramguard::testing::vramguard_command(BIN)
+}
+
 /// [`vramguard::testing::process::spawn_serving`] on [`BIN`].
 pub fn spawn_serving(args: &[&str], env: &[(&str, &str)], message: &str) -> vramguard::testing::process::Serving {
     vramguard::testing::process::spawn_serving(BIN, args, env, message)
