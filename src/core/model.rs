@@ -168,6 +168,14 @@ impl ModelBytes {
         self
     }
 
+    /// The same graph, read as lying in `model`'s folder: a graph made of another with all its
+    /// data inline (the optimized cache's) whose model's folder holds more than the graph (a
+    /// Whisper encoder's folder holds its decoder and its tokenizer).
+    pub fn beside(mut self, model: &ModelBytes) -> ModelBytes {
+        self.folder = model.folder.clone();
+        self
+    }
+
     /// The same model with its graph rewritten as `graph` (its folder and external data kept).
     pub fn with_graph(mut self, graph: Vec<u8>) -> ModelBytes {
         self.graph = Arc::new(Cow::Owned(graph));

@@ -1,5 +1,8 @@
 //! Speech to text with Whisper: what a transcription gives back ([`Transcript`], its
-//! [`Segment`]s), as every response format and the streamed events are written from it.
+//! [`Segment`]s), as every response format and the streamed events are written from it; a
+//! Whisper folder read (`whisper.rs`, its languages in `languages.rs`) and held with its front
+//! end (`model.rs`); the rules a window's tokens are picked by (`rules.rs`); and long audio cut
+//! into windows and segments (`long.rs`).
 
 /// What a speech model is asked to do with the audio.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -53,9 +56,11 @@ pub struct Segment {
 
 mod languages;
 pub mod long;
+mod model;
 pub mod rules;
 pub mod whisper;
 
 pub use long::{WindowResult, WindowSegment, frames_at, window, window_segments};
+pub use model::SpeechModel;
 pub use rules::{Rules, pick};
 pub use whisper::{DETECT, Dims, INPUT_STRIDE, TIME_PRECISION, Tokens, Whisper};

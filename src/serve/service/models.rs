@@ -58,7 +58,7 @@ pub struct ModelEntry {
     pub tower: Option<Tower>,
     /// Its Whisper folder and front end, when its graph is a Whisper encoder with its folder:
     /// it then serves `/v1/audio/transcriptions` and `/v1/audio/translations`.
-    pub speech: Option<Arc<crate::serve::speech::Speech>>,
+    pub speech: Option<Arc<crate::runtime::speech::SpeechModel>>,
 }
 
 impl ModelEntry {
@@ -268,7 +268,7 @@ fn load_model(backends: &dyn BackendFactory, m: &ModelConfig) -> Result<ModelEnt
         let decoder = bytes
             .data()
             .folder
-            .map_or(0, crate::serve::speech::Speech::decoder_bytes);
+            .map_or(0, crate::runtime::speech::SpeechModel::decoder_bytes);
         profile = profile.with_extra(decoder, speech.window_bytes() as f64);
     }
     check_batching(m, &profile, &signature, decoder.is_some())?;
@@ -302,10 +302,10 @@ fn load_model(backends: &dyn BackendFactory, m: &ModelConfig) -> Result<ModelEnt
 fn speech_of(
     folder: Option<&std::path::Path>,
     signature: &ModelSignature,
-) -> Result<Option<Arc<crate::serve::speech::Speech>>, String> {
+) -> Result<Option<Arc<crate::runtime::speech::SpeechModel>>, String> {
     match folder {
         Some(dir) if signature.inputs.iter().any(|i| i.name == "input_features") => {
-            Ok(crate::serve::speech::Speech::read(dir)?.map(Arc::new))
+            Ok(crate::runtime::speech::SpeechModel::read(dir)?.map(Arc::new))
         }
         _ => Ok(None),
     }
