@@ -53,6 +53,8 @@ CASES = {
     "timestamps": {"language": "en", "task": "transcribe", "return_timestamps": True},
     "detect": {},
     "translate": {"language": "en", "task": "translate"},
+    # What /v1/audio/translations asks (it has no language field): detect, then translate.
+    "translate_detect": {"task": "translate"},
 }
 # Long-form: the features of the whole file (not cut at 30 s), as transformers' pipeline and model
 # card give them for audio longer than a window.
@@ -182,7 +184,7 @@ def short_reference(model, ort, fast, extractor, samples):
         if name == "timestamps":
             case["offsets"] = fast.decode(result["generate_output"], output_offsets=True,
                                           skip_special_tokens=True)["offsets"]
-        if name == "detect":
+        if name in ("detect", "translate_detect"):
             case["detected_language"] = fast.convert_ids_to_tokens(first["prompt"][1])
         case["optimum_same_tokens"] = transcribe(ort, features, kwargs, fast)["generate_output"] == result["generate_output"]
         cases[name] = case
