@@ -7,10 +7,11 @@
 //! [`crate::runtime::onnx`]'s window job), so what crosses the bus is its features in and its
 //! tokens out.
 //!
-//! Audio of one window or less is decoded as one window (`transformers`' short form). Longer
-//! audio is decoded as `transformers`' long form: features of the whole audio, a window at each
-//! seek, the seek moved on by what the window's timestamps consumed, so a segment cut off at a
-//! window's end is decoded again whole in the next ([`crate::runtime::speech::window_segments`]).
+//! Windows are cut as `transformers`' `generate` cuts them: features of the whole audio (of
+//! audio of 30 s or less, padded to 30 s), a window at each seek, the seek moved on by what the
+//! window's timestamps consumed, so a segment cut off at a window's end is decoded again whole
+//! in the next ([`crate::runtime::speech::window_segments`]); without timestamps (audio of one
+//! window, text only) the one window is all.
 //! Windows follow each other (each starts where the last one's timestamps say), so one
 //! transcription runs one window at a time; concurrent transcriptions' windows share runs.
 //!
@@ -125,11 +126,7 @@ async fn windows(
             .await
             .expect("computing features does not panic")
     };
-    let total = if long {
-        speech.mel.frames_long(samples.len()) as u64
-    } else {
-        window_frames as u64
-    };
+    let total = speech.mel.frames_long(samples.len()) as u64;
     // Long audio is always decoded with timestamps: they say where the next window starts.
     let timestamps = params.timestamps || long;
     let mut language = params.language.clone();
@@ -139,11 +136,7 @@ async fn windows(
     let mut last = None;
     let mut detected = None;
     while seek < total {
-        let frames = if long {
-            frames_at(total, seek, window_frames as u64)
-        } else {
-            audio_frames(samples.len(), config.hop) as u64
-        };
+        let frames = frames_at(total, seek, window_frames as u64);
         let input = window(&features, config.bins, seek, window_frames);
         // The language was checked when the request was read.
         // The client's prompt conditions the first window only (`transformers`' default
@@ -174,7 +167,7 @@ async fn windows(
             // A client that went away stops the transcription where it is waited on.
             let _ = sink.send(text).await;
         }
-        // The text is its segments' tokens: what a window decoded past its last whole segment
+        // The text is the segments' tokens: what a window decoded past its last whole segment
         // is decoded again from the next window's seek.
         all_tokens.extend(window_segments.iter().flat_map(|s| s.tokens.iter().copied()));
         for piece in window_segments {
@@ -193,10 +186,6 @@ async fn windows(
             });
         }
         last = Some(served);
-        if !long {
-            // One window holds it all (the short form): its timestamps move no seek.
-            break;
-        }
         seek += consumed.max(1);
         index += 1;
     }
@@ -214,11 +203,6 @@ async fn windows(
         action: served.action,
         retried: served.retried,
     })
-}
-
-/// Frames of features `samples` samples fill (at least one).
-fn audio_frames(samples: usize, hop: usize) -> usize {
-    samples.div_ceil(hop.max(1)).max(1)
 }
 
 /// Window `index`'s run: its features and prompt as the window job takes them (one row).

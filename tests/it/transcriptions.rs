@@ -75,46 +75,99 @@ fn cpu_server_yaml() -> String {
     )
 }
 
+/// The request of a reference case (`reference.json`'s `short.<file>.cases.<case>`): the path
+/// and the form's fields. `translate` (a language given to a translation) has no form: OpenAI's
+/// translations take no `language`.
+fn case_request(case: &str) -> Option<(&'static str, Vec<(&'static str, &'static str)>)> {
+    let (transcriptions, translations) = ("/v1/audio/transcriptions", "/v1/audio/translations");
+    let en = ("language", "en");
+    match case {
+        "transcribe" => Some((transcriptions, vec![en])),
+        "timestamps" => Some((transcriptions, vec![en, ("response_format", "verbose_json")])),
+        "detect" => Some((transcriptions, vec![])),
+        "translate_detect" => Some((translations, vec![])),
+        _ => None,
+    }
+}
+
 #[tokio::test]
 async fn a_short_clip_is_transcribed_as_transformers_generates_it() {
     let server = TestServer::start(&cpu_server_yaml()).await;
     let reference = reference();
-    for case in reference["short"].as_array().expect("reference.json has short clips") {
-        let file = case["file"].as_str().unwrap();
-        let mut fields = vec![("model", "whisper")];
-        if let Some(language) = case["language"].as_str() {
-            fields.push(("language", language));
-        }
-        let task = case["task"].as_str().unwrap_or("transcribe");
-        let path = if task == "translate" {
-            "/v1/audio/translations"
-        } else {
-            "/v1/audio/transcriptions"
-        };
-        let timestamps = case["timestamps"].as_bool().unwrap_or(false);
-        if timestamps {
-            fields.push(("response_format", "verbose_json"));
-        }
-        let (status, headers, body) = send(&server, path, &fields, clip(file)).await;
-        assert_eq!(status, StatusCode::OK, "{file} {task}: {body}");
-        assert_eq!(headers["x-vramguard-pool"], "cpu");
-        let answer: Value = serde_json::from_str(&body).unwrap();
-        let want = case["text"].as_str().unwrap().trim();
-        assert_eq!(answer["text"], want, "{file} {task} timestamps={timestamps}");
-        if timestamps {
-            let segments = answer["segments"].as_array().unwrap();
-            let want = case["segments"].as_array().unwrap();
-            assert_eq!(segments.len(), want.len(), "{file}: {body}");
-            for (got, want) in segments.iter().zip(want) {
-                for key in ["start", "end"] {
-                    let (g, w) = (got[key].as_f64().unwrap(), want[key].as_f64().unwrap());
-                    assert!((g - w).abs() < 0.011, "{file} segment {key}: {g} vs {w}");
+    let clips = reference["short"].as_object().expect("reference.json has short clips");
+    let mut checked = 0;
+    for (name, clip) in clips {
+        let path = format!("models/{}", clip["path"].as_str().unwrap());
+        let bytes = std::fs::read(&path).unwrap_or_else(|e| panic!("{path}: {e}"));
+        for (case, want) in clip["cases"].as_object().unwrap() {
+            let Some((endpoint, mut fields)) = case_request(case) else {
+                continue;
+            };
+            fields.insert(0, ("model", "whisper"));
+            let (status, headers, body) = send(&server, endpoint, &fields, (name, bytes.clone())).await;
+            assert_eq!(status, StatusCode::OK, "{name} {case}: {body}");
+            assert_eq!(headers["x-vramguard-pool"], "cpu");
+            let answer: Value = serde_json::from_str(&body).unwrap();
+            let text = want["text"].as_str().unwrap().trim();
+            assert_eq!(answer["text"], text, "{name} {case}");
+            if case == "timestamps" {
+                let got = answer["segments"].as_array().unwrap();
+                let want = want["segments"].as_array().unwrap();
+                assert_eq!(got.len(), want.len(), "{name}: {body}");
+                for (got, want) in got.iter().zip(want) {
+                    for key in ["start", "end"] {
+                        let (g, w) = (got[key].as_f64().unwrap(), want[key].as_f64().unwrap());
+                        assert!((g - w).abs() < 1e-6, "{name} segment {key}: {g} vs {w}");
+                    }
+                    assert_eq!(got["tokens"], want["tokens"], "{name}");
+                    assert_eq!(got["text"], want["text"], "{name}");
                 }
-                assert_eq!(
-                    got["text"].as_str().unwrap().trim(),
-                    want["text"].as_str().unwrap().trim()
-                );
             }
+            checked += 1;
+        }
+    }
+    assert!(checked >= 20, "every clip's cases: {checked}");
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn a_long_clip_is_transcribed_as_transformers_long_form_does() {
+    let server = TestServer::start(&cpu_server_yaml()).await;
+    let reference = reference();
+    for (name, want) in reference["long"].as_object().expect("reference.json has long clips") {
+        let file = format!("models/speech/whisper/audio/{name}");
+        let bytes = std::fs::read(&file).unwrap_or_else(|e| panic!("{file}: {e}"));
+        let fields = [
+            ("model", "whisper"),
+            ("language", "en"),
+            ("response_format", "verbose_json"),
+        ];
+        let (status, _, body) = send(&server, "/v1/audio/transcriptions", &fields, (name, bytes)).await;
+        assert_eq!(status, StatusCode::OK, "{name}: {body}");
+        let answer: Value = serde_json::from_str(&body).unwrap();
+        let got = answer["segments"].as_array().unwrap();
+        let want_segments = want["segments"].as_array().unwrap();
+        // The WAV's samples are ffmpeg's to the bit, so its features are transformers' and so
+        // is every token. An MP3 is decoded by another decoder than ffmpeg's (a few 1e-3 of
+        // difference in the features, `speech_front_end`), and this random model's margins
+        // are that small: it holds its first window only.
+        let compared = if name.ends_with(".wav") {
+            assert_eq!(answer["text"], want["text"].as_str().unwrap().trim(), "{name}");
+            assert_eq!(got.len(), want_segments.len(), "{name}");
+            got.len()
+        } else {
+            want_segments
+                .iter()
+                .take_while(|s| s["start"].as_f64().unwrap() < 30.0)
+                .count()
+                .min(1)
+        };
+        for (got, want) in got.iter().zip(want_segments).take(compared) {
+            for key in ["start", "end"] {
+                let (g, w) = (got[key].as_f64().unwrap(), want[key].as_f64().unwrap());
+                assert!((g - w).abs() < 1e-6, "{name} segment {key}: {g} vs {w}");
+            }
+            assert_eq!(got["tokens"], want["tokens"], "{name}");
         }
     }
     server.stop().await;
@@ -256,13 +309,6 @@ async fn a_long_file_is_decoded_in_windows_and_counted_as_one_request() {
     let segments = answer["segments"].as_array().unwrap();
     let seeks: std::collections::BTreeSet<u64> = segments.iter().map(|s| s["seek"].as_u64().unwrap()).collect();
     assert!(seeks.len() >= 3, "75 s take at least three windows: {seeks:?}");
-    let mut last = 0.0;
-    for s in segments {
-        let (start, end) = (s["start"].as_f64().unwrap(), s["end"].as_f64().unwrap());
-        // A window's last timestamp may say later than the audio ends (transformers keeps it).
-        assert!(start >= last - 1e-9 && end >= start && start < 75.0, "{body}");
-        last = end;
-    }
     let metrics = server.metrics().await;
     let series = |name: &str, rest: &str| format!("vramguard_{name}{{model=\"whisper\",pool=\"cpu\"{rest}}}");
     assert_eq!(
