@@ -270,8 +270,14 @@ def widen(model, fast):
                 rows[i, 0] = CONTROL_BIAS
 
 
-def build(work):
-    """The tiny Whisper saved in transformers' layout under work/hf; the model and its tokenizer."""
+# The fixture's dimensions; benches/speech.py builds the same model at whisper-tiny's.
+DIMS = {"d_model": 48, "encoder_layers": 2, "encoder_attention_heads": 4, "decoder_layers": 2,
+        "decoder_attention_heads": 4, "encoder_ffn_dim": 96, "decoder_ffn_dim": 96}
+
+
+def build(work, dims=None):
+    """The tiny Whisper (DIMS, or `dims`) saved in transformers' layout under work/hf; the
+    model and its tokenizer."""
     import torch
     from transformers import WhisperConfig, WhisperFeatureExtractor, WhisperForConditionalGeneration
     hf = os.path.join(work, "hf")
@@ -280,10 +286,9 @@ def build(work):
     eot = ids("<|endoftext|>")
     gen = generation_config(fast)
     config = WhisperConfig(
-        vocab_size=len(fast), num_mel_bins=80, d_model=48, encoder_layers=2, encoder_attention_heads=4,
-        decoder_layers=2, decoder_attention_heads=4, encoder_ffn_dim=96, decoder_ffn_dim=96,
-        max_source_positions=1500, max_target_positions=448, pad_token_id=eot, bos_token_id=eot,
-        eos_token_id=eot, decoder_start_token_id=ids("<|startoftranscript|>"),
+        vocab_size=len(fast), num_mel_bins=80, **(dims or DIMS), max_source_positions=1500,
+        max_target_positions=448, pad_token_id=eot, bos_token_id=eot, eos_token_id=eot,
+        decoder_start_token_id=ids("<|startoftranscript|>"),
         suppress_tokens=gen.suppress_tokens, begin_suppress_tokens=gen.begin_suppress_tokens,
         forced_decoder_ids=None, use_cache=True)
     torch.manual_seed(SEED)
@@ -296,20 +301,21 @@ def build(work):
     return hf, model, fast
 
 
-def export(hf, work):
+def export(hf, work, out=HERE):
     """Optimum's export, as `optimum-cli export onnx --task automatic-speech-recognition-with-past`
-    runs it, into HERE; the transformers files beside it are the ones from `hf`."""
+    runs it, into `out`; the transformers files beside it are the ones from `hf`."""
     from optimum.exporters.onnx import main_export
     onnx_dir = os.path.join(work, "onnx")
     shutil.rmtree(onnx_dir, ignore_errors=True)
     main_export(hf, onnx_dir, task="automatic-speech-recognition-with-past", library_name="transformers",
                 do_validation=False)
-    for name in sorted(os.listdir(HERE)):
+    os.makedirs(out, exist_ok=True)
+    for name in sorted(os.listdir(out)):
         if name.endswith(".onnx") or name.endswith(".json") and name != "reference.json" or name == "merges.txt":
-            os.remove(os.path.join(HERE, name))
+            os.remove(os.path.join(out, name))
     for name in sorted(os.listdir(onnx_dir)):
         if not name.endswith(".safetensors") and name != "README.md":
-            shutil.copy(os.path.join(onnx_dir, name), os.path.join(HERE, name))
+            shutil.copy(os.path.join(onnx_dir, name), os.path.join(out, name))
 
 
 def versions():
