@@ -23,7 +23,6 @@ import importlib.util
 import os
 import shutil
 
-import numpy as np
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
