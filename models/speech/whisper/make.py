@@ -225,8 +225,10 @@ def widen(model, fast):
       either side. One timestamp is never the best token (below <|endoftext|>'s bias), so without
       timestamps none is written; all of them together outweigh the text once it shrinks, so
       with timestamps the rules force them, the first at <|1.00|> (the highest allowed by
-      max_initial_timestamp_index) and then <|20.00|>, each the best by 0.05: a window's last
-      pair is at 20 s, and long-form decoding seeks 20 s, windows overlapping 10 s;
+      max_initial_timestamp_index) and then <|20.00|>, each the best by 0.05; as timestamps
+      cannot go back, each later one is the next, 0.02 s on: a window's last pair falls a little
+      after 20 s (20.14-20.34 s here), so long-form decoding seeks about 20 s a window, windows
+      overlapping about 10 s;
     - tokens holding a control character (newline, tab...) a bias far below, as Whisper never
       writes them (and a subtitle file would not survive a newline). The special tokens keep
       their drawn rows: this model writes a language token inside a transcript now and then,
