@@ -123,6 +123,7 @@ client-compat: $(PYCLIENTS)
 	$(PYTHON) tests/clients/embeddings_client.py target/debug/vramguard
 	$(PYTHON) tests/clients/rerank_client.py target/debug/vramguard
 	$(PYTHON) tests/clients/image_search_client.py target/debug/vramguard
+	$(PYTHON) tests/clients/transcription_client.py target/debug/vramguard
 
 # The README's tour, in order, as written, against the embedded default (its Python examples use
 # the clients of $(PYCLIENTS)).

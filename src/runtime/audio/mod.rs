@@ -73,7 +73,13 @@ fn decode_mono(bytes: Vec<u8>, limit_seconds: u64) -> Result<(Vec<f32>, u32), Au
             },
             &MetadataOptions::default(),
         )
-        .map_err(|e| AudioError::Format(e.to_string()))?;
+        .map_err(|e| match e {
+            // A container recognised and cut before its header ends is damaged, not foreign.
+            Symphonia::IoError(io) if io.kind() == std::io::ErrorKind::UnexpectedEof => {
+                AudioError::Corrupt("it ends before its header does".into())
+            }
+            e => AudioError::Format(e.to_string()),
+        })?;
     let mut format = probed.format;
     let track = format
         .tracks()
