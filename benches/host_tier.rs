@@ -136,15 +136,17 @@ fn memory_per_worker(model: &str, path: &Path) -> Vec<Figure> {
             &[],
             "vramguard serving",
         );
-        // Without a tier (`model_cache: 0`) nothing but the ONNX bytes is asked, and nothing
-        // counts the start's loads by source.
-        if source == Source::OptimizedCache {
-            let series = format!(
-                "vramguard_model_session_loads_total{{model=\"{model}\",pool=\"p\",source=\"optimized_cache\"}}"
-            );
-            let loads = series_value(&serving.metrics(&Client::new()), &series);
-            assert_eq!(loads, workers as f64, "{model}: every worker's session from the cache");
-        }
+        let series = format!(
+            "vramguard_model_session_loads_total{{model=\"{model}\",pool=\"p\",source=\"{}\"}}",
+            source.label()
+        );
+        let loads = series_value(&serving.metrics(&Client::new()), &series);
+        assert_eq!(
+            loads,
+            workers as f64,
+            "{model}: every worker's session from {}",
+            source.label()
+        );
         vm_rss(serving.child.id())
     };
     let mut figures = Vec::new();
