@@ -99,6 +99,7 @@ fn main() {
             "ms",
             &[copy],
         ));
+        figures.extend(memory_per_worker(name, path));
     }
     record(
         "host_tier",
@@ -107,6 +108,111 @@ fn main() {
         started,
         figures,
     );
+}
+
+/// What each worker after the first adds to the server's resident memory (issue 54's "weights
+/// once per process"), with the model loaded at start from its file (`model_cache: 0`) and from
+/// the optimized cache (a restart: the sessions use the entry's initializers in place), against
+/// the model's weights (its file).
+fn memory_per_worker(model: &str, path: &Path) -> Vec<Figure> {
+    const WORKERS: usize = 3;
+    let weights = std::fs::metadata(path).unwrap().len() as f64 / MIB;
+    let scratch = Scratch::new();
+    let cache = scratch.path().join("optimized");
+    let resident = |source: Source, workers: usize| {
+        let budget = if source == Source::Disk { "0" } else { "4GiB" };
+        let yaml = format!(
+            "server: {{listen: '127.0.0.1:0', admin_socket: 'off'}}\n\
+             host: {{reserve: 256MiB, model_cache: {budget}, optimized_cache: '{}'}}\n\
+             models:\n  - {{name: {model}, path: '{}'}}\n\
+             pools:\n  - {{name: p, provider: cpu, models: [{model}], workers: {workers}}}\n",
+            cache.display(),
+            path.display(),
+        );
+        let file = scratch.write(&format!("{model}-{}-{workers}.yaml", source.label()), yaml);
+        let serving = spawn_serving(
+            env!("CARGO_BIN_EXE_vramguard"),
+            &["serve", "--config", file.to_str().unwrap()],
+            &[],
+            "vramguard serving",
+        );
+        let series = format!(
+            "vramguard_model_session_loads_total{{model=\"{model}\",pool=\"p\",source=\"{}\"}}",
+            source.label()
+        );
+        let loads = series_value(&serving.metrics(&Client::new()), &series);
+        assert_eq!(
+            loads,
+            workers as f64,
+            "{model}: every worker's session from {}",
+            source.label()
+        );
+        vm_rss(serving.child.id())
+    };
+    let mut figures = Vec::new();
+    for source in [Source::Disk, Source::OptimizedCache] {
+        if source == Source::OptimizedCache {
+            wait_for_entry(&cache, model, path);
+        }
+        let per_worker = (resident(source, WORKERS) - resident(source, 1)) / (WORKERS - 1) as f64;
+        figures.push(
+            Figure::of_runs(
+                format!(
+                    "{model}: resident memory per extra worker, loaded from {}",
+                    source.label()
+                ),
+                "MiB",
+                &[per_worker],
+            )
+            .note(format!(
+                "{:.0}% of its {weights:.1} MiB of weights (1 and {WORKERS} workers, VmRSS after start)",
+                per_worker / weights * 100.0
+            )),
+        );
+    }
+    figures
+}
+
+const MIB: f64 = 1024.0 * 1024.0;
+
+/// `pid`'s resident memory (`VmRSS`), in MiB.
+fn vm_rss(pid: u32) -> f64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let kib: f64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .expect("VmRSS in /proc/<pid>/status");
+    kib / 1024.0
+}
+
+/// Start a server with the host tier on so `model`'s first load from its file writes its
+/// optimized cache entry, and wait for it.
+fn wait_for_entry(cache: &Path, model: &str, path: &Path) {
+    if has_entry(cache) {
+        return;
+    }
+    let scratch = Scratch::new();
+    let yaml = format!(
+        "server: {{listen: '127.0.0.1:0', admin_socket: 'off'}}\n\
+         host: {{reserve: 256MiB, optimized_cache: '{}'}}\n\
+         models:\n  - {{name: {model}, path: '{}'}}\n\
+         pools:\n  - {{name: p, provider: cpu, models: [{model}], workers: 1}}\n",
+        cache.display(),
+        path.display(),
+    );
+    let file = scratch.write("write-entry.yaml", yaml);
+    let _serving = spawn_serving(
+        env!("CARGO_BIN_EXE_vramguard"),
+        &["serve", "--config", file.to_str().unwrap()],
+        &[],
+        "vramguard serving",
+    );
+    let deadline = Instant::now() + Duration::from_secs(300);
+    while !has_entry(cache) {
+        assert!(Instant::now() < deadline, "no optimized cache entry was written");
+        std::thread::sleep(Duration::from_millis(100));
+    }
 }
 
 /// The best of five copies of `path`'s bytes in memory, in milliseconds.

@@ -278,3 +278,18 @@ async fn a_simulated_pool_loads_from_the_host_tier_holding_the_weights_once() {
         server.stop().await;
     }
 }
+
+#[tokio::test]
+async fn without_the_host_tier_a_start_loads_from_the_file_and_optimizes_nothing() {
+    if crate::common::ran_in_own_process() {
+        return;
+    }
+    let cache = Scratch::new();
+    let config = resident_config(&cache).replace("reserve: 1MiB,", "reserve: 1MiB, model_cache: 0,");
+    let server = TestServer::start(&config).await;
+    let metrics = server.metrics().await;
+    assert_eq!(loads_from(&metrics, "disk"), 1.0, "{metrics}");
+    answers_as_the_reference(&server).await;
+    server.stop().await;
+    assert!(entries(&cache).is_empty(), "no tier: nothing optimized");
+}

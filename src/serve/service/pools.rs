@@ -7,7 +7,7 @@ use crate::config::{Config, PoolConfig, Provider};
 use crate::core::backend::Backend;
 use crate::core::snapshot::DeviceClass;
 use crate::pool::remote::RemoteBackend;
-use crate::pool::{ModelSetup, Pool, PoolContext, Respawn};
+use crate::pool::{LoadSource, ModelSetup, Pool, PoolContext, Respawn};
 use crate::serve::metrics::Metrics;
 
 use super::{BackendFactory, ModelEntry};
@@ -51,7 +51,10 @@ pub(super) fn start_pool(
                             sources.push((name.clone(), source));
                             bytes
                         }
-                        None => m.bytes.clone(),
+                        None => {
+                            sources.push((name.clone(), LoadSource::disk));
+                            m.bytes.clone()
+                        }
                     };
                     (name, bytes)
                 })
