@@ -168,11 +168,11 @@ impl ModelBytes {
         self
     }
 
-    /// The same graph, read as lying in `model`'s folder: a graph made of another with all its
-    /// data inline (the optimized cache's) whose model's folder holds more than the graph (a
-    /// Whisper encoder's folder holds its decoder and its tokenizer).
-    pub fn beside(mut self, model: &ModelBytes) -> ModelBytes {
-        self.folder = model.folder.clone();
+    /// The same graph, read as lying in `folder`: a graph made of another with all its data
+    /// inline (the optimized cache's) whose model's folder holds more than the graph (a Whisper
+    /// encoder's folder holds its decoder and its tokenizer).
+    pub fn in_folder(mut self, folder: Option<&Path>) -> ModelBytes {
+        self.folder = folder.map(Arc::from);
         self
     }
 

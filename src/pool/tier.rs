@@ -134,7 +134,7 @@ impl HostTier {
             return (entry.bytes.clone(), LoadSource::host_tier);
         }
         if let Some(bytes) = self.cache.read(&key) {
-            let bytes = ModelBytes::inline(bytes).beside(onnx);
+            let bytes = ModelBytes::inline(bytes).in_folder(onnx.data().folder);
             self.admit(&key, model, priority, bytes.clone());
             return (bytes, LoadSource::optimized_cache);
         }
@@ -161,7 +161,12 @@ impl HostTier {
             Some(bytes) => (bytes, LoadSource::optimized_cache),
             None => (self.cache.write(self.rt, &key, onnx)?, LoadSource::disk),
         };
-        match self.admit(&key, model, priority, ModelBytes::inline(bytes).beside(onnx)) {
+        match self.admit(
+            &key,
+            model,
+            priority,
+            ModelBytes::inline(bytes).in_folder(onnx.data().folder),
+        ) {
             true => Ok(source),
             false => Err("the host tier has no room for it (budget or host reserve)".into()),
         }
@@ -207,7 +212,7 @@ impl HostTier {
             match tier.cache.write(tier.rt, &key, &onnx) {
                 Ok(bytes) => {
                     tracing::info!(%model, seconds = started.elapsed().as_secs_f64(), "model optimized once into the optimized cache");
-                    tier.admit(&key, &model, priority, ModelBytes::inline(bytes).beside(&onnx));
+                    tier.admit(&key, &model, priority, ModelBytes::inline(bytes).in_folder(onnx.data().folder));
                 }
                 Err(reason) => tracing::warn!(%model, %reason, "optimizing the model for the optimized cache failed"),
             }

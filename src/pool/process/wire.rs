@@ -61,8 +61,11 @@ impl ModelHead {
     /// them (`runtime::onnx::build_held`), which a borrowed blob would not allow. An ONNX graph
     /// is read from the blob ([`ModelHead::data`]).
     pub fn owned(&self, graph: &[u8]) -> Option<ModelBytes> {
-        crate::runtime::onnx::is_ort_format(graph)
-            .then(|| ModelBytes::inline(graph.to_vec()).with_external_bytes(self.external_bytes))
+        crate::runtime::onnx::is_ort_format(graph).then(|| {
+            ModelBytes::inline(graph.to_vec())
+                .with_external_bytes(self.external_bytes)
+                .in_folder(self.folder.as_deref())
+        })
     }
 
     /// The model again, its graph the blob that came with this head.
