@@ -11,12 +11,12 @@ use crate::runtime::audio::mel::LogMel;
 use crate::runtime::onnx::{OrtBackend, SessionOptions};
 use crate::runtime::speech::Task;
 
-fn fixture() -> PathBuf {
+pub(super) fn fixture() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("models/speech/whisper")
 }
 
 /// A CPU backend holding the Whisper of `folder` as `whisper`.
-fn backend(folder: &Path) -> OrtBackend {
+pub(super) fn backend(folder: &Path) -> OrtBackend {
     let rt = super::super::runtime(None).expect("ONNX Runtime loads");
     let graph = std::fs::read(folder.join("encoder_model.onnx")).unwrap();
     let model = ModelData {
@@ -38,7 +38,7 @@ fn clip(whisper: &Whisper, name: &str) -> Vec<f32> {
 }
 
 /// A window job's inputs: one row per `(features, prompt, max_new_tokens)`, greedy.
-fn inputs(rows: &[(&[f32], Vec<i64>, i64)]) -> Vec<Tensor> {
+pub(super) fn inputs(rows: &[(&[f32], Vec<i64>, i64)]) -> Vec<Tensor> {
     let n = rows.len() as i64;
     let p = rows[0].1.len() as i64;
     let tensor = |name: &str, shape: Vec<i64>, data| Tensor {
@@ -69,7 +69,7 @@ fn inputs(rows: &[(&[f32], Vec<i64>, i64)]) -> Vec<Tensor> {
 
 /// Each row's outputs: its tokens (padding left out), language, sum of log-probabilities and
 /// no-speech probability.
-fn rows(outputs: &[Tensor]) -> Vec<(Vec<i64>, i64, f32, f32)> {
+pub(super) fn rows(outputs: &[Tensor]) -> Vec<(Vec<i64>, i64, f32, f32)> {
     let [tokens, language, logprob, no_speech] = outputs else {
         panic!("four outputs: {outputs:?}")
     };
@@ -230,4 +230,38 @@ fn an_interrupt_stops_the_window_job() {
     assert!(matches!(result, Err(BackendError::Cancelled)), "{result:?}");
     backend.clear_interrupt();
     assert!(backend.run("whisper", inputs(&row), &[], &RunMeta::default()).is_ok());
+}
+
+#[test]
+fn sampled_rows_follow_their_seeds_alone_or_batched() {
+    let whisper = Whisper::read(&fixture()).unwrap().unwrap();
+    let mut backend = backend(&fixture());
+    let gpu = clip(&whisper, "gpu-16k.wav");
+    let prompt = whisper.prompt(Task::Transcribe, Some("en"), true, &[]).unwrap();
+    let mut sampled = |seeds: &[i64]| {
+        let rows_in: Vec<_> = seeds.iter().map(|_| (&gpu[..], prompt.clone(), 40)).collect();
+        let mut inputs = inputs(&rows_in);
+        inputs.retain(|t| t.name != TEMPERATURE && t.name != SEED);
+        let n = seeds.len() as i64;
+        inputs.push(Tensor {
+            name: TEMPERATURE.into(),
+            shape: vec![n],
+            data: TensorData::Fp32(vec![1.0; seeds.len()]),
+        });
+        inputs.push(Tensor {
+            name: SEED.into(),
+            shape: vec![n],
+            data: TensorData::Int64(seeds.to_vec()),
+        });
+        let out = backend.run("whisper", inputs, &[], &RunMeta::default()).unwrap();
+        rows(&out).into_iter().map(|r| r.0).collect::<Vec<_>>()
+    };
+    let batched = sampled(&[1, 2, 1]);
+    assert_eq!(batched[0], batched[2], "one seed, one draw");
+    assert_ne!(batched[0], batched[1], "another seed, another draw");
+    assert_eq!(
+        sampled(&[2])[0],
+        batched[1],
+        "a row's draw is its own, batched or alone"
+    );
 }
