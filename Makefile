@@ -12,7 +12,7 @@ PYTHON      ?= python3
 CARGO       ?= cargo
 SUDO        := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 APT_STAMP   := .deps/.apt-updated
-PYCLIENTS   := .deps/pyclients/.installed-3
+PYCLIENTS   := .deps/pyclients/.installed-4
 PEER        := .deps/peer/.installed
 MODELGEN    := .deps/modelgen/.installed
 SYSTEMD_UNIT := deploy/systemd/vramguard.service
@@ -77,10 +77,11 @@ systemd-tools:
 		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends systemd >/dev/null; }
 	@systemd-analyze --version | head -1
 
-# Triton's stock HTTP client and OpenAI's Python client, for the protocol compatibility checks
+# Triton's stock HTTP client and OpenAI's Python client, for the protocol compatibility checks,
+# and srt and webvtt-py, which parse the transcription endpoint's subtitles as players would
 # (never imported by vramguard).
 $(PYCLIENTS):
-	$(PYTHON) -m pip install --quiet --disable-pip-version-check --target .deps/pyclients 'tritonclient[http]==2.73.0' numpy openai==3.57.0 'jsonschema==4.26.0'
+	$(PYTHON) -m pip install --quiet --disable-pip-version-check --target .deps/pyclients 'tritonclient[http]==2.73.0' numpy openai==3.57.0 'jsonschema==4.26.0' srt==3.5.3 webvtt-py==0.6.0
 	@touch $@
 
 build:
@@ -192,7 +193,8 @@ drill: build
 # `make fixtures` (not part of `make test`): models/real/, tiny LLMs of five architectures made
 # with the real exporters (Hugging Face Optimum and ONNX Runtime GenAI's builder) and their
 # references from `transformers` (models/README.md); models/embed/ and models/speech/ (speech
-# clips made by espeak-ng, sox and ffmpeg, installed from Debian when missing). The two exporters need separate Python
+# clips made by espeak-ng, sox and ffmpeg, installed from Debian when missing, and the tiny
+# Whisper of models/speech/whisper/, exported by Optimum, with transformers' transcriptions). The two exporters need separate Python
 # environments, each with torch (several GB): they are created under .deps/ from the pinned
 # requirements when missing, or taken from FIXTURE_PYTHON_OPTIMUM / FIXTURE_PYTHON_GENAI.
 FIXTURE_PYTHON_OPTIMUM ?= .deps/fixtures-venv-optimum/bin/python
@@ -225,6 +227,7 @@ fixtures:
 		[ -f $(APT_STAMP) ] || { $(SUDO) apt-get update -qq && touch $(APT_STAMP); }; \
 		$(SUDO) apt-get install -y -qq --no-install-recommends espeak-ng sox ffmpeg; }
 	$(FIXTURE_PYTHON_EMBED) models/speech/make.py
+	$(FIXTURE_PYTHON_EMBED) models/speech/whisper/make.py
 
 # The overhead and generation benches drive the real `vramguard serve` from a separate process, as
 # users' clients do: wrk (Debian package `wrk`) is that load generator. Not part of `make test`.

@@ -19,8 +19,12 @@ each clip, and what Optimum's `ORTModelForSpeechSeq2Seq.generate` gives on the e
 The model: `WhisperConfig` with tiny dimensions (d_model 48, 2 + 2 layers of 4 heads) but real
 windows (80 mel bins, 1500 source positions: a [batch, 80, 3000] input) and 448 target positions,
 random weights from a fixed seed. Drawn at Whisper's own 0.02 the decoder would ignore the audio
-(every clip would transcribe the same, and a server that ignored the audio would pass), so the
-encoder's and the cross-attention's weights are drawn wider (`widen`).
+(every clip would transcribe the same, and a server that ignored the audio would pass), never
+write <|endoftext|> (its row is the padding row, zero) and write timestamp tokens where it should
+not, so `widen` draws the encoder's and the cross-attention's weights wider and gives the output
+rows biases that end a transcription within about a hundred tokens and place timestamps
+deterministically (its docstring says how). The references check that every clip transcribes
+differently, that the task token matters, and record the smallest top-1/top-2 logit gap.
 
 The tokenizer is Whisper's layout built here (no hub): a byte-level BPE whose first 256 tokens are
 the bytes in GPT-2's order (so " " is 220, as in Whisper, and the symbols Whisper suppresses keep
@@ -28,40 +32,65 @@ their ids), merges learnt from models/decoder_corpus.txt (ties broken by the pai
 learns the same), `<|endoftext|>` last in vocab.json, then Whisper's special tokens in Whisper's
 order and the 1501 timestamps `<|0.00|>` ... `<|30.00|>`, saved by `WhisperTokenizerFast`.
 
-Deterministic: running it twice writes the same bytes (`sha256sum` over the folder).
+Deterministic: running it twice writes the same bytes (`sha256sum` over the folder; it re-runs
+itself with PYTHONHASHSEED=0, since Optimum's decoder merge names weights in hash order).
 """
 import collections
 import json
 import os
 import shutil
 import sys
+import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SPEECH = os.path.dirname(HERE)
 ROOT = os.path.dirname(os.path.dirname(SPEECH))
 CORPUS = os.path.join(ROOT, "models", "decoder_corpus.txt")
-sys.path.insert(0, SPEECH)
 
 # Byte-level tokens then merges: 256 + MERGES, then <|endoftext|>.
 MERGES = 255
-SEED = 53
-# How much wider than Whisper's init_std (0.02) the encoder and the cross-attention are drawn.
-ENCODER_STD = 0.2
-CROSS_STD = 0.3
+SEED = 57
+# Whisper's own init_std is 0.02; these are the weights drawn otherwise (see `widen`).
+ENCODER_STD = 0.2  # every encoder matrix: the audio's features must survive to the decoder
+CROSS_STD = 0.5  # cross-attention queries and keys: each step attends to a few frames, not all
+CROSS_VALUE_STD = 0.2  # cross-attention values and output
+DECODER_STD = 0.3  # self-attention and MLPs: the prompt (task, language) changes what follows
+POSITION_STD = 0.3  # decoder positions: each step reads the audio somewhere else
+TOKEN_STD = 0.1  # token embeddings (tied to the output projection)
+LOGIT_GAIN = 5.0  # the final norm's weight: logits a few units apart
+POSITION_RAMP = 1.0  # added per position to the decoder positions' channel 1 (see `widen`)
+EOT_BIAS = 6.0  # <|endoftext|>'s bias
+EOT_STD = 0.08  # and its row
+TIMESTAMP_BIAS = 4.0  # a timestamp's bias at TIMESTAMP_PEAK, falling by TIMESTAMP_SLOPE a step
+TIMESTAMP_PEAK = 1000  # <|20.00|>
+TIMESTAMP_SLOPE = 0.05
+CONTROL_BIAS = -20.0  # tokens holding a control character (newline, tab...): never written
+WEIGHTS = ["SEED", "ENCODER_STD", "CROSS_STD", "CROSS_VALUE_STD", "DECODER_STD", "POSITION_STD", "TOKEN_STD",
+           "LOGIT_GAIN", "POSITION_RAMP", "EOT_BIAS", "EOT_STD", "TIMESTAMP_BIAS", "TIMESTAMP_PEAK",
+           "TIMESTAMP_SLOPE", "CONTROL_BIAS"]
+
+
+def byte_chars():
+    """GPT-2's byte-to-unicode table (byte value -> character) and its order: the printable bytes
+    first ('!' is 0, so '"' is 1 and '#' is 2, as in Whisper's suppress list), then the others,
+    mapped past 255 (' ' becomes 'Ġ', 220)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
+        list(range(ord("®"), ord("ÿ") + 1))
+    others = [b for b in range(256) if b not in printable]
+    table = {b: chr(b) for b in printable}
+    table.update({b: chr(256 + n) for n, b in enumerate(others)})
+    return table, printable + others
 
 
 def bytes_in_gpt2_order():
-    """GPT-2's byte-to-unicode table in its own order: the printable bytes first ('!' is 0, so
-    '"' is 1 and '#' is 2, as in Whisper's suppress list), then the others (' ' becomes 'Ġ', 220)."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
-        list(range(ord("®"), ord("ÿ") + 1))
-    chars = [chr(b) for b in printable]
-    n = 0
-    for b in range(256):
-        if b not in printable:
-            chars.append(chr(256 + n))
-            n += 1
-    return chars
+    table, order = byte_chars()
+    return [table[b] for b in order]
+
+
+def byte_values(token):
+    """The bytes a byte-level token stands for."""
+    inverse = {c: b for b, c in byte_chars()[0].items()}
+    return [inverse[c] for c in token]
 
 
 def learn_bpe():
@@ -180,19 +209,65 @@ def generation_config(fast):
     )
 
 
-def widen(model):
-    """Redraw the encoder's weights and the decoder's cross-attention wider than init_std, so that
-    what the decoder predicts depends on the audio (see the module's docstring). The encoder's
-    sinusoidal positions are left as they are: they are not drawn."""
+def widen(model, fast):
+    """Redraw the weights so that the transcription depends on the audio and behaves as a
+    trained Whisper's does in the ways the server relies on (the module's docstring says why):
+
+    - the encoder and the cross-attention wider than init_std (queries and keys widest, so each
+      step attends to a few frames), the decoder's positions wide (each step reads elsewhere),
+      its self-attention and MLPs wide (the task and language tokens change what follows);
+    - the final norm's channel 0 a constant 1 (weight 0, bias 1), so that every output row's
+      entry 0 is that token's bias, and channel 0 of every token embedding 0;
+    - a ramp on channel 1 of the decoder positions (and that channel 0 in the tokens and in the
+      final norm's output): as it grows it takes over the norm, the text logits shrink, and the
+      bias of <|endoftext|> wins, so that a transcription ends within tens of tokens;
+    - timestamps: rows that are only their bias, highest at <|20.00|> and falling 0.05 a step
+      either side. One timestamp is never the best token (below <|endoftext|>'s bias), so without
+      timestamps none is written; all of them together outweigh the text once it shrinks, so
+      with timestamps the rules force them, the first at <|1.00|> (the highest allowed by
+      max_initial_timestamp_index) and then <|20.00|>, each the best by 0.05: a window's last
+      pair is at 20 s, and long-form decoding seeks 20 s, windows overlapping 10 s;
+    - tokens holding a control character (newline, tab...) a bias far below, as Whisper never
+      writes them (and a subtitle file would not survive a newline). The special tokens keep
+      their drawn rows: this model writes a language token inside a transcript now and then,
+      which decoding with skip_special_tokens drops, as a server must.
+
+    The encoder's sinusoidal positions are left as they are: they are not drawn."""
     import torch
+    ids = fast.convert_tokens_to_ids
+    eot, first_timestamp = ids("<|endoftext|>"), ids("<|0.00|>")
     with torch.no_grad():
         for name, p in model.model.encoder.named_parameters():
             if name.endswith("weight") and p.dim() > 1 and "embed_positions" not in name:
                 p.normal_(0.0, ENCODER_STD)
-        for layer in model.model.decoder.layers:
-            for p in layer.encoder_attn.parameters():
+        decoder = model.model.decoder
+        for layer in decoder.layers:
+            attn = layer.encoder_attn
+            for proj in (attn.q_proj, attn.k_proj):
+                proj.weight.normal_(0.0, CROSS_STD)
+            for proj in (attn.v_proj, attn.out_proj):
+                proj.weight.normal_(0.0, CROSS_VALUE_STD)
+            for p in list(layer.self_attn.parameters()) + list(layer.fc1.parameters()) + list(layer.fc2.parameters()):
                 if p.dim() > 1:
-                    p.normal_(0.0, CROSS_STD)
+                    p.normal_(0.0, DECODER_STD)
+        positions = decoder.embed_positions.weight
+        positions.normal_(0.0, POSITION_STD)
+        positions[:, 1] = POSITION_RAMP * torch.arange(positions.shape[0], dtype=positions.dtype)
+        rows = decoder.embed_tokens.weight
+        rows.normal_(0.0, TOKEN_STD)
+        rows[first_timestamp:] = 0.0
+        rows[eot].normal_(0.0, EOT_STD)
+        rows[:, :2] = 0.0
+        decoder.layer_norm.weight.fill_(LOGIT_GAIN)
+        decoder.layer_norm.weight[:2] = 0.0
+        decoder.layer_norm.bias.zero_()
+        decoder.layer_norm.bias[0] = 1.0
+        rows[eot, 0] = EOT_BIAS
+        times = torch.arange(rows.shape[0] - first_timestamp, dtype=rows.dtype)
+        rows[first_timestamp:, 0] = TIMESTAMP_BIAS - TIMESTAMP_SLOPE * (times - TIMESTAMP_PEAK).abs()
+        for token, i in fast.get_vocab().items():
+            if i < eot and any(b < 32 or b == 127 for b in byte_values(token)):
+                rows[i, 0] = CONTROL_BIAS
 
 
 def build(work):
@@ -213,7 +288,7 @@ def build(work):
         forced_decoder_ids=None, use_cache=True)
     torch.manual_seed(SEED)
     model = WhisperForConditionalGeneration(config).eval()
-    widen(model)
+    widen(model, fast)
     model.generation_config = gen
     model.save_pretrained(hf)
     fast.save_pretrained(hf)
@@ -237,17 +312,37 @@ def export(hf, work):
             shutil.copy(os.path.join(onnx_dir, name), os.path.join(HERE, name))
 
 
+def versions():
+    import onnxruntime
+    import optimum.version
+    import tokenizers
+    import transformers
+    import torch
+    return {"transformers": transformers.__version__, "torch": torch.__version__.split("+")[0],
+            "tokenizers": tokenizers.__version__, "optimum": optimum.version.__version__,
+            "onnxruntime": onnxruntime.__version__}
+
+
 def main():
+    # Optimum's merge of the two decoders names shared weights in an order that follows Python's
+    # string hashing: with a random hash seed, decoder_model_merged.onnx differs run to run.
+    if os.environ.get("PYTHONHASHSEED") != "0":
+        os.execve(sys.executable, [sys.executable] + sys.argv, {**os.environ, "PYTHONHASHSEED": "0"})
     import torch
     torch.set_num_threads(1)
-    work = os.path.join(HERE, ".work")
-    shutil.rmtree(work, ignore_errors=True)
-    os.makedirs(work)
+    # Outside the folder: Optimum's loader would find the intermediate ONNX files in it.
+    work = tempfile.mkdtemp(prefix="whisper-fixture-")
     hf, model, fast = build(work)
     export(hf, work)
     if "--model-only" not in sys.argv:
-        import reference
-        reference.write(HERE, model, fast)
+        import references
+        reference = references.write(HERE, model, fast)
+        reference["tools"] = versions()
+        reference["weights"] = {k: globals()[k] for k in WEIGHTS}
+        with open(os.path.join(HERE, "reference.json"), "w") as f:
+            json.dump(reference, f, indent=1)
+            f.write("\n")
+        references.check(reference)
     shutil.rmtree(work)
     sizes = {n: os.path.getsize(os.path.join(HERE, n)) // 1024 for n in sorted(os.listdir(HERE))
              if n.endswith(".onnx")}
