@@ -150,7 +150,7 @@ fn the_pair_of_decoders_gives_what_the_merged_one_gives() {
     let pair = OwnDir::new("whisper-pair").unwrap();
     for entry in std::fs::read_dir(fixture()).unwrap() {
         let path = entry.unwrap().path();
-        if path.file_name().unwrap() != "decoder_model_merged.onnx" {
+        if path.is_file() && path.file_name().unwrap() != "decoder_model_merged.onnx" {
             std::fs::copy(&path, pair.path().join(path.file_name().unwrap())).unwrap();
         }
     }
