@@ -8,11 +8,9 @@ use std::path::Path;
 
 use serde_json::Value;
 
-use super::tests::{backend, fixture, inputs, rows};
+use super::tests::{Harness, fixture, inputs, rows};
 use super::*;
-use crate::core::backend::{Backend, RunMeta};
 use crate::runtime::audio::mel::LogMel;
-use crate::runtime::onnx::OrtBackend;
 use crate::runtime::speech::{Task, WindowSegment, frames_at, window, window_segments};
 
 fn reference() -> Value {
@@ -46,7 +44,7 @@ struct Window {
 /// The long-form loop over `features` (`[80, total]`) from `prompt`, greedy: its windows and
 /// segments.
 fn long_form(
-    backend: &mut OrtBackend,
+    job: &mut Harness,
     whisper: &Whisper,
     features: &[f32],
     mut prompt: Vec<i64>,
@@ -58,16 +56,7 @@ fn long_form(
         let frames = frames_at(total, seek, 3000);
         let cut = window(features, 80, seek, 3000);
         let limit = i64::from(whisper.max_new_tokens(prompt.len()));
-        let out = rows(
-            &backend
-                .run(
-                    "whisper",
-                    inputs(&[(&cut, prompt.clone(), limit)]),
-                    &[],
-                    &RunMeta::default(),
-                )
-                .unwrap(),
-        );
+        let out = rows(&job.run(inputs(&[(&cut, prompt.clone(), limit)])).unwrap());
         let (tokens, language, _, _) = out.into_iter().next().unwrap();
         prompt.iter_mut().filter(|t| **t == DETECT).for_each(|t| *t = language);
         let generated: Vec<u32> = tokens.iter().map(|&t| t as u32).collect();
@@ -140,7 +129,7 @@ fn differences(whisper: &Whisper, windows: &[Window], segments: &[WindowSegment]
 #[test]
 fn short_clips_give_generates_windows_and_segments_in_every_case() {
     let whisper = Whisper::read(&fixture()).unwrap().unwrap();
-    let mut backend = backend(&fixture());
+    let mut job = Harness::open(&fixture());
     let mel = LogMel::new(whisper.mel).unwrap();
     let reference = reference();
     let (mut held, mut differ, mut resampled) = (0, Vec::new(), Vec::new());
@@ -156,7 +145,7 @@ fn short_clips_give_generates_windows_and_segments_in_every_case() {
             let prompt = whisper
                 .prompt(task, args["language"].as_str(), timestamps, &[])
                 .unwrap();
-            let (windows, segments) = long_form(&mut backend, &whisper, &features, prompt);
+            let (windows, segments) = long_form(&mut job, &whisper, &features, prompt);
             if clip["path"].as_str().is_some_and(|p| !p.contains("-16k.")) {
                 // Resampled here by Rubato and there by ffmpeg: features that differ at the top of
                 // the band (tests/it/speech_front_end.rs), which this random model's small
@@ -207,7 +196,7 @@ fn short_clips_give_generates_windows_and_segments_in_every_case() {
 #[test]
 fn the_long_clip_gives_the_long_form_windows_seeks_and_segments() {
     let whisper = Whisper::read(&fixture()).unwrap().unwrap();
-    let mut backend = backend(&fixture());
+    let mut job = Harness::open(&fixture());
     let mel = LogMel::new(whisper.mel).unwrap();
     let expected = &reference()["long"]["long-16k.wav"];
     let audio = samples("speech/whisper/audio/long-16k.wav");
@@ -221,7 +210,7 @@ fn the_long_clip_gives_the_long_form_windows_seeks_and_segments() {
         "the whole audio's maximum: {top} against {max}"
     );
     let prompt = whisper.prompt(Task::Transcribe, Some("en"), true, &[]).unwrap();
-    let (windows, segments) = long_form(&mut backend, &whisper, &features, prompt);
+    let (windows, segments) = long_form(&mut job, &whisper, &features, prompt);
     assert_eq!(differences(&whisper, &windows, &segments, expected), None);
     let all: Vec<u32> = segments.iter().flat_map(|s| s.tokens.iter().copied()).collect();
     assert_eq!(
