@@ -427,6 +427,78 @@ mod tests {
         }
     }
 
+    /// A Whisper folder's encoder carries its decoder: features alone run the encoder (what the
+    /// memory probe sends), a prompt with them a window job, through `run` and `run_views`.
+    #[test]
+    fn a_whisper_encoder_runs_alone_or_as_a_window_job() {
+        use super::super::speech::{DECODER_INPUT_IDS, INPUT_FEATURES, MAX_NEW_TOKENS, SEED, TEMPERATURE};
+        let rt = super::super::runtime(None).expect("ONNX Runtime loads");
+        let folder = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("models/speech/whisper");
+        let graph = std::fs::read(folder.join("encoder_model.onnx")).unwrap();
+        let model = ModelData {
+            graph: &graph,
+            folder: Some(&folder),
+            external_bytes: 0,
+            owner: None,
+        };
+        let mut backend = OrtBackend::load(rt, &[("whisper".into(), model)], &SessionOptions::quiet_cpu()).unwrap();
+        let tensor = |name: &str, shape: Vec<i64>, data| Tensor {
+            name: name.into(),
+            shape,
+            data,
+        };
+        let features = tensor(
+            INPUT_FEATURES,
+            vec![1, 80, 3000],
+            TensorData::Fp32(vec![-0.5; 80 * 3000]),
+        );
+        let encoded = backend
+            .run("whisper", vec![features.clone()], &[], &RunMeta::default())
+            .unwrap();
+        assert_eq!(encoded.len(), 1);
+        assert_eq!(encoded[0].shape, [1, 1500, 48], "last_hidden_state");
+        // <|startoftranscript|><|en|><|transcribe|><|notimestamps|>
+        let job = vec![
+            features,
+            tensor(
+                DECODER_INPUT_IDS,
+                vec![1, 4],
+                TensorData::Int64(vec![512, 513, 613, 617]),
+            ),
+            tensor(MAX_NEW_TOKENS, vec![1], TensorData::Int64(vec![5])),
+            tensor(TEMPERATURE, vec![1], TensorData::Fp32(vec![0.0])),
+            tensor(SEED, vec![1], TensorData::Int64(vec![0])),
+        ];
+        let wanted = ["no_speech_prob".to_string(), "tokens".to_string()];
+        let owned = backend
+            .run("whisper", job.clone(), &wanted, &RunMeta::default())
+            .unwrap();
+        assert_eq!(owned[0].name, "no_speech_prob");
+        assert_eq!(owned[1].shape[0], 1);
+        let bytes: Vec<Vec<u8>> = job
+            .iter()
+            .map(|t| {
+                let mut b = vec![0u8; t.data.byte_len()];
+                t.data.write_le_bytes_to(&mut b);
+                b
+            })
+            .collect();
+        let views: Vec<TensorView<'_>> = job
+            .iter()
+            .zip(&bytes)
+            .map(|(t, b)| TensorView {
+                name: &t.name,
+                datatype: t.data.datatype(),
+                shape: &t.shape,
+                bytes: b,
+            })
+            .collect();
+        let viewed = backend
+            .run_views("whisper", &views, &wanted, &RunMeta::default())
+            .unwrap();
+        assert_eq!(viewed, owned);
+    }
+
     /// A CPU session has an arena of its own: what a worker holds is every session's, not the
     /// one that ran last (a pool of an encoder and a classifier read 3.8 KB reserved on an
     /// H200 while the encoder's arena held its runs' blocks).

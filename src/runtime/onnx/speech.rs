@@ -560,4 +560,6 @@ fn answer(
 }
 
 #[cfg(test)]
+mod reference;
+#[cfg(test)]
 mod tests;

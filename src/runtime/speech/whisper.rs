@@ -35,8 +35,8 @@ pub struct Whisper {
     pub tokens: Tokens,
     /// The languages of `generation_config.json`'s `lang_to_id`: code, full name, token.
     pub languages: Vec<(String, String, u32)>,
-    /// Whether the model knows languages and tasks (`is_multilingual`); an English-only one's
-    /// prompt is `<|startoftranscript|>` alone.
+    /// Whether the model knows languages and tasks (`is_multilingual`, else whether it lists
+    /// languages); an English-only one's prompt is `<|startoftranscript|>` alone.
     pub multilingual: bool,
     /// Tokens never picked (`suppress_tokens`).
     pub suppress: Vec<u32>,
@@ -169,16 +169,23 @@ impl Whisper {
             eos: number(&generation, &file, "eos_token_id")?,
             no_timestamps,
             timestamp_begin: no_timestamps + 1,
-            previous: number(&generation, &file, "prev_sot_token_id")?,
+            // Older configs lack it; `transformers` then takes the tokenizer's.
+            previous: match &generation["prev_sot_token_id"] {
+                Value::Null => tokenizer.token_to_id("<|startofprev|>").ok_or_else(|| {
+                    format!("{file} has no `prev_sot_token_id` and the tokenizer no `<|startofprev|>`")
+                })?,
+                _ => number(&generation, &file, "prev_sot_token_id")?,
+            },
             no_speech,
             transcribe: task("transcribe")?,
             translate: task("translate")?,
         };
+        let languages = read_languages(&generation, &file)?;
         let multilingual = match &generation["is_multilingual"] {
             Value::Bool(b) => *b,
+            Value::Null => !languages.is_empty(),
             v => return Err(format!("{file}'s `is_multilingual` is {v}, not true or false")),
         };
-        let languages = read_languages(&generation, &file)?;
         if multilingual && (languages.is_empty() || tokens.transcribe.is_none() || tokens.translate.is_none()) {
             return Err(format!(
                 "{file} says `is_multilingual` but has no `lang_to_id` or no `task_to_id` with `transcribe` and `translate`"

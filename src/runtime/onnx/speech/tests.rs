@@ -1,31 +1,56 @@
 //! The window job on the fixture Whisper (`models/speech/whisper/`) and the clips of
-//! `models/speech/audio/`, on the CPU; the tokens against `transformers` are in
-//! `tests/it/speech_model.rs`.
+//! `models/speech/audio/`, on the CPU; the tokens against `transformers` are in `reference.rs`
+//! beside this file, and the backend's dispatch in `backend.rs`.
 
 use std::path::{Path, PathBuf};
 
 use super::*;
-use crate::core::backend::{Backend, Interrupts, RunMeta};
 use crate::core::scratch::OwnDir;
 use crate::runtime::audio::mel::LogMel;
-use crate::runtime::onnx::{OrtBackend, SessionOptions};
+use crate::runtime::onnx::SessionOptions;
 use crate::runtime::speech::Task;
 
-fn fixture() -> PathBuf {
+pub(super) fn fixture() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("models/speech/whisper")
 }
 
-/// A CPU backend holding the Whisper of `folder` as `whisper`.
-fn backend(folder: &Path) -> OrtBackend {
-    let rt = super::super::runtime(None).expect("ONNX Runtime loads");
-    let graph = std::fs::read(folder.join("encoder_model.onnx")).unwrap();
-    let model = ModelData {
-        graph: &graph,
-        folder: Some(folder),
-        external_bytes: 0,
-        owner: None,
-    };
-    OrtBackend::load(rt, &[("whisper".to_string(), model)], &SessionOptions::quiet_cpu()).unwrap()
+/// A Whisper's window jobs as a CPU backend runs them: its encoder's session, its decoder, the
+/// backend's kernels and run options.
+pub(super) struct Harness {
+    encoder: Session,
+    speech: Speech,
+    kernels: Kernels,
+    options: RunOptions,
+}
+
+impl Harness {
+    /// The Whisper of `folder`.
+    pub(super) fn open(folder: &Path) -> Harness {
+        let rt = super::super::runtime(None).expect("ONNX Runtime loads");
+        let options = SessionOptions::quiet_cpu();
+        let graph = std::fs::read(folder.join("encoder_model.onnx")).unwrap();
+        let encoder = build_session(rt, &graph[..], &options).unwrap();
+        let speech = Speech::open(rt, &encoder, Some(folder), &options)
+            .unwrap()
+            .expect("a Whisper");
+        Harness {
+            encoder,
+            speech,
+            kernels: Kernels::new(rt, &options).unwrap(),
+            options: RunOptions::new().unwrap(),
+        }
+    }
+
+    /// A window job of `inputs`, every output.
+    pub(super) fn run(&mut self, inputs: Vec<Tensor>) -> Result<Vec<Tensor>, BackendError> {
+        let Harness {
+            encoder,
+            speech,
+            kernels,
+            options,
+        } = self;
+        speech.transcribe(encoder, kernels, inputs, &[], options)
+    }
 }
 
 /// The window features of clip `name` of `models/speech/audio/`.
@@ -38,7 +63,7 @@ fn clip(whisper: &Whisper, name: &str) -> Vec<f32> {
 }
 
 /// A window job's inputs: one row per `(features, prompt, max_new_tokens)`, greedy.
-fn inputs(rows: &[(&[f32], Vec<i64>, i64)]) -> Vec<Tensor> {
+pub(super) fn inputs(rows: &[(&[f32], Vec<i64>, i64)]) -> Vec<Tensor> {
     let n = rows.len() as i64;
     let p = rows[0].1.len() as i64;
     let tensor = |name: &str, shape: Vec<i64>, data| Tensor {
@@ -69,7 +94,7 @@ fn inputs(rows: &[(&[f32], Vec<i64>, i64)]) -> Vec<Tensor> {
 
 /// Each row's outputs: its tokens (padding left out), language, sum of log-probabilities and
 /// no-speech probability.
-fn rows(outputs: &[Tensor]) -> Vec<(Vec<i64>, i64, f32, f32)> {
+pub(super) fn rows(outputs: &[Tensor]) -> Vec<(Vec<i64>, i64, f32, f32)> {
     let [tokens, language, logprob, no_speech] = outputs else {
         panic!("four outputs: {outputs:?}")
     };
@@ -94,7 +119,7 @@ fn rows(outputs: &[Tensor]) -> Vec<(Vec<i64>, i64, f32, f32)> {
 #[test]
 fn four_windows_in_one_run_each_give_what_they_give_alone() {
     let whisper = Whisper::read(&fixture()).unwrap().unwrap();
-    let mut backend = backend(&fixture());
+    let mut job = Harness::open(&fixture());
     let (gpu, memory) = (clip(&whisper, "gpu-16k.wav"), clip(&whisper, "memory-16k.wav"));
     let prompt = |task, language| whisper.prompt(task, language, false, &[]).unwrap();
     // Different clips, languages (one detected) and tasks, and limits that end rows early.
@@ -104,17 +129,9 @@ fn four_windows_in_one_run_each_give_what_they_give_alone() {
         (&memory[..], prompt(Task::Translate, Some("de")), 444),
         (&gpu[..], prompt(Task::Transcribe, Some("fr")), 7),
     ];
-    let together = rows(
-        &backend
-            .run("whisper", inputs(&batch), &[], &RunMeta::default())
-            .unwrap(),
-    );
+    let together = rows(&job.run(inputs(&batch)).unwrap());
     for (i, row) in batch.iter().enumerate() {
-        let alone = rows(
-            &backend
-                .run("whisper", inputs(std::slice::from_ref(row)), &[], &RunMeta::default())
-                .unwrap(),
-        );
+        let alone = rows(&job.run(inputs(std::slice::from_ref(row))).unwrap());
         let (tokens, language, logprob, no_speech) = &together[i];
         assert_eq!(tokens, &alone[0].0, "row {i}'s tokens");
         assert_eq!(language, &alone[0].1, "row {i}'s language");
@@ -150,7 +167,7 @@ fn the_pair_of_decoders_gives_what_the_merged_one_gives() {
     let pair = OwnDir::new("whisper-pair").unwrap();
     for entry in std::fs::read_dir(fixture()).unwrap() {
         let path = entry.unwrap().path();
-        if path.file_name().unwrap() != "decoder_model_merged.onnx" {
+        if path.is_file() && path.file_name().unwrap() != "decoder_model_merged.onnx" {
             std::fs::copy(&path, pair.path().join(path.file_name().unwrap())).unwrap();
         }
     }
@@ -160,47 +177,22 @@ fn the_pair_of_decoders_gives_what_the_merged_one_gives() {
         whisper.prompt(Task::Transcribe, Some("en"), true, &[]).unwrap(),
         60,
     )];
-    let merged = rows(
-        &backend(&fixture())
-            .run("whisper", inputs(&row), &[], &RunMeta::default())
-            .unwrap(),
-    );
-    let split = rows(
-        &backend(pair.path())
-            .run("whisper", inputs(&row), &[], &RunMeta::default())
-            .unwrap(),
-    );
+    let merged = rows(&Harness::open(&fixture()).run(inputs(&row)).unwrap());
+    let split = rows(&Harness::open(pair.path()).run(inputs(&row)).unwrap());
     assert_eq!(merged[0].0, split[0].0);
     assert!(!merged[0].0.is_empty());
 }
 
 #[test]
-fn features_alone_run_the_encoder_alone() {
-    let whisper = Whisper::read(&fixture()).unwrap().unwrap();
-    let mut backend = backend(&fixture());
-    let features = Tensor {
-        name: INPUT_FEATURES.into(),
-        shape: vec![2, 80, 3000],
-        data: TensorData::Fp32([clip(&whisper, "gpu-16k.wav"), clip(&whisper, "memory-16k.wav")].concat()),
-    };
-    let out = backend
-        .run("whisper", vec![features], &[], &RunMeta::default())
-        .unwrap();
-    assert_eq!(out.len(), 1);
-    assert_eq!(out[0].name, LAST_HIDDEN_STATE);
-    assert_eq!(out[0].shape, [2, 1500, i64::from(whisper.dims.d_model)]);
-}
-
-#[test]
 fn bad_window_jobs_are_refused_naming_what_is_wrong() {
     let whisper = Whisper::read(&fixture()).unwrap().unwrap();
-    let mut backend = backend(&fixture());
+    let mut job = Harness::open(&fixture());
     let gpu = clip(&whisper, "gpu-16k.wav");
     let prompt = whisper.prompt(Task::Transcribe, Some("en"), false, &[]).unwrap();
     let mut refused = |rows: &[(&[f32], Vec<i64>, i64)], edit: &dyn Fn(&mut Vec<Tensor>)| {
         let mut inputs = inputs(rows);
         edit(&mut inputs);
-        match backend.run("whisper", inputs, &[], &RunMeta::default()) {
+        match job.run(inputs) {
             Err(BackendError::InvalidInput(message)) => message,
             other => panic!("{other:?}"),
         }
@@ -218,16 +210,52 @@ fn bad_window_jobs_are_refused_naming_what_is_wrong() {
 #[test]
 fn an_interrupt_stops_the_window_job() {
     let whisper = Whisper::read(&fixture()).unwrap().unwrap();
-    let mut backend = backend(&fixture());
+    let mut job = Harness::open(&fixture());
     let gpu = clip(&whisper, "gpu-16k.wav");
     let row = [(
         &gpu[..],
         whisper.prompt(Task::Transcribe, Some("en"), false, &[]).unwrap(),
         444,
     )];
-    (backend.interrupt_handle())();
-    let result = backend.run("whisper", inputs(&row), &[], &RunMeta::default());
+    // What `Interrupts::interrupt_handle` does from another thread: every run of the job,
+    // each step's included, is under these options.
+    job.options.terminate().unwrap();
+    let result = job.run(inputs(&row));
     assert!(matches!(result, Err(BackendError::Cancelled)), "{result:?}");
-    backend.clear_interrupt();
-    assert!(backend.run("whisper", inputs(&row), &[], &RunMeta::default()).is_ok());
+    job.options.unterminate().unwrap();
+    assert!(job.run(inputs(&row)).is_ok());
+}
+
+#[test]
+fn sampled_rows_follow_their_seeds_alone_or_batched() {
+    let whisper = Whisper::read(&fixture()).unwrap().unwrap();
+    let mut job = Harness::open(&fixture());
+    let gpu = clip(&whisper, "gpu-16k.wav");
+    let prompt = whisper.prompt(Task::Transcribe, Some("en"), true, &[]).unwrap();
+    let mut sampled = |seeds: &[i64]| {
+        let rows_in: Vec<_> = seeds.iter().map(|_| (&gpu[..], prompt.clone(), 40)).collect();
+        let mut inputs = inputs(&rows_in);
+        inputs.retain(|t| t.name != TEMPERATURE && t.name != SEED);
+        let n = seeds.len() as i64;
+        inputs.push(Tensor {
+            name: TEMPERATURE.into(),
+            shape: vec![n],
+            data: TensorData::Fp32(vec![1.0; seeds.len()]),
+        });
+        inputs.push(Tensor {
+            name: SEED.into(),
+            shape: vec![n],
+            data: TensorData::Int64(seeds.to_vec()),
+        });
+        let out = job.run(inputs).unwrap();
+        rows(&out).into_iter().map(|r| r.0).collect::<Vec<_>>()
+    };
+    let batched = sampled(&[1, 2, 1]);
+    assert_eq!(batched[0], batched[2], "one seed, one draw");
+    assert_ne!(batched[0], batched[1], "another seed, another draw");
+    assert_eq!(
+        sampled(&[2])[0],
+        batched[1],
+        "a row's draw is its own, batched or alone"
+    );
 }
