@@ -225,8 +225,10 @@ def widen(model, fast):
       either side. One timestamp is never the best token (below <|endoftext|>'s bias), so without
       timestamps none is written; all of them together outweigh the text once it shrinks, so
       with timestamps the rules force them, the first at <|1.00|> (the highest allowed by
-      max_initial_timestamp_index) and then <|20.00|>, each the best by 0.05: a window's last
-      pair is at 20 s, and long-form decoding seeks 20 s, windows overlapping 10 s;
+      max_initial_timestamp_index) and then <|20.00|>, each the best by 0.05; as timestamps
+      cannot go back, each later one is the next, 0.02 s on: a window's last pair falls a little
+      after 20 s (20.14-20.34 s here), so long-form decoding seeks about 20 s a window, windows
+      overlapping about 10 s;
     - tokens holding a control character (newline, tab...) a bias far below, as Whisper never
       writes them (and a subtitle file would not survive a newline). The special tokens keep
       their drawn rows: this model writes a language token inside a transcript now and then,
@@ -270,8 +272,14 @@ def widen(model, fast):
                 rows[i, 0] = CONTROL_BIAS
 
 
-def build(work):
-    """The tiny Whisper saved in transformers' layout under work/hf; the model and its tokenizer."""
+# The fixture's dimensions; benches/speech.py builds the same model at whisper-tiny's.
+DIMS = {"d_model": 48, "encoder_layers": 2, "encoder_attention_heads": 4, "decoder_layers": 2,
+        "decoder_attention_heads": 4, "encoder_ffn_dim": 96, "decoder_ffn_dim": 96}
+
+
+def build(work, dims=None):
+    """The tiny Whisper (DIMS, or `dims`) saved in transformers' layout under work/hf; the
+    model and its tokenizer."""
     import torch
     from transformers import WhisperConfig, WhisperFeatureExtractor, WhisperForConditionalGeneration
     hf = os.path.join(work, "hf")
@@ -280,10 +288,9 @@ def build(work):
     eot = ids("<|endoftext|>")
     gen = generation_config(fast)
     config = WhisperConfig(
-        vocab_size=len(fast), num_mel_bins=80, d_model=48, encoder_layers=2, encoder_attention_heads=4,
-        decoder_layers=2, decoder_attention_heads=4, encoder_ffn_dim=96, decoder_ffn_dim=96,
-        max_source_positions=1500, max_target_positions=448, pad_token_id=eot, bos_token_id=eot,
-        eos_token_id=eot, decoder_start_token_id=ids("<|startoftranscript|>"),
+        vocab_size=len(fast), num_mel_bins=80, **(dims or DIMS), max_source_positions=1500,
+        max_target_positions=448, pad_token_id=eot, bos_token_id=eot, eos_token_id=eot,
+        decoder_start_token_id=ids("<|startoftranscript|>"),
         suppress_tokens=gen.suppress_tokens, begin_suppress_tokens=gen.begin_suppress_tokens,
         forced_decoder_ids=None, use_cache=True)
     torch.manual_seed(SEED)
@@ -296,20 +303,21 @@ def build(work):
     return hf, model, fast
 
 
-def export(hf, work):
+def export(hf, work, out=HERE):
     """Optimum's export, as `optimum-cli export onnx --task automatic-speech-recognition-with-past`
-    runs it, into HERE; the transformers files beside it are the ones from `hf`."""
+    runs it, into `out`; the transformers files beside it are the ones from `hf`."""
     from optimum.exporters.onnx import main_export
     onnx_dir = os.path.join(work, "onnx")
     shutil.rmtree(onnx_dir, ignore_errors=True)
     main_export(hf, onnx_dir, task="automatic-speech-recognition-with-past", library_name="transformers",
                 do_validation=False)
-    for name in sorted(os.listdir(HERE)):
+    os.makedirs(out, exist_ok=True)
+    for name in sorted(os.listdir(out)):
         if name.endswith(".onnx") or name.endswith(".json") and name != "reference.json" or name == "merges.txt":
-            os.remove(os.path.join(HERE, name))
+            os.remove(os.path.join(out, name))
     for name in sorted(os.listdir(onnx_dir)):
         if not name.endswith(".safetensors") and name != "README.md":
-            shutil.copy(os.path.join(onnx_dir, name), os.path.join(HERE, name))
+            shutil.copy(os.path.join(onnx_dir, name), os.path.join(out, name))
 
 
 def versions():

@@ -2,9 +2,16 @@
 
 audio/ beside this file:
 - `queue-16k.wav`, `resident-16k.wav`: two more short sentences (16 kHz mono), so that four
-  different clips (with models/speech/audio/'s gpu and memory) can be sent at once;
-- `long-16k.wav` (16 kHz mono) and `long.mp3` (24 kHz): 75 seconds of LONG_SENTENCES spoken by
-  espeak-ng, each followed by PAUSE seconds of silence, cut or padded to exactly 75 s.
+  different clips (with models/speech/audio/'s gpu-16k.wav and memory-16k.wav) can be sent at
+  once;
+- `long-16k.wav` (16 kHz mono WAV) and `long-16k.flac` (the same samples in FLAC): 75 seconds of
+  LONG_SENTENCES spoken by espeak-ng, each followed by PAUSE seconds of silence, cut or padded to
+  exactly 75 s.
+
+Every file here is at 16 kHz: a server resamples with another resampler than ffmpeg's (models/
+README.md: within 0.01 of transformers' features, not 1e-4), which can move a greedy choice whose
+margin is smaller, so the references that a server must match token for token are made from
+files that need no resampling.
 
 Every file is read as transformers' ASR pipeline reads one (ffmpeg to 16 kHz mono float32, as
 models/speech/make.py's `decoded`), its features made by the folder's `WhisperFeatureExtractor`,
@@ -14,9 +21,8 @@ which must give the same tokens.
 """
 import importlib.util
 import os
-import subprocess
+import shutil
 
-import numpy as np
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -72,8 +78,9 @@ def speech_make():
 
 
 def make_audio(sm):
-    """The short clips and the 75-second one, written under audio/."""
-    os.makedirs(AUDIO, exist_ok=True)
+    """The short clips and the 75-second one, written under audio/ (made afresh)."""
+    shutil.rmtree(AUDIO, ignore_errors=True)
+    os.makedirs(AUDIO)
     for clip, text in SHORT.items():
         spoken = os.path.join(AUDIO, f"{clip}-espeak.wav")
         sm.run("espeak-ng", "-v", "en-us", "-s", "160", "-w", spoken, text)
@@ -92,8 +99,7 @@ def make_audio(sm):
     sm.run("sox", "-D", "-R", *parts, long_wav, "pad", "0", str(LONG_SECONDS), "trim", "0", str(LONG_SECONDS))
     for part in parts:
         os.remove(part)
-    sm.run("ffmpeg", "-nostdin", "-y", "-i", long_wav, "-ar", "24000", "-b:a", "48k", "-bitexact", "-map_metadata",
-           "-1", os.path.join(AUDIO, "long.mp3"))
+    sm.run("sox", "-D", "-R", long_wav, os.path.join(AUDIO, "long-16k.flac"))
 
 
 class Recorder:
@@ -115,13 +121,12 @@ class Recorder:
         smallest top-1/top-2 gap along them."""
         out, current = [], None
         for step in self.steps:
-            if current is None or len(step["ids"]) != current["length"] + 1 or step["ids"][:current["length"]] != current["ids"]:
-                current = {"prompt": step["ids"], "generated": [], "gaps": [], "length": len(step["ids"]) - 1,
-                           "ids": step["ids"][:-1]}
+            continues = current is not None and step["ids"][:-1] == current["ids"]
+            if not continues:
+                current = {"prompt": step["ids"], "generated": [], "gaps": []}
                 out.append(current)
             current["generated"].append(step["chosen"])
             current["gaps"].append(step["gap"])
-            current["length"] = len(step["ids"])
             current["ids"] = step["ids"]
         return [{"prompt": w["prompt"], "generated": w["generated"], "min_gap": min(w["gaps"])} for w in out]
 
@@ -179,14 +184,16 @@ def short_reference(model, ort, fast, extractor, samples):
     for name, kwargs in CASES.items():
         result = transcribe(model, features, kwargs, fast)
         first = result["windows"][0]
-        case = {"generate_kwargs": kwargs, "prompt_ids": first["prompt"], "sequence": first["prompt"] + first["generated"]}
+        case = {"generate_kwargs": kwargs, "prompt_ids": first["prompt"],
+                "sequence": first["prompt"] + first["generated"]}
         case.update({k: v for k, v in result.items() if v is not None})
         if name == "timestamps":
             case["offsets"] = fast.decode(result["generate_output"], output_offsets=True,
                                           skip_special_tokens=True)["offsets"]
         if name in ("detect", "translate_detect"):
             case["detected_language"] = fast.convert_ids_to_tokens(first["prompt"][1])
-        case["optimum_same_tokens"] = transcribe(ort, features, kwargs, fast)["generate_output"] == result["generate_output"]
+        ort_output = transcribe(ort, features, kwargs, fast)["generate_output"]
+        case["optimum_same_tokens"] = ort_output == result["generate_output"]
         cases[name] = case
     return cases
 
@@ -221,7 +228,11 @@ LONG_FORM_RULES = (
     "(min(3000, total - seek)); otherwise by the last pair's timestamp: (token - <|0.00|>) * 2 frames, and "
     "the unfinished text after it is dropped. With no pair, the whole window is one segment, ending at its last "
     "timestamp if it has one other than <|0.00|>, else at the window's end, and the seek moves by the whole "
-    "window. Segment times are seek / 100 + timestamp * 0.02 s. It stops when seek >= total frames.")
+    "window. Segment times are seek / 100 + timestamp * 0.02 s. It stops when seek >= total frames. "
+    "A clip of 30 s or less goes through the same loop: its features are the extractor's default (padded "
+    "to 3000 frames with the log-mel of silence, padding='max_length'), total = 3000, so with timestamps a "
+    "window that seeks to a last pair before 30 s is followed by another over the rest (the 'timestamps' "
+    "cases here have two windows); without timestamps it is one window.")
 
 
 def write(folder, model, fast):
@@ -240,15 +251,15 @@ def write(folder, model, fast):
         "vocab_size": len(fast), "time_precision": 0.02, "short": {}, "long": {}, "concurrent": CONCURRENT,
         "long_form_rules": LONG_FORM_RULES,
     }
-    short_files = [("../audio", "gpu-16k.wav"), ("../audio", "memory-16k.wav"), ("../audio", "gpu.ogg"),
-                   ("audio", "queue-16k.wav"), ("audio", "resident-16k.wav")]
+    short_files = [("../audio", "gpu-16k.wav"), ("../audio", "memory-16k.wav"), ("audio", "queue-16k.wav"),
+                   ("audio", "resident-16k.wav")]
     for where, name in short_files:
         path = os.path.normpath(os.path.join(HERE, where, name))
         samples = sm.decoded(path)
         reference["short"][name] = {"path": os.path.relpath(path, os.path.dirname(SPEECH)),
                                     "samples_16k": int(len(samples)),
                                     "cases": short_reference(model, ort, fast, extractor, samples)}
-    for name in ["long-16k.wav", "long.mp3"]:
+    for name in ["long-16k.wav", "long-16k.flac"]:
         samples = sm.decoded(os.path.join(AUDIO, name))
         entry = long_reference(model, ort, fast, extractor, samples)
         entry["samples_16k"] = int(len(samples))
