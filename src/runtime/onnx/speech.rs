@@ -153,11 +153,6 @@ impl Speech {
             .collect()
     }
 
-    /// What its folder says.
-    pub fn whisper(&self) -> &Whisper {
-        &self.whisper
-    }
-
     /// Whether `inputs` ask for a transcription (a prompt is given), not the encoder alone.
     pub fn wants_decoding(inputs: &[Tensor]) -> bool {
         inputs.iter().any(|t| t.name == DECODER_INPUT_IDS)
