@@ -355,8 +355,9 @@ impl Arenas for OrtBackend {
 
     fn refresh_arena_stats(&mut self) {
         // Each arena read once: the one of the model that ran last (before any ran, the first
-        // with one) is what runs are measured in; all of them, and those of the small graphs
-        // that move generations' caches (a cache they moved lies there), are what it holds.
+        // with one) is what runs are measured in; all of them, those of the small graphs that
+        // move generations' caches (a cache they moved lies there) and those of speech models'
+        // decoders, are what it holds.
         // A simulated pool's sessions share one arena: it is read, and counts, once.
         let simulated = self.options.provider == Provider::Simulated;
         let (mut last, mut held) = (None, None::<arena::ArenaStats>);
@@ -377,9 +378,11 @@ impl Arenas for OrtBackend {
             self.last_stats = last;
         }
         if !simulated {
+            let decoders = self.speech.values().flat_map(Speech::arena_stats);
             held = held
                 .into_iter()
                 .chain(self.generations.kernel_arena_stats())
+                .chain(decoders)
                 .reduce(arena::ArenaStats::plus);
         }
         self.held_stats = held;
@@ -497,6 +500,11 @@ mod tests {
             .run_views("whisper", &views, &wanted, &RunMeta::default())
             .unwrap();
         assert_eq!(viewed, owned);
+        // What it holds counts the decoder's arena beside the encoder's.
+        backend.refresh_arena_stats_for("whisper");
+        let reserved = |s: Option<arena::ArenaStats>| s.expect("CPU sessions have arenas").reserved_bytes;
+        let (encoder, held) = (reserved(backend.arena_stats()), reserved(backend.held_arena_stats()));
+        assert!(held > encoder, "held {held} bytes, the encoder's arena {encoder}");
     }
 
     /// A CPU session has an arena of its own: what a worker holds is every session's, not the

@@ -66,6 +66,9 @@ pub struct Speech {
     decoder: Decoder,
     /// Where the first pass's logits are bound: the host (every position of them is read).
     host: MemoryInfo<'static>,
+    /// The arenas of the decoder's sessions (none where a provider has none): what the decoder
+    /// holds beside the encoder's session.
+    arenas: Vec<ort::memory::Allocator>,
 }
 
 fn runtime(e: impl std::fmt::Display) -> BackendError {
@@ -126,12 +129,28 @@ impl Speech {
         };
         let host = MemoryInfo::new(AllocationDevice::CPU, 0, AllocatorType::Device, MemoryType::Default)
             .map_err(|e| e.to_string())?;
-        Ok(Some(Speech { whisper, decoder, host }))
+        let arenas = match &decoder {
+            Decoder::Merged(session) => vec![session],
+            Decoder::Pair { first, step } => vec![first, step],
+        };
+        let arenas = arenas
+            .into_iter()
+            .filter_map(|session| super::arena_allocator(session, options))
+            .collect();
+        Ok(Some(Speech {
+            whisper,
+            decoder,
+            host,
+            arenas,
+        }))
     }
 
-    /// What its folder says.
-    pub fn whisper(&self) -> &Whisper {
-        &self.whisper
+    /// The statistics of its decoder's arenas (the encoder's is its backend session's).
+    pub fn arena_stats(&self) -> Vec<super::arena::ArenaStats> {
+        self.arenas
+            .iter()
+            .filter_map(|allocator| super::arena::allocator_stats(allocator).ok())
+            .collect()
     }
 
     /// Whether `inputs` ask for a transcription (a prompt is given), not the encoder alone.
