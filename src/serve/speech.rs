@@ -151,6 +151,10 @@ async fn windows(
         let run = window_request(request, whisper, input, &prompt, params, index);
         let served = batchers.place(run).await?;
         let decoded = decoded(&served.outputs).map_err(|e| failed(&served.pool, e))?;
+        // `sum_logprob` counts the end token when the window ended before its limit: Whisper's
+        // mean divides by the tokens and that end.
+        let ended = decoded.tokens.len() < whisper.max_new_tokens(prompt.len()) as usize;
+        let avg_logprob = decoded.sum_logprob / (decoded.tokens.len() + usize::from(ended)).max(1) as f64;
         if detected.is_none() {
             let name = whisper.language_name(decoded.language).map(str::to_string);
             // transformers detects the language once, from the first window, and keeps it.
@@ -181,7 +185,7 @@ async fn windows(
                 text,
                 tokens: piece.tokens,
                 temperature: params.temperature,
-                avg_logprob: decoded.sum_logprob / (decoded.tokens.len() + 1) as f64,
+                avg_logprob,
                 no_speech_prob: decoded.no_speech_prob,
             });
         }
