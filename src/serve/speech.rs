@@ -56,8 +56,20 @@ pub struct Params {
     pub seed: u64,
 }
 
-/// Where each window's text goes as it is decoded (streamed transcriptions).
-pub type Sink = mpsc::Sender<String>;
+/// Where each window goes as it is decoded (streamed transcriptions).
+pub type Sink = mpsc::Sender<Window>;
+
+/// A window as it is decoded: its text, and where it ran (a stream's headers name the pool of
+/// its first).
+#[derive(Debug)]
+pub struct Window {
+    /// Its text (empty when it holds none).
+    pub text: String,
+    /// The pool that ran it.
+    pub pool: Arc<Pool>,
+    /// The decision that placed it.
+    pub action: Action,
+}
 
 /// A finished transcription and where it ran.
 #[derive(Debug)]
@@ -82,7 +94,7 @@ struct Decoded {
 
 /// Transcribe `samples` (mono, at the model's rate) with `entry`'s Whisper model, counted from
 /// here as one request (`request` carries its id, deadline and priority; its inputs are built
-/// here). Each window's text goes to `sink` as it is decoded.
+/// here). Each window goes to `sink` as it is decoded.
 pub async fn transcribe(
     service: &Service,
     batchers: &Batchers,
@@ -165,11 +177,14 @@ async fn windows(
         }
         let (window_segments, consumed) = cut(whisper, &decoded, seek, frames, timestamps, samples.len());
         let text = window_text(whisper, &window_segments).map_err(|e| failed(&served.pool, e))?;
-        if let Some(sink) = &sink
-            && !text.is_empty()
-        {
+        if let Some(sink) = &sink {
+            let window = Window {
+                text,
+                pool: Arc::clone(&served.pool),
+                action: served.action,
+            };
             // A client that went away stops the transcription where it is waited on.
-            let _ = sink.send(text).await;
+            let _ = sink.send(window).await;
         }
         // The text is the segments' tokens: what a window decoded past its last whole segment
         // is decoded again from the next window's seek.

@@ -224,6 +224,8 @@ async fn a_stream_sends_the_text_as_deltas_that_add_up_to_the_done_event() {
     let (status, headers, body) = send(&server, "/v1/audio/transcriptions", &fields, clip("memory-16k.wav")).await;
     assert_eq!(status, StatusCode::OK, "{body}");
     assert_eq!(headers["content-type"], "text/event-stream");
+    assert_eq!(headers["x-vramguard-pool"], "cpu", "the pool of its first window");
+    assert_eq!(headers["x-vramguard-model"], "whisper");
     let events: Vec<Value> = body
         .lines()
         .filter_map(|l| l.strip_prefix("data: "))

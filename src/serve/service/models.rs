@@ -270,6 +270,13 @@ fn load_model(backends: &dyn BackendFactory, m: &ModelConfig) -> Result<ModelEnt
             .folder
             .map_or(0, crate::runtime::speech::SpeechModel::decoder_bytes);
         profile = profile.with_extra(decoder, speech.window_bytes() as f64);
+        tracing::info!(
+            model = %m.name,
+            weights = %crate::core::human::human_bytes(profile.weights_bytes),
+            decoder = %crate::core::human::human_bytes(decoder),
+            window = %crate::core::human::human_bytes(speech.window_bytes()),
+            "speech model: the decoder's weights and each window's caches added to the encoder's profile"
+        );
     }
     check_batching(m, &profile, &signature, decoder.is_some())?;
     let reads_text = embedder.is_some() || reranker.is_some() || matches!(tower, Some(Tower::Text { .. }));

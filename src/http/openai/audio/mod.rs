@@ -21,7 +21,7 @@ use tokio::time::Instant;
 use super::encode;
 use super::error::OpenAiError;
 use crate::http::error::outcome_of_status;
-use crate::http::headers::{decode_headers, model_header};
+use crate::http::headers::decode_headers;
 use crate::http::state::AppState;
 use crate::runtime::speech::Task;
 use crate::serve::lifecycle;
@@ -206,22 +206,23 @@ fn seed_of(id: &str) -> u64 {
     })
 }
 
-/// What a streamed transcription sends: a window's text, or its end.
+/// What a streamed transcription sends: a window, or its end.
 enum Piece {
-    Text(String),
+    Text(speech::Window),
     End(Result<speech::Transcribed, lifecycle::Refused>),
 }
 
 /// `stream=true`: the transcription runs in its own task; each window's text is a
-/// `transcript.text.delta` event as it is decoded, then `transcript.text.done`. A refusal
-/// before the first window is decoded is an ordinary error response; after it, an `error`
-/// event (what was sent stays sent).
+/// `transcript.text.delta` event as it is decoded, then `transcript.text.done`. The response
+/// waits for the first window, so its headers name the pool that ran it and say when it is
+/// degraded, as every answer's do, and a refusal before it is an ordinary error response;
+/// after it, an `error` event (what was sent stays sent).
 async fn streamed(state: Arc<AppState>, checked: Checked, id: String) -> Response {
     let (pieces, mut received) = mpsc::channel::<Piece>(8);
     let model = checked.request.model.clone();
     let (task_state, task_model) = (Arc::clone(&state), model.clone());
     tokio::spawn(async move {
-        let (sink, mut texts) = mpsc::channel::<String>(8);
+        let (sink, mut texts) = mpsc::channel::<speech::Window>(8);
         let service = &task_state.service;
         let entry = service.model(&task_model).expect("checked");
         let samples = Arc::new(checked.samples);
@@ -237,8 +238,8 @@ async fn streamed(state: Arc<AppState>, checked: Checked, id: String) -> Respons
         tokio::pin!(run);
         let end = loop {
             tokio::select! {
-                Some(text) = texts.recv() => {
-                    if pieces.send(Piece::Text(text)).await.is_err() {
+                Some(window) = texts.recv() => {
+                    if pieces.send(Piece::Text(window)).await.is_err() {
                         // The client went away: dropping the run stops it and counts it cancelled.
                         return;
                     }
@@ -246,8 +247,8 @@ async fn streamed(state: Arc<AppState>, checked: Checked, id: String) -> Respons
                 end = &mut run => break end,
             }
         };
-        while let Ok(text) = texts.try_recv() {
-            let _ = pieces.send(Piece::Text(text)).await;
+        while let Ok(window) = texts.try_recv() {
+            let _ = pieces.send(Piece::Text(window)).await;
         }
         let _ = pieces.send(Piece::End(end)).await;
     });
@@ -259,19 +260,29 @@ async fn streamed(state: Arc<AppState>, checked: Checked, id: String) -> Respons
         Some(piece) => piece,
         None => return OpenAiError::internal("the transcription ended without an answer".into(), &id).into_response(),
     };
+    let ran = match &first {
+        Piece::Text(window) => (Arc::clone(&window.pool), window.action),
+        Piece::End(Ok(done)) => (Arc::clone(&done.pool), done.action),
+        Piece::End(Err(_)) => unreachable!("answered above"),
+    };
     // The done event's text is trimmed as OpenAI's is: so is the first delta's, so that the
     // deltas add up to it.
+    let state_for_headers = Arc::clone(&state);
     let events = futures_util::stream::unfold(
         (Some(first), received, state, id, true),
-        |(next, mut rx, state, id, first)| async move {
-            let piece = match next {
-                Some(piece) => piece,
-                None => rx.recv().await?,
+        |(mut next, mut rx, state, id, first)| async move {
+            // A window that holds no text sends nothing.
+            let piece = loop {
+                match next.take() {
+                    Some(Piece::Text(window)) if window.text.is_empty() => {}
+                    Some(piece) => break piece,
+                    None => next = Some(rx.recv().await?),
+                }
             };
             let still_first = first && !matches!(piece, Piece::Text(_));
             let event = match piece {
-                Piece::Text(text) if first => formats::delta_event(text.trim_start()),
-                Piece::Text(text) => formats::delta_event(&text),
+                Piece::Text(window) if first => formats::delta_event(window.text.trim_start()),
+                Piece::Text(window) => formats::delta_event(&window.text),
                 Piece::End(Ok(done)) => formats::done_event(&done.transcript),
                 Piece::End(Err(refused)) => {
                     let error = encode::refusal(&state.service, &refused, &id);
@@ -284,7 +295,6 @@ async fn streamed(state: Arc<AppState>, checked: Checked, id: String) -> Respons
             ))
         },
     );
-    let mut response = Sse::new(events).into_response();
-    model_header(response.headers_mut(), &model);
-    response
+    let response = Sse::new(events).into_response();
+    encode::stamped(&state_for_headers, &model, (&ran.0, ran.1), response)
 }
