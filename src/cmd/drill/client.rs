@@ -473,30 +473,40 @@ impl Drill {
         body: &Value,
         expect: &'static str,
     ) -> Record {
-        let sent = self.elapsed_ms();
-        let mut record = Record::new(phase, id, format!("POST {path}"), expect, sent);
-        match self
+        let mut record = Record::new(phase, id, format!("POST {path}"), expect, self.elapsed_ms());
+        if let Some(answer) = self.post_json(&mut record, path, body).await {
+            record.first_failure = refusal(&answer);
+            record.text = answer["choices"][0]["message"]["content"]
+                .as_str()
+                .or(answer["choices"][0]["text"].as_str())
+                .map(str::to_string);
+        }
+        record
+    }
+
+    /// POST `body` as JSON to `path` under `record`'s request id, `record` filled with what came
+    /// back (status, headers, latency from its `sent_ms`; no answer at all is its failure): the
+    /// answer's JSON (`Null` when it is not JSON), or `None` when nothing answered.
+    pub(super) async fn post_json(&self, record: &mut Record, path: &str, body: &Value) -> Option<Value> {
+        let sent = self
             .client
             .post(format!("{}{path}", self.base))
-            .header(REQUEST_ID, id)
+            .header(REQUEST_ID, &record.id)
             .json(body)
-            .send()
-            .await
-        {
+            .send();
+        let answer = match sent.await {
             Ok(response) => {
                 record.status = Some(response.status().as_u16());
                 record.read_headers(response.headers());
-                let answer: Value = response.json().await.unwrap_or(Value::Null);
-                record.first_failure = refusal(&answer);
-                record.text = answer["choices"][0]["message"]["content"]
-                    .as_str()
-                    .or(answer["choices"][0]["text"].as_str())
-                    .map(str::to_string);
+                Some(response.json().await.unwrap_or(Value::Null))
             }
-            Err(e) => record.first_failure = Some(Failure::NoAnswer(e.to_string())),
-        }
-        record.latency_ms = self.elapsed_ms() - sent;
-        record
+            Err(e) => {
+                record.first_failure = Some(Failure::NoAnswer(e.to_string()));
+                None
+            }
+        };
+        record.latency_ms = self.elapsed_ms() - record.sent_ms;
+        answer
     }
 
     /// A streamed generation, read to its end: its text, and an error event if one came.

@@ -12,9 +12,8 @@ use serde_json::{Value, json};
 
 use super::client::{Drill, refusal};
 use super::phase::Phase;
-use super::record::{Failure, Judged, Record};
+use super::record::{Judged, Record};
 use super::{CPU, DEVICE, EMBEDDER, GPU};
-use crate::protocol::headers::REQUEST_ID;
 
 /// The sentences embedded, of different lengths so that a batch of them is padded.
 const SENTENCES: [&str; 4] = [
@@ -96,32 +95,17 @@ fn close(a: &[f32], b: &[f32]) -> bool {
 /// `POST /v1/embeddings` of `inputs` to the drill's embedder: the record, and the vectors when
 /// it was answered with one per input.
 async fn embed(drill: &Drill, id: &str, inputs: &[&str], expect: &'static str) -> (Record, Option<Vec<Vec<f32>>>) {
-    let sent = drill.elapsed_ms();
     let kind = format!("{EMBEDDER} embeddings ×{}", inputs.len());
-    let mut record = Record::new(Phase::Embeddings, id, kind, expect, sent);
-    let mut vectors = None;
+    let mut record = Record::new(Phase::Embeddings, id, kind, expect, drill.elapsed_ms());
     let body = json!({"model": EMBEDDER, "input": inputs});
-    match drill
-        .client
-        .post(format!("{}/v1/embeddings", drill.base))
-        .header(REQUEST_ID, id)
-        .json(&body)
-        .send()
-        .await
-    {
-        Ok(response) => {
-            record.status = Some(response.status().as_u16());
-            record.read_headers(response.headers());
-            let answer: Value = response.json().await.unwrap_or(Value::Null);
-            if record.status == Some(200) {
-                vectors = read_vectors(&answer).filter(|v| v.len() == inputs.len());
-            } else {
-                record.first_failure = refusal(&answer);
-            }
+    let mut vectors = None;
+    if let Some(answer) = drill.post_json(&mut record, "/v1/embeddings", &body).await {
+        if record.status == Some(200) {
+            vectors = read_vectors(&answer).filter(|v| v.len() == inputs.len());
+        } else {
+            record.first_failure = refusal(&answer);
         }
-        Err(e) => record.first_failure = Some(Failure::NoAnswer(e.to_string())),
     }
-    record.latency_ms = drill.elapsed_ms() - sent;
     (record, vectors)
 }
 
