@@ -120,7 +120,7 @@ async fn serve(
 /// and build its lifecycle request from `headers`.
 async fn check(
     state: &AppState,
-    request: AudioRequest,
+    mut request: AudioRequest,
     headers: &HeaderMap,
     id: &str,
     received: Instant,
@@ -173,7 +173,8 @@ async fn check(
         })?;
     let lifecycle = decode_headers(service, &request.model, id, headers, received)
         .map_err(|e| OpenAiError::from_request(&e, id))?;
-    let (rate, bytes) = (whisper.mel.rate, request.file.clone());
+    // The file's bytes (up to 25 MiB) move to the decoder: nothing reads them after it.
+    let (rate, bytes) = (whisper.mel.rate, std::mem::take(&mut request.file));
     let samples = tokio::task::spawn_blocking(move || request::decode_audio(bytes, rate, MAX_AUDIO_SECONDS))
         .await
         .expect("decoding audio does not panic")?;
