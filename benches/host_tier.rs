@@ -4,7 +4,7 @@
 //! the weights once in memory on this machine (the bus limit here; on a GPU, weights ÷ PCIe).
 //!
 //! The release binary on loopback; per model, on a `cpu` pool (the host tier serves CPU and
-//! simulated pools, see `runtime::onnx::provider_key`), the admin API unloads the model and loads it again: that call's latency is the
+//! simulated pools, see `runtime::onnx::cache_form`), the admin API unloads the model and loads it again: that call's latency is the
 //! cold start less a run (request arrival to model ready). The metric
 //! `vramguard_model_session_loads_total{source}` checks each load came from the source meant.
 //!
@@ -70,7 +70,7 @@ fn main() {
     for (name, path) in &models {
         let copy = copy_once(path);
         // CPU pools: a simulated pool builds the same sessions, into its capped arena (CUDA
-        // pools load from the ONNX bytes still, see `runtime::onnx::provider_key`).
+        // pools load from the ONNX bytes still, see `runtime::onnx::cache_form`).
         for pool in ["cpu"] {
             let scratch = Scratch::new();
             let mut medians = Vec::new();

@@ -106,6 +106,11 @@ pub struct ModelData<'a> {
     /// The shared bytes `graph` borrows from, when it does: a session may then keep them and
     /// use its initializers where they lie (see [`ModelData::owned_by`]).
     pub owner: Option<&'a ModelBytes>,
+    /// The file `graph` was read from when a session should load it from there: the optimized
+    /// cache's mapped entry for CPU pools, whose weights ONNX Runtime then maps from the file
+    /// beside it (one copy per machine, see `runtime::onnx::optimized`), in every worker
+    /// process too.
+    pub file: Option<&'a Path>,
 }
 
 impl<'a> ModelData<'a> {
@@ -116,6 +121,7 @@ impl<'a> ModelData<'a> {
             folder: None,
             external_bytes: 0,
             owner: None,
+            file: None,
         }
     }
 
@@ -149,6 +155,8 @@ pub struct ModelBytes {
     external_bytes: u64,
     /// The graph's SHA-256, worked out once (the optimized cache's key reads it).
     digest: Arc<OnceLock<[u8; 32]>>,
+    /// [`ModelData::file`].
+    file: Option<Arc<Path>>,
 }
 
 impl ModelBytes {
@@ -159,7 +167,14 @@ impl ModelBytes {
             folder: None,
             external_bytes: 0,
             digest: Arc::default(),
+            file: None,
         }
+    }
+
+    /// The same graph, loaded by sessions from `file`, which holds it (see [`ModelData::file`]).
+    pub fn from_file(mut self, file: &Path) -> ModelBytes {
+        self.file = Some(Arc::from(file));
+        self
     }
 
     /// The same model with `bytes` of external data counted (see [`ModelData::external_bytes`]).
@@ -176,10 +191,12 @@ impl ModelBytes {
         self
     }
 
-    /// The same model with its graph rewritten as `graph` (its folder and external data kept).
+    /// The same model with its graph rewritten as `graph` (its folder and external data kept;
+    /// no longer the graph of a file).
     pub fn with_graph(mut self, graph: Vec<u8>) -> ModelBytes {
         self.graph = Arc::new(Cow::Owned(graph));
         self.digest = Arc::default();
+        self.file = None;
         self
     }
 
@@ -190,6 +207,7 @@ impl ModelBytes {
             folder: self.folder.as_deref(),
             external_bytes: self.external_bytes,
             owner: Some(self),
+            file: self.file.as_deref(),
         }
     }
 
@@ -239,6 +257,7 @@ pub fn load_bytes(source: &ModelSource) -> Result<ModelBytes, String> {
                 folder,
                 external_bytes: 0,
                 digest: Arc::default(),
+                file: None,
             })
         }
     }

@@ -1,8 +1,10 @@
-//! The host tier: models' optimized bytes (ORT format, see `runtime::onnx::optimized`) kept in
-//! host memory within a budget (`host.model_cache`), so a model evicted from a device or
-//! unloaded for idleness loads again from memory: no file to read, no protobuf to parse, no graph
-//! to optimize; what is left is building the session from those bytes and copying its weights
-//! to the device (on a CPU pool the session uses them in place).
+//! The host tier: models' optimized forms (see `runtime::onnx::optimized`) kept in host memory
+//! within a budget (`host.model_cache`), so a model evicted from a device or unloaded for
+//! idleness loads again from memory: no protobuf to parse, no graph to optimize, no weights to
+//! read from disk. For a CPU pool an entry is the mapped entry's weights file, mapped by the
+//! service and so resident in the page cache: a load maps the pages already there (in a worker
+//! process too), and every session of the model shares them. For a simulated pool it is the
+//! ORT-format bytes, which a load copies into the device's arena, as to a GPU.
 //!
 //! A load after start asks the tier first, then the optimized cache on disk, then takes the
 //! model's ONNX bytes; a load from the ONNX bytes optimizes the model once in the background
@@ -10,7 +12,7 @@
 //! reserve (the host's reading is asked before an entry is admitted) and gives memory back,
 //! least valuable first (lowest priority, then least recently used: eviction's order), when
 //! the budget or the host needs it. One tier per service, shared by its CPU and simulated pools
-//! (see `runtime::onnx::provider_key` for why CUDA pools load from the ONNX bytes still).
+//! (see `runtime::onnx::cache_form` for why CUDA pools load from the ONNX bytes still).
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -20,17 +22,24 @@ use std::time::Instant;
 use crate::config::Provider;
 use crate::core::model::ModelBytes;
 use crate::pool::metrics::{LoadSource, TierMetrics};
-use crate::runtime::onnx::{OnnxRuntime, OptimizedCache, provider_key};
+use crate::runtime::onnx::{Cached, Form, OnnxRuntime, OptimizedCache, cache_form};
 
 /// Whether the host can hold `bytes` more and keep its reserve (the service's reading).
 pub type HostRoom = Arc<dyn Fn(u64) -> bool + Send + Sync>;
 
-/// One model's optimized bytes in the tier.
+/// One model's optimized form in the tier.
 struct Entry {
     model: String,
-    bytes: ModelBytes,
+    /// Its bytes, and for a CPU pool the mapping of its weights that keeps them resident.
+    cached: Cached,
     priority: i64,
     used: Instant,
+}
+
+impl Entry {
+    fn size(&self) -> u64 {
+        self.cached.size()
+    }
 }
 
 #[derive(Default)]
@@ -100,7 +109,7 @@ impl HostTier {
 
     /// The bytes it holds.
     pub fn bytes(&self) -> u64 {
-        self.entries().by_key.values().map(|e| e.bytes.len()).sum()
+        self.entries().by_key.values().map(Entry::size).sum()
     }
 
     /// Whether `model`'s optimized bytes are in it (for any provider).
@@ -126,19 +135,19 @@ impl HostTier {
         onnx: &ModelBytes,
         provider: &Provider,
     ) -> (ModelBytes, LoadSource) {
-        let Some(key) = self.key(model, onnx, provider) else {
+        let Some((key, form)) = self.key(model, onnx, provider) else {
             return (onnx.clone(), LoadSource::disk);
         };
         if let Some(entry) = self.entries().by_key.get_mut(&key) {
             entry.used = Instant::now();
-            return (entry.bytes.clone(), LoadSource::host_tier);
+            return (entry.cached.bytes.clone(), LoadSource::host_tier);
         }
-        if let Some(bytes) = self.cache.read(&key) {
-            let bytes = ModelBytes::inline(bytes).in_folder(onnx.data().folder);
-            self.admit(&key, model, priority, bytes.clone());
+        if let Some(cached) = self.cache.read(&key, form, onnx.data().folder) {
+            let bytes = cached.bytes.clone();
+            self.admit(&key, model, priority, cached);
             return (bytes, LoadSource::optimized_cache);
         }
-        self.optimize_later(key, model, priority, onnx);
+        self.optimize_later(key, form, model, priority, onnx);
         (onnx.clone(), LoadSource::disk)
     }
 
@@ -151,22 +160,17 @@ impl HostTier {
         onnx: &ModelBytes,
         provider: &Provider,
     ) -> Result<LoadSource, String> {
-        let key = self
+        let (key, form) = self
             .key(model, onnx, provider)
             .ok_or_else(|| format!("pool provider `{}` has no host tier", provider.label()))?;
         if self.entries().by_key.contains_key(&key) {
             return Ok(LoadSource::host_tier);
         }
-        let (bytes, source) = match self.cache.read(&key) {
-            Some(bytes) => (bytes, LoadSource::optimized_cache),
-            None => (self.cache.write(self.rt, &key, onnx)?, LoadSource::disk),
+        let (cached, source) = match self.cache.read(&key, form, onnx.data().folder) {
+            Some(cached) => (cached, LoadSource::optimized_cache),
+            None => (self.cache.write(self.rt, &key, form, onnx)?, LoadSource::disk),
         };
-        match self.admit(
-            &key,
-            model,
-            priority,
-            ModelBytes::inline(bytes).in_folder(onnx.data().folder),
-        ) {
+        match self.admit(&key, model, priority, cached) {
             true => Ok(source),
             false => Err("the host tier has no room for it (budget or host reserve)".into()),
         }
@@ -182,18 +186,19 @@ impl HostTier {
                 break;
             };
             if let Some(entry) = entries.by_key.remove(&key) {
-                freed += entry.bytes.len();
-                tracing::info!(model = %entry.model, bytes = entry.bytes.len(), "host tier gave its bytes back for the host's reserve");
+                freed += entry.size();
+                tracing::info!(model = %entry.model, bytes = entry.size(), "host tier gave its bytes back for the host's reserve");
             }
         }
         self.publish(&entries);
         freed
     }
 
-    fn key(&self, model: &str, onnx: &ModelBytes, provider: &Provider) -> Option<String> {
-        let provider = provider_key(provider)?;
-        match OptimizedCache::key(self.rt, onnx, provider) {
-            Ok(key) => Some(key),
+    /// The key of `model`'s entry for a `provider` pool, and its form, when it has one.
+    fn key(&self, model: &str, onnx: &ModelBytes, provider: &Provider) -> Option<(String, Form)> {
+        let form = cache_form(provider)?;
+        match OptimizedCache::key(self.rt, onnx, form) {
+            Ok(key) => Some((key, form)),
             Err(reason) => {
                 tracing::warn!(%model, %reason, "no optimized cache key: loading from its file");
                 None
@@ -202,17 +207,17 @@ impl HostTier {
     }
 
     /// Optimize `model` on a thread of its own (once per key at a time), then keep the result.
-    fn optimize_later(self: &Arc<Self>, key: String, model: &str, priority: i64, onnx: &ModelBytes) {
+    fn optimize_later(self: &Arc<Self>, key: String, form: Form, model: &str, priority: i64, onnx: &ModelBytes) {
         if !self.entries().optimizing.insert(key.clone()) {
             return;
         }
         let (tier, model, onnx, started_for) = (Arc::clone(self), model.to_string(), onnx.clone(), key.clone());
         let spawned = std::thread::Builder::new().name("optimize".into()).spawn(move || {
             let started = Instant::now();
-            match tier.cache.write(tier.rt, &key, &onnx) {
-                Ok(bytes) => {
+            match tier.cache.write(tier.rt, &key, form, &onnx) {
+                Ok(cached) => {
                     tracing::info!(%model, seconds = started.elapsed().as_secs_f64(), "model optimized once into the optimized cache");
-                    tier.admit(&key, &model, priority, ModelBytes::inline(bytes).in_folder(onnx.data().folder));
+                    tier.admit(&key, &model, priority, cached);
                 }
                 Err(reason) => tracing::warn!(%model, %reason, "optimizing the model for the optimized cache failed"),
             }
@@ -224,23 +229,23 @@ impl HostTier {
         }
     }
 
-    /// Keep `bytes` as `key`'s entry when the budget (after letting less valuable entries go)
+    /// Keep `cached` as `key`'s entry when the budget (after letting less valuable entries go)
     /// and the host's reserve allow; true when kept.
-    fn admit(&self, key: &str, model: &str, priority: i64, bytes: ModelBytes) -> bool {
-        let size = bytes.len();
+    fn admit(&self, key: &str, model: &str, priority: i64, cached: Cached) -> bool {
+        let size = cached.size();
         let mut entries = self.entries();
         if entries.by_key.contains_key(key) {
             return true;
         }
         let budget = self.budget();
-        let mut held: u64 = entries.by_key.values().map(|e| e.bytes.len()).sum();
+        let mut held: u64 = entries.by_key.values().map(Entry::size).sum();
         // Only entries of no higher priority give way to it.
         while held + size > budget {
             let Some(victim) = least_valuable(&entries.by_key, priority) else {
                 break;
             };
             if let Some(entry) = entries.by_key.remove(&victim) {
-                held -= entry.bytes.len();
+                held -= entry.size();
             }
         }
         let kept = held + size <= budget && (self.room)(size);
@@ -249,7 +254,7 @@ impl HostTier {
                 key.to_string(),
                 Entry {
                     model: model.to_string(),
-                    bytes,
+                    cached,
                     priority,
                     used: Instant::now(),
                 },
@@ -262,7 +267,7 @@ impl HostTier {
     }
 
     fn publish(&self, entries: &Entries) {
-        let held: u64 = entries.by_key.values().map(|e| e.bytes.len()).sum();
+        let held: u64 = entries.by_key.values().map(Entry::size).sum();
         self.metrics.bytes.set(held as i64);
         let models: HashSet<&str> = entries.by_key.values().map(|e| e.model.as_str()).collect();
         self.metrics.show(&models);

@@ -37,7 +37,7 @@ pools:
 }
 
 /// Wait until the cache holds one entry other than `not` (the model is optimized in the
-/// background); its bytes.
+/// background); its graph's bytes.
 async fn entry_written(cache: &Scratch, not: &[u8]) -> Vec<u8> {
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
     loop {
@@ -86,11 +86,13 @@ async fn status(server: &TestServer) -> Value {
     reqwest::get(server.url("/status")).await.unwrap().json().await.unwrap()
 }
 
+/// The graphs of the cache's entries (a CPU pool's: `<key>.onnx` beside the `<key>.bin` its
+/// sessions map), each an entry once its record (`<key>.sum`, written last) is there.
 fn entries(cache: &Scratch) -> Vec<std::path::PathBuf> {
     std::fs::read_dir(cache.path())
         .unwrap()
         .map(|e| e.unwrap().path())
-        .filter(|p| p.extension().is_some_and(|e| e == "ort"))
+        .filter(|p| p.extension().is_some_and(|e| e == "onnx") && p.with_extension("sum").exists())
         .collect()
 }
 

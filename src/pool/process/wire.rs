@@ -43,6 +43,10 @@ pub struct ModelHead {
     pub folder: Option<std::path::PathBuf>,
     /// [`ModelData::external_bytes`].
     pub external_bytes: u64,
+    /// [`ModelData::file`]: the worker builds the session from that file, mapping the same
+    /// weights as every other process that loads it (the graph still comes as the blob, a few
+    /// KiB, for what reads it).
+    pub file: Option<std::path::PathBuf>,
 }
 
 impl ModelHead {
@@ -53,6 +57,7 @@ impl ModelHead {
             bytes: data.graph.len() as u64,
             folder: data.folder.map(std::path::Path::to_path_buf),
             external_bytes: data.external_bytes,
+            file: data.file.map(std::path::Path::to_path_buf),
         }
     }
 
@@ -75,6 +80,7 @@ impl ModelHead {
             folder: self.folder.as_deref(),
             external_bytes: self.external_bytes,
             owner: None,
+            file: self.file.as_deref(),
         }
     }
 }

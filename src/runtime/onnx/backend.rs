@@ -443,6 +443,7 @@ mod tests {
             folder: Some(&folder),
             external_bytes: 0,
             owner: None,
+            file: None,
         };
         let mut backend = OrtBackend::load(rt, &[("whisper".into(), model)], &SessionOptions::quiet_cpu()).unwrap();
         let tensor = |name: &str, shape: Vec<i64>, data| Tensor {

@@ -10,6 +10,7 @@ mod generations;
 mod graph;
 pub mod kernels;
 mod last_logits;
+mod mapping;
 mod optimized;
 mod pooled;
 mod positions;
@@ -20,7 +21,8 @@ pub mod speech;
 pub use backend::OrtBackend;
 pub use external::{ExternalData, external_data};
 pub use last_logits::last_position_logits;
-pub use optimized::{OptimizedCache, provider_key};
+pub use mapping::Mapping;
+pub use optimized::{Cached, Form, OptimizedCache, cache_form};
 pub use pooled::pooled_embedding;
 pub use session::{HeldSession, SessionOptions, build_held, build_session, is_ort_format};
 

@@ -1,6 +1,7 @@
 //! Building a session for a pool: its options per provider, from an ONNX graph (rewritten as
-//! `positions.rs` says) or from the ORT-format graph the optimized cache holds (`optimized.rs`),
-//! whose initializers a CPU session uses where they lie.
+//! `positions.rs` says), from the optimized cache's mapped entry (a CPU pool's: loaded from its
+//! file, its weights mapped) or from its ORT-format graph (a simulated pool's: its initializers
+//! used where they lie, copied once into the device's arena); see `optimized.rs`.
 
 use ort::ep;
 use ort::session::{Session, builder::GraphOptimizationLevel, builder::SessionBuilder};
@@ -135,9 +136,13 @@ pub fn build_session<'m>(
 /// the shared bytes it lies in ([`ModelData::owned_by`]), a session that uses its initializers
 /// there (`session.use_ort_model_bytes_for_initializers`): on a CPU pool no second copy of the
 /// weights in host memory; on a simulated one a single copy in the device's arena. A CUDA
-/// pool's session copies them to its device, as from ONNX.
+/// pool's session copies them to its device, as from ONNX. A CPU pool's mapped entry
+/// ([`ModelData::file`]) is loaded from its file, its weights mapped (see `build_mapped`).
 pub fn build_held(rt: &OnnxRuntime, model: ModelData<'_>, options: &SessionOptions) -> Result<HeldSession, String> {
     let mut builder = builder(rt, options)?;
+    if let Some(file) = model.file {
+        return build_mapped(builder, file, &options.provider).map(|session| HeldSession { session, keeps: None });
+    }
     if !is_ort_format(model.graph) {
         return build_with(builder, model).map(|session| HeldSession { session, keeps: None });
     }
@@ -167,6 +172,26 @@ pub fn build_held(rt: &OnnxRuntime, model: ModelData<'_>, options: &SessionOptio
         session,
         keeps: in_place,
     })
+}
+
+/// A CPU session of the optimized cache's mapped entry whose graph is `file`: loaded from its
+/// path, so ONNX Runtime maps the weights file beside it and uses its weights and pre-packed
+/// buffers where they lie, shared with every session that maps it. Optimized already, for this
+/// CPU (the entry's key says so): optimizing again would only take time.
+fn build_mapped(builder: SessionBuilder, file: &std::path::Path, provider: &Provider) -> Result<Session, String> {
+    if !matches!(provider, Provider::Cpu) {
+        // A device holds its weights itself: mapped host pages would be weights it does not
+        // hold (simulated pools take the ORT form, see `optimized::cache_form`).
+        return Err(format!(
+            "a mapped optimized graph is for CPU pools, not `{}` ones",
+            provider.label()
+        ));
+    }
+    builder
+        .with_optimization_level(GraphOptimizationLevel::Disable)
+        .map_err(msg)?
+        .commit_from_file(file)
+        .map_err(msg)
 }
 
 fn cuda_provider(cuda: &CudaOptions, device_index: u32) -> ep::ExecutionProviderDispatch {

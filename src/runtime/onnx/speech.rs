@@ -115,6 +115,7 @@ impl Speech {
                 folder: Some(folder),
                 external_bytes: 0,
                 owner: None,
+                file: None,
             };
             build_session(rt, model, options).map_err(|e| format!("{}: {e}", path.display()))
         };

@@ -63,7 +63,7 @@ pub(super) fn size_and_warm(
         let name = &entry.config.name;
         let Some(pool) = pools
             .iter()
-            .find(|p| p.serves(name) && crate::runtime::onnx::provider_key(p.provider()).is_some())
+            .find(|p| p.serves(name) && crate::runtime::onnx::cache_form(p.provider()).is_some())
         else {
             tracing::warn!(model = %name, "host_tier: warm, but no pool that serves it has a host tier");
             continue;

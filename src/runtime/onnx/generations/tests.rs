@@ -256,6 +256,7 @@ fn group_query_attention() -> OrtBackend {
         folder: Some(dir),
         external_bytes: 0,
         owner: None,
+        file: None,
     };
     let backend = OrtBackend::load(rt, &[("g".to_string(), data)], &SessionOptions::quiet_cpu()).unwrap();
     assert_eq!(backend.decoders["g"].padding, crate::runtime::decoder::Padding::Right);
