@@ -295,3 +295,77 @@ async fn without_the_host_tier_a_start_loads_from_the_file_and_optimizes_nothing
     server.stop().await;
     assert!(entries(&cache).is_empty(), "no tier: nothing optimized");
 }
+
+/// The processes that map `file`, and the proportional set size of its pages in all of them
+/// (a page mapped by n processes counts 1/n in each), in bytes.
+fn mapped_by(file: &std::path::Path) -> (Vec<u32>, u64) {
+    let name = file.to_str().unwrap();
+    let (mut pids, mut pss) = (Vec::new(), 0);
+    for pid in std::fs::read_dir("/proc").unwrap().filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok()) {
+        let Ok(smaps) = std::fs::read_to_string(format!("/proc/{pid}/smaps")) else {
+            continue;
+        };
+        let mut ours = false;
+        for line in smaps.lines() {
+            let first = line.split_whitespace().next().unwrap_or("");
+            if first.contains('-') && !first.ends_with(':') {
+                ours = line.ends_with(name);
+                if ours && !pids.contains(&pid) {
+                    pids.push(pid);
+                }
+            } else if ours && first == "Pss:" {
+                pss += line.split_whitespace().nth(1).unwrap().parse::<u64>().unwrap() * 1024;
+            }
+        }
+    }
+    (pids, pss)
+}
+
+/// The worker processes of two CPU pools (a pool's sessions share one worker process), started
+/// from the optimized cache, map the same weights file: the machine holds one copy of the
+/// model's weights (and of their pre-packed form), whatever the number of processes.
+#[tokio::test]
+async fn worker_processes_of_cpu_pools_map_one_copy_of_the_weights() {
+    if crate::common::ran_in_own_process() {
+        return;
+    }
+    let (models, cache) = (Scratch::new(), Scratch::new());
+    models.write(
+        "a.onnx",
+        vramguard::runtime::onnx::dense::Dense::of_mib(43, 4).to_onnx(),
+    );
+    let config = format!(
+        "
+host: {{reserve: 1MiB, optimized_cache: '{}'}}
+models:
+  - {{name: a, path: '{}'}}
+pools:
+  - {{name: one, provider: cpu, models: [a], workers: 2, isolation: process}}
+  - {{name: two, provider: cpu, models: [a], isolation: process}}
+",
+        cache.path().display(),
+        models.path().join("a.onnx").display(),
+    );
+    let first = TestServer::start(&config).await;
+    entry_written(&cache, &[]).await;
+    first.stop().await;
+
+    let server = TestServer::start(&config).await;
+    let metrics = server.metrics().await;
+    for pool in ["one", "two"] {
+        let loads = format!("vramguard_model_session_loads_total{{model=\"a\",pool=\"{pool}\",source=\"optimized_cache\"}}");
+        assert!(sample(&metrics, &loads) > 0.0, "{pool}: {metrics}");
+    }
+    let [graph] = entries(&cache).try_into().expect("one entry");
+    let weights = graph.with_extension("bin");
+    let size = std::fs::metadata(&weights).unwrap().len();
+    assert!(size >= 4 << 20, "the weights lie in the file: {size} bytes");
+    let (pids, pss) = mapped_by(&weights);
+    let workers: Vec<_> = pids.iter().filter(|&&p| p != std::process::id()).collect();
+    assert!(workers.len() >= 2, "each pool's worker process maps the weights: {pids:?}");
+    assert!(
+        pss <= size + (64 << 10) * pids.len() as u64,
+        "{pss} bytes of the weights' pages held by {pids:?} for a {size}-byte file"
+    );
+    server.stop().await;
+}
