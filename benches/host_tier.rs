@@ -110,26 +110,29 @@ fn main() {
     );
 }
 
-/// What each worker after the first adds to the server's resident memory (issue 54's "weights
-/// once per process"), with the model loaded at start from its file (`model_cache: 0`) and from
-/// the optimized cache (a restart: the sessions use the entry's initializers in place), against
-/// the model's weights (its file).
+/// What each worker after the first adds to the server's memory (issue 54's "weights once
+/// per machine"), in threads and in a worker process, with the model loaded at start from its
+/// file (`model_cache: 0`) and from the optimized cache (a restart; on a CPU pool its sessions
+/// map the entry's weights file), against the model's weights (its file). Each figure is
+/// measured both as `VmRSS` (a page counts in every process that maps it) and as `Pss` (a
+/// shared page counts 1/n in each of the n processes that map it), summed over the server and
+/// its worker processes.
 fn memory_per_worker(model: &str, path: &Path) -> Vec<Figure> {
     const WORKERS: usize = 3;
     let weights = std::fs::metadata(path).unwrap().len() as f64 / MIB;
     let scratch = Scratch::new();
     let cache = scratch.path().join("optimized");
-    let resident = |source: Source, workers: usize| {
+    let resident = |source: Source, isolation: &str, workers: usize| {
         let budget = if source == Source::Disk { "0" } else { "4GiB" };
         let yaml = format!(
             "server: {{listen: '127.0.0.1:0', admin_socket: 'off'}}\n\
              host: {{reserve: 256MiB, model_cache: {budget}, optimized_cache: '{}'}}\n\
              models:\n  - {{name: {model}, path: '{}'}}\n\
-             pools:\n  - {{name: p, provider: cpu, models: [{model}], workers: {workers}}}\n",
+             pools:\n  - {{name: p, provider: cpu, models: [{model}], workers: {workers}, isolation: {isolation}}}\n",
             cache.display(),
             path.display(),
         );
-        let file = scratch.write(&format!("{model}-{}-{workers}.yaml", source.label()), yaml);
+        let file = scratch.write(&format!("{model}-{}-{isolation}-{workers}.yaml", source.label()), yaml);
         let serving = spawn_serving(
             env!("CARGO_BIN_EXE_vramguard"),
             &["serve", "--config", file.to_str().unwrap()],
@@ -141,49 +144,71 @@ fn memory_per_worker(model: &str, path: &Path) -> Vec<Figure> {
             source.label()
         );
         let loads = series_value(&serving.metrics(&Client::new()), &series);
-        assert_eq!(
-            loads,
-            workers as f64,
-            "{model}: every worker's session from {}",
-            source.label()
-        );
-        vm_rss(serving.child.id())
+        assert!(loads >= 1.0, "{model}: the sessions from {}", source.label());
+        memory(serving.child.id())
     };
     let mut figures = Vec::new();
-    for source in [Source::Disk, Source::OptimizedCache] {
-        if source == Source::OptimizedCache {
-            wait_for_entry(&cache, model, path);
+    for isolation in ["thread", "process"] {
+        for source in [Source::Disk, Source::OptimizedCache] {
+            if source == Source::OptimizedCache {
+                wait_for_entry(&cache, model, path);
+            }
+            let (one, many) = (resident(source, isolation, 1), resident(source, isolation, WORKERS));
+            for (measure, per_worker) in [
+                ("VmRSS", (many.0 - one.0) / (WORKERS - 1) as f64),
+                ("Pss", (many.1 - one.1) / (WORKERS - 1) as f64),
+            ] {
+                figures.push(
+                    Figure::of_runs(
+                        format!(
+                            "{model}: {measure} per extra worker ({isolation}s), loaded from {}",
+                            source.label()
+                        ),
+                        "MiB",
+                        &[per_worker],
+                    )
+                    .note(format!(
+                        "{:.0}% of its {weights:.1} MiB of weights (1 and {WORKERS} workers after start, \
+                         server and worker processes; 1 worker: VmRSS {:.1}, Pss {:.1} MiB)",
+                        per_worker / weights * 100.0,
+                        one.0,
+                        one.1
+                    )),
+                );
+            }
         }
-        let per_worker = (resident(source, WORKERS) - resident(source, 1)) / (WORKERS - 1) as f64;
-        figures.push(
-            Figure::of_runs(
-                format!(
-                    "{model}: resident memory per extra worker, loaded from {}",
-                    source.label()
-                ),
-                "MiB",
-                &[per_worker],
-            )
-            .note(format!(
-                "{:.0}% of its {weights:.1} MiB of weights (1 and {WORKERS} workers, VmRSS after start)",
-                per_worker / weights * 100.0
-            )),
-        );
     }
     figures
 }
 
 const MIB: f64 = 1024.0 * 1024.0;
 
-/// `pid`'s resident memory (`VmRSS`), in MiB.
-fn vm_rss(pid: u32) -> f64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-    let kib: f64 = status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .expect("VmRSS in /proc/<pid>/status");
-    kib / 1024.0
+/// The resident memory of `pid` and its descendants (its worker process): `VmRSS` and `Pss`
+/// summed, in MiB.
+fn memory(pid: u32) -> (f64, f64) {
+    let kib = |text: &str, field: &str| -> f64 {
+        text.lines()
+            .find_map(|l| l.strip_prefix(field))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+            .unwrap_or(0.0)
+    };
+    let (mut rss, mut pss) = (0.0, 0.0);
+    let mut pending = vec![pid];
+    while let Some(pid) = pending.pop() {
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+        let rollup = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")).unwrap_or_default();
+        rss += kib(&status, "VmRSS:") / 1024.0;
+        pss += kib(&rollup, "Pss:") / 1024.0;
+        let tasks = std::fs::read_dir(format!("/proc/{pid}/task"))
+            .into_iter()
+            .flatten()
+            .flatten();
+        for task in tasks {
+            let children = std::fs::read_to_string(task.path().join("children")).unwrap_or_default();
+            pending.extend(children.split_whitespace().filter_map(|c| c.parse::<u32>().ok()));
+        }
+    }
+    (rss, pss)
 }
 
 /// Start a server with the host tier on so `model`'s first load from its file writes its
@@ -281,11 +306,13 @@ fn cold_starts(scratch: &Scratch, model: &str, path: &Path, pool: &str, source: 
     samples
 }
 
+/// Whether `dir` holds an optimized cache entry: a CPU pool's is one once its record
+/// (`<key>.sum`, written last) is there; a simulated pool's is its `<key>.ort`.
 fn has_entry(dir: &Path) -> bool {
     std::fs::read_dir(dir).is_ok_and(|entries| {
         entries
             .filter_map(Result::ok)
-            .any(|e| e.path().extension().is_some_and(|x| x == "ort"))
+            .any(|e| e.path().extension().is_some_and(|x| x == "sum" || x == "ort"))
     })
 }
 

@@ -301,7 +301,10 @@ async fn without_the_host_tier_a_start_loads_from_the_file_and_optimizes_nothing
 fn mapped_by(file: &std::path::Path) -> (Vec<u32>, u64) {
     let name = file.to_str().unwrap();
     let (mut pids, mut pss) = (Vec::new(), 0);
-    for pid in std::fs::read_dir("/proc").unwrap().filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok()) {
+    for pid in std::fs::read_dir("/proc")
+        .unwrap()
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
+    {
         let Ok(smaps) = std::fs::read_to_string(format!("/proc/{pid}/smaps")) else {
             continue;
         };
@@ -353,7 +356,8 @@ pools:
     let server = TestServer::start(&config).await;
     let metrics = server.metrics().await;
     for pool in ["one", "two"] {
-        let loads = format!("vramguard_model_session_loads_total{{model=\"a\",pool=\"{pool}\",source=\"optimized_cache\"}}");
+        let loads =
+            format!("vramguard_model_session_loads_total{{model=\"a\",pool=\"{pool}\",source=\"optimized_cache\"}}");
         assert!(sample(&metrics, &loads) > 0.0, "{pool}: {metrics}");
     }
     let [graph] = entries(&cache).try_into().expect("one entry");
@@ -362,7 +366,10 @@ pools:
     assert!(size >= 4 << 20, "the weights lie in the file: {size} bytes");
     let (pids, pss) = mapped_by(&weights);
     let workers: Vec<_> = pids.iter().filter(|&&p| p != std::process::id()).collect();
-    assert!(workers.len() >= 2, "each pool's worker process maps the weights: {pids:?}");
+    assert!(
+        workers.len() >= 2,
+        "each pool's worker process maps the weights: {pids:?}"
+    );
     assert!(
         pss <= size + (64 << 10) * pids.len() as u64,
         "{pss} bytes of the weights' pages held by {pids:?} for a {size}-byte file"
