@@ -129,8 +129,7 @@ impl<'a> ModelData<'a> {
     /// initializers in place keeps alive. `None` when `graph` was replaced after the data was
     /// taken from its owner (a rewrite), so a session never keeps the wrong bytes.
     pub fn owned_by(&self) -> Option<&'a ModelBytes> {
-        self.owner
-            .filter(|owner| std::ptr::eq(owner.graph.as_ref().as_ref(), self.graph))
+        self.owner.filter(|owner| std::ptr::eq(&**owner.graph, self.graph))
     }
 
     /// What the model takes stored: its graph and the external data it references, the floor
@@ -150,7 +149,7 @@ impl<'a> From<&'a [u8]> for ModelData<'a> {
 /// its sessions again after an unload or a worker's restart); `Debug` shows only sizes.
 #[derive(Clone)]
 pub struct ModelBytes {
-    graph: Arc<Cow<'static, [u8]>>,
+    graph: Arc<Graph>,
     folder: Option<Arc<Path>>,
     external_bytes: u64,
     /// The graph's SHA-256, worked out once (the optimized cache's key reads it).
@@ -159,11 +158,47 @@ pub struct ModelBytes {
     file: Option<Arc<Path>>,
 }
 
+/// Bytes a graph can lie in besides the heap: memory another process can map too, so a worker
+/// process is handed them rather than sent a copy.
+pub trait SharedBytes: Send + Sync {
+    /// The bytes.
+    fn bytes(&self) -> &[u8];
+    /// A descriptor of this process that another process of the same user opens
+    /// (`/proc/<pid>/fd/<fd>`) and maps to see the same bytes, when there is one.
+    fn fd(&self) -> Option<i32>;
+}
+
+/// Where a [`ModelBytes`]' graph lies.
+enum Graph {
+    Heap(Cow<'static, [u8]>),
+    Shared(Box<dyn SharedBytes>),
+}
+
+impl std::ops::Deref for Graph {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        match self {
+            Graph::Heap(bytes) => bytes,
+            Graph::Shared(shared) => shared.bytes(),
+        }
+    }
+}
+
 impl ModelBytes {
     /// A graph held only in memory, all its data inline.
     pub fn inline(graph: impl Into<Cow<'static, [u8]>>) -> ModelBytes {
+        ModelBytes::of(Graph::Heap(graph.into()))
+    }
+
+    /// A graph held in `shared` bytes, all its data inline: handed to a worker process as
+    /// [`ModelBytes::shared_fd`] rather than copied to it.
+    pub fn shared(shared: impl SharedBytes + 'static) -> ModelBytes {
+        ModelBytes::of(Graph::Shared(Box::new(shared)))
+    }
+
+    fn of(graph: Graph) -> ModelBytes {
         ModelBytes {
-            graph: Arc::new(graph.into()),
+            graph: Arc::new(graph),
             folder: None,
             external_bytes: 0,
             digest: Arc::default(),
@@ -194,7 +229,7 @@ impl ModelBytes {
     /// The same model with its graph rewritten as `graph` (its folder and external data kept;
     /// no longer the graph of a file).
     pub fn with_graph(mut self, graph: Vec<u8>) -> ModelBytes {
-        self.graph = Arc::new(Cow::Owned(graph));
+        self.graph = Arc::new(Graph::Heap(Cow::Owned(graph)));
         self.digest = Arc::default();
         self.file = None;
         self
@@ -214,9 +249,16 @@ impl ModelBytes {
     /// The graph's SHA-256 (worked out on first use, then kept).
     pub fn digest(&self) -> [u8; 32] {
         use sha2::{Digest, Sha256};
-        *self
-            .digest
-            .get_or_init(|| Sha256::digest(self.graph.as_ref().as_ref()).into())
+        *self.digest.get_or_init(|| Sha256::digest(&**self.graph).into())
+    }
+
+    /// The descriptor another process maps the graph's bytes through, when they are shared
+    /// (see [`SharedBytes::fd`]).
+    pub fn shared_fd(&self) -> Option<i32> {
+        match &*self.graph {
+            Graph::Shared(shared) => shared.fd(),
+            Graph::Heap(_) => None,
+        }
     }
 
     /// The graph's length in bytes: what holding these bytes takes.
@@ -253,7 +295,7 @@ pub fn load_bytes(source: &ModelSource) -> Result<ModelBytes, String> {
                 .parent()
                 .map(Arc::from);
             Ok(ModelBytes {
-                graph: Arc::new(Cow::Owned(graph)),
+                graph: Arc::new(Graph::Heap(Cow::Owned(graph))),
                 folder,
                 external_bytes: 0,
                 digest: Arc::default(),

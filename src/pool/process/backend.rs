@@ -367,7 +367,10 @@ impl Residency for ProcessBackend {
             let ask = Ask::Load {
                 model: ModelHead::of(name, model),
             };
-            match conn.exchange(&ask, &[model.graph]).map_err(|e| e.to_string())? {
+            match conn
+                .exchange(&ask, &[ModelHead::blob(&model)])
+                .map_err(|e| e.to_string())?
+            {
                 (Answer::Done { .. }, _) => Ok(()),
                 (Answer::Refused(why), _) => Err(why),
                 (other, _) => Err(format!("the worker answered {other:?} to a load")),

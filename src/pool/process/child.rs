@@ -243,8 +243,10 @@ impl Worker {
         let mut at = 0;
         let mut blobs = Vec::new();
         for head in models {
-            match wire::take(payload, &mut at, head.bytes) {
-                Ok(graph) => blobs.push((head, graph, head.owned(graph))),
+            match wire::take(payload, &mut at, head.bytes)
+                .and_then(|graph| Ok((graph, head.owned(graph, self.parent)?)))
+            {
+                Ok((graph, owned)) => blobs.push((head, graph, owned)),
                 Err(why) => {
                     let _ = reply(&mut stream, &Answer::Refused(why), &[]);
                     return;
@@ -392,7 +394,7 @@ impl Worker {
             Ask::Load { model } => {
                 let answer = match wire::take(payload, &mut 0, model.bytes) {
                     Ok(graph) => match held.backend.loader(&model.name).and_then(|residency| {
-                        let owned = model.owned(graph);
+                        let owned = model.owned(graph, self.parent)?;
                         let data = owned.as_ref().map_or_else(|| model.data(graph), |bytes| bytes.data());
                         residency.load_model(&model.name, data)
                     }) {

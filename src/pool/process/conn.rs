@@ -58,7 +58,7 @@ impl Conn {
         let heads = Ask::Open {
             models: models.iter().map(|(n, m)| ModelHead::of(n, *m)).collect(),
         };
-        let blobs: Vec<&[u8]> = models.iter().map(|(_, m)| m.graph).collect();
+        let blobs: Vec<&[u8]> = models.iter().map(|(_, m)| ModelHead::blob(m)).collect();
         let mut stream = worker.connect(&heads, &blobs)?;
         let session = match wire::read_frame::<Answer>(&mut stream) {
             Ok((Answer::Done { session: Some(id) }, _)) => id,

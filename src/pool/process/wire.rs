@@ -31,14 +31,19 @@ pub struct TensorHead {
     pub bytes: u64,
 }
 
-/// A model in a frame's header: its graph's bytes are the payload's next `bytes`; its external
+/// A model in a frame's header: its graph's bytes are the payload's next `bytes`, unless they lie
+/// in the pool process's shared memory (`shared`), which the worker maps instead; its external
 /// data the worker reads from `folder` itself (the same machine), not through the socket.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct ModelHead {
     /// The model's name.
     pub name: String,
-    /// Its graph's length in the payload.
+    /// Its graph's length in the payload (0 when `shared`).
     pub bytes: u64,
+    /// The pool process's descriptor of the sealed memfd that holds the graph (the host tier's
+    /// ORT-format bytes, see [`ModelBytes::shared_fd`]): the worker maps
+    /// `/proc/<pool's pid>/fd/<fd>`, and the bytes cross no socket.
+    pub shared: Option<i32>,
     /// Its file's folder ([`ModelData::folder`]).
     pub folder: Option<std::path::PathBuf>,
     /// [`ModelData::external_bytes`].
@@ -54,23 +59,50 @@ impl ModelHead {
     pub fn of(name: &str, data: ModelData<'_>) -> ModelHead {
         ModelHead {
             name: name.to_string(),
-            bytes: data.graph.len() as u64,
+            bytes: ModelHead::blob(&data).len() as u64,
+            shared: data.owned_by().and_then(ModelBytes::shared_fd),
             folder: data.folder.map(std::path::Path::to_path_buf),
             external_bytes: data.external_bytes,
             file: data.file.map(std::path::Path::to_path_buf),
         }
     }
 
-    /// The blob that came with this head as bytes of its own when it is an ORT-format graph
-    /// (the optimized cache's): a session then uses its initializers where they lie and keeps
-    /// them (`runtime::onnx::build_held`), which a borrowed blob would not allow. An ONNX graph
-    /// is read from the blob ([`ModelHead::data`]).
-    pub fn owned(&self, graph: &[u8]) -> Option<ModelBytes> {
-        crate::runtime::onnx::is_ort_format(graph).then(|| {
-            ModelBytes::inline(graph.to_vec())
+    /// What is sent with the head of `data` as its blob: its graph, unless the worker maps it
+    /// from shared memory.
+    pub fn blob<'a>(data: &ModelData<'a>) -> &'a [u8] {
+        match data.owned_by().and_then(ModelBytes::shared_fd) {
+            Some(_) => &[],
+            None => data.graph,
+        }
+    }
+
+    /// The graph as bytes of its own when it is an ORT-format graph (the optimized cache's): a
+    /// session then uses its initializers where they lie and keeps them
+    /// (`runtime::onnx::build_held`), which a borrowed blob would not allow. Mapped from the
+    /// pool process `parent`'s shared memory when it lies there, else copied from the blob that
+    /// came with this head. An ONNX graph is read from the blob ([`ModelHead::data`]).
+    pub fn owned(&self, graph: &[u8], parent: u32) -> Result<Option<ModelBytes>, String> {
+        let bytes = match self.shared {
+            Some(fd) => {
+                let path = format!("/proc/{parent}/fd/{fd}");
+                let mapping = crate::runtime::onnx::Mapping::of(std::path::Path::new(&path))
+                    .map_err(|e| format!("model `{}`: the pool's shared graph: {e}", self.name))?;
+                ModelBytes::shared(mapping)
+            }
+            None if crate::runtime::onnx::is_ort_format(graph) => ModelBytes::inline(graph.to_vec()),
+            None => return Ok(None),
+        };
+        if !crate::runtime::onnx::is_ort_format(bytes.data().graph) {
+            return Err(format!(
+                "model `{}`: the pool's shared graph is not an ORT-format graph",
+                self.name
+            ));
+        }
+        Ok(Some(
+            bytes
                 .with_external_bytes(self.external_bytes)
-                .in_folder(self.folder.as_deref())
-        })
+                .in_folder(self.folder.as_deref()),
+        ))
     }
 
     /// The model again, its graph the blob that came with this head.
@@ -495,6 +527,43 @@ mod tests {
     use super::*;
     use crate::core::tensor::TensorData;
     use std::time::{Duration, Instant};
+
+    /// The host tier's ORT-format bytes, in a sealed memfd, cross as its descriptor: the worker
+    /// maps the same bytes, which nobody can change; a graph on the heap crosses as its bytes.
+    #[test]
+    fn a_graph_in_shared_memory_crosses_as_its_descriptor_not_its_bytes() {
+        let mut graph = vec![7u8; 4096];
+        graph[4..8].copy_from_slice(b"ORTM");
+        let shared = ModelBytes::shared(crate::runtime::onnx::Mapping::sealed(&graph).unwrap());
+        let head = ModelHead::of("m", shared.data());
+        assert_eq!(head.bytes, 0);
+        assert!(ModelHead::blob(&shared.data()).is_empty());
+        let mapped = head
+            .owned(&[], std::process::id())
+            .unwrap()
+            .expect("an ORT-format graph");
+        assert_eq!(mapped.data().graph, graph.as_slice());
+        let path = format!("/proc/self/fd/{}", head.shared.unwrap());
+        let written = std::fs::OpenOptions::new()
+            .write(true)
+            .open(&path)
+            .and_then(|mut file| file.write_all(b"changed"));
+        assert!(written.is_err(), "sealed: no process can change the bytes");
+
+        let inline = ModelBytes::inline(graph.clone());
+        let head = ModelHead::of("m", inline.data());
+        assert_eq!((head.bytes, head.shared), (4096, None));
+        assert_eq!(ModelHead::blob(&inline.data()), graph.as_slice());
+        let copied = head
+            .owned(&graph, std::process::id())
+            .unwrap()
+            .expect("an ORT-format graph");
+        assert_eq!(copied.data().graph, graph.as_slice());
+        assert!(
+            head.owned(&[1, 2, 3, 4, 5, 6, 7, 8], 0).unwrap().is_none(),
+            "an ONNX graph is read from the blob"
+        );
+    }
 
     #[test]
     fn a_frame_carries_its_header_and_tensors_back_intact() {

@@ -21,11 +21,14 @@
 //! entry whose record does not match its bytes is removed and rebuilt, never served; an entry
 //! is written under temporary names and renamed into place (a mapped entry's record last), so
 //! a reader never sees half of one. A mapped entry is verified (hashed whole, about 0.3 s for
-//! 150 MB) when it is read from the folder, that is once per process that takes it into its
-//! host tier, not at each load from the tier.
+//! 150 MB) the first time a process reads it from the folder, and again only if its weights
+//! file is no longer the same file (inode, length, modification time); the small graph is
+//! hashed at every read.
 
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 
 use sha2::{Digest, Sha256};
 
@@ -95,12 +98,52 @@ impl Cached {
 #[derive(Debug, Clone)]
 pub struct OptimizedCache {
     dir: PathBuf,
+    /// The weights files this process hashed (or wrote), by key: the file as it was then, and
+    /// its line of the record. Hashing 300 MB takes about 0.6 s; a file that is still the same
+    /// one (inode, length, modification time) is not hashed again.
+    verified: Arc<Mutex<HashMap<String, (Stamp, String)>>>,
+}
+
+/// A file's identity and version, as far as its metadata tells.
+type Stamp = (u64, u64, u64, i64, i64);
+
+fn stamp(path: &Path) -> Option<Stamp> {
+    use std::os::unix::fs::MetadataExt;
+    let meta = std::fs::metadata(path).ok()?;
+    Some((meta.dev(), meta.ino(), meta.len(), meta.mtime(), meta.mtime_nsec()))
 }
 
 impl OptimizedCache {
     /// A cache in `dir` (created when the first entry is written).
     pub fn new(dir: impl Into<PathBuf>) -> OptimizedCache {
-        OptimizedCache { dir: dir.into() }
+        OptimizedCache {
+            dir: dir.into(),
+            verified: Arc::default(),
+        }
+    }
+
+    /// `key`'s weights file's line of the record, hashed now unless this process hashed the
+    /// same file before.
+    fn weights_line(&self, key: &str, weights: &Mapping) -> (Option<Stamp>, String) {
+        let stamp = stamp(&self.path(key, "bin"));
+        let known = self
+            .verified
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(key)
+            .cloned();
+        match known {
+            Some((seen, line)) if Some(seen) == stamp => (stamp, line),
+            _ => (stamp, line(&format!("{key}.bin"), weights.bytes())),
+        }
+    }
+
+    fn remember(&self, key: &str, stamp: Option<Stamp>, weights_line: String) {
+        let mut verified = self.verified.lock().unwrap_or_else(|e| e.into_inner());
+        match stamp {
+            Some(stamp) => verified.insert(key.to_string(), (stamp, weights_line)),
+            None => verified.remove(key),
+        };
     }
 
     /// The folder.
@@ -175,7 +218,7 @@ impl OptimizedCache {
             Some(len) => {
                 bytes.truncate(len);
                 Read::Sound(Cached {
-                    bytes: ModelBytes::inline(bytes),
+                    bytes: sealed(bytes),
                     weights: None,
                 })
             }
@@ -193,9 +236,12 @@ impl OptimizedCache {
         let (Ok(graph), Ok(weights)) = (std::fs::read(&graph_path), Mapping::of(&self.path(key, "bin"))) else {
             return Read::Corrupt;
         };
-        if record(key, &graph, weights.bytes()) != recorded {
+        let (stamp, weights_line) = self.weights_line(key, &weights);
+        if record(&line(&format!("{key}.onnx"), &graph), &weights_line) != recorded {
+            self.remember(key, None, weights_line);
             return Read::Corrupt;
         }
+        self.remember(key, stamp, weights_line);
         Read::Sound(mapped(graph, weights, &graph_path))
     }
 
@@ -239,7 +285,7 @@ impl OptimizedCache {
         rename(temp, &self.path(key, "ort"))?;
         bytes.truncate(len);
         Ok(Cached {
-            bytes: ModelBytes::inline(bytes),
+            bytes: sealed(bytes),
             weights: None,
         })
     }
@@ -276,11 +322,13 @@ impl OptimizedCache {
         }
         let weights = Mapping::of(&weights_path)?;
         let record_path = temp.join(format!("{key}.sum"));
-        std::fs::write(&record_path, record(key, &graph, weights.bytes()))
+        let weights_line = line(&weights_name, weights.bytes());
+        std::fs::write(&record_path, record(&line(&graph_name, &graph), &weights_line))
             .map_err(|e| format!("cannot write {}: {e}", record_path.display()))?;
         rename(&weights_path, &self.path(key, "bin"))?;
         rename(&temp.join(&graph_name), &self.path(key, "onnx"))?;
         rename(&record_path, &self.path(key, "sum"))?;
+        self.remember(key, stamp(&self.path(key, "bin")), weights_line);
         Ok(mapped(graph, weights, &self.path(key, "onnx")))
     }
 }
@@ -302,6 +350,18 @@ fn mapped(graph: Vec<u8>, weights: Mapping, graph_path: &Path) -> Cached {
     }
 }
 
+/// An ORT-format entry's bytes in a sealed memfd, which a worker process maps instead of being
+/// sent a copy (see `pool/process/wire.rs`); on the heap if the memfd cannot be made.
+fn sealed(bytes: Vec<u8>) -> ModelBytes {
+    match Mapping::sealed(&bytes) {
+        Ok(mapping) => ModelBytes::shared(mapping),
+        Err(reason) => {
+            tracing::warn!(%reason, "the optimized graph stays on the heap: worker processes are sent a copy");
+            ModelBytes::inline(bytes)
+        }
+    }
+}
+
 /// A CPU session builder that saves the graph it optimizes to `path`.
 fn saving_to(rt: &OnnxRuntime, path: &Path) -> Result<ort::session::builder::SessionBuilder, String> {
     super::session::builder(rt, &SessionOptions::quiet_cpu())?
@@ -313,14 +373,14 @@ fn rename(from: &Path, to: &Path) -> Result<(), String> {
     std::fs::rename(from, to).map_err(|e| format!("cannot rename {} to {}: {e}", from.display(), to.display()))
 }
 
-/// A mapped entry's record: each file's name, length and SHA-256.
-fn record(key: &str, graph: &[u8], weights: &[u8]) -> String {
-    let line = |name: String, bytes: &[u8]| format!("{name} {} {:x}\n", bytes.len(), Sha256::digest(bytes));
-    format!(
-        "{RECORD}\n{}{}",
-        line(format!("{key}.onnx"), graph),
-        line(format!("{key}.bin"), weights)
-    )
+/// A mapped entry's record: each file's line.
+fn record(graph_line: &str, weights_line: &str) -> String {
+    format!("{RECORD}\n{graph_line}{weights_line}")
+}
+
+/// A file's line of a record: its name, length and SHA-256.
+fn line(name: &str, bytes: &[u8]) -> String {
+    format!("{name} {} {:x}\n", bytes.len(), Sha256::digest(bytes))
 }
 
 /// The length of an entry's ORT-format bytes when its trailer matches them.
@@ -464,7 +524,9 @@ mod tests {
         );
     }
 
-    /// A mapped entry whose graph, weights or record were changed is removed and built again.
+    /// A mapped entry whose graph, weights or record were changed is removed and built again:
+    /// read by another process (a cache of its own), or by this one once the weights file is no
+    /// longer the file it hashed (here: changed in place, with a later modification time).
     #[test]
     fn a_mapped_entry_with_a_changed_file_is_removed_not_served() {
         let Ok(rt) = runtime(None) else { return };
@@ -472,26 +534,42 @@ mod tests {
         let cache = OptimizedCache::new(dir.path().join("optimized"));
         let onnx = ModelBytes::inline(BuiltinModel::Encoder.bytes());
         let key = OptimizedCache::key(rt, &onnx, Form::Mapped).unwrap();
-        for (extension, change) in [("bin", 0), ("onnx", 1), ("bin", 2), ("sum", 3)] {
+        for (extension, change, same_process) in [
+            ("bin", 0, false),
+            ("onnx", 0, false),
+            ("bin", 1, false),
+            ("sum", 2, false),
+            ("bin", 0, true),
+            ("onnx", 0, true),
+        ] {
             cache.write(rt, &key, Form::Mapped, &onnx).unwrap();
             assert!(cache.read(&key, Form::Mapped, None).is_some());
             let path = cache.path(&key, extension);
             let mut bytes = std::fs::read(&path).unwrap();
             match change {
-                0 | 1 => {
+                0 => {
                     let at = bytes.len() / 2;
                     bytes[at] ^= 1;
                 }
-                2 => bytes.truncate(bytes.len() - 1),
+                1 => bytes.truncate(bytes.len() - 1),
                 _ => bytes.extend_from_slice(b"x"),
             }
             std::fs::write(&path, bytes).unwrap();
-            assert!(
-                cache.read(&key, Form::Mapped, None).is_none(),
-                "{extension} changed ({change})"
-            );
+            let later = std::time::SystemTime::now() + std::time::Duration::from_secs(1);
+            std::fs::File::options()
+                .write(true)
+                .open(&path)
+                .unwrap()
+                .set_modified(later)
+                .unwrap();
+            let reader = match same_process {
+                true => cache.clone(),
+                false => OptimizedCache::new(cache.dir()),
+            };
+            let case = format!("{extension} changed ({change}), same process: {same_process}");
+            assert!(reader.read(&key, Form::Mapped, None).is_none(), "{case}");
             for extension in ["sum", "onnx", "bin"] {
-                assert!(!cache.path(&key, extension).exists(), "{extension} removed");
+                assert!(!cache.path(&key, extension).exists(), "{extension} removed: {case}");
             }
         }
         assert!(
@@ -499,7 +577,11 @@ mod tests {
             "no entry until it is built again"
         );
         cache.write(rt, &key, Form::Mapped, &onnx).unwrap();
-        assert!(cache.read(&key, Form::Mapped, None).is_some());
+        assert!(
+            OptimizedCache::new(cache.dir())
+                .read(&key, Form::Mapped, None)
+                .is_some()
+        );
         let leftovers = std::fs::read_dir(cache.dir()).unwrap().count();
         assert_eq!(leftovers, 3, "no temporary files left");
     }
