@@ -161,7 +161,7 @@ fn memory_per_worker(model: &str, path: &Path) -> Vec<Figure> {
                 figures.push(
                     Figure::of_runs(
                         format!(
-                            "{model}: {measure} per extra worker ({isolation}s), loaded from {}",
+                            "{model}: {measure} per extra worker ({isolation} isolation), loaded from {}",
                             source.label()
                         ),
                         "MiB",
