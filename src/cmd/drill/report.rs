@@ -75,6 +75,9 @@ impl Report {
             host_reserve_kept(&summaries, host_reserve),
             device_within_capacity(&samples),
         ];
+        if phases.contains(&Phase::Speech) {
+            criteria.push(super::speech::criterion(facts.speech.as_ref()));
+        }
         if phases.contains(&Phase::Residency) {
             criteria.extend(super::residency::criteria(&records, facts.residency.as_ref()));
         }
