@@ -321,6 +321,27 @@ async fn a_long_file_is_decoded_in_windows_and_counted_as_one_request() {
     );
     assert_eq!(sample(&metrics, &series("audio_seconds_total", "")), 75.0);
     assert_eq!(sample(&metrics, &series("audio_real_time_factor_count", "")), 1.0);
+    // `/status` says the same, for the status page's speech panel.
+    let status: Value = reqwest::get(server.url("/status")).await.unwrap().json().await.unwrap();
+    let speech = &status["speech"][0];
+    assert_eq!(
+        (
+            &speech["model"],
+            &speech["pool"],
+            &speech["transcriptions"],
+            &speech["audio_seconds"]
+        ),
+        (&json!("whisper"), &json!("cpu"), &json!(1), &json!(75.0)),
+        "{status}"
+    );
+    let rtf = speech["real_time_factor"].as_f64().unwrap();
+    let sum = sample(&metrics, &series("audio_real_time_factor_sum", ""));
+    assert!((rtf - sum).abs() < 1e-9, "the mean of one: {rtf} vs {sum}");
+    assert_eq!(
+        status["speech"].as_array().unwrap().len(),
+        1,
+        "only the speech model: {status}"
+    );
     server.stop().await;
 }
 
