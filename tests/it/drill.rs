@@ -97,9 +97,9 @@ fn the_quick_drill_passes_against_a_server_started_with_its_config() {
             "non_replayable",
             "idempotency",
             "embeddings",
-            "speech",
             "residency",
             "background",
+            "speech",
             "worker_lost"
         ]
     );

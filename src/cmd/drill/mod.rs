@@ -4,10 +4,10 @@
 //! baseline, a pre-admission redirect, rising external pressure, an injected allocator failure, a
 //! driver reset and restore with CPU work in flight, cancellations in the CPU queue, streamed
 //! generations failing before and after their first token, non-replayable requests and a chat
-//! offering tools, idempotent client retries, embeddings under pressure and faults, a long
-//! transcription through an allocator failure and a driver reset, three models that do not fit on
-//! the device together beside a pinned one, a background service's request while interactive ones
-//! wait, the accelerator's worker process killed with every kind of work in flight), records what
+//! offering tools, idempotent client retries, embeddings under pressure and faults, three models
+//! that do not fit on the device together beside a pinned one, a background service's request
+//! while interactive ones wait, a long transcription through an allocator failure and driver
+//! resets, the accelerator's worker process killed with every kind of work in flight), records what
 //! happened to every request, and checks the pass criteria: nothing run twice, nothing accepted
 //! lost, replayed generations token for token the same, the breaker recovering, every redirected
 //! answer saying it was degraded, host memory never under its reserve, device memory never over its
@@ -22,7 +22,7 @@
 //!
 //! `phases.rs` says what each phase sends and expects (`phase.rs` names them), `client.rs` sends
 //! it, `record.rs` keeps what came back, `report.rs` judges it by its criteria (`criterion.rs`);
-//! `embeddings.rs`, `speech.rs`, `residency.rs`, `background.rs` and `worker.rs` (worker_lost) are
+//! `embeddings.rs`, `residency.rs`, `background.rs`, `speech.rs` and `worker.rs` (worker_lost) are
 //! the last five phases, `embeddings.rs` judging its answers' vectors itself and the others with
 //! criteria of their own (`seen.rs` is what the residency phase saw of `/status`); `server.rs` is
 //! the drill's own server and `progress.rs` its terminal line.

@@ -26,12 +26,12 @@ pub enum Phase {
     Idempotency,
     /// Embeddings requests under pressure, after allocator failures and through a driver reset.
     Embeddings,
-    /// A long transcription at rest, after an allocator failure, and through a driver reset.
-    Speech,
     /// Three models that do not fit together, requests alternating between them, a pinned one.
     Residency,
     /// A background service's request while interactive requests wait.
     Background,
+    /// A long transcription at rest, after an allocator failure, and through a driver reset.
+    Speech,
     /// The accelerator's worker process killed with work of every kind in flight.
     WorkerLost,
 }
@@ -49,9 +49,9 @@ impl Phase {
         Phase::NonReplayable,
         Phase::Idempotency,
         Phase::Embeddings,
-        Phase::Speech,
         Phase::Residency,
         Phase::Background,
+        Phase::Speech,
         Phase::WorkerLost,
     ];
 

@@ -75,14 +75,14 @@ impl Report {
             host_reserve_kept(&summaries, host_reserve),
             device_within_capacity(&samples),
         ];
-        if phases.contains(&Phase::Speech) {
-            criteria.push(super::speech::criterion(facts.speech.as_ref()));
-        }
         if phases.contains(&Phase::Residency) {
             criteria.extend(super::residency::criteria(&records, facts.residency.as_ref()));
         }
         if phases.contains(&Phase::Background) {
             criteria.push(super::background::criterion(&records, facts.background.as_ref()));
+        }
+        if phases.contains(&Phase::Speech) {
+            criteria.push(super::speech::criterion(facts.speech.as_ref()));
         }
         if phases.contains(&Phase::WorkerLost) {
             criteria.extend(super::worker::criteria(&records, facts.worker_lost.as_ref()));

@@ -63,8 +63,10 @@ pub(super) async fn run(drill: &Arc<Drill>) -> Result<SpeechFacts, String> {
     let failures = drill.n(1, 2);
     drill.begin(Phase::Speech, 3 + failures);
     let file = Arc::new(crate::runtime::audio::wav(&audio(), RATE, 1));
-    // The phase before restored the accelerator, which builds its models' sessions anew.
-    until_ready(drill).await?;
+    // The phase before restored the accelerator, which builds its models' sessions anew; each
+    // restore here does too, and the next transcription (or phase) waits for all of them.
+    until_ready(drill, &[SPEECH.to_string()]).await?;
+    let resident = resident_on_gpu(&drill.status().await?);
     let before = Counters::read(drill).await;
     let mut facts = SpeechFacts {
         audio_seconds: f64::from(SECONDS),
@@ -101,7 +103,7 @@ pub(super) async fn run(drill: &Arc<Drill>) -> Result<SpeechFacts, String> {
         // As between phases: the failure stays in the breaker's window, and the arena that
         // failed as it was left, until a restore builds the pool's sessions anew.
         drill.restore_gpu().await?;
-        until_ready(drill).await?;
+        until_ready(drill, &resident).await?;
     }
 
     // Streamed, the accelerator taken away once its first window has answered.
@@ -112,7 +114,7 @@ pub(super) async fn run(drill: &Arc<Drill>) -> Result<SpeechFacts, String> {
         .judge(|r| same && r.served_on(GPU) && r.done == Some(true))
         .keep(drill);
     drill.restore_gpu().await?;
-    until_ready(drill).await?;
+    until_ready(drill, &resident).await?;
 
     // Whole, the accelerator taken away while its first window runs there.
     let whole = {
@@ -129,6 +131,7 @@ pub(super) async fn run(drill: &Arc<Drill>) -> Result<SpeechFacts, String> {
         .judge(|r| caught && same && r.served_on(CPU) && r.degraded.is_some())
         .keep(drill);
     drill.restore_gpu().await?;
+    until_ready(drill, &resident).await?;
 
     let after = Counters::read(drill).await;
     facts.requests_counted = after.requests - before.requests;
@@ -151,23 +154,34 @@ async fn until_running_on_gpu(drill: &Drill) -> Result<bool, String> {
     Ok(false)
 }
 
+/// The models resident on the accelerator pool.
+fn resident_on_gpu(status: &crate::protocol::status::StatusReport) -> Vec<String> {
+    status
+        .models
+        .iter()
+        .filter(|m| super::residency::resident_on_gpu(status, &m.name))
+        .map(|m| m.name.clone())
+        .collect()
+}
+
 /// After a restore, wait (at most [`RECOVERY`]) until the accelerator pool's breaker is closed
-/// and the speech model resident there again (a restore builds its sessions anew), so that the
-/// next transcription starts on it.
-async fn until_ready(drill: &Drill) -> Result<(), String> {
+/// and `models` resident there again (a restore builds their sessions anew in the background),
+/// so that the next transcription starts there and the next phase finds the device as it was.
+async fn until_ready(drill: &Drill, models: &[String]) -> Result<(), String> {
     let since = std::time::Instant::now();
     while since.elapsed() < RECOVERY {
         let status = drill.status().await?;
         let closed = status
             .pool(GPU)
             .is_some_and(|gpu| gpu.breaker == crate::core::snapshot::BreakerState::Closed);
-        if closed && super::residency::resident_on_gpu(&status, SPEECH) {
+        if closed && models.iter().all(|m| super::residency::resident_on_gpu(&status, m)) {
             return Ok(());
         }
         tokio::time::sleep(std::time::Duration::from_millis(50)).await;
     }
     Err(format!(
-        "pool `{GPU}` was not serving `{SPEECH}` again within {RECOVERY:?} of the restore"
+        "pool `{GPU}` was not serving {} again within {RECOVERY:?} of the restore",
+        models.join(", ")
     ))
 }
 
