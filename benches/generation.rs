@@ -45,7 +45,7 @@ use reqwest::StatusCode;
 use serde_json::{Value, json};
 use vramguard::config::{CudaOptions, Provider};
 use vramguard::core::backend::{DecodeRow, DecodeStep, Generations, RunMeta};
-use vramguard::core::model::{ModelSource, load_bytes};
+use vramguard::core::model::load_file;
 use vramguard::core::tensor::{Tensor, TensorData};
 use vramguard::runtime::decoder::{DecoderLayout, step_inputs};
 use vramguard::runtime::onnx::{self, OrtBackend, SessionOptions};
@@ -163,7 +163,7 @@ impl Direct {
     fn new(model: &Model) -> Direct {
         let rt = onnx::runtime(None).expect("ONNX Runtime loads (run `make deps`)");
         // Its folder kept: an exporter's model keeps its weights beside it (`model.onnx.data`).
-        let bytes = load_bytes(&ModelSource::File(model.dir.join("model.onnx"))).unwrap();
+        let bytes = load_file(&model.dir.join("model.onnx")).unwrap();
         // What a CPU pool with `intra_threads: 1` builds (src/serve/service/onnxruntime.rs):
         // one intra-op thread, no arena shrinkage.
         let options = SessionOptions {

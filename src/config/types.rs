@@ -327,6 +327,13 @@ impl HostTierConfig {
     pub fn budget_on(&self, total: u64, reserve: u64) -> u64 {
         self.budget.unwrap_or(total.saturating_sub(reserve) / 4)
     }
+
+    /// Where builtin models that are folders (`builtin:whisper`) are written: `builtin/` beside
+    /// the optimized cache (`~/.cache/vramguard/builtin` by default), so that whatever keeps
+    /// the cache away from the user's (a test's cache home, the drill's folder) keeps them too.
+    pub fn builtin_models(&self) -> PathBuf {
+        self.optimized_cache.with_file_name("builtin")
+    }
 }
 
 /// Where the optimized cache goes when the config does not say: the user's cache folder

@@ -78,6 +78,7 @@ fn report(state: &AppState) -> StatusReport {
         models: status_models::models(service),
         evictions: status_models::evictions(service),
         services: services(service, &sample.snapshot),
+        speech: status_models::speech(service),
     }
 }
 

@@ -1,10 +1,10 @@
-//! `/status` `models` and `evictions`: where each model's sessions are loaded now, and what
-//! `make_room` unloaded for whom.
+//! `/status` `models`, `evictions` and `speech`: where each model's sessions are loaded now,
+//! what `make_room` unloaded for whom, and what each speech model transcribed where.
 
 use std::time::{Duration, SystemTime};
 
 use crate::config::Provider;
-use crate::protocol::status::{EvictionStatus, ModelOnPool, ModelStatus};
+use crate::protocol::status::{EvictionStatus, ModelOnPool, ModelStatus, SpeechStatus};
 use crate::serve::service::Service;
 
 /// Every configured model, each pool serving it.
@@ -44,6 +44,30 @@ pub(super) fn models(service: &Service) -> Vec<ModelStatus> {
                 fallback_model: config.fallback_model.clone(),
                 pools,
             }
+        })
+        .collect()
+}
+
+/// Every speech model on each pool serving it, in config order: what the speech metrics
+/// counted of it there.
+pub(super) fn speech(service: &Service) -> Vec<SpeechStatus> {
+    let metrics = &service.metrics.speech;
+    service
+        .models
+        .iter()
+        .filter(|entry| entry.speech.is_some())
+        .flat_map(|entry| {
+            let model = &entry.config.name;
+            service.pools.iter().filter(|p| p.serves(model)).map(move |pool| {
+                let totals = metrics.totals(model, pool.name());
+                SpeechStatus {
+                    model: model.clone(),
+                    pool: pool.name().to_string(),
+                    transcriptions: totals.transcriptions,
+                    audio_seconds: totals.audio_seconds,
+                    real_time_factor: totals.mean_real_time_factor(),
+                }
+            })
         })
         .collect()
 }

@@ -57,6 +57,27 @@ pub struct StatusReport {
     /// from servers that predate service budgets).
     #[serde(default)]
     pub services: Vec<ServiceStatus>,
+    /// Each speech model on each pool serving it: the audio transcribed there and how fast
+    /// (absent from servers that predate speech).
+    #[serde(default)]
+    pub speech: Vec<SpeechStatus>,
+}
+
+/// A speech model on one pool: its transcriptions (and translations) whose last window ran
+/// there, as `vramguard_audio_seconds_total` and `vramguard_audio_real_time_factor` count them.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SpeechStatus {
+    /// The model.
+    pub model: String,
+    /// The pool.
+    pub pool: String,
+    /// Transcriptions answered.
+    pub transcriptions: u64,
+    /// Their seconds of audio.
+    pub audio_seconds: f64,
+    /// Their mean real-time factor: seconds from arrival to answer per second of audio (below
+    /// 1: faster than it was spoken); `null` before the first.
+    pub real_time_factor: Option<f64>,
 }
 
 /// One configured model.
@@ -492,6 +513,13 @@ pub(crate) mod tests {
                 concurrency: None,
                 running: 1,
                 memory: BTreeMap::from([("sim0".to_string(), 3 << 20)]),
+            }],
+            speech: vec![SpeechStatus {
+                model: "whisper".into(),
+                pool: "gpu".into(),
+                transcriptions: 2,
+                audio_seconds: 150.0,
+                real_time_factor: Some(0.02),
             }],
         }
     }

@@ -80,8 +80,12 @@ pub struct Transcribed {
     pub pool: Arc<Pool>,
     /// The decision that placed its last window.
     pub action: Action,
-    /// Set when a window moved to the fallback pool after an allocator failure.
+    /// Set when a window moved to the fallback pool after an allocator failure (the last such
+    /// window's reason).
     pub retried: Option<FailoverReason>,
+    /// Every pool its windows ran on, each once, in the order they first did: an answer whose
+    /// last window ran where it normally runs may have had others moved to the fallback.
+    pub ran_on: Vec<Arc<Pool>>,
 }
 
 /// What one window's run gave.
@@ -147,6 +151,7 @@ async fn windows(
     let mut segments: Vec<Segment> = Vec::new();
     let mut last = None;
     let mut detected = None;
+    let (mut retried, mut ran_on) = (None, Vec::<Arc<Pool>>::new());
     while seek < total {
         let frames = frames_at(total, seek, window_frames as u64);
         let input = window(&features, config.bins, seek, window_frames);
@@ -204,6 +209,10 @@ async fn windows(
                 no_speech_prob: decoded.no_speech_prob,
             });
         }
+        retried = served.retried.or(retried);
+        if !ran_on.iter().any(|p| Arc::ptr_eq(p, &served.pool)) {
+            ran_on.push(Arc::clone(&served.pool));
+        }
         last = Some(served);
         seek += consumed.max(1);
         index += 1;
@@ -220,7 +229,8 @@ async fn windows(
         },
         pool: served.pool,
         action: served.action,
-        retried: served.retried,
+        retried,
+        ran_on,
     })
 }
 

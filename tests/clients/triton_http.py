@@ -124,7 +124,7 @@ def run(proc, address):
     @check("model repository index")
     def _():
         index = client.get_model_repository_index()
-        assert [m["name"] for m in index] == ["encoder", "classifier", "tiny", "tiny-embed"], index
+        assert [m["name"] for m in index] == ["encoder", "classifier", "tiny", "tiny-embed", "tiny-whisper"], index
         assert all(m["state"] == "READY" and m["version"] == "1" for m in index), index
 
     @check("model configuration")
@@ -167,7 +167,7 @@ def run(proc, address):
         assert success["ns"] > before["inference_stats"]["success"]["ns"], (before, after)
         assert after["last_inference"] >= before["last_inference"] > 0, (before, after)
         every = client.get_inference_statistics()["model_stats"]
-        assert [s["name"] for s in every] == ["encoder", "classifier", "tiny", "tiny-embed"], every
+        assert [s["name"] for s in every] == ["encoder", "classifier", "tiny", "tiny-embed", "tiny-whisper"], every
 
     @check("an unknown model is a 404 from every extension")
     def _():

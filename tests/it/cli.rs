@@ -368,7 +368,7 @@ fn nobody_listening() -> String {
 fn doctor_passes_on_the_embedded_default_and_says_what_is_simulated() {
     let (code, out) = doctor(&["--url", &nobody_listening()], &[]);
     assert!(
-        out.contains("ok    config       <embedded default>: valid (4 models, 2 pools, 1 device)"),
+        out.contains("ok    config       <embedded default>: valid (5 models, 2 pools, 1 device)"),
         "{out}"
     );
     assert!(out.contains("ok    onnxruntime  1.31.1 from /"), "{out}");

@@ -99,6 +99,7 @@ fn the_quick_drill_passes_against_a_server_started_with_its_config() {
             "embeddings",
             "residency",
             "background",
+            "speech",
             "worker_lost"
         ]
     );

@@ -224,6 +224,11 @@ fn residency_report() -> Value {
              "for_model": "chat", "for_request": "req-42"},
             {"at_unix": 1764590100, "pool": "gpu", "device": "gpu0", "model": "image", "freed_bytes": 2048,
              "for_model": "chat", "for_request": null}
+        ],
+        "speech": [
+            {"model": "whisper", "pool": "gpu", "transcriptions": 3, "audio_seconds": 225.0, "real_time_factor": 0.0213},
+            {"model": "whisper", "pool": "cpu", "transcriptions": 1, "audio_seconds": 75.0, "real_time_factor": 1.25},
+            {"model": "whisper-large", "pool": "gpu", "transcriptions": 0, "audio_seconds": 0.0, "real_time_factor": null}
         ]
     })
 }
@@ -237,7 +242,7 @@ async fn the_models_services_and_evictions_panels_render_what_status_says_or_tha
     let page = reqwest::get(server.url("/")).await.unwrap().text().await.unwrap();
     let mut report: Value = reqwest::get(server.url("/status")).await.unwrap().json().await.unwrap();
     server.stop().await;
-    let keys = ["models", "services", "evictions"];
+    let keys = ["models", "services", "evictions", "speech"];
 
     // An older server sends none of the keys: each panel says so, and the rest renders.
     for key in keys {
@@ -246,7 +251,12 @@ async fn the_models_services_and_evictions_panels_render_what_status_says_or_tha
     let stand_in = StandIn::start(page, report.clone()).await;
     let dom = dump_dom(&stand_in.url).await;
     assert!(dom.contains("Serving normally"), "the page rendered to its end: {dom}");
-    for (key, list) in [("models", "table"), ("services", "table"), ("evictions", "ul")] {
+    for (key, list) in [
+        ("models", "table"),
+        ("services", "table"),
+        ("evictions", "ul"),
+        ("speech", "table"),
+    ] {
         assert!(
             dom.contains(&format!(
                 r#"<div id="{key}-note" class="muted">Not reported by this vramguard.</div>"#
@@ -270,6 +280,7 @@ async fn the_models_services_and_evictions_panels_render_what_status_says_or_tha
         ("models", "No models configured."),
         ("services", "No services."),
         ("evictions", "No evictions recorded."),
+        ("speech", "No speech models configured."),
     ] {
         assert!(
             dom.contains(&format!(r#"<div id="{key}-note" class="muted">{note}</div>"#)),
@@ -340,6 +351,21 @@ async fn the_models_services_and_evictions_panels_render_what_status_says_or_tha
             "–"
         ]
     );
+
+    // Speech: per model and pool, the transcriptions, their audio and their mean pace.
+    assert_eq!(
+        row(&dom, r#"data-speech="whisper" data-pool="gpu""#),
+        ["whisper", "gpu", "3", "3m 45s", "0.021 · 47× faster than spoken"]
+    );
+    assert_eq!(
+        row(&dom, r#"data-speech="whisper" data-pool="cpu""#),
+        ["whisper", "cpu", "1", "1m 15s", "1.250 · slower than spoken"]
+    );
+    assert_eq!(
+        row(&dom, r#"data-speech="whisper-large" data-pool="gpu""#),
+        ["whisper-large", "gpu", "0", "0 s", "–"]
+    );
+    assert!(dom.contains(r#"<div id="speech-note" class="muted"></div>"#), "{dom}");
 
     // Evictions, newest first: what, where, what it freed, for whom.
     let image = dom

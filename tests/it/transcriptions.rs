@@ -131,6 +131,33 @@ async fn a_short_clip_is_transcribed_as_transformers_generates_it() {
 }
 
 #[tokio::test]
+async fn the_builtin_whisper_is_the_fixture_written_into_the_cache_folder() {
+    let server = TestServer::start(
+        "models: [{name: whisper, path: 'builtin:whisper'}]\npools: [{name: cpu, provider: cpu, models: [whisper]}]\n",
+    )
+    .await;
+    let reference = reference();
+    for (name, clip) in reference["short"].as_object().unwrap() {
+        let path = format!("models/{}", clip["path"].as_str().unwrap());
+        let bytes = std::fs::read(&path).unwrap_or_else(|e| panic!("{path}: {e}"));
+        let fields = [("model", "whisper"), ("language", "en")];
+        let (status, _, body) = send(&server, "/v1/audio/transcriptions", &fields, (name, bytes)).await;
+        assert_eq!(status, StatusCode::OK, "{name}: {body}");
+        let answer: Value = serde_json::from_str(&body).unwrap();
+        let want = clip["cases"]["transcribe"]["text"].as_str().unwrap().trim();
+        assert_eq!(answer["text"], want, "{name}");
+    }
+    // Written under this test process's cache folder, never the user's.
+    let home = vramguard::testing::cache_home().join("vramguard/builtin");
+    let written: Vec<String> = std::fs::read_dir(&home)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert!(written.iter().any(|n| n.starts_with("whisper-")), "{written:?}");
+    server.stop().await;
+}
+
+#[tokio::test]
 async fn a_long_clip_is_transcribed_as_transformers_long_form_does() {
     let server = TestServer::start(&cpu_server_yaml()).await;
     let reference = reference();
@@ -241,24 +268,7 @@ async fn a_stream_sends_the_text_as_deltas_that_add_up_to_the_done_event() {
 
 /// Seconds of 16 kHz mono PCM as a WAV file.
 fn wav(samples: &[i16]) -> Vec<u8> {
-    let data = (samples.len() * 2) as u32;
-    let mut out = Vec::with_capacity(44 + data as usize);
-    out.extend(b"RIFF");
-    out.extend((36 + data).to_le_bytes());
-    out.extend(b"WAVEfmt ");
-    out.extend(16u32.to_le_bytes());
-    out.extend(1u16.to_le_bytes());
-    out.extend(1u16.to_le_bytes());
-    out.extend(16_000u32.to_le_bytes());
-    out.extend(32_000u32.to_le_bytes());
-    out.extend(2u16.to_le_bytes());
-    out.extend(16u16.to_le_bytes());
-    out.extend(b"data");
-    out.extend(data.to_le_bytes());
-    for s in samples {
-        out.extend(s.to_le_bytes());
-    }
-    out
+    vramguard::runtime::audio::wav(samples, 16_000, 1)
 }
 
 /// The 16-bit samples of a 16 kHz mono WAV fixture.
@@ -311,6 +321,27 @@ async fn a_long_file_is_decoded_in_windows_and_counted_as_one_request() {
     );
     assert_eq!(sample(&metrics, &series("audio_seconds_total", "")), 75.0);
     assert_eq!(sample(&metrics, &series("audio_real_time_factor_count", "")), 1.0);
+    // `/status` says the same, for the status page's speech panel.
+    let status: Value = reqwest::get(server.url("/status")).await.unwrap().json().await.unwrap();
+    let speech = &status["speech"][0];
+    assert_eq!(
+        (
+            &speech["model"],
+            &speech["pool"],
+            &speech["transcriptions"],
+            &speech["audio_seconds"]
+        ),
+        (&json!("whisper"), &json!("cpu"), &json!(1), &json!(75.0)),
+        "{status}"
+    );
+    let rtf = speech["real_time_factor"].as_f64().unwrap();
+    let sum = sample(&metrics, &series("audio_real_time_factor_sum", ""));
+    assert!((rtf - sum).abs() < 1e-9, "the mean of one: {rtf} vs {sum}");
+    assert_eq!(
+        status["speech"].as_array().unwrap().len(),
+        1,
+        "only the speech model: {status}"
+    );
     server.stop().await;
 }
 
@@ -340,6 +371,31 @@ async fn a_window_that_fails_on_the_device_is_decoded_again_on_the_cpu() {
     assert_eq!(status, StatusCode::OK, "{moved}");
     assert_eq!(headers["x-vramguard-pool"], "cpu", "retried on the fallback");
     assert_eq!(moved, at_rest, "the same text wherever it ran");
+    // A long file whose first window moved and whose last ran on the device: degraded all the
+    // same, though its pool is the device's.
+    let (status, _, at_rest) = send(
+        &server,
+        "/v1/audio/transcriptions",
+        &fields,
+        clip("../whisper/audio/long-16k.wav"),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{at_rest}");
+    server.post_json("/admin/sim/gpu0", &json!({"fail_next": 1})).await;
+    let (status, headers, moved) = send(
+        &server,
+        "/v1/audio/transcriptions",
+        &fields,
+        clip("../whisper/audio/long-16k.wav"),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{moved}");
+    assert_eq!(
+        headers["x-vramguard-pool"], "gpu",
+        "the windows after the first ran on the device"
+    );
+    assert!(headers.contains_key("x-vramguard-degraded"), "{headers:?}");
+    assert_eq!(moved, at_rest);
     server.stop().await;
 }
 

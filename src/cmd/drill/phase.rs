@@ -30,13 +30,15 @@ pub enum Phase {
     Residency,
     /// A background service's request while interactive requests wait.
     Background,
+    /// A long transcription at rest, after an allocator failure, and through a driver reset.
+    Speech,
     /// The accelerator's worker process killed with work of every kind in flight.
     WorkerLost,
 }
 
 impl Phase {
     /// Every phase, in the order they run.
-    pub const ALL: [Phase; 13] = [
+    pub const ALL: [Phase; 14] = [
         Phase::Baseline,
         Phase::Redirect,
         Phase::Pressure,
@@ -49,6 +51,7 @@ impl Phase {
         Phase::Embeddings,
         Phase::Residency,
         Phase::Background,
+        Phase::Speech,
         Phase::WorkerLost,
     ];
 
@@ -67,6 +70,7 @@ impl Phase {
             Phase::Residency => "residency",
             Phase::Background => "background",
             Phase::Embeddings => "embeddings",
+            Phase::Speech => "speech",
             Phase::WorkerLost => "worker_lost",
         }
     }
@@ -90,6 +94,9 @@ impl Phase {
             Phase::Residency => Some("an external workload leaves room for two of the three dense models (pressure)"),
             Phase::Embeddings => Some(
                 "an external workload holds 85% of the device, then allocator failures (fail_next), then a driver reset",
+            ),
+            Phase::Speech => Some(
+                "an allocator failure before a transcription's first window (fail_next), then driver resets mid-transcription (driver_reset)",
             ),
             Phase::WorkerLost => Some(
                 "the accelerator's worker process is killed (SIGKILL) with work of every kind in flight (kill_worker)",

@@ -32,6 +32,8 @@ pub struct Facts {
     /// External pressure applied at each step, bytes (a step asks for a share of the device and
     /// gets what the device can give while vramguard's arena holds its part).
     pub pressure_steps: Vec<u64>,
+    /// What the speech phase's target counted of its transcriptions.
+    pub speech: Option<super::SpeechFacts>,
     /// The residency phase's evictions, loads and rates.
     pub residency: Option<super::ResidencyFacts>,
     /// What the background phase saw of its interactive load and the wait it caused.
@@ -109,6 +111,10 @@ pub(super) async fn run(drill: &Arc<Drill>) -> Result<Facts, String> {
     facts.residency = Some(super::residency::run(drill).await?);
     drill.settle().await?;
     facts.background = Some(super::background::run(drill).await?);
+    drill.settle().await?;
+    // After the residency phase, which sizes its room to the byte: the speech phase's restores
+    // leave the accelerator's arenas as they find them only once they have settled.
+    facts.speech = Some(super::speech::run(drill).await?);
     drill.settle().await?;
     facts.worker_lost = Some(super::worker::run(drill).await?);
     drill.settle().await?;
@@ -444,13 +450,14 @@ mod tests {
                 "embeddings",
                 "residency",
                 "background",
+                "speech",
                 "worker_lost"
             ]
         );
         assert_eq!(Phase::Baseline.number(), 1);
         assert_eq!(Phase::Background.number(), 12);
         assert_eq!(Phase::Embeddings.number(), 10);
-        assert_eq!(Phase::WorkerLost.number(), 13);
+        assert_eq!(Phase::WorkerLost.number(), 14);
         assert!(Phase::ALL.iter().all(|p| serde_json::to_value(p).unwrap() == p.label()));
     }
 }

@@ -81,6 +81,9 @@ impl Report {
         if phases.contains(&Phase::Background) {
             criteria.push(super::background::criterion(&records, facts.background.as_ref()));
         }
+        if phases.contains(&Phase::Speech) {
+            criteria.push(super::speech::criterion(facts.speech.as_ref()));
+        }
         if phases.contains(&Phase::WorkerLost) {
             criteria.extend(super::worker::criteria(&records, facts.worker_lost.as_ref()));
         }

@@ -111,7 +111,7 @@ async fn past_min_residency(status: &StatusReport) {
 }
 
 /// Whether `model` is resident on the accelerator pool.
-fn resident_on_gpu(status: &StatusReport, model: &str) -> bool {
+pub(super) fn resident_on_gpu(status: &StatusReport, model: &str) -> bool {
     status
         .models
         .iter()

@@ -131,10 +131,18 @@ pub(super) fn answer(state: &AppState, model: &str, served: &Served, body: Value
 
 /// `response` with the headers every answer has: the model, the decision that placed it and
 /// the pool that ran it (saying when it is degraded).
-pub(super) fn stamped(
+pub(super) fn stamped(state: &AppState, model: &str, ran: (&Pool, Action), response: Response) -> Response {
+    stamped_runs(state, model, ran, &[ran.0], response)
+}
+
+/// [`stamped`] for an answer made of several runs (a transcription's windows), the last one
+/// `ran`: degraded when any run of `ran_on` was (a window moved to the fallback), though the
+/// last ran where it normally runs.
+pub(super) fn stamped_runs(
     state: &AppState,
     model: &str,
     (pool, action): (&Pool, Action),
+    ran_on: &[&Pool],
     mut response: Response,
 ) -> Response {
     let out = response.headers_mut();
@@ -143,7 +151,9 @@ pub(super) fn stamped(
         HeaderName::from_static(DECISION_HEADER),
         HeaderValue::from_static(action.label()),
     );
-    let degraded = state.service.degraded.for_answer(pool, model);
+    let degraded = ran_on
+        .iter()
+        .find_map(|ran| state.service.degraded.for_answer(ran, model));
     pool_headers(out, pool, degraded.as_ref());
     response
 }

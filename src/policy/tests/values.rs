@@ -159,7 +159,9 @@ fn smoke_inputs_come_from_the_config_without_onnx_runtime() {
             ("classifier", "cpu", 0),
             ("tiny", "cpu", 0),
             ("tiny-embed", "gpu", 0),
-            ("tiny-embed", "cpu", 0)
+            ("tiny-embed", "cpu", 0),
+            ("tiny-whisper", "gpu", 0),
+            ("tiny-whisper", "cpu", 0)
         ]
     );
     assert!(

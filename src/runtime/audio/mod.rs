@@ -175,29 +175,30 @@ fn resample(samples: &[f32], from: u32, to: u32) -> Result<Vec<f32>, AudioError>
     Ok(out[delay..delay + expected].to_vec())
 }
 
+/// A 16-bit PCM WAV file of `samples` (interleaved) at `rate` with `channels`: what the drill
+/// sends, and tests write.
+pub fn wav(samples: &[i16], rate: u32, channels: u16) -> Vec<u8> {
+    let data = (samples.len() * 2) as u32;
+    let mut out = Vec::with_capacity(44 + data as usize);
+    out.extend_from_slice(b"RIFF");
+    out.extend_from_slice(&(36 + data).to_le_bytes());
+    out.extend_from_slice(b"WAVEfmt ");
+    out.extend_from_slice(&16u32.to_le_bytes());
+    out.extend_from_slice(&1u16.to_le_bytes());
+    out.extend_from_slice(&channels.to_le_bytes());
+    out.extend_from_slice(&rate.to_le_bytes());
+    out.extend_from_slice(&(rate * u32::from(channels) * 2).to_le_bytes());
+    out.extend_from_slice(&(channels * 2).to_le_bytes());
+    out.extend_from_slice(&16u16.to_le_bytes());
+    out.extend_from_slice(b"data");
+    out.extend_from_slice(&data.to_le_bytes());
+    out.extend(samples.iter().flat_map(|s| s.to_le_bytes()));
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// A 16-bit PCM WAV of `samples` (interleaved) at `rate` with `channels`.
-    fn wav(samples: &[i16], rate: u32, channels: u16) -> Vec<u8> {
-        let data = samples.len() as u32 * 2;
-        let mut out = Vec::new();
-        out.extend_from_slice(b"RIFF");
-        out.extend_from_slice(&(36 + data).to_le_bytes());
-        out.extend_from_slice(b"WAVEfmt ");
-        out.extend_from_slice(&16u32.to_le_bytes());
-        out.extend_from_slice(&1u16.to_le_bytes());
-        out.extend_from_slice(&channels.to_le_bytes());
-        out.extend_from_slice(&rate.to_le_bytes());
-        out.extend_from_slice(&(rate * u32::from(channels) * 2).to_le_bytes());
-        out.extend_from_slice(&(channels * 2).to_le_bytes());
-        out.extend_from_slice(&16u16.to_le_bytes());
-        out.extend_from_slice(b"data");
-        out.extend_from_slice(&data.to_le_bytes());
-        out.extend(samples.iter().flat_map(|s| s.to_le_bytes()));
-        out
-    }
 
     #[test]
     fn channels_are_mixed_as_ffmpeg_mixes_them_and_the_rate_kept_when_it_is_the_models() {

@@ -37,7 +37,7 @@ pub use failover::{
 pub use generation::GenerationMetrics;
 pub use policy::{DecisionLabels, KindLabels, PolicyInfoLabels, PolicyMetrics, ReloadResult, ResultLabels};
 pub use requests::{Outcome, RequestLabels, RequestMetrics, UNKNOWN_MODEL};
-pub use speech::SpeechMetrics;
+pub use speech::{SpeechMetrics, SpeechTotals};
 pub use waits::{ServiceWaits, WaitFor, WaitLabels};
 
 /// The metric handles vramguard updates as things happen, one field per family.

@@ -1,6 +1,7 @@
 //! The models a service serves: each one's bytes, signature, memory profile, decoder layout,
 //! tokenizer and chat template, read and checked against its config before any port is bound.
 
+use std::path::Path;
 use std::sync::Arc;
 
 use crate::config::{Config, ConfigError, ModelConfig, TokenizerSource};
@@ -147,8 +148,9 @@ pub(super) fn load_models(backends: &dyn BackendFactory, config: &Config) -> Res
         message,
     };
     let models = config.models.iter().enumerate();
+    let builtin_home = config.host_tier.builtin_models();
     let entries = models
-        .map(|(i, m)| load_model(backends, m).map_err(|(key, message)| invalid(i, key, message)))
+        .map(|(i, m)| load_model(backends, m, &builtin_home).map_err(|(key, message)| invalid(i, key, message)))
         .collect::<Result<Vec<_>, _>>()?;
     for (i, entry) in entries.iter().enumerate() {
         check_images(entry, &entries).map_err(|message| invalid(i, "images", message))?;
@@ -195,10 +197,10 @@ fn with_cache_hints(bytes: ModelBytes, folder: &ModelFolder) -> Result<(ModelByt
 /// A model that failed to load: the key under its `models[]` entry that is wrong, and why.
 type Invalid = (&'static str, String);
 
-/// Read model `m` (its graph, and the external data files it names, each checked) and check it
-/// against its config.
-fn load_model(backends: &dyn BackendFactory, m: &ModelConfig) -> Result<ModelEntry, Invalid> {
-    let bytes = crate::core::model::load_bytes(&m.source).map_err(|e| ("path", e))?;
+/// Read model `m` (its graph, and the external data files it names, each checked; a builtin
+/// folder written into `builtin_home`) and check it against its config.
+fn load_model(backends: &dyn BackendFactory, m: &ModelConfig, builtin_home: &Path) -> Result<ModelEntry, Invalid> {
+    let bytes = crate::core::model::load_bytes(&m.source, builtin_home).map_err(|e| ("path", e))?;
     let folder = match bytes.data().folder {
         Some(folder) => ModelFolder::read(folder),
         None => Ok(ModelFolder::default()),

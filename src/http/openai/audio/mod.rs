@@ -23,6 +23,7 @@ use super::error::OpenAiError;
 use crate::http::error::outcome_of_status;
 use crate::http::headers::decode_headers;
 use crate::http::state::AppState;
+use crate::pool::Pool;
 use crate::runtime::speech::Task;
 use crate::serve::lifecycle;
 use crate::serve::service::UNKNOWN_MODEL;
@@ -113,7 +114,14 @@ async fn serve(
     .await
     .map_err(|refused| encode::refusal(service, &refused, id))?;
     let response = formats::answer(&done.transcript, checked.request.format);
-    Ok(encode::stamped(&state, &model, (&done.pool, done.action), response))
+    let ran_on: Vec<&Pool> = done.ran_on.iter().map(Arc::as_ref).collect();
+    Ok(encode::stamped_runs(
+        &state,
+        &model,
+        (&done.pool, done.action),
+        &ran_on,
+        response,
+    ))
 }
 
 /// Check `request` against its model (a speech model; a language it knows), decode its audio,
