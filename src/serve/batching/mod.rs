@@ -112,8 +112,8 @@ impl Batchers {
 
 /// Runs of one model that follow one another (a transcription's windows), placed with
 /// [`Batchers::place_next`]. Between two of its runs (the next being prepared) the series is
-/// *due*: a batch of the model that could go now waits for it, up to `max_delay` from the
-/// batch's first member, and goes as soon as no series is due. Without it, series that move in
+/// *due*: a batch of the model that could go now waits for it, up to `max_delay` from when it
+/// could go, and goes as soon as no series is due. Without it, series that move in
 /// step alternate: the one whose window ends first finds the worker free and runs alone, and the
 /// others gather behind it. Due from [`Batchers::series`] until it joins a batch, and again
 /// from the end of that batch's run (before the worker counts as free); dropped, it is done.
