@@ -13,7 +13,10 @@
 //! in the next ([`crate::runtime::speech::window_segments`]); without timestamps (audio of one
 //! window, text only) the one window is all.
 //! Windows follow each other (each starts where the last one's timestamps say), so one
-//! transcription runs one window at a time; concurrent transcriptions' windows share runs.
+//! transcription runs one window at a time; concurrent transcriptions' windows share runs. A
+//! transcription's windows are a [`Series`]: while one transcription prepares its next window, a
+//! batch that could go waits for it (up to `max_delay`), so transcriptions that move in step
+//! keep sharing their runs.
 //!
 //! A window that failed over was decoded again from its features on the fallback, which is
 //! never a replay of anything the client saw: streamed text goes out a window at a time, once
@@ -32,7 +35,7 @@ use crate::pool::activity::Progress;
 use crate::runtime::speech::{
     Segment, SpeechModel, Task, Transcript, Whisper, WindowSegment, frames_at, window, window_segments,
 };
-use crate::serve::batching::Batchers;
+use crate::serve::batching::{Batchers, Series};
 use crate::serve::lifecycle::{self, Refused, Request, RequestError};
 use crate::serve::metrics::FailoverReason;
 use crate::serve::service::{ModelEntry, Service};
@@ -132,6 +135,8 @@ async fn windows(
     sink: Option<Sink>,
 ) -> Result<Transcribed, Refused> {
     let whisper = &speech.whisper;
+    // Due from now: concurrent transcriptions' first windows wait for this one's features.
+    let series: Series = batchers.series(&request.model);
     let config = whisper.mel;
     let window_frames = config.frames();
     let long = samples.len() > config.window_samples();
@@ -166,7 +171,7 @@ async fn windows(
                 error: RequestError::BadInput(e),
             })?;
         let run = window_request(request, whisper, input, &prompt, params, index);
-        let served = batchers.place(run).await?;
+        let served = batchers.place_next(run, &series).await?;
         let decoded = decoded(&served.outputs).map_err(|e| failed(&served.pool, e))?;
         // `sum_logprob` counts the end token when the window ended before its limit: Whisper's
         // mean divides by the tokens and that end.

@@ -15,7 +15,7 @@ use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender, unbounded_channel};
 use vramguard::core::backend::{Backend, BackendError, RunMeta};
 use vramguard::core::tensor::{Tensor, TensorData};
 use vramguard::runtime::estimate::Dims;
-use vramguard::serve::batching::Batchers;
+use vramguard::serve::batching::{Batchers, Series};
 use vramguard::serve::lifecycle::{self, DeadlineMiss, Refused, Request, RequestError, Served};
 use vramguard::serve::service::Service;
 use vramguard::testing::fakes::{self, FakeFactory, encoder_request};
@@ -230,4 +230,69 @@ async fn the_policy_is_asked_once_for_the_batch_and_sees_its_rows_and_estimate()
     assert_eq!(rejected, 1.0, "one decision for the three");
     // Alone, a request is a batch of one, which it admits.
     echoed(lifecycle::infer(&h.service, member(4.0)).await);
+}
+
+/// Place `request` as the next run of `series`; the task gives the series back with the answer.
+fn spawn_next(
+    h: &Harness,
+    request: Request,
+    series: Series,
+) -> tokio::task::JoinHandle<(Result<Served, Refused>, Series)> {
+    let batchers = Arc::clone(&h.batchers);
+    tokio::spawn(async move { (batchers.place_next(request, &series).await, series) })
+}
+
+/// Wait (yielding, so the paused clock stands still) until the batcher holds no rows: a batch
+/// that went on a notification, not on a timer. False when it did not within many turns.
+async fn batch_went(h: &Harness) -> bool {
+    let batcher = h.batchers.batcher("encoder").expect("batching is configured");
+    for _ in 0..10_000 {
+        if batcher.waiting_rows() == 0 {
+            return true;
+        }
+        tokio::task::yield_now().await;
+    }
+    false
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_batch_that_could_go_waits_for_a_series_between_its_runs() {
+    let h = harness(vramguard::testing::ADMIT_ALL, "1h");
+    let batcher = h.batchers.batcher("encoder").expect("batching is configured");
+    // A transcription preparing its next window: the worker is free, yet the lone request's
+    // batch waits for it, and they run as one.
+    let series = h.batchers.series("encoder");
+    let lone = spawn(&h, member(1.0));
+    rows_waiting(&h, 1).await;
+    tokio::time::sleep(Duration::from_secs(600)).await;
+    assert_eq!(batcher.waiting_rows(), 1, "still waiting for the series");
+    let next = spawn_next(&h, member(2.0), series);
+    assert!(echoed(lone.await.unwrap()).iter().all(|v| *v == 1.0));
+    let (answer, series) = next.await.unwrap();
+    assert!(echoed(answer).iter().all(|v| *v == 2.0));
+    assert_eq!(runs_and_rows(&h), (1.0, 2.0), "one run of both rows");
+    // Its run is over: it is due again until it ends, and its end lets the batch go.
+    let waiting = spawn(&h, member(3.0));
+    rows_waiting(&h, 1).await;
+    drop(series);
+    assert!(batch_went(&h).await, "the series' end let the batch go");
+    echoed(waiting.await.unwrap());
+    // No series: a lone request waits for nothing.
+    let alone = spawn(&h, member(4.0));
+    assert!(batch_went(&h).await);
+    echoed(alone.await.unwrap());
+    assert_eq!(runs_and_rows(&h), (3.0, 4.0));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_series_that_does_not_come_is_waited_for_up_to_max_delay() {
+    let h = harness(vramguard::testing::ADMIT_ALL, "1s");
+    let batcher = h.batchers.batcher("encoder").expect("batching is configured");
+    let _series = h.batchers.series("encoder");
+    let lone = spawn(&h, member(1.0));
+    rows_waiting(&h, 1).await;
+    tokio::time::sleep(Duration::from_millis(900)).await;
+    assert_eq!(batcher.waiting_rows(), 1, "waiting for the series");
+    echoed(lone.await.unwrap());
+    assert_eq!(runs_and_rows(&h), (1.0, 1.0));
 }

@@ -192,6 +192,42 @@ async fn a_long_clip_is_transcribed_as_transformers_long_form_does() {
 }
 
 #[tokio::test]
+async fn concurrent_long_clips_share_their_windows_runs_and_each_is_exact() {
+    // One worker, windows batched up to four rows: four transcriptions of the long clip (two
+    // WAV, two FLAC: the same samples, so the same windows) move in step.
+    let yaml = format!(
+        "models: [{{name: whisper, path: {WHISPER}, batching: {{max_batch: 4, max_delay: 30s}}}}]\n\
+         pools: [{{name: cpu, provider: cpu, models: [whisper], workers: 1}}]\n"
+    );
+    let server = TestServer::start(&yaml).await;
+    let reference = reference();
+    let fields = [("model", "whisper"), ("language", "en"), ("response_format", "json")];
+    let names = ["long-16k.wav", "long-16k.flac", "long-16k.wav", "long-16k.flac"];
+    let answers = futures_util::future::join_all(names.iter().map(|name| {
+        let file = format!("models/speech/whisper/audio/{name}");
+        let bytes = std::fs::read(&file).unwrap_or_else(|e| panic!("{file}: {e}"));
+        send(&server, "/v1/audio/transcriptions", &fields, (name, bytes))
+    }))
+    .await;
+    for (name, (status, _, body)) in names.iter().zip(answers) {
+        assert_eq!(status, StatusCode::OK, "{name}: {body}");
+        let answer: Value = serde_json::from_str(&body).unwrap();
+        let want = reference["long"][name]["text"].as_str().unwrap().trim();
+        assert_eq!(answer["text"], want, "{name}, decoded in a batch");
+    }
+    let metrics = server.metrics().await;
+    let labels = r#"{model="whisper",pool="cpu"}"#;
+    let rows = sample(&metrics, &format!("vramguard_batch_rows_sum{labels}"));
+    let runs = sample(&metrics, &format!("vramguard_batch_rows_count{labels}"));
+    assert_eq!(rows, 16.0, "four windows each");
+    // However their first windows met, from the second on the four run as one: at most 4 runs
+    // for the first windows and 3 after. (Alternating, a lone window then the other three,
+    // takes 8.)
+    assert!(runs <= 7.0, "{runs} runs for 16 windows");
+    server.stop().await;
+}
+
+#[tokio::test]
 async fn different_clips_give_different_text_and_each_format_reads_back() {
     let server = TestServer::start(&cpu_server_yaml()).await;
     let fields = [("model", "whisper"), ("language", "en"), ("response_format", "text")];

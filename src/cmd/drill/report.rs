@@ -238,7 +238,10 @@ fn as_expected(records: &[Record]) -> Criterion {
                 r.status.map_or_else(|| "no answer".to_string(), |s| s.to_string()),
                 r.pool.as_deref().unwrap_or("no pool"),
                 r.retry.as_deref().map(|x| format!(", retry {x}")).unwrap_or_default(),
-                r.degraded.as_deref().map(|x| format!(", degraded: {x}")).unwrap_or_default(),
+                r.degraded
+                    .as_deref()
+                    .map(|x| format!(", degraded: {x}"))
+                    .unwrap_or_default(),
                 r.first_failure
                     .as_ref()
                     .map(|f| format!(", {}", crate::core::human::clipped(&f.to_string(), 160)))

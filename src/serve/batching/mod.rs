@@ -16,11 +16,15 @@
 //! (it gets its 504 and the batch goes on), and may go away (its rows are left out if the batch
 //! has not gone yet; when every member is gone, the run is cancelled). Each answer is the member's rows cut back out of the
 //! outputs, its padding trimmed ([`rows`]).
+//!
+//! Runs that follow one another (a transcription's windows, each starting where the last one's
+//! timestamps say) are placed as a [`Series`]: while one is between two runs, a batch that could
+//! go waits for it up to `max_delay`, so that transcriptions moving in step share their runs.
 
 mod rows;
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
 use futures_util::future::join_all;
@@ -65,7 +69,30 @@ impl Batchers {
     pub async fn place(&self, request: Request) -> Result<Served, Refused> {
         match self.batchers.get(&request.model) {
             Some(batcher) if request.max_new_tokens == 0 && request.sequence.is_none() => {
-                batcher.join(&self.service, request).await
+                batcher.join(&self.service, request, None).await
+            }
+            _ => lifecycle::place(&self.service, request).await,
+        }
+    }
+
+    /// A series of `model`'s runs, due from now ([`Series`]).
+    pub fn series(&self, model: &str) -> Series {
+        let series = Series {
+            batcher: self.batchers.get(model).cloned(),
+            due: Arc::new(AtomicBool::new(false)),
+        };
+        series.arm();
+        series
+    }
+
+    /// [`Batchers::place`] for the next run of `series`: in a batch, it is no longer due once
+    /// it has joined one, and due again when its run is over.
+    pub async fn place_next(&self, request: Request, series: &Series) -> Result<Served, Refused> {
+        match self.batchers.get(&request.model) {
+            Some(batcher) if request.max_new_tokens == 0 && request.sequence.is_none() => {
+                let served = batcher.join(&self.service, request, Some(&series.due)).await;
+                series.arm();
+                served
             }
             _ => lifecycle::place(&self.service, request).await,
         }
@@ -83,6 +110,37 @@ impl Batchers {
     }
 }
 
+/// Runs of one model that follow one another (a transcription's windows), placed with
+/// [`Batchers::place_next`]. Between two of its runs (the next being prepared) the series is
+/// *due*: a batch of the model that could go now waits for it, up to `max_delay` from when it
+/// could go, and goes as soon as no series is due. Without it, series that move in
+/// step alternate: the one whose window ends first finds the worker free and runs alone, and the
+/// others gather behind it. Due from [`Batchers::series`] until it joins a batch, and again
+/// from the end of that batch's run (before the worker counts as free); dropped, it is done.
+#[derive(Debug)]
+pub struct Series {
+    /// The model's batcher (none: the model does not batch, and a series changes nothing).
+    batcher: Option<Arc<Batcher>>,
+    due: Arc<AtomicBool>,
+}
+
+impl Series {
+    /// Due again: its next run is being prepared.
+    fn arm(&self) {
+        if let Some(batcher) = &self.batcher {
+            batcher.set_due(&self.due, true);
+        }
+    }
+}
+
+impl Drop for Series {
+    fn drop(&mut self) {
+        if let Some(batcher) = &self.batcher {
+            batcher.set_due(&self.due, false);
+        }
+    }
+}
+
 /// The batcher of one model with `batching`.
 #[derive(Debug)]
 pub struct Batcher {
@@ -93,6 +151,10 @@ pub struct Batcher {
     running: AtomicUsize,
     /// A run of this model's batches ended: a batch waiting for one may go.
     ended: Notify,
+    /// Series of this model between two runs ([`Series`]).
+    due: AtomicUsize,
+    /// A series stopped being due (it joined a batch, or ended): a batch waiting for it may go.
+    arrived: Notify,
     next_id: AtomicU64,
 }
 
@@ -128,6 +190,8 @@ struct Member {
     rows: u64,
     dims: Dims,
     answer: oneshot::Sender<Result<Served, Refused>>,
+    /// Its series' due flag, when it is the next run of one.
+    series: Option<Arc<AtomicBool>>,
 }
 
 impl Batcher {
@@ -138,6 +202,8 @@ impl Batcher {
             open: Mutex::default(),
             running: AtomicUsize::new(0),
             ended: Notify::new(),
+            due: AtomicUsize::new(0),
+            arrived: Notify::new(),
             next_id: AtomicU64::new(0),
         }
     }
@@ -147,19 +213,38 @@ impl Batcher {
         self.lock().iter().map(|open| open.rows).sum()
     }
 
+    /// Mark a series due or not (`flag` its own), counted in `due` once whichever way.
+    fn set_due(&self, flag: &AtomicBool, due: bool) {
+        if flag.swap(due, Ordering::AcqRel) == due {
+            return;
+        }
+        if due {
+            self.due.fetch_add(1, Ordering::AcqRel);
+        } else {
+            self.due.fetch_sub(1, Ordering::AcqRel);
+            self.arrived.notify_waiters();
+        }
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Open>> {
         self.open.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     /// Run `request` in a batch with the requests beside it, and answer it with its own rows.
     /// One larger than `max_batch` alone, or one no pool could start (admission then says
-    /// why), runs alone, as it would without batching.
-    async fn join(self: &Arc<Self>, service: &Arc<Service>, request: Request) -> Result<Served, Refused> {
+    /// why), runs alone, as it would without batching. `series`: the due flag of the series
+    /// whose next run it is.
+    async fn join(
+        self: &Arc<Self>,
+        service: &Arc<Service>,
+        request: Request,
+        series: Option<&Arc<AtomicBool>>,
+    ) -> Result<Served, Refused> {
         let Some(entry) = service.model(&request.model) else {
-            return lifecycle::place(service, request).await;
+            return self.alone(service, request, series).await;
         };
         let Some(batch_axis) = entry.profile.axis_with(AxisRole::Batch) else {
-            return lifecycle::place(service, request).await;
+            return self.alone(service, request, series).await;
         };
         let dims = entry.dims_of(&request.inputs);
         let rows = dims.get(batch_axis);
@@ -168,7 +253,7 @@ impl Batcher {
             .iter()
             .find(|p| p.serves(&request.model) && p.is_ready() && p.breaker_allows());
         let (Some(pool), true) = (first_choice, rows as usize <= self.config.max_batch) else {
-            return lifecycle::place(service, request).await;
+            return self.alone(service, request, series).await;
         };
         let deadline = request.meta.deadline.map(Instant::from_std);
         let (answer, answered) = oneshot::channel();
@@ -177,6 +262,7 @@ impl Batcher {
             rows,
             dims,
             answer,
+            series: series.cloned(),
         };
         if let Some(id) = self.add(service, entry, pool, batch_axis, member) {
             let (service, batcher) = (Arc::clone(service), Arc::clone(self));
@@ -207,6 +293,20 @@ impl Batcher {
         }
     }
 
+    /// `request` placed as it would be without batching; its series (if any) is not due while
+    /// it runs.
+    async fn alone(
+        &self,
+        service: &Service,
+        request: Request,
+        series: Option<&Arc<AtomicBool>>,
+    ) -> Result<Served, Refused> {
+        series.inspect(|flag| self.set_due(flag, false));
+        let served = lifecycle::place(service, request).await;
+        series.inspect(|flag| self.set_due(flag, true));
+        served
+    }
+
     /// Add `member` to the open batch of its kind while the batch stays within `max_batch`
     /// and what admission lets run on `pool` now; otherwise that batch goes and the member
     /// opens the next. The new batch's id, when it opened one (its caller starts it).
@@ -228,6 +328,9 @@ impl Batcher {
             {
                 batch.rows = rows;
                 batch.dims = dims;
+                if let Some(flag) = &member.series {
+                    self.set_due(flag, false);
+                }
                 batch.members.push(member);
                 if rows as usize == self.config.max_batch {
                     batch.closed = true;
@@ -238,6 +341,9 @@ impl Batcher {
             // The next member would not fit with it: it goes as it is.
             batch.closed = true;
             batch.close.notify_one();
+        }
+        if let Some(flag) = &member.series {
+            self.set_due(flag, false);
         }
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         open.push(Open {
@@ -267,16 +373,22 @@ impl Batcher {
     }
 
     /// Wait until batch `id` goes, and take its members. It goes when it is closed, or when a
-    /// run of it could start now (this model's runs leave one of its pool's workers free):
-    /// a lone request waits for nothing. While the model's runs fill the workers it gathers
+    /// run of it could start now (this model's runs leave one of its pool's workers free) and
+    /// no [`Series`] is due (one due is waited for up to `max_delay` from when the batch could
+    /// start): a lone request waits for nothing. While the model's runs fill the workers it gathers
     /// the requests that arrive, as it would only wait in the pool's queue; once `max_delay`
     /// has passed it goes to that queue all the same when other work waits there, to keep
     /// its place among it.
     async fn members_of(&self, id: u64) -> Vec<Member> {
+        // Since when a run of it could start (a worker free), while it waits for series.
+        let mut free_since = None;
         loop {
             let ended = self.ended.notified();
             tokio::pin!(ended);
             ended.as_mut().enable();
+            let arrived = self.arrived.notified();
+            tokio::pin!(arrived);
+            arrived.as_mut().enable();
             let (close, until) = {
                 let mut open = self.lock();
                 let at = open
@@ -287,7 +399,15 @@ impl Batcher {
                 let now = Instant::now();
                 let delayed = now >= batch.first + self.config.max_delay;
                 let free = self.running.load(Ordering::Relaxed) < batch.pool.config.slots();
-                if batch.closed || free || (delayed && batch.pool.load().queue_depth > 0) {
+                let series_until = match free {
+                    true => *free_since.get_or_insert(now) + self.config.max_delay,
+                    false => {
+                        free_since = None;
+                        now
+                    }
+                };
+                let waits_for_series = now < series_until && self.due.load(Ordering::Acquire) > 0;
+                if batch.closed || (free && !waits_for_series) || (delayed && batch.pool.load().queue_depth > 0) {
                     return open.swap_remove(at).members;
                 }
                 // Past its delay, it looks again at the queue every `max_delay`.
@@ -295,11 +415,16 @@ impl Batcher {
                     true => now + self.config.max_delay,
                     false => batch.first + self.config.max_delay,
                 };
+                let until = match waits_for_series {
+                    true => until.min(series_until),
+                    false => until,
+                };
                 (Arc::clone(&batch.close), until)
             };
             tokio::select! {
                 _ = close.notified() => {}
                 _ = &mut ended => {}
+                _ = &mut arrived => {}
                 _ = tokio::time::sleep_until(until) => {}
             }
         }
@@ -319,11 +444,12 @@ impl Drop for Running<'_> {
 
 /// Run the members still waiting as one request and answer each with its rows.
 async fn run(service: &Service, entry: &ModelEntry, members: Vec<Member>, running: Running<'_>) {
-    let (mut requests, mut answers, mut rows) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut requests, mut answers, mut rows, mut series) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for member in members.into_iter().filter(|m| !m.answer.is_closed()) {
         requests.push(member.request);
         answers.push(member.answer);
         rows.push(member.rows as usize);
+        series.extend(member.series);
     }
     if requests.is_empty() {
         return;
@@ -352,6 +478,11 @@ async fn run(service: &Service, entry: &ModelEntry, members: Vec<Member>, runnin
             return;
         }
     };
+    // Its series are due again before the worker counts as free: a batch that could go then
+    // waits for their next runs.
+    for flag in &series {
+        running.0.set_due(flag, true);
+    }
     drop(running);
     match ran {
         Ok(BatchRan::Together(served)) => {
