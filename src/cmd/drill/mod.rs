@@ -75,6 +75,8 @@ const DECODER: &str = "chat";
 const EMBEDDER: &str = "embed";
 /// The bundled Whisper, on both pools: the speech phase's model.
 const SPEECH: &str = "whisper";
+/// The workspace its profile gives a window, MiB (the printed config says why it is given).
+const SPEECH_WORKSPACE_MIB: u64 = 80;
 /// The dense models of the residency phase, their weights' seeds and priorities: `dense_b` has
 /// the lowest priority, `dense_c` loads on demand.
 const DENSE: [DenseModel; 3] = [
@@ -187,7 +189,7 @@ models:
 # the profile measured at load says 137 MB, which a device of this size cannot reliably give
 # beside the others, and would send the speech phase's windows to the CPU pool before the faults
 # it injects: its profile is given by hand, as measured on the simulated device.
-  - {{name: {SPEECH}, path: 'builtin:whisper', priority: 10, memory_profile: {{weights: 2MiB, workspace: 80MiB}}}}
+  - {{name: {SPEECH}, path: 'builtin:whisper', priority: 10, memory_profile: {{weights: 2MiB, workspace: {SPEECH_WORKSPACE_MIB}MiB}}}}
 {dense}# The background service gives way to interactive requests that wait: those of `{INTERACTIVE_SERVICE}`,
 # which runs one at a time, and of every other model (each its own interactive service).
 services:

@@ -26,7 +26,7 @@ use super::client::{Drill, refusal};
 use super::criterion::Criterion;
 use super::phase::Phase;
 use super::record::{Failure, Record};
-use super::{CPU, GPU, SPEECH};
+use super::{CPU, DEVICE, GPU, RESERVE_BYTES, SPEECH, SPEECH_WORKSPACE_MIB};
 use crate::protocol::headers::REQUEST_ID;
 
 /// Seconds of audio: over two windows, so at least three runs.
@@ -38,6 +38,10 @@ const RATE: u32 = 16_000;
 const SEED: u64 = 53;
 /// How long the accelerator pool may take to close its breaker after a restore.
 const RECOVERY: std::time::Duration = std::time::Duration::from_secs(30);
+/// The headroom the accelerator must have for a window to run there: its profile's workspace,
+/// the policy's reserve, and a margin for the decoder and a window's caches, which the server
+/// adds to the profile (`serve::service::models`).
+const WINDOW_ROOM: u64 = (SPEECH_WORKSPACE_MIB + 16) * (1 << 20) + RESERVE_BYTES;
 /// The multipart boundary of the drill's forms.
 const BOUNDARY: &str = "vramguard-drill-speech-5e3a";
 
@@ -174,14 +178,21 @@ async fn until_ready(drill: &Drill, models: &[String]) -> Result<(), String> {
         let closed = status
             .pool(GPU)
             .is_some_and(|gpu| gpu.breaker == crate::core::snapshot::BreakerState::Closed);
-        if closed && models.iter().all(|m| super::residency::resident_on_gpu(&status, m)) {
+        // At rest also means room for a window: the arenas of the phase before give their
+        // memory back only once idle, and until then a window would go to the CPU pool.
+        let room = status
+            .devices
+            .get(DEVICE)
+            .is_some_and(|d| d.memory.headroom_bytes >= WINDOW_ROOM);
+        if closed && room && models.iter().all(|m| super::residency::resident_on_gpu(&status, m)) {
             return Ok(());
         }
         tokio::time::sleep(std::time::Duration::from_millis(50)).await;
     }
     Err(format!(
-        "pool `{GPU}` was not serving {} again within {RECOVERY:?} of the restore",
-        models.join(", ")
+        "pool `{GPU}` was not serving {} again, with {} of headroom for a window, within {RECOVERY:?} of the restore",
+        models.join(", "),
+        crate::core::human::human_bytes(WINDOW_ROOM)
     ))
 }
 
