@@ -421,7 +421,7 @@ mod tests {
     /// metadata its cache hints are read from; a session uses the bytes in place.
     #[test]
     fn an_optimized_graph_keeps_the_signature_and_metadata_and_is_used_in_place() {
-        let Ok(rt) = runtime(None) else { return };
+        let rt = runtime(None).expect("ONNX Runtime loads");
         let dir = crate::testing::Scratch::new();
         let cache = OptimizedCache::new(dir.path().join("optimized"));
         let tagged = crate::runtime::onnx::facts::with_metadata(
@@ -472,7 +472,7 @@ mod tests {
     /// file's size, not a multiple of it).
     #[test]
     fn two_sessions_of_a_mapped_entry_answer_as_the_onnx_model_and_hold_its_weights_once() {
-        let Ok(rt) = runtime(None) else { return };
+        let rt = runtime(None).expect("ONNX Runtime loads");
         let dir = crate::testing::Scratch::new();
         let cache = OptimizedCache::new(dir.path().join("optimized"));
         let onnx = ModelBytes::inline(BuiltinModel::Encoder.bytes());
@@ -529,7 +529,7 @@ mod tests {
     /// longer the file it hashed (here: changed in place, with a later modification time).
     #[test]
     fn a_mapped_entry_with_a_changed_file_is_removed_not_served() {
-        let Ok(rt) = runtime(None) else { return };
+        let rt = runtime(None).expect("ONNX Runtime loads");
         let dir = crate::testing::Scratch::new();
         let cache = OptimizedCache::new(dir.path().join("optimized"));
         let onnx = ModelBytes::inline(BuiltinModel::Encoder.bytes());
