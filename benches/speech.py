@@ -13,7 +13,7 @@ committed fixture itself. The audio is the fixture's 75-second clip
   transformers' pipeline reads a file, then `WhisperFeatureExtractor` over the whole file) and
   the model (`generate`, long-form, greedy, timestamps, as the references are made) timed apart;
 - vramguard (`--serve BINARY`): the release binary started by this script on the folder, one CPU
-  pool of one worker whose sessions take `--intra-threads` (default: every CPU, as ONNX Runtime's
+  pool of `--workers` (default one) whose sessions take `--intra-threads` (default: every CPU, as ONNX Runtime's
   default that Optimum runs under), once per config: without `batching` and with `batching:
   {max_batch: 4, max_delay: 50ms}` (`--configs` picks); or (`--url`) a server already serving
   the folder as `--served-model`. The load generator `hey`, in its own process, posts the clip
@@ -26,7 +26,7 @@ audio seconds per second at c4 for vramguard; the front end's share of the model
 30 s window (Optimum's side: the server does not report its own). Targets (issue 53): vramguard's
 c1 real-time factor within 1/0.95 of Optimum's; its c4 aggregate >= 1.5x its c1.
 
-    /work/fix/opt/bin/python benches/speech.py [--serve target/release/vramguard] [--intra-threads N]
+    /work/fix/opt/bin/python benches/speech.py [--serve target/release/vramguard] [--intra-threads N] [--workers N]
         [--configs plain,batching] [--url http://127.0.0.1:8080 --served-model whisper]
         [--model tiny|fixture] [--rounds 3] [--requests 8]
 
@@ -157,16 +157,16 @@ def hey(url: str, body: Path, content_type: str, concurrency: int, requests: int
     return {"rps": len(rows) / wall, "mean_s": statistics.mean(float(r["response-time"]) for r in rows)}
 
 
-def serve(binary: str, model_dir: Path, config: str, intra_threads: int) -> subprocess.Popen:
-    """`binary` serving the folder as `whisper` on one CPU worker, `config` its model's extra keys."""
+def serve(binary: str, model_dir: Path, config: str, intra_threads: int, workers: int) -> subprocess.Popen:
+    """`binary` serving the folder as `whisper` on a CPU pool of `workers`, `config` its model's extra keys."""
     path = OUT / f"speech-{config}.yaml"
     path.write_text(
         "server: {listen: '127.0.0.1:%d'}\n"
         "models:\n"
         "  - {name: whisper, path: '%s'%s}\n"
-        "pools: [{name: cpu, provider: cpu, models: [whisper], workers: 1, intra_threads: %d,"
+        "pools: [{name: cpu, provider: cpu, models: [whisper], workers: %d, intra_threads: %d,"
         " queue: {capacity: 64, max_wait: 600s}}]\n"
-        % (PORT, model_dir.resolve() / "encoder_model.onnx", CONFIGS[config], intra_threads)
+        % (PORT, model_dir.resolve() / "encoder_model.onnx", CONFIGS[config], workers, intra_threads)
     )
     log = open(OUT / f"speech-{config}.log", "w")
     server = subprocess.Popen([binary, "serve", "--config", str(path)], stdout=log, stderr=subprocess.STDOUT)
@@ -220,6 +220,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--serve", help="a vramguard binary to start on the folder, once per config")
     parser.add_argument("--intra-threads", type=int, default=os.cpu_count(), help="its sessions' intra-op threads")
+    parser.add_argument("--workers", type=int, default=1, help="the CPU pool's workers (each runs a window at a time)")
     parser.add_argument("--configs", default="plain,batching", help=f"of {', '.join(CONFIGS)}")
     parser.add_argument("--url", help="instead of --serve: a vramguard serving the model folder")
     parser.add_argument("--served-model", default="whisper", help="its name in that server's config")
@@ -231,10 +232,10 @@ def main() -> None:
     model_dir = folder(args.model)
     optimum = Optimum(model_dir)
     figures = {"machine": {"cpus": os.cpu_count()}, "model": str(model_dir.relative_to(ROOT)),
-               "audio": str(AUDIO.relative_to(ROOT)), "intra_threads": args.intra_threads, "runs": {}}
+               "audio": str(AUDIO.relative_to(ROOT)), "intra_threads": args.intra_threads, "workers": args.workers, "runs": {}}
     if args.serve:
         for config in args.configs.split(","):
-            server = serve(args.serve, model_dir, config, args.intra_threads)
+            server = serve(args.serve, model_dir, config, args.intra_threads, args.workers)
             try:
                 figures["runs"][config] = compare(optimum, f"http://127.0.0.1:{PORT}", "whisper", args.rounds,
                                                   args.requests)

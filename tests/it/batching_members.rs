@@ -59,12 +59,18 @@ struct Harness {
 
 /// `encoder` with batching (up to 8 rows, `max_delay`) on one CPU worker, under `policy`.
 fn harness(policy: &str, max_delay: &str) -> Harness {
+    harness_on(policy, max_delay, "provider: cpu, workers: 1")
+}
+
+/// [`harness`] on the pool `cpu` that `pool` describes (its provider, device and workers).
+fn harness_on(policy: &str, max_delay: &str, pool: &str) -> Harness {
     let script = Scratch::new();
     let yaml = format!(
-        "models:\n\
+        "devices: [{{name: gpu0, kind: simulated, capacity: 4GiB}}]\n\
+         models:\n\
          - {{name: encoder, path: 'builtin:encoder', context: {{input: input, axis: 1}}, batching: {{max_batch: 8, max_delay: {max_delay}}}}}\n\
          - {{name: plain, path: 'builtin:encoder', context: {{input: input, axis: 1}}}}\n\
-         pools: [{{name: cpu, provider: cpu, models: [encoder, plain], workers: 1, queue: {{capacity: 8, max_wait: 1h}}}}]\n{}",
+         pools: [{{name: cpu, {pool}, models: [encoder, plain], queue: {{capacity: 8, max_wait: 1h}}}}]\n{}",
         script.policy(policy)
     );
     let (release, gate) = mpsc::channel();
@@ -295,4 +301,35 @@ async fn a_series_that_does_not_come_is_waited_for_up_to_max_delay() {
     assert_eq!(batcher.waiting_rows(), 1, "waiting for the series");
     echoed(lone.await.unwrap());
     assert_eq!(runs_and_rows(&h), (1.0, 1.0));
+}
+
+/// Four series in step (transcriptions whose next windows come together) on a pool of two
+/// workers: on a CPU pool, whose workers each have their own cores, two runs of two rows, one
+/// per worker; on an accelerator's pool, whose workers share the device, one run of four.
+#[tokio::test(start_paused = true)]
+async fn series_in_step_share_a_cpu_pools_free_workers_and_an_accelerators_one_run() {
+    let pools = [
+        ("provider: cpu, workers: 2, isolation: thread", (2.0, 4.0)),
+        (
+            "provider: simulated, device: gpu0, workers: 2, isolation: thread",
+            (1.0, 4.0),
+        ),
+    ];
+    for (pool, want) in pools {
+        let h = harness_on(vramguard::testing::ADMIT_ALL, "1h", pool);
+        let series: Vec<Series> = (0..4).map(|_| h.batchers.series("encoder")).collect();
+        let next: Vec<_> = (series.into_iter().enumerate())
+            .map(|(i, series)| spawn_next(&h, member(i as f32 + 1.0), series))
+            .collect();
+        let mut kept = Vec::new();
+        for (i, task) in next.into_iter().enumerate() {
+            let (answer, series) = task.await.unwrap();
+            assert!(
+                echoed(answer).iter().all(|v| *v == i as f32 + 1.0),
+                "{pool}: its own rows"
+            );
+            kept.push(series);
+        }
+        assert_eq!(runs_and_rows(&h), want, "{pool}: runs and rows");
+    }
 }

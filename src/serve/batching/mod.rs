@@ -320,19 +320,23 @@ impl Batcher {
     ) -> Option<u64> {
         let key = key_of(entry, &member.request);
         let mut open = self.lock();
+        let others = open.len().saturating_sub(1);
         if let Some(batch) = open.iter_mut().find(|b| b.key == key && !b.closed) {
             let rows = batch.rows + member.rows;
             let dims = merged(batch.dims, member.dims, batch_axis);
-            if rows as usize <= self.config.max_batch
-                && lifecycle::fits_now(service, entry, pool, &entry.estimate(&dims))
-            {
+            // Rows expected now: this batch's, the member's, and a row for each other series
+            // between two runs (the member's own is still counted due).
+            let due = (self.due.load(Ordering::Acquire) as u64).saturating_sub(u64::from(member.series.is_some()));
+            let expected = rows + due;
+            let limit = self.limit(&batch.pool, expected, others);
+            if rows <= limit && lifecycle::fits_now(service, entry, pool, &entry.estimate(&dims)) {
                 batch.rows = rows;
                 batch.dims = dims;
                 if let Some(flag) = &member.series {
                     self.set_due(flag, false);
                 }
                 batch.members.push(member);
-                if rows as usize == self.config.max_batch {
+                if rows == limit {
                     batch.closed = true;
                     batch.close.notify_one();
                 }
@@ -358,6 +362,26 @@ impl Batcher {
             close: Arc::new(Notify::new()),
         });
         Some(id)
+    }
+
+    /// The most rows a batch on `pool` takes, with `expected` rows to run now and `others`
+    /// batches waiting to go besides it. An accelerator's workers share one device, where a
+    /// run of more rows costs little more than a run of fewer: up to `max_batch`. Each worker
+    /// of a CPU pool has cores of its own, and there a run of four rows costs nearly what four
+    /// runs of one do (`docs/performance.md`), so the rows expected are shared among the
+    /// workers free for them: four transcriptions in step on two workers run two and two, not
+    /// four on one worker while the other idles.
+    fn limit(&self, pool: &Pool, expected: u64, others: usize) -> u64 {
+        let most = self.config.max_batch as u64;
+        if !matches!(pool.provider(), crate::config::Provider::Cpu) {
+            return most;
+        }
+        let busy = self.running.load(Ordering::Relaxed) + others;
+        match pool.config.workers.saturating_sub(busy) as u64 {
+            // Every worker is taken: the batch gathers for whichever frees first.
+            0 | 1 => most,
+            free => expected.div_ceil(free).clamp(1, most),
+        }
     }
 
     /// Batch `id`: wait for it to go, run it, answer its members.
