@@ -59,11 +59,11 @@ def main():
 
 def run_default(address):
     """`vramguard serve` with no config: its `tiny` chats, whole and streamed, and its
-    `tiny-embed` embeds (one vector of length 1 per input)."""
+    `tiny-embed` embeds (one vector of length 1 per input); `tiny-whisper` is listed too."""
     client = openai.OpenAI(base_url=f"http://{address}/v1", api_key="unused", max_retries=0, timeout=60)
 
     def listed():
-        assert [m.id for m in client.models.list()] == ["tiny", "tiny-embed"]
+        assert [m.id for m in client.models.list()] == ["tiny", "tiny-embed", "tiny-whisper"]
 
     def chats():
         messages = [{"role": "user", "content": "Is the GPU full?"}]
@@ -83,7 +83,7 @@ def run_default(address):
             assert abs(sum(v * v for v in item.embedding) - 1.0) < 1e-5, item
         assert answer.data[0].embedding != answer.data[1].embedding
 
-    return report([("the embedded default lists tiny and tiny-embed", listed),
+    return report([("the embedded default lists tiny, tiny-embed and tiny-whisper", listed),
                    ("the embedded default's tiny chats, whole and streamed", chats),
                    ("the embedded default's tiny-embed embeds", embeds)])
 

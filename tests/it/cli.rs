@@ -147,7 +147,7 @@ async fn serve_without_a_config_chats_with_tiny_at_once_and_warns_of_nothing() {
     let url = |p: &str| format!("http://{}{p}", server.addr);
     let models: Value = reqwest::get(url("/v1/models")).await.unwrap().json().await.unwrap();
     let ids = crate::common::model_ids(&models);
-    assert_eq!(ids, ["tiny", "tiny-embed"], "{models}");
+    assert_eq!(ids, ["tiny", "tiny-embed", "tiny-whisper"], "{models}");
     let response = reqwest::Client::new()
         .post(url("/v1/chat/completions"))
         .json(&serde_json::json!({"model": "tiny", "max_tokens": 8, "temperature": 0,

@@ -63,7 +63,8 @@ use crate::serve::lifecycle;
 use crate::serve::service::{ModelEntry, UNKNOWN_MODEL};
 
 /// `GET /v1/models`: the models that generate text (decoders with a tokenizer), those that
-/// embed (sentence-transformers folders) and those that rerank (cross-encoders).
+/// embed (sentence-transformers folders), those that rerank (cross-encoders) and those that
+/// transcribe (Whisper exports): every model an OpenAI client can name.
 pub async fn models(State(state): State<Arc<AppState>>) -> axum::Json<Value> {
     let data: Vec<Value> = state
         .service
@@ -89,7 +90,7 @@ pub async fn model(
     let response = match service.model(&id) {
         Some(entry) if listed(entry) => axum::Json(model_object(entry)).into_response(),
         Some(_) => OpenAiError::model_not_found(
-            format!("model `{id}` does not generate text, embed nor rerank"),
+            format!("model `{id}` does not generate text, embed, rerank nor transcribe"),
             &request,
         )
         .into_response(),
@@ -98,11 +99,11 @@ pub async fn model(
     with_request_id(response, &request)
 }
 
-/// Whether a model is one of `GET /v1/models`: a decoder with a tokenizer, an embedder or a
-/// reranker.
+/// Whether a model is one of `GET /v1/models`: a decoder with a tokenizer, an embedder, a
+/// reranker or a speech model.
 fn listed(entry: &ModelEntry) -> bool {
     let encodes = entry.embedder.is_some() || entry.reranker.is_some();
-    entry.generates_text() || (encodes && entry.tokenizer.is_some())
+    entry.generates_text() || (encodes && entry.tokenizer.is_some()) || entry.speech.is_some()
 }
 
 /// A model as OpenAI's model object describes it.
