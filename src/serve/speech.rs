@@ -33,7 +33,7 @@ use crate::core::tensor::{Tensor, TensorData};
 use crate::pool::Pool;
 use crate::pool::activity::Progress;
 use crate::runtime::speech::{
-    Segment, SpeechModel, Task, Transcript, Whisper, WindowSegment, frames_at, window, window_segments,
+    Segment, SpeechModel, Task, Transcript, Whisper, WindowSegment, frames_at, seconds_at, window, window_segments,
 };
 use crate::serve::batching::{Batchers, Series};
 use crate::serve::lifecycle::{self, Refused, Request, RequestError};
@@ -72,6 +72,10 @@ pub struct Window {
     pub pool: Arc<Pool>,
     /// The decision that placed it.
     pub action: Action,
+    /// Seconds of the audio that the text of this window and those before it covers: the next
+    /// window starts there (the audio's length after the last). A stream that fails later
+    /// says it, so the client sends only the rest.
+    pub done: f64,
 }
 
 /// A finished transcription and where it ran.
@@ -148,6 +152,7 @@ async fn windows(
             .expect("computing features does not panic")
     };
     let total = speech.mel.frames_long(samples.len()) as u64;
+    let duration = samples.len() as f64 / f64::from(config.rate);
     // Long audio is always decoded with timestamps: they say where the next window starts.
     let timestamps = params.timestamps || long;
     let mut language = params.language.clone();
@@ -192,6 +197,7 @@ async fn windows(
                 text,
                 pool: Arc::clone(&served.pool),
                 action: served.action,
+                done: seconds_at(seek + consumed.max(1)).min(duration),
             };
             // A client that went away stops the transcription where it is waited on.
             let _ = sink.send(window).await;
@@ -228,7 +234,7 @@ async fn windows(
         transcript: Transcript {
             text,
             language: detected.unwrap_or_else(|| "english".to_string()),
-            duration: samples.len() as f64 / f64::from(config.rate),
+            duration,
             segments,
             task: params.task,
         },

@@ -16,7 +16,10 @@ transcribed from the same file (models/speech/whisper/reference.json, made by ma
   (subtitles hold only the segments with text: an SRT cue cannot be empty);
 - the 75-second clip (WAV and MP3): its long-form reference (30 s windows, seeking by the last
   timestamp), text and segments;
+- the 75-second clip streamed (`stream=True`): the SDK's delta events add up to its done event,
+  the long-form reference's text;
 - four different clips at once: each its own text;
+- `models.list` and `models.retrieve` name the speech model;
 - `audio.translations.create`: the `translate_detect` case (language detected, then translated);
 - a corrupt WAV and a `.txt` upload: the client's `BadRequestError` (400) naming `file`.
 Texts are compared without their leading and trailing spaces (a transcript starts with the
@@ -173,6 +176,22 @@ def run(address, model):
             same_segments(verbose_segments(verbose), entry["segments"], name)
             same_text(verbose.text, entry["text"], name)
             same_text(transcribe(name, language="en").text, entry["text"], name)
+
+        @check(f"{name}: streamed, the SDK's deltas add up to its done event, the same text")
+        def _(name=name, entry=entry):
+            with open(path_of(name), "rb") as f:
+                events = list(client.audio.transcriptions.create(model=model, file=f, language="en", stream=True))
+            kinds = [e.type for e in events]
+            assert kinds[-1] == "transcript.text.done", kinds
+            assert set(kinds[:-1]) == {"transcript.text.delta"}, kinds
+            deltas = "".join(e.delta for e in events[:-1])
+            assert deltas == events[-1].text, (deltas, events[-1].text)
+            same_text(events[-1].text, entry["text"], name)
+
+    @check("models.list and models.retrieve name the speech model")
+    def _():
+        assert model in [m.id for m in client.models.list()], model
+        assert client.models.retrieve(model).id == model
 
     @check("four different clips at once: each its own transcription")
     def _():

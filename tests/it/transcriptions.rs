@@ -435,6 +435,143 @@ async fn a_window_that_fails_on_the_device_is_decoded_again_on_the_cpu() {
     server.stop().await;
 }
 
+/// A server whose `gpu` pool, on a simulated device, falls back to `cpu`, under `policy`.
+async fn failover_server(policy: &str) -> TestServer {
+    TestServer::with_policy(
+        &format!(
+            "devices: [{{name: gpu0, kind: simulated, capacity: 512MiB}}]\n\
+             models: [{{name: whisper, path: {WHISPER}}}]\n\
+             pools:\n\
+             - {{name: gpu, provider: simulated, device: gpu0, models: [whisper], fallback: cpu}}\n\
+             - {{name: cpu, provider: cpu, models: [whisper]}}\n"
+        ),
+        policy,
+    )
+    .await
+}
+
+/// A stream's `data:` events, read.
+fn events_of(body: &str) -> Vec<Value> {
+    body.lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{l}: {e}")))
+        .collect()
+}
+
+/// The text its delta events add up to.
+fn deltas_of(events: &[Value]) -> String {
+    events
+        .iter()
+        .filter(|e| e["type"] == "transcript.text.delta")
+        .map(|e| e["delta"].as_str().unwrap())
+        .collect()
+}
+
+#[tokio::test]
+async fn a_stream_says_in_its_events_where_a_later_window_ran() {
+    if crate::common::ran_in_own_process() {
+        return;
+    }
+    let server = failover_server(vramguard::testing::ADMIT_ALL).await;
+    let long = || clip("../whisper/audio/long-16k.wav");
+    let fields = [("model", "whisper"), ("language", "en")];
+    let (status, _, at_rest) = send(&server, "/v1/audio/transcriptions", &fields, long()).await;
+    assert_eq!(status, StatusCode::OK, "{at_rest}");
+    let at_rest: Value = serde_json::from_str(&at_rest).unwrap();
+    // The first window fails on the device and is decoded again on the CPU pool: the headers
+    // say so. The windows after it run on the device again, which only the events can say.
+    server.post_json("/admin/sim/gpu0", &json!({"fail_next": 1})).await;
+    let fields = [("model", "whisper"), ("language", "en"), ("stream", "true")];
+    let (status, headers, body) = send(&server, "/v1/audio/transcriptions", &fields, long()).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert_eq!(headers["x-vramguard-pool"], "cpu", "the pool of its first window");
+    assert!(headers.contains_key("x-vramguard-degraded"), "{headers:?}");
+    let events = events_of(&body);
+    assert_eq!(deltas_of(&events), at_rest["text"].as_str().unwrap(), "{body}");
+    let moved: Vec<&Value> = events.iter().filter(|e| e.get("vramguard").is_some()).collect();
+    let (first, done) = (moved[0], moved.last().unwrap());
+    assert_eq!(first["type"], "transcript.text.delta", "{body}");
+    assert_eq!(first["vramguard"]["pool"], "gpu", "{body}");
+    assert_eq!(first["vramguard"]["simulated"], true, "{body}");
+    assert_eq!(moved.len(), 2, "said once when it moved back, and at the end: {body}");
+    assert_eq!(done["type"], "transcript.text.done", "{body}");
+    assert_eq!(done["text"], at_rest["text"]);
+    assert_eq!(done["vramguard"]["pool"], "gpu", "the pool of its last window: {body}");
+    assert!(
+        done["vramguard"]["degraded"].is_string(),
+        "a window was served degraded: {body}"
+    );
+    // A stream whose windows all ran where its first did says nothing more.
+    let (_, _, body) = send(&server, "/v1/audio/transcriptions", &fields, long()).await;
+    let events = events_of(&body);
+    assert!(events.iter().all(|e| e.get("vramguard").is_none()), "{body}");
+    assert_eq!(deltas_of(&events), at_rest["text"].as_str().unwrap());
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn a_stream_that_fails_after_its_text_began_says_how_much_audio_it_covers() {
+    if crate::common::ran_in_own_process() {
+        return;
+    }
+    // After an allocator failure the policy turns windows away: the first window, already
+    // failed over, is sent; the second is refused, in the middle of the stream.
+    let policy = "fn decide(req, state) {\n\
+                  if state.pools[\"gpu\"].alloc_failures_recent > 0 { return reject(\"the accelerator failed a moment ago\"); }\n\
+                  admit()\n}\n";
+    let server = failover_server(policy).await;
+    let long = || clip("../whisper/audio/long-16k.wav");
+    let fields = [
+        ("model", "whisper"),
+        ("language", "en"),
+        ("response_format", "verbose_json"),
+    ];
+    let (status, _, at_rest) = send(&server, "/v1/audio/transcriptions", &fields, long()).await;
+    assert_eq!(status, StatusCode::OK, "{at_rest}");
+    let at_rest: Value = serde_json::from_str(&at_rest).unwrap();
+    let segments = at_rest["segments"].as_array().unwrap();
+    // Where the second window starts (its seek, in frames of 10 ms), and the first's text.
+    let second = segments
+        .iter()
+        .map(|s| s["seek"].as_u64().unwrap())
+        .find(|&s| s > 0)
+        .unwrap();
+    let first_text: String = segments
+        .iter()
+        .filter(|s| s["seek"] == 0)
+        .map(|s| s["text"].as_str().unwrap())
+        .collect();
+    server.post_json("/admin/sim/gpu0", &json!({"fail_next": 1})).await;
+    let fields = [("model", "whisper"), ("language", "en"), ("stream", "true")];
+    let (status, _, body) = send(&server, "/v1/audio/transcriptions", &fields, long()).await;
+    assert_eq!(status, StatusCode::OK, "the stream began with its first window: {body}");
+    let events = events_of(&body);
+    assert_eq!(deltas_of(&events), first_text.trim_start(), "{body}");
+    let last = events.last().unwrap();
+    assert_eq!(last["type"], "error", "{body}");
+    let error = &last["error"];
+    assert_eq!(error["audio_seconds_done"], second as f64 / 100.0, "{body}");
+    assert_eq!(error["audio_seconds"], at_rest["duration"], "{body}");
+    assert!(error["request_id"].is_string(), "{body}");
+    assert!(
+        error["resume"].as_str().unwrap().contains("audio_seconds_done"),
+        "{body}"
+    );
+    let message = error["message"].as_str().unwrap();
+    assert!(message.contains("the accelerator failed a moment ago"), "{message}");
+    assert!(message.contains("nothing was replayed"), "{message}");
+    let metrics = server.metrics().await;
+    assert_eq!(
+        sample(
+            &metrics,
+            "vramguard_requests_total{model=\"whisper\",pool=\"\",outcome=\"rejected\"}"
+        ),
+        1.0,
+        "counted once, as the policy's refusal (which no pool ran): {metrics}"
+    );
+    server.stop().await;
+}
+
 /// A request's fields, its file, and the field its 400 names and what its message says.
 type Case<'a> = (Vec<(&'a str, &'a str)>, (&'a str, Vec<u8>), &'a str, &'a str);
 

@@ -32,6 +32,12 @@ pub struct WindowResult {
     pub consumed: u64,
 }
 
+/// Seconds from the start of the audio at `seek` (in feature frames), in `f64` as
+/// `transformers` computes a window's offset.
+pub fn seconds_at(seek: u64) -> f64 {
+    seek as f64 * TIME_PRECISION / INPUT_STRIDE as f64
+}
+
 /// Frames of a window at `seek` in features of `total` frames: the rest of the audio, at most
 /// `window_frames` (3,000).
 pub fn frames_at(total: u64, seek: u64, window_frames: u64) -> u64 {
@@ -57,7 +63,7 @@ pub fn window(features: &[f32], bins: usize, seek: u64, window_frames: usize) ->
 /// `timestamp_begin` (`<|0.00|>`): as `_retrieve_segment` cuts them, in `f64` as it computes
 /// them.
 pub fn window_segments(tokens: &[u32], seek: u64, frames: u64, timestamp_begin: u32) -> WindowResult {
-    let offset = seek as f64 * TIME_PRECISION / INPUT_STRIDE as f64;
+    let offset = seconds_at(seek);
     let is_time: Vec<bool> = tokens.iter().map(|&t| t >= timestamp_begin).collect();
     // Signed: a segment of a window decoded without timestamps may start with text, which
     // `transformers` subtracts all the same (its start then lies before the window's).

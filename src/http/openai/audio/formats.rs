@@ -183,16 +183,26 @@ fn timestamp(seconds: f64, marker: char) -> String {
 
 /// `stream=true`: a piece of the text as it is transcribed (`transcript.text.delta`). The
 /// pieces add up to [`done_event`]'s text when the first is sent without the space Whisper's
-/// text starts with.
-pub fn delta_event(text: &str) -> Event {
-    Event::default().data(json!({"type": "transcript.text.delta", "delta": text}).to_string())
+/// text starts with. `facts` (where its window ran, when the stream's headers do not say it)
+/// go beside OpenAI's fields as `vramguard`.
+pub fn delta_event(text: &str, facts: Option<Value>) -> Event {
+    let mut event = json!({"type": "transcript.text.delta", "delta": text});
+    if let Some(facts) = facts {
+        event["vramguard"] = facts;
+    }
+    Event::default().data(event.to_string())
 }
 
 /// `stream=true`: the last event, the whole text (`transcript.text.done`). Its `usage` is left
 /// out: the `openai` package types it as the token counts OpenAI bills its newer models by,
-/// while Whisper's is the audio's duration, which a non-streamed `json` answer gives.
-pub fn done_event(transcript: &Transcript) -> Event {
-    Event::default().data(json!({"type": "transcript.text.done", "text": transcript.text.trim()}).to_string())
+/// while Whisper's is the audio's duration, which a non-streamed `json` answer gives. `facts`
+/// go beside OpenAI's fields as `vramguard`, as [`delta_event`]'s do.
+pub fn done_event(transcript: &Transcript, facts: Option<Value>) -> Event {
+    let mut event = json!({"type": "transcript.text.done", "text": transcript.text.trim()});
+    if let Some(facts) = facts {
+        event["vramguard"] = facts;
+    }
+    Event::default().data(event.to_string())
 }
 
 #[cfg(test)]

@@ -225,10 +225,11 @@ enum Piece {
 /// `transcript.text.delta` event as it is decoded, then `transcript.text.done`. The response
 /// waits for the first window, so its headers name the pool that ran it and say when it is
 /// degraded, as every answer's do, and a refusal before it is an ordinary error response;
-/// after it, an `error` event (what was sent stays sent).
+/// after it, the events say what the headers could not ([`Streaming`]).
 async fn streamed(state: Arc<AppState>, checked: Checked, id: String) -> Response {
     let (pieces, mut received) = mpsc::channel::<Piece>(8);
     let model = checked.request.model.clone();
+    let duration = checked.samples.len() as f64 / f64::from(rate_of(&state, &model));
     let (task_state, task_model) = (Arc::clone(&state), model.clone());
     tokio::spawn(async move {
         let (sink, mut texts) = mpsc::channel::<speech::Window>(8);
@@ -261,8 +262,7 @@ async fn streamed(state: Arc<AppState>, checked: Checked, id: String) -> Respons
         }
         let _ = pieces.send(Piece::End(end)).await;
     });
-    let first = received.recv().await;
-    let first = match first {
+    let first = match received.recv().await {
         Some(Piece::End(Err(refused))) => {
             return encode::refusal(&state.service, &refused, &id).into_response();
         }
@@ -274,36 +274,116 @@ async fn streamed(state: Arc<AppState>, checked: Checked, id: String) -> Respons
         Piece::End(Ok(done)) => (Arc::clone(&done.pool), done.action),
         Piece::End(Err(_)) => unreachable!("answered above"),
     };
-    // The done event's text is trimmed as OpenAI's is: so is the first delta's, so that the
-    // deltas add up to it.
-    let state_for_headers = Arc::clone(&state);
+    let streaming = Streaming {
+        state: Arc::clone(&state),
+        id,
+        model: model.clone(),
+        duration,
+        first: true,
+        pool: Arc::clone(&ran.0),
+        moved: false,
+        done: 0.0,
+    };
     let events = futures_util::stream::unfold(
-        (Some(first), received, state, id, true),
-        |(mut next, mut rx, state, id, first)| async move {
-            // A window that holds no text sends nothing.
-            let piece = loop {
-                match next.take() {
-                    Some(Piece::Text(window)) if window.text.is_empty() => {}
-                    Some(piece) => break piece,
-                    None => next = Some(rx.recv().await?),
+        (Some(first), received, streaming),
+        |(mut next, mut rx, mut streaming)| async move {
+            // A window that holds no text sends nothing, but what it covered counts as sent.
+            let event = loop {
+                let piece = match next.take() {
+                    Some(piece) => piece,
+                    None => rx.recv().await?,
+                };
+                if let Some(event) = streaming.event(piece) {
+                    break event;
                 }
             };
-            let still_first = first && !matches!(piece, Piece::Text(_));
-            let event = match piece {
-                Piece::Text(window) if first => formats::delta_event(window.text.trim_start()),
-                Piece::Text(window) => formats::delta_event(&window.text),
-                Piece::End(Ok(done)) => formats::done_event(&done.transcript),
-                Piece::End(Err(refused)) => {
-                    let error = encode::refusal(&state.service, &refused, &id);
-                    Event::default().data(json!({"type": "error", "error": error.body()}).to_string())
-                }
-            };
-            Some((
-                Ok::<_, std::convert::Infallible>(event),
-                (None, rx, state, id, still_first),
-            ))
+            Some((Ok::<_, std::convert::Infallible>(event), (None, rx, streaming)))
         },
     );
     let response = Sse::new(events).into_response();
-    encode::stamped(&state_for_headers, &model, (&ran.0, ran.1), response)
+    encode::stamped(&state, &model, (&ran.0, ran.1), response)
+}
+
+/// The sample rate of `model`'s front end (a checked speech model).
+fn rate_of(state: &AppState, model: &str) -> u32 {
+    let entry = state.service.model(model).expect("checked");
+    entry.speech.as_deref().expect("a speech model").whisper.mel.rate
+}
+
+/// A stream's events past its headers, which went out with its first window. What they could
+/// not say, the events do, in a `vramguard` object beside OpenAI's fields (as a chat stream's
+/// chunks carry it): a delta whose window ran on another pool than the window before it names
+/// that pool and, while it is degraded, why; the done event does when any window moved. An
+/// `error` event after text says how much of the audio that text covers and how to ask for the
+/// rest: nothing sent is sent again, and nothing is replayed.
+struct Streaming {
+    state: Arc<AppState>,
+    id: String,
+    model: String,
+    /// Seconds of the request's audio.
+    duration: f64,
+    /// No text sent yet: the first delta's text is trimmed at its start, as the done event's is,
+    /// so that the deltas add up to it.
+    first: bool,
+    /// The pool of the last window.
+    pool: Arc<Pool>,
+    /// Some window ran on another pool than the one the headers name.
+    moved: bool,
+    /// Seconds of the audio whose text has been sent.
+    done: f64,
+}
+
+impl Streaming {
+    /// The event `piece` is, or `None` for a window with no text.
+    fn event(&mut self, piece: Piece) -> Option<Event> {
+        match piece {
+            Piece::Text(window) => {
+                self.done = window.done;
+                let facts = (!Arc::ptr_eq(&window.pool, &self.pool)).then(|| self.facts(&window.pool));
+                self.pool = window.pool;
+                self.moved |= facts.is_some();
+                let text = if self.first {
+                    window.text.trim_start()
+                } else {
+                    &window.text
+                };
+                if text.is_empty() && facts.is_none() {
+                    return None;
+                }
+                self.first &= text.is_empty();
+                Some(formats::delta_event(text, facts))
+            }
+            Piece::End(Ok(done)) => {
+                let facts = self.moved.then(|| {
+                    let ran_on: Vec<&Pool> = done.ran_on.iter().map(Arc::as_ref).collect();
+                    let degraded = ran_on
+                        .iter()
+                        .find_map(|ran| self.state.service.degraded.for_answer(ran, &self.model));
+                    crate::http::headers::pool_facts(&done.pool, degraded.as_ref())
+                });
+                Some(formats::done_event(&done.transcript, facts))
+            }
+            Piece::End(Err(refused)) => {
+                let error = encode::refusal(&self.state.service, &refused, &self.id);
+                let mut body = error.body();
+                let (done, of) = (self.done, self.duration);
+                body["message"] = json!(format!(
+                    "{}; the text of the audio's first {done:.2} s (of {of:.2} s) had been sent, and nothing was replayed",
+                    error.message
+                ));
+                body["audio_seconds_done"] = json!(done);
+                body["audio_seconds"] = json!(of);
+                body["resume"] = json!(
+                    "send the audio after audio_seconds_done as a new transcription (the text received so far as its prompt): its text follows what was sent"
+                );
+                Some(Event::default().data(json!({"type": "error", "error": body}).to_string()))
+            }
+        }
+    }
+
+    /// Where a window ran, and while that pool is degraded why, as an answer's headers say it.
+    fn facts(&self, pool: &Pool) -> serde_json::Value {
+        let degraded = self.state.service.degraded.for_answer(pool, &self.model);
+        crate::http::headers::pool_facts(pool, degraded.as_ref())
+    }
 }

@@ -184,7 +184,11 @@ fn formats_are_named_as_response_format_names_them() {
 async fn the_stream_events_are_openais() {
     use axum::response::sse::Sse;
     let t = transcript(vec![segment(0, 0.0, 1.0, " Hi there.")], 1.0);
-    let events = [delta_event(" Hi"), delta_event(" there."), done_event(&t)];
+    let events = [
+        delta_event(" Hi", None),
+        delta_event(" there.", None),
+        done_event(&t, None),
+    ];
     let stream = futures_util::stream::iter(events.map(Ok::<_, std::convert::Infallible>));
     let (kind, body) = body_of(Sse::new(stream).into_response()).await;
     assert_eq!(kind, "text/event-stream");
