@@ -6,10 +6,11 @@
 //! first window has answered, so that the windows after it are decoded on the CPU pool from
 //! their features; then whole, the accelerator taken away while its first window runs there.
 //! Both pools run the same graph, so every answer must give the reference's text exactly, and
-//! an answer with a window moved to the CPU pool must say it was degraded, except the stream's,
-//! whose headers went out with its first window, decoded on the accelerator: its text must be
-//! whole, with no error event (its windows are decoded again from their features, never a
-//! replay of what it sent).
+//! an answer with a window moved to the CPU pool must say it was degraded. The stream's headers
+//! went out with its first window, decoded on the accelerator, so its events must say it: its
+//! text whole, with no error event (its windows are decoded again from their features, never a
+//! replay of what it sent), and once a window moved, the delta that says where it ran says it
+//! was degraded.
 //!
 //! The audio is made here ([`audio`]): no file of the repository is needed with `--target`.
 //! The fixture's random weights transcribe any audio into some text, the same every time.
@@ -106,11 +107,11 @@ pub(super) async fn run(drill: &Arc<Drill>) -> Result<SpeechFacts, String> {
     }
 
     // Streamed, the accelerator taken away once its first window has answered.
-    let (record, text) = stream_through_reset(drill, &file).await?;
+    let (record, stream) = stream_through_reset(drill, &file).await?;
     facts.transcriptions += 1;
-    let same = text.as_deref() == Some(reference.text.as_str());
+    let same = stream.text.as_deref() == Some(reference.text.as_str());
     record
-        .judge(|r| same && r.served_on(GPU) && r.done == Some(true))
+        .judge(|r| same && r.served_on(GPU) && r.done == Some(true) && (!stream.moved || r.degraded.is_some()))
         .keep(drill);
     drill.restore_gpu().await?;
     until_ready(drill, &resident).await?;
@@ -269,17 +270,26 @@ fn read_transcript(answer: &Value) -> Option<Transcript> {
     })
 }
 
+/// What a transcription stream's events gave: the text its deltas add up to, when its
+/// `transcript.text.done` event gives the same, and whether a delta said a window ran on
+/// another pool than the headers name.
+#[derive(Debug, Default)]
+struct Streamed {
+    text: Option<String>,
+    moved: bool,
+}
+
 /// A streamed transcription of `file`, the accelerator reset once its answer has begun (its
-/// first window decoded), then read to its end: the record and the text its deltas add up to,
-/// when its `transcript.text.done` event gives the same.
-async fn stream_through_reset(drill: &Drill, file: &[u8]) -> Result<(Record, Option<String>), String> {
+/// first window decoded), then read to its end: the record (degraded when an event said so)
+/// and what its events gave.
+async fn stream_through_reset(drill: &Drill, file: &[u8]) -> Result<(Record, Streamed), String> {
     let id = "speech-reset-stream";
     let kind = format!("{SPEECH} transcription {SECONDS} s stream");
-    let expect = "reset after the first delta: the reference's text, no error event";
+    let expect = "reset after the first delta: the reference's text, no error event, degraded in the delta of a window that moved";
     let mut record = Record::new(Phase::Speech, id, kind, expect, drill.elapsed_ms());
     let fields = [("model", SPEECH), ("language", "en"), ("stream", "true")];
     let sent = send(drill, id, &fields, file).await;
-    let mut text = None;
+    let mut streamed = Streamed::default();
     match sent {
         Ok(response) => {
             record.status = Some(response.status().as_u16());
@@ -287,7 +297,7 @@ async fn stream_through_reset(drill: &Drill, file: &[u8]) -> Result<(Record, Opt
             drill.admin(json!({"driver_reset": true})).await?;
             let body = response.text().await.unwrap_or_default();
             if record.status == Some(200) {
-                text = read_events(&mut record, &body);
+                streamed = read_events(&mut record, &body);
             } else {
                 record.first_failure = refusal(&serde_json::from_str(&body).unwrap_or(Value::Null));
             }
@@ -295,18 +305,26 @@ async fn stream_through_reset(drill: &Drill, file: &[u8]) -> Result<(Record, Opt
         Err(e) => record.first_failure = Some(Failure::NoAnswer(e.to_string())),
     }
     record.latency_ms = drill.elapsed_ms() - record.sent_ms;
-    Ok((record, text))
+    Ok((record, streamed))
 }
 
-/// A transcription stream's events: its text, when the deltas add up to the done event's; an
-/// `error` event is the record's failure, and `[DONE]`-less ends leave `done` false.
-fn read_events(record: &mut Record, body: &str) -> Option<String> {
-    let (mut deltas, mut done) = (String::new(), None);
+/// A transcription stream's events, read into `record`: an `error` event is its failure,
+/// `[DONE]`-less ends leave `done` false, and an event's `vramguard.degraded` (a window that
+/// moved after the headers went out) is its degraded reason.
+fn read_events(record: &mut Record, body: &str) -> Streamed {
+    let (mut deltas, mut done, mut moved) = (String::new(), None, false);
     record.done = Some(false);
     for data in body.split("\n\n").filter_map(|e| e.trim().strip_prefix("data: ")) {
         let Ok(event) = serde_json::from_str::<Value>(data) else {
             continue;
         };
+        let facts = &event["vramguard"];
+        moved |= facts["pool"]
+            .as_str()
+            .is_some_and(|pool| Some(pool) != record.pool.as_deref());
+        if let (None, Some(reason)) = (&record.degraded, facts["degraded"].as_str()) {
+            record.degraded = Some(reason.to_string());
+        }
         match event["type"].as_str() {
             Some("transcript.text.delta") => deltas.push_str(event["delta"].as_str().unwrap_or_default()),
             Some("transcript.text.done") => {
@@ -322,7 +340,10 @@ fn read_events(record: &mut Record, body: &str) -> Option<String> {
         }
     }
     record.text = Some(deltas.clone());
-    done.filter(|text| *text == deltas)
+    Streamed {
+        text: done.filter(|text| *text == deltas),
+        moved,
+    }
 }
 
 /// POST a multipart form of `fields` and `file` (as OpenAI's SDK sends one) to the target's
@@ -456,14 +477,34 @@ mod tests {
         let whole = "data: {\"type\":\"transcript.text.delta\",\"delta\":\"one\"}\n\n\
                      data: {\"type\":\"transcript.text.delta\",\"delta\":\" two\"}\n\n\
                      data: {\"type\":\"transcript.text.done\",\"text\":\"one two\"}\n\n";
-        assert_eq!(read_events(&mut record, whole).as_deref(), Some("one two"));
+        let read = read_events(&mut record, whole);
+        assert_eq!((read.text.as_deref(), read.moved), (Some("one two"), false));
         assert_eq!((record.done, record.first_failure.is_none()), (Some(true), true));
+        assert_eq!(record.degraded, None);
         let broken = "data: {\"type\":\"transcript.text.delta\",\"delta\":\"one\"}\n\n\
                       data: {\"type\":\"error\",\"error\":{\"message\":\"gone\"}}\n\n";
         let mut record = Record::new(Phase::Speech, "s", "stream".into(), "", 0.0);
-        assert_eq!(read_events(&mut record, broken), None);
+        assert_eq!(read_events(&mut record, broken).text, None);
         assert_eq!(record.done, Some(false));
         assert!(matches!(record.first_failure, Some(Failure::StreamError { .. })));
+    }
+
+    #[test]
+    fn a_window_that_moved_is_read_from_its_delta_with_why_it_was_degraded() {
+        let mut record = Record::new(Phase::Speech, "s", "stream".into(), "", 0.0);
+        record.pool = Some(GPU.to_string());
+        let moved = "data: {\"type\":\"transcript.text.delta\",\"delta\":\"one\"}\n\n\
+                     data: {\"type\":\"transcript.text.delta\",\"delta\":\" two\",\"vramguard\":{\"pool\":\"cpu\",\"degraded\":\"reset\"}}\n\n\
+                     data: {\"type\":\"transcript.text.done\",\"text\":\"one two\",\"vramguard\":{\"pool\":\"cpu\",\"degraded\":\"reset\"}}\n\n";
+        let read = read_events(&mut record, moved);
+        assert_eq!((read.text.as_deref(), read.moved), (Some("one two"), true));
+        assert_eq!(record.degraded.as_deref(), Some("reset"));
+        // Said where it ran without saying it was degraded: moved, and no reason to show.
+        let mut record = Record::new(Phase::Speech, "s", "stream".into(), "", 0.0);
+        record.pool = Some(GPU.to_string());
+        let silent = moved.replace(",\"degraded\":\"reset\"", "");
+        assert!(read_events(&mut record, &silent).moved);
+        assert_eq!(record.degraded, None);
     }
 
     #[test]
