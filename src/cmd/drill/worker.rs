@@ -66,8 +66,11 @@ pub struct WorkerFacts {
     pub killed_worker_pid: Option<u64>,
     /// The pool's worker once it was back.
     pub worker_pid_after: Option<u32>,
-    /// Milliseconds from the drill's start to the kill.
+    /// Milliseconds from the drill's start to the moment every kind was seen in flight, just
+    /// before the kill was asked for.
     pub kill_ms: f64,
+    /// Milliseconds from the drill's start to the kill's answer (the worker killed).
+    pub killed_ms: f64,
     /// Runs `/status` showed on the accelerator pool just before the kill.
     pub gpu_inflight_at_kill: usize,
     /// From the kill to `/status` showing a new worker and a closed breaker, with no
@@ -264,6 +267,9 @@ pub(super) async fn run(drill: &Arc<Drill>) -> Result<WorkerFacts, String> {
     let waiting = Instant::now();
     while waiting.elapsed() < IN_FLIGHT_WITHIN {
         let running = gpu(drill).await.map_or(0, |(_, _, inflight)| inflight);
+        // Taken as the lanes are read: a request they count is then between its send and its
+        // answer, so its record spans this moment or the kill after it.
+        facts.kill_ms = drill.elapsed_ms();
         if running > 0 && lanes.every_kind_outstanding() {
             facts.gpu_inflight_at_kill = running;
             break;
@@ -271,8 +277,8 @@ pub(super) async fn run(drill: &Arc<Drill>) -> Result<WorkerFacts, String> {
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
     let killed = Instant::now();
-    facts.kill_ms = drill.elapsed_ms();
     let answer = drill.admin_answer(json!({"kill_worker": true})).await;
+    facts.killed_ms = drill.elapsed_ms();
     lanes.stop_accelerator.store(true, Ordering::Relaxed);
     facts.killed_worker_pid = answer?["killed_worker_pid"].as_u64();
     // Nothing more goes to the accelerator: its own health check must close the breaker.
@@ -297,14 +303,18 @@ pub(super) async fn run(drill: &Arc<Drill>) -> Result<WorkerFacts, String> {
 }
 
 /// How the phase's requests of each kind fared: sent, in flight at the kill, and answered how.
-fn tally(records: &[&Record], kill_ms: f64) -> (String, bool) {
+/// In flight at the kill: its record spans some moment from when every kind was seen in flight
+/// (`kill_ms`) to the kill's answer (`killed_ms`). A CPU request is a few milliseconds, so one
+/// the lanes counted may have ended its record just before the kill was asked for; the work
+/// that ran across the kill is what the criterion is about.
+fn tally(records: &[&Record], (kill_ms, killed_ms): (f64, f64)) -> (String, bool) {
     let mut parts = Vec::new();
     let mut held_each = true;
     for kind in Kind::ALL {
         let of: Vec<&&Record> = records.iter().filter(|r| Kind::of(r) == kind).collect();
         let held = of
             .iter()
-            .filter(|r| r.sent_ms <= kill_ms && r.sent_ms + r.latency_ms >= kill_ms)
+            .filter(|r| r.sent_ms <= killed_ms && r.sent_ms + r.latency_ms >= kill_ms)
             .count();
         let count = |f: &dyn Fn(&Record) -> bool| of.iter().filter(|r| f(r)).count();
         let detail = match kind {
@@ -348,7 +358,7 @@ pub(super) fn criteria(records: &[Record], facts: Option<&WorkerFacts>) -> Vec<C
             .to_vec();
     };
     let ours: Vec<&Record> = records.iter().filter(|r| r.phase == Phase::WorkerLost).collect();
-    let (tallied, held_each) = tally(&ours, facts.kill_ms);
+    let (tallied, held_each) = tally(&ours, (facts.kill_ms, facts.killed_ms));
     let measured = format!(
         "{tallied}; {} failovers for worker_lost counted",
         facts.failovers_counted
@@ -455,5 +465,40 @@ mod tests {
         };
         let back = &criteria(&[], Some(&facts))[1];
         assert!(!back.passed, "the same pid is not a new worker: {}", back.measured);
+    }
+
+    /// A record in flight at the kill spans some moment from when every kind was seen in
+    /// flight to the kill's answer: a short CPU request that ended between the two counts.
+    #[test]
+    fn in_flight_at_the_kill_is_any_moment_from_every_kind_seen_to_the_kill_answered() {
+        let at = |id: &str, kind: &str, sent_ms: f64, latency_ms: f64| Record {
+            sent_ms,
+            latency_ms,
+            ..answered(id, kind, 200, GPU)
+        };
+        let long = |id: &str, kind: &str| at(id, kind, 0.0, 1000.0);
+        let accelerator = [
+            long("r", &format!("{ENCODER} seq {SEQ}")),
+            long("n", &format!("{ENCODER} seq {SEQ}{NOT_REPLAYABLE}")),
+            long("s", STREAM_KIND),
+        ];
+        let in_flight = |cpu: Record| {
+            let mut records: Vec<&Record> = accelerator.iter().collect();
+            records.push(&cpu);
+            tally(&records, (100.0, 104.0)).1
+        };
+        assert!(
+            in_flight(at("c", "classifier", 98.0, 3.0)),
+            "ended while the kill was asked for"
+        );
+        assert!(
+            in_flight(at("c", "classifier", 103.0, 2.0)),
+            "sent while the kill was asked for"
+        );
+        assert!(
+            !in_flight(at("c", "classifier", 95.0, 4.0)),
+            "ended before every kind was seen"
+        );
+        assert!(!in_flight(at("c", "classifier", 105.0, 2.0)), "sent after the kill");
     }
 }
