@@ -386,17 +386,7 @@ async fn a_window_that_fails_on_the_device_is_decoded_again_on_the_cpu() {
     if crate::common::ran_in_own_process() {
         return;
     }
-    let server = TestServer::with_policy(
-        &format!(
-            "devices: [{{name: gpu0, kind: simulated, capacity: 512MiB}}]\n\
-             models: [{{name: whisper, path: {WHISPER}}}]\n\
-             pools:\n\
-             - {{name: gpu, provider: simulated, device: gpu0, models: [whisper], fallback: cpu}}\n\
-             - {{name: cpu, provider: cpu, models: [whisper]}}\n"
-        ),
-        vramguard::testing::ADMIT_ALL,
-    )
-    .await;
+    let server = failover_server(vramguard::testing::ADMIT_ALL).await;
     let fields = [("model", "whisper"), ("language", "en")];
     let (status, headers, at_rest) = send(&server, "/v1/audio/transcriptions", &fields, clip("gpu.mp3")).await;
     assert_eq!(status, StatusCode::OK, "{at_rest}");
