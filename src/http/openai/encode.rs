@@ -151,11 +151,16 @@ pub(super) fn stamped_runs(
         HeaderName::from_static(DECISION_HEADER),
         HeaderValue::from_static(action.label()),
     );
-    let degraded = ran_on
-        .iter()
-        .find_map(|ran| state.service.degraded.for_answer(ran, model));
-    pool_headers(out, pool, degraded.as_ref());
+    pool_headers(out, pool, degraded_runs(state, model, ran_on).as_ref());
     response
+}
+
+/// Degraded mode as an answer for `model` made of the runs `ran_on` carries it: the first of
+/// them that was served degraded.
+pub(super) fn degraded_runs(state: &AppState, model: &str, ran_on: &[&Pool]) -> Option<crate::pool::degraded::Now> {
+    ran_on
+        .iter()
+        .find_map(|ran| state.service.degraded.for_answer(ran, model))
 }
 
 /// The model named in `body`'s `model`: a string, or the 400 naming it.

@@ -356,9 +356,7 @@ impl Streaming {
             Piece::End(Ok(done)) => {
                 let facts = self.moved.then(|| {
                     let ran_on: Vec<&Pool> = done.ran_on.iter().map(Arc::as_ref).collect();
-                    let degraded = ran_on
-                        .iter()
-                        .find_map(|ran| self.state.service.degraded.for_answer(ran, &self.model));
+                    let degraded = encode::degraded_runs(&self.state, &self.model, &ran_on);
                     crate::http::headers::pool_facts(&done.pool, degraded.as_ref())
                 });
                 Some(formats::done_event(&done.transcript, facts))
