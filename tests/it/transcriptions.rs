@@ -289,16 +289,12 @@ async fn a_stream_sends_the_text_as_deltas_that_add_up_to_the_done_event() {
     assert_eq!(headers["content-type"], "text/event-stream");
     assert_eq!(headers["x-vramguard-pool"], "cpu", "the pool of its first window");
     assert_eq!(headers["x-vramguard-model"], "whisper");
-    let events: Vec<Value> = body
-        .lines()
-        .filter_map(|l| l.strip_prefix("data: "))
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
+    let events = events_of(&body);
     let (done, deltas) = events.split_last().unwrap();
     assert_eq!(done["type"], "transcript.text.done", "{body}");
     assert_eq!(done["text"], want["text"]);
-    let joined: String = deltas.iter().map(|d| d["delta"].as_str().unwrap()).collect();
-    assert_eq!(joined, want["text"].as_str().unwrap());
+    assert!(deltas.iter().all(|d| d["type"] == "transcript.text.delta"), "{body}");
+    assert_eq!(deltas_of(deltas), want["text"].as_str().unwrap());
     server.stop().await;
 }
 
