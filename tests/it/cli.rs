@@ -319,7 +319,10 @@ fn the_exporter_serves_host_metrics_without_a_gpu_or_onnx_runtime() {
     assert!(text.contains("vramguard_host_memory_available_bytes "), "{text}");
     assert!(text.contains("vramguard_process_resident_memory_bytes "), "{text}");
     assert!(
-        text.contains("vramguard_build_info{version=\"0.1.0\",onnxruntime=\"none\"} 1"),
+        text.contains(&format!(
+            "vramguard_build_info{{version=\"{}\",onnxruntime=\"none\"}} 1",
+            env!("CARGO_PKG_VERSION")
+        )),
         "{text}"
     );
     if !vramguard::device::nvidia_gpu_present() {

@@ -361,7 +361,10 @@ async fn request_identity_and_metadata_follow_the_protocol() {
 
     let metrics = server.metrics().await;
     assert!(
-        metrics.contains("vramguard_build_info{version=\"0.1.0\",onnxruntime=\"1.31.1\"} 1"),
+        metrics.contains(&format!(
+            "vramguard_build_info{{version=\"{}\",onnxruntime=\"1.31.1\"}} 1",
+            env!("CARGO_PKG_VERSION")
+        )),
         "{metrics}"
     );
     assert!(

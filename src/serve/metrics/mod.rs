@@ -182,7 +182,10 @@ mod tests {
             .observe(0.003);
         let text = crate::telemetry::metrics::encode(&registry);
         assert!(
-            text.contains("vramguard_build_info{version=\"0.1.0\",onnxruntime=\"1.31.1\"} 1\n"),
+            text.contains(&format!(
+                "vramguard_build_info{{version=\"{}\",onnxruntime=\"1.31.1\"}} 1\n",
+                env!("CARGO_PKG_VERSION")
+            )),
             "{text}"
         );
         assert!(
