@@ -8,8 +8,8 @@
 //!   not when reserved). A request's large buffers are reused from one request to the next:
 //!   with the bundled encoder at seq 1024, 3–4 page faults per request against 145–183 with glibc
 //!   below (it maps and unmaps every block over 256 KiB) and 6–8 with jemalloc (`dirty_decay_ms`
-//!   1000, `muzzy_decay_ms` 0); `docs/performance.md` has the table, and why CPU time per request
-//!   could not tell them apart on a 2-core VM.
+//!   1000, `muzzy_decay_ms` 0); `docs/performance-log.md` has the table (2026-12-02), and why CPU
+//!   time per request could not tell them apart on a 2-core VM.
 //!   mimalloc's defaults (a 1 s purge delay, applied only when the process allocates again) left
 //!   85 MiB resident for good after the burst of `tests/it/memory.rs`; with these options it is
 //!   back within 16 MiB. An operator's `MIMALLOC_PURGE_DELAY` or `MIMALLOC_ARENA_EAGER_COMMIT`
