@@ -178,3 +178,27 @@ async fn a_completion_of_128_prompts_is_answered_through_a_queue_of_16() {
     }
     server.stop().await;
 }
+
+/// A chat with no `max_tokens` is given no more than a pool serving the model could ever hold:
+/// here a pool that takes 600 positions (`max_context`), so the default is what it leaves after
+/// the prompt, not the model's 4,096, which the pool would refuse as never fitting.
+#[tokio::test]
+async fn a_chat_with_no_max_tokens_gets_what_its_pool_could_ever_hold() {
+    if crate::common::ran_in_own_process() {
+        return;
+    }
+    let server = TestServer::start(
+        "models: [{name: tiny, path: models/decoder/model.onnx, tokenizer: models/decoder/tokenizer.json,\n\
+                   chat_template: 'builtin:chatml'}]\n\
+         pools: [{name: cpu, provider: cpu, models: [tiny], max_context: 600}]\n",
+    )
+    .await;
+    let chat = json!({"model": "tiny", "temperature": 0, "logit_bias": {"0": -100},
+                      "messages": [{"role": "user", "content": "How much memory is free?"}]});
+    let (status, body) = post(&server, "/v1/chat/completions", &chat).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    let usage = &body["usage"];
+    assert_eq!(usage["total_tokens"], 600, "{usage}");
+    assert_eq!(body["choices"][0]["finish_reason"], "length", "{body}");
+    server.stop().await;
+}
