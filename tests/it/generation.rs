@@ -282,7 +282,10 @@ async fn running_past_the_models_positions_is_the_clients_error_not_a_500() {
     }
     let bare = vramguard::testing::Scratch::new();
     let root = env!("CARGO_MANIFEST_DIR");
-    let graph = bare.write("model.onnx", std::fs::read(format!("{root}/models/decoder/model.onnx")).unwrap());
+    let graph = bare.write(
+        "model.onnx",
+        std::fs::read(format!("{root}/models/decoder/model.onnx")).unwrap(),
+    );
     let config = format!(
         "models: [{{name: tiny, path: '{}', tokenizer: '{root}/models/decoder/tokenizer.json'}}]\n\
          pools: [{{name: cpu, provider: cpu, models: [tiny]}}]\n",
@@ -295,7 +298,10 @@ async fn running_past_the_models_positions_is_the_clients_error_not_a_500() {
     let (status, _, error) = complete(&server, request).await;
     assert_eq!(status, StatusCode::BAD_REQUEST, "{error}");
     assert_eq!(error["error"]["type"], "invalid_request_error", "{error}");
-    assert_ne!(error["error"]["code"], "context_length_exceeded", "the graph alone says no limit: {error}");
+    assert_ne!(
+        error["error"]["code"], "context_length_exceeded",
+        "the graph alone says no limit: {error}"
+    );
     let metrics = server.metrics().await;
     assert_eq!(
         crate::common::requests_with(&metrics, |o| o == "failed"),
