@@ -12,6 +12,10 @@ This script writes ``models/decoder/``:
   decoder: ``input_ids``, ``attention_mask``, ``position_ids`` and ``past_key_values.{i}.key``/
   ``.value`` in; ``logits`` and ``present.{i}.key``/``.value`` out. One graph serves the first
   pass (empty past, the whole prompt) and every later step (the previous ``present`` as past).
+* ``config.json`` - what a Hugging Face folder says of the model (as ``transformers``'
+  ``LlamaConfig`` writes it), above all ``max_position_embeddings``: the positions it takes,
+  which vramguard reads from a folder's ``config.json`` and, for the model it bundles, from
+  this file.
 * ``reference.json`` - prompts, their token ids and their greedy continuations.
 
 Why the references are computed WITHOUT ONNX Runtime
@@ -23,9 +27,10 @@ weights, which recomputes the whole sequence for every new token. It uses no KV 
 padding and no graph, so it is an oracle for all three.
 
 ``--check`` regenerates everything in memory and verifies that the files on disk are
-byte-identical. It then runs ``model.onnx`` with ONNX Runtime four ways: the whole sequence
+byte-identical. It then runs ``model.onnx`` with ONNX Runtime five ways: the whole sequence
 again at each step (empty past), one token at a time with the KV cache, the prompt in two
-chunks (past and a multi-token step together), and two prompts batched with left padding.
+chunks (past and a multi-token step together), the cached way again with every position moved
+up to end at the last the model takes, and two prompts batched with left padding.
 Each way must give the reference's greedy tokens, with logits within LOGIT_TOLERANCE of the
 numpy values at every step. ONNX Runtime never produces a file.
 
@@ -75,7 +80,11 @@ HEADS = 4
 KV_HEADS = 2
 HEAD_SIZE = HIDDEN // HEADS  # 16
 INTERMEDIATE = 128
-MAX_POSITIONS = 512  # rows of the rotary tables; a larger position_id fails in Gather
+# Rows of the rotary tables; a larger position_id fails in Gather. 4096 so that what a chat front
+# end sends (Open WebUI's ~20 KB of tool schemas, its 1-2 KB title and RAG prompts) fits the
+# default config's toy model. Rows below 512 are the same as when it had 512, so are the
+# references.
+MAX_POSITIONS = 4096
 ROPE_THETA = 10000.0
 RMS_EPS = 1e-5
 
@@ -503,6 +512,30 @@ def build_reference(tok: Tokenizer, w: dict[str, np.ndarray]) -> tuple[dict, dic
     return reference, step_logits
 
 
+def model_config(tok: Tokenizer) -> dict:
+    """config.json, as transformers' LlamaConfig names these dimensions."""
+    eos = tok.token_to_id(EOS_TOKEN)
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": VOCAB,
+        "hidden_size": HIDDEN,
+        "intermediate_size": INTERMEDIATE,
+        "num_hidden_layers": LAYERS,
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": KV_HEADS,
+        "head_dim": HEAD_SIZE,
+        "hidden_act": "silu",
+        "max_position_embeddings": MAX_POSITIONS,
+        "rms_norm_eps": RMS_EPS,
+        "rope_theta": ROPE_THETA,
+        "tie_word_embeddings": False,
+        "eos_token_id": eos,
+        "pad_token_id": eos,
+        "torch_dtype": "float32",
+    }
+
+
 def _reference_json(reference: dict) -> bytes:
     text = json.dumps(reference, indent=2, ensure_ascii=False, allow_nan=False)
     # Keep lists of numbers and of plain strings (token ids, masks, stop sequences) on one line.
@@ -526,6 +559,7 @@ def generate() -> tuple[dict[Path, bytes], dict, dict[str, list[np.ndarray]]]:
         OUT_DIR / "tokenizer.json": (tok.to_str(pretty=True) + "\n").encode("utf-8"),
         OUT_DIR / "model.onnx": build_decoder(w).SerializeToString(),
         OUT_DIR / "reference.json": _reference_json(reference),
+        OUT_DIR / "config.json": (json.dumps(model_config(tok), indent=2) + "\n").encode("utf-8"),
     }
     return files, reference, step_logits
 
@@ -566,10 +600,16 @@ def _row(ids: list[int]) -> np.ndarray:
 
 
 def ort_greedy(dec: OrtDecoder, prompt: list[int], n: int, mode: str) -> tuple[list[int], list[np.ndarray]]:
-    """Greedy tokens and last-position logits from ORT, in one of three ways of using the cache."""
+    """Greedy tokens and last-position logits from ORT, in one of four ways of using the cache
+    ("shifted": "cached" with every position moved up so that the last token generated is at
+    MAX_POSITIONS - 1; rotary attention depends only on differences of positions, so the tokens
+    are the same, and every row of the rotary tables up to the last is read)."""
     ids, new, logits_per_step = list(prompt), [], []
     past = OrtDecoder.empty_past(1)
-    if mode == "chunked":  # the prompt in two passes: the second has both a past and several tokens
+    shift = MAX_POSITIONS - len(prompt) - n if mode == "shifted" else 0
+    if mode == "shifted":
+        logits, past = dec.run(_row(prompt), _row([1] * len(prompt)), _row(list(range(shift, shift + len(prompt)))), past)
+    elif mode == "chunked":  # the prompt in two passes: the second has both a past and several tokens
         cut = len(prompt) // 2
         _, past = dec.run(_row(prompt[:cut]), _row([1] * cut), _row(list(range(cut))), past)
         logits, past = dec.run(_row(prompt[cut:]), _row([1] * len(prompt)), _row(list(range(cut, len(prompt)))), past)
@@ -584,7 +624,7 @@ def ort_greedy(dec: OrtDecoder, prompt: list[int], n: int, mode: str) -> tuple[l
         new.append(token)
         ids.append(token)
         if mode != "full" and step + 1 < n:
-            logits, past = dec.run(_row([token]), _row([1] * len(ids)), _row([len(ids) - 1]), past)
+            logits, past = dec.run(_row([token]), _row([1] * len(ids)), _row([shift + len(ids) - 1]), past)
     return new, logits_per_step
 
 
@@ -633,7 +673,7 @@ def check(files: dict[Path, bytes], reference: dict, step_logits: dict[str, list
     cases = {c["name"]: c for c in reference["cases"]}
     for name, case in cases.items():
         n = len(case["greedy_ids"])
-        for mode in ("full", "cached", "chunked"):
+        for mode in ("full", "cached", "chunked", "shifted"):
             got = ort_greedy(dec, case["prompt_ids"], n, mode)
             failures += compare(f"{name}/{mode}", case["greedy_ids"], step_logits[name], *got)
 

@@ -110,6 +110,16 @@ impl BuiltinModel {
         }
     }
 
+    /// The `config.json` a bundled graph says its dimensions in, as an exported folder's does
+    /// (the decoder's `max_position_embeddings`: the positions admission holds a prompt to).
+    pub fn config(self) -> Option<&'static [u8]> {
+        match self {
+            BuiltinModel::Decoder => Some(include_bytes!("../../models/decoder/config.json")),
+            // The Whisper's is in its folder, read from there.
+            BuiltinModel::Encoder | BuiltinModel::Classifier | BuiltinModel::Embedder | BuiltinModel::Whisper => None,
+        }
+    }
+
     /// The `tokenizer.json` of a model that takes text (`models[].tokenizer: builtin:<name>`).
     pub fn tokenizer(self) -> Option<&'static [u8]> {
         match self {

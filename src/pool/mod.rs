@@ -52,6 +52,7 @@ pub use metrics::{ModelMetrics, PoolMetrics, WorkerHandles};
 pub use models::{ModelSetup, ResidencyError, ResidencyOutcome};
 pub use shared::{Availability, Pool};
 pub use tier::{HostRoom, HostTier};
+pub use worker::MAX_PROMPTS;
 
 use std::sync::{Arc, PoisonError};
 use std::thread::JoinHandle;

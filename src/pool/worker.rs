@@ -17,7 +17,7 @@ type Reply = tokio::sync::oneshot::Sender<JobResult>;
 use crate::pool::shared::{Availability, Pool};
 
 /// Most prompts of one model run together as one batch.
-const MAX_PROMPTS: usize = 8;
+pub const MAX_PROMPTS: usize = 8;
 
 impl Pool {
     /// Start `count` worker threads, named after the pool.

@@ -8,6 +8,7 @@ use std::path::Path;
 use serde_json::Value;
 
 use super::genai::{GenaiConfig, eos_ids};
+use crate::core::model::BuiltinModel;
 
 /// What vramguard reads from a model's folder.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -93,21 +94,45 @@ impl ModelFolder {
         let genai = GenaiConfig::read(folder)?;
         let config = json(folder, "config.json")?;
         let generation = json(folder, "generation_config.json")?;
+        ModelFolder::of(genai, config.as_ref(), generation.as_ref(), &|file| {
+            folder.join(file).display().to_string()
+        })
+    }
+
+    /// What a bundled model says of itself: its `config.json`, read as a folder's (the bundled
+    /// decoder's positions and end token); nothing for one that has none.
+    pub fn bundled(model: BuiltinModel) -> Result<ModelFolder, String> {
+        let Some(bytes) = model.config() else {
+            return Ok(ModelFolder::default());
+        };
+        let config: Value = serde_json::from_slice(bytes)
+            .map_err(|e| format!("builtin:{}'s config.json is not JSON: {e}", model.name()))?;
+        ModelFolder::of(None, Some(&config), None, &|file| {
+            format!("builtin:{}'s {file}", model.name())
+        })
+    }
+
+    /// The folder made of its files, each optional; `named(file)` names a file for an error.
+    fn of(
+        genai: Option<GenaiConfig>,
+        config: Option<&Value>,
+        generation: Option<&Value>,
+        named: &dyn Fn(&str) -> String,
+    ) -> Result<ModelFolder, String> {
         let positions = ["max_position_embeddings", "n_positions"]
             .iter()
-            .find_map(|key| config.as_ref().and_then(|c| c[key].as_u64()));
+            .find_map(|key| config.and_then(|c| c[key].as_u64()));
         let mut eos = Vec::new();
-        for (file, value) in [("generation_config.json", &generation), ("config.json", &config)] {
+        for (file, value) in [("generation_config.json", generation), ("config.json", config)] {
             if let Some(value) = value {
-                eos.extend(
-                    eos_ids(&value["eos_token_id"]).map_err(|e| format!("{}: {e}", folder.join(file).display()))?,
-                );
+                eos.extend(eos_ids(&value["eos_token_id"]).map_err(|e| format!("{}: {e}", named(file)))?);
             }
         }
         eos.extend(genai.iter().flat_map(|g| g.eos.iter().copied()));
-        let sampling = match &generation {
-            Some(config) => SamplingDefaults::read(config)
-                .map_err(|e| format!("{}: {e}", folder.join("generation_config.json").display()))?,
+        let sampling = match generation {
+            Some(config) => {
+                SamplingDefaults::read(config).map_err(|e| format!("{}: {e}", named("generation_config.json")))?
+            }
             None => SamplingDefaults::default(),
         };
         eos.sort_unstable();

@@ -216,7 +216,7 @@ def run(address):
 
     @check("a chat offering tools is accepted and answered")
     def _():
-        # Short: the fixture has 512 positions, and its small BPE spends many on JSON.
+        # Short: the fixture's small BPE spends many tokens on JSON.
         tools = [{"type": "function", "function": {"name": "free_vram"}}]
         done = client.chat.completions.create(
             model="tiny", tools=tools, max_tokens=4, temperature=0,

@@ -524,7 +524,7 @@ async fn a_generation_holds_its_services_concurrency_until_its_last_token() {
     );
     // The fixture's "short" case: 16 greedy tokens, no end token among them.
     let params = Params {
-        max_tokens: 16,
+        max_tokens: Some(16),
         temperature: 0.0,
         top_p: 1.0,
         top_k: 0,

@@ -272,18 +272,36 @@ async fn models_are_listed_and_errors_come_in_openais_shape() {
     server.stop().await;
 }
 
+/// A graph alone, whose folder does not say the positions it takes, is not refused before it
+/// runs: running past them (the rotary table's `Gather` out of range) is still the client's
+/// error, a 400, not a failure of the server.
 #[tokio::test]
 async fn running_past_the_models_positions_is_the_clients_error_not_a_500() {
     if crate::common::ran_in_own_process() {
         return;
     }
-    let server = TestServer::start(CONFIG).await;
-    // Four times a 140-token prompt is past the fixture's 512 positions.
-    let prompt = case("long")["prompt"].as_str().unwrap().repeat(4);
-    let request = json!({"model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0});
+    let bare = vramguard::testing::Scratch::new();
+    let root = env!("CARGO_MANIFEST_DIR");
+    let graph = bare.write(
+        "model.onnx",
+        std::fs::read(format!("{root}/models/decoder/model.onnx")).unwrap(),
+    );
+    let config = format!(
+        "models: [{{name: tiny, path: '{}', tokenizer: '{root}/models/decoder/tokenizer.json'}}]\n\
+         pools: [{{name: cpu, provider: cpu, models: [tiny]}}]\n",
+        graph.display()
+    );
+    let server = TestServer::start(&config).await;
+    // Past the fixture's 4096 positions, as token ids (nothing to tokenize).
+    let ids: Vec<u32> = (0..4100).map(|i| 100 + i % 300).collect();
+    let request = json!({"model": "tiny", "prompt": ids, "max_tokens": 4, "temperature": 0});
     let (status, _, error) = complete(&server, request).await;
     assert_eq!(status, StatusCode::BAD_REQUEST, "{error}");
     assert_eq!(error["error"]["type"], "invalid_request_error", "{error}");
+    assert_ne!(
+        error["error"]["code"], "context_length_exceeded",
+        "the graph alone says no limit: {error}"
+    );
     let metrics = server.metrics().await;
     assert_eq!(
         crate::common::requests_with(&metrics, |o| o == "failed"),

@@ -21,6 +21,7 @@ mod external_data;
 mod failover;
 mod file_lists;
 mod generation;
+mod generation_limits;
 mod health;
 mod host_tier;
 mod http;

@@ -54,6 +54,31 @@ impl OpenAiError {
         }
     }
 
+    /// The 400 for a prompt (`prompt`: its tokens, and whether they are all of it or only
+    /// those of a prefix that was already too long) and `max_tokens` that are more positions
+    /// than `model` takes (`limit`), found before anything runs: OpenAI's
+    /// `context_length_exceeded` with `max_context`, `param` naming the prompt's field.
+    pub(super) fn context_too_long(
+        model: &str,
+        limit: u64,
+        (prompt, whole): (u64, bool),
+        max_tokens: u64,
+        param: &'static str,
+        id: &str,
+    ) -> OpenAiError {
+        let error = RequestError::ContextTooLong {
+            model: model.to_string(),
+            limit,
+            prompt,
+            whole,
+            max_tokens,
+        };
+        OpenAiError {
+            param: Some(param),
+            ..OpenAiError::from_request(&error, id)
+        }
+    }
+
     /// A body that could not be read (too large, or the connection failed), with the status the
     /// router gave it.
     pub(super) fn unreadable(rejection: &BytesRejection, id: &str) -> OpenAiError {
@@ -239,6 +264,7 @@ mod tests {
             model: "llama".into(),
             limit: 256,
             prompt: 250,
+            whole: true,
             max_tokens: 16,
         };
         let response = OpenAiError::from_request(&error, "req-1").into_response();

@@ -9,6 +9,7 @@ use super::error::OpenAiError;
 use crate::http::state::AppState;
 use crate::runtime::folder::SamplingDefaults;
 use crate::runtime::grammar::Grammar;
+use crate::runtime::tokens::{Bounded, encode_within};
 use crate::serve::generation::{self, Params};
 use crate::serve::service::ModelEntry;
 
@@ -123,6 +124,8 @@ pub(super) struct Draft {
     /// `echo`: each prompt's text goes before its choices' text.
     pub(super) echo: bool,
     pub(super) api: Api,
+    /// The most tokens to generate; `None`: as many as the model's context leaves after the
+    /// prompt (chat's default, as OpenAI's and vLLM's).
     pub(super) max_tokens: Option<u32>,
     /// How the prompt is cut when it does not fit: a chat by whole turns; a completion from its
     /// start (`None`, the prompt's default).
@@ -192,6 +195,20 @@ pub(super) fn checked(state: &AppState, draft: Draft, id: &str) -> Result<Job, O
         ));
     }
     let field = if chat { "messages" } else { "prompt" };
+    // The positions the model takes bound the prompt, with room for what it asks to generate
+    // (at least one token): a longer one is refused before anything runs, found so from as
+    // much of its text as that many tokens could cover.
+    let context = entry.decoder.as_ref().and_then(|layout| layout.context);
+    let generated = u64::from(params.max_tokens.unwrap_or(1));
+    let too_long = |prompt: usize, whole: bool| {
+        let limit = context.unwrap_or(u64::MAX);
+        OpenAiError::context_too_long(&sampling.model, limit, (prompt as u64, whole), generated, field, id)
+    };
+    let limit = context.map(|c| c.saturating_sub(generated));
+    if limit == Some(0) {
+        return Err(too_long(1, false));
+    }
+    let limit = limit.map_or(usize::MAX, |l| usize::try_from(l).unwrap_or(usize::MAX));
     let mut texts = Vec::with_capacity(prompts.len());
     let mut tokenized = Vec::with_capacity(prompts.len());
     for prompt in prompts {
@@ -199,12 +216,17 @@ pub(super) fn checked(state: &AppState, draft: Draft, id: &str) -> Result<Job, O
             // A completion's prompt gets what the tokenizer adds to any text (Llama's and
             // Gemma's BOS), as `transformers` and vLLM encode it; a chat's rendered template
             // already holds it.
-            PromptIn::Text(text) => {
-                let encoding = tokenizer
-                    .encode(text.as_str(), !chat)
-                    .map_err(|e| OpenAiError::invalid(format!("the prompt cannot be tokenized: {e}"), Some(field)))?;
-                (text, encoding.get_ids().to_vec())
-            }
+            PromptIn::Text(text) => match encode_within(tokenizer, &text, !chat, limit) {
+                Ok(Bounded::Tokens(ids)) => (text, ids),
+                Ok(Bounded::Over { at_least, whole }) => return Err(too_long(at_least, whole)),
+                Err(e) => {
+                    return Err(OpenAiError::invalid(
+                        format!("the prompt cannot be tokenized: {e}"),
+                        Some(field),
+                    ));
+                }
+            },
+            PromptIn::Tokens(ids) if ids.len() > limit => return Err(too_long(ids.len(), true)),
             // Token ids go to the model as they are: nothing is added.
             PromptIn::Tokens(ids) => {
                 if let Some(id) = ids.iter().find(|&&id| tokenizer.id_to_token(id).is_none()) {
@@ -315,7 +337,8 @@ pub(super) fn read_completion(state: &AppState, body: &[u8], id: &str) -> Result
     {
         return Err(OpenAiError::invalid("`stop` takes at most 4 strings", Some("stop")));
     }
-    let max_tokens = request.sampling.max_tokens;
+    // OpenAI's legacy default for completions (chat's is the rest of the context).
+    let max_tokens = Some(request.sampling.max_tokens.unwrap_or(16));
     Ok(Draft {
         sampling: request.sampling,
         prompts,
@@ -340,8 +363,7 @@ fn params(
     vocab: u64,
     id: &str,
 ) -> Result<Params, OpenAiError> {
-    let max_tokens = max_tokens.unwrap_or(16);
-    if max_tokens == 0 {
+    if max_tokens == Some(0) {
         return Err(OpenAiError::invalid(
             "`max_tokens` must be at least 1",
             Some("max_tokens"),

@@ -16,7 +16,7 @@ use crate::http::state::AppState;
 use crate::serve::generation::{self, Generated, Params, Placed, Prompt};
 use crate::serve::lifecycle::{Refused, Request};
 use crate::serve::service::Service;
-use tokio::sync::oneshot;
+use tokio::sync::{Semaphore, oneshot};
 
 /// Decode and check the body into a [`Job`]: a chat's or a completion's.
 pub(super) fn read_job(
@@ -78,13 +78,16 @@ pub(super) async fn generate_all(
     resend: Option<Arc<Resend>>,
 ) {
     let mut outs = outs.into_iter();
+    let entry = service.model(&job.model).expect("checked by text_model");
+    // A request's own prompts wait for each other's runs rather than fill the pool's queue.
+    let gate = Semaphore::new(generation::prompts_at_once(service, entry));
     let prompts = job.prompts.iter().enumerate().map(|(index, prompt)| {
         let outs: Vec<Out> = outs.by_ref().take(job.n).collect();
         let resend = resend.as_ref().map(|r| (Arc::clone(r), index));
         generate(
             service,
             (&job.model, prompt.clone(), &job.params),
-            base.clone(),
+            (base.clone(), &gate),
             id,
             outs,
             resend,
@@ -94,19 +97,21 @@ pub(super) async fn generate_all(
 }
 
 /// Run one prompt's generations (one per `outs`: OpenAI's `n`) as `base` (request `id`): its
-/// one run, then each generation from its own copy of the cache, its deltas to its sink when it
-/// is streamed and its end to its `out`; with `resend` (and the prompt's index in the body),
-/// the model's fallback may answer instead.
+/// one run, once `gate` lets it (the request's prompts placed at once), then each generation
+/// from its own copy of the cache, its deltas to its sink when it is streamed and its end to
+/// its `out`; with `resend` (and the prompt's index in the body), the model's fallback may
+/// answer instead.
 async fn generate(
     service: &Service,
     job: (&str, Prompt, &Params),
-    base: Request,
+    (base, gate): (Request, &Semaphore),
     id: &str,
     outs: Vec<Out>,
     resend: Option<(Arc<Resend>, usize)>,
 ) {
     let (model, prompt, params) = job;
     let entry = service.model(model).expect("checked by text_model");
+    let permit = gate.acquire().await.expect("the gate is never closed");
     let mut base = base;
     // Admitted as its `n` generations: one run of the prompt, a cache for each.
     base.generations = outs.len() as u64;
@@ -121,6 +126,7 @@ async fn generate(
         }
         Err(refused) => Err(refused),
     };
+    drop(permit);
     let prefilled = match placed {
         Ok(prefilled) => prefilled,
         Err(refused) => {

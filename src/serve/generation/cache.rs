@@ -319,7 +319,7 @@ mod tests {
     /// 32 tokens, greedy, from `seed`.
     fn greedy(seed: u64) -> Params {
         Params {
-            max_tokens: 32,
+            max_tokens: Some(32),
             temperature: 0.0,
             top_p: 1.0,
             top_k: 0,

@@ -63,6 +63,7 @@ pub(super) async fn run<'a>(
         eos,
         params,
         prompt_tokens,
+        max_tokens,
         prompt,
     } = decoding;
     let params = params.as_ref();
@@ -101,7 +102,7 @@ pub(super) async fn run<'a>(
     let mut scores = Scores::new(params.logprobs.is_some());
     // The pool the sink was last told of: a delta names it again when it changes.
     let mut told = None;
-    let estimate_bytes = step_bytes(entry, prompt_tokens, params.max_tokens);
+    let estimate_bytes = step_bytes(entry, prompt_tokens, max_tokens);
     let mut constraint = Constraint::new(params);
     let finish = loop {
         let (picked, finished) =
@@ -126,7 +127,7 @@ pub(super) async fn run<'a>(
             break Finish::Stop;
         }
         let produced = text.tokens().len();
-        if produced >= params.max_tokens as usize {
+        if produced >= max_tokens as usize {
             break Finish::Length;
         }
         let past = prompt_tokens + produced - 1;

@@ -114,8 +114,9 @@ impl From<Vec<u32>> for Prompt {
 /// How to pick tokens and when to stop.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Params {
-    /// Most tokens to add.
-    pub max_tokens: u32,
+    /// Most tokens to add; `None`: as many as the model's context leaves after the prompt,
+    /// capped at what a pool serving it could ever hold ([`new_tokens`]).
+    pub max_tokens: Option<u32>,
     /// Softmax temperature; 0 picks the most likely token (greedy).
     pub temperature: f32,
     /// Nucleus sampling: the smallest set of tokens whose probability reaches this.
@@ -233,7 +234,7 @@ pub async fn place<'a>(
     params: &'a Params,
     mut request: Request,
 ) -> Result<Placed<'a>, Refused> {
-    let decoding = match prefill::prepare(entry, prompt, std::borrow::Cow::Borrowed(params), &mut request) {
+    let decoding = match prefill::prepare(service, entry, prompt, std::borrow::Cow::Borrowed(params), &mut request) {
         Ok(decoding) => decoding,
         Err(error) => return Err(lifecycle::reject(service, &entry.config.name, error, request.received)),
     };
@@ -328,6 +329,38 @@ impl<'a> Prefilled<'a> {
         all
     }
 }
+
+/// The tokens a request that leaves `max_tokens` out gets to add to a prompt of `prompt`
+/// tokens, `generations` of it (OpenAI's `n`): as many as `entry`'s model's context leaves
+/// (OpenAI's and vLLM's chat default), [`UNKNOWN_CONTEXT_TOKENS`] where the model does not say
+/// its context, and at most what a pool serving it could ever hold with its prompt, so that
+/// the default never makes a request that could never run. Admission reserves the KV cache
+/// for all of them, as for any `max_tokens`.
+pub fn new_tokens(service: &Service, entry: &ModelEntry, prompt: u64, generations: u64) -> u32 {
+    let rest = match entry.decoder.as_ref().and_then(|layout| layout.context) {
+        Some(context) => context.saturating_sub(prompt).max(1),
+        None => u64::from(UNKNOWN_CONTEXT_TOKENS),
+    };
+    let fits = lifecycle::longest_generation(service, entry, prompt, generations, rest);
+    u32::try_from(fits.max(1)).unwrap_or(u32::MAX)
+}
+
+/// How many of one request's prompts are placed at once (a completion's `prompt` may hold up
+/// to 128): one batch of prompts as a pool runs them together ([`crate::pool::MAX_PROMPTS`]),
+/// and no more than the smallest queue of a pool serving `entry`'s model holds. The others
+/// wait for those runs, so a request never fills a queue with its own prompts and is refused
+/// as if by strangers ("queue is full") when it could never be queued whole; its generations
+/// still all batch together once their prompts ran.
+pub fn prompts_at_once(service: &Service, entry: &ModelEntry) -> usize {
+    let model = entry.config.name.as_str();
+    let queues = service.pools.iter().filter(|p| p.serves(model));
+    let smallest = queues.map(|p| p.config.queue_capacity).min();
+    smallest.unwrap_or(1).clamp(1, crate::pool::MAX_PROMPTS)
+}
+
+/// What a request that leaves `max_tokens` out may add on a model whose folder does not say
+/// the positions it takes (a graph alone): a bound, since past its positions a model fails.
+pub const UNKNOWN_CONTEXT_TOKENS: u32 = 4096;
 
 /// `refused`, counted as the generation's outcome.
 fn counted_refusal(counted: lifecycle::Counted<'_>, refused: Refused) -> Refused {

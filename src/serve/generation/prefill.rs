@@ -19,6 +19,8 @@ pub(super) struct Decoding<'a> {
     pub(super) eos: Vec<u32>,
     pub(super) params: std::borrow::Cow<'a, Params>,
     pub(super) prompt_tokens: usize,
+    /// The most tokens it adds: the request's `max_tokens`, or what its default came to.
+    pub(super) max_tokens: u32,
     /// The prompt, to prefill it again (after a shrink, cut as the shrink cut it).
     pub(super) prompt: Prompt,
 }
@@ -26,6 +28,7 @@ pub(super) struct Decoding<'a> {
 /// Make `request` `entry`'s generation of `prompt`: the prompt's run as its inputs, the tokens
 /// it may add, and how to shrink it when the client allowed that.
 pub(super) fn prepare<'a>(
+    service: &Service,
     entry: &'a ModelEntry,
     prompt: Prompt,
     params: std::borrow::Cow<'a, Params>,
@@ -38,14 +41,19 @@ pub(super) fn prepare<'a>(
         )));
     };
     let prompt_tokens = prompt.tokens.len();
+    let max_tokens = match params.max_tokens {
+        Some(n) => n,
+        None => super::new_tokens(service, entry, prompt_tokens as u64, request.generations),
+    };
     if let Some(limit) = layout.context
-        && (prompt_tokens as u64).saturating_add(u64::from(params.max_tokens)) > limit
+        && (prompt_tokens as u64).saturating_add(u64::from(max_tokens)) > limit
     {
         return Err(RequestError::ContextTooLong {
             model: entry.config.name.clone(),
             limit,
             prompt: prompt_tokens as u64,
-            max_tokens: u64::from(params.max_tokens),
+            whole: true,
+            max_tokens: u64::from(max_tokens),
         });
     }
     request.shrinker = None;
@@ -68,7 +76,7 @@ pub(super) fn prepare<'a>(
     request.model = entry.config.name.clone();
     request.inputs = step_inputs(layout, &prompt.tokens, 0, Vec::new());
     request.outputs = Vec::new();
-    request.max_new_tokens = u64::from(params.max_tokens);
+    request.max_new_tokens = u64::from(max_tokens);
     request.sequence = Some(crate::pool::batch::next_sequence());
     Ok(Decoding {
         entry,
@@ -77,6 +85,7 @@ pub(super) fn prepare<'a>(
         eos: entry.folder.end_tokens(tokenizer),
         params,
         prompt_tokens,
+        max_tokens,
         prompt,
     })
 }
@@ -181,7 +190,7 @@ pub(super) async fn place_rebuilt<'a>(
 ) -> Result<Prefill<'a>, Refused> {
     let decoding = rebuilt.and_then(|(prompt, params)| {
         let entry = service.model(fallback.model()).ok_or("it is not configured")?;
-        prepare(entry, prompt, std::borrow::Cow::Owned(params), &mut substitute).map_err(|e| e.to_string())
+        prepare(service, entry, prompt, std::borrow::Cow::Owned(params), &mut substitute).map_err(|e| e.to_string())
     });
     let decoding = match decoding {
         Ok(decoding) => decoding,

@@ -302,7 +302,7 @@ mod tests {
 
     fn params(temperature: f32, top_p: f32, top_k: u32) -> Params {
         Params {
-            max_tokens: 8,
+            max_tokens: Some(8),
             temperature,
             top_p,
             top_k,

@@ -136,16 +136,21 @@ pub enum RequestError {
     /// its folder says: `genai_config.json`'s `context_length`, `config.json`'s
     /// `max_position_embeddings`): the client's to make shorter, as OpenAI words it.
     #[error(
-        "`{model}`'s maximum context length is {limit} tokens; this request asks for {} ({prompt} in the prompt, {max_tokens} to generate): send a shorter prompt or a smaller max_tokens",
-        prompt + max_tokens
+        "`{model}`'s maximum context length is {limit} tokens; this request asks for {}{} ({}{prompt} in the prompt, {max_tokens} to generate): send a shorter prompt or a smaller max_tokens",
+        if *whole { "" } else { "at least " },
+        prompt + max_tokens,
+        if *whole { "" } else { "at least " },
     )]
     ContextTooLong {
         /// The model.
         model: String,
         /// The most positions it takes.
         limit: u64,
-        /// Tokens of the prompt.
+        /// Tokens of the prompt: all of them, or with `whole` false those of the part of it
+        /// that was tokenized (already too long: the prompt has more).
         prompt: u64,
+        /// Whether `prompt` counts the whole prompt.
+        whole: bool,
         /// Tokens it may generate.
         max_tokens: u64,
     },

@@ -174,6 +174,26 @@ pub fn fits_now(service: &Service, entry: &ModelEntry, pool: &Pool, estimate: &E
     }
 }
 
+/// The most tokens, of at most `want`, that `generations` generations of `entry`'s model may
+/// add to a prompt of `prompt` tokens and still fit what some pool serving it could ever give
+/// (its memory's and `max_context`'s ceiling, as [`never_fits`] judges): what a request that
+/// leaves `max_tokens` out is given. `want` when a pool's ceiling cannot be known (a remote
+/// pool, no memory reading yet); 0 when not even the prompt fits.
+pub fn longest_generation(service: &Service, entry: &ModelEntry, prompt: u64, generations: u64, want: u64) -> u64 {
+    let model = entry.config.name.as_str();
+    let snapshot = &service.store.latest().snapshot;
+    let need_at = |tokens: u64| entry.estimate_tokens(tokens, generations.max(1)).total_bytes;
+    let mut longest = 0;
+    for pool in service.pools.iter().filter(|p| p.serves(model)) {
+        let Some(room) = room(service, pool, model, snapshot) else {
+            return want;
+        };
+        let cap = room.max_context.unwrap_or(u64::MAX).min(prompt.saturating_add(want));
+        longest = longest.max(longest_within(&need_at, 0, cap, room.bytes).saturating_sub(prompt));
+    }
+    longest
+}
+
 /// `policy.params.reserve_bytes`: a number of bytes or a size (`512MiB`).
 pub(super) fn reserve_bytes(service: &Service) -> Option<u64> {
     match service.config.policy.params.get("reserve_bytes")? {

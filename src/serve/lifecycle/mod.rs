@@ -51,7 +51,7 @@ use crate::serve::service::Service;
 pub use batch::{BatchRan, place_batch};
 pub use count::{Counted, answered, reject};
 pub use error::{DeadlineMiss, NotRetried, Refused, RequestError};
-pub use fits::{Ceiling, NeverFits, fits_now};
+pub use fits::{Ceiling, NeverFits, fits_now, longest_generation};
 pub use place::place;
 pub use substitute::{Answering, Fallback, Placement, Substitution, place_or_fallback, place_or_fallback_with};
 

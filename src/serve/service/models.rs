@@ -201,9 +201,10 @@ type Invalid = (&'static str, String);
 /// folder written into `builtin_home`) and check it against its config.
 fn load_model(backends: &dyn BackendFactory, m: &ModelConfig, builtin_home: &Path) -> Result<ModelEntry, Invalid> {
     let bytes = crate::core::model::load_bytes(&m.source, builtin_home).map_err(|e| ("path", e))?;
-    let folder = match bytes.data().folder {
-        Some(folder) => ModelFolder::read(folder),
-        None => Ok(ModelFolder::default()),
+    let folder = match (bytes.data().folder, &m.source) {
+        (Some(folder), _) => ModelFolder::read(folder),
+        (None, ModelSource::Builtin(builtin)) => ModelFolder::bundled(*builtin),
+        (None, ModelSource::File(_)) => Ok(ModelFolder::default()),
     }
     .map_err(|e| ("path", e))?;
     let (bytes, hints) = with_cache_hints(bytes, &folder).map_err(|e| ("path", format!("`{}`: {e}", m.source)))?;
