@@ -52,3 +52,4 @@ mod substitute;
 mod text;
 mod transcriptions;
 mod triton;
+mod whisper_folders;
