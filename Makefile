@@ -195,7 +195,8 @@ drill: build
 # with the real exporters (Hugging Face Optimum and ONNX Runtime GenAI's builder) and their
 # references from `transformers` (models/README.md); models/embed/ and models/speech/ (speech
 # clips made by espeak-ng, sox and ffmpeg, installed from Debian when missing, and the tiny
-# Whisper of models/speech/whisper/, exported by Optimum, with transformers' transcriptions). The two exporters need separate Python
+# Whisper of models/speech/whisper/, exported by Optimum, with transformers' transcriptions, and
+# its never-ending variant, models/speech/whisper-endless/). The two exporters need separate Python
 # environments, each with torch (several GB): they are created under .deps/ from the pinned
 # requirements when missing, or taken from FIXTURE_PYTHON_OPTIMUM / FIXTURE_PYTHON_GENAI.
 FIXTURE_PYTHON_OPTIMUM ?= .deps/fixtures-venv-optimum/bin/python
@@ -216,10 +217,18 @@ FIXTURE_PYTHON_EMBED   ?= .deps/fixtures-venv-embed/bin/python
 	.deps/fixtures-venv-embed/bin/pip install --quiet --disable-pip-version-check -r $<
 	@touch $@
 
+# sentence-transformers' current release beside the embed venv's (models/embed/make.py saves one
+# folder with it, in a process of its own), on that venv's torch and transformers.
+.deps/fixtures-st-current/.installed: models/embed/requirements-embed-current.txt
+	rm -rf .deps/fixtures-st-current
+	$(FIXTURE_PYTHON_EMBED) -m pip install --quiet --disable-pip-version-check --no-deps --target .deps/fixtures-st-current -r $<
+	@touch $@
+
 fixtures:
 	@test -x "$(FIXTURE_PYTHON_OPTIMUM)" || $(MAKE) .deps/fixtures-venv-optimum/.installed
 	@test -x "$(FIXTURE_PYTHON_GENAI)" || $(MAKE) .deps/fixtures-venv-genai/.installed
 	@test -x "$(FIXTURE_PYTHON_EMBED)" || $(MAKE) .deps/fixtures-venv-embed/.installed
+	$(MAKE) .deps/fixtures-st-current/.installed
 	FIXTURE_PYTHON_OPTIMUM=$(FIXTURE_PYTHON_OPTIMUM) FIXTURE_PYTHON_GENAI=$(FIXTURE_PYTHON_GENAI) \
 		$(PYTHON) models/real/make.py
 	$(FIXTURE_PYTHON_EMBED) models/embed/make.py
@@ -229,6 +238,7 @@ fixtures:
 		$(SUDO) apt-get install -y -qq --no-install-recommends espeak-ng sox ffmpeg; }
 	$(FIXTURE_PYTHON_EMBED) models/speech/make.py
 	$(FIXTURE_PYTHON_EMBED) models/speech/whisper/make.py
+	$(FIXTURE_PYTHON_EMBED) models/speech/whisper/make_variants.py
 
 # The overhead and generation benches drive the real `vramguard serve` from a separate process, as
 # users' clients do: wrk (Debian package `wrk`) is that load generator. Not part of `make test`.

@@ -10,6 +10,15 @@ and a tiny Qwen3 with a byte-level BPE tokenizer whose merges are learnt here fr
   bert-cls/             Transformer -> Pooling(cls)
   qwen3-lasttoken/      Transformer -> Pooling(lasttoken) -> Normalize
 
+and one saved by sentence-transformers' current release (CURRENT_VERSION, installed beside the
+venv's by `make fixtures`; this script runs itself again with it, as `--current OUT`), whose
+Pooling config names its mode (`"pooling_mode": "mean"`) where older releases set
+`pooling_mode_mean_tokens`, and which keeps `max_seq_length` as the tokenizer's
+`model_max_length` only:
+
+  bert-mean-st57/       Transformer -> Pooling(mean) -> Normalize, its reference with a long input
+                        cut as that release cuts it
+
 and a cross-encoder for `POST /v1/rerank`: the BERT with one logit (sequence classification),
 
   bert-cross-encoder/   saved by `CrossEncoder.save`, exported by Optimum's `text-classification`
@@ -22,8 +31,9 @@ the server with), and for the cross-encoder what `CrossEncoder.predict` and `ran
 each query against the sentences (`rerankers`).
 
 Run with a venv of requirements-embed.txt (the Optimum venv of models/real, plus
-sentence-transformers):
-    .deps/fixtures-venv-optimum/bin/python models/embed/make.py
+sentence-transformers), and requirements-embed-current.txt installed with `--no-deps --target
+.deps/fixtures-st-current` (or named by ST_CURRENT):
+    .deps/fixtures-venv-embed/bin/python models/embed/make.py
 It is deterministic: the same versions write the same files (checked twice, byte for byte).
 """
 import json
@@ -50,6 +60,14 @@ FOLDERS = {
     # input and padding on the left, the last token's state pooled and normalized.
     "qwen3-lasttoken": {"arch": "qwen3", "pooling": "lasttoken", "normalize": True, "seed": 13},
 }
+
+# Saved by sentence-transformers' current release (a process of its own: see `current`).
+CURRENT_VERSION = "5.7.0"
+CURRENT = {
+    "bert-mean-st57": {"arch": "bert", "pooling": "mean", "normalize": True, "seed": 15},
+}
+# An input longer than max_seq_length: what the current release embeds of it is its first tokens.
+LONG = "the server defers the request " * 40
 
 # Queries for the cross-encoder, each scored against every sentence above.
 QUERIES = [
@@ -166,7 +184,9 @@ def build(name, spec, work):
     hf = os.path.join(work, name + "-hf")
     fast = transformer(spec["arch"], hf, spec["seed"])
     word = st.Transformer(hf, max_seq_length=64)
-    pooling = st.Pooling(word.get_word_embedding_dimension(), pooling_mode=spec["pooling"])
+    # `get_embedding_dimension` from 5.7 on.
+    dimension = getattr(word, "get_word_embedding_dimension", None) or word.get_embedding_dimension
+    pooling = st.Pooling(dimension(), pooling_mode=spec["pooling"])
     modules = [word, pooling] + ([st.Normalize()] if spec["normalize"] else [])
     model = SentenceTransformer(modules=modules, device="cpu")
     out = os.path.join(HERE, name)
@@ -184,7 +204,7 @@ def build(name, spec, work):
     return {"pooling": spec["pooling"], "normalize": spec["normalize"], "max_seq_length": 64,
             "dimensions": int(emb.shape[1]),
             "cases": [{"input": s, "ids": i, "embedding": [float(x) for x in e], "alone": [float(x) for x in a]}
-                      for s, i, e, a in zip(SENTENCES, ids, emb, alone)]}
+                      for s, i, e, a in zip(SENTENCES, ids, emb, alone)]}, model, fast
 
 
 def strip(out):
@@ -241,21 +261,58 @@ def build_cross_encoder(name, work):
     return {"activation": type(cross.activation_fn).__name__, "cases": cases, "truncated": truncated}
 
 
+def current(work):
+    """The CURRENT folders and their references, made by this script run again with
+    sentence-transformers CURRENT_VERSION first on its path (ST_CURRENT, or
+    .deps/fixtures-st-current): one process imports one release."""
+    import subprocess
+    where = os.environ.get("ST_CURRENT", os.path.join(ROOT, ".deps", "fixtures-st-current"))
+    out = os.path.join(work, "current.json")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([where] + [p for p in [os.environ.get("PYTHONPATH")] if p])}
+    subprocess.run([sys.executable, os.path.abspath(__file__), "--current", out], env=env, check=True)
+    with open(out) as f:
+        return json.load(f)
+
+
+def build_current(out):
+    """The CURRENT folders under sentence-transformers CURRENT_VERSION, their references to
+    `out`: each as `build`'s, with the release's version and what it embeds of LONG."""
+    import sentence_transformers
+    import torch
+    assert sentence_transformers.__version__ == CURRENT_VERSION, sentence_transformers.__version__
+    torch.set_num_threads(1)
+    work = os.path.join(HERE, ".work-current")
+    os.makedirs(work, exist_ok=True)
+    refs = {}
+    for name, spec in CURRENT.items():
+        ref, model, fast = build(name, spec, work)
+        ref["sentence_transformers"] = CURRENT_VERSION
+        ref["long"] = {"input": LONG, "ids": fast(LONG, truncation=True, max_length=64)["input_ids"],
+                       "embedding": [float(x) for x in model.encode([LONG], convert_to_numpy=True)[0]]}
+        refs[name] = ref
+    shutil.rmtree(work)
+    with open(out, "w") as f:
+        json.dump(refs, f)
+
+
 def main():
+    if sys.argv[1:2] == ["--current"]:
+        return build_current(sys.argv[2])
     import torch
     torch.set_num_threads(1)
     work = os.path.join(HERE, ".work")
     os.makedirs(work, exist_ok=True)
     ref = {"tool": "sentence-transformers", "models": {}, "rerankers": {}}
     for name, spec in FOLDERS.items():
-        ref["models"][name] = build(name, spec, work)
+        ref["models"][name] = build(name, spec, work)[0]
+    ref["models"].update(current(work))
     for name in RERANKERS:
         ref["rerankers"][name] = build_cross_encoder(name, work)
     with open(os.path.join(HERE, "reference.json"), "w") as f:
         json.dump(ref, f, indent=1)
     shutil.rmtree(work)
     sizes = {n: sum(os.path.getsize(os.path.join(dp, f)) for dp, _, fs in os.walk(os.path.join(HERE, n)) for f in fs)
-             for n in list(FOLDERS) + RERANKERS}
+             for n in list(FOLDERS) + list(CURRENT) + RERANKERS}
     print("sizes (KB):", {k: v // 1024 for k, v in sizes.items()})
 
 

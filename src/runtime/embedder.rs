@@ -41,15 +41,20 @@ impl Pooling {
     }
 }
 
-/// The Pooling module's keys that choose a pooling, and what each is here (`None`: refused).
-const POOLING_KEYS: [(&str, Option<Pooling>); 6] = [
-    ("pooling_mode_mean_tokens", Some(Pooling::Mean)),
-    ("pooling_mode_cls_token", Some(Pooling::Cls)),
-    ("pooling_mode_lasttoken", Some(Pooling::LastToken)),
-    ("pooling_mode_max_tokens", None),
-    ("pooling_mode_mean_sqrt_len_tokens", None),
-    ("pooling_mode_weightedmean_tokens", None),
+/// The poolings sentence-transformers' Pooling module can name, and what each is here (`None`:
+/// refused): the name its `config.json` gives in `pooling_mode` (as sentence-transformers 5.7
+/// saves it; a list of several concatenates them), and the key older releases set to `true`.
+const POOLING_MODES: [(&str, &str, Option<Pooling>); 6] = [
+    ("cls", "pooling_mode_cls_token", Some(Pooling::Cls)),
+    ("max", "pooling_mode_max_tokens", None),
+    ("mean", "pooling_mode_mean_tokens", Some(Pooling::Mean)),
+    ("mean_sqrt_len_tokens", "pooling_mode_mean_sqrt_len_tokens", None),
+    ("weightedmean", "pooling_mode_weightedmean_tokens", None),
+    ("lasttoken", "pooling_mode_lasttoken", Some(Pooling::LastToken)),
 ];
+
+/// The poolings served, for messages.
+const SERVED: &str = "served: mean, cls, lasttoken";
 
 /// What a sentence-transformers folder says of its embeddings.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -96,34 +101,10 @@ impl Embedder {
                 dir.join("config.json").display()
             )
         })?;
-        let chosen: Vec<(&str, Option<Pooling>)> = POOLING_KEYS
-            .into_iter()
-            .filter(|(key, _)| config[*key].as_bool() == Some(true))
-            .collect();
-        let named = dir.join("config.json").display().to_string();
-        let pooling = match chosen.as_slice() {
-            [(_, Some(pooling))] => *pooling,
-            [(key, None)] => return Err(format!("{named}: `{key}` is not served (served: mean, cls, lasttoken)")),
-            [] => return Err(format!("{named}: no `pooling_mode_*` key is true")),
-            several => {
-                let keys: Vec<&str> = several.iter().map(|(k, _)| *k).collect();
-                return Err(format!(
-                    "{named}: {} are all true; one pooling is served, not their concatenation",
-                    keys.join(", ")
-                ));
-            }
-        };
-        let max_seq_length = match json(folder, "sentence_bert_config.json")? {
-            Some(config) => match &config["max_seq_length"] {
-                Value::Null => None,
-                v => Some(v.as_u64().filter(|n| *n > 0).ok_or_else(|| {
-                    format!(
-                        "{}: `max_seq_length` is {v}, not a number of tokens",
-                        folder.join("sentence_bert_config.json").display()
-                    )
-                })?),
-            },
-            None => None,
+        let pooling = read_pooling(&config, &dir.join("config.json").display().to_string())?;
+        let max_seq_length = match read_max_seq_length(folder)? {
+            Some(n) => Some(n),
+            None => model_max_length(folder)?,
         };
         Ok(Some(Embedder {
             pooling,
@@ -257,6 +238,95 @@ impl Embedder {
                 vector
             })
             .collect())
+    }
+}
+
+/// The pooling a Pooling module's `config.json` (`named`) chooses: its `pooling_mode` (a name,
+/// or a list of them), else the one `pooling_mode_*` key that is `true`; one that is not served,
+/// a name sentence-transformers does not know, or several (concatenated) refused by name.
+fn read_pooling(config: &Value, named: &str) -> Result<Pooling, String> {
+    let modes = match &config["pooling_mode"] {
+        Value::Null => None,
+        Value::String(mode) => Some(vec![mode.as_str()]),
+        Value::Array(modes) if !modes.is_empty() && modes.iter().all(Value::is_string) => {
+            Some(modes.iter().filter_map(Value::as_str).collect())
+        }
+        other => return Err(format!("{named}: `pooling_mode` is {other}, not a pooling's name")),
+    };
+    let chosen: Vec<(&str, Option<Pooling>)> = match modes {
+        Some(modes) => {
+            let mut chosen = Vec::with_capacity(modes.len());
+            for mode in modes {
+                let Some((name, _, pooling)) = POOLING_MODES.iter().find(|(name, _, _)| *name == mode) else {
+                    let known: Vec<&str> = POOLING_MODES.iter().map(|(name, _, _)| *name).collect();
+                    return Err(format!(
+                        "{named}: `pooling_mode` \"{mode}\" is not a pooling sentence-transformers names ({})",
+                        known.join(", ")
+                    ));
+                };
+                chosen.push((*name, *pooling));
+            }
+            chosen
+        }
+        None => POOLING_MODES
+            .iter()
+            .filter(|(_, key, _)| config[*key].as_bool() == Some(true))
+            .map(|(_, key, pooling)| (*key, *pooling))
+            .collect(),
+    };
+    // How the folder says it: `pooling_mode` "max", or the key `pooling_mode_max_tokens`.
+    let said = |name: &str| match name.starts_with("pooling_mode_") {
+        true => format!("`{name}`"),
+        false => format!("`pooling_mode` \"{name}\""),
+    };
+    match chosen.as_slice() {
+        [(_, Some(pooling))] => Ok(*pooling),
+        [(name, None)] => Err(format!("{named}: {} is not served ({SERVED})", said(name))),
+        [] => Err(format!(
+            "{named}: no `pooling_mode`, and no `pooling_mode_*` key is true"
+        )),
+        several => {
+            let names: Vec<String> = several.iter().map(|(name, _)| said(name)).collect();
+            Err(format!(
+                "{named}: {} are all chosen; one pooling is served, not their concatenation",
+                names.join(", ")
+            ))
+        }
+    }
+}
+
+/// `sentence_bert_config.json`'s `max_seq_length`, as sentence-transformers before 5.7 saved it.
+fn read_max_seq_length(folder: &Path) -> Result<Option<u64>, String> {
+    let Some(config) = json(folder, "sentence_bert_config.json")? else {
+        return Ok(None);
+    };
+    match &config["max_seq_length"] {
+        Value::Null => Ok(None),
+        v => v.as_u64().filter(|n| *n > 0).map(Some).ok_or_else(|| {
+            format!(
+                "{}: `max_seq_length` is {v}, not a number of tokens",
+                folder.join("sentence_bert_config.json").display()
+            )
+        }),
+    }
+}
+
+/// The tokenizer's `model_max_length` (`tokenizer_config.json`): where sentence-transformers 5.7
+/// keeps a model's `max_seq_length`, and what older releases took when theirs was unset. Not a
+/// limit when it is `transformers`' "none" (1e30, past any `u64`) or absent.
+fn model_max_length(folder: &Path) -> Result<Option<u64>, String> {
+    let Some(config) = json(folder, "tokenizer_config.json")? else {
+        return Ok(None);
+    };
+    match &config["model_max_length"] {
+        Value::Null => Ok(None),
+        Value::Number(n) if n.as_u64().is_none() && n.as_f64().is_some_and(|x| x >= u64::MAX as f64) => Ok(None),
+        v => v.as_u64().filter(|n| *n > 0).map(Some).ok_or_else(|| {
+            format!(
+                "{}: `model_max_length` is {v}, not a number of tokens",
+                folder.join("tokenizer_config.json").display()
+            )
+        }),
     }
 }
 
@@ -442,5 +512,81 @@ mod tests {
         .unwrap();
         assert!(Embedder::read(&dir).unwrap_err().contains("not their concatenation"));
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn sentence_transformers_5_7_s_pooling_mode_and_max_length_are_read() {
+        let scratch = crate::core::scratch::OwnDir::new("embedder-test").unwrap();
+        let dir = scratch.path();
+        std::fs::create_dir_all(dir.join("1_Pooling")).unwrap();
+        // What 5.7 saves: its modules' new paths, `pooling_mode` and `embedding_dimension`, and
+        // `max_seq_length` only as the tokenizer's `model_max_length`.
+        std::fs::write(
+            dir.join("modules.json"),
+            r#"[{"path": "", "type": "sentence_transformers.base.modules.transformer.Transformer"},
+                {"path": "1_Pooling", "type": "sentence_transformers.sentence_transformer.modules.pooling.Pooling"},
+                {"path": "2_Normalize", "type": "sentence_transformers.sentence_transformer.modules.normalize.Normalize"}]"#,
+        )
+        .unwrap();
+        std::fs::write(
+            dir.join("sentence_bert_config.json"),
+            r#"{"transformer_task": "feature-extraction", "module_output_name": "token_embeddings"}"#,
+        )
+        .unwrap();
+        std::fs::write(dir.join("tokenizer_config.json"), r#"{"model_max_length": 256}"#).unwrap();
+        let config = dir.join("1_Pooling/config.json");
+        let read = |pooling_mode: &str| {
+            std::fs::write(
+                &config,
+                format!(r#"{{"embedding_dimension": 32, "pooling_mode": {pooling_mode}, "include_prompt": true}}"#),
+            )
+            .unwrap();
+            Embedder::read(dir)
+        };
+        for (mode, pooling) in [
+            (r#""mean""#, Pooling::Mean),
+            (r#""cls""#, Pooling::Cls),
+            (r#"["lasttoken"]"#, Pooling::LastToken),
+        ] {
+            let want = Embedder {
+                pooling,
+                normalize: true,
+                max_seq_length: Some(256),
+            };
+            assert_eq!(read(mode).unwrap(), Some(want), "{mode}");
+        }
+        for mode in ["max", "mean_sqrt_len_tokens", "weightedmean"] {
+            let err = read(&format!("\"{mode}\"")).unwrap_err();
+            assert!(
+                err.ends_with(&format!(
+                    "`pooling_mode` \"{mode}\" is not served (served: mean, cls, lasttoken)"
+                )),
+                "{err}"
+            );
+        }
+        let err = read(r#""median""#).unwrap_err();
+        assert!(
+            err.contains("`pooling_mode` \"median\" is not a pooling sentence-transformers names (cls, max, mean,"),
+            "{err}"
+        );
+        assert!(
+            read(r#"["mean", "max"]"#)
+                .unwrap_err()
+                .contains("not their concatenation")
+        );
+        assert!(
+            read("3")
+                .unwrap_err()
+                .contains("`pooling_mode` is 3, not a pooling's name")
+        );
+        // `transformers`' "no limit" is none; an older folder's `max_seq_length` comes first.
+        std::fs::write(
+            dir.join("tokenizer_config.json"),
+            r#"{"model_max_length": 1000000000000000019884624838656}"#,
+        )
+        .unwrap();
+        assert_eq!(read(r#""mean""#).unwrap().unwrap().max_seq_length, None);
+        std::fs::write(dir.join("sentence_bert_config.json"), r#"{"max_seq_length": 128}"#).unwrap();
+        assert_eq!(read(r#""mean""#).unwrap().unwrap().max_seq_length, Some(128));
     }
 }

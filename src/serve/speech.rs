@@ -10,8 +10,8 @@
 //! Windows are cut as `transformers`' `generate` cuts them: features of the whole audio (of
 //! audio of 30 s or less, padded to 30 s), a window at each seek, the seek moved on by what the
 //! window's timestamps consumed, so a segment cut off at a window's end is decoded again whole
-//! in the next ([`crate::runtime::speech::window_segments`]); without timestamps (audio of one
-//! window, text only) the one window is all.
+//! in the next ([`crate::runtime::speech::window_segments`]), timestamps asked or not: a window
+//! decoded without them that writes pairs of them all the same is cut there too.
 //! Windows follow each other (each starts where the last one's timestamps say), so one
 //! transcription runs one window at a time; concurrent transcriptions' windows share runs. A
 //! transcription's windows are a [`Series`]: while one transcription prepares its next window, a
@@ -190,7 +190,7 @@ async fn windows(
             }
             detected = Some(name.unwrap_or_else(|| "english".to_string()));
         }
-        let (window_segments, consumed) = cut(whisper, &decoded, seek, frames, timestamps, samples.len());
+        let (window_segments, consumed) = cut(whisper, &decoded, seek, frames, samples.len());
         let text = window_text(whisper, &window_segments).map_err(|e| failed(&served.pool, e))?;
         if let Some(sink) = &sink {
             let window = Window {
@@ -322,17 +322,14 @@ fn decoded(outputs: &[Tensor]) -> Result<Decoded, String> {
     })
 }
 
-/// A window's segments and the frames it consumed: at its timestamps when it was decoded with
-/// them; else one segment over the audio it holds.
-fn cut(
-    whisper: &Whisper,
-    decoded: &Decoded,
-    seek: u64,
-    frames: u64,
-    timestamps: bool,
-    samples: usize,
-) -> (Vec<WindowSegment>, u64) {
-    if timestamps {
+/// A window's segments and the frames it consumed, as `transformers` cuts every window,
+/// timestamps asked or not: at its pairs of timestamp tokens, which a window decoded without
+/// timestamps may write all the same (no rule forbids them then; a model of random weights
+/// does), the seek then moving to the last pair's time and what follows decoded again in the
+/// next window. A model that names no `<|notimestamps|>` has no timestamp tokens for
+/// `transformers`: its window is one segment over the audio it holds.
+fn cut(whisper: &Whisper, decoded: &Decoded, seek: u64, frames: u64, samples: usize) -> (Vec<WindowSegment>, u64) {
+    if whisper.tokens.no_timestamps.is_some() {
         let result = window_segments(&decoded.tokens, seek, frames, whisper.tokens.timestamp_begin);
         return (result.segments, result.consumed);
     }

@@ -20,8 +20,11 @@ models:
   - {name: cls, path: models/embed/bert-cls/model.onnx, tokenizer: models/embed/bert-cls/tokenizer.json}
   # A decoder (Qwen3's layout) taking `position_ids`, its last token pooled.
   - {name: qwen3, path: models/embed/qwen3-lasttoken/model.onnx}
+  # Saved by sentence-transformers 5.7: `pooling_mode` names its pooling, and its
+  # `max_seq_length` is the tokenizer's `model_max_length`.
+  - {name: st57, path: models/embed/bert-mean-st57/model.onnx}
   - {name: encoder, path: 'builtin:encoder'}
-pools: [{name: cpu, provider: cpu, models: [mean, cls, qwen3, encoder]}]
+pools: [{name: cpu, provider: cpu, models: [mean, cls, qwen3, st57, encoder]}]
 ";
 
 /// The folders' references: model name as served → its reference (`cases` of `input`, `ids`,
@@ -33,6 +36,7 @@ fn reference() -> Vec<(&'static str, Value)> {
         ("mean", all["models"]["bert-mean-normalize"].clone()),
         ("cls", all["models"]["bert-cls"].clone()),
         ("qwen3", all["models"]["qwen3-lasttoken"].clone()),
+        ("st57", all["models"]["bert-mean-st57"].clone()),
     ]
 }
 
@@ -221,6 +225,33 @@ async fn a_long_input_is_refused_naming_the_limit_unless_truncate_cuts_it() {
 }
 
 #[tokio::test]
+async fn a_folder_saved_by_sentence_transformers_5_7_is_cut_at_the_length_it_keeps() {
+    let server = TestServer::start(CONFIG).await;
+    let (model, reference) = reference().pop().unwrap();
+    assert_eq!((model, &reference["sentence_transformers"]), ("st57", &json!("5.7.0")));
+    let long = &reference["long"];
+    let limit = long["ids"].as_array().unwrap().len();
+    assert_eq!(reference["max_seq_length"], limit);
+    refused(
+        &server,
+        json!({"model": model, "input": long["input"]}),
+        "input",
+        &format!("above the model's max_seq_length of {limit}"),
+    )
+    .await;
+    let (cut, answer) = embed(
+        &server,
+        json!({"model": model, "input": long["input"], "truncate": true}),
+    )
+    .await;
+    assert_eq!(answer["usage"]["prompt_tokens"], limit);
+    let want = floats(&long["embedding"]);
+    let far = max_difference(&cut[0], &want);
+    assert!(far <= 1e-4 * length(&want), "a component {far} from what 5.7 embeds");
+    server.stop().await;
+}
+
+#[tokio::test]
 async fn what_is_not_an_embeddings_request_is_refused_naming_the_field() {
     let server = TestServer::start(CONFIG).await;
     let input = "An embedding model indexes notes";
@@ -306,9 +337,9 @@ async fn what_is_not_an_embeddings_request_is_refused_naming_the_field() {
         .json()
         .await
         .unwrap();
-    assert_eq!(crate::common::model_ids(&models), vec!["mean", "cls", "qwen3"]);
+    assert_eq!(crate::common::model_ids(&models), vec!["mean", "cls", "qwen3", "st57"]);
     // The graph pools: its one output is the vectors, not every token's state.
-    for model in ["mean", "cls", "qwen3"] {
+    for model in ["mean", "cls", "qwen3", "st57"] {
         let metadata = server.model_metadata(model).await;
         assert_eq!(
             metadata["outputs"],

@@ -53,3 +53,4 @@ mod substitute;
 mod text;
 mod transcriptions;
 mod triton;
+mod whisper_folders;

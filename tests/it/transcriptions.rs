@@ -34,7 +34,7 @@ fn form(fields: &[(&str, &str)], file: (&str, Vec<u8>)) -> (String, Vec<u8>) {
 }
 
 /// Send a form to `path`: the status, the headers and the body as text.
-async fn send(
+pub(crate) async fn send(
     server: &TestServer,
     path: &str,
     fields: &[(&str, &str)],

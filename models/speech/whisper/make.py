@@ -209,7 +209,7 @@ def generation_config(fast):
     )
 
 
-def widen(model, fast):
+def widen(model, fast, eot_bias=EOT_BIAS):
     """Redraw the weights so that the transcription depends on the audio and behaves as a
     trained Whisper's does in the ways the server relies on (the module's docstring says why):
 
@@ -264,7 +264,7 @@ def widen(model, fast):
         decoder.layer_norm.weight[:2] = 0.0
         decoder.layer_norm.bias.zero_()
         decoder.layer_norm.bias[0] = 1.0
-        rows[eot, 0] = EOT_BIAS
+        rows[eot, 0] = eot_bias
         times = torch.arange(rows.shape[0] - first_timestamp, dtype=rows.dtype)
         rows[first_timestamp:, 0] = TIMESTAMP_BIAS - TIMESTAMP_SLOPE * (times - TIMESTAMP_PEAK).abs()
         for token, i in fast.get_vocab().items():
@@ -277,9 +277,9 @@ DIMS = {"d_model": 48, "encoder_layers": 2, "encoder_attention_heads": 4, "decod
         "decoder_attention_heads": 4, "encoder_ffn_dim": 96, "decoder_ffn_dim": 96}
 
 
-def build(work, dims=None):
-    """The tiny Whisper (DIMS, or `dims`) saved in transformers' layout under work/hf; the
-    model and its tokenizer."""
+def build(work, dims=None, eot_bias=EOT_BIAS):
+    """The tiny Whisper (DIMS, or `dims`; <|endoftext|>'s bias `eot_bias`) saved in transformers'
+    layout under work/hf; the model and its tokenizer."""
     import torch
     from transformers import WhisperConfig, WhisperFeatureExtractor, WhisperForConditionalGeneration
     hf = os.path.join(work, "hf")
@@ -295,7 +295,7 @@ def build(work, dims=None):
         forced_decoder_ids=None, use_cache=True)
     torch.manual_seed(SEED)
     model = WhisperForConditionalGeneration(config).eval()
-    widen(model, fast)
+    widen(model, fast, eot_bias)
     model.generation_config = gen
     model.save_pretrained(hf)
     fast.save_pretrained(hf)

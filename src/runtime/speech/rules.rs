@@ -15,7 +15,7 @@ pub struct Rules {
     suppress: Vec<u32>,
     begin_suppress: Vec<u32>,
     eos: u32,
-    no_timestamps: u32,
+    no_timestamps: Option<u32>,
     timestamp_begin: u32,
     max_initial_timestamp: Option<u32>,
     /// Whether the timestamp rules apply (the prompt does not end with `<|notimestamps|>`).
@@ -24,7 +24,8 @@ pub struct Rules {
 
 impl Whisper {
     /// The rules a window of `prompt` is decoded under: with the timestamp rules unless the
-    /// prompt ends with `<|notimestamps|>`.
+    /// prompt ends with `<|notimestamps|>` or the model names none (`transformers` decodes no
+    /// timestamps then).
     pub fn rules(&self, prompt: &[i64]) -> Rules {
         Rules {
             suppress: self.suppress.clone(),
@@ -33,7 +34,10 @@ impl Whisper {
             no_timestamps: self.tokens.no_timestamps,
             timestamp_begin: self.tokens.timestamp_begin,
             max_initial_timestamp: self.max_initial_timestamp,
-            timestamps: prompt.last() != Some(&i64::from(self.tokens.no_timestamps)),
+            timestamps: self
+                .tokens
+                .no_timestamps
+                .is_some_and(|t| prompt.last() != Some(&i64::from(t))),
         }
     }
 }
@@ -76,7 +80,7 @@ impl Rules {
     fn timestamp_rules(&self, generated: &[u32], logits: &mut [f32]) {
         let begin = self.timestamp_begin;
         let is_time = |t: &u32| *t >= begin;
-        logits[self.no_timestamps as usize] = f32::NEG_INFINITY;
+        forbid(logits, self.no_timestamps);
         let n = generated.len();
         let last_was_time = n >= 1 && is_time(&generated[n - 1]);
         let penultimate_was_time = n < 2 || is_time(&generated[n - 2]);
@@ -190,7 +194,7 @@ mod tests {
             suppress: vec![3],
             begin_suppress: vec![1, 9],
             eos: 9,
-            no_timestamps: 10,
+            no_timestamps: Some(10),
             timestamp_begin: 11,
             max_initial_timestamp: Some(2),
             timestamps,

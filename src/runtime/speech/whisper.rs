@@ -4,7 +4,7 @@
 //! missing or wrong key refuses the folder with the file and key named.
 
 use std::path::Path;
-use std::sync::Arc;
+use std::sync::{Arc, LazyLock};
 
 use serde_json::Value;
 
@@ -19,6 +19,15 @@ pub const DETECT: i64 = -1;
 
 /// Seconds per timestamp token (`<|0.02|>` is one step).
 pub const TIME_PRECISION: f64 = 0.02;
+
+/// A timestamp token's text, as `transformers`' Whisper tokenizer finds them in decoded text
+/// (its `timestamp_pat`).
+static TIMESTAMP: LazyLock<regex::Regex> =
+    LazyLock::new(|| regex::Regex::new(r"<\|(\d+\.\d+)\|>").expect("a valid pattern"));
+
+/// The tokens a window generates when the generation config has no `max_length`
+/// (`transformers`' GenerationConfig default).
+const DEFAULT_NEW_TOKENS: u32 = 20;
 
 /// Feature frames per encoder position (the two convolutions' strides): a timestamp step is
 /// this many frames.
@@ -45,8 +54,9 @@ pub struct Whisper {
     /// The latest timestamp the first token may be, in steps from `<|0.00|>`
     /// (`max_initial_timestamp_index`; none when absent).
     pub max_initial_timestamp: Option<u32>,
-    /// The most tokens a window's decoder sequence has, prompt included (`max_length`).
-    pub max_length: u32,
+    /// The most tokens a window's decoder sequence has, prompt included (`max_length`; none
+    /// when absent: see [`Whisper::max_new_tokens`]).
+    pub max_length: Option<u32>,
     tokenizer: Arc<tokenizers::Tokenizer>,
 }
 
@@ -78,9 +88,12 @@ pub struct Tokens {
     pub start: u32,
     /// `<|endoftext|>` (`eos_token_id`).
     pub eos: u32,
-    /// `<|notimestamps|>` (`no_timestamps_token_id`).
-    pub no_timestamps: u32,
-    /// `<|0.00|>`: the first timestamp token, `no_timestamps + 1`.
+    /// `<|notimestamps|>` (`no_timestamps_token_id`). None when the generation config lacks
+    /// it, and then, as in `transformers`, no prompt has it, no timestamp is decoded (asking
+    /// for them is refused) and no window is cut at the timestamp tokens it writes.
+    pub no_timestamps: Option<u32>,
+    /// `<|0.00|>`: the first timestamp token, `no_timestamps + 1` (without it, the tokenizer's
+    /// `<|0.00|>`: the text still leaves them out, as `transformers`' decoding does).
     pub timestamp_begin: u32,
     /// `<|startofprev|>` (`prev_sot_token_id`): what a prompt's previous text follows.
     pub previous: u32,
@@ -150,7 +163,20 @@ impl Whisper {
         let file = named(GENERATION);
         let generation = json(folder, GENERATION)?.ok_or_else(|| format!("{file} is missing"))?;
         let tokenizer = read_tokenizer(folder)?;
-        let no_timestamps = number(&generation, &file, "no_timestamps_token_id")?;
+        // Older configs lack these two; `transformers` runs such a model all the same, without
+        // timestamps and within GenerationConfig's default `max_length`.
+        let no_timestamps = match &generation["no_timestamps_token_id"] {
+            Value::Null => None,
+            _ => Some(number(&generation, &file, "no_timestamps_token_id")?),
+        };
+        let max_length = match &generation["max_length"] {
+            Value::Null => None,
+            _ => Some(number(&generation, &file, "max_length")?),
+        };
+        let timestamp_begin = match no_timestamps {
+            Some(token) => token + 1,
+            None => tokenizer.token_to_id("<|0.00|>").unwrap_or(dims.vocab),
+        };
         let no_speech = ["<|nospeech|>", "<|nocaptions|>"]
             .iter()
             .find_map(|t| tokenizer.token_to_id(t))
@@ -168,7 +194,7 @@ impl Whisper {
             start: number(&generation, &file, "decoder_start_token_id")?,
             eos: number(&generation, &file, "eos_token_id")?,
             no_timestamps,
-            timestamp_begin: no_timestamps + 1,
+            timestamp_begin,
             // Older configs lack it; `transformers` then takes the tokenizer's.
             previous: match &generation["prev_sot_token_id"] {
                 Value::Null => tokenizer.token_to_id("<|startofprev|>").ok_or_else(|| {
@@ -204,11 +230,12 @@ impl Whisper {
             suppress: ids(&generation, &file, "suppress_tokens")?,
             begin_suppress: ids(&generation, &file, "begin_suppress_tokens")?,
             max_initial_timestamp,
-            max_length: number(&generation, &file, "max_length")?,
+            max_length,
             tokenizer: Arc::new(tokenizer),
         };
-        let top = whisper.tokens.timestamp_begin + 1500;
-        if top >= dims.vocab {
+        if let Some(no_timestamps) = no_timestamps
+            && no_timestamps + 1 + 1500 >= dims.vocab
+        {
             return Err(format!(
                 "{file}'s `no_timestamps_token_id` {no_timestamps} leaves no room for the 1,501 timestamp tokens in a vocabulary of {} ({CONFIG}'s `vocab_size`)",
                 dims.vocab
@@ -261,7 +288,8 @@ impl Whisper {
     /// `previous` (the prompt's text tokens, at most `max_target_positions / 2 - 1` of them, as
     /// Whisper keeps) when there are any; `<|startoftranscript|>`; in a multilingual model the
     /// language's token ([`DETECT`] when `language` is `None`: detected for the window) and the
-    /// task's; `<|notimestamps|>` when no timestamps are asked.
+    /// task's; `<|notimestamps|>` when no timestamps are asked (and the model names it: else
+    /// timestamps are refused, as `transformers` refuses them).
     pub fn prompt(
         &self,
         task: Task,
@@ -297,28 +325,39 @@ impl Whisper {
         {
             return Err("this model is English-only: it neither takes another language nor translates".into());
         }
-        if !timestamps {
-            prompt.push(i64::from(self.tokens.no_timestamps));
+        match (timestamps, self.tokens.no_timestamps) {
+            (false, Some(token)) => prompt.push(i64::from(token)),
+            (false, None) => {}
+            (true, Some(_)) => {}
+            (true, None) => {
+                return Err(format!(
+                    "this model's {GENERATION} has no `no_timestamps_token_id`, so it is decoded without timestamps (as `transformers` decodes it): it transcribes audio of {} s at most, as text or json",
+                    self.mel.chunk_seconds
+                ));
+            }
         }
         Ok(prompt)
     }
 
     /// The most tokens a window of a prompt of `prompt` tokens may generate, its end included
-    /// (`max_length` counts the prompt, and no sequence passes `max_target_positions`).
+    /// (`max_length` counts the prompt, and no sequence passes `max_target_positions`). Without
+    /// `max_length`, `transformers` takes GenerationConfig's default of 20 and, that being the
+    /// default, counts it after the prompt: 20 new tokens.
     pub fn max_new_tokens(&self, prompt: usize) -> u32 {
-        let most = self.max_length.min(self.dims.max_target_positions);
-        most.saturating_sub(prompt as u32)
+        let room = self.dims.max_target_positions.saturating_sub(prompt as u32);
+        match self.max_length {
+            Some(most) => most.min(self.dims.max_target_positions).saturating_sub(prompt as u32),
+            None => DEFAULT_NEW_TOKENS.min(room),
+        }
     }
 
-    /// The text of `tokens` as `decode(tokens, skip_special_tokens=True)` gives it: timestamp
-    /// and special tokens left out.
+    /// The text of `tokens` as `decode(tokens, skip_special_tokens=True)` gives it: special
+    /// tokens left out, then the timestamps' text (`<|1.00|>`) taken out of what is decoded, as
+    /// `transformers`' Whisper tokenizer does; so the bytes of one character that a timestamp
+    /// splits stay two broken characters, as there.
     pub fn text(&self, tokens: &[u32]) -> Result<String, String> {
-        let kept: Vec<u32> = tokens
-            .iter()
-            .copied()
-            .filter(|&t| t < self.tokens.timestamp_begin)
-            .collect();
-        self.tokenizer.decode(&kept, true).map_err(|e| e.to_string())
+        let text = self.tokenizer.decode(tokens, true).map_err(|e| e.to_string())?;
+        Ok(TIMESTAMP.replace_all(&text, "").into_owned())
     }
 }
 
@@ -423,7 +462,7 @@ mod tests {
         assert_eq!(w.languages.len(), 99);
         assert_eq!(w.language_name(id("<|en|>")), Some("english"));
         assert_eq!(w.language_name(id("<|de|>")), Some("german"));
-        assert_eq!((w.max_length, w.max_initial_timestamp), (448, Some(50)));
+        assert_eq!((w.max_length, w.max_initial_timestamp), (Some(448), Some(50)));
     }
 
     #[test]
@@ -471,6 +510,42 @@ mod tests {
         tokens.extend(&words);
         tokens.extend([w.tokens.timestamp_begin + 50, w.tokens.eos]);
         assert_eq!(w.text(&tokens).unwrap(), " hello world");
+        // A timestamp between the two bytes of "é" leaves them apart, as `transformers`
+        // decodes them (" \u{fffd}\u{fffd} how"); a special token there does not.
+        let split = w.tokenizer().encode(" é how", false).unwrap().get_ids().to_vec();
+        assert_eq!(split.len(), 4, "{split:?}");
+        let mut tokens = split.clone();
+        tokens.insert(2, w.tokens.timestamp_begin + 1000);
+        assert_eq!(w.text(&tokens).unwrap(), " \u{fffd}\u{fffd} how");
+        tokens[2] = w.language_token("de").unwrap();
+        assert_eq!(w.text(&tokens).unwrap(), " é how");
+    }
+
+    #[test]
+    fn a_folder_without_max_length_or_no_timestamps_is_decoded_as_transformers_decodes_it() {
+        let dir = edited(GENERATION, |g| {
+            let g = g.as_object_mut().unwrap();
+            g.remove("max_length");
+            g.remove("no_timestamps_token_id");
+        });
+        let w = Whisper::read(dir.path()).unwrap().expect("a Whisper folder");
+        let id = |t: &str| w.tokenizer().token_to_id(t).unwrap();
+        assert_eq!((w.max_length, w.tokens.no_timestamps), (None, None));
+        // Its timestamp tokens are still left out of the text.
+        assert_eq!(w.tokens.timestamp_begin, id("<|0.00|>"));
+        // No <|notimestamps|> in a prompt, no timestamp rules, 20 new tokens.
+        let prompt = w.prompt(Task::Transcribe, Some("en"), false, &[]).unwrap();
+        let want = ["<|startoftranscript|>", "<|en|>", "<|transcribe|>"].map(|t| i64::from(id(t)));
+        assert_eq!(prompt, want);
+        assert_eq!(w.max_new_tokens(prompt.len()), 20);
+        let mut logits = vec![0.0; w.dims.vocab as usize];
+        w.rules(&prompt).apply(&[], &mut logits);
+        assert_eq!(logits[id("<|0.00|>") as usize + 700], 0.0, "a timestamp is not forced");
+        let e = w.prompt(Task::Transcribe, Some("en"), true, &[]).unwrap_err();
+        assert!(
+            e.contains("no `no_timestamps_token_id`") && e.contains("30 s at most"),
+            "{e}"
+        );
     }
 
     #[test]
@@ -487,7 +562,7 @@ mod tests {
         let cases: [(&str, Edit, &str); 5] = [
             (
                 GENERATION,
-                |g| drop(g.as_object_mut().unwrap().remove("no_timestamps_token_id")),
+                |g| g["no_timestamps_token_id"] = "<|notimestamps|>".into(),
                 "`no_timestamps_token_id`",
             ),
             (
