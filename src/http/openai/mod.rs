@@ -63,8 +63,9 @@ use crate::serve::lifecycle;
 use crate::serve::service::{ModelEntry, UNKNOWN_MODEL};
 
 /// `GET /v1/models`: the models that generate text (decoders with a tokenizer), those that
-/// embed (sentence-transformers folders), those that rerank (cross-encoders) and those that
-/// transcribe (Whisper exports): every model an OpenAI client can name.
+/// embed (sentence-transformers folders, and each tower of a dual encoder such as CLIP), those
+/// that rerank (cross-encoders) and those that transcribe (Whisper exports): every model an
+/// OpenAI client can name.
 pub async fn models(State(state): State<Arc<AppState>>) -> axum::Json<Value> {
     let data: Vec<Value> = state
         .service
@@ -100,10 +101,11 @@ pub async fn model(
 }
 
 /// Whether a model is one of `GET /v1/models`: a decoder with a tokenizer, an embedder, a
-/// reranker or a speech model.
+/// reranker, a dual encoder's tower (`/v1/embeddings` takes texts for one, images for the
+/// other) or a speech model.
 fn listed(entry: &ModelEntry) -> bool {
     let encodes = entry.embedder.is_some() || entry.reranker.is_some();
-    entry.generates_text() || (encodes && entry.tokenizer.is_some()) || entry.speech.is_some()
+    entry.generates_text() || (encodes && entry.tokenizer.is_some()) || entry.tower.is_some() || entry.speech.is_some()
 }
 
 /// A model as OpenAI's model object describes it.
