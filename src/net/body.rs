@@ -30,6 +30,8 @@ pub(super) struct Receiving {
     stall: Option<Pin<Box<Sleep>>>,
     /// Whether the stall clock runs (the body is waiting for bytes).
     waiting: bool,
+    /// Read to its end, or refused (the refusal closes the connection itself).
+    done: bool,
 }
 
 /// Why a body read failed. The handler sees only a failed read; the connection, told by the
@@ -69,6 +71,7 @@ impl Receiving {
             received: 0,
             stall: None,
             waiting: false,
+            done: false,
         }
     }
 
@@ -76,6 +79,7 @@ impl Receiving {
         self.limits.hit(limit, &self.watch.peer);
         self.watch.refuse_body(limit);
         self.reserved = None;
+        self.done = true;
         Box::new(Refused(limit))
     }
 
@@ -100,6 +104,16 @@ impl Receiving {
     }
 }
 
+impl Drop for Receiving {
+    /// A handler that answers before it has read the whole body (a multipart form refused at
+    /// its first field) drops the rest: the connection must not carry another request.
+    fn drop(&mut self) {
+        if !self.done && !self.body.is_end_stream() {
+            self.watch.leave_body_unread();
+        }
+    }
+}
+
 impl HttpBody for Receiving {
     type Data = Bytes;
     type Error = axum::BoxError;
@@ -120,6 +134,7 @@ impl HttpBody for Receiving {
             Poll::Ready(None) => {
                 // Received in full: what it holds now is the handler's to account for.
                 this.reserved = None;
+                this.done = true;
                 Poll::Ready(None)
             }
             Poll::Ready(Some(Err(e))) => Poll::Ready(Some(Err(e.into()))),

@@ -214,7 +214,13 @@ where
                     let id = response.headers().get(REQUEST_ID).cloned().or(id);
                     with_id(limits.refusal(limit, uri.path(), &watch), id)
                 }
-                None => response,
+                None => {
+                    let mut response = response;
+                    if watch.take_body_unread() {
+                        watch.close_after(&mut response);
+                    }
+                    response
+                }
             }
         }
     };

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use axum::body::Body;
-use axum::http::{HeaderValue, Response, StatusCode, header};
+use axum::http::{Response, StatusCode};
 use axum::response::IntoResponse;
 use http_body::Body as HttpBody;
 use hyper::body::Incoming;
@@ -174,14 +174,11 @@ impl Limits {
                 ),
             ),
         };
-        watch.linger.store(true, Ordering::Relaxed);
         let mut response = match self.refusals.get() {
             Some(refusals) => refusals.write(path, error),
             None => error.into_response(),
         };
-        response
-            .headers_mut()
-            .insert(header::CONNECTION, HeaderValue::from_static("close"));
+        watch.close_after(&mut response);
         response
     }
 

@@ -7,6 +7,8 @@ use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, Ordering};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
+use axum::body::Body;
+use axum::http::{HeaderValue, Response, header};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::time::Instant;
 
@@ -32,8 +34,11 @@ pub(super) struct Watch {
     since: AtomicU64,
     /// A limit met while the handler read the body (0: none, else the limit's index + 1).
     body_refused: AtomicU8,
-    /// The last response refused a body it did not read.
+    /// The last response refused a body it did not read, or answered before its body was
+    /// read: the connection closes after it, lingering.
     pub(super) linger: AtomicBool,
+    /// The handler dropped the request's body before its end (it answered early).
+    body_unread: AtomicBool,
 }
 
 impl Watch {
@@ -45,6 +50,7 @@ impl Watch {
             since: AtomicU64::new(0),
             body_refused: AtomicU8::new(0),
             linger: AtomicBool::new(false),
+            body_unread: AtomicBool::new(false),
         }
     }
 
@@ -99,6 +105,28 @@ impl Watch {
             };
             tokio::time::sleep_until(next).await;
         }
+    }
+
+    /// The request's body was dropped before its end: what the client still sends of it would
+    /// be read as the next request's head.
+    pub(super) fn leave_body_unread(&self) {
+        self.body_unread.store(true, Ordering::Relaxed);
+    }
+
+    /// Whether the last request's body was left unread, clearing it.
+    pub(super) fn take_body_unread(&self) -> bool {
+        self.body_unread.swap(false, Ordering::Relaxed)
+    }
+
+    /// Close the connection after `response`, lingering so the client reads it: the rest of a
+    /// body nobody reads is still coming, and closing with unread bytes makes the kernel send
+    /// a reset that can destroy the answer before the client reads it. `Connection: close`
+    /// tells the client not to send its next request here.
+    pub(super) fn close_after(&self, response: &mut Response<Body>) {
+        self.linger.store(true, Ordering::Relaxed);
+        response
+            .headers_mut()
+            .insert(header::CONNECTION, HeaderValue::from_static("close"));
     }
 
     pub(super) fn refuse_body(&self, limit: HttpLimit) {

@@ -303,8 +303,27 @@ impl serde_json::ser::Formatter for PythonJson {
     }
 }
 
+/// A message or a tool a chat request cannot have: where it is in the request
+/// (`messages[2].content`, which OpenAI's errors give as their `param`) and what is wrong there.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error("`{at}` {why}")]
+pub struct Invalid {
+    /// Its path in the request.
+    pub at: String,
+    /// What is wrong, said after the path.
+    pub why: String,
+}
+
+/// What is wrong at `at`.
+fn invalid(at: impl Into<String>, why: impl Into<String>) -> Invalid {
+    Invalid {
+        at: at.into(),
+        why: why.into(),
+    }
+}
+
 /// A message's `content` as text: a string, `null`, or text parts.
-fn content_text(content: &Value, at: &str) -> Result<Value, String> {
+fn content_text(content: &Value, at: &str) -> Result<Value, Invalid> {
     match content {
         Value::Null => Ok(Value::Null),
         Value::String(_) => Ok(content.clone()),
@@ -314,28 +333,33 @@ fn content_text(content: &Value, at: &str) -> Result<Value, String> {
                 match (part["type"].as_str(), part["text"].as_str()) {
                     (Some("text"), Some(t)) => text.push_str(t),
                     (Some(kind), _) if kind != "text" => {
-                        return Err(format!(
-                            "{at}.content[{j}]: parts of type `{kind}` are not supported (text only)"
+                        return Err(invalid(
+                            format!("{at}.content[{j}].type"),
+                            format!("is `{kind}`: parts of that type are not supported (text only)"),
                         ));
                     }
                     _ => {
-                        return Err(format!(
-                            "{at}.content[{j}] must be {{\"type\": \"text\", \"text\": \"…\"}}"
+                        return Err(invalid(
+                            format!("{at}.content[{j}]"),
+                            "must be {\"type\": \"text\", \"text\": \"…\"}",
                         ));
                     }
                 }
             }
             Ok(Value::String(text))
         }
-        _ => Err(format!("{at}.content must be a string, null or a list of text parts")),
+        _ => Err(invalid(
+            format!("{at}.content"),
+            "must be a string, null or a list of text parts",
+        )),
     }
 }
 
 /// OpenAI's `messages`, checked and put in the shape chat templates expect: `content` as text,
 /// a tool call's `arguments` as an object (OpenAI sends a JSON string), `developer` as `system`.
-pub fn template_messages(messages: &[Value]) -> Result<Vec<Value>, String> {
+pub fn template_messages(messages: &[Value]) -> Result<Vec<Value>, Invalid> {
     if messages.is_empty() {
-        return Err("`messages` must hold at least one message".into());
+        return Err(invalid("messages", "must hold at least one message"));
     }
     messages
         .iter()
@@ -344,19 +368,20 @@ pub fn template_messages(messages: &[Value]) -> Result<Vec<Value>, String> {
             let at = format!("messages[{i}]");
             let role = m["role"]
                 .as_str()
-                .ok_or_else(|| format!("{at}.role must be a string"))?;
+                .ok_or_else(|| invalid(format!("{at}.role"), "must be a string"))?;
             let role = match role {
                 "developer" => "system",
                 "system" | "user" | "assistant" | "tool" => role,
                 other => {
-                    return Err(format!(
-                        "{at}.role `{other}` is not one of system, developer, user, assistant, tool"
+                    return Err(invalid(
+                        format!("{at}.role"),
+                        format!("is `{other}`, not one of system, developer, user, assistant, tool"),
                     ));
                 }
             };
             let content = content_text(&m["content"], &at)?;
             if content.is_null() && !(role == "assistant" && m.get("tool_calls").is_some()) {
-                return Err(format!("{at}.content is missing"));
+                return Err(invalid(format!("{at}.content"), "is missing"));
             }
             let mut out = json!({"role": role, "content": content});
             if let Some(name) = m.get("name") {
@@ -365,23 +390,26 @@ pub fn template_messages(messages: &[Value]) -> Result<Vec<Value>, String> {
             if role == "tool" {
                 let id = m["tool_call_id"]
                     .as_str()
-                    .ok_or_else(|| format!("{at}.tool_call_id must name the call this answers"))?;
+                    .ok_or_else(|| invalid(format!("{at}.tool_call_id"), "must name the call this answers"))?;
                 out["tool_call_id"] = json!(id);
             }
             if let Some(calls) = m.get("tool_calls").filter(|c| !c.is_null()) {
                 if role != "assistant" {
-                    return Err(format!("{at}: only assistant messages carry tool_calls"));
+                    return Err(invalid(
+                        format!("{at}.tool_calls"),
+                        "is given, and only assistant messages carry tool calls",
+                    ));
                 }
                 let calls = calls
                     .as_array()
-                    .ok_or_else(|| format!("{at}.tool_calls must be a list"))?;
+                    .ok_or_else(|| invalid(format!("{at}.tool_calls"), "must be a list"))?;
                 let calls = calls
                     .iter()
                     .enumerate()
                     .map(|(j, c)| {
-                        let name = c["function"]["name"]
-                            .as_str()
-                            .ok_or_else(|| format!("{at}.tool_calls[{j}].function.name must be a string"))?;
+                        let name = c["function"]["name"].as_str().ok_or_else(|| {
+                            invalid(format!("{at}.tool_calls[{j}].function.name"), "must be a string")
+                        })?;
                         let arguments = match &c["function"]["arguments"] {
                             Value::String(s) => serde_json::from_str(s).unwrap_or_else(|_| json!(s)),
                             Value::Null => json!({}),
@@ -390,7 +418,7 @@ pub fn template_messages(messages: &[Value]) -> Result<Vec<Value>, String> {
                         Ok(json!({"id": c["id"], "type": "function",
                                   "function": {"name": name, "arguments": arguments}}))
                     })
-                    .collect::<Result<Vec<Value>, String>>()?;
+                    .collect::<Result<Vec<Value>, Invalid>>()?;
                 out["tool_calls"] = Value::Array(calls);
             }
             Ok(out)
@@ -399,21 +427,25 @@ pub fn template_messages(messages: &[Value]) -> Result<Vec<Value>, String> {
 }
 
 /// OpenAI's `tools`, checked: functions with a name. They go to the template as given.
-pub fn check_tools(tools: &[Value]) -> Result<(), String> {
+pub fn check_tools(tools: &[Value]) -> Result<(), Invalid> {
     for (i, tool) in tools.iter().enumerate() {
         if tool["type"] != "function" {
-            return Err(format!("tools[{i}].type must be \"function\""));
+            return Err(invalid(format!("tools[{i}].type"), "must be \"function\""));
         }
         let name = tool["function"]["name"].as_str().unwrap_or_default();
         if name.is_empty() || !name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-') {
-            return Err(format!(
-                "tools[{i}].function.name must be 1 or more letters, digits, `_` or `-`"
+            return Err(invalid(
+                format!("tools[{i}].function.name"),
+                "must be 1 or more letters, digits, `_` or `-`",
             ));
         }
         if let Some(p) = tool["function"].get("parameters")
             && !p.is_object()
         {
-            return Err(format!("tools[{i}].function.parameters must be a JSON Schema object"));
+            return Err(invalid(
+                format!("tools[{i}].function.parameters"),
+                "must be a JSON Schema object",
+            ));
         }
     }
     Ok(())
@@ -599,10 +631,21 @@ mod tests {
     #[test]
     fn bad_messages_and_tools_are_refused_by_name() {
         let err = |m: Value| template_messages(&[m]).unwrap_err();
-        assert!(err(json!({"role": "bot", "content": "x"})).contains("messages[0].role `bot`"));
-        assert!(err(json!({"role": "user"})).contains("messages[0].content is missing"));
-        assert!(err(json!({"role": "user", "content": [{"type": "image_url"}]})).contains("image_url"));
-        assert!(err(json!({"role": "tool", "content": "x"})).contains("tool_call_id"));
+        assert_eq!(
+            err(json!({"role": "bot", "content": "x"})).to_string(),
+            "`messages[0].role` is `bot`, not one of system, developer, user, assistant, tool"
+        );
+        assert_eq!(
+            err(json!({"role": "user"})).to_string(),
+            "`messages[0].content` is missing"
+        );
+        let part = err(json!({"role": "user", "content": [{"type": "image_url"}]}));
+        assert_eq!(part.at, "messages[0].content[0].type");
+        assert!(part.why.contains("image_url"), "{part}");
+        assert_eq!(
+            err(json!({"role": "tool", "content": "x"})).at,
+            "messages[0].tool_call_id"
+        );
         assert!(template_messages(&[]).is_err());
         assert!(check_tools(&[json!({"type": "function", "function": {"name": "a b"}})]).is_err());
         assert!(check_tools(&[json!({"type": "retrieval"})]).is_err());

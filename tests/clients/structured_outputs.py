@@ -9,7 +9,8 @@ grammar forces a call whatever the prompt says). Then, for every folder: a stric
 `json_schema` asked through the client's own `parse` (a pydantic model) and streamed,
 `json_object` whole and streamed, a tool call forced by name and by `required`, each answer
 validated with `jsonschema`; and a schema the engine cannot compile, refused as the client's
-`BadRequestError` naming `response_format`.
+`BadRequestError` naming `response_format`, as is one whose `$ref` cycles; and a completion
+(`client.completions.create`) under a `response_format`, whole and streamed.
 
 Run by `make client-compat` (which installs openai and jsonschema into .deps/pyclients); prints
 'N passed, N failed' and exits non-zero on any failure.
@@ -150,7 +151,37 @@ def checks_for(client, folder):
             assert e.body["param"] == "response_format", e.body
             assert "no-such-format" in e.body["message"], e.body
 
+    def completion():
+        # The legacy completions API has no `response_format` in the client's signature: vLLM's
+        # clients send it as an extra field, as here.
+        schema_format = {"type": "json_schema", "json_schema": {"name": "listing", "schema": LISTING, "strict": True}}
+        for seed in (1, 2):
+            done = client.completions.create(model=folder, prompt="A listing:", max_tokens=120, seed=seed,
+                                             extra_body={"response_format": schema_format})
+            assert done.choices[0].finish_reason == "stop", done.choices[0]
+            jsonschema.validate(json.loads(done.choices[0].text), LISTING)
+            pieces, finish = [], None
+            for chunk in client.completions.create(model=folder, prompt="A listing:", max_tokens=120, seed=seed,
+                                                   stream=True, extra_body={"response_format": schema_format}):
+                if chunk.choices:
+                    pieces.append(chunk.choices[0].text)
+                    finish = chunk.choices[0].finish_reason or finish
+            assert finish == "stop", (finish, pieces)
+            jsonschema.validate(json.loads("".join(pieces)), LISTING)
+
+    def cycle():
+        looped = {"type": "json_schema", "json_schema": {"name": "loop", "schema": {
+            "$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}}}}
+        try:
+            client.chat.completions.create(model=folder, response_format=looped, **asked)
+            raise AssertionError("a schema whose $ref cycles was accepted")
+        except openai.BadRequestError as e:
+            assert e.body["param"] == "response_format", e.body
+            assert "`$ref` cycles" in e.body["message"], e.body
+
     return [(f"{folder}: strict json_schema, parsed by the client and streamed, validates", parsed),
+            (f"{folder}: a completion's response_format, whole and streamed, validates", completion),
+            (f"{folder}: a schema whose $ref cycles is a 400 naming response_format", cycle),
             (f"{folder}: json_object, whole and streamed, is an object", any_object),
             (f"{folder}: a forced tool call's arguments validate", calls),
             (f"{folder}: a schema the engine cannot compile is a 400 naming response_format", refused)]

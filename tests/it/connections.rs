@@ -404,3 +404,41 @@ async fn bodies_beyond_the_receiving_budget_get_503_with_retry_after_until_it_fr
     );
     server.stop().await;
 }
+
+/// A multipart request answered 400 before its file is read (a field refused by name comes
+/// first), sent again and again on one keep-alive connection, as a client's loop sends it:
+/// every answer reaches the client. The server closes such a connection cleanly (it says
+/// `Connection: close`, then reads what is still coming before it closes the socket), so no
+/// answer is lost to a reset and no next request goes out on a connection about to close.
+#[tokio::test]
+async fn an_early_answer_to_a_multipart_body_reaches_the_client_every_time() {
+    let server = TestServer::start(&config("  timeouts: {body_read: 60s}\n")).await;
+    // One connection at a time, reused while the server keeps it open.
+    let client = reqwest::Client::builder().pool_max_idle_per_host(1).build().unwrap();
+    let (kind, body) = crate::transcriptions::form(&[("include[]", "logprobs")], ("a.wav", vec![0; 4 << 20]));
+    for i in 0..64 {
+        let response = client
+            .post(server.url("/v1/audio/transcriptions"))
+            .header(reqwest::header::CONTENT_TYPE, &kind)
+            .body(body.clone())
+            .send()
+            .await
+            .unwrap_or_else(|e| panic!("request {i}: {e:?}"));
+        assert_eq!(response.status(), StatusCode::BAD_REQUEST, "request {i}");
+        assert_eq!(response.headers()[reqwest::header::CONNECTION], "close", "request {i}");
+        let error: serde_json::Value = response.json().await.unwrap_or_else(|e| panic!("request {i}: {e:?}"));
+        assert_eq!(error["error"]["param"], "include", "request {i}: {error}");
+    }
+    // A body read whole keeps its connection open.
+    let (kind, body) = crate::transcriptions::form(&[("model", "absent")], ("a.wav", vec![0; 1 << 10]));
+    let whole = client
+        .post(server.url("/v1/audio/transcriptions"))
+        .header(reqwest::header::CONTENT_TYPE, &kind)
+        .body(body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(whole.status(), StatusCode::NOT_FOUND);
+    assert!(whole.headers().get(reqwest::header::CONNECTION).is_none(), "{whole:?}");
+    server.stop().await;
+}

@@ -525,11 +525,16 @@ async fn a_chat_answers_as_the_completion_of_its_rendered_template_streamed_or_n
     encoder["model"] = json!("encoder");
     let (status, _, error) = chat(&server, &encoder).await;
     assert_eq!(status, StatusCode::BAD_REQUEST, "{error}");
-    for (messages, needle) in [
-        (json!([{"role": "robot", "content": "x"}]), "messages[0].role `robot`"),
-        (json!([]), "at least one message"),
+    for (messages, param, needle) in [
         (
-            json!([{"role": "user", "content": [{"type": "image_url"}]}]),
+            json!([{"role": "robot", "content": "x"}]),
+            "messages[0].role",
+            "`messages[0].role` is `robot`",
+        ),
+        (json!([]), "messages", "at least one message"),
+        (
+            json!([{"role": "user", "content": "x"}, {"role": "user", "content": [{"type": "image_url"}]}]),
+            "messages[1].content[0].type",
             "image_url",
         ),
     ] {
@@ -537,7 +542,7 @@ async fn a_chat_answers_as_the_completion_of_its_rendered_template_streamed_or_n
         bad["messages"] = messages;
         let (status, _, error) = chat(&server, &bad).await;
         assert_eq!(status, StatusCode::BAD_REQUEST, "{error}");
-        assert_eq!(error["error"]["param"], "messages", "{error}");
+        assert_eq!(error["error"]["param"], param, "{error}");
         assert!(error["error"]["message"].as_str().unwrap().contains(needle), "{error}");
     }
     // A call forced of a function not offered.

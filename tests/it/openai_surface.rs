@@ -53,6 +53,53 @@ async fn a_model_is_retrieved_by_its_id_and_any_other_is_model_not_found() {
     server.stop().await;
 }
 
+/// `client.models.list()` names every model a `/v1/` endpoint serves, each with the fields
+/// OpenAI's model object has (and the `openai` package's `Model` requires), each retrieved by
+/// its id: a decoder, a sentence-transformers embedder, a cross-encoder, both towers of CLIP
+/// (texts to one, images to the other) and Whisper. A model only the tensor API serves is not.
+#[tokio::test]
+async fn every_model_a_v1_endpoint_serves_is_listed_with_openais_fields() {
+    let server = TestServer::start(
+        "\
+models: [{name: tiny, path: models/decoder/model.onnx, tokenizer: models/decoder/tokenizer.json},
+         {name: encoder, path: 'builtin:encoder'},
+         {name: mean, path: models/embed/bert-mean-normalize/model.onnx},
+         {name: rerank, path: models/embed/bert-cross-encoder/model.onnx},
+         {name: clip, path: models/embed/clip/text_model.onnx, images: clip-vision},
+         {name: clip-vision, path: models/embed/clip/vision_model.onnx},
+         {name: whisper, path: 'builtin:whisper'}]
+pools:
+- {name: cpu, provider: cpu, models: [tiny, encoder, mean, rerank, clip, clip-vision, whisper]}
+",
+    )
+    .await;
+    let (status, list) = get(&server, "/v1/models").await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(list["object"], "list", "{list}");
+    let mut ids = crate::common::model_ids(&list);
+    ids.sort_unstable();
+    assert_eq!(
+        ids,
+        ["clip", "clip-vision", "mean", "rerank", "tiny", "whisper"],
+        "{list}"
+    );
+    for entry in list["data"].as_array().unwrap() {
+        let id = entry["id"].as_str().unwrap();
+        assert_eq!(
+            (
+                &entry["object"],
+                entry["created"].is_u64(),
+                entry["owned_by"].is_string()
+            ),
+            (&json!("model"), true, true),
+            "{entry}"
+        );
+        let (status, model) = get(&server, &format!("/v1/models/{id}")).await;
+        assert_eq!((status, &model), (StatusCode::OK, entry), "{id}");
+    }
+    server.stop().await;
+}
+
 /// The fixture's reference cases, by name: prompt, its token ids and its greedy text.
 fn case(name: &str) -> Value {
     let path = concat!(env!("CARGO_MANIFEST_DIR"), "/models/decoder/reference.json");

@@ -278,7 +278,7 @@ async fn a_schema_the_engine_cannot_compile_is_a_400_naming_it_before_admission(
                 b["response_format"] = json!({"type": "yaml"});
                 b
             },
-            "response_format",
+            "response_format.type",
             "json_schema",
         ),
     ];
@@ -373,5 +373,43 @@ async fn n_choices_each_follow_the_schema_and_carry_their_own_logprobs() {
         whole[0].0 != whole[1].0 || whole[1].0 != whole[2].0,
         "sampled choices from seeds 11, 12, 13 are not all one answer: {whole:?}"
     );
+    server.stop().await;
+}
+
+/// `response_format` on `/v1/completions` (as vLLM's completions take it) constrains the
+/// completion as it does a chat's answer: on each family, whole and streamed, the text ends by
+/// its grammar and follows the schema. Random weights alone would not write it.
+#[tokio::test]
+async fn a_completion_follows_its_response_format_whole_and_streamed() {
+    let scratch = Scratch::new();
+    let server = TestServer::start(&config(&scratch)).await;
+    for folder in FOLDERS {
+        for stream in [false, true] {
+            let body = json!({"model": folder, "prompt": "The forecast:", "max_tokens": 120,
+                              "temperature": 1.0, "seed": 3, "stream": stream,
+                              "response_format": {"type": "json_schema",
+                                                  "json_schema": {"name": "forecast", "schema": forecast(), "strict": true}}});
+            let response = server.post_json("/v1/completions", &body).await;
+            assert_eq!(response.status(), StatusCode::OK, "{folder}");
+            let (text, finish) = if stream {
+                let chunks = events(response).await;
+                let text: String = chunks.iter().filter_map(|c| c["choices"][0]["text"].as_str()).collect();
+                let finish = chunks
+                    .iter()
+                    .find_map(|c| c["choices"][0]["finish_reason"].as_str().map(str::to_string));
+                (text, finish.unwrap_or_default())
+            } else {
+                let answer: Value = response.json().await.unwrap();
+                let choice = &answer["choices"][0];
+                (
+                    choice["text"].as_str().unwrap().to_string(),
+                    choice["finish_reason"].as_str().unwrap().to_string(),
+                )
+            };
+            assert_eq!(finish, "stop", "{folder}, streamed {stream}: {text:?}");
+            let value: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{folder}: {e}: {text:?}"));
+            follows(&value, &forecast()).unwrap();
+        }
+    }
     server.stop().await;
 }

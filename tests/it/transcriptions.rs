@@ -13,7 +13,7 @@ const WHISPER: &str = "models/speech/whisper/encoder_model.onnx";
 const AUDIO: &str = "models/speech/audio";
 
 /// A multipart form as OpenAI's SDK sends it: text fields, then the file.
-fn form(fields: &[(&str, &str)], file: (&str, Vec<u8>)) -> (String, Vec<u8>) {
+pub(crate) fn form(fields: &[(&str, &str)], file: (&str, Vec<u8>)) -> (String, Vec<u8>) {
     let boundary = "vramguard-test-boundary-7d1f";
     let mut body = Vec::new();
     for (name, value) in fields {

@@ -4,44 +4,44 @@
 //! or strict tool call). Templates and the reading of calls are [`crate::runtime::chat`], the
 //! grammars [`crate::runtime::grammar`].
 
+use std::num::NonZeroU32;
 use std::sync::Arc;
 
 use serde::{Deserialize, Deserializer};
 use serde_json::{Value, json};
 
+use super::body;
 use super::error::OpenAiError;
+use super::format;
 use super::job::{Api, Draft, PromptIn, Sampling, Stop, text_model};
 use crate::http::state::AppState;
-use crate::runtime::chat::{ChatTemplate, ToolCall};
+use crate::runtime::chat::{ChatTemplate, Invalid, ToolCall};
 use crate::runtime::grammar::{Grammar, Json, Otherwise, Shape, Tool};
 use crate::serve::generation;
 use crate::serve::service::ModelEntry;
 
-/// The body of `POST /v1/chat/completions`.
+/// The body of `POST /v1/chat/completions` but for what it shares with completions
+/// ([`Sampling`]) and what is not served ([`Unserved`]), each read from the body on its own.
 #[derive(Debug, Deserialize)]
 struct ChatRequest {
-    #[serde(flatten)]
-    sampling: Sampling,
     messages: Vec<Value>,
     #[serde(default)]
     tools: Option<Vec<Value>>,
     #[serde(default)]
     tool_choice: ToolChoice,
-    /// OpenAI's newer name for `max_tokens`.
+    /// OpenAI's newer name for `max_tokens` (0 refused by its own name as it is read).
     #[serde(default)]
-    max_completion_tokens: Option<u32>,
+    max_completion_tokens: Option<NonZeroU32>,
     #[serde(default)]
     logprobs: Option<bool>,
     #[serde(default)]
     top_logprobs: Option<u32>,
     #[serde(default)]
     response_format: Option<Value>,
-    /// What OpenAI documents and nothing here serves: refused by [`unserved`], never ignored.
-    #[serde(flatten)]
-    unserved: Unserved,
 }
 
-/// Chat fields that would change the answer and that are not served.
+/// Chat fields that would change the answer and that are not served: refused by [`unserved`],
+/// never ignored.
 #[derive(Debug, Default, Deserialize)]
 struct Unserved {
     /// OpenAI's deprecated form of `tools`.
@@ -129,41 +129,6 @@ impl<'de> Deserialize<'de> for ToolChoice {
     }
 }
 
-/// `response_format` as a JSON schema the answer follows, with OpenAI's `strict`: `None` for
-/// `{"type": "text"}` (or none given).
-fn response_schema(format: Option<&Value>) -> Result<Option<(Value, bool)>, OpenAiError> {
-    let invalid = |message: &str| OpenAiError::invalid(message, Some("response_format"));
-    let Some(format) = format.filter(|f| !f.is_null()) else {
-        return Ok(None);
-    };
-    match format["type"].as_str() {
-        Some("text") => Ok(None),
-        Some("json_object") => Ok(Some((json!({"type": "object"}), true))),
-        Some("json_schema") => {
-            let spec = &format["json_schema"];
-            if spec["name"].as_str().is_none_or(str::is_empty) {
-                return Err(invalid("`response_format.json_schema.name` must be a non-empty string"));
-            }
-            let strict = match &spec["strict"] {
-                Value::Null => false,
-                Value::Bool(strict) => *strict,
-                _ => return Err(invalid("`response_format.json_schema.strict` must be true or false")),
-            };
-            match &spec["schema"] {
-                // OpenAI's schema is optional: an answer without one is any JSON object.
-                Value::Null => Ok(Some((json!({"type": "object"}), strict))),
-                schema @ Value::Object(_) => Ok(Some((schema.clone(), strict))),
-                _ => Err(invalid(
-                    "`response_format.json_schema.schema` must be a JSON Schema object",
-                )),
-            }
-        }
-        _ => Err(invalid(
-            "`response_format.type` must be \"text\", \"json_object\" or \"json_schema\"",
-        )),
-    }
-}
-
 /// Whether a chat's answer must be a tool call, and of which function.
 #[derive(Debug, Clone, Copy)]
 enum Call<'a> {
@@ -186,7 +151,6 @@ fn grammar_of(
     call: Call<'_>,
     format: Option<&(Value, bool)>,
 ) -> Result<Option<Grammar>, OpenAiError> {
-    let grammars = entry.grammars.as_ref().expect("checked by text_model");
     let answer = format.map(|(schema, strict)| Json {
         schema,
         strict: *strict,
@@ -208,10 +172,8 @@ fn grammar_of(
         },
         (Call::Free, true) if answer.is_some() || strict_tool => {
             // A response format that cannot compile is named as such, not as the tools'.
-            if let Some(answer) = answer {
-                grammars
-                    .compile(Shape::Json(answer))
-                    .map_err(|e| OpenAiError::invalid(e, Some("response_format")))?;
+            if let Some(format) = format {
+                format::compiled(entry, format)?;
             }
             let otherwise = Some(answer.map_or(Otherwise::Prose, Otherwise::Json));
             Shape::ToolCall {
@@ -219,44 +181,39 @@ fn grammar_of(
                 otherwise,
             }
         }
-        _ => match answer {
-            Some(answer) => Shape::Json(answer),
-            None => return Ok(None),
-        },
+        _ => return format.map(|format| format::compiled(entry, format)).transpose(),
     };
-    let param = if matches!(shape, Shape::Json(_)) {
-        "response_format"
-    } else {
-        "tools"
-    };
+    let grammars = entry.grammars.as_ref().expect("checked by text_model");
     grammars
         .compile(shape)
         .map(Some)
-        .map_err(|e| OpenAiError::invalid(e, Some(param)))
+        .map_err(|e| OpenAiError::invalid(e, Some("tools")))
 }
 
 /// A chat body: its messages rendered by the model's template, with the tools offered, and the
 /// end of the assistant's turn added to `stop`.
 pub(super) fn read(state: &AppState, body: &[u8], id: &str) -> Result<Draft, OpenAiError> {
-    let request: ChatRequest = serde_json::from_slice(body)
-        .map_err(|e| OpenAiError::invalid(format!("the body is not a chat completion request: {e}"), None))?;
-    unserved(&request.unserved)?;
-    let format = response_schema(request.response_format.as_ref())?;
+    let value = body::parse(body)?;
+    let sampling: Sampling = body::fields(&value)?;
+    unserved(&body::fields(&value)?)?;
+    // Owned: the messages and tools move out of the body.
+    let request: ChatRequest = body::fields(value)?;
+    let format = format::schema(request.response_format.as_ref())?;
     let logprobs = chat_logprobs(request.logprobs, request.top_logprobs)?;
-    let entry = text_model(state, &request.sampling.model, id)?;
+    let entry = text_model(state, &sampling.model, id)?;
     let template = entry.chat.clone().ok_or_else(|| {
         OpenAiError::invalid(
             format!(
                 "model `{}` has no chat template (set `models[].chat_template`, or put a tokenizer_config.json with `chat_template` beside its tokenizer); /v1/completions takes plain prompts",
-                request.sampling.model
+                sampling.model
             ),
             Some("model"),
         )
     })?;
-    let messages = crate::runtime::chat::template_messages(&request.messages)
-        .map_err(|e| OpenAiError::invalid(e, Some("messages")))?;
+    let at = |e: Invalid| OpenAiError::invalid_at(e.to_string(), e.at);
+    let messages = crate::runtime::chat::template_messages(&request.messages).map_err(at)?;
     let tools = request.tools.unwrap_or_default();
-    crate::runtime::chat::check_tools(&tools).map_err(|e| OpenAiError::invalid(e, Some("tools")))?;
+    crate::runtime::chat::check_tools(&tools).map_err(at)?;
     let tool_choice = |message: String| OpenAiError::invalid(message, Some("tool_choice"));
     let (offered, call) = match &request.tool_choice {
         ToolChoice::Auto => (!tools.is_empty(), Call::Free),
@@ -302,8 +259,11 @@ pub(super) fn read(state: &AppState, body: &[u8], id: &str) -> Result<Draft, Ope
     } else {
         Vec::new()
     };
-    let max_tokens = request.max_completion_tokens.or(request.sampling.max_tokens);
-    let mut sampling = request.sampling;
+    let max_tokens = request
+        .max_completion_tokens
+        .map(NonZeroU32::get)
+        .or(sampling.max_tokens);
+    let mut sampling = sampling;
     // A grammar ends the answer itself, and where it allows the end-of-turn string as text (in
     // a JSON string) that text is part of the answer.
     let end = grammar.is_none().then_some(&template.end_of_turn);
@@ -435,33 +395,6 @@ mod tests {
     }
 
     #[test]
-    fn response_format_reads_as_a_schema_and_strictness_or_is_refused_by_name() {
-        let read = |format: Value| response_schema(Some(&format));
-        // `OpenAiError` is not `Debug`: what is accepted is read through `ok()`.
-        let accepted = |format: Value| read(format).ok().expect("accepted");
-        assert_eq!(accepted(Value::Null), None);
-        assert_eq!(accepted(json!({"type": "text"})), None);
-        assert_eq!(
-            accepted(json!({"type": "json_object"})),
-            Some((json!({"type": "object"}), true))
-        );
-        let schema = json!({"type": "object", "properties": {"a": {"type": "integer"}}});
-        let spec = |strict: Value| json!({"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": strict}});
-        assert_eq!(accepted(spec(json!(true))), Some((schema.clone(), true)));
-        assert_eq!(accepted(spec(Value::Null)), Some((schema.clone(), false)));
-        let unnamed = json!({"type": "json_schema", "json_schema": {"schema": schema}});
-        for bad in [
-            json!({"type": "yaml"}),
-            unnamed,
-            spec(json!("yes")),
-            json!({"type": "json_schema", "json_schema": {"name": "x", "schema": 3}}),
-        ] {
-            let error = read(bad.clone()).unwrap_err();
-            assert_eq!(error.param, Some("response_format"), "{bad}");
-        }
-    }
-
-    #[test]
     fn fields_asking_for_what_is_not_served_are_refused_by_name_and_the_rest_pass() {
         let refused = |extra: Value| {
             let mut request = json!({"model": "m", "messages": []});
@@ -469,8 +402,8 @@ mod tests {
                 .as_object_mut()
                 .unwrap()
                 .extend(extra.as_object().unwrap().clone());
-            let request: ChatRequest = serde_json::from_value(request).unwrap();
-            unserved(&request.unserved).err().map(|e| (e.param, e.message))
+            let fields: Unserved = serde_json::from_value(request).unwrap();
+            unserved(&fields).err().map(|e| (e.param, e.message))
         };
         for (extra, param, why) in [
             (json!({"functions": [{"name": "f"}]}), "functions", "send `tools`"),
@@ -484,7 +417,7 @@ mod tests {
             ),
         ] {
             let (got, message) = refused(extra.clone()).unwrap_or_else(|| panic!("{extra} passed"));
-            assert_eq!(got, Some(param), "{extra}");
+            assert_eq!(got.as_deref(), Some(param), "{extra}");
             assert!(message.contains(why), "{extra}: {message}");
         }
         for passes in [

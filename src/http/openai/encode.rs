@@ -99,7 +99,7 @@ where
 /// The body of a request: JSON, or the 400 saying why not.
 pub(super) fn parse(body: Result<Bytes, BytesRejection>, id: &str) -> Result<Value, OpenAiError> {
     let body = body.map_err(|e| OpenAiError::unreadable(&e, id))?;
-    serde_json::from_slice(&body).map_err(|e| OpenAiError::invalid(format!("the body is not JSON: {e}"), None))
+    super::body::parse(&body)
 }
 
 /// Run `request` through the lifecycle; a refusal in OpenAI's shape, saying when the server

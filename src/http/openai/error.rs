@@ -1,6 +1,8 @@
 //! Errors as OpenAI's API writes them (`{"error": {"message", "type", "param", "code"}}`), so
 //! clients built on the `openai` package read them as they read OpenAI's own.
 
+use std::borrow::Cow;
+
 use axum::extract::rejection::BytesRejection;
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
@@ -15,8 +17,9 @@ pub struct OpenAiError {
     pub(super) message: String,
     /// OpenAI's `type`.
     pub(super) kind: &'static str,
-    /// The request field at fault, when one is.
-    pub(super) param: Option<&'static str>,
+    /// The request field at fault, when one is: its path in the body for a nested one
+    /// (`messages[2].content`).
+    pub(super) param: Option<Cow<'static, str>>,
     pub(super) retry_after: Option<u64>,
     pub(super) request_id: Option<String>,
     /// OpenAI's `code` (`context_length_exceeded`) when there is one, and fields of ours beside
@@ -36,7 +39,7 @@ impl OpenAiError {
     pub(super) fn unknown_model(service: &crate::serve::service::Service, model: &str, id: &str) -> OpenAiError {
         let error = RequestError::unknown_model(service, model);
         OpenAiError {
-            param: Some("model"),
+            param: Some("model".into()),
             ..OpenAiError::from_request(&error, id)
         }
     }
@@ -47,7 +50,7 @@ impl OpenAiError {
             status: StatusCode::BAD_REQUEST,
             message: message.into(),
             kind: "invalid_request_error",
-            param,
+            param: param.map(Cow::Borrowed),
             retry_after: None,
             request_id: None,
             extra: None,
@@ -74,8 +77,17 @@ impl OpenAiError {
             max_tokens,
         };
         OpenAiError {
-            param: Some(param),
+            param: Some(Cow::Borrowed(param)),
             ..OpenAiError::from_request(&error, id)
+        }
+    }
+
+    /// A 400 for the field at `path` in the body (`messages[2].content`), which the message
+    /// names.
+    pub(super) fn invalid_at(message: impl Into<String>, path: String) -> OpenAiError {
+        OpenAiError {
+            param: Some(Cow::Owned(path)),
+            ..OpenAiError::invalid(message, None)
         }
     }
 
@@ -114,7 +126,7 @@ impl OpenAiError {
             status: StatusCode::NOT_FOUND,
             message,
             kind: kind_of(StatusCode::NOT_FOUND),
-            param: Some("model"),
+            param: Some("model".into()),
             retry_after: None,
             request_id: Some(id.to_string()),
             extra: Some(Box::new((Some(MODEL_NOT_FOUND), Fields::new()))),

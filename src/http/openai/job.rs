@@ -5,7 +5,9 @@
 use serde::Deserialize;
 use serde_json::Value;
 
+use super::body;
 use super::error::OpenAiError;
+use super::format;
 use crate::http::state::AppState;
 use crate::runtime::folder::SamplingDefaults;
 use crate::runtime::grammar::Grammar;
@@ -15,7 +17,7 @@ use crate::serve::service::ModelEntry;
 
 /// `stop`: one string or up to four.
 #[derive(Debug, Deserialize)]
-#[serde(untagged)]
+#[serde(untagged, expecting = "expected a string or an array of strings")]
 pub(super) enum Stop {
     One(String),
     Many(Vec<String>),
@@ -54,11 +56,10 @@ pub(super) struct Sampling {
     // and are ignored.
 }
 
-/// The body of `POST /v1/completions`.
+/// The body of `POST /v1/completions` but for what it shares with chat ([`Sampling`]), read
+/// from the body on its own.
 #[derive(Debug, Deserialize)]
 struct CompletionRequest {
-    #[serde(flatten)]
-    sampling: Sampling,
     prompt: Value,
     #[serde(default)]
     echo: Option<bool>,
@@ -68,6 +69,9 @@ struct CompletionRequest {
     best_of: Option<u32>,
     #[serde(default)]
     suffix: Option<String>,
+    /// Structured outputs, as chat takes them.
+    #[serde(default)]
+    response_format: Option<Value>,
 }
 
 /// Which API a generation answers.
@@ -130,7 +134,7 @@ pub(super) struct Draft {
     /// How the prompt is cut when it does not fit: a chat by whole turns; a completion from its
     /// start (`None`, the prompt's default).
     pub(super) shorten: Option<generation::Shorten>,
-    /// The grammar a chat's structured output follows.
+    /// The grammar a structured output follows (`response_format`, or a chat's forced tool call).
     pub(super) grammar: Option<Grammar>,
     /// How many of the most likely tokens' log-probabilities to give beside each token's
     /// (`None`: no log-probabilities).
@@ -301,8 +305,9 @@ fn prompts_of(prompt: &Value) -> Result<Vec<PromptIn>, OpenAiError> {
 
 /// A `POST /v1/completions` body: its prompts.
 pub(super) fn read_completion(state: &AppState, body: &[u8], id: &str) -> Result<Draft, OpenAiError> {
-    let request: CompletionRequest = serde_json::from_slice(body)
-        .map_err(|e| OpenAiError::invalid(format!("the body is not a completion request: {e}"), None))?;
+    let value = body::parse(body)?;
+    let sampling: Sampling = body::fields(&value)?;
+    let request: CompletionRequest = body::fields(value)?;
     let echo = request.echo == Some(true);
     let logprobs = request.logprobs.as_ref().is_some_and(|v| !v.is_null());
     if echo && logprobs {
@@ -313,7 +318,7 @@ pub(super) fn read_completion(state: &AppState, body: &[u8], id: &str) -> Result
             Some("echo"),
         ));
     }
-    let n = request.sampling.n.unwrap_or(1);
+    let n = sampling.n.unwrap_or(1);
     refuse_unsupported([
         // `best_of` equal to `n` picks all of them: the same answer.
         (request.best_of.is_some_and(|b| b != n), "best_of"),
@@ -329,24 +334,26 @@ pub(super) fn read_completion(state: &AppState, body: &[u8], id: &str) -> Result
                 as u32,
         ),
     };
-    text_model(state, &request.sampling.model, id)?;
+    let entry = text_model(state, &sampling.model, id)?;
     let prompts = prompts_of(&request.prompt)?;
+    let format = format::schema(request.response_format.as_ref())?;
+    let grammar = format.map(|format| format::compiled(entry, &format)).transpose()?;
     // Chat adds its end-of-turn string to `stop`; a completion's own stays within 4.
-    if let Some(Stop::Many(v)) = &request.sampling.stop
+    if let Some(Stop::Many(v)) = &sampling.stop
         && v.len() > 4
     {
         return Err(OpenAiError::invalid("`stop` takes at most 4 strings", Some("stop")));
     }
     // OpenAI's legacy default for completions (chat's is the rest of the context).
-    let max_tokens = Some(request.sampling.max_tokens.unwrap_or(16));
+    let max_tokens = Some(sampling.max_tokens.unwrap_or(16));
     Ok(Draft {
-        sampling: request.sampling,
+        sampling,
         prompts,
         echo,
         api: Api::Completion,
         max_tokens,
         shorten: None,
-        grammar: None,
+        grammar,
         logprobs,
     })
 }

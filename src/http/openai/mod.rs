@@ -17,22 +17,26 @@
 //! An answer has a choice per generation: each prompt's (a completion may send several) `n`
 //! times, all run at once (`run`), each prompt's `n` from one run of it.
 //!
-//! A request is read and checked into a job (`job`, with chat's part in `chat`), then run and
+//! A request is read and checked into a job (`job`, with chat's part in `chat`, and the
+//! `response_format` both take in `format`), then run and
 //! answered whole (`answer`) or streamed (`stream`), both running its generations through `run`
 //! (which reads the body again for the model's fallback when the generation asks for it);
-//! `error` is OpenAI's error shape, `logprobs` the tokens' log-probabilities in OpenAI's
+//! `error` is OpenAI's error shape, `body` reads every JSON body's fields (a field at fault
+//! named by its path), `logprobs` the tokens' log-probabilities in OpenAI's
 //! shapes. No two of these files use each other. `embeddings` and `rerank` are those endpoints,
 //! each whole in its file but for what they share in `encode` (a job's rows run as one request
 //! through the lifecycle, and the answer's headers); `embeddings` hands a request for a dual
 //! encoder's tower to `images` (image search), and both build their vectors' items with
-//! `vectors` (the fields and tokens they share). They use `error` too.
+//! `vectors` (the fields and tokens they share). They use `error` and `body` too.
 
 mod answer;
 pub mod audio;
+mod body;
 mod chat;
 mod embeddings;
 mod encode;
 mod error;
+mod format;
 mod images;
 mod job;
 mod logprobs;
@@ -63,8 +67,9 @@ use crate::serve::lifecycle;
 use crate::serve::service::{ModelEntry, UNKNOWN_MODEL};
 
 /// `GET /v1/models`: the models that generate text (decoders with a tokenizer), those that
-/// embed (sentence-transformers folders), those that rerank (cross-encoders) and those that
-/// transcribe (Whisper exports): every model an OpenAI client can name.
+/// embed (sentence-transformers folders, and each tower of a dual encoder such as CLIP), those
+/// that rerank (cross-encoders) and those that transcribe (Whisper exports): every model an
+/// OpenAI client can name.
 pub async fn models(State(state): State<Arc<AppState>>) -> axum::Json<Value> {
     let data: Vec<Value> = state
         .service
@@ -100,10 +105,11 @@ pub async fn model(
 }
 
 /// Whether a model is one of `GET /v1/models`: a decoder with a tokenizer, an embedder, a
-/// reranker or a speech model.
+/// reranker, a dual encoder's tower (`/v1/embeddings` takes texts for one, images for the
+/// other) or a speech model.
 fn listed(entry: &ModelEntry) -> bool {
     let encodes = entry.embedder.is_some() || entry.reranker.is_some();
-    entry.generates_text() || (encodes && entry.tokenizer.is_some()) || entry.speech.is_some()
+    entry.generates_text() || (encodes && entry.tokenizer.is_some()) || entry.tower.is_some() || entry.speech.is_some()
 }
 
 /// A model as OpenAI's model object describes it.

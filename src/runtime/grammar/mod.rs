@@ -17,9 +17,10 @@
 //! else, so a model cannot wander in blank space until `max_tokens` and a tool call reads as
 //! the JSON Hermes-style templates show. A `strict` schema must be honoured whole: a keyword
 //! the engine does not support is an error naming it; a schema that is not strict has such
-//! keywords ignored. What a schema may hold is bounded ([`MOST_PROPERTIES`], [`MOST_ENUM_VALUES`],
-//! [`DEEPEST`]), and so is the engine's work ([`limits`]), so that a hostile schema is refused
-//! rather than compiled for seconds.
+//! keywords ignored. What a schema may hold is bounded (`schema.rs`: its properties, `enum`
+//! values and depth), and so is the engine's work ([`limits`]), so that a hostile schema is
+//! refused rather than compiled for seconds; `schema.rs` also refuses a `$ref` that leads back
+//! to itself with nothing in between, which would admit no answer.
 
 use std::sync::{Arc, Mutex, OnceLock};
 
@@ -30,8 +31,10 @@ use serde_json::{Value, json};
 
 use super::chat::{TOOL_CALL_CLOSE, TOOL_CALL_OPEN};
 
+mod schema;
 mod vocabulary;
 
+use schema::Size;
 use vocabulary::{Vocabulary, token_bytes};
 
 /// A model's grammar compiler: its tokenizer and end-of-text tokens, and `llguidance`'s view
@@ -206,13 +209,13 @@ impl Grammars {
             .map_err(|e| format!("this model's output cannot be constrained: {e}"))?;
         let mut size = Size::default();
         match shape {
-            Shape::Json(json) => size.add(json.schema, 0)?,
+            Shape::Json(json) => size.check(json.schema)?,
             Shape::ToolCall { tools, otherwise } => {
                 for parameters in tools.iter().filter_map(|t| t.parameters) {
-                    size.add(parameters, 0)?;
+                    size.check(parameters)?;
                 }
                 if let Some(Otherwise::Json(json)) = otherwise {
-                    size.add(json.schema, 0)?;
+                    size.check(json.schema)?;
                 }
             }
         }
@@ -250,7 +253,11 @@ impl Grammars {
         // Compiled outside the lock: others' requests find their own grammars meanwhile.
         drop(recent);
         let mut start = Matcher::new(factory.create_parser(grammar));
-        let first = start.compute_mask().map_err(|e| e.to_string())?;
+        // A grammar no text can start (its schema unsatisfiable in a way the checks above do
+        // not see) fails here, in the engine's words.
+        let first = start
+            .compute_mask()
+            .map_err(|e| format!("{what} admits no answer: nothing may start it ({e})"))?;
         let grammar = Grammar {
             start: Arc::new(start),
             first: Mask(first),
@@ -265,57 +272,6 @@ impl Grammars {
         }
         recent.push((source, grammar.clone()));
         Ok(grammar)
-    }
-}
-
-/// The most properties (over every object) the schemas of one grammar may name: `llguidance`
-/// spends about the square of an object's optional properties compiling it (a thousand took
-/// over a second) and recurses per property. OpenAI bounds its structured outputs the same way.
-const MOST_PROPERTIES: usize = 500;
-/// The most `enum` values the schemas of one grammar may list.
-const MOST_ENUM_VALUES: usize = 1000;
-/// The deepest a schema may nest, in JSON levels.
-const DEEPEST: usize = 64;
-
-/// What the schemas of one grammar hold, against the limits above.
-#[derive(Default)]
-struct Size {
-    properties: usize,
-    enum_values: usize,
-}
-
-impl Size {
-    /// Count `schema` in, at JSON depth `depth`: an error says which limit it passes.
-    fn add(&mut self, schema: &Value, depth: usize) -> Result<(), String> {
-        if depth >= DEEPEST {
-            return Err(format!(
-                "the schema nests {DEEPEST} levels deep or more; at most {} are compiled",
-                DEEPEST - 1
-            ));
-        }
-        let children: Box<dyn Iterator<Item = &Value>> = match schema {
-            Value::Object(object) => {
-                self.properties += object
-                    .get("properties")
-                    .and_then(Value::as_object)
-                    .map_or(0, |p| p.len());
-                self.enum_values += object.get("enum").and_then(Value::as_array).map_or(0, |e| e.len());
-                Box::new(object.values())
-            }
-            Value::Array(items) => Box::new(items.iter()),
-            _ => return Ok(()),
-        };
-        if self.properties > MOST_PROPERTIES {
-            return Err(format!(
-                "the schemas name more than {MOST_PROPERTIES} properties, the most compiled"
-            ));
-        }
-        if self.enum_values > MOST_ENUM_VALUES {
-            return Err(format!(
-                "the schemas list more than {MOST_ENUM_VALUES} `enum` values, the most compiled"
-            ));
-        }
-        children.into_iter().try_for_each(|child| self.add(child, depth + 1))
     }
 }
 
@@ -400,6 +356,7 @@ fn tool_call_lark(tools: &[Tool<'_>], otherwise: Option<Otherwise<'_>>) -> Strin
 
 #[cfg(test)]
 mod tests {
+    use super::schema::{DEEPEST, MOST_ENUM_VALUES, MOST_PROPERTIES};
     use super::*;
 
     /// The first fixture's grammar compiler (the fixtures share one tokenizer), its
