@@ -162,6 +162,18 @@ pub(super) fn json(folder: &Path, name: &str) -> Result<Option<Value>, String> {
 mod tests {
     use super::*;
 
+    /// The bundled decoder says its positions and end token in its own config.json, as an
+    /// exported folder does; a bundled graph without one says nothing.
+    #[test]
+    fn the_bundled_decoder_says_its_positions() {
+        let decoder = ModelFolder::bundled(BuiltinModel::Decoder).unwrap();
+        assert_eq!((decoder.context, decoder.eos.as_slice()), (Some(4096), &[0][..]));
+        assert_eq!(
+            ModelFolder::bundled(BuiltinModel::Encoder).unwrap(),
+            ModelFolder::default()
+        );
+    }
+
     /// A folder of `files`, removed when dropped.
     struct Folder(std::path::PathBuf);
 

@@ -133,7 +133,9 @@ mod tests {
     #[test]
     fn a_text_of_long_tokens_is_tokenized_whole() {
         let mut tokenizer = tokenizer();
-        tokenizer.with_normalizer(Some(tokenizers::normalizers::Strip::new(true, true)));
+        tokenizer
+            .with_normalizer(Some(tokenizers::normalizers::Strip::new(true, true)))
+            .expect("a normalizer is set");
         let text = format!("{}The GPU", " ".repeat(10_000));
         let ids = tokenizer.encode(text.as_str(), false).unwrap().get_ids().to_vec();
         assert!(ids.len() <= 4, "{ids:?}");

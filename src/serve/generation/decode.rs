@@ -66,7 +66,6 @@ pub(super) async fn run<'a>(
         max_tokens,
         prompt,
     } = decoding;
-    let params = params.as_ref();
     let Served {
         pool,
         action,
@@ -97,13 +96,13 @@ pub(super) async fn run<'a>(
         .observe(steps.received.elapsed().as_secs_f64());
     let mut last_token = tokio::time::Instant::now();
     let mut sampler =
-        Sampler::new(params, || history(&prompt, shrunk.as_ref(), &[])).map_err(|e| broken(&site.pool, e))?;
+        Sampler::new(&params, || history(&prompt, shrunk.as_ref(), &[])).map_err(|e| broken(&site.pool, e))?;
     let mut text = Text::new(Arc::clone(tokenizer), &params.stop, sink.is_some(), params.tools);
     let mut scores = Scores::new(params.logprobs.is_some());
     // The pool the sink was last told of: a delta names it again when it changes.
     let mut told = None;
     let estimate_bytes = step_bytes(entry, prompt_tokens, max_tokens);
-    let mut constraint = Constraint::new(params);
+    let mut constraint = Constraint::new(&params);
     let finish = loop {
         let (picked, finished) =
             constrain::pick(&mut constraint, &mut sampler, &mut logits, &eos).map_err(|e| broken(&site.pool, e))?;
