@@ -53,8 +53,12 @@ SENTENCES = [
     "A speech model listens for commands, and now and then an image model draws a picture; each of them keeps its weights in GPU memory.",
 ]
 
+# `positions` and `max_seq_length`: what the model and sentence-transformers take. The embedded
+# default serves bert-mean-normalize as `tiny-embed`: 512 tokens, as BERT's, so that a front
+# end's document chunks (Open WebUI's are 1,000 characters, about 250 tokens) embed.
 FOLDERS = {
-    "bert-mean-normalize": {"arch": "bert", "pooling": "mean", "normalize": True, "seed": 11},
+    "bert-mean-normalize": {"arch": "bert", "pooling": "mean", "normalize": True, "seed": 11,
+                            "positions": 512, "max_seq_length": 512},
     "bert-cls": {"arch": "bert", "pooling": "cls", "normalize": False, "seed": 12},
     # The Qwen3-Embedding layout: a decoder, its tokenizer appending <|endoftext|> to every
     # input and padding on the left, the last token's state pooled and normalized.
@@ -78,7 +82,7 @@ QUERIES = [
 RERANKERS = ["bert-cross-encoder"]
 
 
-def train_tokenizer(out):
+def train_tokenizer(out, positions=128):
     from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors, decoders
     # The vocabulary is made here rather than by the WordPiece trainer, whose ties between
     # equally frequent pairs fall differently each run: the special tokens, every character
@@ -101,7 +105,7 @@ def train_tokenizer(out):
     tok.decoder = decoders.WordPiece()
     from transformers import PreTrainedTokenizerFast
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]", cls_token="[CLS]",
-                                   sep_token="[SEP]", mask_token="[MASK]", model_max_length=128)
+                                   sep_token="[SEP]", mask_token="[MASK]", model_max_length=positions)
     fast.save_pretrained(out)
     return fast
 
@@ -153,7 +157,7 @@ def train_bpe(out):
     return fast
 
 
-def transformer(arch, hf, seed):
+def transformer(arch, hf, seed, positions):
     """A tiny `arch` model of random weights saved to `hf` with its tokenizer; the tokenizer.
 
     Weights drawn wider than BERT's 0.02: with those the layers add little to each token's own
@@ -163,15 +167,15 @@ def transformer(arch, hf, seed):
     import torch
     if arch == "bert":
         from transformers import BertConfig as Config, BertModel as Model
-        fast = train_tokenizer(hf)
+        fast = train_tokenizer(hf, positions)
         config = Config(vocab_size=len(fast), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                        intermediate_size=64, max_position_embeddings=128, pad_token_id=fast.pad_token_id,
+                        intermediate_size=64, max_position_embeddings=positions, pad_token_id=fast.pad_token_id,
                         initializer_range=0.4)
     else:
         from transformers import Qwen3Config as Config, Qwen3Model as Model
         fast = train_bpe(hf)
         config = Config(vocab_size=len(fast), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                        num_key_value_heads=2, head_dim=8, intermediate_size=64, max_position_embeddings=128,
+                        num_key_value_heads=2, head_dim=8, intermediate_size=64, max_position_embeddings=positions,
                         pad_token_id=fast.pad_token_id, eos_token_id=fast.eos_token_id, initializer_range=0.4,
                         tie_word_embeddings=True)
     torch.manual_seed(seed)
@@ -182,8 +186,9 @@ def transformer(arch, hf, seed):
 def build(name, spec, work):
     from sentence_transformers import SentenceTransformer, models as st
     hf = os.path.join(work, name + "-hf")
-    fast = transformer(spec["arch"], hf, spec["seed"])
-    word = st.Transformer(hf, max_seq_length=64)
+    fast = transformer(spec["arch"], hf, spec["seed"], spec.get("positions", 128))
+    max_seq_length = spec.get("max_seq_length", 64)
+    word = st.Transformer(hf, max_seq_length=max_seq_length)
     # `get_embedding_dimension` from 5.7 on.
     dimension = getattr(word, "get_word_embedding_dimension", None) or word.get_embedding_dimension
     pooling = st.Pooling(dimension(), pooling_mode=spec["pooling"])
@@ -201,7 +206,7 @@ def build(name, spec, work):
     emb = model.encode(SENTENCES, convert_to_numpy=True, batch_size=len(SENTENCES))
     alone = [model.encode([s], convert_to_numpy=True)[0] for s in SENTENCES]
     ids = [fast(s)["input_ids"] for s in SENTENCES]
-    return {"pooling": spec["pooling"], "normalize": spec["normalize"], "max_seq_length": 64,
+    return {"pooling": spec["pooling"], "normalize": spec["normalize"], "max_seq_length": max_seq_length,
             "dimensions": int(emb.shape[1]),
             "cases": [{"input": s, "ids": i, "embedding": [float(x) for x in e], "alone": [float(x) for x in a]}
                       for s, i, e, a in zip(SENTENCES, ids, emb, alone)]}, model, fast

@@ -312,6 +312,11 @@ pub struct RawModel {
     /// default: another model changes the answer.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub allow_substitute: bool,
+    /// An embedder's, a text tower's or a reranker's: whether an input longer than the model
+    /// takes is cut to it when the request does not say (`truncate`), as TEI's
+    /// `--auto-truncate`. Off by default: a cut input's vector is of its start alone.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub auto_truncate: bool,
     /// A dual encoder's vision tower (another `models[]` name), when this model is its text
     /// tower: an embeddings request for this model with images runs them there, so one model
     /// name answers texts and images.

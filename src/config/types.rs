@@ -236,6 +236,9 @@ pub struct ModelConfig {
     pub fallback_model: Option<String>,
     /// Whether requests allow the substitute unless they say otherwise.
     pub allow_substitute: bool,
+    /// Whether an embeddings or rerank input longer than the model takes is cut unless the
+    /// request says otherwise (`truncate`).
+    pub auto_truncate: bool,
     /// The model that embeds this one's images (a dual encoder's vision tower).
     pub images: Option<String>,
     /// How long after a load eviction leaves it alone.

@@ -74,7 +74,7 @@ impl Embedder {
     pub const BUNDLED: Embedder = Embedder {
         pooling: Pooling::Mean,
         normalize: true,
-        max_seq_length: Some(64),
+        max_seq_length: Some(512),
     };
 
     /// The embedder `folder` describes, or `None` when it has no `modules.json` with a Pooling

@@ -193,7 +193,7 @@ async fn a_long_input_is_refused_naming_the_limit_unless_truncate_cuts_it() {
         &server,
         json!({"model": model, "input": long}),
         "input",
-        &format!("above the model's max_seq_length of {limit}; shorten it, or send `truncate: true`"),
+        &format!("is longer than the model's max_seq_length of {limit} tokens; shorten it, or send `truncate: true`"),
     )
     .await;
     let (cut, answer) = embed(&server, json!({"model": model, "input": long, "truncate": true})).await;
@@ -216,7 +216,7 @@ async fn a_long_input_is_refused_naming_the_limit_unless_truncate_cuts_it() {
         &server,
         json!({"model": model, "input": many}),
         "input",
-        "above the model's",
+        &format!("has {} tokens, above the model's max_seq_length of {limit}", many.len()),
     )
     .await;
     let (_, answer) = embed(&server, json!({"model": model, "input": [many], "truncate": true})).await;
@@ -286,6 +286,14 @@ async fn what_is_not_an_embeddings_request_is_refused_naming_the_field() {
     )
     .await;
     refused(&server, json!({"model": "mean"}), "input", "missing").await;
+    // OpenAI's forms are strings or lists of token ids, not both in one list.
+    refused(
+        &server,
+        json!({"model": "mean", "input": [[1, 2], "a"]}),
+        "input",
+        "`input[1]` is a string and `input[0]` a list of token ids",
+    )
+    .await;
     refused(
         &server,
         json!({"model": "mean", "input": input, "encoding_format": "int8"}),
@@ -377,4 +385,75 @@ async fn a_folder_whose_pooling_is_not_served_is_refused_at_start_naming_the_key
     );
     let err = TestServer::try_start(&config).await.err().expect("refused");
     assert!(err.contains("`pooling_mode_max_tokens` is not served"), "{err}");
+}
+
+/// `models[].auto_truncate` (TEI's `--auto-truncate`): a long input is cut when the request
+/// does not say, and refused when it says `truncate: false`; on a model that reads no text the
+/// key is refused at start.
+#[tokio::test]
+async fn auto_truncate_cuts_what_the_request_does_not_refuse() {
+    let config = "models: [{name: cut, path: models/embed/bert-mean-normalize/model.onnx, auto_truncate: true}]\n\
+                  pools: [{name: cpu, provider: cpu, models: [cut]}]\n";
+    let server = TestServer::start(config).await;
+    // Open WebUI's default chunk, 1,000 characters; the fixture's tiny vocabulary spells most
+    // of its words in pieces, past the 512 tokens the model takes.
+    let chunk: String = std::fs::read_to_string("docs/embeddings.md")
+        .unwrap()
+        .chars()
+        .take(1000)
+        .collect();
+    let (_, answer) = embed(&server, json!({"model": "cut", "input": [chunk.as_str(), "short"]})).await;
+    let tokens = answer["usage"]["prompt_tokens"].as_u64().unwrap();
+    assert!(tokens > 64 && tokens <= 512 + 3, "{answer}");
+    let long = "the server defers the request ".repeat(600);
+    let (_, answer) = embed(&server, json!({"model": "cut", "input": long})).await;
+    assert_eq!(answer["usage"]["prompt_tokens"], 512);
+    refused(
+        &server,
+        json!({"model": "cut", "input": long, "truncate": false}),
+        "input",
+        "is longer than the model's max_seq_length of 512 tokens",
+    )
+    .await;
+    server.stop().await;
+    let config = "models: [{name: encoder, path: 'builtin:encoder', auto_truncate: true}]\n\
+                  pools: [{name: cpu, provider: cpu, models: [encoder]}]\n";
+    let err = TestServer::try_start(config).await.err().expect("refused");
+    assert!(
+        err.contains("models[0].auto_truncate: it reads no texts to embed or rerank"),
+        "{err}"
+    );
+}
+
+/// A string of 10 MB (issue 63: refused after 5–12 s and +0.9 GB, about 85 bytes a byte) is
+/// refused, or cut, reading only what the model takes: measured here as the time to answer and
+/// the growth of this process's resident memory while it is answered, with bounds generous
+/// enough for a loaded machine and a debug build (the bug's cost in either is far past them).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_string_of_ten_megabytes_costs_what_the_model_takes() {
+    let server = TestServer::start(CONFIG).await;
+    let text = "the server defers the request ".repeat(10_000_000 / 30);
+    for (truncate, status) in [(false, 400), (true, 200)] {
+        let body = json!({"model": "mean", "input": text, "truncate": truncate});
+        let before = crate::memory::resident(std::process::id());
+        let started = std::time::Instant::now();
+        let request = server.post_json("/v1/embeddings", &body);
+        tokio::pin!(request);
+        let mut peak = before;
+        let response = loop {
+            tokio::select! {
+                response = &mut request => break response,
+                () = tokio::time::sleep(std::time::Duration::from_millis(10)) => {
+                    peak = peak.max(crate::memory::resident(std::process::id()));
+                }
+            }
+        };
+        let took = started.elapsed();
+        assert_eq!(response.status(), status);
+        let grew = peak.saturating_sub(before) >> 20;
+        eprintln!("10 MB, truncate {truncate}: {took:?}, resident memory +{grew} MiB");
+        assert!(took < std::time::Duration::from_secs(20), "{took:?}");
+        assert!(grew < 400, "+{grew} MiB");
+    }
+    server.stop().await;
 }

@@ -78,7 +78,7 @@ impl Server {
 }
 
 /// Resident memory of `pid` as the kernel reports it.
-fn resident(pid: u32) -> u64 {
+pub(crate) fn resident(pid: u32) -> u64 {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
     let line = status.lines().find(|l| l.starts_with("VmRSS:")).unwrap();
     line.split_whitespace().nth(1).unwrap().parse::<u64>().unwrap() * 1024

@@ -148,6 +148,7 @@ fn model(c: &Checker, key: &str, m: &RawModel, services: &[ServiceConfig]) -> Re
         priority: m.priority.unwrap_or(service_priority),
         fallback_model: m.fallback_model.clone(),
         allow_substitute: m.allow_substitute,
+        auto_truncate: m.auto_truncate,
         images: m.images.clone(),
         min_residency,
         batching,

@@ -95,23 +95,50 @@ async fn serve(
     Ok(encode::answer(state, &job.model, &served, body))
 }
 
-/// Read and check a body into a [`Job`]. `user` (OpenAI's abuse monitoring) is accepted and
-/// not read, as any field this server does not know.
-fn read(state: &AppState, body: &Value, id: &str) -> Result<Job, OpenAiError> {
-    let model = encode::model_named(body)?;
+/// Read and check a body into a [`Job`], its texts tokenized off the async runtime (stopping
+/// when the client goes away). `user` (OpenAI's abuse monitoring) is accepted and not read, as
+/// any field this server does not know.
+async fn read(state: &AppState, mut body: Value, id: &str) -> Result<Job, OpenAiError> {
+    let model = encode::model_named(&body)?;
     let entry = embedding_model(state, &model, id)?;
     let embedder = entry.embedder.expect("checked by embedding_model");
-    let base64 = encoding_format(body)?;
-    let dimensions = dimensions(body, Embedder::size(&entry.signature))?;
-    let truncate = truncate(body)?;
+    let tokenizer = Arc::clone(entry.tokenizer.as_ref().expect("checked by embedding_model"));
+    let base64 = encoding_format(&body)?;
+    let dimensions = dimensions(&body, Embedder::size(&entry.signature))?;
+    let truncate = truncate(&body, entry.config.auto_truncate)?;
     let limit = encode::limit(entry, embedder.max_seq_length);
-    let inputs = tokens(entry, &body["input"], limit, truncate)?;
+    let inputs = inputs(body["input"].take(), &tokenizer)?;
+    let inputs = encode::blocking(id, move |gone| {
+        inputs
+            .into_iter()
+            .enumerate()
+            .map(|(i, input)| match input {
+                _ if gone() => Err(OpenAiError::invalid("the client went away", None)),
+                Input::Text(text) => text_tokens(&tokenizer, i, &text, limit, truncate),
+                Input::Ids(mut ids) => {
+                    if let Some((limit, _)) = limit.filter(|_| truncate) {
+                        ids.truncate(limit);
+                    }
+                    within(i, ids, limit)
+                }
+            })
+            .collect()
+    })
+    .await?;
     Ok(Job {
         model,
         inputs,
         base64,
         dimensions,
     })
+}
+
+/// One input as the body holds it.
+enum Input {
+    /// A text, to tokenize.
+    Text(String),
+    /// Token ids, as sent.
+    Ids(Vec<u32>),
 }
 
 /// The model named, when it embeds: an unknown one is OpenAI's 404, one that does not embed a
@@ -132,32 +159,17 @@ fn embedding_model<'a>(state: &'a AppState, model: &str, id: &str) -> Result<&'a
     Ok(entry)
 }
 
-/// `input`'s token ids, one list per input: a string or strings tokenized with the model's
-/// special tokens, token ids (one list or several) as sent; each at most `limit`, or cut to it
-/// when the client allows (`truncate`).
-fn tokens(
-    entry: &ModelEntry,
-    input: &Value,
-    limit: Option<(usize, &'static str)>,
-    truncate: bool,
-) -> Result<Vec<Vec<u32>>, OpenAiError> {
-    let tokenizer = entry.tokenizer.as_ref().expect("checked by embedding_model");
+/// `input`'s inputs, in OpenAI's forms: a string, a list of strings, a list of token ids, or a
+/// list of lists of token ids (not strings and lists together), none empty.
+fn inputs(input: Value, tokenizer: &tokenizers::Tokenizer) -> Result<Vec<Input>, OpenAiError> {
     let invalid = |message: String| OpenAiError::invalid(message, Some("input"));
-    let texts_or_ids: Vec<Result<&str, Vec<u32>>> = match input {
-        Value::String(text) => vec![Ok(text.as_str())],
+    let items = match input {
+        Value::String(text) => return Ok(vec![Input::Text(text)]),
         Value::Array(items) if items.is_empty() => return Err(invalid("`input` is an empty list".into())),
-        Value::Array(items) if items.iter().all(Value::is_number) => vec![Err(ids(items, tokenizer)?)],
-        Value::Array(items) => items
-            .iter()
-            .enumerate()
-            .map(|(i, item)| match item {
-                Value::String(text) => Ok(Ok(text.as_str())),
-                Value::Array(ids_of) => ids(ids_of, tokenizer).map(Err),
-                other => Err(invalid(format!(
-                    "`input[{i}]` is {other}; each input is a string or a list of token ids"
-                ))),
-            })
-            .collect::<Result<_, _>>()?,
+        Value::Array(items) if items.iter().all(Value::is_number) => {
+            return Ok(vec![Input::Ids(ids(&items, tokenizer)?)]);
+        }
+        Value::Array(items) => items,
         Value::Null => return Err(invalid("`input` is missing".into())),
         other => {
             return Err(invalid(format!(
@@ -165,18 +177,22 @@ fn tokens(
             )));
         }
     };
-    texts_or_ids
+    let first = |f: fn(&Value) -> bool| items.iter().position(f);
+    if let (Some(text), Some(list)) = (first(Value::is_string), first(Value::is_array)) {
+        return Err(invalid(format!(
+            "`input[{text}]` is a string and `input[{list}]` a list of token ids; `input` is a list of strings or a list of lists of token ids, not both"
+        )));
+    }
+    items
         .into_iter()
         .enumerate()
         .map(|(i, item)| match item {
-            Ok(text) => text_tokens(tokenizer, i, text, limit, truncate),
-            Err(ids) if ids.is_empty() => Err(invalid(format!("`input[{i}]` is an empty list of tokens"))),
-            Err(mut ids) => {
-                if let Some((limit, _)) = limit.filter(|_| truncate) {
-                    ids.truncate(limit);
-                }
-                within(i, ids, limit)
-            }
+            Value::String(text) => Ok(Input::Text(text)),
+            Value::Array(list) if list.is_empty() => Err(invalid(format!("`input[{i}]` is an empty list of tokens"))),
+            Value::Array(list) => ids(&list, tokenizer).map(Input::Ids),
+            other => Err(invalid(format!(
+                "`input[{i}]` is {other}; each input is a string or a list of token ids"
+            ))),
         })
         .collect()
 }

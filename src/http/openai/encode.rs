@@ -18,6 +18,7 @@ use crate::http::state::AppState;
 use crate::pool::Pool;
 use crate::protocol::headers::DECISION_HEADER;
 use crate::serve::lifecycle::{self, Served};
+use crate::serve::metrics::Outcome;
 use crate::serve::service::{ModelEntry, Service, UNKNOWN_MODEL};
 
 /// A checked request: the model it names.
@@ -26,34 +27,44 @@ pub(super) trait Job {
     fn model(&self) -> &str;
 }
 
-/// Read `body` (as [`parse`] gave it) into a job with `read`, build its inputs with `inputs` (the tensors and the one
-/// output to ask for), and run them through the lifecycle; the job and the output that came
-/// back. A request refused while it is read is counted here; one that reaches the lifecycle is
+/// Read `body` (as [`parse`] gave it, which `read` takes, its texts with it) into a job with
+/// `read`, build its inputs with `inputs` (the tensors and the one output to ask for), and run
+/// them through the lifecycle; the job and the output that came back. A request refused while
+/// it is read is counted here, and one whose client goes away while it is read (its texts
+/// being tokenized: [`blocking`]) is counted `cancelled`; one that reaches the lifecycle is
 /// counted there.
 pub(super) async fn run<J: Job>(
     state: &AppState,
     (headers, body, id, received): (&HeaderMap, Result<Value, OpenAiError>, &str, Instant),
-    read: impl FnOnce(&AppState, &Value, &str) -> Result<J, OpenAiError>,
+    read: impl AsyncFnOnce(&AppState, Value, &str) -> Result<J, OpenAiError>,
     inputs: impl FnOnce(&ModelEntry, &J) -> (Vec<Tensor>, &'static str),
 ) -> Result<(J, Served, Tensor), OpenAiError> {
     let service = &state.service;
-    let mut named = UNKNOWN_MODEL.to_string();
-    let checked = body
-        .and_then(|value| {
+    let mut reading = Reading {
+        service,
+        model: UNKNOWN_MODEL.to_string(),
+        received,
+        armed: true,
+    };
+    let checked = match body {
+        Ok(value) => {
             if let Some(model) = value["model"].as_str() {
-                named = model.to_string();
+                reading.model = model.to_string();
             }
-            read(state, &value, id)
-        })
-        .and_then(|job| {
-            let request = decode_headers(service, job.model(), id, headers, received)
-                .map_err(|e| OpenAiError::from_request(&e, id))?;
-            Ok((job, request))
-        });
+            read(state, value, id).await
+        }
+        Err(error) => Err(error),
+    }
+    .and_then(|job| {
+        let request = decode_headers(service, job.model(), id, headers, received)
+            .map_err(|e| OpenAiError::from_request(&e, id))?;
+        Ok((job, request))
+    });
+    reading.armed = false;
     let (job, mut request) = match checked {
         Ok(checked) => checked,
         Err(error) => {
-            lifecycle::answered(service, &named, outcome_of_status(error.status), received);
+            lifecycle::answered(service, &reading.model, outcome_of_status(error.status), received);
             return Err(error);
         }
     };
@@ -79,6 +90,42 @@ pub(super) async fn run<J: Job>(
         .ok_or_else(|| OpenAiError::internal(format!("the run gave no `{output}`"), id))?;
     let given = served.outputs.swap_remove(at);
     Ok((job, served, given))
+}
+
+/// A request being read, counted `cancelled` when its future is dropped then (its client went
+/// away), as [`lifecycle::Counted`] counts one dropped later.
+struct Reading<'a> {
+    service: &'a Service,
+    /// The model the body names, once read.
+    model: String,
+    received: Instant,
+    /// Set until the body is read.
+    armed: bool,
+}
+
+impl Drop for Reading<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            lifecycle::answered(self.service, &self.model, Outcome::cancelled, self.received);
+        }
+    }
+}
+
+/// Run `work` (tokenizing a request's texts, CPU work of up to seconds) off the async runtime,
+/// handing it a flag that turns true when the future awaiting it is dropped: the client went
+/// away (hyper drops a request's future when its connection closes), and `work` stops at the
+/// next item it checks the flag between, rather than going on for nobody.
+pub(super) async fn blocking<T: Send + 'static>(
+    id: &str,
+    work: impl FnOnce(&dyn Fn() -> bool) -> Result<T, OpenAiError> + Send + 'static,
+) -> Result<T, OpenAiError> {
+    let gone = tokio_util::sync::CancellationToken::new();
+    let flag = gone.clone();
+    // Cancels `gone` when this future is dropped, finished or not.
+    let _guard = gone.drop_guard();
+    tokio::task::spawn_blocking(move || work(&|| flag.is_cancelled()))
+        .await
+        .map_err(|e| OpenAiError::internal(format!("reading the request failed: {e}"), id))?
 }
 
 /// An endpoint's response to a request with `headers`: what `serve` answers (given the

@@ -195,7 +195,7 @@ fn read<'a>(state: &'a AppState, body: &Value, model: &str) -> Result<Read<'a>, 
     };
     let base64 = encoding_format(body)?;
     let dimensions = dimensions(body, tower.dimensions(&entry.signature))?;
-    let truncate = truncate(body)?;
+    let truncate = truncate(body, entry.config.auto_truncate)?;
     let mut read = Read {
         text,
         vision,

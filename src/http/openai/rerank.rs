@@ -20,6 +20,7 @@ use super::encode;
 use super::error::OpenAiError;
 use crate::http::state::AppState;
 use crate::runtime::embedder::text_batch;
+use crate::runtime::leading::{Leading, leading};
 use crate::runtime::reranker::LOGITS;
 use crate::serve::service::ModelEntry;
 
@@ -107,13 +108,14 @@ async fn serve(
     Ok(encode::answer(state, &job.model, &served, body))
 }
 
-/// Read and check a body into a [`Job`]. Fields this server does not know are accepted and not
-/// read, as OpenAI's endpoints here do.
-fn read(state: &AppState, body: &Value, id: &str) -> Result<Job, OpenAiError> {
-    let model = encode::model_named(body)?;
+/// Read and check a body into a [`Job`], its texts tokenized off the async runtime (stopping
+/// when the client goes away). Fields this server does not know are accepted and not read, as
+/// OpenAI's endpoints here do.
+async fn read(state: &AppState, mut body: Value, id: &str) -> Result<Job, OpenAiError> {
+    let model = encode::model_named(&body)?;
     let entry = reranking_model(state, &model, id)?;
-    let query = match &body["query"] {
-        Value::String(query) if !query.is_empty() => query.as_str(),
+    let query = match body["query"].take() {
+        Value::String(query) if !query.is_empty() => query,
         Value::String(_) => return Err(OpenAiError::invalid("`query` is an empty string", Some("query"))),
         Value::Null => return Err(OpenAiError::invalid("`query` is missing", Some("query"))),
         other => {
@@ -123,7 +125,7 @@ fn read(state: &AppState, body: &Value, id: &str) -> Result<Job, OpenAiError> {
             ));
         }
     };
-    let documents = documents(&body["documents"])?;
+    let documents = documents(body["documents"].take())?;
     let top_n = match &body["top_n"] {
         // 0 is vLLM's default for "all".
         Value::Null => None,
@@ -148,8 +150,14 @@ fn read(state: &AppState, body: &Value, id: &str) -> Result<Job, OpenAiError> {
     };
     // Jina's default; vLLM always sends the documents, llama.cpp never does.
     let return_documents = flag("return_documents", true)?;
-    let truncate = flag("truncate", false)?;
-    let pairs = pairs(entry, query, &documents, truncate)?;
+    let truncate = flag("truncate", entry.config.auto_truncate)?;
+    let tokenizer = Arc::clone(entry.tokenizer.as_ref().expect("checked by reranking_model"));
+    let limit = encode::limit(entry, None);
+    let (documents, pairs) = encode::blocking(id, move |gone| {
+        let pairs = pairs(&tokenizer, &query, &documents, (limit, truncate), gone)?;
+        Ok((documents, pairs))
+    })
+    .await?;
     Ok(Job {
         model,
         documents,
@@ -179,7 +187,7 @@ fn reranking_model<'a>(state: &'a AppState, model: &str, id: &str) -> Result<&'a
 
 /// The texts of `documents`: a non-empty list of strings, or of objects with a string `text`
 /// (Jina's and Cohere's), none empty.
-fn documents(documents: &Value) -> Result<Vec<String>, OpenAiError> {
+fn documents(documents: Value) -> Result<Vec<String>, OpenAiError> {
     let invalid = |message: String| OpenAiError::invalid(message, Some("documents"));
     let items = match documents {
         Value::Array(items) if items.is_empty() => return Err(invalid("`documents` is an empty list".into())),
@@ -188,12 +196,12 @@ fn documents(documents: &Value) -> Result<Vec<String>, OpenAiError> {
         other => return Err(invalid(format!("`documents` is {other}, not a list"))),
     };
     items
-        .iter()
+        .into_iter()
         .enumerate()
         .map(|(i, item)| {
             let text = match item {
                 Value::String(text) => text,
-                Value::Object(object) => match object.get("text") {
+                Value::Object(mut object) => match object.remove("text") {
                     Some(Value::String(text)) => text,
                     _ => return Err(invalid(format!("`documents[{i}]` has no string `text`"))),
                 },
@@ -205,7 +213,7 @@ fn documents(documents: &Value) -> Result<Vec<String>, OpenAiError> {
             };
             match text.is_empty() {
                 true => Err(invalid(format!("`documents[{i}]` is an empty string"))),
-                false => Ok(text.clone()),
+                false => Ok(text),
             }
         })
         .collect()
@@ -213,61 +221,79 @@ fn documents(documents: &Value) -> Result<Vec<String>, OpenAiError> {
 
 /// Each document read with `query` as one pair: its token ids and types, at most the model's
 /// limit, or cut to it when the client allows (`truncate`: the longer text first, as
-/// `CrossEncoder.predict`'s tokenizer cuts a pair).
-fn pairs(entry: &ModelEntry, query: &str, documents: &[String], truncate: bool) -> Result<Vec<Pair>, OpenAiError> {
-    let tokenizer = entry.tokenizer.as_ref().expect("checked by reranking_model");
-    let limit = encode::limit(entry, None);
+/// `CrossEncoder.predict`'s tokenizer cuts a pair). The query is tokenized once, and each text
+/// only as far as the limit's tokens reach ([`leading`]): a pair's texts of megabytes cost what
+/// the model takes. Stops when `gone` says the client went away.
+///
+/// Cut as Hugging Face's tokenizers cut a pair (`longest_first`) from the texts' first tokens
+/// alone: when one text fits in the room the special tokens leave, the other is cut to the
+/// rest; when neither does, each keeps half, and the odd token (an odd room) goes to the
+/// document, where Hugging Face gives it to the longer of the two (the same unless the query
+/// is the longer, which only tokenizing both whole could tell).
+fn pairs(
+    tokenizer: &tokenizers::Tokenizer,
+    query: &str,
+    documents: &[String],
+    (limit, truncate): (Option<(usize, &'static str)>, bool),
+    gone: &dyn Fn() -> bool,
+) -> Result<Vec<Pair>, OpenAiError> {
+    use tokenizers::PostProcessor;
+    use tokenizers::utils::truncation::{TruncationParams, TruncationStrategy, truncate_encodings};
+    let unreadable = |what: String| {
+        move |e: tokenizers::Error| {
+            OpenAiError::invalid(format!("`{what}` cannot be tokenized: {e}"), Some("documents"))
+        }
+    };
+    let added = tokenizer.get_post_processor().map_or(0, |p| p.added_tokens(true));
+    // Each text's first tokens: one more than the room (a text that has them cannot fit).
+    let room = limit.map(|(limit, _)| limit.saturating_sub(added));
+    let own = |text: &str| match room {
+        Some(room) => leading(tokenizer, text, room + 1),
+        None => tokenizer.encode(text, false).map(|encoding| Leading {
+            total: Some(encoding.len()),
+            encoding,
+        }),
+    };
+    let query = own(query).map_err(unreadable("query".into()))?;
     documents
         .iter()
         .enumerate()
         .map(|(i, document)| {
-            let invalid = |e: tokenizers::Error| {
-                OpenAiError::invalid(
-                    format!("`documents[{i}]` with `query` cannot be tokenized: {e}"),
-                    Some("documents"),
-                )
-            };
-            let mut encoded = tokenizer.encode((query, document.as_str()), true).map_err(invalid)?;
-            if let Some((limit, what)) = limit
-                && encoded.len() > limit
+            if gone() {
+                return Err(OpenAiError::invalid("the client went away", None));
+            }
+            let document = own(document).map_err(unreadable(format!("documents[{i}]")))?;
+            let (mut first, mut second) = (query.encoding.clone(), document.encoding);
+            if let (Some((limit, what)), Some(room)) = (limit, room)
+                && first.len() + second.len() > room
             {
                 if !truncate {
+                    let how = match (query.total, document.total) {
+                        (Some(q), Some(d)) => {
+                            format!("is {} tokens, above the model's {what} of {limit}", q + d + added)
+                        }
+                        _ => format!("is longer than the model's {what} of {limit} tokens"),
+                    };
                     return Err(OpenAiError::invalid(
                         format!(
-                            "`documents[{i}]` with `query` is {} tokens, above the model's {what} of {limit}; shorten them, or send `truncate: true` to cut them",
-                            encoded.len()
+                            "`documents[{i}]` with `query` {how}; shorten them, or send `truncate: true` to cut them"
                         ),
                         Some("documents"),
                     ));
                 }
-                encoded = cut_pair(tokenizer, query, document, limit).map_err(invalid)?;
+                let params = TruncationParams {
+                    max_length: room,
+                    strategy: TruncationStrategy::LongestFirst,
+                    ..TruncationParams::default()
+                };
+                let unreadable = unreadable(format!("documents[{i}]` with `query"));
+                let (cut, pair) = truncate_encodings(first, Some(second), &params).map_err(&unreadable)?;
+                (first, second) = (cut, pair.expect("given a pair"));
             }
+            let encoded = tokenizer
+                .post_process(first, Some(second), true)
+                .map_err(unreadable(format!("documents[{i}]` with `query")))?;
             Ok((encoded.get_ids().to_vec(), encoded.get_type_ids().to_vec()))
         })
         .collect()
-}
-
-/// `query` and `document` as a pair cut to `limit` tokens as Hugging Face's tokenizers cut one
-/// (`longest_first`): their own tokens cut, a token at a time from the longer, then the special
-/// tokens added around what is left.
-fn cut_pair(
-    tokenizer: &tokenizers::Tokenizer,
-    query: &str,
-    document: &str,
-    limit: usize,
-) -> tokenizers::Result<tokenizers::Encoding> {
-    use tokenizers::PostProcessor;
-    use tokenizers::utils::truncation::{TruncationParams, TruncationStrategy, truncate_encodings};
-    let added = tokenizer.get_post_processor().map_or(0, |p| p.added_tokens(true));
-    let params = TruncationParams {
-        max_length: limit.saturating_sub(added),
-        strategy: TruncationStrategy::LongestFirst,
-        ..TruncationParams::default()
-    };
-    let (first, second) = truncate_encodings(
-        tokenizer.encode(query, false)?,
-        Some(tokenizer.encode(document, false)?),
-        &params,
-    )?;
-    tokenizer.post_process(first, second, true)
 }

@@ -8,6 +8,7 @@ use serde_json::{Value, json};
 
 use super::error::OpenAiError;
 use crate::runtime::embedder::normalize;
+use crate::runtime::leading::leading;
 
 /// The `data` item of the input at `index`: its vector cut to `dimensions`, as floats or
 /// base64.
@@ -86,10 +87,11 @@ pub(super) fn dimensions(body: &Value, size: Option<usize>) -> Result<Option<usi
     }
 }
 
-/// `truncate` (TEI's): whether an input longer than the model takes is cut rather than refused.
-pub(super) fn truncate(body: &Value) -> Result<bool, OpenAiError> {
+/// `truncate` (TEI's): whether an input longer than the model takes is cut rather than refused;
+/// when the request does not say, the model's `auto_truncate`.
+pub(super) fn truncate(body: &Value, auto: bool) -> Result<bool, OpenAiError> {
     match &body["truncate"] {
-        Value::Null => Ok(false),
+        Value::Null => Ok(auto),
         Value::Bool(b) => Ok(*b),
         other => Err(OpenAiError::invalid(
             format!("`truncate` is {other}, not true or false"),
@@ -99,7 +101,9 @@ pub(super) fn truncate(body: &Value) -> Result<bool, OpenAiError> {
 }
 
 /// The tokens of `text`, `input[i]`, with the model's special tokens: at most `limit`, or cut
-/// to it when the client allows (`truncate`).
+/// to it when the client allows (`truncate`), as sentence-transformers cuts them (its own
+/// tokens first, then `[CLS]`, `[SEP]` around what is left). Only as much of `text` as
+/// `limit` tokens span is read ([`leading`]): a text of megabytes costs what the model takes.
 pub(super) fn text_tokens(
     tokenizer: &tokenizers::Tokenizer,
     i: usize,
@@ -107,42 +111,42 @@ pub(super) fn text_tokens(
     limit: Option<(usize, &'static str)>,
     truncate: bool,
 ) -> Result<Vec<u32>, OpenAiError> {
+    use tokenizers::PostProcessor;
     let invalid = |message: String| OpenAiError::invalid(message, Some("input"));
     if text.is_empty() {
         return Err(invalid(format!("`input[{i}]` is an empty string")));
     }
-    let encoded = tokenizer
-        .encode(text, true)
-        .map_err(|e| invalid(format!("`input[{i}]` cannot be tokenized: {e}")))?;
-    let ids = match limit {
-        Some((limit, _)) if truncate && encoded.len() > limit => {
-            cut_text(tokenizer, text, limit).map_err(|e| invalid(format!("`input[{i}]` cannot be tokenized: {e}")))?
-        }
-        _ => encoded.get_ids().to_vec(),
+    let unreadable = |e: tokenizers::Error| invalid(format!("`input[{i}]` cannot be tokenized: {e}"));
+    let Some((limit, what)) = limit else {
+        // Nothing says how many the model takes: the whole text.
+        return Ok(tokenizer.encode(text, true).map_err(unreadable)?.get_ids().to_vec());
     };
-    within(i, ids, limit)
+    let added = tokenizer.get_post_processor().map_or(0, |p| p.added_tokens(false));
+    let own = leading(tokenizer, text, limit.saturating_sub(added)).map_err(unreadable)?;
+    if own.cut() && !truncate {
+        return Err(too_long(i, own.total.map(|n| n + added), (limit, what)));
+    }
+    let encoding = tokenizer.post_process(own.encoding, None, true).map_err(unreadable)?;
+    within(i, encoding.get_ids().to_vec(), Some((limit, what)))
 }
 
 /// `ids`, when `input[i]` has no more than `limit` tokens.
 pub(super) fn within(i: usize, ids: Vec<u32>, limit: Option<(usize, &'static str)>) -> Result<Vec<u32>, OpenAiError> {
     match limit {
-        Some((limit, what)) if ids.len() > limit => Err(OpenAiError::invalid(
-            format!(
-                "`input[{i}]` has {} tokens, above the model's {what} of {limit}; shorten it, or send `truncate: true` to cut it",
-                ids.len()
-            ),
-            Some("input"),
-        )),
+        Some(limit) if ids.len() > limit.0 => Err(too_long(i, Some(ids.len()), limit)),
         _ => Ok(ids),
     }
 }
 
-/// `text`'s tokens cut to `limit` as sentence-transformers cuts them: its own tokens cut
-/// first, then the special tokens (`[CLS]`, `[SEP]`) added around what is left.
-fn cut_text(tokenizer: &tokenizers::Tokenizer, text: &str, limit: usize) -> tokenizers::Result<Vec<u32>> {
-    use tokenizers::PostProcessor;
-    let added = tokenizer.get_post_processor().map_or(0, |p| p.added_tokens(false));
-    let mut encoding = tokenizer.encode(text, false)?;
-    encoding.truncate(limit.saturating_sub(added), 0, tokenizers::TruncationDirection::Right);
-    Ok(tokenizer.post_process(encoding, None, true)?.get_ids().to_vec())
+/// The 400 for `input[i]`, of `tokens` (not counted past the limit when `None`), above the
+/// model's limit.
+fn too_long(i: usize, tokens: Option<usize>, (limit, what): (usize, &'static str)) -> OpenAiError {
+    let how = match tokens {
+        Some(n) => format!("has {n} tokens, above the model's {what} of {limit}"),
+        None => format!("is longer than the model's {what} of {limit} tokens"),
+    };
+    OpenAiError::invalid(
+        format!("`input[{i}]` {how}; shorten it, or send `truncate: true` to cut it"),
+        Some("input"),
+    )
 }

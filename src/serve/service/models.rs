@@ -283,6 +283,9 @@ fn load_model(backends: &dyn BackendFactory, m: &ModelConfig, builtin_home: &Pat
     }
     check_batching(m, &profile, &signature, decoder.is_some())?;
     let reads_text = embedder.is_some() || reranker.is_some() || matches!(tower, Some(Tower::Text { .. }));
+    if m.auto_truncate && !reads_text {
+        return Err(("auto_truncate", "it reads no texts to embed or rerank".into()));
+    }
     let tokenizer = tokenizer_of(m, decoder, reads_text, bytes.data().folder)?;
     let chat = chat_template(m).map_err(|e| ("chat_template", e))?;
     let grammars = tokenizer.as_ref().filter(|_| decoder.is_some()).map(|tokenizer| {
