@@ -82,8 +82,10 @@ pub(super) async fn run<'a>(
     let (mut logits, cache) = read_outputs(outputs).map_err(|e| broken(&pool, e))?;
     // The cache this generation holds between runs, on the pool that holds it; given back when
     // this function returns or its future is dropped (a reader gone, a deadline).
-    let kv_per_token = layout.kv_bytes_per_token();
-    let mut held = Running::on(&pool.sequences, kv_per_token.saturating_mul(prompt_tokens as u64));
+    // A windowed layer's cache is its window from the prompt's run on.
+    let (kv_per_token, kv_window) = (layout.kv_bytes_per_token(), layout.kv_window_bytes());
+    let kv_bytes = |tokens: usize| kv_per_token.saturating_mul(tokens as u64).saturating_add(kv_window);
+    let mut held = Running::on(&pool.sequences, kv_bytes(prompt_tokens));
     let mut site = CacheSite::new(pool, &steps, cache, retried);
     let labels = |pool: &Pool| crate::core::metrics::ModelPoolLabels {
         model: entry.config.name.clone(),
@@ -139,7 +141,7 @@ pub(super) async fn run<'a>(
             Err(Failed::Broken(e)) => return Err(broken(&site.pool, e)),
         };
         masked.map_err(|e| broken(&site.pool, e))?;
-        held.update(&site.pool.sequences, kv_per_token.saturating_mul((past + 1) as u64));
+        held.update(&site.pool.sequences, kv_bytes(past + 1));
         metrics
             .inter_token
             .get_or_create(&labels(&site.pool))
