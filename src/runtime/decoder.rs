@@ -105,26 +105,31 @@ pub struct CacheHints {
     pub context: Option<u64>,
     /// The layers whose caches are windows, read from the graph's operators.
     pub window: Option<Window>,
+    /// The sliding window the model's folder names (`config.json`), when its caches are not
+    /// windows: the graph's attention mask then applies it by cache slot.
+    pub slot_window: Option<u64>,
 }
 
 impl CacheHints {
     /// The model metadata keys the hints are carried under.
-    pub const METADATA: [&'static str; 5] = [
+    pub const METADATA: [&'static str; 6] = [
         "vramguard.kv_head_size",
         "vramguard.kv_heads",
         "vramguard.cache_padding",
         "vramguard.context",
         "vramguard.kv_window",
+        "vramguard.slot_window",
     ];
 
     /// The hints as metadata entries (only those that say something).
     pub fn to_metadata(&self) -> Vec<(&'static str, String)> {
-        let [head_size, kv_heads, padding, context, window] = Self::METADATA;
+        let [head_size, kv_heads, padding, context, window, slot_window] = Self::METADATA;
         let mut entries = vec![(padding, self.padding.name().to_string())];
         let numbers = [
             (head_size, self.head_size),
             (kv_heads, self.kv_heads),
             (context, self.context),
+            (slot_window, self.slot_window),
         ];
         entries.extend(numbers.into_iter().filter_map(|(k, v)| Some((k, v?.to_string()))));
         entries.extend(self.window.map(|w| (window, w.to_text())));
@@ -133,7 +138,7 @@ impl CacheHints {
 
     /// The hints carried in a model's metadata (`get` looks a key up); none when it has none.
     pub fn from_metadata(get: impl Fn(&str) -> Option<String>) -> Result<CacheHints, String> {
-        let [head_size, kv_heads, padding, context, window] = Self::METADATA;
+        let [head_size, kv_heads, padding, context, window, slot_window] = Self::METADATA;
         let number = |key: &str| {
             get(key)
                 .map(|v| {
@@ -163,6 +168,7 @@ impl CacheHints {
             padding,
             context: number(context)?,
             window,
+            slot_window: number(slot_window)?,
         })
     }
 }
@@ -190,6 +196,9 @@ pub struct DecoderLayout {
     pub prefill_logits: PrefillLogits,
     /// The layers whose caches hold a window, not the sequence.
     pub window: Option<Window>,
+    /// A sliding window the attention mask applies by cache slot (Optimum's exports): a row's
+    /// slots must then be its positions, with no masked slot between them.
+    pub slot_window: Option<u64>,
 }
 
 /// Which positions a decoder's prompt run computes logits of, as its `logits` output's
@@ -352,6 +361,7 @@ impl DecoderLayout {
             context: hints.context,
             prefill_logits,
             window: hints.window,
+            slot_window: hints.slot_window.filter(|_| hints.window.is_none()),
         })
     }
 }
@@ -601,6 +611,7 @@ mod tests {
                 size: 4096,
                 layers: 0b101 | 1 << 127,
             }),
+            slot_window: Some(512),
         };
         let entries = hints.to_metadata();
         let get = |key: &str| entries.iter().find(|(k, _)| *k == key).map(|(_, v)| v.clone());

@@ -39,7 +39,7 @@ fn folders() -> Vec<(String, String)> {
         .map(|folder| (folder.clone(), folder.split('-').next().unwrap().to_string()))
         .collect();
     found.sort();
-    assert_eq!(found.len(), 11, "{found:?}");
+    assert_eq!(found.len(), 14, "{found:?}");
     found
 }
 

@@ -232,6 +232,7 @@ mod tests {
         context: None,
         prefill_logits: crate::runtime::decoder::PrefillLogits::EveryPosition,
         window: None,
+        slot_window: None,
     };
 
     /// A CPU pool `p` of one backend serving the bundled decoder as `lm`.

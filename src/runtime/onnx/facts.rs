@@ -80,6 +80,7 @@ pub fn cache_hints(model: &[u8], folder: &ModelFolder) -> Result<CacheHints, Str
         padding,
         context: folder.context,
         window: windows(model)?,
+        slot_window: folder.sliding_window,
     })
 }
 

@@ -19,7 +19,7 @@ use std::collections::HashMap;
 use ort::session::{RunOptions, Session};
 use ort::value::DynValue;
 
-use super::kernels::{Along, Kernels};
+use super::kernels::Kernels;
 use super::{classify, to_value};
 use crate::core::backend::{BackendError, DecodeStep};
 use crate::core::tensor::{Tensor, TensorData};
@@ -425,27 +425,10 @@ impl Generations {
         }
         let (mut kv, logits) = self.run_bound(session, &mut binding, layout, options)?;
         let logits = self.kernels.last_position(&logits).map_err(BackendError::Runtime)?;
-        if let Some(window) = layout.window
-            && order.len() < rows
-        {
-            // A masked slot must leave a windowed cache as it was: the operator lays a row's
-            // window out by its length, and writing the pad may have evicted its oldest
-            // position, which its next real token, at the same length, still reads.
-            let indices: Vec<i64> = (0..rows as i64)
-                .map(|at| match order.contains(&(at as usize)) {
-                    true => at,
-                    false => rows as i64 + at,
-                })
-                .collect();
-            for (i, value) in kv.iter_mut().enumerate() {
-                if layout.windowed(i / 2) {
-                    let along = Along::right(2, window.size as i64);
-                    *value = self
-                        .kernels
-                        .arrange(value, 0, Some((&batch.kv[i], 0)), &indices, along)
-                        .map_err(BackendError::Runtime)?;
-                }
-            }
+        let mut mask = mask;
+        if order.len() < rows {
+            self.kernels
+                .settle_masked(layout, batch, (&mut kv, &mut mask), &order)?;
         }
         // Left-padded caches grow by the step's slot; right-padded ones to the longest row's
         // length with it (a windowed layer's stays its window: another layer's says it).

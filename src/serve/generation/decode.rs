@@ -80,11 +80,9 @@ pub(super) async fn run<'a>(
     let prompt_tokens = shrunk.as_ref().map_or(prompt_tokens, |s| s.1 as usize);
     let broken = |pool: &Arc<Pool>, e: String| internal(&entry.config.name, pool, e);
     let (mut logits, cache) = read_outputs(outputs).map_err(|e| broken(&pool, e))?;
-    // The cache this generation holds between runs, on the pool that holds it; given back when
-    // this function returns or its future is dropped (a reader gone, a deadline).
-    // A windowed layer's cache is its window from the prompt's run on.
-    let (kv_per_token, kv_window) = (layout.kv_bytes_per_token(), layout.kv_window_bytes());
-    let kv_bytes = |tokens: usize| kv_per_token.saturating_mul(tokens as u64).saturating_add(kv_window);
+    // The cache this generation holds between runs (a windowed layer's: its window), on the
+    // pool that holds it; given back when this function returns or its future is dropped.
+    let kv_bytes = |tokens: usize| layout.kv_bytes_per_token() * tokens as u64 + layout.kv_window_bytes();
     let mut held = Running::on(&pool.sequences, kv_bytes(prompt_tokens));
     let mut site = CacheSite::new(pool, &steps, cache, retried);
     let labels = |pool: &Pool| crate::core::metrics::ModelPoolLabels {

@@ -10,6 +10,55 @@ use crate::runtime::decoder::{DecoderLayout, Padding};
 use crate::runtime::onnx::kernels::{Along, Kernels};
 
 impl Kernels {
+    /// After a step in which the rows of `batch` not in `stepped` took a masked slot, their
+    /// caches as the model's attention needs them (`kv` and `mask`: the step's). A windowed
+    /// layer's row is given back as it was: the operator lays a row's window out by its length,
+    /// and writing the pad may have evicted its oldest position, which its next token, at the
+    /// same length, still reads. Where the mask applies a sliding window by cache slot, the
+    /// row's slot goes first instead of last (its old cache padded by one on the left): its
+    /// window then spans its positions, not the pad.
+    pub(super) fn settle_masked(
+        &mut self,
+        layout: &DecoderLayout,
+        batch: &mut Cache,
+        (kv, mask): (&mut [DynValue], &mut DynValue),
+        stepped: &[usize],
+    ) -> Result<(), BackendError> {
+        let rows = batch.rows.len() as i64;
+        let indices: Vec<i64> = (0..rows)
+            .map(|at| {
+                if stepped.contains(&(at as usize)) {
+                    at
+                } else {
+                    rows + at
+                }
+            })
+            .collect();
+        let e = BackendError::Runtime;
+        if let Some(window) = layout.window {
+            for (i, value) in kv.iter_mut().enumerate().filter(|(i, _)| layout.windowed(i / 2)) {
+                let along = Along::right(2, window.size as i64);
+                *value = self
+                    .arrange(value, 0, Some((&batch.kv[i], 0)), &indices, along)
+                    .map_err(e)?;
+            }
+        }
+        if let (Some(_), Some(before)) = (layout.slot_window, &batch.mask) {
+            for (value, old) in kv.iter_mut().zip(&batch.kv) {
+                *value = self
+                    .arrange(value, 0, Some((old, 1)), &indices, Along::left(2, 0))
+                    .map_err(e)?;
+            }
+            *mask = self
+                .arrange(mask, 0, Some((before, 1)), &indices, Along::left(1, 0))
+                .map_err(e)?;
+            for (at, row) in batch.rows.iter_mut().enumerate() {
+                row.lead += i64::from(!stepped.contains(&at));
+            }
+        }
+        Ok(())
+    }
+
     /// `batch` without its gone rows, and without the slots every kept row pads (leading ones
     /// when padded on the left, trailing ones on the right; a windowed layer keeps its window).
     pub(super) fn without_gone(&mut self, batch: Cache, layout: &DecoderLayout) -> Result<Cache, BackendError> {

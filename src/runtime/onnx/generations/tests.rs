@@ -252,9 +252,26 @@ fn a_sliding_window_decoder_gives_batched_and_forked_rows_their_logits_alone() {
     forks_get_their_prompts_logits(group_query_attention("gemma2-genai"));
 }
 
+/// Optimum's export of the same Gemma 2, whose mask applies the window by cache slot, batched
+/// on the left: a row that skips a step once its window is full moves its masked slot before
+/// its first position, so its window spans its own positions and its logits are its alone.
+#[test]
+fn a_sliding_window_mask_by_slot_gives_batched_rows_their_logits_alone() {
+    let backend = from_folder("gemma2-optimum");
+    assert_eq!(backend.decoders["g"].slot_window, Some(8));
+    batched_rows_get_their_logits_alone(backend);
+}
+
 /// A backend serving ONNX Runtime GenAI's build of the real fixture `folder` as `g`: batched
 /// on the right.
 fn group_query_attention(folder: &str) -> OrtBackend {
+    let backend = from_folder(folder);
+    assert_eq!(backend.decoders["g"].padding, crate::runtime::decoder::Padding::Right);
+    backend
+}
+
+/// A backend serving the real fixture `folder` as `g`, with what its folder and operators say.
+fn from_folder(folder: &str) -> OrtBackend {
     let rt = runtime(None).expect("ONNX Runtime loads");
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("models/real")
@@ -263,10 +280,6 @@ fn group_query_attention(folder: &str) -> OrtBackend {
     let bytes = std::fs::read(dir.join("model.onnx")).unwrap();
     let folder = crate::runtime::folder::ModelFolder::read(dir).unwrap();
     let hints = crate::runtime::onnx::facts::cache_hints(&bytes, &folder).unwrap();
-    assert_eq!(
-        (hints.padding, hints.head_size),
-        (crate::runtime::decoder::Padding::Right, Some(16))
-    );
     let graph = crate::runtime::onnx::facts::with_metadata(bytes, &hints.to_metadata());
     let data = ModelData {
         graph: &graph,
@@ -275,9 +288,7 @@ fn group_query_attention(folder: &str) -> OrtBackend {
         owner: None,
         file: None,
     };
-    let backend = OrtBackend::load(rt, &[("g".to_string(), data)], &SessionOptions::quiet_cpu()).unwrap();
-    assert_eq!(backend.decoders["g"].padding, crate::runtime::decoder::Padding::Right);
-    backend
+    OrtBackend::load(rt, &[("g".to_string(), data)], &SessionOptions::quiet_cpu()).unwrap()
 }
 
 /// A prompt run once and forked into three sequences, beside a batch already running: each
@@ -453,9 +464,11 @@ fn batched_rows_get_their_logits_alone(mut backend: OrtBackend) {
     for (i, logits) in got.iter().enumerate() {
         for (k, (g, a)) in logits.iter().zip(&alone[i]).enumerate() {
             let diff = g.iter().zip(a).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+            // Rounding is relative: the real fixtures' logits reach hundreds.
+            let scale = a.iter().fold(1f32, |m, x| m.max(x.abs()));
             assert!(
-                diff < 1e-4,
-                "sequence {i}, step {k}: logits differ from alone by {diff}"
+                diff < 1e-4 * scale,
+                "sequence {i}, step {k}: logits differ from alone by {diff} (largest {scale})"
             );
         }
     }
