@@ -40,7 +40,8 @@ under any Python 3 and runs its stages with each environment's interpreter:
                           .deps/fixtures-venv-genai/bin/python)
 
 Run from the repository root: `python3 models/real/make.py` (scratch files go to
-target/fixtures-work/). Torch's CPU kernels are deterministic here, but the exporters' bytes may
+target/fixtures-work/). FIXTURE_FAMILIES=gemma2,gemma3 rebuilds those families' folders only,
+keeping the others' files and references as they are. Torch's CPU kernels are deterministic here, but the exporters' bytes may
 change with their versions: the references are recomputed with the files, never kept apart.
 """
 
@@ -98,7 +99,27 @@ FAMILIES = {
              "eos": "<|endoftext|>", "pad": "<|endoftext|>", "seed": 6, "logit_scale": 48.0},
     "mistral": {"template": "mistralai-Mistral-Nemo-Instruct-2407.jinja", "bos": "<s>",
                 "eos": "</s>", "pad": "<pad>", "seed": 2, "logit_scale": 16.0},
+    # Sliding-window attention (SLIDING_WINDOW positions on their local layers, fewer than
+    # every prompt and its MAX_NEW tokens, so the window moves in every reference). Gemma 3's
+    # template is Gemma 2's (the hub's differs in how it folds a system turn, which no chat here
+    # sends).
+    "gemma2": {"template": "google-gemma-2-2b-it.jinja", "bos": "<bos>", "eos": "<eos>",
+               "pad": "<pad>", "seed": 2, "logit_scale": 160.0, "layer_gain": 16.0},
+    # No GenAI build: onnxruntime-genai 0.18's builder fails on any Gemma 3 under the
+    # transformers 5.x it needs, whose config nests `rope_parameters` by layer type
+    # (`KeyError: 'rope_type'` in builders/base.py's make_rope_init).
+    "gemma3": {"template": "google-gemma-2-2b-it.jinja", "bos": "<bos>", "eos": "<eos>",
+               "pad": "<pad>", "seed": 2, "logit_scale": 160.0, "layer_gain": 16.0,
+               "genai": False},
 }
+# The window of the sliding families' local layers: Gemma 2 alternates local and global layers
+# (layer 0 local), Gemma 3 is given the same pattern for its two layers.
+SLIDING_WINDOW = 8
+# The families rebuilt: FIXTURE_FAMILIES (comma-separated), else all.
+BUILT = [f for f in os.environ.get("FIXTURE_FAMILIES", ",".join(FAMILIES)).split(",") if f]
+for _family in BUILT:
+    if _family not in FAMILIES:
+        sys.exit(f"make.py: FIXTURE_FAMILIES names `{_family}`, not one of {', '.join(FAMILIES)}")
 EXTDATA = "llama-optimum-extdata"
 INT4 = "qwen2-genai-int4"
 
@@ -131,6 +152,8 @@ CHATS_OF = {
     "llama": ["system_user", "multi_turn", "tools"],
     "qwen2": ["system_user", "multi_turn", "tools"],
     "gemma": ["multi_turn"],
+    "gemma2": ["multi_turn"],
+    "gemma3": ["multi_turn"],
     "phi3": ["system_user", "multi_turn"],
     "mistral": ["system_user", "multi_turn", "tools"],
 }
@@ -184,9 +207,10 @@ def tokenizer_for(family, tok):
 
 def build_model(family, fast):
     import torch
-    from transformers import (GemmaConfig, GemmaForCausalLM, LlamaConfig, LlamaForCausalLM,
-                              MistralConfig, MistralForCausalLM, Phi3Config, Phi3ForCausalLM,
-                              Qwen2Config, Qwen2ForCausalLM)
+    from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM,
+                              Gemma3TextConfig, GemmaConfig, GemmaForCausalLM, LlamaConfig,
+                              LlamaForCausalLM, MistralConfig, MistralForCausalLM, Phi3Config,
+                              Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM)
 
     spec = FAMILIES[family]
     ids = {"bos_token_id": fast.convert_tokens_to_ids(spec["bos"] or "<|endoftext|>"),
@@ -201,18 +225,32 @@ def build_model(family, fast):
         "gemma": (GemmaConfig, GemmaForCausalLM),
         "phi3": (Phi3Config, Phi3ForCausalLM),
         "mistral": (MistralConfig, MistralForCausalLM),
+        "gemma2": (Gemma2Config, Gemma2ForCausalLM),
+        "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM),
     }[family]
+    sliding = {"head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": SLIDING_WINDOW,
+               "layer_types": ["sliding_attention", "full_attention"]}
     extra = {"gemma": {"head_dim": 16}, "phi3": {"original_max_position_embeddings": 256},
-             "mistral": {"sliding_window": None}, "qwen2": {"tie_word_embeddings": False}}
+             "mistral": {"sliding_window": None}, "qwen2": {"tie_word_embeddings": False},
+             # Gemma 2's final soft-capping (30 · tanh(logit / 30)) would squeeze the logits
+             # of these random weights within MIN_MARGIN of ties; its attention's is kept.
+             "gemma2": {**sliding, "final_logit_softcapping": None},
+             "gemma3": {**sliding, "rope_local_base_freq": 10000.0}}
     torch.manual_seed(spec["seed"])
     m = model(config(**common, **extra.get(family, {}))).eval()
     # The logits are scaled through the final norm's gain, not the LM head, which Gemma ties to
     # the input embeddings. Gemma's norm multiplies by (1 + weight).
     with torch.no_grad():
         norm = m.model.norm.weight
-        offset = 1.0 if family == "gemma" else 0.0
+        offset = 1.0 if family.startswith("gemma") else 0.0
         norm.copy_((norm + offset) * spec["logit_scale"] - offset)
         for layer in m.model.layers:
+            # Gemma 2 and 3 normalize each branch's output before the residual: its gain is
+            # that norm's.
+            if hasattr(layer, "post_feedforward_layernorm"):
+                for post in (layer.post_attention_layernorm, layer.post_feedforward_layernorm):
+                    post.weight.copy_((post.weight + 1.0) * spec.get("layer_gain", 1.0) - 1.0)
+                continue
             layer.self_attn.o_proj.weight.mul_(spec.get("layer_gain", 1.0))
             layer.mlp.down_proj.weight.mul_(spec.get("layer_gain", 1.0))
     return m
@@ -303,7 +341,7 @@ def stage_hf():
     torch.use_deterministic_algorithms(True)
     tok = train_tokenizer()
     refs = {}
-    for family in FAMILIES:
+    for family in BUILT:
         fast = tokenizer_for(family, tok)
         m = build_model(family, fast)
         hf = os.path.join(WORK, "hf", family)
@@ -347,10 +385,11 @@ def stage_hf():
                 fail(f"{family}-optimum: ONNX Runtime gives {got} for `{c['prompt']}`, "
                      f"transformers {c['ids']}")
         print(f"{family}-optimum: ONNX Runtime greedy == transformers ({len(cases)} prompts)")
-    resave_external(os.path.join(HERE, "llama-optimum"), os.path.join(HERE, EXTDATA))
-    for c in refs["llama"]["cases"]:
-        if ort_greedy(os.path.join(HERE, EXTDATA), c["prompt_ids"], refs["llama"]["layout"]) != c["ids"]:
-            fail(f"{EXTDATA}: ONNX Runtime's greedy differs from transformers'")
+    if "llama" in BUILT:
+        resave_external(os.path.join(HERE, "llama-optimum"), os.path.join(HERE, EXTDATA))
+        for c in refs["llama"]["cases"]:
+            if ort_greedy(os.path.join(HERE, EXTDATA), c["prompt_ids"], refs["llama"]["layout"]) != c["ids"]:
+                fail(f"{EXTDATA}: ONNX Runtime's greedy differs from transformers'")
     dump(os.path.join(WORK, "hf.json"), refs)
 
 
@@ -438,7 +477,10 @@ def stage_logprobs():
     reference = load(os.path.join(HERE, "reference.json"))["models"]
     tok = train_tokenizer()
     out = {"steps": LOGPROB_STEPS, "top_logprobs": TOP_LOGPROBS, "families": {}}
-    for family in FAMILIES:
+    path = os.path.join(HERE, "logprobs.json")
+    if os.path.exists(path):
+        out["families"] = {f: v for f, v in load(path)["families"].items() if f not in BUILT}
+    for family in BUILT:
         fast = tokenizer_for(family, tok)
         m = build_model(family, fast)
         case = reference[f"{family}-optimum"]["cases"][0]
@@ -455,7 +497,8 @@ def stage_logprobs():
                                    "plain": plain, "penalized": penalized}
         print(f"{family}: plain {plain['ids']}, penalized {penalized['ids']} "
               f"(margin {penalized['min_margin']:.3f})")
-    dump(os.path.join(HERE, "logprobs.json"), out)
+    out["families"] = dict(sorted(out["families"].items(), key=lambda kv: list(FAMILIES).index(kv[0])))
+    dump(path, out)
 
 
 # --------------------------------------------------------- stage `genai` (the builder's env)
@@ -490,7 +533,7 @@ def genai_greedy(folder, ids):
 def stage_genai():
     refs = load(os.path.join(WORK, "hf.json"))
     out = {}
-    for family in FAMILIES:
+    for family in (f for f in BUILT if FAMILIES[f].get("genai", True)):
         hf = os.path.join(WORK, "hf", family)
         folder = os.path.join(HERE, f"{family}-genai")
         build_genai(hf, folder, "fp32")
@@ -501,6 +544,9 @@ def stage_genai():
                      f"transformers {c['ids']}")
         print(f"{family}-genai: GenAI's generator == transformers ({len(refs[family]['cases'])} prompts)")
     family = INT4.split("-")[0]
+    if family not in BUILT:
+        dump(os.path.join(WORK, "genai.json"), out)
+        return
     folder = os.path.join(HERE, INT4)
     build_genai(os.path.join(WORK, "hf", family), folder, "int4")
     cases, margins = [], []
@@ -523,8 +569,12 @@ def stage_finish():
 
     hf, genai = load(os.path.join(WORK, "hf.json")), load(os.path.join(WORK, "genai.json"))
     folders = sorted(d for d in os.listdir(HERE) if os.path.isfile(os.path.join(HERE, d, "model.onnx")))
+    kept = load(os.path.join(HERE, "reference.json"))["models"] if os.path.exists(os.path.join(HERE, "reference.json")) else {}
     models = {}
     for folder in folders:
+        if folder.split("-")[0] not in BUILT:
+            models[folder] = kept[folder]
+            continue
         family = folder.split("-")[0]
         fast = AutoTokenizer.from_pretrained(os.path.join(WORK, "hf", family))
         for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):

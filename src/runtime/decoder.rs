@@ -36,6 +36,59 @@ impl Padding {
     }
 }
 
+/// The local layers of a sliding-window model whose caches hold a window, not the sequence:
+/// `GroupQueryAttention` with `sliding_window_cache` (ONNX Runtime GenAI's builds of Gemma 2
+/// and 3, Mistral, Phi-3 small...). Such a layer's past and present are `[batch, kv_heads,
+/// size, head_size]` from the prompt's run on (the operator refuses fewer slots than its
+/// `local_window_size`), whatever the sequence's length: the operator keeps a row's latest
+/// positions at its start, by the row's own length (`attention_mask`), and evicts the oldest
+/// itself.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Window {
+    /// Positions each local layer attends to (`local_window_size`), and the slots its cache
+    /// holds: CUDA's kernel takes no other capacity.
+    pub size: u64,
+    /// The local layers: bit `i` for layer `i`.
+    pub layers: u128,
+}
+
+impl Window {
+    /// The most layers a window's set names.
+    pub const MAX_LAYERS: usize = 128;
+
+    /// Whether layer `layer`'s cache is the window.
+    pub fn holds(&self, layer: usize) -> bool {
+        layer < Self::MAX_LAYERS && self.layers & (1 << layer) != 0
+    }
+
+    /// How many layers' caches are windows.
+    pub fn count(&self) -> u64 {
+        u64::from(self.layers.count_ones())
+    }
+
+    /// As carried in model metadata: `size:layer,layer,...`.
+    fn to_text(self) -> String {
+        let layers: Vec<String> = (0..Self::MAX_LAYERS)
+            .filter(|&l| self.holds(l))
+            .map(|l| l.to_string())
+            .collect();
+        format!("{}:{}", self.size, layers.join(","))
+    }
+
+    fn from_text(text: &str) -> Option<Window> {
+        let (size, layers) = text.split_once(':')?;
+        let mut window = Window {
+            size: size.parse().ok().filter(|s| *s > 0)?,
+            layers: 0,
+        };
+        for layer in layers.split(',') {
+            let layer: usize = layer.parse().ok().filter(|l| *l < Self::MAX_LAYERS)?;
+            window.layers |= 1 << layer;
+        }
+        Some(window)
+    }
+}
+
 /// What a decoder's signature leaves open about its cache, said elsewhere: by the model
 /// folder's `genai_config.json` and by the graph's operators. Carried in the model's own
 /// metadata ([`CacheHints::METADATA`]) so every backend that builds a session from its bytes,
@@ -50,33 +103,42 @@ pub struct CacheHints {
     pub padding: Padding,
     /// The most positions the model takes (its rotary tables' length), when known.
     pub context: Option<u64>,
+    /// The layers whose caches are windows, read from the graph's operators.
+    pub window: Option<Window>,
+    /// The sliding window the model's folder names (`config.json`), when its caches are not
+    /// windows: the graph's attention mask then applies it by cache slot.
+    pub slot_window: Option<u64>,
 }
 
 impl CacheHints {
     /// The model metadata keys the hints are carried under.
-    pub const METADATA: [&'static str; 4] = [
+    pub const METADATA: [&'static str; 6] = [
         "vramguard.kv_head_size",
         "vramguard.kv_heads",
         "vramguard.cache_padding",
         "vramguard.context",
+        "vramguard.kv_window",
+        "vramguard.slot_window",
     ];
 
     /// The hints as metadata entries (only those that say something).
     pub fn to_metadata(&self) -> Vec<(&'static str, String)> {
-        let [head_size, kv_heads, padding, context] = Self::METADATA;
+        let [head_size, kv_heads, padding, context, window, slot_window] = Self::METADATA;
         let mut entries = vec![(padding, self.padding.name().to_string())];
         let numbers = [
             (head_size, self.head_size),
             (kv_heads, self.kv_heads),
             (context, self.context),
+            (slot_window, self.slot_window),
         ];
         entries.extend(numbers.into_iter().filter_map(|(k, v)| Some((k, v?.to_string()))));
+        entries.extend(self.window.map(|w| (window, w.to_text())));
         entries
     }
 
     /// The hints carried in a model's metadata (`get` looks a key up); none when it has none.
     pub fn from_metadata(get: impl Fn(&str) -> Option<String>) -> Result<CacheHints, String> {
-        let [head_size, kv_heads, padding, context] = Self::METADATA;
+        let [head_size, kv_heads, padding, context, window, slot_window] = Self::METADATA;
         let number = |key: &str| {
             get(key)
                 .map(|v| {
@@ -94,11 +156,19 @@ impl CacheHints {
                 ));
             }
         };
+        let window = get(window)
+            .map(|v| {
+                Window::from_text(&v)
+                    .ok_or_else(|| format!("model metadata `{window}` is `{v}`, not `size:layer,layer,...`"))
+            })
+            .transpose()?;
         Ok(CacheHints {
             head_size: number(head_size)?,
             kv_heads: number(kv_heads)?,
             padding,
             context: number(context)?,
+            window,
+            slot_window: number(slot_window)?,
         })
     }
 }
@@ -124,6 +194,11 @@ pub struct DecoderLayout {
     pub context: Option<u64>,
     /// Which positions the prompt's run computes logits of.
     pub prefill_logits: PrefillLogits,
+    /// The layers whose caches hold a window, not the sequence.
+    pub window: Option<Window>,
+    /// A sliding window the attention mask applies by cache slot (Optimum's exports): a row's
+    /// slots must then be its positions, with no masked slot between them.
+    pub slot_window: Option<u64>,
 }
 
 /// Which positions a decoder's prompt run computes logits of, as its `logits` output's
@@ -139,9 +214,28 @@ pub enum PrefillLogits {
 }
 
 impl DecoderLayout {
-    /// Bytes the KV cache holds per token of one sequence: key and value, every layer.
+    /// Bytes one layer's key and value hold per position.
+    fn layer_bytes_per_position(&self) -> u64 {
+        2 * self.kv_heads * self.head_size * self.kv_datatype.size() as u64
+    }
+
+    /// Bytes the KV cache holds per token of one sequence: key and value of every layer whose
+    /// cache grows with the sequence (a windowed layer's does not: [`Self::kv_window_bytes`]).
     pub fn kv_bytes_per_token(&self) -> u64 {
-        2 * self.layers as u64 * self.kv_heads * self.head_size * self.kv_datatype.size() as u64
+        let windowed = self.window.map_or(0, |w| w.count());
+        (self.layers as u64).saturating_sub(windowed) * self.layer_bytes_per_position()
+    }
+
+    /// Bytes the windowed layers' caches hold per sequence, whatever its length: each its
+    /// window's slots, allocated from the prompt's run on.
+    pub fn kv_window_bytes(&self) -> u64 {
+        self.window
+            .map_or(0, |w| w.count() * w.size * self.layer_bytes_per_position())
+    }
+
+    /// Whether layer `layer`'s cache is a window.
+    pub fn windowed(&self, layer: usize) -> bool {
+        self.window.is_some_and(|w| w.holds(layer))
     }
 
     /// Bytes of one position's logits (FP32), when the vocabulary is known.
@@ -249,6 +343,13 @@ impl DecoderLayout {
         if let Some(other) = signature.inputs.iter().find(|t| !known(&t.name)) {
             return Err(format!("input `{}` is not part of the decoder layout", other.name));
         }
+        if let Some(window) = hints.window
+            && let Some(layer) = (layers..Window::MAX_LAYERS).find(|&l| window.holds(l))
+        {
+            return Err(format!(
+                "the graph's attention keeps a window of layer {layer}'s cache, but it has {layers} layers"
+            ));
+        }
         Ok(DecoderLayout {
             layers,
             kv_heads,
@@ -259,6 +360,8 @@ impl DecoderLayout {
             padding: hints.padding,
             context: hints.context,
             prefill_logits,
+            window: hints.window,
+            slot_window: hints.slot_window.filter(|_| hints.window.is_none()),
         })
     }
 }
@@ -334,6 +437,31 @@ pub fn step_inputs(layout: &DecoderLayout, new: &[u32], past: usize, cache: Vec<
         }
     }
     inputs
+}
+
+/// `inputs` of a run with each windowed layer's empty past (a prompt's, as [`step_inputs`]
+/// makes it) given its window's slots in zeros: the operator takes no fewer, and reads none of
+/// them before the row's length. Zeros of FP32 come from the allocator untouched (pages the
+/// system maps when written), so a cache of the window costs memory where it is filled.
+pub fn open_windows(layout: &DecoderLayout, inputs: &mut [Tensor]) {
+    let Some(window) = layout.window else { return };
+    for tensor in inputs.iter_mut() {
+        let layer = tensor
+            .name
+            .strip_prefix("past_key_values.")
+            .and_then(|rest| rest.split_once('.'))
+            .and_then(|(layer, _)| layer.parse::<usize>().ok());
+        let fresh = matches!(tensor.shape.as_slice(), [_, _, 0, _]);
+        if !layer.is_some_and(|l| window.holds(l)) || !fresh {
+            continue;
+        }
+        tensor.shape[2] = window.size as i64;
+        let n = tensor.shape.iter().map(|&d| d.max(0) as usize).product();
+        tensor.data = match tensor.data {
+            TensorData::Fp16(_) => TensorData::Fp16(vec![half::f16::ZERO; n]),
+            _ => TensorData::Fp32(vec![0.0; n]),
+        };
+    }
 }
 
 #[cfg(test)]
@@ -479,6 +607,11 @@ mod tests {
             kv_heads: None,
             padding: Padding::Right,
             context: Some(4096),
+            window: Some(Window {
+                size: 4096,
+                layers: 0b101 | 1 << 127,
+            }),
+            slot_window: Some(512),
         };
         let entries = hints.to_metadata();
         let get = |key: &str| entries.iter().find(|(k, _)| *k == key).map(|(_, v)| v.clone());
@@ -492,5 +625,54 @@ mod tests {
         );
         let err = CacheHints::from_metadata(|k| (k == "vramguard.context").then(|| "lots".to_string())).unwrap_err();
         assert_eq!(err, "model metadata `vramguard.context` is `lots`, not a count");
+        for bad in ["8", "0:1", "8:128", "8:x", "8:"] {
+            let err = CacheHints::from_metadata(|k| (k == "vramguard.kv_window").then(|| bad.to_string())).unwrap_err();
+            assert_eq!(
+                err,
+                format!("model metadata `vramguard.kv_window` is `{bad}`, not `size:layer,layer,...`")
+            );
+        }
+    }
+
+    #[test]
+    fn a_windowed_layer_holds_its_window_per_sequence_and_its_first_pass_opens_it() {
+        // Gemma 2's pattern: layer 0 local (a window of 8), layer 1 global.
+        let hints = CacheHints {
+            padding: Padding::Right,
+            window: Some(Window { size: 8, layers: 0b01 }),
+            ..none()
+        };
+        let layout = DecoderLayout::detect(&optimum(2, 2, 16), &hints).unwrap().unwrap();
+        assert!(layout.windowed(0) && !layout.windowed(1));
+        // One layer grows, 2 × 2 heads × 16 × 4 bytes a position; the other is 8 of them.
+        assert_eq!((layout.kv_bytes_per_token(), layout.kv_window_bytes()), (256, 8 * 256));
+        let mut inputs = step_inputs(&layout, &[5, 6, 7], 0, Vec::new());
+        open_windows(&layout, &mut inputs);
+        let past = |name: &str| inputs.iter().find(|t| t.name == name).unwrap();
+        for kind in ["key", "value"] {
+            let local = past(&format!("past_key_values.0.{kind}"));
+            assert_eq!(local.shape, vec![1, 2, 8, 16]);
+            assert_eq!(local.data, TensorData::Fp32(vec![0.0; 2 * 8 * 16]));
+            assert_eq!(past(&format!("past_key_values.1.{kind}")).shape, vec![1, 2, 0, 16]);
+        }
+        // A cache carried from the last run stays as it is.
+        let carried = vec![Tensor {
+            name: "present.0.key".into(),
+            shape: vec![1, 2, 8, 16],
+            data: TensorData::Fp32(vec![1.0; 2 * 8 * 16]),
+        }];
+        let mut inputs = step_inputs(&layout, &[5], 3, carried.clone());
+        open_windows(&layout, &mut inputs);
+        assert_eq!(inputs.last().unwrap().data, carried[0].data);
+        // A window on a layer the graph does not have is refused.
+        let beyond = CacheHints {
+            window: Some(Window { size: 8, layers: 0b100 }),
+            ..hints
+        };
+        let err = DecoderLayout::detect(&optimum(2, 2, 16), &beyond).unwrap().unwrap_err();
+        assert_eq!(
+            err,
+            "the graph's attention keeps a window of layer 2's cache, but it has 2 layers"
+        );
     }
 }

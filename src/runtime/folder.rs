@@ -23,6 +23,9 @@ pub struct ModelFolder {
     pub eos: Vec<u32>,
     /// The sampling a request that says none gets.
     pub sampling: SamplingDefaults,
+    /// `config.json`'s `sliding_window`, unless its `use_sliding_window` is false: the
+    /// positions a local layer attends to (Gemma 2 and 3, Mistral...).
+    pub sliding_window: Option<u64>,
 }
 
 /// `generation_config.json`'s `temperature`, `top_p`, `top_k` and `repetition_penalty`: what a
@@ -137,7 +140,12 @@ impl ModelFolder {
         };
         eos.sort_unstable();
         eos.dedup();
+        let sliding_window = config
+            .as_ref()
+            .filter(|c| c["use_sliding_window"].as_bool() != Some(false))
+            .and_then(|c| c["sliding_window"].as_u64());
         Ok(ModelFolder {
+            sliding_window,
             context: genai.as_ref().and_then(|g| g.context_length).or(positions),
             genai,
             eos,

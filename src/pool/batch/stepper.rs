@@ -231,6 +231,8 @@ mod tests {
         padding: crate::runtime::decoder::Padding::Left,
         context: None,
         prefill_logits: crate::runtime::decoder::PrefillLogits::EveryPosition,
+        window: None,
+        slot_window: None,
     };
 
     /// A CPU pool `p` of one backend serving the bundled decoder as `lm`.

@@ -42,8 +42,13 @@ pub enum ProfileSource {
         kv_heads: u64,
         /// Elements per head.
         head_size: u64,
-        /// Key and value bytes per token, every layer.
+        /// Key and value bytes per token, every layer whose cache grows with the sequence.
         kv_bytes_per_token: u64,
+        /// Key and value bytes per sequence of the layers whose cache is a window (a
+        /// sliding-window model's local layers in the GenAI builder's graphs): their window's
+        /// slots, whatever the sequence's length.
+        #[serde(default, skip_serializing_if = "is_zero")]
+        kv_window_bytes: u64,
         /// Which positions the prompt's run computes logits of: the last only once the graph
         /// was rewritten at load, so the logits count per sequence, not per token.
         prefill_logits: crate::runtime::decoder::PrefillLogits,
@@ -53,6 +58,10 @@ pub enum ProfileSource {
         /// Why.
         reason: String,
     },
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 /// What an axis is to the request: how many items, how long a context, or another size.

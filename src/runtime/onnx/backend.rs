@@ -172,11 +172,16 @@ impl Backend for OrtBackend {
     fn run(
         &mut self,
         model: &str,
-        inputs: Vec<Tensor>,
+        mut inputs: Vec<Tensor>,
         outputs: &[String],
         _: &RunMeta,
     ) -> Result<Vec<Tensor>, BackendError> {
         self.note_use(model)?;
+        // A decoder's first pass run whole (a probe, a pool that keeps no caches): its windowed
+        // layers' caches start at their window's slots.
+        if let Some(layout) = self.decoders.get(model) {
+            crate::runtime::decoder::open_windows(layout, &mut inputs);
+        }
         let (session, _) = self.sessions.get_mut(model).expect("noted: it has a session");
         if let Some(speech) = self.speech.get_mut(model)
             && Speech::wants_decoding(&inputs)
@@ -194,7 +199,12 @@ impl Backend for OrtBackend {
         outputs: &[String],
         _: &RunMeta,
     ) -> Result<Vec<Tensor>, BackendError> {
-        if self.speech.contains_key(model) && inputs.iter().any(|v| v.name == super::speech::DECODER_INPUT_IDS) {
+        // A windowed decoder's first pass has its windows opened by `run`.
+        let fresh = |v: &TensorView<'_>| v.name.starts_with("past_key_values.") && v.shape.get(2) == Some(&0);
+        let windowed = self.decoders.get(model).is_some_and(|l| l.window.is_some()) && inputs.iter().any(fresh);
+        let speech =
+            self.speech.contains_key(model) && inputs.iter().any(|v| v.name == super::speech::DECODER_INPUT_IDS);
+        if speech || windowed {
             let owned = inputs.iter().map(TensorView::to_tensor).collect::<Result<_, _>>();
             return self.run(
                 model,

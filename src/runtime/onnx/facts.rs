@@ -6,9 +6,9 @@
 
 use std::collections::BTreeSet;
 
-use super::graph::{Model, fields};
+use super::graph::{Model, Value, fields, first};
 use super::proto::{Message, varint};
-use crate::runtime::decoder::{CacheHints, Padding};
+use crate::runtime::decoder::{CacheHints, Padding, Window};
 use crate::runtime::folder::ModelFolder;
 
 /// `ModelProto.graph`.
@@ -66,7 +66,8 @@ fn graph_operators(graph: &[u8], found: &mut BTreeSet<String>) -> Result<(), Str
 }
 
 /// What a decoder's `model` bytes and its folder say that its signature does not: a graph with
-/// `GroupQueryAttention` pads its batch on the right.
+/// `GroupQueryAttention` pads its batch on the right, and the layers whose operator keeps a
+/// window of the cache ([`windows`]).
 pub fn cache_hints(model: &[u8], folder: &ModelFolder) -> Result<CacheHints, String> {
     let genai = folder.genai.as_ref();
     let padding = match operators(model)?.contains("GroupQueryAttention") {
@@ -78,7 +79,60 @@ pub fn cache_hints(model: &[u8], folder: &ModelFolder) -> Result<CacheHints, Str
         kv_heads: genai.and_then(|g| g.kv_heads),
         padding,
         context: folder.context,
+        window: windows(model)?,
+        slot_window: folder.sliding_window,
     })
+}
+
+/// The layers whose `GroupQueryAttention` has `sliding_window_cache` set (their cache is
+/// `local_window_size` slots, as the GenAI builder writes a sliding-window model's local
+/// layers), by the layer of the past key each reads (`past_key_values.N.key`); `None` when
+/// there are none. Layers whose windows differ are refused by name: one size is kept.
+pub fn windows(model: &[u8]) -> Result<Option<Window>, String> {
+    let model = Model::read(model)?;
+    let mut found: Option<Window> = None;
+    for (_, node) in &model.nodes {
+        if node.op != "GroupQueryAttention" || node.attribute("sliding_window_cache")?.is_none() {
+            continue;
+        }
+        let int = |name: &str| -> Result<Option<i64>, String> {
+            Ok(match node.attribute(name)? {
+                Some(attribute) => match first(attribute, 3)?.map(|f| f.value) {
+                    Some(Value::Varint(v)) => Some(v as i64),
+                    _ => None,
+                },
+                None => None,
+            })
+        };
+        if int("sliding_window_cache")? != Some(1) {
+            continue;
+        }
+        let past = node.inputs.get(3).copied().unwrap_or_default();
+        let layer = past
+            .strip_prefix("past_key_values.")
+            .and_then(|rest| rest.strip_suffix(".key"))
+            .and_then(|l| l.parse::<usize>().ok())
+            .filter(|&l| l < Window::MAX_LAYERS)
+            .ok_or_else(|| {
+                format!(
+                    "a windowed GroupQueryAttention reads past key `{past}`, not `past_key_values.N.key` (N < {})",
+                    Window::MAX_LAYERS
+                )
+            })?;
+        let size = int("local_window_size")?
+            .and_then(|s| u64::try_from(s).ok())
+            .filter(|s| *s > 0)
+            .ok_or_else(|| format!("layer {layer}'s windowed GroupQueryAttention has no local_window_size"))?;
+        let window = found.get_or_insert(Window { size, layers: 0 });
+        if window.size != size {
+            return Err(format!(
+                "layer {layer}'s attention keeps a window of {size} positions, another layer's {}: vramguard keeps one size",
+                window.size
+            ));
+        }
+        window.layers |= 1 << layer;
+    }
+    Ok(found)
 }
 
 /// Whether `model`'s graph takes past key values (`past_key_values.0.key`): a decoder, known
@@ -115,6 +169,19 @@ mod tests {
         assert!(!takes_past_key_values(BuiltinModel::Encoder.bytes()) && !takes_past_key_values(&[1, 2]));
         let err = operators(&[0x3a, 0x10, 1]).unwrap_err();
         assert_eq!(err, "not an ONNX model: a field runs past the end of its message");
+    }
+
+    #[test]
+    fn the_layers_whose_attention_keeps_a_window_are_read_from_the_graph() {
+        let real = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("models/real");
+        let read = |folder: &str| windows(&std::fs::read(real.join(folder).join("model.onnx")).unwrap());
+        // The GenAI builder's Gemma 2: layer 0 local (a window of 8), layer 1 global.
+        assert_eq!(read("gemma2-genai").unwrap(), Some(Window { size: 8, layers: 0b01 }));
+        // Optimum's keeps every position in every layer (the window is in its mask), and a
+        // model without local layers has none.
+        assert_eq!(read("gemma2-optimum").unwrap(), None);
+        assert_eq!(read("llama-genai").unwrap(), None);
+        assert_eq!(windows(BuiltinModel::Decoder.bytes()).unwrap(), None);
     }
 
     #[test]

@@ -19,11 +19,11 @@ use std::collections::HashMap;
 use ort::session::{RunOptions, Session};
 use ort::value::DynValue;
 
-use super::kernels::{Along, Kernels};
+use super::kernels::Kernels;
 use super::{classify, to_value};
 use crate::core::backend::{BackendError, DecodeStep};
 use crate::core::tensor::{Tensor, TensorData};
-use crate::runtime::decoder::{DecoderLayout, Padding, step_inputs};
+use crate::runtime::decoder::{DecoderLayout, Padding, open_windows, step_inputs};
 
 /// The generations of one backend, by model.
 pub struct Generations {
@@ -123,11 +123,12 @@ impl Generations {
         layout: &DecoderLayout,
         model: &str,
         seq: u64,
-        inputs: Vec<Tensor>,
+        mut inputs: Vec<Tensor>,
         options: &RunOptions,
     ) -> Result<Vec<Tensor>, BackendError> {
         // A sequence prefilled again replaces the cache it had.
         self.models.entry(model.to_string()).or_default().end(seq);
+        open_windows(layout, &mut inputs);
         let mut binding = session.create_binding().map_err(runtime)?;
         let mut mask = None;
         let mut past = 0;
@@ -168,7 +169,8 @@ impl Generations {
     /// longest, padding masked out and given position 1, as batched prompts run in
     /// `transformers`. Their rows stay together and join the batch at their next step. One row
     /// of logits each comes back, as `logits` `[1, vocab]` in `seqs`' order. A model padded on
-    /// the right runs each prompt alone: its padded rows' last position would be padding.
+    /// the right runs each prompt alone: its padded rows' last position would be padding (and
+    /// a windowed cache takes a prompt of one row only).
     pub fn prefill_many(
         &mut self,
         session: &mut Session,
@@ -179,7 +181,7 @@ impl Generations {
         options: &RunOptions,
     ) -> Result<Vec<Tensor>, BackendError> {
         let prompts = prompt_ids(seqs.len(), inputs)?;
-        if layout.padding == Padding::Right {
+        if layout.padding == Padding::Right || layout.window.is_some() {
             let mut logits = Vec::with_capacity(seqs.len());
             for (&seq, prompt) in seqs.iter().zip(prompts) {
                 let tokens: Vec<u32> = prompt.iter().map(|&t| t as u32).collect();
@@ -278,7 +280,7 @@ impl Generations {
     ) -> Result<Vec<Tensor>, BackendError> {
         let caches = self.models.entry(model.to_string()).or_default();
         for fork in &step.forks {
-            if let Err(error) = caches.fork(&mut self.kernels, layout.padding, fork) {
+            if let Err(error) = caches.fork(&mut self.kernels, layout, fork) {
                 self.models.remove(model);
                 return Err(error);
             }
@@ -332,18 +334,16 @@ impl Generations {
         caches.prefilled = waiting;
         let mut batch = caches.batch.take().filter(|b| b.rows.iter().any(|r| !r.gone));
         if batch.as_ref().is_some_and(|b| b.rows.iter().any(|r| r.gone)) {
-            batch = batch
-                .map(|b| self.kernels.without_gone(b, layout.padding))
-                .transpose()?;
+            batch = batch.map(|b| self.kernels.without_gone(b, layout)).transpose()?;
         }
         for (joiner, _) in joiners {
             let joiner = match joiner.rows.iter().any(|r| r.gone) {
-                true => self.kernels.without_gone(joiner, layout.padding)?,
+                true => self.kernels.without_gone(joiner, layout)?,
                 false => joiner,
             };
             batch = Some(match batch {
                 None => joiner,
-                Some(b) => self.kernels.join(b, joiner, layout.padding)?,
+                Some(b) => self.kernels.join(b, joiner, layout)?,
             });
         }
         let mut batch = batch.ok_or_else(|| BackendError::CacheMissing(step.rows.iter().map(|r| r.seq).collect()))?;
@@ -423,12 +423,19 @@ impl Generations {
         for (i, value) in batch.kv.iter().enumerate() {
             binding.bind_input(past_name(i), value).map_err(runtime)?;
         }
-        let (kv, logits) = self.run_bound(session, &mut binding, layout, options)?;
+        let (mut kv, logits) = self.run_bound(session, &mut binding, layout, options)?;
         let logits = self.kernels.last_position(&logits).map_err(BackendError::Runtime)?;
+        let mut mask = mask;
+        if order.len() < rows {
+            self.kernels
+                .settle_masked(layout, batch, (&mut kv, &mut mask), &order)?;
+        }
         // Left-padded caches grow by the step's slot; right-padded ones to the longest row's
-        // length with it.
-        batch.len = match kv.first().map(|v| v.dtype()) {
+        // length with it (a windowed layer's stays its window: another layer's says it).
+        let grown = (0..kv.len()).find(|i| !layout.windowed(i / 2)).map(|i| kv[i].dtype());
+        batch.len = match grown {
             Some(ort::value::ValueType::Tensor { shape, .. }) if shape.len() == 4 => shape[2],
+            _ if batch.mask.is_none() => batch.rows.iter().map(|r| r.past as i64 + 1).max().unwrap_or(0),
             _ => batch.len + 1,
         };
         batch.kv = kv;
@@ -538,80 +545,6 @@ impl Caches {
     }
 }
 
-impl Kernels {
-    /// `batch` without its gone rows, and without the slots every kept row pads (leading ones
-    /// when padded on the left, trailing ones on the right).
-    fn without_gone(&mut self, batch: Cache, side: Padding) -> Result<Cache, BackendError> {
-        let kept: Vec<usize> = (0..batch.rows.len()).filter(|&i| !batch.rows[i].gone).collect();
-        let start = kept.iter().map(|&i| batch.rows[i].lead).min().unwrap_or(0);
-        let end = kept.iter().map(|&i| batch.rows[i].past as i64).max().unwrap_or(0);
-        let along = |axis| match side {
-            Padding::Left => Along::left(axis, start),
-            Padding::Right => Along::right(axis, end),
-        };
-        let indices: Vec<i64> = kept.iter().map(|&i| i as i64).collect();
-        let arrange = |k: &mut Kernels, value: &DynValue, axis| {
-            k.arrange(value, 0, None, &indices, along(axis))
-                .map_err(BackendError::Runtime)
-        };
-        let kv = batch
-            .kv
-            .iter()
-            .map(|v| arrange(self, v, 2))
-            .collect::<Result<Vec<_>, _>>()?;
-        let mask = batch.mask.as_ref().map(|m| arrange(self, m, 1)).transpose()?;
-        let rows = kept
-            .iter()
-            .map(|&i| Row {
-                lead: batch.rows[i].lead - start,
-                ..batch.rows[i]
-            })
-            .collect();
-        Ok(Cache {
-            rows,
-            kv,
-            mask,
-            len: match side {
-                Padding::Left => batch.len - start,
-                Padding::Right => end,
-            },
-        })
-    }
-
-    /// `a`'s rows then `b`'s, the shorter padded to the longer's length on `side`.
-    fn join(&mut self, a: Cache, b: Cache, side: Padding) -> Result<Cache, BackendError> {
-        let len = a.len.max(b.len);
-        let (pad_a, pad_b) = (len - a.len, len - b.len);
-        let indices: Vec<i64> = (0..(a.rows.len() + b.rows.len()) as i64).collect();
-        let mut arrange = |x: &DynValue, y: &DynValue, axis| {
-            let along = match side {
-                Padding::Left => Along::left(axis, 0),
-                Padding::Right => Along::right(axis, len),
-            };
-            self.arrange(x, pad_a, Some((y, pad_b)), &indices, along)
-                .map_err(BackendError::Runtime)
-        };
-        let kv =
-            a.kv.iter()
-                .zip(&b.kv)
-                .map(|(x, y)| arrange(x, y, 2))
-                .collect::<Result<Vec<_>, _>>()?;
-        let mask = match (&a.mask, &b.mask) {
-            (Some(x), Some(y)) => Some(arrange(x, y, 1)?),
-            _ => None,
-        };
-        let lead = |pad| if side == Padding::Left { pad } else { 0 };
-        let shift = |rows: Vec<Row>, pad| {
-            rows.into_iter().map(move |r| Row {
-                lead: r.lead + lead(pad),
-                ..r
-            })
-        };
-        let rows = shift(a.rows, pad_a).chain(shift(b.rows, pad_b)).collect();
-        Ok(Cache { rows, kv, mask, len })
-    }
-}
-
 /// The token ids of `count` first passes given one after another: each one's `input_ids`.
 fn prompt_ids(count: usize, inputs: Vec<Tensor>) -> Result<Vec<Vec<i64>>, BackendError> {
     let prompts: Vec<Vec<i64>> = inputs
@@ -682,6 +615,7 @@ fn logits_tensor(values: Vec<f32>, rows: usize) -> Tensor {
     }
 }
 
+mod arrange;
 mod fork;
 #[cfg(test)]
 mod tests;

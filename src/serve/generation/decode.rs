@@ -80,10 +80,10 @@ pub(super) async fn run<'a>(
     let prompt_tokens = shrunk.as_ref().map_or(prompt_tokens, |s| s.1 as usize);
     let broken = |pool: &Arc<Pool>, e: String| internal(&entry.config.name, pool, e);
     let (mut logits, cache) = read_outputs(outputs).map_err(|e| broken(&pool, e))?;
-    // The cache this generation holds between runs, on the pool that holds it; given back when
-    // this function returns or its future is dropped (a reader gone, a deadline).
-    let kv_per_token = layout.kv_bytes_per_token();
-    let mut held = Running::on(&pool.sequences, kv_per_token.saturating_mul(prompt_tokens as u64));
+    // The cache this generation holds between runs (a windowed layer's: its window), on the
+    // pool that holds it; given back when this function returns or its future is dropped.
+    let kv_bytes = |tokens: usize| layout.kv_bytes_per_token() * tokens as u64 + layout.kv_window_bytes();
+    let mut held = Running::on(&pool.sequences, kv_bytes(prompt_tokens));
     let mut site = CacheSite::new(pool, &steps, cache, retried);
     let labels = |pool: &Pool| crate::core::metrics::ModelPoolLabels {
         model: entry.config.name.clone(),
@@ -139,7 +139,7 @@ pub(super) async fn run<'a>(
             Err(Failed::Broken(e)) => return Err(broken(&site.pool, e)),
         };
         masked.map_err(|e| broken(&site.pool, e))?;
-        held.update(&site.pool.sequences, kv_per_token.saturating_mul((past + 1) as u64));
+        held.update(&site.pool.sequences, kv_bytes(past + 1));
         metrics
             .inter_token
             .get_or_create(&labels(&site.pool))

@@ -506,12 +506,14 @@ fn profile_of(
 ) -> MemoryProfile {
     let profile = match (&m.profile, decoder) {
         (None, Some(layout)) => {
-            // The cache for every position, and the logits of the prompt's positions (of its
-            // last alone when the graph was rewritten for it).
+            // The cache for every position (a windowed layer's, its window's, per sequence),
+            // and the logits of the prompt's positions (of its last alone when the graph was
+            // rewritten for it).
             let (kv, logits) = (layout.kv_bytes_per_token(), layout.logits_bytes_per_position());
+            let window = layout.kv_window_bytes();
             let (per_token, per_sequence) = match layout.prefill_logits {
-                PrefillLogits::EveryPosition => (kv + logits, 0),
-                PrefillLogits::LastPosition => (kv, logits),
+                PrefillLogits::EveryPosition => (kv + logits, window),
+                PrefillLogits::LastPosition => (kv, logits + window),
             };
             MemoryProfile::per_token(
                 data.stored_bytes(),
@@ -522,6 +524,7 @@ fn profile_of(
                     kv_heads: layout.kv_heads,
                     head_size: layout.head_size,
                     kv_bytes_per_token: kv,
+                    kv_window_bytes: window,
                     prefill_logits: layout.prefill_logits,
                 },
             )

@@ -7,7 +7,7 @@ use ort::value::DynValue;
 
 use super::{Cache, Caches, Row};
 use crate::core::backend::{BackendError, Fork};
-use crate::runtime::decoder::Padding;
+use crate::runtime::decoder::{DecoderLayout, Padding};
 use crate::runtime::onnx::kernels::{Along, Kernels};
 
 impl Caches {
@@ -15,7 +15,12 @@ impl Caches {
     /// key, value and mask rows gathered again with the copies after them, by the same graph
     /// that arranges a batch. Sequences held already are not copied again; a `from` not held
     /// copies nothing (the new sequences are then missing).
-    pub(super) fn fork(&mut self, kernels: &mut Kernels, side: Padding, fork: &Fork) -> Result<(), BackendError> {
+    pub(super) fn fork(
+        &mut self,
+        kernels: &mut Kernels,
+        layout: &DecoderLayout,
+        fork: &Fork,
+    ) -> Result<(), BackendError> {
         let holds = |c: &Cache, seq: u64| c.rows.iter().position(|r| r.seq == seq && !r.gone);
         let held = |c: &Caches, seq: u64| {
             c.prefilled.iter().any(|(p, _)| holds(p, seq).is_some())
@@ -35,20 +40,21 @@ impl Caches {
         let indices: Vec<i64> = (0..cache.rows.len() as i64)
             .chain(std::iter::repeat_n(at as i64, to.len()))
             .collect();
-        let along = |axis| match side {
+        let along = |axis| match layout.padding {
             Padding::Left => Along::left(axis, 0),
             Padding::Right => Along::right(axis, cache.len),
         };
-        let copy = |k: &mut Kernels, value: &DynValue, axis| {
-            k.arrange(value, 0, None, &indices, along(axis))
+        let copy = |k: &mut Kernels, value: &DynValue, along: Along| {
+            k.arrange(value, 0, None, &indices, along)
                 .map_err(BackendError::Runtime)
         };
         let kv = cache
             .kv
             .iter()
-            .map(|v| copy(kernels, v, 2))
+            .enumerate()
+            .map(|(i, v)| copy(kernels, v, super::arrange::window_or(layout, i, along(2))))
             .collect::<Result<Vec<_>, _>>()?;
-        let mask = cache.mask.as_ref().map(|m| copy(kernels, m, 1)).transpose()?;
+        let mask = cache.mask.as_ref().map(|m| copy(kernels, m, along(1))).transpose()?;
         let row = cache.rows[at];
         cache.rows.extend(to.into_iter().map(|seq| Row { seq, ..row }));
         cache.kv = kv;
