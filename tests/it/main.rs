@@ -23,6 +23,7 @@ mod file_lists;
 mod generation;
 mod health;
 mod host_tier;
+mod hostile_audio;
 mod http;
 mod image_search;
 mod isolation;

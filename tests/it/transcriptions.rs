@@ -34,7 +34,7 @@ fn form(fields: &[(&str, &str)], file: (&str, Vec<u8>)) -> (String, Vec<u8>) {
 }
 
 /// Send a form to `path`: the status, the headers and the body as text.
-async fn send(
+pub(crate) async fn send(
     server: &TestServer,
     path: &str,
     fields: &[(&str, &str)],
@@ -52,7 +52,7 @@ async fn send(
     (status, headers, response.text().await.unwrap())
 }
 
-fn clip(name: &str) -> (&str, Vec<u8>) {
+pub(crate) fn clip(name: &str) -> (&str, Vec<u8>) {
     let path = format!("{AUDIO}/{name}");
     let bytes = std::fs::read(&path).unwrap_or_else(|e| panic!("{path}: {e}"));
     (name_of(name), bytes)
@@ -68,7 +68,7 @@ fn reference() -> Value {
     serde_json::from_str(&std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{path}: {e}"))).unwrap()
 }
 
-fn cpu_server_yaml() -> String {
+pub(crate) fn cpu_server_yaml() -> String {
     format!(
         "models: [{{name: whisper, path: {WHISPER}}}, {{name: embed, path: 'builtin:embedder', tokenizer: 'builtin:embedder'}}]\n\
          pools: [{{name: cpu, provider: cpu, models: [whisper, embed]}}]\n"
