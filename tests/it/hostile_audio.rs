@@ -2,7 +2,8 @@
 //! (issue 63): a WAV stating 0 Hz (Symphonia panicked, and the handler with it: the connection
 //! closed with no answer), and WAVs stating rates whose prime factors made the FFT resampler
 //! take gigabytes (4,294,967,295 Hz grew the server past 6 GB with no answer). Each is a 400
-//! naming the rate, the server's peak memory hardly moves, and it serves the next request.
+//! naming the rate, the server's peak memory hardly moves, and it serves the next request. A
+//! WebM whose time-code scale is 0 (Symphonia's Matroska reader panics on it) is a 400 too.
 
 use reqwest::StatusCode;
 use serde_json::Value;
@@ -54,7 +55,13 @@ async fn a_wav_stating_a_rate_outside_the_served_range_is_a_400_naming_it() {
     // measurable (a few MiB of noise from the test's own allocations).
     let grown = peak_resident().saturating_sub(before);
     assert!(grown < 128 * MIB, "the peak grew by {} MiB", grown / MIB);
-    let (status, _, body) = send(&server, PATH, &model, clip("gpu.ogg")).await;
+    let mut webm = clip("gpu.webm").1;
+    let scale = webm.windows(4).position(|w| w == [0x2a, 0xd7, 0xb1, 0x83]).unwrap() + 4;
+    webm[scale..scale + 3].copy_from_slice(&[0; 3]);
+    let (status, _, body) = send(&server, PATH, &model, ("scale.webm", webm)).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{body}");
+    assert!(body.contains("the audio could not be decoded"), "{body}");
+    let (status, _, body) = send(&server, PATH, &model, clip("gpu.webm")).await;
     assert_eq!(status, StatusCode::OK, "the server still serves: {body}");
     server.stop().await;
 }

@@ -1,5 +1,7 @@
 //! An audio file as a source of mono samples ([`Source`]): its container read by Symphonia, its
-//! first audio track decoded a packet at a time, each packet's channels mixed to one.
+//! first audio track decoded a packet at a time (Opus by libopus, through
+//! `symphonia-adapter-libopus`; every other codec by Symphonia), each packet's channels mixed
+//! to one.
 //!
 //! What the file's header states is checked before it costs anything: a sample rate outside
 //! [`super::RATES`] is refused naming it, and a RIFF WAVE header's rate is read here before
@@ -7,9 +9,10 @@
 //! too, for what no check here foresees).
 
 use std::io::Cursor;
+use std::sync::LazyLock;
 
 use symphonia::core::audio::SampleBuffer;
-use symphonia::core::codecs::{CODEC_TYPE_NULL, Decoder, DecoderOptions};
+use symphonia::core::codecs::{CODEC_TYPE_NULL, CodecRegistry, Decoder, DecoderOptions};
 use symphonia::core::errors::Error as Symphonia;
 use symphonia::core::formats::{FormatOptions, FormatReader};
 use symphonia::core::io::MediaSourceStream;
@@ -17,6 +20,14 @@ use symphonia::core::meta::MetadataOptions;
 use symphonia::core::probe::Hint;
 
 use super::{AudioError, RATES};
+
+/// Symphonia's codecs and libopus' Opus decoder, which Symphonia 0.5 lacks.
+static CODECS: LazyLock<CodecRegistry> = LazyLock::new(|| {
+    let mut codecs = CodecRegistry::new();
+    symphonia::default::register_enabled_codecs(&mut codecs);
+    codecs.register_all::<symphonia_adapter_libopus::OpusDecoder>();
+    codecs
+});
 
 /// A file's first decodable audio track, being decoded.
 pub(super) struct Source {
@@ -72,7 +83,7 @@ impl Source {
         if !RATES.contains(&rate) {
             return Err(AudioError::Rate(rate));
         }
-        let decoder = symphonia::default::get_codecs()
+        let decoder = CODECS
             .make(&params, &DecoderOptions::default())
             .map_err(|e| AudioError::Codec(e.to_string()))?;
         Ok(Source {
