@@ -1,8 +1,9 @@
 //! Audio for speech models: a file as clients send it (WAV, FLAC, MP3, Ogg Vorbis or Opus,
-//! WebM or Matroska with Opus or Vorbis, as browsers record; at any sample rate in [`RATES`] and any channel count) decoded a packet at a time (`source.rs`), its channels mixed to one,
+//! WebM or Matroska with Opus or Vorbis, as browsers record; at any sample rate in [`RATES`]
+//! and any channel count) decoded a packet at a time (`source.rs`), its channels mixed to one,
 //! and resampled as it is decoded to the rate the model's features are computed at
 //! (`resample.rs`), by [`decode`]; and the log-mel spectrogram Whisper's feature extractor makes
-//! of those samples ([`mel`]).
+//! of those samples (`mel.rs`).
 //!
 //! Everything a client can send is bounded before it costs memory: the rate is checked before
 //! any sample is decoded, the decoded length as the packets come, so a file claiming hours
