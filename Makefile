@@ -22,7 +22,7 @@ SYSTEMD_EXPOSURE_MAX := 20
 
 PREFIX      ?= /usr/local
 
-.PHONY: run test install deps tools systemd-tools build release check-fmt clippy unit policy-tests model-check client-compat tour alert-tests dashboard-check systemd-check k8s-check drill bench bench-tools fixtures clean-deps
+.PHONY: run test install deps build-tools tools systemd-tools build release check-fmt clippy unit policy-tests model-check client-compat tour alert-tests dashboard-check systemd-check k8s-check drill bench bench-tools fixtures clean-deps
 
 run: deps release
 	./target/release/vramguard serve $(ARGS)
@@ -41,7 +41,15 @@ install: deps release
 	strip --strip-debug $(DESTDIR)$(PREFIX)/bin/vramguard
 	@echo "installed $(DESTDIR)$(PREFIX)/bin/vramguard"
 
-deps: $(ORT_LIB)
+deps: $(ORT_LIB) build-tools
+
+# cmake (Debian package `cmake`) builds the libopus that decodes Opus audio (Cargo.toml's
+# symphonia-adapter-libopus, bundled and linked statically); cargo needs it before any build.
+build-tools:
+	@command -v cmake >/dev/null || { \
+		mkdir -p .deps; \
+		[ -f $(APT_STAMP) ] || { $(SUDO) apt-get update -qq && touch $(APT_STAMP); }; \
+		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends cmake >/dev/null; }
 
 $(ORT_LIB):
 	@command -v $(PYTHON) >/dev/null || { echo "error: $(PYTHON) is needed to fetch the onnxruntime wheel"; exit 1; }
@@ -84,10 +92,10 @@ $(PYCLIENTS):
 	$(PYTHON) -m pip install --quiet --disable-pip-version-check --target .deps/pyclients 'tritonclient[http]==2.73.0' numpy openai==3.57.0 'jsonschema==4.26.0' srt==3.5.3 webvtt-py==0.6.0
 	@touch $@
 
-build:
+build: build-tools
 	$(CARGO) build
 
-release:
+release: build-tools
 	$(CARGO) build --release
 
 check-fmt:

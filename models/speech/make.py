@@ -11,7 +11,11 @@ Each clip is spoken by espeak-ng (22,050 Hz mono), then written as:
 - `<clip>-16k.wav`: 16 kHz mono 16-bit PCM, Whisper's own rate (no resampling on our side);
 - `<clip>-44k-stereo.flac`: 44.1 kHz, two channels;
 - `<clip>.mp3`: MPEG layer III at 24 kHz;
-- `<clip>.ogg`: Ogg Vorbis at 48 kHz.
+- `<clip>.ogg`: Ogg Vorbis at 48 kHz;
+- `<clip>.webm`: Opus in WebM, 48 kHz stereo, as a browser's MediaRecorder records it (what chat
+  front ends' voice input sends): written live (the segment's size unknown, no cues), then every
+  cluster's size made unknown too, as Chrome's and Firefox's recorders leave them;
+- `<clip>.opus`: Ogg Opus, mono.
 The reference of a file is what transformers' ASR pipeline does with it: decode and resample to
 16 kHz mono with ffmpeg (`ffmpeg_read`), then `WhisperFeatureExtractor` (80 mel bins, 30 s
 windows). Only the frames that hold audio are kept (the rest of the 30 s window is padding, one
@@ -47,6 +51,38 @@ def decoded(path):
     return np.frombuffer(out, dtype="<f4")
 
 
+def vint(data, at):
+    """An EBML variable-length integer at `at`: its value (the length marker masked off) and
+    its length in bytes."""
+    length = 1
+    while not data[at] & (0x80 >> (length - 1)):
+        length += 1
+    value = data[at] & (0xFF >> length)
+    for byte in data[at + 1:at + length]:
+        value = (value << 8) | byte
+    return value, length
+
+
+def as_recorded(path):
+    """Rewrite a live WebM's clusters with an unknown size (the 8-byte all-ones size), as
+    MediaRecorder writes them: it streams each cluster before it knows how long it will be.
+    ffmpeg's live mode leaves the segment's size unknown but sizes each cluster."""
+    CLUSTER = bytes.fromhex("1f43b675")
+    data = open(path, "rb").read()
+    out, at = bytearray(), 0
+    while True:
+        found = data.find(CLUSTER, at)
+        if found < 0:
+            out += data[at:]
+            break
+        size, length = vint(data, found + 4)
+        body = found + 4 + length
+        out += data[at:found] + CLUSTER + bytes.fromhex("01ffffffffffffff")
+        out += data[body:body + size]
+        at = body + size
+    open(path, "wb").write(bytes(out))
+
+
 def main():
     os.makedirs(AUDIO, exist_ok=True)
     extractor = WhisperFeatureExtractor(feature_size=80)
@@ -61,10 +97,17 @@ def main():
                             "-bitexact", "-map_metadata", "-1"],
             f"{clip}.ogg": ["ffmpeg", "-nostdin", "-y", "-i", spoken, "-ar", "48000", "-c:a", "libvorbis",
                             "-q:a", "3", "-bitexact", "-map_metadata", "-1"],
+            f"{clip}.webm": ["ffmpeg", "-nostdin", "-y", "-i", spoken, "-ac", "2", "-ar", "48000", "-c:a",
+                             "libopus", "-b:a", "48k", "-bitexact", "-map_metadata", "-1", "-f", "webm",
+                             "-live", "1"],
+            f"{clip}.opus": ["ffmpeg", "-nostdin", "-y", "-i", spoken, "-ar", "48000", "-c:a", "libopus",
+                             "-b:a", "32k", "-bitexact", "-map_metadata", "-1"],
         }
         for name, command in files.items():
             path = os.path.join(AUDIO, name)
             run(*command, path)
+            if name.endswith(".webm"):
+                as_recorded(path)
             samples = decoded(path)
             features = extractor(samples, sampling_rate=16000, return_tensors="np").input_features[0]
             frames = len(samples) // extractor.hop_length + 1

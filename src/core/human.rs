@@ -1,5 +1,5 @@
 //! Text for people: a size as a person writes it, a client's text clipped before it is echoed,
-//! an error with its causes. Used by every layer that writes a message (the codec's limits,
+//! an error with its causes, what a caught panic said. Used by every layer that writes a message (the codec's limits,
 //! a remote pool's failures, the lifecycle's refusals, the commands' reports).
 
 /// At most `max` characters of a client-given `text`, marked when cut, for echoing it in an
@@ -31,6 +31,16 @@ pub fn human_bytes(bytes: u64) -> String {
     } else {
         format!("{value:.1} {unit}")
     }
+}
+
+/// What a panic caught with `catch_unwind` said: its message when it gave one as text (as
+/// `panic!` and `expect` do), else `(no message)`.
+pub fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+    panic
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "(no message)".into())
 }
 
 /// An error with its causes, `outer: inner: innermost`: hyper's and reqwest's own messages

@@ -211,11 +211,7 @@ impl Script {
         // Rhai reports errors as values, but a panic inside it must still not take the request
         // down with it: the sandbox and the AST are only read here, so unwinding leaves them intact.
         let outcome = catch_unwind(AssertUnwindSafe(|| self.run(req, view))).unwrap_or_else(|panic| {
-            let what = panic
-                .downcast_ref::<&str>()
-                .map(|s| s.to_string())
-                .or_else(|| panic.downcast_ref::<String>().cloned())
-                .unwrap_or_else(|| "unknown panic".to_string());
+            let what = crate::core::human::panic_message(panic.as_ref());
             Err(self.error(
                 PolicyErrorKind::Runtime,
                 Position::NONE,

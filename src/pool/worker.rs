@@ -386,7 +386,7 @@ impl Pool {
         let result = match run {
             Ok(result) => result,
             Err(panic) => {
-                let message = panic_message(panic.as_ref());
+                let message = crate::core::human::panic_message(panic.as_ref());
                 tracing::error!(request_id = %job.meta.request_id, pool = self.name(), model = %job.model, panic = %message, "the backend panicked; replacing it");
                 drop(backend);
                 let replacement = match &self.respawn {
@@ -471,11 +471,3 @@ impl Pool {
 
 /// A run's answer, and the backend to keep (`None` when it panicked and none could replace it).
 type Ran = (JobResult, Option<Box<dyn Backend>>);
-
-fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
-    panic
-        .downcast_ref::<&str>()
-        .map(|s| s.to_string())
-        .or_else(|| panic.downcast_ref::<String>().cloned())
-        .unwrap_or_else(|| "(no message)".into())
-}

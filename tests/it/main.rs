@@ -24,6 +24,7 @@ mod generation;
 mod generation_limits;
 mod health;
 mod host_tier;
+mod hostile_audio;
 mod http;
 mod image_search;
 mod isolation;

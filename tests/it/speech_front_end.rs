@@ -1,8 +1,11 @@
 //! The speech front end against the library users would otherwise run: every clip of
-//! `models/speech/audio/` (synthetic speech in WAV at 16 kHz, FLAC at 44.1 kHz in stereo, MP3
-//! and Ogg Vorbis; `make.py` there made them) decoded, mixed to mono and resampled to 16 kHz
+//! `models/speech/audio/` (synthetic speech in WAV at 16 kHz, FLAC at 44.1 kHz in stereo, MP3,
+//! Ogg Vorbis, and what browsers record: Opus in WebM as MediaRecorder writes it, and Ogg Opus;
+//! `make.py` there made them) decoded, mixed to mono and resampled to 16 kHz
 //! here, then turned into Whisper's log-mel features, against what `transformers`' ASR pipeline
-//! computes from the same file (ffmpeg to 16 kHz mono, then `WhisperFeatureExtractor`).
+//! computes from the same file (ffmpeg to 16 kHz mono, then `WhisperFeatureExtractor`). Opus is
+//! decoded here by libopus 1.6 and there by ffmpeg's own decoder: held to the same tolerance
+//! as MP3 and Vorbis.
 //!
 //! A clip already at 16 kHz goes through no resampler on either side: its features are the
 //! reference's to float rounding. A resampled one differs where two good resamplers differ, at
@@ -35,14 +38,26 @@ struct Difference {
     passband_p99: f32,
     /// The mean difference over every band.
     mean: f32,
-    /// Our features' frames past the audio are the reference's padding value.
-    padded: bool,
+    /// How far our features' frames past the audio are from the reference's padding value
+    /// (which is the maximum less 8, so it moves with the loudest frame).
+    padding: f32,
 }
 
 fn difference(mel: &LogMel, file: &str, facts: &Value) -> Difference {
     let audio = folder().join("audio");
-    let samples = decode(std::fs::read(audio.join(file)).unwrap(), 16_000, 60).unwrap();
-    assert_eq!(samples.len() as u64, facts["samples_16k"].as_u64().unwrap(), "{file}");
+    let mut samples = decode(std::fs::read(audio.join(file)).unwrap(), 16_000, 60).unwrap();
+    let want = facts["samples_16k"].as_u64().unwrap() as usize;
+    if file.ends_with(".webm") {
+        // Symphonia 0.5's Matroska reader does not apply the last block's DiscardPadding, as
+        // ffmpeg does: at most one Opus frame (20 ms) of the encoder's padding stays at the end.
+        assert!(
+            (want..=want + 320).contains(&samples.len()),
+            "{file}: {}",
+            samples.len()
+        );
+        samples.truncate(want);
+    }
+    assert_eq!(samples.len(), want, "{file}");
     let ours = mel.features(&samples);
     let theirs: Vec<f32> = std::fs::read(audio.join(format!("{file}.mel")))
         .unwrap()
@@ -63,16 +78,15 @@ fn difference(mel: &LogMel, file: &str, facts: &Value) -> Difference {
     }
     passband.sort_by(f32::total_cmp);
     let padding = facts["padding_value"].as_f64().unwrap() as f32;
-    let padded = (0..80).all(|band| {
-        ours[band * 3000 + frames + 1..(band + 1) * 3000]
-            .iter()
-            .all(|&v| (v - padding).abs() < 1e-4)
-    });
+    let padding = (0..80)
+        .flat_map(|band| &ours[band * 3000 + frames + 1..(band + 1) * 3000])
+        .map(|&v| (v - padding).abs())
+        .fold(0.0f32, f32::max);
     Difference {
         max,
         passband_p99: passband[passband.len() * 99 / 100],
         mean: sum / (80 * frames) as f32,
-        padded,
+        padding,
     }
 }
 
@@ -82,15 +96,25 @@ fn every_container_gives_the_features_transformers_computes_from_it() {
         serde_json::from_str(&std::fs::read_to_string(folder().join("reference.json")).unwrap()).unwrap();
     let mel = LogMel::new(MelConfig::WHISPER).unwrap();
     let files = reference["files"].as_object().unwrap();
-    assert_eq!(files.len(), 8);
+    assert_eq!(files.len(), 12);
     for (file, facts) in files {
         let d = difference(&mel, file, facts);
         println!("{file}: {d:?}");
-        assert!(d.padded, "{file}: {d:?}");
         if file.ends_with("-16k.wav") {
-            assert!(d.max < 1e-4 && d.mean < 1e-6, "{file}: {d:?}");
+            assert!(d.max < 1e-4 && d.mean < 1e-6 && d.padding < 1e-4, "{file}: {d:?}");
+        } else if file.ends_with(".opus") || file.ends_with(".webm") {
+            // Two decoders of a codec that is not bit-exact (RFC 6716 judges a decoder by a
+            // quality measure): libopus 1.6 here, ffmpeg's own there. Measured on gpu.opus:
+            // 99th percentile 0.018, mean 0.005, the padding 1.3e-4 apart.
+            assert!(
+                d.passband_p99 < 0.05 && d.mean < 1e-2 && d.padding < 0.01,
+                "{file}: {d:?}"
+            );
         } else {
-            assert!(d.passband_p99 < 0.01 && d.mean < 1e-2, "{file}: {d:?}");
+            assert!(
+                d.passband_p99 < 0.01 && d.mean < 1e-2 && d.padding < 1e-4,
+                "{file}: {d:?}"
+            );
         }
     }
 }
@@ -100,7 +124,15 @@ fn every_container_gives_the_features_transformers_computes_from_it() {
 #[test]
 fn a_damaged_file_is_cut_short_or_refused_never_a_panic() {
     let audio = folder().join("audio");
-    for file in ["gpu-16k.wav", "gpu-44k-stereo.flac", "gpu.mp3", "gpu.ogg"] {
+    let files = [
+        "gpu-16k.wav",
+        "gpu-44k-stereo.flac",
+        "gpu.mp3",
+        "gpu.ogg",
+        "gpu.webm",
+        "gpu.opus",
+    ];
+    for file in files {
         let whole = std::fs::read(audio.join(file)).unwrap();
         let full = decode(whole.clone(), 16_000, 60).unwrap().len();
         for cut in [0, 4, 12, 44, 100, whole.len() / 3, whole.len() / 2, whole.len() - 1] {
@@ -114,6 +146,37 @@ fn a_damaged_file_is_cut_short_or_refused_never_a_panic() {
                 *b = b.wrapping_mul(31).wrapping_add(7);
             }
             let _ = decode(damaged, 16_000, 60);
+        }
+    }
+}
+
+/// `file` of `models/speech/audio/` with `bytes` written at the offset where `after` ends (its
+/// first occurrence).
+fn forged(file: &str, after: &[u8], bytes: &[u8]) -> Vec<u8> {
+    let mut data = std::fs::read(folder().join("audio").join(file)).unwrap();
+    let at = data.windows(after.len()).position(|w| w == after).unwrap() + after.len();
+    data[at..at + bytes.len()].copy_from_slice(bytes);
+    data
+}
+
+/// The headers of the containers browsers write, forged as an attacker would: each
+/// is refused with a reason or decoded no longer than the clip, never a panic.
+#[test]
+fn forged_headers_of_webm_and_ogg_opus_are_refused_or_cut_never_a_panic() {
+    let cases: Vec<(&str, Vec<u8>)> = vec![
+        // A WebM whose time-code scale is 0, and an Opus track of no channels.
+        (
+            "webm time scale 0",
+            forged("gpu.webm", &[0x2a, 0xd7, 0xb1, 0x83], &[0, 0, 0]),
+        ),
+        ("webm no channels", forged("gpu.webm", &[0x9f, 0x81], &[0])),
+        // An Ogg Opus head of no channels.
+        ("opus no channels", forged("gpu.opus", b"OpusHead\x01", &[0])),
+    ];
+    for (case, bytes) in cases {
+        match decode(bytes, 16_000, 60) {
+            Err(e) => println!("{case}: {e}"),
+            Ok(samples) => assert!(samples.len() <= 59_336 + 16, "{case}: {} samples", samples.len()),
         }
     }
 }

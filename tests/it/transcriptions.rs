@@ -52,7 +52,7 @@ pub(crate) async fn send(
     (status, headers, response.text().await.unwrap())
 }
 
-fn clip(name: &str) -> (&str, Vec<u8>) {
+pub(crate) fn clip(name: &str) -> (&str, Vec<u8>) {
     let path = format!("{AUDIO}/{name}");
     let bytes = std::fs::read(&path).unwrap_or_else(|e| panic!("{path}: {e}"));
     (name_of(name), bytes)
@@ -68,7 +68,7 @@ fn reference() -> Value {
     serde_json::from_str(&std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{path}: {e}"))).unwrap()
 }
 
-fn cpu_server_yaml() -> String {
+pub(crate) fn cpu_server_yaml() -> String {
     format!(
         "models: [{{name: whisper, path: {WHISPER}}}, {{name: embed, path: 'builtin:embedder', tokenizer: 'builtin:embedder'}}]\n\
          pools: [{{name: cpu, provider: cpu, models: [whisper, embed]}}]\n"
@@ -572,7 +572,7 @@ async fn what_is_wrong_with_a_request_is_named_in_its_400() {
             vec![("model", "whisper")],
             ("notes.txt", b"plain text, not audio".to_vec()),
             "file",
-            "not WAV, FLAC, MP3 or Ogg",
+            "not WAV, FLAC, MP3, Ogg or WebM audio",
         ),
         (vec![("model", "whisper")], ("cut.wav", corrupt), "file", "file"),
         (

@@ -1,36 +1,48 @@
-//! Audio for speech models: a file as clients send it (WAV, FLAC, MP3 or Ogg Vorbis, at any
-//! sample rate and channel count) decoded by Symphonia, its channels mixed to one, and
-//! resampled by Rubato to the rate the model's features are computed at ([`decode`]); and the
-//! log-mel spectrogram Whisper's feature extractor makes of those samples ([`mel`]).
+//! Audio for speech models: a file as clients send it (WAV, FLAC, MP3, Ogg Vorbis or Opus,
+//! WebM or Matroska with Opus or Vorbis, as browsers record; at any sample rate in [`RATES`]
+//! and any channel count) decoded a packet at a time (`source.rs`), its channels mixed to one,
+//! and resampled as it is decoded to the rate the model's features are computed at
+//! (`resample.rs`), by [`decode`]; and the log-mel spectrogram Whisper's feature extractor makes
+//! of those samples (`mel.rs`).
 //!
-//! Everything a client can send is bounded before it costs memory: the decoded length is checked
-//! as the packets come, so a file claiming hours stops at the limit, not at the end of memory.
+//! Everything a client can send is bounded before it costs memory: the rate is checked before
+//! any sample is decoded, the decoded length as the packets come, so a file claiming hours
+//! stops at the limit, not at the end of memory; a decoder that panics on a forged file is a
+//! refusal, not a lost connection; and a decoding whose client has gone stops at its next
+//! packet.
 
 pub mod mel;
+mod resample;
+mod source;
 
-use std::io::Cursor;
+use std::ops::RangeInclusive;
+use std::panic::{AssertUnwindSafe, catch_unwind};
 
-use rubato::{FftFixedIn, Resampler};
-use symphonia::core::audio::SampleBuffer;
-use symphonia::core::codecs::{CODEC_TYPE_NULL, DecoderOptions};
-use symphonia::core::errors::Error as Symphonia;
-use symphonia::core::formats::FormatOptions;
-use symphonia::core::io::MediaSourceStream;
-use symphonia::core::meta::MetadataOptions;
-use symphonia::core::probe::Hint;
+use tokio_util::sync::CancellationToken;
 
-/// Frames the resampler takes at a time.
-const RESAMPLE_CHUNK: usize = 1024;
+use crate::core::human::panic_message;
+use resample::Resample;
+use source::Source;
+
+/// The sample rates a file may have, Hz: from telephony's 8 kHz (the lowest rate that carries
+/// speech's band) to 384 kHz (the highest that recorders and interfaces write; Opus is always
+/// 48 kHz, AAC at most 96 kHz, FLAC as written by its encoders at most 384 kHz). A rate outside
+/// is only a forged or broken header; the resampler's cost grows with the rate's prime
+/// factors (`resample.rs`), so it never sees one.
+pub const RATES: RangeInclusive<u32> = 8_000..=384_000;
 
 /// Why a file gives no audio: each names what is wrong, for the client's 400.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum AudioError {
     /// Not a container served here.
-    #[error("the file is not WAV, FLAC, MP3 or Ogg audio ({0})")]
+    #[error("the file is not WAV, FLAC, MP3, Ogg or WebM audio ({0})")]
     Format(String),
     /// A container with no track a decoder here reads.
-    #[error("the file has no audio track in a codec served here (PCM, FLAC, MP3, Vorbis): {0}")]
+    #[error("the file has no audio track in a codec served here (PCM, FLAC, MP3, Vorbis, Opus): {0}")]
     Codec(String),
+    /// A sample rate outside [`RATES`].
+    #[error("the file's sample rate is {0} Hz: rates from 8000 to 384000 Hz are served")]
+    Rate(u32),
     /// The stream breaks off or is damaged where nothing could be decoded.
     #[error("the audio could not be decoded: {0}")]
     Corrupt(String),
@@ -43,136 +55,77 @@ pub enum AudioError {
         /// The limit.
         limit_seconds: u64,
     },
+    /// Stopped before its end: whoever asked for it no longer waits.
+    #[error("the decoding was stopped: its request went away")]
+    Stopped,
 }
 
 /// The mono samples of the audio file `bytes` at `rate` samples per second, at most
 /// `limit_seconds` of them.
 pub fn decode(bytes: Vec<u8>, rate: u32, limit_seconds: u64) -> Result<Vec<f32>, AudioError> {
-    let (samples, source_rate) = decode_mono(bytes, limit_seconds)?;
-    if samples.is_empty() {
-        return Err(AudioError::Empty);
-    }
-    if source_rate == rate {
-        return Ok(samples);
-    }
-    resample(&samples, source_rate, rate)
+    decode_until(bytes, rate, limit_seconds, &CancellationToken::new())
 }
 
-/// The file's first decodable audio track, its channels mixed to one: its samples and their rate.
-fn decode_mono(bytes: Vec<u8>, limit_seconds: u64) -> Result<(Vec<f32>, u32), AudioError> {
-    let stream = MediaSourceStream::new(Box::new(Cursor::new(bytes)), Default::default());
-    let probed = symphonia::default::get_probe()
-        .format(
-            &Hint::new(),
-            stream,
-            &FormatOptions {
-                // Encoder delay and padding (MP3's LAME header, Vorbis' pre-skip) are not audio: they
-                // would shift every later frame, as ffmpeg, which trims them, does not.
-                enable_gapless: true,
-                ..FormatOptions::default()
-            },
-            &MetadataOptions::default(),
-        )
-        .map_err(|e| match e {
-            // A container recognised and cut before its header ends is damaged, not foreign.
-            Symphonia::IoError(io) if io.kind() == std::io::ErrorKind::UnexpectedEof => {
-                AudioError::Corrupt("it ends before its header does".into())
-            }
-            e => AudioError::Format(e.to_string()),
-        })?;
-    let mut format = probed.format;
-    let track = format
-        .tracks()
-        .iter()
-        .find(|t| t.codec_params.codec != CODEC_TYPE_NULL)
-        .ok_or_else(|| AudioError::Codec("no track names a codec".into()))?;
-    let (track_id, params) = (track.id, track.codec_params.clone());
-    let rate = params
-        .sample_rate
-        .filter(|r| *r > 0)
-        .ok_or_else(|| AudioError::Codec("the track does not say its sample rate".into()))?;
-    let mut decoder = symphonia::default::get_codecs()
-        .make(&params, &DecoderOptions::default())
-        .map_err(|e| AudioError::Codec(e.to_string()))?;
-    let limit = limit_seconds.saturating_mul(u64::from(rate)) as usize;
-    let mut mono = Vec::new();
-    let mut damaged = None;
+/// [`decode`], stopping with [`AudioError::Stopped`] at the first packet after `stop` is
+/// cancelled (its client has gone). A panic in a decoder (a forged file can find one) is
+/// caught here and refused as a file that could not be decoded.
+pub fn decode_until(
+    bytes: Vec<u8>,
+    rate: u32,
+    limit_seconds: u64,
+    stop: &CancellationToken,
+) -> Result<Vec<f32>, AudioError> {
+    catch_unwind(AssertUnwindSafe(|| decode_stream(bytes, rate, limit_seconds, stop))).unwrap_or_else(|panic| {
+        let why = panic_message(panic.as_ref());
+        tracing::warn!(%why, "an audio decoder panicked on a client's file");
+        Err(AudioError::Corrupt(format!("the decoder failed on it ({why})")))
+    })
+}
+
+/// Decode `bytes` a packet at a time, each packet resampled to `rate` as it comes.
+fn decode_stream(
+    bytes: Vec<u8>,
+    rate: u32,
+    limit_seconds: u64,
+    stop: &CancellationToken,
+) -> Result<Vec<f32>, AudioError> {
+    let mut source = Source::open(bytes)?;
+    let from = source.rate;
+    let limit = limit_seconds.saturating_mul(u64::from(from));
+    // What the header says it holds, within the limit, is reserved once (it is only a hint).
+    let expected = |rate: u32| (source.frames.unwrap_or(0).min(limit) * u64::from(rate) / u64::from(from)) as usize;
+    let mut resample = (from != rate)
+        .then(|| Resample::new(from, rate, expected(rate)))
+        .transpose()?;
+    let mut mono = Vec::with_capacity(if resample.is_some() { 0 } else { expected(from) });
+    let mut taken = 0u64;
+    let mut packet = Vec::new();
     loop {
-        let packet = match format.next_packet() {
-            Ok(packet) => packet,
-            // The end of the stream (a file cut short ends here too, with what it held).
-            Err(Symphonia::IoError(e)) if e.kind() == std::io::ErrorKind::UnexpectedEof => break,
-            Err(Symphonia::ResetRequired) => break,
-            Err(e) => return Err(AudioError::Corrupt(e.to_string())),
-        };
-        if packet.track_id() != track_id {
-            continue;
+        if stop.is_cancelled() {
+            return Err(AudioError::Stopped);
         }
-        let decoded = match decoder.decode(&packet) {
-            Ok(decoded) => decoded,
-            // A damaged packet is skipped, as players and ffmpeg skip it; a file of nothing but
-            // damaged packets is refused below.
-            Err(Symphonia::DecodeError(e)) => {
-                damaged.get_or_insert_with(|| e.to_string());
-                continue;
-            }
-            Err(e) => return Err(AudioError::Corrupt(e.to_string())),
-        };
-        let spec = *decoded.spec();
-        let channels = spec.channels.count().max(1);
-        let gain = downmix_gain(channels);
-        let mut buffer = SampleBuffer::<f32>::new(decoded.capacity() as u64, spec);
-        buffer.copy_interleaved_ref(decoded);
-        mono.extend(
-            buffer
-                .samples()
-                .chunks(channels)
-                .map(|frame| frame.iter().sum::<f32>() * gain),
-        );
-        if mono.len() > limit {
+        let target = if resample.is_some() { &mut packet } else { &mut mono };
+        let before = target.len();
+        if !source.next(target)? {
+            break;
+        }
+        taken += (target.len() - before) as u64;
+        if taken > limit {
             return Err(AudioError::TooLong { limit_seconds });
         }
+        if let Some(resample) = &mut resample {
+            resample.push(&packet)?;
+            packet.clear();
+        }
     }
-    match damaged {
-        Some(why) if mono.is_empty() => Err(AudioError::Corrupt(why)),
-        _ => Ok((mono, rate)),
+    source.end(taken as usize)?;
+    if taken == 0 {
+        return Err(AudioError::Empty);
     }
-}
-
-/// What each channel's samples are multiplied by in the mono sum. Stereo is mixed as ffmpeg's
-/// `-ac 1` mixes it (each channel at -3 dB, 1/√2), which is how Whisper's own `load_audio` and
-/// `transformers`' ASR pipeline read a file, so a stereo clip gives the features those give;
-/// other layouts are averaged.
-fn downmix_gain(channels: usize) -> f32 {
-    match channels {
-        2 => std::f32::consts::FRAC_1_SQRT_2,
-        n => 1.0 / n as f32,
+    match resample {
+        Some(resample) => resample.finish(),
+        None => Ok(mono),
     }
-}
-
-/// `samples` at `from` samples per second, resampled to `to`: as many samples as the same
-/// duration holds at the new rate, the resampler's delay taken off the front.
-fn resample(samples: &[f32], from: u32, to: u32) -> Result<Vec<f32>, AudioError> {
-    let mut resampler = FftFixedIn::<f32>::new(from as usize, to as usize, RESAMPLE_CHUNK, 2, 1)
-        .map_err(|e| AudioError::Codec(format!("cannot resample {from} Hz to {to} Hz: {e}")))?;
-    let expected = (samples.len() as u64 * u64::from(to)).div_ceil(u64::from(from)) as usize;
-    let delay = resampler.output_delay();
-    let mut out = Vec::with_capacity(expected + delay + RESAMPLE_CHUNK);
-    let failed = |e: rubato::ResampleError| AudioError::Corrupt(format!("resampling failed: {e}"));
-    let mut rest = samples;
-    while rest.len() >= resampler.input_frames_next() {
-        let (chunk, after) = rest.split_at(resampler.input_frames_next());
-        out.extend_from_slice(&resampler.process(&[chunk], None).map_err(failed)?[0]);
-        rest = after;
-    }
-    if !rest.is_empty() {
-        out.extend_from_slice(&resampler.process_partial(Some(&[rest]), None).map_err(failed)?[0]);
-    }
-    // What the filter still holds: flushed until the delayed tail is out.
-    while out.len() < expected + delay {
-        out.extend_from_slice(&resampler.process_partial::<&[f32]>(None, None).map_err(failed)?[0]);
-    }
-    Ok(out[delay..delay + expected].to_vec())
 }
 
 /// A 16-bit PCM WAV file of `samples` (interleaved) at `rate` with `channels`: what the drill
@@ -212,22 +165,78 @@ mod tests {
 
     #[test]
     fn a_tone_resampled_keeps_its_length_phase_and_frequency() {
-        let tone = |rate: u32, n: usize| -> Vec<f32> {
-            (0..n)
-                .map(|i| (2.0 * std::f32::consts::PI * 440.0 * i as f32 / rate as f32).sin() * 0.5)
-                .collect()
-        };
-        let from: Vec<i16> = tone(44_100, 44_100).iter().map(|s| (s * 32767.0) as i16).collect();
+        let from: Vec<i16> = tone(440.0, 44_100, 44_100)
+            .iter()
+            .map(|s| (s * 32767.0) as i16)
+            .collect();
         let out = decode(wav(&from, 44_100, 1), 16_000, 30).unwrap();
         assert_eq!(out.len(), 16_000);
-        let want = tone(16_000, 16_000);
-        // Away from the edges (where the filter sees the clip's ends) it is the same tone.
-        let worst = out[500..15_500]
-            .iter()
-            .zip(&want[500..15_500])
-            .map(|(a, b)| (a - b).abs())
-            .fold(0.0f32, f32::max);
+        let worst = worst_against_tone(&out, 440.0);
         assert!(worst < 2e-3, "{worst}");
+    }
+
+    /// A second of 16-bit mono silence whose header states `rate`.
+    fn claiming(rate: u32) -> Vec<u8> {
+        let mut file = wav(&vec![0; 16_000], 16_000, 1);
+        file[24..28].copy_from_slice(&rate.to_le_bytes());
+        file
+    }
+
+    #[test]
+    fn a_rate_outside_the_served_range_is_refused_naming_it_before_anything_is_decoded() {
+        // 0 made Symphonia panic; the others made the FFT resampler take gigabytes (its
+        // transforms follow the rate's prime factors: 4294967291 is prime).
+        for rate in [0, 1, 7_999, 384_001, 16_777_259, 2_147_483_649, 4_294_967_291, u32::MAX] {
+            let err = decode(claiming(rate), 16_000, 30).unwrap_err();
+            assert_eq!(err, AudioError::Rate(rate));
+            assert_eq!(
+                err.to_string(),
+                format!("the file's sample rate is {rate} Hz: rates from 8000 to 384000 Hz are served")
+            );
+        }
+        // The edges are served: the 16,000 samples are two seconds at 8 kHz, 1/24 s at 384 kHz.
+        assert_eq!(decode(claiming(8_000), 16_000, 30).unwrap().len(), 32_000);
+        assert_eq!(decode(claiming(384_000), 16_000, 30).unwrap().len(), 667);
+    }
+
+    /// A tone of `hz` at half scale, `n` samples at `rate`.
+    fn tone(hz: f32, rate: u32, n: usize) -> Vec<f32> {
+        (0..n)
+            .map(|i| (2.0 * std::f32::consts::PI * hz * i as f32 / rate as f32).sin() * 0.5)
+            .collect()
+    }
+
+    /// The largest difference between `out` and a tone of `hz` at 16 kHz, away from the edges
+    /// (where the filter sees the clip's ends).
+    fn worst_against_tone(out: &[f32], hz: f32) -> f32 {
+        let want = tone(hz, 16_000, out.len());
+        out[500..out.len() - 500]
+            .iter()
+            .zip(&want[500..])
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0f32, f32::max)
+    }
+
+    #[test]
+    fn a_rate_with_a_large_prime_factor_is_read_as_the_nearest_hundred_hertz() {
+        // 383,987 Hz is prime: the FFT resampler's transforms would be 383,987 samples long.
+        // Read as 384,000 Hz, a second is as long, and its tone 0.0034 % higher.
+        let samples: Vec<i16> = tone(440.0, 383_987, 383_987)
+            .iter()
+            .map(|s| (s * 32767.0) as i16)
+            .collect();
+        let out = decode(wav(&samples, 383_987, 1), 16_000, 30).unwrap();
+        assert_eq!(out.len(), 16_000);
+        let worst = worst_against_tone(&out, 440.0 * 384_000.0 / 383_987.0);
+        assert!(worst < 2e-3, "{worst}");
+    }
+
+    #[test]
+    fn a_decoding_whose_client_left_stops() {
+        let stop = CancellationToken::new();
+        stop.cancel();
+        let file = wav(&vec![0; 44_100], 44_100, 1);
+        assert_eq!(decode_until(file, 16_000, 30, &stop).unwrap_err(), AudioError::Stopped);
     }
 
     #[test]
@@ -236,7 +245,7 @@ mod tests {
         assert!(matches!(err, AudioError::Format(_)), "{err}");
         assert!(
             err.to_string()
-                .starts_with("the file is not WAV, FLAC, MP3 or Ogg audio")
+                .starts_with("the file is not WAV, FLAC, MP3, Ogg or WebM audio")
         );
         assert_eq!(decode(wav(&[], 16_000, 1), 16_000, 30).unwrap_err(), AudioError::Empty);
         let long = wav(&vec![0; 16_000 * 3], 16_000, 1);

@@ -14,6 +14,7 @@
 use axum::extract::Multipart;
 use axum::extract::multipart::{Field, MultipartError, MultipartRejection};
 use axum::http::StatusCode;
+use tokio_util::sync::CancellationToken;
 
 use super::formats::Format;
 use crate::http::openai::OpenAiError;
@@ -356,10 +357,17 @@ fn language(value: Option<&str>) -> Result<Option<String>, OpenAiError> {
 }
 
 /// The mono samples of an audio file at `rate` samples per second, at most `limit_seconds` of
-/// them, or the 400 saying what is wrong with the file. Decoding and resampling are CPU work of
-/// tens of milliseconds a minute of audio: call it in `spawn_blocking`.
-pub fn decode_audio(bytes: Vec<u8>, rate: u32, limit_seconds: u64) -> Result<Vec<f32>, OpenAiError> {
-    audio::decode(bytes, rate, limit_seconds).map_err(|e| OpenAiError::invalid(format!("`file`: {e}"), Some("file")))
+/// them, or the 400 saying what is wrong with the file; stopped when `stop` is cancelled.
+/// Decoding and resampling are CPU work of tens of milliseconds a minute of audio: call it in
+/// `spawn_blocking`.
+pub fn decode_audio(
+    bytes: Vec<u8>,
+    rate: u32,
+    limit_seconds: u64,
+    stop: &CancellationToken,
+) -> Result<Vec<f32>, OpenAiError> {
+    audio::decode_until(bytes, rate, limit_seconds, stop)
+        .map_err(|e| OpenAiError::invalid(format!("`file`: {e}"), Some("file")))
 }
 
 #[cfg(test)]

@@ -341,7 +341,8 @@ async fn a_body_that_is_not_a_multipart_form_is_a_400_saying_so() {
 
 #[test]
 fn audio_that_does_not_decode_is_a_400_naming_the_file() {
-    let error = decode_audio(b"this is not audio".to_vec(), 16_000, 30).unwrap_err();
+    let stop = tokio_util::sync::CancellationToken::new();
+    let error = decode_audio(b"this is not audio".to_vec(), 16_000, 30, &stop).unwrap_err();
     assert_eq!(
         (error.status, error.param.as_deref()),
         (StatusCode::BAD_REQUEST, Some("file"))
@@ -349,7 +350,7 @@ fn audio_that_does_not_decode_is_a_400_naming_the_file() {
     assert!(
         error
             .message
-            .starts_with("`file`: the file is not WAV, FLAC, MP3 or Ogg audio"),
+            .starts_with("`file`: the file is not WAV, FLAC, MP3, Ogg or WebM audio"),
         "{}",
         error.message
     );

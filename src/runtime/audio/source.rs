@@ -1,0 +1,186 @@
+//! An audio file as a source of mono samples ([`Source`]): its container read by Symphonia, its
+//! first audio track decoded a packet at a time (Opus by libopus, through
+//! `symphonia-adapter-libopus`; every other codec by Symphonia), each packet's channels mixed
+//! to one.
+//!
+//! What the file's header states is checked before it costs anything: a sample rate outside
+//! [`super::RATES`] is refused naming it, and a RIFF WAVE header's rate is read here before
+//! Symphonia reads it, since Symphonia 0.5 panics on a rate of 0 (the caller catches panics
+//! too, for what no check here foresees).
+
+use std::io::Cursor;
+use std::sync::LazyLock;
+
+use symphonia::core::audio::SampleBuffer;
+use symphonia::core::codecs::{CODEC_TYPE_NULL, CodecRegistry, Decoder, DecoderOptions};
+use symphonia::core::errors::Error as Symphonia;
+use symphonia::core::formats::{FormatOptions, FormatReader};
+use symphonia::core::io::MediaSourceStream;
+use symphonia::core::meta::MetadataOptions;
+use symphonia::core::probe::Hint;
+
+use super::{AudioError, RATES};
+
+/// Symphonia's codecs and libopus' Opus decoder, which Symphonia 0.5 lacks.
+static CODECS: LazyLock<CodecRegistry> = LazyLock::new(|| {
+    let mut codecs = CodecRegistry::new();
+    symphonia::default::register_enabled_codecs(&mut codecs);
+    codecs.register_all::<symphonia_adapter_libopus::OpusDecoder>();
+    codecs
+});
+
+/// A file's first decodable audio track, being decoded.
+pub(super) struct Source {
+    format: Box<dyn FormatReader>,
+    decoder: Box<dyn Decoder>,
+    track: u32,
+    /// Its samples per second, within [`RATES`].
+    pub(super) rate: u32,
+    /// The frames its header says it holds, when it says (a hint only: a header can lie).
+    pub(super) frames: Option<u64>,
+    /// Why the first damaged packet could not be decoded.
+    damaged: Option<String>,
+}
+
+impl Source {
+    /// Open `bytes` as an audio file: its container recognised, its track and codec found and
+    /// its rate checked.
+    pub(super) fn open(bytes: Vec<u8>) -> Result<Source, AudioError> {
+        if let Some(rate) = wav_rate(&bytes).filter(|r| !RATES.contains(r)) {
+            return Err(AudioError::Rate(rate));
+        }
+        let stream = MediaSourceStream::new(Box::new(Cursor::new(bytes)), Default::default());
+        let probed = symphonia::default::get_probe()
+            .format(
+                &Hint::new(),
+                stream,
+                &FormatOptions {
+                    // Encoder delay and padding (MP3's LAME header, Vorbis' pre-skip) are not
+                    // audio: they would shift every later frame, as ffmpeg, which trims them,
+                    // does not.
+                    enable_gapless: true,
+                    ..FormatOptions::default()
+                },
+                &MetadataOptions::default(),
+            )
+            .map_err(|e| match e {
+                // A container recognised and cut before its header ends is damaged, not foreign.
+                Symphonia::IoError(io) if io.kind() == std::io::ErrorKind::UnexpectedEof => {
+                    AudioError::Corrupt("it ends before its header does".into())
+                }
+                e => AudioError::Format(e.to_string()),
+            })?;
+        let format = probed.format;
+        let track = format
+            .tracks()
+            .iter()
+            .find(|t| t.codec_params.codec != CODEC_TYPE_NULL)
+            .ok_or_else(|| AudioError::Codec("no track names a codec".into()))?;
+        let (id, params) = (track.id, track.codec_params.clone());
+        let rate = params
+            .sample_rate
+            .ok_or_else(|| AudioError::Codec("the track does not say its sample rate".into()))?;
+        if !RATES.contains(&rate) {
+            return Err(AudioError::Rate(rate));
+        }
+        let decoder = CODECS
+            .make(&params, &DecoderOptions::default())
+            .map_err(|e| AudioError::Codec(e.to_string()))?;
+        Ok(Source {
+            format,
+            decoder,
+            track: id,
+            rate,
+            frames: params.n_frames,
+            damaged: None,
+        })
+    }
+
+    /// Decode the next packet of the track, its channels mixed to one, onto `mono`: `false` at
+    /// the end of the stream.
+    pub(super) fn next(&mut self, mono: &mut Vec<f32>) -> Result<bool, AudioError> {
+        loop {
+            let packet = match self.format.next_packet() {
+                Ok(packet) => packet,
+                // The end of the stream (a file cut short ends here too, with what it held).
+                Err(Symphonia::IoError(e)) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(false),
+                Err(Symphonia::ResetRequired) => return Ok(false),
+                Err(e) => return Err(AudioError::Corrupt(e.to_string())),
+            };
+            if packet.track_id() != self.track {
+                continue;
+            }
+            let decoded = match self.decoder.decode(&packet) {
+                Ok(decoded) => decoded,
+                // A damaged packet is skipped, as players and ffmpeg skip it; a file of nothing
+                // but damaged packets is refused by `end`.
+                Err(Symphonia::DecodeError(e)) => {
+                    self.damaged.get_or_insert_with(|| e.to_string());
+                    continue;
+                }
+                Err(e) => return Err(AudioError::Corrupt(e.to_string())),
+            };
+            let spec = *decoded.spec();
+            // Every packet is at the track's rate: a stream that changes it is not one recording.
+            if spec.rate != self.rate {
+                return Err(AudioError::Corrupt(format!(
+                    "its packets change the sample rate from {} Hz to {} Hz",
+                    self.rate, spec.rate
+                )));
+            }
+            let channels = spec.channels.count().max(1);
+            let gain = downmix_gain(channels);
+            let mut buffer = SampleBuffer::<f32>::new(decoded.capacity() as u64, spec);
+            buffer.copy_interleaved_ref(decoded);
+            mono.extend(
+                buffer
+                    .samples()
+                    .chunks(channels)
+                    .map(|frame| frame.iter().sum::<f32>() * gain),
+            );
+            return Ok(true);
+        }
+    }
+
+    /// The stream has ended having given `samples` samples: a file whose every packet was
+    /// damaged is refused with why the first was.
+    pub(super) fn end(self, samples: usize) -> Result<(), AudioError> {
+        match self.damaged {
+            Some(why) if samples == 0 => Err(AudioError::Corrupt(why)),
+            _ => Ok(()),
+        }
+    }
+}
+
+/// What each channel's samples are multiplied by in the mono sum. Stereo is mixed as ffmpeg's
+/// `-ac 1` mixes it (each channel at -3 dB, 1/√2), which is how Whisper's own `load_audio` and
+/// `transformers`' ASR pipeline read a file, so a stereo clip gives the features those give;
+/// other layouts are averaged.
+fn downmix_gain(channels: usize) -> f32 {
+    match channels {
+        2 => std::f32::consts::FRAC_1_SQRT_2,
+        n => 1.0 / n as f32,
+    }
+}
+
+/// The sample rate the `fmt ` chunk of a RIFF WAVE file states, when `bytes` is one and has it
+/// (chunks are walked from the first, each padded to an even length).
+fn wav_rate(bytes: &[u8]) -> Option<u32> {
+    let u32_at = |at: usize| {
+        bytes
+            .get(at..at + 4)
+            .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+    };
+    if bytes.get(0..4) != Some(b"RIFF") || bytes.get(8..12) != Some(b"WAVE") {
+        return None;
+    }
+    let mut at = 12usize;
+    loop {
+        let (id, size) = (bytes.get(at..at + 4)?, u32_at(at + 4)? as usize);
+        if id == b"fmt " {
+            // The rate follows the format tag and the channel count.
+            return u32_at(at + 12);
+        }
+        at = at.checked_add(8 + size + size % 2)?;
+    }
+}

@@ -1,0 +1,67 @@
+//! Audio files whose headers lie, sent to `POST /v1/audio/transcriptions` over real HTTP
+//! (issue 63): a WAV stating 0 Hz (Symphonia panicked, and the handler with it: the connection
+//! closed with no answer), and WAVs stating rates whose prime factors made the FFT resampler
+//! take gigabytes (4,294,967,295 Hz grew the server past 6 GB with no answer). Each is a 400
+//! naming the rate, the server's peak memory hardly moves, and it serves the next request. A
+//! WebM whose time-code scale is 0 (Symphonia's Matroska reader panics on it) is a 400 too.
+
+use reqwest::StatusCode;
+use serde_json::Value;
+
+use crate::common::TestServer;
+use crate::transcriptions::{clip, cpu_server_yaml, send};
+
+const PATH: &str = "/v1/audio/transcriptions";
+const MIB: u64 = 1 << 20;
+
+/// The most this process has held resident (`VmHWM`): the test runs in a process of its own, so
+/// it is the server's peak.
+fn peak_resident() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    let line = status.lines().find(|l| l.starts_with("VmHWM:")).unwrap();
+    line.split_whitespace().nth(1).unwrap().parse::<u64>().unwrap() * 1024
+}
+
+/// A second of 16-bit mono silence (32 KB) whose `fmt` chunk states `rate`.
+fn claiming(rate: u32) -> Vec<u8> {
+    let mut file = vramguard::runtime::audio::wav(&vec![0; 16_000], 16_000, 1);
+    file[24..28].copy_from_slice(&rate.to_le_bytes());
+    file
+}
+
+#[tokio::test]
+async fn a_wav_stating_a_rate_outside_the_served_range_is_a_400_naming_it() {
+    if crate::common::ran_in_own_process() {
+        return;
+    }
+    let server = TestServer::start(&cpu_server_yaml()).await;
+    let model = [("model", "whisper")];
+    // One transcription first: the model's sessions are part of the baseline.
+    let (status, _, body) = send(&server, PATH, &model, clip("gpu-16k.wav")).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    let before = peak_resident();
+    for rate in [0, 4_294_967_295, 2_147_483_649, 4_294_967_291, 16_777_259] {
+        let (status, _, body) = send(&server, PATH, &model, ("lies.wav", claiming(rate))).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{rate} Hz: {body}");
+        let error: Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(error["error"]["param"], "file", "{body}");
+        let message = error["error"]["message"].as_str().unwrap();
+        assert!(
+            message.contains(&format!("sample rate is {rate} Hz")) && message.contains("8000 to 384000 Hz"),
+            "{message}"
+        );
+    }
+    // 16,777,259 Hz alone cost 1.9 GB; refused from the header, all of them cost nothing
+    // measurable (a few MiB of noise from the test's own allocations).
+    let grown = peak_resident().saturating_sub(before);
+    assert!(grown < 128 * MIB, "the peak grew by {} MiB", grown / MIB);
+    let mut webm = clip("gpu.webm").1;
+    let scale = webm.windows(4).position(|w| w == [0x2a, 0xd7, 0xb1, 0x83]).unwrap() + 4;
+    webm[scale..scale + 3].copy_from_slice(&[0; 3]);
+    let (status, _, body) = send(&server, PATH, &model, ("scale.webm", webm)).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{body}");
+    assert!(body.contains("the audio could not be decoded"), "{body}");
+    let (status, _, body) = send(&server, PATH, &model, clip("gpu.webm")).await;
+    assert_eq!(status, StatusCode::OK, "the server still serves: {body}");
+    server.stop().await;
+}
