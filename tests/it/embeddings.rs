@@ -236,7 +236,7 @@ async fn a_folder_saved_by_sentence_transformers_5_7_is_cut_at_the_length_it_kee
         &server,
         json!({"model": model, "input": long["input"]}),
         "input",
-        &format!("above the model's max_seq_length of {limit}"),
+        &format!("longer than the model's max_seq_length of {limit} tokens"),
     )
     .await;
     let (cut, answer) = embed(

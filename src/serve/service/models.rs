@@ -1,6 +1,9 @@
 //! The models a service serves: each one's bytes, signature, memory profile, decoder layout,
 //! tokenizer and chat template, read and checked against its config before any port is bound.
 
+// Long: every kind of model is read and checked here, one `Option` a kind, until each kind has a
+// home of its own (the model-kinds issue, next); splitting this file before then would cut one
+// concept, loading a model, in two.
 use std::path::Path;
 use std::sync::Arc;
 
