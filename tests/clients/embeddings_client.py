@@ -110,14 +110,14 @@ def run(address):
 
     @check("a too-long input is the client's BadRequestError naming input, unless truncate")
     def _():
-        long = "the server defers the request " * 64
+        long = "the server defers the request " * 200
         try:
             client.embeddings.create(model="mean", input=long)
             raise AssertionError("a too-long input was embedded")
         except openai.BadRequestError as e:
-            assert e.body["param"] == "input" and "max_seq_length of 64" in e.body["message"], e.body
+            assert e.body["param"] == "input" and "max_seq_length of 512" in e.body["message"], e.body
         got = client.embeddings.create(model="mean", input=long, extra_body={"truncate": True})
-        assert got.usage.prompt_tokens == 64, got.usage
+        assert got.usage.prompt_tokens == 512, got.usage
 
     return report(checks)
 
