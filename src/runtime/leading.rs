@@ -12,6 +12,9 @@
 //! (long runs of what the pre-tokenizer drops, such as whitespace, or one long word), it
 //! doubles, so the work is at most twice that of the prefix that does. A tokenizer without a
 //! pre-tokenizer reads the whole text as one word: there, the prefix grows to the whole text.
+//!
+//! Embeddings and rerank keep the first tokens ([`leading`]); a generation's prompt is refused
+//! when it has more than its model takes ([`encode_within`]), from the same prefix.
 
 use tokenizers::{Encoding, Tokenizer, TruncationDirection};
 
@@ -72,6 +75,52 @@ pub fn leading(tokenizer: &Tokenizer, text: &str, n: usize) -> tokenizers::Resul
         }
         size = size.saturating_mul(2);
     }
+}
+
+/// A text tokenized within a limit ([`encode_within`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Bounded {
+    /// Every token of the text: at most the limit.
+    Tokens(Vec<u32>),
+    /// More tokens than the limit: `at_least` of them were read.
+    Over {
+        /// Tokens read (more than the limit): the whole text's when `whole`.
+        at_least: usize,
+        /// Whether the whole text was read (`at_least` is then its count).
+        whole: bool,
+    },
+}
+
+/// Every token of `text` (with what the tokenizer adds to any text when `add_special`), or that
+/// it has more than `limit`, found from its first `limit + 1` tokens ([`leading`]): refusing a
+/// text far past the limit costs about what the longest text the limit allows costs.
+pub fn encode_within(
+    tokenizer: &Tokenizer,
+    text: &str,
+    add_special: bool,
+    limit: usize,
+) -> tokenizers::Result<Bounded> {
+    let head = leading(tokenizer, text, limit.saturating_add(1))?;
+    let (count, whole) = match head.total {
+        Some(total) => (total, true),
+        None => (head.encoding.len(), false),
+    };
+    if count > limit {
+        return Ok(Bounded::Over { at_least: count, whole });
+    }
+    // The whole text was read and is within the limit: what the tokenizer adds to it, as
+    // `encode` would have added it.
+    let ids = tokenizer
+        .post_process(head.encoding, None, add_special)?
+        .get_ids()
+        .to_vec();
+    Ok(match ids.len() > limit {
+        true => Bounded::Over {
+            at_least: ids.len(),
+            whole: true,
+        },
+        false => Bounded::Tokens(ids),
+    })
 }
 
 /// The first char boundary of `text` at or after `at` (its length past the end).
@@ -205,6 +254,71 @@ mod tests {
         assert_eq!(
             (short.encoding.len(), short.total, short.cut()),
             (all, Some(all), false)
+        );
+    }
+
+    /// A text within the limit comes back as every token of it, as the tokenizer gives them,
+    /// what it adds to any text included when asked.
+    #[test]
+    fn a_text_within_the_limit_is_tokenized_whole() {
+        let decoder = tokenizer("models/decoder/tokenizer.json");
+        let text = "The GPU keeps its weights in memory. ".repeat(20);
+        let ids = decoder.encode(text.as_str(), false).unwrap().get_ids().to_vec();
+        assert_eq!(
+            encode_within(&decoder, &text, false, ids.len()).unwrap(),
+            Bounded::Tokens(ids.clone())
+        );
+        // One token short of the limit: the whole was tokenized, and says so.
+        assert_eq!(
+            encode_within(&decoder, &text, false, ids.len() - 1).unwrap(),
+            Bounded::Over {
+                at_least: ids.len(),
+                whole: true
+            }
+        );
+        // BERT's [CLS] and [SEP], added as `encode` adds them, and counted.
+        let bert = tokenizer("models/embed/bert-mean-normalize/tokenizer.json");
+        let special = bert.encode(text.as_str(), true).unwrap().get_ids().to_vec();
+        assert_eq!(
+            encode_within(&bert, &text, true, special.len()).unwrap(),
+            Bounded::Tokens(special.clone())
+        );
+        assert!(matches!(
+            encode_within(&bert, &text, true, special.len() - 1).unwrap(),
+            Bounded::Over { whole: true, .. }
+        ));
+    }
+
+    /// A text far past the limit is found over it from a prefix: the count is more than the
+    /// limit and far less than the whole text's.
+    #[test]
+    fn a_text_far_past_the_limit_is_refused_from_a_prefix() {
+        let tokenizer = tokenizer("models/decoder/tokenizer.json");
+        let text = "word ".repeat(100_000);
+        let all = tokenizer.encode(text.as_str(), false).unwrap().len();
+        let Bounded::Over { at_least, whole } = encode_within(&tokenizer, &text, false, 1000).unwrap() else {
+            panic!("500 KB of words is more than 1000 tokens");
+        };
+        assert!(!whole);
+        assert!(at_least > 1000 && at_least <= 8 * 1001, "{at_least}");
+        assert!(at_least < all / 10, "{at_least} of {all}");
+    }
+
+    /// A text that packs more than the assumed bytes into each token is not misjudged: its
+    /// prefix settles too few tokens, so it is read whole. (Here 10,000 spaces that the
+    /// normalizer strips, as SentencePiece's collapses runs of them.)
+    #[test]
+    fn a_text_of_long_tokens_is_tokenized_whole() {
+        let mut tokenizer = tokenizer("models/decoder/tokenizer.json");
+        tokenizer
+            .with_normalizer(Some(tokenizers::normalizers::Strip::new(true, true)))
+            .expect("a normalizer is set");
+        let text = format!("{}The GPU", " ".repeat(10_000));
+        let ids = tokenizer.encode(text.as_str(), false).unwrap().get_ids().to_vec();
+        assert!(ids.len() <= 4, "{ids:?}");
+        assert_eq!(
+            encode_within(&tokenizer, &text, false, 10).unwrap(),
+            Bounded::Tokens(ids)
         );
     }
 }

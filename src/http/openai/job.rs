@@ -11,7 +11,7 @@ use super::format;
 use crate::http::state::AppState;
 use crate::runtime::folder::SamplingDefaults;
 use crate::runtime::grammar::Grammar;
-use crate::runtime::tokens::{Bounded, encode_within};
+use crate::runtime::leading::{Bounded, encode_within};
 use crate::serve::generation::{self, Params};
 use crate::serve::service::ModelEntry;
 
