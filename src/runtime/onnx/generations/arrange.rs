@@ -71,17 +71,7 @@ impl Kernels {
             Padding::Right => Along::right(axis, end),
         };
         let indices: Vec<i64> = kept.iter().map(|&i| i as i64).collect();
-        let arrange = |k: &mut Kernels, value: &DynValue, along: Along| {
-            k.arrange(value, 0, None, &indices, along)
-                .map_err(BackendError::Runtime)
-        };
-        let kv = batch
-            .kv
-            .iter()
-            .enumerate()
-            .map(|(i, v)| arrange(self, v, window_or(layout, i, along(2))))
-            .collect::<Result<Vec<_>, _>>()?;
-        let mask = batch.mask.as_ref().map(|m| arrange(self, m, along(1))).transpose()?;
+        let (kv, mask) = self.gather(&batch, layout, &indices, along)?;
         let rows = kept
             .iter()
             .map(|&i| Row {
@@ -98,6 +88,30 @@ impl Kernels {
                 Padding::Right => end,
             },
         })
+    }
+
+    /// The rows of `cache` at `indices` (a row may come more than once): its key, value and
+    /// mask values gathered, each axis arranged as `along` says of it, a windowed layer's kept
+    /// at its window.
+    pub(super) fn gather(
+        &mut self,
+        cache: &Cache,
+        layout: &DecoderLayout,
+        indices: &[i64],
+        along: impl Fn(usize) -> Along,
+    ) -> Result<(Vec<DynValue>, Option<DynValue>), BackendError> {
+        let mut pick = |value: &DynValue, along: Along| {
+            self.arrange(value, 0, None, indices, along)
+                .map_err(BackendError::Runtime)
+        };
+        let kv = cache
+            .kv
+            .iter()
+            .enumerate()
+            .map(|(i, v)| pick(v, window_or(layout, i, along(2))))
+            .collect::<Result<Vec<_>, _>>()?;
+        let mask = cache.mask.as_ref().map(|m| pick(m, along(1))).transpose()?;
+        Ok((kv, mask))
     }
 
     /// `a`'s rows then `b`'s, the shorter padded to the longer's length on the layout's side
@@ -141,7 +155,7 @@ impl Kernels {
 /// How cache value `i` (layer-major, key first) is arranged along its sequence axis: a windowed
 /// layer's keeps its whole window, unpadded (every row has it, laid out by its own length);
 /// another layer's as `along` says.
-pub(super) fn window_or(layout: &DecoderLayout, i: usize, along: Along) -> Along {
+fn window_or(layout: &DecoderLayout, i: usize, along: Along) -> Along {
     match layout.window {
         Some(window) if layout.windowed(i / 2) => Along::right(2, window.size as i64),
         _ => along,

@@ -3,8 +3,6 @@
 //!
 //! [`DecodeStep::forks`]: crate::core::backend::DecodeStep::forks
 
-use ort::value::DynValue;
-
 use super::{Cache, Caches, Row};
 use crate::core::backend::{BackendError, Fork};
 use crate::runtime::decoder::{DecoderLayout, Padding};
@@ -44,17 +42,7 @@ impl Caches {
             Padding::Left => Along::left(axis, 0),
             Padding::Right => Along::right(axis, cache.len),
         };
-        let copy = |k: &mut Kernels, value: &DynValue, along: Along| {
-            k.arrange(value, 0, None, &indices, along)
-                .map_err(BackendError::Runtime)
-        };
-        let kv = cache
-            .kv
-            .iter()
-            .enumerate()
-            .map(|(i, v)| copy(kernels, v, super::arrange::window_or(layout, i, along(2))))
-            .collect::<Result<Vec<_>, _>>()?;
-        let mask = cache.mask.as_ref().map(|m| copy(kernels, m, along(1))).transpose()?;
+        let (kv, mask) = kernels.gather(cache, layout, &indices, along)?;
         let row = cache.rows[at];
         cache.rows.extend(to.into_iter().map(|seq| Row { seq, ..row }));
         cache.kv = kv;
