@@ -18,8 +18,6 @@ mod source;
 use std::ops::RangeInclusive;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 
-use tokio_util::sync::CancellationToken;
-
 use crate::core::human::panic_message;
 use resample::Resample;
 use source::Source;
@@ -63,19 +61,19 @@ pub enum AudioError {
 /// The mono samples of the audio file `bytes` at `rate` samples per second, at most
 /// `limit_seconds` of them.
 pub fn decode(bytes: Vec<u8>, rate: u32, limit_seconds: u64) -> Result<Vec<f32>, AudioError> {
-    decode_until(bytes, rate, limit_seconds, &CancellationToken::new())
+    decode_until(bytes, rate, limit_seconds, &|| false)
 }
 
-/// [`decode`], stopping with [`AudioError::Stopped`] at the first packet after `stop` is
-/// cancelled (its client has gone). A panic in a decoder (a forged file can find one) is
+/// [`decode`], stopping with [`AudioError::Stopped`] at the first packet after `stopped` says
+/// so (its client has gone). A panic in a decoder (a forged file can find one) is
 /// caught here and refused as a file that could not be decoded.
 pub fn decode_until(
     bytes: Vec<u8>,
     rate: u32,
     limit_seconds: u64,
-    stop: &CancellationToken,
+    stopped: &dyn Fn() -> bool,
 ) -> Result<Vec<f32>, AudioError> {
-    catch_unwind(AssertUnwindSafe(|| decode_stream(bytes, rate, limit_seconds, stop))).unwrap_or_else(|panic| {
+    catch_unwind(AssertUnwindSafe(|| decode_stream(bytes, rate, limit_seconds, stopped))).unwrap_or_else(|panic| {
         let why = panic_message(panic.as_ref());
         tracing::warn!(%why, "an audio decoder panicked on a client's file");
         Err(AudioError::Corrupt(format!("the decoder failed on it ({why})")))
@@ -87,7 +85,7 @@ fn decode_stream(
     bytes: Vec<u8>,
     rate: u32,
     limit_seconds: u64,
-    stop: &CancellationToken,
+    stopped: &dyn Fn() -> bool,
 ) -> Result<Vec<f32>, AudioError> {
     let mut source = Source::open(bytes)?;
     let from = source.rate;
@@ -101,7 +99,7 @@ fn decode_stream(
     let mut taken = 0u64;
     let mut packet = Vec::new();
     loop {
-        if stop.is_cancelled() {
+        if stopped() {
             return Err(AudioError::Stopped);
         }
         let target = if resample.is_some() { &mut packet } else { &mut mono };
@@ -233,10 +231,11 @@ mod tests {
 
     #[test]
     fn a_decoding_whose_client_left_stops() {
-        let stop = CancellationToken::new();
-        stop.cancel();
         let file = wav(&vec![0; 44_100], 44_100, 1);
-        assert_eq!(decode_until(file, 16_000, 30, &stop).unwrap_err(), AudioError::Stopped);
+        assert_eq!(
+            decode_until(file, 16_000, 30, &|| true).unwrap_err(),
+            AudioError::Stopped
+        );
     }
 
     #[test]

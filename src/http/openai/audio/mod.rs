@@ -17,7 +17,6 @@ use axum::response::{IntoResponse, Response};
 use serde_json::json;
 use tokio::sync::mpsc;
 use tokio::time::Instant;
-use tokio_util::sync::CancellationToken;
 
 use super::encode;
 use super::error::OpenAiError;
@@ -183,17 +182,12 @@ async fn check(
     let lifecycle = decode_headers(service, &request.model, id, headers, received)
         .map_err(|e| OpenAiError::from_request(&e, id))?;
     // The file's bytes (up to 25 MiB) move to the decoder: nothing reads them after it. A
-    // client that goes away drops this future, and with it the guard that stops the decoding.
+    // client that goes away stops the decoding at its next packet.
     let (rate, bytes) = (whisper.mel.rate, std::mem::take(&mut request.file));
-    let stop = CancellationToken::new();
-    let _stop_when_dropped = stop.clone().drop_guard();
-    let samples = tokio::task::spawn_blocking(move || request::decode_audio(bytes, rate, MAX_AUDIO_SECONDS, &stop))
-        .await
-        .map_err(|e| {
-            // Decoding catches a decoder's panics: this is one of our own, or a shutdown.
-            tracing::error!(error = %e, "decoding a request's audio did not finish");
-            OpenAiError::internal("decoding the audio failed".into(), id)
-        })??;
+    let samples = super::encode::blocking(id, move |gone| {
+        request::decode_audio(bytes, rate, MAX_AUDIO_SECONDS, gone)
+    })
+    .await?;
     let params = Params {
         task: request.task,
         language: request.language.clone(),

@@ -14,7 +14,6 @@
 use axum::extract::Multipart;
 use axum::extract::multipart::{Field, MultipartError, MultipartRejection};
 use axum::http::StatusCode;
-use tokio_util::sync::CancellationToken;
 
 use super::formats::Format;
 use crate::http::openai::OpenAiError;
@@ -357,16 +356,16 @@ fn language(value: Option<&str>) -> Result<Option<String>, OpenAiError> {
 }
 
 /// The mono samples of an audio file at `rate` samples per second, at most `limit_seconds` of
-/// them, or the 400 saying what is wrong with the file; stopped when `stop` is cancelled.
+/// them, or the 400 saying what is wrong with the file; stopped when `stopped` says so.
 /// Decoding and resampling are CPU work of tens of milliseconds a minute of audio: call it in
 /// `spawn_blocking`.
 pub fn decode_audio(
     bytes: Vec<u8>,
     rate: u32,
     limit_seconds: u64,
-    stop: &CancellationToken,
+    stopped: &dyn Fn() -> bool,
 ) -> Result<Vec<f32>, OpenAiError> {
-    audio::decode_until(bytes, rate, limit_seconds, stop)
+    audio::decode_until(bytes, rate, limit_seconds, stopped)
         .map_err(|e| OpenAiError::invalid(format!("`file`: {e}"), Some("file")))
 }
 
