@@ -174,9 +174,11 @@ server:
   admin_socket: 'off'
 devices:
   - {{name: {DEVICE}, kind: simulated, capacity: 192MiB}}
-# The encoder, the decoder and the Whisper have the highest priority: the residency phase's dense
-# models can never evict them, and, of lower priority, do not count as staying beside them in the
-# most the device could ever give their requests.
+# The encoder, the decoder, the embedder and the Whisper have the highest priority: the residency
+# phase's dense models can never evict them, and, of lower priority, do not count as staying
+# beside them in the most the device could ever give their requests. (An embedder of the default
+# priority, 0, was the first victim of dense_c's make_room once it had been resident past the
+# default min_residency, as on a loaded machine, and its room let dense_b stay.)
 models:
   - {{name: {ENCODER}, path: 'builtin:encoder', priority: 10, context: {{input: input, axis: 1, keep: end}}}}
   - {{name: {CPU_ONLY}, path: 'builtin:classifier'}}
@@ -184,7 +186,7 @@ models:
   - {{name: {PINNED}, path: 'builtin:classifier', residency: pinned}}
   - {{name: {BACKGROUND_MODEL}, path: 'builtin:classifier', service: {BACKGROUND_SERVICE}}}
   - {{name: {INTERACTIVE_MODEL}, path: 'builtin:encoder', service: {INTERACTIVE_SERVICE}}}
-  - {{name: {EMBEDDER}, path: 'builtin:embedder', tokenizer: 'builtin:embedder'}}
+  - {{name: {EMBEDDER}, path: 'builtin:embedder', tokenizer: 'builtin:embedder', priority: 10}}
 # A window of the Whisper peaks at 76 MB of the device's arena (encoder, decoder and caches);
 # the profile measured at load says 137 MB, which a device of this size cannot reliably give
 # beside the others, and would send the speech phase's windows to the CPU pool before the faults
