@@ -22,6 +22,7 @@ mod failover;
 mod file_lists;
 mod generation;
 mod generation_limits;
+mod hang_ups;
 mod health;
 mod host_tier;
 mod hostile_audio;
