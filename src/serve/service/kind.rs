@@ -353,3 +353,67 @@ pub(super) fn chat_template(m: &ModelConfig) -> Result<Option<Arc<ChatTemplate>>
     }
     Ok(template.map(Arc::new))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn model() -> ModelConfig {
+        let yaml = "models: [{name: m, path: 'builtin:embedder', tokenizer: 'builtin:embedder'}]\n\
+                    pools: [{name: cpu, provider: cpu, models: [m]}]\n";
+        crate::testing::config::validated(yaml).models[0].clone()
+    }
+
+    fn tokenizer() -> Arc<Tokenizer> {
+        let bytes = crate::core::model::BuiltinModel::Embedder.tokenizer().unwrap();
+        Arc::new(Tokenizer::from_bytes(bytes).unwrap())
+    }
+
+    fn text_tower() -> Tower {
+        Tower::Text {
+            max_positions: None,
+            pad: None,
+            output: "text_embeds",
+        }
+    }
+
+    #[test]
+    fn a_kind_is_what_was_found_and_answers_its_apis_only() {
+        let (m, folder) = (model(), ModelFolder::default());
+        let found = [Some(Found::Embedder(Embedder::BUNDLED)), None, None, None];
+        let kind = kind_of(&m, &folder, None, (Some(tokenizer()), None), found).unwrap();
+        assert!(kind.embedder().is_some() && kind.tokenizer().is_some());
+        assert!(kind.serves(Api::Embeddings) && kind.serves_openai());
+        assert!(!kind.serves(Api::Generation) && !kind.serves(Api::Rerank) && !kind.serves(Api::Transcription));
+        let tensor = kind_of(&m, &folder, None, (None, None), [None, None, None, None]).unwrap();
+        assert!(matches!(tensor, Kind::Tensor) && !tensor.serves_openai());
+    }
+
+    #[test]
+    fn a_model_found_to_be_of_two_kinds_is_refused_naming_both() {
+        let (m, folder) = (model(), ModelFolder::default());
+        let found = [
+            Some(Found::Embedder(Embedder::BUNDLED)),
+            None,
+            Some(Found::Tower(text_tower())),
+            None,
+        ];
+        let (key, message) = kind_of(&m, &folder, None, (Some(tokenizer()), None), found).unwrap_err();
+        assert_eq!(key, "path");
+        assert!(
+            message.ends_with("is a model of two kinds: embeddings and a dual encoder's tower"),
+            "{message}"
+        );
+    }
+
+    #[test]
+    fn a_kind_that_reads_text_without_a_tokenizer_is_refused_naming_the_key() {
+        let (m, folder) = (model(), ModelFolder::default());
+        let found = [Some(Found::Embedder(Embedder::BUNDLED)), None, None, None];
+        let (key, message) = kind_of(&m, &folder, None, (None, None), found).unwrap_err();
+        assert_eq!(
+            (key, message.ends_with("embeds but has no tokenizer")),
+            ("tokenizer", true)
+        );
+    }
+}
