@@ -55,7 +55,7 @@ pub(super) fn speech(service: &Service) -> Vec<SpeechStatus> {
     service
         .models
         .iter()
-        .filter(|entry| entry.speech.is_some())
+        .filter(|entry| entry.kind.speech().is_some())
         .flat_map(|entry| {
             let model = &entry.config.name;
             service.pools.iter().filter(|p| p.serves(model)).map(move |pool| {

@@ -38,7 +38,7 @@ use crate::runtime::speech::{
 use crate::serve::batching::{Batchers, Series};
 use crate::serve::lifecycle::{self, Refused, Request, RequestError};
 use crate::serve::metrics::FailoverReason;
-use crate::serve::service::{ModelEntry, Service};
+use crate::serve::service::{Api, ModelEntry, Service};
 
 /// How to transcribe.
 #[derive(Debug, Clone, PartialEq)]
@@ -115,8 +115,12 @@ pub async fn transcribe(
     mut request: Request,
     sink: Option<Sink>,
 ) -> Result<Transcribed, Refused> {
-    let Some(speech) = entry.speech.as_deref() else {
-        let error = RequestError::BadInput(format!("model `{}` is not a speech model", entry.config.name));
+    let Some(speech) = entry.kind.speech() else {
+        let error = RequestError::BadInput(format!(
+            "model `{}` does not {}",
+            entry.config.name,
+            Api::Transcription.needs()
+        ));
         return Err(lifecycle::reject(service, &entry.config.name, error, request.received));
     };
     let counted = lifecycle::Counted::start(service, &mut request);

@@ -47,7 +47,7 @@ fn vectors(service: &Service, model: &str, served: &Served, ids: &[Vec<u32>]) ->
         .find(|t| t.name == Embedder::output(&entry.signature))
         .unwrap();
     let lengths: Vec<usize> = ids.iter().map(Vec::len).collect();
-    entry.embedder.as_ref().unwrap().vectors(given, &lengths).unwrap()
+    entry.kind.embedder().unwrap().0.vectors(given, &lengths).unwrap()
 }
 
 /// The floats of an output.

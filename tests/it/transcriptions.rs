@@ -579,7 +579,7 @@ async fn what_is_wrong_with_a_request_is_named_in_its_400() {
             vec![("model", "embed")],
             ("gpu.mp3", bytes.clone()),
             "model",
-            "not a speech model",
+            "does not transcribe",
         ),
         (
             vec![("model", "whisper"), ("language", "xx")],

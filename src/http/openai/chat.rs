@@ -18,7 +18,7 @@ use crate::http::state::AppState;
 use crate::runtime::chat::{ChatTemplate, Invalid, ToolCall};
 use crate::runtime::grammar::{Grammar, Json, Otherwise, Shape, Tool};
 use crate::serve::generation;
-use crate::serve::service::ModelEntry;
+use crate::serve::service::Generator;
 
 /// The body of `POST /v1/chat/completions` but for what it shares with completions
 /// ([`Sampling`]) and what is not served ([`Unserved`]), each read from the body on its own.
@@ -145,7 +145,7 @@ enum Call<'a> {
 /// `response_format`, a call of any tool or an answer in that format (prose, without one);
 /// else the `response_format`.
 fn grammar_of(
-    entry: &ModelEntry,
+    text: &Generator,
     tools: &[Value],
     offered: bool,
     call: Call<'_>,
@@ -173,7 +173,7 @@ fn grammar_of(
         (Call::Free, true) if answer.is_some() || strict_tool => {
             // A response format that cannot compile is named as such, not as the tools'.
             if let Some(format) = format {
-                format::compiled(entry, format)?;
+                format::compiled(text, format)?;
             }
             let otherwise = Some(answer.map_or(Otherwise::Prose, Otherwise::Json));
             Shape::ToolCall {
@@ -181,10 +181,9 @@ fn grammar_of(
                 otherwise,
             }
         }
-        _ => return format.map(|format| format::compiled(entry, format)).transpose(),
+        _ => return format.map(|format| format::compiled(text, format)).transpose(),
     };
-    let grammars = entry.grammars.as_ref().expect("checked by text_model");
-    grammars
+    text.grammars
         .compile(shape)
         .map(Some)
         .map_err(|e| OpenAiError::invalid(e, Some("tools")))
@@ -200,8 +199,8 @@ pub(super) fn read(state: &AppState, body: &[u8], id: &str) -> Result<Draft, Ope
     let request: ChatRequest = body::fields(value)?;
     let format = format::schema(request.response_format.as_ref())?;
     let logprobs = chat_logprobs(request.logprobs, request.top_logprobs)?;
-    let entry = text_model(state, &sampling.model, id)?;
-    let template = entry.chat.clone().ok_or_else(|| {
+    let (_, text) = text_model(state, &sampling.model, id)?;
+    let template = text.chat.clone().ok_or_else(|| {
         OpenAiError::invalid(
             format!(
                 "model `{}` has no chat template (set `models[].chat_template`, or put a tokenizer_config.json with `chat_template` beside its tokenizer); /v1/completions takes plain prompts",
@@ -239,12 +238,12 @@ pub(super) fn read(state: &AppState, body: &[u8], id: &str) -> Result<Draft, Ope
             ));
         }
     };
-    let grammar = grammar_of(entry, &tools, offered, call, format.as_ref())?;
+    let grammar = grammar_of(text, &tools, offered, call, format.as_ref())?;
     let offered_tools = offered.then_some(tools.as_slice());
+    let tokenizer = Arc::clone(&text.tokenizer);
     let text = template
         .render(&messages, offered_tools)
         .map_err(|e| OpenAiError::invalid(e, Some("messages")))?;
-    let tokenizer = Arc::clone(entry.tokenizer.as_ref().expect("checked by text_model"));
     let shorten = shorten_chat(
         Arc::clone(&template),
         tokenizer,

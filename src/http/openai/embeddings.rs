@@ -21,12 +21,14 @@ use super::images;
 use super::vectors::{dimensions, encoding_format, item, text_tokens, truncate, within};
 use crate::http::state::AppState;
 use crate::runtime::embedder::Embedder;
-use crate::serve::service::ModelEntry;
+use crate::serve::service::{Api, Kind};
 
 /// A checked embeddings request: its inputs' token ids and how to answer.
 struct Job {
     /// The model named.
     model: String,
+    /// How its token vectors are pooled.
+    embedder: Embedder,
     /// Each input's tokens, in the request's order.
     inputs: Vec<Vec<u32>>,
     /// Send each vector as base64 of its little-endian f32s.
@@ -76,11 +78,7 @@ async fn serve(
     })
     .await?;
     let lengths: Vec<usize> = job.inputs.iter().map(Vec::len).collect();
-    let embedder = state
-        .service
-        .model(&job.model)
-        .and_then(|entry| entry.embedder)
-        .expect("checked by read");
+    let embedder = job.embedder;
     let vectors = embedder
         .vectors(&given, &lengths)
         .map_err(|e| OpenAiError::internal(e, id))?;
@@ -100,9 +98,8 @@ async fn serve(
 /// any field this server does not know.
 async fn read(state: &AppState, mut body: Value, id: &str) -> Result<Job, OpenAiError> {
     let model = encode::model_named(&body)?;
-    let entry = embedding_model(state, &model, id)?;
-    let embedder = entry.embedder.expect("checked by embedding_model");
-    let tokenizer = Arc::clone(entry.tokenizer.as_ref().expect("checked by embedding_model"));
+    let (entry, (embedder, tokenizer)) = super::model_for(state, &model, Api::Embeddings, id, Kind::embedder)?;
+    let tokenizer = Arc::clone(tokenizer);
     let base64 = encoding_format(&body)?;
     let dimensions = dimensions(&body, Embedder::size(&entry.signature))?;
     let truncate = truncate(&body, entry.config.auto_truncate)?;
@@ -127,6 +124,7 @@ async fn read(state: &AppState, mut body: Value, id: &str) -> Result<Job, OpenAi
     .await?;
     Ok(Job {
         model,
+        embedder,
         inputs,
         base64,
         dimensions,
@@ -139,24 +137,6 @@ enum Input {
     Text(String),
     /// Token ids, as sent.
     Ids(Vec<u32>),
-}
-
-/// The model named, when it embeds: an unknown one is OpenAI's 404, one that does not embed a
-/// 400 naming `model`.
-fn embedding_model<'a>(state: &'a AppState, model: &str, id: &str) -> Result<&'a ModelEntry, OpenAiError> {
-    let service = &state.service;
-    let entry = service
-        .model(model)
-        .ok_or_else(|| OpenAiError::unknown_model(service, model, id))?;
-    if entry.embedder.is_none() || entry.tokenizer.is_none() {
-        return Err(OpenAiError::invalid(
-            format!(
-                "model `{model}` does not embed (it needs a sentence-transformers folder: `modules.json` with a Pooling module; or a dual encoder's tower: a graph giving `text_embeds` or `image_embeds`)"
-            ),
-            Some("model"),
-        ));
-    }
-    Ok(entry)
 }
 
 /// `input`'s inputs, in OpenAI's forms: a string, a list of strings, a list of token ids, or a

@@ -8,7 +8,7 @@ use serde_json::{Value, json};
 
 use super::error::OpenAiError;
 use crate::runtime::grammar::{Grammar, Json, Shape};
-use crate::serve::service::ModelEntry;
+use crate::serve::service::Generator;
 
 /// The field's name, and what a schema the engine refuses is named by.
 const FIELD: &str = "response_format";
@@ -47,11 +47,10 @@ pub(super) fn schema(format: Option<&Value>) -> Result<Option<(Value, bool)>, Op
     }
 }
 
-/// The grammar of an answer in `format` (as [`schema`] read it) for `entry`, a model that
+/// The grammar of an answer in `format` (as [`schema`] read it) for `text`'s model, a model that
 /// generates text; a schema the engine cannot take is a 400 naming `response_format`.
-pub(super) fn compiled(entry: &ModelEntry, (schema, strict): &(Value, bool)) -> Result<Grammar, OpenAiError> {
-    let grammars = entry.grammars.as_ref().expect("checked by text_model");
-    grammars
+pub(super) fn compiled(text: &Generator, (schema, strict): &(Value, bool)) -> Result<Grammar, OpenAiError> {
+    text.grammars
         .compile(Shape::Json(Json {
             schema,
             strict: *strict,

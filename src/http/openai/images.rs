@@ -37,7 +37,7 @@ pub(super) fn serves(state: &AppState, body: &Value) -> bool {
     body["model"]
         .as_str()
         .and_then(|model| state.service.model(model))
-        .is_some_and(|entry| entry.tower.is_some())
+        .is_some_and(|entry| entry.kind.tower().is_some())
 }
 
 /// Read, run and answer a request for a tower. A request refused while it is read is counted
@@ -105,7 +105,7 @@ pub(super) async fn serve(
     if let Some(mut request) = texts {
         let entry = read.text.expect("a text model when there are texts");
         let (indexes, ids): (Vec<usize>, Vec<Vec<u32>>) = read.texts.into_iter().unzip();
-        let tower = entry.tower.as_ref().expect("a text tower");
+        let tower = entry.kind.tower().expect("a text tower");
         request.inputs = tower.text_batch(&entry.signature, &ids);
         let (served, out) = run(state, entry, request, id).await?;
         vectors.extend(indexes.into_iter().zip(out));
@@ -132,7 +132,7 @@ pub(super) async fn serve(
 
 /// A vision tower's preprocessing.
 fn preprocessor(vision: &ModelEntry) -> &image::Preprocessor {
-    match &vision.tower {
+    match vision.kind.tower() {
         Some(Tower::Image(p, _)) => p,
         _ => unreachable!("checked by read: the vision model is a vision tower"),
     }
@@ -145,7 +145,7 @@ async fn run(
     mut request: lifecycle::Request,
     id: &str,
 ) -> Result<(lifecycle::Served, Vec<Vec<f32>>), OpenAiError> {
-    let tower = entry.tower.as_ref().expect("a tower");
+    let tower = entry.kind.tower().expect("a tower");
     request.outputs = vec![tower.output().to_string()];
     // A model's fallback is another model with its own space: its vectors could not be
     // compared with this one's.
@@ -184,7 +184,7 @@ struct Read<'a> {
 fn read<'a>(state: &'a AppState, body: &Value, model: &str) -> Result<Read<'a>, OpenAiError> {
     let service = &state.service;
     let entry = service.model(model).expect("checked by serves");
-    let tower = entry.tower.as_ref().expect("checked by serves");
+    let tower = entry.kind.tower().expect("checked by serves");
     let (field, inputs) = inputs(body)?;
     let (text, vision) = match tower {
         Tower::Text { .. } => (
@@ -209,13 +209,13 @@ fn read<'a>(state: &'a AppState, body: &Value, model: &str) -> Result<Read<'a>, 
     for (i, input) in inputs.into_iter().enumerate() {
         match input {
             Input::Text(text) => {
-                let Some(Tower::Text { max_positions, .. }) = read.text.and_then(|t| t.tower.as_ref()) else {
+                let Some(Tower::Text { max_positions, .. }) = read.text.and_then(|t| t.kind.tower()) else {
                     return Err(OpenAiError::invalid(
                         format!("model `{model}` embeds images only (a vision tower); send texts to its text tower"),
                         Some(field),
                     ));
                 };
-                let tokenizer = entry.tokenizer.as_ref().expect("a text tower has its tokenizer");
+                let tokenizer = entry.kind.tokenizer().expect("a text tower has its tokenizer");
                 let limit = max_positions.map(|n| (n as usize, "max_position_embeddings"));
                 let ids = text_tokens(tokenizer, i, &text, limit, truncate)?;
                 read.tokens += ids.len();

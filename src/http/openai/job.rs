@@ -13,7 +13,7 @@ use crate::runtime::folder::SamplingDefaults;
 use crate::runtime::grammar::Grammar;
 use crate::runtime::leading::{Bounded, encode_within};
 use crate::serve::generation::{self, Params};
-use crate::serve::service::ModelEntry;
+use crate::serve::service::{self, Generator, Kind, ModelEntry};
 
 /// `stop`: one string or up to four.
 #[derive(Debug, Deserialize)]
@@ -165,13 +165,13 @@ pub(super) fn checked(state: &AppState, draft: Draft, id: &str) -> Result<Job, O
     let stream = sampling.stream == Some(true);
     let chat = matches!(&api, Api::Chat { .. });
     let tools = matches!(&api, Api::Chat { tools } if !tools.is_empty());
-    let entry = state.service.model(&sampling.model).expect("checked by text_model");
-    let tokenizer = entry.tokenizer.as_ref().expect("checked by text_model");
+    let (entry, text) = text_model(state, &sampling.model, id)?;
+    let tokenizer = &text.tokenizer;
     // The ids `logit_bias` may name: the model's logits, or where the graph leaves their
     // number open, its tokenizer's vocabulary.
     let vocab = entry
-        .decoder
-        .as_ref()
+        .kind
+        .decoder()
         .and_then(|layout| layout.vocab)
         .unwrap_or(tokenizer.get_vocab_size(true) as u64);
     let params = Params {
@@ -202,7 +202,7 @@ pub(super) fn checked(state: &AppState, draft: Draft, id: &str) -> Result<Job, O
     // The positions the model takes bound the prompt, with room for what it asks to generate
     // (at least one token): a longer one is refused before anything runs, found so from as
     // much of its text as that many tokens could cover.
-    let context = entry.decoder.as_ref().and_then(|layout| layout.context);
+    let context = entry.kind.decoder().and_then(|layout| layout.context);
     let generated = u64::from(params.max_tokens.unwrap_or(1));
     let too_long = |prompt: usize, whole: bool| {
         let limit = context.unwrap_or(u64::MAX);
@@ -334,10 +334,10 @@ pub(super) fn read_completion(state: &AppState, body: &[u8], id: &str) -> Result
                 as u32,
         ),
     };
-    let entry = text_model(state, &sampling.model, id)?;
+    let (_, text) = text_model(state, &sampling.model, id)?;
     let prompts = prompts_of(&request.prompt)?;
     let format = format::schema(request.response_format.as_ref())?;
-    let grammar = format.map(|format| format::compiled(entry, &format)).transpose()?;
+    let grammar = format.map(|format| format::compiled(text, &format)).transpose()?;
     // Chat adds its end-of-turn string to `stop`; a completion's own stays within 4.
     if let Some(Stop::Many(v)) = &sampling.stop
         && v.len() > 4
@@ -478,19 +478,11 @@ fn penalties(
     })
 }
 
-/// The model named, if it generates text.
-pub(super) fn text_model<'a>(state: &'a AppState, model: &str, id: &str) -> Result<&'a ModelEntry, OpenAiError> {
-    let service = &state.service;
-    let entry = service
-        .model(model)
-        .ok_or_else(|| OpenAiError::unknown_model(service, model, id))?;
-    if entry.decoder.is_none() || entry.tokenizer.is_none() {
-        return Err(OpenAiError::invalid(
-            format!(
-                "model `{model}` does not generate text (it needs a decoder with past key values and `models[].tokenizer`)"
-            ),
-            Some("model"),
-        ));
-    }
-    Ok(entry)
+/// The model named, if it generates text, and what it generates text with.
+pub(super) fn text_model<'a>(
+    state: &'a AppState,
+    model: &str,
+    id: &str,
+) -> Result<(&'a ModelEntry, &'a Generator), OpenAiError> {
+    super::model_for(state, model, service::Api::Generation, id, Kind::generator)
 }

@@ -11,7 +11,7 @@ use crate::serve::service::Service;
 
 /// How the tokens of `model` (the model that answered) read as bytes.
 pub(super) fn token_bytes(service: &Service, model: &str) -> Option<TokenBytes> {
-    let tokenizer = service.model(model)?.tokenizer.as_ref()?;
+    let tokenizer = service.model(model)?.kind.tokenizer()?;
     Some(TokenBytes::new(std::sync::Arc::clone(tokenizer)))
 }
 

@@ -64,7 +64,7 @@ use super::error::outcome_of_status;
 use super::headers::{request_id, with_request_id};
 use super::state::AppState;
 use crate::serve::lifecycle;
-use crate::serve::service::{ModelEntry, UNKNOWN_MODEL};
+use crate::serve::service::{Api, Kind, ModelEntry, UNKNOWN_MODEL};
 
 /// `GET /v1/models`: the models that generate text (decoders with a tokenizer), those that
 /// embed (sentence-transformers folders, and each tower of a dual encoder such as CLIP), those
@@ -108,8 +108,26 @@ pub async fn model(
 /// reranker, a dual encoder's tower (`/v1/embeddings` takes texts for one, images for the
 /// other) or a speech model.
 fn listed(entry: &ModelEntry) -> bool {
-    let encodes = entry.embedder.is_some() || entry.reranker.is_some();
-    entry.generates_text() || (encodes && entry.tokenizer.is_some()) || entry.tower.is_some() || entry.speech.is_some()
+    entry.kind.serves_openai()
+}
+
+/// The model named, of a kind that answers `api`, with what `parts` reads from its kind: the one
+/// lookup of every endpoint. An unknown model is OpenAI's 404 naming those there are; one of
+/// another kind a 400 naming `model` and saying what the API needs ([`Api::needs`]).
+pub(super) fn model_for<'a, T>(
+    state: &'a AppState,
+    model: &str,
+    api: Api,
+    id: &str,
+    parts: impl FnOnce(&'a Kind) -> Option<T>,
+) -> Result<(&'a ModelEntry, T), OpenAiError> {
+    let service = &state.service;
+    let entry = service
+        .model(model)
+        .ok_or_else(|| OpenAiError::unknown_model(service, model, id))?;
+    let parts = parts(&entry.kind)
+        .ok_or_else(|| OpenAiError::invalid(format!("model `{model}` does not {}", api.needs()), Some("model")))?;
+    Ok((entry, parts))
 }
 
 /// A model as OpenAI's model object describes it.

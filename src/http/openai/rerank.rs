@@ -21,13 +21,15 @@ use super::error::OpenAiError;
 use crate::http::state::AppState;
 use crate::runtime::embedder::text_batch;
 use crate::runtime::leading::{Leading, leading};
-use crate::runtime::reranker::LOGITS;
-use crate::serve::service::ModelEntry;
+use crate::runtime::reranker::{LOGITS, Reranker};
+use crate::serve::service::{Api, Kind};
 
 /// A checked rerank request.
 struct Job {
     /// The model named.
     model: String,
+    /// How it scores a pair.
+    reranker: Reranker,
     /// The documents' texts, in the request's order.
     documents: Vec<String>,
     /// Each pair's tokens, in the documents' order.
@@ -80,11 +82,7 @@ async fn serve(
         },
     )
     .await?;
-    let reranker = state
-        .service
-        .model(&job.model)
-        .and_then(|entry| entry.reranker)
-        .expect("checked by read");
+    let reranker = job.reranker;
     let scores = reranker
         .scores(&logits, job.pairs.len())
         .map_err(|e| OpenAiError::internal(e, id))?;
@@ -113,7 +111,7 @@ async fn serve(
 /// OpenAI's endpoints here do.
 async fn read(state: &AppState, mut body: Value, id: &str) -> Result<Job, OpenAiError> {
     let model = encode::model_named(&body)?;
-    let entry = reranking_model(state, &model, id)?;
+    let (entry, (reranker, tokenizer)) = super::model_for(state, &model, Api::Rerank, id, Kind::reranker)?;
     let query = match body["query"].take() {
         Value::String(query) if !query.is_empty() => query,
         Value::String(_) => return Err(OpenAiError::invalid("`query` is an empty string", Some("query"))),
@@ -151,7 +149,7 @@ async fn read(state: &AppState, mut body: Value, id: &str) -> Result<Job, OpenAi
     // Jina's default; vLLM always sends the documents, llama.cpp never does.
     let return_documents = flag("return_documents", true)?;
     let truncate = flag("truncate", entry.config.auto_truncate)?;
-    let tokenizer = Arc::clone(entry.tokenizer.as_ref().expect("checked by reranking_model"));
+    let tokenizer = Arc::clone(tokenizer);
     let limit = encode::limit(entry, None);
     let (documents, pairs) = encode::blocking(id, move |gone| {
         let pairs = pairs(&tokenizer, &query, &documents, (limit, truncate), gone)?;
@@ -160,29 +158,12 @@ async fn read(state: &AppState, mut body: Value, id: &str) -> Result<Job, OpenAi
     .await?;
     Ok(Job {
         model,
+        reranker,
         documents,
         pairs,
         top_n,
         return_documents,
     })
-}
-
-/// The model named, when it reranks: an unknown one is OpenAI's 404, one that does not rerank a
-/// 400 naming `model`.
-fn reranking_model<'a>(state: &'a AppState, model: &str, id: &str) -> Result<&'a ModelEntry, OpenAiError> {
-    let service = &state.service;
-    let entry = service
-        .model(model)
-        .ok_or_else(|| OpenAiError::unknown_model(service, model, id))?;
-    if entry.reranker.is_none() || entry.tokenizer.is_none() {
-        return Err(OpenAiError::invalid(
-            format!(
-                "model `{model}` does not rerank (it needs a cross-encoder's folder: a config.json of a one-label …ForSequenceClassification)"
-            ),
-            Some("model"),
-        ));
-    }
-    Ok(entry)
 }
 
 /// The texts of `documents`: a non-empty list of strings, or of objects with a string `text`

@@ -46,7 +46,11 @@ fn stats_of(entry: &ModelEntry) -> Value {
     let view = entry.stats.view();
     let totals = |t: Totals| json!({"count": t.count, "ns": t.ns});
     let none = totals(Totals::default());
-    let executions = if entry.decoder.is_some() { 0 } else { view.success.count };
+    let executions = if entry.kind.decoder().is_some() {
+        0
+    } else {
+        view.success.count
+    };
     json!({
         "name": entry.config.name,
         "version": "1",

@@ -337,7 +337,7 @@ impl<'a> Prefilled<'a> {
 /// the default never makes a request that could never run. Admission reserves the KV cache
 /// for all of them, as for any `max_tokens`.
 pub fn new_tokens(service: &Service, entry: &ModelEntry, prompt: u64, generations: u64) -> u32 {
-    let rest = match entry.decoder.as_ref().and_then(|layout| layout.context) {
+    let rest = match entry.kind.decoder().and_then(|layout| layout.context) {
         Some(context) => context.saturating_sub(prompt).max(1),
         None => u64::from(UNKNOWN_CONTEXT_TOKENS),
     };

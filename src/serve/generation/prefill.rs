@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use crate::runtime::decoder::{DecoderLayout, step_inputs};
 use crate::serve::lifecycle::{self, Placement, Refused, Request, RequestError, Served};
-use crate::serve::service::{ModelEntry, Service};
+use crate::serve::service::{Api, ModelEntry, Service};
 
 use super::{Params, Prompt, Source};
 
@@ -34,12 +34,14 @@ pub(super) fn prepare<'a>(
     params: std::borrow::Cow<'a, Params>,
     request: &mut Request,
 ) -> Result<Decoding<'a>, RequestError> {
-    let (Some(layout), Some(tokenizer)) = (&entry.decoder, &entry.tokenizer) else {
+    let (Some(layout), Some(text)) = (entry.kind.decoder(), entry.kind.generator()) else {
         return Err(RequestError::BadInput(format!(
-            "model `{}` does not generate text (it needs a decoder with past key values and `models[].tokenizer`)",
-            entry.config.name
+            "model `{}` does not {}",
+            entry.config.name,
+            Api::Generation.needs()
         )));
     };
+    let tokenizer = &text.tokenizer;
     let prompt_tokens = prompt.tokens.len();
     let max_tokens = match params.max_tokens {
         Some(n) => n,

@@ -142,7 +142,7 @@ pub(super) async fn admit(service: &Service, entry: &ModelEntry, request: &mut R
 /// every other row up to its own ([`crate::pool::batch::sequences::padding_tokens`]). A single run,
 /// or a pool that keeps no caches, joins no batch.
 fn joining(entry: &ModelEntry, request: &Request, pool: &Pool, prompt: u64, mut estimate: Estimate) -> Estimate {
-    let (Some(layout), Some(_)) = (&entry.decoder, request.sequence) else {
+    let (Some(layout), Some(_)) = (entry.kind.decoder(), request.sequence) else {
         return estimate;
     };
     if !pool.keeps_caches() {

@@ -102,7 +102,7 @@ pub(super) fn never_fits(
     dims: &Dims,
 ) -> Option<NeverFits> {
     // A context axis, or a decoder's prompt: what a client could send less of.
-    let can_shrink = entry.config.context.is_some() || entry.decoder.is_some();
+    let can_shrink = entry.config.context.is_some() || entry.kind.decoder().is_some();
     if request.meta.allow_shrink && can_shrink {
         return None;
     }

@@ -6,6 +6,7 @@
 
 mod cpus;
 mod factory;
+mod kind;
 mod models;
 mod observe;
 mod onnxruntime;
@@ -39,6 +40,7 @@ use crate::telemetry::services::ServicesCollector;
 
 pub use crate::serve::metrics::UNKNOWN_MODEL;
 pub use factory::BackendFactory;
+pub use kind::{Api, Generator, Kind};
 pub use models::ModelEntry;
 pub use onnxruntime::OrtFactory;
 pub use parts::Parts;
@@ -199,7 +201,7 @@ impl Service {
             }
         }
         metrics.zero_known(models.iter().map(|m| &m.config), &pools);
-        for entry in models.iter().filter(|m| m.speech.is_some()) {
+        for entry in models.iter().filter(|m| m.kind.speech().is_some()) {
             for pool in pools.iter().filter(|p| p.serves(&entry.config.name)) {
                 metrics.speech.serving(&entry.config.name, pool.name());
             }

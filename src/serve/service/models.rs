@@ -1,13 +1,9 @@
-//! The models a service serves: each one's bytes, signature, memory profile, decoder layout,
-//! tokenizer and chat template, read and checked against its config before any port is bound.
-
-// Long: every kind of model is read and checked here, one `Option` a kind, until each kind has a
-// home of its own (the model-kinds issue, next); splitting this file before then would cut one
-// concept, loading a model, in two.
+//! The models a service serves: each one's bytes, signature, memory profile and [`Kind`], read
+//! and checked against its config before any port is bound.
 use std::path::Path;
 use std::sync::Arc;
 
-use crate::config::{Config, ConfigError, ModelConfig, TokenizerSource};
+use crate::config::{Config, ConfigError, ModelConfig};
 use crate::core::model::{BuiltinModel, ModelBytes, ModelData, ModelSource};
 use crate::core::snapshot::Estimate;
 use crate::core::tensor::Tensor;
@@ -23,6 +19,7 @@ use crate::runtime::tower::Tower;
 use crate::telemetry::inference_stats::InferenceStats;
 
 use super::BackendFactory;
+use super::kind::{Found, Invalid, Kind, chat_template, kind_of, tokenizer_of};
 
 /// A model with its signature and memory profile.
 #[derive(Debug, Clone)]
@@ -40,42 +37,24 @@ pub struct ModelEntry {
     /// The ONNX bytes and the folder of their external data, read once and shared by every
     /// pool's sessions.
     pub bytes: ModelBytes,
-    /// Its KV-cache layout, when it is a decoder with past key values.
-    pub decoder: Option<DecoderLayout>,
-    /// Its tokenizer, when it is a decoder that serves text generation or an embedder.
-    pub tokenizer: Option<Arc<tokenizers::Tokenizer>>,
-    /// Its chat template, when it serves `/v1/chat/completions`.
-    pub chat: Option<Arc<crate::runtime::chat::ChatTemplate>>,
-    /// Its grammar compiler for structured outputs, when it has a tokenizer.
-    pub grammars: Option<Arc<crate::runtime::grammar::Grammars>>,
     /// What its folder says beside its graph: the token ids that end its answers (when it
     /// names none, the end tokens its tokenizer has by name do) and its sampling defaults.
     pub folder: ModelFolder,
-    /// How it embeds, when its folder is a sentence-transformers one (`modules.json` with a
-    /// Pooling module): it then serves `/v1/embeddings`.
-    pub embedder: Option<Embedder>,
-    /// How it scores a query and a document, when its folder is a cross-encoder's (one-label
-    /// sequence classification): it then serves `/v1/rerank`.
-    pub reranker: Option<Reranker>,
-    /// Which tower of a dual encoder (CLIP, SigLIP) it is, when its graph gives `text_embeds`
-    /// or `image_embeds`: it then serves `/v1/embeddings` for texts or images.
-    pub tower: Option<Tower>,
-    /// Its Whisper folder and front end, when its graph is a Whisper encoder with its folder:
-    /// it then serves `/v1/audio/transcriptions` and `/v1/audio/translations`.
-    pub speech: Option<Arc<crate::runtime::speech::SpeechModel>>,
+    /// What it is, and what its kind needs beside its graph: found once, when it loads.
+    pub kind: Kind,
 }
 
 impl ModelEntry {
     /// Whether it serves text generation: a decoder with past key values and a tokenizer.
     pub fn generates_text(&self) -> bool {
-        self.decoder.is_some() && self.tokenizer.is_some()
+        self.kind.generator().is_some()
     }
 
     /// Its smallest valid input: a decoder's first step of one token with an empty cache; the
     /// smallest size measured at start-up; else 1 along every dynamic axis. Health checks run
     /// it, and so does an idle pool giving its arena's memory back.
     pub fn probe_inputs(&self) -> Result<Vec<Tensor>, String> {
-        if let Some(layout) = &self.decoder {
+        if let Some(layout) = self.kind.decoder() {
             return Ok(crate::runtime::decoder::step_inputs(layout, &[0], 0, Vec::new()));
         }
         let dims = match &self.profile.source {
@@ -171,7 +150,8 @@ fn check_images(entry: &ModelEntry, entries: &[ModelEntry]) -> Result<(), String
         .iter()
         .find(|e| &e.config.name == name)
         .expect("validated: `images` names a model");
-    let (Some(text @ Tower::Text { .. }), Some(image @ Tower::Image(..))) = (&entry.tower, &vision.tower) else {
+    let (Some(text @ Tower::Text { .. }), Some(image @ Tower::Image(..))) = (entry.kind.tower(), vision.kind.tower())
+    else {
         return Err(format!(
             "`{}` must be a dual encoder's text tower (its graph gives `text_embeds`) and `{name}` its vision tower (`image_embeds`, with a preprocessor_config.json)",
             entry.config.name
@@ -196,9 +176,6 @@ fn with_cache_hints(bytes: ModelBytes, folder: &ModelFolder) -> Result<(ModelByt
     let graph = facts::with_metadata(bytes.data().graph.to_vec(), &hints.to_metadata());
     Ok((bytes.with_graph(graph), hints))
 }
-
-/// A model that failed to load: the key under its `models[]` entry that is wrong, and why.
-type Invalid = (&'static str, String);
 
 /// Read model `m` (its graph, and the external data files it names, each checked; a builtin
 /// folder written into `builtin_home`) and check it against its config.
@@ -291,10 +268,13 @@ fn load_model(backends: &dyn BackendFactory, m: &ModelConfig, builtin_home: &Pat
     }
     let tokenizer = tokenizer_of(m, decoder, reads_text, bytes.data().folder)?;
     let chat = chat_template(m).map_err(|e| ("chat_template", e))?;
-    let grammars = tokenizer.as_ref().filter(|_| decoder.is_some()).map(|tokenizer| {
-        let eos = folder.end_tokens(tokenizer);
-        Arc::new(crate::runtime::grammar::Grammars::new(Arc::clone(tokenizer), eos))
-    });
+    let found = [
+        embedder.map(Found::Embedder),
+        reranker.map(Found::Reranker),
+        tower.map(Found::Tower),
+        speech.map(Found::Speech),
+    ];
+    let kind = kind_of(m, &folder, decoder, (tokenizer, chat), found)?;
     Ok(ModelEntry {
         config: m.clone(),
         signature,
@@ -302,15 +282,8 @@ fn load_model(backends: &dyn BackendFactory, m: &ModelConfig, builtin_home: &Pat
         stats: Arc::default(),
         profile,
         bytes,
-        decoder,
-        tokenizer,
-        chat,
-        grammars,
         folder,
-        embedder,
-        reranker,
-        tower,
-        speech,
+        kind,
     })
 }
 
@@ -556,88 +529,6 @@ fn profile_of(
         ),
     }
     profile
-}
-
-/// Model `m`'s tokenizer: the configured one, for a decoder with past key values, an embedder
-/// or a cross-encoder (which `embeds` covers: models that encode text); the folder's
-/// `tokenizer.json` for the last two when none is configured. Their tokenizer neither truncates
-/// nor pads as its file may say: a request too long is refused or cut as the client asks, and a
-/// batch is padded to its longest.
-fn tokenizer_of(
-    m: &ModelConfig,
-    decoder: Option<DecoderLayout>,
-    embeds: bool,
-    dir: Option<&std::path::Path>,
-) -> Result<Option<Arc<tokenizers::Tokenizer>>, Invalid> {
-    let beside = dir.map(|d| TokenizerSource::File(d.join("tokenizer.json")));
-    let source = match (&m.tokenizer, decoder, embeds) {
-        (None, _, false) => return Ok(None),
-        (Some(_), None, false) => {
-            return Err((
-                "tokenizer",
-                format!(
-                    "`{}` is not a decoder with past key values (inputs `input_ids`, `attention_mask`, `past_key_values.N.key/value`), a sentence-transformers folder (`modules.json`) nor a cross-encoder's (`config.json` of a one-label sequence classifier), so it cannot use a tokenizer",
-                    m.source
-                ),
-            ));
-        }
-        (Some(source), _, _) => source,
-        (None, _, true) => beside.as_ref().ok_or_else(|| {
-            (
-                "tokenizer",
-                format!(
-                    "`{}` embeds or reranks but has no folder to find `tokenizer.json` in; set `tokenizer`",
-                    m.source
-                ),
-            )
-        })?,
-    };
-    let mut tokenizer = match source {
-        TokenizerSource::Builtin(model) => {
-            tokenizers::Tokenizer::from_bytes(model.tokenizer().expect("validated: it ships a tokenizer"))
-        }
-        TokenizerSource::File(path) => tokenizers::Tokenizer::from_file(path),
-    }
-    .map_err(|e| ("tokenizer", format!("cannot read `{source}`: {e}")))?;
-    if embeds {
-        tokenizer
-            .with_truncation(None)
-            .map_err(|e| ("tokenizer", format!("`{source}`: {e}")))?
-            .with_padding(None);
-    }
-    Ok(Some(Arc::new(tokenizer)))
-}
-
-/// The chat template of model `m`: the configured one, else the `chat_template.jinja` or the
-/// `chat_template` of the `tokenizer_config.json` beside its tokenizer (how Hugging Face ships
-/// models), else none.
-fn chat_template(m: &ModelConfig) -> Result<Option<Arc<crate::runtime::chat::ChatTemplate>>, String> {
-    use crate::runtime::chat::ChatTemplate;
-    let Some(tokenizer) = &m.tokenizer else {
-        return Ok(None);
-    };
-    let template = match &m.chat_template {
-        Some(source) => Some(ChatTemplate::load(source)?),
-        None => match tokenizer
-            .file()
-            .map(|file| file.with_file_name("tokenizer_config.json"))
-        {
-            Some(beside) => match std::fs::read_to_string(&beside) {
-                Ok(text) => {
-                    let jinja = beside.with_file_name("chat_template.jinja");
-                    let jinja_name = jinja.display().to_string();
-                    let separate = std::fs::read_to_string(&jinja).ok().map(|t| (t, jinja_name.as_str()));
-                    ChatTemplate::from_tokenizer_files(&text, &beside.display().to_string(), separate)?
-                }
-                Err(_) => None,
-            },
-            None => None,
-        },
-    };
-    if let Some(t) = &template {
-        tracing::info!(model = %m.name, template = %t.origin, "chat template");
-    }
-    Ok(template.map(Arc::new))
 }
 
 #[cfg(test)]

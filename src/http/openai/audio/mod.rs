@@ -26,7 +26,7 @@ use crate::http::state::AppState;
 use crate::pool::Pool;
 use crate::runtime::speech::Task;
 use crate::serve::lifecycle;
-use crate::serve::service::UNKNOWN_MODEL;
+use crate::serve::service::{Api, Kind, UNKNOWN_MODEL};
 use crate::serve::speech::{self, Params};
 use request::AudioRequest;
 
@@ -134,18 +134,7 @@ async fn check(
     received: Instant,
 ) -> Result<Checked, OpenAiError> {
     let service = &state.service;
-    let entry = service
-        .model(&request.model)
-        .ok_or_else(|| OpenAiError::unknown_model(service, &request.model, id))?;
-    let Some(speech) = entry.speech.as_deref() else {
-        return Err(OpenAiError::invalid(
-            format!(
-                "model `{}` is not a speech model (a Whisper export: its encoder_model.onnx with the folder Optimum writes)",
-                request.model
-            ),
-            Some("model"),
-        ));
-    };
+    let (_, speech) = super::model_for(state, &request.model, Api::Transcription, id, Kind::speech)?;
     let whisper = &speech.whisper;
     if let Some(language) = &request.language {
         whisper
@@ -309,7 +298,7 @@ async fn streamed(state: Arc<AppState>, checked: Checked, id: String) -> Respons
 /// The sample rate of `model`'s front end (a checked speech model).
 fn rate_of(state: &AppState, model: &str) -> u32 {
     let entry = state.service.model(model).expect("checked");
-    entry.speech.as_deref().expect("a speech model").whisper.mel.rate
+    entry.kind.speech().expect("checked: a speech model").whisper.mel.rate
 }
 
 /// A stream's events past its headers, which went out with its first window. What they could
