@@ -8,7 +8,8 @@
 //! tokens out.
 //!
 //! Windows are cut as `transformers`' `generate` cuts them: features of the whole audio (of
-//! audio of 30 s or less, padded to 30 s), a window at each seek, the seek moved on by what the
+//! audio of 30 s or less, padded to 30 s; computed a window at a time,
+//! [`crate::runtime::audio::mel::LogMel::window_long`]), a window at each seek, the seek moved on by what the
 //! window's timestamps consumed, so a segment cut off at a window's end is decoded again whole
 //! in the next ([`crate::runtime::speech::window_segments`]), timestamps asked or not: a window
 //! decoded without them that writes pairs of them all the same is cut there too.
@@ -33,7 +34,7 @@ use crate::core::tensor::{Tensor, TensorData};
 use crate::pool::Pool;
 use crate::pool::activity::Progress;
 use crate::runtime::speech::{
-    Segment, SpeechModel, Task, Transcript, Whisper, WindowSegment, frames_at, seconds_at, window, window_segments,
+    Segment, SpeechModel, Task, Transcript, Whisper, WindowSegment, frames_at, seconds_at, window_segments,
 };
 use crate::serve::batching::{Batchers, Series};
 use crate::serve::lifecycle::{self, Refused, Request, RequestError};
@@ -144,10 +145,13 @@ async fn windows(
     let config = whisper.mel;
     let window_frames = config.frames();
     let long = samples.len() > config.window_samples();
-    // Computing the features is a few milliseconds of CPU per window: off the async threads.
-    let features = {
+    // The features are computed a window at a time, under the whole audio's maximum (a pass
+    // over it first): the whole audio's would be half as large again as its samples. A few
+    // milliseconds of CPU per window, a second or two for the pass over two hours: off the
+    // async threads.
+    let loudest = {
         let (mel, samples) = (Arc::clone(&speech.mel), Arc::clone(&samples));
-        tokio::task::spawn_blocking(move || mel.features_long(&samples))
+        tokio::task::spawn_blocking(move || mel.loudest(&samples))
             .await
             .expect("computing features does not panic")
     };
@@ -164,7 +168,12 @@ async fn windows(
     let (mut retried, mut ran_on) = (None, Vec::<Arc<Pool>>::new());
     while seek < total {
         let frames = frames_at(total, seek, window_frames as u64);
-        let input = window(&features, config.bins, seek, window_frames);
+        let input = {
+            let (mel, samples) = (Arc::clone(&speech.mel), Arc::clone(&samples));
+            tokio::task::spawn_blocking(move || mel.window_long(&samples, loudest, seek as usize))
+                .await
+                .expect("computing features does not panic")
+        };
         // The language was checked when the request was read.
         // The client's prompt conditions the first window only (`transformers`' default
         // `prompt_condition_type`, "first-segment").
