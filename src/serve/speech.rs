@@ -8,7 +8,8 @@
 //! tokens out.
 //!
 //! Windows are cut as `transformers`' `generate` cuts them: features of the whole audio (of
-//! audio of 30 s or less, padded to 30 s), a window at each seek, the seek moved on by what the
+//! audio of 30 s or less, padded to 30 s; computed a window at a time,
+//! [`crate::runtime::audio::mel::LogMel::window_long`]), a window at each seek, the seek moved on by what the
 //! window's timestamps consumed, so a segment cut off at a window's end is decoded again whole
 //! in the next ([`crate::runtime::speech::window_segments`]), timestamps asked or not: a window
 //! decoded without them that writes pairs of them all the same is cut there too.
@@ -32,8 +33,9 @@ use crate::core::snapshot::Action;
 use crate::core::tensor::{Tensor, TensorData};
 use crate::pool::Pool;
 use crate::pool::activity::Progress;
+use crate::runtime::audio::mel::LogMel;
 use crate::runtime::speech::{
-    Segment, SpeechModel, Task, Transcript, Whisper, WindowSegment, frames_at, seconds_at, window, window_segments,
+    Segment, SpeechModel, Task, Transcript, Whisper, WindowSegment, frames_at, seconds_at, window_segments,
 };
 use crate::serve::batching::{Batchers, Series};
 use crate::serve::lifecycle::{self, Refused, Request, RequestError};
@@ -148,13 +150,9 @@ async fn windows(
     let config = whisper.mel;
     let window_frames = config.frames();
     let long = samples.len() > config.window_samples();
-    // Computing the features is a few milliseconds of CPU per window: off the async threads.
-    let features = {
-        let (mel, samples) = (Arc::clone(&speech.mel), Arc::clone(&samples));
-        tokio::task::spawn_blocking(move || mel.features_long(&samples))
-            .await
-            .expect("computing features does not panic")
-    };
+    // The features are computed a window at a time, under the whole audio's maximum (a pass
+    // over it first): the whole audio's would be half as large again as its samples.
+    let loudest = front_end(speech, &samples, |mel, samples| mel.loudest(samples)).await;
     let total = speech.mel.frames_long(samples.len()) as u64;
     let duration = samples.len() as f64 / f64::from(config.rate);
     // Long audio is always decoded with timestamps: they say where the next window starts.
@@ -168,7 +166,10 @@ async fn windows(
     let (mut retried, mut ran_on) = (None, Vec::<Arc<Pool>>::new());
     while seek < total {
         let frames = frames_at(total, seek, window_frames as u64);
-        let input = window(&features, config.bins, seek, window_frames);
+        let input = front_end(speech, &samples, move |mel, samples| {
+            mel.window_long(samples, loudest, seek as usize)
+        })
+        .await;
         // The language was checked when the request was read.
         // The client's prompt conditions the first window only (`transformers`' default
         // `prompt_condition_type`, "first-segment").
@@ -247,6 +248,19 @@ async fn windows(
         retried,
         ran_on,
     })
+}
+
+/// `work` on `speech`'s log-mel front end and `samples`, off the async threads: a few
+/// milliseconds of CPU per window, a second or two for a pass over two hours.
+async fn front_end<T: Send + 'static>(
+    speech: &SpeechModel,
+    samples: &Arc<Vec<f32>>,
+    work: impl FnOnce(&LogMel, &[f32]) -> T + Send + 'static,
+) -> T {
+    let (mel, samples) = (Arc::clone(&speech.mel), Arc::clone(samples));
+    tokio::task::spawn_blocking(move || work(&mel, &samples))
+        .await
+        .expect("computing features does not panic")
 }
 
 /// Window `index`'s run: its features and prompt as the window job takes them (one row).

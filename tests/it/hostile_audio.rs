@@ -3,23 +3,35 @@
 //! closed with no answer), and WAVs stating rates whose prime factors made the FFT resampler
 //! take gigabytes (4,294,967,295 Hz grew the server past 6 GB with no answer). Each is a 400
 //! naming the rate, the server's peak memory hardly moves, and it serves the next request. A
-//! WebM whose time-code scale is 0 (Symphonia's Matroska reader panics on it) is a 400 too.
+//! WebM whose time-code scale is 0 (Symphonia's Matroska reader panics on it) is a 400 too. And
+//! a long file, whose transcription held its features whole and f64 copies of its samples
+//! besides (a two-hour file peaked at 2.4 GB), holds its samples and a window's features.
 
 use reqwest::StatusCode;
 use serde_json::Value;
 
 use crate::common::TestServer;
-use crate::transcriptions::{clip, cpu_server_yaml, send};
+use crate::transcriptions::{clip, cpu_server_yaml, form, send, sentences};
 
 const PATH: &str = "/v1/audio/transcriptions";
 const MIB: u64 = 1 << 20;
 
-/// The most this process has held resident (`VmHWM`): the test runs in a process of its own, so
-/// it is the server's peak.
-fn peak_resident() -> u64 {
+/// The resident memory of this process now, and the most it has held (since it started, or
+/// since [`reset_peak`]): `VmRSS` and `VmHWM`. The test runs in a process of its own, so
+/// they are the server's.
+fn resident() -> (u64, u64) {
     let status = std::fs::read_to_string("/proc/self/status").unwrap();
-    let line = status.lines().find(|l| l.starts_with("VmHWM:")).unwrap();
-    line.split_whitespace().nth(1).unwrap().parse::<u64>().unwrap() * 1024
+    let kib = |key: &str| {
+        let line = status.lines().find(|l| l.starts_with(key)).unwrap();
+        line.split_whitespace().nth(1).unwrap().parse::<u64>().unwrap() * 1024
+    };
+    (kib("VmRSS:"), kib("VmHWM:"))
+}
+
+/// Start this process' peak over from what it holds now (`clear_refs` 5): what the test made
+/// and let go of before is not in the peak measured after.
+fn reset_peak() {
+    std::fs::write("/proc/self/clear_refs", "5").unwrap();
 }
 
 /// A second of 16-bit mono silence (32 KB) whose `fmt` chunk states `rate`.
@@ -39,7 +51,7 @@ async fn a_wav_stating_a_rate_outside_the_served_range_is_a_400_naming_it() {
     // One transcription first: the model's sessions are part of the baseline.
     let (status, _, body) = send(&server, PATH, &model, clip("gpu-16k.wav")).await;
     assert_eq!(status, StatusCode::OK, "{body}");
-    let before = peak_resident();
+    let before = resident().1;
     for rate in [0, 4_294_967_295, 2_147_483_649, 4_294_967_291, 16_777_259] {
         let (status, _, body) = send(&server, PATH, &model, ("lies.wav", claiming(rate))).await;
         assert_eq!(status, StatusCode::BAD_REQUEST, "{rate} Hz: {body}");
@@ -53,7 +65,7 @@ async fn a_wav_stating_a_rate_outside_the_served_range_is_a_400_naming_it() {
     }
     // 16,777,259 Hz alone cost 1.9 GB; refused from the header, all of them cost nothing
     // measurable (a few MiB of noise from the test's own allocations).
-    let grown = peak_resident().saturating_sub(before);
+    let grown = resident().1.saturating_sub(before);
     assert!(grown < 128 * MIB, "the peak grew by {} MiB", grown / MIB);
     let mut webm = clip("gpu.webm").1;
     let scale = webm.windows(4).position(|w| w == [0x2a, 0xd7, 0xb1, 0x83]).unwrap() + 4;
@@ -63,5 +75,44 @@ async fn a_wav_stating_a_rate_outside_the_served_range_is_a_400_naming_it() {
     assert!(body.contains("the audio could not be decoded"), "{body}");
     let (status, _, body) = send(&server, PATH, &model, clip("gpu.webm")).await;
     assert_eq!(status, StatusCode::OK, "the server still serves: {body}");
+    server.stop().await;
+}
+
+#[tokio::test]
+async fn a_long_transcription_holds_its_samples_and_a_window_not_the_whole_audios_features() {
+    if crate::common::ran_in_own_process() {
+        return;
+    }
+    let server = TestServer::start(&cpu_server_yaml()).await;
+    let fields = [("model", "whisper"), ("language", "en"), ("stream", "true")];
+    let (status, _, body) = send(&server, PATH, &fields[..2], clip("gpu-16k.wav")).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    // 13 minutes, the longest 16 kHz WAV under the 25 MiB limit: 48 MiB of samples.
+    let file = vramguard::runtime::audio::wav(&sentences(13 * 60), 16_000, 1);
+    let (content_type, body) = form(&fields, ("long.wav", file));
+    reset_peak();
+    let (before, _) = resident();
+    let mut response = reqwest::Client::new()
+        .post(server.url(PATH))
+        .header("content-type", content_type)
+        .body(body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+    // The features of every window come from the samples the same way: the memory is taken
+    // by the time the second window is out (the whole transcription takes minutes in a debug
+    // build; its windows hold nothing more).
+    let mut events = String::new();
+    while events.matches("transcript.text.delta").count() < 2 {
+        let chunk = response.chunk().await.unwrap().expect("the stream goes on");
+        events.push_str(std::str::from_utf8(&chunk).unwrap());
+    }
+    drop(response);
+    // Its samples (48 MiB) and its file (24 MiB) are held while it is transcribed; the whole
+    // audio's features and the f64 copies of its samples they were computed from grew the
+    // peak by 254 MiB (136 MiB with the features computed a window at a time).
+    let grown = resident().1.saturating_sub(before);
+    assert!(grown < 192 * MIB, "the peak grew by {} MiB", grown / MIB);
     server.stop().await;
 }

@@ -313,19 +313,26 @@ fn pcm(name: &str) -> Vec<i16> {
         .collect()
 }
 
-#[tokio::test]
-async fn a_long_file_is_decoded_in_windows_and_counted_as_one_request() {
-    let server = TestServer::start(&cpu_server_yaml()).await;
-    // 75 s: the two sentences again and again with a second of silence between them.
+/// `seconds` of 16 kHz speech: the fixture's two sentences again and again, a second of
+/// silence after each.
+pub(crate) fn sentences(seconds: usize) -> Vec<i16> {
     let (gpu, memory) = (pcm("gpu-16k.wav"), pcm("memory-16k.wav"));
-    let mut samples = Vec::new();
-    while samples.len() < 75 * 16_000 {
+    let length = seconds * 16_000;
+    let mut samples = Vec::with_capacity(length);
+    while samples.len() < length {
         for clip in [&gpu, &memory] {
             samples.extend(clip.iter());
             samples.extend(std::iter::repeat_n(0i16, 16_000));
         }
     }
-    samples.truncate(75 * 16_000);
+    samples.truncate(length);
+    samples
+}
+
+#[tokio::test]
+async fn a_long_file_is_decoded_in_windows_and_counted_as_one_request() {
+    let server = TestServer::start(&cpu_server_yaml()).await;
+    let samples = sentences(75);
     let fields = [
         ("model", "whisper"),
         ("language", "en"),

@@ -4,6 +4,12 @@
 //! edges, the power spectrum through a Slaney-normalized mel filter bank on the Slaney mel scale,
 //! `log10` floored at 1e-10, the last frame dropped, everything below the window's maximum less
 //! 8 raised to it, and the result scaled by `(x + 4) / 4`. In f64 throughout, as numpy does.
+//!
+//! Audio longer than a window is decoded a window at a time from its long-form features (the
+//! whole audio's, clamped at its maximum): that maximum is found in one pass over the audio
+//! ([`LogMel::loudest`]), then each window's features are computed from its own samples
+//! ([`LogMel::window_long`]), the same values as cut from the whole, so two hours of audio
+//! never have their features (230 MB) or an f64 copy of their samples held at once.
 
 use std::sync::Arc;
 
@@ -106,78 +112,165 @@ impl LogMel {
     }
 
     /// The features of one window of mono `samples` at the configured rate: `[bins, frames]`
-    /// row-major, the samples padded with zeros (or cut) to the window's length first.
+    /// row-major, the samples padded with zeros (or cut) to the window's length first, and
+    /// clamped at the window's own maximum.
     pub fn features(&self, samples: &[f32]) -> Vec<f32> {
-        self.features_of(samples, self.config.window_samples())
-    }
-
-    /// The features of the whole of `samples`, as the extractor gives them for long-form
-    /// decoding (`padding="longest", truncation=False`): `[bins, samples / hop]` row-major,
-    /// nothing padded or cut, everything below the maximum of the whole audio less 8 raised
-    /// to it. Audio of no more than one window gets [`features`](Self::features)' window, as
-    /// its decoding takes one padded window.
-    pub fn features_long(&self, samples: &[f32]) -> Vec<f32> {
-        if samples.len() <= self.config.window_samples() {
-            return self.features(samples);
-        }
-        self.features_of(samples, samples.len())
-    }
-
-    /// The frames [`features_long`](Self::features_long) gives for `samples` samples.
-    pub fn frames_long(&self, samples: usize) -> usize {
-        samples.max(self.config.window_samples()) / self.config.hop
-    }
-
-    /// The features of `samples` padded with zeros (or cut) to `length`: `length / hop`
-    /// frames (the centred transform's last frame dropped, as the extractor drops it).
-    fn features_of(&self, samples: &[f32], length: usize) -> Vec<f32> {
-        let MelConfig { bins, n_fft, hop, .. } = self.config;
-        let frames = length / hop;
-        let padded = reflect_padded(samples, length, n_fft / 2);
-        let mut input = self.fft.make_input_vec();
-        let mut spectrum: Vec<Complex<f64>> = self.fft.make_output_vec();
-        let mut scratch = self.fft.make_scratch_vec();
-        let mut power = vec![0.0f64; spectrum.len()];
-        let mut log = vec![0.0f64; bins * frames];
-        for frame in 0..frames {
-            let start = frame * hop;
-            for (slot, (x, w)) in input
-                .iter_mut()
-                .zip(padded[start..start + n_fft].iter().zip(&self.window))
-            {
-                *slot = x * w;
-            }
-            self.fft
-                .process_with_scratch(&mut input, &mut spectrum, &mut scratch)
-                .expect("buffers made by the plan");
-            for (p, c) in power.iter_mut().zip(&spectrum) {
-                *p = c.norm_sqr();
-            }
-            for (band, filter) in self.bands.iter().enumerate() {
-                let energy: f64 = filter
-                    .weights
-                    .iter()
-                    .zip(&power[filter.first..])
-                    .map(|(w, p)| w * p)
-                    .sum();
-                log[band * frames + frame] = energy.max(MEL_FLOOR).log10();
-            }
-        }
+        let log = self.log_window(samples, self.config.window_samples(), 0);
         let top = log.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-        log.iter().map(|&v| ((v.max(top - 8.0) + 4.0) / 4.0) as f32).collect()
+        log.iter().map(|&v| clamp(v, top)).collect()
+    }
+
+    /// The loudest log-mel value of the long-form features of `samples` (as the extractor
+    /// gives them for long-form decoding, `padding="longest", truncation=False`: audio of no
+    /// more than one window padded to one): what every window of
+    /// [`window_long`](Self::window_long) is clamped by. A pass over the whole audio, a frame
+    /// at a time, holding nothing but the frame.
+    pub fn loudest(&self, samples: &[f32]) -> Loudest {
+        let length = self.length_long(samples.len());
+        let mut stft = Stft::new(self, samples, length);
+        let top = (0..length / self.config.hop)
+            .map(|frame| stft.frame(frame).iter().copied().fold(f64::NEG_INFINITY, f64::max))
+            .fold(f64::NEG_INFINITY, f64::max);
+        Loudest(top)
+    }
+
+    /// The window at frame `seek` of the long-form features of `samples`: `[bins, frames()]`
+    /// row-major, everything below `loudest` (of [`loudest`](Self::loudest)) less 8 raised to
+    /// it, the frames past the audio's end zeros (as `transformers`' `_get_input_segment`
+    /// pads a window). The same values as cutting the features of the whole audio, computed
+    /// from the window's samples alone, so no transcription holds more than a window of them.
+    pub fn window_long(&self, samples: &[f32], loudest: Loudest, seek: usize) -> Vec<f32> {
+        let length = self.length_long(samples.len());
+        let frames = self.config.frames();
+        let log = self.log_window(samples, length, seek);
+        // A row's frames past the audio's are zeros.
+        let taken = (length / self.config.hop).saturating_sub(seek).min(frames);
+        log.chunks(frames)
+            .flat_map(|row| {
+                let (audio, past) = row.split_at(taken);
+                audio
+                    .iter()
+                    .map(|&v| clamp(v, loudest.0))
+                    .chain(past.iter().map(|_| 0.0))
+            })
+            .collect()
+    }
+
+    /// The frames the long-form features of `samples` samples have (at least a window's).
+    pub fn frames_long(&self, samples: usize) -> usize {
+        self.length_long(samples) / self.config.hop
+    }
+
+    /// The length the long-form features pad `samples` samples to: a window at least.
+    fn length_long(&self, samples: usize) -> usize {
+        samples.max(self.config.window_samples())
+    }
+
+    /// The `log10` mel energies of the window of frames from `seek` of `samples` padded with
+    /// zeros (or cut) to `length`: `[bins, frames()]` row-major, of which the frames up to the
+    /// features' last (`length / hop`, the centred transform's last frame dropped, as the
+    /// extractor drops it) are computed.
+    fn log_window(&self, samples: &[f32], length: usize, seek: usize) -> Vec<f64> {
+        let frames = self.config.frames();
+        let mut log = vec![0.0; self.config.bins * frames];
+        let mut stft = Stft::new(self, samples, length);
+        for (at, frame) in (seek..(length / self.config.hop).min(seek + frames)).enumerate() {
+            for (band, &value) in stft.frame(frame).iter().enumerate() {
+                log[band * frames + at] = value;
+            }
+        }
+        log
     }
 }
 
-/// `samples` padded with zeros or cut to `length`, then with `edge` samples reflected at each
-/// end (numpy's `pad(mode="reflect")`, the edge sample itself not repeated), in f64.
-fn reflect_padded(samples: &[f32], length: usize, edge: usize) -> Vec<f64> {
-    let mut body: Vec<f64> = samples.iter().take(length).map(|&s| f64::from(s)).collect();
-    body.resize(length, 0.0);
-    let mut out = Vec::with_capacity(length + 2 * edge);
-    out.extend((1..=edge).rev().map(|i| body[i]));
-    out.extend_from_slice(&body);
-    out.extend((1..=edge).map(|i| body[length - 1 - i]));
-    out
+/// The largest log-mel value of an audio's long-form features, which all of its windows are
+/// clamped by ([`LogMel::loudest`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Loudest(f64);
+
+impl Loudest {
+    /// The largest feature the audio's windows hold (its log-mel value scaled as every feature
+    /// is), as the extractor's features of the whole audio have it.
+    pub fn feature(self) -> f32 {
+        clamp(self.0, self.0)
+    }
+}
+
+/// A `log10` energy as a feature: raised to `top` less 8 when below it, scaled by
+/// `(x + 4) / 4`.
+fn clamp(log: f64, top: f64) -> f32 {
+    ((log.max(top - 8.0) + 4.0) / 4.0) as f32
+}
+
+/// The short-time Fourier transform of one audio, a frame at a time: its buffers made once,
+/// each frame's samples read where they lie (the reflected edges by index), so no copy of the
+/// audio is made.
+struct Stft<'a> {
+    mel: &'a LogMel,
+    samples: &'a [f32],
+    length: usize,
+    input: Vec<f64>,
+    spectrum: Vec<Complex<f64>>,
+    scratch: Vec<Complex<f64>>,
+    power: Vec<f64>,
+    log: Vec<f64>,
+}
+
+impl<'a> Stft<'a> {
+    /// The transform of `samples` padded with zeros (or cut) to `length`.
+    fn new(mel: &'a LogMel, samples: &'a [f32], length: usize) -> Stft<'a> {
+        let spectrum = mel.fft.make_output_vec();
+        Stft {
+            mel,
+            samples,
+            length,
+            input: mel.fft.make_input_vec(),
+            power: vec![0.0; spectrum.len()],
+            spectrum,
+            scratch: mel.fft.make_scratch_vec(),
+            log: vec![0.0; mel.config.bins],
+        }
+    }
+
+    /// The `log10` energy (floored) of each mel band in `frame`, centred at `frame * hop`.
+    fn frame(&mut self, frame: usize) -> &[f64] {
+        let MelConfig { n_fft, hop, .. } = self.mel.config;
+        let start = frame * hop;
+        for (i, (slot, w)) in self.input.iter_mut().zip(&self.mel.window).enumerate() {
+            *slot = reflected(self.samples, self.length, n_fft / 2, start + i) * w;
+        }
+        self.mel
+            .fft
+            .process_with_scratch(&mut self.input, &mut self.spectrum, &mut self.scratch)
+            .expect("buffers made by the plan");
+        for (p, c) in self.power.iter_mut().zip(&self.spectrum) {
+            *p = c.norm_sqr();
+        }
+        for (slot, filter) in self.log.iter_mut().zip(&self.mel.bands) {
+            let energy: f64 = filter
+                .weights
+                .iter()
+                .zip(&self.power[filter.first..])
+                .map(|(w, p)| w * p)
+                .sum();
+            *slot = energy.max(MEL_FLOOR).log10();
+        }
+        &self.log
+    }
+}
+
+/// Sample `at` of `samples` padded with zeros or cut to `length`, then with `edge` samples
+/// reflected at each end (numpy's `pad(mode="reflect")`, the edge sample itself not
+/// repeated), in f64.
+fn reflected(samples: &[f32], length: usize, edge: usize, at: usize) -> f64 {
+    let i = if at < edge {
+        edge - at
+    } else if at < edge + length {
+        at - edge
+    } else {
+        2 * length + edge - 2 - at
+    };
+    samples.get(i).map_or(0.0, |&s| f64::from(s))
 }
 
 /// Hz to mels on the Slaney scale: linear below 1 kHz, logarithmic above.
@@ -253,9 +346,16 @@ mod tests {
 
     #[test]
     fn reflection_leaves_the_edge_sample_out_and_pads_with_zeros_first() {
-        let padded = reflect_padded(&[1.0, 2.0, 3.0], 5, 2);
-        assert_eq!(padded, [3.0, 2.0, 1.0, 2.0, 3.0, 0.0, 0.0, 0.0, 3.0]);
-        assert_eq!(reflect_padded(&[1.0, 2.0, 3.0, 4.0], 3, 1), [2.0, 1.0, 2.0, 3.0, 2.0]);
+        let read = |samples: &[f32], length: usize, edge: usize| -> Vec<f64> {
+            (0..length + 2 * edge)
+                .map(|at| reflected(samples, length, edge, at))
+                .collect()
+        };
+        assert_eq!(
+            read(&[1.0, 2.0, 3.0], 5, 2),
+            [3.0, 2.0, 1.0, 2.0, 3.0, 0.0, 0.0, 0.0, 3.0]
+        );
+        assert_eq!(read(&[1.0, 2.0, 3.0, 4.0], 3, 1), [2.0, 1.0, 2.0, 3.0, 2.0]);
     }
 
     #[test]
@@ -282,11 +382,11 @@ mod tests {
     }
 
     #[test]
-    fn long_features_cover_the_whole_audio_under_one_clamp() {
+    fn long_windows_are_cut_from_the_whole_audio_under_one_clamp() {
         let mel = LogMel::new(MelConfig::WHISPER).unwrap();
         let short: Vec<f32> = (0..16_000).map(|i| ((i % 50) as f32 / 50.0) - 0.5).collect();
         assert_eq!(
-            mel.features_long(&short),
+            mel.window_long(&short, mel.loudest(&short), 0),
             mel.features(&short),
             "one window or less: the window"
         );
@@ -297,24 +397,42 @@ mod tests {
                 (2.0 * std::f32::consts::PI * 440.0 * i as f32 / 16_000.0).sin() * loudness
             })
             .collect();
-        let features = mel.features_long(&long);
-        let frames = mel.frames_long(long.len());
-        assert_eq!(frames, 4500);
-        assert_eq!(features.len(), 80 * frames);
+        assert_eq!(mel.frames_long(long.len()), 4500);
+        let loudest = mel.loudest(&long);
+        let (first, second) = (
+            mel.window_long(&long, loudest, 0),
+            mel.window_long(&long, loudest, 1234),
+        );
+        assert_eq!((first.len(), second.len()), (80 * 3000, 80 * 3000));
         // The faint part's floor is the loud second's maximum less 8, not its own.
-        let top = features.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let floor = features.iter().copied().fold(f32::INFINITY, f32::min);
+        let top = first.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        assert_eq!(top, loudest.feature());
+        let floor = second.iter().copied().fold(f32::INFINITY, f32::min);
         assert!(
             (top - floor - 2.0).abs() < 1e-5,
             "(max - 8 + 4) / 4 below (max + 4) / 4: {top} {floor}"
         );
-        let second_window = &features[4000..4100];
         assert!(
-            second_window.iter().all(|&v| v == floor),
+            second.iter().all(|&v| v == floor),
             "the faint tone is under the global floor"
         );
-        // The same samples' first window alone is clamped at its own maximum, which is the same.
-        assert_eq!(features[..100], mel.features(&long[..16_000 * 30])[..100]);
+        // Windows that overlap agree where they do, band by band: each frame is computed from
+        // its own samples wherever its window starts.
+        for band in [0, 17, 79] {
+            assert_eq!(
+                first[band * 3000 + 1234..band * 3000 + 3000],
+                second[band * 3000..band * 3000 + 1766]
+            );
+        }
+        // The first window alone is clamped at its own maximum, which is the same.
+        assert_eq!(first[..100], mel.features(&long[..16_000 * 30])[..100]);
+        // The last window holds the audio's last 500 frames, then zeros, as a cut window is padded.
+        let last = mel.window_long(&long, loudest, 4000);
+        for band in [0, 79] {
+            let row = &last[band * 3000..(band + 1) * 3000];
+            assert!(row[..500].iter().all(|&v| v == floor), "band {band}");
+            assert!(row[500..].iter().all(|&v| v == 0.0), "band {band}");
+        }
     }
 
     #[test]

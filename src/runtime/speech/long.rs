@@ -1,12 +1,12 @@
 //! Audio longer than one window, decoded as `transformers`' long-form generation does: the
-//! features of the whole audio ([`LogMel::features_long`]), a window of up to 30 s cut at each
-//! seek (in feature frames) and padded with zeros to a whole window ([`window`]); each window's
+//! features of the whole audio, a window of up to 30 s cut at each seek (in feature frames) and
+//! padded with zeros to a whole window ([`LogMel::window_long`]); each window's
 //! tokens split into segments at its timestamps, and the seek moved on by what they consumed
 //! ([`window_segments`], as `_retrieve_segment`): the whole window when its tokens end with a
 //! single timestamp or have no pair of them, else up to the last pair's timestamp, so the
 //! unfinished segment after it is decoded again from its start in the next window.
 //!
-//! [`LogMel::features_long`]: crate::runtime::audio::mel::LogMel::features_long
+//! [`LogMel::window_long`]: crate::runtime::audio::mel::LogMel::window_long
 
 use super::whisper::{INPUT_STRIDE, TIME_PRECISION};
 
@@ -42,20 +42,6 @@ pub fn seconds_at(seek: u64) -> f64 {
 /// `window_frames` (3,000).
 pub fn frames_at(total: u64, seek: u64, window_frames: u64) -> u64 {
     total.saturating_sub(seek).min(window_frames)
-}
-
-/// The window at `seek` of `features` (`[bins, total]` row-major): `[bins, window_frames]`,
-/// its frames past the audio's end zeros (as `_get_input_segment` pads).
-pub fn window(features: &[f32], bins: usize, seek: u64, window_frames: usize) -> Vec<f32> {
-    let total = features.len() / bins.max(1);
-    let seek = (seek as usize).min(total);
-    let take = (total - seek).min(window_frames);
-    let mut out = vec![0.0f32; bins * window_frames];
-    for band in 0..bins {
-        let from = band * total + seek;
-        out[band * window_frames..band * window_frames + take].copy_from_slice(&features[from..from + take]);
-    }
-    out
 }
 
 /// The segments of a window decoded at `seek` over `frames` frames of audio ([`frames_at`]),
@@ -162,11 +148,7 @@ mod tests {
     }
 
     #[test]
-    fn a_window_is_cut_at_its_seek_and_padded_with_zeros() {
-        // Two bands of 5 frames.
-        let features = [1.0, 2.0, 3.0, 4.0, 5.0, 11.0, 12.0, 13.0, 14.0, 15.0];
-        assert_eq!(window(&features, 2, 3, 3), [4.0, 5.0, 0.0, 14.0, 15.0, 0.0]);
-        assert_eq!(window(&features, 2, 0, 3), [1.0, 2.0, 3.0, 11.0, 12.0, 13.0]);
+    fn a_window_holds_the_rest_of_the_audio_at_most() {
         assert_eq!(frames_at(7000, 6000, 3000), 1000);
         assert_eq!(frames_at(7000, 0, 3000), 3000);
     }

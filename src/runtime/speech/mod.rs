@@ -60,7 +60,7 @@ mod model;
 pub mod rules;
 pub mod whisper;
 
-pub use long::{WindowResult, WindowSegment, frames_at, seconds_at, window, window_segments};
+pub use long::{WindowResult, WindowSegment, frames_at, seconds_at, window_segments};
 pub use model::SpeechModel;
 pub use rules::{Rules, pick};
 pub use whisper::{DETECT, Dims, INPUT_STRIDE, TIME_PRECISION, Tokens, Whisper};

@@ -11,7 +11,7 @@ use serde_json::Value;
 use super::tests::{Harness, fixture, inputs, rows};
 use super::*;
 use crate::runtime::audio::mel::LogMel;
-use crate::runtime::speech::{Task, WindowSegment, frames_at, window, window_segments};
+use crate::runtime::speech::{Task, WindowSegment, frames_at, window_segments};
 
 fn reference() -> Value {
     let text = std::fs::read_to_string(fixture().join("reference.json")).expect("reference.json (make fixtures)");
@@ -41,20 +41,22 @@ struct Window {
     consumed: u64,
 }
 
-/// The long-form loop over `features` (`[80, total]`) from `prompt`, greedy: its windows and
-/// segments.
+/// The long-form loop over the features of `audio` from `prompt`, greedy, each window's
+/// computed as the serve layer computes it: its windows and segments.
 fn long_form(
     job: &mut Harness,
     whisper: &Whisper,
-    features: &[f32],
+    mel: &LogMel,
+    audio: &[f32],
     mut prompt: Vec<i64>,
 ) -> (Vec<Window>, Vec<WindowSegment>) {
-    let total = (features.len() / 80) as u64;
+    let total = mel.frames_long(audio.len()) as u64;
+    let loudest = mel.loudest(audio);
     let (mut seek, mut windows, mut segments) = (0, Vec::new(), Vec::new());
     while seek < total {
         assert!(windows.len() < 50, "the seek moves on");
         let frames = frames_at(total, seek, 3000);
-        let cut = window(features, 80, seek, 3000);
+        let cut = mel.window_long(audio, loudest, seek as usize);
         let limit = i64::from(whisper.max_new_tokens(prompt.len()));
         let out = rows(&job.run(inputs(&[(&cut, prompt.clone(), limit)])).unwrap());
         let (tokens, language, _, _) = out.into_iter().next().unwrap();
@@ -134,7 +136,7 @@ fn short_clips_give_generates_windows_and_segments_in_every_case() {
     let reference = reference();
     let (mut held, mut differ) = (0, Vec::new());
     for (name, clip) in reference["short"].as_object().unwrap() {
-        let features = mel.features(&samples(clip["path"].as_str().unwrap()));
+        let audio = samples(clip["path"].as_str().unwrap());
         for (case, expected) in clip["cases"].as_object().unwrap() {
             let args = &expected["generate_kwargs"];
             let task = match args["task"].as_str() {
@@ -145,7 +147,7 @@ fn short_clips_give_generates_windows_and_segments_in_every_case() {
             let prompt = whisper
                 .prompt(task, args["language"].as_str(), timestamps, &[])
                 .unwrap();
-            let (windows, segments) = long_form(&mut job, &whisper, &features, prompt);
+            let (windows, segments) = long_form(&mut job, &whisper, &mel, &audio, prompt);
             held += 1;
             assert_eq!(
                 windows[0].prompt,
@@ -189,21 +191,20 @@ fn the_long_clip_gives_the_long_form_windows_seeks_and_segments() {
     for name in ["long-16k.wav", "long-16k.flac"] {
         let expected = &reference["long"][name];
         let audio = samples(&format!("speech/whisper/audio/{name}"));
-        let features = mel.features_long(&audio);
         let frames = mel.frames_long(audio.len());
         assert_eq!(
             frames as u64,
             expected["features"]["frames"].as_u64().unwrap(),
             "{name}"
         );
-        let top = features.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let top = mel.loudest(&audio).feature();
         let max = expected["features"]["max"].as_f64().unwrap() as f32;
         assert!(
             (top - max).abs() < 1e-4,
             "{name}: the whole audio's maximum: {top} against {max}"
         );
         let prompt = whisper.prompt(Task::Transcribe, Some("en"), true, &[]).unwrap();
-        let (windows, segments) = long_form(&mut job, &whisper, &features, prompt);
+        let (windows, segments) = long_form(&mut job, &whisper, &mel, &audio, prompt);
         assert_eq!(differences(&whisper, &windows, &segments, expected), None, "{name}");
         assert!(windows.len() >= 3, "{name}: {} windows", windows.len());
         let all: Vec<u32> = segments.iter().flat_map(|s| s.tokens.iter().copied()).collect();
