@@ -57,6 +57,13 @@ fn difference(mel: &LogMel, file: &str, facts: &Value) -> Difference {
         );
         samples.truncate(want);
     }
+    if file.ends_with(".m4a") {
+        // ffmpeg rounds a resampled length to the nearest sample, this front end up: the 163,840
+        // frames gpu.m4a holds at 44.1 kHz (its 1024 frames of priming dropped by both) are
+        // 59,443.08 at 16 kHz.
+        assert!((want..=want + 1).contains(&samples.len()), "{file}: {}", samples.len());
+        samples.truncate(want);
+    }
     assert_eq!(samples.len(), want, "{file}");
     let ours = mel.features(&samples);
     let theirs: Vec<f32> = std::fs::read(audio.join(format!("{file}.mel")))
@@ -96,7 +103,7 @@ fn every_container_gives_the_features_transformers_computes_from_it() {
         serde_json::from_str(&std::fs::read_to_string(folder().join("reference.json")).unwrap()).unwrap();
     let mel = LogMel::new(MelConfig::WHISPER).unwrap();
     let files = reference["files"].as_object().unwrap();
-    assert_eq!(files.len(), 12);
+    assert_eq!(files.len(), 14);
     for (file, facts) in files {
         let d = difference(&mel, file, facts);
         println!("{file}: {d:?}");
@@ -131,6 +138,7 @@ fn a_damaged_file_is_cut_short_or_refused_never_a_panic() {
         "gpu.ogg",
         "gpu.webm",
         "gpu.opus",
+        "gpu.m4a",
     ];
     for file in files {
         let whole = std::fs::read(audio.join(file)).unwrap();

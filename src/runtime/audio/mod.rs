@@ -12,6 +12,7 @@
 //! packet.
 
 pub mod mel;
+mod mp4;
 mod resample;
 mod source;
 
@@ -87,7 +88,7 @@ fn decode_stream(
     limit_seconds: u64,
     stopped: &dyn Fn() -> bool,
 ) -> Result<Vec<f32>, AudioError> {
-    let mut source = Source::open(bytes)?;
+    let mut source = Source::open(bytes, limit_seconds)?;
     let from = source.rate;
     let limit = limit_seconds.saturating_mul(u64::from(from));
     // What the header says it holds, within the limit, is reserved once (it is only a hint).
