@@ -572,7 +572,7 @@ async fn what_is_wrong_with_a_request_is_named_in_its_400() {
             vec![("model", "whisper")],
             ("notes.txt", b"plain text, not audio".to_vec()),
             "file",
-            "not WAV, FLAC, MP3, Ogg or WebM audio",
+            "not WAV, FLAC, MP3, Ogg, WebM or MP4 audio",
         ),
         (vec![("model", "whisper")], ("cut.wav", corrupt), "file", "file"),
         (

@@ -550,3 +550,6 @@ impl Walk<'_> {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests;
