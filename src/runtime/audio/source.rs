@@ -3,6 +3,9 @@
 //! `symphonia-adapter-libopus`; every other codec by Symphonia), each packet's channels mixed
 //! to one.
 //!
+//! An MP4 file reaches Symphonia's MP4 reader only when it opens with its `ftyp` box and its
+//! boxes passed `mp4.rs`'s check; no other file is probed as MP4.
+//!
 //! What the file's header states is checked before it costs anything: a sample rate outside
 //! [`super::RATES`] is refused naming it, and a RIFF WAVE header's rate is read here before
 //! Symphonia reads it, since Symphonia 0.5 panics on a rate of 0 (the caller catches panics
