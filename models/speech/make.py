@@ -3,7 +3,7 @@ every container `/v1/audio/transcriptions` accepts, and the log-mel features `tr
 `WhisperFeatureExtractor` computes from each, as a user's pipeline would feed them to Whisper.
 
     python models/speech/make.py            # writes models/speech/audio/ and reference.json
-    python models/speech/make.py .m4a       # only the files whose names end so (and their
+    python models/speech/make.py .mp4       # only the files whose names end so (and their
                                             # references), the rest of reference.json kept
 
 Needs espeak-ng, sox and ffmpeg (Debian packages) and the venv of models/embed
@@ -19,7 +19,9 @@ Each clip is spoken by espeak-ng (22,050 Hz mono), then written as:
   cluster's size made unknown too, as Chrome's and Firefox's recorders leave them;
 - `<clip>.opus`: Ogg Opus, mono;
 - `<clip>.m4a`: AAC-LC in MP4 at 44.1 kHz mono, as phones' voice recorders write it (ffmpeg's
-  own `aac` encoder: its edit list says the first 1024 frames are the encoder's priming).
+  own `aac` encoder: its edit list says the first 1024 frames are the encoder's priming);
+- `<clip>.mp4`: AAC-LC at 48 kHz in fragmented MP4 (an empty `moov`, then a `moof` and `mdat`
+  a second), as Safari's MediaRecorder writes it.
 The reference of a file is what transformers' ASR pipeline does with it: decode and resample to
 16 kHz mono with ffmpeg (`ffmpeg_read`), then `WhisperFeatureExtractor` (80 mel bins, 30 s
 windows). Only the frames that hold audio are kept (the rest of the 30 s window is padding, one
@@ -111,6 +113,9 @@ def main(only=""):
                              "-b:a", "32k", "-bitexact", "-map_metadata", "-1"],
             f"{clip}.m4a": ["ffmpeg", "-nostdin", "-y", "-i", spoken, "-ar", "44100", "-c:a", "aac",
                             "-b:a", "64k", "-bitexact", "-map_metadata", "-1"],
+            f"{clip}.mp4": ["ffmpeg", "-nostdin", "-y", "-i", spoken, "-ar", "48000", "-c:a", "aac",
+                            "-b:a", "64k", "-bitexact", "-map_metadata", "-1", "-movflags",
+                            "+frag_keyframe+empty_moov+default_base_moof", "-frag_duration", "1000000"],
         }
         for name, command in files.items():
             if not name.endswith(only):

@@ -6,8 +6,8 @@
 //! WebM whose time-code scale is 0 (Symphonia's Matroska reader panics on it) is a 400 too. So
 //! are MP4 files whose sample tables claim more entries than their boxes hold (Symphonia's MP4
 //! reader reserves what they claim: 64 GiB for an `stsc` of 2^32-1 entries, and a refused
-//! allocation aborts the whole server), whose boxes run past the file, or whose movie is nested
-//! 100,000 deep.
+//! allocation aborts the whole server), whose boxes run past the file or are sized 0 or 1 where
+//! that cannot be, or whose movie is nested 100,000 deep.
 
 use reqwest::StatusCode;
 use serde_json::Value;
@@ -70,10 +70,10 @@ async fn a_wav_stating_a_rate_outside_the_served_range_is_a_400_naming_it() {
     server.stop().await;
 }
 
-/// `gpu.m4a` with the 32-bit field `field` bytes into its first box of type `kind` set to
-/// `value`.
-fn m4a_with(kind: &[u8; 4], field: usize, value: u32) -> (&'static str, Vec<u8>) {
-    let mut file = clip("gpu.m4a").1;
+/// The clip `name` with the 32-bit field `field` bytes into its first box of type `kind` set
+/// to `value`.
+fn forged(name: &str, kind: &[u8; 4], field: usize, value: u32) -> (&'static str, Vec<u8>) {
+    let mut file = clip(name).1;
     let at = file.windows(4).position(|w| w == kind).unwrap() - 4;
     file[at + field..at + field + 4].copy_from_slice(&value.to_be_bytes());
     ("forged.m4a", file)
@@ -98,15 +98,17 @@ async fn a_forged_mp4_is_a_400_naming_the_file_and_costs_nothing() {
     let cases = [
         // Counts (after the size, type and version: at 12, or at 16 after `stsz`'s constant
         // packet size).
-        (m4a_with(b"stsz", 16, u32::MAX), "`stsz`"),
-        (m4a_with(b"stco", 12, 1 << 30), "`stco`"),
-        (m4a_with(b"stsc", 12, u32::MAX), "`stsc`"),
-        (m4a_with(b"stts", 12, u32::MAX), "`stts`"),
+        (forged("gpu.m4a", b"stsz", 16, u32::MAX), "`stsz`"),
+        (forged("gpu.m4a", b"stco", 12, 1 << 30), "`stco`"),
+        (forged("gpu.m4a", b"stsc", 12, u32::MAX), "`stsc`"),
+        (forged("gpu.m4a", b"stts", 12, u32::MAX), "`stts`"),
         // Sizes: past the file, 0 inside the movie, 1 (a 64-bit size follows, here 0).
-        (m4a_with(b"moov", 0, u32::MAX), "`moov`"),
-        (m4a_with(b"stsz", 0, 0), "`stsz`"),
-        (m4a_with(b"stsz", 0, 1), "`stsz`"),
+        (forged("gpu.m4a", b"moov", 0, u32::MAX), "`moov`"),
+        (forged("gpu.m4a", b"stsz", 0, 0), "`stsz`"),
+        (forged("gpu.m4a", b"stsz", 0, 1), "`stsz`"),
         (("nested.m4a", nested), "has no track"),
+        // A fragment's run, as Safari records: 2^32-1 packet sizes in 208 bytes.
+        (forged("gpu.mp4", b"trun", 12, u32::MAX), "`trun`"),
     ];
     for ((name, file), names) in cases {
         let started = std::time::Instant::now();

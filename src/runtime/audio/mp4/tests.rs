@@ -249,3 +249,24 @@ fn a_movie_nested_deep_or_with_too_many_tracks_is_refused() {
     let many = replace(&clip, &[b"moov", b"trak"], &one.repeat(65));
     refused(many, "is a track past the 64 served");
 }
+
+#[test]
+fn a_fragment_run_too_long_for_its_box_or_listing_too_much_is_refused() {
+    // `gpu.mp4`: fragmented as Safari records, a `moof` a second, each run listing its packets'
+    // sizes (flags 0x201: a data offset, then 4 bytes a packet).
+    let mp4 = || std::fs::read(concat!(env!("CARGO_MANIFEST_DIR"), "/models/speech/audio/gpu.mp4")).unwrap();
+    assert_eq!(decode(mp4(), 16_000, 60).unwrap().len(), 59_734);
+    let trun = mp4().windows(4).position(|w| w == b"trun").unwrap() - 4;
+    let trex = mp4().windows(4).position(|w| w == b"trex").unwrap() - 4;
+    let set = |at: usize, value: u32| {
+        let mut file = mp4();
+        file[at..at + 4].copy_from_slice(&value.to_be_bytes());
+        file
+    };
+    refused(set(trun + 12, u32::MAX), "`trun`");
+    // No per-packet fields: billions of packets fit in no bytes, and are too many.
+    let mut empty = set(trun + 12, u32::MAX);
+    empty[trun + 8..trun + 12].copy_from_slice(&1u32.to_be_bytes());
+    refused(empty, "tables list 4294967423 packets");
+    refused(set(trex + 24, u32::MAX), "`trex` at byte");
+}
