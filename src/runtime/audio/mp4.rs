@@ -436,7 +436,7 @@ impl Walk<'_> {
                 u32_at(bytes, at + i * 8 + 4, bx.end).unwrap_or(0),
             );
             track.timed += u64::from(n);
-            track.duration += u64::from(n) * u64::from(delta);
+            track.duration = track.duration.saturating_add(u64::from(n) * u64::from(delta));
         }
         Ok(())
     }
