@@ -3,6 +3,8 @@ every container `/v1/audio/transcriptions` accepts, and the log-mel features `tr
 `WhisperFeatureExtractor` computes from each, as a user's pipeline would feed them to Whisper.
 
     python models/speech/make.py            # writes models/speech/audio/ and reference.json
+    python models/speech/make.py .mp4       # only the files whose names end so (and their
+                                            # references), the rest of reference.json kept
 
 Needs espeak-ng, sox and ffmpeg (Debian packages) and the venv of models/embed
 (requirements-embed.txt: transformers, numpy). Running it twice writes the same bytes.
@@ -15,7 +17,11 @@ Each clip is spoken by espeak-ng (22,050 Hz mono), then written as:
 - `<clip>.webm`: Opus in WebM, 48 kHz stereo, as a browser's MediaRecorder records it (what chat
   front ends' voice input sends): written live (the segment's size unknown, no cues), then every
   cluster's size made unknown too, as Chrome's and Firefox's recorders leave them;
-- `<clip>.opus`: Ogg Opus, mono.
+- `<clip>.opus`: Ogg Opus, mono;
+- `<clip>.m4a`: AAC-LC in MP4 at 44.1 kHz mono, as phones' voice recorders write it (ffmpeg's
+  own `aac` encoder: its edit list says the first 1024 frames are the encoder's priming);
+- `<clip>.mp4`: AAC-LC at 48 kHz in fragmented MP4 (an empty `moov`, then a `moof` and `mdat`
+  a second), as Safari's MediaRecorder writes it.
 The reference of a file is what transformers' ASR pipeline does with it: decode and resample to
 16 kHz mono with ffmpeg (`ffmpeg_read`), then `WhisperFeatureExtractor` (80 mel bins, 30 s
 windows). Only the frames that hold audio are kept (the rest of the 30 s window is padding, one
@@ -83,10 +89,13 @@ def as_recorded(path):
     open(path, "wb").write(bytes(out))
 
 
-def main():
+def main(only=""):
     os.makedirs(AUDIO, exist_ok=True)
     extractor = WhisperFeatureExtractor(feature_size=80)
     reference = {"feature_extractor": extractor.to_dict(), "files": {}}
+    if only:
+        with open(os.path.join(HERE, "reference.json")) as f:
+            reference["files"] = json.load(f)["files"]
     for clip, text in CLIPS.items():
         spoken = os.path.join(AUDIO, f"{clip}-espeak.wav")
         run("espeak-ng", "-v", "en-us", "-s", "160", "-w", spoken, text)
@@ -102,8 +111,15 @@ def main():
                              "-live", "1"],
             f"{clip}.opus": ["ffmpeg", "-nostdin", "-y", "-i", spoken, "-ar", "48000", "-c:a", "libopus",
                              "-b:a", "32k", "-bitexact", "-map_metadata", "-1"],
+            f"{clip}.m4a": ["ffmpeg", "-nostdin", "-y", "-i", spoken, "-ar", "44100", "-c:a", "aac",
+                            "-b:a", "64k", "-bitexact", "-map_metadata", "-1"],
+            f"{clip}.mp4": ["ffmpeg", "-nostdin", "-y", "-i", spoken, "-ar", "48000", "-c:a", "aac",
+                            "-b:a", "64k", "-bitexact", "-map_metadata", "-1", "-movflags",
+                            "+frag_keyframe+empty_moov+default_base_moof", "-frag_duration", "1000000"],
         }
         for name, command in files.items():
+            if not name.endswith(only):
+                continue
             path = os.path.join(AUDIO, name)
             run(*command, path)
             if name.endswith(".webm"):
@@ -126,4 +142,4 @@ def main():
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(*sys.argv[1:]))

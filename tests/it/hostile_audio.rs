@@ -3,9 +3,13 @@
 //! closed with no answer), and WAVs stating rates whose prime factors made the FFT resampler
 //! take gigabytes (4,294,967,295 Hz grew the server past 6 GB with no answer). Each is a 400
 //! naming the rate, the server's peak memory hardly moves, and it serves the next request. A
-//! WebM whose time-code scale is 0 (Symphonia's Matroska reader panics on it) is a 400 too. And
-//! a long file, whose transcription held its features whole and f64 copies of its samples
-//! besides (a two-hour file peaked at 2.4 GB), holds its samples and a window's features.
+//! WebM whose time-code scale is 0 (Symphonia's Matroska reader panics on it) is a 400 too. So
+//! are MP4 files whose sample tables claim more entries than their boxes hold (Symphonia's MP4
+//! reader reserves what they claim: 64 GiB for an `stsc` of 2^32-1 entries, and a refused
+//! allocation aborts the whole server), whose boxes run past the file or are sized 0 or 1 where
+//! that cannot be, or whose movie is nested 100,000 deep. And a long file, whose transcription
+//! held its features whole and f64 copies of its samples besides (a two-hour file peaked at
+//! 2.4 GB), holds its samples and a window's features.
 
 use reqwest::StatusCode;
 use serde_json::Value;
@@ -114,5 +118,68 @@ async fn a_long_transcription_holds_its_samples_and_a_window_not_the_whole_audio
     // peak by 254 MiB (136 MiB with the features computed a window at a time).
     let grown = resident().1.saturating_sub(before);
     assert!(grown < 192 * MIB, "the peak grew by {} MiB", grown / MIB);
+    server.stop().await;
+}
+
+/// The clip `name` with the 32-bit field `field` bytes into its first box of type `kind` set
+/// to `value`.
+fn forged(name: &str, kind: &[u8; 4], field: usize, value: u32) -> (&'static str, Vec<u8>) {
+    let mut file = clip(name).1;
+    let at = file.windows(4).position(|w| w == kind).unwrap() - 4;
+    file[at + field..at + field + 4].copy_from_slice(&value.to_be_bytes());
+    ("forged.m4a", file)
+}
+
+#[tokio::test]
+async fn a_forged_mp4_is_a_400_naming_the_file_and_costs_nothing() {
+    if crate::common::ran_in_own_process() {
+        return;
+    }
+    let server = TestServer::start(&cpu_server_yaml()).await;
+    let model = [("model", "whisper")];
+    let (status, _, body) = send(&server, PATH, &model, clip("gpu.m4a")).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    reset_peak();
+    let (before, _) = resident();
+    let ftyp = clip("gpu.m4a").1[..28].to_vec();
+    let mut nested = ftyp.clone();
+    for level in 0..100_000u32 {
+        nested.extend_from_slice(&((100_000 - level) * 8).to_be_bytes());
+        nested.extend_from_slice(b"moov");
+    }
+    let cases = [
+        // Counts (after the size, type and version: at 12, or at 16 after `stsz`'s constant
+        // packet size).
+        (forged("gpu.m4a", b"stsz", 16, u32::MAX), "`stsz`"),
+        (forged("gpu.m4a", b"stco", 12, 1 << 30), "`stco`"),
+        (forged("gpu.m4a", b"stsc", 12, u32::MAX), "`stsc`"),
+        (forged("gpu.m4a", b"stts", 12, u32::MAX), "`stts`"),
+        // Sizes: past the file, 0 inside the movie, 1 (a 64-bit size follows, here 0).
+        (forged("gpu.m4a", b"moov", 0, u32::MAX), "`moov`"),
+        (forged("gpu.m4a", b"stsz", 0, 0), "`stsz`"),
+        (forged("gpu.m4a", b"stsz", 0, 1), "`stsz`"),
+        (("nested.m4a", nested), "has no track"),
+        // A fragment's run, as Safari records: 2^32-1 packet sizes in 208 bytes.
+        (forged("gpu.mp4", b"trun", 12, u32::MAX), "`trun`"),
+    ];
+    for ((name, file), names) in cases {
+        let started = std::time::Instant::now();
+        let (status, _, body) = send(&server, PATH, &model, (name, file)).await;
+        println!("{names}: answered in {:?}", started.elapsed());
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{names}: {body}");
+        let error: Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(error["error"]["param"], "file", "{body}");
+        let message = error["error"]["message"].as_str().unwrap();
+        assert!(
+            message.contains("could not be decoded: its MP4") && message.contains(names),
+            "{message}"
+        );
+    }
+    // Refused from their boxes before Symphonia reserves anything.
+    let grown = resident().1.saturating_sub(before);
+    println!("the peak grew by {} MiB", grown / MIB);
+    assert!(grown < 128 * MIB, "the peak grew by {} MiB", grown / MIB);
+    let (status, _, body) = send(&server, PATH, &model, clip("gpu.m4a")).await;
+    assert_eq!(status, StatusCode::OK, "the server still serves: {body}");
     server.stop().await;
 }

@@ -1,6 +1,7 @@
 //! Audio for speech models: a file as clients send it (WAV, FLAC, MP3, Ogg Vorbis or Opus,
-//! WebM or Matroska with Opus or Vorbis, as browsers record; at any sample rate in [`RATES`]
-//! and any channel count) decoded a packet at a time (`source.rs`), its channels mixed to one,
+//! WebM or Matroska with Opus or Vorbis, as browsers record, MP4 or M4A with AAC, as phones and
+//! Safari record, its boxes checked before they are read, `mp4.rs`; at any sample rate in
+//! [`RATES`] and any channel count) decoded a packet at a time (`source.rs`), its channels mixed to one,
 //! and resampled as it is decoded to the rate the model's features are computed at
 //! (`resample.rs`), by [`decode`]; and the log-mel spectrogram Whisper's feature extractor makes
 //! of those samples (`mel.rs`).
@@ -12,6 +13,7 @@
 //! packet.
 
 pub mod mel;
+mod mp4;
 mod resample;
 mod source;
 
@@ -33,10 +35,10 @@ pub const RATES: RangeInclusive<u32> = 8_000..=384_000;
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum AudioError {
     /// Not a container served here.
-    #[error("the file is not WAV, FLAC, MP3, Ogg or WebM audio ({0})")]
+    #[error("the file is not WAV, FLAC, MP3, Ogg, WebM or MP4 audio ({0})")]
     Format(String),
     /// A container with no track a decoder here reads.
-    #[error("the file has no audio track in a codec served here (PCM, FLAC, MP3, Vorbis, Opus): {0}")]
+    #[error("the file has no audio track in a codec served here (PCM, FLAC, MP3, Vorbis, Opus, AAC): {0}")]
     Codec(String),
     /// A sample rate outside [`RATES`].
     #[error("the file's sample rate is {0} Hz: rates from 8000 to 384000 Hz are served")]
@@ -87,7 +89,7 @@ fn decode_stream(
     limit_seconds: u64,
     stopped: &dyn Fn() -> bool,
 ) -> Result<Vec<f32>, AudioError> {
-    let mut source = Source::open(bytes)?;
+    let mut source = Source::open(bytes, limit_seconds)?;
     let from = source.rate;
     let limit = limit_seconds.saturating_mul(u64::from(from));
     // What the header says it holds, within the limit, is reserved once (it is only a hint).
@@ -244,7 +246,7 @@ mod tests {
         assert!(matches!(err, AudioError::Format(_)), "{err}");
         assert!(
             err.to_string()
-                .starts_with("the file is not WAV, FLAC, MP3, Ogg or WebM audio")
+                .starts_with("the file is not WAV, FLAC, MP3, Ogg, WebM or MP4 audio")
         );
         assert_eq!(decode(wav(&[], 16_000, 1), 16_000, 30).unwrap_err(), AudioError::Empty);
         let long = wav(&vec![0; 16_000 * 3], 16_000, 1);

@@ -3,6 +3,9 @@
 //! `symphonia-adapter-libopus`; every other codec by Symphonia), each packet's channels mixed
 //! to one.
 //!
+//! An MP4 file reaches Symphonia's MP4 reader only when it opens with its `ftyp` box and its
+//! boxes passed `mp4.rs`'s check; no other file is probed as MP4.
+//!
 //! What the file's header states is checked before it costs anything: a sample rate outside
 //! [`super::RATES`] is refused naming it, and a RIFF WAVE header's rate is read here before
 //! Symphonia reads it, since Symphonia 0.5 panics on a rate of 0 (the caller catches panics
@@ -12,14 +15,16 @@ use std::io::Cursor;
 use std::sync::LazyLock;
 
 use symphonia::core::audio::SampleBuffer;
-use symphonia::core::codecs::{CODEC_TYPE_NULL, CodecRegistry, Decoder, DecoderOptions};
+use symphonia::core::codecs::{CODEC_TYPE_AAC, CODEC_TYPE_NULL, CodecRegistry, Decoder, DecoderOptions};
 use symphonia::core::errors::Error as Symphonia;
 use symphonia::core::formats::{FormatOptions, FormatReader};
 use symphonia::core::io::MediaSourceStream;
 use symphonia::core::meta::MetadataOptions;
-use symphonia::core::probe::Hint;
+use symphonia::core::probe::{Hint, Probe};
+use symphonia::default::formats::{FlacReader, IsoMp4Reader, MkvReader, MpaReader, OggReader, WavReader};
+use symphonia_metadata::id3v2::Id3v2Reader;
 
-use super::{AudioError, RATES};
+use super::{AudioError, RATES, mp4};
 
 /// Symphonia's codecs and libopus' Opus decoder, which Symphonia 0.5 lacks.
 static CODECS: LazyLock<CodecRegistry> = LazyLock::new(|| {
@@ -27,6 +32,27 @@ static CODECS: LazyLock<CodecRegistry> = LazyLock::new(|| {
     symphonia::default::register_enabled_codecs(&mut codecs);
     codecs.register_all::<symphonia_adapter_libopus::OpusDecoder>();
     codecs
+});
+
+/// Every container served but MP4 (and ID3v2 tags, which MP3 files open with): Symphonia's
+/// probe finds a container's mark anywhere in a file's first MiB, and its MP4 reader must only
+/// see a file `mp4::check` passed.
+static CONTAINERS: LazyLock<Probe> = LazyLock::new(|| {
+    let mut probe = Probe::default();
+    probe.register_all::<WavReader>();
+    probe.register_all::<FlacReader>();
+    probe.register_all::<MpaReader>();
+    probe.register_all::<OggReader>();
+    probe.register_all::<MkvReader>();
+    probe.register_all::<Id3v2Reader>();
+    probe
+});
+
+/// MP4 alone, for a file that opens with its `ftyp` box and passed `mp4::check`.
+static MP4: LazyLock<Probe> = LazyLock::new(|| {
+    let mut probe = Probe::default();
+    probe.register_all::<IsoMp4Reader>();
+    probe
 });
 
 /// A file's first decodable audio track, being decoded.
@@ -40,17 +66,24 @@ pub(super) struct Source {
     pub(super) frames: Option<u64>,
     /// Why the first damaged packet could not be decoded.
     damaged: Option<String>,
+    /// Frames still to drop from the front: AAC's encoder priming in an MP4 file.
+    priming: u64,
 }
 
 impl Source {
-    /// Open `bytes` as an audio file: its container recognised, its track and codec found and
-    /// its rate checked.
-    pub(super) fn open(bytes: Vec<u8>) -> Result<Source, AudioError> {
+    /// Open `bytes` as an audio file of at most `limit_seconds`: its container recognised (an
+    /// MP4 file's boxes checked first), its track and codec found and its rate checked.
+    pub(super) fn open(mut bytes: Vec<u8>, limit_seconds: u64) -> Result<Source, AudioError> {
         if let Some(rate) = wav_rate(&bytes).filter(|r| !RATES.contains(r)) {
             return Err(AudioError::Rate(rate));
         }
+        let (probe, mp4_tracks) = if mp4::is_mp4(&bytes) {
+            (&*MP4, mp4::check(&mut bytes, limit_seconds)?)
+        } else {
+            (&*CONTAINERS, Vec::new())
+        };
         let stream = MediaSourceStream::new(Box::new(Cursor::new(bytes)), Default::default());
-        let probed = symphonia::default::get_probe()
+        let probed = probe
             .format(
                 &Hint::new(),
                 stream,
@@ -86,6 +119,13 @@ impl Source {
         let decoder = CODECS
             .make(&params, &DecoderOptions::default())
             .map_err(|e| AudioError::Codec(e.to_string()))?;
+        // Symphonia's MP4 reader and AAC decoder give the encoder's priming as audio; ffmpeg
+        // drops what the edit list says precedes the media, and so does this. (Opus in MP4
+        // states its pre-skip there too, which libopus' adapter drops already.)
+        let priming = match mp4_tracks.get(id as usize) {
+            Some(track) if params.codec == CODEC_TYPE_AAC => track.priming(rate),
+            _ => 0,
+        };
         Ok(Source {
             format,
             decoder,
@@ -93,6 +133,7 @@ impl Source {
             rate,
             frames: params.n_frames,
             damaged: None,
+            priming,
         })
     }
 
@@ -132,12 +173,10 @@ impl Source {
             let gain = downmix_gain(channels);
             let mut buffer = SampleBuffer::<f32>::new(decoded.capacity() as u64, spec);
             buffer.copy_interleaved_ref(decoded);
-            mono.extend(
-                buffer
-                    .samples()
-                    .chunks(channels)
-                    .map(|frame| frame.iter().sum::<f32>() * gain),
-            );
+            let frames = buffer.samples().chunks(channels);
+            let primed = (self.priming.min(frames.len() as u64)) as usize;
+            self.priming -= primed as u64;
+            mono.extend(frames.skip(primed).map(|frame| frame.iter().sum::<f32>() * gain));
             return Ok(true);
         }
     }

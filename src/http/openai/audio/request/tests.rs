@@ -349,7 +349,7 @@ fn audio_that_does_not_decode_is_a_400_naming_the_file() {
     assert!(
         error
             .message
-            .starts_with("`file`: the file is not WAV, FLAC, MP3, Ogg or WebM audio"),
+            .starts_with("`file`: the file is not WAV, FLAC, MP3, Ogg, WebM or MP4 audio"),
         "{}",
         error.message
     );
