@@ -152,7 +152,7 @@ async fn windows(
     let long = samples.len() > config.window_samples();
     // The features are computed a window at a time, under the whole audio's maximum (a pass
     // over it first): the whole audio's would be half as large again as its samples.
-    let loudest = front_end(speech, &samples, |mel, samples| mel.loudest(samples)).await;
+    let loudest = front_end(speech, &samples, |mel, samples, stopped| mel.loudest(samples, stopped)).await;
     let total = speech.mel.frames_long(samples.len()) as u64;
     let duration = samples.len() as f64 / f64::from(config.rate);
     // Long audio is always decoded with timestamps: they say where the next window starts.
@@ -166,7 +166,7 @@ async fn windows(
     let (mut retried, mut ran_on) = (None, Vec::<Arc<Pool>>::new());
     while seek < total {
         let frames = frames_at(total, seek, window_frames as u64);
-        let input = front_end(speech, &samples, move |mel, samples| {
+        let input = front_end(speech, &samples, move |mel, samples, _| {
             mel.window_long(samples, loudest, seek as usize)
         })
         .await;
@@ -251,14 +251,19 @@ async fn windows(
 }
 
 /// `work` on `speech`'s log-mel front end and `samples`, off the async threads: a few
-/// milliseconds of CPU per window, a second or two for a pass over two hours.
+/// milliseconds of CPU per window, a second or two for a pass over two hours. `work` is handed
+/// a flag that turns true when this future is dropped (the client went away), to stop a long
+/// pass at.
 async fn front_end<T: Send + 'static>(
     speech: &SpeechModel,
     samples: &Arc<Vec<f32>>,
-    work: impl FnOnce(&LogMel, &[f32]) -> T + Send + 'static,
+    work: impl FnOnce(&LogMel, &[f32], &dyn Fn() -> bool) -> T + Send + 'static,
 ) -> T {
     let (mel, samples) = (Arc::clone(&speech.mel), Arc::clone(samples));
-    tokio::task::spawn_blocking(move || work(&mel, &samples))
+    let gone = tokio_util::sync::CancellationToken::new();
+    let flag = gone.clone();
+    let _stop_when_dropped = gone.drop_guard();
+    tokio::task::spawn_blocking(move || work(&mel, &samples, &|| flag.is_cancelled()))
         .await
         .expect("computing features does not panic")
 }

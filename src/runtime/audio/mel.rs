@@ -124,11 +124,14 @@ impl LogMel {
     /// gives them for long-form decoding, `padding="longest", truncation=False`: audio of no
     /// more than one window padded to one): what every window of
     /// [`window_long`](Self::window_long) is clamped by. A pass over the whole audio, a frame
-    /// at a time, holding nothing but the frame.
-    pub fn loudest(&self, samples: &[f32]) -> Loudest {
+    /// at a time, holding nothing but the frame. It stops early, with the loudest of the frames
+    /// it read, once `stopped` says so (asked every [`FRAMES_BETWEEN_STOPS`]): for a caller that
+    /// has gone, so that two hours of audio are not read for nobody.
+    pub fn loudest(&self, samples: &[f32], stopped: &dyn Fn() -> bool) -> Loudest {
         let length = self.length_long(samples.len());
         let mut stft = Stft::new(self, samples, length);
         let top = (0..length / self.config.hop)
+            .take_while(|frame| frame % FRAMES_BETWEEN_STOPS != 0 || !stopped())
             .map(|frame| stft.frame(frame).iter().copied().fold(f64::NEG_INFINITY, f64::max))
             .fold(f64::NEG_INFINITY, f64::max);
         Loudest(top)
@@ -182,6 +185,10 @@ impl LogMel {
         log
     }
 }
+
+/// How many frames [`LogMel::loudest`] reads between asking whether to stop: 10 s of audio at
+/// Whisper's 10 ms hop, milliseconds of CPU.
+pub const FRAMES_BETWEEN_STOPS: usize = 1000;
 
 /// The largest log-mel value of an audio's long-form features, which all of its windows are
 /// clamped by ([`LogMel::loudest`]).
@@ -382,11 +389,37 @@ mod tests {
     }
 
     #[test]
+    fn the_pass_for_the_loudest_stops_when_asked_at_the_next_ten_seconds() {
+        let mel = LogMel::new(MelConfig::WHISPER).unwrap();
+        // 30 s: faint for the first 15, loud after.
+        let audio: Vec<f32> = (0..30 * 16_000)
+            .map(|i| {
+                let loudness = if i < 15 * 16_000 { 1e-4 } else { 0.5 };
+                (2.0 * std::f32::consts::PI * 440.0 * i as f32 / 16_000.0).sin() * loudness
+            })
+            .collect();
+        let whole = mel.loudest(&audio, &|| false).feature();
+        let asked = std::cell::Cell::new(0);
+        // Gone at the second question: the first 10 s were read, all of them faint.
+        let stopped = || {
+            asked.set(asked.get() + 1);
+            asked.get() > 1
+        };
+        let first = mel.loudest(&audio, &stopped).feature();
+        assert_eq!(asked.get(), 2, "asked at frames 0 and {FRAMES_BETWEEN_STOPS}");
+        assert!(
+            first < whole - 1.0,
+            "the faint part's {first} is below the whole's {whole}"
+        );
+        assert_eq!(mel.loudest(&audio, &|| true).feature(), f32::NEG_INFINITY, "none read");
+    }
+
+    #[test]
     fn long_windows_are_cut_from_the_whole_audio_under_one_clamp() {
         let mel = LogMel::new(MelConfig::WHISPER).unwrap();
         let short: Vec<f32> = (0..16_000).map(|i| ((i % 50) as f32 / 50.0) - 0.5).collect();
         assert_eq!(
-            mel.window_long(&short, mel.loudest(&short), 0),
+            mel.window_long(&short, mel.loudest(&short, &|| false), 0),
             mel.features(&short),
             "one window or less: the window"
         );
@@ -398,7 +431,7 @@ mod tests {
             })
             .collect();
         assert_eq!(mel.frames_long(long.len()), 4500);
-        let loudest = mel.loudest(&long);
+        let loudest = mel.loudest(&long, &|| false);
         let (first, second) = (
             mel.window_long(&long, loudest, 0),
             mel.window_long(&long, loudest, 1234),
