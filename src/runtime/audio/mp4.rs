@@ -175,6 +175,22 @@ fn header(bytes: &[u8], at: usize, end: usize, top: bool) -> Result<Bx, AudioErr
     })
 }
 
+/// The boxes from `start` to `end`, each header read by [`header`]; after an error, none. Inside
+/// a box, four zero bytes or fewer at its end end it: QuickTime ends some containers so, and
+/// Symphonia reads them as a box of size 0 and stops there.
+fn boxes(bytes: &[u8], start: usize, end: usize, top: bool) -> impl Iterator<Item = Result<Bx, AudioError>> + '_ {
+    let mut at = start;
+    std::iter::from_fn(move || {
+        let terminator = !top && end - at < 8 && bytes[at..end].iter().all(|&b| b == 0);
+        if at >= end || terminator {
+            return None;
+        }
+        let bx = header(bytes, at, end, top);
+        at = bx.as_ref().map_or(end, |b| b.end);
+        Some(bx)
+    })
+}
+
 /// What a track's boxes say, as far as the totals need.
 #[derive(Debug, Default)]
 struct Facts {
@@ -216,17 +232,9 @@ struct Walk<'a> {
 impl Walk<'_> {
     /// Walk the boxes inside `parent` from `start`.
     fn children(&mut self, parent: &Bx, start: usize) -> Result<(), AudioError> {
-        let top = parent.kind == *b"file";
-        let mut at = start;
-        while at < parent.end {
-            // QuickTime ends some containers with four zero bytes; Symphonia reads them as a box
-            // of size 0 and stops there.
-            if !top && parent.end - at < 8 && self.bytes[at..parent.end].iter().all(|&b| b == 0) {
-                break;
-            }
-            let child = header(self.bytes, at, parent.end, top)?;
-            self.visit(parent, &child)?;
-            at = child.end;
+        let bytes = self.bytes;
+        for child in boxes(bytes, start, parent.end, parent.kind == *b"file") {
+            self.visit(parent, &child?)?;
         }
         Ok(())
     }
@@ -287,13 +295,8 @@ impl Walk<'_> {
 
     /// The children of `bx` of type `kind`.
     fn count_children(&self, bx: &Bx, kind: &[u8; 4]) -> Result<u64, AudioError> {
-        let (mut at, mut count) = (bx.body, 0);
-        while at < bx.end {
-            let child = header(self.bytes, at, bx.end, false)?;
-            count += u64::from(child.kind == *kind);
-            at = child.end;
-        }
-        Ok(count)
+        boxes(self.bytes, bx.body, bx.end, false)
+            .try_fold(0, |count, child| Ok(count + u64::from(child?.kind == *kind)))
     }
 
     /// The track being read: the last `trak` begun.
@@ -367,9 +370,8 @@ impl Walk<'_> {
         if entries.body > bx.end {
             return Err(bx.refuse("is too short for its count"));
         }
-        let mut at = entries.body;
-        while at < bx.end {
-            let entry = header(self.bytes, at, bx.end, false)?;
+        for entry in boxes(self.bytes, entries.body, bx.end, false) {
+            let entry = entry?;
             if !matches!(
                 &entry.kind,
                 b"mp4a"
@@ -389,7 +391,6 @@ impl Walk<'_> {
                     | b"fl32"
                     | b"fl64"
             ) {
-                at = entry.end;
                 continue;
             }
             // The reserved bytes and data reference (8), then the sound fields (20), and
@@ -404,23 +405,17 @@ impl Walk<'_> {
                 0 => 28,
                 1 => 44,
                 2 => 64,
-                _ => {
-                    at = entry.end;
-                    continue;
-                }
+                _ => continue,
             };
             if entry.len() < fields {
                 return Err(entry.refuse(format!("is too short for its {fields} bytes of fields")));
             }
-            let mut child_at = entry.body + fields;
-            while child_at < entry.end {
-                let child = header(self.bytes, child_at, entry.end, false)?;
+            for child in boxes(self.bytes, entry.body + fields, entry.end, false) {
+                let child = child?;
                 if child.kind == *b"wave" {
                     self.count_children(&child, b"esds")?;
                 }
-                child_at = child.end;
             }
-            at = entry.end;
         }
         Ok(())
     }
