@@ -2,6 +2,7 @@
 //! configuration files, ONNX Runtime, HTTP or the policy language.
 
 pub mod backend;
+pub mod blocking;
 pub mod breaker;
 pub mod clock;
 pub mod cpus;

@@ -260,10 +260,7 @@ async fn front_end<T: Send + 'static>(
     work: impl FnOnce(&LogMel, &[f32], &dyn Fn() -> bool) -> T + Send + 'static,
 ) -> T {
     let (mel, samples) = (Arc::clone(&speech.mel), Arc::clone(samples));
-    let gone = tokio_util::sync::CancellationToken::new();
-    let flag = gone.clone();
-    let _stop_when_dropped = gone.drop_guard();
-    tokio::task::spawn_blocking(move || work(&mel, &samples, &|| flag.is_cancelled()))
+    crate::core::blocking::until_dropped(move |stopped| work(&mel, &samples, stopped))
         .await
         .expect("computing features does not panic")
 }

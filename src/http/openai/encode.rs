@@ -112,25 +112,18 @@ impl Drop for Reading<'_> {
 }
 
 /// Run `work` (tokenizing a request's texts, decoding its audio: CPU work of up to seconds) off
-/// the async runtime, handing it a flag that turns true when the future awaiting it is dropped:
-/// the client went away (hyper drops a request's future when its connection closes), and `work`
-/// stops at the next item it checks the flag between, rather than going on for nobody.
+/// the async runtime, stopped when the client goes away
+/// ([`until_dropped`](crate::core::blocking::until_dropped)).
 pub(super) async fn blocking<T: Send + 'static>(
     id: &str,
     work: impl FnOnce(&dyn Fn() -> bool) -> Result<T, OpenAiError> + Send + 'static,
 ) -> Result<T, OpenAiError> {
-    let gone = tokio_util::sync::CancellationToken::new();
-    let flag = gone.clone();
-    // Cancels `gone` when this future is dropped, finished or not.
-    let _guard = gone.drop_guard();
-    tokio::task::spawn_blocking(move || work(&|| flag.is_cancelled()))
-        .await
-        .map_err(|e| {
-            // `work` catches what a client's input can make it do: this is a fault of ours, or a
-            // shutdown, whose detail is for the log.
-            tracing::error!(error = %e, "reading a request did not finish");
-            OpenAiError::internal("reading the request failed".into(), id)
-        })?
+    crate::core::blocking::until_dropped(work).await.map_err(|e| {
+        // `work` catches what a client's input can make it do: this is a fault of ours, or a
+        // shutdown, whose detail is for the log.
+        tracing::error!(error = %e, "reading a request did not finish");
+        OpenAiError::internal("reading the request failed".into(), id)
+    })?
 }
 
 /// An endpoint's response to a request with `headers`: what `serve` answers (given the
