@@ -49,18 +49,9 @@ async fn server() -> (Serving, Scratch) {
     );
     let client = reqwest::Client::new();
     let url = |path: &str| format!("http://{}{path}", serving.addr);
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while !client
-        .get(url("/v2/health/ready"))
-        .send()
-        .await
-        .is_ok_and(|r| r.status() == StatusCode::OK)
-    {
-        assert!(Instant::now() < deadline, "vramguard not ready within 60 s");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    // One small request of each kind: what is set up on the first (sessions, the blocking
-    // pool's threads) is not counted against a hang-up.
+    // Serving once its models are read (before the port is bound). One small request of each
+    // kind: what is set up on the first (sessions, the blocking pool's threads) is not counted
+    // against a hang-up.
     for (path, body) in [
         (
             "/v1/rerank",
