@@ -279,7 +279,7 @@ async fn admin_sim(
             ),
         )
     })?;
-    let (kill, hang, worker_pool) = check_sim(&command, service, &device)?;
+    let (kill, hang) = check_sim(&command, service, &device)?;
     let change = crate::device::simulated::DeviceChange {
         pressure: command.pressure.map(|p| p.bytes()),
         fail_next: command.fail_next,
@@ -302,8 +302,12 @@ async fn admin_sim(
         tracing::warn!(device = %device, reset, "fault injection: simulated driver reset");
     }
     let mut killed = None;
-    if kill && let Some(pool) = &worker_pool {
-        killed = Some(pool.kill_worker().map_err(|e| ApiError::new(StatusCode::CONFLICT, e))?);
+    if kill {
+        killed = Some(
+            service
+                .kill_worker_on(&device)
+                .map_err(|e| ApiError::new(StatusCode::CONFLICT, e))?,
+        );
     }
     if hang {
         tracing::warn!(device = %device, "fault injection: the worker process stops answering");
@@ -389,12 +393,12 @@ async fn admin_model_unload(
 }
 
 /// What a `POST /admin/sim/{device}` asks that can be done: the worker knobs (`kill_worker`,
-/// `hang_worker`) and the pool whose worker they reach, or why not.
+/// `hang_worker`), or why not.
 fn check_sim(
     command: &SimCommand,
     service: &crate::serve::service::Service,
     device: &str,
-) -> Result<(bool, bool, Option<Arc<crate::pool::Pool>>), ApiError> {
+) -> Result<(bool, bool), ApiError> {
     if command.pass_first.is_some() && command.fail_next.is_none() {
         return Err(ApiError::new(
             StatusCode::BAD_REQUEST,
@@ -409,12 +413,7 @@ fn check_sim(
             "nothing to do: give `pressure`, `fail_next`, `driver_reset`, `kill_worker` or `hang_worker`",
         ));
     }
-    let worker_pool = service
-        .pools
-        .iter()
-        .find(|p| p.config.device == device && p.is_process_isolated())
-        .cloned();
-    if (kill || hang) && worker_pool.is_none() {
+    if (kill || hang) && !service.has_worker_on(device) {
         return Err(ApiError::new(
             StatusCode::CONFLICT,
             format!(
@@ -422,7 +421,7 @@ fn check_sim(
             ),
         ));
     }
-    Ok((kill, hang, worker_pool))
+    Ok((kill, hang))
 }
 
 #[cfg(test)]

@@ -2,10 +2,9 @@
 //! headers a lifecycle request is built from, and the serving pool's facts on the answer.
 
 use crate::core::backend::RunMeta;
-use crate::core::snapshot::DeviceClass;
-use crate::pool::Pool;
 use crate::protocol::headers::*;
 use crate::serve::lifecycle::{self, RequestError};
+use crate::serve::ran::RanOn;
 use crate::serve::service::Service;
 use axum::http::{HeaderMap, HeaderName, HeaderValue};
 use axum::response::Response;
@@ -103,56 +102,49 @@ pub(super) fn header_value<T: std::str::FromStr>(
 
 /// What a client is told about the pool serving it: its name and, while degraded, why, its
 /// limits and the delay a new request there should expect (a stream's first chunk).
-pub(super) fn pool_facts(pool: &Pool, degraded: Option<&crate::pool::degraded::Now>) -> Value {
+pub(super) fn pool_facts(ran: &RanOn) -> Value {
     let mut facts = json!({
-        "pool": pool.name(),
-        "provider": pool.provider().label(),
-        "simulated": pool.device_kind == DeviceClass::Simulated,
+        "pool": ran.pool,
+        "provider": ran.provider.label(),
+        "simulated": ran.simulated,
     });
-    if let Some(degraded) = degraded {
-        facts["degraded"] = json!(degraded.reason);
-        facts["limits"] = json!({"max_context": pool.config.max_context,
-                                 "concurrency": pool.config.workers,
-                                 "queue_capacity": pool.config.queue_capacity});
-        facts["estimated_delay_ms"] = json!(pool.load().estimated_delay.as_millis() as u64);
+    if let Some(degraded) = &ran.degraded {
+        facts["degraded"] = json!(degraded);
+        facts["limits"] = json!({"max_context": ran.max_context,
+                                 "concurrency": ran.concurrency,
+                                 "queue_capacity": ran.queue_capacity});
+        facts["estimated_delay_ms"] = json!(ran.estimated_delay.as_millis() as u64);
     }
     facts
 }
 
 /// What every answer carries: the pool it reached, when it reached one, and while degraded why.
-pub(super) fn pool_and_degraded(
-    headers: &mut HeaderMap,
-    pool: Option<&str>,
-    degraded: Option<&crate::pool::degraded::Now>,
-) {
+pub(super) fn pool_and_degraded(headers: &mut HeaderMap, pool: Option<&str>, degraded: Option<&str>) {
     if let Some(v) = pool.and_then(|p| HeaderValue::from_str(p).ok()) {
         headers.insert(HeaderName::from_static(POOL_HEADER), v);
     }
-    if let Some(v) = degraded.and_then(|d| HeaderValue::from_str(&d.reason).ok()) {
+    if let Some(v) = degraded.and_then(|d| HeaderValue::from_str(d).ok()) {
         headers.insert(HeaderName::from_static(DEGRADED_HEADER), v);
     }
 }
 
 /// The same facts as [`pool_facts`], as response headers.
-pub(super) fn pool_headers(headers: &mut HeaderMap, pool: &Pool, degraded: Option<&crate::pool::degraded::Now>) {
-    pool_and_degraded(headers, Some(pool.name()), degraded);
-    if degraded.is_none() {
+pub(super) fn pool_headers(headers: &mut HeaderMap, ran: &RanOn) {
+    pool_and_degraded(headers, Some(&ran.pool), ran.degraded.as_deref());
+    if ran.degraded.is_none() {
         return;
     }
-    let max_context = pool
-        .config
-        .max_context
-        .map_or_else(|| "none".to_string(), |n| n.to_string());
+    let max_context = ran.max_context.map_or_else(|| "none".to_string(), |n| n.to_string());
     let limits = format!(
         "max_context={max_context}; concurrency={}; queue_capacity={}",
-        pool.config.workers, pool.config.queue_capacity
+        ran.concurrency, ran.queue_capacity
     );
     if let Ok(v) = HeaderValue::from_str(&limits) {
         headers.insert(HeaderName::from_static(POOL_LIMITS_HEADER), v);
     }
     headers.insert(
         HeaderName::from_static(ESTIMATED_DELAY_HEADER),
-        HeaderValue::from(pool.load().estimated_delay.as_millis() as u64),
+        HeaderValue::from(ran.estimated_delay.as_millis() as u64),
     );
 }
 

@@ -94,23 +94,7 @@ pub async fn serve(
             token.clone(),
         ));
     }
-    for pool in &state.service.pools {
-        if let crate::config::Provider::Remote(options) = pool.provider() {
-            tasks.spawn(crate::pool::remote::watch_health(
-                Arc::clone(pool),
-                options.clone(),
-                state.service.metrics.remote.of_pool(pool.name()),
-                token.clone(),
-            ));
-        } else {
-            tasks.spawn(crate::serve::health::watch_pool(
-                Arc::clone(&state.service),
-                Arc::clone(pool),
-                token.clone(),
-            ));
-            tasks.spawn(crate::serve::idle::watch_idle(Arc::clone(pool), token.clone()));
-        }
-    }
+    crate::serve::health::watch_pools(&state.service, &tasks, &token);
     tasks.close();
     // Responses are small and latency matters: never let Nagle hold back the last segment.
     let listener = listener.tap_io(|tcp| {

@@ -5,13 +5,13 @@
 use super::error::{ApiError, status_of};
 use super::headers::*;
 use super::state::AppState;
-use crate::core::snapshot::DeviceClass;
 use crate::net::conn;
 use crate::protocol::headers::*;
 use crate::protocol::oip as infer;
 use crate::serve::idempotency::{Claim, StoredResponse};
 use crate::serve::lifecycle::{self, Placement, Refused, RequestError};
 use crate::serve::metrics::Outcome;
+use crate::serve::ran::RanOn;
 use crate::serve::service::{ModelEntry, Service};
 use axum::Json;
 use axum::body::Bytes;
@@ -112,7 +112,7 @@ pub(super) async fn model_metadata(
     ModelPath(model): ModelPath,
 ) -> Result<Json<Value>, ApiError> {
     let entry = configured(&state, &model)?;
-    let tensors = |specs: &[crate::runtime::onnx::TensorSpec]| {
+    let tensors = |specs: &[crate::core::signature::TensorSpec]| {
         specs
             .iter()
             .map(|s| json!({"name": s.name, "datatype": s.datatype.name(), "shape": s.shape}))
@@ -248,7 +248,7 @@ async fn respond(
     let result = match placed {
         Ok((served, substitution)) => {
             // Degraded mode as it is when the answer goes out, on an answer it reduced.
-            let degraded = service.degraded.for_answer(&served.pool, model);
+            let ran = service.ran_on(&served.pool, model);
             let answered = Answered {
                 model,
                 decoded: &decoded,
@@ -256,7 +256,7 @@ async fn respond(
             };
             // An answer that cannot be made (over its limit) is counted with the error the
             // client gets, not as served.
-            served_response(&answered, id, &served, degraded.as_ref(), max_bytes)
+            served_response(&answered, id, &served, &ran, max_bytes)
                 .map_err(|error| Refused::at(&served.pool, RequestError::BadInput(error)))
                 .map(|response| (response, served.pool))
         }
@@ -266,12 +266,12 @@ async fn respond(
     match result {
         Ok((response, _)) => (response, true),
         Err(refused) => {
-            let degraded = service.degraded.now();
+            let degraded = service.degraded_reason();
             // Refused before anything ran (queue full, breaker, deadline…): a retry with the
             // same key must be allowed to run.
             let executed =
                 refused.error.retry_after_secs().is_none() && !matches!(refused.error, RequestError::Deadline(_));
-            (refused_response(refused, id, degraded.as_ref()), executed)
+            (refused_response(refused, id, degraded.as_deref()), executed)
         }
     }
 }
@@ -458,10 +458,9 @@ fn served_response(
     answered: &Answered<'_>,
     id: &str,
     served: &lifecycle::Served,
-    degraded: Option<&crate::pool::degraded::Now>,
+    ran: &RanOn,
     max_bytes: usize,
 ) -> Result<Response, String> {
-    let pool = &served.pool;
     let (model, decoded) = match answered.substitution {
         Some((s, decoded)) => (s.model.as_str(), decoded),
         None => (answered.model, answered.decoded),
@@ -481,13 +480,13 @@ fn served_response(
         // When the retry's run started on the fallback, from the request's arrival.
         parameters.insert("retry_started_ms".into(), json!(started.as_secs_f64() * 1000.0));
     }
-    if let Some(degraded) = degraded {
-        parameters.insert("degraded".into(), json!(degraded.reason));
+    if let Some(degraded) = &ran.degraded {
+        parameters.insert("degraded".into(), json!(degraded));
     }
-    parameters.insert("pool".into(), json!(pool.name()));
-    parameters.insert("provider".into(), json!(pool.provider().label()));
-    parameters.insert("device".into(), json!(pool.config.device));
-    parameters.insert("simulated".into(), json!(pool.device_kind == DeviceClass::Simulated));
+    parameters.insert("pool".into(), json!(ran.pool));
+    parameters.insert("provider".into(), json!(ran.provider.label()));
+    parameters.insert("device".into(), json!(ran.device));
+    parameters.insert("simulated".into(), json!(ran.simulated));
     parameters.insert("decision".into(), json!(served.action));
     parameters.insert("request_id".into(), json!(id));
     let context = served.context.map(|(from, to)| format!("{from}->{to}"));
@@ -508,7 +507,7 @@ fn served_response(
         HeaderName::from_static(DECISION_HEADER),
         HeaderValue::from_static(served.action.label()),
     );
-    pool_headers(headers, pool, degraded);
+    pool_headers(headers, ran);
     model_header(headers, model);
     if let Some(context) = context.and_then(|c| HeaderValue::from_str(&c).ok()) {
         headers.insert(HeaderName::from_static(CONTEXT_HEADER), context);
@@ -530,7 +529,7 @@ fn served_response(
 
 /// The answer to a refused or failed request: its status, why, whether waiting helps, and
 /// the pool and degraded mode it met.
-fn refused_response(refused: lifecycle::Refused, id: &str, degraded: Option<&crate::pool::degraded::Now>) -> Response {
+fn refused_response(refused: lifecycle::Refused, id: &str, degraded: Option<&str>) -> Response {
     let error = &refused.error;
     if status_of(error).is_server_error() && error.outcome() == crate::serve::metrics::Outcome::failed {
         let pool = refused.pool.as_ref().map(|p| p.name());
@@ -571,7 +570,7 @@ fn refused_response(refused: lifecycle::Refused, id: &str, degraded: Option<&cra
         api = api.with("dims", Value::Object(dims));
     }
     if let Some(degraded) = degraded {
-        api = api.with("degraded", json!(degraded.reason));
+        api = api.with("degraded", json!(degraded));
     }
     let mut response = api.into_response();
     pool_and_degraded(

@@ -1,7 +1,8 @@
-//! Loading and unloading a model on every pool serving it: what the admin API's
+//! Loading and unloading a model on every pool serving it, as the admin API's
 //! `POST /admin/models/{model}/load|unload` and Triton's
-//! `POST /v2/repository/models/{model}/load|unload` both do (`admin.rs`,
-//! `triton/repository.rs`), under the admin API's authorization.
+//! `POST /v2/repository/models/{model}/load|unload` both answer it (`admin.rs`,
+//! `triton/repository.rs`), under the admin API's authorization. The work is the service's
+//! ([`Service::change_residency`](crate::serve::service::Service::change_residency)).
 
 use std::sync::Arc;
 
@@ -10,54 +11,44 @@ use serde_json::{Value, json};
 
 use super::error::ApiError;
 use super::state::AppState;
+use crate::serve::residency::Refusal;
 
 /// What a load or unload did on the pools serving the model.
 pub(super) struct Done {
     /// The answer: what happened on each pool and how long it took.
     pub(super) answer: Value,
-    /// Why it failed on the pools where it did.
-    pub(super) failures: Vec<crate::pool::ResidencyError>,
+    /// Why it failed on the pools where it did, and whether that pool is remote (its server
+    /// loads its own models).
+    pub(super) failures: Vec<(String, bool)>,
 }
 
-/// Load (`load`) or unload `model` on every pool serving it, off the async runtime; answers
-/// what happened on each pool and how long it took.
+/// Load (`load`) or unload `model` on every pool serving it; answers what happened on each
+/// pool and how long it took.
 pub(super) async fn change(state: &Arc<AppState>, model: String, load: bool) -> Result<Done, ApiError> {
-    let service = &state.service;
-    let config = service
-        .model(&model)
-        .map(|m| m.config.residency)
-        .ok_or_else(|| ApiError::new(StatusCode::NOT_FOUND, format!("no model `{model}`")))?;
-    if !load && config == crate::config::Residency::Pinned {
-        let refusal = crate::pool::ResidencyError::Pinned { model: model.clone() };
-        return Err(ApiError::new(StatusCode::CONFLICT, refusal.to_string()));
-    }
-    let pools: Vec<Arc<crate::pool::Pool>> = service.pools.iter().filter(|p| p.serves(&model)).cloned().collect();
-    let name = model.clone();
-    let (answers, failures) = tokio::task::spawn_blocking(move || {
-        let (mut answers, mut failures) = (Vec::new(), Vec::new());
-        for pool in &pools {
-            let started = std::time::Instant::now();
-            let result = if load {
-                pool.load_model(&name)
-            } else {
-                pool.unload_model(&name)
-            };
-            let took_ms = started.elapsed().as_secs_f64() * 1000.0;
-            answers.push(match result {
-                Ok(outcome) => json!({"pool": pool.name(), "result": outcome.label(), "took_ms": took_ms}),
-                Err(e) => {
+    let changes = state.service.change_residency(&model, load).await.map_err(|refusal| {
+        let status = match refusal {
+            Refusal::NoModel(_) => StatusCode::NOT_FOUND,
+            Refusal::Pinned(_) => StatusCode::CONFLICT,
+            Refusal::Unfinished(_) => StatusCode::INTERNAL_SERVER_ERROR,
+        };
+        ApiError::new(status, refusal.to_string())
+    })?;
+    let mut failures = Vec::new();
+    let answers: Vec<Value> = changes
+        .into_iter()
+        .map(|change| {
+            let took_ms = change.took.as_secs_f64() * 1000.0;
+            match change.result {
+                Ok(label) => json!({"pool": change.pool, "result": label, "took_ms": took_ms}),
+                Err(failure) => {
                     let answer =
-                        json!({"pool": pool.name(), "result": "failed", "error": e.to_string(), "took_ms": took_ms});
-                    failures.push(e);
+                        json!({"pool": change.pool, "result": "failed", "error": failure.message, "took_ms": took_ms});
+                    failures.push((failure.message, failure.remote));
                     answer
                 }
-            });
-        }
-        (answers, failures)
-    })
-    .await
-    .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?;
-    service.resample_now().await;
+            }
+        })
+        .collect();
     Ok(Done {
         answer: json!({"model": model, "pools": answers}),
         failures,

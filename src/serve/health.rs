@@ -13,6 +13,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
 
 use crate::core::backend::{BackendError, RunMeta};
 use crate::pool::{CheckFailure, InferJob, Pool, PoolError, RunCancel, RunMemory};
@@ -21,6 +22,24 @@ use crate::serve::service::Service;
 /// How often the breaker and the pool's load are looked at: a half-open breaker is probed
 /// within this of its cooldown ending or its restore.
 const TICK: Duration = Duration::from_millis(100);
+
+/// Start the watchers of every pool on `tasks`, until `cancel`: a remote pool's health probe
+/// of its server; a local pool's health checks ([`watch_pool`]) and idle unloads.
+pub fn watch_pools(service: &Arc<Service>, tasks: &TaskTracker, cancel: &CancellationToken) {
+    for pool in &service.pools {
+        if let crate::config::Provider::Remote(options) = pool.provider() {
+            tasks.spawn(crate::pool::remote::watch_health(
+                Arc::clone(pool),
+                options.clone(),
+                service.metrics.remote.of_pool(pool.name()),
+                cancel.clone(),
+            ));
+        } else {
+            tasks.spawn(watch_pool(Arc::clone(service), Arc::clone(pool), cancel.clone()));
+            tasks.spawn(crate::serve::idle::watch_idle(Arc::clone(pool), cancel.clone()));
+        }
+    }
+}
 
 /// Check `pool` (a local one) as its breaker and idleness say, until `cancel`.
 pub async fn watch_pool(service: Arc<Service>, pool: Arc<Pool>, cancel: CancellationToken) {

@@ -62,10 +62,9 @@ pub(super) async fn run(
             .await
             .map_err(|e| OpenAiError::internal(format!("a generation ended unanswered: {e}"), id))?;
         generated.push(result.map_err(|refused| {
-            let degraded = service.degraded.now();
             let mut error = OpenAiError::from_request(&refused.error, id);
-            if let Some(d) = degraded {
-                error.message = format!("{} (degraded: {})", error.message, d.reason);
+            if let Some(reason) = service.degraded_reason() {
+                error.message = format!("{} (degraded: {reason})", error.message);
             }
             error
         })?);
@@ -81,8 +80,7 @@ pub(super) async fn run(
         HeaderName::from_static(DECISION_HEADER),
         HeaderValue::from_static(first.action.label()),
     );
-    let degraded = service.degraded.for_answer(&first.pool, &job.model);
-    pool_headers(out, &first.pool, degraded.as_ref());
+    pool_headers(out, &service.ran_on(&first.pool, &job.model));
     if let Some((from, to, cut)) = &first.shrunk {
         shrink_headers(out, *from, *to, cut);
     }

@@ -15,10 +15,10 @@ use crate::core::tensor::Tensor;
 use crate::http::error::outcome_of_status;
 use crate::http::headers::{decode_headers, model_header, pool_headers, request_id, with_request_id};
 use crate::http::state::AppState;
-use crate::pool::Pool;
 use crate::protocol::headers::DECISION_HEADER;
 use crate::serve::lifecycle::{self, Served};
 use crate::serve::metrics::Outcome;
+use crate::serve::ran::RanOn;
 use crate::serve::service::{ModelEntry, Service, UNKNOWN_MODEL};
 
 /// A checked request: the model it names.
@@ -158,54 +158,29 @@ pub(super) async fn infer(service: &Service, request: lifecycle::Request, id: &s
 /// A refusal in OpenAI's shape, saying when the server is degraded.
 pub(super) fn refusal(service: &Service, refused: &lifecycle::Refused, id: &str) -> OpenAiError {
     let mut error = OpenAiError::from_request(&refused.error, id);
-    if let Some(d) = service.degraded.now() {
-        error.message = format!("{} (degraded: {})", error.message, d.reason);
+    if let Some(reason) = service.degraded_reason() {
+        error.message = format!("{} (degraded: {reason})", error.message);
     }
     error
 }
 
 /// `body` as the answer to a request for `model` that `served` ran, with its headers.
 pub(super) fn answer(state: &AppState, model: &str, served: &Served, body: Value) -> Response {
-    stamped(
-        state,
-        model,
-        (&served.pool, served.action),
-        axum::Json(body).into_response(),
-    )
+    let ran = state.service.ran_on(&served.pool, model);
+    stamped(model, served.action, &ran, axum::Json(body).into_response())
 }
 
 /// `response` with the headers every answer has: the model, the decision that placed it and
-/// the pool that ran it (saying when it is degraded).
-pub(super) fn stamped(state: &AppState, model: &str, ran: (&Pool, Action), response: Response) -> Response {
-    stamped_runs(state, model, ran, &[ran.0], response)
-}
-
-/// [`stamped`] for an answer made of several runs (a transcription's windows), the last one
-/// `ran`: degraded when any run of `ran_on` was (a window moved to the fallback), though the
-/// last ran where it normally runs.
-pub(super) fn stamped_runs(
-    state: &AppState,
-    model: &str,
-    (pool, action): (&Pool, Action),
-    ran_on: &[&Pool],
-    mut response: Response,
-) -> Response {
+/// where it ran (saying when it is degraded).
+pub(super) fn stamped(model: &str, action: Action, ran: &RanOn, mut response: Response) -> Response {
     let out = response.headers_mut();
     model_header(out, model);
     out.insert(
         HeaderName::from_static(DECISION_HEADER),
         HeaderValue::from_static(action.label()),
     );
-    pool_headers(out, pool, degraded_runs(state, model, ran_on).as_ref());
+    pool_headers(out, ran);
     response
-}
-
-/// Degraded mode as an answer for `model` made of the runs `ran_on` carries it: the first of
-/// them that was served degraded.
-pub(super) fn degraded_runs(state: &AppState, model: &str, ran_on: &[&Pool]) -> Option<crate::pool::degraded::Now> {
-    ran_on
-        .iter()
-        .find_map(|ran| state.service.degraded.for_answer(ran, model))
 }
 
 /// The model named in `body`'s `model`: a string, or the 400 naming it.

@@ -25,6 +25,7 @@ use crate::pool::Pool;
 use crate::runtime::text::TokenBytes;
 use crate::serve::generation;
 use crate::serve::lifecycle::{Refused, RequestError};
+use crate::serve::ran::RanOn;
 
 /// Seconds since the epoch, for a completion's `created`.
 pub(super) fn unix_now() -> u64 {
@@ -257,17 +258,18 @@ impl Stream {
     /// Which pool serves the stream and, while degraded mode reduces it, why, its limits and
     /// expected delay.
     fn facts(&self, pool: &Arc<Pool>) -> Value {
-        pool_facts(pool, self.degraded_on(pool).as_ref())
+        pool_facts(&self.ran_on(pool))
     }
 
-    /// Degraded mode as the stream's answer from `pool` carries it (for the model asked for).
-    fn degraded_on(&self, pool: &Pool) -> Option<crate::pool::degraded::Now> {
+    /// Where the stream's answer from `pool` ran, degraded mode as it carries it (for the model
+    /// asked for).
+    fn ran_on(&self, pool: &Pool) -> RanOn {
         let requested = self
             .source
             .substitution
             .as_ref()
             .map_or(&self.source.model, |s| &s.requested);
-        self.service.degraded.for_answer(pool, requested)
+        self.service.ran_on(pool, requested)
     }
 
     /// The next bytes to send, or `None` when the stream is over.
@@ -395,7 +397,7 @@ impl Stream {
 }
 
 fn sse(stream: Stream, opening: Bytes, pool: &Pool, shrunk: Option<&(u64, u64, String)>) -> Response {
-    let degraded = stream.degraded_on(pool);
+    let ran = stream.ran_on(pool);
     let model = stream.source.model.clone();
     let rest = futures_util::stream::unfold(stream, |mut stream| async move {
         let bytes = stream.next().await?;
@@ -406,7 +408,7 @@ fn sse(stream: Stream, opening: Bytes, pool: &Pool, shrunk: Option<&(u64, u64, S
     let headers = response.headers_mut();
     headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
     headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
-    pool_headers(headers, pool, degraded.as_ref());
+    pool_headers(headers, &ran);
     model_header(headers, &model);
     if let Some((from, to, cut)) = shrunk {
         shrink_headers(headers, *from, *to, cut);

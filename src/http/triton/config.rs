@@ -11,8 +11,7 @@ use serde_json::{Map, Value, json};
 
 use crate::config::{DeviceKind, Provider};
 use crate::core::signature::TensorSpec;
-use crate::core::snapshot::DeviceClass;
-use crate::pool::Pool;
+use crate::serve::ran::RanOn;
 use crate::serve::service::{ModelEntry, Service};
 
 use super::super::error::ApiError;
@@ -35,7 +34,7 @@ pub(super) async fn model_config(
 /// is `-1` still takes a batch in one request's tensors.
 fn config_of(service: &Service, entry: &ModelEntry) -> Value {
     let name = &entry.config.name;
-    let pools: Vec<&Arc<Pool>> = service.pools.iter().filter(|p| p.serves(name)).collect();
+    let pools = service.pools_serving(name);
     let mut parameters = Map::new();
     let mut parameter = |key: String, value: String| {
         parameters.insert(key, json!({"string_value": value}));
@@ -47,13 +46,10 @@ fn config_of(service: &Service, entry: &ModelEntry) -> Value {
         parameter("context.axis".into(), context.axis.to_string());
     }
     for pool in &pools {
-        let at = |what: &str| format!("pool.{}.{what}", pool.name());
-        parameter(at("provider"), pool.provider().label().into());
-        parameter(at("device"), pool.config.device.clone());
-        parameter(
-            at("simulated"),
-            (pool.device_kind == DeviceClass::Simulated).to_string(),
-        );
+        let at = |what: &str| format!("pool.{}.{what}", pool.pool);
+        parameter(at("provider"), pool.provider.label().into());
+        parameter(at("device"), pool.device.clone());
+        parameter(at("simulated"), pool.simulated.to_string());
     }
     json!({
         "name": name,
@@ -81,23 +77,23 @@ fn tensors(specs: &[TensorSpec]) -> Vec<Value> {
 /// runs at once (its workers). A CUDA pool's and a simulated accelerator's are `KIND_GPU` (the
 /// simulated one says so in the config's `parameters`: `pool.{name}.simulated`), a CPU pool's
 /// `KIND_CPU`, a remote pool's `KIND_MODEL` (its server places the runs).
-fn instance_group(service: &Service, pool: &Pool) -> Value {
-    let kind = match pool.provider() {
+fn instance_group(service: &Service, pool: &RanOn) -> Value {
+    let kind = match pool.provider {
         Provider::Cpu => "KIND_CPU",
         Provider::Cuda(_) | Provider::Simulated => "KIND_GPU",
         Provider::Remote(_) => "KIND_MODEL",
     };
-    let mut group = json!({"name": pool.name(), "kind": kind, "count": pool.config.workers});
+    let mut group = json!({"name": pool.pool, "kind": kind, "count": pool.concurrency});
     let gpu = service
         .config
         .devices
         .iter()
-        .find(|d| d.name == pool.config.device)
+        .find(|d| d.name == pool.device)
         .and_then(|d| match d.kind {
             DeviceKind::Nvidia { index } => Some(index),
             DeviceKind::Simulated { .. } => None,
         });
-    if let (Provider::Cuda(_), Some(index)) = (pool.provider(), gpu) {
+    if let (Provider::Cuda(_), Some(index)) = (&pool.provider, gpu) {
         group["gpus"] = json!([index]);
     }
     group

@@ -20,7 +20,6 @@ use serde::de::DeserializeOwned;
 use serde_json::{Map, Value, json};
 
 use crate::core::human::clipped;
-use crate::pool::ResidencyError;
 use crate::serve::service::Service;
 
 use super::super::error::ApiError;
@@ -160,14 +159,12 @@ fn refuse_unsupported(parameters: &Map<String, Value>, supported: &[&str]) -> Re
 /// The admin API's answer, or an error when some pool could not do it (Triton's client reports
 /// nothing but an error status). A remote pool is no failure: its server loads its own models.
 fn answered(done: Done) -> Result<Json<Value>, ApiError> {
-    match done
-        .failures
-        .iter()
-        .find(|e| !matches!(e, ResidencyError::Remote { .. }))
-    {
+    match done.failures.iter().find(|(_, remote)| !remote) {
         None => Ok(Json(done.answer)),
-        Some(failure) => Err(ApiError::new(StatusCode::SERVICE_UNAVAILABLE, failure.to_string())
-            .with("pools", done.answer["pools"].clone())),
+        Some((failure, _)) => {
+            Err(ApiError::new(StatusCode::SERVICE_UNAVAILABLE, failure.clone())
+                .with("pools", done.answer["pools"].clone()))
+        }
     }
 }
 

@@ -115,13 +115,8 @@ async fn serve(
     .map_err(|refused| encode::refusal(service, &refused, id))?;
     let response = formats::answer(&done.transcript, checked.request.format);
     let ran_on: Vec<&Pool> = done.ran_on.iter().map(Arc::as_ref).collect();
-    Ok(encode::stamped_runs(
-        &state,
-        &model,
-        (&done.pool, done.action),
-        &ran_on,
-        response,
-    ))
+    let ran = service.ran_on_runs(&done.pool, &model, &ran_on);
+    Ok(encode::stamped(&model, done.action, &ran, response))
 }
 
 /// Check `request` against its model (a speech model; a language it knows), decode its audio,
@@ -292,7 +287,8 @@ async fn streamed(state: Arc<AppState>, checked: Checked, id: String) -> Respons
         },
     );
     let response = Sse::new(events).into_response();
-    encode::stamped(&state, &model, (&ran.0, ran.1), response)
+    let facts = state.service.ran_on(&ran.0, &model);
+    encode::stamped(&model, ran.1, &facts, response)
 }
 
 /// The sample rate of `model`'s front end (a checked speech model).
@@ -347,8 +343,8 @@ impl Streaming {
             Piece::End(Ok(done)) => {
                 let facts = self.moved.then(|| {
                     let ran_on: Vec<&Pool> = done.ran_on.iter().map(Arc::as_ref).collect();
-                    let degraded = encode::degraded_runs(&self.state, &self.model, &ran_on);
-                    crate::http::headers::pool_facts(&done.pool, degraded.as_ref())
+                    let ran = self.state.service.ran_on_runs(&done.pool, &self.model, &ran_on);
+                    crate::http::headers::pool_facts(&ran)
                 });
                 Some(formats::done_event(&done.transcript, facts))
             }
@@ -372,7 +368,6 @@ impl Streaming {
 
     /// Where a window ran, and while that pool is degraded why, as an answer's headers say it.
     fn facts(&self, pool: &Pool) -> serde_json::Value {
-        let degraded = self.state.service.degraded.for_answer(pool, &self.model);
-        crate::http::headers::pool_facts(pool, degraded.as_ref())
+        crate::http::headers::pool_facts(&self.state.service.ran_on(pool, &self.model))
     }
 }
