@@ -6,10 +6,11 @@
 //! 8 raised to it, and the result scaled by `(x + 4) / 4`. In f64 throughout, as numpy does.
 //!
 //! Audio longer than a window is decoded a window at a time from its long-form features (the
-//! whole audio's, clamped at its maximum): that maximum is found in one pass over the audio
-//! ([`LogMel::loudest`]), then each window's features are computed from its own samples
-//! ([`LogMel::window_long`]), the same values as cut from the whole, so two hours of audio
-//! never have their features (230 MB) or an f64 copy of their samples held at once.
+//! whole audio's, clamped at its maximum): that maximum is found in one pass over the audio as
+//! it is decoded ([`Scan`], holding a frame's samples), then each window's features are
+//! computed from its own samples ([`LogMel::window_of`], given the samples it reads:
+//! [`Held`]), the same values as cut from the whole, so no transcription holds the whole
+//! audio's features (230 MB for two hours) or its samples (460 MB).
 
 use std::sync::Arc;
 
@@ -115,37 +116,46 @@ impl LogMel {
     /// row-major, the samples padded with zeros (or cut) to the window's length first, and
     /// clamped at the window's own maximum.
     pub fn features(&self, samples: &[f32]) -> Vec<f32> {
-        let log = self.log_window(samples, self.config.window_samples(), 0);
+        let log = self.log_window(Held::whole(samples), self.config.window_samples(), 0);
         let top = log.iter().copied().fold(f64::NEG_INFINITY, f64::max);
         log.iter().map(|&v| clamp(v, top)).collect()
     }
 
-    /// The loudest log-mel value of the long-form features of `samples` (as the extractor
-    /// gives them for long-form decoding, `padding="longest", truncation=False`: audio of no
-    /// more than one window padded to one): what every window of
-    /// [`window_long`](Self::window_long) is clamped by. A pass over the whole audio, a frame
-    /// at a time, holding nothing but the frame. It stops early, with the loudest of the frames
-    /// it read, once `stopped` says so (asked every [`FRAMES_BETWEEN_STOPS`]): for a caller that
-    /// has gone, so that two hours of audio are not read for nobody.
-    pub fn loudest(&self, samples: &[f32], stopped: &dyn Fn() -> bool) -> Loudest {
-        let length = self.length_long(samples.len());
-        let mut stft = Stft::new(self, samples, length);
-        let top = (0..length / self.config.hop)
-            .take_while(|frame| frame % FRAMES_BETWEEN_STOPS != 0 || !stopped())
-            .map(|frame| stft.frame(frame).iter().copied().fold(f64::NEG_INFINITY, f64::max))
-            .fold(f64::NEG_INFINITY, f64::max);
-        Loudest(top)
+    /// A pass over an audio for its loudest log-mel value, fed its samples as they are decoded.
+    pub fn scan(&self) -> Scan<'_> {
+        Scan {
+            stft: Stft::new(self),
+            held: Vec::new(),
+            offset: 0,
+            next: 0,
+            top: f64::NEG_INFINITY,
+        }
     }
 
-    /// The window at frame `seek` of the long-form features of `samples`: `[bins, frames()]`
-    /// row-major, everything below `loudest` (of [`loudest`](Self::loudest)) less 8 raised to
-    /// it, the frames past the audio's end zeros (as `transformers`' `_get_input_segment`
-    /// pads a window). The same values as cutting the features of the whole audio, computed
-    /// from the window's samples alone, so no transcription holds more than a window of them.
+    /// The loudest log-mel value of the long-form features of `samples`, as a [`Scan`] fed them
+    /// finds it.
+    pub fn loudest(&self, samples: &[f32]) -> Loudest {
+        let mut scan = self.scan();
+        scan.push(samples);
+        scan.finish().0
+    }
+
+    /// The window at frame `seek` of the long-form features of `samples`: [`window_of`](Self::window_of)
+    /// the whole audio held.
     pub fn window_long(&self, samples: &[f32], loudest: Loudest, seek: usize) -> Vec<f32> {
-        let length = self.length_long(samples.len());
+        self.window_of(Held::whole(samples), samples.len(), loudest, seek)
+    }
+
+    /// The window at frame `seek` of the long-form features of an audio of `samples` samples,
+    /// from `held`, which holds every sample the window's frames read
+    /// ([`window_reads`](Self::window_reads)): `[bins, frames()]` row-major, everything below
+    /// `loudest` (of the whole audio: [`Scan`]) less 8 raised to it, the frames past the
+    /// audio's end zeros (as `transformers`' `_get_input_segment` pads a window). The same
+    /// values as cutting the features of the whole audio.
+    pub fn window_of(&self, held: Held<'_>, samples: usize, loudest: Loudest, seek: usize) -> Vec<f32> {
+        let length = self.length_long(samples);
         let frames = self.config.frames();
-        let log = self.log_window(samples, length, seek);
+        let log = self.log_window(held, length, seek);
         // A row's frames past the audio's are zeros.
         let taken = (length / self.config.hop).saturating_sub(seek).min(frames);
         log.chunks(frames)
@@ -159,6 +169,13 @@ impl LogMel {
             .collect()
     }
 
+    /// The samples the window at frame `seek` of the long-form features reads: from the first
+    /// (its first frame's, reflected edge included) to one past the last.
+    pub fn window_reads(&self, seek: usize) -> std::ops::Range<usize> {
+        let MelConfig { n_fft, hop, .. } = self.config;
+        (seek * hop).saturating_sub(n_fft / 2)..(seek + self.config.frames()) * hop + n_fft
+    }
+
     /// The frames the long-form features of `samples` samples have (at least a window's).
     pub fn frames_long(&self, samples: usize) -> usize {
         self.length_long(samples) / self.config.hop
@@ -169,16 +186,16 @@ impl LogMel {
         samples.max(self.config.window_samples())
     }
 
-    /// The `log10` mel energies of the window of frames from `seek` of `samples` padded with
-    /// zeros (or cut) to `length`: `[bins, frames()]` row-major, of which the frames up to the
-    /// features' last (`length / hop`, the centred transform's last frame dropped, as the
-    /// extractor drops it) are computed.
-    fn log_window(&self, samples: &[f32], length: usize, seek: usize) -> Vec<f64> {
+    /// The `log10` mel energies of the window of frames from `seek` of the samples `held`
+    /// padded with zeros (or cut) to `length`: `[bins, frames()]` row-major, of which the
+    /// frames up to the features' last (`length / hop`, the centred transform's last frame
+    /// dropped, as the extractor drops it) are computed.
+    fn log_window(&self, held: Held<'_>, length: usize, seek: usize) -> Vec<f64> {
         let frames = self.config.frames();
         let mut log = vec![0.0; self.config.bins * frames];
-        let mut stft = Stft::new(self, samples, length);
+        let mut stft = Stft::new(self);
         for (at, frame) in (seek..(length / self.config.hop).min(seek + frames)).enumerate() {
-            for (band, &value) in stft.frame(frame).iter().enumerate() {
+            for (band, &value) in stft.frame(held, length, frame).iter().enumerate() {
                 log[band * frames + at] = value;
             }
         }
@@ -186,12 +203,99 @@ impl LogMel {
     }
 }
 
-/// How many frames [`LogMel::loudest`] reads between asking whether to stop: 10 s of audio at
-/// Whisper's 10 ms hop, milliseconds of CPU.
-pub const FRAMES_BETWEEN_STOPS: usize = 1000;
+/// Samples of an audio: those from sample `offset` on, as many as `samples` has. A sample
+/// before them is never read (the callers hold what they read); one after them, past the
+/// audio's end, is a zero of its padding.
+#[derive(Debug, Clone, Copy)]
+pub struct Held<'a> {
+    /// The samples held.
+    pub samples: &'a [f32],
+    /// The audio's sample the first of them is.
+    pub offset: usize,
+}
+
+impl<'a> Held<'a> {
+    /// The whole audio.
+    pub fn whole(samples: &'a [f32]) -> Held<'a> {
+        Held { samples, offset: 0 }
+    }
+
+    /// The audio's sample `i`, in f64.
+    fn get(self, i: usize) -> f64 {
+        debug_assert!(i >= self.offset, "sample {i} read, {} held on", self.offset);
+        i.checked_sub(self.offset)
+            .and_then(|i| self.samples.get(i))
+            .map_or(0.0, |&s| f64::from(s))
+    }
+}
+
+/// The pass for an audio's loudest log-mel value ([`LogMel::scan`]), as its samples are
+/// decoded: each frame is computed once the samples it reads have come ([`push`](Self::push)),
+/// the last ones when the audio's length is known ([`finish`](Self::finish)), holding no more
+/// than a frame's samples and a packet's. The same frames as the whole audio's features, so the
+/// same maximum to the bit.
+pub struct Scan<'m> {
+    stft: Stft<'m>,
+    /// The samples from `offset` on that frames not yet computed read.
+    held: Vec<f32>,
+    offset: usize,
+    /// The first frame not yet computed.
+    next: usize,
+    top: f64,
+}
+
+impl Scan<'_> {
+    /// The audio's next `samples`: every frame they complete is computed.
+    pub fn push(&mut self, samples: &[f32]) {
+        self.held.extend_from_slice(samples);
+        let MelConfig { n_fft, hop, .. } = self.stft.mel.config;
+        let known = self.offset + self.held.len();
+        // A frame reads a transform's length of samples from `frame * hop` less the edge, the
+        // first frames' reflected edges within it: one whose last sample has come lies
+        // wholly within the audio, whatever its length turns out to be.
+        while self.next * hop + n_fft <= known {
+            let held = Held {
+                samples: &self.held,
+                offset: self.offset,
+            };
+            self.top = self
+                .stft
+                .frame(held, known, self.next)
+                .iter()
+                .copied()
+                .fold(self.top, f64::max);
+            self.next += 1;
+        }
+        let first = (self.next * hop).saturating_sub(n_fft / 2);
+        let done = (first - self.offset).min(self.held.len());
+        self.held.drain(..done);
+        self.offset += done;
+    }
+
+    /// The loudest value, and how many samples the audio had: its last frames computed, now
+    /// that its length is known.
+    pub fn finish(mut self) -> (Loudest, usize) {
+        let samples = self.offset + self.held.len();
+        let mel = self.stft.mel;
+        let length = mel.length_long(samples);
+        let held = Held {
+            samples: &self.held,
+            offset: self.offset,
+        };
+        for frame in self.next..length / mel.config.hop {
+            self.top = self
+                .stft
+                .frame(held, length, frame)
+                .iter()
+                .copied()
+                .fold(self.top, f64::max);
+        }
+        (Loudest(self.top), samples)
+    }
+}
 
 /// The largest log-mel value of an audio's long-form features, which all of its windows are
-/// clamped by ([`LogMel::loudest`]).
+/// clamped by ([`Scan`]).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Loudest(f64);
 
@@ -209,13 +313,10 @@ fn clamp(log: f64, top: f64) -> f32 {
     ((log.max(top - 8.0) + 4.0) / 4.0) as f32
 }
 
-/// The short-time Fourier transform of one audio, a frame at a time: its buffers made once,
-/// each frame's samples read where they lie (the reflected edges by index), so no copy of the
-/// audio is made.
-struct Stft<'a> {
-    mel: &'a LogMel,
-    samples: &'a [f32],
-    length: usize,
+/// The short-time Fourier transform, a frame at a time: its buffers made once, each frame's
+/// samples read where they are held (the reflected edges by index), so no copy of them is made.
+struct Stft<'m> {
+    mel: &'m LogMel,
     input: Vec<f64>,
     spectrum: Vec<Complex<f64>>,
     scratch: Vec<Complex<f64>>,
@@ -223,14 +324,11 @@ struct Stft<'a> {
     log: Vec<f64>,
 }
 
-impl<'a> Stft<'a> {
-    /// The transform of `samples` padded with zeros (or cut) to `length`.
-    fn new(mel: &'a LogMel, samples: &'a [f32], length: usize) -> Stft<'a> {
+impl<'m> Stft<'m> {
+    fn new(mel: &'m LogMel) -> Stft<'m> {
         let spectrum = mel.fft.make_output_vec();
         Stft {
             mel,
-            samples,
-            length,
             input: mel.fft.make_input_vec(),
             power: vec![0.0; spectrum.len()],
             spectrum,
@@ -239,12 +337,13 @@ impl<'a> Stft<'a> {
         }
     }
 
-    /// The `log10` energy (floored) of each mel band in `frame`, centred at `frame * hop`.
-    fn frame(&mut self, frame: usize) -> &[f64] {
+    /// The `log10` energy (floored) of each mel band in `frame`, centred at `frame * hop`, of
+    /// the audio whose samples `held` holds, padded with zeros (or cut) to `length`.
+    fn frame(&mut self, held: Held<'_>, length: usize, frame: usize) -> &[f64] {
         let MelConfig { n_fft, hop, .. } = self.mel.config;
         let start = frame * hop;
         for (i, (slot, w)) in self.input.iter_mut().zip(&self.mel.window).enumerate() {
-            *slot = reflected(self.samples, self.length, n_fft / 2, start + i) * w;
+            *slot = reflected(held, length, n_fft / 2, start + i) * w;
         }
         self.mel
             .fft
@@ -266,10 +365,10 @@ impl<'a> Stft<'a> {
     }
 }
 
-/// Sample `at` of `samples` padded with zeros or cut to `length`, then with `edge` samples
-/// reflected at each end (numpy's `pad(mode="reflect")`, the edge sample itself not
-/// repeated), in f64.
-fn reflected(samples: &[f32], length: usize, edge: usize, at: usize) -> f64 {
+/// Sample `at` of the audio `held` holds, padded with zeros or cut to `length`, then with
+/// `edge` samples reflected at each end (numpy's `pad(mode="reflect")`, the edge sample itself
+/// not repeated), in f64.
+fn reflected(held: Held<'_>, length: usize, edge: usize, at: usize) -> f64 {
     let i = if at < edge {
         edge - at
     } else if at < edge + length {
@@ -277,7 +376,7 @@ fn reflected(samples: &[f32], length: usize, edge: usize, at: usize) -> f64 {
     } else {
         2 * length + edge - 2 - at
     };
-    samples.get(i).map_or(0.0, |&s| f64::from(s))
+    held.get(i)
 }
 
 /// Hz to mels on the Slaney scale: linear below 1 kHz, logarithmic above.
@@ -355,7 +454,7 @@ mod tests {
     fn reflection_leaves_the_edge_sample_out_and_pads_with_zeros_first() {
         let read = |samples: &[f32], length: usize, edge: usize| -> Vec<f64> {
             (0..length + 2 * edge)
-                .map(|at| reflected(samples, length, edge, at))
+                .map(|at| reflected(Held::whole(samples), length, edge, at))
                 .collect()
         };
         assert_eq!(
@@ -389,29 +488,44 @@ mod tests {
     }
 
     #[test]
-    fn the_pass_for_the_loudest_stops_when_asked_at_the_next_ten_seconds() {
+    fn the_scan_finds_the_loudest_frame_however_the_audio_comes() {
         let mel = LogMel::new(MelConfig::WHISPER).unwrap();
-        // 30 s: faint for the first 15, loud after.
-        let audio: Vec<f32> = (0..30 * 16_000)
+        // 40 s of a tone whose loudness changes every second: its loudest frame is anywhere.
+        let audio: Vec<f32> = (0..40 * 16_000)
             .map(|i| {
-                let loudness = if i < 15 * 16_000 { 1e-4 } else { 0.5 };
+                let loudness = ((i / 16_000) * 7 % 11) as f32 / 20.0;
                 (2.0 * std::f32::consts::PI * 440.0 * i as f32 / 16_000.0).sin() * loudness
             })
             .collect();
-        let whole = mel.loudest(&audio, &|| false).feature();
-        let asked = std::cell::Cell::new(0);
-        // Gone at the second question: the first 10 s were read, all of them faint.
-        let stopped = || {
-            asked.set(asked.get() + 1);
-            asked.get() > 1
+        // The whole audio's features, computed as the extractor does: every frame at once, of
+        // the audio padded to a window at least.
+        let whole = |audio: &[f32]| {
+            let length = mel.length_long(audio.len());
+            let mut stft = Stft::new(&mel);
+            let top = (0..length / 160)
+                .map(|frame| {
+                    let log = stft.frame(Held::whole(audio), length, frame);
+                    log.iter().copied().fold(f64::NEG_INFINITY, f64::max)
+                })
+                .fold(f64::NEG_INFINITY, f64::max);
+            (Loudest(top), audio.len())
         };
-        let first = mel.loudest(&audio, &stopped).feature();
-        assert_eq!(asked.get(), 2, "asked at frames 0 and {FRAMES_BETWEEN_STOPS}");
-        assert!(
-            first < whole - 1.0,
-            "the faint part's {first} is below the whole's {whole}"
-        );
-        assert_eq!(mel.loudest(&audio, &|| true).feature(), f32::NEG_INFINITY, "none read");
+        // A frame's samples (400, from 200 before its start) and a piece's are held, never more.
+        let pieces = |audio: &[f32], piece: usize| {
+            let mut scan = mel.scan();
+            for samples in audio.chunks(piece) {
+                scan.push(samples);
+                assert!(scan.held.len() < 600 + piece, "{piece}: {} held", scan.held.len());
+            }
+            scan.finish()
+        };
+        for piece in [1, 199, 1152, 16_000, audio.len()] {
+            assert_eq!(pieces(&audio, piece), whole(&audio), "in pieces of {piece}");
+        }
+        // Shorter than the transform, and shorter than a window: the padding is read too.
+        for short in [&audio[..100], &audio[16_000..16_000 * 5]] {
+            assert_eq!(pieces(short, 64), whole(short));
+        }
     }
 
     #[test]
@@ -419,7 +533,7 @@ mod tests {
         let mel = LogMel::new(MelConfig::WHISPER).unwrap();
         let short: Vec<f32> = (0..16_000).map(|i| ((i % 50) as f32 / 50.0) - 0.5).collect();
         assert_eq!(
-            mel.window_long(&short, mel.loudest(&short, &|| false), 0),
+            mel.window_long(&short, mel.loudest(&short), 0),
             mel.features(&short),
             "one window or less: the window"
         );
@@ -431,7 +545,7 @@ mod tests {
             })
             .collect();
         assert_eq!(mel.frames_long(long.len()), 4500);
-        let loudest = mel.loudest(&long, &|| false);
+        let loudest = mel.loudest(&long);
         let (first, second) = (
             mel.window_long(&long, loudest, 0),
             mel.window_long(&long, loudest, 1234),

@@ -1,10 +1,11 @@
 //! Audio for speech models: a file as clients send it (WAV, FLAC, MP3, Ogg Vorbis or Opus,
 //! WebM or Matroska with Opus or Vorbis, as browsers record, MP4 or M4A with AAC, as phones and
 //! Safari record, its boxes checked before they are read, `mp4.rs`; at any sample rate in
-//! [`RATES`] and any channel count) decoded a packet at a time (`source.rs`), its channels mixed to one,
-//! and resampled as it is decoded to the rate the model's features are computed at
-//! (`resample.rs`), by [`decode`]; and the log-mel spectrogram Whisper's feature extractor makes
-//! of those samples (`mel.rs`).
+//! [`RATES`] and any channel count) decoded a packet at a time (`source.rs`), its channels mixed
+//! to one, and resampled as it is decoded to the rate the model's features are computed at
+//! (`resample.rs`), as a [`Stream`]; the log-mel spectrogram Whisper's feature extractor makes
+//! of those samples (`mel.rs`); and a long file's features a window at a time, its samples
+//! never held whole (`features.rs`).
 //!
 //! Everything a client can send is bounded before it costs memory: the rate is checked before
 //! any sample is decoded, the decoded length as the packets come, so a file claiming hours
@@ -12,6 +13,7 @@
 //! refusal, not a lost connection; and a decoding whose client has gone stops at its next
 //! packet.
 
+mod features;
 pub mod mel;
 mod mp4;
 mod resample;
@@ -21,6 +23,7 @@ use std::ops::RangeInclusive;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 
 use crate::core::human::panic_message;
+pub use features::Features;
 use resample::Resample;
 use source::Source;
 
@@ -61,71 +64,114 @@ pub enum AudioError {
 }
 
 /// The mono samples of the audio file `bytes` at `rate` samples per second, at most
-/// `limit_seconds` of them.
+/// `limit_seconds` of them, all at once: for a clip, and for tests and references; a
+/// transcription reads its file through [`Stream`] (`features.rs`).
 pub fn decode(bytes: Vec<u8>, rate: u32, limit_seconds: u64) -> Result<Vec<f32>, AudioError> {
-    decode_until(bytes, rate, limit_seconds, &|| false)
+    let mut stream = Stream::open(bytes, rate, limit_seconds)?;
+    let mut samples = Vec::new();
+    while stream.next(&mut samples)? {}
+    Ok(samples)
 }
 
-/// [`decode`], stopping with [`AudioError::Stopped`] at the first packet after `stopped` says
-/// so (its client has gone). A panic in a decoder (a forged file can find one) is
-/// caught here and refused as a file that could not be decoded.
-pub fn decode_until(
-    bytes: Vec<u8>,
+/// An audio file's mono samples at a rate, decoded a packet at a time and resampled as they
+/// come ([`next`](Self::next)), and read again from the start when asked
+/// ([`rewind`](Self::rewind)). A panic in a decoder (a forged file can find one) is caught
+/// at each step and refused as a file that could not be decoded.
+pub struct Stream {
+    source: Source,
+    resample: Option<Resample>,
+    /// The rate it gives.
     rate: u32,
     limit_seconds: u64,
-    stopped: &dyn Fn() -> bool,
-) -> Result<Vec<f32>, AudioError> {
-    catch_unwind(AssertUnwindSafe(|| decode_stream(bytes, rate, limit_seconds, stopped))).unwrap_or_else(|panic| {
+    /// The most frames it may have at the file's own rate.
+    limit: u64,
+    /// Frames decoded so far, at the file's own rate.
+    taken: u64,
+    /// A packet's samples on their way to the resampler.
+    packet: Vec<f32>,
+    ended: bool,
+}
+
+impl Stream {
+    /// The audio file `bytes` opened to give mono samples at `rate` samples per second, at
+    /// most `limit_seconds` of them: its container recognised and its header checked, nothing
+    /// decoded yet.
+    pub fn open(bytes: Vec<u8>, rate: u32, limit_seconds: u64) -> Result<Stream, AudioError> {
+        caught(|| Stream::of(Source::open(bytes, limit_seconds)?, rate, limit_seconds))
+    }
+
+    /// The same file from its start (its bytes kept, not checked again): it gives the same
+    /// samples to the bit.
+    pub fn rewind(self) -> Result<Stream, AudioError> {
+        let (rate, limit_seconds) = (self.rate, self.limit_seconds);
+        caught(move || Stream::of(self.source.rewind()?, rate, limit_seconds))
+    }
+
+    fn of(source: Source, rate: u32, limit_seconds: u64) -> Result<Stream, AudioError> {
+        let resample = (source.rate != rate)
+            .then(|| Resample::new(source.rate, rate))
+            .transpose()?;
+        Ok(Stream {
+            limit: limit_seconds.saturating_mul(u64::from(source.rate)),
+            source,
+            resample,
+            rate,
+            limit_seconds,
+            taken: 0,
+            packet: Vec::new(),
+            ended: false,
+        })
+    }
+
+    /// Decode the next packet onto `out` (resampled, some of it may stay in the resampler
+    /// until more comes): `false` once the file has ended, its last samples given.
+    pub fn next(&mut self, out: &mut Vec<f32>) -> Result<bool, AudioError> {
+        caught(|| self.step(out))
+    }
+
+    fn step(&mut self, out: &mut Vec<f32>) -> Result<bool, AudioError> {
+        if self.ended {
+            return Ok(false);
+        }
+        let target = if self.resample.is_some() {
+            &mut self.packet
+        } else {
+            &mut *out
+        };
+        let before = target.len();
+        if !self.source.next(target)? {
+            self.ended = true;
+            self.source.end(self.taken)?;
+            if self.taken == 0 {
+                return Err(AudioError::Empty);
+            }
+            if let Some(resample) = &mut self.resample {
+                resample.finish(out)?;
+            }
+            return Ok(false);
+        }
+        self.taken += (target.len() - before) as u64;
+        if self.taken > self.limit {
+            return Err(AudioError::TooLong {
+                limit_seconds: self.limit_seconds,
+            });
+        }
+        if let Some(resample) = &mut self.resample {
+            resample.push(&self.packet, out)?;
+            self.packet.clear();
+        }
+        Ok(true)
+    }
+}
+
+/// `work`, a panic in it (a decoder's, on a forged file) refused as a file that could not be
+/// decoded.
+fn caught<T>(work: impl FnOnce() -> Result<T, AudioError>) -> Result<T, AudioError> {
+    catch_unwind(AssertUnwindSafe(work)).unwrap_or_else(|panic| {
         let why = panic_message(panic.as_ref());
         tracing::warn!(%why, "an audio decoder panicked on a client's file");
         Err(AudioError::Corrupt(format!("the decoder failed on it ({why})")))
     })
-}
-
-/// Decode `bytes` a packet at a time, each packet resampled to `rate` as it comes.
-fn decode_stream(
-    bytes: Vec<u8>,
-    rate: u32,
-    limit_seconds: u64,
-    stopped: &dyn Fn() -> bool,
-) -> Result<Vec<f32>, AudioError> {
-    let mut source = Source::open(bytes, limit_seconds)?;
-    let from = source.rate;
-    let limit = limit_seconds.saturating_mul(u64::from(from));
-    // What the header says it holds, within the limit, is reserved once (it is only a hint).
-    let expected = |rate: u32| (source.frames.unwrap_or(0).min(limit) * u64::from(rate) / u64::from(from)) as usize;
-    let mut resample = (from != rate)
-        .then(|| Resample::new(from, rate, expected(rate)))
-        .transpose()?;
-    let mut mono = Vec::with_capacity(if resample.is_some() { 0 } else { expected(from) });
-    let mut taken = 0u64;
-    let mut packet = Vec::new();
-    loop {
-        if stopped() {
-            return Err(AudioError::Stopped);
-        }
-        let target = if resample.is_some() { &mut packet } else { &mut mono };
-        let before = target.len();
-        if !source.next(target)? {
-            break;
-        }
-        taken += (target.len() - before) as u64;
-        if taken > limit {
-            return Err(AudioError::TooLong { limit_seconds });
-        }
-        if let Some(resample) = &mut resample {
-            resample.push(&packet)?;
-            packet.clear();
-        }
-    }
-    source.end(taken as usize)?;
-    if taken == 0 {
-        return Err(AudioError::Empty);
-    }
-    match resample {
-        Some(resample) => resample.finish(),
-        None => Ok(mono),
-    }
 }
 
 /// A 16-bit PCM WAV file of `samples` (interleaved) at `rate` with `channels`: what the drill
@@ -229,15 +275,6 @@ mod tests {
         assert_eq!(out.len(), 16_000);
         let worst = worst_against_tone(&out, 440.0 * 384_000.0 / 383_987.0);
         assert!(worst < 2e-3, "{worst}");
-    }
-
-    #[test]
-    fn a_decoding_whose_client_left_stops() {
-        let file = wav(&vec![0; 44_100], 44_100, 1);
-        assert_eq!(
-            decode_until(file, 16_000, 30, &|| true).unwrap_err(),
-            AudioError::Stopped
-        );
     }
 
     #[test]

@@ -1,5 +1,6 @@
-//! Mono samples resampled as they are decoded ([`Resample`]), fed a chunk at a time, so a file
-//! is never held at its own rate, only at the model's.
+//! Mono samples resampled as they are decoded ([`Resample`]), fed a packet at a time and giving
+//! back what each whole chunk makes, so a file is held neither at its own rate nor at the
+//! model's: the output is the same to the bit however the input is cut.
 //!
 //! Rubato's FFT resampler does it (the front end's references hold its output to ffmpeg's,
 //! `tests/it/speech_front_end.rs`), but its cost follows the rates' ratio in lowest terms: its
@@ -22,7 +23,7 @@ const CHUNK: usize = 1024;
 /// 16 kHz is 441:160; NTSC-pulled 44,056 Hz is 5,507:2,000.
 const FFT_MOST: usize = 8192;
 
-/// A resampler from `from` to `to` samples per second being fed, and what it gave so far.
+/// A resampler from `from` to `to` samples per second being fed.
 pub(super) struct Resample {
     resampler: FftFixedIn<f32>,
     from: u32,
@@ -33,14 +34,13 @@ pub(super) struct Resample {
     taken: u64,
     /// Output frames still to drop from the front: the filter's delay.
     delay: usize,
-    /// The resampled samples, the delay taken off.
-    out: Vec<f32>,
+    /// Output frames given, the delay taken off.
+    given: u64,
 }
 
 impl Resample {
-    /// A resampler from `from` to `to` Hz; `expected` output samples are reserved (a hint from
-    /// the file's header, already bounded by the caller).
-    pub(super) fn new(from: u32, to: u32, expected: usize) -> Result<Resample, AudioError> {
+    /// A resampler from `from` to `to` Hz.
+    pub(super) fn new(from: u32, to: u32) -> Result<Resample, AudioError> {
         let from = read_as(from, to);
         let resampler = FftFixedIn::<f32>::new(from as usize, to as usize, CHUNK, 2, 1)
             .map_err(|e| AudioError::Codec(format!("cannot resample {from} Hz to {to} Hz: {e}")))?;
@@ -51,12 +51,12 @@ impl Resample {
             from,
             to,
             taken: 0,
-            out: Vec::with_capacity(expected),
+            given: 0,
         })
     }
 
-    /// Take `samples`, resampling every whole chunk.
-    pub(super) fn push(&mut self, mut samples: &[f32]) -> Result<(), AudioError> {
+    /// Take `samples`, resampling every whole chunk onto `out`.
+    pub(super) fn push(&mut self, mut samples: &[f32], out: &mut Vec<f32>) -> Result<(), AudioError> {
         self.taken += samples.len() as u64;
         while !samples.is_empty() {
             let room = CHUNK - self.pending.len();
@@ -68,40 +68,45 @@ impl Resample {
                     .resampler
                     .process(std::slice::from_ref(&self.pending), None)
                     .map_err(failed)?;
-                self.keep(&chunk[0]);
+                self.keep(&chunk[0], out);
                 self.pending.clear();
             }
         }
         Ok(())
     }
 
-    /// The samples resampled: as many as the same duration holds at the new rate, the
-    /// resampler's delay taken off the front.
-    pub(super) fn finish(mut self) -> Result<Vec<f32>, AudioError> {
-        let expected = (self.taken * u64::from(self.to)).div_ceil(u64::from(self.from)) as usize;
+    /// The rest of the samples onto `out`, the input having ended: in all, as many as the
+    /// same duration holds at the new rate, the resampler's delay taken off the front.
+    pub(super) fn finish(&mut self, out: &mut Vec<f32>) -> Result<(), AudioError> {
+        let expected = (self.taken * u64::from(self.to)).div_ceil(u64::from(self.from));
         if !self.pending.is_empty() {
             let rest = std::mem::take(&mut self.pending);
             let chunk = self.resampler.process_partial(Some(&[rest]), None).map_err(failed)?;
-            self.keep(&chunk[0]);
+            self.keep(&chunk[0], out);
         }
         // What the filter still holds: flushed until the delayed tail is out.
-        while self.out.len() < expected {
+        while self.given < expected {
             let chunk = self.resampler.process_partial::<&[f32]>(None, None).map_err(failed)?;
             // Each flush gives a chunk's worth: one that gives nothing would never end.
             if chunk[0].is_empty() {
                 return Err(AudioError::Corrupt("resampling gave no samples".into()));
             }
-            self.keep(&chunk[0]);
+            self.keep(&chunk[0], out);
         }
-        self.out.truncate(expected);
-        Ok(self.out)
+        // The whole chunks before the end gave no more than the input's duration at the new
+        // rate less the delay: what overshoots came from here, and is taken back from `out`.
+        let over = (self.given - expected) as usize;
+        out.truncate(out.len().saturating_sub(over));
+        self.given = expected;
+        Ok(())
     }
 
-    /// Keep `chunk`, less what is left of the delay.
-    fn keep(&mut self, chunk: &[f32]) {
+    /// Keep `chunk` on `out`, less what is left of the delay.
+    fn keep(&mut self, chunk: &[f32], out: &mut Vec<f32>) {
         let skip = self.delay.min(chunk.len());
         self.delay -= skip;
-        self.out.extend_from_slice(&chunk[skip..]);
+        out.extend_from_slice(&chunk[skip..]);
+        self.given += (chunk.len() - skip) as u64;
     }
 }
 

@@ -6,13 +6,16 @@
 //! An MP4 file reaches Symphonia's MP4 reader only when it opens with its `ftyp` box and its
 //! boxes passed `mp4.rs`'s check; no other file is probed as MP4.
 //!
+//! A source keeps its file's bytes (checked once) to be read again from the start
+//! ([`Source::rewind`]): a long file is decoded twice rather than held decoded.
+//!
 //! What the file's header states is checked before it costs anything: a sample rate outside
 //! [`super::RATES`] is refused naming it, and a RIFF WAVE header's rate is read here before
 //! Symphonia reads it, since Symphonia 0.5 panics on a rate of 0 (the caller catches panics
 //! too, for what no check here foresees).
 
 use std::io::Cursor;
-use std::sync::LazyLock;
+use std::sync::{Arc, LazyLock};
 
 use symphonia::core::audio::SampleBuffer;
 use symphonia::core::codecs::{CODEC_TYPE_AAC, CODEC_TYPE_NULL, CodecRegistry, Decoder, DecoderOptions};
@@ -55,15 +58,30 @@ static MP4: LazyLock<Probe> = LazyLock::new(|| {
     probe
 });
 
+/// A file's bytes, checked, shared by each reading of it.
+struct File {
+    bytes: Arc<Vec<u8>>,
+    /// Its MP4 tracks, when it is MP4 (its boxes checked).
+    mp4: Option<Vec<mp4::Track>>,
+}
+
+/// A reading of [`File`]'s bytes: Symphonia reads from any byte slice it owns.
+struct Reading(Arc<Vec<u8>>);
+
+impl AsRef<[u8]> for Reading {
+    fn as_ref(&self) -> &[u8] {
+        &self.0
+    }
+}
+
 /// A file's first decodable audio track, being decoded.
 pub(super) struct Source {
+    file: File,
     format: Box<dyn FormatReader>,
     decoder: Box<dyn Decoder>,
     track: u32,
     /// Its samples per second, within [`RATES`].
     pub(super) rate: u32,
-    /// The frames its header says it holds, when it says (a hint only: a header can lie).
-    pub(super) frames: Option<u64>,
     /// Why the first damaged packet could not be decoded.
     damaged: Option<String>,
     /// Frames still to drop from the front: AAC's encoder priming in an MP4 file.
@@ -77,12 +95,26 @@ impl Source {
         if let Some(rate) = wav_rate(&bytes).filter(|r| !RATES.contains(r)) {
             return Err(AudioError::Rate(rate));
         }
-        let (probe, mp4_tracks) = if mp4::is_mp4(&bytes) {
-            (&*MP4, mp4::check(&mut bytes, limit_seconds)?)
-        } else {
-            (&*CONTAINERS, Vec::new())
+        let mp4 = match mp4::is_mp4(&bytes) {
+            true => Some(mp4::check(&mut bytes, limit_seconds)?),
+            false => None,
         };
-        let stream = MediaSourceStream::new(Box::new(Cursor::new(bytes)), Default::default());
+        Source::read(File {
+            bytes: Arc::new(bytes),
+            mp4,
+        })
+    }
+
+    /// The same file read again from its start, as it was first read.
+    pub(super) fn rewind(self) -> Result<Source, AudioError> {
+        Source::read(self.file)
+    }
+
+    /// Read `file` from its start: its track and codec found and its rate checked.
+    fn read(file: File) -> Result<Source, AudioError> {
+        let probe = if file.mp4.is_some() { &*MP4 } else { &*CONTAINERS };
+        let reading = Box::new(Cursor::new(Reading(Arc::clone(&file.bytes))));
+        let stream = MediaSourceStream::new(reading, Default::default());
         let probed = probe
             .format(
                 &Hint::new(),
@@ -122,16 +154,17 @@ impl Source {
         // Symphonia's MP4 reader and AAC decoder give the encoder's priming as audio; ffmpeg
         // drops what the edit list says precedes the media, and so does this. (Opus in MP4
         // states its pre-skip there too, which libopus' adapter drops already.)
-        let priming = match mp4_tracks.get(id as usize) {
+        let tracks = file.mp4.as_deref().unwrap_or_default();
+        let priming = match tracks.get(id as usize) {
             Some(track) if params.codec == CODEC_TYPE_AAC => track.priming(rate),
             _ => 0,
         };
         Ok(Source {
+            file,
             format,
             decoder,
             track: id,
             rate,
-            frames: params.n_frames,
             damaged: None,
             priming,
         })
@@ -183,9 +216,9 @@ impl Source {
 
     /// The stream has ended having given `samples` samples: a file whose every packet was
     /// damaged is refused with why the first was.
-    pub(super) fn end(self, samples: usize) -> Result<(), AudioError> {
-        match self.damaged {
-            Some(why) if samples == 0 => Err(AudioError::Corrupt(why)),
+    pub(super) fn end(&self, samples: u64) -> Result<(), AudioError> {
+        match &self.damaged {
+            Some(why) if samples == 0 => Err(AudioError::Corrupt(why.clone())),
             _ => Ok(()),
         }
     }

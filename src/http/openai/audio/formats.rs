@@ -18,7 +18,7 @@ use axum::response::sse::Event;
 use axum::response::{IntoResponse, Response};
 use serde_json::{Value, json};
 
-use crate::runtime::speech::{Segment, Task, Transcript};
+use crate::serve::speech::{Segment, Task, Transcript};
 
 /// What a transcription is answered in: the request's `response_format`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -1,8 +1,9 @@
 //! OpenAI's audio API for speech to text (`/v1/audio/transcriptions` and
 //! `/v1/audio/translations`): the multipart request read and checked (`request.rs`, its tests
-//! in `request/`), checked against its model, its audio decoded, transcribed by the service
-//! ([`crate::serve::speech`]) and answered in its `response_format` or as streamed events
-//! (`formats.rs`, its tests in `formats/`). See `docs/speech.md`.
+//! in `request/`), then handed to the service ([`crate::serve::speech`]), which checks it
+//! against its model, reads its audio and transcribes it; what comes back is answered in its
+//! `response_format` or as streamed events (`formats.rs`, its tests in `formats/`). No audio
+//! or model work is done here. See `docs/speech.md`.
 
 pub mod formats;
 pub mod request;
@@ -23,11 +24,9 @@ use super::error::OpenAiError;
 use crate::http::error::outcome_of_status;
 use crate::http::headers::decode_headers;
 use crate::http::state::AppState;
-use crate::pool::Pool;
-use crate::runtime::speech::Task;
 use crate::serve::lifecycle;
 use crate::serve::service::{Api, Kind, UNKNOWN_MODEL};
-use crate::serve::speech::{self, Params};
+use crate::serve::speech::{self, Ask, Audio, Params, Task, Unreadable};
 use request::AudioRequest;
 
 /// `POST /v1/audio/transcriptions`.
@@ -61,11 +60,11 @@ async fn handle(
     .await
 }
 
-/// A request read and checked against its model: the samples, the parameters, and the
+/// A request read and checked against its model: its audio read, the parameters, and the
 /// lifecycle request built from its headers.
 struct Checked {
     request: AudioRequest,
-    samples: Vec<f32>,
+    audio: Audio,
     params: Params,
     lifecycle: lifecycle::Request,
 }
@@ -101,12 +100,11 @@ async fn serve(
         return Ok(streamed(state, checked, id.to_string()).await);
     }
     let entry = service.model(&model).expect("checked");
-    let samples = Arc::new(checked.samples);
     let done = speech::transcribe(
         service,
         &state.batching,
         entry,
-        samples,
+        checked.audio,
         &checked.params,
         checked.lifecycle,
         None,
@@ -114,13 +112,11 @@ async fn serve(
     .await
     .map_err(|refused| encode::refusal(service, &refused, id))?;
     let response = formats::answer(&done.transcript, checked.request.format);
-    let ran_on: Vec<&Pool> = done.ran_on.iter().map(Arc::as_ref).collect();
-    let ran = service.ran_on_runs(&done.pool, &model, &ran_on);
-    Ok(encode::stamped(&model, done.action, &ran, response))
+    Ok(encode::stamped(&model, done.action, &done.ran, response))
 }
 
-/// Check `request` against its model (a speech model; a language it knows), decode its audio,
-/// and build its lifecycle request from `headers`.
+/// Hand `request` to its model (a speech model) to be checked and its audio read, and build
+/// its lifecycle request from `headers`.
 async fn check(
     state: &AppState,
     mut request: AudioRequest,
@@ -128,70 +124,37 @@ async fn check(
     id: &str,
     received: Instant,
 ) -> Result<Checked, OpenAiError> {
-    let service = &state.service;
-    let (_, speech) = super::model_for(state, &request.model, Api::Transcription, id, Kind::speech)?;
-    let whisper = &speech.whisper;
-    if let Some(language) = &request.language {
-        whisper
-            .language_token(language)
-            .map_err(|e| OpenAiError::invalid(e, Some("language")))?;
-    }
-    let prompt = match &request.prompt {
-        Some(text) => whisper
-            .tokenizer()
-            .encode(format!(" {}", text.trim()), false)
-            .map_err(|e| OpenAiError::invalid(format!("`prompt` cannot be tokenized: {e}"), Some("prompt")))?
-            .get_ids()
-            .to_vec(),
-        None => Vec::new(),
-    };
-    // Check the whole prompt now, so a window never fails on what the client sent.
-    whisper
-        .prompt(
-            request.task,
-            request.language.as_deref(),
-            request.format.timestamps(),
-            &prompt,
-        )
-        .map_err(|e| {
-            OpenAiError::invalid(
-                e,
-                Some(if request.language.is_some() {
-                    "language"
-                } else {
-                    "model"
-                }),
-            )
-        })?;
-    let lifecycle = decode_headers(service, &request.model, id, headers, received)
-        .map_err(|e| OpenAiError::from_request(&e, id))?;
-    // The file's bytes (up to 25 MiB) move to the decoder: nothing reads them after it. A
-    // client that goes away stops the decoding at its next packet.
-    let (rate, bytes) = (whisper.mel.rate, std::mem::take(&mut request.file));
-    let samples = super::encode::blocking(id, move |gone| {
-        request::decode_audio(bytes, rate, MAX_AUDIO_SECONDS, gone)
-    })
-    .await?;
-    let params = Params {
+    let (_, model) = super::model_for(state, &request.model, Api::Transcription, id, Kind::speech)?;
+    let ask = Ask {
         task: request.task,
         language: request.language.clone(),
-        prompt,
+        prompt: request.prompt.clone(),
         temperature: request.temperature,
         timestamps: request.format.timestamps(),
         seed: seed_of(id),
     };
+    let params = speech::params(model, ask).map_err(|e| OpenAiError::invalid(e.message, Some(e.field)))?;
+    let lifecycle = decode_headers(&state.service, &request.model, id, headers, received)
+        .map_err(|e| OpenAiError::from_request(&e, id))?;
+    // The file's bytes (up to 25 MiB) go to the service, which keeps them while it transcribes
+    // (its samples are decoded from them a window at a time). A client that goes away stops
+    // the reading at its next packet.
+    let audio = Audio::read(model, std::mem::take(&mut request.file))
+        .await
+        .map_err(|unreadable| match unreadable {
+            Unreadable::File(why) => OpenAiError::invalid(format!("`file`: {why}"), Some("file")),
+            Unreadable::Failed(why) => {
+                tracing::error!(%why, "reading a request's audio did not finish");
+                OpenAiError::internal("reading the request failed".into(), id)
+            }
+        })?;
     Ok(Checked {
         request,
-        samples,
+        audio,
         params,
         lifecycle,
     })
 }
-
-/// The most seconds of audio one request may have: two hours, 115 million samples at 16 kHz
-/// (460 MB of FP32 while it is transcribed); OpenAI's 25 MB file limit holds less than that
-/// for any compressed format but WAV at a low rate.
-const MAX_AUDIO_SECONDS: u64 = 2 * 3600;
 
 /// A sampler's seed from the request's id: a request sent again with the same id samples the
 /// same tokens (temperature above 0).
@@ -215,18 +178,17 @@ enum Piece {
 async fn streamed(state: Arc<AppState>, checked: Checked, id: String) -> Response {
     let (pieces, mut received) = mpsc::channel::<Piece>(8);
     let model = checked.request.model.clone();
-    let duration = checked.samples.len() as f64 / f64::from(rate_of(&state, &model));
+    let duration = checked.audio.duration();
     let (task_state, task_model) = (Arc::clone(&state), model.clone());
     tokio::spawn(async move {
         let (sink, mut texts) = mpsc::channel::<speech::Window>(8);
         let service = &task_state.service;
         let entry = service.model(&task_model).expect("checked");
-        let samples = Arc::new(checked.samples);
         let run = speech::transcribe(
             service,
             &task_state.batching,
             entry,
-            samples,
+            checked.audio,
             &checked.params,
             checked.lifecycle,
             Some(sink),
@@ -256,17 +218,16 @@ async fn streamed(state: Arc<AppState>, checked: Checked, id: String) -> Respons
         None => return OpenAiError::internal("the transcription ended without an answer".into(), &id).into_response(),
     };
     let ran = match &first {
-        Piece::Text(window) => (Arc::clone(&window.pool), window.action),
-        Piece::End(Ok(done)) => (Arc::clone(&done.pool), done.action),
+        Piece::Text(window) => (window.ran.clone(), window.action),
+        Piece::End(Ok(done)) => (done.ran.clone(), done.action),
         Piece::End(Err(_)) => unreachable!("answered above"),
     };
     let streaming = Streaming {
         state: Arc::clone(&state),
         id,
-        model: model.clone(),
         duration,
         first: true,
-        pool: Arc::clone(&ran.0),
+        pool: ran.0.pool.clone(),
         moved: false,
         done: 0.0,
     };
@@ -287,14 +248,7 @@ async fn streamed(state: Arc<AppState>, checked: Checked, id: String) -> Respons
         },
     );
     let response = Sse::new(events).into_response();
-    let facts = state.service.ran_on(&ran.0, &model);
-    encode::stamped(&model, ran.1, &facts, response)
-}
-
-/// The sample rate of `model`'s front end (a checked speech model).
-fn rate_of(state: &AppState, model: &str) -> u32 {
-    let entry = state.service.model(model).expect("checked");
-    entry.kind.speech().expect("checked: a speech model").whisper.mel.rate
+    encode::stamped(&model, ran.1, &ran.0, response)
 }
 
 /// A stream's events past its headers, which went out with its first window. What they could
@@ -306,14 +260,13 @@ fn rate_of(state: &AppState, model: &str) -> u32 {
 struct Streaming {
     state: Arc<AppState>,
     id: String,
-    model: String,
     /// Seconds of the request's audio.
     duration: f64,
     /// No text sent yet: the first delta's text is trimmed at its start, as the done event's is,
     /// so that the deltas add up to it.
     first: bool,
     /// The pool of the last window.
-    pool: Arc<Pool>,
+    pool: String,
     /// Some window ran on another pool than the one the headers name.
     moved: bool,
     /// Seconds of the audio whose text has been sent.
@@ -326,8 +279,8 @@ impl Streaming {
         match piece {
             Piece::Text(window) => {
                 self.done = window.done;
-                let facts = (!Arc::ptr_eq(&window.pool, &self.pool)).then(|| self.facts(&window.pool));
-                self.pool = window.pool;
+                let facts = (window.ran.pool != self.pool).then(|| crate::http::headers::pool_facts(&window.ran));
+                self.pool = window.ran.pool;
                 self.moved |= facts.is_some();
                 let text = if self.first {
                     window.text.trim_start()
@@ -341,11 +294,7 @@ impl Streaming {
                 Some(formats::delta_event(text, facts))
             }
             Piece::End(Ok(done)) => {
-                let facts = self.moved.then(|| {
-                    let ran_on: Vec<&Pool> = done.ran_on.iter().map(Arc::as_ref).collect();
-                    let ran = self.state.service.ran_on_runs(&done.pool, &self.model, &ran_on);
-                    crate::http::headers::pool_facts(&ran)
-                });
+                let facts = self.moved.then(|| crate::http::headers::pool_facts(&done.ran));
                 Some(formats::done_event(&done.transcript, facts))
             }
             Piece::End(Err(refused)) => {
@@ -364,10 +313,5 @@ impl Streaming {
                 Some(Event::default().data(json!({"type": "error", "error": body}).to_string()))
             }
         }
-    }
-
-    /// Where a window ran, and while that pool is degraded why, as an answer's headers say it.
-    fn facts(&self, pool: &Pool) -> serde_json::Value {
-        crate::http::headers::pool_facts(&self.state.service.ran_on(pool, &self.model))
     }
 }

@@ -1,9 +1,9 @@
 //! The request of `POST /v1/audio/transcriptions` and `/v1/audio/translations`, read from the
 //! multipart form OpenAI's clients send (the `openai` package: one part per field, the audio as
 //! a `file` part with its file name, repeated fields named with `[]`, booleans as `true`/`false`,
-//! numbers as decimal text) and checked into an [`AudioRequest`]; and the audio decoded for the
-//! model ([`decode_audio`]). Every refusal is a 400 naming the field at fault, but an audio file
-//! over [`MAX_FILE_BYTES`], which is OpenAI's 413.
+//! numbers as decimal text) and checked into an [`AudioRequest`], its file's bytes left as they
+//! came for the service to read. Every refusal is a 400 naming the field at fault, but an audio
+//! file over [`MAX_FILE_BYTES`], which is OpenAI's 413.
 //!
 //! Fields nobody knows are skipped, as JSON endpoints here skip unknown keys, so a client's
 //! extra fields for another server do no harm. Fields of OpenAI's API that would change the
@@ -17,8 +17,7 @@ use axum::http::StatusCode;
 
 use super::formats::Format;
 use crate::http::openai::OpenAiError;
-use crate::runtime::audio;
-use crate::runtime::speech::Task;
+use crate::serve::speech::Task;
 
 /// The most bytes an audio file may have: OpenAI's limit for its audio endpoints ("25 MB", which
 /// its 413 spells as 26214400 bytes), so a client that splits its audio for OpenAI splits it
@@ -353,20 +352,6 @@ fn language(value: Option<&str>) -> Result<Option<String>, OpenAiError> {
             Some("language"),
         )),
     }
-}
-
-/// The mono samples of an audio file at `rate` samples per second, at most `limit_seconds` of
-/// them, or the 400 saying what is wrong with the file; stopped when `stopped` says so.
-/// Decoding and resampling are CPU work of tens of milliseconds a minute of audio: call it in
-/// `spawn_blocking`.
-pub fn decode_audio(
-    bytes: Vec<u8>,
-    rate: u32,
-    limit_seconds: u64,
-    stopped: &dyn Fn() -> bool,
-) -> Result<Vec<f32>, OpenAiError> {
-    audio::decode_until(bytes, rate, limit_seconds, stopped)
-        .map_err(|e| OpenAiError::invalid(format!("`file`: {e}"), Some("file")))
 }
 
 #[cfg(test)]

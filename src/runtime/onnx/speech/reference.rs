@@ -51,7 +51,7 @@ fn long_form(
     mut prompt: Vec<i64>,
 ) -> (Vec<Window>, Vec<WindowSegment>) {
     let total = mel.frames_long(audio.len()) as u64;
-    let loudest = mel.loudest(audio, &|| false);
+    let loudest = mel.loudest(audio);
     let (mut seek, mut windows, mut segments) = (0, Vec::new(), Vec::new());
     while seek < total {
         assert!(windows.len() < 50, "the seek moves on");
@@ -197,7 +197,7 @@ fn the_long_clip_gives_the_long_form_windows_seeks_and_segments() {
             expected["features"]["frames"].as_u64().unwrap(),
             "{name}"
         );
-        let top = mel.loudest(&audio, &|| false).feature();
+        let top = mel.loudest(&audio).feature();
         let max = expected["features"]["max"].as_f64().unwrap() as f32;
         assert!(
             (top - max).abs() < 1e-4,

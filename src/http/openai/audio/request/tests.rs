@@ -338,19 +338,3 @@ async fn a_body_that_is_not_a_multipart_form_is_a_400_saying_so() {
     );
     assert_eq!(unread.model.as_deref(), Some("whisper"));
 }
-
-#[test]
-fn audio_that_does_not_decode_is_a_400_naming_the_file() {
-    let error = decode_audio(b"this is not audio".to_vec(), 16_000, 30, &|| false).unwrap_err();
-    assert_eq!(
-        (error.status, error.param.as_deref()),
-        (StatusCode::BAD_REQUEST, Some("file"))
-    );
-    assert!(
-        error
-            .message
-            .starts_with("`file`: the file is not WAV, FLAC, MP3, Ogg, WebM or MP4 audio"),
-        "{}",
-        error.message
-    );
-}

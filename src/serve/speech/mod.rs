@@ -7,9 +7,14 @@
 //! [`crate::runtime::onnx`]'s window job), so what crosses the bus is its features in and its
 //! tokens out.
 //!
+//! A request's parameters and its audio file are read first (`input.rs`): the file is read
+//! through once for its length and loudest value, and decoded again window by window as the
+//! windows are transcribed, so that its samples are never held whole. What it asks and what
+//! comes back are the types of `transcript.rs`.
+//!
 //! Windows are cut as `transformers`' `generate` cuts them: features of the whole audio (of
 //! audio of 30 s or less, padded to 30 s; computed a window at a time,
-//! [`crate::runtime::audio::mel::LogMel::window_long`]), a window at each seek, the seek moved on by what the
+//! [`crate::runtime::audio::Features`]), a window at each seek, the seek moved on by what the
 //! window's timestamps consumed, so a segment cut off at a window's end is decoded again whole
 //! in the next ([`crate::runtime::speech::window_segments`]), timestamps asked or not: a window
 //! decoded without them that writes pairs of them all the same is cut there too.
@@ -23,7 +28,9 @@
 //! never a replay of anything the client saw: streamed text goes out a window at a time, once
 //! the window is decoded.
 
-use std::io::Write;
+mod input;
+mod transcript;
+
 use std::sync::Arc;
 
 use tokio::sync::mpsc;
@@ -33,33 +40,16 @@ use crate::core::snapshot::Action;
 use crate::core::tensor::{Tensor, TensorData};
 use crate::pool::Pool;
 use crate::pool::activity::Progress;
-use crate::runtime::audio::mel::LogMel;
-use crate::runtime::speech::{
-    Segment, SpeechModel, Task, Transcript, Whisper, WindowSegment, frames_at, seconds_at, window_segments,
-};
+use crate::runtime::audio::AudioError;
+use crate::runtime::speech::{SpeechModel, Whisper, WindowSegment, frames_at, seconds_at, window_segments};
 use crate::serve::batching::{Batchers, Series};
 use crate::serve::lifecycle::{self, Refused, Request, RequestError};
 use crate::serve::metrics::FailoverReason;
+use crate::serve::ran::RanOn;
 use crate::serve::service::{Api, ModelEntry, Service};
-
-/// How to transcribe.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Params {
-    /// Transcribe or translate.
-    pub task: Task,
-    /// The language spoken (a code or Whisper's name for it); `None`: detected from the first
-    /// window.
-    pub language: Option<String>,
-    /// Text tokens that come before the audio (OpenAI's `prompt`: spelling, style).
-    pub prompt: Vec<u32>,
-    /// Softmax temperature; 0 picks the most likely token.
-    pub temperature: f32,
-    /// Segments with their times from the timestamp tokens (audio over one window is decoded
-    /// with them whatever this says: they decide where each next window starts).
-    pub timestamps: bool,
-    /// The sampler's seed (window `i` samples from `seed + i`).
-    pub seed: u64,
-}
+pub use input::{Ask, Audio, Invalid, MAX_AUDIO_SECONDS, Params, Unreadable, params};
+use transcript::compression_ratio;
+pub use transcript::{Segment, Task, Transcript};
 
 /// Where each window goes as it is decoded (streamed transcriptions).
 pub type Sink = mpsc::Sender<Window>;
@@ -70,8 +60,8 @@ pub type Sink = mpsc::Sender<Window>;
 pub struct Window {
     /// Its text (empty when it holds none).
     pub text: String,
-    /// The pool that ran it.
-    pub pool: Arc<Pool>,
+    /// Where it ran.
+    pub ran: RanOn,
     /// The decision that placed it.
     pub action: Action,
     /// Seconds of the audio that the text of this window and those before it covers: the next
@@ -85,16 +75,14 @@ pub struct Window {
 pub struct Transcribed {
     /// What it says.
     pub transcript: Transcript,
-    /// The pool that ran its last window.
-    pub pool: Arc<Pool>,
+    /// Where its last window ran, degraded when any window's run was (one moved to the
+    /// fallback) though the last ran where it normally runs.
+    pub ran: RanOn,
     /// The decision that placed its last window.
     pub action: Action,
     /// Set when a window moved to the fallback pool after an allocator failure (the last such
     /// window's reason).
     pub retried: Option<FailoverReason>,
-    /// Every pool its windows ran on, each once, in the order they first did: an answer whose
-    /// last window ran where it normally runs may have had others moved to the fallback.
-    pub ran_on: Vec<Arc<Pool>>,
 }
 
 /// What one window's run gave.
@@ -105,14 +93,14 @@ struct Decoded {
     no_speech_prob: f64,
 }
 
-/// Transcribe `samples` (mono, at the model's rate) with `entry`'s Whisper model, counted from
+/// Transcribe `audio` (read for `entry`'s model) with `entry`'s Whisper model, counted from
 /// here as one request (`request` carries its id, deadline and priority; its inputs are built
 /// here). Each window goes to `sink` as it is decoded.
 pub async fn transcribe(
     service: &Service,
     batchers: &Batchers,
     entry: &ModelEntry,
-    samples: Arc<Vec<f32>>,
+    audio: Audio,
     params: &Params,
     mut request: Request,
     sink: Option<Sink>,
@@ -126,56 +114,58 @@ pub async fn transcribe(
         return Err(lifecycle::reject(service, &entry.config.name, error, request.received));
     };
     let counted = lifecycle::Counted::start(service, &mut request);
-    let transcribed = windows(batchers, speech, Arc::clone(&samples), params, &request, sink).await;
-    counted.finish(transcribed.as_ref().map(|t| t.pool.as_ref()));
-    if let Ok(done) = &transcribed {
+    let transcribed = windows(service, batchers, speech, audio, params, &request, sink).await;
+    counted.finish(transcribed.as_ref().map(|(_, pool)| pool.as_ref()));
+    if let Ok((done, pool)) = &transcribed {
         let elapsed = Instant::now().duration_since(request.received).as_secs_f64();
-        (service.metrics.speech).transcribed(&entry.config.name, done.pool.name(), done.transcript.duration, elapsed);
+        (service.metrics.speech).transcribed(&entry.config.name, pool.name(), done.transcript.duration, elapsed);
     }
-    transcribed
+    transcribed.map(|(done, _)| done)
 }
 
-/// Decode every window of `samples` in turn.
+/// Decode every window of `audio` in turn: the transcription, and the pool its last window
+/// ran on.
 async fn windows(
+    service: &Service,
     batchers: &Batchers,
     speech: &SpeechModel,
-    samples: Arc<Vec<f32>>,
+    mut audio: Audio,
     params: &Params,
     request: &Request,
     sink: Option<Sink>,
-) -> Result<Transcribed, Refused> {
+) -> Result<(Transcribed, Arc<Pool>), Refused> {
     let whisper = &speech.whisper;
     // Due from now: concurrent transcriptions' first windows wait for this one's features.
     let series: Series = batchers.series(&request.model);
     let config = whisper.mel;
     let window_frames = config.frames();
-    let long = samples.len() > config.window_samples();
-    // The features are computed a window at a time, under the whole audio's maximum (a pass
-    // over it first): the whole audio's would be half as large again as its samples.
-    let loudest = front_end(speech, &samples, |mel, samples, stopped| mel.loudest(samples, stopped)).await;
-    let total = speech.mel.frames_long(samples.len()) as u64;
-    let duration = samples.len() as f64 / f64::from(config.rate);
+    let samples = audio.features.samples();
+    let long = samples > config.window_samples();
+    let total = speech.mel.frames_long(samples) as u64;
+    let duration = audio.duration();
     // Long audio is always decoded with timestamps: they say where the next window starts.
     let timestamps = params.timestamps || long;
     let mut language = params.language.clone();
     let (mut seek, mut index) = (0u64, 0u64);
     let mut all_tokens = Vec::new();
     let mut segments: Vec<Segment> = Vec::new();
-    let mut last = None;
+    let mut last: Option<lifecycle::Served> = None;
     let mut detected = None;
     let (mut retried, mut ran_on) = (None, Vec::<Arc<Pool>>::new());
     while seek < total {
         let frames = frames_at(total, seek, window_frames as u64);
-        let input = front_end(speech, &samples, move |mel, samples, _| {
-            mel.window_long(samples, loudest, seek as usize)
-        })
-        .await;
+        let (back, input) = window_features(speech, audio, seek).await;
+        audio = back;
+        let input = input.map_err(|e| Refused {
+            pool: last.as_ref().map(|served| Arc::clone(&served.pool)),
+            error: input::unreadable_window(e),
+        })?;
         // The language was checked when the request was read.
         // The client's prompt conditions the first window only (`transformers`' default
         // `prompt_condition_type`, "first-segment").
         let previous: &[u32] = if index == 0 { &params.prompt } else { &[] };
         let prompt = whisper
-            .prompt(params.task, language.as_deref(), timestamps, previous)
+            .prompt(params.task.whisper(), language.as_deref(), timestamps, previous)
             .map_err(|e| Refused {
                 pool: None,
                 error: RequestError::BadInput(e),
@@ -195,12 +185,12 @@ async fn windows(
             }
             detected = Some(name.unwrap_or_else(|| "english".to_string()));
         }
-        let (window_segments, consumed) = cut(whisper, &decoded, seek, frames, samples.len());
+        let (window_segments, consumed) = cut(whisper, &decoded, seek, frames, samples);
         let text = window_text(whisper, &window_segments).map_err(|e| failed(&served.pool, e))?;
         if let Some(sink) = &sink {
             let window = Window {
                 text,
-                pool: Arc::clone(&served.pool),
+                ran: service.ran_on(&served.pool, &request.model),
                 action: served.action,
                 done: seconds_at(seek + consumed.max(1)).min(duration),
             };
@@ -235,7 +225,8 @@ async fn windows(
     }
     let served = last.expect("audio has at least one window");
     let text = whisper.text(&all_tokens).map_err(|e| failed(&served.pool, e))?;
-    Ok(Transcribed {
+    let runs: Vec<&Pool> = ran_on.iter().map(Arc::as_ref).collect();
+    let transcribed = Transcribed {
         transcript: Transcript {
             text,
             language: detected.unwrap_or_else(|| "english".to_string()),
@@ -243,26 +234,24 @@ async fn windows(
             segments,
             task: params.task,
         },
-        pool: served.pool,
+        ran: service.ran_on_runs(&served.pool, &request.model, &runs),
         action: served.action,
         retried,
-        ran_on,
-    })
+    };
+    Ok((transcribed, served.pool))
 }
 
-/// `work` on `speech`'s log-mel front end and `samples`, off the async threads: a few
-/// milliseconds of CPU per window, a second or two for a pass over two hours. `work` is handed
-/// a flag that turns true when this future is dropped (the client went away), to stop a long
-/// pass at.
-async fn front_end<T: Send + 'static>(
-    speech: &SpeechModel,
-    samples: &Arc<Vec<f32>>,
-    work: impl FnOnce(&LogMel, &[f32], &dyn Fn() -> bool) -> T + Send + 'static,
-) -> T {
-    let (mel, samples) = (Arc::clone(&speech.mel), Arc::clone(samples));
-    crate::core::blocking::until_dropped(move |stopped| work(&mel, &samples, stopped))
-        .await
-        .expect("computing features does not panic")
+/// The features of `audio`'s window at `seek`, off the async threads (a few milliseconds of
+/// decoding and of CPU for its frames), `audio` coming back with them. Its decoding stops at the
+/// next packet once this future is dropped (the client went away).
+async fn window_features(speech: &SpeechModel, mut audio: Audio, seek: u64) -> (Audio, Result<Vec<f32>, AudioError>) {
+    let mel = Arc::clone(&speech.mel);
+    crate::core::blocking::until_dropped(move |stopped| {
+        let window = audio.features.window(&mel, seek as usize, stopped);
+        (audio, window)
+    })
+    .await
+    .expect("computing features does not panic: a decoder's panic is an error")
 }
 
 /// Window `index`'s run: its features and prompt as the window job takes them (one row).
@@ -368,18 +357,6 @@ fn window_text(whisper: &Whisper, segments: &[WindowSegment]) -> Result<String, 
     whisper.text(&tokens)
 }
 
-/// A text's length over its length compressed by zlib (at zlib's default level, 6), as Whisper
-/// computes a segment's `compression_ratio`: text that repeats itself compresses well, so a
-/// ratio above 2.4 flags a decoding stuck in a loop. zlib-rs writes the bytes zlib writes, so
-/// the ratio is Whisper's to the last digit.
-pub fn compression_ratio(text: &str) -> f64 {
-    let mut zlib = flate2::write::ZlibEncoder::new(Vec::new(), flate2::Compression::new(6));
-    // Writing into a Vec cannot fail.
-    zlib.write_all(text.as_bytes()).expect("compressing into memory");
-    let compressed = zlib.finish().expect("compressing into memory");
-    text.len() as f64 / compressed.len() as f64
-}
-
 /// A window's answer that cannot be read (a fault of the server, logged): the client's error
 /// names the pool, as any failed run's does.
 fn failed(pool: &Arc<Pool>, why: String) -> Refused {
@@ -390,31 +367,4 @@ fn failed(pool: &Arc<Pool>, why: String) -> Refused {
             pool: pool.name().to_string(),
         },
     )
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// The lengths Python's `zlib.compress` gives these texts (zlib 1.2.13, level 6), as Whisper's
-    /// `compression_ratio` divides by them.
-    #[test]
-    fn the_compression_ratio_is_whispers() {
-        let cases = [
-            ("", 0, 8),
-            (" Hello world.", 13, 21),
-            (
-                " The beach was a popular spot on a hot summer day. People were swimming in the ocean, building sandcastles, and playing beach volleyball.",
-                137,
-                110,
-            ),
-            (&" the".repeat(27), 108, 15),
-            (" Ça va? Très bien, merci. 日本語のテキストも少し。", 64, 75),
-        ];
-        for (text, bytes, compressed) in cases {
-            assert_eq!(compression_ratio(text), bytes as f64 / compressed as f64, "{text:?}");
-        }
-        // A loop of the same words is what the ratio flags (Whisper's threshold is 2.4).
-        assert!(compression_ratio(&" the".repeat(27)) > 2.4);
-    }
 }
