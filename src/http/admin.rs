@@ -29,7 +29,6 @@ use tokio::net::UnixListener;
 use super::error::ApiError;
 use super::residency;
 use super::state::AppState;
-use super::status::policy_status;
 
 /// How an admin request was let in, shown by `GET /admin`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -201,7 +200,9 @@ async fn admin_policy_reload(State(state): State<Arc<AppState>>) -> Result<Json<
         .await
         .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?;
     match result {
-        Ok(_) => Ok(Json(json!({"reloaded": true, "policy": policy_status(&state.service)}))),
+        Ok(_) => Ok(Json(
+            json!({"reloaded": true, "policy": state.service.serving_policy()}),
+        )),
         Err(e) => Err(ApiError::new(
             StatusCode::UNPROCESSABLE_ENTITY,
             format!("reload refused; the previous policy keeps serving: {e}"),

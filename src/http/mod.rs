@@ -11,7 +11,6 @@ pub mod openai;
 mod residency;
 mod state;
 mod status;
-mod status_models;
 mod triton;
 
 pub use error::{ApiError, status_of};

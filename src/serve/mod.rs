@@ -15,4 +15,5 @@ pub mod residency;
 pub mod router;
 pub mod service;
 pub mod speech;
+pub mod status;
 pub mod workers;
