@@ -79,7 +79,7 @@ pub(super) async fn run(
         HeaderName::from_static(DECISION_HEADER),
         HeaderValue::from_static(first.action.label()),
     );
-    pool_headers(out, &first.ran_on(service));
+    pool_headers(out, &service.ran_on(&first.pool, &job.model));
     if let Some((from, to, cut)) = &first.shrunk {
         shrink_headers(out, *from, *to, cut);
     }
