@@ -88,7 +88,10 @@ pub(super) async fn run(
 
 /// A whole answer's body: the completion object, one choice per generation in the job's order.
 fn whole(state: &AppState, job: &Job, model: &str, generated: &[generation::Generated], id: &str) -> Value {
-    let bytes = Spelling::of(&state.service, model);
+    // Only an answer that gives log-probabilities spells its tokens.
+    let bytes = (job.params.logprobs.is_some())
+        .then(|| Spelling::of(&state.service, model))
+        .flatten();
     let mut usage = Usage::default();
     let mut choices = Vec::with_capacity(generated.len());
     for (index, generated) in generated.iter().enumerate() {

@@ -128,7 +128,7 @@ impl<'de> Deserialize<'de> for ToolChoice {
 
 /// A chat body: its messages, the tools sent and which of them the model is offered (and
 /// whether it must call one), for the generation to render with the model's template.
-pub(super) fn read(state: &AppState, body: &[u8], id: &str) -> Result<Draft, OpenAiError> {
+pub(super) fn read<'a>(state: &'a AppState, body: &[u8], id: &str) -> Result<Draft<'a>, OpenAiError> {
     let value = body::parse(body)?;
     let sampling: Sampling = body::fields(&value)?;
     unserved(&body::fields(&value)?)?;
@@ -136,7 +136,7 @@ pub(super) fn read(state: &AppState, body: &[u8], id: &str) -> Result<Draft, Ope
     let request: ChatRequest = body::fields(value)?;
     let format = format::schema(request.response_format.as_ref())?;
     let logprobs = chat_logprobs(request.logprobs, request.top_logprobs)?;
-    text_model(state, &sampling.model, id)?;
+    let model = text_model(state, &sampling.model, id)?;
     let tools = request.tools.unwrap_or_default();
     let tool_choice = |message: String| OpenAiError::invalid(message, Some("tool_choice"));
     let (offered, call) = match request.tool_choice {
@@ -174,6 +174,7 @@ pub(super) fn read(state: &AppState, body: &[u8], id: &str) -> Result<Draft, Ope
         call,
     };
     Ok(Draft {
+        model,
         sampling,
         prompts: generation::Prompts::Chat(chat),
         echo: false,

@@ -114,7 +114,9 @@ impl Job {
 }
 
 /// What a completion or a chat request contributes to its [`Job`] before the checks they share.
-pub(super) struct Draft {
+pub(super) struct Draft<'a> {
+    /// The model named, found as it was read.
+    pub(super) model: (&'a ModelEntry, &'a Generator),
     pub(super) sampling: Sampling,
     /// The prompts: a completion's, or a chat's messages and tools.
     pub(super) prompts: Prompts,
@@ -161,8 +163,9 @@ pub(super) fn refuse_unsupported<const N: usize>(fields: [(bool, &'static str); 
 
 /// Check a completion's or a chat's [`Draft`] into a [`Job`]: how many choices, then the
 /// generation's job for the model named (its prompts tokenized, its sampling checked).
-pub(super) fn checked(state: &AppState, draft: Draft, id: &str) -> Result<Job, OpenAiError> {
+pub(super) fn checked(draft: Draft<'_>, id: &str) -> Result<Job, OpenAiError> {
     let Draft {
+        model: (entry, text),
         sampling,
         prompts,
         echo,
@@ -171,7 +174,6 @@ pub(super) fn checked(state: &AppState, draft: Draft, id: &str) -> Result<Job, O
         logprobs,
     } = draft;
     let stream = sampling.stream == Some(true);
-    let (entry, text) = text_model(state, &sampling.model, id)?;
     // Chat adds its end-of-turn string to `stop`; the client's own stay within 4.
     if let Some(Stop::Many(v)) = &sampling.stop
         && v.len() > 4
@@ -265,7 +267,7 @@ fn prompts_of(prompt: &Value) -> Result<Vec<PromptIn>, OpenAiError> {
 }
 
 /// A `POST /v1/completions` body: its prompts.
-pub(super) fn read_completion(state: &AppState, body: &[u8], id: &str) -> Result<Draft, OpenAiError> {
+pub(super) fn read_completion<'a>(state: &'a AppState, body: &[u8], id: &str) -> Result<Draft<'a>, OpenAiError> {
     let value = body::parse(body)?;
     let sampling: Sampling = body::fields(&value)?;
     let request: CompletionRequest = body::fields(value)?;
@@ -295,12 +297,13 @@ pub(super) fn read_completion(state: &AppState, body: &[u8], id: &str) -> Result
                 as u32,
         ),
     };
-    text_model(state, &sampling.model, id)?;
+    let model = text_model(state, &sampling.model, id)?;
     let prompts = prompts_of(&request.prompt)?;
     let format = format::schema(request.response_format.as_ref())?;
     // OpenAI's legacy default for completions (chat's is the rest of the context).
     let max_tokens = Some(sampling.max_tokens.unwrap_or(16));
     Ok(Draft {
+        model,
         sampling,
         prompts: Prompts::Completion(prompts),
         echo,
