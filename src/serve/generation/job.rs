@@ -312,3 +312,69 @@ fn penalties(sampling: &Sampling, defaults: &SamplingDefaults, vocab: u64) -> Re
         bias,
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sampling_left_out_takes_the_folders_defaults_and_each_field_is_checked_by_name() {
+        let defaults = SamplingDefaults {
+            temperature: Some(0.7),
+            top_p: Some(0.9),
+            top_k: Some(20),
+            repetition_penalty: Some(1.1),
+        };
+        let asked = Sampling {
+            top_k: Some(5),
+            ..Sampling::default()
+        };
+        let got = params(&asked, &defaults, (Some(8), None), false, 100, "req").expect("valid");
+        assert_eq!((got.temperature, got.top_p, got.top_k), (0.7, 0.9, 5));
+        assert_eq!(got.penalties.repetition, 1.1);
+        // The seed a request leaves out comes from its id: the same id, the same tokens.
+        let again = params_of(&asked, "req");
+        assert_eq!(got.seed, again.seed);
+        assert_ne!(got.seed, params_of(&asked, "other").seed);
+        let refused = |sampling: Sampling, max_tokens: Option<u32>| match params(
+            &sampling,
+            &SamplingDefaults::default(),
+            (max_tokens, None),
+            false,
+            100,
+            "req",
+        ) {
+            Err(Invalid::Field { message, at }) => (at, message),
+            other => panic!("{other:?}"),
+        };
+        let (at, message) = refused(Sampling::default(), Some(0));
+        assert_eq!(
+            (at.as_str(), message.as_str()),
+            ("max_tokens", "`max_tokens` must be at least 1")
+        );
+        let hot = Sampling {
+            temperature: Some(2.5),
+            ..Sampling::default()
+        };
+        assert_eq!(refused(hot, None).0, "temperature");
+        let empty_stop = Sampling {
+            stop: vec![String::new()],
+            ..Sampling::default()
+        };
+        assert_eq!(refused(empty_stop, None).0, "stop");
+        let mut bias = serde_json::Map::new();
+        bias.insert("100".into(), Value::from(1.0));
+        let past_vocab = Sampling {
+            logit_bias: Some(bias),
+            ..Sampling::default()
+        };
+        let (at, message) = refused(past_vocab, None);
+        assert_eq!(at, "logit_bias");
+        assert!(message.contains("below the model's 100"), "{message}");
+    }
+
+    /// `params` of `sampling` with no folder defaults, for request `id`.
+    fn params_of(sampling: &Sampling, id: &str) -> Params {
+        params(sampling, &SamplingDefaults::default(), (None, None), false, 100, id).expect("valid")
+    }
+}
