@@ -2,8 +2,9 @@
 //! `POST /v1/completions`, `POST /v1/chat/completions`, `POST /v1/embeddings` and
 //! `POST /v1/rerank` (and, in `audio`, speech to text's request and answers), with errors in
 //! OpenAI's shape (`{"error": {"message", "type", "param", "code"}}`), so clients built on the
-//! `openai` package work unchanged. Generation
-//! itself is [`crate::serve::generation`]; chat templates and tool calls are [`crate::runtime::chat`].
+//! `openai` package work unchanged. Generation itself is [`crate::serve::generation`], which
+//! also makes the request a job for its model (chat templates, tokenizing, grammars) and reads
+//! tool calls back: these files only read the API's fields and write its answers.
 //!
 //! `stream: true` answers with server-sent events: one chunk per piece of text, the last with
 //! `finish_reason` and `usage`, then `data: [DONE]`. The first chunk carries a `vramguard`
