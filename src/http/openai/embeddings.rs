@@ -16,7 +16,7 @@ use tokio::time::Instant;
 use super::encode;
 use super::error::OpenAiError;
 use super::images;
-use super::vectors::{self, dimensions, encoding_format, truncate};
+use super::vectors;
 use crate::http::state::AppState;
 use crate::serve::encoders::embed::{Asked, Embed, Input};
 use crate::serve::service::{Api, Kind};
@@ -55,20 +55,16 @@ async fn serve(
 /// Read and check a body into an [`Embed`] job, with the model's name and whether its vectors
 /// go as base64. `user` (OpenAI's abuse monitoring) is accepted and not read, as any field
 /// this server does not know.
-fn read(state: &AppState, mut body: Value, id: &str) -> Result<(Embed, (String, bool)), OpenAiError> {
-    let model = encode::model_named(&body)?;
+fn read(state: &AppState, mut body: Value, model: String, id: &str) -> Result<(Embed, (String, bool)), OpenAiError> {
     let (entry, parts) = super::model_for(state, &model, Api::Embeddings, id, Kind::embedder)?;
-    let base64 = encoding_format(&body)?;
-    let dimensions = dimensions(&body)?;
-    let truncate = truncate(&body)?;
-    let inputs = inputs(body["input"].take())?;
+    let fields = vectors::fields(&body)?;
     let asked = Asked {
-        inputs,
-        dimensions,
-        truncate,
+        inputs: inputs(body["input"].take())?,
+        dimensions: fields.dimensions,
+        truncate: fields.truncate,
     };
     let job = Embed::new(entry, parts, asked).map_err(|e| OpenAiError::invalid(e.message, e.field))?;
-    Ok((job, (model, base64)))
+    Ok((job, (model, fields.base64)))
 }
 
 /// `input`'s inputs, in OpenAI's forms: a string, a list of strings, a list of token ids, or a

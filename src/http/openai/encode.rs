@@ -23,19 +23,24 @@ use crate::serve::ran::RanOn;
 use crate::serve::service::{Service, UNKNOWN_MODEL};
 
 /// Answer one request of an encoder's API (`/v1/embeddings`, `/v1/rerank`): `read` parses
-/// `body` (as [`parse`] gave it) into its job and what formatting its answer needs, the job
+/// `body` (as [`parse`] gave it, naming a model: [`model_named`]) into its job and what
+/// formatting its answer needs, the job
 /// goes down through the one door ([`encoders::run`]), and `format` makes the answer's body of
 /// what comes back, sent with the headers every answer has. A request refused while it is
 /// read, or for its headers, is counted here; the door counts the rest.
 pub(super) async fn encoded<J: Job, F>(
     state: &AppState,
     (headers, body, id, received): (&HeaderMap, Result<Value, OpenAiError>, &str, Instant),
-    read: impl FnOnce(&AppState, Value, &str) -> Result<(J, F), OpenAiError>,
+    read: impl FnOnce(&AppState, Value, String, &str) -> Result<(J, F), OpenAiError>,
     format: impl FnOnce(J::Answer, F) -> Result<Value, OpenAiError>,
 ) -> Result<Response, OpenAiError> {
     let service = &state.service;
     let named = body.as_ref().ok().and_then(|v| v["model"].as_str()).map(str::to_string);
-    let checked = body.and_then(|value| read(state, value, id)).and_then(|(job, how)| {
+    let checked = body.and_then(|value| {
+        let model = model_named(&value)?;
+        read(state, value, model, id)
+    });
+    let checked = checked.and_then(|(job, how)| {
         let request = decode_headers(service, job.model(), id, headers, received)
             .map_err(|e| OpenAiError::from_request(&e, id))?;
         Ok((job, how, request.meta))
@@ -120,7 +125,7 @@ pub(super) fn stamped(model: &str, action: Action, ran: &RanOn, mut response: Re
 }
 
 /// The model named in `body`'s `model`: a string, or the 400 naming it.
-pub(super) fn model_named(body: &Value) -> Result<String, OpenAiError> {
+fn model_named(body: &Value) -> Result<String, OpenAiError> {
     if !body.is_object() {
         return Err(OpenAiError::invalid("the body is not a JSON object", None));
     }

@@ -13,7 +13,7 @@ use tokio::time::Instant;
 
 use super::encode;
 use super::error::OpenAiError;
-use super::vectors::{self, dimensions, encoding_format, truncate};
+use super::vectors;
 use crate::http::state::AppState;
 use crate::serve::encoders::tower::{self, Asked, Input, Towers};
 use crate::serve::service::{Api, Kind};
@@ -37,19 +37,18 @@ pub(super) async fn serve(
 
 /// Read and check a body for a tower model into a [`Towers`] job, with the model's name and
 /// whether its vectors go as base64.
-fn read(state: &AppState, body: Value, id: &str) -> Result<(Towers, (String, bool)), OpenAiError> {
-    let model = encode::model_named(&body)?;
+fn read(state: &AppState, body: Value, model: String, id: &str) -> Result<(Towers, (String, bool)), OpenAiError> {
     let (entry, tower) = super::model_for(state, &model, Api::Embeddings, id, Kind::tower)?;
     let (field, inputs) = inputs(&body)?;
-    let base64 = encoding_format(&body)?;
+    let fields = vectors::fields(&body)?;
     let asked = Asked {
         inputs,
         field,
-        dimensions: dimensions(&body)?,
-        truncate: truncate(&body)?,
+        dimensions: fields.dimensions,
+        truncate: fields.truncate,
     };
     let job = Towers::new(&state.service, entry, tower, asked).map_err(|e| OpenAiError::invalid(e.message, e.field))?;
-    Ok((job, (model, base64)))
+    Ok((job, (model, fields.base64)))
 }
 
 /// The inputs of `input` (a string, or a list of strings, `{"text": ...}` and `{"image":

@@ -74,8 +74,7 @@ fn answer(ranked: Ranked, format: Format) -> Value {
 
 /// Read and check a body into a [`Rerank`] job, with how its answer is sent. Fields this
 /// server does not know are accepted and not read, as OpenAI's endpoints here do.
-fn read(state: &AppState, mut body: Value, id: &str) -> Result<(Rerank, Format), OpenAiError> {
-    let model = encode::model_named(&body)?;
+fn read(state: &AppState, mut body: Value, model: String, id: &str) -> Result<(Rerank, Format), OpenAiError> {
     let (entry, parts) = super::model_for(state, &model, Api::Rerank, id, Kind::reranker)?;
     let query = match body["query"].take() {
         Value::String(query) if !query.is_empty() => query,

@@ -7,7 +7,7 @@ use base64::Engine;
 use serde_json::{Value, json};
 
 use super::error::OpenAiError;
-use crate::serve::encoders::Vectors;
+use crate::serve::encoders::embed::Vectors;
 
 /// The answer's body: each vector of `answer` a `data` item, as floats or base64, for `model`.
 pub(super) fn body(answer: Vectors, model: &str, base64: bool) -> Value {
@@ -32,8 +32,28 @@ fn item(index: usize, vector: Vec<f32>, base64: bool) -> Value {
     json!({"object": "embedding", "index": index, "embedding": embedding})
 }
 
+/// The fields every embeddings request may have, whichever kind of model embeds.
+pub(super) struct Fields {
+    /// `encoding_format`: the vectors go as base64 (else floats).
+    pub(super) base64: bool,
+    /// `dimensions`: how many of each vector's to keep (the model's job checks it has them).
+    pub(super) dimensions: Option<usize>,
+    /// `truncate` (TEI's): an input longer than the model takes is cut rather than refused;
+    /// `None` when the request does not say (the model's `auto_truncate` decides).
+    pub(super) truncate: Option<bool>,
+}
+
+/// `body`'s [`Fields`], each checked in that order.
+pub(super) fn fields(body: &Value) -> Result<Fields, OpenAiError> {
+    Ok(Fields {
+        base64: encoding_format(body)?,
+        dimensions: dimensions(body)?,
+        truncate: truncate(body)?,
+    })
+}
+
 /// `encoding_format`: whether the vectors go as base64 (else floats).
-pub(super) fn encoding_format(body: &Value) -> Result<bool, OpenAiError> {
+fn encoding_format(body: &Value) -> Result<bool, OpenAiError> {
     match &body["encoding_format"] {
         Value::Null => Ok(false),
         Value::String(f) if f == "float" => Ok(false),
@@ -45,8 +65,8 @@ pub(super) fn encoding_format(body: &Value) -> Result<bool, OpenAiError> {
     }
 }
 
-/// `dimensions`: how many of each vector's to keep (the model's job checks it has them).
-pub(super) fn dimensions(body: &Value) -> Result<Option<usize>, OpenAiError> {
+/// `dimensions`, a number above 0.
+fn dimensions(body: &Value) -> Result<Option<usize>, OpenAiError> {
     match &body["dimensions"] {
         Value::Null => Ok(None),
         v => match v.as_u64().filter(|n| *n > 0) {
@@ -59,9 +79,8 @@ pub(super) fn dimensions(body: &Value) -> Result<Option<usize>, OpenAiError> {
     }
 }
 
-/// `truncate` (TEI's): whether an input longer than the model takes is cut rather than refused;
-/// `None` when the request does not say (the model's `auto_truncate` decides).
-pub(super) fn truncate(body: &Value) -> Result<Option<bool>, OpenAiError> {
+/// `truncate`, true or false when given.
+fn truncate(body: &Value) -> Result<Option<bool>, OpenAiError> {
     match &body["truncate"] {
         Value::Null => Ok(None),
         Value::Bool(b) => Ok(Some(*b)),

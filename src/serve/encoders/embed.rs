@@ -2,7 +2,8 @@
 //! folder): its inputs (texts, tokenized with the model's special tokens, or token ids as
 //! sent) run as one batch, padded to the longest; each vector as the graph pooled it (or pooled
 //! here from `last_hidden_state`, for a graph kept as exported), cut to `dimensions` (then
-//! normalized again when the model normalizes).
+//! normalized again when the model normalizes). A dual encoder's tower answers with
+//! [`Vectors`] too, cut the same way.
 //!
 //! [`Kind::Embedder`]: crate::serve::service::Kind::Embedder
 
@@ -13,10 +14,9 @@ use tokenizers::Tokenizer;
 
 use super::job::{Failure, Invalid, Job, Run};
 use super::tokens::{Limit, limit, text_tokens, within};
-use super::vectors::{Vectors, cut, dimensions};
 use crate::core::signature::ModelSignature;
 use crate::core::tensor::Tensor;
-use crate::runtime::embedder::Embedder;
+use crate::runtime::embedder::{Embedder, normalize};
 use crate::serve::service::ModelEntry;
 
 /// One input, as the request sent it.
@@ -159,4 +159,46 @@ impl Job for Embed {
             tokens: ready.lengths.iter().sum(),
         })
     }
+}
+
+/// The vectors of a request's inputs, in its order, and the tokens its texts were.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Vectors {
+    /// One vector per input.
+    pub vectors: Vec<Vec<f32>>,
+    /// The tokens of its texts, for `usage`.
+    pub tokens: usize,
+}
+
+/// `dimensions` (how many of each vector's to keep) when the model's vectors, of `size` when
+/// known, have that many.
+pub(super) fn dimensions(dimensions: Option<usize>, size: Option<usize>) -> Result<Option<usize>, Invalid> {
+    match (dimensions, size) {
+        (Some(n), Some(size)) if n > size => Err(dimensions_above(n, size)),
+        _ => Ok(dimensions),
+    }
+}
+
+/// `vector` cut to its first `dimensions` (Matryoshka), normalized again when the model
+/// normalizes, as sentence-transformers' `truncate_dim` then `normalize` would.
+pub(super) fn cut(mut vector: Vec<f32>, dimensions: Option<usize>, normalizes: bool) -> Result<Vec<f32>, Invalid> {
+    let Some(dimensions) = dimensions else {
+        return Ok(vector);
+    };
+    if dimensions > vector.len() {
+        return Err(dimensions_above(dimensions, vector.len()));
+    }
+    vector.truncate(dimensions);
+    if normalizes {
+        normalize(&mut vector);
+    }
+    Ok(vector)
+}
+
+/// The refusal of `dimensions` above the model's.
+fn dimensions_above(dimensions: usize, size: usize) -> Invalid {
+    Invalid::new(
+        format!("`dimensions` is {dimensions}, above the model's {size}"),
+        Some("dimensions"),
+    )
 }

@@ -5,15 +5,13 @@
 //! cross-encoder's (`/v1/rerank`), `tower` a dual encoder's tower's (`/v1/embeddings` of texts
 //! and images). Every one goes through the one door, `job`'s [`run`]: prepared off the async
 //! threads, run through the lifecycle, answered with where it ran. `tokens` is a text's tokens
-//! within its model's limit (embed's and tower's), `vectors` the vectors embed and tower answer
-//! with.
+//! within its model's limit (each kind's that reads text); a tower answers with `embed`'s
+//! vectors, cut as `embed` cuts them.
 
 pub mod embed;
 mod job;
 pub mod rerank;
 mod tokens;
 pub mod tower;
-mod vectors;
 
 pub use job::{Done, Failure, Invalid, Job, Run, run};
-pub use vectors::Vectors;

@@ -12,9 +12,9 @@ use std::sync::Arc;
 
 use tokenizers::Tokenizer;
 
+use super::embed::{Vectors, cut, dimensions};
 use super::job::{Failure, Invalid, Job, Run};
 use super::tokens::{Limit, text_tokens};
-use super::vectors::{Vectors, cut, dimensions};
 use crate::core::signature::ModelSignature;
 use crate::core::tensor::Tensor;
 use crate::runtime::image::{self, MAX_IMAGE_BYTES, Preprocessor};
