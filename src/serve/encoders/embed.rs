@@ -202,3 +202,19 @@ fn dimensions_above(dimensions: usize, size: usize) -> Invalid {
         Some("dimensions"),
     )
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_vector_cut_to_its_dimensions_is_normalized_again_when_the_model_normalizes() {
+        assert_eq!(cut(vec![3.0, 4.0, 12.0], Some(2), true), Ok(vec![0.6, 0.8]));
+        assert_eq!(cut(vec![3.0, 4.0, 12.0], Some(2), false), Ok(vec![3.0, 4.0]));
+        assert_eq!(cut(vec![3.0, 4.0], None, true), Ok(vec![3.0, 4.0]));
+        let above = Invalid::new("`dimensions` is 3, above the model's 2", Some("dimensions"));
+        assert_eq!(cut(vec![3.0, 4.0], Some(3), true), Err(above.clone()));
+        assert_eq!(dimensions(Some(3), Some(2)), Err(above));
+        assert_eq!(dimensions(Some(3), None), Ok(Some(3)));
+    }
+}

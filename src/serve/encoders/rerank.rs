@@ -217,3 +217,38 @@ fn pairs(
         })
         .collect()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::tensor::TensorData;
+    use crate::runtime::reranker::Activation;
+
+    fn ranked(logits: Vec<f32>, top_n: Option<usize>) -> Vec<(usize, f32)> {
+        let ready = Ready {
+            reranker: Reranker {
+                activation: Activation::Identity,
+            },
+            documents: (0..logits.len()).map(|i| format!("d{i}")).collect(),
+            top_n,
+            tokens: 9,
+        };
+        let logits = Tensor {
+            name: LOGITS.into(),
+            shape: vec![logits.len() as i64, 1],
+            data: TensorData::Fp32(logits),
+        };
+        let Ok(answer) = Rerank::answer(ready, vec![logits]) else {
+            panic!("not ranked");
+        };
+        assert_eq!((answer.tokens, answer.documents.len()), (9, 3));
+        answer.results
+    }
+
+    #[test]
+    fn documents_rank_highest_first_ties_in_their_order_cut_to_top_n() {
+        assert_eq!(ranked(vec![0.5, 2.0, 0.5], None), [(1, 2.0), (0, 0.5), (2, 0.5)]);
+        assert_eq!(ranked(vec![0.5, 2.0, 0.5], Some(2)), [(1, 2.0), (0, 0.5)]);
+        assert_eq!(ranked(vec![0.5, 2.0, 0.5], Some(7)).len(), 3);
+    }
+}
