@@ -48,8 +48,7 @@ async fn serve(
     {
         return images::serve(state, (headers, parsed, id, received)).await;
     }
-    let format = |answer, (model, base64): (String, bool)| Ok(vectors::body(answer, &model, base64));
-    encode::encoded(state, (headers, parsed, id, received), read, format).await
+    encode::encoded(state, (headers, parsed, id, received), read, vectors::body).await
 }
 
 /// Read and check a body into an [`Embed`] job, with the model's name and whether its vectors

@@ -23,16 +23,16 @@ use crate::serve::ran::RanOn;
 use crate::serve::service::{Service, UNKNOWN_MODEL};
 
 /// Answer one request of an encoder's API (`/v1/embeddings`, `/v1/rerank`): `read` parses
-/// `body` (as [`parse`] gave it, naming a model: [`model_named`]) into its job and what
-/// formatting its answer needs, the job
-/// goes down through the one door ([`encoders::run`]), and `format` makes the answer's body of
-/// what comes back, sent with the headers every answer has. A request refused while it is
-/// read, or for its headers, is counted here; the door counts the rest.
+/// `body` (as [`parse`] gave it, naming a model: [`model_named`]) into its job and what its
+/// answer's format needs, the job goes down through the one door ([`encoders::run`]), and
+/// `format` makes the answer's body of what comes back, sent with the headers every answer
+/// has. A request refused while it is read, or for its headers, is counted here; the door
+/// counts the rest.
 pub(super) async fn encoded<J: Job, F>(
     state: &AppState,
     (headers, body, id, received): (&HeaderMap, Result<Value, OpenAiError>, &str, Instant),
     read: impl FnOnce(&AppState, Value, String, &str) -> Result<(J, F), OpenAiError>,
-    format: impl FnOnce(J::Answer, F) -> Result<Value, OpenAiError>,
+    format: impl FnOnce(J::Answer, F) -> Value,
 ) -> Result<Response, OpenAiError> {
     let service = &state.service;
     let named = body.as_ref().ok().and_then(|v| v["model"].as_str()).map(str::to_string);
@@ -57,7 +57,7 @@ pub(super) async fn encoded<J: Job, F>(
             Failure::Refused(refused) => refusal(service, &refused, id),
             Failure::Internal(message) => OpenAiError::internal(message, id),
         })?;
-    let body = format(done.answer, how)?;
+    let body = format(done.answer, how);
     Ok(stamped(
         &model,
         done.action,

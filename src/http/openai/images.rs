@@ -31,8 +31,7 @@ pub(super) async fn serve(
     state: &AppState,
     (headers, body, id, received): (&HeaderMap, Result<Value, OpenAiError>, &str, Instant),
 ) -> Result<Response, OpenAiError> {
-    let format = |answer, (model, base64): (String, bool)| Ok(vectors::body(answer, &model, base64));
-    encode::encoded(state, (headers, body, id, received), read, format).await
+    encode::encoded(state, (headers, body, id, received), read, vectors::body).await
 }
 
 /// Read and check a body for a tower model into a [`Towers`] job, with the model's name and

@@ -50,10 +50,7 @@ async fn serve(
     received: Instant,
 ) -> Result<Response, OpenAiError> {
     let parsed = encode::parse(body, id);
-    encode::encoded(state, (headers, parsed, id, received), read, |ranked, format| {
-        Ok(answer(ranked, format))
-    })
-    .await
+    encode::encoded(state, (headers, parsed, id, received), read, answer).await
 }
 
 /// The answer's body: the documents ranked, each with its score (and its text, when asked).

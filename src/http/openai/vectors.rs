@@ -9,8 +9,9 @@ use serde_json::{Value, json};
 use super::error::OpenAiError;
 use crate::serve::encoders::embed::Vectors;
 
-/// The answer's body: each vector of `answer` a `data` item, as floats or base64, for `model`.
-pub(super) fn body(answer: Vectors, model: &str, base64: bool) -> Value {
+/// The answer's body: each vector of `answer` a `data` item, as floats or base64 (as asked), for
+/// `model`.
+pub(super) fn body(answer: Vectors, (model, base64): (String, bool)) -> Value {
     let data: Vec<Value> = (answer.vectors.into_iter().enumerate())
         .map(|(index, vector)| item(index, vector, base64))
         .collect();
