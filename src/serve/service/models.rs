@@ -19,6 +19,7 @@ use crate::runtime::tower::Tower;
 use crate::telemetry::inference_stats::InferenceStats;
 
 use super::BackendFactory;
+use super::components::{Component, WeightsKey, components_of, weights_key};
 use super::kind::{Found, Invalid, Kind, chat_template, kind_of, tokenizer_of};
 
 /// A model with its signature and memory profile.
@@ -42,6 +43,11 @@ pub struct ModelEntry {
     pub folder: ModelFolder,
     /// What it is, and what its kind needs beside its graph: found once, when it loads.
     pub kind: Kind,
+    /// The graphs it runs, each with its weights: its profile's weights are their sum.
+    pub components: Vec<Component>,
+    /// The hash of everything its sessions are built from: models with equal keys share one
+    /// session per pool.
+    pub weights_key: WeightsKey,
 }
 
 impl ModelEntry {
@@ -245,6 +251,11 @@ fn load_model(backends: &dyn BackendFactory, m: &ModelConfig, builtin_home: &Pat
     };
     let speech = speech_of(bytes.data().folder, &signature).map_err(|e| ("path", format!("`{}`: {e}", m.source)))?;
     let mut profile = profile_of(backends, m, bytes.data(), &signature, decoder);
+    let speech_folder = speech.as_ref().and(bytes.data().folder);
+    let components = components_of(&m.source.to_string(), profile.weights_bytes, speech_folder);
+    let beside = speech_folder.map(crate::runtime::speech::SpeechModel::decoder_files);
+    let weights_key = weights_key(&bytes, &external.files, beside.as_deref().unwrap_or_default())
+        .map_err(|e| ("path", format!("`{}`: {e}", m.source)))?;
     if let Some(speech) = &speech {
         // The measured graph is the encoder: the decoder's weights and a window's caches are
         // held beside it by every run.
@@ -284,6 +295,8 @@ fn load_model(backends: &dyn BackendFactory, m: &ModelConfig, builtin_home: &Pat
         bytes,
         folder,
         kind,
+        components,
+        weights_key,
     })
 }
 
