@@ -6,8 +6,9 @@
 //!
 //! The same files give the model's [`WeightsKey`]: the SHA-256 of what its sessions are built
 //! from (the graph's bytes as served, every external data file and every other component's
-//! file, each streamed once when the model loads). Two models with one key share one session
-//! per pool (`pool::shares`).
+//! file, each streamed once when the models load). Two models with one key share one session
+//! per pool (`pool::shares`). Only a model with a twin of the same sizes is hashed
+//! ([`weights_keys`]): the others cannot share, and a large model costs no start-up time.
 
 use std::io::Read;
 use std::path::{Path, PathBuf};
@@ -26,45 +27,73 @@ pub struct Component {
     pub files: Vec<String>,
     /// Its weights: what one session of it holds (the graph's bytes and its external data).
     pub weights_bytes: u64,
+    /// The files on disk its sessions read beside the model's graph bytes (the graph's
+    /// external data; another component's graphs), for its [`WeightsKey`].
+    pub read: Vec<PathBuf>,
 }
 
 /// The SHA-256 of everything a model's sessions are built from: equal keys, identical weights.
 pub type WeightsKey = [u8; 32];
 
-/// The components of a model whose graph (`source`, as configured) holds `graph_weights` of
-/// weights, and whose Whisper folder, when it is one, holds its decoder beside it.
-pub(super) fn components_of(source: &str, graph_weights: u64, speech_folder: Option<&Path>) -> Vec<Component> {
+/// The components of a model whose graph (`source`, as configured, with its `external` data
+/// files) holds `graph_weights` of weights, and whose Whisper folder, when it is one, holds its
+/// decoder beside it.
+pub(super) fn components_of(
+    source: &str,
+    graph_weights: u64,
+    external: &[PathBuf],
+    speech_folder: Option<&Path>,
+) -> Vec<Component> {
+    let graph = |name| Component {
+        name,
+        files: vec![source.to_string()],
+        weights_bytes: graph_weights,
+        read: external.to_vec(),
+    };
     let Some(folder) = speech_folder else {
-        return vec![Component {
-            name: "model",
-            files: vec![source.to_string()],
-            weights_bytes: graph_weights,
-        }];
+        return vec![graph("model")];
     };
     let decoder = SpeechModel::decoder_files(folder);
     vec![
-        Component {
-            name: "encoder",
-            files: vec![source.to_string()],
-            weights_bytes: graph_weights,
-        },
+        graph("encoder"),
         Component {
             name: "decoder",
             files: decoder.iter().map(|f| file_name(f)).collect(),
             weights_bytes: SpeechModel::decoder_bytes(folder),
+            read: decoder,
         },
     ]
 }
 
-/// The [`WeightsKey`] of `bytes` (the graph as its sessions are built), its `external` data
-/// files and the files of its other components (`beside`), each streamed once.
-pub(super) fn weights_key(bytes: &ModelBytes, external: &[PathBuf], beside: &[PathBuf]) -> Result<WeightsKey, String> {
+/// Each model's [`WeightsKey`], in order, when another of them could have its weights: one of
+/// the same graph length and the same components' weights (`None`: no twin, not hashed).
+pub(super) fn weights_keys(models: &[(&ModelBytes, &[Component])]) -> Result<Vec<Option<WeightsKey>>, (usize, String)> {
+    let size = |(bytes, components): &(&ModelBytes, &[Component])| {
+        let weights: Vec<u64> = components.iter().map(|c| c.weights_bytes).collect();
+        (bytes.len(), weights)
+    };
+    let sizes: Vec<_> = models.iter().map(size).collect();
+    let mut keys = Vec::with_capacity(models.len());
+    for (i, (bytes, components)) in models.iter().enumerate() {
+        let twin = sizes.iter().enumerate().any(|(j, s)| j != i && *s == sizes[i]);
+        keys.push(match twin {
+            true => Some(weights_key(bytes, components).map_err(|e| (i, e))?),
+            false => None,
+        });
+    }
+    Ok(keys)
+}
+
+/// The [`WeightsKey`] of `bytes` (the graph as its sessions are built) and the files each
+/// component reads, each streamed once.
+fn weights_key(bytes: &ModelBytes, components: &[Component]) -> Result<WeightsKey, String> {
     let mut hash = Sha256::new();
     hash.update(b"vramguard weights\n");
     hash.update(bytes.digest());
-    for (what, files) in [("external", external), ("component", beside)] {
-        for file in files {
-            hash.update(format!("{what} {}\n", file_name(file)));
+    for component in components {
+        for file in &component.read {
+            // (Its name is the graph's to give: equal graphs name equal files.)
+            hash.update(format!("{}\n", component.name));
             hash.update(file_digest(file)?);
         }
     }
@@ -102,7 +131,7 @@ mod tests {
         let merged = std::fs::metadata(folder.join("decoder_model_merged.onnx"))
             .unwrap()
             .len();
-        let parts = components_of("whisper/encoder_model.onnx", 1000, Some(&folder));
+        let parts = components_of("whisper/encoder_model.onnx", 1000, &[], Some(&folder));
         let names: Vec<_> = parts
             .iter()
             .map(|c| (c.name, c.files.clone(), c.weights_bytes))
@@ -114,7 +143,8 @@ mod tests {
                 ("decoder", vec!["decoder_model_merged.onnx".to_string()], merged),
             ]
         );
-        let one = components_of("builtin:encoder", 68_474, None);
+        assert_eq!(parts[1].read, [folder.join("decoder_model_merged.onnx")]);
+        let one = components_of("builtin:encoder", 68_474, &[], None);
         assert_eq!((one.len(), one[0].name, one[0].weights_bytes), (1, "model", 68_474));
     }
 
@@ -126,11 +156,27 @@ mod tests {
         let mut other = vec![7u8; (1 << 20) + 5];
         other[(1 << 20) + 1] = 8;
         dir.write("c.bin", other);
-        let graph = || ModelBytes::inline(vec![1, 2, 3]);
-        let key = |files: &[&str], beside: &[&str]| {
-            let paths = |names: &[&str]| names.iter().map(|n| dir.path().join(n)).collect::<Vec<_>>();
-            weights_key(&graph(), &paths(files), &paths(beside)).unwrap()
+        let (graph, other) = (ModelBytes::inline(vec![1, 2, 3]), ModelBytes::inline(vec![1, 2, 4]));
+        let parts = |external: &str, decoder: &str| {
+            let path = |name: &str| {
+                (!name.is_empty())
+                    .then(|| dir.path().join(name))
+                    .into_iter()
+                    .collect::<Vec<_>>()
+            };
+            let mut parts = components_of("m.onnx", 5, &path(external), None);
+            if !decoder.is_empty() {
+                parts.push(Component {
+                    name: "decoder",
+                    files: vec![decoder.into()],
+                    weights_bytes: 7,
+                    read: path(decoder),
+                });
+            }
+            parts
         };
+        let key =
+            |bytes: &ModelBytes, external: &str, decoder: &str| weights_key(bytes, &parts(external, decoder)).unwrap();
         assert_eq!(
             file_digest(&dir.path().join("a.bin")),
             file_digest(&dir.path().join("b.bin"))
@@ -139,19 +185,31 @@ mod tests {
             file_digest(&dir.path().join("a.bin")),
             file_digest(&dir.path().join("c.bin"))
         );
-        assert_eq!(key(&["a.bin"], &[]), key(&["a.bin"], &[]));
+        assert_eq!(
+            key(&graph, "a.bin", ""),
+            key(&graph, "b.bin", ""),
+            "equal contents, other names"
+        );
         assert_ne!(
-            key(&["a.bin"], &[]),
-            key(&["c.bin"], &[]),
+            key(&graph, "a.bin", ""),
+            key(&graph, "c.bin", ""),
             "a byte past the first block"
         );
         assert_ne!(
-            key(&["a.bin"], &[]),
-            key(&[], &["a.bin"]),
-            "an external file is not a component's"
+            key(&graph, "a.bin", ""),
+            key(&graph, "", "a.bin"),
+            "a graph's data is not a decoder's"
         );
-        let other_graph = weights_key(&ModelBytes::inline(vec![1, 2, 4]), &[], &[]).unwrap();
-        assert_ne!(key(&[], &[]), other_graph);
-        assert!(weights_key(&graph(), &[dir.path().join("missing")], &[]).is_err());
+        assert_ne!(key(&graph, "", ""), key(&other, "", ""));
+        assert!(weights_key(&graph, &parts("missing", "")).is_err());
+        // Only models with a twin of their sizes are hashed.
+        let (a, c, lone) = (parts("a.bin", ""), parts("c.bin", ""), parts("", "b.bin"));
+        let keys = weights_keys(&[(&graph, &a), (&graph, &c), (&other, &lone)]).unwrap();
+        assert!(keys[0].is_some() && keys[1].is_some() && keys[0] != keys[1] && keys[2].is_none());
+        let missing = parts("missing", "");
+        assert_eq!(
+            weights_keys(&[(&graph, &missing), (&graph, &missing)]).unwrap_err().0,
+            0
+        );
     }
 }

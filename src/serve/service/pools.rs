@@ -124,7 +124,7 @@ pub(super) fn model_setups(
     let group = |m: &ModelEntry| -> Vec<String> {
         let same: Vec<String> = served
             .iter()
-            .filter(|o| o.weights_key == m.weights_key)
+            .filter(|o| o.weights_key.is_some() && o.weights_key == m.weights_key)
             .map(|o| o.config.name.clone())
             .collect();
         match share && same.len() > 1 {
