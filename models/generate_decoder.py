@@ -80,11 +80,11 @@ HEADS = 4
 KV_HEADS = 2
 HEAD_SIZE = HIDDEN // HEADS  # 16
 INTERMEDIATE = 128
-# Rows of the rotary tables; a larger position_id fails in Gather. 4096 so that what a chat front
-# end sends (Open WebUI's ~20 KB of tool schemas, its 1-2 KB title and RAG prompts) fits the
-# default config's toy model. Rows below 512 are the same as when it had 512, so are the
-# references.
-MAX_POSITIONS = 4096
+# Rows of the rotary tables; a larger position_id fails in Gather. 32768 so that what a chat front
+# end sends fits the default config's toy model: Open WebUI 0.12's chat carries 28 built-in tool
+# schemas (about 21 KB of JSON, about 15,000 tokens of this small vocabulary), its title, tag and
+# RAG prompts 1-2 KB. Rows below 512 are the same as when it had 512, so are the references.
+MAX_POSITIONS = 32768
 ROPE_THETA = 10000.0
 RMS_EPS = 1e-5
 

@@ -92,8 +92,12 @@ pub trait Residency {
     /// Build `name`'s session from `model` (its graph, and the folder of its external data),
     /// replacing one it already has.
     fn load_model(&mut self, name: &str, model: crate::core::model::ModelData<'_>) -> Result<(), String>;
-    /// Drop `name`'s session, if it has one; its memory goes back to the allocator.
+    /// Drop `name`'s session, if it has one; its memory goes back to the allocator once no
+    /// other name shares it ([`Residency::share_model`]).
     fn unload_model(&mut self, name: &str);
+    /// Serve `name` from the session `with` holds (their weights are identical): no second
+    /// copy is built. A backend that cannot share says why, and `name` is then loaded.
+    fn share_model(&mut self, name: &str, with: &str) -> Result<(), String>;
     /// Give the allocator's free memory back to the host or device: called when the pool has
     /// been idle a while, never between a busy pool's runs. `probe(model)` gives the smallest
     /// valid inputs of a model, for a backend whose allocator shrinks only at the end of a run

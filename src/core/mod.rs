@@ -14,4 +14,5 @@ pub mod scratch;
 pub mod signature;
 pub mod snapshot;
 pub mod tensor;
+pub mod tool_call;
 pub mod wakeup;

@@ -185,6 +185,11 @@ impl Residency for FaultInjecting {
         }
     }
 
+    fn share_model(&mut self, name: &str, with: &str) -> Result<(), String> {
+        // Nothing is allocated: the capacity check a load makes has nothing new to see.
+        self.inner.loader(name)?.share_model(name, with)
+    }
+
     fn release_memory(&mut self, probe: &dyn Fn(&str) -> Option<Vec<Tensor>>) {
         if let Some(residency) = self.inner.residency() {
             residency.release_memory(probe);

@@ -30,7 +30,8 @@ pub struct Resident {
     /// How long loading it here again is expected to take: its last load from the host tier
     /// when its optimized bytes are there, else its last load after the start.
     pub last_load: Option<Duration>,
-    /// Its weights here (every worker's sessions): what evicting it frees.
+    /// Its weights here (every worker's sessions): what evicting it frees (nothing while
+    /// another name of its group, sharing them, stays loaded).
     pub weights_bytes: u64,
 }
 
@@ -50,8 +51,11 @@ pub struct ModelState {
     pub priority: i64,
     /// How it is held.
     pub residency: Residency,
-    /// Its weights here when loaded (every worker's sessions).
+    /// Its weights here when loaded (every worker's sessions); 0 when it shares another
+    /// model's, which shows them.
     pub weights_bytes: u64,
+    /// The model whose loaded weights it shares here (identical graph files), when it does.
+    pub shares_weights_of: Option<String>,
     /// Its sessions are loaded here.
     pub resident: bool,
     /// Since they were last built here (`None` on a remote pool).
@@ -77,7 +81,8 @@ impl Pool {
         ModelState {
             priority: setup.map_or(0, |s| s.priority),
             residency: self.models.residency(model),
-            weights_bytes: setup.map_or(0, |s| s.weights_bytes),
+            weights_bytes: self.weights_shown(model),
+            shares_weights_of: self.shares_weights_of(model).map(str::to_string),
             resident: self.is_resident(model),
             since_load: (!matches!(self.config.provider, Provider::Remote(_))).then_some(since_load),
             since_request,
@@ -124,7 +129,7 @@ impl Pool {
                     since_request,
                     min_residency: setup.min_residency,
                     last_load: self.expected_reload(&setup.name),
-                    weights_bytes: setup.weights_bytes,
+                    weights_bytes: self.weights_freed_by(&setup.name),
                 }
             })
             .collect()

@@ -11,7 +11,8 @@
 //! `context.rs` what a pool is given, `load.rs` the load and delay estimate, `activity.rs` the
 //! requests waiting and running, `health.rs` the breaker and recent failures, `degraded.rs`
 //! degraded mode, `arena.rs` the allocator statistics. `residency.rs` loads and unloads models
-//! (`models.rs` what it is told of each, `evict.rs` what could make room), taking the bytes of
+//! (`models.rs` what it is told of each, `evict.rs` what could make room, `shares.rs` the models
+//! whose identical weights share one session), taking the bytes of
 //! a load after start from the host tier when it has them (`tier.rs`). `batch/` holds the
 //! generations stepped together (continuous batching) and their counts. `metrics/` holds the
 //! metric families pools record into.
@@ -38,6 +39,7 @@ mod queue;
 pub mod remote;
 mod residency;
 mod shared;
+mod shares;
 mod supervise;
 pub mod tier;
 mod worker;
@@ -51,6 +53,7 @@ pub use metrics::LoadSource;
 pub use metrics::{ModelMetrics, PoolMetrics, WorkerHandles};
 pub use models::{ModelSetup, ResidencyError, ResidencyOutcome};
 pub use shared::{Availability, Pool};
+pub use shares::sharing_at_start;
 pub use tier::{HostRoom, HostTier};
 pub use worker::MAX_PROMPTS;
 

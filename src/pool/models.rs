@@ -24,6 +24,9 @@ pub struct ModelSetup {
     pub min_residency: Duration,
     /// Its weights on this pool when loaded (every worker's sessions).
     pub weights_bytes: u64,
+    /// The models on this pool whose weights are identical to its own, in config order, itself
+    /// among them: they share one session per backend (`shares.rs`). Empty when none.
+    pub weights_group: Vec<String>,
     /// It serves text generation: a generation holds it between its runs.
     pub generates: bool,
     /// Its smallest valid inputs, for the run that gives an idle pool's arena memory back.

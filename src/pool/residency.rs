@@ -33,11 +33,17 @@ impl Pool {
             .collect()
     }
 
-    /// Count the loads the pool started with.
+    /// Count the loads the pool started with (a model that shares another's session at start
+    /// loaded nothing: it is resident, with no load of its own).
     pub(super) fn record_start_loads(&self) {
-        for model in self.start_set() {
+        let start = self.start_set();
+        let setups: Vec<_> = self.models.setups.values().cloned().collect();
+        let shares = super::shares::sharing_at_start(&setups, &start);
+        for model in start {
             if let Some(metrics) = self.models.metrics(&model) {
-                metrics.loads_start.inc();
+                if !shares.contains_key(&model) {
+                    metrics.loads_start.inc();
+                }
                 metrics.resident.set(1);
             }
         }
@@ -72,10 +78,12 @@ impl Pool {
     /// after their run). Blocking: run it off the async runtime.
     pub fn load_model(&self, model: &str) -> Result<ResidencyOutcome, ResidencyError> {
         self.not_remote()?;
+        // A model whose weights another loaded name holds here shares them: no load.
+        let shared = self.shares_loaded(model);
         let Some(generation) = self.queue.want(model) else {
             return Ok(ResidencyOutcome::Already);
         };
-        if let Some(metrics) = self.models.metrics(model) {
+        if let Some(metrics) = self.models.metrics(model).filter(|_| !shared) {
             metrics.loads_requested.inc();
         }
         // Loaded on purpose: its idle time starts now, not at its last request.
@@ -200,6 +208,11 @@ impl Pool {
 
     /// A job for `model` made it wanted: an on-demand load.
     pub(super) fn record_on_demand(&self, model: &str) {
+        // (Not whether it is resident itself: a worker may have loaded it since.)
+        if self.shares_loaded(model) {
+            // It will share what another name holds here: no load.
+            return;
+        }
         if let Some(metrics) = self.models.metrics(model) {
             metrics.loads_on_demand.inc();
         }
@@ -223,6 +236,9 @@ impl Pool {
             tracing::info!(pool = self.name(), %model, "sessions dropped");
         }
         for model in wanted.difference(&slot.loaded).cloned().collect::<Vec<_>>() {
+            if self.share_in(slot, &model) {
+                continue;
+            }
             let started = Instant::now();
             let mut source = LoadSource::disk;
             let result = match self.models.setups.get(&model) {
@@ -339,6 +355,11 @@ mod tests {
         fn unload_model(&mut self, name: &str) {
             self.loaded.remove(name);
         }
+        fn share_model(&mut self, name: &str, with: &str) -> Result<(), String> {
+            self.loads.lock().unwrap().push(format!("{name} shares {with}"));
+            self.loaded.insert(name.to_string());
+            Ok(())
+        }
         fn release_memory(&mut self, _: &dyn Fn(&str) -> Option<Vec<Tensor>>) {}
     }
 
@@ -350,6 +371,7 @@ mod tests {
             priority: 0,
             min_residency: Duration::ZERO,
             weights_bytes: 0,
+            weights_group: Vec::new(),
             generates: false,
             probe: None,
             bytes: crate::core::model::ModelBytes::inline(Vec::new()),
@@ -523,6 +545,71 @@ mod tests {
                 .collect::<HashSet<_>>(),
             HashSet::from(["slow", "fixed"])
         );
+    }
+
+    #[test]
+    fn models_of_identical_weights_share_one_session_counted_once_and_kept_while_one_needs_it() {
+        let (_open, gate) = mpsc::channel();
+        let loads = Arc::new(Mutex::new(Vec::new()));
+        let group = |name, residency| ModelSetup {
+            weights_bytes: 100,
+            weights_group: vec!["a".into(), "b".into(), "c".into()],
+            ..setup(name, residency)
+        };
+        let models = vec![
+            group("a", Residency::Resident),
+            group("b", Residency::Resident),
+            group("c", Residency::OnDemand),
+        ];
+        // As `serve` builds it: `a`'s session, which `b` shares.
+        let backend = Sessions {
+            loaded: ["a".to_string(), "b".to_string()].into(),
+            gate: Arc::new(Mutex::new(gate)),
+            loads: Arc::clone(&loads),
+        };
+        let context = PoolContext {
+            models: models.clone(),
+            ..PoolContext::default()
+        };
+        let config = crate::testing::config::pool("p", "host", &["a", "b", "c"]);
+        let pool = Pool::start(config, DeviceClass::Host, vec![Box::new(backend)], None, context);
+        let loaded = |i: usize| models[i].metrics.loads_start.get() + models[i].metrics.loads_on_demand.get();
+        assert_eq!((loaded(0), loaded(1)), (1, 0), "one load at start");
+        assert!(pool.is_resident("a") && pool.is_resident("b") && !pool.is_resident("c"));
+        assert_eq!(pool.shares_weights_of("b"), Some("a"));
+        assert_eq!((pool.weights_shown("a"), pool.weights_shown("b")), (100, 0));
+        assert_eq!((pool.weights_charged("a"), pool.weights_charged("b")), (100, 0));
+        assert_eq!(pool.weights_freed_by("a"), 0, "`b` keeps the session");
+        assert!(pool.holds_weights_of("c"), "a request of `c` loads nothing");
+
+        // `c` on demand joins the session: no load, no build.
+        assert!(pool.submit(job("c")).unwrap().blocking_recv().unwrap().is_ok());
+        assert!(pool.is_resident("c") && loaded(2) == 0);
+        assert_eq!(loads.lock().unwrap().as_slice(), ["c shares a"]);
+
+        // `a` goes: the others keep the weights, now charged to `b`.
+        assert_eq!(pool.unload_model("a"), Ok(ResidencyOutcome::Unloaded));
+        assert!(!pool.is_resident("a") && pool.is_resident("b") && pool.is_resident("c"));
+        assert_eq!((pool.weights_charged("a"), pool.weights_charged("b")), (0, 100));
+        assert_eq!(pool.load_model("a"), Ok(ResidencyOutcome::Loaded));
+        assert_eq!(models[0].metrics.loads_requested.get(), 0, "it shared `b`'s again");
+        assert_eq!(loads.lock().unwrap().last().map(String::as_str), Some("a shares b"));
+
+        // The last name of the group to go takes the weights with it.
+        for model in ["a", "b"] {
+            assert_eq!(pool.unload_model(model), Ok(ResidencyOutcome::Unloaded));
+        }
+        assert_eq!(pool.weights_freed_by("c"), 100);
+        assert!(pool.evict("c"));
+        assert!(!pool.holds_weights_of("a"));
+        assert!(pool.submit(job("a")).unwrap().blocking_recv().unwrap().is_ok());
+        assert_eq!(
+            models[0].metrics.loads_on_demand.get(),
+            1,
+            "a load: nothing was there to share"
+        );
+        assert_eq!(loads.lock().unwrap().last().map(String::as_str), Some("a"));
+        pool.shutdown(Duration::from_secs(5));
     }
 
     #[test]

@@ -273,6 +273,9 @@ impl Residency for Releasing {
         Err(format!("`{name}`: this fake loads nothing"))
     }
     fn unload_model(&mut self, _: &str) {}
+    fn share_model(&mut self, name: &str, _: &str) -> Result<(), String> {
+        Err(format!("`{name}`: this fake shares nothing"))
+    }
     fn release_memory(&mut self, _: &dyn Fn(&str) -> Option<Vec<Tensor>>) {
         self.releases.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
     }

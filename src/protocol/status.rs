@@ -95,6 +95,23 @@ pub struct ModelStatus {
     pub fallback_model: Option<String>,
     /// Each pool serving it.
     pub pools: Vec<ModelOnPool>,
+    /// The graphs it runs, each with its weights and the pools it is resident on (one for a
+    /// model of one graph; a Whisper's encoder and decoder).
+    #[serde(default)]
+    pub components: Vec<ComponentStatus>,
+}
+
+/// One component (graph) of a model.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ComponentStatus {
+    /// `model` for a model of one graph; `encoder` and `decoder` for a Whisper.
+    pub name: String,
+    /// The files its weights are read from.
+    pub files: Vec<String>,
+    /// Its weights: what one session of it holds (a pool holds one per worker).
+    pub weights_bytes: u64,
+    /// The pools it is resident on now.
+    pub resident: Vec<String>,
 }
 
 /// A model on one pool.
@@ -113,8 +130,13 @@ pub struct ModelOnPool {
     pub running: usize,
     /// Its requests queued there.
     pub queued: usize,
-    /// Its weights there when loaded (every worker's sessions).
+    /// Its weights there when loaded (every worker's sessions); 0 when it shares another
+    /// model's loaded weights there, which that model's entry shows.
     pub weights_bytes: u64,
+    /// The model whose loaded weights it shares there (identical graph files, one session),
+    /// when it does; `null` otherwise.
+    #[serde(default)]
+    pub shares_weights_of: Option<String>,
 }
 
 /// A model `make_room` unloaded to admit another model's request.
@@ -493,6 +515,13 @@ pub(crate) mod tests {
                     running: 1,
                     queued: 0,
                     weights_bytes: 4 << 20,
+                    shares_weights_of: None,
+                }],
+                components: vec![ComponentStatus {
+                    name: "model".into(),
+                    files: vec!["builtin:encoder".into()],
+                    weights_bytes: 4 << 20,
+                    resident: vec!["gpu".into()],
                 }],
             }],
             evictions: vec![EvictionStatus {
@@ -562,6 +591,14 @@ pub(crate) mod tests {
                 "device_memory_budget_bytes": 6u64 << 30, "concurrency": null, "running": 1,
                 "memory": {"sim0": 3 << 20}})
         );
+        // A model's components, and whose weights it shares on each pool (null: its own).
+        assert_eq!(
+            json["models"][0]["components"],
+            serde_json::json!([{"name": "model", "files": ["builtin:encoder"], "weights_bytes": 4 << 20,
+                "resident": ["gpu"]}])
+        );
+        let on_gpu = json["models"][0]["pools"][0].as_object().unwrap();
+        assert!(on_gpu["shares_weights_of"].is_null());
         // Not degraded: the same keys, null.
         let calm = serde_json::to_value(DegradedStatus::default()).unwrap();
         assert_eq!(

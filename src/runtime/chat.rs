@@ -13,6 +13,7 @@ use minijinja::{Environment, ErrorKind};
 use serde_json::{Value, json};
 
 use crate::config::{BuiltinChatTemplate, ChatTemplateSource};
+use crate::core::tool_call::ToolCall;
 
 /// The bundled ChatML template.
 const CHATML: &str = include_str!("chatml.jinja");
@@ -449,15 +450,6 @@ pub fn check_tools(tools: &[Value]) -> Result<(), Invalid> {
         }
     }
     Ok(())
-}
-
-/// A tool call read out of generated text.
-#[derive(Debug, Clone, PartialEq)]
-pub struct ToolCall {
-    /// The function's name.
-    pub name: String,
-    /// Its arguments as JSON text (what OpenAI's API carries).
-    pub arguments: String,
 }
 
 /// Split generated text into its prose and its tool calls: each `<tool_call>{"name": …,

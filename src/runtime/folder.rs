@@ -175,7 +175,7 @@ mod tests {
     #[test]
     fn the_bundled_decoder_says_its_positions() {
         let decoder = ModelFolder::bundled(BuiltinModel::Decoder).unwrap();
-        assert_eq!((decoder.context, decoder.eos.as_slice()), (Some(4096), &[0][..]));
+        assert_eq!((decoder.context, decoder.eos.as_slice()), (Some(32768), &[0][..]));
         assert_eq!(
             ModelFolder::bundled(BuiltinModel::Encoder).unwrap(),
             ModelFolder::default()

@@ -1,9 +1,11 @@
 //! Serving a request below any protocol: assembling the service from its parts, one request's
-//! life (policy, router, queue, retry, deadline), text generation, idempotency keys, and
+//! life (policy, router, queue, retry, deadline), text generation, the encoders' requests
+//! (`encoders`: embeddings, rerank, a dual encoder's towers), idempotency keys, and
 //! [`metrics::Metrics`], every metric family registered together. Nothing here knows about HTTP
 //! status codes; `http` maps outcomes to them.
 
 pub mod batching;
+pub mod encoders;
 pub mod generation;
 pub mod health;
 pub mod idempotency;

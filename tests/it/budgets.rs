@@ -59,6 +59,11 @@ impl Residency for Gated {
 
     fn unload_model(&mut self, _: &str) {}
 
+    /// Nothing to share either.
+    fn share_model(&mut self, _: &str, _: &str) -> Result<(), String> {
+        Ok(())
+    }
+
     fn release_memory(&mut self, _: &dyn Fn(&str) -> Option<Vec<Tensor>>) {}
 }
 

@@ -292,8 +292,8 @@ async fn running_past_the_models_positions_is_the_clients_error_not_a_500() {
         graph.display()
     );
     let server = TestServer::start(&config).await;
-    // Past the fixture's 4096 positions, as token ids (nothing to tokenize).
-    let ids: Vec<u32> = (0..4100).map(|i| 100 + i % 300).collect();
+    // Past the fixture's 32,768 positions, as token ids (nothing to tokenize).
+    let ids: Vec<u32> = (0..32_800).map(|i| 100 + i % 300).collect();
     let request = json!({"model": "tiny", "prompt": ids, "max_tokens": 4, "temperature": 0});
     let (status, _, error) = complete(&server, request).await;
     assert_eq!(status, StatusCode::BAD_REQUEST, "{error}");

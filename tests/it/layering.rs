@@ -410,6 +410,24 @@ fn no_module_uses_a_layer_above_its_own() {
     );
 }
 
+/// The OpenAI generation endpoints' files only speak the API: making a request a job for its
+/// model (its template, tokenizing, its grammar) and reading tool calls and token bytes back
+/// are `serve::generation`'s, so these files name no path in `runtime` or `pool`.
+#[test]
+fn the_generation_endpoints_name_nothing_in_runtime_or_pool() {
+    let (_, refs, _) = all_references();
+    let files = ["answer", "chat", "format", "job", "logprobs", "mod", "run", "stream"]
+        .map(|f| format!("src/http/openai/{f}.rs"));
+    let theirs: Vec<&Reference> = refs.iter().filter(|r| files.contains(&r.file)).collect();
+    // Read at all: each of them names the layers it uses.
+    assert!(theirs.len() > 20, "{} paths read in {files:?}", theirs.len());
+    let below: Vec<String> = (theirs.iter())
+        .filter(|r| matches!(r.to.first().map(String::as_str), Some("runtime" | "pool")))
+        .map(|r| describe(r))
+        .collect();
+    assert!(below.is_empty(), "{}", below.join("\n"));
+}
+
 #[test]
 fn the_modules_form_no_import_cycle() {
     let (_, refs, modules) = all_references();

@@ -9,6 +9,7 @@ mod batching_requests;
 mod budgets;
 mod cli;
 mod common;
+mod components;
 mod connections;
 mod counted;
 mod doc_links;

@@ -586,7 +586,9 @@ mod tests {
                         running: 0,
                         queued: 0,
                         weights_bytes: 8 << 20,
+                        shares_weights_of: None,
                     }],
+                    components: Vec::new(),
                 })
                 .to_vec();
             status

@@ -16,8 +16,7 @@ use super::stream::unix_now;
 use crate::http::headers::{decode_headers, header_value, model_header, pool_headers, shrink_headers};
 use crate::http::state::AppState;
 use crate::protocol::headers::{ALLOW_SHRINK_HEADER, DECISION_HEADER};
-use crate::runtime::text::TokenBytes;
-use crate::serve::generation;
+use crate::serve::generation::{self, Spelling};
 use crate::serve::lifecycle;
 
 /// The lifecycle request a checked job runs as, from the headers every protocol shares.
@@ -89,7 +88,10 @@ pub(super) async fn run(
 
 /// A whole answer's body: the completion object, one choice per generation in the job's order.
 fn whole(state: &AppState, job: &Job, model: &str, generated: &[generation::Generated], id: &str) -> Value {
-    let bytes = logprobs::token_bytes(&state.service, model);
+    // Only an answer that gives log-probabilities spells its tokens.
+    let bytes = (job.params.logprobs.is_some())
+        .then(|| Spelling::of(&state.service, model))
+        .flatten();
     let mut usage = Usage::default();
     let mut choices = Vec::with_capacity(generated.len());
     for (index, generated) in generated.iter().enumerate() {
@@ -107,8 +109,8 @@ fn whole(state: &AppState, job: &Job, model: &str, generated: &[generation::Gene
 /// Choice `index` of a whole answer: a completion's text (after its prompt's, with `echo`), or
 /// chat's message with its tool calls read back; with the tokens' log-probabilities when asked
 /// for (`bytes`: the model's tokens' bytes).
-fn choice(job: &Job, index: usize, generated: &generation::Generated, bytes: Option<&TokenBytes>, id: &str) -> Value {
-    let logprobs = |shape: fn(&TokenBytes, &[generation::TokenLogprobs]) -> Value| match (&generated.logprobs, bytes) {
+fn choice(job: &Job, index: usize, generated: &generation::Generated, bytes: Option<&Spelling>, id: &str) -> Value {
+    let logprobs = |shape: fn(&Spelling, &[generation::TokenLogprobs]) -> Value| match (&generated.logprobs, bytes) {
         (Some(tokens), Some(bytes)) => shape(bytes, tokens),
         _ => Value::Null,
     };
@@ -119,8 +121,7 @@ fn choice(job: &Job, index: usize, generated: &generation::Generated, bytes: Opt
                    "finish_reason": generated.finish.label()})
         }
         Api::Chat { tools } => {
-            let offered: Vec<&str> = tools.iter().map(String::as_str).collect();
-            let (prose, calls) = crate::runtime::chat::split_tool_calls(&generated.text, &offered);
+            let (prose, calls) = generated.tool_calls(tools);
             let mut message = json!({"role": "assistant", "content": prose});
             let finish = if calls.is_empty() {
                 generated.finish.label()

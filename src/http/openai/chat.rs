@@ -1,11 +1,10 @@
-//! What is particular to `POST /v1/chat/completions`: messages rendered by the model's chat
-//! template, the tools offered, a chat shortened by whole turns, tool calls read back into
-//! OpenAI's `tool_calls`, and the grammar of a structured output (`response_format`, a forced
-//! or strict tool call). Templates and the reading of calls are [`crate::runtime::chat`], the
-//! grammars [`crate::runtime::grammar`].
+//! What is particular to `POST /v1/chat/completions`: the messages and tools read, which tools
+//! are offered and whether a call is forced (`tool_choice`), the fields not served refused by
+//! name, and the tool calls the generation read back written as OpenAI's `tool_calls`. The
+//! chat is rendered by its model's template, shortened by whole turns and given the grammar of
+//! a structured output by the generation ([`generation::Chat`]).
 
 use std::num::NonZeroU32;
-use std::sync::Arc;
 
 use serde::{Deserialize, Deserializer};
 use serde_json::{Value, json};
@@ -13,12 +12,10 @@ use serde_json::{Value, json};
 use super::body;
 use super::error::OpenAiError;
 use super::format;
-use super::job::{Api, Draft, PromptIn, Sampling, Stop, text_model};
+use super::job::{Draft, Sampling, text_model};
+use crate::core::tool_call::ToolCall;
 use crate::http::state::AppState;
-use crate::runtime::chat::{ChatTemplate, Invalid, ToolCall};
-use crate::runtime::grammar::{Grammar, Json, Otherwise, Shape, Tool};
-use crate::serve::generation;
-use crate::serve::service::Generator;
+use crate::serve::generation::{self, Call};
 
 /// The body of `POST /v1/chat/completions` but for what it shares with completions
 /// ([`Sampling`]) and what is not served ([`Unserved`]), each read from the body on its own.
@@ -129,69 +126,9 @@ impl<'de> Deserialize<'de> for ToolChoice {
     }
 }
 
-/// Whether a chat's answer must be a tool call, and of which function.
-#[derive(Debug, Clone, Copy)]
-enum Call<'a> {
-    /// It may be one, or not.
-    Free,
-    /// A call of any tool offered.
-    Any,
-    /// A call of this function.
-    Named(&'a str),
-}
-
-/// The grammar a chat's answer follows, compiled for `entry`'s tokenizer, if any: a call when
-/// `call` forces one; else, with tools `offered` of which one is strict or with a
-/// `response_format`, a call of any tool or an answer in that format (prose, without one);
-/// else the `response_format`.
-fn grammar_of(
-    text: &Generator,
-    tools: &[Value],
-    offered: bool,
-    call: Call<'_>,
-    format: Option<&(Value, bool)>,
-) -> Result<Option<Grammar>, OpenAiError> {
-    let answer = format.map(|(schema, strict)| Json {
-        schema,
-        strict: *strict,
-    });
-    let callable: Vec<Tool<'_>> = tools
-        .iter()
-        .map(|t| Tool {
-            name: t["function"]["name"].as_str().unwrap_or_default(),
-            parameters: t["function"].get("parameters"),
-            strict: t["function"]["strict"] == true,
-        })
-        .filter(|t| !matches!(call, Call::Named(name) if t.name != name))
-        .collect();
-    let strict_tool = callable.iter().any(|t| t.strict);
-    let shape = match (call, offered) {
-        (Call::Any | Call::Named(_), _) => Shape::ToolCall {
-            tools: &callable,
-            otherwise: None,
-        },
-        (Call::Free, true) if answer.is_some() || strict_tool => {
-            // A response format that cannot compile is named as such, not as the tools'.
-            if let Some(format) = format {
-                format::compiled(text, format)?;
-            }
-            let otherwise = Some(answer.map_or(Otherwise::Prose, Otherwise::Json));
-            Shape::ToolCall {
-                tools: &callable,
-                otherwise,
-            }
-        }
-        _ => return format.map(|format| format::compiled(text, format)).transpose(),
-    };
-    text.grammars
-        .compile(shape)
-        .map(Some)
-        .map_err(|e| OpenAiError::invalid(e, Some("tools")))
-}
-
-/// A chat body: its messages rendered by the model's template, with the tools offered, and the
-/// end of the assistant's turn added to `stop`.
-pub(super) fn read(state: &AppState, body: &[u8], id: &str) -> Result<Draft, OpenAiError> {
+/// A chat body: its messages, the tools sent and which of them the model is offered (and
+/// whether it must call one), for the generation to render with the model's template.
+pub(super) fn read<'a>(state: &'a AppState, body: &[u8], id: &str) -> Result<Draft<'a>, OpenAiError> {
     let value = body::parse(body)?;
     let sampling: Sampling = body::fields(&value)?;
     unserved(&body::fields(&value)?)?;
@@ -199,22 +136,10 @@ pub(super) fn read(state: &AppState, body: &[u8], id: &str) -> Result<Draft, Ope
     let request: ChatRequest = body::fields(value)?;
     let format = format::schema(request.response_format.as_ref())?;
     let logprobs = chat_logprobs(request.logprobs, request.top_logprobs)?;
-    let (_, text) = text_model(state, &sampling.model, id)?;
-    let template = text.chat.clone().ok_or_else(|| {
-        OpenAiError::invalid(
-            format!(
-                "model `{}` has no chat template (set `models[].chat_template`, or put a tokenizer_config.json with `chat_template` beside its tokenizer); /v1/completions takes plain prompts",
-                sampling.model
-            ),
-            Some("model"),
-        )
-    })?;
-    let at = |e: Invalid| OpenAiError::invalid_at(e.to_string(), e.at);
-    let messages = crate::runtime::chat::template_messages(&request.messages).map_err(at)?;
+    let model = text_model(state, &sampling.model, id)?;
     let tools = request.tools.unwrap_or_default();
-    crate::runtime::chat::check_tools(&tools).map_err(at)?;
     let tool_choice = |message: String| OpenAiError::invalid(message, Some("tool_choice"));
-    let (offered, call) = match &request.tool_choice {
+    let (offered, call) = match request.tool_choice {
         ToolChoice::Auto => (!tools.is_empty(), Call::Free),
         ToolChoice::None => (false, Call::Free),
         ToolChoice::Required | ToolChoice::Function(_) if tools.is_empty() => {
@@ -229,7 +154,7 @@ pub(super) fn read(state: &AppState, body: &[u8], id: &str) -> Result<Draft, Ope
                     "`tool_choice` names `{name}`, which is not among the `tools`"
                 )));
             }
-            (true, Call::Named(name.as_str()))
+            (true, Call::Named(name))
         }
         ToolChoice::Unknown => {
             return Err(tool_choice(
@@ -238,43 +163,23 @@ pub(super) fn read(state: &AppState, body: &[u8], id: &str) -> Result<Draft, Ope
             ));
         }
     };
-    let grammar = grammar_of(text, &tools, offered, call, format.as_ref())?;
-    let offered_tools = offered.then_some(tools.as_slice());
-    let tokenizer = Arc::clone(&text.tokenizer);
-    let text = template
-        .render(&messages, offered_tools)
-        .map_err(|e| OpenAiError::invalid(e, Some("messages")))?;
-    let shorten = shorten_chat(
-        Arc::clone(&template),
-        tokenizer,
-        messages,
-        offered_tools.map(<[Value]>::to_vec),
-    );
-    let names = if offered {
-        tools
-            .iter()
-            .filter_map(|t| t["function"]["name"].as_str().map(str::to_string))
-            .collect()
-    } else {
-        Vec::new()
-    };
     let max_tokens = request
         .max_completion_tokens
         .map(NonZeroU32::get)
         .or(sampling.max_tokens);
-    let mut sampling = sampling;
-    // A grammar ends the answer itself, and where it allows the end-of-turn string as text (in
-    // a JSON string) that text is part of the answer.
-    let end = grammar.is_none().then_some(&template.end_of_turn);
-    sampling.stop = Some(with_end_of_turn(sampling.stop.take(), end)?);
+    let chat = generation::Chat {
+        messages: request.messages,
+        tools,
+        offered,
+        call,
+    };
     Ok(Draft {
+        model,
         sampling,
-        prompts: vec![PromptIn::Text(text)],
+        prompts: generation::Prompts::Chat(chat),
         echo: false,
-        api: Api::Chat { tools: names },
         max_tokens,
-        shorten: Some(shorten),
-        grammar,
+        format,
         logprobs,
     })
 }
@@ -289,62 +194,6 @@ fn chat_logprobs(logprobs: Option<bool>, top: Option<u32>) -> Result<Option<u32>
         (false, _) => Err(top_logprobs("`top_logprobs` needs `logprobs: true`")),
         (true, top) => Ok(Some(top)),
     }
-}
-
-/// The client's `stop` with `end`, the end of the assistant's turn, added: it ends the answer
-/// even where it is not a single token.
-fn with_end_of_turn(stop: Option<Stop>, end: Option<&String>) -> Result<Stop, OpenAiError> {
-    let end = end.cloned();
-    Ok(match stop {
-        None => Stop::Many(end.into_iter().collect()),
-        Some(Stop::One(s)) => Stop::Many(std::iter::once(s).chain(end).collect()),
-        Some(Stop::Many(mut v)) => {
-            if v.len() > 4 {
-                return Err(OpenAiError::invalid("`stop` takes at most 4 strings", Some("stop")));
-            }
-            v.extend(end);
-            Stop::Many(v)
-        }
-    })
-}
-
-/// How a chat is shortened: the system messages stay, and the oldest turns after them go,
-/// whole (a turn starts at a user message), until the prompt fits; the latest turn always stays.
-fn shorten_chat(
-    template: Arc<ChatTemplate>,
-    tokenizer: Arc<tokenizers::Tokenizer>,
-    messages: Vec<Value>,
-    tools: Option<Vec<Value>>,
-) -> generation::Shorten {
-    Arc::new(move |to: u64| {
-        let system = messages.iter().take_while(|m| m["role"] == "system").count();
-        let starts: Vec<usize> = (system + 1..messages.len())
-            .filter(|&i| messages[i]["role"] == "user")
-            .collect();
-        let mut shortest = None;
-        for start in starts {
-            let kept: Vec<Value> = messages[..system].iter().chain(&messages[start..]).cloned().collect();
-            let text = template.render(&kept, tools.as_deref())?;
-            let ids = tokenizer
-                .encode(text.as_str(), false)
-                .map_err(|e| format!("the shortened chat cannot be tokenized: {e}"))?
-                .get_ids()
-                .to_vec();
-            if ids.len() as u64 <= to {
-                let cut = format!(
-                    "{} of {} messages: the oldest turns after the system prompt",
-                    start - system,
-                    messages.len()
-                );
-                return Ok((ids, cut));
-            }
-            shortest = Some(ids.len());
-        }
-        Err(match shortest {
-            Some(n) => format!("the system prompt and the latest turn alone take {n} tokens"),
-            None => "the chat has a single turn, and turns are cut whole".to_string(),
-        })
-    })
 }
 
 /// OpenAI's `tool_calls` of choice `choice`, each with an id unique to the request.

@@ -1,14 +1,12 @@
 //! Structured outputs' `response_format`, which chat and completions both take (as vLLM's
-//! completions do): read into the JSON schema the answer follows, and compiled into a grammar
-//! for the model named ([`crate::runtime::grammar`]). A field of it that is wrong is named by
-//! its path (`response_format.json_schema.strict`); a schema the engine cannot take, by
-//! `response_format`.
+//! completions do): read into the JSON schema the answer follows, which the generation compiles
+//! into a grammar for the model named ([`crate::serve::generation::job()`]). A field of it that
+//! is wrong is named by its path (`response_format.json_schema.strict`); a schema the engine
+//! cannot take, by `response_format`.
 
 use serde_json::{Value, json};
 
 use super::error::OpenAiError;
-use crate::runtime::grammar::{Grammar, Json, Shape};
-use crate::serve::service::Generator;
 
 /// The field's name, and what a schema the engine refuses is named by.
 const FIELD: &str = "response_format";
@@ -45,17 +43,6 @@ pub(super) fn schema(format: Option<&Value>) -> Result<Option<(Value, bool)>, Op
         }
         _ => Err(invalid(".type", "must be \"text\", \"json_object\" or \"json_schema\"")),
     }
-}
-
-/// The grammar of an answer in `format` (as [`schema`] read it) for `text`'s model, a model that
-/// generates text; a schema the engine cannot take is a 400 naming `response_format`.
-pub(super) fn compiled(text: &Generator, (schema, strict): &(Value, bool)) -> Result<Grammar, OpenAiError> {
-    text.grammars
-        .compile(Shape::Json(Json {
-            schema,
-            strict: *strict,
-        }))
-        .map_err(|e| OpenAiError::invalid(format!("`{FIELD}`: {e}"), Some(FIELD)))
 }
 
 #[cfg(test)]

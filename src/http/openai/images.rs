@@ -1,36 +1,22 @@
-//! Image search through `POST /v1/embeddings`: a dual encoder's towers
-//! ([`crate::runtime::tower`]) embed texts and images into one space. A model that is a text
-//! tower takes texts, and images too when its config names its vision tower (`images`); a
-//! vision tower named directly takes images. Images come as base64 `data:` URLs, in vLLM's
-//! multimodal form (`messages`, one text or image part) or Jina's (`input: [{"image": ...},
-//! {"text": ...}]`); each is decoded and preprocessed off the async runtime, and each tower's
-//! inputs run as one request through the lifecycle (admission, policy, failover, counting) on
-//! that tower's model. The vectors come back in the request's order, normalized.
+//! Image search through `POST /v1/embeddings`: a request for a dual encoder's tower
+//! ([`crate::serve::encoders::tower`]), whose towers embed texts and images into one space.
+//! Images come as base64 `data:` URLs, in vLLM's multimodal form (`messages`, one text or image
+//! part) or Jina's (`input: [{"image": ...}, {"text": ...}]`); the request's fields are read
+//! into a tower job, handed down through the encoders' door, and its vectors, in the request's
+//! order and normalized, sent as `embeddings` sends a sentence encoder's.
 
 use axum::http::HeaderMap;
 use axum::response::Response;
 use base64::Engine;
-use serde_json::{Value, json};
+use serde_json::Value;
 use tokio::time::Instant;
 
-use super::encode::{answer, infer};
+use super::encode;
 use super::error::OpenAiError;
-use super::vectors::{dimensions, encoding_format, item, text_tokens, truncate};
-use crate::http::error::outcome_of_status;
-use crate::http::headers::decode_headers;
+use super::vectors;
 use crate::http::state::AppState;
-use crate::runtime::image::{self, MAX_IMAGE_BYTES};
-use crate::runtime::tower::Tower;
-use crate::serve::lifecycle;
-use crate::serve::service::ModelEntry;
-
-/// One input, in the request's order.
-enum Input {
-    /// A text.
-    Text(String),
-    /// An image file's bytes.
-    Image(Vec<u8>),
-}
+use crate::serve::encoders::tower::{self, Asked, Input, Towers};
+use crate::serve::service::{Api, Kind};
 
 /// Whether the body names a dual encoder's tower: this module answers it.
 pub(super) fn serves(state: &AppState, body: &Value) -> bool {
@@ -40,201 +26,28 @@ pub(super) fn serves(state: &AppState, body: &Value) -> bool {
         .is_some_and(|entry| entry.kind.tower().is_some())
 }
 
-/// Read, run and answer a request for a tower. A request refused while it is read is counted
-/// here; each tower's run is counted by the lifecycle.
+/// Read, run and answer a request for a tower (its body as [`encode::parse`] gave it).
 pub(super) async fn serve(
     state: &AppState,
-    headers: &HeaderMap,
-    body: &Value,
-    id: &str,
-    received: Instant,
+    (headers, body, id, received): (&HeaderMap, Result<Value, OpenAiError>, &str, Instant),
 ) -> Result<Response, OpenAiError> {
-    let service = &state.service;
-    let model = body["model"].as_str().expect("checked by serves");
-    let checked = read(state, body, model).and_then(|read| {
-        // Each tower's request is made now, so a bad header is refused before anything runs.
-        let request = |name: &str| decode_headers(service, name, id, headers, received);
-        let texts = (!read.texts.is_empty())
-            .then(|| request(model))
-            .transpose()
-            .map_err(|e| OpenAiError::from_request(&e, id))?;
-        let images = (!read.images.is_empty())
-            .then(|| request(&read.vision.expect("images only with a vision tower").config.name))
-            .transpose()
-            .map_err(|e| OpenAiError::from_request(&e, id))?;
-        Ok((read, texts, images))
-    });
-    let (read, texts, images) = match checked {
-        Ok(checked) => checked,
-        Err(error) => {
-            lifecycle::answered(service, model, outcome_of_status(error.status), received);
-            return Err(error);
-        }
-    };
-    let (files, field) = (read.images, read.field);
-    let image_indexes: Vec<usize> = files.iter().map(|(i, _)| *i).collect();
-    let pixels = match files.is_empty() {
-        true => Vec::new(),
-        // Decoding and resizing are CPU work of up to tens of milliseconds an image.
-        false => {
-            let vision = read.vision.expect("images only with a vision tower");
-            let preprocessor = preprocessor(vision).clone();
-            tokio::task::spawn_blocking(move || {
-                files
-                    .iter()
-                    .map(|(i, bytes)| {
-                        let at = match field {
-                            "input" => format!("input[{i}]"),
-                            _ => field.to_string(),
-                        };
-                        image::decode(bytes)
-                            .map(|rgb| preprocessor.pixels(&rgb))
-                            .map_err(|e| OpenAiError::invalid(format!("`{at}`: {e}"), Some(field)))
-                    })
-                    .collect::<Result<Vec<_>, _>>()
-            })
-            .await
-            .map_err(|e| OpenAiError::internal(format!("preprocessing the images failed: {e}"), id))
-            .and_then(|r| r)
-            .inspect_err(|e| lifecycle::answered(service, model, outcome_of_status(e.status), received))?
-        }
-    };
-    // The texts run first, then the images; the answer's headers are of the last run.
-    let mut vectors: Vec<(usize, Vec<f32>)> = Vec::new();
-    let mut last = None;
-    if let Some(mut request) = texts {
-        let entry = read.text.expect("a text model when there are texts");
-        let (indexes, ids): (Vec<usize>, Vec<Vec<u32>>) = read.texts.into_iter().unzip();
-        let tower = entry.kind.tower().expect("a text tower");
-        request.inputs = tower.text_batch(&entry.signature, &ids);
-        let (served, out) = run(state, entry, request, id).await?;
-        vectors.extend(indexes.into_iter().zip(out));
-        last = Some(served);
-    }
-    if let Some(mut request) = images {
-        let vision = read.vision.expect("images only with a vision tower");
-        let size = preprocessor(vision).size().expect("checked when the model was read");
-        request.inputs = vec![Tower::image_batch(pixels, size)];
-        let (served, out) = run(state, vision, request, id).await?;
-        vectors.extend(image_indexes.into_iter().zip(out));
-        last = Some(served);
-    }
-    vectors.sort_by_key(|(i, _)| *i);
-    let data = vectors
-        .into_iter()
-        .map(|(i, vector)| item(i, vector, read.dimensions, true, read.base64))
-        .collect::<Result<Vec<Value>, OpenAiError>>()?;
-    let served = last.expect("every request has an input");
-    let body = json!({"object": "list", "data": data, "model": model,
-                      "usage": {"prompt_tokens": read.tokens, "total_tokens": read.tokens}});
-    Ok(answer(state, model, &served, body))
+    encode::encoded(state, (headers, body, id, received), read, vectors::body).await
 }
 
-/// A vision tower's preprocessing.
-fn preprocessor(vision: &ModelEntry) -> &image::Preprocessor {
-    match vision.kind.tower() {
-        Some(Tower::Image(p, _)) => p,
-        _ => unreachable!("checked by read: the vision model is a vision tower"),
-    }
-}
-
-/// Run one tower's request; its normalized vectors.
-async fn run(
-    state: &AppState,
-    entry: &ModelEntry,
-    mut request: lifecycle::Request,
-    id: &str,
-) -> Result<(lifecycle::Served, Vec<Vec<f32>>), OpenAiError> {
-    let tower = entry.kind.tower().expect("a tower");
-    request.outputs = vec![tower.output().to_string()];
-    // A model's fallback is another model with its own space: its vectors could not be
-    // compared with this one's.
-    request.allow_substitute = false;
-    let served = infer(&state.service, request, id).await?;
-    let output = served
-        .outputs
-        .iter()
-        .find(|t| t.name == tower.output())
-        .ok_or_else(|| OpenAiError::internal(format!("the run gave no `{}`", tower.output()), id))?;
-    let vectors = tower.vectors(output).map_err(|e| OpenAiError::internal(e, id))?;
-    Ok((served, vectors))
-}
-
-/// A checked request.
-struct Read<'a> {
-    /// The text tower, when the model is one.
-    text: Option<&'a ModelEntry>,
-    /// The vision tower images run on, when the model has one.
-    vision: Option<&'a ModelEntry>,
-    /// Each text's index and tokens.
-    texts: Vec<(usize, Vec<u32>)>,
-    /// Each image's index and file bytes.
-    images: Vec<(usize, Vec<u8>)>,
-    /// The field the inputs came in (`input` or `messages`), for messages about an image.
-    field: &'static str,
-    /// Send base64.
-    base64: bool,
-    /// Keep this many dimensions.
-    dimensions: Option<usize>,
-    /// The texts' tokens, for `usage`.
-    tokens: usize,
-}
-
-/// Read and check a body for a tower model.
-fn read<'a>(state: &'a AppState, body: &Value, model: &str) -> Result<Read<'a>, OpenAiError> {
-    let service = &state.service;
-    let entry = service.model(model).expect("checked by serves");
-    let tower = entry.kind.tower().expect("checked by serves");
-    let (field, inputs) = inputs(body)?;
-    let (text, vision) = match tower {
-        Tower::Text { .. } => (
-            Some(entry),
-            entry.config.images.as_deref().and_then(|v| service.model(v)),
-        ),
-        Tower::Image(..) => (None, Some(entry)),
-    };
-    let base64 = encoding_format(body)?;
-    let dimensions = dimensions(body, tower.dimensions(&entry.signature))?;
-    let truncate = truncate(body, entry.config.auto_truncate)?;
-    let mut read = Read {
-        text,
-        vision,
-        texts: Vec::new(),
-        images: Vec::new(),
+/// Read and check a body for a tower model into a [`Towers`] job, with the model's name and
+/// whether its vectors go as base64.
+fn read(state: &AppState, body: Value, model: String, id: &str) -> Result<(Towers, (String, bool)), OpenAiError> {
+    let (entry, tower) = super::model_for(state, &model, Api::Embeddings, id, Kind::tower)?;
+    let (field, inputs) = inputs(&body)?;
+    let fields = vectors::fields(&body)?;
+    let asked = Asked {
+        inputs,
         field,
-        base64,
-        dimensions,
-        tokens: 0,
+        dimensions: fields.dimensions,
+        truncate: fields.truncate,
     };
-    for (i, input) in inputs.into_iter().enumerate() {
-        match input {
-            Input::Text(text) => {
-                let Some(Tower::Text { max_positions, .. }) = read.text.and_then(|t| t.kind.tower()) else {
-                    return Err(OpenAiError::invalid(
-                        format!("model `{model}` embeds images only (a vision tower); send texts to its text tower"),
-                        Some(field),
-                    ));
-                };
-                let tokenizer = entry.kind.tokenizer().expect("a text tower has its tokenizer");
-                let limit = max_positions.map(|n| (n as usize, "max_position_embeddings"));
-                let ids = text_tokens(tokenizer, i, &text, limit, truncate)?;
-                read.tokens += ids.len();
-                read.texts.push((i, ids));
-            }
-            Input::Image(bytes) => {
-                if vision.is_none() {
-                    return Err(OpenAiError::invalid(
-                        format!(
-                            "model `{model}` embeds text only: its config names no vision tower (`models[].images`)"
-                        ),
-                        Some(field),
-                    ));
-                }
-                read.images.push((i, bytes));
-            }
-        }
-    }
-    Ok(read)
+    let job = Towers::new(&state.service, entry, tower, asked).map_err(|e| OpenAiError::invalid(e.message, e.field))?;
+    Ok((job, (model, fields.base64)))
 }
 
 /// The inputs of `input` (a string, or a list of strings, `{"text": ...}` and `{"image":
@@ -361,11 +174,8 @@ fn data_url(url: &str, at: &str, field: &'static str) -> Result<Vec<u8>, OpenAiE
         return Err(invalid(format!("`{at}` is of type `{media}`, not an image")));
     }
     // Refused from its length, before a large file is decoded.
-    if data.len() / 4 * 3 > MAX_IMAGE_BYTES + 2 {
-        return Err(invalid(format!(
-            "`{at}`: {}",
-            image::ImageError::TooManyBytes(data.len() / 4 * 3)
-        )));
+    if let Some(why) = tower::oversized(data.len()) {
+        return Err(invalid(format!("`{at}`: {why}")));
     }
     base64::engine::general_purpose::STANDARD
         .decode(data)
@@ -378,7 +188,7 @@ mod tests {
     use serde_json::json;
 
     fn err(r: Result<(&'static str, Vec<Input>), OpenAiError>) -> String {
-        r.err().expect("an error").message
+        r.expect_err("an error").message
     }
 
     fn ok(r: Result<(&'static str, Vec<Input>), OpenAiError>) -> (&'static str, Vec<Input>) {
@@ -433,7 +243,8 @@ mod tests {
             err(inputs(&json!({"input": "x", "messages": []}))),
             "send `input` or `messages`, not both"
         );
-        let huge = format!("data:image/png;base64,{}", "A".repeat(MAX_IMAGE_BYTES / 3 * 4 + 8));
+        // Base64 of more than the 20 MiB an image file may have.
+        let huge = format!("data:image/png;base64,{}", "A".repeat((20 << 20) / 3 * 4 + 8));
         assert!(err(inputs(&json!({"input": [{"image": huge}]}))).contains("above the limit of"));
     }
 }

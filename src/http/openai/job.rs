@@ -1,5 +1,7 @@
-//! Reading a completion or chat request into a [`Job`]: the body decoded, every field checked,
-//! the prompt tokenized. The fields OpenAI documents that would change the answer and that are
+//! Reading a completion or chat request into a [`Job`]: the body decoded, every field that
+//! needs no model checked, and the rest handed to the generation, which makes it a job for the
+//! model named ([`generation::job()`]: the prompt tokenized, the sampling checked against the
+//! model's defaults). The fields OpenAI documents that would change the answer and that are
 //! not supported are refused by name, never ignored.
 
 use serde::Deserialize;
@@ -9,10 +11,7 @@ use super::body;
 use super::error::OpenAiError;
 use super::format;
 use crate::http::state::AppState;
-use crate::runtime::folder::SamplingDefaults;
-use crate::runtime::grammar::Grammar;
-use crate::runtime::leading::{Bounded, encode_within};
-use crate::serve::generation::{self, Params};
+use crate::serve::generation::{self, Params, PromptIn, Prompts};
 use crate::serve::service::{self, Generator, Kind, ModelEntry};
 
 /// `stop`: one string or up to four.
@@ -114,31 +113,44 @@ impl Job {
     }
 }
 
-/// A prompt as the client sent it: text, or token ids (a completion's only).
-pub(super) enum PromptIn {
-    Text(String),
-    Tokens(Vec<u32>),
-}
-
 /// What a completion or a chat request contributes to its [`Job`] before the checks they share.
-pub(super) struct Draft {
+pub(super) struct Draft<'a> {
+    /// The model named, found as it was read.
+    pub(super) model: (&'a ModelEntry, &'a Generator),
     pub(super) sampling: Sampling,
-    /// The prompts (a chat's one, its messages rendered by its template).
-    pub(super) prompts: Vec<PromptIn>,
+    /// The prompts: a completion's, or a chat's messages and tools.
+    pub(super) prompts: Prompts,
     /// `echo`: each prompt's text goes before its choices' text.
     pub(super) echo: bool,
-    pub(super) api: Api,
     /// The most tokens to generate; `None`: as many as the model's context leaves after the
     /// prompt (chat's default, as OpenAI's and vLLM's).
     pub(super) max_tokens: Option<u32>,
-    /// How the prompt is cut when it does not fit: a chat by whole turns; a completion from its
-    /// start (`None`, the prompt's default).
-    pub(super) shorten: Option<generation::Shorten>,
-    /// The grammar a structured output follows (`response_format`, or a chat's forced tool call).
-    pub(super) grammar: Option<Grammar>,
+    /// The JSON schema a structured output follows, and whether strictly (`response_format`).
+    pub(super) format: Option<(Value, bool)>,
     /// How many of the most likely tokens' log-probabilities to give beside each token's
     /// (`None`: no log-probabilities).
     pub(super) logprobs: Option<u32>,
+}
+
+impl Sampling {
+    /// The sampling fields as the generation takes them, `stop` as a list.
+    fn asked(self) -> generation::Sampling {
+        generation::Sampling {
+            temperature: self.temperature,
+            top_p: self.top_p,
+            top_k: self.top_k,
+            seed: self.seed,
+            stop: match self.stop {
+                None => Vec::new(),
+                Some(Stop::One(s)) => vec![s],
+                Some(Stop::Many(v)) => v,
+            },
+            presence_penalty: self.presence_penalty,
+            frequency_penalty: self.frequency_penalty,
+            logit_bias: self.logit_bias,
+            repetition_penalty: self.repetition_penalty,
+        }
+    }
 }
 
 /// Refuse the first field `given` that is not supported, by name.
@@ -149,127 +161,78 @@ pub(super) fn refuse_unsupported<const N: usize>(fields: [(bool, &'static str); 
     }
 }
 
-/// Check a completion's or a chat's [`Draft`] into a [`Job`]: the sampling fields, how many
-/// choices, and its prompts tokenized by the model's tokenizer (token ids checked against it).
-pub(super) fn checked(state: &AppState, draft: Draft, id: &str) -> Result<Job, OpenAiError> {
+/// Check a completion's or a chat's [`Draft`] into a [`Job`]: how many choices, then the
+/// generation's job for the model named (its prompts tokenized, its sampling checked).
+pub(super) fn checked(draft: Draft<'_>, id: &str) -> Result<Job, OpenAiError> {
     let Draft {
+        model: (entry, text),
         sampling,
         prompts,
         echo,
-        api,
         max_tokens,
-        shorten,
-        grammar,
+        format,
         logprobs,
     } = draft;
     let stream = sampling.stream == Some(true);
-    let chat = matches!(&api, Api::Chat { .. });
-    let tools = matches!(&api, Api::Chat { tools } if !tools.is_empty());
-    let (entry, text) = text_model(state, &sampling.model, id)?;
-    let tokenizer = &text.tokenizer;
-    // The ids `logit_bias` may name: the model's logits, or where the graph leaves their
-    // number open, its tokenizer's vocabulary.
-    let vocab = entry
-        .kind
-        .decoder()
-        .and_then(|layout| layout.vocab)
-        .unwrap_or(tokenizer.get_vocab_size(true) as u64);
-    let params = Params {
-        grammar,
-        ..params(
-            &sampling,
-            &entry.folder.sampling,
-            (max_tokens, logprobs),
-            tools,
-            vocab,
-            id,
-        )?
-    };
+    // Chat adds its end-of-turn string to `stop`; the client's own stay within 4.
+    if let Some(Stop::Many(v)) = &sampling.stop
+        && v.len() > 4
+    {
+        return Err(OpenAiError::invalid("`stop` takes at most 4 strings", Some("stop")));
+    }
     let n = sampling.n.unwrap_or(1) as usize;
     if n == 0 {
         return Err(OpenAiError::invalid("`n` must be at least 1", Some("n")));
     }
-    if n.saturating_mul(prompts.len()) > MAX_CHOICES {
+    let count = match &prompts {
+        Prompts::Completion(prompts) => prompts.len(),
+        Prompts::Chat(_) => 1,
+    };
+    if n.saturating_mul(count) > MAX_CHOICES {
         return Err(OpenAiError::invalid(
             format!(
                 "`n` times the prompts is {} choices; at most {MAX_CHOICES} are served in one request",
-                n.saturating_mul(prompts.len())
+                n.saturating_mul(count)
             ),
             Some("n"),
         ));
     }
-    let field = if chat { "messages" } else { "prompt" };
-    // The positions the model takes bound the prompt, with room for what it asks to generate
-    // (at least one token): a longer one is refused before anything runs, found so from as
-    // much of its text as that many tokens could cover.
-    let context = entry.kind.decoder().and_then(|layout| layout.context);
-    let generated = u64::from(params.max_tokens.unwrap_or(1));
-    let too_long = |prompt: usize, whole: bool| {
-        let limit = context.unwrap_or(u64::MAX);
-        OpenAiError::context_too_long(&sampling.model, limit, (prompt as u64, whole), generated, field, id)
+    let chat = matches!(&prompts, Prompts::Chat(_));
+    let model = sampling.model.clone();
+    let asked = generation::Asked {
+        prompts,
+        sampling: sampling.asked(),
+        max_tokens,
+        logprobs,
+        echo,
+        format,
     };
-    let limit = context.map(|c| c.saturating_sub(generated));
-    if limit == Some(0) {
-        return Err(too_long(1, false));
-    }
-    let limit = limit.map_or(usize::MAX, |l| usize::try_from(l).unwrap_or(usize::MAX));
-    let mut texts = Vec::with_capacity(prompts.len());
-    let mut tokenized = Vec::with_capacity(prompts.len());
-    for prompt in prompts {
-        let (text, tokens) = match prompt {
-            // A completion's prompt gets what the tokenizer adds to any text (Llama's and
-            // Gemma's BOS), as `transformers` and vLLM encode it; a chat's rendered template
-            // already holds it.
-            PromptIn::Text(text) => match encode_within(tokenizer, &text, !chat, limit) {
-                Ok(Bounded::Tokens(ids)) => (text, ids),
-                Ok(Bounded::Over { at_least, whole }) => return Err(too_long(at_least, whole)),
-                Err(e) => {
-                    return Err(OpenAiError::invalid(
-                        format!("the prompt cannot be tokenized: {e}"),
-                        Some(field),
-                    ));
-                }
-            },
-            PromptIn::Tokens(ids) if ids.len() > limit => return Err(too_long(ids.len(), true)),
-            // Token ids go to the model as they are: nothing is added.
-            PromptIn::Tokens(ids) => {
-                if let Some(id) = ids.iter().find(|&&id| tokenizer.id_to_token(id).is_none()) {
-                    return Err(OpenAiError::invalid(
-                        format!(
-                            "token id {id} is not in the model's vocabulary ({} tokens)",
-                            tokenizer.get_vocab_size(true)
-                        ),
-                        Some("prompt"),
-                    ));
-                }
-                let text = match echo {
-                    true => tokenizer.decode(&ids, false).map_err(|e| {
-                        OpenAiError::invalid(format!("the prompt's tokens cannot be decoded: {e}"), Some("prompt"))
-                    })?,
-                    false => String::new(),
-                };
-                (text, ids)
-            }
-        };
-        if tokens.is_empty() {
-            return Err(OpenAiError::invalid("the prompt is empty", Some(field)));
-        }
-        let mut prompt = generation::Prompt::from(tokens);
-        if shorten.is_some() {
-            prompt.shorten = shorten.clone();
-        }
-        texts.push(text);
-        tokenized.push(prompt);
-    }
+    let job = generation::job(entry, text, asked, id).map_err(|e| refused(e, &model, id))?;
     Ok(Job {
-        model: sampling.model,
-        api,
-        prompts: tokenized,
+        model,
+        api: match chat {
+            true => Api::Chat { tools: job.tools },
+            false => Api::Completion,
+        },
+        prompts: job.prompts,
         n,
-        echo: echo.then_some(texts),
-        params,
+        echo: job.echo,
+        params: job.params,
         stream,
     })
+}
+
+/// What the generation found wrong with a request for `model`, in OpenAI's shape.
+fn refused(invalid: generation::Invalid, model: &str, id: &str) -> OpenAiError {
+    match invalid {
+        generation::Invalid::Field { message, at } => OpenAiError::invalid_at(message, at),
+        generation::Invalid::TooLong {
+            limit,
+            prompt,
+            generated,
+            field,
+        } => OpenAiError::context_too_long(model, limit, prompt, generated, field, id),
+    }
 }
 
 /// A completion's `prompt` as OpenAI takes it: a string, strings, token ids, or arrays of
@@ -304,7 +267,7 @@ fn prompts_of(prompt: &Value) -> Result<Vec<PromptIn>, OpenAiError> {
 }
 
 /// A `POST /v1/completions` body: its prompts.
-pub(super) fn read_completion(state: &AppState, body: &[u8], id: &str) -> Result<Draft, OpenAiError> {
+pub(super) fn read_completion<'a>(state: &'a AppState, body: &[u8], id: &str) -> Result<Draft<'a>, OpenAiError> {
     let value = body::parse(body)?;
     let sampling: Sampling = body::fields(&value)?;
     let request: CompletionRequest = body::fields(value)?;
@@ -334,147 +297,19 @@ pub(super) fn read_completion(state: &AppState, body: &[u8], id: &str) -> Result
                 as u32,
         ),
     };
-    let (_, text) = text_model(state, &sampling.model, id)?;
+    let model = text_model(state, &sampling.model, id)?;
     let prompts = prompts_of(&request.prompt)?;
     let format = format::schema(request.response_format.as_ref())?;
-    let grammar = format.map(|format| format::compiled(text, &format)).transpose()?;
-    // Chat adds its end-of-turn string to `stop`; a completion's own stays within 4.
-    if let Some(Stop::Many(v)) = &sampling.stop
-        && v.len() > 4
-    {
-        return Err(OpenAiError::invalid("`stop` takes at most 4 strings", Some("stop")));
-    }
     // OpenAI's legacy default for completions (chat's is the rest of the context).
     let max_tokens = Some(sampling.max_tokens.unwrap_or(16));
     Ok(Draft {
+        model,
         sampling,
-        prompts,
+        prompts: Prompts::Completion(prompts),
         echo,
-        api: Api::Completion,
         max_tokens,
-        shorten: None,
-        grammar,
+        format,
         logprobs,
-    })
-}
-
-/// How to generate, from the sampling fields, `max_tokens` and `logprobs` (chat's and
-/// completions' own): each checked; what the request leaves out, the model folder's `defaults`
-/// (its `generation_config.json`), else OpenAI's. `tools` says whether the prompt offers tools;
-/// `vocab` is how many token ids the model has.
-fn params(
-    sampling: &Sampling,
-    defaults: &SamplingDefaults,
-    (max_tokens, logprobs): (Option<u32>, Option<u32>),
-    tools: bool,
-    vocab: u64,
-    id: &str,
-) -> Result<Params, OpenAiError> {
-    if max_tokens == Some(0) {
-        return Err(OpenAiError::invalid(
-            "`max_tokens` must be at least 1",
-            Some("max_tokens"),
-        ));
-    }
-    let temperature = sampling.temperature.or(defaults.temperature).unwrap_or(1.0);
-    if !(0.0..=2.0).contains(&temperature) {
-        return Err(OpenAiError::invalid(
-            "`temperature` must be between 0 and 2",
-            Some("temperature"),
-        ));
-    }
-    let top_p = sampling.top_p.or(defaults.top_p).unwrap_or(1.0);
-    if !(top_p > 0.0 && top_p <= 1.0) {
-        return Err(OpenAiError::invalid(
-            "`top_p` must be greater than 0 and at most 1",
-            Some("top_p"),
-        ));
-    }
-    let stop = match &sampling.stop {
-        None => Vec::new(),
-        Some(Stop::One(s)) => vec![s.clone()],
-        Some(Stop::Many(v)) => v.clone(),
-    };
-    if stop.iter().any(String::is_empty) {
-        return Err(OpenAiError::invalid("`stop` strings must not be empty", Some("stop")));
-    }
-    Ok(Params {
-        max_tokens,
-        temperature,
-        top_p,
-        top_k: sampling.top_k.or(defaults.top_k).unwrap_or(0),
-        // Without a seed, one from the request id: still the same tokens if it is retried.
-        seed: sampling.seed.unwrap_or_else(|| {
-            id.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
-                (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
-            })
-        }),
-        stop,
-        tools,
-        grammar: None,
-        penalties: penalties(sampling, defaults, vocab)?,
-        logprobs,
-    })
-}
-
-/// The penalties and bias, each checked: OpenAI's `presence_penalty` and `frequency_penalty`
-/// (-2 to 2) and `logit_bias` (token ids below `vocab`, as strings, to -100 to 100), and
-/// `repetition_penalty` (above 0) from the request, else the model folder's `defaults`.
-fn penalties(
-    sampling: &Sampling,
-    defaults: &SamplingDefaults,
-    vocab: u64,
-) -> Result<generation::Penalties, OpenAiError> {
-    let openai = |value: Option<f32>, name: &'static str| match value.unwrap_or(0.0) {
-        p if (-2.0..=2.0).contains(&p) => Ok(p),
-        _ => Err(OpenAiError::invalid(
-            format!("`{name}` must be between -2 and 2"),
-            Some(name),
-        )),
-    };
-    let repetition = sampling
-        .repetition_penalty
-        .or(defaults.repetition_penalty)
-        .unwrap_or(1.0);
-    if !(repetition > 0.0 && repetition.is_finite()) {
-        return Err(OpenAiError::invalid(
-            "`repetition_penalty` must be a number above 0",
-            Some("repetition_penalty"),
-        ));
-    }
-    let mut bias = Vec::new();
-    for (key, value) in sampling.logit_bias.iter().flatten() {
-        let id = key
-            .parse::<u32>()
-            .ok()
-            .filter(|&id| u64::from(id) < vocab)
-            .ok_or_else(|| {
-                OpenAiError::invalid(
-                    format!("`logit_bias` names `{key}`, not a token id below the model's {vocab}"),
-                    Some("logit_bias"),
-                )
-            })?;
-        let value = value.as_f64().filter(|v| (-100.0..=100.0).contains(v)).ok_or_else(|| {
-            OpenAiError::invalid(
-                format!("`logit_bias` of token {id} is {value}, not a number from -100 to 100"),
-                Some("logit_bias"),
-            )
-        })?;
-        bias.push((id, value as f32));
-    }
-    // Two keys may name one id (`"7"` and `"07"`).
-    bias.sort_unstable_by_key(|&(id, _)| id);
-    if let Some(twice) = bias.windows(2).find(|w| w[0].0 == w[1].0) {
-        return Err(OpenAiError::invalid(
-            format!("`logit_bias` names token {} twice", twice[0].0),
-            Some("logit_bias"),
-        ));
-    }
-    Ok(generation::Penalties {
-        presence: openai(sampling.presence_penalty, "presence_penalty")?,
-        frequency: openai(sampling.frequency_penalty, "frequency_penalty")?,
-        repetition,
-        bias,
     })
 }
 

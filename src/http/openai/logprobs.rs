@@ -1,22 +1,14 @@
 //! Log-probabilities in OpenAI's shapes: chat's `logprobs: {"content": [{token, logprob, bytes,
 //! top_logprobs}]}` and completions' `logprobs: {tokens, token_logprobs, top_logprobs,
-//! text_offset}`. A token's `bytes` are exact ([`TokenBytes`]); its `token` text is those bytes
-//! read as UTF-8, a part of a character as U+FFFD.
+//! text_offset}`. A token's `bytes` are exact ([`Spelling`], the answering model's); its `token`
+//! text is those bytes read as UTF-8, a part of a character as U+FFFD.
 
 use serde_json::{Map, Value, json};
 
-use crate::runtime::text::TokenBytes;
-use crate::serve::generation::TokenLogprobs;
-use crate::serve::service::Service;
-
-/// How the tokens of `model` (the model that answered) read as bytes.
-pub(super) fn token_bytes(service: &Service, model: &str) -> Option<TokenBytes> {
-    let tokenizer = service.model(model)?.kind.tokenizer()?;
-    Some(TokenBytes::new(std::sync::Arc::clone(tokenizer)))
-}
+use crate::serve::generation::{Spelling, TokenLogprobs};
 
 /// Chat's `logprobs` of `tokens`.
-pub(super) fn chat(bytes: &TokenBytes, tokens: &[TokenLogprobs]) -> Value {
+pub(super) fn chat(bytes: &Spelling, tokens: &[TokenLogprobs]) -> Value {
     let entry = |id: u32, logprob: f32| {
         let b = bytes.bytes(id);
         json!({"token": String::from_utf8_lossy(&b), "logprob": logprob, "bytes": b})
@@ -34,7 +26,7 @@ pub(super) fn chat(bytes: &TokenBytes, tokens: &[TokenLogprobs]) -> Value {
 
 /// Completions' `logprobs` of `tokens` (`text_offset`: where each token's text starts in the
 /// answer's text, in characters).
-pub(super) fn completion(bytes: &TokenBytes, tokens: &[TokenLogprobs]) -> Value {
+pub(super) fn completion(bytes: &Spelling, tokens: &[TokenLogprobs]) -> Value {
     let text = |id: u32| String::from_utf8_lossy(&bytes.bytes(id)).into_owned();
     let top = |t: &TokenLogprobs| -> Map<String, Value> {
         t.logprobs.top.iter().map(|&(id, lp)| (text(id), json!(lp))).collect()

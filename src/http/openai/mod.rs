@@ -2,8 +2,9 @@
 //! `POST /v1/completions`, `POST /v1/chat/completions`, `POST /v1/embeddings` and
 //! `POST /v1/rerank` (and, in `audio`, speech to text's request and answers), with errors in
 //! OpenAI's shape (`{"error": {"message", "type", "param", "code"}}`), so clients built on the
-//! `openai` package work unchanged. Generation
-//! itself is [`crate::serve::generation`]; chat templates and tool calls are [`crate::runtime::chat`].
+//! `openai` package work unchanged. Generation itself is [`crate::serve::generation`], which
+//! also makes the request a job for its model (chat templates, tokenizing, grammars) and reads
+//! tool calls back: these files only read the API's fields and write its answers.
 //!
 //! `stream: true` answers with server-sent events: one chunk per piece of text, the last with
 //! `finish_reason` and `usage`, then `data: [DONE]`. The first chunk carries a `vramguard`
@@ -23,11 +24,12 @@
 //! (which reads the body again for the model's fallback when the generation asks for it);
 //! `error` is OpenAI's error shape, `body` reads every JSON body's fields (a field at fault
 //! named by its path), `logprobs` the tokens' log-probabilities in OpenAI's
-//! shapes. No two of these files use each other. `embeddings` and `rerank` are those endpoints,
-//! each whole in its file but for what they share in `encode` (a job's rows run as one request
-//! through the lifecycle, and the answer's headers); `embeddings` hands a request for a dual
-//! encoder's tower to `images` (image search), and both build their vectors' items with
-//! `vectors` (the fields and tokens they share). They use `error` and `body` too.
+//! shapes. No two of these files use each other. `embeddings` and `rerank` are those endpoints:
+//! each parses its request into a job of [`crate::serve::encoders`] (whose kind does the model
+//! work), and `encode` hands it down through the encoders' one door and sends the answer with
+//! its headers; `embeddings` hands a request for a dual encoder's tower to `images` (image
+//! search), and both read their common fields and write their vectors with `vectors`. They use
+//! `error` and `body` too.
 
 mod answer;
 pub mod audio;

@@ -1,10 +1,8 @@
-//! `POST /v1/rerank` for cross-encoders ([`crate::runtime::reranker`]), in the shape Jina's and
-//! Cohere's APIs gave it and llama.cpp, vLLM and LocalAI accept: `query` and `documents`
-//! (strings, or objects with `text`), `top_n`, `return_documents`. Each document is read with
-//! the query as one pair of texts (the tokenizer's pair template: `[CLS] query [SEP] document
-//! [SEP]`, the document's tokens of type 1), all pairs run as one request through the lifecycle
-//! (their number the batch axis), and the answer lists them by score, highest first, each score
-//! what `CrossEncoder.predict` gives.
+//! `POST /v1/rerank` for cross-encoders ([`crate::serve::encoders::rerank`]), in the shape
+//! Jina's and Cohere's APIs gave it and llama.cpp, vLLM and LocalAI accept: `query` and
+//! `documents` (strings, or objects with `text`), `top_n`, `return_documents`. The request's
+//! fields are read into a rerank job, handed down through the encoders' door, and the
+//! documents it ranks (highest score first) are listed with their scores.
 
 use std::sync::Arc;
 
@@ -19,36 +17,8 @@ use tokio::time::Instant;
 use super::encode;
 use super::error::OpenAiError;
 use crate::http::state::AppState;
-use crate::runtime::embedder::text_batch;
-use crate::runtime::leading::{Leading, leading};
-use crate::runtime::reranker::{LOGITS, Reranker};
+use crate::serve::encoders::rerank::{Asked, Ranked, Rerank};
 use crate::serve::service::{Api, Kind};
-
-/// A checked rerank request.
-struct Job {
-    /// The model named.
-    model: String,
-    /// How it scores a pair.
-    reranker: Reranker,
-    /// The documents' texts, in the request's order.
-    documents: Vec<String>,
-    /// Each pair's tokens, in the documents' order.
-    pairs: Vec<Pair>,
-    /// Answer with the best this many (all when `None`).
-    top_n: Option<usize>,
-    /// Send each document's text with its score.
-    return_documents: bool,
-}
-
-/// A query and a document read as one pair: its token ids, and each token's type (the
-/// document's are 1).
-type Pair = (Vec<u32>, Vec<u32>);
-
-impl encode::Job for Job {
-    fn model(&self) -> &str {
-        &self.model
-    }
-}
 
 /// `POST /v1/rerank`.
 pub async fn rerank(
@@ -63,6 +33,14 @@ pub async fn rerank(
     .await
 }
 
+/// How an answer is sent: for the model named, by the request of this id, with the documents'
+/// texts or without.
+struct Format {
+    model: String,
+    id: String,
+    return_documents: bool,
+}
+
 /// Read, run and answer one request.
 async fn serve(
     state: &AppState,
@@ -71,47 +49,30 @@ async fn serve(
     id: &str,
     received: Instant,
 ) -> Result<Response, OpenAiError> {
-    let (job, served, logits) = encode::run(
-        state,
-        (headers, encode::parse(body, id), id, received),
-        read,
-        |entry, job: &Job| {
-            let (ids, types): (Vec<Vec<u32>>, Vec<Vec<u32>>) = job.pairs.iter().cloned().unzip();
-            // The padding's id is never seen: the attention mask leaves it out.
-            (text_batch(&entry.signature, &ids, Some(&types), 0), LOGITS)
-        },
-    )
-    .await?;
-    let reranker = job.reranker;
-    let scores = reranker
-        .scores(&logits, job.pairs.len())
-        .map_err(|e| OpenAiError::internal(e, id))?;
-    let mut ranked: Vec<(usize, f32)> = scores.into_iter().enumerate().collect();
-    // Highest first; equal scores keep the documents' order (a stable sort).
-    ranked.sort_by(|a, b| b.1.total_cmp(&a.1));
-    ranked.truncate(job.top_n.unwrap_or(ranked.len()));
-    let results: Vec<Value> = ranked
-        .into_iter()
+    let parsed = encode::parse(body, id);
+    encode::encoded(state, (headers, parsed, id, received), read, answer).await
+}
+
+/// The answer's body: the documents ranked, each with its score (and its text, when asked).
+fn answer(ranked: Ranked, format: Format) -> Value {
+    let results: Vec<Value> = (ranked.results.into_iter())
         .map(|(index, score)| {
             let mut result = json!({"index": index, "relevance_score": score});
-            if job.return_documents {
-                result["document"] = json!({"text": job.documents[index]});
+            if format.return_documents {
+                result["document"] = json!({"text": ranked.documents[index]});
             }
             result
         })
         .collect();
-    let tokens: usize = job.pairs.iter().map(|(ids, _)| ids.len()).sum();
-    let body = json!({"id": format!("rerank-{id}"), "model": job.model, "results": results,
-                      "usage": {"prompt_tokens": tokens, "total_tokens": tokens}});
-    Ok(encode::answer(state, &job.model, &served, body))
+    let tokens = ranked.tokens;
+    json!({"id": format!("rerank-{}", format.id), "model": format.model, "results": results,
+           "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
 }
 
-/// Read and check a body into a [`Job`], its texts tokenized off the async runtime (stopping
-/// when the client goes away). Fields this server does not know are accepted and not read, as
-/// OpenAI's endpoints here do.
-async fn read(state: &AppState, mut body: Value, id: &str) -> Result<Job, OpenAiError> {
-    let model = encode::model_named(&body)?;
-    let (entry, (reranker, tokenizer)) = super::model_for(state, &model, Api::Rerank, id, Kind::reranker)?;
+/// Read and check a body into a [`Rerank`] job, with how its answer is sent. Fields this
+/// server does not know are accepted and not read, as OpenAI's endpoints here do.
+fn read(state: &AppState, mut body: Value, model: String, id: &str) -> Result<(Rerank, Format), OpenAiError> {
+    let (entry, parts) = super::model_for(state, &model, Api::Rerank, id, Kind::reranker)?;
     let query = match body["query"].take() {
         Value::String(query) if !query.is_empty() => query,
         Value::String(_) => return Err(OpenAiError::invalid("`query` is an empty string", Some("query"))),
@@ -138,32 +99,31 @@ async fn read(state: &AppState, mut body: Value, id: &str) -> Result<Job, OpenAi
             }
         },
     };
-    let flag = |name: &'static str, default: bool| match &body[name] {
-        Value::Null => Ok(default),
-        Value::Bool(b) => Ok(*b),
+    // A flag the request may leave unsaid.
+    let flag = |name: &'static str| match &body[name] {
+        Value::Null => Ok(None),
+        Value::Bool(b) => Ok(Some(*b)),
         other => Err(OpenAiError::invalid(
             format!("`{name}` is {other}, not true or false"),
             Some(name),
         )),
     };
     // Jina's default; vLLM always sends the documents, llama.cpp never does.
-    let return_documents = flag("return_documents", true)?;
-    let truncate = flag("truncate", entry.config.auto_truncate)?;
-    let tokenizer = Arc::clone(tokenizer);
-    let limit = encode::limit(entry, None);
-    let (documents, pairs) = encode::blocking(id, move |gone| {
-        let pairs = pairs(&tokenizer, &query, &documents, (limit, truncate), gone)?;
-        Ok((documents, pairs))
-    })
-    .await?;
-    Ok(Job {
-        model,
-        reranker,
+    let return_documents = flag("return_documents")?.unwrap_or(true);
+    // Unsaid: the model's `auto_truncate`.
+    let truncate = flag("truncate")?;
+    let asked = Asked {
+        query,
         documents,
-        pairs,
         top_n,
+        truncate,
+    };
+    let format = Format {
+        model,
+        id: id.to_string(),
         return_documents,
-    })
+    };
+    Ok((Rerank::new(entry, parts, asked), format))
 }
 
 /// The texts of `documents`: a non-empty list of strings, or of objects with a string `text`
@@ -196,85 +156,6 @@ fn documents(documents: Value) -> Result<Vec<String>, OpenAiError> {
                 true => Err(invalid(format!("`documents[{i}]` is an empty string"))),
                 false => Ok(text),
             }
-        })
-        .collect()
-}
-
-/// Each document read with `query` as one pair: its token ids and types, at most the model's
-/// limit, or cut to it when the client allows (`truncate`: the longer text first, as
-/// `CrossEncoder.predict`'s tokenizer cuts a pair). The query is tokenized once, and each text
-/// only as far as the limit's tokens reach ([`leading`]): a pair's texts of megabytes cost what
-/// the model takes. Stops when `gone` says the client went away.
-///
-/// Cut as Hugging Face's tokenizers cut a pair (`longest_first`) from the texts' first tokens
-/// alone: when one text fits in the room the special tokens leave, the other is cut to the
-/// rest; when neither does, each keeps half, and the odd token (an odd room) goes to the
-/// document, where Hugging Face gives it to the longer of the two (the same unless the query
-/// is the longer, which only tokenizing both whole could tell).
-fn pairs(
-    tokenizer: &tokenizers::Tokenizer,
-    query: &str,
-    documents: &[String],
-    (limit, truncate): (Option<(usize, &'static str)>, bool),
-    gone: &dyn Fn() -> bool,
-) -> Result<Vec<Pair>, OpenAiError> {
-    use tokenizers::PostProcessor;
-    use tokenizers::utils::truncation::{TruncationParams, TruncationStrategy, truncate_encodings};
-    let unreadable = |what: String| {
-        move |e: tokenizers::Error| {
-            OpenAiError::invalid(format!("`{what}` cannot be tokenized: {e}"), Some("documents"))
-        }
-    };
-    let added = tokenizer.get_post_processor().map_or(0, |p| p.added_tokens(true));
-    // Each text's first tokens: one more than the room (a text that has them cannot fit).
-    let room = limit.map(|(limit, _)| limit.saturating_sub(added));
-    let own = |text: &str| match room {
-        Some(room) => leading(tokenizer, text, room + 1),
-        None => tokenizer.encode(text, false).map(|encoding| Leading {
-            total: Some(encoding.len()),
-            encoding,
-        }),
-    };
-    let query = own(query).map_err(unreadable("query".into()))?;
-    documents
-        .iter()
-        .enumerate()
-        .map(|(i, document)| {
-            if gone() {
-                return Err(OpenAiError::invalid("the client went away", None));
-            }
-            let document = own(document).map_err(unreadable(format!("documents[{i}]")))?;
-            let (mut first, mut second) = (query.encoding.clone(), document.encoding);
-            if let (Some((limit, what)), Some(room)) = (limit, room)
-                && first.len() + second.len() > room
-            {
-                if !truncate {
-                    let how = match (query.total, document.total) {
-                        (Some(q), Some(d)) => {
-                            format!("is {} tokens, above the model's {what} of {limit}", q + d + added)
-                        }
-                        _ => format!("is longer than the model's {what} of {limit} tokens"),
-                    };
-                    return Err(OpenAiError::invalid(
-                        format!(
-                            "`documents[{i}]` with `query` {how}; shorten them, or send `truncate: true` to cut them"
-                        ),
-                        Some("documents"),
-                    ));
-                }
-                let params = TruncationParams {
-                    max_length: room,
-                    strategy: TruncationStrategy::LongestFirst,
-                    ..TruncationParams::default()
-                };
-                let unreadable = unreadable(format!("documents[{i}]` with `query"));
-                let (cut, pair) = truncate_encodings(first, Some(second), &params).map_err(&unreadable)?;
-                (first, second) = (cut, pair.expect("given a pair"));
-            }
-            let encoded = tokenizer
-                .post_process(first, Some(second), true)
-                .map_err(unreadable(format!("documents[{i}]` with `query")))?;
-            Ok((encoded.get_ids().to_vec(), encoded.get_type_ids().to_vec()))
         })
         .collect()
 }

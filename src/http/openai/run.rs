@@ -31,7 +31,7 @@ pub(super) fn read_job(
     } else {
         job::read_completion(state, &body, id)?
     };
-    job::checked(state, draft, id)
+    job::checked(draft, id)
 }
 
 /// What a request's model's fallback is asked with: the body as the client sent it.

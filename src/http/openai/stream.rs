@@ -21,9 +21,7 @@ use super::logprobs;
 use super::run::{Out, Resend, Usage, generate_all};
 use crate::http::headers::{model_header, pool_facts, pool_headers, shrink_headers};
 use crate::http::state::AppState;
-use crate::pool::Pool;
-use crate::runtime::text::TokenBytes;
-use crate::serve::generation;
+use crate::serve::generation::{self, Spelling};
 use crate::serve::lifecycle::{Refused, RequestError};
 use crate::serve::ran::RanOn;
 
@@ -98,28 +96,32 @@ pub(super) async fn streamed(
         .recv()
         .await
         .unwrap_or_else(|| (0, Event::End(Err(task_failed()))));
-    let (pool, source, shrunk) = match &first {
+    let (ran, source, shrunk) = match &first {
         Event::End(Err(refused)) => return Err(OpenAiError::from_request(&refused.error, id)),
         Event::Delta(delta) => {
             let facts = delta.facts.as_ref().expect("the first delta says where it ran");
-            (Arc::clone(&facts.pool), Arc::clone(&facts.source), facts.shrunk.clone())
+            (
+                facts.ran_on(&stream.service),
+                Arc::clone(&facts.source),
+                facts.shrunk.clone(),
+            )
         }
         Event::End(Ok(generated)) => (
-            Arc::clone(&generated.pool),
+            generated.ran_on(&stream.service),
             Arc::clone(&generated.source),
             generated.shrunk.clone(),
         ),
     };
     if job_logprobs {
-        stream.bytes = logprobs::token_bytes(&stream.service, &source.model);
+        stream.bytes = Spelling::of(&stream.service, &source.model);
     }
     stream.source = source;
     stream.events = Some(events);
-    let mut opening = stream.opening(&pool, shrunk.as_ref()).to_vec();
+    let mut opening = stream.opening(&ran, shrunk.as_ref()).to_vec();
     if let Some(bytes) = stream.on(index, first) {
         opening.extend_from_slice(&bytes);
     }
-    Ok(sse(stream, Bytes::from(opening), &pool, shrunk.as_ref()))
+    Ok(sse(stream, Bytes::from(opening), &ran, shrunk.as_ref()))
 }
 
 /// The error a choice ends with when its task ended without saying how.
@@ -163,7 +165,7 @@ struct Stream {
     source: Arc<generation::Source>,
     /// When the request asks for log-probabilities, how the answering model's tokens read as
     /// bytes.
-    bytes: Option<TokenBytes>,
+    bytes: Option<Spelling>,
     created: u64,
     service: Arc<crate::serve::service::Service>,
 }
@@ -227,10 +229,10 @@ impl Stream {
     }
 
     /// The first chunk of each choice: chat's assistant role (completions: empty text, or the
-    /// prompt with `echo`), the first with the serving pool's facts.
-    fn opening(&mut self, pool: &Arc<Pool>, shrunk: Option<&(u64, u64, String)>) -> Bytes {
+    /// prompt with `echo`), the first with the facts of where it `ran`.
+    fn opening(&mut self, ran: &RanOn, shrunk: Option<&(u64, u64, String)>) -> Bytes {
         for choice in &mut self.choices {
-            choice.pool = Some(pool.name().to_string());
+            choice.pool = Some(ran.pool.clone());
         }
         let mut out = Vec::new();
         for index in 0..self.choices.len() {
@@ -240,7 +242,7 @@ impl Stream {
             };
             let mut value = self.chunk(index, delta, None, None);
             if index == 0 {
-                value["vramguard"] = self.facts(pool);
+                value["vramguard"] = pool_facts(ran);
                 value["vramguard"]["model"] = json!(self.source.model);
                 if let Some(s) = &self.source.substitution {
                     value["vramguard"]["requested_model"] = json!(s.requested);
@@ -253,23 +255,6 @@ impl Stream {
             out.extend_from_slice(&event(&value));
         }
         Bytes::from(out)
-    }
-
-    /// Which pool serves the stream and, while degraded mode reduces it, why, its limits and
-    /// expected delay.
-    fn facts(&self, pool: &Arc<Pool>) -> Value {
-        pool_facts(&self.ran_on(pool))
-    }
-
-    /// Where the stream's answer from `pool` ran, degraded mode as it carries it (for the model
-    /// asked for).
-    fn ran_on(&self, pool: &Pool) -> RanOn {
-        let requested = self
-            .source
-            .substitution
-            .as_ref()
-            .map_or(&self.source.model, |s| &s.requested);
-        self.service.ran_on(pool, requested)
     }
 
     /// The next bytes to send, or `None` when the stream is over.
@@ -294,16 +279,14 @@ impl Stream {
     fn on(&mut self, index: usize, news: Event) -> Option<Bytes> {
         match news {
             Event::Delta(delta) => {
+                let ran = delta.facts.as_ref().map(|f| f.ran_on(&self.service));
                 let choice = &mut self.choices[index];
                 choice.tokens += 1;
                 choice.sent += delta.text.len();
                 // Moved to another pool (a failover mid-stream): say so in the next chunk.
-                let moved = delta
-                    .facts
-                    .filter(|f| choice.pool.as_deref() != Some(f.pool.name()))
-                    .map(|f| f.pool);
-                if let Some(pool) = &moved {
-                    choice.pool = Some(pool.name().to_string());
+                let moved = ran.filter(|ran| choice.pool.as_deref() != Some(ran.pool.as_str()));
+                if let Some(ran) = &moved {
+                    choice.pool = Some(ran.pool.clone());
                 }
                 // The log-probabilities of the tokens whose text this delta completes go with it.
                 choice.logprobs_sent += delta.logprobs.len();
@@ -312,8 +295,8 @@ impl Stream {
                 }
                 let chunk = self.chunk(index, json!(delta.text), None, None);
                 let mut value = self.carrying(chunk, &delta.logprobs);
-                if let Some(pool) = moved {
-                    value["vramguard"] = self.facts(&pool);
+                if let Some(ran) = moved {
+                    value["vramguard"] = pool_facts(&ran);
                 }
                 Some(event(&value))
             }
@@ -367,14 +350,9 @@ impl Stream {
             .as_deref()
             .and_then(|all| all.get(self.choices[index].logprobs_sent..))
             .unwrap_or_default();
-        let offered: Vec<&str> = match &self.api {
-            Api::Chat { tools } => tools.iter().map(String::as_str).collect(),
-            Api::Completion => Vec::new(),
-        };
-        let (prose, calls) = if offered.is_empty() {
-            (generated.text.clone(), Vec::new())
-        } else {
-            crate::runtime::chat::split_tool_calls(&generated.text, &offered)
+        let (prose, calls) = match &self.api {
+            Api::Chat { tools } if !tools.is_empty() => generated.tool_calls(tools),
+            _ => (generated.text.clone(), Vec::new()),
         };
         let rest = prose.get(self.choices[index].sent..).unwrap_or_default();
         if calls.is_empty() {
@@ -396,8 +374,9 @@ impl Stream {
     }
 }
 
-fn sse(stream: Stream, opening: Bytes, pool: &Pool, shrunk: Option<&(u64, u64, String)>) -> Response {
-    let ran = stream.ran_on(pool);
+/// The answer streamed: `opening` first, then each event of `stream`, with the headers of
+/// where it `ran`.
+fn sse(stream: Stream, opening: Bytes, ran: &RanOn, shrunk: Option<&(u64, u64, String)>) -> Response {
     let model = stream.source.model.clone();
     let rest = futures_util::stream::unfold(stream, |mut stream| async move {
         let bytes = stream.next().await?;
@@ -408,7 +387,7 @@ fn sse(stream: Stream, opening: Bytes, pool: &Pool, shrunk: Option<&(u64, u64, S
     let headers = response.headers_mut();
     headers.insert(header::CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
     headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
-    pool_headers(headers, &ran);
+    pool_headers(headers, ran);
     model_header(headers, &model);
     if let Some((from, to, cut)) = shrunk {
         shrink_headers(headers, *from, *to, cut);

@@ -385,6 +385,14 @@ impl Residency for ProcessBackend {
         });
     }
 
+    /// A worker process builds every name's session of its own: the pool plans no sharing
+    /// for a process-isolated pool (`serve::service::pools`), and this is never asked.
+    fn share_model(&mut self, name: &str, with: &str) -> Result<(), String> {
+        Err(format!(
+            "`{name}` cannot share `{with}`'s session: a worker process builds each model's own"
+        ))
+    }
+
     fn release_memory(&mut self, probe: &dyn Fn(&str) -> Option<Vec<Tensor>>) {
         // The worker shrinks the arena of the sessions that ran since the last release, with
         // the models' probe inputs, sent along.

@@ -1,5 +1,7 @@
 //! The production [`Backend`]: ONNX Runtime sessions, one per model, owned by one worker, built
-//! at start or later by a load and dropped by an unload.
+//! at start or later by a load and dropped by an unload. A model whose weights are another's
+//! runs on that one's session ([`Residency::share_model`]): one copy, each name with its own
+//! generations' caches.
 
 use std::collections::HashMap;
 
@@ -55,9 +57,18 @@ pub struct OrtBackend {
     pub(super) generations: Generations,
     /// The decoders of its speech models, by the name of their encoder's session.
     speech: HashMap<String, Speech>,
+    /// The models that run on another's session, by name: the name that holds it. Sessions,
+    /// layouts, speech decoders and kept bytes are under the holder's name; generations' caches
+    /// under each model's own.
+    shared: HashMap<String, String>,
     /// The ORT-format bytes of the sessions that use their initializers in place: kept while
     /// those sessions live (last, so dropped after every session).
     keeps: HashMap<String, ModelBytes>,
+}
+
+/// The name `model`'s session is held under: its own, or the one it shares.
+fn holder<'a>(shared: &'a HashMap<String, String>, model: &'a str) -> &'a str {
+    shared.get(model).map_or(model, String::as_str)
 }
 
 /// `session`'s decoder layout, when it is a decoder with past key values, with the
@@ -133,6 +144,7 @@ impl OrtBackend {
             decoders,
             generations: Generations::new(Kernels::new(rt, options)?),
             speech,
+            shared: HashMap::new(),
             keeps,
         };
         // Statistics before the first run show what loading the weights reserved.
@@ -143,15 +155,17 @@ impl OrtBackend {
 
 impl OrtBackend {
     /// Note `model` as the last used and as used since the last release, when it has a session.
+    /// (A model that shares another's session notes that one.)
     fn note_use(&mut self, model: &str) -> Result<(), BackendError> {
-        if !self.sessions.contains_key(model) {
+        let held = holder(&self.shared, model);
+        if !self.sessions.contains_key(held) {
             return Err(BackendError::Runtime(format!(
                 "this worker has no session for `{model}`"
             )));
         }
-        self.last_model = Some(model.to_string());
-        if !self.used.contains(model) {
-            self.used.insert(model.to_string());
+        self.last_model = Some(held.to_string());
+        if !self.used.contains(held) {
+            self.used.insert(held.to_string());
         }
         Ok(())
     }
@@ -162,7 +176,7 @@ impl OrtBackend {
     fn decoder(&mut self, model: &str) -> Result<DecoderLayout, BackendError> {
         self.note_use(model)?;
         self.decoders
-            .get(model)
+            .get(holder(&self.shared, model))
             .copied()
             .ok_or_else(|| BackendError::InvalidInput(format!("model `{model}` is not a decoder with past key values")))
     }
@@ -177,13 +191,14 @@ impl Backend for OrtBackend {
         _: &RunMeta,
     ) -> Result<Vec<Tensor>, BackendError> {
         self.note_use(model)?;
+        let held = holder(&self.shared, model);
         // A decoder's first pass run whole (a probe, a pool that keeps no caches): its windowed
         // layers' caches start at their window's slots.
-        if let Some(layout) = self.decoders.get(model) {
+        if let Some(layout) = self.decoders.get(held) {
             crate::runtime::decoder::open_windows(layout, &mut inputs);
         }
-        let (session, _) = self.sessions.get_mut(model).expect("noted: it has a session");
-        if let Some(speech) = self.speech.get_mut(model)
+        let (session, _) = self.sessions.get_mut(held).expect("noted: it has a session");
+        if let Some(speech) = self.speech.get_mut(held)
             && Speech::wants_decoding(&inputs)
         {
             let kernels = self.generations.kernels();
@@ -201,9 +216,10 @@ impl Backend for OrtBackend {
     ) -> Result<Vec<Tensor>, BackendError> {
         // A windowed decoder's first pass has its windows opened by `run`.
         let fresh = |v: &TensorView<'_>| v.name.starts_with("past_key_values.") && v.shape.get(2) == Some(&0);
-        let windowed = self.decoders.get(model).is_some_and(|l| l.window.is_some()) && inputs.iter().any(fresh);
+        let held = holder(&self.shared, model);
+        let windowed = self.decoders.get(held).is_some_and(|l| l.window.is_some()) && inputs.iter().any(fresh);
         let speech =
-            self.speech.contains_key(model) && inputs.iter().any(|v| v.name == super::speech::DECODER_INPUT_IDS);
+            self.speech.contains_key(held) && inputs.iter().any(|v| v.name == super::speech::DECODER_INPUT_IDS);
         if speech || windowed {
             let owned = inputs.iter().map(TensorView::to_tensor).collect::<Result<_, _>>();
             return self.run(
@@ -214,7 +230,8 @@ impl Backend for OrtBackend {
             );
         }
         self.note_use(model)?;
-        let (session, _) = self.sessions.get_mut(model).expect("noted: it has a session");
+        let held = holder(&self.shared, model);
+        let (session, _) = self.sessions.get_mut(held).expect("noted: it has a session");
         super::run_views(session, inputs, outputs, Some(&self.run_options))
     }
 
@@ -249,7 +266,8 @@ impl seam::Generations for OrtBackend {
         _: &RunMeta,
     ) -> Result<Vec<Tensor>, BackendError> {
         let layout = self.decoder(model)?;
-        let (session, _) = self.sessions.get_mut(model).expect("noted: it has a session");
+        let held = holder(&self.shared, model);
+        let (session, _) = self.sessions.get_mut(held).expect("noted: it has a session");
         self.generations
             .prefill(session, &layout, model, seq, inputs, &self.run_options)
     }
@@ -262,14 +280,16 @@ impl seam::Generations for OrtBackend {
         _: &RunMeta,
     ) -> Result<Vec<Tensor>, BackendError> {
         let layout = self.decoder(model)?;
-        let (session, _) = self.sessions.get_mut(model).expect("noted: it has a session");
+        let held = holder(&self.shared, model);
+        let (session, _) = self.sessions.get_mut(held).expect("noted: it has a session");
         self.generations
             .prefill_many(session, &layout, model, seqs, inputs, &self.run_options)
     }
 
     fn decode(&mut self, model: &str, step: &DecodeStep, _: &RunMeta) -> Result<Vec<Tensor>, BackendError> {
         let layout = self.decoder(model)?;
-        let (session, _) = self.sessions.get_mut(model).expect("noted: it has a session");
+        let held = holder(&self.shared, model);
+        let (session, _) = self.sessions.get_mut(held).expect("noted: it has a session");
         self.generations
             .decode(session, &layout, model, step, &self.run_options)
     }
@@ -278,6 +298,8 @@ impl seam::Generations for OrtBackend {
 impl Residency for OrtBackend {
     fn load_model(&mut self, name: &str, model: ModelData<'_>) -> Result<(), String> {
         let (session, kept) = open_session(self.rt, name, model, &self.options)?;
+        // Its own session from now on, not the one it shared.
+        self.shared.remove(name);
         match speech_of(self.rt, name, &session.0, model, &self.options)? {
             Some(speech) => self.speech.insert(name.to_string(), speech),
             None => self.speech.remove(name),
@@ -297,14 +319,45 @@ impl Residency for OrtBackend {
     }
 
     fn unload_model(&mut self, name: &str) {
+        self.generations.forget(name);
+        if self.shared.remove(name).is_some() {
+            // Its holder's session stays: only its name goes.
+            return;
+        }
+        let mut sharers: Vec<String> = self
+            .shared
+            .iter()
+            .filter(|(_, h)| *h == name)
+            .map(|(n, _)| n.clone())
+            .collect();
+        sharers.sort();
+        if let Some(heir) = sharers.first() {
+            // Another name still runs on this session: it holds it from now on.
+            self.hand_over(name, heir);
+            return;
+        }
         self.sessions.remove(name);
         self.keeps.remove(name);
         self.decoders.remove(name);
         self.speech.remove(name);
-        self.generations.forget(name);
         if self.last_model.as_deref() == Some(name) {
             self.last_model = None;
         }
+    }
+
+    fn share_model(&mut self, name: &str, with: &str) -> Result<(), String> {
+        let held = holder(&self.shared, with).to_string();
+        if held == name {
+            return Ok(());
+        }
+        if !self.sessions.contains_key(&held) {
+            return Err(format!("this worker has no session of `{with}` for `{name}` to share"));
+        }
+        // A session of its own goes first (a name that others share hands it over to them).
+        self.unload_model(name);
+        let held = holder(&self.shared, with).to_string();
+        self.shared.insert(name.to_string(), held);
+        Ok(())
     }
 
     fn release_memory(&mut self, probe: &dyn Fn(&str) -> Option<Vec<Tensor>>) {
@@ -334,6 +387,35 @@ impl Residency for OrtBackend {
     }
 }
 
+impl OrtBackend {
+    /// The session `from` holds (and what goes with it) is held under `heir`'s name, which
+    /// shared it; every other name that shared it follows.
+    fn hand_over(&mut self, from: &str, heir: &str) {
+        self.shared.remove(heir);
+        for held in self.shared.values_mut().filter(|h| *h == from) {
+            *held = heir.to_string();
+        }
+        if let Some(session) = self.sessions.remove(from) {
+            self.sessions.insert(heir.to_string(), session);
+        }
+        if let Some(bytes) = self.keeps.remove(from) {
+            self.keeps.insert(heir.to_string(), bytes);
+        }
+        if let Some(layout) = self.decoders.remove(from) {
+            self.decoders.insert(heir.to_string(), layout);
+        }
+        if let Some(speech) = self.speech.remove(from) {
+            self.speech.insert(heir.to_string(), speech);
+        }
+        if self.used.remove(from) {
+            self.used.insert(heir.to_string());
+        }
+        if self.last_model.as_deref() == Some(from) {
+            self.last_model = Some(heir.to_string());
+        }
+    }
+}
+
 impl Interrupts for OrtBackend {
     fn clear_interrupt(&mut self) {
         if let Err(e) = self.run_options.unterminate() {
@@ -359,7 +441,7 @@ impl Arenas for OrtBackend {
     }
 
     fn refresh_arena_stats_for(&mut self, model: &str) {
-        self.last_model = Some(model.to_string());
+        self.last_model = Some(holder(&self.shared, model).to_string());
         self.refresh_arena_stats();
     }
 
@@ -438,6 +520,34 @@ mod tests {
                 .unwrap();
             assert_eq!(got, expected, "offset {offset}");
         }
+    }
+
+    /// A model that shares another's session runs on it (one session is held), keeps it when
+    /// the other goes, and loses it when it goes itself.
+    #[test]
+    fn a_shared_session_is_held_once_and_stays_while_a_name_runs_on_it() {
+        let rt = super::super::runtime(None).expect("ONNX Runtime loads");
+        let model = [("a".to_string(), BuiltinModel::Encoder.data())];
+        let mut backend = OrtBackend::load(rt, &model, &SessionOptions::quiet_cpu()).unwrap();
+        let input = || Tensor {
+            name: "input".into(),
+            shape: vec![1, 4, 64],
+            data: TensorData::Fp32(vec![0.1; 4 * 64]),
+        };
+        let run = |b: &mut OrtBackend, name: &str| b.run(name, vec![input()], &[], &RunMeta::default());
+        assert!(backend.share_model("b", "nobody").is_err(), "nothing to share");
+        backend.share_model("b", "a").unwrap();
+        assert_eq!(backend.sessions.len(), 1, "one session for two names");
+        assert_eq!(run(&mut backend, "b").unwrap(), run(&mut backend, "a").unwrap());
+        backend.unload_model("a");
+        assert!(run(&mut backend, "a").is_err(), "`a` is gone");
+        assert!(run(&mut backend, "b").is_ok(), "`b` keeps the session");
+        assert_eq!(backend.sessions.len(), 1);
+        backend.share_model("a", "b").unwrap();
+        backend.unload_model("b");
+        backend.unload_model("a");
+        assert!(backend.sessions.is_empty() && backend.shared.is_empty());
+        assert!(run(&mut backend, "b").is_err());
     }
 
     /// A Whisper folder's encoder carries its decoder: features alone run the encoder (what the

@@ -29,6 +29,8 @@ use crate::runtime::decoder::{DecoderLayout, Padding, open_windows, step_inputs}
 pub struct Generations {
     kernels: Kernels,
     models: HashMap<String, Caches>,
+    /// [`PREFILL_CHUNK`] (a test sets another to compare a prompt run whole).
+    chunk: usize,
 }
 
 /// One model's caches: prompts prefilled and not yet batched (each run's rows, with the steps
@@ -65,6 +67,12 @@ struct Row {
     gone: bool,
 }
 
+/// The most tokens of a prompt one run takes ([`Generations::prefill_chunked`]): a longer one
+/// runs in pieces of this many. 512, as serving engines chunk a prefill: a piece's attention
+/// scores stay small (`heads × 512 × n` values per layer), while each run still carries enough
+/// tokens that the pieces cost about what one run would.
+pub const PREFILL_CHUNK: usize = 512;
+
 /// The tokens that pad an idle row's step (masked out; any valid id).
 const PAD_TOKEN: i64 = 0;
 /// The position an idle row's padding slot gets (masked out; as `transformers` pads).
@@ -80,7 +88,14 @@ impl Generations {
         Generations {
             kernels,
             models: HashMap::new(),
+            chunk: PREFILL_CHUNK,
         }
+    }
+
+    /// Run prompts in pieces of `chunk` tokens instead of [`PREFILL_CHUNK`] (`usize::MAX`: whole).
+    #[cfg(test)]
+    pub fn chunk_prompts_by(&mut self, chunk: usize) {
+        self.chunk = chunk.max(1);
     }
 
     /// The statistics of the arenas of the graphs that move caches: what the values they made
@@ -128,6 +143,9 @@ impl Generations {
     ) -> Result<Vec<Tensor>, BackendError> {
         // A sequence prefilled again replaces the cache it had.
         self.models.entry(model.to_string()).or_default().end(seq);
+        if let Some(ids) = chunkable(layout, &inputs, self.chunk) {
+            return self.prefill_chunked(session, layout, (model, seq), (ids, inputs), options);
+        }
         open_windows(layout, &mut inputs);
         let mut binding = session.create_binding().map_err(runtime)?;
         let mut mask = None;
@@ -161,6 +179,77 @@ impl Generations {
             },
             0,
         ));
+        Ok(vec![logits_tensor(logits, 1)])
+    }
+
+    /// [`prefill`](Self::prefill) of a prompt longer than [`PREFILL_CHUNK`] tokens: its pieces
+    /// run one after another, each attending to the cache the pieces before it left (kept on
+    /// the device), as its tokens would one at a time. A whole prompt's attention scores take
+    /// `heads × n²` values per layer (a 15,000-token prompt on the 4-head fixture: 3.6 GB); a
+    /// piece's take `heads × chunk × n`, so the prompt's working memory grows with its length,
+    /// as its estimate says, not with its square. Only the last piece's last logits are kept.
+    fn prefill_chunked(
+        &mut self,
+        session: &mut Session,
+        layout: &DecoderLayout,
+        (model, seq): (&str, u64),
+        (ids, inputs): (Vec<i64>, Vec<Tensor>),
+        options: &RunOptions,
+    ) -> Result<Vec<Tensor>, BackendError> {
+        let host = |name: &str, data: Vec<i64>| {
+            let shape = vec![1, data.len() as i64];
+            to_value(Tensor {
+                name: name.into(),
+                shape,
+                data: TensorData::Int64(data),
+            })
+            .map_err(runtime)
+        };
+        // The first piece's pasts are the prompt's own empty ones.
+        let mut kv = inputs
+            .into_iter()
+            .filter(|t| t.name.starts_with("past_key_values."))
+            .map(|t| to_value(t).map_err(runtime))
+            .collect::<Result<Vec<_>, _>>()?;
+        let n = ids.len();
+        let (mut start, mut last) = (0, None);
+        while start < n {
+            let end = (start + self.chunk).min(n);
+            let mut binding = session.create_binding().map_err(runtime)?;
+            binding
+                .bind_input("input_ids", &host("input_ids", ids[start..end].to_vec())?)
+                .map_err(runtime)?;
+            let mask = host("attention_mask", vec![1; end])?;
+            binding.bind_input("attention_mask", &mask).map_err(runtime)?;
+            if layout.position_ids {
+                let positions = (start as i64..end as i64).collect();
+                binding
+                    .bind_input("position_ids", &host("position_ids", positions)?)
+                    .map_err(runtime)?;
+            }
+            for (i, value) in kv.iter().enumerate() {
+                binding.bind_input(past_name(i), value).map_err(runtime)?;
+            }
+            let (present, logits) = self.run_bound(session, &mut binding, layout, options)?;
+            kv = present;
+            last = Some((logits, mask));
+            start = end;
+        }
+        let (logits, mask) = last.expect("a prompt of more than one piece");
+        let logits = self.kernels.last_position(&logits).map_err(BackendError::Runtime)?;
+        let cache = Cache {
+            rows: vec![Row {
+                seq,
+                past: n as u64,
+                lead: 0,
+                gone: false,
+            }],
+            kv,
+            mask: Some(mask),
+            len: n as i64,
+        };
+        let caches = self.models.get_mut(model).expect("made by prefill");
+        caches.prefilled.push((cache, 0));
         Ok(vec![logits_tensor(logits, 1)])
     }
 
@@ -543,6 +632,33 @@ impl Caches {
         }
         self.prefilled.retain(|(c, _)| c.rows.iter().any(|r| !r.gone));
     }
+}
+
+/// The tokens of a prompt's run that [`Generations::prefill_chunked`] runs in pieces of
+/// `chunk`: one row of more than `chunk` tokens, all attended (no padding) from position 0 with
+/// empty pasts, on a model padded on the left whose layers attend to every position. A model
+/// padded on the right reads its rows' lengths in `GroupQueryAttention`, and a windowed cache
+/// holds only its window: each runs its prompt whole.
+fn chunkable(layout: &DecoderLayout, inputs: &[Tensor], chunk: usize) -> Option<Vec<i64>> {
+    if layout.padding != Padding::Left || layout.window.is_some() {
+        return None;
+    }
+    let find = |name: &str| inputs.iter().find(|t| t.name == name);
+    let ids = find("input_ids")?;
+    let (TensorData::Int64(tokens), [1, n]) = (&ids.data, ids.shape.as_slice()) else {
+        return None;
+    };
+    let mask = find("attention_mask")?;
+    let whole = matches!(&mask.data, TensorData::Int64(m) if m.len() as i64 == *n && m.iter().all(|&v| v == 1));
+    let fresh = inputs
+        .iter()
+        .filter(|t| t.name.starts_with("past_key_values."))
+        .all(|t| t.shape.get(2) == Some(&0));
+    let known = inputs.iter().all(|t| {
+        matches!(t.name.as_str(), "input_ids" | "attention_mask" | "position_ids")
+            || t.name.starts_with("past_key_values.")
+    });
+    (tokens.len() > chunk && whole && fresh && known).then(|| tokens.clone())
 }
 
 /// The token ids of `count` first passes given one after another: each one's `input_ids`.

@@ -37,11 +37,24 @@ impl SpeechModel {
     /// merged decoder when there is one, else the first pass's and the steps' (two copies of
     /// the weights).
     pub fn decoder_bytes(folder: &std::path::Path) -> u64 {
-        let size = |name: &str| std::fs::metadata(folder.join(name)).map_or(0, |m| m.len());
-        match size("decoder_model_merged.onnx") {
-            0 => size("decoder_model.onnx") + size("decoder_with_past_model.onnx"),
-            merged => merged,
+        Self::decoder_files(folder)
+            .iter()
+            .map(|file| std::fs::metadata(file).map_or(0, |m| m.len()))
+            .sum()
+    }
+
+    /// The decoder graph file(s) in `folder` the window job loads (see
+    /// [`SpeechModel::decoder_bytes`]): those present of the merged decoder, else the pair.
+    pub fn decoder_files(folder: &std::path::Path) -> Vec<std::path::PathBuf> {
+        let merged = folder.join("decoder_model_merged.onnx");
+        if merged.is_file() {
+            return vec![merged];
         }
+        ["decoder_model.onnx", "decoder_with_past_model.onnx"]
+            .into_iter()
+            .map(|name| folder.join(name))
+            .filter(|file| file.is_file())
+            .collect()
     }
 
     /// Device bytes one window's decoding holds beyond its encoder's run: the cross-attention

@@ -16,6 +16,13 @@
 //! now, and the end is the whole [`Generated`]. [`generate`] does it all for a caller that has
 //! nothing to make a prompt again from.
 //!
+//! A protocol first makes its parsed request a [`Job`] for the model named ([`job()`]): `job.rs`
+//! checks how to sample and tokenizes the prompts within the model's context, `chat.rs` renders
+//! a chat by the model's template and compiles the grammar of a structured output, and reads
+//! the tool calls back from the finished text ([`Generated::tool_calls`]); `text.rs` spells a
+//! token's bytes for its log-probabilities ([`Spelling`]). The protocol only reads its wire
+//! format and writes the answer.
+//!
 //! The files follow a generation: `prefill.rs` (the prompt made a request and placed, on its
 //! model or its fallback), `decode.rs` (the token loop), `cache.rs` (where its KV cache is
 //! between steps, and a step on it), `sample.rs` (picking a token), `constrain.rs` (the
@@ -23,13 +30,18 @@
 //! deltas).
 
 mod cache;
+mod chat;
 mod constrain;
 mod decode;
+mod job;
 mod prefill;
 mod sample;
 mod text;
 
+pub use chat::{Call, Chat};
+pub use job::{Asked, Job, PromptIn, Prompts, Sampling, job};
 pub use sample::{Logprobs, Penalties, Rng};
+pub use text::Spelling;
 
 use std::sync::Arc;
 
@@ -37,7 +49,43 @@ use crate::core::snapshot::Action;
 use crate::pool::Pool;
 use crate::serve::lifecycle::{self, Refused, Request};
 use crate::serve::metrics::FailoverReason;
+use crate::serve::ran::RanOn;
 use crate::serve::service::{ModelEntry, Service};
+
+/// Why a request cannot be made a generation [`Job`] for its model: what the protocol's
+/// client is told, naming the field at fault.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Invalid {
+    /// A field is wrong: what is wrong, and the field's path in the request (`messages[2].content`).
+    Field {
+        /// What is wrong.
+        message: String,
+        /// The field at fault.
+        at: String,
+    },
+    /// A prompt leaves no room within the model's `limit` positions for the `generated`
+    /// tokens asked for: `prompt` tokens of it were read (all of it when the flag is set).
+    TooLong {
+        /// The positions the model takes (`u64::MAX` where it does not say).
+        limit: u64,
+        /// Tokens read of the prompt, and whether that is all of it.
+        prompt: (u64, bool),
+        /// Tokens asked for (at least 1).
+        generated: u64,
+        /// The field holding the prompt (`prompt`, or a chat's `messages`).
+        field: &'static str,
+    },
+}
+
+impl Invalid {
+    /// `message` about the field `at`.
+    fn field(message: impl Into<String>, at: &str) -> Invalid {
+        Invalid::Field {
+            message: message.into(),
+            at: at.to_string(),
+        }
+    }
+}
 
 /// Where a streamed generation sends its text as it comes: one [`Delta`] per token picked.
 pub type Sink = tokio::sync::mpsc::Sender<Delta>;
@@ -77,6 +125,21 @@ pub struct Source {
     pub model: String,
     /// Set when it answers for the model asked for.
     pub substitution: Option<lifecycle::Substitution>,
+}
+
+impl Source {
+    /// The model the client asked for: the one that answers, unless its fallback stood in.
+    pub fn requested(&self) -> &str {
+        self.substitution.as_ref().map_or(&self.model, |s| &s.requested)
+    }
+}
+
+impl Facts {
+    /// Where the token ran, as its answer tells its client (degraded mode included, for the
+    /// model asked for).
+    pub fn ran_on(&self, service: &Service) -> RanOn {
+        service.ran_on(&self.pool, self.source.requested())
+    }
 }
 
 /// Shortens a prompt to at most the given tokens: the new token ids and what was left out.
@@ -195,6 +258,14 @@ pub struct Generated {
     pub text: String,
     /// Why it ended.
     pub finish: Finish,
+}
+
+impl Generated {
+    /// Where its last token ran, as its answer tells its client (degraded mode included, for
+    /// the model asked for).
+    pub fn ran_on(&self, service: &Service) -> RanOn {
+        service.ran_on(&self.pool, self.source.requested())
+    }
 }
 
 /// Where a generation's prompt went: it ran, or its model's fallback may take it once the

@@ -5,13 +5,33 @@
 //! back from the whole text at the end). Each token costs the same however long the text is:
 //! the stop strings and held strings are looked for only where the new text could have
 //! completed one. A delta also says how many tokens' text became whole in what was sent, so
-//! that what is sent of a token (its log-probabilities) goes with the end of its text.
+//! that what is sent of a token (its log-probabilities) goes with the end of its text; a
+//! token's own bytes, which those log-probabilities name, are its [`Spelling`].
 
 use std::collections::VecDeque;
 use std::sync::Arc;
 
 use crate::runtime::chat::TOOL_CALL_OPEN;
-use crate::runtime::text::{Detokenizer, first_at, tail_start};
+use crate::runtime::text::{Detokenizer, TokenBytes, first_at, tail_start};
+use crate::serve::service::Service;
+
+/// How a model's tokens read as bytes, for their log-probabilities: exact where a token holds
+/// part of a character, which decoding it alone would turn into U+FFFD.
+pub struct Spelling(TokenBytes);
+
+impl Spelling {
+    /// How the tokens of `model` read (the model that answered); `None` when it has no
+    /// tokenizer.
+    pub fn of(service: &Service, model: &str) -> Option<Spelling> {
+        let tokenizer = service.model(model)?.kind.tokenizer()?;
+        Some(Spelling(TokenBytes::new(Arc::clone(tokenizer))))
+    }
+
+    /// The bytes of text token `id` stands for.
+    pub fn bytes(&self, id: u32) -> Vec<u8> {
+        self.0.bytes(id)
+    }
+}
 
 /// A generation's text as its tokens come.
 pub(super) struct Text {

@@ -155,22 +155,23 @@ fn joining(entry: &ModelEntry, request: &Request, pool: &Pool, prompt: u64, mut 
     estimate
 }
 
-/// The weights `pool` must load before it runs `entry`'s model: 0 when they are there.
+/// The weights `pool` must load before it runs `entry`'s model: 0 when they are there (its
+/// own, or a model's it shares them with).
 fn load_bytes(service: &Service, entry: &ModelEntry, pool: &Pool) -> u64 {
-    match pool.is_resident(&entry.config.name) {
+    match pool.holds_weights_of(&entry.config.name) {
         true => 0,
         false => service.weights_on(pool, entry),
     }
 }
 
 /// What a request needs on `pool` beyond what is there now: its run's context and workspace,
-/// and its weights when its sessions are not loaded there.
+/// and its weights when they are not loaded there.
 fn need_on(service: &Service, entry: &ModelEntry, info: &RequestInfo, pool: &Pool) -> u64 {
     let run = info
         .estimate
         .context_bytes
         .saturating_add(info.estimate.workspace_bytes);
-    match pool.is_resident(&entry.config.name) {
+    match pool.holds_weights_of(&entry.config.name) {
         true => run,
         false => run.saturating_add(service.weights_on(pool, entry)),
     }

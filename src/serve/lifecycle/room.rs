@@ -77,7 +77,9 @@ pub(super) fn victims(service: &Service, device: &str, requester: &ModelEntry) -
         .flat_map(|pool| {
             pool.residents()
                 .into_iter()
+                // Nor a model whose weights the requester's are: they are what it runs on.
                 .filter(|r| r.model != requester.config.name && r.evictable_for(priority))
+                .filter(|r| !pool.shares_sessions_of(&requester.config.name, &r.model))
                 .filter_map(|r| Victim::of(pool.name(), &r))
                 .collect::<Vec<_>>()
         })

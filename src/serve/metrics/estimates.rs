@@ -32,6 +32,17 @@ pub struct ModelMemoryLabels {
     pub kind: MemoryKind,
 }
 
+/// `{model, pool, component}`
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ComponentLabels {
+    /// Model name.
+    pub model: String,
+    /// Pool name.
+    pub pool: String,
+    /// The component: `model` for a model of one graph, `encoder` and `decoder` for a Whisper.
+    pub component: String,
+}
+
 /// Relative error buckets: from estimates four times too high to four times too low.
 const ERROR_BUCKETS: [f64; 10] = [-0.75, -0.5, -0.25, -0.1, 0.0, 0.1, 0.25, 0.5, 1.0, 3.0];
 
@@ -44,6 +55,10 @@ pub struct EstimateMetrics {
     pub relative_error: Family<ModelPoolLabels, Histogram>,
     /// `vramguard_model_memory_bytes{model,pool,kind}`
     pub model_memory: Family<ModelMemoryLabels, Gauge>,
+    /// `vramguard_model_component_weights_bytes{model,pool,component}`: each component's
+    /// share of the `kind="weights"` series above, which is their sum (a family of its own, so
+    /// that the series of `vramguard_model_memory_bytes` stay as they were).
+    pub component_weights: Family<ComponentLabels, Gauge>,
 }
 
 impl Default for EstimateMetrics {
@@ -52,6 +67,7 @@ impl Default for EstimateMetrics {
             underruns: Family::default(),
             relative_error: Family::new_with_constructor(|| Histogram::new(ERROR_BUCKETS)),
             model_memory: Family::default(),
+            component_weights: Family::default(),
         }
     }
 }
@@ -74,6 +90,12 @@ impl EstimateMetrics {
             "Memory a model holds on a pool: its weights, and the peak working memory of its measured runs",
             Unit::Bytes,
             self.model_memory.clone(),
+        );
+        registry.register_with_unit(
+            "model_component_weights",
+            "Weights of each component (graph) of a model on a pool; they add up to its vramguard_model_memory_bytes{kind=\"weights\"}",
+            Unit::Bytes,
+            self.component_weights.clone(),
         );
     }
 
@@ -104,6 +126,17 @@ impl EstimateMetrics {
         self.memory(model, pool, MemoryKind::weights)
             .set(i64::try_from(weights_bytes).unwrap_or(i64::MAX));
         self.memory(model, pool, MemoryKind::workspace_peak);
+    }
+
+    /// `component` of `model` holds `weights_bytes` of weights on `pool`.
+    pub fn component(&self, model: &str, pool: &str, component: &str, weights_bytes: u64) {
+        self.component_weights
+            .get_or_create(&ComponentLabels {
+                model: model.to_string(),
+                pool: pool.to_string(),
+                component: component.to_string(),
+            })
+            .set(i64::try_from(weights_bytes).unwrap_or(i64::MAX));
     }
 
     /// A run of `model` on `pool` estimated at `estimated_bytes` of working memory was measured.
@@ -155,12 +188,14 @@ mod tests {
         let mut registry = Registry::with_prefix("vramguard");
         metrics.register(&mut registry);
         metrics.serving("encoder", "gpu", 68_474);
+        metrics.component("encoder", "gpu", "model", 68_474);
         let text = encode(&registry);
         for series in [
             "vramguard_estimate_underruns_total{model=\"encoder\",pool=\"gpu\"} 0\n",
             "vramguard_estimate_relative_error_count{model=\"encoder\",pool=\"gpu\"} 0\n",
             "vramguard_model_memory_bytes{model=\"encoder\",pool=\"gpu\",kind=\"weights\"} 68474\n",
             "vramguard_model_memory_bytes{model=\"encoder\",pool=\"gpu\",kind=\"workspace_peak\"} 0\n",
+            "vramguard_model_component_weights_bytes{model=\"encoder\",pool=\"gpu\",component=\"model\"} 68474\n",
         ] {
             assert!(text.contains(series), "{series}: {text}");
         }

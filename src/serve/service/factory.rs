@@ -25,6 +25,13 @@ pub trait BackendFactory: Send + Sync {
     fn optimizer(&self) -> Option<&'static crate::runtime::onnx::OnnxRuntime> {
         None
     }
+    /// Whether `pool`'s backends serve a model from another's session when their weights are
+    /// identical ([`Residency::share_model`](crate::core::backend::Residency::share_model)):
+    /// the pool then holds one copy of them. `false` by default: each model has its own.
+    fn shares_sessions(&self, pool: &PoolConfig) -> bool {
+        let _ = pool;
+        false
+    }
     /// The worker processes of a process-isolated pool, once its first backend started one.
     fn worker_host(&self, pool: &str) -> Option<Arc<crate::pool::process::WorkerHost>> {
         let _ = pool;

@@ -4,6 +4,7 @@
 //! ([`Parts::onnxruntime`]); tests pass a fake [`BackendFactory`], no memory sources and a clock
 //! they control, so the whole request lifecycle runs without ONNX Runtime.
 
+mod components;
 mod cpus;
 mod factory;
 mod kind;
@@ -39,6 +40,7 @@ use crate::telemetry::exporter::{LiveCollector, Sampler, SnapshotStore};
 use crate::telemetry::services::ServicesCollector;
 
 pub use crate::serve::metrics::UNKNOWN_MODEL;
+pub use components::{Component, WeightsKey};
 pub use factory::BackendFactory;
 pub use kind::{Api, Generator, Kind};
 pub use models::ModelEntry;
@@ -188,16 +190,30 @@ impl Service {
             let context = PoolContext {
                 clock: Arc::clone(&clock),
                 metrics: metrics.pool_metrics(&pool_config.name, &pool_config.device),
-                models: model_setups(&metrics, &models, pool_config),
+                models: model_setups(&metrics, &models, pool_config, backends.shares_sessions(pool_config)),
                 tier: tier.clone(),
             };
             pools.push(start_pool(&backends, &config, &models, pool_config, context, &metrics));
         }
         for pool in &pools {
             for entry in models.iter().filter(|m| pool.serves(&m.config.name)) {
-                metrics
-                    .estimates
-                    .serving(&entry.config.name, pool.name(), observe::weights_on(pool, entry));
+                // Weights another model shares are shown once, under that model's name.
+                let shown = match pool.shares_weights_of(&entry.config.name) {
+                    Some(_) => 0,
+                    None => observe::weights_on(pool, entry),
+                };
+                metrics.estimates.serving(&entry.config.name, pool.name(), shown);
+                let workers = pool.config.workers.max(1) as u64;
+                for component in &entry.components {
+                    let bytes = if shown == 0 {
+                        0
+                    } else {
+                        component.weights_bytes.saturating_mul(workers)
+                    };
+                    metrics
+                        .estimates
+                        .component(&entry.config.name, pool.name(), component.name, bytes);
+                }
             }
         }
         metrics.zero_known(models.iter().map(|m| &m.config), &pools);
@@ -408,17 +424,21 @@ pub(crate) fn memory_of(pool: &Pool) -> Option<Memory<'_>> {
 /// For every pool and each model it serves, the weights that always stay loaded beside it on
 /// the pool's memory, whatever a request of it does: on the host every other model's (CPU pools
 /// keep theirs); on an accelerator those `make_room` can never take for it, the pinned models'
-/// and those of higher priority (and its own on the device's other pools).
+/// and those of higher priority (and its own on the device's other pools). The weights of a
+/// model it shares them with on its own pool are its own, not beside it.
 fn weights_beside(pools: &[Arc<Pool>], models: &[ModelEntry]) -> HashMap<(String, String), u64> {
     let mut table = HashMap::new();
     for pool in pools {
         let Some(memory) = memory_of(pool) else { continue };
         for model in models.iter().filter(|m| pool.serves(&m.config.name)) {
             let mut beside = 0u64;
+            // A group that shares weights on a pool holds them there once.
+            let mut counted = std::collections::HashSet::new();
             for other in pools.iter().filter(|p| memory_of(p) == Some(memory)) {
                 for entry in models.iter().filter(|m| other.serves(&m.config.name)) {
                     let own = entry.config.name == model.config.name;
-                    if own && Arc::ptr_eq(other, pool) {
+                    let shared = pool.shares_sessions_of(&model.config.name, &entry.config.name);
+                    if Arc::ptr_eq(other, pool) && (own || shared) {
                         continue;
                     }
                     let stays = match memory {
@@ -428,7 +448,9 @@ fn weights_beside(pools: &[Arc<Pool>], models: &[ModelEntry]) -> HashMap<(String
                                 || entry.config.priority > model.config.priority
                         }
                     };
-                    if stays {
+                    let name = entry.config.name.as_str();
+                    let holder = other.shares_weights_of(name).unwrap_or(name).to_string();
+                    if stays && counted.insert((other.name().to_string(), holder)) {
                         beside = beside.saturating_add(observe::weights_on(other, entry));
                     }
                 }

@@ -19,6 +19,7 @@ use crate::runtime::tower::Tower;
 use crate::telemetry::inference_stats::InferenceStats;
 
 use super::BackendFactory;
+use super::components::{Component, WeightsKey, components_of, weights_keys};
 use super::kind::{Found, Invalid, Kind, chat_template, kind_of, tokenizer_of};
 
 /// A model with its signature and memory profile.
@@ -42,6 +43,12 @@ pub struct ModelEntry {
     pub folder: ModelFolder,
     /// What it is, and what its kind needs beside its graph: found once, when it loads.
     pub kind: Kind,
+    /// The graphs it runs, each with its weights: its profile's weights are their sum.
+    pub components: Vec<Component>,
+    /// The hash of everything its sessions are built from, when another configured model has
+    /// weights of its sizes (`None`: none does, so none shares them): models with equal keys
+    /// share one session per pool.
+    pub weights_key: Option<WeightsKey>,
 }
 
 impl ModelEntry {
@@ -131,9 +138,14 @@ pub(super) fn load_models(backends: &dyn BackendFactory, config: &Config) -> Res
     };
     let models = config.models.iter().enumerate();
     let builtin_home = config.host_tier.builtin_models();
-    let entries = models
+    let mut entries = models
         .map(|(i, m)| load_model(backends, m, &builtin_home).map_err(|(key, message)| invalid(i, key, message)))
         .collect::<Result<Vec<_>, _>>()?;
+    let sized: Vec<_> = entries.iter().map(|e| (&e.bytes, e.components.as_slice())).collect();
+    let keys = weights_keys(&sized).map_err(|(i, e)| invalid(i, "path", e))?;
+    for (entry, key) in entries.iter_mut().zip(keys) {
+        entry.weights_key = key;
+    }
     for (i, entry) in entries.iter().enumerate() {
         check_images(entry, &entries).map_err(|message| invalid(i, "images", message))?;
     }
@@ -245,6 +257,13 @@ fn load_model(backends: &dyn BackendFactory, m: &ModelConfig, builtin_home: &Pat
     };
     let speech = speech_of(bytes.data().folder, &signature).map_err(|e| ("path", format!("`{}`: {e}", m.source)))?;
     let mut profile = profile_of(backends, m, bytes.data(), &signature, decoder);
+    let speech_folder = speech.as_ref().and(bytes.data().folder);
+    let components = components_of(
+        &m.source.to_string(),
+        profile.weights_bytes,
+        &external.files,
+        speech_folder,
+    );
     if let Some(speech) = &speech {
         // The measured graph is the encoder: the decoder's weights and a window's caches are
         // held beside it by every run.
@@ -284,6 +303,8 @@ fn load_model(backends: &dyn BackendFactory, m: &ModelConfig, builtin_home: &Pat
         bytes,
         folder,
         kind,
+        components,
+        weights_key: None,
     })
 }
 

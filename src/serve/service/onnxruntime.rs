@@ -154,6 +154,12 @@ impl BackendFactory for OrtFactory {
         estimate::measure(&mut open, signature, model.context.as_ref(), data.stored_bytes())
     }
 
+    /// Sessions in this process share; a worker process builds each model's own (its wire
+    /// has no way to ask it to share), and a remote server holds its own.
+    fn shares_sessions(&self, pool: &PoolConfig) -> bool {
+        pool.isolation == Isolation::Thread && !matches!(pool.provider, Provider::Remote(_))
+    }
+
     fn backend(&self, pool: &PoolConfig, models: &[(String, ModelData<'_>)]) -> Result<Box<dyn Backend>, String> {
         let mut device_index = 0;
         if let Provider::Cuda(_) = &pool.provider

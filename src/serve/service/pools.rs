@@ -39,10 +39,17 @@ pub(super) fn start_pool(
         _ => {
             // An `on_demand` model's sessions are built by its first request, not here. The
             // others start from their optimized bytes when the host tier or the optimized
-            // cache has them (a restart skips optimizing), else from their ONNX bytes.
-            let owned: Vec<(String, ModelBytes)> = models
+            // cache has them (a restart skips optimizing), else from their ONNX bytes. A model
+            // whose weights are identical to an earlier one's shares that one's sessions.
+            let starting = models
                 .iter()
                 .filter(|m| pool.models.contains(&m.config.name) && m.config.residency.loaded_at_start())
+                .map(|m| m.config.name.clone())
+                .collect::<std::collections::HashSet<_>>();
+            let shares = crate::pool::sharing_at_start(&context.models, &starting);
+            let owned: Vec<(String, ModelBytes)> = models
+                .iter()
+                .filter(|m| starting.contains(&m.config.name) && !shares.contains_key(&m.config.name))
                 .map(|m| {
                     let name = m.config.name.clone();
                     let bytes = match &context.tier {
@@ -63,7 +70,11 @@ pub(super) fn start_pool(
             let pool = pool.clone();
             Arc::new(move || {
                 let borrowed: Vec<(String, ModelData<'_>)> = owned.iter().map(|(n, b)| (n.clone(), b.data())).collect();
-                backends.backend(&pool, &borrowed)
+                let mut backend = backends.backend(&pool, &borrowed)?;
+                for (name, with) in &shares {
+                    backend.loader(name)?.share_model(name, with)?;
+                }
+                Ok(backend)
             })
         }
     };
@@ -101,10 +112,28 @@ pub(super) fn start_pool(
 }
 
 /// How `pool` holds each model it serves, with the bytes to load it again and its metrics.
-pub(super) fn model_setups(metrics: &Metrics, models: &[ModelEntry], pool: &PoolConfig) -> Vec<ModelSetup> {
-    models
+/// When its backends `share` sessions, the models whose weights are identical (equal
+/// [`ModelEntry::weights_key`]) are told of each other.
+pub(super) fn model_setups(
+    metrics: &Metrics,
+    models: &[ModelEntry],
+    pool: &PoolConfig,
+    share: bool,
+) -> Vec<ModelSetup> {
+    let served: Vec<&ModelEntry> = models.iter().filter(|m| pool.models.contains(&m.config.name)).collect();
+    let group = |m: &ModelEntry| -> Vec<String> {
+        let same: Vec<String> = served
+            .iter()
+            .filter(|o| o.weights_key.is_some() && o.weights_key == m.weights_key)
+            .map(|o| o.config.name.clone())
+            .collect();
+        match share && same.len() > 1 {
+            true => same,
+            false => Vec::new(),
+        }
+    };
+    served
         .iter()
-        .filter(|m| pool.models.contains(&m.config.name))
         .map(|m| ModelSetup {
             name: m.config.name.clone(),
             residency: m.config.residency,
@@ -112,6 +141,7 @@ pub(super) fn model_setups(metrics: &Metrics, models: &[ModelEntry], pool: &Pool
             priority: m.config.priority,
             min_residency: m.config.min_residency,
             weights_bytes: super::observe::weights_for(pool, m),
+            weights_group: group(m),
             generates: m.generates_text(),
             probe: m.probe_inputs().ok().map(Arc::new),
             bytes: m.bytes.clone(),

@@ -251,11 +251,12 @@ impl Services {
         self.interactive.waiting()
     }
 
-    /// Weights of the service at `index` resident on `device`'s pools now.
+    /// Weights of the service at `index` resident on `device`'s pools now. Weights that
+    /// models share on a pool are charged once, to the first of them resident there.
     fn resident_on(&self, index: usize, device: &str) -> u64 {
         self.holdings
             .iter()
-            .filter(|h| h.service == index && h.device == device && h.pool.is_resident(&h.model))
+            .filter(|h| h.service == index && h.device == device && h.pool.weights_charged(&h.model) > 0)
             .map(|h| h.bytes)
             .sum()
     }

@@ -1,10 +1,11 @@
-//! `/status` `models`, `evictions` and `speech`: where each model's sessions are loaded now,
-//! what `make_room` unloaded for whom, and what each speech model transcribed where.
+//! `/status` `models`, `evictions` and `speech`: where each model's sessions (and each of its
+//! components) are loaded now, what `make_room` unloaded for whom, and what each speech model
+//! transcribed where.
 
 use std::time::{Duration, SystemTime};
 
 use crate::config::Provider;
-use crate::protocol::status::{EvictionStatus, ModelOnPool, ModelStatus, SpeechStatus};
+use crate::protocol::status::{ComponentStatus, EvictionStatus, ModelOnPool, ModelStatus, SpeechStatus};
 use crate::serve::service::Service;
 
 /// Every configured model, each pool serving it.
@@ -15,7 +16,7 @@ pub(super) fn models(service: &Service) -> Vec<ModelStatus> {
         .iter()
         .map(|entry| {
             let config = &entry.config;
-            let pools = service
+            let pools: Vec<ModelOnPool> = service
                 .pools
                 .iter()
                 .filter(|p| p.serves(&config.name))
@@ -33,7 +34,21 @@ pub(super) fn models(service: &Service) -> Vec<ModelStatus> {
                         running: state.running,
                         queued: state.queued,
                         weights_bytes: state.weights_bytes,
+                        shares_weights_of: state.shares_weights_of,
                     }
+                })
+                .collect();
+            // Every component of a model is loaded with it today; each says where it is, so
+            // that one held apart from the rest (on another pool, or only while it runs) can.
+            let resident: Vec<String> = pools.iter().filter(|p| p.resident).map(|p| p.pool.clone()).collect();
+            let components = entry
+                .components
+                .iter()
+                .map(|c| ComponentStatus {
+                    name: c.name.to_string(),
+                    files: c.files.clone(),
+                    weights_bytes: c.weights_bytes,
+                    resident: resident.clone(),
                 })
                 .collect();
             ModelStatus {
@@ -43,6 +58,7 @@ pub(super) fn models(service: &Service) -> Vec<ModelStatus> {
                 residency: config.residency.label().to_string(),
                 fallback_model: config.fallback_model.clone(),
                 pools,
+                components,
             }
         })
         .collect()

@@ -475,3 +475,62 @@ fn batched_rows_get_their_logits_alone(mut backend: OrtBackend) {
     assert!(left, "sequence 0 left the batch");
     assert_eq!(got.iter().map(Vec::len).collect::<Vec<_>>(), [7, steps + 1, steps + 1]);
 }
+
+/// A prompt longer than a piece runs in pieces, each attending to the cache the ones before it
+/// left: its last logits are those of the prompt run whole (to float32 rounding), and so are
+/// the greedy tokens after it, with pieces of 512 (the default), of 100, and of 1 (a token at a
+/// time, as decoding steps would take it), whatever a piece's boundary cuts.
+#[test]
+fn a_long_prompt_run_in_pieces_gives_the_logits_and_tokens_of_one_run() {
+    let rt = runtime(None).expect("ONNX Runtime loads");
+    let model = [("lm".to_string(), BuiltinModel::Decoder.data())];
+    let mut backend = OrtBackend::load(rt, &model, &SessionOptions::quiet_cpu()).unwrap();
+    let layout = backend.decoders["lm"];
+    let meta = RunMeta::default();
+    let prompt: Vec<u32> = (0..1300u32).map(|i| 5 + (i * 37 + i / 7) % 500).collect();
+    // Pieces are what runs: a prompt past a piece, never one within it or one with padding.
+    let inputs = step_inputs(&layout, &prompt, 0, Vec::new());
+    assert_eq!(super::chunkable(&layout, &inputs, 512).map(|ids| ids.len()), Some(1300));
+    assert!(super::chunkable(&layout, &inputs, 1300).is_none());
+    let mut padded = inputs.clone();
+    padded[1].data = TensorData::Int64([vec![0], vec![1; 1299]].concat());
+    assert!(super::chunkable(&layout, &padded, 512).is_none());
+    let mut run = |chunk: usize, seq: u64| {
+        backend.generations.chunk_prompts_by(chunk);
+        let inputs = step_inputs(&layout, &prompt, 0, Vec::new());
+        let first = rows(&backend.prefill("lm", seq, inputs, &meta).unwrap()[0]).remove(0);
+        let mut tokens = vec![argmax(&first)];
+        for past in prompt.len()..prompt.len() + 6 {
+            let token = *tokens.last().unwrap();
+            let step = DecodeStep {
+                rows: vec![DecodeRow {
+                    seq,
+                    token,
+                    past: past as u64,
+                }],
+                ended: vec![],
+                ..Default::default()
+            };
+            let out = backend.decode("lm", &step, &meta).unwrap();
+            tokens.push(argmax(&rows(&out[0])[0]));
+        }
+        let end = DecodeStep {
+            rows: vec![],
+            ended: vec![seq],
+            ..Default::default()
+        };
+        backend.decode("lm", &end, &meta).unwrap();
+        (first, tokens)
+    };
+    let (whole, whole_tokens) = run(usize::MAX, 1);
+    for (chunk, seq) in [(512, 2), (100, 3), (1, 4)] {
+        let (logits, tokens) = run(chunk, seq);
+        let worst = whole
+            .iter()
+            .zip(&logits)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        assert!(worst < 1e-4, "pieces of {chunk}: logits differ by {worst}");
+        assert_eq!(tokens, whole_tokens, "pieces of {chunk}");
+    }
+}
