@@ -1,8 +1,7 @@
 //! What `POST /v1/embeddings` and `POST /v1/rerank` share: a body parsed into a job of
 //! [`crate::serve::encoders`], handed down through its one door, and the answer sent with the
-//! headers every answer has (model, decision, pool); with the speech endpoints, a request's CPU
-//! work off the async threads ([`blocking`]), its id on every answer ([`respond`]) and a
-//! refusal saying when the server is degraded ([`refusal`]).
+//! headers every answer has (model, decision, pool); with the speech endpoints, its id on every
+//! answer ([`respond`]) and a refusal saying when the server is degraded ([`refusal`]).
 
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
@@ -64,21 +63,6 @@ pub(super) async fn encoded<J: Job, F>(
         &done.ran,
         axum::Json(body).into_response(),
     ))
-}
-
-/// Run `work` (tokenizing a request's texts, decoding its audio: CPU work of up to seconds) off
-/// the async runtime, stopped when the client goes away
-/// ([`until_dropped`](crate::core::blocking::until_dropped)).
-pub(super) async fn blocking<T: Send + 'static>(
-    id: &str,
-    work: impl FnOnce(&dyn Fn() -> bool) -> Result<T, OpenAiError> + Send + 'static,
-) -> Result<T, OpenAiError> {
-    crate::core::blocking::until_dropped(work).await.map_err(|e| {
-        // `work` catches what a client's input can make it do: this is a fault of ours, or a
-        // shutdown, whose detail is for the log.
-        tracing::error!(error = %e, "reading a request did not finish");
-        OpenAiError::internal("reading the request failed".into(), id)
-    })?
 }
 
 /// An endpoint's response to a request with `headers`: what `serve` answers (given the
