@@ -490,11 +490,14 @@ fn a_long_prompt_run_in_pieces_gives_the_logits_and_tokens_of_one_run() {
     let prompt: Vec<u32> = (0..1300u32).map(|i| 5 + (i * 37 + i / 7) % 500).collect();
     // Pieces are what runs: a prompt past a piece, never one within it or one with padding.
     let inputs = step_inputs(&layout, &prompt, 0, Vec::new());
-    assert_eq!(super::chunkable(&layout, &inputs, 512).map(|ids| ids.len()), Some(1300));
-    assert!(super::chunkable(&layout, &inputs, 1300).is_none());
+    assert_eq!(
+        super::prefill::chunkable(&layout, &inputs, 512).map(|ids| ids.len()),
+        Some(1300)
+    );
+    assert!(super::prefill::chunkable(&layout, &inputs, 1300).is_none());
     let mut padded = inputs.clone();
     padded[1].data = TensorData::Int64([vec![0], vec![1; 1299]].concat());
-    assert!(super::chunkable(&layout, &padded, 512).is_none());
+    assert!(super::prefill::chunkable(&layout, &padded, 512).is_none());
     let mut run = |chunk: usize, seq: u64| {
         backend.generations.chunk_prompts_by(chunk);
         let inputs = step_inputs(&layout, &prompt, 0, Vec::new());
