@@ -7,6 +7,10 @@
 //!
 //! Paths are read from the text (`crate::…`, `super::…`, grouped `use` trees), comments removed,
 //! so the check needs nothing but the files. A failure names the file, the line and the path.
+//!
+//! One rule is stricter than the order of the layers: `http` names nothing of `runtime` or
+//! `pool`. It speaks the API; `serve` does the work, and may not hand their items up under its
+//! own name to let `http` name them anyway.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -410,24 +414,6 @@ fn no_module_uses_a_layer_above_its_own() {
     );
 }
 
-/// The OpenAI generation endpoints' files only speak the API: making a request a job for its
-/// model (its template, tokenizing, its grammar) and reading tool calls and token bytes back
-/// are `serve::generation`'s, so these files name no path in `runtime` or `pool`.
-#[test]
-fn the_generation_endpoints_name_nothing_in_runtime_or_pool() {
-    let (_, refs, _) = all_references();
-    let files = ["answer", "chat", "format", "job", "logprobs", "mod", "run", "stream"]
-        .map(|f| format!("src/http/openai/{f}.rs"));
-    let theirs: Vec<&Reference> = refs.iter().filter(|r| files.contains(&r.file)).collect();
-    // Read at all: each of them names the layers it uses.
-    assert!(theirs.len() > 20, "{} paths read in {files:?}", theirs.len());
-    let below: Vec<String> = (theirs.iter())
-        .filter(|r| matches!(r.to.first().map(String::as_str), Some("runtime" | "pool")))
-        .map(|r| describe(r))
-        .collect();
-    assert!(below.is_empty(), "{}", below.join("\n"));
-}
-
 #[test]
 fn the_modules_form_no_import_cycle() {
     let (_, refs, modules) = all_references();
@@ -529,6 +515,81 @@ fn the_files_of_a_folder_form_no_loop() {
         loops.is_empty(),
         "files of one folder that use each other (move what both need to where it belongs):\n{}",
         loops.join("\n\n")
+    );
+}
+
+/// The layers `http` may not name: it speaks the API and hands requests down to `serve`, which
+/// alone reaches the models (`runtime`) and the pools that run them (`pool`).
+const BELOW_THE_SERVICE: [&str; 2] = ["runtime", "pool"];
+
+/// What breaks the rule that `http` only speaks the API: an `http` file naming `runtime` or
+/// `pool` (test code too), or a `serve` file handing one of their items up under its own name
+/// (`pub use crate::pool::…`, `pub type X = crate::runtime::…`).
+fn past_the_service(refs: &[Reference], sources: &[(String, &str)]) -> Vec<String> {
+    let mut broken: Vec<String> = refs
+        .iter()
+        .filter(|r| r.from.first().is_some_and(|l| l == "http"))
+        .filter(|r| r.to.first().is_some_and(|l| BELOW_THE_SERVICE.contains(&l.as_str())))
+        .map(|r| format!("{}:{}: `http` names `crate::{}`", r.file, r.line, r.to.join("::")))
+        .collect();
+    for (file, code) in sources.iter().filter(|(f, _)| f.starts_with("src/serve/")) {
+        for (n, line) in code.lines().enumerate() {
+            let line = line.trim_start();
+            let handed_up = ["pub use crate::", "pub type "].iter().any(|p| line.starts_with(p))
+                && BELOW_THE_SERVICE
+                    .iter()
+                    .any(|l| line.contains(&format!("crate::{l}::")));
+            if handed_up {
+                broken.push(format!("{file}:{}: `serve` hands up `{}`", n + 1, line.trim_end()));
+            }
+        }
+    }
+    broken
+}
+
+#[test]
+fn http_names_nothing_below_the_service() {
+    let (_, refs, _) = all_references();
+    let project = Path::new(SRC).parent().expect("the project");
+    let sources: Vec<(String, &str)> = tree()
+        .iter()
+        .map(|s| {
+            let name = s.path.strip_prefix(project).expect("in the project");
+            (name.display().to_string(), s.code.as_str())
+        })
+        .collect();
+    let broken = past_the_service(&refs, &sources);
+    assert!(
+        broken.is_empty(),
+        "`http` parses a request, hands it to `serve` and formats the answer; the work below \
+         belongs to `serve` (or plain data to `core`/`protocol`):\n{}",
+        broken.join("\n")
+    );
+}
+
+#[test]
+fn the_check_catches_http_reaching_past_the_service() {
+    let dir = vramguard::testing::Scratch::new();
+    let src = dir.path().join("src");
+    std::fs::create_dir_all(src.join("http")).unwrap();
+    let planted = src.join("http/chat.rs");
+    std::fs::write(
+        &planted,
+        "use crate::serve::lifecycle;\nuse crate::{core::x, runtime::chat::Template};\nfn f(p: &crate::pool::Pool) {}\n",
+    )
+    .unwrap();
+    let refs = references(&src, &Source::read(planted));
+    let facade =
+        "//! x\npub use crate::pool::Pool;\npub type T = crate::runtime::text::TokenBytes;\nuse crate::pool::Pool;\n";
+    let broken = past_the_service(&refs, &[("src/serve/facade.rs".into(), facade)]);
+    assert_eq!(
+        broken,
+        [
+            "src/http/chat.rs:2: `http` names `crate::runtime::chat::Template`",
+            "src/http/chat.rs:3: `http` names `crate::pool::Pool`",
+            "src/serve/facade.rs:2: `serve` hands up `pub use crate::pool::Pool;`",
+            "src/serve/facade.rs:3: `serve` hands up `pub type T = crate::runtime::text::TokenBytes;`",
+        ]
     );
 }
 
