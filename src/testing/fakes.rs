@@ -99,6 +99,23 @@ pub fn service(config: Config, backends: Arc<dyn BackendFactory>) -> Service {
     Service::assemble(config, parts).unwrap_or_else(|e| panic!("the service assembles: {e}"))
 }
 
+/// A backend that answers every run with its inputs, and has none of the capabilities.
+pub struct Echo;
+
+impl Backend for Echo {
+    fn run(
+        &mut self,
+        _: &str,
+        inputs: Vec<Tensor>,
+        _: &[String],
+        _: &crate::core::backend::RunMeta,
+    ) -> Result<Vec<Tensor>, crate::core::backend::BackendError> {
+        Ok(inputs)
+    }
+
+    lacks!(residency, generations, arenas, liveness, interrupts);
+}
+
 /// The accessors of the [`Backend`] capabilities a fake lacks, each answering `None`:
 /// `lacks!(residency, generations, arenas, liveness, interrupts)` inside its `impl Backend`.
 /// A fake still names each capability it goes without, as every backend must; this only spares

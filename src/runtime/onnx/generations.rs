@@ -78,6 +78,17 @@ const PAD_TOKEN: i64 = 0;
 /// The position an idle row's padding slot gets (masked out; as `transformers` pads).
 const PAD_POSITION: i64 = 1;
 
+/// `data` as an INT64 value of `shape` made on the host (ids, masks, positions), bound as an
+/// input and copied to the device by the run.
+fn int64_value(name: &str, shape: Vec<i64>, data: Vec<i64>) -> Result<DynValue, BackendError> {
+    to_value(Tensor {
+        name: name.into(),
+        shape,
+        data: TensorData::Int64(data),
+    })
+    .map_err(runtime)
+}
+
 fn runtime(e: impl std::fmt::Display) -> BackendError {
     classify(&e.to_string())
 }
@@ -241,14 +252,7 @@ impl Generations {
             column[at] = 1;
             order.push(at);
         }
-        let host = |name: &str, data: Vec<i64>| {
-            to_value(Tensor {
-                name: name.into(),
-                shape: vec![rows as i64, 1],
-                data: TensorData::Int64(data),
-            })
-            .map_err(runtime)
-        };
+        let host = |name: &str, data: Vec<i64>| int64_value(name, vec![rows as i64, 1], data);
         let (mask, mask_bytes) = match &batch.mask {
             Some(before) => {
                 let column = host("column", column)?;

@@ -12,7 +12,7 @@ use std::sync::Arc;
 use serde_json::Value;
 use tokenizers::Tokenizer;
 
-use super::job::{Failure, Invalid, Job, Run};
+use super::job::{Failure, Invalid, Job, Run, only_output};
 use super::tokens::{Limit, limit, text_tokens, within};
 use crate::core::signature::ModelSignature;
 use crate::core::tensor::Tensor;
@@ -144,9 +144,7 @@ impl Job for Embed {
     }
 
     fn answer(ready: Ready, outputs: Vec<Tensor>) -> Result<Vectors, Failure> {
-        let [output] = &outputs[..] else {
-            return Err(Failure::Internal(format!("{} outputs for one run", outputs.len())));
-        };
+        let output = only_output(&outputs)?;
         let vectors = (ready
             .embedder
             .vectors(output, &ready.lengths)

@@ -90,6 +90,14 @@ pub enum Failure {
     Internal(String),
 }
 
+/// The one output of a job of one run, or the fault of ours that it is not.
+pub(super) fn only_output(outputs: &[Tensor]) -> Result<&Tensor, Failure> {
+    match outputs {
+        [output] => Ok(output),
+        _ => Err(Failure::Internal(format!("{} outputs for one run", outputs.len()))),
+    }
+}
+
 impl From<Invalid> for Failure {
     fn from(invalid: Invalid) -> Failure {
         Failure::Invalid(invalid)
@@ -207,26 +215,8 @@ mod tests {
     use std::time::Duration;
 
     use super::*;
-    use crate::core::backend::{Backend, BackendError};
     use crate::core::tensor::TensorData;
-    use crate::testing::fakes::{self, FakeFactory};
-
-    /// Answers every run with its inputs.
-    struct Echo;
-
-    impl Backend for Echo {
-        fn run(
-            &mut self,
-            _: &str,
-            inputs: Vec<Tensor>,
-            _: &[String],
-            _: &RunMeta,
-        ) -> Result<Vec<Tensor>, BackendError> {
-            Ok(inputs)
-        }
-
-        fakes::lacks!(residency, generations, arenas, liveness, interrupts);
-    }
+    use crate::testing::fakes::{self, Echo, FakeFactory};
 
     /// A job of two runs on `enc`, the first through its batcher, each of one row of `value`s,
     /// answered with each run's values; refused when prepared, or waiting for its client to go,

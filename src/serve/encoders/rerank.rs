@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use tokenizers::Tokenizer;
 
-use super::job::{Failure, Invalid, Job, Run};
+use super::job::{Failure, Invalid, Job, Run, only_output};
 use super::tokens::{Limit, limit};
 use crate::core::signature::ModelSignature;
 use crate::core::tensor::Tensor;
@@ -123,9 +123,7 @@ impl Job for Rerank {
     }
 
     fn answer(ready: Ready, outputs: Vec<Tensor>) -> Result<Ranked, Failure> {
-        let [logits] = &outputs[..] else {
-            return Err(Failure::Internal(format!("{} outputs for one run", outputs.len())));
-        };
+        let logits = only_output(&outputs)?;
         let scores = (ready.reranker)
             .scores(logits, ready.documents.len())
             .map_err(Failure::Internal)?;

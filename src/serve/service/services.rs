@@ -360,26 +360,7 @@ impl Service {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::core::backend::{Backend, BackendError, RunMeta};
-    use crate::core::tensor::Tensor;
-    use crate::testing::fakes::{self, FakeFactory};
-
-    /// Answers every run with its inputs.
-    struct Echo;
-
-    impl Backend for Echo {
-        fn run(
-            &mut self,
-            _: &str,
-            inputs: Vec<Tensor>,
-            _: &[String],
-            _: &RunMeta,
-        ) -> Result<Vec<Tensor>, BackendError> {
-            Ok(inputs)
-        }
-
-        fakes::lacks!(residency, generations, arenas, liveness, interrupts);
-    }
+    use crate::testing::fakes::{self, Echo, FakeFactory};
 
     #[test]
     fn a_service_holds_its_resident_weights_per_worker_and_its_running_requests_until_answered() {

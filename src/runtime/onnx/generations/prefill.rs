@@ -5,7 +5,7 @@
 
 use ort::session::{RunOptions, Session};
 
-use super::{Cache, Generations, PAD_POSITION, PAD_TOKEN, Row, logits_tensor, past_name, runtime};
+use super::{Cache, Generations, PAD_POSITION, PAD_TOKEN, Row, int64_value, logits_tensor, past_name, runtime};
 use crate::core::backend::BackendError;
 use crate::core::tensor::{Tensor, TensorData};
 use crate::runtime::decoder::{DecoderLayout, Padding, open_windows, step_inputs};
@@ -78,15 +78,7 @@ impl Generations {
         (ids, inputs): (Vec<i64>, Vec<Tensor>),
         options: &RunOptions,
     ) -> Result<Vec<Tensor>, BackendError> {
-        let host = |name: &str, data: Vec<i64>| {
-            let shape = vec![1, data.len() as i64];
-            to_value(Tensor {
-                name: name.into(),
-                shape,
-                data: TensorData::Int64(data),
-            })
-            .map_err(runtime)
-        };
+        let host = |name: &str, data: Vec<i64>| int64_value(name, vec![1, data.len() as i64], data);
         // The first piece's pasts are the prompt's own empty ones.
         let mut kv = inputs
             .into_iter()
@@ -173,15 +165,7 @@ impl Generations {
             mask.extend(std::iter::repeat_n(0, pad).chain(std::iter::repeat_n(1, prompt.len())));
             positions.extend(std::iter::repeat_n(PAD_POSITION, pad).chain(0..prompt.len() as i64));
         }
-        let host = |name: &str, data: Vec<i64>| {
-            let shape = vec![k as i64, len as i64];
-            to_value(Tensor {
-                name: name.into(),
-                shape,
-                data: TensorData::Int64(data),
-            })
-            .map_err(runtime)
-        };
+        let host = |name: &str, data: Vec<i64>| int64_value(name, vec![k as i64, len as i64], data);
         let mut binding = session.create_binding().map_err(runtime)?;
         let mask = host("attention_mask", mask)?;
         binding
