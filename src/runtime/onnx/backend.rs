@@ -71,6 +71,18 @@ fn holder<'a>(shared: &'a HashMap<String, String>, model: &'a str) -> &'a str {
     shared.get(model).map_or(model, String::as_str)
 }
 
+/// `model`'s session, its own or the one it shares, once [`OrtBackend::note_use`] found it.
+fn session_of<'a>(
+    sessions: &'a mut HashMap<String, (Session, Option<Allocator>)>,
+    shared: &HashMap<String, String>,
+    model: &str,
+) -> &'a mut Session {
+    let (session, _) = sessions
+        .get_mut(holder(shared, model))
+        .expect("noted: it has a session");
+    session
+}
+
 /// `session`'s decoder layout, when it is a decoder with past key values, with the
 /// [`CacheHints`] its model carries in its metadata.
 fn decoder_of(session: &Session) -> Option<DecoderLayout> {
@@ -230,8 +242,7 @@ impl Backend for OrtBackend {
             );
         }
         self.note_use(model)?;
-        let held = holder(&self.shared, model);
-        let (session, _) = self.sessions.get_mut(held).expect("noted: it has a session");
+        let session = session_of(&mut self.sessions, &self.shared, model);
         super::run_views(session, inputs, outputs, Some(&self.run_options))
     }
 
@@ -266,8 +277,7 @@ impl seam::Generations for OrtBackend {
         _: &RunMeta,
     ) -> Result<Vec<Tensor>, BackendError> {
         let layout = self.decoder(model)?;
-        let held = holder(&self.shared, model);
-        let (session, _) = self.sessions.get_mut(held).expect("noted: it has a session");
+        let session = session_of(&mut self.sessions, &self.shared, model);
         self.generations
             .prefill(session, &layout, model, seq, inputs, &self.run_options)
     }
@@ -280,16 +290,14 @@ impl seam::Generations for OrtBackend {
         _: &RunMeta,
     ) -> Result<Vec<Tensor>, BackendError> {
         let layout = self.decoder(model)?;
-        let held = holder(&self.shared, model);
-        let (session, _) = self.sessions.get_mut(held).expect("noted: it has a session");
+        let session = session_of(&mut self.sessions, &self.shared, model);
         self.generations
             .prefill_many(session, &layout, model, seqs, inputs, &self.run_options)
     }
 
     fn decode(&mut self, model: &str, step: &DecodeStep, _: &RunMeta) -> Result<Vec<Tensor>, BackendError> {
         let layout = self.decoder(model)?;
-        let held = holder(&self.shared, model);
-        let (session, _) = self.sessions.get_mut(held).expect("noted: it has a session");
+        let session = session_of(&mut self.sessions, &self.shared, model);
         self.generations
             .decode(session, &layout, model, step, &self.run_options)
     }
