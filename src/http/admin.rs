@@ -367,7 +367,7 @@ async fn admin_pool_restore(
         "pool": pool,
         "rebuilt_backends": built,
         "took_ms": started.elapsed().as_millis() as u64,
-        "breaker": target.breaker_state().label(),
+        "breaker": target.health().breaker_state().label(),
         "state": if target.is_ready() { "ready" } else { "unavailable" },
     })))
 }

@@ -126,7 +126,7 @@ pub(super) async fn model_metadata(
         .map(|p| {
             let (weights, peak) = state.service.metrics.estimates.held(&model, p.name());
             json!({"name": p.name(), "provider": p.provider().label(), "device": p.config.device, "ready": p.is_ready(),
-                   "resident": p.is_resident(&model),
+                   "resident": p.residency().is_resident(&model),
                    "memory": {"weights_bytes": weights, "workspace_peak_bytes": peak}})
         })
         .collect();

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use crate::core::backend::Backend;
 use crate::core::clock::{Clock, SystemClock};
 use crate::pool::metrics::PoolMetrics;
-use crate::pool::models::ModelSetup;
+use crate::pool::residency::ModelSetup;
 
 /// What a pool needs from its surroundings besides its config and backends.
 #[derive(Debug, Clone)]

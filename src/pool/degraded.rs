@@ -141,12 +141,12 @@ impl Degraded {
                     format!("pool `{}` is unavailable: {why}", pool.name()),
                 ));
             }
-            let state = pool.breaker_state();
+            let state = pool.health().breaker_state();
             if state == BreakerState::Closed {
                 continue;
             }
             // Read apart from the state: a breaker closed in between has no cause left.
-            if let Some(why) = pool.breaker_trip() {
+            if let Some(why) = pool.health().breaker_trip() {
                 return Some((
                     Cause::of_breaker(&why),
                     format!(
@@ -208,28 +208,42 @@ mod tests {
     /// The cooldown passes and the health check's probe succeeds.
     fn health_check_closes(pool: &Pool, clock: &ManualClock) {
         clock.advance(COOLDOWN);
-        assert_eq!(pool.health_check_permit(), Some(true), "the check is the probe");
-        pool.health_checked(true, Ok(()));
-        assert_eq!(pool.breaker_state(), BreakerState::Closed);
+        assert_eq!(
+            pool.health().health_check_permit(),
+            Some(true),
+            "the check is the probe"
+        );
+        pool.health().health_checked(true, Ok(()));
+        assert_eq!(pool.health().breaker_state(), BreakerState::Closed);
     }
 
     #[test]
     fn an_idle_check_whose_run_broke_opens_the_breaker_and_one_without_an_answer_does_not() {
         let (pool, degraded, clock) = watched();
-        assert_eq!(pool.health_check_permit(), Some(false), "closed: an idle check");
+        assert_eq!(
+            pool.health().health_check_permit(),
+            Some(false),
+            "closed: an idle check"
+        );
         // No answer in time (requests queued ahead of the check can cause it): logged only.
-        pool.health_checked(false, Err(CheckFailure::Other("`m` did not answer".into())));
-        assert_eq!(pool.breaker_state(), BreakerState::Closed);
+        pool.health()
+            .health_checked(false, Err(CheckFailure::Other("`m` did not answer".into())));
+        assert_eq!(pool.health().breaker_state(), BreakerState::Closed);
         assert_eq!(cause(&degraded), None);
         // The model's run itself failed: the pool's requests would too.
-        pool.health_checked(false, Err(CheckFailure::Broken("`m`: runtime error: bad".into())));
-        assert_eq!(pool.breaker_state(), BreakerState::Open);
+        pool.health()
+            .health_checked(false, Err(CheckFailure::Broken("`m`: runtime error: bad".into())));
+        assert_eq!(pool.health().breaker_state(), BreakerState::Open);
         assert_eq!(
-            pool.breaker_tripped().as_deref(),
+            pool.health().breaker_tripped().as_deref(),
             Some("its health check failed (`m`: runtime error: bad)")
         );
         assert_eq!(cause(&degraded), Some(Cause::BreakerOpen));
-        assert_eq!(pool.health_check_permit(), None, "open: no check until the cooldown");
+        assert_eq!(
+            pool.health().health_check_permit(),
+            None,
+            "open: no check until the cooldown"
+        );
         health_check_closes(&pool, &clock);
         assert_eq!(cause(&degraded), None);
     }
@@ -238,7 +252,7 @@ mod tests {
     fn a_driver_fault_lasts_while_its_breaker_is_open_and_ends_when_the_probe_closes_it() {
         let (pool, degraded, clock) = watched();
         assert_eq!(cause(&degraded), None);
-        pool.record_failure(AllocFailureKind::Driver);
+        pool.health().record_failure(AllocFailureKind::Driver);
         let now = degraded.now().expect("degraded");
         assert_eq!(now.cause, Cause::DriverFault);
         assert_eq!(
@@ -248,8 +262,8 @@ mod tests {
         // Half-open after the cooldown: still the driver fault, until the probe says otherwise.
         clock.advance(COOLDOWN);
         assert_eq!(cause(&degraded), Some(Cause::DriverFault));
-        assert_eq!(pool.health_check_permit(), Some(true));
-        pool.health_checked(true, Ok(()));
+        assert_eq!(pool.health().health_check_permit(), Some(true));
+        pool.health().health_checked(true, Ok(()));
         // Nothing held over: the next reading is normal, with no time passing.
         assert_eq!(cause(&degraded), None);
     }
@@ -257,24 +271,24 @@ mod tests {
     #[test]
     fn a_restore_reads_as_breaker_open_until_its_probe_closes_it() {
         let (pool, degraded, clock) = watched();
-        pool.record_failure(AllocFailureKind::Driver);
-        pool.breaker().force_open(clock.now());
+        pool.health().record_failure(AllocFailureKind::Driver);
+        pool.health().breaker().force_open(clock.now());
         assert_eq!(cause(&degraded), Some(Cause::BreakerOpen));
-        pool.breaker().restored();
+        pool.health().breaker().restored();
         let now = degraded.now().expect("degraded");
         assert_eq!(now.cause, Cause::BreakerOpen);
         assert!(now.reason.ends_with("is half_open after restoring"), "{}", now.reason);
-        assert_eq!(pool.health_check_permit(), Some(true));
-        pool.health_checked(true, Ok(()));
+        assert_eq!(pool.health().health_check_permit(), Some(true));
+        pool.health().health_checked(true, Ok(()));
         assert_eq!(cause(&degraded), None);
     }
 
     #[test]
     fn allocator_failures_that_trip_the_breaker_read_as_breaker_open() {
         let (pool, degraded, clock) = watched();
-        pool.record_failure(AllocFailureKind::Oom);
+        pool.health().record_failure(AllocFailureKind::Oom);
         assert_eq!(cause(&degraded), None, "one failure does not open it");
-        pool.record_failure(AllocFailureKind::Oom);
+        pool.health().record_failure(AllocFailureKind::Oom);
         assert_eq!(cause(&degraded), Some(Cause::BreakerOpen));
         health_check_closes(&pool, &clock);
         assert_eq!(cause(&degraded), None);
@@ -305,16 +319,16 @@ mod tests {
     #[test]
     fn a_breaker_outranks_a_memory_redirect_which_outlasts_it_within_its_window() {
         let (pool, degraded, clock) = watched();
-        pool.record_failure(AllocFailureKind::Oom);
-        pool.record_failure(AllocFailureKind::Oom);
+        pool.health().record_failure(AllocFailureKind::Oom);
+        pool.health().record_failure(AllocFailureKind::Oom);
         let since = degraded.now().expect("degraded").since;
         clock.advance(COOLDOWN);
         degraded.memory_redirect("gpu", "cpu");
         assert_eq!(cause(&degraded), Some(Cause::BreakerOpen));
         // The probe closes the breaker within the window: work did move for memory, so the
         // service still says so, without a break in `since`.
-        assert_eq!(pool.health_check_permit(), Some(true));
-        pool.health_checked(true, Ok(()));
+        assert_eq!(pool.health().health_check_permit(), Some(true));
+        pool.health().health_checked(true, Ok(()));
         let now = degraded.now().expect("still degraded");
         assert_eq!(now.cause, Cause::MemoryRedirect);
         assert_eq!(now.since, since);

@@ -6,54 +6,56 @@
 //!
 //! This file is the pool's public API: starting, submitting, restoring, shutting down. The
 //! [`Pool`](crate::pool::Pool) itself is in `shared.rs`, used by this file and by the worker
-//! threads (`worker.rs`, which look for work a while before sleeping: `patience.rs`);
-//! `queue.rs` is the bounded queue and its idle backends, `job.rs` a job and its errors,
-//! `context.rs` what a pool is given, `load.rs` the load and delay estimate, `activity.rs` the
-//! requests waiting and running, `health.rs` the breaker and recent failures, `degraded.rs`
-//! degraded mode, `arena.rs` the allocator statistics. `residency.rs` loads and unloads models
-//! (`models.rs` what it is told of each, `evict.rs` what could make room, `shares.rs` the models
-//! whose identical weights share one session), taking the bytes of
-//! a load after start from the host tier when it has them (`tier.rs`). `batch/` holds the
-//! generations stepped together (continuous batching) and their counts. `metrics/` holds the
-//! metric families pools record into.
+//! threads (`worker.rs`, which look for work a while before sleeping: `patience.rs`). A pool
+//! owns its parts, each a type with its own methods in its own place:
+//! - the queue (`queue.rs`, [`Queue`](queue::Queue)): the bounded queue and its idle backends;
+//! - its residency (`residency/`, [`ModelResidency`]): which models' sessions it holds and
+//!   wants, loading and unloading them (what it is told of each, what could make room, the
+//!   models whose identical weights share one session), taking the bytes of a load after start
+//!   from the host tier when it has them (`tier.rs`);
+//! - its health (`health.rs`, [`Health`]): the circuit breaker and recent allocator failures;
+//! - its supervisor (`supervise.rs`, [`Supervisor`]): its worker process when it is
+//!   process-isolated, watched and replaced when lost.
+//!
+//! Beside them: `job.rs` a job and its errors, `context.rs` what a pool is given, `load.rs` the
+//! load and delay estimate, `activity.rs` the requests waiting and running, `degraded.rs`
+//! degraded mode, `arena.rs` the allocator statistics. `batch/` holds the generations stepped
+//! together (continuous batching) and their counts. `metrics/` holds the metric families pools
+//! record into.
 //!
 //! The backends that do not run models in this process sit here beside each other: `process/`
-//! (a worker process of the pool's own, for process isolation, which `supervise.rs` watches
-//! and replaces when lost) and `remote.rs` (another server, for a remote pool); the one that
-//! does is the runtime's (`runtime::onnx`).
+//! (a worker process of the pool's own, which the supervisor watches) and `remote.rs` (another
+//! server, for a remote pool); the one that does is the runtime's (`runtime::onnx`).
 
 pub mod activity;
 mod arena;
 pub mod batch;
 mod context;
 pub mod degraded;
-mod evict;
 mod health;
 mod job;
 mod load;
 pub mod metrics;
-mod models;
 mod patience;
 pub mod process;
 mod queue;
 pub mod remote;
 mod residency;
 mod shared;
-mod shares;
 mod supervise;
 pub mod tier;
 mod worker;
 
 pub use context::{PoolContext, Respawn};
-pub use evict::{ModelState, Resident};
-pub use health::CheckFailure;
+pub use health::{CheckFailure, Health};
 pub use job::{InferJob, Inputs, JobResult, PoolError, RunCancel, RunMemory, RunOp};
 pub use load::PoolLoad;
 pub use metrics::LoadSource;
 pub use metrics::{ModelMetrics, PoolMetrics, WorkerHandles};
-pub use models::{ModelSetup, ResidencyError, ResidencyOutcome};
+pub use residency::sharing_at_start;
+pub use residency::{ModelResidency, ModelSetup, ModelState, ResidencyError, ResidencyOutcome, Resident};
 pub use shared::{Availability, Pool};
-pub use shares::sharing_at_start;
+pub use supervise::Supervisor;
 pub use tier::{HostRoom, HostTier};
 pub use worker::MAX_PROMPTS;
 
@@ -92,8 +94,8 @@ impl Pool {
         let keeps = !backends.is_empty() && backends.iter_mut().all(|b| b.generations().is_some());
         pool.keeps_caches.store(keeps, std::sync::atomic::Ordering::Relaxed);
         pool.queue.release_when_idle(pool.config.idle_release);
-        pool.queue.stock(backends, pool.start_set());
-        pool.record_start_loads();
+        pool.queue.stock(backends, pool.residency.start_set());
+        pool.residency.record_start_loads();
         let pool = Arc::new(pool);
         pool.spawn_workers(workers);
         pool
@@ -168,7 +170,7 @@ impl Pool {
     /// The breaker as the policy sees it: a pool that cannot take work at all reads as open.
     pub fn breaker_view(&self) -> BreakerState {
         if self.is_ready() {
-            self.breaker_state()
+            self.health.breaker_state()
         } else {
             BreakerState::Open
         }
@@ -180,10 +182,10 @@ impl Pool {
         if let Some(why) = self.unready_reason() {
             return Some(why);
         }
-        (!self.breaker_allows()).then(|| {
+        (!self.health.breaker_allows()).then(|| {
             format!(
                 "its circuit breaker is open after {}",
-                self.breaker_tripped().unwrap_or_default()
+                self.health.breaker_tripped().unwrap_or_default()
             )
         })
     }
@@ -198,11 +200,11 @@ impl Pool {
         if self.respawn.is_none() {
             return Err(format!("pool `{}` cannot rebuild its backends", self.name()));
         }
-        self.breaker().force_open(self.context.clock.now());
+        self.health.force_open();
         // A process-isolated pool's worker is replaced: only a new process recovers from a
         // sticky driver fault.
-        if let Some(host) = self.worker_host.get() {
-            self.replace_worker(host)?;
+        if let Some(host) = self.supervisor.host() {
+            self.supervisor.replace_worker(host)?;
         }
         self.rebuild()
     }
@@ -224,7 +226,7 @@ impl Pool {
                     if let Some(arenas) = backend.arenas() {
                         arenas.refresh_arena_stats();
                     }
-                    fresh.push(queue::Slot::fresh(backend, self.start_set()));
+                    fresh.push(queue::Slot::fresh(backend, self.residency.start_set()));
                 }
                 Err(reason) => {
                     tracing::error!(pool = self.name(), %reason, "restore failed: the breaker stays open");
@@ -244,7 +246,7 @@ impl Pool {
         // health check's probe).
         let built = self.queue.restock(fresh, self.config.slots());
         *self.availability.write().unwrap_or_else(PoisonError::into_inner) = Availability::Ready;
-        self.breaker().restored();
+        self.health.restored();
         self.queue.wake_all();
         tracing::info!(
             pool = self.name(),
@@ -275,7 +277,7 @@ impl Pool {
         let model = job.model.clone();
         if !job.probe {
             // A health check is no activity: only requests keep a model from its idle unload.
-            self.models.touch(&model, self.context.clock.now());
+            self.residency.touch(&model);
         }
         // A job for a model this pool serves but does not hold loads it first (a cold start);
         // a remote pool's server holds its own models.
@@ -288,7 +290,7 @@ impl Pool {
             load,
         )?;
         if loads {
-            self.record_on_demand(&model);
+            self.residency.record_on_demand(&model);
         }
         Ok(reply)
     }

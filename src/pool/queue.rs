@@ -1,6 +1,6 @@
 //! The bounded queue in front of the worker threads, and the idle backends they take with each
 //! job: one lock guards both, so a worker takes a job only together with a backend to run it on.
-//! The same lock guards the models the pool wants loaded (see `residency.rs`), so an unload can
+//! The same lock guards the models the pool wants loaded (see `residency/`), so an unload can
 //! wait for the model's last job and take it out of the wanted set in one step.
 
 use std::collections::{HashMap, HashSet, VecDeque};

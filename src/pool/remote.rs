@@ -412,7 +412,7 @@ pub async fn watch_health(
             () = cancel.cancelled() => return,
             _ = ticker.tick() => {}
         }
-        let Some(probe) = pool.health_check_permit() else {
+        let Some(probe) = pool.health().health_check_permit() else {
             continue;
         };
         let result = tokio::select! {
@@ -430,7 +430,7 @@ pub async fn watch_health(
         if result.is_err() {
             metrics.failed(RemoteFailure::Health);
         }
-        pool.health_checked(probe, result.map_err(CheckFailure::Other));
+        pool.health().health_checked(probe, result.map_err(CheckFailure::Other));
     }
 }
 

@@ -2,24 +2,24 @@
 //! (`worker.rs`) share. It lives in a module of its own so that both can use it without the
 //! one importing the other.
 
-use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64};
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::{Arc, Mutex, RwLock, Weak};
 use std::thread::JoinHandle;
-use std::time::Instant;
 
 use tokio::sync::oneshot;
 
 use crate::config::PoolConfig;
-use crate::core::breaker::Breaker;
 use crate::core::snapshot::DeviceClass;
 use crate::pool::batch::sequences::Sequences;
 use crate::pool::batch::{Batch, Batches, StepPool};
 use crate::pool::context::{PoolContext, Respawn};
+use crate::pool::health::Health;
 use crate::pool::job::{InferJob, JobResult, PoolError};
 use crate::pool::load::RunTimes;
-use crate::pool::models::Models;
+use crate::pool::process::WorkerHost;
 use crate::pool::queue::Queue;
+use crate::pool::residency::ModelResidency;
+use crate::pool::supervise::{Supervised, Supervisor};
 
 /// Whether a pool can take work.
 #[derive(Debug, Clone, PartialEq)]
@@ -43,23 +43,23 @@ pub struct Pool {
     /// Largest working-memory estimate run so far: a run above it may set a new arena peak, so
     /// its statistics are read to check the estimate.
     pub(super) largest_estimate: AtomicU64,
-    pub(super) queue: Queue,
-    pub(super) recent_failures: Mutex<VecDeque<Instant>>,
+    pub(super) queue: Arc<Queue>,
     pub(super) context: PoolContext,
-    /// The models it serves: how each is held, its bytes and metrics.
-    pub(super) models: Models,
+    /// Which models' sessions it holds and wants, and the work of changing that.
+    pub(super) residency: ModelResidency,
     /// Mean run time, for the delay estimate.
     pub(super) runs: RunTimes,
     pub(super) workers: Mutex<Vec<JoinHandle<()>>>,
-    pub(super) breaker: Mutex<Breaker>,
+    /// Its circuit breaker and recent allocator failures.
+    pub(super) health: Health,
     /// Text generations on this pool and the KV cache they hold.
     pub sequences: Arc<Sequences>,
     /// Runs in progress on its backends, and runs started so far: a measured run that
     /// overlapped another cannot tell its own peak in an arena they share.
     pub(super) running: std::sync::atomic::AtomicUsize,
     pub(super) runs_started: AtomicU64,
-    /// Its worker process, when it is process-isolated.
-    pub(super) worker_host: std::sync::OnceLock<Arc<crate::pool::process::WorkerHost>>,
+    /// Its worker process, when it is process-isolated, and what watches it.
+    pub(super) supervisor: Supervisor,
     /// Its backends keep generations' KV caches where their runtime is.
     pub(super) keeps_caches: AtomicBool,
     /// Each model's generations, stepped as one batch (made on first use).
@@ -83,7 +83,24 @@ impl Pool {
         availability: Availability,
         context: PoolContext,
     ) -> Pool {
-        let breaker = Mutex::new(Breaker::new(config.breaker));
+        let health = Health::new(
+            &config.name,
+            &config.provider,
+            config.breaker,
+            Arc::clone(&context.clock),
+            context.metrics.clone(),
+        );
+        let queue = Arc::new(Queue::default());
+        let sequences = Arc::new(Sequences::default());
+        let residency = ModelResidency::new(
+            &config,
+            &context.models,
+            Arc::clone(&context.clock),
+            context.tier.clone(),
+            Arc::clone(&queue),
+            Arc::clone(&sequences),
+        );
+        let supervisor = Supervisor::new(&config.name, context.metrics.worker.clone());
         Pool {
             config,
             device_kind,
@@ -91,17 +108,16 @@ impl Pool {
             respawn: None,
             stats_wanted: AtomicBool::new(true),
             largest_estimate: AtomicU64::new(0),
-            queue: Queue::default(),
-            recent_failures: Mutex::new(VecDeque::new()),
-            models: Models::new(&context.models, context.clock.now()),
+            queue,
+            residency,
             context,
             runs: RunTimes::default(),
-            breaker,
+            health,
             workers: Mutex::new(Vec::new()),
-            sequences: Arc::default(),
+            sequences,
             running: std::sync::atomic::AtomicUsize::new(0),
             runs_started: AtomicU64::new(0),
-            worker_host: std::sync::OnceLock::new(),
+            supervisor,
             keeps_caches: AtomicBool::new(false),
             batches: Batches::default(),
         }
@@ -110,6 +126,28 @@ impl Pool {
     /// Pool name.
     pub fn name(&self) -> &str {
         &self.config.name
+    }
+
+    /// Run its backends in `host`'s worker processes: its supervisor watches them and replaces
+    /// the lost.
+    pub fn supervise(self: &Arc<Self>, host: Arc<WorkerHost>) {
+        let pool: Weak<Pool> = Arc::downgrade(self);
+        self.supervisor.supervise(pool, host);
+    }
+
+    /// Its circuit breaker and recent allocator failures.
+    pub fn health(&self) -> &Health {
+        &self.health
+    }
+
+    /// Which models' sessions it holds, loading and unloading them.
+    pub fn residency(&self) -> &ModelResidency {
+        &self.residency
+    }
+
+    /// Its worker process, when it is process-isolated.
+    pub fn supervisor(&self) -> &Supervisor {
+        &self.supervisor
     }
 }
 
@@ -131,10 +169,32 @@ impl StepPool for Pool {
     }
 
     fn breaker_permit(&self) -> Result<(), PoolError> {
-        Pool::breaker_permit(self)
+        self.health.breaker_permit()
     }
 
     fn submit(&self, job: InferJob) -> Result<oneshot::Receiver<JobResult>, PoolError> {
         Pool::submit(self, job)
+    }
+}
+
+impl Supervised for Pool {
+    fn name(&self) -> &str {
+        Pool::name(self)
+    }
+
+    fn is_shutting_down(&self) -> bool {
+        self.queue.is_closed()
+    }
+
+    fn rebuild(&self) -> Result<usize, String> {
+        Pool::rebuild(self)
+    }
+
+    fn health(&self) -> &Health {
+        &self.health
+    }
+
+    fn supervisor(&self) -> &Supervisor {
+        &self.supervisor
     }
 }

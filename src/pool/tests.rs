@@ -232,9 +232,9 @@ fn allocator_failures_are_counted_and_age_out_of_the_recent_window() {
     }
     assert_eq!(metrics.oom_failures.get(), 2);
     assert_eq!(metrics.driver_failures.get(), 0);
-    assert_eq!(pool.alloc_failures_recent(), 2);
+    assert_eq!(pool.health().alloc_failures_recent(), 2);
     clock.advance(RECENT_FAILURE_WINDOW + Duration::from_secs(1));
-    assert_eq!(pool.alloc_failures_recent(), 0);
+    assert_eq!(pool.health().alloc_failures_recent(), 0);
     pool.shutdown(Duration::from_secs(1));
 }
 
@@ -522,15 +522,15 @@ fn the_first_run_that_finds_the_worker_gone_opens_the_breaker() {
         None,
         PoolContext::default(),
     );
-    assert_eq!(pool.breaker_state(), BreakerState::Closed);
+    assert_eq!(pool.health().breaker_state(), BreakerState::Closed);
     let result = pool.submit(job(1.0)).unwrap().blocking_recv().unwrap();
     assert!(
         matches!(result, Err(PoolError::Backend(BackendError::WorkerLost(_)))),
         "{result:?}"
     );
     // Before any supervisor reaped the process: new work goes to the fallback at once.
-    assert_eq!(pool.breaker_state(), BreakerState::Open);
-    let why = pool.breaker_trip().map(|t| t.to_string()).unwrap_or_default();
+    assert_eq!(pool.health().breaker_state(), BreakerState::Open);
+    let why = pool.health().breaker_trip().map(|t| t.to_string()).unwrap_or_default();
     assert!(why.contains("worker process 7 of pool `p` is gone"), "{why}");
     pool.shutdown(Duration::from_secs(1));
 }

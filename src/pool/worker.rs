@@ -65,7 +65,12 @@ impl Pool {
                 self.queue.finish(None, Ok(slot));
                 continue;
             }
-            let loads = stale.map(|(wanted, generation)| self.reconcile(&mut slot, &wanted, generation));
+            let loads = stale.map(|(wanted, generation)| {
+                let loads = self.residency.reconcile(&mut slot, &wanted, generation);
+                // Allocator statistics after sessions came or went: what the weights now hold.
+                self.refresh_stats(slot.id, slot.backend.as_mut());
+                loads
+            });
             let Some(queued) = job else {
                 self.queue.finish(None, Ok(slot));
                 continue;
@@ -73,7 +78,7 @@ impl Pool {
             ran = true;
             let model = queued.job.model.clone();
             match loads.as_ref().and_then(|loads| loads.get(&model)) {
-                Some(Ok(took)) => self.record_cold_start(&model, *took),
+                Some(Ok(took)) => self.residency.record_cold_start(&model, *took),
                 Some(Err(reason)) => {
                     let error = BackendError::Runtime(format!("model `{model}` could not be loaded: {reason}"));
                     self.queue.finish(Some(&model), Ok(slot));
@@ -223,7 +228,7 @@ impl Pool {
     /// so a pool under load reuses them; only an idle one pays for returning them.
     fn release_memory(&self, slot: &mut Slot) {
         let started = Instant::now();
-        let probe = |model: &str| self.models.setups.get(model).and_then(|s| s.probe.as_deref().cloned());
+        let probe = |model: &str| self.residency.probe_of(model);
         if let Some(residency) = slot.backend.residency() {
             residency.release_memory(&probe);
         }
@@ -289,15 +294,15 @@ impl Pool {
             // The breaker opens at the first run that finds the worker gone, not when its
             // supervisor reaps the process: until then every request would reach it first.
             if let Some(how) = kept.as_ref().and_then(|backend| backend.liveness()?.worker_gone()) {
-                self.breaker().worker_lost(how, self.context.clock.now());
+                self.health.worker_lost(how);
             }
             let panicked = matches!(result, Err(PoolError::Backend(BackendError::Panicked(_))));
             let kept = kept.map(|backend| match panicked {
                 // A replacement holds the sessions the pool starts with; the worker brings it
                 // up to the wanted models before its next job.
-                true => self.queue.replace(id, Slot::fresh(backend, self.start_set())),
+                true => self.queue.replace(id, Slot::fresh(backend, self.residency.start_set())),
                 false if backend.liveness().is_some_and(|liveness| liveness.lost()) => match self.on_new_worker() {
-                    Some(fresh) => self.queue.replace(id, Slot::fresh(fresh, self.start_set())),
+                    Some(fresh) => self.queue.replace(id, Slot::fresh(fresh, self.residency.start_set())),
                     None => Slot::with(id, backend, loaded, generation),
                 },
                 false => Slot::with(id, backend, loaded, generation),
@@ -414,8 +419,10 @@ impl Pool {
         };
         self.stats_after_run(backend.as_mut(), run, before, &result);
         match &result {
-            Err(BackendError::Allocation { kind, .. }) => self.record_failure(*kind),
-            Err(BackendError::Remote { kind, message }) => self.record_remote_failure(&format!("{kind}: {message}")),
+            Err(BackendError::Allocation { kind, .. }) => self.health.record_failure(*kind),
+            Err(BackendError::Remote { kind, message }) => {
+                self.health.record_remote_failure(&format!("{kind}: {message}"))
+            }
             // A success closes nothing: only the health check's probe closes a half-open
             // breaker, and it settles its own outcome. Other failures (bad input, a model
             // error) are not the device's fault.
@@ -441,7 +448,7 @@ impl Pool {
     /// A backend for the worker process that replaced a lost one, when one runs (until then a
     /// lost backend stays: its runs fail at once, and the restart rebuilds the idle ones).
     fn on_new_worker(&self) -> Option<Box<dyn Backend>> {
-        self.worker_host.get()?.current()?;
+        self.supervisor.host()?.current()?;
         let respawn = self.respawn.as_ref()?;
         respawn()
             .inspect_err(

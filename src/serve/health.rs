@@ -66,7 +66,7 @@ pub async fn watch_pool(service: Arc<Service>, pool: Arc<Pool>, cancel: Cancella
             quiet_since = tokio::time::Instant::now();
         }
         // Half-open: the probe is ours now. Closed: only once idle for an interval.
-        let probe = match pool.health_check_permit() {
+        let probe = match pool.health().health_check_permit() {
             Some(true) => true,
             Some(false) if idle && quiet_since.elapsed() >= health.interval => false,
             Some(false) | None => continue,
@@ -74,7 +74,7 @@ pub async fn watch_pool(service: Arc<Service>, pool: Arc<Pool>, cancel: Cancella
         let result = tokio::select! {
             () = cancel.cancelled() => {
                 if probe {
-                    pool.probe_unused();
+                    pool.health().probe_unused();
                 }
                 return;
             }
@@ -84,14 +84,14 @@ pub async fn watch_pool(service: Arc<Service>, pool: Arc<Pool>, cancel: Cancella
         match result {
             Err(Failed::ShuttingDown) => {
                 if probe {
-                    pool.probe_unused();
+                    pool.health().probe_unused();
                 }
                 return;
             }
             // No model is loaded and this is no probe: nothing was checked, so nothing counts.
             Ok(0) if !probe => {}
-            Ok(_) => pool.health_checked(probe, Ok(())),
-            Err(Failed::Check(failure)) => pool.health_checked(probe, Err(failure)),
+            Ok(_) => pool.health().health_checked(probe, Ok(())),
+            Err(Failed::Check(failure)) => pool.health().health_checked(probe, Err(failure)),
         }
     }
 }
@@ -112,7 +112,9 @@ enum Failed {
 /// requests to a pool nothing has shown to work.
 async fn check(service: &Service, pool: &Arc<Pool>, timeout: Duration, probe: bool) -> Result<usize, Failed> {
     let served = || (pool.config.models.iter()).filter_map(|model| service.model(model).map(|entry| (model, entry)));
-    let mut models: Vec<_> = served().filter(|(model, _)| pool.is_resident(model)).collect();
+    let mut models: Vec<_> = served()
+        .filter(|(model, _)| pool.residency().is_resident(model))
+        .collect();
     if models.is_empty() && probe {
         models.extend(served().next());
     }

@@ -11,7 +11,7 @@ use crate::pool::Pool;
 
 /// Unload `pool`'s idle models until `cancel`; returns at once when none has an `idle_unload`.
 pub async fn watch_idle(pool: Arc<Pool>, cancel: CancellationToken) {
-    let Some(every) = pool.idle_check_interval() else {
+    let Some(every) = pool.residency().idle_check_interval() else {
         return;
     };
     loop {
@@ -27,7 +27,10 @@ pub async fn watch_idle(pool: Arc<Pool>, cancel: CancellationToken) {
         }
         let pool = Arc::clone(&pool);
         // An unload waits for the backends to drop the sessions: off the async runtime.
-        if tokio::task::spawn_blocking(move || pool.unload_idle()).await.is_err() {
+        if tokio::task::spawn_blocking(move || pool.residency().unload_idle())
+            .await
+            .is_err()
+        {
             tracing::error!("the idle unload check panicked");
         }
     }

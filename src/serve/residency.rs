@@ -77,9 +77,9 @@ impl Service {
 fn change_on(pool: &Pool, model: &str, load: bool) -> PoolChange {
     let started = Instant::now();
     let result = if load {
-        pool.load_model(model)
+        pool.residency().load_model(model)
     } else {
-        pool.unload_model(model)
+        pool.residency().unload_model(model)
     };
     PoolChange {
         pool: pool.name().to_string(),

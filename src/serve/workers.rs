@@ -8,7 +8,7 @@ impl Service {
     pub fn has_worker_on(&self, device: &str) -> bool {
         self.pools
             .iter()
-            .any(|p| p.config.device == device && p.is_process_isolated())
+            .any(|p| p.config.device == device && p.supervisor().is_process_isolated())
     }
 
     /// Kill the worker process of the first pool on `device` that has one: its pid, or why
@@ -17,8 +17,8 @@ impl Service {
         let pool = self
             .pools
             .iter()
-            .find(|p| p.config.device == device && p.is_process_isolated())
+            .find(|p| p.config.device == device && p.supervisor().is_process_isolated())
             .ok_or_else(|| format!("no pool on `{device}` runs in a worker process"))?;
-        pool.kill_worker()
+        pool.supervisor().kill_worker()
     }
 }

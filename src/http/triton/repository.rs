@@ -81,10 +81,10 @@ fn state_of(service: &Service, model: &str) -> (&'static str, String) {
     if ready.is_empty() {
         return ("UNAVAILABLE", format!("no ready pool serves `{model}`"));
     }
-    if ready.iter().any(|p| p.is_resident(model)) {
+    if ready.iter().any(|p| p.residency().is_resident(model)) {
         return ("READY", String::new());
     }
-    if let Some(pool) = ready.iter().find(|p| p.is_loading(model)) {
+    if let Some(pool) = ready.iter().find(|p| p.residency().is_loading(model)) {
         return (
             "LOADING",
             format!("loading on pool `{}`; its requests wait for it", pool.name()),

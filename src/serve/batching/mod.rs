@@ -251,7 +251,7 @@ impl Batcher {
         let first_choice = service
             .pools
             .iter()
-            .find(|p| p.serves(&request.model) && p.is_ready() && p.breaker_allows());
+            .find(|p| p.serves(&request.model) && p.is_ready() && p.health().breaker_allows());
         let (Some(pool), true) = (first_choice, rows as usize <= self.config.max_batch) else {
             return self.alone(service, request, series).await;
         };

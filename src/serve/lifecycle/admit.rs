@@ -158,7 +158,7 @@ fn joining(entry: &ModelEntry, request: &Request, pool: &Pool, prompt: u64, mut 
 /// The weights `pool` must load before it runs `entry`'s model: 0 when they are there (its
 /// own, or a model's it shares them with).
 fn load_bytes(service: &Service, entry: &ModelEntry, pool: &Pool) -> u64 {
-    match pool.holds_weights_of(&entry.config.name) {
+    match pool.residency().holds_weights_of(&entry.config.name) {
         true => 0,
         false => service.weights_on(pool, entry),
     }
@@ -171,7 +171,7 @@ fn need_on(service: &Service, entry: &ModelEntry, info: &RequestInfo, pool: &Poo
         .estimate
         .context_bytes
         .saturating_add(info.estimate.workspace_bytes);
-    match pool.holds_weights_of(&entry.config.name) {
+    match pool.residency().holds_weights_of(&entry.config.name) {
         true => run,
         false => run.saturating_add(service.weights_on(pool, entry)),
     }
@@ -182,7 +182,7 @@ fn need_on(service: &Service, entry: &ModelEntry, info: &RequestInfo, pool: &Poo
 fn routed_pool(service: &Service, model: &str) -> Result<Arc<Pool>, RequestError> {
     let mut skipped: Option<&Arc<Pool>> = None;
     for pool in service.pools.iter().filter(|p| p.serves(model) && p.is_ready()) {
-        if !pool.breaker_allows() {
+        if !pool.health().breaker_allows() {
             // Its breaker is open: the next pool takes new work, and says where it came from.
             skipped.get_or_insert(pool);
             continue;

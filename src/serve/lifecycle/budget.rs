@@ -39,7 +39,7 @@ pub(super) async fn enter(
     };
     // A model the pool does not hold now (nor a model it shares them with) is loaded for this
     // request: its weights count too.
-    let loads = device.is_some() && !pool.holds_weights_of(&entry.config.name);
+    let loads = device.is_some() && !pool.residency().holds_weights_of(&entry.config.name);
     let weights = if loads { service.weights_on(pool, entry) } else { 0 };
     let started = Instant::now();
     let bound = started + admitted.wait_left;

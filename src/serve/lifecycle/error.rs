@@ -408,7 +408,7 @@ impl RequestError {
     pub(super) fn breaker_open(pool: &Pool) -> RequestError {
         RequestError::BreakerOpen {
             pool: pool.name().to_string(),
-            why: pool.breaker_tripped().unwrap_or_default(),
+            why: pool.health().breaker_tripped().unwrap_or_default(),
             retry_after: pool.config.breaker.cooldown,
         }
     }

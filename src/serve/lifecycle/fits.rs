@@ -155,7 +155,7 @@ pub fn fits_now(service: &Service, entry: &ModelEntry, pool: &Pool, estimate: &E
     let model = entry.config.name.as_str();
     let snapshot = &service.store.latest().snapshot;
     let run = estimate.context_bytes.saturating_add(estimate.workspace_bytes);
-    let need = match pool.holds_weights_of(model) {
+    let need = match pool.residency().holds_weights_of(model) {
         true => run,
         false => run.saturating_add(service.weights_on(pool, entry)),
     };

@@ -195,7 +195,9 @@ pub async fn step(
     inputs: Vec<Tensor>,
     estimate_bytes: u64,
 ) -> Result<Ran, RequestError> {
-    pool.breaker_permit().map_err(|e| RequestError::from_pool(pool, e))?;
+    pool.health()
+        .breaker_permit()
+        .map_err(|e| RequestError::from_pool(pool, e))?;
     retry::run_with_retry(service, pool, request, inputs, estimate_bytes, retry::Run::Step)
         .await
         .map_err(|refused| refused.error)

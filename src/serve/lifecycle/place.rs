@@ -106,7 +106,7 @@ fn permit_or_fallback(
     estimate_bytes: u64,
 ) -> Result<(), (Arc<Pool>, PoolError)> {
     let from = Arc::clone(&admitted.pool);
-    let closed = match from.breaker_permit() {
+    let closed = match from.health().breaker_permit() {
         Ok(()) => return Ok(()),
         Err(closed) => closed,
     };
@@ -114,7 +114,10 @@ fn permit_or_fallback(
     else {
         return Err((from, closed));
     };
-    fallback.breaker_permit().map_err(|e| (Arc::clone(&fallback), e))?;
+    fallback
+        .health()
+        .breaker_permit()
+        .map_err(|e| (Arc::clone(&fallback), e))?;
     service.failover(&from, &fallback, FailoverReason::breaker_open);
     admitted.pool = fallback;
     admitted.action = Action::Redirect;

@@ -75,11 +75,12 @@ pub(super) fn victims(service: &Service, device: &str, requester: &ModelEntry) -
         .iter()
         .filter(|p| on_local_device(p) && p.config.device == device)
         .flat_map(|pool| {
-            pool.residents()
+            pool.residency()
+                .residents()
                 .into_iter()
                 // Nor a model whose weights the requester's are: they are what it runs on.
                 .filter(|r| r.model != requester.config.name && r.evictable_for(priority))
-                .filter(|r| !pool.shares_sessions_of(&requester.config.name, &r.model))
+                .filter(|r| !pool.residency().shares_sessions_of(&requester.config.name, &r.model))
                 .filter_map(|r| Victim::of(pool.name(), &r))
                 .collect::<Vec<_>>()
         })
@@ -181,7 +182,7 @@ pub(super) async fn make_room(
         let model = victim.model.clone();
         // A request for it that arrived since it was chosen keeps it: then fewer bytes come back
         // and the wait below says so.
-        let done = tokio::task::spawn_blocking(move || holder.evict(&model))
+        let done = tokio::task::spawn_blocking(move || holder.residency().evict(&model))
             .await
             .unwrap_or(false);
         if !done {

@@ -60,7 +60,7 @@ pub(super) async fn run_on(
     inputs: Inputs,
     estimate_bytes: u64,
 ) -> Result<Vec<Tensor>, PoolError> {
-    pool.breaker_permit()?;
+    pool.health().breaker_permit()?;
     run_permitted(service, pool, request, inputs, estimate_bytes).await
 }
 

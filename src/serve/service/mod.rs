@@ -198,7 +198,7 @@ impl Service {
         for pool in &pools {
             for entry in models.iter().filter(|m| pool.serves(&m.config.name)) {
                 // Weights another model shares are shown once, under that model's name.
-                let shown = match pool.shares_weights_of(&entry.config.name) {
+                let shown = match pool.residency().shares_weights_of(&entry.config.name) {
                     Some(_) => 0,
                     None => observe::weights_on(pool, entry),
                 };
@@ -398,7 +398,7 @@ impl Service {
         // The process may exit with references to the pools still held (threads that wake on
         // their next tick): worker processes and their folders go now, not with the last one.
         for pool in &self.pools {
-            pool.close_worker();
+            pool.supervisor().close_worker();
         }
     }
 }
@@ -437,7 +437,9 @@ fn weights_beside(pools: &[Arc<Pool>], models: &[ModelEntry]) -> HashMap<(String
             for other in pools.iter().filter(|p| memory_of(p) == Some(memory)) {
                 for entry in models.iter().filter(|m| other.serves(&m.config.name)) {
                     let own = entry.config.name == model.config.name;
-                    let shared = pool.shares_sessions_of(&model.config.name, &entry.config.name);
+                    let shared = pool
+                        .residency()
+                        .shares_sessions_of(&model.config.name, &entry.config.name);
                     if Arc::ptr_eq(other, pool) && (own || shared) {
                         continue;
                     }
@@ -449,7 +451,7 @@ fn weights_beside(pools: &[Arc<Pool>], models: &[ModelEntry]) -> HashMap<(String
                         }
                     };
                     let name = entry.config.name.as_str();
-                    let holder = other.shares_weights_of(name).unwrap_or(name).to_string();
+                    let holder = other.residency().shares_weights_of(name).unwrap_or(name).to_string();
                     if stays && counted.insert((other.name().to_string(), holder)) {
                         beside = beside.saturating_add(observe::weights_on(other, entry));
                     }

@@ -40,7 +40,7 @@ impl crate::policy::LiveLoad for PoolsNow {
             queue_depth: load.queue_depth as u64,
             queue_oldest_age_ms: load.oldest_age.as_millis() as u64,
             inflight: load.inflight as u64,
-            alloc_failures_recent: pool.alloc_failures_recent(),
+            alloc_failures_recent: pool.health().alloc_failures_recent(),
             est_delay_ms: load.estimated_delay.as_millis() as u64,
             breaker: pool.breaker_view(),
             sequences_waiting: sequences.waiting,

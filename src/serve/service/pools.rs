@@ -103,7 +103,7 @@ pub(super) fn start_pool(
         context.metrics.worker = Some(metrics.workers.of_pool(&pool.name));
     }
     let started = Pool::start(pool.clone(), device_kind, workers, Some(build), context);
-    started.record_start_sources(&sources);
+    started.residency().record_start_sources(&sources);
     if let Some(host) = host {
         tracing::info!(pool = %pool.name, pid = host.pid(), "pool runs in its worker process");
         started.supervise(host);

@@ -256,7 +256,7 @@ impl Services {
     fn resident_on(&self, index: usize, device: &str) -> u64 {
         self.holdings
             .iter()
-            .filter(|h| h.service == index && h.device == device && h.pool.weights_charged(&h.model) > 0)
+            .filter(|h| h.service == index && h.device == device && h.pool.residency().weights_charged(&h.model) > 0)
             .map(|h| h.bytes)
             .sum()
     }
@@ -417,7 +417,12 @@ mod tests {
         assert_eq!(services.running("chat"), 0);
 
         // A model that is not loaded holds nothing.
-        service.pool("gpu").unwrap().unload_model("enc").expect("unloads");
+        service
+            .pool("gpu")
+            .unwrap()
+            .residency()
+            .unload_model("enc")
+            .expect("unloads");
         assert_eq!(services.memory("chat"), on_gpu(0));
         assert_eq!(services.memory("other"), on_gpu(weights));
     }

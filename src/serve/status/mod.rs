@@ -140,18 +140,18 @@ fn pool_status(service: &Service, p: &Pool) -> PoolStatus {
         queue_oldest_age_ms: load.oldest_age.as_millis() as u64,
         inflight: load.inflight,
         estimated_delay_ms: load.estimated_delay.as_millis() as u64,
-        breaker: p.breaker_state(),
-        breaker_reason: p.breaker_tripped(),
+        breaker: p.health().breaker_state(),
+        breaker_reason: p.health().breaker_tripped(),
         max_context: p.config.max_context,
         fallback: p.config.fallback.clone(),
-        alloc_failures_recent: p.alloc_failures_recent(),
+        alloc_failures_recent: p.health().alloc_failures_recent(),
         arena: crate::telemetry::exporter::pool_arena(p, &service.simulated).map(ArenaStatus::from),
         isolation: match p.config.isolation {
             crate::config::Isolation::Process => "process",
             crate::config::Isolation::Thread => "thread",
         }
         .into(),
-        worker_pid: p.worker_pid(),
+        worker_pid: p.supervisor().worker_pid(),
         cpus: p.config.cpus.as_ref().map(ToString::to_string),
     }
 }

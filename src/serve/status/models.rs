@@ -21,7 +21,7 @@ pub(super) fn models(service: &Service) -> Vec<ModelStatus> {
                 .iter()
                 .filter(|p| p.serves(&config.name))
                 .map(|pool| {
-                    let state = pool.model_state(&config.name);
+                    let state = pool.residency().model_state(&config.name);
                     let remote = matches!(pool.config.provider, Provider::Remote(_));
                     ModelOnPool {
                         pool: pool.name().to_string(),

@@ -313,7 +313,7 @@ impl LiveCollector {
             "The pool's circuit breaker: 0 closed, 1 half-open, 2 open",
             None,
             self.pools.iter().map(|p| {
-                let state = match p.breaker_state() {
+                let state = match p.health().breaker_state() {
                     BreakerState::Closed => 0,
                     BreakerState::HalfOpen => 1,
                     BreakerState::Open => 2,

@@ -144,7 +144,7 @@ impl Sampler {
         let workers: Vec<(u32, &str)> = self
             .pools
             .iter()
-            .filter_map(|pool| Some((pool.worker_pid()?, pool.name())))
+            .filter_map(|pool| Some((pool.supervisor().worker_pid()?, pool.name())))
             .collect();
         let processes = reading
             .processes
@@ -201,7 +201,7 @@ impl Sampler {
         let mut models: BTreeMap<String, ModelState> = BTreeMap::new();
         for pool in &self.pools {
             for name in &pool.config.models {
-                let now = pool.model_state(name);
+                let now = pool.residency().model_state(name);
                 let model = models.entry(name.clone()).or_default();
                 model.priority = now.priority;
                 model.residency = now.residency.label().to_string();
@@ -253,7 +253,7 @@ impl Sampler {
                     queue_oldest_age_ms: load.oldest_age.as_millis() as u64,
                     inflight: load.inflight as u64,
                     concurrency: pool.config.workers as u64,
-                    alloc_failures_recent: pool.alloc_failures_recent(),
+                    alloc_failures_recent: pool.health().alloc_failures_recent(),
                     est_delay_ms: load.estimated_delay.as_millis() as u64,
                     max_context: pool.config.max_context.unwrap_or(0),
                     sequences_waiting: sequences.waiting,

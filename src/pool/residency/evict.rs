@@ -4,9 +4,9 @@
 
 use std::time::Duration;
 
-use crate::config::{Provider, Residency};
+use super::ModelResidency;
+use crate::config::Residency;
 use crate::pool::metrics::LoadSource;
-use crate::pool::shared::Pool;
 
 /// A model whose sessions a pool holds, as eviction weighs it.
 #[derive(Debug, Clone, PartialEq)]
@@ -68,14 +68,14 @@ pub struct ModelState {
     pub queued: usize,
     /// Its optimized bytes are in the host tier.
     pub host_tier: bool,
-    /// What a reload here is expected to take (see [`Pool::expected_reload`]).
+    /// What a reload here is expected to take (see [`ModelResidency::expected_reload`]).
     pub reload: Option<Duration>,
 }
 
-impl Pool {
+impl ModelResidency {
     /// `model` on this pool now.
     pub fn model_state(&self, model: &str) -> ModelState {
-        let (since_load, since_request) = self.models.ages(model, self.context.clock.now());
+        let (since_load, since_request) = self.models.ages(model, self.clock.now());
         let (running, queued) = self.queue.counts(model);
         let setup = self.models.setups.get(model);
         ModelState {
@@ -84,7 +84,7 @@ impl Pool {
             weights_bytes: self.weights_shown(model),
             shares_weights_of: self.shares_weights_of(model).map(str::to_string),
             resident: self.is_resident(model),
-            since_load: (!matches!(self.config.provider, Provider::Remote(_))).then_some(since_load),
+            since_load: (!self.remote()).then_some(since_load),
             since_request,
             running,
             queued,
@@ -95,7 +95,7 @@ impl Pool {
 
     /// Whether `model`'s optimized bytes are in the host tier.
     fn in_host_tier(&self, model: &str) -> bool {
-        self.context.tier.as_ref().is_some_and(|tier| tier.holds(model))
+        self.tier.as_ref().is_some_and(|tier| tier.holds(model))
     }
 
     /// What loading `model` here again is expected to take: its last load from the host tier
@@ -110,10 +110,10 @@ impl Pool {
     /// The models whose sessions this pool holds now, with what eviction weighs (none on a
     /// remote pool: its server holds its own).
     pub fn residents(&self) -> Vec<Resident> {
-        if matches!(self.config.provider, Provider::Remote(_)) {
+        if self.remote() {
             return Vec::new();
         }
-        let now = self.context.clock.now();
+        let now = self.clock.now();
         self.models
             .setups
             .values()
@@ -151,7 +151,7 @@ impl Pool {
     /// of it queued or running, checked under the queue's lock) and not pinned; true once every
     /// backend has dropped its sessions. Blocking: run it off the async runtime.
     pub fn evict(&self, model: &str) -> bool {
-        if matches!(self.config.provider, Provider::Remote(_)) || self.models.residency(model) == Residency::Pinned {
+        if self.remote() || self.models.residency(model) == Residency::Pinned {
             return false;
         }
         // A generation between its runs holds no job of the model, only its KV cache.
@@ -162,11 +162,11 @@ impl Pool {
             metrics.resident.set(0);
             metrics.unloads_evicted.inc();
         }
-        tracing::info!(pool = self.name(), %model, "evicting a model to make room");
+        tracing::info!(pool = %self.pool, %model, "evicting a model to make room");
         match self.await_backends(model, "eviction", generation) {
             Ok(()) => true,
             Err(e) => {
-                tracing::warn!(pool = self.name(), %model, error = %e, "eviction still under way");
+                tracing::warn!(pool = %self.pool, %model, error = %e, "eviction still under way");
                 false
             }
         }

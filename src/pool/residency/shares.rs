@@ -6,17 +6,17 @@
 //! and the session stays while any name of the group is loaded.
 //!
 //! What the figures say: `/status` and `vramguard_model_memory_bytes` show a group's weights
-//! under its first name on the pool ([`Pool::shares_weights_of`] names it for the others); a
-//! service's budget is charged on the group's first *resident* name ([`Pool::weights_charged`]);
+//! under its first name on the pool ([`ModelResidency::shares_weights_of`] names it for the others); a
+//! service's budget is charged on the group's first *resident* name ([`ModelResidency::weights_charged`]);
 //! evicting a name frees its weights only when no other name of its group stays
-//! ([`Pool::weights_freed_by`]); and a request needs no load while any name of its group is
-//! loaded ([`Pool::holds_weights_of`]).
+//! ([`ModelResidency::weights_freed_by`]); and a request needs no load while any name of its group is
+//! loaded ([`ModelResidency::holds_weights_of`]).
 
 use std::collections::{HashMap, HashSet};
 
-use crate::pool::models::ModelSetup;
+use super::ModelResidency;
+use super::models::ModelSetup;
 use crate::pool::queue::Slot;
-use crate::pool::shared::Pool;
 
 /// Of the models a backend starts with (`starting`), those that share the session of another
 /// of them: the name each shares, the first of its group (in config order) that starts. The
@@ -32,7 +32,7 @@ pub fn sharing_at_start(setups: &[ModelSetup], starting: &HashSet<String>) -> Ha
         .collect()
 }
 
-impl Pool {
+impl ModelResidency {
     /// The names on this pool whose weights are `model`'s, in config order, `model` among
     /// them; empty when it shares them with none.
     fn weights_group(&self, model: &str) -> &[String] {
@@ -120,17 +120,17 @@ impl Pool {
         match slot.backend.loader(model).and_then(|r| r.share_model(model, with)) {
             Ok(()) => {
                 slot.loaded.insert(model.to_string());
-                tracing::info!(pool = self.name(), %model, shares = %with, "sessions shared");
+                tracing::info!(pool = %self.pool, %model, shares = %with, "sessions shared");
                 if self.queue.is_wanted(model) {
                     if let Some(metrics) = self.models.metrics(model) {
                         metrics.resident.set(1);
                     }
-                    self.models.loaded(model, self.context.clock.now());
+                    self.models.loaded(model, self.clock.now());
                 }
                 true
             }
             Err(reason) => {
-                tracing::warn!(pool = self.name(), %model, shares = %with, %reason, "sessions not shared: loading its own");
+                tracing::warn!(pool = %self.pool, %model, shares = %with, %reason, "sessions not shared: loading its own");
                 false
             }
         }

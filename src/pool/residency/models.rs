@@ -1,5 +1,5 @@
 //! What a pool is told of each model it serves (how it is held, its bytes, its metric
-//! handles), and what a load or unload answers. Plain types: `residency.rs` does the work.
+//! handles), and what a load or unload answers. Plain types: `mod.rs` does the work.
 
 use std::collections::HashMap;
 use std::sync::Arc;
