@@ -78,7 +78,7 @@ impl Health {
         }
     }
 
-    /// Allocator failures within [`RECENT_FAILURE_WINDOW`].
+    /// Allocator failures within the last minute (`RECENT_FAILURE_WINDOW`).
     pub fn alloc_failures_recent(&self) -> u64 {
         let now = self.clock.now();
         let mut recent = self.recent_failures.lock().unwrap_or_else(|e| e.into_inner());

@@ -28,7 +28,7 @@ pub struct InferJob {
     /// What the run is measured to take, for the caller's estimates.
     pub memory: RunMemory,
     /// A health check's run, not a request's: kept out of the queue's wait times and the
-    /// delay estimate; its outcome is settled by the check (see `Pool::health_checked`).
+    /// delay estimate; its outcome is settled by the check (see `Health::health_checked`).
     pub probe: bool,
     /// Lets the caller stop the job: skipped if still queued, interrupted if running.
     pub cancel: RunCancel,

@@ -8,7 +8,7 @@
 //! [`Pool`](crate::pool::Pool) itself is in `shared.rs`, used by this file and by the worker
 //! threads (`worker.rs`, which look for work a while before sleeping: `patience.rs`). A pool
 //! owns its parts, each a type with its own methods in its own place:
-//! - the queue (`queue.rs`, [`Queue`](queue::Queue)): the bounded queue and its idle backends;
+//! - the queue (`queue.rs`, `Queue`): the bounded queue and its idle backends;
 //! - its residency (`residency/`, [`ModelResidency`]): which models' sessions it holds and
 //!   wants, loading and unloading them (what it is told of each, what could make room, the
 //!   models whose identical weights share one session), taking the bytes of a load after start

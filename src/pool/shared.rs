@@ -36,6 +36,16 @@ pub struct Pool {
     pub config: PoolConfig,
     /// What kind of device it runs on.
     pub device_kind: DeviceClass,
+    // Its four parts, each a type with its own methods in its own file.
+    /// The bounded queue and its idle backends (shared with `residency`, whose wanted set it
+    /// keeps under its lock).
+    pub(super) queue: Arc<Queue>,
+    /// Which models' sessions it holds and wants, and the work of changing that.
+    pub(super) residency: ModelResidency,
+    /// Its circuit breaker and recent allocator failures.
+    pub(super) health: Health,
+    /// Its worker process, when it is process-isolated, and what watches it.
+    pub(super) supervisor: Supervisor,
     pub(super) availability: RwLock<Availability>,
     pub(super) respawn: Option<Respawn>,
     /// Set by the sampler: the next finished run refreshes the arena statistics.
@@ -43,23 +53,16 @@ pub struct Pool {
     /// Largest working-memory estimate run so far: a run above it may set a new arena peak, so
     /// its statistics are read to check the estimate.
     pub(super) largest_estimate: AtomicU64,
-    pub(super) queue: Arc<Queue>,
     pub(super) context: PoolContext,
-    /// Which models' sessions it holds and wants, and the work of changing that.
-    pub(super) residency: ModelResidency,
     /// Mean run time, for the delay estimate.
     pub(super) runs: RunTimes,
     pub(super) workers: Mutex<Vec<JoinHandle<()>>>,
-    /// Its circuit breaker and recent allocator failures.
-    pub(super) health: Health,
     /// Text generations on this pool and the KV cache they hold.
     pub sequences: Arc<Sequences>,
     /// Runs in progress on its backends, and runs started so far: a measured run that
     /// overlapped another cannot tell its own peak in an arena they share.
     pub(super) running: std::sync::atomic::AtomicUsize,
     pub(super) runs_started: AtomicU64,
-    /// Its worker process, when it is process-isolated, and what watches it.
-    pub(super) supervisor: Supervisor,
     /// Its backends keep generations' KV caches where their runtime is.
     pub(super) keeps_caches: AtomicBool,
     /// Each model's generations, stepped as one batch (made on first use).
