@@ -1,6 +1,7 @@
 //! The Open Inference Protocol (KServe v2) endpoints: server and model metadata, readiness,
-//! and `infer` (decode with [`crate::protocol::oip`], run through the lifecycle, encode; an
-//! `idempotency-key` answers a duplicate with the first answer).
+//! and `infer` (decode with [`crate::protocol::oip`], hand the request down to
+//! [`crate::serve::tensors`], encode what comes back; an `idempotency-key` answers a duplicate
+//! with the first answer).
 
 use super::error::{ApiError, status_of};
 use super::headers::*;
@@ -9,10 +10,11 @@ use crate::net::conn;
 use crate::protocol::headers::*;
 use crate::protocol::oip as infer;
 use crate::serve::idempotency::{Claim, StoredResponse};
-use crate::serve::lifecycle::{self, Placement, Refused, RequestError};
+use crate::serve::lifecycle::{self, RequestError};
 use crate::serve::metrics::Outcome;
 use crate::serve::ran::RanOn;
 use crate::serve::service::{ModelEntry, Service};
+use crate::serve::tensors;
 use axum::Json;
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
@@ -211,7 +213,7 @@ async fn respond(
     let service = &state.service;
     // A cheap handle on the body, for decoding it again for the model's fallback.
     let kept = body.as_ref().ok().cloned();
-    let (mut request, decoded) = match decode(service, model, id, headers, body, received) {
+    let (request, decoded) = match decode(service, model, id, headers, body, received) {
         Ok(decoded) => decoded,
         Err(error) => {
             let refused = lifecycle::reject(service, model, error, received);
@@ -221,50 +223,28 @@ async fn respond(
     // Kept only when a substitute may be asked: otherwise its memory goes now, as it would.
     let has_fallback = service.model(model).is_some_and(|m| m.config.fallback_model.is_some());
     let kept = kept.filter(|_| request.allow_substitute && has_fallback);
-    let counted = lifecycle::Counted::start(service, &mut request);
-    // A model with `batching` shares its runs with the requests beside it.
-    let placed = match state.batching.place_or_fallback(request).await {
-        Ok(Placement::Served(served)) => Ok((served, None)),
-        // The fallback takes what the client sent only if it decodes for the fallback's
-        // signature.
-        Ok(Placement::Fallback(fallback)) => {
-            let rebuilt = match kept {
-                Some(body) => {
-                    decode(service, fallback.model(), id, headers, Ok(body), received).map_err(|e| e.to_string())
-                }
-                None => Err("the request's body is gone".to_string()),
-            };
-            match rebuilt {
-                Ok((substitute, decoded)) => fallback
-                    .place(service, counted.answering(), substitute)
-                    .await
-                    .map(|(served, substitution)| (served, Some((substitution, decoded)))),
-                Err(why) => Err(fallback.cannot(&why)),
-            }
-        }
-        Err(refused) => Err(refused),
+    // The fallback takes what the client sent only if it decodes for the fallback's signature.
+    let decode_for = |fallback: &str| match kept {
+        Some(body) => decode(service, fallback, id, headers, Ok(body), received).map_err(|e| e.to_string()),
+        None => Err("the request's body is gone".to_string()),
     };
     let max_bytes = service.config.server.max_response_bytes;
-    let result = match placed {
-        Ok((served, substitution)) => {
-            // Degraded mode as it is when the answer goes out, on an answer it reduced.
-            let ran = service.ran_on(&served.pool, model);
+    let result = match tensors::run(service, &state.batching, request, decode_for).await {
+        Ok(ran) => {
             let answered = Answered {
                 model,
                 decoded: &decoded,
-                substitution: substitution.as_ref().map(|(s, decoded)| (s, decoded)),
+                substitution: ran.substitution.as_ref().map(|(s, decoded)| (s, decoded)),
             };
             // An answer that cannot be made (over its limit) is counted with the error the
             // client gets, not as served.
-            served_response(&answered, id, &served, &ran, max_bytes)
-                .map_err(|error| Refused::at(&served.pool, RequestError::BadInput(error)))
-                .map(|response| (response, served.pool))
+            let made = served_response(&answered, id, &ran.served, &ran.at, max_bytes);
+            ran.finish(made).map_err(|refused| *refused)
         }
         Err(refused) => Err(refused),
     };
-    counted.finish(result.as_ref().map(|(_, pool)| pool.as_ref()));
     match result {
-        Ok((response, _)) => (response, true),
+        Ok(response) => (response, true),
         Err(refused) => {
             let degraded = service.degraded_reason();
             // Refused before anything ran (queue full, breaker, deadline…): a retry with the

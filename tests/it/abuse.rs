@@ -257,5 +257,23 @@ async fn an_answer_over_max_response_bytes_is_refused_with_the_way_out() {
         server.post_json("/v2/models/encoder/infer", &pooled).await.status(),
         StatusCode::OK
     );
+    // The answer that could not be made is counted with the error its client got, on the pool
+    // that ran it; the other as served.
+    let metrics = server.metrics().await;
+    let counted = |outcome: &str| -> Vec<&str> {
+        let outcome = format!("outcome=\"{outcome}\"}}");
+        metrics
+            .lines()
+            .filter(|l| l.starts_with("vramguard_requests_total{model=\"encoder\",") && l.contains(&outcome))
+            .filter(|l| !l.ends_with(" 0"))
+            .collect()
+    };
+    let refused = counted("client_error");
+    assert!(
+        refused.len() == 1 && refused[0].ends_with(" 1") && !refused[0].contains("pool=\"\""),
+        "{refused:?}"
+    );
+    let served = counted("ok");
+    assert!(served.len() == 1 && served[0].ends_with(" 1"), "{served:?}");
     server.stop().await;
 }
