@@ -158,7 +158,7 @@ impl Pool {
     /// True when this pool serves `model`, whether or not its sessions are loaded now (a
     /// request for it loads them).
     pub fn serves(&self, model: &str) -> bool {
-        self.config.models.iter().any(|m| m == model)
+        self.residency.serves(model)
     }
 
     /// Current queue depth, oldest age, in-flight count and delay estimate, read under one lock.

@@ -94,8 +94,8 @@ impl ModelResidency {
         matches!(self.provider, Provider::Remote(_))
     }
 
-    /// True when the pool serves `model`.
-    fn serves(&self, model: &str) -> bool {
+    /// True when the pool serves `model` (its config lists it), loaded or not.
+    pub(super) fn serves(&self, model: &str) -> bool {
         self.served.iter().any(|m| m == model)
     }
 

@@ -76,6 +76,13 @@ fn setup(name: &str, residency: Residency) -> ModelSetup {
     }
 }
 
+/// What eviction weighs as `model`'s work on `pool`: its jobs queued and running, and the
+/// generations holding it.
+fn busy(pool: &Pool, model: &str) -> usize {
+    let resident = pool.residency().residents().into_iter().find(|r| r.model == model);
+    resident.expect("resident").busy
+}
+
 fn job(model: &str) -> InferJob {
     InferJob {
         meta: RunMeta::default(),
@@ -240,14 +247,7 @@ fn eviction_never_takes_a_model_with_work_running_or_a_pinned_one() {
     let pool = Pool::start(config, DeviceClass::Host, vec![Box::new(backend)], None, context);
     let running = pool.submit(job("slow")).unwrap();
     let queued = pool.submit(job("idle")).unwrap();
-    let busy = |model: &str| {
-        pool.residency()
-            .residents()
-            .into_iter()
-            .find(|r| r.model == model)
-            .unwrap()
-            .busy
-    };
+    let busy = |model: &str| busy(&pool, model);
     assert_eq!((busy("slow"), busy("idle")), (1, 1), "running and queued both count");
     assert!(!pool.residency().evict("slow"), "running");
     assert!(!pool.residency().evict("idle"), "queued behind it");
@@ -377,14 +377,7 @@ fn a_decoder_is_never_evicted_while_a_generation_is_under_way_between_its_runs()
     let config = crate::testing::config::pool("p", "host", &["decoder", "encoder"]);
     let pool = Pool::start(config, DeviceClass::Host, vec![Box::new(backend)], None, context);
     let generation = crate::pool::batch::sequences::Waiting::on(&pool.sequences);
-    let busy = |model: &str| {
-        pool.residency()
-            .residents()
-            .into_iter()
-            .find(|r| r.model == model)
-            .unwrap()
-            .busy
-    };
+    let busy = |model: &str| busy(&pool, model);
     assert_eq!((busy("decoder"), busy("encoder")), (1, 0));
     assert!(!pool.residency().evict("decoder"), "its KV cache is held between runs");
     drop(generation);
